@@ -1,0 +1,47 @@
+# Two entry points (see README): `make demo` and `make test`. Both create .venv on a fresh machine.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+DEMO   ?= demo-out
+# torch==2.13.0 is the CPU build these machines carry locally; any other spec downloads CUDA wheels.
+TORCH  := torch==2.13.0
+
+.PHONY: demo test lint bench completions clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+
+$(VENV)/.base: $(BIN)/python pyproject.toml
+	$(BIN)/python -m pip install -q $(TORCH)
+	$(BIN)/python -m pip install -q -e .
+	touch $@
+
+$(VENV)/.dev: $(VENV)/.base
+	$(BIN)/python -m pip install -q $(TORCH) -e '.[dev,s3]'
+	touch $@
+
+demo: $(VENV)/.base
+	$(BIN)/ckptctl demo $(DEMO) --force
+	$(BIN)/ckptctl list $(DEMO)
+	$(BIN)/ckptctl verify $(DEMO)
+	$(BIN)/ckptctl inspect $(DEMO)/native/step-30 --limit 12
+	$(BIN)/ckptctl inspect $(DEMO)/dcp/step-30 --limit 12
+
+test: $(VENV)/.dev
+	$(BIN)/python -m pytest -q
+
+lint: $(VENV)/.dev
+	$(BIN)/ruff check ckptctl tests bench scripts
+	$(BIN)/ruff format --check ckptctl tests bench scripts
+	$(BIN)/mypy
+
+bench: $(VENV)/.dev
+	$(BIN)/python bench/verify_throughput.py
+	$(BIN)/python bench/save.py
+
+completions: $(VENV)/.base
+	$(BIN)/python scripts/gen_completions.py
+
+clean:
+	rm -rf $(VENV) $(DEMO) .pytest_cache .mypy_cache .ruff_cache

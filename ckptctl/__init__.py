@@ -1,0 +1,24 @@
+"""ckptctl: checkpoints of large-model training runs, for training loops and for the people running them.
+
+`from ckptctl import CheckpointManager` is the save/load core a training loop uses; it is imported lazily
+so that `import ckptctl` (and `ckptctl --help`) stays cheap and does not pull in torch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+__all__ = ["AutoSaver", "CheckpointManager", "RetentionPolicy", "__version__"]
+
+if TYPE_CHECKING:
+    from ckptctl.core import AutoSaver, CheckpointManager, RetentionPolicy
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("CheckpointManager", "AutoSaver", "RetentionPolicy"):
+        import ckptctl.core
+
+        return getattr(ckptctl.core, name)
+    raise AttributeError(f"module 'ckptctl' has no attribute {name!r}")

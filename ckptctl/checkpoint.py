@@ -1,0 +1,250 @@
+"""The data model every layout produces and every command consumes (DESIGN §2).
+
+Nothing here reads files: layouts build these objects from directory listings, headers and metadata.
+Tensor data is never held here; a `TensorEntry` only says where its bytes are.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+
+class CheckpointState(enum.StrEnum):
+    """Whether a checkpoint can be trusted as a whole, judged from cheap evidence (listing, markers)."""
+
+    COMPLETE = "complete"
+    IN_PROGRESS = "in_progress"
+    BROKEN = "broken"
+
+
+class Component(enum.StrEnum):
+    """What a part of a checkpoint is for; the same names across every layout."""
+
+    MODEL = "model"
+    OPTIMIZER = "optimizer"
+    SCHEDULER = "scheduler"
+    RNG = "rng"
+    DATALOADER = "dataloader"
+    TRAINER_STATE = "trainer_state"
+    CONFIG = "config"
+    TOKENIZER = "tokenizer"
+    EXTRA = "extra"
+
+
+#: The components a resumable training checkpoint is expected to hold; `inspect` reports the absent ones.
+EXPECTED_COMPONENTS: tuple[Component, ...] = (
+    Component.MODEL,
+    Component.OPTIMIZER,
+    Component.SCHEDULER,
+    Component.RNG,
+    Component.DATALOADER,
+    Component.TRAINER_STATE,
+    Component.CONFIG,
+    Component.TOKENIZER,
+)
+
+
+class ChunkEncoding(enum.StrEnum):
+    """How a chunk's bytes are stored inside its file."""
+
+    #: Raw little-endian element bytes, row-major (safetensors).
+    RAW = "raw"
+    #: A whole `torch.save` zip archive holding one tensor (torch DCP items).
+    TORCH_SAVE = "torch_save"
+
+
+@dataclass(frozen=True, slots=True)
+class TensorChunk:
+    """One stored piece of a tensor.
+
+    Attributes:
+        file: path of the data file relative to the checkpoint folder.
+        byte_offset: where the chunk's record starts in that file.
+        byte_length: length of the record (for TORCH_SAVE, the whole zip archive).
+        offsets: the chunk's position inside the full tensor, one entry per dimension.
+        sizes: the chunk's shape.
+        encoding: how the record is stored.
+    """
+
+    file: str
+    byte_offset: int
+    byte_length: int
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    encoding: ChunkEncoding = ChunkEncoding.RAW
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.sizes)
+
+
+@dataclass(frozen=True, slots=True)
+class TensorEntry:
+    """A logical (full, unsharded) tensor of a checkpoint and where its chunks live.
+
+    Attributes:
+        name: the flattened key as the checkpoint stores it (e.g. `model.layers.0.weight`).
+        component: what the tensor belongs to (model weights, optimizer state, ...).
+        dtype: torch-style dtype name (`float32`, `bfloat16`, ...).
+        shape: the full shape.
+        chunks: where the bytes are; together they tile the full tensor.
+    """
+
+    name: str
+    component: Component
+    dtype: str
+    shape: tuple[int, ...]
+    chunks: tuple[TensorChunk, ...]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * dtype_itemsize(self.dtype)
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointRef:
+    """What `list` knows about a checkpoint from cheap evidence (names, sizes, markers).
+
+    Attributes:
+        url: local path or fsspec URL of the checkpoint folder.
+        layout: name of the layout that recognised it.
+        step: global step, or None when nothing says.
+        epoch: epoch, or None when nothing says.
+        created: modification time of the newest marker or file, or None.
+        state: complete, in progress or broken.
+        size_bytes: sum of the sizes of the files inside.
+        latest: whether the run's own `latest`-style pointer names it.
+        note: why the state is what it is, when that is not obvious.
+    """
+
+    url: str
+    layout: str
+    step: int | None
+    epoch: float | None
+    created: datetime | None
+    state: CheckpointState
+    size_bytes: int
+    latest: bool = False
+    note: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Checkpoint:
+    """A checkpoint opened by its layout: components, parallelism facts and a tensor index.
+
+    Attributes:
+        ref: the listing facts.
+        components: components present.
+        world_size: ranks that wrote it, or None when not recorded.
+        metadata: framework facts worth showing (config summary, counters, metrics, versions).
+        tensor_index: loads the tensor index on first use; layouts pass a function so that opening a
+            checkpoint stays cheap when nobody asks for tensors.
+        files: data and metadata files of the checkpoint, relative path -> size in bytes.
+    """
+
+    ref: CheckpointRef
+    components: frozenset[Component]
+    world_size: int | None
+    metadata: Mapping[str, Any]
+    tensor_index: Callable[[], tuple[TensorEntry, ...]] = field(repr=False)
+    files: Mapping[str, int] = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        return self.ref.url
+
+    @property
+    def layout(self) -> str:
+        return self.ref.layout
+
+    @property
+    def missing_components(self) -> tuple[Component, ...]:
+        return tuple(c for c in EXPECTED_COMPONENTS if c not in self.components)
+
+    def tensors(self, component: Component | None = None) -> Iterator[TensorEntry]:
+        """The tensor index, optionally only one component's tensors."""
+        for entry in self.tensor_index():
+            if component is None or entry.component == component:
+                yield entry
+
+
+@dataclass(frozen=True, slots=True)
+class Problem:
+    """One thing wrong with a checkpoint, as `verify` reports it.
+
+    Attributes:
+        kind: a stable machine-readable category (see `ProblemKind`).
+        path: the file or tensor concerned, relative to the checkpoint, or "" for the whole.
+        message: what is wrong, for a person.
+        severity: `error` makes verify fail; `warning` is reported but the checkpoint still verifies
+            (stale files left by an in-place overwrite, for example).
+    """
+
+    kind: str
+    path: str
+    message: str
+    severity: str = "error"
+
+
+class ProblemKind(enum.StrEnum):
+    """Stable `kind` values of `Problem` (scripts match on them)."""
+
+    MISSING_FILE = "missing_file"
+    TRUNCATED = "truncated"
+    SIZE_MISMATCH = "size_mismatch"
+    DIGEST_MISMATCH = "digest_mismatch"
+    BAD_METADATA = "bad_metadata"
+    UNSAFE_PICKLE = "unsafe_pickle"
+    COVERAGE = "coverage"
+    OUT_OF_BOUNDS = "out_of_bounds"
+    UNREADABLE = "unreadable"
+    NOT_FINITE = "not_finite"
+    IN_PROGRESS = "in_progress"
+    UNEXPECTED_FILE = "unexpected_file"
+
+
+_ITEMSIZE = {
+    "float64": 8,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "float8_e4m3fnuz": 1,
+    "float8_e5m2fnuz": 1,
+    "float8_e8m0fnu": 1,
+    "complex128": 16,
+    "complex64": 8,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint64": 8,
+    "uint32": 4,
+    "uint16": 2,
+    "uint8": 1,
+    "bool": 1,
+}
+
+
+def known_dtypes() -> frozenset[str]:
+    """Every torch-style dtype name the data model understands."""
+    return frozenset(_ITEMSIZE)
+
+
+def dtype_itemsize(dtype: str) -> int:
+    """Bytes per element of a torch-style dtype name.
+
+    Raises:
+        KeyError: for a dtype name the data model does not know; parsers validate before building entries.
+    """
+    return _ITEMSIZE[dtype]

@@ -1,0 +1,56 @@
+"""Typed errors of the library.
+
+Every error carries a message for a person and, where one helps, a hint saying what to do next.
+`ckptctl.cli.app.main` is the single place that turns them into exit codes; library users catch
+`CkptctlError` or one of its subclasses.
+"""
+
+from __future__ import annotations
+
+
+class CkptctlError(Exception):
+    """Base class: something ckptctl could not do, explained for a person.
+
+    Attributes:
+        message: what went wrong.
+        hint: what the user can do about it, or an empty string.
+        exit_code: the CLI exit code (2: bad usage or unreadable input, per DESIGN §4).
+    """
+
+    exit_code = 2
+
+    def __init__(self, message: str, hint: str = "") -> None:
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+
+    def __str__(self) -> str:
+        return f"{self.message} (hint: {self.hint})" if self.hint else self.message
+
+
+class CheckpointNotFound(CkptctlError):
+    """The path or URL does not exist or holds no checkpoint."""
+
+
+class UnknownLayout(CkptctlError):
+    """No registered layout recognises the folder."""
+
+
+class CorruptCheckpoint(CkptctlError):
+    """A file exists but its content is not what its format promises."""
+
+
+class UnsafePickle(CorruptCheckpoint):
+    """A pickle asks for a global outside the allowlist; nothing of it was executed."""
+
+
+class StorageError(CkptctlError):
+    """A file could not be read or written (permissions, network, missing bucket)."""
+
+
+class SerializationError(CkptctlError):
+    """A value in the training state has a type the core cannot store without pickle."""
+
+
+class CheckpointInProgress(CkptctlError):
+    """The checkpoint has not been committed yet (or is being written right now)."""

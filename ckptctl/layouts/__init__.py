@@ -1,0 +1,129 @@
+"""The layout registry: which layouts exist, in which order they are tried, and the run walker.
+
+Layout modules are imported lazily (as fsspec does with its implementations), so that a command that
+needs one layout does not pay for all of them.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Sequence
+from dataclasses import replace
+from functools import cache
+
+from ckptctl import io
+from ckptctl.checkpoint import Checkpoint, CheckpointRef
+from ckptctl.errors import CheckpointNotFound, UnknownLayout
+from ckptctl.layouts.base import Layout
+
+__all__ = ["Layout", "detect", "get_layout", "layout_names", "open_checkpoint", "scan_run"]
+
+#: Tried in this order: the more specific layouts first (a native checkpoint also holds safetensors files
+#: an HF reader would accept, a native multi-rank one holds a DCP folder).
+_REGISTRY: tuple[tuple[str, str], ...] = (
+    ("native", "ckptctl.layouts.native:NativeLayout"),
+    ("dcp", "ckptctl.layouts.dcp:DcpLayout"),
+    ("hf", "ckptctl.layouts.hf:HfModelLayout"),
+)
+
+#: Folders never worth descending into when looking for checkpoints.
+_SKIP_DIRS = frozenset({"__pycache__", ".git", ".hg", ".svn", "node_modules", ".ckptctl-trash", "wandb"})
+
+
+def layout_names() -> list[str]:
+    return [name for name, _ in _REGISTRY]
+
+
+@cache
+def get_layout(name: str) -> Layout:
+    """The layout registered under `name`."""
+    for registered, target in _REGISTRY:
+        if registered == name:
+            module_name, _, class_name = target.partition(":")
+            layout: Layout = getattr(importlib.import_module(module_name), class_name)()
+            return layout
+    raise UnknownLayout(f"no layout named {name!r}", f"known layouts: {', '.join(layout_names())}")
+
+
+def all_layouts() -> list[Layout]:
+    return [get_layout(name) for name in layout_names()]
+
+
+def _identify(url: str, entries: Sequence[io.DirEntry]) -> tuple[Layout, CheckpointRef] | None:
+    for layout in all_layouts():
+        ref = layout.identify(url, entries)
+        if ref is not None:
+            return layout, ref
+    return None
+
+
+def detect(url: str, layout: str | None = None) -> tuple[Layout, CheckpointRef]:
+    """The layout of the checkpoint folder at `url` and its ref.
+
+    Raises:
+        CheckpointNotFound: the folder does not exist.
+        UnknownLayout: no layout recognises it (the message lists what was tried, and says when the
+            folder looks like a run holding checkpoints rather than a checkpoint).
+    """
+    if not io.is_dir(url):
+        if io.exists(url):
+            raise UnknownLayout(f"{url} is a file, not a checkpoint folder", "pass the folder that contains it")
+        raise CheckpointNotFound(f"no such checkpoint folder: {url}")
+    entries = io.list_dir(url)
+    candidates = [get_layout(layout)] if layout else all_layouts()
+    for candidate in candidates:
+        ref = candidate.identify(url, entries)
+        if ref is not None:
+            return candidate, ref
+    tried = ", ".join(c.name for c in candidates)
+    hint = "check the path"
+    if layout is None and any(e.is_dir for e in entries):
+        inner = scan_run(url, max_depth=2)
+        if inner:
+            hint = f"this looks like a run folder with {len(inner)} checkpoint(s); use `ckptctl list {url}` or pass one of them"
+    raise UnknownLayout(f"{url} is not a checkpoint of any known layout (tried: {tried})", hint)
+
+
+def open_checkpoint(url: str, layout: str | None = None) -> Checkpoint:
+    """Detect and open the checkpoint folder at `url`."""
+    found, _ = detect(url, layout)
+    return found.open(url)
+
+
+def scan_run(url: str, max_depth: int = 4) -> list[CheckpointRef]:
+    """Every checkpoint below `url` (the folder itself included), in whatever nesting the run uses.
+
+    A folder recognised as a checkpoint is not descended into. Hidden folders are only checked
+    themselves (a layout may recognise its own staging folders) and never descended into.
+    """
+    if not io.is_dir(url):
+        raise CheckpointNotFound(f"no such run folder: {url}")
+    found: list[CheckpointRef] = []
+    _walk(url, io.list_dir(url), 0, max_depth, found)
+    return found
+
+
+def _walk(url: str, entries: Sequence[io.DirEntry], depth: int, max_depth: int, found: list[CheckpointRef]) -> None:
+    hit = _identify(url, entries)
+    if hit is not None:
+        found.append(hit[1])
+        return
+    if depth >= max_depth:
+        return
+    children: list[CheckpointRef] = []
+    for entry in entries:
+        if not entry.is_dir or entry.name in _SKIP_DIRS:
+            continue
+        child_url = io.join(url, entry.name)
+        try:
+            child_entries = io.list_dir(child_url)
+        except CheckpointNotFound:  # removed while we walked
+            continue
+        if entry.name.startswith("."):
+            hidden = _identify(child_url, child_entries)
+            if hidden is not None:
+                children.append(hidden[1])
+            continue
+        _walk(child_url, child_entries, depth + 1, max_depth, children)
+    pointed = {io.join(url, name) for layout in all_layouts() if (name := layout.latest_pointer(url, entries))}
+    found.extend(replace(ref, latest=True) if ref.url in pointed else ref for ref in children)

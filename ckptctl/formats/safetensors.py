@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 #: Larger headers are refused: real ones are a few MB even for 100k tensors.
 MAX_HEADER_BYTES = 100 << 20
 #: One read fetches this much, so that most headers need a single (range) read.
-_PREFETCH = 256 << 10
+_PREFETCH = 64 << 10
 
 SAFETENSORS_TO_TORCH = {
     "F64": "float64",

@@ -1,0 +1,47 @@
+"""`ckptctl demo DIR`."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from ckptctl.cli.options import JsonOpt, QuietOpt
+from ckptctl.cli.output import Output
+
+HELP = """Train a tiny model for a few steps and write real checkpoints to try every command on.
+
+Writes DIR/native (single process, ckptctl's own format), DIR/distributed (2 ranks, FSDP2, sharded
+through torch DCP), DIR/dcp (plain torch DCP folders) and DIR/hf (a Hugging Face style export).
+
+[bold]Examples[/bold]
+
+  ckptctl demo /tmp/ckptctl-demo && ckptctl list /tmp/ckptctl-demo
+
+  ckptctl demo /tmp/ckptctl-demo --force --no-distributed
+"""
+
+
+def register(app: typer.Typer) -> None:
+    app.command("demo", help=HELP)(demo)
+
+
+def demo(
+    folder: Annotated[str, typer.Argument(help="Where to write the demo runs (a local folder).", show_default=False)],
+    steps: Annotated[int, typer.Option(help="Training steps (a checkpoint every 10).", min=10)] = 30,
+    distributed: Annotated[bool, typer.Option(help="Also run the 2-rank (gloo, FSDP2) part.")] = True,
+    force: Annotated[bool, typer.Option("--force", help="Replace the folder's content if it is not empty.")] = False,
+    json_output: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    from ckptctl.ops.demo import run_demo
+
+    out = Output(json_mode=json_output, quiet=quiet)
+    out.note(f"training a tiny model for {steps} steps into {folder} ...")
+    result = run_demo(folder, steps=steps, distributed=distributed, force=force)
+    if json_output:
+        out.json(result.to_json())
+        return
+    for run in result.runs:
+        out.print(f"wrote {folder}/{run}")
+    out.print(f"next: ckptctl list {folder}")

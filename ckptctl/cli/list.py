@@ -1,0 +1,88 @@
+"""`ckptctl list RUN_DIR`."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from ckptctl.cli.options import JsonOpt, LayoutOpt, QuietOpt
+from ckptctl.cli.output import STATE_STYLE, Output, human_bytes
+
+HELP = """List every checkpoint of a run folder: step, epoch, layout, state, size, and which one `latest` names.
+
+Reads directory listings and small markers only, so it stays fast on thousands of checkpoints.
+Nested runs (several jobs under one folder) are found too.
+
+[bold]Examples[/bold]
+
+  ckptctl list runs/llama-sft
+
+  ckptctl list runs/llama-sft --state complete --sort created --reverse --limit 5
+
+  ckptctl list s3://bucket/runs/llama-sft --json | jq '.checkpoints[] | select(.latest)'
+"""
+
+
+def register(app: typer.Typer) -> None:
+    app.command("list", help=HELP)(list_checkpoints)
+
+
+def list_checkpoints(
+    run: Annotated[str, typer.Argument(help="Run folder (local path or fsspec URL).", show_default=False)],
+    sort: Annotated[str, typer.Option(help="Sort by step, created, size or url.")] = "step",
+    reverse: Annotated[bool, typer.Option("--reverse", "-r", help="Largest/newest first.")] = False,
+    state: Annotated[
+        list[str] | None, typer.Option("--state", help="Only this state (complete, in_progress, broken); repeatable.")
+    ] = None,
+    layout: LayoutOpt = None,
+    limit: Annotated[int | None, typer.Option(help="Show at most this many.", min=1)] = None,
+    depth: Annotated[int, typer.Option(help="How deep to look for nested runs.", min=0)] = 4,
+    json_output: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    from ckptctl.checkpoint import CheckpointState
+    from ckptctl.ops.listing import SORT_KEYS, list_run
+
+    if sort not in SORT_KEYS:
+        raise typer.BadParameter(f"choose one of {', '.join(SORT_KEYS)}", param_hint="--sort")
+    try:
+        states = frozenset(CheckpointState(s) for s in state) if state else None
+    except ValueError as exc:
+        raise typer.BadParameter("choose complete, in_progress or broken", param_hint="--state") from exc
+    report = list_run(run, sort=sort, reverse=reverse, states=states, layout=layout, limit=limit, max_depth=depth)
+    out = Output(json_mode=json_output, quiet=quiet)
+    if json_output:
+        out.json(report.to_json())
+        return
+    if not report.checkpoints:
+        out.note(f"no checkpoints found below {run}")
+        return
+    table = Table(title=f"{len(report.checkpoints)} checkpoint(s) in {run}", title_justify="left")
+    for column, justify in (("step", "right"), ("epoch", "right"), ("state", "left"), ("layout", "left")):
+        table.add_column(column, justify=justify)  # type: ignore[arg-type]
+    table.add_column("size", justify="right")
+    table.add_column("created")
+    table.add_column("latest", justify="center")
+    table.add_column("path", overflow="fold")
+    for ref in report.checkpoints:
+        style = STATE_STYLE.get(ref.state.value, "")
+        table.add_row(
+            "-" if ref.step is None else str(ref.step),
+            "-" if ref.epoch is None else f"{ref.epoch:g}",
+            f"[{style}]{ref.state.value}[/{style}]",
+            ref.layout,
+            human_bytes(ref.size_bytes),
+            ref.created.strftime("%Y-%m-%d %H:%M:%S") if ref.created else "-",
+            "*" if ref.latest else "",
+            _relative(ref.url, run) + (f"  [dim]({ref.note})[/dim]" if ref.note else ""),
+        )
+    out.print(table)
+
+
+def _relative(url: str, run: str) -> str:
+    from ckptctl import io
+
+    rel = io.relative_to(url, run)
+    return url if rel.startswith("..") else rel

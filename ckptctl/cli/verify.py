@@ -1,0 +1,91 @@
+"""`ckptctl verify CKPT|RUN_DIR`."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+
+from ckptctl.cli.options import JsonOpt, LayoutOpt, QuietOpt
+from ckptctl.cli.output import Output
+
+if TYPE_CHECKING:
+    from ckptctl.ops.verification import VerifyResult
+
+HELP = """Check that a checkpoint (or every checkpoint of a run) is whole before you resume from it.
+
+Structure: every shard present, sizes and offsets consistent with the metadata, every chunk of every
+tensor covered, index files pointing at real files. Digests: every file against the manifest when there
+is one (files hashed in parallel with blake3). --deep reads every tensor; --check-finite flags NaN/Inf.
+
+Exit code 0 when everything verifies, 1 when a problem was found, 2 when the path cannot be read.
+
+[bold]Examples[/bold]
+
+  ckptctl verify runs/llama-sft --latest && python train.py --resume
+
+  ckptctl verify runs/llama-sft/step-1000 --deep --check-finite
+
+  ckptctl verify dcp-export/ --write-manifest   # record digests for later checks
+"""
+
+
+def register(app: typer.Typer) -> None:
+    app.command("verify", help=HELP)(verify)
+
+
+def verify(
+    path: Annotated[str, typer.Argument(help="Checkpoint or run folder (local path or fsspec URL).", show_default=False)],
+    latest: Annotated[bool, typer.Option("--latest", help="Verify only the checkpoint a resume would pick.")] = False,
+    deep: Annotated[bool, typer.Option("--deep", help="Read and assemble every tensor.")] = False,
+    check_finite: Annotated[bool, typer.Option("--check-finite", help="With reading every tensor: flag NaN/Inf.")] = False,
+    write_manifest: Annotated[
+        bool, typer.Option("--write-manifest", help="Record digests (ckptctl-digests.json) into a checkpoint that has none.")
+    ] = False,
+    workers: Annotated[int | None, typer.Option(help="Files hashed at once (default: one per core, 2 to 8).", min=1)] = None,
+    layout: LayoutOpt = None,
+    json_output: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    from ckptctl.ops.verification import RunVerifyReport, VerifyOptions, is_checkpoint, verify_checkpoint, verify_run
+
+    out = Output(json_mode=json_output, quiet=quiet)
+    options = VerifyOptions(
+        deep=deep or check_finite, check_finite=check_finite, write_manifest=write_manifest, workers=workers, layout=layout
+    )
+    progress = out.progress()
+    report: VerifyResult | RunVerifyReport
+    if latest:
+        report = verify_run(path, options, progress, only_resume_target=True)
+    elif layout is not None or is_checkpoint(path):
+        report = verify_checkpoint(path, options, progress)
+    else:
+        report = verify_run(path, options, progress)
+    if json_output:
+        out.json(report.to_json())
+    else:
+        results = report.results if isinstance(report, RunVerifyReport) else (report,)
+        for result in results:
+            _render(out, result)
+        if isinstance(report, RunVerifyReport):
+            failed = sum(not r.ok for r in report.results)
+            out.print(f"{len(report.results) - failed} of {len(report.results)} checkpoint(s) verified")
+    if not report.ok:
+        raise typer.Exit(1)
+
+
+def _render(out: Output, result: VerifyResult) -> None:
+    step = "" if result.step is None else f" step {result.step}"
+    checks = "structure"
+    if result.digests_checked:
+        checks += f", {result.digests_checked} digest(s)"
+    if result.tensors_read:
+        checks += f", {result.tensors_read} tensor(s) read"
+    if result.wrote_digests:
+        checks += ", digests recorded"
+    mark = "[green]ok[/green]" if result.ok else "[red]FAILED[/red]"
+    out.print(f"{mark}  {result.url} ({result.layout}{step}; {checks})")
+    for problem in result.problems:
+        colour = "red" if problem.severity == "error" else "yellow"
+        where = f"{problem.path}: " if problem.path and not problem.message.startswith(problem.path) else ""
+        out.print(f"    [{colour}]{problem.kind}[/{colour}] {where}{problem.message}")

@@ -1,0 +1,231 @@
+"""Hugging Face model folders as `save_pretrained` writes them.
+
+`model.safetensors`, or `model-0000i-of-0000N.safetensors` shards with `model.safetensors.index.json`
+(`{"metadata": {"total_size"}, "weight_map": {name: file}}`), plus `config.json`, `generation_config.json`
+and tokenizer files. Only headers are read: a 100 GB model opens with a few range reads.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from ckptctl import io
+from ckptctl.checkpoint import (
+    Checkpoint,
+    CheckpointRef,
+    CheckpointState,
+    ChunkEncoding,
+    Component,
+    Problem,
+    ProblemKind,
+    TensorChunk,
+    TensorEntry,
+)
+from ckptctl.errors import CkptctlError, CorruptCheckpoint
+from ckptctl.formats.safetensors import read_header
+from ckptctl.io import DirEntry
+from ckptctl.layouts.base import list_files, newest_mtime, step_from_name, timestamp
+
+INDEX_NAMES = ("model.safetensors.index.json", "adapter_model.safetensors.index.json")
+_SHARD = re.compile(r"^(?P<stem>.+)-(?P<i>\d{5})-of-(?P<n>\d{5})\.safetensors$")
+_TOKENIZER_FILES = frozenset(
+    {
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "tokenizer.model",
+        "vocab.json",
+        "merges.txt",
+        "vocab.txt",
+        "special_tokens_map.json",
+        "spiece.model",
+    }
+)
+_CONFIG_FILES = frozenset({"config.json", "generation_config.json", "adapter_config.json"})
+_LEGACY_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json")
+#: Config fields worth showing in `inspect`.
+_CONFIG_SUMMARY = (
+    "model_type",
+    "architectures",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "vocab_size",
+    "max_position_embeddings",
+    "torch_dtype",
+    "dtype",
+    "tie_word_embeddings",
+)
+
+
+def _shards_missing(names: set[str]) -> list[str]:
+    """Shard files a `-0000i-of-0000N` naming promises but the folder lacks (judged from names only)."""
+    missing = []
+    for name in names:
+        m = _SHARD.match(name)
+        if m:
+            n = int(m.group("n"))
+            missing.extend(
+                f"{m.group('stem')}-{i:05d}-of-{n:05d}.safetensors"
+                for i in range(1, n + 1)
+                if f"{m.group('stem')}-{i:05d}-of-{n:05d}.safetensors" not in names
+            )
+    return sorted(set(missing))
+
+
+class HfModelLayout:
+    """A Hugging Face model folder (safetensors, single file or sharded with an index)."""
+
+    name = "hf"
+
+    def identify(self, url: str, entries: Sequence[DirEntry]) -> CheckpointRef | None:
+        names = {e.name for e in entries if not e.is_dir}
+        has_weights = any(n.endswith(".safetensors") for n in names) or any(n in names for n in INDEX_NAMES)
+        if not has_weights and not any(n in names for n in _LEGACY_WEIGHTS):
+            return None
+        missing = _shards_missing(names)
+        index_without_shards = any(n in names for n in INDEX_NAMES) and not any(n.endswith(".safetensors") for n in names)
+        state = CheckpointState.BROKEN if missing or index_without_shards else CheckpointState.COMPLETE
+        note = f"missing {', '.join(missing)}" if missing else ("index names no present file" if index_without_shards else "")
+        return CheckpointRef(
+            url=url,
+            layout=self.name,
+            step=step_from_name(io.name_of(url)),
+            epoch=None,
+            created=timestamp(newest_mtime(entries)),
+            state=state,
+            size_bytes=sum(e.size for e in entries if not e.is_dir),
+            note=note,
+        )
+
+    def latest_pointer(self, url: str, entries: Sequence[DirEntry]) -> str | None:
+        return None
+
+    def open(self, url: str) -> Checkpoint:
+        entries = io.list_dir(url)
+        ref = self.identify(url, entries)
+        if ref is None:
+            raise CorruptCheckpoint(f"{url} holds no model weights")
+        files = list_files(url)
+        names = set(files)
+        components = set()
+        if any(n.endswith(".safetensors") for n in names) or any(n in names for n in _LEGACY_WEIGHTS):
+            components.add(Component.MODEL)
+        if names & _CONFIG_FILES:
+            components.add(Component.CONFIG)
+        if names & _TOKENIZER_FILES:
+            components.add(Component.TOKENIZER)
+        metadata: dict[str, Any] = {}
+        config = _read_json_or_none(io.join(url, "config.json")) if "config.json" in names else None
+        if isinstance(config, dict):
+            metadata["config"] = {k: config[k] for k in _CONFIG_SUMMARY if k in config}
+        if any(n in names for n in _LEGACY_WEIGHTS) and not any(n.endswith(".safetensors") for n in names):
+            metadata["note"] = "pickle weights (pytorch_model.bin) are not indexed; convert them to safetensors"
+        weight_files = _weight_files(url, names)
+        metadata["weight_files"] = len(weight_files)
+
+        def tensor_index() -> tuple[TensorEntry, ...]:
+            return _tensor_index(url, weight_files, files)
+
+        return Checkpoint(
+            ref=ref,
+            components=frozenset(components),
+            world_size=None,
+            metadata=metadata,
+            tensor_index=tensor_index,
+            files=files,
+        )
+
+    def verify(self, checkpoint: Checkpoint) -> list[Problem]:
+        url = checkpoint.url
+        files = checkpoint.files
+        problems: list[Problem] = []
+        if "config.json" in files:
+            try:
+                json.loads(io.read_bytes(io.join(url, "config.json")))
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                problems.append(Problem(ProblemKind.BAD_METADATA, "config.json", f"config.json does not parse: {exc}"))
+        weight_map: Mapping[str, str] = {}
+        for index_name in INDEX_NAMES:
+            if index_name not in files:
+                continue
+            try:
+                weight_map = _read_index(io.join(url, index_name))
+            except CorruptCheckpoint as exc:
+                problems.append(Problem(ProblemKind.BAD_METADATA, index_name, exc.message))
+                continue
+            for shard in sorted(set(weight_map.values()) - set(files)):
+                problems.append(Problem(ProblemKind.MISSING_FILE, shard, f"{index_name} names {shard}, which is missing"))
+        problems.extend(
+            Problem(ProblemKind.MISSING_FILE, shard, f"shard {shard} is missing") for shard in _shards_missing(set(files))
+            if shard not in set(weight_map.values())
+        )
+        located: dict[str, str] = {}
+        for rel in sorted(n for n in files if n.endswith(".safetensors")):
+            try:
+                header = read_header(io.join(url, rel), files[rel])
+            except CkptctlError as exc:
+                problems.append(Problem(_kind_of(exc), rel, exc.message))
+                continue
+            for rec in header.tensors:
+                if rec.name in located:
+                    problems.append(Problem(ProblemKind.BAD_METADATA, rel, f"tensor {rec.name!r} is also in {located[rec.name]}"))
+                located[rec.name] = rel
+        for name, shard in weight_map.items():
+            if shard in files and located.get(name) not in (None, shard):
+                problems.append(
+                    Problem(ProblemKind.BAD_METADATA, shard, f"index puts {name!r} in {shard} but it is in {located[name]}")
+                )
+            elif shard in files and name not in located:
+                problems.append(Problem(ProblemKind.MISSING_FILE, shard, f"index names tensor {name!r} but {shard} lacks it"))
+        return problems
+
+
+def _kind_of(exc: CkptctlError) -> ProblemKind:
+    return ProblemKind.TRUNCATED if "truncated" in str(exc) else ProblemKind.BAD_METADATA
+
+
+def _read_json_or_none(url: str) -> Any:
+    try:
+        return json.loads(io.read_bytes(url))
+    except (json.JSONDecodeError, UnicodeDecodeError, CkptctlError):
+        return None
+
+
+def _read_index(url: str) -> dict[str, str]:
+    try:
+        doc = json.loads(io.read_bytes(url))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CorruptCheckpoint(f"{io.name_of(url)} does not parse: {exc}") from exc
+    weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+        raise CorruptCheckpoint(f"{io.name_of(url)} has no valid weight_map")
+    for shard in weight_map.values():
+        if "/" in shard or shard.startswith(".."):
+            raise CorruptCheckpoint(f"{io.name_of(url)} names a file outside the folder: {shard!r}")
+    return weight_map
+
+
+def _weight_files(url: str, names: set[str]) -> list[str]:
+    """The safetensors files holding the weights: those the index names, else every *.safetensors at the top."""
+    for index_name in INDEX_NAMES:
+        if index_name in names:
+            try:
+                return sorted(set(_read_index(io.join(url, index_name)).values()) & names)
+            except CorruptCheckpoint:
+                break
+    return sorted(n for n in names if n.endswith(".safetensors") and "/" not in n)
+
+
+def _tensor_index(url: str, weight_files: list[str], files: Mapping[str, int]) -> tuple[TensorEntry, ...]:
+    entries = []
+    for rel in weight_files:
+        header = read_header(io.join(url, rel), files.get(rel))
+        for rec in header.tensors:
+            chunk = TensorChunk(rel, rec.begin, rec.end - rec.begin, (0,) * len(rec.shape), rec.shape, ChunkEncoding.RAW)
+            entries.append(TensorEntry(rec.name, Component.MODEL, rec.dtype, rec.shape, (chunk,)))
+    return tuple(entries)

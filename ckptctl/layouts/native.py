@@ -1,0 +1,208 @@
+"""What `ckptctl.CheckpointManager` writes (docs/native-format.md).
+
+A committed checkpoint is a `step-N` folder holding `ckptctl-manifest.json`; a `.step-N.staging-*`
+folder is one being written. The run folder's `latest` file names the newest committed one.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from datetime import datetime
+
+from ckptctl import io
+from ckptctl.checkpoint import (
+    Checkpoint,
+    CheckpointRef,
+    CheckpointState,
+    ChunkEncoding,
+    Component,
+    Problem,
+    ProblemKind,
+    TensorChunk,
+    TensorEntry,
+)
+from ckptctl.errors import CkptctlError, CorruptCheckpoint
+from ckptctl.formats.manifest import DIGESTS_NAME, MANIFEST_NAME, Manifest, parse_manifest
+from ckptctl.formats.safetensors import read_header
+from ckptctl.io import DirEntry
+from ckptctl.layouts.base import folder_size, list_files, newest_mtime, step_from_name, timestamp
+
+LATEST_POINTER = "latest"
+DCP_FOLDER = "dcp"
+_STAGING = re.compile(r"^\.step-(?P<step>\d+)\.staging-.+$")
+
+#: Manifest component kinds -> the shared component names.
+COMPONENT_OF_KIND = {
+    "module": Component.MODEL,
+    "optimizer": Component.OPTIMIZER,
+    "scheduler": Component.SCHEDULER,
+    "rng": Component.RNG,
+    "dataloader": Component.DATALOADER,
+    "stateful": Component.EXTRA,
+    "value": Component.EXTRA,
+}
+
+
+def checkpoint_folder_name(step: int) -> str:
+    """The folder name of a committed checkpoint (the core and this reader share it)."""
+    return f"step-{step}"
+
+
+def staging_step(name: str) -> int | None:
+    """The step of a staging folder name, or None if `name` is not one."""
+    m = _STAGING.match(name)
+    return int(m.group("step")) if m else None
+
+
+class NativeLayout:
+    """Checkpoints written by ckptctl's own core."""
+
+    name = "native"
+
+    def identify(self, url: str, entries: Sequence[DirEntry]) -> CheckpointRef | None:
+        folder = io.name_of(url)
+        in_progress_step = staging_step(folder)
+        if in_progress_step is not None:
+            return CheckpointRef(
+                url=url,
+                layout=self.name,
+                step=in_progress_step,
+                epoch=None,
+                created=timestamp(newest_mtime(entries)),
+                state=CheckpointState.IN_PROGRESS,
+                size_bytes=folder_size(url),
+                note="being written (staging folder, no manifest yet)",
+            )
+        if not any(e.name == MANIFEST_NAME and not e.is_dir for e in entries):
+            return None
+        manifest_entry = next(e for e in entries if e.name == MANIFEST_NAME)
+        try:
+            manifest = parse_manifest(io.read_bytes(io.join(url, MANIFEST_NAME)), io.join(url, MANIFEST_NAME))
+        except CkptctlError as exc:
+            return CheckpointRef(
+                url=url,
+                layout=self.name,
+                step=step_from_name(folder),
+                epoch=None,
+                created=timestamp(manifest_entry.mtime),
+                state=CheckpointState.BROKEN,
+                size_bytes=folder_size(url),
+                note=str(exc),
+            )
+        created = _parse_time(manifest.created) or timestamp(manifest_entry.mtime)
+        return CheckpointRef(
+            url=url,
+            layout=self.name,
+            step=manifest.step if manifest.step is not None else step_from_name(folder),
+            epoch=manifest.epoch,
+            created=created,
+            state=CheckpointState.COMPLETE,
+            size_bytes=folder_size(url),
+        )
+
+    def latest_pointer(self, url: str, entries: Sequence[DirEntry]) -> str | None:
+        if not any(e.name == LATEST_POINTER and not e.is_dir for e in entries):
+            return None
+        try:
+            name = io.read_text(io.join(url, LATEST_POINTER)).strip()
+        except CkptctlError:
+            return None
+        return name or None
+
+    def open(self, url: str) -> Checkpoint:
+        entries = io.list_dir(url)
+        ref = self.identify(url, entries)
+        if ref is None:
+            raise CorruptCheckpoint(f"{url} is not a ckptctl checkpoint")
+        if ref.state is CheckpointState.IN_PROGRESS:
+            from ckptctl.errors import CheckpointInProgress
+
+            raise CheckpointInProgress(f"{url} is still being written (no manifest yet)", "wait for the save to commit")
+        manifest = read_native_manifest(url)
+        components = {COMPONENT_OF_KIND.get(record.kind, Component.EXTRA) for record in manifest.components.values()}
+        files = list_files(url)
+        metadata = {
+            "metrics": dict(manifest.metrics),
+            "versions": dict(manifest.versions),
+            "entries": {name: {"kind": c.kind, "storage": c.storage} for name, c in manifest.components.items()},
+        }
+
+        def tensor_index() -> tuple[TensorEntry, ...]:
+            return _tensor_index(url, manifest, files)
+
+        return Checkpoint(
+            ref=ref,
+            components=frozenset(components),
+            world_size=manifest.world_size,
+            metadata=metadata,
+            tensor_index=tensor_index,
+            files=files,
+        )
+
+    def verify(self, checkpoint: Checkpoint) -> list[Problem]:
+        url = checkpoint.url
+        problems: list[Problem] = []
+        manifest = read_native_manifest(url)
+        files = checkpoint.files
+        for rel, record in manifest.files.items():
+            if rel not in files:
+                problems.append(Problem(ProblemKind.MISSING_FILE, rel, f"{rel} is listed in the manifest but missing"))
+            elif files[rel] != record.size:
+                kind = ProblemKind.TRUNCATED if files[rel] < record.size else ProblemKind.SIZE_MISMATCH
+                problems.append(Problem(kind, rel, f"{rel} has {files[rel]} bytes, the manifest recorded {record.size}"))
+        for rel in sorted(set(files) - set(manifest.files) - {MANIFEST_NAME, DIGESTS_NAME}):
+            problems.append(
+                Problem(ProblemKind.UNEXPECTED_FILE, rel, f"{rel} is not in the manifest", severity="warning")
+            )
+        for rel in sorted(r for r in manifest.files if r.endswith(".safetensors") and r in files):
+            try:
+                read_header(io.join(url, rel), files[rel])
+            except CkptctlError as exc:
+                problems.append(Problem(ProblemKind.BAD_METADATA, rel, exc.message))
+        if any(c.storage == "dcp" for c in manifest.components.values()):
+            from ckptctl.layouts.dcp import verify_dcp
+
+            problems.extend(verify_dcp(io.join(url, DCP_FOLDER), path_prefix=f"{DCP_FOLDER}/"))
+        return problems
+
+
+def read_native_manifest(url: str) -> Manifest:
+    """The manifest of a committed native checkpoint."""
+    manifest_url = io.join(url, MANIFEST_NAME)
+    manifest = parse_manifest(io.read_bytes(manifest_url), manifest_url)
+    if not manifest.native:
+        raise CorruptCheckpoint(f"{manifest_url} is a digests file, not a checkpoint manifest")
+    return manifest
+
+
+def _parse_time(text: str) -> datetime | None:
+    try:
+        return datetime.fromisoformat(text)
+    except ValueError:
+        return None
+
+
+def _tensor_index(url: str, manifest: Manifest, files: dict[str, int]) -> tuple[TensorEntry, ...]:
+    entries: list[TensorEntry] = []
+    for record in manifest.components.values():
+        component = COMPONENT_OF_KIND.get(record.kind, Component.EXTRA)
+        for rel in record.files:
+            if record.storage != "safetensors" or not rel.endswith(".safetensors") or rel not in files:
+                continue
+            header = read_header(io.join(url, rel), files[rel])
+            for rec in header.tensors:
+                chunk = TensorChunk(rel, rec.begin, rec.end - rec.begin, (0,) * len(rec.shape), rec.shape, ChunkEncoding.RAW)
+                # The file stem is the entry name ("model") or, for per-rank RNG files, "rng.rank-1".
+                stem = rel.removesuffix(".safetensors")
+                entries.append(TensorEntry(f"{stem}.{rec.name}", component, rec.dtype, rec.shape, (chunk,)))
+    if any(c.storage == "dcp" for c in manifest.components.values()):
+        from ckptctl.layouts.dcp import dcp_tensor_index
+
+        kinds = {name: COMPONENT_OF_KIND.get(c.kind, Component.EXTRA) for name, c in manifest.components.items()}
+
+        def component_of(key: str) -> Component:
+            return kinds.get(key.split(".", 1)[0], Component.EXTRA)
+
+        entries.extend(dcp_tensor_index(io.join(url, DCP_FOLDER), component_of, path_prefix=f"{DCP_FOLDER}/"))
+    return tuple(entries)

@@ -1,0 +1,167 @@
+"""`demo`: a tiny real training run with the core, so every command has real checkpoints to work on.
+
+Writes, under DIR:
+- `native/`: single-process run saved by `CheckpointManager` every 10 steps (safetensors + JSON);
+- `distributed/`: a 2-rank gloo run with FSDP2 `fully_shard`, saved by `CheckpointManager` (sharded DCP);
+- `dcp/`: the same 2-rank run saved with plain `torch.distributed.checkpoint.save` (a foreign layout);
+- `hf/`: the final model exported as a Hugging Face style folder (model.safetensors + config.json).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+from ckptctl import io
+from ckptctl.errors import CkptctlError
+
+SAVE_EVERY = 10
+HIDDEN = 64
+VOCAB = 256
+
+
+@dataclass(frozen=True, slots=True)
+class DemoResult:
+    """What the demo wrote."""
+
+    root: str
+    runs: tuple[str, ...]
+    steps: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"schema_version": 1, "root": self.root, "runs": list(self.runs), "steps": self.steps}
+
+
+def _model() -> Any:
+    import torch
+    from torch import nn
+
+    class TinyLM(nn.Module):
+        """Embedding, two residual MLP blocks and an output head: enough structure to be realistic."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(VOCAB, HIDDEN)
+            self.blocks = nn.ModuleList(
+                nn.Sequential(nn.LayerNorm(HIDDEN), nn.Linear(HIDDEN, 4 * HIDDEN), nn.GELU(), nn.Linear(4 * HIDDEN, HIDDEN))
+                for _ in range(2)
+            )
+            self.norm = nn.LayerNorm(HIDDEN)
+            self.head = nn.Linear(HIDDEN, VOCAB, bias=False)
+
+        def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+            x = self.embed(tokens)
+            for block in self.blocks:
+                x = x + block(x)
+            logits: torch.Tensor = self.head(self.norm(x))
+            return logits
+
+    return TinyLM()
+
+
+def _train_steps(model: Any, optimizer: Any, scheduler: Any, first: int, last: int, on_step: Any) -> None:
+    import torch
+
+    for step in range(first, last + 1):
+        tokens = torch.randint(0, VOCAB, (8, 16))
+        logits = model(tokens[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        scheduler.step()
+        on_step(step, float(loss))
+
+
+def run_demo(root: str, *, steps: int = 30, distributed: bool = True, force: bool = False) -> DemoResult:
+    """Train the tiny model and write the demo runs under `root`."""
+    import torch
+
+    from ckptctl.core import CheckpointManager, RetentionPolicy
+
+    if not io.is_local(root):
+        raise CkptctlError("the demo writes to a local folder", "pass a local path")
+    if os.path.exists(root) and os.listdir(root):
+        if not force:
+            raise CkptctlError(f"{root} is not empty", "pass --force to replace it, or choose another folder")
+        shutil.rmtree(root)
+    os.makedirs(root, exist_ok=True)
+
+    torch.manual_seed(0)
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 10))
+    manager = CheckpointManager(os.path.join(root, "native"), policy=RetentionPolicy(keep_last=3))
+    state = {"model": model, "optimizer": optimizer, "scheduler": scheduler}
+
+    def save(step: int, loss: float) -> None:
+        if step % SAVE_EVERY == 0:
+            manager.save(step, state, metrics={"loss": loss})
+
+    _train_steps(model, optimizer, scheduler, 1, steps, save)
+    manager.wait()
+    runs = ["native"]
+    _export_hf(os.path.join(root, "hf"), model)
+    runs.append("hf")
+    if distributed:
+        port = _free_port()
+        torch.multiprocessing.spawn(_distributed_worker, args=(2, port, root, steps), nprocs=2, join=True)
+        runs += ["distributed", "dcp"]
+    return DemoResult(root, tuple(runs), steps)
+
+
+def _export_hf(folder: str, model: Any) -> None:
+    from ckptctl.formats.safetensors import write_file
+
+    os.makedirs(folder, exist_ok=True)
+    tensors = {name: t.detach() for name, t in model.state_dict().items()}
+    write_file(os.path.join(folder, "model.safetensors"), tensors, {"format": "pt"})
+    config = {"model_type": "ckptctl-tiny-lm", "hidden_size": HIDDEN, "vocab_size": VOCAB, "num_hidden_layers": 2}
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def _distributed_worker(rank: int, world_size: int, port: int, root: str, steps: int) -> None:
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.fsdp import fully_shard
+
+    from ckptctl.core import CheckpointManager
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        torch.manual_seed(0)
+        model = _model()
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 10))
+        manager = CheckpointManager(os.path.join(root, "distributed"))
+        state = {"model": model, "optimizer": optimizer, "scheduler": scheduler}
+
+        def save(step: int, loss: float) -> None:
+            if step % SAVE_EVERY:
+                return
+            manager.save(step, state, metrics={"loss": loss})
+            model_sd, optim_sd = get_state_dict(model, optimizer)
+            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(root, "dcp", f"step-{step}"))
+
+        _train_steps(model, optimizer, scheduler, 1, steps, save)
+        manager.wait()
+    finally:
+        dist.destroy_process_group()

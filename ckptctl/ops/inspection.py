@@ -1,0 +1,107 @@
+"""`inspect`: what a checkpoint holds, from headers and metadata only."""
+
+from __future__ import annotations
+
+import fnmatch
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from ckptctl import io
+from ckptctl.checkpoint import Checkpoint, Component, TensorEntry
+from ckptctl.layouts import open_checkpoint
+from ckptctl.ops.report import SCHEMA_VERSION, jsonable, ref_json
+
+
+@dataclass(frozen=True, slots=True)
+class Totals:
+    """Sums over the whole tensor index (not only the filtered rows)."""
+
+    parameters: int
+    bytes: int
+    tensors: int
+    bytes_by_dtype: dict[str, int] = field(default_factory=dict)
+    bytes_by_component: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class InspectReport:
+    """A checkpoint's components, parallelism facts and tensor table."""
+
+    checkpoint: Checkpoint
+    tensors: tuple[TensorEntry, ...]
+    totals: Totals
+    bytes_read: int
+
+    def to_json(self) -> dict[str, Any]:
+        ckpt = self.checkpoint
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "url": ckpt.url,
+            "layout": ckpt.layout,
+            "step": ckpt.ref.step,
+            "epoch": ckpt.ref.epoch,
+            "state": ckpt.ref.state.value,
+            "created": ref_json(ckpt.ref)["created"],
+            "size_bytes": ckpt.ref.size_bytes,
+            "components": sorted(c.value for c in ckpt.components),
+            "missing_components": [c.value for c in ckpt.missing_components],
+            "world_size": ckpt.world_size,
+            "metadata": jsonable(dict(ckpt.metadata)),
+            "tensors": [
+                {"name": t.name, "component": t.component.value, "dtype": t.dtype, "shape": list(t.shape), "nbytes": t.nbytes}
+                for t in self.tensors
+            ],
+            "totals": {
+                "parameters": self.totals.parameters,
+                "bytes": self.totals.bytes,
+                "tensors": self.totals.tensors,
+                "bytes_by_dtype": self.totals.bytes_by_dtype,
+                "bytes_by_component": self.totals.bytes_by_component,
+            },
+            "bytes_read": self.bytes_read,
+        }
+
+
+def inspect_checkpoint(
+    url: str,
+    *,
+    layout: str | None = None,
+    name_filter: str | None = None,
+    component: Component | None = None,
+) -> InspectReport:
+    """Open a checkpoint and summarise it.
+
+    Args:
+        url: checkpoint folder.
+        layout: force a layout instead of detecting it.
+        name_filter: glob on tensor names (`*attn*`); a pattern without wildcards matches as a substring.
+        component: keep only this component's tensors in the table.
+    """
+    before = io.READ_STATS.bytes_read
+    ckpt = open_checkpoint(url, layout)
+    index = ckpt.tensor_index()
+    dtype_bytes: Counter[str] = Counter()
+    component_bytes: Counter[str] = Counter()
+    parameters = 0
+    for t in index:
+        dtype_bytes[t.dtype] += t.nbytes
+        component_bytes[t.component.value] += t.nbytes
+        if t.component is Component.MODEL:
+            parameters += t.numel
+    pattern = None
+    if name_filter:
+        pattern = name_filter if any(ch in name_filter for ch in "*?[") else f"*{name_filter}*"
+    rows = tuple(
+        t
+        for t in index
+        if (component is None or t.component == component) and (pattern is None or fnmatch.fnmatchcase(t.name, pattern))
+    )
+    totals = Totals(
+        parameters=parameters,
+        bytes=sum(dtype_bytes.values()),
+        tensors=len(index),
+        bytes_by_dtype=dict(dtype_bytes.most_common()),
+        bytes_by_component=dict(component_bytes.most_common()),
+    )
+    return InspectReport(ckpt, rows, totals, io.READ_STATS.bytes_read - before)

@@ -1,0 +1,67 @@
+"""`list`: every checkpoint of a run folder, from listings and tiny marker reads only."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ckptctl.checkpoint import CheckpointRef, CheckpointState
+from ckptctl.layouts import scan_run
+from ckptctl.ops.report import SCHEMA_VERSION, ref_json
+
+SORT_KEYS = ("step", "created", "size", "url")
+
+
+@dataclass(frozen=True, slots=True)
+class ListReport:
+    """The checkpoints found below a run folder."""
+
+    run: str
+    checkpoints: tuple[CheckpointRef, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"schema_version": SCHEMA_VERSION, "run": self.run, "checkpoints": [ref_json(c) for c in self.checkpoints]}
+
+
+def list_run(
+    run: str,
+    *,
+    sort: str = "step",
+    reverse: bool = False,
+    states: frozenset[CheckpointState] | None = None,
+    layout: str | None = None,
+    limit: int | None = None,
+    max_depth: int = 4,
+) -> ListReport:
+    """Find every checkpoint below `run`.
+
+    Args:
+        run: run folder (local path or fsspec URL).
+        sort: one of `SORT_KEYS`; checkpoints without a step sort first under `step`.
+        reverse: newest/largest first.
+        states: keep only these states.
+        layout: keep only this layout.
+        limit: keep at most this many (after sorting).
+        max_depth: how deep to look for nested runs.
+    """
+    if sort not in SORT_KEYS:
+        raise ValueError(f"sort must be one of {SORT_KEYS}")
+    refs = scan_run(run, max_depth=max_depth)
+    if states is not None:
+        refs = [r for r in refs if r.state in states]
+    if layout is not None:
+        refs = [r for r in refs if r.layout == layout]
+
+    def key(ref: CheckpointRef) -> tuple[Any, ...]:
+        if sort == "created":
+            return (ref.created.timestamp() if ref.created else 0.0, ref.url)
+        if sort == "size":
+            return (ref.size_bytes, ref.url)
+        if sort == "url":
+            return (ref.url,)
+        return (ref.step is not None, ref.step or 0, ref.url)
+
+    refs.sort(key=key, reverse=reverse)
+    if limit is not None:
+        refs = refs[:limit]
+    return ListReport(run=run, checkpoints=tuple(refs))

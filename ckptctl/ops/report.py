@@ -1,0 +1,72 @@
+"""Shared pieces of the command reports: JSON conversion and the progress callback protocol."""
+
+from __future__ import annotations
+
+import enum
+from datetime import datetime
+from typing import Any, Protocol
+
+from ckptctl.checkpoint import CheckpointRef, Problem
+
+SCHEMA_VERSION = 1
+
+
+class Progress(Protocol):
+    """Where long operations report progress; the CLI renders it on stderr, the library passes None."""
+
+    def start(self, description: str, total: int | None) -> None: ...
+
+    def advance(self, amount: int) -> None: ...
+
+    def finish(self) -> None: ...
+
+
+class NoProgress:
+    """The do-nothing progress sink."""
+
+    def start(self, description: str, total: int | None) -> None:
+        pass
+
+    def advance(self, amount: int) -> None:
+        pass
+
+    def finish(self) -> None:
+        pass
+
+
+def iso(value: datetime | None) -> str | None:
+    return value.isoformat(timespec="seconds") if value else None
+
+
+def jsonable(value: Any) -> Any:
+    """Plain JSON types from enums, datetimes, tuples and mappings (for free-form metadata)."""
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, datetime):
+        return iso(value)
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple | set | frozenset):
+        return [jsonable(v) for v in value]
+    if isinstance(value, float | int | str | bool) or value is None:
+        return value
+    return str(value)
+
+
+def ref_json(ref: CheckpointRef) -> dict[str, Any]:
+    """The JSON of a checkpoint ref as `list` documents it (DESIGN §4)."""
+    return {
+        "url": ref.url,
+        "layout": ref.layout,
+        "step": ref.step,
+        "epoch": ref.epoch,
+        "state": ref.state.value,
+        "size_bytes": ref.size_bytes,
+        "latest": ref.latest,
+        "created": iso(ref.created),
+        "note": ref.note,
+    }
+
+
+def problem_json(problem: Problem) -> dict[str, Any]:
+    return {"kind": str(problem.kind), "path": problem.path, "message": problem.message, "severity": problem.severity}

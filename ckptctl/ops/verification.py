@@ -1,0 +1,276 @@
+"""`verify`: structure, digests and (with `deep`) every tensor of a checkpoint or of a whole run.
+
+Three levels, each optional beyond the first:
+1. structure (the layout's rules; reads metadata and headers only, well under 1% of the bytes),
+2. digests against `ckptctl-manifest.json` / `ckptctl-digests.json` when present (files hashed in parallel),
+3. `deep`: every tensor read and assembled from its chunks, `check_finite` flags NaN/Inf.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from ckptctl import io
+from ckptctl.checkpoint import Checkpoint, CheckpointRef, CheckpointState, Problem, ProblemKind
+from ckptctl.errors import CkptctlError, UnknownLayout
+from ckptctl.formats.digest import file_digest
+from ckptctl.formats.manifest import DIGESTS_NAME, MANIFEST_NAME, FileRecord, Manifest, now_iso, read_manifest
+from ckptctl.layouts import detect, scan_run
+from ckptctl.ops.report import SCHEMA_VERSION, NoProgress, Progress, problem_json
+
+
+@dataclass(frozen=True, slots=True)
+class VerifyResult:
+    """The verdict on one checkpoint."""
+
+    url: str
+    layout: str | None
+    step: int | None
+    problems: tuple[Problem, ...]
+    digests_checked: int
+    tensors_read: int
+    bytes_read: int
+    wrote_digests: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return not any(p.severity == "error" for p in self.problems)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "url": self.url,
+            "layout": self.layout,
+            "step": self.step,
+            "ok": self.ok,
+            "problems": [problem_json(p) for p in self.problems],
+            "digests_checked": self.digests_checked,
+            "tensors_read": self.tensors_read,
+            "bytes_read": self.bytes_read,
+            "wrote_digests": self.wrote_digests,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class RunVerifyReport:
+    """The verdicts on every checkpoint of a run (or on the one a resume would pick, with `latest`)."""
+
+    run: str
+    results: tuple[VerifyResult, ...]
+
+    @property
+    def ok(self) -> bool:
+        return all(r.ok for r in self.results)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"schema_version": SCHEMA_VERSION, "run": self.run, "ok": self.ok, "results": [r.to_json() for r in self.results]}
+
+
+@dataclass(frozen=True, slots=True)
+class VerifyOptions:
+    """What to check beyond structure."""
+
+    deep: bool = False
+    check_finite: bool = False
+    write_manifest: bool = False
+    workers: int | None = None
+    layout: str | None = None
+
+
+def is_checkpoint(url: str) -> bool:
+    """Whether `url` itself is a checkpoint folder (as opposed to a run holding checkpoints)."""
+    try:
+        detect(url)
+    except UnknownLayout:
+        return False
+    return True
+
+
+def verify(url: str, options: VerifyOptions | None = None, progress: Progress | None = None) -> VerifyResult | RunVerifyReport:
+    """Verify a checkpoint folder, or every checkpoint of a run folder."""
+    options = options or VerifyOptions()
+    if options.layout is not None or is_checkpoint(url):
+        return verify_checkpoint(url, options, progress)
+    return verify_run(url, options, progress)
+
+
+def verify_run(
+    run: str, options: VerifyOptions | None = None, progress: Progress | None = None, *, only_resume_target: bool = False
+) -> RunVerifyReport:
+    """Verify every checkpoint below `run`; with `only_resume_target`, only the one a resume would load.
+
+    Checkpoints still being written are reported with a warning, not as failures: a run that is saving
+    right now is healthy.
+    """
+    options = options or VerifyOptions()
+    refs = scan_run(run)
+    if only_resume_target:
+        target = resume_target(refs)
+        if target is None:
+            raise CkptctlError(f"{run} holds no complete checkpoint to resume from", "run `ckptctl list` to see what is there")
+        refs = [target]
+    results = []
+    for ref in refs:
+        if ref.state is CheckpointState.IN_PROGRESS:
+            results.append(
+                VerifyResult(
+                    ref.url,
+                    ref.layout,
+                    ref.step,
+                    (Problem(ProblemKind.IN_PROGRESS, "", ref.note or "still being written", severity="warning"),),
+                    0,
+                    0,
+                    0,
+                )
+            )
+            continue
+        results.append(verify_checkpoint(ref.url, VerifyOptions(**{**_fields(options), "layout": ref.layout}), progress))
+    return RunVerifyReport(run, tuple(results))
+
+
+def resume_target(refs: Iterable[CheckpointRef]) -> CheckpointRef | None:
+    """The checkpoint a resume would pick: the one a `latest` pointer names if complete, else the newest complete."""
+    complete = [r for r in refs if r.state is CheckpointState.COMPLETE]
+    pointed = [r for r in complete if r.latest]
+    if pointed:
+        return max(pointed, key=lambda r: r.step or -1)
+    return max(complete, key=lambda r: (r.step if r.step is not None else -1, r.created or 0), default=None)
+
+
+def _fields(options: VerifyOptions) -> dict[str, Any]:
+    return {name: getattr(options, name) for name in VerifyOptions.__dataclass_fields__}
+
+
+def verify_checkpoint(url: str, options: VerifyOptions | None = None, progress: Progress | None = None) -> VerifyResult:
+    """Verify one checkpoint folder; raises only when the folder is not a checkpoint at all."""
+    options = options or VerifyOptions()
+    progress = progress or NoProgress()
+    before = io.READ_STATS.bytes_read
+    layout, ref = detect(url, options.layout)
+    if ref.state is CheckpointState.IN_PROGRESS:
+        problem = Problem(ProblemKind.IN_PROGRESS, "", ref.note or "the checkpoint is still being written (no completion marker)")
+        return VerifyResult(url, layout.name, ref.step, (problem,), 0, 0, io.READ_STATS.bytes_read - before)
+    try:
+        checkpoint = layout.open(url)
+        problems = list(layout.verify(checkpoint))
+    except CkptctlError as exc:
+        kind = ProblemKind.UNSAFE_PICKLE if type(exc).__name__ == "UnsafePickle" else ProblemKind.BAD_METADATA
+        problem = Problem(kind, "", exc.message)
+        return VerifyResult(url, layout.name, ref.step, (problem,), 0, 0, io.READ_STATS.bytes_read - before)
+
+    digests_checked = 0
+    wrote = False
+    try:
+        manifest = read_manifest(url)
+    except CkptctlError as exc:
+        problems.append(Problem(ProblemKind.BAD_METADATA, DIGESTS_NAME, exc.message))
+        manifest = None
+    if manifest is not None:
+        digest_problems, digests_checked = check_digests(url, manifest, checkpoint.files, options.workers, progress)
+        problems.extend(digest_problems)
+    elif options.write_manifest:
+        if any(p.severity == "error" for p in problems):
+            problems.append(
+                Problem(
+                    ProblemKind.BAD_METADATA,
+                    DIGESTS_NAME,
+                    "not writing digests: the checkpoint fails verify, and digests would bless its current state",
+                    severity="warning",
+                )
+            )
+        else:
+            write_digests(url, checkpoint.files, options.workers, progress)
+            wrote = True
+
+    tensors_read = 0
+    if options.deep:
+        deep_problems, tensors_read = read_every_tensor(checkpoint, options.check_finite, progress)
+        problems.extend(deep_problems)
+    return VerifyResult(
+        url, layout.name, ref.step, tuple(problems), digests_checked, tensors_read, io.READ_STATS.bytes_read - before, wrote
+    )
+
+
+def _workers(requested: int | None) -> int:
+    return requested or max(2, min(8, os.cpu_count() or 2))
+
+
+def check_digests(
+    url: str, manifest: Manifest, present: dict[str, int], workers: int | None, progress: Progress
+) -> tuple[list[Problem], int]:
+    """Hash every file the manifest lists (in parallel) and compare; returns problems and files checked."""
+    todo = {rel: rec for rel, rec in manifest.files.items() if present.get(rel) == rec.size}
+    progress.start("hashing", sum(rec.size for rec in todo.values()))
+    problems: list[Problem] = []
+
+    def check(item: tuple[str, FileRecord]) -> Problem | None:
+        rel, rec = item
+        try:
+            digest = file_digest(io.join(url, rel))
+        except CkptctlError as exc:
+            return Problem(ProblemKind.UNREADABLE, rel, exc.message)
+        finally:
+            progress.advance(rec.size)
+        if digest != rec.blake3:
+            return Problem(ProblemKind.DIGEST_MISMATCH, rel, f"{rel}: content differs from the recorded blake3 digest")
+        return None
+
+    with ThreadPoolExecutor(max_workers=_workers(workers)) as pool:
+        problems.extend(p for p in pool.map(check, sorted(todo.items(), key=lambda kv: -kv[1].size)) if p)
+    progress.finish()
+    if manifest.native is False:
+        for rel in sorted(set(present) - set(manifest.files) - {DIGESTS_NAME, MANIFEST_NAME}):
+            problems.append(
+                Problem(ProblemKind.UNEXPECTED_FILE, rel, f"{rel} was added after the digests were recorded", severity="warning")
+            )
+    return problems, len(todo)
+
+
+def write_digests(url: str, files: dict[str, int], workers: int | None, progress: Progress) -> Manifest:
+    """Record size and blake3 of every file of a foreign checkpoint into `ckptctl-digests.json`."""
+    todo = sorted((rel, size) for rel, size in files.items() if rel not in (DIGESTS_NAME, MANIFEST_NAME))
+    progress.start("hashing", sum(size for _, size in todo))
+
+    def digest(item: tuple[str, int]) -> tuple[str, FileRecord]:
+        rel, size = item
+        value = file_digest(io.join(url, rel))
+        progress.advance(size)
+        return rel, FileRecord(size, value)
+
+    with ThreadPoolExecutor(max_workers=_workers(workers)) as pool:
+        records = dict(pool.map(digest, todo))
+    progress.finish()
+    manifest = Manifest(files=records, created=now_iso())
+    io.write_bytes_atomic(io.join(url, DIGESTS_NAME), manifest.to_json())
+    return manifest
+
+
+def read_every_tensor(checkpoint: Checkpoint, check_finite: bool, progress: Progress) -> tuple[list[Problem], int]:
+    """Read and assemble every tensor (proves every chunk decodes); optionally flag NaN/Inf."""
+    import torch
+
+    from ckptctl.formats.chunks import read_tensor
+
+    index = checkpoint.tensor_index()
+    progress.start("reading tensors", sum(t.nbytes for t in index))
+    problems: list[Problem] = []
+    for entry in index:
+        try:
+            tensor = read_tensor(checkpoint.url, entry)
+        except CkptctlError as exc:
+            problems.append(Problem(ProblemKind.UNREADABLE, entry.name, exc.message))
+            continue
+        finally:
+            progress.advance(entry.nbytes)
+        if tuple(tensor.shape) != entry.shape:
+            problems.append(Problem(ProblemKind.BAD_METADATA, entry.name, f"read shape {tuple(tensor.shape)}, expected {entry.shape}"))
+        if check_finite and tensor.is_floating_point() and tensor.numel():
+            bad = int((~torch.isfinite(tensor)).sum())
+            if bad:
+                problems.append(Problem(ProblemKind.NOT_FINITE, entry.name, f"{bad} of {tensor.numel()} values are NaN or Inf"))
+    progress.finish()
+    return problems, len(index)

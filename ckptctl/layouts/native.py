@@ -31,6 +31,7 @@ from ckptctl.layouts.base import folder_size, list_files, newest_mtime, step_fro
 LATEST_POINTER = "latest"
 DCP_FOLDER = "dcp"
 _STAGING = re.compile(r"^\.step-(?P<step>\d+)\.staging-.+$")
+_RNG_FILE = re.compile(r"^rng(\.rank-\d+)?\.json$")
 
 #: Manifest component kinds -> the shared component names.
 COMPONENT_OF_KIND = {
@@ -75,7 +76,7 @@ class NativeLayout:
                 note="being written (staging folder, no manifest yet)",
             )
         if not any(e.name == MANIFEST_NAME and not e.is_dir for e in entries):
-            return None
+            return self._damaged(url, entries)
         manifest_entry = next(e for e in entries if e.name == MANIFEST_NAME)
         try:
             manifest = parse_manifest(io.read_bytes(io.join(url, MANIFEST_NAME)), io.join(url, MANIFEST_NAME))
@@ -99,6 +100,26 @@ class NativeLayout:
             created=created,
             state=CheckpointState.COMPLETE,
             size_bytes=folder_size(url),
+        )
+
+    def _damaged(self, url: str, entries: Sequence[DirEntry]) -> CheckpointRef | None:
+        """A committed folder that lost its manifest (the core always writes RNG files, and the manifest
+        before the rename): report it as broken rather than let another layout claim it as complete."""
+        folder = io.name_of(url)
+        step = step_from_name(folder)
+        if step is None or folder != checkpoint_folder_name(step):
+            return None
+        if not any(_RNG_FILE.match(e.name) for e in entries):
+            return None
+        return CheckpointRef(
+            url=url,
+            layout=self.name,
+            step=step,
+            epoch=None,
+            created=timestamp(newest_mtime(entries)),
+            state=CheckpointState.BROKEN,
+            size_bytes=folder_size(url),
+            note=f"{MANIFEST_NAME} is missing: the checkpoint is damaged",
         )
 
     def latest_pointer(self, url: str, entries: Sequence[DirEntry]) -> str | None:

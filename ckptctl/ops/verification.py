@@ -16,7 +16,7 @@ from typing import Any
 
 from ckptctl import io
 from ckptctl.checkpoint import Checkpoint, CheckpointRef, CheckpointState, Problem, ProblemKind
-from ckptctl.errors import CkptctlError, UnknownLayout
+from ckptctl.errors import CheckpointNotFound, CkptctlError, UnknownLayout
 from ckptctl.formats.digest import file_digest
 from ckptctl.formats.manifest import DIGESTS_NAME, MANIFEST_NAME, FileRecord, Manifest, now_iso, read_manifest
 from ckptctl.layouts import detect, scan_run
@@ -108,6 +108,8 @@ def verify_run(
     """
     options = options or VerifyOptions()
     refs = scan_run(run)
+    if not refs:
+        raise CheckpointNotFound(f"no checkpoints found in {run}", "run `ckptctl list` on the folder above, or check the path")
     if only_resume_target:
         target = resume_target(refs)
         if target is None:

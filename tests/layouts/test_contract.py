@@ -1,0 +1,135 @@
+"""One contract every layout passes (in the manner of fsspec's shared tests).
+
+Each subclass names a real checkpoint written by the real writer, the parameter count its model really
+has, the file whose loss must make it not complete, and how to find a data file. The tests: detect,
+list, inspect totals equal the real parameter count, verify ok, and verify fails on each corruption kind.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ckptctl.checkpoint import CheckpointState, Component
+from ckptctl.errors import UnknownLayout
+from ckptctl.layouts import detect, open_checkpoint, scan_run
+from ckptctl.ops.verification import verify_checkpoint
+from tests.conftest import copy_tree
+
+
+class LayoutContract:
+    layout: str
+    #: A file whose removal must leave the checkpoint not complete (None: the layout has no marker).
+    marker: str | None
+    #: Glob of the data files inside the checkpoint.
+    data_glob: str
+
+    @pytest.fixture
+    def source(self) -> tuple[Path, int]:
+        """(checkpoint folder, real parameter count of its model); overridden by each layout."""
+        raise NotImplementedError
+
+    @pytest.fixture
+    def checkpoint(self, source: tuple[Path, int], tmp_path: Path) -> Path:
+        return copy_tree(source[0], tmp_path / "run" / source[0].name)
+
+    def _largest_data_file(self, folder: Path) -> Path:
+        files = [p for p in folder.glob(self.data_glob) if p.is_file()]
+        assert files, f"no {self.data_glob} in {folder}"
+        return max(files, key=lambda p: p.stat().st_size)
+
+    def test_detect(self, checkpoint: Path) -> None:
+        layout, ref = detect(str(checkpoint))
+        assert layout.name == self.layout
+        assert ref.state is CheckpointState.COMPLETE
+        assert ref.size_bytes == sum(p.stat().st_size for p in checkpoint.rglob("*") if p.is_file())
+
+    def test_list_finds_it_in_its_run(self, checkpoint: Path) -> None:
+        refs = scan_run(str(checkpoint.parent))
+        assert [(r.url, r.layout) for r in refs] == [(str(checkpoint), self.layout)]
+
+    def test_inspect_totals_equal_the_real_parameter_count(self, checkpoint: Path, source: tuple[Path, int]) -> None:
+        ckpt = open_checkpoint(str(checkpoint))
+        assert Component.MODEL in ckpt.components
+        assert sum(t.numel for t in ckpt.tensors(Component.MODEL)) == source[1]
+
+    def test_verify_ok(self, checkpoint: Path) -> None:
+        result = verify_checkpoint(str(checkpoint))
+        assert result.ok, result.problems
+
+    def test_truncated_data_file_fails(self, checkpoint: Path) -> None:
+        victim = self._largest_data_file(checkpoint)
+        victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
+        assert not verify_checkpoint(str(checkpoint)).ok
+
+    def test_missing_data_file_fails(self, checkpoint: Path) -> None:
+        self._largest_data_file(checkpoint).unlink()
+        try:
+            _, ref = detect(str(checkpoint))
+        except UnknownLayout:  # no longer recognisable at all is also a failure the user sees
+            return
+        assert ref.state is not CheckpointState.COMPLETE or not verify_checkpoint(str(checkpoint)).ok
+
+    def test_missing_marker_is_not_complete(self, checkpoint: Path) -> None:
+        if self.marker is None:
+            pytest.skip("this layout has no completion marker")
+        (checkpoint / self.marker).unlink()
+        refs = scan_run(str(checkpoint.parent))
+        assert [r.state for r in refs] != [CheckpointState.COMPLETE]
+
+
+def _demo_parameters() -> int:
+    from ckptctl.ops.demo import _model
+
+    return sum(p.numel() for p in _model().parameters())
+
+
+class TestHfSharded(LayoutContract):
+    layout = "hf"
+    marker = None
+    data_glob = "*.safetensors"
+
+    @pytest.fixture
+    def source(self, hf_model_dirs: dict[str, Path]) -> tuple[Path, int]:
+        from tests.conftest import tiny_llama
+
+        return hf_model_dirs["sharded"], sum(t.numel() for t in tiny_llama().state_dict().values())
+
+
+class TestHfSingle(TestHfSharded):
+    @pytest.fixture
+    def source(self, hf_model_dirs: dict[str, Path]) -> tuple[Path, int]:
+        from tests.conftest import tiny_llama
+
+        return hf_model_dirs["single"], sum(t.numel() for t in tiny_llama().state_dict().values())
+
+
+class TestNativeSingleProcess(LayoutContract):
+    layout = "native"
+    marker = "ckptctl-manifest.json"
+    data_glob = "*.safetensors"
+
+    @pytest.fixture
+    def source(self, demo_dir: Path) -> tuple[Path, int]:
+        return demo_dir / "native" / "step-30", _demo_parameters()
+
+
+class TestNativeTwoRanks(LayoutContract):
+    layout = "native"
+    marker = "ckptctl-manifest.json"
+    data_glob = "dcp/*.distcp"
+
+    @pytest.fixture
+    def source(self, demo_dir: Path) -> tuple[Path, int]:
+        return demo_dir / "distributed" / "step-30", _demo_parameters()
+
+
+class TestDcp(LayoutContract):
+    layout = "dcp"
+    marker = ".metadata"
+    data_glob = "*.distcp"
+
+    @pytest.fixture
+    def source(self, demo_dir: Path) -> tuple[Path, int]:
+        return demo_dir / "dcp" / "step-30", _demo_parameters()

@@ -75,7 +75,9 @@ def main() -> int:
         shard_files = sorted(str(p) for p in folder.glob("*.safetensors"))
         subprocess.run(["cat", *shard_files], stdout=subprocess.DEVNULL, check=True)  # warm the page cache
 
-        sha = best_of(args.repeat, lambda: subprocess.run(["sha256sum", *shard_files], stdout=subprocess.DEVNULL, check=True))
+        sha = best_of(
+            args.repeat, lambda: subprocess.run(["sha256sum", *shard_files], stdout=subprocess.DEVNULL, check=True)
+        )
 
         def library_verify() -> None:
             result = verify_checkpoint(str(folder))
@@ -92,7 +94,9 @@ def main() -> int:
         assert structural.ok
 
         gib = total / (1 << 30)
-        print(f"checkpoint: {gib:.2f} GiB in {args.shards} shards, {os.cpu_count()} cores, page cache warm, best of {args.repeat}")
+        print(
+            f"checkpoint: {gib:.2f} GiB in {args.shards} shards, {os.cpu_count()} cores, page cache warm, best of {args.repeat}"
+        )
         print(f"{'tool':<38}{'seconds':>9}{'GiB/s':>9}{'vs sha256sum':>14}")
         for label, seconds in (
             ("sha256sum (coreutils)", sha),
@@ -100,7 +104,9 @@ def main() -> int:
             ("ckptctl verify (command, incl. start)", ours_cli),
         ):
             print(f"{label:<38}{seconds:>9.3f}{gib / seconds:>9.2f}{sha / seconds:>13.1f}x")
-        print(f"structural verify read {structural_bytes} bytes = {100 * structural_bytes / total:.4f}% of the checkpoint")
+        print(
+            f"structural verify read {structural_bytes} bytes = {100 * structural_bytes / total:.4f}% of the checkpoint"
+        )
     finally:
         if args.dir is None:
             shutil.rmtree(root, ignore_errors=True)

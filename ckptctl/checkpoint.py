@@ -146,8 +146,8 @@ class Checkpoint:
         components: components present.
         world_size: ranks that wrote it, or None when not recorded.
         metadata: framework facts worth showing (config summary, counters, metrics, versions).
-        tensor_index: loads the tensor index on first use; layouts pass a function so that opening a
-            checkpoint stays cheap when nobody asks for tensors.
+        tensor_index: returns the tensor index; layouts pass a cached function that reads headers on
+            first use, so that opening a checkpoint stays cheap when nobody asks for tensors.
         files: data and metadata files of the checkpoint, relative path -> size in bytes.
     """
 

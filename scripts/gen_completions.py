@@ -48,7 +48,9 @@ def commands() -> list[Cmd]:
     out = []
     for name, command in sorted(group.commands.items()):  # type: ignore[attr-defined]
         options = [
-            Opt(tuple(p.opts) + tuple(p.secondary_opts), not getattr(p, "is_flag", False), (p.help or "").split("\n")[0])
+            Opt(
+                tuple(p.opts) + tuple(p.secondary_opts), not getattr(p, "is_flag", False), (p.help or "").split("\n")[0]
+            )
             for p in command.params
             if p.param_type_name == "option"
         ]
@@ -58,7 +60,13 @@ def commands() -> list[Cmd]:
 
 
 def bash(cmds: list[Cmd]) -> str:
-    lines = [HEADER, "_ckptctl() {", "    local cur prev cmd", '    cur="${COMP_WORDS[COMP_CWORD]}"', '    prev="${COMP_WORDS[COMP_CWORD-1]}"']
+    lines = [
+        HEADER,
+        "_ckptctl() {",
+        "    local cur prev cmd",
+        '    cur="${COMP_WORDS[COMP_CWORD]}"',
+        '    prev="${COMP_WORDS[COMP_CWORD-1]}"',
+    ]
     lines.append('    cmd="${COMP_WORDS[1]}"')
     lines.append("    if [[ $COMP_CWORD -eq 1 ]]; then")
     names = " ".join(c.name for c in cmds)
@@ -74,7 +82,9 @@ def bash(cmds: list[Cmd]) -> str:
         lines.append(f'        {c.name}) local opts="{flags}";;')
     lines.append("        *) local opts='';;")
     lines.append("    esac")
-    lines.append('    if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "$opts" -- "$cur")); else COMPREPLY=($(compgen -f -- "$cur")); fi')
+    lines.append(
+        '    if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "$opts" -- "$cur")); else COMPREPLY=($(compgen -f -- "$cur")); fi'
+    )
     lines.append("}")
     lines.append("complete -o filenames -F _ckptctl ckptctl")
     return "\n".join(lines) + "\n"
@@ -123,7 +133,9 @@ def fish(cmds: list[Cmd]) -> str:
                 choices = CHOICES.get(o.names[0])
                 value = f" -x -a '{' '.join(choices)}'" if choices else " -r"
             desc = o.help.replace("'", "\\'")
-            lines.append(f"complete -c ckptctl -n '__fish_seen_subcommand_from {c.name}' {' '.join(parts)}{value} -d '{desc}'")
+            lines.append(
+                f"complete -c ckptctl -n '__fish_seen_subcommand_from {c.name}' {' '.join(parts)}{value} -d '{desc}'"
+            )
     return "\n".join(lines) + "\n"
 
 

@@ -33,7 +33,9 @@ def register(app: typer.Typer) -> None:
 
 
 def inspect_checkpoint(
-    checkpoint: Annotated[str, typer.Argument(help="Checkpoint folder (local path or fsspec URL).", show_default=False)],
+    checkpoint: Annotated[
+        str, typer.Argument(help="Checkpoint folder (local path or fsspec URL).", show_default=False)
+    ],
     name_filter: Annotated[
         str | None, typer.Option("--filter", "-f", help="Only tensors whose name matches this glob (or contains it).")
     ] = None,
@@ -51,7 +53,9 @@ def inspect_checkpoint(
     try:
         wanted = Component(component) if component else None
     except ValueError as exc:
-        raise typer.BadParameter(f"choose one of {', '.join(c.value for c in Component)}", param_hint="--component") from exc
+        raise typer.BadParameter(
+            f"choose one of {', '.join(c.value for c in Component)}", param_hint="--component"
+        ) from exc
     report = run_inspect(checkpoint, layout=layout, name_filter=name_filter, component=wanted)
     out = Output(json_mode=json_output, quiet=quiet)
     if json_output:

@@ -7,7 +7,9 @@ from typing import Annotated
 import typer
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout (schema_version 1).")]
-QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing but errors; the exit code tells the result.")]
+QuietOpt = Annotated[
+    bool, typer.Option("--quiet", "-q", help="Print nothing but errors; the exit code tells the result.")
+]
 LayoutOpt = Annotated[
     str | None,
     typer.Option("--layout", help="Skip detection and read the checkpoint as this layout (native, dcp, hf)."),

@@ -35,14 +35,21 @@ def register(app: typer.Typer) -> None:
 
 
 def verify(
-    path: Annotated[str, typer.Argument(help="Checkpoint or run folder (local path or fsspec URL).", show_default=False)],
+    path: Annotated[
+        str, typer.Argument(help="Checkpoint or run folder (local path or fsspec URL).", show_default=False)
+    ],
     latest: Annotated[bool, typer.Option("--latest", help="Verify only the checkpoint a resume would pick.")] = False,
     deep: Annotated[bool, typer.Option("--deep", help="Read and assemble every tensor.")] = False,
-    check_finite: Annotated[bool, typer.Option("--check-finite", help="With reading every tensor: flag NaN/Inf.")] = False,
-    write_manifest: Annotated[
-        bool, typer.Option("--write-manifest", help="Record digests (ckptctl-digests.json) into a checkpoint that has none.")
+    check_finite: Annotated[
+        bool, typer.Option("--check-finite", help="With reading every tensor: flag NaN/Inf.")
     ] = False,
-    workers: Annotated[int | None, typer.Option(help="Files hashed at once (default: one per core, 2 to 8).", min=1)] = None,
+    write_manifest: Annotated[
+        bool,
+        typer.Option("--write-manifest", help="Record digests (ckptctl-digests.json) into a checkpoint that has none."),
+    ] = False,
+    workers: Annotated[
+        int | None, typer.Option(help="Files hashed at once (default: one per core, 2 to 8).", min=1)
+    ] = None,
     layout: LayoutOpt = None,
     json_output: JsonOpt = False,
     quiet: QuietOpt = False,
@@ -51,7 +58,11 @@ def verify(
 
     out = Output(json_mode=json_output, quiet=quiet)
     options = VerifyOptions(
-        deep=deep or check_finite, check_finite=check_finite, write_manifest=write_manifest, workers=workers, layout=layout
+        deep=deep or check_finite,
+        check_finite=check_finite,
+        write_manifest=write_manifest,
+        workers=workers,
+        layout=layout,
     )
     progress = out.progress()
     report: VerifyResult | RunVerifyReport

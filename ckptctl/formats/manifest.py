@@ -78,7 +78,8 @@ class Manifest:
                 world_size=self.world_size,
                 versions=dict(self.versions),
                 components={
-                    name: {"kind": c.kind, "storage": c.storage, "files": list(c.files)} for name, c in self.components.items()
+                    name: {"kind": c.kind, "storage": c.storage, "files": list(c.files)}
+                    for name, c in self.components.items()
                 },
             )
         doc["files"] = {name: {"size": r.size, "blake3": r.blake3} for name, r in sorted(self.files.items())}

@@ -8,6 +8,7 @@ so a lying header costs at most its own length in memory.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -89,7 +90,8 @@ def parse_header(prefix: bytes, file_size: int, source: str) -> SafetensorsHeade
     (header_len,) = struct.unpack("<Q", prefix[:8])
     if header_len > MAX_HEADER_BYTES or 8 + header_len > file_size:
         raise CorruptCheckpoint(
-            f"{source}: header claims {header_len} bytes but the file has {file_size}", "the file is truncated or not safetensors"
+            f"{source}: header claims {header_len} bytes but the file has {file_size}",
+            "the file is truncated or not safetensors",
         )
     if len(prefix) < 8 + header_len:
         raise ValueError("prefix shorter than the header; read more first")
@@ -107,7 +109,7 @@ def parse_header(prefix: bytes, file_size: int, source: str) -> SafetensorsHeade
     for name, rec in raw.items():
         tensors.append(_validate_record(name, rec, data_start, file_size, source))
     ordered = sorted(tensors, key=lambda t: (t.begin, t.end))
-    for before, after in zip(ordered, ordered[1:], strict=False):
+    for before, after in itertools.pairwise(ordered):
         if after.begin < before.end:
             raise CorruptCheckpoint(f"{source}: tensors {before.name!r} and {after.name!r} overlap")
     return SafetensorsHeader(data_start, tuple(tensors), metadata, file_size)
@@ -172,7 +174,9 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy()).cast("B")
 
 
-def build_header(entries: Iterable[tuple[str, str, tuple[int, ...]]], metadata: Mapping[str, str] | None = None) -> bytes:
+def build_header(
+    entries: Iterable[tuple[str, str, tuple[int, ...]]], metadata: Mapping[str, str] | None = None
+) -> bytes:
     """The header bytes (length prefix included) for tensors written in the given order.
 
     Args:
@@ -185,14 +189,20 @@ def build_header(entries: Iterable[tuple[str, str, tuple[int, ...]]], metadata: 
     offset = 0
     for name, dtype, shape in entries:
         nbytes = math.prod(shape) * dtype_itemsize(dtype)
-        header[name] = {"dtype": TORCH_TO_SAFETENSORS[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        header[name] = {
+            "dtype": TORCH_TO_SAFETENSORS[dtype],
+            "shape": list(shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
         offset += nbytes
     body = json.dumps(header, separators=(",", ":")).encode("utf-8")
     body += b" " * (-len(body) % 8)  # the spec recommends 8-byte alignment of the data section
     return struct.pack("<Q", len(body)) + body
 
 
-def write_file(path: str, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> WrittenFile:
+def write_file(
+    path: str, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None
+) -> WrittenFile:
     """Write a local safetensors file, hashing while writing, and fsync it.
 
     Tensors may share storage (tied weights): each is written in full under its own name, which is
@@ -214,7 +224,6 @@ def write_file(path: str, tensors: Mapping[str, torch.Tensor], metadata: Mapping
 
 def read_tensors(url: str, names: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
     """Load tensors (all, or the named ones) from a safetensors file into CPU memory, validated first."""
-    import torch
 
     header = read_header(url)
     wanted = None if names is None else set(names)

@@ -117,7 +117,8 @@ def _fs(url: str) -> tuple[Any, str]:
         fs, path = fsspec.core.url_to_fs(url)
     except ImportError as exc:
         raise StorageError(
-            f"no filesystem driver for {url.split('://')[0]}://", "install the extra, e.g. pip install 'ckptctl[s3]'"
+            f"no filesystem driver for {url.split('://', maxsplit=1)[0]}://",
+            "install the extra, e.g. pip install 'ckptctl[s3]'",
         ) from exc
     return fs, path
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Mapping, Sequence
+from functools import cache
 from typing import Any
 
 from ckptctl import io
@@ -88,9 +89,15 @@ class HfModelLayout:
         if not has_weights and not any(n in names for n in _LEGACY_WEIGHTS):
             return None
         missing = _shards_missing(names)
-        index_without_shards = any(n in names for n in INDEX_NAMES) and not any(n.endswith(".safetensors") for n in names)
+        index_without_shards = any(n in names for n in INDEX_NAMES) and not any(
+            n.endswith(".safetensors") for n in names
+        )
         state = CheckpointState.BROKEN if missing or index_without_shards else CheckpointState.COMPLETE
-        note = f"missing {', '.join(missing)}" if missing else ("index names no present file" if index_without_shards else "")
+        note = (
+            f"missing {', '.join(missing)}"
+            if missing
+            else ("index names no present file" if index_without_shards else "")
+        )
         return CheckpointRef(
             url=url,
             layout=self.name,
@@ -128,6 +135,7 @@ class HfModelLayout:
         weight_files = _weight_files(url, names)
         metadata["weight_files"] = len(weight_files)
 
+        @cache
         def tensor_index() -> tuple[TensorEntry, ...]:
             return _tensor_index(url, weight_files, files)
 
@@ -159,9 +167,12 @@ class HfModelLayout:
                 problems.append(Problem(ProblemKind.BAD_METADATA, index_name, exc.message))
                 continue
             for shard in sorted(set(weight_map.values()) - set(files)):
-                problems.append(Problem(ProblemKind.MISSING_FILE, shard, f"{index_name} names {shard}, which is missing"))
+                problems.append(
+                    Problem(ProblemKind.MISSING_FILE, shard, f"{index_name} names {shard}, which is missing")
+                )
         problems.extend(
-            Problem(ProblemKind.MISSING_FILE, shard, f"shard {shard} is missing") for shard in _shards_missing(set(files))
+            Problem(ProblemKind.MISSING_FILE, shard, f"shard {shard} is missing")
+            for shard in _shards_missing(set(files))
             if shard not in set(weight_map.values())
         )
         located: dict[str, str] = {}
@@ -173,15 +184,21 @@ class HfModelLayout:
                 continue
             for rec in header.tensors:
                 if rec.name in located:
-                    problems.append(Problem(ProblemKind.BAD_METADATA, rel, f"tensor {rec.name!r} is also in {located[rec.name]}"))
+                    problems.append(
+                        Problem(ProblemKind.BAD_METADATA, rel, f"tensor {rec.name!r} is also in {located[rec.name]}")
+                    )
                 located[rec.name] = rel
         for name, shard in weight_map.items():
             if shard in files and located.get(name) not in (None, shard):
                 problems.append(
-                    Problem(ProblemKind.BAD_METADATA, shard, f"index puts {name!r} in {shard} but it is in {located[name]}")
+                    Problem(
+                        ProblemKind.BAD_METADATA, shard, f"index puts {name!r} in {shard} but it is in {located[name]}"
+                    )
                 )
             elif shard in files and name not in located:
-                problems.append(Problem(ProblemKind.MISSING_FILE, shard, f"index names tensor {name!r} but {shard} lacks it"))
+                problems.append(
+                    Problem(ProblemKind.MISSING_FILE, shard, f"index names tensor {name!r} but {shard} lacks it")
+                )
         return problems
 
 
@@ -202,7 +219,9 @@ def _read_index(url: str) -> dict[str, str]:
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise CorruptCheckpoint(f"{io.name_of(url)} does not parse: {exc}") from exc
     weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
-    if not isinstance(weight_map, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+    if not isinstance(weight_map, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+    ):
         raise CorruptCheckpoint(f"{io.name_of(url)} has no valid weight_map")
     for shard in weight_map.values():
         if "/" in shard or shard.startswith(".."):
@@ -226,6 +245,8 @@ def _tensor_index(url: str, weight_files: list[str], files: Mapping[str, int]) -
     for rel in weight_files:
         header = read_header(io.join(url, rel), files.get(rel))
         for rec in header.tensors:
-            chunk = TensorChunk(rel, rec.begin, rec.end - rec.begin, (0,) * len(rec.shape), rec.shape, ChunkEncoding.RAW)
+            chunk = TensorChunk(
+                rel, rec.begin, rec.end - rec.begin, (0,) * len(rec.shape), rec.shape, ChunkEncoding.RAW
+            )
             entries.append(TensorEntry(rec.name, Component.MODEL, rec.dtype, rec.shape, (chunk,)))
     return tuple(entries)

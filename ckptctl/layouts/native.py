@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from datetime import datetime
+from functools import cache
 
 from ckptctl import io
 from ckptctl.checkpoint import (
@@ -149,6 +150,7 @@ class NativeLayout:
             "entries": {name: {"kind": c.kind, "storage": c.storage} for name, c in manifest.components.items()},
         }
 
+        @cache
         def tensor_index() -> tuple[TensorEntry, ...]:
             return _tensor_index(url, manifest, files)
 
@@ -171,7 +173,9 @@ class NativeLayout:
                 problems.append(Problem(ProblemKind.MISSING_FILE, rel, f"{rel} is listed in the manifest but missing"))
             elif files[rel] != record.size:
                 kind = ProblemKind.TRUNCATED if files[rel] < record.size else ProblemKind.SIZE_MISMATCH
-                problems.append(Problem(kind, rel, f"{rel} has {files[rel]} bytes, the manifest recorded {record.size}"))
+                problems.append(
+                    Problem(kind, rel, f"{rel} has {files[rel]} bytes, the manifest recorded {record.size}")
+                )
         for rel in sorted(set(files) - set(manifest.files) - {MANIFEST_NAME, DIGESTS_NAME}):
             problems.append(
                 Problem(ProblemKind.UNEXPECTED_FILE, rel, f"{rel} is not in the manifest", severity="warning")
@@ -213,7 +217,9 @@ def _tensor_index(url: str, manifest: Manifest, files: dict[str, int]) -> tuple[
                 continue
             header = read_header(io.join(url, rel), files[rel])
             for rec in header.tensors:
-                chunk = TensorChunk(rel, rec.begin, rec.end - rec.begin, (0,) * len(rec.shape), rec.shape, ChunkEncoding.RAW)
+                chunk = TensorChunk(
+                    rel, rec.begin, rec.end - rec.begin, (0,) * len(rec.shape), rec.shape, ChunkEncoding.RAW
+                )
                 # The file stem is the entry name ("model") or, for per-rank RNG files, "rng.rank-1".
                 stem = rel.removesuffix(".safetensors")
                 entries.append(TensorEntry(f"{stem}.{rec.name}", component, rec.dtype, rec.shape, (chunk,)))

@@ -47,7 +47,9 @@ def _model() -> Any:
             super().__init__()
             self.embed = nn.Embedding(VOCAB, HIDDEN)
             self.blocks = nn.ModuleList(
-                nn.Sequential(nn.LayerNorm(HIDDEN), nn.Linear(HIDDEN, 4 * HIDDEN), nn.GELU(), nn.Linear(4 * HIDDEN, HIDDEN))
+                nn.Sequential(
+                    nn.LayerNorm(HIDDEN), nn.Linear(HIDDEN, 4 * HIDDEN), nn.GELU(), nn.Linear(4 * HIDDEN, HIDDEN)
+                )
                 for _ in range(2)
             )
             self.norm = nn.LayerNorm(HIDDEN)

@@ -49,7 +49,13 @@ class InspectReport:
             "world_size": ckpt.world_size,
             "metadata": jsonable(dict(ckpt.metadata)),
             "tensors": [
-                {"name": t.name, "component": t.component.value, "dtype": t.dtype, "shape": list(t.shape), "nbytes": t.nbytes}
+                {
+                    "name": t.name,
+                    "component": t.component.value,
+                    "dtype": t.dtype,
+                    "shape": list(t.shape),
+                    "nbytes": t.nbytes,
+                }
                 for t in self.tensors
             ],
             "totals": {

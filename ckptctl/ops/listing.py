@@ -20,7 +20,11 @@ class ListReport:
     checkpoints: tuple[CheckpointRef, ...]
 
     def to_json(self) -> dict[str, Any]:
-        return {"schema_version": SCHEMA_VERSION, "run": self.run, "checkpoints": [ref_json(c) for c in self.checkpoints]}
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "run": self.run,
+            "checkpoints": [ref_json(c) for c in self.checkpoints],
+        }
 
 
 def list_run(

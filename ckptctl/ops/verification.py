@@ -67,7 +67,12 @@ class RunVerifyReport:
         return all(r.ok for r in self.results)
 
     def to_json(self) -> dict[str, Any]:
-        return {"schema_version": SCHEMA_VERSION, "run": self.run, "ok": self.ok, "results": [r.to_json() for r in self.results]}
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "run": self.run,
+            "ok": self.ok,
+            "results": [r.to_json() for r in self.results],
+        }
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,7 +95,9 @@ def is_checkpoint(url: str) -> bool:
     return True
 
 
-def verify(url: str, options: VerifyOptions | None = None, progress: Progress | None = None) -> VerifyResult | RunVerifyReport:
+def verify(
+    url: str, options: VerifyOptions | None = None, progress: Progress | None = None
+) -> VerifyResult | RunVerifyReport:
     """Verify a checkpoint folder, or every checkpoint of a run folder."""
     options = options or VerifyOptions()
     if options.layout is not None or is_checkpoint(url):
@@ -99,7 +106,11 @@ def verify(url: str, options: VerifyOptions | None = None, progress: Progress | 
 
 
 def verify_run(
-    run: str, options: VerifyOptions | None = None, progress: Progress | None = None, *, only_resume_target: bool = False
+    run: str,
+    options: VerifyOptions | None = None,
+    progress: Progress | None = None,
+    *,
+    only_resume_target: bool = False,
 ) -> RunVerifyReport:
     """Verify every checkpoint below `run`; with `only_resume_target`, only the one a resume would load.
 
@@ -109,11 +120,15 @@ def verify_run(
     options = options or VerifyOptions()
     refs = scan_run(run)
     if not refs:
-        raise CheckpointNotFound(f"no checkpoints found in {run}", "run `ckptctl list` on the folder above, or check the path")
+        raise CheckpointNotFound(
+            f"no checkpoints found in {run}", "run `ckptctl list` on the folder above, or check the path"
+        )
     if only_resume_target:
         target = resume_target(refs)
         if target is None:
-            raise CkptctlError(f"{run} holds no complete checkpoint to resume from", "run `ckptctl list` to see what is there")
+            raise CkptctlError(
+                f"{run} holds no complete checkpoint to resume from", "run `ckptctl list` to see what is there"
+            )
         refs = [target]
     results = []
     for ref in refs:
@@ -130,7 +145,9 @@ def verify_run(
                 )
             )
             continue
-        results.append(verify_checkpoint(ref.url, VerifyOptions(**{**_fields(options), "layout": ref.layout}), progress))
+        results.append(
+            verify_checkpoint(ref.url, VerifyOptions(**{**_fields(options), "layout": ref.layout}), progress)
+        )
     return RunVerifyReport(run, tuple(results))
 
 
@@ -154,7 +171,9 @@ def verify_checkpoint(url: str, options: VerifyOptions | None = None, progress: 
     before = io.READ_STATS.bytes_read
     layout, ref = detect(url, options.layout)
     if ref.state is CheckpointState.IN_PROGRESS:
-        problem = Problem(ProblemKind.IN_PROGRESS, "", ref.note or "the checkpoint is still being written (no completion marker)")
+        problem = Problem(
+            ProblemKind.IN_PROGRESS, "", ref.note or "the checkpoint is still being written (no completion marker)"
+        )
         return VerifyResult(url, layout.name, ref.step, (problem,), 0, 0, io.READ_STATS.bytes_read - before)
     try:
         checkpoint = layout.open(url)
@@ -193,7 +212,14 @@ def verify_checkpoint(url: str, options: VerifyOptions | None = None, progress: 
         deep_problems, tensors_read = read_every_tensor(checkpoint, options.check_finite, progress)
         problems.extend(deep_problems)
     return VerifyResult(
-        url, layout.name, ref.step, tuple(problems), digests_checked, tensors_read, io.READ_STATS.bytes_read - before, wrote
+        url,
+        layout.name,
+        ref.step,
+        tuple(problems),
+        digests_checked,
+        tensors_read,
+        io.READ_STATS.bytes_read - before,
+        wrote,
     )
 
 
@@ -227,7 +253,12 @@ def check_digests(
     if manifest.native is False:
         for rel in sorted(set(present) - set(manifest.files) - {DIGESTS_NAME, MANIFEST_NAME}):
             problems.append(
-                Problem(ProblemKind.UNEXPECTED_FILE, rel, f"{rel} was added after the digests were recorded", severity="warning")
+                Problem(
+                    ProblemKind.UNEXPECTED_FILE,
+                    rel,
+                    f"{rel} was added after the digests were recorded",
+                    severity="warning",
+                )
             )
     return problems, len(todo)
 
@@ -269,10 +300,16 @@ def read_every_tensor(checkpoint: Checkpoint, check_finite: bool, progress: Prog
         finally:
             progress.advance(entry.nbytes)
         if tuple(tensor.shape) != entry.shape:
-            problems.append(Problem(ProblemKind.BAD_METADATA, entry.name, f"read shape {tuple(tensor.shape)}, expected {entry.shape}"))
+            problems.append(
+                Problem(
+                    ProblemKind.BAD_METADATA, entry.name, f"read shape {tuple(tensor.shape)}, expected {entry.shape}"
+                )
+            )
         if check_finite and tensor.is_floating_point() and tensor.numel():
             bad = int((~torch.isfinite(tensor)).sum())
             if bad:
-                problems.append(Problem(ProblemKind.NOT_FINITE, entry.name, f"{bad} of {tensor.numel()} values are NaN or Inf"))
+                problems.append(
+                    Problem(ProblemKind.NOT_FINITE, entry.name, f"{bad} of {tensor.numel()} values are NaN or Inf")
+                )
     progress.finish()
     return problems, len(index)

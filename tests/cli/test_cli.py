@@ -103,7 +103,9 @@ def test_interrupt_exits_130(run_cli: Cli, tmp_path: Path, monkeypatch: pytest.M
     assert run_cli("list", tmp_path).exit_code == 130
 
 
-def test_internal_error_is_reported_without_traceback(run_cli: Cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_internal_error_is_reported_without_traceback(
+    run_cli: Cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import ckptctl.ops.listing
 
     def broken(*args: object, **kwargs: object) -> None:
@@ -155,7 +157,9 @@ def test_deep_check_finite_reports_nan(run_cli: Cli, hf_model_dirs: dict[str, Pa
     assert result.json["tensors_read"] > 0
 
 
-def test_quiet_prints_nothing_and_keeps_the_exit_code(run_cli: Cli, hf_model_dirs: dict[str, Path], tmp_path: Path) -> None:
+def test_quiet_prints_nothing_and_keeps_the_exit_code(
+    run_cli: Cli, hf_model_dirs: dict[str, Path], tmp_path: Path
+) -> None:
     folder = copy_tree(hf_model_dirs["single"], tmp_path / "m")
     assert run_cli("verify", folder, "-q") == CliResult(0, "", "")
     path = folder / "model.safetensors"

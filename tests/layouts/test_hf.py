@@ -41,7 +41,9 @@ def test_sharded_and_single_verify(hf_model_dirs: dict[str, Path]) -> None:
         assert result.ok, result.problems
 
 
-def test_missing_shard_named_by_index_is_broken_and_fails_verify(hf_model_dirs: dict[str, Path], tmp_path: Path) -> None:
+def test_missing_shard_named_by_index_is_broken_and_fails_verify(
+    hf_model_dirs: dict[str, Path], tmp_path: Path
+) -> None:
     folder = copy_tree(hf_model_dirs["sharded"], tmp_path / "m")
     index = json.loads((folder / "model.safetensors.index.json").read_text())
     victim = sorted(set(index["weight_map"].values()))[1]
@@ -71,7 +73,9 @@ def test_index_naming_a_file_that_does_not_exist(hf_model_dirs: dict[str, Path],
     index_path.write_text(json.dumps(index))
     result = verify_checkpoint(str(folder))
     assert not result.ok
-    assert any(p.kind == ProblemKind.MISSING_FILE and p.path == "model-99999-of-99999.safetensors" for p in result.problems)
+    assert any(
+        p.kind == ProblemKind.MISSING_FILE and p.path == "model-99999-of-99999.safetensors" for p in result.problems
+    )
 
 
 @pytest.mark.parametrize(
@@ -83,7 +87,10 @@ def test_index_naming_a_file_that_does_not_exist(hf_model_dirs: dict[str, Path],
         json.dumps({"w": {"dtype": "Q99", "shape": [4], "data_offsets": [0, 16]}}).encode(),
         json.dumps({"w": {"dtype": "F32", "shape": [-4], "data_offsets": [0, 16]}}).encode(),
         json.dumps(
-            {"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}, "b": {"dtype": "F32", "shape": [4], "data_offsets": [8, 24]}}
+            {
+                "a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]},
+                "b": {"dtype": "F32", "shape": [4], "data_offsets": [8, 24]},
+            }
         ).encode(),
     ],
     ids=["garbage", "offset-past-end", "length-disagrees", "unknown-dtype", "negative-shape", "overlap"],

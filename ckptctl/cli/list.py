@@ -59,25 +59,33 @@ def list_checkpoints(
     if not report.checkpoints:
         out.note(f"no checkpoints found below {run}")
         return
+    with_epoch = any(ref.epoch is not None for ref in report.checkpoints)
     table = Table(title=f"{len(report.checkpoints)} checkpoint(s) in {run}", title_justify="left")
-    for column, justify in (("step", "right"), ("epoch", "right"), ("state", "left"), ("layout", "left")):
-        table.add_column(column, justify=justify)  # type: ignore[arg-type]
-    table.add_column("size", justify="right")
-    table.add_column("created")
-    table.add_column("latest", justify="center")
-    table.add_column("path", overflow="fold")
+    table.add_column("path", overflow="fold", ratio=1)
+    table.add_column("step", justify="right", no_wrap=True)
+    if with_epoch:
+        table.add_column("epoch", justify="right", no_wrap=True)
+    table.add_column("state", no_wrap=True)
+    table.add_column("layout", no_wrap=True)
+    table.add_column("size", justify="right", no_wrap=True)
+    table.add_column("created", no_wrap=True)
+    table.add_column("latest", justify="center", no_wrap=True)
     for ref in report.checkpoints:
         style = STATE_STYLE.get(ref.state.value, "")
-        table.add_row(
+        row = [
+            _relative(ref.url, run) + (f" [dim]({ref.note})[/dim]" if ref.note else ""),
             "-" if ref.step is None else str(ref.step),
-            "-" if ref.epoch is None else f"{ref.epoch:g}",
+        ]
+        if with_epoch:
+            row.append("-" if ref.epoch is None else f"{ref.epoch:g}")
+        row += [
             f"[{style}]{ref.state.value}[/{style}]",
             ref.layout,
             human_bytes(ref.size_bytes),
-            ref.created.strftime("%Y-%m-%d %H:%M:%S") if ref.created else "-",
+            ref.created.strftime("%m-%d %H:%M") if ref.created else "-",
             "*" if ref.latest else "",
-            _relative(ref.url, run) + (f"  [dim]({ref.note})[/dim]" if ref.note else ""),
-        )
+        ]
+        table.add_row(*row)
     out.print(table)
 
 

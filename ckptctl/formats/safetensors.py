@@ -171,7 +171,8 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     flat = tensor.detach().contiguous().reshape(-1)
     if flat.numel() == 0:
         return memoryview(b"")
-    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+    array: Any = flat.view(torch.uint8).numpy()
+    return memoryview(array).cast("B")
 
 
 def build_header(

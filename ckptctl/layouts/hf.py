@@ -65,7 +65,7 @@ _CONFIG_SUMMARY = (
 
 def _shards_missing(names: set[str]) -> list[str]:
     """Shard files a `-0000i-of-0000N` naming promises but the folder lacks (judged from names only)."""
-    missing = []
+    missing: list[str] = []
     for name in names:
         m = _SHARD.match(name)
         if m:

@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 import socket
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,7 +77,7 @@ def _train_steps(model: Any, optimizer: Any, scheduler: Any, first: int, last: i
         loss.backward()
         optimizer.step()
         scheduler.step()
-        on_step(step, float(loss))
+        on_step(step, float(loss.detach()))
 
 
 def run_demo(root: str, *, steps: int = 30, distributed: bool = True, force: bool = False) -> DemoResult:
@@ -143,6 +144,8 @@ def _distributed_worker(rank: int, world_size: int, port: int, root: str, steps:
 
     from ckptctl.core import CheckpointManager
 
+    # The residual blocks return views; harmless here (no in-place ops on them), so keep the demo quiet.
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ckptctl import io
 from ckptctl.checkpoint import CheckpointRef, CheckpointState
 from ckptctl.layouts import scan_run
 from ckptctl.ops.report import SCHEMA_VERSION, ref_json
@@ -41,7 +42,7 @@ def list_run(
 
     Args:
         run: run folder (local path or fsspec URL).
-        sort: one of `SORT_KEYS`; checkpoints without a step sort first under `step`.
+        sort: one of `SORT_KEYS`; `step` groups checkpoints by their folder, those without a step first.
         reverse: newest/largest first.
         states: keep only these states.
         layout: keep only this layout.
@@ -63,7 +64,8 @@ def list_run(
             return (ref.size_bytes, ref.url)
         if sort == "url":
             return (ref.url,)
-        return (ref.step is not None, ref.step or 0, ref.url)
+        # Grouped by the folder holding them, so the checkpoints of one run stay together.
+        return (io.parent_of(ref.url), ref.step is not None, ref.step or 0, ref.url)
 
     refs.sort(key=key, reverse=reverse)
     if limit is not None:

@@ -9,7 +9,7 @@ Three levels, each optional beyond the first:
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -228,7 +228,7 @@ def _workers(requested: int | None) -> int:
 
 
 def check_digests(
-    url: str, manifest: Manifest, present: dict[str, int], workers: int | None, progress: Progress
+    url: str, manifest: Manifest, present: Mapping[str, int], workers: int | None, progress: Progress
 ) -> tuple[list[Problem], int]:
     """Hash every file the manifest lists (in parallel) and compare; returns problems and files checked."""
     todo = {rel: rec for rel, rec in manifest.files.items() if present.get(rel) == rec.size}
@@ -263,7 +263,7 @@ def check_digests(
     return problems, len(todo)
 
 
-def write_digests(url: str, files: dict[str, int], workers: int | None, progress: Progress) -> Manifest:
+def write_digests(url: str, files: Mapping[str, int], workers: int | None, progress: Progress) -> Manifest:
     """Record size and blake3 of every file of a foreign checkpoint into `ckptctl-digests.json`."""
     todo = sorted((rel, size) for rel, size in files.items() if rel not in (DIGESTS_NAME, MANIFEST_NAME))
     progress.start("hashing", sum(size for _, size in todo))

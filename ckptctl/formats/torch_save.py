@@ -1,0 +1,257 @@
+"""torch.save archives holding one tensor (what torch DCP stores per item): decode, or locate the raw bytes.
+
+An archive is a zip (`PK\\x03\\x04`) with records `<name>/data.pkl` (a small pickle that rebuilds the
+tensor from a storage), `<name>/byteorder`, and `<name>/data/<key>` (the storage's bytes, stored
+uncompressed and 64-byte aligned by torch's writer).
+
+- `decode_tensor` loads a tensor with torch's own allowlisting unpickler (`weights_only=True`); ckptctl
+  never calls `pickle.load` or `weights_only=False` on checkpoint data.
+- `inspect_archive`/`raw_record` find where the tensor's elements are inside the archive without torch:
+  the zip's central directory gives the storage record's position, and `data.pkl` (read with the
+  `TORCH_SAVE_GLOBALS` stand-ins) gives dtype, shape, stride and storage offset. When the tensor is a
+  row-major view of its storage in little-endian order, its elements are one contiguous byte range that a
+  converter can copy as is. DCP's writer clones views whose storage is larger than the tensor, so for
+  items written by DCP the range is the whole storage record.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import re
+import struct
+import zipfile
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ckptctl.checkpoint import dtype_itemsize
+from ckptctl.errors import CkptctlError, CorruptCheckpoint, UnsafePickle
+from ckptctl.formats.safe_pickle import TensorRebuild, load_torch_save_pickle
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["ArchiveTensor", "decode_tensor", "inspect_archive", "is_torch_save_archive", "raw_record"]
+
+_ZIP_MAGIC = b"PK\x03\x04"
+_REFUSED_GLOBAL = re.compile(r"unsupported global:?\s+(?:GLOBAL\s+)?([\w.]+)", re.IGNORECASE)
+_LOCAL_HEADER = struct.Struct("<4s5H3I2H")  # signature ... file name length, extra field length
+#: data.pkl of one tensor is ~200 bytes; a larger one is not a single plain tensor.
+_MAX_DATA_PKL = 64 << 10
+
+
+@dataclass(frozen=True, slots=True)
+class ArchiveTensor:
+    """What a torch.save archive of one tensor holds, and where its elements are.
+
+    Attributes:
+        dtype: torch-style dtype name.
+        shape: the tensor's shape.
+        contiguous: whether the elements are stored row-major, little-endian, without gaps, so that
+            `start:end` is exactly the tensor's bytes.
+        start: first byte of the tensor's elements inside the archive (when `contiguous`).
+        end: one past the last byte (when `contiguous`).
+    """
+
+    dtype: str
+    shape: tuple[int, ...]
+    contiguous: bool
+    start: int
+    end: int
+
+
+def is_torch_save_archive(blob: bytes | memoryview) -> bool:
+    """Whether `blob` starts like a torch.save zip archive."""
+    return bytes(blob[:4]) == _ZIP_MAGIC
+
+
+def decode_tensor(blob: bytes | memoryview, source: str) -> torch.Tensor:
+    """Load the tensor of a torch.save archive with `torch.load(weights_only=True)`.
+
+    Args:
+        blob: the whole archive.
+        source: where it came from (file and key), for messages.
+
+    Raises:
+        UnsafePickle: the archive's pickle asks for something torch's allowlist refuses.
+        CorruptCheckpoint: it is not an archive of one tensor.
+    """
+    import pickle
+
+    import torch
+
+    if not is_torch_save_archive(blob):
+        raise CorruptCheckpoint(
+            f"{source}: not a torch.save archive",
+            "the item may have been written with a stream transform or the safetensors serialization "
+            "format, which ckptctl does not read",
+        )
+    try:
+        value = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        # weights_only refuses globals outside torch's allowlist with UnpicklingError. Its message
+        # suggests retrying with weights_only=False, advice ckptctl must not pass on.
+        refused = _REFUSED_GLOBAL.search(str(exc))
+        if refused:
+            raise UnsafePickle(
+                f"{source}: the archive's pickle asks for {refused.group(1)}, which torch's weights_only loader "
+                "refuses; nothing in it was executed"
+            ) from exc
+        raise CorruptCheckpoint(f"{source}: unreadable torch.save archive (the pickle is damaged)") from exc
+    # torch.load reports damaged archives with RuntimeError (zip reader), EOFError, ValueError and more.
+    except Exception as exc:
+        raise CorruptCheckpoint(
+            f"{source}: unreadable torch.save archive ({type(exc).__name__}: {_first_line(exc)})"
+        ) from exc
+    if not isinstance(value, torch.Tensor):
+        raise CorruptCheckpoint(f"{source}: the archive holds a {type(value).__name__}, not a tensor")
+    return value
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0][:300] if text else type(exc).__name__
+
+
+def raw_record(blob: bytes | memoryview, source: str = "torch.save archive") -> tuple[int, int] | None:
+    """The byte range `(start, end)` of the tensor's elements inside the archive, if it is one plain range.
+
+    None when the tensor is not stored row-major and gapless in little-endian order (then decode it).
+
+    Raises:
+        CorruptCheckpoint: the archive is damaged or does not hold one tensor.
+    """
+    found = inspect_archive(blob, source)
+    return (found.start, found.end) if found.contiguous else None
+
+
+def inspect_archive(blob: bytes | memoryview, source: str) -> ArchiveTensor:
+    """Read the zip directory and `data.pkl` of a one-tensor archive, without torch and without its data.
+
+    Only the central directory, two small records and one local header are read, so passing a
+    memoryview of an mmap'd data file costs no copy of the tensor bytes.
+
+    Raises:
+        UnsafePickle: `data.pkl` names a global outside `TORCH_SAVE_GLOBALS`.
+        CorruptCheckpoint: the archive is damaged or does not hold one plain tensor.
+    """
+    view = memoryview(blob).cast("B") if not isinstance(blob, bytes) else memoryview(blob)
+    try:
+        with zipfile.ZipFile(_ViewReader(view)) as archive:
+            infos = {info.filename: info for info in archive.infolist()}
+            pkl_names = [n for n in infos if n.count("/") == 1 and n.endswith("/data.pkl")]
+            if len(pkl_names) != 1:
+                raise CorruptCheckpoint(f"{source}: not a torch.save archive (no single data.pkl record)")
+            prefix = pkl_names[0][: -len("data.pkl")]
+            pkl_info = infos[pkl_names[0]]
+            if pkl_info.file_size > _MAX_DATA_PKL:
+                raise CorruptCheckpoint(f"{source}: data.pkl is too large for one tensor")
+            pickled = _stored_bytes(view, pkl_info, source)
+            order = infos.get(prefix + "byteorder")
+            little = order is None or _stored_bytes(view, order, source) == b"little"
+    except CkptctlError:
+        raise
+    # zipfile reports damaged directories with BadZipFile, struct.error, ValueError, EOFError, ...
+    except Exception as exc:
+        raise CorruptCheckpoint(f"{source}: damaged torch.save archive ({type(exc).__name__}: {exc})") from exc
+    rebuilt = load_torch_save_pickle(pickled, f"{source} data.pkl")
+    if not isinstance(rebuilt, TensorRebuild):
+        raise CorruptCheckpoint(f"{source}: the archive does not hold a plain tensor")
+    return _locate(view, infos, prefix, rebuilt, little, source)
+
+
+def _locate(
+    view: memoryview, infos: dict[str, zipfile.ZipInfo], prefix: str, t: TensorRebuild, little: bool, source: str
+) -> ArchiveTensor:
+    try:
+        itemsize = dtype_itemsize(t.dtype)
+    except KeyError:
+        raise CorruptCheckpoint(f"{source}: unsupported dtype {t.dtype}") from None
+    numel = math.prod(t.shape)
+    nbytes = numel * itemsize
+    if numel == 0:
+        return ArchiveTensor(t.dtype, t.shape, True, 0, 0)
+    record = infos.get(f"{prefix}data/{t.storage.key}")
+    if record is None:
+        raise CorruptCheckpoint(f"{source}: the storage record data/{t.storage.key} is missing")
+    # Typed (legacy) storages count elements, untyped ones count bytes.
+    storage_bytes = t.storage.numel * (itemsize if t.storage.dtype is not None else 1)
+    if record.file_size != storage_bytes or record.compress_type != zipfile.ZIP_STORED:
+        raise CorruptCheckpoint(f"{source}: the storage record does not hold the {storage_bytes} bytes data.pkl claims")
+    # The furthest element the view reaches must lie inside the storage.
+    last = t.storage_offset + sum((d - 1) * s for d, s in zip(t.shape, t.stride, strict=True))
+    if any(s < 0 for s in t.stride) or (last + 1) * itemsize > storage_bytes:
+        raise CorruptCheckpoint(f"{source}: the tensor reaches outside its storage")
+    start = _data_start(view, record, source) + t.storage_offset * itemsize
+    # A dimension of size 1 never steps, so its stride is irrelevant (torch leaves it arbitrary at times).
+    contiguous = little and all(
+        d == 1 or s == e for d, s, e in zip(t.shape, t.stride, _row_major_strides(t.shape), strict=True)
+    )
+    return ArchiveTensor(t.dtype, t.shape, contiguous, start, start + nbytes)
+
+
+def _row_major_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides = []
+    step = 1
+    for d in reversed(shape):
+        strides.append(step)
+        step *= d
+    return tuple(reversed(strides))
+
+
+def _data_start(view: memoryview, info: zipfile.ZipInfo, source: str) -> int:
+    offset = info.header_offset
+    if offset + _LOCAL_HEADER.size > len(view):
+        raise CorruptCheckpoint(f"{source}: a zip record header lies outside the archive")
+    fields = _LOCAL_HEADER.unpack_from(view, offset)
+    if fields[0] != _ZIP_MAGIC:
+        raise CorruptCheckpoint(f"{source}: a zip record header is damaged")
+    start = offset + _LOCAL_HEADER.size + fields[-2] + fields[-1]
+    if start + info.file_size > len(view):
+        raise CorruptCheckpoint(f"{source}: a zip record runs past the end of the archive")
+    return start
+
+
+def _stored_bytes(view: memoryview, info: zipfile.ZipInfo, source: str) -> bytes:
+    if info.compress_type != zipfile.ZIP_STORED:
+        raise CorruptCheckpoint(f"{source}: record {info.filename} is compressed, torch.save never does that")
+    start = _data_start(view, info, source)
+    return bytes(view[start : start + info.file_size])
+
+
+class _ViewReader(io.RawIOBase):
+    """A read-only, seekable file over a memoryview, so that zipfile reads only what it needs."""
+
+    def __init__(self, view: memoryview) -> None:
+        super().__init__()
+        self._view = view
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._view)}[whence]
+        if base + offset < 0:
+            raise ValueError("negative seek position")
+        self._pos = base + offset
+        return self._pos
+
+    def readinto(self, buffer: Any) -> int:
+        chunk = self._view[self._pos : self._pos + len(buffer)]
+        n = len(chunk)
+        memoryview(buffer).cast("B")[:n] = chunk
+        self._pos += n
+        return n
+
+    def read(self, size: int = -1) -> bytes:
+        end = len(self._view) if size is None or size < 0 else self._pos + size
+        data = bytes(self._view[self._pos : end])
+        self._pos += len(data)
+        return data

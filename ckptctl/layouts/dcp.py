@@ -1,0 +1,462 @@
+"""torch.distributed.checkpoint (DCP) folders: `.metadata` + `__{rank}_{n}.distcp` (LAYOUTS.md, DCP).
+
+Listing, opening and structural verification read `.metadata` and directory listings only, never tensor
+data, and need no torch: `.metadata` is parsed by `formats.dcp_metadata` with inert stand-ins for the
+torch classes it names. Each tensor chunk is a torch.save archive at (file, offset, length), which the
+index exposes as `ChunkEncoding.TORCH_SAVE` chunks for `formats.chunks.read_tensor`.
+
+The native layout stores its multi-rank state as a DCP folder (`step-N/dcp/`), so the pieces it needs are
+public here: `dcp_tensor_index` and `verify_dcp` take the folder URL and a path prefix that makes chunk
+files relative to the outer checkpoint.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import replace
+from functools import cache
+
+from ckptctl import io
+from ckptctl.checkpoint import (
+    Checkpoint,
+    CheckpointRef,
+    CheckpointState,
+    ChunkEncoding,
+    Component,
+    Problem,
+    ProblemKind,
+    TensorChunk,
+    TensorEntry,
+    dtype_itemsize,
+)
+from ckptctl.errors import CheckpointInProgress, CheckpointNotFound, CorruptCheckpoint, UnknownLayout, UnsafePickle
+from ckptctl.formats.chunks import tiling_problem
+from ckptctl.formats.dcp_metadata import METADATA_NAME, DcpMetadata, DcpTensor, parse_dcp_metadata
+from ckptctl.formats.safe_pickle import gc_paused
+from ckptctl.io import DirEntry
+from ckptctl.layouts.base import newest_mtime, step_from_name, timestamp
+
+__all__ = [
+    "DcpLayout",
+    "component_classifier",
+    "component_for_prefix",
+    "dcp_tensor_index",
+    "index_from_metadata",
+    "load_dcp_metadata",
+    "verify_dcp",
+    "world_size_of",
+]
+
+#: Data files torch's FileSystemWriter creates: `__{rank}_{n}.distcp`.
+DISTCP_RE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
+_TMP_METADATA = METADATA_NAME + ".tmp"
+
+_PREFIXES: dict[str, Component] = {
+    "model": Component.MODEL,
+    "module": Component.MODEL,
+    "optim": Component.OPTIMIZER,
+    "optimizer": Component.OPTIMIZER,
+    "scheduler": Component.SCHEDULER,
+    "lr_scheduler": Component.SCHEDULER,
+    "dataloader": Component.DATALOADER,
+    "sampler": Component.DATALOADER,
+    "trainer_state": Component.TRAINER_STATE,
+    "train_state": Component.TRAINER_STATE,  # torchtitan
+}
+
+
+def component_for_prefix(prefix: str) -> Component | None:
+    """The component a state-dict key's first segment names (`optim` → OPTIMIZER), or None."""
+    found = _PREFIXES.get(prefix)
+    if found is None and prefix.startswith("rng"):
+        return Component.RNG
+    return found
+
+
+def component_classifier(keys: Iterable[str]) -> Callable[[str], Component]:
+    """How to assign the keys of one save to components, decided from all of its keys.
+
+    Keys are classified by their first dotted segment. Two conventions are common enough to handle:
+    one wrapper segment around everything (`app.model.*`, AReaL's `dcp.model.*`) is skipped; and keys
+    with no recognised prefix are model weights when nothing else claims to be the model (a raw
+    `dcp.save(model.state_dict())`, or torchtitan's flattened model next to `optimizer.*`), else EXTRA.
+    """
+    firsts: set[str] = set()
+    seconds: set[str] = set()
+    for key in keys:
+        first, _, rest = key.partition(".")
+        firsts.add(first)
+        seconds.add(rest.partition(".")[0])
+    depth = 0
+    if (
+        len(firsts) == 1
+        and component_for_prefix(next(iter(firsts))) is None
+        and any(component_for_prefix(s) is not None for s in seconds)
+    ):
+        depth = 1
+    found = {component_for_prefix(p) for p in (seconds if depth else firsts)}
+    fallback = Component.EXTRA if Component.MODEL in found else Component.MODEL
+    # 100k keys share a handful of prefixes: remember each prefix's answer.
+    memo: dict[str, Component] = {}
+
+    def classify(key: str) -> Component:
+        segment = key.split(".", 2)[1] if depth and "." in key else key.partition(".")[0]
+        component = memo.get(segment)
+        if component is None:
+            component = memo[segment] = component_for_prefix(segment) or fallback
+        return component
+
+    return classify
+
+
+# --------------------------------------------------------------------------------------------------
+# Reading `.metadata` (cached: open, tensor_index and verify of one checkpoint parse it once).
+# --------------------------------------------------------------------------------------------------
+
+_CACHE_SIZE = 2
+_cache: OrderedDict[tuple[str, int, float], DcpMetadata] = OrderedDict()
+_cache_lock = threading.Lock()
+
+
+def load_dcp_metadata(url: str, entry: DirEntry | None = None) -> DcpMetadata:
+    """Read and parse the `.metadata` of the DCP folder at `url` (a small cache keyed by size and mtime).
+
+    Args:
+        url: the DCP folder.
+        entry: its `.metadata` listing entry when the caller has it (saves a stat).
+
+    Raises:
+        CheckpointInProgress: there is no `.metadata` (the save has not finished).
+        UnsafePickle: the file asks for a global outside the allowlist.
+        CorruptCheckpoint: it does not parse or validate.
+    """
+    path = io.join(url, METADATA_NAME)
+    if entry is None:
+        entry = next((e for e in io.list_dir(url) if e.name == METADATA_NAME and not e.is_dir), None)
+        if entry is None:
+            raise _in_progress(url)
+    key = (path, entry.size, entry.mtime)
+    with _cache_lock:
+        cached = _cache.get(key)
+        if cached is not None:
+            _cache.move_to_end(key)
+            return cached
+    parsed = parse_dcp_metadata(io.read_bytes(path), path)
+    if entry.mtime:  # a store that reports no mtime could not tell a rewritten file from the cached one
+        with _cache_lock:
+            _cache[key] = parsed
+            while len(_cache) > _CACHE_SIZE:
+                _cache.popitem(last=False)
+    return parsed
+
+
+def _in_progress(url: str) -> CheckpointInProgress:
+    return CheckpointInProgress(
+        f"{url} has no {METADATA_NAME}: the DCP save has not finished (or was interrupted)",
+        "wait for the save, or pick another checkpoint",
+    )
+
+
+def world_size_of(entries: Sequence[DirEntry], referenced: Mapping[str, int] | None = None) -> int | None:
+    """The number of ranks that wrote the save, from `__{rank}_{n}.distcp` names.
+
+    Args:
+        entries: the folder's listing.
+        referenced: `DcpMetadata.referenced_files()` when the metadata is readable. Then files it does
+            not reference are left out unless empty: a rank with nothing to write still leaves an empty
+            file, while non-empty unreferenced files are stale leftovers of an earlier save.
+    """
+    names = [e.name for e in entries if referenced is None or e.name in referenced or e.size == 0]
+    ranks = {int(m.group(1)) for name in (*names, *(referenced or ())) if (m := DISTCP_RE.match(name))}
+    return max(ranks) + 1 if ranks else None
+
+
+def dcp_tensor_index(
+    url: str, component_of: Callable[[str], Component], path_prefix: str = ""
+) -> tuple[TensorEntry, ...]:
+    """The tensor index of the DCP folder at `url`, from `.metadata` only.
+
+    Args:
+        url: the DCP folder.
+        component_of: assigns each flattened key to a component (see `component_classifier`).
+        path_prefix: prepended to chunk file names, so that they are relative to an outer checkpoint
+            (the native layout passes `"dcp/"`).
+
+    Returns:
+        One entry per tensor, in stored order, with TORCH_SAVE chunks. Chunks without a storage record
+        are left out (verify reports them; `read_tensor` refuses the incomplete tensor).
+
+    Raises:
+        CheckpointInProgress, UnsafePickle, CorruptCheckpoint: as `load_dcp_metadata`.
+    """
+    return index_from_metadata(load_dcp_metadata(url), component_of, path_prefix)
+
+
+def index_from_metadata(
+    metadata: DcpMetadata, component_of: Callable[[str], Component], path_prefix: str = ""
+) -> tuple[TensorEntry, ...]:
+    """`dcp_tensor_index` for metadata already parsed."""
+    storage = metadata.storage.get
+    encoding = ChunkEncoding.TORCH_SAVE
+    files: dict[str, str] = {}
+    entries: list[TensorEntry] = []
+    append = entries.append
+    with gc_paused():  # 100k entries: see gc_paused
+        for key, tensor in metadata.tensors():
+            chunks = []
+            for chunk in tensor.chunks:
+                record = storage((key, chunk.offsets))
+                if record is None:
+                    continue
+                file = record.relative_path
+                if path_prefix:
+                    file = files.get(file) or files.setdefault(file, path_prefix + file)
+                chunks.append(TensorChunk(file, record.offset, record.length, chunk.offsets, chunk.sizes, encoding))
+            append(TensorEntry(key, component_of(key), tensor.dtype, tensor.size, tuple(chunks)))
+    return tuple(entries)
+
+
+# --------------------------------------------------------------------------------------------------
+# Verify.
+# --------------------------------------------------------------------------------------------------
+
+
+def verify_dcp(url: str, path_prefix: str = "") -> list[Problem]:
+    """Structural problems of the DCP folder at `url`, from `.metadata` and the listing only.
+
+    Checks: `.metadata` present (else IN_PROGRESS), parses (BAD_METADATA) and is safe (UNSAFE_PICKLE);
+    every storage file present (MISSING_FILE) and long enough for its records (TRUNCATED); every chunk of
+    every tensor has a storage record and the chunks tile the tensor (COVERAGE, OUT_OF_BOUNDS); each
+    record is at least as long as its chunk's raw bytes (SIZE_MISMATCH); every bytes item has a record;
+    `.distcp` files no record references are reported as warnings (UNEXPECTED_FILE: stale leftovers of
+    an in-place overwrite).
+
+    Args:
+        url: the DCP folder.
+        path_prefix: prepended to the file names in problem paths (the native layout passes `"dcp/"`).
+    """
+    try:
+        entries = io.list_dir(url)
+    except CheckpointNotFound:
+        return [Problem(ProblemKind.MISSING_FILE, path_prefix or ".", f"the DCP folder {url} is missing")]
+    by_name = {e.name: e for e in entries if not e.is_dir}
+    meta_path = path_prefix + METADATA_NAME
+    meta_entry = by_name.get(METADATA_NAME)
+    if meta_entry is None:
+        pending = _TMP_METADATA in by_name or any(DISTCP_RE.match(n) for n in by_name)
+        message = (
+            f"no {METADATA_NAME}: the save has not finished (or was interrupted)"
+            if pending
+            else f"no {METADATA_NAME} and no data files: not a DCP checkpoint"
+        )
+        return [Problem(ProblemKind.IN_PROGRESS if pending else ProblemKind.MISSING_FILE, meta_path, message)]
+    try:
+        metadata = load_dcp_metadata(url, meta_entry)
+    except UnsafePickle as exc:
+        return [Problem(ProblemKind.UNSAFE_PICKLE, meta_path, exc.message)]
+    except CorruptCheckpoint as exc:
+        return [Problem(ProblemKind.BAD_METADATA, meta_path, exc.message)]
+    problems: list[Problem] = []
+    if _TMP_METADATA in by_name:
+        problems.append(
+            Problem(
+                ProblemKind.IN_PROGRESS,
+                path_prefix + _TMP_METADATA,
+                f"{_TMP_METADATA} exists: a save into this folder is under way or was interrupted, so the data "
+                f"files may not match {METADATA_NAME}",
+            )
+        )
+    referenced = metadata.referenced_files()
+    problems += _storage_problems(url, referenced, by_name, path_prefix)
+    problems += _coverage_problems(metadata, path_prefix)
+    for name, entry in by_name.items():
+        if DISTCP_RE.match(name) and name not in referenced and entry.size > 0:
+            problems.append(
+                Problem(
+                    ProblemKind.UNEXPECTED_FILE,
+                    path_prefix + name,
+                    f"{entry.size} bytes that {METADATA_NAME} does not reference (stale data of an earlier save?)",
+                    severity="warning",
+                )
+            )
+    return problems
+
+
+def _storage_problems(url: str, referenced: dict[str, int], by_name: dict[str, DirEntry], prefix: str) -> list[Problem]:
+    problems = []
+    for name, end in sorted(referenced.items()):
+        entry = by_name.get(name)
+        if entry is not None:
+            size = entry.size
+        elif "/" in name and io.exists(io.join(url, name)):  # a custom writer's sub-folder
+            size = io.file_size(io.join(url, name))
+        else:
+            problems.append(
+                Problem(ProblemKind.MISSING_FILE, prefix + name, f"referenced by {METADATA_NAME} but missing")
+            )
+            continue
+        if end > size:
+            problems.append(
+                Problem(
+                    ProblemKind.TRUNCATED,
+                    prefix + name,
+                    f"{METADATA_NAME} places data up to byte {end} but the file has {size} bytes",
+                )
+            )
+    return problems
+
+
+def _coverage_problems(metadata: DcpMetadata, prefix: str) -> list[Problem]:
+    problems = []
+    storage = metadata.storage
+    for key, item in metadata.entries.items():
+        if not isinstance(item, DcpTensor):
+            if (key, None) not in storage:
+                problems.append(Problem(ProblemKind.COVERAGE, key, "non-tensor value without a storage record"))
+            continue
+        problems += _tensor_problems(key, item, metadata, prefix)
+    return problems
+
+
+def _tensor_problems(key: str, tensor: DcpTensor, metadata: DcpMetadata, prefix: str) -> list[Problem]:
+    problems = []
+    itemsize = dtype_itemsize(tensor.dtype)
+    for chunk in tensor.chunks:
+        record = metadata.storage.get((key, chunk.offsets))
+        if record is None:
+            problems.append(Problem(ProblemKind.COVERAGE, key, f"chunk at {list(chunk.offsets)} has no storage record"))
+        elif not record.transforms and record.length < chunk.numel * itemsize:
+            # A torch.save archive holds the raw elements plus its zip directory; never fewer bytes.
+            problems.append(
+                Problem(
+                    ProblemKind.SIZE_MISMATCH,
+                    key,
+                    f"chunk at {list(chunk.offsets)} is stored in {record.length} bytes of "
+                    f"{prefix}{record.relative_path} but {tensor.dtype}{list(chunk.sizes)} needs "
+                    f"{chunk.numel * itemsize}",
+                )
+            )
+    problem = tiling_problem(tensor.size, [(c.offsets, c.sizes) for c in tensor.chunks])
+    if problem is not None:
+        kind = ProblemKind.OUT_OF_BOUNDS if "outside" in problem else ProblemKind.COVERAGE
+        problems.append(Problem(kind, key, problem))
+    return problems
+
+
+# --------------------------------------------------------------------------------------------------
+# The layout.
+# --------------------------------------------------------------------------------------------------
+
+
+class DcpLayout:
+    """A torch DCP checkpoint folder written by `torch.distributed.checkpoint.save` (FileSystemWriter)."""
+
+    name = "dcp"
+
+    def identify(self, url: str, entries: Sequence[DirEntry]) -> CheckpointRef | None:
+        """A DCP ref when the folder holds `.metadata` or `__R_N.distcp` files (listing only)."""
+        meta = tmp = None
+        has_data = False
+        size = 0
+        for entry in entries:
+            if entry.is_dir:
+                continue
+            size += entry.size
+            if entry.name == METADATA_NAME:
+                meta = entry
+            elif entry.name == _TMP_METADATA:
+                tmp = entry
+            elif not has_data and DISTCP_RE.match(entry.name):
+                has_data = True
+        if meta is None and tmp is None and not has_data:
+            return None
+        note = ""
+        if meta is None:
+            state = CheckpointState.IN_PROGRESS
+            note = f"no {METADATA_NAME} yet"
+        elif tmp is not None:
+            # An in-place overwrite keeps the old .metadata until its very end: it proves nothing now.
+            state = CheckpointState.IN_PROGRESS
+            note = f"{_TMP_METADATA} present: being overwritten"
+        else:
+            state = CheckpointState.COMPLETE
+        return CheckpointRef(
+            url=url,
+            layout=self.name,
+            step=step_from_name(io.name_of(url)),
+            epoch=None,
+            created=timestamp(meta.mtime if meta is not None else newest_mtime(entries)),
+            state=state,
+            size_bytes=size,
+            note=note,
+        )
+
+    def latest_pointer(self, url: str, entries: Sequence[DirEntry]) -> str | None:
+        """DCP has no `latest` pointer of its own."""
+        return None
+
+    def open(self, url: str) -> Checkpoint:
+        """Open the folder: components and world size from `.metadata` (read once), a lazy tensor index.
+
+        A folder without a readable `.metadata` still opens (so that `verify` can report why); its
+        tensor index then raises the reason (CheckpointInProgress, UnsafePickle or CorruptCheckpoint).
+        """
+        entries = io.list_dir(url)
+        ref = self.identify(url, entries)
+        if ref is None:
+            raise UnknownLayout(f"{url} is not a DCP checkpoint (no {METADATA_NAME} and no .distcp files)")
+        files = {e.name: e.size for e in entries if not e.is_dir}
+        meta_entry = next((e for e in entries if e.name == METADATA_NAME and not e.is_dir), None)
+        try:
+            if meta_entry is None:
+                raise _in_progress(url)
+            metadata = load_dcp_metadata(url, meta_entry)
+        except (CheckpointInProgress, CorruptCheckpoint) as exc:
+            error = exc
+            if not isinstance(exc, CheckpointInProgress) and ref.state == CheckpointState.COMPLETE:
+                ref = replace(ref, state=CheckpointState.BROKEN, note=exc.message)
+
+            def unreadable() -> tuple[TensorEntry, ...]:
+                raise error
+
+            return Checkpoint(
+                ref=ref,
+                components=frozenset(),
+                world_size=world_size_of(entries),
+                metadata={"error": exc.message},
+                tensor_index=unreadable,
+                files=files,
+            )
+        classify = component_classifier(metadata.entries)
+        components = frozenset(map(classify, metadata.entries))
+        bytes_keys = metadata.bytes_keys
+        referenced = metadata.referenced_files()
+        info = {
+            "format": "torch.distributed.checkpoint",
+            "dcp_version": metadata.version,
+            "keys": len(metadata.entries),
+            "tensors": len(metadata.entries) - len(bytes_keys),
+            "bytes_items": len(bytes_keys),
+            "storage_files": len(referenced),
+            "save_id": metadata.save_id,
+        }
+
+        @cache
+        def tensor_index() -> tuple[TensorEntry, ...]:
+            return index_from_metadata(metadata, classify)
+
+        return Checkpoint(
+            ref=ref,
+            components=components,
+            world_size=world_size_of(entries, referenced),
+            metadata=info,
+            tensor_index=tensor_index,
+            files=files,
+        )
+
+    def verify(self, checkpoint: Checkpoint) -> list[Problem]:
+        """Structural verification (see `verify_dcp`); reads `.metadata` and the listing only."""
+        return verify_dcp(checkpoint.url)

@@ -1,0 +1,29 @@
+"""Real torch DCP checkpoints for the layout tests, written once per session by torch itself."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.writers.dcp_writer import WrittenDcp, write_fsdp_dcp, write_single_process_dcp
+
+
+@pytest.fixture(scope="session")
+def fsdp_dcp(tmp_path_factory: pytest.TempPathFactory) -> WrittenDcp:
+    """2 ranks, FSDP2, AdamW: keys `model.*`, `optim.*` and a `trainer_state.step` value (slow: spawns)."""
+    return write_fsdp_dcp(tmp_path_factory.mktemp("dcp-fsdp"), name="step-3")
+
+
+@pytest.fixture(scope="session")
+def raw_dcp(tmp_path_factory: pytest.TempPathFactory) -> WrittenDcp:
+    """A plain single-process `dcp.save` of an unprefixed state dict (many dtypes, views, scalars)."""
+    return write_single_process_dcp(tmp_path_factory.mktemp("dcp-raw") / "raw")
+
+
+@pytest.fixture
+def fsdp_copy(fsdp_dcp: WrittenDcp, tmp_path: Path) -> Path:
+    """A private copy of the FSDP checkpoint that a test may damage."""
+    import shutil
+
+    return Path(shutil.copytree(fsdp_dcp.path, tmp_path / "run" / fsdp_dcp.path.name))

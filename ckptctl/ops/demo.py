@@ -168,5 +168,7 @@ def _distributed_worker(rank: int, world_size: int, port: int, root: str, steps:
 
         _train_steps(model, optimizer, scheduler, 1, steps, save)
         manager.wait()
+        # Without a last barrier, gloo teardown sometimes aborts a rank that exits first.
+        dist.barrier()
     finally:
         dist.destroy_process_group()

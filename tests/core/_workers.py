@@ -1,0 +1,399 @@
+"""Programs the core tests run in fresh processes: `python -m tests.core._workers <command> ...`.
+
+- `roundtrip-save DIR` / `roundtrip-restore DIR`: train a tiny model, save; restore in another process.
+- `crash SPEC.json`: save a ~200 MB state in forked children, SIGKILLed over a save or at a commit phase.
+- `fsdp DIR`: 2-rank gloo FSDP2 training saved through DCP, then restored in 2 fresh ranks.
+- `autosave DIR`: a loop that leaves the saving at exit to AutoSaver's atexit hook.
+
+Expected and observed values are written with `torch.save` (test artifacts, read back with weights_only).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from ckptctl.core import AutoSaver, CheckpointManager, RetentionPolicy
+
+
+class ResumableSampler:
+    """A sampler with resumable position, the way a training loop's data order is kept across restarts."""
+
+    def __init__(self, size: int, seed: int) -> None:
+        self.size = size
+        self.epoch = 0
+        self.position = 0
+        self.order = torch.randperm(size, generator=torch.Generator().manual_seed(seed))
+
+    def __iter__(self) -> Any:
+        while True:
+            if self.position == self.size:
+                self.epoch += 1
+                self.position = 0
+            yield int(self.order[self.position])
+            self.position += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "position": self.position, "order": self.order, "size": self.size}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.epoch, self.position, self.order, self.size = (
+            state["epoch"],
+            state["position"],
+            state["order"],
+            state["size"],
+        )
+
+
+class TinyTransformer(nn.Module):
+    """Embedding, one encoder layer (attention, layer norms, dropout), a head with tied weights."""
+
+    def __init__(self, vocab: int = 32, dim: int = 16) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.block = nn.TransformerEncoderLayer(dim, nhead=2, dim_feedforward=32, dropout=0.1, batch_first=True)
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.block(self.embed(tokens))))
+
+
+def build_training_state(seed: int) -> dict[str, Any]:
+    torch.manual_seed(seed)
+    model = TinyTransformer()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.95))
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+    return {"model": model, "optimizer": optimizer, "scheduler": scheduler, "sampler": ResumableSampler(64, seed)}
+
+
+def draws() -> dict[str, Any]:
+    """The next values of every generator a training step might use."""
+    return {"python": [random.random() for _ in range(3)], "numpy": np.random.rand(3).tolist(), "torch": torch.rand(3)}
+
+
+def snapshot(state: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "model": state["model"].state_dict(),
+        "optimizer": state["optimizer"].state_dict(),
+        "scheduler": state["scheduler"].state_dict(),
+        "sampler": state["sampler"].state_dict(),
+        "trainer": state.get("trainer"),
+    }
+
+
+def roundtrip_save(root: str) -> None:
+    state = build_training_state(seed=1)
+    state["trainer"] = {"tokens_seen": 12345, "best_loss": float("inf"), "tags": ("a", "b")}
+    random.seed(11)
+    np.random.seed(12)
+    batches = iter(state["sampler"])
+    for _ in range(5):
+        tokens = torch.tensor([[next(batches) % 32 for _ in range(8)] for _ in range(4)])
+        loss = state["model"](tokens).logsumexp(-1).mean() + random.random() + float(np.random.rand())
+        loss.backward()
+        state["optimizer"].step()
+        state["optimizer"].zero_grad()
+        state["scheduler"].step()
+    CheckpointManager(root).save(5, state, metrics={"loss": loss.detach()})
+    torch.save({"state": snapshot(state), "draws": draws()}, os.path.join(root, "expected.pt"))
+
+
+def roundtrip_restore(root: str) -> None:
+    state = build_training_state(seed=2)  # different weights, order and generator states
+    state["trainer"] = None
+    random.seed(99)
+    step = CheckpointManager(root).restore(state)
+    assert step == 5, step
+    torch.save({"state": snapshot(state), "draws": draws()}, os.path.join(root, "observed.pt"))
+
+
+def big_state() -> dict[str, Any]:
+    """About 200 MB: 4 linear layers of 2048x2048 fp32 plus AdamW moments."""
+    # built on the meta device and materialised uninitialised: `fill` sets every value anyway
+    model = nn.Sequential(*[nn.Linear(2048, 2048, device="meta") for _ in range(4)]).to_empty(device="cpu")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return {"model": model, "optimizer": optimizer, "counter": {"step": 0}}
+
+
+def fill(state: dict[str, Any], value: float) -> None:
+    """Make every tensor of the state equal `value`, so a restored checkpoint shows which save it is."""
+    with torch.no_grad():
+        for p in state["model"].parameters():
+            p.fill_(value)
+        for per_param in state["optimizer"].state.values():
+            per_param["exp_avg"].fill_(value)
+            per_param["exp_avg_sq"].fill_(value)
+    state["counter"]["step"] = value
+
+
+def _hang(point: str) -> None:
+    print(f"at {point}", flush=True)
+    time.sleep(600)
+
+
+def _install_hang(point: str) -> None:
+    """Stop (until killed) at one moment of the commit protocol of the next save."""
+    import builtins
+    import shutil
+
+    import ckptctl.core.manager as manager_module
+
+    if point == "manifest":  # data files written and fsynced, manifest not yet
+        real_open = builtins.open
+
+        def open_(file: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
+            if str(file).endswith("ckptctl-manifest.json") and "w" in mode:
+                _hang(point)
+            return real_open(file, mode, *args, **kwargs)
+
+        builtins.open = open_
+    elif point == "rename":  # manifest written, folder not yet renamed into place
+        real_rename = os.rename
+
+        def rename(src: Any, dst: Any, *args: Any, **kwargs: Any) -> None:
+            if ".staging-" in str(src):
+                _hang(point)
+            real_rename(src, dst, *args, **kwargs)
+
+        os.rename = rename
+    elif point == "pointer":  # renamed, `latest` not yet replaced (its temporary file is written)
+        real_replace = os.replace
+
+        def replace(src: Any, dst: Any, *args: Any, **kwargs: Any) -> None:
+            if str(dst).endswith("latest"):
+                _hang(point)
+            real_replace(src, dst, *args, **kwargs)
+
+        os.replace = replace
+    elif point == "retention":  # the doomed folder is in the trash and half deleted
+        real_rmtree = shutil.rmtree
+
+        def rmtree(path: Any, *args: Any, **kwargs: Any) -> None:
+            if ".ckptctl-trash" in str(path) and os.path.isdir(path):
+                os.unlink(os.path.join(path, "model.safetensors"))
+                _hang(point)
+            real_rmtree(path, *args, **kwargs)
+
+        shutil.rmtree = rmtree  # type: ignore[assignment]
+    elif point == "exchanged":  # re-saving a step: just after the atomic swap of the old and new folders
+        real_exchange = manager_module._exchange
+
+        def exchange(a: str, b: str) -> bool:
+            swapped = real_exchange(a, b)
+            _hang(point)
+            return swapped
+
+        manager_module._exchange = exchange
+    else:
+        raise SystemExit(f"unknown point {point}")
+
+
+def crash_scenario(root: str, mode: str, state: dict[str, Any]) -> None:
+    """`loop`: save steps 1, 2, 3, ... until killed. Other modes: save step 1 (and 2), then hang at `mode`."""
+    manager = CheckpointManager(root, policy=RetentionPolicy(keep_last=1) if mode == "retention" else None)
+    fill(state, 1)
+    started = time.perf_counter()
+    manager.save(1, state)
+    print(f"committed 1 {time.perf_counter() - started:.4f}", flush=True)
+    if mode == "loop":
+        step = 2
+        while True:
+            fill(state, step)
+            print(f"begin {step}", flush=True)
+            manager.save(step, state)
+            step += 1
+    if mode == "exchanged":
+        fill(state, 2)
+        manager.save(2, state)
+        _install_hang(mode)
+        fill(state, 2.5)  # a different content for the same step
+        manager.save(2, state)
+    else:
+        _install_hang(mode)
+        fill(state, 2)
+        manager.save(2, state)
+    print("finished", flush=True)
+
+
+def _kill_when_due(pid: int, out: Any, mode: str, fraction: float) -> list[str]:
+    lines: list[str] = []
+    save_seconds = 0.0
+    for line in out:
+        lines.append(line.strip())
+        if line.startswith("committed 1 "):
+            save_seconds = float(line.split()[2])
+        if mode == "loop" and line.startswith("begin 2"):
+            time.sleep(fraction * save_seconds)
+            break
+        if line.startswith(f"at {mode}"):
+            break
+    else:
+        raise SystemExit(f"the scenario ended before its kill point: {lines}")
+    os.kill(pid, signal.SIGKILL)
+    return lines
+
+
+def crash(spec_path: str) -> None:
+    """Run each crash case of a JSON spec (`[[root, mode, fraction], ...]`) in a forked child and SIGKILL it.
+
+    The state is built once here and inherited by every child, so that a case costs a save, not a torch
+    import. This process itself never saves (no hashing threads exist when it forks).
+    """
+    with open(spec_path) as f:
+        cases = json.load(f)
+    state = big_state()
+    for root, mode, fraction in cases:
+        read_end, write_end = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: its stdout is the pipe
+            os.close(read_end)
+            os.dup2(write_end, 1)
+            try:
+                crash_scenario(root, mode, state)
+            finally:
+                os._exit(1)  # never reached when killed as planned
+        os.close(write_end)
+        with os.fdopen(read_end) as out:
+            lines = _kill_when_due(pid, out, mode, fraction)
+        _, status = os.waitpid(pid, 0)
+        killed = os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+        print(json.dumps({"root": root, "killed": killed, "lines": lines}), flush=True)
+
+
+def _fsdp_model(seed: int) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+
+
+def _fsdp_state(seed: int) -> dict[str, Any]:
+    from torch.distributed.fsdp import fully_shard
+
+    model = _fsdp_model(seed)
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer)
+    fully_shard(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+    return {"model": model, "optimizer": optimizer, "scheduler": scheduler, "sampler": ResumableSampler(16, seed)}
+
+
+def _full_state(state: dict[str, Any]) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return {
+        "model": get_model_state_dict(state["model"], options=options),
+        "optimizer": get_optimizer_state_dict(state["model"], state["optimizer"], options=options),
+        "scheduler": state["scheduler"].state_dict(),
+        "sampler": state["sampler"].state_dict(),
+    }
+
+
+def _init_group(rank: int, world: int, root: str, name: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{os.path.join(root, name)}", rank=rank, world_size=world)
+
+
+def _leave_group() -> None:
+    import torch.distributed as dist
+
+    # No rank tears the group down while another still talks to it (gloo aborts the process then).
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _fsdp_save_rank(rank: int, world: int, root: str) -> None:
+
+    _init_group(rank, world, root, "store-save")
+    state = _fsdp_state(seed=0)
+    random.seed(100 + rank)
+    np.random.seed(200 + rank)
+    torch.manual_seed(300 + rank)
+    batches = iter(state["sampler"])
+    for _ in range(3):
+        x = torch.randn(4, 8) + next(batches)
+        state["model"](x).pow(2).mean().backward()
+        state["optimizer"].step()
+        state["optimizer"].zero_grad()
+        state["scheduler"].step()
+    CheckpointManager(os.path.join(root, "run")).save(3, state, metrics={"loss": 0.25})
+    full = _full_state(state)
+    after = draws()
+    if rank == 0:
+        torch.save(full, os.path.join(root, "expected.pt"))
+    torch.save(after, os.path.join(root, f"draws-save-{rank}.pt"))
+    _leave_group()
+
+
+def _fsdp_restore_rank(rank: int, world: int, root: str) -> None:
+
+    _init_group(rank, world, root, "store-restore")
+    for run in ("run", "single"):
+        state = _fsdp_state(seed=7)  # other weights, no optimizer state yet
+        step = CheckpointManager(os.path.join(root, run)).restore(state)
+        assert step == 3, step
+        full = _full_state(state)
+        after = draws()
+        if rank == 0:
+            torch.save(full, os.path.join(root, f"restored-{run}.pt"))
+        torch.save(after, os.path.join(root, f"draws-restore-{run}-{rank}.pt"))
+    _leave_group()
+
+
+def fsdp(root: str) -> None:
+    """Save with 2 ranks; in this (single) process restore it and save it again as a single-process
+    checkpoint (run `single`); then restore both runs in 2 fresh ranks."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_fsdp_save_rank, args=(2, root), nprocs=2)
+    model = _fsdp_model(seed=5)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+    state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "sampler": ResumableSampler(16, 5)}
+    CheckpointManager(os.path.join(root, "run")).restore(state)
+    CheckpointManager(os.path.join(root, "single")).save(3, state)
+    mp.spawn(_fsdp_restore_rank, args=(2, root), nprocs=2)
+
+
+def autosave(root: str, ending: str) -> None:
+    """Saves every 4 steps and leaves the last step (6) to AutoSaver's atexit hook; `raise` ends the
+    program with an uncaught exception instead, after which nothing more may be saved."""
+    print(json.dumps(sorted(m for m in sys.modules if m.split(".")[0] in ("typer", "rich", "click"))), flush=True)
+    counter = torch.zeros(1)
+    state = {"counter": counter}
+    saver = AutoSaver(CheckpointManager(root, async_save=True), state, every_steps=4)
+    for step in range(7):
+        counter += 1
+        saver.step(step)
+    if ending == "raise":
+        raise RuntimeError("the loop crashed after step 6")
+
+
+COMMANDS: dict[str, Callable[..., None]] = {
+    "roundtrip-save": roundtrip_save,
+    "roundtrip-restore": roundtrip_restore,
+    "crash": crash,
+    "fsdp": fsdp,
+    "autosave": autosave,
+}
+
+if __name__ == "__main__":
+    COMMANDS[sys.argv[1]](*sys.argv[2:])

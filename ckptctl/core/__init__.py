@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from ckptctl.core.entries import CheckpointWarning
 from ckptctl.core.hooks import AutoSaver
-from ckptctl.core.manager import CheckpointManager, StepNaming
+from ckptctl.core.manager import CheckpointManager
 from ckptctl.core.retention import Decision, RetentionPolicy
+from ckptctl.layouts.native import StepNaming
 
 __all__ = ["AutoSaver", "CheckpointManager", "CheckpointWarning", "Decision", "RetentionPolicy", "StepNaming"]

@@ -21,7 +21,6 @@ import functools
 import logging
 import os
 import platform
-import re
 import secrets
 import shutil
 import sys
@@ -46,38 +45,14 @@ from ckptctl.formats import state_tree
 from ckptctl.formats.digest import file_digest
 from ckptctl.formats.manifest import MANIFEST_NAME, ComponentRecord, FileRecord, Manifest, now_iso, parse_manifest
 from ckptctl.formats.state_tree import EncodedTree
+from ckptctl.layouts.native import POINTER_NAME, TRASH_NAME, StepNaming
 
 __all__ = ["POINTER_NAME", "TRASH_NAME", "CheckpointManager", "StepNaming"]
 
 log = logging.getLogger("ckptctl.core")
 
-POINTER_NAME = "latest"
-TRASH_NAME = ".ckptctl-trash"
 #: Entry kinds that a multi-rank save stores through torch DCP.
 _SHARDED_KINDS = ("module", "optimizer")
-
-
-@dataclass(frozen=True, slots=True)
-class StepNaming:
-    """Builds and recognises the folder names of a native run (one object, so both stay in step)."""
-
-    prefix: str = "step-"
-
-    def folder(self, step: int) -> str:
-        return f"{self.prefix}{step}"
-
-    def staging(self, step: int, token: str) -> str:
-        return f".{self.prefix}{step}.staging-{token}"
-
-    def step_of(self, name: str) -> int | None:
-        """The step of a committed folder name (`step-30` -> 30; `step-030` is not one of ours)."""
-        m = re.fullmatch(re.escape(self.prefix) + r"(0|[1-9]\d*)", name)
-        return int(m.group(1)) if m else None
-
-    def staging_step(self, name: str) -> int | None:
-        """The step of a staging folder name, or None if `name` is not one."""
-        m = re.fullmatch(r"\." + re.escape(self.prefix) + r"(\d+)\.staging-[0-9A-Za-z]+", name)
-        return int(m.group(1)) if m else None
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from functools import cache
 
@@ -29,9 +30,9 @@ from ckptctl.formats.safetensors import read_header
 from ckptctl.io import DirEntry
 from ckptctl.layouts.base import folder_size, list_files, newest_mtime, step_from_name, timestamp
 
-LATEST_POINTER = "latest"
+POINTER_NAME = "latest"
+TRASH_NAME = ".ckptctl-trash"
 DCP_FOLDER = "dcp"
-_STAGING = re.compile(r"^\.step-(?P<step>\d+)\.staging-.+$")
 _RNG_FILE = re.compile(r"^rng(\.rank-\d+)?\.json$")
 
 #: Manifest component kinds -> the shared component names.
@@ -46,15 +47,31 @@ COMPONENT_OF_KIND = {
 }
 
 
-def checkpoint_folder_name(step: int) -> str:
-    """The folder name of a committed checkpoint (the core and this reader share it)."""
-    return f"step-{step}"
+@dataclass(frozen=True, slots=True)
+class StepNaming:
+    """Builds and recognises the folder names of a native run (one object shared by the core that
+    writes them and this reader, so both stay in step)."""
+
+    prefix: str = "step-"
+
+    def folder(self, step: int) -> str:
+        return f"{self.prefix}{step}"
+
+    def staging(self, step: int, token: str) -> str:
+        return f".{self.prefix}{step}.staging-{token}"
+
+    def step_of(self, name: str) -> int | None:
+        """The step of a committed folder name (`step-30` -> 30; `step-030` is not one of ours)."""
+        m = re.fullmatch(re.escape(self.prefix) + r"(0|[1-9]\d*)", name)
+        return int(m.group(1)) if m else None
+
+    def staging_step(self, name: str) -> int | None:
+        """The step of a staging folder name, or None if `name` is not one."""
+        m = re.fullmatch(r"\." + re.escape(self.prefix) + r"(\d+)\.staging-[0-9A-Za-z]+", name)
+        return int(m.group(1)) if m else None
 
 
-def staging_step(name: str) -> int | None:
-    """The step of a staging folder name, or None if `name` is not one."""
-    m = _STAGING.match(name)
-    return int(m.group("step")) if m else None
+NAMING = StepNaming()
 
 
 class NativeLayout:
@@ -64,7 +81,7 @@ class NativeLayout:
 
     def identify(self, url: str, entries: Sequence[DirEntry]) -> CheckpointRef | None:
         folder = io.name_of(url)
-        in_progress_step = staging_step(folder)
+        in_progress_step = NAMING.staging_step(folder)
         if in_progress_step is not None:
             return CheckpointRef(
                 url=url,
@@ -107,8 +124,8 @@ class NativeLayout:
         """A committed folder that lost its manifest (the core always writes RNG files, and the manifest
         before the rename): report it as broken rather than let another layout claim it as complete."""
         folder = io.name_of(url)
-        step = step_from_name(folder)
-        if step is None or folder != checkpoint_folder_name(step):
+        step = NAMING.step_of(folder)
+        if step is None:
             return None
         if not any(_RNG_FILE.match(e.name) for e in entries):
             return None
@@ -124,10 +141,10 @@ class NativeLayout:
         )
 
     def latest_pointer(self, url: str, entries: Sequence[DirEntry]) -> str | None:
-        if not any(e.name == LATEST_POINTER and not e.is_dir for e in entries):
+        if not any(e.name == POINTER_NAME and not e.is_dir for e in entries):
             return None
         try:
-            name = io.read_text(io.join(url, LATEST_POINTER)).strip()
+            name = io.read_text(io.join(url, POINTER_NAME)).strip()
         except CkptctlError:
             return None
         return name or None

@@ -164,7 +164,7 @@ class NativeLayout:
         metadata = {
             "metrics": dict(manifest.metrics),
             "versions": dict(manifest.versions),
-            "entries": {name: {"kind": c.kind, "storage": c.storage} for name, c in manifest.components.items()},
+            "entries": {name: f"{c.kind} in {c.storage}" for name, c in manifest.components.items()},
         }
 
         @cache

@@ -1,0 +1,131 @@
+"""`list` over a run of 1,000 checkpoints and `inspect` of a 100,000-tensor DCP checkpoint (targets: < 1 s each).
+
+Peers measured in the same run:
+- list: `du -sb` over the same run folder (what people run to see what a run holds), and a plain
+  `os.walk` + `os.stat` of every file (the floor for anything that reports sizes);
+- inspect: torch's own `FileSystemReader.read_metadata()` (plain `pickle.load`, no validation, no index).
+Also reports the bytes each command read against the checkpoint size.
+
+Usage: python bench/list_inspect.py [--checkpoints 1000] [--tensors 100000] [--repeat 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+
+def best_of(repeat: int, fn: Callable[[], object]) -> float:
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def build_native_run(root: Path, count: int) -> None:
+    """One real `CheckpointManager` save, then `count` copies of it under their own steps (hard links)."""
+    import torch
+
+    from ckptctl.core import CheckpointManager
+    from ckptctl.formats.manifest import MANIFEST_NAME
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
+    optimizer = torch.optim.AdamW(model.parameters())
+    CheckpointManager(str(root / "seed")).save(1, {"model": model, "optimizer": optimizer})
+    seed = root / "seed" / "step-1"
+    run = root / "run"
+    run.mkdir()
+    for step in range(1, count + 1):
+        target = run / f"step-{step * 100}"
+        shutil.copytree(seed, target, copy_function=os.link)
+        manifest = json.loads((seed / MANIFEST_NAME).read_text())
+        manifest["step"] = step * 100
+        (target / MANIFEST_NAME).unlink()
+        (target / MANIFEST_NAME).write_text(json.dumps(manifest))
+    (run / "latest").write_text(f"step-{count * 100}\n")
+
+
+def build_dcp(folder: Path, tensors: int) -> None:
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    state = {f"model.layers.{i // 10}.p{i % 10}": torch.zeros(2) for i in range(tensors)}
+    dcp.save(state, checkpoint_id=str(folder))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--checkpoints", type=int, default=1000)
+    parser.add_argument("--tensors", type=int, default=100_000)
+    parser.add_argument("--repeat", type=int, default=3)
+    args = parser.parse_args()
+
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from ckptctl import io
+    from ckptctl.ops.inspection import inspect_checkpoint
+    from ckptctl.ops.listing import list_run
+
+    root = Path(tempfile.mkdtemp(prefix="ckptctl-bench-"))
+    try:
+        build_native_run(root, args.checkpoints)
+        build_dcp(root / "dcp", args.tensors)
+        run = str(root / "run")
+        run_bytes = sum(p.stat().st_size for p in (root / "run").rglob("*") if p.is_file())
+        dcp_bytes = sum(p.stat().st_size for p in (root / "dcp").iterdir())
+
+        def walk_stat() -> None:
+            for folder, _dirs, files in os.walk(run):
+                for name in files:
+                    os.stat(os.path.join(folder, name))
+
+        list_run(run)  # warm the page cache and the imports
+        before = io.READ_STATS.bytes_read
+        report = list_run(run)
+        list_read = io.READ_STATS.bytes_read - before
+        assert len(report.checkpoints) == args.checkpoints
+        ours_list = best_of(args.repeat, lambda: list_run(run))
+        du = best_of(args.repeat, lambda: subprocess.run(["du", "-sb", run], stdout=subprocess.DEVNULL, check=True))
+        walk = best_of(args.repeat, walk_stat)
+
+        before = io.READ_STATS.bytes_read  # the first call: the metadata cache is cold
+        inspected = inspect_checkpoint(str(root / "dcp"))
+        inspect_read = io.READ_STATS.bytes_read - before
+        assert inspected.totals.tensors == args.tensors
+        from ckptctl.layouts import dcp as dcp_layout
+
+        def cold_inspect() -> None:
+            dcp_layout._cache.clear()  # measure the parse, not the in-process cache
+            inspect_checkpoint(str(root / "dcp"))
+
+        ours_inspect = best_of(args.repeat, cold_inspect)
+        torch_metadata = best_of(args.repeat, lambda: FileSystemReader(str(root / "dcp")).read_metadata())
+
+        print(f"{os.cpu_count()} cores, page cache warm, best of {args.repeat}")
+        print(f"list: {args.checkpoints} native checkpoints ({run_bytes / 2**20:.0f} MiB)")
+        print(f"  ckptctl list (library)      {ours_list:7.3f} s   target < 1 s")
+        print(f"  du -sb                      {du:7.3f} s   ckptctl/du = {ours_list / du:.2f}x")
+        print(f"  os.walk + stat (floor)      {walk:7.3f} s   ckptctl/floor = {ours_list / walk:.2f}x")
+        print(f"  bytes read by list          {list_read} = {100 * list_read / run_bytes:.3f}% of the run")
+        print(f"inspect: DCP with {args.tensors} tensors ({dcp_bytes / 2**20:.0f} MiB)")
+        print(f"  ckptctl inspect (library)   {ours_inspect:7.3f} s   target < 1 s")
+        print(
+            f"  torch read_metadata         {torch_metadata:7.3f} s   ckptctl/torch = {ours_inspect / torch_metadata:.2f}x"
+        )
+        print(f"  bytes read by inspect       {inspect_read} = {100 * inspect_read / dcp_bytes:.2f}% of the checkpoint")
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -6,11 +6,15 @@ from typing import Annotated
 
 import typer
 
+from ckptctl.layouts import layout_names
+
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout (schema_version 1).")]
 QuietOpt = Annotated[
     bool, typer.Option("--quiet", "-q", help="Print nothing but errors; the exit code tells the result.")
 ]
 LayoutOpt = Annotated[
     str | None,
-    typer.Option("--layout", help="Skip detection and read the checkpoint as this layout (native, dcp, hf)."),
+    typer.Option(
+        "--layout", help=f"Skip detection and read the checkpoint as this layout ({', '.join(layout_names())})."
+    ),
 ]

@@ -29,6 +29,7 @@ import time
 import warnings
 from collections.abc import Iterator, Mapping, MutableMapping
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any
 
 import numpy as np
@@ -39,7 +40,7 @@ from ckptctl import io
 from ckptctl.core import distributed as dist_
 from ckptctl.core import rng
 from ckptctl.core.entries import CheckpointWarning, check_name, kind_of, load_into, state_of
-from ckptctl.core.retention import RetentionPolicy
+from ckptctl.core.retention import Candidate, RetentionPolicy
 from ckptctl.errors import CheckpointNotFound, CkptctlError, CorruptCheckpoint, SerializationError, StorageError
 from ckptctl.formats import state_tree
 from ckptctl.formats.digest import file_digest
@@ -444,13 +445,13 @@ class CheckpointManager:
         try:
             trash = os.path.join(self.root, TRASH_NAME)
             _empty(trash)
-            protected = self.pointer()
-            doomed = [d.step for d in self.policy.plan(self.all_steps()) if not d.keep]
+            pointer = self.pointer()
+            candidates = [self._retention_candidate(step, pointer) for step in self.all_steps()]
+            doomed = [d.step for d in self.policy.plan(candidates, now=datetime.now(UTC)) if not d.keep]
             moved = []
             for step in doomed:
+                assert step is not None  # every candidate has one
                 name = self.naming.folder(step)
-                if name == protected:
-                    continue
                 os.makedirs(trash, exist_ok=True)
                 target = os.path.join(trash, f"{name}.{secrets.token_hex(4)}")
                 # Renamed first, deleted after: a crash mid-deletion leaves the half-deleted folder in the
@@ -463,6 +464,25 @@ class CheckpointManager:
             _empty(trash)
         except OSError as exc:
             warnings.warn(f"retention in {self.root} failed: {exc}", CheckpointWarning, stacklevel=2)
+
+    def _retention_candidate(self, step: int, pointer: str | None) -> Candidate:
+        """What the policy needs to know about a committed step; sizes and metrics only when it asks."""
+        folder = self.step_dir(step)
+        manifest_path = os.path.join(folder, MANIFEST_NAME)
+        try:
+            created = datetime.fromtimestamp(os.stat(manifest_path).st_mtime, tz=UTC)
+        except OSError:
+            created = None
+        metrics: Mapping[str, Any] = {}
+        if self.policy is not None and self.policy.keep_best:
+            with contextlib.suppress(CkptctlError):
+                metrics = parse_manifest(io.read_bytes(manifest_path), manifest_path).metrics
+        size = 0
+        if self.policy is not None and self.policy.max_total_size is not None:
+            size = sum(os.path.getsize(os.path.join(r, f)) for r, _, files in os.walk(folder) for f in files)
+        name = self.naming.folder(step)
+        protected = ("named by the run's latest pointer",) if name == pointer else ()
+        return Candidate(step, name, created=created, size_bytes=size, metrics=metrics, protected=protected)
 
     # ------------------------------------------------------------------ restore
 

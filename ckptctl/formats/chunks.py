@@ -20,7 +20,7 @@ from ckptctl.errors import CorruptCheckpoint
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["read_chunk", "read_tensor", "tiling_problem"]
+__all__ = ["flat_range_boxes", "read_chunk", "read_tensor", "tiling_problem"]
 
 #: Above this many grid cells the overlap check falls back to looking for duplicate chunk offsets.
 _MAX_GRID_CELLS = 1 << 20
@@ -90,6 +90,42 @@ def _overlap(shape: tuple[int, ...], boxes: list[Box]) -> str | None:
                 return f"chunks at {list(other)} and {list(offsets)} overlap"
             seen[cell] = offsets
     return None
+
+
+def flat_range_boxes(shape: tuple[int, ...], start: int, stop: int) -> list[tuple[Box, int]]:
+    """The elements `start:stop` of a row-major tensor of `shape`, as boxes that are each contiguous.
+
+    Flat-partitioned states (DeepSpeed ZeRO's fp32 partitions, FSDP1's flat parameters) cut tensors at
+    arbitrary element positions; a cut range is a partial row, whole rows and a partial row again, one
+    level down for each dimension. So every range is at most `2 * ndim - 1` boxes, each of which is one
+    contiguous run of the range.
+
+    Returns:
+        `((offsets, sizes), first)` per box, in order, where `first` is the box's first element as a flat
+        index into the full tensor (its position within the range is `first - start`).
+    """
+    if start >= stop:
+        return []
+    if not shape:
+        return [(((), ()), 0)]
+    inner = math.prod(shape[1:])
+    first_row, end_row = start // inner, -(-stop // inner)
+    if end_row - first_row == 1 and (start % inner or stop % inner):  # inside one row: one level down
+        return [
+            (((first_row, *offsets), (1, *sizes)), first_row * inner + first)
+            for (offsets, sizes), first in flat_range_boxes(shape[1:], start % inner, stop - first_row * inner)
+        ]
+    boxes: list[tuple[Box, int]] = []
+    row = first_row
+    if start % inner:  # the partial first row
+        boxes += flat_range_boxes(shape, start, (row + 1) * inner)
+        row += 1
+    full_end = stop // inner
+    if full_end > row:  # whole rows
+        boxes.append((((row, *(0,) * (len(shape) - 1)), (full_end - row, *shape[1:])), row * inner))
+    if stop % inner:  # the partial last row
+        boxes += flat_range_boxes(shape, full_end * inner, stop)
+    return boxes
 
 
 def read_tensor(checkpoint_url: str, entry: TensorEntry) -> torch.Tensor:

@@ -15,8 +15,9 @@ reads pickles, and it follows three rules:
    that run past the end of the data.
 3. Whatever else goes wrong (truncation, wrong types, bad states) comes out as `CorruptCheckpoint`.
 
-The allowlists are what the real files need and nothing more; see `DCP_METADATA_GLOBALS` and
-`TORCH_SAVE_GLOBALS` and the notes on each entry.
+The allowlists are what the real files need and nothing more; see `DCP_METADATA_GLOBALS`,
+`TORCH_SAVE_GLOBALS` and `TORCH_PICKLE_GLOBALS` (whole training-state files: DeepSpeed, HF Trainer) and
+the notes on each entry.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from __future__ import annotations
 import _compat_pickle
 import gc
 import io
+import math
 import pickle
 import pickletools
 import posixpath
@@ -36,20 +38,28 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Any, ClassVar
 
-from ckptctl.checkpoint import known_dtypes
+from ckptctl.checkpoint import dtype_itemsize, known_dtypes
 from ckptctl.errors import CkptctlError, CorruptCheckpoint, UnsafePickle
 
 __all__ = [
     "DCP_METADATA_GLOBALS",
     "MAX_DIMS",
+    "TORCH_PICKLE_GLOBALS",
     "TORCH_SAVE_GLOBALS",
     "DType",
+    "FrameworkObject",
+    "NumpyArray",
+    "NumpyDType",
+    "NumpyScalar",
+    "OrderedDictStandIn",
     "SafeUnpickler",
     "StandIn",
     "StorageRef",
     "TensorRebuild",
+    "TensorRef",
     "check_opcodes",
     "gc_paused",
+    "load_torch_pickle",
     "safe_loads",
     "state_fields",
 ]
@@ -301,6 +311,319 @@ TORCH_SAVE_GLOBALS: Mapping[tuple[str, str], Any] = {
     **_TORCH_DTYPES,
 }
 
+# --------------------------------------------------------------------------------------------------
+# Whole torch.save files of a training state (`formats.torch_pickle`): `optimizer.pt`, `scheduler.pt`,
+# `rng_state*.pth`, `training_args.bin`, DeepSpeed `*_model_states.pt` / `*_optim_states.pt`.
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class TensorRef:
+    """A tensor of a torch.save file as facts; its elements stay on disk until `torch_pickle.load_tensor`.
+
+    Attributes:
+        dtype: torch-style dtype name.
+        shape: the tensor's shape.
+        storage_key: the storage record holding its elements (`<archive>/data/<key>`).
+        storage_offset: where the tensor starts in its storage, in elements.
+        stride: strides in elements.
+        nbytes: bytes of the tensor's own elements (`numel * itemsize`).
+        storage_nbytes: bytes the whole storage holds (views share one storage).
+        requires_grad: what the saved tensor said (parameters say True).
+    """
+
+    dtype: str
+    shape: tuple[int, ...]
+    storage_key: str
+    storage_offset: int
+    stride: tuple[int, ...]
+    nbytes: int
+    storage_nbytes: int
+    requires_grad: bool = False
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def is_contiguous(self) -> bool:
+        """Row-major without gaps, so that its elements are one byte range of the storage record."""
+        step = 1
+        for dim, stride in zip(reversed(self.shape), reversed(self.stride), strict=True):
+            if dim != 1 and stride != step:  # a dimension of size 1 never steps: its stride is arbitrary
+                return False
+            step *= dim
+        return True
+
+
+def _tensor_ref(rebuilt: TensorRebuild) -> TensorRef:
+    storage = rebuilt.storage
+    itemsize = dtype_itemsize(rebuilt.dtype)
+    storage_nbytes = storage.numel * (itemsize if storage.dtype is not None else 1)
+    if any(s < 0 for s in rebuilt.stride):
+        raise ValueError("a tensor has a negative stride")
+    numel = math.prod(rebuilt.shape)
+    if numel:
+        last = rebuilt.storage_offset + sum((d - 1) * s for d, s in zip(rebuilt.shape, rebuilt.stride, strict=True))
+        if (last + 1) * itemsize > storage_nbytes:
+            raise ValueError("a tensor reaches outside its storage")
+    return TensorRef(
+        rebuilt.dtype,
+        rebuilt.shape,
+        storage.key,
+        rebuilt.storage_offset,
+        rebuilt.stride,
+        numel * itemsize,
+        storage_nbytes,
+        rebuilt.requires_grad,
+    )
+
+
+def _ref_v2(*args: Any) -> TensorRef:
+    """Stand-in for `torch._utils._rebuild_tensor_v2` in whole-file pickles: a `TensorRef`."""
+    return _tensor_ref(_rebuild_tensor_v2(*args))
+
+
+def _ref_v3(*args: Any) -> TensorRef:
+    """Stand-in for `torch._utils._rebuild_tensor_v3` in whole-file pickles: a `TensorRef`."""
+    return _tensor_ref(_rebuild_tensor_v3(*args))
+
+
+def _rebuild_parameter(data: Any, requires_grad: Any, backward_hooks: Any, state: Any = None) -> TensorRef:
+    """Stand-in for `torch._utils._rebuild_parameter[_with_state]`: the parameter's data, as a `TensorRef`."""
+    if type(data) is not TensorRef:
+        raise ValueError("a parameter must wrap a tensor")
+    return data
+
+
+class _TypeTag:
+    """A class a pickle names only to say what type to rebuild (`torch.Tensor`, `numpy.ndarray`)."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+_TENSOR_TYPES = (_TypeTag("torch.Tensor"), _TypeTag("torch.nn.parameter.Parameter"))
+_NDARRAY = _TypeTag("numpy.ndarray")
+
+
+def _rebuild_from_type_v2(func: Any, new_type: Any, args: Any, state: Any) -> TensorRef:
+    """Stand-in for `torch._tensor._rebuild_from_type_v2` (tensors with attributes, e.g. DeepSpeed's
+    flat ZeRO-3 partitions carrying `ds_id`): calls only the tensor stand-ins, drops the attributes."""
+    known_func = func is _ref_v2 or func is _ref_v3 or func is _rebuild_parameter
+    if not known_func or not any(new_type is t for t in _TENSOR_TYPES) or type(args) is not tuple:
+        raise ValueError("_rebuild_from_type_v2 may only rebuild a plain tensor")
+    result: TensorRef = func(*args)
+    return result
+
+
+class OrderedDictStandIn(dict[Any, Any]):
+    """Stand-in for `collections.OrderedDict` in whole-file pickles: a dict that also takes a BUILD state.
+
+    `module.state_dict()` is an OrderedDict carrying a `_metadata` attribute, which pickles as BUILD; the
+    state is kept in `state` (dicts keep insertion order, so nothing else is lost).
+    """
+
+    __slots__ = ("state",)
+
+    def __init__(self, *args: Any) -> None:
+        if args:
+            raise ValueError("OrderedDict is rebuilt empty, then filled")
+        super().__init__()
+
+    def __setstate__(self, state: Any) -> None:
+        self.state = state
+
+
+_SCALAR_TYPES = (str, int, float, bool, type(None))
+
+
+class FrameworkObject(StandIn):
+    """An object of an allowlisted framework class (DeepSpeed, transformers, accelerate, argparse).
+
+    NEWOBJ + BUILD give an object its fields (`state_fields` reads them); an enum member is rebuilt by
+    calling its class with its value, which is kept as `value` (None for plain objects).
+    """
+
+    __slots__ = ("value",)
+    value: Any
+
+    def __new__(cls, *args: Any) -> FrameworkObject:
+        if len(args) > 1 or (args and type(args[0]) not in _SCALAR_TYPES):
+            raise ValueError(f"{cls.stands_for} takes at most one plain value")
+        obj = object.__new__(cls)
+        obj.value = args[0] if args else None
+        return obj
+
+    def __repr__(self) -> str:
+        return f"<{self.stands_for} {self.value!r}>" if self.value is not None else f"<{self.stands_for}>"
+
+
+@cache
+def _framework_class(qualified_name: str) -> type[FrameworkObject]:
+    # Exact names only (a bounded set): pattern matches get a fresh class per file, see _Allowlist.
+    return type("FrameworkObject", (FrameworkObject,), {"__slots__": (), "stands_for": qualified_name})
+
+
+class NumpyDType(StandIn):
+    """Stand-in for `numpy.dtype(name, align, copy)`: the type name (its BUILD state is kept as is)."""
+
+    __slots__ = ("name",)
+    stands_for = "numpy.dtype"
+
+    def __init__(self, name: Any, align: Any = False, copy: Any = False) -> None:
+        if type(name) is not str or len(name) > 64:
+            raise ValueError("numpy.dtype needs a short type name")
+        self.name = name
+
+
+class NumpyArray(StandIn):
+    """Stand-in for a numpy array (`numpy.core.multiarray._reconstruct` + BUILD): keeps the BUILD state
+    `(version, shape, dtype, is_fortran, raw bytes)` without interpreting it."""
+
+    __slots__ = ()
+    stands_for = "numpy.ndarray"
+
+
+def _np_reconstruct(subtype: Any, shape: Any, dtype: Any) -> NumpyArray:
+    if subtype is not _NDARRAY:
+        raise ValueError("only plain numpy arrays are rebuilt")
+    return NumpyArray()
+
+
+class NumpyScalar:
+    """Stand-in for `numpy.core.multiarray.scalar(dtype, bytes)` (numpy scalars in RNG states)."""
+
+    __slots__ = ("data", "dtype")
+
+    def __init__(self, dtype: Any, data: Any = None) -> None:
+        if type(dtype) is not NumpyDType or (data is not None and type(data) is not bytes):
+            raise ValueError("numpy scalar needs a dtype and its bytes")
+        self.dtype = dtype
+        self.data = data
+
+
+def _codecs_encode(text: Any, encoding: Any = "utf-8") -> bytes:
+    """Stand-in for `_codecs.encode`, which protocol-2 pickles use to carry bytes (numpy's raw data)."""
+    if type(text) is not str or encoding not in ("latin1", "latin-1"):
+        raise ValueError("_codecs.encode is only allowed for latin-1 bytes")
+    return text.encode("latin-1")
+
+
+def _torch_device(kind: Any, index: Any = None) -> str:
+    """Stand-in for `torch.device(...)`: its name (`cpu`, `cuda:0`)."""
+    if type(kind) is not str or len(kind) > 32 or (index is not None and type(index) is not int):
+        raise ValueError("torch.device needs a short name and an optional index")
+    return kind if index is None else f"{kind}:{index}"
+
+
+def _plain_set(items: Any = ()) -> set[Any]:
+    """Stand-in for `builtins.set`/`frozenset` (protocol 0-3 pickles rebuild sets from a list)."""
+    if type(items) not in (list, tuple):
+        raise ValueError("a set is rebuilt from a list")
+    return set(items)
+
+
+#: Framework classes that appear in real training-state files (DeepSpeed 0.19, transformers 5,
+#: accelerate 1.x: disassembled with pickletools). Each becomes a `FrameworkObject` stand-in.
+_FRAMEWORK_CLASSES = (
+    # DeepSpeed *_optim_states.pt: `loss_scaler`, `zero_stage`, `param_slice_mappings` values.
+    ("deepspeed.runtime.fp16.loss_scaler", "LossScaler"),
+    ("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler"),
+    ("deepspeed.runtime.zero.config", "ZeroStageEnum"),
+    ("deepspeed.utils.tensor_fragment", "fragment_address"),
+    # training_args.bin: TrainingArguments' enum fields and the objects it carries.
+    *(
+        ("transformers.trainer_utils", name)
+        for name in (
+            "IntervalStrategy",
+            "SaveStrategy",
+            "HubStrategy",
+            "SchedulerType",
+            "EvaluationStrategy",
+            "FSDPOption",
+            "ShardedDDPOption",
+        )
+    ),
+    ("transformers.trainer_pt_utils", "AcceleratorConfig"),
+    ("transformers.debug_utils", "DebugOption"),
+    ("accelerate.state", "PartialState"),
+    ("accelerate.state", "AcceleratorState"),
+    # Megatron-style `args` in client states.
+    ("argparse", "Namespace"),
+)
+
+#: Whole modules of plain config classes and enums: `transformers.training_args*` (TrainingArguments,
+#: Seq2SeqTrainingArguments, OptimizerNames, ...), accelerate's plugin dataclasses and enums, and the
+#: FSDP option enums a TrainingArguments may carry; TRL's `*Config` classes subclass TrainingArguments.
+_FRAMEWORK_MODULE_PREFIXES = (
+    "transformers.training_args",
+    "accelerate.utils.dataclasses",
+    "torch.distributed.fsdp.api",
+)
+
+
+class _Allowlist(Mapping[tuple[str, str], Any]):
+    """Exact (module, name) entries, plus module prefixes whose classes become `FrameworkObject`s."""
+
+    def __init__(self, exact: Mapping[tuple[str, str], Any], prefixes: tuple[str, ...]) -> None:
+        self._exact = dict(exact)
+        self._prefixes = prefixes
+
+    def __getitem__(self, key: tuple[str, str]) -> Any:
+        found = self._exact.get(key)
+        if found is not None:
+            return found
+        module, name = key
+        covered = module.startswith(self._prefixes) or (module.startswith("trl.trainer.") and name.endswith("Config"))
+        if covered and len(module) + len(name) <= 200 and name.isidentifier():
+            return type("FrameworkObject", (FrameworkObject,), {"__slots__": (), "stands_for": f"{module}.{name}"})
+        raise KeyError(key)
+
+    def __iter__(self) -> Iterator[tuple[str, str]]:
+        return iter(self._exact)
+
+    def __len__(self) -> int:
+        return len(self._exact)
+
+
+_NUMPY_GLOBALS = {
+    key: value
+    for core in ("numpy.core", "numpy._core")  # numpy 1.x and 2.x pickle under different module names
+    for key, value in {
+        (f"{core}.multiarray", "_reconstruct"): _np_reconstruct,
+        (f"{core}.multiarray", "scalar"): NumpyScalar,
+    }.items()
+}
+
+#: What a whole training-state torch.save file may name. Tensors become `TensorRef`s, framework objects
+#: `FrameworkObject`s, numpy values `NumpyArray`/`NumpyScalar`; nothing named is imported or called.
+TORCH_PICKLE_GLOBALS: Mapping[tuple[str, str], Any] = _Allowlist(
+    {
+        **TORCH_SAVE_GLOBALS,
+        ("torch._utils", "_rebuild_tensor_v2"): _ref_v2,
+        ("torch._utils", "_rebuild_tensor_v3"): _ref_v3,
+        ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
+        ("torch._utils", "_rebuild_parameter_with_state"): _rebuild_parameter,
+        ("torch._tensor", "_rebuild_from_type_v2"): _rebuild_from_type_v2,
+        ("torch", "Tensor"): _TENSOR_TYPES[0],
+        ("torch.nn.parameter", "Parameter"): _TENSOR_TYPES[1],
+        ("torch", "Size"): _torch_size,
+        ("torch", "device"): _torch_device,
+        ("collections", "OrderedDict"): OrderedDictStandIn,
+        ("builtins", "set"): _plain_set,
+        ("builtins", "frozenset"): _plain_set,
+        ("_codecs", "encode"): _codecs_encode,
+        ("numpy", "dtype"): NumpyDType,
+        ("numpy", "ndarray"): _NDARRAY,
+        **_NUMPY_GLOBALS,
+        **{(module, name): _framework_class(f"{module}.{name}") for module, name in _FRAMEWORK_CLASSES},
+    },
+    _FRAMEWORK_MODULE_PREFIXES,
+)
+
 # Real torch dtypes the data model has no itemsize for: refused as unsupported rather than as unsafe.
 _UNSUPPORTED_DTYPES = frozenset(
     {"complex32", "qint8", "quint8", "qint32", "quint4x2", "quint2x4", "bits1x8", "bits2x4", "bits4x2", "bits8"}
@@ -392,6 +715,17 @@ def safe_loads(data: bytes | memoryview, allowed: Mapping[tuple[str, str], Any],
 def load_torch_save_pickle(data: bytes | memoryview, source: str) -> Any:
     """Unpickle the `data.pkl` of a torch.save archive into `TensorRebuild`/`StorageRef` facts."""
     return _load(data, TORCH_SAVE_GLOBALS, source, _TorchSaveUnpickler)
+
+
+def load_torch_pickle(data: bytes | memoryview, source: str) -> Any:
+    """Unpickle the `data.pkl` of a whole training-state torch.save file with `TORCH_PICKLE_GLOBALS`.
+
+    Raises:
+        UnsafePickle: a global outside the allowlist (nothing of the pickle ran).
+        CorruptCheckpoint: anything else that makes it unreadable.
+    """
+    with gc_paused():
+        return _load(data, TORCH_PICKLE_GLOBALS, source, _TorchSaveUnpickler)
 
 
 def _load(

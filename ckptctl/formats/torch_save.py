@@ -12,18 +12,24 @@ uncompressed and 64-byte aligned by torch's writer).
   row-major view of its storage in little-endian order, its elements are one contiguous byte range that a
   converter can copy as is. DCP's writer clones views whose storage is larger than the tensor, so for
   items written by DCP the range is the whole storage record.
+- `read_zip_directory` reads the directory of a whole torch.save file on disk or in an object store with
+  a few range reads at its end; its `ZipDirectory` then reads single records and local headers
+  (`formats.torch_pickle` builds on it).
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
 import math
 import re
 import struct
 import zipfile
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from ckptctl import io as ckpt_io
 from ckptctl.checkpoint import dtype_itemsize
 from ckptctl.errors import CkptctlError, CorruptCheckpoint, UnsafePickle
 from ckptctl.formats.safe_pickle import TensorRebuild, load_torch_save_pickle
@@ -31,7 +37,16 @@ from ckptctl.formats.safe_pickle import TensorRebuild, load_torch_save_pickle
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["ArchiveTensor", "decode_tensor", "inspect_archive", "is_torch_save_archive", "raw_record"]
+__all__ = [
+    "ArchiveTensor",
+    "ZipDirectory",
+    "ZipRecord",
+    "decode_tensor",
+    "inspect_archive",
+    "is_torch_save_archive",
+    "raw_record",
+    "read_zip_directory",
+]
 
 _ZIP_MAGIC = b"PK\x03\x04"
 _REFUSED_GLOBAL = re.compile(r"unsupported global:?\s+(?:GLOBAL\s+)?([\w.]+)", re.IGNORECASE)
@@ -203,13 +218,20 @@ def _data_start(view: memoryview, info: zipfile.ZipInfo, source: str) -> int:
     offset = info.header_offset
     if offset + _LOCAL_HEADER.size > len(view):
         raise CorruptCheckpoint(f"{source}: a zip record header lies outside the archive")
-    fields = _LOCAL_HEADER.unpack_from(view, offset)
-    if fields[0] != _ZIP_MAGIC:
-        raise CorruptCheckpoint(f"{source}: a zip record header is damaged")
-    start = offset + _LOCAL_HEADER.size + fields[-2] + fields[-1]
+    start = offset + _local_header_length(view[offset : offset + _LOCAL_HEADER.size], source)
     if start + info.file_size > len(view):
         raise CorruptCheckpoint(f"{source}: a zip record runs past the end of the archive")
     return start
+
+
+def _local_header_length(header: bytes | memoryview, source: str) -> int:
+    """Bytes from a record's local header to its data (the fixed part, its name and its extra field)."""
+    if len(header) < _LOCAL_HEADER.size:
+        raise CorruptCheckpoint(f"{source}: a zip record header lies outside the file", "the file is truncated")
+    fields = _LOCAL_HEADER.unpack_from(header, 0)
+    if fields[0] != _ZIP_MAGIC:
+        raise CorruptCheckpoint(f"{source}: a zip record header is damaged")
+    return int(_LOCAL_HEADER.size + fields[-2] + fields[-1])
 
 
 def _stored_bytes(view: memoryview, info: zipfile.ZipInfo, source: str) -> bytes:
@@ -255,3 +277,200 @@ class _ViewReader(io.RawIOBase):
         data = bytes(self._view[self._pos : end])
         self._pos += len(data)
         return data
+
+
+# --------------------------------------------------------------------------------------------------
+# torch.save files on disk (or in an object store): the zip directory and single records by range reads.
+# --------------------------------------------------------------------------------------------------
+
+#: Bytes read from the end of a file in the first request: the end-of-directory records and, for the
+#: files a training state holds (a few dozen records), the whole central directory.
+_TAIL_READ = 8 << 10
+
+
+@dataclass(frozen=True, slots=True)
+class ZipRecord:
+    """One record of a torch.save zip file, from its central directory.
+
+    Attributes:
+        name: the record's name (`optimizer/data.pkl`, `optimizer/data/3`).
+        header_offset: where its local header starts.
+        size: its length in bytes (stored records: compressed size = size).
+        stored: whether it is stored uncompressed (torch.save never compresses).
+    """
+
+    name: str
+    header_offset: int
+    size: int
+    stored: bool
+
+
+class ZipDirectory:
+    """The central directory of a zip file read by range reads, and the file's last bytes (`_TAIL_READ`).
+
+    Reads that fall inside those last bytes are served from memory, so a small file is read once.
+
+    Attributes:
+        url: the file.
+        size: its size in bytes.
+        records: record name -> `ZipRecord`.
+    """
+
+    def __init__(self, url: str, size: int, records: dict[str, ZipRecord], tail: bytes) -> None:
+        self.url = url
+        self.size = size
+        self.records = records
+        self._tail = tail
+        self._tail_start = size - len(tail)
+
+    def read(self, start: int, length: int) -> bytes:
+        """`length` bytes from `start` (fewer at the end of the file)."""
+        if start >= self._tail_start:
+            return self._tail[start - self._tail_start : start - self._tail_start + length]
+        if start + length > self._tail_start:  # only the part before the bytes already read
+            return (
+                ckpt_io.read_bytes(self.url, start, self._tail_start - start)
+                + self._tail[: start + length - self._tail_start]
+            )
+        return ckpt_io.read_bytes(self.url, start, length)
+
+    def data_starts(self, records: Iterable[ZipRecord]) -> dict[str, int]:
+        """Where the data of each record starts (past its local header), reading only the headers.
+
+        Raises:
+            CorruptCheckpoint: a header is damaged, or a record's data runs past the end of the file.
+        """
+        starts: dict[str, int] = {}
+        wanted = sorted(records, key=lambda r: r.header_offset)
+        outside = [r for r in wanted if r.header_offset < self._tail_start]
+        handle = ckpt_io.open_read(self.url) if outside else contextlib.nullcontext(None)
+        with handle as f:
+            for record in wanted:
+                if f is not None and record.header_offset < self._tail_start:
+                    f.seek(record.header_offset)
+                    header = f.read(_LOCAL_HEADER.size)
+                    ckpt_io.READ_STATS.add(len(header))
+                else:
+                    header = self.read(record.header_offset, _LOCAL_HEADER.size)
+                start = record.header_offset + _local_header_length(header, f"{self.url} ({record.name})")
+                if start + record.size > self.size:
+                    raise CorruptCheckpoint(
+                        f"{self.url}: record {record.name} runs past the end of the file ({self.size} bytes)",
+                        "the file is truncated",
+                    )
+                starts[record.name] = start
+        return starts
+
+    def read_record(self, record: ZipRecord, limit: int) -> bytes:
+        """The bytes of one small stored record (data.pkl), its local header fetched in the same read.
+
+        Raises:
+            CorruptCheckpoint: compressed, larger than `limit`, damaged header, or past the end of the file.
+        """
+        where = f"{self.url} ({record.name})"
+        if not record.stored:
+            raise CorruptCheckpoint(f"{where}: the record is compressed, torch.save never does that")
+        if record.size > limit:
+            raise CorruptCheckpoint(f"{where}: {record.size} bytes, more than the {limit} this record may have")
+        # One read covers the header, the name, torch's alignment padding (< 64 bytes) and the data.
+        guess = _LOCAL_HEADER.size + len(record.name.encode()) + 128 + record.size
+        blob = self.read(record.header_offset, guess)
+        start = _local_header_length(blob, where)
+        if record.header_offset + start + record.size > self.size:
+            raise CorruptCheckpoint(f"{where}: the record runs past the end of the file", "the file is truncated")
+        if start + record.size > len(blob):
+            blob += self.read(record.header_offset + len(blob), start + record.size - len(blob))
+        return blob[start : start + record.size]
+
+
+def read_zip_directory(url: str, size: int | None = None) -> ZipDirectory:
+    """The records of the zip file at `url`, from its central directory only (a few range reads at its end).
+
+    Args:
+        url: the file.
+        size: its size when the caller knows it (saves a stat).
+
+    Raises:
+        CorruptCheckpoint: no zip directory (truncated, or not a torch.save zip file at all) or a damaged one.
+    """
+    if size is None:
+        size = ckpt_io.file_size(url)
+    reader = _UrlReader(url, size)
+    try:
+        with zipfile.ZipFile(reader) as archive:
+            infos = archive.infolist()
+    except zipfile.BadZipFile as exc:
+        head = reader.read_at(0, 4)
+        if head.startswith(_ZIP_MAGIC):
+            raise CorruptCheckpoint(
+                f"{url}: the zip directory at its end is missing or damaged ({exc})", "the file is truncated"
+            ) from exc
+        if head[:1] == b"\x80":
+            raise CorruptCheckpoint(
+                f"{url}: a torch.save file in the legacy (pre-1.6, non-zip) format, which ckptctl does not read",
+                "re-save it with a current torch",
+            ) from exc
+        raise CorruptCheckpoint(f"{url}: not a torch.save zip file") from exc
+    # zipfile reports other damage with struct.error, ValueError, EOFError, UnicodeDecodeError, ...
+    except Exception as exc:
+        raise CorruptCheckpoint(f"{url}: damaged zip directory ({type(exc).__name__}: {exc})") from exc
+    records = {}
+    for info in infos:
+        if info.header_offset < 0 or info.header_offset + _LOCAL_HEADER.size + info.compress_size > size:
+            raise CorruptCheckpoint(
+                f"{url}: record {info.filename} lies outside the file ({size} bytes)", "the file is truncated"
+            )
+        records[info.filename] = ZipRecord(
+            info.filename, info.header_offset, info.file_size, info.compress_type == zipfile.ZIP_STORED
+        )
+    return ZipDirectory(url, size, records, reader.tail)
+
+
+class _UrlReader(io.RawIOBase):
+    """A seekable read-only file over `ckptctl.io` range reads, the file's last bytes fetched at once."""
+
+    def __init__(self, url: str, size: int) -> None:
+        super().__init__()
+        self._url = url
+        self._size = size
+        self._pos = 0
+        self._tail_start = max(0, size - _TAIL_READ)
+        self._tail = ckpt_io.read_bytes(url, self._tail_start) if size else b""
+
+    @property
+    def tail(self) -> bytes:
+        return self._tail
+
+    def read_at(self, start: int, length: int) -> bytes:
+        if start >= self._tail_start:
+            return self._tail[start - self._tail_start : start - self._tail_start + length]
+        return ckpt_io.read_bytes(self._url, start, length)
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
+        if base + offset < 0:
+            raise ValueError("negative seek position")
+        self._pos = base + offset
+        return self._pos
+
+    def read(self, size: int | None = -1) -> bytes:
+        end = self._size if size is None or size < 0 else min(self._size, self._pos + size)
+        if end <= self._pos:
+            return b""
+        data = self.read_at(self._pos, end - self._pos)
+        self._pos += len(data)
+        return data
+
+    def readinto(self, buffer: Any) -> int:
+        data = self.read(len(buffer))
+        memoryview(buffer).cast("B")[: len(data)] = data
+        return len(data)

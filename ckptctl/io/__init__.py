@@ -10,6 +10,7 @@ import contextlib
 import errno
 import os
 import posixpath
+import shutil
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -20,6 +21,8 @@ from ckptctl.errors import CheckpointNotFound, StorageError
 __all__ = [
     "READ_STATS",
     "DirEntry",
+    "delete_file",
+    "delete_tree",
     "exists",
     "file_size",
     "fsync_dir",
@@ -260,3 +263,38 @@ def write_bytes_atomic(url: str, data: bytes) -> None:
             return
         fs, path = _fs(url)
         fs.pipe_file(path, data)
+
+
+def delete_file(url: str) -> None:
+    """Remove one file (a missing one is not an error)."""
+    with _translate_errors(url):
+        if is_local(url):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(local_path(url))
+            return
+        fs, path = _fs(url)
+        with contextlib.suppress(FileNotFoundError):
+            fs.rm_file(path)
+
+
+def delete_tree(url: str) -> None:
+    """Remove a folder and everything below it (a missing one is not an error). Symbolic links inside
+    are removed as links; what they point to is never touched."""
+    with _translate_errors(url):
+        if is_local(url):
+            path = local_path(url)
+            if os.path.islink(path):
+                os.unlink(path)
+                return
+
+            def gone_is_fine(function: Any, target: str, excinfo: Any) -> None:
+                # Another process (a concurrent prune, the manager's retention) may delete the same files.
+                if not isinstance(excinfo[1], FileNotFoundError):
+                    raise excinfo[1]
+
+            if os.path.lexists(path):
+                shutil.rmtree(path, onerror=gone_is_fine)
+            return
+        fs, path = _fs(url)
+        with contextlib.suppress(FileNotFoundError):
+            fs.rm(path, recursive=True)

@@ -19,10 +19,13 @@ from ckptctl.layouts.base import Layout
 __all__ = ["Layout", "detect", "get_layout", "layout_names", "open_checkpoint", "scan_run"]
 
 #: Tried in this order: the more specific layouts first (a native checkpoint also holds safetensors files
-#: an HF reader would accept, a native multi-rank one holds a DCP folder).
+#: an HF reader would accept, a native multi-rank one holds a DCP folder; a Trainer `checkpoint-N` holds an
+#: HF model folder and possibly a DeepSpeed tag folder, and is one checkpoint with all of them).
 _REGISTRY: tuple[tuple[str, str], ...] = (
     ("native", "ckptctl.layouts.native:NativeLayout"),
     ("dcp", "ckptctl.layouts.dcp:DcpLayout"),
+    ("hf_trainer", "ckptctl.layouts.hf_trainer:HfTrainerLayout"),
+    ("deepspeed", "ckptctl.layouts.deepspeed:DeepSpeedLayout"),
     ("hf", "ckptctl.layouts.hf:HfModelLayout"),
 )
 

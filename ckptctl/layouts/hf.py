@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from functools import cache
 from typing import Any
 
@@ -119,87 +119,107 @@ class HfModelLayout:
             raise CorruptCheckpoint(f"{url} holds no model weights")
         files = list_files(url)
         names = set(files)
-        components = set()
-        if any(n.endswith(".safetensors") for n in names) or any(n in names for n in _LEGACY_WEIGHTS):
-            components.add(Component.MODEL)
-        if names & _CONFIG_FILES:
-            components.add(Component.CONFIG)
-        if names & _TOKENIZER_FILES:
-            components.add(Component.TOKENIZER)
-        metadata: dict[str, Any] = {}
-        config = _read_json_or_none(io.join(url, "config.json")) if "config.json" in names else None
-        if isinstance(config, dict):
-            metadata["config"] = {k: config[k] for k in _CONFIG_SUMMARY if k in config}
-        if any(n in names for n in _LEGACY_WEIGHTS) and not any(n.endswith(".safetensors") for n in names):
-            metadata["note"] = "pickle weights (pytorch_model.bin) are not indexed; convert them to safetensors"
-        weight_files = _weight_files(url, names)
-        metadata["weight_files"] = len(weight_files)
+        weights = weight_files(url, names)
 
         @cache
         def tensor_index() -> tuple[TensorEntry, ...]:
-            return _tensor_index(url, weight_files, files)
+            return safetensors_index(url, weights, files)
 
         return Checkpoint(
             ref=ref,
-            components=frozenset(components),
+            components=frozenset(model_components(names)),
             world_size=None,
-            metadata=metadata,
+            metadata=model_metadata(url, names, weights),
             tensor_index=tensor_index,
             files=files,
         )
 
     def verify(self, checkpoint: Checkpoint) -> list[Problem]:
-        url = checkpoint.url
-        files = checkpoint.files
-        problems: list[Problem] = []
-        if "config.json" in files:
-            try:
-                json.loads(io.read_bytes(io.join(url, "config.json")))
-            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                problems.append(Problem(ProblemKind.BAD_METADATA, "config.json", f"config.json does not parse: {exc}"))
-        weight_map: Mapping[str, str] = {}
-        for index_name in INDEX_NAMES:
-            if index_name not in files:
-                continue
-            try:
-                weight_map = _read_index(io.join(url, index_name))
-            except CorruptCheckpoint as exc:
-                problems.append(Problem(ProblemKind.BAD_METADATA, index_name, exc.message))
-                continue
-            for shard in sorted(set(weight_map.values()) - set(files)):
+        return verify_model_files(checkpoint.url, checkpoint.files)
+
+
+# --------------------------------------------------------------------------------------------------
+# Shared with the layouts whose checkpoints hold an HF model folder (the HF Trainer's `checkpoint-N`).
+# --------------------------------------------------------------------------------------------------
+
+
+def has_weights(names: Iterable[str]) -> bool:
+    """Whether a folder's top-level file names include model weights (safetensors, index or legacy bin)."""
+    return any(n.endswith(".safetensors") or n in INDEX_NAMES or n in _LEGACY_WEIGHTS for n in names)
+
+
+def model_components(names: set[str]) -> set[Component]:
+    """MODEL, CONFIG and TOKENIZER, as far as the file names of a model folder show them."""
+    components = set()
+    if any(n.endswith(".safetensors") for n in names) or any(n in names for n in _LEGACY_WEIGHTS):
+        components.add(Component.MODEL)
+    if names & _CONFIG_FILES:
+        components.add(Component.CONFIG)
+    if names & _TOKENIZER_FILES:
+        components.add(Component.TOKENIZER)
+    return components
+
+
+def model_metadata(url: str, names: set[str], weights: Sequence[str]) -> dict[str, Any]:
+    """The config summary of a model folder (a small read of `config.json`) and its weight-file count."""
+    metadata: dict[str, Any] = {}
+    config = _read_json_or_none(io.join(url, "config.json")) if "config.json" in names else None
+    if isinstance(config, dict):
+        metadata["config"] = {k: config[k] for k in _CONFIG_SUMMARY if k in config}
+    if any(n in names for n in _LEGACY_WEIGHTS) and not any(n.endswith(".safetensors") for n in names):
+        metadata["note"] = "pickle weights (pytorch_model.bin) are not indexed; convert them to safetensors"
+    metadata["weight_files"] = len(weights)
+    return metadata
+
+
+def verify_model_files(url: str, files: Mapping[str, int]) -> list[Problem]:
+    """Structural problems of the model files of a folder: config and index parse, every shard the index
+    or the shard naming promises is present, headers are valid, and each tensor is where the index says."""
+    problems: list[Problem] = []
+    if "config.json" in files:
+        try:
+            json.loads(io.read_bytes(io.join(url, "config.json")))
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            problems.append(Problem(ProblemKind.BAD_METADATA, "config.json", f"config.json does not parse: {exc}"))
+    weight_map: Mapping[str, str] = {}
+    for index_name in INDEX_NAMES:
+        if index_name not in files:
+            continue
+        try:
+            weight_map = _read_index(io.join(url, index_name))
+        except CorruptCheckpoint as exc:
+            problems.append(Problem(ProblemKind.BAD_METADATA, index_name, exc.message))
+            continue
+        for shard in sorted(set(weight_map.values()) - set(files)):
+            problems.append(Problem(ProblemKind.MISSING_FILE, shard, f"{index_name} names {shard}, which is missing"))
+    problems.extend(
+        Problem(ProblemKind.MISSING_FILE, shard, f"shard {shard} is missing")
+        for shard in _shards_missing(set(files))
+        if shard not in set(weight_map.values())
+    )
+    located: dict[str, str] = {}
+    for rel in sorted(n for n in files if n.endswith(".safetensors")):
+        try:
+            header = read_header(io.join(url, rel), files[rel])
+        except CkptctlError as exc:
+            problems.append(Problem(_kind_of(exc), rel, exc.message))
+            continue
+        for rec in header.tensors:
+            if rec.name in located:
                 problems.append(
-                    Problem(ProblemKind.MISSING_FILE, shard, f"{index_name} names {shard}, which is missing")
+                    Problem(ProblemKind.BAD_METADATA, rel, f"tensor {rec.name!r} is also in {located[rec.name]}")
                 )
-        problems.extend(
-            Problem(ProblemKind.MISSING_FILE, shard, f"shard {shard} is missing")
-            for shard in _shards_missing(set(files))
-            if shard not in set(weight_map.values())
-        )
-        located: dict[str, str] = {}
-        for rel in sorted(n for n in files if n.endswith(".safetensors")):
-            try:
-                header = read_header(io.join(url, rel), files[rel])
-            except CkptctlError as exc:
-                problems.append(Problem(_kind_of(exc), rel, exc.message))
-                continue
-            for rec in header.tensors:
-                if rec.name in located:
-                    problems.append(
-                        Problem(ProblemKind.BAD_METADATA, rel, f"tensor {rec.name!r} is also in {located[rec.name]}")
-                    )
-                located[rec.name] = rel
-        for name, shard in weight_map.items():
-            if shard in files and located.get(name) not in (None, shard):
-                problems.append(
-                    Problem(
-                        ProblemKind.BAD_METADATA, shard, f"index puts {name!r} in {shard} but it is in {located[name]}"
-                    )
-                )
-            elif shard in files and name not in located:
-                problems.append(
-                    Problem(ProblemKind.MISSING_FILE, shard, f"index names tensor {name!r} but {shard} lacks it")
-                )
-        return problems
+            located[rec.name] = rel
+    for name, shard in weight_map.items():
+        if shard in files and located.get(name) not in (None, shard):
+            problems.append(
+                Problem(ProblemKind.BAD_METADATA, shard, f"index puts {name!r} in {shard} but it is in {located[name]}")
+            )
+        elif shard in files and name not in located:
+            problems.append(
+                Problem(ProblemKind.MISSING_FILE, shard, f"index names tensor {name!r} but {shard} lacks it")
+            )
+    return problems
 
 
 def _kind_of(exc: CkptctlError) -> ProblemKind:
@@ -229,8 +249,13 @@ def _read_index(url: str) -> dict[str, str]:
     return weight_map
 
 
-def _weight_files(url: str, names: set[str]) -> list[str]:
-    """The safetensors files holding the weights: those the index names, else every *.safetensors at the top."""
+def weight_files(url: str, names: set[str]) -> list[str]:
+    """The safetensors files holding the weights: those the index names, else every *.safetensors at the top.
+
+    Args:
+        url: the model folder.
+        names: file names relative to it.
+    """
     for index_name in INDEX_NAMES:
         if index_name in names:
             try:
@@ -240,9 +265,10 @@ def _weight_files(url: str, names: set[str]) -> list[str]:
     return sorted(n for n in names if n.endswith(".safetensors") and "/" not in n)
 
 
-def _tensor_index(url: str, weight_files: list[str], files: Mapping[str, int]) -> tuple[TensorEntry, ...]:
+def safetensors_index(url: str, weights: Sequence[str], files: Mapping[str, int]) -> tuple[TensorEntry, ...]:
+    """The tensors of the safetensors files `weights` (relative to `url`), from their headers."""
     entries = []
-    for rel in weight_files:
+    for rel in weights:
         header = read_header(io.join(url, rel), files.get(rel))
         for rec in header.tensors:
             chunk = TensorChunk(

@@ -16,6 +16,8 @@ from ckptctl.errors import UnknownLayout
 from ckptctl.layouts import detect, open_checkpoint, scan_run
 from ckptctl.ops.verification import verify_checkpoint
 from tests.conftest import copy_tree
+from tests.writers.deepspeed_writer import WrittenDeepSpeed
+from tests.writers.trainer_writer import WrittenTrainerRun
 
 
 class LayoutContract:
@@ -133,3 +135,51 @@ class TestDcp(LayoutContract):
     @pytest.fixture
     def source(self, demo_dir: Path) -> tuple[Path, int]:
         return demo_dir / "dcp" / "step-30", _demo_parameters()
+
+
+class TestDeepSpeedZero0(LayoutContract):
+    """Without ZeRO: one model states file holding the weights and the optimizer."""
+
+    layout = "deepspeed"
+    marker = None
+    data_glob = "*_model_states.pt"
+
+    @pytest.fixture
+    def source(self, deepspeed_runs: dict[int, WrittenDeepSpeed]) -> tuple[Path, int]:
+        return deepspeed_runs[0].latest, deepspeed_runs[0].model_parameters
+
+
+class TestDeepSpeedZero2(LayoutContract):
+    layout = "deepspeed"
+    marker = "mp_rank_00_model_states.pt"
+    data_glob = "*_optim_states.pt"
+
+    @pytest.fixture
+    def source(self, deepspeed_runs: dict[int, WrittenDeepSpeed]) -> tuple[Path, int]:
+        return deepspeed_runs[2].latest, deepspeed_runs[2].model_parameters
+
+
+class TestDeepSpeedZero3(LayoutContract):
+    layout = "deepspeed"
+    marker = "zero_pp_rank_0_mp_rank_00_model_states.pt"
+    data_glob = "*_optim_states.pt"
+
+    @pytest.fixture
+    def source(self, deepspeed_runs: dict[int, WrittenDeepSpeed]) -> tuple[Path, int]:
+        return deepspeed_runs[3].latest, deepspeed_runs[3].model_parameters
+
+
+class TestHfTrainer(LayoutContract):
+    layout = "hf_trainer"
+    marker = "trainer_state.json"
+    data_glob = "*.safetensors"
+
+    @pytest.fixture
+    def source(self, trainer_run: WrittenTrainerRun) -> tuple[Path, int]:
+        return trainer_run.checkpoints[-1], trainer_run.model_parameters
+
+
+class TestHfTrainerOptimizer(TestHfTrainer):
+    """The same checkpoint, damaged in its largest pickle (optimizer.pt) instead of its weights."""
+
+    data_glob = "*.pt"

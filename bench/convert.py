@@ -1,0 +1,242 @@
+"""convert DCP→HF against torch's own ways of doing it, measured side by side in one run.
+
+Writes a 2-rank FSDP2 DCP checkpoint (gloo, CPU) of a few big Linear layers plus AdamW state (exp_avg,
+exp_avg_sq): with the defaults 1 GiB of fp32 weights and 2 GiB of optimizer state. Then, each in a fresh
+process, on a warm page cache (every source file is read once before the first measurement):
+
+  (a) `ckptctl convert CKPT OUT --to hf` (streams raw bytes; fsyncs and re-reads its output to verify it),
+  (a') the same with `--dtype bf16` (cast block by block while streaming; shown for information),
+  (b) `torch.distributed.checkpoint.format_utils.dcp_to_torch_save` to a .pt, `torch.load` of it, and
+      `safetensors.torch.save_file` of the model entries,
+  (c) the model-only load torch offers: `_load_state_dict` with `_EmptyStateDictLoadPlanner(keys={"model"})`
+      (what `dcp_to_torch_save` uses, restricted to `model.*`; `dcp.load` fills a copy of an empty dict, so
+      it cannot be used here) followed by `safetensors.torch.save_file`.
+
+Outputs of earlier runs are deleted first and `sync` runs before each measurement, so that no run
+waits behind another's writeback. Reported for each: wall time of the whole process (interpreter start and imports included), the time of
+the work itself as the process measured it, and peak RSS from `os.wait4` (that child only). Ratios: our
+peak RSS against the largest tensor + 300 MiB (DESIGN §5) and against (c); our time against (c) and (b).
+The outputs of (a) and (c) are compared tensor by tensor.
+
+Usage: python bench/convert.py [--layers 4] [--width 8192] [--dir DIR] [--keep] [--reuse]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+MIB = 1 << 20
+
+
+def _writer(rank: int, world_size: int, rendezvous: str, path: str, layers: int, width: int) -> None:
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    warnings.filterwarnings("ignore")
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world_size)
+    try:
+        with torch.device("meta"):
+            model = torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False) for _ in range(layers)])
+        mesh = init_device_mesh("cpu", (world_size,))
+        for layer in model:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        model.to_empty(device="cpu")
+        generator = torch.Generator().manual_seed(rank)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.to_local().normal_(generator=generator)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)
+        optimizer.step()
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def build_checkpoint(path: Path, layers: int, width: int) -> None:
+    import torch.multiprocessing as mp
+
+    rendezvous = path.parent / ".rendezvous"
+    mp.spawn(_writer, args=(2, str(rendezvous), str(path), layers, width), nprocs=2)
+    rendezvous.unlink(missing_ok=True)
+
+
+TORCH_SAVE_THEN_SAFETENSORS = """
+import json, sys, time, warnings
+warnings.simplefilter("ignore")
+import torch
+from safetensors.torch import save_file
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+ckpt, out = sys.argv[1], sys.argv[2]
+start = time.perf_counter()
+dcp_to_torch_save(ckpt, out + "/all.pt")
+state = torch.load(out + "/all.pt", weights_only=True)
+save_file({k: v.contiguous() for k, v in state["model"].items()}, out + "/model.safetensors", metadata={"format": "pt"})
+print(json.dumps({"seconds": time.perf_counter() - start}))
+"""
+
+MODEL_ONLY_LOAD_THEN_SAFETENSORS = """
+import json, sys, time, warnings
+warnings.simplefilter("ignore")
+import torch
+from safetensors.torch import save_file
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+ckpt, out = sys.argv[1], sys.argv[2]
+start = time.perf_counter()
+state = {}
+_load_state_dict(state, storage_reader=FileSystemReader(ckpt), planner=_EmptyStateDictLoadPlanner(keys={"model"}), no_dist=True)
+save_file({k: v.contiguous() for k, v in state["model"].items()}, out + "/model.safetensors", metadata={"format": "pt"})
+print(json.dumps({"seconds": time.perf_counter() - start}))
+"""
+
+
+@dataclass(frozen=True)
+class Measured:
+    label: str
+    wall: float
+    work: float
+    peak_rss: int
+
+
+def measure(label: str, argv: list[str]) -> Measured:
+    """Run `argv` in a fresh process; wall time, the work time it prints (JSON), and its own peak RSS."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        start = time.perf_counter()
+        proc = subprocess.Popen(argv, stdout=out, stderr=err, env=env, cwd=REPO)
+        _, status, usage = os.wait4(proc.pid, 0)  # that child's own rusage, unlike RUSAGE_CHILDREN
+        wall = time.perf_counter() - start
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read(), err.read()
+    if proc.returncode != 0:
+        sys.stderr.write(stderr.decode())
+        raise SystemExit(f"{label} failed with exit code {proc.returncode}")
+    doc = json.loads(stdout.decode())
+    return Measured(label, wall, float(doc["seconds"]), usage.ru_maxrss * 1024)
+
+
+def same_tensors(a: Path, b: Path) -> bool:
+    import torch
+    from safetensors import safe_open
+
+    with safe_open(str(a), "pt") as fa, safe_open(str(b), "pt") as fb:
+        if sorted(fa.keys()) != sorted(fb.keys()):
+            return False
+        return all(torch.equal(fa.get_tensor(k), fb.get_tensor(k)) for k in fa.keys())  # noqa: SIM118
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=4, help="Linear layers (default 4)")
+    parser.add_argument("--width", type=int, default=8192, help="each layer is width x width fp32 (default 8192)")
+    parser.add_argument("--dir", type=Path, default=None, help="work folder (default: a temp dir beside the repo)")
+    parser.add_argument("--keep", action="store_true", help="keep the checkpoint and outputs")
+    parser.add_argument("--reuse", action="store_true", help="reuse a checkpoint a --keep run left in --dir")
+    args = parser.parse_args()
+
+    root = args.dir or Path(tempfile.mkdtemp(prefix="ckptctl-bench-convert-", dir=REPO.parent))
+    root.mkdir(parents=True, exist_ok=True)
+    ckpt = root / "step-1"
+    try:
+        started = time.perf_counter()
+        if not (args.reuse and (ckpt / ".metadata").exists()):
+            shutil.rmtree(ckpt, ignore_errors=True)
+            build_checkpoint(ckpt, args.layers, args.width)
+        files = sorted(ckpt.iterdir())
+        total = sum(f.stat().st_size for f in files)
+        largest = args.width * args.width * 4
+        model_bytes = largest * args.layers
+        print(
+            f"checkpoint: {total / 2**30:.2f} GiB in {len(files)} files (2 ranks, FSDP2), model {model_bytes / 2**30:.2f} "
+            f"GiB fp32 in {args.layers} tensors of {largest / MIB:.0f} MiB; written in {time.perf_counter() - started:.0f} s"
+        )
+        subprocess.run(["cat", *map(str, files)], stdout=subprocess.DEVNULL, check=True)
+        print("page cache: warmed (every source file read once before the first measurement)")
+
+        python = sys.executable
+        runs = {
+            "a": (
+                "ckptctl convert --to hf",
+                lambda out: [python, "-m", "ckptctl", "convert", str(ckpt), str(out), "--json", "-q"],
+            ),
+            "a'": (
+                "ckptctl convert --to hf --dtype bf16",
+                lambda out: [
+                    python,
+                    "-m",
+                    "ckptctl",
+                    "convert",
+                    str(ckpt),
+                    str(out),
+                    "--json",
+                    "-q",
+                    "--dtype",
+                    "bf16",
+                ],
+            ),
+            "c": (
+                "model-only DCP load + save_file",
+                lambda out: [python, "-c", MODEL_ONLY_LOAD_THEN_SAFETENSORS, str(ckpt), str(out)],
+            ),
+            "b": (
+                "dcp_to_torch_save + torch.load + save_file",
+                lambda out: [python, "-c", TORCH_SAVE_THEN_SAFETENSORS, str(ckpt), str(out)],
+            ),
+        }
+        results: dict[str, Measured] = {}
+        for out in root.glob("out-*"):
+            shutil.rmtree(out)
+        for key, (label, argv) in runs.items():
+            out = root / f"out-{key.replace(chr(39), '-bf16')}"
+            if not key.startswith("a"):
+                out.mkdir()
+            os.sync()  # no run waits behind another's dirty pages
+            results[key] = measure(label, argv(out))
+        identical = same_tensors(root / "out-a" / "model.safetensors", root / "out-c" / "model.safetensors")
+
+        print(f"\n{'':4}{'method':46}{'wall s':>9}{'work s':>9}{'peak RSS':>12}")
+        for key, m in results.items():
+            print(f"({key}){' ' * (3 - len(key))}{m.label:46}{m.wall:9.2f}{m.work:9.2f}{m.peak_rss / MIB:9.0f} MiB")
+        a, b, c = results["a"], results["b"], results["c"]
+        budget = largest + 300 * MIB
+        print(f"\noutputs of (a) and (c) identical: {identical}")
+        print(
+            f"peak RSS (a) / (largest tensor + 300 MiB = {budget / MIB:.0f} MiB): {a.peak_rss / budget:.2f}  (target <= 1)"
+        )
+        print(f"peak RSS (a) / (c):  {a.peak_rss / c.peak_rss:.2f}")
+        cast = results["a'"]
+        print(f"peak RSS (a') / budget: {cast.peak_rss / budget:.2f}  (the cast path imports torch)")
+        print(f"wall (a) / (c):      {a.wall / c.wall:.2f}  (work only: {a.work / c.work:.2f}; target <= 1, aim 0.25)")
+        print(f"wall (a) / (b):      {a.wall / b.wall:.2f}  (work only: {a.work / b.work:.2f})")
+        return 0 if identical else 1
+    finally:
+        if not args.keep:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,172 @@
+"""`ckptctl convert SRC DST --to hf|dcp`."""
+
+from __future__ import annotations
+
+import enum
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+
+from ckptctl.cli.options import JsonOpt, LayoutOpt, QuietOpt
+from ckptctl.cli.output import Output, human_bytes
+
+if TYPE_CHECKING:
+    from ckptctl.ops.convert import ConvertResult
+
+HELP = """Convert a checkpoint's model into a Hugging Face folder (or an HF model into a torch DCP checkpoint).
+
+--to hf reads torch DCP (any number of ranks, FSDP/FSDP2 sharding), ckptctl's own checkpoints and HF
+folders, and writes model.safetensors, or model-0000i-of-0000N.safetensors shards with
+model.safetensors.index.json. Tensors stream one at a time from the source's raw bytes into the output,
+so memory stays near the largest tensor whatever the model size. The state-dict prefix (model.) is
+removed so names match transformers; config and tokenizer files are taken from --config/--tokenizer or
+found beside the source.
+
+--to dcp writes a single-process torch.distributed.checkpoint save with keys model.<name>, which
+dcp.load reads into a model of any world size.
+
+The output is written to a hidden staging folder next to DST, checked, digested into
+ckptctl-digests.json (so `ckptctl verify DST` checks every byte later) and renamed into place: an
+interrupted conversion leaves nothing at DST.
+
+[bold]Examples[/bold]
+
+  ckptctl convert runs/llama/step-1000 hf-export --to hf --config runs/llama --dtype bf16
+
+  ckptctl convert runs/llama/step-1000 hf-export --max-shard-size 2GB --rename '^lm_head=output'
+
+  ckptctl convert meta-llama-3-8b/ init-dcp --to dcp
+"""
+
+
+class TargetChoice(enum.StrEnum):
+    hf = "hf"
+    dcp = "dcp"
+
+
+class DtypeChoice(enum.StrEnum):
+    bf16 = "bf16"
+    bfloat16 = "bfloat16"
+    fp16 = "fp16"
+    float16 = "float16"
+    fp32 = "fp32"
+    float32 = "float32"
+
+
+def register(app: typer.Typer) -> None:
+    app.command("convert", help=HELP)(convert)
+
+
+def convert(
+    src: Annotated[
+        str, typer.Argument(help="Checkpoint folder to convert (local path or fsspec URL).", show_default=False)
+    ],
+    dst: Annotated[str, typer.Argument(help="Output folder (local; must be empty or absent).", show_default=False)],
+    to: Annotated[TargetChoice, typer.Option("--to", help="Output format.")] = TargetChoice.hf,
+    dtype: Annotated[
+        DtypeChoice | None,
+        typer.Option("--dtype", help="Cast floating-point tensors (default: keep the stored dtypes)."),
+    ] = None,
+    max_shard_size: Annotated[
+        str,
+        typer.Option(
+            "--max-shard-size", metavar="SIZE", help="Most tensor bytes per output file: 5GB, 500MB, 20KB or bytes."
+        ),
+    ] = "5GB",
+    component: Annotated[
+        str, typer.Option(help="Which component's tensors to convert (model, optimizer, ...).")
+    ] = "model",
+    strip_prefix: Annotated[
+        str | None,
+        typer.Option(
+            "--strip-prefix",
+            metavar="PREFIX",
+            help="Prefix removed from tensor names (default: detected, e.g. 'model.'; '' keeps names as stored).",
+        ),
+    ] = None,
+    rename: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--rename",
+            metavar="PATTERN=REPL",
+            help="PATTERN=REPL regex substitution on tensor names (repeatable, in order).",
+        ),
+    ] = None,
+    config: Annotated[
+        str | None,
+        typer.Option("--config", metavar="DIR", help="Folder holding config.json (default: beside the source)."),
+    ] = None,
+    tokenizer: Annotated[
+        str | None,
+        typer.Option("--tokenizer", metavar="DIR", help="Folder holding tokenizer files (default: beside the source)."),
+    ] = None,
+    force: Annotated[bool, typer.Option("--force", help="Replace DST if it is not empty.")] = False,
+    reread: Annotated[
+        bool,
+        typer.Option("--reread", help="Read every written file back from disk and check its digest (doubles the I/O)."),
+    ] = False,
+    workers: Annotated[int | None, typer.Option(help="Copy threads (default: one per core, 2 to 8).", min=1)] = None,
+    layout: LayoutOpt = None,
+    json_output: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    from ckptctl.checkpoint import Component
+    from ckptctl.ops.convert import ConvertOptions, Target, parse_dtype, parse_rename, parse_size
+    from ckptctl.ops.convert import convert as run_convert
+
+    try:
+        wanted = Component(component)
+    except ValueError as exc:
+        raise typer.BadParameter(
+            f"choose one of {', '.join(c.value for c in Component)}", param_hint="--component"
+        ) from exc
+    try:
+        shard_bytes = parse_size(max_shard_size)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--max-shard-size") from exc
+    try:
+        renames = tuple(parse_rename(r) for r in rename or ())
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--rename") from exc
+    options = ConvertOptions(
+        to=Target(to.value),
+        dtype=parse_dtype(dtype.value) if dtype else None,
+        max_shard_size=shard_bytes,
+        component=wanted,
+        strip_prefix=strip_prefix,
+        renames=renames,
+        config_dir=config,
+        tokenizer_dir=tokenizer,
+        force=force,
+        layout=layout,
+        reread=reread,
+        workers=workers,
+    )
+    out = Output(json_mode=json_output, quiet=quiet)
+    try:
+        result = run_convert(src, dst, options, out.progress())
+    except KeyboardInterrupt:
+        out.note(f"interrupted: the staging folder was removed and nothing was written to {dst}")
+        raise
+    if not quiet:
+        for note in result.warnings:
+            out.warn(note)
+    if json_output:
+        out.json(result.to_json())
+        return
+    _render(out, result)
+
+
+def _render(out: Output, result: ConvertResult) -> None:
+    rate = human_bytes(int(result.bytes / result.seconds)) + "/s" if result.seconds > 0 else "-"
+    cast = f", cast to {result.dtype}" if result.dtype else ""
+    out.print(
+        f"[green]converted[/green] {result.tensors} tensors ({human_bytes(result.bytes)}{cast}) from {result.src} "
+        f"({result.layout}) to {result.dst} ({result.to}) in {result.seconds:.1f} s, {rate}"
+    )
+    weights = [f for f in result.files if f.endswith((".safetensors", ".distcp"))]
+    out.print(f"  files: {', '.join(weights)}" + (f" (+ {len(result.files) - len(weights)} more)" if weights else ""))
+    if result.copied:
+        out.print(f"  copied: {', '.join(result.copied)}")
+    if result.assembled:
+        out.print(f"  {result.assembled} tensor(s) assembled in memory (not contiguous in their source)")

@@ -1,0 +1,238 @@
+"""`ckptctl prune RUN_DIR`."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Annotated, TypeVar
+
+import typer
+from rich.markup import escape
+from rich.table import Table
+
+from ckptctl.cli.options import JsonOpt, QuietOpt
+from ckptctl.cli.output import Output, human_bytes
+from ckptctl.errors import CkptctlError
+
+if TYPE_CHECKING:
+    from ckptctl.core.retention import RetentionPolicy
+    from ckptctl.ops.prune import PrunePlan, PruneReport
+
+T = TypeVar("T")
+
+HELP = """Delete the checkpoints of a run that the retention rules do not keep, safely.
+
+Rules compose with "any": a checkpoint is kept when one of --keep-last, --keep-every or --keep-best keeps
+it; --max-total-size then deletes the oldest ones only rules keep until the run fits; --older-than limits
+deletion to older checkpoints. Without rule options, the \\[retention] table of RUN_DIR/ckptctl.toml is used
+(same names: keep_last, keep_every, keep_best, max_total_size, older_than, pin, grace).
+
+Never deleted: the newest complete checkpoint; what a `latest` pointer names (ckptctl's, DeepSpeed's), the
+Trainer's best_model_checkpoint, OpenRLHF best* folders; anything in progress (no completion marker,
+staging names, a writer's lock, files modified within --grace); pinned steps; symbolic links and anything
+outside RUN_DIR. Each checkpoint is moved into a .ckptctl-trash folder beside it and deleted there, so an
+interrupted prune never leaves a half-deleted checkpoint that looks complete. One prune per run at a time.
+
+Exit code 0 when done (or nothing to do), 1 when the rules wanted a deletion that could not happen
+(protected checkpoints, a run still over --max-total-size, a failed deletion, another prune holding the
+lock, a declined prompt), 2 on bad usage (also: deleting without --yes when stdin is not a terminal).
+
+[bold]Examples[/bold]
+
+  ckptctl prune runs/llama-sft --keep-last 3 --keep-every 1000 --dry-run
+
+  ckptctl prune runs/llama-sft --keep-last 2 --keep-best eval_loss:min --max-total-size 2TB -y
+
+  ckptctl prune runs/llama-sft --older-than 7d --pin 5000 --json -y   # cron; rules may live in ckptctl.toml
+"""
+
+
+class ConfirmationRequired(CkptctlError):
+    """Deleting needs --yes when there is no terminal to ask on."""
+
+
+def register(app: typer.Typer) -> None:
+    app.command("prune", help=HELP)(prune)
+
+
+def prune(
+    run: Annotated[str, typer.Argument(help="Run folder (local path or fsspec URL).", show_default=False)],
+    keep_last: Annotated[
+        int | None, typer.Option("--keep-last", help="Keep the newest N complete checkpoints.", min=1)
+    ] = None,
+    keep_every: Annotated[
+        int | None, typer.Option("--keep-every", help="Keep checkpoints whose step is a multiple of K.", min=1)
+    ] = None,
+    keep_best: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--keep-best",
+            help="Keep the best checkpoint by a recorded metric, METRIC[:min|max] (default min for *loss); repeatable.",
+        ),
+    ] = None,
+    max_total_size: Annotated[
+        str | None,
+        typer.Option(
+            "--max-total-size", help="Delete the oldest unprotected checkpoints until the run fits (500GB, 2TiB)."
+        ),
+    ] = None,
+    older_than: Annotated[
+        str | None, typer.Option("--older-than", help="Only checkpoints older than this may go (7d, 12h, 30m).")
+    ] = None,
+    pin: Annotated[list[int] | None, typer.Option("--pin", help="Never delete this step; repeatable.", min=0)] = None,
+    grace: Annotated[
+        str | None,
+        typer.Option("--grace", help="Checkpoints modified this recently count as being written (default 10m)."),
+    ] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan; change nothing.")] = False,
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Delete without asking for confirmation.")] = False,
+    wait: Annotated[
+        float, typer.Option("--wait", help="Seconds to wait for another prune of the run to finish.", min=0)
+    ] = 30.0,
+    depth: Annotated[int, typer.Option(help="How deep to look for nested runs.", min=0)] = 4,
+    json_output: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    from ckptctl.core.retention import KeepBest, RetentionPolicy, parse_age, parse_size
+    from ckptctl.ops.prune import DEFAULT_GRACE, POLICY_FILE, load_policy_file
+    from ckptctl.ops.prune import prune as run_prune
+
+    out = Output(json_mode=json_output, quiet=quiet)
+    try:
+        best = tuple(KeepBest.parse(b) for b in keep_best or ())
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--keep-best") from exc
+    size = _parse(parse_size, max_total_size, "--max-total-size")
+    age = _parse(parse_age, older_than, "--older-than")
+    grace_age = _parse(parse_age, grace, "--grace")
+
+    policy: RetentionPolicy
+    if keep_last is not None or keep_every is not None or best or size is not None or age is not None:
+        policy = RetentionPolicy(keep_last, keep_every, best, size, age, frozenset(pin or ()))
+    else:
+        from_file = load_policy_file(run)
+        if from_file is None:
+            raise CkptctlError(
+                "no retention rule given",
+                f"pass --keep-last, --keep-every, --keep-best, --max-total-size or --older-than, or write a [retention] table into {POLICY_FILE} in the run folder",
+            )
+        policy, file_grace = from_file
+        policy = RetentionPolicy(
+            policy.keep_last,
+            policy.keep_every,
+            policy.keep_best,
+            policy.max_total_size,
+            policy.older_than,
+            policy.pin | frozenset(pin or ()),
+        )
+        grace_age = grace_age if grace_age is not None else file_grace
+        out.note(escape(f"rules from {POLICY_FILE}: {policy.describe()}"))
+
+    shown = False
+
+    def confirm(plan: PrunePlan) -> bool:
+        nonlocal shown
+        if yes:
+            return True
+        if not sys.stdin.isatty():
+            raise ConfirmationRequired(
+                f"refusing to delete {len(plan.delete)} checkpoint(s) without confirmation: stdin is not a terminal",
+                "pass --yes (or --dry-run to see the plan)",
+            )
+        _render_plan(out, plan)
+        shown = True
+        return typer.confirm(
+            f"Delete {len(plan.delete)} checkpoint(s), freeing {human_bytes(plan.freed_bytes)}?",
+            default=False,
+            err=True,
+        )
+
+    report = run_prune(
+        run,
+        policy,
+        grace=grace_age if grace_age is not None else DEFAULT_GRACE,
+        dry_run=dry_run,
+        confirm=confirm,
+        wait=wait,
+        max_depth=depth,
+        progress=out.progress(),
+        warn=out.warn,
+    )
+    if json_output:
+        out.json(report.to_json())
+    else:
+        if not shown:
+            _render_plan(out, report.plan)
+        _render_summary(out, report)
+    for note in report.plan.notes:
+        out.note(escape(f"note: {note}"))
+    if not quiet:
+        for problem in report.unmet:
+            out.warn(escape(problem))
+    if report.failed or report.cancelled or (not report.deleted and report.unmet):
+        raise typer.Exit(1)
+
+
+def _parse(parser: Callable[[str], T], text: str | None, option: str) -> T | None:
+    if text is None:
+        return None
+    try:
+        return parser(text)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint=option) from exc
+
+
+def _render_plan(out: Output, plan: PrunePlan) -> None:
+    if not plan.items:
+        out.note(escape(f"no checkpoints found below {plan.run}"))
+        return
+    table = Table(
+        title=escape(f"{plan.run}: {plan.policy.describe()}"),
+        title_justify="left",
+    )
+    table.add_column("action", no_wrap=True)
+    table.add_column("path", overflow="fold", ratio=1)
+    table.add_column("step", justify="right", no_wrap=True)
+    table.add_column("state", no_wrap=True)
+    table.add_column("size", justify="right", no_wrap=True)
+    table.add_column("why", overflow="fold", ratio=1)
+    for item in plan.items:
+        if not item.keep:
+            action = "[red]delete[/red]"
+        elif item.blocked:
+            action = "[yellow]protected[/yellow]"
+        else:
+            action = "[green]keep[/green]"
+        table.add_row(
+            action,
+            escape(_relative(item.url, plan.run)),
+            "-" if item.ref.step is None else str(item.ref.step),
+            item.ref.state.value,
+            human_bytes(item.size_bytes),
+            escape("; ".join(item.reasons)),
+        )
+    out.print(table)
+
+
+def _render_summary(out: Output, report: PruneReport) -> None:
+    plan = report.plan
+    left = len(plan.items) - len(report.deleted)
+    kept = f"keeping {left} ({human_bytes(plan.total_bytes - report.freed_bytes)})"
+    if report.dry_run:
+        out.print(
+            f"dry run: would delete {len(plan.delete)} checkpoint(s), freeing {human_bytes(plan.freed_bytes)}; {kept}"
+        )
+    elif report.cancelled:
+        out.print("cancelled: nothing deleted")
+    else:
+        trash = f" (and {human_bytes(report.trash_freed_bytes)} of leftover trash)" if report.trash_freed_bytes else ""
+        out.print(
+            f"deleted {len(report.deleted)} checkpoint(s), freed {human_bytes(report.freed_bytes)}{trash}; {kept}"
+        )
+
+
+def _relative(url: str, run: str) -> str:
+    from ckptctl import io
+
+    rel = io.relative_to(url, run)
+    return url if rel.startswith("..") else rel

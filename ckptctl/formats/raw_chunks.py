@@ -1,0 +1,175 @@
+"""Where a chunk's raw element bytes are, so that a converter can copy them without decoding the tensor.
+
+A chunk is stored either as raw row-major bytes (safetensors) or as a torch.save archive (DCP items) whose
+storage record holds the same raw bytes uncompressed. When the chunk is full in its trailing dimensions,
+its bytes land in contiguous runs of the full tensor's row-major bytes (one run for an FSDP dim-0 shard,
+one per row for a tensor-parallel column shard), and converting is a byte copy.
+
+`ChunkLocator.locate` finds the raw range; `row_major_runs` says where a chunk's rows land in its tensor.
+Importing this module does not import torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import math
+import mmap
+import os
+import threading
+from dataclasses import dataclass
+
+from ckptctl import io
+from ckptctl.checkpoint import ChunkEncoding, TensorChunk, TensorEntry, dtype_itemsize
+from ckptctl.errors import CorruptCheckpoint, StorageError
+from ckptctl.formats.torch_save import ArchiveTensor, inspect_archive
+
+__all__ = ["ByteRange", "ChunkLocator", "row_major_runs"]
+
+
+@dataclass(frozen=True, slots=True)
+class ByteRange:
+    """`length` bytes at `offset` of the file at `url`."""
+
+    url: str
+    offset: int
+    length: int
+
+
+def row_major_runs(
+    shape: tuple[int, ...], offsets: tuple[int, ...], sizes: tuple[int, ...], limit: int = 1 << 20
+) -> list[tuple[int, int, int]] | None:
+    """How a chunk's row-major elements map onto its full tensor's row-major elements, as contiguous runs.
+
+    A chunk that is full in its trailing dimensions (from some dimension `k` on) is contiguous in the
+    tensor for every index of its leading dimensions: an FSDP dim-0 shard is one run, a tensor-parallel
+    column shard (`Shard(1)` of a matrix) one run per row. Each run is contiguous in the chunk's own
+    row-major bytes as well, so copying the runs copies the chunk.
+
+    Args:
+        limit: the most runs worth describing; beyond it the chunk is better assembled in memory.
+
+    Returns:
+        `(first element in the tensor, first element in the chunk, element count)` per run, in chunk
+        order; None when there would be more than `limit` runs.
+    """
+    ndim = len(shape)
+    if ndim == 0:
+        return [(0, 0, 1)]
+    k = ndim - 1
+    while k > 0 and offsets[k] == 0 and sizes[k] == shape[k]:
+        k -= 1
+    # Dimensions after k are full; dimension k is partial (or k == 0). One run per index of dims < k.
+    count = math.prod(sizes[:k])
+    if count > limit:
+        return None
+    strides = _row_major_strides(shape)
+    run = sizes[k] * strides[k]
+    base = sum(o * st for o, st in zip(offsets, strides, strict=True))
+    if k == 0:
+        return [(base, 0, run)]
+    runs = []
+    for chunk_index, index in enumerate(itertools.product(*(range(s) for s in sizes[:k]))):
+        start = base + sum(i * st for i, st in zip(index, strides, strict=False))
+        runs.append((start, chunk_index * run, run))
+    return runs
+
+
+def _row_major_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides = [1] * len(shape)
+    for dim in range(len(shape) - 2, -1, -1):
+        strides[dim] = strides[dim + 1] * shape[dim + 1]
+    return tuple(strides)
+
+
+class ChunkLocator:
+    """Finds the raw bytes of chunks of one checkpoint; a context manager that caches open files.
+
+    Local torch.save archives are inspected through a memory map of the archive alone, so only its zip
+    directory and the small `data.pkl` record are read, never the tensor bytes.
+    """
+
+    def __init__(self, checkpoint_url: str) -> None:
+        self._root = checkpoint_url
+        self._sizes: dict[str, int] = {}
+        self._fds: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def __enter__(self) -> ChunkLocator:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        with self._lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
+
+    def locate(self, entry: TensorEntry, chunk: TensorChunk) -> ByteRange | None:
+        """The range holding `chunk`'s elements row-major and little-endian, or None when there is none.
+
+        None means the bytes must be decoded instead: a torch.save archive of a non-contiguous view, one on
+        a remote store (reading its directory would mean fetching it whole), or another encoding.
+
+        Raises:
+            CorruptCheckpoint: the record lies outside its file, or its content disagrees with the metadata.
+        """
+        url = io.join(self._root, chunk.file)
+        where = f"{chunk.file}@{chunk.byte_offset} ({entry.name})"
+        size = self._size(url)
+        if chunk.byte_offset < 0 or chunk.byte_offset + chunk.byte_length > size:
+            raise CorruptCheckpoint(
+                f"{where}: bytes {chunk.byte_offset}..{chunk.byte_offset + chunk.byte_length} lie outside "
+                f"{chunk.file} ({size} bytes)",
+                "the file is truncated",
+            )
+        expected = chunk.numel * dtype_itemsize(entry.dtype)
+        if chunk.encoding == ChunkEncoding.RAW:
+            if chunk.byte_length != expected:
+                raise CorruptCheckpoint(
+                    f"{where}: holds {chunk.byte_length} bytes but {entry.dtype}{list(chunk.sizes)} needs {expected}"
+                )
+            return ByteRange(url, chunk.byte_offset, chunk.byte_length)
+        if chunk.encoding != ChunkEncoding.TORCH_SAVE or not io.is_local(url):
+            return None  # `chunks.read_tensor` knows every encoding; this only the ones worth a byte copy
+        found = self._inspect(url, chunk, where)
+        if found.dtype != entry.dtype or found.shape != chunk.sizes:
+            raise CorruptCheckpoint(
+                f"{where}: holds {found.dtype}{list(found.shape)} but the metadata says {entry.dtype}{list(chunk.sizes)}"
+            )
+        if not found.contiguous:
+            return None
+        return ByteRange(url, chunk.byte_offset + found.start, found.end - found.start)
+
+    def _size(self, url: str) -> int:
+        size = self._sizes.get(url)
+        if size is None:
+            size = self._sizes[url] = io.file_size(url)
+        return size
+
+    def _fd(self, url: str) -> int:
+        with self._lock:
+            fd = self._fds.get(url)
+            if fd is None:
+                try:
+                    fd = self._fds[url] = os.open(io.local_path(url), os.O_RDONLY)
+                except OSError as exc:
+                    raise StorageError(f"cannot open {url}: {exc.strerror or exc}") from exc
+            return fd
+
+    def _inspect(self, url: str, chunk: TensorChunk, where: str) -> ArchiveTensor:
+        if chunk.byte_length == 0:
+            raise CorruptCheckpoint(f"{where}: the record is empty, not a torch.save archive")
+        start = chunk.byte_offset - chunk.byte_offset % mmap.ALLOCATIONGRANULARITY
+        mapped = mmap.mmap(
+            self._fd(url), chunk.byte_offset + chunk.byte_length - start, access=mmap.ACCESS_READ, offset=start
+        )
+        try:
+            with memoryview(mapped) as view:
+                return inspect_archive(view[chunk.byte_offset - start :], where)
+        finally:
+            # A traceback may still hold a view of the map; then the collector unmaps it later.
+            with contextlib.suppress(BufferError):
+                mapped.close()

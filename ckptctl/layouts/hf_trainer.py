@@ -1,0 +1,434 @@
+"""Hugging Face Trainer checkpoints: `OUTPUT_DIR/checkpoint-{global_step}/` (LAYOUTS.md, HF Trainer).
+
+```
+checkpoint-N/
+    model weights and config as an HF model folder (read with `layouts.hf`)
+    optimizer.pt, scheduler.pt, scaler.pt (AMP), rng_state.pth | rng_state_{process}.pth, training_args.bin
+    trainer_state.json             written LAST: the completion marker (global_step, epoch, best_metric, ...)
+    [DeepSpeed: latest, global_stepN/ (read with `layouts.deepspeed`)]
+    [FSDP sharded: pytorch_model_fsdp_0/, optimizer_0/ (torch DCP folders, read with `layouts.dcp`)]
+```
+
+The `.pt`/`.pth`/`.bin` files are torch.save pickles; they are read with `formats.torch_pickle` (their
+`data.pkl` and zip directory only, through the allowlisting unpickler), so neither transformers nor torch
+is needed and a hostile pickle is refused before anything runs.
+
+A folder without `trainer_state.json` is a save that has not finished: in progress while its files are
+fresh, broken once they are older than `IN_PROGRESS_WINDOW_S` (transformers' resume picks the highest
+`checkpoint-N` without looking, transformers#35782, and fails on such a folder).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from functools import cache
+from typing import Any
+
+from ckptctl import io
+from ckptctl.checkpoint import (
+    Checkpoint,
+    CheckpointRef,
+    CheckpointState,
+    ChunkEncoding,
+    Component,
+    Problem,
+    ProblemKind,
+    TensorChunk,
+    TensorEntry,
+)
+from ckptctl.errors import CkptctlError, UnknownLayout, UnsafePickle
+from ckptctl.formats.safe_pickle import FrameworkObject, StandIn, state_fields
+from ckptctl.formats.torch_pickle import TorchPickle, open_torch_pickle, storage_problems
+from ckptctl.io import DirEntry
+from ckptctl.layouts import deepspeed
+from ckptctl.layouts.base import folder_size, list_files, newest_mtime, step_from_name, timestamp
+from ckptctl.layouts.hf import (
+    has_weights,
+    model_components,
+    model_metadata,
+    safetensors_index,
+    verify_model_files,
+    weight_files,
+)
+
+__all__ = ["IN_PROGRESS_WINDOW_S", "TRAINER_STATE_NAME", "HfTrainerLayout"]
+
+TRAINER_STATE_NAME = "trainer_state.json"
+#: A checkpoint folder without trainer_state.json whose newest file is younger than this is still being
+#: written; older, the save was interrupted.
+IN_PROGRESS_WINDOW_S = 15 * 60
+_CHECKPOINT_DIR = re.compile(r"^checkpoint-(\d+)$")
+_RNG_FILE = re.compile(r"^rng_state(?:_(\d+))?\.pth$")
+_PICKLE_FILES = ("optimizer.pt", "scheduler.pt", "scaler.pt", "training_args.bin")
+_TRAINER_FILES = frozenset({TRAINER_STATE_NAME, *_PICKLE_FILES})
+#: trainer_state.json is written with sorted keys and indent=2, so `epoch` and `global_step` come before
+#: the (possibly huge) `log_history`: `identify` reads only this much of it.
+_STATE_HEAD = 4096
+_HEAD_FIELD = re.compile(rb'^  "(epoch|global_step)": ([0-9.eE+-]+|null),?$', re.MULTILINE)
+_FSDP_MODEL = re.compile(r"^pytorch_model_fsdp_\d+$")
+_FSDP_OPTIMIZER = re.compile(r"^optimizer_\d+$")
+#: TrainingArguments fields worth showing in `inspect`.
+_ARGS_SUMMARY = (
+    "learning_rate",
+    "per_device_train_batch_size",
+    "gradient_accumulation_steps",
+    "num_train_epochs",
+    "max_steps",
+    "lr_scheduler_type",
+    "optim",
+    "seed",
+    "bf16",
+    "fp16",
+    "save_steps",
+    "save_total_limit",
+)
+_STATE_SUMMARY = (
+    "max_steps",
+    "num_train_epochs",
+    "train_batch_size",
+    "best_metric",
+    "best_model_checkpoint",
+    "best_global_step",
+)
+
+
+def _rng_ranks(names: Sequence[str]) -> list[int]:
+    return sorted(int(m.group(1) or 0) for n in names if (m := _RNG_FILE.match(n)))
+
+
+@dataclass(frozen=True, slots=True)
+class _Parts:
+    """What a checkpoint folder holds, from its listing."""
+
+    names: set[str]
+    ds_tag: str | None
+    dcp_folders: dict[str, Component]
+
+    @classmethod
+    def of(cls, url: str, entries: Sequence[DirEntry]) -> _Parts:
+        names = {e.name for e in entries if not e.is_dir}
+        dirs = [e.name for e in entries if e.is_dir]
+        tag = deepspeed.read_latest(url, entries) if deepspeed.LATEST_NAME in names else None
+        if tag not in dirs:
+            candidates = [d for d in dirs if step_from_name(d) is not None and d.startswith("global_step")]
+            tag = candidates[0] if len(candidates) == 1 else None
+        dcp = {}
+        for d in dirs:
+            if _FSDP_MODEL.match(d):
+                dcp[d] = Component.MODEL
+            elif _FSDP_OPTIMIZER.match(d):
+                dcp[d] = Component.OPTIMIZER
+        return cls(names, tag, dcp)
+
+    def is_trainer_checkpoint(self) -> bool:
+        return bool(
+            self.names & _TRAINER_FILES or _rng_ranks(list(self.names)) or self.ds_tag is not None or self.dcp_folders
+        )
+
+
+class HfTrainerLayout:
+    """A `checkpoint-N` folder of the Hugging Face Trainer (with or without DeepSpeed/FSDP inside)."""
+
+    name = "hf_trainer"
+
+    def identify(self, url: str, entries: Sequence[DirEntry]) -> CheckpointRef | None:
+        """A ref for a `checkpoint-N` folder holding Trainer files; reads at most the head of
+        trainer_state.json (for step and epoch)."""
+        m = _CHECKPOINT_DIR.match(io.name_of(url))
+        if m is None:
+            return None
+        parts = _Parts.of(url, entries)
+        if not parts.is_trainer_checkpoint():
+            return None
+        step: int | None = int(m.group(1))
+        epoch = None
+        marker = next((e for e in entries if e.name == TRAINER_STATE_NAME and not e.is_dir), None)
+        note = ""
+        if marker is not None:
+            state = CheckpointState.COMPLETE
+            head = _read_head(io.join(url, TRAINER_STATE_NAME))
+            head_step = head.get("global_step")
+            step = head_step if isinstance(head_step, int) else step
+            epoch = head.get("epoch")
+            created = timestamp(marker.mtime)
+        else:
+            newest = newest_mtime(entries)
+            created = timestamp(newest)
+            if newest is not None and time.time() - newest < IN_PROGRESS_WINDOW_S:
+                state = CheckpointState.IN_PROGRESS
+                note = f"no {TRAINER_STATE_NAME} yet: being written"
+            else:
+                state = CheckpointState.BROKEN
+                note = f"no {TRAINER_STATE_NAME}: the save was interrupted (a resume that picks this folder fails)"
+        return CheckpointRef(
+            url=url,
+            layout=self.name,
+            step=step if isinstance(step, int) else None,
+            epoch=float(epoch) if isinstance(epoch, int | float) else None,
+            created=created,
+            state=state,
+            size_bytes=folder_size(url, entries),
+            note=note,
+        )
+
+    def latest_pointer(self, url: str, entries: Sequence[DirEntry]) -> str | None:
+        """The Trainer keeps no pointer (it resumes from the highest `checkpoint-N`)."""
+        return None
+
+    def open(self, url: str) -> Checkpoint:
+        """Read trainer_state.json, training_args.bin's `data.pkl` and the DeepSpeed rank-0 files if any;
+        the tensor index reads safetensors headers and optimizer.pt's `data.pkl`."""
+        entries = io.list_dir(url)
+        ref = self.identify(url, entries)
+        if ref is None:
+            raise UnknownLayout(f"{url} is not a Hugging Face Trainer checkpoint (checkpoint-N with Trainer files)")
+        parts = _Parts.of(url, entries)
+        files = list_files(url)
+        top = parts.names
+        weights = weight_files(url, top) if has_weights(top) else []
+        metadata: dict[str, Any] = {"format": "hf_trainer"}
+        components = set(model_components(top))
+        trainer_state = _read_trainer_state(url) if TRAINER_STATE_NAME in top else None
+        if isinstance(trainer_state, dict):
+            components.add(Component.TRAINER_STATE)
+            metadata["trainer_state"] = _state_summary(trainer_state)
+            step, epoch = trainer_state.get("global_step"), trainer_state.get("epoch")
+            ref = replace(
+                ref,
+                step=step if type(step) is int else ref.step,
+                epoch=float(epoch) if isinstance(epoch, int | float) and type(epoch) is not bool else ref.epoch,
+            )
+        elif TRAINER_STATE_NAME in top:
+            metadata["error"] = f"{TRAINER_STATE_NAME} does not parse"
+        if weights:
+            metadata.update(model_metadata(url, top, weights))
+        if "optimizer.pt" in top:
+            components.add(Component.OPTIMIZER)
+        if "scheduler.pt" in top:
+            components.add(Component.SCHEDULER)
+        rng = _rng_ranks(list(top))
+        if rng:
+            components.add(Component.RNG)
+        if "scaler.pt" in top or "training_args.bin" in top:
+            components.add(Component.EXTRA)
+        if "training_args.bin" in top:
+            metadata["training_args"] = _args_summary(url, files["training_args.bin"])
+        world_size = (max(rng) + 1) if rng else None
+        tag = None
+        if parts.ds_tag is not None:
+            try:
+                tag = deepspeed.read_tag(io.join(url, parts.ds_tag))
+            except CkptctlError as exc:
+                metadata["deepspeed_error"] = exc.message
+            else:
+                components |= tag.components() - {Component.TRAINER_STATE, Component.EXTRA}
+                ds_info = tag.metadata()
+                metadata["deepspeed"] = {
+                    k: ds_info[k] for k in ("tag", "zero_stage", "dp_world_size", "partition_count", "precision")
+                }
+                world_size = world_size or tag.dp_world_size * tag.mp_world_size
+        components |= set(parts.dcp_folders.values())
+
+        @cache
+        def tensor_index() -> tuple[TensorEntry, ...]:
+            return _tensor_index(url, weights, files, tag, parts)
+
+        return Checkpoint(
+            ref=ref,
+            components=frozenset(components),
+            world_size=world_size,
+            metadata=metadata,
+            tensor_index=tensor_index,
+            files=files,
+        )
+
+    def verify(self, checkpoint: Checkpoint) -> list[Problem]:
+        """trainer_state.json parses; the model files pass the HF rules; every pickle parses safely and
+        holds its storages; rng files cover ranks 0..n-1; DeepSpeed and DCP folders inside pass their rules."""
+        url = checkpoint.url
+        files = checkpoint.files
+        parts = _Parts.of(url, io.list_dir(url))
+        problems: list[Problem] = []
+        if TRAINER_STATE_NAME not in files:
+            problems.append(
+                Problem(
+                    ProblemKind.MISSING_FILE,
+                    TRAINER_STATE_NAME,
+                    f"{TRAINER_STATE_NAME} is missing: the Trainer writes it last, so the save did not finish",
+                )
+            )
+        else:
+            state = _read_trainer_state(url)
+            if not isinstance(state, dict) or type(state.get("global_step")) is not int:
+                problems.append(
+                    Problem(ProblemKind.BAD_METADATA, TRAINER_STATE_NAME, f"{TRAINER_STATE_NAME} does not parse")
+                )
+        if has_weights(parts.names):
+            problems += verify_model_files(url, {n: s for n, s in files.items() if "/" not in n})
+        elif parts.ds_tag is None and Component.MODEL not in parts.dcp_folders.values():
+            problems.append(
+                Problem(ProblemKind.MISSING_FILE, "", "no model weights (no safetensors, DeepSpeed or FSDP)")
+            )
+        for name in sorted(n for n in parts.names if n in _PICKLE_FILES or _RNG_FILE.match(n)):
+            problems += _pickle_problems(url, name, files[name])
+        problems += _missing_state_files(url, files, parts)
+        rng = _rng_ranks(list(parts.names))
+        if rng and rng != list(range(len(rng))) and rng != [0]:
+            problems += [
+                Problem(ProblemKind.MISSING_FILE, f"rng_state_{i}.pth", f"rng_state_{i}.pth is missing")
+                for i in range(max(rng) + 1)
+                if i not in rng
+            ]
+        if parts.ds_tag is not None:
+            problems += deepspeed.verify_tag(io.join(url, parts.ds_tag), f"{parts.ds_tag}/")
+            pointer = deepspeed.latest_problem(url, deepspeed.LATEST_NAME)
+            if pointer is not None:
+                problems.append(pointer)
+        from ckptctl.layouts.dcp import verify_dcp
+
+        for folder in sorted(parts.dcp_folders):
+            problems += verify_dcp(io.join(url, folder), f"{folder}/")
+        return problems
+
+
+def _read_head(url: str) -> dict[str, float | int | None]:
+    try:
+        head = io.read_bytes(url, 0, _STATE_HEAD)
+    except CkptctlError:
+        return {}
+    found: dict[str, float | int | None] = {}
+    for key, value in _HEAD_FIELD.findall(head):
+        try:
+            number = json.loads(value)
+        except ValueError:
+            continue
+        if isinstance(number, int | float) or number is None:
+            found.setdefault(key.decode(), number)
+    if not isinstance(found.get("global_step"), int):
+        found.pop("global_step", None)
+    return found
+
+
+def _read_trainer_state(url: str) -> Any:
+    try:
+        return json.loads(io.read_bytes(io.join(url, TRAINER_STATE_NAME)))
+    except (json.JSONDecodeError, UnicodeDecodeError, CkptctlError):
+        return None
+
+
+def _state_summary(state: Mapping[str, Any]) -> dict[str, Any]:
+    summary = {k: state[k] for k in _STATE_SUMMARY if k in state and state[k] is not None}
+    history = state.get("log_history")
+    if isinstance(history, list):
+        last_train = next((h for h in reversed(history) if isinstance(h, dict) and "loss" in h), None)
+        if last_train is not None:
+            summary.update({k: last_train[k] for k in ("loss", "learning_rate", "grad_norm") if k in last_train})
+    callbacks = state.get("stateful_callbacks")
+    if isinstance(callbacks, dict) and callbacks:
+        summary["stateful_callbacks"] = ", ".join(sorted(map(str, callbacks)))
+    return summary
+
+
+def _args_summary(url: str, size: int) -> dict[str, Any] | str:
+    """The TrainingArguments fields worth showing, from training_args.bin (its `data.pkl` only)."""
+    fields = _training_args(url, size)
+    if fields is None:
+        return "unreadable (verify says why)"
+    summary = {}
+    for key in _ARGS_SUMMARY:
+        value = fields.get(key)
+        if isinstance(value, FrameworkObject):
+            value = value.value
+        if type(value) in (int, float, str, bool):
+            summary[key] = value
+    if fields.get("deepspeed"):
+        summary["deepspeed"] = True
+    return summary
+
+
+def _training_args(url: str, size: int) -> dict[str, Any] | None:
+    """The fields of training_args.bin, or None when it is unreadable."""
+    try:
+        args = open_torch_pickle(io.join(url, "training_args.bin"), size).root
+        return state_fields(args, "training_args.bin") if isinstance(args, StandIn) else None
+    except CkptctlError:
+        return None
+
+
+def _missing_state_files(url: str, files: Mapping[str, int], parts: _Parts) -> list[Problem]:
+    """The optimizer and RNG files a resume needs, unless training_args say `save_only_model`."""
+    args = _training_args(url, files["training_args.bin"]) if "training_args.bin" in files else None
+    if args is None or args.get("save_only_model") is not False:
+        return []
+    problems = []
+    has_optimizer = (
+        "optimizer.pt" in files or parts.ds_tag is not None or Component.OPTIMIZER in parts.dcp_folders.values()
+    )
+    if not has_optimizer:
+        problems.append(
+            Problem(
+                ProblemKind.MISSING_FILE,
+                "optimizer.pt",
+                "optimizer.pt is missing (training_args say save_only_model=False): a resume would lose the optimizer state",
+            )
+        )
+    if not _rng_ranks(list(parts.names)):
+        problems.append(Problem(ProblemKind.MISSING_FILE, "rng_state.pth", "no rng_state*.pth file"))
+    return problems
+
+
+def _pickle_problems(url: str, name: str, size: int) -> list[Problem]:
+    try:
+        opened = open_torch_pickle(io.join(url, name), size)
+    except UnsafePickle as exc:
+        return [Problem(ProblemKind.UNSAFE_PICKLE, name, exc.message)]
+    except CkptctlError as exc:
+        kind = ProblemKind.TRUNCATED if "truncated" in str(exc) else ProblemKind.BAD_METADATA
+        return [Problem(kind, name, exc.message)]
+    return [Problem(ProblemKind.TRUNCATED, name, message) for message in storage_problems(opened)]
+
+
+def _tensor_index(
+    url: str,
+    weights: Sequence[str],
+    files: Mapping[str, int],
+    tag: deepspeed.DeepSpeedTag | None,
+    parts: _Parts,
+) -> tuple[TensorEntry, ...]:
+    entries = list(safetensors_index(url, weights, files)) if weights else []
+    if "optimizer.pt" in files:
+        entries += _pickle_tensors(open_torch_pickle(io.join(url, "optimizer.pt"), files["optimizer.pt"]), "optimizer")
+    if tag is not None and parts.ds_tag is not None:
+        inner = deepspeed.tag_index(tag, f"{parts.ds_tag}/")
+        entries += [e for e in inner if not (weights and e.component is Component.MODEL)]
+    if parts.dcp_folders:
+        from ckptctl.layouts.dcp import dcp_tensor_index
+
+        for folder, component in sorted(parts.dcp_folders.items()):
+            if weights and component is Component.MODEL:
+                continue
+            entries += dcp_tensor_index(io.join(url, folder), _constant(component), f"{folder}/")
+    return tuple(entries)
+
+
+def _constant(component: Component) -> Callable[[str], Component]:
+    return lambda _key: component
+
+
+def _pickle_tensors(opened: TorchPickle, name: str) -> list[TensorEntry]:
+    """The tensors of a torch.save file as `<name>.<path>` entries with RAW chunks into the file."""
+    file = io.name_of(opened.url)
+    out = []
+    for path, ref in opened.tensors():
+        found = opened.byte_range(ref)
+        chunks = (
+            (TensorChunk(file, found[0], found[1] - found[0], (0,) * len(ref.shape), ref.shape, ChunkEncoding.RAW),)
+            if found is not None
+            else ()
+        )
+        out.append(TensorEntry(f"{name}.{path}", Component.OPTIMIZER, ref.dtype, ref.shape, chunks))
+    return out

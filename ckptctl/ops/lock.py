@@ -1,0 +1,314 @@
+"""A lock file that lets one process at a time act on a run folder (`prune` takes it).
+
+The lock is a small JSON file (`host`, `pid`, process start time, a random token) created with `O_EXCL`,
+so that two processes cannot both create it. Its holder refreshes its mtime as it works. A lock is stale,
+and taken over with a warning, when its process is gone (same host: the pid is dead, or now belongs to a
+process started at another time) or when nobody has refreshed it for `STALE_AFTER`. Taking over renames the
+stale file away and checks that what was renamed is the stale lock (its token), so that two processes
+breaking the same stale lock cannot both win. A holder checks that the lock is still its own before each
+destructive step (`check`), so that a holder which was presumed dead and overtaken stops.
+
+On object stores there is no create-if-absent: the lock is written and read back (best effort; two
+processes starting within the same instant can both believe they hold it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import socket
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime, timedelta
+from types import TracebackType
+
+from ckptctl import io
+from ckptctl.errors import CkptctlError
+
+__all__ = ["LOCK_NAME", "STALE_AFTER", "LockInfo", "RunLock", "RunLocked", "read_lock", "stale_reason"]
+
+LOCK_NAME = ".ckptctl-prune.lock"
+#: A lock whose holder has not refreshed it for this long is stale, whatever its pid.
+STALE_AFTER = timedelta(hours=1)
+
+
+class RunLocked(CkptctlError):
+    """Another process holds the run's lock (exit code 1: the command could not do its work now)."""
+
+    exit_code = 1
+
+
+@dataclass(frozen=True, slots=True)
+class LockInfo:
+    """Who holds a lock.
+
+    Attributes:
+        host: the holder's host name.
+        pid: the holder's process id on that host.
+        token: random, unique to one acquisition.
+        started: when it was taken (ISO 8601).
+        pid_start: the holder's process start time (Linux), which tells a reused pid from the holder.
+        command: what the holder is doing, for people reading the lock.
+    """
+
+    host: str
+    pid: int
+    token: str
+    started: str
+    pid_start: str | None = None
+    command: str = ""
+
+    def describe(self) -> str:
+        what = f" ({self.command})" if self.command else ""
+        return f"pid {self.pid} on {self.host} since {self.started}{what}"
+
+    @classmethod
+    def parse(cls, data: bytes) -> LockInfo | None:
+        """The lock's content, or None when it is not a lock this module wrote (or is half-written)."""
+        try:
+            doc = json.loads(data)
+            return cls(
+                host=str(doc["host"]),
+                pid=int(doc["pid"]),
+                token=str(doc["token"]),
+                started=str(doc["started"]),
+                pid_start=None if doc.get("pid_start") is None else str(doc["pid_start"]),
+                command=str(doc.get("command", "")),
+            )
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+            return None
+
+
+def read_lock(url: str) -> tuple[LockInfo | None, float] | None:
+    """The lock at `url` and its mtime (POSIX seconds), or None when there is none.
+
+    The info is None for a file that is not (yet) a readable lock of ours: a lock being written, or
+    another tool's lock file.
+    """
+    try:
+        if io.is_local(url):
+            path = io.local_path(url)
+            with open(path, "rb") as f:
+                data = f.read(64 * 1024)
+                mtime = os.fstat(f.fileno()).st_mtime
+        else:
+            data = io.read_bytes(url)
+            entries = {e.name: e for e in io.list_dir(io.parent_of(url))}
+            entry = entries.get(io.name_of(url))
+            mtime = entry.mtime if entry and entry.mtime else time.time()
+    except (FileNotFoundError, CkptctlError):
+        return None
+    except OSError:
+        return None
+    return LockInfo.parse(data), mtime
+
+
+def stale_reason(
+    info: LockInfo | None, mtime: float, *, now: float | None = None, stale_after: timedelta = STALE_AFTER
+) -> str | None:
+    """Why a lock is stale, or None when its holder may still be alive."""
+    now = time.time() if now is None else now
+    if info is not None and info.host == socket.gethostname() and not _alive(info.pid, info.pid_start):
+        return f"its process {info.pid} on {info.host} is gone"
+    idle = now - mtime
+    if idle > stale_after.total_seconds():
+        return f"nobody has refreshed it for {timedelta(seconds=round(idle))}"
+    return None
+
+
+class RunLock:
+    """An exclusive lock on a run folder, as a context manager.
+
+    Args:
+        folder: the run folder (local path or fsspec URL); the lock file is created inside it.
+        name: the lock file's name.
+        wait: seconds to wait for a live lock to be released before giving up with `RunLocked`.
+        stale_after: see `STALE_AFTER`.
+        command: what the holder does, written into the lock for people who find it.
+        warn: where the takeover of a stale lock is reported (default: `warnings.warn`).
+    """
+
+    def __init__(
+        self,
+        folder: str,
+        *,
+        name: str = LOCK_NAME,
+        wait: float = 0.0,
+        stale_after: timedelta = STALE_AFTER,
+        command: str = "",
+        warn: Callable[[str], None] | None = None,
+    ) -> None:
+        self.url = io.join(folder, name)
+        self.wait = wait
+        self.stale_after = stale_after
+        self.info = LockInfo(
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            token=secrets.token_hex(8),
+            started=datetime.now(UTC).isoformat(timespec="seconds"),
+            pid_start=_process_start(os.getpid()),
+            command=command,
+        )
+        self._warn = warn or (lambda message: warnings.warn(message, RuntimeWarning, stacklevel=3))
+        self._held = False
+
+    def __enter__(self) -> RunLock:
+        self.acquire()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.release()
+
+    def acquire(self) -> None:
+        """Take the lock, waiting up to `wait` seconds for a live holder; take over a stale one.
+
+        Raises:
+            RunLocked: a live holder kept it for longer than `wait`.
+        """
+        deadline = time.monotonic() + self.wait
+        delay = 0.05
+        while True:
+            if self._create():
+                self._held = True
+                return
+            found = read_lock(self.url)
+            if found is None:
+                if not io.exists(self.url):
+                    continue  # released between our attempt and our look: try again
+                if time.monotonic() >= deadline:
+                    raise RunLocked(f"{self.url} exists but cannot be read", "check its permissions")
+                time.sleep(delay)
+                continue
+            holder, mtime = found
+            why = stale_reason(holder, mtime, stale_after=self.stale_after)
+            if why is not None:
+                if self._break(holder, mtime):
+                    who = holder.describe() if holder else "an unreadable lock"
+                    self._warn(f"took over a stale lock of {self.url} held by {who}: {why}")
+                continue
+            if time.monotonic() >= deadline:
+                who = holder.describe() if holder else "another process"
+                raise RunLocked(
+                    f"{io.parent_of(self.url)} is locked by {who}",
+                    f"wait for it to finish (or pass a longer wait); a dead holder's lock is taken over automatically, and {self.url} can be removed by hand if it is left from another host",
+                )
+            time.sleep(delay)
+            delay = min(delay * 1.5, 0.5)
+
+    def check(self) -> None:
+        """Make sure the lock is still ours (it may have been taken over when we looked dead).
+
+        Raises:
+            RunLocked: another process holds it now.
+        """
+        found = read_lock(self.url)
+        holder = found[0] if found else None
+        if holder is None or holder.token != self.info.token:
+            self._held = False
+            who = holder.describe() if holder else "nobody"
+            raise RunLocked(f"lost the lock of {io.parent_of(self.url)} (now held by {who})", "run the command again")
+
+    def refresh(self) -> None:
+        """Check that the lock is ours and mark it alive (its mtime), so that nobody takes it over."""
+        self.check()
+        if io.is_local(self.url):
+            with contextlib.suppress(OSError):
+                os.utime(io.local_path(self.url))
+        else:
+            io.write_bytes_atomic(self.url, self._payload())
+
+    def release(self) -> None:
+        """Remove the lock if it is still ours."""
+        if not self._held:
+            return
+        self._held = False
+        found = read_lock(self.url)
+        if found is None or found[0] is None or found[0].token != self.info.token:
+            return
+        with contextlib.suppress(CkptctlError, OSError):
+            if io.is_local(self.url):
+                os.unlink(io.local_path(self.url))
+            else:
+                io.delete_file(self.url)
+
+    def _payload(self) -> bytes:
+        return json.dumps(asdict(self.info), indent=1).encode()
+
+    def _create(self) -> bool:
+        """Create the lock file if there is none; True when it is ours."""
+        if not io.is_local(self.url):
+            if io.exists(self.url):
+                return False
+            io.write_bytes_atomic(self.url, self._payload())
+            found = read_lock(self.url)
+            return found is not None and found[0] is not None and found[0].token == self.info.token
+        path = io.local_path(self.url)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            return False
+        try:
+            os.write(fd, self._payload())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return True
+
+    def _break(self, stale: LockInfo | None, mtime: float) -> bool:
+        """Remove the stale lock we judged, and only that one; True when it is gone."""
+        if not io.is_local(self.url):
+            with contextlib.suppress(CkptctlError):
+                io.delete_file(self.url)
+            return True
+        path = io.local_path(self.url)
+        aside = f"{path}.stale-{secrets.token_hex(4)}"
+        try:
+            os.rename(path, aside)
+        except FileNotFoundError:  # somebody else broke it first
+            return False
+        moved = read_lock(aside)
+        same = moved is not None and (
+            moved[0].token == stale.token if (moved[0] is not None and stale is not None) else moved[1] == mtime
+        )
+        if not same:
+            # We moved a lock taken meanwhile by someone else: give it back. If a third process has
+            # created one since, its holder and the one we moved both find out at their next `check`.
+            with contextlib.suppress(OSError):
+                os.link(aside, path)
+        with contextlib.suppress(OSError):
+            os.unlink(aside)
+        return same
+
+
+def _alive(pid: int, start: str | None) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, belongs to another user
+        pass
+    except OSError:
+        return True
+    current = _process_start(pid)
+    return start is None or current is None or current == start
+
+
+def _process_start(pid: int) -> str | None:
+    """The start time of a process in clock ticks since boot (Linux), or None where unknown."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read().decode(errors="replace")
+    except OSError:
+        return None
+    fields = stat.rpartition(")")[2].split()
+    # Field 22 of /proc/PID/stat; fields[0] is field 3 (the state) once the name is cut off.
+    return fields[19] if len(fields) > 19 else None

@@ -1,0 +1,700 @@
+"""`prune`: delete the checkpoints of a run that a retention policy does not keep, safely (DESIGN §4).
+
+Scan → plan → confirm → execute, as `hf cache prune` does:
+
+- `plan_prune` (read-only) finds every checkpoint of the run, turns each into a retention `Candidate`
+  with the protections found on disk, and lets `RetentionPolicy.plan` decide. A dry run stops here.
+- `prune` takes the run's lock, plans, asks `confirm`, and deletes. Each checkpoint is renamed into the
+  `.ckptctl-trash` folder beside it (same filesystem, atomic) and then deleted there, so a crash leaves
+  either the whole checkpoint or a folder in the trash, never a half-deleted checkpoint that lists as
+  complete; the next prune empties leftover trash. On object stores (no rename) the completion markers
+  and metadata go first, so that a partial delete reads as broken.
+
+Never deleted, whatever the rules say (each kept checkpoint carries its reasons):
+- the newest complete checkpoint of each folder, and pinned steps (the policy);
+- what a `latest`-style pointer names (ours, DeepSpeed's `latest`), the Trainer's `best_model_checkpoint`
+  (from the newest `trainer_state.json`), OpenRLHF `best*` folders, and what a symlink in the run points to;
+- anything in progress: the layout says so (no completion marker yet), a staging name (hidden, `.tmp`,
+  `staging`, ...), a live writer's lock file in or beside it, or a file modified within `grace`;
+- anything whose real path lies outside the run, and symlinks: a checkpoint reached through a symlink is
+  listed as kept and never followed, so neither the link nor what it points to is deleted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import re
+import secrets
+import stat
+import tomllib
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from ckptctl import io
+from ckptctl.checkpoint import CheckpointRef, CheckpointState
+from ckptctl.core.retention import Candidate, RetentionPolicy, format_age, format_size, parse_age
+from ckptctl.errors import CheckpointNotFound, CkptctlError
+from ckptctl.layouts import all_layouts, detect, get_layout, scan_run
+from ckptctl.layouts.native import TRASH_NAME
+from ckptctl.ops.lock import LOCK_NAME, STALE_AFTER, RunLock, read_lock, stale_reason
+from ckptctl.ops.report import SCHEMA_VERSION, NoProgress, Progress, iso
+
+__all__ = [
+    "DEFAULT_GRACE",
+    "POLICY_FILE",
+    "PrunePlan",
+    "PruneReport",
+    "Skipped",
+    "checkpoint_metrics",
+    "load_policy_file",
+    "plan_prune",
+    "prune",
+]
+
+#: Checkpoints with a file modified more recently than this are taken to be still written.
+DEFAULT_GRACE = timedelta(minutes=10)
+#: The policy file `prune` reads from the run folder when no rule is given on the command line.
+POLICY_FILE = "ckptctl.toml"
+#: Files whose presence makes a checkpoint read as complete (or describes its content), deleted first where
+#: a folder cannot be renamed away atomically.
+COMPLETION_MARKERS = (
+    "ckptctl-manifest.json",
+    "ckptctl-digests.json",
+    ".metadata",
+    "trainer_state.json",
+    "metric.json",
+    "model.safetensors.index.json",
+    "pytorch_model.bin.index.json",
+    "metadata.json",
+    "latest",
+)
+_STAGING_NAME = re.compile(
+    r"(?:^|[._-])(?:tmp|temp|staging|partial|incomplete|in[_-]?progress|writing)(?:$|[._-])", re.IGNORECASE
+)
+_LOCK_FILE = re.compile(r"^(?:\.?lock|LOCK|.+\.lock)$")
+
+
+# ------------------------------------------------------------------------------------------ report
+
+
+@dataclass(frozen=True, slots=True)
+class PruneItem:
+    """One checkpoint of the plan.
+
+    Attributes:
+        ref: the checkpoint as `list` sees it.
+        keep: kept or deleted.
+        reasons: what keeps it, or why it goes.
+        size_bytes: bytes deleting it frees (symbolic links count 0; they are never followed).
+        blocked: no rule keeps it; only a protection found on disk does (a pointer names it, ...).
+    """
+
+    ref: CheckpointRef
+    keep: bool
+    reasons: tuple[str, ...]
+    size_bytes: int
+    blocked: bool = False
+
+    @property
+    def url(self) -> str:
+        return self.ref.url
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "url": self.ref.url,
+            "step": self.ref.step,
+            "size_bytes": self.size_bytes,
+            "reasons": list(self.reasons),
+            "blocked": self.blocked,
+            "layout": self.ref.layout,
+            "state": self.ref.state.value,
+            "created": iso(self.ref.created),
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class PrunePlan:
+    """What a prune would keep and delete, and why.
+
+    Attributes:
+        run: the run folder.
+        policy: the rules applied.
+        items: every checkpoint found, ordered by folder and step.
+        grace: files modified this recently mark a checkpoint as still written.
+        now: the time the plan was made.
+        trash_bytes: leftover trash (from an interrupted deletion) the prune will empty.
+        notes: remarks for a person (a metric `keep_best` found nowhere, ...).
+    """
+
+    run: str
+    policy: RetentionPolicy
+    items: tuple[PruneItem, ...]
+    grace: timedelta
+    now: datetime
+    trash_bytes: int = 0
+    notes: tuple[str, ...] = ()
+
+    @property
+    def keep(self) -> tuple[PruneItem, ...]:
+        return tuple(i for i in self.items if i.keep)
+
+    @property
+    def delete(self) -> tuple[PruneItem, ...]:
+        return tuple(i for i in self.items if not i.keep)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(i.size_bytes for i in self.items)
+
+    @property
+    def freed_bytes(self) -> int:
+        return sum(i.size_bytes for i in self.delete)
+
+    @property
+    def over_budget_bytes(self) -> int:
+        """How far the run stays above `max_total_size` after the plan (only protected ones are left)."""
+        budget = self.policy.max_total_size
+        if budget is None:
+            return 0
+        return max(0, self.total_bytes - self.freed_bytes - budget)
+
+    @property
+    def unmet(self) -> tuple[str, ...]:
+        """What the policy wanted and cannot do, for a person."""
+        out = [
+            f"{_relative(i.url, self.run)} is protected ({'; '.join(i.reasons)}) although no rule keeps it"
+            for i in self.items
+            if i.blocked
+        ]
+        if self.over_budget_bytes:
+            out.append(
+                f"the run stays {format_size(self.over_budget_bytes)} over max_total_size="
+                f"{format_size(self.policy.max_total_size or 0)}: only protected checkpoints are left"
+            )
+        return tuple(out)
+
+
+@dataclass(frozen=True, slots=True)
+class Skipped:
+    """A checkpoint the plan deleted that was left in place when its turn came.
+
+    Attributes:
+        item: the planned deletion.
+        reason: why it was left (it changed since the plan, or deleting it failed).
+        error: True when deleting it failed (as opposed to a protection found at the last moment).
+    """
+
+    item: PruneItem
+    reason: str
+    error: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class PruneReport:
+    """What a prune did (or, with `dry_run`, would do).
+
+    Attributes:
+        plan: the plan it executed.
+        dry_run: nothing was changed.
+        deleted: checkpoints deleted (with `dry_run`: those the plan deletes).
+        skipped: planned deletions left in place, and why.
+        trash_freed_bytes: leftover trash of an interrupted deletion emptied before starting.
+        cancelled: the confirmation was declined; nothing was changed (the plan's deletions are `skipped`).
+    """
+
+    plan: PrunePlan
+    dry_run: bool
+    deleted: tuple[PruneItem, ...]
+    skipped: tuple[Skipped, ...] = ()
+    trash_freed_bytes: int = 0
+    cancelled: bool = False
+
+    @property
+    def freed_bytes(self) -> int:
+        return sum(i.size_bytes for i in self.deleted)
+
+    @property
+    def failed(self) -> bool:
+        return any(s.error for s in self.skipped)
+
+    @property
+    def unmet(self) -> tuple[str, ...]:
+        """What the policy wanted and could not do (protections, the budget, checkpoints left in place)."""
+        left = [f"{_relative(s.item.url, self.plan.run)} was not deleted: {s.reason}" for s in self.skipped]
+        return self.plan.unmet + tuple(left)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "run": self.plan.run,
+            "dry_run": self.dry_run,
+            "cancelled": self.cancelled,
+            "policy": self.plan.policy.to_json(),
+            "grace_seconds": self.plan.grace.total_seconds(),
+            "keep": [i.to_json() for i in self.plan.keep],
+            "delete": [i.to_json() for i in self.deleted],
+            "skipped": [
+                {"url": s.item.url, "step": s.item.ref.step, "reason": s.reason, "error": s.error} for s in self.skipped
+            ],
+            "freed_bytes": self.freed_bytes,
+            "total_bytes": self.plan.total_bytes,
+            "remaining_bytes": self.plan.total_bytes - self.freed_bytes,
+            "trash_freed_bytes": self.trash_freed_bytes,
+            "unmet": list(self.unmet),
+            "notes": list(self.plan.notes),
+        }
+
+
+# ------------------------------------------------------------------------------------------ policy file
+
+
+def load_policy_file(run: str) -> tuple[RetentionPolicy, timedelta | None] | None:
+    """The `[retention]` table of `RUN/ckptctl.toml` as a policy (and its `grace`, if it sets one).
+
+    Returns None when the run has no policy file.
+
+    Raises:
+        CkptctlError: the file is not TOML, has no `[retention]` table, or holds an unknown or bad rule.
+    """
+    url = io.join(run, POLICY_FILE)
+    if not io.exists(url):
+        return None
+    try:
+        doc = tomllib.loads(io.read_text(url))
+    except tomllib.TOMLDecodeError as exc:
+        raise CkptctlError(f"{url} is not valid TOML: {exc}") from exc
+    table = doc.get("retention")
+    if not isinstance(table, dict):
+        raise CkptctlError(f"{url} has no [retention] table", "write the rules under [retention], e.g. keep_last = 3")
+    rules = dict(table)
+    grace = rules.pop("grace", None)
+    try:
+        policy = RetentionPolicy.from_mapping(rules)
+        grace_age = None if grace is None else parse_age(str(grace))
+    except ValueError as exc:
+        raise CkptctlError(f"{url}: {exc}") from exc
+    return policy, grace_age
+
+
+# ------------------------------------------------------------------------------------------ metrics
+
+
+def _trainer_state(url: str) -> dict[str, Any] | None:
+    try:
+        doc = json.loads(io.read_bytes(io.join(url, "trainer_state.json")))
+    except (CkptctlError, ValueError, UnicodeDecodeError, RecursionError):
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def _trainer_state_metrics(url: str) -> dict[str, Any]:
+    """The log_history entries of the checkpoint's own step (the Trainer evaluates right before saving)."""
+    state = _trainer_state(url)
+    if state is None or not isinstance(state.get("log_history"), list):
+        return {}
+    step = state.get("global_step")
+    metrics: dict[str, Any] = {}
+    for entry in state["log_history"]:
+        if isinstance(entry, dict) and entry.get("step") == step:
+            metrics.update(entry)
+    return metrics
+
+
+#: Files frameworks write into a checkpoint folder with its metrics, read when the layout's metadata has
+#: none. Add a reader here for a framework whose layout does not report `metadata["metrics"]`.
+METRIC_FILES: tuple[tuple[str, Callable[[str], Mapping[str, Any]]], ...] = (
+    ("trainer_state.json", _trainer_state_metrics),
+)
+
+
+def checkpoint_metrics(ref: CheckpointRef) -> dict[str, Any]:
+    """The metrics recorded with a checkpoint, flattened (`{"eval": {"loss": 1}}` -> `eval.loss`).
+
+    A layout reports them as `Checkpoint.metadata["metrics"]` (the native layout: the manifest's
+    `metrics`); files listed in `METRIC_FILES` (the Trainer's `trainer_state.json`) fill in the rest.
+    """
+    metrics: dict[str, Any] = {}
+    with contextlib.suppress(CkptctlError):
+        recorded = get_layout(ref.layout).open(ref.url).metadata.get("metrics")
+        if isinstance(recorded, Mapping):
+            metrics.update(_flatten(recorded))
+    for name, reader in METRIC_FILES:
+        if io.exists(io.join(ref.url, name)):
+            for key, value in _flatten(reader(ref.url)).items():
+                metrics.setdefault(key, value)
+    return metrics
+
+
+def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            out.update(_flatten(value, f"{name}."))
+        else:
+            out[name] = value
+    return out
+
+
+# ------------------------------------------------------------------------------------------ scanning
+
+
+@dataclass(slots=True)
+class _Found:
+    """A checkpoint being examined: its ref and what the disk says about it."""
+
+    ref: CheckpointRef
+    size: int
+    link: str = ""  # why it is only reached through a symbolic link, or ""
+    real: str = ""  # its real path (local only)
+    protected: list[str] = field(default_factory=list)
+    busy: str = ""
+
+
+def plan_prune(
+    run: str,
+    policy: RetentionPolicy,
+    *,
+    grace: timedelta = DEFAULT_GRACE,
+    now: datetime | None = None,
+    max_depth: int = 4,
+) -> PrunePlan:
+    """Plan a prune of `run`: read-only (directory listings, markers, metrics when `keep_best` asks).
+
+    Args:
+        run: the run folder (local path or fsspec URL); checkpoints in nested folders are found too, and
+            the rules apply to each folder's checkpoints apart (`_actor/` and `_critic/`).
+        policy: the rules.
+        grace: a checkpoint with a file modified within this is taken to be still written.
+        now: the current time (tests fix it).
+        max_depth: how deep to look for checkpoints.
+
+    Raises:
+        CheckpointNotFound: `run` is not a folder.
+    """
+    now = now or datetime.now(UTC)
+    refs = scan_run(run, max_depth=max_depth)
+    found = [_examine(ref, run, now, grace) for ref in refs]
+    notes = _protect_pointers(found, run)
+    metrics: dict[str, Mapping[str, Any]] = {}
+    if policy.keep_best:
+        for f in found:
+            if not f.link and f.ref.state is CheckpointState.COMPLETE:
+                metrics[f.ref.url] = checkpoint_metrics(f.ref)
+        for best in policy.keep_best:
+            if not any(best.value(m) is not None for m in metrics.values()):
+                notes.append(f"no checkpoint records the metric {best.metric!r}: keep_best={best} keeps nothing")
+    candidates = [
+        Candidate(
+            step=f.ref.step,
+            url=f.ref.url,
+            series=io.parent_of(f.ref.url),
+            created=f.ref.created,
+            size_bytes=f.size,
+            complete=f.ref.state is CheckpointState.COMPLETE,
+            metrics=metrics.get(f.ref.url, {}),
+            protected=tuple(f.protected),
+            busy=f.busy,
+        )
+        for f in found
+        if not f.link
+    ]
+    by_url = {f.ref.url: f for f in found}
+    items = [
+        PruneItem(by_url[d.url].ref, d.keep, d.reasons, by_url[d.url].size, d.blocked)
+        for d in policy.plan(candidates, now=now)
+    ]
+    items += [PruneItem(f.ref, True, (f.link,), 0) for f in found if f.link]
+    items.sort(key=lambda i: (io.parent_of(i.url), i.ref.step is not None, i.ref.step or 0, i.url))
+    trash = sum(_tree_size(t) for t in _trash_folders(run, items))
+    return PrunePlan(run, policy, tuple(items), grace, now, trash, tuple(notes))
+
+
+def _examine(ref: CheckpointRef, run: str, now: datetime, grace: timedelta) -> _Found:
+    if not io.is_local(ref.url):
+        return _Found(ref, ref.size_bytes, busy=_busy(ref, now, grace, _remote_newest(ref.url)))
+    path = os.path.abspath(io.local_path(ref.url))
+    run_real = os.path.realpath(io.local_path(run))
+    real = os.path.realpath(path)
+    expected = os.path.normpath(os.path.join(run_real, os.path.relpath(path, os.path.abspath(io.local_path(run)))))
+    if real != expected:
+        inside = real == run_real or real.startswith(run_real + os.sep)
+        why = f"symbolic link to {real}, never followed" if inside else f"outside the run (symbolic link to {real})"
+        return _Found(ref, 0, link=why, real=real)
+    size, newest = _local_tree(path)
+    found = _Found(ref, size, real=real, busy=_busy(ref, now, grace, newest))
+    if os.path.normpath(path) == os.path.normpath(os.path.abspath(io.local_path(run))):
+        found.protected.append("the run folder itself")
+    return found
+
+
+def _busy(ref: CheckpointRef, now: datetime, grace: timedelta, newest: float | None) -> str:
+    """Why the checkpoint is being written right now, or ""."""
+    name = io.name_of(ref.url)
+    if ref.state is CheckpointState.IN_PROGRESS:
+        return f"in progress: {ref.note}" if ref.note else "in progress"
+    if name.startswith(".") or _STAGING_NAME.search(name):
+        return f"in progress (staging name {name!r})"
+    lock = _live_writer_lock(ref.url)
+    if lock:
+        return f"in progress (locked by {lock})"
+    if newest is not None and grace.total_seconds() > 0:
+        age = now.timestamp() - newest
+        if age < grace.total_seconds():
+            return f"modified {format_age(timedelta(seconds=max(0, age)))} ago (within grace {format_age(grace)})"
+    return ""
+
+
+def _live_writer_lock(url: str) -> str:
+    """A live lock file inside the checkpoint folder or beside it (`NAME.lock`), described; or ""."""
+    candidates = [io.join(io.parent_of(url), f"{io.name_of(url)}.lock")]
+    with contextlib.suppress(CkptctlError):
+        candidates += [
+            io.join(url, e.name)
+            for e in io.list_dir(url)
+            if not e.is_dir and _LOCK_FILE.match(e.name) and e.name != LOCK_NAME
+        ]
+    for lock_url in candidates:
+        found = read_lock(lock_url)
+        if found is None:
+            continue
+        info, mtime = found
+        if stale_reason(info, mtime, stale_after=STALE_AFTER) is None:
+            return info.describe() if info else io.name_of(lock_url)
+    return ""
+
+
+def _protect_pointers(found: list[_Found], run: str) -> list[str]:
+    """Mark what pointers name: `latest` files, symlinks in the run, the Trainer's best, OpenRLHF `best*`."""
+    notes: list[str] = []
+    by_real = {f.real: f for f in found if f.real and not f.link}
+    for f in found:
+        if f.link and f.real in by_real:
+            by_real[f.real].protected.append(f"named by the symbolic link {_relative(f.ref.url, run)}")
+    series: dict[str, list[_Found]] = {}
+    for f in found:
+        if not f.link:
+            series.setdefault(io.parent_of(f.ref.url), []).append(f)
+            if f.ref.latest:
+                f.protected.append("named by the run's latest pointer")
+            if io.name_of(f.ref.url).lower().startswith("best"):
+                f.protected.append("a best checkpoint (best* folders are kept, as OpenRLHF does)")
+    for members in series.values():
+        best = _trainer_best(members)
+        if best is None:
+            continue
+        named = [f for f in members if io.name_of(f.ref.url) == best]
+        for f in named:
+            f.protected.append("the Trainer's best_model_checkpoint")
+        if not named:
+            notes.append(f"the Trainer's best_model_checkpoint {best!r} is not in {io.parent_of(members[0].ref.url)}")
+    return notes
+
+
+def _trainer_best(members: Sequence[_Found]) -> str | None:
+    """The folder name of `best_model_checkpoint` in the newest complete checkpoint's trainer_state.json."""
+    complete = [f for f in members if f.ref.state is CheckpointState.COMPLETE and f.ref.step is not None]
+    if not complete:
+        return None
+    newest = max(complete, key=lambda f: f.ref.step or 0)
+    if not io.exists(io.join(newest.ref.url, "trainer_state.json")):
+        return None
+    state = _trainer_state(newest.ref.url)
+    best = state.get("best_model_checkpoint") if state else None
+    return os.path.basename(os.path.normpath(best)) if isinstance(best, str) and best else None
+
+
+def _local_tree(path: str) -> tuple[int, float | None]:
+    """Bytes of the files below `path` and the newest mtime of anything there; links are not followed."""
+    size, newest = 0, None
+    for root, _dirs, files in os.walk(path):
+        for name in (root, *(os.path.join(root, n) for n in files)):
+            try:
+                st = os.lstat(name)
+            except FileNotFoundError:
+                continue
+            newest = st.st_mtime if newest is None else max(newest, st.st_mtime)
+            if stat.S_ISREG(st.st_mode):
+                size += st.st_size
+    return size, newest
+
+
+def _remote_newest(url: str) -> float | None:
+    newest = None
+    with contextlib.suppress(CkptctlError):
+        for entry in io.list_dir(url):
+            mtime = _remote_newest(io.join(url, entry.name)) if entry.is_dir else entry.mtime
+            if mtime:
+                newest = mtime if newest is None else max(newest, mtime)
+    return newest
+
+
+def _tree_size(url: str) -> int:
+    if io.is_local(url):
+        return _local_tree(io.local_path(url))[0] if os.path.isdir(io.local_path(url)) else 0
+    with contextlib.suppress(CkptctlError):
+        return sum(e.size if not e.is_dir else _tree_size(io.join(url, e.name)) for e in io.list_dir(url))
+    return 0
+
+
+def _trash_folders(run: str, items: Iterable[PruneItem]) -> list[str]:
+    """The trash folders of the run and of each folder holding checkpoints, that exist."""
+    folders = {run, *(io.parent_of(i.url) for i in items if i.ref.url != run)}
+    return sorted(t for f in folders if io.is_dir(t := io.join(f, TRASH_NAME)))
+
+
+# ------------------------------------------------------------------------------------------ executing
+
+
+def prune(
+    run: str,
+    policy: RetentionPolicy,
+    *,
+    grace: timedelta = DEFAULT_GRACE,
+    dry_run: bool = False,
+    confirm: Callable[[PrunePlan], bool] | None = None,
+    wait: float = 30.0,
+    max_depth: int = 4,
+    progress: Progress | None = None,
+    warn: Callable[[str], None] | None = None,
+) -> PruneReport:
+    """Plan and (unless `dry_run`) delete what the policy does not keep, holding the run's lock.
+
+    Args:
+        run: the run folder (local path or fsspec URL).
+        policy: the rules.
+        grace: see `plan_prune`.
+        dry_run: plan only; nothing is locked or changed.
+        confirm: called with the plan when it deletes something; False cancels. None deletes unasked.
+        wait: seconds to wait for another prune of the run to finish.
+        max_depth: how deep to look for checkpoints.
+        progress: where deletion progress goes (bytes).
+        warn: where a stale lock's takeover is reported.
+
+    Raises:
+        RunLocked: another prune holds the run's lock (or took it over from us).
+        CheckpointNotFound: `run` is not a folder.
+    """
+    if dry_run:
+        plan = plan_prune(run, policy, grace=grace, max_depth=max_depth)
+        return PruneReport(plan, dry_run=True, deleted=plan.delete)
+    if not io.is_dir(run):
+        raise CheckpointNotFound(f"no such run folder: {run}")
+    with RunLock(run, wait=wait, command=f"ckptctl prune ({policy.describe()})", warn=warn) as lock:
+        plan = plan_prune(run, policy, grace=grace, max_depth=max_depth)
+        if plan.delete and confirm is not None and not confirm(plan):
+            declined = tuple(Skipped(i, "not confirmed") for i in plan.delete)
+            return PruneReport(plan, dry_run=False, deleted=(), skipped=declined, cancelled=True)
+        lock.refresh()
+        trash_freed = _empty_trash(_trash_folders(run, plan.items))
+        deleted, skipped = _execute(plan, lock, progress or NoProgress())
+        return PruneReport(plan, False, tuple(deleted), tuple(skipped), trash_freed)
+
+
+def _execute(plan: PrunePlan, lock: RunLock, progress: Progress) -> tuple[list[PruneItem], list[Skipped]]:
+    deleted: list[PruneItem] = []
+    skipped: list[Skipped] = []
+    doomed = plan.delete
+    progress.start(f"deleting {len(doomed)} checkpoint(s)", sum(i.size_bytes for i in doomed) or None)
+    try:
+        for item in doomed:
+            lock.refresh()
+            why = _still_deletable(item, plan)
+            if why:
+                skipped.append(Skipped(item, why))
+                continue
+            try:
+                _delete(item.url)
+            except (OSError, CkptctlError) as exc:
+                skipped.append(Skipped(item, f"deleting failed: {exc}", error=True))
+                continue
+            deleted.append(item)
+            progress.advance(item.size_bytes)
+    finally:
+        progress.finish()
+    return deleted, skipped
+
+
+def _still_deletable(item: PruneItem, plan: PrunePlan) -> str:
+    """Why a planned deletion must not happen now (the run changed since the plan), or ""."""
+    url = item.url
+    if io.is_local(url):
+        path = io.local_path(url)
+        if not os.path.lexists(path):
+            return "it is gone already"
+        if os.path.islink(path):
+            return "it is a symbolic link now"
+    parent = io.parent_of(url)
+    try:
+        entries = io.list_dir(parent)
+        _, ref = detect(url)
+    except CkptctlError as exc:
+        return f"it cannot be read now ({exc.message})"
+    name = io.name_of(url)
+    if any(layout.latest_pointer(parent, entries) == name for layout in all_layouts()):
+        return "a latest pointer names it now"
+    if ref.state is CheckpointState.COMPLETE and item.ref.state is not CheckpointState.COMPLETE:
+        return "it has been completed since the plan"
+    newest = _local_tree(io.local_path(url))[1] if io.is_local(url) else _remote_newest(url)
+    busy = _busy(ref, datetime.now(UTC), plan.grace, newest)
+    if busy:
+        return busy
+    if ref.created != item.ref.created:
+        return "it has been rewritten since the plan"
+    return ""
+
+
+def _delete(url: str) -> None:
+    """Delete one checkpoint folder so that no moment shows it half-deleted and complete."""
+    if not io.is_local(url):
+        _delete_markers_first(url)
+        return
+    path = io.local_path(url)
+    trash = os.path.join(os.path.dirname(os.path.abspath(path)), TRASH_NAME)
+    os.makedirs(trash, exist_ok=True)
+    target = os.path.join(trash, f"{os.path.basename(path)}.{secrets.token_hex(4)}")
+    try:
+        os.rename(path, target)
+    except OSError as exc:
+        if exc.errno not in (errno.EXDEV, errno.EPERM, errno.ENOTSUP):
+            raise
+        _delete_markers_first(url)  # another filesystem mounted at the checkpoint: no atomic move
+        return
+    io.fsync_dir(os.path.dirname(os.path.abspath(path)))
+    io.delete_tree(target)
+
+
+def _delete_markers_first(url: str) -> None:
+    """Delete the completion markers and metadata first, then the rest: a partial delete reads as broken."""
+    names = {e.name for e in io.list_dir(url) if not e.is_dir}
+    for marker in COMPLETION_MARKERS:
+        if marker in names:
+            io.delete_file(io.join(url, marker))
+    io.delete_tree(url)
+
+
+def _empty_trash(folders: Iterable[str]) -> int:
+    """Delete what trash folders hold (left by an interrupted deletion); the folders themselves stay,
+    because a `CheckpointManager` saving into the run may be about to move something into them."""
+    freed = 0
+    for trash in folders:
+        with contextlib.suppress(CkptctlError):
+            for entry in io.list_dir(trash):
+                child = io.join(trash, entry.name)
+                if entry.is_dir:
+                    freed += _tree_size(child)
+                    io.delete_tree(child)
+                else:
+                    freed += entry.size
+                    io.delete_file(child)
+    return freed
+
+
+def _relative(url: str, run: str) -> str:
+    rel = io.relative_to(url, run)
+    return url if rel.startswith("..") else rel

@@ -1,0 +1,203 @@
+"""One pruner per run, and pruning while a training process saves: the lock, stale locks, a live writer."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from ckptctl.core import CheckpointManager, RetentionPolicy
+from ckptctl.ops.lock import LOCK_NAME, RunLock, RunLocked
+from ckptctl.ops.prune import prune
+from ckptctl.ops.verification import verify_checkpoint
+from tests.conftest import CliResult
+from tests.ops.test_prune import NO_GRACE, write_run
+
+Cli = Callable[..., CliResult]
+REPO = Path(__file__).resolve().parents[2]
+
+
+def dead_pid() -> int:
+    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    return int(done.stdout)
+
+
+def write_lock(folder: Path, **fields: object) -> Path:
+    doc = {"host": socket.gethostname(), "pid": os.getpid(), "token": "theirs", "started": "2026-01-01T00:00:00"}
+    path = folder / LOCK_NAME
+    path.write_text(json.dumps({**doc, **fields}))
+    return path
+
+
+# ------------------------------------------------------------------------------------------ the lock
+
+
+def test_the_lock_is_exclusive_and_released(tmp_path: Path) -> None:
+    with RunLock(str(tmp_path)) as held:
+        info = json.loads((tmp_path / LOCK_NAME).read_text())
+        assert (info["host"], info["pid"]) == (socket.gethostname(), os.getpid())
+        with pytest.raises(RunLocked, match=f"locked by pid {os.getpid()}"):
+            RunLock(str(tmp_path), wait=0.2).acquire()
+        held.refresh()
+    assert not (tmp_path / LOCK_NAME).exists()
+
+
+def test_a_waiting_lock_gets_it_when_released(tmp_path: Path) -> None:
+    first = RunLock(str(tmp_path))
+    first.acquire()
+    threading.Timer(0.3, first.release).start()
+    started = time.monotonic()
+    with RunLock(str(tmp_path), wait=10):
+        assert time.monotonic() - started >= 0.25
+
+
+def test_stale_locks_are_taken_over_with_a_warning(tmp_path: Path) -> None:
+    warnings: list[str] = []
+    write_lock(tmp_path, pid=dead_pid())
+    with RunLock(str(tmp_path), warn=warnings.append):
+        pass
+    assert len(warnings) == 1 and "is gone" in warnings[0]
+
+    old = write_lock(tmp_path, host="another-host")  # alive for all we know, but silent for two hours
+    os.utime(old, (time.time() - 7200, time.time() - 7200))
+    with RunLock(str(tmp_path), warn=warnings.append):
+        pass
+    assert "nobody has refreshed it for 2:00:00" in warnings[1]
+
+    write_lock(tmp_path, pid=os.getpid(), pid_start="1")  # our pid, but another process (pid reuse)
+    with RunLock(str(tmp_path), warn=warnings.append):
+        pass
+    assert len(warnings) == 3
+
+
+def test_a_holder_that_was_taken_over_notices(tmp_path: Path) -> None:
+    lock = RunLock(str(tmp_path))
+    lock.acquire()
+    write_lock(tmp_path, token="new-holder")
+    with pytest.raises(RunLocked, match="lost the lock"):
+        lock.refresh()
+    lock.release()
+    assert json.loads((tmp_path / LOCK_NAME).read_text())["token"] == "new-holder"  # not ours to remove
+
+
+def test_a_half_written_lock_counts_as_held(tmp_path: Path) -> None:
+    (tmp_path / LOCK_NAME).write_text("")
+    with pytest.raises(RunLocked):
+        RunLock(str(tmp_path), wait=0).acquire()
+
+
+def test_prune_exits_cleanly_when_another_prune_holds_the_run(run_cli: Cli, tmp_path: Path) -> None:
+    run = write_run(tmp_path / "run")
+    with RunLock(str(run)):
+        result = run_cli("prune", run, "--keep-last", "1", "--grace", "0", "-y", "--wait", "0")
+    assert result.exit_code == 1
+    assert result.stderr.startswith(f"error: {run} is locked by pid {os.getpid()}")
+    assert len(list(run.glob("step-*"))) == 6
+
+
+def test_two_prunes_started_at_once(tmp_path: Path) -> None:
+    """Both wait for the lock the test holds; when it is released, one prunes and the other finds nothing
+    left to do. With --wait 0 they both exit 1 without touching anything."""
+    run = write_run(tmp_path / "run", [*range(1, 21)])
+    argv = [sys.executable, "-m", "ckptctl", "prune", str(run), "--keep-last", "2", "--grace", "0", "-y", "--json"]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    with RunLock(str(run)):
+        refused = [
+            subprocess.Popen([*argv, "--wait", "0"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for _ in range(2)
+        ]
+        outcomes = [(p.wait(60), p.stderr.read() if p.stderr else "") for p in refused]
+        assert all(code == 1 and "is locked by" in err for code, err in outcomes), outcomes
+        assert len(list(run.glob("step-*"))) == 20
+        waiting = [
+            subprocess.Popen(
+                [*argv, "--wait", "30"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            )
+            for _ in range(2)
+        ]
+        time.sleep(1.0)
+    results = [p.communicate(timeout=60) for p in waiting]
+    assert [p.returncode for p in waiting] == [0, 0], results
+    deleted = [[d["step"] for d in json.loads(out)["delete"]] for out, _ in results]
+    assert sorted(deleted, key=len) == [[], list(range(1, 19))]
+    assert sorted(p.name for p in run.iterdir()) == [".ckptctl-trash", "latest", "step-19", "step-20"]
+
+
+# ------------------------------------------------------------------------------------------ a live writer
+
+WRITER = """
+import sys, time
+import torch
+from ckptctl.core import CheckpointManager
+manager = CheckpointManager(sys.argv[1])
+model = torch.nn.Linear(16, 16)
+state = {"model": model, "optimizer": torch.optim.SGD(model.parameters(), lr=0.1)}
+end = time.monotonic() + float(sys.argv[2])
+step = 0
+while time.monotonic() < end:
+    step += 1
+    model.weight.data.add_(1.0)
+    manager.save(step, state, metrics={"loss": 1.0 / step})
+    print(step, flush=True)
+    time.sleep(0.1)
+"""
+
+
+@pytest.mark.slow
+def test_pruning_while_a_writer_saves(run_cli: Cli, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    writer = subprocess.Popen(
+        [sys.executable, "-c", WRITER, str(run), "21"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert writer.stdout is not None
+    assert writer.stdout.readline().strip() == "1", writer.stderr.read() if writer.stderr else ""
+    deleted: list[tuple[str, str]] = []
+    prunes = 0
+    end = time.monotonic() + 20
+    while time.monotonic() < end:
+        result = run_cli("prune", run, "--keep-last", "2", "-y", "--grace", "0", "--json")
+        assert result.exit_code == 0, result
+        doc = result.json
+        deleted += [(d["url"], d["state"]) for d in doc["delete"]]
+        assert not doc["skipped"] or all(not s["error"] for s in doc["skipped"]), doc["skipped"]
+        prunes += 1
+        time.sleep(0.05)
+    out, err = writer.communicate(timeout=60)
+    assert writer.returncode == 0, err  # every save committed: nothing in progress was touched
+    last = int(out.split()[-1])
+    assert last > 20 and prunes > 20 and len(deleted) > 10
+    assert all(state == "complete" and os.path.basename(url).startswith("step-") for url, state in deleted)
+
+    final = run_cli("prune", run, "--keep-last", "2", "-y", "--grace", "0", "--json")
+    assert final.exit_code == 0, final
+    assert sorted(p.name for p in run.iterdir()) == [".ckptctl-trash", "latest", f"step-{last - 1}", f"step-{last}"]
+    assert not os.listdir(run / ".ckptctl-trash")
+    for step in (last - 1, last):
+        assert verify_checkpoint(str(run / f"step-{step}")).ok
+    assert CheckpointManager(run).latest_step() == last
+
+
+def test_prune_and_the_managers_retention_share_the_trash(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    manager = CheckpointManager(run, policy=RetentionPolicy(keep_last=3))
+    write_run(run, [1, 2, 3, 4])
+    assert manager.all_steps() == [1, 2, 3, 4]  # the writer above kept everything
+    report = prune(str(run), RetentionPolicy(keep_last=2), grace=NO_GRACE)
+    assert [d.ref.step for d in report.deleted] == [1, 2]
+    import torch
+
+    manager.save(5, {"w": torch.zeros(2)})
+    assert manager.all_steps() == [3, 4, 5]

@@ -1,0 +1,192 @@
+"""Real DeepSpeed ZeRO checkpoints for tests, written by DeepSpeed itself on CPU.
+
+`write_deepspeed_runs` spawns 2 ranks (torch.multiprocessing, gloo through `deepspeed.init_distributed`,
+`DS_ACCELERATOR=cpu`) that train the tiny Llama of `tests.conftest` for 4 steps with bf16 under each
+requested ZeRO stage, 0 (no ZeRO) included (one `deepspeed.initialize` per stage, in the same processes
+to pay the imports once) and `engine.save_checkpoint` at steps 2 and 4, so that each save folder holds `latest`,
+`global_step2/` and `global_step4/`. bf16 works on DeepSpeed's CPU accelerator, so the optim files carry
+the `bf16_` prefix as they do on GPUs. The ZeRO-3 run freezes one parameter, so that its
+`frozen_param_fragments` are exercised too.
+
+After the last save rank 0 runs DeepSpeed's own `get_fp32_state_dict_from_zero_checkpoint` (what
+`zero_to_fp32.py` does) on the latest tag and writes the result as the reference safetensors file
+(without ZeRO, which zero_to_fp32 does not read, the module's own weights).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["WrittenDeepSpeed", "write_deepspeed_runs"]
+
+WORLD_SIZE = 2
+STEPS = 4
+SAVE_EVERY = 2
+#: Frozen under ZeRO-3 (`frozen_param_shapes` / `frozen_param_fragments`).
+FROZEN_UNDER_ZERO3 = "model.norm.weight"
+
+
+@dataclass(frozen=True)
+class WrittenDeepSpeed:
+    """A DeepSpeed save folder written by DeepSpeed and what it must contain.
+
+    Attributes:
+        save_dir: the folder with `latest` and one tag folder per save.
+        zero_stage: the ZeRO stage it was trained with.
+        tags: the tag folders, oldest first (`latest` names the last).
+        reference: safetensors of DeepSpeed's own fp32 reconstruction of the latest tag.
+        model_parameters: elements of the model's parameters (what `param_shapes` must add up to).
+        frozen: names of frozen parameters.
+        world_size: DP ranks.
+        client_state: what the writer passed as `client_state` to the last save.
+    """
+
+    save_dir: Path
+    zero_stage: int
+    tags: tuple[str, ...]
+    reference: Path
+    model_parameters: int
+    frozen: tuple[str, ...]
+    world_size: int
+    client_state: dict[str, int]
+
+    @property
+    def latest(self) -> Path:
+        return self.save_dir / self.tags[-1]
+
+    def reference_tensors(self) -> dict[str, torch.Tensor]:
+        from safetensors.torch import load_file
+
+        return load_file(str(self.reference))
+
+
+def _client_state(step: int) -> dict[str, int]:
+    return {"consumed_samples": step * 2 * WORLD_SIZE, "episode": 3, "training_step": step}
+
+
+def _train(rank: int, stage: int, save_dir: Path) -> Any:
+    import deepspeed
+
+    from tests.conftest import tiny_llama
+
+    model = tiny_llama()
+    if stage == 3:
+        model.get_parameter(FROZEN_UNDER_ZERO3).requires_grad_(False)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=1e-3)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": stage},
+        "bf16": {"enabled": True},
+        # A torch optimizer rather than DeepSpeed's FusedAdam, which would compile an op first.
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10_000,
+    }
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config)
+    generator = torch.Generator().manual_seed(100 + rank)
+    for step in range(1, STEPS + 1):
+        ids = torch.randint(0, 128, (2, 16), generator=generator)
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        if step % SAVE_EVERY == 0:
+            engine.save_checkpoint(str(save_dir), client_state=_client_state(step))
+    return engine
+
+
+def _worker(rank: int, port: int, out: str, stages: tuple[int, ...]) -> None:
+    os.environ.update(
+        DS_ACCELERATOR="cpu",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(WORLD_SIZE),
+        LOCAL_WORLD_SIZE=str(WORLD_SIZE),
+    )
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    import importlib
+
+    import deepspeed
+    from deepspeed.utils import logger
+
+    logger.setLevel(logging.ERROR)
+    # The CPU backend JIT-compiles a shared-memory allreduce on first use (a minute on a fresh machine);
+    # plain gloo collectives are all these tiny runs need. (`deepspeed.comm.torch` as an attribute is the
+    # torch package itself, hence the lookup by module name.)
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+    deepspeed.init_distributed(dist_backend="gloo")
+    for stage in stages:
+        save_dir = Path(out) / f"zero{stage}"
+        engine = _train(rank, stage, save_dir)
+        deepspeed.comm.barrier()
+        if rank == 0:
+            _write_reference(save_dir, engine if stage == 0 else None)
+        deepspeed.comm.barrier()
+
+
+def _write_reference(save_dir: Path, engine: Any) -> None:
+    """zero_to_fp32's reconstruction of the latest tag; without ZeRO (which zero_to_fp32 does not read),
+    the module's own (bf16) weights, which are what the model states hold."""
+    import contextlib
+    import io
+
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from safetensors.torch import save_file
+
+    if engine is not None:
+        state = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
+    else:
+        with contextlib.redirect_stdout(io.StringIO()):  # it prints its progress
+            state = get_fp32_state_dict_from_zero_checkpoint(str(save_dir))
+    path = save_dir.parent / f"{save_dir.name}.reference.safetensors"
+    save_file({k: v.contiguous() for k, v in state.items()}, str(path))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def write_deepspeed_runs(root: Path, stages: tuple[int, ...] = (2, 3)) -> dict[int, WrittenDeepSpeed]:
+    """Train and save with DeepSpeed under each ZeRO stage in `stages`: `root/zero{stage}/`.
+
+    Takes about 10 s (2 spawned ranks importing DeepSpeed and transformers); use it from a session-scoped
+    fixture.
+    """
+    import torch.multiprocessing as mp
+
+    from tests.conftest import tiny_llama
+
+    root.mkdir(parents=True, exist_ok=True)
+    mp.spawn(_worker, args=(_free_port(), str(root), stages), nprocs=WORLD_SIZE)
+    parameters = sum(p.numel() for p in tiny_llama().parameters())
+    written = {}
+    for stage in stages:
+        save_dir = root / f"zero{stage}"
+        tags = tuple(f"global_step{step}" for step in range(SAVE_EVERY, STEPS + 1, SAVE_EVERY))
+        written[stage] = WrittenDeepSpeed(
+            save_dir=save_dir,
+            zero_stage=stage,
+            tags=tags,
+            reference=root / f"zero{stage}.reference.safetensors",
+            model_parameters=parameters,
+            frozen=(FROZEN_UNDER_ZERO3,) if stage == 3 else (),
+            world_size=WORLD_SIZE,
+            client_state=_client_state(STEPS),
+        )
+        (root / f"zero{stage}.json").write_text(json.dumps({"tags": tags}))
+    return written

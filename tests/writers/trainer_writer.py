@@ -1,0 +1,100 @@
+"""Real Hugging Face Trainer checkpoints for tests, written by `transformers.Trainer` itself on CPU.
+
+`write_trainer_run` trains the tiny Llama of `tests.conftest` for 4 steps on a hand-made tokenized
+dataset (no hub access) with `save_steps=2`, so that `checkpoint-2/` and `checkpoint-4/` exist with every
+file the Trainer writes: model.safetensors + config, optimizer.pt, scheduler.pt, rng_state.pth,
+training_args.bin and trainer_state.json. It runs in a subprocess, so that accelerate's process-wide
+state and the seeds the Trainer sets stay out of the test process; the final weights are written as the
+reference safetensors file (beside the output folder).
+
+Run directly: `python -m tests.writers.trainer_writer OUT_DIR`.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["WrittenTrainerRun", "write_trainer_run"]
+
+STEPS = 4
+SAVE_STEPS = 2
+
+
+@dataclass(frozen=True)
+class WrittenTrainerRun:
+    """An HF Trainer output folder and what it must contain.
+
+    Attributes:
+        output_dir: the Trainer's `output_dir`, holding `checkpoint-2/` and `checkpoint-4/`.
+        reference: safetensors of the model's final weights (those of `checkpoint-4`).
+        model_parameters: elements of the model's parameters.
+    """
+
+    output_dir: Path
+    reference: Path
+    model_parameters: int
+
+    @property
+    def checkpoints(self) -> tuple[Path, ...]:
+        return tuple(self.output_dir / f"checkpoint-{s}" for s in range(SAVE_STEPS, STEPS + 1, SAVE_STEPS))
+
+
+def _train(output_dir: Path) -> None:
+    import torch
+    from safetensors.torch import save_file
+    from transformers import Trainer, TrainingArguments
+
+    from tests.conftest import tiny_llama
+
+    model = tiny_llama()
+    generator = torch.Generator().manual_seed(0)
+    dataset = []
+    for _ in range(16):
+        ids = torch.randint(0, 128, (16,), generator=generator)
+        dataset.append({"input_ids": ids, "labels": ids})
+    args = TrainingArguments(
+        output_dir=str(output_dir),
+        max_steps=STEPS,
+        save_steps=SAVE_STEPS,
+        save_strategy="steps",
+        per_device_train_batch_size=2,
+        logging_steps=1,
+        use_cpu=True,
+        report_to=[],
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        seed=0,
+    )
+    Trainer(model=model, args=args, train_dataset=dataset).train()
+    weights = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    save_file(weights, str(_reference_path(output_dir)))
+
+
+def _reference_path(output_dir: Path) -> Path:
+    # Beside the output folder: a safetensors file inside it would make the run folder look like a model.
+    return output_dir.parent / f"{output_dir.name}.reference.safetensors"
+
+
+def write_trainer_run(output_dir: Path) -> WrittenTrainerRun:
+    """Run the Trainer in a subprocess (about 6 s) and describe what it wrote."""
+    from tests.conftest import tiny_llama
+
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
+    subprocess.run(
+        [sys.executable, "-m", "tests.writers.trainer_writer", str(output_dir)],
+        check=True,
+        cwd=root,
+        env=env,
+        capture_output=True,
+    )
+    parameters = sum(p.numel() for p in tiny_llama().parameters())
+    return WrittenTrainerRun(output_dir, _reference_path(output_dir), parameters)
+
+
+if __name__ == "__main__":
+    _train(Path(sys.argv[1]))

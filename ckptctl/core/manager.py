@@ -46,6 +46,7 @@ from ckptctl.formats import state_tree
 from ckptctl.formats.digest import file_digest
 from ckptctl.formats.manifest import MANIFEST_NAME, ComponentRecord, FileRecord, Manifest, now_iso, parse_manifest
 from ckptctl.formats.state_tree import EncodedTree
+from ckptctl.layouts.base import folder_size
 from ckptctl.layouts.native import POINTER_NAME, TRASH_NAME, StepNaming
 
 __all__ = ["POINTER_NAME", "TRASH_NAME", "CheckpointManager", "StepNaming"]
@@ -479,7 +480,7 @@ class CheckpointManager:
                 metrics = parse_manifest(io.read_bytes(manifest_path), manifest_path).metrics
         size = 0
         if self.policy is not None and self.policy.max_total_size is not None:
-            size = sum(os.path.getsize(os.path.join(r, f)) for r, _, files in os.walk(folder) for f in files)
+            size = folder_size(folder)
         name = self.naming.folder(step)
         protected = ("named by the run's latest pointer",) if name == pointer else ()
         return Candidate(step, name, created=created, size_bytes=size, metrics=metrics, protected=protected)

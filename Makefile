@@ -40,8 +40,10 @@ bench: $(VENV)/.dev
 	$(BIN)/python bench/verify_throughput.py
 	$(BIN)/python bench/save.py
 
+# Shell completions (completions/) and the command reference (docs/cli.md), both generated from the CLI.
 completions: $(VENV)/.base
 	$(BIN)/python scripts/gen_completions.py
+	$(BIN)/python -m scripts.gen_cli_reference
 
 clean:
 	rm -rf $(VENV) $(DEMO) .pytest_cache .mypy_cache .ruff_cache

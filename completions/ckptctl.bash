@@ -6,20 +6,22 @@ _ckptctl() {
     prev="${COMP_WORDS[COMP_CWORD-1]}"
     cmd="${COMP_WORDS[1]}"
     if [[ $COMP_CWORD -eq 1 ]]; then
-        COMPREPLY=($(compgen -W "convert demo inspect list prune verify --help --version" -- "$cur")); return
+        COMPREPLY=($(compgen -W "convert demo diff inspect list prune resume-plan verify --help --version" -- "$cur")); return
     fi
     case "$prev" in
         --sort) COMPREPLY=($(compgen -W "step created size url" -- "$cur")); return;;
         --state) COMPREPLY=($(compgen -W "complete in_progress broken" -- "$cur")); return;;
-        --layout) COMPREPLY=($(compgen -W "native dcp hf_trainer deepspeed hf" -- "$cur")); return;;
+        --layout) COMPREPLY=($(compgen -W "native areal roll dcp hf_trainer openrlhf open_instruct deepspeed hf" -- "$cur")); return;;
         --component) COMPREPLY=($(compgen -W "model optimizer scheduler rng dataloader trainer_state config tokenizer extra" -- "$cur")); return;;
     esac
     case "$cmd" in
-        convert) local opts="--to --dtype --max-shard-size --component --strip-prefix --rename --config --tokenizer --force --reread --workers --layout --json --quiet -q --help -h";;
+        convert) local opts="--to --dtype --max-shard-size --component --strip-prefix --rename --config --tokenizer --force --reread --workers --weights --layout --json --quiet -q --help -h";;
         demo) local opts="--steps --distributed --no-distributed --force --json --quiet -q --help -h";;
+        diff) local opts="--component --atol --rtol --strip-prefix --rename --ignore-dtype --all --top --read-all --layout-a --layout-b --json --quiet -q --help -h";;
         inspect) local opts="--filter -f --component --limit --layout --json --quiet -q --help -h";;
         list) local opts="--sort --reverse -r --state --layout --limit --depth --json --quiet -q --help -h";;
         prune) local opts="--keep-last --keep-every --keep-best --max-total-size --older-than --pin --grace --dry-run --yes -y --wait --depth --json --quiet -q --help -h";;
+        resume-plan) local opts="--world-size --digests --layout --json --quiet -q --help -h";;
         verify) local opts="--latest --deep --check-finite --write-manifest --workers --layout --json --quiet -q --help -h";;
         *) local opts='';;
     esac

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import typer
 
 from ckptctl import __version__
-from ckptctl.cli import convert, demo, prune, verify
+from ckptctl.cli import convert, demo, diff, prune, resume_plan, verify
 from ckptctl.cli import inspect as inspect_command
 from ckptctl.cli import list as list_command
 from ckptctl.errors import CkptctlError
@@ -43,7 +43,7 @@ def _root(
     """Checkpoints of large-model training runs: list, inspect and verify them before you resume."""
 
 
-for module in (list_command, inspect_command, verify, convert, prune, demo):
+for module in (list_command, inspect_command, verify, convert, diff, resume_plan, prune, demo):
     module.register(app)
 
 

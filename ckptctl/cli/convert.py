@@ -15,12 +15,18 @@ if TYPE_CHECKING:
 
 HELP = """Convert a checkpoint's model into a Hugging Face folder (or an HF model into a torch DCP checkpoint).
 
---to hf reads torch DCP (any number of ranks, FSDP/FSDP2 sharding), ckptctl's own checkpoints and HF
-folders, and writes model.safetensors, or model-0000i-of-0000N.safetensors shards with
+--to hf reads torch DCP (any number of ranks, FSDP/FSDP2 sharding), DeepSpeed ZeRO, ckptctl's own
+checkpoints and HF folders, and writes model.safetensors, or model-0000i-of-0000N.safetensors shards with
 model.safetensors.index.json. Tensors stream one at a time from the source's raw bytes into the output,
 so memory stays near the largest tensor whatever the model size. The state-dict prefix (model.) is
 removed so names match transformers; config and tokenizer files are taken from --config/--tokenizer or
 found beside the source.
+
+DeepSpeed ZeRO 1-3 (a global_stepN tag folder, the save folder holding `latest`, or a Trainer
+checkpoint-N with DeepSpeed inside) gives the fp32 master weights, exactly as DeepSpeed's zero_to_fp32.py
+rebuilds them from the optimizer partitions, without DeepSpeed installed and without loading a partition
+whole; --weights stored writes the 16-bit module weights instead (ZeRO 0-2; ZeRO-3 keeps none, its model
+is the partitions).
 
 --to dcp writes a single-process torch.distributed.checkpoint save with keys model.<name>, which
 dcp.load reads into a model of any world size.
@@ -35,6 +41,8 @@ interrupted conversion leaves nothing at DST.
 
   ckptctl convert runs/llama/step-1000 hf-export --max-shard-size 2GB --rename '^lm_head=output'
 
+  ckptctl convert ds-run/ hf-export --config base-model/ --dtype bf16     (DeepSpeed save folder)
+
   ckptctl convert meta-llama-3-8b/ init-dcp --to dcp
 """
 
@@ -42,6 +50,12 @@ interrupted conversion leaves nothing at DST.
 class TargetChoice(enum.StrEnum):
     hf = "hf"
     dcp = "dcp"
+
+
+class WeightsChoice(enum.StrEnum):
+    auto = "auto"
+    master = "master"
+    stored = "stored"
 
 
 class DtypeChoice(enum.StrEnum):
@@ -106,12 +120,20 @@ def convert(
         typer.Option("--reread", help="Read every written file back from disk and check its digest (doubles the I/O)."),
     ] = False,
     workers: Annotated[int | None, typer.Option(help="Copy threads (default: one per core, 2 to 8).", min=1)] = None,
+    weights: Annotated[
+        WeightsChoice,
+        typer.Option(
+            "--weights",
+            help="DeepSpeed ZeRO: fp32 master weights from the optimizer partitions (auto, master) or the "
+            "16-bit module weights the model states hold (stored; ZeRO-3 keeps none: its model is the partitions).",
+        ),
+    ] = WeightsChoice.auto,
     layout: LayoutOpt = None,
     json_output: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
     from ckptctl.checkpoint import Component
-    from ckptctl.ops.convert import ConvertOptions, Target, parse_dtype, parse_rename, parse_size
+    from ckptctl.ops.convert import ConvertOptions, Target, Weights, parse_dtype, parse_rename, parse_size
     from ckptctl.ops.convert import convert as run_convert
 
     try:
@@ -141,6 +163,7 @@ def convert(
         layout=layout,
         reread=reread,
         workers=workers,
+        weights=Weights(weights.value),
     )
     out = Output(json_mode=json_output, quiet=quiet)
     try:
@@ -160,9 +183,11 @@ def convert(
 def _render(out: Output, result: ConvertResult) -> None:
     rate = human_bytes(int(result.bytes / result.seconds)) + "/s" if result.seconds > 0 else "-"
     cast = f", cast to {result.dtype}" if result.dtype else ""
+    source = result.checkpoint or result.src
+    masters = ", fp32 master weights" if result.weights == "master" else ""
     out.print(
-        f"[green]converted[/green] {result.tensors} tensors ({human_bytes(result.bytes)}{cast}) from {result.src} "
-        f"({result.layout}) to {result.dst} ({result.to}) in {result.seconds:.1f} s, {rate}"
+        f"[green]converted[/green] {result.tensors} tensors ({human_bytes(result.bytes)}{cast}) from {source} "
+        f"({result.layout}{masters}) to {result.dst} ({result.to}) in {result.seconds:.1f} s, {rate}"
     )
     weights = [f for f in result.files if f.endswith((".safetensors", ".distcp"))]
     out.print(f"  files: {', '.join(weights)}" + (f" (+ {len(result.files) - len(weights)} more)" if weights else ""))

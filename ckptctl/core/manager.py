@@ -10,6 +10,21 @@ The on-disk format is docs/native-format.md. The commit protocol makes a crash a
 A crash before 3 leaves a staging folder (recognisably in progress) and the previous checkpoint and pointer
 untouched; a crash between 3 and 4 leaves a committed checkpoint the pointer does not name yet, which
 `latest_step()` still finds because it walks the committed folders, newest first.
+
+On an object store (`s3://bucket/run`, any fsspec URL) there is no atomic folder rename, so the manifest is
+the commit marker on its own:
+
+1. write every file into a local staging folder (as above; `staging_dir`, default the system temp folder);
+2. when re-saving a step, delete the old `step-{N}/` manifest first, then the rest of it;
+3. upload into the final `step-{N}/` prefix: the RNG files first (so that a partial prefix is recognisably
+   ours), then the data files in parallel, DCP's `.metadata` after every rank's shards;
+4. upload `ckptctl-manifest.json` last (a single PUT is atomic), then the `latest` pointer; then retention
+   (which deletes a step's manifest before the rest of it).
+
+A crash before 4 leaves a `step-{N}/` without a manifest, which `all_steps()` ignores and `ckptctl list`
+shows as in progress (then broken, once it is old); the previous checkpoint and pointer stay untouched.
+Restoring downloads the chosen step into a local temporary folder, checking every file's size and blake3
+digest as it arrives, and loads from there.
 """
 
 from __future__ import annotations
@@ -24,6 +39,7 @@ import platform
 import secrets
 import shutil
 import sys
+import tempfile
 import threading
 import time
 import warnings
@@ -32,6 +48,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+import blake3
 import numpy as np
 import torch
 
@@ -47,7 +64,7 @@ from ckptctl.formats.digest import file_digest
 from ckptctl.formats.manifest import MANIFEST_NAME, ComponentRecord, FileRecord, Manifest, now_iso, parse_manifest
 from ckptctl.formats.state_tree import EncodedTree
 from ckptctl.layouts.base import folder_size
-from ckptctl.layouts.native import POINTER_NAME, TRASH_NAME, StepNaming
+from ckptctl.layouts.native import POINTER_NAME, TRASH_NAME, StepNaming, is_rng_file
 
 __all__ = ["POINTER_NAME", "TRASH_NAME", "CheckpointManager", "StepNaming"]
 
@@ -125,10 +142,14 @@ class CheckpointManager:
     `restore`. Multi-rank saves are synchronous even with `async_save=True`.
 
     Args:
-        root: the run folder (a local path; created if missing).
+        root: the run folder: a local path (created if missing) or an fsspec URL such as
+            `s3://bucket/runs/exp1` (credentials and endpoint from the standard AWS settings).
         policy: retention applied after each commit; None keeps everything.
         async_save: return from `save` once the state is copied to CPU memory and write in a background
             thread. The copy buffers are kept for the next save (one CPU copy of the state stays allocated).
+        staging_dir: for a remote `root`, the local folder where a save is written before it is uploaded
+            and a restore is downloaded before it is loaded (default: the system temp folder); it needs
+            room for one checkpoint.
 
     Example:
         >>> manager = CheckpointManager("runs/exp1", policy=RetentionPolicy(keep_last=3))
@@ -142,21 +163,29 @@ class CheckpointManager:
     """
 
     def __init__(
-        self, root: str | os.PathLike[str], policy: RetentionPolicy | None = None, async_save: bool = False
+        self,
+        root: str | os.PathLike[str],
+        policy: RetentionPolicy | None = None,
+        async_save: bool = False,
+        *,
+        staging_dir: str | os.PathLike[str] | None = None,
     ) -> None:
         url = os.fspath(root)
-        if not io.is_local(url):
-            raise StorageError(
-                f"CheckpointManager writes to local folders only, not {url}", "save locally and copy the run"
-            )
-        self.root = os.path.abspath(io.local_path(url))
         self.policy = policy
         self.async_save = async_save
         self.naming = StepNaming()
-        try:
-            os.makedirs(self.root, exist_ok=True)
-        except OSError as exc:
-            raise StorageError(f"cannot create the run folder {self.root}: {exc.strerror or exc}") from exc
+        self.staging_dir = None if staging_dir is None else os.fspath(staging_dir)
+        self._remote = not io.is_local(url)
+        if self._remote:
+            self.root = url.rstrip("/")
+            # Fail here, not at the first save an hour into training: credentials, bucket, endpoint.
+            io.is_dir(self.root)
+        else:
+            self.root = os.path.abspath(io.local_path(url))
+            try:
+                os.makedirs(self.root, exist_ok=True)
+            except OSError as exc:
+                raise StorageError(f"cannot create the run folder {self.root}: {exc.strerror or exc}") from exc
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._stager = _Stager()
@@ -165,10 +194,12 @@ class CheckpointManager:
 
     def step_dir(self, step: int) -> str:
         """The folder of a committed step (whether or not it exists)."""
-        return os.path.join(self.root, self.naming.folder(step))
+        return io.join(self.root, self.naming.folder(step))
 
     def all_steps(self) -> list[int]:
         """Committed steps (a `step-{N}` folder holding a manifest), sorted ascending; not validated."""
+        if self._remote:
+            return sorted(self._remote_manifests())
         steps = []
         try:
             with os.scandir(self.root) as it:
@@ -190,8 +221,23 @@ class CheckpointManager:
                 return step
         return None
 
+    def _remote_manifests(self) -> dict[int, io.DirEntry]:
+        """Step -> manifest object of every committed step of a remote run (one listing of the run)."""
+        found = {}
+        for rel, entry in io.list_tree(self.root).items():
+            folder, _, name = rel.partition("/")
+            step = self.naming.step_of(folder)
+            if step is not None and name == MANIFEST_NAME:
+                found[step] = entry
+        return found
+
     def pointer(self) -> str | None:
         """The folder name the `latest` file names, or None when there is none."""
+        if self._remote:
+            try:
+                return io.read_text(io.join(self.root, POINTER_NAME)).strip() or None
+            except (CheckpointNotFound, CorruptCheckpoint):
+                return None
         try:
             with open(os.path.join(self.root, POINTER_NAME), encoding="utf-8") as f:
                 return f.read().strip() or None
@@ -281,10 +327,10 @@ class CheckpointManager:
 
     def _commit_single(self, step: int, snapshot: _Snapshot, metrics: dict[str, Any]) -> None:
         started = time.perf_counter()
-        staging = os.path.join(self.root, self.naming.staging(step, secrets.token_hex(4)))
+        staging = self._local_staging(step, secrets.token_hex(4))
         try:
             with _storage_errors(f"saving step {step} into {self.root}"):
-                os.mkdir(staging)
+                os.makedirs(staging, exist_ok=self._remote)
                 files: dict[str, FileRecord] = {}
                 components: dict[str, ComponentRecord] = {}
                 for entry in snapshot.entries:
@@ -297,10 +343,20 @@ class CheckpointManager:
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
+        if self._remote:
+            shutil.rmtree(staging, ignore_errors=True)
         size = sum(r.size for r in files.values())
         elapsed = time.perf_counter() - started
         log.info("saved step %d: %.1f MB in %.2fs", step, size / 1e6, elapsed)
         self._apply_retention()
+
+    def _local_staging(self, step: int, token: str) -> str:
+        """Where a save is written before it is committed: next to the target locally; for a remote run, a
+        local folder named the same on every rank (ranks on one node share it: their files differ)."""
+        if not self._remote:
+            return os.path.join(self.root, self.naming.staging(step, token))
+        base = self.staging_dir or tempfile.gettempdir()
+        return os.path.join(base, f"ckptctl-upload-{self.naming.staging(step, token).lstrip('.')}")
 
     def _save_multi_rank(
         self, step: int, state: Mapping[str, Any], metrics: dict[str, Any], world: dist_.World
@@ -309,15 +365,25 @@ class CheckpointManager:
         # would leave the others waiting forever. Local failures travel with the gathered results.
         staging, error = None, None
         if world.rank == 0:
-            staging = os.path.join(self.root, self.naming.staging(step, secrets.token_hex(4)))
+            staging = self._local_staging(step, secrets.token_hex(4))
             try:
-                os.makedirs(os.path.join(staging, "dcp"))
+                if self._remote:
+                    self._clear_remote_step(step)
+                else:
+                    os.makedirs(os.path.join(staging, "dcp"))
             except OSError as exc:
                 error = f"cannot create {staging}: {exc.strerror or exc}"
+            except CkptctlError as exc:
+                error = str(exc)
         staging, error = dist_.broadcast((staging, error))
         if error:
             raise StorageError(error)
         assert staging is not None
+        if self._remote:
+            try:
+                os.makedirs(os.path.join(staging, "dcp"), exist_ok=True)
+            except OSError as exc:
+                raise StorageError(f"cannot create {staging}: {exc.strerror or exc}") from exc
 
         local: BaseException | None = None
         snapshot = None
@@ -333,7 +399,7 @@ class CheckpointManager:
             if snapshot.sharded:
                 dist_.save_dcp(dcp_dir, snapshot.sharded, snapshot.modules)
         except BaseException:
-            if world.rank == 0:
+            if world.rank == 0 or self._remote:
                 shutil.rmtree(staging, ignore_errors=True)
             raise
 
@@ -350,6 +416,9 @@ class CheckpointManager:
                 for name in dist_.dcp_files_of_rank(dcp_dir, world):
                     path = os.path.join(dcp_dir, name)
                     files[f"dcp/{name}"] = FileRecord(os.path.getsize(path), file_digest(path))
+            if self._remote:
+                # Every rank uploads what it wrote; rank 0 adds DCP's metadata once all shards are up.
+                self._upload(step, staging, [f for f in files if not _is_dcp_metadata(f)])
         except BaseException as exc:
             local = exc
         gathered = dist_.all_gather((files, rng_files, _describe(local)))
@@ -359,7 +428,8 @@ class CheckpointManager:
             failures = [f"rank {r}: {msg}" for r, (_, _, msg) in enumerate(gathered) if msg]
             if failures:
                 status = "; ".join(failures)
-                shutil.rmtree(staging, ignore_errors=True)
+                if not self._remote:
+                    shutil.rmtree(staging, ignore_errors=True)
             else:
                 all_files = {k: v for rank_files, _, _ in gathered for k, v in rank_files.items()}
                 dcp_files = tuple(sorted(k for k in all_files if k.startswith("dcp/")))
@@ -371,9 +441,12 @@ class CheckpointManager:
                         self._commit(step, staging, all_files, components, metrics, world_size=world.size)
                     self._apply_retention()
                 except BaseException as exc:
-                    shutil.rmtree(staging, ignore_errors=True)
+                    if not self._remote:
+                        shutil.rmtree(staging, ignore_errors=True)
                     status = _describe(exc)
         status = dist_.broadcast(status)
+        if self._remote:
+            shutil.rmtree(staging, ignore_errors=True)
         if local is not None:
             raise local
         if status:
@@ -385,7 +458,7 @@ class CheckpointManager:
         failures = [f"rank {r}: {m}" for r, m in enumerate(messages) if m]
         if not failures:
             return
-        if world.rank == 0:
+        if world.rank == 0 or self._remote:
             shutil.rmtree(staging, ignore_errors=True)
         if local is not None:
             raise local
@@ -412,6 +485,9 @@ class CheckpointManager:
             versions=_versions(),
             components=components,
         )
+        if self._remote:
+            self._publish(step, staging, files, manifest)
+            return
         with open(os.path.join(staging, MANIFEST_NAME), "wb") as f:
             f.write(manifest.to_json())
             f.flush()
@@ -419,6 +495,37 @@ class CheckpointManager:
         io.fsync_dir(staging)
         self._install(staging, self.step_dir(step))
         io.write_bytes_atomic(os.path.join(self.root, POINTER_NAME), f"{self.naming.folder(step)}\n".encode())
+
+    def _publish(self, step: int, staging: str, files: Mapping[str, FileRecord], manifest: Manifest) -> None:
+        """Commit a remote step: upload what is left of it (a single-process save uploads everything here),
+        then the manifest, then the `latest` pointer."""
+        if manifest.world_size == 1:
+            self._clear_remote_step(step)
+            self._upload(step, staging, list(files))
+        else:  # the ranks have uploaded their files; DCP's metadata names them all, so it goes after
+            self._upload(step, staging, [f for f in files if _is_dcp_metadata(f)])
+        final = self.step_dir(step)
+        io.write_bytes_atomic(io.join(final, MANIFEST_NAME), manifest.to_json())
+        io.write_bytes_atomic(io.join(self.root, POINTER_NAME), f"{self.naming.folder(step)}\n".encode())
+
+    def _upload(self, step: int, staging: str, names: list[str]) -> None:
+        """Upload files of the local staging folder into the remote `step-{N}/`: RNG files first (they make a
+        partial upload read as ours and in progress), then the rest on a bounded pool of parallel uploads."""
+        final = self.step_dir(step)
+        first = [n for n in names if is_rng_file(n)]
+        rest = sorted(
+            (n for n in names if not is_rng_file(n)), key=lambda n: -os.path.getsize(os.path.join(staging, n))
+        )
+        for name in first:
+            io.upload_file(os.path.join(staging, name), io.join(final, name))
+        io.parallel_map(lambda name: io.upload_file(os.path.join(staging, name), io.join(final, name)), rest)
+
+    def _clear_remote_step(self, step: int) -> None:
+        """Delete a remote `step-{N}/` (before re-saving it, or by retention): the manifest first, so that
+        the step stops reading as committed before any of its files go."""
+        folder = self.step_dir(step)
+        io.delete_file(io.join(folder, MANIFEST_NAME))
+        io.delete_tree(folder)
 
     def _install(self, staging: str, final: str) -> None:
         """Rename the staging folder into place, replacing an older checkpoint of the same step."""
@@ -443,6 +550,9 @@ class CheckpointManager:
     def _apply_retention(self) -> None:
         if self.policy is None or self.policy.keeps_everything:
             return
+        if self._remote:
+            self._apply_remote_retention()
+            return
         try:
             trash = os.path.join(self.root, TRASH_NAME)
             _empty(trash)
@@ -466,14 +576,33 @@ class CheckpointManager:
         except OSError as exc:
             warnings.warn(f"retention in {self.root} failed: {exc}", CheckpointWarning, stacklevel=2)
 
-    def _retention_candidate(self, step: int, pointer: str | None) -> Candidate:
+    def _apply_remote_retention(self) -> None:
+        assert self.policy is not None
+        try:
+            pointer = self.pointer()
+            manifests = self._remote_manifests()
+            candidates = [
+                self._retention_candidate(step, pointer, datetime.fromtimestamp(entry.mtime, tz=UTC))
+                for step, entry in sorted(manifests.items())
+            ]
+            doomed = [d.step for d in self.policy.plan(candidates, now=datetime.now(UTC)) if not d.keep]
+            for step in doomed:
+                assert step is not None  # every candidate has one
+                self._clear_remote_step(step)
+            if doomed:
+                log.info("retention deleted steps %s", doomed)
+        except CkptctlError as exc:
+            warnings.warn(f"retention in {self.root} failed: {exc}", CheckpointWarning, stacklevel=2)
+
+    def _retention_candidate(self, step: int, pointer: str | None, created: datetime | None = None) -> Candidate:
         """What the policy needs to know about a committed step; sizes and metrics only when it asks."""
         folder = self.step_dir(step)
-        manifest_path = os.path.join(folder, MANIFEST_NAME)
-        try:
-            created = datetime.fromtimestamp(os.stat(manifest_path).st_mtime, tz=UTC)
-        except OSError:
-            created = None
+        manifest_path = io.join(folder, MANIFEST_NAME)
+        if not self._remote:
+            try:
+                created = datetime.fromtimestamp(os.stat(manifest_path).st_mtime, tz=UTC)
+            except OSError:
+                created = None
         metrics: Mapping[str, Any] = {}
         if self.policy is not None and self.policy.keep_best:
             with contextlib.suppress(CkptctlError):
@@ -497,7 +626,8 @@ class CheckpointManager:
             state: the same kind of dict that was saved (freshly built objects to load into).
             step: the step to load; None loads the newest valid checkpoint (committed, manifest readable,
                 every file present at its recorded size), skipping broken newer ones.
-            verify: also check every file's blake3 digest against the manifest before loading.
+            verify: also check every file's blake3 digest against the manifest before loading. A remote
+                run's files are always checked, as they are downloaded.
 
         Raises:
             CheckpointNotFound: no (valid) checkpoint, or no checkpoint of `step`.
@@ -505,21 +635,94 @@ class CheckpointManager:
         """
         self._join()
         world = dist_.current_world()
-        if world.multi:
-            # Every rank must load the same step: rank 0 decides.
-            choice: tuple[int | None, BaseException | None] = (None, None)
-            if world.rank == 0:
-                try:
-                    choice = (self._choose(step, verify), None)
-                except CkptctlError as exc:
-                    choice = (None, exc)
-            chosen, error = dist_.broadcast(choice)
-            if error is not None:
-                raise error
-        else:
-            chosen = self._choose(step, verify)
+        if self._remote:
+            with self._downloaded(step, verify, world) as (chosen, folder):
+                self._load(state, chosen, folder, world)
+            return chosen
+        chosen = self._agreed_choice(step, verify, world, {})
+        self._load(state, chosen, self.step_dir(chosen), world)
+        return chosen
+
+    def _agreed_choice(self, step: int | None, verify: bool, world: dist_.World, skip: Mapping[int, str]) -> int:
+        """The step to restore, the same on every rank: rank 0 decides."""
+        if not world.multi:
+            return self._choose(step, verify, skip)
+        choice: tuple[int | None, BaseException | None] = (None, None)
+        if world.rank == 0:
+            try:
+                choice = (self._choose(step, verify, skip), None)
+            except CkptctlError as exc:
+                choice = (None, exc)
+        chosen, error = dist_.broadcast(choice)
+        if error is not None:
+            raise error
         assert chosen is not None
-        folder = self.step_dir(chosen)
+        return int(chosen)
+
+    @contextlib.contextmanager
+    def _downloaded(self, step: int | None, verify: bool, world: dist_.World) -> Iterator[tuple[int, str]]:
+        """Choose a remote step and download it into a local temporary folder, checking sizes and digests;
+        yields (step, folder). With `step` None, a step whose download fails the checks is skipped for the
+        next older valid one."""
+        folder = tempfile.mkdtemp(prefix="ckptctl-restore-", dir=self.staging_dir)
+        try:
+            skip: dict[int, str] = {}
+            while True:
+                chosen = self._agreed_choice(step, verify, world, skip)
+                failure: tuple[bool, str] | None = None
+                try:
+                    self._download(chosen, folder)
+                except CkptctlError as exc:
+                    failure = (isinstance(exc, CorruptCheckpoint), str(exc))
+                if world.multi:  # a rank that failed alone must not leave the others in DCP's collectives
+                    failure = next((f for f in dist_.all_gather(failure) if f is not None), None)
+                if failure is None:
+                    break
+                corrupt, message = failure
+                if step is not None or not corrupt:
+                    raise (CorruptCheckpoint if corrupt else StorageError)(message)
+                skip[chosen] = message
+                shutil.rmtree(folder, ignore_errors=True)
+                os.makedirs(folder)
+            yield chosen, folder
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+
+    def _download(self, step: int, folder: str) -> None:
+        """Download a remote step's files into `folder` in parallel, hashing each as it arrives.
+
+        Raises:
+            CorruptCheckpoint: a file's size or blake3 digest differs from the manifest.
+        """
+        source = self.step_dir(step)
+        data = io.read_bytes(io.join(source, MANIFEST_NAME))
+        manifest = parse_manifest(data, io.join(source, MANIFEST_NAME))
+        for rel in manifest.files:
+            os.makedirs(os.path.dirname(os.path.join(folder, rel)), exist_ok=True)
+
+        # Range reads of one file in flight at once: all of the pool for one big file, one each for many.
+        per_file = max(1, io.workers() // max(1, len(manifest.files)))
+
+        def fetch(item: tuple[str, FileRecord]) -> str | None:
+            rel, record = item
+            hasher = blake3.blake3()
+            size = io.download_file(io.join(source, rel), os.path.join(folder, rel), hasher.update, per_file)
+            if size != record.size:
+                return f"{rel} has {size} bytes, the manifest says {record.size}"
+            if hasher.hexdigest() != record.blake3:
+                return f"{rel} does not match its blake3 digest"
+            return None
+
+        items = sorted(manifest.files.items(), key=lambda item: -item[1].size)
+        with _storage_errors(f"downloading step {step} from {self.root}"):
+            problems = [p for p in io.parallel_map(fetch, items) if p]
+            with open(os.path.join(folder, MANIFEST_NAME), "wb") as f:
+                f.write(data)
+        if problems:
+            raise CorruptCheckpoint(f"{source}: {'; '.join(problems)}", "restore another step")
+
+    def _load(self, state: MutableMapping[str, Any], chosen: int, folder: str, world: dist_.World) -> None:
+        """Load the checkpoint in the local `folder` into `state` (the body of `restore`)."""
         manifest = parse_manifest(io.read_bytes(os.path.join(folder, MANIFEST_NAME)), folder)
         modules = {name: obj for name, obj in state.items() if isinstance(obj, torch.nn.Module)}
         sharded: dict[str, tuple[str, Any]] = {}
@@ -551,12 +754,11 @@ class CheckpointManager:
         self._restore_rng(folder, manifest, world)
         if missing:
             warnings.warn(
-                f"{folder} holds no entry {', '.join(map(repr, missing))}; it keeps its current state",
+                f"{self.step_dir(chosen)} holds no entry {', '.join(map(repr, missing))}; it keeps its current state",
                 CheckpointWarning,
-                stacklevel=2,
+                stacklevel=3,
             )
-        log.info("restored step %d from %s", chosen, folder)
-        return chosen
+        log.info("restored step %d from %s", chosen, self.step_dir(chosen))
 
     def _restore_rng(self, folder: str, manifest: Manifest, world: dist_.World) -> None:
         # A rank restores its own generators; a single process restoring a multi-rank save takes rank 0's.
@@ -567,29 +769,29 @@ class CheckpointManager:
         warnings.warn(
             f"{folder} holds no random generator state for rank {world.rank}; the generators keep their current state",
             CheckpointWarning,
-            stacklevel=3,
+            stacklevel=4,
         )
 
-    def _choose(self, step: int | None, verify: bool) -> int:
+    def _choose(self, step: int | None, verify: bool, skip: Mapping[int, str]) -> int:
         if step is not None:
             problem = self._problem(step, verify)
             if problem is None:
                 return step
-            if not os.path.isdir(self.step_dir(step)):
+            if not io.is_dir(self.step_dir(step)):
                 raise CheckpointNotFound(f"no checkpoint of step {step} in {self.root}", _steps_hint(self.all_steps()))
             raise CorruptCheckpoint(
                 f"{self.step_dir(step)}: {problem}", "restore another step, or step=None for the newest valid one"
             )
         skipped: list[tuple[str, str]] = []
         for candidate in reversed(self.all_steps()):
-            problem = self._problem(candidate, verify)
+            problem = skip.get(candidate) or self._problem(candidate, verify)
             if problem is None:
                 if skipped:
                     detail = "; ".join(f"{name}: {why}" for name, why in skipped)
                     warnings.warn(
                         f"restoring {self.naming.folder(candidate)}, skipping newer broken ones ({detail})",
                         CheckpointWarning,
-                        stacklevel=3,
+                        stacklevel=5,
                     )
                 return candidate
             skipped.append((self.naming.folder(candidate), problem))
@@ -600,10 +802,12 @@ class CheckpointManager:
         )
 
     def _problem(self, step: int, verify: bool) -> str | None:
-        """Why a step cannot be restored, or None when it can."""
+        """Why a step cannot be restored, or None when it can (a remote step's digests are checked as it
+        is downloaded, not here)."""
         folder = self.step_dir(step)
-        manifest_path = os.path.join(folder, MANIFEST_NAME)
-        if not os.path.exists(manifest_path):
+        manifest_path = io.join(folder, MANIFEST_NAME)
+        remote_sizes = {rel: e.size for rel, e in io.list_tree(folder).items()} if self._remote else None
+        if not (MANIFEST_NAME in remote_sizes if remote_sizes is not None else os.path.exists(manifest_path)):
             return "not committed (no manifest)"
         try:
             manifest = parse_manifest(io.read_bytes(manifest_path), manifest_path)
@@ -612,18 +816,22 @@ class CheckpointManager:
         if not manifest.native or manifest.step != step:
             return f"the manifest is not a native manifest of step {step}"
         for rel, record in manifest.files.items():
-            path = os.path.join(folder, rel)
             try:
-                size = os.path.getsize(path)
-            except OSError:
+                size = remote_sizes[rel] if remote_sizes is not None else os.path.getsize(os.path.join(folder, rel))
+            except (KeyError, OSError):
                 return f"{rel} is missing"
             if size != record.size:
                 return f"{rel} has {size} bytes, the manifest says {record.size}"
-        if verify:
+        if verify and not self._remote:
             for rel, record in manifest.files.items():
                 if file_digest(os.path.join(folder, rel)) != record.blake3:
                     return f"{rel} does not match its blake3 digest"
         return None
+
+
+def _is_dcp_metadata(rel: str) -> bool:
+    """DCP's `.metadata` (and any other non-shard file of `dcp/`): it names every shard, so it is uploaded last."""
+    return rel.startswith("dcp/") and not rel.endswith(".distcp")
 
 
 def _write_tree(

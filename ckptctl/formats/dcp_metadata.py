@@ -11,10 +11,11 @@ can report each problem instead of stopping at the first.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from ckptctl.checkpoint import dtype_itemsize, known_dtypes
 from ckptctl.errors import CorruptCheckpoint
@@ -89,9 +90,11 @@ class DcpBytesItem:
     """A non-tensor value of the state dict (torch.save'd object bytes: learning rates, step counters)."""
 
 
-@dataclass(frozen=True, slots=True)
-class StorageRecord:
+class StorageRecord(NamedTuple):
     """Where one item's bytes are: a file relative to the checkpoint, and a byte range in it.
+
+    A named tuple rather than a dataclass: a 100k-tensor checkpoint has 100k of them, and the parser builds
+    them with `tuple.__new__` at C speed.
 
     Attributes:
         relative_path: the data file, relative to the checkpoint folder (never absolute, never `..`).
@@ -105,6 +108,9 @@ class StorageRecord:
     offset: int
     length: int
     transforms: tuple[str, ...] = ()
+
+
+_new_record = functools.partial(tuple.__new__, StorageRecord)
 
 
 @dataclass(frozen=True, slots=True)
@@ -244,51 +250,65 @@ class _Parser:
     def entries(self, raw: dict[Any, Any]) -> dict[str, DcpTensor | DcpBytesItem]:
         # The hot loop of a 100k-tensor file. Tensors repeat (every layer has the same dtype, shapes and
         # sharding), so each distinct one is validated once by `tensor_checked` and later found by its
-        # raw values; anything that is not such a hit goes the validating way, which words the error.
+        # raw values (`signature`, inlined here); anything that is not such a hit goes the validating way,
+        # which words the error.
         out: dict[str, DcpTensor | DcpBytesItem] = {}
-        known = self.tensors.get
+        tensors = self.tensors
+        known = tensors.get
+        signature_of = self.signature
         for key, item in raw.items():
+            kind = type(item)
+            if kind is TensorStorageMetadataStandIn and type(key) is str:
+                signature = signature_of(item)
+                if signature is not None:
+                    try:
+                        tensor = known(signature)
+                    except TypeError:  # unhashable values: not a real tensor record
+                        tensor = None
+                    if tensor is None:
+                        tensor = tensors[signature] = self.tensor_checked(key, item)
+                    out[key] = tensor
+                    continue
             if type(key) is not str:
                 raise self.fail("a state_dict_metadata key is not a string")
-            kind = type(item)
             if kind is BytesStorageMetadataStandIn:
                 out[key] = _BYTES_ITEM
                 continue
             if kind is not TensorStorageMetadataStandIn:
                 raise self.fail(f"{key!r} is neither a TensorStorageMetadata nor a BytesStorageMetadata")
-            tensor = None
-            signature = self.signature(item)
-            if signature is not None:
-                try:
-                    tensor = known(signature)
-                except TypeError:  # unhashable values: not a real tensor record
-                    tensor = None
-            if tensor is None:
-                tensor = self.tensor_checked(key, item)
-                if signature is not None:
-                    self.tensors[signature] = tensor
-            out[key] = tensor
+            out[key] = self.tensor_checked(key, item)
         return out
 
     def signature(self, item: TensorStorageMetadataStandIn) -> tuple[Any, ...] | None:
-        """The raw (dtype, size, chunk offsets and sizes) of a record shaped like torch writes it."""
-        state = getattr(item, "state", None)
-        if type(state) is not dict:
+        """The raw (dtype, layout, size, chunk offsets and sizes) of a record shaped like torch writes it."""
+        try:
+            state = item.state
+            pstate = state["properties"].state
+            raw_chunks = state["chunks"]
+            size = state["size"]
+        except (AttributeError, KeyError, TypeError):
             return None
-        props = state.get("properties")
-        pstate = getattr(props, "state", None) if type(props) is TensorPropertiesStandIn else None
-        raw_chunks = state.get("chunks")
         if (
-            type(pstate) is not tuple
+            type(state) is not dict
+            or type(pstate) is not tuple
             or len(pstate) != 5
             or type(pstate[0]) is not DType
             or type(raw_chunks) is not list
+            or type(state["properties"]) is not TensorPropertiesStandIn
         ):
             return None
         # A real chunk costs dozens of pickle bytes, but a hostile file can reference one chunk list from
         # many tensors through the memo; this budget keeps the work linear in the file size.
-        self.spend(len(raw_chunks))
-        parts = [pstate[0], pstate[1], state.get("size")]
+        self.chunk_budget -= len(raw_chunks)
+        if self.chunk_budget < 0:
+            raise self.fail("more chunks than the file can hold")
+        if len(raw_chunks) == 1:  # the common case, without the loop
+            chunk = raw_chunks[0]
+            chunk_state = getattr(chunk, "state", None) if type(chunk) is ChunkStorageMetadataStandIn else None
+            if type(chunk_state) is not dict:
+                return None
+            return pstate[0], pstate[1], size, chunk_state.get("offsets"), chunk_state.get("sizes")
+        parts = [pstate[0], pstate[1], size]
         for chunk in raw_chunks:
             chunk_state = getattr(chunk, "state", None) if type(chunk) is ChunkStorageMetadataStandIn else None
             if type(chunk_state) is not dict:
@@ -366,20 +386,23 @@ class _Parser:
         out: dict[StorageKey, StorageRecord] = {}
         paths: dict[Any, str] = {}
         dims = self.dims
+        new_record = _new_record
         for index, info in raw.items():
             # Fast path for what torch writes: known offsets, a file name seen before, plain ints.
-            istate = getattr(index, "state", None) if type(index) is MetadataIndexStandIn else None
-            rstate = getattr(info, "state", None) if type(info) is StorageInfoStandIn else None
-            if type(istate) is dict and type(rstate) is dict and rstate.get("transform_descriptors") is None:
-                fqn, offset = istate.get("fqn"), istate.get("offset")
-                start, length = rstate.get("offset"), rstate.get("length")
+            if type(index) is MetadataIndexStandIn and type(info) is StorageInfoStandIn:
                 try:
-                    path = paths.get(rstate.get("relative_path"))
+                    istate = index.state
+                    rstate = info.state
+                    fqn, offset = istate["fqn"], istate["offset"]
+                    start, length = rstate["offset"], rstate["length"]
+                    path = paths.get(rstate["relative_path"])
                     offsets = None if offset is None else dims.get(offset)
-                except TypeError:  # unhashable values: let the checked path say what is wrong
-                    path = None
+                    plain = type(istate) is dict and type(rstate) is dict and rstate.get("transform_descriptors") is None
+                except (AttributeError, KeyError, TypeError):  # let the checked path say what is wrong
+                    plain = False
                 if (
-                    type(fqn) is str
+                    plain
+                    and type(fqn) is str
                     and path is not None
                     and (offset is None or offsets is not None)
                     and type(start) is int
@@ -387,7 +410,7 @@ class _Parser:
                     and 0 <= start <= _MAX_INT
                     and 0 <= length <= _MAX_INT
                 ):
-                    out[(fqn, offsets)] = StorageRecord(path, start, length)
+                    out[(fqn, offsets)] = new_record((path, start, length, ()))
                     continue
             key, record = self.record_checked(index, info, paths)
             out[key] = record

@@ -2,27 +2,42 @@
 
 Paths are strings: a local path, `file://...`, or any fsspec URL (`s3://bucket/run`, `memory://x`).
 Every read is counted in `READ_STATS` so that commands can report how many bytes they touched.
+
+Object stores are reached the way their own tools reach them: `s3://` through s3fs and botocore, so the
+standard AWS settings apply (`AWS_PROFILE`, `AWS_ACCESS_KEY_ID`/`AWS_SECRET_ACCESS_KEY`, `AWS_REGION`,
+`AWS_ENDPOINT_URL` for S3-compatible stores such as MinIO), as does fsspec's own configuration
+(`FSSPEC_S3_*` variables, `~/.config/fsspec/`). Remote calls are retried with exponential backoff on
+transient failures (throttling, timeouts, dropped connections), and failures that retrying cannot fix
+(missing credentials, a missing bucket, access denied) become a `StorageError` or `CheckpointNotFound`
+with a hint. Transfers of many files or ranges run on a bounded pool of `workers()` threads.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import os
 import posixpath
+import random
 import shutil
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import IO, Any
+from typing import IO, Any, TypeVar
 
-from ckptctl.errors import CheckpointNotFound, StorageError
+from ckptctl.errors import CheckpointNotFound, CkptctlError, StorageError
 
 __all__ = [
     "READ_STATS",
+    "RETRY",
     "DirEntry",
+    "RetryPolicy",
     "delete_file",
     "delete_tree",
+    "download_file",
     "exists",
     "file_size",
     "fsync_dir",
@@ -30,15 +45,27 @@ __all__ = [
     "is_local",
     "join",
     "list_dir",
+    "list_tree",
     "local_path",
     "name_of",
     "open_read",
+    "parallel_map",
     "parent_of",
     "read_bytes",
+    "read_ranges",
     "read_text",
     "relative_to",
+    "upload_file",
+    "workers",
     "write_bytes_atomic",
 ]
+
+log = logging.getLogger("ckptctl.io")
+T = TypeVar("T")
+R = TypeVar("R")
+
+#: Block size of streamed remote reads (downloads, digests): large enough to amortise a request.
+REMOTE_BLOCK = 8 << 20
 
 
 class ReadStats:
@@ -62,6 +89,44 @@ class ReadStats:
 
 
 READ_STATS = ReadStats()
+
+
+@dataclass(frozen=True, slots=True)
+class RetryPolicy:
+    """How remote calls are retried on transient failures: `attempts` tries in all, sleeping a random
+    time of up to `base_delay * 2**n` seconds (capped at `max_delay`) before try n + 2.
+
+    Set from `CKPTCTL_IO_RETRIES` (attempts) when the module is imported.
+    """
+
+    attempts: int = 5
+    base_delay: float = 0.2
+    max_delay: float = 10.0
+
+    def delay(self, failures: int) -> float:
+        """Seconds to wait after `failures` failed tries ("full jitter" backoff)."""
+        return random.uniform(0, min(self.max_delay, self.base_delay * 2 ** (failures - 1)))
+
+
+def _retry_policy_from_env() -> RetryPolicy:
+    try:
+        attempts = int(os.environ.get("CKPTCTL_IO_RETRIES", "5"))
+    except ValueError:
+        attempts = 5
+    return RetryPolicy(attempts=max(1, attempts))
+
+
+#: The retry policy of every remote call (tests and embedding applications may replace it).
+RETRY = _retry_policy_from_env()
+
+
+def workers() -> int:
+    """Threads for parallel transfers (`CKPTCTL_IO_WORKERS`, default 8): enough to fill a fast link to an
+    object store without opening hundreds of connections."""
+    try:
+        return max(1, int(os.environ.get("CKPTCTL_IO_WORKERS", "8")))
+    except ValueError:
+        return 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,37 +176,245 @@ def relative_to(url: str, root: str) -> str:
     return posixpath.relpath(url.partition("://")[2], root.partition("://")[2])
 
 
+def _scheme(url: str) -> str:
+    return url.split("://", maxsplit=1)[0].lower()
+
+
 def _fs(url: str) -> tuple[Any, str]:
     try:
         import fsspec
     except ImportError as exc:  # pragma: no cover - fsspec is a dependency
         raise StorageError("fsspec is not installed", "pip install fsspec") from exc
     try:
-        fs, path = fsspec.core.url_to_fs(url)
+        # No listings cache: another process (a trainer, a prune) changes the store behind our back, and
+        # a stale listing would show a deleted checkpoint or miss a new one.
+        try:
+            fs, path = fsspec.core.url_to_fs(url, use_listings_cache=False)
+        except TypeError:  # a filesystem that takes no such option
+            fs, path = fsspec.core.url_to_fs(url)
     except ImportError as exc:
         raise StorageError(
-            f"no filesystem driver for {url.split('://', maxsplit=1)[0]}://",
+            f"no filesystem driver for {_scheme(url)}://",
             "install the extra, e.g. pip install 'ckptctl[s3]'",
         ) from exc
+    except ValueError as exc:
+        raise StorageError(f"cannot open {url}: {exc}") from exc
     return fs, path
+
+
+# ------------------------------------------------------------------------------------ error mapping
+
+#: Object store error codes that go away when the request is repeated a moment later.
+_TRANSIENT_CODES = frozenset(
+    {
+        "SlowDown",
+        "Throttling",
+        "ThrottlingException",
+        "TooManyRequestsException",
+        "RequestLimitExceeded",
+        "RequestTimeout",
+        "RequestTimeoutException",
+        "InternalError",
+        "ServiceUnavailable",
+        "OperationAborted",
+        "500",
+        "502",
+        "503",
+        "504",
+    }
+)
+#: Exception classes (botocore, aiohttp, urllib3) of a dropped or timed-out connection, matched by name so
+#: that this module imports none of those libraries.
+_TRANSIENT_CLASSES = frozenset(
+    {
+        "ConnectTimeoutError",
+        "ReadTimeoutError",
+        "ConnectionClosedError",
+        "ResponseStreamingError",
+        "IncompleteReadError",
+        "ClientPayloadError",
+        "ServerDisconnectedError",
+        "ServerTimeoutError",
+        "ClientOSError",
+        "ProtocolError",
+    }
+)
+_CREDENTIAL_CODES = frozenset(
+    {"InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken", "TokenRefreshRequired"}
+)
+#: errno values that s3fs gives throttling (EBUSY) and server errors (EREMOTEIO).
+_TRANSIENT_ERRNOS = frozenset({errno.EBUSY, getattr(errno, "EREMOTEIO", errno.EIO), errno.ETIMEDOUT, errno.EAGAIN})
+
+
+def _chain(exc: BaseException) -> Iterator[BaseException]:
+    """The exception and its causes (s3fs raises Python errors `from` botocore's ClientError)."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        yield current
+        current = current.__cause__ or current.__context__
+
+
+def _error_code(exc: BaseException) -> str | None:
+    """The object store's error code (`NoSuchBucket`, `AccessDenied`, ...) behind an exception, if any."""
+    for e in _chain(exc):
+        response = getattr(e, "response", None)
+        if isinstance(response, dict):
+            code = response.get("Error", {}).get("Code")
+            if code:
+                return str(code)
+    return None
+
+
+def _class_names(exc: BaseException) -> set[str]:
+    return {cls.__name__ for e in _chain(exc) for cls in type(e).__mro__}
+
+
+def _is_transient(exc: BaseException) -> bool:
+    """Whether repeating the call may succeed: throttling, server errors, timeouts, dropped connections."""
+    if isinstance(exc, CkptctlError | FileNotFoundError | PermissionError | IsADirectoryError | NotADirectoryError):
+        return False
+    code = _error_code(exc)
+    if code is not None:
+        return code in _TRANSIENT_CODES
+    if _class_names(exc) & (_TRANSIENT_CLASSES | {"EndpointConnectionError"}):
+        return True
+    if isinstance(exc, TimeoutError | ConnectionError):
+        return True
+    return isinstance(exc, OSError) and exc.errno in _TRANSIENT_ERRNOS
+
+
+def _call(fn: Callable[[], T], what: str) -> T:
+    """Run one remote call, retrying transient failures with exponential backoff and jitter."""
+    failures = 0
+    while True:
+        try:
+            return fn()
+        except Exception as exc:
+            failures += 1
+            if failures >= RETRY.attempts or not _is_transient(exc):
+                raise
+            delay = RETRY.delay(failures)
+            log.debug("%s failed (%s: %s); retry %d in %.2fs", what, type(exc).__name__, exc, failures, delay)
+            time.sleep(delay)
+
+
+def _bucket(url: str) -> str:
+    return url.partition("://")[2].split("/", 1)[0]
+
+
+def _credentials_hint(url: str) -> str:
+    scheme = _scheme(url)
+    if scheme in ("s3", "s3a"):
+        return (
+            "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE (see `aws configure`); "
+            "for an S3-compatible store also AWS_ENDPOINT_URL"
+        )
+    if scheme in ("gs", "gcs"):
+        return "run `gcloud auth application-default login` or set GOOGLE_APPLICATION_CREDENTIALS"
+    return f"configure credentials for {scheme}:// as its fsspec driver documents"
+
+
+def _remote_error(url: str, exc: BaseException) -> CkptctlError | None:
+    """A clear error for a failure of a remote call, or None to let it propagate unchanged."""
+    code = _error_code(exc)
+    names = _class_names(exc)
+    if code in ("NoSuchBucket", "NoSuchBucketPolicy") or (
+        isinstance(exc, FileNotFoundError) and "bucket does not exist" in str(exc).lower()
+    ):
+        return CheckpointNotFound(
+            f"bucket {_bucket(url)!r} does not exist ({url})",
+            "check the bucket name, and the endpoint and region it lives in (AWS_ENDPOINT_URL, AWS_REGION)",
+        )
+    if code in _CREDENTIAL_CODES:
+        return StorageError(
+            f"the object store rejected the credentials for {url} ({code})",
+            _credentials_hint(url),
+        )
+    if "NoCredentialsError" in names or "PartialCredentialsError" in names:
+        return StorageError(f"no credentials found for {url}", _credentials_hint(url))
+    if "NoRegionError" in names:
+        return StorageError(f"no region configured for {url}", "set AWS_REGION (or AWS_DEFAULT_REGION)")
+    if isinstance(exc, PermissionError) or code in ("AccessDenied", "AllAccessDisabled", "403"):
+        return StorageError(
+            f"access denied: {url}",
+            "the credentials in use lack a permission this needs (reading: s3:ListBucket and s3:GetObject; "
+            "saving: also s3:PutObject and s3:DeleteObject); check AWS_PROFILE and the bucket policy",
+        )
+    if "EndpointConnectionError" in names or "ClientConnectorError" in names:
+        return StorageError(
+            f"cannot reach the object store for {url}: {exc}",
+            "check the network and the endpoint (AWS_ENDPOINT_URL, or the fsspec endpoint_url option)",
+        )
+    if _is_transient(exc):
+        return StorageError(
+            f"the object store kept failing for {url} after {RETRY.attempts} tries: {exc}",
+            "try again later, or raise CKPTCTL_IO_RETRIES",
+        )
+    return None
 
 
 @contextlib.contextmanager
 def _translate_errors(url: str) -> Iterator[None]:
     try:
         yield
-    except FileNotFoundError as exc:
-        raise CheckpointNotFound(f"no such file or folder: {url}") from exc
-    except PermissionError as exc:
-        raise StorageError(f"permission denied: {url}", "check the file permissions or credentials") from exc
-    except IsADirectoryError as exc:
-        raise StorageError(f"expected a file but found a folder: {url}") from exc
-    except NotADirectoryError as exc:
-        raise CheckpointNotFound(f"not a folder: {url}") from exc
-    except OSError as exc:
-        if exc.errno == errno.ENOSPC:
-            raise StorageError(f"no space left on device while writing {url}", "free some space") from exc
-        raise StorageError(f"cannot access {url}: {exc.strerror or exc}") from exc
+    except CkptctlError:
+        raise
+    except Exception as exc:
+        if not is_local(url):
+            mapped = _remote_error(url, exc)
+            if mapped is not None:
+                raise mapped from exc
+        if isinstance(exc, FileNotFoundError):
+            raise CheckpointNotFound(f"no such file or folder: {url}") from exc
+        if isinstance(exc, PermissionError):
+            raise StorageError(f"permission denied: {url}", "check the file permissions or credentials") from exc
+        if isinstance(exc, IsADirectoryError):
+            raise StorageError(f"expected a file but found a folder: {url}") from exc
+        if isinstance(exc, NotADirectoryError):
+            raise CheckpointNotFound(f"not a folder: {url}") from exc
+        if isinstance(exc, OSError):
+            if exc.errno == errno.ENOSPC:
+                raise StorageError(f"no space left on device while writing {url}", "free some space") from exc
+            raise StorageError(f"cannot access {url}: {exc.strerror or exc}") from exc
+        raise
+
+
+_BUCKETS_SEEN: set[tuple[str, str]] = set()
+_BUCKETS_LOCK = threading.Lock()
+
+
+def _check_bucket(url: str, fs: Any) -> None:
+    """Raise `CheckpointNotFound` naming the bucket when a path is absent because its bucket is.
+
+    Called only when a path was not found, so that "no such folder" says when the bucket is what is
+    missing; a bucket seen once is not asked about again.
+    """
+    scheme = _scheme(url)
+    if scheme not in ("s3", "s3a", "gs", "gcs"):
+        return
+    key = (scheme, _bucket(url))
+    with _BUCKETS_LOCK:
+        if key in _BUCKETS_SEEN:
+            return
+    try:
+        found = _call(lambda: fs.exists(key[1]), f"looking up bucket {key[1]}")
+    except Exception as exc:
+        mapped = _remote_error(url, exc)
+        if mapped is not None and not _is_transient(exc):
+            raise mapped from exc
+        return  # the store is struggling: let the caller report the path as not found
+    if not found:
+        raise CheckpointNotFound(
+            f"bucket {key[1]!r} does not exist ({url})",
+            "check the bucket name, and the endpoint and region it lives in (AWS_ENDPOINT_URL, AWS_REGION)",
+        )
+    with _BUCKETS_LOCK:
+        _BUCKETS_SEEN.add(key)
+
+
+# ------------------------------------------------------------------------------------ queries
 
 
 def list_dir(url: str) -> list[DirEntry]:
@@ -158,28 +431,71 @@ def list_dir(url: str) -> list[DirEntry]:
                     entries.append(DirEntry(e.name, e.is_dir(), 0 if e.is_dir() else st.st_size, st.st_mtime))
             return sorted(entries, key=lambda d: d.name)
         fs, path = _fs(url)
-        out = []
-        for info in fs.ls(path, detail=True):
-            name = posixpath.basename(info["name"].rstrip("/"))
-            mtime = info.get("mtime") or info.get("LastModified") or info.get("created") or 0.0
-            if hasattr(mtime, "timestamp"):
-                mtime = mtime.timestamp()
-            out.append(DirEntry(name, info["type"] == "directory", int(info.get("size") or 0), float(mtime)))
+        out = [_entry(info) for info in _call(lambda: fs.ls(path, detail=True), f"listing {url}")]
         return sorted(out, key=lambda d: d.name)
+
+
+def _entry(info: dict[str, Any]) -> DirEntry:
+    mtime = info.get("mtime") or info.get("LastModified") or info.get("created") or 0.0
+    if hasattr(mtime, "timestamp"):
+        mtime = mtime.timestamp()
+    return DirEntry(
+        posixpath.basename(info["name"].rstrip("/")),
+        info["type"] == "directory",
+        int(info.get("size") or 0),
+        float(mtime),
+    )
+
+
+def list_tree(url: str) -> dict[str, DirEntry]:
+    """Every file below a folder, keyed by its path relative to it (with `/`); empty when there is none.
+
+    On object stores this is one paginated listing of the whole prefix rather than one per folder.
+    """
+    with _translate_errors(url):
+        if is_local(url):
+            base = local_path(url)
+            files: dict[str, DirEntry] = {}
+            for root, _dirs, names in os.walk(base):
+                for n in names:
+                    full = os.path.join(root, n)
+                    try:
+                        st = os.stat(full)
+                    except FileNotFoundError:
+                        continue
+                    rel = os.path.relpath(full, base).replace(os.sep, "/")
+                    files[rel] = DirEntry(n, False, st.st_size, st.st_mtime)
+            return files
+        fs, path = _fs(url)
+        found = _call(lambda: fs.find(path, detail=True), f"listing {url}")
+        prefix = path.rstrip("/") + "/"
+        return {
+            name[len(prefix) :]: _entry(info)
+            for name, info in found.items()
+            if name.startswith(prefix) and info.get("type") != "directory"
+        }
 
 
 def exists(url: str) -> bool:
     if is_local(url):
         return os.path.exists(local_path(url))
-    fs, path = _fs(url)
-    return bool(fs.exists(path))
+    with _translate_errors(url):
+        fs, path = _fs(url)
+        found = bool(_call(lambda: fs.exists(path), f"looking up {url}"))
+        if not found:
+            _check_bucket(url, fs)
+        return found
 
 
 def is_dir(url: str) -> bool:
     if is_local(url):
         return os.path.isdir(local_path(url))
-    fs, path = _fs(url)
-    return bool(fs.isdir(path))
+    with _translate_errors(url):
+        fs, path = _fs(url)
+        found = bool(_call(lambda: fs.isdir(path), f"looking up {url}"))
+        if not found:
+            _check_bucket(url, fs)
+        return found
 
 
 def file_size(url: str) -> int:
@@ -187,7 +503,10 @@ def file_size(url: str) -> int:
         if is_local(url):
             return os.stat(local_path(url)).st_size
         fs, path = _fs(url)
-        return int(fs.size(path))
+        return int(_call(lambda: fs.size(path), f"sizing {url}"))
+
+
+# ------------------------------------------------------------------------------------ reads
 
 
 def read_bytes(url: str, start: int = 0, length: int | None = None) -> bytes:
@@ -201,9 +520,14 @@ def read_bytes(url: str, start: int = 0, length: int | None = None) -> bytes:
         else:
             fs, path = _fs(url)
             end = None if length is None else start + length
-            data = fs.cat_file(path, start=start, end=end)
+            data = _call(lambda: fs.cat_file(path, start=start, end=end), f"reading {url}")
     READ_STATS.add(len(data))
     return data
+
+
+def read_ranges(requests: Sequence[tuple[str, int, int]], max_workers: int | None = None) -> list[bytes]:
+    """Read many `(url, start, length)` ranges, in parallel on object stores; results in request order."""
+    return parallel_map(lambda r: read_bytes(r[0], r[1], r[2]), requests, max_workers)
 
 
 def read_text(url: str) -> str:
@@ -218,15 +542,65 @@ def read_text(url: str) -> str:
 
 @contextlib.contextmanager
 def open_read(url: str) -> Iterator[IO[bytes]]:
-    """A binary file object for sequential reads (bytes are counted by the caller via `READ_STATS`)."""
+    """A binary file object for sequential reads (bytes are counted by the caller via `READ_STATS`).
+
+    Remote files are opened without a read-ahead cache: every `read(n)` is one range request of `n`
+    bytes, so that what the caller counts is what crossed the network.
+    """
     with _translate_errors(url):
         if is_local(url):
             with open(local_path(url), "rb") as f:
                 yield f
         else:
             fs, path = _fs(url)
-            with fs.open(path, "rb") as f:
+            f = _call(lambda: fs.open(path, "rb", cache_type="none"), f"opening {url}")
+            with f:
                 yield f
+
+
+def download_file(url: str, path: str, on_block: Callable[[bytes], object] | None = None, max_workers: int = 1) -> int:
+    """Copy a file (remote or local) to the local `path` in blocks of `REMOTE_BLOCK`, with up to
+    `max_workers` range reads in flight; blocks are written, and passed to `on_block` (a hasher's
+    `update`), in order. Returns the size; bytes are counted in `READ_STATS`."""
+    total = file_size(url)
+    window = max(1, max_workers)
+    offset = 0
+    with _translate_errors(path), open(path, "wb") as out:
+        while offset < total:
+            ranges = [
+                (url, start, min(REMOTE_BLOCK, total - start))
+                for start in range(offset, min(total, offset + window * REMOTE_BLOCK), REMOTE_BLOCK)
+            ]
+            for (_, start, length), block in zip(ranges, read_ranges(ranges, window), strict=True):
+                if len(block) != length:
+                    raise StorageError(f"{url} changed while it was downloaded (byte {start} of {total})", "try again")
+                out.write(block)
+                if on_block is not None:
+                    on_block(block)
+            offset = ranges[-1][1] + ranges[-1][2]
+    return total
+
+
+def parallel_map(fn: Callable[[T], R], items: Sequence[T], max_workers: int | None = None) -> list[R]:
+    """`[fn(item) for item in items]` on a bounded thread pool, results in order.
+
+    On the first error the calls not yet started are cancelled, and the error is raised once the running
+    ones have ended, so that no transfer is left running in the background.
+    """
+    if len(items) <= 1:
+        return [fn(item) for item in items]
+    with ThreadPoolExecutor(max_workers=min(max_workers or workers(), len(items))) as pool:
+        futures = [pool.submit(fn, item) for item in items]
+        _done, pending = wait(futures, return_when=FIRST_EXCEPTION)
+        for future in pending:
+            future.cancel()
+    for future in futures:
+        if not future.cancelled() and future.exception() is not None:
+            raise future.exception()  # type: ignore[misc]
+    return [f.result() for f in futures]
+
+
+# ------------------------------------------------------------------------------------ writes
 
 
 def fsync_dir(path: str) -> None:
@@ -262,7 +636,20 @@ def write_bytes_atomic(url: str, data: bytes) -> None:
             fsync_dir(folder)
             return
         fs, path = _fs(url)
-        fs.pipe_file(path, data)
+        _call(lambda: fs.pipe_file(path, data), f"writing {url}")
+
+
+def upload_file(path: str, url: str) -> None:
+    """Copy the local file `path` to `url` (an object store PUT, multipart for large files; a plain copy
+    for a local destination). An object appears only once its upload has completed."""
+    with _translate_errors(url):
+        if is_local(url):
+            dest = local_path(url)
+            os.makedirs(os.path.dirname(os.path.abspath(dest)), exist_ok=True)
+            shutil.copyfile(path, dest)
+            return
+        fs, remote = _fs(url)
+        _call(lambda: fs.put_file(path, remote), f"uploading {url}")
 
 
 def delete_file(url: str) -> None:
@@ -274,7 +661,7 @@ def delete_file(url: str) -> None:
             return
         fs, path = _fs(url)
         with contextlib.suppress(FileNotFoundError):
-            fs.rm_file(path)
+            _call(lambda: fs.rm_file(path), f"deleting {url}")
 
 
 def delete_tree(url: str) -> None:
@@ -297,4 +684,4 @@ def delete_tree(url: str) -> None:
             return
         fs, path = _fs(url)
         with contextlib.suppress(FileNotFoundError):
-            fs.rm(path, recursive=True)
+            _call(lambda: fs.rm(path, recursive=True), f"deleting {url}")

@@ -7,30 +7,109 @@ needs one layout does not pay for all of them.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Sequence
+import os
+import threading
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from functools import cache
+from typing import Any, TypeVar, cast
 
 from ckptctl import io
 from ckptctl.checkpoint import Checkpoint, CheckpointRef
-from ckptctl.errors import CheckpointNotFound, UnknownLayout
+from ckptctl.errors import CheckpointNotFound, CkptctlError, UnknownLayout
 from ckptctl.layouts.base import Layout
 
-__all__ = ["Layout", "detect", "get_layout", "layout_names", "open_checkpoint", "scan_run"]
+__all__ = ["Layout", "detect", "get_layout", "layout_names", "open_checkpoint", "peek", "peek_dir", "scan_run"]
 
-#: Tried in this order: the more specific layouts first (a native checkpoint also holds safetensors files
-#: an HF reader would accept, a native multi-rank one holds a DCP folder; a Trainer `checkpoint-N` holds an
-#: HF model folder and possibly a DeepSpeed tag folder, and is one checkpoint with all of them).
+#: Tried in this order: the more specific layouts first. A native checkpoint also holds safetensors files an
+#: HF reader would accept, and a native multi-rank one holds a DCP folder. AReaL's recover slot is a DCP
+#: folder with a name of its own, and a ROLL `checkpoint-N` holds `scheduler.pt` like a Trainer checkpoint:
+#: both come before the layouts they would otherwise pass for. A Trainer `checkpoint-N` holds an HF model
+#: folder and possibly a DeepSpeed tag folder, and is one checkpoint with all of them. OpenRLHF and
+#: open-instruct tags ARE DeepSpeed tag folders, told apart by the files around them, so they come before
+#: `deepspeed`, which takes the tags nothing else claims.
 _REGISTRY: tuple[tuple[str, str], ...] = (
     ("native", "ckptctl.layouts.native:NativeLayout"),
+    ("areal", "ckptctl.layouts.areal:ArealLayout"),
+    ("roll", "ckptctl.layouts.roll:RollLayout"),
     ("dcp", "ckptctl.layouts.dcp:DcpLayout"),
     ("hf_trainer", "ckptctl.layouts.hf_trainer:HfTrainerLayout"),
+    ("openrlhf", "ckptctl.layouts.openrlhf:OpenRlhfLayout"),
+    ("open_instruct", "ckptctl.layouts.open_instruct:OpenInstructLayout"),
     ("deepspeed", "ckptctl.layouts.deepspeed:DeepSpeedLayout"),
     ("hf", "ckptctl.layouts.hf:HfModelLayout"),
 )
 
 #: Folders never worth descending into when looking for checkpoints.
 _SKIP_DIRS = frozenset({"__pycache__", ".git", ".hg", ".svn", "node_modules", ".ckptctl-trash", "wandb"})
+
+
+# --------------------------------------------------------------------------------------------------
+# Peeks: listings of the folders around a candidate (its parent, its siblings), which some layouts need to
+# tell apart frameworks that write the same files (an OpenRLHF tag from a plain DeepSpeed one).
+# --------------------------------------------------------------------------------------------------
+
+_PEEK_LIMIT = 4096
+_LISTING = "listing"
+_peeks: dict[tuple[str, int], dict[Any, Any]] = {}
+_peeks_lock = threading.Lock()
+T = TypeVar("T")
+
+
+def peek_dir(url: str) -> list[io.DirEntry] | None:
+    """The listing of the folder at `url` (None when it is not a folder), listed once per scan.
+
+    Layouts call it for the parent or the siblings of a folder they are identifying, so a save folder of
+    1,000 tags is listed once, not once per tag. A local folder's entry is keyed by its mtime as well, so
+    that a folder that gained or lost entries is listed again; remote ones are kept until the next scan.
+    """
+    slot = _peek_slot(url)
+    return None if slot is None else slot[_LISTING]
+
+
+def peek(url: str, derive: Callable[[str, list[io.DirEntry]], T]) -> T | None:
+    """`derive(url, listing)` for the folder at `url`, computed once per scan like `peek_dir` (None when it
+    is not a folder). For facts about a folder that every one of its children asks for (whether a save
+    folder holds `best_*` tags), which would cost N x N on a folder of N checkpoints otherwise."""
+    slot = _peek_slot(url)
+    if slot is None or slot[_LISTING] is None:
+        return None
+    with _peeks_lock:
+        if derive in slot:
+            return cast(T, slot[derive])
+    value = derive(url, slot[_LISTING])
+    with _peeks_lock:
+        slot[derive] = value
+    return value
+
+
+def _peek_slot(url: str) -> dict[Any, Any] | None:
+    version = 0
+    if io.is_local(url):
+        try:
+            version = os.stat(io.local_path(url)).st_mtime_ns
+        except OSError:
+            return None
+    key = (url, version)
+    with _peeks_lock:
+        slot = _peeks.get(key)
+    if slot is not None:
+        return slot
+    try:
+        listing: list[io.DirEntry] | None = io.list_dir(url)
+    except CkptctlError:
+        listing = None
+    slot = {_LISTING: listing}
+    with _peeks_lock:
+        if len(_peeks) >= _PEEK_LIMIT:
+            _peeks.clear()
+        _peeks[key] = slot
+    return slot
+
+
+def _forget_peeks() -> None:
+    with _peeks_lock:
+        _peeks.clear()
 
 
 def layout_names() -> list[str]:
@@ -72,6 +151,7 @@ def detect(url: str, layout: str | None = None) -> tuple[Layout, CheckpointRef]:
         if io.exists(url):
             raise UnknownLayout(f"{url} is a file, not a checkpoint folder", "pass the folder that contains it")
         raise CheckpointNotFound(f"no such checkpoint folder: {url}")
+    _forget_peeks()
     entries = io.list_dir(url)
     candidates = [get_layout(layout)] if layout else all_layouts()
     for candidate in candidates:
@@ -97,13 +177,26 @@ def scan_run(url: str, max_depth: int = 4) -> list[CheckpointRef]:
     """Every checkpoint below `url` (the folder itself included), in whatever nesting the run uses.
 
     A folder recognised as a checkpoint is not descended into. Hidden folders are only checked
-    themselves (a layout may recognise its own staging folders) and never descended into.
+    themselves (a layout may recognise its own staging folders) and never descended into. Folders that a
+    layout names as parts of its checkpoints kept beside them (its optional `companions(url, entries)`:
+    open-instruct's shared `ref_policy/`, AReaL's `recover_info/`) are neither listed nor descended into.
     """
     if not io.is_dir(url):
         raise CheckpointNotFound(f"no such run folder: {url}")
+    _forget_peeks()
     found: list[CheckpointRef] = []
     _walk(url, io.list_dir(url), 0, max_depth, found)
     return found
+
+
+def _companions(url: str, entries: Sequence[io.DirEntry]) -> frozenset[str]:
+    """Child folders of `url` that belong to checkpoints beside them rather than being checkpoints."""
+    found: set[str] = set()
+    for layout in all_layouts():
+        companions = getattr(layout, "companions", None)
+        if companions is not None:
+            found |= companions(url, entries)
+    return frozenset(found)
 
 
 def _walk(url: str, entries: Sequence[io.DirEntry], depth: int, max_depth: int, found: list[CheckpointRef]) -> None:
@@ -114,8 +207,9 @@ def _walk(url: str, entries: Sequence[io.DirEntry], depth: int, max_depth: int, 
     if depth >= max_depth:
         return
     children: list[CheckpointRef] = []
+    parts = _companions(url, entries)
     for entry in entries:
-        if not entry.is_dir or entry.name in _SKIP_DIRS:
+        if not entry.is_dir or entry.name in _SKIP_DIRS or entry.name in parts:
             continue
         child_url = io.join(url, entry.name)
         try:

@@ -204,8 +204,11 @@ def index_from_metadata(
     files: dict[str, str] = {}
     entries: list[TensorEntry] = []
     append = entries.append
+    chunk_of, entry_of = TensorChunk, TensorEntry
     with gc_paused():  # 100k entries: see gc_paused
-        for key, tensor in metadata.tensors():
+        for key, tensor in metadata.entries.items():
+            if type(tensor) is not DcpTensor:
+                continue
             chunks = []
             for chunk in tensor.chunks:
                 record = storage((key, chunk.offsets))
@@ -214,8 +217,8 @@ def index_from_metadata(
                 file = record.relative_path
                 if path_prefix:
                     file = files.get(file) or files.setdefault(file, path_prefix + file)
-                chunks.append(TensorChunk(file, record.offset, record.length, chunk.offsets, chunk.sizes, encoding))
-            append(TensorEntry(key, component_of(key), tensor.dtype, tensor.size, tuple(chunks)))
+                chunks.append(chunk_of(file, record.offset, record.length, chunk.offsets, chunk.sizes, encoding))
+            append(entry_of(key, component_of(key), tensor.dtype, tensor.size, tuple(chunks)))
     return tuple(entries)
 
 

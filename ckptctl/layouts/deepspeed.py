@@ -53,11 +53,14 @@ from ckptctl.io import DirEntry
 from ckptctl.layouts.base import folder_size, newest_mtime, step_from_name, timestamp
 
 __all__ = [
+    "ENGINE_KEYS",
     "LATEST_NAME",
     "DeepSpeedLayout",
     "DeepSpeedTag",
+    "MasterWeights",
     "TagFiles",
     "latest_problem",
+    "master_weights",
     "read_latest",
     "read_tag",
     "tag_files",
@@ -94,6 +97,8 @@ _ENGINE_KEYS = frozenset(
         "compiled_autograd",
     }
 )
+#: The same, for the layouts built on DeepSpeed that read client state themselves (OpenRLHF, open-instruct).
+ENGINE_KEYS = _ENGINE_KEYS
 _COUNTERS = ("global_steps", "global_samples", "skipped_steps")
 _MAX_LATEST_BYTES = 4096
 
@@ -737,6 +742,117 @@ def _group_of(starts: list[int], position: int, url: str) -> int:
         if starts[g] <= position < starts[g + 1]:
             return g
     raise CorruptCheckpoint(f"{url}: param_shapes need more elements than the fp32 partitions hold")
+
+
+# --------------------------------------------------------------------------------------------------
+# The full-precision weights, as zero_to_fp32 reconstructs them.
+# --------------------------------------------------------------------------------------------------
+
+#: Dtypes whose buffers zero_to_fp32 returns as float32 (`v.float() if v.is_floating_point()`).
+_FLOATING = frozenset({"float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"})
+_FP32_PREFIX = "optimizer.fp32."
+
+
+@dataclass(frozen=True, slots=True)
+class MasterWeights:
+    """The state dict DeepSpeed's `zero_to_fp32` (`get_fp32_state_dict_from_zero_checkpoint`) returns for
+    a tag, as index entries named as the module's state dict names them; no tensor data is read.
+
+    Attributes:
+        entries: in the module's state-dict order: trainable parameters from the fp32 partitions, frozen
+            parameters and buffers from the model states, tied parameters (`shared_params`) as copies of
+            the entry they share.
+        upcast: floating-point buffers, which zero_to_fp32 returns as float32 whatever their stored dtype.
+        notes: where the entries depart from zero_to_fp32's output, for the user.
+    """
+
+    entries: tuple[TensorEntry, ...]
+    upcast: frozenset[str]
+    notes: tuple[str, ...] = ()
+
+
+def master_weights(tag: DeepSpeedTag, path_prefix: str = "") -> MasterWeights:
+    """The full fp32 weights of a ZeRO 1-3 tag, exactly as `zero_to_fp32` reconstructs them.
+
+    zero_to_fp32 (DeepSpeed 0.19) returns the buffers of `buffer_names` from the rank-0 module (floating
+    ones cast to float32), the frozen parameters from `frozen_param_fragments` (as stored: the 16-bit
+    weights; concatenated over DP ranks under ZeRO-3), every parameter of `param_shapes` from the fp32
+    partitions, and each `shared_params` alias as the parameter it shares. One departure: ZeRO-1 records
+    no frozen parameters (`frozen_param_shapes` is saved only when gradients are partitioned), so
+    zero_to_fp32 drops them; here they come from the module's weights, and `notes` says so.
+
+    Args:
+        tag: from `read_tag`.
+        path_prefix: prepended to chunk file names (as for `tag_index`).
+
+    Raises:
+        CkptctlError: the tag holds no fp32 partitions (no ZeRO, or no optim files) or several
+            model-parallel ranks (zero_to_fp32 merges data-parallel partitions only).
+        CorruptCheckpoint: the model states or partitions do not hold what they promise.
+    """
+    if not tag.files.optim or tag.optim_kind is None:
+        raise CkptctlError(
+            f"{tag.url} holds no fp32 master weights (ZeRO stage {tag.zero_stage} saves no optimizer partitions)",
+            "convert the module's own weights instead",
+        )
+    if tag.mp_world_size > 1:
+        raise CkptctlError(
+            f"{tag.url} holds {tag.mp_world_size} model-parallel ranks; zero_to_fp32 merges data-parallel "
+            "partitions only",
+            "merge the tensor-parallel ranks with the training framework's own tool first",
+        )
+    index = tag_index(tag, path_prefix)
+    model = {e.name: e for e in index if e.component is Component.MODEL}
+    fp32 = {e.name[len(_FP32_PREFIX) :]: e for e in index if e.name.startswith(_FP32_PREFIX)}
+    states = tag.states
+    module = states.get("module")
+    module = module if isinstance(module, dict) else {}
+    buffer_names = states.get("buffer_names")
+    buffers = [n for n in buffer_names if isinstance(n, str)] if isinstance(buffer_names, list) else []
+    frozen = states.get("frozen_param_shapes")
+    frozen_names = [n for n in frozen if isinstance(n, str)] if isinstance(frozen, dict) else []
+    trainable = [name for group in _param_groups(states.get("param_shapes")) for name in group]
+
+    found: dict[str, TensorEntry] = {}
+    upcast: set[str] = set()
+    for name in buffers:
+        entry = model.get(name)
+        if entry is not None and name not in trainable:
+            found[name] = entry
+            if entry.dtype in _FLOATING:
+                upcast.add(name)
+    for name in frozen_names:
+        entry = model.get(name)
+        if entry is None or not entry.chunks:
+            raise CorruptCheckpoint(f"{tag.url}: the weights of frozen parameter {name} are missing")
+        found[name] = entry
+    for name in trainable:
+        entry = model.get(name) if tag.optim_kind == "zero3" else fp32.get(name)
+        if entry is None or not entry.chunks:
+            raise CorruptCheckpoint(f"{tag.url}: the fp32 partitions hold no {name}")
+        found[name] = replace(entry, name=name, component=Component.MODEL)
+    shared = states.get("shared_params")
+    for alias, target in shared.items() if isinstance(shared, dict) else ():
+        if isinstance(alias, str) and target in found:
+            found[alias] = replace(found[target], name=alias)
+            if target in upcast:
+                upcast.add(alias)
+    notes = []
+    if tag.optim_kind != "zero3":
+        builder = _IndexBuilder(tag, 0, path_prefix, "")
+        outside = [n for n, ref in module.items() if isinstance(n, str) and n not in found and type(ref) is TensorRef]
+        for name in outside:
+            found[name] = builder._from_file(name, Component.MODEL, builder.model_file, module[name])
+        if outside:
+            shown = ", ".join(outside[:3]) + (", ..." if len(outside) > 3 else "")
+            notes.append(
+                f"{len(outside)} parameter(s) outside the optimizer's partitions ({shown}) come from the module's "
+                f"{found[outside[0]].dtype} weights; zero_to_fp32 leaves them out (ZeRO-{tag.zero_stage} "
+                "records no frozen parameters)"
+            )
+    order = {name: i for i, name in enumerate(module)}
+    entries = sorted(found.values(), key=lambda e: order.get(e.name, len(order)))
+    return MasterWeights(tuple(entries), frozenset(upcast), tuple(notes))
 
 
 # --------------------------------------------------------------------------------------------------

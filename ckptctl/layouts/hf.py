@@ -143,6 +143,11 @@ class HfModelLayout:
 # --------------------------------------------------------------------------------------------------
 
 
+def missing_shards(names: Iterable[str]) -> list[str]:
+    """Shard files a `-0000i-of-0000N` naming promises but `names` lacks (judged from the names only)."""
+    return _shards_missing(set(names))
+
+
 def has_weights(names: Iterable[str]) -> bool:
     """Whether a folder's top-level file names include model weights (safetensors, index or legacy bin)."""
     return any(n.endswith(".safetensors") or n in INDEX_NAMES or n in _LEGACY_WEIGHTS for n in names)

@@ -2,14 +2,19 @@
 
 A committed checkpoint is a `step-N` folder holding `ckptctl-manifest.json`; a `.step-N.staging-*`
 folder is one being written. The run folder's `latest` file names the newest committed one.
+
+Object stores have no atomic folder rename, so there the core uploads straight into `step-N/`: the RNG
+files first, the manifest last. A remote `step-N/` holding RNG files but no manifest is therefore an upload
+in progress while its newest object is recent (`REMOTE_UPLOAD_WINDOW`), and an interrupted one after.
 """
 
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from functools import cache
 
 from ckptctl import io
@@ -34,6 +39,16 @@ POINTER_NAME = "latest"
 TRASH_NAME = ".ckptctl-trash"
 DCP_FOLDER = "dcp"
 _RNG_FILE = re.compile(r"^rng(\.rank-\d+)?\.json$")
+#: How long after its newest object a remote `step-N/` without a manifest still reads as being uploaded
+#: (uploads of single objects take minutes at most); older, it reads as an interrupted upload.
+REMOTE_UPLOAD_WINDOW = timedelta(hours=1)
+
+
+def is_rng_file(name: str) -> bool:
+    """Whether `name` is one of the RNG state files the core writes into every checkpoint (`rng.json`,
+    `rng.rank-3.json`): with no manifest beside them they mark a checkpoint the core did not finish."""
+    return _RNG_FILE.match(name) is not None
+
 
 #: Manifest component kinds -> the shared component names.
 COMPONENT_OF_KIND = {
@@ -129,6 +144,8 @@ class NativeLayout:
             return None
         if not any(_RNG_FILE.match(e.name) for e in entries):
             return None
+        if not io.is_local(url):
+            return self._unfinished_upload(url, step)
         return CheckpointRef(
             url=url,
             layout=self.name,
@@ -138,6 +155,25 @@ class NativeLayout:
             state=CheckpointState.BROKEN,
             size_bytes=folder_size(url),
             note=f"{MANIFEST_NAME} is missing: the checkpoint is damaged",
+        )
+
+    def _unfinished_upload(self, url: str, step: int) -> CheckpointRef:
+        """A remote `step-N/` with RNG files and no manifest: the manifest is uploaded last, so this is an
+        upload in progress, or one that stopped (or a deletion, which removes the manifest first)."""
+        files = io.list_tree(url)
+        newest = max((e.mtime for e in files.values() if e.mtime), default=None)
+        recent = newest is None or time.time() - newest < REMOTE_UPLOAD_WINDOW.total_seconds()
+        return CheckpointRef(
+            url=url,
+            layout=self.name,
+            step=step,
+            epoch=None,
+            created=timestamp(newest),
+            state=CheckpointState.IN_PROGRESS if recent else CheckpointState.BROKEN,
+            size_bytes=sum(e.size for e in files.values()),
+            note=f"no {MANIFEST_NAME} yet: being uploaded"
+            if recent
+            else f"no {MANIFEST_NAME}: an upload or a deletion that stopped midway",
         )
 
     def latest_pointer(self, url: str, entries: Sequence[DirEntry]) -> str | None:

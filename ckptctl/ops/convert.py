@@ -1,14 +1,23 @@
 """`convert`: a checkpoint's model (or another component) to a Hugging Face folder or to a torch DCP folder.
 
-To HF (from torch DCP of any world size, native checkpoints, or HF itself for resharding/casting): the
-output is laid out from the tensor index alone (names, dtypes, shapes → shard files and their headers),
-then filled as one sequential stream per file (`formats.safetensors_stream`, O_DIRECT where possible).
-Chunks that are full in their trailing dimensions (FSDP dim-0 shards, tensor-parallel column shards,
-whole tensors) are byte-copied, run of rows by run of rows, from the raw records inside the source files
-into their precomputed output offsets, converted block by block when `dtype` asks. Other chunks (strided
-views inside their archive, scattered tiny runs) are assembled in memory one tensor at a time
-(`chunks.read_tensor`). Peak memory is a few copy buffers plus the largest assembled tensor, whatever the
-model size.
+To HF (from torch DCP of any world size, native checkpoints, DeepSpeed ZeRO, or HF itself for
+resharding/casting): the output is laid out from the tensor index alone (names, dtypes, shapes → shard
+files and their headers), then filled as one sequential stream per file (`formats.safetensors_stream`,
+O_DIRECT where possible). Chunks that are full in their trailing dimensions (FSDP dim-0 shards,
+tensor-parallel column shards, whole tensors) are byte-copied, run of rows by run of rows, from the raw
+records inside the source files into their precomputed output offsets, converted block by block when
+`dtype` asks. Other chunks (strided views inside their archive, scattered tiny runs) are assembled in
+memory one tensor at a time (`chunks.read_tensor`). Peak memory is a few copy buffers plus the largest
+assembled tensor, whatever the model size.
+
+DeepSpeed ZeRO 1-3 (a tag folder, the save folder holding `latest`, or a Trainer `checkpoint-N` with
+DeepSpeed inside): by default the model is the fp32 master weights DeepSpeed's `zero_to_fp32.py`
+reconstructs (`layouts.deepspeed.master_weights`): trainable parameters from the optimizer's flat fp32
+partitions, frozen parameters and buffers from the model states, tied parameters from `shared_params`.
+The partitions are flat element ranges of the output tensors, so this is the same byte copy, never
+importing DeepSpeed or loading a partition whole. `weights=stored` writes the 16-bit module weights the
+model states hold instead (ZeRO 0-2), as ZeRO stage 0 always does. Names lose the wrappers a training
+loop may have put around the model (`module.`, `_orig_mod.`, OpenRLHF's `Actor` `model.`).
 
 To DCP (from an HF folder, for resuming from a published model): one `torch.distributed.checkpoint.save`
 without a process group, keys `model.<name>`, which `dcp.load` reshards onto any world size.
@@ -28,6 +37,7 @@ import ctypes
 import enum
 import errno
 import fcntl
+import functools
 import json
 import os
 import re
@@ -36,24 +46,36 @@ import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckptctl import io
 from ckptctl.checkpoint import Checkpoint, CheckpointState, Component, TensorEntry, dtype_itemsize
-from ckptctl.errors import CheckpointInProgress, CheckpointNotFound, CkptctlError, CorruptCheckpoint, StorageError
+from ckptctl.errors import (
+    CheckpointInProgress,
+    CheckpointNotFound,
+    CkptctlError,
+    CorruptCheckpoint,
+    StorageError,
+    UnknownLayout,
+)
 from ckptctl.formats.digest import file_digest
 from ckptctl.formats.manifest import DIGESTS_NAME, FileRecord, Manifest, now_iso
 from ckptctl.formats.raw_chunks import ChunkLocator, row_major_runs
 from ckptctl.formats.safetensors import TORCH_TO_SAFETENSORS, WrittenFile, build_header, read_header, tensor_bytes
 from ckptctl.formats.safetensors_stream import BufferSource, RangeSource, Source, StreamCopier, plan_shards
 from ckptctl.formats.safetensors_stream import shard_file_names as _shard_names
-from ckptctl.layouts import detect
+from ckptctl.layouts import Layout, detect
 from ckptctl.ops.report import SCHEMA_VERSION, NoProgress, Progress
+
+if TYPE_CHECKING:
+    from ckptctl.checkpoint import CheckpointRef
+    from ckptctl.layouts.deepspeed import MasterWeights
 
 __all__ = [
     "ConvertOptions",
     "ConvertResult",
     "Target",
+    "Weights",
     "convert",
     "parse_dtype",
     "parse_rename",
@@ -66,6 +88,17 @@ class Target(enum.StrEnum):
 
     HF = "hf"
     DCP = "dcp"
+
+
+class Weights(enum.StrEnum):
+    """Which weights make the model of a checkpoint that holds two copies (DeepSpeed ZeRO)."""
+
+    #: The fp32 master weights where the checkpoint has them, else the stored model weights.
+    AUTO = "auto"
+    #: The fp32 master weights (what DeepSpeed's zero_to_fp32 outputs); an error where there are none.
+    MASTER = "master"
+    #: The model weights as stored (DeepSpeed ZeRO 0-2: the 16-bit module weights).
+    STORED = "stored"
 
 
 #: Accepted spellings of `dtype` -> torch dtype name.
@@ -117,6 +150,9 @@ _UNITS = {
     "tib": 2**40,
 }
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
+#: Prefixes that wrappers add to every parameter name: DDP/DataParallel/DeepSpeed-style `module.`,
+#: torch.compile's `_orig_mod.`, Lightning's `_forward_module.`, FSDP1's `_fsdp_wrapped_module.`.
+_WRAPPER_PREFIXES = ("module.", "_orig_mod.", "_forward_module.", "_fsdp_wrapped_module.")
 
 
 def parse_size(text: str) -> int:
@@ -182,6 +218,8 @@ class ConvertOptions:
         reread: read every written file back from disk and compare its digest with the one computed while
             writing it (doubles the I/O; the headers are always read back and checked).
         workers: copy threads (default: cores, 2 to 8).
+        weights: for DeepSpeed ZeRO sources, the fp32 master weights (`auto`, `master`) or the stored
+            16-bit module weights (`stored`); other sources have one copy of the model.
     """
 
     to: Target = Target.HF
@@ -196,6 +234,7 @@ class ConvertOptions:
     layout: str | None = None
     reread: bool = False
     workers: int | None = None
+    weights: Weights = Weights.AUTO
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,6 +256,8 @@ class ConvertResult:
         streamed: tensors byte-copied from their raw records.
         assembled: tensors decoded and assembled in memory (non-contiguous chunks, remote archives).
         warnings: things a person should know (no config found, ...).
+        checkpoint: the checkpoint folder converted (the tag `latest` names, given a DeepSpeed save folder).
+        weights: `master` (fp32 master weights rebuilt from optimizer partitions) or `stored`.
     """
 
     src: str
@@ -233,11 +274,14 @@ class ConvertResult:
     streamed: int = 0
     assembled: int = 0
     warnings: tuple[str, ...] = field(default_factory=tuple)
+    checkpoint: str = ""
+    weights: str = Weights.STORED.value
 
     def to_json(self) -> dict[str, Any]:
         return {
             "schema_version": SCHEMA_VERSION,
             "src": self.src,
+            "checkpoint": self.checkpoint or self.src,
             "dst": self.dst,
             "to": self.to,
             "layout": self.layout,
@@ -247,6 +291,7 @@ class ConvertResult:
             "bytes_read": self.bytes_read,
             "seconds": round(self.seconds, 3),
             "dtype": self.dtype,
+            "weights": self.weights,
             "copied": list(self.copied),
             "streamed_tensors": self.streamed,
             "assembled_tensors": self.assembled,
@@ -299,20 +344,22 @@ def convert(
     if options.max_shard_size <= 0:
         raise CkptctlError("the maximum shard size must be positive")
     dst = _check_destination(src, dst, options.force)
-    layout, ref = detect(src, options.layout)
+    url, layout, ref = _resolve_source(src, options.layout)
     if ref.state is CheckpointState.IN_PROGRESS:
         raise CheckpointInProgress(
-            f"{src} is still being written ({ref.note or 'no completion marker'})", "wait for the save to finish"
+            f"{url} is still being written ({ref.note or 'no completion marker'})", "wait for the save to finish"
         )
-    checkpoint = layout.open(src)
+    checkpoint = layout.open(url)
     problems = [p for p in layout.verify(checkpoint) if p.severity == "error"]
     if problems or checkpoint.ref.state is CheckpointState.BROKEN:
         first = problems[0].message if problems else checkpoint.ref.note
         raise CorruptCheckpoint(
-            f"{src} fails structural verification: {first}", f"run `ckptctl verify {src}` for the full report"
+            f"{url} fails structural verification: {first}", f"run `ckptctl verify {url}` for the full report"
         )
-    plan = _plan(checkpoint, options)
-    side_files, notes = _side_files(src, options)
+    notes: list[str] = []
+    plan, weights = _plan(checkpoint, options, notes)
+    side_files, side_notes = _side_files(url, options)
+    notes += side_notes
 
     with _Staging(dst) as staging:
         try:
@@ -341,7 +388,27 @@ def convert(
         streamed=written.streamed,
         assembled=written.assembled,
         warnings=tuple(notes),
+        checkpoint=url,
+        weights=weights.value,
     )
+
+
+def _resolve_source(src: str, layout_name: str | None) -> tuple[str, Layout, CheckpointRef]:
+    """The checkpoint folder to convert, its layout and ref: `src` itself, or, for a save folder that no
+    layout recognises but whose `latest` file names a tag folder inside it (DeepSpeed), that tag."""
+    try:
+        layout, ref = detect(src, layout_name)
+        return src, layout, ref
+    except UnknownLayout:
+        from ckptctl.layouts.deepspeed import read_latest
+
+        entries = io.list_dir(src)
+        tag = read_latest(src, entries)
+        if tag is None or not any(e.name == tag and e.is_dir for e in entries):
+            raise
+    url = io.join(src, tag)
+    layout, ref = detect(url, layout_name)
+    return url, layout, ref
 
 
 # --------------------------------------------------------------------------------------------------
@@ -349,9 +416,14 @@ def convert(
 # --------------------------------------------------------------------------------------------------
 
 
-def _plan(checkpoint: Checkpoint, options: ConvertOptions) -> list[_Planned]:
+def _plan(checkpoint: Checkpoint, options: ConvertOptions, notes: list[str]) -> tuple[list[_Planned], Weights]:
+    """The output tensors, and which weights they are; appends what the user should know to `notes`."""
     index = checkpoint.tensor_index()
-    entries = [e for e in index if e.component == options.component]
+    masters = _master_weights(checkpoint, options, notes) if options.component is Component.MODEL else None
+    if masters is not None:
+        entries, upcast = list(masters.entries), masters.upcast
+    else:
+        entries, upcast = [e for e in index if e.component == options.component], frozenset()
     if not entries:
         present = sorted({e.component.value for e in index})
         raise CkptctlError(
@@ -359,6 +431,12 @@ def _plan(checkpoint: Checkpoint, options: ConvertOptions) -> list[_Planned]:
             f"components with tensors: {', '.join(present) or 'none'}; choose one with --component",
         )
     strip = _prefix_stripper(checkpoint, index, options.strip_prefix)
+    if (
+        options.strip_prefix is None
+        and options.component is Component.MODEL
+        and _deepspeed_prefix(checkpoint) is not None
+    ):
+        strip = functools.partial(_remove_prefix, _wrapper_prefix([e.name for e in entries]))
     renames = [(re.compile(pattern), repl) for pattern, repl in options.renames]
     plan: list[_Planned] = []
     seen: dict[str, str] = {}
@@ -374,11 +452,101 @@ def _plan(checkpoint: Checkpoint, options: ConvertOptions) -> list[_Planned]:
                 "adjust --strip-prefix or --rename",
             )
         seen[name] = entry.name
-        dtype = options.dtype if options.dtype and entry.dtype in _CASTABLE else entry.dtype
+        if options.dtype and entry.dtype in _CASTABLE:
+            dtype = options.dtype
+        else:
+            dtype = "float32" if entry.name in upcast else entry.dtype
         if options.to is Target.HF and dtype not in TORCH_TO_SAFETENSORS:
             raise CkptctlError(f"{entry.name!r} is {dtype}, which safetensors cannot store")
         plan.append(_Planned(entry, name, dtype))
-    return plan
+    return plan, Weights.MASTER if masters is not None else Weights.STORED
+
+
+def _deepspeed_prefix(checkpoint: Checkpoint) -> str | None:
+    """Where the DeepSpeed tag folder of a checkpoint is, relative to it (`""`: the checkpoint is the tag;
+    `global_step4/`: inside a Trainer `checkpoint-N`), or None when it holds none.
+
+    Layouts built on `layouts.deepspeed` (RL frameworks' folders) are recognised by their model tensors'
+    chunks lying in DeepSpeed rank files.
+    """
+    from ckptctl.layouts.deepspeed import tag_files
+
+    if checkpoint.layout == "deepspeed":
+        return ""
+    info = checkpoint.metadata.get("deepspeed")
+    if isinstance(info, dict) and isinstance(info.get("tag"), str):
+        return f"{info['tag']}/"
+    files = {chunk.file for e in checkpoint.tensor_index() if e.component is Component.MODEL for chunk in e.chunks}
+    folders = set()
+    for file in files:
+        folder, _, name = file.rpartition("/")
+        if tag_files([io.DirEntry(name, False, 0, 0.0)]) is not None:
+            folders.add(folder)
+    if len(folders) != 1:
+        return None
+    folder = folders.pop()
+    return f"{folder}/" if folder else ""
+
+
+def _master_weights(checkpoint: Checkpoint, options: ConvertOptions, notes: list[str]) -> MasterWeights | None:
+    """`layouts.deepspeed.MasterWeights` of a DeepSpeed source when they are wanted and present, else None.
+
+    Raises:
+        CkptctlError: `weights=master` on a source without fp32 master weights.
+    """
+    from ckptctl.layouts.deepspeed import master_weights, read_tag
+
+    if options.weights is Weights.STORED:
+        return None
+    prefix = _deepspeed_prefix(checkpoint)
+    if prefix is None:
+        if options.weights is Weights.MASTER:
+            raise CkptctlError(
+                f"{checkpoint.url} ({checkpoint.layout}) holds no fp32 master weights apart from its model",
+                "fp32 masters exist in DeepSpeed ZeRO checkpoints; drop --weights master",
+            )
+        return None
+    tag = read_tag(io.join(checkpoint.url, prefix.rstrip("/")) if prefix else checkpoint.url)
+    if not tag.files.optim or tag.optim_kind is None:
+        if options.weights is Weights.MASTER:
+            raise CkptctlError(
+                f"{tag.url} holds no fp32 master weights (ZeRO stage {tag.zero_stage} saves no optimizer partitions)",
+                "convert the module's own weights: drop --weights master",
+            )
+        notes.append(
+            f"DeepSpeed without ZeRO (stage {tag.zero_stage}) saves no optimizer partitions: writing the module's "
+            "weights as stored (DeepSpeed's zero_to_fp32 cannot read such a checkpoint)"
+        )
+        return None
+    found = master_weights(tag, prefix)
+    notes.extend(found.notes)
+    return found
+
+
+def _remove_prefix(prefix: str, name: str) -> str:
+    return name.removeprefix(prefix)
+
+
+def _wrapper_prefix(names: Sequence[str]) -> str:
+    """The prefix every name carries because the model was wrapped for training: `module.` (DDP,
+    DataParallel), `_orig_mod.` (torch.compile), ..., and OpenRLHF's `Actor`, which holds the HF model as
+    `self.model` (every name then starts `model.`, and some `model.model.` or `model.lm_head.`)."""
+    prefix = ""
+    actor_seen = False
+    while names:
+        rest = [name[len(prefix) :] for name in names]
+        wrapper = next((w for w in _WRAPPER_PREFIXES if all(n.startswith(w) for n in rest)), None)
+        if (
+            wrapper is None
+            and not actor_seen
+            and all(n.startswith("model.") for n in rest)
+            and any(n.startswith(("model.model.", "model.lm_head.")) for n in rest)
+        ):
+            wrapper, actor_seen = "model.", True
+        if wrapper is None:
+            break
+        prefix += wrapper
+    return prefix
 
 
 def _prefix_stripper(

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import fnmatch
+import math
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
 from ckptctl import io
-from ckptctl.checkpoint import Checkpoint, Component, TensorEntry
+from ckptctl.checkpoint import Checkpoint, Component, TensorEntry, dtype_itemsize
 from ckptctl.layouts import open_checkpoint
 from ckptctl.ops.report import SCHEMA_VERSION, jsonable, ref_json
 
@@ -87,22 +88,32 @@ def inspect_checkpoint(
     before = io.READ_STATS.bytes_read
     ckpt = open_checkpoint(url, layout)
     index = ckpt.tensor_index()
+    # Elements per (dtype, component) first, bytes after: one dict update per tensor on 100k tensors.
+    elements: dict[tuple[str, Component], int] = {}
+    get = elements.get
+    prod = math.prod
+    for t in index:
+        group = (t.dtype, t.component)
+        elements[group] = get(group, 0) + prod(t.shape)
     dtype_bytes: Counter[str] = Counter()
     component_bytes: Counter[str] = Counter()
     parameters = 0
-    for t in index:
-        dtype_bytes[t.dtype] += t.nbytes
-        component_bytes[t.component.value] += t.nbytes
-        if t.component is Component.MODEL:
-            parameters += t.numel
+    for (dtype, part), count in elements.items():
+        dtype_bytes[dtype] += count * dtype_itemsize(dtype)
+        component_bytes[part.value] += count * dtype_itemsize(dtype)
+        if part is Component.MODEL:
+            parameters += count
     pattern = None
     if name_filter:
         pattern = name_filter if any(ch in name_filter for ch in "*?[") else f"*{name_filter}*"
-    rows = tuple(
-        t
-        for t in index
-        if (component is None or t.component == component) and (pattern is None or fnmatch.fnmatchcase(t.name, pattern))
-    )
+    rows = index
+    if component is not None or pattern is not None:
+        rows = tuple(
+            t
+            for t in index
+            if (component is None or t.component == component)
+            and (pattern is None or fnmatch.fnmatchcase(t.name, pattern))
+        )
     totals = Totals(
         parameters=parameters,
         bytes=sum(dtype_bytes.values()),

@@ -1,5 +1,6 @@
 """Real checkpoints for the layout tests, written once per session by the frameworks themselves:
-torch DCP, DeepSpeed ZeRO and the Hugging Face Trainer."""
+torch DCP, DeepSpeed ZeRO and the Hugging Face Trainer; and the run folders of the RL frameworks
+(OpenRLHF, open-instruct, AReaL, ROLL) arranged from such real pieces (`tests.writers.rl_runs`)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,13 @@ import pytest
 
 from tests.writers.dcp_writer import WrittenDcp, write_fsdp_dcp, write_single_process_dcp
 from tests.writers.deepspeed_writer import WrittenDeepSpeed, write_deepspeed_runs
+from tests.writers.rl_runs import (
+    WrittenFsdpRuns,
+    arrange_open_instruct,
+    arrange_openrlhf,
+    arrange_roll_megatron,
+    write_fsdp_runs,
+)
 from tests.writers.trainer_writer import WrittenTrainerRun, write_trainer_run
 
 
@@ -42,3 +50,42 @@ def deepspeed_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Writte
 def trainer_run(tmp_path_factory: pytest.TempPathFactory) -> WrittenTrainerRun:
     """transformers.Trainer on CPU: checkpoint-2 and checkpoint-4 of the tiny Llama (slow: a subprocess)."""
     return write_trainer_run(tmp_path_factory.mktemp("trainer") / "out")
+
+
+@pytest.fixture(scope="session")
+def fsdp_runs(tmp_path_factory: pytest.TempPathFactory) -> WrittenFsdpRuns:
+    """FSDP2 on 2 CPU ranks, saved every step as AReaL (trial with recover slots, exports, recover_info) and
+    ROLL (launch folder with checkpoint-1 and checkpoint-2, the latter with critic/) save (slow: spawns)."""
+    return write_fsdp_runs(tmp_path_factory.mktemp("fsdp-rl"))
+
+
+@pytest.fixture(scope="session")
+def openrlhf_run(
+    tmp_path_factory: pytest.TempPathFactory,
+    deepspeed_runs: dict[int, WrittenDeepSpeed],
+    hf_model_dirs: dict[str, Path],
+) -> Path:
+    """OpenRLHF PPO's `--ckpt.path`: ZeRO-2 actor and ZeRO-3 critic tags, metric.json, best tags, an HF export."""
+    root = tmp_path_factory.mktemp("openrlhf") / "ckpt"
+    return arrange_openrlhf(root, deepspeed_runs[2], deepspeed_runs[3], hf_model_dirs["single"])
+
+
+@pytest.fixture(scope="session")
+def open_instruct_run(
+    tmp_path_factory: pytest.TempPathFactory,
+    deepspeed_runs: dict[int, WrittenDeepSpeed],
+    hf_model_dirs: dict[str, Path],
+) -> Path:
+    """open-instruct's outputs: `state/` (--checkpoint_state_dir) and `output/` (HF snapshots)."""
+    root = tmp_path_factory.mktemp("open-instruct")
+    arrange_open_instruct(root / "state", root / "output", deepspeed_runs[2], hf_model_dirs["single"])
+    return root
+
+
+@pytest.fixture(scope="session")
+def roll_megatron(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A ROLL output folder of the Megatron strategy: checkpoint-3 (dist-ckpt) and checkpoint-4 (legacy, TP 2)."""
+    launch = tmp_path_factory.mktemp("roll-megatron") / "output" / "20250102-080000"
+    arrange_roll_megatron(launch / "checkpoint-3", 3)
+    arrange_roll_megatron(launch / "checkpoint-4", 4, legacy=True)
+    return launch.parent

@@ -17,6 +17,7 @@ from ckptctl.layouts import detect, open_checkpoint, scan_run
 from ckptctl.ops.verification import verify_checkpoint
 from tests.conftest import copy_tree
 from tests.writers.deepspeed_writer import WrittenDeepSpeed
+from tests.writers.rl_runs import WrittenFsdpRuns
 from tests.writers.trainer_writer import WrittenTrainerRun
 
 
@@ -183,3 +184,95 @@ class TestHfTrainerOptimizer(TestHfTrainer):
     """The same checkpoint, damaged in its largest pickle (optimizer.pt) instead of its weights."""
 
     data_glob = "*.pt"
+
+
+# --- The RL frameworks' layouts (run folders arranged from real pieces by tests.writers.rl_runs) ---------
+
+
+class TestOpenRlhfTag(LayoutContract):
+    """An actor tag with its metric.json (the evidence that makes it OpenRLHF's, wherever it is copied)."""
+
+    layout = "openrlhf"
+    marker = "mp_rank_00_model_states.pt"
+    data_glob = "*_optim_states.pt"
+
+    @pytest.fixture
+    def source(self, openrlhf_run: Path, deepspeed_runs: dict[int, WrittenDeepSpeed]) -> tuple[Path, int]:
+        return openrlhf_run / "_actor" / "global_step4", deepspeed_runs[2].model_parameters
+
+
+class TestOpenRlhfExport(LayoutContract):
+    layout = "openrlhf"
+    marker = None
+    data_glob = "*.safetensors"
+
+    @pytest.fixture
+    def source(self, openrlhf_run: Path, deepspeed_runs: dict[int, WrittenDeepSpeed]) -> tuple[Path, int]:
+        return openrlhf_run / "global_step4_hf", deepspeed_runs[2].model_parameters
+
+
+class TestOpenInstructTag(LayoutContract):
+    """A tag holding driver_state.pt (the evidence that makes it open-instruct's without its ref_policy/)."""
+
+    layout = "open_instruct"
+    marker = "mp_rank_00_model_states.pt"
+    data_glob = "*_optim_states.pt"
+
+    @pytest.fixture
+    def source(self, open_instruct_run: Path, deepspeed_runs: dict[int, WrittenDeepSpeed]) -> tuple[Path, int]:
+        return open_instruct_run / "state" / "global_step4", deepspeed_runs[2].model_parameters
+
+    @pytest.fixture
+    def checkpoint(self, source: tuple[Path, int], tmp_path: Path) -> Path:
+        copy_tree(source[0].parent / "ref_policy", tmp_path / "run" / "ref_policy")  # shared by the tags
+        return copy_tree(source[0], tmp_path / "run" / source[0].name)
+
+
+class TestArealRecoverSlot(LayoutContract):
+    """The recover slot, copied with the `recover_info/` it belongs with (and nothing else of the trial)."""
+
+    layout = "areal"
+    marker = ".metadata"
+    data_glob = "*.distcp"
+
+    @pytest.fixture
+    def source(self, fsdp_runs: WrittenFsdpRuns) -> tuple[Path, int]:
+        return fsdp_runs.areal_trial / "default" / "recover_checkpoint", fsdp_runs.model_parameters
+
+    @pytest.fixture
+    def checkpoint(self, source: tuple[Path, int], tmp_path: Path) -> Path:
+        trial = source[0].parent.parent
+        copy_tree(trial / "recover_info", tmp_path / "trial" / "recover_info")
+        return copy_tree(source[0], tmp_path / "trial" / "default" / "recover_checkpoint")
+
+
+class TestArealExport(LayoutContract):
+    layout = "areal"
+    marker = None
+    data_glob = "*.safetensors"
+
+    @pytest.fixture
+    def source(self, fsdp_runs: WrittenFsdpRuns) -> tuple[Path, int]:
+        return fsdp_runs.areal_trial / "default" / "epoch0epochstep1globalstep1", fsdp_runs.model_parameters
+
+
+class TestRollFsdp2(LayoutContract):
+    layout = "roll"
+    marker = "pipeline/worker_state_pipeline.json"
+    data_glob = "dcp/*.distcp"
+
+    @pytest.fixture
+    def source(self, fsdp_runs: WrittenFsdpRuns) -> tuple[Path, int]:
+        return fsdp_runs.roll_launch / "checkpoint-1", fsdp_runs.model_parameters
+
+
+class TestRollMegatron(LayoutContract):
+    """Megatron's dist-ckpt variant: the model tensors come from `dist_model/`'s DCP metadata."""
+
+    layout = "roll"
+    marker = "pipeline/worker_state_pipeline.json"
+    data_glob = "iter_0000001/dist_model/*.distcp"
+
+    @pytest.fixture
+    def source(self, roll_megatron: Path, fsdp_runs: WrittenFsdpRuns) -> tuple[Path, int]:
+        return roll_megatron / "20250102-080000" / "checkpoint-3", fsdp_runs.model_parameters

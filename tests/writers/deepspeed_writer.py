@@ -11,6 +11,12 @@ the `bf16_` prefix as they do on GPUs. The ZeRO-3 run freezes one parameter, so 
 After the last save rank 0 runs DeepSpeed's own `get_fp32_state_dict_from_zero_checkpoint` (what
 `zero_to_fp32.py` does) on the latest tag and writes the result as the reference safetensors file
 (without ZeRO, which zero_to_fp32 does not read, the module's own weights).
+
+Options for the converter's tests (the defaults give the runs above): `tie_embeddings` ties `lm_head` to
+the input embeddings (DeepSpeed records it in `shared_params`), `frozen` chooses the frozen parameter of
+each stage, `wrap` trains, under the given stages, the model inside a wrapper module as OpenRLHF's
+`Actor` does (every name gains a `model.` prefix; the wrapper's inner model also gets a persistent bf16
+buffer and an integer one, so that `buffer_names` is exercised).
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import logging
 import os
 import socket
 import warnings
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,6 +40,10 @@ STEPS = 4
 SAVE_EVERY = 2
 #: Frozen under ZeRO-3 (`frozen_param_shapes` / `frozen_param_fragments`).
 FROZEN_UNDER_ZERO3 = "model.norm.weight"
+#: The prefix a wrapped model's names carry (OpenRLHF's `Actor` holds the HF model as `self.model`).
+WRAPPER_PREFIX = "model."
+#: Buffers the wrapped model's inner model registers (names inside the HF model).
+WRAPPED_BUFFERS = ("model.calibration", "model.bucket_ids")
 
 
 @dataclass(frozen=True)
@@ -45,9 +56,12 @@ class WrittenDeepSpeed:
         tags: the tag folders, oldest first (`latest` names the last).
         reference: safetensors of DeepSpeed's own fp32 reconstruction of the latest tag.
         model_parameters: elements of the model's parameters (what `param_shapes` must add up to).
-        frozen: names of frozen parameters.
+        frozen: names of frozen parameters (as the HF model names them, without a wrapper prefix).
         world_size: DP ranks.
         client_state: what the writer passed as `client_state` to the last save.
+        tied: whether `lm_head.weight` is tied to the input embeddings.
+        wrapped: whether the model was trained inside a wrapper (names prefixed with `WRAPPER_PREFIX`).
+        config_dir: a folder holding the model's `config.json` (for loading a conversion in transformers).
     """
 
     save_dir: Path
@@ -58,6 +72,9 @@ class WrittenDeepSpeed:
     frozen: tuple[str, ...]
     world_size: int
     client_state: dict[str, int]
+    tied: bool = False
+    wrapped: bool = False
+    config_dir: Path | None = None
 
     @property
     def latest(self) -> Path:
@@ -73,14 +90,48 @@ def _client_state(step: int) -> dict[str, int]:
     return {"consumed_samples": step * 2 * WORLD_SIZE, "episode": 3, "training_step": step}
 
 
-def _train(rank: int, stage: int, save_dir: Path) -> Any:
-    import deepspeed
-
+def _model(tie_embeddings: bool) -> Any:
     from tests.conftest import tiny_llama
 
     model = tiny_llama()
-    if stage == 3:
-        model.get_parameter(FROZEN_UNDER_ZERO3).requires_grad_(False)
+    if tie_embeddings:
+        from transformers import LlamaForCausalLM
+
+        config = model.config
+        config.tie_word_embeddings = True
+        torch.manual_seed(1234)
+        model = LlamaForCausalLM(config)
+    return model
+
+
+class _Wrapper(torch.nn.Module):
+    """Holds the HF model as `self.model`, as OpenRLHF's `Actor` does."""
+
+    def __init__(self, model: Any) -> None:
+        super().__init__()
+        self.model = model
+        model.model.register_buffer("calibration", torch.linspace(0.5, 1.5, 8, dtype=torch.bfloat16))
+        model.model.register_buffer("bucket_ids", torch.arange(6, dtype=torch.int64))
+
+    def forward(self, **kwargs: Any) -> Any:
+        return self.model(**kwargs)
+
+
+def _train(
+    rank: int,
+    stage: int,
+    save_dir: Path,
+    tie_embeddings: bool = False,
+    frozen: tuple[str, ...] | None = None,
+    wrap: bool = False,
+) -> Any:
+    import deepspeed
+
+    model = _model(tie_embeddings)
+    if wrap:
+        model = _Wrapper(model)
+    for name in (FROZEN_UNDER_ZERO3,) if frozen is None and stage == 3 else frozen or ():
+        model.get_parameter(name).requires_grad_(False)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-3)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
@@ -105,7 +156,15 @@ def _train(rank: int, stage: int, save_dir: Path) -> Any:
     return engine
 
 
-def _worker(rank: int, port: int, out: str, stages: tuple[int, ...]) -> None:
+def _worker(
+    rank: int,
+    port: int,
+    out: str,
+    stages: tuple[int, ...],
+    tie_embeddings: bool = False,
+    frozen: Mapping[int, tuple[str, ...]] | None = None,
+    wrap: Collection[int] = (),
+) -> None:
     os.environ.update(
         DS_ACCELERATOR="cpu",
         MASTER_ADDR="127.0.0.1",
@@ -126,11 +185,12 @@ def _worker(rank: int, port: int, out: str, stages: tuple[int, ...]) -> None:
     # The CPU backend JIT-compiles a shared-memory allreduce on first use (a minute on a fresh machine);
     # plain gloo collectives are all these tiny runs need. (`deepspeed.comm.torch` as an attribute is the
     # torch package itself, hence the lookup by module name.)
-    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+    setattr(importlib.import_module("deepspeed.comm.torch"), "build_shm_op", lambda: None)  # noqa: B010
     deepspeed.init_distributed(dist_backend="gloo")
     for stage in stages:
         save_dir = Path(out) / f"zero{stage}"
-        engine = _train(rank, stage, save_dir)
+        stage_frozen = None if frozen is None else tuple(frozen.get(stage, ()))
+        engine = _train(rank, stage, save_dir, tie_embeddings, stage_frozen, stage in wrap)
         deepspeed.comm.barrier()
         if rank == 0:
             _write_reference(save_dir, engine if stage == 0 else None)
@@ -152,7 +212,7 @@ def _write_reference(save_dir: Path, engine: Any) -> None:
         with contextlib.redirect_stdout(io.StringIO()):  # it prints its progress
             state = get_fp32_state_dict_from_zero_checkpoint(str(save_dir))
     path = save_dir.parent / f"{save_dir.name}.reference.safetensors"
-    save_file({k: v.contiguous() for k, v in state.items()}, str(path))
+    save_file({k: v.detach().clone().contiguous() for k, v in state.items()}, str(path))  # tied: unshared
 
 
 def _free_port() -> int:
@@ -161,19 +221,39 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def write_deepspeed_runs(root: Path, stages: tuple[int, ...] = (2, 3)) -> dict[int, WrittenDeepSpeed]:
+def write_deepspeed_runs(
+    root: Path,
+    stages: tuple[int, ...] = (2, 3),
+    *,
+    tie_embeddings: bool = False,
+    frozen: Mapping[int, tuple[str, ...]] | None = None,
+    wrap: Collection[int] = (),
+) -> dict[int, WrittenDeepSpeed]:
     """Train and save with DeepSpeed under each ZeRO stage in `stages`: `root/zero{stage}/`.
 
     Takes about 10 s (2 spawned ranks importing DeepSpeed and transformers); use it from a session-scoped
     fixture.
+
+    Args:
+        tie_embeddings: tie `lm_head.weight` to `model.embed_tokens.weight`.
+        frozen: stage -> names of the parameters to freeze (default: `FROZEN_UNDER_ZERO3` under ZeRO-3).
+            Names are the HF model's; under `wrap` they gain `WRAPPER_PREFIX`.
+        wrap: stages whose model is trained inside a wrapper, as OpenRLHF's `Actor` does.
     """
     import torch.multiprocessing as mp
 
-    from tests.conftest import tiny_llama
-
     root.mkdir(parents=True, exist_ok=True)
-    mp.spawn(_worker, args=(_free_port(), str(root), stages), nprocs=WORLD_SIZE)
-    parameters = sum(p.numel() for p in tiny_llama().parameters())
+    wrap = tuple(wrap)
+    prefixed = (
+        None
+        if frozen is None
+        else {s: tuple(WRAPPER_PREFIX + n if s in wrap else n for n in names) for s, names in frozen.items()}
+    )
+    mp.spawn(_worker, args=(_free_port(), str(root), stages, tie_embeddings, prefixed, wrap), nprocs=WORLD_SIZE)
+    model = _model(tie_embeddings)
+    parameters = sum(p.numel() for p in model.parameters())
+    config_dir = root / "config"
+    model.config.save_pretrained(str(config_dir))
     written = {}
     for stage in stages:
         save_dir = root / f"zero{stage}"
@@ -184,9 +264,12 @@ def write_deepspeed_runs(root: Path, stages: tuple[int, ...] = (2, 3)) -> dict[i
             tags=tags,
             reference=root / f"zero{stage}.reference.safetensors",
             model_parameters=parameters,
-            frozen=(FROZEN_UNDER_ZERO3,) if stage == 3 else (),
+            frozen=(FROZEN_UNDER_ZERO3,) if frozen is None and stage == 3 else tuple((frozen or {}).get(stage, ())),
             world_size=WORLD_SIZE,
             client_state=_client_state(STEPS),
+            tied=tie_embeddings,
+            wrapped=stage in wrap,
+            config_dir=config_dir,
         )
         (root / f"zero{stage}.json").write_text(json.dumps({"tags": tags}))
     return written

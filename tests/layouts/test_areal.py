@@ -1,0 +1,160 @@
+"""The AReaL layout on a trial folder saved by FSDP2 the way AReaL saves (tests.writers.rl_runs)."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from ckptctl import io
+from ckptctl.checkpoint import CheckpointState, Component, ProblemKind
+from ckptctl.formats.chunks import read_tensor
+from ckptctl.layouts import open_checkpoint, scan_run
+from ckptctl.ops.verification import verify_checkpoint, verify_run
+from tests.conftest import copy_tree
+from tests.layouts.test_deepspeed import Payload
+from tests.writers.rl_runs import AREAL_EXPERIMENT, WrittenFsdpRuns
+
+
+def _touch(path: Path, when: float) -> None:
+    os.utime(path, (when, when))
+
+
+def _trial(fsdp_runs: WrittenFsdpRuns, tmp_path: Path) -> Path:
+    return copy_tree(fsdp_runs.areal_trial, tmp_path / "checkpoints" / "tester" / AREAL_EXPERIMENT / "trial0")
+
+
+def _age(trial: Path, seconds: float = 3600.0) -> float:
+    """Shift every file's time back by `seconds`, keeping their order (a save that stopped long ago)."""
+    for path in trial.rglob("*"):
+        stat = path.stat()
+        _touch(path, stat.st_mtime - seconds)
+    return time.time() - seconds
+
+
+def test_list_finds_slots_and_exports_of_nested_trials(fsdp_runs: WrittenFsdpRuns, tmp_path: Path) -> None:
+    user = tmp_path / "checkpoints" / "tester"
+    copy_tree(fsdp_runs.areal_trial, user / AREAL_EXPERIMENT / "trial0")
+    copy_tree(fsdp_runs.areal_trial, user / "math-ppo" / "run-7")
+    refs = sorted(scan_run(str(user)), key=lambda r: r.url)
+    found = [(io.relative_to(r.url, str(user)), r.layout, r.step, r.epoch, r.state, r.latest) for r in refs]
+    complete = CheckpointState.COMPLETE
+    for trial in (f"{AREAL_EXPERIMENT}/trial0", "math-ppo/run-7"):
+        assert [f for f in found if f[0].startswith(trial)] == [
+            (f"{trial}/critic/recover_checkpoint", "areal", 1, 0.0, complete, True),
+            (f"{trial}/default/epoch0epochstep0globalstep0", "areal", 0, 0.0, complete, False),
+            (f"{trial}/default/epoch0epochstep1globalstep1", "areal", 1, 0.0, complete, False),
+            (f"{trial}/default/recover_checkpoint", "areal", 1, 0.0, complete, True),
+        ]
+    assert len(found) == 8  # recover_info/ (and its empty recover_checkpoint/) is part of the slots, not listed
+
+
+def test_inspect_joins_the_slot_and_recover_info(fsdp_runs: WrittenFsdpRuns) -> None:
+    slot = fsdp_runs.areal_trial / "default" / "recover_checkpoint"
+    checkpoint = open_checkpoint(str(slot))
+    meta = checkpoint.metadata
+    assert (checkpoint.layout, checkpoint.ref.step, checkpoint.ref.epoch, checkpoint.world_size) == ("areal", 1, 0.0, 2)
+    assert meta["progress"] == {"epoch": 0, "epoch_step": 1, "global_step": 1, "steps_per_epoch": 8}
+    assert (meta["dataloader_ranks"], meta["last_commit_step"]) == (2, 1)
+    assert checkpoint.components == {
+        Component.MODEL,
+        Component.OPTIMIZER,
+        Component.TRAINER_STATE,
+        Component.DATALOADER,
+        Component.EXTRA,
+    }
+    assert {Component.SCHEDULER, Component.RNG} <= set(checkpoint.missing_components)  # AReaL saves neither
+    model = {t.name: t for t in checkpoint.tensors(Component.MODEL)}
+    assert sum(t.numel for t in model.values()) == fsdp_runs.model_parameters
+    export = load_file(str(fsdp_runs.areal_trial / "default" / "epoch0epochstep1globalstep1" / "model.safetensors"))
+    head = read_tensor(checkpoint.url, model["dcp.model.lm_head.weight"])  # both shards of the slot
+    assert torch.equal(head, export["lm_head.weight"])
+
+
+def test_the_whole_trial_verifies(fsdp_runs: WrittenFsdpRuns) -> None:
+    report = verify_run(str(fsdp_runs.areal_trial))
+    assert report.ok, [(r.url, r.problems) for r in report.results if r.problems]
+    assert len(report.results) == 4
+
+
+def test_an_unfinished_in_place_overwrite_is_caught(fsdp_runs: WrittenFsdpRuns, tmp_path: Path) -> None:
+    trial = _trial(fsdp_runs, tmp_path)
+    slot = trial / "default" / "recover_checkpoint"
+    then = _age(trial)
+    _touch(slot / "__1_0.distcp", then + 600)  # rank 1 rewrote its data; the old .metadata is still there
+    ref = {r.url: r for r in scan_run(str(trial))}[str(slot)]
+    assert ref.state is CheckpointState.BROKEN
+    assert "__1_0.distcp is newer than .metadata" in ref.note
+    problems = [(p.kind, p.path) for p in verify_checkpoint(str(slot)).problems if p.severity == "error"]
+    assert (ProblemKind.BAD_METADATA, ".metadata") in problems
+
+
+def test_info_files_older_than_the_weights_are_a_torn_save(fsdp_runs: WrittenFsdpRuns, tmp_path: Path) -> None:
+    trial = _trial(fsdp_runs, tmp_path)
+    slot = trial / "default" / "recover_checkpoint"
+    then = _age(trial)
+    for path in slot.iterdir():  # the slot was rewritten 10 minutes later; the info files were not
+        _touch(path, then + 600)
+    ref = {r.url: r for r in scan_run(str(trial))}[str(slot)]
+    assert ref.state is CheckpointState.BROKEN
+    assert "older than the weights" in ref.note
+    result = verify_checkpoint(str(slot))
+    assert not result.ok
+    torn = {p.path for p in result.problems if p.kind == ProblemKind.BAD_METADATA}
+    assert "../../recover_info/step_info.json" in torn
+
+
+def test_a_fresh_torn_save_is_in_progress(fsdp_runs: WrittenFsdpRuns, tmp_path: Path) -> None:
+    trial = _trial(fsdp_runs, tmp_path)
+    slot = trial / "default" / "recover_checkpoint"
+    now = time.time()
+    for path in (trial / "recover_info").iterdir():
+        _touch(path, now - 120)
+    for path in slot.iterdir():  # the weights were just written, the info files are still the old ones
+        _touch(path, now - 5)
+    ref = {r.url: r for r in scan_run(str(trial))}[str(slot)]
+    assert ref.state is CheckpointState.IN_PROGRESS
+
+
+def test_a_hostile_dataloader_info_is_refused_and_not_run(fsdp_runs: WrittenFsdpRuns, tmp_path: Path) -> None:
+    trial = _trial(fsdp_runs, tmp_path)
+    marker = tmp_path / "pwned"
+    info = trial / "recover_info" / "dataloader_info.pkl"
+    stamp = info.stat().st_mtime
+    info.write_bytes(pickle.dumps([Payload(os.system, f"touch {marker}")]))
+    _touch(info, stamp)
+    slot = trial / "default" / "recover_checkpoint"
+    checkpoint = open_checkpoint(str(slot))
+    assert Component.DATALOADER not in checkpoint.components
+    result = verify_checkpoint(str(slot))
+    assert [(p.kind, p.path) for p in result.problems] == [
+        (ProblemKind.UNSAFE_PICKLE, "../../recover_info/dataloader_info.pkl")
+    ]
+    assert not marker.exists()
+
+
+def test_a_slot_without_recover_info_is_broken(fsdp_runs: WrittenFsdpRuns, tmp_path: Path) -> None:
+    trial = _trial(fsdp_runs, tmp_path)
+    shutil.rmtree(trial / "recover_info")
+    _age(trial)  # (while the slot is fresh, its info may still be coming: in progress)
+    ref = {r.url: r for r in scan_run(str(trial))}[str(trial / "default" / "recover_checkpoint")]
+    assert (ref.state, ref.step, ref.latest) == (CheckpointState.BROKEN, None, False)
+    assert "start from scratch" in ref.note
+    result = verify_checkpoint(str(trial / "default" / "recover_checkpoint"))
+    assert [(p.kind, p.path) for p in result.problems] == [(ProblemKind.MISSING_FILE, "../../recover_info/")]
+
+
+def test_an_export_not_renamed_yet_is_in_progress(fsdp_runs: WrittenFsdpRuns, tmp_path: Path) -> None:
+    trial = _trial(fsdp_runs, tmp_path)
+    export = trial / "default" / "epoch0epochstep1globalstep1"
+    for path in export.iterdir():
+        _touch(path, time.time())  # being written right now
+    export.rename(export.with_name(export.name + ".tmp"))
+    refs = {io.name_of(r.url): r for r in scan_run(str(trial))}
+    tmp = refs["epoch0epochstep1globalstep1.tmp"]
+    assert (tmp.layout, tmp.step, tmp.state) == ("areal", 1, CheckpointState.IN_PROGRESS)

@@ -133,8 +133,10 @@ def convert(
     quiet: QuietOpt = False,
 ) -> None:
     from ckptctl.checkpoint import Component
-    from ckptctl.ops.convert import ConvertOptions, Target, Weights, parse_dtype, parse_rename, parse_size
+    from ckptctl.ops.convert import ConvertOptions, Target, Weights, parse_dtype
     from ckptctl.ops.convert import convert as run_convert
+    from ckptctl.ops.naming import parse_rename
+    from ckptctl.units import parse_size
 
     try:
         wanted = Component(component)
@@ -143,7 +145,7 @@ def convert(
             f"choose one of {', '.join(c.value for c in Component)}", param_hint="--component"
         ) from exc
     try:
-        shard_bytes = parse_size(max_shard_size)
+        shard_bytes = parse_size(max_shard_size, minimum=1)
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--max-shard-size") from exc
     try:

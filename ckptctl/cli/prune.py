@@ -93,9 +93,10 @@ def prune(
     json_output: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
-    from ckptctl.core.retention import KeepBest, RetentionPolicy, parse_age, parse_size
+    from ckptctl.core.retention import KeepBest, RetentionPolicy
     from ckptctl.ops.prune import DEFAULT_GRACE, POLICY_FILE, load_policy_file
     from ckptctl.ops.prune import prune as run_prune
+    from ckptctl.units import parse_age, parse_size
 
     out = Output(json_mode=json_output, quiet=quiet)
     try:

@@ -397,7 +397,9 @@ class _Parser:
                     start, length = rstate["offset"], rstate["length"]
                     path = paths.get(rstate["relative_path"])
                     offsets = None if offset is None else dims.get(offset)
-                    plain = type(istate) is dict and type(rstate) is dict and rstate.get("transform_descriptors") is None
+                    plain = (
+                        type(istate) is dict and type(rstate) is dict and rstate.get("transform_descriptors") is None
+                    )
                 except (AttributeError, KeyError, TypeError):  # let the checked path say what is wrong
                     plain = False
                 if (

@@ -292,7 +292,10 @@ DCP_METADATA_GLOBALS: Mapping[tuple[str, str], Any] = {
     # and sys.intern() takes exact strings only; parsers check the values afterwards.
     (_DCP_MODULE, "_MEM_FORMAT_ENCODING"): int,
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): StorageInfoStandIn,
-    ("torch", "Size"): _torch_size,
+    # torch.Size runs three times per tensor: `() + dims` is C that accepts exact tuples only and returns
+    # them as they are (no copy, so a memoised tuple cannot be amplified); the parser checks the entries
+    # and the length of each distinct one.
+    ("torch", "Size"): ().__add__,
     ("torch.serialization", "_get_layout"): sys.intern,
     # StorageMeta.checkpoint_id is the save's pathlib.Path; Python 3.13 pickles it from pathlib._local.
     ("pathlib", "PosixPath"): _posix_path,

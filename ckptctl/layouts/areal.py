@@ -36,7 +36,7 @@ import collections
 import json
 import re
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import cache
 from typing import Any
@@ -190,8 +190,12 @@ class _RecoverInfo:
 
 
 def _recover_info(slot_url: str) -> _RecoverInfo:
+    """The trial's `recover_info/` for the slot at `slot_url` (`<trial>/<model>/recover_checkpoint`)."""
     url = io.join(io.parent_of(io.parent_of(slot_url)), RECOVER_INFO)
-    listing = peek_dir(url)
+    try:  # listed afresh (not `peek_dir`): AReaL rewrites these files in place, and their times matter here
+        listing = io.list_dir(url)
+    except CkptctlError:
+        listing = None
     if listing is None:
         return _RecoverInfo(url, None, None, f"no {RECOVER_INFO}/ beside the model folders")
     entries = {e.name: e for e in listing if not e.is_dir}
@@ -233,7 +237,7 @@ def _slot_problem(entries: Sequence[DirEntry], info: _RecoverInfo) -> str:
     return ""
 
 
-def _newer_than(meta: DirEntry, others: Any, older: bool = False) -> list[str]:
+def _newer_than(meta: DirEntry, others: Iterable[DirEntry], older: bool = False) -> list[str]:
     """Names of `others` newer than `meta` (with `older`: older than it), beyond the slack."""
     if older:
         return sorted(e.name for e in others if e.mtime and e.mtime + MTIME_SLACK_S < meta.mtime)
@@ -359,7 +363,7 @@ class ArealLayout:
                 ref = replace(ref, state=CheckpointState.BROKEN, note=exc.message)
         else:
             classify = component_classifier(dcp.entries)
-            components |= set(map(classify, dcp.entries))
+            components |= classify.components
             referenced = dcp.referenced_files()
             metadata.update(dcp_version=dcp.version, keys=len(dcp.entries), storage_files=len(referenced))
 

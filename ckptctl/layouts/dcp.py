@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import replace
 from functools import cache
 
@@ -41,6 +41,7 @@ from ckptctl.layouts.base import newest_mtime, step_from_name, timestamp
 
 __all__ = [
     "DcpLayout",
+    "KeyClassifier",
     "component_classifier",
     "component_for_prefix",
     "dcp_tensor_index",
@@ -76,7 +77,33 @@ def component_for_prefix(prefix: str) -> Component | None:
     return found
 
 
-def component_classifier(keys: Iterable[str]) -> Callable[[str], Component]:
+class KeyClassifier:
+    """Assigns the flattened keys of one save to components (see `component_classifier`).
+
+    Calling it classifies one key; `components` holds the components of all the keys it was built from,
+    found from their distinct prefixes rather than key by key.
+    """
+
+    def __init__(self, depth: int, fallback: Component, segments: Iterable[str]) -> None:
+        self._depth = depth
+        self._fallback = fallback
+        # 100k keys share a handful of prefixes: remember each prefix's answer.
+        self._memo: dict[str, Component] = {}
+        self.components = frozenset(map(self._segment, segments))
+
+    def _segment(self, segment: str) -> Component:
+        component = self._memo.get(segment)
+        if component is None:
+            component = self._memo[segment] = component_for_prefix(segment) or self._fallback
+        return component
+
+    def __call__(self, key: str) -> Component:
+        segment = key.split(".", 2)[1] if self._depth and "." in key else key.partition(".")[0]
+        component = self._memo.get(segment)
+        return component if component is not None else self._segment(segment)
+
+
+def component_classifier(keys: Iterable[str]) -> KeyClassifier:
     """How to assign the keys of one save to components, decided from all of its keys.
 
     Keys are classified by their first dotted segment. Two conventions are common enough to handle:
@@ -84,32 +111,15 @@ def component_classifier(keys: Iterable[str]) -> Callable[[str], Component]:
     with no recognised prefix are model weights when nothing else claims to be the model (a raw
     `dcp.save(model.state_dict())`, or torchtitan's flattened model next to `optimizer.*`), else EXTRA.
     """
-    firsts: set[str] = set()
-    seconds: set[str] = set()
-    for key in keys:
-        first, _, rest = key.partition(".")
-        firsts.add(first)
-        seconds.add(rest.partition(".")[0])
+    keys = keys if isinstance(keys, Collection) else list(keys)
+    segments = {key.partition(".")[0] for key in keys}
     depth = 0
-    if (
-        len(firsts) == 1
-        and component_for_prefix(next(iter(firsts))) is None
-        and any(component_for_prefix(s) is not None for s in seconds)
-    ):
-        depth = 1
-    found = {component_for_prefix(p) for p in (seconds if depth else firsts)}
-    fallback = Component.EXTRA if Component.MODEL in found else Component.MODEL
-    # 100k keys share a handful of prefixes: remember each prefix's answer.
-    memo: dict[str, Component] = {}
-
-    def classify(key: str) -> Component:
-        segment = key.split(".", 2)[1] if depth and "." in key else key.partition(".")[0]
-        component = memo.get(segment)
-        if component is None:
-            component = memo[segment] = component_for_prefix(segment) or fallback
-        return component
-
-    return classify
+    if len(segments) == 1 and component_for_prefix(next(iter(segments))) is None:
+        seconds = {key.partition(".")[2].partition(".")[0] for key in keys}
+        if any(component_for_prefix(s) is not None for s in seconds):
+            depth, segments = 1, seconds
+    found = {component_for_prefix(p) for p in segments}
+    return KeyClassifier(depth, Component.EXTRA if Component.MODEL in found else Component.MODEL, segments)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -434,7 +444,7 @@ class DcpLayout:
                 files=files,
             )
         classify = component_classifier(metadata.entries)
-        components = frozenset(map(classify, metadata.entries))
+        components = classify.components
         bytes_keys = metadata.bytes_keys
         referenced = metadata.referenced_files()
         info = {

@@ -158,7 +158,7 @@ def _has_ref_policy(save_dir: str, entries: Sequence[DirEntry]) -> bool:
 def _unfinished(entries: Sequence[DirEntry], note: str) -> tuple[CheckpointState, str]:
     newest = newest_mtime(entries)
     if newest is not None and time.time() - newest < IN_PROGRESS_WINDOW_S:
-        return CheckpointState.IN_PROGRESS, f"being written? {note}"
+        return CheckpointState.IN_PROGRESS, f"still being written, or cut short: {note}"
     return CheckpointState.BROKEN, note
 
 

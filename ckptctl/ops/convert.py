@@ -16,8 +16,11 @@ reconstructs (`layouts.deepspeed.master_weights`): trainable parameters from the
 partitions, frozen parameters and buffers from the model states, tied parameters from `shared_params`.
 The partitions are flat element ranges of the output tensors, so this is the same byte copy, never
 importing DeepSpeed or loading a partition whole. `weights=stored` writes the 16-bit module weights the
-model states hold instead (ZeRO 0-2), as ZeRO stage 0 always does. Names lose the wrappers a training
-loop may have put around the model (`module.`, `_orig_mod.`, OpenRLHF's `Actor` `model.`).
+model states hold instead (ZeRO 0-2), as ZeRO stage 0 always does.
+
+Names are the model's own, by the rules `diff` matches tensors with (`ops.naming`): the namespace a save
+adds (`model.` of a DCP state dict, a native entry name, the wrappers a training loop put around a
+DeepSpeed model) is removed, then `renames` apply.
 
 To DCP (from an HF folder, for resuming from a published model): one `torch.distributed.checkpoint.save`
 without a process group, keys `model.<name>`, which `dcp.load` reshards onto any world size.
@@ -37,14 +40,12 @@ import ctypes
 import enum
 import errno
 import fcntl
-import functools
 import json
 import os
-import re
 import shutil
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -65,6 +66,7 @@ from ckptctl.formats.safetensors import TORCH_TO_SAFETENSORS, WrittenFile, build
 from ckptctl.formats.safetensors_stream import BufferSource, RangeSource, Source, StreamCopier, plan_shards
 from ckptctl.formats.safetensors_stream import shard_file_names as _shard_names
 from ckptctl.layouts import Layout, detect
+from ckptctl.ops.naming import compile_renames, normalised_names
 from ckptctl.ops.report import SCHEMA_VERSION, NoProgress, Progress
 
 if TYPE_CHECKING:
@@ -78,8 +80,6 @@ __all__ = [
     "Weights",
     "convert",
     "parse_dtype",
-    "parse_rename",
-    "parse_size",
 ]
 
 
@@ -137,38 +137,6 @@ TOKENIZER_FILES = (
 _STAGING_TAG = ".ckptctl-convert-"
 _LOCK_NAME = "lock"
 _OUT_NAME = "out"
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-}
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
-#: Prefixes that wrappers add to every parameter name: DDP/DataParallel/DeepSpeed-style `module.`,
-#: torch.compile's `_orig_mod.`, Lightning's `_forward_module.`, FSDP1's `_fsdp_wrapped_module.`.
-_WRAPPER_PREFIXES = ("module.", "_orig_mod.", "_forward_module.", "_fsdp_wrapped_module.")
-
-
-def parse_size(text: str) -> int:
-    """Bytes from `5GB`, `500MB`, `20KB`, `1.5GiB` or plain `123456` (KB/MB/GB are powers of 10, as in transformers).
-
-    Raises:
-        ValueError: not a size.
-    """
-    m = _SIZE.match(text)
-    unit = m.group(2).lower() if m else ""
-    if m is None or unit not in _UNITS:
-        raise ValueError(f"{text!r} is not a size (examples: 5GB, 500MB, 20KB, 2GiB, 1000000)")
-    value = int(float(m.group(1)) * _UNITS[unit])
-    if value <= 0:
-        raise ValueError(f"{text!r}: the size must be positive")
-    return value
 
 
 def parse_dtype(text: str) -> str:
@@ -183,22 +151,6 @@ def parse_dtype(text: str) -> str:
     return found
 
 
-def parse_rename(text: str) -> tuple[str, str]:
-    """`PATTERN=REPL` (split at the last `=`, so that patterns may hold lookaheads) with a valid regex.
-
-    Raises:
-        ValueError: no `=`, or the pattern does not compile.
-    """
-    pattern, sep, replacement = text.rpartition("=")
-    if not sep or not pattern:
-        raise ValueError(f"{text!r} is not PATTERN=REPL")
-    try:
-        re.compile(pattern)
-    except re.error as exc:
-        raise ValueError(f"{pattern!r} is not a regular expression: {exc}") from exc
-    return pattern, replacement
-
-
 @dataclass(frozen=True, slots=True)
 class ConvertOptions:
     """What to convert and how.
@@ -208,8 +160,9 @@ class ConvertOptions:
         dtype: cast floating-point tensors to this torch dtype name (None keeps the stored dtypes).
         max_shard_size: most bytes of tensor data per output file (HF).
         component: which component's tensors to convert.
-        strip_prefix: namespace prefix removed from names; None detects it (`model.` of DCP state dicts,
-            the entry name of native checkpoints); "" keeps names as stored.
+        strip_prefix: namespace prefix removed from names; None detects it as `diff` does (`ops.naming`:
+            `model.` of DCP state dicts, the entry name of native checkpoints, DeepSpeed wrappers); ""
+            keeps names as stored.
         renames: `(pattern, replacement)` regex substitutions applied in order after the prefix is removed.
         config_dir: where `config.json`/`generation_config.json` come from (default: beside the source).
         tokenizer_dir: where tokenizer files come from (default: beside the source).
@@ -430,28 +383,11 @@ def _plan(checkpoint: Checkpoint, options: ConvertOptions, notes: list[str]) -> 
             f"{checkpoint.url} holds no {options.component.value} tensors",
             f"components with tensors: {', '.join(present) or 'none'}; choose one with --component",
         )
-    strip = _prefix_stripper(checkpoint, index, options.strip_prefix)
-    if (
-        options.strip_prefix is None
-        and options.component is Component.MODEL
-        and _deepspeed_prefix(checkpoint) is not None
-    ):
-        strip = functools.partial(_remove_prefix, _wrapper_prefix([e.name for e in entries]))
-    renames = [(re.compile(pattern), repl) for pattern, repl in options.renames]
+    named = normalised_names(
+        checkpoint.layout, entries, options.strip_prefix, compile_renames(options.renames), verb="written as"
+    )
     plan: list[_Planned] = []
-    seen: dict[str, str] = {}
-    for entry in entries:
-        name = strip(entry.name)
-        for pattern, repl in renames:
-            name = pattern.sub(repl, name)
-        if not name:
-            raise CkptctlError(f"{entry.name!r} has no name left after prefix removal and renaming")
-        if name in seen:
-            raise CkptctlError(
-                f"{seen[name]!r} and {entry.name!r} would both be written as {name!r}",
-                "adjust --strip-prefix or --rename",
-            )
-        seen[name] = entry.name
+    for name, entry in named.items():
         if options.dtype and entry.dtype in _CASTABLE:
             dtype = options.dtype
         else:
@@ -521,66 +457,6 @@ def _master_weights(checkpoint: Checkpoint, options: ConvertOptions, notes: list
     found = master_weights(tag, prefix)
     notes.extend(found.notes)
     return found
-
-
-def _remove_prefix(prefix: str, name: str) -> str:
-    return name.removeprefix(prefix)
-
-
-def _wrapper_prefix(names: Sequence[str]) -> str:
-    """The prefix every name carries because the model was wrapped for training: `module.` (DDP,
-    DataParallel), `_orig_mod.` (torch.compile), ..., and OpenRLHF's `Actor`, which holds the HF model as
-    `self.model` (every name then starts `model.`, and some `model.model.` or `model.lm_head.`)."""
-    prefix = ""
-    actor_seen = False
-    while names:
-        rest = [name[len(prefix) :] for name in names]
-        wrapper = next((w for w in _WRAPPER_PREFIXES if all(n.startswith(w) for n in rest)), None)
-        if (
-            wrapper is None
-            and not actor_seen
-            and all(n.startswith("model.") for n in rest)
-            and any(n.startswith(("model.model.", "model.lm_head.")) for n in rest)
-        ):
-            wrapper, actor_seen = "model.", True
-        if wrapper is None:
-            break
-        prefix += wrapper
-    return prefix
-
-
-def _prefix_stripper(
-    checkpoint: Checkpoint, index: Sequence[TensorEntry], explicit: str | None
-) -> Callable[[str], str]:
-    """How to remove the state-dict namespace from names, so that they match the model's own names.
-
-    Native checkpoints name tensors `<entry>.<key>` (`model.layers.0.w` for the entry `model`). DCP saves
-    carry the key they were saved under (`model.`, `optim.`), sometimes inside one wrapper key (AReaL's
-    `dcp.model.`); a raw `dcp.save(model.state_dict())` carries none. HF names are the model's already.
-    """
-    if explicit is not None:
-        return lambda name: name.removeprefix(explicit)
-    if checkpoint.layout == "native":
-        return lambda name: name.partition(".")[2] or name
-    if checkpoint.layout != "dcp":
-        return lambda name: name
-    from ckptctl.layouts.dcp import component_for_prefix
-
-    firsts = {e.name.partition(".")[0] for e in index}
-    wrapped = (
-        len(firsts) == 1
-        and component_for_prefix(next(iter(firsts))) is None
-        and any(component_for_prefix(e.name.split(".", 2)[1]) is not None for e in index if "." in e.name)
-    )
-    skip = 1 if wrapped else 0
-
-    def strip(name: str) -> str:
-        parts = name.split(".")
-        if len(parts) > skip + 1 and component_for_prefix(parts[skip]) is not None:
-            return ".".join(parts[skip + 1 :])
-        return ".".join(parts[skip:])
-
-    return strip
 
 
 # --------------------------------------------------------------------------------------------------

@@ -37,7 +37,7 @@ from ckptctl.errors import CkptctlError
 from ckptctl.formats.manifest import FileRecord, Manifest, read_manifest
 from ckptctl.layouts import open_checkpoint
 from ckptctl.ops.naming import Renames, normalised_names
-from ckptctl.ops.report import SCHEMA_VERSION, NoProgress, Progress, jsonable
+from ckptctl.ops.report import SCHEMA_VERSION, NoProgress, Progress, flatten, jsonable
 
 if TYPE_CHECKING:
     import torch
@@ -556,12 +556,12 @@ def metadata_differences(a: Checkpoint, b: Checkpoint) -> list[MetadataDiff]:
         found.append(MetadataDiff("world_size", a.world_size, b.world_size))
     config_a, config_b = _config(a), _config(b)
     if config_a is not None and config_b is not None:
-        flat_a, flat_b = _flatten(config_a, "config."), _flatten(config_b, "config.")
+        flat_a, flat_b = flatten(config_a, "config."), flatten(config_b, "config.")
         for key in sorted(set(flat_a) | set(flat_b)):
             if flat_a.get(key) != flat_b.get(key):
                 found.append(MetadataDiff(key, flat_a.get(key), flat_b.get(key)))
-    meta_a = _flatten({k: v for k, v in a.metadata.items() if k != "config"}, "")
-    meta_b = _flatten({k: v for k, v in b.metadata.items() if k != "config"}, "")
+    meta_a = flatten({k: v for k, v in a.metadata.items() if k != "config"})
+    meta_b = flatten({k: v for k, v in b.metadata.items() if k != "config"})
     for key in sorted(set(meta_a) & set(meta_b)):
         if key.split(".", 1)[0] in _IGNORED_METADATA or key in _IGNORED_METADATA:
             continue
@@ -581,14 +581,3 @@ def _config(checkpoint: Checkpoint) -> Mapping[str, Any] | None:
             return doc
     summary = checkpoint.metadata.get("config")
     return summary if isinstance(summary, Mapping) else None
-
-
-def _flatten(value: Mapping[str, Any], prefix: str) -> dict[str, Any]:
-    flat: dict[str, Any] = {}
-    for key, item in value.items():
-        name = f"{prefix}{key}"
-        if isinstance(item, Mapping):
-            flat.update(_flatten(item, f"{name}."))
-        else:
-            flat[name] = item
-    return flat

@@ -133,8 +133,17 @@ def normalised_names(
     entries: Sequence[TensorEntry],
     strip_prefix: str | None = None,
     renames: Renames = (),
+    *,
+    verb: str = "named",
 ) -> dict[str, TensorEntry]:
-    """The tensors of one component keyed by their normalised names.
+    """The tensors of one component keyed by their normalised names, in stored order.
+
+    Args:
+        layout: the checkpoint's layout name.
+        entries: the tensors of one component.
+        strip_prefix: a prefix to remove instead of detecting the namespace; `""` keeps names as stored.
+        renames: substitutions applied after the namespace is removed.
+        verb: what happens to a tensor under its new name, for the collision error (`named`, `written as`).
 
     Raises:
         CkptctlError: two tensors get the same name, or a name becomes empty.
@@ -148,7 +157,7 @@ def normalised_names(
         other = named.get(name)
         if other is not None:
             raise CkptctlError(
-                f"{other.name!r} and {entry.name!r} would both be named {name!r}", "adjust --strip-prefix or --rename"
+                f"{other.name!r} and {entry.name!r} would both be {verb} {name!r}", "adjust --strip-prefix or --rename"
             )
         named[name] = entry
     return named

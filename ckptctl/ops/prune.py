@@ -37,12 +37,13 @@ from typing import Any
 
 from ckptctl import io
 from ckptctl.checkpoint import CheckpointRef, CheckpointState
-from ckptctl.core.retention import Candidate, RetentionPolicy, format_age, format_size, parse_age
+from ckptctl.core.retention import Candidate, RetentionPolicy
 from ckptctl.errors import CheckpointNotFound, CkptctlError
 from ckptctl.layouts import all_layouts, detect, get_layout, scan_run
 from ckptctl.layouts.native import TRASH_NAME
 from ckptctl.ops.lock import LOCK_NAME, STALE_AFTER, RunLock, read_lock, stale_reason
-from ckptctl.ops.report import SCHEMA_VERSION, NoProgress, Progress, iso
+from ckptctl.ops.report import SCHEMA_VERSION, NoProgress, Progress, flatten, iso
+from ckptctl.units import format_age, format_size, parse_age
 
 __all__ = [
     "DEFAULT_GRACE",
@@ -322,23 +323,12 @@ def checkpoint_metrics(ref: CheckpointRef) -> dict[str, Any]:
     with contextlib.suppress(CkptctlError):
         recorded = get_layout(ref.layout).open(ref.url).metadata.get("metrics")
         if isinstance(recorded, Mapping):
-            metrics.update(_flatten(recorded))
+            metrics.update(flatten(recorded))
     for name, reader in METRIC_FILES:
         if io.exists(io.join(ref.url, name)):
-            for key, value in _flatten(reader(ref.url)).items():
+            for key, value in flatten(reader(ref.url)).items():
                 metrics.setdefault(key, value)
     return metrics
-
-
-def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in tree.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, Mapping):
-            out.update(_flatten(value, f"{name}."))
-        else:
-            out[name] = value
-    return out
 
 
 # ------------------------------------------------------------------------------------------ scanning

@@ -1,8 +1,9 @@
-"""Shared pieces of the command reports: JSON conversion and the progress callback protocol."""
+"""Shared pieces of the command reports: JSON conversion, flattened metadata and the progress callback protocol."""
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from datetime import datetime
 from typing import Any, Protocol
 
@@ -51,6 +52,18 @@ def jsonable(value: Any) -> Any:
     if isinstance(value, float | int | str | bool) or value is None:
         return value
     return str(value)
+
+
+def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested mappings as one level of dotted keys (`{"a": {"b": 1}}` -> `{"a.b": 1}`), each after `prefix`."""
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            flat.update(flatten(value, f"{name}."))
+        else:
+            flat[name] = value
+    return flat
 
 
 def ref_json(ref: CheckpointRef) -> dict[str, Any]:

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as hs
 
 from ckptctl.core import Candidate, CheckpointManager, Decision, KeepBest, RetentionPolicy
-from ckptctl.core.retention import format_age, format_size, parse_age, parse_size
+from ckptctl.units import format_age, format_size, parse_age, parse_size
 
 NOW = datetime(2026, 1, 31, tzinfo=UTC)
 

@@ -32,8 +32,10 @@ from ckptctl.formats.safetensors_stream import (
     shard_file_names,
 )
 from ckptctl.layouts import open_checkpoint
-from ckptctl.ops.convert import ConvertOptions, Target, convert, parse_dtype, parse_rename, parse_size
+from ckptctl.ops.convert import ConvertOptions, Target, convert, parse_dtype
+from ckptctl.ops.naming import parse_rename
 from ckptctl.ops.verification import verify_checkpoint
+from ckptctl.units import parse_size
 from tests.conftest import tiny_llama
 from tests.writers.dcp_writer import write_single_process_dcp
 from tests.writers.llama_dcp_writer import WrittenLlamaDcp, write_llama_fsdp_dcp
@@ -273,7 +275,7 @@ def test_parse_size_and_dtype() -> None:
     assert parse_size("1234") == 1234
     for bad in ("", "5XB", "-1", "0", "GB"):
         with pytest.raises(ValueError):
-            parse_size(bad)
+            parse_size(bad, minimum=1)
     assert parse_dtype("bf16") == parse_dtype("BFLOAT16") == "bfloat16"
     with pytest.raises(ValueError):
         parse_dtype("int8")

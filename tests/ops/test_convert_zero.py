@@ -27,9 +27,9 @@ from ckptctl.ops.convert import (
     Weights,
     _deepspeed_prefix,
     _plan,
-    _wrapper_prefix,
     convert,
 )
+from ckptctl.ops.naming import wrapper_prefix
 from ckptctl.ops.verification import verify_checkpoint
 from tests.conftest import CliResult
 from tests.writers.deepspeed_writer import WRAPPED_BUFFERS, WRAPPER_PREFIX, WrittenDeepSpeed, write_deepspeed_runs
@@ -254,4 +254,4 @@ def test_layouts_built_on_the_deepspeed_one_are_recognised(zero_runs: dict[int, 
     ],
 )
 def test_wrapper_prefix(names: list[str], prefix: str) -> None:
-    assert _wrapper_prefix(names) == prefix
+    assert wrapper_prefix(names) == prefix

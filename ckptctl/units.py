@@ -1,0 +1,85 @@
+"""Sizes and ages as people write them (`500GB`, `2GiB`, `7d`, `1d12h`), parsed and formatted.
+
+Shared by `convert --max-shard-size` and the retention rules (`max_total_size`, `older_than`, `--grace`).
+KB/MB/GB/... are powers of 10 (as transformers' `max_shard_size` and disk vendors count), KiB/MiB/GiB/...
+powers of 2. This module imports nothing heavy, so that `ckptctl prune` works where torch is not installed.
+"""
+
+from __future__ import annotations
+
+import re
+from datetime import timedelta
+
+__all__ = ["format_age", "format_size", "parse_age", "parse_size"]
+
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "pb": 10**15,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+    "pib": 2**50,
+}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
+_AGE_UNITS = {"w": 7 * 86400, "d": 86400, "h": 3600, "m": 60, "s": 1}
+_AGE_PART = re.compile(r"(\d+(?:\.\d+)?)([wdhms])")
+
+
+def parse_size(text: str, *, minimum: int = 0) -> int:
+    """Bytes from `500GB`, `1.5TiB`, `20KB` or `123456`.
+
+    Args:
+        text: the size as written.
+        minimum: the smallest size accepted (`1` where an empty size makes no sense, as a shard size).
+
+    Raises:
+        ValueError: not a size, or one below `minimum`.
+    """
+    m = _SIZE.match(text)
+    unit = m.group(2).lower() if m else ""
+    if m is None or unit not in _SIZE_UNITS:
+        raise ValueError(f"{text!r} is not a size (examples: 500GB, 2TiB, 800MB, 20KB, 1000000)")
+    value = int(float(m.group(1)) * _SIZE_UNITS[unit])
+    if value < minimum:
+        raise ValueError(f"{text!r}: the size must be at least {format_size(minimum)}")
+    return value
+
+
+def format_size(n: int) -> str:
+    """A byte count in the largest unit that writes it exactly (`500GB`, `2GiB`), else in bytes."""
+    for unit in ("PB", "PiB", "TB", "TiB", "GB", "GiB", "MB", "MiB", "kB", "KiB"):
+        scale = _SIZE_UNITS[unit.lower()]
+        if n >= scale and n % scale == 0:
+            return f"{n // scale}{unit}"
+    return f"{n}B"
+
+
+def parse_age(text: str) -> timedelta:
+    """A duration from `7d`, `12h`, `30m`, `45s`, `2w`, combinations such as `1d12h`, or `0`.
+
+    Raises:
+        ValueError: not a duration.
+    """
+    compact = text.strip().lower().replace(" ", "")
+    if compact == "0":
+        return timedelta(0)
+    if not compact or _AGE_PART.sub("", compact):
+        raise ValueError(f"{text!r} is not an age (examples: 7d, 12h, 30m, 1d12h)")
+    return timedelta(seconds=sum(float(n) * _AGE_UNITS[u] for n, u in _AGE_PART.findall(compact)))
+
+
+def format_age(age: timedelta) -> str:
+    """`7d`, `1d12h`, `30m`, `0s`."""
+    seconds = round(age.total_seconds())
+    parts = []
+    for unit in ("d", "h", "m", "s"):
+        count, seconds = divmod(seconds, _AGE_UNITS[unit])
+        if count:
+            parts.append(f"{count}{unit}")
+    return "".join(parts) or "0s"

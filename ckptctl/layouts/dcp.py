@@ -108,8 +108,9 @@ def component_classifier(keys: Iterable[str]) -> KeyClassifier:
 
     Keys are classified by their first dotted segment. Two conventions are common enough to handle:
     one wrapper segment around everything (`app.model.*`, AReaL's `dcp.model.*`) is skipped; and keys
-    with no recognised prefix are model weights when nothing else claims to be the model (a raw
-    `dcp.save(model.state_dict())`, or torchtitan's flattened model next to `optimizer.*`), else EXTRA.
+    with no recognised prefix are model weights unless the save is namespaced (a `model.*` namespace
+    next to another recognised one, such as `optim.*`): a raw `dcp.save(model.state_dict())` (whose top
+    module may itself be called `model`), or torchtitan's flattened model next to `optimizer.*`.
     """
     keys = keys if isinstance(keys, Collection) else list(keys)
     segments = {key.partition(".")[0] for key in keys}
@@ -119,7 +120,10 @@ def component_classifier(keys: Iterable[str]) -> KeyClassifier:
         if any(component_for_prefix(s) is not None for s in seconds):
             depth, segments = 1, seconds
     found = {component_for_prefix(p) for p in segments}
-    return KeyClassifier(depth, Component.EXTRA if Component.MODEL in found else Component.MODEL, segments)
+    # `model.*` next to `lm_head.*` with no optimizer, scheduler or other namespace is a raw
+    # `dcp.save(model.state_dict())` of a `...ForCausalLM`: its unrecognised keys are model weights too.
+    namespaced = Component.MODEL in found and len(found - {None}) > 1
+    return KeyClassifier(depth, Component.EXTRA if namespaced else Component.MODEL, segments)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -16,6 +16,9 @@ from typing import Any
 
 import pytest
 
+from tests.writers.deepspeed_writer import WrittenDeepSpeed, write_deepspeed_runs
+from tests.writers.trainer_writer import WrittenTrainerRun, write_trainer_run
+
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -61,6 +64,18 @@ def demo_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("demo") / "demo"
     run_demo(str(root), steps=30, distributed=True)
     return root
+
+
+@pytest.fixture(scope="session")
+def deepspeed_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, WrittenDeepSpeed]:
+    """DeepSpeed on 2 CPU ranks, bf16, ZeRO 0, 2 and 3, tags global_step2 and global_step4 (slow: spawns)."""
+    return write_deepspeed_runs(tmp_path_factory.mktemp("deepspeed"), stages=(0, 2, 3))
+
+
+@pytest.fixture(scope="session")
+def trainer_run(tmp_path_factory: pytest.TempPathFactory) -> WrittenTrainerRun:
+    """transformers.Trainer on CPU: checkpoint-2 and checkpoint-4 of the tiny Llama (slow: a subprocess)."""
+    return write_trainer_run(tmp_path_factory.mktemp("trainer") / "out")
 
 
 def copy_tree(src: Path, dst: Path) -> Path:

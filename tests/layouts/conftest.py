@@ -1,5 +1,6 @@
 """Real checkpoints for the layout tests, written once per session by the frameworks themselves:
-torch DCP, DeepSpeed ZeRO and the Hugging Face Trainer; and the run folders of the RL frameworks
+torch DCP (DeepSpeed ZeRO and the Hugging Face Trainer runs live in tests/conftest.py, shared with the
+ops tests); and the run folders of the RL frameworks
 (OpenRLHF, open-instruct, AReaL, ROLL) arranged from such real pieces (`tests.writers.rl_runs`)."""
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.writers.dcp_writer import WrittenDcp, write_fsdp_dcp, write_single_process_dcp
-from tests.writers.deepspeed_writer import WrittenDeepSpeed, write_deepspeed_runs
+from tests.writers.deepspeed_writer import WrittenDeepSpeed
 from tests.writers.rl_runs import (
     WrittenFsdpRuns,
     arrange_open_instruct,
@@ -17,7 +18,6 @@ from tests.writers.rl_runs import (
     arrange_roll_megatron,
     write_fsdp_runs,
 )
-from tests.writers.trainer_writer import WrittenTrainerRun, write_trainer_run
 
 
 @pytest.fixture(scope="session")
@@ -38,18 +38,6 @@ def fsdp_copy(fsdp_dcp: WrittenDcp, tmp_path: Path) -> Path:
     import shutil
 
     return Path(shutil.copytree(fsdp_dcp.path, tmp_path / "run" / fsdp_dcp.path.name))
-
-
-@pytest.fixture(scope="session")
-def deepspeed_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, WrittenDeepSpeed]:
-    """DeepSpeed on 2 CPU ranks, bf16, ZeRO 0, 2 and 3, tags global_step2 and global_step4 (slow: spawns)."""
-    return write_deepspeed_runs(tmp_path_factory.mktemp("deepspeed"), stages=(0, 2, 3))
-
-
-@pytest.fixture(scope="session")
-def trainer_run(tmp_path_factory: pytest.TempPathFactory) -> WrittenTrainerRun:
-    """transformers.Trainer on CPU: checkpoint-2 and checkpoint-4 of the tiny Llama (slow: a subprocess)."""
-    return write_trainer_run(tmp_path_factory.mktemp("trainer") / "out")
 
 
 @pytest.fixture(scope="session")

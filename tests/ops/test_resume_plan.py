@@ -16,21 +16,21 @@ from ckptctl.errors import CheckpointNotFound, CkptctlError, UnknownLayout
 from ckptctl.layouts import layout_names
 from ckptctl.ops.resume_plan import PROFILES, PlanContext, plan_resume, profile_for
 from tests.conftest import copy_tree
-from tests.writers.deepspeed_writer import WrittenDeepSpeed, write_deepspeed_runs
+from tests.writers.deepspeed_writer import WrittenDeepSpeed
 from tests.writers.rl_runs import arrange_open_instruct, arrange_openrlhf
-from tests.writers.trainer_writer import WrittenTrainerRun, write_trainer_run
+from tests.writers.trainer_writer import WrittenTrainerRun
 
 
-@pytest.fixture(scope="module")
-def zero2(tmp_path_factory: pytest.TempPathFactory) -> WrittenDeepSpeed:
-    """DeepSpeed ZeRO-2 on 2 CPU ranks, bf16: `global_step2/`, `global_step4/` and `latest` (spawns)."""
-    return write_deepspeed_runs(tmp_path_factory.mktemp("ds"), stages=(2,))[2]
+@pytest.fixture
+def zero2(deepspeed_runs: dict[int, WrittenDeepSpeed]) -> WrittenDeepSpeed:
+    """The session's DeepSpeed ZeRO-2 run (2 CPU ranks, bf16): `global_step2/`, `global_step4/`, `latest`."""
+    return deepspeed_runs[2]
 
 
-@pytest.fixture(scope="module")
-def trainer(tmp_path_factory: pytest.TempPathFactory) -> WrittenTrainerRun:
-    """transformers.Trainer on CPU: `checkpoint-2/` and `checkpoint-4/` (a subprocess)."""
-    return write_trainer_run(tmp_path_factory.mktemp("trainer") / "out")
+@pytest.fixture
+def trainer(trainer_run: WrittenTrainerRun) -> WrittenTrainerRun:
+    """The session's transformers.Trainer run: `checkpoint-2/` and `checkpoint-4/`."""
+    return trainer_run
 
 
 def _age(path: Path, seconds: float) -> None:

@@ -59,13 +59,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         if exc.hint:
             sys.stderr.write(f"hint: {exc.hint}\n")
         sys.exit(exc.exit_code)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # raised outside a command (Typer maps it to 130 inside one)
         sys.stderr.write("interrupted\n")
         sys.exit(130)
-    except BrokenPipeError:
-        # `ckptctl list | head` closes stdout early: not an error worth a message.
-        sys.stderr.close()
-        sys.exit(0)
     except Exception as exc:
         if debug:
             raise

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+
+from ckptctl.ops.report import finite_json
 
 
 class Output:
@@ -21,13 +26,15 @@ class Output:
         self.err = Console(stderr=True, highlight=False)
 
     def json(self, document: dict[str, Any]) -> None:
-        sys.stdout.write(json.dumps(document, indent=2, allow_nan=True) + "\n")
-        sys.stdout.flush()
+        with _closed_pipe_is_fine():
+            sys.stdout.write(json.dumps(finite_json(document), indent=2, allow_nan=False) + "\n")
+            sys.stdout.flush()
 
     def print(self, *renderables: Any) -> None:
         """Human output (stdout); nothing in JSON or quiet mode."""
         if not self.json_mode and not self.quiet:
-            self.out.print(*renderables)
+            with _closed_pipe_is_fine():
+                self.out.print(*renderables)
 
     def note(self, message: str) -> None:
         """A remark for a person (stderr); nothing in quiet mode."""
@@ -75,6 +82,17 @@ class RichProgress:
         if self._bar is not None:
             self._bar.stop()
             self._bar = None
+
+
+@contextlib.contextmanager
+def _closed_pipe_is_fine() -> Iterator[None]:
+    """`ckptctl list --json | head` closes stdout early: the reader got what it wanted, so exit 0 quietly."""
+    try:
+        yield
+    except BrokenPipeError:
+        # Point stdout at /dev/null so that the interpreter's final flush does not raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(0)
 
 
 def human_bytes(n: int | None) -> str:

@@ -22,7 +22,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ckptctl import io
 from ckptctl.errors import SerializationError
+from ckptctl.formats.dcp_metadata import parse_dcp_metadata
 
 __all__ = [
     "World",
@@ -128,6 +130,9 @@ def load_dcp(path: str, entries: Mapping[str, tuple[str, Any]], modules: Mapping
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
     state = _dcp_state(entries, modules)
+    # torch reads `.metadata` with a plain `pickle.load`: let the allowlisting parser see it first, so a
+    # tampered file is refused before torch's unpickler could run anything from it.
+    parse_dcp_metadata(io.read_bytes(io.join(path, ".metadata")), io.join(path, ".metadata"))
     with warnings.catch_warnings():
         # torch warns that it "assumes" a single process; loading in one is what we mean to do
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)

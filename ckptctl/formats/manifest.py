@@ -103,7 +103,10 @@ def parse_manifest(text: bytes | str, source: str) -> Manifest:
     if not isinstance(doc, dict) or doc.get("format") not in ("ckptctl", "ckptctl-digests"):
         raise CorruptCheckpoint(f"{source}: not a ckptctl manifest")
     try:
-        files = {str(k): FileRecord(int(v["size"]), str(v["blake3"])) for k, v in dict(doc["files"]).items()}
+        files = {
+            _relative_name(k, source): FileRecord(int(v["size"]), str(v["blake3"]))
+            for k, v in dict(doc["files"]).items()
+        }
         native = doc["format"] == "ckptctl"
         components = {
             str(k): ComponentRecord(str(v["kind"]), str(v["storage"]), tuple(str(f) for f in v["files"]))
@@ -125,6 +128,21 @@ def parse_manifest(text: bytes | str, source: str) -> Manifest:
         )
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise CorruptCheckpoint(f"{source}: malformed manifest ({exc!r})") from exc
+
+
+def _relative_name(name: object, source: str) -> str:
+    """A file name from a manifest, refused unless it stays inside the checkpoint folder.
+
+    Restores write to these names and verify hashes them: `/etc/x` or `../../x` in a hostile manifest
+    must never reach the filesystem.
+    """
+    text = str(name)
+    parts = text.split("/")
+    if not text or text.startswith("/") or "\\" in text or "\0" in text or any(p in ("", ".", "..") for p in parts):
+        raise CorruptCheckpoint(
+            f"{source}: file name {text!r} leaves the checkpoint folder", "the manifest was tampered with"
+        )
+    return text
 
 
 def read_manifest(checkpoint_url: str) -> Manifest | None:

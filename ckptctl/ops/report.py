@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Mapping
 from datetime import datetime
 from typing import Any, Protocol
@@ -33,6 +34,17 @@ class NoProgress:
 
     def finish(self) -> None:
         pass
+
+
+def finite_json(value: Any) -> Any:
+    """`value` with NaN and infinities replaced by None, so the document is strict JSON (jq, JSON.parse)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite_json(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [finite_json(v) for v in value]
+    return value
 
 
 def iso(value: datetime | None) -> str | None:

@@ -9,14 +9,14 @@ Three levels, each optional beyond the first:
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ckptctl import io
-from ckptctl.checkpoint import Checkpoint, CheckpointRef, CheckpointState, Problem, ProblemKind
-from ckptctl.errors import CheckpointNotFound, CkptctlError, UnknownLayout
+from ckptctl.checkpoint import Checkpoint, CheckpointState, Problem, ProblemKind
+from ckptctl.errors import CheckpointNotFound, CkptctlError, UnknownLayout, UnsafePickle
 from ckptctl.formats.digest import file_digest
 from ckptctl.formats.manifest import DIGESTS_NAME, MANIFEST_NAME, FileRecord, Manifest, now_iso, read_manifest
 from ckptctl.layouts import detect, scan_run
@@ -87,7 +87,12 @@ class VerifyOptions:
 
 
 def is_checkpoint(url: str) -> bool:
-    """Whether `url` itself is a checkpoint folder (as opposed to a run holding checkpoints)."""
+    """Whether `url` itself is a checkpoint folder (as opposed to a run holding checkpoints).
+
+    A file, or a path that does not exist, raises the registry's own clear error instead.
+    """
+    if not io.is_dir(url):
+        detect(url)  # raises: "is a file, not a checkpoint folder" / "no such checkpoint folder"
     try:
         detect(url)
     except UnknownLayout:
@@ -118,18 +123,21 @@ def verify_run(
     right now is healthy.
     """
     options = options or VerifyOptions()
-    refs = scan_run(run)
+    if only_resume_target:
+        from ckptctl.ops.resume_plan import plan_resume
+
+        plan = plan_resume(run)
+        if plan.checkpoint is None:
+            raise NothingResumable(
+                f"{run} holds no checkpoint a resume could load", "run `ckptctl resume-plan` to see why"
+            )
+        refs = [plan.checkpoint]
+    else:
+        refs = scan_run(run)
     if not refs:
         raise CheckpointNotFound(
             f"no checkpoints found in {run}", "run `ckptctl list` on the folder above, or check the path"
         )
-    if only_resume_target:
-        target = resume_target(refs)
-        if target is None:
-            raise CkptctlError(
-                f"{run} holds no complete checkpoint to resume from", "run `ckptctl list` to see what is there"
-            )
-        refs = [target]
     results = []
     for ref in refs:
         if ref.state is CheckpointState.IN_PROGRESS:
@@ -145,23 +153,14 @@ def verify_run(
                 )
             )
             continue
-        results.append(
-            verify_checkpoint(ref.url, VerifyOptions(**{**_fields(options), "layout": ref.layout}), progress)
-        )
+        results.append(verify_checkpoint(ref.url, replace(options, layout=ref.layout), progress))
     return RunVerifyReport(run, tuple(results))
 
 
-def resume_target(refs: Iterable[CheckpointRef]) -> CheckpointRef | None:
-    """The checkpoint a resume would pick: the one a `latest` pointer names if complete, else the newest complete."""
-    complete = [r for r in refs if r.state is CheckpointState.COMPLETE]
-    pointed = [r for r in complete if r.latest]
-    if pointed:
-        return max(pointed, key=lambda r: r.step or -1)
-    return max(complete, key=lambda r: (r.step if r.step is not None else -1, r.created or 0), default=None)
+class NothingResumable(CkptctlError):
+    """`verify --latest` found nothing a resume could load: the check ran and failed (exit 1)."""
 
-
-def _fields(options: VerifyOptions) -> dict[str, Any]:
-    return {name: getattr(options, name) for name in VerifyOptions.__dataclass_fields__}
+    exit_code = 1
 
 
 def verify_checkpoint(url: str, options: VerifyOptions | None = None, progress: Progress | None = None) -> VerifyResult:
@@ -179,7 +178,7 @@ def verify_checkpoint(url: str, options: VerifyOptions | None = None, progress: 
         checkpoint = layout.open(url)
         problems = list(layout.verify(checkpoint))
     except CkptctlError as exc:
-        kind = ProblemKind.UNSAFE_PICKLE if type(exc).__name__ == "UnsafePickle" else ProblemKind.BAD_METADATA
+        kind = ProblemKind.UNSAFE_PICKLE if isinstance(exc, UnsafePickle) else ProblemKind.BAD_METADATA
         problem = Problem(kind, "", exc.message)
         return VerifyResult(url, layout.name, ref.step, (problem,), 0, 0, io.READ_STATS.bytes_read - before)
 
@@ -232,8 +231,24 @@ def check_digests(
 ) -> tuple[list[Problem], int]:
     """Hash every file the manifest lists (in parallel) and compare; returns problems and files checked."""
     todo = {rel: rec for rel, rec in manifest.files.items() if present.get(rel) == rec.size}
-    progress.start("hashing", sum(rec.size for rec in todo.values()))
     problems: list[Problem] = []
+    # A recorded file that is gone or changed size fails without hashing. Native layouts report these
+    # from their own manifest check already; foreign checkpoints rely on this one.
+    if not manifest.native:
+        for rel, rec in sorted(manifest.files.items()):
+            if rel not in present:
+                problems.append(
+                    Problem(ProblemKind.MISSING_FILE, rel, f"{rel} was recorded in {DIGESTS_NAME} but is missing")
+                )
+            elif present[rel] != rec.size:
+                problems.append(
+                    Problem(
+                        ProblemKind.SIZE_MISMATCH,
+                        rel,
+                        f"{rel} has {present[rel]} bytes, {DIGESTS_NAME} recorded {rec.size}",
+                    )
+                )
+    progress.start("hashing", sum(rec.size for rec in todo.values()))
 
     def check(item: tuple[str, FileRecord]) -> Problem | None:
         rel, rec = item

@@ -7,8 +7,9 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from ckptctl.cli.options import JsonOpt, LayoutOpt, QuietOpt
-from ckptctl.cli.output import Output, human_bytes
+from ckptctl.checkpoint import Component
+from ckptctl.cli.options import ComponentOpt, JsonOpt, LayoutOpt, QuietOpt
+from ckptctl.cli.output import Output, esc, human_bytes
 
 if TYPE_CHECKING:
     from ckptctl.ops.convert import ConvertResult
@@ -35,6 +36,11 @@ The output is written to a hidden staging folder next to DST, checked, digested 
 ckptctl-digests.json (so `ckptctl verify DST` checks every byte later) and renamed into place: an
 interrupted conversion leaves nothing at DST.
 
+DST may be an object store URL (s3://bucket/prefix, any fsspec URL): the output is staged in TMPDIR,
+then uploaded in parallel, weight files first and ckptctl-digests.json last, in an order that never lets
+a partial upload list as a complete checkpoint. A non-empty prefix is refused unless --force, which
+deletes the old objects first.
+
 [bold]Examples[/bold]
 
   ckptctl convert runs/llama/step-1000 hf-export --to hf --config runs/llama --dtype bf16
@@ -44,6 +50,8 @@ interrupted conversion leaves nothing at DST.
   ckptctl convert ds-run/ hf-export --config base-model/ --dtype bf16     (DeepSpeed save folder)
 
   ckptctl convert meta-llama-3-8b/ init-dcp --to dcp
+
+  ckptctl convert s3://ckpts/llama/step-1000 s3://exports/llama-1000 --dtype bf16
 """
 
 
@@ -75,7 +83,12 @@ def convert(
     src: Annotated[
         str, typer.Argument(help="Checkpoint folder to convert (local path or fsspec URL).", show_default=False)
     ],
-    dst: Annotated[str, typer.Argument(help="Output folder (local; must be empty or absent).", show_default=False)],
+    dst: Annotated[
+        str,
+        typer.Argument(
+            help="Output folder, local or an object store URL (must be empty or absent).", show_default=False
+        ),
+    ],
     to: Annotated[TargetChoice, typer.Option("--to", help="Output format.")] = TargetChoice.hf,
     dtype: Annotated[
         DtypeChoice | None,
@@ -87,9 +100,7 @@ def convert(
             "--max-shard-size", metavar="SIZE", help="Most tensor bytes per output file: 5GB, 500MB, 20KB or bytes."
         ),
     ] = "5GB",
-    component: Annotated[
-        str, typer.Option(help="Which component's tensors to convert (model, optimizer, ...).")
-    ] = "model",
+    component: ComponentOpt = Component.MODEL,
     strip_prefix: Annotated[
         str | None,
         typer.Option(
@@ -114,7 +125,9 @@ def convert(
         str | None,
         typer.Option("--tokenizer", metavar="DIR", help="Folder holding tokenizer files (default: beside the source)."),
     ] = None,
-    force: Annotated[bool, typer.Option("--force", help="Replace DST if it is not empty.")] = False,
+    force: Annotated[
+        bool, typer.Option("--force", help="Replace DST if it is not empty (on an object store: delete its objects).")
+    ] = False,
     reread: Annotated[
         bool,
         typer.Option("--reread", help="Read every written file back from disk and check its digest (doubles the I/O)."),
@@ -132,18 +145,11 @@ def convert(
     json_output: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
-    from ckptctl.checkpoint import Component
     from ckptctl.ops.convert import ConvertOptions, Target, Weights, parse_dtype
     from ckptctl.ops.convert import convert as run_convert
     from ckptctl.ops.naming import parse_rename
     from ckptctl.units import parse_size
 
-    try:
-        wanted = Component(component)
-    except ValueError as exc:
-        raise typer.BadParameter(
-            f"choose one of {', '.join(c.value for c in Component)}", param_hint="--component"
-        ) from exc
     try:
         shard_bytes = parse_size(max_shard_size, minimum=1)
     except ValueError as exc:
@@ -156,7 +162,7 @@ def convert(
         to=Target(to.value),
         dtype=parse_dtype(dtype.value) if dtype else None,
         max_shard_size=shard_bytes,
-        component=wanted,
+        component=component,
         strip_prefix=strip_prefix,
         renames=renames,
         config_dir=config,
@@ -171,7 +177,10 @@ def convert(
     try:
         result = run_convert(src, dst, options, out.progress())
     except KeyboardInterrupt:
-        out.note(f"interrupted: the staging folder was removed and nothing was written to {dst}")
+        if "://" in dst and not dst.startswith("file://"):
+            out.note(f"interrupted: the staging folder and the objects uploaded so far to {dst} were removed")
+        else:
+            out.note(f"interrupted: the staging folder was removed and nothing was written to {dst}")
         raise
     if not quiet:
         for note in result.warnings:
@@ -188,12 +197,18 @@ def _render(out: Output, result: ConvertResult) -> None:
     source = result.checkpoint or result.src
     masters = ", fp32 master weights" if result.weights == "master" else ""
     out.print(
-        f"[green]converted[/green] {result.tensors} tensors ({human_bytes(result.bytes)}{cast}) from {source} "
-        f"({result.layout}{masters}) to {result.dst} ({result.to}) in {result.seconds:.1f} s, {rate}"
+        "[green]converted[/green] "
+        + esc(
+            f"{result.tensors} tensors ({human_bytes(result.bytes)}{cast}) from {source} "
+            f"({result.layout}{masters}) to {result.dst} ({result.to}) in {result.seconds:.1f} s, {rate}"
+        )
     )
     weights = [f for f in result.files if f.endswith((".safetensors", ".distcp"))]
-    out.print(f"  files: {', '.join(weights)}" + (f" (+ {len(result.files) - len(weights)} more)" if weights else ""))
+    others = len(result.files) - len(weights)
+    out.print(esc(f"  files: {', '.join(weights) or '-'}" + (f" (+ {others} more)" if others else "")))
     if result.copied:
-        out.print(f"  copied: {', '.join(result.copied)}")
+        out.print(esc(f"  copied: {', '.join(result.copied)}"))
+    if result.uploaded:
+        out.print(esc(f"  uploaded {human_bytes(result.uploaded)} to {result.dst}"))
     if result.assembled:
         out.print(f"  {result.assembled} tensor(s) assembled in memory (not contiguous in their source)")

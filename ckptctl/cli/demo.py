@@ -7,12 +7,13 @@ from typing import Annotated
 import typer
 
 from ckptctl.cli.options import JsonOpt, QuietOpt
-from ckptctl.cli.output import Output
+from ckptctl.cli.output import Output, esc
 
 HELP = """Train a tiny model for a few steps and write real checkpoints to try every command on.
 
 Writes DIR/native (single process, ckptctl's own format), DIR/distributed (2 ranks, FSDP2, sharded
 through torch DCP), DIR/dcp (plain torch DCP folders) and DIR/hf (a Hugging Face style export).
+--force replaces DIR only when an earlier demo wrote it (it holds a .ckptctl-demo marker).
 
 [bold]Examples[/bold]
 
@@ -30,7 +31,9 @@ def demo(
     folder: Annotated[str, typer.Argument(help="Where to write the demo runs (a local folder).", show_default=False)],
     steps: Annotated[int, typer.Option(help="Training steps (a checkpoint every 10).", min=10)] = 30,
     distributed: Annotated[bool, typer.Option(help="Also run the 2-rank (gloo, FSDP2) part.")] = True,
-    force: Annotated[bool, typer.Option("--force", help="Replace the folder's content if it is not empty.")] = False,
+    force: Annotated[
+        bool, typer.Option("--force", help="Replace the folder if an earlier demo wrote it (never any other folder).")
+    ] = False,
     json_output: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
@@ -43,5 +46,5 @@ def demo(
         out.json(result.to_json())
         return
     for run in result.runs:
-        out.print(f"wrote {folder}/{run}")
-    out.print(f"next: ckptctl list {folder}")
+        out.print(esc(f"wrote {folder}/{run}"))
+    out.print(esc(f"next: ckptctl list {folder}"))

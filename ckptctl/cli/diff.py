@@ -7,8 +7,9 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 from rich.table import Table
 
-from ckptctl.cli.options import JsonOpt, QuietOpt
-from ckptctl.cli.output import Output, human_bytes, human_count
+from ckptctl.checkpoint import Component
+from ckptctl.cli.options import ComponentOpt, JsonOpt, QuietOpt
+from ckptctl.cli.output import Output, esc, human_bytes, human_count
 
 if TYPE_CHECKING:
     from ckptctl.ops.diff import DiffReport, TensorDiff
@@ -43,9 +44,7 @@ def register(app: typer.Typer) -> None:
 def diff_checkpoints(
     a: Annotated[str, typer.Argument(help="First checkpoint folder (local path or fsspec URL).", show_default=False)],
     b: Annotated[str, typer.Argument(help="Second checkpoint folder (local path or fsspec URL).", show_default=False)],
-    component: Annotated[
-        str, typer.Option(help="Which component's tensors to compare (model, optimizer, ...).")
-    ] = "model",
+    component: ComponentOpt = Component.MODEL,
     atol: Annotated[
         float, typer.Option("--atol", help="Absolute tolerance: |b - a| <= atol + rtol * |a|.", min=0)
     ] = 0.0,
@@ -88,22 +87,15 @@ def diff_checkpoints(
     json_output: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
-    from ckptctl.checkpoint import Component
     from ckptctl.ops.diff import DiffOptions, diff
     from ckptctl.ops.naming import compile_renames, parse_rename
 
-    try:
-        wanted = Component(component)
-    except ValueError as exc:
-        raise typer.BadParameter(
-            f"choose one of {', '.join(c.value for c in Component)}", param_hint="--component"
-        ) from exc
     try:
         renames = compile_renames(parse_rename(r) for r in rename or ())
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--rename") from exc
     options = DiffOptions(
-        component=wanted,
+        component=component,
         atol=atol,
         rtol=rtol,
         strip_prefix=strip_prefix,
@@ -129,8 +121,8 @@ def _render(out: Output, report: DiffReport) -> None:
     facts = Table.grid(padding=(0, 2))
     facts.add_column(style="bold")
     facts.add_column()
-    facts.add_row("A", f"{report.a} ({report.a_layout})")
-    facts.add_row("B", f"{report.b} ({report.b_layout})")
+    facts.add_row("A", esc(f"{report.a} ({report.a_layout})"))
+    facts.add_row("B", esc(f"{report.b} ({report.b_layout})"))
     tolerance = "exact" if report.atol == 0 and report.rtol == 0 else f"atol={report.atol:g}, rtol={report.rtol:g}"
     proven = f", {report.proven_count} proven by digests without reading" if report.proven_count else ""
     facts.add_row(
@@ -142,7 +134,7 @@ def _render(out: Output, report: DiffReport) -> None:
     for label, names in (("only in A", report.only_in_a), ("only in B", report.only_in_b)):
         if names:
             shown = ", ".join(names[:10]) + (f" (+{len(names) - 10} more)" if len(names) > 10 else "")
-            facts.add_row(label, f"{len(names)}: {shown}")
+            facts.add_row(label, esc(f"{len(names)}: {shown}"))
     out.print(facts)
     listed = report.listed_changes()
     if listed:
@@ -155,7 +147,7 @@ def _render(out: Output, report: DiffReport) -> None:
         table.add_column("A", overflow="fold")
         table.add_column("B", overflow="fold")
         for item in report.metadata:
-            table.add_row(item.field, _value(item.a), _value(item.b))
+            table.add_row(esc(item.field), esc(_value(item.a)), esc(_value(item.b)))
         out.print(table)
     verdict = "[green]equal[/green]" if report.equal else "[red]different[/red]"
     out.print(verdict)
@@ -177,12 +169,12 @@ def _tensor_table(title: str, rows: tuple[TensorDiff, ...]) -> Table:
         a_side = f"{row.a_dtype}{list(row.a_shape)}"
         b_side = f"{row.b_dtype}{list(row.b_shape)}"
         table.add_row(
-            row.name,
+            esc(row.name),
             change,
             _number(row.max_abs_diff),
             _number(row.rel_l2),
             mismatched,
-            a_side if a_side == b_side else f"{a_side} → {b_side}",
+            esc(a_side if a_side == b_side else f"{a_side} → {b_side}"),
         )
     return table
 

@@ -7,8 +7,9 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 from rich.table import Table
 
+from ckptctl.checkpoint import Component
 from ckptctl.cli.options import JsonOpt, LayoutOpt, QuietOpt
-from ckptctl.cli.output import STATE_STYLE, Output, human_bytes, human_count
+from ckptctl.cli.output import STATE_STYLE, Output, esc, human_bytes, human_count
 
 if TYPE_CHECKING:
     from ckptctl.ops.inspection import InspectReport
@@ -39,24 +40,15 @@ def inspect_checkpoint(
     name_filter: Annotated[
         str | None, typer.Option("--filter", "-f", help="Only tensors whose name matches this glob (or contains it).")
     ] = None,
-    component: Annotated[
-        str | None, typer.Option(help="Only tensors of this component (model, optimizer, scheduler, rng, ...).")
-    ] = None,
+    component: Annotated[Component | None, typer.Option(help="Only tensors of this component.")] = None,
     limit: Annotated[int, typer.Option(help="Rows of the tensor table to print (JSON has them all).", min=0)] = 40,
     layout: LayoutOpt = None,
     json_output: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
-    from ckptctl.checkpoint import Component
     from ckptctl.ops.inspection import inspect_checkpoint as run_inspect
 
-    try:
-        wanted = Component(component) if component else None
-    except ValueError as exc:
-        raise typer.BadParameter(
-            f"choose one of {', '.join(c.value for c in Component)}", param_hint="--component"
-        ) from exc
-    report = run_inspect(checkpoint, layout=layout, name_filter=name_filter, component=wanted)
+    report = run_inspect(checkpoint, layout=layout, name_filter=name_filter, component=component)
     out = Output(json_mode=json_output, quiet=quiet)
     if json_output:
         out.json(report.to_json())
@@ -71,8 +63,8 @@ def _render(out: Output, report: InspectReport, limit: int) -> None:
     facts.add_column(style="bold")
     facts.add_column()
     style = STATE_STYLE.get(ref.state.value, "")
-    facts.add_row("checkpoint", ckpt.url)
-    facts.add_row("layout", ckpt.layout)
+    facts.add_row("checkpoint", esc(ckpt.url))
+    facts.add_row("layout", esc(ckpt.layout))
     facts.add_row("step", "-" if ref.step is None else str(ref.step))
     if ref.epoch is not None:
         facts.add_row("epoch", f"{ref.epoch:g}")
@@ -83,11 +75,13 @@ def _render(out: Output, report: InspectReport, limit: int) -> None:
     facts.add_row("size on disk", human_bytes(ref.size_bytes))
     totals = report.totals
     facts.add_row("parameters", f"{human_count(totals.parameters)} ({totals.parameters:,})")
-    facts.add_row("tensor bytes", ", ".join(f"{d} {human_bytes(b)}" for d, b in totals.bytes_by_dtype.items()) or "-")
+    facts.add_row(
+        "tensor bytes", esc(", ".join(f"{d} {human_bytes(b)}" for d, b in totals.bytes_by_dtype.items()) or "-")
+    )
     for key, value in ckpt.metadata.items():
         if isinstance(value, dict):
             value = ", ".join(f"{k}={v}" for k, v in value.items()) or "-"
-        facts.add_row(key, str(value))
+        facts.add_row(esc(key), esc(value))
     out.print(facts)
 
     if not report.tensors or limit == 0:
@@ -99,7 +93,9 @@ def _render(out: Output, report: InspectReport, limit: int) -> None:
     table.add_column("shape")
     table.add_column("size", justify="right")
     for entry in report.tensors[:limit]:
-        table.add_row(entry.name, entry.component.value, entry.dtype, str(list(entry.shape)), human_bytes(entry.nbytes))
+        table.add_row(
+            esc(entry.name), entry.component.value, esc(entry.dtype), str(list(entry.shape)), human_bytes(entry.nbytes)
+        )
     out.print(table)
     if len(report.tensors) > limit:
         out.note(f"{len(report.tensors) - limit} more tensor(s): use --limit, --filter or --json")

@@ -7,8 +7,9 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from ckptctl.cli.options import JsonOpt, LayoutOpt, QuietOpt
-from ckptctl.cli.output import STATE_STYLE, Output, human_bytes
+from ckptctl.cli.options import JsonOpt, QuietOpt, RunLayoutOpt
+from ckptctl.cli.output import STATE_STYLE, Output, esc, human_bytes
+from ckptctl.ops.report import display_path
 
 HELP = """List every checkpoint of a run folder: step, epoch, layout, state, size, and which one `latest` names.
 
@@ -36,7 +37,7 @@ def list_checkpoints(
     state: Annotated[
         list[str] | None, typer.Option("--state", help="Only this state (complete, in_progress, broken); repeatable.")
     ] = None,
-    layout: LayoutOpt = None,
+    layout: RunLayoutOpt = None,
     limit: Annotated[int | None, typer.Option(help="Show at most this many.", min=1)] = None,
     depth: Annotated[int, typer.Option(help="How deep to look for nested runs.", min=0)] = 4,
     json_output: JsonOpt = False,
@@ -60,7 +61,7 @@ def list_checkpoints(
         out.note(f"no checkpoints found below {run}")
         return
     with_epoch = any(ref.epoch is not None for ref in report.checkpoints)
-    table = Table(title=f"{len(report.checkpoints)} checkpoint(s) in {run}", title_justify="left")
+    table = Table(title=f"{len(report.checkpoints)} checkpoint(s) in {esc(run)}", title_justify="left")
     table.add_column("path", overflow="fold", ratio=1)
     table.add_column("step", justify="right", no_wrap=True)
     if with_epoch:
@@ -73,24 +74,17 @@ def list_checkpoints(
     for ref in report.checkpoints:
         style = STATE_STYLE.get(ref.state.value, "")
         row = [
-            _relative(ref.url, run) + (f" [dim]({ref.note})[/dim]" if ref.note else ""),
+            esc(display_path(ref.url, run)) + (f" [dim]({esc(ref.note)})[/dim]" if ref.note else ""),
             "-" if ref.step is None else str(ref.step),
         ]
         if with_epoch:
             row.append("-" if ref.epoch is None else f"{ref.epoch:g}")
         row += [
             f"[{style}]{ref.state.value}[/{style}]",
-            ref.layout,
+            esc(ref.layout),
             human_bytes(ref.size_bytes),
             ref.created.strftime("%m-%d %H:%M") if ref.created else "-",
             "*" if ref.latest else "",
         ]
         table.add_row(*row)
     out.print(table)
-
-
-def _relative(url: str, run: str) -> str:
-    from ckptctl import io
-
-    rel = io.relative_to(url, run)
-    return url if rel.startswith("..") else rel

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
 from ckptctl.ops.report import finite_json
@@ -37,12 +38,13 @@ class Output:
                 self.out.print(*renderables)
 
     def note(self, message: str) -> None:
-        """A remark for a person (stderr); nothing in quiet mode."""
+        """A remark for a person (stderr), printed as plain text; nothing in quiet mode."""
         if not self.quiet:
-            self.err.print(message)
+            self.err.print(message, markup=False)
 
     def warn(self, message: str) -> None:
-        self.err.print(f"[yellow]warning:[/yellow] {message}")
+        """A warning (stderr), printed as plain text after a coloured label."""
+        self.err.print(f"[yellow]warning:[/yellow] {esc(message)}")
 
     def progress(self) -> RichProgress:
         """A progress sink for `ckptctl.ops` that draws on stderr when it is a terminal."""
@@ -93,6 +95,16 @@ def _closed_pipe_is_fine() -> Iterator[None]:
         # Point stdout at /dev/null so that the interpreter's final flush does not raise again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         sys.exit(0)
+
+
+def esc(value: object) -> str:
+    """`value` as literal text inside rich markup.
+
+    Every string that comes from the user or the checkpoint (paths, tensor names, notes, messages) goes
+    through this before it meets markup: a folder named `exp[lr=3e-4]` would otherwise lose its brackets
+    and one named `run[/bold]` would crash the renderer.
+    """
+    return escape(str(value))
 
 
 def human_bytes(n: int | None) -> str:

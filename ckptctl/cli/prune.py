@@ -7,12 +7,12 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Annotated, TypeVar
 
 import typer
-from rich.markup import escape
 from rich.table import Table
 
 from ckptctl.cli.options import JsonOpt, QuietOpt
-from ckptctl.cli.output import Output, human_bytes
+from ckptctl.cli.output import Output, esc, human_bytes
 from ckptctl.errors import CkptctlError
+from ckptctl.ops.report import display_path
 
 if TYPE_CHECKING:
     from ckptctl.core.retention import RetentionPolicy
@@ -35,7 +35,8 @@ interrupted prune never leaves a half-deleted checkpoint that looks complete. On
 
 Exit code 0 when done (or nothing to do), 1 when the rules wanted a deletion that could not happen
 (protected checkpoints, a run still over --max-total-size, a failed deletion, another prune holding the
-lock, a declined prompt), 2 on bad usage (also: deleting without --yes when stdin is not a terminal).
+lock, a declined prompt), 2 on bad usage (also: deleting without --yes when stdin is not a terminal, or with
+--json or --quiet, which never prompt).
 
 [bold]Examples[/bold]
 
@@ -127,7 +128,7 @@ def prune(
             policy.pin | frozenset(pin or ()),
         )
         grace_age = grace_age if grace_age is not None else file_grace
-        out.note(escape(f"rules from {POLICY_FILE}: {policy.describe()}"))
+        out.note(f"rules from {POLICY_FILE}: {policy.describe()}")
 
     shown = False
 
@@ -135,6 +136,14 @@ def prune(
         nonlocal shown
         if yes:
             return True
+        # --json and --quiet are for scripts and do not show the plan: asking to confirm a plan nobody saw
+        # is no confirmation, and a script must behave the same with or without a terminal attached.
+        if json_output or quiet:
+            raise ConfirmationRequired(
+                f"refusing to delete {len(plan.delete)} checkpoint(s) without confirmation: "
+                f"{'--json' if json_output else '--quiet'} does not show the plan or prompt",
+                "pass --yes to delete (or --dry-run to see the plan)",
+            )
         if not sys.stdin.isatty():
             raise ConfirmationRequired(
                 f"refusing to delete {len(plan.delete)} checkpoint(s) without confirmation: stdin is not a terminal",
@@ -166,10 +175,10 @@ def prune(
             _render_plan(out, report.plan)
         _render_summary(out, report)
     for note in report.plan.notes:
-        out.note(escape(f"note: {note}"))
+        out.note(f"note: {note}")
     if not quiet:
         for problem in report.unmet:
-            out.warn(escape(problem))
+            out.warn(problem)
     if report.failed or report.cancelled or (not report.deleted and report.unmet):
         raise typer.Exit(1)
 
@@ -185,10 +194,10 @@ def _parse(parser: Callable[[str], T], text: str | None, option: str) -> T | Non
 
 def _render_plan(out: Output, plan: PrunePlan) -> None:
     if not plan.items:
-        out.note(escape(f"no checkpoints found below {plan.run}"))
+        out.note(f"no checkpoints found below {plan.run}")
         return
     table = Table(
-        title=escape(f"{plan.run}: {plan.policy.describe()}"),
+        title=esc(f"{plan.run}: {plan.policy.describe()}"),
         title_justify="left",
     )
     table.add_column("action", no_wrap=True)
@@ -206,11 +215,11 @@ def _render_plan(out: Output, plan: PrunePlan) -> None:
             action = "[green]keep[/green]"
         table.add_row(
             action,
-            escape(_relative(item.url, plan.run)),
+            esc(display_path(item.url, plan.run)),
             "-" if item.ref.step is None else str(item.ref.step),
             item.ref.state.value,
             human_bytes(item.size_bytes),
-            escape("; ".join(item.reasons)),
+            esc("; ".join(item.reasons)),
         )
     out.print(table)
 
@@ -230,10 +239,3 @@ def _render_summary(out: Output, report: PruneReport) -> None:
         out.print(
             f"deleted {len(report.deleted)} checkpoint(s), freed {human_bytes(report.freed_bytes)}{trash}; {kept}"
         )
-
-
-def _relative(url: str, run: str) -> str:
-    from ckptctl import io
-
-    rel = io.relative_to(url, run)
-    return url if rel.startswith("..") else rel

@@ -7,9 +7,8 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 from rich.table import Table
 
-from ckptctl.cli.options import JsonOpt, QuietOpt
-from ckptctl.cli.output import Output, human_bytes
-from ckptctl.layouts import layout_names
+from ckptctl.cli.options import JsonOpt, QuietOpt, RunLayoutOpt
+from ckptctl.cli.output import Output, esc, human_bytes
 
 if TYPE_CHECKING:
     from ckptctl.ops.resume_plan import ResumePlan
@@ -50,10 +49,7 @@ def resume_plan(
     digests: Annotated[
         bool, typer.Option("--digests", help="Also check every file of each candidate against its recorded digests.")
     ] = False,
-    layout: Annotated[
-        str | None,
-        typer.Option("--layout", help=f"Consider only checkpoints of this layout ({', '.join(layout_names())})."),
-    ] = None,
+    layout: RunLayoutOpt = None,
     json_output: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
@@ -78,27 +74,27 @@ def _render(out: Output, plan: ResumePlan) -> None:
     facts.add_column(overflow="fold")
     chosen = plan.checkpoint
     if chosen is None:
-        facts.add_row("resume from", f"[red]nothing resumable[/red] in {plan.run}")
+        facts.add_row("resume from", f"[red]nothing resumable[/red] in {esc(plan.run)}")
     else:
         step = "" if chosen.step is None else f", step {chosen.step}"
-        facts.add_row("resume from", f"[green]{chosen.url}[/green] ({plan.framework}{step})")
+        facts.add_row("resume from", f"[green]{esc(chosen.url)}[/green] {esc(f'({plan.framework}{step})')}")
     for skipped in plan.skipped:
         step = "" if skipped.step is None else f" (step {skipped.step})"
-        facts.add_row("skipped", f"{skipped.url}{step}: {skipped.reason}")
+        facts.add_row("skipped", esc(f"{skipped.url}{step}: {skipped.reason}"))
     if chosen is not None:
         counters = ", ".join(f"{k} {v}" for k, v in plan.continues_from.items() if v is not None)
-        facts.add_row("continues from", counters or "-")
-        facts.add_row("restores", ", ".join(plan.restores) or "-")
+        facts.add_row("continues from", esc(counters or "-"))
+        facts.add_row("restores", esc(", ".join(plan.restores) or "-"))
         for name in plan.missing:
-            facts.add_row("not restored", f"[yellow]{name}[/yellow]: {plan.impacts.get(name, '')}")
+            facts.add_row("not restored", f"[yellow]{esc(name)}[/yellow]: {esc(plan.impacts.get(name, ''))}")
         check = plan.world_size
         if check is not None:
             verdict = {True: "[green]ok[/green]", False: "[red]no[/red]", None: "[yellow]unknown[/yellow]"}[check.ok]
             saved = "" if check.saved is None else f" (saved on {check.saved})"
-            facts.add_row("ranks", f"{check.target}{saved}: {verdict}; {check.note}")
+            facts.add_row("ranks", f"{check.target}{esc(saved)}: {verdict}; {esc(check.note)}")
             if check.fix:
-                facts.add_row("first run", check.fix)
+                facts.add_row("first run", esc(check.fix))
             if check.bytes_per_rank is not None:
                 facts.add_row("reads per rank", f"~{human_bytes(check.bytes_per_rank)}")
-        facts.add_row("setting", plan.resume_hint or "-")
+        facts.add_row("setting", esc(plan.resume_hint or "-"))
     out.print(facts)

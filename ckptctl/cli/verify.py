@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from ckptctl.cli.options import JsonOpt, LayoutOpt, QuietOpt
-from ckptctl.cli.output import Output
+from ckptctl.cli.output import Output, esc
 
 if TYPE_CHECKING:
     from ckptctl.ops.verification import VerifyResult
@@ -95,8 +95,8 @@ def _render(out: Output, result: VerifyResult) -> None:
     if result.wrote_digests:
         checks += ", digests recorded"
     mark = "[green]ok[/green]" if result.ok else "[red]FAILED[/red]"
-    out.print(f"{mark}  {result.url} ({result.layout}{step}; {checks})")
+    out.print(f"{mark}  {esc(result.url)} ({esc(result.layout)}{step}; {checks})")
     for problem in result.problems:
         colour = "red" if problem.severity == "error" else "yellow"
         where = f"{problem.path}: " if problem.path and not problem.message.startswith(problem.path) else ""
-        out.print(f"    [{colour}]{problem.kind}[/{colour}] {where}{problem.message}")
+        out.print(f"    [{colour}]{esc(problem.kind)}[/{colour}] {esc(where + problem.message)}")

@@ -14,7 +14,9 @@ with a hint. Transfers of many files or ranges run on a bounded pool of `workers
 
 from __future__ import annotations
 
+import bisect
 import contextlib
+import contextvars
 import errno
 import logging
 import os
@@ -36,6 +38,7 @@ __all__ = [
     "DirEntry",
     "RetryPolicy",
     "delete_file",
+    "delete_files",
     "delete_tree",
     "download_file",
     "exists",
@@ -46,6 +49,7 @@ __all__ = [
     "join",
     "list_dir",
     "list_tree",
+    "listing_snapshot",
     "local_path",
     "name_of",
     "open_read",
@@ -419,6 +423,12 @@ def _check_bucket(url: str, fs: Any) -> None:
 
 def list_dir(url: str) -> list[DirEntry]:
     """Entries of a folder, sorted by name; raises `CheckpointNotFound` when it does not exist."""
+    snapshot, rel = _snapshot_of(url)
+    if snapshot is not None and rel not in snapshot.files:
+        listing = snapshot.folders.get(rel)
+        if listing is None:
+            raise CheckpointNotFound(f"no such file or folder: {url}")
+        return list(listing)
     with _translate_errors(url):
         if is_local(url):
             entries = []
@@ -452,6 +462,9 @@ def list_tree(url: str) -> dict[str, DirEntry]:
 
     On object stores this is one paginated listing of the whole prefix rather than one per folder.
     """
+    snapshot, rel = _snapshot_of(url)
+    if snapshot is not None:
+        return snapshot.tree(rel)
     with _translate_errors(url):
         if is_local(url):
             base = local_path(url)
@@ -479,6 +492,9 @@ def list_tree(url: str) -> dict[str, DirEntry]:
 def exists(url: str) -> bool:
     if is_local(url):
         return os.path.exists(local_path(url))
+    snapshot, rel = _snapshot_of(url)
+    if snapshot is not None:
+        return rel in snapshot.folders or rel in snapshot.files
     with _translate_errors(url):
         fs, path = _fs(url)
         found = bool(_call(lambda: fs.exists(path), f"looking up {url}"))
@@ -490,6 +506,9 @@ def exists(url: str) -> bool:
 def is_dir(url: str) -> bool:
     if is_local(url):
         return os.path.isdir(local_path(url))
+    snapshot, rel = _snapshot_of(url)
+    if snapshot is not None:
+        return rel in snapshot.folders
     with _translate_errors(url):
         fs, path = _fs(url)
         found = bool(_call(lambda: fs.isdir(path), f"looking up {url}"))
@@ -499,6 +518,9 @@ def is_dir(url: str) -> bool:
 
 
 def file_size(url: str) -> int:
+    snapshot, rel = _snapshot_of(url)
+    if snapshot is not None and rel in snapshot.files:
+        return snapshot.files[rel].size
     with _translate_errors(url):
         if is_local(url):
             return os.stat(local_path(url)).st_size
@@ -506,11 +528,137 @@ def file_size(url: str) -> int:
         return int(_call(lambda: fs.size(path), f"sizing {url}"))
 
 
+# ------------------------------------------------------------------------------------ listing snapshots
+
+
+class _Snapshot:
+    """Every file and folder below a remote folder, from one recursive listing.
+
+    Object stores have no folders: a per-folder listing is one request per folder, while one listing of
+    the whole prefix returns every key below it, 1,000 per page. A scan of a run (`layouts.scan_run`)
+    asks about every folder of the run, so it takes one snapshot and answers from it.
+    """
+
+    def __init__(self, root: str, found: dict[str, dict[str, Any]], prefix: str) -> None:
+        self.root = root.rstrip("/")
+        self.files: dict[str, DirEntry] = {}
+        folders: dict[str, dict[str, DirEntry]] = {"": {}}
+
+        def add(rel: str, entry: DirEntry) -> None:
+            parent = rel.rpartition("/")[0]
+            if parent not in folders:
+                add(parent, DirEntry(posixpath.basename(parent), True, 0, 0.0))
+            folders[parent][entry.name] = entry
+            if entry.is_dir:
+                folders.setdefault(rel, {})
+
+        for name, info in sorted(found.items()):  # sorted: a folder's own entry comes before its content
+            rel = name[len(prefix) :].strip("/") if name.startswith(prefix) else ""
+            if not rel:
+                continue
+            entry = _entry(info)
+            if name.endswith("/") and not entry.is_dir:  # a placeholder object some tools create for a folder
+                entry = DirEntry(entry.name, True, 0, entry.mtime)
+            if not entry.is_dir:
+                self.files[rel] = entry
+            add(rel, entry)
+        self.folders = {rel: sorted(entries.values(), key=lambda d: d.name) for rel, entries in folders.items()}
+        self._paths = sorted(self.files)
+        self._small: dict[str, bytes] = {}
+        self._lock = threading.Lock()
+
+    def read_small(self, rel: str, read: Callable[[], bytes]) -> bytes:
+        """`read()` of the file `rel`, made once when the file is small (a marker such as `latest`, which
+        several layouts read while identifying a folder), every time otherwise."""
+        entry = self.files.get(rel)
+        keep = entry is not None and entry.size <= _SMALL_FILE
+        if keep:
+            with self._lock:
+                data = self._small.get(rel)
+            if data is not None:
+                return data
+        token = _SNAPSHOT.set(None)  # this read goes to the store
+        try:
+            data = read()
+        finally:
+            _SNAPSHOT.reset(token)
+        if keep:
+            with self._lock:
+                self._small[rel] = data
+        return data
+
+    def relative(self, url: str) -> str | None:
+        """`url` relative to the root ("" for the root), or None when it is not at or below it."""
+        if url.startswith("file://") or "://" not in url:
+            return None
+        path = url.rstrip("/")
+        if path == self.root:
+            return ""
+        if path.startswith(self.root + "/"):
+            rel = path[len(self.root) + 1 :]
+            return None if "//" in rel or any(part in (".", "..") for part in rel.split("/")) else rel
+        return None
+
+    def tree(self, rel: str) -> dict[str, DirEntry]:
+        """The files below the folder `rel`, keyed by their path relative to it."""
+        if not rel:
+            return dict(self.files)
+        start = rel + "/"
+        first = bisect.bisect_left(self._paths, start)
+        last = bisect.bisect_left(self._paths, rel + "0")  # "0" follows "/": the end of the keys below rel/
+        return {path[len(start) :]: self.files[path] for path in self._paths[first:last]}
+
+
+_SNAPSHOT: contextvars.ContextVar[_Snapshot | None] = contextvars.ContextVar("ckptctl_io_snapshot", default=None)
+#: Files up to this size are read once per snapshot.
+_SMALL_FILE = 64 << 10
+
+
+def _snapshot_of(url: str) -> tuple[_Snapshot | None, str]:
+    snapshot = _SNAPSHOT.get()
+    if snapshot is None:
+        return None, ""
+    rel = snapshot.relative(url)
+    return (None, "") if rel is None else (snapshot, rel)
+
+
+@contextlib.contextmanager
+def listing_snapshot(url: str) -> Iterator[None]:
+    """While the block runs, answer `list_dir`, `list_tree`, `is_dir`, `exists` and `file_size` of `url`
+    and of everything below it from one recursive listing taken on entry (paginated by the store).
+
+    For walks that ask about many folders of one tree (`list` of a run: one request in all instead of a
+    few per checkpoint). Whole reads of small files (up to 64 KiB: markers and pointers that several
+    layouts read) are made once in the block. What changes below `url` during the block is not seen.
+    A no-op for local paths (the os calls are cheap), for a `url` that an enclosing snapshot already
+    covers, and when nothing is found (the calls then go to the store, which says what is missing).
+    The snapshot is visible to the threads of `parallel_map` started inside the block.
+    """
+    if is_local(url) or _snapshot_of(url)[0] is not None:
+        yield
+        return
+    with _translate_errors(url):
+        fs, path = _fs(url)
+        found = _call(lambda: fs.find(path, detail=True, withdirs=True), f"listing {url}")
+    snapshot = _Snapshot(url, found, path.rstrip("/") + "/")
+    if not snapshot.files and len(snapshot.folders) == 1:
+        yield
+        return
+    token = _SNAPSHOT.set(snapshot)
+    try:
+        yield
+    finally:
+        _SNAPSHOT.reset(token)
+
+
 # ------------------------------------------------------------------------------------ reads
 
 
 def read_bytes(url: str, start: int = 0, length: int | None = None) -> bytes:
     """Read `length` bytes from `start` (to the end when None); a range read on object stores."""
+    snapshot, rel = _snapshot_of(url)
+    if snapshot is not None and start == 0 and length is None:
+        return snapshot.read_small(rel, lambda: read_bytes(url))
     with _translate_errors(url):
         if is_local(url):
             with open(local_path(url), "rb") as f:
@@ -584,14 +732,20 @@ def download_file(url: str, path: str, on_block: Callable[[bytes], object] | Non
 def parallel_map(fn: Callable[[T], R], items: Sequence[T], max_workers: int | None = None) -> list[R]:
     """`[fn(item) for item in items]` on a bounded thread pool, results in order.
 
-    On the first error the calls not yet started are cancelled, and the error is raised once the running
-    ones have ended, so that no transfer is left running in the background.
+    On the first error (or an interrupt) the calls not yet started are cancelled, and the error is raised
+    once the running ones have ended, so that no transfer is left running in the background. Each call runs in a copy of
+    the caller's context (a `listing_snapshot` the caller is inside applies to it).
     """
     if len(items) <= 1:
         return [fn(item) for item in items]
     with ThreadPoolExecutor(max_workers=min(max_workers or workers(), len(items))) as pool:
-        futures = [pool.submit(fn, item) for item in items]
-        _done, pending = wait(futures, return_when=FIRST_EXCEPTION)
+        futures = [pool.submit(contextvars.copy_context().run, fn, item) for item in items]
+        try:
+            _done, pending = wait(futures, return_when=FIRST_EXCEPTION)
+        except BaseException:  # Ctrl-C: start nothing more, let the running calls end
+            for future in futures:
+                future.cancel()
+            raise
         for future in pending:
             future.cancel()
     for future in futures:
@@ -662,6 +816,22 @@ def delete_file(url: str) -> None:
         fs, path = _fs(url)
         with contextlib.suppress(FileNotFoundError):
             _call(lambda: fs.rm_file(path), f"deleting {url}")
+
+
+def delete_files(urls: Sequence[str]) -> None:
+    """Remove many files (missing ones are not an error): batched deletes on object stores (S3 takes
+    1,000 keys a request), one by one locally. Every URL must be on the same store as the first."""
+    if not urls:
+        return
+    if is_local(urls[0]):
+        for url in urls:
+            delete_file(url)
+        return
+    with _translate_errors(urls[0]):
+        fs, _ = _fs(urls[0])
+        paths = [_fs(url)[1] for url in urls]
+        with contextlib.suppress(FileNotFoundError):
+            _call(lambda: fs.rm(paths), f"deleting {len(paths)} objects below {parent_of(urls[0])}")
 
 
 def delete_tree(url: str) -> None:

@@ -180,13 +180,17 @@ def scan_run(url: str, max_depth: int = 4) -> list[CheckpointRef]:
     themselves (a layout may recognise its own staging folders) and never descended into. Folders that a
     layout names as parts of its checkpoints kept beside them (its optional `companions(url, entries)`:
     open-instruct's shared `ref_policy/`, AReaL's `recover_info/`) are neither listed nor descended into.
+
+    On object stores the run is listed once, recursively (`io.listing_snapshot`), every folder's entries
+    and sizes come from that listing, and the checkpoints' marker reads overlap on a bounded pool.
     """
-    if not io.is_dir(url):
-        raise CheckpointNotFound(f"no such run folder: {url}")
-    _forget_peeks()
-    found: list[CheckpointRef] = []
-    _walk(url, io.list_dir(url), 0, max_depth, found)
-    return found
+    with io.listing_snapshot(url):
+        if not io.is_dir(url):
+            raise CheckpointNotFound(f"no such run folder: {url}")
+        _forget_peeks()
+        found: list[CheckpointRef] = []
+        _walk(url, io.list_dir(url), 0, max_depth, found, parallel=not io.is_local(url))
+        return found
 
 
 def _companions(url: str, entries: Sequence[io.DirEntry]) -> frozenset[str]:
@@ -199,28 +203,41 @@ def _companions(url: str, entries: Sequence[io.DirEntry]) -> frozenset[str]:
     return frozenset(found)
 
 
-def _walk(url: str, entries: Sequence[io.DirEntry], depth: int, max_depth: int, found: list[CheckpointRef]) -> None:
+def _walk(
+    url: str,
+    entries: Sequence[io.DirEntry],
+    depth: int,
+    max_depth: int,
+    found: list[CheckpointRef],
+    parallel: bool = False,
+) -> None:
+    """Append the checkpoints at or below `url` to `found`. With `parallel`, the first level holding more
+    than one folder is identified on `io.parallel_map`'s threads (for object stores, where a layout's
+    marker reads are requests worth overlapping); the levels below it are walked by those threads alone."""
     hit = _identify(url, entries)
     if hit is not None:
         found.append(hit[1])
         return
     if depth >= max_depth:
         return
-    children: list[CheckpointRef] = []
     parts = _companions(url, entries)
-    for entry in entries:
-        if not entry.is_dir or entry.name in _SKIP_DIRS or entry.name in parts:
-            continue
+    folders = [e for e in entries if e.is_dir and e.name not in _SKIP_DIRS and e.name not in parts]
+    fan_out = parallel and len(folders) > 1
+
+    def visit(entry: io.DirEntry) -> list[CheckpointRef]:
         child_url = io.join(url, entry.name)
         try:
             child_entries = io.list_dir(child_url)
         except CheckpointNotFound:  # removed while we walked
-            continue
+            return []
         if entry.name.startswith("."):
             hidden = _identify(child_url, child_entries)
-            if hidden is not None:
-                children.append(hidden[1])
-            continue
-        _walk(child_url, child_entries, depth + 1, max_depth, children)
+            return [] if hidden is None else [hidden[1]]
+        below: list[CheckpointRef] = []
+        _walk(child_url, child_entries, depth + 1, max_depth, below, parallel and not fan_out)
+        return below
+
+    visited = io.parallel_map(visit, folders) if fan_out else [visit(e) for e in folders]
+    children = [ref for refs in visited for ref in refs]
     pointed = {io.join(url, name) for layout in all_layouts() if (name := layout.latest_pointer(url, entries))}
     found.extend(replace(ref, latest=True) if ref.url in pointed else ref for ref in children)

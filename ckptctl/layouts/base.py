@@ -67,7 +67,10 @@ def timestamp(mtime: float | None) -> datetime | None:
 
 
 def folder_size(url: str, entries: Sequence[DirEntry] | None = None) -> int:
-    """Total size of the files below a folder (recursive)."""
+    """Total size of the files below a folder (recursive).
+
+    `entries`, the folder's listing when the caller has it, saves a request when it holds no folder.
+    """
     if io.is_local(url):
         total = 0
         for root, _dirs, files in os.walk(io.local_path(url)):
@@ -77,8 +80,9 @@ def folder_size(url: str, entries: Sequence[DirEntry] | None = None) -> int:
                 except FileNotFoundError:
                     continue
         return total
-    listing = io.list_dir(url) if entries is None else entries
-    return sum(e.size if not e.is_dir else folder_size(io.join(url, e.name)) for e in listing)
+    if entries is not None and not any(e.is_dir for e in entries):
+        return sum(e.size for e in entries)
+    return sum(e.size for e in io.list_tree(url).values())
 
 
 def newest_mtime(entries: Sequence[DirEntry]) -> float | None:
@@ -88,9 +92,9 @@ def newest_mtime(entries: Sequence[DirEntry]) -> float | None:
 
 
 def list_files(url: str) -> dict[str, int]:
-    """Every file below a folder: relative path (with `/`) -> size in bytes."""
-    files: dict[str, int] = {}
+    """Every file below a folder: relative path (with `/`) -> size in bytes (one listing on object stores)."""
     if io.is_local(url):
+        files: dict[str, int] = {}
         base = io.local_path(url)
         for root, _dirs, names in os.walk(base):
             for n in names:
@@ -100,10 +104,4 @@ def list_files(url: str) -> dict[str, int]:
                 except FileNotFoundError:
                     continue
         return files
-    for entry in io.list_dir(url):
-        if entry.is_dir:
-            for rel, size in list_files(io.join(url, entry.name)).items():
-                files[f"{entry.name}/{rel}"] = size
-        else:
-            files[entry.name] = entry.size
-    return files
+    return {rel: entry.size for rel, entry in sorted(io.list_tree(url).items())}

@@ -31,6 +31,17 @@ the plan (headers read back: names, dtypes, shapes; `reread` also reads every by
 digest computed while writing), digested into `ckptctl-digests.json` (so that `ckptctl verify DST` checks
 every byte later), fsynced and renamed into place. An interrupted conversion never leaves anything at
 DST; the next conversion into the same DST removes the leftover staging folder.
+
+DST on an object store (`s3://bucket/out`, any fsspec URL): the output is staged the same way in the local
+temporary folder (`TMPDIR`; its free space is checked against the output's size first), then uploaded on
+`io`'s bounded pool of parallel transfers in an order that no interrupted upload can pass for a complete
+checkpoint (`_upload_order`): weight files, then index, config and tokenizer files, then the one file
+whose arrival completes the checkpoint for its layout (DCP's `.metadata`, the smallest shard of a sharded
+HF model, `model.safetensors`), then, once a listing shows every object with its size,
+`ckptctl-digests.json`. Each object appears whole or not at all (a PUT is atomic). A failed upload removes
+what it uploaded; a killed one leaves a prefix that `list` reports broken or in progress, and that the
+next conversion refuses without `force`. `force` deletes the old objects before uploading, commit markers
+first (`_delete_objects`), so that a half-deleted old output does not pass for complete either.
 """
 
 from __future__ import annotations
@@ -40,12 +51,16 @@ import ctypes
 import enum
 import errno
 import fcntl
+import hashlib
 import json
 import os
+import posixpath
+import re
 import shutil
+import tempfile
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -60,7 +75,7 @@ from ckptctl.errors import (
     UnknownLayout,
 )
 from ckptctl.formats.digest import file_digest
-from ckptctl.formats.manifest import DIGESTS_NAME, FileRecord, Manifest, now_iso
+from ckptctl.formats.manifest import DIGESTS_NAME, MANIFEST_NAME, FileRecord, Manifest, now_iso
 from ckptctl.formats.raw_chunks import ChunkLocator, row_major_runs
 from ckptctl.formats.safetensors import TORCH_TO_SAFETENSORS, WrittenFile, build_header, read_header, tensor_bytes
 from ckptctl.formats.safetensors_stream import BufferSource, RangeSource, Source, StreamCopier, plan_shards
@@ -211,6 +226,7 @@ class ConvertResult:
         warnings: things a person should know (no config found, ...).
         checkpoint: the checkpoint folder converted (the tag `latest` names, given a DeepSpeed save folder).
         weights: `master` (fp32 master weights rebuilt from optimizer partitions) or `stored`.
+        uploaded: bytes uploaded to an object store DST (every file of the output; 0 for a local DST).
     """
 
     src: str
@@ -229,6 +245,7 @@ class ConvertResult:
     warnings: tuple[str, ...] = field(default_factory=tuple)
     checkpoint: str = ""
     weights: str = Weights.STORED.value
+    uploaded: int = 0
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -242,6 +259,7 @@ class ConvertResult:
             "bytes": self.bytes,
             "files": list(self.files),
             "bytes_read": self.bytes_read,
+            "bytes_uploaded": self.uploaded,
             "seconds": round(self.seconds, 3),
             "dtype": self.dtype,
             "weights": self.weights,
@@ -282,13 +300,14 @@ class _Planned:
 def convert(
     src: str, dst: str, options: ConvertOptions | None = None, progress: Progress | None = None
 ) -> ConvertResult:
-    """Convert the checkpoint at `src` into a new folder `dst` (see the module docstring).
+    """Convert the checkpoint at `src` into a new folder `dst`, a local path or an object store URL (see the
+    module docstring).
 
     Raises:
         CkptctlError: bad options, DST not empty (without `force`) or overlapping the source, a source
             that is incomplete, broken or lacks the component, names that collide after renaming.
         CorruptCheckpoint: source bytes that disagree with their metadata (nothing is left at DST).
-        StorageError: the output cannot be written.
+        StorageError: the output cannot be written or uploaded.
     """
     options = options or ConvertOptions()
     progress = progress or NoProgress()
@@ -314,7 +333,9 @@ def convert(
     side_files, side_notes = _side_files(url, options)
     notes += side_notes
 
-    with _Staging(dst) as staging:
+    staging = _Staging(dst) if io.is_local(dst) else _UploadStaging(dst)
+    with staging:
+        staging.check_space(sum(p.nbytes for p in plan))
         try:
             if options.to is Target.HF:
                 written = _write_hf(checkpoint, plan, staging.out, options, progress)
@@ -324,8 +345,8 @@ def convert(
             progress.finish()  # a bar left running on an error would hide the terminal's cursor
         copied = _copy_side_files(side_files, staging.out, options.dtype)
         _write_digests(staging.out, written.digests)
-        staging.commit(options.force)
-    files = tuple(sorted(os.listdir(dst)))
+        files = tuple(sorted(os.listdir(staging.out)))
+        uploaded = staging.commit(options.force, progress)
     return ConvertResult(
         src=src,
         dst=dst,
@@ -343,6 +364,7 @@ def convert(
         warnings=tuple(notes),
         checkpoint=url,
         weights=weights.value,
+        uploaded=uploaded,
     )
 
 
@@ -765,11 +787,10 @@ def _write_digests(out: str, known: dict[str, FileRecord]) -> None:
 
 
 def _check_destination(src: str, dst: str, force: bool) -> str:
-    """The absolute local DST, refused when it would overwrite something it must not."""
+    """The absolute local DST (or the object store URL without a trailing `/`), refused when it would
+    overwrite something it must not."""
     if not io.is_local(dst):
-        raise CkptctlError(
-            f"convert writes to a local folder, not {dst}", "convert locally, then upload with your storage tool"
-        )
+        return _check_remote_destination(src, dst, force)
     path = os.path.abspath(io.local_path(dst))
     if os.path.lexists(path) and not os.path.isdir(path):
         raise CkptctlError(f"{path} exists and is not a folder", "choose a folder path for the output")
@@ -785,6 +806,29 @@ def _check_destination(src: str, dst: str, force: bool) -> str:
     return path
 
 
+def _check_remote_destination(src: str, dst: str, force: bool) -> str:
+    """`dst` without a trailing `/`, refused when objects are below it (without `force`), when it is an
+    object itself, or when it holds the source."""
+    url = dst.rstrip("/")
+    scheme, _, path = url.partition("://")
+    if not path.strip("/"):
+        raise CkptctlError(f"{dst} names no bucket or folder", f"write into a prefix, e.g. {scheme}://BUCKET/export")
+    if not io.is_local(src):
+        source = src.rstrip("/")
+        if source == url or source.startswith(url + "/"):
+            raise CkptctlError(f"{url} contains the source {src}; the output would replace it", "choose another prefix")
+    existing = io.list_tree(url)
+    if existing and not force:
+        raise CkptctlError(
+            f"{url} is not empty ({len(existing)} object(s) below it)",
+            "pass --force to replace them, or choose another prefix; an upload that was killed also leaves "
+            "objects behind, which --force removes",
+        )
+    if not existing and io.exists(url):
+        raise CkptctlError(f"{url} is an object, not a folder", "choose a folder path for the output")
+    return url
+
+
 class _Staging:
     """The hidden folder a conversion writes into, its lock, and the final rename.
 
@@ -793,10 +837,13 @@ class _Staging:
     conversion and is removed by the next conversion into the same DST.
     """
 
-    def __init__(self, dst: str) -> None:
+    def __init__(self, dst: str, parent: str | None = None, stem: str | None = None) -> None:
+        """`parent` and `stem`: the folder that holds the staging folder and the start of its name (next to
+        DST, `.<name of DST>`, unless given)."""
         self.dst = dst
-        self.parent = os.path.dirname(dst)
-        self.root = os.path.join(self.parent, f".{os.path.basename(dst)}{_STAGING_TAG}{os.getpid()}")
+        self.parent = os.path.dirname(dst) if parent is None else parent
+        self.stem = f".{os.path.basename(dst)}" if stem is None else stem
+        self.root = os.path.join(self.parent, f"{self.stem}{_STAGING_TAG}{os.getpid()}")
         self.out = os.path.join(self.root, _OUT_NAME)
         self._lock_fd: int | None = None
 
@@ -810,8 +857,11 @@ class _Staging:
             os.mkdir(self.out)
         except OSError as exc:
             self._remove()
-            raise StorageError(f"cannot create a staging folder next to {self.dst}: {exc.strerror or exc}") from exc
+            raise StorageError(f"cannot create a staging folder in {self.parent}: {exc.strerror or exc}") from exc
         return self
+
+    def check_space(self, tensor_bytes: int) -> None:
+        """Nothing to check next to DST: the output is written where the user asked for it."""
 
     def __exit__(self, *exc: object) -> None:
         self._remove()
@@ -823,7 +873,7 @@ class _Staging:
             self._lock_fd = None
 
     def _clean_stale(self) -> None:
-        prefix = f".{os.path.basename(self.dst)}{_STAGING_TAG}"
+        prefix = f"{self.stem}{_STAGING_TAG}"
         for name in os.listdir(self.parent):
             if not name.startswith(prefix) or not name[len(prefix) :].isdigit():
                 continue
@@ -844,8 +894,9 @@ class _Staging:
             finally:
                 os.close(fd)
 
-    def commit(self, force: bool) -> None:
-        """Move `out/` to DST: a plain rename, or an atomic exchange with a non-empty DST under `force`."""
+    def commit(self, force: bool, progress: Progress) -> int:
+        """Move `out/` to DST: a plain rename, or an atomic exchange with a non-empty DST under `force`.
+        Returns the bytes uploaded: none."""
         io.fsync_dir(self.out)
         dst = self.dst
         try:
@@ -860,6 +911,130 @@ class _Staging:
         except OSError as exc:
             raise StorageError(f"cannot move the output into {dst}: {exc.strerror or exc}") from exc
         io.fsync_dir(self.parent)
+        return 0
+
+
+class _UploadStaging(_Staging):
+    """The local folder an output for an object store is written into, and its upload.
+
+    `.ckptctl-upload-<hash of DST>.ckptctl-convert-<pid>/` in the temporary folder (`TMPDIR`), locked like
+    a staging folder next to a local DST: a conversion into the same DST that runs on this machine is
+    refused, and one that was killed has its staging folder removed by the next.
+    """
+
+    def __init__(self, dst: str) -> None:
+        digest = hashlib.sha256(dst.encode()).hexdigest()[:16]
+        super().__init__(dst, tempfile.gettempdir(), f".ckptctl-upload-{digest}")
+
+    def check_space(self, tensor_bytes: int) -> None:
+        """Raise `StorageError` when the temporary folder's disk cannot hold an output of `tensor_bytes`
+        (before converting, rather than on a full disk halfway)."""
+        try:
+            usage = shutil.disk_usage(self.root)
+        except OSError:
+            return
+        need = tensor_bytes + (1 << 20)  # headers, index, config
+        if usage.total and usage.free < need:
+            raise StorageError(
+                f"staging the output for {self.dst} needs {need} bytes in {self.parent}, which has {usage.free} free",
+                "point TMPDIR at a folder on a disk with room for the output (it is uploaded from there)",
+            )
+
+    def commit(self, force: bool, progress: Progress) -> int:
+        """Upload `out/` to DST in `_upload_order`, then, once a listing shows every object with its size,
+        the digests; returns the bytes uploaded.
+
+        Objects that appeared below DST while converting are refused without `force` and deleted first
+        with it. A failed upload deletes what it uploaded (the old objects, under `force`, are gone).
+        """
+        existing = io.list_tree(self.dst)
+        if existing:
+            if not force:
+                raise CkptctlError(f"{self.dst} was filled while converting", "pass --force to replace it")
+            _delete_objects(self.dst, list(existing))
+        sizes = {
+            os.path.relpath(os.path.join(root, name), self.out).replace(os.sep, "/"): os.path.getsize(
+                os.path.join(root, name)
+            )
+            for root, _dirs, names in os.walk(self.out)
+            for name in names
+        }
+        done: list[str] = []
+
+        def upload(rel: str) -> None:
+            io.upload_file(os.path.join(self.out, rel), io.join(self.dst, rel))
+            done.append(rel)
+            progress.advance(sizes[rel])
+
+        progress.start("uploading", sum(sizes.values()))
+        try:
+            for batch in _upload_order(sizes):
+                io.parallel_map(upload, batch)
+            self._check_uploaded({rel: size for rel, size in sizes.items() if rel != DIGESTS_NAME})
+            upload(DIGESTS_NAME)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                _delete_objects(self.dst, done)
+            raise
+        finally:
+            progress.finish()
+        return sum(sizes.values())
+
+    def _check_uploaded(self, sizes: Mapping[str, int]) -> None:
+        """Every uploaded object is listed with the size of its local file (before the digests go up)."""
+        listed = {rel: entry.size for rel, entry in io.list_tree(self.dst).items()}
+        wrong = sorted(rel for rel, size in sizes.items() if listed.get(rel) != size)
+        if wrong:
+            raise StorageError(
+                f"the object store lists {wrong[0]} below {self.dst} "
+                + ("as missing" if wrong[0] not in listed else f"with {listed[wrong[0]]} bytes, not {sizes[wrong[0]]}"),
+                "another writer may be using the same prefix; convert again with --force",
+            )
+
+
+_HF_SHARD = re.compile(r"-\d{5}-of-\d{5}\.safetensors$")
+_FIRST_HF_SHARD = re.compile(r"-00001-of-\d{5}\.safetensors$")
+#: Files whose presence completes a checkpoint for some layout (beside `_HF_SHARD` shards).
+_COMMIT_MARKERS = frozenset({DIGESTS_NAME, MANIFEST_NAME, ".metadata", INDEX_NAME, "model.safetensors"})
+
+
+def _keystone(sizes: Mapping[str, int]) -> str | None:
+    """The file of an output whose arrival makes its layout call the folder complete: DCP's `.metadata`
+    (without it a DCP folder is in progress), the smallest shard of a sharded HF model (with one missing,
+    the shard naming shows it broken), or `model.safetensors`."""
+    if ".metadata" in sizes:
+        return ".metadata"
+    shards = [rel for rel in sizes if "/" not in rel and _HF_SHARD.search(rel)]
+    if shards:
+        return min(shards, key=lambda rel: (sizes[rel], rel))
+    return "model.safetensors" if "model.safetensors" in sizes else None
+
+
+def _upload_order(sizes: Mapping[str, int]) -> list[list[str]]:
+    """Batches of an output's files (the digests aside, which go up last) to upload one after another,
+    each batch in parallel: weight files; index, config, tokenizer and other small files; the keystone
+    (`_keystone`). Until the keystone is up, the prefix lists as broken or in progress, or holds no
+    checkpoint at all."""
+    keystone = _keystone(sizes)
+    rest = [rel for rel in sorted(sizes) if rel not in (keystone, DIGESTS_NAME)]
+    data = [rel for rel in rest if rel.endswith((".safetensors", ".distcp"))]
+    small = [rel for rel in rest if rel not in data]
+    return [batch for batch in (data, small, [keystone] if keystone else []) if batch]
+
+
+def _delete_objects(url: str, rels: Collection[str]) -> None:
+    """Delete the objects `rels` below `url` so that no moment of it passes for a complete checkpoint:
+    digests first, then the files that complete a checkpoint (index, DCP and native metadata, the first
+    shard of each sharded model), then the rest."""
+    first = [rel for rel in rels if posixpath.basename(rel) == DIGESTS_NAME]
+    markers = [
+        rel
+        for rel in rels
+        if rel not in first and (posixpath.basename(rel) in _COMMIT_MARKERS or _FIRST_HF_SHARD.search(rel))
+    ]
+    rest = [rel for rel in rels if rel not in first and rel not in markers]
+    for batch in (first, markers, rest):
+        io.delete_files([io.join(url, rel) for rel in batch])
 
 
 def _exchange(a: str, b: str) -> bool:

@@ -4,7 +4,8 @@ Writes, under DIR:
 - `native/`: single-process run saved by `CheckpointManager` every 10 steps (safetensors + JSON);
 - `distributed/`: a 2-rank gloo run with FSDP2 `fully_shard`, saved by `CheckpointManager` (sharded DCP);
 - `dcp/`: the same 2-rank run saved with plain `torch.distributed.checkpoint.save` (a foreign layout);
-- `hf/`: the final model exported as a Hugging Face style folder (model.safetensors + config.json).
+- `hf/`: the final model exported as a Hugging Face style folder (model.safetensors + config.json);
+- `.ckptctl-demo`: the marker that lets a later `demo --force` replace the folder, and nothing else.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from ckptctl.errors import CkptctlError
 SAVE_EVERY = 10
 HIDDEN = 64
 VOCAB = 256
+MARKER = ".ckptctl-demo"
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,11 +90,8 @@ def run_demo(root: str, *, steps: int = 30, distributed: bool = True, force: boo
 
     if not io.is_local(root):
         raise CkptctlError("the demo writes to a local folder", "pass a local path")
-    if os.path.exists(root) and os.listdir(root):
-        if not force:
-            raise CkptctlError(f"{root} is not empty", "pass --force to replace it, or choose another folder")
-        shutil.rmtree(root)
-    os.makedirs(root, exist_ok=True)
+    root = io.local_path(root)
+    _prepare(root, force=force)
 
     torch.manual_seed(0)
     model = _model()
@@ -115,6 +114,39 @@ def run_demo(root: str, *, steps: int = 30, distributed: bool = True, force: boo
         torch.multiprocessing.spawn(_distributed_worker, args=(2, port, root, steps), nprocs=2, join=True)
         runs += ["distributed", "dcp"]
     return DemoResult(root, tuple(runs), steps)
+
+
+def _prepare(root: str, *, force: bool) -> None:
+    """Create `root` with its marker; with `force`, first delete a folder an earlier demo wrote.
+
+    `--force` deletes a whole folder, so it only ever deletes one that carries the demo's marker, and never
+    the root, the home folder, the working folder or one of its parents, whatever they hold.
+    """
+    if os.path.lexists(root) and not os.path.isdir(root):
+        raise CkptctlError(f"{root} exists and is not a folder", "choose another folder")
+    if os.path.isdir(root) and os.listdir(root):
+        if not force:
+            raise CkptctlError(
+                f"{root} is not empty", "pass --force to replace an earlier demo, or choose another folder"
+            )
+        real = os.path.realpath(root)
+        cwd = os.path.realpath(os.getcwd())
+        guarded = {os.path.realpath(os.sep), os.path.realpath(os.path.expanduser("~"))}
+        if real in guarded or os.path.commonpath([real, cwd]) == real:
+            raise CkptctlError(
+                f"refusing to replace {root}: it is the root, home or working folder or one of its parents",
+                "choose a new folder for the demo",
+            )
+        if os.path.islink(root) or not os.path.isfile(os.path.join(root, MARKER)):
+            raise CkptctlError(
+                f"refusing to replace {root}: it is not a folder an earlier `ckptctl demo` wrote (no {MARKER} in it)",
+                "choose another folder, or delete this one yourself if you are sure",
+            )
+        shutil.rmtree(root)
+    os.makedirs(root, exist_ok=True)
+    # Written first, so that a demo interrupted half-way can still be replaced with --force.
+    with open(os.path.join(root, MARKER), "w") as f:
+        f.write("written by `ckptctl demo`; `ckptctl demo --force` may delete this folder\n")
 
 
 def _export_hf(folder: str, model: Any) -> None:

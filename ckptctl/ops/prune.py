@@ -42,7 +42,7 @@ from ckptctl.errors import CheckpointNotFound, CkptctlError
 from ckptctl.layouts import all_layouts, detect, get_layout, scan_run
 from ckptctl.layouts.native import TRASH_NAME
 from ckptctl.ops.lock import LOCK_NAME, STALE_AFTER, RunLock, read_lock, stale_reason
-from ckptctl.ops.report import SCHEMA_VERSION, NoProgress, Progress, flatten, iso
+from ckptctl.ops.report import SCHEMA_VERSION, NoProgress, Progress, display_path, flatten, iso
 from ckptctl.units import format_age, format_size, parse_age
 
 __all__ = [
@@ -168,7 +168,7 @@ class PrunePlan:
     def unmet(self) -> tuple[str, ...]:
         """What the policy wanted and cannot do, for a person."""
         out = [
-            f"{_relative(i.url, self.run)} is protected ({'; '.join(i.reasons)}) although no rule keeps it"
+            f"{display_path(i.url, self.run)} is protected ({'; '.join(i.reasons)}) although no rule keeps it"
             for i in self.items
             if i.blocked
         ]
@@ -226,7 +226,7 @@ class PruneReport:
     @property
     def unmet(self) -> tuple[str, ...]:
         """What the policy wanted and could not do (protections, the budget, checkpoints left in place)."""
-        left = [f"{_relative(s.item.url, self.plan.run)} was not deleted: {s.reason}" for s in self.skipped]
+        left = [f"{display_path(s.item.url, self.plan.run)} was not deleted: {s.reason}" for s in self.skipped]
         return self.plan.unmet + tuple(left)
 
     def to_json(self) -> dict[str, Any]:
@@ -465,7 +465,7 @@ def _protect_pointers(found: list[_Found], run: str) -> list[str]:
     by_real = {f.real: f for f in found if f.real and not f.link}
     for f in found:
         if f.link and f.real in by_real:
-            by_real[f.real].protected.append(f"named by the symbolic link {_relative(f.ref.url, run)}")
+            by_real[f.real].protected.append(f"named by the symbolic link {display_path(f.ref.url, run)}")
     series: dict[str, list[_Found]] = {}
     for f in found:
         if not f.link:
@@ -683,8 +683,3 @@ def _empty_trash(folders: Iterable[str]) -> int:
                     freed += entry.size
                     io.delete_file(child)
     return freed
-
-
-def _relative(url: str, run: str) -> str:
-    rel = io.relative_to(url, run)
-    return url if rel.startswith("..") else rel

@@ -1,4 +1,4 @@
-"""Shared pieces of the command reports: JSON conversion, flattened metadata and the progress callback protocol."""
+"""Shared pieces of the command reports: JSON conversion, flattened metadata, display paths and the progress protocol."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from datetime import datetime
 from typing import Any, Protocol
 
+from ckptctl import io
 from ckptctl.checkpoint import CheckpointRef, Problem
 
 SCHEMA_VERSION = 1
@@ -76,6 +77,12 @@ def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
         else:
             flat[name] = value
     return flat
+
+
+def display_path(url: str, root: str) -> str:
+    """`url` as a person reads it in a report about `root`: relative to it, or whole when it lies outside."""
+    rel = io.relative_to(url, root)
+    return url if rel.startswith("..") else rel
 
 
 def ref_json(ref: CheckpointRef) -> dict[str, Any]:

@@ -1,5 +1,6 @@
 """The transfer helpers of `ckptctl.io` on an fsspec store: parallel range reads and downloads keep their
-order and count every byte; a failed transfer stops the ones not yet started."""
+order and count every byte; a failed transfer stops the ones not yet started; a listing snapshot answers
+as the store does, without asking it."""
 
 from __future__ import annotations
 
@@ -8,10 +9,12 @@ import secrets
 import threading
 from pathlib import Path
 
+import fsspec
 import pytest
 
 from ckptctl import io
 from ckptctl.errors import CheckpointNotFound, StorageError
+from tests.s3.server import copy_to_store
 
 
 @pytest.fixture
@@ -63,3 +66,45 @@ def test_parallel_map_stops_after_the_first_failure() -> None:
         io.parallel_map(work, list(range(200)), max_workers=2)
     assert len(started) < 200  # the calls not yet started were cancelled
     assert io.parallel_map(lambda i: i * i, [3, 1, 2]) == [9, 1, 4]
+
+
+@pytest.mark.parametrize("scheme", ["s3", "memory"])
+def test_a_listing_snapshot_answers_as_the_store_does(
+    demo_dir: Path, stores: dict[str, str], scheme: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root = copy_to_store(demo_dir / "native", f"{stores[scheme]}/snapshot-{secrets.token_hex(3)}")
+    fs, path = fsspec.core.url_to_fs(root, use_listings_cache=False)
+    fs.pipe_file(f"{path}/deep/a/b/c.txt", b"deep")
+    folders = ["", "step-10", "step-30", "deep", "deep/a", "deep/a/b", "nothing"]
+    files = ["latest", "step-30/ckptctl-manifest.json", "deep/a/b/c.txt", "nothing.txt"]
+
+    def answers() -> list[object]:
+        out: list[object] = []
+        for rel in folders:
+            url = f"{root}/{rel}".rstrip("/")
+            try:
+                listing: object = [(e.name, e.is_dir, e.size) for e in io.list_dir(url)]
+            except CheckpointNotFound:
+                listing = "not found"
+            out += [listing, io.is_dir(url), io.exists(url), sorted((k, e.size) for k, e in io.list_tree(url).items())]
+        for rel in files:
+            url = f"{root}/{rel}"
+            out += [io.exists(url), io.is_dir(url), io.file_size(url) if io.exists(url) else None]
+        out.append(io.read_bytes(f"{root}/latest"))
+        return out
+
+    expected = answers()
+    with io.listing_snapshot(f"{root}/"):
+        calls: list[str] = []
+        real_fs = io._fs  # counts what reaches the store
+
+        def counting_fs(url: str) -> tuple[object, str]:
+            calls.append(url)
+            return real_fs(url)
+
+        monkeypatch.setattr(io, "_fs", counting_fs)
+        assert answers() == expected
+        assert answers() == expected  # `latest`, a small file, is read once
+        in_threads = io.parallel_map(lambda rel: io.is_dir(f"{root}/{rel}"), folders)
+        assert calls == [f"{root}/latest"]
+    assert in_threads == [True] * 6 + [False]

@@ -9,6 +9,7 @@ from rich.table import Table
 
 from ckptctl.cli.options import JsonOpt, QuietOpt, RunLayoutOpt
 from ckptctl.cli.output import STATE_STYLE, Output, esc, human_bytes
+from ckptctl.layouts import DEFAULT_SCAN_DEPTH
 from ckptctl.ops.report import display_path
 
 HELP = """List every checkpoint of a run folder: step, epoch, layout, state, size, and which one `latest` names.
@@ -39,7 +40,7 @@ def list_checkpoints(
     ] = None,
     layout: RunLayoutOpt = None,
     limit: Annotated[int | None, typer.Option(help="Show at most this many.", min=1)] = None,
-    depth: Annotated[int, typer.Option(help="How deep to look for nested runs.", min=0)] = 4,
+    depth: Annotated[int, typer.Option(help="How deep to look for nested runs.", min=0)] = DEFAULT_SCAN_DEPTH,
     json_output: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:

@@ -12,6 +12,7 @@ from rich.table import Table
 from ckptctl.cli.options import JsonOpt, QuietOpt
 from ckptctl.cli.output import Output, esc, human_bytes
 from ckptctl.errors import CkptctlError
+from ckptctl.layouts import DEFAULT_SCAN_DEPTH
 from ckptctl.ops.report import display_path
 
 if TYPE_CHECKING:
@@ -90,7 +91,7 @@ def prune(
     wait: Annotated[
         float, typer.Option("--wait", help="Seconds to wait for another prune of the run to finish.", min=0)
     ] = 30.0,
-    depth: Annotated[int, typer.Option(help="How deep to look for nested runs.", min=0)] = 4,
+    depth: Annotated[int, typer.Option(help="How deep to look for nested runs.", min=0)] = DEFAULT_SCAN_DEPTH,
     json_output: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:

@@ -19,7 +19,17 @@ from ckptctl.checkpoint import Checkpoint, CheckpointRef
 from ckptctl.errors import CheckpointNotFound, CkptctlError, UnknownLayout
 from ckptctl.layouts.base import Layout
 
-__all__ = ["Layout", "detect", "get_layout", "layout_names", "open_checkpoint", "peek", "peek_dir", "scan_run"]
+__all__ = [
+    "DEFAULT_SCAN_DEPTH",
+    "Layout",
+    "detect",
+    "get_layout",
+    "layout_names",
+    "open_checkpoint",
+    "peek",
+    "peek_dir",
+    "scan_run",
+]
 
 #: Tried in this order: the more specific layouts first. A native checkpoint also holds safetensors files an
 #: HF reader would accept, and a native multi-rank one holds a DCP folder. AReaL's recover slot is a DCP
@@ -39,6 +49,10 @@ _REGISTRY: tuple[tuple[str, str], ...] = (
     ("deepspeed", "ckptctl.layouts.deepspeed:DeepSpeedLayout"),
     ("hf", "ckptctl.layouts.hf:HfModelLayout"),
 )
+
+#: How deep `list`, `verify` and `prune` look for checkpoints below a run folder: AReaL's recover slots sit
+#: 6 levels below its `fileroot` (checkpoints/user/experiment/trial/default/recover_checkpoint).
+DEFAULT_SCAN_DEPTH = 6
 
 #: Folders never worth descending into when looking for checkpoints.
 _SKIP_DIRS = frozenset({"__pycache__", ".git", ".hg", ".svn", "node_modules", ".ckptctl-trash", "wandb"})
@@ -173,7 +187,7 @@ def open_checkpoint(url: str, layout: str | None = None) -> Checkpoint:
     return found.open(url)
 
 
-def scan_run(url: str, max_depth: int = 4) -> list[CheckpointRef]:
+def scan_run(url: str, max_depth: int = DEFAULT_SCAN_DEPTH) -> list[CheckpointRef]:
     """Every checkpoint below `url` (the folder itself included), in whatever nesting the run uses.
 
     A folder recognised as a checkpoint is not descended into. Hidden folders are only checked

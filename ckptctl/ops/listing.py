@@ -7,7 +7,7 @@ from typing import Any
 
 from ckptctl import io
 from ckptctl.checkpoint import CheckpointRef, CheckpointState
-from ckptctl.layouts import scan_run
+from ckptctl.layouts import DEFAULT_SCAN_DEPTH, scan_run
 from ckptctl.ops.report import SCHEMA_VERSION, ref_json
 
 SORT_KEYS = ("step", "created", "size", "url")
@@ -36,7 +36,7 @@ def list_run(
     states: frozenset[CheckpointState] | None = None,
     layout: str | None = None,
     limit: int | None = None,
-    max_depth: int = 4,
+    max_depth: int = DEFAULT_SCAN_DEPTH,
 ) -> ListReport:
     """Find every checkpoint below `run`.
 

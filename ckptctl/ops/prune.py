@@ -39,7 +39,7 @@ from ckptctl import io
 from ckptctl.checkpoint import CheckpointRef, CheckpointState
 from ckptctl.core.retention import Candidate, RetentionPolicy
 from ckptctl.errors import CheckpointNotFound, CkptctlError
-from ckptctl.layouts import all_layouts, detect, get_layout, scan_run
+from ckptctl.layouts import DEFAULT_SCAN_DEPTH, all_layouts, detect, get_layout, scan_run
 from ckptctl.layouts.native import TRASH_NAME
 from ckptctl.ops.lock import LOCK_NAME, STALE_AFTER, RunLock, read_lock, stale_reason
 from ckptctl.ops.report import SCHEMA_VERSION, NoProgress, Progress, display_path, flatten, iso
@@ -352,7 +352,7 @@ def plan_prune(
     *,
     grace: timedelta = DEFAULT_GRACE,
     now: datetime | None = None,
-    max_depth: int = 4,
+    max_depth: int = DEFAULT_SCAN_DEPTH,
 ) -> PrunePlan:
     """Plan a prune of `run`: read-only (directory listings, markers, metrics when `keep_best` asks).
 
@@ -549,7 +549,7 @@ def prune(
     dry_run: bool = False,
     confirm: Callable[[PrunePlan], bool] | None = None,
     wait: float = 30.0,
-    max_depth: int = 4,
+    max_depth: int = DEFAULT_SCAN_DEPTH,
     progress: Progress | None = None,
     warn: Callable[[str], None] | None = None,
 ) -> PruneReport:

@@ -855,3 +855,24 @@ def delete_tree(url: str) -> None:
         fs, path = _fs(url)
         with contextlib.suppress(FileNotFoundError):
             _call(lambda: fs.rm(path, recursive=True), f"deleting {url}")
+
+
+def refuse_to_replace_precious(path: str, what: str) -> None:
+    """Refuse a `--force` that would replace the root, the home folder, or the working folder or a parent.
+
+    Args:
+        path: local folder about to be replaced.
+        what: the command's phrase for the hint ("choose a new folder for the demo").
+
+    Raises:
+        CkptctlError: `path` is one of those folders, whatever it holds.
+    """
+    from ckptctl.errors import CkptctlError
+
+    real = os.path.realpath(local_path(path))
+    cwd = os.path.realpath(os.getcwd())
+    guarded = {os.path.realpath(os.sep), os.path.realpath(os.path.expanduser("~"))}
+    if real in guarded or os.path.commonpath([real, cwd]) == real:
+        raise CkptctlError(
+            f"refusing to replace {path}: it is the root, home or working folder or one of its parents", what
+        )

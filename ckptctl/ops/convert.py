@@ -803,6 +803,16 @@ def _check_destination(src: str, dst: str, force: bool) -> str:
             raise CkptctlError(
                 f"{path} contains the source {src}; the output would replace it", "choose another folder"
             )
+    if force and os.path.isdir(path) and os.listdir(path):
+        # --force swaps the whole folder out: never one a typo could name (`~`, `.`), and never one holding
+        # sub-folders unless an earlier conversion wrote it (an export is flat; a run folder is not).
+        io.refuse_to_replace_precious(path, "choose another output folder")
+        earlier_export = os.path.isfile(os.path.join(path, DIGESTS_NAME))
+        if not earlier_export and any(entry.is_dir() for entry in os.scandir(path)):
+            raise CkptctlError(
+                f"refusing to replace {path}: it holds sub-folders and no {DIGESTS_NAME}, so it is not an earlier export",
+                "choose another output folder, or delete this one yourself if you are sure",
+            )
     return path
 
 

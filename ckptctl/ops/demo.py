@@ -129,14 +129,7 @@ def _prepare(root: str, *, force: bool) -> None:
             raise CkptctlError(
                 f"{root} is not empty", "pass --force to replace an earlier demo, or choose another folder"
             )
-        real = os.path.realpath(root)
-        cwd = os.path.realpath(os.getcwd())
-        guarded = {os.path.realpath(os.sep), os.path.realpath(os.path.expanduser("~"))}
-        if real in guarded or os.path.commonpath([real, cwd]) == real:
-            raise CkptctlError(
-                f"refusing to replace {root}: it is the root, home or working folder or one of its parents",
-                "choose a new folder for the demo",
-            )
+        io.refuse_to_replace_precious(root, "choose a new folder for the demo")
         if os.path.islink(root) or not os.path.isfile(os.path.join(root, MARKER)):
             raise CkptctlError(
                 f"refusing to replace {root}: it is not a folder an earlier `ckptctl demo` wrote (no {MARKER} in it)",

@@ -30,7 +30,6 @@ digest as it arrives, and loads from there.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
 import functools
 import logging
@@ -38,7 +37,6 @@ import os
 import platform
 import secrets
 import shutil
-import sys
 import tempfile
 import threading
 import time
@@ -536,7 +534,7 @@ class CheckpointManager:
         trash = os.path.join(self.root, TRASH_NAME)
         os.makedirs(trash, exist_ok=True)
         old = os.path.join(trash, f"{os.path.basename(final)}.replaced-{secrets.token_hex(4)}")
-        if _exchange(staging, final):
+        if io.exchange(staging, final):
             # The swap is atomic: step-N is the new checkpoint; the old one now has the staging name.
             os.rename(staging, old)
         else:
@@ -912,33 +910,3 @@ def _versions() -> dict[str, str]:
         "python": platform.python_version(),
         "numpy": np.__version__,
     }
-
-
-_AT_FDCWD = -100
-_RENAME_EXCHANGE = 2
-
-
-@functools.cache
-def _renameat2() -> Any:
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).renameat2
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-def _exchange(a: str, b: str) -> bool:
-    """Atomically swap two paths (Linux renameat2 RENAME_EXCHANGE); False where unsupported."""
-    fn = _renameat2()
-    if fn is None:
-        return False
-    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
-        return True
-    err = ctypes.get_errno()
-    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EXDEV):
-        return False
-    raise OSError(err, os.strerror(err), a)

@@ -17,12 +17,15 @@ from __future__ import annotations
 import bisect
 import contextlib
 import contextvars
+import ctypes
 import errno
+import functools
 import logging
 import os
 import posixpath
 import random
 import shutil
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -876,3 +879,34 @@ def refuse_to_replace_precious(path: str, what: str) -> None:
         raise CkptctlError(
             f"refusing to replace {path}: it is the root, home or working folder or one of its parents", what
         )
+
+
+@functools.cache
+def _renameat2() -> Any:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def exchange(a: str, b: str) -> bool:
+    """Atomically swap two local paths (Linux `renameat2(RENAME_EXCHANGE)`).
+
+    Returns False where the OS or filesystem cannot (then the caller falls back to two renames); raises
+    OSError for real failures.
+    """
+    fn = _renameat2()
+    if fn is None:
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if fn(at_fdcwd, os.fsencode(local_path(a)), at_fdcwd, os.fsencode(local_path(b)), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EXDEV):
+        return False
+    raise OSError(err, os.strerror(err), a)

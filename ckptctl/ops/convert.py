@@ -47,9 +47,7 @@ first (`_delete_objects`), so that a half-deleted old output does not pass for c
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import enum
-import errno
 import fcntl
 import hashlib
 import json
@@ -913,7 +911,7 @@ class _Staging:
             if os.path.isdir(dst) and os.listdir(dst):
                 if not force:
                     raise CkptctlError(f"{dst} was filled while converting", "pass --force to replace it")
-                if not _exchange(self.out, dst):
+                if not io.exchange(self.out, dst):
                     os.rename(dst, os.path.join(self.root, "replaced"))
                     os.rename(self.out, dst)
             else:
@@ -1045,19 +1043,3 @@ def _delete_objects(url: str, rels: Collection[str]) -> None:
     rest = [rel for rel in rels if rel not in first and rel not in markers]
     for batch in (first, markers, rest):
         io.delete_files([io.join(url, rel) for rel in batch])
-
-
-def _exchange(a: str, b: str) -> bool:
-    """Swap two paths atomically (Linux `renameat2(RENAME_EXCHANGE)`); False where that is unavailable."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        renameat2 = libc.renameat2
-    except (OSError, AttributeError):
-        return False
-    at_fdcwd, rename_exchange = -100, 2
-    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
-        return True
-    code = ctypes.get_errno()
-    if code in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):
-        return False
-    raise OSError(code, os.strerror(code), b)

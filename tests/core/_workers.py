@@ -192,14 +192,14 @@ def _install_hang(point: str) -> None:
 
         shutil.rmtree = rmtree  # type: ignore[assignment]
     elif point == "exchanged":  # re-saving a step: just after the atomic swap of the old and new folders
-        real_exchange = manager_module._exchange
+        real_exchange = manager_module.io.exchange
 
         def exchange(a: str, b: str) -> bool:
             swapped = real_exchange(a, b)
             _hang(point)
             return swapped
 
-        manager_module._exchange = exchange
+        manager_module.io.exchange = exchange  # type: ignore[assignment]
     else:
         raise SystemExit(f"unknown point {point}")
 

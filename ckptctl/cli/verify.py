@@ -54,7 +54,7 @@ def verify(
     json_output: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
-    from ckptctl.ops.verification import RunVerifyReport, VerifyOptions, is_checkpoint, verify_checkpoint, verify_run
+    from ckptctl.ops.verification import RunVerifyReport, VerifyOptions, verify_path, verify_run
 
     out = Output(json_mode=json_output, quiet=quiet)
     options = VerifyOptions(
@@ -68,10 +68,8 @@ def verify(
     report: VerifyResult | RunVerifyReport
     if latest:
         report = verify_run(path, options, progress, only_resume_target=True)
-    elif layout is not None or is_checkpoint(path):
-        report = verify_checkpoint(path, options, progress)
     else:
-        report = verify_run(path, options, progress)
+        report = verify_path(path, options, progress)
     if json_output:
         out.json(report.to_json())
     else:

@@ -153,7 +153,7 @@ def _identify(url: str, entries: Sequence[io.DirEntry]) -> tuple[Layout, Checkpo
     return None
 
 
-def detect(url: str, layout: str | None = None) -> tuple[Layout, CheckpointRef]:
+def detect(url: str, layout: str | None = None, *, explain: bool = True) -> tuple[Layout, CheckpointRef]:
     """The layout of the checkpoint folder at `url` and its ref.
 
     Raises:
@@ -174,7 +174,8 @@ def detect(url: str, layout: str | None = None) -> tuple[Layout, CheckpointRef]:
             return candidate, ref
     tried = ", ".join(c.name for c in candidates)
     hint = "check the path"
-    if layout is None and any(e.is_dir for e in entries):
+    # The hint costs a scan of the folder: callers that only ask "is this a checkpoint?" skip it.
+    if explain and layout is None and any(e.is_dir for e in entries):
         inner = scan_run(url, max_depth=2)
         if inner:
             hint = f"this looks like a run folder with {len(inner)} checkpoint(s); use `ckptctl list {url}` or pass one of them"

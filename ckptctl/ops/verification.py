@@ -94,13 +94,13 @@ def is_checkpoint(url: str) -> bool:
     if not io.is_dir(url):
         detect(url)  # raises: "is a file, not a checkpoint folder" / "no such checkpoint folder"
     try:
-        detect(url)
+        detect(url, explain=False)
     except UnknownLayout:
         return False
     return True
 
 
-def verify(
+def verify_path(
     url: str, options: VerifyOptions | None = None, progress: Progress | None = None
 ) -> VerifyResult | RunVerifyReport:
     """Verify a checkpoint folder, or every checkpoint of a run folder."""

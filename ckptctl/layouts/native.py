@@ -10,8 +10,11 @@ in progress while its newest object is recent (`REMOTE_UPLOAD_WINDOW`), and an i
 
 from __future__ import annotations
 
+import os
 import re
+import threading
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -112,7 +115,7 @@ class NativeLayout:
             return self._damaged(url, entries)
         manifest_entry = next(e for e in entries if e.name == MANIFEST_NAME)
         try:
-            manifest = parse_manifest(io.read_bytes(io.join(url, MANIFEST_NAME)), io.join(url, MANIFEST_NAME))
+            manifest = read_native_manifest(url)
         except CkptctlError as exc:
             return CheckpointRef(
                 url=url,
@@ -245,12 +248,38 @@ class NativeLayout:
         return problems
 
 
+_MANIFEST_CACHE: OrderedDict[tuple[str, int, int], Manifest] = OrderedDict()
+_MANIFEST_CACHE_SIZE = 8
+_MANIFEST_CACHE_LOCK = threading.Lock()
+
+
 def read_native_manifest(url: str) -> Manifest:
-    """The manifest of a committed native checkpoint."""
+    """The manifest of a committed native checkpoint.
+
+    identify, open and verify of one checkpoint all need it: local manifests are parsed once and kept
+    in a small cache keyed by size and modification time, so a rewritten manifest is read again.
+    """
     manifest_url = io.join(url, MANIFEST_NAME)
+    key = None
+    if io.is_local(manifest_url):
+        try:
+            st = os.stat(io.local_path(manifest_url))
+        except OSError:
+            pass  # read_bytes below raises the clear error
+        else:
+            key = (os.path.abspath(io.local_path(manifest_url)), st.st_size, st.st_mtime_ns)
+            with _MANIFEST_CACHE_LOCK:
+                cached = _MANIFEST_CACHE.get(key)
+            if cached is not None:
+                return cached
     manifest = parse_manifest(io.read_bytes(manifest_url), manifest_url)
     if not manifest.native:
         raise CorruptCheckpoint(f"{manifest_url} is a digests file, not a checkpoint manifest")
+    if key is not None:
+        with _MANIFEST_CACHE_LOCK:
+            _MANIFEST_CACHE[key] = manifest
+            while len(_MANIFEST_CACHE) > _MANIFEST_CACHE_SIZE:
+                _MANIFEST_CACHE.popitem(last=False)
     return manifest
 
 

@@ -12,6 +12,8 @@ training never needs it.
 
 from __future__ import annotations
 
+import functools
+import importlib
 import os
 import re
 import warnings
@@ -23,8 +25,10 @@ import torch
 import torch.distributed as dist
 
 from ckptctl import io
-from ckptctl.errors import SerializationError
+from ckptctl.errors import CkptctlError, CorruptCheckpoint, SerializationError
 from ckptctl.formats.dcp_metadata import parse_dcp_metadata
+from ckptctl.formats.safe_pickle import DCP_METADATA_GLOBALS, safe_loads
+from ckptctl.formats.torch_save import load_object_archive
 
 __all__ = [
     "World",
@@ -127,21 +131,94 @@ def load_dcp(path: str, entries: Mapping[str, tuple[str, Any]], modules: Mapping
     in any number of ranks (every rank calls it).
     """
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
     state = _dcp_state(entries, modules)
-    # torch reads `.metadata` with a plain `pickle.load`: let the allowlisting parser see it first, so a
-    # tampered file is refused before torch's unpickler could run anything from it.
-    parse_dcp_metadata(io.read_bytes(io.join(path, ".metadata")), io.join(path, ".metadata"))
     with warnings.catch_warnings():
         # torch warns that it "assumes" a single process; loading in one is what we mean to do
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-        dcp.load(state, storage_reader=dcp.FileSystemReader(path), no_dist=not current_world().multi)
+        try:
+            dcp.load(
+                state,
+                storage_reader=_safe_reader(path),
+                planner=_safe_planner(path),
+                no_dist=not current_world().multi,
+            )
+        except CheckpointException as exc:
+            # DCP wraps every rank's failure; a refusal of ours is the one worth reporting as it is.
+            for failure, _ in exc.failures.values():
+                if isinstance(failure, CkptctlError):
+                    raise failure from None
+            raise
     for name, (kind, obj) in entries.items():
         if kind == "module":
             set_model_state_dict(obj, state[name])
         else:
             set_optimizer_state_dict(owner_of(name, obj, modules), obj, state[name])
+
+
+def _safe_reader(path: str) -> Any:
+    """A `FileSystemReader` whose `.metadata` goes through the allowlisting unpickler.
+
+    torch reads `.metadata` with a plain `pickle.load`. Here the bytes are read once, validated by
+    `parse_dcp_metadata` (stand-ins only), then unpickled by `SafeUnpickler` with that same allowlist
+    resolved to torch's real classes (plain dataclasses: building them runs no code of the file).
+    """
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class SafeFileSystemReader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            if kwargs.get("rank") is not None:
+                raise CorruptCheckpoint(f"{path}: per-rank DCP metadata is not read by ckptctl's core")
+            source = io.join(path, ".metadata")
+            data = io.read_bytes(source)
+            parse_dcp_metadata(data, source)
+            metadata = safe_loads(data, _real_dcp_globals(), source)
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return SafeFileSystemReader(path)
+
+
+@functools.cache
+def _real_dcp_globals() -> dict[tuple[str, str], Any]:
+    """`DCP_METADATA_GLOBALS` with each name resolved to the real object torch would import.
+
+    Only this fixed list is ever imported (not the names a file asks for). Names this Python lacks
+    (`pathlib._local` before 3.13) are left out, so a file naming them is refused as unknown.
+    """
+    resolved = {}
+    for module, name in DCP_METADATA_GLOBALS:
+        try:
+            resolved[(module, name)] = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError):
+            continue
+    return resolved
+
+
+def _safe_planner(path: str) -> Any:
+    """A `DefaultLoadPlanner` that reads non-tensor ("bytes") items with ckptctl's allowlisting reader.
+
+    torch's own planner runs `torch.load(weights_only=False)` on every bytes item (learning rates, betas,
+    parameter names of an optimizer state), which executes whatever a crafted pickle asks for.
+    """
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+    from torch.distributed.checkpoint._traverse import set_element
+
+    class SafeLoadPlanner(DefaultLoadPlanner):
+        def load_bytes(self, read_item: Any, value: Any) -> None:
+            key = read_item.dest_index.fqn
+            loaded = load_object_archive(value.getbuffer(), f"{path}: item {key!r}")
+            if self.flatten_state_dict:
+                set_element(self.original_state_dict, self.mappings[key], loaded)
+            else:
+                self.state_dict[key] = loaded
+
+    return SafeLoadPlanner()
 
 
 def load_full_module(module: torch.nn.Module, state: Mapping[str, Any]) -> None:

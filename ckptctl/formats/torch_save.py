@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 from ckptctl import io as ckpt_io
 from ckptctl.checkpoint import dtype_itemsize
 from ckptctl.errors import CkptctlError, CorruptCheckpoint, UnsafePickle
-from ckptctl.formats.safe_pickle import TensorRebuild, load_torch_save_pickle
+from ckptctl.formats.safe_pickle import DType, TensorRebuild, load_torch_save_pickle
 
 if TYPE_CHECKING:
     import torch
@@ -44,7 +44,9 @@ __all__ = [
     "decode_tensor",
     "inspect_archive",
     "is_torch_save_archive",
+    "load_object_archive",
     "raw_record",
+    "read_object_archive",
     "read_zip_directory",
 ]
 
@@ -53,6 +55,12 @@ _REFUSED_GLOBAL = re.compile(r"unsupported global:?\s+(?:GLOBAL\s+)?([\w.]+)", r
 _LOCAL_HEADER = struct.Struct("<4s5H3I2H")  # signature ... file name length, extra field length
 #: data.pkl of one tensor is ~200 bytes; a larger one is not a single plain tensor.
 _MAX_DATA_PKL = 64 << 10
+#: data.pkl of a DCP bytes item (an optimizer hyperparameter, a list of parameter names) is small.
+_MAX_OBJECT_PKL = 16 << 20
+#: Nesting deeper than any value a state dict holds.
+_MAX_OBJECT_DEPTH = 100
+#: What a plain value of a torch.save archive may be besides containers and tensors.
+_PLAIN_VALUES = (str, bytes, int, float, complex, bool, type(None), DType)
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,7 +158,32 @@ def inspect_archive(blob: bytes | memoryview, source: str) -> ArchiveTensor:
         UnsafePickle: `data.pkl` names a global outside `TORCH_SAVE_GLOBALS`.
         CorruptCheckpoint: the archive is damaged or does not hold one plain tensor.
     """
+    archive = _open_archive(blob, source, _MAX_DATA_PKL)
+    rebuilt = load_torch_save_pickle(archive.pickled, f"{source} data.pkl")
+    if not isinstance(rebuilt, TensorRebuild):
+        raise CorruptCheckpoint(f"{source}: the archive does not hold a plain tensor")
+    return _locate(archive.view, archive.infos, archive.prefix, rebuilt, archive.little, source)
+
+
+@dataclass(frozen=True, slots=True)
+class _OpenedArchive:
+    """A torch.save archive in memory: its zip directory, archive prefix, `data.pkl` and byte order."""
+
+    view: memoryview
+    infos: dict[str, zipfile.ZipInfo]
+    prefix: str
+    pickled: bytes
+    little: bool
+
+
+def _open_archive(blob: bytes | memoryview, source: str, max_pickle: int) -> _OpenedArchive:
     view = memoryview(blob).cast("B") if not isinstance(blob, bytes) else memoryview(blob)
+    if not is_torch_save_archive(view):
+        raise CorruptCheckpoint(
+            f"{source}: not a torch.save archive",
+            "the item may have been written with a stream transform or the safetensors serialization "
+            "format, which ckptctl does not read",
+        )
     try:
         with zipfile.ZipFile(_ViewReader(view)) as archive:
             infos = {info.filename: info for info in archive.infolist()}
@@ -159,8 +192,8 @@ def inspect_archive(blob: bytes | memoryview, source: str) -> ArchiveTensor:
                 raise CorruptCheckpoint(f"{source}: not a torch.save archive (no single data.pkl record)")
             prefix = pkl_names[0][: -len("data.pkl")]
             pkl_info = infos[pkl_names[0]]
-            if pkl_info.file_size > _MAX_DATA_PKL:
-                raise CorruptCheckpoint(f"{source}: data.pkl is too large for one tensor")
+            if pkl_info.file_size > max_pickle:
+                raise CorruptCheckpoint(f"{source}: data.pkl is larger than {max_pickle} bytes")
             pickled = _stored_bytes(view, pkl_info, source)
             order = infos.get(prefix + "byteorder")
             little = order is None or _stored_bytes(view, order, source) == b"little"
@@ -169,10 +202,98 @@ def inspect_archive(blob: bytes | memoryview, source: str) -> ArchiveTensor:
     # zipfile reports damaged directories with BadZipFile, struct.error, ValueError, EOFError, ...
     except Exception as exc:
         raise CorruptCheckpoint(f"{source}: damaged torch.save archive ({type(exc).__name__}: {exc})") from exc
-    rebuilt = load_torch_save_pickle(pickled, f"{source} data.pkl")
-    if not isinstance(rebuilt, TensorRebuild):
-        raise CorruptCheckpoint(f"{source}: the archive does not hold a plain tensor")
-    return _locate(view, infos, prefix, rebuilt, little, source)
+    return _OpenedArchive(view, infos, prefix, pickled, little)
+
+
+def read_object_archive(blob: bytes | memoryview, source: str) -> Any:
+    """The object a torch.save archive of a plain value holds (a DCP bytes item: a learning rate, a
+    tuple of betas, a list of parameter names), read with the `TORCH_SAVE_GLOBALS` allowlist.
+
+    Tensors inside come back as `TensorRebuild` facts, checked to lie inside their storage records; use
+    `load_object_archive` for real tensors. Nothing of the pickle runs: torch DCP itself would
+    `torch.load(weights_only=False)` these bytes, which runs whatever a crafted pickle asks for.
+
+    Raises:
+        UnsafePickle: the pickle names a global outside the allowlist (nothing of it ran).
+        CorruptCheckpoint: not a torch.save archive, damaged, or a tensor outside its storage.
+    """
+    value, _ = _object_and_tensors(blob, source)
+    return value
+
+
+def load_object_archive(blob: bytes | memoryview, source: str) -> Any:
+    """`read_object_archive` with every tensor rebuilt as a real CPU `torch.Tensor` (copied out of `blob`)
+    and every dtype as a real `torch.dtype`: the value torch.save was given, built without unpickling
+    anything but plain containers and scalars.
+
+    Raises:
+        UnsafePickle, CorruptCheckpoint: as `read_object_archive`; big-endian storages are refused.
+    """
+    import torch
+
+    value, located = _object_and_tensors(blob, source)
+
+    def tensor_of(rebuilt: TensorRebuild) -> torch.Tensor:
+        found = located[id(rebuilt)]
+        dtype = getattr(torch, rebuilt.dtype)
+        if math.prod(rebuilt.shape) == 0:
+            return torch.empty(rebuilt.shape, dtype=dtype)
+        if not found.little:
+            raise CorruptCheckpoint(f"{source}: big-endian storages are not supported")
+        itemsize = dtype_itemsize(rebuilt.dtype)
+        span = 1 + sum((d - 1) * s for d, s in zip(rebuilt.shape, rebuilt.stride, strict=True))
+        data = bytearray(found.view[found.start : found.start + span * itemsize])
+        flat = torch.frombuffer(data, dtype=torch.uint8).view(dtype)
+        return torch.as_strided(flat, rebuilt.shape, rebuilt.stride).clone().requires_grad_(rebuilt.requires_grad)
+
+    def convert(obj: Any, depth: int) -> Any:
+        if depth > _MAX_OBJECT_DEPTH:
+            raise CorruptCheckpoint(f"{source}: the value is nested deeper than {_MAX_OBJECT_DEPTH} levels")
+        kind = type(obj)
+        if kind is TensorRebuild:
+            return tensor_of(obj)
+        if kind is DType:
+            return getattr(torch, obj)
+        if kind is dict:
+            return {key: convert(item, depth + 1) for key, item in obj.items()}
+        if kind is list:
+            return [convert(item, depth + 1) for item in obj]
+        if kind is tuple:
+            return tuple(convert(item, depth + 1) for item in obj)
+        return obj
+
+    return convert(value, 0)
+
+
+@dataclass(frozen=True, slots=True)
+class _LocatedStorage:
+    view: memoryview
+    start: int
+    little: bool
+
+
+def _object_and_tensors(blob: bytes | memoryview, source: str) -> tuple[Any, dict[int, _LocatedStorage]]:
+    """The unpickled value and, by `id()` of each `TensorRebuild` in it, where its first element is."""
+    archive = _open_archive(blob, source, _MAX_OBJECT_PKL)
+    value = load_torch_save_pickle(archive.pickled, f"{source} data.pkl")
+    located: dict[int, _LocatedStorage] = {}
+    stack: list[tuple[Any, int]] = [(value, 0)]
+    while stack:
+        obj, depth = stack.pop()
+        kind = type(obj)
+        if kind is TensorRebuild:
+            found = _locate(archive.view, archive.infos, archive.prefix, obj, archive.little, source)
+            # `_locate` gives the first element's byte, whatever the strides
+            located[id(obj)] = _LocatedStorage(archive.view, found.start, archive.little)
+        elif kind in (dict, list, tuple):
+            if depth >= _MAX_OBJECT_DEPTH:
+                raise CorruptCheckpoint(f"{source}: the value is nested deeper than {_MAX_OBJECT_DEPTH} levels")
+            stack.extend((item, depth + 1) for item in (obj.values() if kind is dict else obj))
+        elif not isinstance(obj, _PLAIN_VALUES):
+            # The allowlist has only tensor-rebuild helpers, storages and dtypes besides builtins; a
+            # storage tag or other helper object as a value means the pickle was crafted.
+            raise CorruptCheckpoint(f"{source}: the value holds a {kind.__name__}, which torch.save never writes there")
+    return value, located
 
 
 def _locate(

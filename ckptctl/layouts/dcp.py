@@ -36,6 +36,7 @@ from ckptctl.errors import CheckpointInProgress, CheckpointNotFound, CorruptChec
 from ckptctl.formats.chunks import tiling_problem
 from ckptctl.formats.dcp_metadata import METADATA_NAME, DcpMetadata, DcpTensor, parse_dcp_metadata
 from ckptctl.formats.safe_pickle import gc_paused
+from ckptctl.formats.torch_save import read_object_archive
 from ckptctl.io import DirEntry
 from ckptctl.layouts.base import newest_mtime, step_from_name, timestamp
 
@@ -287,8 +288,11 @@ def verify_dcp(url: str, path_prefix: str = "") -> list[Problem]:
             )
         )
     referenced = metadata.referenced_files()
-    problems += _storage_problems(url, referenced, by_name, path_prefix)
+    storage_problems = _storage_problems(url, referenced, by_name, path_prefix)
+    problems += storage_problems
     problems += _coverage_problems(metadata, path_prefix)
+    damaged = {p.path for p in storage_problems}
+    problems += _bytes_item_problems(url, metadata, lambda name: path_prefix + name not in damaged, path_prefix)
     for name, entry in by_name.items():
         if DISTCP_RE.match(name) and name not in referenced and entry.size > 0:
             problems.append(
@@ -323,6 +327,64 @@ def _storage_problems(url: str, referenced: dict[str, int], by_name: dict[str, D
                     f"{METADATA_NAME} places data up to byte {end} but the file has {size} bytes",
                 )
             )
+    return problems
+
+
+#: Bytes items of one data file are written together (before its tensors); read them in one request when
+#: they span at most this much.
+_BYTES_SPAN_READ = 64 << 20
+#: A bytes item larger than this is no optimizer hyperparameter; it is not read.
+_MAX_BYTES_ITEM = 16 << 20
+
+
+def _bytes_item_problems(
+    url: str, metadata: DcpMetadata, readable: Callable[[str], bool], prefix: str
+) -> list[Problem]:
+    """Read every non-tensor ("bytes") item through the allowlisting reader.
+
+    torch DCP unpickles these items with `torch.load(weights_only=False)` when it loads the checkpoint, so
+    a crafted one runs code in the trainer that resumes from it: verify must refuse what restore would
+    refuse. They are small (learning rates, betas, parameter names); `readable` says which data files
+    are whole enough to read (missing and truncated ones are already reported).
+    """
+    by_file: dict[str, list[tuple[str, int, int]]] = {}
+    problems: list[Problem] = []
+    for key in metadata.bytes_keys:
+        record = metadata.storage.get((key, None))
+        if record is None or not readable(record.relative_path):
+            continue
+        if record.transforms:
+            problems.append(
+                Problem(
+                    ProblemKind.UNREADABLE,
+                    prefix + record.relative_path,
+                    f"item {key!r} is stored with transforms {list(record.transforms)}, which ckptctl cannot check",
+                    severity="warning",
+                )
+            )
+        elif record.length > _MAX_BYTES_ITEM:
+            problems.append(
+                Problem(
+                    ProblemKind.BAD_METADATA,
+                    prefix + record.relative_path,
+                    f"non-tensor item {key!r} claims {record.length} bytes, more than any such value holds",
+                )
+            )
+        else:
+            by_file.setdefault(record.relative_path, []).append((key, record.offset, record.length))
+    for name, items in sorted(by_file.items()):
+        path = io.join(url, name)
+        lo = min(offset for _, offset, _ in items)
+        hi = max(offset + length for _, offset, length in items)
+        span = io.read_bytes(path, lo, hi - lo) if hi - lo <= _BYTES_SPAN_READ else None
+        for key, offset, length in items:
+            blob = span[offset - lo : offset - lo + length] if span is not None else io.read_bytes(path, offset, length)
+            try:
+                read_object_archive(blob, f"{prefix}{name}: item {key!r}")
+            except UnsafePickle as exc:
+                problems.append(Problem(ProblemKind.UNSAFE_PICKLE, prefix + name, exc.message))
+            except CorruptCheckpoint as exc:
+                problems.append(Problem(ProblemKind.UNREADABLE, prefix + name, exc.message))
     return problems
 
 

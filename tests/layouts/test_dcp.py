@@ -59,7 +59,16 @@ def test_open_index_and_verify_read_only_metadata_and_need_no_torch(fsdp_dcp: Wr
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     bytes_read, entries, problems = map(int, out.stdout.split())
-    assert bytes_read == (fsdp_dcp.path / ".metadata").stat().st_size
+    # `.metadata`, plus the non-tensor items (optimizer hyperparameters): verify reads them through the
+    # allowlisting reader, since torch DCP would unpickle them with weights_only=False on resume.
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    metadata = FileSystemReader(str(fsdp_dcp.path)).read_metadata()
+    bytes_items = {k for k, v in metadata.state_dict_metadata.items() if isinstance(v, BytesStorageMetadata)}
+    item_bytes = sum(info.length for index, info in metadata.storage_data.items() if index.fqn in bytes_items)
+    assert bytes_items and item_bytes < 100_000
+    assert bytes_read == (fsdp_dcp.path / ".metadata").stat().st_size + item_bytes
     assert entries == len(fsdp_dcp.reference_tensors()) and problems == 0
 
 

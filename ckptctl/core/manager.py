@@ -61,8 +61,8 @@ from ckptctl.formats import state_tree
 from ckptctl.formats.digest import file_digest
 from ckptctl.formats.manifest import MANIFEST_NAME, ComponentRecord, FileRecord, Manifest, now_iso, parse_manifest
 from ckptctl.formats.state_tree import EncodedTree
+from ckptctl.frameworks.native.layout import POINTER_NAME, TRASH_NAME, StepNaming, is_rng_file
 from ckptctl.layouts.base import folder_size
-from ckptctl.layouts.native import POINTER_NAME, TRASH_NAME, StepNaming, is_rng_file
 
 __all__ = ["POINTER_NAME", "TRASH_NAME", "CheckpointManager", "StepNaming"]
 

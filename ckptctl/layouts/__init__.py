@@ -39,15 +39,15 @@ __all__ = [
 #: open-instruct tags ARE DeepSpeed tag folders, told apart by the files around them, so they come before
 #: `deepspeed`, which takes the tags nothing else claims.
 _REGISTRY: tuple[tuple[str, str], ...] = (
-    ("native", "ckptctl.layouts.native:NativeLayout"),
-    ("areal", "ckptctl.layouts.areal:ArealLayout"),
-    ("roll", "ckptctl.layouts.roll:RollLayout"),
-    ("dcp", "ckptctl.layouts.dcp:DcpLayout"),
-    ("hf_trainer", "ckptctl.layouts.hf_trainer:HfTrainerLayout"),
-    ("openrlhf", "ckptctl.layouts.openrlhf:OpenRlhfLayout"),
-    ("open_instruct", "ckptctl.layouts.open_instruct:OpenInstructLayout"),
-    ("deepspeed", "ckptctl.layouts.deepspeed:DeepSpeedLayout"),
-    ("hf", "ckptctl.layouts.hf:HfModelLayout"),
+    ("native", "ckptctl.frameworks.native.layout:NativeLayout"),
+    ("areal", "ckptctl.frameworks.areal.layout:ArealLayout"),
+    ("roll", "ckptctl.frameworks.roll.layout:RollLayout"),
+    ("dcp", "ckptctl.frameworks.dcp.layout:DcpLayout"),
+    ("hf_trainer", "ckptctl.frameworks.hf_trainer.layout:HfTrainerLayout"),
+    ("openrlhf", "ckptctl.frameworks.openrlhf.layout:OpenRlhfLayout"),
+    ("open_instruct", "ckptctl.frameworks.open_instruct.layout:OpenInstructLayout"),
+    ("deepspeed", "ckptctl.frameworks.deepspeed.layout:DeepSpeedLayout"),
+    ("hf", "ckptctl.frameworks.hf.layout:HfModelLayout"),
 )
 
 #: How deep `list`, `verify` and `prune` look for checkpoints below a run folder: AReaL's recover slots sit

@@ -12,7 +12,7 @@ assembled tensor, whatever the model size.
 
 DeepSpeed ZeRO 1-3 (a tag folder, the save folder holding `latest`, or a Trainer `checkpoint-N` with
 DeepSpeed inside): by default the model is the fp32 master weights DeepSpeed's `zero_to_fp32.py`
-reconstructs (`layouts.deepspeed.master_weights`): trainable parameters from the optimizer's flat fp32
+reconstructs (`frameworks.deepspeed.layout.master_weights`): trainable parameters from the optimizer's flat fp32
 partitions, frozen parameters and buffers from the model states, tied parameters from `shared_params`.
 The partitions are flat element ranges of the output tensors, so this is the same byte copy, never
 importing DeepSpeed or loading a partition whole. `weights=stored` writes the 16-bit module weights the
@@ -84,7 +84,7 @@ from ckptctl.ops.report import SCHEMA_VERSION, NoProgress, Progress
 
 if TYPE_CHECKING:
     from ckptctl.checkpoint import CheckpointRef
-    from ckptctl.layouts.deepspeed import MasterWeights
+    from ckptctl.frameworks.deepspeed.layout import MasterWeights
 
 __all__ = [
     "ConvertOptions",
@@ -373,7 +373,7 @@ def _resolve_source(src: str, layout_name: str | None) -> tuple[str, Layout, Che
         layout, ref = detect(src, layout_name)
         return src, layout, ref
     except UnknownLayout:
-        from ckptctl.layouts.deepspeed import read_latest
+        from ckptctl.frameworks.deepspeed.layout import read_latest
 
         entries = io.list_dir(src)
         tag = read_latest(src, entries)
@@ -422,10 +422,10 @@ def _deepspeed_prefix(checkpoint: Checkpoint) -> str | None:
     """Where the DeepSpeed tag folder of a checkpoint is, relative to it (`""`: the checkpoint is the tag;
     `global_step4/`: inside a Trainer `checkpoint-N`), or None when it holds none.
 
-    Layouts built on `layouts.deepspeed` (RL frameworks' folders) are recognised by their model tensors'
+    Layouts built on `frameworks.deepspeed.layout` (RL frameworks' folders) are recognised by their model tensors'
     chunks lying in DeepSpeed rank files.
     """
-    from ckptctl.layouts.deepspeed import tag_files
+    from ckptctl.frameworks.deepspeed.layout import tag_files
 
     if checkpoint.layout == "deepspeed":
         return ""
@@ -445,12 +445,12 @@ def _deepspeed_prefix(checkpoint: Checkpoint) -> str | None:
 
 
 def _master_weights(checkpoint: Checkpoint, options: ConvertOptions, notes: list[str]) -> MasterWeights | None:
-    """`layouts.deepspeed.MasterWeights` of a DeepSpeed source when they are wanted and present, else None.
+    """`frameworks.deepspeed.layout.MasterWeights` of a DeepSpeed source when they are wanted and present, else None.
 
     Raises:
         CkptctlError: `weights=master` on a source without fp32 master weights.
     """
-    from ckptctl.layouts.deepspeed import master_weights, read_tag
+    from ckptctl.frameworks.deepspeed.layout import master_weights, read_tag
 
     if options.weights is Weights.STORED:
         return None
@@ -680,7 +680,7 @@ def _close_quietly(mapped: Any) -> None:
 
 
 def _check_dcp_output(out: str, plan: list[_Planned]) -> None:
-    from ckptctl.layouts.dcp import load_dcp_metadata, verify_dcp
+    from ckptctl.frameworks.dcp.layout import load_dcp_metadata, verify_dcp
 
     problems = [p for p in verify_dcp(out) if p.severity == "error"]
     if problems:

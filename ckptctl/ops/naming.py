@@ -183,7 +183,7 @@ def _shared_first_segment(entries: Sequence[TensorEntry]) -> str | None:
 
 
 def _dcp_stripper(entries: Sequence[TensorEntry]) -> Callable[[str], str]:
-    from ckptctl.layouts.dcp import component_for_prefix
+    from ckptctl.frameworks.dcp.layout import component_for_prefix
 
     first = _shared_first_segment(entries)
     if first is None:

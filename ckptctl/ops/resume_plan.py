@@ -282,7 +282,7 @@ def _native_hint(ctx: PlanContext) -> str:
 
 
 def _native_world_size(ctx: PlanContext) -> WorldSizeCheck:
-    from ckptctl.layouts.native import DCP_FOLDER, read_native_manifest
+    from ckptctl.frameworks.native.layout import DCP_FOLDER, read_native_manifest
 
     checkpoint = ctx.checkpoint
     saved = checkpoint.world_size

@@ -17,8 +17,8 @@ from ckptctl.checkpoint import CheckpointState, Component, ProblemKind
 from ckptctl.errors import CheckpointInProgress, CorruptCheckpoint, UnsafePickle
 from ckptctl.formats.chunks import read_tensor
 from ckptctl.formats.torch_save import raw_record
+from ckptctl.frameworks.dcp.layout import DcpLayout, component_classifier, dcp_tensor_index, verify_dcp
 from ckptctl.layouts import detect
-from ckptctl.layouts.dcp import DcpLayout, component_classifier, dcp_tensor_index, verify_dcp
 from tests.writers.dcp_writer import WrittenDcp
 
 LAYOUT = DcpLayout()
@@ -51,7 +51,7 @@ def test_open_index_and_verify_read_only_metadata_and_need_no_torch(fsdp_dcp: Wr
     code = (
         "import sys; sys.modules['torch'] = None\n"
         "from ckptctl import io\n"
-        "from ckptctl.layouts.dcp import DcpLayout\n"
+        "from ckptctl.frameworks.dcp.layout import DcpLayout\n"
         f"checkpoint = DcpLayout().open({str(fsdp_dcp.path)!r})\n"
         "entries = checkpoint.tensor_index()\n"
         "problems = DcpLayout().verify(checkpoint)\n"

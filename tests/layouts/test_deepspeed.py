@@ -17,8 +17,8 @@ from ckptctl.checkpoint import CheckpointState, Component, ProblemKind
 from ckptctl.formats.chunks import read_tensor
 from ckptctl.formats.safe_pickle import state_fields
 from ckptctl.formats.torch_pickle import open_torch_pickle
+from ckptctl.frameworks.deepspeed.layout import DeepSpeedLayout, tag_files
 from ckptctl.layouts import detect, scan_run
-from ckptctl.layouts.deepspeed import DeepSpeedLayout, tag_files
 from ckptctl.ops.verification import verify_checkpoint, verify_run
 from tests.conftest import CliResult, copy_tree
 from tests.writers.deepspeed_writer import WrittenDeepSpeed
@@ -146,7 +146,7 @@ def test_open_index_and_verify_read_little_and_need_no_deepspeed(run: WrittenDee
         "import sys\n"
         "for m in ('torch', 'deepspeed', 'transformers', 'accelerate', 'numpy'): sys.modules[m] = None\n"
         "from ckptctl import io\n"
-        "from ckptctl.layouts.deepspeed import DeepSpeedLayout\n"
+        "from ckptctl.frameworks.deepspeed.layout import DeepSpeedLayout\n"
         f"checkpoint = DeepSpeedLayout().open({str(run.latest)!r})\n"
         "entries = checkpoint.tensor_index()\n"
         "inspect_bytes = io.READ_STATS.bytes_read\n"

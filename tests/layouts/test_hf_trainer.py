@@ -18,9 +18,9 @@ from safetensors.torch import load_file
 from ckptctl import io
 from ckptctl.checkpoint import CheckpointState, Component, ProblemKind
 from ckptctl.formats.chunks import read_tensor
+from ckptctl.frameworks.deepspeed.layout import DeepSpeedLayout
+from ckptctl.frameworks.hf_trainer.layout import IN_PROGRESS_WINDOW_S, HfTrainerLayout
 from ckptctl.layouts import detect, scan_run
-from ckptctl.layouts.deepspeed import DeepSpeedLayout
-from ckptctl.layouts.hf_trainer import IN_PROGRESS_WINDOW_S, HfTrainerLayout
 from ckptctl.ops.verification import verify_checkpoint
 from tests.conftest import CliResult, copy_tree
 from tests.writers.dcp_writer import write_single_process_dcp
@@ -102,7 +102,7 @@ def test_open_index_and_verify_need_no_transformers(trainer_run: WrittenTrainerR
         "import sys\n"
         "for m in ('torch', 'transformers', 'accelerate', 'numpy', 'deepspeed'): sys.modules[m] = None\n"
         "from ckptctl import io\n"
-        "from ckptctl.layouts.hf_trainer import HfTrainerLayout\n"
+        "from ckptctl.frameworks.hf_trainer.layout import HfTrainerLayout\n"
         f"checkpoint = HfTrainerLayout().open({str(trainer_run.checkpoints[-1])!r})\n"
         "entries = checkpoint.tensor_index()\n"
         "inspect_bytes = io.READ_STATS.bytes_read\n"

@@ -227,9 +227,9 @@ def test_cli_convert_a_save_folder(zero_runs: dict[int, WrittenDeepSpeed], tmp_p
 
 
 def test_layouts_built_on_the_deepspeed_one_are_recognised(zero_runs: dict[int, WrittenDeepSpeed]) -> None:
-    """An RL framework's layout that indexes a tag with `layouts.deepspeed` (its own name, its own metadata)
+    """An RL framework's layout that indexes a tag with `frameworks.deepspeed.layout` (its own name, its own metadata)
     gets the fp32 masters too: the model's chunks lie in DeepSpeed rank files."""
-    from ckptctl.layouts.deepspeed import DeepSpeedLayout
+    from ckptctl.frameworks.deepspeed.layout import DeepSpeedLayout
 
     opened = DeepSpeedLayout().open(str(zero_runs[2].latest))
     other = replace(opened, ref=replace(opened.ref, layout="some_rl_framework"), metadata={"format": "rl"})

@@ -22,7 +22,7 @@ from ckptctl import io
 from ckptctl.core import CheckpointManager, CheckpointWarning, RetentionPolicy
 from ckptctl.errors import CheckpointNotFound, CorruptCheckpoint, StorageError
 from ckptctl.formats.manifest import MANIFEST_NAME
-from ckptctl.layouts import native
+from ckptctl.frameworks.native import layout as native
 from tests.conftest import CliResult
 from tests.core import _workers
 from tests.core.util import REPO, assert_same, worker_env

@@ -2,11 +2,11 @@
 
 ```
 checkpoint-N/
-    model weights and config as an HF model folder (read with `layouts.hf`)
+    model weights and config as an HF model folder (read with `frameworks.hf.layout`)
     optimizer.pt, scheduler.pt, scaler.pt (AMP), rng_state.pth | rng_state_{process}.pth, training_args.bin
     trainer_state.json             written LAST: the completion marker (global_step, epoch, best_metric, ...)
-    [DeepSpeed: latest, global_stepN/ (read with `layouts.deepspeed`)]
-    [FSDP sharded: pytorch_model_fsdp_0/, optimizer_0/ (torch DCP folders, read with `layouts.dcp`)]
+    [DeepSpeed: latest, global_stepN/ (read with `frameworks.deepspeed.layout`)]
+    [FSDP sharded: pytorch_model_fsdp_0/, optimizer_0/ (torch DCP folders, read with `frameworks.dcp.layout`)]
 ```
 
 The `.pt`/`.pth`/`.bin` files are torch.save pickles; they are read with `formats.torch_pickle` (their
@@ -43,10 +43,8 @@ from ckptctl.checkpoint import (
 from ckptctl.errors import CkptctlError, UnknownLayout, UnsafePickle
 from ckptctl.formats.safe_pickle import FrameworkObject, StandIn, state_fields
 from ckptctl.formats.torch_pickle import TorchPickle, open_torch_pickle, storage_problems
-from ckptctl.io import DirEntry
-from ckptctl.layouts import deepspeed
-from ckptctl.layouts.base import folder_size, list_files, newest_mtime, step_from_name, timestamp
-from ckptctl.layouts.hf import (
+from ckptctl.frameworks.deepspeed import layout as deepspeed
+from ckptctl.frameworks.hf.layout import (
     has_weights,
     model_components,
     model_metadata,
@@ -54,6 +52,8 @@ from ckptctl.layouts.hf import (
     verify_model_files,
     weight_files,
 )
+from ckptctl.io import DirEntry
+from ckptctl.layouts.base import folder_size, list_files, newest_mtime, step_from_name, timestamp
 
 __all__ = ["IN_PROGRESS_WINDOW_S", "TRAINER_STATE_NAME", "HfTrainerLayout"]
 
@@ -288,7 +288,7 @@ class HfTrainerLayout:
             pointer = deepspeed.latest_problem(url, deepspeed.LATEST_NAME)
             if pointer is not None:
                 problems.append(pointer)
-        from ckptctl.layouts.dcp import verify_dcp
+        from ckptctl.frameworks.dcp.layout import verify_dcp
 
         for folder in sorted(parts.dcp_folders):
             problems += verify_dcp(io.join(url, folder), f"{folder}/")
@@ -406,7 +406,7 @@ def _tensor_index(
         inner = deepspeed.tag_index(tag, f"{parts.ds_tag}/")
         entries += [e for e in inner if not (weights and e.component is Component.MODEL)]
     if parts.dcp_folders:
-        from ckptctl.layouts.dcp import dcp_tensor_index
+        from ckptctl.frameworks.dcp.layout import dcp_tensor_index
 
         for folder, component in sorted(parts.dcp_folders.items()):
             if weights and component is Component.MODEL:

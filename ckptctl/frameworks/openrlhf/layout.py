@@ -10,7 +10,7 @@ CKPT_PATH/                          (--ckpt_path; >= v0.10.2 --ckpt.path)
 SFT/DPO/RM: the tags and `{tag}_hf` exports directly in CKPT_PATH.
 ```
 
-A tag is read with `layouts.deepspeed`; what makes it OpenRLHF's is the evidence around it: a `_actor` or
+A tag is read with `frameworks.deepspeed.layout`; what makes it OpenRLHF's is the evidence around it: a `_actor` or
 `_critic` parent, its `metric.json`, a `best_` name, or `best_global_step*`/`*_hf` folders beside it (one
 listing of the save folder per scan, see `peek_dir`). The actor and the critic of one step are two
 checkpoints, as OpenRLHF writes them: two save folders, each with its own `latest` and its own rotation.
@@ -31,10 +31,11 @@ from typing import Any
 from ckptctl import io
 from ckptctl.checkpoint import Checkpoint, CheckpointRef, CheckpointState, Component, Problem, ProblemKind
 from ckptctl.errors import CkptctlError, UnknownLayout
+from ckptctl.frameworks.deepspeed import layout as deepspeed
+from ckptctl.frameworks.hf.layout import HfModelLayout, has_weights, verify_model_files
 from ckptctl.io import DirEntry
-from ckptctl.layouts import deepspeed, peek, peek_dir
+from ckptctl.layouts import peek, peek_dir
 from ckptctl.layouts.base import folder_size, newest_mtime, timestamp
-from ckptctl.layouts.hf import HfModelLayout, has_weights, verify_model_files
 
 __all__ = ["METRIC_NAME", "OpenRlhfLayout"]
 

@@ -48,9 +48,7 @@ from ckptctl.checkpoint import (
 from ckptctl.errors import CkptctlError, UnknownLayout
 from ckptctl.formats.dcp_metadata import METADATA_NAME
 from ckptctl.formats.torch_pickle import open_torch_pickle
-from ckptctl.io import DirEntry
-from ckptctl.layouts.base import folder_size, list_files, newest_mtime, timestamp
-from ckptctl.layouts.dcp import (
+from ckptctl.frameworks.dcp.layout import (
     DISTCP_RE,
     component_for_prefix,
     dcp_tensor_index,
@@ -58,7 +56,7 @@ from ckptctl.layouts.dcp import (
     verify_dcp,
     world_size_of,
 )
-from ckptctl.layouts.hf import (
+from ckptctl.frameworks.hf.layout import (
     has_weights,
     missing_shards,
     model_components,
@@ -67,7 +65,9 @@ from ckptctl.layouts.hf import (
     verify_model_files,
     weight_files,
 )
-from ckptctl.layouts.hf_trainer import IN_PROGRESS_WINDOW_S
+from ckptctl.frameworks.hf_trainer.layout import IN_PROGRESS_WINDOW_S
+from ckptctl.io import DirEntry
+from ckptctl.layouts.base import folder_size, list_files, newest_mtime, timestamp
 
 __all__ = ["CRITIC", "PIPELINE_STATE", "RollLayout"]
 

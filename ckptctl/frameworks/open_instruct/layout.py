@@ -10,7 +10,7 @@ CHECKPOINT_STATE_DIR/                  (--checkpoint_state_dir)
 OUTPUT_DIR/{exp}__{seed}__{time}_checkpoints/step_{training_step}/   HF snapshots + .checkpoint_complete
 ```
 
-A tag is read with `layouts.deepspeed`; it is open-instruct's when it holds `driver_state.pt` or when
+A tag is read with `frameworks.deepspeed.layout`; it is open-instruct's when it holds `driver_state.pt` or when
 `ref_policy/` lies beside it. Its step is the `training_step` of the client state (or of
 `driver_state.pt`), not the N of its name, which counts optimizer steps; so `identify` reads the rank-0
 `data.pkl` (small: references, no weights) and keeps what it found for `open`.
@@ -34,11 +34,12 @@ from ckptctl import io
 from ckptctl.checkpoint import Checkpoint, CheckpointRef, CheckpointState, Component, Problem, ProblemKind
 from ckptctl.errors import CkptctlError, UnknownLayout, UnsafePickle
 from ckptctl.formats.torch_pickle import open_torch_pickle, storage_problems
+from ckptctl.frameworks.deepspeed import layout as deepspeed
+from ckptctl.frameworks.hf.layout import HfModelLayout, has_weights, verify_model_files
+from ckptctl.frameworks.hf_trainer.layout import IN_PROGRESS_WINDOW_S
 from ckptctl.io import DirEntry
-from ckptctl.layouts import deepspeed, peek, peek_dir
+from ckptctl.layouts import peek, peek_dir
 from ckptctl.layouts.base import folder_size, newest_mtime, timestamp
-from ckptctl.layouts.hf import HfModelLayout, has_weights, verify_model_files
-from ckptctl.layouts.hf_trainer import IN_PROGRESS_WINDOW_S
 
 __all__ = ["COMPLETE_MARKER", "DRIVER_STATE_NAME", "REF_POLICY", "OpenInstructLayout"]
 

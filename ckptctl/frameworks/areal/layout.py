@@ -54,10 +54,7 @@ from ckptctl.checkpoint import (
 from ckptctl.errors import CkptctlError, CorruptCheckpoint, UnknownLayout, UnsafePickle
 from ckptctl.formats.dcp_metadata import METADATA_NAME
 from ckptctl.formats.safe_pickle import MAX_DIMS, TORCH_PICKLE_GLOBALS, safe_loads
-from ckptctl.io import DirEntry
-from ckptctl.layouts import peek_dir
-from ckptctl.layouts.base import folder_size, list_files, newest_mtime, timestamp
-from ckptctl.layouts.dcp import (
+from ckptctl.frameworks.dcp.layout import (
     DISTCP_RE,
     component_classifier,
     index_from_metadata,
@@ -65,8 +62,11 @@ from ckptctl.layouts.dcp import (
     verify_dcp,
     world_size_of,
 )
-from ckptctl.layouts.hf import HfModelLayout, verify_model_files
-from ckptctl.layouts.hf_trainer import IN_PROGRESS_WINDOW_S
+from ckptctl.frameworks.hf.layout import HfModelLayout, verify_model_files
+from ckptctl.frameworks.hf_trainer.layout import IN_PROGRESS_WINDOW_S
+from ckptctl.io import DirEntry
+from ckptctl.layouts import peek_dir
+from ckptctl.layouts.base import folder_size, list_files, newest_mtime, timestamp
 
 __all__ = ["INFO_FILES", "MTIME_SLACK_S", "RECOVER_INFO", "RECOVER_SLOT", "ArealLayout", "read_dataloader_info"]
 

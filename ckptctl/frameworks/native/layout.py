@@ -242,7 +242,7 @@ class NativeLayout:
             except CkptctlError as exc:
                 problems.append(Problem(ProblemKind.BAD_METADATA, rel, exc.message))
         if any(c.storage == "dcp" for c in manifest.components.values()):
-            from ckptctl.layouts.dcp import verify_dcp
+            from ckptctl.frameworks.dcp.layout import verify_dcp
 
             problems.extend(verify_dcp(io.join(url, DCP_FOLDER), path_prefix=f"{DCP_FOLDER}/"))
         return problems
@@ -306,7 +306,7 @@ def _tensor_index(url: str, manifest: Manifest, files: dict[str, int]) -> tuple[
                 stem = rel.removesuffix(".safetensors")
                 entries.append(TensorEntry(f"{stem}.{rec.name}", component, rec.dtype, rec.shape, (chunk,)))
     if any(c.storage == "dcp" for c in manifest.components.values()):
-        from ckptctl.layouts.dcp import dcp_tensor_index
+        from ckptctl.frameworks.dcp.layout import dcp_tensor_index
 
         kinds = {name: COMPONENT_OF_KIND.get(c.kind, Component.EXTRA) for name, c in manifest.components.items()}
 

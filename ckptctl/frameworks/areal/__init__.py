@@ -1,0 +1,1 @@
+"""AReaL: Saver exports and the RecoverHandler's DCP slot with `recover_info/`."""

@@ -1,0 +1,1 @@
+"""Hugging Face model folders: `config.json` + safetensors (single or sharded with an index)."""

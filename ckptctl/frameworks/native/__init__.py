@@ -1,0 +1,1 @@
+"""ckptctl's own checkpoints (what `CheckpointManager` writes): `step-N/` with `ckptctl-manifest.json` last."""

@@ -1,0 +1,1 @@
+"""ROLL (Alibaba): timestamped `checkpoint-N/` folders of its pipelines (FSDP2 DCP or Megatron)."""

@@ -212,9 +212,7 @@ def _companions(url: str, entries: Sequence[io.DirEntry]) -> frozenset[str]:
     """Child folders of `url` that belong to checkpoints beside them rather than being checkpoints."""
     found: set[str] = set()
     for layout in all_layouts():
-        companions = getattr(layout, "companions", None)
-        if companions is not None:
-            found |= companions(url, entries)
+        found |= layout.companions(url, entries)
     return frozenset(found)
 
 

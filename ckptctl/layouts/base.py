@@ -11,19 +11,25 @@ import os
 import re
 from collections.abc import Sequence
 from datetime import UTC, datetime
-from typing import Protocol, runtime_checkable
 
 from ckptctl import io
 from ckptctl.checkpoint import Checkpoint, CheckpointRef, Problem
 from ckptctl.io import DirEntry
 
 
-@runtime_checkable
-class Layout(Protocol):
-    """One on-disk checkpoint layout."""
+class Layout:
+    """One on-disk checkpoint layout: everything ckptctl knows about the checkpoints one framework writes.
+
+    A framework package (`ckptctl/frameworks/<name>/`) subclasses this and registers it in
+    `ckptctl.layouts._REGISTRY`. The four methods without a default are the reader; every other hook has a
+    default that suits a layout without that feature, so a new framework overrides only what it has.
+    Commands (`ckptctl.ops`) ask these hooks and never name a framework.
+    """
 
     #: Short stable name shown in `list`/`inspect` and accepted by `--layout`.
-    name: str
+    name: str = ""
+
+    # ---------------------------------------------------------------------------------------- reading
 
     def identify(self, url: str, entries: Sequence[DirEntry]) -> CheckpointRef | None:
         """The folder's ref if it is a checkpoint of this layout, else None.
@@ -31,19 +37,26 @@ class Layout(Protocol):
         Must decide from `entries` (the folder's listing) and at most a few tiny reads, because `list`
         calls it for every folder of a run.
         """
-        ...
+        raise NotImplementedError
 
     def latest_pointer(self, url: str, entries: Sequence[DirEntry]) -> str | None:
         """The name of the child folder a `latest`-style pointer in this folder names, if any."""
-        ...
+        return None
 
     def open(self, url: str) -> Checkpoint:
         """Open a checkpoint identified by this layout: components, metadata, lazy tensor index."""
-        ...
+        raise NotImplementedError
 
     def verify(self, checkpoint: Checkpoint) -> list[Problem]:
         """Structural problems: missing or short files, metadata that does not parse or cover its data."""
-        ...
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------------------------ the run walk
+
+    def companions(self, url: str, entries: Sequence[DirEntry]) -> frozenset[str]:
+        """Child folders of the folder `url` that belong to checkpoints kept beside them (open-instruct's
+        shared `ref_policy/`, AReaL's `recover_info/`): neither listed nor walked."""
+        return frozenset()
 
 
 _STEP_PATTERNS = (

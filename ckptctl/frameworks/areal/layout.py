@@ -66,7 +66,7 @@ from ckptctl.frameworks.hf.layout import HfModelLayout, verify_model_files
 from ckptctl.frameworks.hf_trainer.layout import IN_PROGRESS_WINDOW_S
 from ckptctl.io import DirEntry
 from ckptctl.layouts import peek_dir
-from ckptctl.layouts.base import folder_size, list_files, newest_mtime, timestamp
+from ckptctl.layouts.base import Layout, folder_size, list_files, newest_mtime, timestamp
 
 __all__ = ["INFO_FILES", "MTIME_SLACK_S", "RECOVER_INFO", "RECOVER_SLOT", "ArealLayout", "read_dataloader_info"]
 
@@ -262,7 +262,7 @@ def _read_json(url: str) -> Any:
 # --------------------------------------------------------------------------------------------------
 
 
-class ArealLayout:
+class ArealLayout(Layout):
     """AReaL's recover slot (`<model>/recover_checkpoint` + `recover_info/`) or a Saver export
     (`<model>/epoch{E}epochstep{S}globalstep{G}`)."""
 

@@ -38,7 +38,7 @@ from ckptctl.formats.dcp_metadata import METADATA_NAME, DcpMetadata, DcpTensor, 
 from ckptctl.formats.safe_pickle import gc_paused
 from ckptctl.formats.torch_save import read_object_archive
 from ckptctl.io import DirEntry
-from ckptctl.layouts.base import newest_mtime, step_from_name, timestamp
+from ckptctl.layouts.base import Layout, newest_mtime, step_from_name, timestamp
 
 __all__ = [
     "DcpLayout",
@@ -430,7 +430,7 @@ def _tensor_problems(key: str, tensor: DcpTensor, metadata: DcpMetadata, prefix:
 # --------------------------------------------------------------------------------------------------
 
 
-class DcpLayout:
+class DcpLayout(Layout):
     """A torch DCP checkpoint folder written by `torch.distributed.checkpoint.save` (FileSystemWriter)."""
 
     name = "dcp"

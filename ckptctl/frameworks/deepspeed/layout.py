@@ -50,7 +50,7 @@ from ckptctl.formats.chunks import flat_range_boxes, tiling_problem
 from ckptctl.formats.safe_pickle import FrameworkObject, StandIn, TensorRef, state_fields
 from ckptctl.formats.torch_pickle import TorchPickle, open_torch_pickle, storage_problems, tensor_refs
 from ckptctl.io import DirEntry
-from ckptctl.layouts.base import folder_size, newest_mtime, step_from_name, timestamp
+from ckptctl.layouts.base import Layout, folder_size, newest_mtime, step_from_name, timestamp
 
 __all__ = [
     "ENGINE_KEYS",
@@ -978,7 +978,7 @@ def _problem(exc: CkptctlError, path: str) -> Problem:
 # --------------------------------------------------------------------------------------------------
 
 
-class DeepSpeedLayout:
+class DeepSpeedLayout(Layout):
     """A DeepSpeed ZeRO (0-3) tag folder; its parent is the run and holds `latest`."""
 
     name = "deepspeed"

@@ -28,7 +28,7 @@ from ckptctl.checkpoint import (
 from ckptctl.errors import CkptctlError, CorruptCheckpoint
 from ckptctl.formats.safetensors import read_header
 from ckptctl.io import DirEntry
-from ckptctl.layouts.base import list_files, newest_mtime, step_from_name, timestamp
+from ckptctl.layouts.base import Layout, list_files, newest_mtime, step_from_name, timestamp
 
 INDEX_NAMES = ("model.safetensors.index.json", "adapter_model.safetensors.index.json")
 _SHARD = re.compile(r"^(?P<stem>.+)-(?P<i>\d{5})-of-(?P<n>\d{5})\.safetensors$")
@@ -78,7 +78,7 @@ def _shards_missing(names: set[str]) -> list[str]:
     return sorted(set(missing))
 
 
-class HfModelLayout:
+class HfModelLayout(Layout):
     """A Hugging Face model folder (safetensors, single file or sharded with an index)."""
 
     name = "hf"

@@ -53,7 +53,7 @@ from ckptctl.frameworks.hf.layout import (
     weight_files,
 )
 from ckptctl.io import DirEntry
-from ckptctl.layouts.base import folder_size, list_files, newest_mtime, step_from_name, timestamp
+from ckptctl.layouts.base import Layout, folder_size, list_files, newest_mtime, step_from_name, timestamp
 
 __all__ = ["IN_PROGRESS_WINDOW_S", "TRAINER_STATE_NAME", "HfTrainerLayout"]
 
@@ -130,7 +130,7 @@ class _Parts:
         )
 
 
-class HfTrainerLayout:
+class HfTrainerLayout(Layout):
     """A `checkpoint-N` folder of the Hugging Face Trainer (with or without DeepSpeed/FSDP inside)."""
 
     name = "hf_trainer"

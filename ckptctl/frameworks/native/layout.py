@@ -36,7 +36,7 @@ from ckptctl.errors import CkptctlError, CorruptCheckpoint
 from ckptctl.formats.manifest import DIGESTS_NAME, MANIFEST_NAME, Manifest, parse_manifest
 from ckptctl.formats.safetensors import read_header
 from ckptctl.io import DirEntry
-from ckptctl.layouts.base import folder_size, list_files, newest_mtime, step_from_name, timestamp
+from ckptctl.layouts.base import Layout, folder_size, list_files, newest_mtime, step_from_name, timestamp
 
 POINTER_NAME = "latest"
 TRASH_NAME = ".ckptctl-trash"
@@ -92,7 +92,7 @@ class StepNaming:
 NAMING = StepNaming()
 
 
-class NativeLayout:
+class NativeLayout(Layout):
     """Checkpoints written by ckptctl's own core."""
 
     name = "native"

@@ -39,7 +39,7 @@ from ckptctl.frameworks.hf.layout import HfModelLayout, has_weights, verify_mode
 from ckptctl.frameworks.hf_trainer.layout import IN_PROGRESS_WINDOW_S
 from ckptctl.io import DirEntry
 from ckptctl.layouts import peek, peek_dir
-from ckptctl.layouts.base import folder_size, newest_mtime, timestamp
+from ckptctl.layouts.base import Layout, folder_size, newest_mtime, timestamp
 
 __all__ = ["COMPLETE_MARKER", "DRIVER_STATE_NAME", "REF_POLICY", "OpenInstructLayout"]
 
@@ -163,7 +163,7 @@ def _unfinished(entries: Sequence[DirEntry], note: str) -> tuple[CheckpointState
     return CheckpointState.BROKEN, note
 
 
-class OpenInstructLayout:
+class OpenInstructLayout(Layout):
     """An open-instruct DeepSpeed tag (`global_stepN` beside `ref_policy/`, or holding `driver_state.pt`),
     or one of its HF snapshots (`*_checkpoints/step_N`)."""
 

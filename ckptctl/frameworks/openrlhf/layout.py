@@ -35,7 +35,7 @@ from ckptctl.frameworks.deepspeed import layout as deepspeed
 from ckptctl.frameworks.hf.layout import HfModelLayout, has_weights, verify_model_files
 from ckptctl.io import DirEntry
 from ckptctl.layouts import peek, peek_dir
-from ckptctl.layouts.base import folder_size, newest_mtime, timestamp
+from ckptctl.layouts.base import Layout, folder_size, newest_mtime, timestamp
 
 __all__ = ["METRIC_NAME", "OpenRlhfLayout"]
 
@@ -88,7 +88,7 @@ def _metrics(payload: dict[str, Any] | None) -> dict[str, float]:
     return {key if isinstance(key, str) and key else "metric": float(value)}
 
 
-class OpenRlhfLayout:
+class OpenRlhfLayout(Layout):
     """An OpenRLHF DeepSpeed tag (`_actor/global_stepN`, `best_global_stepN`) or HF export (`global_stepN_hf`)."""
 
     name = "openrlhf"

@@ -67,7 +67,7 @@ from ckptctl.frameworks.hf.layout import (
 )
 from ckptctl.frameworks.hf_trainer.layout import IN_PROGRESS_WINDOW_S
 from ckptctl.io import DirEntry
-from ckptctl.layouts.base import folder_size, list_files, newest_mtime, timestamp
+from ckptctl.layouts.base import Layout, folder_size, list_files, newest_mtime, timestamp
 
 __all__ = ["CRITIC", "PIPELINE_STATE", "RollLayout"]
 
@@ -238,7 +238,7 @@ def _scalars(doc: Any, prefix: str = "", depth: int = 0) -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------------
 
 
-class RollLayout:
+class RollLayout(Layout):
     """A ROLL `checkpoint-N` folder (FSDP2 or Megatron, with or without `critic/`)."""
 
     name = "roll"

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ckptctl import io
-from ckptctl.checkpoint import Checkpoint, CheckpointRef, CheckpointState, Component, Problem
+from ckptctl.checkpoint import Checkpoint, CheckpointRef, CheckpointState, Component, Problem, Role
 from ckptctl.errors import CkptctlError
 from ckptctl.layouts import get_layout, scan_run
 from ckptctl.ops.report import SCHEMA_VERSION, NoProgress, Progress, iso, jsonable
@@ -74,9 +74,6 @@ _MODEL_STATES = re.compile(r"model_states\.pt$")
 _OPTIM_STATES = re.compile(r"optim_states\.pt$")
 _TRAINER_RNG = re.compile(r"^rng_state(?:_(\d+))?\.pth$")
 _CHECKPOINT_DIR = re.compile(r"^checkpoint-(\d+)$")
-#: `metadata["kind"]` of the model-only folders layouts recognise inside a run (OpenRLHF's `*_hf` exports,
-#: open-instruct's snapshots): weights without training state.
-_EXPORT_KINDS = {"hf_export": "an HF export", "hf_snapshot": "an HF snapshot"}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -246,6 +243,8 @@ class ResumeProfile:
         follows_pointer: it loads what the run's `latest` pointer names, not the newest folder.
         picks_highest: it resumes from the highest-numbered folder without checking it.
         resumable: False for model-only folders (an HF export restores no training state).
+        export_name: what the framework's model-only folders are (`Role.EXPORT`), for the reason a plan
+            skips them.
         run_of: the run folder a checkpoint belongs to (the folder its checkpoints are grouped by).
         companion: checkpoints that are not resumed from but load along with the chosen one (OpenRLHF's
             critic tags); they are left out of the candidates.
@@ -262,6 +261,7 @@ class ResumeProfile:
     follows_pointer: bool = False
     picks_highest: bool = False
     resumable: bool = True
+    export_name: str = "an HF export"
     run_of: Callable[[str], str] = io.parent_of
     companion: Callable[[CheckpointRef], bool] = _never
     notes: Callable[[PlanContext], list[str]] = _no_notes
@@ -670,6 +670,7 @@ PROFILES: Mapping[str, ResumeProfile] = {
         notes=_open_instruct_notes,
         impacts=_DEEPSPEED_IMPACTS,
         follows_pointer=True,
+        export_name="an HF snapshot",
     ),
     "areal": ResumeProfile(
         framework="AReaL",
@@ -851,9 +852,8 @@ def _judge(
     outside = [p for p in problems if p.path.startswith("../")]
     errors = [p for p in problems if p.severity == "error" and p not in outside]
     run_problems = [f"{p.path}: {p.message}" for p in outside if p.severity == "error"]
-    kind = checkpoint.metadata.get("kind")
-    if kind in _EXPORT_KINDS:
-        return f"model weights only ({_EXPORT_KINDS[kind]}): a resume needs training state", checkpoint, run_problems
+    if checkpoint.role is Role.EXPORT:
+        return f"model weights only ({profile.export_name}): a resume needs training state", checkpoint, run_problems
     if errors:
         more = f" (+{len(errors) - 1} more)" if len(errors) > 1 else ""
         return f"fails verify: {_problem_text(errors[0])}{more}", checkpoint, run_problems
@@ -906,9 +906,7 @@ def _components(ctx: PlanContext, profile: ResumeProfile) -> tuple[tuple[str, ..
 
 def _continues_from(checkpoint: Checkpoint) -> dict[str, Any]:
     found: dict[str, Any] = {"step": checkpoint.ref.step, "epoch": checkpoint.ref.epoch}
-    progress = checkpoint.metadata.get("progress")
-    if isinstance(progress, Mapping):
-        found.update({str(k): v for k, v in progress.items() if type(v) in (int, float, str, bool)})
+    found.update({str(k): v for k, v in checkpoint.progress.items() if type(v) in (int, float, str, bool)})
     return found
 
 
@@ -1016,12 +1014,11 @@ def _rng_warnings(ctx: PlanContext) -> list[str]:
 def rng_keys(checkpoint: Checkpoint) -> frozenset[str] | None:
     """The top-level keys of the checkpoint's RNG state (None when it has none, or cannot tell).
 
-    Layouts may record them as `metadata["rng_keys"]`; native `rng*.json` and the Trainer's
+    Layouts may record them as `Checkpoint.rng_keys`; native `rng*.json` and the Trainer's
     `rng_state*.pth` are read here (a small JSON file; a pickle's `data.pkl` only).
     """
-    recorded = checkpoint.metadata.get("rng_keys")
-    if isinstance(recorded, list | tuple | frozenset | set):
-        return frozenset(map(str, recorded))
+    if checkpoint.rng_keys is not None:
+        return checkpoint.rng_keys
     files = sorted(checkpoint.files)
     if checkpoint.layout == "native":
         name = next((f for f in files if re.fullmatch(r"rng(\.rank-0)?\.json", f)), None)

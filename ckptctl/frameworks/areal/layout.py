@@ -49,6 +49,7 @@ from ckptctl.checkpoint import (
     Component,
     Problem,
     ProblemKind,
+    Role,
     TensorEntry,
 )
 from ckptctl.errors import CkptctlError, CorruptCheckpoint, UnknownLayout, UnsafePickle
@@ -338,11 +339,12 @@ class ArealLayout(Layout):
         info = _recover_info(url)
         files = {e.name: e.size for e in entries if not e.is_dir}
         components: set[Component] = set()
+        progress = dict(info.step_info or {})
         metadata: dict[str, Any] = {
             "format": "areal",
             "kind": "recover",
             "model": io.name_of(io.parent_of(url)),
-            "progress": dict(info.step_info or {}),
+            "progress": progress,
             "resume_setting": "recover.mode=on (same experiment_name, trial_name and allocation_mode)",
         }
         metadata.update(self._info_summary(info, components))
@@ -378,6 +380,7 @@ class ArealLayout(Layout):
             metadata=metadata,
             tensor_index=tensor_index,
             files=files,
+            progress=progress,
         )
 
     @staticmethod
@@ -408,9 +411,9 @@ class ArealLayout(Layout):
         progress = {"epoch": int(m.group(1)), "epoch_step": int(m.group(2)), "global_step": int(m.group(3))}
         metadata = {"format": "areal", "kind": "hf_export", "progress": progress}
         if m.group(4):  # not renamed into place yet: nothing to index
-            return Checkpoint(ref, frozenset(), None, metadata, tuple, list_files(url))
+            return Checkpoint(ref, frozenset(), None, metadata, tuple, list_files(url), Role.EXPORT, progress)
         model = HfModelLayout().open(url)
-        return replace(model, ref=ref, metadata={**metadata, **model.metadata})
+        return replace(model, ref=ref, metadata={**metadata, **model.metadata}, role=Role.EXPORT, progress=progress)
 
     def verify(self, checkpoint: Checkpoint) -> list[Problem]:
         """The slot: DCP's rules, the in-place overwrite and torn-save checks, and every `recover_info/`

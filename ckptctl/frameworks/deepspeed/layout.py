@@ -1045,13 +1045,15 @@ class DeepSpeedLayout(Layout):
         def tensor_index() -> tuple[TensorEntry, ...]:
             return tag_index(tag)
 
+        metadata = tag.metadata()
         return Checkpoint(
             ref=ref,
             components=tag.components(),
             world_size=tag.dp_world_size * tag.mp_world_size,
-            metadata=tag.metadata(),
+            metadata=metadata,
             tensor_index=tensor_index,
             files=all_files,
+            progress=metadata["progress"],
         )
 
     def verify(self, checkpoint: Checkpoint) -> list[Problem]:

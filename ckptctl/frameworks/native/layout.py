@@ -217,6 +217,7 @@ class NativeLayout(Layout):
             metadata=metadata,
             tensor_index=tensor_index,
             files=files,
+            metrics=dict(manifest.metrics),
         )
 
     def verify(self, checkpoint: Checkpoint) -> list[Problem]:

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ckptctl import io
-from ckptctl.checkpoint import Checkpoint, CheckpointRef, CheckpointState, Component, Problem, ProblemKind
+from ckptctl.checkpoint import Checkpoint, CheckpointRef, CheckpointState, Component, Problem, ProblemKind, Role
 from ckptctl.errors import CkptctlError, UnknownLayout, UnsafePickle
 from ckptctl.formats.torch_pickle import open_torch_pickle, storage_problems
 from ckptctl.frameworks.deepspeed import layout as deepspeed
@@ -249,7 +249,7 @@ class OpenInstructLayout(Layout):
         if _SNAPSHOT.match(io.name_of(url)):
             model = HfModelLayout().open(url)
             snapshot = {"format": "open_instruct", "kind": "hf_snapshot", **model.metadata}
-            return replace(model, ref=ref, metadata=snapshot)
+            return replace(model, ref=ref, metadata=snapshot, role=Role.EXPORT)
         inner = deepspeed.DeepSpeedLayout().open(url)
         client = _client_state(url, entries)
         components = set(inner.components)
@@ -259,7 +259,7 @@ class OpenInstructLayout(Layout):
             components.add(Component.DATALOADER)
         ref_policy = self._ref_policy(url)
         progress = {k: client.scalars[k] for k in _COUNTERS if k in client.scalars}
-        progress["optimizer_steps"] = (inner.metadata.get("progress") or {}).get("global_steps")
+        progress["optimizer_steps"] = inner.progress.get("global_steps")
         metadata: dict[str, Any] = {
             **inner.metadata,
             "format": "open_instruct",
@@ -285,6 +285,8 @@ class OpenInstructLayout(Layout):
             ),
             components=frozenset(components),
             metadata=metadata,
+            progress=progress,
+            rng_keys=frozenset(client.rng_keys),
         )
 
     @staticmethod

@@ -17,7 +17,7 @@ checkpoints, as OpenRLHF writes them: two save folders, each with its own `lates
 
 The step is OpenRLHF's `global_step` (client state of PPO >= v0.9.5, else the number in the tag name),
 not DeepSpeed's `global_steps`, which counts optimizer steps (many per PPO step). `metric.json`
-(`{"metric_key", "metric_value"}`) becomes `metadata["metrics"]` for `prune --keep-best`.
+(`{"metric_key", "metric_value"}`) becomes `Checkpoint.metrics` for `prune --keep-best`.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from dataclasses import replace
 from typing import Any
 
 from ckptctl import io
-from ckptctl.checkpoint import Checkpoint, CheckpointRef, CheckpointState, Component, Problem, ProblemKind
+from ckptctl.checkpoint import Checkpoint, CheckpointRef, CheckpointState, Component, Problem, ProblemKind, Role
 from ckptctl.errors import CkptctlError, UnknownLayout
 from ckptctl.frameworks.deepspeed import layout as deepspeed
 from ckptctl.frameworks.hf.layout import HfModelLayout, has_weights, verify_model_files
@@ -134,21 +134,23 @@ class OpenRlhfLayout(Layout):
         if _EXPORT.match(io.name_of(url)):
             model = HfModelLayout().open(url)
             export = {"format": "openrlhf", "kind": "hf_export", **model.metadata}
-            return replace(model, ref=replace(ref, created=model.ref.created), metadata=export)
+            return replace(model, ref=replace(ref, created=model.ref.created), metadata=export, role=Role.EXPORT)
         inner = deepspeed.DeepSpeedLayout().open(url)
-        progress = dict(inner.metadata.get("progress") or {})
+        progress = dict(inner.progress)
         global_step = progress.get("global_step")
         payload = _read_metric(url) if any(e.name == METRIC_NAME for e in entries) else None
+        counters = {k: progress[k] for k in _COUNTERS if k in progress}
+        metrics = _metrics(payload)
         metadata: dict[str, Any] = {
             **inner.metadata,
             "format": "openrlhf",
             "kind": "best" if io.name_of(url).startswith("best_") else "tag",
             "role": _role(url),
-            "progress": {k: progress[k] for k in _COUNTERS if k in progress},
+            "progress": counters,
             "optimizer_steps": progress.get("global_steps"),
         }
         if payload is not None:
-            metadata["metrics"] = _metrics(payload)
+            metadata["metrics"] = metrics
             metadata["metric_key"] = payload.get("metric_key")
         metadata["resume_setting"] = "--load_checkpoint (>= v0.10.2: --ckpt.load_enable) with the same --ckpt_path"
         # DeepSpeed lists the client state's non-scalar keys; PPO's data loader state is one of them.
@@ -165,6 +167,8 @@ class OpenRlhfLayout(Layout):
                 note=inner.ref.note or ref.note,
             ),
             metadata=metadata,
+            progress=counters,
+            metrics=metrics,
         )
 
     def verify(self, checkpoint: Checkpoint) -> list[Problem]:

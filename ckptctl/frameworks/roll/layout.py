@@ -285,19 +285,22 @@ class RollLayout(Layout):
         files = list_files(url)
         components: set[Component] = set()
         metadata: dict[str, Any] = {"format": "roll", "resume_setting": f"resume_from_checkpoint: {url}"}
+        progress: dict[str, Any] = {}
+        metrics: dict[str, Any] = {}
+        rng_keys: list[str] | None = None
         doc = _read_pipeline_state(url)
         if doc is not None:
             components.add(Component.TRAINER_STATE)
             step = doc.get("step")
-            metadata["progress"] = {"step": step, **_scalars(doc.get("kv"), "kv.")}
+            progress = metadata["progress"] = {"step": step, **_scalars(doc.get("kv"), "kv.")}
             history = doc.get("log_history")
             if isinstance(history, list) and history:
-                metadata["metrics"] = _scalars(history[-1])
+                metrics = metadata["metrics"] = _scalars(history[-1])
             if type(step) is int and step != ref.step:
                 metadata["note"] = f"the pipeline state says step {step}, the folder name {ref.step}"
         if PIPELINE_RNG in files:
             components.add(Component.RNG)
-            metadata["rng_keys"] = _rng_keys(io.join(url, *PIPELINE_RNG.split("/")), files[PIPELINE_RNG])
+            rng_keys = metadata["rng_keys"] = _rng_keys(io.join(url, *PIPELINE_RNG.split("/")), files[PIPELINE_RNG])
         world_sizes = {}
         for role in roles:
             info = self._role_info(role, components)
@@ -316,6 +319,9 @@ class RollLayout(Layout):
             metadata=metadata,
             tensor_index=tensor_index,
             files=files,
+            progress=progress,
+            metrics=metrics,
+            rng_keys=None if rng_keys is None else frozenset(rng_keys),
         )
 
     @staticmethod

@@ -15,6 +15,7 @@ from datetime import UTC, datetime
 from ckptctl import io
 from ckptctl.checkpoint import Checkpoint, CheckpointRef, Problem
 from ckptctl.io import DirEntry
+from ckptctl.layouts.resume import ResumeProfile, generic_profile
 
 
 class Layout:
@@ -57,6 +58,13 @@ class Layout:
         """Child folders of the folder `url` that belong to checkpoints kept beside them (open-instruct's
         shared `ref_policy/`, AReaL's `recover_info/`): neither listed nor walked."""
         return frozenset()
+
+    # ---------------------------------------------------------------------------------------- resume
+
+    def resume_profile(self) -> ResumeProfile:
+        """How the framework that wrote this layout's checkpoints resumes from them (`resume-plan`): its
+        setting, world-size rules, what it restores and its traps. The default is a generic plan."""
+        return generic_profile(self.name)
 
 
 _STEP_PATTERNS = (

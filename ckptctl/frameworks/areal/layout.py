@@ -68,6 +68,7 @@ from ckptctl.frameworks.hf_trainer.layout import IN_PROGRESS_WINDOW_S
 from ckptctl.io import DirEntry
 from ckptctl.layouts import peek_dir
 from ckptctl.layouts.base import Layout, folder_size, list_files, newest_mtime, timestamp
+from ckptctl.layouts.resume import ResumeProfile
 
 __all__ = ["INFO_FILES", "MTIME_SLACK_S", "RECOVER_INFO", "RECOVER_SLOT", "ArealLayout", "read_dataloader_info"]
 
@@ -442,6 +443,12 @@ class ArealLayout(Layout):
                 )
         problems += _info_problems(info, meta, checkpoint.world_size)
         return problems
+
+    def resume_profile(self) -> ResumeProfile:
+        """See `frameworks.areal.resume`."""
+        from ckptctl.frameworks.areal.resume import PROFILE
+
+        return PROFILE
 
 
 def _info_problems(info: _RecoverInfo, meta: DirEntry | None, world_size: int | None) -> list[Problem]:

@@ -39,6 +39,7 @@ from ckptctl.formats.safe_pickle import gc_paused
 from ckptctl.formats.torch_save import read_object_archive
 from ckptctl.io import DirEntry
 from ckptctl.layouts.base import Layout, newest_mtime, step_from_name, timestamp
+from ckptctl.layouts.resume import ResumeProfile
 
 __all__ = [
     "DcpLayout",
@@ -539,3 +540,9 @@ class DcpLayout(Layout):
     def verify(self, checkpoint: Checkpoint) -> list[Problem]:
         """Structural verification (see `verify_dcp`); reads `.metadata` and the listing only."""
         return verify_dcp(checkpoint.url)
+
+    def resume_profile(self) -> ResumeProfile:
+        """See `frameworks.dcp.resume`."""
+        from ckptctl.frameworks.dcp.resume import PROFILE
+
+        return PROFILE

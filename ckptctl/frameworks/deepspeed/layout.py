@@ -51,6 +51,7 @@ from ckptctl.formats.safe_pickle import FrameworkObject, StandIn, TensorRef, sta
 from ckptctl.formats.torch_pickle import TorchPickle, open_torch_pickle, storage_problems, tensor_refs
 from ckptctl.io import DirEntry
 from ckptctl.layouts.base import Layout, folder_size, newest_mtime, step_from_name, timestamp
+from ckptctl.layouts.resume import ResumeProfile
 
 __all__ = [
     "ENGINE_KEYS",
@@ -1063,3 +1064,9 @@ class DeepSpeedLayout(Layout):
         if pointer is not None:
             problems.append(pointer)
         return problems
+
+    def resume_profile(self) -> ResumeProfile:
+        """See `frameworks.deepspeed.resume`."""
+        from ckptctl.frameworks.deepspeed.resume import PROFILE
+
+        return PROFILE

@@ -29,6 +29,7 @@ from ckptctl.errors import CkptctlError, CorruptCheckpoint
 from ckptctl.formats.safetensors import read_header
 from ckptctl.io import DirEntry
 from ckptctl.layouts.base import Layout, list_files, newest_mtime, step_from_name, timestamp
+from ckptctl.layouts.resume import ResumeProfile
 
 INDEX_NAMES = ("model.safetensors.index.json", "adapter_model.safetensors.index.json")
 _SHARD = re.compile(r"^(?P<stem>.+)-(?P<i>\d{5})-of-(?P<n>\d{5})\.safetensors$")
@@ -136,6 +137,12 @@ class HfModelLayout(Layout):
 
     def verify(self, checkpoint: Checkpoint) -> list[Problem]:
         return verify_model_files(checkpoint.url, checkpoint.files)
+
+    def resume_profile(self) -> ResumeProfile:
+        """See `frameworks.hf.resume`."""
+        from ckptctl.frameworks.hf.resume import PROFILE
+
+        return PROFILE
 
 
 # --------------------------------------------------------------------------------------------------

@@ -54,15 +54,17 @@ from ckptctl.frameworks.hf.layout import (
 )
 from ckptctl.io import DirEntry
 from ckptctl.layouts.base import Layout, folder_size, list_files, newest_mtime, step_from_name, timestamp
+from ckptctl.layouts.resume import ResumeProfile
 
-__all__ = ["IN_PROGRESS_WINDOW_S", "TRAINER_STATE_NAME", "HfTrainerLayout"]
+__all__ = ["CHECKPOINT_DIR", "IN_PROGRESS_WINDOW_S", "RNG_FILE", "TRAINER_STATE_NAME", "HfTrainerLayout"]
 
 TRAINER_STATE_NAME = "trainer_state.json"
 #: A checkpoint folder without trainer_state.json whose newest file is younger than this is still being
 #: written; older, the save was interrupted.
 IN_PROGRESS_WINDOW_S = 15 * 60
-_CHECKPOINT_DIR = re.compile(r"^checkpoint-(\d+)$")
-_RNG_FILE = re.compile(r"^rng_state(?:_(\d+))?\.pth$")
+#: The Trainer's checkpoint folders (`checkpoint-{global_step}`) and RNG files (one per process).
+CHECKPOINT_DIR = re.compile(r"^checkpoint-(\d+)$")
+RNG_FILE = re.compile(r"^rng_state(?:_(\d+))?\.pth$")
 _PICKLE_FILES = ("optimizer.pt", "scheduler.pt", "scaler.pt", "training_args.bin")
 _TRAINER_FILES = frozenset({TRAINER_STATE_NAME, *_PICKLE_FILES})
 #: trainer_state.json is written with sorted keys and indent=2, so `epoch` and `global_step` come before
@@ -97,7 +99,7 @@ _STATE_SUMMARY = (
 
 
 def _rng_ranks(names: Sequence[str]) -> list[int]:
-    return sorted(int(m.group(1) or 0) for n in names if (m := _RNG_FILE.match(n)))
+    return sorted(int(m.group(1) or 0) for n in names if (m := RNG_FILE.match(n)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,7 +140,7 @@ class HfTrainerLayout(Layout):
     def identify(self, url: str, entries: Sequence[DirEntry]) -> CheckpointRef | None:
         """A ref for a `checkpoint-N` folder holding Trainer files; reads at most the head of
         trainer_state.json (for step and epoch)."""
-        m = _CHECKPOINT_DIR.match(io.name_of(url))
+        m = CHECKPOINT_DIR.match(io.name_of(url))
         if m is None:
             return None
         parts = _Parts.of(url, entries)
@@ -273,7 +275,7 @@ class HfTrainerLayout(Layout):
             problems.append(
                 Problem(ProblemKind.MISSING_FILE, "", "no model weights (no safetensors, DeepSpeed or FSDP)")
             )
-        for name in sorted(n for n in parts.names if n in _PICKLE_FILES or _RNG_FILE.match(n)):
+        for name in sorted(n for n in parts.names if n in _PICKLE_FILES or RNG_FILE.match(n)):
             problems += _pickle_problems(url, name, files[name])
         problems += _missing_state_files(url, files, parts)
         rng = _rng_ranks(list(parts.names))
@@ -293,6 +295,12 @@ class HfTrainerLayout(Layout):
         for folder in sorted(parts.dcp_folders):
             problems += verify_dcp(io.join(url, folder), f"{folder}/")
         return problems
+
+    def resume_profile(self) -> ResumeProfile:
+        """See `frameworks.hf_trainer.resume`."""
+        from ckptctl.frameworks.hf_trainer.resume import PROFILE
+
+        return PROFILE
 
 
 def _read_head(url: str) -> dict[str, float | int | None]:

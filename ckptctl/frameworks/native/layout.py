@@ -37,6 +37,7 @@ from ckptctl.formats.manifest import DIGESTS_NAME, MANIFEST_NAME, Manifest, pars
 from ckptctl.formats.safetensors import read_header
 from ckptctl.io import DirEntry
 from ckptctl.layouts.base import Layout, folder_size, list_files, newest_mtime, step_from_name, timestamp
+from ckptctl.layouts.resume import ResumeProfile
 
 POINTER_NAME = "latest"
 TRASH_NAME = ".ckptctl-trash"
@@ -247,6 +248,12 @@ class NativeLayout(Layout):
 
             problems.extend(verify_dcp(io.join(url, DCP_FOLDER), path_prefix=f"{DCP_FOLDER}/"))
         return problems
+
+    def resume_profile(self) -> ResumeProfile:
+        """See `frameworks.native.resume`."""
+        from ckptctl.frameworks.native.resume import PROFILE
+
+        return PROFILE
 
 
 _MANIFEST_CACHE: OrderedDict[tuple[str, int, int], Manifest] = OrderedDict()

@@ -40,6 +40,7 @@ from ckptctl.frameworks.hf_trainer.layout import IN_PROGRESS_WINDOW_S
 from ckptctl.io import DirEntry
 from ckptctl.layouts import peek, peek_dir
 from ckptctl.layouts.base import Layout, folder_size, newest_mtime, timestamp
+from ckptctl.layouts.resume import ResumeProfile
 
 __all__ = ["COMPLETE_MARKER", "DRIVER_STATE_NAME", "REF_POLICY", "OpenInstructLayout"]
 
@@ -347,6 +348,12 @@ class OpenInstructLayout(Layout):
                 )
             )
         return problems
+
+    def resume_profile(self) -> ResumeProfile:
+        """See `frameworks.open_instruct.resume`."""
+        from ckptctl.frameworks.open_instruct.resume import PROFILE
+
+        return PROFILE
 
 
 def _worse(a: CheckpointRef, b: CheckpointRef) -> CheckpointState:

@@ -36,6 +36,7 @@ from ckptctl.frameworks.hf.layout import HfModelLayout, has_weights, verify_mode
 from ckptctl.io import DirEntry
 from ckptctl.layouts import peek, peek_dir
 from ckptctl.layouts.base import Layout, folder_size, newest_mtime, timestamp
+from ckptctl.layouts.resume import ResumeProfile
 
 __all__ = ["METRIC_NAME", "OpenRlhfLayout"]
 
@@ -197,6 +198,12 @@ class OpenRlhfLayout(Layout):
                 )
             )
         return problems
+
+    def resume_profile(self) -> ResumeProfile:
+        """See `frameworks.openrlhf.resume`."""
+        from ckptctl.frameworks.openrlhf.resume import PROFILE
+
+        return PROFILE
 
 
 def _tags_with_metric(url: str) -> list[str]:

@@ -68,6 +68,7 @@ from ckptctl.frameworks.hf.layout import (
 from ckptctl.frameworks.hf_trainer.layout import IN_PROGRESS_WINDOW_S
 from ckptctl.io import DirEntry
 from ckptctl.layouts.base import Layout, folder_size, list_files, newest_mtime, timestamp
+from ckptctl.layouts.resume import ResumeProfile
 
 __all__ = ["CRITIC", "PIPELINE_STATE", "RollLayout"]
 
@@ -393,6 +394,12 @@ class RollLayout(Layout):
         for role in _roles(url, entries):
             problems += _role_problems(role, checkpoint.files)
         return problems
+
+    def resume_profile(self) -> ResumeProfile:
+        """See `frameworks.roll.resume`."""
+        from ckptctl.frameworks.roll.resume import PROFILE
+
+        return PROFILE
 
 
 def _role_problems(role: _Role, files: Mapping[str, int]) -> list[Problem]:

@@ -70,7 +70,15 @@ from ckptctl.layouts import peek_dir
 from ckptctl.layouts.base import Layout, folder_size, list_files, newest_mtime, timestamp
 from ckptctl.layouts.resume import ResumeProfile
 
-__all__ = ["INFO_FILES", "MTIME_SLACK_S", "RECOVER_INFO", "RECOVER_SLOT", "ArealLayout", "read_dataloader_info"]
+__all__ = [
+    "INFO_FILES",
+    "MTIME_SLACK_S",
+    "RECOVER_INFO",
+    "RECOVER_SLOT",
+    "ArealLayout",
+    "read_dataloader_info",
+    "torn_info_files",
+]
 
 RECOVER_SLOT = "recover_checkpoint"
 RECOVER_INFO = "recover_info"
@@ -230,7 +238,7 @@ def _slot_problem(entries: Sequence[DirEntry], info: _RecoverInfo) -> str:
         )
     if info.error:
         return f"{info.error}: AReaL would start from scratch"
-    torn = _newer_than(meta, (e for e in (info.entries or {}).values() if e.name in INFO_FILES), older=True)
+    torn = torn_info_files(meta.mtime, (info.entries or {}).values())
     if torn:
         return (
             f"{RECOVER_INFO}/{torn[0]} is older than the weights: the save was torn between the slot and its info "
@@ -239,11 +247,16 @@ def _slot_problem(entries: Sequence[DirEntry], info: _RecoverInfo) -> str:
     return ""
 
 
-def _newer_than(meta: DirEntry, others: Iterable[DirEntry], older: bool = False) -> list[str]:
-    """Names of `others` newer than `meta` (with `older`: older than it), beyond the slack."""
-    if older:
-        return sorted(e.name for e in others if e.mtime and e.mtime + MTIME_SLACK_S < meta.mtime)
+def _newer_than(meta: DirEntry, others: Iterable[DirEntry]) -> list[str]:
+    """Names of `others` newer than `meta`, beyond the slack."""
     return sorted(e.name for e in others if e.mtime and e.mtime > meta.mtime + MTIME_SLACK_S)
+
+
+def torn_info_files(weights_mtime: float, info: Iterable[DirEntry]) -> list[str]:
+    """The files of `recover_info/` older than the slot's `.metadata` (modified at `weights_mtime`) beyond
+    the slack: AReaL writes the slot first and its info files after, so these are left from an earlier
+    save that the last one tore (a recover pairs the new weights with the old counters)."""
+    return sorted(e.name for e in info if e.name in INFO_FILES and e.mtime and e.mtime + MTIME_SLACK_S < weights_mtime)
 
 
 def _unfinished(entries: Sequence[DirEntry], info: _RecoverInfo) -> CheckpointState:
@@ -461,6 +474,7 @@ def _info_problems(info: _RecoverInfo, meta: DirEntry | None, world_size: int | 
             )
         ]
     problems = []
+    torn = set(torn_info_files(meta.mtime, info.entries.values())) if meta is not None else set()
     for name in INFO_FILES:
         path = _INFO_PREFIX + name
         entry = info.entries.get(name)
@@ -469,7 +483,7 @@ def _info_problems(info: _RecoverInfo, meta: DirEntry | None, world_size: int | 
                 Problem(ProblemKind.MISSING_FILE, path, f"{name} is missing: AReaL's recover fails and starts over")
             )
             continue
-        if meta is not None and entry.mtime and entry.mtime + MTIME_SLACK_S < meta.mtime:
+        if name in torn:
             problems.append(
                 Problem(
                     ProblemKind.BAD_METADATA,

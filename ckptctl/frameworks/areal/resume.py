@@ -8,7 +8,9 @@ from collections.abc import Mapping
 from ckptctl import io
 from ckptctl.checkpoint import CheckpointRef, Component
 from ckptctl.errors import CkptctlError
-from ckptctl.frameworks.dcp.resume import MTIME_SLACK_S, overwrite_warnings
+from ckptctl.formats.dcp_metadata import METADATA_NAME
+from ckptctl.frameworks.areal.layout import RECOVER_INFO, torn_info_files
+from ckptctl.frameworks.dcp.resume import overwrite_warnings
 from ckptctl.layouts.resume import PlanContext, ResumeProfile, WorldSizeCheck, target_ranks
 
 __all__ = ["PROFILE"]
@@ -18,7 +20,7 @@ def _trial(url: str) -> str | None:
     """The trial folder (`.../{experiment}/{trial}/`, holding `recover_info/`) at or above `url`."""
     folder = url
     for _ in range(4):
-        if io.is_dir(io.join(folder, "recover_info")):
+        if io.is_dir(io.join(folder, RECOVER_INFO)):
             return folder
         parent = io.parent_of(folder)
         if parent == folder:
@@ -66,21 +68,22 @@ def _mtime(folder: str, name: str) -> float | None:
 
 
 def _notes(ctx: PlanContext) -> list[str]:
+    """The torn-save rule of the layout (`torn_info_files`), on the chosen slot and its trial's info files."""
     trial = _trial(ctx.url)
     if trial is None:
         return []
-    step_info = _mtime(io.join(trial, "recover_info"), "step_info.json")
-    weights = [
-        m
-        for name in ("default/recover_checkpoint", "recover_checkpoint")
-        if (m := _mtime(io.join(trial, name), ".metadata")) is not None
-    ]
-    if step_info is None or not weights or step_info + MTIME_SLACK_S >= max(weights):
+    weights = _mtime(ctx.url, METADATA_NAME)
+    try:
+        info = io.list_dir(io.join(trial, RECOVER_INFO))
+    except CkptctlError:
+        return []
+    torn = [] if weights is None else torn_info_files(weights, info)
+    if not torn:
         return []
     return [
-        "recover_info/step_info.json is older than the recover checkpoint's .metadata: the last save rewrote the "
-        "weights but not the counters (a torn save); AReaL would pair the older step with newer weights, or "
-        "restart from step 0 if the info files do not parse"
+        f"{RECOVER_INFO}/{', '.join(torn)} {'is' if len(torn) == 1 else 'are'} older than the recover checkpoint's "
+        f"{METADATA_NAME}: the last save rewrote the weights but not the counters (a torn save); AReaL would pair "
+        "the older step with newer weights, or restart from step 0 if the info files do not parse"
     ]
 
 

@@ -22,7 +22,9 @@ from typing import Any
 from ckptctl import io
 from ckptctl.checkpoint import Checkpoint, CheckpointRef, CheckpointState, Component, Problem, Role
 from ckptctl.errors import CkptctlError, UnknownLayout
+from ckptctl.formats.manifest import read_manifest
 from ckptctl.layouts import get_layout, scan_run
+from ckptctl.layouts.base import list_files
 from ckptctl.layouts.resume import (
     DEFAULT_IMPACT,
     RESUMABLE,
@@ -32,6 +34,7 @@ from ckptctl.layouts.resume import (
     WorldSizeCheck,
     generic_profile,
 )
+from ckptctl.ops.digests import check_digests
 from ckptctl.ops.report import SCHEMA_VERSION, NoProgress, Progress, iso, jsonable
 
 __all__ = [
@@ -294,10 +297,6 @@ def _problem_text(problem: Problem) -> str:
 
 
 def _digest_problems(ref: CheckpointRef, progress: Progress) -> list[Problem]:
-    from ckptctl.formats.manifest import read_manifest
-    from ckptctl.layouts.base import list_files
-    from ckptctl.ops.verification import check_digests
-
     manifest = read_manifest(ref.url)
     if manifest is None:
         return []

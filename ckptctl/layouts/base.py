@@ -13,8 +13,9 @@ from collections.abc import Sequence
 from datetime import UTC, datetime
 
 from ckptctl import io
-from ckptctl.checkpoint import Checkpoint, CheckpointRef, Problem
+from ckptctl.checkpoint import Checkpoint, CheckpointRef, Problem, TensorEntry
 from ckptctl.io import DirEntry
+from ckptctl.layouts.naming import NameStripper, format_namespace_stripper
 from ckptctl.layouts.resume import ResumeProfile, generic_profile
 
 
@@ -65,6 +66,19 @@ class Layout:
         """How the framework that wrote this layout's checkpoints resumes from them (`resume-plan`): its
         setting, world-size rules, what it restores and its traps. The default is a generic plan."""
         return generic_profile(self.name)
+
+    # ---------------------------------------------------------------------------------- tensor names
+
+    def namespace_stripper(self, entries: Sequence[TensorEntry]) -> NameStripper:
+        """How to remove the namespace this layout's saves put in front of the model's own tensor names,
+        for the tensors of one component (`convert` and `diff` use the model's names).
+
+        The default applies the rule of the storage format the tensors lie in (`FORMAT_NAME_RULES`: the
+        key a DCP state dict was saved under, the prefixes of the wrappers a DeepSpeed module was trained
+        in), and keeps other names as stored (an HF folder's names are the model's own). A layout whose
+        saves add a namespace of their own overrides it.
+        """
+        return format_namespace_stripper(entries)
 
 
 _STEP_PATTERNS = (

@@ -21,6 +21,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ckptctl.errors import CkptctlError
+from ckptctl.frameworks.deepspeed.naming import wrapper_prefix
 from ckptctl.ops.convert import (
     ConvertOptions,
     Target,
@@ -29,7 +30,6 @@ from ckptctl.ops.convert import (
     _plan,
     convert,
 )
-from ckptctl.ops.naming import wrapper_prefix
 from ckptctl.ops.verification import verify_checkpoint
 from tests.conftest import CliResult
 from tests.writers.deepspeed_writer import WRAPPED_BUFFERS, WRAPPER_PREFIX, WrittenDeepSpeed, write_deepspeed_runs

@@ -37,6 +37,7 @@ from ckptctl.formats.manifest import DIGESTS_NAME, MANIFEST_NAME, Manifest, pars
 from ckptctl.formats.safetensors import read_header
 from ckptctl.io import DirEntry
 from ckptctl.layouts.base import Layout, folder_size, list_files, newest_mtime, step_from_name, timestamp
+from ckptctl.layouts.naming import NameStripper, keep_name, shared_first_segment, strip_segments
 from ckptctl.layouts.resume import ResumeProfile
 
 POINTER_NAME = "latest"
@@ -254,6 +255,11 @@ class NativeLayout(Layout):
         from ckptctl.frameworks.native.resume import PROFILE
 
         return PROFILE
+
+    def namespace_stripper(self, entries: Sequence[TensorEntry]) -> NameStripper:
+        """`<entry>.<key>` names lose the entry name (the key of the saved state, `model` for `state["model"]`)
+        when every tensor of the component carries the same one."""
+        return keep_name if shared_first_segment(entries) is None else strip_segments(1)
 
 
 _MANIFEST_CACHE: OrderedDict[tuple[str, int, int], Manifest] = OrderedDict()

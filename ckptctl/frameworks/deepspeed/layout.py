@@ -56,10 +56,13 @@ from ckptctl.layouts.resume import ResumeProfile
 __all__ = [
     "ENGINE_KEYS",
     "LATEST_NAME",
+    "MODEL_STATES",
+    "OPTIM_STATES",
     "DeepSpeedLayout",
     "DeepSpeedTag",
     "MasterWeights",
     "TagFiles",
+    "is_rank_file",
     "latest_problem",
     "master_weights",
     "read_latest",
@@ -70,8 +73,10 @@ __all__ = [
 ]
 
 LATEST_NAME = "latest"
-_MODEL_STATES = re.compile(r"^(?:zero_pp_rank_(?P<dp>\d+)_)?mp_rank_(?P<mp>\d+)_model_states\.pt$")
-_OPTIM_STATES = re.compile(r"^(?P<bf16>bf16_)?zero_pp_rank_(?P<dp>\d+)_mp_rank_(?P<mp>\d+)_optim_states\.pt$")
+#: The names of DeepSpeed's rank files (the one definition every module uses): model states, one per MP
+#: rank under ZeRO 0-2 and one per DP and MP rank under ZeRO-3; optimizer states, one per DP and MP rank.
+MODEL_STATES = re.compile(r"^(?:zero_pp_rank_(?P<dp>\d+)_)?mp_rank_(?P<mp>\d+)_model_states\.pt$")
+OPTIM_STATES = re.compile(r"^(?P<bf16>bf16_)?zero_pp_rank_(?P<dp>\d+)_mp_rank_(?P<mp>\d+)_optim_states\.pt$")
 #: Top-level keys of model_states that DeepSpeed itself writes; every other key is client state.
 _ENGINE_KEYS = frozenset(
     {
@@ -167,6 +172,12 @@ class TagFiles:
         return [name for name in expected if name not in self.sizes]
 
 
+def is_rank_file(path: str) -> bool:
+    """Whether the file at `path` (`/`-separated, any folder) is a DeepSpeed model- or optim-states file."""
+    name = path.rpartition("/")[2]
+    return MODEL_STATES.match(name) is not None or OPTIM_STATES.match(name) is not None
+
+
 def tag_files(entries: Sequence[DirEntry]) -> TagFiles | None:
     """The rank files of a folder listing, or None when it holds no DeepSpeed model or optim states."""
     model: dict[tuple[int | None, int], str] = {}
@@ -177,9 +188,9 @@ def tag_files(entries: Sequence[DirEntry]) -> TagFiles | None:
         if entry.is_dir:
             continue
         sizes[entry.name] = entry.size
-        if m := _MODEL_STATES.match(entry.name):
+        if m := MODEL_STATES.match(entry.name):
             model[(None if m.group("dp") is None else int(m.group("dp")), int(m.group("mp")))] = entry.name
-        elif m := _OPTIM_STATES.match(entry.name):
+        elif m := OPTIM_STATES.match(entry.name):
             optim[(int(m.group("dp")), int(m.group("mp")))] = entry.name
             bf16 = bf16 or m.group("bf16") is not None
     if not model and not optim:

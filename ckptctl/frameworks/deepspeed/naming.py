@@ -9,24 +9,23 @@ layout whose model lies in DeepSpeed rank files gets `wrapper_stripper` by defau
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 
 from ckptctl.checkpoint import TensorEntry
+from ckptctl.frameworks.deepspeed.layout import is_rank_file
 from ckptctl.layouts.naming import NameStripper
 
 __all__ = ["WRAPPER_PREFIXES", "wrapper_prefix", "wrapper_stripper"]
 
 #: Prefixes training wrappers add to every parameter name.
 WRAPPER_PREFIXES = ("module.", "_orig_mod.", "_forward_module.", "_fsdp_wrapped_module.")
-_DEEPSPEED_FILE = re.compile(r"(?:^|/)(?:bf16_)?(?:zero_pp_rank_\d+_)?mp_rank_\d+_(?:model|optim)_states\.pt$")
 
 
 def wrapper_stripper(entries: Sequence[TensorEntry]) -> NameStripper | None:
     """How to remove the training wrappers' prefix from the names of `entries` (one component's tensors),
     or None when they do not all lie in DeepSpeed rank files or carry no such prefix."""
     chunks = [chunk for e in entries for chunk in e.chunks]
-    if not chunks or not all(_DEEPSPEED_FILE.search(chunk.file) for chunk in chunks):
+    if not chunks or not all(is_rank_file(chunk.file) for chunk in chunks):
         return None
     prefix = wrapper_prefix([e.name for e in entries])
     if not prefix:

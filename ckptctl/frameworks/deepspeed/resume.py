@@ -7,18 +7,15 @@ The frameworks built on DeepSpeed (OpenRLHF, open-instruct, the Trainer with Dee
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from typing import Any
 
 from ckptctl import io
 from ckptctl.checkpoint import Checkpoint, Component
+from ckptctl.frameworks.deepspeed.layout import MODEL_STATES, OPTIM_STATES
 from ckptctl.layouts.resume import PlanContext, ResumeProfile, WorldSizeCheck, target_ranks
 
 __all__ = ["IMPACTS", "PROFILE", "pointer_caveat", "world_size", "zero_facts"]
-
-_MODEL_STATES = re.compile(r"model_states\.pt$")
-_OPTIM_STATES = re.compile(r"optim_states\.pt$")
 
 
 def zero_facts(checkpoint: Checkpoint) -> Mapping[str, Any]:
@@ -47,8 +44,8 @@ def world_size(ctx: PlanContext) -> WorldSizeCheck:
     saved = dp * mp if isinstance(dp, int) and isinstance(mp, int) else ctx.checkpoint.world_size
     target = target_ranks(ctx, saved)
     files = ctx.checkpoint.files
-    model = [s for n, s in files.items() if _MODEL_STATES.search(n)]
-    optim = [s for n, s in files.items() if _OPTIM_STATES.search(n)]
+    model = [s for n, s in files.items() if MODEL_STATES.match(n.rpartition("/")[2])]
+    optim = [s for n, s in files.items() if OPTIM_STATES.match(n.rpartition("/")[2])]
     per_rank = (sum(model) // len(model) if model else 0) + (sum(optim) // len(optim) if optim else 0)
     if target is None or saved is None or not isinstance(stage, int):
         return WorldSizeCheck(saved, target, None, "the DeepSpeed data-parallel size is not recorded")

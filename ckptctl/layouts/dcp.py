@@ -38,6 +38,7 @@ from ckptctl.formats.dcp_metadata import METADATA_NAME, DcpMetadata, DcpTensor, 
 from ckptctl.formats.safe_pickle import gc_paused
 from ckptctl.io import DirEntry
 from ckptctl.layouts.base import newest_mtime, step_from_name, timestamp
+from ckptctl.layouts.hf import model_components
 
 __all__ = [
     "DcpLayout",
@@ -50,6 +51,9 @@ __all__ = [
     "verify_dcp",
     "world_size_of",
 ]
+
+#: Components a DCP folder can hold as plain files beside its data (`convert --to dcp` copies them).
+_BESIDE = frozenset({Component.CONFIG, Component.TOKENIZER})
 
 #: Data files torch's FileSystemWriter creates: `__{rank}_{n}.distcp`.
 DISTCP_RE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
@@ -448,7 +452,7 @@ class DcpLayout:
                 files=files,
             )
         classify = component_classifier(metadata.entries)
-        components = classify.components
+        components = classify.components | (model_components(set(files)) & _BESIDE)
         bytes_keys = metadata.bytes_keys
         referenced = metadata.referenced_files()
         info = {

@@ -21,6 +21,8 @@ HELP = """Convert a checkpoint's model into a Hugging Face folder (or an HF mode
 
 DeepSpeed ZeRO 1-3 (a global_stepN tag folder, the save folder holding `latest`, or a Trainer checkpoint-N with DeepSpeed inside) gives the fp32 master weights, exactly as DeepSpeed's zero_to_fp32.py rebuilds them from the optimizer partitions, without DeepSpeed installed and without loading a partition whole; --weights stored writes the 16-bit module weights instead (ZeRO 0-2; ZeRO-3 keeps none, its model is the partitions).
 
+SRC may also be a single weights file: a `*.safetensors` file, or a torch.save zip such as `pytorch_model.bin` (read with the allowlisting unpickler: nothing in it runs).
+
 --to dcp writes a single-process torch.distributed.checkpoint save with keys model.<name>, which dcp.load reads into a model of any world size.
 
 The output is written to a hidden staging folder next to DST, checked, digested into ckptctl-digests.json (so `ckptctl verify DST` checks every byte later) and renamed into place: an interrupted conversion leaves nothing at DST.
@@ -32,6 +34,7 @@ ckptctl convert runs/llama/step-1000 hf-export --to hf --config runs/llama --dty
 ckptctl convert runs/llama/step-1000 hf-export --max-shard-size 2GB --rename '^lm_head=output'
 ckptctl convert ds-run/ hf-export --config base-model/ --dtype bf16   # a DeepSpeed save folder
 ckptctl convert meta-llama-3-8b/ init-dcp --to dcp
+ckptctl convert old-model/pytorch_model.bin old-model-safetensors/
 ckptctl convert s3://ckpts/llama/step-1000 s3://exports/llama-1000 --dtype bf16
 """
 
@@ -64,7 +67,9 @@ def convert(
     src: Annotated[
         str,
         typer.Argument(
-            metavar="SRC", help="Checkpoint folder to convert (local path or fsspec URL).", show_default=False
+            metavar="SRC",
+            help="Checkpoint folder or weights file to convert (local path or fsspec URL).",
+            show_default=False,
         ),
     ],
     dst: Annotated[

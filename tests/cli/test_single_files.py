@@ -88,6 +88,16 @@ def test_diff_finds_a_changed_tensor_in_a_torch_file(run_cli: Cli, files: dict[s
     ]
 
 
+def test_convert_a_torch_file_to_safetensors(run_cli: Cli, files: dict[str, Path], tmp_path: Path) -> None:
+    result = run_cli("convert", files["bin"], tmp_path / "export", "--json")
+    assert result.exit_code == 0, result.stderr
+    converted = load_file(tmp_path / "export" / "model.safetensors")
+    reference = torch.load(files["bin"], weights_only=True)
+    assert sorted(converted) == sorted(reference)  # transformers' own names (model.layers.*, lm_head.*)
+    assert all(torch.equal(converted[k], v) for k, v in reference.items())
+    assert run_cli("verify", tmp_path / "export").exit_code == 0
+
+
 def test_a_trainer_optimizer_file_is_an_optimizer(run_cli: Cli, trainer_run: WrittenTrainerRun) -> None:
     result = run_cli("inspect", trainer_run.checkpoints[-1] / "optimizer.pt", "--json")
     assert result.exit_code == 0, result.stderr

@@ -147,8 +147,6 @@ class ResumeProfile:
         hint: the exact setting that resumes from the chosen checkpoint.
         world_size: whether (and at what read cost) the target number of ranks loads it.
         restored: the components it reloads when present (others are saved but ignored on resume).
-        implicit: components it restores without a component of their own (the step a native
-            `restore()` returns, for example).
         impacts: better one-liners than `DEFAULT_IMPACT` for this framework.
         follows_pointer: it loads what the run's `latest` pointer names, not the newest folder.
         resumable: False for model-only folders (an HF export restores no training state).
@@ -168,7 +166,6 @@ class ResumeProfile:
     hint: Callable[[PlanContext], str]
     world_size: Callable[[PlanContext], WorldSizeCheck]
     restored: frozenset[Component] = frozenset(RESUMABLE)
-    implicit: frozenset[Component] = frozenset()
     impacts: Mapping[Component, str] = field(default_factory=dict)
     follows_pointer: bool = False
     resumable: bool = True

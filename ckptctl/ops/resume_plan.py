@@ -134,6 +134,7 @@ def plan_resume(
     layout: str | None = None,
     digests: bool = False,
     progress: Progress | None = None,
+    cuda: bool | None = None,
 ) -> ResumePlan:
     """Plan the resume of the run at `run` (see the module docstring).
 
@@ -144,6 +145,8 @@ def plan_resume(
         digests: also check file digests against the manifest of each candidate (slower: hashes every
             byte of each candidate); the default is structural verification only.
         progress: where digest hashing reports progress.
+        cuda: whether the resumed run uses CUDA (a checkpoint without CUDA generator states is only worth a
+            warning then); None: whether torch sees a CUDA device here, asked only when it matters.
 
     Raises:
         CheckpointNotFound: the run folder does not exist.
@@ -176,7 +179,7 @@ def plan_resume(
     ctx = PlanContext(run, chosen, tuple(refs), tuple(skipped), world_size)
     ctx = replace(ctx, world=profile.world_size(ctx))
     restores, missing, impacts = _components(ctx, profile)
-    warnings = run_warnings + _warnings(ctx, profile, pointer_named)
+    warnings = run_warnings + _warnings(ctx, profile, pointer_named, cuda)
     return ResumePlan(
         run=run,
         checkpoint=chosen.ref,
@@ -305,7 +308,7 @@ def _digest_problems(ref: CheckpointRef, progress: Progress) -> list[Problem]:
 
 
 def _components(ctx: PlanContext, profile: ResumeProfile) -> tuple[tuple[str, ...], tuple[str, ...], dict[str, str]]:
-    present = ctx.checkpoint.components | profile.implicit
+    present = ctx.checkpoint.components
     restores = tuple(c.value for c in RESUMABLE if c in present and c in profile.restored)
     missing = tuple(c.value for c in RESUMABLE if c.value not in restores)
     impacts: dict[str, str] = {}
@@ -333,11 +336,13 @@ def _continues_from(checkpoint: Checkpoint) -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------------
 
 
-def _warnings(ctx: PlanContext, profile: ResumeProfile, pointer_named: CheckpointRef | None) -> list[str]:
+def _warnings(
+    ctx: PlanContext, profile: ResumeProfile, pointer_named: CheckpointRef | None, cuda: bool | None
+) -> list[str]:
     found = list(profile.traps(ctx))
     if profile.follows_pointer:
         found += _pointer_warning(ctx, pointer_named)
-    found += _rng_warnings(ctx)
+    found += _rng_warnings(ctx, cuda)
     found += profile.notes(ctx)
     return found
 
@@ -352,8 +357,9 @@ def _pointer_warning(ctx: PlanContext, pointer_named: CheckpointRef | None) -> l
     ]
 
 
-def _rng_warnings(ctx: PlanContext) -> list[str]:
-    """RNG keys the chosen checkpoint lacks: that newer checkpoints of the run have, or CUDA's."""
+def _rng_warnings(ctx: PlanContext, cuda: bool | None) -> list[str]:
+    """RNG keys the chosen checkpoint lacks: that newer checkpoints of the run have, or CUDA's when the
+    resume runs with CUDA (a CPU save resumed on CPU lacks nothing)."""
     keys = rng_keys(ctx.checkpoint)
     if keys is None:
         return []
@@ -372,10 +378,20 @@ def _rng_warnings(ctx: PlanContext) -> list[str]:
                     "those generators keep their seeded state on resume (a loader that requires them fails)"
                 )
             break
-    cuda = {"cuda", "torch_cuda_rng_state_all", "torch_cuda_rng_state"}
-    if not keys & cuda:
+    cuda_keys = {"cuda", "torch_cuda_rng_state_all", "torch_cuda_rng_state"}
+    if not keys & cuda_keys and _resumes_on_cuda(cuda):
         found.append("the RNG state holds no CUDA generators (saved without CUDA): a GPU resume leaves them unrestored")
     return found
+
+
+def _resumes_on_cuda(cuda: bool | None) -> bool:
+    if cuda is not None:
+        return cuda
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
 
 
 def rng_keys(checkpoint: Checkpoint) -> frozenset[str] | None:

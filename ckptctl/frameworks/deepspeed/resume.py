@@ -74,8 +74,8 @@ def _hint(ctx: PlanContext) -> str:
     tag = io.name_of(ctx.url)
     if ctx.world is not None and ctx.world.ok is False and ctx.world.fix:
         return (
-            f'engine.load_checkpoint("{io.parent_of(ctx.url)}", tag="{tag}_universal") after the conversion below, '
-            'with "checkpoint": {"load_universal": true}'
+            f'engine.load_checkpoint("{io.parent_of(ctx.url)}", tag="{tag}_universal") with "checkpoint": '
+            f'{{"load_universal": true}}, once ds_to_universal has converted {tag} into {tag}_universal'
         )
     return f'engine.load_checkpoint("{io.parent_of(ctx.url)}", tag="{tag}")'
 

@@ -67,7 +67,6 @@ PROFILE = ResumeProfile(
     framework="ckptctl",
     hint=_hint,
     world_size=_world_size,
-    implicit=frozenset({Component.TRAINER_STATE}),
     impacts={
         Component.DATALOADER: "no data loader/sampler state was saved: pass a stateful sampler in `state` to "
         "keep the data order; as it is the order restarts",

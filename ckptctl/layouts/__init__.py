@@ -132,7 +132,11 @@ def layout_names() -> list[str]:
 
 @cache
 def get_layout(name: str) -> Layout:
-    """The layout registered under `name`."""
+    """The layout registered under `name`.
+
+    One instance per name for the whole process: layouts hold no state of their own, so every operation
+    can share them.
+    """
     for registered, target in _REGISTRY:
         if registered == name:
             module_name, _, class_name = target.partition(":")
@@ -145,41 +149,61 @@ def all_layouts() -> list[Layout]:
     return [get_layout(name) for name in layout_names()]
 
 
-def _identify(url: str, entries: Sequence[io.DirEntry]) -> tuple[Layout, CheckpointRef] | None:
-    for layout in all_layouts():
-        ref = layout.identify(url, entries)
+# --------------------------------------------------------------------------------------------------
+# What a folder is: the one identification every command goes through (the walker's, for each folder).
+# --------------------------------------------------------------------------------------------------
+
+
+def _identify(
+    url: str, entries: Sequence[io.DirEntry], layout: str | None = None
+) -> tuple[Layout, CheckpointRef] | None:
+    """The first layout (in registry order, or only `layout`) that recognises the folder, and its ref."""
+    for candidate in [get_layout(layout)] if layout else all_layouts():
+        ref = candidate.identify(url, entries)
         if ref is not None:
-            return layout, ref
+            return candidate, ref
     return None
 
 
+def _pointed(url: str, entries: Sequence[io.DirEntry]) -> set[str]:
+    """The child folders of `url` that a `latest`-style pointer in it names (any layout's)."""
+    return {io.join(url, name) for layout in all_layouts() if (name := layout.latest_pointer(url, entries))}
+
+
+def _require_folder(url: str) -> None:
+    if not io.is_dir(url):
+        if io.exists(url):
+            raise UnknownLayout(f"{url} is a file, not a checkpoint folder", "pass the folder that contains it")
+        raise CheckpointNotFound(f"no such checkpoint folder: {url}")
+
+
 def detect(url: str, layout: str | None = None, *, explain: bool = True) -> tuple[Layout, CheckpointRef]:
-    """The layout of the checkpoint folder at `url` and its ref.
+    """The layout of the checkpoint folder at `url` and its ref (the folder itself, also when it holds
+    other checkpoints: see `scan_run`).
 
     Raises:
         CheckpointNotFound: the folder does not exist.
         UnknownLayout: no layout recognises it (the message lists what was tried, and says when the
             folder looks like a run holding checkpoints rather than a checkpoint).
     """
-    if not io.is_dir(url):
-        if io.exists(url):
-            raise UnknownLayout(f"{url} is a file, not a checkpoint folder", "pass the folder that contains it")
-        raise CheckpointNotFound(f"no such checkpoint folder: {url}")
+    _require_folder(url)
     _forget_peeks()
     entries = io.list_dir(url)
-    candidates = [get_layout(layout)] if layout else all_layouts()
-    for candidate in candidates:
-        ref = candidate.identify(url, entries)
-        if ref is not None:
-            return candidate, ref
-    tried = ", ".join(c.name for c in candidates)
+    hit = _identify(url, entries, layout)
+    if hit is not None:
+        return hit
+    raise _not_a_checkpoint(url, entries, layout, explain)
+
+
+def _not_a_checkpoint(url: str, entries: Sequence[io.DirEntry], layout: str | None, explain: bool) -> UnknownLayout:
+    tried = layout or ", ".join(layout_names())
     hint = "check the path"
     # The hint costs a scan of the folder: callers that only ask "is this a checkpoint?" skip it.
     if explain and layout is None and any(e.is_dir for e in entries):
         inner = scan_run(url, max_depth=2)
         if inner:
             hint = f"this looks like a run folder with {len(inner)} checkpoint(s); use `ckptctl list {url}` or pass one of them"
-    raise UnknownLayout(f"{url} is not a checkpoint of any known layout (tried: {tried})", hint)
+    return UnknownLayout(f"{url} is not a checkpoint of any known layout (tried: {tried})", hint)
 
 
 def open_checkpoint(url: str, layout: str | None = None) -> Checkpoint:
@@ -188,16 +212,29 @@ def open_checkpoint(url: str, layout: str | None = None) -> Checkpoint:
     return found.open(url)
 
 
-def scan_run(url: str, max_depth: int = DEFAULT_SCAN_DEPTH) -> list[CheckpointRef]:
-    """Every checkpoint below `url` (the folder itself included), in whatever nesting the run uses.
+# --------------------------------------------------------------------------------------------------
+# The run walk.
+# --------------------------------------------------------------------------------------------------
 
-    A folder recognised as a checkpoint is not descended into. Hidden folders are only checked
-    themselves (a layout may recognise its own staging folders) and never descended into. Folders that a
-    layout names as parts of its checkpoints kept beside them (its optional `companions(url, entries)`:
-    open-instruct's shared `ref_policy/`, AReaL's `recover_info/`) are neither listed nor descended into.
+
+def scan_run(url: str, max_depth: int = DEFAULT_SCAN_DEPTH) -> list[CheckpointRef]:
+    """Every checkpoint at or below `url` (the folder itself included), in whatever nesting the run uses.
+
+    A folder can be a checkpoint and hold checkpoints (an HF Trainer `output_dir` with the final model
+    beside `checkpoint-N/`; a DCP or DeepSpeed run with an exported model beside its steps). A folder
+    recognised as a checkpoint is recorded, and its child folders that are not part of it (the layout's
+    `members`) are walked on; the ref names those that hold checkpoints in `CheckpointRef.holds`, and
+    comes before them. Hidden folders are only checked themselves (a layout may recognise its own
+    staging folders) and never descended into. Folders that a layout names as parts of its checkpoints
+    kept beside them (its `companions(url, entries)`: open-instruct's shared `ref_policy/`, AReaL's
+    `recover_info/`) are neither listed nor descended into. A checkpoint that a `latest`-style pointer in
+    its parent folder names has `latest` set.
 
     On object stores the run is listed once, recursively (`io.listing_snapshot`), every folder's entries
     and sizes come from that listing, and the checkpoints' marker reads overlap on a bounded pool.
+
+    Raises:
+        CheckpointNotFound: `url` is not a folder.
     """
     with io.listing_snapshot(url):
         if not io.is_dir(url):
@@ -228,13 +265,13 @@ def _walk(
     than one folder is identified on `io.parallel_map`'s threads (for object stores, where a layout's
     marker reads are requests worth overlapping); the levels below it are walked by those threads alone."""
     hit = _identify(url, entries)
-    if hit is not None:
-        found.append(hit[1])
-        return
-    if depth >= max_depth:
-        return
-    parts = _companions(url, entries)
-    folders = [e for e in entries if e.is_dir and e.name not in _SKIP_DIRS and e.name not in parts]
+    folders: list[io.DirEntry] = []
+    if depth < max_depth:
+        skip = _SKIP_DIRS | (hit[0].members(url, entries) if hit is not None else frozenset())
+        folders = [e for e in entries if e.is_dir and e.name not in skip]
+        if folders:
+            parts = _companions(url, entries)
+            folders = [e for e in folders if e.name not in parts]
     fan_out = parallel and len(folders) > 1
 
     def visit(entry: io.DirEntry) -> list[CheckpointRef]:
@@ -251,6 +288,9 @@ def _walk(
         return below
 
     visited = io.parallel_map(visit, folders) if fan_out else [visit(e) for e in folders]
+    if hit is not None:
+        holds = tuple(e.name for e, refs in zip(folders, visited, strict=True) if refs)
+        found.append(replace(hit[1], holds=holds) if holds else hit[1])
     children = [ref for refs in visited for ref in refs]
-    pointed = {io.join(url, name) for layout in all_layouts() if (name := layout.latest_pointer(url, entries))}
+    pointed = _pointed(url, entries) if children else set()
     found.extend(replace(ref, latest=True) if ref.url in pointed else ref for ref in children)

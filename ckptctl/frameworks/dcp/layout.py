@@ -431,7 +431,11 @@ def _tensor_problems(key: str, tensor: DcpTensor, metadata: DcpMetadata, prefix:
 
 
 class DcpLayout(Layout):
-    """A torch DCP checkpoint folder written by `torch.distributed.checkpoint.save` (FileSystemWriter)."""
+    """A torch DCP checkpoint folder written by `torch.distributed.checkpoint.save` (FileSystemWriter).
+
+    FileSystemWriter writes files only: a child folder is not part of the checkpoint (`Layout.members`'
+    default), and the walker looks inside it (an HF export kept in `step-N/hf/`).
+    """
 
     name = "dcp"
 

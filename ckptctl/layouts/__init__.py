@@ -28,6 +28,7 @@ __all__ = [
     "open_checkpoint",
     "peek",
     "peek_dir",
+    "resolve",
     "scan_run",
 ]
 
@@ -206,10 +207,41 @@ def _not_a_checkpoint(url: str, entries: Sequence[io.DirEntry], layout: str | No
     return UnknownLayout(f"{url} is not a checkpoint of any known layout (tried: {tried})", hint)
 
 
+def resolve(url: str, layout: str | None = None) -> tuple[Layout, CheckpointRef]:
+    """The one checkpoint a command that takes a checkpoint (`inspect`, `convert`, `diff`) acts on.
+
+    The folder itself when it is a checkpoint, also when it holds others (the final model of an HF
+    Trainer `output_dir` beside its `checkpoint-N/`); else the checkpoint that a `latest`-style pointer in
+    it names (a DeepSpeed save folder: the tag its `latest` names), as `scan_run` marks it.
+
+    Args:
+        url: the folder.
+        layout: consider this layout only instead of trying each.
+
+    Raises:
+        CheckpointNotFound: the folder does not exist.
+        UnknownLayout: neither the folder nor what a pointer in it names is a checkpoint.
+    """
+    _require_folder(url)
+    entries = io.list_dir(url)
+    hit = _identify(url, entries, layout)
+    if hit is not None:
+        return hit
+    folders = {io.join(url, e.name) for e in entries if e.is_dir}
+    named = [
+        found
+        for child in sorted(_pointed(url, entries) & folders)
+        if (found := _identify(child, io.list_dir(child), layout)) is not None
+    ]
+    if len(named) == 1:
+        return named[0]
+    raise _not_a_checkpoint(url, entries, layout, explain=True)
+
+
 def open_checkpoint(url: str, layout: str | None = None) -> Checkpoint:
-    """Detect and open the checkpoint folder at `url`."""
-    found, _ = detect(url, layout)
-    return found.open(url)
+    """Open the checkpoint `resolve(url, layout)` names."""
+    found, ref = resolve(url, layout)
+    return found.open(ref.url)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -9,14 +9,14 @@ Three levels, each optional beyond the first:
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
 
 from ckptctl import io
-from ckptctl.checkpoint import Checkpoint, CheckpointState, Problem, ProblemKind
-from ckptctl.errors import CheckpointNotFound, CkptctlError, UnknownLayout, UnsafePickle
+from ckptctl.checkpoint import Checkpoint, CheckpointRef, CheckpointState, Problem, ProblemKind
+from ckptctl.errors import CheckpointNotFound, CkptctlError, UnsafePickle
 from ckptctl.formats.digest import file_digest
 from ckptctl.formats.manifest import DIGESTS_NAME, MANIFEST_NAME, FileRecord, Manifest, now_iso, read_manifest
 from ckptctl.layouts import detect, scan_run
@@ -86,28 +86,23 @@ class VerifyOptions:
     layout: str | None = None
 
 
-def is_checkpoint(url: str) -> bool:
-    """Whether `url` itself is a checkpoint folder (as opposed to a run holding checkpoints).
-
-    A file, or a path that does not exist, raises the registry's own clear error instead.
-    """
-    if not io.is_dir(url):
-        detect(url)  # raises: "is a file, not a checkpoint folder" / "no such checkpoint folder"
-    try:
-        detect(url, explain=False)
-    except UnknownLayout:
-        return False
-    return True
-
-
 def verify_path(
     url: str, options: VerifyOptions | None = None, progress: Progress | None = None
 ) -> VerifyResult | RunVerifyReport:
-    """Verify a checkpoint folder, or every checkpoint of a run folder."""
+    """Verify a checkpoint folder, or every checkpoint of a run folder, each on its own (also those of a
+    folder that is a checkpoint and holds others: an HF Trainer `output_dir` with the final model).
+
+    A file, or a path that does not exist, raises the registry's own clear error.
+    """
     options = options or VerifyOptions()
-    if options.layout is not None or is_checkpoint(url):
+    if options.layout is not None:
         return verify_checkpoint(url, options, progress)
-    return verify_run(url, options, progress)
+    if not io.is_dir(url):
+        detect(url)  # raises: "is a file, not a checkpoint folder" / "no such checkpoint folder"
+    refs = scan_run(url)
+    if len(refs) == 1 and refs[0].url == url:
+        return verify_checkpoint(url, replace(options, layout=refs[0].layout), progress)
+    return _verify_refs(url, refs, options, progress)
 
 
 def verify_run(
@@ -134,6 +129,12 @@ def verify_run(
         refs = [plan.checkpoint]
     else:
         refs = scan_run(run)
+    return _verify_refs(run, refs, options, progress)
+
+
+def _verify_refs(
+    run: str, refs: Sequence[CheckpointRef], options: VerifyOptions, progress: Progress | None
+) -> RunVerifyReport:
     if not refs:
         raise CheckpointNotFound(
             f"no checkpoints found in {run}", "run `ckptctl list` on the folder above, or check the path"

@@ -6,10 +6,12 @@ needs one layout does not pay for all of them.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import importlib
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from functools import cache
 from typing import Any, TypeVar, cast
@@ -22,6 +24,7 @@ from ckptctl.layouts.base import Layout
 __all__ = [
     "DEFAULT_SCAN_DEPTH",
     "Layout",
+    "ScanContext",
     "detect",
     "get_layout",
     "layout_names",
@@ -29,6 +32,7 @@ __all__ = [
     "peek",
     "peek_dir",
     "resolve",
+    "scan_context",
     "scan_run",
 ]
 
@@ -60,71 +64,106 @@ _SKIP_DIRS = frozenset({"__pycache__", ".git", ".hg", ".svn", "node_modules", ".
 
 
 # --------------------------------------------------------------------------------------------------
-# Peeks: listings of the folders around a candidate (its parent, its siblings), which some layouts need to
-# tell apart frameworks that write the same files (an OpenRLHF tag from a plain DeepSpeed one).
+# The scan context: what one operation has learnt about the folders around the candidates it identified.
 # --------------------------------------------------------------------------------------------------
 
 _PEEK_LIMIT = 4096
 _LISTING = "listing"
-_peeks: dict[tuple[str, int], dict[Any, Any]] = {}
-_peeks_lock = threading.Lock()
 T = TypeVar("T")
 
 
+class ScanContext:
+    """The peeks of one operation: listings of the folders around a candidate (its parent, its siblings),
+    which some layouts need to tell apart frameworks that write the same files (an OpenRLHF tag from a
+    plain DeepSpeed one), and facts derived from them.
+
+    Owned by the operation that opens it with `scan_context()` (a scan, a `detect`, a command that scans
+    and then opens every checkpoint it found) and dropped when that ends, so that nothing outlives the
+    operation. A local folder's peek is keyed by its mtime as well, so that a folder that gained or lost
+    entries within the operation is listed again; a remote one is listed once per context. Thread-safe:
+    the walker's threads share their caller's context (`io.parallel_map` copies the context variables).
+    """
+
+    def __init__(self) -> None:
+        self._peeks: dict[tuple[str, int], dict[Any, Any]] = {}
+        self._lock = threading.Lock()
+
+    def peek_dir(self, url: str) -> list[io.DirEntry] | None:
+        """See the module function `peek_dir`."""
+        slot = self._slot(url)
+        return None if slot is None else slot[_LISTING]
+
+    def peek(self, url: str, derive: Callable[[str, list[io.DirEntry]], T]) -> T | None:
+        """See the module function `peek`."""
+        slot = self._slot(url)
+        if slot is None or slot[_LISTING] is None:
+            return None
+        with self._lock:
+            if derive in slot:
+                return cast(T, slot[derive])
+        value = derive(url, slot[_LISTING])
+        with self._lock:
+            slot[derive] = value
+        return value
+
+    def _slot(self, url: str) -> dict[Any, Any] | None:
+        version = 0
+        if io.is_local(url):
+            try:
+                version = os.stat(io.local_path(url)).st_mtime_ns
+            except OSError:
+                return None
+        key = (url, version)
+        with self._lock:
+            slot = self._peeks.get(key)
+        if slot is not None:
+            return slot
+        try:
+            listing: list[io.DirEntry] | None = io.list_dir(url)
+        except CkptctlError:
+            listing = None
+        slot = {_LISTING: listing}
+        with self._lock:
+            if len(self._peeks) >= _PEEK_LIMIT:
+                self._peeks.clear()
+            self._peeks[key] = slot
+        return slot
+
+
+_current_scan: contextvars.ContextVar[ScanContext | None] = contextvars.ContextVar("ckptctl_scan", default=None)
+
+
+@contextlib.contextmanager
+def scan_context() -> Iterator[ScanContext]:
+    """The scan context of the current operation: the one already open (a `detect` inside a scan shares
+    the scan's), or a new one for the duration of the block."""
+    active = _current_scan.get()
+    if active is not None:
+        yield active
+        return
+    context = ScanContext()
+    token = _current_scan.set(context)
+    try:
+        yield context
+    finally:
+        _current_scan.reset(token)
+
+
 def peek_dir(url: str) -> list[io.DirEntry] | None:
-    """The listing of the folder at `url` (None when it is not a folder), listed once per scan.
+    """The listing of the folder at `url` (None when it is not a folder), listed once per scan context.
 
     Layouts call it for the parent or the siblings of a folder they are identifying, so a save folder of
-    1,000 tags is listed once, not once per tag. A local folder's entry is keyed by its mtime as well, so
-    that a folder that gained or lost entries is listed again; remote ones are kept until the next scan.
+    1,000 tags is listed once, not once per tag. Outside any scan context it lists the folder afresh.
     """
-    slot = _peek_slot(url)
-    return None if slot is None else slot[_LISTING]
+    return (_current_scan.get() or ScanContext()).peek_dir(url)
 
 
 def peek(url: str, derive: Callable[[str, list[io.DirEntry]], T]) -> T | None:
-    """`derive(url, listing)` for the folder at `url`, computed once per scan like `peek_dir` (None when it
-    is not a folder). For facts about a folder that every one of its children asks for (whether a save
-    folder holds `best_*` tags), which would cost N x N on a folder of N checkpoints otherwise."""
-    slot = _peek_slot(url)
-    if slot is None or slot[_LISTING] is None:
-        return None
-    with _peeks_lock:
-        if derive in slot:
-            return cast(T, slot[derive])
-    value = derive(url, slot[_LISTING])
-    with _peeks_lock:
-        slot[derive] = value
-    return value
-
-
-def _peek_slot(url: str) -> dict[Any, Any] | None:
-    version = 0
-    if io.is_local(url):
-        try:
-            version = os.stat(io.local_path(url)).st_mtime_ns
-        except OSError:
-            return None
-    key = (url, version)
-    with _peeks_lock:
-        slot = _peeks.get(key)
-    if slot is not None:
-        return slot
-    try:
-        listing: list[io.DirEntry] | None = io.list_dir(url)
-    except CkptctlError:
-        listing = None
-    slot = {_LISTING: listing}
-    with _peeks_lock:
-        if len(_peeks) >= _PEEK_LIMIT:
-            _peeks.clear()
-        _peeks[key] = slot
-    return slot
-
-
-def _forget_peeks() -> None:
-    with _peeks_lock:
-        _peeks.clear()
+    """`derive(url, listing)` for the folder at `url`, computed once per scan context like `peek_dir`
+    (None when it is not a folder). For facts about a folder that every one of its children asks for
+    (whether a save folder holds `best_*` tags), which would cost N x N on a folder of N checkpoints
+    otherwise."""
+    return (_current_scan.get() or ScanContext()).peek(url, derive)
 
 
 def layout_names() -> list[str]:
@@ -135,8 +174,8 @@ def layout_names() -> list[str]:
 def get_layout(name: str) -> Layout:
     """The layout registered under `name`.
 
-    One instance per name for the whole process: layouts hold no state of their own, so every operation
-    can share them.
+    One instance per name for the whole process: layouts hold no state of their own (what a scan learns
+    lives in its `ScanContext`), so every operation can share them.
     """
     for registered, target in _REGISTRY:
         if registered == name:
@@ -188,12 +227,12 @@ def detect(url: str, layout: str | None = None, *, explain: bool = True) -> tupl
             folder looks like a run holding checkpoints rather than a checkpoint).
     """
     _require_folder(url)
-    _forget_peeks()
-    entries = io.list_dir(url)
-    hit = _identify(url, entries, layout)
-    if hit is not None:
-        return hit
-    raise _not_a_checkpoint(url, entries, layout, explain)
+    with scan_context():
+        entries = io.list_dir(url)
+        hit = _identify(url, entries, layout)
+        if hit is not None:
+            return hit
+        raise _not_a_checkpoint(url, entries, layout, explain)
 
 
 def _not_a_checkpoint(url: str, entries: Sequence[io.DirEntry], layout: str | None, explain: bool) -> UnknownLayout:
@@ -223,19 +262,20 @@ def resolve(url: str, layout: str | None = None) -> tuple[Layout, CheckpointRef]
         UnknownLayout: neither the folder nor what a pointer in it names is a checkpoint.
     """
     _require_folder(url)
-    entries = io.list_dir(url)
-    hit = _identify(url, entries, layout)
-    if hit is not None:
-        return hit
-    folders = {io.join(url, e.name) for e in entries if e.is_dir}
-    named = [
-        found
-        for child in sorted(_pointed(url, entries) & folders)
-        if (found := _identify(child, io.list_dir(child), layout)) is not None
-    ]
-    if len(named) == 1:
-        return named[0]
-    raise _not_a_checkpoint(url, entries, layout, explain=True)
+    with scan_context():
+        entries = io.list_dir(url)
+        hit = _identify(url, entries, layout)
+        if hit is not None:
+            return hit
+        folders = {io.join(url, e.name) for e in entries if e.is_dir}
+        named = [
+            found
+            for child in sorted(_pointed(url, entries) & folders)
+            if (found := _identify(child, io.list_dir(child), layout)) is not None
+        ]
+        if len(named) == 1:
+            return named[0]
+        raise _not_a_checkpoint(url, entries, layout, explain=True)
 
 
 def open_checkpoint(url: str, layout: str | None = None) -> Checkpoint:
@@ -268,10 +308,9 @@ def scan_run(url: str, max_depth: int = DEFAULT_SCAN_DEPTH) -> list[CheckpointRe
     Raises:
         CheckpointNotFound: `url` is not a folder.
     """
-    with io.listing_snapshot(url):
+    with io.listing_snapshot(url), scan_context():
         if not io.is_dir(url):
             raise CheckpointNotFound(f"no such run folder: {url}")
-        _forget_peeks()
         found: list[CheckpointRef] = []
         _walk(url, io.list_dir(url), 0, max_depth, found, parallel=not io.is_local(url))
         return found

@@ -19,7 +19,7 @@ from ckptctl.checkpoint import Checkpoint, CheckpointRef, CheckpointState, Probl
 from ckptctl.errors import CheckpointNotFound, CkptctlError, UnsafePickle
 from ckptctl.formats.digest import file_digest
 from ckptctl.formats.manifest import DIGESTS_NAME, MANIFEST_NAME, FileRecord, Manifest, now_iso, read_manifest
-from ckptctl.layouts import detect, scan_run
+from ckptctl.layouts import detect, scan_context, scan_run
 from ckptctl.ops.report import SCHEMA_VERSION, NoProgress, Progress, problem_json
 
 
@@ -99,10 +99,11 @@ def verify_path(
         return verify_checkpoint(url, options, progress)
     if not io.is_dir(url):
         detect(url)  # raises: "is a file, not a checkpoint folder" / "no such checkpoint folder"
-    refs = scan_run(url)
-    if len(refs) == 1 and refs[0].url == url:
-        return verify_checkpoint(url, replace(options, layout=refs[0].layout), progress)
-    return _verify_refs(url, refs, options, progress)
+    with scan_context():  # the scan's peeks serve the checkpoints' verification too
+        refs = scan_run(url)
+        if len(refs) == 1 and refs[0].url == url:
+            return verify_checkpoint(url, replace(options, layout=refs[0].layout), progress)
+        return _verify_refs(url, refs, options, progress)
 
 
 def verify_run(
@@ -118,18 +119,19 @@ def verify_run(
     right now is healthy.
     """
     options = options or VerifyOptions()
-    if only_resume_target:
-        from ckptctl.ops.resume_plan import plan_resume
+    with scan_context():  # the scan's peeks serve the checkpoints' verification too
+        if only_resume_target:
+            from ckptctl.ops.resume_plan import plan_resume
 
-        plan = plan_resume(run)
-        if plan.checkpoint is None:
-            raise NothingResumable(
-                f"{run} holds no checkpoint a resume could load", "run `ckptctl resume-plan` to see why"
-            )
-        refs = [plan.checkpoint]
-    else:
-        refs = scan_run(run)
-    return _verify_refs(run, refs, options, progress)
+            plan = plan_resume(run)
+            if plan.checkpoint is None:
+                raise NothingResumable(
+                    f"{run} holds no checkpoint a resume could load", "run `ckptctl resume-plan` to see why"
+                )
+            refs = [plan.checkpoint]
+        else:
+            refs = scan_run(run)
+        return _verify_refs(run, refs, options, progress)
 
 
 def _verify_refs(

@@ -261,6 +261,8 @@ class NativeLayout(Layout):
         return problems
 
 
+#: A parse cache owned by this module for the whole process, not by a scan (`layouts.ScanContext`): keyed
+#: by the local file's version (path, size, mtime in ns), so it serves only the bytes it parsed.
 _MANIFEST_CACHE: OrderedDict[tuple[str, int, int], Manifest] = OrderedDict()
 _MANIFEST_CACHE_SIZE = 8
 _MANIFEST_CACHE_LOCK = threading.Lock()

@@ -69,6 +69,9 @@ class _ClientState:
         return value if type(value) is int else None
 
 
+#: A parse cache owned by this module for the whole process, not by a scan (`layouts.ScanContext`): keyed
+#: by the file's version (URL, size, mtime), so it serves only the bytes it parsed (`identify` reads the
+#: rank-0 states for the training step, `open` needs them again). Files without an mtime are not cached.
 _CACHE_SIZE = 64
 _cache: OrderedDict[tuple[str, int, float], dict[str, Any]] = OrderedDict()
 _cache_lock = threading.Lock()

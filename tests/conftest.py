@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from tests.writers.deepspeed_writer import WrittenDeepSpeed, write_deepspeed_runs
+from tests.writers.run_folders import NestedRun, arrange_deepspeed_run, trainer_nested_run, write_dcp_run
 from tests.writers.trainer_writer import WrittenTrainerRun, write_trainer_run
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -76,6 +77,23 @@ def deepspeed_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Writte
 def trainer_run(tmp_path_factory: pytest.TempPathFactory) -> WrittenTrainerRun:
     """transformers.Trainer on CPU: checkpoint-2 and checkpoint-4 of the tiny Llama (slow: a subprocess)."""
     return write_trainer_run(tmp_path_factory.mktemp("trainer") / "out")
+
+
+@pytest.fixture(scope="session")
+def nested_runs(
+    trainer_run: WrittenTrainerRun,
+    deepspeed_runs: dict[int, WrittenDeepSpeed],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> dict[str, NestedRun]:
+    """Run folders with a model at their top and checkpoints below it, by the framework of the checkpoints:
+    the Trainer's after `save_model()`, a DCP run and a DeepSpeed ZeRO-2 save folder with an exported model
+    (see `tests.writers.run_folders`). Tests that change one copy it first."""
+    root = tmp_path_factory.mktemp("nested")
+    return {
+        "hf_trainer": trainer_nested_run(trainer_run),
+        "dcp": write_dcp_run(root / "dcp-run"),
+        "deepspeed": arrange_deepspeed_run(deepspeed_runs[2], root / "deepspeed-run"),
+    }
 
 
 def copy_tree(src: Path, dst: Path) -> Path:

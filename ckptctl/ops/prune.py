@@ -707,9 +707,10 @@ def _delete_parts(url: str, parts: Sequence[io.DirEntry]) -> None:
 
     No single rename can take them away together, so they go one by one in an order that keeps the
     checkpoint from reading as complete at any moment: completion markers first; then files from the
-    largest, so that the data goes before what indexes it (an HF index before its shards would leave
-    shards that read as a whole model); then member folders. Locally each entry is renamed into a trash
-    folder beside the checkpoint (as a whole checkpoint is) and the trash folder deleted after.
+    largest, so that the data goes before an index of it (`*.index.json`: the data files without their
+    index would read as a whole set, while a data file missing from a numbered set reads as broken); then
+    member folders. Locally each entry is renamed into a trash folder beside the checkpoint (as a whole
+    checkpoint is) and the trash folder deleted after.
     """
 
     def order(entry: io.DirEntry) -> tuple[bool, bool, int, str]:

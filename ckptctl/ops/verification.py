@@ -90,7 +90,7 @@ def verify_path(
     url: str, options: VerifyOptions | None = None, progress: Progress | None = None
 ) -> VerifyResult | RunVerifyReport:
     """Verify a checkpoint folder, or every checkpoint of a run folder, each on its own (also those of a
-    folder that is a checkpoint and holds others: an HF Trainer `output_dir` with the final model).
+    folder that is a checkpoint and holds others: a run folder with the final model beside its checkpoints).
 
     A file, or a path that does not exist, raises the registry's own clear error.
     """

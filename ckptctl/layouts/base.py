@@ -64,8 +64,9 @@ class Layout:
 
         The run walker records a folder that is a checkpoint and goes on walking its other child folders,
         which may hold checkpoints of their own (an HF Trainer `output_dir` holds the final model and the
-        `checkpoint-N/` folders). What a checkpoint is made of is its own files plus its member folders:
-        its size, its `Checkpoint.files`, and what `prune` deletes. The default suits a layout whose
+        `checkpoint-N/` folders). A checkpoint is made of its own files and its member folders: that is
+        what its size counts and what `prune` deletes when its folder holds other checkpoints, and its
+        `Checkpoint.files` never include a file of another child folder. The default suits a layout whose
         checkpoints are flat folders of files.
 
         Args:

@@ -210,29 +210,34 @@ def _pointed(url: str, entries: Sequence[io.DirEntry]) -> set[str]:
     return {io.join(url, name) for layout in all_layouts() if (name := layout.latest_pointer(url, entries))}
 
 
-def _require_folder(url: str) -> None:
-    if not io.is_dir(url):
-        if io.exists(url):
-            raise UnknownLayout(f"{url} is a file, not a checkpoint folder", "pass the folder that contains it")
-        raise CheckpointNotFound(f"no such checkpoint folder: {url}")
-
-
 def detect(url: str, layout: str | None = None, *, explain: bool = True) -> tuple[Layout, CheckpointRef]:
-    """The layout of the checkpoint folder at `url` and its ref (the folder itself, also when it holds
-    other checkpoints: see `scan_run`).
+    """The layout of the checkpoint at `url` and its ref: a folder (itself, also when it holds other
+    checkpoints: see `scan_run`), or a single weights file (see `layouts.single_file`).
 
     Raises:
         CheckpointNotFound: the folder does not exist.
         UnknownLayout: no layout recognises it (the message lists what was tried, and says when the
             folder looks like a run holding checkpoints rather than a checkpoint).
     """
-    _require_folder(url)
+    if not io.is_dir(url):
+        return _detect_file(url, layout)
     with scan_context():
         entries = io.list_dir(url)
         hit = _identify(url, entries, layout)
         if hit is not None:
             return hit
         raise _not_a_checkpoint(url, entries, layout, explain)
+
+
+def _detect_file(url: str, layout: str | None) -> tuple[Layout, CheckpointRef]:
+    """A single weights file, or the error that says what to pass instead."""
+    if io.exists(url):
+        from ckptctl.layouts.single_file import detect_file
+
+        if layout is not None:
+            raise UnknownLayout(f"{url} is a file: --layout {layout} names a folder layout", "leave out --layout")
+        return detect_file(url)
+    raise CheckpointNotFound(f"no such checkpoint folder: {url}")
 
 
 def _not_a_checkpoint(url: str, entries: Sequence[io.DirEntry], layout: str | None, explain: bool) -> UnknownLayout:
@@ -261,7 +266,8 @@ def resolve(url: str, layout: str | None = None) -> tuple[Layout, CheckpointRef]
         CheckpointNotFound: the folder does not exist.
         UnknownLayout: neither the folder nor what a pointer in it names is a checkpoint.
     """
-    _require_folder(url)
+    if not io.is_dir(url):
+        return _detect_file(url, layout)
     with scan_context():
         entries = io.list_dir(url)
         hit = _identify(url, entries, layout)
@@ -310,6 +316,10 @@ def scan_run(url: str, max_depth: int = DEFAULT_SCAN_DEPTH) -> list[CheckpointRe
     """
     with io.listing_snapshot(url), scan_context():
         if not io.is_dir(url):
+            if io.exists(url):
+                raise CheckpointNotFound(
+                    f"{url} is a file, not a run folder", "pass the folder that holds the checkpoints"
+                )
             raise CheckpointNotFound(f"no such run folder: {url}")
         found: list[CheckpointRef] = []
         _walk(url, io.list_dir(url), 0, max_depth, found, parallel=not io.is_local(url))

@@ -60,6 +60,23 @@ class Layout:
         shared `ref_policy/`, AReaL's `recover_info/`): neither listed nor walked."""
         return frozenset()
 
+    def members(self, url: str, entries: Sequence[DirEntry]) -> frozenset[str]:
+        """Child folders of the checkpoint at `url` that are part of it (a Trainer `checkpoint-N`'s DeepSpeed
+        `global_stepN/`, the native layout's `dcp/`).
+
+        The run walker records a folder that is a checkpoint and goes on walking its other child folders,
+        which may hold checkpoints of their own (an HF Trainer `output_dir` holds the final model and the
+        `checkpoint-N/` folders). A checkpoint is made of its own files and its member folders: that is
+        what its size counts and what `prune` deletes when its folder holds other checkpoints, and its
+        `Checkpoint.files` never include a file of another child folder. The default suits a layout whose
+        checkpoints are flat folders of files.
+
+        Args:
+            url: the checkpoint folder (this layout identified it).
+            entries: its listing.
+        """
+        return frozenset()
+
     # ---------------------------------------------------------------------------------------- resume
 
     def resume_profile(self) -> ResumeProfile:
@@ -79,6 +96,12 @@ class Layout:
         saves add a namespace of their own overrides it.
         """
         return format_namespace_stripper(entries)
+
+
+def every_child_folder(entries: Sequence[DirEntry]) -> frozenset[str]:
+    """The names of all child folders of a listing: `members` of a layout whose framework writes and
+    deletes its checkpoint folder as a whole, so that anything inside belongs to the checkpoint."""
+    return frozenset(e.name for e in entries if e.is_dir)
 
 
 _STEP_PATTERNS = (

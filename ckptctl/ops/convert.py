@@ -70,7 +70,6 @@ from ckptctl.errors import (
     CkptctlError,
     CorruptCheckpoint,
     StorageError,
-    UnknownLayout,
 )
 from ckptctl.formats.digest import file_digest
 from ckptctl.formats.manifest import DIGESTS_NAME, MANIFEST_NAME, FileRecord, Manifest, now_iso
@@ -78,12 +77,11 @@ from ckptctl.formats.raw_chunks import ChunkLocator, row_major_runs
 from ckptctl.formats.safetensors import TORCH_TO_SAFETENSORS, WrittenFile, build_header, read_header, tensor_bytes
 from ckptctl.formats.safetensors_stream import BufferSource, RangeSource, Source, StreamCopier, plan_shards
 from ckptctl.formats.safetensors_stream import shard_file_names as _shard_names
-from ckptctl.layouts import Layout, detect
+from ckptctl.layouts import resolve
 from ckptctl.ops.naming import compile_renames, normalised_names
 from ckptctl.ops.report import SCHEMA_VERSION, NoProgress, Progress
 
 if TYPE_CHECKING:
-    from ckptctl.checkpoint import CheckpointRef
     from ckptctl.frameworks.deepspeed.layout import MasterWeights
 
 __all__ = [
@@ -314,7 +312,8 @@ def convert(
     if options.max_shard_size <= 0:
         raise CkptctlError("the maximum shard size must be positive")
     dst = _check_destination(src, dst, options.force)
-    url, layout, ref = _resolve_source(src, options.layout)
+    layout, ref = resolve(src, options.layout)
+    url = ref.url
     if ref.state is CheckpointState.IN_PROGRESS:
         raise CheckpointInProgress(
             f"{url} is still being written ({ref.note or 'no completion marker'})", "wait for the save to finish"
@@ -364,24 +363,6 @@ def convert(
         weights=weights.value,
         uploaded=uploaded,
     )
-
-
-def _resolve_source(src: str, layout_name: str | None) -> tuple[str, Layout, CheckpointRef]:
-    """The checkpoint folder to convert, its layout and ref: `src` itself, or, for a save folder that no
-    layout recognises but whose `latest` file names a tag folder inside it (DeepSpeed), that tag."""
-    try:
-        layout, ref = detect(src, layout_name)
-        return src, layout, ref
-    except UnknownLayout:
-        from ckptctl.frameworks.deepspeed.layout import read_latest
-
-        entries = io.list_dir(src)
-        tag = read_latest(src, entries)
-        if tag is None or not any(e.name == tag and e.is_dir for e in entries):
-            raise
-    url = io.join(src, tag)
-    layout, ref = detect(url, layout_name)
-    return url, layout, ref
 
 
 # --------------------------------------------------------------------------------------------------

@@ -421,7 +421,7 @@ def plan_prune(
 
 def _examine(ref: CheckpointRef, run: str, now: datetime, grace: timedelta) -> _Found:
     if not io.is_local(ref.url):
-        return _Found(ref, ref.size_bytes, busy=_busy(ref, now, grace, _remote_newest(ref.url)))
+        return _Found(ref, ref.size_bytes, busy=_busy(ref, now, grace, _own_tree(ref)[1]))
     path = os.path.abspath(io.local_path(ref.url))
     run_real = os.path.realpath(io.local_path(run))
     real = os.path.realpath(path)
@@ -430,7 +430,7 @@ def _examine(ref: CheckpointRef, run: str, now: datetime, grace: timedelta) -> _
         inside = real == run_real or real.startswith(run_real + os.sep)
         why = f"symbolic link to {real}, never followed" if inside else f"outside the run (symbolic link to {real})"
         return _Found(ref, 0, link=why, real=real)
-    size, newest = _local_tree(path)
+    size, newest = _own_tree(ref)
     found = _Found(ref, size, real=real, busy=_busy(ref, now, grace, newest))
     if os.path.normpath(path) == os.path.normpath(os.path.abspath(io.local_path(run))):
         found.protected.append("the run folder itself")
@@ -511,6 +511,44 @@ def _trainer_best(members: Sequence[_Found]) -> str | None:
     state = _trainer_state(newest.ref.url)
     best = state.get("best_model_checkpoint") if state else None
     return os.path.basename(os.path.normpath(best)) if isinstance(best, str) and best else None
+
+
+def _own_parts(ref: CheckpointRef) -> list[io.DirEntry] | None:
+    """What deleting `ref` removes when its folder holds checkpoints of its own (`ref.holds`), which stay:
+    its files and its layout's member folders. None when the checkpoint is its whole folder."""
+    if not ref.holds:
+        return None
+    entries = io.list_dir(ref.url)
+    members = get_layout(ref.layout).members(ref.url, entries)
+    return [e for e in entries if not e.is_dir or e.name in members]
+
+
+def _own_tree(ref: CheckpointRef) -> tuple[int, float | None]:
+    """Bytes (on object stores: the ref's) and newest mtime of what deleting `ref` removes; links are not
+    followed."""
+    parts = _own_parts(ref)
+    if not io.is_local(ref.url):
+        if parts is None:
+            return ref.size_bytes, _remote_newest(ref.url)
+        times = [_remote_newest(io.join(ref.url, e.name)) if e.is_dir else e.mtime for e in parts]
+        return ref.size_bytes, max((t for t in times if t), default=None)
+    if parts is None:
+        return _local_tree(io.local_path(ref.url))
+    size, newest = 0, None
+    for entry in parts:
+        path = os.path.join(io.local_path(ref.url), entry.name)
+        if entry.is_dir:
+            part_size, part_newest = _local_tree(path)
+        else:
+            try:
+                st = os.lstat(path)
+            except FileNotFoundError:
+                continue
+            part_size, part_newest = (st.st_size if stat.S_ISREG(st.st_mode) else 0), st.st_mtime
+        size += part_size
+        if part_newest is not None:
+            newest = part_newest if newest is None else max(newest, part_newest)
+    return size, newest
 
 
 def _local_tree(path: str) -> tuple[int, float | None]:
@@ -615,7 +653,7 @@ def _execute(plan: PrunePlan, lock: RunLock, progress: Progress) -> tuple[list[P
                 skipped.append(Skipped(item, why))
                 continue
             try:
-                _delete(item.url)
+                _delete(item.ref)
             except (OSError, CkptctlError) as exc:
                 skipped.append(Skipped(item, f"deleting failed: {exc}", error=True))
                 continue
@@ -646,8 +684,7 @@ def _still_deletable(item: PruneItem, plan: PrunePlan) -> str:
         return "a latest pointer names it now"
     if ref.state is CheckpointState.COMPLETE and item.ref.state is not CheckpointState.COMPLETE:
         return "it has been completed since the plan"
-    newest = _local_tree(io.local_path(url))[1] if io.is_local(url) else _remote_newest(url)
-    busy = _busy(ref, datetime.now(UTC), plan.grace, newest)
+    busy = _busy(ref, datetime.now(UTC), plan.grace, _own_tree(item.ref)[1])
     if busy:
         return busy
     if ref.created != item.ref.created:
@@ -655,8 +692,14 @@ def _still_deletable(item: PruneItem, plan: PrunePlan) -> str:
     return ""
 
 
-def _delete(url: str) -> None:
-    """Delete one checkpoint folder so that no moment shows it half-deleted and complete."""
+def _delete(ref: CheckpointRef) -> None:
+    """Delete one checkpoint folder so that no moment shows it half-deleted and complete; of a folder that
+    holds checkpoints of its own, only what is the checkpoint's (`_own_parts`)."""
+    url = ref.url
+    parts = _own_parts(ref)
+    if parts is not None:
+        _delete_parts(url, parts)
+        return
     if not io.is_local(url):
         _delete_markers_first(url)
         return
@@ -672,6 +715,35 @@ def _delete(url: str) -> None:
         _delete_markers_first(url)  # another filesystem mounted at the checkpoint: no atomic move
         return
     io.fsync_dir(os.path.dirname(os.path.abspath(path)))
+    io.delete_tree(target)
+
+
+def _delete_parts(url: str, parts: Sequence[io.DirEntry]) -> None:
+    """Delete some entries of a checkpoint folder and leave the rest (the checkpoints it holds).
+
+    No single rename can take them away together, so they go one by one in an order that keeps the
+    checkpoint from reading as complete at any moment: completion markers first; then files from the
+    largest, so that the data goes before an index of it (`*.index.json`: the data files without their
+    index would read as a whole set, while a data file missing from a numbered set reads as broken); then
+    member folders. Locally each entry is renamed into a trash folder beside the checkpoint (as a whole
+    checkpoint is) and the trash folder deleted after.
+    """
+
+    def order(entry: io.DirEntry) -> tuple[bool, bool, int, str]:
+        marker = entry.name in COMPLETION_MARKERS and not entry.name.endswith(".index.json")
+        return (not marker, entry.is_dir, -entry.size, entry.name)
+
+    ordered = sorted(parts, key=order)
+    if not io.is_local(url):
+        for entry in ordered:
+            (io.delete_tree if entry.is_dir else io.delete_file)(io.join(url, entry.name))
+        return
+    path = os.path.abspath(io.local_path(url))
+    target = os.path.join(os.path.dirname(path), TRASH_NAME, f"{os.path.basename(path)}.{secrets.token_hex(4)}")
+    os.makedirs(target)
+    for entry in ordered:
+        os.rename(os.path.join(path, entry.name), os.path.join(target, entry.name))
+    io.fsync_dir(path)
     io.delete_tree(target)
 
 

@@ -24,7 +24,6 @@ from ckptctl.checkpoint import Checkpoint, CheckpointRef, CheckpointState, Compo
 from ckptctl.errors import CkptctlError, UnknownLayout
 from ckptctl.formats.manifest import read_manifest
 from ckptctl.layouts import get_layout, scan_run
-from ckptctl.layouts.base import list_files
 from ckptctl.layouts.resume import (
     DEFAULT_IMPACT,
     RESUMABLE,
@@ -156,7 +155,7 @@ def plan_resume(
         raise CkptctlError(f"--world-size must be at least 1, not {world_size}")
     if layout is not None:
         get_layout(layout)  # an unknown name fails here, listing the known ones
-    refs = [r for r in _find_checkpoints(run) if layout is None or r.layout == layout]
+    refs = [r for r in scan_run(run) if layout is None or r.layout == layout]
     refs = _one_run(run, refs)
     ordered = [r for r in _newest_first(refs) if not profile_for(r.layout).companion(r)]
     pointer_named = _pointer_target(ordered)
@@ -193,18 +192,6 @@ def plan_resume(
         resume_hint=profile.hint(ctx),
         warnings=tuple(warnings),
     )
-
-
-def _find_checkpoints(run: str) -> list[CheckpointRef]:
-    refs = scan_run(run)
-    # A run folder that also holds the final model at its top (what a training script saves into its
-    # output folder at the end) reads as one model-only folder, which hides the checkpoints inside it:
-    # look inside too.
-    if len(refs) == 1 and refs[0].url == run and not profile_for(refs[0].layout).resumable:
-        for entry in io.list_dir(run):
-            if entry.is_dir and not entry.name.startswith("."):
-                refs += scan_run(io.join(run, entry.name), max_depth=3)
-    return refs
 
 
 def _one_run(run: str, refs: list[CheckpointRef]) -> list[CheckpointRef]:
@@ -273,7 +260,7 @@ def _judge(
     except CkptctlError as exc:
         return f"fails verify: {exc.message}", None, []
     if digests:
-        problems += _digest_problems(ref, progress)
+        problems += _digest_problems(checkpoint, progress)
     outside = [p for p in problems if p.path.startswith("../")]
     errors = [p for p in problems if p.severity == "error" and p not in outside]
     run_problems = [f"{p.path}: {p.message}" for p in outside if p.severity == "error"]
@@ -299,11 +286,11 @@ def _problem_text(problem: Problem) -> str:
     return problem.message
 
 
-def _digest_problems(ref: CheckpointRef, progress: Progress) -> list[Problem]:
-    manifest = read_manifest(ref.url)
+def _digest_problems(checkpoint: Checkpoint, progress: Progress) -> list[Problem]:
+    manifest = read_manifest(checkpoint.url)
     if manifest is None:
         return []
-    problems, _ = check_digests(ref.url, manifest, list_files(ref.url), None, progress)
+    problems, _ = check_digests(checkpoint.url, manifest, checkpoint.files, None, progress)
     return problems
 
 

@@ -50,7 +50,7 @@ from ckptctl.formats.chunks import flat_range_boxes, tiling_problem
 from ckptctl.formats.safe_pickle import FrameworkObject, StandIn, TensorRef, state_fields
 from ckptctl.formats.torch_pickle import TorchPickle, open_torch_pickle, storage_problems, tensor_refs
 from ckptctl.io import DirEntry
-from ckptctl.layouts.base import Layout, folder_size, newest_mtime, step_from_name, timestamp
+from ckptctl.layouts.base import Layout, every_child_folder, folder_size, newest_mtime, step_from_name, timestamp
 from ckptctl.layouts.resume import ResumeProfile
 
 __all__ = [
@@ -1016,6 +1016,11 @@ class DeepSpeedLayout(Layout):
     def latest_pointer(self, url: str, entries: Sequence[DirEntry]) -> str | None:
         """The tag the save folder's `latest` file names."""
         return read_latest(url, entries)
+
+    def members(self, url: str, entries: Sequence[DirEntry]) -> frozenset[str]:
+        """Every child folder: a tag is what one `save_checkpoint` wrote (NVMe offload adds
+        `offloaded_tensors/`)."""
+        return every_child_folder(entries)
 
     def open(self, url: str) -> Checkpoint:
         """Read the rank-0 model and optim states; the tensor index reads the other ranks' `data.pkl`.

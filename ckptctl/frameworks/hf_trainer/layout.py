@@ -53,7 +53,15 @@ from ckptctl.frameworks.hf.layout import (
     weight_files,
 )
 from ckptctl.io import DirEntry
-from ckptctl.layouts.base import Layout, folder_size, list_files, newest_mtime, step_from_name, timestamp
+from ckptctl.layouts.base import (
+    Layout,
+    every_child_folder,
+    folder_size,
+    list_files,
+    newest_mtime,
+    step_from_name,
+    timestamp,
+)
 from ckptctl.layouts.resume import ResumeProfile
 
 __all__ = ["CHECKPOINT_DIR", "IN_PROGRESS_WINDOW_S", "RNG_FILE", "TRAINER_STATE_NAME", "HfTrainerLayout"]
@@ -180,6 +188,12 @@ class HfTrainerLayout(Layout):
     def latest_pointer(self, url: str, entries: Sequence[DirEntry]) -> str | None:
         """The Trainer keeps no pointer (it resumes from the highest `checkpoint-N`)."""
         return None
+
+    def members(self, url: str, entries: Sequence[DirEntry]) -> frozenset[str]:
+        """Every child folder: the Trainer writes `checkpoint-N/` as a whole (its DeepSpeed `global_stepN/`,
+        FSDP's `pytorch_model_fsdp_0/` and `optimizer_0/`, TRL's `merged/`) and its rotation deletes it
+        as a whole."""
+        return every_child_folder(entries)
 
     def open(self, url: str) -> Checkpoint:
         """Read trainer_state.json, training_args.bin's `data.pkl` and the DeepSpeed rank-0 files if any;

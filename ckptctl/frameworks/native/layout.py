@@ -36,7 +36,15 @@ from ckptctl.errors import CkptctlError, CorruptCheckpoint
 from ckptctl.formats.manifest import DIGESTS_NAME, MANIFEST_NAME, Manifest, parse_manifest
 from ckptctl.formats.safetensors import read_header
 from ckptctl.io import DirEntry
-from ckptctl.layouts.base import Layout, folder_size, list_files, newest_mtime, step_from_name, timestamp
+from ckptctl.layouts.base import (
+    Layout,
+    every_child_folder,
+    folder_size,
+    list_files,
+    newest_mtime,
+    step_from_name,
+    timestamp,
+)
 from ckptctl.layouts.naming import NameStripper, keep_name, shared_first_segment, strip_segments
 from ckptctl.layouts.resume import ResumeProfile
 
@@ -181,6 +189,11 @@ class NativeLayout(Layout):
             else f"no {MANIFEST_NAME}: an upload or a deletion that stopped midway",
         )
 
+    def members(self, url: str, entries: Sequence[DirEntry]) -> frozenset[str]:
+        """Every child folder (`dcp/` of a multi-rank save): the core writes a checkpoint in a staging
+        folder and renames it into place whole."""
+        return every_child_folder(entries)
+
     def latest_pointer(self, url: str, entries: Sequence[DirEntry]) -> str | None:
         if not any(e.name == POINTER_NAME and not e.is_dir for e in entries):
             return None
@@ -264,6 +277,8 @@ class NativeLayout(Layout):
         return keep_name if shared_first_segment(entries) is None else strip_segments(1)
 
 
+#: A parse cache owned by this module for the whole process, not by a scan (`layouts.ScanContext`): keyed
+#: by the local file's version (path, size, mtime in ns), so it serves only the bytes it parsed.
 _MANIFEST_CACHE: OrderedDict[tuple[str, int, int], Manifest] = OrderedDict()
 _MANIFEST_CACHE_SIZE = 8
 _MANIFEST_CACHE_LOCK = threading.Lock()

@@ -149,6 +149,8 @@ class Checkpoint:
         tensor_index: returns the tensor index; layouts pass a cached function that reads headers on
             first use, so that opening a checkpoint stays cheap when nobody asks for tensors.
         files: data and metadata files of the checkpoint, relative path -> size in bytes.
+        metrics: what the training recorded with the checkpoint to judge it by (losses, evaluation
+            scores; nested mappings allowed), which `prune --keep-best` ranks checkpoints by.
     """
 
     ref: CheckpointRef
@@ -157,6 +159,7 @@ class Checkpoint:
     metadata: Mapping[str, Any]
     tensor_index: Callable[[], tuple[TensorEntry, ...]] = field(repr=False)
     files: Mapping[str, int] = field(default_factory=dict)
+    metrics: Mapping[str, Any] = field(default_factory=dict)
 
     @property
     def url(self) -> str:

@@ -9,12 +9,17 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 from ckptctl import io
 from ckptctl.checkpoint import Checkpoint, CheckpointRef, Problem
 from ckptctl.io import DirEntry
+
+#: The folder beside a run's checkpoints that `prune` and the core rename a checkpoint into before deleting
+#: it (an atomic move out of sight): ckptctl's own, never a checkpoint.
+TRASH_NAME = ".ckptctl-trash"
 
 
 class Layout:
@@ -57,6 +62,43 @@ class Layout:
         """Child folders of the folder `url` that belong to checkpoints kept beside them (open-instruct's
         shared `ref_policy/`, AReaL's `recover_info/`): neither listed nor walked."""
         return frozenset()
+
+    # ------------------------------------------------------------------------------------------ prune
+
+    def completion_markers(self, files: Mapping[str, int]) -> tuple[str, ...]:
+        """The files of a checkpoint folder of this layout without which it does not read as complete (or
+        that describe its content, like a shard index), in the order its writer adds them.
+
+        Where a folder cannot be renamed into place or out of sight at once (object stores), a writer
+        uploads these last, in this order, and a deleter removes them first: no moment of either passes
+        for a complete checkpoint.
+
+        Args:
+            files: the folder's files, relative path (with `/`) -> size in bytes.
+        """
+        return ()
+
+    def protections(self, series: Sequence[CheckpointRef]) -> Protections:
+        """What this framework's files say `prune` must keep among `series`, the checkpoints of one folder
+        (a best checkpoint its training loop goes back to, ...).
+
+        Asked of every layout for every folder, whatever layouts its checkpoints have, as `latest_pointer`
+        is: the evidence is on disk, not in the layout that recognised a folder.
+        """
+        return Protections()
+
+
+@dataclass(frozen=True, slots=True)
+class Protections:
+    """Checkpoints a framework's own files say must be kept (`Layout.protections`).
+
+    Attributes:
+        reasons: checkpoint URL -> why it is kept, for a person.
+        notes: what a person should know (a best checkpoint that is named but not there, ...).
+    """
+
+    reasons: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    notes: tuple[str, ...] = ()
 
 
 _STEP_PATTERNS = (

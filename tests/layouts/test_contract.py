@@ -13,7 +13,8 @@ import pytest
 
 from ckptctl.checkpoint import CheckpointState, Component
 from ckptctl.errors import UnknownLayout
-from ckptctl.layouts import detect, open_checkpoint, scan_run
+from ckptctl.layouts import detect, get_layout, open_checkpoint, scan_run
+from ckptctl.layouts.base import list_files
 from ckptctl.ops.verification import verify_checkpoint
 from tests.conftest import copy_tree
 from tests.writers.deepspeed_writer import WrittenDeepSpeed
@@ -80,6 +81,21 @@ class LayoutContract:
         (checkpoint / self.marker).unlink()
         refs = scan_run(str(checkpoint.parent))
         assert [r.state for r in refs] != [CheckpointState.COMPLETE]
+
+    def test_without_its_completion_markers_it_is_not_complete(self, checkpoint: Path) -> None:
+        """What the layout names as completion markers (deleted first by `prune` on object stores, uploaded
+        last by `convert`) are files of the checkpoint, include its marker, and without them it does not
+        read as complete, as this layout or any other."""
+        files = list_files(str(checkpoint))
+        markers = get_layout(self.layout).completion_markers(files)
+        assert set(markers) <= set(files)
+        assert self.marker is None or self.marker in markers
+        if not markers:
+            pytest.skip("this layout names no completion marker")
+        for name in markers:
+            (checkpoint / name).unlink()
+        refs = scan_run(str(checkpoint.parent))
+        assert CheckpointState.COMPLETE not in [r.state for r in refs]
 
 
 def _demo_parameters() -> int:

@@ -62,7 +62,7 @@ from ckptctl.frameworks.dcp.layout import (
     verify_dcp,
     world_size_of,
 )
-from ckptctl.frameworks.hf.layout import HfModelLayout, verify_model_files
+from ckptctl.frameworks.hf.layout import HfModelLayout, model_markers, verify_model_files
 from ckptctl.frameworks.hf_trainer.layout import IN_PROGRESS_WINDOW_S
 from ckptctl.io import DirEntry
 from ckptctl.layouts import peek_dir
@@ -439,6 +439,12 @@ class ArealLayout(Layout):
                 )
         problems += _info_problems(info, meta, checkpoint.world_size)
         return problems
+
+    def completion_markers(self, files: Mapping[str, int]) -> tuple[str, ...]:
+        """The slot: DCP's `.metadata` and Megatron's `metadata.json`; an export: the model folder's."""
+        top = {name: size for name, size in files.items() if "/" not in name}
+        slot = tuple(name for name in (METADATA_NAME, "metadata.json") if name in top)
+        return slot or model_markers(top)
 
 
 def _info_problems(info: _RecoverInfo, meta: DirEntry | None, world_size: int | None) -> list[Problem]:

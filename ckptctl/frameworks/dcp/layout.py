@@ -539,3 +539,7 @@ class DcpLayout(Layout):
     def verify(self, checkpoint: Checkpoint) -> list[Problem]:
         """Structural verification (see `verify_dcp`); reads `.metadata` and the listing only."""
         return verify_dcp(checkpoint.url)
+
+    def completion_markers(self, files: Mapping[str, int]) -> tuple[str, ...]:
+        """`.metadata`, which `dcp.save` writes after every rank's data (without it the folder is in progress)."""
+        return (METADATA_NAME,) if METADATA_NAME in files else ()

@@ -65,6 +65,7 @@ __all__ = [
     "read_tag",
     "tag_files",
     "tag_index",
+    "tag_markers",
     "verify_tag",
 ]
 
@@ -184,6 +185,16 @@ def tag_files(entries: Sequence[DirEntry]) -> TagFiles | None:
     if not model and not optim:
         return None
     return TagFiles(model, optim, sizes, bf16)
+
+
+def tag_markers(files: Mapping[str, int]) -> tuple[str, ...]:
+    """The rank-0 model states of each MP rank of a tag folder (its top-level files: name -> size): without
+    one, the names of the other rank files show the tag broken (and without any, it is no tag at all)."""
+    found = tag_files([DirEntry(name, False, size, 0.0) for name, size in files.items() if "/" not in name])
+    if found is None:
+        return ()
+    ranks = sorted({mp for _, mp in found.model})
+    return tuple(name for mp in ranks if (name := found.rank0_model(mp)) is not None)
 
 
 def read_latest(url: str, entries: Sequence[DirEntry]) -> str | None:
@@ -1061,3 +1072,8 @@ class DeepSpeedLayout(Layout):
         if pointer is not None:
             problems.append(pointer)
         return problems
+
+    def completion_markers(self, files: Mapping[str, int]) -> tuple[str, ...]:
+        """The rank-0 model states (`tag_markers`): DeepSpeed writes no marker, but without them the tag
+        reads broken."""
+        return tag_markers(files)

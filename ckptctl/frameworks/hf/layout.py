@@ -137,6 +137,10 @@ class HfModelLayout(Layout):
     def verify(self, checkpoint: Checkpoint) -> list[Problem]:
         return verify_model_files(checkpoint.url, checkpoint.files)
 
+    def completion_markers(self, files: Mapping[str, int]) -> tuple[str, ...]:
+        """The index, then one shard (or the single weights file): see `model_markers`."""
+        return model_markers({name: size for name, size in files.items() if "/" not in name})
+
 
 # --------------------------------------------------------------------------------------------------
 # Shared with the layouts whose checkpoints hold an HF model folder (the HF Trainer's `checkpoint-N`).
@@ -146,6 +150,22 @@ class HfModelLayout(Layout):
 def missing_shards(names: Iterable[str]) -> list[str]:
     """Shard files a `-0000i-of-0000N` naming promises but `names` lacks (judged from the names only)."""
     return _shards_missing(set(names))
+
+
+def model_markers(files: Mapping[str, int]) -> tuple[str, ...]:
+    """What makes a model folder read as complete, from its top-level files (name -> size): the index files
+    (they describe the shards), then one shard of each `-0000i-of-0000N` set, the smallest (with one
+    missing, the naming shows the folder broken; the smallest is the quickest to write last), and the
+    single weight files (without them it holds no model)."""
+    found = [name for name in (*INDEX_NAMES, _LEGACY_WEIGHTS[1]) if name in files]
+    stems: dict[str, list[str]] = {}
+    for name in sorted(files):
+        if m := _SHARD.match(name):
+            stems.setdefault(f"{m.group('stem')}-of-{m.group('n')}", []).append(name)
+        elif name.endswith(".safetensors") or name == _LEGACY_WEIGHTS[0]:
+            found.append(name)
+    found += [min(shards, key=lambda name: (files[name], name)) for shards in stems.values()]
+    return tuple(found)
 
 
 def has_weights(names: Iterable[str]) -> bool:

@@ -15,7 +15,7 @@ import re
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from functools import cache
@@ -36,10 +36,29 @@ from ckptctl.errors import CkptctlError, CorruptCheckpoint
 from ckptctl.formats.manifest import DIGESTS_NAME, MANIFEST_NAME, Manifest, parse_manifest
 from ckptctl.formats.safetensors import read_header
 from ckptctl.io import DirEntry
-from ckptctl.layouts.base import Layout, folder_size, list_files, newest_mtime, step_from_name, timestamp
+from ckptctl.layouts.base import (
+    TRASH_NAME,
+    Layout,
+    folder_size,
+    list_files,
+    newest_mtime,
+    step_from_name,
+    timestamp,
+)
+
+__all__ = [
+    "COMPONENT_OF_KIND",
+    "DCP_FOLDER",
+    "POINTER_NAME",
+    "REMOTE_UPLOAD_WINDOW",
+    "TRASH_NAME",
+    "NativeLayout",
+    "StepNaming",
+    "is_rng_file",
+    "read_native_manifest",
+]
 
 POINTER_NAME = "latest"
-TRASH_NAME = ".ckptctl-trash"
 DCP_FOLDER = "dcp"
 _RNG_FILE = re.compile(r"^rng(\.rank-\d+)?\.json$")
 #: How long after its newest object a remote `step-N/` without a manifest still reads as being uploaded
@@ -217,6 +236,7 @@ class NativeLayout(Layout):
             metadata=metadata,
             tensor_index=tensor_index,
             files=files,
+            metrics=dict(manifest.metrics),
         )
 
     def verify(self, checkpoint: Checkpoint) -> list[Problem]:
@@ -246,6 +266,10 @@ class NativeLayout(Layout):
 
             problems.extend(verify_dcp(io.join(url, DCP_FOLDER), path_prefix=f"{DCP_FOLDER}/"))
         return problems
+
+    def completion_markers(self, files: Mapping[str, int]) -> tuple[str, ...]:
+        """The manifest, which the core writes last (without it a folder is in progress or broken)."""
+        return (MANIFEST_NAME,) if MANIFEST_NAME in files else ()
 
 
 _MANIFEST_CACHE: OrderedDict[tuple[str, int, int], Manifest] = OrderedDict()

@@ -26,7 +26,7 @@ import re
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -35,7 +35,7 @@ from ckptctl.checkpoint import Checkpoint, CheckpointRef, CheckpointState, Compo
 from ckptctl.errors import CkptctlError, UnknownLayout, UnsafePickle
 from ckptctl.formats.torch_pickle import open_torch_pickle, storage_problems
 from ckptctl.frameworks.deepspeed import layout as deepspeed
-from ckptctl.frameworks.hf.layout import HfModelLayout, has_weights, verify_model_files
+from ckptctl.frameworks.hf.layout import HfModelLayout, has_weights, model_markers, verify_model_files
 from ckptctl.frameworks.hf_trainer.layout import IN_PROGRESS_WINDOW_S
 from ckptctl.io import DirEntry
 from ckptctl.layouts import peek, peek_dir
@@ -231,6 +231,14 @@ class OpenInstructLayout(Layout):
     def latest_pointer(self, url: str, entries: Sequence[DirEntry]) -> str | None:
         """The tag the checkpoint state folder's `latest` names (what `--checkpoint_state_dir` resumes)."""
         return deepspeed.read_latest(url, entries)
+
+    def completion_markers(self, files: Mapping[str, int]) -> tuple[str, ...]:
+        """A tag: DeepSpeed's markers; a snapshot: the model folder's, then `.checkpoint_complete`, which
+        open-instruct writes once the snapshot is saved."""
+        top = {name: size for name, size in files.items() if "/" not in name}
+        if tag := deepspeed.tag_markers(top):
+            return tag
+        return (*model_markers(top), *((COMPLETE_MARKER,) if COMPLETE_MARKER in top else ()))
 
     def companions(self, url: str, entries: Sequence[DirEntry]) -> frozenset[str]:
         """`ref_policy/` of a checkpoint state folder: shared by its tags, not a checkpoint of its own."""

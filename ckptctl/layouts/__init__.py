@@ -6,6 +6,7 @@ needs one layout does not pay for all of them.
 
 from __future__ import annotations
 
+import enum
 import importlib
 import os
 import threading
@@ -21,6 +22,7 @@ from ckptctl.layouts.base import Layout
 
 __all__ = [
     "DEFAULT_SCAN_DEPTH",
+    "ConvertTarget",
     "Layout",
     "detect",
     "get_layout",
@@ -49,6 +51,14 @@ _REGISTRY: tuple[tuple[str, str], ...] = (
     ("deepspeed", "ckptctl.frameworks.deepspeed.layout:DeepSpeedLayout"),
     ("hf", "ckptctl.frameworks.hf.layout:HfModelLayout"),
 )
+
+
+class ConvertTarget(enum.StrEnum):
+    """The layouts `convert --to` writes (the values are their registry names)."""
+
+    HF = "hf"
+    DCP = "dcp"
+
 
 #: How deep `list`, `verify` and `prune` look for checkpoints below a run folder: AReaL's recover slots sit
 #: 6 levels below its `fileroot` (checkpoints/user/experiment/trial/default/recover_checkpoint).

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 from ckptctl import io
-from ckptctl.checkpoint import Checkpoint, CheckpointRef, Problem
+from ckptctl.checkpoint import Checkpoint, CheckpointRef, Problem, TensorEntry
 from ckptctl.io import DirEntry
 
 #: The folder beside a run's checkpoints that `prune` and the core rename a checkpoint into before deleting
@@ -87,6 +87,25 @@ class Layout:
         """
         return Protections()
 
+    # ---------------------------------------------------------------------------------------- convert
+
+    def master_weights(self, checkpoint: Checkpoint, *, required: bool, notes: list[str]) -> MasterWeights | None:
+        """The full-precision copy of the model a checkpoint keeps apart from its model weights (the fp32
+        master weights of mixed-precision training), which `convert` writes by default.
+
+        Args:
+            checkpoint: a checkpoint this layout opened.
+            required: the user asked for these weights; a reason why this checkpoint has none is an error.
+            notes: where to append why there is no such copy, when a person would expect one.
+
+        Returns:
+            The copy, or None when the checkpoint keeps none.
+
+        Raises:
+            CkptctlError: `required`, and the checkpoint lacks the copy its framework usually keeps.
+        """
+        return None
+
 
 @dataclass(frozen=True, slots=True)
 class Protections:
@@ -98,6 +117,23 @@ class Protections:
     """
 
     reasons: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    notes: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class MasterWeights:
+    """The full-precision weights of a checkpoint (`Layout.master_weights`), as index entries named as the
+    model's state dict names them; no tensor data is read.
+
+    Attributes:
+        entries: in the model's state-dict order.
+        upcast: names of entries to write as float32 whatever their stored dtype (what the framework's
+            own tool does with them).
+        notes: where the entries depart from the framework's own tool's output, for the user.
+    """
+
+    entries: tuple[TensorEntry, ...]
+    upcast: frozenset[str]
     notes: tuple[str, ...] = ()
 
 

@@ -1,26 +1,25 @@
 """`convert`: a checkpoint's model (or another component) to a Hugging Face folder or to a torch DCP folder.
 
-To HF (from torch DCP of any world size, native checkpoints, DeepSpeed ZeRO, or HF itself for
-resharding/casting): the output is laid out from the tensor index alone (names, dtypes, shapes → shard
-files and their headers), then filled as one sequential stream per file (`formats.safetensors_stream`,
-O_DIRECT where possible). Chunks that are full in their trailing dimensions (FSDP dim-0 shards,
-tensor-parallel column shards, whole tensors) are byte-copied, run of rows by run of rows, from the raw
-records inside the source files into their precomputed output offsets, converted block by block when
-`dtype` asks. Other chunks (strided views inside their archive, scattered tiny runs) are assembled in
-memory one tensor at a time (`chunks.read_tensor`). Peak memory is a few copy buffers plus the largest
-assembled tensor, whatever the model size.
+To HF (from any layout with a tensor index: torch DCP of any world size, ckptctl's own checkpoints, ZeRO
+partitions, or HF itself for resharding/casting): the output is laid out from the tensor index alone
+(names, dtypes, shapes → shard files and their headers), then filled as one sequential stream per file
+(`formats.safetensors_stream`, O_DIRECT where possible). Chunks that are full in their trailing dimensions
+(FSDP dim-0 shards, tensor-parallel column shards, whole tensors) are byte-copied, run of rows by run of
+rows, from the raw records inside the source files into their precomputed output offsets, converted block
+by block when `dtype` asks. Other chunks (strided views inside their archive, scattered tiny runs) are
+assembled in memory one tensor at a time (`chunks.read_tensor`). Peak memory is a few copy buffers plus
+the largest assembled tensor, whatever the model size.
 
-DeepSpeed ZeRO 1-3 (a tag folder, the save folder holding `latest`, or a Trainer `checkpoint-N` with
-DeepSpeed inside): by default the model is the fp32 master weights DeepSpeed's `zero_to_fp32.py`
-reconstructs (`frameworks.deepspeed.layout.master_weights`): trainable parameters from the optimizer's flat fp32
-partitions, frozen parameters and buffers from the model states, tied parameters from `shared_params`.
-The partitions are flat element ranges of the output tensors, so this is the same byte copy, never
-importing DeepSpeed or loading a partition whole. `weights=stored` writes the 16-bit module weights the
-model states hold instead (ZeRO 0-2), as ZeRO stage 0 always does.
+A checkpoint that keeps a full-precision copy of its model apart from its model weights (the fp32 master
+weights of mixed-precision training, in optimizer partitions) is converted from that copy by default,
+as the layout finds it (`Layout.master_weights`: index entries of the partitions, so this is the same
+byte copy); `weights=stored` writes the model weights as stored instead. A folder that no layout
+recognises but whose `latest`-style pointer (`Layout.latest_pointer`) names a checkpoint inside it is
+converted from that checkpoint.
 
 Names are the model's own, by the rules `diff` matches tensors with (`ops.naming`): the namespace a save
-adds (`model.` of a DCP state dict, a native entry name, the wrappers a training loop put around a
-DeepSpeed model) is removed, then `renames` apply.
+adds (`model.` of a DCP state dict, the entry name of a save, the wrappers a training loop put around a
+model) is removed, then `renames` apply.
 
 To DCP (from an HF folder, for resuming from a published model): one `torch.distributed.checkpoint.save`
 without a process group, keys `model.<name>`, which `dcp.load` reshards onto any world size.
@@ -35,13 +34,13 @@ DST; the next conversion into the same DST removes the leftover staging folder.
 DST on an object store (`s3://bucket/out`, any fsspec URL): the output is staged the same way in the local
 temporary folder (`TMPDIR`; its free space is checked against the output's size first), then uploaded on
 `io`'s bounded pool of parallel transfers in an order that no interrupted upload can pass for a complete
-checkpoint (`_upload_order`): weight files, then index, config and tokenizer files, then the one file
-whose arrival completes the checkpoint for its layout (DCP's `.metadata`, the smallest shard of a sharded
-HF model, `model.safetensors`), then, once a listing shows every object with its size,
+checkpoint (`_upload_order`): every other file, then the files the output's layout names as its
+completion markers (`Layout.completion_markers`: DCP's `.metadata`; the index and the smallest shard of a
+sharded HF model), one after another, then, once a listing shows every object with its size,
 `ckptctl-digests.json`. Each object appears whole or not at all (a PUT is atomic). A failed upload removes
 what it uploaded; a killed one leaves a prefix that `list` reports broken or in progress, and that the
-next conversion refuses without `force`. `force` deletes the old objects before uploading, commit markers
-first (`_delete_objects`), so that a half-deleted old output does not pass for complete either.
+next conversion refuses without `force`. `force` deletes the old objects before uploading, the markers
+of any layout first (`_delete_objects`), so that a half-deleted old output does not pass for complete either.
 """
 
 from __future__ import annotations
@@ -53,17 +52,16 @@ import hashlib
 import json
 import os
 import posixpath
-import re
 import shutil
 import tempfile
 import time
 import warnings
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ckptctl import io
-from ckptctl.checkpoint import Checkpoint, CheckpointState, Component, TensorEntry, dtype_itemsize
+from ckptctl.checkpoint import Checkpoint, CheckpointRef, CheckpointState, Component, TensorEntry, dtype_itemsize
 from ckptctl.errors import (
     CheckpointInProgress,
     CheckpointNotFound,
@@ -73,18 +71,15 @@ from ckptctl.errors import (
     UnknownLayout,
 )
 from ckptctl.formats.digest import file_digest
-from ckptctl.formats.manifest import DIGESTS_NAME, MANIFEST_NAME, FileRecord, Manifest, now_iso
+from ckptctl.formats.manifest import DIGESTS_NAME, FileRecord, Manifest, now_iso
 from ckptctl.formats.raw_chunks import ChunkLocator, row_major_runs
 from ckptctl.formats.safetensors import TORCH_TO_SAFETENSORS, WrittenFile, build_header, read_header, tensor_bytes
 from ckptctl.formats.safetensors_stream import BufferSource, RangeSource, Source, StreamCopier, plan_shards
 from ckptctl.formats.safetensors_stream import shard_file_names as _shard_names
-from ckptctl.layouts import Layout, detect
+from ckptctl.layouts import ConvertTarget, Layout, all_layouts, detect, get_layout
+from ckptctl.layouts.base import MasterWeights
 from ckptctl.ops.naming import compile_renames, normalised_names
 from ckptctl.ops.report import SCHEMA_VERSION, NoProgress, Progress
-
-if TYPE_CHECKING:
-    from ckptctl.checkpoint import CheckpointRef
-    from ckptctl.frameworks.deepspeed.layout import MasterWeights
 
 __all__ = [
     "ConvertOptions",
@@ -96,21 +91,18 @@ __all__ = [
 ]
 
 
-class Target(enum.StrEnum):
-    """What `convert` writes."""
-
-    HF = "hf"
-    DCP = "dcp"
+#: What `convert` writes: the layouts it can write, by name.
+Target = ConvertTarget
 
 
 class Weights(enum.StrEnum):
-    """Which weights make the model of a checkpoint that holds two copies (DeepSpeed ZeRO)."""
+    """Which weights make the model of a checkpoint that holds two copies (`Layout.master_weights`)."""
 
     #: The fp32 master weights where the checkpoint has them, else the stored model weights.
     AUTO = "auto"
-    #: The fp32 master weights (what DeepSpeed's zero_to_fp32 outputs); an error where there are none.
+    #: The fp32 master weights (what the framework's own tool rebuilds); an error where there are none.
     MASTER = "master"
-    #: The model weights as stored (DeepSpeed ZeRO 0-2: the 16-bit module weights).
+    #: The model weights as stored (mixed-precision training: its 16-bit weights).
     STORED = "stored"
 
 
@@ -174,8 +166,8 @@ class ConvertOptions:
         max_shard_size: most bytes of tensor data per output file (HF).
         component: which component's tensors to convert.
         strip_prefix: namespace prefix removed from names; None detects it as `diff` does (`ops.naming`:
-            `model.` of DCP state dicts, the entry name of native checkpoints, DeepSpeed wrappers); ""
-            keeps names as stored.
+            `model.` of DCP state dicts, the entry name of a save, training wrappers); "" keeps names as
+            stored.
         renames: `(pattern, replacement)` regex substitutions applied in order after the prefix is removed.
         config_dir: where `config.json`/`generation_config.json` come from (default: beside the source).
         tokenizer_dir: where tokenizer files come from (default: beside the source).
@@ -184,8 +176,8 @@ class ConvertOptions:
         reread: read every written file back from disk and compare its digest with the one computed while
             writing it (doubles the I/O; the headers are always read back and checked).
         workers: copy threads (default: cores, 2 to 8).
-        weights: for DeepSpeed ZeRO sources, the fp32 master weights (`auto`, `master`) or the stored
-            16-bit module weights (`stored`); other sources have one copy of the model.
+        weights: for sources that keep fp32 master weights apart from the model, those (`auto`, `master`)
+            or the model weights as stored (`stored`); other sources have one copy of the model.
     """
 
     to: Target = Target.HF
@@ -222,7 +214,7 @@ class ConvertResult:
         streamed: tensors byte-copied from their raw records.
         assembled: tensors decoded and assembled in memory (non-contiguous chunks, remote archives).
         warnings: things a person should know (no config found, ...).
-        checkpoint: the checkpoint folder converted (the tag `latest` names, given a DeepSpeed save folder).
+        checkpoint: the checkpoint folder converted (the one a `latest` pointer names, given its run folder).
         weights: `master` (fp32 master weights rebuilt from optimizer partitions) or `stored`.
         uploaded: bytes uploaded to an object store DST (every file of the output; 0 for a local DST).
     """
@@ -327,11 +319,11 @@ def convert(
             f"{url} fails structural verification: {first}", f"run `ckptctl verify {url}` for the full report"
         )
     notes: list[str] = []
-    plan, weights = _plan(checkpoint, options, notes)
+    plan, weights = _plan(checkpoint, layout, options, notes)
     side_files, side_notes = _side_files(url, options)
     notes += side_notes
 
-    staging = _Staging(dst) if io.is_local(dst) else _UploadStaging(dst)
+    staging = _Staging(dst) if io.is_local(dst) else _UploadStaging(dst, get_layout(options.to))
     with staging:
         staging.check_space(sum(p.nbytes for p in plan))
         try:
@@ -367,19 +359,19 @@ def convert(
 
 
 def _resolve_source(src: str, layout_name: str | None) -> tuple[str, Layout, CheckpointRef]:
-    """The checkpoint folder to convert, its layout and ref: `src` itself, or, for a save folder that no
-    layout recognises but whose `latest` file names a tag folder inside it (DeepSpeed), that tag."""
+    """The checkpoint folder to convert, its layout and ref: `src` itself, or, for a folder that no layout
+    recognises but where a layout's `latest`-style pointer names a folder inside it (a save folder's
+    `latest` file), that folder."""
     try:
         layout, ref = detect(src, layout_name)
         return src, layout, ref
     except UnknownLayout:
-        from ckptctl.frameworks.deepspeed.layout import read_latest
-
         entries = io.list_dir(src)
-        tag = read_latest(src, entries)
-        if tag is None or not any(e.name == tag and e.is_dir for e in entries):
+        folders = {e.name for e in entries if e.is_dir}
+        pointed = next((name for found in all_layouts() if (name := found.latest_pointer(src, entries))), None)
+        if pointed is None or pointed not in folders:
             raise
-    url = io.join(src, tag)
+    url = io.join(src, pointed)
     layout, ref = detect(url, layout_name)
     return url, layout, ref
 
@@ -389,10 +381,13 @@ def _resolve_source(src: str, layout_name: str | None) -> tuple[str, Layout, Che
 # --------------------------------------------------------------------------------------------------
 
 
-def _plan(checkpoint: Checkpoint, options: ConvertOptions, notes: list[str]) -> tuple[list[_Planned], Weights]:
-    """The output tensors, and which weights they are; appends what the user should know to `notes`."""
+def _plan(
+    checkpoint: Checkpoint, layout: Layout, options: ConvertOptions, notes: list[str]
+) -> tuple[list[_Planned], Weights]:
+    """The output tensors of `checkpoint` (opened by `layout`), and which weights they are; appends what
+    the user should know to `notes`."""
     index = checkpoint.tensor_index()
-    masters = _master_weights(checkpoint, options, notes) if options.component is Component.MODEL else None
+    masters = _master_weights(checkpoint, layout, options, notes) if options.component is Component.MODEL else None
     if masters is not None:
         entries, upcast = list(masters.entries), masters.upcast
     else:
@@ -418,63 +413,25 @@ def _plan(checkpoint: Checkpoint, options: ConvertOptions, notes: list[str]) -> 
     return plan, Weights.MASTER if masters is not None else Weights.STORED
 
 
-def _deepspeed_prefix(checkpoint: Checkpoint) -> str | None:
-    """Where the DeepSpeed tag folder of a checkpoint is, relative to it (`""`: the checkpoint is the tag;
-    `global_step4/`: inside a Trainer `checkpoint-N`), or None when it holds none.
-
-    Layouts built on `frameworks.deepspeed.layout` (RL frameworks' folders) are recognised by their model tensors'
-    chunks lying in DeepSpeed rank files.
-    """
-    from ckptctl.frameworks.deepspeed.layout import tag_files
-
-    if checkpoint.layout == "deepspeed":
-        return ""
-    info = checkpoint.metadata.get("deepspeed")
-    if isinstance(info, dict) and isinstance(info.get("tag"), str):
-        return f"{info['tag']}/"
-    files = {chunk.file for e in checkpoint.tensor_index() if e.component is Component.MODEL for chunk in e.chunks}
-    folders = set()
-    for file in files:
-        folder, _, name = file.rpartition("/")
-        if tag_files([io.DirEntry(name, False, 0, 0.0)]) is not None:
-            folders.add(folder)
-    if len(folders) != 1:
-        return None
-    folder = folders.pop()
-    return f"{folder}/" if folder else ""
-
-
-def _master_weights(checkpoint: Checkpoint, options: ConvertOptions, notes: list[str]) -> MasterWeights | None:
-    """`frameworks.deepspeed.layout.MasterWeights` of a DeepSpeed source when they are wanted and present, else None.
+def _master_weights(
+    checkpoint: Checkpoint, layout: Layout, options: ConvertOptions, notes: list[str]
+) -> MasterWeights | None:
+    """The fp32 master weights of the source (`Layout.master_weights`) when they are wanted and present.
 
     Raises:
         CkptctlError: `weights=master` on a source without fp32 master weights.
     """
-    from ckptctl.frameworks.deepspeed.layout import master_weights, read_tag
-
     if options.weights is Weights.STORED:
         return None
-    prefix = _deepspeed_prefix(checkpoint)
-    if prefix is None:
-        if options.weights is Weights.MASTER:
+    required = options.weights is Weights.MASTER
+    found = layout.master_weights(checkpoint, required=required, notes=notes)
+    if found is None:
+        if required:
             raise CkptctlError(
                 f"{checkpoint.url} ({checkpoint.layout}) holds no fp32 master weights apart from its model",
-                "fp32 masters exist in DeepSpeed ZeRO checkpoints; drop --weights master",
+                "it keeps one copy of the model: drop --weights master",
             )
         return None
-    tag = read_tag(io.join(checkpoint.url, prefix.rstrip("/")) if prefix else checkpoint.url)
-    if not tag.files.optim or tag.optim_kind is None:
-        if options.weights is Weights.MASTER:
-            raise CkptctlError(
-                f"{tag.url} holds no fp32 master weights (ZeRO stage {tag.zero_stage} saves no optimizer partitions)",
-                "convert the module's own weights: drop --weights master",
-            )
-        notes.append(
-            f"DeepSpeed without ZeRO (stage {tag.zero_stage}) saves no optimizer partitions: writing the module's "
-            "weights as stored (DeepSpeed's zero_to_fp32 cannot read such a checkpoint)"
-        )
-        return None
-    found = master_weights(tag, prefix)
     notes.extend(found.notes)
     return found
 
@@ -616,7 +573,7 @@ def _check_hf_output(
 def _write_dcp(checkpoint: Checkpoint, plan: list[_Planned], out: str, progress: Progress) -> _Written:
     """One `dcp.save({"model": ...})` without a process group, checked against the plan.
 
-    Whole tensors stored raw in local files (HF, native safetensors) are memory-mapped, not copied.
+    Whole tensors stored raw in local files (HF folders, ckptctl's own safetensors) are memory-mapped, not copied.
     """
     import torch
     import torch.distributed.checkpoint as dcp
@@ -680,12 +637,13 @@ def _close_quietly(mapped: Any) -> None:
 
 
 def _check_dcp_output(out: str, plan: list[_Planned]) -> None:
-    from ckptctl.frameworks.dcp.layout import load_dcp_metadata, verify_dcp
-
-    problems = [p for p in verify_dcp(out) if p.severity == "error"]
+    """The output passes its layout's verify and its index holds exactly the planned tensors."""
+    layout = get_layout(Target.DCP)
+    written = layout.open(out)
+    problems = [p for p in layout.verify(written) if p.severity == "error"]
     if problems:
         raise CorruptCheckpoint(f"the DCP output fails verification: {problems[0].message}", "this is a bug in ckptctl")
-    stored = {key: (t.dtype, t.size) for key, t in load_dcp_metadata(out).tensors()}
+    stored = {entry.name: (entry.dtype, entry.shape) for entry in written.tensors()}
     want = {f"{DCP_NAMESPACE}.{p.name}": (p.dtype, p.shape) for p in plan}
     if stored != want:
         raise CorruptCheckpoint("the DCP output does not hold what was planned", "this is a bug in ckptctl")
@@ -930,9 +888,11 @@ class _UploadStaging(_Staging):
     refused, and one that was killed has its staging folder removed by the next.
     """
 
-    def __init__(self, dst: str) -> None:
+    def __init__(self, dst: str, layout: Layout) -> None:
+        """`layout`: what the output is, whose completion markers go up last."""
         digest = hashlib.sha256(dst.encode()).hexdigest()[:16]
         super().__init__(dst, tempfile.gettempdir(), f".ckptctl-upload-{digest}")
+        self.layout = layout
 
     def check_space(self, tensor_bytes: int) -> None:
         """Raise `StorageError` when the temporary folder's disk cannot hold an output of `tensor_bytes`
@@ -976,7 +936,7 @@ class _UploadStaging(_Staging):
 
         progress.start("uploading", sum(sizes.values()))
         try:
-            for batch in _upload_order(sizes):
+            for batch in _upload_order(sizes, self.layout.completion_markers(sizes)):
                 io.parallel_map(upload, batch)
             self._check_uploaded({rel: size for rel, size in sizes.items() if rel != DIGESTS_NAME})
             upload(DIGESTS_NAME)
@@ -1000,46 +960,40 @@ class _UploadStaging(_Staging):
             )
 
 
-_HF_SHARD = re.compile(r"-\d{5}-of-\d{5}\.safetensors$")
-_FIRST_HF_SHARD = re.compile(r"-00001-of-\d{5}\.safetensors$")
-#: Files whose presence completes a checkpoint for some layout (beside `_HF_SHARD` shards).
-_COMMIT_MARKERS = frozenset({DIGESTS_NAME, MANIFEST_NAME, ".metadata", INDEX_NAME, "model.safetensors"})
-
-
-def _keystone(sizes: Mapping[str, int]) -> str | None:
-    """The file of an output whose arrival makes its layout call the folder complete: DCP's `.metadata`
-    (without it a DCP folder is in progress), the smallest shard of a sharded HF model (with one missing,
-    the shard naming shows it broken), or `model.safetensors`."""
-    if ".metadata" in sizes:
-        return ".metadata"
-    shards = [rel for rel in sizes if "/" not in rel and _HF_SHARD.search(rel)]
-    if shards:
-        return min(shards, key=lambda rel: (sizes[rel], rel))
-    return "model.safetensors" if "model.safetensors" in sizes else None
-
-
-def _upload_order(sizes: Mapping[str, int]) -> list[list[str]]:
+def _upload_order(sizes: Mapping[str, int], markers: Sequence[str]) -> list[list[str]]:
     """Batches of an output's files (the digests aside, which go up last) to upload one after another,
-    each batch in parallel: weight files; index, config, tokenizer and other small files; the keystone
-    (`_keystone`). Until the keystone is up, the prefix lists as broken or in progress, or holds no
-    checkpoint at all."""
-    keystone = _keystone(sizes)
-    rest = [rel for rel in sorted(sizes) if rel not in (keystone, DIGESTS_NAME)]
-    data = [rel for rel in rest if rel.endswith((".safetensors", ".distcp"))]
-    small = [rel for rel in rest if rel not in data]
-    return [batch for batch in (data, small, [keystone] if keystone else []) if batch]
+    each batch in parallel: every file but the completion markers of its layout (the largest first, so
+    that the long transfers start first), then each marker in its layout's order. Until the last is up,
+    the prefix lists as broken or in progress, or holds no checkpoint at all."""
+    rest = sorted(
+        (rel for rel in sizes if rel not in markers and rel != DIGESTS_NAME), key=lambda rel: (-sizes[rel], rel)
+    )
+    return [batch for batch in (rest, *([marker] for marker in markers)) if batch]
 
 
 def _delete_objects(url: str, rels: Collection[str]) -> None:
     """Delete the objects `rels` below `url` so that no moment of it passes for a complete checkpoint:
-    digests first, then the files that complete a checkpoint (index, DCP and native metadata, the first
-    shard of each sharded model), then the rest."""
+    digests first, then what any layout names as a completion marker of any folder among them, then the
+    rest."""
     first = [rel for rel in rels if posixpath.basename(rel) == DIGESTS_NAME]
-    markers = [
-        rel
-        for rel in rels
-        if rel not in first and (posixpath.basename(rel) in _COMMIT_MARKERS or _FIRST_HF_SHARD.search(rel))
-    ]
+    markers = _any_markers(rels) - set(first)
     rest = [rel for rel in rels if rel not in first and rel not in markers]
-    for batch in (first, markers, rest):
+    for batch in (first, sorted(markers), rest):
         io.delete_files([io.join(url, rel) for rel in batch])
+
+
+def _any_markers(rels: Collection[str]) -> set[str]:
+    """The completion markers every layout names for each folder among `rels` (an old output or a killed
+    upload may be of any layout). Which one of several equal markers (shards) goes first does not matter
+    here, so sizes are not asked for: every file counts as empty."""
+    folders = {""}
+    for rel in rels:
+        parts = rel.split("/")[:-1]
+        folders.update("/".join(parts[:i]) for i in range(1, len(parts) + 1))
+    found: set[str] = set()
+    for folder in folders:
+        prefix = f"{folder}/" if folder else ""
+        files = dict.fromkeys((rel[len(prefix) :] for rel in rels if rel.startswith(prefix)), 0)
+        for layout in all_layouts():
+            found.update(prefix + marker for marker in layout.completion_markers(files))
+    return found

@@ -50,15 +50,15 @@ from ckptctl.formats.chunks import flat_range_boxes, tiling_problem
 from ckptctl.formats.safe_pickle import FrameworkObject, StandIn, TensorRef, state_fields
 from ckptctl.formats.torch_pickle import TorchPickle, open_torch_pickle, storage_problems, tensor_refs
 from ckptctl.io import DirEntry
-from ckptctl.layouts.base import Layout, folder_size, newest_mtime, step_from_name, timestamp
+from ckptctl.layouts.base import Layout, MasterWeights, folder_size, newest_mtime, step_from_name, timestamp
 
 __all__ = [
     "ENGINE_KEYS",
     "LATEST_NAME",
     "DeepSpeedLayout",
     "DeepSpeedTag",
-    "MasterWeights",
     "TagFiles",
+    "checkpoint_master_weights",
     "latest_problem",
     "master_weights",
     "read_latest",
@@ -66,6 +66,7 @@ __all__ = [
     "tag_files",
     "tag_index",
     "tag_markers",
+    "tag_prefix",
     "verify_tag",
 ]
 
@@ -764,26 +765,12 @@ _FLOATING = frozenset({"float64", "float32", "float16", "bfloat16", "float8_e4m3
 _FP32_PREFIX = "optimizer.fp32."
 
 
-@dataclass(frozen=True, slots=True)
-class MasterWeights:
-    """The state dict DeepSpeed's `zero_to_fp32` (`get_fp32_state_dict_from_zero_checkpoint`) returns for
-    a tag, as index entries named as the module's state dict names them; no tensor data is read.
-
-    Attributes:
-        entries: in the module's state-dict order: trainable parameters from the fp32 partitions, frozen
-            parameters and buffers from the model states, tied parameters (`shared_params`) as copies of
-            the entry they share.
-        upcast: floating-point buffers, which zero_to_fp32 returns as float32 whatever their stored dtype.
-        notes: where the entries depart from zero_to_fp32's output, for the user.
-    """
-
-    entries: tuple[TensorEntry, ...]
-    upcast: frozenset[str]
-    notes: tuple[str, ...] = ()
-
-
 def master_weights(tag: DeepSpeedTag, path_prefix: str = "") -> MasterWeights:
-    """The full fp32 weights of a ZeRO 1-3 tag, exactly as `zero_to_fp32` reconstructs them.
+    """The full fp32 weights of a ZeRO 1-3 tag, exactly as `zero_to_fp32` reconstructs them: the state dict
+    `get_fp32_state_dict_from_zero_checkpoint` returns, as index entries in the module's state-dict order
+    (trainable parameters from the fp32 partitions, frozen parameters and buffers from the model states,
+    tied parameters as copies of the entry they share; `upcast` names the floating-point buffers, which
+    zero_to_fp32 returns as float32 whatever their stored dtype).
 
     zero_to_fp32 (DeepSpeed 0.19) returns the buffers of `buffer_names` from the rank-0 module (floating
     ones cast to float32), the frozen parameters from `frozen_param_fragments` (as stored: the 16-bit
@@ -864,6 +851,48 @@ def master_weights(tag: DeepSpeedTag, path_prefix: str = "") -> MasterWeights:
     order = {name: i for i, name in enumerate(module)}
     entries = sorted(found.values(), key=lambda e: order.get(e.name, len(order)))
     return MasterWeights(tuple(entries), frozenset(upcast), tuple(notes))
+
+
+def tag_prefix(checkpoint: Checkpoint) -> str | None:
+    """Where the DeepSpeed tag folder holding a checkpoint's model is, relative to it (`""`: the checkpoint
+    is the tag), judged from where its model tensors' chunks lie: in DeepSpeed rank files of one folder.
+    None when they lie elsewhere (an HF export of an RL framework)."""
+    files = {chunk.file for e in checkpoint.tensor_index() if e.component is Component.MODEL for chunk in e.chunks}
+    folders = set()
+    for file in files:
+        folder, _, name = file.rpartition("/")
+        if tag_files([DirEntry(name, False, 0, 0.0)]) is not None:
+            folders.add(folder)
+    if len(folders) != 1:
+        return None
+    folder = folders.pop()
+    return f"{folder}/" if folder else ""
+
+
+def checkpoint_master_weights(
+    checkpoint: Checkpoint, prefix: str | None, *, required: bool, notes: list[str]
+) -> MasterWeights | None:
+    """`Layout.master_weights` of a checkpoint holding a DeepSpeed tag at `prefix` (relative to it, `""`: it
+    is the tag; None: it holds none): the fp32 master weights of ZeRO 1-3 (`master_weights`).
+
+    Without ZeRO (stage 0) a tag keeps no optimizer partitions, hence no masters: None, and a note (an
+    error when `required`).
+    """
+    if prefix is None:
+        return None
+    tag = read_tag(io.join(checkpoint.url, prefix.rstrip("/")) if prefix else checkpoint.url)
+    if not tag.files.optim or tag.optim_kind is None:
+        if required:
+            raise CkptctlError(
+                f"{tag.url} holds no fp32 master weights (ZeRO stage {tag.zero_stage} saves no optimizer partitions)",
+                "convert the module's own weights: drop --weights master",
+            )
+        notes.append(
+            f"DeepSpeed without ZeRO (stage {tag.zero_stage}) saves no optimizer partitions: writing the module's "
+            "weights as stored (DeepSpeed's zero_to_fp32 cannot read such a checkpoint)"
+        )
+        return None
+    return master_weights(tag, prefix)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -1077,3 +1106,7 @@ class DeepSpeedLayout(Layout):
         """The rank-0 model states (`tag_markers`): DeepSpeed writes no marker, but without them the tag
         reads broken."""
         return tag_markers(files)
+
+    def master_weights(self, checkpoint: Checkpoint, *, required: bool, notes: list[str]) -> MasterWeights | None:
+        """The fp32 master weights DeepSpeed's `zero_to_fp32.py` reconstructs (`checkpoint_master_weights`)."""
+        return checkpoint_master_weights(checkpoint, "", required=required, notes=notes)

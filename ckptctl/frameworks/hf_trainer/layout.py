@@ -57,6 +57,7 @@ from ckptctl.frameworks.hf.layout import (
 from ckptctl.io import DirEntry
 from ckptctl.layouts.base import (
     Layout,
+    MasterWeights,
     Protections,
     folder_size,
     list_files,
@@ -312,6 +313,12 @@ class HfTrainerLayout(Layout):
         top = {name: size for name, size in files.items() if "/" not in name}
         found = model_markers(top)
         return (*found, TRAINER_STATE_NAME) if TRAINER_STATE_NAME in top else found
+
+    def master_weights(self, checkpoint: Checkpoint, *, required: bool, notes: list[str]) -> MasterWeights | None:
+        """The fp32 master weights of the DeepSpeed tag inside (`global_stepN/`), when there is one."""
+        tag = _Parts.of(checkpoint.url, io.list_dir(checkpoint.url)).ds_tag
+        prefix = None if tag is None else f"{tag}/"
+        return deepspeed.checkpoint_master_weights(checkpoint, prefix, required=required, notes=notes)
 
     def protections(self, series: Sequence[CheckpointRef]) -> Protections:
         """The `best_model_checkpoint` that the newest complete checkpoint's trainer_state.json names

@@ -39,7 +39,7 @@ from ckptctl.frameworks.hf.layout import HfModelLayout, has_weights, model_marke
 from ckptctl.frameworks.hf_trainer.layout import IN_PROGRESS_WINDOW_S
 from ckptctl.io import DirEntry
 from ckptctl.layouts import peek, peek_dir
-from ckptctl.layouts.base import Layout, folder_size, newest_mtime, timestamp
+from ckptctl.layouts.base import Layout, MasterWeights, folder_size, newest_mtime, timestamp
 
 __all__ = ["COMPLETE_MARKER", "DRIVER_STATE_NAME", "REF_POLICY", "OpenInstructLayout"]
 
@@ -231,6 +231,11 @@ class OpenInstructLayout(Layout):
     def latest_pointer(self, url: str, entries: Sequence[DirEntry]) -> str | None:
         """The tag the checkpoint state folder's `latest` names (what `--checkpoint_state_dir` resumes)."""
         return deepspeed.read_latest(url, entries)
+
+    def master_weights(self, checkpoint: Checkpoint, *, required: bool, notes: list[str]) -> MasterWeights | None:
+        """A tag's fp32 master weights, as DeepSpeed's zero_to_fp32 rebuilds them; a snapshot has none."""
+        prefix = deepspeed.tag_prefix(checkpoint)
+        return deepspeed.checkpoint_master_weights(checkpoint, prefix, required=required, notes=notes)
 
     def completion_markers(self, files: Mapping[str, int]) -> tuple[str, ...]:
         """A tag: DeepSpeed's markers; a snapshot: the model folder's, then `.checkpoint_complete`, which

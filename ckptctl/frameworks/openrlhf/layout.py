@@ -36,7 +36,7 @@ from ckptctl.frameworks.deepspeed import layout as deepspeed
 from ckptctl.frameworks.hf.layout import HfModelLayout, has_weights, model_markers, verify_model_files
 from ckptctl.io import DirEntry
 from ckptctl.layouts import peek, peek_dir
-from ckptctl.layouts.base import Layout, Protections, folder_size, newest_mtime, timestamp
+from ckptctl.layouts.base import Layout, MasterWeights, Protections, folder_size, newest_mtime, timestamp
 
 __all__ = ["METRIC_NAME", "OpenRlhfLayout"]
 
@@ -196,6 +196,11 @@ class OpenRlhfLayout(Layout):
                 )
             )
         return problems
+
+    def master_weights(self, checkpoint: Checkpoint, *, required: bool, notes: list[str]) -> MasterWeights | None:
+        """A tag's fp32 master weights, as DeepSpeed's zero_to_fp32 rebuilds them; an export has none."""
+        prefix = deepspeed.tag_prefix(checkpoint)
+        return deepspeed.checkpoint_master_weights(checkpoint, prefix, required=required, notes=notes)
 
     def completion_markers(self, files: Mapping[str, int]) -> tuple[str, ...]:
         """A tag: DeepSpeed's markers, then `metric.json`, which OpenRLHF writes after the DeepSpeed save; an

@@ -40,6 +40,7 @@ from typing import Any, ClassVar
 
 from ckptctl.checkpoint import dtype_itemsize, known_dtypes
 from ckptctl.errors import CkptctlError, CorruptCheckpoint, UnsafePickle
+from ckptctl.formats import framework_classes
 
 __all__ = [
     "DCP_METADATA_GLOBALS",
@@ -444,7 +445,7 @@ _SCALAR_TYPES = (str, int, float, bool, type(None))
 
 
 class FrameworkObject(StandIn):
-    """An object of an allowlisted framework class (DeepSpeed, transformers, accelerate, argparse).
+    """An object of an allowlisted framework class (one a framework package registers, see `_Allowlist`).
 
     NEWOBJ + BUILD give an object its fields (`state_fields` reads them); an enum member is rebuilt by
     calling its class with its value, which is kept as `value` (None for plain objects).
@@ -529,67 +530,31 @@ def _plain_set(items: Any = ()) -> set[Any]:
     return set(items)
 
 
-#: Framework classes that appear in real training-state files (DeepSpeed 0.19, transformers 5,
-#: accelerate 1.x: disassembled with pickletools). Each becomes a `FrameworkObject` stand-in.
-_FRAMEWORK_CLASSES = (
-    # DeepSpeed *_optim_states.pt: `loss_scaler`, `zero_stage`, `param_slice_mappings` values.
-    ("deepspeed.runtime.fp16.loss_scaler", "LossScaler"),
-    ("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler"),
-    ("deepspeed.runtime.zero.config", "ZeroStageEnum"),
-    ("deepspeed.utils.tensor_fragment", "fragment_address"),
-    # training_args.bin: TrainingArguments' enum fields and the objects it carries.
-    *(
-        ("transformers.trainer_utils", name)
-        for name in (
-            "IntervalStrategy",
-            "SaveStrategy",
-            "HubStrategy",
-            "SchedulerType",
-            "EvaluationStrategy",
-            "FSDPOption",
-            "ShardedDDPOption",
-        )
-    ),
-    ("transformers.trainer_pt_utils", "AcceleratorConfig"),
-    ("transformers.debug_utils", "DebugOption"),
-    ("accelerate.state", "PartialState"),
-    ("accelerate.state", "AcceleratorState"),
-    # Megatron-style `args` in client states.
-    ("argparse", "Namespace"),
-)
-
-#: Whole modules of plain config classes and enums: `transformers.training_args*` (TrainingArguments,
-#: Seq2SeqTrainingArguments, OptimizerNames, ...), accelerate's plugin dataclasses and enums, and the
-#: FSDP option enums a TrainingArguments may carry; TRL's `*Config` classes subclass TrainingArguments.
-_FRAMEWORK_MODULE_PREFIXES = (
-    "transformers.training_args",
-    "accelerate.utils.dataclasses",
-    "torch.distributed.fsdp.api",
-)
-
-
 class _Allowlist(Mapping[tuple[str, str], Any]):
-    """Exact (module, name) entries, plus module prefixes whose classes become `FrameworkObject`s."""
+    """Exact (module, name) entries, plus the framework classes the framework packages register
+    (`formats.framework_classes`: exact names and module prefixes), which become `FrameworkObject`s."""
 
-    def __init__(self, exact: Mapping[tuple[str, str], Any], prefixes: tuple[str, ...]) -> None:
+    def __init__(self, exact: Mapping[tuple[str, str], Any]) -> None:
         self._exact = dict(exact)
-        self._prefixes = prefixes
 
     def __getitem__(self, key: tuple[str, str]) -> Any:
         found = self._exact.get(key)
         if found is not None:
             return found
         module, name = key
-        covered = module.startswith(self._prefixes) or (module.startswith("trl.trainer.") and name.endswith("Config"))
+        frameworks = framework_classes.registered()
+        if key in frameworks.classes:
+            return _framework_class(f"{module}.{name}")
+        covered = any(module.startswith(prefix) and name.endswith(suffix) for prefix, suffix in frameworks.modules)
         if covered and len(module) + len(name) <= 200 and name.isidentifier():
             return type("FrameworkObject", (FrameworkObject,), {"__slots__": (), "stands_for": f"{module}.{name}"})
         raise KeyError(key)
 
     def __iter__(self) -> Iterator[tuple[str, str]]:
-        return iter(self._exact)
+        return iter([*self._exact, *sorted(framework_classes.registered().classes - self._exact.keys())])
 
     def __len__(self) -> int:
-        return len(self._exact)
+        return len(self._exact.keys() | framework_classes.registered().classes)
 
 
 _NUMPY_GLOBALS = {
@@ -622,9 +587,7 @@ TORCH_PICKLE_GLOBALS: Mapping[tuple[str, str], Any] = _Allowlist(
         ("numpy", "dtype"): NumpyDType,
         ("numpy", "ndarray"): _NDARRAY,
         **_NUMPY_GLOBALS,
-        **{(module, name): _framework_class(f"{module}.{name}") for module, name in _FRAMEWORK_CLASSES},
     },
-    _FRAMEWORK_MODULE_PREFIXES,
 )
 
 # Real torch dtypes the data model has no itemsize for: refused as unsupported rather than as unsafe.

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import importlib
+import importlib.util
 import os
 import threading
 from collections.abc import Callable, Sequence
@@ -18,6 +19,7 @@ from typing import Any, TypeVar, cast
 from ckptctl import io
 from ckptctl.checkpoint import Checkpoint, CheckpointRef
 from ckptctl.errors import CheckpointNotFound, CkptctlError, UnknownLayout
+from ckptctl.formats.framework_classes import FrameworkClasses
 from ckptctl.layouts.base import Layout
 
 __all__ = [
@@ -25,6 +27,7 @@ __all__ = [
     "ConvertTarget",
     "Layout",
     "detect",
+    "framework_pickle_classes",
     "get_layout",
     "layout_names",
     "open_checkpoint",
@@ -153,6 +156,17 @@ def get_layout(name: str) -> Layout:
 
 def all_layouts() -> list[Layout]:
     return [get_layout(name) for name in layout_names()]
+
+
+def framework_pickle_classes() -> list[FrameworkClasses]:
+    """The classes each registered framework package lists in its `pickle_classes` module (where it has
+    one): what the torch-pickle allowlist reads as inert stand-ins (`formats.framework_classes`)."""
+    found = []
+    for _, target in _REGISTRY:
+        module = f"{target.partition(':')[0].rpartition('.')[0]}.pickle_classes"
+        if importlib.util.find_spec(module) is not None:
+            found.append(importlib.import_module(module).CLASSES)
+    return found
 
 
 def _identify(url: str, entries: Sequence[io.DirEntry]) -> tuple[Layout, CheckpointRef] | None:

@@ -124,6 +124,9 @@ class CheckpointRef:
         size_bytes: sum of the sizes of the files inside.
         latest: whether the run's own `latest`-style pointer names it.
         note: why the state is what it is, when that is not obvious.
+        holds: the child folders that hold checkpoints of their own, as the run scan found them (an HF
+            Trainer `output_dir` holding the final model and `checkpoint-N/`): they are not part of this
+            checkpoint, and deleting it leaves them alone. Empty outside a scan.
     """
 
     url: str
@@ -135,6 +138,7 @@ class CheckpointRef:
     size_bytes: int
     latest: bool = False
     note: str = ""
+    holds: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

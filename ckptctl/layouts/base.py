@@ -63,6 +63,23 @@ class Layout:
         shared `ref_policy/`, AReaL's `recover_info/`): neither listed nor walked."""
         return frozenset()
 
+    def members(self, url: str, entries: Sequence[DirEntry]) -> frozenset[str]:
+        """Child folders of the checkpoint at `url` that are part of it (a Trainer `checkpoint-N`'s DeepSpeed
+        `global_stepN/`, the native layout's `dcp/`).
+
+        The run walker records a folder that is a checkpoint and goes on walking its other child folders,
+        which may hold checkpoints of their own (an HF Trainer `output_dir` holds the final model and the
+        `checkpoint-N/` folders). A checkpoint is made of its own files and its member folders: that is
+        what its size counts and what `prune` deletes when its folder holds other checkpoints, and its
+        `Checkpoint.files` never include a file of another child folder. The default suits a layout whose
+        checkpoints are flat folders of files.
+
+        Args:
+            url: the checkpoint folder (this layout identified it).
+            entries: its listing.
+        """
+        return frozenset()
+
     # ------------------------------------------------------------------------------------------ prune
 
     def completion_markers(self, files: Mapping[str, int]) -> tuple[str, ...]:
@@ -70,8 +87,8 @@ class Layout:
         that describe its content, like a shard index), in the order its writer adds them.
 
         Where a folder cannot be renamed into place or out of sight at once (object stores), a writer
-        uploads these last, in this order, and a deleter removes them first: no moment of either passes
-        for a complete checkpoint.
+        uploads these last, in this order, and a deleter removes them first, the last one first: no moment
+        of either passes for a complete checkpoint.
 
         Args:
             files: the folder's files, relative path (with `/`) -> size in bytes.
@@ -105,6 +122,12 @@ class Layout:
             CkptctlError: `required`, and the checkpoint lacks the copy its framework usually keeps.
         """
         return None
+
+
+def every_child_folder(entries: Sequence[DirEntry]) -> frozenset[str]:
+    """The names of all child folders of a listing: `members` of a layout whose framework writes and
+    deletes its checkpoint folder as a whole, so that anything inside belongs to the checkpoint."""
+    return frozenset(e.name for e in entries if e.is_dir)
 
 
 @dataclass(frozen=True, slots=True)

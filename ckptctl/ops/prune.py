@@ -30,7 +30,7 @@ import re
 import secrets
 import stat
 import tomllib
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -239,6 +239,10 @@ class PruneReport:
         }
 
 
+class UnknownMetric(CkptctlError):
+    """`keep_best` names a metric that no checkpoint of the run records (bad usage: exit code 2)."""
+
+
 # ------------------------------------------------------------------------------------------ policy file
 
 
@@ -304,6 +308,7 @@ def plan_prune(
     grace: timedelta = DEFAULT_GRACE,
     now: datetime | None = None,
     max_depth: int = DEFAULT_SCAN_DEPTH,
+    require_metrics: bool = False,
 ) -> PrunePlan:
     """Plan a prune of `run`: read-only (directory listings, markers, metrics when `keep_best` asks).
 
@@ -314,9 +319,12 @@ def plan_prune(
         grace: a checkpoint with a file modified within this is taken to be still written.
         now: the current time (tests fix it).
         max_depth: how deep to look for checkpoints.
+        require_metrics: a `keep_best` metric that no complete checkpoint records is an error rather than a
+            note (a typo on the command line would otherwise keep nothing by it).
 
     Raises:
         CheckpointNotFound: `run` is not a folder.
+        UnknownMetric: with `require_metrics`, a `keep_best` metric no complete checkpoint records.
     """
     now = now or datetime.now(UTC)
     refs = scan_run(run, max_depth=max_depth)
@@ -329,6 +337,12 @@ def plan_prune(
                 metrics[f.ref.url] = checkpoint_metrics(f.ref)
         for best in policy.keep_best:
             if not any(best.value(m) is not None for m in metrics.values()):
+                if require_metrics and metrics:
+                    recorded = sorted({name for m in metrics.values() for name in m})
+                    raise UnknownMetric(
+                        f"no checkpoint of {run} records the metric {best.metric!r}: keep_best={best} would keep nothing",
+                        f"metrics recorded: {', '.join(recorded)}" if recorded else "no checkpoint records any metric",
+                    )
                 notes.append(f"no checkpoint records the metric {best.metric!r}: keep_best={best} keeps nothing")
     candidates = [
         Candidate(
@@ -358,7 +372,7 @@ def plan_prune(
 
 def _examine(ref: CheckpointRef, run: str, now: datetime, grace: timedelta) -> _Found:
     if not io.is_local(ref.url):
-        return _Found(ref, ref.size_bytes, busy=_busy(ref, now, grace, _remote_newest(ref.url)))
+        return _Found(ref, ref.size_bytes, busy=_busy(ref, now, grace, _own_tree(ref)[1]))
     path = os.path.abspath(io.local_path(ref.url))
     run_real = os.path.realpath(io.local_path(run))
     real = os.path.realpath(path)
@@ -367,7 +381,7 @@ def _examine(ref: CheckpointRef, run: str, now: datetime, grace: timedelta) -> _
         inside = real == run_real or real.startswith(run_real + os.sep)
         why = f"symbolic link to {real}, never followed" if inside else f"outside the run (symbolic link to {real})"
         return _Found(ref, 0, link=why, real=real)
-    size, newest = _local_tree(path)
+    size, newest = _own_tree(ref)
     found = _Found(ref, size, real=real, busy=_busy(ref, now, grace, newest))
     if os.path.normpath(path) == os.path.normpath(os.path.abspath(io.local_path(run))):
         found.protected.append("the run folder itself")
@@ -437,6 +451,44 @@ def _protect(found: list[_Found], run: str) -> list[str]:
     return notes
 
 
+def _own_parts(ref: CheckpointRef) -> list[io.DirEntry] | None:
+    """What deleting `ref` removes when its folder holds checkpoints of its own (`ref.holds`), which stay:
+    its files and its layout's member folders. None when the checkpoint is its whole folder."""
+    if not ref.holds:
+        return None
+    entries = io.list_dir(ref.url)
+    members = get_layout(ref.layout).members(ref.url, entries)
+    return [e for e in entries if not e.is_dir or e.name in members]
+
+
+def _own_tree(ref: CheckpointRef) -> tuple[int, float | None]:
+    """Bytes (on object stores: the ref's) and newest mtime of what deleting `ref` removes; links are not
+    followed."""
+    parts = _own_parts(ref)
+    if not io.is_local(ref.url):
+        if parts is None:
+            return ref.size_bytes, _remote_newest(ref.url)
+        times = [_remote_newest(io.join(ref.url, e.name)) if e.is_dir else e.mtime for e in parts]
+        return ref.size_bytes, max((t for t in times if t), default=None)
+    if parts is None:
+        return _local_tree(io.local_path(ref.url))
+    size, newest = 0, None
+    for entry in parts:
+        path = os.path.join(io.local_path(ref.url), entry.name)
+        if entry.is_dir:
+            part_size, part_newest = _local_tree(path)
+        else:
+            try:
+                st = os.lstat(path)
+            except FileNotFoundError:
+                continue
+            part_size, part_newest = (st.st_size if stat.S_ISREG(st.st_mode) else 0), st.st_mtime
+        size += part_size
+        if part_newest is not None:
+            newest = part_newest if newest is None else max(newest, part_newest)
+    return size, newest
+
+
 def _local_tree(path: str) -> tuple[int, float | None]:
     """Bytes of the files below `path` and the newest mtime of anything there; links are not followed."""
     size, newest = 0, None
@@ -490,6 +542,7 @@ def prune(
     max_depth: int = DEFAULT_SCAN_DEPTH,
     progress: Progress | None = None,
     warn: Callable[[str], None] | None = None,
+    require_metrics: bool = False,
 ) -> PruneReport:
     """Plan and (unless `dry_run`) delete what the policy does not keep, holding the run's lock.
 
@@ -503,18 +556,19 @@ def prune(
         max_depth: how deep to look for checkpoints.
         progress: where deletion progress goes (bytes).
         warn: where a stale lock's takeover is reported.
+        require_metrics: see `plan_prune`.
 
     Raises:
         RunLocked: another prune holds the run's lock (or took it over from us).
         CheckpointNotFound: `run` is not a folder.
     """
     if dry_run:
-        plan = plan_prune(run, policy, grace=grace, max_depth=max_depth)
+        plan = plan_prune(run, policy, grace=grace, max_depth=max_depth, require_metrics=require_metrics)
         return PruneReport(plan, dry_run=True, deleted=plan.delete)
     if not io.is_dir(run):
         raise CheckpointNotFound(f"no such run folder: {run}")
     with RunLock(run, wait=wait, command=f"ckptctl prune ({policy.describe()})", warn=warn) as lock:
-        plan = plan_prune(run, policy, grace=grace, max_depth=max_depth)
+        plan = plan_prune(run, policy, grace=grace, max_depth=max_depth, require_metrics=require_metrics)
         if plan.delete and confirm is not None and not confirm(plan):
             declined = tuple(Skipped(i, "not confirmed") for i in plan.delete)
             return PruneReport(plan, dry_run=False, deleted=(), skipped=declined, cancelled=True)
@@ -568,8 +622,7 @@ def _still_deletable(item: PruneItem, plan: PrunePlan) -> str:
         return "a latest pointer names it now"
     if ref.state is CheckpointState.COMPLETE and item.ref.state is not CheckpointState.COMPLETE:
         return "it has been completed since the plan"
-    newest = _local_tree(io.local_path(url))[1] if io.is_local(url) else _remote_newest(url)
-    busy = _busy(ref, datetime.now(UTC), plan.grace, newest)
+    busy = _busy(ref, datetime.now(UTC), plan.grace, _own_tree(item.ref)[1])
     if busy:
         return busy
     if ref.created != item.ref.created:
@@ -578,8 +631,13 @@ def _still_deletable(item: PruneItem, plan: PrunePlan) -> str:
 
 
 def _delete(ref: CheckpointRef) -> None:
-    """Delete one checkpoint folder so that no moment shows it half-deleted and complete."""
+    """Delete one checkpoint folder so that no moment shows it half-deleted and complete; of a folder that
+    holds checkpoints of its own, only what is the checkpoint's (`_own_parts`)."""
     url = ref.url
+    parts = _own_parts(ref)
+    if parts is not None:
+        _delete_parts(ref, parts)
+        return
     if not io.is_local(url):
         _delete_markers_first(ref)
         return
@@ -598,15 +656,51 @@ def _delete(ref: CheckpointRef) -> None:
     io.delete_tree(target)
 
 
+def _delete_parts(ref: CheckpointRef, parts: Sequence[io.DirEntry]) -> None:
+    """Delete some entries of a checkpoint folder and leave the rest (the checkpoints it holds).
+
+    No single rename can take them away together, so they go one by one in an order that keeps the
+    checkpoint from reading as complete at any moment: the files that mark it complete first, the last
+    written first (`_markers_to_delete`: of a sharded model, a shard before its index, since the shards
+    without their index would read as a whole set while a set missing a shard reads as broken); then
+    files from the largest; then member folders. Locally each entry is renamed into a trash folder beside
+    the checkpoint (as a whole checkpoint is) and the trash folder deleted after.
+    """
+    url = ref.url
+    markers = _markers_to_delete(ref, {e.name: e.size for e in parts if not e.is_dir})
+
+    def order(entry: io.DirEntry) -> tuple[int, bool, int, str]:
+        first = markers.index(entry.name) if entry.name in markers else len(markers)
+        return (first, entry.is_dir, -entry.size, entry.name)
+
+    ordered = sorted(parts, key=order)
+    if not io.is_local(url):
+        for entry in ordered:
+            (io.delete_tree if entry.is_dir else io.delete_file)(io.join(url, entry.name))
+        return
+    path = os.path.abspath(io.local_path(url))
+    target = os.path.join(os.path.dirname(path), TRASH_NAME, f"{os.path.basename(path)}.{secrets.token_hex(4)}")
+    os.makedirs(target)
+    for entry in ordered:
+        os.rename(os.path.join(path, entry.name), os.path.join(target, entry.name))
+    io.fsync_dir(path)
+    io.delete_tree(target)
+
+
 def _delete_markers_first(ref: CheckpointRef) -> None:
-    """Delete the digests and the completion markers of the checkpoint's layout first, then the rest: a
+    """Delete the files that mark the checkpoint complete first (`_markers_to_delete`), then the rest: a
     partial delete reads as broken."""
     files = {rel: entry.size for rel, entry in io.list_tree(ref.url).items()}
-    markers = [DIGESTS_NAME] if DIGESTS_NAME in files else []
-    markers += get_layout(ref.layout).completion_markers(files)
-    for marker in markers:
+    for marker in _markers_to_delete(ref, files):
         io.delete_file(io.join(ref.url, marker))
     io.delete_tree(ref.url)
+
+
+def _markers_to_delete(ref: CheckpointRef, files: Mapping[str, int]) -> list[str]:
+    """The digests, then the completion markers of the checkpoint's layout among `files` (relative path ->
+    size), the last one its writer adds first."""
+    markers = [DIGESTS_NAME] if DIGESTS_NAME in files else []
+    return markers + list(reversed(get_layout(ref.layout).completion_markers(files)))
 
 
 def _empty_trash(folders: Iterable[str]) -> int:

@@ -296,8 +296,9 @@ def test_deepspeed_latest_is_protected(tmp_path: Path) -> None:
 
 
 def test_object_stores_delete_each_layouts_markers_first(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A Trainer checkpoint on an object store loses its weights file and `trainer_state.json` (the markers
-    its layout names) before anything else, so that an interrupted deletion never lists as complete."""
+    """A Trainer checkpoint on an object store loses `trainer_state.json` (written last) and its weights file,
+    the markers its layout names, before anything else, so that an interrupted deletion never lists as
+    complete."""
     import fsspec
     from safetensors.torch import save_file
 
@@ -322,8 +323,8 @@ def test_object_stores_delete_each_layouts_markers_first(tmp_path: Path, monkeyp
         report = prune(run, RetentionPolicy(keep_last=1), grace=NO_GRACE)
         assert [(i.ref.layout, io.name_of(i.url)) for i in report.deleted] == [("hf_trainer", "checkpoint-100")]
         assert [c for c in calls if "checkpoint-" in c[1]] == [
-            ("file", f"{run}/checkpoint-100/model.safetensors"),
             ("file", f"{run}/checkpoint-100/trainer_state.json"),
+            ("file", f"{run}/checkpoint-100/model.safetensors"),
             ("tree", f"{run}/checkpoint-100"),
         ]
         assert [io.name_of(r.url) for r in scan_run(run)] == ["checkpoint-200"]

@@ -66,7 +66,7 @@ from ckptctl.frameworks.hf.layout import HfModelLayout, model_markers, verify_mo
 from ckptctl.frameworks.hf_trainer.layout import IN_PROGRESS_WINDOW_S
 from ckptctl.io import DirEntry
 from ckptctl.layouts import peek_dir
-from ckptctl.layouts.base import Layout, folder_size, list_files, newest_mtime, timestamp
+from ckptctl.layouts.base import Layout, newest_mtime, timestamp
 
 __all__ = ["INFO_FILES", "MTIME_SLACK_S", "RECOVER_INFO", "RECOVER_SLOT", "ArealLayout", "read_dataloader_info"]
 
@@ -290,7 +290,7 @@ class ArealLayout(Layout):
             epoch=info.epoch,
             created=timestamp(meta.mtime if meta is not None else newest_mtime(entries)),
             state=_unfinished(entries, info) if note else CheckpointState.COMPLETE,
-            size_bytes=folder_size(url, entries),
+            size_bytes=sum(e.size for e in entries if not e.is_dir),
             note=note,
         )
 
@@ -306,7 +306,7 @@ class ArealLayout(Layout):
                 CheckpointState.IN_PROGRESS
                 if time.time() - (newest_mtime(entries) or 0.0) < IN_PROGRESS_WINDOW_S
                 else CheckpointState.BROKEN,
-                folder_size(url, entries),
+                sum(e.size for e in entries if not e.is_dir),
                 note="an export still named *.tmp: not renamed into place yet",
             )
         ref = HfModelLayout().identify(url, entries)
@@ -321,7 +321,10 @@ class ArealLayout(Layout):
         return RECOVER_SLOT if any(e.name == STEP_INFO for e in info) else None
 
     def companions(self, url: str, entries: Sequence[DirEntry]) -> frozenset[str]:
-        """`recover_info/` of a trial folder: part of its recover slots, not a checkpoint of its own."""
+        """`recover_info/` of a trial folder: part of its recover slots, not a checkpoint of its own.
+
+        The slot (a flat DCP folder) and the exports (HF model folders) have no member folders of their
+        own (`Layout.members`' default)."""
         return frozenset({RECOVER_INFO}) if any(e.name == RECOVER_INFO and e.is_dir for e in entries) else frozenset()
 
     def open(self, url: str) -> Checkpoint:
@@ -408,7 +411,8 @@ class ArealLayout(Layout):
         progress = {"epoch": int(m.group(1)), "epoch_step": int(m.group(2)), "global_step": int(m.group(3))}
         metadata = {"format": "areal", "kind": "hf_export", "progress": progress}
         if m.group(4):  # not renamed into place yet: nothing to index
-            return Checkpoint(ref, frozenset(), None, metadata, tuple, list_files(url))
+            files = {e.name: e.size for e in io.list_dir(url) if not e.is_dir}
+            return Checkpoint(ref, frozenset(), None, metadata, tuple, files)
         model = HfModelLayout().open(url)
         return replace(model, ref=ref, metadata={**metadata, **model.metadata})
 

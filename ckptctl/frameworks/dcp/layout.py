@@ -37,6 +37,7 @@ from ckptctl.formats.chunks import tiling_problem
 from ckptctl.formats.dcp_metadata import METADATA_NAME, DcpMetadata, DcpTensor, parse_dcp_metadata
 from ckptctl.formats.safe_pickle import gc_paused
 from ckptctl.formats.torch_save import read_object_archive
+from ckptctl.frameworks.hf.layout import model_components
 from ckptctl.io import DirEntry
 from ckptctl.layouts.base import Layout, newest_mtime, step_from_name, timestamp
 
@@ -51,6 +52,9 @@ __all__ = [
     "verify_dcp",
     "world_size_of",
 ]
+
+#: Components a DCP folder can hold as plain files beside its data (`convert --to dcp` copies them).
+_BESIDE = frozenset({Component.CONFIG, Component.TOKENIZER})
 
 #: Data files torch's FileSystemWriter creates: `__{rank}_{n}.distcp`.
 DISTCP_RE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
@@ -131,6 +135,10 @@ def component_classifier(keys: Iterable[str]) -> KeyClassifier:
 # Reading `.metadata` (cached: open, tensor_index and verify of one checkpoint parse it once).
 # --------------------------------------------------------------------------------------------------
 
+#: A parse cache owned by this module for the whole process, not by a scan (`layouts.ScanContext`): it is
+#: keyed by the file's version (URL, size, mtime), so it serves only the bytes it parsed, whichever operation
+#: asks. A store that reports no mtime is not cached. Object stores report whole seconds, so a `.metadata`
+#: rewritten in place with the same size within one second of an earlier read could be served stale.
 _CACHE_SIZE = 2
 _cache: OrderedDict[tuple[str, int, float], DcpMetadata] = OrderedDict()
 _cache_lock = threading.Lock()
@@ -431,7 +439,11 @@ def _tensor_problems(key: str, tensor: DcpTensor, metadata: DcpMetadata, prefix:
 
 
 class DcpLayout(Layout):
-    """A torch DCP checkpoint folder written by `torch.distributed.checkpoint.save` (FileSystemWriter)."""
+    """A torch DCP checkpoint folder written by `torch.distributed.checkpoint.save` (FileSystemWriter).
+
+    FileSystemWriter writes files only: a child folder is not part of the checkpoint (`Layout.members`'
+    default), and the walker looks inside it (an HF export kept in `step-N/hf/`).
+    """
 
     name = "dcp"
 
@@ -510,7 +522,7 @@ class DcpLayout(Layout):
                 files=files,
             )
         classify = component_classifier(metadata.entries)
-        components = classify.components
+        components = classify.components | (model_components(set(files)) & _BESIDE)
         bytes_keys = metadata.bytes_keys
         referenced = metadata.referenced_files()
         info = {

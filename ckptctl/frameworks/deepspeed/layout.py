@@ -38,7 +38,15 @@ from ckptctl.frameworks.deepspeed.tag import ENGINE_KEYS, DeepSpeedTag, read_tag
 from ckptctl.frameworks.deepspeed.verify import verify_tag
 from ckptctl.frameworks.deepspeed.zero_index import tag_index
 from ckptctl.io import DirEntry
-from ckptctl.layouts.base import Layout, MasterWeights, folder_size, newest_mtime, step_from_name, timestamp
+from ckptctl.layouts.base import (
+    Layout,
+    MasterWeights,
+    every_child_folder,
+    folder_size,
+    newest_mtime,
+    step_from_name,
+    timestamp,
+)
 
 __all__ = [
     "ENGINE_KEYS",
@@ -85,6 +93,11 @@ class DeepSpeedLayout(Layout):
     def latest_pointer(self, url: str, entries: Sequence[DirEntry]) -> str | None:
         """The tag the save folder's `latest` file names."""
         return read_latest(url, entries)
+
+    def members(self, url: str, entries: Sequence[DirEntry]) -> frozenset[str]:
+        """Every child folder: a tag is what one `save_checkpoint` wrote (NVMe offload adds
+        `offloaded_tensors/`)."""
+        return every_child_folder(entries)
 
     def open(self, url: str) -> Checkpoint:
         """Read the rank-0 model and optim states; the tensor index reads the other ranks' `data.pkl`.

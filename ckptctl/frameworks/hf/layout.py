@@ -28,7 +28,7 @@ from ckptctl.checkpoint import (
 from ckptctl.errors import CkptctlError, CorruptCheckpoint
 from ckptctl.formats.safetensors import read_header
 from ckptctl.io import DirEntry
-from ckptctl.layouts.base import Layout, list_files, newest_mtime, step_from_name, timestamp
+from ckptctl.layouts.base import Layout, newest_mtime, step_from_name, timestamp
 
 INDEX_NAMES = ("model.safetensors.index.json", "adapter_model.safetensors.index.json")
 _SHARD = re.compile(r"^(?P<stem>.+)-(?P<i>\d{5})-of-(?P<n>\d{5})\.safetensors$")
@@ -79,7 +79,13 @@ def _shards_missing(names: set[str]) -> list[str]:
 
 
 class HfModelLayout(Layout):
-    """A Hugging Face model folder (safetensors, single file or sharded with an index)."""
+    """A Hugging Face model folder (safetensors, single file or sharded with an index).
+
+    `save_pretrained` writes files only, and often into a folder that holds more: the Trainer's
+    `output_dir` with `checkpoint-N/` beside the final model, a DCP or DeepSpeed run with an exported
+    model beside its steps, a hub snapshot with `original/`. So a model folder has no member folders
+    (`Layout.members`): its checkpoint is the files at its top, and every child folder is walked.
+    """
 
     name = "hf"
 
@@ -117,7 +123,7 @@ class HfModelLayout(Layout):
         ref = self.identify(url, entries)
         if ref is None:
             raise CorruptCheckpoint(f"{url} holds no model weights")
-        files = list_files(url)
+        files = {e.name: e.size for e in entries if not e.is_dir}  # its own files: none of a child folder's
         names = set(files)
         weights = weight_files(url, names)
 
@@ -199,7 +205,13 @@ def model_metadata(url: str, names: set[str], weights: Sequence[str]) -> dict[st
 
 def verify_model_files(url: str, files: Mapping[str, int]) -> list[Problem]:
     """Structural problems of the model files of a folder: config and index parse, every shard the index
-    or the shard naming promises is present, headers are valid, and each tensor is where the index says."""
+    or the shard naming promises is present, headers are valid, and each tensor is where the index says.
+
+    Args:
+        url: the model folder.
+        files: the files at its top (name -> size): a safetensors file in a child folder belongs to
+            another model, and its tensors would read as duplicates of this one's.
+    """
     problems: list[Problem] = []
     if "config.json" in files:
         try:

@@ -59,6 +59,7 @@ from ckptctl.layouts.base import (
     Layout,
     MasterWeights,
     Protections,
+    every_child_folder,
     folder_size,
     list_files,
     newest_mtime,
@@ -189,6 +190,12 @@ class HfTrainerLayout(Layout):
     def latest_pointer(self, url: str, entries: Sequence[DirEntry]) -> str | None:
         """The Trainer keeps no pointer (it resumes from the highest `checkpoint-N`)."""
         return None
+
+    def members(self, url: str, entries: Sequence[DirEntry]) -> frozenset[str]:
+        """Every child folder: the Trainer writes `checkpoint-N/` as a whole (its DeepSpeed `global_stepN/`,
+        FSDP's `pytorch_model_fsdp_0/` and `optimizer_0/`, TRL's `merged/`) and its rotation deletes it
+        as a whole."""
+        return every_child_folder(entries)
 
     def open(self, url: str) -> Checkpoint:
         """Read trainer_state.json, training_args.bin's `data.pkl` and the DeepSpeed rank-0 files if any;

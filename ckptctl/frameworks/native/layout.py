@@ -39,6 +39,7 @@ from ckptctl.io import DirEntry
 from ckptctl.layouts.base import (
     TRASH_NAME,
     Layout,
+    every_child_folder,
     folder_size,
     list_files,
     newest_mtime,
@@ -198,6 +199,11 @@ class NativeLayout(Layout):
             else f"no {MANIFEST_NAME}: an upload or a deletion that stopped midway",
         )
 
+    def members(self, url: str, entries: Sequence[DirEntry]) -> frozenset[str]:
+        """Every child folder (`dcp/` of a multi-rank save): the core writes a checkpoint in a staging
+        folder and renames it into place whole."""
+        return every_child_folder(entries)
+
     def latest_pointer(self, url: str, entries: Sequence[DirEntry]) -> str | None:
         if not any(e.name == POINTER_NAME and not e.is_dir for e in entries):
             return None
@@ -218,6 +224,8 @@ class NativeLayout(Layout):
             raise CheckpointInProgress(f"{url} is still being written (no manifest yet)", "wait for the save to commit")
         manifest = read_native_manifest(url)
         components = {COMPONENT_OF_KIND.get(record.kind, Component.EXTRA) for record in manifest.components.values()}
+        # The manifest records the step, time and metrics: the counters `restore()` hands back.
+        components.add(Component.TRAINER_STATE)
         files = list_files(url)
         metadata = {
             "metrics": dict(manifest.metrics),
@@ -272,6 +280,8 @@ class NativeLayout(Layout):
         return (MANIFEST_NAME,) if MANIFEST_NAME in files else ()
 
 
+#: A parse cache owned by this module for the whole process, not by a scan (`layouts.ScanContext`): keyed
+#: by the local file's version (path, size, mtime in ns), so it serves only the bytes it parsed.
 _MANIFEST_CACHE: OrderedDict[tuple[str, int, int], Manifest] = OrderedDict()
 _MANIFEST_CACHE_SIZE = 8
 _MANIFEST_CACHE_LOCK = threading.Lock()

@@ -69,6 +69,9 @@ class _ClientState:
         return value if type(value) is int else None
 
 
+#: A parse cache owned by this module for the whole process, not by a scan (`layouts.ScanContext`): keyed
+#: by the file's version (URL, size, mtime), so it serves only the bytes it parsed (`identify` reads the
+#: rank-0 states for the training step, `open` needs them again). Files without an mtime are not cached.
 _CACHE_SIZE = 64
 _cache: OrderedDict[tuple[str, int, float], dict[str, Any]] = OrderedDict()
 _cache_lock = threading.Lock()
@@ -218,7 +221,10 @@ class OpenInstructLayout(Layout):
             return None
         ref = HfModelLayout().identify(url, entries)
         if ref is None:
-            ref = CheckpointRef(url, self.name, step, None, timestamp(newest_mtime(entries)), CheckpointState.BROKEN, 0)
+            size = sum(e.size for e in entries if not e.is_dir)
+            ref = CheckpointRef(
+                url, self.name, step, None, timestamp(newest_mtime(entries)), CheckpointState.BROKEN, size
+            )
         state, note = ref.state, ref.note
         if not marked and state is CheckpointState.COMPLETE:
             state, note = _unfinished(
@@ -226,11 +232,17 @@ class OpenInstructLayout(Layout):
             )
         elif marked and not has_weights(names):
             state, note = CheckpointState.BROKEN, f"{COMPLETE_MARKER} but no model weights"
-        return replace(ref, layout=self.name, step=step, state=state, note=note, size_bytes=folder_size(url, entries))
+        return replace(ref, layout=self.name, step=step, state=state, note=note)
 
     def latest_pointer(self, url: str, entries: Sequence[DirEntry]) -> str | None:
         """The tag the checkpoint state folder's `latest` names (what `--checkpoint_state_dir` resumes)."""
         return deepspeed.read_latest(url, entries)
+
+    def members(self, url: str, entries: Sequence[DirEntry]) -> frozenset[str]:
+        """A tag: every child folder, as DeepSpeed's; a snapshot: none, as an HF model folder's."""
+        if _SNAPSHOT.match(io.name_of(url)):
+            return frozenset()
+        return deepspeed.DeepSpeedLayout().members(url, entries)
 
     def master_weights(self, checkpoint: Checkpoint, *, required: bool, notes: list[str]) -> MasterWeights | None:
         """A tag's fp32 master weights, as DeepSpeed's zero_to_fp32 rebuilds them; a snapshot has none."""

@@ -125,6 +125,10 @@ class OpenRlhfLayout(Layout):
         """The tag the save folder's DeepSpeed `latest` file names (OpenRLHF resumes from it)."""
         return deepspeed.read_latest(url, entries)
 
+    def members(self, url: str, entries: Sequence[DirEntry]) -> frozenset[str]:
+        """A tag: every child folder, as DeepSpeed's; an `*_hf` export: none, as an HF model folder's."""
+        return frozenset() if _EXPORT.match(io.name_of(url)) else deepspeed.DeepSpeedLayout().members(url, entries)
+
     def open(self, url: str) -> Checkpoint:
         """A tag: DeepSpeed's reading, with OpenRLHF's step, role, counters and metric; an export: the
         model folder."""

@@ -68,7 +68,7 @@ from ckptctl.frameworks.hf.layout import (
 )
 from ckptctl.frameworks.hf_trainer.layout import IN_PROGRESS_WINDOW_S
 from ckptctl.io import DirEntry
-from ckptctl.layouts.base import Layout, folder_size, list_files, newest_mtime, timestamp
+from ckptctl.layouts.base import Layout, every_child_folder, folder_size, list_files, newest_mtime, timestamp
 
 __all__ = ["CRITIC", "PIPELINE_STATE", "RollLayout"]
 
@@ -274,6 +274,11 @@ class RollLayout(Layout):
     def latest_pointer(self, url: str, entries: Sequence[DirEntry]) -> str | None:
         """ROLL keeps no pointer (`resume_from_checkpoint` takes the path)."""
         return None
+
+    def members(self, url: str, entries: Sequence[DirEntry]) -> frozenset[str]:
+        """Every child folder (`pipeline/`, `dcp/`, `critic/`, Megatron's `iter_*/`, `rng_state/`): every
+        worker uploads into the one `checkpoint-N/`, and ROLL prunes it as a whole."""
+        return every_child_folder(entries)
 
     def open(self, url: str) -> Checkpoint:
         """Pipeline counters and last metrics, each role's strategy, components, world size and parallelism;

@@ -1,8 +1,8 @@
 """`convert`: a checkpoint's model (or another component) to a Hugging Face folder or to a torch DCP folder.
 
-The source is a checkpoint folder, or a folder that no layout recognises but where a layout's
-`latest`-style pointer (`Layout.latest_pointer`) names a checkpoint inside it (a save folder's `latest`
-file): that checkpoint. It must be complete and pass its layout's structural verification.
+The source is the checkpoint `layouts.resolve` names: the folder itself when it is one, else the
+checkpoint a layout's `latest`-style pointer in it names (a save folder's `latest` file). It must be
+complete and pass its layout's structural verification.
 
 The command reads like its modules, in order: `options` (what is asked, what was done), `plan` (which
 tensors, names, dtypes and weights), `to_hf` / `to_dcp` (the writers), `side_files` (config and tokenizer
@@ -15,9 +15,9 @@ import os
 import time
 
 from ckptctl import io
-from ckptctl.checkpoint import CheckpointRef, CheckpointState
-from ckptctl.errors import CheckpointInProgress, CkptctlError, CorruptCheckpoint, UnknownLayout
-from ckptctl.layouts import Layout, all_layouts, detect, get_layout
+from ckptctl.checkpoint import CheckpointState
+from ckptctl.errors import CheckpointInProgress, CkptctlError, CorruptCheckpoint
+from ckptctl.layouts import get_layout, resolve
 from ckptctl.ops.convert.commit import Staging, UploadStaging, check_destination, write_digests
 from ckptctl.ops.convert.options import (
     DEFAULT_MAX_SHARD_SIZE,
@@ -69,7 +69,8 @@ def convert(
     if options.max_shard_size <= 0:
         raise CkptctlError("the maximum shard size must be positive")
     dst = check_destination(src, dst, options.force)
-    url, layout, ref = _resolve_source(src, options.layout)
+    layout, ref = resolve(src, options.layout)
+    url = ref.url
     if ref.state is CheckpointState.IN_PROGRESS:
         raise CheckpointInProgress(
             f"{url} is still being written ({ref.note or 'no completion marker'})", "wait for the save to finish"
@@ -119,21 +120,3 @@ def convert(
         weights=weights.value,
         uploaded=uploaded,
     )
-
-
-def _resolve_source(src: str, layout_name: str | None) -> tuple[str, Layout, CheckpointRef]:
-    """The checkpoint folder to convert, its layout and ref: `src` itself, or, for a folder that no layout
-    recognises but where a layout's `latest`-style pointer names a folder inside it (a save folder's
-    `latest` file), that folder."""
-    try:
-        layout, ref = detect(src, layout_name)
-        return src, layout, ref
-    except UnknownLayout:
-        entries = io.list_dir(src)
-        folders = {e.name for e in entries if e.is_dir}
-        pointed = next((name for found in all_layouts() if (name := found.latest_pointer(src, entries))), None)
-        if pointed is None or pointed not in folders:
-            raise
-    url = io.join(src, pointed)
-    layout, ref = detect(url, layout_name)
-    return url, layout, ref

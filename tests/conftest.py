@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from tests.writers.deepspeed_writer import WrittenDeepSpeed, write_deepspeed_runs
+from tests.writers.rl_runs import WrittenFsdpRuns, write_fsdp_runs
 from tests.writers.trainer_writer import WrittenTrainerRun, write_trainer_run
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -76,6 +77,13 @@ def deepspeed_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Writte
 def trainer_run(tmp_path_factory: pytest.TempPathFactory) -> WrittenTrainerRun:
     """transformers.Trainer on CPU: checkpoint-2 and checkpoint-4 of the tiny Llama (slow: a subprocess)."""
     return write_trainer_run(tmp_path_factory.mktemp("trainer") / "out")
+
+
+@pytest.fixture(scope="session")
+def fsdp_runs(tmp_path_factory: pytest.TempPathFactory) -> WrittenFsdpRuns:
+    """FSDP2 on 2 CPU ranks, saved every step as AReaL (trial with recover slots, exports, recover_info) and
+    ROLL (launch folder with checkpoint-1 and checkpoint-2, the latter with critic/) save (slow: spawns)."""
+    return write_fsdp_runs(tmp_path_factory.mktemp("fsdp-rl"))
 
 
 def copy_tree(src: Path, dst: Path) -> Path:

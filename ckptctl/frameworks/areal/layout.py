@@ -53,7 +53,7 @@ from ckptctl.checkpoint import (
 )
 from ckptctl.errors import CkptctlError, CorruptCheckpoint, UnknownLayout, UnsafePickle
 from ckptctl.formats.dcp_metadata import METADATA_NAME
-from ckptctl.formats.safe_pickle import MAX_DIMS, TORCH_PICKLE_GLOBALS, safe_loads
+from ckptctl.formats.safe_pickle import MAX_DIMS, TORCH_PICKLE_GLOBALS, check_nesting, safe_loads
 from ckptctl.frameworks.dcp.layout import (
     DISTCP_RE,
     component_classifier,
@@ -161,7 +161,9 @@ def read_dataloader_info(url: str) -> Any:
     data = io.read_bytes(url, 0, _MAX_INFO_BYTES + 1)
     if len(data) > _MAX_INFO_BYTES:
         raise CorruptCheckpoint(f"{url}: larger than {_MAX_INFO_BYTES >> 20} MiB, not a data loader state")
-    return safe_loads(data, DATALOADER_GLOBALS, url)
+    states = safe_loads(data, DATALOADER_GLOBALS, url)
+    check_nesting(states, url)  # a data loader state is user data: nothing else bounds its shape
+    return states
 
 
 # --------------------------------------------------------------------------------------------------

@@ -165,11 +165,11 @@ class Checkpoint:
         tensor_index: returns the tensor index; layouts pass a cached function that reads headers on
             first use, so that opening a checkpoint stays cheap when nobody asks for tensors.
         files: data and metadata files of the checkpoint, relative path -> size in bytes.
+        metrics: what the training recorded with the checkpoint to judge it by (losses, evaluation
+            scores; nested mappings allowed), which `prune --keep-best` ranks checkpoints by.
         role: training state, or model weights exported beside it.
         progress: the counters a resume continues from beyond step and epoch (consumed samples,
             optimizer steps, ...), as the framework names them; `resume-plan` shows the scalar ones.
-        metrics: the metrics recorded with the save, as recorded (values may nest: `{"eval": {"loss": 0.5}}`);
-            `prune --keep-best` ranks by them.
         rng_keys: the top-level keys of its RNG state when the layout read them at open (None: no RNG
             state, or not read; a layout's resume profile may read them on demand).
     """
@@ -180,9 +180,9 @@ class Checkpoint:
     metadata: Mapping[str, Any]
     tensor_index: Callable[[], tuple[TensorEntry, ...]] = field(repr=False)
     files: Mapping[str, int] = field(default_factory=dict)
+    metrics: Mapping[str, Any] = field(default_factory=dict)
     role: Role = Role.TRAINING
     progress: Mapping[str, Any] = field(default_factory=dict)
-    metrics: Mapping[str, Any] = field(default_factory=dict)
     rng_keys: frozenset[str] | None = None
 
     @property

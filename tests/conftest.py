@@ -22,6 +22,7 @@ from filelock import FileLock
 
 from tests.writers.dcp_writer import WrittenDcp, write_single_process_dcp
 from tests.writers.deepspeed_writer import WrittenDeepSpeed, write_deepspeed_runs
+from tests.writers.rl_runs import WrittenFsdpRuns, write_fsdp_runs
 from tests.writers.run_folders import NestedRun, arrange_deepspeed_run, trainer_nested_run, write_dcp_run
 from tests.writers.trainer_writer import WrittenTrainerRun, write_trainer_run
 
@@ -162,6 +163,13 @@ def nested_runs(
         }
 
     return build_once(tmp_path_factory, "nested", build)
+
+
+@pytest.fixture(scope="session")
+def fsdp_runs(tmp_path_factory: pytest.TempPathFactory) -> WrittenFsdpRuns:
+    """FSDP2 on 2 CPU ranks, saved every step as AReaL (trial with recover slots, exports, recover_info) and
+    ROLL (launch folder with checkpoint-1 and checkpoint-2, the latter with critic/) save (slow: spawns)."""
+    return build_once(tmp_path_factory, "fsdp-rl", write_fsdp_runs)
 
 
 def copy_tree(src: Path, dst: Path) -> Path:

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import enum
 import importlib
+import importlib.util
 import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -19,13 +21,16 @@ from typing import Any, TypeVar, cast
 from ckptctl import io
 from ckptctl.checkpoint import Checkpoint, CheckpointRef
 from ckptctl.errors import CheckpointNotFound, CkptctlError, UnknownLayout
+from ckptctl.formats.framework_classes import FrameworkClasses
 from ckptctl.layouts.base import Layout
 
 __all__ = [
     "DEFAULT_SCAN_DEPTH",
+    "ConvertTarget",
     "Layout",
     "ScanContext",
     "detect",
+    "framework_pickle_classes",
     "get_layout",
     "layout_names",
     "open_checkpoint",
@@ -54,6 +59,14 @@ _REGISTRY: tuple[tuple[str, str], ...] = (
     ("deepspeed", "ckptctl.frameworks.deepspeed.layout:DeepSpeedLayout"),
     ("hf", "ckptctl.frameworks.hf.layout:HfModelLayout"),
 )
+
+
+class ConvertTarget(enum.StrEnum):
+    """The layouts `convert --to` writes (the values are their registry names)."""
+
+    HF = "hf"
+    DCP = "dcp"
+
 
 #: How deep `list`, `verify` and `prune` look for checkpoints below a run folder: AReaL's recover slots sit
 #: 6 levels below its `fileroot` (checkpoints/user/experiment/trial/default/recover_checkpoint).
@@ -187,6 +200,17 @@ def get_layout(name: str) -> Layout:
 
 def all_layouts() -> list[Layout]:
     return [get_layout(name) for name in layout_names()]
+
+
+def framework_pickle_classes() -> list[FrameworkClasses]:
+    """The classes each registered framework package lists in its `pickle_classes` module (where it has
+    one): what the torch-pickle allowlist reads as inert stand-ins (`formats.framework_classes`)."""
+    found = []
+    for _, target in _REGISTRY:
+        module = f"{target.partition(':')[0].rpartition('.')[0]}.pickle_classes"
+        if importlib.util.find_spec(module) is not None:
+            found.append(importlib.import_module(module).CLASSES)
+    return found
 
 
 # --------------------------------------------------------------------------------------------------

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 from ckptctl import io
@@ -17,6 +18,10 @@ from ckptctl.checkpoint import Checkpoint, CheckpointRef, Problem, TensorEntry
 from ckptctl.io import DirEntry
 from ckptctl.layouts.naming import NameStripper, format_namespace_stripper
 from ckptctl.layouts.resume import ResumeProfile, generic_profile
+
+#: The folder beside a run's checkpoints that `prune` and the core rename a checkpoint into before deleting
+#: it (an atomic move out of sight): ckptctl's own, never a checkpoint.
+TRASH_NAME = ".ckptctl-trash"
 
 
 class Layout:
@@ -77,12 +82,55 @@ class Layout:
         """
         return frozenset()
 
+    # ------------------------------------------------------------------------------------------ prune
+
+    def completion_markers(self, files: Mapping[str, int]) -> tuple[str, ...]:
+        """The files of a checkpoint folder of this layout without which it does not read as complete (or
+        that describe its content, like a shard index), in the order its writer adds them.
+
+        Where a folder cannot be renamed into place or out of sight at once (object stores), a writer
+        uploads these last, in this order, and a deleter removes them first, the last one first: no moment
+        of either passes for a complete checkpoint.
+
+        Args:
+            files: the folder's files, relative path (with `/`) -> size in bytes.
+        """
+        return ()
+
+    def protections(self, series: Sequence[CheckpointRef]) -> Protections:
+        """What this framework's files say `prune` must keep among `series`, the checkpoints of one folder
+        (a best checkpoint its training loop goes back to, ...).
+
+        Asked of every layout for every folder, whatever layouts its checkpoints have, as `latest_pointer`
+        is: the evidence is on disk, not in the layout that recognised a folder.
+        """
+        return Protections()
+
     # ---------------------------------------------------------------------------------------- resume
 
     def resume_profile(self) -> ResumeProfile:
         """How the framework that wrote this layout's checkpoints resumes from them (`resume-plan`): its
         setting, world-size rules, what it restores and its traps. The default is a generic plan."""
         return generic_profile(self.name)
+
+    # ---------------------------------------------------------------------------------------- convert
+
+    def master_weights(self, checkpoint: Checkpoint, *, required: bool, notes: list[str]) -> MasterWeights | None:
+        """The full-precision copy of the model a checkpoint keeps apart from its model weights (the fp32
+        master weights of mixed-precision training), which `convert` writes by default.
+
+        Args:
+            checkpoint: a checkpoint this layout opened.
+            required: the user asked for these weights; a reason why this checkpoint has none is an error.
+            notes: where to append why there is no such copy, when a person would expect one.
+
+        Returns:
+            The copy, or None when the checkpoint keeps none.
+
+        Raises:
+            CkptctlError: `required`, and the checkpoint lacks the copy its framework usually keeps.
+        """
+        return None
 
     # ---------------------------------------------------------------------------------- tensor names
 
@@ -102,6 +150,36 @@ def every_child_folder(entries: Sequence[DirEntry]) -> frozenset[str]:
     """The names of all child folders of a listing: `members` of a layout whose framework writes and
     deletes its checkpoint folder as a whole, so that anything inside belongs to the checkpoint."""
     return frozenset(e.name for e in entries if e.is_dir)
+
+
+@dataclass(frozen=True, slots=True)
+class Protections:
+    """Checkpoints a framework's own files say must be kept (`Layout.protections`).
+
+    Attributes:
+        reasons: checkpoint URL -> why it is kept, for a person.
+        notes: what a person should know (a best checkpoint that is named but not there, ...).
+    """
+
+    reasons: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    notes: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class MasterWeights:
+    """The full-precision weights of a checkpoint (`Layout.master_weights`), as index entries named as the
+    model's state dict names them; no tensor data is read.
+
+    Attributes:
+        entries: in the model's state-dict order.
+        upcast: names of entries to write as float32 whatever their stored dtype (what the framework's
+            own tool does with them).
+        notes: where the entries depart from the framework's own tool's output, for the user.
+    """
+
+    entries: tuple[TensorEntry, ...]
+    upcast: frozenset[str]
+    notes: tuple[str, ...] = ()
 
 
 _STEP_PATTERNS = (

@@ -7,13 +7,14 @@ Scan → plan → confirm → execute, as `hf cache prune` does:
 - `prune` takes the run's lock, plans, asks `confirm`, and deletes. Each checkpoint is renamed into the
   `.ckptctl-trash` folder beside it (same filesystem, atomic) and then deleted there, so a crash leaves
   either the whole checkpoint or a folder in the trash, never a half-deleted checkpoint that lists as
-  complete; the next prune empties leftover trash. On object stores (no rename) the completion markers
-  and metadata go first, so that a partial delete reads as broken.
+  complete; the next prune empties leftover trash. On object stores (no rename) the files its layout names as
+  completion markers go first, so that a partial delete reads as broken.
 
 Never deleted, whatever the rules say (each kept checkpoint carries its reasons):
 - the newest complete checkpoint of each folder, and pinned steps (the policy);
-- what a `latest`-style pointer names (ours, DeepSpeed's `latest`), the Trainer's `best_model_checkpoint`
-  (from the newest `trainer_state.json`), OpenRLHF `best*` folders, and what a symlink in the run points to;
+- what a `latest`-style pointer names (any layout's `latest_pointer`), what a framework's own files say to
+  keep (each layout's `protections`: a best checkpoint its training loop goes back to), and what a symlink
+  in the run points to;
 - anything in progress: the layout says so (no completion marker yet), a staging name (hidden, `.tmp`,
   `staging`, ...), a live writer's lock file in or beside it, or a file modified within `grace`;
 - anything whose real path lies outside the run, and symlinks: a checkpoint reached through a symlink is
@@ -24,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import json
 import os
 import re
 import secrets
@@ -39,8 +39,9 @@ from ckptctl import io
 from ckptctl.checkpoint import CheckpointRef, CheckpointState
 from ckptctl.core.retention import Candidate, RetentionPolicy
 from ckptctl.errors import CheckpointNotFound, CkptctlError
-from ckptctl.frameworks.native.layout import TRASH_NAME
+from ckptctl.formats.manifest import DIGESTS_NAME
 from ckptctl.layouts import DEFAULT_SCAN_DEPTH, all_layouts, detect, get_layout, scan_run
+from ckptctl.layouts.base import TRASH_NAME
 from ckptctl.ops.lock import LOCK_NAME, STALE_AFTER, RunLock, read_lock, stale_reason
 from ckptctl.ops.report import SCHEMA_VERSION, NoProgress, Progress, display_path, flatten, iso
 from ckptctl.units import format_age, format_size, parse_age
@@ -61,19 +62,6 @@ __all__ = [
 DEFAULT_GRACE = timedelta(minutes=10)
 #: The policy file `prune` reads from the run folder when no rule is given on the command line.
 POLICY_FILE = "ckptctl.toml"
-#: Files whose presence makes a checkpoint read as complete (or describes its content), deleted first where
-#: a folder cannot be renamed away atomically.
-COMPLETION_MARKERS = (
-    "ckptctl-manifest.json",
-    "ckptctl-digests.json",
-    ".metadata",
-    "trainer_state.json",
-    "metric.json",
-    "model.safetensors.index.json",
-    "pytorch_model.bin.index.json",
-    "metadata.json",
-    "latest",
-)
 _STAGING_NAME = re.compile(
     r"(?:^|[._-])(?:tmp|temp|staging|partial|incomplete|in[_-]?progress|writing)(?:$|[._-])", re.IGNORECASE
 )
@@ -289,50 +277,13 @@ def load_policy_file(run: str) -> tuple[RetentionPolicy, timedelta | None] | Non
 # ------------------------------------------------------------------------------------------ metrics
 
 
-def _trainer_state(url: str) -> dict[str, Any] | None:
-    try:
-        doc = json.loads(io.read_bytes(io.join(url, "trainer_state.json")))
-    except (CkptctlError, ValueError, UnicodeDecodeError, RecursionError):
-        return None
-    return doc if isinstance(doc, dict) else None
-
-
-def _trainer_state_metrics(url: str) -> dict[str, Any]:
-    """The log_history entries of the checkpoint's own step (the Trainer evaluates right before saving)."""
-    state = _trainer_state(url)
-    if state is None or not isinstance(state.get("log_history"), list):
-        return {}
-    step = state.get("global_step")
-    metrics: dict[str, Any] = {}
-    for entry in state["log_history"]:
-        if isinstance(entry, dict) and entry.get("step") == step:
-            metrics.update(entry)
-    return metrics
-
-
-#: Files frameworks write into a checkpoint folder with its metrics, read when the layout's metadata has
-#: none. Add a reader here for a framework whose layout does not report `metadata["metrics"]`.
-METRIC_FILES: tuple[tuple[str, Callable[[str], Mapping[str, Any]]], ...] = (
-    ("trainer_state.json", _trainer_state_metrics),
-)
-
-
 def checkpoint_metrics(ref: CheckpointRef) -> dict[str, Any]:
-    """The metrics recorded with a checkpoint, flattened (`{"eval": {"loss": 1}}` -> `eval.loss`).
-
-    A layout reports them as `Checkpoint.metadata["metrics"]` (the native layout: the manifest's
-    `metrics`); files listed in `METRIC_FILES` (the Trainer's `trainer_state.json`) fill in the rest.
-    """
-    metrics: dict[str, Any] = {}
-    with contextlib.suppress(CkptctlError):
-        recorded = get_layout(ref.layout).open(ref.url).metadata.get("metrics")
-        if isinstance(recorded, Mapping):
-            metrics.update(flatten(recorded))
-    for name, reader in METRIC_FILES:
-        if io.exists(io.join(ref.url, name)):
-            for key, value in flatten(reader(ref.url)).items():
-                metrics.setdefault(key, value)
-    return metrics
+    """The metrics recorded with a checkpoint (`Checkpoint.metrics`, as its layout reads them), flattened
+    (`{"eval": {"loss": 1}}` -> `eval.loss`); none when it does not open."""
+    try:
+        return flatten(get_layout(ref.layout).open(ref.url).metrics)
+    except CkptctlError:
+        return {}
 
 
 # ------------------------------------------------------------------------------------------ scanning
@@ -378,7 +329,7 @@ def plan_prune(
     now = now or datetime.now(UTC)
     refs = scan_run(run, max_depth=max_depth)
     found = [_examine(ref, run, now, grace) for ref in refs]
-    notes = _protect_pointers(found, run)
+    notes = _protect(found, run)
     metrics: dict[str, Mapping[str, Any]] = {}
     if policy.keep_best:
         for f in found:
@@ -473,8 +424,9 @@ def _live_writer_lock(url: str) -> str:
     return ""
 
 
-def _protect_pointers(found: list[_Found], run: str) -> list[str]:
-    """Mark what pointers name: `latest` files, symlinks in the run, the Trainer's best, OpenRLHF `best*`."""
+def _protect(found: list[_Found], run: str) -> list[str]:
+    """Mark what pointers name (`latest`-style files, symlinks in the run) and what each layout's
+    `protections` keep, folder by folder; returns the layouts' notes."""
     notes: list[str] = []
     by_real = {f.real: f for f in found if f.real and not f.link}
     for f in found:
@@ -486,31 +438,17 @@ def _protect_pointers(found: list[_Found], run: str) -> list[str]:
             series.setdefault(io.parent_of(f.ref.url), []).append(f)
             if f.ref.latest:
                 f.protected.append("named by the run's latest pointer")
-            if io.name_of(f.ref.url).lower().startswith("best"):
-                f.protected.append("a best checkpoint (best* folders are kept, as OpenRLHF does)")
+    layouts = all_layouts()
     for members in series.values():
-        best = _trainer_best(members)
-        if best is None:
-            continue
-        named = [f for f in members if io.name_of(f.ref.url) == best]
-        for f in named:
-            f.protected.append("the Trainer's best_model_checkpoint")
-        if not named:
-            notes.append(f"the Trainer's best_model_checkpoint {best!r} is not in {io.parent_of(members[0].ref.url)}")
+        by_url = {f.ref.url: f for f in members}
+        refs = [f.ref for f in members]
+        for layout in layouts:
+            kept = layout.protections(refs)
+            for url, reasons in kept.reasons.items():
+                if url in by_url:
+                    by_url[url].protected.extend(reasons)
+            notes.extend(kept.notes)
     return notes
-
-
-def _trainer_best(members: Sequence[_Found]) -> str | None:
-    """The folder name of `best_model_checkpoint` in the newest complete checkpoint's trainer_state.json."""
-    complete = [f for f in members if f.ref.state is CheckpointState.COMPLETE and f.ref.step is not None]
-    if not complete:
-        return None
-    newest = max(complete, key=lambda f: f.ref.step or 0)
-    if not io.exists(io.join(newest.ref.url, "trainer_state.json")):
-        return None
-    state = _trainer_state(newest.ref.url)
-    best = state.get("best_model_checkpoint") if state else None
-    return os.path.basename(os.path.normpath(best)) if isinstance(best, str) and best else None
 
 
 def _own_parts(ref: CheckpointRef) -> list[io.DirEntry] | None:
@@ -698,10 +636,10 @@ def _delete(ref: CheckpointRef) -> None:
     url = ref.url
     parts = _own_parts(ref)
     if parts is not None:
-        _delete_parts(url, parts)
+        _delete_parts(ref, parts)
         return
     if not io.is_local(url):
-        _delete_markers_first(url)
+        _delete_markers_first(ref)
         return
     path = io.local_path(url)
     trash = os.path.join(os.path.dirname(os.path.abspath(path)), TRASH_NAME)
@@ -712,26 +650,28 @@ def _delete(ref: CheckpointRef) -> None:
     except OSError as exc:
         if exc.errno not in (errno.EXDEV, errno.EPERM, errno.ENOTSUP):
             raise
-        _delete_markers_first(url)  # another filesystem mounted at the checkpoint: no atomic move
+        _delete_markers_first(ref)  # another filesystem mounted at the checkpoint: no atomic move
         return
     io.fsync_dir(os.path.dirname(os.path.abspath(path)))
     io.delete_tree(target)
 
 
-def _delete_parts(url: str, parts: Sequence[io.DirEntry]) -> None:
+def _delete_parts(ref: CheckpointRef, parts: Sequence[io.DirEntry]) -> None:
     """Delete some entries of a checkpoint folder and leave the rest (the checkpoints it holds).
 
     No single rename can take them away together, so they go one by one in an order that keeps the
-    checkpoint from reading as complete at any moment: completion markers first; then files from the
-    largest, so that the data goes before an index of it (`*.index.json`: the data files without their
-    index would read as a whole set, while a data file missing from a numbered set reads as broken); then
-    member folders. Locally each entry is renamed into a trash folder beside the checkpoint (as a whole
-    checkpoint is) and the trash folder deleted after.
+    checkpoint from reading as complete at any moment: the files that mark it complete first, the last
+    written first (`_markers_to_delete`: of a sharded model, a shard before its index, since the shards
+    without their index would read as a whole set while a set missing a shard reads as broken); then
+    files from the largest; then member folders. Locally each entry is renamed into a trash folder beside
+    the checkpoint (as a whole checkpoint is) and the trash folder deleted after.
     """
+    url = ref.url
+    markers = _markers_to_delete(ref, {e.name: e.size for e in parts if not e.is_dir})
 
-    def order(entry: io.DirEntry) -> tuple[bool, bool, int, str]:
-        marker = entry.name in COMPLETION_MARKERS and not entry.name.endswith(".index.json")
-        return (not marker, entry.is_dir, -entry.size, entry.name)
+    def order(entry: io.DirEntry) -> tuple[int, bool, int, str]:
+        first = markers.index(entry.name) if entry.name in markers else len(markers)
+        return (first, entry.is_dir, -entry.size, entry.name)
 
     ordered = sorted(parts, key=order)
     if not io.is_local(url):
@@ -747,13 +687,20 @@ def _delete_parts(url: str, parts: Sequence[io.DirEntry]) -> None:
     io.delete_tree(target)
 
 
-def _delete_markers_first(url: str) -> None:
-    """Delete the completion markers and metadata first, then the rest: a partial delete reads as broken."""
-    names = {e.name for e in io.list_dir(url) if not e.is_dir}
-    for marker in COMPLETION_MARKERS:
-        if marker in names:
-            io.delete_file(io.join(url, marker))
-    io.delete_tree(url)
+def _delete_markers_first(ref: CheckpointRef) -> None:
+    """Delete the files that mark the checkpoint complete first (`_markers_to_delete`), then the rest: a
+    partial delete reads as broken."""
+    files = {rel: entry.size for rel, entry in io.list_tree(ref.url).items()}
+    for marker in _markers_to_delete(ref, files):
+        io.delete_file(io.join(ref.url, marker))
+    io.delete_tree(ref.url)
+
+
+def _markers_to_delete(ref: CheckpointRef, files: Mapping[str, int]) -> list[str]:
+    """The digests, then the completion markers of the checkpoint's layout among `files` (relative path ->
+    size), the last one its writer adds first."""
+    markers = [DIGESTS_NAME] if DIGESTS_NAME in files else []
+    return markers + list(reversed(get_layout(ref.layout).completion_markers(files)))
 
 
 def _empty_trash(folders: Iterable[str]) -> int:

@@ -15,7 +15,8 @@ import pytest
 
 from ckptctl.checkpoint import CheckpointState, Component, Role
 from ckptctl.errors import UnknownLayout
-from ckptctl.layouts import detect, open_checkpoint, scan_run
+from ckptctl.layouts import detect, get_layout, open_checkpoint, scan_run
+from ckptctl.layouts.base import list_files
 from ckptctl.ops.verification import RunVerifyReport, verify_checkpoint, verify_path
 from tests.conftest import copy_tree
 from tests.writers.deepspeed_writer import WrittenDeepSpeed
@@ -81,7 +82,8 @@ class LayoutContract:
         ckpt = open_checkpoint(str(source[0]))
         meta = ckpt.metadata
         assert dict(ckpt.progress) == dict(meta.get("progress") or {})
-        assert dict(ckpt.metrics) == dict(meta.get("metrics") or {})
+        if "metrics" in meta:  # (the Trainer's come from trainer_state.json, which inspect summarises)
+            assert dict(ckpt.metrics) == dict(meta["metrics"])
         assert ckpt.rng_keys == (None if meta.get("rng_keys") is None else frozenset(meta["rng_keys"]))
         assert (ckpt.role is Role.EXPORT) == (meta.get("kind") in ("hf_export", "hf_snapshot"))
 
@@ -108,6 +110,21 @@ class LayoutContract:
         (checkpoint / self.marker).unlink()
         refs = scan_run(str(checkpoint.parent))
         assert [r.state for r in refs] != [CheckpointState.COMPLETE]
+
+    def test_without_its_completion_markers_it_is_not_complete(self, checkpoint: Path) -> None:
+        """What the layout names as completion markers (deleted first by `prune` on object stores, uploaded
+        last by `convert`) are files of the checkpoint, include its marker, and without them it does not
+        read as complete, as this layout or any other."""
+        files = list_files(str(checkpoint))
+        markers = get_layout(self.layout).completion_markers(files)
+        assert set(markers) <= set(files)
+        assert self.marker is None or self.marker in markers
+        if not markers:
+            pytest.skip("this layout names no completion marker")
+        for name in markers:
+            (checkpoint / name).unlink()
+        refs = scan_run(str(checkpoint.parent))
+        assert CheckpointState.COMPLETE not in [r.state for r in refs]
 
 
 def _demo_parameters() -> int:

@@ -54,7 +54,7 @@ from ckptctl.checkpoint import (
 )
 from ckptctl.errors import CkptctlError, CorruptCheckpoint, UnknownLayout, UnsafePickle
 from ckptctl.formats.dcp_metadata import METADATA_NAME
-from ckptctl.formats.safe_pickle import MAX_DIMS, TORCH_PICKLE_GLOBALS, safe_loads
+from ckptctl.formats.safe_pickle import MAX_DIMS, TORCH_PICKLE_GLOBALS, check_nesting, safe_loads
 from ckptctl.frameworks.dcp.layout import (
     DISTCP_RE,
     component_classifier,
@@ -63,7 +63,7 @@ from ckptctl.frameworks.dcp.layout import (
     verify_dcp,
     world_size_of,
 )
-from ckptctl.frameworks.hf.layout import HfModelLayout, verify_model_files
+from ckptctl.frameworks.hf.layout import HfModelLayout, model_markers, verify_model_files
 from ckptctl.frameworks.hf_trainer.layout import IN_PROGRESS_WINDOW_S
 from ckptctl.io import DirEntry
 from ckptctl.layouts import peek_dir
@@ -171,7 +171,9 @@ def read_dataloader_info(url: str) -> Any:
     data = io.read_bytes(url, 0, _MAX_INFO_BYTES + 1)
     if len(data) > _MAX_INFO_BYTES:
         raise CorruptCheckpoint(f"{url}: larger than {_MAX_INFO_BYTES >> 20} MiB, not a data loader state")
-    return safe_loads(data, DATALOADER_GLOBALS, url)
+    states = safe_loads(data, DATALOADER_GLOBALS, url)
+    check_nesting(states, url)  # a data loader state is user data: nothing else bounds its shape
+    return states
 
 
 # --------------------------------------------------------------------------------------------------
@@ -429,7 +431,7 @@ class ArealLayout(Layout):
         metadata = {"format": "areal", "kind": "hf_export", "progress": progress}
         if m.group(4):  # not renamed into place yet: nothing to index
             files = {e.name: e.size for e in io.list_dir(url) if not e.is_dir}
-            return Checkpoint(ref, frozenset(), None, metadata, tuple, files, Role.EXPORT, progress)
+            return Checkpoint(ref, frozenset(), None, metadata, tuple, files, role=Role.EXPORT, progress=progress)
         model = HfModelLayout().open(url)
         return replace(model, ref=ref, metadata={**metadata, **model.metadata}, role=Role.EXPORT, progress=progress)
 
@@ -460,6 +462,12 @@ class ArealLayout(Layout):
                 )
         problems += _info_problems(info, meta, checkpoint.world_size)
         return problems
+
+    def completion_markers(self, files: Mapping[str, int]) -> tuple[str, ...]:
+        """The slot: DCP's `.metadata` and Megatron's `metadata.json`; an export: the model folder's."""
+        top = {name: size for name, size in files.items() if "/" not in name}
+        slot = tuple(name for name in (METADATA_NAME, "metadata.json") if name in top)
+        return slot or model_markers(top)
 
     def resume_profile(self) -> ResumeProfile:
         """See `frameworks.areal.resume`."""

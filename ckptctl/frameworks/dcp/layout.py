@@ -553,6 +553,10 @@ class DcpLayout(Layout):
         """Structural verification (see `verify_dcp`); reads `.metadata` and the listing only."""
         return verify_dcp(checkpoint.url)
 
+    def completion_markers(self, files: Mapping[str, int]) -> tuple[str, ...]:
+        """`.metadata`, which `dcp.save` writes after every rank's data (without it the folder is in progress)."""
+        return (METADATA_NAME,) if METADATA_NAME in files else ()
+
     def resume_profile(self) -> ResumeProfile:
         """See `frameworks.dcp.resume`."""
         from ckptctl.frameworks.dcp.resume import PROFILE

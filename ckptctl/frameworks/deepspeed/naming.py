@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ckptctl.checkpoint import TensorEntry
-from ckptctl.frameworks.deepspeed.layout import is_rank_file
+from ckptctl.frameworks.deepspeed.names import is_rank_file
 from ckptctl.layouts.naming import NameStripper
 
 __all__ = ["WRAPPER_PREFIXES", "wrapper_prefix", "wrapper_stripper"]

@@ -12,7 +12,7 @@ from typing import Any
 
 from ckptctl import io
 from ckptctl.checkpoint import Checkpoint, Component
-from ckptctl.frameworks.deepspeed.layout import MODEL_STATES, OPTIM_STATES
+from ckptctl.frameworks.deepspeed.names import MODEL_STATES, OPTIM_STATES
 from ckptctl.layouts.resume import PlanContext, ResumeProfile, WorldSizeCheck, target_ranks
 
 __all__ = ["IMPACTS", "PROFILE", "pointer_caveat", "world_size", "zero_facts"]

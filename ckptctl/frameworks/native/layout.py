@@ -15,7 +15,7 @@ import re
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from functools import cache
@@ -37,6 +37,7 @@ from ckptctl.formats.manifest import DIGESTS_NAME, MANIFEST_NAME, Manifest, pars
 from ckptctl.formats.safetensors import read_header
 from ckptctl.io import DirEntry
 from ckptctl.layouts.base import (
+    TRASH_NAME,
     Layout,
     every_child_folder,
     folder_size,
@@ -48,8 +49,19 @@ from ckptctl.layouts.base import (
 from ckptctl.layouts.naming import NameStripper, keep_name, shared_first_segment, strip_segments
 from ckptctl.layouts.resume import ResumeProfile
 
+__all__ = [
+    "COMPONENT_OF_KIND",
+    "DCP_FOLDER",
+    "POINTER_NAME",
+    "REMOTE_UPLOAD_WINDOW",
+    "TRASH_NAME",
+    "NativeLayout",
+    "StepNaming",
+    "is_rng_file",
+    "read_native_manifest",
+]
+
 POINTER_NAME = "latest"
-TRASH_NAME = ".ckptctl-trash"
 DCP_FOLDER = "dcp"
 _RNG_FILE = re.compile(r"^rng(\.rank-\d+)?\.json$")
 #: How long after its newest object a remote `step-N/` without a manifest still reads as being uploaded
@@ -264,6 +276,10 @@ class NativeLayout(Layout):
 
             problems.extend(verify_dcp(io.join(url, DCP_FOLDER), path_prefix=f"{DCP_FOLDER}/"))
         return problems
+
+    def completion_markers(self, files: Mapping[str, int]) -> tuple[str, ...]:
+        """The manifest, which the core writes last (without it a folder is in progress or broken)."""
+        return (MANIFEST_NAME,) if MANIFEST_NAME in files else ()
 
     def resume_profile(self) -> ResumeProfile:
         """See `frameworks.native.resume`."""

@@ -26,7 +26,7 @@ import re
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -35,11 +35,11 @@ from ckptctl.checkpoint import Checkpoint, CheckpointRef, CheckpointState, Compo
 from ckptctl.errors import CkptctlError, UnknownLayout, UnsafePickle
 from ckptctl.formats.torch_pickle import open_torch_pickle, storage_problems
 from ckptctl.frameworks.deepspeed import layout as deepspeed
-from ckptctl.frameworks.hf.layout import HfModelLayout, has_weights, verify_model_files
+from ckptctl.frameworks.hf.layout import HfModelLayout, has_weights, model_markers, verify_model_files
 from ckptctl.frameworks.hf_trainer.layout import IN_PROGRESS_WINDOW_S
 from ckptctl.io import DirEntry
 from ckptctl.layouts import peek, peek_dir
-from ckptctl.layouts.base import Layout, folder_size, newest_mtime, timestamp
+from ckptctl.layouts.base import Layout, MasterWeights, folder_size, newest_mtime, timestamp
 from ckptctl.layouts.resume import ResumeProfile
 
 __all__ = ["COMPLETE_MARKER", "DRIVER_STATE_NAME", "REF_POLICY", "OpenInstructLayout"]
@@ -244,6 +244,19 @@ class OpenInstructLayout(Layout):
         if _SNAPSHOT.match(io.name_of(url)):
             return frozenset()
         return deepspeed.DeepSpeedLayout().members(url, entries)
+
+    def master_weights(self, checkpoint: Checkpoint, *, required: bool, notes: list[str]) -> MasterWeights | None:
+        """A tag's fp32 master weights, as DeepSpeed's zero_to_fp32 rebuilds them; a snapshot has none."""
+        prefix = deepspeed.tag_prefix(checkpoint)
+        return deepspeed.checkpoint_master_weights(checkpoint, prefix, required=required, notes=notes)
+
+    def completion_markers(self, files: Mapping[str, int]) -> tuple[str, ...]:
+        """A tag: DeepSpeed's markers; a snapshot: the model folder's, then `.checkpoint_complete`, which
+        open-instruct writes once the snapshot is saved."""
+        top = {name: size for name, size in files.items() if "/" not in name}
+        if tag := deepspeed.tag_markers(top):
+            return tag
+        return (*model_markers(top), *((COMPLETE_MARKER,) if COMPLETE_MARKER in top else ()))
 
     def companions(self, url: str, entries: Sequence[DirEntry]) -> frozenset[str]:
         """`ref_policy/` of a checkpoint state folder: shared by its tags, not a checkpoint of its own."""

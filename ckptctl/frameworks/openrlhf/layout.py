@@ -17,14 +17,15 @@ checkpoints, as OpenRLHF writes them: two save folders, each with its own `lates
 
 The step is OpenRLHF's `global_step` (client state of PPO >= v0.9.5, else the number in the tag name),
 not DeepSpeed's `global_steps`, which counts optimizer steps (many per PPO step). `metric.json`
-(`{"metric_key", "metric_value"}`) becomes `Checkpoint.metrics` for `prune --keep-best`.
+(`{"metric_key", "metric_value"}`) becomes the checkpoint's `metrics` for `prune --keep-best`, which also
+keeps every `best*` folder.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -32,10 +33,10 @@ from ckptctl import io
 from ckptctl.checkpoint import Checkpoint, CheckpointRef, CheckpointState, Component, Problem, ProblemKind, Role
 from ckptctl.errors import CkptctlError, UnknownLayout
 from ckptctl.frameworks.deepspeed import layout as deepspeed
-from ckptctl.frameworks.hf.layout import HfModelLayout, has_weights, verify_model_files
+from ckptctl.frameworks.hf.layout import HfModelLayout, has_weights, model_markers, verify_model_files
 from ckptctl.io import DirEntry
 from ckptctl.layouts import peek, peek_dir
-from ckptctl.layouts.base import Layout, folder_size, newest_mtime, timestamp
+from ckptctl.layouts.base import Layout, MasterWeights, Protections, folder_size, newest_mtime, timestamp
 from ckptctl.layouts.resume import ResumeProfile
 
 __all__ = ["METRIC_NAME", "OpenRlhfLayout"]
@@ -202,6 +203,27 @@ class OpenRlhfLayout(Layout):
                 )
             )
         return problems
+
+    def master_weights(self, checkpoint: Checkpoint, *, required: bool, notes: list[str]) -> MasterWeights | None:
+        """A tag's fp32 master weights, as DeepSpeed's zero_to_fp32 rebuilds them; an export has none."""
+        prefix = deepspeed.tag_prefix(checkpoint)
+        return deepspeed.checkpoint_master_weights(checkpoint, prefix, required=required, notes=notes)
+
+    def completion_markers(self, files: Mapping[str, int]) -> tuple[str, ...]:
+        """A tag: DeepSpeed's markers, then `metric.json`, which OpenRLHF writes after the DeepSpeed save; an
+        export: the model folder's."""
+        top = {name: size for name, size in files.items() if "/" not in name}
+        if tag := deepspeed.tag_markers(top):
+            return (*tag, *((METRIC_NAME,) if METRIC_NAME in top else ()))
+        return model_markers(top)
+
+    def protections(self, series: Sequence[CheckpointRef]) -> Protections:
+        """`best*` folders: OpenRLHF saves its best checkpoint so far as `best_global_stepN` and never rotates
+        it out; any checkpoint named so is kept likewise."""
+        best = [ref.url for ref in series if io.name_of(ref.url).lower().startswith("best")]
+        return Protections(
+            reasons=dict.fromkeys(best, ("a best checkpoint (best* folders are kept, as OpenRLHF does)",))
+        )
 
     def resume_profile(self) -> ResumeProfile:
         """See `frameworks.openrlhf.resume`."""

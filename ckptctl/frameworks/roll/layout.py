@@ -60,6 +60,7 @@ from ckptctl.frameworks.hf.layout import (
     has_weights,
     missing_shards,
     model_components,
+    model_markers,
     model_metadata,
     safetensors_index,
     verify_model_files,
@@ -290,9 +291,9 @@ class RollLayout(Layout):
         roles = _roles(url, entries)
         files = list_files(url)
         components: set[Component] = set()
+        metrics: dict[str, Any] = {}
         metadata: dict[str, Any] = {"format": "roll", "resume_setting": f"resume_from_checkpoint: {url}"}
         progress: dict[str, Any] = {}
-        metrics: dict[str, Any] = {}
         rng_keys: list[str] | None = None
         doc = _read_pipeline_state(url)
         if doc is not None:
@@ -399,6 +400,21 @@ class RollLayout(Layout):
         for role in _roles(url, entries):
             problems += _role_problems(role, checkpoint.files)
         return problems
+
+    def completion_markers(self, files: Mapping[str, int]) -> tuple[str, ...]:
+        """ROLL writes no marker, but `list` reads a folder as not complete without any of these: per role
+        (the actor, `critic/`) the model folder's markers, `dcp/.metadata` and Megatron's tracker; then the
+        pipeline state."""
+        found: list[str] = []
+        for prefix in ("", f"{CRITIC}/"):
+            top = {
+                n[len(prefix) :]: size
+                for n, size in files.items()
+                if n.startswith(prefix) and "/" not in n[len(prefix) :]
+            }
+            found += [prefix + name for name in model_markers(top)]
+            found += [prefix + name for name in (f"{DCP_FOLDER}/{METADATA_NAME}", TRACKER) if prefix + name in files]
+        return (*found, PIPELINE_STATE) if PIPELINE_STATE in files else tuple(found)
 
     def resume_profile(self) -> ResumeProfile:
         """See `frameworks.roll.resume`."""

@@ -128,7 +128,7 @@ class LayoutContract:
 
 
 def _demo_parameters() -> int:
-    from ckptctl.ops.demo import _model
+    from ckptctl.demo import _model
 
     return sum(p.numel() for p in _model().parameters())
 

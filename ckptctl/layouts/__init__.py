@@ -9,8 +9,9 @@ from __future__ import annotations
 import importlib
 import os
 import threading
+from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from functools import cache
 from typing import Any, TypeVar, cast
 
@@ -203,9 +204,7 @@ def scan_run(url: str, max_depth: int = DEFAULT_SCAN_DEPTH) -> list[CheckpointRe
         if not io.is_dir(url):
             raise CheckpointNotFound(f"no such run folder: {url}")
         _forget_peeks()
-        found: list[CheckpointRef] = []
-        _walk(url, io.list_dir(url), 0, max_depth, found, parallel=not io.is_local(url))
-        return found
+        return _walk(url, io.list_dir(url), 0, max_depth, parallel=not io.is_local(url))
 
 
 def _companions(url: str, entries: Sequence[io.DirEntry]) -> frozenset[str]:
@@ -218,41 +217,98 @@ def _companions(url: str, entries: Sequence[io.DirEntry]) -> frozenset[str]:
     return frozenset(found)
 
 
-def _walk(
-    url: str,
-    entries: Sequence[io.DirEntry],
-    depth: int,
-    max_depth: int,
-    found: list[CheckpointRef],
-    parallel: bool = False,
-) -> None:
-    """Append the checkpoints at or below `url` to `found`. With `parallel`, the first level holding more
-    than one folder is identified on `io.parallel_map`'s threads (for object stores, where a layout's
-    marker reads are requests worth overlapping); the levels below it are walked by those threads alone."""
-    hit = _identify(url, entries)
-    if hit is not None:
-        found.append(hit[1])
-        return
-    if depth >= max_depth:
-        return
-    parts = _companions(url, entries)
-    folders = [e for e in entries if e.is_dir and e.name not in _SKIP_DIRS and e.name not in parts]
-    fan_out = parallel and len(folders) > 1
+@dataclass(slots=True)
+class _Level:
+    """A folder of the walk whose child folders are being walked: where its checkpoints go once they all are."""
 
-    def visit(entry: io.DirEntry) -> list[CheckpointRef]:
-        child_url = io.join(url, entry.name)
-        try:
-            child_entries = io.list_dir(child_url)
-        except CheckpointNotFound:  # removed while we walked
-            return []
+    url: str
+    entries: Sequence[io.DirEntry]
+    depth: int
+    out: list[CheckpointRef]
+    todo: deque[io.DirEntry] = field(default_factory=deque)
+    parallel: bool = False
+    found: list[CheckpointRef] = field(default_factory=list)
+
+
+def _walk(
+    url: str, entries: Sequence[io.DirEntry], depth: int, max_depth: int, parallel: bool = False
+) -> list[CheckpointRef]:
+    """The checkpoints at or below `url`, in folder order. With `parallel`, the first level holding more than
+    one folder is identified on `io.parallel_map`'s threads (for object stores, where a layout's marker
+    reads are requests worth overlapping); the levels below it are walked by those threads alone.
+
+    The walk keeps its own stack of folders rather than recursing, so that a run nested thousands of
+    folders deep (with a `max_depth` as large) cannot exhaust Python's stack.
+    """
+    result: list[CheckpointRef] = []
+    stack: list[_Level] = []
+
+    def enter(url: str, entries: Sequence[io.DirEntry], depth: int, parallel: bool, out: list[CheckpointRef]) -> None:
+        hit = _identify(url, entries)
+        if hit is not None:
+            out.append(hit[1])
+            return
+        if depth >= max_depth:
+            return
+        parts = _companions(url, entries)
+        folders = [e for e in entries if e.is_dir and e.name not in _SKIP_DIRS and e.name not in parts]
+        level = _Level(url, entries, depth, out)
+        if parallel and len(folders) > 1:
+            for refs in io.parallel_map(lambda e: _walk_child(url, e, depth, max_depth), folders):
+                level.found.extend(refs)
+            _finish(level)
+            return
+        level.todo.extend(folders)
+        level.parallel = parallel
+        stack.append(level)
+
+    enter(url, entries, depth, parallel, result)
+    while stack:
+        level = stack[-1]
+        if not level.todo:
+            stack.pop()
+            _finish(level)
+            continue
+        entry = level.todo.popleft()
+        child = _child(level.url, entry)
+        if child is None:
+            continue
+        child_url, child_entries = child
         if entry.name.startswith("."):
             hidden = _identify(child_url, child_entries)
-            return [] if hidden is None else [hidden[1]]
-        below: list[CheckpointRef] = []
-        _walk(child_url, child_entries, depth + 1, max_depth, below, parallel and not fan_out)
-        return below
+            if hidden is not None:
+                level.found.append(hidden[1])
+            continue
+        enter(child_url, child_entries, level.depth + 1, level.parallel, level.found)
+    return result
 
-    visited = io.parallel_map(visit, folders) if fan_out else [visit(e) for e in folders]
-    children = [ref for refs in visited for ref in refs]
-    pointed = {io.join(url, name) for layout in all_layouts() if (name := layout.latest_pointer(url, entries))}
-    found.extend(replace(ref, latest=True) if ref.url in pointed else ref for ref in children)
+
+def _child(url: str, entry: io.DirEntry) -> tuple[str, list[io.DirEntry]] | None:
+    """The URL and listing of a child folder, or None when it was removed while we walked."""
+    child_url = io.join(url, entry.name)
+    try:
+        return child_url, io.list_dir(child_url)
+    except CheckpointNotFound:
+        return None
+
+
+def _walk_child(url: str, entry: io.DirEntry, depth: int, max_depth: int) -> list[CheckpointRef]:
+    """The checkpoints at or below the child folder `entry` of `url` (a hidden folder is only identified)."""
+    child = _child(url, entry)
+    if child is None:
+        return []
+    child_url, child_entries = child
+    if entry.name.startswith("."):
+        hidden = _identify(child_url, child_entries)
+        return [] if hidden is None else [hidden[1]]
+    return _walk(child_url, child_entries, depth + 1, max_depth)
+
+
+def _finish(level: _Level) -> None:
+    """Hand a folder's checkpoints to its parent, marking those a `latest` pointer in the folder names."""
+    pointed = {
+        io.join(level.url, name)
+        for layout in all_layouts()
+        if (name := layout.latest_pointer(level.url, level.entries))
+    }
+    level.out.extend(replace(ref, latest=True) if ref.url in pointed else ref for ref in level.found)

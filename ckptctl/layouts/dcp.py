@@ -130,6 +130,9 @@ def component_classifier(keys: Iterable[str]) -> KeyClassifier:
 # Reading `.metadata` (cached: open, tensor_index and verify of one checkpoint parse it once).
 # --------------------------------------------------------------------------------------------------
 
+#: The largest `.metadata` read. It grows with tensors x ranks (a 70B model sharded over 2,048 ranks: a few
+#: hundred MB); larger, it is not a real one (a sparse file, a device).
+MAX_METADATA_BYTES = 1 << 30
 _CACHE_SIZE = 2
 _cache: OrderedDict[tuple[str, int, float], DcpMetadata] = OrderedDict()
 _cache_lock = threading.Lock()
@@ -158,7 +161,7 @@ def load_dcp_metadata(url: str, entry: DirEntry | None = None) -> DcpMetadata:
         if cached is not None:
             _cache.move_to_end(key)
             return cached
-    parsed = parse_dcp_metadata(io.read_bytes(path), path)
+    parsed = parse_dcp_metadata(io.read_bytes(path, max_size=MAX_METADATA_BYTES), path)
     if entry.mtime:  # a store that reports no mtime could not tell a rewritten file from the cached one
         with _cache_lock:
             _cache[key] = parsed

@@ -192,7 +192,7 @@ def read_latest(url: str, entries: Sequence[DirEntry]) -> str | None:
     if entry is None or entry.size > _MAX_LATEST_BYTES:
         return None
     try:
-        text = io.read_bytes(io.join(url, LATEST_NAME)).decode("utf-8").strip()
+        text = io.read_bytes(io.join(url, LATEST_NAME), max_size=_MAX_LATEST_BYTES).decode("utf-8").strip()
     except (CkptctlError, UnicodeDecodeError):
         return None
     return text if text and "/" not in text and "\n" not in text else None

@@ -20,6 +20,7 @@ fresh, broken once they are older than `IN_PROGRESS_WINDOW_S` (transformers' res
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import time
@@ -41,6 +42,7 @@ from ckptctl.checkpoint import (
     TensorEntry,
 )
 from ckptctl.errors import CkptctlError, UnknownLayout, UnsafePickle
+from ckptctl.formats.documents import as_real, as_whole, read_json
 from ckptctl.formats.safe_pickle import FrameworkObject, StandIn, state_fields
 from ckptctl.formats.torch_pickle import TorchPickle, open_torch_pickle, storage_problems
 from ckptctl.io import DirEntry
@@ -69,6 +71,8 @@ _TRAINER_FILES = frozenset({TRAINER_STATE_NAME, *_PICKLE_FILES})
 #: the (possibly huge) `log_history`: `identify` reads only this much of it.
 _STATE_HEAD = 4096
 _HEAD_FIELD = re.compile(rb'^  "(epoch|global_step)": ([0-9.eE+-]+|null),?$', re.MULTILINE)
+#: Missing `rng_state_N.pth` files listed one by one; more are counted in one problem.
+_LISTED_RANKS = 20
 _FSDP_MODEL = re.compile(r"^pytorch_model_fsdp_\d+$")
 _FSDP_OPTIMIZER = re.compile(r"^optimizer_\d+$")
 #: TrainingArguments fields worth showing in `inspect`.
@@ -151,9 +155,9 @@ class HfTrainerLayout:
         if marker is not None:
             state = CheckpointState.COMPLETE
             head = _read_head(io.join(url, TRAINER_STATE_NAME))
-            head_step = head.get("global_step")
-            step = head_step if isinstance(head_step, int) else step
-            epoch = head.get("epoch")
+            head_step = as_whole(head.get("global_step"))
+            step = step if head_step is None else head_step
+            epoch = as_real(head.get("epoch"))
             created = timestamp(marker.mtime)
         else:
             newest = newest_mtime(entries)
@@ -168,7 +172,7 @@ class HfTrainerLayout:
             url=url,
             layout=self.name,
             step=step if isinstance(step, int) else None,
-            epoch=float(epoch) if isinstance(epoch, int | float) else None,
+            epoch=epoch,
             created=created,
             state=state,
             size_bytes=folder_size(url, entries),
@@ -196,12 +200,8 @@ class HfTrainerLayout:
         if isinstance(trainer_state, dict):
             components.add(Component.TRAINER_STATE)
             metadata["trainer_state"] = _state_summary(trainer_state)
-            step, epoch = trainer_state.get("global_step"), trainer_state.get("epoch")
-            ref = replace(
-                ref,
-                step=step if type(step) is int else ref.step,
-                epoch=float(epoch) if isinstance(epoch, int | float) and type(epoch) is not bool else ref.epoch,
-            )
+            step, epoch = as_whole(trainer_state.get("global_step")), as_real(trainer_state.get("epoch"))
+            ref = replace(ref, step=ref.step if step is None else step, epoch=ref.epoch if epoch is None else epoch)
         elif TRAINER_STATE_NAME in top:
             metadata["error"] = f"{TRAINER_STATE_NAME} does not parse"
         if weights:
@@ -263,7 +263,7 @@ class HfTrainerLayout:
             )
         else:
             state = _read_trainer_state(url)
-            if not isinstance(state, dict) or type(state.get("global_step")) is not int:
+            if not isinstance(state, dict) or as_whole(state.get("global_step")) is None:
                 problems.append(
                     Problem(ProblemKind.BAD_METADATA, TRAINER_STATE_NAME, f"{TRAINER_STATE_NAME} does not parse")
                 )
@@ -278,11 +278,21 @@ class HfTrainerLayout:
         problems += _missing_state_files(url, files, parts)
         rng = _rng_ranks(list(parts.names))
         if rng and rng != list(range(len(rng))) and rng != [0]:
+            present = set(rng)
+            # A stray `rng_state_99999999999.pth` must not make us list (or loop over) every rank below it.
+            listed = list(itertools.islice((i for i in range(max(rng) + 1) if i not in present), _LISTED_RANKS))
             problems += [
-                Problem(ProblemKind.MISSING_FILE, f"rng_state_{i}.pth", f"rng_state_{i}.pth is missing")
-                for i in range(max(rng) + 1)
-                if i not in rng
+                Problem(ProblemKind.MISSING_FILE, f"rng_state_{i}.pth", f"rng_state_{i}.pth is missing") for i in listed
             ]
+            more = max(rng) + 1 - len(present) - len(listed)
+            if more:
+                problems.append(
+                    Problem(
+                        ProblemKind.MISSING_FILE,
+                        "",
+                        f"{more} more rng_state_N.pth files below rank {max(rng)} are missing",
+                    )
+                )
         if parts.ds_tag is not None:
             problems += deepspeed.verify_tag(io.join(url, parts.ds_tag), f"{parts.ds_tag}/")
             pointer = deepspeed.latest_problem(url, deepspeed.LATEST_NAME)
@@ -315,8 +325,8 @@ def _read_head(url: str) -> dict[str, float | int | None]:
 
 def _read_trainer_state(url: str) -> Any:
     try:
-        return json.loads(io.read_bytes(io.join(url, TRAINER_STATE_NAME)))
-    except (json.JSONDecodeError, UnicodeDecodeError, CkptctlError):
+        return read_json(io.join(url, TRAINER_STATE_NAME))
+    except CkptctlError:
         return None
 
 

@@ -22,7 +22,6 @@ not DeepSpeed's `global_steps`, which counts optimizer steps (many per PPO step)
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Sequence
 from dataclasses import replace
@@ -31,6 +30,7 @@ from typing import Any
 from ckptctl import io
 from ckptctl.checkpoint import Checkpoint, CheckpointRef, CheckpointState, Component, Problem, ProblemKind
 from ckptctl.errors import CkptctlError, UnknownLayout
+from ckptctl.formats.documents import as_real, read_json
 from ckptctl.io import DirEntry
 from ckptctl.layouts import deepspeed, peek, peek_dir
 from ckptctl.layouts.base import folder_size, newest_mtime, timestamp
@@ -69,9 +69,8 @@ def _role(url: str) -> str | None:
 def _read_metric(url: str) -> dict[str, Any] | None:
     """The `metric.json` payload of a tag, or None when it is missing or unreadable."""
     try:
-        data = io.read_bytes(io.join(url, METRIC_NAME), 0, _MAX_METRIC_BYTES)
-        payload = json.loads(data)
-    except (CkptctlError, ValueError):
+        payload = read_json(io.join(url, METRIC_NAME), max_bytes=_MAX_METRIC_BYTES)
+    except CkptctlError:
         return None
     return payload if isinstance(payload, dict) else None
 
@@ -80,11 +79,11 @@ def _metrics(payload: dict[str, Any] | None) -> dict[str, float]:
     """`{metric_key: metric_value}` for `prune --keep-best` (nothing when OpenRLHF recorded no value)."""
     if payload is None:
         return {}
-    value = payload.get("metric_value")
-    if not isinstance(value, int | float) or isinstance(value, bool):
+    value = as_real(payload.get("metric_value"))
+    if value is None:
         return {}
     key = payload.get("metric_key")
-    return {key if isinstance(key, str) and key else "metric": float(value)}
+    return {key if isinstance(key, str) and key else "metric": value}
 
 
 class OpenRlhfLayout:

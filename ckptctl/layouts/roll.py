@@ -27,7 +27,7 @@ so the explicit path is what resumes.
 
 from __future__ import annotations
 
-import json
+import itertools
 import re
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -47,6 +47,7 @@ from ckptctl.checkpoint import (
 )
 from ckptctl.errors import CkptctlError, UnknownLayout
 from ckptctl.formats.dcp_metadata import METADATA_NAME
+from ckptctl.formats.documents import read_json
 from ckptctl.formats.torch_pickle import open_torch_pickle
 from ckptctl.io import DirEntry
 from ckptctl.layouts.base import folder_size, list_files, newest_mtime, timestamp
@@ -92,6 +93,8 @@ _PARALLELISM = (
     "virtual_pipeline_model_parallel_size",
 )
 _MAX_JSON_BYTES = 256 << 20
+#: Missing `mp_rank_*` folders listed one by one; more are counted in one problem.
+_LISTED_RANKS = 20
 _MAX_SCALARS = 64
 
 
@@ -211,8 +214,8 @@ def _is_roll(entries: Sequence[DirEntry]) -> bool:
 
 def _read_pipeline_state(url: str) -> dict[str, Any] | None:
     try:
-        doc = json.loads(io.read_bytes(io.join(url, *PIPELINE_STATE.split("/")), 0, _MAX_JSON_BYTES))
-    except (CkptctlError, ValueError):
+        doc = read_json(io.join(url, *PIPELINE_STATE.split("/")), max_bytes=_MAX_JSON_BYTES)
+    except CkptctlError:
         return None
     return doc if isinstance(doc, dict) else None
 
@@ -426,12 +429,24 @@ def _megatron_problems(role: _Role) -> list[Problem]:
     tp = config.get("tensor_model_parallel_size") if isinstance(config, dict) else None
     tp_ranks = {int(m.group(1)) for d in mp_dirs if (m := _MP_RANK.match(d))}
     if mp_dirs and type(tp) is int:
-        for rank in sorted(set(range(tp)) - tp_ranks):
+        # Listed up to a bound: a damaged config may claim a parallel size of billions.
+        absent = (rank for rank in range(tp) if rank not in tp_ranks)
+        listed = list(itertools.islice(absent, _LISTED_RANKS))
+        for rank in listed:
             problems.append(
                 Problem(
                     ProblemKind.MISSING_FILE,
                     f"{prefix}{iteration}/mp_rank_{rank:02d}",
                     "model files of this rank are missing",
+                )
+            )
+        more = tp - sum(rank < tp for rank in tp_ranks) - len(listed)
+        if more > 0:
+            problems.append(
+                Problem(
+                    ProblemKind.MISSING_FILE,
+                    f"{prefix}{iteration}",
+                    f"{more} more ranks of tensor_model_parallel_size={tp} have no mp_rank folder",
                 )
             )
     for d in mp_dirs:
@@ -509,8 +524,8 @@ def _prefixed(entries: Sequence[TensorEntry], file_prefix: str, name_prefix: str
 
 def _read_json(url: str) -> Any:
     try:
-        return json.loads(io.read_bytes(url, 0, _MAX_JSON_BYTES))
-    except (CkptctlError, ValueError):
+        return read_json(url, max_bytes=_MAX_JSON_BYTES)
+    except CkptctlError:
         return None
 
 

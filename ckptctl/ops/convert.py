@@ -73,6 +73,7 @@ from ckptctl.errors import (
     UnknownLayout,
 )
 from ckptctl.formats.digest import file_digest
+from ckptctl.formats.documents import parse_json
 from ckptctl.formats.manifest import DIGESTS_NAME, MANIFEST_NAME, FileRecord, Manifest, now_iso
 from ckptctl.formats.raw_chunks import ChunkLocator, row_major_runs
 from ckptctl.formats.safetensors import TORCH_TO_SAFETENSORS, WrittenFile, build_header, read_header, tensor_bytes
@@ -741,8 +742,8 @@ def _copy_side_files(files: dict[str, str], out: str, dtype: str | None) -> tupl
 
 def _config_with_dtype(data: bytes, dtype: str) -> bytes:
     try:
-        config = json.loads(data)
-    except (json.JSONDecodeError, UnicodeDecodeError):
+        config = parse_json(data, "config.json")
+    except CorruptCheckpoint:
         return data
     if not isinstance(config, dict):
         return data

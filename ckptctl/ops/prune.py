@@ -24,12 +24,10 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import json
 import os
 import re
 import secrets
 import stat
-import tomllib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -39,9 +37,10 @@ from ckptctl import io
 from ckptctl.checkpoint import CheckpointRef, CheckpointState
 from ckptctl.core.retention import Candidate, RetentionPolicy
 from ckptctl.errors import CheckpointNotFound, CkptctlError
+from ckptctl.formats.documents import read_json, read_toml
 from ckptctl.layouts import DEFAULT_SCAN_DEPTH, all_layouts, detect, get_layout, scan_run
 from ckptctl.layouts.native import TRASH_NAME
-from ckptctl.ops.lock import LOCK_NAME, STALE_AFTER, RunLock, read_lock, stale_reason
+from ckptctl.ops.lock import LOCK_NAME, STALE_AFTER, LockUnusable, RunLock, read_lock, stale_reason
 from ckptctl.ops.report import SCHEMA_VERSION, NoProgress, Progress, display_path, flatten, iso
 from ckptctl.units import format_age, format_size, parse_age
 
@@ -265,10 +264,7 @@ def load_policy_file(run: str) -> tuple[RetentionPolicy, timedelta | None] | Non
     url = io.join(run, POLICY_FILE)
     if not io.exists(url):
         return None
-    try:
-        doc = tomllib.loads(io.read_text(url))
-    except tomllib.TOMLDecodeError as exc:
-        raise CkptctlError(f"{url} is not valid TOML: {exc}") from exc
+    doc = read_toml(url)
     table = doc.get("retention")
     if not isinstance(table, dict):
         raise CkptctlError(f"{url} has no [retention] table", "write the rules under [retention], e.g. keep_last = 3")
@@ -287,8 +283,8 @@ def load_policy_file(run: str) -> tuple[RetentionPolicy, timedelta | None] | Non
 
 def _trainer_state(url: str) -> dict[str, Any] | None:
     try:
-        doc = json.loads(io.read_bytes(io.join(url, "trainer_state.json")))
-    except (CkptctlError, ValueError, UnicodeDecodeError, RecursionError):
+        doc = read_json(io.join(url, "trainer_state.json"))
+    except CkptctlError:
         return None
     return doc if isinstance(doc, dict) else None
 
@@ -450,7 +446,10 @@ def _live_writer_lock(url: str) -> str:
             if not e.is_dir and _LOCK_FILE.match(e.name) and e.name != LOCK_NAME
         ]
     for lock_url in candidates:
-        found = read_lock(lock_url)
+        try:
+            found = read_lock(lock_url)
+        except LockUnusable:  # a FIFO or device where a writer's lock goes: keep the checkpoint to be safe
+            return f"{io.name_of(lock_url)}, which is not a regular file"
         if found is None:
             continue
         info, mtime = found

@@ -16,7 +16,6 @@ entry (and gets a generic plan until it does).
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -26,6 +25,7 @@ from typing import Any
 from ckptctl import io
 from ckptctl.checkpoint import Checkpoint, CheckpointRef, CheckpointState, Component, Problem
 from ckptctl.errors import CkptctlError
+from ckptctl.formats.documents import read_json
 from ckptctl.layouts import get_layout, scan_run
 from ckptctl.ops.report import SCHEMA_VERSION, NoProgress, Progress, iso, jsonable
 
@@ -1028,8 +1028,8 @@ def rng_keys(checkpoint: Checkpoint) -> frozenset[str] | None:
         if name is None:
             return None
         try:
-            tree = json.loads(io.read_bytes(io.join(checkpoint.url, name))).get("tree")
-        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError, CkptctlError):
+            tree = read_json(io.join(checkpoint.url, name)).get("tree")
+        except (AttributeError, CkptctlError):
             return None
         return frozenset(tree) if isinstance(tree, dict) else None
     name = next((f for f in files if _TRAINER_RNG.match(f)), None)

@@ -44,7 +44,10 @@ def resume_plan(
     run: Annotated[str, typer.Argument(help="Run folder (local path or fsspec URL).", show_default=False)],
     world_size: Annotated[
         int | None,
-        typer.Option("--world-size", metavar="N", help="Ranks of the resumed run (default: as saved).", min=1),
+        # The upper bound keeps per-rank bookkeeping finite; no job has a million ranks.
+        typer.Option(
+            "--world-size", metavar="N", help="Ranks of the resumed run (default: as saved).", min=1, max=1 << 20
+        ),
     ] = None,
     digests: Annotated[
         bool, typer.Option("--digests", help="Also check every file of each candidate against its recorded digests.")

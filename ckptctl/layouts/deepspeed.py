@@ -25,9 +25,10 @@ that makes file names relative to the outer checkpoint: `tag_files`, `read_tag`,
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cache
 from typing import Any
@@ -50,7 +51,7 @@ from ckptctl.formats.chunks import flat_range_boxes, tiling_problem
 from ckptctl.formats.safe_pickle import FrameworkObject, StandIn, TensorRef, state_fields
 from ckptctl.formats.torch_pickle import TorchPickle, open_torch_pickle, storage_problems, tensor_refs
 from ckptctl.io import DirEntry
-from ckptctl.layouts.base import folder_size, newest_mtime, step_from_name, timestamp
+from ckptctl.layouts.base import LISTED_ABSENT, folder_size, newest_mtime, step_from_name, timestamp
 
 __all__ = [
     "ENGINE_KEYS",
@@ -146,7 +147,7 @@ class TagFiles:
         return self.model.get((0, mp)) or self.model.get((None, mp))
 
     def missing_from_names(self) -> list[str]:
-        """Rank files the names of the others promise but the folder lacks.
+        """Rank files the names of the others promise but the folder lacks (the first `LISTED_ABSENT`).
 
         MP ranks must run 0..max; DP ranks too, and under ZeRO-3 the model and optim files must cover the
         same DP ranks. A missing highest rank is only seen by `verify_tag`, which reads `dp_world_size`.
@@ -155,15 +156,23 @@ class TagFiles:
         mp_count = max(mps) + 1 if mps else 1
         dps = {dp for dp, _ in self.optim} | {dp for dp, _ in self.model if dp is not None}
         dp_count = max(dps) + 1 if dps else 0
-        expected = []
-        for mp in range(mp_count):
-            if self.per_dp_model_files:
-                expected += [self.model_name(dp, mp) for dp in range(max(dp_count, 1))]
-            else:
-                expected.append(self.model_name_0(mp))
-            if self.optim or self.per_dp_model_files:
-                expected += [self.optim_name(dp, mp) for dp in range(max(dp_count, 1))]
-        return [name for name in expected if name not in self.sizes]
+
+        def expected() -> Iterator[str]:
+            for mp in range(mp_count):
+                if self.per_dp_model_files:
+                    yield from (self.model_name(dp, mp) for dp in range(max(dp_count, 1)))
+                else:
+                    yield self.model_name_0(mp)
+                if self.optim or self.per_dp_model_files:
+                    yield from (self.optim_name(dp, mp) for dp in range(max(dp_count, 1)))
+
+        # The first few only: one stray `zero_pp_rank_99999999_...` name would otherwise promise (and make
+        # us list) a hundred million files.
+        return list(itertools.islice((name for name in expected() if name not in self.sizes), LISTED_ABSENT))
+
+
+#: The most ranks (dp x mp) a tag may have: far beyond any DeepSpeed job, small enough to enumerate.
+MAX_RANKS = 1 << 18
 
 
 def tag_files(entries: Sequence[DirEntry]) -> TagFiles | None:
@@ -340,6 +349,13 @@ def read_tag(url: str, files: TagFiles | None = None) -> DeepSpeedTag:
     mp = states.get("mp_world_size")
     tag.dp_world_size = dp if type(dp) is int and dp > 0 else max((d for d, _ in files.optim), default=0) + 1
     tag.mp_world_size = mp if type(mp) is int and mp > 0 else max(m for _, m in files.model) + 1
+    if tag.dp_world_size * tag.mp_world_size > MAX_RANKS:
+        # Every rank is looked for by name: a damaged count (or a stray rank file name) must not send us
+        # looping over billions of them.
+        raise CorruptCheckpoint(
+            f"{url}: dp_world_size {tag.dp_world_size} x mp_world_size {tag.mp_world_size} is more ranks than "
+            f"ckptctl believes (at most {MAX_RANKS}); the model states or the rank file names are damaged"
+        )
     config = states.get("ds_config")
     zero = config.get("zero_optimization") if isinstance(config, dict) else None
     stage = zero.get("stage") if isinstance(zero, dict) else None
@@ -895,15 +911,26 @@ def verify_tag(url: str, path_prefix: str = "") -> list[Problem]:
         else set()
     )
     reported = {p.path for p in problems}
-    for name in sorted((expected_model | expected_optim) - set(files.sizes)):
-        if path_prefix + name not in reported:
-            problems.append(
-                Problem(
-                    ProblemKind.MISSING_FILE,
-                    path_prefix + name,
-                    f"{name} is missing (dp_world_size {tag.dp_world_size}, mp_world_size {tag.mp_world_size})",
-                )
+    absent = [
+        n for n in sorted((expected_model | expected_optim) - set(files.sizes)) if path_prefix + n not in reported
+    ]
+    for name in absent[:LISTED_ABSENT]:
+        problems.append(
+            Problem(
+                ProblemKind.MISSING_FILE,
+                path_prefix + name,
+                f"{name} is missing (dp_world_size {tag.dp_world_size}, mp_world_size {tag.mp_world_size})",
             )
+        )
+    if len(absent) > LISTED_ABSENT:
+        problems.append(
+            Problem(
+                ProblemKind.MISSING_FILE,
+                path_prefix or ".",
+                f"{len(absent) - LISTED_ABSENT} more rank files are missing "
+                f"(dp_world_size {tag.dp_world_size}, mp_world_size {tag.mp_world_size})",
+            )
+        )
     for name in sorted((set(files.model.values()) | set(files.optim.values())) - expected_model - expected_optim):
         problems.append(
             Problem(

@@ -28,7 +28,7 @@ from ckptctl.errors import CkptctlError, CorruptCheckpoint
 from ckptctl.formats.documents import read_json
 from ckptctl.formats.safetensors import read_header
 from ckptctl.io import DirEntry
-from ckptctl.layouts.base import list_files, newest_mtime, step_from_name, timestamp
+from ckptctl.layouts.base import absent_numbers, list_files, newest_mtime, step_from_name, timestamp
 
 INDEX_NAMES = ("model.safetensors.index.json", "adapter_model.safetensors.index.json")
 _SHARD = re.compile(r"^(?P<stem>.+)-(?P<i>\d{5})-of-(?P<n>\d{5})\.safetensors$")
@@ -63,17 +63,20 @@ _CONFIG_SUMMARY = (
 )
 
 
-def _shards_missing(names: set[str]) -> list[str]:
-    """Shard files a `-0000i-of-0000N` naming promises but the folder lacks (judged from names only)."""
-    # One pass per series (stem, N), not per shard: a folder of N shards would otherwise cost N x N.
-    series = {(m.group("stem"), int(m.group("n"))) for name in names if (m := _SHARD.match(name))}
-    missing = {
-        shard
-        for stem, n in series
-        for i in range(1, n + 1)
-        if (shard := f"{stem}-{i:05d}-of-{n:05d}.safetensors") not in names
-    }
-    return sorted(missing)
+def _shards_missing(names: set[str]) -> tuple[list[str], int]:
+    """Shard files a `-0000i-of-0000N` naming promises but the folder lacks (judged from names only): the
+    first `LISTED_ABSENT` of each series (stem, N), and how many are missing in all."""
+    series: dict[tuple[str, int], set[int]] = {}
+    for name in names:
+        if m := _SHARD.match(name):
+            series.setdefault((m.group("stem"), int(m.group("n"))), set()).add(int(m.group("i")) - 1)
+    listed: list[str] = []
+    total = 0
+    for (stem, n), present in series.items():
+        numbers, absent = absent_numbers(present, n)
+        listed += [f"{stem}-{i + 1:05d}-of-{n:05d}.safetensors" for i in numbers]
+        total += absent
+    return sorted(listed), total
 
 
 class HfModelLayout:
@@ -86,13 +89,14 @@ class HfModelLayout:
         has_weights = any(n.endswith(".safetensors") for n in names) or any(n in names for n in INDEX_NAMES)
         if not has_weights and not any(n in names for n in _LEGACY_WEIGHTS):
             return None
-        missing = _shards_missing(names)
+        missing, missing_count = _shards_missing(names)
         index_without_shards = any(n in names for n in INDEX_NAMES) and not any(
             n.endswith(".safetensors") for n in names
         )
         state = CheckpointState.BROKEN if missing or index_without_shards else CheckpointState.COMPLETE
+        more = f" and {missing_count - len(missing)} more" if missing_count > len(missing) else ""
         note = (
-            f"missing {', '.join(missing)}"
+            f"missing {', '.join(missing)}{more}"
             if missing
             else ("index names no present file" if index_without_shards else "")
         )
@@ -142,8 +146,9 @@ class HfModelLayout:
 
 
 def missing_shards(names: Iterable[str]) -> list[str]:
-    """Shard files a `-0000i-of-0000N` naming promises but `names` lacks (judged from the names only)."""
-    return _shards_missing(set(names))
+    """Shard files a `-0000i-of-0000N` naming promises but `names` lacks (judged from the names only; at
+    most `LISTED_ABSENT` of each series)."""
+    return _shards_missing(set(names))[0]
 
 
 def has_weights(names: Iterable[str]) -> bool:
@@ -204,11 +209,16 @@ def verify_model_files(url: str, files: Mapping[str, int]) -> list[Problem]:
             ProblemKind.MISSING_FILE, index_name, len(absent_shards), "{path} names {count} more files that are missing"
         )
     indexed = set(weight_map.values())
-    problems.extend(
+    promised, promised_count = _shards_missing(set(files))
+    problems += [
         Problem(ProblemKind.MISSING_FILE, shard, f"shard {shard} is missing")
-        for shard in _shards_missing(set(files))
+        for shard in promised
         if shard not in indexed
-    )
+    ]
+    if promised_count > len(promised):
+        problems.append(
+            Problem(ProblemKind.MISSING_FILE, "", f"{promised_count - len(promised)} more shards are missing")
+        )
     located: dict[str, str] = {}
     for rel in sorted(n for n in files if n.endswith(".safetensors")):
         try:

@@ -20,7 +20,6 @@ fresh, broken once they are older than `IN_PROGRESS_WINDOW_S` (transformers' res
 
 from __future__ import annotations
 
-import itertools
 import json
 import re
 import time
@@ -47,7 +46,7 @@ from ckptctl.formats.safe_pickle import FrameworkObject, StandIn, state_fields
 from ckptctl.formats.torch_pickle import TorchPickle, open_torch_pickle, storage_problems
 from ckptctl.io import DirEntry
 from ckptctl.layouts import deepspeed
-from ckptctl.layouts.base import folder_size, list_files, newest_mtime, step_from_name, timestamp
+from ckptctl.layouts.base import absent_numbers, folder_size, list_files, newest_mtime, step_from_name, timestamp
 from ckptctl.layouts.hf import (
     has_weights,
     model_components,
@@ -71,8 +70,6 @@ _TRAINER_FILES = frozenset({TRAINER_STATE_NAME, *_PICKLE_FILES})
 #: the (possibly huge) `log_history`: `identify` reads only this much of it.
 _STATE_HEAD = 4096
 _HEAD_FIELD = re.compile(rb'^  "(epoch|global_step)": ([0-9.eE+-]+|null),?$', re.MULTILINE)
-#: Missing `rng_state_N.pth` files listed one by one; more are counted in one problem.
-_LISTED_RANKS = 20
 _FSDP_MODEL = re.compile(r"^pytorch_model_fsdp_\d+$")
 _FSDP_OPTIMIZER = re.compile(r"^optimizer_\d+$")
 #: TrainingArguments fields worth showing in `inspect`.
@@ -262,10 +259,20 @@ class HfTrainerLayout:
                 )
             )
         else:
-            state = _read_trainer_state(url)
-            if not isinstance(state, dict) or as_whole(state.get("global_step")) is None:
+            try:
+                state = read_json(io.join(url, TRAINER_STATE_NAME))
+                why = (
+                    ""
+                    if isinstance(state, dict) and as_whole(state.get("global_step")) is not None
+                    else "no global_step"
+                )
+            except CkptctlError as exc:
+                why = exc.message
+            if why:
                 problems.append(
-                    Problem(ProblemKind.BAD_METADATA, TRAINER_STATE_NAME, f"{TRAINER_STATE_NAME} does not parse")
+                    Problem(
+                        ProblemKind.BAD_METADATA, TRAINER_STATE_NAME, f"{TRAINER_STATE_NAME} does not parse ({why})"
+                    )
                 )
         if has_weights(parts.names):
             problems += verify_model_files(url, {n: s for n, s in files.items() if "/" not in n})
@@ -278,19 +285,16 @@ class HfTrainerLayout:
         problems += _missing_state_files(url, files, parts)
         rng = _rng_ranks(list(parts.names))
         if rng and rng != list(range(len(rng))) and rng != [0]:
-            present = set(rng)
-            # A stray `rng_state_99999999999.pth` must not make us list (or loop over) every rank below it.
-            listed = list(itertools.islice((i for i in range(max(rng) + 1) if i not in present), _LISTED_RANKS))
+            listed, absent = absent_numbers(rng, max(rng) + 1)
             problems += [
                 Problem(ProblemKind.MISSING_FILE, f"rng_state_{i}.pth", f"rng_state_{i}.pth is missing") for i in listed
             ]
-            more = max(rng) + 1 - len(present) - len(listed)
-            if more:
+            if absent > len(listed):
                 problems.append(
                     Problem(
                         ProblemKind.MISSING_FILE,
                         "",
-                        f"{more} more rng_state_N.pth files below rank {max(rng)} are missing",
+                        f"{absent - len(listed)} more rng_state_N.pth files below rank {max(rng)} are missing",
                     )
                 )
         if parts.ds_tag is not None:

@@ -27,7 +27,6 @@ so the explicit path is what resumes.
 
 from __future__ import annotations
 
-import itertools
 import re
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -50,7 +49,7 @@ from ckptctl.formats.dcp_metadata import METADATA_NAME
 from ckptctl.formats.documents import read_json
 from ckptctl.formats.torch_pickle import open_torch_pickle
 from ckptctl.io import DirEntry
-from ckptctl.layouts.base import folder_size, list_files, newest_mtime, timestamp
+from ckptctl.layouts.base import absent_numbers, folder_size, list_files, newest_mtime, timestamp
 from ckptctl.layouts.dcp import (
     DISTCP_RE,
     component_for_prefix,
@@ -93,8 +92,6 @@ _PARALLELISM = (
     "virtual_pipeline_model_parallel_size",
 )
 _MAX_JSON_BYTES = 256 << 20
-#: Missing `mp_rank_*` folders listed one by one; more are counted in one problem.
-_LISTED_RANKS = 20
 _MAX_SCALARS = 64
 
 
@@ -181,9 +178,9 @@ class _Role:
             if iteration is None or iteration not in self.dirs:
                 problems.append(f"no {self.prefix}{iteration or 'iter_*'}/ folder")
             ranks = self.rng_ranks()
-            gaps = sorted(set(range(max(ranks) + 1)) - set(ranks)) if ranks else []
+            gaps = absent_numbers(ranks, max(ranks) + 1, 8)[0] if ranks else []
             if gaps:
-                problems.append(f"no {self.prefix}{RNG_DIR}/ files of rank(s) {', '.join(map(str, gaps[:8]))}")
+                problems.append(f"no {self.prefix}{RNG_DIR}/ files of rank(s) {', '.join(map(str, gaps))}")
         return problems
 
 
@@ -193,9 +190,9 @@ def _dcp_listing_problems(entries: Sequence[DirEntry], where: str) -> list[str]:
     problems = []
     if METADATA_NAME not in names:
         problems.append(f"no {where}{METADATA_NAME}")
-    gaps = sorted(set(range(max(ranks) + 1)) - ranks) if ranks else []
+    gaps = absent_numbers(ranks, max(ranks) + 1, 8)[0] if ranks else []
     if gaps:
-        problems.append(f"no {where} data files of rank(s) {', '.join(map(str, gaps[:8]))}")
+        problems.append(f"no {where} data files of rank(s) {', '.join(map(str, gaps))}")
     return problems
 
 
@@ -429,9 +426,7 @@ def _megatron_problems(role: _Role) -> list[Problem]:
     tp = config.get("tensor_model_parallel_size") if isinstance(config, dict) else None
     tp_ranks = {int(m.group(1)) for d in mp_dirs if (m := _MP_RANK.match(d))}
     if mp_dirs and type(tp) is int:
-        # Listed up to a bound: a damaged config may claim a parallel size of billions.
-        absent = (rank for rank in range(tp) if rank not in tp_ranks)
-        listed = list(itertools.islice(absent, _LISTED_RANKS))
+        listed, absent = absent_numbers(tp_ranks, tp)
         for rank in listed:
             problems.append(
                 Problem(
@@ -440,13 +435,12 @@ def _megatron_problems(role: _Role) -> list[Problem]:
                     "model files of this rank are missing",
                 )
             )
-        more = tp - sum(rank < tp for rank in tp_ranks) - len(listed)
-        if more > 0:
+        if absent > len(listed):
             problems.append(
                 Problem(
                     ProblemKind.MISSING_FILE,
                     f"{prefix}{iteration}",
-                    f"{more} more ranks of tensor_model_parallel_size={tp} have no mp_rank folder",
+                    f"{absent - len(listed)} more ranks of tensor_model_parallel_size={tp} have no mp_rank folder",
                 )
             )
     for d in mp_dirs:
@@ -468,7 +462,7 @@ def _megatron_problems(role: _Role) -> list[Problem]:
             Problem(ProblemKind.MISSING_FILE, f"{prefix}{iteration}/", "no mp_rank_*/ or dist_model/ inside")
         )
     ranks = role.rng_ranks()
-    for rank in sorted(set(range(max(ranks) + 1)) - set(ranks)) if ranks else []:
+    for rank in absent_numbers(ranks, max(ranks) + 1)[0] if ranks else []:
         problems.append(
             Problem(
                 ProblemKind.MISSING_FILE, f"{prefix}{RNG_DIR}/rng_state_{rank}.pth", "this rank's RNG state is missing"

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import IO, Any, TypeVar
 
 from ckptctl.errors import CheckpointNotFound, CkptctlError, CorruptCheckpoint, StorageError
+from ckptctl.units import format_size
 
 __all__ = [
     "MAX_MARKER_BYTES",
@@ -835,8 +836,8 @@ def read_bytes(url: str, start: int = 0, length: int | None = None, *, max_size:
 def _check_size(url: str, size: int, max_size: int) -> None:
     if size > max_size:
         raise CorruptCheckpoint(
-            f"{url} is larger than the {max_size} bytes such a file may have ({size} bytes or more)",
-            "it is not the small metadata file its name says; replace it with the real file",
+            f"{url} is larger than {format_size(max_size)}, more than a file of its kind ever holds",
+            "it is not the metadata file its name says; replace it with the real file",
         )
 
 

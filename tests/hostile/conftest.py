@@ -19,7 +19,7 @@ import pytest
 
 from tests.conftest import CliResult
 from tests.hostile.harness import Outcome
-from tests.writers.rl_runs import write_fsdp_runs
+from tests.writers.rl_runs import WrittenFsdpRuns, write_fsdp_runs
 from tests.writers.trainer_writer import WrittenTrainerRun
 
 __all__ = ["BIG_INT", "DEEP_JSON", "Source", "json_with", "message_of", "plant", "problems_of"]
@@ -40,14 +40,14 @@ class Source:
 
 
 @pytest.fixture(scope="session")
-def areal_trial(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """An AReaL trial (recover slots, `recover_info/`) saved by FSDP2 on 2 CPU ranks (slow: spawns)."""
-    return write_fsdp_runs(tmp_path_factory.mktemp("hostile-fsdp")).areal_trial
+def rl_runs(tmp_path_factory: pytest.TempPathFactory) -> WrittenFsdpRuns:
+    """An AReaL trial and a ROLL output folder saved by FSDP2 on 2 CPU ranks (slow: spawns)."""
+    return write_fsdp_runs(tmp_path_factory.mktemp("hostile-fsdp"))
 
 
 @pytest.fixture(scope="session")
 def sources(
-    demo_dir: Path, trainer_run: WrittenTrainerRun, hf_model_dirs: dict[str, Path], areal_trial: Path
+    demo_dir: Path, trainer_run: WrittenTrainerRun, hf_model_dirs: dict[str, Path], rl_runs: WrittenFsdpRuns
 ) -> dict[str, Source]:
     """The runs hostile files are planted in, by name."""
     return {
@@ -56,7 +56,8 @@ def sources(
         "hf": Source(demo_dir / "hf"),
         "hf-sharded": Source(hf_model_dirs["sharded"]),
         "trainer": Source(trainer_run.output_dir, "checkpoint-4"),
-        "areal": Source(areal_trial, "default/recover_checkpoint"),
+        "areal": Source(rl_runs.areal_trial, "default/recover_checkpoint"),
+        "roll": Source(rl_runs.roll_output, f"{rl_runs.roll_launch.name}/checkpoint-2"),
     }
 
 

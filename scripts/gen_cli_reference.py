@@ -36,7 +36,8 @@ Exit codes: **0** ok; **1** the command worked and found a problem; **2** bad us
 read (a clear message on stderr, no traceback unless `CKPTCTL_DEBUG=1`); **130** interrupted.
 
 Environment: `CKPTCTL_IO_WORKERS` (parallel transfers, default 8), `CKPTCTL_IO_RETRIES` (attempts of a
-remote call on transient errors, default 5), `CKPTCTL_DEBUG=1` (tracebacks).
+remote call on transient errors, default 5), `CKPTCTL_IO_TIMEOUT` (seconds a remote call may keep failing,
+retries included, default 60), `CKPTCTL_DEBUG=1` (tracebacks).
 """
 _MARKUP = re.compile(r"\[(/?)(bold|b|italic|i|dim|green|red|yellow)\]")
 

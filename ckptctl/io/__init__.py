@@ -219,17 +219,12 @@ def _fs(url: str) -> tuple[Any, str]:
     try:
         # No listings cache: another process (a trainer, a prune) changes the store behind our back, and
         # a stale listing would show a deleted checkpoint or miss a new one.
-        options: dict[str, Any] = {"use_listings_cache": False}
-        s3 = _scheme(url) in ("s3", "s3a")
-        if s3:
-            options["config_kwargs"] = _s3_config(fsspec.config.conf.get("s3", {}))
         try:
-            fs, path = fsspec.core.url_to_fs(url, **options)
+            fs, path = fsspec.core.url_to_fs(url, use_listings_cache=False)
         except TypeError:  # a filesystem that takes no such option
             fs, path = fsspec.core.url_to_fs(url)
-        if s3 and "retries" not in fsspec.config.conf.get("s3", {}):
-            # s3fs takes its number of tries as an attribute only; `_call` retries the whole call.
-            fs.retries = _S3FS_TRIES
+        if _scheme(url) in ("s3", "s3a"):
+            _bound_s3(fs, fsspec.config.conf.get("s3", {}))
     except ImportError as exc:
         raise StorageError(
             f"no filesystem driver for {_scheme(url)}://",
@@ -244,19 +239,24 @@ def _fs(url: str) -> tuple[Any, str]:
 _S3FS_TRIES = 2
 
 
-def _s3_config(configured: dict[str, Any]) -> dict[str, Any]:
-    """botocore settings that bound how long a request to a store that stopped answering can wait.
+def _bound_s3(fs: Any, configured: dict[str, Any]) -> None:
+    """Bound how long a request of the s3fs instance `fs` may wait on a store that stopped answering.
 
     Each request gets `RETRY.request_timeout` to connect and to read, and botocore does not retry: its own
     tries (5), within each of s3fs's tries (5), each waiting up to a minute, are how a frozen store used to
     hang a command for many minutes. s3fs tries each request `_S3FS_TRIES` times, and `_call` retries the
-    whole call within `RETRY.timeout`. `config_kwargs` from fsspec's own configuration (`FSSPEC_S3_*`,
-    ~/.config/fsspec) win over these.
+    whole call within `RETRY.timeout`. What fsspec's own configuration sets (`FSSPEC_S3_*`,
+    ~/.config/fsspec: `config_kwargs`, `retries`) wins. The settings are s3fs's attributes, read when the
+    instance makes its client, so that fsspec's cache still hands out one instance per set of options.
     """
     timeout = RETRY.request_timeout
-    config: dict[str, Any] = {"connect_timeout": timeout, "read_timeout": timeout, "retries": {"total_max_attempts": 1}}
-    config.update(configured.get("config_kwargs") or {})
-    return config
+    if fs.__dict__.get("_ckptctl_timeout") == timeout:
+        return
+    fs.connect_timeout = fs.read_timeout = timeout  # unless config_kwargs name them
+    fs.config_kwargs = {"retries": {"total_max_attempts": 1}, **(fs.config_kwargs or {})}
+    if "retries" not in configured:
+        fs.retries = _S3FS_TRIES
+    fs._ckptctl_timeout = timeout
 
 
 # ------------------------------------------------------------------------------------ error mapping

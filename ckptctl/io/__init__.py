@@ -855,7 +855,7 @@ def _require_regular(url: str, mode: int) -> None:
         return
     if stat.S_ISDIR(mode):
         raise IsADirectoryError(errno.EISDIR, "Is a directory", local_path(url))
-    kind = next((name for test, name in _FILE_KINDS if test(mode)), "not a regular file")
+    kind = next((name for test, name in _FILE_KINDS if test(mode)), "a special file")
     raise CorruptCheckpoint(
         f"{url} is {kind}, not a regular file: ckptctl reads only regular files",
         "replace it with the real file (reading it could block forever or never end)",

@@ -730,10 +730,14 @@ def _present(folder: str, names: Sequence[str]) -> dict[str, str]:
     return {name: io.join(folder, name) for name in names if name in entries}
 
 
+#: The largest config or tokenizer file copied (a large vocabulary's tokenizer.json is tens of MB).
+_MAX_SIDE_FILE = 256 << 20
+
+
 def _copy_side_files(files: dict[str, str], out: str, dtype: str | None) -> tuple[str, ...]:
     """Copy config/tokenizer files; with a cast, config.json's dtype field follows it."""
     for name, url in files.items():
-        data = io.read_bytes(url)
+        data = io.read_bytes(url, max_size=_MAX_SIDE_FILE)
         if name == "config.json" and dtype is not None:
             data = _config_with_dtype(data, dtype)
         _write_small(os.path.join(out, name), data)

@@ -59,7 +59,16 @@ from ckptctl.core.retention import Candidate, RetentionPolicy
 from ckptctl.errors import CheckpointNotFound, CkptctlError, CorruptCheckpoint, SerializationError, StorageError
 from ckptctl.formats import state_tree
 from ckptctl.formats.digest import file_digest
-from ckptctl.formats.manifest import MANIFEST_NAME, ComponentRecord, FileRecord, Manifest, now_iso, parse_manifest
+from ckptctl.formats.documents import MAX_JSON_BYTES
+from ckptctl.formats.manifest import (
+    MANIFEST_NAME,
+    ComponentRecord,
+    FileRecord,
+    Manifest,
+    load_manifest,
+    now_iso,
+    parse_manifest,
+)
 from ckptctl.formats.state_tree import EncodedTree
 from ckptctl.frameworks.native.layout import POINTER_NAME, TRASH_NAME, StepNaming, is_rng_file
 from ckptctl.layouts.base import folder_size
@@ -230,15 +239,9 @@ class CheckpointManager:
 
     def pointer(self) -> str | None:
         """The folder name the `latest` file names, or None when there is none."""
-        if self._remote:
-            try:
-                return io.read_text(io.join(self.root, POINTER_NAME)).strip() or None
-            except (CheckpointNotFound, CorruptCheckpoint):
-                return None
         try:
-            with open(os.path.join(self.root, POINTER_NAME), encoding="utf-8") as f:
-                return f.read().strip() or None
-        except (FileNotFoundError, UnicodeDecodeError):
+            return io.read_text(io.join(self.root, POINTER_NAME), max_size=io.MAX_MARKER_BYTES).strip() or None
+        except (CheckpointNotFound, CorruptCheckpoint):
             return None
 
     # ------------------------------------------------------------------ save
@@ -603,7 +606,7 @@ class CheckpointManager:
         metrics: Mapping[str, Any] = {}
         if self.policy is not None and self.policy.keep_best:
             with contextlib.suppress(CkptctlError):
-                metrics = parse_manifest(io.read_bytes(manifest_path), manifest_path).metrics
+                metrics = load_manifest(manifest_path).metrics
         size = 0
         if self.policy is not None and self.policy.max_total_size is not None:
             size = folder_size(folder)
@@ -726,7 +729,7 @@ class CheckpointManager:
             CorruptCheckpoint: a file's size or blake3 digest differs from the manifest.
         """
         source = self.step_dir(step)
-        data = io.read_bytes(io.join(source, MANIFEST_NAME))
+        data = io.read_bytes(io.join(source, MANIFEST_NAME), max_size=MAX_JSON_BYTES)
         manifest = parse_manifest(data, io.join(source, MANIFEST_NAME))
         for rel in manifest.files:
             os.makedirs(os.path.dirname(os.path.join(folder, rel)), exist_ok=True)
@@ -754,7 +757,7 @@ class CheckpointManager:
 
     def _load(self, state: MutableMapping[str, Any], chosen: int, folder: str, world: dist_.World) -> None:
         """Load the checkpoint in the local `folder` into `state` (the body of `restore`)."""
-        manifest = parse_manifest(io.read_bytes(os.path.join(folder, MANIFEST_NAME)), folder)
+        manifest = load_manifest(os.path.join(folder, MANIFEST_NAME))
         modules = {name: obj for name, obj in state.items() if isinstance(obj, torch.nn.Module)}
         sharded: dict[str, tuple[str, Any]] = {}
         missing = []
@@ -772,14 +775,15 @@ class CheckpointManager:
                 sharded[name] = (kind, obj)
                 continue
             stored = state_tree.read_files(folder, name)
-            if kind == "value":
-                state[name] = stored.value
-            elif world.multi and kind == "module":
-                dist_.load_full_module(obj, stored.value)
-            elif world.multi and kind == "optimizer":
-                dist_.load_full_optimizer(dist_.owner_of(name, obj, modules), obj, stored.value)
-            else:
-                load_into(kind, obj, stored.value, stored.extra)
+            with _fits(folder, name):
+                if kind == "value":
+                    state[name] = stored.value
+                elif world.multi and kind == "module":
+                    dist_.load_full_module(obj, stored.value)
+                elif world.multi and kind == "optimizer":
+                    dist_.load_full_optimizer(dist_.owner_of(name, obj, modules), obj, stored.value)
+                else:
+                    load_into(kind, obj, stored.value, stored.extra)
         if sharded:
             dist_.load_dcp(os.path.join(folder, "dcp"), sharded, modules)
         self._restore_rng(folder, manifest, world)
@@ -841,7 +845,7 @@ class CheckpointManager:
         if not (MANIFEST_NAME in remote_sizes if remote_sizes is not None else os.path.exists(manifest_path)):
             return "not committed (no manifest)"
         try:
-            manifest = parse_manifest(io.read_bytes(manifest_path), manifest_path)
+            manifest = load_manifest(manifest_path)
         except CkptctlError as exc:
             return str(exc)
         if not manifest.native or manifest.step != step:
@@ -897,6 +901,25 @@ def _storage_errors(what: str) -> Iterator[None]:
     except OSError as exc:
         hint = "free some space" if exc.errno == errno.ENOSPC else "check the folder's permissions and free space"
         raise StorageError(f"{what} failed: {exc.strerror or exc}", hint) from exc
+
+
+@contextlib.contextmanager
+def _fits(folder: str, name: str) -> Iterator[None]:
+    """Turn the errors of `load_state_dict` on a stored state of the wrong shape into a `CorruptCheckpoint`.
+
+    A tree that decodes but is not what the object saved (a damaged or hand-edited `{name}.json`: a list
+    where a dict belongs, a missing key, a string for a number) fails inside torch with whatever error the
+    first mismatch raises. Errors torch raises for tensors that do not fit (RuntimeError: a different model)
+    are left as they are.
+    """
+    try:
+        yield
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError, OverflowError) as exc:
+        raise CorruptCheckpoint(
+            f"{os.path.join(folder, name)}.json: the stored state does not load into state[{name!r}] "
+            f"({type(exc).__name__}: {exc})",
+            "the checkpoint is damaged, or was saved from a different kind of object; restore another step",
+        ) from exc
 
 
 def _describe(exc: BaseException | None) -> str | None:

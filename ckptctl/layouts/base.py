@@ -7,9 +7,10 @@ shared contract test in `tests/layouts/test_contract.py` runs against every regi
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
@@ -186,6 +187,22 @@ _STEP_PATTERNS = (
     re.compile(r"^(?:step|global_step|globalstep|checkpoint|ckpt|iter|iteration|steps?)[-_]?(\d+)$", re.IGNORECASE),
     re.compile(r"^(\d+)$"),
 )
+
+
+#: How many absent ranks or shards a layout names one by one (`absent_numbers`); the rest are counted.
+LISTED_ABSENT = 20
+
+
+def absent_numbers(present: Iterable[int], count: int, limit: int = LISTED_ABSENT) -> tuple[list[int], int]:
+    """The first `limit` numbers of 0..count-1 missing from `present`, and how many are missing in all.
+
+    Ranks and shard counts come from file names and metadata that a damaged or hostile checkpoint may set
+    to billions (`rng_state_99999999999.pth`): this never loops over more than `len(present) + limit`
+    numbers, where listing every number below `count` would never end.
+    """
+    have = {n for n in present if 0 <= n < count}
+    listed = list(itertools.islice((n for n in range(count) if n not in have), limit))
+    return listed, max(0, count) - len(have)
 
 
 def step_from_name(name: str) -> int | None:

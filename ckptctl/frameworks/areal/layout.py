@@ -33,7 +33,6 @@ stay opaque bytes and are never loaded.
 from __future__ import annotations
 
 import collections
-import json
 import re
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -54,6 +53,7 @@ from ckptctl.checkpoint import (
 )
 from ckptctl.errors import CkptctlError, CorruptCheckpoint, UnknownLayout, UnsafePickle
 from ckptctl.formats.dcp_metadata import METADATA_NAME
+from ckptctl.formats.documents import MAX_INT, read_json
 from ckptctl.formats.safe_pickle import MAX_DIMS, TORCH_PICKLE_GLOBALS, check_nesting, safe_loads
 from ckptctl.frameworks.dcp.layout import (
     DISTCP_RE,
@@ -214,10 +214,10 @@ def _recover_info(slot_url: str) -> _RecoverInfo:
     if STEP_INFO not in entries:
         return _RecoverInfo(url, entries, None, f"no {RECOVER_INFO}/{STEP_INFO}")
     try:
-        step_info = json.loads(io.read_bytes(io.join(url, STEP_INFO), 0, _MAX_INFO_BYTES))
-    except (CkptctlError, ValueError) as exc:
-        return _RecoverInfo(url, entries, None, f"{RECOVER_INFO}/{STEP_INFO} does not parse: {exc}")
-    if not isinstance(step_info, dict) or not all(type(step_info.get(k)) is int for k in _STEP_FIELDS):
+        step_info = read_json(io.join(url, STEP_INFO), max_bytes=_MAX_INFO_BYTES)
+    except CkptctlError as exc:
+        return _RecoverInfo(url, entries, None, f"{RECOVER_INFO}/{STEP_INFO} does not parse: {exc.message}")
+    if not isinstance(step_info, dict) or not all(_is_counter(step_info.get(k)) for k in _STEP_FIELDS):
         return _RecoverInfo(url, entries, None, f"{RECOVER_INFO}/{STEP_INFO} lacks {', '.join(_STEP_FIELDS)}")
     if step_info["epoch"] < 0 or step_info["global_step"] < 0:
         return _RecoverInfo(url, entries, step_info, f"{RECOVER_INFO}/{STEP_INFO} records no finished step")
@@ -267,10 +267,15 @@ def _unfinished(entries: Sequence[DirEntry], info: _RecoverInfo) -> CheckpointSt
     return CheckpointState.IN_PROGRESS if time.time() - max(times) < IN_PROGRESS_WINDOW_S else CheckpointState.BROKEN
 
 
+def _is_counter(value: Any) -> bool:
+    """An int as AReaL's counters are (-1 before the first step), within 64 bits."""
+    return type(value) is int and -MAX_INT <= value <= MAX_INT
+
+
 def _read_json(url: str) -> Any:
     try:
-        return json.loads(io.read_bytes(url, 0, _MAX_INFO_BYTES))
-    except (CkptctlError, ValueError):
+        return read_json(url, max_bytes=_MAX_INFO_BYTES)
+    except CkptctlError:
         return None
 
 

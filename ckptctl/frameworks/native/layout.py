@@ -33,7 +33,7 @@ from ckptctl.checkpoint import (
     TensorEntry,
 )
 from ckptctl.errors import CkptctlError, CorruptCheckpoint
-from ckptctl.formats.manifest import DIGESTS_NAME, MANIFEST_NAME, Manifest, parse_manifest
+from ckptctl.formats.manifest import DIGESTS_NAME, MANIFEST_NAME, Manifest, load_manifest
 from ckptctl.formats.safetensors import read_header
 from ckptctl.io import DirEntry
 from ckptctl.layouts.base import (
@@ -210,7 +210,7 @@ class NativeLayout(Layout):
         if not any(e.name == POINTER_NAME and not e.is_dir for e in entries):
             return None
         try:
-            name = io.read_text(io.join(url, POINTER_NAME)).strip()
+            name = io.read_text(io.join(url, POINTER_NAME), max_size=io.MAX_MARKER_BYTES).strip()
         except CkptctlError:
             return None
         return name or None
@@ -319,7 +319,7 @@ def read_native_manifest(url: str) -> Manifest:
                 cached = _MANIFEST_CACHE.get(key)
             if cached is not None:
                 return cached
-    manifest = parse_manifest(io.read_bytes(manifest_url), manifest_url)
+    manifest = load_manifest(manifest_url)
     if not manifest.native:
         raise CorruptCheckpoint(f"{manifest_url} is a digests file, not a checkpoint manifest")
     if key is not None:

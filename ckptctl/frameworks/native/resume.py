@@ -3,12 +3,12 @@ DCP part resharded on several, the RNG state per rank."""
 
 from __future__ import annotations
 
-import json
 import re
 
 from ckptctl import io
 from ckptctl.checkpoint import Checkpoint, Component
 from ckptctl.errors import CkptctlError
+from ckptctl.formats.documents import read_json
 from ckptctl.formats.manifest import MANIFEST_NAME
 from ckptctl.frameworks.dcp.resume import overwrite_warnings
 from ckptctl.frameworks.native.layout import DCP_FOLDER, read_native_manifest
@@ -57,8 +57,8 @@ def _rng_keys(checkpoint: Checkpoint) -> frozenset[str] | None:
     if name is None:
         return None
     try:
-        tree = json.loads(io.read_bytes(io.join(checkpoint.url, name))).get("tree")
-    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError, CkptctlError):
+        tree = read_json(io.join(checkpoint.url, name)).get("tree")
+    except (AttributeError, CkptctlError):
         return None
     return frozenset(tree) if isinstance(tree, dict) else None
 

@@ -23,7 +23,6 @@ keeps every `best*` folder.
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
@@ -32,6 +31,7 @@ from typing import Any
 from ckptctl import io
 from ckptctl.checkpoint import Checkpoint, CheckpointRef, CheckpointState, Component, Problem, ProblemKind, Role
 from ckptctl.errors import CkptctlError, UnknownLayout
+from ckptctl.formats.documents import as_real, read_json
 from ckptctl.frameworks.deepspeed import layout as deepspeed
 from ckptctl.frameworks.hf.layout import HfModelLayout, has_weights, model_markers, verify_model_files
 from ckptctl.io import DirEntry
@@ -72,9 +72,8 @@ def _role(url: str) -> str | None:
 def _read_metric(url: str) -> dict[str, Any] | None:
     """The `metric.json` payload of a tag, or None when it is missing or unreadable."""
     try:
-        data = io.read_bytes(io.join(url, METRIC_NAME), 0, _MAX_METRIC_BYTES)
-        payload = json.loads(data)
-    except (CkptctlError, ValueError):
+        payload = read_json(io.join(url, METRIC_NAME), max_bytes=_MAX_METRIC_BYTES)
+    except CkptctlError:
         return None
     return payload if isinstance(payload, dict) else None
 
@@ -83,11 +82,11 @@ def _metrics(payload: dict[str, Any] | None) -> dict[str, float]:
     """`{metric_key: metric_value}` for `prune --keep-best` (nothing when OpenRLHF recorded no value)."""
     if payload is None:
         return {}
-    value = payload.get("metric_value")
-    if not isinstance(value, int | float) or isinstance(value, bool):
+    value = as_real(payload.get("metric_value"))
+    if value is None:
         return {}
     key = payload.get("metric_key")
-    return {key if isinstance(key, str) and key else "metric": float(value)}
+    return {key if isinstance(key, str) and key else "metric": value}
 
 
 class OpenRlhfLayout(Layout):

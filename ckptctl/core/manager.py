@@ -61,13 +61,17 @@ from ckptctl.formats import state_tree
 from ckptctl.formats.digest import file_digest
 from ckptctl.formats.manifest import MANIFEST_NAME, ComponentRecord, FileRecord, Manifest, now_iso, parse_manifest
 from ckptctl.formats.state_tree import EncodedTree
-from ckptctl.frameworks.native.layout import POINTER_NAME, TRASH_NAME, StepNaming, is_rng_file
+from ckptctl.frameworks.native.layout import POINTER_NAME, StepNaming, is_rng_file
+from ckptctl.io import commit, trash
+from ckptctl.io.trash import TRASH_NAME
 from ckptctl.layouts.base import folder_size
 
 __all__ = ["POINTER_NAME", "TRASH_NAME", "CheckpointManager", "StepNaming"]
 
 log = logging.getLogger("ckptctl.core")
 
+#: The file whose presence commits a step: deleted first, uploaded last.
+_MARKERS = ((MANIFEST_NAME,),)
 #: Entry kinds that a multi-rank save stores through torch DCP.
 _SHARDED_KINDS = ("module", "optimizer")
 
@@ -486,64 +490,32 @@ class CheckpointManager:
         if self._remote:
             self._publish(step, staging, files, manifest)
             return
-        with open(os.path.join(staging, MANIFEST_NAME), "wb") as f:
-            f.write(manifest.to_json())
-            f.flush()
-            os.fsync(f.fileno())
-        io.fsync_dir(staging)
-        self._install(staging, self.step_dir(step))
+        commit.write_marker(staging, MANIFEST_NAME, manifest.to_json())
+        replaced = commit.install(staging, self.step_dir(step))
         io.write_bytes_atomic(os.path.join(self.root, POINTER_NAME), f"{self.naming.folder(step)}\n".encode())
+        if replaced is not None:
+            trash.purge(replaced)
 
     def _publish(self, step: int, staging: str, files: Mapping[str, FileRecord], manifest: Manifest) -> None:
         """Commit a remote step: upload what is left of it (a single-process save uploads everything here),
         then the manifest, then the `latest` pointer."""
+        upload = commit.ObjectStoreUpload(staging, self.step_dir(step), _MARKERS)
         if manifest.world_size == 1:
-            self._clear_remote_step(step)
-            self._upload(step, staging, list(files))
+            upload.clear()
+            upload.upload(_upload_batches(list(files)))
         else:  # the ranks have uploaded their files; DCP's metadata names them all, so it goes after
-            self._upload(step, staging, [f for f in files if _is_dcp_metadata(f)])
-        final = self.step_dir(step)
-        io.write_bytes_atomic(io.join(final, MANIFEST_NAME), manifest.to_json())
+            upload.upload([[f for f in files if _is_dcp_metadata(f)]])
+        upload.finish(MANIFEST_NAME, manifest.to_json())
         io.write_bytes_atomic(io.join(self.root, POINTER_NAME), f"{self.naming.folder(step)}\n".encode())
 
     def _upload(self, step: int, staging: str, names: list[str]) -> None:
-        """Upload files of the local staging folder into the remote `step-{N}/`: RNG files first (they make a
-        partial upload read as ours and in progress), then the rest on a bounded pool of parallel uploads."""
-        final = self.step_dir(step)
-        first = [n for n in names if is_rng_file(n)]
-        rest = sorted(
-            (n for n in names if not is_rng_file(n)), key=lambda n: -os.path.getsize(os.path.join(staging, n))
-        )
-        for name in first:
-            io.upload_file(os.path.join(staging, name), io.join(final, name))
-        io.parallel_map(lambda name: io.upload_file(os.path.join(staging, name), io.join(final, name)), rest)
+        """Upload a rank's files of the local staging folder into the remote `step-{N}/`."""
+        commit.ObjectStoreUpload(staging, self.step_dir(step), _MARKERS).upload(_upload_batches(names))
 
     def _clear_remote_step(self, step: int) -> None:
-        """Delete a remote `step-{N}/` (before re-saving it, or by retention): the manifest first, so that
-        the step stops reading as committed before any of its files go."""
-        folder = self.step_dir(step)
-        io.delete_file(io.join(folder, MANIFEST_NAME))
-        io.delete_tree(folder)
-
-    def _install(self, staging: str, final: str) -> None:
-        """Rename the staging folder into place, replacing an older checkpoint of the same step."""
-        if not os.path.exists(final):
-            os.rename(staging, final)
-            io.fsync_dir(self.root)
-            return
-        trash = os.path.join(self.root, TRASH_NAME)
-        os.makedirs(trash, exist_ok=True)
-        old = os.path.join(trash, f"{os.path.basename(final)}.replaced-{secrets.token_hex(4)}")
-        if io.exchange(staging, final):
-            # The swap is atomic: step-N is the new checkpoint; the old one now has the staging name.
-            os.rename(staging, old)
-        else:
-            # No atomic swap here: for a moment step-N is absent, and the step before it is what
-            # latest_step() finds; the old step-N waits in the trash until the new one is in place.
-            os.rename(final, old)
-            os.rename(staging, final)
-        io.fsync_dir(self.root)
-        shutil.rmtree(old, ignore_errors=True)
+        """Delete a remote `step-{N}/` before re-saving it: the manifest first, so that the step stops
+        reading as committed before any of its files go."""
+        trash.delete(self.step_dir(step), _MARKERS)
 
     def _apply_retention(self) -> None:
         if self.policy is None or self.policy.keeps_everything:
@@ -552,26 +524,18 @@ class CheckpointManager:
             self._apply_remote_retention()
             return
         try:
-            trash = os.path.join(self.root, TRASH_NAME)
-            _empty(trash)
+            trash.empty(os.path.join(self.root, TRASH_NAME))
             pointer = self.pointer()
             candidates = [self._retention_candidate(step, pointer) for step in self.all_steps()]
             doomed = [d.step for d in self.policy.plan(candidates, now=datetime.now(UTC)) if not d.keep]
-            moved = []
-            for step in doomed:
-                assert step is not None  # every candidate has one
-                name = self.naming.folder(step)
-                os.makedirs(trash, exist_ok=True)
-                target = os.path.join(trash, f"{name}.{secrets.token_hex(4)}")
-                # Renamed first, deleted after: a crash mid-deletion leaves the half-deleted folder in the
-                # trash, never a step folder that looks complete and is not.
-                os.rename(os.path.join(self.root, name), target)
-                moved.append(step)
-            if moved:
-                io.fsync_dir(self.root)
-                log.info("retention deleted steps %s", moved)
-            _empty(trash)
-        except OSError as exc:
+            # Every doomed step is retired (out of sight) before any is purged: a crash mid-deletion leaves
+            # a half-deleted folder in the trash, never a step folder that looks complete and is not.
+            retired = [trash.retire(self.step_dir(step), _MARKERS) for step in doomed if step is not None]
+            for folder in retired:
+                trash.purge(folder)
+            if doomed:
+                log.info("retention deleted steps %s", doomed)
+        except (OSError, CkptctlError) as exc:
             warnings.warn(f"retention in {self.root} failed: {exc}", CheckpointWarning, stacklevel=2)
 
     def _apply_remote_retention(self) -> None:
@@ -584,9 +548,9 @@ class CheckpointManager:
                 for step, entry in sorted(manifests.items())
             ]
             doomed = [d.step for d in self.policy.plan(candidates, now=datetime.now(UTC)) if not d.keep]
-            for step in doomed:
-                assert step is not None  # every candidate has one
-                self._clear_remote_step(step)
+            retired = [trash.retire(self.step_dir(step), _MARKERS) for step in doomed if step is not None]
+            for folder in retired:
+                trash.purge(folder)
             if doomed:
                 log.info("retention deleted steps %s", doomed)
         except CkptctlError as exc:
@@ -827,6 +791,12 @@ class CheckpointManager:
         return None
 
 
+def _upload_batches(names: list[str]) -> list[list[str]]:
+    """The order a save's files go up in: RNG files first (they make a partial upload read as ours and in
+    progress), then the rest."""
+    return [[n for n in names if is_rng_file(n)], [n for n in names if not is_rng_file(n)]]
+
+
 def _is_dcp_metadata(rel: str) -> bool:
     """DCP's `.metadata` (and any other non-shard file of `dcp/`): it names every shard, so it is uploaded last."""
     return rel.startswith("dcp/") and not rel.endswith(".distcp")
@@ -839,21 +809,6 @@ def _write_tree(
     for name, w in written.items():
         files[name] = FileRecord(w.size, w.blake3)
     return tuple(written)
-
-
-def _empty(folder: str) -> None:
-    """Delete what a folder holds (leftovers of an interrupted deletion); a missing folder is empty."""
-    try:
-        names = os.listdir(folder)
-    except FileNotFoundError:
-        return
-    for name in names:
-        path = os.path.join(folder, name)
-        if os.path.isdir(path) and not os.path.islink(path):
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
 
 
 @contextlib.contextmanager

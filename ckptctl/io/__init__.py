@@ -826,7 +826,7 @@ def delete_files(urls: Sequence[str]) -> None:
     1,000 keys a request), one by one locally. Every URL must be on the same store as the first."""
     if not urls:
         return
-    if is_local(urls[0]):
+    if is_local(urls[0]) or len(urls) == 1:
         for url in urls:
             delete_file(url)
         return

@@ -41,7 +41,8 @@ HF model, `model.safetensors`), then, once a listing shows every object with its
 `ckptctl-digests.json`. Each object appears whole or not at all (a PUT is atomic). A failed upload removes
 what it uploaded; a killed one leaves a prefix that `list` reports broken or in progress, and that the
 next conversion refuses without `force`. `force` deletes the old objects before uploading, commit markers
-first (`_delete_objects`), so that a half-deleted old output does not pass for complete either.
+first (`_MARKERS`), so that a half-deleted old output does not pass for complete either. Both commits are
+`io.commit`'s protocol; the old output a `force` replaces goes through `io.trash`.
 """
 
 from __future__ import annotations
@@ -52,13 +53,12 @@ import fcntl
 import hashlib
 import json
 import os
-import posixpath
 import re
 import shutil
 import tempfile
 import time
 import warnings
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -78,6 +78,7 @@ from ckptctl.formats.raw_chunks import ChunkLocator, row_major_runs
 from ckptctl.formats.safetensors import TORCH_TO_SAFETENSORS, WrittenFile, build_header, read_header, tensor_bytes
 from ckptctl.formats.safetensors_stream import BufferSource, RangeSource, Source, StreamCopier, plan_shards
 from ckptctl.formats.safetensors_stream import shard_file_names as _shard_names
+from ckptctl.io import commit, trash
 from ckptctl.layouts import Layout, detect
 from ckptctl.ops.naming import compile_renames, normalised_names
 from ckptctl.ops.report import SCHEMA_VERSION, NoProgress, Progress
@@ -903,22 +904,18 @@ class _Staging:
                 os.close(fd)
 
     def commit(self, force: bool, progress: Progress) -> int:
-        """Move `out/` to DST: a plain rename, or an atomic exchange with a non-empty DST under `force`.
-        Returns the bytes uploaded: none."""
+        """Move `out/` to DST (`commit.install`: a plain rename, or an atomic exchange with a non-empty DST
+        under `force`, whose old content is then deleted). Returns the bytes uploaded: none."""
         io.fsync_dir(self.out)
         dst = self.dst
+        if os.path.isdir(dst) and os.listdir(dst) and not force:
+            raise CkptctlError(f"{dst} was filled while converting", "pass --force to replace it")
         try:
-            if os.path.isdir(dst) and os.listdir(dst):
-                if not force:
-                    raise CkptctlError(f"{dst} was filled while converting", "pass --force to replace it")
-                if not io.exchange(self.out, dst):
-                    os.rename(dst, os.path.join(self.root, "replaced"))
-                    os.rename(self.out, dst)
-            else:
-                os.rename(self.out, dst)  # an empty DST folder is replaced atomically
+            replaced = commit.install(self.out, dst)
         except OSError as exc:
             raise StorageError(f"cannot move the output into {dst}: {exc.strerror or exc}") from exc
-        io.fsync_dir(self.parent)
+        if replaced is not None:
+            trash.purge(replaced)
         return 0
 
 
@@ -955,11 +952,6 @@ class _UploadStaging(_Staging):
         Objects that appeared below DST while converting are refused without `force` and deleted first
         with it. A failed upload deletes what it uploaded (the old objects, under `force`, are gone).
         """
-        existing = io.list_tree(self.dst)
-        if existing:
-            if not force:
-                raise CkptctlError(f"{self.dst} was filled while converting", "pass --force to replace it")
-            _delete_objects(self.dst, list(existing))
         sizes = {
             os.path.relpath(os.path.join(root, name), self.out).replace(os.sep, "/"): os.path.getsize(
                 os.path.join(root, name)
@@ -967,22 +959,20 @@ class _UploadStaging(_Staging):
             for root, _dirs, names in os.walk(self.out)
             for name in names
         }
-        done: list[str] = []
-
-        def upload(rel: str) -> None:
-            io.upload_file(os.path.join(self.out, rel), io.join(self.dst, rel))
-            done.append(rel)
-            progress.advance(sizes[rel])
-
+        upload = commit.ObjectStoreUpload(self.out, self.dst, _MARKERS, lambda rel: progress.advance(sizes[rel]))
+        existing = io.list_tree(self.dst)
+        if existing:
+            if not force:
+                raise CkptctlError(f"{self.dst} was filled while converting", "pass --force to replace it")
+            upload.clear(existing)
         progress.start("uploading", sum(sizes.values()))
         try:
-            for batch in _upload_order(sizes):
-                io.parallel_map(upload, batch)
+            upload.upload(_upload_order(sizes))
             self._check_uploaded({rel: size for rel, size in sizes.items() if rel != DIGESTS_NAME})
-            upload(DIGESTS_NAME)
+            upload.finish(DIGESTS_NAME)
         except BaseException:
             with contextlib.suppress(Exception):
-                _delete_objects(self.dst, done)
+                upload.undo()
             raise
         finally:
             progress.finish()
@@ -1001,9 +991,14 @@ class _UploadStaging(_Staging):
 
 
 _HF_SHARD = re.compile(r"-\d{5}-of-\d{5}\.safetensors$")
-_FIRST_HF_SHARD = re.compile(r"-00001-of-\d{5}\.safetensors$")
-#: Files whose presence completes a checkpoint for some layout (beside `_HF_SHARD` shards).
-_COMMIT_MARKERS = frozenset({DIGESTS_NAME, MANIFEST_NAME, ".metadata", INDEX_NAME, "model.safetensors"})
+#: What `trash` deletes first of an output in a folder of an object store (replaced under `force`, or an
+#: upload undone), so that no moment of it passes for complete: the digests, then the files whose presence
+#: completes a checkpoint for some layout (the index, DCP and native metadata, the first shard of each
+#: sharded model), then the rest.
+_MARKERS = (
+    (DIGESTS_NAME,),
+    (MANIFEST_NAME, ".metadata", INDEX_NAME, "model.safetensors", "*-00001-of-[0-9][0-9][0-9][0-9][0-9].safetensors"),
+)
 
 
 def _keystone(sizes: Mapping[str, int]) -> str | None:
@@ -1028,18 +1023,3 @@ def _upload_order(sizes: Mapping[str, int]) -> list[list[str]]:
     data = [rel for rel in rest if rel.endswith((".safetensors", ".distcp"))]
     small = [rel for rel in rest if rel not in data]
     return [batch for batch in (data, small, [keystone] if keystone else []) if batch]
-
-
-def _delete_objects(url: str, rels: Collection[str]) -> None:
-    """Delete the objects `rels` below `url` so that no moment of it passes for a complete checkpoint:
-    digests first, then the files that complete a checkpoint (index, DCP and native metadata, the first
-    shard of each sharded model), then the rest."""
-    first = [rel for rel in rels if posixpath.basename(rel) == DIGESTS_NAME]
-    markers = [
-        rel
-        for rel in rels
-        if rel not in first and (posixpath.basename(rel) in _COMMIT_MARKERS or _FIRST_HF_SHARD.search(rel))
-    ]
-    rest = [rel for rel in rels if rel not in first and rel not in markers]
-    for batch in (first, markers, rest):
-        io.delete_files([io.join(url, rel) for rel in batch])

@@ -4,11 +4,12 @@ Scan → plan → confirm → execute, as `hf cache prune` does:
 
 - `plan_prune` (read-only) finds every checkpoint of the run, turns each into a retention `Candidate`
   with the protections found on disk, and lets `RetentionPolicy.plan` decide. A dry run stops here.
-- `prune` takes the run's lock, plans, asks `confirm`, and deletes. Each checkpoint is renamed into the
-  `.ckptctl-trash` folder beside it (same filesystem, atomic) and then deleted there, so a crash leaves
-  either the whole checkpoint or a folder in the trash, never a half-deleted checkpoint that lists as
-  complete; the next prune empties leftover trash. On object stores (no rename) the completion markers
-  and metadata go first, so that a partial delete reads as broken.
+- `prune` takes the run's lock, plans, asks `confirm`, and deletes through `io.trash`: each checkpoint is
+  renamed into the `.ckptctl-trash` folder beside it (same filesystem, atomic) and then deleted there, so
+  a crash leaves either the whole checkpoint or a folder in the trash, never a half-deleted checkpoint
+  that lists as complete; the next prune empties leftover trash, and an emptied trash folder goes too.
+  On object stores (no rename) the completion markers and metadata go first, so that a partial delete
+  reads as broken.
 
 Never deleted, whatever the rules say (each kept checkpoint carries its reasons):
 - the newest complete checkpoint of each folder, and pinned steps (the policy);
@@ -23,11 +24,9 @@ Never deleted, whatever the rules say (each kept checkpoint carries its reasons)
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import os
 import re
-import secrets
 import stat
 import tomllib
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -39,7 +38,8 @@ from ckptctl import io
 from ckptctl.checkpoint import CheckpointRef, CheckpointState
 from ckptctl.core.retention import Candidate, RetentionPolicy
 from ckptctl.errors import CheckpointNotFound, CkptctlError
-from ckptctl.frameworks.native.layout import TRASH_NAME
+from ckptctl.io import trash
+from ckptctl.io.trash import TRASH_NAME
 from ckptctl.layouts import DEFAULT_SCAN_DEPTH, all_layouts, detect, get_layout, scan_run
 from ckptctl.ops.lock import LOCK_NAME, STALE_AFTER, RunLock, read_lock, stale_reason
 from ckptctl.ops.report import SCHEMA_VERSION, NoProgress, Progress, display_path, flatten, iso
@@ -640,46 +640,14 @@ def _still_deletable(item: PruneItem, plan: PrunePlan) -> str:
 
 
 def _delete(url: str) -> None:
-    """Delete one checkpoint folder so that no moment shows it half-deleted and complete."""
-    if not io.is_local(url):
-        _delete_markers_first(url)
-        return
-    path = io.local_path(url)
-    trash = os.path.join(os.path.dirname(os.path.abspath(path)), TRASH_NAME)
-    os.makedirs(trash, exist_ok=True)
-    target = os.path.join(trash, f"{os.path.basename(path)}.{secrets.token_hex(4)}")
-    try:
-        os.rename(path, target)
-    except OSError as exc:
-        if exc.errno not in (errno.EXDEV, errno.EPERM, errno.ENOTSUP):
-            raise
-        _delete_markers_first(url)  # another filesystem mounted at the checkpoint: no atomic move
-        return
-    io.fsync_dir(os.path.dirname(os.path.abspath(path)))
-    io.delete_tree(target)
-
-
-def _delete_markers_first(url: str) -> None:
-    """Delete the completion markers and metadata first, then the rest: a partial delete reads as broken."""
-    names = {e.name for e in io.list_dir(url) if not e.is_dir}
-    for marker in COMPLETION_MARKERS:
-        if marker in names:
-            io.delete_file(io.join(url, marker))
-    io.delete_tree(url)
+    """Delete one checkpoint folder so that no moment shows it half-deleted and complete (`io.trash`)."""
+    trash.delete(url, (COMPLETION_MARKERS,))
 
 
 def _empty_trash(folders: Iterable[str]) -> int:
-    """Delete what trash folders hold (left by an interrupted deletion); the folders themselves stay,
-    because a `CheckpointManager` saving into the run may be about to move something into them."""
+    """Delete what trash folders hold (left by an interrupted deletion), and the folders themselves."""
     freed = 0
-    for trash in folders:
+    for folder in folders:
         with contextlib.suppress(CkptctlError):
-            for entry in io.list_dir(trash):
-                child = io.join(trash, entry.name)
-                if entry.is_dir:
-                    freed += _tree_size(child)
-                    io.delete_tree(child)
-                else:
-                    freed += entry.size
-                    io.delete_file(child)
+            freed += trash.empty(folder)
     return freed

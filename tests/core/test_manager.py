@@ -120,6 +120,7 @@ def test_resaving_a_step_replaces_it(run_dir: Path) -> None:
     assert torch.equal(state["w"], torch.full((3,), 7.0))
     assert manager.all_steps() == [1, 2]
     assert (run_dir / "latest").read_text() == "step-1\n"
+    manager.wait()  # the replaced step-1 is deleted in the background
     assert sorted(p.name for p in run_dir.iterdir()) == ["latest", "step-1", "step-2"]  # no (empty) trash left
 
 

@@ -308,10 +308,12 @@ def convert(
         CorruptCheckpoint: source bytes that disagree with their metadata (nothing is left at DST).
         StorageError: the output cannot be written or uploaded.
     """
-    options = options or ConvertOptions()
-    progress = progress or NoProgress()
+    with io.counting() as read:
+        return _convert(src, dst, options or ConvertOptions(), progress or NoProgress(), read)
+
+
+def _convert(src: str, dst: str, options: ConvertOptions, progress: Progress, read: io.ByteCounter) -> ConvertResult:
     started = time.perf_counter()
-    read_before = io.READ_STATS.bytes_read
     if options.max_shard_size <= 0:
         raise CkptctlError("the maximum shard size must be positive")
     dst = _check_destination(src, dst, options.force)
@@ -354,7 +356,7 @@ def convert(
         tensors=len(plan),
         bytes=sum(p.nbytes for p in plan),
         files=files,
-        bytes_read=io.READ_STATS.bytes_read - read_before,
+        bytes_read=read.bytes_read,
         seconds=time.perf_counter() - started,
         dtype=options.dtype,
         copied=copied,
@@ -670,7 +672,7 @@ def _mapped_tensor(checkpoint_url: str, entry: TensorEntry, maps: dict[str, Any]
         stack.callback(_close_quietly, mapped)
     if chunk.byte_length != entry.nbytes or chunk.byte_offset + chunk.byte_length > len(mapped):
         raise CorruptCheckpoint(f"{entry.name}: its bytes lie outside {chunk.file}", "the file is truncated")
-    io.READ_STATS.add(chunk.byte_length)
+    io.count_read(chunk.byte_length)
     flat = torch.frombuffer(mapped, dtype=getattr(torch, entry.dtype), count=entry.numel, offset=chunk.byte_offset)
     return flat.view(entry.shape)
 

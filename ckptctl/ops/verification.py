@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -165,22 +164,24 @@ class NothingResumable(CkptctlError):
 
 def verify_checkpoint(url: str, options: VerifyOptions | None = None, progress: Progress | None = None) -> VerifyResult:
     """Verify one checkpoint folder; raises only when the folder is not a checkpoint at all."""
-    options = options or VerifyOptions()
-    progress = progress or NoProgress()
-    before = io.READ_STATS.bytes_read
+    with io.counting() as read:
+        return _verify_checkpoint(url, options or VerifyOptions(), progress or NoProgress(), read)
+
+
+def _verify_checkpoint(url: str, options: VerifyOptions, progress: Progress, read: io.ByteCounter) -> VerifyResult:
     layout, ref = detect(url, options.layout)
     if ref.state is CheckpointState.IN_PROGRESS:
         problem = Problem(
             ProblemKind.IN_PROGRESS, "", ref.note or "the checkpoint is still being written (no completion marker)"
         )
-        return VerifyResult(url, layout.name, ref.step, (problem,), 0, 0, io.READ_STATS.bytes_read - before)
+        return VerifyResult(url, layout.name, ref.step, (problem,), 0, 0, read.bytes_read)
     try:
         checkpoint = layout.open(url)
         problems = list(layout.verify(checkpoint))
     except CkptctlError as exc:
         kind = ProblemKind.UNSAFE_PICKLE if isinstance(exc, UnsafePickle) else ProblemKind.BAD_METADATA
         problem = Problem(kind, "", exc.message)
-        return VerifyResult(url, layout.name, ref.step, (problem,), 0, 0, io.READ_STATS.bytes_read - before)
+        return VerifyResult(url, layout.name, ref.step, (problem,), 0, 0, read.bytes_read)
 
     digests_checked = 0
     wrote = False
@@ -217,7 +218,7 @@ def verify_checkpoint(url: str, options: VerifyOptions | None = None, progress: 
         tuple(problems),
         digests_checked,
         tensors_read,
-        io.READ_STATS.bytes_read - before,
+        read.bytes_read,
         wrote,
     )
 
@@ -262,7 +263,7 @@ def check_digests(
             return Problem(ProblemKind.DIGEST_MISMATCH, rel, f"{rel}: content differs from the recorded blake3 digest")
         return None
 
-    with ThreadPoolExecutor(max_workers=_workers(workers)) as pool:
+    with io.ContextThreadPool(max_workers=_workers(workers)) as pool:
         problems.extend(p for p in pool.map(check, sorted(todo.items(), key=lambda kv: -kv[1].size)) if p)
     progress.finish()
     if manifest.native is False:
@@ -289,7 +290,7 @@ def write_digests(url: str, files: Mapping[str, int], workers: int | None, progr
         progress.advance(size)
         return rel, FileRecord(size, value)
 
-    with ThreadPoolExecutor(max_workers=_workers(workers)) as pool:
+    with io.ContextThreadPool(max_workers=_workers(workers)) as pool:
         records = dict(pool.map(digest, todo))
     progress.finish()
     manifest = Manifest(files=records, created=now_iso())

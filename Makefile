@@ -6,7 +6,7 @@ DEMO   ?= demo-out
 # torch==2.13.0 is the CPU build these machines carry locally; any other spec downloads CUDA wheels.
 TORCH  := torch==2.13.0
 
-.PHONY: demo test lint bench completions clean
+.PHONY: demo test test-fast lint bench completions clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -28,8 +28,15 @@ demo: $(VENV)/.base
 	$(BIN)/ckptctl inspect $(DEMO)/native/step-30 --limit 12
 	$(BIN)/ckptctl inspect $(DEMO)/dcp/step-30 --limit 12
 
+# Two workers share each slow writer's output (tests/conftest.py: build_once), so the suite is not slower on
+# 2 cores than one process, and faster on more; TESTFLAGS adds pytest options (TESTFLAGS="-k prune").
+WORKERS ?= 2
 test: $(VENV)/.dev
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(WORKERS) $(TESTFLAGS)
+
+# The inner loop: no multi-process writers, no large state (tests marked or inferred `slow`).
+test-fast: $(VENV)/.dev
+	$(BIN)/python -m pytest -q -m "not slow" $(TESTFLAGS)
 
 lint: $(VENV)/.dev
 	$(BIN)/ruff check ckptctl tests bench scripts

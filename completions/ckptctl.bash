@@ -12,7 +12,12 @@ _ckptctl() {
         --sort) COMPREPLY=($(compgen -W "step created size url" -- "$cur")); return;;
         --state) COMPREPLY=($(compgen -W "complete in_progress broken" -- "$cur")); return;;
         --layout) COMPREPLY=($(compgen -W "native areal roll dcp hf_trainer openrlhf open_instruct deepspeed hf" -- "$cur")); return;;
+        --layout-a) COMPREPLY=($(compgen -W "native areal roll dcp hf_trainer openrlhf open_instruct deepspeed hf" -- "$cur")); return;;
+        --layout-b) COMPREPLY=($(compgen -W "native areal roll dcp hf_trainer openrlhf open_instruct deepspeed hf" -- "$cur")); return;;
         --component) COMPREPLY=($(compgen -W "model optimizer scheduler rng dataloader trainer_state config tokenizer extra" -- "$cur")); return;;
+        --to) COMPREPLY=($(compgen -W "hf dcp" -- "$cur")); return;;
+        --dtype) COMPREPLY=($(compgen -W "bf16 bfloat16 fp16 float16 fp32 float32" -- "$cur")); return;;
+        --weights) COMPREPLY=($(compgen -W "auto master stored" -- "$cur")); return;;
     esac
     case "$cmd" in
         convert) local opts="--to --dtype --max-shard-size --component --strip-prefix --rename --config --tokenizer --force --reread --workers --weights --layout --json --quiet -q --help -h";;
@@ -21,7 +26,7 @@ _ckptctl() {
         inspect) local opts="--filter -f --component --limit --layout --json --quiet -q --help -h";;
         list) local opts="--sort --reverse -r --state --layout --limit --depth --json --quiet -q --help -h";;
         prune) local opts="--keep-last --keep-every --keep-best --max-total-size --older-than --pin --grace --dry-run --yes -y --wait --depth --json --quiet -q --help -h";;
-        resume-plan) local opts="--world-size --digests --layout --json --quiet -q --help -h";;
+        resume-plan) local opts="--world-size --digests --cuda --no-cuda --layout --json --quiet -q --help -h";;
         verify) local opts="--latest --deep --check-finite --write-manifest --workers --layout --json --quiet -q --help -h";;
         *) local opts='';;
     esac

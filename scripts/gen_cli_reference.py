@@ -8,6 +8,7 @@ regenerates the shell completions).
 
 from __future__ import annotations
 
+import enum
 import re
 import sys
 import types
@@ -30,10 +31,15 @@ Every command takes local paths and fsspec URLs (`s3://bucket/run`, `memory://..
 read with ranged requests (headers and metadata only, unless digests or tensors are asked for) and use the
 standard settings of their SDK (for S3: `AWS_PROFILE`, `AWS_ACCESS_KEY_ID`/`AWS_SECRET_ACCESS_KEY`,
 `AWS_REGION`, `AWS_ENDPOINT_URL`). Every command prints one JSON document with `--json`
-(`"schema_version": 1`).
+(`"schema_version": 1`); when it fails, that document is `{"schema_version": 1, "error": {"type",
+"message", "hint", "exit_code"}}`.
 
 Exit codes: **0** ok; **1** the command worked and found a problem; **2** bad usage, or input it cannot
-read (a clear message on stderr, no traceback unless `CKPTCTL_DEBUG=1`); **130** interrupted.
+read (a clear message on stderr, no traceback unless `CKPTCTL_DEBUG=1`); **130** interrupted. A reader
+that stops early (`ckptctl list RUN | head -1`) is no failure: exit code 0.
+
+Human output is plain text: in a terminal, tables fit its width (paths and names are never shortened);
+in a pipe, a file or a CI log, every row is printed whole on one line with `-` for an empty cell.
 
 Environment: `CKPTCTL_IO_WORKERS` (parallel transfers, default 8), `CKPTCTL_IO_RETRIES` (attempts of a
 remote call on transient errors, default 5), `CKPTCTL_DEBUG=1` (tracebacks).
@@ -65,6 +71,8 @@ def _kind(annotation: Any, choices: tuple[str, ...] | None) -> str:
         return _kind(args[0], choices) if len(args) == 1 else " or ".join(_kind(a, choices) for a in args)
     if typing.get_origin(annotation) is list:
         return f"{_kind(args[0], choices)}, repeatable"
+    if not choices and isinstance(annotation, type) and issubclass(annotation, enum.Enum):
+        choices = tuple(str(member.value) for member in annotation)
     if choices:
         return " \\| ".join(f"`{c}`" for c in choices)
     return {bool: "flag", int: "integer", float: "number", str: "text"}.get(annotation, "text")
@@ -76,21 +84,14 @@ def _default(value: Any, is_flag: bool) -> str:
     return f"`{value}`"
 
 
-def _markdown(help_text: str) -> str:
-    """Typer help (rich markup, examples indented by two spaces) as Markdown: examples become a code block."""
-    out: list[str] = []
-    example: list[str] = []
-    for paragraph in help_text.strip().split("\n\n"):
-        lines = paragraph.split("\n")
-        if all(line.startswith("  ") for line in lines):
-            example.extend(line[2:] for line in lines)
-            continue
-        if example:
-            out.append("```bash\n" + "\n".join(example) + "\n```")
-            example = []
-        out.append(_MARKUP.sub(lambda m: "**", paragraph))
-    if example:
-        out.append("```bash\n" + "\n".join(example) + "\n```")
+def _markdown(help_text: str, examples: str) -> str:
+    """Typer help (rich markup, one paragraph per line) and a command's examples (its epilog, one command per
+    line) as Markdown: the examples become a code block."""
+    out = [_MARKUP.sub(lambda m: "**", paragraph) for paragraph in help_text.strip().split("\n\n")]
+    out = [paragraph.replace("\\[", "[") for paragraph in out]
+    if examples.strip():
+        out.append("**Examples**")
+        out.append("```bash\n" + examples.strip("\n") + "\n```")
     return "\n\n".join(out)
 
 
@@ -133,7 +134,7 @@ def render() -> str:
     for name, command in commands:
         parts.append(f"\n## `ckptctl {name}`\n")
         parts.append(f"```\n{_usage(name, command)}\n```\n")
-        parts.append(_markdown(command.help or ""))
+        parts.append(_markdown(command.help or "", command.epilog or ""))
         parts.append("\n| Argument or option | Type | Default | Description |\n|---|---|---|---|")
         for p in _params(command, _annotations(name)):
             parts.append(f"| {p.names} | {p.kind} | {p.default} | {p.help} |")

@@ -15,6 +15,7 @@ import typer.main
 
 from ckptctl.checkpoint import CheckpointState, Component
 from ckptctl.cli.app import app
+from ckptctl.cli.convert import DtypeChoice, TargetChoice, WeightsChoice
 from ckptctl.layouts import layout_names
 from ckptctl.ops.listing import SORT_KEYS
 
@@ -25,7 +26,12 @@ CHOICES = {
     "--sort": SORT_KEYS,
     "--state": tuple(s.value for s in CheckpointState),
     "--layout": tuple(layout_names()),
+    "--layout-a": tuple(layout_names()),
+    "--layout-b": tuple(layout_names()),
     "--component": tuple(c.value for c in Component),
+    "--to": tuple(t.value for t in TargetChoice),
+    "--dtype": tuple(d.value for d in DtypeChoice),
+    "--weights": tuple(w.value for w in WeightsChoice),
 }
 
 

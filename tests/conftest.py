@@ -1,23 +1,76 @@
 """Fixtures shared across the suite: real Hugging Face folders, the demo runs, and a CLI runner.
 
-Slow writers (the demo's 2-rank run) are session-scoped: written once, read by many tests. Tests that
-modify a checkpoint copy it first (`copy_tree`).
+Slow writers (the demo's 2-rank run, DeepSpeed, the Trainer) are session-scoped and built with
+`build_once`: written once per test run, also when pytest-xdist runs the suite on several workers, and read
+by many tests. Tests that modify a checkpoint copy it first (`copy_tree`). Every test that uses one of
+`SLOW_FIXTURES` is marked `slow`, so that `make test-fast` (`-m "not slow"`) starts none of them.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import pickle
 import shutil
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
+from filelock import FileLock
 
+from tests.writers.dcp_writer import WrittenDcp, write_single_process_dcp
 from tests.writers.deepspeed_writer import WrittenDeepSpeed, write_deepspeed_runs
 from tests.writers.trainer_writer import WrittenTrainerRun, write_trainer_run
+
+T = TypeVar("T")
+
+#: Fixtures that start processes or write large checkpoints (tens of seconds each on a small machine).
+SLOW_FIXTURES = frozenset(
+    {
+        "demo_dir",
+        "deepspeed_runs",
+        "trainer_run",
+        "zero_runs",
+        "llama_dcp",
+        "fsdp_dcp",
+        "fsdp_runs",
+        "fsdp_run",
+        "big_dcp",
+    }
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
+
+def build_once(tmp_path_factory: pytest.TempPathFactory, name: str, build: Callable[[Path], T]) -> T:
+    """`build(folder)` for a session fixture, run once per test run whatever the number of workers.
+
+    Under pytest-xdist every worker runs session fixtures of its own; for a writer that spawns ranks for
+    tens of seconds, that would cost more than the parallel workers gain. The first worker to ask builds
+    it (under a file lock) into a folder all workers of the run share and records what `build` returned;
+    the others wait for it and read that record. Without xdist it is a plain `mktemp`.
+    """
+    if os.environ.get("PYTEST_XDIST_WORKER") is None:
+        return build(tmp_path_factory.mktemp(name))
+    shared = tmp_path_factory.getbasetemp().parent / "shared"  # the run's folder, above each worker's own
+    shared.mkdir(exist_ok=True)
+    record = shared / f"{name}.pickle"
+    with FileLock(str(shared / f"{name}.lock")):
+        if record.exists():
+            built: T = pickle.loads(record.read_bytes())  # written by this run's own fixture code just before
+            return built
+        folder = shared / name
+        folder.mkdir()
+        built = build(folder)
+        record.write_bytes(pickle.dumps(built))
+        return built
+
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -42,10 +95,7 @@ def tiny_llama() -> Any:
     return LlamaForCausalLM(config)
 
 
-@pytest.fixture(scope="session")
-def hf_model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """The same tiny Llama saved by transformers `save_pretrained` as one file and as 4+ shards."""
-    root = tmp_path_factory.mktemp("hf")
+def _hf_models(root: Path) -> dict[str, Path]:
     model = tiny_llama()
     model.save_pretrained(root / "single")
     model.save_pretrained(root / "sharded", max_shard_size="20KB")
@@ -57,25 +107,40 @@ def hf_model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="session")
-def demo_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """`ckptctl demo` output (single-process native run, 2-rank FSDP2 run, plain DCP, HF export)."""
+def hf_model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The same tiny Llama saved by transformers `save_pretrained` as one file and as 4+ shards."""
+    return build_once(tmp_path_factory, "hf", _hf_models)
+
+
+def _demo(root: Path) -> Path:
     from ckptctl.ops.demo import run_demo
 
-    root = tmp_path_factory.mktemp("demo") / "demo"
-    run_demo(str(root), steps=30, distributed=True)
-    return root
+    run_demo(str(root / "demo"), steps=30, distributed=True)
+    return root / "demo"
+
+
+@pytest.fixture(scope="session")
+def demo_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`ckptctl demo` output (single-process native run, 2-rank FSDP2 run, plain DCP, HF export)."""
+    return build_once(tmp_path_factory, "demo", _demo)
 
 
 @pytest.fixture(scope="session")
 def deepspeed_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, WrittenDeepSpeed]:
     """DeepSpeed on 2 CPU ranks, bf16, ZeRO 0, 2 and 3, tags global_step2 and global_step4 (slow: spawns)."""
-    return write_deepspeed_runs(tmp_path_factory.mktemp("deepspeed"), stages=(0, 2, 3))
+    return build_once(tmp_path_factory, "deepspeed", lambda root: write_deepspeed_runs(root, stages=(0, 2, 3)))
 
 
 @pytest.fixture(scope="session")
 def trainer_run(tmp_path_factory: pytest.TempPathFactory) -> WrittenTrainerRun:
     """transformers.Trainer on CPU: checkpoint-2 and checkpoint-4 of the tiny Llama (slow: a subprocess)."""
-    return write_trainer_run(tmp_path_factory.mktemp("trainer") / "out")
+    return build_once(tmp_path_factory, "trainer", lambda root: write_trainer_run(root / "out"))
+
+
+@pytest.fixture(scope="session")
+def raw_dcp(tmp_path_factory: pytest.TempPathFactory) -> WrittenDcp:
+    """A plain single-process `dcp.save` of an unprefixed state dict (many dtypes, views, scalars)."""
+    return build_once(tmp_path_factory, "dcp-raw", lambda root: write_single_process_dcp(root / "raw"))
 
 
 def copy_tree(src: Path, dst: Path) -> Path:

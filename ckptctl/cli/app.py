@@ -1,14 +1,18 @@
 """The `ckptctl` command: registers one command per module and is the single error boundary.
 
 Exit codes (DESIGN §4): 0 ok; 1 the command worked and found a problem; 2 bad usage or unreadable input;
-130 interrupted. No traceback reaches the user unless CKPTCTL_DEBUG=1.
+130 interrupted. No traceback reaches the user unless CKPTCTL_DEBUG=1. Every error, a usage error
+included, is printed the same way (`error: ...` and `hint: ...` on stderr), and with `--json` also as a
+JSON document on stdout, so that a script reading stdout always gets one document.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from collections.abc import Sequence
+from typing import Any, TextIO
 
 import typer
 
@@ -16,11 +20,13 @@ from ckptctl import __version__
 from ckptctl.cli import convert, demo, diff, prune, resume_plan, verify
 from ckptctl.cli import inspect as inspect_command
 from ckptctl.cli import list as list_command
+from ckptctl.cli.command import Group
 from ckptctl.errors import CkptctlError
 
 app = typer.Typer(
     name="ckptctl",
     help="Checkpoints of large-model training runs: list, inspect and verify them before you resume.",
+    cls=Group,
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     rich_markup_mode="rich",
@@ -47,24 +53,120 @@ for module in (list_command, inspect_command, verify, convert, diff, resume_plan
     module.register(app)
 
 
+class _OutputClosed(BaseException):
+    """The reader of stdout or stderr went away (`ckptctl list | head -1`).
+
+    A BaseException, so that no `except Exception` on the way swallows it, and not an OSError, so that
+    neither rich nor Typer turns it into exit code 1: the reader got what it wanted, which is success.
+    """
+
+
+class _PipeGuard:
+    """Wraps sys.stdout/sys.stderr: a write to a closed pipe raises `_OutputClosed`."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except BrokenPipeError:
+            raise _OutputClosed from None
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            raise _OutputClosed from None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """Console entry point; `argv` defaults to sys.argv[1:]. Always exits with the command's code."""
-    debug = os.environ.get("CKPTCTL_DEBUG") == "1"
+    args = list(sys.argv[1:] if argv is None else argv)
+    streams = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = _PipeGuard(sys.stdout), _PipeGuard(sys.stderr)
     try:
-        app(args=None if argv is None else list(argv), prog_name="ckptctl")
+        code = _run(args)
+        sys.stdout.flush()
+    except _OutputClosed:
+        code = 0
+        _silence(streams)
+    finally:
+        sys.stdout, sys.stderr = streams
+    sys.exit(code)
+
+
+def _run(args: list[str]) -> int:
+    debug = os.environ.get("CKPTCTL_DEBUG") == "1"
+    json_mode = "--json" in args[: args.index("--")] if "--" in args else "--json" in args
+    try:
+        result = app(args=args, prog_name="ckptctl", standalone_mode=False)
     except CkptctlError as exc:
         if debug:
             raise
-        sys.stderr.write(f"error: {exc.message}\n")
-        if exc.hint:
-            sys.stderr.write(f"hint: {exc.hint}\n")
-        sys.exit(exc.exit_code)
+        return _fail(exc.message, exc.hint, exc.exit_code, type(exc).__name__, json_mode)
+    except typer.Abort:
+        return _fail("aborted", "", 1, "Aborted", json_mode)
     except KeyboardInterrupt:  # raised outside a command (Typer maps it to 130 inside one)
         sys.stderr.write("interrupted\n")
-        sys.exit(130)
+        return 130
     except Exception as exc:
+        usage = _usage_error(exc)
+        if usage is not None:
+            return _fail(*usage, 2, "UsageError", json_mode)
         if debug:
             raise
-        sys.stderr.write(f"internal error: {type(exc).__name__}: {exc}\n")
-        sys.stderr.write("hint: this is a bug in ckptctl; rerun with CKPTCTL_DEBUG=1 for the traceback and report it\n")
-        sys.exit(2)
+        return _fail(
+            f"{type(exc).__name__}: {exc}",
+            "this is a bug in ckptctl; rerun with CKPTCTL_DEBUG=1 for the traceback and report it",
+            2,
+            "InternalError",
+            json_mode,
+            label="internal error",
+        )
+    return result if isinstance(result, int) else 0
+
+
+def _usage_error(exc: Exception) -> tuple[str, str] | None:
+    """(message, hint) of a command-line parsing error, or None for any other exception.
+
+    Typer vendors Click privately, so its usage errors are recognised by their interface (an exit code of
+    2 and `format_message`), not by their class.
+    """
+    if getattr(exc, "exit_code", None) != 2 or not callable(getattr(exc, "format_message", None)):
+        return None
+    message = str(exc.format_message()).replace("Value error, ", "")  # type: ignore[attr-defined]
+    if message[:1].isupper() and message[1:2].islower():
+        message = message[0].lower() + message[1:]
+    ctx = getattr(exc, "ctx", None)
+    command = getattr(ctx, "command_path", "ckptctl")
+    return message, f"see `{command} --help`"
+
+
+def _fail(message: str, hint: str, code: int, kind: str, json_mode: bool, *, label: str = "error") -> int:
+    """Report an error on stderr (and as `{"schema_version": 1, "error": {...}}` on stdout with --json)."""
+    if json_mode:
+        error = {"type": kind, "message": message, "hint": hint or None, "exit_code": code}
+        sys.stdout.write(json.dumps({"schema_version": 1, "error": error}, indent=2) + "\n")
+    sys.stderr.write(f"{label}: {message}\n")
+    if hint:
+        sys.stderr.write(f"hint: {hint}\n")
+    return code
+
+
+def _silence(streams: tuple[TextIO, TextIO]) -> None:
+    """Point the closed stream's descriptor at /dev/null, so that the interpreter's last flush of what is
+    still buffered does not fail again (and turn the exit code into 120)."""
+    for stream in streams:
+        try:
+            stream.flush()
+        except (BrokenPipeError, ValueError):
+            try:
+                os.dup2(os.open(os.devnull, os.O_WRONLY), stream.fileno())
+            except (OSError, ValueError):
+                continue
+        except OSError:
+            continue

@@ -8,7 +8,8 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from ckptctl.checkpoint import Component
-from ckptctl.cli.options import ComponentOpt, JsonOpt, LayoutOpt, QuietOpt
+from ckptctl.cli.command import add_command
+from ckptctl.cli.options import ComponentOpt, JsonOpt, LayoutOpt, QuietOpt, bad_value
 from ckptctl.cli.output import Output, esc, human_bytes
 
 if TYPE_CHECKING:
@@ -16,42 +17,25 @@ if TYPE_CHECKING:
 
 HELP = """Convert a checkpoint's model into a Hugging Face folder (or an HF model into a torch DCP checkpoint).
 
---to hf reads torch DCP (any number of ranks, FSDP/FSDP2 sharding), DeepSpeed ZeRO, ckptctl's own
-checkpoints and HF folders, and writes model.safetensors, or model-0000i-of-0000N.safetensors shards with
-model.safetensors.index.json. Tensors stream one at a time from the source's raw bytes into the output,
-so memory stays near the largest tensor whatever the model size. The state-dict prefix (model.) is
-removed so names match transformers; config and tokenizer files are taken from --config/--tokenizer or
-found beside the source.
+--to hf reads torch DCP (any number of ranks, FSDP/FSDP2 sharding), DeepSpeed ZeRO, ckptctl's own checkpoints and HF folders, and writes model.safetensors, or model-0000i-of-0000N.safetensors shards with model.safetensors.index.json. Tensors stream one at a time from the source's raw bytes into the output, so memory stays near the largest tensor whatever the model size. The state-dict prefix (model.) is removed so names match transformers; config and tokenizer files are taken from --config/--tokenizer or found beside the source.
 
-DeepSpeed ZeRO 1-3 (a global_stepN tag folder, the save folder holding `latest`, or a Trainer
-checkpoint-N with DeepSpeed inside) gives the fp32 master weights, exactly as DeepSpeed's zero_to_fp32.py
-rebuilds them from the optimizer partitions, without DeepSpeed installed and without loading a partition
-whole; --weights stored writes the 16-bit module weights instead (ZeRO 0-2; ZeRO-3 keeps none, its model
-is the partitions).
+DeepSpeed ZeRO 1-3 (a global_stepN tag folder, the save folder holding `latest`, or a Trainer checkpoint-N with DeepSpeed inside) gives the fp32 master weights, exactly as DeepSpeed's zero_to_fp32.py rebuilds them from the optimizer partitions, without DeepSpeed installed and without loading a partition whole; --weights stored writes the 16-bit module weights instead (ZeRO 0-2; ZeRO-3 keeps none, its model is the partitions).
 
---to dcp writes a single-process torch.distributed.checkpoint save with keys model.<name>, which
-dcp.load reads into a model of any world size.
+SRC may also be a single weights file: a `*.safetensors` file, or a torch.save zip such as `pytorch_model.bin` (read with the allowlisting unpickler: nothing in it runs).
 
-The output is written to a hidden staging folder next to DST, checked, digested into
-ckptctl-digests.json (so `ckptctl verify DST` checks every byte later) and renamed into place: an
-interrupted conversion leaves nothing at DST.
+--to dcp writes a single-process torch.distributed.checkpoint save with keys model.<name>, which dcp.load reads into a model of any world size.
 
-DST may be an object store URL (s3://bucket/prefix, any fsspec URL): the output is staged in TMPDIR,
-then uploaded in parallel, weight files first and ckptctl-digests.json last, in an order that never lets
-a partial upload list as a complete checkpoint. A non-empty prefix is refused unless --force, which
-deletes the old objects first.
+The output is written to a hidden staging folder next to DST, checked, digested into ckptctl-digests.json (so `ckptctl verify DST` checks every byte later) and renamed into place: an interrupted conversion leaves nothing at DST.
 
-[bold]Examples[/bold]
+DST may be an object store URL (s3://bucket/prefix, any fsspec URL): the output is staged in TMPDIR, then uploaded in parallel, weight files first and ckptctl-digests.json last, in an order that never lets a partial upload list as a complete checkpoint. A non-empty prefix is refused unless --force, which deletes the old objects first."""
 
-  ckptctl convert runs/llama/step-1000 hf-export --to hf --config runs/llama --dtype bf16
-
-  ckptctl convert runs/llama/step-1000 hf-export --max-shard-size 2GB --rename '^lm_head=output'
-
-  ckptctl convert ds-run/ hf-export --config base-model/ --dtype bf16     (DeepSpeed save folder)
-
-  ckptctl convert meta-llama-3-8b/ init-dcp --to dcp
-
-  ckptctl convert s3://ckpts/llama/step-1000 s3://exports/llama-1000 --dtype bf16
+EXAMPLES = """\
+ckptctl convert runs/llama/step-1000 hf-export --to hf --config runs/llama --dtype bf16
+ckptctl convert runs/llama/step-1000 hf-export --max-shard-size 2GB --rename '^lm_head=output'
+ckptctl convert ds-run/ hf-export --config base-model/ --dtype bf16   # a DeepSpeed save folder
+ckptctl convert meta-llama-3-8b/ init-dcp --to dcp
+ckptctl convert old-model/pytorch_model.bin old-model-safetensors/
+ckptctl convert s3://ckpts/llama/step-1000 s3://exports/llama-1000 --dtype bf16
 """
 
 
@@ -76,23 +60,37 @@ class DtypeChoice(enum.StrEnum):
 
 
 def register(app: typer.Typer) -> None:
-    app.command("convert", help=HELP)(convert)
+    add_command(app, "convert", convert, HELP, EXAMPLES)
 
 
 def convert(
     src: Annotated[
-        str, typer.Argument(help="Checkpoint folder to convert (local path or fsspec URL).", show_default=False)
+        str,
+        typer.Argument(
+            metavar="SRC",
+            help="Checkpoint folder or weights file to convert (local path or fsspec URL).",
+            show_default=False,
+        ),
     ],
     dst: Annotated[
         str,
         typer.Argument(
-            help="Output folder, local or an object store URL (must be empty or absent).", show_default=False
+            metavar="DST",
+            help="Output folder, local or an object store URL (must be empty or absent).",
+            show_default=False,
         ),
     ],
-    to: Annotated[TargetChoice, typer.Option("--to", help="Output format.")] = TargetChoice.hf,
+    to: Annotated[TargetChoice, typer.Option("--to", metavar="FORMAT", help="Output format: hf or dcp.")] = (
+        TargetChoice.hf
+    ),
     dtype: Annotated[
         DtypeChoice | None,
-        typer.Option("--dtype", help="Cast floating-point tensors (default: keep the stored dtypes)."),
+        typer.Option(
+            "--dtype",
+            metavar="DTYPE",
+            help="Cast floating-point tensors to bf16, fp16 or fp32 (or bfloat16, float16, float32); default: "
+            "keep the stored dtypes.",
+        ),
     ] = None,
     max_shard_size: Annotated[
         str,
@@ -132,12 +130,16 @@ def convert(
         bool,
         typer.Option("--reread", help="Read every written file back from disk and check its digest (doubles the I/O)."),
     ] = False,
-    workers: Annotated[int | None, typer.Option(help="Copy threads (default: one per core, 2 to 8).", min=1)] = None,
+    workers: Annotated[
+        int | None,
+        typer.Option("--workers", metavar="N", help="Copy threads (default: one per core, 2 to 8).", min=1),
+    ] = None,
     weights: Annotated[
         WeightsChoice,
         typer.Option(
             "--weights",
-            help="DeepSpeed ZeRO: fp32 master weights from the optimizer partitions (auto, master) or the "
+            metavar="WHICH",
+            help="DeepSpeed ZeRO: the fp32 master weights from the optimizer partitions (auto, master) or the "
             "16-bit module weights the model states hold (stored; ZeRO-3 keeps none: its model is the partitions).",
         ),
     ] = WeightsChoice.auto,
@@ -153,11 +155,11 @@ def convert(
     try:
         shard_bytes = parse_size(max_shard_size, minimum=1)
     except ValueError as exc:
-        raise typer.BadParameter(str(exc), param_hint="--max-shard-size") from exc
+        raise bad_value("--max-shard-size", str(exc)) from exc
     try:
         renames = tuple(parse_rename(r) for r in rename or ())
     except ValueError as exc:
-        raise typer.BadParameter(str(exc), param_hint="--rename") from exc
+        raise bad_value("--rename", str(exc)) from exc
     options = ConvertOptions(
         to=Target(to.value),
         dtype=parse_dtype(dtype.value) if dtype else None,

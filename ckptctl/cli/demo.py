@@ -6,31 +6,35 @@ from typing import Annotated
 
 import typer
 
+from ckptctl.cli.command import add_command
 from ckptctl.cli.options import JsonOpt, QuietOpt
 from ckptctl.cli.output import Output, esc
 
 HELP = """Train a tiny model for a few steps and write real checkpoints to try every command on.
 
-Writes DIR/native (single process, ckptctl's own format), DIR/distributed (2 ranks, FSDP2, sharded
-through torch DCP), DIR/dcp (plain torch DCP folders) and DIR/hf (a Hugging Face style export).
---force replaces DIR only when an earlier demo wrote it (it holds a .ckptctl-demo marker).
+Writes DIR/native (single process, ckptctl's own format), DIR/distributed (2 ranks, FSDP2, sharded through torch DCP), DIR/dcp (plain torch DCP folders) and DIR/hf (a Hugging Face style export). Progress goes to stderr. --force replaces DIR only when an earlier demo wrote it (it holds a .ckptctl-demo marker)."""
 
-[bold]Examples[/bold]
-
-  ckptctl demo /tmp/ckptctl-demo && ckptctl list /tmp/ckptctl-demo
-
-  ckptctl demo /tmp/ckptctl-demo --force --no-distributed
+EXAMPLES = """\
+ckptctl demo /tmp/ckptctl-demo && ckptctl list /tmp/ckptctl-demo
+ckptctl demo /tmp/ckptctl-demo --force --no-distributed
 """
 
 
 def register(app: typer.Typer) -> None:
-    app.command("demo", help=HELP)(demo)
+    add_command(app, "demo", demo, HELP, EXAMPLES)
 
 
 def demo(
-    folder: Annotated[str, typer.Argument(help="Where to write the demo runs (a local folder).", show_default=False)],
-    steps: Annotated[int, typer.Option(help="Training steps (a checkpoint every 10).", min=10)] = 30,
-    distributed: Annotated[bool, typer.Option(help="Also run the 2-rank (gloo, FSDP2) part.")] = True,
+    folder: Annotated[
+        str,
+        typer.Argument(metavar="DIR", help="Where to write the demo runs (a local folder).", show_default=False),
+    ],
+    steps: Annotated[
+        int, typer.Option("--steps", metavar="N", help="Training steps (a checkpoint every 10).", min=10)
+    ] = 30,
+    distributed: Annotated[
+        bool, typer.Option("--distributed/--no-distributed", help="Also run the 2-rank (gloo, FSDP2) part.")
+    ] = True,
     force: Annotated[
         bool, typer.Option("--force", help="Replace the folder if an earlier demo wrote it (never any other folder).")
     ] = False,
@@ -40,8 +44,7 @@ def demo(
     from ckptctl.ops.demo import run_demo
 
     out = Output(json_mode=json_output, quiet=quiet)
-    out.note(f"training a tiny model for {steps} steps into {folder} ...")
-    result = run_demo(folder, steps=steps, distributed=distributed, force=force)
+    result = run_demo(folder, steps=steps, distributed=distributed, force=force, on_stage=out.note)
     if json_output:
         out.json(result.to_json())
         return

@@ -5,50 +5,56 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Annotated
 
 import typer
-from rich.table import Table
 
 from ckptctl.checkpoint import Component
-from ckptctl.cli.options import ComponentOpt, JsonOpt, QuietOpt
-from ckptctl.cli.output import Output, esc, human_bytes, human_count
+from ckptctl.cli.command import add_command
+from ckptctl.cli.options import ComponentOpt, JsonOpt, QuietOpt, bad_value
+from ckptctl.cli.output import Cell, Column, Output, human_bytes, human_count, styled
 
 if TYPE_CHECKING:
     from ckptctl.ops.diff import DiffReport, TensorDiff
 
 HELP = """Compare two checkpoints tensor by tensor, also across layouts (a DCP step against its HF export).
 
-Tensors are matched by name after the same namespace rules convert uses (the model. prefix of DCP
-state dicts, the entry name of ckptctl's own checkpoints); --rename handles the rest. Reported: names
-only in A or only in B, shape and dtype changes, and per tensor the largest absolute difference and
-the relative L2 difference ||a-b|| / max(||a||, ||b||), most changed first. Values are compared after
-upcasting both sides to float64, one pair of tensors at a time; equal tensors are counted, not listed
-(--all lists them). Pairs whose bytes the recorded digests (ckptctl-digests.json, native manifests)
-prove identical are not read (--read-all reads them anyway). Metadata differences (step, config
-fields, counters) are shown but do not count as differences.
+A and B are checkpoint folders of any known layout, or single weights files (`*.safetensors`, or a torch.save zip: `*.pt`, `*.pth`, `*.bin`, read without running anything in it).
 
-Exit code 0 when the tensors are equal (within --atol/--rtol), 1 when they differ, 2 on errors.
+Tensors are matched by name after the same namespace rules convert uses (the model. prefix of DCP state dicts, the entry name of ckptctl's own checkpoints); --rename handles the rest. Reported: names only in A or only in B, shape and dtype changes, and per tensor the largest absolute difference and the relative L2 difference ||a-b|| / max(||a||, ||b||), most changed first. Values are compared after upcasting both sides to float64, one pair of tensors at a time; equal tensors are counted, not listed (--all lists them). Pairs whose bytes the recorded digests (ckptctl-digests.json, native manifests) prove identical are not read (--read-all reads them anyway). Metadata differences (step, config fields, counters) are shown but do not count as differences.
 
-[bold]Examples[/bold]
+Exit code 0 when the tensors are equal (within --atol/--rtol), 1 when they differ, 2 on errors."""
 
-  ckptctl diff runs/llama/step-1000 hf-export/
-
-  ckptctl diff runs/llama/step-900 runs/llama/step-1000 --top 10
-
-  ckptctl diff train-fp32/ export-bf16/ --ignore-dtype --rtol 1e-2 --atol 1e-3
+EXAMPLES = """\
+ckptctl diff runs/llama/step-1000 hf-export/
+ckptctl diff runs/llama/step-900 runs/llama/step-1000 --top 10
+ckptctl diff hf-export/model.safetensors other-export/model.safetensors
+ckptctl diff train-fp32/ export-bf16/ --ignore-dtype --rtol 1e-2 --atol 1e-3
 """
 
 
 def register(app: typer.Typer) -> None:
-    app.command("diff", help=HELP)(diff_checkpoints)
+    add_command(app, "diff", diff_checkpoints, HELP, EXAMPLES)
 
 
 def diff_checkpoints(
-    a: Annotated[str, typer.Argument(help="First checkpoint folder (local path or fsspec URL).", show_default=False)],
-    b: Annotated[str, typer.Argument(help="Second checkpoint folder (local path or fsspec URL).", show_default=False)],
+    a: Annotated[
+        str,
+        typer.Argument(
+            metavar="A", help="First checkpoint folder or weights file (local path or fsspec URL).", show_default=False
+        ),
+    ],
+    b: Annotated[
+        str,
+        typer.Argument(
+            metavar="B", help="Second checkpoint folder or weights file (local path or fsspec URL).", show_default=False
+        ),
+    ],
     component: ComponentOpt = Component.MODEL,
     atol: Annotated[
-        float, typer.Option("--atol", help="Absolute tolerance: |b - a| <= atol + rtol * |a|.", min=0)
+        float,
+        typer.Option("--atol", metavar="X", help="Absolute tolerance: |b - a| <= atol + rtol * |a|.", min=0),
     ] = 0.0,
-    rtol: Annotated[float, typer.Option("--rtol", help="Relative tolerance (relative to A).", min=0)] = 0.0,
+    rtol: Annotated[
+        float, typer.Option("--rtol", metavar="X", help="Relative tolerance (relative to A).", min=0)
+    ] = 0.0,
     strip_prefix: Annotated[
         str | None,
         typer.Option(
@@ -79,10 +85,12 @@ def diff_checkpoints(
         bool, typer.Option("--read-all", help="Read every pair, even those recorded digests prove identical.")
     ] = False,
     layout_a: Annotated[
-        str | None, typer.Option("--layout-a", metavar="LAYOUT", help="Read A as this layout instead of detecting it.")
+        str | None,
+        typer.Option("--layout-a", metavar="LAYOUT", help="Read A as this layout instead of detecting it."),
     ] = None,
     layout_b: Annotated[
-        str | None, typer.Option("--layout-b", metavar="LAYOUT", help="Read B as this layout instead of detecting it.")
+        str | None,
+        typer.Option("--layout-b", metavar="LAYOUT", help="Read B as this layout instead of detecting it."),
     ] = None,
     json_output: JsonOpt = False,
     quiet: QuietOpt = False,
@@ -93,7 +101,7 @@ def diff_checkpoints(
     try:
         renames = compile_renames(parse_rename(r) for r in rename or ())
     except ValueError as exc:
-        raise typer.BadParameter(str(exc), param_hint="--rename") from exc
+        raise bad_value("--rename", str(exc)) from exc
     options = DiffOptions(
         component=component,
         atol=atol,
@@ -118,49 +126,48 @@ def diff_checkpoints(
 
 
 def _render(out: Output, report: DiffReport) -> None:
-    facts = Table.grid(padding=(0, 2))
-    facts.add_column(style="bold")
-    facts.add_column()
-    facts.add_row("A", esc(f"{report.a} ({report.a_layout})"))
-    facts.add_row("B", esc(f"{report.b} ({report.b_layout})"))
     tolerance = "exact" if report.atol == 0 and report.rtol == 0 else f"atol={report.atol:g}, rtol={report.rtol:g}"
     proven = f", {report.proven_count} proven by digests without reading" if report.proven_count else ""
-    facts.add_row(
-        "compared",
-        f"{report.compared} {report.component.value} tensor(s), {tolerance}: {report.equal_count} equal "
-        f"({report.identical_count} bit-identical{proven}), {len(report.changed)} changed; "
-        f"read {human_bytes(report.bytes_read)}",
-    )
+    facts: list[tuple[str, Cell]] = [
+        ("A", f"{report.a} ({report.a_layout})"),
+        ("B", f"{report.b} ({report.b_layout})"),
+        (
+            "compared",
+            f"{report.compared} {report.component.value} tensor(s), {tolerance}: {report.equal_count} equal "
+            f"({report.identical_count} bit-identical{proven}), {len(report.changed)} changed; "
+            f"read {human_bytes(report.bytes_read)}",
+        ),
+    ]
     for label, names in (("only in A", report.only_in_a), ("only in B", report.only_in_b)):
         if names:
             shown = ", ".join(names[:10]) + (f" (+{len(names) - 10} more)" if len(names) > 10 else "")
-            facts.add_row(label, esc(f"{len(names)}: {shown}"))
-    out.print(facts)
+            facts.append((label, f"{len(names)}: {shown}"))
+    out.facts(facts)
     listed = report.listed_changes()
     if listed:
-        out.print(_tensor_table(f"changed ({len(listed)} of {len(report.changed)}, most changed first)", listed))
+        _tensor_table(out, f"changed ({len(listed)} of {len(report.changed)}, most changed first)", listed)
     if report.equal_tensors:
-        out.print(_tensor_table(f"equal ({len(report.equal_tensors)})", report.equal_tensors))
+        _tensor_table(out, f"equal ({len(report.equal_tensors)})", report.equal_tensors)
     if report.metadata:
-        table = Table(title="metadata", title_justify="left")
-        table.add_column("field", overflow="fold")
-        table.add_column("A", overflow="fold")
-        table.add_column("B", overflow="fold")
-        for item in report.metadata:
-            table.add_row(esc(item.field), esc(_value(item.a)), esc(_value(item.b)))
-        out.print(table)
-    verdict = "[green]equal[/green]" if report.equal else "[red]different[/red]"
-    out.print(verdict)
+        out.print()
+        out.table(
+            [Column("field"), Column("A", flexible=True), Column("B", flexible=True)],
+            [[item.field, _value(item.a), _value(item.b)] for item in report.metadata],
+            title="metadata",
+        )
+    out.print(styled("equal", "green") if report.equal else styled("different", "red"))
 
 
-def _tensor_table(title: str, rows: tuple[TensorDiff, ...]) -> Table:
-    table = Table(title=title, title_justify="left")
-    table.add_column("name", overflow="fold")
-    table.add_column("change")
-    table.add_column("max |a-b|", justify="right")
-    table.add_column("rel L2", justify="right")
-    table.add_column("mismatched", justify="right")
-    table.add_column("A → B")
+def _tensor_table(out: Output, title: str, rows: tuple[TensorDiff, ...]) -> None:
+    columns = [
+        Column("name"),
+        Column("change"),
+        Column("max |a-b|", "right"),
+        Column("rel L2", "right"),
+        Column("mismatched", "right", drop=2),
+        Column("A → B", drop=1),
+    ]
+    cells = []
     for row in rows:
         change = row.kind.value if row.kind is not None else ("identical" if row.identical else "within tolerance")
         mismatched = "-" if row.mismatched is None else f"{human_count(row.mismatched)} of {human_count(row.numel)}"
@@ -168,15 +175,18 @@ def _tensor_table(title: str, rows: tuple[TensorDiff, ...]) -> Table:
             mismatched += f" ({row.nonfinite_mismatched} NaN/Inf)"
         a_side = f"{row.a_dtype}{list(row.a_shape)}"
         b_side = f"{row.b_dtype}{list(row.b_shape)}"
-        table.add_row(
-            esc(row.name),
-            change,
-            _number(row.max_abs_diff),
-            _number(row.rel_l2),
-            mismatched,
-            esc(a_side if a_side == b_side else f"{a_side} → {b_side}"),
+        cells.append(
+            [
+                row.name,
+                change,
+                _number(row.max_abs_diff),
+                _number(row.rel_l2),
+                mismatched,
+                a_side if a_side == b_side else f"{a_side} → {b_side}",
+            ]
         )
-    return table
+    out.print()
+    out.table(columns, cells, title=title)
 
 
 def _number(value: float | None) -> str:

@@ -2,90 +2,118 @@
 
 from __future__ import annotations
 
+import enum
 from typing import Annotated
 
 import typer
-from rich.table import Table
 
+from ckptctl.checkpoint import CheckpointState
+from ckptctl.cli.command import add_command
 from ckptctl.cli.options import JsonOpt, QuietOpt, RunLayoutOpt
-from ckptctl.cli.output import STATE_STYLE, Output, esc, human_bytes
+from ckptctl.cli.output import STATE_STYLE, Cell, Column, Output, human_bytes, styled, when
 from ckptctl.layouts import DEFAULT_SCAN_DEPTH
 from ckptctl.ops.report import display_path
 
 HELP = """List every checkpoint of a run folder: step, epoch, layout, state, size, and which one `latest` names.
 
-Reads directory listings and small markers only, so it stays fast on thousands of checkpoints.
-Nested runs (several jobs under one folder) are found too.
+Reads directory listings and small markers only, so it stays fast on thousands of checkpoints. Nested runs (several jobs under one folder) are found too.
 
-[bold]Examples[/bold]
+In a terminal the table fits its width (the path column is never shortened); in a pipe or a log every row is printed whole on one line, with `-` for an empty cell, and the count goes to stderr."""
 
-  ckptctl list runs/llama-sft
-
-  ckptctl list runs/llama-sft --state complete --sort created --reverse --limit 5
-
-  ckptctl list s3://bucket/runs/llama-sft --json | jq '.checkpoints[] | select(.latest)'
+EXAMPLES = """\
+ckptctl list runs/llama-sft
+ckptctl list runs/llama-sft --state complete --sort created --reverse --limit 5
+ckptctl list runs/llama-sft --state broken | awk 'NR > 1 {print $1}'
+ckptctl list s3://bucket/runs/llama-sft --json | jq '.checkpoints[] | select(.latest)'
 """
 
 
+class SortKey(enum.StrEnum):
+    step = "step"
+    created = "created"
+    size = "size"
+    url = "url"
+
+
 def register(app: typer.Typer) -> None:
-    app.command("list", help=HELP)(list_checkpoints)
+    add_command(app, "list", list_checkpoints, HELP, EXAMPLES)
 
 
 def list_checkpoints(
-    run: Annotated[str, typer.Argument(help="Run folder (local path or fsspec URL).", show_default=False)],
-    sort: Annotated[str, typer.Option(help="Sort by step, created, size or url.")] = "step",
+    run: Annotated[
+        str, typer.Argument(metavar="RUN", help="Run folder (local path or fsspec URL).", show_default=False)
+    ],
+    sort: Annotated[
+        SortKey, typer.Option("--sort", metavar="KEY", help="Sort by step, created, size or url.")
+    ] = SortKey.step,
     reverse: Annotated[bool, typer.Option("--reverse", "-r", help="Largest/newest first.")] = False,
     state: Annotated[
-        list[str] | None, typer.Option("--state", help="Only this state (complete, in_progress, broken); repeatable.")
+        list[CheckpointState] | None,
+        typer.Option(
+            "--state",
+            metavar="STATE",
+            help="Only checkpoints in this state: complete, in_progress or broken; repeatable.",
+        ),
     ] = None,
     layout: RunLayoutOpt = None,
-    limit: Annotated[int | None, typer.Option(help="Show at most this many.", min=1)] = None,
-    depth: Annotated[int, typer.Option(help="How deep to look for nested runs.", min=0)] = DEFAULT_SCAN_DEPTH,
+    limit: Annotated[int | None, typer.Option("--limit", metavar="N", help="Show at most N.", min=1)] = None,
+    depth: Annotated[
+        int, typer.Option("--depth", metavar="N", help="How deep to look for nested runs.", min=0)
+    ] = DEFAULT_SCAN_DEPTH,
     json_output: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
-    from ckptctl.checkpoint import CheckpointState
-    from ckptctl.ops.listing import SORT_KEYS, list_run
+    from ckptctl.ops.listing import list_run
 
-    if sort not in SORT_KEYS:
-        raise typer.BadParameter(f"choose one of {', '.join(SORT_KEYS)}", param_hint="--sort")
-    try:
-        states = frozenset(CheckpointState(s) for s in state) if state else None
-    except ValueError as exc:
-        raise typer.BadParameter("choose complete, in_progress or broken", param_hint="--state") from exc
-    report = list_run(run, sort=sort, reverse=reverse, states=states, layout=layout, limit=limit, max_depth=depth)
+    report = list_run(
+        run,
+        sort=sort.value,
+        reverse=reverse,
+        states=frozenset(state) if state else None,
+        layout=layout,
+        limit=limit,
+        max_depth=depth,
+    )
     out = Output(json_mode=json_output, quiet=quiet)
     if json_output:
         out.json(report.to_json())
         return
     if not report.checkpoints:
-        out.note(f"no checkpoints found below {run}")
+        out.note(f"no checkpoints found below {run}" + ("" if report.total == 0 else " that match"))
         return
+    shown = len(report.checkpoints)
+    count = f"{shown} checkpoint(s)" if shown == report.total else f"{shown} of {report.total} checkpoint(s)"
     with_epoch = any(ref.epoch is not None for ref in report.checkpoints)
-    table = Table(title=f"{len(report.checkpoints)} checkpoint(s) in {esc(run)}", title_justify="left")
-    table.add_column("path", overflow="fold", ratio=1)
-    table.add_column("step", justify="right", no_wrap=True)
-    if with_epoch:
-        table.add_column("epoch", justify="right", no_wrap=True)
-    table.add_column("state", no_wrap=True)
-    table.add_column("layout", no_wrap=True)
-    table.add_column("size", justify="right", no_wrap=True)
-    table.add_column("created", no_wrap=True)
-    table.add_column("latest", justify="center", no_wrap=True)
+    with_notes = any(ref.note for ref in report.checkpoints)
+    columns = [
+        Column("path"),
+        Column("step", "right"),
+        *([Column("epoch", "right", drop=3)] if with_epoch else []),
+        Column("state"),
+        Column("layout", drop=2),
+        Column("size", "right", drop=4),
+        Column("created", drop=1),
+        Column("latest"),
+        *([Column("note", flexible=True)] if with_notes else []),
+    ]
+    rows: list[list[Cell]] = []
     for ref in report.checkpoints:
-        style = STATE_STYLE.get(ref.state.value, "")
-        row = [
-            esc(display_path(ref.url, run)) + (f" [dim]({esc(ref.note)})[/dim]" if ref.note else ""),
-            "-" if ref.step is None else str(ref.step),
-        ]
+        row: list[Cell] = [display_path(ref.url, run), "-" if ref.step is None else str(ref.step)]
         if with_epoch:
             row.append("-" if ref.epoch is None else f"{ref.epoch:g}")
         row += [
-            f"[{style}]{ref.state.value}[/{style}]",
-            esc(ref.layout),
+            styled(ref.state.value, STATE_STYLE.get(ref.state.value, "")),
+            ref.layout,
             human_bytes(ref.size_bytes),
-            ref.created.strftime("%m-%d %H:%M") if ref.created else "-",
+            when(ref.created),
             "*" if ref.latest else "",
         ]
-        table.add_row(*row)
-    out.print(table)
+        if with_notes:
+            row.append(ref.note)
+        rows.append(row)
+    if out.is_terminal:
+        out.table(columns, rows, title=f"{count} in {run}")
+    else:
+        # A pipe gets the rows only, as `docker ps` prints them; the count is for the person watching.
+        out.table(columns, rows)
+        out.note(f"{count} in {run}")

@@ -2,18 +2,46 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import sys
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Literal
 
+from rich.cells import cell_len
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+from rich.table import Table
+from rich.text import Text
 
 from ckptctl.ops.report import finite_json
+
+#: Between two columns of a table.
+_GAP = "  "
+
+
+@dataclass(frozen=True, slots=True)
+class Column:
+    """A column of a table `Output.table` prints.
+
+    Attributes:
+        header: its title.
+        justify: `right` for numbers.
+        flexible: prose (notes, reasons) that a narrow terminal may shorten with an ellipsis. Other cells
+            (paths, names, numbers, states) are always printed whole.
+        drop: in a terminal too narrow for the table, columns are left out in this order (1 first) after
+            the flexible ones have been shortened; None: never left out.
+    """
+
+    header: str
+    justify: Literal["left", "right"] = "left"
+    flexible: bool = False
+    drop: int | None = None
+
+
+Cell = str | Text
 
 
 class Output:
@@ -22,20 +50,82 @@ class Output:
     def __init__(self, *, json_mode: bool = False, quiet: bool = False) -> None:
         self.json_mode = json_mode
         self.quiet = quiet
-        # Consoles are created per call so that they follow sys.stdout/sys.stderr as tests swap them.
-        self.out = Console(highlight=False, soft_wrap=False)
-        self.err = Console(stderr=True, highlight=False)
+        # Both consoles write to whatever sys.stdout/sys.stderr are at the time (tests swap them). Lines are
+        # never wrapped by us (soft wrap): a terminal wraps them itself, and a pipe gets them whole.
+        self.out = Console(highlight=False, soft_wrap=True)
+        self.err = Console(stderr=True, highlight=False, soft_wrap=True)
+
+    @property
+    def is_terminal(self) -> bool:
+        """Whether stdout is a terminal (tables fit its width) rather than a pipe, a file or a CI log."""
+        return self.out.is_terminal
 
     def json(self, document: dict[str, Any]) -> None:
-        with _closed_pipe_is_fine():
-            sys.stdout.write(json.dumps(finite_json(document), indent=2, allow_nan=False) + "\n")
-            sys.stdout.flush()
+        sys.stdout.write(json.dumps(finite_json(document), indent=2, allow_nan=False) + "\n")
+        sys.stdout.flush()
 
     def print(self, *renderables: Any) -> None:
         """Human output (stdout); nothing in JSON or quiet mode."""
         if not self.json_mode and not self.quiet:
-            with _closed_pipe_is_fine():
-                self.out.print(*renderables)
+            self.out.print(*renderables)
+
+    def table(self, columns: Sequence[Column], rows: Sequence[Sequence[Cell]], *, title: str | None = None) -> None:
+        """Rows under a header line, columns aligned, no borders (as `docker ps` and `kubectl get` print).
+
+        Anywhere but a terminal (a pipe, a file, a CI log) every cell is printed whole, rows never wrap,
+        empty cells read `-` (so that `awk` counts columns right) and no line ends in spaces. In a terminal
+        the table fits its width when it can: flexible columns are shortened, then columns with a `drop`
+        rank are left out (said on stderr); paths and names are never shortened. `title` is a line above.
+        """
+        if self.json_mode or self.quiet:
+            return
+        terminal = self.is_terminal
+        cells = [[_text(cell) for cell in row] for row in rows]
+        if not terminal:
+            cells = [[cell if cell.plain else Text("-") for cell in row] for row in cells]
+        widths = [max([cell_len(c.header), *(cell_len(row[i].plain) for row in cells)]) for i, c in enumerate(columns)]
+        shown = list(range(len(columns)))
+        if terminal:
+            shown, widths = _fit(columns, widths, self.out.width)
+        if title:
+            self.out.print(Text(title, style="bold" if terminal else ""))
+        header = [Text(c.header, style="bold" if terminal else "") for c in columns]
+        for row in (header, *cells):
+            line = Text()
+            for i in shown:
+                cell = row[i]
+                if cell_len(cell.plain) > widths[i]:
+                    cell = cell.copy()
+                    cell.truncate(widths[i], overflow="ellipsis")
+                pad = Text(" " * (widths[i] - cell_len(cell.plain)))
+                line.append_text(pad + cell if columns[i].justify == "right" else cell + pad)
+                line.append(_GAP)
+            line.rstrip()
+            self.out.print(line, no_wrap=True, overflow="ignore", crop=False)
+        left_out = [columns[i].header for i in range(len(columns)) if i not in shown]
+        if left_out:
+            self.note(f"({', '.join(left_out)} left out to fit {self.out.width} columns; --json shows everything)")
+
+    def facts(self, rows: Sequence[tuple[str, Cell]]) -> None:
+        """`name  value` lines (a checkpoint's facts, a plan's verdicts).
+
+        In a terminal, long values wrap inside their column; anywhere else every line is printed whole.
+        """
+        if self.json_mode or self.quiet:
+            return
+        if self.is_terminal:
+            grid = Table.grid(padding=(0, 2))
+            grid.add_column(style="bold", no_wrap=True)
+            grid.add_column()
+            for name, value in rows:
+                grid.add_row(name, _text(value))
+            self.out.print(grid)
+            return
+        width = max((cell_len(name) for name, _ in rows), default=0)
+        for name, value in rows:
+            line = Text(name + " " * (width - cell_len(name)) + _GAP) + _text(value)
+            line.rstrip()
+            self.out.print(line, no_wrap=True, overflow="ignore", crop=False)
 
     def note(self, message: str) -> None:
         """A remark for a person (stderr), printed as plain text; nothing in quiet mode."""
@@ -47,8 +137,10 @@ class Output:
         self.err.print(f"[yellow]warning:[/yellow] {esc(message)}")
 
     def progress(self) -> RichProgress:
-        """A progress sink for `ckptctl.ops` that draws on stderr when it is a terminal."""
-        return RichProgress(self.err, enabled=not self.quiet and self.err.is_terminal)
+        """A progress sink for `ckptctl.ops` that draws on stderr when it is a terminal that can redraw a line
+        (not TERM=dumb, where each bar would only leave an empty line behind)."""
+        err = self.err
+        return RichProgress(err, enabled=not self.quiet and err.is_terminal and not err.is_dumb_terminal)
 
 
 class RichProgress:
@@ -86,15 +178,52 @@ class RichProgress:
             self._bar = None
 
 
-@contextlib.contextmanager
-def _closed_pipe_is_fine() -> Iterator[None]:
-    """`ckptctl list --json | head` closes stdout early: the reader got what it wanted, so exit 0 quietly."""
-    try:
-        yield
-    except BrokenPipeError:
-        # Point stdout at /dev/null so that the interpreter's final flush does not raise again.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        sys.exit(0)
+def _text(cell: Cell) -> Text:
+    return cell if isinstance(cell, Text) else Text(cell)
+
+
+def _fit(columns: Sequence[Column], widths: list[int], available: int) -> tuple[list[int], list[int]]:
+    """Which columns to show, and their widths, for a terminal `available` cells wide.
+
+    Flexible columns shrink first (widest first, to 12 cells), then columns are left out in their `drop`
+    order, then flexible ones shrink to their header. A table that still does not fit is printed as it is
+    (the terminal wraps its lines): whole values beat cut ones.
+    """
+    widths = list(widths)
+    shown = list(range(len(columns)))
+
+    def excess() -> int:
+        return sum(widths[i] for i in shown) + len(_GAP) * (len(shown) - 1) - available
+
+    def shrink(floor: int) -> None:
+        while excess() > 0:
+            flexible = [i for i in shown if columns[i].flexible and widths[i] > max(floor, cell_len(columns[i].header))]
+            if not flexible:
+                return
+            widths[max(flexible, key=lambda i: widths[i])] -= 1
+
+    shrink(12)
+    for i in sorted((i for i, c in enumerate(columns) if c.drop is not None), key=lambda i: columns[i].drop or 0):
+        if excess() <= 0:
+            break
+        shown.remove(i)
+    shrink(0)
+    return shown, widths
+
+
+def styled(text: str, style: str) -> Text:
+    """`text` (literal, never markup) in `style` (colours show in a terminal only)."""
+    return Text(text, style=style)
+
+
+def when(value: datetime | None, *, now: datetime | None = None) -> str:
+    """A local time to the second, with the year when it is not this year's (`05-14 09:31:02`,
+    `2023-11-02 17:04:55`)."""
+    if value is None:
+        return "-"
+    local = value.astimezone()
+    current = (now or datetime.now()).astimezone()
+    return local.strftime("%m-%d %H:%M:%S" if local.year == current.year else "%Y-%m-%d %H:%M:%S")
 
 
 def esc(value: object) -> str:

@@ -7,10 +7,10 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Annotated, TypeVar
 
 import typer
-from rich.table import Table
 
-from ckptctl.cli.options import JsonOpt, QuietOpt
-from ckptctl.cli.output import Output, esc, human_bytes
+from ckptctl.cli.command import add_command
+from ckptctl.cli.options import JsonOpt, QuietOpt, bad_value
+from ckptctl.cli.output import Cell, Column, Output, human_bytes, styled
 from ckptctl.errors import CkptctlError
 from ckptctl.layouts import DEFAULT_SCAN_DEPTH
 from ckptctl.ops.report import display_path
@@ -23,29 +23,16 @@ T = TypeVar("T")
 
 HELP = """Delete the checkpoints of a run that the retention rules do not keep, safely.
 
-Rules compose with "any": a checkpoint is kept when one of --keep-last, --keep-every or --keep-best keeps
-it; --max-total-size then deletes the oldest ones only rules keep until the run fits; --older-than limits
-deletion to older checkpoints. Without rule options, the \\[retention] table of RUN_DIR/ckptctl.toml is used
-(same names: keep_last, keep_every, keep_best, max_total_size, older_than, pin, grace).
+Rules compose with "any": a checkpoint is kept when one of --keep-last, --keep-every or --keep-best keeps it; --max-total-size then deletes the oldest ones only rules keep until the run fits; --older-than limits deletion to older checkpoints. Without rule options, the \\[retention] table of RUN/ckptctl.toml is used (same names: keep_last, keep_every, keep_best, max_total_size, older_than, pin, grace).
 
-Never deleted: the newest complete checkpoint; what a `latest` pointer names (ckptctl's, DeepSpeed's), the
-Trainer's best_model_checkpoint, OpenRLHF best* folders; anything in progress (no completion marker,
-staging names, a writer's lock, files modified within --grace); pinned steps; symbolic links and anything
-outside RUN_DIR. Each checkpoint is moved into a .ckptctl-trash folder beside it and deleted there, so an
-interrupted prune never leaves a half-deleted checkpoint that looks complete. One prune per run at a time.
+Never deleted: the newest complete checkpoint; what a `latest` pointer names (ckptctl's, DeepSpeed's), the Trainer's best_model_checkpoint, OpenRLHF best* folders; anything in progress (no completion marker, staging names, a writer's lock, files modified within --grace); pinned steps; symbolic links and anything outside RUN. Each checkpoint is moved into a .ckptctl-trash folder beside it and deleted there, so an interrupted prune never leaves a half-deleted checkpoint that looks complete. One prune per run at a time.
 
-Exit code 0 when done (or nothing to do), 1 when the rules wanted a deletion that could not happen
-(protected checkpoints, a run still over --max-total-size, a failed deletion, another prune holding the
-lock, a declined prompt), 2 on bad usage (also: deleting without --yes when stdin is not a terminal, or with
---json or --quiet, which never prompt).
+Exit code 0 when the run meets the rules (nothing left to do), 1 when it does not, also in a dry run: the rules want a deletion that cannot happen (a protected checkpoint, a run still over --max-total-size), a deletion failed, another prune holds the lock, or the prompt was declined. 2 on bad usage: a --keep-best metric that no checkpoint records, or deleting without --yes when stdin is not a terminal or with --json or --quiet (which never prompt)."""
 
-[bold]Examples[/bold]
-
-  ckptctl prune runs/llama-sft --keep-last 3 --keep-every 1000 --dry-run
-
-  ckptctl prune runs/llama-sft --keep-last 2 --keep-best eval_loss:min --max-total-size 2TB -y
-
-  ckptctl prune runs/llama-sft --older-than 7d --pin 5000 --json -y   # cron; rules may live in ckptctl.toml
+EXAMPLES = """\
+ckptctl prune runs/llama-sft --keep-last 3 --keep-every 1000 --dry-run
+ckptctl prune runs/llama-sft --keep-last 2 --keep-best eval_loss:min --max-total-size 2TB -y
+ckptctl prune runs/llama-sft --older-than 7d --pin 5000 --json -y   # cron; rules may live in ckptctl.toml
 """
 
 
@@ -54,44 +41,60 @@ class ConfirmationRequired(CkptctlError):
 
 
 def register(app: typer.Typer) -> None:
-    app.command("prune", help=HELP)(prune)
+    add_command(app, "prune", prune, HELP, EXAMPLES)
 
 
 def prune(
-    run: Annotated[str, typer.Argument(help="Run folder (local path or fsspec URL).", show_default=False)],
+    run: Annotated[
+        str, typer.Argument(metavar="RUN", help="Run folder (local path or fsspec URL).", show_default=False)
+    ],
     keep_last: Annotated[
-        int | None, typer.Option("--keep-last", help="Keep the newest N complete checkpoints.", min=1)
+        int | None, typer.Option("--keep-last", metavar="N", help="Keep the newest N complete checkpoints.", min=1)
     ] = None,
     keep_every: Annotated[
-        int | None, typer.Option("--keep-every", help="Keep checkpoints whose step is a multiple of K.", min=1)
+        int | None,
+        typer.Option("--keep-every", metavar="K", help="Keep checkpoints whose step is a multiple of K.", min=1),
     ] = None,
     keep_best: Annotated[
         list[str] | None,
         typer.Option(
             "--keep-best",
+            metavar="METRIC[:min|max]",
             help="Keep the best checkpoint by a recorded metric, METRIC[:min|max] (default min for *loss); repeatable.",
         ),
     ] = None,
     max_total_size: Annotated[
         str | None,
         typer.Option(
-            "--max-total-size", help="Delete the oldest unprotected checkpoints until the run fits (500GB, 2TiB)."
+            "--max-total-size",
+            metavar="SIZE",
+            help="Delete the oldest unprotected checkpoints until the run fits (500GB, 2TiB).",
         ),
     ] = None,
     older_than: Annotated[
-        str | None, typer.Option("--older-than", help="Only checkpoints older than this may go (7d, 12h, 30m).")
+        str | None,
+        typer.Option("--older-than", metavar="AGE", help="Only checkpoints older than this may go (7d, 12h, 30m)."),
     ] = None,
-    pin: Annotated[list[int] | None, typer.Option("--pin", help="Never delete this step; repeatable.", min=0)] = None,
+    pin: Annotated[
+        list[int] | None, typer.Option("--pin", metavar="STEP", help="Never delete this step; repeatable.", min=0)
+    ] = None,
     grace: Annotated[
         str | None,
-        typer.Option("--grace", help="Checkpoints modified this recently count as being written (default 10m)."),
+        typer.Option(
+            "--grace", metavar="AGE", help="Checkpoints modified this recently count as being written (default 10m)."
+        ),
     ] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan; change nothing.")] = False,
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Delete without asking for confirmation.")] = False,
     wait: Annotated[
-        float, typer.Option("--wait", help="Seconds to wait for another prune of the run to finish.", min=0)
+        float,
+        typer.Option(
+            "--wait", metavar="SECONDS", help="Seconds to wait for another prune of the run to finish.", min=0
+        ),
     ] = 30.0,
-    depth: Annotated[int, typer.Option(help="How deep to look for nested runs.", min=0)] = DEFAULT_SCAN_DEPTH,
+    depth: Annotated[
+        int, typer.Option("--depth", metavar="N", help="How deep to look for nested runs.", min=0)
+    ] = DEFAULT_SCAN_DEPTH,
     json_output: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
@@ -104,7 +107,7 @@ def prune(
     try:
         best = tuple(KeepBest.parse(b) for b in keep_best or ())
     except ValueError as exc:
-        raise typer.BadParameter(str(exc), param_hint="--keep-best") from exc
+        raise bad_value("--keep-best", str(exc)) from exc
     size = _parse(parse_size, max_total_size, "--max-total-size")
     age = _parse(parse_age, older_than, "--older-than")
     grace_age = _parse(parse_age, grace, "--grace")
@@ -168,6 +171,7 @@ def prune(
         max_depth=depth,
         progress=out.progress(),
         warn=out.warn,
+        require_metrics=bool(best),
     )
     if json_output:
         out.json(report.to_json())
@@ -177,10 +181,14 @@ def prune(
         _render_summary(out, report)
     for note in report.plan.notes:
         out.note(f"note: {note}")
+    # A declined prompt leaves every planned deletion in place: one line says so, not one per checkpoint.
+    unmet = report.plan.unmet if report.cancelled else report.unmet
     if not quiet:
-        for problem in report.unmet:
+        for problem in unmet:
             out.warn(problem)
-    if report.failed or report.cancelled or (not report.deleted and report.unmet):
+    # The rules are met or not, whatever this run managed to delete (and whether it was a dry run): a
+    # cron job must see 1 as long as the run stays over its budget or keeps what the rules would delete.
+    if report.failed or report.cancelled or unmet:
         raise typer.Exit(1)
 
 
@@ -190,39 +198,40 @@ def _parse(parser: Callable[[str], T], text: str | None, option: str) -> T | Non
     try:
         return parser(text)
     except ValueError as exc:
-        raise typer.BadParameter(str(exc), param_hint=option) from exc
+        raise bad_value(option, str(exc)) from exc
 
 
 def _render_plan(out: Output, plan: PrunePlan) -> None:
     if not plan.items:
         out.note(f"no checkpoints found below {plan.run}")
         return
-    table = Table(
-        title=esc(f"{plan.run}: {plan.policy.describe()}"),
-        title_justify="left",
-    )
-    table.add_column("action", no_wrap=True)
-    table.add_column("path", overflow="fold", ratio=1)
-    table.add_column("step", justify="right", no_wrap=True)
-    table.add_column("state", no_wrap=True)
-    table.add_column("size", justify="right", no_wrap=True)
-    table.add_column("why", overflow="fold", ratio=1)
+    columns = [
+        Column("action"),
+        Column("path"),
+        Column("step", "right"),
+        Column("state", drop=2),
+        Column("size", "right", drop=1),
+        Column("why", flexible=True),
+    ]
+    rows: list[list[Cell]] = []
     for item in plan.items:
         if not item.keep:
-            action = "[red]delete[/red]"
+            action = styled("delete", "red")
         elif item.blocked:
-            action = "[yellow]protected[/yellow]"
+            action = styled("protected", "yellow")
         else:
-            action = "[green]keep[/green]"
-        table.add_row(
-            action,
-            esc(display_path(item.url, plan.run)),
-            "-" if item.ref.step is None else str(item.ref.step),
-            item.ref.state.value,
-            human_bytes(item.size_bytes),
-            esc("; ".join(item.reasons)),
+            action = styled("keep", "green")
+        rows.append(
+            [
+                action,
+                display_path(item.url, plan.run),
+                "-" if item.ref.step is None else str(item.ref.step),
+                item.ref.state.value,
+                human_bytes(item.size_bytes),
+                "; ".join(item.reasons),
+            ]
         )
-    out.print(table)
+    out.table(columns, rows, title=f"{plan.run}: {plan.policy.describe()}")
 
 
 def _render_summary(out: Output, report: PruneReport) -> None:

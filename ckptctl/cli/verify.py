@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+from ckptctl.cli.command import add_command
 from ckptctl.cli.options import JsonOpt, LayoutOpt, QuietOpt
 from ckptctl.cli.output import Output, esc
 
@@ -14,41 +15,46 @@ if TYPE_CHECKING:
 
 HELP = """Check that a checkpoint (or every checkpoint of a run) is whole before you resume from it.
 
-Structure: every shard present, sizes and offsets consistent with the metadata, every chunk of every
-tensor covered, index files pointing at real files. Digests: every file against the manifest when there
-is one (files hashed in parallel with blake3). --deep reads every tensor; --check-finite flags NaN/Inf.
+Structure: every shard present, sizes and offsets consistent with the metadata, every chunk of every tensor covered, index files pointing at real files. Digests: every file against the manifest when there is one (files hashed in parallel with blake3). --deep reads every tensor; --check-finite flags NaN/Inf. PATH may also be a single weights file (`*.safetensors`, or a torch.save zip: `*.pt`, `*.pth`, `*.bin`).
 
-Exit code 0 when everything verifies, 1 when a problem was found, 2 when the path cannot be read.
+With --latest, only the checkpoint a resume would load is verified. A run with no checkpoint yet (no folder, or only a save still being written) is a fresh start: exit code 0, said on stderr and as "fresh_start" in JSON, so that a resume gate lets the first launch through.
 
-[bold]Examples[/bold]
+Exit code 0 when everything verifies, 1 when a problem was found (with --latest: no checkpoint a resume could load), 2 when the path cannot be read."""
 
-  ckptctl verify runs/llama-sft --latest && python train.py --resume
-
-  ckptctl verify runs/llama-sft/step-1000 --deep --check-finite
-
-  ckptctl verify dcp-export/ --write-manifest   # record digests for later checks
+EXAMPLES = """\
+ckptctl verify runs/llama-sft --latest -q && torchrun train.py --resume
+ckptctl verify runs/llama-sft/step-1000 --deep --check-finite
+ckptctl verify hf-export/model.safetensors --deep
+ckptctl verify dcp-export/ --write-manifest   # record digests for later checks
 """
 
 
 def register(app: typer.Typer) -> None:
-    app.command("verify", help=HELP)(verify)
+    add_command(app, "verify", verify, HELP, EXAMPLES)
 
 
 def verify(
     path: Annotated[
-        str, typer.Argument(help="Checkpoint or run folder (local path or fsspec URL).", show_default=False)
+        str,
+        typer.Argument(
+            metavar="PATH",
+            help="Checkpoint folder, weights file, or run folder (local path or fsspec URL).",
+            show_default=False,
+        ),
     ],
     latest: Annotated[bool, typer.Option("--latest", help="Verify only the checkpoint a resume would pick.")] = False,
     deep: Annotated[bool, typer.Option("--deep", help="Read and assemble every tensor.")] = False,
-    check_finite: Annotated[
-        bool, typer.Option("--check-finite", help="With reading every tensor: flag NaN/Inf.")
-    ] = False,
+    check_finite: Annotated[bool, typer.Option("--check-finite", help="Read every tensor and flag NaN/Inf.")] = False,
     write_manifest: Annotated[
         bool,
-        typer.Option("--write-manifest", help="Record digests (ckptctl-digests.json) into a checkpoint that has none."),
+        typer.Option(
+            "--write-manifest",
+            help="Record digests (ckptctl-digests.json) into a checkpoint that has none.",
+        ),
     ] = False,
     workers: Annotated[
-        int | None, typer.Option(help="Files hashed at once (default: one per core, 2 to 8).", min=1)
+        int | None,
+        typer.Option("--workers", metavar="N", help="Files hashed at once (default: one per core, 2 to 8).", min=1),
     ] = None,
     layout: LayoutOpt = None,
     json_output: JsonOpt = False,
@@ -72,6 +78,8 @@ def verify(
         report = verify_path(path, options, progress)
     if json_output:
         out.json(report.to_json())
+    elif isinstance(report, RunVerifyReport) and report.fresh_start:
+        out.note(f"no checkpoint in {path} yet: a resume starts from scratch (nothing to verify)")
     else:
         results = report.results if isinstance(report, RunVerifyReport) else (report,)
         for result in results:

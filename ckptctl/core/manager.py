@@ -82,7 +82,7 @@ class CheckpointManager:
 
     When `torch.distributed` is initialised with more than one rank, module and optimizer entries are
     saved through torch DCP (sharded, reshardable) and rank 0 commits; every rank must call `save` and
-    `restore`. Multi-rank saves are synchronous even with `async_save=True`.
+    `resume`/`restore`. Multi-rank saves are synchronous even with `async_save=True`.
 
     Args:
         root: the run folder: a local path (created if missing) or an fsspec URL such as
@@ -98,8 +98,7 @@ class CheckpointManager:
     Example:
         >>> manager = CheckpointManager("runs/exp1", policy=RetentionPolicy(keep_last=3))
         >>> state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "sampler": sampler}
-        >>> start = manager.restore(state) + 1 if manager.latest_step() is not None else 0
-        >>> for step in range(start, total):
+        >>> for step in range(manager.resume(state), total):  # 0 on a fresh run, else one past the restored step
         ...     train_step()
         ...     if step % 100 == 0:
         ...         manager.save(step, state, metrics={"loss": loss})
@@ -411,6 +410,40 @@ class CheckpointManager:
         return Candidate(step, name, created=created, size_bytes=size, metrics=metrics, protected=protected)
 
     # ------------------------------------------------------------------ restore
+
+    def resume(self, state: MutableMapping[str, Any], *, first_step: int = 0, verify: bool = False) -> int:
+        """Continue the run if it has a checkpoint: restore the newest valid one into `state`; return the step
+        to run next.
+
+        The one call a training loop needs, whether the job starts the run or continues it after a crash
+        or a preemption::
+
+            for step in range(manager.resume(state), total_steps):
+                ...
+
+        Args:
+            state: as for `restore` (freshly built objects to load into).
+            first_step: what to return when the run has no checkpoint yet (1 for loops that count from 1).
+            verify: as for `restore`.
+
+        Returns:
+            The restored step + 1, or `first_step` when nothing has been committed yet (`state` is then left
+            as built; a staging folder of an interrupted first save counts as nothing).
+
+        Raises:
+            CheckpointNotFound: the run has committed checkpoints but none is valid. Starting over would
+                quietly throw the run's progress away, so that is left to the caller (`restore` a given
+                step, or move the run folder aside).
+            CorruptCheckpoint: the chosen checkpoint is broken.
+        """
+        self._join()
+        saved = bool(self.all_steps())
+        world = dist_.current_world()
+        if world.multi:  # rank 0's view decides, as it does for the step `restore` picks
+            saved = bool(dist_.broadcast(saved))
+        if not saved:
+            return first_step
+        return self.restore(state, verify=verify) + 1
 
     def restore(self, state: MutableMapping[str, Any], step: int | None = None, *, verify: bool = False) -> int:
         """Load a checkpoint into `state` and restore the random generators; return its step.

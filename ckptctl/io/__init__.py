@@ -142,7 +142,11 @@ def local_path(url: str) -> str:
 
 
 def join(url: str, *parts: str) -> str:
-    """Join path parts with `/`, keeping the URL scheme."""
+    """Join path parts with `/`, keeping the URL scheme. Empty parts add nothing: a single-file checkpoint
+    names its one data file "" (itself), and `join(file, "")` is that file, not `file/`."""
+    parts = tuple(p for p in parts if p)
+    if not parts:
+        return url
     if is_local(url):
         return os.path.join(url, *parts)
     return posixpath.join(url, *parts)

@@ -154,7 +154,8 @@ def _identify(url: str, entries: Sequence[io.DirEntry]) -> tuple[Layout, Checkpo
 
 
 def detect(url: str, layout: str | None = None, *, explain: bool = True) -> tuple[Layout, CheckpointRef]:
-    """The layout of the checkpoint folder at `url` and its ref.
+    """The layout of the checkpoint folder at `url` and its ref (or of a single weights file, see
+    `layouts.single_file`).
 
     Raises:
         CheckpointNotFound: the folder does not exist.
@@ -163,7 +164,11 @@ def detect(url: str, layout: str | None = None, *, explain: bool = True) -> tupl
     """
     if not io.is_dir(url):
         if io.exists(url):
-            raise UnknownLayout(f"{url} is a file, not a checkpoint folder", "pass the folder that contains it")
+            from ckptctl.layouts.single_file import detect_file
+
+            if layout is not None:
+                raise UnknownLayout(f"{url} is a file: --layout {layout} names a folder layout", "leave out --layout")
+            return detect_file(url)  # a weights file, or an error that says what to pass instead
         raise CheckpointNotFound(f"no such checkpoint folder: {url}")
     _forget_peeks()
     entries = io.list_dir(url)
@@ -201,6 +206,10 @@ def scan_run(url: str, max_depth: int = DEFAULT_SCAN_DEPTH) -> list[CheckpointRe
     """
     with io.listing_snapshot(url):
         if not io.is_dir(url):
+            if io.exists(url):
+                raise CheckpointNotFound(
+                    f"{url} is a file, not a run folder", "pass the folder that holds the checkpoints"
+                )
             raise CheckpointNotFound(f"no such run folder: {url}")
         _forget_peeks()
         found: list[CheckpointRef] = []

@@ -15,6 +15,7 @@ import os
 import shutil
 import socket
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -82,16 +83,33 @@ def _train_steps(model: Any, optimizer: Any, scheduler: Any, first: int, last: i
         on_step(step, float(loss.detach()))
 
 
-def run_demo(root: str, *, steps: int = 30, distributed: bool = True, force: bool = False) -> DemoResult:
-    """Train the tiny model and write the demo runs under `root`."""
-    import torch
+def run_demo(
+    root: str,
+    *,
+    steps: int = 30,
+    distributed: bool = True,
+    force: bool = False,
+    on_stage: Callable[[str], None] | None = None,
+) -> DemoResult:
+    """Train the tiny model and write the demo runs under `root`.
 
-    from ckptctl.core import CheckpointManager, RetentionPolicy
-
+    Args:
+        root: a local folder, absent or empty (or one an earlier demo wrote, with `force`).
+        steps: training steps; a checkpoint every `SAVE_EVERY`.
+        distributed: also run the 2-rank part (`distributed/` and `dcp/`).
+        force: replace a folder an earlier demo wrote.
+        on_stage: told what the demo is doing, once the folder is accepted (the run takes tens of seconds).
+    """
     if not io.is_local(root):
         raise CkptctlError("the demo writes to a local folder", "pass a local path")
     root = io.local_path(root)
     _prepare(root, force=force)
+    say = on_stage or (lambda _: None)
+    say(f"training a tiny model for {steps} steps into {root}/native (a checkpoint every {SAVE_EVERY})")
+
+    import torch
+
+    from ckptctl.core import CheckpointManager, RetentionPolicy
 
     torch.manual_seed(0)
     model = _model()
@@ -103,15 +121,19 @@ def run_demo(root: str, *, steps: int = 30, distributed: bool = True, force: boo
     def save(step: int, loss: float) -> None:
         if step % SAVE_EVERY == 0:
             manager.save(step, state, metrics={"loss": loss})
+            say(f"saved native/step-{step} (loss {loss:.3f})")
 
     _train_steps(model, optimizer, scheduler, 1, steps, save)
     manager.wait()
     runs = ["native"]
     _export_hf(os.path.join(root, "hf"), model)
+    say("exported the model to hf/")
     runs.append("hf")
     if distributed:
+        say(f"training on 2 ranks (gloo, FSDP2) for {steps} steps into distributed/ and dcp/ (starting 2 processes)")
         port = _free_port()
         torch.multiprocessing.spawn(_distributed_worker, args=(2, port, root, steps), nprocs=2, join=True)
+        say("saved distributed/ and dcp/")
         runs += ["distributed", "dcp"]
     return DemoResult(root, tuple(runs), steps)
 

@@ -7,7 +7,7 @@ from typing import Any
 
 from ckptctl import io
 from ckptctl.checkpoint import CheckpointRef, CheckpointState
-from ckptctl.layouts import DEFAULT_SCAN_DEPTH, scan_run
+from ckptctl.layouts import DEFAULT_SCAN_DEPTH, get_layout, scan_run
 from ckptctl.ops.report import SCHEMA_VERSION, ref_json
 
 SORT_KEYS = ("step", "created", "size", "url")
@@ -15,16 +15,24 @@ SORT_KEYS = ("step", "created", "size", "url")
 
 @dataclass(frozen=True, slots=True)
 class ListReport:
-    """The checkpoints found below a run folder."""
+    """The checkpoints found below a run folder.
+
+    Attributes:
+        run: the run folder.
+        checkpoints: those listed (after filters, sorting and the limit).
+        total: how many matched the filters before the limit.
+    """
 
     run: str
     checkpoints: tuple[CheckpointRef, ...]
+    total: int
 
     def to_json(self) -> dict[str, Any]:
         return {
             "schema_version": SCHEMA_VERSION,
             "run": self.run,
             "checkpoints": [ref_json(c) for c in self.checkpoints],
+            "total": self.total,
         }
 
 
@@ -48,9 +56,15 @@ def list_run(
         layout: keep only this layout.
         limit: keep at most this many (after sorting).
         max_depth: how deep to look for nested runs.
+
+    Raises:
+        UnknownLayout: `layout` names no layout (the message lists the known ones).
+        CheckpointNotFound: `run` is not a folder.
     """
     if sort not in SORT_KEYS:
         raise ValueError(f"sort must be one of {SORT_KEYS}")
+    if layout is not None:
+        get_layout(layout)
     refs = scan_run(run, max_depth=max_depth)
     if states is not None:
         refs = [r for r in refs if r.state in states]
@@ -68,6 +82,7 @@ def list_run(
         return (io.parent_of(ref.url), ref.step is not None, ref.step or 0, ref.url)
 
     refs.sort(key=key, reverse=reverse)
+    total = len(refs)
     if limit is not None:
         refs = refs[:limit]
-    return ListReport(run=run, checkpoints=tuple(refs))
+    return ListReport(run=run, checkpoints=tuple(refs), total=total)

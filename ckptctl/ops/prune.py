@@ -251,6 +251,10 @@ class PruneReport:
         }
 
 
+class UnknownMetric(CkptctlError):
+    """`keep_best` names a metric that no checkpoint of the run records (bad usage: exit code 2)."""
+
+
 # ------------------------------------------------------------------------------------------ policy file
 
 
@@ -353,6 +357,7 @@ def plan_prune(
     grace: timedelta = DEFAULT_GRACE,
     now: datetime | None = None,
     max_depth: int = DEFAULT_SCAN_DEPTH,
+    require_metrics: bool = False,
 ) -> PrunePlan:
     """Plan a prune of `run`: read-only (directory listings, markers, metrics when `keep_best` asks).
 
@@ -363,9 +368,12 @@ def plan_prune(
         grace: a checkpoint with a file modified within this is taken to be still written.
         now: the current time (tests fix it).
         max_depth: how deep to look for checkpoints.
+        require_metrics: a `keep_best` metric that no complete checkpoint records is an error rather than a
+            note (a typo on the command line would otherwise keep nothing by it).
 
     Raises:
         CheckpointNotFound: `run` is not a folder.
+        UnknownMetric: with `require_metrics`, a `keep_best` metric no complete checkpoint records.
     """
     now = now or datetime.now(UTC)
     refs = scan_run(run, max_depth=max_depth)
@@ -378,6 +386,12 @@ def plan_prune(
                 metrics[f.ref.url] = checkpoint_metrics(f.ref)
         for best in policy.keep_best:
             if not any(best.value(m) is not None for m in metrics.values()):
+                if require_metrics and metrics:
+                    recorded = sorted({name for m in metrics.values() for name in m})
+                    raise UnknownMetric(
+                        f"no checkpoint of {run} records the metric {best.metric!r}: keep_best={best} would keep nothing",
+                        f"metrics recorded: {', '.join(recorded)}" if recorded else "no checkpoint records any metric",
+                    )
                 notes.append(f"no checkpoint records the metric {best.metric!r}: keep_best={best} keeps nothing")
     candidates = [
         Candidate(
@@ -552,6 +566,7 @@ def prune(
     max_depth: int = DEFAULT_SCAN_DEPTH,
     progress: Progress | None = None,
     warn: Callable[[str], None] | None = None,
+    require_metrics: bool = False,
 ) -> PruneReport:
     """Plan and (unless `dry_run`) delete what the policy does not keep, holding the run's lock.
 
@@ -565,18 +580,19 @@ def prune(
         max_depth: how deep to look for checkpoints.
         progress: where deletion progress goes (bytes).
         warn: where a stale lock's takeover is reported.
+        require_metrics: see `plan_prune`.
 
     Raises:
         RunLocked: another prune holds the run's lock (or took it over from us).
         CheckpointNotFound: `run` is not a folder.
     """
     if dry_run:
-        plan = plan_prune(run, policy, grace=grace, max_depth=max_depth)
+        plan = plan_prune(run, policy, grace=grace, max_depth=max_depth, require_metrics=require_metrics)
         return PruneReport(plan, dry_run=True, deleted=plan.delete)
     if not io.is_dir(run):
         raise CheckpointNotFound(f"no such run folder: {run}")
     with RunLock(run, wait=wait, command=f"ckptctl prune ({policy.describe()})", warn=warn) as lock:
-        plan = plan_prune(run, policy, grace=grace, max_depth=max_depth)
+        plan = plan_prune(run, policy, grace=grace, max_depth=max_depth, require_metrics=require_metrics)
         if plan.delete and confirm is not None and not confirm(plan):
             declined = tuple(Skipped(i, "not confirmed") for i in plan.delete)
             return PruneReport(plan, dry_run=False, deleted=(), skipped=declined, cancelled=True)

@@ -240,8 +240,6 @@ class ResumeProfile:
         hint: the exact setting that resumes from the chosen checkpoint.
         world_size: whether (and at what read cost) the target number of ranks loads it.
         restored: the components it reloads when present (others are saved but ignored on resume).
-        implicit: components it restores without a component of their own (the step a native
-            `restore()` returns, for example).
         impacts: better one-liners than `DEFAULT_IMPACT` for this framework.
         follows_pointer: it loads what the run's `latest` pointer names, not the newest folder.
         picks_highest: it resumes from the highest-numbered folder without checking it.
@@ -257,7 +255,6 @@ class ResumeProfile:
     hint: Callable[[PlanContext], str]
     world_size: Callable[[PlanContext], WorldSizeCheck]
     restored: frozenset[Component] = frozenset(RESUMABLE)
-    implicit: frozenset[Component] = frozenset()
     impacts: Mapping[Component, str] = field(default_factory=dict)
     follows_pointer: bool = False
     picks_highest: bool = False
@@ -386,8 +383,8 @@ def _deepspeed_hint(ctx: PlanContext) -> str:
     tag = io.name_of(ctx.url)
     if ctx.world is not None and ctx.world.ok is False and ctx.world.fix:
         return (
-            f'engine.load_checkpoint("{io.parent_of(ctx.url)}", tag="{tag}_universal") after the conversion below, '
-            'with "checkpoint": {"load_universal": true}'
+            f'engine.load_checkpoint("{io.parent_of(ctx.url)}", tag="{tag}_universal") with "checkpoint": '
+            f'{{"load_universal": true}}, once ds_to_universal has converted {tag} into {tag}_universal'
         )
     return f'engine.load_checkpoint("{io.parent_of(ctx.url)}", tag="{tag}")'
 
@@ -632,7 +629,6 @@ PROFILES: Mapping[str, ResumeProfile] = {
         framework="ckptctl",
         hint=_native_hint,
         world_size=_native_world_size,
-        implicit=frozenset({Component.TRAINER_STATE}),
         impacts={
             Component.DATALOADER: "no data loader/sampler state was saved: pass a stateful sampler in `state` to "
             "keep the data order; as it is the order restarts",
@@ -712,6 +708,7 @@ def plan_resume(
     layout: str | None = None,
     digests: bool = False,
     progress: Progress | None = None,
+    cuda: bool | None = None,
 ) -> ResumePlan:
     """Plan the resume of the run at `run` (see the module docstring).
 
@@ -722,6 +719,8 @@ def plan_resume(
         digests: also check file digests against the manifest of each candidate (slower: hashes every
             byte of each candidate); the default is structural verification only.
         progress: where digest hashing reports progress.
+        cuda: whether the resumed run uses CUDA (a checkpoint without CUDA generator states is only worth a
+            warning then); None: whether torch sees a CUDA device here, asked only when it matters.
 
     Raises:
         CheckpointNotFound: the run folder does not exist.
@@ -754,7 +753,7 @@ def plan_resume(
     ctx = PlanContext(run, chosen, tuple(refs), tuple(skipped), world_size)
     ctx = replace(ctx, world=profile.world_size(ctx))
     restores, missing, impacts = _components(ctx, profile)
-    warnings = run_warnings + _warnings(ctx, profile, pointer_named)
+    warnings = run_warnings + _warnings(ctx, profile, pointer_named, cuda)
     return ResumePlan(
         run=run,
         checkpoint=chosen.ref,
@@ -887,7 +886,7 @@ def _digest_problems(ref: CheckpointRef, progress: Progress) -> list[Problem]:
 
 
 def _components(ctx: PlanContext, profile: ResumeProfile) -> tuple[tuple[str, ...], tuple[str, ...], dict[str, str]]:
-    present = ctx.checkpoint.components | profile.implicit
+    present = ctx.checkpoint.components
     restores = tuple(c.value for c in RESUMABLE if c in present and c in profile.restored)
     missing = tuple(c.value for c in RESUMABLE if c.value not in restores)
     impacts: dict[str, str] = {}
@@ -917,14 +916,16 @@ def _continues_from(checkpoint: Checkpoint) -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------------
 
 
-def _warnings(ctx: PlanContext, profile: ResumeProfile, pointer_named: CheckpointRef | None) -> list[str]:
+def _warnings(
+    ctx: PlanContext, profile: ResumeProfile, pointer_named: CheckpointRef | None, cuda: bool | None
+) -> list[str]:
     found: list[str] = []
     if profile.picks_highest:
         found += _highest_warning(ctx, profile)
     if profile.follows_pointer:
         found += _pointer_warning(ctx, pointer_named)
     found += _torn_dcp_warnings(ctx.checkpoint)
-    found += _rng_warnings(ctx)
+    found += _rng_warnings(ctx, cuda)
     found += profile.notes(ctx)
     return found
 
@@ -987,8 +988,9 @@ def _torn_dcp_warnings(checkpoint: Checkpoint) -> list[str]:
     return found
 
 
-def _rng_warnings(ctx: PlanContext) -> list[str]:
-    """RNG keys the chosen checkpoint lacks: that newer checkpoints of the run have, or CUDA's."""
+def _rng_warnings(ctx: PlanContext, cuda: bool | None) -> list[str]:
+    """RNG keys the chosen checkpoint lacks: that newer checkpoints of the run have, or CUDA's when the
+    resume runs with CUDA (a CPU save resumed on CPU lacks nothing)."""
     keys = rng_keys(ctx.checkpoint)
     if keys is None:
         return []
@@ -1007,10 +1009,20 @@ def _rng_warnings(ctx: PlanContext) -> list[str]:
                     "those generators keep their seeded state on resume (a loader that requires them fails)"
                 )
             break
-    cuda = {"cuda", "torch_cuda_rng_state_all", "torch_cuda_rng_state"}
-    if not keys & cuda:
+    cuda_keys = {"cuda", "torch_cuda_rng_state_all", "torch_cuda_rng_state"}
+    if not keys & cuda_keys and _resumes_on_cuda(cuda):
         found.append("the RNG state holds no CUDA generators (saved without CUDA): a GPU resume leaves them unrestored")
     return found
+
+
+def _resumes_on_cuda(cuda: bool | None) -> bool:
+    if cuda is not None:
+        return cuda
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
 
 
 def rng_keys(checkpoint: Checkpoint) -> frozenset[str] | None:

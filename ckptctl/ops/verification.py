@@ -56,10 +56,19 @@ class VerifyResult:
 
 @dataclass(frozen=True, slots=True)
 class RunVerifyReport:
-    """The verdicts on every checkpoint of a run (or on the one a resume would pick, with `latest`)."""
+    """The verdicts on every checkpoint of a run (or on the one a resume would pick, with `latest`).
+
+    Attributes:
+        run: the run folder.
+        results: one verdict per checkpoint verified.
+        fresh_start: asked for what a resume would pick, the run holds no checkpoint yet (the folder is
+            missing, or holds nothing but saves still being written): a resume starts from scratch, which is
+            not a problem.
+    """
 
     run: str
     results: tuple[VerifyResult, ...]
+    fresh_start: bool = False
 
     @property
     def ok(self) -> bool:
@@ -70,6 +79,7 @@ class RunVerifyReport:
             "schema_version": SCHEMA_VERSION,
             "run": self.run,
             "ok": self.ok,
+            "fresh_start": self.fresh_start,
             "results": [r.to_json() for r in self.results],
         }
 
@@ -86,12 +96,14 @@ class VerifyOptions:
 
 
 def is_checkpoint(url: str) -> bool:
-    """Whether `url` itself is a checkpoint folder (as opposed to a run holding checkpoints).
+    """Whether `url` itself is a checkpoint (a folder, or a single weights file) rather than a run holding
+    checkpoints.
 
-    A file, or a path that does not exist, raises the registry's own clear error instead.
+    A path that does not exist, or a file of no known format, raises the registry's own clear error.
     """
     if not io.is_dir(url):
-        detect(url)  # raises: "is a file, not a checkpoint folder" / "no such checkpoint folder"
+        detect(url)  # raises for anything but a weights file: "no such checkpoint folder", "... not a checkpoint"
+        return True
     try:
         detect(url, explain=False)
     except UnknownLayout:
@@ -120,11 +132,18 @@ def verify_run(
 
     Checkpoints still being written are reported with a warning, not as failures: a run that is saving
     right now is healthy.
+
+    With `only_resume_target`, a run that has no checkpoint yet (no folder, or only saves still being
+    written) is a fresh start: the report is ok with `fresh_start` set, so that a gate such as
+    `ckptctl verify RUN --latest -q && torchrun train.py --resume` lets the first launch through. A run
+    whose checkpoints are all broken raises `NothingResumable` (exit code 1).
     """
     options = options or VerifyOptions()
     if only_resume_target:
         from ckptctl.ops.resume_plan import plan_resume
 
+        if not io.exists(run) or all(r.state is CheckpointState.IN_PROGRESS for r in scan_run(run)):
+            return RunVerifyReport(run, (), fresh_start=True)
         plan = plan_resume(run)
         if plan.checkpoint is None:
             raise NothingResumable(

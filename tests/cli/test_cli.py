@@ -69,7 +69,7 @@ def test_missing_path_exits_2_with_a_message_and_no_traceback(run_cli: Cli, tmp_
     for command in ("list", "inspect", "verify"):
         result = run_cli(command, tmp_path / "nope", "--json")
         assert result.exit_code == 2, (command, result)
-        assert result.stdout == ""
+        assert result.json == {"schema_version": 1, "error": {**result.json["error"], "exit_code": 2}}
         assert result.stderr.startswith("error: ")
         assert "Traceback" not in result.stderr
 

@@ -176,5 +176,6 @@ def test_prune_never_prompts_for_a_plan_it_did_not_show(
     result = run_cli("prune", run, "--keep-last", "2", "--grace", "0", mode)
     assert result.exit_code == 2
     assert "Delete" not in result.stderr and "--yes" in result.stderr
-    assert result.stdout == ""
+    # Nothing but the error: no plan, no prompt (with --json, the error as JSON).
+    assert result.stdout == "" if mode == "--quiet" else result.json["error"]["exit_code"] == 2
     assert sorted(p.name for p in run.glob("step-*")) == before

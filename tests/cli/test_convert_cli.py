@@ -55,7 +55,7 @@ def test_non_empty_destination_is_refused_untouched_and_replaced_with_force(
     before = (dst / "keep.txt").stat().st_mtime_ns
     refused = run_cli("convert", demo_dir / "dcp" / "step-30", dst, "--json")
     assert refused.exit_code == 2
-    assert refused.stdout == ""
+    assert "not empty" in refused.json["error"]["message"]
     assert "not empty" in refused.stderr and "--force" in refused.stderr and "Traceback" not in refused.stderr
     assert os.listdir(dst) == ["keep.txt"] and (dst / "keep.txt").stat().st_mtime_ns == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # no staging left behind

@@ -57,7 +57,7 @@ def test_different_checkpoints_exit_1_with_the_most_changed_first(run_cli: Cli, 
 
 def test_errors_exit_2(run_cli: Cli, demo_dir: Path, tmp_path: Path) -> None:
     missing = run_cli("diff", tmp_path / "nope", demo_dir / "hf", "--json")
-    assert missing.exit_code == 2 and missing.stdout == "" and missing.stderr.startswith("error: ")
+    assert missing.exit_code == 2 and missing.json["error"]["exit_code"] == 2 and missing.stderr.startswith("error: ")
     bad_rename = run_cli("diff", demo_dir / "hf", demo_dir / "hf", "--rename", "(=x")
     assert bad_rename.exit_code == 2 and "regular expression" in bad_rename.stderr
     bad_component = run_cli("diff", demo_dir / "hf", demo_dir / "hf", "--component", "weights")

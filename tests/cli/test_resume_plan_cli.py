@@ -22,7 +22,7 @@ def test_help_needs_no_torch() -> None:
 
 def test_plan_exits_0(run_cli: Cli, demo_dir: Path) -> None:
     run = demo_dir / "native"
-    result = run_cli("resume-plan", run, "--world-size", "4", "--json")
+    result = run_cli("resume-plan", run, "--world-size", "4", "--cuda", "--json")
     assert result.exit_code == 0, result.stderr
     doc = result.json
     assert set(doc) >= JSON_KEYS and {"warnings", "continues_from", "bytes_per_rank"} <= set(doc)
@@ -80,7 +80,7 @@ def test_nothing_resumable_exits_1(run_cli: Cli, demo_dir: Path, tmp_path: Path)
 
 def test_errors_exit_2(run_cli: Cli, demo_dir: Path, tmp_path: Path) -> None:
     missing = run_cli("resume-plan", tmp_path / "nope", "--json")
-    assert missing.exit_code == 2 and missing.stdout == "" and missing.stderr.startswith("error: ")
+    assert missing.exit_code == 2 and missing.json["error"]["exit_code"] == 2 and missing.stderr.startswith("error: ")
     several = run_cli("resume-plan", demo_dir)
     assert several.exit_code == 2 and "several runs" in several.stderr and "hint: pass one of them" in several.stderr
     bad = run_cli("resume-plan", demo_dir / "native", "--world-size", "0")

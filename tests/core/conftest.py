@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests.conftest import build_once
 from tests.core import _workers
 from tests.core.util import run_worker
 
@@ -35,6 +36,9 @@ def trained_state() -> dict[str, Any]:
 def fsdp_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 2-rank gloo FSDP2 run saved at step 3 (`run/`), its single-process re-save (`single/`), and what
     2 fresh ranks restored from each; see `_workers.fsdp`."""
-    root = tmp_path_factory.mktemp("fsdp")
+    return build_once(tmp_path_factory, "fsdp", _fsdp_run)
+
+
+def _fsdp_run(root: Path) -> Path:
     run_worker("fsdp", str(root), timeout=240)
     return root

@@ -1,6 +1,6 @@
 """Real checkpoints for the layout tests, written once per session by the frameworks themselves:
-torch DCP (DeepSpeed ZeRO and the Hugging Face Trainer runs live in tests/conftest.py, shared with the
-ops tests); and the run folders of the RL frameworks
+torch DCP (the single-process save, DeepSpeed ZeRO and the Hugging Face Trainer runs live in
+tests/conftest.py, shared with the other tests); and the run folders of the RL frameworks
 (OpenRLHF, open-instruct, AReaL, ROLL) arranged from such real pieces (`tests.writers.rl_runs`)."""
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.writers.dcp_writer import WrittenDcp, write_fsdp_dcp, write_single_process_dcp
+from tests.conftest import build_once
+from tests.writers.dcp_writer import WrittenDcp, write_fsdp_dcp
 from tests.writers.deepspeed_writer import WrittenDeepSpeed
 from tests.writers.rl_runs import (
     WrittenFsdpRuns,
@@ -23,13 +24,7 @@ from tests.writers.rl_runs import (
 @pytest.fixture(scope="session")
 def fsdp_dcp(tmp_path_factory: pytest.TempPathFactory) -> WrittenDcp:
     """2 ranks, FSDP2, AdamW: keys `model.*`, `optim.*` and a `trainer_state.step` value (slow: spawns)."""
-    return write_fsdp_dcp(tmp_path_factory.mktemp("dcp-fsdp"), name="step-3")
-
-
-@pytest.fixture(scope="session")
-def raw_dcp(tmp_path_factory: pytest.TempPathFactory) -> WrittenDcp:
-    """A plain single-process `dcp.save` of an unprefixed state dict (many dtypes, views, scalars)."""
-    return write_single_process_dcp(tmp_path_factory.mktemp("dcp-raw") / "raw")
+    return build_once(tmp_path_factory, "dcp-fsdp", lambda root: write_fsdp_dcp(root, name="step-3"))
 
 
 @pytest.fixture
@@ -44,7 +39,7 @@ def fsdp_copy(fsdp_dcp: WrittenDcp, tmp_path: Path) -> Path:
 def fsdp_runs(tmp_path_factory: pytest.TempPathFactory) -> WrittenFsdpRuns:
     """FSDP2 on 2 CPU ranks, saved every step as AReaL (trial with recover slots, exports, recover_info) and
     ROLL (launch folder with checkpoint-1 and checkpoint-2, the latter with critic/) save (slow: spawns)."""
-    return write_fsdp_runs(tmp_path_factory.mktemp("fsdp-rl"))
+    return build_once(tmp_path_factory, "fsdp-rl", write_fsdp_runs)
 
 
 @pytest.fixture(scope="session")

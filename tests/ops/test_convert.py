@@ -36,7 +36,7 @@ from ckptctl.ops.convert import ConvertOptions, Target, convert, parse_dtype
 from ckptctl.ops.naming import parse_rename
 from ckptctl.ops.verification import verify_checkpoint
 from ckptctl.units import parse_size
-from tests.conftest import tiny_llama
+from tests.conftest import build_once, tiny_llama
 from tests.writers.dcp_writer import write_single_process_dcp
 from tests.writers.llama_dcp_writer import WrittenLlamaDcp, write_llama_fsdp_dcp
 
@@ -44,7 +44,7 @@ from tests.writers.llama_dcp_writer import WrittenLlamaDcp, write_llama_fsdp_dcp
 @pytest.fixture(scope="session")
 def llama_dcp(tmp_path_factory: pytest.TempPathFactory) -> WrittenLlamaDcp:
     """A tiny Llama trained one step on 2 FSDP2 ranks and saved with dcp.save (see the writer)."""
-    return write_llama_fsdp_dcp(tmp_path_factory.mktemp("llama-dcp"))
+    return build_once(tmp_path_factory, "llama-dcp", write_llama_fsdp_dcp)
 
 
 def _hf_tensors(folder: Path) -> dict[str, torch.Tensor]:

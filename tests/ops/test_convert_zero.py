@@ -31,7 +31,7 @@ from ckptctl.ops.convert import (
 )
 from ckptctl.ops.naming import wrapper_prefix
 from ckptctl.ops.verification import verify_checkpoint
-from tests.conftest import CliResult
+from tests.conftest import CliResult, build_once
 from tests.writers.deepspeed_writer import WRAPPED_BUFFERS, WRAPPER_PREFIX, WrittenDeepSpeed, write_deepspeed_runs
 
 Cli = Callable[..., CliResult]
@@ -45,8 +45,10 @@ FROZEN = {
 @pytest.fixture(scope="session")
 def zero_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, WrittenDeepSpeed]:
     """ZeRO 0-3 save folders of the tied tiny Llama (slow: spawns 2 ranks once)."""
-    return write_deepspeed_runs(
-        tmp_path_factory.mktemp("zero-convert"), stages=(0, 1, 2, 3), tie_embeddings=True, frozen=FROZEN, wrap=(1,)
+    return build_once(
+        tmp_path_factory,
+        "zero-convert",
+        lambda root: write_deepspeed_runs(root, stages=(0, 1, 2, 3), tie_embeddings=True, frozen=FROZEN, wrap=(1,)),
     )
 
 

@@ -49,7 +49,7 @@ def _name(url: str | None) -> str | None:
 
 def test_native_run_on_one_and_four_ranks(demo_dir: Path) -> None:
     run = str(demo_dir / "native")
-    plan = plan_resume(run)
+    plan = plan_resume(run, cuda=True)
     assert plan.checkpoint is not None and _name(plan.checkpoint.url) == "step-30"
     assert plan.framework == "ckptctl" and not plan.skipped
     assert plan.resume_hint == f'CheckpointManager("{run}").restore(state)'
@@ -166,7 +166,7 @@ def test_truncated_newest_trainer_checkpoint(trainer: WrittenTrainerRun, tmp_pat
     with weights.open("r+b") as f:
         f.truncate(weights.stat().st_size // 2)
 
-    plan = plan_resume(str(out), world_size=1)
+    plan = plan_resume(str(out), world_size=1, cuda=True)
     assert plan.checkpoint is not None and _name(plan.checkpoint.url) == "checkpoint-2"
     (skipped,) = plan.skipped
     assert _name(skipped.url) == "checkpoint-4" and "fails verify" in skipped.reason and "truncated" in skipped.reason

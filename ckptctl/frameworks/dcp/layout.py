@@ -37,6 +37,7 @@ from ckptctl.formats.chunks import tiling_problem
 from ckptctl.formats.dcp_metadata import METADATA_NAME, DcpMetadata, DcpTensor, parse_dcp_metadata
 from ckptctl.formats.safe_pickle import gc_paused
 from ckptctl.formats.torch_save import read_object_archive
+from ckptctl.frameworks.hf.layout import model_components
 from ckptctl.io import DirEntry
 from ckptctl.layouts.base import Layout, newest_mtime, step_from_name, timestamp
 
@@ -51,6 +52,9 @@ __all__ = [
     "verify_dcp",
     "world_size_of",
 ]
+
+#: Components a DCP folder can hold as plain files beside its data (`convert --to dcp` copies them).
+_BESIDE = frozenset({Component.CONFIG, Component.TOKENIZER})
 
 #: Data files torch's FileSystemWriter creates: `__{rank}_{n}.distcp`.
 DISTCP_RE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
@@ -510,7 +514,7 @@ class DcpLayout(Layout):
                 files=files,
             )
         classify = component_classifier(metadata.entries)
-        components = classify.components
+        components = classify.components | (model_components(set(files)) & _BESIDE)
         bytes_keys = metadata.bytes_keys
         referenced = metadata.referenced_files()
         info = {

@@ -199,6 +199,8 @@ class NativeLayout(Layout):
             raise CheckpointInProgress(f"{url} is still being written (no manifest yet)", "wait for the save to commit")
         manifest = read_native_manifest(url)
         components = {COMPONENT_OF_KIND.get(record.kind, Component.EXTRA) for record in manifest.components.values()}
+        # The manifest records the step, time and metrics: the counters `restore()` hands back.
+        components.add(Component.TRAINER_STATE)
         files = list_files(url)
         metadata = {
             "metrics": dict(manifest.metrics),

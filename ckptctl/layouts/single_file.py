@@ -1,0 +1,170 @@
+"""Single weights files, read as a checkpoint of their own: `inspect`, `verify` and `diff` take them.
+
+- `*.safetensors`: one safetensors file (a shard of an HF export, a file someone sent), from its header.
+- `*.pt`, `*.pth`, `*.bin`: one torch.save zip (`pytorch_model.bin`, a `torch.save(model.state_dict())`,
+  a training state), read with the allowlisting unpickler of `formats.torch_pickle`: its structure and
+  tensor facts come from `data.pkl`, nothing in it runs, and tensor bytes are plain ranges of the file.
+
+The checkpoint's url is the file itself; its tensor chunks name the file as "" (the checkpoint itself),
+which `io.join(url, "")` resolves to the file. A `.distcp` file is one shard of a DCP checkpoint and only
+makes sense with the folder around it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from functools import cache
+
+from ckptctl import io
+from ckptctl.checkpoint import (
+    Checkpoint,
+    CheckpointRef,
+    CheckpointState,
+    ChunkEncoding,
+    Component,
+    Problem,
+    ProblemKind,
+    TensorChunk,
+    TensorEntry,
+)
+from ckptctl.errors import CkptctlError, UnknownLayout, UnsafePickle
+from ckptctl.formats.safetensors import read_header
+from ckptctl.formats.torch_pickle import TorchPickle, open_torch_pickle, storage_problems
+from ckptctl.frameworks.dcp.layout import component_classifier
+from ckptctl.frameworks.hf.layout import safetensors_index
+from ckptctl.io import DirEntry
+from ckptctl.layouts.base import Layout, timestamp
+
+#: The chunk file name of a single-file checkpoint: the checkpoint itself.
+SELF = ""
+TORCH_SUFFIXES = (".pt", ".pth", ".bin")
+
+
+class SafetensorsFile(Layout):
+    """One `*.safetensors` file."""
+
+    name = "safetensors"
+
+    def identify(self, url: str, entries: Sequence[DirEntry]) -> CheckpointRef | None:
+        """Never a folder: files are recognised by `detect_file`."""
+        return None
+
+    def latest_pointer(self, url: str, entries: Sequence[DirEntry]) -> str | None:
+        return None
+
+    def open(self, url: str) -> Checkpoint:
+        ref = file_ref(url, self.name)
+        files = {SELF: ref.size_bytes}
+        header = read_header(url, ref.size_bytes)
+        metadata: dict[str, object] = {"format": "safetensors", "tensors": len(header.tensors)}
+        if header.metadata:
+            metadata["header metadata"] = dict(header.metadata)
+
+        @cache
+        def tensor_index() -> tuple[TensorEntry, ...]:
+            return safetensors_index(url, [SELF], files)
+
+        return Checkpoint(ref, frozenset({Component.MODEL}), None, metadata, tensor_index, files)
+
+    def verify(self, checkpoint: Checkpoint) -> list[Problem]:
+        """The header parses and every tensor lies inside the file (`read_header` checks both)."""
+        try:
+            read_header(checkpoint.url, checkpoint.ref.size_bytes)
+        except CkptctlError as exc:
+            kind = ProblemKind.TRUNCATED if "truncated" in exc.message else ProblemKind.BAD_METADATA
+            return [Problem(kind, SELF, exc.message)]
+        return []
+
+
+class TorchFile(Layout):
+    """One torch.save zip file (`*.pt`, `*.pth`, `*.bin`)."""
+
+    name = "torch"
+
+    def identify(self, url: str, entries: Sequence[DirEntry]) -> CheckpointRef | None:
+        """Never a folder: files are recognised by `detect_file`."""
+        return None
+
+    def latest_pointer(self, url: str, entries: Sequence[DirEntry]) -> str | None:
+        return None
+
+    def open(self, url: str) -> Checkpoint:
+        ref = file_ref(url, self.name)
+        opened = open_torch_pickle(url, ref.size_bytes)
+        entries = _tensor_entries(opened)
+        metadata = {"format": "torch.save zip (read without unpickling code)", "tensors": len(entries)}
+        components = frozenset(e.component for e in entries) or frozenset({Component.EXTRA})
+        return Checkpoint(ref, components, None, metadata, lambda: entries, {SELF: ref.size_bytes})
+
+    def verify(self, checkpoint: Checkpoint) -> list[Problem]:
+        """`data.pkl` loads with the allowlist and every storage it names lies whole inside the file."""
+        try:
+            opened = open_torch_pickle(checkpoint.url, checkpoint.ref.size_bytes)
+        except UnsafePickle as exc:
+            return [Problem(ProblemKind.UNSAFE_PICKLE, SELF, exc.message)]
+        except CkptctlError as exc:
+            kind = ProblemKind.TRUNCATED if "truncated" in exc.message else ProblemKind.BAD_METADATA
+            return [Problem(kind, SELF, exc.message)]
+        return [Problem(ProblemKind.TRUNCATED, SELF, message) for message in storage_problems(opened)]
+
+
+def _tensor_entries(opened: TorchPickle) -> tuple[TensorEntry, ...]:
+    """Every tensor of the file, as RAW chunks into it (none for a tensor that is not one contiguous range)."""
+    tensors = opened.tensors()
+    classify: Callable[[str], Component]
+    if io.name_of(opened.url).startswith("optim"):  # optimizer.pt, optim_states.pt: keys are `state.0.*`
+        classify = _optimizer
+    else:
+        classify = component_classifier([name for name, _ in tensors])
+    entries = []
+    for name, ref in tensors:
+        found = opened.byte_range(ref)
+        chunks = (
+            (TensorChunk(SELF, found[0], found[1] - found[0], (0,) * len(ref.shape), ref.shape, ChunkEncoding.RAW),)
+            if found is not None
+            else ()
+        )
+        entries.append(TensorEntry(name, classify(name), ref.dtype, ref.shape, chunks))
+    return tuple(entries)
+
+
+def _optimizer(_name: str) -> Component:
+    return Component.OPTIMIZER
+
+
+def file_ref(url: str, layout: str) -> CheckpointRef:
+    """The ref of a single-file checkpoint: complete (nothing cheaper than its header could say otherwise)."""
+    if io.is_local(url):
+        st = os.stat(io.local_path(url))
+        size, mtime = st.st_size, st.st_mtime or None
+    else:
+        name = io.name_of(url)
+        entry = next((e for e in io.list_dir(io.parent_of(url)) if e.name == name and not e.is_dir), None)
+        size, mtime = (entry.size, entry.mtime) if entry is not None else (io.file_size(url), None)
+    return CheckpointRef(url, layout, None, None, timestamp(mtime), CheckpointState.COMPLETE, size)
+
+
+def detect_file(url: str) -> tuple[Layout, CheckpointRef]:
+    """The layout of a single file and its ref, judged from its name.
+
+    Raises:
+        UnknownLayout: a `.distcp` shard (its folder is the checkpoint), or a file of no known format.
+    """
+    name = io.name_of(url)
+    layout: Layout
+    if name.endswith(".safetensors"):
+        layout = SafetensorsFile()
+    elif name.endswith(TORCH_SUFFIXES):
+        layout = TorchFile()
+    elif name.endswith(".distcp") or name == ".metadata":
+        raise UnknownLayout(
+            f"{url} is one file of a torch DCP checkpoint", "pass the folder that holds it (with its .metadata)"
+        )
+    else:
+        raise UnknownLayout(
+            f"{url} is a file, not a checkpoint folder",
+            "pass the folder that contains it, or a single weights file (*.safetensors, or a torch.save *.pt, "
+            "*.pth, *.bin)",
+        )
+    return layout, file_ref(url, layout.name)

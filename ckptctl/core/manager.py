@@ -371,9 +371,9 @@ class CheckpointManager:
         if self.policy is None or self.policy.keeps_everything:
             return
         try:
-            if self._storage.trash is not None and os.path.isdir(self._storage.trash):
-                # left by a deletion that was interrupted (a crash, a killed prune)
-                self._deleter.submit(functools.partial(trash.empty, self._storage.trash))
+            leftovers = self._storage.leftovers()  # of a deletion that was interrupted (a crash, a killed prune)
+            if leftovers is not None:
+                self._deleter.submit(functools.partial(trash.empty, leftovers))
             pointer = self.pointer()
             candidates = [
                 self._retention_candidate(step, pointer, datetime.fromtimestamp(mtime, tz=UTC))

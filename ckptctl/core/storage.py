@@ -48,12 +48,10 @@ class RunStorage(abc.ABC):
     Attributes:
         root: the run folder (an absolute local path, or a URL without a trailing `/`).
         naming: the names of its step folders.
-        trash: the local trash folder of the run, or None where deletions need none.
         shared_staging: whether the ranks of a multi-rank save write into one staging folder (rank 0 then
             creates and removes it) or each into its own.
     """
 
-    trash: str | None = None
     shared_staging: bool
 
     def __init__(self, root: str, naming: StepNaming) -> None:
@@ -102,6 +100,10 @@ class RunStorage(abc.ABC):
                 return f"{rel} does not match its blake3 digest"
         return None
 
+    def leftovers(self) -> str | None:
+        """The folder holding what an interrupted deletion left (for `trash.empty`), or None."""
+        return None
+
     def retire(self, step: int) -> Retired:
         """Take a committed step out of sight at once (`io.trash`); its deletion is `trash.purge`."""
         return trash.retire(self.step_dir(step), MARKERS)
@@ -118,7 +120,10 @@ class LocalRun(RunStorage):
             os.makedirs(self.root, exist_ok=True)
         except OSError as exc:
             raise StorageError(f"cannot create the run folder {self.root}: {exc.strerror or exc}") from exc
-        self.trash = os.path.join(self.root, trash.TRASH_NAME)
+
+    def leftovers(self) -> str | None:
+        folder = os.path.join(self.root, trash.TRASH_NAME)
+        return folder if os.path.isdir(folder) else None
 
     def committed(self) -> dict[int, float]:
         found = {}

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from ckptctl.formats import framework_classes as _framework_classes
+
 __version__ = "0.1.0"
 
 __all__ = ["AutoSaver", "CheckpointManager", "RetentionPolicy", "__version__"]
@@ -22,3 +24,14 @@ def __getattr__(name: str) -> Any:
 
         return getattr(ckptctl.core, name)
     raise AttributeError(f"module 'ckptctl' has no attribute {name!r}")
+
+
+def _framework_pickle_classes() -> list[_framework_classes.FrameworkClasses]:
+    from ckptctl.layouts import framework_pickle_classes
+
+    return framework_pickle_classes()
+
+
+# `formats` may not import the framework packages, whose classes its torch-pickle allowlist reads as inert
+# stand-ins: the layout registry lists them, and is asked the first time an allowlist needs them.
+_framework_classes.add_source(_framework_pickle_classes)

@@ -124,6 +124,9 @@ class CheckpointRef:
         size_bytes: sum of the sizes of the files inside.
         latest: whether the run's own `latest`-style pointer names it.
         note: why the state is what it is, when that is not obvious.
+        holds: the child folders that hold checkpoints of their own, as the run scan found them (an HF
+            Trainer `output_dir` holding the final model and `checkpoint-N/`): they are not part of this
+            checkpoint, and deleting it leaves them alone. Empty outside a scan.
     """
 
     url: str
@@ -135,6 +138,7 @@ class CheckpointRef:
     size_bytes: int
     latest: bool = False
     note: str = ""
+    holds: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,6 +153,8 @@ class Checkpoint:
         tensor_index: returns the tensor index; layouts pass a cached function that reads headers on
             first use, so that opening a checkpoint stays cheap when nobody asks for tensors.
         files: data and metadata files of the checkpoint, relative path -> size in bytes.
+        metrics: what the training recorded with the checkpoint to judge it by (losses, evaluation
+            scores; nested mappings allowed), which `prune --keep-best` ranks checkpoints by.
     """
 
     ref: CheckpointRef
@@ -157,6 +163,7 @@ class Checkpoint:
     metadata: Mapping[str, Any]
     tensor_index: Callable[[], tuple[TensorEntry, ...]] = field(repr=False)
     files: Mapping[str, int] = field(default_factory=dict)
+    metrics: Mapping[str, Any] = field(default_factory=dict)
 
     @property
     def url(self) -> str:

@@ -22,6 +22,8 @@ from filelock import FileLock
 
 from tests.writers.dcp_writer import WrittenDcp, write_single_process_dcp
 from tests.writers.deepspeed_writer import WrittenDeepSpeed, write_deepspeed_runs
+from tests.writers.rl_runs import WrittenFsdpRuns, write_fsdp_runs
+from tests.writers.run_folders import NestedRun, arrange_deepspeed_run, trainer_nested_run, write_dcp_run
 from tests.writers.trainer_writer import WrittenTrainerRun, write_trainer_run
 
 T = TypeVar("T")
@@ -141,6 +143,33 @@ def trainer_run(tmp_path_factory: pytest.TempPathFactory) -> WrittenTrainerRun:
 def raw_dcp(tmp_path_factory: pytest.TempPathFactory) -> WrittenDcp:
     """A plain single-process `dcp.save` of an unprefixed state dict (many dtypes, views, scalars)."""
     return build_once(tmp_path_factory, "dcp-raw", lambda root: write_single_process_dcp(root / "raw"))
+
+
+@pytest.fixture(scope="session")
+def nested_runs(
+    trainer_run: WrittenTrainerRun,
+    deepspeed_runs: dict[int, WrittenDeepSpeed],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> dict[str, NestedRun]:
+    """Run folders with a model at their top and checkpoints below it, by the framework of the checkpoints:
+    the Trainer's after `save_model()`, a DCP run and a DeepSpeed ZeRO-2 save folder with an exported model
+    (see `tests.writers.run_folders`). Tests that change one copy it first."""
+
+    def build(root: Path) -> dict[str, NestedRun]:
+        return {
+            "hf_trainer": trainer_nested_run(trainer_run),
+            "dcp": write_dcp_run(root / "dcp-run"),
+            "deepspeed": arrange_deepspeed_run(deepspeed_runs[2], root / "deepspeed-run"),
+        }
+
+    return build_once(tmp_path_factory, "nested", build)
+
+
+@pytest.fixture(scope="session")
+def fsdp_runs(tmp_path_factory: pytest.TempPathFactory) -> WrittenFsdpRuns:
+    """FSDP2 on 2 CPU ranks, saved every step as AReaL (trial with recover slots, exports, recover_info) and
+    ROLL (launch folder with checkpoint-1 and checkpoint-2, the latter with critic/) save (slow: spawns)."""
+    return build_once(tmp_path_factory, "fsdp-rl", write_fsdp_runs)
 
 
 def copy_tree(src: Path, dst: Path) -> Path:

@@ -20,7 +20,7 @@ import errno
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import blake3
 
@@ -28,16 +28,21 @@ from ckptctl import io
 from ckptctl.errors import CorruptCheckpoint, StorageError
 from ckptctl.formats.digest import file_digest
 from ckptctl.formats.manifest import MANIFEST_NAME, FileRecord, Manifest, parse_manifest
-from ckptctl.frameworks.native.layout import StepNaming, is_rng_file
+from ckptctl.frameworks.native.layout import NativeLayout, StepNaming, is_rng_file
 from ckptctl.io import trash
 from ckptctl.io.commit import ObjectStoreUpload, install, write_marker
-from ckptctl.io.trash import Retired
+from ckptctl.io.trash import Retired, Tiers
 
-__all__ = ["MARKERS", "LocalRun", "RemoteRun", "RunStorage", "open_run"]
+__all__ = ["LocalRun", "RemoteRun", "RunStorage", "markers", "open_run"]
 
-#: The file whose presence commits a step: written and uploaded last, deleted first.
-MARKERS = ((MANIFEST_NAME,),)
 
+def markers(files: Mapping[str, int]) -> Tiers:
+    """What a step's deletion removes first: the native layout's completion markers (the manifest), the
+    last one written first."""
+    return [[name] for name in reversed(_NATIVE.completion_markers(files))]
+
+
+_NATIVE = NativeLayout()
 #: `fetch(step)` of `RunStorage.fetcher`: the local folder holding the step's files.
 Fetch = Callable[[int], str]
 
@@ -106,7 +111,7 @@ class RunStorage(abc.ABC):
 
     def retire(self, step: int) -> Retired:
         """Take a committed step out of sight at once (`io.trash`); its deletion is `trash.purge`."""
-        return trash.retire(self.step_dir(step), MARKERS)
+        return trash.retire(self.step_dir(step), markers)
 
 
 class LocalRun(RunStorage):
@@ -184,7 +189,7 @@ class RemoteRun(RunStorage):
 
     def prepare(self, step: int) -> None:
         # The ranks upload their files before rank 0 commits: the old step must be gone first.
-        trash.delete(self.step_dir(step), MARKERS)
+        trash.delete(self.step_dir(step), markers)
 
     def share(self, step: int, staging: str, names: Sequence[str]) -> None:
         # Rank 0 adds DCP's metadata once all shards are up (in `commit`).
@@ -201,7 +206,7 @@ class RemoteRun(RunStorage):
         return None
 
     def _upload(self, step: int, staging: str) -> ObjectStoreUpload:
-        return ObjectStoreUpload(staging, self.step_dir(step), MARKERS)
+        return ObjectStoreUpload(staging, self.step_dir(step), markers)
 
     @contextlib.contextmanager
     def fetcher(self) -> Iterator[Fetch]:

@@ -32,7 +32,7 @@ from ckptctl.formats.safe_pickle import (
     TensorPropertiesStandIn,
     TensorStorageMetadataStandIn,
     gc_paused,
-    safe_loads,
+    parse_pickle,
     state_fields,
 )
 
@@ -189,21 +189,12 @@ def parse_dcp_metadata(data: bytes, source: str) -> DcpMetadata:
         UnsafePickle: the pickle names a global outside `DCP_METADATA_GLOBALS`.
         CorruptCheckpoint: it is not a DCP metadata pickle, or a value in it is invalid.
     """
+    # The parser keys its caches by raw values from the file, so it runs where the unpickler does: on a
+    # stack deep enough to hash whatever nesting the file holds. The stand-in tree is freed while
+    # collection is still paused: otherwise the first collection after the pause walks millions of
+    # objects about to go anyway (a quarter second on 100k keys).
     with gc_paused():
-        root = safe_loads(data, DCP_METADATA_GLOBALS, source)
-        try:
-            parsed = _Parser(source, len(data)).metadata(root)
-        except CorruptCheckpoint:
-            raise
-        # The parser checks types before it uses values; should a hostile file still find a path it did
-        # not foresee, the caller gets the promised error rather than a traceback.
-        except Exception as exc:
-            raise CorruptCheckpoint(f"{source}: unexpected content ({type(exc).__name__}: {exc})") from exc
-        finally:
-            # Free the stand-in tree while collection is still paused: otherwise the first collection
-            # after the pause walks millions of objects about to go anyway (a quarter second on 100k keys).
-            del root
-    return parsed
+        return parse_pickle(data, DCP_METADATA_GLOBALS, source, _Parser(source, len(data)).checked_metadata)
 
 
 class _Parser:
@@ -221,6 +212,16 @@ class _Parser:
         return CorruptCheckpoint(
             f"{self.source}: {message}", "the .metadata file is damaged or not a DCP metadata file"
         )
+
+    def checked_metadata(self, root: Any) -> DcpMetadata:
+        try:
+            return self.metadata(root)
+        except CorruptCheckpoint:
+            raise
+        # The parser checks types before it uses values; should a hostile file still find a path it did
+        # not foresee, the caller gets the promised error rather than a traceback.
+        except Exception as exc:
+            raise CorruptCheckpoint(f"{self.source}: unexpected content ({type(exc).__name__}: {exc})") from exc
 
     def metadata(self, root: Any) -> DcpMetadata:
         if type(root) is not DcpMetadataStandIn:

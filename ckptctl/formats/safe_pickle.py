@@ -2,7 +2,7 @@
 
 A pickle is a small program: `GLOBAL`/`STACK_GLOBAL` name any importable callable and `REDUCE` calls it,
 so `pickle.load` on a file from disk is code execution. This module is the one place in ckptctl that
-reads pickles, and it follows three rules:
+reads pickles, and it follows these rules:
 
 1. Every global a pickle asks for goes through `find_class`, which answers from a fixed allowlist of
    *inert stand-ins* defined here (plain classes that only store what BUILD hands them, and small
@@ -12,8 +12,18 @@ reads pickles, and it follows three rules:
    grows its memo table to twice the index a `LONG_BINPUT`/`PUT` opcode names and fills it, so a 9-byte
    file can make it allocate and touch gigabytes (CPython before the fix of python/cpython#115952,
    3.11 included); the walk refuses memo indices that no real pickler writes and string/bytes lengths
-   that run past the end of the data.
-3. Whatever else goes wrong (truncation, wrong types, bad states) comes out as `CorruptCheckpoint`.
+   that run past the end of the data, and frames larger than any pickler writes.
+3. What unpickling builds is bounded while it runs. One-byte opcodes build objects of 50-230 bytes (a
+   20 MB file of `EMPTY_LIST`s alone takes 1.5 GB), so the C unpickler reads the pickle through
+   `_WatchedInput`, at most 128 KiB at a time, and each read checks that the process's resident memory
+   has grown by less than `MAX_GROWTH_PER_BYTE` times the pickle's size (real files need about half).
+   Stand-ins that copy what they are given (`_codecs.encode`, `set`, paths) check before each copy, as
+   one four-byte REDUCE of a memoised argument can copy megabytes.
+4. Hashing a tuple recurses in C without a depth check, so a dict key of a million nested tuples
+   overflows the C stack (SIGSEGV). Every nesting level is a tuple of at least 48 bytes, so the memory
+   bound also bounds the depth, and a large pickle is unpickled on a thread with a stack that deep
+   (`parse_pickle`).
+5. Whatever else goes wrong (truncation, wrong types, bad states) comes out as `CorruptCheckpoint`.
 
 The allowlists are what the real files need and nothing more; see `DCP_METADATA_GLOBALS`,
 `TORCH_SAVE_GLOBALS` and `TORCH_PICKLE_GLOBALS` (whole training-state files: DeepSpeed, HF Trainer) and
@@ -25,25 +35,33 @@ from __future__ import annotations
 import _compat_pickle
 import gc
 import io
+import itertools
 import math
+import operator
+import os
 import pickle
 import pickletools
 import posixpath
 import re
+import resource
 import struct
 import sys
+import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cache
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 from ckptctl.checkpoint import dtype_itemsize, known_dtypes
 from ckptctl.errors import CkptctlError, CorruptCheckpoint, UnsafePickle
+from ckptctl.formats import framework_classes
 
 __all__ = [
     "DCP_METADATA_GLOBALS",
     "MAX_DIMS",
+    "MAX_GROWTH_PER_BYTE",
+    "MAX_NESTING",
     "TORCH_PICKLE_GLOBALS",
     "TORCH_SAVE_GLOBALS",
     "DType",
@@ -57,9 +75,11 @@ __all__ = [
     "StorageRef",
     "TensorRebuild",
     "TensorRef",
+    "check_nesting",
     "check_opcodes",
     "gc_paused",
     "load_torch_pickle",
+    "parse_pickle",
     "safe_loads",
     "state_fields",
 ]
@@ -69,6 +89,38 @@ MAX_DIMS = 64
 #: Bounds on what a path stand-in accepts (a checkpoint id is a path, not a payload).
 _MAX_PATH_PARTS = 256
 _MAX_PATH_CHARS = 4096
+#: How much a pickle may grow the process's resident memory, per byte of pickle. Real files need about 12 (a
+#: 100k-tensor DCP `.metadata` of 20 MB builds 235 MB of objects); hostile ones reach 240.
+MAX_GROWTH_PER_BYTE = 20
+#: What any pickle may grow memory by regardless of its size.
+_MIN_GROWTH = 192 << 20
+#: Larger frames are refused: Python's picklers cut frames at 64 KiB, and the C unpickler reads a whole
+#: frame at once, so a frame is the most it builds between two memory checks.
+_MAX_FRAME = 256 << 10
+#: Distinct globals one pickle may name: real files name a few dozen, and each pattern-matched framework
+#: class is a new class object of about a kilobyte.
+_MAX_GLOBALS = 1024
+
+
+class _RunningLoad(threading.local):
+    """The input of the load running on this thread (None: no load), for the stand-ins' memory checks."""
+
+    watch: _WatchedInput | None = None
+
+
+_RUNNING = _RunningLoad()
+
+
+def _spend(nbytes: int) -> None:
+    """Check that the running load may grow memory by `nbytes` more, before a stand-in copies that much.
+
+    A stand-in's output can be far larger than the opcodes that call it (a REDUCE of memoised arguments
+    is four bytes), and a whole chunk of opcodes runs between two reads of `_WatchedInput`, so the copying
+    stand-ins check before each copy.
+    """
+    watch = _RUNNING.watch
+    if watch is not None:  # None: a `SafeUnpickler` used directly, without the guards of `parse_pickle`
+        watch.check(nbytes)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -135,6 +187,8 @@ def _int_tuple(value: Any, what: str) -> tuple[int, ...]:
     # A length check before touching the elements: a hostile file may hand one huge list to many calls.
     if type(value) not in (tuple, list) or len(value) > MAX_DIMS:
         raise ValueError(f"{what} must be a short sequence of integers")
+    if type(value) is list:  # tuple() of a tuple is that tuple; of a list, a copy
+        _spend(56 + 8 * len(value))
     out = tuple(value)
     for v in out:
         if type(v) is not int:
@@ -156,8 +210,10 @@ def _posix_path(*parts: Any) -> str:
     """Stand-in for `pathlib.PosixPath(*parts)`: the path as a string (nothing touches the filesystem)."""
     if len(parts) > _MAX_PATH_PARTS or not all(type(p) is str for p in parts):
         raise ValueError("a path must be made of a few strings")
-    if sum(len(p) for p in parts) > _MAX_PATH_CHARS:
+    chars = sum(len(p) for p in parts)
+    if chars > _MAX_PATH_CHARS:
         raise ValueError("a path is longer than any real one")
+    _spend(64 + chars + len(parts))
     return posixpath.join(*parts) if parts else "."
 
 
@@ -288,9 +344,10 @@ DCP_METADATA_GLOBALS: Mapping[tuple[str, str], Any] = {
     (_DCP_MODULE, "StorageMeta"): StorageMetaStandIn,
     (_DCP_MODULE, "MetadataIndex"): MetadataIndexStandIn,
     # REDUCE(_MEM_FORMAT_ENCODING, (0,)) and REDUCE(_get_layout, ("torch.strided",)) run for every tensor,
-    # so their stand-ins are C builtins that only accept what they should: int() of an int is itself,
-    # and sys.intern() takes exact strings only; parsers check the values afterwards.
-    (_DCP_MODULE, "_MEM_FORMAT_ENCODING"): int,
+    # so their stand-ins are C builtins that only accept what they should and build nothing:
+    # operator.index() of an int is that int (int() would also parse a 4,000-digit string into a new
+    # object on every call), and sys.intern() takes exact strings only; parsers check the values.
+    (_DCP_MODULE, "_MEM_FORMAT_ENCODING"): operator.index,
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): StorageInfoStandIn,
     # torch.Size runs three times per tensor: `() + dims` is C that accepts exact tuples only and returns
     # them as they are (no copy, so a memoised tuple cannot be amplified); the parser checks the entries
@@ -444,7 +501,7 @@ _SCALAR_TYPES = (str, int, float, bool, type(None))
 
 
 class FrameworkObject(StandIn):
-    """An object of an allowlisted framework class (DeepSpeed, transformers, accelerate, argparse).
+    """An object of an allowlisted framework class (one a framework package registers, see `_Allowlist`).
 
     NEWOBJ + BUILD give an object its fields (`state_fields` reads them); an enum member is rebuilt by
     calling its class with its value, which is kept as `value` (None for plain objects).
@@ -512,6 +569,7 @@ def _codecs_encode(text: Any, encoding: Any = "utf-8") -> bytes:
     """Stand-in for `_codecs.encode`, which protocol-2 pickles use to carry bytes (numpy's raw data)."""
     if type(text) is not str or encoding not in ("latin1", "latin-1"):
         raise ValueError("_codecs.encode is only allowed for latin-1 bytes")
+    _spend(33 + len(text))
     return text.encode("latin-1")
 
 
@@ -526,70 +584,35 @@ def _plain_set(items: Any = ()) -> set[Any]:
     """Stand-in for `builtins.set`/`frozenset` (protocol 0-3 pickles rebuild sets from a list)."""
     if type(items) not in (list, tuple):
         raise ValueError("a set is rebuilt from a list")
+    _spend(232 + 32 * len(items))
     return set(items)
 
 
-#: Framework classes that appear in real training-state files (DeepSpeed 0.19, transformers 5,
-#: accelerate 1.x: disassembled with pickletools). Each becomes a `FrameworkObject` stand-in.
-_FRAMEWORK_CLASSES = (
-    # DeepSpeed *_optim_states.pt: `loss_scaler`, `zero_stage`, `param_slice_mappings` values.
-    ("deepspeed.runtime.fp16.loss_scaler", "LossScaler"),
-    ("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler"),
-    ("deepspeed.runtime.zero.config", "ZeroStageEnum"),
-    ("deepspeed.utils.tensor_fragment", "fragment_address"),
-    # training_args.bin: TrainingArguments' enum fields and the objects it carries.
-    *(
-        ("transformers.trainer_utils", name)
-        for name in (
-            "IntervalStrategy",
-            "SaveStrategy",
-            "HubStrategy",
-            "SchedulerType",
-            "EvaluationStrategy",
-            "FSDPOption",
-            "ShardedDDPOption",
-        )
-    ),
-    ("transformers.trainer_pt_utils", "AcceleratorConfig"),
-    ("transformers.debug_utils", "DebugOption"),
-    ("accelerate.state", "PartialState"),
-    ("accelerate.state", "AcceleratorState"),
-    # Megatron-style `args` in client states.
-    ("argparse", "Namespace"),
-)
-
-#: Whole modules of plain config classes and enums: `transformers.training_args*` (TrainingArguments,
-#: Seq2SeqTrainingArguments, OptimizerNames, ...), accelerate's plugin dataclasses and enums, and the
-#: FSDP option enums a TrainingArguments may carry; TRL's `*Config` classes subclass TrainingArguments.
-_FRAMEWORK_MODULE_PREFIXES = (
-    "transformers.training_args",
-    "accelerate.utils.dataclasses",
-    "torch.distributed.fsdp.api",
-)
-
-
 class _Allowlist(Mapping[tuple[str, str], Any]):
-    """Exact (module, name) entries, plus module prefixes whose classes become `FrameworkObject`s."""
+    """Exact (module, name) entries, plus the framework classes the framework packages register
+    (`formats.framework_classes`: exact names and module prefixes), which become `FrameworkObject`s."""
 
-    def __init__(self, exact: Mapping[tuple[str, str], Any], prefixes: tuple[str, ...]) -> None:
+    def __init__(self, exact: Mapping[tuple[str, str], Any]) -> None:
         self._exact = dict(exact)
-        self._prefixes = prefixes
 
     def __getitem__(self, key: tuple[str, str]) -> Any:
         found = self._exact.get(key)
         if found is not None:
             return found
         module, name = key
-        covered = module.startswith(self._prefixes) or (module.startswith("trl.trainer.") and name.endswith("Config"))
+        frameworks = framework_classes.registered()
+        if key in frameworks.classes:
+            return _framework_class(f"{module}.{name}")
+        covered = any(module.startswith(prefix) and name.endswith(suffix) for prefix, suffix in frameworks.modules)
         if covered and len(module) + len(name) <= 200 and name.isidentifier():
             return type("FrameworkObject", (FrameworkObject,), {"__slots__": (), "stands_for": f"{module}.{name}"})
         raise KeyError(key)
 
     def __iter__(self) -> Iterator[tuple[str, str]]:
-        return iter(self._exact)
+        return iter([*self._exact, *sorted(framework_classes.registered().classes - self._exact.keys())])
 
     def __len__(self) -> int:
-        return len(self._exact)
+        return len(self._exact.keys() | framework_classes.registered().classes)
 
 
 _NUMPY_GLOBALS = {
@@ -622,9 +645,7 @@ TORCH_PICKLE_GLOBALS: Mapping[tuple[str, str], Any] = _Allowlist(
         ("numpy", "dtype"): NumpyDType,
         ("numpy", "ndarray"): _NDARRAY,
         **_NUMPY_GLOBALS,
-        **{(module, name): _framework_class(f"{module}.{name}") for module, name in _FRAMEWORK_CLASSES},
     },
-    _FRAMEWORK_MODULE_PREFIXES,
 )
 
 # Real torch dtypes the data model has no itemsize for: refused as unsupported rather than as unsafe.
@@ -649,12 +670,24 @@ class SafeUnpickler(pickle.Unpickler):
         source: the file's name, for messages.
     """
 
-    def __init__(self, file: io.BytesIO, allowed: Mapping[tuple[str, str], Any], source: str) -> None:
+    def __init__(self, file: io.BytesIO | _WatchedInput, allowed: Mapping[tuple[str, str], Any], source: str) -> None:
         super().__init__(file)
         self._allowed = allowed
         self._source = source
+        #: What each global resolved to: a pickle may name one global many times, and a pattern-matched
+        #: framework class is built anew on each lookup.
+        self._found: dict[tuple[str, str], Any] = {}
 
     def find_class(self, module: str, name: str) -> Any:
+        found = self._found.get((module, name))
+        if found is not None:
+            return found
+        if len(self._found) >= _MAX_GLOBALS:
+            raise CorruptCheckpoint(f"{self._source}: the pickle names more than {_MAX_GLOBALS} distinct globals")
+        found = self._found[(module, name)] = self._resolve(module, name)
+        return found
+
+    def _resolve(self, module: str, name: str) -> Any:
         # Protocol 0-2 pickles name Python 2 modules (`__builtin__.eval`); translate as pickle does, so
         # that messages (and the allowlist) speak of the global that would really be loaded.
         module, name = _compat_pickle.NAME_MAPPING.get((module, name), (module, name))
@@ -710,14 +743,62 @@ def safe_loads(data: bytes | memoryview, allowed: Mapping[tuple[str, str], Any],
 
     Raises:
         UnsafePickle: the pickle names a global outside the allowlist (nothing of it ran).
-        CorruptCheckpoint: anything else that makes it unreadable.
+        CorruptCheckpoint: anything else that makes it unreadable, or it would build more than a real
+            file of its size.
     """
-    return _load(data, allowed, source, SafeUnpickler)
+    return parse_pickle(data, allowed, source, _as_is)
+
+
+def parse_pickle(
+    data: bytes | memoryview,
+    allowed: Mapping[tuple[str, str], Any],
+    source: str,
+    parse: Callable[[Any], _T],
+    unpickler: type[SafeUnpickler] | None = None,
+) -> _T:
+    """Unpickle `data` like `safe_loads` and hand the result to `parse`, on a stack deep enough for it.
+
+    Hashing a tuple (as a dict key, or in `parse`) recurses in C once per nesting level and nothing checks
+    the depth, so both run on a thread whose stack holds the deepest nesting the pickle can build within
+    its memory bound: pass a `parse` that hashes unvalidated values (the DCP parser keys its caches by
+    them); what `safe_loads` returns must not be hashed deeper than its callers validated.
+
+    Args:
+        data: the whole pickle.
+        allowed: (module, name) → stand-in.
+        source: the file's name, for messages.
+        parse: turns the unpickled object into the caller's result.
+        unpickler: the `SafeUnpickler` subclass to use (default `SafeUnpickler`).
+
+    Raises:
+        UnsafePickle: the pickle names a global outside the allowlist (nothing of it ran).
+        CorruptCheckpoint: anything else that makes it unreadable, or it would build more than a real
+            file of its size.
+    """
+    buf = bytes(data) if isinstance(data, memoryview) else data
+    check_opcodes(buf, source)
+    growth = max(_MIN_GROWTH, MAX_GROWTH_PER_BYTE * len(buf))
+    kind = unpickler or SafeUnpickler
+
+    def run() -> _T:
+        memory = _ResidentMemory()
+        watch = _RUNNING.watch = _WatchedInput(buf, growth, source, memory)
+        try:
+            return parse(_unpickle(watch, allowed, source, kind))
+        finally:
+            _RUNNING.watch = None
+            memory.close()
+
+    # A nesting level is a tuple opcode (one byte at least) and a tuple object (48 bytes at least).
+    depth = min(len(buf), (growth + _MAX_FRAME * _MAX_BYTES_PER_OPCODE) // 48)
+    if depth <= _INLINE_DEPTH:
+        return run()
+    return _on_deep_stack(run, depth * _STACK_PER_LEVEL + (1 << 20), source)
 
 
 def load_torch_save_pickle(data: bytes | memoryview, source: str) -> Any:
     """Unpickle the `data.pkl` of a torch.save archive into `TensorRebuild`/`StorageRef` facts."""
-    return _load(data, TORCH_SAVE_GLOBALS, source, _TorchSaveUnpickler)
+    return parse_pickle(data, TORCH_SAVE_GLOBALS, source, _as_is, _TorchSaveUnpickler)
 
 
 def load_torch_pickle(data: bytes | memoryview, source: str) -> Any:
@@ -728,18 +809,101 @@ def load_torch_pickle(data: bytes | memoryview, source: str) -> Any:
         CorruptCheckpoint: anything else that makes it unreadable.
     """
     with gc_paused():
-        return _load(data, TORCH_PICKLE_GLOBALS, source, _TorchSaveUnpickler)
+        return parse_pickle(data, TORCH_PICKLE_GLOBALS, source, _as_is, _TorchSaveUnpickler)
 
 
-def _load(
-    data: bytes | memoryview,
-    allowed: Mapping[tuple[str, str], Any],
-    source: str,
-    unpickler: Callable[[io.BytesIO, Mapping[tuple[str, str], Any], str], SafeUnpickler],
+_T = TypeVar("_T")
+#: Pickles that cannot nest tuples deeper than this are unpickled on the caller's thread: hashing them
+#: needs 2 MiB of C stack, which every thread has.
+_INLINE_DEPTH = 16_384
+#: C stack per nesting level that `hash` walks (measured: about 55 bytes on x86-64 CPython 3.11), with margin.
+_STACK_PER_LEVEL = 128
+#: The most one opcode byte builds (EMPTY_SET: a 232-byte set and a stack slot).
+_MAX_BYTES_PER_OPCODE = 240
+_STACK_LOCK = threading.Lock()
+#: ru_maxrss is in KiB on Linux and in bytes on macOS.
+_MAXRSS_UNIT = 1 if sys.platform == "darwin" else 1024
+_PAGE = resource.getpagesize()
+
+
+class _ResidentMemory:
+    """The process's resident memory: `/proc/self/statm` where there is one (read with one pread), else the
+    peak that getrusage reports (which only grows, so sequential loads add up: a looser bound)."""
+
+    def __init__(self) -> None:
+        try:
+            self._fd: int | None = os.open("/proc/self/statm", os.O_RDONLY)
+        except OSError:
+            self._fd = None
+
+    def bytes(self) -> int:
+        if self._fd is not None:
+            return int(os.pread(self._fd, 128, 0).split()[1]) * _PAGE
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * _MAXRSS_UNIT
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+class _WatchedInput:
+    """The pickle as a file for the C unpickler, checking memory growth on every read.
+
+    With `peek`, the C unpickler buffers at most 128 KiB of input at a time (or one frame, which the walk
+    bounds), so it comes back here at least that often: each time, the process's resident memory must
+    have grown by less than `limit` since the load began.
+    """
+
+    __slots__ = ("_buf", "_limit", "_memory", "_pos", "_source", "_start")
+
+    def __init__(self, buf: bytes, limit: int, source: str, memory: _ResidentMemory) -> None:
+        self._buf = buf
+        self._pos = 0
+        self._limit = limit
+        self._source = source
+        self._memory = memory
+        self._start = memory.bytes()
+
+    def check(self, more: int = 0) -> None:
+        """Raise `CorruptCheckpoint` once memory has grown (or would grow by `more`) past the limit."""
+        if self._memory.bytes() + more - self._start > self._limit:
+            raise CorruptCheckpoint(
+                f"{self._source}: unpickling took more than {self._limit >> 20} MiB, more than a real "
+                "checkpoint file of its size needs",
+                "the file is damaged or made to exhaust memory",
+            )
+
+    def peek(self, n: int = 1) -> bytes:
+        self.check()
+        return self._buf[self._pos : self._pos + max(n, 1)]
+
+    def read(self, n: int = -1) -> bytes:
+        self.check()
+        start = self._pos
+        self._pos = len(self._buf) if n < 0 else min(len(self._buf), start + n)
+        return self._buf[start : self._pos]
+
+    def readinto(self, into: Any) -> int:
+        chunk = self.read(len(into))
+        into[: len(chunk)] = chunk
+        return len(chunk)
+
+    def readline(self) -> bytes:
+        self.check()
+        end = self._buf.find(b"\n", self._pos)
+        return self.read(-1 if end < 0 else end + 1 - self._pos)
+
+
+def _as_is(value: Any) -> Any:
+    return value
+
+
+def _unpickle(
+    file: _WatchedInput, allowed: Mapping[tuple[str, str], Any], source: str, kind: type[SafeUnpickler]
 ) -> Any:
-    check_opcodes(data, source)
     try:
-        return unpickler(io.BytesIO(data), allowed, source).load()
+        return kind(file, allowed, source).load()
     except CkptctlError:
         raise
     # Bytes from disk can make the unpickler (and the stand-ins' checks) fail in many ways: unpickling
@@ -747,6 +911,36 @@ def _load(
     # mean the same thing here, a file that is not what it claims to be.
     except Exception as exc:
         raise CorruptCheckpoint(f"{source}: not a readable pickle ({type(exc).__name__}: {_short(exc)})") from exc
+
+
+def _on_deep_stack(fn: Callable[[], _T], stack_bytes: int, source: str) -> _T:
+    """Run `fn` on a new thread with a C stack of `stack_bytes` and return (or raise) what it did.
+
+    The stack is reserved address space: only the pages a deep recursion touches become memory.
+    """
+    outcome: list[tuple[bool, Any]] = []
+
+    def target() -> None:
+        try:
+            outcome.append((True, fn()))
+        except BaseException as exc:  # handed to the caller's thread, which raises it
+            outcome.append((False, exc))
+
+    # threading.stack_size is process-wide: set it only for the start of this one thread.
+    with _STACK_LOCK:
+        previous = threading.stack_size(-(-stack_bytes // 65536) * 65536)
+        try:
+            worker = threading.Thread(target=target, name="ckptctl-unpickle", daemon=True)
+            worker.start()
+        except RuntimeError as exc:  # no address space for the stack
+            raise CorruptCheckpoint(f"{source}: the pickle nests more tuples than ckptctl can check") from exc
+        finally:
+            threading.stack_size(previous)
+    worker.join()
+    ok, value = outcome[0]
+    if ok:
+        return value
+    raise value
 
 
 def _short(exc: BaseException) -> str:
@@ -769,6 +963,48 @@ def gc_paused() -> Iterator[None]:
     finally:
         if was_enabled:
             gc.enable()
+
+
+#: Containers nested deeper than this are refused by `check_nesting`: real state dicts nest a dozen levels.
+MAX_NESTING = 100
+
+
+def check_nesting(obj: Any, source: str, limit: int = MAX_NESTING) -> None:
+    """Refuse an unpickled object whose containers nest deeper than `limit` (dict keys and sets included).
+
+    Walks each container once, with one frame per level, so a hostile object costs time linear in its
+    size and memory bounded by `limit`. A pickle can build a million nested tuples within its memory
+    bound; hashing or printing one recurses that deep.
+
+    Raises:
+        CorruptCheckpoint: the nesting is deeper than `limit`.
+    """
+    seen: set[int] = set()
+    frames: list[Iterator[Any]] = [iter((obj,))]
+    while frames:
+        value = next(frames[-1], _END)
+        if value is _END:
+            frames.pop()
+            continue
+        if isinstance(value, dict):
+            children: Iterator[Any] = itertools.chain.from_iterable(value.items())
+        elif isinstance(value, (list, tuple, set, frozenset)):
+            children = iter(value)
+        elif isinstance(value, StandIn):
+            children = iter((getattr(value, "state", None),))
+        else:
+            continue
+        if id(value) in seen:
+            continue
+        seen.add(id(value))
+        if len(frames) > limit:
+            raise CorruptCheckpoint(
+                f"{source}: containers nest deeper than {limit} levels, deeper than any real checkpoint"
+            )
+        frames.append(children)
+
+
+_END = object()
 
 
 def state_fields(obj: StandIn, source: str) -> dict[str, Any]:
@@ -798,7 +1034,7 @@ def state_fields(obj: StandIn, source: str) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------------------------------
-# The opcode walk (memo and length guard).
+# The opcode walk (memo, length and size guard).
 # --------------------------------------------------------------------------------------------------
 
 
@@ -813,7 +1049,7 @@ class _OpcodeTables:
     len8_ops: frozenset[int]
 
 
-_LONG_BINPUT, _PUT, _STOP = ord("r"), ord("p"), ord(".")
+_LONG_BINPUT, _PUT, _STOP, _FRAME = ord("r"), ord("p"), ord("."), 0x95
 _GLOBAL, _INST = ord("c"), ord("i")
 _SIGNED_LEN4 = frozenset({ord("T"), 0x8B})  # BINSTRING, LONG4: the pickle module reads a signed length
 
@@ -831,7 +1067,7 @@ def _opcode_tables() -> _OpcodeTables:
     for op in pickletools.opcodes:
         code = op.code.encode("latin-1")[0]
         n = 0 if op.arg is None else op.arg.n
-        if code in (_LONG_BINPUT, _PUT, _STOP):
+        if code in (_LONG_BINPUT, _PUT, _STOP, _FRAME):
             continue  # handled one by one
         if n >= 0:
             fixed.setdefault(n, []).append(code)
@@ -869,8 +1105,9 @@ def check_opcodes(data: bytes | memoryview, source: str) -> None:
     A memo index beyond the opcode's own position is refused (real picklers number memo entries
     consecutively, one per memoised object), so the unpickler's memo stays within 16 bytes per input
     byte; a string or bytes length beyond the end of the data is refused before anything allocates it.
-    The walk costs about 20 ns per opcode (regex matches consume runs of opcodes in C), a fifth of
-    what unpickling costs.
+    A frame longer than `_MAX_FRAME` is refused (the memory checks of `_WatchedInput` run between
+    frames). The walk costs about 20 ns per opcode (regex matches consume runs of opcodes in C), a fifth
+    of what unpickling costs.
 
     Raises:
         CorruptCheckpoint: an unknown opcode, a truncated stream, or one of the above.
@@ -923,6 +1160,15 @@ def check_opcodes(data: bytes | memoryview, source: str) -> None:
                     raise CorruptCheckpoint(f"{source}: the pickle is truncated at byte {pos}")
                 pos = end
             pos += 1
+        elif op == _FRAME:
+            if pos + 9 > n:
+                break
+            (length,) = unpack_from("<Q", buf, pos + 1)
+            if length > _MAX_FRAME:
+                raise CorruptCheckpoint(
+                    f"{source}: the pickle has a frame of {length} bytes, larger than picklers write"
+                )
+            pos += 9
         elif op == _STOP:
             return
         else:

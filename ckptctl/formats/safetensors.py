@@ -4,11 +4,15 @@ Format: 8-byte little-endian header length N, N bytes of JSON `{name: {"dtype", 
 "data_offsets": [begin, end]}, "__metadata__": {str: str}}`, then the data; offsets are relative to the
 end of the header. Every claim of the header is checked against the file size before anything trusts it,
 so a lying header costs at most its own length in memory.
+
+The layout rules are those of the reference reader (the `safetensors` crate's `Metadata::validate` and
+`SafeTensors::read_metadata`): taken in offset order, the tensors' byte ranges start at 0, follow each
+other without gaps or overlaps, and the last one ends where the file ends. A file that breaks one of them
+is refused here as it is by `safetensors.safe_open` ("invalid offset", "file not fully covered").
 """
 
 from __future__ import annotations
 
-import itertools
 import json
 import math
 import os
@@ -83,7 +87,8 @@ def parse_header(prefix: bytes, file_size: int, source: str) -> SafetensorsHeade
 
     Raises:
         CorruptCheckpoint: anything that does not hold (short file, bad JSON, offsets outside the file,
-            byte lengths that disagree with shape and dtype, overlapping records).
+            byte lengths that disagree with shape and dtype, records that overlap or leave gaps, bytes
+            after the last record).
     """
     if file_size < 8 or len(prefix) < 8:
         raise CorruptCheckpoint(f"{source}: too short for a safetensors file ({file_size} bytes)")
@@ -108,11 +113,30 @@ def parse_header(prefix: bytes, file_size: int, source: str) -> SafetensorsHeade
     tensors = []
     for name, rec in raw.items():
         tensors.append(_validate_record(name, rec, data_start, file_size, source))
-    ordered = sorted(tensors, key=lambda t: (t.begin, t.end))
-    for before, after in itertools.pairwise(ordered):
-        if after.begin < before.end:
-            raise CorruptCheckpoint(f"{source}: tensors {before.name!r} and {after.name!r} overlap")
+    _check_coverage(tensors, data_start, file_size, source)
     return SafetensorsHeader(data_start, tuple(tensors), metadata, file_size)
+
+
+def _check_coverage(tensors: list[SafetensorsTensor], data_start: int, file_size: int, source: str) -> None:
+    """The reference reader's rules: in offset order, each tensor starts where the previous one ended (the
+    first at data offset 0), and the last ends at the end of the file."""
+    hint = "safetensors itself refuses this file; it was not written by a safetensors writer, or was altered"
+    end, previous = data_start, None
+    for tensor in sorted(tensors, key=lambda t: (t.begin, t.end)):
+        if tensor.begin != end:
+            where = "after the start of the data" if previous is None else f"after {previous!r}"
+            what = (
+                f"a gap of {tensor.begin - end} bytes"
+                if tensor.begin > end
+                else f"{end - tensor.begin} bytes of overlap"
+            )
+            raise CorruptCheckpoint(f"{source}: invalid offset for tensor {tensor.name!r}: {what} {where}", hint)
+        end, previous = tensor.end, tensor.name
+    if end != file_size:
+        raise CorruptCheckpoint(
+            f"{source}: {file_size - end} bytes after the last tensor: the data section is not fully covered",
+            hint,
+        )
 
 
 def _validate_record(name: str, rec: Any, data_start: int, file_size: int, source: str) -> SafetensorsTensor:

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from ckptctl import io
 from ckptctl.checkpoint import dtype_itemsize
 from ckptctl.errors import CorruptCheckpoint
-from ckptctl.formats.safe_pickle import StandIn, TensorRef, load_torch_pickle
+from ckptctl.formats.safe_pickle import MAX_NESTING, StandIn, TensorRef, check_nesting, load_torch_pickle
 from ckptctl.formats.torch_save import ZipDirectory, ZipRecord, read_zip_directory
 
 if TYPE_CHECKING:
@@ -41,7 +41,12 @@ __all__ = [
 #: The largest `data.pkl` accepted (a 100k-tensor optimizer state pickles to ~20 MB).
 MAX_DATA_PKL = 512 << 20
 #: Nesting deeper than any real state dict; bounds the walk over a hostile structure.
-_MAX_DEPTH = 100
+_MAX_DEPTH = MAX_NESTING
+#: A tensor's dotted path longer than this is refused: real ones are a few hundred characters at most.
+_MAX_PATH = 4096
+#: The paths `tensor_refs` yields may add up to this many characters: a hostile file can reach one tensor
+#: from a million places (memo references), each through long keys.
+_MAX_PATHS_TEXT = 64 << 20
 
 
 class TorchPickle:
@@ -152,19 +157,42 @@ def tensor_refs(obj: Any, prefix: str = "") -> Iterator[tuple[str, TensorRef]]:
     """Every `TensorRef` inside `obj` with its dotted path, in stored order.
 
     Dict keys and list indices make up the path (`state.0.exp_avg`); stand-ins are looked into through
-    their fields. Shared or cyclic containers are visited once.
+    their fields. Shared or cyclic containers are visited once. Works in memory bounded by the depth:
+    paths are built only for the tensors and containers on the way to them.
 
     Raises:
-        CorruptCheckpoint: nesting deeper than any real state dict.
+        CorruptCheckpoint: nesting deeper than any real state dict, a path longer than `_MAX_PATH`, or
+            more path text than `_MAX_PATHS_TEXT`.
     """
-    stack: list[tuple[str, Any, int]] = [(prefix, obj, 0)]
     seen: set[int] = set()
-    while stack:
-        path, value, depth = stack.pop()
+    text_left = _MAX_PATHS_TEXT
+    # Each frame: the path of a container and its items.
+    frames: list[tuple[str, Iterator[tuple[Any, Any]]]] = [(prefix, iter(((None, obj),)))]
+    while frames:
+        path, items = frames[-1]
+        entry = next(items, None)
+        if entry is None:
+            frames.pop()
+            continue
+        key, value = entry
+        if key is None:
+            child: str | None = path
+        else:
+            name = _key_text(key)
+            # Measured before joining: a 16 MiB key under 20,000 parents must not be copied 20,000 times.
+            child = None if len(path) + len(name) >= _MAX_PATH else f"{path}.{name}" if path else name
         if type(value) is TensorRef:
-            yield path, value
+            if child is None:
+                raise CorruptCheckpoint(f"a tensor's path is longer than {_MAX_PATH} characters")
+            text_left -= len(child)
+            if text_left < 0:
+                raise CorruptCheckpoint("the tensors' paths add up to more text than any real state dict")
+            yield child, value
+            continue
+        if id(value) in seen:
             continue
         if isinstance(value, StandIn):
+            seen.add(id(value))
             value = getattr(value, "state", None)
             if type(value) is tuple and len(value) == 2 and all(type(v) in (dict, type(None)) for v in value):
                 value = {**(value[0] or {}), **(value[1] or {})}
@@ -172,11 +200,25 @@ def tensor_refs(obj: Any, prefix: str = "") -> Iterator[tuple[str, TensorRef]]:
         if not (is_dict or type(value) in (list, tuple)) or id(value) in seen:
             continue
         seen.add(id(value))
-        if depth >= _MAX_DEPTH:
-            raise CorruptCheckpoint(f"nesting deeper than {_MAX_DEPTH} levels at {path!r}")
-        items = value.items() if is_dict else enumerate(value)
-        children = [(f"{path}.{key}" if path else str(key), child, depth + 1) for key, child in items]
-        stack.extend(reversed(children))
+        if child is None:  # a key of a string value may be long; one that holds more is not a name
+            raise CorruptCheckpoint(f"a path into the state is longer than {_MAX_PATH} characters")
+        if len(frames) > _MAX_DEPTH:
+            raise CorruptCheckpoint(f"nesting deeper than {_MAX_DEPTH} levels at {child[:200]!r}")
+        frames.append((child, iter(value.items()) if is_dict else enumerate(value)))
+
+
+def _key_text(key: Any) -> str:
+    """A dict key or list index as a path component, without `str()` of anything a file could make huge."""
+    if type(key) is str:
+        return key
+    if type(key) is int and -(10**18) < key < 10**18:
+        return str(key)
+    if type(key) in (bool, float, type(None)):
+        return str(key)
+    # A key a file could make a million levels deep (hashing it again would overflow the C stack) or
+    # megabytes long once printed: checked, and named by its type.
+    check_nesting(key, "a dict key")
+    return f"<{type(key).__name__}>"
 
 
 def load_tensor(url: str, ref: TensorRef, opened: TorchPickle | None = None) -> torch.Tensor:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from ckptctl import io
 from ckptctl.io import trash
@@ -83,12 +83,17 @@ class ObjectStoreUpload:
     Args:
         staging: the local folder holding the files, by the paths they get below `url`.
         url: the target folder.
-        markers: the completion markers of what `url` holds or will hold, deleted first by `clear`/`undo`.
+        markers: the completion markers of what `url` holds or will hold, deleted first by `clear`/`undo`
+            (none by default).
         on_file: called with each file's relative path once it is up (progress).
     """
 
     def __init__(
-        self, staging: str, url: str, markers: Markers = (), on_file: Callable[[str], object] | None = None
+        self,
+        staging: str,
+        url: str,
+        markers: Markers = trash.no_markers,
+        on_file: Callable[[str], object] | None = None,
     ) -> None:
         self.staging = staging
         self.url = url
@@ -103,12 +108,13 @@ class ObjectStoreUpload:
         with self._lock:
             return tuple(self._uploaded)
 
-    def clear(self, rels: Collection[str] | None = None) -> None:
-        """Delete what the target holds (the objects `rels` below it, or everything), markers first."""
-        if rels is None:
+    def clear(self, files: Mapping[str, int] | None = None) -> None:
+        """Delete what the target holds (the objects `files` below it, relative path -> size, or everything),
+        markers first."""
+        if files is None:
             trash.delete(self.url, self.markers)
         else:
-            trash.delete_objects(self.url, rels, self.markers)
+            trash.delete_objects(self.url, files, self.markers(files))
 
     def upload(self, batches: Iterable[Sequence[str]]) -> None:
         """Upload staged files batch after batch; a batch in parallel, its largest files first."""
@@ -127,7 +133,8 @@ class ObjectStoreUpload:
 
     def undo(self) -> None:
         """Delete what this upload put, markers first (after a failure)."""
-        trash.delete_objects(self.url, self.uploaded, self.markers)
+        files = {rel: _size(os.path.join(self.staging, rel)) for rel in self.uploaded}
+        trash.delete_objects(self.url, files, self.markers(files))
 
     def _put(self, rel: str) -> None:
         io.upload_file(os.path.join(self.staging, rel), io.join(self.url, rel))
@@ -135,3 +142,10 @@ class ObjectStoreUpload:
             self._uploaded.append(rel)
         if self._on_file is not None:
             self._on_file(rel)
+
+
+def _size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:  # the marker, uploaded from memory
+        return 0

@@ -12,35 +12,55 @@ retention and re-saves, `prune`, `convert --force`) therefore runs in two steps:
 
 `delete` does both; the manager runs `purge` on a background thread. A crash between the two leaves a
 folder in the trash (or a prefix without markers), which every reader skips and the next deletion in the
-same folder (`empty`, run by `prune` and by the manager's retention) removes.
+same folder (`empty`, run by `prune` and by the manager's retention) removes. `delete_parts` deletes some
+entries of a folder the same way (a checkpoint whose folder also holds other checkpoints).
 
-The completion markers are the caller's: tiers of file names or `fnmatch` patterns, matched against the
-name of each file below the folder; each tier is deleted (in one batch) before the next, and the rest of
-the files after the last tier.
+The completion markers are the caller's (`Markers`, from the layouts' `completion_markers`): given the
+files of the folder, tiers of files that are deleted tier by tier (each tier in one batch) before the
+rest.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
-import fnmatch
 import os
-import posixpath
 import secrets
 import stat
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from ckptctl import io
 from ckptctl.errors import CheckpointNotFound
 
-__all__ = ["TRASH_NAME", "Markers", "Retired", "delete", "delete_objects", "empty", "purge", "retire", "trash_of"]
+__all__ = [
+    "TRASH_NAME",
+    "Markers",
+    "Retired",
+    "Tiers",
+    "delete",
+    "delete_objects",
+    "delete_parts",
+    "empty",
+    "no_markers",
+    "purge",
+    "retire",
+    "trash_of",
+]
 
 #: The folder beside a checkpoint that it is renamed into before it is deleted (every scan skips it).
 TRASH_NAME = ".ckptctl-trash"
 
-#: Tiers of completion markers: file names or `fnmatch` patterns, deleted tier by tier before the rest.
-Markers = Sequence[Sequence[str]]
+#: Files deleted before the others, tier by tier (relative paths with `/`; each tier in one batch).
+Tiers = Sequence[Collection[str]]
+#: The tiers of a folder to delete first, given its files (relative path -> size in bytes).
+Markers = Callable[[Mapping[str, int]], Tiers]
+
+
+def no_markers(files: Mapping[str, int]) -> Tiers:
+    """`Markers` of a folder with nothing to delete first."""
+    return ()
+
 
 #: How often a rename into the trash is tried again when the trash vanished under it (another process
 #: removed it, empty, between our `makedirs` and our `rename`).
@@ -66,7 +86,7 @@ def trash_of(url: str) -> str:
     return os.path.join(os.path.dirname(os.path.abspath(io.local_path(url))), TRASH_NAME)
 
 
-def retire(url: str, markers: Markers = ()) -> Retired:
+def retire(url: str, markers: Markers = no_markers) -> Retired:
     """Take the checkpoint folder `url` out of sight at once (step 1 of the module docstring).
 
     Args:
@@ -122,22 +142,47 @@ def purge(retired: Retired) -> None:
         remove_if_empty(retired.trash)
 
 
-def delete(url: str, markers: Markers = ()) -> None:
+def delete(url: str, markers: Markers = no_markers) -> None:
     """Delete the checkpoint folder `url` so that no moment shows it half-deleted and complete."""
     purge(retire(url, markers))
 
 
-def delete_objects(url: str, rels: Collection[str], markers: Markers = ()) -> None:
-    """Delete the files `rels` (paths relative to the folder `url`; missing ones are not an error), each tier
-    of `markers` first, then the rest: batched deletes on object stores."""
+def delete_objects(url: str, rels: Collection[str], tiers: Tiers = ()) -> None:
+    """Delete the files `rels` (paths relative to the folder `url`; missing ones are not an error): those of
+    each tier first, tier by tier, then the rest; batched deletes on object stores."""
     left = list(rels)
-    for tier in markers:
-        hit = [rel for rel in left if _matches(rel, tier)]
+    for tier in tiers:
+        hit = [rel for rel in left if rel in tier]
         if hit:
             io.delete_files([io.join(url, rel) for rel in hit])
-            left = [rel for rel in left if rel not in set(hit)]
+            left = [rel for rel in left if rel not in tier]
     if left:
         io.delete_files([io.join(url, rel) for rel in left])
+
+
+def delete_parts(url: str, parts: Sequence[io.DirEntry]) -> None:
+    """Delete the entries `parts` of the folder `url`, in the order given, and leave its other entries.
+
+    No single rename takes them away together, so the caller orders them so that no moment passes for a
+    complete checkpoint (its markers first). Locally each is renamed, in that order, into one folder in the
+    trash beside `url`, which is then deleted; on an object store each is deleted in that order.
+
+    Raises:
+        OSError: a local rename failed.
+        CkptctlError: a deletion failed.
+    """
+    if not io.is_local(url):
+        for entry in parts:
+            (io.delete_tree if entry.is_dir else io.delete_file)(io.join(url, entry.name))
+        return
+    path = os.path.abspath(io.local_path(url))
+    bin_ = trash_of(path)
+    folder = os.path.join(bin_, f"{os.path.basename(path)}.{secrets.token_hex(4)}")
+    os.makedirs(folder)
+    for entry in parts:
+        os.rename(os.path.join(path, entry.name), os.path.join(folder, entry.name))
+    io.fsync_dir(path)
+    purge(Retired(folder, bin_))
 
 
 def empty(trash: str) -> int:
@@ -173,13 +218,9 @@ def remove_if_empty(folder: str) -> None:
 
 
 def _delete_markers(url: str, markers: Markers) -> None:
-    if markers:
-        delete_objects(url, [rel for rel in io.list_tree(url) if any(_matches(rel, tier) for tier in markers)], markers)
-
-
-def _matches(rel: str, patterns: Sequence[str]) -> bool:
-    name = posixpath.basename(rel)
-    return any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns)
+    files = {rel: entry.size for rel, entry in io.list_tree(url).items()}
+    tiers = markers(files)
+    delete_objects(url, [rel for rel in files if any(rel in tier for tier in tiers)], tiers)
 
 
 def _tree_size(url: str) -> int:

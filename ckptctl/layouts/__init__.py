@@ -6,10 +6,14 @@ needs one layout does not pay for all of them.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import enum
 import importlib
+import importlib.util
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from functools import cache
 from typing import Any, TypeVar, cast
@@ -17,17 +21,23 @@ from typing import Any, TypeVar, cast
 from ckptctl import io
 from ckptctl.checkpoint import Checkpoint, CheckpointRef
 from ckptctl.errors import CheckpointNotFound, CkptctlError, UnknownLayout
+from ckptctl.formats.framework_classes import FrameworkClasses
 from ckptctl.layouts.base import Layout
 
 __all__ = [
     "DEFAULT_SCAN_DEPTH",
+    "ConvertTarget",
     "Layout",
+    "ScanContext",
     "detect",
+    "framework_pickle_classes",
     "get_layout",
     "layout_names",
     "open_checkpoint",
     "peek",
     "peek_dir",
+    "resolve",
+    "scan_context",
     "scan_run",
 ]
 
@@ -50,6 +60,14 @@ _REGISTRY: tuple[tuple[str, str], ...] = (
     ("hf", "ckptctl.frameworks.hf.layout:HfModelLayout"),
 )
 
+
+class ConvertTarget(enum.StrEnum):
+    """The layouts `convert --to` writes (the values are their registry names)."""
+
+    HF = "hf"
+    DCP = "dcp"
+
+
 #: How deep `list`, `verify` and `prune` look for checkpoints below a run folder: AReaL's recover slots sit
 #: 6 levels below its `fileroot` (checkpoints/user/experiment/trial/default/recover_checkpoint).
 DEFAULT_SCAN_DEPTH = 6
@@ -59,71 +77,106 @@ _SKIP_DIRS = frozenset({"__pycache__", ".git", ".hg", ".svn", "node_modules", ".
 
 
 # --------------------------------------------------------------------------------------------------
-# Peeks: listings of the folders around a candidate (its parent, its siblings), which some layouts need to
-# tell apart frameworks that write the same files (an OpenRLHF tag from a plain DeepSpeed one).
+# The scan context: what one operation has learnt about the folders around the candidates it identified.
 # --------------------------------------------------------------------------------------------------
 
 _PEEK_LIMIT = 4096
 _LISTING = "listing"
-_peeks: dict[tuple[str, int], dict[Any, Any]] = {}
-_peeks_lock = threading.Lock()
 T = TypeVar("T")
 
 
+class ScanContext:
+    """The peeks of one operation: listings of the folders around a candidate (its parent, its siblings),
+    which some layouts need to tell apart frameworks that write the same files (an OpenRLHF tag from a
+    plain DeepSpeed one), and facts derived from them.
+
+    Owned by the operation that opens it with `scan_context()` (a scan, a `detect`, a command that scans
+    and then opens every checkpoint it found) and dropped when that ends, so that nothing outlives the
+    operation. A local folder's peek is keyed by its mtime as well, so that a folder that gained or lost
+    entries within the operation is listed again; a remote one is listed once per context. Thread-safe:
+    the walker's threads share their caller's context (`io.parallel_map` copies the context variables).
+    """
+
+    def __init__(self) -> None:
+        self._peeks: dict[tuple[str, int], dict[Any, Any]] = {}
+        self._lock = threading.Lock()
+
+    def peek_dir(self, url: str) -> list[io.DirEntry] | None:
+        """See the module function `peek_dir`."""
+        slot = self._slot(url)
+        return None if slot is None else slot[_LISTING]
+
+    def peek(self, url: str, derive: Callable[[str, list[io.DirEntry]], T]) -> T | None:
+        """See the module function `peek`."""
+        slot = self._slot(url)
+        if slot is None or slot[_LISTING] is None:
+            return None
+        with self._lock:
+            if derive in slot:
+                return cast(T, slot[derive])
+        value = derive(url, slot[_LISTING])
+        with self._lock:
+            slot[derive] = value
+        return value
+
+    def _slot(self, url: str) -> dict[Any, Any] | None:
+        version = 0
+        if io.is_local(url):
+            try:
+                version = os.stat(io.local_path(url)).st_mtime_ns
+            except OSError:
+                return None
+        key = (url, version)
+        with self._lock:
+            slot = self._peeks.get(key)
+        if slot is not None:
+            return slot
+        try:
+            listing: list[io.DirEntry] | None = io.list_dir(url)
+        except CkptctlError:
+            listing = None
+        slot = {_LISTING: listing}
+        with self._lock:
+            if len(self._peeks) >= _PEEK_LIMIT:
+                self._peeks.clear()
+            self._peeks[key] = slot
+        return slot
+
+
+_current_scan: contextvars.ContextVar[ScanContext | None] = contextvars.ContextVar("ckptctl_scan", default=None)
+
+
+@contextlib.contextmanager
+def scan_context() -> Iterator[ScanContext]:
+    """The scan context of the current operation: the one already open (a `detect` inside a scan shares
+    the scan's), or a new one for the duration of the block."""
+    active = _current_scan.get()
+    if active is not None:
+        yield active
+        return
+    context = ScanContext()
+    token = _current_scan.set(context)
+    try:
+        yield context
+    finally:
+        _current_scan.reset(token)
+
+
 def peek_dir(url: str) -> list[io.DirEntry] | None:
-    """The listing of the folder at `url` (None when it is not a folder), listed once per scan.
+    """The listing of the folder at `url` (None when it is not a folder), listed once per scan context.
 
     Layouts call it for the parent or the siblings of a folder they are identifying, so a save folder of
-    1,000 tags is listed once, not once per tag. A local folder's entry is keyed by its mtime as well, so
-    that a folder that gained or lost entries is listed again; remote ones are kept until the next scan.
+    1,000 tags is listed once, not once per tag. Outside any scan context it lists the folder afresh.
     """
-    slot = _peek_slot(url)
-    return None if slot is None else slot[_LISTING]
+    return (_current_scan.get() or ScanContext()).peek_dir(url)
 
 
 def peek(url: str, derive: Callable[[str, list[io.DirEntry]], T]) -> T | None:
-    """`derive(url, listing)` for the folder at `url`, computed once per scan like `peek_dir` (None when it
-    is not a folder). For facts about a folder that every one of its children asks for (whether a save
-    folder holds `best_*` tags), which would cost N x N on a folder of N checkpoints otherwise."""
-    slot = _peek_slot(url)
-    if slot is None or slot[_LISTING] is None:
-        return None
-    with _peeks_lock:
-        if derive in slot:
-            return cast(T, slot[derive])
-    value = derive(url, slot[_LISTING])
-    with _peeks_lock:
-        slot[derive] = value
-    return value
-
-
-def _peek_slot(url: str) -> dict[Any, Any] | None:
-    version = 0
-    if io.is_local(url):
-        try:
-            version = os.stat(io.local_path(url)).st_mtime_ns
-        except OSError:
-            return None
-    key = (url, version)
-    with _peeks_lock:
-        slot = _peeks.get(key)
-    if slot is not None:
-        return slot
-    try:
-        listing: list[io.DirEntry] | None = io.list_dir(url)
-    except CkptctlError:
-        listing = None
-    slot = {_LISTING: listing}
-    with _peeks_lock:
-        if len(_peeks) >= _PEEK_LIMIT:
-            _peeks.clear()
-        _peeks[key] = slot
-    return slot
-
-
-def _forget_peeks() -> None:
-    with _peeks_lock:
-        _peeks.clear()
+    """`derive(url, listing)` for the folder at `url`, computed once per scan context like `peek_dir`
+    (None when it is not a folder). For facts about a folder that every one of its children asks for
+    (whether a save folder holds `best_*` tags), which would cost N x N on a folder of N checkpoints
+    otherwise."""
+    return (_current_scan.get() or ScanContext()).peek(url, derive)
 
 
 def layout_names() -> list[str]:
@@ -132,7 +185,11 @@ def layout_names() -> list[str]:
 
 @cache
 def get_layout(name: str) -> Layout:
-    """The layout registered under `name`."""
+    """The layout registered under `name`.
+
+    One instance per name for the whole process: layouts hold no state of their own (what a scan learns
+    lives in its `ScanContext`), so every operation can share them.
+    """
     for registered, target in _REGISTRY:
         if registered == name:
             module_name, _, class_name = target.partition(":")
@@ -145,17 +202,41 @@ def all_layouts() -> list[Layout]:
     return [get_layout(name) for name in layout_names()]
 
 
-def _identify(url: str, entries: Sequence[io.DirEntry]) -> tuple[Layout, CheckpointRef] | None:
-    for layout in all_layouts():
-        ref = layout.identify(url, entries)
+def framework_pickle_classes() -> list[FrameworkClasses]:
+    """The classes each registered framework package lists in its `pickle_classes` module (where it has
+    one): what the torch-pickle allowlist reads as inert stand-ins (`formats.framework_classes`)."""
+    found = []
+    for _, target in _REGISTRY:
+        module = f"{target.partition(':')[0].rpartition('.')[0]}.pickle_classes"
+        if importlib.util.find_spec(module) is not None:
+            found.append(importlib.import_module(module).CLASSES)
+    return found
+
+
+# --------------------------------------------------------------------------------------------------
+# What a folder is: the one identification every command goes through (the walker's, for each folder).
+# --------------------------------------------------------------------------------------------------
+
+
+def _identify(
+    url: str, entries: Sequence[io.DirEntry], layout: str | None = None
+) -> tuple[Layout, CheckpointRef] | None:
+    """The first layout (in registry order, or only `layout`) that recognises the folder, and its ref."""
+    for candidate in [get_layout(layout)] if layout else all_layouts():
+        ref = candidate.identify(url, entries)
         if ref is not None:
-            return layout, ref
+            return candidate, ref
     return None
 
 
+def _pointed(url: str, entries: Sequence[io.DirEntry]) -> set[str]:
+    """The child folders of `url` that a `latest`-style pointer in it names (any layout's)."""
+    return {io.join(url, name) for layout in all_layouts() if (name := layout.latest_pointer(url, entries))}
+
+
 def detect(url: str, layout: str | None = None, *, explain: bool = True) -> tuple[Layout, CheckpointRef]:
-    """The layout of the checkpoint folder at `url` and its ref (or of a single weights file, see
-    `layouts.single_file`).
+    """The layout of the checkpoint at `url` and its ref: a folder (itself, also when it holds other
+    checkpoints: see `scan_run`), or a single weights file (see `layouts.single_file`).
 
     Raises:
         CheckpointNotFound: the folder does not exist.
@@ -163,55 +244,107 @@ def detect(url: str, layout: str | None = None, *, explain: bool = True) -> tupl
             folder looks like a run holding checkpoints rather than a checkpoint).
     """
     if not io.is_dir(url):
-        if io.exists(url):
-            from ckptctl.layouts.single_file import detect_file
+        return _detect_file(url, layout)
+    with scan_context():
+        entries = io.list_dir(url)
+        hit = _identify(url, entries, layout)
+        if hit is not None:
+            return hit
+        raise _not_a_checkpoint(url, entries, layout, explain)
 
-            if layout is not None:
-                raise UnknownLayout(f"{url} is a file: --layout {layout} names a folder layout", "leave out --layout")
-            return detect_file(url)  # a weights file, or an error that says what to pass instead
-        raise CheckpointNotFound(f"no such checkpoint folder: {url}")
-    _forget_peeks()
-    entries = io.list_dir(url)
-    candidates = [get_layout(layout)] if layout else all_layouts()
-    for candidate in candidates:
-        ref = candidate.identify(url, entries)
-        if ref is not None:
-            return candidate, ref
-    tried = ", ".join(c.name for c in candidates)
+
+def _detect_file(url: str, layout: str | None) -> tuple[Layout, CheckpointRef]:
+    """A single weights file, or the error that says what to pass instead."""
+    if io.exists(url):
+        from ckptctl.layouts.single_file import detect_file
+
+        if layout is not None:
+            raise UnknownLayout(f"{url} is a file: --layout {layout} names a folder layout", "leave out --layout")
+        return detect_file(url)
+    raise CheckpointNotFound(f"no such checkpoint folder: {url}")
+
+
+def _not_a_checkpoint(url: str, entries: Sequence[io.DirEntry], layout: str | None, explain: bool) -> UnknownLayout:
+    tried = layout or ", ".join(layout_names())
     hint = "check the path"
     # The hint costs a scan of the folder: callers that only ask "is this a checkpoint?" skip it.
     if explain and layout is None and any(e.is_dir for e in entries):
         inner = scan_run(url, max_depth=2)
         if inner:
             hint = f"this looks like a run folder with {len(inner)} checkpoint(s); use `ckptctl list {url}` or pass one of them"
-    raise UnknownLayout(f"{url} is not a checkpoint of any known layout (tried: {tried})", hint)
+    return UnknownLayout(f"{url} is not a checkpoint of any known layout (tried: {tried})", hint)
+
+
+def resolve(url: str, layout: str | None = None) -> tuple[Layout, CheckpointRef]:
+    """The one checkpoint a command that takes a checkpoint (`inspect`, `convert`, `diff`) acts on.
+
+    The folder itself when it is a checkpoint, also when it holds others (the final model of an HF
+    Trainer `output_dir` beside its `checkpoint-N/`); else the checkpoint that a `latest`-style pointer in
+    it names (a DeepSpeed save folder: the tag its `latest` names), as `scan_run` marks it.
+
+    Args:
+        url: the folder.
+        layout: consider this layout only instead of trying each.
+
+    Raises:
+        CheckpointNotFound: the folder does not exist.
+        UnknownLayout: neither the folder nor what a pointer in it names is a checkpoint.
+    """
+    if not io.is_dir(url):
+        return _detect_file(url, layout)
+    with scan_context():
+        entries = io.list_dir(url)
+        hit = _identify(url, entries, layout)
+        if hit is not None:
+            return hit
+        folders = {io.join(url, e.name) for e in entries if e.is_dir}
+        named = [
+            found
+            for child in sorted(_pointed(url, entries) & folders)
+            if (found := _identify(child, io.list_dir(child), layout)) is not None
+        ]
+        if len(named) == 1:
+            return named[0]
+        raise _not_a_checkpoint(url, entries, layout, explain=True)
 
 
 def open_checkpoint(url: str, layout: str | None = None) -> Checkpoint:
-    """Detect and open the checkpoint folder at `url`."""
-    found, _ = detect(url, layout)
-    return found.open(url)
+    """Open the checkpoint `resolve(url, layout)` names."""
+    found, ref = resolve(url, layout)
+    return found.open(ref.url)
+
+
+# --------------------------------------------------------------------------------------------------
+# The run walk.
+# --------------------------------------------------------------------------------------------------
 
 
 def scan_run(url: str, max_depth: int = DEFAULT_SCAN_DEPTH) -> list[CheckpointRef]:
-    """Every checkpoint below `url` (the folder itself included), in whatever nesting the run uses.
+    """Every checkpoint at or below `url` (the folder itself included), in whatever nesting the run uses.
 
-    A folder recognised as a checkpoint is not descended into. Hidden folders are only checked
-    themselves (a layout may recognise its own staging folders) and never descended into. Folders that a
-    layout names as parts of its checkpoints kept beside them (its optional `companions(url, entries)`:
-    open-instruct's shared `ref_policy/`, AReaL's `recover_info/`) are neither listed nor descended into.
+    A folder can be a checkpoint and hold checkpoints (an HF Trainer `output_dir` with the final model
+    beside `checkpoint-N/`; a DCP or DeepSpeed run with an exported model beside its steps). A folder
+    recognised as a checkpoint is recorded, and its child folders that are not part of it (the layout's
+    `members`) are walked on; the ref names those that hold checkpoints in `CheckpointRef.holds`, and
+    comes before them. Hidden folders are only checked themselves (a layout may recognise its own
+    staging folders) and never descended into. Folders that a layout names as parts of its checkpoints
+    kept beside them (its `companions(url, entries)`: open-instruct's shared `ref_policy/`, AReaL's
+    `recover_info/`) are neither listed nor descended into. A checkpoint that a `latest`-style pointer in
+    its parent folder names has `latest` set.
 
     On object stores the run is listed once, recursively (`io.listing_snapshot`), every folder's entries
     and sizes come from that listing, and the checkpoints' marker reads overlap on a bounded pool.
+
+    Raises:
+        CheckpointNotFound: `url` is not a folder.
     """
-    with io.listing_snapshot(url):
+    with io.listing_snapshot(url), scan_context():
         if not io.is_dir(url):
             if io.exists(url):
                 raise CheckpointNotFound(
                     f"{url} is a file, not a run folder", "pass the folder that holds the checkpoints"
                 )
             raise CheckpointNotFound(f"no such run folder: {url}")
-        _forget_peeks()
         found: list[CheckpointRef] = []
         _walk(url, io.list_dir(url), 0, max_depth, found, parallel=not io.is_local(url))
         return found
@@ -237,13 +370,13 @@ def _walk(
     than one folder is identified on `io.parallel_map`'s threads (for object stores, where a layout's
     marker reads are requests worth overlapping); the levels below it are walked by those threads alone."""
     hit = _identify(url, entries)
-    if hit is not None:
-        found.append(hit[1])
-        return
-    if depth >= max_depth:
-        return
-    parts = _companions(url, entries)
-    folders = [e for e in entries if e.is_dir and e.name not in _SKIP_DIRS and e.name not in parts]
+    folders: list[io.DirEntry] = []
+    if depth < max_depth:
+        skip = _SKIP_DIRS | (hit[0].members(url, entries) if hit is not None else frozenset())
+        folders = [e for e in entries if e.is_dir and e.name not in skip]
+        if folders:
+            parts = _companions(url, entries)
+            folders = [e for e in folders if e.name not in parts]
     fan_out = parallel and len(folders) > 1
 
     def visit(entry: io.DirEntry) -> list[CheckpointRef]:
@@ -260,6 +393,9 @@ def _walk(
         return below
 
     visited = io.parallel_map(visit, folders) if fan_out else [visit(e) for e in folders]
+    if hit is not None:
+        holds = tuple(e.name for e, refs in zip(folders, visited, strict=True) if refs)
+        found.append(replace(hit[1], holds=holds) if holds else hit[1])
     children = [ref for refs in visited for ref in refs]
-    pointed = {io.join(url, name) for layout in all_layouts() if (name := layout.latest_pointer(url, entries))}
+    pointed = _pointed(url, entries) if children else set()
     found.extend(replace(ref, latest=True) if ref.url in pointed else ref for ref in children)

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 from ckptctl import io
-from ckptctl.checkpoint import Checkpoint, CheckpointRef, Problem
+from ckptctl.checkpoint import Checkpoint, CheckpointRef, Problem, TensorEntry
 from ckptctl.io import DirEntry
 
 
@@ -57,6 +58,102 @@ class Layout:
         """Child folders of the folder `url` that belong to checkpoints kept beside them (open-instruct's
         shared `ref_policy/`, AReaL's `recover_info/`): neither listed nor walked."""
         return frozenset()
+
+    def members(self, url: str, entries: Sequence[DirEntry]) -> frozenset[str]:
+        """Child folders of the checkpoint at `url` that are part of it (a Trainer `checkpoint-N`'s DeepSpeed
+        `global_stepN/`, the native layout's `dcp/`).
+
+        The run walker records a folder that is a checkpoint and goes on walking its other child folders,
+        which may hold checkpoints of their own (an HF Trainer `output_dir` holds the final model and the
+        `checkpoint-N/` folders). A checkpoint is made of its own files and its member folders: that is
+        what its size counts and what `prune` deletes when its folder holds other checkpoints, and its
+        `Checkpoint.files` never include a file of another child folder. The default suits a layout whose
+        checkpoints are flat folders of files.
+
+        Args:
+            url: the checkpoint folder (this layout identified it).
+            entries: its listing.
+        """
+        return frozenset()
+
+    # ------------------------------------------------------------------------------------------ prune
+
+    def completion_markers(self, files: Mapping[str, int]) -> tuple[str, ...]:
+        """The files of a checkpoint folder of this layout without which it does not read as complete (or
+        that describe its content, like a shard index), in the order its writer adds them.
+
+        Where a folder cannot be renamed into place or out of sight at once (object stores), a writer
+        uploads these last, in this order, and a deleter removes them first, the last one first: no moment
+        of either passes for a complete checkpoint.
+
+        Args:
+            files: the folder's files, relative path (with `/`) -> size in bytes.
+        """
+        return ()
+
+    def protections(self, series: Sequence[CheckpointRef]) -> Protections:
+        """What this framework's files say `prune` must keep among `series`, the checkpoints of one folder
+        (a best checkpoint its training loop goes back to, ...).
+
+        Asked of every layout for every folder, whatever layouts its checkpoints have, as `latest_pointer`
+        is: the evidence is on disk, not in the layout that recognised a folder.
+        """
+        return Protections()
+
+    # ---------------------------------------------------------------------------------------- convert
+
+    def master_weights(self, checkpoint: Checkpoint, *, required: bool, notes: list[str]) -> MasterWeights | None:
+        """The full-precision copy of the model a checkpoint keeps apart from its model weights (the fp32
+        master weights of mixed-precision training), which `convert` writes by default.
+
+        Args:
+            checkpoint: a checkpoint this layout opened.
+            required: the user asked for these weights; a reason why this checkpoint has none is an error.
+            notes: where to append why there is no such copy, when a person would expect one.
+
+        Returns:
+            The copy, or None when the checkpoint keeps none.
+
+        Raises:
+            CkptctlError: `required`, and the checkpoint lacks the copy its framework usually keeps.
+        """
+        return None
+
+
+def every_child_folder(entries: Sequence[DirEntry]) -> frozenset[str]:
+    """The names of all child folders of a listing: `members` of a layout whose framework writes and
+    deletes its checkpoint folder as a whole, so that anything inside belongs to the checkpoint."""
+    return frozenset(e.name for e in entries if e.is_dir)
+
+
+@dataclass(frozen=True, slots=True)
+class Protections:
+    """Checkpoints a framework's own files say must be kept (`Layout.protections`).
+
+    Attributes:
+        reasons: checkpoint URL -> why it is kept, for a person.
+        notes: what a person should know (a best checkpoint that is named but not there, ...).
+    """
+
+    reasons: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    notes: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class MasterWeights:
+    """The full-precision weights of a checkpoint (`Layout.master_weights`), as index entries named as the
+    model's state dict names them; no tensor data is read.
+
+    Attributes:
+        entries: in the model's state-dict order.
+        upcast: names of entries to write as float32 whatever their stored dtype (what the framework's
+            own tool does with them).
+        notes: where the entries depart from the framework's own tool's output, for the user.
+    """
+
+    entries: tuple[TensorEntry, ...]
+    upcast: frozenset[str]
+    notes: tuple[str, ...] = ()
 
 
 _STEP_PATTERNS = (

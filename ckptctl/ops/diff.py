@@ -1,7 +1,7 @@
 """`diff`: what differs between two checkpoints, of the same layout or not, tensor by tensor.
 
 Tensors of one component (the model by default) are matched by name after the namespace rules that
-`convert` uses (`ops.naming`: `model.` of DCP state dicts, the entry name of native saves) and the user's
+`convert` uses (`ops.naming`: `model.` of DCP state dicts, the entry name of a save) and the user's
 renames. Each matched pair is classified as equal, or changed in shape, dtype or values; values are
 compared element by element after upcasting both sides (float64, complex128 for complex tensors, int64
 differences for integer ones), in blocks, so memory stays near the pair of tensors being compared. One
@@ -57,8 +57,9 @@ __all__ = [
 
 #: Elements upcast and compared at once: bounds the temporaries to a few tens of MiB.
 _BLOCK = 1 << 20
-#: Metadata keys that differ between any two saves and say nothing about them.
-_IGNORED_METADATA = frozenset({"save_id", "error", "deepspeed_error"})
+#: Metadata keys that differ between any two saves and say nothing about them: a save's id, and what a
+#: layout met reading one (`error`, and `*_error` keys, whose messages name each checkpoint's own paths).
+_IGNORED_METADATA = frozenset({"save_id", "error"})
 
 
 class ChangeKind(enum.StrEnum):
@@ -566,7 +567,7 @@ def metadata_differences(a: Checkpoint, b: Checkpoint) -> list[MetadataDiff]:
     meta_a = flatten({k: v for k, v in a.metadata.items() if k != "config"})
     meta_b = flatten({k: v for k, v in b.metadata.items() if k != "config"})
     for key in sorted(set(meta_a) & set(meta_b)):
-        if key.split(".", 1)[0] in _IGNORED_METADATA or key in _IGNORED_METADATA:
+        if any(part in _IGNORED_METADATA or part.endswith("_error") for part in key.split(".")):
             continue
         if meta_a[key] != meta_b[key]:
             found.append(MetadataDiff(key, meta_a[key], meta_b[key]))

@@ -8,13 +8,14 @@ Scan → plan → confirm → execute, as `hf cache prune` does:
   renamed into the `.ckptctl-trash` folder beside it (same filesystem, atomic) and then deleted there, so
   a crash leaves either the whole checkpoint or a folder in the trash, never a half-deleted checkpoint
   that lists as complete; the next prune empties leftover trash, and an emptied trash folder goes too.
-  On object stores (no rename) the completion markers and metadata go first, so that a partial delete
-  reads as broken.
+  On object stores (no rename) the files its layout names as completion markers go first, so that a
+  partial delete reads as broken.
 
 Never deleted, whatever the rules say (each kept checkpoint carries its reasons):
 - the newest complete checkpoint of each folder, and pinned steps (the policy);
-- what a `latest`-style pointer names (ours, DeepSpeed's `latest`), the Trainer's `best_model_checkpoint`
-  (from the newest `trainer_state.json`), OpenRLHF `best*` folders, and what a symlink in the run points to;
+- what a `latest`-style pointer names (any layout's `latest_pointer`), what a framework's own files say to
+  keep (each layout's `protections`: a best checkpoint its training loop goes back to), and what a symlink
+  in the run points to;
 - anything in progress: the layout says so (no completion marker yet), a staging name (hidden, `.tmp`,
   `staging`, ...), a live writer's lock file in or beside it, or a file modified within `grace`;
 - anything whose real path lies outside the run, and symlinks: a checkpoint reached through a symlink is
@@ -24,7 +25,7 @@ Never deleted, whatever the rules say (each kept checkpoint carries its reasons)
 from __future__ import annotations
 
 import contextlib
-import json
+import functools
 import os
 import re
 import stat
@@ -38,8 +39,8 @@ from ckptctl import io
 from ckptctl.checkpoint import CheckpointRef, CheckpointState
 from ckptctl.core.retention import Candidate, RetentionPolicy
 from ckptctl.errors import CheckpointNotFound, CkptctlError
+from ckptctl.formats.manifest import DIGESTS_NAME
 from ckptctl.io import trash
-from ckptctl.io.trash import TRASH_NAME
 from ckptctl.layouts import DEFAULT_SCAN_DEPTH, all_layouts, detect, get_layout, scan_run
 from ckptctl.ops.lock import LOCK_NAME, STALE_AFTER, RunLock, read_lock, stale_reason
 from ckptctl.ops.report import SCHEMA_VERSION, NoProgress, Progress, display_path, flatten, iso
@@ -61,19 +62,6 @@ __all__ = [
 DEFAULT_GRACE = timedelta(minutes=10)
 #: The policy file `prune` reads from the run folder when no rule is given on the command line.
 POLICY_FILE = "ckptctl.toml"
-#: Files whose presence makes a checkpoint read as complete (or describes its content), deleted first where
-#: a folder cannot be renamed away atomically.
-COMPLETION_MARKERS = (
-    "ckptctl-manifest.json",
-    "ckptctl-digests.json",
-    ".metadata",
-    "trainer_state.json",
-    "metric.json",
-    "model.safetensors.index.json",
-    "pytorch_model.bin.index.json",
-    "metadata.json",
-    "latest",
-)
 _STAGING_NAME = re.compile(
     r"(?:^|[._-])(?:tmp|temp|staging|partial|incomplete|in[_-]?progress|writing)(?:$|[._-])", re.IGNORECASE
 )
@@ -289,50 +277,13 @@ def load_policy_file(run: str) -> tuple[RetentionPolicy, timedelta | None] | Non
 # ------------------------------------------------------------------------------------------ metrics
 
 
-def _trainer_state(url: str) -> dict[str, Any] | None:
-    try:
-        doc = json.loads(io.read_bytes(io.join(url, "trainer_state.json")))
-    except (CkptctlError, ValueError, UnicodeDecodeError, RecursionError):
-        return None
-    return doc if isinstance(doc, dict) else None
-
-
-def _trainer_state_metrics(url: str) -> dict[str, Any]:
-    """The log_history entries of the checkpoint's own step (the Trainer evaluates right before saving)."""
-    state = _trainer_state(url)
-    if state is None or not isinstance(state.get("log_history"), list):
-        return {}
-    step = state.get("global_step")
-    metrics: dict[str, Any] = {}
-    for entry in state["log_history"]:
-        if isinstance(entry, dict) and entry.get("step") == step:
-            metrics.update(entry)
-    return metrics
-
-
-#: Files frameworks write into a checkpoint folder with its metrics, read when the layout's metadata has
-#: none. Add a reader here for a framework whose layout does not report `metadata["metrics"]`.
-METRIC_FILES: tuple[tuple[str, Callable[[str], Mapping[str, Any]]], ...] = (
-    ("trainer_state.json", _trainer_state_metrics),
-)
-
-
 def checkpoint_metrics(ref: CheckpointRef) -> dict[str, Any]:
-    """The metrics recorded with a checkpoint, flattened (`{"eval": {"loss": 1}}` -> `eval.loss`).
-
-    A layout reports them as `Checkpoint.metadata["metrics"]` (the native layout: the manifest's
-    `metrics`); files listed in `METRIC_FILES` (the Trainer's `trainer_state.json`) fill in the rest.
-    """
-    metrics: dict[str, Any] = {}
-    with contextlib.suppress(CkptctlError):
-        recorded = get_layout(ref.layout).open(ref.url).metadata.get("metrics")
-        if isinstance(recorded, Mapping):
-            metrics.update(flatten(recorded))
-    for name, reader in METRIC_FILES:
-        if io.exists(io.join(ref.url, name)):
-            for key, value in flatten(reader(ref.url)).items():
-                metrics.setdefault(key, value)
-    return metrics
+    """The metrics recorded with a checkpoint (`Checkpoint.metrics`, as its layout reads them), flattened
+    (`{"eval": {"loss": 1}}` -> `eval.loss`); none when it does not open."""
+    try:
+        return flatten(get_layout(ref.layout).open(ref.url).metrics)
+    except CkptctlError:
+        return {}
 
 
 # ------------------------------------------------------------------------------------------ scanning
@@ -378,7 +329,7 @@ def plan_prune(
     now = now or datetime.now(UTC)
     refs = scan_run(run, max_depth=max_depth)
     found = [_examine(ref, run, now, grace) for ref in refs]
-    notes = _protect_pointers(found, run)
+    notes = _protect(found, run)
     metrics: dict[str, Mapping[str, Any]] = {}
     if policy.keep_best:
         for f in found:
@@ -421,7 +372,7 @@ def plan_prune(
 
 def _examine(ref: CheckpointRef, run: str, now: datetime, grace: timedelta) -> _Found:
     if not io.is_local(ref.url):
-        return _Found(ref, ref.size_bytes, busy=_busy(ref, now, grace, _remote_newest(ref.url)))
+        return _Found(ref, ref.size_bytes, busy=_busy(ref, now, grace, _own_tree(ref)[1]))
     path = os.path.abspath(io.local_path(ref.url))
     run_real = os.path.realpath(io.local_path(run))
     real = os.path.realpath(path)
@@ -430,7 +381,7 @@ def _examine(ref: CheckpointRef, run: str, now: datetime, grace: timedelta) -> _
         inside = real == run_real or real.startswith(run_real + os.sep)
         why = f"symbolic link to {real}, never followed" if inside else f"outside the run (symbolic link to {real})"
         return _Found(ref, 0, link=why, real=real)
-    size, newest = _local_tree(path)
+    size, newest = _own_tree(ref)
     found = _Found(ref, size, real=real, busy=_busy(ref, now, grace, newest))
     if os.path.normpath(path) == os.path.normpath(os.path.abspath(io.local_path(run))):
         found.protected.append("the run folder itself")
@@ -473,8 +424,9 @@ def _live_writer_lock(url: str) -> str:
     return ""
 
 
-def _protect_pointers(found: list[_Found], run: str) -> list[str]:
-    """Mark what pointers name: `latest` files, symlinks in the run, the Trainer's best, OpenRLHF `best*`."""
+def _protect(found: list[_Found], run: str) -> list[str]:
+    """Mark what pointers name (`latest`-style files, symlinks in the run) and what each layout's
+    `protections` keep, folder by folder; returns the layouts' notes."""
     notes: list[str] = []
     by_real = {f.real: f for f in found if f.real and not f.link}
     for f in found:
@@ -486,31 +438,55 @@ def _protect_pointers(found: list[_Found], run: str) -> list[str]:
             series.setdefault(io.parent_of(f.ref.url), []).append(f)
             if f.ref.latest:
                 f.protected.append("named by the run's latest pointer")
-            if io.name_of(f.ref.url).lower().startswith("best"):
-                f.protected.append("a best checkpoint (best* folders are kept, as OpenRLHF does)")
+    layouts = all_layouts()
     for members in series.values():
-        best = _trainer_best(members)
-        if best is None:
-            continue
-        named = [f for f in members if io.name_of(f.ref.url) == best]
-        for f in named:
-            f.protected.append("the Trainer's best_model_checkpoint")
-        if not named:
-            notes.append(f"the Trainer's best_model_checkpoint {best!r} is not in {io.parent_of(members[0].ref.url)}")
+        by_url = {f.ref.url: f for f in members}
+        refs = [f.ref for f in members]
+        for layout in layouts:
+            kept = layout.protections(refs)
+            for url, reasons in kept.reasons.items():
+                if url in by_url:
+                    by_url[url].protected.extend(reasons)
+            notes.extend(kept.notes)
     return notes
 
 
-def _trainer_best(members: Sequence[_Found]) -> str | None:
-    """The folder name of `best_model_checkpoint` in the newest complete checkpoint's trainer_state.json."""
-    complete = [f for f in members if f.ref.state is CheckpointState.COMPLETE and f.ref.step is not None]
-    if not complete:
+def _own_parts(ref: CheckpointRef) -> list[io.DirEntry] | None:
+    """What deleting `ref` removes when its folder holds checkpoints of its own (`ref.holds`), which stay:
+    its files and its layout's member folders. None when the checkpoint is its whole folder."""
+    if not ref.holds:
         return None
-    newest = max(complete, key=lambda f: f.ref.step or 0)
-    if not io.exists(io.join(newest.ref.url, "trainer_state.json")):
-        return None
-    state = _trainer_state(newest.ref.url)
-    best = state.get("best_model_checkpoint") if state else None
-    return os.path.basename(os.path.normpath(best)) if isinstance(best, str) and best else None
+    entries = io.list_dir(ref.url)
+    members = get_layout(ref.layout).members(ref.url, entries)
+    return [e for e in entries if not e.is_dir or e.name in members]
+
+
+def _own_tree(ref: CheckpointRef) -> tuple[int, float | None]:
+    """Bytes (on object stores: the ref's) and newest mtime of what deleting `ref` removes; links are not
+    followed."""
+    parts = _own_parts(ref)
+    if not io.is_local(ref.url):
+        if parts is None:
+            return ref.size_bytes, _remote_newest(ref.url)
+        times = [_remote_newest(io.join(ref.url, e.name)) if e.is_dir else e.mtime for e in parts]
+        return ref.size_bytes, max((t for t in times if t), default=None)
+    if parts is None:
+        return _local_tree(io.local_path(ref.url))
+    size, newest = 0, None
+    for entry in parts:
+        path = os.path.join(io.local_path(ref.url), entry.name)
+        if entry.is_dir:
+            part_size, part_newest = _local_tree(path)
+        else:
+            try:
+                st = os.lstat(path)
+            except FileNotFoundError:
+                continue
+            part_size, part_newest = (st.st_size if stat.S_ISREG(st.st_mode) else 0), st.st_mtime
+        size += part_size
+        if part_newest is not None:
+            newest = part_newest if newest is None else max(newest, part_newest)
+    return size, newest
 
 
 def _local_tree(path: str) -> tuple[int, float | None]:
@@ -549,7 +525,7 @@ def _tree_size(url: str) -> int:
 def _trash_folders(run: str, items: Iterable[PruneItem]) -> list[str]:
     """The trash folders of the run and of each folder holding checkpoints, that exist."""
     folders = {run, *(io.parent_of(i.url) for i in items if i.ref.url != run)}
-    return sorted(t for f in folders if io.is_dir(t := io.join(f, TRASH_NAME)))
+    return sorted(t for f in folders if io.is_dir(t := io.join(f, trash.TRASH_NAME)))
 
 
 # ------------------------------------------------------------------------------------------ executing
@@ -615,7 +591,7 @@ def _execute(plan: PrunePlan, lock: RunLock, progress: Progress) -> tuple[list[P
                 skipped.append(Skipped(item, why))
                 continue
             try:
-                _delete(item.url)
+                _delete(item.ref)
             except (OSError, CkptctlError) as exc:
                 skipped.append(Skipped(item, f"deleting failed: {exc}", error=True))
                 continue
@@ -646,8 +622,7 @@ def _still_deletable(item: PruneItem, plan: PrunePlan) -> str:
         return "a latest pointer names it now"
     if ref.state is CheckpointState.COMPLETE and item.ref.state is not CheckpointState.COMPLETE:
         return "it has been completed since the plan"
-    newest = _local_tree(io.local_path(url))[1] if io.is_local(url) else _remote_newest(url)
-    busy = _busy(ref, datetime.now(UTC), plan.grace, newest)
+    busy = _busy(ref, datetime.now(UTC), plan.grace, _own_tree(item.ref)[1])
     if busy:
         return busy
     if ref.created != item.ref.created:
@@ -655,9 +630,36 @@ def _still_deletable(item: PruneItem, plan: PrunePlan) -> str:
     return ""
 
 
-def _delete(url: str) -> None:
-    """Delete one checkpoint folder so that no moment shows it half-deleted and complete (`io.trash`)."""
-    trash.delete(url, (COMPLETION_MARKERS,))
+def _delete(ref: CheckpointRef) -> None:
+    """Delete one checkpoint folder so that no moment shows it half-deleted and complete (`io.trash`); of a
+    folder that holds checkpoints of its own, only what is the checkpoint's (`_own_parts`)."""
+    parts = _own_parts(ref)
+    if parts is None:
+        trash.delete(ref.url, functools.partial(_markers_to_delete, ref))
+    else:
+        trash.delete_parts(ref.url, _parts_in_order(ref, parts))
+
+
+def _parts_in_order(ref: CheckpointRef, parts: Sequence[io.DirEntry]) -> list[io.DirEntry]:
+    """Some entries of a checkpoint folder (the rest are the checkpoints it holds), in an order that keeps
+    the checkpoint from reading as complete at any moment while they go one by one: the files that mark
+    it complete first, the last written first (`_markers_to_delete`: of a sharded model, a shard before
+    its index, since the shards without their index would read as a whole set while a set missing a shard
+    reads as broken); then files from the largest; then member folders."""
+    markers = [name for (name,) in _markers_to_delete(ref, {e.name: e.size for e in parts if not e.is_dir})]
+
+    def order(entry: io.DirEntry) -> tuple[int, bool, int, str]:
+        first = markers.index(entry.name) if entry.name in markers else len(markers)
+        return (first, entry.is_dir, -entry.size, entry.name)
+
+    return sorted(parts, key=order)
+
+
+def _markers_to_delete(ref: CheckpointRef, files: Mapping[str, int]) -> list[tuple[str]]:
+    """The digests, then the completion markers of the checkpoint's layout among `files` (relative path ->
+    size), the last one its writer adds first; one at a time (`io.trash.Markers`)."""
+    markers = [DIGESTS_NAME] if DIGESTS_NAME in files else []
+    return [(name,) for name in markers + list(reversed(get_layout(ref.layout).completion_markers(files)))]
 
 
 def _empty_trash(folders: Iterable[str]) -> int:

@@ -730,7 +730,7 @@ def plan_resume(
         raise CkptctlError(f"--world-size must be at least 1, not {world_size}")
     if layout is not None:
         get_layout(layout)  # an unknown name fails here, listing the known ones
-    refs = [r for r in _find_checkpoints(run) if layout is None or r.layout == layout]
+    refs = [r for r in scan_run(run) if layout is None or r.layout == layout]
     refs = _one_run(run, refs)
     ordered = [r for r in _newest_first(refs) if not profile_for(r.layout).companion(r)]
     pointer_named = _pointer_target(ordered)
@@ -767,17 +767,6 @@ def plan_resume(
         resume_hint=profile.hint(ctx),
         warnings=tuple(warnings),
     )
-
-
-def _find_checkpoints(run: str) -> list[CheckpointRef]:
-    refs = scan_run(run)
-    # A Trainer output folder that also holds the final `save_model()` export reads as one HF model
-    # folder, which hides the checkpoint-N folders inside it: look inside too.
-    if len(refs) == 1 and refs[0].url == run and refs[0].layout == "hf":
-        for entry in io.list_dir(run):
-            if entry.is_dir and not entry.name.startswith("."):
-                refs += scan_run(io.join(run, entry.name), max_depth=3)
-    return refs
 
 
 def _one_run(run: str, refs: list[CheckpointRef]) -> list[CheckpointRef]:
@@ -846,7 +835,7 @@ def _judge(
     except CkptctlError as exc:
         return f"fails verify: {exc.message}", None, []
     if digests:
-        problems += _digest_problems(ref, progress)
+        problems += _digest_problems(checkpoint, progress)
     outside = [p for p in problems if p.path.startswith("../")]
     errors = [p for p in problems if p.severity == "error" and p not in outside]
     run_problems = [f"{p.path}: {p.message}" for p in outside if p.severity == "error"]
@@ -873,15 +862,14 @@ def _problem_text(problem: Problem) -> str:
     return problem.message
 
 
-def _digest_problems(ref: CheckpointRef, progress: Progress) -> list[Problem]:
+def _digest_problems(checkpoint: Checkpoint, progress: Progress) -> list[Problem]:
     from ckptctl.formats.manifest import read_manifest
-    from ckptctl.layouts.base import list_files
     from ckptctl.ops.verification import check_digests
 
-    manifest = read_manifest(ref.url)
+    manifest = read_manifest(checkpoint.url)
     if manifest is None:
         return []
-    problems, _ = check_digests(ref.url, manifest, list_files(ref.url), None, progress)
+    problems, _ = check_digests(checkpoint.url, manifest, checkpoint.files, None, progress)
     return problems
 
 

@@ -9,16 +9,16 @@ Three levels, each optional beyond the first:
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 from ckptctl import io
-from ckptctl.checkpoint import Checkpoint, CheckpointState, Problem, ProblemKind
-from ckptctl.errors import CheckpointNotFound, CkptctlError, UnknownLayout, UnsafePickle
+from ckptctl.checkpoint import Checkpoint, CheckpointRef, CheckpointState, Problem, ProblemKind
+from ckptctl.errors import CheckpointNotFound, CkptctlError, UnsafePickle
 from ckptctl.formats.digest import file_digest
 from ckptctl.formats.manifest import DIGESTS_NAME, MANIFEST_NAME, FileRecord, Manifest, now_iso, read_manifest
-from ckptctl.layouts import detect, scan_run
+from ckptctl.layouts import detect, scan_context, scan_run
 from ckptctl.ops.report import SCHEMA_VERSION, NoProgress, Progress, problem_json
 
 
@@ -95,30 +95,23 @@ class VerifyOptions:
     layout: str | None = None
 
 
-def is_checkpoint(url: str) -> bool:
-    """Whether `url` itself is a checkpoint (a folder, or a single weights file) rather than a run holding
-    checkpoints.
-
-    A path that does not exist, or a file of no known format, raises the registry's own clear error.
-    """
-    if not io.is_dir(url):
-        detect(url)  # raises for anything but a weights file: "no such checkpoint folder", "... not a checkpoint"
-        return True
-    try:
-        detect(url, explain=False)
-    except UnknownLayout:
-        return False
-    return True
-
-
 def verify_path(
     url: str, options: VerifyOptions | None = None, progress: Progress | None = None
 ) -> VerifyResult | RunVerifyReport:
-    """Verify a checkpoint folder, or every checkpoint of a run folder."""
+    """Verify a checkpoint (a folder, or a single weights file), or every checkpoint of a run folder, each
+    on its own (also those of a folder that is a checkpoint and holds others: a run folder with the final
+    model beside its checkpoints).
+
+    A path that does not exist, or a file of no known format, raises the registry's own clear error.
+    """
     options = options or VerifyOptions()
-    if options.layout is not None or is_checkpoint(url):
+    if options.layout is not None or not io.is_dir(url):
         return verify_checkpoint(url, options, progress)
-    return verify_run(url, options, progress)
+    with scan_context():  # the scan's peeks serve the checkpoints' verification too
+        refs = scan_run(url)
+        if len(refs) == 1 and refs[0].url == url:
+            return verify_checkpoint(url, replace(options, layout=refs[0].layout), progress)
+        return _verify_refs(url, refs, options, progress)
 
 
 def verify_run(
@@ -139,19 +132,26 @@ def verify_run(
     whose checkpoints are all broken raises `NothingResumable` (exit code 1).
     """
     options = options or VerifyOptions()
-    if only_resume_target:
-        from ckptctl.ops.resume_plan import plan_resume
+    with scan_context():  # the scan's peeks serve the checkpoints' verification too
+        if only_resume_target:
+            from ckptctl.ops.resume_plan import plan_resume
 
-        if not io.exists(run) or all(r.state is CheckpointState.IN_PROGRESS for r in scan_run(run)):
-            return RunVerifyReport(run, (), fresh_start=True)
-        plan = plan_resume(run)
-        if plan.checkpoint is None:
-            raise NothingResumable(
-                f"{run} holds no checkpoint a resume could load", "run `ckptctl resume-plan` to see why"
-            )
-        refs = [plan.checkpoint]
-    else:
-        refs = scan_run(run)
+            if not io.exists(run) or all(r.state is CheckpointState.IN_PROGRESS for r in scan_run(run)):
+                return RunVerifyReport(run, (), fresh_start=True)
+            plan = plan_resume(run)
+            if plan.checkpoint is None:
+                raise NothingResumable(
+                    f"{run} holds no checkpoint a resume could load", "run `ckptctl resume-plan` to see why"
+                )
+            refs = [plan.checkpoint]
+        else:
+            refs = scan_run(run)
+        return _verify_refs(run, refs, options, progress)
+
+
+def _verify_refs(
+    run: str, refs: Sequence[CheckpointRef], options: VerifyOptions, progress: Progress | None
+) -> RunVerifyReport:
     if not refs:
         raise CheckpointNotFound(
             f"no checkpoints found in {run}", "run `ckptctl list` on the folder above, or check the path"

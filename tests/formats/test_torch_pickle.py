@@ -271,3 +271,29 @@ def test_object_stores_read_the_same(tmp_path: Path) -> None:
     refs = dict(opened.tensors())
     assert torch.equal(load_tensor(url, refs["state.0.exp_avg"], opened), _state()["state"][0]["exp_avg"])
     assert opened.size == path.stat().st_size
+
+
+def test_framework_classes_come_from_the_framework_packages() -> None:
+    """`formats` names no framework: its allowlist reads each framework package's `pickle_classes`, which
+    the layout registry lists, and refuses a class nobody registered."""
+    import ast
+
+    from ckptctl.formats import framework_classes
+    from ckptctl.formats.safe_pickle import TORCH_PICKLE_GLOBALS
+
+    formats = Path(framework_classes.__file__).parent
+    for source in formats.glob("*.py"):
+        literals = [
+            node.value
+            for node in ast.walk(ast.parse(source.read_text()))
+            if isinstance(node, ast.Constant) and isinstance(node.value, str)
+        ]
+        assert not [s for s in literals if s.startswith(("deepspeed", "transformers", "accelerate", "trl."))], source
+    registered = framework_classes.registered()
+    assert ("deepspeed.runtime.zero.config", "ZeroStageEnum") in registered.classes
+    assert ("transformers.trainer_utils", "SchedulerType") in registered.classes
+    assert ("deepspeed.runtime.zero.config", "ZeroStageEnum") in set(TORCH_PICKLE_GLOBALS)
+    stand_in = TORCH_PICKLE_GLOBALS["trl.trainer.sft_config", "SFTConfig"]
+    assert issubclass(stand_in, FrameworkObject) and stand_in.stands_for == "trl.trainer.sft_config.SFTConfig"
+    with pytest.raises(KeyError):
+        TORCH_PICKLE_GLOBALS["trl.trainer.sft_trainer", "SFTTrainer"]

@@ -2,7 +2,12 @@
 
 Hostile input must end in a ckptctl message and exit 1 or 2, in bounded memory and time, whatever it holds.
 A child process is the only honest way to check that: a crash (SIGSEGV), a hang or a runaway allocation
-would take the test process down with it. `os.wait4` gives the child's own peak RSS.
+would take the test process down with it.
+
+Peak memory is the child's `VmHWM` (the high-water mark of its own address space), which it writes to a file
+as it exits. `wait4`'s `ru_maxrss` cannot be used: Linux carries the pre-exec high-water mark across
+`exec`, and `subprocess` forks (vfork) from the test process, so a child of a 1 GB pytest worker would
+report 1 GB whatever it did.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Sequence
@@ -44,12 +50,30 @@ class Outcome:
         assert self.peak_rss_bytes < MAX_RSS_BYTES, f"peak RSS {self.peak_rss_bytes >> 20} MiB\n{detail}"
 
 
+#: Runs `python -m ckptctl ARGS` and records the process's VmHWM (KiB) at exit into $CKPTCTL_TEST_HWM_FILE.
+_WRAPPER = """
+import atexit, os, runpy, sys
+
+def _record_peak():
+    with open("/proc/self/status") as status:
+        peak = next((line.split()[1] for line in status if line.startswith("VmHWM:")), "0")
+    with open(os.environ["CKPTCTL_TEST_HWM_FILE"], "w") as out:
+        out.write(peak)
+
+atexit.register(_record_peak)
+sys.argv = ["ckptctl", *sys.argv[1:]]
+runpy.run_module("ckptctl", run_name="__main__", alter_sys=True)
+"""
+
+
 def run_ckptctl(args: Sequence[str], timeout: float = DEFAULT_TIMEOUT_S, env: dict[str, str] | None = None) -> Outcome:
     """Run `python -m ckptctl ARGS` in a child process group; a run past `timeout` is killed and fails the test."""
-    full_env = {**os.environ, "COLUMNS": "200", **(env or {})}
+    fd, hwm_file = tempfile.mkstemp(prefix="ckptctl-hwm-")
+    os.close(fd)
+    full_env = {**os.environ, "COLUMNS": "200", **(env or {}), "CKPTCTL_TEST_HWM_FILE": hwm_file}
     start = time.monotonic()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "ckptctl", *args],
+        [sys.executable, "-c", _WRAPPER, *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         stdin=subprocess.DEVNULL,
@@ -79,7 +103,7 @@ def run_ckptctl(args: Sequence[str], timeout: float = DEFAULT_TIMEOUT_S, env: di
     timer = threading.Timer(timeout, kill)
     timer.start()
     try:
-        _, status, usage = os.wait4(proc.pid, 0)
+        _, status = os.waitpid(proc.pid, 0)
     finally:
         timer.cancel()
     proc.returncode = os.waitstatus_to_exitcode(status)
@@ -89,5 +113,9 @@ def run_ckptctl(args: Sequence[str], timeout: float = DEFAULT_TIMEOUT_S, env: di
     err = chunks.get("err", b"").decode(errors="replace")
     if hung.is_set():
         raise AssertionError(f"ckptctl {' '.join(args)} hung (> {timeout} s)\nstderr={err[-2000:]}")
-    # ru_maxrss is in KiB on Linux
-    return Outcome(tuple(args), proc.returncode, out, err, usage.ru_maxrss * 1024, time.monotonic() - start)
+    with open(hwm_file) as f:
+        recorded = f.read().strip()
+    os.unlink(hwm_file)
+    # No record: the child died without running its exit handlers (a signal); the exit code says so.
+    peak_kib = int(recorded) if recorded.isdigit() else 0
+    return Outcome(tuple(args), proc.returncode, out, err, peak_kib * 1024, time.monotonic() - start)

@@ -71,7 +71,7 @@ def test_an_upload_puts_its_batches_in_order_and_the_marker_last(
     monkeypatch.setattr(io, "upload_file", lambda path, url: (order.append(io.name_of(url)), real(path, url))[1])
     monkeypatch.setenv("CKPTCTL_IO_WORKERS", "1")
 
-    upload = commit.ObjectStoreUpload(str(staging), old, (("marker",),))
+    upload = commit.ObjectStoreUpload(str(staging), old, lambda files: [["marker"]])
     upload.clear()
     upload.upload([["first"], ["small", "big"]])
     upload.finish("marker")
@@ -82,7 +82,7 @@ def test_an_upload_puts_its_batches_in_order_and_the_marker_last(
 def test_a_failed_upload_is_undone_marker_first(tmp_path: Path, store: str, monkeypatch: pytest.MonkeyPatch) -> None:
     staging = folder(tmp_path / "staging", a="1", b="2", marker="m")
     url = f"{store}/ckpt"
-    upload = commit.ObjectStoreUpload(str(staging), url, (("marker",),))
+    upload = commit.ObjectStoreUpload(str(staging), url, lambda files: [["marker"]])
     upload.upload([["a"]])
     upload.finish("marker", b"written from memory")
     assert io.read_bytes(f"{url}/marker") == b"written from memory"

@@ -113,7 +113,7 @@ def test_a_folder_that_cannot_be_renamed_loses_its_markers_first(
         real_rename(src, dst)
 
     monkeypatch.setattr(os, "rename", rename)
-    retired = trash.retire(str(run / "step-1"), (("ckptctl-manifest.json",),))
+    retired = trash.retire(str(run / "step-1"), lambda files: [["ckptctl-manifest.json"]])
     assert retired == trash.Retired(str(run / "step-1")) and not (run / "step-1" / "ckptctl-manifest.json").exists()
     assert [(r.step, r.state.value) for r in scan_run(str(run))] == [(1, "broken"), (2, "complete")]
     trash.purge(retired)
@@ -142,12 +142,37 @@ def test_object_stores_delete_marker_tiers_first(store: str, monkeypatch: pytest
         real(urls)
 
     monkeypatch.setattr(io, "delete_files", delete_files)
-    retired = trash.retire(f"{store}/ckpt", (("index.json",), ("meta.json", "shard-1.*")))
+    seen: list[dict[str, int]] = []
+
+    def markers(files: dict[str, int]) -> list[list[str]]:
+        seen.append(files)
+        return [["index.json"], ["a/meta.json", "shard-1.bin", "not-there.json"]]
+
+    retired = trash.retire(f"{store}/ckpt", markers)
     assert retired == trash.Retired(f"{store}/ckpt")
+    assert seen == [
+        {rel: len(rel) for rel in ("a/meta.json", "a/x.bin", "b.bin", "index.json", "rng.json", "shard-1.bin")}
+    ]
     assert batches == [["index.json"], ["a/meta.json", "shard-1.bin"]]
     assert sorted(io.list_tree(f"{store}/ckpt")) == ["a/x.bin", "b.bin", "rng.json"]
     trash.purge(retired)
     assert not io.exists(f"{store}/ckpt")
 
-    trash.delete_objects(store, [], (("x",),))  # nothing to delete is no request at all
+    trash.delete_objects(store, [], [["x"]])  # nothing to delete is no request at all
     assert len(batches) == 2
+
+
+def test_parts_of_a_folder_go_in_order_and_the_rest_stays(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A checkpoint whose folder also holds other checkpoints: only its own entries go, in the caller's
+    order (markers first), through the trash."""
+    run = write_run(tmp_path / "run", [1])
+    (run / "model.safetensors").write_bytes(b"w" * 100)
+    (run / "config.json").write_text("{}")
+    moved: list[str] = []
+    real_rename = os.rename
+    monkeypatch.setattr(os, "rename", lambda a, b: (moved.append(os.path.basename(a)), real_rename(a, b))[1])
+    entries = {e.name: e for e in io.list_dir(str(run))}
+    trash.delete_parts(str(run), [entries["config.json"], entries["model.safetensors"]])
+    monkeypatch.undo()
+    assert moved == ["config.json", "model.safetensors"]
+    assert sorted(os.listdir(run)) == ["latest", "step-1"] and verify_checkpoint(str(run / "step-1")).ok

@@ -12,13 +12,7 @@ import pytest
 from tests.conftest import build_once
 from tests.writers.dcp_writer import WrittenDcp, write_fsdp_dcp
 from tests.writers.deepspeed_writer import WrittenDeepSpeed
-from tests.writers.rl_runs import (
-    WrittenFsdpRuns,
-    arrange_open_instruct,
-    arrange_openrlhf,
-    arrange_roll_megatron,
-    write_fsdp_runs,
-)
+from tests.writers.rl_runs import arrange_open_instruct, arrange_openrlhf, arrange_roll_megatron
 
 
 @pytest.fixture(scope="session")
@@ -33,13 +27,6 @@ def fsdp_copy(fsdp_dcp: WrittenDcp, tmp_path: Path) -> Path:
     import shutil
 
     return Path(shutil.copytree(fsdp_dcp.path, tmp_path / "run" / fsdp_dcp.path.name))
-
-
-@pytest.fixture(scope="session")
-def fsdp_runs(tmp_path_factory: pytest.TempPathFactory) -> WrittenFsdpRuns:
-    """FSDP2 on 2 CPU ranks, saved every step as AReaL (trial with recover slots, exports, recover_info) and
-    ROLL (launch folder with checkpoint-1 and checkpoint-2, the latter with critic/) save (slow: spawns)."""
-    return build_once(tmp_path_factory, "fsdp-rl", write_fsdp_runs)
 
 
 @pytest.fixture(scope="session")

@@ -2,19 +2,22 @@
 
 Each subclass names a real checkpoint written by the real writer, the parameter count its model really
 has, the file whose loss must make it not complete, and how to find a data file. The tests: detect,
-list, inspect totals equal the real parameter count, verify ok, and verify fails on each corruption kind.
+list (also below a model folder that holds it), inspect totals equal the real parameter count, verify ok,
+and verify fails on each corruption kind.
 """
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
 
 from ckptctl.checkpoint import CheckpointState, Component
 from ckptctl.errors import UnknownLayout
-from ckptctl.layouts import detect, open_checkpoint, scan_run
-from ckptctl.ops.verification import verify_checkpoint
+from ckptctl.layouts import detect, get_layout, open_checkpoint, scan_run
+from ckptctl.layouts.base import list_files
+from ckptctl.ops.verification import RunVerifyReport, verify_checkpoint, verify_path
 from tests.conftest import copy_tree
 from tests.writers.deepspeed_writer import WrittenDeepSpeed
 from tests.writers.rl_runs import WrittenFsdpRuns
@@ -52,6 +55,23 @@ class LayoutContract:
         refs = scan_run(str(checkpoint.parent))
         assert [(r.url, r.layout) for r in refs] == [(str(checkpoint), self.layout)]
 
+    def test_a_model_beside_it_is_a_checkpoint_of_its_own(
+        self, checkpoint: Path, hf_model_dirs: dict[str, Path]
+    ) -> None:
+        """The folder holding the checkpoint is also a model folder (a model exported beside the steps):
+        both are listed, once each, and each verifies on its own."""
+        run = checkpoint.parent
+        for model_file in hf_model_dirs["single"].iterdir():
+            shutil.copyfile(model_file, run / model_file.name)
+        refs = scan_run(str(run))
+        assert [(r.url, r.layout, r.holds) for r in refs] == [
+            (str(run), "hf", (checkpoint.name,)),
+            (str(checkpoint), self.layout, ()),
+        ]
+        report = verify_path(str(run))
+        assert isinstance(report, RunVerifyReport)
+        assert [(r.url, r.ok) for r in report.results] == [(str(run), True), (str(checkpoint), True)], report
+
     def test_inspect_totals_equal_the_real_parameter_count(self, checkpoint: Path, source: tuple[Path, int]) -> None:
         ckpt = open_checkpoint(str(checkpoint))
         assert Component.MODEL in ckpt.components
@@ -80,6 +100,21 @@ class LayoutContract:
         (checkpoint / self.marker).unlink()
         refs = scan_run(str(checkpoint.parent))
         assert [r.state for r in refs] != [CheckpointState.COMPLETE]
+
+    def test_without_its_completion_markers_it_is_not_complete(self, checkpoint: Path) -> None:
+        """What the layout names as completion markers (deleted first by `prune` on object stores, uploaded
+        last by `convert`) are files of the checkpoint, include its marker, and without them it does not
+        read as complete, as this layout or any other."""
+        files = list_files(str(checkpoint))
+        markers = get_layout(self.layout).completion_markers(files)
+        assert set(markers) <= set(files)
+        assert self.marker is None or self.marker in markers
+        if not markers:
+            pytest.skip("this layout names no completion marker")
+        for name in markers:
+            (checkpoint / name).unlink()
+        refs = scan_run(str(checkpoint.parent))
+        assert CheckpointState.COMPLETE not in [r.state for r in refs]
 
 
 def _demo_parameters() -> int:

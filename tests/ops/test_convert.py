@@ -172,6 +172,15 @@ def test_native_to_hf_equals_the_model_entry(demo_dir: Path, tmp_path: Path, run
     assert verify_checkpoint(str(dst)).ok
 
 
+def test_a_run_folder_converts_the_checkpoint_its_latest_pointer_names(demo_dir: Path, tmp_path: Path) -> None:
+    """A folder no layout recognises, where a layout's `latest`-style pointer names a checkpoint inside it
+    (ckptctl's own run here, as a DeepSpeed save folder's `latest`), converts that checkpoint."""
+    run = demo_dir / "native"
+    result = convert(str(run), str(tmp_path / "hf"))
+    assert (result.checkpoint, result.layout) == (str(run / (run / "latest").read_text().strip()), "native")
+    assert verify_checkpoint(str(tmp_path / "hf")).ok
+
+
 # --- HF -> DCP -> HF ---------------------------------------------------------------------------------
 
 

@@ -21,14 +21,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ckptctl.errors import CkptctlError
-from ckptctl.ops.convert import (
-    ConvertOptions,
-    Target,
-    Weights,
-    _deepspeed_prefix,
-    _plan,
-    convert,
-)
+from ckptctl.frameworks.deepspeed.layout import tag_prefix as _deepspeed_prefix
+from ckptctl.ops.convert import ConvertOptions, Target, Weights, convert
+from ckptctl.ops.convert.plan import plan_tensors as _plan
 from ckptctl.ops.naming import wrapper_prefix
 from ckptctl.ops.verification import verify_checkpoint
 from tests.conftest import CliResult, build_once
@@ -233,11 +228,14 @@ def test_layouts_built_on_the_deepspeed_one_are_recognised(zero_runs: dict[int, 
     gets the fp32 masters too: the model's chunks lie in DeepSpeed rank files."""
     from ckptctl.frameworks.deepspeed.layout import DeepSpeedLayout
 
+    class SomeRlLayout(DeepSpeedLayout):
+        name = "some_rl_framework"
+
     opened = DeepSpeedLayout().open(str(zero_runs[2].latest))
     other = replace(opened, ref=replace(opened.ref, layout="some_rl_framework"), metadata={"format": "rl"})
     assert _deepspeed_prefix(other) == ""
     notes: list[str] = []
-    plan, weights = _plan(other, ConvertOptions(), notes)
+    plan, weights = _plan(other, SomeRlLayout(), ConvertOptions(), notes)
     assert weights is Weights.MASTER and {p.entry.dtype for p in plan} == {"float32", "bfloat16"}
     assert sorted(p.name for p in plan) == sorted(zero_runs[2].reference_tensors())
 

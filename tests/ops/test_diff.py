@@ -95,6 +95,22 @@ def test_two_steps_differ_and_the_most_changed_tensors_come_first(demo_dir: Path
     assert {"field": "step", "a": 20, "b": 30} in doc["metadata"]
 
 
+def test_metadata_differences_leave_out_save_ids_and_what_reading_met(demo_dir: Path) -> None:
+    """A layout's `error` and `*_error` keys (their messages name each checkpoint's paths) and save ids differ
+    between any two saves: not reported; the counters a layout records are."""
+    from dataclasses import replace
+
+    from ckptctl.layouts import open_checkpoint
+    from ckptctl.ops.diff import metadata_differences
+
+    a, b = open_checkpoint(str(demo_dir / "dcp" / "step-20")), open_checkpoint(str(demo_dir / "dcp" / "step-30"))
+    a = replace(a, metadata={**a.metadata, "error": "a", "role": {"dcp_error": "a", "steps": 1}})
+    b = replace(b, metadata={**b.metadata, "error": "b", "role": {"dcp_error": "b", "steps": 2}})
+    fields = [d.field for d in metadata_differences(a, b)]
+    assert "step" in fields and "role.steps" in fields
+    assert not {"save_id", "error", "role.dcp_error"} & set(fields)
+
+
 def test_a_large_tolerance_makes_two_steps_equal(demo_dir: Path) -> None:
     a, b = str(demo_dir / "native" / "step-20"), str(demo_dir / "native" / "step-30")
     loose = diff(a, b, DiffOptions(atol=1.0, keep_equal=True))

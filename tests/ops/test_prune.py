@@ -291,3 +291,40 @@ def test_deepspeed_latest_is_protected(tmp_path: Path) -> None:
         "latest",
         "zero_to_fp32.py",
     ]
+
+
+def test_object_stores_delete_each_layouts_markers_first(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Trainer checkpoint on an object store loses `trainer_state.json` (written last) and its weights file,
+    the markers its layout names, before anything else, so that an interrupted deletion never lists as
+    complete."""
+    import fsspec
+    from safetensors.torch import save_file
+
+    out = tmp_path / "out"
+    for step in (100, 200):
+        folder = out / f"checkpoint-{step}"
+        folder.mkdir(parents=True)
+        save_file({"w": torch.zeros(4)}, str(folder / "model.safetensors"))
+        (folder / "optimizer.pt").write_bytes(b"o" * 64)
+        (folder / "trainer_state.json").write_text(json.dumps({"global_step": step, "log_history": []}))
+    fs = fsspec.filesystem("memory")
+    root = "/prune-trainer-run"
+    for path in out.rglob("*"):
+        if path.is_file():
+            fs.pipe_file(f"{root}/{path.relative_to(out)}", path.read_bytes())
+    run = f"memory://{root}"
+    calls: list[tuple[str, str]] = []
+    delete_file, delete_tree = io.delete_file, io.delete_tree
+    monkeypatch.setattr(io, "delete_file", lambda url: (calls.append(("file", url)), delete_file(url))[1])
+    monkeypatch.setattr(io, "delete_tree", lambda url: (calls.append(("tree", url)), delete_tree(url))[1])
+    try:
+        report = prune(run, RetentionPolicy(keep_last=1), grace=NO_GRACE)
+        assert [(i.ref.layout, io.name_of(i.url)) for i in report.deleted] == [("hf_trainer", "checkpoint-100")]
+        assert [c for c in calls if "checkpoint-" in c[1]] == [
+            ("file", f"{run}/checkpoint-100/trainer_state.json"),
+            ("file", f"{run}/checkpoint-100/model.safetensors"),
+            ("tree", f"{run}/checkpoint-100"),
+        ]
+        assert [io.name_of(r.url) for r in scan_run(run)] == ["checkpoint-200"]
+    finally:
+        fs.rm(root, recursive=True)

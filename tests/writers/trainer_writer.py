@@ -7,12 +7,17 @@ training_args.bin and trainer_state.json. It runs in a subprocess, so that accel
 state and the seeds the Trainer sets stay out of the test process; the final weights are written as the
 reference safetensors file (beside the output folder).
 
+Then it copies the output folder and has `trainer.save_model()` write the final model into the copy: the
+run folder that `run_clm.py` and most fine-tuning scripts leave behind (model.safetensors, config.json,
+generation_config.json and training_args.bin beside `checkpoint-N/`), at the cost of one save.
+
 Run directly: `python -m tests.writers.trainer_writer OUT_DIR`.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -32,11 +37,13 @@ class WrittenTrainerRun:
         output_dir: the Trainer's `output_dir`, holding `checkpoint-2/` and `checkpoint-4/`.
         reference: safetensors of the model's final weights (those of `checkpoint-4`).
         model_parameters: elements of the model's parameters.
+        saved_run: a copy of `output_dir` into which `trainer.save_model()` then wrote the final model.
     """
 
     output_dir: Path
     reference: Path
     model_parameters: int
+    saved_run: Path
 
     @property
     def checkpoints(self) -> tuple[Path, ...]:
@@ -69,14 +76,23 @@ def _train(output_dir: Path) -> None:
         dataloader_num_workers=0,
         seed=0,
     )
-    Trainer(model=model, args=args, train_dataset=dataset).train()
+    trainer = Trainer(model=model, args=args, train_dataset=dataset)
+    trainer.train()
     weights = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
     save_file(weights, str(_reference_path(output_dir)))
+    # What `trainer.save_model()` writes into `output_dir` (its default), written into a copy of the run so
+    # that `output_dir` stays as `train()` left it.
+    shutil.copytree(output_dir, _saved_run_path(output_dir))
+    trainer.save_model(str(_saved_run_path(output_dir)))
 
 
 def _reference_path(output_dir: Path) -> Path:
     # Beside the output folder: a safetensors file inside it would make the run folder look like a model.
     return output_dir.parent / f"{output_dir.name}.reference.safetensors"
+
+
+def _saved_run_path(output_dir: Path) -> Path:
+    return output_dir.parent / f"{output_dir.name}-saved"
 
 
 def write_trainer_run(output_dir: Path) -> WrittenTrainerRun:
@@ -93,7 +109,7 @@ def write_trainer_run(output_dir: Path) -> WrittenTrainerRun:
         capture_output=True,
     )
     parameters = sum(p.numel() for p in tiny_llama().parameters())
-    return WrittenTrainerRun(output_dir, _reference_path(output_dir), parameters)
+    return WrittenTrainerRun(output_dir, _reference_path(output_dir), parameters, _saved_run_path(output_dir))
 
 
 if __name__ == "__main__":

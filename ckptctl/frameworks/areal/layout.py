@@ -53,7 +53,7 @@ from ckptctl.checkpoint import (
 )
 from ckptctl.errors import CkptctlError, CorruptCheckpoint, UnknownLayout, UnsafePickle
 from ckptctl.formats.dcp_metadata import METADATA_NAME
-from ckptctl.formats.safe_pickle import MAX_DIMS, TORCH_PICKLE_GLOBALS, safe_loads
+from ckptctl.formats.safe_pickle import MAX_DIMS, TORCH_PICKLE_GLOBALS, check_nesting, safe_loads
 from ckptctl.frameworks.dcp.layout import (
     DISTCP_RE,
     component_classifier,
@@ -62,11 +62,11 @@ from ckptctl.frameworks.dcp.layout import (
     verify_dcp,
     world_size_of,
 )
-from ckptctl.frameworks.hf.layout import HfModelLayout, verify_model_files
+from ckptctl.frameworks.hf.layout import HfModelLayout, model_markers, verify_model_files
 from ckptctl.frameworks.hf_trainer.layout import IN_PROGRESS_WINDOW_S
 from ckptctl.io import DirEntry
 from ckptctl.layouts import peek_dir
-from ckptctl.layouts.base import Layout, folder_size, list_files, newest_mtime, timestamp
+from ckptctl.layouts.base import Layout, newest_mtime, timestamp
 
 __all__ = ["INFO_FILES", "MTIME_SLACK_S", "RECOVER_INFO", "RECOVER_SLOT", "ArealLayout", "read_dataloader_info"]
 
@@ -161,7 +161,9 @@ def read_dataloader_info(url: str) -> Any:
     data = io.read_bytes(url, 0, _MAX_INFO_BYTES + 1)
     if len(data) > _MAX_INFO_BYTES:
         raise CorruptCheckpoint(f"{url}: larger than {_MAX_INFO_BYTES >> 20} MiB, not a data loader state")
-    return safe_loads(data, DATALOADER_GLOBALS, url)
+    states = safe_loads(data, DATALOADER_GLOBALS, url)
+    check_nesting(states, url)  # a data loader state is user data: nothing else bounds its shape
+    return states
 
 
 # --------------------------------------------------------------------------------------------------
@@ -290,7 +292,7 @@ class ArealLayout(Layout):
             epoch=info.epoch,
             created=timestamp(meta.mtime if meta is not None else newest_mtime(entries)),
             state=_unfinished(entries, info) if note else CheckpointState.COMPLETE,
-            size_bytes=folder_size(url, entries),
+            size_bytes=sum(e.size for e in entries if not e.is_dir),
             note=note,
         )
 
@@ -306,7 +308,7 @@ class ArealLayout(Layout):
                 CheckpointState.IN_PROGRESS
                 if time.time() - (newest_mtime(entries) or 0.0) < IN_PROGRESS_WINDOW_S
                 else CheckpointState.BROKEN,
-                folder_size(url, entries),
+                sum(e.size for e in entries if not e.is_dir),
                 note="an export still named *.tmp: not renamed into place yet",
             )
         ref = HfModelLayout().identify(url, entries)
@@ -321,7 +323,10 @@ class ArealLayout(Layout):
         return RECOVER_SLOT if any(e.name == STEP_INFO for e in info) else None
 
     def companions(self, url: str, entries: Sequence[DirEntry]) -> frozenset[str]:
-        """`recover_info/` of a trial folder: part of its recover slots, not a checkpoint of its own."""
+        """`recover_info/` of a trial folder: part of its recover slots, not a checkpoint of its own.
+
+        The slot (a flat DCP folder) and the exports (HF model folders) have no member folders of their
+        own (`Layout.members`' default)."""
         return frozenset({RECOVER_INFO}) if any(e.name == RECOVER_INFO and e.is_dir for e in entries) else frozenset()
 
     def open(self, url: str) -> Checkpoint:
@@ -408,7 +413,8 @@ class ArealLayout(Layout):
         progress = {"epoch": int(m.group(1)), "epoch_step": int(m.group(2)), "global_step": int(m.group(3))}
         metadata = {"format": "areal", "kind": "hf_export", "progress": progress}
         if m.group(4):  # not renamed into place yet: nothing to index
-            return Checkpoint(ref, frozenset(), None, metadata, tuple, list_files(url))
+            files = {e.name: e.size for e in io.list_dir(url) if not e.is_dir}
+            return Checkpoint(ref, frozenset(), None, metadata, tuple, files)
         model = HfModelLayout().open(url)
         return replace(model, ref=ref, metadata={**metadata, **model.metadata})
 
@@ -439,6 +445,12 @@ class ArealLayout(Layout):
                 )
         problems += _info_problems(info, meta, checkpoint.world_size)
         return problems
+
+    def completion_markers(self, files: Mapping[str, int]) -> tuple[str, ...]:
+        """The slot: DCP's `.metadata` and Megatron's `metadata.json`; an export: the model folder's."""
+        top = {name: size for name, size in files.items() if "/" not in name}
+        slot = tuple(name for name in (METADATA_NAME, "metadata.json") if name in top)
+        return slot or model_markers(top)
 
 
 def _info_problems(info: _RecoverInfo, meta: DirEntry | None, world_size: int | None) -> list[Problem]:

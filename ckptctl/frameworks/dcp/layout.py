@@ -135,6 +135,10 @@ def component_classifier(keys: Iterable[str]) -> KeyClassifier:
 # Reading `.metadata` (cached: open, tensor_index and verify of one checkpoint parse it once).
 # --------------------------------------------------------------------------------------------------
 
+#: A parse cache owned by this module for the whole process, not by a scan (`layouts.ScanContext`): it is
+#: keyed by the file's version (URL, size, mtime), so it serves only the bytes it parsed, whichever operation
+#: asks. A store that reports no mtime is not cached. Object stores report whole seconds, so a `.metadata`
+#: rewritten in place with the same size within one second of an earlier read could be served stale.
 _CACHE_SIZE = 2
 _cache: OrderedDict[tuple[str, int, float], DcpMetadata] = OrderedDict()
 _cache_lock = threading.Lock()
@@ -435,7 +439,11 @@ def _tensor_problems(key: str, tensor: DcpTensor, metadata: DcpMetadata, prefix:
 
 
 class DcpLayout(Layout):
-    """A torch DCP checkpoint folder written by `torch.distributed.checkpoint.save` (FileSystemWriter)."""
+    """A torch DCP checkpoint folder written by `torch.distributed.checkpoint.save` (FileSystemWriter).
+
+    FileSystemWriter writes files only: a child folder is not part of the checkpoint (`Layout.members`'
+    default), and the walker looks inside it (an HF export kept in `step-N/hf/`).
+    """
 
     name = "dcp"
 
@@ -543,3 +551,7 @@ class DcpLayout(Layout):
     def verify(self, checkpoint: Checkpoint) -> list[Problem]:
         """Structural verification (see `verify_dcp`); reads `.metadata` and the listing only."""
         return verify_dcp(checkpoint.url)
+
+    def completion_markers(self, files: Mapping[str, int]) -> tuple[str, ...]:
+        """`.metadata`, which `dcp.save` writes after every rank's data (without it the folder is in progress)."""
+        return (METADATA_NAME,) if METADATA_NAME in files else ()

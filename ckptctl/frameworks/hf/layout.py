@@ -8,6 +8,7 @@ and tokenizer files. Only headers are read: a 100 GB model opens with a few rang
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from functools import cache
@@ -28,7 +29,7 @@ from ckptctl.checkpoint import (
 from ckptctl.errors import CkptctlError, CorruptCheckpoint
 from ckptctl.formats.safetensors import read_header
 from ckptctl.io import DirEntry
-from ckptctl.layouts.base import Layout, list_files, newest_mtime, step_from_name, timestamp
+from ckptctl.layouts.base import Layout, newest_mtime, step_from_name, timestamp
 
 INDEX_NAMES = ("model.safetensors.index.json", "adapter_model.safetensors.index.json")
 _SHARD = re.compile(r"^(?P<stem>.+)-(?P<i>\d{5})-of-(?P<n>\d{5})\.safetensors$")
@@ -79,7 +80,13 @@ def _shards_missing(names: set[str]) -> list[str]:
 
 
 class HfModelLayout(Layout):
-    """A Hugging Face model folder (safetensors, single file or sharded with an index)."""
+    """A Hugging Face model folder (safetensors, single file or sharded with an index).
+
+    `save_pretrained` writes files only, and often into a folder that holds more: the Trainer's
+    `output_dir` with `checkpoint-N/` beside the final model, a DCP or DeepSpeed run with an exported
+    model beside its steps, a hub snapshot with `original/`. So a model folder has no member folders
+    (`Layout.members`): its checkpoint is the files at its top, and every child folder is walked.
+    """
 
     name = "hf"
 
@@ -117,7 +124,7 @@ class HfModelLayout(Layout):
         ref = self.identify(url, entries)
         if ref is None:
             raise CorruptCheckpoint(f"{url} holds no model weights")
-        files = list_files(url)
+        files = {e.name: e.size for e in entries if not e.is_dir}  # its own files: none of a child folder's
         names = set(files)
         weights = weight_files(url, names)
 
@@ -137,6 +144,10 @@ class HfModelLayout(Layout):
     def verify(self, checkpoint: Checkpoint) -> list[Problem]:
         return verify_model_files(checkpoint.url, checkpoint.files)
 
+    def completion_markers(self, files: Mapping[str, int]) -> tuple[str, ...]:
+        """The index, then one shard (or the single weights file): see `model_markers`."""
+        return model_markers({name: size for name, size in files.items() if "/" not in name})
+
 
 # --------------------------------------------------------------------------------------------------
 # Shared with the layouts whose checkpoints hold an HF model folder (the HF Trainer's `checkpoint-N`).
@@ -146,6 +157,22 @@ class HfModelLayout(Layout):
 def missing_shards(names: Iterable[str]) -> list[str]:
     """Shard files a `-0000i-of-0000N` naming promises but `names` lacks (judged from the names only)."""
     return _shards_missing(set(names))
+
+
+def model_markers(files: Mapping[str, int]) -> tuple[str, ...]:
+    """What makes a model folder read as complete, from its top-level files (name -> size): the index files
+    (they describe the shards), then one shard of each `-0000i-of-0000N` set, the smallest (with one
+    missing, the naming shows the folder broken; the smallest is the quickest to write last), and the
+    single weight files (without them it holds no model)."""
+    found = [name for name in (*INDEX_NAMES, _LEGACY_WEIGHTS[1]) if name in files]
+    stems: dict[str, list[str]] = {}
+    for name in sorted(files):
+        if m := _SHARD.match(name):
+            stems.setdefault(f"{m.group('stem')}-of-{m.group('n')}", []).append(name)
+        elif name.endswith(".safetensors") or name == _LEGACY_WEIGHTS[0]:
+            found.append(name)
+    found += [min(shards, key=lambda name: (files[name], name)) for shards in stems.values()]
+    return tuple(found)
 
 
 def has_weights(names: Iterable[str]) -> bool:
@@ -179,7 +206,13 @@ def model_metadata(url: str, names: set[str], weights: Sequence[str]) -> dict[st
 
 def verify_model_files(url: str, files: Mapping[str, int]) -> list[Problem]:
     """Structural problems of the model files of a folder: config and index parse, every shard the index
-    or the shard naming promises is present, headers are valid, and each tensor is where the index says."""
+    or the shard naming promises is present, headers are valid, and each tensor is where the index says.
+
+    Args:
+        url: the model folder.
+        files: the files at its top (name -> size): a safetensors file in a child folder belongs to
+            another model, and its tensors would read as duplicates of this one's.
+    """
     problems: list[Problem] = []
     if "config.json" in files:
         try:
@@ -191,12 +224,13 @@ def verify_model_files(url: str, files: Mapping[str, int]) -> list[Problem]:
         if index_name not in files:
             continue
         try:
-            weight_map = _read_index(io.join(url, index_name))
+            weight_map, total_size = _read_index_and_total(io.join(url, index_name))
         except CorruptCheckpoint as exc:
             problems.append(Problem(ProblemKind.BAD_METADATA, index_name, exc.message))
             continue
         for shard in sorted(set(weight_map.values()) - set(files)):
             problems.append(Problem(ProblemKind.MISSING_FILE, shard, f"{index_name} names {shard}, which is missing"))
+        problems.extend(_total_size_problems(index_name, total_size, weight_map, files))
     problems.extend(
         Problem(ProblemKind.MISSING_FILE, shard, f"shard {shard} is missing")
         for shard in _shards_missing(set(files))
@@ -238,7 +272,33 @@ def _read_json_or_none(url: str) -> Any:
         return None
 
 
+def _total_size_problems(
+    index_name: str, total: Any, weight_map: Mapping[str, str], files: Mapping[str, int]
+) -> list[Problem]:
+    """What is wrong with the index's `metadata.total_size` (optional): transformers writes the bytes of the
+    tensors there, so it is a non-negative integer that the shards it names can hold."""
+    if total is None:
+        return []
+    if type(total) is float and math.isfinite(total) and total.is_integer():
+        total = int(total)
+    if type(total) is not int or total < 0:
+        shown = repr(total) if type(total) is not int else "negative"
+        return [Problem(ProblemKind.BAD_METADATA, index_name, f"metadata.total_size {shown:.40} is not a byte count")]
+    shards = set(weight_map.values())
+    held = sum(files[shard] for shard in shards) if shards <= set(files) else None
+    if held is not None and total > held:
+        claimed = total if total < 1 << 63 else "more than 2**63"
+        message = f"metadata.total_size claims {claimed} bytes but the shards it names hold {held}"
+        return [Problem(ProblemKind.BAD_METADATA, index_name, message)]
+    return []
+
+
 def _read_index(url: str) -> dict[str, str]:
+    return _read_index_and_total(url)[0]
+
+
+def _read_index_and_total(url: str) -> tuple[dict[str, str], Any]:
+    """The index's weight_map (validated) and its `metadata.total_size` as written (None when absent)."""
     try:
         doc = json.loads(io.read_bytes(url))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -251,7 +311,8 @@ def _read_index(url: str) -> dict[str, str]:
     for shard in weight_map.values():
         if "/" in shard or shard.startswith(".."):
             raise CorruptCheckpoint(f"{io.name_of(url)} names a file outside the folder: {shard!r}")
-    return weight_map
+    metadata = doc.get("metadata")
+    return weight_map, metadata.get("total_size") if isinstance(metadata, dict) else None
 
 
 def weight_files(url: str, names: set[str]) -> list[str]:

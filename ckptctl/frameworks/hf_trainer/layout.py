@@ -21,6 +21,7 @@ fresh, broken once they are older than `IN_PROGRESS_WINDOW_S` (transformers' res
 from __future__ import annotations
 
 import json
+import os
 import re
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -47,13 +48,24 @@ from ckptctl.frameworks.deepspeed import layout as deepspeed
 from ckptctl.frameworks.hf.layout import (
     has_weights,
     model_components,
+    model_markers,
     model_metadata,
     safetensors_index,
     verify_model_files,
     weight_files,
 )
 from ckptctl.io import DirEntry
-from ckptctl.layouts.base import Layout, folder_size, list_files, newest_mtime, step_from_name, timestamp
+from ckptctl.layouts.base import (
+    Layout,
+    MasterWeights,
+    Protections,
+    every_child_folder,
+    folder_size,
+    list_files,
+    newest_mtime,
+    step_from_name,
+    timestamp,
+)
 
 __all__ = ["IN_PROGRESS_WINDOW_S", "TRAINER_STATE_NAME", "HfTrainerLayout"]
 
@@ -179,6 +191,12 @@ class HfTrainerLayout(Layout):
         """The Trainer keeps no pointer (it resumes from the highest `checkpoint-N`)."""
         return None
 
+    def members(self, url: str, entries: Sequence[DirEntry]) -> frozenset[str]:
+        """Every child folder: the Trainer writes `checkpoint-N/` as a whole (its DeepSpeed `global_stepN/`,
+        FSDP's `pytorch_model_fsdp_0/` and `optimizer_0/`, TRL's `merged/`) and its rotation deletes it
+        as a whole."""
+        return every_child_folder(entries)
+
     def open(self, url: str) -> Checkpoint:
         """Read trainer_state.json, training_args.bin's `data.pkl` and the DeepSpeed rank-0 files if any;
         the tensor index reads safetensors headers and optimizer.pt's `data.pkl`."""
@@ -193,9 +211,11 @@ class HfTrainerLayout(Layout):
         metadata: dict[str, Any] = {"format": "hf_trainer"}
         components = set(model_components(top))
         trainer_state = _read_trainer_state(url) if TRAINER_STATE_NAME in top else None
+        metrics: dict[str, Any] = {}
         if isinstance(trainer_state, dict):
             components.add(Component.TRAINER_STATE)
             metadata["trainer_state"] = _state_summary(trainer_state)
+            metrics = _step_metrics(trainer_state)
             step, epoch = trainer_state.get("global_step"), trainer_state.get("epoch")
             ref = replace(
                 ref,
@@ -244,6 +264,7 @@ class HfTrainerLayout(Layout):
             metadata=metadata,
             tensor_index=tensor_index,
             files=files,
+            metrics=metrics,
         )
 
     def verify(self, checkpoint: Checkpoint) -> list[Problem]:
@@ -294,6 +315,52 @@ class HfTrainerLayout(Layout):
             problems += verify_dcp(io.join(url, folder), f"{folder}/")
         return problems
 
+    def completion_markers(self, files: Mapping[str, int]) -> tuple[str, ...]:
+        """The model folder's markers, then trainer_state.json, which the Trainer writes last."""
+        top = {name: size for name, size in files.items() if "/" not in name}
+        found = model_markers(top)
+        return (*found, TRAINER_STATE_NAME) if TRAINER_STATE_NAME in top else found
+
+    def master_weights(self, checkpoint: Checkpoint, *, required: bool, notes: list[str]) -> MasterWeights | None:
+        """The fp32 master weights of the DeepSpeed tag inside (`global_stepN/`), when there is one."""
+        tag = _Parts.of(checkpoint.url, io.list_dir(checkpoint.url)).ds_tag
+        prefix = None if tag is None else f"{tag}/"
+        return deepspeed.checkpoint_master_weights(checkpoint, prefix, required=required, notes=notes)
+
+    def protections(self, series: Sequence[CheckpointRef]) -> Protections:
+        """The `best_model_checkpoint` that the newest complete checkpoint's trainer_state.json names
+        (`load_best_model_at_end` loads it, and the Trainer's own rotation never deletes it)."""
+        complete = [ref for ref in series if ref.state is CheckpointState.COMPLETE and ref.step is not None]
+        if not complete:
+            return Protections()
+        newest = max(complete, key=lambda ref: ref.step or 0)
+        if not io.exists(io.join(newest.url, TRAINER_STATE_NAME)):
+            return Protections()
+        state = _read_trainer_state(newest.url)
+        best = state.get("best_model_checkpoint") if isinstance(state, dict) else None
+        if not isinstance(best, str) or not best:
+            return Protections()
+        name = os.path.basename(os.path.normpath(best))
+        named = [ref.url for ref in series if io.name_of(ref.url) == name]
+        if not named:
+            return Protections(
+                notes=(f"the Trainer's best_model_checkpoint {name!r} is not in {io.parent_of(newest.url)}",)
+            )
+        return Protections(reasons=dict.fromkeys(named, ("the Trainer's best_model_checkpoint",)))
+
+
+def _step_metrics(state: Mapping[str, Any]) -> dict[str, Any]:
+    """The log_history entries of the checkpoint's own step (the Trainer evaluates right before saving)."""
+    history = state.get("log_history")
+    if not isinstance(history, list):
+        return {}
+    step = state.get("global_step")
+    metrics: dict[str, Any] = {}
+    for entry in history:
+        if isinstance(entry, dict) and entry.get("step") == step:
+            metrics.update(entry)
+    return metrics
+
 
 def _read_head(url: str) -> dict[str, float | int | None]:
     try:
@@ -316,7 +383,7 @@ def _read_head(url: str) -> dict[str, float | int | None]:
 def _read_trainer_state(url: str) -> Any:
     try:
         return json.loads(io.read_bytes(io.join(url, TRAINER_STATE_NAME)))
-    except (json.JSONDecodeError, UnicodeDecodeError, CkptctlError):
+    except (ValueError, RecursionError, CkptctlError):  # ValueError: not JSON, or not UTF-8
         return None
 
 

@@ -15,7 +15,7 @@ import re
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from functools import cache
@@ -36,10 +36,30 @@ from ckptctl.errors import CkptctlError, CorruptCheckpoint
 from ckptctl.formats.manifest import DIGESTS_NAME, MANIFEST_NAME, Manifest, parse_manifest
 from ckptctl.formats.safetensors import read_header
 from ckptctl.io import DirEntry
-from ckptctl.layouts.base import Layout, folder_size, list_files, newest_mtime, step_from_name, timestamp
+from ckptctl.io.trash import TRASH_NAME
+from ckptctl.layouts.base import (
+    Layout,
+    every_child_folder,
+    folder_size,
+    list_files,
+    newest_mtime,
+    step_from_name,
+    timestamp,
+)
+
+__all__ = [
+    "COMPONENT_OF_KIND",
+    "DCP_FOLDER",
+    "POINTER_NAME",
+    "REMOTE_UPLOAD_WINDOW",
+    "TRASH_NAME",
+    "NativeLayout",
+    "StepNaming",
+    "is_rng_file",
+    "read_native_manifest",
+]
 
 POINTER_NAME = "latest"
-TRASH_NAME = ".ckptctl-trash"
 DCP_FOLDER = "dcp"
 _RNG_FILE = re.compile(r"^rng(\.rank-\d+)?\.json$")
 #: How long after its newest object a remote `step-N/` without a manifest still reads as being uploaded
@@ -179,6 +199,11 @@ class NativeLayout(Layout):
             else f"no {MANIFEST_NAME}: an upload or a deletion that stopped midway",
         )
 
+    def members(self, url: str, entries: Sequence[DirEntry]) -> frozenset[str]:
+        """Every child folder (`dcp/` of a multi-rank save): the core writes a checkpoint in a staging
+        folder and renames it into place whole."""
+        return every_child_folder(entries)
+
     def latest_pointer(self, url: str, entries: Sequence[DirEntry]) -> str | None:
         if not any(e.name == POINTER_NAME and not e.is_dir for e in entries):
             return None
@@ -219,6 +244,7 @@ class NativeLayout(Layout):
             metadata=metadata,
             tensor_index=tensor_index,
             files=files,
+            metrics=dict(manifest.metrics),
         )
 
     def verify(self, checkpoint: Checkpoint) -> list[Problem]:
@@ -249,7 +275,13 @@ class NativeLayout(Layout):
             problems.extend(verify_dcp(io.join(url, DCP_FOLDER), path_prefix=f"{DCP_FOLDER}/"))
         return problems
 
+    def completion_markers(self, files: Mapping[str, int]) -> tuple[str, ...]:
+        """The manifest, which the core writes last (without it a folder is in progress or broken)."""
+        return (MANIFEST_NAME,) if MANIFEST_NAME in files else ()
 
+
+#: A parse cache owned by this module for the whole process, not by a scan (`layouts.ScanContext`): keyed
+#: by the local file's version (path, size, mtime in ns), so it serves only the bytes it parsed.
 _MANIFEST_CACHE: OrderedDict[tuple[str, int, int], Manifest] = OrderedDict()
 _MANIFEST_CACHE_SIZE = 8
 _MANIFEST_CACHE_LOCK = threading.Lock()

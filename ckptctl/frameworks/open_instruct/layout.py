@@ -26,7 +26,7 @@ import re
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -35,11 +35,11 @@ from ckptctl.checkpoint import Checkpoint, CheckpointRef, CheckpointState, Compo
 from ckptctl.errors import CkptctlError, UnknownLayout, UnsafePickle
 from ckptctl.formats.torch_pickle import open_torch_pickle, storage_problems
 from ckptctl.frameworks.deepspeed import layout as deepspeed
-from ckptctl.frameworks.hf.layout import HfModelLayout, has_weights, verify_model_files
+from ckptctl.frameworks.hf.layout import HfModelLayout, has_weights, model_markers, verify_model_files
 from ckptctl.frameworks.hf_trainer.layout import IN_PROGRESS_WINDOW_S
 from ckptctl.io import DirEntry
 from ckptctl.layouts import peek, peek_dir
-from ckptctl.layouts.base import Layout, folder_size, newest_mtime, timestamp
+from ckptctl.layouts.base import Layout, MasterWeights, folder_size, newest_mtime, timestamp
 
 __all__ = ["COMPLETE_MARKER", "DRIVER_STATE_NAME", "REF_POLICY", "OpenInstructLayout"]
 
@@ -69,6 +69,9 @@ class _ClientState:
         return value if type(value) is int else None
 
 
+#: A parse cache owned by this module for the whole process, not by a scan (`layouts.ScanContext`): keyed
+#: by the file's version (URL, size, mtime), so it serves only the bytes it parsed (`identify` reads the
+#: rank-0 states for the training step, `open` needs them again). Files without an mtime are not cached.
 _CACHE_SIZE = 64
 _cache: OrderedDict[tuple[str, int, float], dict[str, Any]] = OrderedDict()
 _cache_lock = threading.Lock()
@@ -218,7 +221,10 @@ class OpenInstructLayout(Layout):
             return None
         ref = HfModelLayout().identify(url, entries)
         if ref is None:
-            ref = CheckpointRef(url, self.name, step, None, timestamp(newest_mtime(entries)), CheckpointState.BROKEN, 0)
+            size = sum(e.size for e in entries if not e.is_dir)
+            ref = CheckpointRef(
+                url, self.name, step, None, timestamp(newest_mtime(entries)), CheckpointState.BROKEN, size
+            )
         state, note = ref.state, ref.note
         if not marked and state is CheckpointState.COMPLETE:
             state, note = _unfinished(
@@ -226,11 +232,30 @@ class OpenInstructLayout(Layout):
             )
         elif marked and not has_weights(names):
             state, note = CheckpointState.BROKEN, f"{COMPLETE_MARKER} but no model weights"
-        return replace(ref, layout=self.name, step=step, state=state, note=note, size_bytes=folder_size(url, entries))
+        return replace(ref, layout=self.name, step=step, state=state, note=note)
 
     def latest_pointer(self, url: str, entries: Sequence[DirEntry]) -> str | None:
         """The tag the checkpoint state folder's `latest` names (what `--checkpoint_state_dir` resumes)."""
         return deepspeed.read_latest(url, entries)
+
+    def members(self, url: str, entries: Sequence[DirEntry]) -> frozenset[str]:
+        """A tag: every child folder, as DeepSpeed's; a snapshot: none, as an HF model folder's."""
+        if _SNAPSHOT.match(io.name_of(url)):
+            return frozenset()
+        return deepspeed.DeepSpeedLayout().members(url, entries)
+
+    def master_weights(self, checkpoint: Checkpoint, *, required: bool, notes: list[str]) -> MasterWeights | None:
+        """A tag's fp32 master weights, as DeepSpeed's zero_to_fp32 rebuilds them; a snapshot has none."""
+        prefix = deepspeed.tag_prefix(checkpoint)
+        return deepspeed.checkpoint_master_weights(checkpoint, prefix, required=required, notes=notes)
+
+    def completion_markers(self, files: Mapping[str, int]) -> tuple[str, ...]:
+        """A tag: DeepSpeed's markers; a snapshot: the model folder's, then `.checkpoint_complete`, which
+        open-instruct writes once the snapshot is saved."""
+        top = {name: size for name, size in files.items() if "/" not in name}
+        if tag := deepspeed.tag_markers(top):
+            return tag
+        return (*model_markers(top), *((COMPLETE_MARKER,) if COMPLETE_MARKER in top else ()))
 
     def companions(self, url: str, entries: Sequence[DirEntry]) -> frozenset[str]:
         """`ref_policy/` of a checkpoint state folder: shared by its tags, not a checkpoint of its own."""

@@ -17,14 +17,15 @@ checkpoints, as OpenRLHF writes them: two save folders, each with its own `lates
 
 The step is OpenRLHF's `global_step` (client state of PPO >= v0.9.5, else the number in the tag name),
 not DeepSpeed's `global_steps`, which counts optimizer steps (many per PPO step). `metric.json`
-(`{"metric_key", "metric_value"}`) becomes `metadata["metrics"]` for `prune --keep-best`.
+(`{"metric_key", "metric_value"}`) becomes the checkpoint's `metrics` for `prune --keep-best`, which also
+keeps every `best*` folder.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -32,10 +33,10 @@ from ckptctl import io
 from ckptctl.checkpoint import Checkpoint, CheckpointRef, CheckpointState, Component, Problem, ProblemKind
 from ckptctl.errors import CkptctlError, UnknownLayout
 from ckptctl.frameworks.deepspeed import layout as deepspeed
-from ckptctl.frameworks.hf.layout import HfModelLayout, has_weights, verify_model_files
+from ckptctl.frameworks.hf.layout import HfModelLayout, has_weights, model_markers, verify_model_files
 from ckptctl.io import DirEntry
 from ckptctl.layouts import peek, peek_dir
-from ckptctl.layouts.base import Layout, folder_size, newest_mtime, timestamp
+from ckptctl.layouts.base import Layout, MasterWeights, Protections, folder_size, newest_mtime, timestamp
 
 __all__ = ["METRIC_NAME", "OpenRlhfLayout"]
 
@@ -124,6 +125,10 @@ class OpenRlhfLayout(Layout):
         """The tag the save folder's DeepSpeed `latest` file names (OpenRLHF resumes from it)."""
         return deepspeed.read_latest(url, entries)
 
+    def members(self, url: str, entries: Sequence[DirEntry]) -> frozenset[str]:
+        """A tag: every child folder, as DeepSpeed's; an `*_hf` export: none, as an HF model folder's."""
+        return frozenset() if _EXPORT.match(io.name_of(url)) else deepspeed.DeepSpeedLayout().members(url, entries)
+
     def open(self, url: str) -> Checkpoint:
         """A tag: DeepSpeed's reading, with OpenRLHF's step, role, counters and metric; an export: the
         model folder."""
@@ -147,8 +152,9 @@ class OpenRlhfLayout(Layout):
             "progress": {k: progress[k] for k in _COUNTERS if k in progress},
             "optimizer_steps": progress.get("global_steps"),
         }
+        metrics = _metrics(payload)
         if payload is not None:
-            metadata["metrics"] = _metrics(payload)
+            metadata["metrics"] = metrics
             metadata["metric_key"] = payload.get("metric_key")
         metadata["resume_setting"] = "--load_checkpoint (>= v0.10.2: --ckpt.load_enable) with the same --ckpt_path"
         # DeepSpeed lists the client state's non-scalar keys; PPO's data loader state is one of them.
@@ -165,6 +171,7 @@ class OpenRlhfLayout(Layout):
                 note=inner.ref.note or ref.note,
             ),
             metadata=metadata,
+            metrics=metrics,
         )
 
     def verify(self, checkpoint: Checkpoint) -> list[Problem]:
@@ -193,6 +200,27 @@ class OpenRlhfLayout(Layout):
                 )
             )
         return problems
+
+    def master_weights(self, checkpoint: Checkpoint, *, required: bool, notes: list[str]) -> MasterWeights | None:
+        """A tag's fp32 master weights, as DeepSpeed's zero_to_fp32 rebuilds them; an export has none."""
+        prefix = deepspeed.tag_prefix(checkpoint)
+        return deepspeed.checkpoint_master_weights(checkpoint, prefix, required=required, notes=notes)
+
+    def completion_markers(self, files: Mapping[str, int]) -> tuple[str, ...]:
+        """A tag: DeepSpeed's markers, then `metric.json`, which OpenRLHF writes after the DeepSpeed save; an
+        export: the model folder's."""
+        top = {name: size for name, size in files.items() if "/" not in name}
+        if tag := deepspeed.tag_markers(top):
+            return (*tag, *((METRIC_NAME,) if METRIC_NAME in top else ()))
+        return model_markers(top)
+
+    def protections(self, series: Sequence[CheckpointRef]) -> Protections:
+        """`best*` folders: OpenRLHF saves its best checkpoint so far as `best_global_stepN` and never rotates
+        it out; any checkpoint named so is kept likewise."""
+        best = [ref.url for ref in series if io.name_of(ref.url).lower().startswith("best")]
+        return Protections(
+            reasons=dict.fromkeys(best, ("a best checkpoint (best* folders are kept, as OpenRLHF does)",))
+        )
 
 
 def _tags_with_metric(url: str) -> list[str]:

@@ -60,6 +60,7 @@ from ckptctl.frameworks.hf.layout import (
     has_weights,
     missing_shards,
     model_components,
+    model_markers,
     model_metadata,
     safetensors_index,
     verify_model_files,
@@ -67,7 +68,7 @@ from ckptctl.frameworks.hf.layout import (
 )
 from ckptctl.frameworks.hf_trainer.layout import IN_PROGRESS_WINDOW_S
 from ckptctl.io import DirEntry
-from ckptctl.layouts.base import Layout, folder_size, list_files, newest_mtime, timestamp
+from ckptctl.layouts.base import Layout, every_child_folder, folder_size, list_files, newest_mtime, timestamp
 
 __all__ = ["CRITIC", "PIPELINE_STATE", "RollLayout"]
 
@@ -274,6 +275,11 @@ class RollLayout(Layout):
         """ROLL keeps no pointer (`resume_from_checkpoint` takes the path)."""
         return None
 
+    def members(self, url: str, entries: Sequence[DirEntry]) -> frozenset[str]:
+        """Every child folder (`pipeline/`, `dcp/`, `critic/`, Megatron's `iter_*/`, `rng_state/`): every
+        worker uploads into the one `checkpoint-N/`, and ROLL prunes it as a whole."""
+        return every_child_folder(entries)
+
     def open(self, url: str) -> Checkpoint:
         """Pipeline counters and last metrics, each role's strategy, components, world size and parallelism;
         the tensor index reads HF headers and DCP `.metadata` files on first use."""
@@ -284,6 +290,7 @@ class RollLayout(Layout):
         roles = _roles(url, entries)
         files = list_files(url)
         components: set[Component] = set()
+        metrics: dict[str, Any] = {}
         metadata: dict[str, Any] = {"format": "roll", "resume_setting": f"resume_from_checkpoint: {url}"}
         doc = _read_pipeline_state(url)
         if doc is not None:
@@ -292,7 +299,7 @@ class RollLayout(Layout):
             metadata["progress"] = {"step": step, **_scalars(doc.get("kv"), "kv.")}
             history = doc.get("log_history")
             if isinstance(history, list) and history:
-                metadata["metrics"] = _scalars(history[-1])
+                metrics = metadata["metrics"] = _scalars(history[-1])
             if type(step) is int and step != ref.step:
                 metadata["note"] = f"the pipeline state says step {step}, the folder name {ref.step}"
         if PIPELINE_RNG in files:
@@ -316,6 +323,7 @@ class RollLayout(Layout):
             metadata=metadata,
             tensor_index=tensor_index,
             files=files,
+            metrics=metrics,
         )
 
     @staticmethod
@@ -387,6 +395,21 @@ class RollLayout(Layout):
         for role in _roles(url, entries):
             problems += _role_problems(role, checkpoint.files)
         return problems
+
+    def completion_markers(self, files: Mapping[str, int]) -> tuple[str, ...]:
+        """ROLL writes no marker, but `list` reads a folder as not complete without any of these: per role
+        (the actor, `critic/`) the model folder's markers, `dcp/.metadata` and Megatron's tracker; then the
+        pipeline state."""
+        found: list[str] = []
+        for prefix in ("", f"{CRITIC}/"):
+            top = {
+                n[len(prefix) :]: size
+                for n, size in files.items()
+                if n.startswith(prefix) and "/" not in n[len(prefix) :]
+            }
+            found += [prefix + name for name in model_markers(top)]
+            found += [prefix + name for name in (f"{DCP_FOLDER}/{METADATA_NAME}", TRACKER) if prefix + name in files]
+        return (*found, PIPELINE_STATE) if PIPELINE_STATE in files else tuple(found)
 
 
 def _role_problems(role: _Role, files: Mapping[str, int]) -> list[Problem]:

@@ -1,0 +1,149 @@
+"""The full-precision weights, as zero_to_fp32 reconstructs them (`convert` writes them by default)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from ckptctl import io
+from ckptctl.checkpoint import Checkpoint, Component, TensorEntry
+from ckptctl.errors import CkptctlError, CorruptCheckpoint
+from ckptctl.formats.safe_pickle import TensorRef
+from ckptctl.frameworks.deepspeed.names import tag_files
+from ckptctl.frameworks.deepspeed.tag import DeepSpeedTag, read_tag
+from ckptctl.frameworks.deepspeed.zero_index import IndexBuilder, param_groups, tag_index
+from ckptctl.io import DirEntry
+from ckptctl.layouts.base import MasterWeights
+
+#: Dtypes whose buffers zero_to_fp32 returns as float32 (`v.float() if v.is_floating_point()`).
+_FLOATING = frozenset({"float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"})
+_FP32_PREFIX = "optimizer.fp32."
+
+
+def master_weights(tag: DeepSpeedTag, path_prefix: str = "") -> MasterWeights:
+    """The full fp32 weights of a ZeRO 1-3 tag, exactly as `zero_to_fp32` reconstructs them: the state dict
+    `get_fp32_state_dict_from_zero_checkpoint` returns, as index entries in the module's state-dict order
+    (trainable parameters from the fp32 partitions, frozen parameters and buffers from the model states,
+    tied parameters as copies of the entry they share; `upcast` names the floating-point buffers, which
+    zero_to_fp32 returns as float32 whatever their stored dtype).
+
+    zero_to_fp32 (DeepSpeed 0.19) returns the buffers of `buffer_names` from the rank-0 module (floating
+    ones cast to float32), the frozen parameters from `frozen_param_fragments` (as stored: the 16-bit
+    weights; concatenated over DP ranks under ZeRO-3), every parameter of `param_shapes` from the fp32
+    partitions, and each `shared_params` alias as the parameter it shares. One departure: ZeRO-1 records
+    no frozen parameters (`frozen_param_shapes` is saved only when gradients are partitioned), so
+    zero_to_fp32 drops them; here they come from the module's weights, and `notes` says so.
+
+    Args:
+        tag: from `read_tag`.
+        path_prefix: prepended to chunk file names (as for `tag_index`).
+
+    Raises:
+        CkptctlError: the tag holds no fp32 partitions (no ZeRO, or no optim files) or several
+            model-parallel ranks (zero_to_fp32 merges data-parallel partitions only).
+        CorruptCheckpoint: the model states or partitions do not hold what they promise.
+    """
+    if not tag.files.optim or tag.optim_kind is None:
+        raise CkptctlError(
+            f"{tag.url} holds no fp32 master weights (ZeRO stage {tag.zero_stage} saves no optimizer partitions)",
+            "convert the module's own weights instead",
+        )
+    if tag.mp_world_size > 1:
+        raise CkptctlError(
+            f"{tag.url} holds {tag.mp_world_size} model-parallel ranks; zero_to_fp32 merges data-parallel "
+            "partitions only",
+            "merge the tensor-parallel ranks with the training framework's own tool first",
+        )
+    index = tag_index(tag, path_prefix)
+    model = {e.name: e for e in index if e.component is Component.MODEL}
+    fp32 = {e.name[len(_FP32_PREFIX) :]: e for e in index if e.name.startswith(_FP32_PREFIX)}
+    states = tag.states
+    module = states.get("module")
+    module = module if isinstance(module, dict) else {}
+    buffer_names = states.get("buffer_names")
+    buffers = [n for n in buffer_names if isinstance(n, str)] if isinstance(buffer_names, list) else []
+    frozen = states.get("frozen_param_shapes")
+    frozen_names = [n for n in frozen if isinstance(n, str)] if isinstance(frozen, dict) else []
+    trainable = [name for group in param_groups(states.get("param_shapes")) for name in group]
+
+    found: dict[str, TensorEntry] = {}
+    upcast: set[str] = set()
+    for name in buffers:
+        entry = model.get(name)
+        if entry is not None and name not in trainable:
+            found[name] = entry
+            if entry.dtype in _FLOATING:
+                upcast.add(name)
+    for name in frozen_names:
+        entry = model.get(name)
+        if entry is None or not entry.chunks:
+            raise CorruptCheckpoint(f"{tag.url}: the weights of frozen parameter {name} are missing")
+        found[name] = entry
+    for name in trainable:
+        entry = model.get(name) if tag.optim_kind == "zero3" else fp32.get(name)
+        if entry is None or not entry.chunks:
+            raise CorruptCheckpoint(f"{tag.url}: the fp32 partitions hold no {name}")
+        found[name] = replace(entry, name=name, component=Component.MODEL)
+    shared = states.get("shared_params")
+    for alias, target in shared.items() if isinstance(shared, dict) else ():
+        if isinstance(alias, str) and target in found:
+            found[alias] = replace(found[target], name=alias)
+            if target in upcast:
+                upcast.add(alias)
+    notes = []
+    if tag.optim_kind != "zero3":
+        builder = IndexBuilder(tag, 0, path_prefix, "")
+        outside = [n for n, ref in module.items() if isinstance(n, str) and n not in found and type(ref) is TensorRef]
+        for name in outside:
+            found[name] = builder._from_file(name, Component.MODEL, builder.model_file, module[name])
+        if outside:
+            shown = ", ".join(outside[:3]) + (", ..." if len(outside) > 3 else "")
+            notes.append(
+                f"{len(outside)} parameter(s) outside the optimizer's partitions ({shown}) come from the module's "
+                f"{found[outside[0]].dtype} weights; zero_to_fp32 leaves them out (ZeRO-{tag.zero_stage} "
+                "records no frozen parameters)"
+            )
+    order = {name: i for i, name in enumerate(module)}
+    entries = sorted(found.values(), key=lambda e: order.get(e.name, len(order)))
+    return MasterWeights(tuple(entries), frozenset(upcast), tuple(notes))
+
+
+def tag_prefix(checkpoint: Checkpoint) -> str | None:
+    """Where the DeepSpeed tag folder holding a checkpoint's model is, relative to it (`""`: the checkpoint
+    is the tag), judged from where its model tensors' chunks lie: in DeepSpeed rank files of one folder.
+    None when they lie elsewhere (an HF export of an RL framework)."""
+    files = {chunk.file for e in checkpoint.tensor_index() if e.component is Component.MODEL for chunk in e.chunks}
+    folders = set()
+    for file in files:
+        folder, _, name = file.rpartition("/")
+        if tag_files([DirEntry(name, False, 0, 0.0)]) is not None:
+            folders.add(folder)
+    if len(folders) != 1:
+        return None
+    folder = folders.pop()
+    return f"{folder}/" if folder else ""
+
+
+def checkpoint_master_weights(
+    checkpoint: Checkpoint, prefix: str | None, *, required: bool, notes: list[str]
+) -> MasterWeights | None:
+    """`Layout.master_weights` of a checkpoint holding a DeepSpeed tag at `prefix` (relative to it, `""`: it
+    is the tag; None: it holds none): the fp32 master weights of ZeRO 1-3 (`master_weights`).
+
+    Without ZeRO (stage 0) a tag keeps no optimizer partitions, hence no masters: None, and a note (an
+    error when `required`).
+    """
+    if prefix is None:
+        return None
+    tag = read_tag(io.join(checkpoint.url, prefix.rstrip("/")) if prefix else checkpoint.url)
+    if not tag.files.optim or tag.optim_kind is None:
+        if required:
+            raise CkptctlError(
+                f"{tag.url} holds no fp32 master weights (ZeRO stage {tag.zero_stage} saves no optimizer partitions)",
+                "convert the module's own weights: drop --weights master",
+            )
+        notes.append(
+            f"DeepSpeed without ZeRO (stage {tag.zero_stage}) saves no optimizer partitions: writing the module's "
+            "weights as stored (DeepSpeed's zero_to_fp32 cannot read such a checkpoint)"
+        )
+        return None
+    return master_weights(tag, prefix)

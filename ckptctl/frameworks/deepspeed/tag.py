@@ -1,0 +1,228 @@
+"""Reading a tag: facts from the rank-0 files.
+
+Everything is read through `formats.torch_pickle` (the `data.pkl` of each file and its zip directory),
+so neither DeepSpeed nor torch is needed and no tensor bytes are read to list, inspect or verify.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ckptctl import io
+from ckptctl.checkpoint import Component
+from ckptctl.errors import CorruptCheckpoint, UnknownLayout
+from ckptctl.formats.safe_pickle import FrameworkObject, StandIn, state_fields
+from ckptctl.formats.torch_pickle import TorchPickle, open_torch_pickle
+from ckptctl.frameworks.deepspeed.names import TagFiles, tag_files
+
+#: Top-level keys of model_states that DeepSpeed itself writes; every other key is client state.
+_ENGINE_KEYS = frozenset(
+    {
+        "module",
+        "buffer_names",
+        "optimizer",
+        "param_shapes",
+        "frozen_param_shapes",
+        "shared_params",
+        "frozen_param_fragments",
+        "lr_scheduler",
+        "data_sampler",
+        "random_ltd",
+        "sparse_tensor_module_names",
+        "skipped_steps",
+        "global_steps",
+        "global_samples",
+        "dp_world_size",
+        "mp_world_size",
+        "ds_config",
+        "ds_version",
+        "checkpoint_parallel_dimensions",
+        "universal_checkpoint_info",
+        "compiled_autograd",
+    }
+)
+#: The same, for the layouts built on DeepSpeed that read client state themselves (OpenRLHF, open-instruct).
+ENGINE_KEYS = _ENGINE_KEYS
+_COUNTERS = ("global_steps", "global_samples", "skipped_steps")
+
+
+@dataclass
+class DeepSpeedTag:
+    """A tag folder opened from its rank-0 files; the other rank files are read on demand (and kept).
+
+    Attributes:
+        url: the tag folder.
+        files: its rank files.
+        states: the rank-0 model states (MP rank 0).
+        zero_stage: 0-3 (from the optim states, else `ds_config`).
+        dp_world_size: data-parallel ranks (`dp_world_size`).
+        mp_world_size: model-parallel ranks (`mp_world_size`).
+        partition_count: how many partitions the optimizer state was cut into (None without ZeRO).
+        optim_kind: which optimizer wrote the optim files (`zero`, `zero3`, `bf16`), None without them.
+    """
+
+    url: str
+    files: TagFiles
+    states: dict[str, Any]
+    zero_stage: int
+    dp_world_size: int
+    mp_world_size: int
+    partition_count: int | None
+    optim_kind: str | None
+    optim_info: dict[str, Any]
+    _opened: dict[str, TorchPickle] = field(default_factory=dict, repr=False)
+
+    def open_file(self, name: str) -> TorchPickle:
+        """One rank file, parsed once."""
+        found = self._opened.get(name)
+        if found is None:
+            found = self._opened[name] = open_torch_pickle(io.join(self.url, name), self.files.sizes.get(name))
+        return found
+
+    @property
+    def global_steps(self) -> int | None:
+        value = self.states.get("global_steps")
+        return value if type(value) is int else None
+
+    def components(self) -> frozenset[Component]:
+        found = {Component.MODEL, Component.TRAINER_STATE}
+        if self.files.optim or self.states.get("optimizer") is not None:
+            found.add(Component.OPTIMIZER)
+        if self.states.get("lr_scheduler") is not None:
+            found.add(Component.SCHEDULER)
+        if self.states.get("data_sampler") is not None:
+            found.add(Component.DATALOADER)
+        if self.client_state():
+            found.add(Component.EXTRA)
+        return frozenset(found)
+
+    def client_state(self) -> dict[str, Any]:
+        """The keys `save_checkpoint(client_state=...)` added to the model states."""
+        return {k: v for k, v in self.states.items() if isinstance(k, str) and k not in _ENGINE_KEYS}
+
+    def metadata(self) -> dict[str, Any]:
+        progress = {k: self.states[k] for k in _COUNTERS if _is_scalar(self.states.get(k))}
+        progress.update({k: v for k, v in self.client_state().items() if _is_scalar(v)})
+        info: dict[str, Any] = {
+            "format": "deepspeed",
+            "tag": io.name_of(self.url),
+            "zero_stage": self.zero_stage,
+            "dp_world_size": self.dp_world_size,
+            "mp_world_size": self.mp_world_size,
+            "partition_count": self.partition_count,
+            "progress": progress,
+            "precision": _precision(self.states.get("ds_config"), self.files.bf16),
+            "ds_version": self.states.get("ds_version"),
+            "model_states_files": len(self.files.model),
+            "optim_states_files": len(self.files.optim),
+        }
+        info.update(self.optim_info)
+        others = sorted(k for k, v in self.client_state().items() if not _is_scalar(v))
+        if others:
+            info["client_state_keys"] = ", ".join(others)
+        return info
+
+
+def _is_scalar(value: Any) -> bool:
+    return type(value) in (int, float, str, bool)
+
+
+def _precision(config: Any, bf16_files: bool) -> str:
+    if isinstance(config, dict):
+        for key in ("bf16", "bfloat16", "fp16"):
+            section = config.get(key)
+            if isinstance(section, dict) and section.get("enabled") is True:
+                return "fp16" if key == "fp16" else "bf16"
+    return "bf16" if bf16_files else "fp32"
+
+
+def enum_value(value: Any) -> Any:
+    """The value of a pickled enum member (`ZeroStageEnum(2)` -> 2); anything else as it is."""
+    return value.value if isinstance(value, FrameworkObject) else value
+
+
+def read_tag(url: str, files: TagFiles | None = None) -> DeepSpeedTag:
+    """Open a tag folder: the rank-0 model states (and optim states, when there are any).
+
+    Raises:
+        CorruptCheckpoint: no rank-0 model states, or one that does not parse (UnsafePickle included).
+    """
+    if files is None:
+        files = tag_files(io.list_dir(url))
+        if files is None:
+            raise UnknownLayout(f"{url} holds no DeepSpeed model or optim states")
+    rank0 = files.rank0_model()
+    if rank0 is None:
+        raise CorruptCheckpoint(f"{url}: the rank-0 model states ({files.model_name(0, 0)}) are missing")
+    tag = DeepSpeedTag(url, files, {}, 0, 1, 1, None, None, {})
+    states = tag.open_file(rank0).root
+    if not isinstance(states, dict):
+        raise CorruptCheckpoint(f"{url}/{rank0}: not a DeepSpeed model states dict")
+    tag.states = states
+    dp = states.get("dp_world_size")
+    mp = states.get("mp_world_size")
+    tag.dp_world_size = dp if type(dp) is int and dp > 0 else max((d for d, _ in files.optim), default=0) + 1
+    tag.mp_world_size = mp if type(mp) is int and mp > 0 else max(m for _, m in files.model) + 1
+    config = states.get("ds_config")
+    zero = config.get("zero_optimization") if isinstance(config, dict) else None
+    stage = zero.get("stage") if isinstance(zero, dict) else None
+    tag.zero_stage = stage if type(stage) is int else 0
+    optim0 = files.optim.get((0, 0))
+    if optim0 is not None:
+        osd = optimizer_state_dict(tag.open_file(optim0))
+        stored_stage = enum_value(osd.get("zero_stage"))
+        if type(stored_stage) is int:
+            tag.zero_stage = stored_stage
+        tag.optim_kind = "zero3" if "fp32_flat_groups" in osd else ("zero" if "zero_stage" in osd else "bf16")
+        tag.partition_count = read_partition_count(osd.get("partition_count"))
+        tag.optim_info = _optim_info(osd)
+    return tag
+
+
+def optimizer_state_dict(opened: TorchPickle) -> dict[str, Any]:
+    """The `optimizer_state_dict` of an optim-states file.
+
+    Raises:
+        CorruptCheckpoint: the file holds none.
+    """
+    root = opened.root
+    osd = root.get("optimizer_state_dict") if isinstance(root, dict) else None
+    if not isinstance(osd, dict):
+        raise CorruptCheckpoint(f"{opened.url}: no optimizer_state_dict in a DeepSpeed optim states file")
+    return osd
+
+
+def read_partition_count(value: Any) -> int | None:
+    """The number of partitions a `partition_count` value says (None when it says nothing usable)."""
+    if type(value) is int:
+        return value
+    if isinstance(value, list) and value and all(type(v) is int for v in value):
+        return max(value)  # one per parameter group; expert groups of MoE models may be smaller
+    return None
+
+
+def _optim_info(osd: dict[str, Any]) -> dict[str, Any]:
+    info: dict[str, Any] = {}
+    scaler = osd.get("loss_scaler")
+    if isinstance(scaler, StandIn):
+        fields = state_fields(scaler, "loss_scaler")
+        if _is_scalar(fields.get("cur_scale")):
+            info["loss_scale"] = fields["cur_scale"]
+    groups = base_state(osd).get("param_groups")
+    if isinstance(groups, list) and groups and isinstance(groups[0], dict):
+        first = groups[0]
+        info["optimizer"] = {k: first[k] for k in ("lr", "weight_decay", "eps") if _is_scalar(first.get(k))}
+        info["param_groups"] = len(groups)
+    return info
+
+
+def base_state(osd: dict[str, Any]) -> dict[str, Any]:
+    """The wrapped torch optimizer's state dict (ZeRO-3 and BF16 name it differently from ZeRO-1/2)."""
+    for key in ("optimizer_state_dict", "base_optimizer_state"):
+        value = osd.get(key)
+        if isinstance(value, dict):
+            return value
+        if isinstance(value, list):  # older ZeRO-1/2: one state dict per group, no param_groups
+            return {"state": dict(enumerate(value))}
+    return {}

@@ -1,0 +1,124 @@
+"""`convert`: a checkpoint's model (or another component) to a Hugging Face folder or to a torch DCP folder.
+
+The source is the checkpoint `layouts.resolve` names: the folder itself when it is one, else the
+checkpoint a layout's `latest`-style pointer in it names (a save folder's `latest` file). It must be
+complete and pass its layout's structural verification.
+
+The command reads like its modules, in order: `options` (what is asked, what was done), `plan` (which
+tensors, names, dtypes and weights), `to_hf` / `to_dcp` (the writers), `side_files` (config and tokenizer
+files), `commit` (staging, digests and the move or upload into DST).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from ckptctl import io
+from ckptctl.checkpoint import CheckpointState
+from ckptctl.errors import CheckpointInProgress, CkptctlError, CorruptCheckpoint
+from ckptctl.layouts import get_layout, resolve
+from ckptctl.ops.convert.commit import Staging, UploadStaging, check_destination, write_digests
+from ckptctl.ops.convert.options import (
+    DEFAULT_MAX_SHARD_SIZE,
+    DTYPE_NAMES,
+    ConvertOptions,
+    ConvertResult,
+    Target,
+    Weights,
+    parse_dtype,
+)
+from ckptctl.ops.convert.plan import plan_tensors
+from ckptctl.ops.convert.side_files import CONFIG_FILES, TOKENIZER_FILES, copy_side_files, find_side_files
+from ckptctl.ops.convert.to_dcp import DCP_NAMESPACE, write_dcp
+from ckptctl.ops.convert.to_hf import INDEX_NAME, write_hf
+from ckptctl.ops.report import NoProgress, Progress
+
+__all__ = [
+    "CONFIG_FILES",
+    "DCP_NAMESPACE",
+    "DEFAULT_MAX_SHARD_SIZE",
+    "DTYPE_NAMES",
+    "INDEX_NAME",
+    "TOKENIZER_FILES",
+    "ConvertOptions",
+    "ConvertResult",
+    "Target",
+    "Weights",
+    "convert",
+    "parse_dtype",
+]
+
+
+def convert(
+    src: str, dst: str, options: ConvertOptions | None = None, progress: Progress | None = None
+) -> ConvertResult:
+    """Convert the checkpoint at `src` into a new folder `dst`, a local path or an object store URL (see the
+    modules of this package).
+
+    Raises:
+        CkptctlError: bad options, DST not empty (without `force`) or overlapping the source, a source
+            that is incomplete, broken or lacks the component, names that collide after renaming.
+        CorruptCheckpoint: source bytes that disagree with their metadata (nothing is left at DST).
+        StorageError: the output cannot be written or uploaded.
+    """
+    with io.counting() as read:
+        return _convert(src, dst, options or ConvertOptions(), progress or NoProgress(), read)
+
+
+def _convert(src: str, dst: str, options: ConvertOptions, progress: Progress, read: io.ByteCounter) -> ConvertResult:
+    started = time.perf_counter()
+    if options.max_shard_size <= 0:
+        raise CkptctlError("the maximum shard size must be positive")
+    dst = check_destination(src, dst, options.force)
+    layout, ref = resolve(src, options.layout)
+    url = ref.url
+    if ref.state is CheckpointState.IN_PROGRESS:
+        raise CheckpointInProgress(
+            f"{url} is still being written ({ref.note or 'no completion marker'})", "wait for the save to finish"
+        )
+    checkpoint = layout.open(url)
+    problems = [p for p in layout.verify(checkpoint) if p.severity == "error"]
+    if problems or checkpoint.ref.state is CheckpointState.BROKEN:
+        first = problems[0].message if problems else checkpoint.ref.note
+        raise CorruptCheckpoint(
+            f"{url} fails structural verification: {first}", f"run `ckptctl verify {url}` for the full report"
+        )
+    notes: list[str] = []
+    plan, weights = plan_tensors(checkpoint, layout, options, notes)
+    side_files, side_notes = find_side_files(url, options)
+    notes += side_notes
+
+    staging = Staging(dst) if io.is_local(dst) else UploadStaging(dst, get_layout(options.to))
+    with staging:
+        staging.check_space(sum(p.nbytes for p in plan))
+        try:
+            if options.to is Target.HF:
+                written = write_hf(checkpoint, plan, staging.out, options, progress)
+            else:
+                written = write_dcp(checkpoint, plan, staging.out, progress)
+        finally:
+            progress.finish()  # a bar left running on an error would hide the terminal's cursor
+        copied = copy_side_files(side_files, staging.out, options.dtype)
+        write_digests(staging.out, written.digests)
+        files = tuple(sorted(os.listdir(staging.out)))
+        uploaded = staging.commit(options.force, progress)
+    return ConvertResult(
+        src=src,
+        dst=dst,
+        to=options.to.value,
+        layout=layout.name,
+        tensors=len(plan),
+        bytes=sum(p.nbytes for p in plan),
+        files=files,
+        bytes_read=read.bytes_read,
+        seconds=time.perf_counter() - started,
+        dtype=options.dtype,
+        copied=copied,
+        streamed=written.streamed,
+        assembled=written.assembled,
+        warnings=tuple(notes),
+        checkpoint=url,
+        weights=weights.value,
+        uploaded=uploaded,
+    )

@@ -1,0 +1,157 @@
+"""What `convert` is asked to do (`ConvertOptions`) and what it did (`ConvertResult`)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from ckptctl.checkpoint import Component
+from ckptctl.formats.manifest import DIGESTS_NAME
+from ckptctl.layouts import ConvertTarget
+from ckptctl.ops.report import SCHEMA_VERSION
+
+#: What `convert` writes: the layouts it can write, by name.
+Target = ConvertTarget
+
+
+class Weights(enum.StrEnum):
+    """Which weights make the model of a checkpoint that holds two copies (`Layout.master_weights`)."""
+
+    #: The fp32 master weights where the checkpoint has them, else the stored model weights.
+    AUTO = "auto"
+    #: The fp32 master weights (what the framework's own tool rebuilds); an error where there are none.
+    MASTER = "master"
+    #: The model weights as stored (mixed-precision training: its 16-bit weights).
+    STORED = "stored"
+
+
+#: Accepted spellings of `dtype` -> torch dtype name.
+DTYPE_NAMES = {
+    "bf16": "bfloat16",
+    "bfloat16": "bfloat16",
+    "fp16": "float16",
+    "float16": "float16",
+    "half": "float16",
+    "fp32": "float32",
+    "float32": "float32",
+    "float": "float32",
+}
+DEFAULT_MAX_SHARD_SIZE = 5_000_000_000
+
+
+def parse_dtype(text: str) -> str:
+    """The torch dtype name of `bf16`, `fp16`, `fp32` (or their long names).
+
+    Raises:
+        ValueError: an unknown spelling.
+    """
+    found = DTYPE_NAMES.get(text.lower())
+    if found is None:
+        raise ValueError(f"{text!r} is not a dtype to convert to; choose bf16, fp16 or fp32")
+    return found
+
+
+@dataclass(frozen=True, slots=True)
+class ConvertOptions:
+    """What to convert and how.
+
+    Attributes:
+        to: `hf` or `dcp`.
+        dtype: cast floating-point tensors to this torch dtype name (None keeps the stored dtypes).
+        max_shard_size: most bytes of tensor data per output file (HF).
+        component: which component's tensors to convert.
+        strip_prefix: namespace prefix removed from names; None detects it as `diff` does (`ops.naming`:
+            `model.` of DCP state dicts, the entry name of a save, training wrappers); "" keeps names as
+            stored.
+        renames: `(pattern, replacement)` regex substitutions applied in order after the prefix is removed.
+        config_dir: where `config.json`/`generation_config.json` come from (default: beside the source).
+        tokenizer_dir: where tokenizer files come from (default: beside the source).
+        force: replace a non-empty DST.
+        layout: read the source as this layout instead of detecting it.
+        reread: read every written file back from disk and compare its digest with the one computed while
+            writing it (doubles the I/O; the headers are always read back and checked).
+        workers: copy threads (default: cores, 2 to 8).
+        weights: for sources that keep fp32 master weights apart from the model, those (`auto`, `master`)
+            or the model weights as stored (`stored`); other sources have one copy of the model.
+    """
+
+    to: Target = Target.HF
+    dtype: str | None = None
+    max_shard_size: int = DEFAULT_MAX_SHARD_SIZE
+    component: Component = Component.MODEL
+    strip_prefix: str | None = None
+    renames: tuple[tuple[str, str], ...] = ()
+    config_dir: str | None = None
+    tokenizer_dir: str | None = None
+    force: bool = False
+    layout: str | None = None
+    reread: bool = False
+    workers: int | None = None
+    weights: Weights = Weights.AUTO
+
+
+@dataclass(frozen=True, slots=True)
+class ConvertResult:
+    """What a conversion wrote.
+
+    Attributes:
+        src: the source checkpoint.
+        dst: the output folder.
+        to: `hf` or `dcp`.
+        layout: the source's layout.
+        tensors: tensors written.
+        bytes: bytes of tensor data written.
+        files: files of the output folder, relative to it.
+        bytes_read: bytes read from the source.
+        seconds: wall time.
+        dtype: the dtype floating-point tensors were cast to, or None.
+        copied: config and tokenizer files copied into the output.
+        streamed: tensors byte-copied from their raw records.
+        assembled: tensors decoded and assembled in memory (non-contiguous chunks, remote archives).
+        warnings: things a person should know (no config found, ...).
+        checkpoint: the checkpoint folder converted (the one a `latest` pointer names, given its run folder).
+        weights: `master` (fp32 master weights rebuilt from optimizer partitions) or `stored`.
+        uploaded: bytes uploaded to an object store DST (every file of the output; 0 for a local DST).
+    """
+
+    src: str
+    dst: str
+    to: str
+    layout: str
+    tensors: int
+    bytes: int
+    files: tuple[str, ...]
+    bytes_read: int
+    seconds: float
+    dtype: str | None
+    copied: tuple[str, ...] = ()
+    streamed: int = 0
+    assembled: int = 0
+    warnings: tuple[str, ...] = field(default_factory=tuple)
+    checkpoint: str = ""
+    weights: str = Weights.STORED.value
+    uploaded: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "src": self.src,
+            "checkpoint": self.checkpoint or self.src,
+            "dst": self.dst,
+            "to": self.to,
+            "layout": self.layout,
+            "tensors": self.tensors,
+            "bytes": self.bytes,
+            "files": list(self.files),
+            "bytes_read": self.bytes_read,
+            "bytes_uploaded": self.uploaded,
+            "seconds": round(self.seconds, 3),
+            "dtype": self.dtype,
+            "weights": self.weights,
+            "copied": list(self.copied),
+            "streamed_tensors": self.streamed,
+            "assembled_tensors": self.assembled,
+            "digests": DIGESTS_NAME,
+            "warnings": list(self.warnings),
+        }

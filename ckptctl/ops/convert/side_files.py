@@ -1,0 +1,84 @@
+"""Config and tokenizer files: found beside the source (or where the options say), copied into the output."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+
+from ckptctl import io
+from ckptctl.errors import CheckpointNotFound, CkptctlError
+from ckptctl.ops.convert.commit import write_small
+from ckptctl.ops.convert.options import ConvertOptions
+
+CONFIG_FILES = ("config.json", "generation_config.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "tokenizer.model",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+
+
+def find_side_files(src: str, options: ConvertOptions) -> tuple[dict[str, str], list[str]]:
+    """Config and tokenizer files to copy (name -> URL), and notes for the user."""
+    beside = [src, io.parent_of(src)]
+    notes: list[str] = []
+    found: dict[str, str] = {}
+    for names, explicit, what, flag in (
+        (CONFIG_FILES, options.config_dir, "config.json", "--config"),
+        (TOKENIZER_FILES, options.tokenizer_dir, "tokenizer files", "--tokenizer"),
+    ):
+        if explicit is not None:
+            files = _present(explicit, names)
+            if not files:
+                raise CheckpointNotFound(f"{explicit} holds no {what}", f"pass the folder that holds them to {flag}")
+            found.update(files)
+            continue
+        for folder in beside:
+            files = _present(folder, names)
+            if files and (names is TOKENIZER_FILES or "config.json" in files):
+                found.update(files)
+                break
+        else:
+            notes.append(f"no {what} found beside {src}; pass {flag} DIR to include them")
+    return found, notes
+
+
+def _present(folder: str, names: Sequence[str]) -> dict[str, str]:
+    try:
+        entries = {e.name for e in io.list_dir(folder) if not e.is_dir}
+    except CkptctlError:
+        return {}
+    return {name: io.join(folder, name) for name in names if name in entries}
+
+
+def copy_side_files(files: dict[str, str], out: str, dtype: str | None) -> tuple[str, ...]:
+    """Copy config/tokenizer files; with a cast, config.json's dtype field follows it."""
+    for name, url in files.items():
+        data = io.read_bytes(url)
+        if name == "config.json" and dtype is not None:
+            data = _config_with_dtype(data, dtype)
+        write_small(os.path.join(out, name), data)
+    return tuple(sorted(files))
+
+
+def _config_with_dtype(data: bytes, dtype: str) -> bytes:
+    try:
+        config = json.loads(data)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return data
+    if not isinstance(config, dict):
+        return data
+    keys = [k for k in ("dtype", "torch_dtype") if k in config] or ["torch_dtype"]
+    for key in keys:
+        config[key] = dtype
+    return json.dumps(config, indent=2, sort_keys=True).encode() + b"\n"

@@ -1,0 +1,156 @@
+"""`convert --to hf`: safetensors shards (and their index) streamed from the source's raw records.
+
+From any layout with a tensor index (torch DCP of any world size, ckptctl's own checkpoints, ZeRO
+partitions, or HF itself for resharding/casting), the output is laid out from the tensor index alone
+(names, dtypes, shapes → shard files and their headers), then filled as one sequential stream per file
+(`formats.safetensors_stream`, O_DIRECT where possible). Chunks that are full in their trailing dimensions
+(FSDP dim-0 shards, tensor-parallel column shards, whole tensors) are byte-copied, run of rows by run of
+rows, from the raw records inside the source files into their precomputed output offsets, converted block
+by block when `dtype` asks. Other chunks (strided views inside their archive, scattered tiny runs) are
+assembled in memory one tensor at a time (`chunks.read_tensor`). Peak memory is a few copy buffers plus
+the largest assembled tensor, whatever the model size.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from ckptctl.checkpoint import Checkpoint, dtype_itemsize
+from ckptctl.errors import CorruptCheckpoint
+from ckptctl.formats.manifest import FileRecord
+from ckptctl.formats.raw_chunks import ChunkLocator, row_major_runs
+from ckptctl.formats.safetensors import WrittenFile, build_header, read_header, tensor_bytes
+from ckptctl.formats.safetensors_stream import BufferSource, RangeSource, Source, StreamCopier, plan_shards
+from ckptctl.formats.safetensors_stream import shard_file_names as _shard_names
+from ckptctl.ops.convert.commit import write_small
+from ckptctl.ops.convert.options import ConvertOptions
+from ckptctl.ops.convert.plan import Planned, Written
+from ckptctl.ops.report import Progress
+
+INDEX_NAME = "model.safetensors.index.json"
+
+
+def _workers(requested: int | None) -> int:
+    return requested or max(2, min(8, os.cpu_count() or 2))
+
+
+def write_hf(
+    checkpoint: Checkpoint, plan: list[Planned], out: str, options: ConvertOptions, progress: Progress
+) -> Written:
+    """Write the safetensors shards (+ index), streaming every tensor that allows it, and check them."""
+    shards = plan_shards([p.nbytes for p in plan], options.max_shard_size)
+    names = _shard_names(len(shards))
+    with ChunkLocator(checkpoint.url) as locator:
+        sources = [_sources(p, locator) for p in plan]
+    streamed = sum(1 for s in sources if s is not None)
+    expected: dict[str, list[Planned]] = {}
+    written: dict[str, WrittenFile] = {}
+    progress.start("converting", sum(p.nbytes for p in plan))
+    with StreamCopier(_workers(options.workers), on_bytes=progress.advance) as copier:
+        for file_name, members in zip(names, shards, strict=True):
+            items = [plan[i] for i in members]
+            header = build_header([(p.name, p.dtype, p.shape) for p in items], {"format": "pt"})
+            file_sources: list[Source] = []
+            for i in members:
+                found = sources[i]
+                file_sources.extend(found if found is not None else [_assembled_source(checkpoint.url, plan[i])])
+            written[file_name] = copier.write_file(os.path.join(out, file_name), header, file_sources)
+            expected[file_name] = items
+        progress.finish()
+        _check_hf_output(out, expected, written, copier if options.reread else None, progress)
+    if len(names) > 1:
+        weight_map = {p.name: file_name for file_name, items in expected.items() for p in items}
+        index = {
+            "metadata": {
+                "total_size": sum(p.nbytes for p in plan),
+                "total_parameters": sum(p.entry.numel for p in plan),
+            },
+            "weight_map": dict(sorted(weight_map.items())),
+        }
+        write_small(os.path.join(out, INDEX_NAME), json.dumps(index, indent=2).encode() + b"\n")
+    digests = {name: FileRecord(w.size, w.blake3) for name, w in written.items()}
+    return Written(streamed, len(plan) - streamed, digests)
+
+
+#: Row runs of interleaved chunks shorter than this on average are not worth one read each: the tensor is
+#: assembled instead.
+_MIN_AVERAGE_RUN_BYTES = 256
+
+
+def _sources(planned: Planned, locator: ChunkLocator) -> list[Source] | None:
+    """Byte ranges that make up the tensor in row-major order, or None when it must be assembled."""
+    entry = planned.entry
+    itemsize = dtype_itemsize(entry.dtype)
+    runs: list[tuple[int, int, str, int]] = []  # (first element, count, file, byte offset)
+    interleaved = False
+    for chunk in entry.chunks:
+        if chunk.numel == 0:
+            continue
+        layout = row_major_runs(entry.shape, chunk.offsets, chunk.sizes)
+        if layout is None:
+            return None
+        found = locator.locate(entry, chunk)
+        if found is None:
+            return None
+        interleaved = interleaved or len(layout) > 1
+        runs.extend((start, count, found.url, found.offset + first * itemsize) for start, first, count in layout)
+    if interleaved and entry.nbytes / len(runs) < _MIN_AVERAGE_RUN_BYTES:
+        return None
+    runs.sort(key=lambda run: run[0])
+    merged: list[list[Any]] = []
+    position = 0
+    for start, count, url, offset in runs:
+        if start != position:  # a gap or an overlap: let read_tensor report it with its coverage check
+            return None
+        position += count
+        last = merged[-1] if merged else None
+        if last is not None and last[2] == url and last[3] + last[1] * itemsize == offset:
+            last[1] += count  # adjacent in the source too: one read
+        else:
+            merged.append([start, count, url, offset])
+    if position != entry.numel:
+        return None
+    return [RangeSource(url, offset, count * itemsize, entry.dtype, planned.dtype) for _, count, url, offset in merged]
+
+
+def _assembled_source(checkpoint_url: str, planned: Planned) -> BufferSource:
+    def produce() -> memoryview:
+        import torch
+
+        from ckptctl.formats.chunks import read_tensor
+
+        tensor = read_tensor(checkpoint_url, planned.entry)
+        if planned.dtype != planned.entry.dtype:
+            tensor = tensor.to(getattr(torch, planned.dtype))
+        return tensor_bytes(tensor)
+
+    return BufferSource(produce, planned.nbytes)
+
+
+def _check_hf_output(
+    out: str,
+    expected: dict[str, list[Planned]],
+    written: dict[str, WrittenFile],
+    rehash: StreamCopier | None,
+    progress: Progress,
+) -> None:
+    """Every written header names exactly the planned tensors with their dtypes and shapes, and (given a
+    copier to `rehash` with) every file reads back with the digest computed while writing it."""
+    for file_name, items in expected.items():
+        path = os.path.join(out, file_name)
+        header = read_header(path)
+        got = [(t.name, t.dtype, t.shape) for t in sorted(header.tensors, key=lambda t: t.begin)]
+        want = [(p.name, p.dtype, p.shape) for p in items]
+        if got != want or header.file_size != written[file_name].size:
+            raise CorruptCheckpoint(f"{file_name} does not hold what was planned", "this is a bug in ckptctl")
+    if rehash is None:
+        return
+    progress.start("verifying", sum(w.size for w in written.values()))
+    for file_name, record in written.items():
+        if rehash.digest(os.path.join(out, file_name)) != record.blake3:
+            raise CorruptCheckpoint(
+                f"{file_name} reads back different from what was written", "check the disk and the filesystem"
+            )
+    progress.finish()

@@ -141,9 +141,21 @@ class CheckpointRef:
     holds: tuple[str, ...] = ()
 
 
+class Role(enum.StrEnum):
+    """What a checkpoint is for, as far as a resume is concerned."""
+
+    #: Training state a run resumes from.
+    TRAINING = "training"
+    #: Model weights a run exported beside its training state (an HF export, a snapshot): nothing to resume.
+    EXPORT = "export"
+
+
 @dataclass(frozen=True, slots=True)
 class Checkpoint:
     """A checkpoint opened by its layout: components, parallelism facts and a tensor index.
+
+    Commands decide from the typed fields; `metadata` is for people (`inspect` shows it, `diff`
+    compares it).
 
     Attributes:
         ref: the listing facts.
@@ -155,6 +167,11 @@ class Checkpoint:
         files: data and metadata files of the checkpoint, relative path -> size in bytes.
         metrics: what the training recorded with the checkpoint to judge it by (losses, evaluation
             scores; nested mappings allowed), which `prune --keep-best` ranks checkpoints by.
+        role: training state, or model weights exported beside it.
+        progress: the counters a resume continues from beyond step and epoch (consumed samples,
+            optimizer steps, ...), as the framework names them; `resume-plan` shows the scalar ones.
+        rng_keys: the top-level keys of its RNG state when the layout read them at open (None: no RNG
+            state, or not read; a layout's resume profile may read them on demand).
     """
 
     ref: CheckpointRef
@@ -164,6 +181,9 @@ class Checkpoint:
     tensor_index: Callable[[], tuple[TensorEntry, ...]] = field(repr=False)
     files: Mapping[str, int] = field(default_factory=dict)
     metrics: Mapping[str, Any] = field(default_factory=dict)
+    role: Role = Role.TRAINING
+    progress: Mapping[str, Any] = field(default_factory=dict)
+    rng_keys: frozenset[str] | None = None
 
     @property
     def url(self) -> str:

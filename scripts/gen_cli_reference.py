@@ -42,7 +42,8 @@ Human output is plain text: in a terminal, tables fit its width (paths and names
 in a pipe, a file or a CI log, every row is printed whole on one line with `-` for an empty cell.
 
 Environment: `CKPTCTL_IO_WORKERS` (parallel transfers, default 8), `CKPTCTL_IO_RETRIES` (attempts of a
-remote call on transient errors, default 5), `CKPTCTL_DEBUG=1` (tracebacks).
+remote call on transient errors, default 5), `CKPTCTL_IO_TIMEOUT` (seconds a remote call may keep failing,
+retries included, default 60), `CKPTCTL_DEBUG=1` (tracebacks).
 """
 _MARKUP = re.compile(r"\[(/?)(bold|b|italic|i|dim|green|red|yellow)\]")
 

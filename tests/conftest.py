@@ -115,7 +115,7 @@ def hf_model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def _demo(root: Path) -> Path:
-    from ckptctl.ops.demo import run_demo
+    from ckptctl.demo import run_demo
 
     run_demo(str(root / "demo"), steps=30, distributed=True)
     return root / "demo"

@@ -41,7 +41,7 @@ def demo(
     json_output: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
-    from ckptctl.ops.demo import run_demo
+    from ckptctl.demo import run_demo
 
     out = Output(json_mode=json_output, quiet=quiet)
     result = run_demo(folder, steps=steps, distributed=distributed, force=force, on_stage=out.note)

@@ -37,7 +37,10 @@ def resume_plan(
     ],
     world_size: Annotated[
         int | None,
-        typer.Option("--world-size", metavar="N", help="Ranks of the resumed run (default: as saved).", min=1),
+        # The upper bound keeps per-rank bookkeeping finite; no job has a million ranks.
+        typer.Option(
+            "--world-size", metavar="N", help="Ranks of the resumed run (default: as saved).", min=1, max=1 << 20
+        ),
     ] = None,
     digests: Annotated[
         bool,

@@ -102,7 +102,13 @@ def _render(out: Output, result: VerifyResult) -> None:
         checks += ", digests recorded"
     mark = "[green]ok[/green]" if result.ok else "[red]FAILED[/red]"
     out.print(f"{mark}  {esc(result.url)} ({esc(result.layout)}{step}; {checks})")
-    for problem in result.problems:
+    for problem in result.problems[:_SHOWN]:
         colour = "red" if problem.severity == "error" else "yellow"
         where = f"{problem.path}: " if problem.path and not problem.message.startswith(problem.path) else ""
         out.print(f"    [{colour}]{esc(problem.kind)}[/{colour}] {esc(where + problem.message)}")
+    if len(result.problems) > _SHOWN:
+        out.print(f"    ... and {len(result.problems) - _SHOWN} more problem(s): --json lists them all")
+
+
+#: Problems printed per checkpoint: enough to act on; a person does not read thousands of lines.
+_SHOWN = 100

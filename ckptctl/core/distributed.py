@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from ckptctl import io
 from ckptctl.errors import CkptctlError, CorruptCheckpoint, SerializationError
-from ckptctl.formats.dcp_metadata import parse_dcp_metadata
+from ckptctl.formats.dcp_metadata import MAX_METADATA_BYTES, parse_dcp_metadata
 from ckptctl.formats.safe_pickle import DCP_METADATA_GLOBALS, safe_loads
 from ckptctl.formats.torch_save import load_object_archive
 
@@ -173,7 +173,7 @@ def _safe_reader(path: str) -> Any:
             if kwargs.get("rank") is not None:
                 raise CorruptCheckpoint(f"{path}: per-rank DCP metadata is not read by ckptctl's core")
             source = io.join(path, ".metadata")
-            data = io.read_bytes(source)
+            data = io.read_bytes(source, max_size=MAX_METADATA_BYTES)
             parse_dcp_metadata(data, source)
             metadata = safe_loads(data, _real_dcp_globals(), source)
             if getattr(metadata, "storage_meta", None) is None:

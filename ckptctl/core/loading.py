@@ -3,21 +3,21 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
-from collections.abc import MutableMapping
+from collections.abc import Iterator, MutableMapping
 from typing import Any
 
 import torch
 
-from ckptctl import io
 from ckptctl.core import distributed as dist_
 from ckptctl.core import rng
 from ckptctl.core.entries import CheckpointWarning, kind_of, load_into
 from ckptctl.core.snapshot import SHARDED_KINDS
 from ckptctl.errors import CorruptCheckpoint
 from ckptctl.formats import state_tree
-from ckptctl.formats.manifest import MANIFEST_NAME, Manifest, parse_manifest
+from ckptctl.formats.manifest import MANIFEST_NAME, Manifest, load_manifest
 
 __all__ = ["load"]
 
@@ -31,7 +31,7 @@ def load(state: MutableMapping[str, Any], folder: str, world: dist_.World, name:
     Raises:
         CorruptCheckpoint: the manifest or a file is unreadable, or an entry's kind does not match.
     """
-    manifest = parse_manifest(io.read_bytes(os.path.join(folder, MANIFEST_NAME)), folder)
+    manifest = load_manifest(os.path.join(folder, MANIFEST_NAME))
     modules = {key: obj for key, obj in state.items() if isinstance(obj, torch.nn.Module)}
     sharded: dict[str, tuple[str, Any]] = {}
     missing = []
@@ -47,14 +47,15 @@ def load(state: MutableMapping[str, Any], folder: str, world: dist_.World, name:
             sharded[key] = (kind, obj)
             continue
         stored = state_tree.read_files(folder, key)
-        if kind == "value":
-            state[key] = stored.value
-        elif world.multi and kind == "module":
-            dist_.load_full_module(obj, stored.value)
-        elif world.multi and kind == "optimizer":
-            dist_.load_full_optimizer(dist_.owner_of(key, obj, modules), obj, stored.value)
-        else:
-            load_into(kind, obj, stored.value, stored.extra)
+        with _fits(folder, key):
+            if kind == "value":
+                state[key] = stored.value
+            elif world.multi and kind == "module":
+                dist_.load_full_module(obj, stored.value)
+            elif world.multi and kind == "optimizer":
+                dist_.load_full_optimizer(dist_.owner_of(key, obj, modules), obj, stored.value)
+            else:
+                load_into(kind, obj, stored.value, stored.extra)
     if sharded:
         dist_.load_dcp(os.path.join(folder, "dcp"), sharded, modules)
     _restore_rng(folder, manifest, world)
@@ -77,3 +78,22 @@ def _restore_rng(folder: str, manifest: Manifest, world: dist_.World) -> None:
         CheckpointWarning,
         stacklevel=4,
     )
+
+
+@contextlib.contextmanager
+def _fits(folder: str, name: str) -> Iterator[None]:
+    """Turn the errors of `load_state_dict` on a stored state of the wrong shape into a `CorruptCheckpoint`.
+
+    A tree that decodes but is not what the object saved (a damaged or hand-edited `{name}.json`: a list
+    where a dict belongs, a missing key, a string for a number) fails inside torch with whatever error the
+    first mismatch raises. Errors torch raises for tensors that do not fit (RuntimeError: a different model)
+    are left as they are.
+    """
+    try:
+        yield
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError, OverflowError) as exc:
+        raise CorruptCheckpoint(
+            f"{os.path.join(folder, name)}.json: the stored state does not load into state[{name!r}] "
+            f"({type(exc).__name__}: {exc})",
+            "the checkpoint is damaged, or was saved from a different kind of object; restore another step",
+        ) from exc

@@ -62,7 +62,7 @@ from ckptctl.core.snapshot import Snapshot, write_tree
 from ckptctl.core.storage import open_run, storage_errors
 from ckptctl.errors import CheckpointNotFound, CkptctlError, CorruptCheckpoint, SerializationError, StorageError
 from ckptctl.formats.digest import file_digest
-from ckptctl.formats.manifest import MANIFEST_NAME, ComponentRecord, FileRecord, Manifest, now_iso, parse_manifest
+from ckptctl.formats.manifest import MANIFEST_NAME, ComponentRecord, FileRecord, Manifest, load_manifest, now_iso
 from ckptctl.frameworks.native.layout import POINTER_NAME, StepNaming
 from ckptctl.io import trash
 from ckptctl.io.trash import TRASH_NAME, Retired
@@ -147,7 +147,7 @@ class CheckpointManager:
     def pointer(self) -> str | None:
         """The folder name the `latest` file names, or None when there is none."""
         try:
-            return io.read_text(io.join(self.root, POINTER_NAME)).strip() or None
+            return io.read_text(io.join(self.root, POINTER_NAME), max_size=io.MAX_MARKER_BYTES).strip() or None
         except (CheckpointNotFound, CorruptCheckpoint):
             return None
 
@@ -401,7 +401,7 @@ class CheckpointManager:
         metrics: Mapping[str, Any] = {}
         if self.policy is not None and self.policy.keep_best:
             with contextlib.suppress(CkptctlError):
-                metrics = parse_manifest(io.read_bytes(manifest_path), manifest_path).metrics
+                metrics = load_manifest(manifest_path).metrics
         size = 0
         if self.policy is not None and self.policy.max_total_size is not None:
             size = folder_size(folder)
@@ -548,7 +548,7 @@ class CheckpointManager:
         if MANIFEST_NAME not in sizes:
             return "not committed (no manifest)"
         try:
-            manifest = parse_manifest(io.read_bytes(manifest_path), manifest_path)
+            manifest = load_manifest(manifest_path)
         except CkptctlError as exc:
             return str(exc)
         if not manifest.native or manifest.step != step:

@@ -27,6 +27,7 @@ import blake3
 from ckptctl import io
 from ckptctl.errors import CorruptCheckpoint, StorageError
 from ckptctl.formats.digest import file_digest
+from ckptctl.formats.documents import MAX_JSON_BYTES
 from ckptctl.formats.manifest import MANIFEST_NAME, FileRecord, Manifest, parse_manifest
 from ckptctl.frameworks.native.layout import NativeLayout, StepNaming, is_rng_file
 from ckptctl.io import trash
@@ -233,7 +234,7 @@ class RemoteRun(RunStorage):
             CorruptCheckpoint: a file's size or blake3 digest differs from the manifest.
         """
         source = self.step_dir(step)
-        data = io.read_bytes(io.join(source, MANIFEST_NAME))
+        data = io.read_bytes(io.join(source, MANIFEST_NAME), max_size=MAX_JSON_BYTES)
         manifest = parse_manifest(data, io.join(source, MANIFEST_NAME))
         for rel in manifest.files:
             os.makedirs(os.path.dirname(os.path.join(folder, rel)), exist_ok=True)

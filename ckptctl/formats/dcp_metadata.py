@@ -172,6 +172,10 @@ class DcpMetadata:
         return ends
 
 
+#: The largest `.metadata` read. It grows with tensors x ranks (a 70B model sharded over 2,048 ranks: a few
+#: hundred MB); larger, it is not a real one (a sparse file, a device).
+MAX_METADATA_BYTES = 1 << 30
+
 _BYTES_ITEM = DcpBytesItem()
 #: Doubles as the membership check and the way back from a `DType` stand-in to a plain str.
 _DTYPE_NAMES = {name: name for name in known_dtypes()}

@@ -12,6 +12,7 @@ Two files share one schema:
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -19,6 +20,7 @@ from typing import Any
 
 from ckptctl import io
 from ckptctl.errors import CorruptCheckpoint
+from ckptctl.formats.documents import MAX_JSON_BYTES, parse_json, real_number, whole_number
 
 MANIFEST_NAME = "ckptctl-manifest.json"
 DIGESTS_NAME = "ckptctl-digests.json"
@@ -94,17 +96,17 @@ def parse_manifest(text: bytes | str, source: str) -> Manifest:
     """Parse and validate a manifest or digests document.
 
     Raises:
-        CorruptCheckpoint: not JSON, or a field of the wrong type.
+        CorruptCheckpoint: not JSON, or a field of the wrong type (sizes, step and world size must be whole
+            numbers, the epoch a finite number).
     """
-    try:
-        doc = json.loads(text)
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
-        raise CorruptCheckpoint(f"{source}: not valid JSON ({exc})") from exc
+    doc = parse_json(text, source)
     if not isinstance(doc, dict) or doc.get("format") not in ("ckptctl", "ckptctl-digests"):
         raise CorruptCheckpoint(f"{source}: not a ckptctl manifest")
     try:
         files = {
-            _relative_name(k, source): FileRecord(int(v["size"]), str(v["blake3"]))
+            _relative_name(k, source): FileRecord(
+                whole_number(v["size"], source, f"files[{k!r}].size"), str(v["blake3"])
+            )
             for k, v in dict(doc["files"]).items()
         }
         native = doc["format"] == "ckptctl"
@@ -119,15 +121,23 @@ def parse_manifest(text: bytes | str, source: str) -> Manifest:
             files=files,
             created=str(doc.get("created", "")),
             native=native,
-            step=None if step is None else int(step),
-            epoch=None if epoch is None else float(epoch),
+            step=None if step is None else whole_number(step, source, "step"),
+            epoch=_epoch(epoch, source),
             metrics=dict(doc.get("metrics") or {}),
-            world_size=None if world_size is None else int(world_size),
+            world_size=None if world_size is None else whole_number(world_size, source, "world_size", minimum=1),
             versions={str(k): str(v) for k, v in dict(doc.get("versions") or {}).items()},
             components=components,
         )
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise CorruptCheckpoint(f"{source}: malformed manifest ({exc!r})") from exc
+
+
+def _epoch(value: Any, source: str) -> float | None:
+    # The core records whatever number the training loop passed as metrics["epoch"]: a NaN there reads as
+    # "no epoch", while a value that is no number at all means the manifest is damaged.
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return None
+    return real_number(value, source, "epoch")
 
 
 def _relative_name(name: object, source: str) -> str:
@@ -145,10 +155,20 @@ def _relative_name(name: object, source: str) -> str:
     return text
 
 
+def load_manifest(url: str) -> Manifest:
+    """Read and parse the manifest or digests file at `url` (a regular file of at most `MAX_JSON_BYTES`).
+
+    Raises:
+        CheckpointNotFound: there is no such file.
+        CorruptCheckpoint: what `parse_manifest` refuses, a file too large, or not a regular file.
+    """
+    return parse_manifest(io.read_bytes(url, max_size=MAX_JSON_BYTES), url)
+
+
 def read_manifest(checkpoint_url: str) -> Manifest | None:
     """The manifest of a checkpoint folder (native first, then foreign digests), or None if it has neither."""
     for name in (MANIFEST_NAME, DIGESTS_NAME):
         url = io.join(checkpoint_url, name)
         if io.exists(url):
-            return parse_manifest(io.read_bytes(url), url)
+            return load_manifest(url)
     return None

@@ -32,12 +32,14 @@ from ckptctl import io
 from ckptctl.errors import CorruptCheckpoint, SerializationError
 from ckptctl.formats import safetensors as st
 from ckptctl.formats.digest import HashingWriter
+from ckptctl.formats.documents import read_json
 
 if TYPE_CHECKING:
     import torch
 
 __all__ = [
     "MARKERS",
+    "MAX_TREE_BYTES",
     "EncodedTree",
     "Stage",
     "StoredTree",
@@ -46,6 +48,10 @@ __all__ = [
     "read_files",
     "write_files",
 ]
+
+#: The largest `{stem}.json` read: tensors live in the safetensors file, so even a big state's tree is
+#: small; a plain value (a list of sample indices) may still take tens of megabytes.
+MAX_TREE_BYTES = 256 << 20
 
 MARKERS = frozenset({"__dict__", "__tuple__", "__tensor__", "__ndarray__", "__bytes__", "__dtype__"})
 
@@ -310,10 +316,7 @@ def read_files(folder: str, stem: str) -> StoredTree:
         CorruptCheckpoint: invalid JSON, a tree that does not decode, a malformed safetensors file.
     """
     json_url = io.join(folder, f"{stem}.json")
-    try:
-        doc = json.loads(io.read_bytes(json_url))
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
-        raise CorruptCheckpoint(f"{json_url}: not valid JSON ({exc})") from exc
+    doc = read_json(json_url, max_bytes=MAX_TREE_BYTES)
     if not isinstance(doc, dict) or "tree" not in doc:
         raise CorruptCheckpoint(f"{json_url}: not an encoded tree (no 'tree' field)")
     tree = doc.pop("tree")

@@ -31,9 +31,9 @@ from ckptctl import io
 from ckptctl.core.retention import RetentionPolicy
 from ckptctl.formats.manifest import DIGESTS_NAME
 from ckptctl.layouts.base import list_files
+from ckptctl.ops.digests import write_digests
 from ckptctl.ops.prune import PruneReport, prune
 from ckptctl.ops.report import NoProgress
-from ckptctl.ops.verification import write_digests
 
 __all__ = ["CkptctlCallback"]
 

@@ -26,6 +26,7 @@ import os
 import posixpath
 import random
 import shutil
+import stat
 import sys
 import threading
 import time
@@ -34,11 +35,13 @@ from concurrent.futures import FIRST_EXCEPTION, wait
 from dataclasses import dataclass
 from typing import IO, Any, TypeVar
 
-from ckptctl.errors import CheckpointNotFound, CkptctlError, StorageError
+from ckptctl.errors import CheckpointNotFound, CkptctlError, CorruptCheckpoint, StorageError
 from ckptctl.io.counting import READ_STATS, ByteCounter, ReadStats, count_read, counting
 from ckptctl.io.parallel import ContextThreadPool
+from ckptctl.units import format_size
 
 __all__ = [
+    "MAX_MARKER_BYTES",
     "READ_STATS",
     "RETRY",
     "ByteCounter",
@@ -81,23 +84,38 @@ R = TypeVar("R")
 
 #: Block size of streamed remote reads (downloads, digests): large enough to amortise a request.
 REMOTE_BLOCK = 8 << 20
+#: The largest marker or pointer file read (a `latest` naming a folder, a tracker holding a step number).
+MAX_MARKER_BYTES = 64 << 10
 
 
 @dataclass(frozen=True, slots=True)
 class RetryPolicy:
-    """How remote calls are retried on transient failures: `attempts` tries in all, sleeping a random
-    time of up to `base_delay * 2**n` seconds (capped at `max_delay`) before try n + 2.
+    """How remote calls are retried on transient failures, and how long they may take.
 
-    Set from `CKPTCTL_IO_RETRIES` (attempts) when the module is imported.
+    A call is tried up to `attempts` times, sleeping a random time of up to `base_delay * 2**n` seconds
+    (capped at `max_delay`) before try n + 2, and no new try starts once `timeout` seconds have passed since
+    the call began. Each request to an object store waits at most `request_timeout` to connect and as long
+    for each part of the answer, so that a store that stops answering (a dead host, a frozen server) ends a
+    call in bounded time rather than hanging on an open connection. A store that failed that way is not
+    asked again for `timeout` seconds: the calls that follow fail at once.
+
+    Set from `CKPTCTL_IO_RETRIES` (attempts) and `CKPTCTL_IO_TIMEOUT` (seconds) when the module is imported.
     """
 
     attempts: int = 5
     base_delay: float = 0.2
     max_delay: float = 10.0
+    timeout: float = 60.0
 
     def delay(self, failures: int) -> float:
         """Seconds to wait after `failures` failed tries ("full jitter" backoff)."""
         return random.uniform(0, min(self.max_delay, self.base_delay * 2 ** (failures - 1)))
+
+    @property
+    def request_timeout(self) -> float:
+        """Seconds one request may wait to connect, or for the next bytes of an answer: long enough for a
+        slow store, short enough that a try of a call that stopped being answered ends within the timeout."""
+        return max(1.0, min(20.0, self.timeout / 3))
 
 
 def _retry_policy_from_env() -> RetryPolicy:
@@ -105,7 +123,13 @@ def _retry_policy_from_env() -> RetryPolicy:
         attempts = int(os.environ.get("CKPTCTL_IO_RETRIES", "5"))
     except ValueError:
         attempts = 5
-    return RetryPolicy(attempts=max(1, attempts))
+    try:
+        timeout = float(os.environ.get("CKPTCTL_IO_TIMEOUT", "60"))
+    except ValueError:
+        timeout = 60.0
+    if not 1.0 <= timeout <= 86400.0:  # also refuses nan
+        timeout = 60.0
+    return RetryPolicy(attempts=max(1, attempts), timeout=timeout)
 
 
 #: The retry policy of every remote call (tests and embedding applications may replace it).
@@ -188,6 +212,8 @@ def _fs(url: str) -> tuple[Any, str]:
             fs, path = fsspec.core.url_to_fs(url, use_listings_cache=False)
         except TypeError:  # a filesystem that takes no such option
             fs, path = fsspec.core.url_to_fs(url)
+        if _scheme(url) in ("s3", "s3a"):
+            _bound_s3(fs, fsspec.config.conf.get("s3", {}))
     except ImportError as exc:
         raise StorageError(
             f"no filesystem driver for {_scheme(url)}://",
@@ -196,6 +222,30 @@ def _fs(url: str) -> tuple[Any, str]:
     except ValueError as exc:
         raise StorageError(f"cannot open {url}: {exc}") from exc
     return fs, path
+
+
+#: Tries s3fs makes of each request (its default is 5).
+_S3FS_TRIES = 2
+
+
+def _bound_s3(fs: Any, configured: dict[str, Any]) -> None:
+    """Bound how long a request of the s3fs instance `fs` may wait on a store that stopped answering.
+
+    Each request gets `RETRY.request_timeout` to connect and to read, and botocore does not retry: its own
+    tries (5), within each of s3fs's tries (5), each waiting up to a minute, are how a frozen store used to
+    hang a command for many minutes. s3fs tries each request `_S3FS_TRIES` times, and `_call` retries the
+    whole call within `RETRY.timeout`. What fsspec's own configuration sets (`FSSPEC_S3_*`,
+    ~/.config/fsspec: `config_kwargs`, `retries`) wins. The settings are s3fs's attributes, read when the
+    instance makes its client, so that fsspec's cache still hands out one instance per set of options.
+    """
+    timeout = RETRY.request_timeout
+    if fs.__dict__.get("_ckptctl_timeout") == timeout:
+        return
+    fs.connect_timeout = fs.read_timeout = timeout  # unless config_kwargs name them
+    fs.config_kwargs = {"retries": {"total_max_attempts": 1}, **(fs.config_kwargs or {})}
+    if "retries" not in configured:
+        fs.retries = _S3FS_TRIES
+    fs._ckptctl_timeout = timeout
 
 
 # ------------------------------------------------------------------------------------ error mapping
@@ -281,19 +331,100 @@ def _is_transient(exc: BaseException) -> bool:
     return isinstance(exc, OSError) and exc.errno in _TRANSIENT_ERRNOS
 
 
-def _call(fn: Callable[[], T], what: str) -> T:
-    """Run one remote call, retrying transient failures with exponential backoff and jitter."""
+def _call(fn: Callable[[], T], what: str, url: str) -> T:
+    """Run one remote call on the store of `url`, retrying transient failures with exponential backoff and
+    jitter within the `RETRY` policy's attempts and timeout.
+
+    Raises:
+        StorageError: the store kept failing (or stopped answering) until the attempts or the time ran out,
+            or it stopped answering a moment ago (then nothing is tried).
+    """
+    store = _store_of(url)
+    _refuse_if_unreachable(store, url)
+    start = time.monotonic()
     failures = 0
     while True:
+        tried = time.monotonic()
         try:
             return fn()
         except Exception as exc:
             failures += 1
-            if failures >= RETRY.attempts or not _is_transient(exc):
+            if not _is_transient(exc):
                 raise
             delay = RETRY.delay(failures)
-            log.debug("%s failed (%s: %s); retry %d in %.2fs", what, type(exc).__name__, exc, failures, delay)
-            time.sleep(delay)
+            now = time.monotonic()
+            elapsed = now - start
+            # A try that failed slowly (a timeout) will likely fail as slowly again: start one only if it
+            # can end within the timeout.
+            if failures < RETRY.attempts and elapsed + delay + (now - tried) < RETRY.timeout:
+                log.debug("%s failed (%s: %s); retry %d in %.2fs", what, type(exc).__name__, exc, failures, delay)
+                time.sleep(delay)
+                continue
+            if not _is_unreachable(exc):
+                raise StorageError(
+                    f"the object store kept failing for {url} after {_tries(failures)} ({elapsed:.0f}s): {exc}",
+                    "try again later, or raise CKPTCTL_IO_RETRIES (tries) or CKPTCTL_IO_TIMEOUT (seconds)",
+                ) from exc
+            error = StorageError(
+                f"the object store for {url} did not answer ({_tries(failures)} in {elapsed:.0f}s): "
+                f"{type(exc).__name__}: {exc}",
+                "check the network and the endpoint (AWS_ENDPOINT_URL, or the fsspec endpoint_url option); "
+                "CKPTCTL_IO_TIMEOUT sets how long to wait",
+            )
+            _mark_unreachable(store, error)
+            raise error from exc
+
+
+def _tries(n: int) -> str:
+    return "1 try" if n == 1 else f"{n} tries"
+
+
+#: Exception classes of a store that does not answer (refused or timed-out connections, a read that got no
+#: bytes in time), by name as in `_TRANSIENT_CLASSES`: a retry a moment later is unlikely to do better.
+_UNREACHABLE_CLASSES = frozenset(
+    {
+        "EndpointConnectionError",
+        "ConnectTimeoutError",
+        "ReadTimeoutError",
+        "ConnectionClosedError",
+        "ClientConnectorError",
+        "ServerDisconnectedError",
+        "ServerTimeoutError",
+        "FSTimeoutError",
+    }
+)
+#: Stores that stopped answering: store -> (until when calls to it fail at once, the error they fail with).
+_UNREACHABLE: dict[str, tuple[float, StorageError]] = {}
+_UNREACHABLE_LOCK = threading.Lock()
+
+
+def _is_unreachable(exc: BaseException) -> bool:
+    if _class_names(exc) & _UNREACHABLE_CLASSES:
+        return True
+    return any(isinstance(e, TimeoutError | ConnectionError) for e in _chain(exc))
+
+
+def _store_of(url: str) -> str:
+    """What one outage takes down: a bucket of a scheme (`s3://bucket`)."""
+    return f"{_scheme(url)}://{_bucket(url)}"
+
+
+def _mark_unreachable(store: str, error: StorageError) -> None:
+    with _UNREACHABLE_LOCK:
+        _UNREACHABLE[store] = (time.monotonic() + RETRY.timeout, error)
+
+
+def _refuse_if_unreachable(store: str, url: str) -> None:
+    """Fail at once for a store that stopped answering less than `RETRY.timeout` ago: a command that goes
+    on after one failure (a prune skipping a checkpoint it could not delete) must not wait that long again
+    for every call that follows."""
+    with _UNREACHABLE_LOCK:
+        until, error = _UNREACHABLE.get(store, (0.0, None))
+        if error is not None and time.monotonic() >= until:
+            del _UNREACHABLE[store]
+            error = None
+    if error is not None:
+        raise StorageError(error.message, error.hint)
 
 
 def _bucket(url: str) -> str:
@@ -395,7 +526,9 @@ def _check_bucket(url: str, fs: Any) -> None:
         if key in _BUCKETS_SEEN:
             return
     try:
-        found = _call(lambda: fs.exists(key[1]), f"looking up bucket {key[1]}")
+        found = _call(lambda: fs.exists(key[1]), f"looking up bucket {key[1]}", url)
+    except CkptctlError:
+        raise
     except Exception as exc:
         mapped = _remote_error(url, exc)
         if mapped is not None and not _is_transient(exc):
@@ -433,7 +566,7 @@ def list_dir(url: str) -> list[DirEntry]:
                     entries.append(DirEntry(e.name, e.is_dir(), 0 if e.is_dir() else st.st_size, st.st_mtime))
             return sorted(entries, key=lambda d: d.name)
         fs, path = _fs(url)
-        out = [_entry(info) for info in _call(lambda: fs.ls(path, detail=True), f"listing {url}")]
+        out = [_entry(info) for info in _call(lambda: fs.ls(path, detail=True), f"listing {url}", url)]
         return sorted(out, key=lambda d: d.name)
 
 
@@ -472,7 +605,7 @@ def list_tree(url: str) -> dict[str, DirEntry]:
                     files[rel] = DirEntry(n, False, st.st_size, st.st_mtime)
             return files
         fs, path = _fs(url)
-        found = _call(lambda: fs.find(path, detail=True), f"listing {url}")
+        found = _call(lambda: fs.find(path, detail=True), f"listing {url}", url)
         prefix = path.rstrip("/") + "/"
         return {
             name[len(prefix) :]: _entry(info)
@@ -489,7 +622,7 @@ def exists(url: str) -> bool:
         return rel in snapshot.folders or rel in snapshot.files
     with _translate_errors(url):
         fs, path = _fs(url)
-        found = bool(_call(lambda: fs.exists(path), f"looking up {url}"))
+        found = bool(_call(lambda: fs.exists(path), f"looking up {url}", url))
         if not found:
             _check_bucket(url, fs)
         return found
@@ -503,7 +636,7 @@ def is_dir(url: str) -> bool:
         return rel in snapshot.folders
     with _translate_errors(url):
         fs, path = _fs(url)
-        found = bool(_call(lambda: fs.isdir(path), f"looking up {url}"))
+        found = bool(_call(lambda: fs.isdir(path), f"looking up {url}", url))
         if not found:
             _check_bucket(url, fs)
         return found
@@ -517,7 +650,7 @@ def file_size(url: str) -> int:
         if is_local(url):
             return os.stat(local_path(url)).st_size
         fs, path = _fs(url)
-        return int(_call(lambda: fs.size(path), f"sizing {url}"))
+        return int(_call(lambda: fs.size(path), f"sizing {url}", url))
 
 
 # ------------------------------------------------------------------------------------ listing snapshots
@@ -631,7 +764,7 @@ def listing_snapshot(url: str) -> Iterator[None]:
         return
     with _translate_errors(url):
         fs, path = _fs(url)
-        found = _call(lambda: fs.find(path, detail=True, withdirs=True), f"listing {url}")
+        found = _call(lambda: fs.find(path, detail=True, withdirs=True), f"listing {url}", url)
     snapshot = _Snapshot(url, found, path.rstrip("/") + "/")
     if not snapshot.files and len(snapshot.folders) == 1:
         yield
@@ -646,23 +779,97 @@ def listing_snapshot(url: str) -> Iterator[None]:
 # ------------------------------------------------------------------------------------ reads
 
 
-def read_bytes(url: str, start: int = 0, length: int | None = None) -> bytes:
-    """Read `length` bytes from `start` (to the end when None); a range read on object stores."""
+def read_bytes(url: str, start: int = 0, length: int | None = None, *, max_size: int | None = None) -> bytes:
+    """Read `length` bytes from `start` (to the end when None); a range read on object stores.
+
+    Only regular files are read: a FIFO, a device or a socket in a checkpoint would block or never end, so
+    it is refused before a byte is read.
+
+    Args:
+        url: the file.
+        start: the first byte to read.
+        length: how many bytes, or None for the rest of the file.
+        max_size: refuse a whole-file read (`length` None) of a file larger than this many bytes: metadata
+            (markers, pointers, JSON documents) is small, and a huge or endless file in its place must not
+            be loaded into memory.
+
+    Raises:
+        CorruptCheckpoint: not a regular file, or larger than `max_size`.
+    """
     snapshot, rel = _snapshot_of(url)
     if snapshot is not None and start == 0 and length is None:
-        return snapshot.read_small(rel, lambda: read_bytes(url))
+        data = snapshot.read_small(rel, lambda: read_bytes(url, max_size=max_size))
+        if max_size is not None:
+            _check_size(url, len(data), max_size)
+        return data
+    cap = None if length is not None else max_size
+    want = length if length is not None else (None if cap is None else cap + 1)  # one byte over: too large
     with _translate_errors(url):
         if is_local(url):
-            with open(local_path(url), "rb") as f:
+            with _open_regular(url) as f:
+                if cap is not None:
+                    _check_size(url, os.fstat(f.fileno()).st_size - start, cap)
                 if start:
                     f.seek(start)
-                data = f.read() if length is None else f.read(length)
+                data = f.read(-1 if want is None else want)
         else:
             fs, path = _fs(url)
-            end = None if length is None else start + length
-            data = _call(lambda: fs.cat_file(path, start=start, end=end), f"reading {url}")
+            end = None if want is None else start + want
+            data = _call(lambda: fs.cat_file(path, start=start, end=end), f"reading {url}", url)
+    if cap is not None:
+        _check_size(url, len(data), cap)  # a file that grew after it was sized, or a remote one
     count_read(len(data))
     return data
+
+
+def _check_size(url: str, size: int, max_size: int) -> None:
+    if size > max_size:
+        raise CorruptCheckpoint(
+            f"{url} is larger than {format_size(max_size)}, more than a file of its kind ever holds",
+            "it is not the metadata file its name says; replace it with the real file",
+        )
+
+
+#: What `stat` calls the kinds of file ckptctl refuses to read.
+_FILE_KINDS = (
+    (stat.S_ISFIFO, "a FIFO (named pipe)"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+)
+
+
+def _require_regular(url: str, mode: int) -> None:
+    if stat.S_ISREG(mode):
+        return
+    if stat.S_ISDIR(mode):
+        raise IsADirectoryError(errno.EISDIR, "Is a directory", local_path(url))
+    kind = next((name for test, name in _FILE_KINDS if test(mode)), "a special file")
+    raise CorruptCheckpoint(
+        f"{url} is {kind}, not a regular file: ckptctl reads only regular files",
+        "replace it with the real file (reading it could block forever or never end)",
+    )
+
+
+@contextlib.contextmanager
+def _open_regular(url: str) -> Iterator[IO[bytes]]:
+    """Open a local file for reading, refusing anything but a regular file (symbolic links are followed).
+
+    Checked with `stat` before opening (opening some devices has effects), and again on the open file: it is
+    opened with O_NONBLOCK, so that a FIFO swapped in between the two does not block the open, and then
+    refused by the second check. O_NONBLOCK does nothing to reads of regular files.
+    """
+    path = local_path(url)
+    _require_regular(url, os.stat(path).st_mode)
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        _require_regular(url, os.fstat(fd).st_mode)
+        f = os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+    with f:
+        yield f
 
 
 def read_ranges(requests: Sequence[tuple[str, int, int]], max_workers: int | None = None) -> list[bytes]:
@@ -670,13 +877,16 @@ def read_ranges(requests: Sequence[tuple[str, int, int]], max_workers: int | Non
     return parallel_map(lambda r: read_bytes(r[0], r[1], r[2]), requests, max_workers)
 
 
-def read_text(url: str) -> str:
-    data = read_bytes(url)
+def read_text(url: str, *, max_size: int | None = None) -> str:
+    """A whole file as UTF-8 text (`max_size` as in `read_bytes`).
+
+    Raises:
+        CorruptCheckpoint: not UTF-8, not a regular file, or larger than `max_size`.
+    """
+    data = read_bytes(url, max_size=max_size)
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        from ckptctl.errors import CorruptCheckpoint
-
         raise CorruptCheckpoint(f"{url} is not UTF-8 text") from exc
 
 
@@ -689,11 +899,11 @@ def open_read(url: str) -> Iterator[IO[bytes]]:
     """
     with _translate_errors(url):
         if is_local(url):
-            with open(local_path(url), "rb") as f:
+            with _open_regular(url) as f:
                 yield f
         else:
             fs, path = _fs(url)
-            f = _call(lambda: fs.open(path, "rb", cache_type="none"), f"opening {url}")
+            f = _call(lambda: fs.open(path, "rb", cache_type="none"), f"opening {url}", url)
             with f:
                 yield f
 
@@ -782,7 +992,7 @@ def write_bytes_atomic(url: str, data: bytes) -> None:
             fsync_dir(folder)
             return
         fs, path = _fs(url)
-        _call(lambda: fs.pipe_file(path, data), f"writing {url}")
+        _call(lambda: fs.pipe_file(path, data), f"writing {url}", url)
 
 
 def upload_file(path: str, url: str) -> None:
@@ -795,7 +1005,7 @@ def upload_file(path: str, url: str) -> None:
             shutil.copyfile(path, dest)
             return
         fs, remote = _fs(url)
-        _call(lambda: fs.put_file(path, remote), f"uploading {url}")
+        _call(lambda: fs.put_file(path, remote), f"uploading {url}", url)
 
 
 def delete_file(url: str) -> None:
@@ -807,7 +1017,7 @@ def delete_file(url: str) -> None:
             return
         fs, path = _fs(url)
         with contextlib.suppress(FileNotFoundError):
-            _call(lambda: fs.rm_file(path), f"deleting {url}")
+            _call(lambda: fs.rm_file(path), f"deleting {url}", url)
 
 
 def delete_files(urls: Sequence[str]) -> None:
@@ -823,7 +1033,7 @@ def delete_files(urls: Sequence[str]) -> None:
         fs, _ = _fs(urls[0])
         paths = [_fs(url)[1] for url in urls]
         with contextlib.suppress(FileNotFoundError):
-            _call(lambda: fs.rm(paths), f"deleting {len(paths)} objects below {parent_of(urls[0])}")
+            _call(lambda: fs.rm(paths), f"deleting {len(paths)} objects below {parent_of(urls[0])}", urls[0])
 
 
 def delete_tree(url: str) -> None:
@@ -846,7 +1056,7 @@ def delete_tree(url: str) -> None:
             return
         fs, path = _fs(url)
         with contextlib.suppress(FileNotFoundError):
-            _call(lambda: fs.rm(path, recursive=True), f"deleting {url}")
+            _call(lambda: fs.rm(path, recursive=True), f"deleting {url}", url)
 
 
 def refuse_to_replace_precious(path: str, what: str) -> None:

@@ -13,8 +13,9 @@ import importlib
 import importlib.util
 import os
 import threading
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from functools import cache
 from typing import Any, TypeVar, cast
 
@@ -345,9 +346,7 @@ def scan_run(url: str, max_depth: int = DEFAULT_SCAN_DEPTH) -> list[CheckpointRe
                     f"{url} is a file, not a run folder", "pass the folder that holds the checkpoints"
                 )
             raise CheckpointNotFound(f"no such run folder: {url}")
-        found: list[CheckpointRef] = []
-        _walk(url, io.list_dir(url), 0, max_depth, found, parallel=not io.is_local(url))
-        return found
+        return _walk(url, io.list_dir(url), 0, max_depth, parallel=not io.is_local(url))
 
 
 def _companions(url: str, entries: Sequence[io.DirEntry]) -> frozenset[str]:
@@ -358,44 +357,111 @@ def _companions(url: str, entries: Sequence[io.DirEntry]) -> frozenset[str]:
     return frozenset(found)
 
 
-def _walk(
-    url: str,
-    entries: Sequence[io.DirEntry],
-    depth: int,
-    max_depth: int,
-    found: list[CheckpointRef],
-    parallel: bool = False,
-) -> None:
-    """Append the checkpoints at or below `url` to `found`. With `parallel`, the first level holding more
-    than one folder is identified on `io.parallel_map`'s threads (for object stores, where a layout's
-    marker reads are requests worth overlapping); the levels below it are walked by those threads alone."""
-    hit = _identify(url, entries)
-    folders: list[io.DirEntry] = []
-    if depth < max_depth:
-        skip = _SKIP_DIRS | (hit[0].members(url, entries) if hit is not None else frozenset())
-        folders = [e for e in entries if e.is_dir and e.name not in skip]
-        if folders:
-            parts = _companions(url, entries)
-            folders = [e for e in folders if e.name not in parts]
-    fan_out = parallel and len(folders) > 1
+@dataclass(slots=True)
+class _Level:
+    """A folder of the walk whose child folders are being walked.
 
-    def visit(entry: io.DirEntry) -> list[CheckpointRef]:
-        child_url = io.join(url, entry.name)
-        try:
-            child_entries = io.list_dir(child_url)
-        except CheckpointNotFound:  # removed while we walked
-            return []
+    Attributes:
+        url, entries, depth: the folder, its listing and its depth below the run.
+        out: where its checkpoints go once all its children are walked (its parent's list for that child).
+        hit: the folder's own ref when it is a checkpoint.
+        todo: child folders still to walk.
+        parallel: whether its children may fan out on threads.
+        children: each walked child's name with the checkpoints found at or below it.
+    """
+
+    url: str
+    entries: Sequence[io.DirEntry]
+    depth: int
+    out: list[CheckpointRef]
+    hit: CheckpointRef | None
+    parallel: bool = False
+    todo: deque[io.DirEntry] = field(default_factory=deque)
+    children: list[tuple[str, list[CheckpointRef]]] = field(default_factory=list)
+
+
+def _walk(
+    url: str, entries: Sequence[io.DirEntry], depth: int, max_depth: int, parallel: bool = False
+) -> list[CheckpointRef]:
+    """The checkpoints at or below `url`, a checkpoint before the ones it holds. With `parallel`, the first
+    level holding more than one folder is identified on `io.parallel_map`'s threads (for object stores,
+    where a layout's marker reads are requests worth overlapping); the levels below it are walked by those
+    threads alone.
+
+    The walk keeps its own stack of folders rather than recursing, so that a run nested thousands of
+    folders deep (with a `max_depth` as large) cannot exhaust Python's stack.
+    """
+    result: list[CheckpointRef] = []
+    stack: list[_Level] = []
+
+    def enter(url: str, entries: Sequence[io.DirEntry], depth: int, parallel: bool, out: list[CheckpointRef]) -> None:
+        hit = _identify(url, entries)
+        folders: list[io.DirEntry] = []
+        if depth < max_depth:
+            skip = _SKIP_DIRS | (hit[0].members(url, entries) if hit is not None else frozenset())
+            folders = [e for e in entries if e.is_dir and e.name not in skip]
+            if folders:
+                parts = _companions(url, entries)
+                folders = [e for e in folders if e.name not in parts]
+        level = _Level(url, entries, depth, out, hit[1] if hit is not None else None, parallel)
+        if parallel and len(folders) > 1:
+            visited = io.parallel_map(lambda e: _walk_child(url, e, depth, max_depth), folders)
+            level.children = [(e.name, refs) for e, refs in zip(folders, visited, strict=True)]
+            _finish(level)
+            return
+        level.todo.extend(folders)
+        stack.append(level)
+
+    enter(url, entries, depth, parallel, result)
+    while stack:
+        level = stack[-1]
+        if not level.todo:
+            stack.pop()
+            _finish(level)
+            continue
+        entry = level.todo.popleft()
+        child = _child(level.url, entry)
+        if child is None:
+            continue
+        child_url, child_entries = child
+        refs: list[CheckpointRef] = []
+        level.children.append((entry.name, refs))
         if entry.name.startswith("."):
             hidden = _identify(child_url, child_entries)
-            return [] if hidden is None else [hidden[1]]
-        below: list[CheckpointRef] = []
-        _walk(child_url, child_entries, depth + 1, max_depth, below, parallel and not fan_out)
-        return below
+            if hidden is not None:
+                refs.append(hidden[1])
+            continue
+        enter(child_url, child_entries, level.depth + 1, level.parallel, refs)
+    return result
 
-    visited = io.parallel_map(visit, folders) if fan_out else [visit(e) for e in folders]
-    if hit is not None:
-        holds = tuple(e.name for e, refs in zip(folders, visited, strict=True) if refs)
-        found.append(replace(hit[1], holds=holds) if holds else hit[1])
-    children = [ref for refs in visited for ref in refs]
-    pointed = _pointed(url, entries) if children else set()
-    found.extend(replace(ref, latest=True) if ref.url in pointed else ref for ref in children)
+
+def _child(url: str, entry: io.DirEntry) -> tuple[str, list[io.DirEntry]] | None:
+    """The URL and listing of a child folder, or None when it was removed while we walked."""
+    child_url = io.join(url, entry.name)
+    try:
+        return child_url, io.list_dir(child_url)
+    except CheckpointNotFound:
+        return None
+
+
+def _walk_child(url: str, entry: io.DirEntry, depth: int, max_depth: int) -> list[CheckpointRef]:
+    """The checkpoints at or below the child folder `entry` of `url` (a hidden folder is only identified)."""
+    child = _child(url, entry)
+    if child is None:
+        return []
+    child_url, child_entries = child
+    if entry.name.startswith("."):
+        hidden = _identify(child_url, child_entries)
+        return [] if hidden is None else [hidden[1]]
+    return _walk(child_url, child_entries, depth + 1, max_depth)
+
+
+def _finish(level: _Level) -> None:
+    """Hand a walked folder's checkpoints to its parent: its own ref first (naming the children that hold
+    checkpoints), then theirs, marking those a `latest` pointer in the folder names."""
+    if level.hit is not None:
+        holds = tuple(name for name, refs in level.children if refs)
+        level.out.append(replace(level.hit, holds=holds) if holds else level.hit)
+    children = [ref for _, refs in level.children for ref in refs]
+    pointed = _pointed(level.url, level.entries) if children else set()
+    level.out.extend(replace(ref, latest=True) if ref.url in pointed else ref for ref in children)

@@ -7,15 +7,18 @@ shared contract test in `tests/layouts/test_contract.py` runs against every regi
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 from ckptctl import io
 from ckptctl.checkpoint import Checkpoint, CheckpointRef, Problem, TensorEntry
 from ckptctl.io import DirEntry
+from ckptctl.layouts.naming import NameStripper, format_namespace_stripper
+from ckptctl.layouts.resume import ResumeProfile, generic_profile
 
 
 class Layout:
@@ -100,6 +103,13 @@ class Layout:
         """
         return Protections()
 
+    # ---------------------------------------------------------------------------------------- resume
+
+    def resume_profile(self) -> ResumeProfile:
+        """How the framework that wrote this layout's checkpoints resumes from them (`resume-plan`): its
+        setting, world-size rules, what it restores and its traps. The default is a generic plan."""
+        return generic_profile(self.name)
+
     # ---------------------------------------------------------------------------------------- convert
 
     def master_weights(self, checkpoint: Checkpoint, *, required: bool, notes: list[str]) -> MasterWeights | None:
@@ -118,6 +128,19 @@ class Layout:
             CkptctlError: `required`, and the checkpoint lacks the copy its framework usually keeps.
         """
         return None
+
+    # ---------------------------------------------------------------------------------- tensor names
+
+    def namespace_stripper(self, entries: Sequence[TensorEntry]) -> NameStripper:
+        """How to remove the namespace this layout's saves put in front of the model's own tensor names,
+        for the tensors of one component (`convert` and `diff` use the model's names).
+
+        The default applies the rule of the storage format the tensors lie in (`FORMAT_NAME_RULES`: the
+        key a DCP state dict was saved under, the prefixes of the wrappers a DeepSpeed module was trained
+        in), and keeps other names as stored (an HF folder's names are the model's own). A layout whose
+        saves add a namespace of their own overrides it.
+        """
+        return format_namespace_stripper(entries)
 
 
 def every_child_folder(entries: Sequence[DirEntry]) -> frozenset[str]:
@@ -160,6 +183,22 @@ _STEP_PATTERNS = (
     re.compile(r"^(?:step|global_step|globalstep|checkpoint|ckpt|iter|iteration|steps?)[-_]?(\d+)$", re.IGNORECASE),
     re.compile(r"^(\d+)$"),
 )
+
+
+#: How many absent ranks or shards a layout names one by one (`absent_numbers`); the rest are counted.
+LISTED_ABSENT = 20
+
+
+def absent_numbers(present: Iterable[int], count: int, limit: int = LISTED_ABSENT) -> tuple[list[int], int]:
+    """The first `limit` numbers of 0..count-1 missing from `present`, and how many are missing in all.
+
+    Ranks and shard counts come from file names and metadata that a damaged or hostile checkpoint may set
+    to billions (`rng_state_99999999999.pth`): this never loops over more than `len(present) + limit`
+    numbers, where listing every number below `count` would never end.
+    """
+    have = {n for n in present if 0 <= n < count}
+    listed = list(itertools.islice((n for n in range(count) if n not in have), limit))
+    return listed, max(0, count) - len(have)
 
 
 def step_from_name(name: str) -> int | None:

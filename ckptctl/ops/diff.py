@@ -24,7 +24,6 @@ checkpoints different: `equal` is about tensors.
 from __future__ import annotations
 
 import enum
-import json
 import math
 import os
 from collections.abc import Mapping
@@ -34,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 from ckptctl import io
 from ckptctl.checkpoint import Checkpoint, Component, TensorChunk, TensorEntry
 from ckptctl.errors import CkptctlError
+from ckptctl.formats.documents import read_json
 from ckptctl.formats.manifest import FileRecord, Manifest, read_manifest
 from ckptctl.layouts import open_checkpoint
 from ckptctl.ops.naming import Renames, normalised_names
@@ -578,8 +578,8 @@ def _config(checkpoint: Checkpoint) -> Mapping[str, Any] | None:
     """The whole `config.json` beside the weights (a small read), else the layout's config summary."""
     if "config.json" in checkpoint.files:
         try:
-            doc = json.loads(io.read_bytes(io.join(checkpoint.url, "config.json")))
-        except (json.JSONDecodeError, UnicodeDecodeError, CkptctlError):
+            doc = read_json(io.join(checkpoint.url, "config.json"))
+        except CkptctlError:
             doc = None
         if isinstance(doc, dict):
             return doc

@@ -15,6 +15,7 @@ processes starting within the same instant can both believe they hold it).
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import secrets
@@ -28,19 +29,38 @@ from datetime import UTC, datetime, timedelta
 from types import TracebackType
 
 from ckptctl import io
-from ckptctl.errors import CkptctlError
+from ckptctl.errors import CkptctlError, CorruptCheckpoint, StorageError
+from ckptctl.formats.documents import as_whole, parse_json
 
-__all__ = ["LOCK_NAME", "STALE_AFTER", "LockInfo", "RunLock", "RunLocked", "read_lock", "stale_reason"]
+__all__ = [
+    "LOCK_NAME",
+    "STALE_AFTER",
+    "LockInfo",
+    "LockUnusable",
+    "RunLock",
+    "RunLocked",
+    "read_lock",
+    "stale_reason",
+]
 
 LOCK_NAME = ".ckptctl-prune.lock"
 #: A lock whose holder has not refreshed it for this long is stale, whatever its pid.
 STALE_AFTER = timedelta(hours=1)
+#: A lock file is a few hundred bytes; what is read of one.
+_MAX_LOCK_BYTES = 64 * 1024
+#: pids are at most 2**22 on Linux; a larger one in a lock file is not a process id.
+_MAX_PID = 2**31 - 1
 
 
 class RunLocked(CkptctlError):
     """Another process holds the run's lock (exit code 1: the command could not do its work now)."""
 
     exit_code = 1
+
+
+class LockUnusable(StorageError):
+    """The lock file cannot be created or read: a read-only or full file system, a folder we may not
+    write, or something other than a file in its place (exit code 2)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,16 +91,19 @@ class LockInfo:
     def parse(cls, data: bytes) -> LockInfo | None:
         """The lock's content, or None when it is not a lock this module wrote (or is half-written)."""
         try:
-            doc = json.loads(data)
+            doc = parse_json(data, "lock")
+            pid = as_whole(doc["pid"], maximum=_MAX_PID)
+            if pid is None:
+                return None
             return cls(
                 host=str(doc["host"]),
-                pid=int(doc["pid"]),
+                pid=pid,
                 token=str(doc["token"]),
                 started=str(doc["started"]),
                 pid_start=None if doc.get("pid_start") is None else str(doc["pid_start"]),
                 command=str(doc.get("command", "")),
             )
-        except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+        except (CorruptCheckpoint, KeyError, TypeError):
             return None
 
 
@@ -89,21 +112,27 @@ def read_lock(url: str) -> tuple[LockInfo | None, float] | None:
 
     The info is None for a file that is not (yet) a readable lock of ours: a lock being written, or
     another tool's lock file.
+
+    Raises:
+        LockUnusable: the path is not a regular file (a FIFO, a device): it can be no lock, and reading it
+            could block forever.
+        StorageError: the object store holding it could not be reached.
     """
     try:
+        data = io.read_bytes(url, 0, _MAX_LOCK_BYTES)
         if io.is_local(url):
-            path = io.local_path(url)
-            with open(path, "rb") as f:
-                data = f.read(64 * 1024)
-                mtime = os.fstat(f.fileno()).st_mtime
+            mtime = os.stat(io.local_path(url)).st_mtime
         else:
-            data = io.read_bytes(url)
             entries = {e.name: e for e in io.list_dir(io.parent_of(url))}
             entry = entries.get(io.name_of(url))
             mtime = entry.mtime if entry and entry.mtime else time.time()
-    except (FileNotFoundError, CkptctlError):
+    except CorruptCheckpoint as exc:  # what io says of a file that is not a regular one
+        raise LockUnusable(exc.message, f"remove {url} if no prune of the run is running") from exc
+    except StorageError:
+        if not io.is_local(url):  # the store failed us: that says nothing about whether there is a lock
+            raise
         return None
-    except OSError:
+    except (CkptctlError, OSError):
         return None
     return LockInfo.parse(data), mtime
 
@@ -229,7 +258,10 @@ class RunLock:
         if not self._held:
             return
         self._held = False
-        found = read_lock(self.url)
+        try:
+            found = read_lock(self.url)
+        except CkptctlError:  # the store is unreachable, or something replaced our lock: nothing to remove
+            return
         if found is None or found[0] is None or found[0].token != self.info.token:
             return
         with contextlib.suppress(CkptctlError, OSError):
@@ -254,12 +286,36 @@ class RunLock:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         except FileExistsError:
             return False
+        except OSError as exc:
+            raise self._unusable(exc) from exc
         try:
-            os.write(fd, self._payload())
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+            try:
+                os.write(fd, self._payload())
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            # An empty lock would hold every later prune off until it goes stale: remove what we created.
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            raise self._unusable(exc) from exc
         return True
+
+    def _unusable(self, exc: OSError) -> LockUnusable:
+        """A clear error for an OS error while creating the lock file."""
+        why = {
+            errno.EROFS: (
+                "the file system is read-only",
+                "prune deletes nothing on a read-only mount; remount it read-write",
+            ),
+            errno.EACCES: ("permission denied", "run as a user who may write to the run folder"),
+            errno.EPERM: ("permission denied", "run as a user who may write to the run folder"),
+            errno.ENOSPC: (
+                "no space left on the device",
+                "free a little space by other means (the lock needs a few hundred bytes), then prune again",
+            ),
+        }.get(exc.errno or 0, (exc.strerror or str(exc), "check the run folder"))
+        return LockUnusable(f"cannot create the lock file {self.url}: {why[0]}", why[1])
 
     def _break(self, stale: LockInfo | None, mtime: float) -> bool:
         """Remove the stale lock we judged, and only that one; True when it is gone."""

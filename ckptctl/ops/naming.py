@@ -1,22 +1,10 @@
 """Tensor names as a model knows them: the namespace a save adds is removed, then the user's renames apply.
 
-`convert` (which writes the model's names into an HF folder) and `diff` (which matches the tensors of
-two checkpoints, possibly of different layouts) share these rules, so that a DCP save and its HF export
-name every tensor alike:
-
-- native checkpoints name tensors `<entry>.<key>`, where `<entry>` is the key of the saved state
-  (`model.layers.0.w` for `state["model"]`): the entry name is removed when every tensor of the
-  component carries the same one;
-- torch DCP state dicts carry the key they were saved under (`model.`, `optim.`, sometimes inside one
-  wrapper key, AReaL's `dcp.model.`): that namespace is removed when every tensor of the component
-  carries it. A raw `dcp.save(model.state_dict())` of a model whose keys merely happen to start with
-  `model.` (a `...ForCausalLM` also holds `lm_head.weight`) keeps its names;
-- DeepSpeed modules carry the prefixes of the wrappers the model was trained in: `module.` (DDP),
-  `_orig_mod.` (torch.compile), ..., and OpenRLHF's `Actor`, which holds the HF model as `self.model`
-  (every name then starts `model.`, and some `model.model.` or `model.lm_head.`): those are removed;
-- everything else (HF folders, the Trainer's model files) already uses the model's own names. A
-  tied-embedding HF model saved without `lm_head.weight` has every key under `model.`, which is why the
-  DCP rule is never applied to them.
+`convert` (which writes the model's names into its output) and `diff` (which matches the tensors of
+two checkpoints, possibly of different layouts) share these rules, so that a sharded training save and
+the model exported from it name every tensor alike. Which namespace a save adds (the key the state was
+saved under, the prefixes of training wrappers) is a fact of the layout that wrote it and of the storage
+format it keeps tensors in: its `namespace_stripper` hook says how to remove it.
 """
 
 from __future__ import annotations
@@ -24,8 +12,10 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Iterable, Sequence
 
-from ckptctl.checkpoint import ChunkEncoding, TensorEntry
-from ckptctl.errors import CkptctlError
+from ckptctl.checkpoint import TensorEntry
+from ckptctl.errors import CkptctlError, UnknownLayout
+from ckptctl.layouts import get_layout
+from ckptctl.layouts.naming import format_namespace_stripper, keep_name
 
 __all__ = [
     "Renames",
@@ -35,15 +25,10 @@ __all__ = [
     "normalise_name",
     "normalised_names",
     "parse_rename",
-    "wrapper_prefix",
 ]
 
 #: Compiled `(pattern, replacement)` substitutions, applied in order.
 Renames = tuple[tuple[re.Pattern[str], str], ...]
-
-#: Prefixes training wrappers add to every parameter name.
-WRAPPER_PREFIXES = ("module.", "_orig_mod.", "_forward_module.", "_fsdp_wrapped_module.")
-_DEEPSPEED_FILE = re.compile(r"(?:^|/)(?:bf16_)?(?:zero_pp_rank_\d+_)?mp_rank_\d+_(?:model|optim)_states\.pt$")
 
 
 def parse_rename(text: str) -> tuple[str, str]:
@@ -87,40 +72,12 @@ def namespace_stripper(
     if explicit is not None:
         return lambda name: name.removeprefix(explicit)
     if not entries:
-        return _identity
-    if layout == "native":
-        first = _shared_first_segment(entries)
-        return _identity if first is None else _strip_segments(1)
-    chunks = [chunk for e in entries for chunk in e.chunks]
-    if all(chunk.encoding is ChunkEncoding.TORCH_SAVE for chunk in chunks):
-        return _dcp_stripper(entries)
-    if chunks and all(_DEEPSPEED_FILE.search(chunk.file) for chunk in chunks):
-        prefix = wrapper_prefix([e.name for e in entries])
-        if prefix:
-            return lambda name: name.removeprefix(prefix)
-    return _identity
-
-
-def wrapper_prefix(names: Sequence[str]) -> str:
-    """The prefix every name carries because the model was wrapped for training (`module.`, `_orig_mod.`,
-    ..., possibly nested), plus OpenRLHF's `Actor` wrapper `model.` when some names then start with
-    `model.model.` or `model.lm_head.`; "" when there is none."""
-    prefix = ""
-    actor_seen = False
-    while names:
-        rest = [name[len(prefix) :] for name in names]
-        wrapper = next((w for w in WRAPPER_PREFIXES if all(n.startswith(w) for n in rest)), None)
-        if (
-            wrapper is None
-            and not actor_seen
-            and all(n.startswith("model.") for n in rest)
-            and any(n.startswith(("model.model.", "model.lm_head.")) for n in rest)
-        ):
-            wrapper, actor_seen = "model.", True
-        if wrapper is None:
-            break
-        prefix += wrapper
-    return prefix
+        return keep_name
+    try:
+        known = get_layout(layout)
+    except UnknownLayout:  # a layout registered elsewhere: the rule of the format its files are in
+        return format_namespace_stripper(entries)
+    return known.namespace_stripper(entries)
 
 
 def normalise_name(name: str, strip: Callable[[str], str], renames: Renames = ()) -> str:
@@ -161,38 +118,3 @@ def normalised_names(
             )
         named[name] = entry
     return named
-
-
-def _identity(name: str) -> str:
-    return name
-
-
-def _strip_segments(count: int) -> Callable[[str], str]:
-    def strip(name: str) -> str:
-        parts = name.split(".", count)
-        return parts[count] if len(parts) > count and parts[count] else name
-
-    return strip
-
-
-def _shared_first_segment(entries: Sequence[TensorEntry]) -> str | None:
-    firsts = {e.name.partition(".")[0] for e in entries if "." in e.name}
-    if len(firsts) != 1 or any("." not in e.name for e in entries):
-        return None
-    return next(iter(firsts))
-
-
-def _dcp_stripper(entries: Sequence[TensorEntry]) -> Callable[[str], str]:
-    from ckptctl.frameworks.dcp.layout import component_for_prefix
-
-    first = _shared_first_segment(entries)
-    if first is None:
-        return _identity
-    if component_for_prefix(first) is not None:
-        return _strip_segments(1)
-    # One wrapper key around the namespace (AReaL's `dcp.model.*`): both go when all tensors share them.
-    seconds = {e.name.split(".", 2)[1] for e in entries if e.name.count(".") >= 2}
-    wrapped = len(seconds) == 1 and all(e.name.count(".") >= 2 for e in entries)
-    if wrapped and component_for_prefix(next(iter(seconds))) is not None:
-        return _strip_segments(2)
-    return _identity

@@ -29,7 +29,6 @@ import functools
 import os
 import re
 import stat
-import tomllib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -39,10 +38,11 @@ from ckptctl import io
 from ckptctl.checkpoint import CheckpointRef, CheckpointState
 from ckptctl.core.retention import Candidate, RetentionPolicy
 from ckptctl.errors import CheckpointNotFound, CkptctlError
+from ckptctl.formats.documents import read_toml
 from ckptctl.formats.manifest import DIGESTS_NAME
 from ckptctl.io import trash
 from ckptctl.layouts import DEFAULT_SCAN_DEPTH, all_layouts, detect, get_layout, scan_run
-from ckptctl.ops.lock import LOCK_NAME, STALE_AFTER, RunLock, read_lock, stale_reason
+from ckptctl.ops.lock import LOCK_NAME, STALE_AFTER, LockUnusable, RunLock, read_lock, stale_reason
 from ckptctl.ops.report import SCHEMA_VERSION, NoProgress, Progress, display_path, flatten, iso
 from ckptctl.units import format_age, format_size, parse_age
 
@@ -257,10 +257,7 @@ def load_policy_file(run: str) -> tuple[RetentionPolicy, timedelta | None] | Non
     url = io.join(run, POLICY_FILE)
     if not io.exists(url):
         return None
-    try:
-        doc = tomllib.loads(io.read_text(url))
-    except tomllib.TOMLDecodeError as exc:
-        raise CkptctlError(f"{url} is not valid TOML: {exc}") from exc
+    doc = read_toml(url)
     table = doc.get("retention")
     if not isinstance(table, dict):
         raise CkptctlError(f"{url} has no [retention] table", "write the rules under [retention], e.g. keep_last = 3")
@@ -415,7 +412,10 @@ def _live_writer_lock(url: str) -> str:
             if not e.is_dir and _LOCK_FILE.match(e.name) and e.name != LOCK_NAME
         ]
     for lock_url in candidates:
-        found = read_lock(lock_url)
+        try:
+            found = read_lock(lock_url)
+        except LockUnusable:  # a FIFO or device where a writer's lock goes: keep the checkpoint to be safe
+            return f"{io.name_of(lock_url)}, which is not a regular file"
         if found is None:
             continue
         info, mtime = found

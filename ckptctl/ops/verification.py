@@ -8,18 +8,18 @@ Three levels, each optional beyond the first:
 
 from __future__ import annotations
 
-import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 from ckptctl import io
 from ckptctl.checkpoint import Checkpoint, CheckpointRef, CheckpointState, Problem, ProblemKind
 from ckptctl.errors import CheckpointNotFound, CkptctlError, UnsafePickle
-from ckptctl.formats.digest import file_digest
-from ckptctl.formats.manifest import DIGESTS_NAME, MANIFEST_NAME, FileRecord, Manifest, now_iso, read_manifest
+from ckptctl.formats.manifest import DIGESTS_NAME, read_manifest
 from ckptctl.layouts import detect, scan_context, scan_run
+from ckptctl.ops.digests import check_digests, write_digests
 from ckptctl.ops.report import SCHEMA_VERSION, NoProgress, Progress, problem_json
+from ckptctl.ops.resume_plan import plan_resume
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,8 +134,6 @@ def verify_run(
     options = options or VerifyOptions()
     with scan_context():  # the scan's peeks serve the checkpoints' verification too
         if only_resume_target:
-            from ckptctl.ops.resume_plan import plan_resume
-
             if not io.exists(run) or all(r.state is CheckpointState.IN_PROGRESS for r in scan_run(run)):
                 return RunVerifyReport(run, (), fresh_start=True)
             plan = plan_resume(run)
@@ -240,81 +238,6 @@ def _verify_checkpoint(url: str, options: VerifyOptions, progress: Progress, rea
         read.bytes_read,
         wrote,
     )
-
-
-def _workers(requested: int | None) -> int:
-    return requested or max(2, min(8, os.cpu_count() or 2))
-
-
-def check_digests(
-    url: str, manifest: Manifest, present: Mapping[str, int], workers: int | None, progress: Progress
-) -> tuple[list[Problem], int]:
-    """Hash every file the manifest lists (in parallel) and compare; returns problems and files checked."""
-    todo = {rel: rec for rel, rec in manifest.files.items() if present.get(rel) == rec.size}
-    problems: list[Problem] = []
-    # A recorded file that is gone or changed size fails without hashing. Native layouts report these
-    # from their own manifest check already; foreign checkpoints rely on this one.
-    if not manifest.native:
-        for rel, rec in sorted(manifest.files.items()):
-            if rel not in present:
-                problems.append(
-                    Problem(ProblemKind.MISSING_FILE, rel, f"{rel} was recorded in {DIGESTS_NAME} but is missing")
-                )
-            elif present[rel] != rec.size:
-                problems.append(
-                    Problem(
-                        ProblemKind.SIZE_MISMATCH,
-                        rel,
-                        f"{rel} has {present[rel]} bytes, {DIGESTS_NAME} recorded {rec.size}",
-                    )
-                )
-    progress.start("hashing", sum(rec.size for rec in todo.values()))
-
-    def check(item: tuple[str, FileRecord]) -> Problem | None:
-        rel, rec = item
-        try:
-            digest = file_digest(io.join(url, rel))
-        except CkptctlError as exc:
-            return Problem(ProblemKind.UNREADABLE, rel, exc.message)
-        finally:
-            progress.advance(rec.size)
-        if digest != rec.blake3:
-            return Problem(ProblemKind.DIGEST_MISMATCH, rel, f"{rel}: content differs from the recorded blake3 digest")
-        return None
-
-    with io.ContextThreadPool(max_workers=_workers(workers)) as pool:
-        problems.extend(p for p in pool.map(check, sorted(todo.items(), key=lambda kv: -kv[1].size)) if p)
-    progress.finish()
-    if manifest.native is False:
-        for rel in sorted(set(present) - set(manifest.files) - {DIGESTS_NAME, MANIFEST_NAME}):
-            problems.append(
-                Problem(
-                    ProblemKind.UNEXPECTED_FILE,
-                    rel,
-                    f"{rel} was added after the digests were recorded",
-                    severity="warning",
-                )
-            )
-    return problems, len(todo)
-
-
-def write_digests(url: str, files: Mapping[str, int], workers: int | None, progress: Progress) -> Manifest:
-    """Record size and blake3 of every file of a foreign checkpoint into `ckptctl-digests.json`."""
-    todo = sorted((rel, size) for rel, size in files.items() if rel not in (DIGESTS_NAME, MANIFEST_NAME))
-    progress.start("hashing", sum(size for _, size in todo))
-
-    def digest(item: tuple[str, int]) -> tuple[str, FileRecord]:
-        rel, size = item
-        value = file_digest(io.join(url, rel))
-        progress.advance(size)
-        return rel, FileRecord(size, value)
-
-    with io.ContextThreadPool(max_workers=_workers(workers)) as pool:
-        records = dict(pool.map(digest, todo))
-    progress.finish()
-    manifest = Manifest(files=records, created=now_iso())
-    io.write_bytes_atomic(io.join(url, DIGESTS_NAME), manifest.to_json())
-    return manifest
 
 
 def read_every_tensor(checkpoint: Checkpoint, check_finite: bool, progress: Progress) -> tuple[list[Problem], int]:

@@ -192,7 +192,7 @@ def test_demo_runs_list_with_states_and_latest(run_cli: Cli, demo_dir: Path) -> 
 
 
 def test_demo_inspect_counts_the_real_parameters(run_cli: Cli, demo_dir: Path) -> None:
-    from ckptctl.ops.demo import _model
+    from ckptctl.demo import _model
 
     expected = sum(p.numel() for p in _model().parameters())
     for folder, world_size in ((demo_dir / "native" / "step-30", 1), (demo_dir / "distributed" / "step-30", 2)):

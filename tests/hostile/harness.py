@@ -2,12 +2,11 @@
 
 Hostile input must end in a ckptctl message and exit 1 or 2, in bounded memory and time, whatever it holds.
 A child process is the only honest way to check that: a crash (SIGSEGV), a hang or a runaway allocation
-would take the test process down with it.
-
-Peak memory is the child's `VmHWM` (the high-water mark of its own address space), which it writes to a file
-as it exits. `wait4`'s `ru_maxrss` cannot be used: Linux carries the pre-exec high-water mark across
-`exec`, and `subprocess` forks (vfork) from the test process, so a child of a 1 GB pytest worker would
-report 1 GB whatever it did.
+would take the test process down with it. `os.wait4` gives the child's own peak RSS, provided the child was
+not forked from a large process: Linux counts the memory a process had when it called exec into its peak,
+so a command forked straight from pytest (which holds torch and the session's fixtures) would report
+pytest's size. The command is therefore started by a small launcher process, which waits for it and
+reports its exit status and peak RSS.
 """
 
 from __future__ import annotations
@@ -16,7 +15,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Sequence
@@ -50,36 +48,32 @@ class Outcome:
         assert self.peak_rss_bytes < MAX_RSS_BYTES, f"peak RSS {self.peak_rss_bytes >> 20} MiB\n{detail}"
 
 
-#: Runs `python -m ckptctl ARGS` and records the process's VmHWM (KiB) at exit into $CKPTCTL_TEST_HWM_FILE.
-_WRAPPER = """
-import atexit, os, runpy, sys
-
-def _record_peak():
-    with open("/proc/self/status") as status:
-        peak = next((line.split()[1] for line in status if line.startswith("VmHWM:")), "0")
-    with open(os.environ["CKPTCTL_TEST_HWM_FILE"], "w") as out:
-        out.write(peak)
-
-atexit.register(_record_peak)
-sys.argv = ["ckptctl", *sys.argv[1:]]
-runpy.run_module("ckptctl", run_name="__main__", alter_sys=True)
+#: Run by a fresh interpreter: start the command (a fork of this small process), wait for it, and write
+#: "EXIT_CODE PEAK_RSS_KIB" to the file descriptor given as the first argument.
+_LAUNCHER = """
+import os, subprocess, sys
+report = int(sys.argv[1])
+child = subprocess.Popen(sys.argv[2:])
+_, status, usage = os.wait4(child.pid, 0)
+os.write(report, f"{os.waitstatus_to_exitcode(status)} {usage.ru_maxrss}".encode())
 """
 
 
 def run_ckptctl(args: Sequence[str], timeout: float = DEFAULT_TIMEOUT_S, env: dict[str, str] | None = None) -> Outcome:
     """Run `python -m ckptctl ARGS` in a child process group; a run past `timeout` is killed and fails the test."""
-    fd, hwm_file = tempfile.mkstemp(prefix="ckptctl-hwm-")
-    os.close(fd)
-    full_env = {**os.environ, "COLUMNS": "200", **(env or {}), "CKPTCTL_TEST_HWM_FILE": hwm_file}
+    full_env = {**os.environ, "COLUMNS": "200", **(env or {})}
     start = time.monotonic()
+    report_read, report_write = os.pipe()
     proc = subprocess.Popen(
-        [sys.executable, "-c", _WRAPPER, *args],
+        [sys.executable, "-c", _LAUNCHER, str(report_write), sys.executable, "-m", "ckptctl", *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         stdin=subprocess.DEVNULL,
         env=full_env,
         start_new_session=True,
+        pass_fds=(report_write,),
     )
+    os.close(report_write)
     chunks: dict[str, bytes] = {}
 
     def drain(name: str, stream: object) -> None:
@@ -103,19 +97,19 @@ def run_ckptctl(args: Sequence[str], timeout: float = DEFAULT_TIMEOUT_S, env: di
     timer = threading.Timer(timeout, kill)
     timer.start()
     try:
-        _, status = os.waitpid(proc.pid, 0)
+        proc.wait()
     finally:
         timer.cancel()
-    proc.returncode = os.waitstatus_to_exitcode(status)
+    with os.fdopen(report_read, "rb") as report:
+        reported = report.read().decode()
     for reader in readers:
         reader.join(timeout=10)
     out = chunks.get("out", b"").decode(errors="replace")
     err = chunks.get("err", b"").decode(errors="replace")
     if hung.is_set():
         raise AssertionError(f"ckptctl {' '.join(args)} hung (> {timeout} s)\nstderr={err[-2000:]}")
-    with open(hwm_file) as f:
-        recorded = f.read().strip()
-    os.unlink(hwm_file)
-    # No record: the child died without running its exit handlers (a signal); the exit code says so.
-    peak_kib = int(recorded) if recorded.isdigit() else 0
-    return Outcome(tuple(args), proc.returncode, out, err, peak_kib * 1024, time.monotonic() - start)
+    if not reported:
+        raise AssertionError(f"the launcher of ckptctl {' '.join(args)} failed (rc={proc.returncode})\n{err[-2000:]}")
+    returncode, max_rss_kib = map(int, reported.split())
+    # ru_maxrss is in KiB on Linux
+    return Outcome(tuple(args), returncode, out, err, max_rss_kib * 1024, time.monotonic() - start)

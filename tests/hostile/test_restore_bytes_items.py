@@ -140,7 +140,7 @@ def hostile_runs(demo_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tu
 
 
 def _demo_state() -> dict[str, object]:
-    from ckptctl.ops.demo import _model
+    from ckptctl.demo import _model
 
     model = _model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)

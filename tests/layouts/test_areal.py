@@ -15,6 +15,8 @@ from ckptctl import io
 from ckptctl.checkpoint import CheckpointState, Component, ProblemKind
 from ckptctl.formats.chunks import read_tensor
 from ckptctl.layouts import open_checkpoint, scan_run
+from ckptctl.layouts.resume import PlanContext
+from ckptctl.ops.resume_plan import plan_resume, profile_for
 from ckptctl.ops.verification import verify_checkpoint, verify_run
 from tests.conftest import copy_tree
 from tests.layouts.test_deepspeed import Payload
@@ -158,3 +160,29 @@ def test_an_export_not_renamed_yet_is_in_progress(fsdp_runs: WrittenFsdpRuns, tm
     refs = {io.name_of(r.url): r for r in scan_run(str(trial))}
     tmp = refs["epoch0epochstep1globalstep1.tmp"]
     assert (tmp.layout, tmp.step, tmp.state) == ("areal", 1, CheckpointState.IN_PROGRESS)
+
+
+def test_resume_plan_skips_a_torn_save_by_the_layouts_rule(fsdp_runs: WrittenFsdpRuns, tmp_path: Path) -> None:
+    trial = _trial(fsdp_runs, tmp_path)
+    slot = trial / "default" / "recover_checkpoint"
+    plan = plan_resume(str(trial))
+    assert plan.checkpoint is not None and plan.checkpoint.url == str(slot)
+    assert plan.framework == "AReaL" and not any("torn" in w for w in plan.warnings)
+
+    # The slot rewritten 1.5 s after its info files: past the rule's 1 s slack (resume-plan's own copy of
+    # the rule used 2 s, so it disagreed with the layout between the two).
+    then = _age(trial)
+    for path in (trial / "recover_info").iterdir():
+        _touch(path, then)
+    for path in slot.iterdir():
+        _touch(path, then + 1.5)
+    plan = plan_resume(str(trial))
+    assert plan.checkpoint is None
+    reasons = {s.url: s.reason for s in plan.skipped}
+    assert reasons[str(slot)].startswith("broken: recover_info/")
+    assert "the save was torn between the slot and its info files" in reasons[str(slot)]
+    # The profile's warning applies the same rule to the same files.
+    checkpoint = open_checkpoint(str(slot))
+    ctx = PlanContext(str(trial), checkpoint, (checkpoint.ref,), (), None)
+    (note,) = profile_for("areal").notes(ctx)
+    assert "step_info.json" in note and "older than the recover checkpoint's .metadata" in note

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from ckptctl.checkpoint import CheckpointState, Component
+from ckptctl.checkpoint import CheckpointState, Component, Role
 from ckptctl.errors import UnknownLayout
 from ckptctl.layouts import detect, get_layout, open_checkpoint, scan_run
 from ckptctl.layouts.base import list_files
@@ -77,6 +77,16 @@ class LayoutContract:
         assert Component.MODEL in ckpt.components
         assert sum(t.numel for t in ckpt.tensors(Component.MODEL)) == source[1]
 
+    def test_typed_fields_agree_with_what_inspect_shows(self, source: tuple[Path, int]) -> None:
+        # Commands decide from the typed fields, `inspect` shows the metadata: a user reads the same facts.
+        ckpt = open_checkpoint(str(source[0]))
+        meta = ckpt.metadata
+        assert dict(ckpt.progress) == dict(meta.get("progress") or {})
+        if "metrics" in meta:  # (the Trainer's come from trainer_state.json, which inspect summarises)
+            assert dict(ckpt.metrics) == dict(meta["metrics"])
+        assert ckpt.rng_keys == (None if meta.get("rng_keys") is None else frozenset(meta["rng_keys"]))
+        assert (ckpt.role is Role.EXPORT) == (meta.get("kind") in ("hf_export", "hf_snapshot"))
+
     def test_verify_ok(self, checkpoint: Path) -> None:
         result = verify_checkpoint(str(checkpoint))
         assert result.ok, result.problems
@@ -118,7 +128,7 @@ class LayoutContract:
 
 
 def _demo_parameters() -> int:
-    from ckptctl.ops.demo import _model
+    from ckptctl.demo import _model
 
     return sum(p.numel() for p in _model().parameters())
 

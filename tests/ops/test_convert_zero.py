@@ -22,9 +22,9 @@ from safetensors.torch import load_file, save_file
 
 from ckptctl.errors import CkptctlError
 from ckptctl.frameworks.deepspeed.layout import tag_prefix as _deepspeed_prefix
+from ckptctl.frameworks.deepspeed.naming import wrapper_prefix
 from ckptctl.ops.convert import ConvertOptions, Target, Weights, convert
 from ckptctl.ops.convert.plan import plan_tensors as _plan
-from ckptctl.ops.naming import wrapper_prefix
 from ckptctl.ops.verification import verify_checkpoint
 from tests.conftest import CliResult, build_once
 from tests.writers.deepspeed_writer import WRAPPED_BUFFERS, WRAPPER_PREFIX, WrittenDeepSpeed, write_deepspeed_runs

@@ -33,7 +33,6 @@ stay opaque bytes and are never loaded.
 from __future__ import annotations
 
 import collections
-import json
 import re
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -49,10 +48,12 @@ from ckptctl.checkpoint import (
     Component,
     Problem,
     ProblemKind,
+    Role,
     TensorEntry,
 )
 from ckptctl.errors import CkptctlError, CorruptCheckpoint, UnknownLayout, UnsafePickle
 from ckptctl.formats.dcp_metadata import METADATA_NAME
+from ckptctl.formats.documents import MAX_INT, read_json
 from ckptctl.formats.safe_pickle import MAX_DIMS, TORCH_PICKLE_GLOBALS, check_nesting, safe_loads
 from ckptctl.frameworks.dcp.layout import (
     DISTCP_RE,
@@ -67,8 +68,17 @@ from ckptctl.frameworks.hf_trainer.layout import IN_PROGRESS_WINDOW_S
 from ckptctl.io import DirEntry
 from ckptctl.layouts import peek_dir
 from ckptctl.layouts.base import Layout, newest_mtime, timestamp
+from ckptctl.layouts.resume import ResumeProfile
 
-__all__ = ["INFO_FILES", "MTIME_SLACK_S", "RECOVER_INFO", "RECOVER_SLOT", "ArealLayout", "read_dataloader_info"]
+__all__ = [
+    "INFO_FILES",
+    "MTIME_SLACK_S",
+    "RECOVER_INFO",
+    "RECOVER_SLOT",
+    "ArealLayout",
+    "read_dataloader_info",
+    "torn_info_files",
+]
 
 RECOVER_SLOT = "recover_checkpoint"
 RECOVER_INFO = "recover_info"
@@ -204,10 +214,10 @@ def _recover_info(slot_url: str) -> _RecoverInfo:
     if STEP_INFO not in entries:
         return _RecoverInfo(url, entries, None, f"no {RECOVER_INFO}/{STEP_INFO}")
     try:
-        step_info = json.loads(io.read_bytes(io.join(url, STEP_INFO), 0, _MAX_INFO_BYTES))
-    except (CkptctlError, ValueError) as exc:
-        return _RecoverInfo(url, entries, None, f"{RECOVER_INFO}/{STEP_INFO} does not parse: {exc}")
-    if not isinstance(step_info, dict) or not all(type(step_info.get(k)) is int for k in _STEP_FIELDS):
+        step_info = read_json(io.join(url, STEP_INFO), max_bytes=_MAX_INFO_BYTES)
+    except CkptctlError as exc:
+        return _RecoverInfo(url, entries, None, f"{RECOVER_INFO}/{STEP_INFO} does not parse: {exc.message}")
+    if not isinstance(step_info, dict) or not all(_is_counter(step_info.get(k)) for k in _STEP_FIELDS):
         return _RecoverInfo(url, entries, None, f"{RECOVER_INFO}/{STEP_INFO} lacks {', '.join(_STEP_FIELDS)}")
     if step_info["epoch"] < 0 or step_info["global_step"] < 0:
         return _RecoverInfo(url, entries, step_info, f"{RECOVER_INFO}/{STEP_INFO} records no finished step")
@@ -230,7 +240,7 @@ def _slot_problem(entries: Sequence[DirEntry], info: _RecoverInfo) -> str:
         )
     if info.error:
         return f"{info.error}: AReaL would start from scratch"
-    torn = _newer_than(meta, (e for e in (info.entries or {}).values() if e.name in INFO_FILES), older=True)
+    torn = torn_info_files(meta.mtime, (info.entries or {}).values())
     if torn:
         return (
             f"{RECOVER_INFO}/{torn[0]} is older than the weights: the save was torn between the slot and its info "
@@ -239,11 +249,16 @@ def _slot_problem(entries: Sequence[DirEntry], info: _RecoverInfo) -> str:
     return ""
 
 
-def _newer_than(meta: DirEntry, others: Iterable[DirEntry], older: bool = False) -> list[str]:
-    """Names of `others` newer than `meta` (with `older`: older than it), beyond the slack."""
-    if older:
-        return sorted(e.name for e in others if e.mtime and e.mtime + MTIME_SLACK_S < meta.mtime)
+def _newer_than(meta: DirEntry, others: Iterable[DirEntry]) -> list[str]:
+    """Names of `others` newer than `meta`, beyond the slack."""
     return sorted(e.name for e in others if e.mtime and e.mtime > meta.mtime + MTIME_SLACK_S)
+
+
+def torn_info_files(weights_mtime: float, info: Iterable[DirEntry]) -> list[str]:
+    """The files of `recover_info/` older than the slot's `.metadata` (modified at `weights_mtime`) beyond
+    the slack: AReaL writes the slot first and its info files after, so these are left from an earlier
+    save that the last one tore (a recover pairs the new weights with the old counters)."""
+    return sorted(e.name for e in info if e.name in INFO_FILES and e.mtime and e.mtime + MTIME_SLACK_S < weights_mtime)
 
 
 def _unfinished(entries: Sequence[DirEntry], info: _RecoverInfo) -> CheckpointState:
@@ -252,10 +267,15 @@ def _unfinished(entries: Sequence[DirEntry], info: _RecoverInfo) -> CheckpointSt
     return CheckpointState.IN_PROGRESS if time.time() - max(times) < IN_PROGRESS_WINDOW_S else CheckpointState.BROKEN
 
 
+def _is_counter(value: Any) -> bool:
+    """An int as AReaL's counters are (-1 before the first step), within 64 bits."""
+    return type(value) is int and -MAX_INT <= value <= MAX_INT
+
+
 def _read_json(url: str) -> Any:
     try:
-        return json.loads(io.read_bytes(url, 0, _MAX_INFO_BYTES))
-    except (CkptctlError, ValueError):
+        return read_json(url, max_bytes=_MAX_INFO_BYTES)
+    except CkptctlError:
         return None
 
 
@@ -343,11 +363,12 @@ class ArealLayout(Layout):
         info = _recover_info(url)
         files = {e.name: e.size for e in entries if not e.is_dir}
         components: set[Component] = set()
+        progress = dict(info.step_info or {})
         metadata: dict[str, Any] = {
             "format": "areal",
             "kind": "recover",
             "model": io.name_of(io.parent_of(url)),
-            "progress": dict(info.step_info or {}),
+            "progress": progress,
             "resume_setting": "recover.mode=on (same experiment_name, trial_name and allocation_mode)",
         }
         metadata.update(self._info_summary(info, components))
@@ -383,6 +404,7 @@ class ArealLayout(Layout):
             metadata=metadata,
             tensor_index=tensor_index,
             files=files,
+            progress=progress,
         )
 
     @staticmethod
@@ -414,9 +436,9 @@ class ArealLayout(Layout):
         metadata = {"format": "areal", "kind": "hf_export", "progress": progress}
         if m.group(4):  # not renamed into place yet: nothing to index
             files = {e.name: e.size for e in io.list_dir(url) if not e.is_dir}
-            return Checkpoint(ref, frozenset(), None, metadata, tuple, files)
+            return Checkpoint(ref, frozenset(), None, metadata, tuple, files, role=Role.EXPORT, progress=progress)
         model = HfModelLayout().open(url)
-        return replace(model, ref=ref, metadata={**metadata, **model.metadata})
+        return replace(model, ref=ref, metadata={**metadata, **model.metadata}, role=Role.EXPORT, progress=progress)
 
     def verify(self, checkpoint: Checkpoint) -> list[Problem]:
         """The slot: DCP's rules, the in-place overwrite and torn-save checks, and every `recover_info/`
@@ -452,6 +474,12 @@ class ArealLayout(Layout):
         slot = tuple(name for name in (METADATA_NAME, "metadata.json") if name in top)
         return slot or model_markers(top)
 
+    def resume_profile(self) -> ResumeProfile:
+        """See `frameworks.areal.resume`."""
+        from ckptctl.frameworks.areal.resume import PROFILE
+
+        return PROFILE
+
 
 def _info_problems(info: _RecoverInfo, meta: DirEntry | None, world_size: int | None) -> list[Problem]:
     if info.entries is None:
@@ -463,6 +491,7 @@ def _info_problems(info: _RecoverInfo, meta: DirEntry | None, world_size: int | 
             )
         ]
     problems = []
+    torn = set(torn_info_files(meta.mtime, info.entries.values())) if meta is not None else set()
     for name in INFO_FILES:
         path = _INFO_PREFIX + name
         entry = info.entries.get(name)
@@ -471,7 +500,7 @@ def _info_problems(info: _RecoverInfo, meta: DirEntry | None, world_size: int | 
                 Problem(ProblemKind.MISSING_FILE, path, f"{name} is missing: AReaL's recover fails and starts over")
             )
             continue
-        if meta is not None and entry.mtime and entry.mtime + MTIME_SLACK_S < meta.mtime:
+        if name in torn:
             problems.append(
                 Problem(
                     ProblemKind.BAD_METADATA,

@@ -34,12 +34,13 @@ from ckptctl.checkpoint import (
 )
 from ckptctl.errors import CheckpointInProgress, CheckpointNotFound, CorruptCheckpoint, UnknownLayout, UnsafePickle
 from ckptctl.formats.chunks import tiling_problem
-from ckptctl.formats.dcp_metadata import METADATA_NAME, DcpMetadata, DcpTensor, parse_dcp_metadata
+from ckptctl.formats.dcp_metadata import MAX_METADATA_BYTES, METADATA_NAME, DcpMetadata, DcpTensor, parse_dcp_metadata
 from ckptctl.formats.safe_pickle import gc_paused
 from ckptctl.formats.torch_save import read_object_archive
 from ckptctl.frameworks.hf.layout import model_components
 from ckptctl.io import DirEntry
 from ckptctl.layouts.base import Layout, newest_mtime, step_from_name, timestamp
+from ckptctl.layouts.resume import ResumeProfile
 
 __all__ = [
     "DcpLayout",
@@ -167,7 +168,7 @@ def load_dcp_metadata(url: str, entry: DirEntry | None = None) -> DcpMetadata:
         if cached is not None:
             _cache.move_to_end(key)
             return cached
-    parsed = parse_dcp_metadata(io.read_bytes(path), path)
+    parsed = parse_dcp_metadata(io.read_bytes(path, max_size=MAX_METADATA_BYTES), path)
     if entry.mtime:  # a store that reports no mtime could not tell a rewritten file from the cached one
         with _cache_lock:
             _cache[key] = parsed
@@ -555,3 +556,9 @@ class DcpLayout(Layout):
     def completion_markers(self, files: Mapping[str, int]) -> tuple[str, ...]:
         """`.metadata`, which `dcp.save` writes after every rank's data (without it the folder is in progress)."""
         return (METADATA_NAME,) if METADATA_NAME in files else ()
+
+    def resume_profile(self) -> ResumeProfile:
+        """See `frameworks.dcp.resume`."""
+        from ckptctl.frameworks.dcp.resume import PROFILE
+
+        return PROFILE

@@ -47,6 +47,7 @@ from ckptctl.layouts.base import (
     step_from_name,
     timestamp,
 )
+from ckptctl.layouts.resume import ResumeProfile
 
 __all__ = [
     "ENGINE_KEYS",
@@ -139,13 +140,15 @@ class DeepSpeedLayout(Layout):
         def tensor_index() -> tuple[TensorEntry, ...]:
             return tag_index(tag)
 
+        metadata = tag.metadata()
         return Checkpoint(
             ref=ref,
             components=tag.components(),
             world_size=tag.dp_world_size * tag.mp_world_size,
-            metadata=tag.metadata(),
+            metadata=metadata,
             tensor_index=tensor_index,
             files=all_files,
+            progress=metadata["progress"],
         )
 
     def verify(self, checkpoint: Checkpoint) -> list[Problem]:
@@ -164,3 +167,9 @@ class DeepSpeedLayout(Layout):
     def master_weights(self, checkpoint: Checkpoint, *, required: bool, notes: list[str]) -> MasterWeights | None:
         """The fp32 master weights DeepSpeed's `zero_to_fp32.py` reconstructs (`checkpoint_master_weights`)."""
         return checkpoint_master_weights(checkpoint, "", required=required, notes=notes)
+
+    def resume_profile(self) -> ResumeProfile:
+        """See `frameworks.deepspeed.resume`."""
+        from ckptctl.frameworks.deepspeed.resume import PROFILE
+
+        return PROFILE

@@ -8,10 +8,9 @@ from ckptctl import io
 from ckptctl.checkpoint import Checkpoint, Component, TensorEntry
 from ckptctl.errors import CkptctlError, CorruptCheckpoint
 from ckptctl.formats.safe_pickle import TensorRef
-from ckptctl.frameworks.deepspeed.names import tag_files
+from ckptctl.frameworks.deepspeed.names import is_rank_file
 from ckptctl.frameworks.deepspeed.tag import DeepSpeedTag, read_tag
 from ckptctl.frameworks.deepspeed.zero_index import IndexBuilder, param_groups, tag_index
-from ckptctl.io import DirEntry
 from ckptctl.layouts.base import MasterWeights
 
 #: Dtypes whose buffers zero_to_fp32 returns as float32 (`v.float() if v.is_floating_point()`).
@@ -112,11 +111,7 @@ def tag_prefix(checkpoint: Checkpoint) -> str | None:
     is the tag), judged from where its model tensors' chunks lie: in DeepSpeed rank files of one folder.
     None when they lie elsewhere (an HF export of an RL framework)."""
     files = {chunk.file for e in checkpoint.tensor_index() if e.component is Component.MODEL for chunk in e.chunks}
-    folders = set()
-    for file in files:
-        folder, _, name = file.rpartition("/")
-        if tag_files([DirEntry(name, False, 0, 0.0)]) is not None:
-            folders.add(folder)
+    folders = {file.rpartition("/")[0] for file in files if is_rank_file(file)}
     if len(folders) != 1:
         return None
     folder = folders.pop()

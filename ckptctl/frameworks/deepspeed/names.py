@@ -3,18 +3,22 @@
 
 from __future__ import annotations
 
+import itertools
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from ckptctl import io
 from ckptctl.checkpoint import Problem, ProblemKind
 from ckptctl.errors import CkptctlError
 from ckptctl.io import DirEntry
+from ckptctl.layouts.base import LISTED_ABSENT
 
 LATEST_NAME = "latest"
-_MODEL_STATES = re.compile(r"^(?:zero_pp_rank_(?P<dp>\d+)_)?mp_rank_(?P<mp>\d+)_model_states\.pt$")
-_OPTIM_STATES = re.compile(r"^(?P<bf16>bf16_)?zero_pp_rank_(?P<dp>\d+)_mp_rank_(?P<mp>\d+)_optim_states\.pt$")
+#: The names of DeepSpeed's rank files (the one definition every module uses): model states, one per MP
+#: rank under ZeRO 0-2 and one per DP and MP rank under ZeRO-3; optimizer states, one per DP and MP rank.
+MODEL_STATES = re.compile(r"^(?:zero_pp_rank_(?P<dp>\d+)_)?mp_rank_(?P<mp>\d+)_model_states\.pt$")
+OPTIM_STATES = re.compile(r"^(?P<bf16>bf16_)?zero_pp_rank_(?P<dp>\d+)_mp_rank_(?P<mp>\d+)_optim_states\.pt$")
 _MAX_LATEST_BYTES = 4096
 
 
@@ -56,7 +60,7 @@ class TagFiles:
         return self.model.get((0, mp)) or self.model.get((None, mp))
 
     def missing_from_names(self) -> list[str]:
-        """Rank files the names of the others promise but the folder lacks.
+        """Rank files the names of the others promise but the folder lacks (the first `LISTED_ABSENT`).
 
         MP ranks must run 0..max; DP ranks too, and under ZeRO-3 the model and optim files must cover the
         same DP ranks. A missing highest rank is only seen by `verify_tag`, which reads `dp_world_size`.
@@ -65,15 +69,25 @@ class TagFiles:
         mp_count = max(mps) + 1 if mps else 1
         dps = {dp for dp, _ in self.optim} | {dp for dp, _ in self.model if dp is not None}
         dp_count = max(dps) + 1 if dps else 0
-        expected = []
-        for mp in range(mp_count):
-            if self.per_dp_model_files:
-                expected += [self.model_name(dp, mp) for dp in range(max(dp_count, 1))]
-            else:
-                expected.append(self.model_name_0(mp))
-            if self.optim or self.per_dp_model_files:
-                expected += [self.optim_name(dp, mp) for dp in range(max(dp_count, 1))]
-        return [name for name in expected if name not in self.sizes]
+
+        def expected() -> Iterator[str]:
+            for mp in range(mp_count):
+                if self.per_dp_model_files:
+                    yield from (self.model_name(dp, mp) for dp in range(max(dp_count, 1)))
+                else:
+                    yield self.model_name_0(mp)
+                if self.optim or self.per_dp_model_files:
+                    yield from (self.optim_name(dp, mp) for dp in range(max(dp_count, 1)))
+
+        # The first few only: one stray `zero_pp_rank_99999999_...` name would otherwise promise (and make
+        # us list) a hundred million files.
+        return list(itertools.islice((name for name in expected() if name not in self.sizes), LISTED_ABSENT))
+
+
+def is_rank_file(path: str) -> bool:
+    """Whether the file at `path` (`/`-separated, any folder) is a DeepSpeed model- or optim-states file."""
+    name = path.rpartition("/")[2]
+    return MODEL_STATES.match(name) is not None or OPTIM_STATES.match(name) is not None
 
 
 def tag_files(entries: Sequence[DirEntry]) -> TagFiles | None:
@@ -86,9 +100,9 @@ def tag_files(entries: Sequence[DirEntry]) -> TagFiles | None:
         if entry.is_dir:
             continue
         sizes[entry.name] = entry.size
-        if m := _MODEL_STATES.match(entry.name):
+        if m := MODEL_STATES.match(entry.name):
             model[(None if m.group("dp") is None else int(m.group("dp")), int(m.group("mp")))] = entry.name
-        elif m := _OPTIM_STATES.match(entry.name):
+        elif m := OPTIM_STATES.match(entry.name):
             optim[(int(m.group("dp")), int(m.group("mp")))] = entry.name
             bf16 = bf16 or m.group("bf16") is not None
     if not model and not optim:
@@ -112,7 +126,7 @@ def read_latest(url: str, entries: Sequence[DirEntry]) -> str | None:
     if entry is None or entry.size > _MAX_LATEST_BYTES:
         return None
     try:
-        text = io.read_bytes(io.join(url, LATEST_NAME)).decode("utf-8").strip()
+        text = io.read_bytes(io.join(url, LATEST_NAME), max_size=_MAX_LATEST_BYTES).decode("utf-8").strip()
     except (CkptctlError, UnicodeDecodeError):
         return None
     return text if text and "/" not in text and "\n" not in text else None

@@ -142,6 +142,10 @@ def enum_value(value: Any) -> Any:
     return value.value if isinstance(value, FrameworkObject) else value
 
 
+#: The most ranks (dp x mp) a tag may have: far beyond any DeepSpeed job, small enough to enumerate.
+MAX_RANKS = 1 << 18
+
+
 def read_tag(url: str, files: TagFiles | None = None) -> DeepSpeedTag:
     """Open a tag folder: the rank-0 model states (and optim states, when there are any).
 
@@ -164,6 +168,13 @@ def read_tag(url: str, files: TagFiles | None = None) -> DeepSpeedTag:
     mp = states.get("mp_world_size")
     tag.dp_world_size = dp if type(dp) is int and dp > 0 else max((d for d, _ in files.optim), default=0) + 1
     tag.mp_world_size = mp if type(mp) is int and mp > 0 else max(m for _, m in files.model) + 1
+    if tag.dp_world_size * tag.mp_world_size > MAX_RANKS:
+        # Every rank is looked for by name: a damaged count (or a stray rank file name) must not send us
+        # looping over billions of them.
+        raise CorruptCheckpoint(
+            f"{url}: dp_world_size {tag.dp_world_size} x mp_world_size {tag.mp_world_size} is more ranks than "
+            f"ckptctl believes (at most {MAX_RANKS}); the model states or the rank file names are damaged"
+        )
     config = states.get("ds_config")
     zero = config.get("zero_optimization") if isinstance(config, dict) else None
     stage = zero.get("stage") if isinstance(zero, dict) else None

@@ -16,6 +16,7 @@ from ckptctl.frameworks.deepspeed.tag import (
     read_tag,
 )
 from ckptctl.frameworks.deepspeed.zero_index import tag_index
+from ckptctl.layouts.base import LISTED_ABSENT
 
 
 def verify_tag(url: str, path_prefix: str = "") -> list[Problem]:
@@ -53,15 +54,26 @@ def verify_tag(url: str, path_prefix: str = "") -> list[Problem]:
         else set()
     )
     reported = {p.path for p in problems}
-    for name in sorted((expected_model | expected_optim) - set(files.sizes)):
-        if path_prefix + name not in reported:
-            problems.append(
-                Problem(
-                    ProblemKind.MISSING_FILE,
-                    path_prefix + name,
-                    f"{name} is missing (dp_world_size {tag.dp_world_size}, mp_world_size {tag.mp_world_size})",
-                )
+    absent = [
+        n for n in sorted((expected_model | expected_optim) - set(files.sizes)) if path_prefix + n not in reported
+    ]
+    for name in absent[:LISTED_ABSENT]:
+        problems.append(
+            Problem(
+                ProblemKind.MISSING_FILE,
+                path_prefix + name,
+                f"{name} is missing (dp_world_size {tag.dp_world_size}, mp_world_size {tag.mp_world_size})",
             )
+        )
+    if len(absent) > LISTED_ABSENT:
+        problems.append(
+            Problem(
+                ProblemKind.MISSING_FILE,
+                path_prefix or ".",
+                f"{len(absent) - LISTED_ABSENT} more rank files are missing "
+                f"(dp_world_size {tag.dp_world_size}, mp_world_size {tag.mp_world_size})",
+            )
+        )
     for name in sorted((set(files.model.values()) | set(files.optim.values())) - expected_model - expected_optim):
         problems.append(
             Problem(

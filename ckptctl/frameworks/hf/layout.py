@@ -7,7 +7,6 @@ and tokenizer files. Only headers are read: a 100 GB model opens with a few rang
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
@@ -27,9 +26,11 @@ from ckptctl.checkpoint import (
     TensorEntry,
 )
 from ckptctl.errors import CkptctlError, CorruptCheckpoint
+from ckptctl.formats.documents import read_json
 from ckptctl.formats.safetensors import read_header
 from ckptctl.io import DirEntry
-from ckptctl.layouts.base import Layout, newest_mtime, step_from_name, timestamp
+from ckptctl.layouts.base import Layout, absent_numbers, newest_mtime, step_from_name, timestamp
+from ckptctl.layouts.resume import ResumeProfile
 
 INDEX_NAMES = ("model.safetensors.index.json", "adapter_model.safetensors.index.json")
 _SHARD = re.compile(r"^(?P<stem>.+)-(?P<i>\d{5})-of-(?P<n>\d{5})\.safetensors$")
@@ -64,19 +65,20 @@ _CONFIG_SUMMARY = (
 )
 
 
-def _shards_missing(names: set[str]) -> list[str]:
-    """Shard files a `-0000i-of-0000N` naming promises but the folder lacks (judged from names only)."""
-    missing: list[str] = []
+def _shards_missing(names: set[str]) -> tuple[list[str], int]:
+    """Shard files a `-0000i-of-0000N` naming promises but the folder lacks (judged from names only): the
+    first `LISTED_ABSENT` of each series (stem, N), and how many are missing in all."""
+    series: dict[tuple[str, int], set[int]] = {}
     for name in names:
-        m = _SHARD.match(name)
-        if m:
-            n = int(m.group("n"))
-            missing.extend(
-                f"{m.group('stem')}-{i:05d}-of-{n:05d}.safetensors"
-                for i in range(1, n + 1)
-                if f"{m.group('stem')}-{i:05d}-of-{n:05d}.safetensors" not in names
-            )
-    return sorted(set(missing))
+        if m := _SHARD.match(name):
+            series.setdefault((m.group("stem"), int(m.group("n"))), set()).add(int(m.group("i")) - 1)
+    listed: list[str] = []
+    total = 0
+    for (stem, n), present in series.items():
+        numbers, absent = absent_numbers(present, n)
+        listed += [f"{stem}-{i + 1:05d}-of-{n:05d}.safetensors" for i in numbers]
+        total += absent
+    return sorted(listed), total
 
 
 class HfModelLayout(Layout):
@@ -95,13 +97,14 @@ class HfModelLayout(Layout):
         has_weights = any(n.endswith(".safetensors") for n in names) or any(n in names for n in INDEX_NAMES)
         if not has_weights and not any(n in names for n in _LEGACY_WEIGHTS):
             return None
-        missing = _shards_missing(names)
+        missing, missing_count = _shards_missing(names)
         index_without_shards = any(n in names for n in INDEX_NAMES) and not any(
             n.endswith(".safetensors") for n in names
         )
         state = CheckpointState.BROKEN if missing or index_without_shards else CheckpointState.COMPLETE
+        more = f" and {missing_count - len(missing)} more" if missing_count > len(missing) else ""
         note = (
-            f"missing {', '.join(missing)}"
+            f"missing {', '.join(missing)}{more}"
             if missing
             else ("index names no present file" if index_without_shards else "")
         )
@@ -148,6 +151,12 @@ class HfModelLayout(Layout):
         """The index, then one shard (or the single weights file): see `model_markers`."""
         return model_markers({name: size for name, size in files.items() if "/" not in name})
 
+    def resume_profile(self) -> ResumeProfile:
+        """See `frameworks.hf.resume`."""
+        from ckptctl.frameworks.hf.resume import PROFILE
+
+        return PROFILE
+
 
 # --------------------------------------------------------------------------------------------------
 # Shared with the layouts whose checkpoints hold an HF model folder (the HF Trainer's `checkpoint-N`).
@@ -155,8 +164,9 @@ class HfModelLayout(Layout):
 
 
 def missing_shards(names: Iterable[str]) -> list[str]:
-    """Shard files a `-0000i-of-0000N` naming promises but `names` lacks (judged from the names only)."""
-    return _shards_missing(set(names))
+    """Shard files a `-0000i-of-0000N` naming promises but `names` lacks (judged from the names only; at
+    most `LISTED_ABSENT` of each series)."""
+    return _shards_missing(set(names))[0]
 
 
 def model_markers(files: Mapping[str, int]) -> tuple[str, ...]:
@@ -216,9 +226,11 @@ def verify_model_files(url: str, files: Mapping[str, int]) -> list[Problem]:
     problems: list[Problem] = []
     if "config.json" in files:
         try:
-            json.loads(io.read_bytes(io.join(url, "config.json")))
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            problems.append(Problem(ProblemKind.BAD_METADATA, "config.json", f"config.json does not parse: {exc}"))
+            read_json(io.join(url, "config.json"))
+        except CorruptCheckpoint as exc:
+            problems.append(
+                Problem(ProblemKind.BAD_METADATA, "config.json", f"config.json does not parse: {exc.message}")
+            )
     weight_map: Mapping[str, str] = {}
     for index_name in INDEX_NAMES:
         if index_name not in files:
@@ -228,14 +240,26 @@ def verify_model_files(url: str, files: Mapping[str, int]) -> list[Problem]:
         except CorruptCheckpoint as exc:
             problems.append(Problem(ProblemKind.BAD_METADATA, index_name, exc.message))
             continue
-        for shard in sorted(set(weight_map.values()) - set(files)):
-            problems.append(Problem(ProblemKind.MISSING_FILE, shard, f"{index_name} names {shard}, which is missing"))
+        absent_shards = sorted(set(weight_map.values()) - set(files))
+        problems += [
+            Problem(ProblemKind.MISSING_FILE, shard, f"{index_name} names {shard}, which is missing")
+            for shard in absent_shards[:_LISTED]
+        ]
+        problems += _more(
+            ProblemKind.MISSING_FILE, index_name, len(absent_shards), "{path} names {count} more files that are missing"
+        )
         problems.extend(_total_size_problems(index_name, total_size, weight_map, files))
-    problems.extend(
+    indexed = set(weight_map.values())
+    promised, promised_count = _shards_missing(set(files))
+    problems += [
         Problem(ProblemKind.MISSING_FILE, shard, f"shard {shard} is missing")
-        for shard in _shards_missing(set(files))
-        if shard not in set(weight_map.values())
-    )
+        for shard in promised
+        if shard not in indexed
+    ]
+    if promised_count > len(promised):
+        problems.append(
+            Problem(ProblemKind.MISSING_FILE, "", f"{promised_count - len(promised)} more shards are missing")
+        )
     located: dict[str, str] = {}
     for rel in sorted(n for n in files if n.endswith(".safetensors")):
         try:
@@ -249,16 +273,46 @@ def verify_model_files(url: str, files: Mapping[str, int]) -> list[Problem]:
                     Problem(ProblemKind.BAD_METADATA, rel, f"tensor {rec.name!r} is also in {located[rec.name]}")
                 )
             located[rec.name] = rel
+    misplaced: dict[str, list[str]] = {}
+    absent: dict[str, list[str]] = {}
     for name, shard in weight_map.items():
         if shard in files and located.get(name) not in (None, shard):
-            problems.append(
-                Problem(ProblemKind.BAD_METADATA, shard, f"index puts {name!r} in {shard} but it is in {located[name]}")
-            )
+            misplaced.setdefault(shard, []).append(name)
         elif shard in files and name not in located:
-            problems.append(
-                Problem(ProblemKind.MISSING_FILE, shard, f"index names tensor {name!r} but {shard} lacks it")
-            )
+            absent.setdefault(shard, []).append(name)
+    for shard, names in misplaced.items():
+        problems += [
+            Problem(ProblemKind.BAD_METADATA, shard, f"index puts {n!r} in {shard} but it is in {located[n]}")
+            for n in names[:_LISTED]
+        ]
+        problems += _more(
+            ProblemKind.BAD_METADATA,
+            shard,
+            len(names),
+            "index puts {count} more tensors in {path} that are in other files",
+        )
+    for shard, names in absent.items():
+        problems += [
+            Problem(ProblemKind.MISSING_FILE, shard, f"index names tensor {n!r} but {shard} lacks it")
+            for n in names[:_LISTED]
+        ]
+        problems += _more(
+            ProblemKind.MISSING_FILE, shard, len(names), "index names {count} more tensors that {path} lacks"
+        )
     return problems
+
+
+#: Problems of one kind listed one by one per file; past that, one problem counts the rest: an index of a
+#: million entries that does not match its shards must not turn into a million problems.
+_LISTED = 20
+
+
+def _more(kind: ProblemKind, path: str, count: int, message: str) -> list[Problem]:
+    """One problem counting what is left of `count` once `_LISTED` were listed (`message` has `{count}`
+    and `{path}`); none when all were."""
+    if count <= _LISTED:
+        return []
+    return [Problem(kind, path, message.format(count=count - _LISTED, path=path))]
 
 
 def _kind_of(exc: CkptctlError) -> ProblemKind:
@@ -267,8 +321,8 @@ def _kind_of(exc: CkptctlError) -> ProblemKind:
 
 def _read_json_or_none(url: str) -> Any:
     try:
-        return json.loads(io.read_bytes(url))
-    except (json.JSONDecodeError, UnicodeDecodeError, CkptctlError):
+        return read_json(url)
+    except CkptctlError:
         return None
 
 
@@ -300,9 +354,9 @@ def _read_index(url: str) -> dict[str, str]:
 def _read_index_and_total(url: str) -> tuple[dict[str, str], Any]:
     """The index's weight_map (validated) and its `metadata.total_size` as written (None when absent)."""
     try:
-        doc = json.loads(io.read_bytes(url))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CorruptCheckpoint(f"{io.name_of(url)} does not parse: {exc}") from exc
+        doc = read_json(url)
+    except CorruptCheckpoint as exc:
+        raise CorruptCheckpoint(f"{io.name_of(url)} does not parse: {exc.message}") from exc
     weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
     if not isinstance(weight_map, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()

@@ -42,6 +42,7 @@ from ckptctl.checkpoint import (
     TensorEntry,
 )
 from ckptctl.errors import CkptctlError, UnknownLayout, UnsafePickle
+from ckptctl.formats.documents import as_real, as_whole, read_json
 from ckptctl.formats.safe_pickle import FrameworkObject, StandIn, state_fields
 from ckptctl.formats.torch_pickle import TorchPickle, open_torch_pickle, storage_problems
 from ckptctl.frameworks.deepspeed import layout as deepspeed
@@ -59,6 +60,7 @@ from ckptctl.layouts.base import (
     Layout,
     MasterWeights,
     Protections,
+    absent_numbers,
     every_child_folder,
     folder_size,
     list_files,
@@ -66,15 +68,17 @@ from ckptctl.layouts.base import (
     step_from_name,
     timestamp,
 )
+from ckptctl.layouts.resume import ResumeProfile
 
-__all__ = ["IN_PROGRESS_WINDOW_S", "TRAINER_STATE_NAME", "HfTrainerLayout"]
+__all__ = ["CHECKPOINT_DIR", "IN_PROGRESS_WINDOW_S", "RNG_FILE", "TRAINER_STATE_NAME", "HfTrainerLayout"]
 
 TRAINER_STATE_NAME = "trainer_state.json"
 #: A checkpoint folder without trainer_state.json whose newest file is younger than this is still being
 #: written; older, the save was interrupted.
 IN_PROGRESS_WINDOW_S = 15 * 60
-_CHECKPOINT_DIR = re.compile(r"^checkpoint-(\d+)$")
-_RNG_FILE = re.compile(r"^rng_state(?:_(\d+))?\.pth$")
+#: The Trainer's checkpoint folders (`checkpoint-{global_step}`) and RNG files (one per process).
+CHECKPOINT_DIR = re.compile(r"^checkpoint-(\d+)$")
+RNG_FILE = re.compile(r"^rng_state(?:_(\d+))?\.pth$")
 _PICKLE_FILES = ("optimizer.pt", "scheduler.pt", "scaler.pt", "training_args.bin")
 _TRAINER_FILES = frozenset({TRAINER_STATE_NAME, *_PICKLE_FILES})
 #: trainer_state.json is written with sorted keys and indent=2, so `epoch` and `global_step` come before
@@ -109,7 +113,7 @@ _STATE_SUMMARY = (
 
 
 def _rng_ranks(names: Sequence[str]) -> list[int]:
-    return sorted(int(m.group(1) or 0) for n in names if (m := _RNG_FILE.match(n)))
+    return sorted(int(m.group(1) or 0) for n in names if (m := RNG_FILE.match(n)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,7 +154,7 @@ class HfTrainerLayout(Layout):
     def identify(self, url: str, entries: Sequence[DirEntry]) -> CheckpointRef | None:
         """A ref for a `checkpoint-N` folder holding Trainer files; reads at most the head of
         trainer_state.json (for step and epoch)."""
-        m = _CHECKPOINT_DIR.match(io.name_of(url))
+        m = CHECKPOINT_DIR.match(io.name_of(url))
         if m is None:
             return None
         parts = _Parts.of(url, entries)
@@ -163,9 +167,9 @@ class HfTrainerLayout(Layout):
         if marker is not None:
             state = CheckpointState.COMPLETE
             head = _read_head(io.join(url, TRAINER_STATE_NAME))
-            head_step = head.get("global_step")
-            step = head_step if isinstance(head_step, int) else step
-            epoch = head.get("epoch")
+            head_step = as_whole(head.get("global_step"))
+            step = step if head_step is None else head_step
+            epoch = as_real(head.get("epoch"))
             created = timestamp(marker.mtime)
         else:
             newest = newest_mtime(entries)
@@ -180,7 +184,7 @@ class HfTrainerLayout(Layout):
             url=url,
             layout=self.name,
             step=step if isinstance(step, int) else None,
-            epoch=float(epoch) if isinstance(epoch, int | float) else None,
+            epoch=epoch,
             created=created,
             state=state,
             size_bytes=folder_size(url, entries),
@@ -216,12 +220,8 @@ class HfTrainerLayout(Layout):
             components.add(Component.TRAINER_STATE)
             metadata["trainer_state"] = _state_summary(trainer_state)
             metrics = _step_metrics(trainer_state)
-            step, epoch = trainer_state.get("global_step"), trainer_state.get("epoch")
-            ref = replace(
-                ref,
-                step=step if type(step) is int else ref.step,
-                epoch=float(epoch) if isinstance(epoch, int | float) and type(epoch) is not bool else ref.epoch,
-            )
+            step, epoch = as_whole(trainer_state.get("global_step")), as_real(trainer_state.get("epoch"))
+            ref = replace(ref, step=ref.step if step is None else step, epoch=ref.epoch if epoch is None else epoch)
         elif TRAINER_STATE_NAME in top:
             metadata["error"] = f"{TRAINER_STATE_NAME} does not parse"
         if weights:
@@ -283,10 +283,20 @@ class HfTrainerLayout(Layout):
                 )
             )
         else:
-            state = _read_trainer_state(url)
-            if not isinstance(state, dict) or type(state.get("global_step")) is not int:
+            try:
+                state = read_json(io.join(url, TRAINER_STATE_NAME))
+                why = (
+                    ""
+                    if isinstance(state, dict) and as_whole(state.get("global_step")) is not None
+                    else "no global_step"
+                )
+            except CkptctlError as exc:
+                why = exc.message
+            if why:
                 problems.append(
-                    Problem(ProblemKind.BAD_METADATA, TRAINER_STATE_NAME, f"{TRAINER_STATE_NAME} does not parse")
+                    Problem(
+                        ProblemKind.BAD_METADATA, TRAINER_STATE_NAME, f"{TRAINER_STATE_NAME} does not parse ({why})"
+                    )
                 )
         if has_weights(parts.names):
             problems += verify_model_files(url, {n: s for n, s in files.items() if "/" not in n})
@@ -294,16 +304,23 @@ class HfTrainerLayout(Layout):
             problems.append(
                 Problem(ProblemKind.MISSING_FILE, "", "no model weights (no safetensors, DeepSpeed or FSDP)")
             )
-        for name in sorted(n for n in parts.names if n in _PICKLE_FILES or _RNG_FILE.match(n)):
+        for name in sorted(n for n in parts.names if n in _PICKLE_FILES or RNG_FILE.match(n)):
             problems += _pickle_problems(url, name, files[name])
         problems += _missing_state_files(url, files, parts)
         rng = _rng_ranks(list(parts.names))
         if rng and rng != list(range(len(rng))) and rng != [0]:
+            listed, absent = absent_numbers(rng, max(rng) + 1)
             problems += [
-                Problem(ProblemKind.MISSING_FILE, f"rng_state_{i}.pth", f"rng_state_{i}.pth is missing")
-                for i in range(max(rng) + 1)
-                if i not in rng
+                Problem(ProblemKind.MISSING_FILE, f"rng_state_{i}.pth", f"rng_state_{i}.pth is missing") for i in listed
             ]
+            if absent > len(listed):
+                problems.append(
+                    Problem(
+                        ProblemKind.MISSING_FILE,
+                        "",
+                        f"{absent - len(listed)} more rng_state_N.pth files below rank {max(rng)} are missing",
+                    )
+                )
         if parts.ds_tag is not None:
             problems += deepspeed.verify_tag(io.join(url, parts.ds_tag), f"{parts.ds_tag}/")
             pointer = deepspeed.latest_problem(url, deepspeed.LATEST_NAME)
@@ -348,6 +365,12 @@ class HfTrainerLayout(Layout):
             )
         return Protections(reasons=dict.fromkeys(named, ("the Trainer's best_model_checkpoint",)))
 
+    def resume_profile(self) -> ResumeProfile:
+        """See `frameworks.hf_trainer.resume`."""
+        from ckptctl.frameworks.hf_trainer.resume import PROFILE
+
+        return PROFILE
+
 
 def _step_metrics(state: Mapping[str, Any]) -> dict[str, Any]:
     """The log_history entries of the checkpoint's own step (the Trainer evaluates right before saving)."""
@@ -382,8 +405,8 @@ def _read_head(url: str) -> dict[str, float | int | None]:
 
 def _read_trainer_state(url: str) -> Any:
     try:
-        return json.loads(io.read_bytes(io.join(url, TRAINER_STATE_NAME)))
-    except (ValueError, RecursionError, CkptctlError):  # ValueError: not JSON, or not UTF-8
+        return read_json(io.join(url, TRAINER_STATE_NAME))
+    except CkptctlError:
         return None
 
 

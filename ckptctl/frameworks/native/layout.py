@@ -33,7 +33,7 @@ from ckptctl.checkpoint import (
     TensorEntry,
 )
 from ckptctl.errors import CkptctlError, CorruptCheckpoint
-from ckptctl.formats.manifest import DIGESTS_NAME, MANIFEST_NAME, Manifest, parse_manifest
+from ckptctl.formats.manifest import DIGESTS_NAME, MANIFEST_NAME, Manifest, load_manifest
 from ckptctl.formats.safetensors import read_header
 from ckptctl.io import DirEntry
 from ckptctl.io.trash import TRASH_NAME
@@ -46,6 +46,8 @@ from ckptctl.layouts.base import (
     step_from_name,
     timestamp,
 )
+from ckptctl.layouts.naming import NameStripper, keep_name, shared_first_segment, strip_segments
+from ckptctl.layouts.resume import ResumeProfile
 
 __all__ = [
     "COMPONENT_OF_KIND",
@@ -208,7 +210,7 @@ class NativeLayout(Layout):
         if not any(e.name == POINTER_NAME and not e.is_dir for e in entries):
             return None
         try:
-            name = io.read_text(io.join(url, POINTER_NAME)).strip()
+            name = io.read_text(io.join(url, POINTER_NAME), max_size=io.MAX_MARKER_BYTES).strip()
         except CkptctlError:
             return None
         return name or None
@@ -279,6 +281,17 @@ class NativeLayout(Layout):
         """The manifest, which the core writes last (without it a folder is in progress or broken)."""
         return (MANIFEST_NAME,) if MANIFEST_NAME in files else ()
 
+    def resume_profile(self) -> ResumeProfile:
+        """See `frameworks.native.resume`."""
+        from ckptctl.frameworks.native.resume import PROFILE
+
+        return PROFILE
+
+    def namespace_stripper(self, entries: Sequence[TensorEntry]) -> NameStripper:
+        """`<entry>.<key>` names lose the entry name (the key of the saved state, `model` for `state["model"]`)
+        when every tensor of the component carries the same one."""
+        return keep_name if shared_first_segment(entries) is None else strip_segments(1)
+
 
 #: A parse cache owned by this module for the whole process, not by a scan (`layouts.ScanContext`): keyed
 #: by the local file's version (path, size, mtime in ns), so it serves only the bytes it parsed.
@@ -306,7 +319,7 @@ def read_native_manifest(url: str) -> Manifest:
                 cached = _MANIFEST_CACHE.get(key)
             if cached is not None:
                 return cached
-    manifest = parse_manifest(io.read_bytes(manifest_url), manifest_url)
+    manifest = load_manifest(manifest_url)
     if not manifest.native:
         raise CorruptCheckpoint(f"{manifest_url} is a digests file, not a checkpoint manifest")
     if key is not None:

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ckptctl import io
-from ckptctl.checkpoint import Checkpoint, CheckpointRef, CheckpointState, Component, Problem, ProblemKind
+from ckptctl.checkpoint import Checkpoint, CheckpointRef, CheckpointState, Component, Problem, ProblemKind, Role
 from ckptctl.errors import CkptctlError, UnknownLayout, UnsafePickle
 from ckptctl.formats.torch_pickle import open_torch_pickle, storage_problems
 from ckptctl.frameworks.deepspeed import layout as deepspeed
@@ -40,6 +40,7 @@ from ckptctl.frameworks.hf_trainer.layout import IN_PROGRESS_WINDOW_S
 from ckptctl.io import DirEntry
 from ckptctl.layouts import peek, peek_dir
 from ckptctl.layouts.base import Layout, MasterWeights, folder_size, newest_mtime, timestamp
+from ckptctl.layouts.resume import ResumeProfile
 
 __all__ = ["COMPLETE_MARKER", "DRIVER_STATE_NAME", "REF_POLICY", "OpenInstructLayout"]
 
@@ -274,7 +275,7 @@ class OpenInstructLayout(Layout):
         if _SNAPSHOT.match(io.name_of(url)):
             model = HfModelLayout().open(url)
             snapshot = {"format": "open_instruct", "kind": "hf_snapshot", **model.metadata}
-            return replace(model, ref=ref, metadata=snapshot)
+            return replace(model, ref=ref, metadata=snapshot, role=Role.EXPORT)
         inner = deepspeed.DeepSpeedLayout().open(url)
         client = _client_state(url, entries)
         components = set(inner.components)
@@ -284,7 +285,7 @@ class OpenInstructLayout(Layout):
             components.add(Component.DATALOADER)
         ref_policy = self._ref_policy(url)
         progress = {k: client.scalars[k] for k in _COUNTERS if k in client.scalars}
-        progress["optimizer_steps"] = (inner.metadata.get("progress") or {}).get("global_steps")
+        progress["optimizer_steps"] = inner.progress.get("global_steps")
         metadata: dict[str, Any] = {
             **inner.metadata,
             "format": "open_instruct",
@@ -310,6 +311,8 @@ class OpenInstructLayout(Layout):
             ),
             components=frozenset(components),
             metadata=metadata,
+            progress=progress,
+            rng_keys=frozenset(client.rng_keys),
         )
 
     @staticmethod
@@ -370,6 +373,12 @@ class OpenInstructLayout(Layout):
                 )
             )
         return problems
+
+    def resume_profile(self) -> ResumeProfile:
+        """See `frameworks.open_instruct.resume`."""
+        from ckptctl.frameworks.open_instruct.resume import PROFILE
+
+        return PROFILE
 
 
 def _worse(a: CheckpointRef, b: CheckpointRef) -> CheckpointState:

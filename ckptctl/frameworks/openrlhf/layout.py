@@ -23,20 +23,21 @@ keeps every `best*` folder.
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
 from ckptctl import io
-from ckptctl.checkpoint import Checkpoint, CheckpointRef, CheckpointState, Component, Problem, ProblemKind
+from ckptctl.checkpoint import Checkpoint, CheckpointRef, CheckpointState, Component, Problem, ProblemKind, Role
 from ckptctl.errors import CkptctlError, UnknownLayout
+from ckptctl.formats.documents import as_real, read_json
 from ckptctl.frameworks.deepspeed import layout as deepspeed
 from ckptctl.frameworks.hf.layout import HfModelLayout, has_weights, model_markers, verify_model_files
 from ckptctl.io import DirEntry
 from ckptctl.layouts import peek, peek_dir
 from ckptctl.layouts.base import Layout, MasterWeights, Protections, folder_size, newest_mtime, timestamp
+from ckptctl.layouts.resume import ResumeProfile
 
 __all__ = ["METRIC_NAME", "OpenRlhfLayout"]
 
@@ -71,9 +72,8 @@ def _role(url: str) -> str | None:
 def _read_metric(url: str) -> dict[str, Any] | None:
     """The `metric.json` payload of a tag, or None when it is missing or unreadable."""
     try:
-        data = io.read_bytes(io.join(url, METRIC_NAME), 0, _MAX_METRIC_BYTES)
-        payload = json.loads(data)
-    except (CkptctlError, ValueError):
+        payload = read_json(io.join(url, METRIC_NAME), max_bytes=_MAX_METRIC_BYTES)
+    except CkptctlError:
         return None
     return payload if isinstance(payload, dict) else None
 
@@ -82,11 +82,11 @@ def _metrics(payload: dict[str, Any] | None) -> dict[str, float]:
     """`{metric_key: metric_value}` for `prune --keep-best` (nothing when OpenRLHF recorded no value)."""
     if payload is None:
         return {}
-    value = payload.get("metric_value")
-    if not isinstance(value, int | float) or isinstance(value, bool):
+    value = as_real(payload.get("metric_value"))
+    if value is None:
         return {}
     key = payload.get("metric_key")
-    return {key if isinstance(key, str) and key else "metric": float(value)}
+    return {key if isinstance(key, str) and key else "metric": value}
 
 
 class OpenRlhfLayout(Layout):
@@ -139,20 +139,21 @@ class OpenRlhfLayout(Layout):
         if _EXPORT.match(io.name_of(url)):
             model = HfModelLayout().open(url)
             export = {"format": "openrlhf", "kind": "hf_export", **model.metadata}
-            return replace(model, ref=replace(ref, created=model.ref.created), metadata=export)
+            return replace(model, ref=replace(ref, created=model.ref.created), metadata=export, role=Role.EXPORT)
         inner = deepspeed.DeepSpeedLayout().open(url)
-        progress = dict(inner.metadata.get("progress") or {})
+        progress = dict(inner.progress)
         global_step = progress.get("global_step")
         payload = _read_metric(url) if any(e.name == METRIC_NAME for e in entries) else None
+        counters = {k: progress[k] for k in _COUNTERS if k in progress}
+        metrics = _metrics(payload)
         metadata: dict[str, Any] = {
             **inner.metadata,
             "format": "openrlhf",
             "kind": "best" if io.name_of(url).startswith("best_") else "tag",
             "role": _role(url),
-            "progress": {k: progress[k] for k in _COUNTERS if k in progress},
+            "progress": counters,
             "optimizer_steps": progress.get("global_steps"),
         }
-        metrics = _metrics(payload)
         if payload is not None:
             metadata["metrics"] = metrics
             metadata["metric_key"] = payload.get("metric_key")
@@ -171,6 +172,7 @@ class OpenRlhfLayout(Layout):
                 note=inner.ref.note or ref.note,
             ),
             metadata=metadata,
+            progress=counters,
             metrics=metrics,
         )
 
@@ -221,6 +223,12 @@ class OpenRlhfLayout(Layout):
         return Protections(
             reasons=dict.fromkeys(best, ("a best checkpoint (best* folders are kept, as OpenRLHF does)",))
         )
+
+    def resume_profile(self) -> ResumeProfile:
+        """See `frameworks.openrlhf.resume`."""
+        from ckptctl.frameworks.openrlhf.resume import PROFILE
+
+        return PROFILE
 
 
 def _tags_with_metric(url: str) -> list[str]:

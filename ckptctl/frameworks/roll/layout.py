@@ -27,7 +27,6 @@ so the explicit path is what resumes.
 
 from __future__ import annotations
 
-import json
 import re
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -47,6 +46,7 @@ from ckptctl.checkpoint import (
 )
 from ckptctl.errors import CkptctlError, UnknownLayout
 from ckptctl.formats.dcp_metadata import METADATA_NAME
+from ckptctl.formats.documents import read_json
 from ckptctl.formats.torch_pickle import open_torch_pickle
 from ckptctl.frameworks.dcp.layout import (
     DISTCP_RE,
@@ -68,7 +68,16 @@ from ckptctl.frameworks.hf.layout import (
 )
 from ckptctl.frameworks.hf_trainer.layout import IN_PROGRESS_WINDOW_S
 from ckptctl.io import DirEntry
-from ckptctl.layouts.base import Layout, every_child_folder, folder_size, list_files, newest_mtime, timestamp
+from ckptctl.layouts.base import (
+    Layout,
+    absent_numbers,
+    every_child_folder,
+    folder_size,
+    list_files,
+    newest_mtime,
+    timestamp,
+)
+from ckptctl.layouts.resume import ResumeProfile
 
 __all__ = ["CRITIC", "PIPELINE_STATE", "RollLayout"]
 
@@ -179,9 +188,9 @@ class _Role:
             if iteration is None or iteration not in self.dirs:
                 problems.append(f"no {self.prefix}{iteration or 'iter_*'}/ folder")
             ranks = self.rng_ranks()
-            gaps = sorted(set(range(max(ranks) + 1)) - set(ranks)) if ranks else []
+            gaps = absent_numbers(ranks, max(ranks) + 1, 8)[0] if ranks else []
             if gaps:
-                problems.append(f"no {self.prefix}{RNG_DIR}/ files of rank(s) {', '.join(map(str, gaps[:8]))}")
+                problems.append(f"no {self.prefix}{RNG_DIR}/ files of rank(s) {', '.join(map(str, gaps))}")
         return problems
 
 
@@ -191,9 +200,9 @@ def _dcp_listing_problems(entries: Sequence[DirEntry], where: str) -> list[str]:
     problems = []
     if METADATA_NAME not in names:
         problems.append(f"no {where}{METADATA_NAME}")
-    gaps = sorted(set(range(max(ranks) + 1)) - ranks) if ranks else []
+    gaps = absent_numbers(ranks, max(ranks) + 1, 8)[0] if ranks else []
     if gaps:
-        problems.append(f"no {where} data files of rank(s) {', '.join(map(str, gaps[:8]))}")
+        problems.append(f"no {where} data files of rank(s) {', '.join(map(str, gaps))}")
     return problems
 
 
@@ -212,8 +221,8 @@ def _is_roll(entries: Sequence[DirEntry]) -> bool:
 
 def _read_pipeline_state(url: str) -> dict[str, Any] | None:
     try:
-        doc = json.loads(io.read_bytes(io.join(url, *PIPELINE_STATE.split("/")), 0, _MAX_JSON_BYTES))
-    except (CkptctlError, ValueError):
+        doc = read_json(io.join(url, *PIPELINE_STATE.split("/")), max_bytes=_MAX_JSON_BYTES)
+    except CkptctlError:
         return None
     return doc if isinstance(doc, dict) else None
 
@@ -292,11 +301,13 @@ class RollLayout(Layout):
         components: set[Component] = set()
         metrics: dict[str, Any] = {}
         metadata: dict[str, Any] = {"format": "roll", "resume_setting": f"resume_from_checkpoint: {url}"}
+        progress: dict[str, Any] = {}
+        rng_keys: list[str] | None = None
         doc = _read_pipeline_state(url)
         if doc is not None:
             components.add(Component.TRAINER_STATE)
             step = doc.get("step")
-            metadata["progress"] = {"step": step, **_scalars(doc.get("kv"), "kv.")}
+            progress = metadata["progress"] = {"step": step, **_scalars(doc.get("kv"), "kv.")}
             history = doc.get("log_history")
             if isinstance(history, list) and history:
                 metrics = metadata["metrics"] = _scalars(history[-1])
@@ -304,7 +315,7 @@ class RollLayout(Layout):
                 metadata["note"] = f"the pipeline state says step {step}, the folder name {ref.step}"
         if PIPELINE_RNG in files:
             components.add(Component.RNG)
-            metadata["rng_keys"] = _rng_keys(io.join(url, *PIPELINE_RNG.split("/")), files[PIPELINE_RNG])
+            rng_keys = metadata["rng_keys"] = _rng_keys(io.join(url, *PIPELINE_RNG.split("/")), files[PIPELINE_RNG])
         world_sizes = {}
         for role in roles:
             info = self._role_info(role, components)
@@ -323,7 +334,9 @@ class RollLayout(Layout):
             metadata=metadata,
             tensor_index=tensor_index,
             files=files,
+            progress=progress,
             metrics=metrics,
+            rng_keys=None if rng_keys is None else frozenset(rng_keys),
         )
 
     @staticmethod
@@ -411,6 +424,12 @@ class RollLayout(Layout):
             found += [prefix + name for name in (f"{DCP_FOLDER}/{METADATA_NAME}", TRACKER) if prefix + name in files]
         return (*found, PIPELINE_STATE) if PIPELINE_STATE in files else tuple(found)
 
+    def resume_profile(self) -> ResumeProfile:
+        """See `frameworks.roll.resume`."""
+        from ckptctl.frameworks.roll.resume import PROFILE
+
+        return PROFILE
+
 
 def _role_problems(role: _Role, files: Mapping[str, int]) -> list[Problem]:
     prefix = role.prefix
@@ -449,12 +468,21 @@ def _megatron_problems(role: _Role) -> list[Problem]:
     tp = config.get("tensor_model_parallel_size") if isinstance(config, dict) else None
     tp_ranks = {int(m.group(1)) for d in mp_dirs if (m := _MP_RANK.match(d))}
     if mp_dirs and type(tp) is int:
-        for rank in sorted(set(range(tp)) - tp_ranks):
+        listed, absent = absent_numbers(tp_ranks, tp)
+        for rank in listed:
             problems.append(
                 Problem(
                     ProblemKind.MISSING_FILE,
                     f"{prefix}{iteration}/mp_rank_{rank:02d}",
                     "model files of this rank are missing",
+                )
+            )
+        if absent > len(listed):
+            problems.append(
+                Problem(
+                    ProblemKind.MISSING_FILE,
+                    f"{prefix}{iteration}",
+                    f"{absent - len(listed)} more ranks of tensor_model_parallel_size={tp} have no mp_rank folder",
                 )
             )
     for d in mp_dirs:
@@ -476,7 +504,7 @@ def _megatron_problems(role: _Role) -> list[Problem]:
             Problem(ProblemKind.MISSING_FILE, f"{prefix}{iteration}/", "no mp_rank_*/ or dist_model/ inside")
         )
     ranks = role.rng_ranks()
-    for rank in sorted(set(range(max(ranks) + 1)) - set(ranks)) if ranks else []:
+    for rank in absent_numbers(ranks, max(ranks) + 1)[0] if ranks else []:
         problems.append(
             Problem(
                 ProblemKind.MISSING_FILE, f"{prefix}{RNG_DIR}/rng_state_{rank}.pth", "this rank's RNG state is missing"
@@ -532,8 +560,8 @@ def _prefixed(entries: Sequence[TensorEntry], file_prefix: str, name_prefix: str
 
 def _read_json(url: str) -> Any:
     try:
-        return json.loads(io.read_bytes(url, 0, _MAX_JSON_BYTES))
-    except (CkptctlError, ValueError):
+        return read_json(url, max_bytes=_MAX_JSON_BYTES)
+    except CkptctlError:
         return None
 
 

@@ -7,7 +7,8 @@ import os
 from collections.abc import Sequence
 
 from ckptctl import io
-from ckptctl.errors import CheckpointNotFound, CkptctlError
+from ckptctl.errors import CheckpointNotFound, CkptctlError, CorruptCheckpoint
+from ckptctl.formats.documents import parse_json
 from ckptctl.ops.convert.commit import write_small
 from ckptctl.ops.convert.options import ConvertOptions
 
@@ -61,10 +62,14 @@ def _present(folder: str, names: Sequence[str]) -> dict[str, str]:
     return {name: io.join(folder, name) for name in names if name in entries}
 
 
+#: The largest config or tokenizer file copied (a large vocabulary's tokenizer.json is tens of MB).
+_MAX_SIDE_FILE = 256 << 20
+
+
 def copy_side_files(files: dict[str, str], out: str, dtype: str | None) -> tuple[str, ...]:
     """Copy config/tokenizer files; with a cast, config.json's dtype field follows it."""
     for name, url in files.items():
-        data = io.read_bytes(url)
+        data = io.read_bytes(url, max_size=_MAX_SIDE_FILE)
         if name == "config.json" and dtype is not None:
             data = _config_with_dtype(data, dtype)
         write_small(os.path.join(out, name), data)
@@ -73,8 +78,8 @@ def copy_side_files(files: dict[str, str], out: str, dtype: str | None) -> tuple
 
 def _config_with_dtype(data: bytes, dtype: str) -> bytes:
     try:
-        config = json.loads(data)
-    except (json.JSONDecodeError, UnicodeDecodeError):
+        config = parse_json(data, "config.json")
+    except CorruptCheckpoint:
         return data
     if not isinstance(config, dict):
         return data

@@ -1,4 +1,7 @@
-"""`demo`: a tiny real training run with the core, so every command has real checkpoints to work on.
+"""`ckptctl demo`: a tiny real training run with the core, so every command has real checkpoints to work on.
+
+Not in `ckptctl.ops`: it writes sample runs of several frameworks (by their folder names), while ops never
+name a framework.
 
 Writes, under DIR:
 - `native/`: single-process run saved by `CheckpointManager` every 10 steps (safetensors + JSON);

@@ -1,0 +1,68 @@
+"""How a torch DCP checkpoint resumes (`dcp.load`): it reshards onto any number of ranks, and a folder
+overwritten in place can hold new data under its old `.metadata`.
+
+The layouts that keep DCP folders inside their checkpoints (the core's `dcp/`, the Trainer's FSDP
+folders, AReaL's recover slot, ROLL) use `reshards` and `overwrite_warnings` in their own profiles.
+"""
+
+from __future__ import annotations
+
+import os
+
+from ckptctl import io
+from ckptctl.errors import CkptctlError
+from ckptctl.formats.dcp_metadata import METADATA_NAME
+from ckptctl.layouts.resume import PlanContext, ResumeProfile, WorldSizeCheck, target_ranks
+
+__all__ = ["MTIME_SLACK_S", "PROFILE", "overwrite_warnings", "reshards"]
+
+#: A DCP data file newer than its `.metadata` by more than this (seconds) means an overwrite in place
+#: was under way; below it, clocks and timestamp granularity of shared file systems.
+MTIME_SLACK_S = 2.0
+
+
+def _hint(ctx: PlanContext) -> str:
+    return f'dcp.load(state, checkpoint_id="{ctx.url}")'
+
+
+def reshards(ctx: PlanContext) -> WorldSizeCheck:
+    """DCP reshards at load: any number of ranks loads it, each reading its part of the tensors."""
+    saved = ctx.checkpoint.world_size
+    target = target_ranks(ctx, saved) or 1
+    total = sum(e.nbytes for e in ctx.checkpoint.tensors())
+    return WorldSizeCheck(
+        saved,
+        target,
+        True,
+        f"torch DCP reshards at load: {target} rank(s) each read their part",
+        bytes_per_rank=total // target,
+    )
+
+
+def overwrite_warnings(ctx: PlanContext) -> list[str]:
+    """A DCP folder whose data files are newer than its `.metadata`: an in-place overwrite that did not
+    finish left the OLD metadata over (partly) NEW data, and structural verify cannot tell."""
+    checkpoint = ctx.checkpoint
+    folders = sorted({os.path.dirname(f) for f in checkpoint.files if os.path.basename(f) == METADATA_NAME})
+    found = []
+    for folder in folders:
+        url = io.join(checkpoint.url, folder) if folder else checkpoint.url
+        try:
+            entries = io.list_dir(url)
+        except CkptctlError:
+            continue
+        meta = next((e.mtime for e in entries if e.name == METADATA_NAME and not e.is_dir), None)
+        data = [e.mtime for e in entries if e.name.endswith(".distcp") and not e.is_dir and e.mtime]
+        if meta and data and max(data) > meta + MTIME_SLACK_S:
+            where = f"{folder}/" if folder else ""
+            found.append(
+                f"{where}.metadata is older than its data files ({max(data) - meta:.0f} s): the DCP folder was "
+                "overwritten in place and the save did not finish, so the data may not match the metadata; "
+                "`ckptctl verify --deep` reads every tensor back (file copies that did not keep mtimes also cause this)"
+            )
+    return found
+
+
+PROFILE = ResumeProfile(
+    framework="torch.distributed.checkpoint", hint=_hint, world_size=reshards, traps=overwrite_warnings
+)

@@ -1,0 +1,105 @@
+"""How the Hugging Face Trainer resumes (`trainer.train(resume_from_checkpoint=...)`): the full state on
+every rank, or DeepSpeed's or FSDP's rules when the checkpoint holds their folders; `True` picks the
+highest `checkpoint-N` without looking inside (transformers#35782)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from ckptctl import io
+from ckptctl.checkpoint import Checkpoint, Component
+from ckptctl.errors import CkptctlError
+from ckptctl.frameworks.dcp.resume import overwrite_warnings, reshards
+from ckptctl.frameworks.deepspeed import resume as deepspeed
+from ckptctl.frameworks.hf_trainer.layout import CHECKPOINT_DIR, RNG_FILE
+from ckptctl.layouts.resume import PlanContext, ResumeProfile, WorldSizeCheck, target_ranks
+
+__all__ = ["PROFILE"]
+
+_FRAMEWORK = "transformers Trainer"
+
+
+def _hint(ctx: PlanContext) -> str:
+    return f'trainer.train(resume_from_checkpoint="{ctx.url}")'
+
+
+def _world_size(ctx: PlanContext) -> WorldSizeCheck:
+    checkpoint = ctx.checkpoint
+    if deepspeed.zero_facts(checkpoint):
+        return deepspeed.world_size(ctx)
+    rng = sorted(int(m.group(1) or 0) if m.group(1) else -1 for f in checkpoint.files if (m := RNG_FILE.match(f)))
+    saved = checkpoint.world_size
+    target = target_ranks(ctx, saved) or 1
+    if any(name.startswith("pytorch_model_fsdp_") for name in checkpoint.files):
+        return reshards(ctx)
+    per_rank = sum(
+        size
+        for name, size in checkpoint.files.items()
+        if "/" not in name and not RNG_FILE.match(name) and name != "training_args.bin"
+    )
+    note = "the Trainer loads the full model and optimizer.pt on every rank"
+    wanted = {-1} if target == 1 else set(range(target))
+    without = sorted(wanted - set(rng))
+    if rng and without:
+        names = "rng_state.pth" if without == [-1] else f"rng_state_{{{without[0]}..{without[-1]}}}.pth"
+        note += f"; it looks for {names}, which the checkpoint lacks: those processes keep unrestored RNG states"
+    return WorldSizeCheck(saved, target, True, note, bytes_per_rank=per_rank)
+
+
+_IMPACTS: Mapping[Component, str] = {
+    Component.DATALOADER: "no sampler state: the Trainer rebuilds the data order from the seed and skips the "
+    "batches already seen in the current epoch (unless ignore_data_skip=True)",
+}
+
+
+def _highest_warning(ctx: PlanContext) -> list[str]:
+    """The Trainer resumes from the highest-numbered `checkpoint-N` folder without looking inside
+    (transformers#35782), even one that holds nothing yet."""
+    output_dir = io.parent_of(ctx.url)
+    try:
+        numbered = [
+            (int(m.group(1)), e.name)
+            for e in io.list_dir(output_dir)
+            if e.is_dir and (m := CHECKPOINT_DIR.match(e.name))
+        ]
+    except CkptctlError:
+        return []
+    if not numbered:
+        return []
+    _, highest = max(numbered)
+    if highest == io.name_of(ctx.url):
+        return []
+    url = io.join(output_dir, highest)
+    why = next((s.reason for s in ctx.skipped if s.url == url), "not a complete Trainer checkpoint")
+    return [
+        f"{_FRAMEWORK}: resume_from_checkpoint=True picks the highest checkpoint-N without checking it, "
+        f"so it would load {highest} ({why}); pass the path of {io.name_of(ctx.url)} instead"
+    ]
+
+
+def _traps(ctx: PlanContext) -> list[str]:
+    return _highest_warning(ctx) + overwrite_warnings(ctx)
+
+
+def _rng_keys(checkpoint: Checkpoint) -> frozenset[str] | None:
+    """The keys of the first `rng_state*.pth` (its pickle's `data.pkl` only, read on demand)."""
+    name = next((f for f in sorted(checkpoint.files) if RNG_FILE.match(f)), None)
+    if name is None:
+        return None
+    from ckptctl.formats.torch_pickle import open_torch_pickle
+
+    try:
+        root = open_torch_pickle(io.join(checkpoint.url, name), checkpoint.files[name]).root
+    except CkptctlError:
+        return None
+    return frozenset(map(str, root)) if isinstance(root, dict) else None
+
+
+PROFILE = ResumeProfile(
+    framework=_FRAMEWORK,
+    hint=_hint,
+    world_size=_world_size,
+    impacts=_IMPACTS,
+    rng_keys=_rng_keys,
+    traps=_traps,
+)

@@ -1,0 +1,203 @@
+"""What a layout tells `resume-plan`: how its framework resumes (one `ResumeProfile` per layout).
+
+A layout returns its profile from `Layout.resume_profile()`; the framework's own rules (its resume
+setting, world-size rules, traps) live in its package (`ckptctl/frameworks/<name>/resume.py`), and
+`ckptctl.ops.resume_plan` applies them without naming any framework. The types and the verdicts several
+frameworks share are here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ckptctl import io
+from ckptctl.checkpoint import Checkpoint, CheckpointRef, CheckpointState, Component
+
+__all__ = [
+    "DEFAULT_IMPACT",
+    "RESUMABLE",
+    "PlanContext",
+    "ResumeProfile",
+    "Skipped",
+    "WorldSizeCheck",
+    "generic_profile",
+    "recorded_rng_keys",
+    "target_ranks",
+    "unchecked_world_size",
+]
+
+#: What a training resume restores, in the order plans list them.
+RESUMABLE: tuple[Component, ...] = (
+    Component.MODEL,
+    Component.OPTIMIZER,
+    Component.SCHEDULER,
+    Component.RNG,
+    Component.DATALOADER,
+    Component.TRAINER_STATE,
+)
+
+#: What a missing component means for the resumed run (a layout's profile may say it better).
+DEFAULT_IMPACT: Mapping[Component, str] = {
+    Component.MODEL: "no model weights: there is nothing to resume from",
+    Component.OPTIMIZER: "no optimizer state: Adam moments restart from zero (expect a loss spike; a short "
+    "learning-rate warm-up softens it)",
+    Component.SCHEDULER: "no LR scheduler state: the schedule restarts from its first step unless the training "
+    "code sets it from the step",
+    Component.RNG: "no RNG state: dropout, sampling and shuffling draw other numbers than an uninterrupted run",
+    Component.DATALOADER: "no data loader/sampler state: the data order restarts, so samples seen before the "
+    "save are seen again unless the code skips them",
+    Component.TRAINER_STATE: "no step/epoch counters: the loop counts from 0 unless it is told the step "
+    "(schedules, logging and saves shift)",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Skipped:
+    """A checkpoint newer than the one chosen, and why a resume must not load it."""
+
+    url: str
+    step: int | None
+    reason: str
+    layout: str
+    state: CheckpointState
+
+    def to_json(self) -> dict[str, Any]:
+        return {"url": self.url, "step": self.step, "reason": self.reason, "layout": self.layout, "state": self.state}
+
+
+@dataclass(frozen=True, slots=True)
+class WorldSizeCheck:
+    """Whether the checkpoint loads on the target number of ranks.
+
+    Attributes:
+        saved: ranks that wrote it (None when not recorded).
+        target: ranks of the resumed run (the saved number when not asked).
+        ok: whether it loads there; None when it cannot be told.
+        note: why, in one line.
+        fix: what to run first when it does not load as is ("" when nothing is needed).
+        bytes_per_rank: estimated bytes each rank reads to load it (None when unknown).
+    """
+
+    saved: int | None
+    target: int | None
+    ok: bool | None
+    note: str
+    fix: str = ""
+    bytes_per_rank: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"saved": self.saved, "target": self.target, "ok": self.ok, "note": self.note, "fix": self.fix}
+
+
+@dataclass(frozen=True, slots=True)
+class PlanContext:
+    """What a profile's functions get: the chosen checkpoint, the run's checkpoints and the target ranks.
+
+    Attributes:
+        run: the run folder.
+        checkpoint: the chosen checkpoint, opened.
+        refs: every checkpoint of the run (the chosen one included).
+        skipped: the newer checkpoints that were skipped.
+        target: the number of ranks asked for, or None.
+        world: the profile's world-size verdict, once known (hints depend on it).
+    """
+
+    run: str
+    checkpoint: Checkpoint
+    refs: tuple[CheckpointRef, ...]
+    skipped: tuple[Skipped, ...]
+    target: int | None
+    world: WorldSizeCheck | None = None
+
+    @property
+    def url(self) -> str:
+        return self.checkpoint.url
+
+    @property
+    def newest(self) -> bool:
+        """Whether the chosen checkpoint is the run's newest (nothing newer was skipped)."""
+        return not self.skipped
+
+
+def _no_notes(ctx: PlanContext) -> list[str]:
+    return []
+
+
+def _no_extras(ctx: PlanContext) -> dict[str, str]:
+    return {}
+
+
+def _never(ref: CheckpointRef) -> bool:
+    return False
+
+
+def recorded_rng_keys(checkpoint: Checkpoint) -> frozenset[str] | None:
+    """The RNG keys the layout recorded when it opened the checkpoint (`Checkpoint.rng_keys`)."""
+    return checkpoint.rng_keys
+
+
+@dataclass(frozen=True, slots=True)
+class ResumeProfile:
+    """How one framework resumes from its checkpoints.
+
+    Attributes:
+        framework: its name, for people.
+        hint: the exact setting that resumes from the chosen checkpoint.
+        world_size: whether (and at what read cost) the target number of ranks loads it.
+        restored: the components it reloads when present (others are saved but ignored on resume).
+        impacts: better one-liners than `DEFAULT_IMPACT` for this framework.
+        follows_pointer: it loads what the run's `latest` pointer names, not the newest folder.
+        resumable: False for model-only folders (an HF export restores no training state).
+        export_name: what the framework's model-only folders are, for the reason a plan skips them.
+        run_of: the run folder a checkpoint belongs to (the folder its checkpoints are grouped by).
+        companion: checkpoints that are not resumed from but load along with the chosen one (OpenRLHF's
+            critic tags); they are left out of the candidates.
+        rng_keys: the top-level keys of the checkpoint's RNG state (None when it has none, or cannot
+            tell); by default what the layout recorded, a profile may read them on demand instead.
+        traps: warnings the files on disk give about the chosen checkpoint that structural verify cannot
+            tell (a DCP folder overwritten in place, a folder the framework would pick instead); listed first.
+        notes: other framework-specific warnings, listed last.
+        extras: framework-specific "not restored" lines beyond components (AReaL's critic).
+    """
+
+    framework: str
+    hint: Callable[[PlanContext], str]
+    world_size: Callable[[PlanContext], WorldSizeCheck]
+    restored: frozenset[Component] = frozenset(RESUMABLE)
+    impacts: Mapping[Component, str] = field(default_factory=dict)
+    follows_pointer: bool = False
+    resumable: bool = True
+    export_name: str = "an HF export"
+    run_of: Callable[[str], str] = io.parent_of
+    companion: Callable[[CheckpointRef], bool] = _never
+    rng_keys: Callable[[Checkpoint], frozenset[str] | None] = recorded_rng_keys
+    traps: Callable[[PlanContext], list[str]] = _no_notes
+    notes: Callable[[PlanContext], list[str]] = _no_notes
+    extras: Callable[[PlanContext], dict[str, str]] = _no_extras
+
+
+def target_ranks(ctx: PlanContext, saved: int | None) -> int | None:
+    """The ranks of the resumed run: those asked for, else the saved number."""
+    return ctx.target if ctx.target is not None else saved
+
+
+def unchecked_world_size(ctx: PlanContext) -> WorldSizeCheck:
+    """The verdict for a framework whose world-size rules ckptctl does not know."""
+    saved = ctx.checkpoint.world_size
+    return WorldSizeCheck(
+        saved,
+        target_ranks(ctx, saved),
+        None,
+        "not checked for this framework: keep the parallelism it was saved with to be safe",
+    )
+
+
+def _generic_hint(ctx: PlanContext) -> str:
+    return f"load {ctx.url} with the framework that wrote it ({ctx.checkpoint.layout})"
+
+
+def generic_profile(layout: str) -> ResumeProfile:
+    """The plan for a layout that has no profile of its own: what it holds, and no framework rules."""
+    return ResumeProfile(framework=layout, hint=_generic_hint, world_size=unchecked_world_size)

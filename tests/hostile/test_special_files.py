@@ -1,0 +1,118 @@
+"""Special files where a checkpoint's small files belong (issue 16, point 5).
+
+A FIFO as `latest`, `trainer_state.json`, `.metadata` or the prune lock used to block every command
+forever; `/dev/zero` or a sparse 4 GiB file in their place made them read until MemoryError. ckptctl reads
+only regular files, and metadata only up to a size no real one reaches: each command now ends at once,
+in little memory, naming the file when it needed it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from ckptctl.ops.lock import LOCK_NAME
+from tests.hostile.conftest import Source, message_of, plant
+from tests.hostile.harness import run_ckptctl
+
+
+#: How each kind of special file is put in place of the real one.
+def _sparse(path: Path) -> None:
+    with open(path, "wb") as f:
+        f.truncate(4 << 30)
+
+
+KINDS = {
+    "fifo": os.mkfifo,
+    "dev-zero": lambda path: path.symlink_to("/dev/zero"),
+    "sparse-4GiB": _sparse,
+}
+#: What `stat` says of each kind, in ckptctl's messages.
+SAID = {"fifo": "FIFO", "dev-zero": "character device", "sparse-4GiB": "larger than"}
+
+
+@dataclass(frozen=True)
+class Target:
+    """A small file commands read, and what they must do when something else is in its place.
+
+    `runs` holds (arguments, expected exit code, whether the message must name the file); `{run}` and
+    `{ckpt}` stand for the copy and its checkpoint.
+    """
+
+    source: str
+    file: str
+    runs: tuple[tuple[tuple[str, ...], int, bool], ...]
+
+
+TARGETS = {
+    # An unreadable pointer names nothing: the run lists and plans as if it had none.
+    "latest": Target(
+        "native",
+        "latest",
+        ((("list", "{run}", "--json"), 0, False), (("resume-plan", "{run}", "--json"), 0, False)),
+    ),
+    "trainer_state": Target(
+        "trainer",
+        "checkpoint-4/trainer_state.json",
+        ((("list", "{run}", "--json"), 0, False), (("verify", "{ckpt}", "--json"), 1, True)),
+    ),
+    "dcp_metadata": Target(
+        "dcp",
+        "step-30/.metadata",
+        ((("inspect", "{ckpt}"), 2, True), (("verify", "{ckpt}", "--json"), 1, True)),
+    ),
+}
+
+
+@pytest.fixture(scope="session")
+def special(tmp_path_factory: pytest.TempPathFactory, sources: dict[str, Source]) -> dict[tuple[str, str], Path]:
+    """A copy of each target's run per kind, with the special file in place: (target, kind) -> run."""
+    root = tmp_path_factory.mktemp("hostile-special")
+    made = {}
+    for name, target in {**TARGETS, "lock": Target("native", LOCK_NAME, ())}.items():
+        for kind, make in KINDS.items():
+            run = plant(sources[target.source], root / f"{name}-{kind}", target.file)
+            make(run / target.file)
+            made[name, kind] = run
+    return made
+
+
+RUNS = [(name, kind, run) for name, target in TARGETS.items() for kind in KINDS for run in target.runs]
+
+
+@pytest.mark.parametrize(("name", "kind", "run"), RUNS, ids=[f"{name}-{kind}-{run[0][0]}" for name, kind, run in RUNS])
+def test_a_special_file_ends_the_command_at_once(
+    special: dict[tuple[str, str], Path],
+    sources: dict[str, Source],
+    name: str,
+    kind: str,
+    run: tuple[tuple[str, ...], int, bool],
+) -> None:
+    args, code, named = run
+    target = TARGETS[name]
+    folder = special[name, kind]
+    checkpoint = folder / sources[target.source].checkpoint
+    outcome = run_ckptctl([a.format(run=folder, ckpt=checkpoint) for a in args], timeout=30)
+    outcome.assert_refused(code)
+    if named:
+        message = message_of(outcome)
+        assert Path(target.file).name in message and SAID[kind] in message, message
+    if name == "latest" and args[0] == "list":
+        assert not any(c["latest"] for c in json.loads(outcome.stdout)["checkpoints"])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_special_file_as_the_prune_lock(special: dict[tuple[str, str], Path], kind: str) -> None:
+    """No lock of ours: a FIFO or a device is refused at once (exit 2); a regular file that is not one of our
+    locks is another tool's lock, held (exit 1) until it goes stale."""
+    run = special["lock", kind]
+    outcome = run_ckptctl(["prune", str(run), "--keep-last", "1", "--yes", "--wait", "0"], timeout=30)
+    outcome.assert_refused(1 if kind == "sparse-4GiB" else 2)
+    assert LOCK_NAME in outcome.stderr
+    if kind != "sparse-4GiB":
+        assert SAID[kind] in outcome.stderr
+    assert sorted(p.name for p in run.iterdir() if p.name.startswith("step-")) == ["step-10", "step-20", "step-30"]

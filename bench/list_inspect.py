@@ -151,9 +151,9 @@ def main() -> int:
                     os.stat(os.path.join(folder, name))
 
         list_run(run)  # warm the page cache and the imports
-        before = io.READ_STATS.bytes_read
-        report = list_run(run)
-        list_read = io.READ_STATS.bytes_read - before
+        with io.counting() as read:
+            report = list_run(run)
+        list_read = read.bytes_read
         assert len(report.checkpoints) == args.checkpoints
         ours_list = best_of(args.repeat, lambda: list_run(run))
         du = best_of(args.repeat, lambda: subprocess.run(["du", "-sb", run], stdout=subprocess.DEVNULL, check=True))
@@ -174,9 +174,8 @@ def main() -> int:
                 f"  du -sb                      {ds_du:7.3f} s   ckptctl/du = {ds_list / ds_du:.2f}x"
             )
 
-        before = io.READ_STATS.bytes_read  # the first call: the metadata cache is cold
-        inspected = inspect_checkpoint(str(root / "dcp"))
-        inspect_read = io.READ_STATS.bytes_read - before
+        inspected = inspect_checkpoint(str(root / "dcp"))  # the first call: the metadata cache is cold
+        inspect_read = inspected.bytes_read
         assert inspected.totals.tensors == args.tensors
         from ckptctl.layouts import dcp as dcp_layout
 

@@ -31,11 +31,11 @@ def file_digest(url: str) -> str:
             raise StorageError(f"file vanished while hashing: {url}") from exc
         except OSError as exc:
             raise StorageError(f"cannot read {url}: {exc.strerror or exc}") from exc
-        io.READ_STATS.add(size)
+        io.count_read(size)
         return hasher.hexdigest()
     with io.open_read(url) as f:
         while block := f.read(_REMOTE_BLOCK):
-            io.READ_STATS.add(len(block))
+            io.count_read(len(block))
             hasher.update(block)
     return hasher.hexdigest()
 

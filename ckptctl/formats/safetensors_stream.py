@@ -27,7 +27,7 @@ import mmap
 import os
 import threading
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, wait
 from dataclasses import dataclass
 
 import blake3
@@ -200,7 +200,8 @@ class StreamCopier:
         self._depth = self._workers + 2
         self._on_bytes = on_bytes or (lambda n: None)
         self._direct = direct
-        self._pool = ThreadPoolExecutor(max_workers=self._workers, thread_name_prefix="ckptctl-copy")
+        # Its tasks read the source: they count in the converting operation's byte counter.
+        self._pool = io.ContextThreadPool(max_workers=self._workers, thread_name_prefix="ckptctl-copy")
         self._free: list[_Slot] = []
         self._pending: collections.deque[tuple[Future[memoryview], _Slot]] = collections.deque()
         self._fds: dict[str, int] = {}
@@ -401,7 +402,7 @@ class StreamCopier:
             view[:] = data
             return
         _pread_into(self._source_fd(url), view, offset, url)
-        io.READ_STATS.add(len(view))
+        io.count_read(len(view))
 
     def _source_fd(self, url: str) -> int:
         with self._fd_lock:

@@ -470,7 +470,7 @@ class ZipDirectory:
                 if f is not None and record.header_offset < self._tail_start:
                     f.seek(record.header_offset)
                     header = f.read(_LOCAL_HEADER.size)
-                    ckpt_io.READ_STATS.add(len(header))
+                    ckpt_io.count_read(len(header))
                 else:
                     header = self.read(record.header_offset, _LOCAL_HEADER.size)
                 start = record.header_offset + _local_header_length(header, f"{self.url} ({record.name})")

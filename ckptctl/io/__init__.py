@@ -1,7 +1,8 @@
 """All file access of ckptctl: local paths on a fast path (os calls, mmap), anything else through fsspec.
 
 Paths are strings: a local path, `file://...`, or any fsspec URL (`s3://bucket/run`, `memory://x`).
-Every read is counted in `READ_STATS` so that commands can report how many bytes they touched.
+Every read is counted (`counting`: a counter per operation) so that commands can report how many bytes
+they touched.
 
 Object stores are reached the way their own tools reach them: `s3://` through s3fs and botocore, so the
 standard AWS settings apply (`AWS_PROFILE`, `AWS_ACCESS_KEY_ID`/`AWS_SECRET_ACCESS_KEY`, `AWS_REGION`,
@@ -30,19 +31,26 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_EXCEPTION, wait
 from dataclasses import dataclass
 from typing import IO, Any, TypeVar
 
 from ckptctl.errors import CheckpointNotFound, CkptctlError, CorruptCheckpoint, StorageError
+from ckptctl.io.counting import READ_STATS, ByteCounter, ReadStats, count_read, counting
+from ckptctl.io.parallel import ContextThreadPool
 from ckptctl.units import format_size
 
 __all__ = [
     "MAX_MARKER_BYTES",
     "READ_STATS",
     "RETRY",
+    "ByteCounter",
+    "ContextThreadPool",
     "DirEntry",
+    "ReadStats",
     "RetryPolicy",
+    "count_read",
+    "counting",
     "delete_file",
     "delete_files",
     "delete_tree",
@@ -78,29 +86,6 @@ R = TypeVar("R")
 REMOTE_BLOCK = 8 << 20
 #: The largest marker or pointer file read (a `latest` naming a folder, a tracker holding a step number).
 MAX_MARKER_BYTES = 64 << 10
-
-
-class ReadStats:
-    """Counts bytes read through this module (thread-safe); commands report it in their JSON."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._bytes = 0
-
-    def add(self, n: int) -> None:
-        with self._lock:
-            self._bytes += n
-
-    @property
-    def bytes_read(self) -> int:
-        return self._bytes
-
-    def reset(self) -> None:
-        with self._lock:
-            self._bytes = 0
-
-
-READ_STATS = ReadStats()
 
 
 @dataclass(frozen=True, slots=True)
@@ -833,7 +818,7 @@ def read_bytes(url: str, start: int = 0, length: int | None = None, *, max_size:
             data = _call(lambda: fs.cat_file(path, start=start, end=end), f"reading {url}", url)
     if cap is not None:
         _check_size(url, len(data), cap)  # a file that grew after it was sized, or a remote one
-    READ_STATS.add(len(data))
+    count_read(len(data))
     return data
 
 
@@ -907,7 +892,7 @@ def read_text(url: str, *, max_size: int | None = None) -> str:
 
 @contextlib.contextmanager
 def open_read(url: str) -> Iterator[IO[bytes]]:
-    """A binary file object for sequential reads (bytes are counted by the caller via `READ_STATS`).
+    """A binary file object for sequential reads (bytes are counted by the caller, with `count_read`).
 
     Remote files are opened without a read-ahead cache: every `read(n)` is one range request of `n`
     bytes, so that what the caller counts is what crossed the network.
@@ -926,7 +911,7 @@ def open_read(url: str) -> Iterator[IO[bytes]]:
 def download_file(url: str, path: str, on_block: Callable[[bytes], object] | None = None, max_workers: int = 1) -> int:
     """Copy a file (remote or local) to the local `path` in blocks of `REMOTE_BLOCK`, with up to
     `max_workers` range reads in flight; blocks are written, and passed to `on_block` (a hasher's
-    `update`), in order. Returns the size; bytes are counted in `READ_STATS`."""
+    `update`), in order. Returns the size; bytes are counted (`counting`)."""
     total = file_size(url)
     window = max(1, max_workers)
     offset = 0
@@ -951,12 +936,12 @@ def parallel_map(fn: Callable[[T], R], items: Sequence[T], max_workers: int | No
 
     On the first error (or an interrupt) the calls not yet started are cancelled, and the error is raised
     once the running ones have ended, so that no transfer is left running in the background. Each call runs in a copy of
-    the caller's context (a `listing_snapshot` the caller is inside applies to it).
+    the caller's context (a `listing_snapshot` or byte counter the caller is inside applies to it).
     """
     if len(items) <= 1:
         return [fn(item) for item in items]
-    with ThreadPoolExecutor(max_workers=min(max_workers or workers(), len(items))) as pool:
-        futures = [pool.submit(contextvars.copy_context().run, fn, item) for item in items]
+    with ContextThreadPool(max_workers=min(max_workers or workers(), len(items))) as pool:
+        futures = [pool.submit(fn, item) for item in items]
         try:
             _done, pending = wait(futures, return_when=FIRST_EXCEPTION)
         except BaseException:  # Ctrl-C: start nothing more, let the running calls end
@@ -1040,7 +1025,7 @@ def delete_files(urls: Sequence[str]) -> None:
     1,000 keys a request), one by one locally. Every URL must be on the same store as the first."""
     if not urls:
         return
-    if is_local(urls[0]):
+    if is_local(urls[0]) or len(urls) == 1:
         for url in urls:
             delete_file(url)
         return

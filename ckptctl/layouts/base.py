@@ -20,10 +20,6 @@ from ckptctl.io import DirEntry
 from ckptctl.layouts.naming import NameStripper, format_namespace_stripper
 from ckptctl.layouts.resume import ResumeProfile, generic_profile
 
-#: The folder beside a run's checkpoints that `prune` and the core rename a checkpoint into before deleting
-#: it (an atomic move out of sight): ckptctl's own, never a checkpoint.
-TRASH_NAME = ".ckptctl-trash"
-
 
 class Layout:
     """One on-disk checkpoint layout: everything ckptctl knows about the checkpoints one framework writes.

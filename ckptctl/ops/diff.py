@@ -276,10 +276,13 @@ def diff(a: str, b: str, options: DiffOptions | None = None, progress: Progress 
         CorruptCheckpoint: a tensor's bytes do not read back as its metadata says.
     """
     options = options or DiffOptions()
-    progress = progress or NoProgress()
     if options.atol < 0 or options.rtol < 0 or math.isnan(options.atol) or math.isnan(options.rtol):
         raise CkptctlError("tolerances must be non-negative numbers")
-    before = io.READ_STATS.bytes_read
+    with io.counting() as read:
+        return _diff(a, b, options, progress or NoProgress(), read)
+
+
+def _diff(a: str, b: str, options: DiffOptions, progress: Progress, read: io.ByteCounter) -> DiffReport:
     left = open_checkpoint(a, options.layout_a)
     right = open_checkpoint(b, options.layout_b)
     names_a = _named(left, options)
@@ -318,7 +321,7 @@ def diff(a: str, b: str, options: DiffOptions | None = None, progress: Progress 
         metadata=tuple(metadata_differences(left, right)),
         atol=options.atol,
         rtol=options.rtol,
-        bytes_read=io.READ_STATS.bytes_read - before,
+        bytes_read=read.bytes_read,
         equal_tensors=tuple(equal) if options.keep_equal else (),
         top=options.top,
     )

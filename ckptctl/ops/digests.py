@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
 
 from ckptctl import io
 from ckptctl.checkpoint import Problem, ProblemKind
@@ -60,7 +59,7 @@ def check_digests(
             return Problem(ProblemKind.DIGEST_MISMATCH, rel, f"{rel}: content differs from the recorded blake3 digest")
         return None
 
-    with ThreadPoolExecutor(max_workers=_workers(workers)) as pool:
+    with io.ContextThreadPool(max_workers=_workers(workers)) as pool:
         problems.extend(p for p in pool.map(check, sorted(todo.items(), key=lambda kv: -kv[1].size)) if p)
     progress.finish()
     if manifest.native is False:
@@ -87,7 +86,7 @@ def write_digests(url: str, files: Mapping[str, int], workers: int | None, progr
         progress.advance(size)
         return rel, FileRecord(size, value)
 
-    with ThreadPoolExecutor(max_workers=_workers(workers)) as pool:
+    with io.ContextThreadPool(max_workers=_workers(workers)) as pool:
         records = dict(pool.map(digest, todo))
     progress.finish()
     manifest = Manifest(files=records, created=now_iso())

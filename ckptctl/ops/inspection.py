@@ -85,7 +85,13 @@ def inspect_checkpoint(
         name_filter: glob on tensor names (`*attn*`); a pattern without wildcards matches as a substring.
         component: keep only this component's tensors in the table.
     """
-    before = io.READ_STATS.bytes_read
+    with io.counting() as read:
+        return _inspect(url, layout, name_filter, component, read)
+
+
+def _inspect(
+    url: str, layout: str | None, name_filter: str | None, component: Component | None, read: io.ByteCounter
+) -> InspectReport:
     ckpt = open_checkpoint(url, layout)
     index = ckpt.tensor_index()
     # Elements per (dtype, component) first, bytes after: one dict update per tensor on 100k tensors.
@@ -121,4 +127,4 @@ def inspect_checkpoint(
         bytes_by_dtype=dict(dtype_bytes.most_common()),
         bytes_by_component=dict(component_bytes.most_common()),
     )
-    return InspectReport(ckpt, rows, totals, io.READ_STATS.bytes_read - before)
+    return InspectReport(ckpt, rows, totals, read.bytes_read)

@@ -4,11 +4,12 @@ Scan → plan → confirm → execute, as `hf cache prune` does:
 
 - `plan_prune` (read-only) finds every checkpoint of the run, turns each into a retention `Candidate`
   with the protections found on disk, and lets `RetentionPolicy.plan` decide. A dry run stops here.
-- `prune` takes the run's lock, plans, asks `confirm`, and deletes. Each checkpoint is renamed into the
-  `.ckptctl-trash` folder beside it (same filesystem, atomic) and then deleted there, so a crash leaves
-  either the whole checkpoint or a folder in the trash, never a half-deleted checkpoint that lists as
-  complete; the next prune empties leftover trash. On object stores (no rename) the files its layout names as
-  completion markers go first, so that a partial delete reads as broken.
+- `prune` takes the run's lock, plans, asks `confirm`, and deletes through `io.trash`: each checkpoint is
+  renamed into the `.ckptctl-trash` folder beside it (same filesystem, atomic) and then deleted there, so
+  a crash leaves either the whole checkpoint or a folder in the trash, never a half-deleted checkpoint
+  that lists as complete; the next prune empties leftover trash, and an emptied trash folder goes too.
+  On object stores (no rename) the files its layout names as completion markers go first, so that a
+  partial delete reads as broken.
 
 Never deleted, whatever the rules say (each kept checkpoint carries its reasons):
 - the newest complete checkpoint of each folder, and pinned steps (the policy);
@@ -24,10 +25,9 @@ Never deleted, whatever the rules say (each kept checkpoint carries its reasons)
 from __future__ import annotations
 
 import contextlib
-import errno
+import functools
 import os
 import re
-import secrets
 import stat
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -40,8 +40,8 @@ from ckptctl.core.retention import Candidate, RetentionPolicy
 from ckptctl.errors import CheckpointNotFound, CkptctlError
 from ckptctl.formats.documents import read_toml
 from ckptctl.formats.manifest import DIGESTS_NAME
+from ckptctl.io import trash
 from ckptctl.layouts import DEFAULT_SCAN_DEPTH, all_layouts, detect, get_layout, scan_run
-from ckptctl.layouts.base import TRASH_NAME
 from ckptctl.ops.lock import LOCK_NAME, STALE_AFTER, LockUnusable, RunLock, read_lock, stale_reason
 from ckptctl.ops.report import SCHEMA_VERSION, NoProgress, Progress, display_path, flatten, iso
 from ckptctl.units import format_age, format_size, parse_age
@@ -525,7 +525,7 @@ def _tree_size(url: str) -> int:
 def _trash_folders(run: str, items: Iterable[PruneItem]) -> list[str]:
     """The trash folders of the run and of each folder holding checkpoints, that exist."""
     folders = {run, *(io.parent_of(i.url) for i in items if i.ref.url != run)}
-    return sorted(t for f in folders if io.is_dir(t := io.join(f, TRASH_NAME)))
+    return sorted(t for f in folders if io.is_dir(t := io.join(f, trash.TRASH_NAME)))
 
 
 # ------------------------------------------------------------------------------------------ executing
@@ -631,90 +631,41 @@ def _still_deletable(item: PruneItem, plan: PrunePlan) -> str:
 
 
 def _delete(ref: CheckpointRef) -> None:
-    """Delete one checkpoint folder so that no moment shows it half-deleted and complete; of a folder that
-    holds checkpoints of its own, only what is the checkpoint's (`_own_parts`)."""
-    url = ref.url
+    """Delete one checkpoint folder so that no moment shows it half-deleted and complete (`io.trash`); of a
+    folder that holds checkpoints of its own, only what is the checkpoint's (`_own_parts`)."""
     parts = _own_parts(ref)
-    if parts is not None:
-        _delete_parts(ref, parts)
-        return
-    if not io.is_local(url):
-        _delete_markers_first(ref)
-        return
-    path = io.local_path(url)
-    trash = os.path.join(os.path.dirname(os.path.abspath(path)), TRASH_NAME)
-    os.makedirs(trash, exist_ok=True)
-    target = os.path.join(trash, f"{os.path.basename(path)}.{secrets.token_hex(4)}")
-    try:
-        os.rename(path, target)
-    except OSError as exc:
-        if exc.errno not in (errno.EXDEV, errno.EPERM, errno.ENOTSUP):
-            raise
-        _delete_markers_first(ref)  # another filesystem mounted at the checkpoint: no atomic move
-        return
-    io.fsync_dir(os.path.dirname(os.path.abspath(path)))
-    io.delete_tree(target)
+    if parts is None:
+        trash.delete(ref.url, functools.partial(_markers_to_delete, ref))
+    else:
+        trash.delete_parts(ref.url, _parts_in_order(ref, parts))
 
 
-def _delete_parts(ref: CheckpointRef, parts: Sequence[io.DirEntry]) -> None:
-    """Delete some entries of a checkpoint folder and leave the rest (the checkpoints it holds).
-
-    No single rename can take them away together, so they go one by one in an order that keeps the
-    checkpoint from reading as complete at any moment: the files that mark it complete first, the last
-    written first (`_markers_to_delete`: of a sharded model, a shard before its index, since the shards
-    without their index would read as a whole set while a set missing a shard reads as broken); then
-    files from the largest; then member folders. Locally each entry is renamed into a trash folder beside
-    the checkpoint (as a whole checkpoint is) and the trash folder deleted after.
-    """
-    url = ref.url
-    markers = _markers_to_delete(ref, {e.name: e.size for e in parts if not e.is_dir})
+def _parts_in_order(ref: CheckpointRef, parts: Sequence[io.DirEntry]) -> list[io.DirEntry]:
+    """Some entries of a checkpoint folder (the rest are the checkpoints it holds), in an order that keeps
+    the checkpoint from reading as complete at any moment while they go one by one: the files that mark
+    it complete first, the last written first (`_markers_to_delete`: of a sharded model, a shard before
+    its index, since the shards without their index would read as a whole set while a set missing a shard
+    reads as broken); then files from the largest; then member folders."""
+    markers = [name for (name,) in _markers_to_delete(ref, {e.name: e.size for e in parts if not e.is_dir})]
 
     def order(entry: io.DirEntry) -> tuple[int, bool, int, str]:
         first = markers.index(entry.name) if entry.name in markers else len(markers)
         return (first, entry.is_dir, -entry.size, entry.name)
 
-    ordered = sorted(parts, key=order)
-    if not io.is_local(url):
-        for entry in ordered:
-            (io.delete_tree if entry.is_dir else io.delete_file)(io.join(url, entry.name))
-        return
-    path = os.path.abspath(io.local_path(url))
-    target = os.path.join(os.path.dirname(path), TRASH_NAME, f"{os.path.basename(path)}.{secrets.token_hex(4)}")
-    os.makedirs(target)
-    for entry in ordered:
-        os.rename(os.path.join(path, entry.name), os.path.join(target, entry.name))
-    io.fsync_dir(path)
-    io.delete_tree(target)
+    return sorted(parts, key=order)
 
 
-def _delete_markers_first(ref: CheckpointRef) -> None:
-    """Delete the files that mark the checkpoint complete first (`_markers_to_delete`), then the rest: a
-    partial delete reads as broken."""
-    files = {rel: entry.size for rel, entry in io.list_tree(ref.url).items()}
-    for marker in _markers_to_delete(ref, files):
-        io.delete_file(io.join(ref.url, marker))
-    io.delete_tree(ref.url)
-
-
-def _markers_to_delete(ref: CheckpointRef, files: Mapping[str, int]) -> list[str]:
+def _markers_to_delete(ref: CheckpointRef, files: Mapping[str, int]) -> list[tuple[str]]:
     """The digests, then the completion markers of the checkpoint's layout among `files` (relative path ->
-    size), the last one its writer adds first."""
+    size), the last one its writer adds first; one at a time (`io.trash.Markers`)."""
     markers = [DIGESTS_NAME] if DIGESTS_NAME in files else []
-    return markers + list(reversed(get_layout(ref.layout).completion_markers(files)))
+    return [(name,) for name in markers + list(reversed(get_layout(ref.layout).completion_markers(files)))]
 
 
 def _empty_trash(folders: Iterable[str]) -> int:
-    """Delete what trash folders hold (left by an interrupted deletion); the folders themselves stay,
-    because a `CheckpointManager` saving into the run may be about to move something into them."""
+    """Delete what trash folders hold (left by an interrupted deletion), and the folders themselves."""
     freed = 0
-    for trash in folders:
+    for folder in folders:
         with contextlib.suppress(CkptctlError):
-            for entry in io.list_dir(trash):
-                child = io.join(trash, entry.name)
-                if entry.is_dir:
-                    freed += _tree_size(child)
-                    io.delete_tree(child)
-                else:
-                    freed += entry.size
-                    io.delete_file(child)
+            freed += trash.empty(folder)
     return freed

@@ -181,22 +181,24 @@ class NothingResumable(CkptctlError):
 
 def verify_checkpoint(url: str, options: VerifyOptions | None = None, progress: Progress | None = None) -> VerifyResult:
     """Verify one checkpoint folder; raises only when the folder is not a checkpoint at all."""
-    options = options or VerifyOptions()
-    progress = progress or NoProgress()
-    before = io.READ_STATS.bytes_read
+    with io.counting() as read:
+        return _verify_checkpoint(url, options or VerifyOptions(), progress or NoProgress(), read)
+
+
+def _verify_checkpoint(url: str, options: VerifyOptions, progress: Progress, read: io.ByteCounter) -> VerifyResult:
     layout, ref = detect(url, options.layout)
     if ref.state is CheckpointState.IN_PROGRESS:
         problem = Problem(
             ProblemKind.IN_PROGRESS, "", ref.note or "the checkpoint is still being written (no completion marker)"
         )
-        return VerifyResult(url, layout.name, ref.step, (problem,), 0, 0, io.READ_STATS.bytes_read - before)
+        return VerifyResult(url, layout.name, ref.step, (problem,), 0, 0, read.bytes_read)
     try:
         checkpoint = layout.open(url)
         problems = list(layout.verify(checkpoint))
     except CkptctlError as exc:
         kind = ProblemKind.UNSAFE_PICKLE if isinstance(exc, UnsafePickle) else ProblemKind.BAD_METADATA
         problem = Problem(kind, "", exc.message)
-        return VerifyResult(url, layout.name, ref.step, (problem,), 0, 0, io.READ_STATS.bytes_read - before)
+        return VerifyResult(url, layout.name, ref.step, (problem,), 0, 0, read.bytes_read)
 
     digests_checked = 0
     wrote = False
@@ -233,7 +235,7 @@ def verify_checkpoint(url: str, options: VerifyOptions | None = None, progress: 
         tuple(problems),
         digests_checked,
         tensors_read,
-        io.READ_STATS.bytes_read - before,
+        read.bytes_read,
         wrote,
     )
 

@@ -140,7 +140,7 @@ def test_prune_needs_no_torch(run: Path) -> None:
     )
     assert pruned.returncode == 0, pruned.stderr
     assert [d["step"] for d in json.loads(pruned.stdout)["delete"]] == [10, 30, 40]
-    assert sorted(os.listdir(run)) == [".ckptctl-trash", "latest", "step-20", "step-50", "step-60"]
+    assert sorted(os.listdir(run)) == ["latest", "step-20", "step-50", "step-60"]
 
 
 class _Terminal(io.StringIO):

@@ -228,6 +228,7 @@ def crash_scenario(root: str, mode: str, state: dict[str, Any]) -> None:
         _install_hang(mode)
         fill(state, 2)
         manager.save(2, state)
+    manager.close()  # as a training loop ends: waits for the deletions of retention
     print("finished", flush=True)
 
 

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
+import warnings
+from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -11,7 +15,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as hs
 
-from ckptctl.core import Candidate, CheckpointManager, Decision, KeepBest, RetentionPolicy
+from ckptctl import io
+from ckptctl.core import Candidate, CheckpointManager, CheckpointWarning, Decision, KeepBest, RetentionPolicy
+from ckptctl.errors import StorageError
+from ckptctl.formats.manifest import MANIFEST_NAME
+from ckptctl.io import trash
 from ckptctl.units import format_age, format_size, parse_age, parse_size
 
 NOW = datetime(2026, 1, 31, tzinfo=UTC)
@@ -311,8 +319,8 @@ def test_manager_applies_keep_last_and_keep_every(run_dir: Path) -> None:
     manager = CheckpointManager(run_dir, policy=RetentionPolicy(keep_last=2, keep_every=4))
     save_steps(manager, [1, 2, 3, 4, 5, 6, 7])
     assert manager.all_steps() == [4, 6, 7]
-    assert folders(run_dir) == {"step-4", "step-6", "step-7", "latest", ".ckptctl-trash"}
-    assert not os.listdir(run_dir / ".ckptctl-trash")
+    manager.wait()  # the dropped steps' files are deleted in the background
+    assert folders(run_dir) == {"step-4", "step-6", "step-7", "latest"}  # no (empty) trash left
 
 
 def test_manager_never_deletes_what_latest_names(run_dir: Path) -> None:
@@ -341,6 +349,74 @@ def test_manager_leaves_staging_folders_and_empties_old_trash(run_dir: Path) -> 
     (leftover / "model.safetensors").write_bytes(b"x")
     manager = CheckpointManager(run_dir, policy=RetentionPolicy(keep_last=1))
     save_steps(manager, [1, 2])
+    manager.wait()
     assert staging.is_dir()
     assert not leftover.exists()
     assert manager.all_steps() == [2]
+
+
+@pytest.fixture(params=["local", "object store"])
+def any_root(request: pytest.FixtureRequest, run_dir: Path) -> Iterator[str]:
+    if request.param == "local":
+        yield str(run_dir)
+        return
+    import fsspec
+
+    root = f"/retention-test-{os.getpid()}-{id(request)}"
+    yield f"memory://{root}/run"
+    with contextlib.suppress(FileNotFoundError):
+        fsspec.filesystem("memory").rm(root, recursive=True)
+
+
+def test_retention_deletes_off_the_training_thread_and_wait_flushes(
+    any_root: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`save` returns while the dropped step's files are still being deleted (here: held by the test), with
+    the step already gone from `all_steps`; `wait` returns once they are deleted."""
+    entered, opened = threading.Event(), threading.Event()
+    real = io.delete_tree
+
+    def slow_delete_tree(url: str) -> None:
+        if "step-1" in url:
+            entered.set()
+            assert opened.wait(timeout=60), "the test never let the deletion go on"
+        real(url)
+
+    manager = CheckpointManager(any_root, policy=RetentionPolicy(keep_last=1))
+    save_steps(manager, [1])
+    monkeypatch.setattr(io, "delete_tree", slow_delete_tree)
+    try:
+        save_steps(manager, [2])  # returns although deleting step 1 cannot finish yet
+        assert entered.wait(timeout=60) and manager.all_steps() == [2]
+        tops = {rel.split("/")[0] for rel in io.list_tree(any_root)}  # step 1 is out of sight, not gone yet
+        if io.is_local(any_root):  # renamed into the trash
+            assert tops == {"latest", "step-2", trash.TRASH_NAME}
+            assert [name.split(".")[0] for name in os.listdir(os.path.join(any_root, trash.TRASH_NAME))] == ["step-1"]
+        else:  # its manifest deleted
+            assert tops == {"latest", "step-1", "step-2"} and not io.exists(f"{any_root}/step-1/{MANIFEST_NAME}")
+    finally:
+        opened.set()
+    manager.wait()
+    assert {rel.split("/")[0] for rel in io.list_tree(any_root)} == {"latest", "step-2"}
+    if io.is_local(any_root):
+        assert sorted(os.listdir(any_root)) == ["latest", "step-2"]
+
+
+def test_a_failed_background_deletion_warns_on_the_next_call(run_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def failing(url: str) -> None:
+        raise StorageError(f"permission denied: {url}")
+
+    manager = CheckpointManager(run_dir, policy=RetentionPolicy(keep_last=1))
+    save_steps(manager, [1])
+    monkeypatch.setattr(io, "delete_tree", failing)
+    save_steps(manager, [2])
+    with pytest.warns(CheckpointWarning, match="retention in .* failed: permission denied"):
+        manager.wait()
+    monkeypatch.undo()
+    assert manager.all_steps() == [2] and len(os.listdir(run_dir / ".ckptctl-trash")) == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # reported once
+        manager.wait()
+    save_steps(manager, [3])  # the next retention empties what the failed one left
+    manager.close()
+    assert sorted(os.listdir(run_dir)) == ["latest", "step-3"]

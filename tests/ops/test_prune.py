@@ -71,8 +71,7 @@ def test_native_run_keeps_the_last_and_the_best_and_deletes_the_rest(run: Path) 
     report = prune(str(run), policy, grace=NO_GRACE)
     assert [io.name_of(i.url) for i in report.deleted] == ["step-10", "step-30", "step-40"]
     assert report.freed_bytes == plan.freed_bytes and not report.skipped and not report.unmet
-    assert sorted(os.listdir(run)) == [".ckptctl-trash", "latest", "step-20", "step-50", "step-60"]
-    assert not os.listdir(run / ".ckptctl-trash")
+    assert sorted(os.listdir(run)) == ["latest", "step-20", "step-50", "step-60"]  # the emptied trash goes too
     for step in (20, 50, 60):
         assert verify_checkpoint(str(run / f"step-{step}")).ok
     assert CheckpointManager(run).latest_step() == 60
@@ -104,7 +103,7 @@ def test_a_rewound_latest_pointer_is_protected_and_reported(run: Path) -> None:
     assert item.keep and item.blocked and item.reasons == ("named by the run's latest pointer",)
     assert plan.unmet == ("step-20 is protected (named by the run's latest pointer) although no rule keeps it",)
     report = prune(str(run), RetentionPolicy(keep_last=1), grace=NO_GRACE)
-    assert sorted(os.listdir(run)) == [".ckptctl-trash", "latest", "step-20", "step-60"]
+    assert sorted(os.listdir(run)) == ["latest", "step-20", "step-60"]
     assert report.unmet == plan.unmet
 
 
@@ -177,7 +176,7 @@ def test_a_crash_mid_deletion_leaves_trash_that_the_next_prune_empties(
 
     report = prune(str(run), RetentionPolicy(keep_last=5), grace=NO_GRACE)
     assert report.trash_freed_bytes > 0 and not report.deleted
-    assert not os.listdir(run / ".ckptctl-trash")
+    assert not (run / ".ckptctl-trash").exists()
 
 
 def test_demo_runs(demo_dir: Path, tmp_path: Path) -> None:
@@ -190,7 +189,7 @@ def test_demo_runs(demo_dir: Path, tmp_path: Path) -> None:
     assert len(report.deleted) == 6 and report.freed_bytes == plan.freed_bytes
     for kept in ("hf", "dcp/step-30", "distributed/step-30", "native/step-30"):
         assert verify_checkpoint(str(demo / kept)).ok, kept
-    assert sorted(p.name for p in (demo / "dcp").iterdir()) == [".ckptctl-trash", "step-30"]
+    assert sorted(p.name for p in (demo / "dcp").iterdir()) == ["step-30"]
 
 
 def test_policy_file(run: Path) -> None:
@@ -287,7 +286,6 @@ def test_deepspeed_latest_is_protected(tmp_path: Path) -> None:
     report = prune(str(save), RetentionPolicy(keep_last=1), grace=NO_GRACE)
     assert [io.name_of(i.url) for i in report.deleted] == ["global_step10"] and report.freed_bytes == 220
     assert sorted(p.name for p in save.iterdir()) == [
-        ".ckptctl-trash",
         "global_step20",
         "global_step30",
         "latest",

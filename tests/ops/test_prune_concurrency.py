@@ -128,7 +128,7 @@ def test_two_prunes_started_at_once(tmp_path: Path) -> None:
     assert [p.returncode for p in waiting] == [0, 0], results
     deleted = [[d["step"] for d in json.loads(out)["delete"]] for out, _ in results]
     assert sorted(deleted, key=len) == [[], list(range(1, 19))]
-    assert sorted(p.name for p in run.iterdir()) == [".ckptctl-trash", "latest", "step-19", "step-20"]
+    assert sorted(p.name for p in run.iterdir()) == ["latest", "step-19", "step-20"]
 
 
 # ------------------------------------------------------------------------------------------ a live writer
@@ -183,8 +183,7 @@ def test_pruning_while_a_writer_saves(run_cli: Cli, tmp_path: Path) -> None:
 
     final = run_cli("prune", run, "--keep-last", "2", "-y", "--grace", "0", "--json")
     assert final.exit_code == 0, final
-    assert sorted(p.name for p in run.iterdir()) == [".ckptctl-trash", "latest", f"step-{last - 1}", f"step-{last}"]
-    assert not os.listdir(run / ".ckptctl-trash")
+    assert sorted(p.name for p in run.iterdir()) == ["latest", f"step-{last - 1}", f"step-{last}"]
     for step in (last - 1, last):
         assert verify_checkpoint(str(run / f"step-{step}")).ok
     assert CheckpointManager(run).latest_step() == last

@@ -36,8 +36,8 @@ from ckptctl.errors import CkptctlError, CorruptCheckpoint
 from ckptctl.formats.manifest import DIGESTS_NAME, MANIFEST_NAME, Manifest, load_manifest
 from ckptctl.formats.safetensors import read_header
 from ckptctl.io import DirEntry
+from ckptctl.io.trash import TRASH_NAME
 from ckptctl.layouts.base import (
-    TRASH_NAME,
     Layout,
     every_child_folder,
     folder_size,

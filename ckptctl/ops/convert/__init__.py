@@ -62,10 +62,12 @@ def convert(
         CorruptCheckpoint: source bytes that disagree with their metadata (nothing is left at DST).
         StorageError: the output cannot be written or uploaded.
     """
-    options = options or ConvertOptions()
-    progress = progress or NoProgress()
+    with io.counting() as read:
+        return _convert(src, dst, options or ConvertOptions(), progress or NoProgress(), read)
+
+
+def _convert(src: str, dst: str, options: ConvertOptions, progress: Progress, read: io.ByteCounter) -> ConvertResult:
     started = time.perf_counter()
-    read_before = io.READ_STATS.bytes_read
     if options.max_shard_size <= 0:
         raise CkptctlError("the maximum shard size must be positive")
     dst = check_destination(src, dst, options.force)
@@ -109,7 +111,7 @@ def convert(
         tensors=len(plan),
         bytes=sum(p.nbytes for p in plan),
         files=files,
-        bytes_read=io.READ_STATS.bytes_read - read_before,
+        bytes_read=read.bytes_read,
         seconds=time.perf_counter() - started,
         dtype=options.dtype,
         copied=copied,

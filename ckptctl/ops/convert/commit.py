@@ -16,7 +16,8 @@ sharded HF model), one after another, then, once a listing shows every object wi
 `ckptctl-digests.json`. Each object appears whole or not at all (a PUT is atomic). A failed upload removes
 what it uploaded; a killed one leaves a prefix that `list` reports broken or in progress, and that the
 next conversion refuses without `force`. `force` deletes the old objects before uploading, the markers
-of any layout first (`_delete_objects`), so that a half-deleted old output does not pass for complete either.
+of any layout first (`_markers`), so that a half-deleted old output does not pass for complete either.
+Both commits are `io.commit`'s protocol; the old output a `force` replaces goes through `io.trash`.
 """
 
 from __future__ import annotations
@@ -34,6 +35,9 @@ from ckptctl import io
 from ckptctl.errors import CkptctlError, StorageError
 from ckptctl.formats.digest import file_digest
 from ckptctl.formats.manifest import DIGESTS_NAME, FileRecord, Manifest, now_iso
+from ckptctl.io import trash
+from ckptctl.io.commit import ObjectStoreUpload, install
+from ckptctl.io.trash import Tiers
 from ckptctl.layouts import Layout, all_layouts
 from ckptctl.ops.report import Progress
 
@@ -189,22 +193,18 @@ class Staging:
                 os.close(fd)
 
     def commit(self, force: bool, progress: Progress) -> int:
-        """Move `out/` to DST: a plain rename, or an atomic exchange with a non-empty DST under `force`.
-        Returns the bytes uploaded: none."""
+        """Move `out/` to DST (`io.commit.install`: a plain rename, or an atomic exchange with a non-empty DST
+        under `force`, whose old content is then deleted). Returns the bytes uploaded: none."""
         io.fsync_dir(self.out)
         dst = self.dst
+        if os.path.isdir(dst) and os.listdir(dst) and not force:
+            raise CkptctlError(f"{dst} was filled while converting", "pass --force to replace it")
         try:
-            if os.path.isdir(dst) and os.listdir(dst):
-                if not force:
-                    raise CkptctlError(f"{dst} was filled while converting", "pass --force to replace it")
-                if not io.exchange(self.out, dst):
-                    os.rename(dst, os.path.join(self.root, "replaced"))
-                    os.rename(self.out, dst)
-            else:
-                os.rename(self.out, dst)  # an empty DST folder is replaced atomically
+            replaced = install(self.out, dst)
         except OSError as exc:
             raise StorageError(f"cannot move the output into {dst}: {exc.strerror or exc}") from exc
-        io.fsync_dir(self.parent)
+        if replaced is not None:
+            trash.purge(replaced)
         return 0
 
 
@@ -243,11 +243,6 @@ class UploadStaging(Staging):
         Objects that appeared below DST while converting are refused without `force` and deleted first
         with it. A failed upload deletes what it uploaded (the old objects, under `force`, are gone).
         """
-        existing = io.list_tree(self.dst)
-        if existing:
-            if not force:
-                raise CkptctlError(f"{self.dst} was filled while converting", "pass --force to replace it")
-            _delete_objects(self.dst, list(existing))
         sizes = {
             os.path.relpath(os.path.join(root, name), self.out).replace(os.sep, "/"): os.path.getsize(
                 os.path.join(root, name)
@@ -255,22 +250,20 @@ class UploadStaging(Staging):
             for root, _dirs, names in os.walk(self.out)
             for name in names
         }
-        done: list[str] = []
-
-        def upload(rel: str) -> None:
-            io.upload_file(os.path.join(self.out, rel), io.join(self.dst, rel))
-            done.append(rel)
-            progress.advance(sizes[rel])
-
+        upload = ObjectStoreUpload(self.out, self.dst, _markers, lambda rel: progress.advance(sizes[rel]))
+        existing = io.list_tree(self.dst)
+        if existing:
+            if not force:
+                raise CkptctlError(f"{self.dst} was filled while converting", "pass --force to replace it")
+            upload.clear({rel: entry.size for rel, entry in existing.items()})
         progress.start("uploading", sum(sizes.values()))
         try:
-            for batch in _upload_order(sizes, self.layout.completion_markers(sizes)):
-                io.parallel_map(upload, batch)
+            upload.upload(_upload_order(sizes, self.layout.completion_markers(sizes)))
             self._check_uploaded({rel: size for rel, size in sizes.items() if rel != DIGESTS_NAME})
-            upload(DIGESTS_NAME)
+            upload.finish(DIGESTS_NAME)
         except BaseException:
             with contextlib.suppress(Exception):
-                _delete_objects(self.dst, done)
+                upload.undo()
             raise
         finally:
             progress.finish()
@@ -299,15 +292,12 @@ def _upload_order(sizes: Mapping[str, int], markers: Sequence[str]) -> list[list
     return [batch for batch in (rest, *([marker] for marker in markers)) if batch]
 
 
-def _delete_objects(url: str, rels: Collection[str]) -> None:
-    """Delete the objects `rels` below `url` so that no moment of it passes for a complete checkpoint:
-    digests first, then what any layout names as a completion marker of any folder among them, then the
-    rest."""
-    first = [rel for rel in rels if posixpath.basename(rel) == DIGESTS_NAME]
-    markers = _any_markers(rels) - set(first)
-    rest = [rel for rel in rels if rel not in first and rel not in markers]
-    for batch in (first, sorted(markers), rest):
-        io.delete_files([io.join(url, rel) for rel in batch])
+def _markers(files: Mapping[str, int]) -> Tiers:
+    """What to delete first of the objects `files` below a DST (`io.trash.Markers`), so that no moment of it
+    passes for a complete checkpoint: the digests, then what any layout names as a completion marker of
+    any folder among them; the rest after."""
+    first = {rel for rel in files if posixpath.basename(rel) == DIGESTS_NAME}
+    return [first, _any_markers(files) - first]
 
 
 def _any_markers(rels: Collection[str]) -> set[str]:

@@ -77,7 +77,7 @@ def _mapped_tensor(checkpoint_url: str, entry: TensorEntry, maps: dict[str, Any]
         stack.callback(_close_quietly, mapped)
     if chunk.byte_length != entry.nbytes or chunk.byte_offset + chunk.byte_length > len(mapped):
         raise CorruptCheckpoint(f"{entry.name}: its bytes lie outside {chunk.file}", "the file is truncated")
-    io.READ_STATS.add(chunk.byte_length)
+    io.count_read(chunk.byte_length)
     flat = torch.frombuffer(mapped, dtype=getattr(torch, entry.dtype), count=entry.numel, offset=chunk.byte_offset)
     return flat.view(entry.shape)
 

@@ -134,11 +134,34 @@ def run_demo(
     runs.append("hf")
     if distributed:
         say(f"training on 2 ranks (gloo, FSDP2) for {steps} steps into distributed/ and dcp/ (starting 2 processes)")
-        port = _free_port()
-        torch.multiprocessing.spawn(_distributed_worker, args=(2, port, root, steps), nprocs=2, join=True)
+        _spawn_distributed(root, steps, say)
         say("saved distributed/ and dcp/")
         runs += ["distributed", "dcp"]
     return DemoResult(root, tuple(runs), steps)
+
+
+def _spawn_distributed(root: str, steps: int, say: Callable[[str], None]) -> None:
+    """Run the 2-rank part, once more if a rank was killed by a signal.
+
+    gloo on a loaded CPU machine occasionally aborts a rank while the process group starts or shuts down
+    ("terminate called without an active exception", SIGABRT), after or before any real work. A fresh
+    process group on a new port is what a user would do by hand; a rank that fails with a Python error is
+    a real failure and is not retried.
+    """
+    import shutil
+
+    import torch
+
+    for attempt in (1, 2):
+        try:
+            torch.multiprocessing.spawn(_distributed_worker, args=(2, _free_port(), root, steps), nprocs=2, join=True)
+            return
+        except torch.multiprocessing.ProcessExitedException as exc:
+            if attempt == 2 or exc.signal_name is None:
+                raise
+            say(f"a rank was killed by {exc.signal_name} (gloo start-up or teardown); running the 2-rank part again")
+            for name in ("distributed", "dcp"):
+                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
 
 def _prepare(root: str, *, force: bool) -> None:

@@ -57,7 +57,9 @@ from ckptctl.formats.documents import MAX_INT, read_json
 from ckptctl.formats.safe_pickle import MAX_DIMS, TORCH_PICKLE_GLOBALS, check_nesting, safe_loads
 from ckptctl.frameworks.dcp.layout import (
     DISTCP_RE,
+    MTIME_SLACK_S,
     component_classifier,
+    data_newer_than_metadata,
     index_from_metadata,
     load_dcp_metadata,
     verify_dcp,
@@ -93,8 +95,6 @@ INFO_FILES = (
     "checkpoint_info.json",
     DATALOADER_INFO,
 )
-#: How much older than the file it must follow a file may look before a save counts as torn (seconds).
-MTIME_SLACK_S = 1.0
 _EXPORT = re.compile(r"^epoch(\d+)epochstep(\d+)globalstep(\d+)(\.tmp)?$")
 _STEP_FIELDS = ("epoch", "epoch_step", "global_step", "steps_per_epoch")
 _MEGATRON_FILES = frozenset({"metadata.json", "common.pt"})
@@ -232,7 +232,7 @@ def _slot_problem(entries: Sequence[DirEntry], info: _RecoverInfo) -> str:
         return f"no {METADATA_NAME}: the save has not finished"
     if METADATA_NAME + ".tmp" in by_name:
         return f"{METADATA_NAME}.tmp present: the slot is being overwritten"
-    newer = _newer_than(meta, (e for e in by_name.values() if DISTCP_RE.match(e.name)))
+    newer = data_newer_than_metadata(list(by_name.values()))
     if newer:
         return (
             f"{newer[0]} is newer than {METADATA_NAME}: an in-place overwrite of the slot did not finish (the data "
@@ -247,11 +247,6 @@ def _slot_problem(entries: Sequence[DirEntry], info: _RecoverInfo) -> str:
             "files (AReaL would pair the new weights with the old counters)"
         )
     return ""
-
-
-def _newer_than(meta: DirEntry, others: Iterable[DirEntry]) -> list[str]:
-    """Names of `others` newer than `meta`, beyond the slack."""
-    return sorted(e.name for e in others if e.mtime and e.mtime > meta.mtime + MTIME_SLACK_S)
 
 
 def torn_info_files(weights_mtime: float, info: Iterable[DirEntry]) -> list[str]:
@@ -454,7 +449,7 @@ class ArealLayout(Layout):
         info = _recover_info(url)
         meta = next((e for e in entries if e.name == METADATA_NAME and not e.is_dir), None)
         if meta is not None:
-            newer = _newer_than(meta, (e for e in entries if not e.is_dir and DISTCP_RE.match(e.name)))
+            newer = data_newer_than_metadata(entries)
             if newer:
                 problems.append(
                     Problem(

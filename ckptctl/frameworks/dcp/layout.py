@@ -439,6 +439,28 @@ def _tensor_problems(key: str, tensor: DcpTensor, metadata: DcpMetadata, prefix:
 # --------------------------------------------------------------------------------------------------
 
 
+#: Timestamps closer than this (seconds) are taken as equal: clocks and the mtime granularity of shared file
+#: systems and object stores (whole seconds). One value for every rule that compares a DCP folder's times.
+MTIME_SLACK_S = 1.0
+
+
+def data_newer_than_metadata(entries: Sequence[DirEntry]) -> list[str]:
+    """The `.distcp` files of a DCP folder's listing modified after its `.metadata`, beyond the slack.
+
+    torch writes `.metadata` last, so data newer than it means the folder was overwritten in place by a
+    save that did not finish: the OLD metadata describes (partly) NEW data, which structural verify cannot
+    tell. AReaL's recover slot and every DCP folder a resume would load are checked with this one rule.
+    """
+    meta = next((e for e in entries if e.name == METADATA_NAME and not e.is_dir), None)
+    if meta is None or not meta.mtime:
+        return []
+    return sorted(
+        e.name
+        for e in entries
+        if not e.is_dir and DISTCP_RE.match(e.name) and e.mtime and e.mtime > meta.mtime + MTIME_SLACK_S
+    )
+
+
 class DcpLayout(Layout):
     """A torch DCP checkpoint folder written by `torch.distributed.checkpoint.save` (FileSystemWriter).
 

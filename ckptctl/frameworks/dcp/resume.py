@@ -12,13 +12,10 @@ import os
 from ckptctl import io
 from ckptctl.errors import CkptctlError
 from ckptctl.formats.dcp_metadata import METADATA_NAME
+from ckptctl.frameworks.dcp.layout import data_newer_than_metadata
 from ckptctl.layouts.resume import PlanContext, ResumeProfile, WorldSizeCheck, target_ranks
 
-__all__ = ["MTIME_SLACK_S", "PROFILE", "overwrite_warnings", "reshards"]
-
-#: A DCP data file newer than its `.metadata` by more than this (seconds) means an overwrite in place
-#: was under way; below it, clocks and timestamp granularity of shared file systems.
-MTIME_SLACK_S = 2.0
+__all__ = ["PROFILE", "overwrite_warnings", "reshards"]
 
 
 def _hint(ctx: PlanContext) -> str:
@@ -51,12 +48,13 @@ def overwrite_warnings(ctx: PlanContext) -> list[str]:
             entries = io.list_dir(url)
         except CkptctlError:
             continue
-        meta = next((e.mtime for e in entries if e.name == METADATA_NAME and not e.is_dir), None)
-        data = [e.mtime for e in entries if e.name.endswith(".distcp") and not e.is_dir and e.mtime]
-        if meta and data and max(data) > meta + MTIME_SLACK_S:
+        newer = set(data_newer_than_metadata(entries))
+        if newer:
+            meta = next(e.mtime for e in entries if e.name == METADATA_NAME and not e.is_dir)
+            gap = max(e.mtime for e in entries if e.name in newer) - meta
             where = f"{folder}/" if folder else ""
             found.append(
-                f"{where}.metadata is older than its data files ({max(data) - meta:.0f} s): the DCP folder was "
+                f"{where}.metadata is older than its data files ({gap:.0f} s): the DCP folder was "
                 "overwritten in place and the save did not finish, so the data may not match the metadata; "
                 "`ckptctl verify --deep` reads every tensor back (file copies that did not keep mtimes also cause this)"
             )

@@ -14,6 +14,7 @@ import pytest
 
 from ckptctl import io
 from ckptctl.errors import CheckpointNotFound, StorageError
+from ckptctl.io import remote as io_remote
 from tests.conftest import CliResult
 from tests.s3.server import S3Server, reset_s3fs
 
@@ -162,12 +163,12 @@ def no_such_key() -> Exception:
 @pytest.fixture
 def flaky(monkeypatch: pytest.MonkeyPatch) -> Callable[..., FlakyStore]:
     monkeypatch.setattr(io, "RETRY", io.RetryPolicy(attempts=4, base_delay=0.001, max_delay=0.001))
-    real_fs = io._fs
+    real_fs = io_remote._fs
 
     def install(method: str, failures: int, error: Callable[[], Exception]) -> FlakyStore:
         fs, _ = real_fs("memory://x")
         store = FlakyStore(fs, method, failures, error)
-        monkeypatch.setattr(io, "_fs", lambda url: (store, real_fs(url)[1]))
+        monkeypatch.setattr(io_remote, "_fs", lambda url: (store, real_fs(url)[1]))
         return store
 
     return install

@@ -14,6 +14,7 @@ import pytest
 
 from ckptctl import io
 from ckptctl.errors import CheckpointNotFound, StorageError
+from ckptctl.io import remote as io_remote
 from tests.s3.server import copy_to_store
 
 
@@ -96,13 +97,13 @@ def test_a_listing_snapshot_answers_as_the_store_does(
     expected = answers()
     with io.listing_snapshot(f"{root}/"):
         calls: list[str] = []
-        real_fs = io._fs  # counts what reaches the store
+        real_fs = io_remote._fs  # counts what reaches the store
 
         def counting_fs(url: str) -> tuple[object, str]:
             calls.append(url)
             return real_fs(url)
 
-        monkeypatch.setattr(io, "_fs", counting_fs)
+        monkeypatch.setattr(io_remote, "_fs", counting_fs)
         assert answers() == expected
         assert answers() == expected  # `latest`, a small file, is read once
         in_threads = io.parallel_map(lambda rel: io.is_dir(f"{root}/{rel}"), folders)

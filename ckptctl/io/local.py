@@ -1,0 +1,224 @@
+"""Local paths: the fast path, straight os calls (and `mmap` in the format readers).
+
+Also what only a local filesystem can do and the commit protocol relies on: fsync of a folder, and an
+atomic exchange of two paths (Linux `renameat2`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import functools
+import os
+import shutil
+import stat
+import sys
+import threading
+from collections.abc import Iterator
+from typing import IO, Any
+
+from ckptctl.errors import CkptctlError, CorruptCheckpoint
+from ckptctl.io.backend import Backend
+from ckptctl.io.counting import count_read
+from ckptctl.io.failures import check_size
+from ckptctl.io.paths import DirEntry, local_path
+
+__all__ = ["LOCAL", "LocalBackend", "exchange", "fsync_dir", "refuse_to_replace_precious"]
+
+
+class LocalBackend(Backend):
+    """Local paths and `file://` URLs, through os calls."""
+
+    def list_dir(self, url: str) -> list[DirEntry]:
+        entries = []
+        with os.scandir(local_path(url)) as it:
+            for e in it:
+                try:
+                    st = e.stat(follow_symlinks=True)
+                except FileNotFoundError:  # a dangling symlink or a file deleted meanwhile
+                    continue
+                entries.append(DirEntry(e.name, e.is_dir(), 0 if e.is_dir() else st.st_size, st.st_mtime))
+        return sorted(entries, key=lambda d: d.name)
+
+    def list_tree(self, url: str) -> dict[str, DirEntry]:
+        base = local_path(url)
+        files: dict[str, DirEntry] = {}
+        for root, _dirs, names in os.walk(base):
+            for n in names:
+                full = os.path.join(root, n)
+                try:
+                    st = os.stat(full)
+                except FileNotFoundError:
+                    continue
+                rel = os.path.relpath(full, base).replace(os.sep, "/")
+                files[rel] = DirEntry(n, False, st.st_size, st.st_mtime)
+        return files
+
+    def exists(self, url: str) -> bool:
+        return os.path.exists(local_path(url))
+
+    def is_dir(self, url: str) -> bool:
+        return os.path.isdir(local_path(url))
+
+    def file_size(self, url: str) -> int:
+        return os.stat(local_path(url)).st_size
+
+    def read(self, url: str, start: int, length: int | None, cap: int | None) -> bytes:
+        want = length if length is not None else (None if cap is None else cap + 1)  # one byte over: too large
+        with _open_regular(url) as f:
+            if cap is not None:
+                check_size(url, os.fstat(f.fileno()).st_size - start, cap)
+            if start:
+                f.seek(start)
+            data = f.read(-1 if want is None else want)
+        count_read(len(data))
+        return data
+
+    def open_read(self, url: str) -> contextlib.AbstractContextManager[IO[bytes]]:
+        return _open_regular(url)
+
+    def write_atomic(self, url: str, data: bytes) -> None:
+        """A temporary file in the same folder, fsync, rename, fsync the folder."""
+        path = local_path(url)
+        folder = os.path.dirname(os.path.abspath(path))
+        tmp = os.path.join(folder, f".{os.path.basename(path)}.tmp-{os.getpid()}-{threading.get_ident()}")
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        fsync_dir(folder)
+
+    def upload(self, path: str, url: str) -> None:
+        dest = local_path(url)
+        os.makedirs(os.path.dirname(os.path.abspath(dest)), exist_ok=True)
+        shutil.copyfile(path, dest)
+
+    def delete_file(self, url: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(local_path(url))
+
+    def delete_tree(self, url: str) -> None:
+        path = local_path(url)
+        if os.path.islink(path):
+            os.unlink(path)
+            return
+
+        def gone_is_fine(function: Any, target: str, excinfo: Any) -> None:
+            # Another process (a concurrent prune, the manager's retention) may delete the same files.
+            if not isinstance(excinfo[1], FileNotFoundError):
+                raise excinfo[1]
+
+        if os.path.lexists(path):
+            shutil.rmtree(path, onerror=gone_is_fine)
+
+
+#: The one local backend.
+LOCAL = LocalBackend()
+
+
+#: What `stat` calls the kinds of file ckptctl refuses to read.
+_FILE_KINDS = (
+    (stat.S_ISFIFO, "a FIFO (named pipe)"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+)
+
+
+def _require_regular(url: str, mode: int) -> None:
+    if stat.S_ISREG(mode):
+        return
+    if stat.S_ISDIR(mode):
+        raise IsADirectoryError(errno.EISDIR, "Is a directory", local_path(url))
+    kind = next((name for test, name in _FILE_KINDS if test(mode)), "a special file")
+    raise CorruptCheckpoint(
+        f"{url} is {kind}, not a regular file: ckptctl reads only regular files",
+        "replace it with the real file (reading it could block forever or never end)",
+    )
+
+
+@contextlib.contextmanager
+def _open_regular(url: str) -> Iterator[IO[bytes]]:
+    """Open a local file for reading, refusing anything but a regular file (symbolic links are followed).
+
+    Checked with `stat` before opening (opening some devices has effects), and again on the open file: it is
+    opened with O_NONBLOCK, so that a FIFO swapped in between the two does not block the open, and then
+    refused by the second check. O_NONBLOCK does nothing to reads of regular files.
+    """
+    path = local_path(url)
+    _require_regular(url, os.stat(path).st_mode)
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        _require_regular(url, os.fstat(fd).st_mode)
+        f = os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+    with f:
+        yield f
+
+
+def fsync_dir(path: str) -> None:
+    """Make a rename or a new entry in a local folder durable (no-op where the OS cannot)."""
+    try:
+        fd = os.open(local_path(path), os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def refuse_to_replace_precious(path: str, what: str) -> None:
+    """Refuse a `--force` that would replace the root, the home folder, or the working folder or a parent.
+
+    Args:
+        path: local folder about to be replaced.
+        what: the command's phrase for the hint ("choose a new folder for the demo").
+
+    Raises:
+        CkptctlError: `path` is one of those folders, whatever it holds.
+    """
+    real = os.path.realpath(local_path(path))
+    cwd = os.path.realpath(os.getcwd())
+    guarded = {os.path.realpath(os.sep), os.path.realpath(os.path.expanduser("~"))}
+    if real in guarded or os.path.commonpath([real, cwd]) == real:
+        raise CkptctlError(
+            f"refusing to replace {path}: it is the root, home or working folder or one of its parents", what
+        )
+
+
+@functools.cache
+def _renameat2() -> Any:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def exchange(a: str, b: str) -> bool:
+    """Atomically swap two local paths (Linux `renameat2(RENAME_EXCHANGE)`).
+
+    Returns False where the OS or filesystem cannot (then the caller falls back to two renames); raises
+    OSError for real failures.
+    """
+    fn = _renameat2()
+    if fn is None:
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if fn(at_fdcwd, os.fsencode(local_path(a)), at_fdcwd, os.fsencode(local_path(b)), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EXDEV):
+        return False
+    raise OSError(err, os.strerror(err), a)

@@ -1,0 +1,213 @@
+"""Any fsspec URL (`s3://`, `gs://`, `memory://`, ...): object stores reached the way their own tools reach
+them.
+
+`s3://` goes through s3fs and botocore, so the standard AWS settings apply (`AWS_PROFILE`,
+`AWS_ACCESS_KEY_ID`/`AWS_SECRET_ACCESS_KEY`, `AWS_REGION`, `AWS_ENDPOINT_URL` for S3-compatible stores such
+as MinIO), as does fsspec's own configuration (`FSSPEC_S3_*` variables, `~/.config/fsspec/`). Every call is
+retried and bounded in time by `failures.call`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import posixpath
+import threading
+from collections.abc import Iterator, Sequence
+from typing import IO, Any
+
+from ckptctl import io as _package
+from ckptctl.errors import CheckpointNotFound, CkptctlError, StorageError
+from ckptctl.io.backend import Backend
+from ckptctl.io.counting import count_read
+from ckptctl.io.failures import call, is_transient, remote_error
+from ckptctl.io.paths import DirEntry, bucket_of, parent_of, scheme_of
+
+__all__ = ["FSSPEC", "FsspecBackend", "entry_of"]
+
+
+class FsspecBackend(Backend):
+    """Any URL with a scheme fsspec has a driver for (no listings cache: see `_fs`)."""
+
+    def list_dir(self, url: str) -> list[DirEntry]:
+        fs, path = _fs(url)
+        out = [entry_of(info) for info in call(lambda: fs.ls(path, detail=True), f"listing {url}", url)]
+        return sorted(out, key=lambda d: d.name)
+
+    def list_tree(self, url: str) -> dict[str, DirEntry]:
+        """One paginated listing of the whole prefix rather than one per folder."""
+        found, prefix = self.find(url, withdirs=False)
+        return {
+            name[len(prefix) :]: entry_of(info)
+            for name, info in found.items()
+            if name.startswith(prefix) and info.get("type") != "directory"
+        }
+
+    def find(self, url: str, *, withdirs: bool) -> tuple[dict[str, dict[str, Any]], str]:
+        """Every object below the folder `url` (and its folders, `withdirs`) as fsspec details keyed by path,
+        and the prefix of those paths that the folder is."""
+        fs, path = _fs(url)
+        found = call(lambda: fs.find(path, detail=True, withdirs=withdirs), f"listing {url}", url)
+        return found, path.rstrip("/") + "/"
+
+    def exists(self, url: str) -> bool:
+        fs, path = _fs(url)
+        found = bool(call(lambda: fs.exists(path), f"looking up {url}", url))
+        if not found:
+            _check_bucket(url, fs)
+        return found
+
+    def is_dir(self, url: str) -> bool:
+        fs, path = _fs(url)
+        found = bool(call(lambda: fs.isdir(path), f"looking up {url}", url))
+        if not found:
+            _check_bucket(url, fs)
+        return found
+
+    def file_size(self, url: str) -> int:
+        fs, path = _fs(url)
+        return int(call(lambda: fs.size(path), f"sizing {url}", url))
+
+    def read(self, url: str, start: int, length: int | None, cap: int | None) -> bytes:
+        """A range read (`cat_file`)."""
+        want = length if length is not None else (None if cap is None else cap + 1)  # one byte over: too large
+        fs, path = _fs(url)
+        end = None if want is None else start + want
+        data: bytes = call(lambda: fs.cat_file(path, start=start, end=end), f"reading {url}", url)
+        count_read(len(data))
+        return data
+
+    @contextlib.contextmanager
+    def open_read(self, url: str) -> Iterator[IO[bytes]]:
+        """Opened without a read-ahead cache: every `read(n)` is one range request of `n` bytes, so that what
+        the caller counts is what crossed the network."""
+        fs, path = _fs(url)
+        f = call(lambda: fs.open(path, "rb", cache_type="none"), f"opening {url}", url)
+        with f:
+            yield f
+
+    def write_atomic(self, url: str, data: bytes) -> None:
+        """A single PUT, which is atomic."""
+        fs, path = _fs(url)
+        call(lambda: fs.pipe_file(path, data), f"writing {url}", url)
+
+    def upload(self, path: str, url: str) -> None:
+        """A PUT, multipart for large files."""
+        fs, remote = _fs(url)
+        call(lambda: fs.put_file(path, remote), f"uploading {url}", url)
+
+    def delete_file(self, url: str) -> None:
+        fs, path = _fs(url)
+        with contextlib.suppress(FileNotFoundError):
+            call(lambda: fs.rm_file(path), f"deleting {url}", url)
+
+    def delete_files(self, urls: Sequence[str]) -> None:
+        """Batched deletes (S3 takes 1,000 keys a request)."""
+        fs, _ = _fs(urls[0])
+        paths = [_fs(url)[1] for url in urls]
+        with contextlib.suppress(FileNotFoundError):
+            call(lambda: fs.rm(paths), f"deleting {len(paths)} objects below {parent_of(urls[0])}", urls[0])
+
+    def delete_tree(self, url: str) -> None:
+        fs, path = _fs(url)
+        with contextlib.suppress(FileNotFoundError):
+            call(lambda: fs.rm(path, recursive=True), f"deleting {url}", url)
+
+
+#: The one fsspec backend.
+FSSPEC = FsspecBackend()
+
+
+def entry_of(info: dict[str, Any]) -> DirEntry:
+    """A listing entry from fsspec's details of one path."""
+    mtime = info.get("mtime") or info.get("LastModified") or info.get("created") or 0.0
+    if hasattr(mtime, "timestamp"):
+        mtime = mtime.timestamp()
+    return DirEntry(
+        posixpath.basename(info["name"].rstrip("/")),
+        info["type"] == "directory",
+        int(info.get("size") or 0),
+        float(mtime),
+    )
+
+
+def _fs(url: str) -> tuple[Any, str]:
+    try:
+        import fsspec
+    except ImportError as exc:  # pragma: no cover - fsspec is a dependency
+        raise StorageError("fsspec is not installed", "pip install fsspec") from exc
+    try:
+        # No listings cache: another process (a trainer, a prune) changes the store behind our back, and
+        # a stale listing would show a deleted checkpoint or miss a new one.
+        try:
+            fs, path = fsspec.core.url_to_fs(url, use_listings_cache=False)
+        except TypeError:  # a filesystem that takes no such option
+            fs, path = fsspec.core.url_to_fs(url)
+        if scheme_of(url) in ("s3", "s3a"):
+            _bound_s3(fs, fsspec.config.conf.get("s3", {}))
+    except ImportError as exc:
+        raise StorageError(
+            f"no filesystem driver for {scheme_of(url)}://",
+            "install the extra, e.g. pip install 'ckptctl[s3]'",
+        ) from exc
+    except ValueError as exc:
+        raise StorageError(f"cannot open {url}: {exc}") from exc
+    return fs, path
+
+
+#: Tries s3fs makes of each request (its default is 5).
+_S3FS_TRIES = 2
+
+
+def _bound_s3(fs: Any, configured: dict[str, Any]) -> None:
+    """Bound how long a request of the s3fs instance `fs` may wait on a store that stopped answering.
+
+    Each request gets `RETRY.request_timeout` to connect and to read, and botocore does not retry: its own
+    tries (5), within each of s3fs's tries (5), each waiting up to a minute, are how a frozen store used to
+    hang a command for many minutes. s3fs tries each request `_S3FS_TRIES` times, and `failures.call` retries the
+    whole call within `RETRY.timeout`. What fsspec's own configuration sets (`FSSPEC_S3_*`,
+    ~/.config/fsspec: `config_kwargs`, `retries`) wins. The settings are s3fs's attributes, read when the
+    instance makes its client, so that fsspec's cache still hands out one instance per set of options.
+    """
+    timeout = _package.RETRY.request_timeout
+    if fs.__dict__.get("_ckptctl_timeout") == timeout:
+        return
+    fs.connect_timeout = fs.read_timeout = timeout  # unless config_kwargs name them
+    fs.config_kwargs = {"retries": {"total_max_attempts": 1}, **(fs.config_kwargs or {})}
+    if "retries" not in configured:
+        fs.retries = _S3FS_TRIES
+    fs._ckptctl_timeout = timeout
+
+
+_BUCKETS_SEEN: set[tuple[str, str]] = set()
+_BUCKETS_LOCK = threading.Lock()
+
+
+def _check_bucket(url: str, fs: Any) -> None:
+    """Raise `CheckpointNotFound` naming the bucket when a path is absent because its bucket is.
+
+    Called only when a path was not found, so that "no such folder" says when the bucket is what is
+    missing; a bucket seen once is not asked about again.
+    """
+    scheme = scheme_of(url)
+    if scheme not in ("s3", "s3a", "gs", "gcs"):
+        return
+    key = (scheme, bucket_of(url))
+    with _BUCKETS_LOCK:
+        if key in _BUCKETS_SEEN:
+            return
+    try:
+        found = call(lambda: fs.exists(key[1]), f"looking up bucket {key[1]}", url)
+    except CkptctlError:
+        raise
+    except Exception as exc:
+        mapped = remote_error(url, exc)
+        if mapped is not None and not is_transient(exc):
+            raise mapped from exc
+        return  # the store is struggling: let the caller report the path as not found
+    if not found:
+        raise CheckpointNotFound(
+            f"bucket {key[1]!r} does not exist ({url})",
+            "check the bucket name, and the endpoint and region it lives in (AWS_ENDPOINT_URL, AWS_REGION)",
+        )
+    with _BUCKETS_LOCK:
+        _BUCKETS_SEEN.add(key)

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
+from ckptctl.errors import CkptctlError, UnsafePickle
+
 
 class CheckpointState(enum.StrEnum):
     """Whether a checkpoint can be trusted as a whole, judged from cheap evidence (listing, markers)."""
@@ -220,6 +222,14 @@ class Problem:
     path: str
     message: str
     severity: str = "error"
+
+    @classmethod
+    def from_error(cls, exc: CkptctlError, path: str) -> Problem:
+        """The problem a file that failed to read has: a refused pickle, a truncated file, or bad metadata."""
+        if isinstance(exc, UnsafePickle):
+            return cls(ProblemKind.UNSAFE_PICKLE, path, exc.message)
+        kind = ProblemKind.TRUNCATED if "truncated" in str(exc) else ProblemKind.BAD_METADATA
+        return cls(kind, path, exc.message)
 
 
 class ProblemKind(enum.StrEnum):

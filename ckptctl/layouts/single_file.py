@@ -41,17 +41,18 @@ SELF = ""
 TORCH_SUFFIXES = (".pt", ".pth", ".bin")
 
 
-class SafetensorsFile(Layout):
-    """One `*.safetensors` file."""
-
-    name = "safetensors"
+class _FileLayout(Layout):
+    """A layout of one file rather than a folder."""
 
     def identify(self, url: str, entries: Sequence[DirEntry]) -> CheckpointRef | None:
         """Never a folder: files are recognised by `detect_file`."""
         return None
 
-    def latest_pointer(self, url: str, entries: Sequence[DirEntry]) -> str | None:
-        return None
+
+class SafetensorsFile(_FileLayout):
+    """One `*.safetensors` file."""
+
+    name = "safetensors"
 
     def open(self, url: str) -> Checkpoint:
         ref = file_ref(url, self.name)
@@ -72,22 +73,14 @@ class SafetensorsFile(Layout):
         try:
             read_header(checkpoint.url, checkpoint.ref.size_bytes)
         except CkptctlError as exc:
-            kind = ProblemKind.TRUNCATED if "truncated" in exc.message else ProblemKind.BAD_METADATA
-            return [Problem(kind, SELF, exc.message)]
+            return [Problem.from_error(exc, SELF)]
         return []
 
 
-class TorchFile(Layout):
+class TorchFile(_FileLayout):
     """One torch.save zip file (`*.pt`, `*.pth`, `*.bin`)."""
 
     name = "torch"
-
-    def identify(self, url: str, entries: Sequence[DirEntry]) -> CheckpointRef | None:
-        """Never a folder: files are recognised by `detect_file`."""
-        return None
-
-    def latest_pointer(self, url: str, entries: Sequence[DirEntry]) -> str | None:
-        return None
 
     def open(self, url: str) -> Checkpoint:
         ref = file_ref(url, self.name)
@@ -104,8 +97,7 @@ class TorchFile(Layout):
         except UnsafePickle as exc:
             return [Problem(ProblemKind.UNSAFE_PICKLE, SELF, exc.message)]
         except CkptctlError as exc:
-            kind = ProblemKind.TRUNCATED if "truncated" in exc.message else ProblemKind.BAD_METADATA
-            return [Problem(kind, SELF, exc.message)]
+            return [Problem.from_error(exc, SELF)]
         return [Problem(ProblemKind.TRUNCATED, SELF, message) for message in storage_problems(opened)]
 
 

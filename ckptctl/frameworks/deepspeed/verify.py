@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ckptctl import io
 from ckptctl.checkpoint import Problem, ProblemKind
-from ckptctl.errors import CkptctlError, CorruptCheckpoint, UnsafePickle
+from ckptctl.errors import CkptctlError, CorruptCheckpoint
 from ckptctl.formats.chunks import tiling_problem
 from ckptctl.formats.torch_pickle import TorchPickle, storage_problems
 from ckptctl.frameworks.deepspeed.names import tag_files
@@ -137,7 +137,4 @@ def _optim_file_problems(tag: DeepSpeedTag, opened: TorchPickle, path: str) -> l
 
 
 def _problem(exc: CkptctlError, path: str) -> Problem:
-    if isinstance(exc, UnsafePickle):
-        return Problem(ProblemKind.UNSAFE_PICKLE, path, exc.message)
-    kind = ProblemKind.TRUNCATED if "truncated" in str(exc) else ProblemKind.BAD_METADATA
-    return Problem(kind, path, exc.message)
+    return Problem.from_error(exc, path)

@@ -119,9 +119,6 @@ class HfModelLayout(Layout):
             note=note,
         )
 
-    def latest_pointer(self, url: str, entries: Sequence[DirEntry]) -> str | None:
-        return None
-
     def open(self, url: str) -> Checkpoint:
         entries = io.list_dir(url)
         ref = self.identify(url, entries)
@@ -265,7 +262,7 @@ def verify_model_files(url: str, files: Mapping[str, int]) -> list[Problem]:
         try:
             header = read_header(io.join(url, rel), files[rel])
         except CkptctlError as exc:
-            problems.append(Problem(_kind_of(exc), rel, exc.message))
+            problems.append(Problem.from_error(exc, rel))
             continue
         for rec in header.tensors:
             if rec.name in located:
@@ -313,10 +310,6 @@ def _more(kind: ProblemKind, path: str, count: int, message: str) -> list[Proble
     if count <= _LISTED:
         return []
     return [Problem(kind, path, message.format(count=count - _LISTED, path=path))]
-
-
-def _kind_of(exc: CkptctlError) -> ProblemKind:
-    return ProblemKind.TRUNCATED if "truncated" in str(exc) else ProblemKind.BAD_METADATA
 
 
 def _read_json_or_none(url: str) -> Any:

@@ -41,7 +41,7 @@ from ckptctl.checkpoint import (
     TensorChunk,
     TensorEntry,
 )
-from ckptctl.errors import CkptctlError, UnknownLayout, UnsafePickle
+from ckptctl.errors import CkptctlError, UnknownLayout
 from ckptctl.formats.documents import as_real, as_whole, read_json
 from ckptctl.formats.safe_pickle import FrameworkObject, StandIn, state_fields
 from ckptctl.formats.torch_pickle import TorchPickle, open_torch_pickle, storage_problems
@@ -474,11 +474,8 @@ def _missing_state_files(url: str, files: Mapping[str, int], parts: _Parts) -> l
 def _pickle_problems(url: str, name: str, size: int) -> list[Problem]:
     try:
         opened = open_torch_pickle(io.join(url, name), size)
-    except UnsafePickle as exc:
-        return [Problem(ProblemKind.UNSAFE_PICKLE, name, exc.message)]
     except CkptctlError as exc:
-        kind = ProblemKind.TRUNCATED if "truncated" in str(exc) else ProblemKind.BAD_METADATA
-        return [Problem(kind, name, exc.message)]
+        return [Problem.from_error(exc, name)]
     return [Problem(ProblemKind.TRUNCATED, name, message) for message in storage_problems(opened)]
 
 

@@ -32,7 +32,7 @@ from typing import Any
 
 from ckptctl import io
 from ckptctl.checkpoint import Checkpoint, CheckpointRef, CheckpointState, Component, Problem, ProblemKind, Role
-from ckptctl.errors import CkptctlError, UnknownLayout, UnsafePickle
+from ckptctl.errors import CkptctlError, UnknownLayout
 from ckptctl.formats.torch_pickle import open_torch_pickle, storage_problems
 from ckptctl.frameworks.deepspeed import layout as deepspeed
 from ckptctl.frameworks.hf.layout import HfModelLayout, has_weights, model_markers, verify_model_files
@@ -389,9 +389,6 @@ def _worse(a: CheckpointRef, b: CheckpointRef) -> CheckpointState:
 def _pickle_problems(url: str, path: str) -> list[Problem]:
     try:
         opened = open_torch_pickle(url)
-    except UnsafePickle as exc:
-        return [Problem(ProblemKind.UNSAFE_PICKLE, path, exc.message)]
     except CkptctlError as exc:
-        kind = ProblemKind.TRUNCATED if "truncated" in str(exc) else ProblemKind.BAD_METADATA
-        return [Problem(kind, path, exc.message)]
+        return [Problem.from_error(exc, path)]
     return [Problem(ProblemKind.TRUNCATED, path, message) for message in storage_problems(opened)]

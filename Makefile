@@ -17,8 +17,9 @@ $(VENV)/.base: $(BIN)/python pyproject.toml
 	$(BIN)/python -m pip install -q -e .
 	touch $@
 
-$(VENV)/.dev: $(VENV)/.base
+$(VENV)/.dev: $(VENV)/.base tests/writers/frameworks-nodeps.txt
 	$(BIN)/python -m pip install -q $(TORCH) -e '.[dev,s3]'
+	$(BIN)/python -m pip install -q --no-deps -r tests/writers/frameworks-nodeps.txt
 	touch $@
 
 demo: $(VENV)/.base

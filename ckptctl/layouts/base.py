@@ -129,6 +129,17 @@ class Layout:
         """
         return None
 
+    def config_folders(self, checkpoint: Checkpoint) -> Sequence[str]:
+        """Folders that may hold the model's `config.json` (and tokenizer) for this checkpoint, best first,
+        when `convert` is given no `--config`/`--tokenizer`.
+
+        The default looks in the checkpoint's folder and its parent. A framework that writes its Hugging
+        Face export somewhere else (an `_hf` folder beside the tag, a Saver folder beside the recovery
+        dump, a `huggingface/` subfolder) overrides it to name that place: the nearest export of the same
+        step first, then the latest one.
+        """
+        return (checkpoint.ref.url, io.parent_of(checkpoint.ref.url))
+
     # ---------------------------------------------------------------------------------- tensor names
 
     def namespace_stripper(self, entries: Sequence[TensorEntry]) -> NameStripper:

@@ -86,7 +86,7 @@ def _convert(src: str, dst: str, options: ConvertOptions, progress: Progress, re
         )
     notes: list[str] = []
     plan, weights = plan_tensors(checkpoint, layout, options, notes)
-    side_files, side_notes = find_side_files(url, options)
+    side_files, side_notes = find_side_files(url, options, layout.config_folders(checkpoint))
     notes += side_notes
 
     staging = Staging(dst) if io.is_local(dst) else UploadStaging(dst, get_layout(options.to))

@@ -29,9 +29,18 @@ TOKENIZER_FILES = (
 )
 
 
-def find_side_files(src: str, options: ConvertOptions) -> tuple[dict[str, str], list[str]]:
-    """Config and tokenizer files to copy (name -> URL), and notes for the user."""
-    beside = [src, io.parent_of(src)]
+def find_side_files(
+    src: str, options: ConvertOptions, beside: Sequence[str] | None = None
+) -> tuple[dict[str, str], list[str]]:
+    """Config and tokenizer files to copy (name -> URL), and notes for the user.
+
+    Args:
+        src: the checkpoint converted.
+        options: `--config`/`--tokenizer` folders, which win when given.
+        beside: folders to look in otherwise, best first (the layout's `config_folders`); default: the
+            checkpoint's folder and its parent.
+    """
+    beside = list(beside) if beside is not None else [src, io.parent_of(src)]
     notes: list[str] = []
     found: dict[str, str] = {}
     for names, explicit, what, flag in (
@@ -48,6 +57,8 @@ def find_side_files(src: str, options: ConvertOptions) -> tuple[dict[str, str], 
             files = _present(folder, names)
             if files and (names is TOKENIZER_FILES or "config.json" in files):
                 found.update(files)
+                if folder not in (src, io.parent_of(src)):
+                    notes.append(f"{what} taken from {folder}")
                 break
         else:
             notes.append(f"no {what} found beside {src}; pass {flag} DIR to include them")

@@ -1,7 +1,7 @@
 """Programs the core tests run in fresh processes: `python -m tests.core._workers <command> ...`.
 
 - `roundtrip-save DIR` / `roundtrip-restore DIR`: train a tiny model, save; restore in another process.
-- `crash SPEC.json`: save a ~200 MB state in forked children, SIGKILLed over a save or at a commit phase.
+- `crash SPEC.json`: save a ~50 MB state in forked children, SIGKILLed over a save or at a commit phase.
 - `fsdp DIR`: 2-rank gloo FSDP2 training saved through DCP, then restored in 2 fresh ranks.
 - `autosave DIR`: a loop that leaves the saving at exit to AutoSaver's atexit hook.
 
@@ -120,9 +120,10 @@ def roundtrip_restore(root: str) -> None:
 
 
 def big_state() -> dict[str, Any]:
-    """About 200 MB: 4 linear layers of 2048x2048 fp32 plus AdamW moments."""
+    """About 50 MB: 4 linear layers of 1024x1024 fp32 plus AdamW moments (enough that a save takes long
+    enough to be killed in the middle of its writes)."""
     # built on the meta device and materialised uninitialised: `fill` sets every value anyway
-    model = nn.Sequential(*[nn.Linear(2048, 2048, device="meta") for _ in range(4)]).to_empty(device="cpu")
+    model = nn.Sequential(*[nn.Linear(1024, 1024, device="meta") for _ in range(4)]).to_empty(device="cpu")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     for p in model.parameters():
         p.grad = torch.zeros_like(p)

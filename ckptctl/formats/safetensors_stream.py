@@ -450,9 +450,9 @@ def _convert(raw: memoryview, dtype: str, out: memoryview, out_dtype: str, count
     if dtype in types and out_dtype in types:
         import numpy as np
 
-        source = np.frombuffer(raw, dtype=types[dtype], count=count)
+        elements = np.frombuffer(raw, dtype=types[dtype], count=count)
         with np.errstate(over="ignore", invalid="ignore"):  # overflow to inf and NaNs are the cast's meaning
-            np.copyto(np.frombuffer(out, dtype=types[out_dtype], count=count), source, casting="unsafe")
+            np.copyto(np.frombuffer(out, dtype=types[out_dtype], count=count), elements, casting="unsafe")
         return
     import torch  # dtypes numpy has no type for (float8 variants)
 

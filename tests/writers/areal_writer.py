@@ -261,6 +261,8 @@ class _StandIns(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 
 def _imported_by_areal() -> bool:
+    """Whether the import being resolved was asked for by a module of AReaL (the first frame outside the
+    import machinery)."""
     frame = sys._getframe(2)
     while frame is not None:
         filename = frame.f_code.co_filename

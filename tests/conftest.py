@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 import pytest
 from filelock import FileLock
 
+from tests.writers.areal_writer import WrittenAreal, write_areal_run
 from tests.writers.dcp_writer import WrittenDcp, write_single_process_dcp
 from tests.writers.deepspeed_writer import WrittenDeepSpeed, write_deepspeed_runs
 from tests.writers.rl_runs import WrittenFsdpRuns, write_fsdp_runs
@@ -38,6 +39,7 @@ SLOW_FIXTURES = frozenset(
         "llama_dcp",
         "fsdp_dcp",
         "fsdp_runs",
+        "areal_run",
         "fsdp_run",
         "big_dcp",
     }
@@ -189,6 +191,13 @@ def fsdp_runs(tmp_path_factory: pytest.TempPathFactory) -> WrittenFsdpRuns:
     """FSDP2 on 2 CPU ranks, saved every step as AReaL (trial with recover slots, exports, recover_info) and
     ROLL (launch folder with checkpoint-1 and checkpoint-2, the latter with critic/) save (slow: spawns)."""
     return build_once(tmp_path_factory, "fsdp-rl", write_fsdp_runs)
+
+
+@pytest.fixture(scope="session")
+def areal_run(tmp_path_factory: pytest.TempPathFactory) -> WrittenAreal:
+    """AReaL's own FSDPLMEngine, Saver and RecoverHandler on 2 CPU ranks, two SFT steps of a tiny Qwen3: a trial
+    with the exports of global steps 0 and 1, the recover slot and recover_info/ (slow: spawns)."""
+    return build_once(tmp_path_factory, "areal", write_areal_run)
 
 
 def copy_tree(src: Path, dst: Path) -> Path:

@@ -19,6 +19,7 @@ from ckptctl.layouts import detect, get_layout, open_checkpoint, scan_run
 from ckptctl.layouts.base import list_files
 from ckptctl.ops.verification import RunVerifyReport, verify_checkpoint, verify_path
 from tests.conftest import copy_tree
+from tests.writers.areal_writer import WrittenAreal
 from tests.writers.deepspeed_writer import WrittenDeepSpeed
 from tests.writers.rl_runs import WrittenFsdpRuns
 from tests.writers.trainer_writer import WrittenTrainerRun
@@ -274,15 +275,16 @@ class TestOpenInstructTag(LayoutContract):
 
 
 class TestArealRecoverSlot(LayoutContract):
-    """The recover slot, copied with the `recover_info/` it belongs with (and nothing else of the trial)."""
+    """The recover slot AReaL's RecoverHandler dumped, copied with the `recover_info/` it belongs with (and
+    nothing else of the trial)."""
 
     layout = "areal"
     marker = ".metadata"
     data_glob = "*.distcp"
 
     @pytest.fixture
-    def source(self, fsdp_runs: WrittenFsdpRuns) -> tuple[Path, int]:
-        return fsdp_runs.areal_trial / "default" / "recover_checkpoint", fsdp_runs.model_parameters
+    def source(self, areal_run: WrittenAreal) -> tuple[Path, int]:
+        return areal_run.slot, areal_run.model_parameters
 
     @pytest.fixture
     def checkpoint(self, source: tuple[Path, int], tmp_path: Path) -> Path:
@@ -292,13 +294,15 @@ class TestArealRecoverSlot(LayoutContract):
 
 
 class TestArealExport(LayoutContract):
+    """An HF export AReaL's Saver wrote."""
+
     layout = "areal"
     marker = None
     data_glob = "*.safetensors"
 
     @pytest.fixture
-    def source(self, fsdp_runs: WrittenFsdpRuns) -> tuple[Path, int]:
-        return fsdp_runs.areal_trial / "default" / "epoch0epochstep1globalstep1", fsdp_runs.model_parameters
+    def source(self, areal_run: WrittenAreal) -> tuple[Path, int]:
+        return areal_run.export(1), areal_run.model_parameters
 
 
 class TestRollFsdp2(LayoutContract):

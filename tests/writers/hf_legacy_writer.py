@@ -8,7 +8,8 @@ the state dict split by `huggingface_hub.split_torch_state_dict_into_shards(stat
 filename_pattern="pytorch_model{suffix}.bin", max_shard_size=...)`, each shard
 `{name: state_dict[name].contiguous()}` written by `save_function=torch.save`, and, when sharded,
 `pytorch_model.bin.index.json` (`{"metadata": split.metadata, "weight_map": split.tensor_to_filename}`,
-`json.dumps(index, indent=2, sort_keys=True) + "\\n"`); the config by `config.save_pretrained`. Unlike the
+`json.dumps(index, indent=2, sort_keys=True) + "\\n"`); the config, its `architectures` set to the model's
+class, by `config.save_pretrained`. Unlike the
 safetensors path, that branch keeps tied weights: `lm_head.weight` is pickled as the same storage as
 `model.embed_tokens.weight`.
 
@@ -59,6 +60,8 @@ def _save_legacy(model: torch.nn.Module, folder: Path, max_shard_size: str) -> N
     if split.is_sharded:
         index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
         (folder / "pytorch_model.bin.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    # save_pretrained names the class in the config before saving it (`config.architectures = [...]`)
+    model.config.architectures = [type(model).__name__]  # type: ignore[union-attr]
     model.config.save_pretrained(folder)  # type: ignore[operator]
 
 

@@ -262,6 +262,15 @@ def test_configs_without_an_architecture_are_not_checked(demo_dir: Path, tmp_pat
         convert(str(demo_dir / "hf"), str(tmp_path / "dcp"), ConvertOptions(to=Target.DCP, check_logits=True))
 
 
+def test_without_transformers_the_check_is_skipped_with_a_note(
+    hf_model_dirs: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("ckptctl.frameworks.hf.architecture._has_transformers_5", lambda: False)
+    result = convert(str(hf_model_dirs["single"]), str(tmp_path / "hf"))
+    assert result.model is None
+    assert any("transformers 5 or later is not importable" in note for note in result.warnings), result.warnings
+
+
 def test_a_config_asking_for_a_million_layers_is_refused_before_building(
     hf_model_dirs: dict[str, Path], tmp_path: Path
 ) -> None:

@@ -21,6 +21,7 @@ transformers is optional: without it (or before 5, which lacks these steps) ther
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import re
 import warnings
 from collections.abc import Iterator, Mapping
@@ -105,7 +106,11 @@ def model_logits(folder: str, config: Mapping[str, Any], tensors: Mapping[str, t
         if tensors is None:
             model, info = cls.from_pretrained(folder, output_loading_info=True)
         else:
-            dtype = next((t.dtype for t in tensors.values() if t.is_floating_point()), torch.float32)
+            held: dict[torch.dtype, int] = {}
+            for tensor in tensors.values():
+                if tensor.is_floating_point():
+                    held[tensor.dtype] = held.get(tensor.dtype, 0) + tensor.numel() * tensor.element_size()
+            dtype = max(held, key=lambda d: held[d]) if held else torch.float32  # what most of the bytes are
             built = cls.config_class.from_dict(dict(config))
             model, info = cls.from_pretrained(
                 None, config=built, state_dict=dict(tensors), dtype=dtype, output_loading_info=True
@@ -134,17 +139,24 @@ def _model_class(config: Mapping[str, Any], notes: list[str]) -> tuple[str, Any]
         notes.append("config.json names no architecture: the tensors were not checked against a model")
         return None
     name = architectures[0]
-    try:
-        import transformers
-        from transformers.core_model_loading import revert_weight_conversion  # noqa: F401  (transformers 5)
-    except ImportError:
+    if not _has_transformers_5():
         notes.append(f"transformers 5 or later is not importable: the tensors were not checked against {name}")
         return None
+    import transformers
+
     cls = getattr(transformers, name, None) if name.isidentifier() else None
     if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)):
         notes.append(f"transformers has no model class {name} (custom code?): the tensors were not checked against it")
         return None
     return name, cls
+
+
+def _has_transformers_5() -> bool:
+    """Whether transformers 5 or later is importable (`model_spec` reverts its weight conversions, in
+    `core_model_loading`, which 4.x has not)."""
+    return importlib.util.find_spec("transformers") is not None and bool(
+        importlib.util.find_spec("transformers.core_model_loading")
+    )
 
 
 def _same_tensor(state: Mapping[str, Any], alias: str, kept: Mapping[str, Any]) -> str | None:

@@ -74,8 +74,8 @@ def _convert(src: str, dst: str, options: ConvertOptions, progress: Progress, re
     started = time.perf_counter()
     if options.max_shard_size <= 0:
         raise CkptctlError("the maximum shard size must be positive")
-    if options.check_logits and options.to is not Target.HF:
-        raise CkptctlError("--check-logits compares the logits of an HF output (--to hf)")
+    if options.check_logits and (options.to is not Target.HF or options.component is not Component.MODEL):
+        raise CkptctlError("--check-logits compares the logits of a model converted --to hf (--component model)")
     dst = check_destination(src, dst, options.force)
     layout, ref = resolve(src, options.layout)
     url = ref.url

@@ -252,14 +252,20 @@ def test_logits_that_differ_from_the_source_are_caught(hf_model_dirs: dict[str, 
         compare_logits(source, plan, str(dst), config)
 
 
-def test_configs_without_an_architecture_are_not_checked(demo_dir: Path, tmp_path: Path) -> None:
-    result = convert(str(demo_dir / "hf"), str(tmp_path / "hf"))
+def test_configs_without_an_architecture_are_not_checked(hf_model_dirs: dict[str, Path], tmp_path: Path) -> None:
+    """A config that names no class (written by hand, or by a trainer's own code) gives nothing to build."""
+    source = tmp_path / "src"
+    shutil.copytree(hf_model_dirs["single"], source)
+    config = json.loads((source / "config.json").read_text())
+    del config["architectures"]
+    (source / "config.json").write_text(json.dumps(config))
+    result = convert(str(source), str(tmp_path / "hf"))
     assert result.model is None
     assert any("names no architecture" in note for note in result.warnings)
     with pytest.raises(CkptctlError, match=r"cannot compare logits: config\.json names no architecture"):
-        convert(str(demo_dir / "hf"), str(tmp_path / "hf2"), ConvertOptions(check_logits=True))
+        convert(str(source), str(tmp_path / "hf2"), ConvertOptions(check_logits=True))
     with pytest.raises(CkptctlError, match="--to hf"):
-        convert(str(demo_dir / "hf"), str(tmp_path / "dcp"), ConvertOptions(to=Target.DCP, check_logits=True))
+        convert(str(source), str(tmp_path / "dcp"), ConvertOptions(to=Target.DCP, check_logits=True))
 
 
 def test_without_transformers_the_check_is_skipped_with_a_note(

@@ -23,6 +23,7 @@ from filelock import FileLock
 from tests.writers.areal_writer import WrittenAreal, write_areal_run
 from tests.writers.dcp_writer import WrittenDcp, write_single_process_dcp
 from tests.writers.deepspeed_writer import WrittenDeepSpeed, write_deepspeed_runs
+from tests.writers.hf_legacy_writer import WrittenLegacy, write_legacy_models
 from tests.writers.rl_runs import WrittenFsdpRuns, write_fsdp_runs
 from tests.writers.run_folders import NestedRun, arrange_deepspeed_run, trainer_nested_run, write_dcp_run
 from tests.writers.trainer_writer import WrittenTrainerRun, write_trainer_run
@@ -100,8 +101,9 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
-def tiny_llama() -> Any:
-    """A tiny Llama built from a local config (no hub access), with a fixed seed."""
+def tiny_llama(**overrides: Any) -> Any:
+    """A tiny Llama built from a local config (no hub access), with a fixed seed; `overrides` change the
+    config (`tie_word_embeddings=True`)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -114,6 +116,7 @@ def tiny_llama() -> Any:
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=64,
+        **overrides,
     )
     return LlamaForCausalLM(config)
 
@@ -133,6 +136,13 @@ def _hf_models(root: Path) -> dict[str, Path]:
 def hf_model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """The same tiny Llama saved by transformers `save_pretrained` as one file and as 4+ shards."""
     return build_once(tmp_path_factory, "hf", _hf_models)
+
+
+@pytest.fixture(scope="session")
+def legacy_models(tmp_path_factory: pytest.TempPathFactory) -> WrittenLegacy:
+    """`pytorch_model.bin` folders as transformers 4 wrote them (one file; tied and sharded), and the tied
+    Llama as transformers 5 saves it (see `tests.writers.hf_legacy_writer`)."""
+    return build_once(tmp_path_factory, "hf-legacy", write_legacy_models)
 
 
 def _demo(root: Path) -> Path:

@@ -13,9 +13,11 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from typing import Any
 
 from ckptctl import io
 from ckptctl.checkpoint import Checkpoint, CheckpointRef, Problem, TensorEntry
+from ckptctl.errors import CkptctlError
 from ckptctl.io import DirEntry
 from ckptctl.layouts.naming import NameStripper, format_namespace_stripper
 from ckptctl.layouts.resume import ResumeProfile, generic_profile
@@ -140,6 +142,33 @@ class Layout:
         """
         return (checkpoint.ref.url, io.parent_of(checkpoint.ref.url))
 
+    def model_spec(self, config: Mapping[str, Any], notes: list[str]) -> ModelSpec | None:
+        """The tensors of the model a config of this framework describes (a parsed `config.json`), as the
+        framework's own code builds it, without memory; `convert` checks its output against it.
+
+        Args:
+            config: the config the output carries.
+            notes: where to append why there is no spec, when a person would expect one.
+
+        Returns:
+            The spec, or None when this framework cannot tell (the default).
+
+        Raises:
+            ModelMismatch: the framework refuses to build a model from `config`.
+        """
+        return None
+
+    def model_logits(self, folder: str, config: Mapping[str, Any], tensors: Mapping[str, Any] | None) -> Any:
+        """Logits (a float torch tensor) of the model in `folder` on fixed token ids, loaded by the framework's
+        own loader; given `tensors` (name -> torch tensor), of the architecture `config` describes holding
+        them instead. `convert --check-logits` compares the two.
+
+        Raises:
+            ModelMismatch: the loader reports tensors missing, left over or of another shape.
+            CkptctlError: this framework cannot run its models (the default).
+        """
+        raise CkptctlError(f"{self.name} models cannot be run to compare their logits")
+
     # ---------------------------------------------------------------------------------- tensor names
 
     def namespace_stripper(self, entries: Sequence[TensorEntry]) -> NameStripper:
@@ -188,6 +217,28 @@ class MasterWeights:
     entries: tuple[TensorEntry, ...]
     upcast: frozenset[str]
     notes: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    """The tensors of a model architecture (`Layout.model_spec`), read off the framework's own code.
+
+    Attributes:
+        architecture: the class that was built (`LlamaForCausalLM`).
+        saved: name -> shape of what the framework's own save writes (tied copies left out).
+        state: name -> shape of the model's state dict (tied copies in; persistent buffers only), what
+            `dcp.load({"model": model.state_dict()})` fills.
+        tied: each tied copy -> the tensor it is (`lm_head.weight` -> `model.embed_tokens.weight`).
+        ignored_leftovers: patterns (regular expressions) of names the loader ignores when present.
+        ignored_missing: patterns of names the loader accepts missing.
+    """
+
+    architecture: str
+    saved: Mapping[str, tuple[int, ...]]
+    state: Mapping[str, tuple[int, ...]]
+    tied: Mapping[str, str]
+    ignored_leftovers: tuple[str, ...] = ()
+    ignored_missing: tuple[str, ...] = ()
 
 
 _STEP_PATTERNS = (

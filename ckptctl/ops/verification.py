@@ -227,7 +227,8 @@ def _verify_checkpoint(url: str, options: VerifyOptions, progress: Progress, rea
     tensors_read = 0
     if options.deep:
         deep_problems, tensors_read = read_every_tensor(checkpoint, options.check_finite, progress)
-        problems.extend(deep_problems)
+        said = {p.message for p in problems}  # a truncated file fails the structure and the read alike
+        problems.extend(p for p in deep_problems if p.message not in said)
     return VerifyResult(
         url,
         layout.name,
@@ -246,7 +247,10 @@ def read_every_tensor(checkpoint: Checkpoint, check_finite: bool, progress: Prog
 
     from ckptctl.formats.chunks import read_tensor
 
-    index = checkpoint.tensor_index()
+    try:
+        index = checkpoint.tensor_index()
+    except CkptctlError as exc:  # a truncated file: structure says so too, and nothing more can be read
+        return [Problem.from_error(exc, "")], 0
     progress.start("reading tensors", sum(t.nbytes for t in index))
     problems: list[Problem] = []
     for entry in index:

@@ -431,9 +431,8 @@ def _compare_pairs(
             else:
                 streamed.append(_Streamed(pair, ranges_a, ranges_b, options.atol, options.rtol))
     results: dict[_Pair, ValueStats] = {}
-    tasks: deque[tuple[_Streamed, int, bool]] = deque(
-        (pair, k, False) for pair in streamed for k in range(len(pair.spans))
-    )
+    blocks = ((stream, k, False) for stream in streamed for k in range(len(stream.spans)))
+    rereads: deque[tuple[_Streamed, int, bool]] = deque()  # go first, while the bytes are still cached
     workers = _workers(left.url, right.url)
     pending: dict[Future[Any], Callable[[Any], None]] = {}
     blocks_pending = 0
@@ -443,11 +442,11 @@ def _compare_pairs(
             nonlocal blocks_pending
             blocks_pending -= 1
             progress.advance(result.nbytes)
-            followups = stream.record(result)
-            if followups is None:
+            again = stream.record(result)
+            if again is None:
                 results[stream.pair] = stream.stats()
             else:
-                tasks.extendleft((stream, k, True) for k in followups)  # while the bytes are still cached
+                rereads.extend((stream, k, True) for k in again)
 
         return record
 
@@ -463,12 +462,16 @@ def _compare_pairs(
             future = one.submit(_compare_whole, left.url, right.url, pair, options.atol, options.rtol)
             pending[future] = finished_whole(pair)
         try:
-            while pending or tasks:
-                while tasks and blocks_pending < 2 * workers:
-                    stream, k, norms_only = tasks.popleft()
-                    task = stream.norms if norms_only else stream.compare
-                    pending[pool.submit(task, k)] = finished_block(stream)
+            while True:
+                while blocks_pending < 2 * workers:
+                    task = rereads.popleft() if rereads else next(blocks, None)
+                    if task is None:
+                        break
+                    stream, k, norms_only = task
+                    pending[pool.submit(stream.norms if norms_only else stream.compare, k)] = finished_block(stream)
                     blocks_pending += 1
+                if not pending:
+                    break
                 done, _ = wait(pending, return_when=FIRST_COMPLETED)
                 for future in done:
                     pending.pop(future)(future.result())
@@ -575,9 +578,11 @@ class _Streamed:
         return None
 
     def stats(self) -> ValueStats:
+        """The pair's statistics, once `record` said it is done (its blocks' results are let go)."""
+        blocks, self.blocks = self.blocks, []
         if not self.differs:
             return ValueStats(True, 0.0, 0.0, 0, 0)
-        return fold(block for blocks in self.blocks for block in blocks or ())
+        return fold(block for stats in blocks for block in stats or ())
 
 
 class _RawSide:

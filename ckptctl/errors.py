@@ -54,3 +54,8 @@ class SerializationError(CkptctlError):
 
 class CheckpointInProgress(CkptctlError):
     """The checkpoint has not been committed yet (or is being written right now)."""
+
+
+class StateMismatch(CkptctlError):
+    """The training state does not fit the checkpoint being restored into it (a module with other parameter
+    names or shapes, an optimizer over other parameters): a different model, not a damaged checkpoint."""

@@ -52,7 +52,8 @@ def list_checkpoints(
         typer.Option(
             "--state",
             metavar="STATE",
-            help="Only checkpoints in this state: complete, in_progress or broken; repeatable.",
+            help="Only checkpoints in this state: complete, in_progress, abandoned (a save that stopped), "
+            "superseded (off the run's branch after a rollback) or broken; repeatable.",
         ),
     ] = None,
     layout: RunLayoutOpt = None,

@@ -40,6 +40,7 @@ SLOW_FIXTURES = frozenset(
         "fsdp_runs",
         "fsdp_run",
         "big_dcp",
+        "interrupted_saves",
     }
 )
 

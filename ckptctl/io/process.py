@@ -102,7 +102,10 @@ _OPTIONAL = ("pid_start", "boot_id", "pid_namespace")
 
 
 def alive(pid: int, start: str | None) -> bool:
-    """Whether process `pid` of this machine runs and, when its start time `start` is known, is that process."""
+    """Whether process `pid` of this machine runs and, when its start time `start` is known, is that process.
+
+    A killed process whose parent has not collected it yet (a zombie) is gone: it can write nothing more.
+    """
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -111,22 +114,32 @@ def alive(pid: int, start: str | None) -> bool:
         pass
     except OSError:
         return True
-    current = process_start(pid)
+    fields = _stat_fields(pid)
+    if fields and fields[0] in ("Z", "X"):
+        return False
+    current = _start_of(fields)
     return start is None or current is None or current == start
 
 
 def process_start(pid: int) -> str | None:
     """The start time of a process in clock ticks since boot (Linux), or None where unknown."""
+    return _start_of(_stat_fields(pid))
+
+
+def _stat_fields(pid: int) -> list[str]:
+    """The fields of /proc/PID/stat from field 3 (the state) on (Linux); none elsewhere or when unreadable."""
     if not sys.platform.startswith("linux"):
-        return None
+        return []
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read().decode(errors="replace")
     except OSError:
-        return None
-    fields = stat.rpartition(")")[2].split()
-    # Field 22 of /proc/PID/stat; fields[0] is field 3 (the state) once the name is cut off.
-    return fields[19] if len(fields) > 19 else None
+        return []
+    return stat.rpartition(")")[2].split()  # the name, in parentheses, may hold spaces
+
+
+def _start_of(fields: list[str]) -> str | None:
+    return fields[19] if len(fields) > 19 else None  # field 22: the start time in clock ticks since boot
 
 
 @cache

@@ -21,18 +21,18 @@ class CheckpointState(enum.StrEnum):
 
     - `complete`: committed and whole.
     - `in_progress`: being written (no completion marker yet), as far as anyone can tell.
+    - `broken`: damaged or incomplete for good.
     - `abandoned`: what a save left when its writer stopped (killed, crashed): never to be completed, and
       deleted by the next save of the run or by `prune`.
     - `superseded`: committed and whole, but off the run's branch: the run went back to an older step and
       saved again, so a resume no longer picks it.
-    - `broken`: damaged or incomplete for good.
     """
 
     COMPLETE = "complete"
     IN_PROGRESS = "in_progress"
+    BROKEN = "broken"
     ABANDONED = "abandoned"
     SUPERSEDED = "superseded"
-    BROKEN = "broken"
 
 
 class Component(enum.StrEnum):

@@ -52,8 +52,8 @@ def list_checkpoints(
         typer.Option(
             "--state",
             metavar="STATE",
-            help="Only checkpoints in this state: complete, in_progress, abandoned (a save that stopped), "
-            "superseded (off the run's branch after a rollback) or broken; repeatable.",
+            help="Only checkpoints in this state: complete, in_progress, broken, abandoned (a save that "
+            "stopped) or superseded (off the run's branch after a rollback); repeatable.",
         ),
     ] = None,
     layout: RunLayoutOpt = None,

@@ -7,22 +7,24 @@ save runs in a fresh process, as a restarted job's would.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
-from ckptctl.core import CheckpointManager
-from ckptctl.frameworks.native.layout import WRITER_NAME
+from ckptctl.core import CheckpointManager, RetentionPolicy
+from ckptctl.frameworks.native.layout import WRITER_NAME, abandoned_staging
+from ckptctl.ops.prune import plan_prune
 from tests.conftest import CliResult
 from tests.core import _workers
 from tests.core.conftest import InterruptedSaves
-
-pytestmark = pytest.mark.slow
 
 
 def staging_folders(run: Path) -> dict[int, Path]:
@@ -105,3 +107,43 @@ def _running(pid: int) -> bool:
             return f.read().rpartition(")")[2].split()[0] not in ("Z", "X")
     except FileNotFoundError:
         return False
+
+
+def _other_writer(staging: Path, **fields: Any) -> None:
+    """A writer record naming a process this machine cannot check (another host, or another pid namespace)."""
+    record = {"host": "another-node", "pid": os.getpid(), "started": "2026-01-01T00:00:00+00:00", **fields}
+    staging.mkdir(parents=True)
+    (staging / WRITER_NAME).write_text(json.dumps(record))
+    (staging / "model.safetensors").write_bytes(b"\0" * 64)
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [{}, {"host": socket.gethostname(), "pid_namespace": "pid:[1]"}],
+    ids=["another host", "another pid namespace"],
+)
+def test_a_writer_that_cannot_be_checked_is_judged_by_age_and_newer_commits(
+    run_dir: Path, fields: dict[str, Any]
+) -> None:
+    manager = CheckpointManager(run_dir)
+    manager.save(10, {"w": torch.zeros(2)})
+    staging = run_dir / ".step-20.staging-0a1b"
+    _other_writer(staging, **fields)  # our own pid: alive here, yet it proves nothing about that writer
+    later = time.time() + 7200
+    assert abandoned_staging(str(staging), timedelta(0), now=later) is None  # nothing committed after it
+
+    written = time.time() - 50 * 60
+    for path in (staging / "model.safetensors", staging / WRITER_NAME, staging):
+        os.utime(path, (written, written))
+    assert abandoned_staging(str(staging), timedelta(minutes=30)) is None  # old, but no step committed after it
+    manager.save(20, {"w": torch.ones(2)})  # the run went on; the manager's own grace (1h) keeps it for now
+    assert staging.is_dir()
+    why = abandoned_staging(str(staging), timedelta(minutes=30))
+    assert why is not None and "cannot be checked from here" in why and "step-20 was committed after" in why
+    assert abandoned_staging(str(staging), timedelta(hours=2)) is None  # within grace
+
+    lenient = plan_prune(str(run_dir), RetentionPolicy(keep_last=5), grace=timedelta(hours=2))
+    strict = plan_prune(str(run_dir), RetentionPolicy(keep_last=5), grace=timedelta(minutes=30))
+    assert [i.ref.state.value for i in lenient.items if i.url == str(staging)] == ["in_progress"]
+    (doomed,) = strict.delete
+    assert doomed.url == str(staging) and doomed.ref.state.value == "abandoned"

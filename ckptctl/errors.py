@@ -61,3 +61,8 @@ class ModelMismatch(CkptctlError):
     shape; logits that differ from the source's). The command ran and found a problem: exit code 1."""
 
     exit_code = 1
+
+
+class StateMismatch(CkptctlError):
+    """The training state does not fit the checkpoint being restored into it (a module with other parameter
+    names or shapes, an optimizer over other parameters): a different model, not a damaged checkpoint."""

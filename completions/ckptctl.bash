@@ -10,7 +10,7 @@ _ckptctl() {
     fi
     case "$prev" in
         --sort) COMPREPLY=($(compgen -W "step created size url" -- "$cur")); return;;
-        --state) COMPREPLY=($(compgen -W "complete in_progress broken" -- "$cur")); return;;
+        --state) COMPREPLY=($(compgen -W "complete in_progress broken abandoned superseded" -- "$cur")); return;;
         --layout) COMPREPLY=($(compgen -W "native areal roll dcp hf_trainer openrlhf open_instruct deepspeed hf" -- "$cur")); return;;
         --layout-a) COMPREPLY=($(compgen -W "native areal roll dcp hf_trainer openrlhf open_instruct deepspeed hf" -- "$cur")); return;;
         --layout-b) COMPREPLY=($(compgen -W "native areal roll dcp hf_trainer openrlhf open_instruct deepspeed hf" -- "$cur")); return;;

@@ -53,7 +53,7 @@ complete -c ckptctl -n '__fish_seen_subcommand_from inspect' -l help -s h -d 'Sh
 complete -c ckptctl -n 'not __fish_seen_subcommand_from convert demo diff inspect list prune resume-plan verify' -a list -d 'List every checkpoint of a run folder: step, epoch, layout, state, size, and which one `latest` names.'
 complete -c ckptctl -n '__fish_seen_subcommand_from list' -l sort -x -a 'step created size url' -d 'Sort by step, created, size or url.'
 complete -c ckptctl -n '__fish_seen_subcommand_from list' -l reverse -s r -d 'Largest/newest first.'
-complete -c ckptctl -n '__fish_seen_subcommand_from list' -l state -x -a 'complete in_progress broken' -d 'Only checkpoints in this state: complete, in_progress or broken; repeatable.'
+complete -c ckptctl -n '__fish_seen_subcommand_from list' -l state -x -a 'complete in_progress broken abandoned superseded' -d 'Only checkpoints in this state: complete, in_progress, broken, abandoned (a save that stopped) or superseded (off the run\'s branch after a rollback); repeatable.'
 complete -c ckptctl -n '__fish_seen_subcommand_from list' -l layout -x -a 'native areal roll dcp hf_trainer openrlhf open_instruct deepspeed hf' -d 'Consider only checkpoints of this layout: native, areal, roll, dcp, hf_trainer, openrlhf, open_instruct, deepspeed, hf.'
 complete -c ckptctl -n '__fish_seen_subcommand_from list' -l limit -r -d 'Show at most N.'
 complete -c ckptctl -n '__fish_seen_subcommand_from list' -l depth -r -d 'How deep to look for nested runs.'

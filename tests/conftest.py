@@ -43,6 +43,7 @@ SLOW_FIXTURES = frozenset(
         "areal_run",
         "fsdp_run",
         "big_dcp",
+        "interrupted_saves",
     }
 )
 

@@ -12,7 +12,7 @@ import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from ckptctl import io
@@ -95,6 +95,22 @@ class Layout:
             files: the folder's files, relative path (with `/`) -> size in bytes.
         """
         return ()
+
+    def abandoned(self, ref: CheckpointRef, grace: timedelta) -> str | None:
+        """Why a checkpoint of this layout that is not complete (`in_progress` or `abandoned` in `ref`) is
+        what a save left when its writer stopped, so that `prune` may delete it; None while a writer may
+        still be at it.
+
+        A layout whose writers leave proof of who they are (a record of the writing process) or whose
+        unfinished saves are otherwise recognisable overrides this; the default never says so, and such a
+        checkpoint stays in progress for `prune`.
+
+        Args:
+            ref: the checkpoint as the scan found it.
+            grace: how long after its last write an unfinished save may still be being written, when
+                nothing proves its writer gone.
+        """
+        return None
 
     def protections(self, series: Sequence[CheckpointRef]) -> Protections:
         """What this framework's files say `prune` must keep among `series`, the checkpoints of one folder

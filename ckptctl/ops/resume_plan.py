@@ -1,7 +1,8 @@
 """`resume-plan`: which checkpoint of a run a resume should load, what it brings back, and how to ask for it.
 
-The checkpoints of the run are tried newest first: one still being written, broken, or failing the
-layout's structural verify is skipped with its reason, and the first that passes is the plan. Frameworks
+The checkpoints of the run are tried newest first: one still being written, abandoned, superseded (off
+the run's branch after a rollback), broken, or failing the layout's structural verify is skipped with its
+reason, and the first that passes is the plan. Frameworks
 that follow a `latest` pointer load the tag it names, so newer tags are skipped as unfinished saves. The
 plan then says what the framework restores from that checkpoint and what it does not (with what that
 means for the run), whether it loads on the target number of ranks and how many bytes each rank reads,
@@ -237,6 +238,10 @@ def _judge(
     its verify reported (a `latest` pointer naming a missing tag concerns the run, not this checkpoint)."""
     if ref.state is CheckpointState.IN_PROGRESS:
         return f"in progress: {ref.note or 'still being written'}", None, []
+    if ref.state is CheckpointState.ABANDONED:
+        return f"abandoned: {ref.note or 'a save that stopped'}", None, []
+    if ref.state is CheckpointState.SUPERSEDED:  # the run went back and saved again: it follows that branch
+        return ref.note or "superseded", None, []
     if ref.state is CheckpointState.BROKEN:
         return f"broken: {ref.note or 'incomplete'}", None, []
     if not profile.resumable:

@@ -83,6 +83,8 @@ def _convert(src: str, dst: str, options: ConvertOptions, progress: Progress, re
         raise CheckpointInProgress(
             f"{url} is still being written ({ref.note or 'no completion marker'})", "wait for the save to finish"
         )
+    if ref.state is CheckpointState.ABANDONED:
+        raise CorruptCheckpoint(f"{url} is {ref.note}", "convert a committed checkpoint instead")
     checkpoint = layout.open(url)
     problems = [p for p in layout.verify(checkpoint) if p.severity == "error"]
     if problems or checkpoint.ref.state is CheckpointState.BROKEN:

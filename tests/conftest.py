@@ -22,6 +22,7 @@ from filelock import FileLock
 
 from tests.writers.dcp_writer import WrittenDcp, write_single_process_dcp
 from tests.writers.deepspeed_writer import WrittenDeepSpeed, write_deepspeed_runs
+from tests.writers.openrlhf_writer import WrittenOpenRlhf, write_openrlhf_run
 from tests.writers.rl_runs import WrittenFsdpRuns, write_fsdp_runs
 from tests.writers.run_folders import NestedRun, arrange_deepspeed_run, trainer_nested_run, write_dcp_run
 from tests.writers.trainer_writer import WrittenTrainerRun, write_trainer_run
@@ -40,6 +41,7 @@ SLOW_FIXTURES = frozenset(
         "fsdp_runs",
         "fsdp_run",
         "big_dcp",
+        "openrlhf_ppo",
     }
 )
 
@@ -189,6 +191,13 @@ def fsdp_runs(tmp_path_factory: pytest.TempPathFactory) -> WrittenFsdpRuns:
     """FSDP2 on 2 CPU ranks, saved every step as AReaL (trial with recover slots, exports, recover_info) and
     ROLL (launch folder with checkpoint-1 and checkpoint-2, the latter with critic/) save (slow: spawns)."""
     return build_once(tmp_path_factory, "fsdp-rl", write_fsdp_runs)
+
+
+@pytest.fixture(scope="session")
+def openrlhf_ppo(tmp_path_factory: pytest.TempPathFactory) -> WrittenOpenRlhf:
+    """OpenRLHF 0.11.2's own PPO saves (DeepspeedStrategy, ZeRO-2, actor and critic) on 2 CPU ranks: global
+    steps 1-3, a best tag at step 2, `{tag}_hf` exports and the final models (slow: spawns)."""
+    return build_once(tmp_path_factory, "openrlhf-ppo", write_openrlhf_run)
 
 
 def copy_tree(src: Path, dst: Path) -> Path:

@@ -11,10 +11,11 @@ from typing import Any
 
 from ckptctl import io
 from ckptctl.checkpoint import Component
-from ckptctl.errors import CorruptCheckpoint, UnknownLayout
+from ckptctl.errors import CkptctlError, CorruptCheckpoint, UnknownLayout
 from ckptctl.formats.safe_pickle import FrameworkObject, StandIn, state_fields
 from ckptctl.formats.torch_pickle import TorchPickle, open_torch_pickle
-from ckptctl.frameworks.deepspeed.names import TagFiles, tag_files
+from ckptctl.frameworks.deepspeed.names import TagFiles, expected_rank_files, tag_files
+from ckptctl.layouts.base import LISTED_ABSENT
 
 #: Top-level keys of model_states that DeepSpeed itself writes; every other key is client state.
 _ENGINE_KEYS = frozenset(
@@ -164,21 +165,7 @@ def read_tag(url: str, files: TagFiles | None = None) -> DeepSpeedTag:
     if not isinstance(states, dict):
         raise CorruptCheckpoint(f"{url}/{rank0}: not a DeepSpeed model states dict")
     tag.states = states
-    dp = states.get("dp_world_size")
-    mp = states.get("mp_world_size")
-    tag.dp_world_size = dp if type(dp) is int and dp > 0 else max((d for d, _ in files.optim), default=0) + 1
-    tag.mp_world_size = mp if type(mp) is int and mp > 0 else max(m for _, m in files.model) + 1
-    if tag.dp_world_size * tag.mp_world_size > MAX_RANKS:
-        # Every rank is looked for by name: a damaged count (or a stray rank file name) must not send us
-        # looping over billions of them.
-        raise CorruptCheckpoint(
-            f"{url}: dp_world_size {tag.dp_world_size} x mp_world_size {tag.mp_world_size} is more ranks than "
-            f"ckptctl believes (at most {MAX_RANKS}); the model states or the rank file names are damaged"
-        )
-    config = states.get("ds_config")
-    zero = config.get("zero_optimization") if isinstance(config, dict) else None
-    stage = zero.get("stage") if isinstance(zero, dict) else None
-    tag.zero_stage = stage if type(stage) is int else 0
+    tag.dp_world_size, tag.mp_world_size, tag.zero_stage = _recorded_ranks(url, states, files)
     optim0 = files.optim.get((0, 0))
     if optim0 is not None:
         osd = optimizer_state_dict(tag.open_file(optim0))
@@ -189,6 +176,54 @@ def read_tag(url: str, files: TagFiles | None = None) -> DeepSpeedTag:
         tag.partition_count = read_partition_count(osd.get("partition_count"))
         tag.optim_info = _optim_info(osd)
     return tag
+
+
+def _recorded_ranks(url: str, states: dict[str, Any], files: TagFiles) -> tuple[int, int, int]:
+    """(dp_world_size, mp_world_size, ZeRO stage) as the rank-0 model states record them; the sizes from the
+    rank file names where they are not recorded, the stage from `ds_config` (0 when it says none).
+
+    Raises:
+        CorruptCheckpoint: more ranks than any DeepSpeed job has.
+    """
+    dp = states.get("dp_world_size")
+    mp = states.get("mp_world_size")
+    dp = dp if type(dp) is int and dp > 0 else max((d for d, _ in files.optim), default=0) + 1
+    mp = mp if type(mp) is int and mp > 0 else max(m for _, m in files.model) + 1
+    if dp * mp > MAX_RANKS:
+        # Every rank is looked for by name: a damaged count (or a stray rank file name) must not send us
+        # looping over billions of them.
+        raise CorruptCheckpoint(
+            f"{url}: dp_world_size {dp} x mp_world_size {mp} is more ranks than ckptctl believes (at most "
+            f"{MAX_RANKS}); the model states or the rank file names are damaged"
+        )
+    config = states.get("ds_config")
+    zero = config.get("zero_optimization") if isinstance(config, dict) else None
+    stage = zero.get("stage") if isinstance(zero, dict) else None
+    return dp, mp, stage if type(stage) is int else 0
+
+
+def missing_rank_files(url: str, files: TagFiles) -> list[str]:
+    """The rank files a tag lacks (the first `LISTED_ABSENT`): what decides whether a DeepSpeed tag is
+    complete, for every layout built on DeepSpeed.
+
+    The names of the other rank files show a gap (`TagFiles.missing_from_names`); the highest DP or MP
+    rank's files only the world size says, so the rank-0 model states are read for it (their `data.pkl`,
+    no tensor bytes). When they do not parse, this says what the names say and leaves the reason to
+    `verify_tag` (and the open, which reads the tag broken).
+    """
+    missing = files.missing_from_names()
+    rank0 = files.rank0_model()
+    if missing or rank0 is None:
+        return missing
+    try:
+        states = open_torch_pickle(io.join(url, rank0), files.sizes.get(rank0)).root
+        if not isinstance(states, dict):
+            return []
+        dp, mp, stage = _recorded_ranks(url, states, files)
+    except CkptctlError:
+        return []
+    model, optim = expected_rank_files(files, dp, mp, stage)
+    return sorted((model | optim) - set(files.sizes))[:LISTED_ABSENT]
 
 
 def optimizer_state_dict(opened: TorchPickle) -> dict[str, Any]:

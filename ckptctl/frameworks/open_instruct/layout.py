@@ -189,13 +189,10 @@ class OpenInstructLayout(Layout):
         if DRIVER_STATE_NAME not in names and peek(io.parent_of(url), _has_ref_policy) is not True:
             return None
         state, note = CheckpointState.COMPLETE, ""
-        missing = files.missing_from_names()
+        missing = deepspeed.missing_rank_files(url, files)
         client = _client_state(url, entries)
         if missing:
-            state, note = (
-                CheckpointState.BROKEN,
-                f"missing {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}",
-            )
+            state, note = CheckpointState.BROKEN, deepspeed.missing_note(missing)
         elif client.error:
             state, note = CheckpointState.BROKEN, client.error
         elif fuller := _fuller_sibling(url, len(entries)):

@@ -109,7 +109,7 @@ class OpenRlhfLayout(Layout):
         files = deepspeed.tag_files(entries)
         if files is None or not _is_tag_evidence(url, names):
             return None
-        missing = files.missing_from_names()
+        missing = deepspeed.missing_rank_files(url, files)
         return CheckpointRef(
             url=url,
             layout=self.name,
@@ -118,7 +118,7 @@ class OpenRlhfLayout(Layout):
             created=timestamp(newest_mtime(entries)),
             state=CheckpointState.BROKEN if missing else CheckpointState.COMPLETE,
             size_bytes=folder_size(url, entries),
-            note=f"missing {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}" if missing else "",
+            note=deepspeed.missing_note(missing),
         )
 
     def latest_pointer(self, url: str, entries: Sequence[DirEntry]) -> str | None:

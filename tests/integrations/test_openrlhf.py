@@ -21,6 +21,7 @@ from ckptctl import io
 from ckptctl.checkpoint import CheckpointState, Component
 from ckptctl.layouts import open_checkpoint, scan_run
 from ckptctl.ops.convert import ConvertOptions, Weights, convert
+from ckptctl.ops.resume_plan import plan_resume
 from ckptctl.ops.verification import verify_run
 from tests.conftest import CliResult, copy_tree
 from tests.writers.openrlhf_writer import EVAL_METRIC, EVAL_VALUE, WrittenOpenRlhf
@@ -157,6 +158,27 @@ def test_a_torn_critic_blocks_the_resume(torn: Path, run_cli: Run) -> None:
     human = run_cli("resume-plan", torn)
     assert human.exit_code == 1
     assert "fails" in human.stdout and "write best_global_step2 into _critic/latest" in human.stdout
+
+
+@pytest.mark.parametrize("damage", ["truncated", "missing tag"])
+def test_a_critic_latest_that_does_not_load_blocks_the_resume(
+    openrlhf_ppo: WrittenOpenRlhf, damage: str, tmp_path: Path
+) -> None:
+    run = copy_tree(openrlhf_ppo.ckpt_path, tmp_path / "ckpt")
+    if damage == "truncated":  # every file there, one cut short: only structural verify sees it
+        victim = run / "_critic" / openrlhf_ppo.latest / RANK1_OPTIM
+        victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
+        expected = "the critic's `latest` tag global_step3 fails verify: " + RANK1_OPTIM
+        fix = "write best_global_step2 into _critic/latest and into _actor/latest (both resume from step 2"
+    else:
+        (run / "_critic" / "latest").write_text("global_step4")
+        expected = "the critic's `latest` tag global_step4 does not exist"
+        fix = "write global_step3 into _critic/latest"
+    plan = plan_resume(str(run))
+    assert plan.checkpoint is not None and plan.checkpoint.url == str(run / "_actor" / "global_step3")
+    (blocker,) = plan.blockers
+    assert blocker.reason.startswith(expected), blocker.reason
+    assert blocker.fix.startswith(fix), blocker.fix
 
 
 def test_resume_plan_of_the_critic_folder(openrlhf_ppo: WrittenOpenRlhf, torn: Path, run_cli: Run) -> None:

@@ -52,11 +52,8 @@ def _loaded_with(ctx: PlanContext) -> list[LoadedAlong]:
     if tag is None:
         return []
     pointer = f"{_OTHER_ROLE[role]}/{LATEST_NAME}"
-    return [
-        LoadedAlong(
-            io.join(other, tag), f"the {_ROLE_NAME[_OTHER_ROLE[role]]}'s `latest` tag", _fix(ctx, other, pointer)
-        )
-    ]
+    url = io.join(other, tag)
+    return [LoadedAlong(url, f"the {_ROLE_NAME[_OTHER_ROLE[role]]}'s `latest` tag", _fix(ctx, other, pointer, url))]
 
 
 def _complete_tags(save_dir: str) -> dict[str, CheckpointRef]:
@@ -76,11 +73,11 @@ def _created(ref: CheckpointRef) -> float:
     return ref.created.timestamp() if ref.created is not None else 0.0
 
 
-def _fix(ctx: PlanContext, save_dir: str, pointer: str) -> str:
-    """What to write into the `latest` files when the other role's tag does not load: the other role's
-    complete tag of the chosen step, else the newest tag both roles saved whole (both resume from there)."""
+def _fix(ctx: PlanContext, save_dir: str, pointer: str, failing: str) -> str:
+    """What to write into the `latest` files when the other role's tag (`failing`) does not load: the other
+    role's complete tag of the chosen step, else the newest tag both roles saved whole (both resume there)."""
     step = ctx.checkpoint.ref.step
-    others = _complete_tags(save_dir)
+    others = {name: ref for name, ref in _complete_tags(save_dir).items() if ref.url != failing}
     same = [r for r in others.values() if r.step == step]
     if same:
         pick = max(same, key=_created)

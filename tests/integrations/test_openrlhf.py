@@ -126,10 +126,15 @@ def test_a_tag_missing_a_rank_file_is_never_complete(
     run, tag = _as_layout(openrlhf_ppo, layout, tmp_path)
     (tag / rank_file).unlink()
     refs = {r.url: r for r in scan_run(str(run))}
-    holder = str(tag.parent) if layout == "hf_trainer" else str(tag)
-    assert refs[holder].layout == layout
-    assert refs[holder].state is CheckpointState.BROKEN
-    assert rank_file in refs[holder].note
+    ref = refs[str(tag.parent) if layout == "hf_trainer" else str(tag)]
+    assert ref.layout == layout
+    if layout == "open_instruct" and rank_file == RANK1_OPTIM:
+        # Fewer files than the tag beside it, just written: it may still be arriving (open-instruct's layout
+        # counts entries as its start-up cleanup does).
+        assert ref.state is CheckpointState.IN_PROGRESS and "fewer than" in ref.note
+    else:
+        assert ref.state is CheckpointState.BROKEN
+        assert rank_file in ref.note
 
 
 # --- resume-plan: the critic's `latest` tag loads along with the actor --------------------------------------

@@ -6,6 +6,7 @@ so neither DeepSpeed nor torch is needed and no tensor bytes are read to list, i
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,8 +15,10 @@ from ckptctl.checkpoint import Component
 from ckptctl.errors import CkptctlError, CorruptCheckpoint, UnknownLayout
 from ckptctl.formats.safe_pickle import FrameworkObject, StandIn, state_fields
 from ckptctl.formats.torch_pickle import TorchPickle, open_torch_pickle
-from ckptctl.frameworks.deepspeed.names import TagFiles, expected_rank_files, tag_files
-from ckptctl.layouts.base import LISTED_ABSENT
+from ckptctl.frameworks.deepspeed.names import TagFiles, expected_rank_files, read_latest, tag_files
+from ckptctl.io import DirEntry
+from ckptctl.layouts import peek, peek_dir
+from ckptctl.layouts.base import LISTED_ABSENT, step_from_name
 
 #: Top-level keys of model_states that DeepSpeed itself writes; every other key is client state.
 _ENGINE_KEYS = frozenset(
@@ -207,23 +210,53 @@ def missing_rank_files(url: str, files: TagFiles) -> list[str]:
     complete, for every layout built on DeepSpeed.
 
     The names of the other rank files show a gap (`TagFiles.missing_from_names`); the highest DP or MP
-    rank's files only the world size says, so the rank-0 model states are read for it (their `data.pkl`,
-    no tensor bytes). When they do not parse, this says what the names say and leaves the reason to
-    `verify_tag` (and the open, which reads the tag broken).
+    rank's files only the world size says, which the rank-0 model states record (their `data.pkl` is
+    read, no tensor bytes). So that a save folder of thousands of tags is not read tag by tag, the world
+    size of one tag of the folder is read once per scan (`_reference_world`: the tag `latest` names); a
+    tag holding every rank file that world size promises is whole, any other is judged by its own. When
+    the states do not parse, this says what the names say and leaves the reason to `verify_tag` (and to
+    the open, which reads the tag broken).
     """
     missing = files.missing_from_names()
-    rank0 = files.rank0_model()
-    if missing or rank0 is None:
+    if missing or files.rank0_model() is None:
         return missing
+    reference = peek(io.parent_of(url), _reference_world)
+    if reference is not None and not _absent(files, reference):
+        return []
+    own = _recorded_world(url, files)
+    return [] if own is None else _absent(files, own)
+
+
+def _absent(files: TagFiles, world: tuple[int, int, int]) -> list[str]:
+    """The rank files a (dp, mp, ZeRO stage) world promises that `files` lacks."""
+    model, optim = expected_rank_files(files, *world)
+    return sorted((model | optim) - set(files.sizes))[:LISTED_ABSENT]
+
+
+def _recorded_world(url: str, files: TagFiles) -> tuple[int, int, int] | None:
+    """(dp_world_size, mp_world_size, ZeRO stage) of a tag's rank-0 model states; None when unreadable."""
+    rank0 = files.rank0_model()
+    if rank0 is None:
+        return None
     try:
         states = open_torch_pickle(io.join(url, rank0), files.sizes.get(rank0)).root
-        if not isinstance(states, dict):
-            return []
-        dp, mp, stage = _recorded_ranks(url, states, files)
+        return _recorded_ranks(url, states, files) if isinstance(states, dict) else None
     except CkptctlError:
-        return []
-    model, optim = expected_rank_files(files, dp, mp, stage)
-    return sorted((model | optim) - set(files.sizes))[:LISTED_ABSENT]
+        return None
+
+
+def _reference_world(save_dir: str, entries: Sequence[DirEntry]) -> tuple[int, int, int] | None:
+    """The world a save folder's tags were saved by, as one tag records it: the tag `latest` names, else
+    the newest by its name's step (None when there is none, or it does not read)."""
+    folders = [e.name for e in entries if e.is_dir]
+    name = read_latest(save_dir, entries)
+    if name not in folders:
+        name = max(folders, key=lambda n: (step_from_name(n) or -1, n), default=None)
+    if name is None:
+        return None
+    url = io.join(save_dir, name)
+    files = tag_files(peek_dir(url) or [])
+    return None if files is None else _recorded_world(url, files)
 
 
 def optimizer_state_dict(opened: TorchPickle) -> dict[str, Any]:

@@ -189,7 +189,7 @@ class OpenInstructLayout(Layout):
         if DRIVER_STATE_NAME not in names and peek(io.parent_of(url), _has_ref_policy) is not True:
             return None
         state, note = CheckpointState.COMPLETE, ""
-        missing = deepspeed.missing_rank_files(url, files)
+        missing = files.missing_from_names()
         client = _client_state(url, entries)
         if missing:
             state, note = CheckpointState.BROKEN, deepspeed.missing_note(missing)
@@ -201,6 +201,8 @@ class OpenInstructLayout(Layout):
                 f"{len(entries)} entries, fewer than {fuller[0]}'s {fuller[1]}: open-instruct deletes this folder at "
                 "start-up",
             )
+        elif missing := deepspeed.missing_rank_files(url, files):  # the highest rank's: no sibling is fuller
+            state, note = _unfinished(entries, deepspeed.missing_note(missing))
         step = client.training_step
         return CheckpointRef(
             url=url,

@@ -380,7 +380,7 @@ def _free_port() -> int:
 
 
 def write_openrlhf_run(root: Path) -> WrittenOpenRlhf:
-    """Run OpenRLHF's PPO saves on 2 CPU ranks into `root` (see the module docstring); about 20 s."""
+    """Run OpenRLHF's PPO saves on 2 CPU ranks into `root` (see the module docstring); 30-70 s on 2 busy cores."""
     import torch.multiprocessing as mp
 
     root.mkdir(parents=True, exist_ok=True)

@@ -24,6 +24,7 @@ from tests.writers.areal_writer import WrittenAreal, write_areal_run
 from tests.writers.dcp_writer import WrittenDcp, write_single_process_dcp
 from tests.writers.deepspeed_writer import WrittenDeepSpeed, write_deepspeed_runs
 from tests.writers.hf_legacy_writer import WrittenLegacy, write_legacy_models
+from tests.writers.openrlhf_writer import WrittenOpenRlhf, write_openrlhf_run
 from tests.writers.rl_runs import WrittenFsdpRuns, write_fsdp_runs
 from tests.writers.run_folders import NestedRun, arrange_deepspeed_run, trainer_nested_run, write_dcp_run
 from tests.writers.trainer_writer import WrittenTrainerRun, write_trainer_run
@@ -44,6 +45,7 @@ SLOW_FIXTURES = frozenset(
         "fsdp_run",
         "big_dcp",
         "interrupted_saves",
+        "openrlhf_ppo",
     }
 )
 
@@ -209,6 +211,13 @@ def areal_run(tmp_path_factory: pytest.TempPathFactory) -> WrittenAreal:
     """AReaL's own FSDPLMEngine, Saver and RecoverHandler on 2 CPU ranks, two SFT steps of a tiny Qwen3: a trial
     with the exports of global steps 0 and 1, the recover slot and recover_info/ (slow: spawns)."""
     return build_once(tmp_path_factory, "areal", write_areal_run)
+
+
+@pytest.fixture(scope="session")
+def openrlhf_ppo(tmp_path_factory: pytest.TempPathFactory) -> WrittenOpenRlhf:
+    """OpenRLHF 0.11.2's own PPO saves (DeepspeedStrategy, ZeRO-2, actor and critic) on 2 CPU ranks: global
+    steps 1-3, a best tag at step 2, `{tag}_hf` exports and the final models (slow: spawns)."""
+    return build_once(tmp_path_factory, "openrlhf-ppo", write_openrlhf_run)
 
 
 def copy_tree(src: Path, dst: Path) -> Path:

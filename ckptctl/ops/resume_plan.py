@@ -7,7 +7,9 @@ that follow a `latest` pointer load the tag it names, so newer tags are skipped 
 plan then says what the framework restores from that checkpoint and what it does not (with what that
 means for the run), whether it loads on the target number of ranks and how many bytes each rank reads,
 the exact setting that resumes from it, and warnings: a `latest` naming a broken tag, RNG keys older
-checkpoints lack, and the traps of each framework (LAYOUTS.md).
+checkpoints lack, and the traps of each framework (LAYOUTS.md). What the framework loads along with the
+chosen checkpoint (OpenRLHF's critic, from its own `latest`) is verified too: one that does not load is a
+blocker, and the resume as it stands fails.
 
 What each framework does is the `ResumeProfile` its layout returns (`Layout.resume_profile()`, in
 `ckptctl/frameworks/<name>/resume.py`); a layout without one gets a generic plan. Nothing here names a
@@ -22,12 +24,14 @@ from typing import Any
 
 from ckptctl import io
 from ckptctl.checkpoint import Checkpoint, CheckpointRef, CheckpointState, Component, Problem, Role
-from ckptctl.errors import CkptctlError, UnknownLayout
+from ckptctl.errors import CheckpointNotFound, CkptctlError, UnknownLayout
 from ckptctl.formats.manifest import read_manifest
-from ckptctl.layouts import get_layout, scan_run
+from ckptctl.layouts import detect, get_layout, scan_run
 from ckptctl.layouts.resume import (
     DEFAULT_IMPACT,
     RESUMABLE,
+    Blocker,
+    LoadedAlong,
     PlanContext,
     ResumeProfile,
     Skipped,
@@ -38,6 +42,7 @@ from ckptctl.ops.digests import check_digests
 from ckptctl.ops.report import SCHEMA_VERSION, NoProgress, Progress, iso, jsonable
 
 __all__ = [
+    "Blocker",
     "ResumePlan",
     "Skipped",
     "WorldSizeCheck",
@@ -68,6 +73,8 @@ class ResumePlan:
         world_size: whether the target number of ranks can load it.
         resume_hint: the setting that resumes from it, for the framework that wrote it.
         warnings: traps worth knowing before resuming.
+        blockers: checkpoints the framework loads along with the chosen one that do not load (the resume
+            fails until each one's `fix` is done).
     """
 
     run: str
@@ -81,6 +88,7 @@ class ResumePlan:
     world_size: WorldSizeCheck | None = None
     resume_hint: str | None = None
     warnings: tuple[str, ...] = ()
+    blockers: tuple[Blocker, ...] = ()
 
     @property
     def resumable(self) -> bool:
@@ -111,6 +119,7 @@ class ResumePlan:
             "resume_hint": self.resume_hint,
             "continues_from": jsonable(dict(self.continues_from)),
             "warnings": list(self.warnings),
+            "blockers": [b.to_json() for b in self.blockers],
         }
 
 
@@ -158,7 +167,10 @@ def plan_resume(
         get_layout(layout)  # an unknown name fails here, listing the known ones
     refs = [r for r in scan_run(run) if layout is None or r.layout == layout]
     refs = _one_run(run, refs)
-    ordered = [r for r in _newest_first(refs) if not profile_for(r.layout).companion(r)]
+    newest = _newest_first(refs)
+    # What loads along with another checkpoint is no candidate of its own, unless the folder holds nothing
+    # else (`resume-plan RUN/_critic` plans the critic's resume).
+    ordered = [r for r in newest if not profile_for(r.layout).companion(r)] or newest
     pointer_named = _pointer_target(ordered)
     skipped: list[Skipped] = []
     chosen: Checkpoint | None = None
@@ -180,6 +192,11 @@ def plan_resume(
     ctx = replace(ctx, world=profile.world_size(ctx))
     restores, missing, impacts = _components(ctx, profile)
     warnings = run_warnings + _warnings(ctx, profile, pointer_named, cuda)
+    blockers = tuple(
+        blocker
+        for along in profile.loaded_with(ctx)
+        if (blocker := _blocker(ctx, profile, along, digests, progress or NoProgress())) is not None
+    )
     return ResumePlan(
         run=run,
         checkpoint=chosen.ref,
@@ -192,6 +209,7 @@ def plan_resume(
         world_size=ctx.world,
         resume_hint=profile.hint(ctx),
         warnings=tuple(warnings),
+        blockers=blockers,
     )
 
 
@@ -277,6 +295,39 @@ def _judge(
     if checkpoint.ref.state is CheckpointState.BROKEN:
         return f"broken: {checkpoint.ref.note}", checkpoint, run_problems
     return None, checkpoint, run_problems
+
+
+def _blocker(
+    ctx: PlanContext, profile: ResumeProfile, along: LoadedAlong, digests: bool, progress: Progress
+) -> Blocker | None:
+    """A blocker when what loads along with the chosen checkpoint does not load: missing, not complete, or
+    failing its layout's structural verify (and digests, when asked), as a candidate would."""
+    step = None
+    try:
+        layout, ref = detect(along.url, explain=False)
+        step = ref.step
+        if ref.state is not CheckpointState.COMPLETE:
+            reason = f"is {ref.state.value}" + (f" ({ref.note})" if ref.note else "")
+        else:
+            checkpoint = layout.open(along.url)
+            problems = list(layout.verify(checkpoint))
+            if digests:
+                problems += _digest_problems(checkpoint, progress)
+            errors = [p for p in problems if p.severity == "error" and not p.path.startswith("../")]
+            if not errors and checkpoint.ref.state is CheckpointState.COMPLETE:
+                return None
+            reason = f"fails verify: {_problem_text(errors[0])}" if errors else f"is broken ({checkpoint.ref.note})"
+    except CheckpointNotFound:
+        reason = "does not exist"
+    except CkptctlError as exc:
+        reason = f"cannot be read: {exc.message}"
+    return Blocker(
+        along.url,
+        step,
+        f"{along.what} {io.name_of(along.url)} {reason}: {profile.framework} loads it along with "
+        f"{io.name_of(ctx.url)}, so the resume fails",
+        along.fix,
+    )
 
 
 def _newer(a: CheckpointRef, b: CheckpointRef) -> bool:

@@ -21,6 +21,7 @@ from ckptctl.ops.verification import RunVerifyReport, verify_checkpoint, verify_
 from tests.conftest import copy_tree
 from tests.writers.areal_writer import WrittenAreal
 from tests.writers.deepspeed_writer import WrittenDeepSpeed
+from tests.writers.openrlhf_writer import WrittenOpenRlhf
 from tests.writers.rl_runs import WrittenFsdpRuns
 from tests.writers.trainer_writer import WrittenTrainerRun
 
@@ -255,6 +256,50 @@ class TestOpenRlhfExport(LayoutContract):
     @pytest.fixture
     def source(self, openrlhf_run: Path, deepspeed_runs: dict[int, WrittenDeepSpeed]) -> tuple[Path, int]:
         return openrlhf_run / "global_step4_hf", deepspeed_runs[2].model_parameters
+
+
+def _parameters(safetensors_file: Path) -> int:
+    from safetensors.torch import load_file
+
+    return sum(t.numel() for t in load_file(str(safetensors_file)).values())
+
+
+class TestOpenRlhfWrittenActorTag(LayoutContract):
+    """An actor tag written by OpenRLHF's own `DeepspeedStrategy.save_ckpt` (tests.writers.openrlhf_writer)."""
+
+    layout = "openrlhf"
+    marker = "mp_rank_00_model_states.pt"
+    data_glob = "*_optim_states.pt"
+
+    @pytest.fixture
+    def source(self, openrlhf_ppo: WrittenOpenRlhf) -> tuple[Path, int]:
+        return openrlhf_ppo.actor / openrlhf_ppo.latest, _parameters(openrlhf_ppo.reference)
+
+
+class TestOpenRlhfWrittenCriticTag(LayoutContract):
+    """A critic tag (a Llama body and a value head) written by OpenRLHF's `save_ckpt`."""
+
+    layout = "openrlhf"
+    marker = "mp_rank_00_model_states.pt"
+    data_glob = "*_optim_states.pt"
+
+    @pytest.fixture
+    def source(self, openrlhf_ppo: WrittenOpenRlhf) -> tuple[Path, int]:
+        return openrlhf_ppo.critic / openrlhf_ppo.latest, _parameters(
+            openrlhf_ppo.critic_output_dir / "model.safetensors"
+        )
+
+
+class TestOpenRlhfWrittenExport(LayoutContract):
+    """A `{tag}_hf` export written by OpenRLHF's `save_model` (`--ckpt.save_hf`)."""
+
+    layout = "openrlhf"
+    marker = None
+    data_glob = "*.safetensors"
+
+    @pytest.fixture
+    def source(self, openrlhf_ppo: WrittenOpenRlhf) -> tuple[Path, int]:
+        return openrlhf_ppo.ckpt_path / f"{openrlhf_ppo.latest}_hf", _parameters(openrlhf_ppo.reference)
 
 
 class TestOpenInstructTag(LayoutContract):

@@ -84,6 +84,30 @@ class TagFiles:
         return list(itertools.islice((name for name in expected() if name not in self.sizes), LISTED_ABSENT))
 
 
+def expected_rank_files(
+    files: TagFiles, dp_world_size: int, mp_world_size: int, zero_stage: int
+) -> tuple[set[str], set[str]]:
+    """The model- and optim-states file names a tag saved by `dp_world_size` x `mp_world_size` ranks holds:
+    one model-states file per MP rank (per DP and MP rank under ZeRO-3), and one optim-states file per DP
+    and MP rank when the tag has any or ZeRO partitioned the optimizer."""
+    model = {
+        files.model_name(dp, mp) if files.per_dp_model_files else files.model_name_0(mp)
+        for mp in range(mp_world_size)
+        for dp in range(dp_world_size)
+    }
+    optim = (
+        {files.optim_name(dp, mp) for mp in range(mp_world_size) for dp in range(dp_world_size)}
+        if files.optim or zero_stage >= 1
+        else set()
+    )
+    return model, optim
+
+
+def missing_note(missing: Sequence[str]) -> str:
+    """The note of a tag that lacks rank files (the first few named)."""
+    return f"missing {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}" if missing else ""
+
+
 def is_rank_file(path: str) -> bool:
     """Whether the file at `path` (`/`-separated, any folder) is a DeepSpeed model- or optim-states file."""
     name = path.rpartition("/")[2]

@@ -1,35 +1,126 @@
 """How OpenRLHF resumes (`--load_checkpoint`): the actor's and the critic's DeepSpeed tags, each from its
-own `latest`, under one `--ckpt_path`."""
+own `latest`, under one `--ckpt_path`.
+
+With `--ckpt.load_enable`, `PolicyModelActor.init_model_from_pretrained` loads `{ckpt.path}/_actor` and
+`CriticModelActor.init_model_from_pretrained` loads `{ckpt.path}/_critic` (`trainer/ray/ppo_actor.py`,
+`ppo_critic.py`, openrlhf 0.11.2), each through `engine.load_checkpoint(save_dir)`, which follows that
+folder's `latest`. A plan for one of them therefore also verifies the tag the other's `latest` names.
+"""
 
 from __future__ import annotations
 
 from ckptctl import io
 from ckptctl.checkpoint import CheckpointRef, CheckpointState
+from ckptctl.errors import CkptctlError
 from ckptctl.frameworks.deepspeed import resume as deepspeed
-from ckptctl.layouts.resume import PlanContext, ResumeProfile
+from ckptctl.frameworks.deepspeed.names import LATEST_NAME, read_latest
+from ckptctl.layouts import detect, peek_dir, scan_run
+from ckptctl.layouts.resume import LoadedAlong, PlanContext, ResumeProfile
 
 __all__ = ["PROFILE"]
+
+_OTHER_ROLE = {"_actor": "_critic", "_critic": "_actor"}
+_ROLE_NAME = {"_actor": "actor", "_critic": "critic"}
 
 
 def _run(url: str) -> str:
     parent = io.parent_of(url)
-    return io.parent_of(parent) if io.name_of(parent) in ("_actor", "_critic") else parent
+    return io.parent_of(parent) if io.name_of(parent) in _OTHER_ROLE else parent
 
 
 def _critic(ref: CheckpointRef) -> bool:
     return io.name_of(io.parent_of(ref.url)) == "_critic"
 
 
-def _notes(ctx: PlanContext) -> list[str]:
-    """The critic loads from `_critic/latest` along with the actor: say when the two are out of step."""
-    critic = next((r for r in ctx.refs if _critic(r) and r.latest), None)
-    if critic is None:
+def _role_dir(ctx: PlanContext) -> str | None:
+    """`_actor` or `_critic` when the chosen tag lies in one of PPO's save folders."""
+    role = io.name_of(io.parent_of(ctx.url))
+    return role if role in _OTHER_ROLE else None
+
+
+def _loaded_with(ctx: PlanContext) -> list[LoadedAlong]:
+    """The tag the other save folder's `latest` names (the critic's for an actor tag, and the reverse):
+    `--load_checkpoint` loads it too. None when the run trains no critic (no `_critic` folder)."""
+    role = _role_dir(ctx)
+    if role is None:
         return []
-    if critic.state is not CheckpointState.COMPLETE:
-        return [f"the critic's `latest` names {io.name_of(critic.url)}, which is {critic.state.value}: its load fails"]
-    if critic.step != ctx.checkpoint.ref.step:
+    other = io.join(_run(ctx.url), _OTHER_ROLE[role])
+    entries = peek_dir(other)
+    if entries is None:
+        return []
+    tag = read_latest(other, entries)
+    if tag is None:
+        return []
+    pointer = f"{_OTHER_ROLE[role]}/{LATEST_NAME}"
+    url = io.join(other, tag)
+    return [LoadedAlong(url, f"the {_ROLE_NAME[_OTHER_ROLE[role]]}'s `latest` tag", _fix(ctx, other, pointer, url))]
+
+
+def _complete_tags(save_dir: str) -> dict[str, CheckpointRef]:
+    """The complete tags of a save folder, by name."""
+    try:
+        refs = scan_run(save_dir, max_depth=1)
+    except CkptctlError:
+        return {}
+    return {
+        io.name_of(r.url): r
+        for r in refs
+        if r.url != save_dir and r.state is CheckpointState.COMPLETE and r.step is not None
+    }
+
+
+def _created(ref: CheckpointRef) -> float:
+    return ref.created.timestamp() if ref.created is not None else 0.0
+
+
+def _fix(ctx: PlanContext, save_dir: str, pointer: str, failing: str) -> str:
+    """What to write into the `latest` files when the other role's tag (`failing`) does not load: the other
+    role's complete tag of the chosen step, else the newest tag both roles saved whole (both resume there)."""
+    step = ctx.checkpoint.ref.step
+    others = {name: ref for name, ref in _complete_tags(save_dir).items() if ref.url != failing}
+    same = [r for r in others.values() if r.step == step]
+    if same:
+        pick = max(same, key=_created)
+        return f"write {io.name_of(pick.url)} into {pointer}"
+    own_dir = io.parent_of(ctx.url)
+    own = _complete_tags(own_dir)
+    both = [name for name in own.keys() & others.keys() if step is None or (own[name].step or 0) < step]
+    if not both:
+        return f"{io.name_of(save_dir)} holds no complete tag to resume from with {io.name_of(ctx.url)}"
+    name = max(both, key=lambda n: (own[n].step or 0, _created(own[n])))
+    return (
+        f"write {name} into {pointer} and into {io.name_of(own_dir)}/{LATEST_NAME} (both resume from step "
+        f"{own[name].step}, the newest both saved whole)"
+    )
+
+
+def _notes(ctx: PlanContext) -> list[str]:
+    """The other role loads from its own `latest` along with the chosen tag: say when the two are out of
+    step, or when the critic has tags but no `latest` (DeepSpeed then finds nothing to load and OpenRLHF
+    trains the critic from its initial weights). A tag that does not load is a blocker, not a note."""
+    role = _role_dir(ctx)
+    if role is None:
+        return []
+    other_role = _ROLE_NAME[_OTHER_ROLE[role]]
+    ref = next((r for r in ctx.refs if r.latest and io.name_of(io.parent_of(r.url)) == _OTHER_ROLE[role]), None)
+    if ref is None:
+        along = _loaded_with(ctx)
+        if not along:
+            other = peek_dir(io.join(_run(ctx.url), _OTHER_ROLE[role])) or []
+            if role == "_actor" and any(e.is_dir for e in other):
+                return [
+                    "the critic's save folder has tags but no readable `latest`: --load_checkpoint finds no "
+                    "critic checkpoint and trains the critic from its initial weights"
+                ]
+            return []
+        try:
+            _, ref = detect(along[0].url, explain=False)
+        except CkptctlError:
+            return []  # a blocker says why
+    if ref.state is CheckpointState.COMPLETE and ref.step != ctx.checkpoint.ref.step:
+        own_role = _ROLE_NAME[role]
         return [
-            f"the critic resumes from {io.name_of(critic.url)} (step {critic.step}) and the actor from "
+            f"the {other_role} resumes from {io.name_of(ref.url)} (step {ref.step}) and the {own_role} from "
             f"{io.name_of(ctx.url)} (step {ctx.checkpoint.ref.step}): they are out of step"
         ]
     return []
@@ -37,7 +128,8 @@ def _notes(ctx: PlanContext) -> list[str]:
 
 def _hint(ctx: PlanContext) -> str:
     ckpt_path = _run(ctx.url)
-    pointer = "_actor/latest" if io.name_of(io.parent_of(ctx.url)) == "_actor" else "latest"
+    role = _role_dir(ctx)
+    pointer = f"{role}/{LATEST_NAME}" if role is not None else LATEST_NAME
     return (
         f"--load_checkpoint --ckpt_path {ckpt_path} (OpenRLHF >= 0.10.2: --ckpt.load_enable --ckpt.path {ckpt_path})"
         + deepspeed.pointer_caveat(ctx, pointer)
@@ -50,6 +142,7 @@ PROFILE = ResumeProfile(
     world_size=deepspeed.world_size,
     run_of=_run,
     companion=_critic,
+    loaded_with=_loaded_with,
     notes=_notes,
     impacts=deepspeed.IMPACTS,
     follows_pointer=True,

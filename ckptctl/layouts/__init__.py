@@ -308,6 +308,9 @@ def resolve(url: str, layout: str | None = None) -> tuple[Layout, CheckpointRef]
         ]
         if len(named) == 1:
             return named[0]
+        if len(named) > 1:  # a DeepSpeed save folder's `latest` and `latest_universal`
+            names = ", ".join(f"{io.name_of(ref.url)} ({found.name})" for found, ref in named)
+            raise UnknownLayout(f"{url} is not a checkpoint; pointers in it name {names}", "pass one of them")
         raise _not_a_checkpoint(url, entries, layout, explain=True)
 
 

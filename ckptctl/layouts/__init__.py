@@ -49,18 +49,19 @@ __all__ = [
 #: folder and possibly a DeepSpeed tag folder, and is one checkpoint with all of them. OpenRLHF and
 #: open-instruct tags ARE DeepSpeed tag folders, told apart by the files around them, so they come before
 #: `deepspeed`, which takes the tags nothing else claims. A DeepSpeed universal checkpoint holds model-states
-#: files as a tag does, with a `zero/` folder of its own: it comes before every layout that reads tags.
+#: files as a tag does, beside a `zero/` folder and without optim-states files: the tag layouts leave such a
+#: folder alone (`deepspeed.names.is_universal`), so it can come last, after the layouts people know.
 _REGISTRY: tuple[tuple[str, str], ...] = (
     ("native", "ckptctl.frameworks.native.layout:NativeLayout"),
     ("areal", "ckptctl.frameworks.areal.layout:ArealLayout"),
     ("roll", "ckptctl.frameworks.roll.layout:RollLayout"),
     ("dcp", "ckptctl.frameworks.dcp.layout:DcpLayout"),
     ("hf_trainer", "ckptctl.frameworks.hf_trainer.layout:HfTrainerLayout"),
-    ("deepspeed_universal", "ckptctl.frameworks.deepspeed.universal:DeepSpeedUniversalLayout"),
     ("openrlhf", "ckptctl.frameworks.openrlhf.layout:OpenRlhfLayout"),
     ("open_instruct", "ckptctl.frameworks.open_instruct.layout:OpenInstructLayout"),
     ("deepspeed", "ckptctl.frameworks.deepspeed.layout:DeepSpeedLayout"),
     ("hf", "ckptctl.frameworks.hf.layout:HfModelLayout"),
+    ("deepspeed_universal", "ckptctl.frameworks.deepspeed.universal:DeepSpeedUniversalLayout"),
 )
 
 

@@ -137,6 +137,8 @@ def test_a_broken_conversion_is_not_loaded(run_cli: Cli, deepspeed_universal: Wr
         f"{UNIVERSAL_TAG}, its universal conversion, cannot be loaded (fails verify: zero/{PARAM}/exp_avg.pt: "
     )
     assert "delete it; python -m deepspeed.checkpoint.ds_to_universal" in fix
+    # A plain engine's tag records no universal_checkpoint_info: ds_to_universal refuses it without this.
+    assert f"--output_folder {save_dir / UNIVERSAL_TAG} --inject_missing_state;" in fix
 
 
 def test_list_marks_what_latest_universal_names(run_cli: Cli, deepspeed_universal: WrittenUniversal) -> None:

@@ -13,7 +13,8 @@ re-exported here; those for a DeepSpeed folder inside `checkpoint-N/` take a `pa
 that makes file names relative to the outer checkpoint: `tag_files`, `read_tag`, `tag_index`, `verify_tag`.
 
 The package's modules: `names` (rank files and `latest`, from listings), `tag` (the rank-0 facts),
-`zero_index` (the tensor index), `master_weights` (zero_to_fp32's output), `verify`.
+`zero_index` (the tensor index), `master_weights` (zero_to_fp32's output), `verify`; `universal` and
+`universal_states`, the layout of what `ds_to_universal` makes of a tag.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from ckptctl.frameworks.deepspeed.master_weights import checkpoint_master_weight
 from ckptctl.frameworks.deepspeed.names import (
     LATEST_NAME,
     TagFiles,
+    is_universal,
     latest_problem,
     read_latest,
     tag_files,
@@ -74,10 +76,10 @@ class DeepSpeedLayout(Layout):
     name = "deepspeed"
 
     def identify(self, url: str, entries: Sequence[DirEntry]) -> CheckpointRef | None:
-        """A ref when the folder holds DeepSpeed model/optim states (names only); BROKEN when rank files
-        the other names promise are missing."""
+        """A ref when the folder holds DeepSpeed model/optim states (names only) and is no universal
+        checkpoint (`universal`); BROKEN when rank files the other names promise are missing."""
         files = tag_files(entries)
-        if files is None:
+        if files is None or is_universal(entries):
             return None
         missing = files.missing_from_names()
         return CheckpointRef(

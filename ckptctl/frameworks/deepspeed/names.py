@@ -18,6 +18,8 @@ LATEST_NAME = "latest"
 #: What `load_checkpoint` follows instead of `latest` with `"checkpoint": {"load_universal": true}`:
 #: `ds_to_universal` writes the name of its output folder into it, beside that folder.
 UNIVERSAL_LATEST_NAME = "latest_universal"
+#: The folder of a universal checkpoint holding one folder of states per parameter.
+UNIVERSAL_STATES_DIR = "zero"
 #: The names of DeepSpeed's rank files (the one definition every module uses): model states, one per MP
 #: rank under ZeRO 0-2 and one per DP and MP rank under ZeRO-3; optimizer states, one per DP and MP rank.
 MODEL_STATES = re.compile(r"^(?:zero_pp_rank_(?P<dp>\d+)_)?mp_rank_(?P<mp>\d+)_model_states\.pt$")
@@ -85,6 +87,13 @@ class TagFiles:
         # The first few only: one stray `zero_pp_rank_99999999_...` name would otherwise promise (and make
         # us list) a hundred million files.
         return list(itertools.islice((name for name in expected() if name not in self.sizes), LISTED_ABSENT))
+
+
+def is_universal(entries: Sequence[DirEntry]) -> bool:
+    """Whether a folder listing is a universal checkpoint's (what `ds_to_universal` writes): model-states
+    files beside a `zero/` folder of parameter states, and no optim-states files. A tag never holds `zero/`."""
+    files = tag_files(entries)
+    return files is not None and not files.optim and any(e.name == UNIVERSAL_STATES_DIR and e.is_dir for e in entries)
 
 
 def is_rank_file(path: str) -> bool:

@@ -31,7 +31,6 @@ __all__ = [
     "PROFILE",
     "UNIVERSAL_PROFILE",
     "Conversion",
-    "convert_command",
     "is_universal",
     "pointer_caveat",
     "universal_conversion",
@@ -158,9 +157,17 @@ def zero_world_size(fix: ConversionFix) -> Callable[[PlanContext], WorldSizeChec
     return check
 
 
-def convert_command(tag_url: str, output: str) -> str:
-    """DeepSpeed's own conversion of a tag into a universal checkpoint (which writes `latest_universal`)."""
-    return f"python -m deepspeed.checkpoint.ds_to_universal --input_folder {tag_url} --output_folder {output}"
+def _convert_command(tag_url: str, output: str) -> str:
+    """DeepSpeed's own conversion of a tag into a universal checkpoint (which writes `latest_universal`).
+
+    A plain engine's tags record no `universal_checkpoint_info` (only Megatron-DeepSpeed's models set it), and
+    ds_to_universal refuses them unless `--inject_missing_state` adds an empty one, as open-instruct and
+    OpenRLHF's script pass it.
+    """
+    return (
+        f"python -m deepspeed.checkpoint.ds_to_universal --input_folder {tag_url} --output_folder {output} "
+        "--inject_missing_state"
+    )
 
 
 def _deepspeed_fix(ctx: PlanContext, tag_url: str, conversion: Conversion | None) -> str:
@@ -168,7 +175,7 @@ def _deepspeed_fix(ctx: PlanContext, tag_url: str, conversion: Conversion | None
         return f"load {io.name_of(conversion.url)}, its universal conversion, with {LOAD_UNIVERSAL} in the DeepSpeed config"
     universal = f"{tag_url.rstrip('/')}_universal"
     fix = (
-        f"{convert_command(tag_url, universal)}; "
+        f"{_convert_command(tag_url, universal)}; "
         f"then set {LOAD_UNIVERSAL} in the DeepSpeed config (load_checkpoint then follows "
         f"{io.join(io.parent_of(universal), 'latest_universal')})"
     )

@@ -36,6 +36,7 @@ from ckptctl.checkpoint import Checkpoint, CheckpointRef, CheckpointState, Compo
 from ckptctl.errors import CkptctlError, CorruptCheckpoint, UnknownLayout
 from ckptctl.formats.safe_pickle import StandIn, state_fields
 from ckptctl.formats.torch_pickle import storage_problems
+from ckptctl.frameworks.deepspeed.layout import DeepSpeedLayout
 from ckptctl.frameworks.deepspeed.master_weights import assemble_master_weights
 from ckptctl.frameworks.deepspeed.names import (
     MODEL_STATES,
@@ -78,8 +79,8 @@ UNIVERSAL_LAYOUT = "deepspeed_universal"
 #: The per-rank fragments ds_to_universal gathers before merging them into `zero/`.
 _TEMP_DIR = "tmp"
 #: DeepSpeed's default tag, `global_step{N}`, inside the name of a conversion of it.
-_TAG_STEP = re.compile(r"global_step(\d+)(?!\d)")
-_DEEPSPEED = "deepspeed"
+_TAG_STEP = re.compile(r"global_step(\d+)")
+_OPTIMIZER_STATE_NAME = OPTIMIZER_STATE.rpartition("/")[2]
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,7 +145,7 @@ def host_layout(url: str) -> str:
     source = source_of(url)
     if source is not None:
         return source.layout
-    return peek(io.parent_of(url), _tags_layout) or _DEEPSPEED
+    return peek(io.parent_of(url), _tags_layout) or DeepSpeedLayout.name
 
 
 def _tags_layout(save_dir: str, entries: Sequence[DirEntry]) -> str | None:
@@ -165,7 +166,7 @@ def _tags_layout(save_dir: str, entries: Sequence[DirEntry]) -> str | None:
 
 def _holds_states(url: str, zero: Sequence[DirEntry]) -> bool:
     """Whether a `zero/` folder is a universal checkpoint's: its optimizer state, or parameter folders."""
-    if any(e.name == OPTIMIZER_STATE.rpartition("/")[2] and not e.is_dir for e in zero):
+    if any(e.name == _OPTIMIZER_STATE_NAME and not e.is_dir for e in zero):
         return True
     first = next((e for e in zero if e.is_dir), None)
     return first is not None and any(e.name == "fp32.pt" for e in peek_dir(io.join(url, ZERO_DIR, first.name)) or [])
@@ -183,7 +184,7 @@ def _unfinished(files: TagFiles | None, zero: Sequence[DirEntry]) -> str:
     missing = _missing_model_states(files)
     if missing:
         return f"missing {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}"
-    if not any(e.name == OPTIMIZER_STATE.rpartition("/")[2] for e in zero):
+    if not any(e.name == _OPTIMIZER_STATE_NAME for e in zero):
         return f"no {OPTIMIZER_STATE}: ds_to_universal writes it after every parameter (the conversion did not finish)"
     return ""
 

@@ -35,6 +35,7 @@ from ckptctl.errors import CkptctlError
 from ckptctl.formats.chunks import tiling_problem
 from ckptctl.formats.safe_pickle import TensorRef
 from ckptctl.formats.torch_pickle import TorchPickle, open_torch_pickle, storage_problems
+from ckptctl.frameworks.deepspeed.names import UNIVERSAL_STATES_DIR
 from ckptctl.frameworks.deepspeed.tag import DeepSpeedTag, base_state
 from ckptctl.frameworks.deepspeed.zero_index import IndexBuilder, param_groups
 from ckptctl.layouts.base import LISTED_ABSENT
@@ -52,7 +53,7 @@ __all__ = [
     "zero_folder",
 ]
 
-ZERO_DIR = "zero"
+ZERO_DIR = UNIVERSAL_STATES_DIR
 OPTIMIZER_STATE = f"{ZERO_DIR}/optimizer_state.pt"
 #: The states every trainable parameter's folder holds (its fp32 master weights and Adam's moments).
 MOMENTS = ("fp32", "exp_avg", "exp_avg_sq")

@@ -203,3 +203,17 @@ def test_openrlhf_loads_its_conversions_with_its_flag(run_cli: Cli, deepspeed_un
         f"--ckpt.path {ckpt} --ds.use_universal_ckpt)"
     )
     assert not any("critic" in w for w in doc["warnings"])
+
+
+def test_openrlhf_critic_without_a_conversion(
+    run_cli: Cli, deepspeed_universal: WrittenUniversal, tmp_path: Path
+) -> None:
+    ckpt = copy_tree(deepspeed_universal.openrlhf, tmp_path / "ckpt")
+    shutil.rmtree(ckpt / "_critic" / "best_global_step4_uni")
+    (ckpt / "_critic" / "latest_universal").unlink()
+    doc = run_cli("resume-plan", ckpt, "--world-size", "4", "--json").json
+    assert doc["checkpoint"]["url"] == str(ckpt / "_actor" / "best_global_step4_uni")
+    assert any(
+        "makes the critic load what _critic/latest_universal names too, and there is none: its load fails" in w
+        for w in doc["warnings"]
+    )

@@ -16,14 +16,14 @@ from ckptctl.frameworks.deepspeed import resume as deepspeed
 from ckptctl.frameworks.deepspeed.layout import read_latest
 from ckptctl.layouts.resume import PlanContext, ResumeProfile
 
-__all__ = ["PROFILE", "UNIVERSAL_FLAG", "universal_folder"]
+__all__ = ["PROFILE"]
 
 #: Loads a DeepSpeed universal checkpoint of the tag `latest` names, converting the tag first when needed.
-UNIVERSAL_FLAG = "--deepspeed_checkpoint_load_universal"
+_UNIVERSAL_FLAG = "--deepspeed_checkpoint_load_universal"
 
 
-def universal_folder(tag: str) -> str:
-    """The folder open-instruct loads (and converts `tag` into) with `UNIVERSAL_FLAG`."""
+def _universal_folder(tag: str) -> str:
+    """The folder open-instruct loads (and converts `tag` into) with `_UNIVERSAL_FLAG`."""
     return f"ds_universal_{tag}"
 
 
@@ -33,10 +33,10 @@ def _hint(ctx: PlanContext) -> str:
         return f"--checkpoint_state_dir {save_dir}" + deepspeed.pointer_caveat(ctx, "latest")
     name = io.name_of(ctx.url)
     latest = _latest(save_dir)
-    if latest is not None and universal_folder(latest) == name:
-        return f"--checkpoint_state_dir {save_dir} {UNIVERSAL_FLAG}"
+    if latest is not None and _universal_folder(latest) == name:
+        return f"--checkpoint_state_dir {save_dir} {_UNIVERSAL_FLAG}"
     return (
-        f"--checkpoint_state_dir {save_dir} {UNIVERSAL_FLAG} (it loads {universal_folder(latest or '<tag>')} for the "
+        f"--checkpoint_state_dir {save_dir} {_UNIVERSAL_FLAG} (it loads {_universal_folder(latest or '<tag>')} for the "
         f"tag `latest` names{f' ({latest})' if latest else ''}, converting that tag when the folder is missing: "
         f"{name} is not that folder)"
     )
@@ -53,8 +53,8 @@ def _universal_fix(ctx: PlanContext, tag_url: str, conversion: deepspeed.Convers
     """open-instruct converts the tag `latest` names itself, at start-up, when asked to load universal
     checkpoints; an existing `ds_universal_{tag}` is loaded as it is."""
     save_dir, tag = io.parent_of(tag_url), io.name_of(tag_url)
-    folder = universal_folder(tag)
-    setting = f"--checkpoint_state_dir {save_dir} {UNIVERSAL_FLAG}"
+    folder = _universal_folder(tag)
+    setting = f"--checkpoint_state_dir {save_dir} {_UNIVERSAL_FLAG}"
     if conversion is not None and not conversion.problem:
         return f"load {io.name_of(conversion.url)}, its universal conversion: {setting}"
     fix = (

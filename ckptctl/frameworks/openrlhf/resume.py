@@ -3,7 +3,7 @@ own `latest`, under one `--ckpt_path`.
 
 With `--use_ds_universal_ckpt` (>= v0.10.2 `--ds.use_universal_ckpt`; OpenRLHF @ 3c3be623,
 `utils/deepspeed/deepspeed_utils.py` sets `"checkpoint": {"load_universal": ...}`) both load the universal
-checkpoint their own `latest_universal` names. Its script `examples/scripts/ckpt_ds_zero_to_universal.sh
+checkpoint their own `latest_universal` names. OpenRLHF's `examples/scripts/ckpt_ds_zero_to_universal.sh
 CKPT_PATH` converts the tag `latest` names in `_actor/` and `_critic/` into `{tag}_uni` and writes
 `latest_universal`.
 """

@@ -28,6 +28,7 @@ from tests.writers.openrlhf_writer import WrittenOpenRlhf, write_openrlhf_run
 from tests.writers.rl_runs import WrittenFsdpRuns, write_fsdp_runs
 from tests.writers.run_folders import NestedRun, arrange_deepspeed_run, trainer_nested_run, write_dcp_run
 from tests.writers.trainer_writer import WrittenTrainerRun, write_trainer_run
+from tests.writers.universal_writer import WrittenUniversal, write_universal_runs
 
 T = TypeVar("T")
 
@@ -36,6 +37,7 @@ SLOW_FIXTURES = frozenset(
     {
         "demo_dir",
         "deepspeed_runs",
+        "deepspeed_universal",
         "trainer_run",
         "zero_runs",
         "llama_dcp",
@@ -165,6 +167,21 @@ def demo_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def deepspeed_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, WrittenDeepSpeed]:
     """DeepSpeed on 2 CPU ranks, bf16, ZeRO 0, 2 and 3, tags global_step2 and global_step4 (slow: spawns)."""
     return build_once(tmp_path_factory, "deepspeed", lambda root: write_deepspeed_runs(root, stages=(0, 2, 3)))
+
+
+@pytest.fixture(scope="session")
+def deepspeed_universal(
+    tmp_path_factory: pytest.TempPathFactory,
+    deepspeed_runs: dict[int, WrittenDeepSpeed],
+    hf_model_dirs: dict[str, Path],
+) -> WrittenUniversal:
+    """DeepSpeed's `ds_to_universal` run on copies of the ZeRO-2 and ZeRO-3 save folders and on open-instruct
+    and OpenRLHF folders arranged from them, as each framework runs it (slow: a subprocess importing DeepSpeed)."""
+    return build_once(
+        tmp_path_factory,
+        "deepspeed-universal",
+        lambda root: write_universal_runs(root, deepspeed_runs, hf_model_dirs["single"]),
+    )
 
 
 @pytest.fixture(scope="session")

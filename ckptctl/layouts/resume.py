@@ -175,6 +175,10 @@ def _nothing_along(ctx: PlanContext) -> list[LoadedAlong]:
     return []
 
 
+def _not_converted(url: str) -> str | None:
+    return None
+
+
 def recorded_rng_keys(checkpoint: Checkpoint) -> frozenset[str] | None:
     """The RNG keys the layout recorded when it opened the checkpoint (`Checkpoint.rng_keys`)."""
     return checkpoint.rng_keys
@@ -204,6 +208,10 @@ class ResumeProfile:
             tell (a DCP folder overwritten in place, a folder the framework would pick instead); listed first.
         notes: other framework-specific warnings, listed last.
         extras: framework-specific "not restored" lines beyond components (AReaL's critic).
+        converted_from: the checkpoint of the run a checkpoint of this layout was converted from, holding the
+            same training state in a form the framework loads on fewer world sizes (the ZeRO tag of a DeepSpeed
+            universal checkpoint), or None. At equal steps the original is tried first, and a plan whose
+            original does not load on the target number of ranks takes a conversion of it that does.
     """
 
     framework: str
@@ -221,6 +229,7 @@ class ResumeProfile:
     traps: Callable[[PlanContext], list[str]] = _no_notes
     notes: Callable[[PlanContext], list[str]] = _no_notes
     extras: Callable[[PlanContext], dict[str, str]] = _no_extras
+    converted_from: Callable[[str], str | None] = _not_converted
 
 
 def target_ranks(ctx: PlanContext, saved: int | None) -> int | None:

@@ -2,14 +2,15 @@
 
 The checkpoints of the run are tried newest first: one still being written, abandoned, superseded (off
 the run's branch after a rollback), broken, or failing the layout's structural verify is skipped with its
-reason, and the first that passes is the plan. Frameworks
-that follow a `latest` pointer load the tag it names, so newer tags are skipped as unfinished saves. The
-plan then says what the framework restores from that checkpoint and what it does not (with what that
-means for the run), whether it loads on the target number of ranks and how many bytes each rank reads,
-the exact setting that resumes from it, and warnings: a `latest` naming a broken tag, RNG keys older
-checkpoints lack, and the traps of each framework (LAYOUTS.md). What the framework loads along with the
-chosen checkpoint (OpenRLHF's critic, from its own `latest`) is verified too: one that does not load is a
-blocker, and the resume as it stands fails.
+reason, and the first that passes is the plan. Frameworks that follow a `latest` pointer load the tag it
+names, so newer tags are skipped as unfinished saves. A checkpoint that does not load on the target number
+of ranks gives way to a conversion of it that does (`ResumeProfile.converted_from`). The plan then says
+what the framework restores from that checkpoint and what it does not (with what that means for the run),
+whether it loads on the target number of ranks and how many bytes each rank reads, the exact setting that
+resumes from it, and warnings: a `latest` naming a broken tag, RNG keys older checkpoints lack, and the
+traps of each framework (LAYOUTS.md). What the framework loads along with the chosen checkpoint
+(OpenRLHF's critic, from its own `latest`) is verified too: one that does not load is a blocker, and the
+resume as it stands fails.
 
 What each framework does is the `ResumeProfile` its layout returns (`Layout.resume_profile()`, in
 `ckptctl/frameworks/<name>/resume.py`); a layout without one gets a generic plan. Nothing here names a
@@ -190,6 +191,18 @@ def plan_resume(
     profile = profile_for(chosen.layout)
     ctx = PlanContext(run, chosen, tuple(refs), tuple(skipped), world_size)
     ctx = replace(ctx, world=profile.world_size(ctx))
+    if ctx.world is not None and ctx.world.ok is False:
+        found = _conversion_that_loads(ctx, ordered, digests, progress or NoProgress())
+        if found is not None:
+            conversion, profile, world, conversion_problems = found
+            reason = (
+                f"does not load on {ctx.world.target} ranks ({ctx.world.note}): resuming from "
+                f"{io.name_of(conversion.url)}, a conversion of it that does"
+            )
+            skipped.append(Skipped(chosen.url, chosen.ref.step, reason, chosen.layout, chosen.ref.state))
+            run_warnings += [p for p in conversion_problems if p not in run_warnings]
+            chosen = conversion
+            ctx = PlanContext(run, chosen, tuple(refs), tuple(skipped), world_size, world)
     restores, missing, impacts = _components(ctx, profile)
     warnings = run_warnings + _warnings(ctx, profile, pointer_named, cuda)
     blockers = tuple(
@@ -232,12 +245,33 @@ def _one_run(run: str, refs: list[CheckpointRef]) -> list[CheckpointRef]:
 
 
 def _newest_first(refs: Sequence[CheckpointRef]) -> list[CheckpointRef]:
-    def key(ref: CheckpointRef) -> tuple[bool, int, bool, float]:
+    def key(ref: CheckpointRef) -> tuple[bool, int, bool, bool, float]:
         created = ref.created.timestamp() if ref.created else 0.0
-        # At equal steps, what a `latest` pointer names first (a best-so-far copy saved beside the step's own).
-        return (ref.step is not None, ref.step if ref.step is not None else -1, ref.latest, created)
+        # At equal steps, a checkpoint before its conversions (which a plan takes when it does not load on the
+        # target ranks), and what a `latest` pointer names first (a best-so-far copy saved beside the step's own).
+        original = profile_for(ref.layout).converted_from(ref.url) is None
+        return (ref.step is not None, ref.step if ref.step is not None else -1, original, ref.latest, created)
 
     return sorted(refs, key=key, reverse=True)
+
+
+def _conversion_that_loads(
+    ctx: PlanContext, ordered: Sequence[CheckpointRef], digests: bool, progress: Progress
+) -> tuple[Checkpoint, ResumeProfile, WorldSizeCheck, list[str]] | None:
+    """A conversion of the chosen checkpoint (`ResumeProfile.converted_from`: a DeepSpeed universal
+    checkpoint of a ZeRO tag) that passes verify and loads on the target ranks: the opened conversion, its
+    profile and world-size verdict, and the run-level problems its verify reported."""
+    for ref in ordered:
+        profile = profile_for(ref.layout)
+        if profile.converted_from(ref.url) != ctx.url:
+            continue
+        reason, checkpoint, problems = _judge(ref, profile, None, digests, progress)
+        if reason is not None or checkpoint is None:
+            continue
+        world = profile.world_size(replace(ctx, checkpoint=checkpoint, world=None))
+        if world.ok:
+            return checkpoint, profile, world, problems
+    return None
 
 
 def _pointer_target(ordered: Sequence[CheckpointRef]) -> CheckpointRef | None:

@@ -24,6 +24,7 @@ from tests.writers.deepspeed_writer import WrittenDeepSpeed
 from tests.writers.openrlhf_writer import WrittenOpenRlhf
 from tests.writers.rl_runs import WrittenFsdpRuns
 from tests.writers.trainer_writer import WrittenTrainerRun
+from tests.writers.universal_writer import WrittenUniversal
 
 
 class LayoutContract:
@@ -215,6 +216,30 @@ class TestDeepSpeedZero3(LayoutContract):
     @pytest.fixture
     def source(self, deepspeed_runs: dict[int, WrittenDeepSpeed]) -> tuple[Path, int]:
         return deepspeed_runs[3].latest, deepspeed_runs[3].model_parameters
+
+
+class TestDeepSpeedUniversalZero2(LayoutContract):
+    """`ds_to_universal`'s conversion of a ZeRO-2 tag: a folder per parameter, the model states copied last."""
+
+    layout = "deepspeed_universal"
+    marker = "mp_rank_00_model_states.pt"
+    data_glob = "zero/*/fp32.pt"
+
+    @pytest.fixture
+    def source(self, deepspeed_universal: WrittenUniversal) -> tuple[Path, int]:
+        return deepspeed_universal.universal(2), deepspeed_universal.runs[2].model_parameters
+
+
+class TestDeepSpeedUniversalZero3(LayoutContract):
+    """The same of a ZeRO-3 tag: flat states, and the frozen parameter only in the DP ranks' model states."""
+
+    layout = "deepspeed_universal"
+    marker = "zero_pp_rank_0_mp_rank_00_model_states.pt"
+    data_glob = "zero/*/exp_avg.pt"
+
+    @pytest.fixture
+    def source(self, deepspeed_universal: WrittenUniversal) -> tuple[Path, int]:
+        return deepspeed_universal.universal(3), deepspeed_universal.runs[3].model_parameters
 
 
 class TestHfTrainer(LayoutContract):

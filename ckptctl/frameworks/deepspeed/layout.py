@@ -13,7 +13,8 @@ re-exported here; those for a DeepSpeed folder inside `checkpoint-N/` take a `pa
 that makes file names relative to the outer checkpoint: `tag_files`, `read_tag`, `tag_index`, `verify_tag`.
 
 The package's modules: `names` (rank files and `latest`, from listings), `tag` (the rank-0 facts),
-`zero_index` (the tensor index), `master_weights` (zero_to_fp32's output), `verify`.
+`zero_index` (the tensor index), `master_weights` (zero_to_fp32's output), `verify`; `universal` and
+`universal_states`, the layout of what `ds_to_universal` makes of a tag.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from ckptctl.frameworks.deepspeed.master_weights import checkpoint_master_weight
 from ckptctl.frameworks.deepspeed.names import (
     LATEST_NAME,
     TagFiles,
+    is_universal,
     latest_problem,
     missing_note,
     read_latest,
@@ -77,10 +79,11 @@ class DeepSpeedLayout(Layout):
     name = "deepspeed"
 
     def identify(self, url: str, entries: Sequence[DirEntry]) -> CheckpointRef | None:
-        """A ref when the folder holds DeepSpeed model/optim states; BROKEN when it lacks a rank file
-        (`missing_rank_files`: the names, and the world size its rank-0 model states record)."""
+        """A ref when the folder holds DeepSpeed model/optim states and is no universal checkpoint
+        (`universal`); BROKEN when it lacks a rank file (`missing_rank_files`: the names, and the world size
+        its rank-0 model states record)."""
         files = tag_files(entries)
-        if files is None:
+        if files is None or is_universal(entries):
             return None
         missing = missing_rank_files(url, files)
         return CheckpointRef(

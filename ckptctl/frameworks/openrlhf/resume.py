@@ -5,6 +5,12 @@ With `--ckpt.load_enable`, `PolicyModelActor.init_model_from_pretrained` loads `
 `CriticModelActor.init_model_from_pretrained` loads `{ckpt.path}/_critic` (`trainer/ray/ppo_actor.py`,
 `ppo_critic.py`, openrlhf 0.11.2), each through `engine.load_checkpoint(save_dir)`, which follows that
 folder's `latest`. A plan for one of them therefore also verifies the tag the other's `latest` names.
+
+With `--use_ds_universal_ckpt` (>= v0.10.2 `--ds.use_universal_ckpt`; OpenRLHF @ 3c3be623,
+`utils/deepspeed/deepspeed_utils.py` sets `"checkpoint": {"load_universal": ...}`) both load the universal
+checkpoint their own `latest_universal` names. OpenRLHF's `examples/scripts/ckpt_ds_zero_to_universal.sh
+CKPT_PATH` converts the tag `latest` names in `_actor/` and `_critic/` into `{tag}_uni` and writes
+`latest_universal`.
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ from ckptctl import io
 from ckptctl.checkpoint import CheckpointRef, CheckpointState
 from ckptctl.errors import CkptctlError
 from ckptctl.frameworks.deepspeed import resume as deepspeed
-from ckptctl.frameworks.deepspeed.names import LATEST_NAME, read_latest
+from ckptctl.frameworks.deepspeed.names import LATEST_NAME, UNIVERSAL_LATEST_NAME, read_latest
 from ckptctl.layouts import detect, peek_dir, scan_run
 from ckptctl.layouts.resume import LoadedAlong, PlanContext, ResumeProfile
 
@@ -21,6 +27,8 @@ __all__ = ["PROFILE"]
 
 _OTHER_ROLE = {"_actor": "_critic", "_critic": "_actor"}
 _ROLE_NAME = {"_actor": "actor", "_critic": "critic"}
+_UNIVERSAL_FLAG = "--use_ds_universal_ckpt"
+_UNIVERSAL_FLAG_NEW = "--ds.use_universal_ckpt"
 
 
 def _run(url: str) -> str:
@@ -129,6 +137,12 @@ def _notes(ctx: PlanContext) -> list[str]:
 def _hint(ctx: PlanContext) -> str:
     ckpt_path = _run(ctx.url)
     role = _role_dir(ctx)
+    if deepspeed.is_universal(ctx.checkpoint):
+        pointer = f"{role}/{UNIVERSAL_LATEST_NAME}" if role is not None else UNIVERSAL_LATEST_NAME
+        return (
+            f"--load_checkpoint --ckpt_path {ckpt_path} {_UNIVERSAL_FLAG} (OpenRLHF >= 0.10.2: --ckpt.load_enable "
+            f"--ckpt.path {ckpt_path} {_UNIVERSAL_FLAG_NEW})" + deepspeed.universal_pointer_caveat(ctx, pointer)
+        )
     pointer = f"{role}/{LATEST_NAME}" if role is not None else LATEST_NAME
     return (
         f"--load_checkpoint --ckpt_path {ckpt_path} (OpenRLHF >= 0.10.2: --ckpt.load_enable --ckpt.path {ckpt_path})"
@@ -136,14 +150,51 @@ def _hint(ctx: PlanContext) -> str:
     )
 
 
+def _universal_fix(ctx: PlanContext, tag_url: str, conversion: deepspeed.Conversion | None) -> str:
+    """OpenRLHF's script converts the tags `latest` names, the actor's and the critic's, then a flag loads them."""
+    flags = f"add {_UNIVERSAL_FLAG} (OpenRLHF >= 0.10.2: {_UNIVERSAL_FLAG_NEW})"
+    if conversion is not None and not conversion.problem:
+        return f"load {io.name_of(conversion.url)}, its universal conversion: {flags}"
+    fix = (
+        f"bash examples/scripts/ckpt_ds_zero_to_universal.sh {_run(tag_url)} (OpenRLHF's script: ds_to_universal on "
+        f"the tag `latest` names in _actor/ and _critic/, into <tag>_uni, writing {UNIVERSAL_LATEST_NAME}); then {flags}"
+    )
+    if conversion is not None:
+        return f"delete {io.name_of(conversion.url)} ({conversion.problem}); {fix}"
+    return fix
+
+
+def _critic_universal(ctx: PlanContext) -> list[str]:
+    """With the universal flag the critic loads what `_critic/latest_universal` names, too."""
+    critic = io.join(_run(ctx.url), "_critic")
+    if not deepspeed.is_universal(ctx.checkpoint) or not io.is_dir(critic):
+        return []
+    try:
+        entries = io.list_dir(critic)
+    except CkptctlError:
+        return []
+    named = read_latest(critic, entries, UNIVERSAL_LATEST_NAME)
+    if named is not None and any(e.name == named and e.is_dir for e in entries):
+        return []
+    what = "there is none" if named is None else f"it names {named}, which does not exist"
+    return [
+        f"{_UNIVERSAL_FLAG} makes the critic load what _critic/{UNIVERSAL_LATEST_NAME} names too, and {what}: its load "
+        "fails; convert the critic's tag as well (OpenRLHF's script does both)"
+    ]
+
+
+def _all_notes(ctx: PlanContext) -> list[str]:
+    return [*_notes(ctx), *_critic_universal(ctx)]
+
+
 PROFILE = ResumeProfile(
     framework="OpenRLHF",
     hint=_hint,
-    world_size=deepspeed.world_size,
+    world_size=deepspeed.zero_world_size(_universal_fix),
     run_of=_run,
     companion=_critic,
     loaded_with=_loaded_with,
-    notes=_notes,
+    notes=_all_notes,
     impacts=deepspeed.IMPACTS,
     follows_pointer=True,
 )

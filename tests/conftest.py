@@ -22,6 +22,7 @@ from filelock import FileLock
 
 from tests.writers.dcp_writer import WrittenDcp, write_single_process_dcp
 from tests.writers.deepspeed_writer import WrittenDeepSpeed, write_deepspeed_runs
+from tests.writers.megatron_writer import WrittenMegatron, write_megatron_runs
 from tests.writers.rl_runs import WrittenFsdpRuns, write_fsdp_runs
 from tests.writers.run_folders import NestedRun, arrange_deepspeed_run, trainer_nested_run, write_dcp_run
 from tests.writers.trainer_writer import WrittenTrainerRun, write_trainer_run
@@ -40,6 +41,7 @@ SLOW_FIXTURES = frozenset(
         "fsdp_runs",
         "fsdp_run",
         "big_dcp",
+        "megatron_runs",
     }
 )
 
@@ -189,6 +191,14 @@ def fsdp_runs(tmp_path_factory: pytest.TempPathFactory) -> WrittenFsdpRuns:
     """FSDP2 on 2 CPU ranks, saved every step as AReaL (trial with recover slots, exports, recover_info) and
     ROLL (launch folder with checkpoint-1 and checkpoint-2, the latter with critic/) save (slow: spawns)."""
     return build_once(tmp_path_factory, "fsdp-rl", write_fsdp_runs)
+
+
+@pytest.fixture(scope="session")
+def megatron_runs(tmp_path_factory: pytest.TempPathFactory) -> WrittenMegatron:
+    """megatron-core 0.16.1's `GPTModel` (TP 2 on 2 CPU ranks) holding a transformers Llama's weights, saved by
+    `dist_checkpointing.save` as Megatron-LM saves: iterations 1 and 2 with the tracker, a release save, a
+    tied-embeddings save, and the source models (slow: spawns)."""
+    return build_once(tmp_path_factory, "megatron", write_megatron_runs)
 
 
 def copy_tree(src: Path, dst: Path) -> Path:

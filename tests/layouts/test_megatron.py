@@ -15,8 +15,12 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from ckptctl.checkpoint import CheckpointState
+from ckptctl.errors import CkptctlError
 from ckptctl.formats.safe_pickle import DCP_METADATA_GLOBALS, SafeUnpickler
+from ckptctl.frameworks.megatron.hf import hf_config, shape_from_args, shape_from_config
 from ckptctl.layouts import detect, open_checkpoint
 from tests.conftest import CliResult, copy_tree
 from tests.writers.megatron_writer import TRACKER, WrittenMegatron
@@ -37,8 +41,24 @@ def test_list_names_every_iteration_and_what_the_trackers_name(megatron_runs: Wr
         "save/iter_0000001": (1, "complete", False),
         "save/iter_0000002": (2, "complete", True),
         "release-save/release": (None, "complete", True),
-        "tied-save/iter_0000001": (1, "complete", True),
+        "tied/dist_ckpt": (None, "complete", False),
     }
+
+
+def test_a_dist_ckpt_is_found_where_verl_nests_it(megatron_runs: WrittenMegatron, run_cli: Cli, tmp_path: Path) -> None:
+    """verl 0.9.1 (installed): `{default_local_dir}/global_step_{N}/actor/model/dist_ckpt/` (`trainer/ppo/
+    ray_trainer.py` `_save_checkpoint`, `utils/megatron_utils.py` `get_model_dist_checkpoint_path`), the HF
+    export in `model/huggingface/`, and `latest_checkpointed_iteration.txt` holding the global step."""
+    run = tmp_path / "checkpoints"
+    model = run / "global_step_5" / "actor" / "model"
+    copy_tree(megatron_runs.tied, model / "dist_ckpt")
+    copy_tree(megatron_runs.tied_source, model / "huggingface")
+    (run / TRACKER).write_text("5")
+    rows = _megatron_rows(run_cli("list", "--json", run), run)
+    assert {k: (r["state"], r["latest"]) for k, r in rows.items()} == {
+        "global_step_5/actor/model/dist_ckpt": ("complete", False)
+    }
+    assert run_cli("verify", run).exit_code == 0
 
 
 def test_the_real_metadata_names_the_save_plans_and_nothing_outside_the_allowlist(
@@ -82,9 +102,15 @@ def test_inspect_reads_args_parallelism_and_counters(megatron_runs: WrittenMegat
 
 
 def test_tensor_parallelism_is_derived_from_the_chunks_without_args(megatron_runs: WrittenMegatron) -> None:
-    # A release save converted by a script may hold no `args`; the chunks still tell the TP size.
-    ckpt = open_checkpoint(str(megatron_runs.release_save / "release"))
+    # megatron-core alone saves no Megatron-LM arguments; the chunks still tell the TP size.
+    ckpt = open_checkpoint(str(megatron_runs.tied))
     assert ckpt.metadata["parallelism"]["tensor_model_parallel_size"] == 2
+    assert "model" not in ckpt.metadata and ckpt.ref.step is None
+    assert sum(t.numel for t in ckpt.tensors()) == megatron_runs.tied_parameters
+
+
+def test_a_release_has_no_step_and_says_so(megatron_runs: WrittenMegatron) -> None:
+    ckpt = open_checkpoint(str(megatron_runs.release_save / "release"))
     assert ckpt.metadata["release"] is True and ckpt.ref.step is None
 
 
@@ -188,3 +214,68 @@ def test_an_unknown_megatron_class_is_unsupported_not_a_forgery(
     message = next(p["message"] for p in verified.json["problems"] if p["path"] == "common.pt")
     assert "unsupported class megatron.core.transformer.enumz.AttnBackend (from megatron)" in message
     assert "not what it claims" not in verified.stdout
+
+
+_ARGS = {
+    "num_layers": 2,
+    "hidden_size": 64,
+    "ffn_hidden_size": 128,
+    "num_attention_heads": 4,
+    "group_query_attention": True,
+    "num_query_groups": 2,
+    "kv_channels": 16,
+    "padded_vocab_size": 128,
+    "max_position_embeddings": 64,
+    "position_embedding_type": "rope",
+    "normalization": "RMSNorm",
+    "norm_epsilon": 1e-6,
+    "swiglu": True,
+    "untie_embeddings_and_output_weights": True,
+    "rotary_base": 500000,
+}
+
+
+@pytest.mark.parametrize(
+    ("extra", "architecture"),
+    [
+        ({}, "LlamaForCausalLM"),
+        ({"use_rope_scaling": True, "rope_scaling_factor": 32.0}, "LlamaForCausalLM"),
+        ({"add_qkv_bias": True}, "Qwen2ForCausalLM"),
+        ({"qk_layernorm": True}, "Qwen3ForCausalLM"),
+    ],
+)
+def test_the_config_made_from_megatron_arguments_is_one_transformers_reads(
+    extra: dict[str, Any], architecture: str
+) -> None:
+    from transformers import AutoConfig
+
+    made = hf_config({**_ARGS, **extra}, "bfloat16")
+    assert made["architectures"] == [architecture]
+    config = AutoConfig.for_model(**made)
+    assert (config.num_key_value_heads, config.head_dim, config.intermediate_size) == (2, 16, 128)
+    assert config.tie_word_embeddings is False and config.vocab_size == 128
+    assert shape_from_config(made) == shape_from_args({**_ARGS, **extra})
+    if "use_rope_scaling" in extra:
+        assert config.rope_parameters["rope_type"] == "llama3" and config.rope_parameters["factor"] == 32.0
+
+
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [
+        ({"num_experts": 8}, "experts"),
+        ({"normalization": "LayerNorm"}, "RMSNorm"),
+        ({"position_embedding_type": "learned_absolute"}, "RoPE"),
+        ({"add_bias_linear": True}, "biases"),
+    ],
+)
+def test_models_outside_the_llama_family_are_refused(change: dict[str, Any], reason: str) -> None:
+    with pytest.raises(CkptctlError, match=reason):
+        hf_config({**_ARGS, **change}, "float32")
+
+
+def test_the_fused_qkv_rows_follow_the_query_groups() -> None:
+    # 4 heads of 16 channels in 2 groups: [q0 q1 k0 v0 | q2 q3 k1 v1], 64 rows per group.
+    shape = shape_from_args(_ARGS)
+    assert shape is not None
+    q, k, v = shape.qkv_rows()
+    assert (q, k, v) == (((0, 32), (64, 96)), ((32, 48), (96, 112)), ((48, 64), (112, 128)))

@@ -26,8 +26,10 @@ barrier; `get_checkpoint_name` and `get_checkpoint_tracker_filename` name the fo
 The run (`save`) trains two iterations with `--save-interval 1`: megatron-core's scheduler warms the learning
 rate up from 0, so iteration 1 leaves the weights exactly as loaded (the round trip's reference) while filling
 the optimizer's state, and iteration 2 changes them. `release_save` holds the same model saved with
-`release=True` and no optimizer (`--no-save-optim`), as a converted model is published; `tied_save` a model
-with tied input and output embeddings (`share_embeddings_and_output_weights`, no `--untie-...`).
+`release=True` and no optimizer (`--no-save-optim`), as a converted model is published. `tied` is a model
+with tied input and output embeddings (`share_embeddings_and_output_weights`) saved by megatron-core alone, as
+the libraries built on it call it: `dist_checkpointing.save(model.sharded_state_dict(), ...)` with no
+Megatron-LM state around it (no arguments in `common.pt`) into a `dist_ckpt/` folder, and no tracker.
 
 Where megatron-core assumes a GPU, the ranks stand in for it on the CPU (nothing else is changed):
 `torch.cuda.synchronize` (its async writer waits for device-to-host copies, `preload_tensors`) and
@@ -53,6 +55,8 @@ __all__ = ["TRACKER", "WrittenMegatron", "write_megatron_runs"]
 TRACKER = "latest_checkpointed_iteration.txt"
 #: The source models' weights and logits, handed from the calling process to the ranks.
 _SOURCES = ".sources.pt"
+#: Where the tied model's dist-ckpt goes (verl keeps its megatron-core save in such a `dist_ckpt/`).
+_TIED = "tied/dist_ckpt"
 
 _TP = 2
 _LAYERS = 2
@@ -73,17 +77,17 @@ class WrittenMegatron:
     Attributes:
         save: Megatron-LM's `--save` folder: `iter_0000001/`, `iter_0000002/`, the tracker ("2").
         release_save: a `--save` folder with `release/` and the tracker "release".
-        tied_save: a `--save` folder with `iter_0000001/` of a model with tied embeddings, tracker "1".
+        tied: megatron-core's save of a model with tied embeddings (`tied/dist_ckpt`).
         source: the transformers model whose weights iteration 1 holds (`save_pretrained`: config.json and
             model.safetensors).
-        tied_source: the same for `tied_save` (`tie_word_embeddings=True`).
+        tied_source: the same for `tied` (`tie_word_embeddings=True`).
         parameters: the source model's parameter count (transformers'), `tied_parameters` the tied one's.
         megatron_version: megatron-core's version, as its package metadata says.
     """
 
     save: Path
     release_save: Path
-    tied_save: Path
+    tied: Path
     source: Path
     tied_source: Path
     parameters: int
@@ -165,7 +169,7 @@ def _gpt_model(tied: bool) -> Any:
     )
 
 
-def _megatron_lm_args(tied: bool, iteration: int) -> argparse.Namespace:
+def _megatron_lm_args(iteration: int) -> argparse.Namespace:
     """The model's part of Megatron-LM's `args` (names from `megatron/training/arguments.py`) as
     `generate_state_dict` pickles them into the checkpoint, with megatron-core's own enum values."""
     from megatron.core.transformer.enums import AttnBackend
@@ -185,7 +189,7 @@ def _megatron_lm_args(tied: bool, iteration: int) -> argparse.Namespace:
         normalization="RMSNorm",
         norm_epsilon=_EPS,
         swiglu=True,
-        untie_embeddings_and_output_weights=not tied,
+        untie_embeddings_and_output_weights=True,
         add_bias_linear=False,
         add_qkv_bias=False,
         qk_layernorm=False,
@@ -356,7 +360,7 @@ def _worker(rank: int, world_size: int, rendezvous: str, root: str) -> None:
     torch.cuda.synchronize = lambda *args, **kwargs: None
     torch.cuda.current_device = lambda: "cpu"
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world_size)
-    from megatron.core import parallel_state
+    from megatron.core import dist_checkpointing, parallel_state
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     try:
@@ -372,7 +376,7 @@ def _worker(rank: int, world_size: int, rendezvous: str, root: str) -> None:
         # Megatron-LM publishes a converted model as `release/` without optimizer state.
         _save(
             {
-                "args": _megatron_lm_args(False, 0),
+                "args": _megatron_lm_args(0),
                 "checkpoint_version": 3.0,
                 "iteration": 0,
                 "model": model.sharded_state_dict(),
@@ -405,7 +409,7 @@ def _worker(rank: int, world_size: int, rendezvous: str, root: str) -> None:
             model_state = model.sharded_state_dict()
             _save(
                 {
-                    "args": _megatron_lm_args(False, iteration),
+                    "args": _megatron_lm_args(iteration),
                     "checkpoint_version": 3.0,
                     "iteration": iteration,
                     "model": model_state,
@@ -419,21 +423,12 @@ def _worker(rank: int, world_size: int, rendezvous: str, root: str) -> None:
                 rank=rank,
             )
 
+        # megatron-core alone, as the libraries built on it call it: the model's sharded state dict only.
         tied = _gpt_model(tied=True)
         _load(tied, sources["tied"]["state"], tied=True, rank=rank)
         _check_logits(tied, sources["tied"]["logits"], rank)
-        _save(
-            {
-                "args": _megatron_lm_args(True, 1),
-                "checkpoint_version": 3.0,
-                "iteration": 1,
-                "model": tied.sharded_state_dict(),
-                "rng_state": _rng_state(rank),
-            },
-            base / "tied-save",
-            1,
-            rank=rank,
-        )
+        (base / _TIED).mkdir(parents=True, exist_ok=True)
+        dist_checkpointing.save(tied.sharded_state_dict(), str(base / _TIED), sharded_strategy=("torch_dist", 1))
         dist.barrier()
     finally:
         parallel_state.destroy_model_parallel()
@@ -472,7 +467,7 @@ def write_megatron_runs(root: Path) -> WrittenMegatron:
     return WrittenMegatron(
         save=root / "save",
         release_save=root / "release-save",
-        tied_save=root / "tied-save",
+        tied=root / _TIED,
         source=root / "source",
         tied_source=root / "tied-source",
         parameters=counts["untied"],

@@ -21,6 +21,7 @@ from ckptctl.ops.verification import RunVerifyReport, verify_checkpoint, verify_
 from tests.conftest import copy_tree
 from tests.writers.areal_writer import WrittenAreal
 from tests.writers.deepspeed_writer import WrittenDeepSpeed
+from tests.writers.megatron_writer import WrittenMegatron
 from tests.writers.openrlhf_writer import WrittenOpenRlhf
 from tests.writers.rl_runs import WrittenFsdpRuns
 from tests.writers.trainer_writer import WrittenTrainerRun
@@ -395,3 +396,15 @@ class TestRollMegatron(LayoutContract):
     @pytest.fixture
     def source(self, roll_megatron: Path, fsdp_runs: WrittenFsdpRuns) -> tuple[Path, int]:
         return roll_megatron / "20250102-080000" / "checkpoint-3", fsdp_runs.model_parameters
+
+
+class TestMegatron(LayoutContract):
+    """An iteration folder of megatron-core's own save (TP 2), with the optimizer and RNG state."""
+
+    layout = "megatron"
+    marker = "metadata.json"
+    data_glob = "*.distcp"
+
+    @pytest.fixture
+    def source(self, megatron_runs: WrittenMegatron) -> tuple[Path, int]:
+        return megatron_runs.iteration(2), megatron_runs.parameters

@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 import pytest
 from filelock import FileLock
 
+from tests.writers.accelerate_writer import WrittenAccelerate, write_accelerate_runs
 from tests.writers.areal_writer import WrittenAreal, write_areal_run
 from tests.writers.dcp_writer import WrittenDcp, write_single_process_dcp
 from tests.writers.deepspeed_writer import WrittenDeepSpeed, write_deepspeed_runs
@@ -42,6 +43,7 @@ SLOW_FIXTURES = frozenset(
         "areal_run",
         "fsdp_run",
         "big_dcp",
+        "accelerate_runs",
     }
 )
 
@@ -198,6 +200,13 @@ def areal_run(tmp_path_factory: pytest.TempPathFactory) -> WrittenAreal:
     """AReaL's own FSDPLMEngine, Saver and RecoverHandler on 2 CPU ranks, two SFT steps of a tiny Qwen3: a trial
     with the exports of global steps 0 and 1, the recover slot and recover_info/ (slow: spawns)."""
     return build_once(tmp_path_factory, "areal", write_areal_run)
+
+
+@pytest.fixture(scope="session")
+def accelerate_runs(tmp_path_factory: pytest.TempPathFactory) -> WrittenAccelerate:
+    """accelerate 1.15 `save_state` on CPU: a plain run with automatic checkpoint naming (checkpoint_0..2), a
+    user-named `.bin` save, a resumed copy, a DeepSpeed ZeRO-2 run and an FSDP2 save (slow: a subprocess)."""
+    return build_once(tmp_path_factory, "accelerate", write_accelerate_runs)
 
 
 def copy_tree(src: Path, dst: Path) -> Path:

@@ -19,6 +19,7 @@ from ckptctl.layouts import detect, get_layout, open_checkpoint, scan_run
 from ckptctl.layouts.base import list_files
 from ckptctl.ops.verification import RunVerifyReport, verify_checkpoint, verify_path
 from tests.conftest import copy_tree
+from tests.writers.accelerate_writer import WrittenAccelerate
 from tests.writers.areal_writer import WrittenAreal
 from tests.writers.deepspeed_writer import WrittenDeepSpeed
 from tests.writers.rl_runs import WrittenFsdpRuns
@@ -325,3 +326,42 @@ class TestRollMegatron(LayoutContract):
     @pytest.fixture
     def source(self, roll_megatron: Path, fsdp_runs: WrittenFsdpRuns) -> tuple[Path, int]:
         return roll_megatron / "20250102-080000" / "checkpoint-3", fsdp_runs.model_parameters
+
+
+# --- accelerate save_state folders (tests.writers.accelerate_writer: accelerate 1.15's own code) -------
+
+
+class TestAcceleratePlain(LayoutContract):
+    layout = "accelerate"
+    marker = "random_states_0.pkl"
+    data_glob = "*.safetensors"
+
+    @pytest.fixture
+    def source(self, accelerate_runs: WrittenAccelerate) -> tuple[Path, int]:
+        return accelerate_runs.plain_checkpoints()[-1], accelerate_runs.model_parameters
+
+
+class TestAccelerateNamedBin(TestAcceleratePlain):
+    """A user-named folder saved with `safe_serialization=False`: the model in `pytorch_model.bin`."""
+
+    data_glob = "pytorch_model.bin"
+
+    @pytest.fixture
+    def source(self, accelerate_runs: WrittenAccelerate) -> tuple[Path, int]:
+        return accelerate_runs.named, accelerate_runs.model_parameters
+
+
+class TestAccelerateDeepSpeed(TestAcceleratePlain):
+    data_glob = "pytorch_model/*_optim_states.pt"
+
+    @pytest.fixture
+    def source(self, accelerate_runs: WrittenAccelerate) -> tuple[Path, int]:
+        return accelerate_runs.deepspeed_checkpoints()[-1], accelerate_runs.model_parameters
+
+
+class TestAccelerateFsdp(TestAcceleratePlain):
+    data_glob = "pytorch_model_fsdp_0/*.distcp"
+
+    @pytest.fixture
+    def source(self, accelerate_runs: WrittenAccelerate) -> tuple[Path, int]:
+        return accelerate_runs.fsdp, accelerate_runs.model_parameters

@@ -44,6 +44,7 @@ SLOW_FIXTURES = frozenset(
         "fsdp_run",
         "big_dcp",
         "accelerate_runs",
+        "distributed_saves",
     }
 )
 

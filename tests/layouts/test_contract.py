@@ -22,6 +22,7 @@ from tests.conftest import copy_tree
 from tests.writers.accelerate_writer import WrittenAccelerate
 from tests.writers.areal_writer import WrittenAreal
 from tests.writers.deepspeed_writer import WrittenDeepSpeed
+from tests.writers.distributed_save_writer import WrittenDistributedSaves
 from tests.writers.rl_runs import WrittenFsdpRuns
 from tests.writers.trainer_writer import WrittenTrainerRun
 
@@ -365,3 +366,30 @@ class TestAccelerateFsdp(TestAcceleratePlain):
     @pytest.fixture
     def source(self, accelerate_runs: WrittenAccelerate) -> tuple[Path, int]:
         return accelerate_runs.fsdp, accelerate_runs.model_parameters
+
+
+# --- per-rank saves without a global index (tests.writers.distributed_save_writer) --------------------
+
+
+class TestHfDistributed(LayoutContract):
+    """`save_pretrained(distributed_checkpoint=True)`. Its damage is done to rank 1's file (plan number 1): the
+    files record no full shapes, so a folder that lost the LAST rank's files reads as a smaller model that
+    tiles (torch's own HuggingFaceStorageReader reads it so too); losing any other rank shows."""
+
+    layout = "hf"
+    marker = None
+    data_glob = "shard-00001-*.safetensors"
+
+    @pytest.fixture
+    def source(self, distributed_saves: WrittenDistributedSaves) -> tuple[Path, int]:
+        return distributed_saves.hf, distributed_saves.model_parameters
+
+
+class TestDcpWithoutCollectives(LayoutContract):
+    layout = "dcp"
+    marker = "__0.metadata"
+    data_glob = "*.distcp"
+
+    @pytest.fixture
+    def source(self, distributed_saves: WrittenDistributedSaves) -> tuple[Path, int]:
+        return distributed_saves.dcp, distributed_saves.model_parameters

@@ -3,6 +3,9 @@
 `model.safetensors`, or `model-0000i-of-0000N.safetensors` shards with `model.safetensors.index.json`
 (`{"metadata": {"total_size"}, "weight_map": {name: file}}`), plus `config.json`, `generation_config.json`
 and tokenizer files. Only headers are read: a 100 GB model opens with a few range reads.
+
+`save_pretrained(distributed_checkpoint=True)` writes per-rank pieces of each tensor instead
+(`shard-0000P-model-0000i-of-0000N.safetensors`): read as whole tensors with `frameworks.hf.distributed`.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from ckptctl.checkpoint import (
 from ckptctl.errors import CkptctlError, CorruptCheckpoint
 from ckptctl.formats.documents import read_json
 from ckptctl.formats.safetensors import read_header
+from ckptctl.frameworks.hf.distributed import SHARD_FILE, is_distributed, rank_files, shards_index, shards_problems
 from ckptctl.io import DirEntry
 from ckptctl.layouts.base import Layout, absent_numbers, newest_mtime, step_from_name, timestamp
 from ckptctl.layouts.resume import ResumeProfile
@@ -127,16 +131,23 @@ class HfModelLayout(Layout):
         files = {e.name: e.size for e in entries if not e.is_dir}  # its own files: none of a child folder's
         names = set(files)
         weights = weight_files(url, names)
+        ranks = rank_files(names)
 
         @cache
         def tensor_index() -> tuple[TensorEntry, ...]:
             return safetensors_index(url, weights, files)
 
+        metadata = model_metadata(url, names, weights)
+        if ranks:
+            metadata["distributed"] = (
+                f"per-rank pieces of {len(ranks)} rank(s) (save_pretrained(distributed_checkpoint=True)); the full "
+                "shapes are where the pieces end"
+            )
         return Checkpoint(
             ref=ref,
             components=frozenset(model_components(names)),
-            world_size=None,
-            metadata=model_metadata(url, names, weights),
+            world_size=max(ranks) if ranks else None,
+            metadata=metadata,
             tensor_index=tensor_index,
             files=files,
         )
@@ -257,8 +268,10 @@ def verify_model_files(url: str, files: Mapping[str, int]) -> list[Problem]:
         problems.append(
             Problem(ProblemKind.MISSING_FILE, "", f"{promised_count - len(promised)} more shards are missing")
         )
+    if is_distributed(files):
+        problems += shards_problems(url, files)
     located: dict[str, str] = {}
-    for rel in sorted(n for n in files if n.endswith(".safetensors")):
+    for rel in sorted(n for n in files if n.endswith(".safetensors") and not SHARD_FILE.match(n)):
         try:
             header = read_header(io.join(url, rel), files[rel])
         except CkptctlError as exc:
@@ -379,9 +392,12 @@ def weight_files(url: str, names: set[str]) -> list[str]:
 
 
 def safetensors_index(url: str, weights: Sequence[str], files: Mapping[str, int]) -> tuple[TensorEntry, ...]:
-    """The tensors of the safetensors files `weights` (relative to `url`), from their headers."""
-    entries = []
+    """The tensors of the safetensors files `weights` (relative to `url`), from their headers; per-rank
+    pieces (`shard-0000P-...`) as the whole tensors they make up."""
+    entries = list(shards_index(url, {w: files[w] for w in weights if SHARD_FILE.match(w)}))
     for rel in weights:
+        if SHARD_FILE.match(rel):
+            continue
         header = read_header(io.join(url, rel), files.get(rel))
         for rec in header.tensors:
             chunk = TensorChunk(

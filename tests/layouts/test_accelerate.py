@@ -230,3 +230,25 @@ def test_a_random_states_file_without_the_rng_states_fails(
     assert result.exit_code == 1
     (problem,) = result.json["problems"]
     assert problem["kind"] == "bad_metadata" and "random_state" in problem["message"]
+
+
+def test_per_process_fsdp_files_are_checked_not_read(
+    accelerate_runs: WrittenAccelerate, run_cli: Cli, tmp_path: Path
+) -> None:
+    """`save_fsdp_model`/`save_fsdp_optimizer(..., use_dcp=False)`: per-process DTensor pickles that ckptctl does
+    not read. The folder verifies by its files, says so, loads only on the same processes, and not with
+    load_state (which reads the DCP folders)."""
+    folder = accelerate_runs.fsdp_no_dcp
+    assert sorted(p.name for p in folder.iterdir() if "_rank" in p.name) == [
+        "optimizer_0_rank0.bin",
+        "pytorch_model_fsdp_0_rank0.bin",
+    ]
+    doc = run_cli("inspect", folder, "--json").json
+    assert {"model", "optimizer"} <= set(doc["components"]) and doc["tensors"] == []
+    assert "does not read" in doc["metadata"]["note"]
+    assert run_cli("verify", folder, "--json").exit_code == 0
+    plan = run_cli("resume-plan", folder.parent, "--world-size", "2", "--json").json
+    assert plan["world_size_ok"] is False
+    assert plan["resume_hint"].startswith("load_fsdp_model(") and "use_dcp=False" in plan["resume_hint"]
+    converted = run_cli("convert", folder, tmp_path / "never", "--json")
+    assert converted.exit_code == 2 and "holds no model tensors" in converted.json["error"]["message"]

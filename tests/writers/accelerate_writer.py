@@ -22,7 +22,9 @@ runs) that trains the tiny Llama of `tests.conftest` under `Accelerator.accumula
    `FullyShardedDataParallelPlugin(fsdp_version=2, state_dict_type="SHARDED_STATE_DICT")` (DCP folders
    `pytorch_model_fsdp_0/` and `optimizer_0/`), then `accelerate/checkpointing.py` `save_accelerator_state`
    with no model weights and no optimizers, as `save_state` passes them under FSDP (`scheduler.bin`,
-   `random_states_0.pkl`).
+   `random_states_0.pkl`). The same save with `use_dcp=False` goes to `fsdp-no-dcp/step_2/`: per-process
+   `pytorch_model_fsdp_0_rank0.bin` and `optimizer_0_rank0.bin` (save_state passes no `use_dcp`: these
+   come from a loop that calls the two functions itself, as their docstrings suggest at scale).
 
 Each run's final weights (the unwrapped model's, full) are written beside its folder as the reference
 safetensors file.
@@ -60,6 +62,7 @@ class WrittenAccelerate:
         resumed: the resumed copy of the plain run's `project_dir` (its newest save is `checkpoint_0`).
         deepspeed: the DeepSpeed run's `project_dir` (`checkpoints/checkpoint_{1,2}/`).
         fsdp: the FSDP folder (`pytorch_model_fsdp_0/`, `optimizer_0/`).
+        fsdp_no_dcp: the same FSDP save with `use_dcp=False` (per-process `.bin` files).
         model_parameters: elements of the model's parameters.
         config_dir: a folder holding the model's `config.json`.
     """
@@ -69,6 +72,7 @@ class WrittenAccelerate:
     resumed: Path
     deepspeed: Path
     fsdp: Path
+    fsdp_no_dcp: Path
     model_parameters: int
     config_dir: Path
 
@@ -223,12 +227,14 @@ def _fsdp(root: Path) -> None:
         scheduler.step()
         optimizer.zero_grad()
     plugin = FullyShardedDataParallelPlugin(fsdp_version=2, state_dict_type="SHARDED_STATE_DICT")
-    folder = root / "fsdp" / f"step_{FSDP_STEPS}"
     # What `Accelerator.save_state` does under DistributedType.FSDP, in its order: the model and the
-    # optimizer through DCP, then everything else with no weights and no optimizers.
-    save_fsdp_model(plugin, state, model, str(folder), 0)
-    save_fsdp_optimizer(plugin, state, optimizer, model, str(folder), 0)
-    save_accelerator_state(str(folder), [], [], [scheduler], [], state.process_index, FSDP_STEPS)
+    # optimizer (through DCP, or per process with use_dcp=False), then everything else with no weights and
+    # no optimizers.
+    for folder, use_dcp in ((root / "fsdp", True), (root / "fsdp-no-dcp", False)):
+        where = str(folder / f"step_{FSDP_STEPS}")
+        save_fsdp_model(plugin, state, model, where, 0, use_dcp=use_dcp)
+        save_fsdp_optimizer(plugin, state, optimizer, model, where, 0, use_dcp=use_dcp)
+        save_accelerator_state(where, [], [], [scheduler], [], state.process_index, FSDP_STEPS)
     _write_reference(get_model_state_dict(model, options=StateDictOptions(full_state_dict=True)), root, "fsdp")
 
 
@@ -299,6 +305,7 @@ def write_accelerate_runs(root: Path) -> WrittenAccelerate:
         resumed=root / "resumed",
         deepspeed=root / "deepspeed",
         fsdp=root / "fsdp" / f"step_{FSDP_STEPS}",
+        fsdp_no_dcp=root / "fsdp-no-dcp" / f"step_{FSDP_STEPS}",
         model_parameters=sum(p.numel() for p in model.parameters()),
         config_dir=config_dir,
     )

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import cache
 from typing import Any
@@ -55,6 +55,7 @@ from ckptctl.frameworks.hf.layout import safetensors_index, verify_model_files
 from ckptctl.frameworks.hf_trainer.layout import IN_PROGRESS_WINDOW_S
 from ckptctl.io import DirEntry
 from ckptctl.layouts.base import (
+    LISTED_ABSENT,
     Layout,
     MasterWeights,
     Protections,
@@ -69,7 +70,15 @@ from ckptctl.layouts.base import (
 from ckptctl.layouts.naming import NameStripper, format_namespace_stripper, keep_name
 from ckptctl.layouts.resume import ResumeProfile
 
-__all__ = ["AUTO_FOLDER", "AUTO_PARENT", "RNG_FILE", "AccelerateLayout", "rng_ranks"]
+__all__ = [
+    "AUTO_FOLDER",
+    "AUTO_PARENT",
+    "RNG_FILE",
+    "AccelerateLayout",
+    "per_process_files",
+    "rng_ranks",
+    "without_dcp",
+]
 
 #: `ProjectConfiguration(automatic_checkpoint_naming=True)` saves into `{project_dir}/checkpoints/checkpoint_{N}`.
 AUTO_PARENT = "checkpoints"
@@ -91,6 +100,7 @@ _FSDP_FULL = re.compile(r"^pytorch_model_fsdp(?:_(\d+))?\.bin$")
 #: Per-process FSDP files: LOCAL_STATE_DICT (`pytorch_model_fsdp[_{i}]_rank{R}.bin`) and SHARDED_STATE_DICT
 #: with `use_dcp=False` (`pytorch_model_fsdp_{i}_rank{R}.bin`, `optimizer_{i}_rank{R}.bin`).
 _FSDP_RANK = re.compile(r"^(?P<kind>pytorch_model_fsdp|optimizer)(?:_\d+)?_rank(?P<rank>\d+)\.bin$")
+_WITHOUT_DCP = re.compile(r"^(?:pytorch_model_fsdp_0|optimizer_\d+)_rank\d+\.bin$")
 #: RNG keys every random_states file holds (`save_accelerator_state`); device generators are added per device.
 _RNG_KEYS = ("random_state", "numpy_random_seed", "torch_manual_seed")
 
@@ -98,6 +108,18 @@ _RNG_KEYS = ("random_state", "numpy_random_seed", "torch_manual_seed")
 def rng_ranks(names: Sequence[str]) -> list[int]:
     """The process indices of the `random_states_{i}.pkl` files among `names`, sorted."""
     return sorted(int(m.group(1)) for n in names if (m := RNG_FILE.match(n)))
+
+
+def per_process_files(names: Iterable[str]) -> list[str]:
+    """The per-process FSDP files (`*_rank{R}.bin`) among `names` (top-level file names)."""
+    return sorted(n for n in names if _FSDP_RANK.match(n))
+
+
+def without_dcp(names: Iterable[str]) -> bool:
+    """Whether the per-process files come from `save_fsdp_model`/`save_fsdp_optimizer(..., use_dcp=False)`
+    (`pytorch_model_fsdp_0_rank{R}.bin`, `optimizer_{i}_rank{R}.bin`) rather than LOCAL_STATE_DICT
+    (`pytorch_model_fsdp_rank{R}.bin`)."""
+    return any(_WITHOUT_DCP.match(n) for n in names)
 
 
 def _index(match: re.Match[str]) -> int:
@@ -115,6 +137,7 @@ class _Parts:
     ds_tags: dict[int, str]
     dcp_models: dict[int, str]
     dcp_optimizers: dict[int, str]
+    #: Per-process FSDP files (`*_rank{R}.bin`): torch.save of DTensor shards, not read (see `verify`).
     fsdp_files: tuple[str, ...]
 
     @classmethod
@@ -123,7 +146,7 @@ class _Parts:
         dirs = [e.name for e in entries if e.is_dir]
         models: dict[int, str] = {}
         for name in sorted(files):
-            if (m := _MODEL_SAFE.match(name)) or (m := _MODEL_BIN.match(name)):
+            if (m := _MODEL_SAFE.match(name)) or (m := _MODEL_BIN.match(name)) or (m := _FSDP_FULL.match(name)):
                 models.setdefault(_index(m), name)  # safetensors first: what load_state reads first
         return cls(
             files=files,
@@ -133,7 +156,7 @@ class _Parts:
             ds_tags={_index(m): d for d in dirs if (m := _DS_TAG.match(d))},
             dcp_models={_index(m): d for d in dirs if (m := _FSDP_MODEL_DIR.match(d))},
             dcp_optimizers={_index(m): d for d in dirs if (m := _FSDP_OPTIM_DIR.match(d))},
-            fsdp_files=tuple(sorted(n for n in files if _FSDP_FULL.match(n) or _FSDP_RANK.match(n))),
+            fsdp_files=tuple(per_process_files(files)),
         )
 
     @property
@@ -141,7 +164,7 @@ class _Parts:
         """Which accelerate plugin wrote the model: `deepspeed`, `fsdp`, or `none` (plain DDP or one process)."""
         if self.ds_tags:
             return "deepspeed"
-        if self.dcp_models or self.dcp_optimizers or self.fsdp_files:
+        if self.dcp_models or self.dcp_optimizers or self.fsdp_files or any(_FSDP_FULL.match(n) for n in self.files):
             return "fsdp"
         return "none"
 
@@ -176,11 +199,13 @@ class _Parts:
 
     def pickles(self) -> list[str]:
         """Every torch.save file at the top (the model's `.bin` too), in a stable order."""
-        return sorted(n for n in self.files if n.endswith((".bin", ".pkl")) or n == _SCALER)
+        return sorted(
+            n for n in self.files if (n.endswith((".bin", ".pkl")) or n == _SCALER) and n not in self.fsdp_files
+        )
 
 
 def _fsdp_kind(name: str) -> str:
-    """`model` or `optimizer`: what one of the FSDP `.bin` files holds."""
+    """`model` or `optimizer`: what one of the per-process FSDP files holds."""
     m = _FSDP_RANK.match(name)
     return "optimizer" if m is not None and m.group("kind") == "optimizer" else "model"
 
@@ -288,8 +313,8 @@ class AccelerateLayout(Layout):
         models = len(set(parts.models) | set(parts.ds_tags) | set(parts.dcp_models))
         if models > 1:
             metadata["models"] = f"{models} (the first is the model; the others' tensors are listed as extra)"
-        if parts.fsdp_files and not parts.dcp_models:
-            metadata["note"] = "FSDP per-process or full-state .bin files are verified but not indexed"
+        if parts.fsdp_files:
+            metadata["note"] = _RANK_FILES_NOTE
         metadata["progress"] = progress
 
         @cache
@@ -339,6 +364,7 @@ class AccelerateLayout(Layout):
             problems.append(
                 Problem(ProblemKind.MISSING_FILE, "", "no model weights (no model file, DeepSpeed tag or FSDP folder)")
             )
+        problems += _rank_file_problems(parts)
         safetensors = {n: files[n] for n in parts.files if n.endswith(".safetensors")}
         if safetensors:
             problems += verify_model_files(url, safetensors)
@@ -442,6 +468,30 @@ def _components(parts: _Parts) -> set[Component]:
     if _SCALER in parts.files or any(_CUSTOM.match(n) for n in parts.files):
         found.add(Component.EXTRA)
     return found
+
+
+_RANK_FILES_NOTE = (
+    "the per-process FSDP files (*_rank{R}.bin: use_dcp=False or LOCAL_STATE_DICT) pickle DTensor shards, which "
+    "ckptctl does not read: one per process is checked, not their content, and their tensors are not listed"
+)
+
+
+def _rank_file_problems(parts: _Parts) -> list[Problem]:
+    """Each per-process FSDP file (`{prefix}_rank{R}.bin`) for every process that saved RNG states: every
+    process writes its own, and load_state needs each process's."""
+    ranks: dict[str, set[int]] = {}
+    for name in parts.fsdp_files:
+        m = _FSDP_RANK.match(name)
+        if m is not None:
+            ranks.setdefault(name[: m.start("rank") - len("_rank")], set()).add(int(m.group("rank")))
+    expected = set(parts.rng)
+    problems = []
+    for prefix, have in sorted(ranks.items()):
+        problems += [
+            Problem(ProblemKind.MISSING_FILE, f"{prefix}_rank{r}.bin", f"{prefix}_rank{r}.bin is missing (process {r})")
+            for r in sorted(expected - have)[:LISTED_ABSENT]
+        ]
+    return problems
 
 
 def _read_rng(url: str, name: str, files: Mapping[str, int]) -> Any:

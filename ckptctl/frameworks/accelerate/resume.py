@@ -12,7 +12,14 @@ from collections.abc import Mapping
 from ckptctl import io
 from ckptctl.checkpoint import Checkpoint, CheckpointState, Component
 from ckptctl.errors import CkptctlError
-from ckptctl.frameworks.accelerate.layout import AUTO_FOLDER, AUTO_PARENT, RNG_FILE, rng_ranks
+from ckptctl.frameworks.accelerate.layout import (
+    AUTO_FOLDER,
+    AUTO_PARENT,
+    RNG_FILE,
+    per_process_files,
+    rng_ranks,
+    without_dcp,
+)
 from ckptctl.frameworks.dcp.resume import overwrite_warnings, reshards
 from ckptctl.frameworks.deepspeed import resume as deepspeed
 from ckptctl.layouts.resume import RESUMABLE, PlanContext, ResumeProfile, WorldSizeCheck, target_ranks
@@ -26,6 +33,13 @@ _SORT_NUMBER = re.compile(r"[0-9]+")
 
 
 def _hint(ctx: PlanContext) -> str:
+    if without_dcp(ctx.checkpoint.files):
+        # load_state passes no use_dcp and reads FSDP state from the DCP folders only.
+        return (
+            f'load_fsdp_model(accelerator.state.fsdp_plugin, accelerator, model, "{ctx.url}", 0, use_dcp=False) and '
+            f'load_fsdp_optimizer(accelerator.state.fsdp_plugin, accelerator, optimizer, model, "{ctx.url}", 0, '
+            "use_dcp=False) (accelerate.utils), on each process"
+        )
     return f'accelerator.load_state("{ctx.url}")'
 
 
@@ -33,6 +47,15 @@ def _world_size(ctx: PlanContext) -> WorldSizeCheck:
     checkpoint = ctx.checkpoint
     if deepspeed.zero_facts(checkpoint):
         return deepspeed.world_size(ctx)
+    own = per_process_files(name for name in checkpoint.files if "/" not in name)
+    if own:
+        saved = checkpoint.world_size
+        target = target_ranks(ctx, saved) or 1
+        note = (
+            "each process loads its own *_rank{R}.bin FSDP shards: only the same number of processes, sharding the "
+            "model alike, loads them"
+        )
+        return WorldSizeCheck(saved, target, target == saved, note)
     if any(name.startswith("pytorch_model_fsdp_") and name.endswith("/.metadata") for name in checkpoint.files):
         return reshards(ctx)
     ranks = rng_ranks([name for name in checkpoint.files if "/" not in name])
@@ -133,6 +156,13 @@ def _notes(ctx: PlanContext) -> list[str]:
             f"(accelerate#3306): set accelerator.project_configuration.iteration = {number + 1} before the next "
             "save_state, or it fails with 'Checkpoint directory ... already exists' (with total_limit, the rotation "
             "first deletes checkpoint_0 and the new save takes its name, below the older ones)"
+        )
+    if without_dcp(ctx.checkpoint.files):
+        found.append(
+            "accelerator.load_state reads FSDP state from the DCP folders (pytorch_model_fsdp_0/) and fails here; "
+            "load_fsdp_model/load_fsdp_optimizer restore the model and optimizer only: the schedulers, sampler and "
+            "RNG states load with accelerate.checkpointing.load_accelerator_state(dir, [], [], schedulers, "
+            "dataloaders, accelerator.process_index)"
         )
     if deepspeed.zero_facts(ctx.checkpoint):
         found.append(

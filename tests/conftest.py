@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 import pytest
 from filelock import FileLock
 
+from tests.writers.accelerate_writer import WrittenAccelerate, write_accelerate_runs
 from tests.writers.areal_writer import WrittenAreal, write_areal_run
 from tests.writers.dcp_writer import WrittenDcp, write_single_process_dcp
 from tests.writers.deepspeed_writer import WrittenDeepSpeed, write_deepspeed_runs
@@ -50,6 +51,8 @@ SLOW_FIXTURES = frozenset(
         "interrupted_saves",
         "openrlhf_ppo",
         "megatron_runs",
+        "accelerate_runs",
+        "distributed_saves",
     }
 )
 
@@ -245,6 +248,13 @@ def megatron_runs(tmp_path_factory: pytest.TempPathFactory) -> WrittenMegatron:
     `dist_checkpointing.save` as Megatron-LM saves: iterations 1 and 2 with the tracker, a release save, a
     tied-embeddings save, and the source models (slow: spawns)."""
     return build_once(tmp_path_factory, "megatron", write_megatron_runs)
+
+
+@pytest.fixture(scope="session")
+def accelerate_runs(tmp_path_factory: pytest.TempPathFactory) -> WrittenAccelerate:
+    """accelerate 1.15 `save_state` on CPU: a plain run with automatic checkpoint naming (checkpoint_0..2), a
+    user-named `.bin` save, a resumed copy, a DeepSpeed ZeRO-2 run and an FSDP2 save (slow: a subprocess)."""
+    return build_once(tmp_path_factory, "accelerate", write_accelerate_runs)
 
 
 def copy_tree(src: Path, dst: Path) -> Path:

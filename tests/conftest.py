@@ -26,6 +26,7 @@ from tests.writers.deepspeed_writer import WrittenDeepSpeed, write_deepspeed_run
 from tests.writers.hf_legacy_writer import WrittenLegacy, write_legacy_models
 from tests.writers.rl_runs import WrittenFsdpRuns, write_fsdp_runs
 from tests.writers.run_folders import NestedRun, arrange_deepspeed_run, trainer_nested_run, write_dcp_run
+from tests.writers.torchtitan_writer import WrittenTorchtitan, write_torchtitan_run
 from tests.writers.trainer_writer import WrittenTrainerRun, write_trainer_run
 
 T = TypeVar("T")
@@ -43,6 +44,7 @@ SLOW_FIXTURES = frozenset(
         "areal_run",
         "fsdp_run",
         "big_dcp",
+        "torchtitan_run",
     }
 )
 
@@ -208,6 +210,12 @@ def areal_run(tmp_path_factory: pytest.TempPathFactory) -> WrittenAreal:
     """AReaL's own FSDPLMEngine, Saver and RecoverHandler on 2 CPU ranks, two SFT steps of a tiny Qwen3: a trial
     with the exports of global steps 0 and 1, the recover slot and recover_info/ (slow: spawns)."""
     return build_once(tmp_path_factory, "areal", write_areal_run)
+
+
+@pytest.fixture(scope="session")
+def torchtitan_run(tmp_path_factory: pytest.TempPathFactory) -> WrittenTorchtitan:
+    """torchtitan 0.3.0's CheckpointManager on its own tiny Llama 3: step-1, step-2 and the model-only step-3."""
+    return build_once(tmp_path_factory, "torchtitan", write_torchtitan_run)
 
 
 def copy_tree(src: Path, dst: Path) -> Path:

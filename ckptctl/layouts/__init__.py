@@ -53,6 +53,7 @@ _REGISTRY: tuple[tuple[str, str], ...] = (
     ("native", "ckptctl.frameworks.native.layout:NativeLayout"),
     ("areal", "ckptctl.frameworks.areal.layout:ArealLayout"),
     ("roll", "ckptctl.frameworks.roll.layout:RollLayout"),
+    ("torchtitan", "ckptctl.frameworks.torchtitan.layout:TorchtitanLayout"),
     ("dcp", "ckptctl.frameworks.dcp.layout:DcpLayout"),
     ("hf_trainer", "ckptctl.frameworks.hf_trainer.layout:HfTrainerLayout"),
     ("openrlhf", "ckptctl.frameworks.openrlhf.layout:OpenRlhfLayout"),

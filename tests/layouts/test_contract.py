@@ -22,6 +22,7 @@ from tests.conftest import copy_tree
 from tests.writers.areal_writer import WrittenAreal
 from tests.writers.deepspeed_writer import WrittenDeepSpeed
 from tests.writers.rl_runs import WrittenFsdpRuns
+from tests.writers.torchtitan_writer import WrittenTorchtitan
 from tests.writers.trainer_writer import WrittenTrainerRun
 
 
@@ -182,6 +183,18 @@ class TestDcp(LayoutContract):
     @pytest.fixture
     def source(self, demo_dir: Path) -> tuple[Path, int]:
         return demo_dir / "dcp" / "step-30", _demo_parameters()
+
+
+class TestTorchtitan(LayoutContract):
+    layout = "torchtitan"
+    marker = ".metadata"
+    data_glob = "*.distcp"
+
+    @pytest.fixture
+    def source(self, torchtitan_run: WrittenTorchtitan) -> tuple[Path, int]:
+        from tests.writers.torchtitan_writer import model_parameters
+
+        return torchtitan_run.step(2), model_parameters()
 
 
 class TestDeepSpeedZero0(LayoutContract):

@@ -91,13 +91,15 @@ def _convert(src: str, dst: str, options: ConvertOptions, progress: Progress, re
             f"{url} fails structural verification: {first}", f"run `ckptctl verify {url}` for the full report"
         )
     notes: list[str] = []
-    plan, weights = plan_tensors(checkpoint, layout, options, notes)
     side_files, side_notes = find_side_files(url, options, layout.config_folders(checkpoint))
+    checks = options.check_model or options.check_logits
+    # An HF output's name map may need the config (head sizes), whether or not the model is checked.
+    config = read_config(side_files, notes) if checks or options.to is Target.HF else None
+    plan, weights = plan_tensors(checkpoint, layout, options, notes, config)
     notes += side_notes
-    config = read_config(side_files, notes) if options.check_model or options.check_logits else None
     why_not: list[str] = []
     spec = None
-    if config is not None and options.component is Component.MODEL:
+    if config is not None and checks and options.component is Component.MODEL:
         spec = model_spec(config, plan, why_not)
     notes += why_not
     tied: tuple[str, ...] = ()

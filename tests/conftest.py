@@ -29,6 +29,7 @@ from tests.writers.megatron_writer import WrittenMegatron, write_megatron_runs
 from tests.writers.openrlhf_writer import WrittenOpenRlhf, write_openrlhf_run
 from tests.writers.rl_runs import WrittenFsdpRuns, write_fsdp_runs
 from tests.writers.run_folders import NestedRun, arrange_deepspeed_run, trainer_nested_run, write_dcp_run
+from tests.writers.torchtitan_writer import WrittenTorchtitan, write_torchtitan_run
 from tests.writers.trainer_writer import WrittenTrainerRun, write_trainer_run
 from tests.writers.universal_writer import WrittenUniversal, write_universal_runs
 
@@ -53,6 +54,7 @@ SLOW_FIXTURES = frozenset(
         "megatron_runs",
         "accelerate_runs",
         "distributed_saves",
+        "torchtitan_run",
     }
 )
 
@@ -255,6 +257,12 @@ def accelerate_runs(tmp_path_factory: pytest.TempPathFactory) -> WrittenAccelera
     """accelerate 1.15 `save_state` on CPU: a plain run with automatic checkpoint naming (checkpoint_0..2), a
     user-named `.bin` save, a resumed copy, a DeepSpeed ZeRO-2 run and an FSDP2 save (slow: a subprocess)."""
     return build_once(tmp_path_factory, "accelerate", write_accelerate_runs)
+
+
+@pytest.fixture(scope="session")
+def torchtitan_run(tmp_path_factory: pytest.TempPathFactory) -> WrittenTorchtitan:
+    """torchtitan 0.3.0's CheckpointManager on its own tiny Llama 3: step-1, step-2 and the model-only step-3."""
+    return build_once(tmp_path_factory, "torchtitan", write_torchtitan_run)
 
 
 def copy_tree(src: Path, dst: Path) -> Path:

@@ -117,6 +117,15 @@ def convert(
             help="PATTERN=REPL regex substitution on tensor names (repeatable, in order).",
         ),
     ] = None,
+    mapping: Annotated[
+        str | None,
+        typer.Option(
+            "--mapping",
+            metavar="MAP",
+            help="--to hf from a framework whose models are its own code (torchtitan): the map of its tensor names "
+            "to transformers' (llama3, qwen3; default: from config.json's model_type; 'none' keeps the names).",
+        ),
+    ] = None,
     config: Annotated[
         str | None,
         typer.Option("--config", metavar="DIR", help="Folder holding config.json (default: beside the source)."),
@@ -185,6 +194,7 @@ def convert(
         component=component,
         strip_prefix=strip_prefix,
         renames=renames,
+        mapping=mapping,
         config_dir=config,
         tokenizer_dir=tokenizer,
         force=force,

@@ -385,6 +385,16 @@ DCP_METADATA_GLOBALS: Mapping[tuple[str, str], Any] = {
     **_TORCH_DTYPES,
 }
 
+
+def _codecs_encode(text: Any, encoding: Any = "utf-8") -> bytes:
+    """Stand-in for `_codecs.encode`, which protocol-2 pickles use to carry bytes (numpy's raw data; a DCP
+    bytes item holding bytes, like each rank's pickled data-loader state in torchtitan's saves)."""
+    if type(text) is not str or encoding not in ("latin1", "latin-1"):
+        raise ValueError("_codecs.encode is only allowed for latin-1 bytes")
+    _spend(33 + len(text))
+    return text.encode("latin-1")
+
+
 #: What the `data.pkl` of a torch.save archive holding one plain tensor may name (for `raw_record`;
 #: decoding tensors goes through torch's own `weights_only` unpickler instead).
 TORCH_SAVE_GLOBALS: Mapping[tuple[str, str], Any] = {
@@ -392,6 +402,7 @@ TORCH_SAVE_GLOBALS: Mapping[tuple[str, str], Any] = {
     ("torch._utils", "_rebuild_tensor_v3"): _rebuild_tensor_v3,
     ("collections", "OrderedDict"): _empty_ordered_dict,
     ("torch.storage", "UntypedStorage"): _TypedStorageTag(None),
+    ("_codecs", "encode"): _codecs_encode,
     **{("torch", name): _TypedStorageTag(dtype) for name, dtype in _LEGACY_STORAGES.items()},
     **_TORCH_DTYPES,
 }
@@ -588,14 +599,6 @@ class NumpyScalar:
             raise ValueError("numpy scalar needs a dtype and its bytes")
         self.dtype = dtype
         self.data = data
-
-
-def _codecs_encode(text: Any, encoding: Any = "utf-8") -> bytes:
-    """Stand-in for `_codecs.encode`, which protocol-2 pickles use to carry bytes (numpy's raw data)."""
-    if type(text) is not str or encoding not in ("latin1", "latin-1"):
-        raise ValueError("_codecs.encode is only allowed for latin-1 bytes")
-    _spend(33 + len(text))
-    return text.encode("latin-1")
 
 
 def _torch_device(kind: Any, index: Any = None) -> str:

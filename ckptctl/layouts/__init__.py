@@ -58,6 +58,7 @@ _REGISTRY: tuple[tuple[str, str], ...] = (
     ("areal", "ckptctl.frameworks.areal.layout:ArealLayout"),
     ("roll", "ckptctl.frameworks.roll.layout:RollLayout"),
     ("megatron", "ckptctl.frameworks.megatron.layout:MegatronLayout"),
+    ("torchtitan", "ckptctl.frameworks.torchtitan.layout:TorchtitanLayout"),
     ("dcp", "ckptctl.frameworks.dcp.layout:DcpLayout"),
     ("hf_trainer", "ckptctl.frameworks.hf_trainer.layout:HfTrainerLayout"),
     ("accelerate", "ckptctl.frameworks.accelerate.layout:AccelerateLayout"),

@@ -209,6 +209,39 @@ class Layout:
 
     # ---------------------------------------------------------------------------------- tensor names
 
+    def hf_name_map(
+        self,
+        tensors: Mapping[str, tuple[int, ...]],
+        config: Mapping[str, Any] | None,
+        requested: str | None,
+        notes: list[str],
+    ) -> NameMap | None:
+        """How the model's tensors, as this framework names and lays them out, become those of the Hugging
+        Face model (`convert --to hf`): a framework whose models are its own code (torchtitan's `layers.0.
+        attention.wq.weight`) maps them to transformers' names, and reorders rows where the two compute
+        alike from rows in another order (the q/k rows of rotary embeddings).
+
+        Args:
+            tensors: the model's tensor names (the namespace of the save removed, as `namespace_stripper`
+                does) -> their shapes.
+            config: the parsed `config.json` the output gets, or None.
+            requested: the map asked for by name (`--mapping`); None picks one from `config` and `names`,
+                `"none"` keeps the names.
+            notes: where to append what the user should know about the map used.
+
+        Returns:
+            The map, or None to keep the names (the default: a framework whose names are transformers').
+
+        Raises:
+            CkptctlError: `requested` names no map of this framework, or the map needs what `config` lacks.
+        """
+        if requested not in (None, NO_NAME_MAP):
+            raise CkptctlError(
+                f"{self.name} checkpoints have no tensor name map {requested!r}",
+                f"their tensors keep their names: drop --mapping (or pass --mapping {NO_NAME_MAP})",
+            )
+        return None
+
     def namespace_stripper(self, entries: Sequence[TensorEntry]) -> NameStripper:
         """How to remove the namespace this layout's saves put in front of the model's own tensor names,
         for the tensors of one component (`convert` and `diff` use the model's names).
@@ -238,6 +271,27 @@ class Protections:
 
     reasons: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     notes: tuple[str, ...] = ()
+
+
+#: `--mapping` value that keeps the names as the framework stores them.
+NO_NAME_MAP = "none"
+
+
+@dataclass(frozen=True, slots=True)
+class NameMap:
+    """A framework's model tensors as a Hugging Face model names and lays them out (`Layout.hf_name_map`).
+
+    Attributes:
+        mapping: the map's name (`llama3`), as `--mapping` takes it.
+        names: stored name (namespace removed) -> the transformers name; names not in it are kept as they are
+            (the model check then names any the architecture does not have).
+        rows: transformers name -> the stored rows (first dimension) in the order the output holds them: a
+            row permutation, for tensors the two models compute alike from rows in another order.
+    """
+
+    mapping: str
+    names: Mapping[str, str]
+    rows: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,6 +26,7 @@ from tests.writers.distributed_save_writer import WrittenDistributedSaves
 from tests.writers.megatron_writer import WrittenMegatron
 from tests.writers.openrlhf_writer import WrittenOpenRlhf
 from tests.writers.rl_runs import WrittenFsdpRuns
+from tests.writers.torchtitan_writer import WrittenTorchtitan
 from tests.writers.trainer_writer import WrittenTrainerRun
 from tests.writers.universal_writer import WrittenUniversal
 
@@ -187,6 +188,18 @@ class TestDcp(LayoutContract):
     @pytest.fixture
     def source(self, demo_dir: Path) -> tuple[Path, int]:
         return demo_dir / "dcp" / "step-30", _demo_parameters()
+
+
+class TestTorchtitan(LayoutContract):
+    layout = "torchtitan"
+    marker = ".metadata"
+    data_glob = "*.distcp"
+
+    @pytest.fixture
+    def source(self, torchtitan_run: WrittenTorchtitan) -> tuple[Path, int]:
+        from tests.writers.torchtitan_writer import model_parameters
+
+        return torchtitan_run.step(2), model_parameters()
 
 
 class TestDeepSpeedZero0(LayoutContract):

@@ -113,19 +113,21 @@ def _convert(src: str, dst: str, options: ConvertOptions, progress: Progress, re
         )
     notes: list[str] = []
     hf = _hf_model(checkpoint, layout, options)
-    plan, weights = plan_tensors(checkpoint, layout, options, notes, hf)
     made_config = hf.config if hf is not None and options.config_dir is None else None
     side_files, side_notes = find_side_files(
         url, options, layout.config_folders(checkpoint), config_made=made_config is not None
     )
-    notes += side_notes
+    checks = options.check_model or options.check_logits
     config = None
-    if options.check_model or options.check_logits:
-        # the config the output gets: the copied config.json, else the one the layout made (Megatron's)
+    # An HF output's name map may need the config (head sizes), whether or not the model is checked. The
+    # config the output gets: the copied config.json, else the one the layout made (Megatron's).
+    if checks or options.to is Target.HF:
         config = read_config(side_files, notes) if "config.json" in side_files else made_config and dict(made_config)
+    plan, weights = plan_tensors(checkpoint, layout, options, notes, config, hf)
+    notes += side_notes
     why_not: list[str] = []
     spec = None
-    if config is not None and options.component is Component.MODEL:
+    if config is not None and checks and options.component is Component.MODEL:
         spec = model_spec(config, plan, why_not)
     notes += why_not
     tied: tuple[str, ...] = ()

@@ -32,7 +32,7 @@ from ckptctl.formats.documents import parse_json
 from ckptctl.layouts import get_layout
 from ckptctl.layouts.base import ModelSpec
 from ckptctl.ops.convert.options import Target
-from ckptctl.ops.convert.plan import Planned, float_dtype
+from ckptctl.ops.convert.plan import Planned, float_dtype, read_planned
 
 #: Names of each kind listed in a mismatch message; the rest are counted.
 _LISTED = 5
@@ -187,18 +187,9 @@ def compare_logits(checkpoint: Checkpoint, plan: Sequence[Planned], out: str, co
         ModelMismatch: either model loads with tensors missing or left over, or the logits differ by more
             than the dtype of the weights explains.
     """
-    import torch
-
-    from ckptctl.formats.chunks import read_tensor
-
     layout = get_layout(Target.HF)
     got = layout.model_logits(out, config, None)
-    source = {}
-    for planned in plan:
-        tensor = read_tensor(checkpoint.url, planned.entry)
-        source[planned.name] = (
-            tensor.to(getattr(torch, planned.dtype)) if planned.dtype != planned.entry.dtype else tensor
-        )
+    source = {planned.name: read_planned(checkpoint.url, planned) for planned in plan}
     want = layout.model_logits(out, config, source)
     source.clear()
     if got.shape != want.shape:

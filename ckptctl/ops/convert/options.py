@@ -64,7 +64,10 @@ class ConvertOptions:
         strip_prefix: namespace prefix removed from names; None detects it as `diff` does (`ops.naming`:
             `model.` of DCP state dicts, the entry name of a save, training wrappers); "" keeps names as
             stored.
-        renames: `(pattern, replacement)` regex substitutions applied in order after the prefix is removed.
+        renames: `(pattern, replacement)` regex substitutions applied in order after the prefix is removed
+            (and after the name map).
+        mapping: the source framework's map of its model's names to transformers' (`--to hf`;
+            `Layout.hf_name_map`): None picks one from the config, `"none"` keeps the names.
         config_dir: where `config.json`/`generation_config.json` come from (default: beside the source).
         tokenizer_dir: where tokenizer files come from (default: beside the source).
         force: replace a non-empty DST.
@@ -86,6 +89,7 @@ class ConvertOptions:
     component: Component = Component.MODEL
     strip_prefix: str | None = None
     renames: tuple[tuple[str, str], ...] = ()
+    mapping: str | None = None
     config_dir: str | None = None
     tokenizer_dir: str | None = None
     force: bool = False

@@ -7,23 +7,26 @@ byte copy); `weights=stored` writes the model weights as stored instead.
 
 Names are the model's own, by the rules `diff` matches tensors with (`ops.naming`): the namespace a save
 adds (`model.` of a DCP state dict, the entry name of a save, the wrappers a training loop put around a
-model) is removed, then `renames` apply. A layout whose framework names and lays out the model otherwise
-(Megatron) supplies it under transformers names for `--to hf` (`Layout.hf_model`).
+model) is removed, then `renames` apply. For an HF output, a framework whose models are its own code maps
+its names to transformers' before the renames (`Layout.hf_name_map`), and may reorder a tensor's rows; a
+framework that also fuses and lays out tensors otherwise (Megatron) supplies the whole model under
+transformers names instead (`Layout.hf_model`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from ckptctl.checkpoint import Checkpoint, Component, TensorEntry, dtype_itemsize
 from ckptctl.errors import CkptctlError
 from ckptctl.formats.manifest import FileRecord
 from ckptctl.formats.safetensors import TORCH_TO_SAFETENSORS
 from ckptctl.layouts import Layout
-from ckptctl.layouts.base import HfModel, MasterWeights
+from ckptctl.layouts.base import NO_NAME_MAP, HfModel, MasterWeights, NameMap
 from ckptctl.ops.convert.options import ConvertOptions, Target, Weights
-from ckptctl.ops.naming import compile_renames, normalised_names
+from ckptctl.ops.naming import compile_renames, namespace_stripper, normalised_names
 
 #: `dtype` casts these; integer, bool and float8 tensors (ids, masks, quantised weights) keep their type,
 #: as `model.to(dtype)` in torch does.
@@ -41,11 +44,13 @@ class Written:
 
 @dataclass(frozen=True, slots=True)
 class Planned:
-    """One output tensor: its source entry, output name and output dtype."""
+    """One output tensor: its source entry, output name and output dtype, and the source rows in output
+    order when the output orders them otherwise (`NameMap.rows`)."""
 
     entry: TensorEntry
     name: str
     dtype: str
+    rows: tuple[int, ...] | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -57,12 +62,18 @@ class Planned:
 
 
 def plan_tensors(
-    checkpoint: Checkpoint, layout: Layout, options: ConvertOptions, notes: list[str], hf: HfModel | None = None
+    checkpoint: Checkpoint,
+    layout: Layout,
+    options: ConvertOptions,
+    notes: list[str],
+    config: Mapping[str, Any] | None = None,
+    hf: HfModel | None = None,
 ) -> tuple[list[Planned], Weights]:
     """The output tensors of `checkpoint` (opened by `layout`), and which weights they are; appends what
     the user should know to `notes`.
 
     Args:
+        config: the parsed config.json the output gets (the name map of an HF output may need it).
         hf: the model under transformers names (`Layout.hf_model`), which `--to hf` writes when the
             checkpoint keeps no fp32 master weights; its names are kept as they are.
     """
@@ -83,8 +94,14 @@ def plan_tensors(
             f"{checkpoint.url} holds no {options.component.value} tensors",
             f"components with tensors: {', '.join(present) or 'none'}; choose one with --component",
         )
+    name_map, rows = (None, {}) if hf is not None else _name_map(checkpoint, layout, entries, options, config, notes)
     named = normalised_names(
-        checkpoint.layout, entries, strip_prefix, compile_renames(options.renames), verb="written as"
+        checkpoint.layout,
+        entries,
+        strip_prefix,
+        compile_renames(options.renames),
+        verb="written as",
+        mapped=name_map.names if name_map is not None else None,
     )
     plan: list[Planned] = []
     for name, entry in named.items():
@@ -94,8 +111,59 @@ def plan_tensors(
             dtype = "float32" if entry.name in upcast else entry.dtype
         if options.to is Target.HF and dtype not in TORCH_TO_SAFETENSORS:
             raise CkptctlError(f"{entry.name!r} is {dtype}, which safetensors cannot store")
-        plan.append(Planned(entry, name, dtype))
+        order = rows.get(entry.name)
+        if order is not None and (not entry.shape or len(order) != entry.shape[0]):
+            raise CkptctlError(
+                f"{entry.name!r} has shape {list(entry.shape)} where the tensor name map reorders {len(order)} rows",
+                "is the config (--config) this model's?",
+            )
+        plan.append(Planned(entry, name, dtype, order))
     return plan, Weights.MASTER if masters is not None else Weights.STORED
+
+
+def _name_map(
+    checkpoint: Checkpoint,
+    layout: Layout,
+    entries: Sequence[TensorEntry],
+    options: ConvertOptions,
+    config: Mapping[str, Any] | None,
+    notes: list[str],
+) -> tuple[NameMap | None, dict[str, tuple[int, ...]]]:
+    """The source framework's map of its model's names to transformers' (`Layout.hf_name_map`), for the
+    model of an HF output (other outputs keep the framework's names), and the rows it reorders by stored
+    tensor name.
+
+    Raises:
+        CkptctlError: `--mapping` for an output that keeps the names, or as `Layout.hf_name_map`.
+    """
+    if options.to is not Target.HF or options.component is not Component.MODEL:
+        if options.mapping not in (None, NO_NAME_MAP):
+            raise CkptctlError("--mapping names the tensors of a model converted --to hf (--component model)")
+        return None, {}
+    strip = namespace_stripper(checkpoint.layout, entries, options.strip_prefix)
+    found = layout.hf_name_map({strip(e.name): e.shape for e in entries}, config, options.mapping, notes)
+    if found is None:
+        return None, {}
+    rows = {}
+    for entry in entries:
+        order = found.rows.get(found.names.get(strip(entry.name), ""))
+        if order is not None:
+            rows[entry.name] = order
+    return found, rows
+
+
+def read_planned(checkpoint_url: str, planned: Planned) -> Any:
+    """The tensor of `planned` as the output holds it (a torch tensor): read, rows reordered, cast."""
+    import torch
+
+    from ckptctl.formats.chunks import read_tensor
+
+    tensor = read_tensor(checkpoint_url, planned.entry)
+    if planned.rows is not None:
+        tensor = tensor.index_select(0, torch.tensor(planned.rows, dtype=torch.long))
+    if planned.dtype != planned.entry.dtype:
+        tensor = tensor.to(getattr(torch, planned.dtype))
+    return tensor
 
 
 def _master_weights(

@@ -206,9 +206,16 @@ class Ranks:
             call()
         except RuntimeError as exc:  # gloo: a peer closed its connection (it died) or timed out
             raise RankFailed(
-                f"rank {self.rank} lost contact with the other ranks of the job ({str(exc).splitlines()[0]})",
+                f"rank {self.rank} lost contact with the other ranks of the job ({_reason(exc)})",
                 "another rank stopped or was killed: see its output; nothing was committed",
             ) from exc
+
+
+def _reason(exc: RuntimeError) -> str:
+    """gloo's message without its source location and advice: `Connection closed by peer [host]:port`."""
+    text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    text = text.split("] ", 1)[1] if text.startswith("[") and "] " in text else text
+    return text.split(". ", 1)[0]
 
 
 def split(ranks: Ranks | None, sizes: Sequence[int], work: Callable[[list[int]], Mapping[int, R]]) -> list[R]:

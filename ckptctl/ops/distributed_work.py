@@ -35,7 +35,7 @@ from typing import Any, TypeVar
 from ckptctl import io
 from ckptctl.errors import CkptctlError, RankFailed
 
-__all__ = ["Ranks", "balance", "join", "launched", "leave", "run_workers"]
+__all__ = ["Ranks", "balance", "join", "launched", "leave", "run_workers", "split"]
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -163,18 +163,10 @@ class Ranks:
             raise failure.error()
         return result  # type: ignore[return-value]
 
-    def agree(self, error: BaseException | None) -> None:
-        """Raise on every rank when any rank passes an error: its own on that rank, `RankFailed` with the
-        lowest failed rank's message and exit code on the others."""
-        failures = [f for f in self.gather(None if error is None else _Failure.of(error, self.rank)) if f]
-        if error is not None:
-            raise error
-        if failures:
-            raise failures[0].error()
-
     def share(self, sizes: Sequence[int], work: Callable[[list[int]], Mapping[int, R]]) -> list[R]:
         """`work(indices)` on this rank's balanced share of the items `sizes` weigh; every item's result,
-        in item order, on every rank (`split` with one rank).
+        in item order, on every rank. A rank whose `work` raises makes every rank raise: its own error on
+        that rank, `RankFailed` with the lowest failed rank's message and exit code on the others.
 
         The bytes the other ranks read for their shares are counted in this rank's open counters
         (`io.counting`), so that a report's `bytes_read` is the job's, as one process would count it.
@@ -195,7 +187,7 @@ class Ranks:
             raise error
         if failures:
             raise failures[0].error()
-        io.count_read(sum(n for rank, (_, _, n) in enumerate(gathered) if rank != self.rank))
+        io.count_read_elsewhere(sum(n for rank, (_, _, n) in enumerate(gathered) if rank != self.rank))
         merged: dict[int, R] = {}
         for _, found, _ in gathered:
             merged.update(found)
@@ -207,7 +199,7 @@ class Ranks:
         except RuntimeError as exc:  # gloo: a peer closed its connection (it died) or timed out
             raise RankFailed(
                 f"rank {self.rank} lost contact with the other ranks of the job ({_reason(exc)})",
-                "another rank stopped or was killed: see its output; nothing was committed",
+                "another rank stopped or was killed: see its output (a conversion commits nothing then)",
             ) from exc
 
 

@@ -22,7 +22,7 @@ _ckptctl() {
     case "$cmd" in
         convert) local opts="--to --dtype --max-shard-size --component --strip-prefix --rename --mapping --config --tokenizer --force --reread --workers --weights --no-check-model --check-logits --layout --json --quiet -q --help -h";;
         demo) local opts="--steps --distributed --no-distributed --force --json --quiet -q --help -h";;
-        diff) local opts="--component --atol --rtol --strip-prefix --rename --ignore-dtype --all --top --read-all --layout-a --layout-b --json --quiet -q --help -h";;
+        diff) local opts="--component --atol --rtol --strip-prefix --rename --ignore-dtype --all --top --read-all --layout-a --layout-b --workers --json --quiet -q --help -h";;
         inspect) local opts="--filter -f --component --limit --layout --json --quiet -q --help -h";;
         list) local opts="--sort --reverse -r --state --layout --limit --depth --json --quiet -q --help -h";;
         prune) local opts="--keep-last --keep-every --keep-best --max-total-size --older-than --pin --grace --dry-run --yes -y --wait --depth --json --quiet -q --help -h";;

@@ -12,15 +12,19 @@ against the model the config names: tied weights, missing, reshaped and leftover
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from ckptctl import io
 from ckptctl.checkpoint import Checkpoint, CheckpointState, Component
 from ckptctl.errors import CheckpointInProgress, CheckpointNotFound, CkptctlError, CorruptCheckpoint
 from ckptctl.formats.documents import read_json
 from ckptctl.layouts import Layout, get_layout, resolve
-from ckptctl.layouts.base import HfModel
+from ckptctl.layouts.base import HfModel, ModelSpec
 from ckptctl.ops.convert.commit import Staging, UploadStaging, check_destination, write_digests
 from ckptctl.ops.convert.model_check import apply_ties, check_plan, compare_logits, model_spec, read_config
 from ckptctl.ops.convert.options import (
@@ -33,10 +37,11 @@ from ckptctl.ops.convert.options import (
     Weights,
     parse_dtype,
 )
-from ckptctl.ops.convert.plan import float_dtype, plan_tensors
+from ckptctl.ops.convert.plan import Planned, Written, float_dtype, plan_tensors
 from ckptctl.ops.convert.side_files import CONFIG_FILES, TOKENIZER_FILES, copy_side_files, find_side_files
 from ckptctl.ops.convert.to_dcp import DCP_NAMESPACE, write_dcp
 from ckptctl.ops.convert.to_hf import INDEX_NAME, write_hf
+from ckptctl.ops.distributed_work import Ranks
 from ckptctl.ops.report import NoProgress, Progress
 
 __all__ = [
@@ -54,6 +59,8 @@ __all__ = [
     "convert",
     "parse_dtype",
 ]
+
+T = TypeVar("T")
 
 
 def convert(
@@ -90,7 +97,79 @@ def _hf_model(checkpoint: Checkpoint, layout: Layout, options: ConvertOptions) -
 
 
 def _convert(src: str, dst: str, options: ConvertOptions, progress: Progress, read: io.ByteCounter) -> ConvertResult:
+    """The conversion, in this process or over `options.ranks`, whose every rank runs it.
+
+    Over several ranks, rank 0 plans and opens the staging folder, each rank writes its share of the
+    shard files into it (`write_hf`), and rank 0 adds the side files and the digests and commits. A
+    `--to dcp` output (one `dcp.save`) and an object-store DST are written by rank 0 alone.
+    """
     started = time.perf_counter()
+    ranks = options.ranks if options.ranks is not None and options.ranks.size > 1 else None
+    with contextlib.ExitStack() as stack:
+        state: dict[str, Any] = {}
+
+        def begin() -> _Work:
+            prepared = state["prepared"] = _prepare(src, dst, options)
+            staging = (
+                Staging(prepared.dst)
+                if io.is_local(prepared.dst)
+                else UploadStaging(prepared.dst, get_layout(options.to))
+            )
+            state["staging"] = stack.enter_context(staging)
+            staging.check_space(sum(p.nbytes for p in prepared.plan))
+            shared = options.to is Target.HF and not isinstance(staging, UploadStaging)
+            return _Work(prepared.checkpoint.url, prepared.plan, staging.out, shared)
+
+        work = _on_leader(ranks, begin)
+        written: Written | None = None
+        if work.shared or ranks is None or ranks.leader:
+            try:
+                if options.to is Target.HF:
+                    written = write_hf(work.url, work.plan, work.out, options, progress, ranks if work.shared else None)
+                else:
+                    written = write_dcp(state["prepared"].checkpoint, work.plan, work.out, progress)
+            finally:
+                progress.finish()  # a bar left running on an error would hide the terminal's cursor
+        return _on_leader(
+            ranks, lambda: _finish(state["prepared"], state["staging"], written, options, progress, read, started)
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class _Work:
+    """What every rank needs to write its share: the source, the plan, the staging folder's output folder,
+    and whether the ranks share the writing (else rank 0 writes alone)."""
+
+    url: str
+    plan: list[Planned]
+    out: str
+    shared: bool
+
+
+@dataclass(frozen=True, slots=True)
+class _Prepared:
+    """The checked source and what to make of it."""
+
+    src: str
+    dst: str
+    url: str
+    layout: str
+    checkpoint: Checkpoint
+    plan: list[Planned]
+    weights: Weights
+    side_files: dict[str, str]
+    made_config: Mapping[str, Any] | None
+    config: dict[str, Any] | None
+    spec: ModelSpec | None
+    tied: tuple[str, ...]
+    notes: list[str]
+
+
+def _on_leader(ranks: Ranks | None, work: Callable[[], T]) -> T:
+    return work() if ranks is None else ranks.lead(work)
+
+
+def _prepare(src: str, dst: str, options: ConvertOptions) -> _Prepared:
     if options.max_shard_size <= 0:
         raise CkptctlError("the maximum shard size must be positive")
     if options.check_logits and (options.to is not Target.HF or options.component is not Component.MODEL):
@@ -118,11 +197,14 @@ def _convert(src: str, dst: str, options: ConvertOptions, progress: Progress, re
         url, options, layout.config_folders(checkpoint), config_made=made_config is not None
     )
     checks = options.check_model or options.check_logits
-    config = None
+    config: dict[str, Any] | None = None
     # An HF output's name map may need the config (head sizes), whether or not the model is checked. The
     # config the output gets: the copied config.json, else the one the layout made (Megatron's).
     if checks or options.to is Target.HF:
-        config = read_config(side_files, notes) if "config.json" in side_files else made_config and dict(made_config)
+        if "config.json" in side_files:
+            config = read_config(side_files, notes)
+        elif made_config is not None:
+            config = dict(made_config)
     plan, weights = plan_tensors(checkpoint, layout, options, notes, config, hf)
     notes += side_notes
     why_not: list[str] = []
@@ -140,29 +222,40 @@ def _convert(src: str, dst: str, options: ConvertOptions, progress: Progress, re
             f"cannot compare logits: {why_not[0] if why_not else 'the output gets no config.json'}",
             "pass the folder of the model's config.json with --config (transformers 5 must be installed)",
         )
+    return _Prepared(
+        src, dst, url, layout.name, checkpoint, plan, weights, side_files, made_config, config, spec, tied, notes
+    )
 
-    staging = Staging(dst) if io.is_local(dst) else UploadStaging(dst, get_layout(options.to))
-    with staging:
-        staging.check_space(sum(p.nbytes for p in plan))
-        try:
-            if options.to is Target.HF:
-                written = write_hf(checkpoint, plan, staging.out, options, progress)
-            else:
-                written = write_dcp(checkpoint, plan, staging.out, progress)
-        finally:
-            progress.finish()  # a bar left running on an error would hide the terminal's cursor
-        copied = copy_side_files(
-            side_files, staging.out, options.dtype or float_dtype(plan), options.dtype is not None, made_config
-        )
-        logits = compare_logits(checkpoint, plan, staging.out, config) if options.check_logits and config else None
-        write_digests(staging.out, written.digests)
-        files = tuple(sorted(os.listdir(staging.out)))
-        uploaded = staging.commit(options.force, progress)
+
+def _finish(
+    prepared: _Prepared,
+    staging: Staging,
+    written: Written | None,
+    options: ConvertOptions,
+    progress: Progress,
+    read: io.ByteCounter,
+    started: float,
+) -> ConvertResult:
+    """Side files, the logits check, digests and the commit (rank 0); what the conversion did."""
+    assert written is not None  # rank 0 always writes
+    plan, checkpoint, config = prepared.plan, prepared.checkpoint, prepared.config
+    copied = copy_side_files(
+        prepared.side_files,
+        staging.out,
+        options.dtype or float_dtype(plan),
+        options.dtype is not None,
+        prepared.made_config,
+    )
+    logits = compare_logits(checkpoint, plan, staging.out, config) if options.check_logits and config else None
+    write_digests(staging.out, written.digests)
+    files = tuple(sorted(os.listdir(staging.out)))
+    uploaded = staging.commit(options.force, progress)
+    spec = prepared.spec
     return ConvertResult(
-        src=src,
-        dst=dst,
+        src=prepared.src,
+        dst=prepared.dst,
         to=options.to.value,
-        layout=layout.name,
+        layout=prepared.layout,
         tensors=len(plan),
         bytes=sum(p.nbytes for p in plan),
         files=files,
@@ -172,9 +265,9 @@ def _convert(src: str, dst: str, options: ConvertOptions, progress: Progress, re
         copied=copied,
         streamed=written.streamed,
         assembled=written.assembled,
-        warnings=tuple(notes),
-        checkpoint=url,
-        weights=weights.value,
+        warnings=tuple(prepared.notes),
+        checkpoint=prepared.url,
+        weights=prepared.weights.value,
         uploaded=uploaded,
-        model=ModelCheck(spec.architecture, len(plan), tied, logits) if spec is not None else None,
+        model=ModelCheck(spec.architecture, len(plan), prepared.tied, logits) if spec is not None else None,
     )

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckptctl.checkpoint import Component
 from ckptctl.formats.manifest import DIGESTS_NAME
 from ckptctl.layouts import ConvertTarget
 from ckptctl.ops.report import SCHEMA_VERSION
+
+if TYPE_CHECKING:
+    from ckptctl.ops.distributed_work import Ranks
 
 #: What `convert` writes: the layouts it can write, by name.
 Target = ConvertTarget
@@ -81,6 +84,8 @@ class ConvertOptions:
             device) to resolve tied weights and check the model's tensors (`ops.convert.model_check`).
         check_logits: also compare the logits of the output (loaded by transformers) with those of the
             source tensors on a few fixed token ids (`--to hf`; holds two copies of the model in memory).
+        ranks: the ranks of a job (`ops.distributed_work.join`) that all run this conversion and share the
+            writing of the shard files; None: this process alone. The output is the same byte for byte.
     """
 
     to: Target = Target.HF
@@ -99,6 +104,7 @@ class ConvertOptions:
     weights: Weights = Weights.AUTO
     check_model: bool = True
     check_logits: bool = False
+    ranks: Ranks | None = None
 
 
 @dataclass(frozen=True, slots=True)

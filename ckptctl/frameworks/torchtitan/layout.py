@@ -58,6 +58,10 @@ def data_ranks(metadata: DcpMetadata) -> int | None:
     return max(ranks) + 1 if ranks else None
 
 
+#: torchtitan's default `--checkpoint.folder` (below `--dump_folder`).
+CHECKPOINT_FOLDER = "checkpoint"
+
+
 class TorchtitanLayout(DcpLayout):
     """A `step-N` DCP folder written by torchtitan's `CheckpointManager` (see the module docstring)."""
 
@@ -65,9 +69,16 @@ class TorchtitanLayout(DcpLayout):
 
     def identify(self, url: str, entries: Sequence[DirEntry]) -> CheckpointRef | None:
         """A ref when the folder is `step-N` and its `.metadata` holds torchtitan's keys (one small read;
-        a folder without `.metadata` yet is left to the DCP layout, which lists it in progress)."""
+        a folder without `.metadata` yet is left to the DCP layout, which lists it in progress).
+
+        On an object store, where each read is a request, only `step-N` folders in a `checkpoint/` folder
+        (torchtitan's `--checkpoint.folder` default) are read: other DCP folders there are judged from
+        their listing alone, so a run of thousands is listed with no request per folder. A torchtitan run
+        uploaded under another folder name reads as plain DCP (its tensors keep torchtitan's names)."""
         match = STEP_RE.match(io.name_of(url))
         if match is None:
+            return None
+        if not io.is_local(url) and io.name_of(io.parent_of(url)) != CHECKPOINT_FOLDER:
             return None
         meta = next((e for e in entries if e.name == METADATA_NAME and not e.is_dir), None)
         if meta is None:

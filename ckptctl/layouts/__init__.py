@@ -48,7 +48,8 @@ __all__ = [
 #: both come before the layouts they would otherwise pass for. A Trainer `checkpoint-N` holds an HF model
 #: folder and possibly a DeepSpeed tag folder, and is one checkpoint with all of them. OpenRLHF and
 #: open-instruct tags ARE DeepSpeed tag folders, told apart by the files around them, so they come before
-#: `deepspeed`, which takes the tags nothing else claims.
+#: `deepspeed`, which takes the tags nothing else claims. A PEFT adapter folder holds safetensors an HF reader
+#: would take for a model: `peft` comes before `hf`.
 _REGISTRY: tuple[tuple[str, str], ...] = (
     ("native", "ckptctl.frameworks.native.layout:NativeLayout"),
     ("areal", "ckptctl.frameworks.areal.layout:ArealLayout"),
@@ -58,6 +59,7 @@ _REGISTRY: tuple[tuple[str, str], ...] = (
     ("openrlhf", "ckptctl.frameworks.openrlhf.layout:OpenRlhfLayout"),
     ("open_instruct", "ckptctl.frameworks.open_instruct.layout:OpenInstructLayout"),
     ("deepspeed", "ckptctl.frameworks.deepspeed.layout:DeepSpeedLayout"),
+    ("peft", "ckptctl.frameworks.peft.layout:PeftLayout"),
     ("hf", "ckptctl.frameworks.hf.layout:HfModelLayout"),
 )
 

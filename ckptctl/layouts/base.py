@@ -8,9 +8,10 @@ shared contract test in `tests/layouts/test_contract.py` runs against every regi
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -158,6 +159,15 @@ class Layout:
         """
         return None
 
+    def adapter(self, checkpoint: Checkpoint) -> Adapter | None:
+        """The adapter this checkpoint holds instead of a model (a PEFT LoRA folder), which `convert` merges
+        into a base model (`--merge-adapter BASE`); None (the default) for a checkpoint that holds a model.
+
+        Args:
+            checkpoint: a checkpoint this layout opened.
+        """
+        return None
+
     def model_logits(self, folder: str, config: Mapping[str, Any], tensors: Mapping[str, Any] | None) -> Any:
         """Logits (a float torch tensor) of the model in `folder` on fixed token ids, loaded by the framework's
         own loader; given `tensors` (name -> torch tensor), of the architecture `config` describes holding
@@ -239,6 +249,53 @@ class ModelSpec:
     tied: Mapping[str, str]
     ignored_leftovers: tuple[str, ...] = ()
     ignored_missing: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class DerivedTensor:
+    """An output tensor that no file holds as is, computed when it is written (a LoRA merge: W + s·B@A).
+
+    `convert` plans, checks and writes it like a stored tensor; its bytes come from `compute()` instead of
+    a byte copy.
+
+    Attributes:
+        name: its name in the output.
+        dtype: torch-style dtype name of what `compute` returns.
+        shape: the shape of what `compute` returns.
+        compute: reads the stored tensors it derives from and returns the result (a torch tensor).
+    """
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    compute: Callable[[], Any] = field(repr=False, compare=False)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+#: A model as `convert` writes it: each output name -> the stored tensor it is, or the tensor computed for it.
+ModelTensors = Mapping[str, "TensorEntry | DerivedTensor"]
+
+
+@dataclass(frozen=True, slots=True)
+class Adapter:
+    """An adapter a checkpoint holds in place of a model (`Layout.adapter`).
+
+    Attributes:
+        kind: what it is, for people (`LoRA`).
+        base_hint: the base model the adapter itself names (PEFT's `base_model_name_or_path`), or None.
+        merge: `merge(base_url, base, notes)`: the model `base` (the base model's tensors by the model's
+            names, in order, their chunks relative to `base_url`) with the adapter merged in, by name and in
+            base order: the base entries it leaves alone kept as they are, the others derived. It appends
+            to `notes` what a person should know, and raises `CkptctlError` when the adapter cannot be
+            merged (a kind it does not handle) or does not fit the base.
+    """
+
+    kind: str
+    base_hint: str | None
+    merge: Callable[[str, Mapping[str, TensorEntry], list[str]], ModelTensors] = field(repr=False)
 
 
 _STEP_PATTERNS = (

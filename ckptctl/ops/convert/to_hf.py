@@ -26,7 +26,7 @@ from ckptctl.formats.safetensors_stream import BufferSource, RangeSource, Source
 from ckptctl.formats.safetensors_stream import shard_file_names as _shard_names
 from ckptctl.ops.convert.commit import write_small
 from ckptctl.ops.convert.options import ConvertOptions
-from ckptctl.ops.convert.plan import Planned, Written
+from ckptctl.ops.convert.plan import Planned, Written, load_planned
 from ckptctl.ops.report import Progress
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -80,7 +80,9 @@ _MIN_AVERAGE_RUN_BYTES = 256
 
 
 def _sources(planned: Planned, locator: ChunkLocator) -> list[Source] | None:
-    """Byte ranges that make up the tensor in row-major order, or None when it must be assembled."""
+    """Byte ranges that make up the tensor in row-major order, or None when it must be assembled (or computed)."""
+    if planned.derived is not None:
+        return None
     entry = planned.entry
     itemsize = dtype_itemsize(entry.dtype)
     runs: list[tuple[int, int, str, int]] = []  # (first element, count, file, byte offset)
@@ -117,14 +119,7 @@ def _sources(planned: Planned, locator: ChunkLocator) -> list[Source] | None:
 
 def _assembled_source(checkpoint_url: str, planned: Planned) -> BufferSource:
     def produce() -> memoryview:
-        import torch
-
-        from ckptctl.formats.chunks import read_tensor
-
-        tensor = read_tensor(checkpoint_url, planned.entry)
-        if planned.dtype != planned.entry.dtype:
-            tensor = tensor.to(getattr(torch, planned.dtype))
-        return tensor_bytes(tensor)
+        return tensor_bytes(load_planned(checkpoint_url, planned))
 
     return BufferSource(produce, planned.nbytes)
 

@@ -24,6 +24,7 @@ from tests.writers.areal_writer import WrittenAreal, write_areal_run
 from tests.writers.dcp_writer import WrittenDcp, write_single_process_dcp
 from tests.writers.deepspeed_writer import WrittenDeepSpeed, write_deepspeed_runs
 from tests.writers.hf_legacy_writer import WrittenLegacy, write_legacy_models
+from tests.writers.peft_writer import WrittenPeft, write_peft_adapters
 from tests.writers.rl_runs import WrittenFsdpRuns, write_fsdp_runs
 from tests.writers.run_folders import NestedRun, arrange_deepspeed_run, trainer_nested_run, write_dcp_run
 from tests.writers.trainer_writer import WrittenTrainerRun, write_trainer_run
@@ -43,6 +44,7 @@ SLOW_FIXTURES = frozenset(
         "areal_run",
         "fsdp_run",
         "big_dcp",
+        "peft_adapters",
     }
 )
 
@@ -143,6 +145,14 @@ def legacy_models(tmp_path_factory: pytest.TempPathFactory) -> WrittenLegacy:
     """`pytorch_model.bin` folders as transformers 4 wrote them (one file; tied and sharded), and the tied
     Llama as transformers 5 saves it (see `tests.writers.hf_legacy_writer`)."""
     return build_once(tmp_path_factory, "hf-legacy", write_legacy_models)
+
+
+@pytest.fixture(scope="session")
+def peft_adapters(tmp_path_factory: pytest.TempPathFactory) -> WrittenPeft:
+    """peft 0.21.2's `save_pretrained` of LoRA adapters on the tiny Llama (plain with patterns and an Embedding
+    LoRA, rsLoRA, modules_to_save, lora_alpha 0, DoRA), each with PEFT's `merge_and_unload()` state dict, and a
+    PEFT-wrapped model saved whole by DCP (see `tests.writers.peft_writer`)."""
+    return build_once(tmp_path_factory, "peft", write_peft_adapters)
 
 
 def _demo(root: Path) -> Path:

@@ -21,6 +21,7 @@ from ckptctl.ops.verification import RunVerifyReport, verify_checkpoint, verify_
 from tests.conftest import copy_tree
 from tests.writers.areal_writer import WrittenAreal
 from tests.writers.deepspeed_writer import WrittenDeepSpeed
+from tests.writers.peft_writer import WrittenPeft
 from tests.writers.rl_runs import WrittenFsdpRuns
 from tests.writers.trainer_writer import WrittenTrainerRun
 
@@ -230,6 +231,18 @@ class TestHfTrainerOptimizer(TestHfTrainer):
     """The same checkpoint, damaged in its largest pickle (optimizer.pt) instead of its weights."""
 
     data_glob = "*.pt"
+
+
+class TestPeftAdapter(LayoutContract):
+    """A LoRA adapter as PEFT's `save_pretrained` writes it: its model is the adapter's trainable parameters."""
+
+    layout = "peft"
+    marker = "adapter_config.json"
+    data_glob = "*.safetensors"
+
+    @pytest.fixture
+    def source(self, peft_adapters: WrittenPeft) -> tuple[Path, int]:
+        return peft_adapters.adapters["rslora"], peft_adapters.trainable["rslora"]
 
 
 # --- The RL frameworks' layouts (run folders arranged from real pieces by tests.writers.rl_runs) ---------

@@ -241,6 +241,16 @@ def _merge(checkpoint: Checkpoint, base_url: str, base: Mapping[str, TensorEntry
     notes += settings.warnings()
     read_base, read_adapter = read_from(base_url), read_from(checkpoint.url)
     merged: dict[str, TensorEntry | DerivedTensor] = dict(base)
+    for name, entry in others.items():
+        target = base.get(name)
+        if target is None or target.shape != entry.shape:
+            held = "has no such tensor" if target is None else f"holds it as {list(target.shape)}"
+            raise CkptctlError(
+                f"the adapter holds {name} {list(entry.shape)} (a modules_to_save copy or a saved embedding layer) "
+                f"but the base model {held}",
+                "pass the base model the adapter was trained on (a resized vocabulary needs the resized base)",
+            )
+        merged[name] = DerivedTensor(name, target.dtype, target.shape, partial(_cast_copy, read_adapter, entry, target))
     for module, pair in factors.items():
         name = f"{module}.weight"
         target = base.get(name)
@@ -249,16 +259,10 @@ def _merge(checkpoint: Checkpoint, base_url: str, base: Mapping[str, TensorEntry
                 f"the adapter adapts {module}, but the base model {base_url} has no {name}",
                 "pass the base model the adapter was trained on (adapter_config.json's base_model_name_or_path)",
             )
-        merged[name] = merged_weight(pair, target, settings, read_base, read_adapter, name)
-    for name, entry in others.items():
-        target = base.get(name)
-        if target is None or target.shape != entry.shape:
-            held = "has no such tensor" if target is None else f"holds it as {list(target.shape)}"
-            raise CkptctlError(
-                f"the adapter holds {name} {list(entry.shape)} (a modules_to_save copy) but the base model {held}",
-                "pass the base model the adapter was trained on (a resized vocabulary needs the resized base)",
-            )
-        merged[name] = DerivedTensor(name, target.dtype, target.shape, partial(_cast_copy, read_adapter, entry, target))
+        # A layer the adapter saved whole (an adapted embedding) is what PEFT loads and merges into.
+        own = others.get(name)
+        weight, read_weight = (own, read_adapter) if own is not None else (target, read_base)
+        merged[name] = merged_weight(pair, weight, settings, read_weight, read_adapter, name)
     kept = (
         f"; {len(others)} tensor(s) of the adapter replace the base's ({', '.join(list(others)[:3])})" if others else ""
     )

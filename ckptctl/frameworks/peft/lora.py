@@ -73,7 +73,9 @@ class Factors:
 
 def adapter_factors(entries: Sequence[TensorEntry]) -> tuple[dict[str, Factors], dict[str, TensorEntry], list[str]]:
     """The LoRA factors of an adapter file's tensors by module, its other tensors by the base model's name
-    (`modules_to_save` copies), and the names of LoRA parameters that are neither (DoRA magnitudes, biases)."""
+    (`modules_to_save` copies, and the embedding layers PEFT saves whole when it adapts them or the
+    vocabulary was resized: `embed_tokens.base_layer.weight`), and the names of LoRA parameters that are
+    neither (DoRA magnitudes, biases)."""
     halves: dict[str, dict[str, TensorEntry]] = {}
     embeddings: set[str] = set()
     others: dict[str, TensorEntry] = {}
@@ -87,8 +89,9 @@ def adapter_factors(entries: Sequence[TensorEntry]) -> tuple[dict[str, Factors],
                 embeddings.add(found.group("module"))
         elif _FILE_OTHER_LORA.search(name):
             extra.append(entry.name)
-        else:
-            others[name] = entry
+        else:  # a saved embedding layer keeps its wrapper's `base_layer` (save_embedding_layers)
+            head, found_base, tail = name.rpartition(".base_layer.")
+            others[f"{head}.{tail}" if found_base else name] = entry
     factors = {
         module: Factors(module, sides.get("A"), sides.get("B"), module in embeddings)
         for module, sides in halves.items()

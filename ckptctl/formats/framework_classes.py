@@ -24,10 +24,13 @@ class FrameworkClasses:
         classes: exact (module, name) pairs.
         modules: (module prefix, name suffix) pairs: every class of a module under the prefix whose name
             ends in the suffix ("" for any) is allowed (modules of plain config classes and enums).
+        mappings: exact (module, name) pairs of dict subclasses (Lightning's `AttributeDict`), read as a
+            dict stand-in that keeps their items (a pickle fills them item by item).
     """
 
     classes: frozenset[tuple[str, str]] = frozenset()
     modules: tuple[tuple[str, str], ...] = ()
+    mappings: frozenset[tuple[str, str]] = frozenset()
 
 
 _sources: list[Callable[[], Iterable[FrameworkClasses]]] = []
@@ -52,5 +55,6 @@ def registered() -> FrameworkClasses:
             _assembled = FrameworkClasses(
                 frozenset(key for entry in found for key in entry.classes),
                 tuple(rule for entry in found for rule in entry.modules),
+                frozenset(key for entry in found for key in entry.mappings),
             )
         return _assembled

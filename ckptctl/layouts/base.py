@@ -35,6 +35,9 @@ class Layout:
 
     #: Short stable name shown in `list`/`inspect` and accepted by `--layout`.
     name: str = ""
+    #: Endings of the names of files that are whole checkpoints of this layout (Lightning's `.ckpt`), which
+    #: the run walker hands to `identify_file`; empty for a layout whose checkpoints are folders.
+    checkpoint_files: tuple[str, ...] = ()
 
     # ---------------------------------------------------------------------------------------- reading
 
@@ -46,8 +49,17 @@ class Layout:
         """
         raise NotImplementedError
 
+    def identify_file(self, url: str, entry: DirEntry) -> CheckpointRef | None:
+        """The ref of the file at `url` (`entry`: its listing entry) if it is a whole checkpoint of this layout,
+        else None. Asked for the files whose names end in one of `checkpoint_files`, in the folders the run
+        walker lists that are not checkpoints themselves, and for a file given as a checkpoint: like
+        `identify`, it decides from the name and at most a few small reads.
+        """
+        return None
+
     def latest_pointer(self, url: str, entries: Sequence[DirEntry]) -> str | None:
-        """The name of the child folder a `latest`-style pointer in this folder names, if any."""
+        """The name of the child (a folder, or a file checkpoint) a `latest`-style pointer in this folder
+        names, if any."""
         return None
 
     def open(self, url: str) -> Checkpoint:
@@ -142,6 +154,12 @@ class Layout:
         step first, then the latest one.
         """
         return (checkpoint.ref.url, io.parent_of(checkpoint.ref.url))
+
+    def model_config(self, checkpoint: Checkpoint) -> Mapping[str, Any] | None:
+        """The model's `config.json` as the checkpoint itself records it (a transformers config among a
+        Lightning module's hyperparameters), which `convert` writes when it finds no config.json and is given
+        no `--config`; None (the default) when it records none."""
+        return None
 
     def model_spec(self, config: Mapping[str, Any], notes: list[str]) -> ModelSpec | None:
         """The tensors of the model a config of this framework describes (a parsed `config.json`), as the

@@ -107,7 +107,9 @@ def _convert(src: str, dst: str, options: ConvertOptions, progress: Progress, re
         base=base,
         adapter_settings=lambda names: find_adapter_settings(names, options, checkpoint, layout, notes),
     )
-    side_files, side_notes = find_side_files(source.url, options, source_layout.config_folders(source))
+    side_files, side_notes = find_side_files(
+        source.url, options, source_layout.config_folders(source), lambda: source_layout.model_config(source)
+    )
     notes += side_notes
     config = read_config(side_files, notes) if options.check_model or options.check_logits else None
     why_not: list[str] = []

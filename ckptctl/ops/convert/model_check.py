@@ -45,13 +45,14 @@ _LOGITS_RTOL = {"float64": 1e-9, "float32": 1e-5, "bfloat16": 2e-2, "float16": 2
 _NO_CHECK_HINT = "pass --no-check-model to write it anyway"
 
 
-def read_config(files: Mapping[str, str], notes: list[str]) -> dict[str, Any] | None:
+def read_config(files: Mapping[str, str | bytes], notes: list[str]) -> dict[str, Any] | None:
     """The parsed config.json among the side files the output gets, or None (with a note if it is bad)."""
     url = files.get("config.json")
     if url is None:
         return None
     try:
-        config = parse_json(io.read_bytes(url, max_size=_MAX_CONFIG), "config.json")
+        data = url if isinstance(url, bytes) else io.read_bytes(url, max_size=_MAX_CONFIG)
+        config = parse_json(data, "config.json")
     except CkptctlError as exc:
         notes.append(f"config.json does not parse ({exc.message}): the tensors were not checked against a model")
         return None

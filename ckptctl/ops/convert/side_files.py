@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ckptctl import io
@@ -34,19 +34,25 @@ TOKENIZER_FILES = (
 
 
 def find_side_files(
-    src: str, options: ConvertOptions, beside: Sequence[str] | None = None
-) -> tuple[dict[str, str], list[str]]:
-    """Config and tokenizer files to copy (name -> URL), and notes for the user.
+    src: str,
+    options: ConvertOptions,
+    beside: Sequence[str] | None = None,
+    recorded: Callable[[], Mapping[str, Any] | None] | None = None,
+) -> tuple[dict[str, str | bytes], list[str]]:
+    """Config and tokenizer files to copy (name -> URL, or the content of a file made here), and notes for
+    the user.
 
     Args:
         src: the checkpoint converted.
         options: `--config`/`--tokenizer` folders, which win when given.
         beside: folders to look in otherwise, best first (the layout's `config_folders`); default: the
             checkpoint's folder and its parent.
+        recorded: the model config the checkpoint itself records (`Layout.model_config`), written as
+            config.json when no folder holds one.
     """
     beside = list(beside) if beside is not None else [src, io.parent_of(src)]
     notes: list[str] = []
-    found: dict[str, str] = {}
+    found: dict[str, str | bytes] = {}
     for names, explicit, what, flag in (
         (CONFIG_FILES, options.config_dir, "config.json", "--config"),
         (TOKENIZER_FILES, options.tokenizer_dir, "tokenizer files", "--tokenizer"),
@@ -65,7 +71,14 @@ def find_side_files(
                     notes.append(f"{what} taken from {folder}")
                 break
         else:
-            notes.append(f"no {what} found beside {src}; pass {flag} DIR to include them")
+            config = recorded() if recorded is not None and names is CONFIG_FILES else None
+            if config is not None:
+                found["config.json"] = json.dumps(config, indent=2, sort_keys=True).encode() + b"\n"
+                notes.append(
+                    f"config.json written from the model config that {src} records (pass --config DIR to use another)"
+                )
+            else:
+                notes.append(f"no {what} found beside {src}; pass {flag} DIR to include them")
     return found, notes
 
 
@@ -115,17 +128,17 @@ def _present(folder: str, names: Sequence[str]) -> dict[str, str]:
 _MAX_SIDE_FILE = 256 << 20
 
 
-def copy_side_files(files: dict[str, str], out: str, dtype: str | None, cast: bool) -> tuple[str, ...]:
+def copy_side_files(files: Mapping[str, str | bytes], out: str, dtype: str | None, cast: bool) -> tuple[str, ...]:
     """Copy config/tokenizer files; config.json's dtype is made to say `dtype`, what the output holds.
 
     Args:
-        files: name -> URL, from `find_side_files`.
+        files: name -> URL (or content), from `find_side_files`.
         out: the output folder.
         dtype: the floating-point dtype of the output's tensors (None: it has none).
         cast: the tensors were cast to `dtype` (`--dtype`): a config without a dtype field gets one.
     """
     for name, url in files.items():
-        data = io.read_bytes(url, max_size=_MAX_SIDE_FILE)
+        data = url if isinstance(url, bytes) else io.read_bytes(url, max_size=_MAX_SIDE_FILE)
         if name == "config.json" and dtype is not None:
             data = _config_with_dtype(data, dtype, cast)
         write_small(os.path.join(out, name), data)

@@ -21,6 +21,7 @@ from ckptctl.ops.verification import RunVerifyReport, verify_checkpoint, verify_
 from tests.conftest import copy_tree
 from tests.writers.areal_writer import WrittenAreal
 from tests.writers.deepspeed_writer import WrittenDeepSpeed
+from tests.writers.lightning_writer import WrittenLightning
 from tests.writers.peft_writer import WrittenPeft
 from tests.writers.rl_runs import WrittenFsdpRuns
 from tests.writers.trainer_writer import WrittenTrainerRun
@@ -243,6 +244,19 @@ class TestPeftAdapter(LayoutContract):
     @pytest.fixture
     def source(self, peft_adapters: WrittenPeft) -> tuple[Path, int]:
         return peft_adapters.adapters["rslora"], peft_adapters.trainable["rslora"]
+
+
+class TestLightningSharded(LayoutContract):
+    """A sharded FSDP `.ckpt` folder as Lightning's FSDPStrategy writes it (DCP, then meta.pt). Its `.ckpt` files
+    are single files, which this folder contract cannot copy: tests/layouts/test_lightning.py covers them."""
+
+    layout = "lightning"
+    marker = "meta.pt"
+    data_glob = "*.distcp"
+
+    @pytest.fixture
+    def source(self, lightning_run: WrittenLightning) -> tuple[Path, int]:
+        return lightning_run.sharded, lightning_run.model_parameters
 
 
 # --- The RL frameworks' layouts (run folders arranged from real pieces by tests.writers.rl_runs) ---------

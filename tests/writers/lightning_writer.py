@@ -26,6 +26,7 @@ beside the run as `reference.pt`. Run directly: `python -m tests.writers.lightni
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -116,13 +117,17 @@ def write_lightning_run(root: Path) -> WrittenLightning:
 
     repo = Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONPATH": str(repo), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
-    subprocess.run(
-        [sys.executable, "-m", "tests.writers.lightning_writer", str(root)],
-        check=True,
-        cwd=repo,
-        env=env,
-        capture_output=True,
-    )
+    for attempt in range(2):
+        done = subprocess.run(
+            [sys.executable, "-m", "tests.writers.lightning_writer", str(root)], cwd=repo, env=env, capture_output=True
+        )
+        # gloo on a loaded machine now and then aborts a rank (see tests.conftest._build_retrying): once more
+        killed = b"ProcessExitedException" in done.stderr and b"signal" in done.stderr
+        if done.returncode == 0 or not killed or attempt:
+            break
+        shutil.rmtree(root, ignore_errors=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"the Lightning writer failed:\n{done.stderr.decode(errors='replace')[-4000:]}")
     return WrittenLightning(
         root=root,
         checkpoints=root / "checkpoints",

@@ -18,7 +18,7 @@ HELP = """Show what a checkpoint holds: layout, step, components present and mis
 
 Reads headers and metadata only (never tensor data, never unpickles with code execution), so it is fast on checkpoints of any size and works without torch installed.
 
-CKPT is a checkpoint folder of any known layout, or a single weights file: `*.safetensors`, or a torch.save zip (`*.pt`, `*.pth`, `*.bin`) read with the same allowlisting reader (nothing in it runs)."""
+CKPT is a checkpoint folder of any known layout, a Lightning checkpoint file (`epoch=0-step=100.ckpt`, `last.ckpt`), or a single weights file: `*.safetensors`, or a torch.save zip (`*.pt`, `*.pth`, `*.bin`) read with the same allowlisting reader (nothing in it runs)."""
 
 EXAMPLES = """\
 ckptctl inspect runs/llama-sft/step-1000

@@ -252,11 +252,12 @@ def _identify_file(url: str, entry: io.DirEntry, layout: str | None = None) -> t
 
 def _file_checkpoints(url: str, entries: Sequence[io.DirEntry]) -> list[CheckpointRef]:
     """The files of the folder `url` that are whole checkpoints (hidden ones are staging files)."""
-    if not any(layout.checkpoint_files for layout in all_layouts()):
+    endings = tuple(ending for layout in all_layouts() for ending in layout.checkpoint_files)
+    if not endings:
         return []
     found = []
     for entry in entries:
-        if not entry.is_dir and not entry.name.startswith("."):
+        if not entry.is_dir and entry.name.endswith(endings) and not entry.name.startswith("."):
             hit = _identify_file(io.join(url, entry.name), entry)
             if hit is not None:
                 found.append(hit[1])

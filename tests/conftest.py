@@ -20,15 +20,20 @@ from typing import Any, TypeVar
 import pytest
 from filelock import FileLock
 
+from tests.writers.accelerate_writer import WrittenAccelerate, write_accelerate_runs
 from tests.writers.areal_writer import WrittenAreal, write_areal_run
 from tests.writers.dcp_writer import WrittenDcp, write_single_process_dcp
 from tests.writers.deepspeed_writer import WrittenDeepSpeed, write_deepspeed_runs
 from tests.writers.hf_legacy_writer import WrittenLegacy, write_legacy_models
 from tests.writers.lightning_writer import WrittenLightning, write_lightning_run
+from tests.writers.megatron_writer import WrittenMegatron, write_megatron_runs
+from tests.writers.openrlhf_writer import WrittenOpenRlhf, write_openrlhf_run
 from tests.writers.peft_writer import WrittenPeft, write_peft_adapters
 from tests.writers.rl_runs import WrittenFsdpRuns, write_fsdp_runs
 from tests.writers.run_folders import NestedRun, arrange_deepspeed_run, trainer_nested_run, write_dcp_run
+from tests.writers.torchtitan_writer import WrittenTorchtitan, write_torchtitan_run
 from tests.writers.trainer_writer import WrittenTrainerRun, write_trainer_run
+from tests.writers.universal_writer import WrittenUniversal, write_universal_runs
 
 T = TypeVar("T")
 
@@ -37,6 +42,7 @@ SLOW_FIXTURES = frozenset(
     {
         "demo_dir",
         "deepspeed_runs",
+        "deepspeed_universal",
         "trainer_run",
         "zero_runs",
         "llama_dcp",
@@ -45,6 +51,12 @@ SLOW_FIXTURES = frozenset(
         "areal_run",
         "fsdp_run",
         "big_dcp",
+        "interrupted_saves",
+        "openrlhf_ppo",
+        "megatron_runs",
+        "accelerate_runs",
+        "distributed_saves",
+        "torchtitan_run",
         "peft_adapters",
         "lightning_run",
     }
@@ -185,6 +197,21 @@ def deepspeed_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Writte
 
 
 @pytest.fixture(scope="session")
+def deepspeed_universal(
+    tmp_path_factory: pytest.TempPathFactory,
+    deepspeed_runs: dict[int, WrittenDeepSpeed],
+    hf_model_dirs: dict[str, Path],
+) -> WrittenUniversal:
+    """DeepSpeed's `ds_to_universal` run on copies of the ZeRO-2 and ZeRO-3 save folders and on open-instruct
+    and OpenRLHF folders arranged from them, as each framework runs it (slow: a subprocess importing DeepSpeed)."""
+    return build_once(
+        tmp_path_factory,
+        "deepspeed-universal",
+        lambda root: write_universal_runs(root, deepspeed_runs, hf_model_dirs["single"]),
+    )
+
+
+@pytest.fixture(scope="session")
 def trainer_run(tmp_path_factory: pytest.TempPathFactory) -> WrittenTrainerRun:
     """transformers.Trainer on CPU: checkpoint-2 and checkpoint-4 of the tiny Llama (slow: a subprocess)."""
     return build_once(tmp_path_factory, "trainer", lambda root: write_trainer_run(root / "out"))
@@ -228,6 +255,34 @@ def areal_run(tmp_path_factory: pytest.TempPathFactory) -> WrittenAreal:
     """AReaL's own FSDPLMEngine, Saver and RecoverHandler on 2 CPU ranks, two SFT steps of a tiny Qwen3: a trial
     with the exports of global steps 0 and 1, the recover slot and recover_info/ (slow: spawns)."""
     return build_once(tmp_path_factory, "areal", write_areal_run)
+
+
+@pytest.fixture(scope="session")
+def openrlhf_ppo(tmp_path_factory: pytest.TempPathFactory) -> WrittenOpenRlhf:
+    """OpenRLHF 0.11.2's own PPO saves (DeepspeedStrategy, ZeRO-2, actor and critic) on 2 CPU ranks: global
+    steps 1-3, a best tag at step 2, `{tag}_hf` exports and the final models (slow: spawns)."""
+    return build_once(tmp_path_factory, "openrlhf-ppo", write_openrlhf_run)
+
+
+@pytest.fixture(scope="session")
+def megatron_runs(tmp_path_factory: pytest.TempPathFactory) -> WrittenMegatron:
+    """megatron-core 0.16.1's `GPTModel` (TP 2 on 2 CPU ranks) holding a transformers Llama's weights, saved by
+    `dist_checkpointing.save` as Megatron-LM saves: iterations 1 and 2 with the tracker, a release save, a
+    tied-embeddings save, and the source models (slow: spawns)."""
+    return build_once(tmp_path_factory, "megatron", write_megatron_runs)
+
+
+@pytest.fixture(scope="session")
+def accelerate_runs(tmp_path_factory: pytest.TempPathFactory) -> WrittenAccelerate:
+    """accelerate 1.15 `save_state` on CPU: a plain run with automatic checkpoint naming (checkpoint_0..2), a
+    user-named `.bin` save, a resumed copy, a DeepSpeed ZeRO-2 run and an FSDP2 save (slow: a subprocess)."""
+    return build_once(tmp_path_factory, "accelerate", write_accelerate_runs)
+
+
+@pytest.fixture(scope="session")
+def torchtitan_run(tmp_path_factory: pytest.TempPathFactory) -> WrittenTorchtitan:
+    """torchtitan 0.3.0's CheckpointManager on its own tiny Llama 3: step-1, step-2 and the model-only step-3."""
+    return build_once(tmp_path_factory, "torchtitan", write_torchtitan_run)
 
 
 def copy_tree(src: Path, dst: Path) -> Path:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from dataclasses import replace
 from typing import TYPE_CHECKING, Annotated
 
 import typer
@@ -11,9 +12,10 @@ from ckptctl.checkpoint import Component
 from ckptctl.cli.command import add_command
 from ckptctl.cli.options import ComponentOpt, JsonOpt, LayoutOpt, QuietOpt, bad_value
 from ckptctl.cli.output import Output, esc, human_bytes
+from ckptctl.cli.ranks import WorkersOpt, job_ranks, prints
 
 if TYPE_CHECKING:
-    from ckptctl.ops.convert import ConvertResult
+    from ckptctl.ops.convert import ConvertOptions, ConvertResult
 
 HELP = """Convert a checkpoint's model into a Hugging Face folder (or an HF model into a torch DCP checkpoint).
 
@@ -33,7 +35,9 @@ When config.json names an architecture and transformers is installed, the model 
 
 The output is written to a hidden staging folder next to DST, checked, digested into ckptctl-digests.json (so `ckptctl verify DST` checks every byte later) and renamed into place: an interrupted conversion leaves nothing at DST.
 
-DST may be an object store URL (s3://bucket/prefix, any fsspec URL): the output is staged in TMPDIR, then uploaded in parallel, weight files first and ckptctl-digests.json last, in an order that never lets a partial upload list as a complete checkpoint. A non-empty prefix is refused unless --force, which deletes the old objects first."""
+DST may be an object store URL (s3://bucket/prefix, any fsspec URL): the output is staged in TMPDIR, then uploaded in parallel, weight files first and ckptctl-digests.json last, in an order that never lets a partial upload list as a complete checkpoint. A non-empty prefix is refused unless --force, which deletes the old objects first.
+
+Launched by torchrun (any number of hosts on a shared filesystem), the ranks share the work: rank 0 plans, each rank writes its share of the shard files (balanced by bytes) into the staging folder, rank 0 writes the index and digests and renames; the output is the same byte for byte, and a failed or killed rank leaves nothing at DST. --workers N does the same with N processes on this host. A --to dcp output and an object-store DST are written by rank 0 alone."""
 
 EXAMPLES = """\
 ckptctl convert runs/llama/step-1000 hf-export --to hf --config runs/llama --dtype bf16
@@ -44,6 +48,8 @@ ckptctl convert old-model/pytorch_model.bin old-model-safetensors/
 ckptctl convert lora-adapter/ merged-model/ --merge-adapter Llama-3.1-8B/
 ckptctl convert lora-run/step-500 merged-model/ --adapter-config lora-run/adapter_config.json
 ckptctl convert s3://ckpts/llama/step-1000 s3://exports/llama-1000 --dtype bf16
+torchrun --nnodes 4 --nproc-per-node 8 -m ckptctl convert /lustre/run/step-1000 /lustre/export --max-shard-size 2GB
+ckptctl convert runs/llama/step-1000 hf-export --dtype bf16 --workers 4
 """
 
 
@@ -128,6 +134,15 @@ def convert(
             help="PATTERN=REPL regex substitution on tensor names (repeatable, in order).",
         ),
     ] = None,
+    mapping: Annotated[
+        str | None,
+        typer.Option(
+            "--mapping",
+            metavar="MAP",
+            help="--to hf from a framework whose models are its own code (torchtitan): the map of its tensor names "
+            "to transformers' (llama3, qwen3; default: from config.json's model_type; 'none' keeps the names).",
+        ),
+    ] = None,
     config: Annotated[
         str | None,
         typer.Option("--config", metavar="DIR", help="Folder holding config.json (default: beside the source)."),
@@ -143,10 +158,7 @@ def convert(
         bool,
         typer.Option("--reread", help="Read every written file back from disk and check its digest (doubles the I/O)."),
     ] = False,
-    workers: Annotated[
-        int | None,
-        typer.Option("--workers", metavar="N", help="Copy threads (default: one per core, 2 to 8).", min=1),
-    ] = None,
+    workers: WorkersOpt = None,
     weights: Annotated[
         WeightsChoice,
         typer.Option(
@@ -205,7 +217,6 @@ def convert(
     quiet: QuietOpt = False,
 ) -> None:
     from ckptctl.ops.convert import ConvertOptions, LoraMode, Target, Weights, parse_dtype
-    from ckptctl.ops.convert import convert as run_convert
     from ckptctl.ops.naming import parse_rename
     from ckptctl.units import parse_size
 
@@ -224,12 +235,12 @@ def convert(
         component=component,
         strip_prefix=strip_prefix,
         renames=renames,
+        mapping=mapping,
         config_dir=config,
         tokenizer_dir=tokenizer,
         force=force,
         layout=layout,
         reread=reread,
-        workers=workers,
         weights=Weights(weights.value),
         check_model=not no_check_model,
         check_logits=check_logits,
@@ -237,6 +248,13 @@ def convert(
         lora=LoraMode(lora.value),
         adapter_config=adapter_config,
     )
+    with job_ranks(workers) as ranks:
+        _convert(src, dst, replace(options, ranks=ranks), json_output, quiet or not prints(ranks), prints(ranks))
+
+
+def _convert(src: str, dst: str, options: ConvertOptions, json_output: bool, quiet: bool, show: bool) -> None:
+    from ckptctl.ops.convert import convert as run_convert
+
     out = Output(json_mode=json_output, quiet=quiet)
     try:
         result = run_convert(src, dst, options, out.progress())
@@ -246,6 +264,8 @@ def convert(
         else:
             out.note(f"interrupted: the staging folder was removed and nothing was written to {dst}")
         raise
+    if not show:
+        return
     if not quiet:
         for note in result.warnings:
             out.warn(note)

@@ -9,15 +9,18 @@ import typer
 from ckptctl.cli.command import add_command
 from ckptctl.cli.options import JsonOpt, LayoutOpt, QuietOpt
 from ckptctl.cli.output import Output, esc
+from ckptctl.cli.ranks import WorkersOpt, job_ranks, prints
 
 if TYPE_CHECKING:
-    from ckptctl.ops.verification import VerifyResult
+    from ckptctl.ops.verification import RunVerifyReport, VerifyResult
 
 HELP = """Check that a checkpoint (or every checkpoint of a run) is whole before you resume from it.
 
 Structure: every shard present, sizes and offsets consistent with the metadata, every chunk of every tensor covered, index files pointing at real files. Digests: every file against the manifest when there is one (files hashed in parallel with blake3). --deep reads every tensor; --check-finite flags NaN/Inf. PATH may also be a single weights file (`*.safetensors`, or a torch.save zip: `*.pt`, `*.pth`, `*.bin`).
 
 With --latest, only the checkpoint a resume would load is verified. A run with no checkpoint yet (no folder, or only a save still being written) is a fresh start: exit code 0, said on stderr and as "fresh_start" in JSON, so that a resume gate lets the first launch through.
+
+Launched by torchrun (or with --workers N on this host), the ranks share the hashing and the reading by bytes; rank 0 prints the one report and every rank exits with its code.
 
 Exit code 0 when everything verifies, 1 when a problem was found (with --latest: no checkpoint a resume could load), 2 when the path cannot be read."""
 
@@ -52,30 +55,37 @@ def verify(
             help="Record digests (ckptctl-digests.json) into a checkpoint that has none.",
         ),
     ] = False,
-    workers: Annotated[
-        int | None,
-        typer.Option("--workers", metavar="N", help="Files hashed at once (default: one per core, 2 to 8).", min=1),
-    ] = None,
+    workers: WorkersOpt = None,
     layout: LayoutOpt = None,
     json_output: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
-    from ckptctl.ops.verification import RunVerifyReport, VerifyOptions, verify_path, verify_run
+    from ckptctl.ops.verification import VerifyOptions, verify_path, verify_run
 
-    out = Output(json_mode=json_output, quiet=quiet)
-    options = VerifyOptions(
-        deep=deep or check_finite,
-        check_finite=check_finite,
-        write_manifest=write_manifest,
-        workers=workers,
-        layout=layout,
-    )
-    progress = out.progress()
-    report: VerifyResult | RunVerifyReport
-    if latest:
-        report = verify_run(path, options, progress, only_resume_target=True)
-    else:
-        report = verify_path(path, options, progress)
+    with job_ranks(workers) as ranks:
+        out = Output(json_mode=json_output, quiet=quiet or not prints(ranks))
+        options = VerifyOptions(
+            deep=deep or check_finite,
+            check_finite=check_finite,
+            write_manifest=write_manifest,
+            layout=layout,
+            ranks=ranks,
+        )
+        progress = out.progress()
+        report: VerifyResult | RunVerifyReport
+        if latest:
+            report = verify_run(path, options, progress, only_resume_target=True)
+        else:
+            report = verify_path(path, options, progress)
+    if prints(ranks):
+        _report(out, path, report, json_output)
+    if not report.ok:
+        raise typer.Exit(1)
+
+
+def _report(out: Output, path: str, report: VerifyResult | RunVerifyReport, json_output: bool) -> None:
+    from ckptctl.ops.verification import RunVerifyReport
+
     if json_output:
         out.json(report.to_json())
     elif isinstance(report, RunVerifyReport) and report.fresh_start:
@@ -87,8 +97,6 @@ def verify(
         if isinstance(report, RunVerifyReport):
             failed = sum(not r.ok for r in report.results)
             out.print(f"{len(report.results) - failed} of {len(report.results)} checkpoint(s) verified")
-    if not report.ok:
-        raise typer.Exit(1)
 
 
 def _render(out: Output, result: VerifyResult) -> None:

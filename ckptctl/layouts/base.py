@@ -13,7 +13,7 @@ import os
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from ckptctl import io
@@ -109,6 +109,22 @@ class Layout:
         """
         return ()
 
+    def abandoned(self, ref: CheckpointRef, grace: timedelta) -> str | None:
+        """Why a checkpoint of this layout that is not complete (`in_progress` or `abandoned` in `ref`) is
+        what a save left when its writer stopped, so that `prune` may delete it; None while a writer may
+        still be at it.
+
+        A layout whose writers leave proof of who they are (a record of the writing process) or whose
+        unfinished saves are otherwise recognisable overrides this; the default never says so, and such a
+        checkpoint stays in progress for `prune`.
+
+        Args:
+            ref: the checkpoint as the scan found it.
+            grace: how long after its last write an unfinished save may still be being written, when
+                nothing proves its writer gone.
+        """
+        return None
+
     def protections(self, series: Sequence[CheckpointRef]) -> Protections:
         """What this framework's files say `prune` must keep among `series`, the checkpoints of one folder
         (a best checkpoint its training loop goes back to, ...).
@@ -141,6 +157,28 @@ class Layout:
 
         Raises:
             CkptctlError: `required`, and the checkpoint lacks the copy its framework usually keeps.
+        """
+        return None
+
+    def hf_model(self, checkpoint: Checkpoint, config: Mapping[str, Any] | None) -> HfModel | None:
+        """The model's tensors as Hugging Face transformers names and shapes them, for a layout whose framework
+        stores them otherwise (Megatron's fused QKV and gate/up projections, its stacked layers and its own
+        names): what `convert --to hf` writes, and what `diff` compares with a checkpoint of another layout.
+
+        The entries are made from the tensor index without reading tensor data: each one's chunks point at the
+        stored bytes of the part of a stored tensor it is (RAW chunks into the framework's files).
+
+        Args:
+            checkpoint: a checkpoint this layout opened.
+            config: the transformers `config.json` the user gave (`--config`), for what the checkpoint does not
+                record itself (the model's shape).
+
+        Returns:
+            The tensors (and the config the checkpoint's own records describe), or None when the stored names
+            and shapes are the model's own (the default).
+
+        Raises:
+            CkptctlError: the model cannot be mapped (an architecture without a mapping, an unknown shape).
         """
         return None
 
@@ -199,6 +237,39 @@ class Layout:
 
     # ---------------------------------------------------------------------------------- tensor names
 
+    def hf_name_map(
+        self,
+        tensors: Mapping[str, tuple[int, ...]],
+        config: Mapping[str, Any] | None,
+        requested: str | None,
+        notes: list[str],
+    ) -> NameMap | None:
+        """How the model's tensors, as this framework names and lays them out, become those of the Hugging
+        Face model (`convert --to hf`): a framework whose models are its own code (torchtitan's `layers.0.
+        attention.wq.weight`) maps them to transformers' names, and reorders rows where the two compute
+        alike from rows in another order (the q/k rows of rotary embeddings).
+
+        Args:
+            tensors: the model's tensor names (the namespace of the save removed, as `namespace_stripper`
+                does) -> their shapes.
+            config: the parsed `config.json` the output gets, or None.
+            requested: the map asked for by name (`--mapping`); None picks one from `config` and `names`,
+                `"none"` keeps the names.
+            notes: where to append what the user should know about the map used.
+
+        Returns:
+            The map, or None to keep the names (the default: a framework whose names are transformers').
+
+        Raises:
+            CkptctlError: `requested` names no map of this framework, or the map needs what `config` lacks.
+        """
+        if requested not in (None, NO_NAME_MAP):
+            raise CkptctlError(
+                f"{self.name} checkpoints have no tensor name map {requested!r}",
+                f"their tensors keep their names: drop --mapping (or pass --mapping {NO_NAME_MAP})",
+            )
+        return None
+
     def namespace_stripper(self, entries: Sequence[TensorEntry]) -> NameStripper:
         """How to remove the namespace this layout's saves put in front of the model's own tensor names,
         for the tensors of one component (`convert` and `diff` use the model's names).
@@ -227,6 +298,43 @@ class Protections:
     """
 
     reasons: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    notes: tuple[str, ...] = ()
+
+
+#: `--mapping` value that keeps the names as the framework stores them.
+NO_NAME_MAP = "none"
+
+
+@dataclass(frozen=True, slots=True)
+class NameMap:
+    """A framework's model tensors as a Hugging Face model names and lays them out (`Layout.hf_name_map`).
+
+    Attributes:
+        mapping: the map's name (`llama3`), as `--mapping` takes it.
+        names: stored name (namespace removed) -> the transformers name; names not in it are kept as they are
+            (the model check then names any the architecture does not have).
+        rows: transformers name -> the stored rows (first dimension) in the order the output holds them: a
+            row permutation, for tensors the two models compute alike from rows in another order.
+    """
+
+    mapping: str
+    names: Mapping[str, str]
+    rows: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class HfModel:
+    """A checkpoint's model under Hugging Face transformers names (`Layout.hf_model`); no tensor data is read.
+
+    Attributes:
+        entries: in the model's state-dict order, named as transformers names them.
+        config: the transformers `config.json` the checkpoint's own records describe (None: they describe none;
+            `convert` then copies one as for any layout).
+        notes: what the user should know about the mapping.
+    """
+
+    entries: tuple[TensorEntry, ...]
+    config: Mapping[str, Any] | None = None
     notes: tuple[str, ...] = ()
 
 

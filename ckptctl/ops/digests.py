@@ -7,14 +7,19 @@ callback record them. Files are hashed in parallel with blake3.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
+from typing import TypeVar
 
 from ckptctl import io
 from ckptctl.checkpoint import Problem, ProblemKind
 from ckptctl.errors import CkptctlError
 from ckptctl.formats.digest import file_digest
 from ckptctl.formats.manifest import DIGESTS_NAME, MANIFEST_NAME, FileRecord, Manifest, now_iso
+from ckptctl.ops.distributed_work import Ranks, split
 from ckptctl.ops.report import Progress
+
+T = TypeVar("T")
+R = TypeVar("R")
 
 __all__ = ["check_digests", "write_digests"]
 
@@ -24,9 +29,15 @@ def _workers(requested: int | None) -> int:
 
 
 def check_digests(
-    url: str, manifest: Manifest, present: Mapping[str, int], workers: int | None, progress: Progress
+    url: str,
+    manifest: Manifest,
+    present: Mapping[str, int],
+    workers: int | None,
+    progress: Progress,
+    ranks: Ranks | None = None,
 ) -> tuple[list[Problem], int]:
-    """Hash every file the manifest lists (in parallel) and compare; returns problems and files checked."""
+    """Hash every file the manifest lists (in parallel; over a job's `ranks`, each rank its share by bytes)
+    and compare; returns problems and files checked (the same on every rank)."""
     todo = {rel: rec for rel, rec in manifest.files.items() if present.get(rel) == rec.size}
     problems: list[Problem] = []
     # A recorded file that is gone or changed size fails without hashing. A checkpoint manifest the core
@@ -45,7 +56,6 @@ def check_digests(
                         f"{rel} has {present[rel]} bytes, {DIGESTS_NAME} recorded {rec.size}",
                     )
                 )
-    progress.start("hashing", sum(rec.size for rec in todo.values()))
 
     def check(item: tuple[str, FileRecord]) -> Problem | None:
         rel, rec = item
@@ -59,9 +69,9 @@ def check_digests(
             return Problem(ProblemKind.DIGEST_MISMATCH, rel, f"{rel}: content differs from the recorded blake3 digest")
         return None
 
-    with io.ContextThreadPool(max_workers=_workers(workers)) as pool:
-        problems.extend(p for p in pool.map(check, sorted(todo.items(), key=lambda kv: -kv[1].size)) if p)
-    progress.finish()
+    items = sorted(todo.items(), key=lambda kv: -kv[1].size)
+    sizes = [rec.size for _, rec in items]
+    problems.extend(p for p in split(ranks, sizes, _hashing(items, sizes, check, workers, progress)) if p)
     if manifest.native is False:
         for rel in sorted(set(present) - set(manifest.files) - {DIGESTS_NAME, MANIFEST_NAME}):
             problems.append(
@@ -75,10 +85,12 @@ def check_digests(
     return problems, len(todo)
 
 
-def write_digests(url: str, files: Mapping[str, int], workers: int | None, progress: Progress) -> Manifest:
-    """Record size and blake3 of every file of a foreign checkpoint into `ckptctl-digests.json`."""
+def write_digests(
+    url: str, files: Mapping[str, int], workers: int | None, progress: Progress, ranks: Ranks | None = None
+) -> Manifest:
+    """Record size and blake3 of every file of a foreign checkpoint into `ckptctl-digests.json` (over a job's
+    `ranks`, each rank hashes its share and rank 0 writes the file)."""
     todo = sorted((rel, size) for rel, size in files.items() if rel not in (DIGESTS_NAME, MANIFEST_NAME))
-    progress.start("hashing", sum(size for _, size in todo))
 
     def digest(item: tuple[str, int]) -> tuple[str, FileRecord]:
         rel, size = item
@@ -86,9 +98,25 @@ def write_digests(url: str, files: Mapping[str, int], workers: int | None, progr
         progress.advance(size)
         return rel, FileRecord(size, value)
 
-    with io.ContextThreadPool(max_workers=_workers(workers)) as pool:
-        records = dict(pool.map(digest, todo))
-    progress.finish()
+    sizes = [size for _, size in todo]
+    records = dict(split(ranks, sizes, _hashing(todo, sizes, digest, workers, progress)))
     manifest = Manifest(files=records, created=now_iso())
-    io.write_bytes_atomic(io.join(url, DIGESTS_NAME), manifest.to_json())
+    if ranks is None or ranks.leader:
+        io.write_bytes_atomic(io.join(url, DIGESTS_NAME), manifest.to_json())
     return manifest
+
+
+def _hashing(
+    items: Sequence[T], sizes: Sequence[int], work: Callable[[T], R], workers: int | None, progress: Progress
+) -> Callable[[list[int]], dict[int, R]]:
+    """A share of `items` (by index, for `distributed_work.split`) handed to `work` on a pool of threads,
+    with a progress bar of its `sizes`."""
+
+    def run(indices: list[int]) -> dict[int, R]:
+        progress.start("hashing", sum(sizes[i] for i in indices))
+        with io.ContextThreadPool(max_workers=_workers(workers)) as pool:
+            found = dict(zip(indices, pool.map(work, [items[i] for i in indices]), strict=True))
+        progress.finish()
+        return found
+
+    return run

@@ -13,11 +13,12 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ckptctl import io
-from ckptctl.checkpoint import Checkpoint, CheckpointRef, CheckpointState, Problem, ProblemKind
+from ckptctl.checkpoint import Checkpoint, CheckpointRef, CheckpointState, Problem, ProblemKind, TensorEntry
 from ckptctl.errors import CheckpointNotFound, CkptctlError, UnsafePickle
 from ckptctl.formats.manifest import DIGESTS_NAME, read_manifest
 from ckptctl.layouts import detect, scan_context, scan_run
 from ckptctl.ops.digests import check_digests, write_digests
+from ckptctl.ops.distributed_work import Ranks, split
 from ckptctl.ops.report import SCHEMA_VERSION, NoProgress, Progress, problem_json
 from ckptctl.ops.resume_plan import plan_resume
 
@@ -93,6 +94,9 @@ class VerifyOptions:
     write_manifest: bool = False
     workers: int | None = None
     layout: str | None = None
+    #: The ranks of a job (`ops.distributed_work.join`) that all run this verification and share the
+    #: hashing and the reading by bytes; every rank gets the whole report. None: this process alone.
+    ranks: Ranks | None = None
 
 
 def verify_path(
@@ -134,7 +138,7 @@ def verify_run(
     options = options or VerifyOptions()
     with scan_context():  # the scan's peeks serve the checkpoints' verification too
         if only_resume_target:
-            if not io.exists(run) or all(r.state is CheckpointState.IN_PROGRESS for r in scan_run(run)):
+            if not io.exists(run) or all(r.state in _UNFINISHED for r in scan_run(run)):
                 return RunVerifyReport(run, (), fresh_start=True)
             plan = plan_resume(run)
             if plan.checkpoint is None:
@@ -156,21 +160,17 @@ def _verify_refs(
         )
     results = []
     for ref in refs:
-        if ref.state is CheckpointState.IN_PROGRESS:
-            results.append(
-                VerifyResult(
-                    ref.url,
-                    ref.layout,
-                    ref.step,
-                    (Problem(ProblemKind.IN_PROGRESS, "", ref.note or "still being written", severity="warning"),),
-                    0,
-                    0,
-                    0,
-                )
-            )
+        if ref.state in _UNFINISHED:  # not a checkpoint (yet): worth a word, not a failure of the run
+            kind = ProblemKind.IN_PROGRESS if ref.state is CheckpointState.IN_PROGRESS else ProblemKind.ABANDONED
+            problem = Problem(kind, "", ref.note or "still being written", severity="warning")
+            results.append(VerifyResult(ref.url, ref.layout, ref.step, (problem,), 0, 0, 0))
             continue
         results.append(verify_checkpoint(ref.url, replace(options, layout=ref.layout), progress))
     return RunVerifyReport(run, tuple(results))
+
+
+#: States of what a save has not finished (or never will): not a checkpoint to verify.
+_UNFINISHED = (CheckpointState.IN_PROGRESS, CheckpointState.ABANDONED)
 
 
 class NothingResumable(CkptctlError):
@@ -192,6 +192,9 @@ def _verify_checkpoint(url: str, options: VerifyOptions, progress: Progress, rea
             ProblemKind.IN_PROGRESS, "", ref.note or "the checkpoint is still being written (no completion marker)"
         )
         return VerifyResult(url, layout.name, ref.step, (problem,), 0, 0, read.bytes_read)
+    if ref.state is CheckpointState.ABANDONED:
+        problem = Problem(ProblemKind.ABANDONED, "", ref.note)
+        return VerifyResult(url, layout.name, ref.step, (problem,), 0, 0, read.bytes_read)
     try:
         checkpoint = layout.open(url)
         problems = list(layout.verify(checkpoint))
@@ -208,7 +211,9 @@ def _verify_checkpoint(url: str, options: VerifyOptions, progress: Progress, rea
         problems.append(Problem(ProblemKind.BAD_METADATA, DIGESTS_NAME, exc.message))
         manifest = None
     if manifest is not None:
-        digest_problems, digests_checked = check_digests(url, manifest, checkpoint.files, options.workers, progress)
+        digest_problems, digests_checked = check_digests(
+            url, manifest, checkpoint.files, options.workers, progress, options.ranks
+        )
         problems.extend(digest_problems)
     elif options.write_manifest:
         if any(p.severity == "error" for p in problems):
@@ -221,12 +226,12 @@ def _verify_checkpoint(url: str, options: VerifyOptions, progress: Progress, rea
                 )
             )
         else:
-            write_digests(url, checkpoint.files, options.workers, progress)
+            write_digests(url, checkpoint.files, options.workers, progress, options.ranks)
             wrote = True
 
     tensors_read = 0
     if options.deep:
-        deep_problems, tensors_read = read_every_tensor(checkpoint, options.check_finite, progress)
+        deep_problems, tensors_read = read_every_tensor(checkpoint, options.check_finite, progress, options.ranks)
         said = {p.message for p in problems}  # a truncated file fails the structure and the read alike
         problems.extend(p for p in deep_problems if p.message not in said)
     return VerifyResult(
@@ -241,37 +246,46 @@ def _verify_checkpoint(url: str, options: VerifyOptions, progress: Progress, rea
     )
 
 
-def read_every_tensor(checkpoint: Checkpoint, check_finite: bool, progress: Progress) -> tuple[list[Problem], int]:
-    """Read and assemble every tensor (proves every chunk decodes); optionally flag NaN/Inf."""
+def read_every_tensor(
+    checkpoint: Checkpoint, check_finite: bool, progress: Progress, ranks: Ranks | None = None
+) -> tuple[list[Problem], int]:
+    """Read and assemble every tensor (proves every chunk decodes); optionally flag NaN/Inf. Over a job's
+    `ranks`, each rank reads its share of the tensors by bytes and every rank gets all the problems."""
+    try:
+        index = checkpoint.tensor_index()
+    except CkptctlError as exc:  # a truncated file: structure says so too, and nothing more can be read
+        return [Problem.from_error(exc, "")], 0
+
+    def read(indices: list[int]) -> dict[int, list[Problem]]:
+        progress.start("reading tensors", sum(index[i].nbytes for i in indices))
+        found = {i: _tensor_problems(checkpoint.url, index[i], check_finite, progress) for i in indices}
+        progress.finish()
+        return found
+
+    found = split(ranks, [entry.nbytes for entry in index], read)
+    return [problem for problems in found for problem in problems], len(index)
+
+
+def _tensor_problems(url: str, entry: TensorEntry, check_finite: bool, progress: Progress) -> list[Problem]:
     import torch
 
     from ckptctl.formats.chunks import read_tensor
 
     try:
-        index = checkpoint.tensor_index()
-    except CkptctlError as exc:  # a truncated file: structure says so too, and nothing more can be read
-        return [Problem.from_error(exc, "")], 0
-    progress.start("reading tensors", sum(t.nbytes for t in index))
+        tensor = read_tensor(url, entry)
+    except CkptctlError as exc:
+        return [Problem(ProblemKind.UNREADABLE, entry.name, exc.message)]
+    finally:
+        progress.advance(entry.nbytes)
     problems: list[Problem] = []
-    for entry in index:
-        try:
-            tensor = read_tensor(checkpoint.url, entry)
-        except CkptctlError as exc:
-            problems.append(Problem(ProblemKind.UNREADABLE, entry.name, exc.message))
-            continue
-        finally:
-            progress.advance(entry.nbytes)
-        if tuple(tensor.shape) != entry.shape:
+    if tuple(tensor.shape) != entry.shape:
+        problems.append(
+            Problem(ProblemKind.BAD_METADATA, entry.name, f"read shape {tuple(tensor.shape)}, expected {entry.shape}")
+        )
+    if check_finite and tensor.is_floating_point() and tensor.numel():
+        bad = int((~torch.isfinite(tensor)).sum())
+        if bad:
             problems.append(
-                Problem(
-                    ProblemKind.BAD_METADATA, entry.name, f"read shape {tuple(tensor.shape)}, expected {entry.shape}"
-                )
+                Problem(ProblemKind.NOT_FINITE, entry.name, f"{bad} of {tensor.numel()} values are NaN or Inf")
             )
-        if check_finite and tensor.is_floating_point() and tensor.numel():
-            bad = int((~torch.isfinite(tensor)).sum())
-            if bad:
-                problems.append(
-                    Problem(ProblemKind.NOT_FINITE, entry.name, f"{bad} of {tensor.numel()} values are NaN or Inf")
-                )
-    progress.finish()
-    return problems, len(index)
+    return problems

@@ -19,12 +19,18 @@ from ckptctl.layouts import detect, get_layout, open_checkpoint, scan_run
 from ckptctl.layouts.base import list_files
 from ckptctl.ops.verification import RunVerifyReport, verify_checkpoint, verify_path
 from tests.conftest import copy_tree
+from tests.writers.accelerate_writer import WrittenAccelerate
 from tests.writers.areal_writer import WrittenAreal
 from tests.writers.deepspeed_writer import WrittenDeepSpeed
+from tests.writers.distributed_save_writer import WrittenDistributedSaves
 from tests.writers.lightning_writer import WrittenLightning
+from tests.writers.megatron_writer import WrittenMegatron
+from tests.writers.openrlhf_writer import WrittenOpenRlhf
 from tests.writers.peft_writer import WrittenPeft
 from tests.writers.rl_runs import WrittenFsdpRuns
+from tests.writers.torchtitan_writer import WrittenTorchtitan
 from tests.writers.trainer_writer import WrittenTrainerRun
+from tests.writers.universal_writer import WrittenUniversal
 
 
 class LayoutContract:
@@ -186,6 +192,18 @@ class TestDcp(LayoutContract):
         return demo_dir / "dcp" / "step-30", _demo_parameters()
 
 
+class TestTorchtitan(LayoutContract):
+    layout = "torchtitan"
+    marker = ".metadata"
+    data_glob = "*.distcp"
+
+    @pytest.fixture
+    def source(self, torchtitan_run: WrittenTorchtitan) -> tuple[Path, int]:
+        from tests.writers.torchtitan_writer import model_parameters
+
+        return torchtitan_run.step(2), model_parameters()
+
+
 class TestDeepSpeedZero0(LayoutContract):
     """Without ZeRO: one model states file holding the weights and the optimizer."""
 
@@ -216,6 +234,30 @@ class TestDeepSpeedZero3(LayoutContract):
     @pytest.fixture
     def source(self, deepspeed_runs: dict[int, WrittenDeepSpeed]) -> tuple[Path, int]:
         return deepspeed_runs[3].latest, deepspeed_runs[3].model_parameters
+
+
+class TestDeepSpeedUniversalZero2(LayoutContract):
+    """`ds_to_universal`'s conversion of a ZeRO-2 tag: a folder per parameter, the model states copied last."""
+
+    layout = "deepspeed_universal"
+    marker = "mp_rank_00_model_states.pt"
+    data_glob = "zero/*/fp32.pt"
+
+    @pytest.fixture
+    def source(self, deepspeed_universal: WrittenUniversal) -> tuple[Path, int]:
+        return deepspeed_universal.universal(2), deepspeed_universal.runs[2].model_parameters
+
+
+class TestDeepSpeedUniversalZero3(LayoutContract):
+    """The same of a ZeRO-3 tag: flat states, and the frozen parameter only in the DP ranks' model states."""
+
+    layout = "deepspeed_universal"
+    marker = "zero_pp_rank_0_mp_rank_00_model_states.pt"
+    data_glob = "zero/*/exp_avg.pt"
+
+    @pytest.fixture
+    def source(self, deepspeed_universal: WrittenUniversal) -> tuple[Path, int]:
+        return deepspeed_universal.universal(3), deepspeed_universal.runs[3].model_parameters
 
 
 class TestHfTrainer(LayoutContract):
@@ -282,6 +324,50 @@ class TestOpenRlhfExport(LayoutContract):
     @pytest.fixture
     def source(self, openrlhf_run: Path, deepspeed_runs: dict[int, WrittenDeepSpeed]) -> tuple[Path, int]:
         return openrlhf_run / "global_step4_hf", deepspeed_runs[2].model_parameters
+
+
+def _parameters(safetensors_file: Path) -> int:
+    from safetensors.torch import load_file
+
+    return sum(t.numel() for t in load_file(str(safetensors_file)).values())
+
+
+class TestOpenRlhfWrittenActorTag(LayoutContract):
+    """An actor tag written by OpenRLHF's own `DeepspeedStrategy.save_ckpt` (tests.writers.openrlhf_writer)."""
+
+    layout = "openrlhf"
+    marker = "mp_rank_00_model_states.pt"
+    data_glob = "*_optim_states.pt"
+
+    @pytest.fixture
+    def source(self, openrlhf_ppo: WrittenOpenRlhf) -> tuple[Path, int]:
+        return openrlhf_ppo.actor / openrlhf_ppo.latest, _parameters(openrlhf_ppo.reference)
+
+
+class TestOpenRlhfWrittenCriticTag(LayoutContract):
+    """A critic tag (a Llama body and a value head) written by OpenRLHF's `save_ckpt`."""
+
+    layout = "openrlhf"
+    marker = "mp_rank_00_model_states.pt"
+    data_glob = "*_optim_states.pt"
+
+    @pytest.fixture
+    def source(self, openrlhf_ppo: WrittenOpenRlhf) -> tuple[Path, int]:
+        return openrlhf_ppo.critic / openrlhf_ppo.latest, _parameters(
+            openrlhf_ppo.critic_output_dir / "model.safetensors"
+        )
+
+
+class TestOpenRlhfWrittenExport(LayoutContract):
+    """A `{tag}_hf` export written by OpenRLHF's `save_model` (`--ckpt.save_hf`)."""
+
+    layout = "openrlhf"
+    marker = None
+    data_glob = "*.safetensors"
+
+    @pytest.fixture
+    def source(self, openrlhf_ppo: WrittenOpenRlhf) -> tuple[Path, int]:
+        return openrlhf_ppo.ckpt_path / f"{openrlhf_ppo.latest}_hf", _parameters(openrlhf_ppo.reference)
 
 
 class TestOpenInstructTag(LayoutContract):
@@ -352,3 +438,81 @@ class TestRollMegatron(LayoutContract):
     @pytest.fixture
     def source(self, roll_megatron: Path, fsdp_runs: WrittenFsdpRuns) -> tuple[Path, int]:
         return roll_megatron / "20250102-080000" / "checkpoint-3", fsdp_runs.model_parameters
+
+
+class TestMegatron(LayoutContract):
+    """An iteration folder of megatron-core's own save (TP 2), with the optimizer and RNG state."""
+
+    layout = "megatron"
+    marker = "metadata.json"
+    data_glob = "*.distcp"
+
+    @pytest.fixture
+    def source(self, megatron_runs: WrittenMegatron) -> tuple[Path, int]:
+        return megatron_runs.iteration(2), megatron_runs.parameters
+
+
+# --- accelerate save_state folders (tests.writers.accelerate_writer: accelerate 1.15's own code) -------
+
+
+class TestAcceleratePlain(LayoutContract):
+    layout = "accelerate"
+    marker = "random_states_0.pkl"
+    data_glob = "*.safetensors"
+
+    @pytest.fixture
+    def source(self, accelerate_runs: WrittenAccelerate) -> tuple[Path, int]:
+        return accelerate_runs.plain_checkpoints()[-1], accelerate_runs.model_parameters
+
+
+class TestAccelerateNamedBin(TestAcceleratePlain):
+    """A user-named folder saved with `safe_serialization=False`: the model in `pytorch_model.bin`."""
+
+    data_glob = "pytorch_model.bin"
+
+    @pytest.fixture
+    def source(self, accelerate_runs: WrittenAccelerate) -> tuple[Path, int]:
+        return accelerate_runs.named, accelerate_runs.model_parameters
+
+
+class TestAccelerateDeepSpeed(TestAcceleratePlain):
+    data_glob = "pytorch_model/*_optim_states.pt"
+
+    @pytest.fixture
+    def source(self, accelerate_runs: WrittenAccelerate) -> tuple[Path, int]:
+        return accelerate_runs.deepspeed_checkpoints()[-1], accelerate_runs.model_parameters
+
+
+class TestAccelerateFsdp(TestAcceleratePlain):
+    data_glob = "pytorch_model_fsdp_0/*.distcp"
+
+    @pytest.fixture
+    def source(self, accelerate_runs: WrittenAccelerate) -> tuple[Path, int]:
+        return accelerate_runs.fsdp, accelerate_runs.model_parameters
+
+
+# --- per-rank saves without a global index (tests.writers.distributed_save_writer) --------------------
+
+
+class TestHfDistributed(LayoutContract):
+    """`save_pretrained(distributed_checkpoint=True)`. Its damage is done to rank 1's file (plan number 1): the
+    files record no full shapes, so a folder that lost the LAST rank's files reads as a smaller model that
+    tiles (torch's own HuggingFaceStorageReader reads it so too); losing any other rank shows."""
+
+    layout = "hf"
+    marker = None
+    data_glob = "shard-00001-*.safetensors"
+
+    @pytest.fixture
+    def source(self, distributed_saves: WrittenDistributedSaves) -> tuple[Path, int]:
+        return distributed_saves.hf, distributed_saves.model_parameters
+
+
+class TestDcpWithoutCollectives(LayoutContract):
+    layout = "dcp"
+    marker = "__0.metadata"
+    data_glob = "*.distcp"
+
+    @pytest.fixture
+    def source(self, distributed_saves: WrittenDistributedSaves) -> tuple[Path, int]:
+        return distributed_saves.dcp, distributed_saves.model_parameters

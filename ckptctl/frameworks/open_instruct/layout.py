@@ -222,10 +222,7 @@ class OpenInstructLayout(Layout):
         missing = files.missing_from_names()
         client = _client_state(url, entries)
         if missing:
-            state, note = (
-                CheckpointState.BROKEN,
-                f"missing {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}",
-            )
+            state, note = CheckpointState.BROKEN, deepspeed.missing_note(missing)
         elif client.error:
             state, note = CheckpointState.BROKEN, client.error
         elif fuller := _fuller_sibling(url, len(entries)):
@@ -234,6 +231,8 @@ class OpenInstructLayout(Layout):
                 f"{len(entries)} entries, fewer than {fuller[0]}'s {fuller[1]}: open-instruct deletes this folder at "
                 "start-up",
             )
+        elif missing := deepspeed.missing_rank_files(url, files):  # the highest rank's: no sibling is fuller
+            state, note = _unfinished(entries, deepspeed.missing_note(missing))
         step = client.training_step
         return CheckpointRef(
             url=url,

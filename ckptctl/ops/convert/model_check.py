@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 from ckptctl import io
@@ -32,7 +33,7 @@ from ckptctl.formats.documents import parse_json
 from ckptctl.layouts import get_layout
 from ckptctl.layouts.base import ModelSpec
 from ckptctl.ops.convert.options import Target
-from ckptctl.ops.convert.plan import Planned, float_dtype, load_planned
+from ckptctl.ops.convert.plan import Planned, float_dtype, read_planned
 
 #: Names of each kind listed in a mismatch message; the rest are counted.
 _LISTED = 5
@@ -45,14 +46,13 @@ _LOGITS_RTOL = {"float64": 1e-9, "float32": 1e-5, "bfloat16": 2e-2, "float16": 2
 _NO_CHECK_HINT = "pass --no-check-model to write it anyway"
 
 
-def read_config(files: Mapping[str, str | bytes], notes: list[str]) -> dict[str, Any] | None:
+def read_config(files: Mapping[str, str], notes: list[str]) -> dict[str, Any] | None:
     """The parsed config.json among the side files the output gets, or None (with a note if it is bad)."""
     url = files.get("config.json")
     if url is None:
         return None
     try:
-        data = url if isinstance(url, bytes) else io.read_bytes(url, max_size=_MAX_CONFIG)
-        config = parse_json(data, "config.json")
+        config = parse_json(io.read_bytes(url, max_size=_MAX_CONFIG), "config.json")
     except CkptctlError as exc:
         notes.append(f"config.json does not parse ({exc.message}): the tensors were not checked against a model")
         return None
@@ -111,7 +111,7 @@ def apply_ties(
         copy = by_name.get(alias)
         if copy is None:
             if target is Target.DCP:
-                added.append(Planned(kept.entry, alias, kept.dtype, kept.derived))
+                added.append(replace(kept, name=alias))
             continue
         if not _same_values(checkpoint, copy, kept):
             raise ModelMismatch(
@@ -135,7 +135,7 @@ def _same_values(checkpoint: Checkpoint, a: Planned, b: Planned) -> bool:
         return True
     import torch
 
-    return torch.equal(load_planned(checkpoint.url, a), load_planned(checkpoint.url, b))
+    return torch.equal(read_planned(checkpoint.url, a), read_planned(checkpoint.url, b))
 
 
 def check_plan(plan: Sequence[Planned], spec: ModelSpec, target: Target) -> None:
@@ -188,7 +188,7 @@ def compare_logits(checkpoint: Checkpoint, plan: Sequence[Planned], out: str, co
     """
     layout = get_layout(Target.HF)
     got = layout.model_logits(out, config, None)
-    source = {planned.name: load_planned(checkpoint.url, planned) for planned in plan}
+    source = {planned.name: read_planned(checkpoint.url, planned) for planned in plan}
     want = layout.model_logits(out, config, source)
     source.clear()
     if got.shape != want.shape:

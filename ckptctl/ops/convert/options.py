@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckptctl.checkpoint import Component
 from ckptctl.formats.manifest import DIGESTS_NAME
 from ckptctl.layouts import ConvertTarget
 from ckptctl.ops.report import SCHEMA_VERSION
+
+if TYPE_CHECKING:
+    from ckptctl.ops.distributed_work import Ranks
 
 #: What `convert` writes: the layouts it can write, by name.
 Target = ConvertTarget
@@ -73,7 +76,10 @@ class ConvertOptions:
         strip_prefix: namespace prefix removed from names; None detects it as `diff` does (`ops.naming`:
             `model.` of DCP state dicts, the entry name of a save, training wrappers); "" keeps names as
             stored.
-        renames: `(pattern, replacement)` regex substitutions applied in order after the prefix is removed.
+        renames: `(pattern, replacement)` regex substitutions applied in order after the prefix is removed
+            (and after the name map).
+        mapping: the source framework's map of its model's names to transformers' (`--to hf`;
+            `Layout.hf_name_map`): None picks one from the config, `"none"` keeps the names.
         config_dir: where `config.json`/`generation_config.json` come from (default: beside the source).
         tokenizer_dir: where tokenizer files come from (default: beside the source).
         force: replace a non-empty DST.
@@ -92,6 +98,8 @@ class ConvertOptions:
         lora: for a model whose layers carry LoRA adapters, merge them (`merge`) or keep the stored tensors.
         adapter_config: the adapter settings file (or its folder) that a wrapped model's merge takes the
             LoRA alpha from (default: found beside the checkpoint or its config).
+        ranks: the ranks of a job (`ops.distributed_work.join`) that all run this conversion and share the
+            writing of the shard files; None: this process alone. The output is the same byte for byte.
     """
 
     to: Target = Target.HF
@@ -100,6 +108,7 @@ class ConvertOptions:
     component: Component = Component.MODEL
     strip_prefix: str | None = None
     renames: tuple[tuple[str, str], ...] = ()
+    mapping: str | None = None
     config_dir: str | None = None
     tokenizer_dir: str | None = None
     force: bool = False
@@ -112,6 +121,7 @@ class ConvertOptions:
     merge_adapter: str | None = None
     lora: LoraMode = LoraMode.MERGE
     adapter_config: str | None = None
+    ranks: Ranks | None = None
 
 
 @dataclass(frozen=True, slots=True)

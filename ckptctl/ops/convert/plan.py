@@ -7,11 +7,14 @@ byte copy); `weights=stored` writes the model weights as stored instead.
 
 Names are the model's own, by the rules `diff` matches tensors with (`ops.naming`): the namespace a save
 adds (`model.` of a DCP state dict, the entry name of a save, the wrappers a training loop put around a
-model) is removed, then `renames` apply.
+model) is removed, then `renames` apply. For an HF output, a framework whose models are its own code maps
+its names to transformers' before the renames (`Layout.hf_name_map`), and may reorder a tensor's rows; a
+framework that also fuses and lays out tensors otherwise (Megatron) supplies the whole model under
+transformers names instead (`Layout.hf_model`).
 
 Some output tensors are computed rather than copied (`DerivedTensor`):
-- an adapter (`Layout.adapter`: a PEFT LoRA folder) merged into a base model (`merge_adapter`): the plan
-  is the base model's, its stored tensors read from the base checkpoint, the merged ones derived;
+- an adapter (`Layout.adapter`: a PEFT LoRA folder) merged into a base model (`base`): the plan is the
+  base model's, its stored tensors read from the base checkpoint, the merged ones derived;
 - a model whose state dict carries adapters around its layers (`layouts.wrapped`: a PEFT-wrapped model
   saved whole): written under the base model's names with the adapter merged in (`lora=merge`).
 """
@@ -20,20 +23,17 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ckptctl.checkpoint import Checkpoint, Component, TensorEntry, dtype_itemsize
 from ckptctl.errors import CkptctlError, CorruptCheckpoint
 from ckptctl.formats.manifest import FileRecord
 from ckptctl.formats.safetensors import TORCH_TO_SAFETENSORS
 from ckptctl.layouts import Layout
-from ckptctl.layouts.base import DerivedTensor, MasterWeights, ModelTensors
+from ckptctl.layouts.base import NO_NAME_MAP, DerivedTensor, HfModel, MasterWeights, ModelTensors, NameMap
 from ckptctl.layouts.wrapped import find_wrapped
 from ckptctl.ops.convert.options import ConvertOptions, LoraMode, Target, Weights
-from ckptctl.ops.naming import Renames, apply_renames, compile_renames, normalised_names
-
-if TYPE_CHECKING:
-    import torch
+from ckptctl.ops.naming import Renames, apply_renames, compile_renames, namespace_stripper, normalised_names
 
 #: `dtype` casts these; integer, bool and float8 tensors (ids, masks, quantised weights) keep their type,
 #: as `model.to(dtype)` in torch does.
@@ -51,19 +51,21 @@ class Written:
 
 @dataclass(frozen=True, slots=True)
 class Planned:
-    """One output tensor: its source entry, output name and output dtype.
+    """One output tensor.
 
     Attributes:
         entry: the stored tensor it is; for a derived tensor, an entry without chunks that gives its
             dtype and shape.
         name: its name in the output.
         dtype: its dtype in the output.
-        derived: how to compute it when no file holds it as is (read it with `load_planned`).
+        rows: the source rows in output order when the output orders them otherwise (`NameMap.rows`).
+        derived: how to compute it when no file holds it as is (`read_planned` reads either).
     """
 
     entry: TensorEntry
     name: str
     dtype: str
+    rows: tuple[int, ...] | None = None
     derived: DerivedTensor | None = None
 
     @property
@@ -84,6 +86,8 @@ def plan_tensors(
     layout: Layout,
     options: ConvertOptions,
     notes: list[str],
+    config: Mapping[str, Any] | None = None,
+    hf: HfModel | None = None,
     *,
     base: Checkpoint | None = None,
     adapter_settings: SettingsFinder | None = None,
@@ -92,6 +96,9 @@ def plan_tensors(
     the user should know to `notes`.
 
     Args:
+        config: the parsed config.json the output gets (the name map of an HF output may need it).
+        hf: the model under transformers names (`Layout.hf_model`), which `--to hf` writes when the
+            checkpoint keeps no fp32 master weights; its names are kept as they are.
         base: the base model to merge the adapter `checkpoint` holds into (`Layout.adapter`); the plan's
             stored entries are then the base's.
         adapter_settings: where a model whose layers carry adapters finds what it needs to merge them.
@@ -114,8 +121,13 @@ def plan_tensors(
         return _planned(_renamed(merged, renames), frozenset(), options), Weights.STORED
     index = checkpoint.tensor_index()
     masters = _master_weights(checkpoint, layout, options, notes) if options.component is Component.MODEL else None
+    strip_prefix = options.strip_prefix
     if masters is not None:
         entries, upcast = list(masters.entries), masters.upcast
+    elif hf is not None:
+        entries, upcast = list(hf.entries), frozenset()
+        notes.extend(hf.notes)
+        strip_prefix = "" if strip_prefix is None else strip_prefix
     else:
         entries, upcast = [e for e in index if e.component == options.component], frozenset()
     if not entries:
@@ -124,15 +136,39 @@ def plan_tensors(
             f"{checkpoint.url} holds no {options.component.value} tensors",
             f"components with tensors: {', '.join(present) or 'none'}; choose one with --component",
         )
-    stored = normalised_names(checkpoint.layout, entries, options.strip_prefix, verb="written as")
-    named: ModelTensors = stored
-    if options.component is Component.MODEL and options.lora is LoraMode.MERGE:
+    weights = Weights.MASTER if masters is not None else Weights.STORED
+    if hf is None and options.component is Component.MODEL and options.lora is LoraMode.MERGE:
+        stored = normalised_names(checkpoint.layout, entries, strip_prefix, verb="written as")
         wrapped = find_wrapped(stored)
         if wrapped is not None:
             found = adapter_settings(wrapped.settings_files) if adapter_settings is not None else {}
-            named = wrapped.merge(checkpoint.url, found, notes)
-    plan = _planned(_renamed(named, renames), upcast, options)
-    return plan, Weights.MASTER if masters is not None else Weights.STORED
+            model = wrapped.merge(checkpoint.url, found, notes)
+            return _planned(_renamed(model, renames), upcast, options), weights
+    name_map, rows = (None, {}) if hf is not None else _name_map(checkpoint, layout, entries, options, config, notes)
+    named = normalised_names(
+        checkpoint.layout,
+        entries,
+        strip_prefix,
+        renames,
+        verb="written as",
+        mapped=name_map.names if name_map is not None else None,
+    )
+    plan: list[Planned] = []
+    for name, entry in named.items():
+        if options.dtype and entry.dtype in _CASTABLE:
+            dtype = options.dtype
+        else:
+            dtype = "float32" if entry.name in upcast else entry.dtype
+        if options.to is Target.HF and dtype not in TORCH_TO_SAFETENSORS:
+            raise CkptctlError(f"{entry.name!r} is {dtype}, which safetensors cannot store")
+        order = rows.get(entry.name)
+        if order is not None and (not entry.shape or len(order) != entry.shape[0]):
+            raise CkptctlError(
+                f"{entry.name!r} has shape {list(entry.shape)} where the tensor name map reorders {len(order)} rows",
+                "is the config (--config) this model's?",
+            )
+        plan.append(Planned(entry, name, dtype, order))
+    return plan, weights
 
 
 def _renamed(model: ModelTensors, renames: Renames) -> dict[str, TensorEntry | DerivedTensor]:
@@ -157,6 +193,7 @@ def _renamed(model: ModelTensors, renames: Renames) -> dict[str, TensorEntry | D
 def _planned(
     model: Mapping[str, TensorEntry | DerivedTensor], upcast: frozenset[str], options: ConvertOptions
 ) -> list[Planned]:
+    """The plan of a model given as output name -> stored or derived tensor."""
     plan: list[Planned] = []
     for name, item in model.items():
         derived = item if isinstance(item, DerivedTensor) else None
@@ -171,13 +208,44 @@ def _planned(
             dtype = "float32" if entry.name in upcast and derived is None else entry.dtype
         if options.to is Target.HF and dtype not in TORCH_TO_SAFETENSORS:
             raise CkptctlError(f"{entry.name!r} is {dtype}, which safetensors cannot store")
-        plan.append(Planned(entry, name, dtype, derived))
+        plan.append(Planned(entry, name, dtype, derived=derived))
     return plan
 
 
-def load_planned(checkpoint_url: str, planned: Planned) -> torch.Tensor:
-    """The tensor `planned` writes, in its output dtype: read from the checkpoint at `checkpoint_url`
-    (assembled from its chunks), or computed.
+def _name_map(
+    checkpoint: Checkpoint,
+    layout: Layout,
+    entries: Sequence[TensorEntry],
+    options: ConvertOptions,
+    config: Mapping[str, Any] | None,
+    notes: list[str],
+) -> tuple[NameMap | None, dict[str, tuple[int, ...]]]:
+    """The source framework's map of its model's names to transformers' (`Layout.hf_name_map`), for the
+    model of an HF output (other outputs keep the framework's names), and the rows it reorders by stored
+    tensor name.
+
+    Raises:
+        CkptctlError: `--mapping` for an output that keeps the names, or as `Layout.hf_name_map`.
+    """
+    if options.to is not Target.HF or options.component is not Component.MODEL:
+        if options.mapping not in (None, NO_NAME_MAP):
+            raise CkptctlError("--mapping names the tensors of a model converted --to hf (--component model)")
+        return None, {}
+    strip = namespace_stripper(checkpoint.layout, entries, options.strip_prefix)
+    found = layout.hf_name_map({strip(e.name): e.shape for e in entries}, config, options.mapping, notes)
+    if found is None:
+        return None, {}
+    rows = {}
+    for entry in entries:
+        order = found.rows.get(found.names.get(strip(entry.name), ""))
+        if order is not None:
+            rows[entry.name] = order
+    return found, rows
+
+
+def read_planned(checkpoint_url: str, planned: Planned) -> Any:
+    """The tensor of `planned` as the output holds it (a torch tensor): read from the checkpoint at
+    `checkpoint_url` (or computed, for a derived tensor), rows reordered, cast.
 
     Raises:
         CorruptCheckpoint: the chunks do not read back (see `read_tensor`), or a computed tensor is not
@@ -197,6 +265,8 @@ def load_planned(checkpoint_url: str, planned: Planned) -> torch.Tensor:
                 f"{planned.entry.dtype}{list(planned.shape)} was planned",
                 "this is a bug in ckptctl",
             )
+    if planned.rows is not None:
+        tensor = tensor.index_select(0, torch.tensor(planned.rows, dtype=torch.long))
     if planned.dtype != planned.entry.dtype:
         tensor = tensor.to(getattr(torch, planned.dtype))
     return tensor

@@ -15,7 +15,7 @@ from ckptctl.checkpoint import Checkpoint
 from ckptctl.errors import CorruptCheckpoint
 from ckptctl.layouts import get_layout
 from ckptctl.ops.convert.options import Target
-from ckptctl.ops.convert.plan import Planned, Written, load_planned
+from ckptctl.ops.convert.plan import Planned, Written, read_planned
 from ckptctl.ops.report import Progress
 
 #: The key namespace of a `--to dcp` save: `{"model": state_dict}` as training loops save and load it.
@@ -38,7 +38,7 @@ def write_dcp(checkpoint: Checkpoint, plan: list[Planned], out: str, progress: P
         for planned in plan:
             tensor = _mapped_tensor(checkpoint.url, planned, maps, stack)
             if tensor is None:
-                tensor = load_planned(checkpoint.url, planned)
+                tensor = read_planned(checkpoint.url, planned)
                 assembled += 1
             state[planned.name] = tensor
         writer = dcp.FileSystemWriter(out, single_file_per_rank=True, sync_files=True)

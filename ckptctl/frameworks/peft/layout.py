@@ -262,7 +262,7 @@ def _merge(checkpoint: Checkpoint, base_url: str, base: Mapping[str, TensorEntry
         # A layer the adapter saved whole (an adapted embedding) is what PEFT loads and merges into.
         own = others.get(name)
         weight, read_weight = (own, read_adapter) if own is not None else (target, read_base)
-        merged[name] = merged_weight(pair, weight, settings, read_weight, read_adapter, name)
+        merged[name] = merged_weight(pair, weight, settings, read_weight, read_adapter, name, target.dtype)
     kept = (
         f"; {len(others)} tensor(s) of the adapter replace the base's ({', '.join(list(others)[:3])})" if others else ""
     )

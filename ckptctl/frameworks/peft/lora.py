@@ -154,6 +154,7 @@ def merged_weight(
     read_base: ReadTensor,
     read_factor: ReadTensor,
     name: str,
+    dtype: str | None = None,
 ) -> DerivedTensor:
     """The base weight `base` with the module's `B @ A` merged in, computed when written.
 
@@ -164,6 +165,8 @@ def merged_weight(
         read_base: reads `base`.
         read_factor: reads the factors.
         name: the merged weight's name in the output.
+        dtype: the output's dtype when it is not `base`'s (a layer the adapter saved whole, which PEFT loads
+            into the base model's layer, of the base model's dtype).
 
     Raises:
         CkptctlError: the factors do not fit the base weight.
@@ -185,10 +188,11 @@ def merged_weight(
             f"the base weight {base.name} of shape {list(base.shape)}",
             "is the base model the one the adapter was trained on (adapter_config.json's base_model_name_or_path)?",
         )
+    out_dtype = dtype or base.dtype
     compute = partial(
-        _merge, read_base, base, read_factor, pair.a, pair.b, settings.scaling(pair.module), transposed, name
+        _merge, read_base, base, read_factor, pair.a, pair.b, settings.scaling(pair.module), transposed, name, out_dtype
     )
-    return DerivedTensor(name, base.dtype, base.shape, compute)
+    return DerivedTensor(name, out_dtype, base.shape, compute)
 
 
 def read_from(url: str) -> ReadTensor:
@@ -211,6 +215,7 @@ def _merge(
     scaling: float,
     transposed: bool,
     name: str,
+    dtype: str,
 ) -> torch.Tensor:
     import torch
 
@@ -219,7 +224,7 @@ def _merge(
         weight_a, weight_b = weight_a.float(), weight_b.float()
     product = weight_b @ weight_a
     delta = (product.T if transposed else product) * scaling
-    merged = read_base(base).clone()
+    merged = read_base(base).to(getattr(torch, dtype), copy=True)
     if not merged.is_floating_point():
         raise CkptctlError(f"{name}: the base weight is {base.dtype}; a LoRA merge needs floating-point weights")
     merged += delta  # as PEFT's `base_layer.weight.data += delta_weight`: summed, then rounded to W's dtype

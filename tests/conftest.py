@@ -25,8 +25,10 @@ from tests.writers.areal_writer import WrittenAreal, write_areal_run
 from tests.writers.dcp_writer import WrittenDcp, write_single_process_dcp
 from tests.writers.deepspeed_writer import WrittenDeepSpeed, write_deepspeed_runs
 from tests.writers.hf_legacy_writer import WrittenLegacy, write_legacy_models
+from tests.writers.lightning_writer import WrittenLightning, write_lightning_run
 from tests.writers.megatron_writer import WrittenMegatron, write_megatron_runs
 from tests.writers.openrlhf_writer import WrittenOpenRlhf, write_openrlhf_run
+from tests.writers.peft_writer import WrittenPeft, write_peft_adapters
 from tests.writers.rl_runs import WrittenFsdpRuns, write_fsdp_runs
 from tests.writers.run_folders import NestedRun, arrange_deepspeed_run, trainer_nested_run, write_dcp_run
 from tests.writers.torchtitan_writer import WrittenTorchtitan, write_torchtitan_run
@@ -55,6 +57,8 @@ SLOW_FIXTURES = frozenset(
         "accelerate_runs",
         "distributed_saves",
         "torchtitan_run",
+        "peft_adapters",
+        "lightning_run",
     }
 )
 
@@ -155,6 +159,22 @@ def legacy_models(tmp_path_factory: pytest.TempPathFactory) -> WrittenLegacy:
     """`pytorch_model.bin` folders as transformers 4 wrote them (one file; tied and sharded), and the tied
     Llama as transformers 5 saves it (see `tests.writers.hf_legacy_writer`)."""
     return build_once(tmp_path_factory, "hf-legacy", write_legacy_models)
+
+
+@pytest.fixture(scope="session")
+def peft_adapters(tmp_path_factory: pytest.TempPathFactory) -> WrittenPeft:
+    """peft 0.21.2's `save_pretrained` of LoRA adapters on the tiny Llama (plain with patterns and an Embedding
+    LoRA, rsLoRA, modules_to_save, lora_alpha 0, DoRA), each with PEFT's `merge_and_unload()` state dict, and a
+    PEFT-wrapped model saved whole by DCP (see `tests.writers.peft_writer`)."""
+    return build_once(tmp_path_factory, "peft", write_peft_adapters)
+
+
+@pytest.fixture(scope="session")
+def lightning_run(tmp_path_factory: pytest.TempPathFactory) -> WrittenLightning:
+    """lightning 2.6.6 on 2 CPU ranks (ddp_spawn), ModelCheckpoint every 2 of 4 steps: files with last.ckpt as a
+    copy and as a link, and a sharded FSDP-style `.ckpt/` folder (see `tests.writers.lightning_writer`; slow:
+    spawns)."""
+    return build_once(tmp_path_factory, "lightning", lambda root: write_lightning_run(root / "run"))
 
 
 def _demo(root: Path) -> Path:

@@ -23,7 +23,11 @@ HELP = """Convert a checkpoint's model into a Hugging Face folder (or an HF mode
 
 DeepSpeed ZeRO 1-3 (a global_stepN tag folder, the save folder holding `latest`, or a Trainer checkpoint-N with DeepSpeed inside) gives the fp32 master weights, exactly as DeepSpeed's zero_to_fp32.py rebuilds them from the optimizer partitions, without DeepSpeed installed and without loading a partition whole; --weights stored writes the 16-bit module weights instead (ZeRO 0-2; ZeRO-3 keeps none, its model is the partitions).
 
+Lightning checkpoints (an `epoch=E-step=S.ckpt` file, `last.ckpt`, the ModelCheckpoint folder holding it, or a sharded FSDP `.ckpt/` folder) give the LightningModule's state_dict under the model's own names (the `model.` attribute removed); config.json is taken from the module's hyper_parameters when they hold a transformers config, else give --config.
+
 SRC may also be a single weights file: a `*.safetensors` file, or a torch.save zip such as `pytorch_model.bin` (read with the allowlisting unpickler: nothing in it runs).
+
+An adapter (a PEFT folder: adapter_config.json + adapter_model.safetensors) converts merged into its base model: --merge-adapter BASE writes BASE with every adapted weight W replaced by W + (lora_alpha/r)·B@A (rsLoRA: lora_alpha/sqrt(r); rank_pattern and alpha_pattern per module; fan_in_fan_out), and the adapter's modules_to_save tensors in place of BASE's: what PEFT's merge_and_unload() gives. DoRA and other PEFT types are refused. A model saved whole while wrapped by PEFT (q_proj.base_layer.weight beside q_proj.lora_A.default.weight, as FSDP, DeepSpeed, DCP and verl saves hold it) is written under the model's own names with the LoRA merged in; its lora_alpha comes from the run's adapter_config.json or verl's lora_train_meta.json (--adapter-config).
 
 --to dcp writes a single-process torch.distributed.checkpoint save with keys model.<name>, which dcp.load reads into a model of any world size.
 
@@ -41,6 +45,8 @@ ckptctl convert runs/llama/step-1000 hf-export --max-shard-size 2GB --rename '^l
 ckptctl convert ds-run/ hf-export --config base-model/ --dtype bf16   # a DeepSpeed save folder
 ckptctl convert meta-llama-3-8b/ init-dcp --to dcp
 ckptctl convert old-model/pytorch_model.bin old-model-safetensors/
+ckptctl convert lora-adapter/ merged-model/ --merge-adapter Llama-3.1-8B/
+ckptctl convert lora-run/step-500 merged-model/ --adapter-config lora-run/adapter_config.json
 ckptctl convert s3://ckpts/llama/step-1000 s3://exports/llama-1000 --dtype bf16
 torchrun --nnodes 4 --nproc-per-node 8 -m ckptctl convert /lustre/run/step-1000 /lustre/export --max-shard-size 2GB
 ckptctl convert runs/llama/step-1000 hf-export --dtype bf16 --workers 4
@@ -56,6 +62,11 @@ class WeightsChoice(enum.StrEnum):
     auto = "auto"
     master = "master"
     stored = "stored"
+
+
+class LoraChoice(enum.StrEnum):
+    merge = "merge"
+    keep = "keep"
 
 
 class DtypeChoice(enum.StrEnum):
@@ -173,11 +184,39 @@ def convert(
             "with the source tensors' in the same architecture (--to hf; holds two copies of the model in memory).",
         ),
     ] = False,
+    merge_adapter: Annotated[
+        str | None,
+        typer.Option(
+            "--merge-adapter",
+            metavar="BASE",
+            help="SRC is an adapter (a PEFT LoRA folder): write the base model BASE (an HF model folder) with the "
+            "adapter merged in, as PEFT's merge_and_unload() does; config and tokenizer come from BASE. Default: "
+            "the adapter's base_model_name_or_path when that is a local folder.",
+        ),
+    ] = None,
+    lora: Annotated[
+        LoraChoice,
+        typer.Option(
+            "--lora",
+            metavar="MODE",
+            help="A model saved with LoRA adapters around its layers (base_layer.weight + lora_A.default.weight): "
+            "merge them into the weights under the model's own names (merge), or write the tensors as stored (keep).",
+        ),
+    ] = LoraChoice.merge,
+    adapter_config: Annotated[
+        str | None,
+        typer.Option(
+            "--adapter-config",
+            metavar="PATH",
+            help="The run's adapter_config.json (or verl's lora_train_meta.json), or its folder, for --lora merge "
+            "(default: found beside the checkpoint or its config).",
+        ),
+    ] = None,
     layout: LayoutOpt = None,
     json_output: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
-    from ckptctl.ops.convert import ConvertOptions, Target, Weights, parse_dtype
+    from ckptctl.ops.convert import ConvertOptions, LoraMode, Target, Weights, parse_dtype
     from ckptctl.ops.naming import parse_rename
     from ckptctl.units import parse_size
 
@@ -205,6 +244,9 @@ def convert(
         weights=Weights(weights.value),
         check_model=not no_check_model,
         check_logits=check_logits,
+        merge_adapter=merge_adapter,
+        lora=LoraMode(lora.value),
+        adapter_config=adapter_config,
     )
     with job_ranks(workers) as ranks:
         _convert(src, dst, replace(options, ranks=ranks), json_output, quiet or not prints(ranks), prints(ranks))
@@ -250,6 +292,8 @@ def _render(out: Output, result: ConvertResult) -> None:
     out.print(esc(f"  files: {', '.join(weights) or '-'}" + (f" (+ {others} more)" if others else "")))
     if result.copied:
         out.print(esc(f"  copied: {', '.join(result.copied)}"))
+    if result.base:
+        out.print(esc(f"  merged the adapter into {result.base}: {result.derived} tensor(s) computed"))
     if result.uploaded:
         out.print(esc(f"  uploaded {human_bytes(result.uploaded)} to {result.dst}"))
     if result.model is not None:

@@ -66,6 +66,7 @@ __all__ = [
     "TORCH_PICKLE_GLOBALS",
     "TORCH_SAVE_GLOBALS",
     "DType",
+    "FrameworkMapping",
     "FrameworkObject",
     "NumpyArray",
     "NumpyDType",
@@ -557,6 +558,23 @@ class FrameworkObject(StandIn):
         return f"<{self.stands_for} {self.value!r}>" if self.value is not None else f"<{self.stands_for}>"
 
 
+class FrameworkMapping(dict[Any, Any]):
+    """An object of an allowlisted framework class that subclasses dict (Lightning's `AttributeDict`): the
+    items the pickle sets, and the state a BUILD gives it in `state`."""
+
+    __slots__ = ("state",)
+    #: The class this stands in for, for messages.
+    stands_for: ClassVar[str] = "dict"
+
+    def __setstate__(self, state: Any) -> None:
+        self.state = state
+
+
+@cache
+def _framework_mapping(qualified_name: str) -> type[FrameworkMapping]:
+    return type("FrameworkMapping", (FrameworkMapping,), {"__slots__": (), "stands_for": qualified_name})
+
+
 @cache
 def _framework_class(qualified_name: str) -> type[FrameworkObject]:
     # Exact names only (a bounded set): pattern matches get a fresh class per file, see _Allowlist.
@@ -629,6 +647,8 @@ class _Allowlist(Mapping[tuple[str, str], Any]):
             return found
         module, name = key
         frameworks = framework_classes.registered()
+        if key in frameworks.mappings:
+            return _framework_mapping(f"{module}.{name}")
         if key in frameworks.classes:
             return _framework_class(f"{module}.{name}")
         covered = any(module.startswith(prefix) and name.endswith(suffix) for prefix, suffix in frameworks.modules)
@@ -637,10 +657,12 @@ class _Allowlist(Mapping[tuple[str, str], Any]):
         raise KeyError(key)
 
     def __iter__(self) -> Iterator[tuple[str, str]]:
-        return iter([*self._exact, *sorted(framework_classes.registered().classes - self._exact.keys())])
+        registered = framework_classes.registered()
+        return iter([*self._exact, *sorted((registered.classes | registered.mappings) - self._exact.keys())])
 
     def __len__(self) -> int:
-        return len(self._exact.keys() | framework_classes.registered().classes)
+        registered = framework_classes.registered()
+        return len(self._exact.keys() | registered.classes | registered.mappings)
 
 
 _NUMPY_GLOBALS = {

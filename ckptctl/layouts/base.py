@@ -8,9 +8,10 @@ shared contract test in `tests/layouts/test_contract.py` runs against every regi
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -34,6 +35,9 @@ class Layout:
 
     #: Short stable name shown in `list`/`inspect` and accepted by `--layout`.
     name: str = ""
+    #: Endings of the names of files that are whole checkpoints of this layout (Lightning's `.ckpt`), which
+    #: the run walker hands to `identify_file`; empty for a layout whose checkpoints are folders.
+    checkpoint_files: tuple[str, ...] = ()
 
     # ---------------------------------------------------------------------------------------- reading
 
@@ -45,8 +49,17 @@ class Layout:
         """
         raise NotImplementedError
 
+    def identify_file(self, url: str, entry: DirEntry) -> CheckpointRef | None:
+        """The ref of the file at `url` (`entry`: its listing entry) if it is a whole checkpoint of this layout,
+        else None. Asked for the files whose names end in one of `checkpoint_files`, in the folders the run
+        walker lists that are not checkpoints themselves, and for a file given as a checkpoint: like
+        `identify`, it decides from the name and at most a few small reads.
+        """
+        return None
+
     def latest_pointer(self, url: str, entries: Sequence[DirEntry]) -> str | None:
-        """The name of the child folder a `latest`-style pointer in this folder names, if any."""
+        """The name of the child (a folder, or a file checkpoint) a `latest`-style pointer in this folder
+        names, if any."""
         return None
 
     def open(self, url: str) -> Checkpoint:
@@ -180,6 +193,12 @@ class Layout:
         """
         return (checkpoint.ref.url, io.parent_of(checkpoint.ref.url))
 
+    def model_config(self, checkpoint: Checkpoint) -> Mapping[str, Any] | None:
+        """The model's `config.json` as the checkpoint itself records it (a transformers config among a
+        Lightning module's hyperparameters), which `convert` writes when it finds no config.json and is given
+        no `--config`; None (the default) when it records none."""
+        return None
+
     def model_spec(self, config: Mapping[str, Any], notes: list[str]) -> ModelSpec | None:
         """The tensors of the model a config of this framework describes (a parsed `config.json`), as the
         framework's own code builds it, without memory; `convert` checks its output against it.
@@ -193,6 +212,15 @@ class Layout:
 
         Raises:
             ModelMismatch: the framework refuses to build a model from `config`.
+        """
+        return None
+
+    def adapter(self, checkpoint: Checkpoint) -> Adapter | None:
+        """The adapter this checkpoint holds instead of a model (a PEFT LoRA folder), which `convert` merges
+        into a base model (`--merge-adapter BASE`); None (the default) for a checkpoint that holds a model.
+
+        Args:
+            checkpoint: a checkpoint this layout opened.
         """
         return None
 
@@ -347,6 +375,53 @@ class ModelSpec:
     tied: Mapping[str, str]
     ignored_leftovers: tuple[str, ...] = ()
     ignored_missing: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class DerivedTensor:
+    """An output tensor that no file holds as is, computed when it is written (a LoRA merge: W + s·B@A).
+
+    `convert` plans, checks and writes it like a stored tensor; its bytes come from `compute()` instead of
+    a byte copy.
+
+    Attributes:
+        name: its name in the output.
+        dtype: torch-style dtype name of what `compute` returns.
+        shape: the shape of what `compute` returns.
+        compute: reads the stored tensors it derives from and returns the result (a torch tensor).
+    """
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    compute: Callable[[], Any] = field(repr=False, compare=False)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+#: A model as `convert` writes it: each output name -> the stored tensor it is, or the tensor computed for it.
+ModelTensors = Mapping[str, "TensorEntry | DerivedTensor"]
+
+
+@dataclass(frozen=True, slots=True)
+class Adapter:
+    """An adapter a checkpoint holds in place of a model (`Layout.adapter`).
+
+    Attributes:
+        kind: what it is, for people (`LoRA`).
+        base_hint: the base model the adapter itself names (PEFT's `base_model_name_or_path`), or None.
+        merge: `merge(base_url, base, notes)`: the model `base` (the base model's tensors by the model's
+            names, in order, their chunks relative to `base_url`) with the adapter merged in, by name and in
+            base order: the base entries it leaves alone kept as they are, the others derived. It appends
+            to `notes` what a person should know, and raises `CkptctlError` when the adapter cannot be
+            merged (a kind it does not handle) or does not fit the base.
+    """
+
+    kind: str
+    base_hint: str | None
+    merge: Callable[[str, Mapping[str, TensorEntry], list[str]], ModelTensors] = field(repr=False)
 
 
 _STEP_PATTERNS = (

@@ -23,8 +23,10 @@ from tests.writers.accelerate_writer import WrittenAccelerate
 from tests.writers.areal_writer import WrittenAreal
 from tests.writers.deepspeed_writer import WrittenDeepSpeed
 from tests.writers.distributed_save_writer import WrittenDistributedSaves
+from tests.writers.lightning_writer import WrittenLightning
 from tests.writers.megatron_writer import WrittenMegatron
 from tests.writers.openrlhf_writer import WrittenOpenRlhf
+from tests.writers.peft_writer import WrittenPeft
 from tests.writers.rl_runs import WrittenFsdpRuns
 from tests.writers.torchtitan_writer import WrittenTorchtitan
 from tests.writers.trainer_writer import WrittenTrainerRun
@@ -272,6 +274,31 @@ class TestHfTrainerOptimizer(TestHfTrainer):
     """The same checkpoint, damaged in its largest pickle (optimizer.pt) instead of its weights."""
 
     data_glob = "*.pt"
+
+
+class TestPeftAdapter(LayoutContract):
+    """A LoRA adapter as PEFT's `save_pretrained` writes it: its model is the adapter's trainable parameters."""
+
+    layout = "peft"
+    marker = "adapter_config.json"
+    data_glob = "*.safetensors"
+
+    @pytest.fixture
+    def source(self, peft_adapters: WrittenPeft) -> tuple[Path, int]:
+        return peft_adapters.adapters["rslora"], peft_adapters.trainable["rslora"]
+
+
+class TestLightningSharded(LayoutContract):
+    """A sharded FSDP `.ckpt` folder as Lightning's FSDPStrategy writes it (DCP, then meta.pt). Its `.ckpt` files
+    are single files, which this folder contract cannot copy: tests/layouts/test_lightning.py covers them."""
+
+    layout = "lightning"
+    marker = "meta.pt"
+    data_glob = "*.distcp"
+
+    @pytest.fixture
+    def source(self, lightning_run: WrittenLightning) -> tuple[Path, int]:
+        return lightning_run.sharded, lightning_run.model_parameters
 
 
 # --- The RL frameworks' layouts (run folders arranged from real pieces by tests.writers.rl_runs) ---------

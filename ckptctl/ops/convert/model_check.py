@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 from ckptctl import io
@@ -110,7 +111,7 @@ def apply_ties(
         copy = by_name.get(alias)
         if copy is None:
             if target is Target.DCP:
-                added.append(Planned(kept.entry, alias, kept.dtype))
+                added.append(replace(kept, name=alias))
             continue
         if not _same_values(checkpoint, copy, kept):
             raise ModelMismatch(
@@ -130,13 +131,11 @@ def _same_values(checkpoint: Checkpoint, a: Planned, b: Planned) -> bool:
     (a DCP checkpoint stores a tied copy as an item of its own)."""
     if (a.entry.dtype, a.shape, a.dtype) != (b.entry.dtype, b.shape, b.dtype):
         return False
-    if a.entry.chunks == b.entry.chunks:
+    if a.derived is None and b.derived is None and a.entry.chunks == b.entry.chunks:
         return True
     import torch
 
-    from ckptctl.formats.chunks import read_tensor
-
-    return torch.equal(read_tensor(checkpoint.url, a.entry), read_tensor(checkpoint.url, b.entry))
+    return torch.equal(read_planned(checkpoint.url, a), read_planned(checkpoint.url, b))
 
 
 def check_plan(plan: Sequence[Planned], spec: ModelSpec, target: Target) -> None:

@@ -29,6 +29,15 @@ class Weights(enum.StrEnum):
     STORED = "stored"
 
 
+class LoraMode(enum.StrEnum):
+    """What `convert` does with adapters a model's state dict carries around its layers (`layouts.wrapped`)."""
+
+    #: Merge them into the base weights and write the model under its own names (what transformers loads).
+    MERGE = "merge"
+    #: Write the tensors as stored (`base_layer`, `lora_A`, ... names), with no model check passing them.
+    KEEP = "keep"
+
+
 #: Accepted spellings of `dtype` -> torch dtype name.
 DTYPE_NAMES = {
     "bf16": "bfloat16",
@@ -84,6 +93,11 @@ class ConvertOptions:
             device) to resolve tied weights and check the model's tensors (`ops.convert.model_check`).
         check_logits: also compare the logits of the output (loaded by transformers) with those of the
             source tensors on a few fixed token ids (`--to hf`; holds two copies of the model in memory).
+        merge_adapter: the base model (a checkpoint folder) to merge the source, an adapter, into; None
+            takes the local folder the adapter itself names as its base, if any.
+        lora: for a model whose layers carry LoRA adapters, merge them (`merge`) or keep the stored tensors.
+        adapter_config: the adapter settings file (or its folder) that a wrapped model's merge takes the
+            LoRA alpha from (default: found beside the checkpoint or its config).
         ranks: the ranks of a job (`ops.distributed_work.join`) that all run this conversion and share the
             writing of the shard files; None: this process alone. The output is the same byte for byte.
     """
@@ -104,6 +118,9 @@ class ConvertOptions:
     weights: Weights = Weights.AUTO
     check_model: bool = True
     check_logits: bool = False
+    merge_adapter: str | None = None
+    lora: LoraMode = LoraMode.MERGE
+    adapter_config: str | None = None
     ranks: Ranks | None = None
 
 
@@ -157,6 +174,8 @@ class ConvertResult:
         uploaded: bytes uploaded to an object store DST (every file of the output; 0 for a local DST).
         model: what the check against the architecture of the output's config found, or None when there
             was none (no config, no architecture named, transformers not importable, `check_model` off).
+        base: the base model an adapter was merged into ("" when the source is a model).
+        derived: tensors computed rather than copied (the weights an adapter was merged into).
     """
 
     src: str
@@ -177,6 +196,8 @@ class ConvertResult:
     weights: str = Weights.STORED.value
     uploaded: int = 0
     model: ModelCheck | None = None
+    base: str = ""
+    derived: int = 0
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -200,4 +221,6 @@ class ConvertResult:
             "digests": DIGESTS_NAME,
             "warnings": list(self.warnings),
             "model_check": self.model.to_json() if self.model is not None else None,
+            "base": self.base or None,
+            "derived_tensors": self.derived,
         }

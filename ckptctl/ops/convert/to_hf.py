@@ -103,8 +103,8 @@ _MIN_AVERAGE_RUN_BYTES = 256
 
 
 def _sources(planned: Planned, locator: ChunkLocator) -> list[Source] | None:
-    """Byte ranges that make up the tensor in row-major order, or None when it must be assembled."""
-    if planned.rows is not None:  # reordered rows: assembled (one tensor at a time) and reordered
+    """Byte ranges that make up the tensor in row-major order, or None when it must be assembled (or computed)."""
+    if planned.rows is not None or planned.derived is not None:  # reordered rows, or computed: one at a time
         return None
     entry = planned.entry
     itemsize = dtype_itemsize(entry.dtype)

@@ -82,13 +82,22 @@ def build_once(tmp_path_factory: pytest.TempPathFactory, name: str, build: Calla
     shared = tmp_path_factory.getbasetemp().parent / "shared"  # the run's folder, above each worker's own
     shared.mkdir(exist_ok=True)
     record = shared / f"{name}.pickle"
+    failure = shared / f"{name}.failed"
     with FileLock(str(shared / f"{name}.lock")):
         if record.exists():
             built: T = pickle.loads(record.read_bytes())  # written by this run's own fixture code just before
             return built
+        if failure.exists():
+            # Another worker's build failed: say why here too, rather than building again for minutes (or
+            # tripping over its half-written folder).
+            pytest.fail(f"the {name!r} fixture failed to build in another worker:\n{failure.read_text()}")
         folder = shared / name
         folder.mkdir()
-        built = _build_retrying(build, folder)
+        try:
+            built = _build_retrying(build, folder)
+        except BaseException as exc:
+            failure.write_text(f"{type(exc).__name__}: {exc}")
+            raise
         record.write_bytes(pickle.dumps(built))
         return built
 

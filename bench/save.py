@@ -9,11 +9,11 @@ State: a stack of fp32 linear layers plus AdamW state (exp_avg, exp_avg_sq), abo
   first async save also allocates the buffers, later ones reuse them, so both are shown. Target: ≤ 0.25×.
 - `--device cuda`: the single-process state lives on the GPU; an async save copies it into pinned host
   buffers (DMA) and a sync save moves it to the host as it encodes.
-- 2 ranks (`--ranks 2`): the same state sharded by FSDP2 over gloo ranks on this host (DCP underneath);
-  the blocked time of a round is the slowest rank's (the job waits for it), sync and async measured in the
-  same spawn, interleaved.
+- 2 ranks (`--ranks 2`): the same state sharded by FSDP2 over gloo ranks on this host (DCP underneath), on
+  `--device`; the blocked time of a round is the slowest rank's (the job waits for it), sync and async
+  measured in the same spawn, interleaved.
 
-Usage: python bench/save.py [--gb 1.0] [--rounds 5] [--ranks 2] [--dir PATH]  (the default folder is next
+Usage: python bench/save.py [--gb 1.0] [--rounds 5] [--ranks 2] [--device cpu] [--dir PATH]  (the default folder is next
 to the repo, on the same disk as a training run's checkpoints would be; `--ranks 0` skips the multi-rank
 part).
 """
@@ -157,12 +157,15 @@ def multi_rank(args: argparse.Namespace) -> None:
     os.makedirs(args.dir, exist_ok=True)
     work = tempfile.mkdtemp(prefix="save-bench-ranks-", dir=args.dir)
     try:
-        mp.spawn(_rank, args=(args.ranks, work, args.gb, args.rounds), nprocs=args.ranks)
+        mp.spawn(_rank, args=(args.ranks, work, args.gb, args.rounds, args.device), nprocs=args.ranks)
         results = json.loads(Path(work, "results.json").read_text())
     finally:
         shutil.rmtree(work)
     med = {k: statistics.median(v) for k, v in results.items()}
-    print(f"\n{args.ranks} gloo ranks, FSDP2 (DCP), the same state; median of {args.rounds} rounds, slowest rank")
+    print(
+        f"\n{args.ranks} gloo ranks, FSDP2 (DCP) on {args.device}, the same state; median of {args.rounds} rounds, "
+        "slowest rank"
+    )
     print(f"{'':<36} {'median':>9} {'best':>9} {'ratio (medians)':>17}")
     for label, key in (
         ("sync: save()", "sync"),
@@ -176,18 +179,22 @@ def multi_rank(args: argparse.Namespace) -> None:
     )
 
 
-def _rank(rank: int, world: int, work: str, gigabytes: float, rounds: int) -> None:
+def _rank(rank: int, world: int, work: str, gigabytes: float, rounds: int, device: str) -> None:
     import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     dist.init_process_group("gloo", init_method=f"file://{work}/store", rank=rank, world_size=world)
     torch.manual_seed(0)
-    state, _ = build_state(gigabytes, optimize=False)
+    state, _ = build_state(gigabytes, optimize=False, device=device)
     model = state["model"]
     assert isinstance(model, nn.Sequential)
+    # Named, not FSDP's default (the accelerator when there is one): --device says where the shards live;
+    # with one GPU every rank shares it (gloo carries CUDA tensors through the host).
+    mesh = init_device_mesh(device, (world,))
     for layer in model:
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     for p in model.parameters():
         p.grad = torch.ones_like(p)

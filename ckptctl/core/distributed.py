@@ -96,7 +96,7 @@ def is_lost_peer(exc: BaseException) -> bool:
         return True
     text = str(exc).lower()
     return isinstance(exc, RuntimeError) and any(
-        sign in text for sign in ("connection closed", "connection reset", "broken pipe", "timed out", "gloo")
+        sign in text for sign in ("connection closed", "connection reset", "broken pipe", "timed out")
     )
 
 

@@ -381,10 +381,10 @@ class CheckpointManager:
             self._storage.share(step, staging, list(files))
         except BaseException as exc:
             local = exc
+        status: str | None = None
+        committed = False
         try:
             gathered = dist_.all_gather((files, rng_files, _describe(local)), group)
-
-            status = None
             if world.rank == 0:
                 failures = [f"rank {r}: {msg}" for r, (_, _, msg) in enumerate(gathered) if msg]
                 if failures:
@@ -399,16 +399,18 @@ class CheckpointManager:
                     try:
                         with storage_errors(f"committing step {step} into {self.root}"):
                             self._commit(step, staging, all_files, components, metrics, world_size=world.size)
+                        committed = True
                         self._remove_abandoned()
                         self._apply_retention()
                     except BaseException as exc:
                         status = _describe(exc)
             status = dist_.broadcast(status, group=group)
-        except BaseException as exc:
+        except Exception as exc:  # the commit's own failures are in `status`: this is the collectives'
+            if committed:  # every rank had written: the checkpoint is whole, whoever left since
+                log.warning("step %d committed, but a rank left before hearing so: %s", step, exc)
+                return
             self._discard(world, staging)
-            if dist_.is_lost_peer(exc):
-                raise _lost(step, exc) from exc
-            raise
+            raise _lost(step, exc) from exc
         self._discard(world, staging)  # a failed save's files; committed ones moved away
         if local is not None:
             raise local

@@ -99,8 +99,8 @@ class CheckpointManager:
     restored with every checkpoint without being asked.
 
     When `torch.distributed` is initialised with more than one rank, module and optimizer entries are
-    saved through torch DCP (sharded, reshardable) and rank 0 commits; every rank must call `save`,
-    `wait` and `resume`/`restore`.
+    saved through torch DCP (sharded, reshardable) and rank 0 commits; every rank must call `save` and
+    `resume`/`restore`. Async saves are asynchronous on several ranks too (see `save`).
 
     Args:
         root: the run folder: a local path (created if missing) or an fsspec URL such as

@@ -75,11 +75,6 @@ class Stager:
         self._cuda_copies = False
         self._host_copies: list[tuple[torch.Tensor, torch.Tensor]] = []
 
-    @property
-    def nbytes(self) -> int:
-        """The bytes of host memory the buffers hold."""
-        return sum(b.numel() * b.element_size() for b in self._buffers.values())
-
     def stage(self, slot: str, tensor: torch.Tensor) -> torch.Tensor:
         """The buffer of `slot` (shaped like `tensor`, on the host), to be filled with `tensor` by `finish`."""
         buf = self._buffers.get(slot)

@@ -119,6 +119,11 @@ def test_lora_adapter_on_a_model_without_adapters_is_refused(
     assert result.exit_code == 2 and "without adapters" in result.stderr
     lone = run_cli("convert", peft_adapters.wrapped, tmp_path / "out", "--lora-r", "8")
     assert lone.exit_code == 2 and "--lora-alpha" in lone.stderr
+    unused = run_cli("convert", peft_adapters.base, tmp_path / "out", "--lora-alpha", "16")
+    assert unused.exit_code == 2 and "carries none" in unused.stderr
+    adapter = run_cli("convert", peft_adapters.adapters["rslora"], tmp_path / "out", "--lora", "adapter")
+    assert adapter.exit_code == 2 and "holds an adapter already" in adapter.stderr
+    assert not (tmp_path / "out").exists()
 
 
 def test_inspect_names_the_adapted_modules(run_cli: Cli, peft_adapters: WrittenPeft) -> None:

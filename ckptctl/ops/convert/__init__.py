@@ -203,7 +203,13 @@ def _prepare(src: str, dst: str, options: ConvertOptions) -> _Prepared:
     url = ref.url
     checkpoint = _open_verified(layout, ref)
     notes: list[str] = []
-    if options.lora is LoraMode.ADAPTER and layout.adapter(checkpoint) is None:
+    if options.lora is LoraMode.ADAPTER:
+        if layout.adapter(checkpoint) is not None:
+            raise CkptctlError(
+                f"{checkpoint.url} ({layout.name}) holds an adapter already: --lora adapter takes a model saved with "
+                "adapters around its layers",
+                "drop --lora adapter to merge it into its base model (--merge-adapter BASE)",
+            )
         return _prepare_adapter(src, dst, layout, checkpoint, options, notes)
     base = _base_model(checkpoint, layout, dst, options, notes)
     # The output's stored tensors and its config come from the base model when an adapter is merged into it.

@@ -143,10 +143,16 @@ def plan_tensors(
     if hf is None and options.component is Component.MODEL and options.lora is LoraMode.MERGE:
         stored = normalised_names(checkpoint.layout, entries, strip_prefix, verb="written as")
         wrapped = find_wrapped(stored)
+        given = options.given_scaling()
         if wrapped is not None:
             found = adapter_settings(wrapped.settings_files) if adapter_settings is not None else {}
-            model = wrapped.merge(checkpoint.url, found, notes, options.given_scaling())
+            model = wrapped.merge(checkpoint.url, found, notes, given)
             return _planned(_renamed(model, renames), upcast, options), weights
+        if given is not None:
+            raise CkptctlError(
+                f"--lora-alpha scales LoRA adapters, and the model of {checkpoint.url} carries none around its layers",
+                "drop --lora-alpha (--lora-r, --lora-rslora)",
+            )
     name_map, rows = (None, {}) if hf is not None else _name_map(checkpoint, layout, entries, options, config, notes)
     named = normalised_names(
         checkpoint.layout,

@@ -61,6 +61,7 @@ class WrittenVerl:
         base_model: the local model folder the actor and critic were built from.
         merged_actor: verl's own merger's HF folder of the last step's actor.
         merged_critic: verl's own merger's HF folder of the last step's critic.
+        actor_parameters: elements of the actor's parameters.
         world_size: ranks.
         steps: the saved global steps.
     """
@@ -69,6 +70,7 @@ class WrittenVerl:
     base_model: Path
     merged_actor: Path
     merged_critic: Path
+    actor_parameters: int
     world_size: int = WORLD_SIZE
     steps: tuple[int, ...] = STEPS
 
@@ -284,7 +286,7 @@ def _rank(rank: int, port: int, root: str, base: str) -> None:
     dist.destroy_process_group()
 
 
-def _base_model(folder: Path) -> None:
+def _base_model(folder: Path) -> int:
     """A tiny Qwen2 (the family verl's examples train) and a word-level tokenizer, built locally."""
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -301,12 +303,14 @@ def _base_model(folder: Path) -> None:
         max_position_embeddings=64,
         tie_word_embeddings=False,
     )
-    Qwen2ForCausalLM(config).save_pretrained(folder)
+    model = Qwen2ForCausalLM(config)
+    model.save_pretrained(folder)
     tokenizer = Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w0"))
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
     PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="w0", eos_token="w1", pad_token="w2").save_pretrained(
         folder
     )
+    return sum(p.numel() for p in model.parameters())
 
 
 def _free_port() -> int:
@@ -320,13 +324,14 @@ def write_verl_run(root: Path) -> WrittenVerl:
     import torch.multiprocessing as mp
 
     root.mkdir(parents=True, exist_ok=True)
-    _base_model(root / "base")
+    parameters = _base_model(root / "base")
     mp.spawn(_rank, args=(_free_port(), str(root), str(root / "base")), nprocs=WORLD_SIZE)
     written = WrittenVerl(
         run=root / "run",
         base_model=root / "base",
         merged_actor=root / "merged_actor",
         merged_critic=root / "merged_critic",
+        actor_parameters=parameters,
     )
     (root / "written.json").write_text(json.dumps({"steps": list(STEPS)}))
     return written

@@ -1,0 +1,190 @@
+"""The verl layout on a run verl 0.9.1's own FSDPCheckpointManager wrote on 2 CPU ranks (tests.writers.verl_writer):
+list, inspect, verify, prune, resume-plan, diff and convert, the latter proven against verl's own merger."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import zipfile
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from ckptctl import io
+from ckptctl.checkpoint import CheckpointState, Component, ProblemKind
+from ckptctl.layouts import open_checkpoint, scan_run
+from ckptctl.ops.verification import verify_checkpoint
+from tests.conftest import CliResult, copy_tree
+from tests.writers.verl_writer import TRACKER, WrittenVerl
+
+Cli = Callable[..., CliResult]
+
+
+def _run(verl_run: WrittenVerl, tmp_path: Path) -> Path:
+    return copy_tree(verl_run.run, tmp_path / "checkpoints" / "proj" / "exp")
+
+
+def test_list_shows_the_steps_and_the_trackers_step_as_latest(verl_run: WrittenVerl, run_cli: Cli) -> None:
+    result = run_cli("list", verl_run.run, "--json")
+    assert result.exit_code == 0, result.stderr
+    found = [
+        (io.name_of(c["url"]), c["layout"], c["step"], c["state"], c["latest"]) for c in result.json["checkpoints"]
+    ]
+    assert found == [
+        ("global_step_1", "verl", 1, "complete", False),
+        ("global_step_2", "verl", 2, "complete", True),
+    ]
+
+
+def test_inspect_names_roles_world_size_and_components(verl_run: WrittenVerl) -> None:
+    ckpt = open_checkpoint(str(verl_run.step(2)))
+    assert ckpt.world_size == 2
+    assert set(ckpt.metadata["roles"]) == {"actor", "critic"}
+    assert ckpt.metadata["roles"]["actor"]["fsdp_config"] == {"FSDP_version": 2, "world_size": 2}
+    assert ckpt.metadata["tensors_of"] == "actor"
+    assert {Component.MODEL, Component.OPTIMIZER, Component.SCHEDULER, Component.RNG, Component.DATALOADER} <= set(
+        ckpt.components
+    )
+    # The optimizer's states are DTensors merged like the weights; its `step` counters (plain tensors on every
+    # rank) are taken once.
+    optimizer = {t.name: t for t in ckpt.tensors(Component.OPTIMIZER)}
+    assert optimizer["optimizer.state.0.exp_avg"].shape == (128, 32)
+    assert optimizer["optimizer.state.0.step"].shape == ()
+
+
+def test_a_missing_rank_file_breaks_the_step_and_verify_names_it(verl_run: WrittenVerl, tmp_path: Path) -> None:
+    run = _run(verl_run, tmp_path)
+    (run / "global_step_2" / "critic" / "optim_world_size_2_rank_1.pt").unlink()
+    refs = {io.name_of(r.url): r for r in scan_run(str(run))}
+    assert refs["global_step_2"].state is CheckpointState.IN_PROGRESS  # its files are fresh: a save may be at it
+    for path in run.rglob("*"):  # a save that stopped an hour ago
+        os.utime(path, (path.stat().st_mtime - 3600,) * 2)
+    refs = {io.name_of(r.url): r for r in scan_run(str(run))}
+    assert refs["global_step_2"].state is CheckpointState.BROKEN
+    assert "critic: 1 of 2 optim rank files missing" in refs["global_step_2"].note
+    problems = verify_checkpoint(str(run / "global_step_2")).problems
+    assert [(p.kind, p.path) for p in problems] == [(ProblemKind.MISSING_FILE, "critic/optim_world_size_2_rank_1.pt")]
+
+
+def test_a_hostile_rank_file_is_refused_and_not_run(verl_run: WrittenVerl, tmp_path: Path) -> None:
+    run = _run(verl_run, tmp_path)
+    victim = run / "global_step_2" / "actor" / "model_world_size_2_rank_0.pt"
+    with zipfile.ZipFile(victim) as z:
+        members = {n: z.read(n) for n in z.namelist()}
+    pkl = next(n for n in members if n.endswith("/data.pkl"))
+    members[pkl] = b"\x80\x02cposix\nsystem\nX\x05\x00\x00\x00touch\x85R."
+    with zipfile.ZipFile(victim, "w", zipfile.ZIP_STORED) as z:
+        for name, data in members.items():
+            z.writestr(name, data)
+    problems = verify_checkpoint(str(run / "global_step_2")).problems
+    assert (ProblemKind.UNSAFE_PICKLE, "actor/model_world_size_2_rank_0.pt") in [(p.kind, p.path) for p in problems]
+
+
+def test_prune_keeps_the_trackers_step(verl_run: WrittenVerl, tmp_path: Path, run_cli: Cli) -> None:
+    run = _run(verl_run, tmp_path)
+    (run / TRACKER).write_text("1")  # the tracker names the older step (a resume that saved nothing yet)
+    result = run_cli("prune", run, "--keep-last", "1", "--grace", "0s", "--yes", "--json")
+    assert result.exit_code == 1  # it says that a pointer keeps a checkpoint no rule keeps
+    assert "global_step_1 is protected (named by the run's latest pointer)" in result.stderr
+    assert sorted(p.name for p in run.iterdir()) == ["global_step_1", "global_step_2", TRACKER]
+    kept = {io.name_of(k["url"]): k["reasons"] for k in result.json["keep"]}
+    assert "named by the run's latest pointer" in kept["global_step_1"]
+
+
+def test_resume_plan_gives_verls_own_settings(verl_run: WrittenVerl, tmp_path: Path, run_cli: Cli) -> None:
+    run = _run(verl_run, tmp_path)
+    latest = run_cli("resume-plan", run, "--json")
+    assert latest.exit_code == 0, latest.stderr
+    assert latest.json["checkpoint"]["url"] == str(run / "global_step_2")
+    assert latest.json["resume_hint"] == (
+        f"trainer.resume_mode=auto trainer.default_local_dir={run} (its {TRACKER} names global_step_2)"
+    )
+    older = run_cli("resume-plan", run / "global_step_1", "--json")
+    assert older.exit_code == 0, older.stderr
+    assert older.json["resume_hint"] == (
+        f"trainer.resume_mode=resume_path trainer.resume_from_path={run / 'global_step_1'}"
+    )
+    assert (
+        f"{TRACKER} names global_step_2: resume_mode=auto would load that step, not this one" in older.json["warnings"]
+    )
+    other_world = run_cli("resume-plan", run, "--world-size", "4", "--json")
+    assert other_world.json["world_size"]["ok"] is False
+
+
+def test_diff_of_two_steps_reads_the_merged_tensors(verl_run: WrittenVerl, run_cli: Cli) -> None:
+    result = run_cli("diff", verl_run.step(1), verl_run.step(2), "--json")
+    assert result.json["only_in_a"] == [] and result.json["only_in_b"] == []
+    assert {c["a"]["shape"][0] for c in result.json["changed"] if c["name"] == "model.embed_tokens.weight"} == {128}
+
+
+def _assert_equal_to_merger(output: Path, merged: Path) -> dict[str, torch.Tensor]:
+    ours = load_file(str(output / "model.safetensors"))
+    theirs = load_file(str(merged / "model.safetensors"))
+    assert sorted(ours) == sorted(theirs)
+    for name, tensor in theirs.items():
+        # verl's merger writes bfloat16 (it builds the model `torch_dtype=torch.bfloat16` and saves it with the
+        # merged state dict, base_model_merger.py `save_hf_model_and_tokenizer`); ckptctl keeps the stored
+        # float32: equal once rounded the same way.
+        assert ours[name].dtype == torch.float32 and ours[name].shape == tensor.shape, name
+        assert torch.equal(ours[name].to(tensor.dtype), tensor), name
+    return ours
+
+
+def test_convert_the_actor_equals_verls_own_merger(verl_run: WrittenVerl, tmp_path: Path, run_cli: Cli) -> None:
+    """`convert` of a step writes its actor from the rank shards, with `huggingface/`'s config and tokenizer;
+    transformers loads it and every tensor equals what verl's own merger (`verl.model_merger`) wrote."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    result = run_cli("convert", verl_run.step(2), tmp_path / "hf", "--to", "hf", "--json")
+    assert result.exit_code == 0, result.stderr
+    assert f"config.json taken from {verl_run.step(2) / 'actor' / 'huggingface'}" in result.json["warnings"]
+    ours = _assert_equal_to_merger(tmp_path / "hf", verl_run.merged_actor)
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"))
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, ours[name]), name
+    assert AutoTokenizer.from_pretrained(str(tmp_path / "hf")).vocab_size == model.config.vocab_size
+
+
+def test_replicated_shards_are_taken_once(verl_run: WrittenVerl, tmp_path: Path, run_cli: Cli) -> None:
+    """The critic was sharded on verl's HSDP mesh ("ddp", "fsdp") of shape (2, 1): every parameter is
+    `(Replicate(), Shard(0))` and both rank files hold it whole. Each keeps its shape (never concatenated
+    across the replicas, verl PR#7610) and equals verl's merger's output. verl saves the critic's config as
+    the base model's (a causal LM), so the model check is left out."""
+    critic = verl_run.step(2) / "critic"
+    result = run_cli("convert", critic, tmp_path / "critic", "--to", "hf", "--no-check-model", "--json")
+    assert result.exit_code == 0, result.stderr
+    ours = _assert_equal_to_merger(tmp_path / "critic", verl_run.merged_critic)
+    assert ours["score.bias"].shape == (1,)
+    assert ours["model.embed_tokens.weight"].shape == (128, 32)
+    index = {t.name: t for t in open_checkpoint(str(critic)).tensors(Component.MODEL)}
+    assert [c.file for c in index["score.bias"].chunks] == ["model_world_size_2_rank_0.pt"]
+
+
+@pytest.fixture
+def skyrl_run(verl_run: WrittenVerl, tmp_path: Path) -> Path:
+    """The same files in SkyRL's arrangement (skyrl/backends/skyrl_train/distributed/fsdp_strategy.py
+    `save_checkpoint` writes verl's file names, `fsdp_config.json` and `huggingface/`; the trainer names the
+    roles `policy/` and `critic/`, adds `trainer_state.pt` and writes `latest_ckpt_global_step.txt`,
+    docs/content/docs/checkpointing-logging/checkpointing.mdx)."""
+    run = tmp_path / "skyrl"
+    for step in verl_run.steps:
+        folder = copy_tree(verl_run.step(step), run / f"global_step_{step}")
+        (folder / "actor").rename(folder / "policy")
+        (folder / "data.pt").rename(folder / "trainer_state.pt")
+    (run / "latest_ckpt_global_step.txt").write_text("1")
+    return run
+
+
+def test_skyrl_runs_list_and_convert_their_policy(skyrl_run: Path, tmp_path: Path, run_cli: Cli) -> None:
+    refs = [(io.name_of(r.url), r.layout, r.state, r.latest) for r in scan_run(str(skyrl_run))]
+    complete = CheckpointState.COMPLETE
+    assert refs == [("global_step_1", "verl", complete, True), ("global_step_2", "verl", complete, False)]
+    ckpt = open_checkpoint(str(skyrl_run))  # the step the tracker names
+    assert ckpt.ref.step == 1 and ckpt.metadata["tensors_of"] == "policy"
+    assert Component.TRAINER_STATE in ckpt.components
+    result = run_cli("convert", skyrl_run / "global_step_1", tmp_path / "hf", "--to", "hf", "--json")
+    assert result.exit_code == 0, result.stderr
+    shutil.rmtree(tmp_path / "hf")

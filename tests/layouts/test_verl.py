@@ -49,8 +49,9 @@ def test_list_shows_the_steps_and_the_trackers_step_as_latest(verl_run: WrittenV
 def test_inspect_names_roles_world_size_and_components(verl_run: WrittenVerl) -> None:
     ckpt = open_checkpoint(str(verl_run.step(2)))
     assert ckpt.world_size == 2
-    assert set(ckpt.metadata["roles"]) == {"actor", "critic"}
-    assert ckpt.metadata["roles"]["actor"]["fsdp_config"] == {"FSDP_version": 2, "world_size": 2}
+    assert ckpt.metadata["roles"] == ["actor", "critic"]
+    assert ckpt.metadata["role_world_sizes"] == {"actor": 2, "critic": 2}
+    assert ckpt.metadata["fsdp_versions"] == {"actor": 2, "critic": 2}
     assert ckpt.metadata["tensors_of"] == "actor"
     assert {Component.MODEL, Component.OPTIMIZER, Component.SCHEDULER, Component.RNG, Component.DATALOADER} <= set(
         ckpt.components

@@ -31,6 +31,7 @@ every rank) from rank 0 only, never concatenated (verl's merger once turned a (1
 
 from __future__ import annotations
 
+import math
 import re
 import time
 from collections.abc import Mapping, Sequence
@@ -68,7 +69,7 @@ from ckptctl.layouts.base import (
 )
 from ckptctl.layouts.resume import ResumeProfile
 
-__all__ = ["HF_FOLDER", "MARKER", "TRACKERS", "VerlLayout", "read_tracker", "role_index", "tracker_of"]
+__all__ = ["HF_FOLDER", "MARKER", "STEP_RE", "TRACKERS", "VerlLayout", "read_tracker", "tracker_of"]
 
 STEP_RE = re.compile(r"^global_step_(\d+)$")
 _RANK_FILE = re.compile(r"^(model|optim|extra_state)_world_size_(\d+)_rank_(\d+)\.pt$")
@@ -135,9 +136,6 @@ class _Role:
             return f"{self.name}: no {MARKER}: the save has not finished"
         return ""
 
-    def model_file(self, rank: int) -> str:
-        return f"model_world_size_{self.world_size}_rank_{rank}.pt"
-
 
 def _role(name: str, entries: Sequence[DirEntry]) -> _Role | None:
     """The role folder's facts, or None when it holds no rank file."""
@@ -173,14 +171,12 @@ def _roles(url: str, entries: Sequence[DirEntry]) -> list[_Role]:
             role = _role(entry.name, peek_dir(io.join(url, entry.name)) or [])
             if role is not None:
                 found.append(role)
-    return sorted(
-        found,
-        key=lambda r: (
-            r.name not in _POLICY_ROLES,
-            _POLICY_ROLES.index(r.name) if r.name in _POLICY_ROLES else 0,
-            r.name,
-        ),
-    )
+    return sorted(found, key=_role_order)
+
+
+def _role_order(role: _Role) -> tuple[int, str]:
+    """The policy (actor) first: its model is what a step converts to."""
+    return (_POLICY_ROLES.index(role.name) if role.name in _POLICY_ROLES else len(_POLICY_ROLES), role.name)
 
 
 def _state(note: str, newest: float | None) -> CheckpointState:
@@ -199,11 +195,11 @@ def _open_rank_file(url: str, size: int | None) -> TorchPickle:
     return open_torch_pickle(url, size, DTENSOR_PICKLE_GLOBALS)
 
 
-def _rank_of(facts_coordinate: tuple[int, ...] | None, rank: int, mesh_shape: tuple[int, ...]) -> tuple[int, ...]:
+def _rank_of(recorded: tuple[int, ...] | None, rank: int, mesh_shape: tuple[int, ...]) -> tuple[int, ...]:
     """The rank's coordinate in the mesh: what its pickle records, else its rank unravelled in mesh order
     (DeviceMesh's default rank map)."""
-    if facts_coordinate is not None:
-        return facts_coordinate
+    if recorded is not None:
+        return recorded
     coordinate = []
     for n in reversed(mesh_shape):
         coordinate.append(rank % n)
@@ -211,16 +207,13 @@ def _rank_of(facts_coordinate: tuple[int, ...] | None, rank: int, mesh_shape: tu
     return tuple(reversed(coordinate))
 
 
-def role_index(
-    role_url: str, role: _Role, prefix: str, kinds: Sequence[str] = ("model", "optim")
-) -> tuple[TensorEntry, ...]:
-    """The global tensors of a role's rank files of `kinds`, each with one chunk per distinct shard.
+def _role_index(role_url: str, role: _Role, prefix: str) -> tuple[TensorEntry, ...]:
+    """The global tensors of a role's model and optimizer rank files, each with one chunk per distinct shard.
 
     Args:
         role_url: the role folder.
         role: its facts.
         prefix: what chunk file names get in front (`actor/` for a step folder's index, "" for the role's own).
-        kinds: `model` (Component.MODEL, names as stored) and `optim` (Component.OPTIMIZER, `optimizer.`-prefixed).
 
     Raises:
         CorruptCheckpoint: a rank file is missing or unreadable, shards disagree, or they do not cover a tensor.
@@ -230,7 +223,9 @@ def role_index(
     if world is None:
         raise CorruptCheckpoint(f"{role_url}: rank files of several world sizes")
     entries: list[TensorEntry] = []
-    for kind in kinds:
+    # The model's tensors keep their stored names (PEFT's `base_layer`/`lora_A.default` included, for convert's
+    # LoRA rules); the optimizer's get `optimizer.` in front.
+    for kind in ("model", "optim"):
         if kind not in role.ranks:
             continue
         component = Component.MODEL if kind == "model" else Component.OPTIMIZER
@@ -252,19 +247,12 @@ def role_index(
                     have[2].append(chunk)
         for name, (dtype, shape, chunks) in built.items():
             covered = sum(c.numel for c in chunks)
-            if covered != _numel(shape):
+            if covered != math.prod(shape):
                 raise CorruptCheckpoint(
-                    f"{role_url}: the shards of {name} cover {covered} of its {_numel(shape)} elements"
+                    f"{role_url}: the shards of {name} cover {covered} of its {math.prod(shape)} elements"
                 )
             entries.append(TensorEntry(name, component, dtype, shape, tuple(chunks)))
     return tuple(entries)
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def _chunk(opened: TorchPickle, value: TensorRef | DTensorRef, rank: int, file: str, source: str) -> TensorChunk | None:
@@ -286,7 +274,7 @@ def _chunk(opened: TorchPickle, value: TensorRef | DTensorRef, rank: int, file: 
             raise CorruptCheckpoint(
                 f"{source}: the local shard is {list(local.shape)}, its placements say {list(sizes)}"
             )
-    if _numel(sizes) == 0:
+    if math.prod(sizes) == 0:
         return None
     found = opened.byte_range(local)
     if found is None:
@@ -366,16 +354,11 @@ class VerlLayout(Layout):
         prefix = f"{main.name}/" if is_step else ""
         names = {e.name for e in entries if not e.is_dir}
         components: set[Component] = set()
-        role_info: dict[str, Any] = {}
+        fsdp_versions: dict[str, Any] = {}
         for role in roles:
             components |= _role_components(role)
-            role_info[role.name] = {
-                "world_size": role.world_size,
-                "fsdp_config": _read_small_json(io.join(url, role.name, MARKER) if is_step else io.join(url, MARKER))
-                if role.has_marker
-                else None,
-                "huggingface": role.has_hf,
-            }
+            config = _read_small_json(io.join(url, role.name, MARKER) if is_step else io.join(url, MARKER))
+            fsdp_versions[role.name] = config.get("FSDP_version") if isinstance(config, dict) else None
         if is_step and DATALOADER in names:
             components.add(Component.DATALOADER)
         if is_step and SKYRL_TRAINER_STATE in names:
@@ -383,7 +366,9 @@ class VerlLayout(Layout):
         metadata: dict[str, Any] = {
             "format": "verl",
             "kind": "step" if is_step else "role",
-            "roles": role_info,
+            "roles": [role.name for role in roles],
+            "role_world_sizes": {role.name: role.world_size for role in roles},
+            "fsdp_versions": fsdp_versions,
             "tensors_of": main.name,
             "resume_setting": "trainer.resume_mode=auto (the tracker's step), or trainer.resume_mode=resume_path "
             "trainer.resume_from_path=<global_step_N>",
@@ -393,7 +378,7 @@ class VerlLayout(Layout):
 
         @cache
         def tensor_index() -> tuple[TensorEntry, ...]:
-            return role_index(main_url, main, prefix)
+            return _role_index(main_url, main, prefix)
 
         return Checkpoint(
             ref=ref,
@@ -538,7 +523,7 @@ def _role_problems(prefix: str, role_url: str, role: _Role | None) -> list[Probl
         problems += [Problem(ProblemKind.TRUNCATED, prefix + file, message) for message in _storage_problems(opened)]
     if not any(p.severity == "error" for p in problems):
         try:
-            role_index(role_url, role, prefix)
+            _role_index(role_url, role, prefix)
         except CkptctlError as exc:
             problems.append(Problem(ProblemKind.COVERAGE, prefix, exc.message))
     return problems

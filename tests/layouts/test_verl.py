@@ -212,6 +212,14 @@ def test_convert_the_actor_equals_verls_own_merger(verl_run: WrittenVerl, tmp_pa
         assert torch.equal(tensor, ours[name]), name
     assert AutoTokenizer.from_pretrained(str(tmp_path / "hf")).vocab_size == model.config.vocab_size
 
+    # Cast as verl's merger casts, the output is its output bit for bit.
+    cast = run_cli("convert", verl_run.step(2), tmp_path / "bf16", "--to", "hf", "--dtype", "bf16", "--json")
+    assert cast.exit_code == 0, cast.stderr
+    theirs = load_file(str(verl_run.merged_actor / "model.safetensors"))
+    assert load_file(str(tmp_path / "bf16" / "model.safetensors")).keys() == theirs.keys()
+    for name, tensor in load_file(str(tmp_path / "bf16" / "model.safetensors")).items():
+        assert tensor.dtype == theirs[name].dtype and torch.equal(tensor, theirs[name]), name
+
 
 def test_replicated_shards_are_taken_once(verl_run: WrittenVerl, tmp_path: Path, run_cli: Cli) -> None:
     """The critic was sharded on verl's HSDP mesh ("ddp", "fsdp") of shape (2, 1): every parameter is

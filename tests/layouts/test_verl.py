@@ -134,9 +134,8 @@ def test_a_missing_rank_file_breaks_the_step_and_verify_names_it(verl_run: Writt
     assert [(p.kind, p.path) for p in problems] == [(ProblemKind.MISSING_FILE, "critic/optim_world_size_2_rank_1.pt")]
 
 
-def test_a_hostile_rank_file_is_refused_and_not_run(verl_run: WrittenVerl, tmp_path: Path) -> None:
-    run = _run(verl_run, tmp_path)
-    victim = run / "global_step_2" / "actor" / "model_world_size_2_rank_0.pt"
+def _poison(victim: Path) -> None:
+    """Replace the torch.save file's data.pkl with a pickle that would run `posix.system`."""
     with zipfile.ZipFile(victim) as z:
         members = {n: z.read(n) for n in z.namelist()}
     pkl = next(n for n in members if n.endswith("/data.pkl"))
@@ -144,8 +143,16 @@ def test_a_hostile_rank_file_is_refused_and_not_run(verl_run: WrittenVerl, tmp_p
     with zipfile.ZipFile(victim, "w", zipfile.ZIP_STORED) as z:
         for name, data in members.items():
             z.writestr(name, data)
+
+
+@pytest.mark.parametrize(
+    "victim", ["actor/model_world_size_2_rank_0.pt", "critic/extra_state_world_size_2_rank_1.pt", "data.pt"]
+)
+def test_a_hostile_file_is_refused_and_not_run(verl_run: WrittenVerl, tmp_path: Path, victim: str) -> None:
+    run = _run(verl_run, tmp_path)
+    _poison(run / "global_step_2" / victim)
     problems = verify_checkpoint(str(run / "global_step_2")).problems
-    assert (ProblemKind.UNSAFE_PICKLE, "actor/model_world_size_2_rank_0.pt") in [(p.kind, p.path) for p in problems]
+    assert (ProblemKind.UNSAFE_PICKLE, victim) in [(p.kind, p.path) for p in problems]
 
 
 def test_prune_keeps_the_trackers_step(verl_run: WrittenVerl, tmp_path: Path, run_cli: Cli) -> None:

@@ -393,7 +393,7 @@ class VerlLayout(Layout):
     def verify(self, checkpoint: Checkpoint) -> list[Problem]:
         """Every role: all rank files of its world size, `fsdp_config.json` present and agreeing, each rank
         file's pickle safe and its storages inside the file, the shards covering every tensor; a step: its
-        data loader state."""
+        data loader state (and SkyRL's trainer state) present and safe."""
         url = checkpoint.url
         entries = io.list_dir(url)
         is_step = STEP_RE.match(io.name_of(url)) is not None
@@ -409,6 +409,13 @@ class VerlLayout(Layout):
                         severity="warning",
                     )
                 )
+            names = {e.name: e.size for e in entries if not e.is_dir}
+            problems += [
+                p
+                for name in (DATALOADER, SKYRL_TRAINER_STATE)
+                if name in names
+                for p in _state_file(url, name, names[name])
+            ]
         else:
             role = _role(io.name_of(url), entries)
             roles = [("", url, role)] if role is not None else []
@@ -527,6 +534,17 @@ def _role_problems(prefix: str, role_url: str, role: _Role | None) -> list[Probl
         except CkptctlError as exc:
             problems.append(Problem(ProblemKind.COVERAGE, prefix, exc.message))
     return problems
+
+
+def _state_file(url: str, name: str, size: int) -> list[Problem]:
+    """A step's plain torch.save state (`data.pt`, SkyRL's `trainer_state.pt`) read through the allowlist."""
+    try:
+        opened = open_torch_pickle(io.join(url, name), size)
+    except UnsafePickle as exc:
+        return [Problem(ProblemKind.UNSAFE_PICKLE, name, exc.message)]
+    except CkptctlError as exc:
+        return [Problem(ProblemKind.UNREADABLE, name, exc.message)]
+    return [Problem(ProblemKind.TRUNCATED, name, message) for message in _storage_problems(opened)]
 
 
 def _storage_problems(opened: TorchPickle) -> list[str]:

@@ -115,7 +115,8 @@ def dtensor_facts(ref: DTensorRef, source: str) -> DTensorFacts:
         raise CorruptCheckpoint(f"{source}: a DTensor's spec has no device mesh")
     mesh_state = state_fields(mesh, source)
     mesh_shape = _mesh_shape(mesh_state, source)
-    names = mesh_state.get("_mesh_dim_names")
+    # `_mesh_dim_names` since torch 2.9's layout rework, `mesh_dim_names` before.
+    names = mesh_state.get("_mesh_dim_names", mesh_state.get("mesh_dim_names"))
     if names is None:
         names = ()
     if type(names) is not tuple or not all(type(n) is str and len(n) <= 64 for n in names):

@@ -34,6 +34,7 @@ from tests.writers.run_folders import NestedRun, arrange_deepspeed_run, trainer_
 from tests.writers.torchtitan_writer import WrittenTorchtitan, write_torchtitan_run
 from tests.writers.trainer_writer import WrittenTrainerRun, write_trainer_run
 from tests.writers.universal_writer import WrittenUniversal, write_universal_runs
+from tests.writers.verl_writer import WrittenVerl, write_verl_run
 
 T = TypeVar("T")
 
@@ -49,6 +50,7 @@ SLOW_FIXTURES = frozenset(
         "fsdp_dcp",
         "fsdp_runs",
         "areal_run",
+        "verl_run",
         "fsdp_run",
         "big_dcp",
         "interrupted_saves",
@@ -257,6 +259,14 @@ def fsdp_runs(tmp_path_factory: pytest.TempPathFactory) -> WrittenFsdpRuns:
     """FSDP2 on 2 CPU ranks, saved every step as AReaL (trial with recover slots, exports, recover_info) and
     ROLL (launch folder with checkpoint-1 and checkpoint-2, the latter with critic/) save (slow: spawns)."""
     return build_once(tmp_path_factory, "fsdp-rl", write_fsdp_runs)
+
+
+@pytest.fixture(scope="session")
+def verl_run(tmp_path_factory: pytest.TempPathFactory) -> WrittenVerl:
+    """verl 0.9.1's own FSDPCheckpointManager on 2 CPU ranks (FSDP2): global steps 1 and 2 of a tiny Qwen2 actor
+    (1-D fsdp mesh) and critic (HSDP mesh, replicated), the tracker, and verl's own merger's output of step 2
+    (slow: spawns)."""
+    return build_once(tmp_path_factory, "verl", write_verl_run)
 
 
 @pytest.fixture(scope="session")

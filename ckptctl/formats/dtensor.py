@@ -135,7 +135,7 @@ def dtensor_facts(ref: DTensorRef, source: str) -> DTensorFacts:
         raise CorruptCheckpoint(f"{source}: a DTensor has {len(placements)} placements on a {len(mesh_shape)}-D mesh")
     _check_shard_order(spec.get("shard_order"), source)
     meta = spec.get("tensor_meta")
-    if type(meta) is TensorMetaStandIn and tuple(meta[0]) != ref.shape:
+    if type(meta) is TensorMetaStandIn and (type(meta[0]) not in (tuple, list) or tuple(meta[0]) != ref.shape):
         raise CorruptCheckpoint(f"{source}: a DTensor's tensor_meta disagrees with its size")
     return DTensorFacts(
         ref.dtype,

@@ -134,6 +134,20 @@ def test_a_missing_rank_file_breaks_the_step_and_verify_names_it(verl_run: Writt
     assert [(p.kind, p.path) for p in problems] == [(ProblemKind.MISSING_FILE, "critic/optim_world_size_2_rank_1.pt")]
 
 
+def test_a_rank_file_copied_over_another_leaves_half_of_each_tensor_missing(
+    verl_run: WrittenVerl, tmp_path: Path
+) -> None:
+    """Rank 1's model file replaced by rank 0's: every shard records mesh coordinate 0, so the two halves of
+    each tensor are the same half. Their element count is the tensor's; structural verify still names the gap
+    (before, only convert and `verify --deep` found it)."""
+    run = _run(verl_run, tmp_path)
+    actor = run / "global_step_2" / "actor"
+    shutil.copyfile(actor / "model_world_size_2_rank_0.pt", actor / "model_world_size_2_rank_1.pt")
+    problems = verify_checkpoint(str(run / "global_step_2")).problems
+    assert [(p.kind, p.path) for p in problems] == [(ProblemKind.COVERAGE, "actor/")]
+    assert "overlap" in problems[0].message
+
+
 def _poison(victim: Path) -> None:
     """Replace the torch.save file's data.pkl with a pickle that would run `posix.system`."""
     with zipfile.ZipFile(victim) as z:

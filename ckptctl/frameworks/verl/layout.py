@@ -51,6 +51,7 @@ from ckptctl.checkpoint import (
     TensorEntry,
 )
 from ckptctl.errors import CkptctlError, CorruptCheckpoint, UnknownLayout, UnsafePickle
+from ckptctl.formats.chunks import tiling_problem
 from ckptctl.formats.documents import read_json
 from ckptctl.formats.dtensor import dtensor_facts, state_tensors
 from ckptctl.formats.safe_pickle import DTENSOR_PICKLE_GLOBALS, DTensorRef, TensorRef
@@ -246,11 +247,12 @@ def _role_index(role_url: str, role: _Role, prefix: str) -> tuple[TensorEntry, .
                 if chunk is not None:
                     have[2].append(chunk)
         for name, (dtype, shape, chunks) in built.items():
-            covered = sum(c.numel for c in chunks)
-            if covered != math.prod(shape):
-                raise CorruptCheckpoint(
-                    f"{role_url}: the shards of {name} cover {covered} of its {math.prod(shape)} elements"
-                )
+            # The shared tiling rule, not an element count: two rank files that record the same mesh
+            # coordinate (a rank's file copied over another's) add up to the right count while half the
+            # tensor is missing.
+            problem = tiling_problem(shape, [(c.offsets, c.sizes) for c in chunks])
+            if problem is not None:
+                raise CorruptCheckpoint(f"{role_url}: the shards of {name} do not tile it: {problem}")
             entries.append(TensorEntry(name, component, dtype, shape, tuple(chunks)))
     return tuple(entries)
 

@@ -308,7 +308,7 @@ class CheckpointManager:
             taken = snapshot.take(state, world, self._stager if self.async_save else None)
         except OSError as exc:
             local = StorageError(f"cannot create {staging}: {exc.strerror or exc}")
-        except CkptctlError as exc:
+        except Exception as exc:  # any failure (a torch error too) must reach `_agree`, or the others wait there
             local = exc
         self._agree(world, staging, local, "preparing the state")
         assert taken is not None

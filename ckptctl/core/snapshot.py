@@ -82,7 +82,8 @@ class Stager:
             buf = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=self._pin)
             self._buffers[slot] = buf
         self._used.add(slot)
-        if tensor.device.type == "cpu" and tensor.is_contiguous() and tensor.dim() > 0:
+        # A conjugate or negative view's bytes are not its values: `copy_` resolves them, a memcpy would not.
+        if tensor.device.type == "cpu" and tensor.is_contiguous() and tensor.dim() > 0 and not _is_lazy_view(tensor):
             self._host_copies.append((buf, tensor))
         else:
             self._cuda_copies |= tensor.is_cuda
@@ -104,9 +105,19 @@ class Stager:
         self._used.clear()
         self._cuda_copies = False
 
+    def abandon(self) -> None:
+        """Drop the copies queued by a snapshot that failed before `finish`, so that the next one neither runs
+        them (stale sources racing its own copies into the same buffers) nor keeps their sources alive."""
+        self._host_copies.clear()
+        self._used.clear()
+
     def release(self) -> None:
         """Give the buffers back; the next async save allocates them again."""
         self._buffers.clear()
+
+
+def _is_lazy_view(tensor: torch.Tensor) -> bool:
+    return tensor.is_conj() or tensor.is_neg()
 
 
 #: Host copies go in pieces of this size, so that a few threads share even one large tensor.
@@ -145,6 +156,15 @@ def take(state: Mapping[str, Any], world: dist_.World, stager: Stager | None) ->
     """
     if not isinstance(state, Mapping):
         raise SerializationError(f"state must be a dict of entries, not {type(state).__name__}")
+    try:
+        return _take(state, world, stager)
+    except BaseException:
+        if stager is not None:
+            stager.abandon()
+        raise
+
+
+def _take(state: Mapping[str, Any], world: dist_.World, stager: Stager | None) -> Snapshot:
     entries = []
     sharded: dict[str, tuple[str, Any]] = {}
     modules = {}

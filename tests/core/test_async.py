@@ -13,8 +13,9 @@ from typing import Any
 import pytest
 import torch
 
-from ckptctl.core import CheckpointManager
-from ckptctl.errors import StorageError
+from ckptctl.core import CheckpointManager, snapshot
+from ckptctl.core import distributed as dist_
+from ckptctl.errors import SerializationError, StorageError
 from ckptctl.formats import state_tree
 from tests.core import _workers
 from tests.core.util import assert_same
@@ -137,3 +138,57 @@ def test_staging_buffers_are_reused_between_saves(run_dir: Path) -> None:
             manager.save(step, {"value": {"w": w}})
     manager.wait()
     assert len(captured) == 3 and len(set(captured)) == 1 and captured[0] != w.data_ptr()
+
+
+def test_conjugate_and_negative_views_are_staged_as_their_values() -> None:
+    """Contiguous host tensors are staged by memcpy; a lazily conjugated or negated view's bytes are not its
+    values, so it takes the resolving copy (this reached the memcpy and raised a torch error)."""
+    z = torch.randn(4, dtype=torch.complex64)
+    views = {"conj": z.conj(), "neg": torch._neg_view(z), "plain": torch.arange(6.0)}
+    stager = snapshot.Stager()
+    staged = {slot: stager.stage(slot, view) for slot, view in views.items()}
+    stager.finish()
+    for slot, view in views.items():
+        assert torch.equal(staged[slot], view.resolve_conj().resolve_neg()), slot
+
+
+def test_a_failed_async_save_leaves_no_copy_behind(run_dir: Path) -> None:
+    """An entry that cannot be stored fails the save after earlier tensors were queued for staging. The next
+    save of that tensor must hold its own values, not the queued copy of the failed one (which ran last, over
+    them, when the new tensor took the direct copy: a non-contiguous one)."""
+    manager = CheckpointManager(run_dir, async_save=True)
+    with pytest.raises(SerializationError):
+        manager.save(1, {"a": {"w": torch.ones(8, 8)}, "b": {"bad": object()}})
+    new = torch.arange(64.0).reshape(8, 8).t()
+    manager.save(2, {"a": {"w": new}})
+    manager.wait()
+    state: dict[str, Any] = {"a": None}
+    manager.restore(state)
+    assert torch.equal(state["a"]["w"], new)
+
+
+def test_a_rank_whose_state_fails_with_any_error_tells_the_others(
+    run_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 0 of 2 (the collectives stood in for): an entry whose `state_dict` raises a plain RuntimeError still
+    reaches the all-gather where the other rank waits, instead of leaving it there."""
+    gathered: list[Any] = []
+
+    def all_gather(obj: Any, group: Any = None) -> list[Any]:
+        gathered.append(obj)
+        return [obj, None]
+
+    monkeypatch.setattr(dist_, "current_world", lambda: dist_.World(0, 2))
+    monkeypatch.setattr(dist_, "broadcast", lambda obj, src=0, group=None: obj)
+    monkeypatch.setattr(dist_, "all_gather", all_gather)
+
+    class Broken:
+        def state_dict(self) -> dict[str, Any]:
+            raise RuntimeError("CUDA error: out of memory")
+
+        def load_state_dict(self, state: dict[str, Any]) -> None:
+            pass
+
+    with pytest.raises(RuntimeError, match="out of memory"):
+        CheckpointManager(run_dir).save(1, {"sampler": Broken()})
+    assert gathered == ["RuntimeError: CUDA error: out of memory"]

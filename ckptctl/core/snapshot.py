@@ -72,7 +72,8 @@ class Stager:
         self._buffers: dict[str, torch.Tensor] = {}
         self._used: set[str] = set()
         self._pin = torch.cuda.is_available()
-        self._cuda_copies = False
+        # Each device's copies run on its own stream: `torch.cuda.synchronize()` waits for the current device only.
+        self._cuda_devices: set[torch.device] = set()
         self._host_copies: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def stage(self, slot: str, tensor: torch.Tensor) -> torch.Tensor:
@@ -86,7 +87,8 @@ class Stager:
         if tensor.device.type == "cpu" and tensor.is_contiguous() and tensor.dim() > 0 and not _is_lazy_view(tensor):
             self._host_copies.append((buf, tensor))
         else:
-            self._cuda_copies |= tensor.is_cuda
+            if tensor.is_cuda:
+                self._cuda_devices.add(tensor.device)
             buf.copy_(tensor, non_blocking=tensor.is_cuda)
         return buf
 
@@ -98,12 +100,12 @@ class Stager:
         longer has."""
         jobs, self._host_copies = self._host_copies, []
         _copy_host(jobs)
-        if self._cuda_copies:
-            torch.cuda.synchronize()
+        for device in self._cuda_devices:
+            torch.cuda.synchronize(device)
         for slot in set(self._buffers) - self._used:
             del self._buffers[slot]
         self._used.clear()
-        self._cuda_copies = False
+        self._cuda_devices.clear()
 
     def abandon(self) -> None:
         """Drop the copies queued by a snapshot that failed before `finish`, so that the next one neither runs

@@ -129,3 +129,20 @@ def test_lora_adapter_on_a_model_without_adapters_is_refused(
 def test_inspect_names_the_adapted_modules(run_cli: Cli, peft_adapters: WrittenPeft) -> None:
     result = run_cli("inspect", peft_adapters.wrapped, "--json")
     assert result.json["wrapped_model"]["targets"] == ["q_proj", "v_proj"]
+
+
+def test_a_scaling_given_where_it_would_not_be_used_is_refused(
+    run_cli: Cli, peft_adapters: WrittenPeft, tmp_path: Path
+) -> None:
+    """--lora-alpha that nothing would take (an adapter folder merges with its own adapter_config.json; --lora keep
+    merges nothing), or one that is not a number (nan merged every adapted weight into NaN, exit 0), is refused
+    rather than ignored."""
+    cases = {
+        "adapter folder": (peft_adapters.adapters["rslora"], "--lora-alpha", "16"),
+        "keep": (peft_adapters.wrapped, "--lora", "keep", "--lora-alpha", "16"),
+        "nan": (peft_adapters.wrapped, "--lora-alpha", "nan"),
+    }
+    for case, (src, *args) in cases.items():
+        result = run_cli("convert", src, tmp_path / "out", *args)
+        assert result.exit_code == 2 and "--lora-alpha" in result.stderr, (case, result.stderr)
+    assert not (tmp_path / "out").exists()

@@ -211,7 +211,14 @@ def _prepare(src: str, dst: str, options: ConvertOptions) -> _Prepared:
                 "drop --lora adapter to merge it into its base model (--merge-adapter BASE)",
             )
         return _prepare_adapter(src, dst, layout, checkpoint, options, notes)
+    given = options.given_scaling()
     base = _base_model(checkpoint, layout, dst, options, notes)
+    if base is not None and given is not None:  # else silently ignored: the adapter's own settings merge it
+        raise CkptctlError(
+            f"{checkpoint.url} is an adapter: its adapter_config.json gives the scaling, --lora-alpha is for a model "
+            "saved with adapters around its layers",
+            "drop --lora-alpha (--lora-r, --lora-rslora)",
+        )
     # The output's stored tensors and its config come from the base model when an adapter is merged into it.
     source, source_layout = (base, get_layout(base.layout)) if base is not None else (checkpoint, layout)
     hf = _hf_model(checkpoint, layout, options) if base is None else None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -139,12 +140,20 @@ class ConvertOptions:
         """The LoRA scaling given by `lora_alpha` (with `lora_r`, `lora_rslora`), or None.
 
         Raises:
-            CkptctlError: `lora_r` or `lora_rslora` without `lora_alpha`, or a rank below 1.
+            CkptctlError: `lora_r` or `lora_rslora` without `lora_alpha`, an alpha that is not a finite number,
+                a rank below 1, or `lora=keep`, which merges nothing.
         """
         if self.lora_alpha is None:
             if self.lora_r is not None or self.lora_rslora:
                 raise CkptctlError("--lora-r and --lora-rslora go with --lora-alpha", "give the run's --lora-alpha too")
             return None
+        if not math.isfinite(self.lora_alpha):  # nan would merge into NaN weights, and the merge "succeed"
+            raise CkptctlError(f"--lora-alpha must be a finite number, not {self.lora_alpha}")
+        if self.lora is LoraMode.KEEP:
+            raise CkptctlError(
+                "--lora-alpha scales adapters that are merged or written alone; --lora keep writes the tensors as stored",
+                "drop --lora-alpha (--lora-r, --lora-rslora), or choose --lora merge or --lora adapter",
+            )
         if self.lora_r is not None and self.lora_r < 1:
             raise CkptctlError(f"--lora-r must be at least 1, not {self.lora_r}")
         return GivenScaling(self.lora_alpha, self.lora_r, self.lora_rslora)

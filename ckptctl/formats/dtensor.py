@@ -32,6 +32,7 @@ from ckptctl.formats.safe_pickle import (
     TensorRef,
     state_fields,
 )
+from ckptctl.formats.torch_pickle import refs_of
 
 __all__ = ["DTensorFacts", "Placement", "dtensor_facts", "state_tensors"]
 
@@ -217,35 +218,10 @@ def _check_shard_order(value: Any, source: str) -> None:
 
 def state_tensors(root: Any, prefix: str = "") -> Iterator[tuple[str, TensorRef | DTensorRef]]:
     """Every tensor and DTensor of a sharded state dict (nested dicts and lists) with its dotted path, in stored
-    order (`model.layers.0.mlp.up_proj.weight`; `state.0.exp_avg` in an optimizer's).
+    order (`model.layers.0.mlp.up_proj.weight`; `state.0.exp_avg` in an optimizer's), under the bounds of
+    `torch_pickle.refs_of`: a hostile file cannot make the paths add up to gigabytes.
 
     Raises:
-        CorruptCheckpoint: nesting deeper than any real state dict.
+        CorruptCheckpoint: nesting deeper than any real state dict, or paths longer than any real one's.
     """
-    frames: list[tuple[str, Iterator[tuple[Any, Any]]]] = [(prefix, iter(_items(root)))]
-    seen: set[int] = set()
-    while frames:
-        path, items = frames[-1]
-        entry = next(items, None)
-        if entry is None:
-            frames.pop()
-            continue
-        key, value = entry
-        if type(key) not in (str, int) or (type(key) is str and len(key) > 1024):
-            continue
-        child = f"{path}.{key}" if path else str(key)
-        if type(value) in (TensorRef, DTensorRef):
-            yield child, value
-        elif isinstance(value, dict | list | tuple) and id(value) not in seen:
-            seen.add(id(value))
-            if len(frames) > MAX_DIMS:
-                raise CorruptCheckpoint(f"nesting deeper than {MAX_DIMS} levels at {child[:200]!r}")
-            frames.append((child, iter(_items(value))))
-
-
-def _items(value: Any) -> Iterator[tuple[Any, Any]]:
-    if isinstance(value, dict):
-        return iter(value.items())
-    if isinstance(value, list | tuple):
-        return enumerate(value)
-    return iter(())
+    return refs_of(root, (TensorRef, DTensorRef), prefix)

@@ -41,6 +41,7 @@ __all__ = [
     "load_tensor",
     "open_torch_pickle",
     "read_pickled_structure",
+    "refs_of",
     "storage_problems",
     "tensor_refs",
 ]
@@ -164,7 +165,13 @@ def read_pickled_structure(url: str) -> Any:
 
 
 def tensor_refs(obj: Any, prefix: str = "") -> Iterator[tuple[str, TensorRef]]:
-    """Every `TensorRef` inside `obj` with its dotted path, in stored order.
+    """Every `TensorRef` inside `obj` with its dotted path, in stored order (see `refs_of`)."""
+    return refs_of(obj, (TensorRef,), prefix)
+
+
+def refs_of(obj: Any, kinds: tuple[type, ...], prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """Every object of one of the exact types `kinds` (`TensorRef`, a `DTensorRef`) inside `obj` with its
+    dotted path, in stored order; they are not looked into.
 
     Dict keys and list indices make up the path (`state.0.exp_avg`); stand-ins are looked into through
     their fields. Shared or cyclic containers are visited once. Works in memory bounded by the depth:
@@ -191,7 +198,7 @@ def tensor_refs(obj: Any, prefix: str = "") -> Iterator[tuple[str, TensorRef]]:
             name = _key_text(key)
             # Measured before joining: a 16 MiB key under 20,000 parents must not be copied 20,000 times.
             child = None if len(path) + len(name) >= _MAX_PATH else f"{path}.{name}" if path else name
-        if type(value) is TensorRef:
+        if type(value) in kinds:
             if child is None:
                 raise CorruptCheckpoint(f"a tensor's path is longer than {_MAX_PATH} characters")
             text_left -= len(child)

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from ckptctl.errors import CorruptCheckpoint
-from ckptctl.formats.dtensor import Placement, dtensor_facts
+from ckptctl.formats.dtensor import Placement, dtensor_facts, state_tensors
 from ckptctl.formats.safe_pickle import (
     DeviceMeshStandIn,
     DTensorRef,
@@ -45,3 +45,17 @@ def test_a_tensor_meta_without_the_dtensors_shape_is_corrupt(shape: Any) -> None
     """A shape that is no sequence at all is a CorruptCheckpoint too, not a TypeError traceback."""
     with pytest.raises(CorruptCheckpoint, match="tensor_meta"):
         dtensor_facts(_dtensor(TensorMetaStandIn(shape, (1,), "float32")), "f")
+
+
+def test_walking_a_hostile_state_is_bounded() -> None:
+    """One tensor reached from many places through long keys (memo references make that cheap in a pickle):
+    the paths would add up to gigabytes; the walk stops at the same bound as `tensor_refs`. A key no real
+    state has (an integer of thousands of digits) is named by its type, not printed (a ValueError before)."""
+    tensor = TensorRef("float32", (2,), "0", 0, (1,), 8, 8)
+    root: Any = {i: tensor for i in range(20_000)}
+    for level in range(3):
+        root = {f"{level}" * 1300: root}
+    with pytest.raises(CorruptCheckpoint, match="more text"):
+        for _ in state_tensors(root):
+            pass
+    assert [path for path, _ in state_tensors({10**5000: tensor})] == ["<int>"]

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import hashlib
 import os
 import posixpath
@@ -39,6 +40,7 @@ from ckptctl.io import trash
 from ckptctl.io.commit import ObjectStoreUpload, install
 from ckptctl.io.trash import Tiers
 from ckptctl.layouts import Layout, all_layouts
+from ckptctl.ops.distributed_work import Ranks
 from ckptctl.ops.report import Progress
 
 _STAGING_TAG = ".ckptctl-convert-"
@@ -60,17 +62,22 @@ def write_small(path: str, data: bytes) -> None:
 def write_digests(out: str, known: dict[str, FileRecord]) -> None:
     """Record size and blake3 of every output file, as `ckptctl verify --write-manifest` would.
 
-    `known` holds the digests computed while writing the tensor files: they are not hashed again.
+    `known` holds the digests computed while writing the tensor files: they are not hashed again, and
+    they are recorded too where they are not in `out` (written by the other ranks of a job, into their
+    own staging folders).
     """
     files = {}
     for root, _dirs, names in os.walk(out):
         for name in names:
             path = os.path.join(root, name)
             files[os.path.relpath(path, out).replace(os.sep, "/")] = path
-    records = {}
-    for rel, path in sorted(files.items()):
-        records[rel] = known.get(rel) or FileRecord(os.path.getsize(path), file_digest(path))
-    write_small(os.path.join(out, DIGESTS_NAME), Manifest(files=records, created=now_iso()).to_json())
+    records = dict(known)
+    for rel, path in files.items():
+        if rel not in records:
+            records[rel] = FileRecord(os.path.getsize(path), file_digest(path))
+    write_small(
+        os.path.join(out, DIGESTS_NAME), Manifest(files=dict(sorted(records.items())), created=now_iso()).to_json()
+    )
     io.fsync_dir(out)
 
 
@@ -216,10 +223,13 @@ class UploadStaging(Staging):
     refused, and one that was killed has its staging folder removed by the next.
     """
 
-    def __init__(self, dst: str, layout: Layout) -> None:
-        """`layout`: what the output is, whose completion markers go up last."""
+    def __init__(self, dst: str, layout: Layout, rank: int = 0) -> None:
+        """`layout`: what the output is, whose completion markers go up last; `rank`: the rank of a job
+        that stages its share of the output here (the other ranks' folders are not its competitors, even
+        on the same host)."""
         digest = hashlib.sha256(dst.encode()).hexdigest()[:16]
-        super().__init__(dst, tempfile.gettempdir(), f".ckptctl-upload-{digest}")
+        suffix = f"-rank{rank}" if rank else ""
+        super().__init__(dst, tempfile.gettempdir(), f".ckptctl-upload-{digest}{suffix}")
         self.layout = layout
 
     def check_space(self, tensor_bytes: int) -> None:
@@ -243,19 +253,9 @@ class UploadStaging(Staging):
         Objects that appeared below DST while converting are refused without `force` and deleted first
         with it. A failed upload deletes what it uploaded (the old objects, under `force`, are gone).
         """
-        sizes = {
-            os.path.relpath(os.path.join(root, name), self.out).replace(os.sep, "/"): os.path.getsize(
-                os.path.join(root, name)
-            )
-            for root, _dirs, names in os.walk(self.out)
-            for name in names
-        }
+        sizes = self._sizes()
         upload = ObjectStoreUpload(self.out, self.dst, _markers, lambda rel: progress.advance(sizes[rel]))
-        existing = io.list_tree(self.dst)
-        if existing:
-            if not force:
-                raise CkptctlError(f"{self.dst} was filled while converting", "pass --force to replace it")
-            upload.clear({rel: entry.size for rel, entry in existing.items()})
+        self._clear(upload, force)
         progress.start("uploading", sum(sizes.values()))
         try:
             upload.upload(_upload_order(sizes, self.layout.completion_markers(sizes)))
@@ -268,6 +268,58 @@ class UploadStaging(Staging):
         finally:
             progress.finish()
         return sum(sizes.values())
+
+    def commit_shared(self, ranks: Ranks, force: bool, progress: Progress) -> int:
+        """`commit` by every rank of a job, each holding its share of the output in its own staging folder
+        (rank 0: the index, side files and digests too); returns the bytes all ranks uploaded.
+
+        The same order as one process's upload, batch by batch, each rank putting its own files of a batch
+        and every rank waiting for the others before the next: rank 0 clears DST (under `force`), the ranks
+        upload every file but the completion markers, then each marker in turn goes up from the rank that
+        wrote it, and last rank 0 checks the listing and puts the digests. A rank that fails or dies makes
+        every rank delete what it put (a killed rank's objects stay, and nothing lists complete without
+        the markers that come after them).
+        """
+        everyone = ranks.each(self._sizes)
+        sizes = {rel: size for share in everyone for rel, size in share.items()}
+        owner = {rel: rank for rank, share in enumerate(everyone) for rel in share}
+        upload = ObjectStoreUpload(self.out, self.dst, _markers, lambda rel: progress.advance(sizes[rel]))
+        ranks.lead(lambda: self._clear(upload, force))
+        progress.start("uploading", sum(everyone[ranks.rank].values()))
+        try:
+            for batch in _upload_order(sizes, self.layout.completion_markers(sizes)):
+                ranks.each(functools.partial(upload.upload, [[rel for rel in batch if owner[rel] == ranks.rank]]))
+
+            def finish() -> None:
+                self._check_uploaded({rel: size for rel, size in sizes.items() if rel != DIGESTS_NAME})
+                upload.finish(DIGESTS_NAME)
+
+            ranks.lead(finish)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                upload.undo()
+            raise
+        finally:
+            progress.finish()
+        return sum(sizes.values())
+
+    def _sizes(self) -> dict[str, int]:
+        """The staged files, relative path -> size."""
+        return {
+            os.path.relpath(os.path.join(root, name), self.out).replace(os.sep, "/"): os.path.getsize(
+                os.path.join(root, name)
+            )
+            for root, _dirs, names in os.walk(self.out)
+            for name in names
+        }
+
+    def _clear(self, upload: ObjectStoreUpload, force: bool) -> None:
+        """Refuse objects that appeared below DST while converting, or delete them under `force`."""
+        existing = io.list_tree(self.dst)
+        if existing:
+            if not force:
+                raise CkptctlError(f"{self.dst} was filled while converting", "pass --force to replace it")
+            upload.clear({rel: entry.size for rel, entry in existing.items()})
 
     def _check_uploaded(self, sizes: Mapping[str, int]) -> None:
         """Every uploaded object is listed with the size of its local file (before the digests go up)."""

@@ -13,6 +13,7 @@ after every rank's files. The output does not depend on the number of ranks.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import queue
 from typing import Any
@@ -75,7 +76,20 @@ def write_dcp(
 
     found = split(ranks, [sum(plan[i].nbytes for i in members) for members in files], write)
     if ranks is None or ranks.leader:
-        _data_file_writer(out, "").finish(metadata, [results for results, _, _ in found])
+        # The records anew from this rank's own plan and names: pickle shares what is one object in memory,
+        # and the other ranks' records arrive as copies, which would make `.metadata`'s bytes differ.
+        records = [
+            [
+                dataclasses.replace(
+                    result,
+                    index=items[result.index.fqn].index,
+                    storage_data=dataclasses.replace(result.storage_data, relative_path=name),
+                )
+                for result in results
+            ]
+            for name, (results, _, _) in zip(names, found, strict=True)
+        ]
+        _data_file_writer(out, "").finish(metadata, records)
         _check_dcp_output(out, plan)
     digests = {name: record for name, (_, record, _) in zip(names, found, strict=True)}
     return Written(0, sum(assembled for _, _, assembled in found), digests)

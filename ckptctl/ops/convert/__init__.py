@@ -113,7 +113,7 @@ def _convert(src: str, dst: str, options: ConvertOptions, progress: Progress, re
     Over several ranks, rank 0 plans and opens the staging folder, each rank writes its share of the
     output's data files (`write_hf`, `write_dcp`) into it, and rank 0 adds the side files and the digests
     and commits. For an object-store DST each rank stages its share in a local folder of its own and
-    uploads it, rank 0 what completes the output last (`UploadStaging.commit_shared`). Rank 0 converts
+    uploads it, rank 0 what completes the output last (`UploadStaging.commit`). Rank 0 converts
     alone where the output must be whole in one place before it is committed: `--check-logits` (it loads
     the model) and a DCP output for an object store (its check reads every data file's records).
     """
@@ -158,7 +158,7 @@ def _convert(src: str, dst: str, options: ConvertOptions, progress: Progress, re
                 progress.finish()  # a bar left running on an error would hide the terminal's cursor
         sealed = _on_leader(ranks, lambda: _seal(state["prepared"], state["staging"].out, written, options))
         if sharing is not None and work.upload:
-            uploaded = state["staging"].commit_shared(sharing, options.force, progress)
+            uploaded = state["staging"].commit(options.force, progress, sharing)
         else:
             uploaded = _on_leader(ranks, lambda: state["staging"].commit(options.force, progress))
         return _on_leader(

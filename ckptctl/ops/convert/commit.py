@@ -30,7 +30,7 @@ import os
 import posixpath
 import shutil
 import tempfile
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 
 from ckptctl import io
 from ckptctl.errors import CkptctlError, StorageError
@@ -246,55 +246,38 @@ class UploadStaging(Staging):
                 "point TMPDIR at a folder on a disk with room for the output (it is uploaded from there)",
             )
 
-    def commit(self, force: bool, progress: Progress) -> int:
+    def commit(self, force: bool, progress: Progress, ranks: Ranks | None = None) -> int:
         """Upload `out/` to DST in `_upload_order`, then, once a listing shows every object with its size,
         the digests; returns the bytes uploaded.
 
         Objects that appeared below DST while converting are refused without `force` and deleted first
         with it. A failed upload deletes what it uploaded (the old objects, under `force`, are gone).
+
+        Over a job's `ranks` (all of them call this), each rank holds its share of the output in its own
+        staging folder (rank 0: the index, side files and digests too), and the order is one process's,
+        batch by batch, each rank putting its own files of a batch and every rank waiting for the others
+        before the next: rank 0 clears DST, the ranks upload every file but the completion markers, each
+        marker goes up from the rank that wrote it, and last rank 0 checks the listing and puts the
+        digests. A rank that fails or dies makes every rank delete what it put (a killed rank's objects
+        stay, and nothing lists complete without the markers that come after them).
         """
-        sizes = self._sizes()
+        shares = [self._sizes()] if ranks is None else ranks.each(self._sizes)
+        rank = 0 if ranks is None else ranks.rank
+        sizes = {rel: size for share in shares for rel, size in share.items()}
+        owner = {rel: holder for holder, share in enumerate(shares) for rel in share}
         upload = ObjectStoreUpload(self.out, self.dst, _markers, lambda rel: progress.advance(sizes[rel]))
-        self._clear(upload, force)
-        progress.start("uploading", sum(sizes.values()))
-        try:
-            upload.upload(_upload_order(sizes, self.layout.completion_markers(sizes)))
+
+        def finish() -> None:
             self._check_uploaded({rel: size for rel, size in sizes.items() if rel != DIGESTS_NAME})
             upload.finish(DIGESTS_NAME)
-        except BaseException:
-            with contextlib.suppress(Exception):
-                upload.undo()
-            raise
-        finally:
-            progress.finish()
-        return sum(sizes.values())
 
-    def commit_shared(self, ranks: Ranks, force: bool, progress: Progress) -> int:
-        """`commit` by every rank of a job, each holding its share of the output in its own staging folder
-        (rank 0: the index, side files and digests too); returns the bytes all ranks uploaded.
-
-        The same order as one process's upload, batch by batch, each rank putting its own files of a batch
-        and every rank waiting for the others before the next: rank 0 clears DST (under `force`), the ranks
-        upload every file but the completion markers, then each marker in turn goes up from the rank that
-        wrote it, and last rank 0 checks the listing and puts the digests. A rank that fails or dies makes
-        every rank delete what it put (a killed rank's objects stay, and nothing lists complete without
-        the markers that come after them).
-        """
-        everyone = ranks.each(self._sizes)
-        sizes = {rel: size for share in everyone for rel, size in share.items()}
-        owner = {rel: rank for rank, share in enumerate(everyone) for rel in share}
-        upload = ObjectStoreUpload(self.out, self.dst, _markers, lambda rel: progress.advance(sizes[rel]))
-        ranks.lead(lambda: self._clear(upload, force))
-        progress.start("uploading", sum(everyone[ranks.rank].values()))
+        _everyone(ranks, lambda: None, lambda: self._clear(upload, force))
+        progress.start("uploading", sum(shares[rank].values()))
         try:
             for batch in _upload_order(sizes, self.layout.completion_markers(sizes)):
-                ranks.each(functools.partial(upload.upload, [[rel for rel in batch if owner[rel] == ranks.rank]]))
-
-            def finish() -> None:
-                self._check_uploaded({rel: size for rel, size in sizes.items() if rel != DIGESTS_NAME})
-                upload.finish(DIGESTS_NAME)
-
-            ranks.lead(finish)
+                mine = [rel for rel in batch if owner[rel] == rank]
+                _everyone(ranks, functools.partial(upload.upload, [mine]))
+            _everyone(ranks, lambda: None, finish)
         except BaseException:
             with contextlib.suppress(Exception):
                 upload.undo()
@@ -331,6 +314,15 @@ class UploadStaging(Staging):
                 + ("as missing" if wrong[0] not in listed else f"with {listed[wrong[0]]} bytes, not {sizes[wrong[0]]}"),
                 "another writer may be using the same prefix; convert again with --force",
             )
+
+
+def _everyone(ranks: Ranks | None, work: Callable[[], object], leader: Callable[[], object] | None = None) -> None:
+    """`work()` on every rank (`leader()` instead on rank 0, when given), every rank waiting for all of
+    them and failing when one fails; in this process alone without `ranks`."""
+    if ranks is None:
+        (leader or work)()
+    else:
+        ranks.each(leader if leader is not None and ranks.leader else work)
 
 
 def _upload_order(sizes: Mapping[str, int], markers: Sequence[str]) -> list[list[str]]:

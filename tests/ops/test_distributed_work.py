@@ -126,6 +126,7 @@ def test_workers_convert_of_a_zero_checkpoint_is_byte_identical(
     _assert_same_output(tmp_path / "one", tmp_path / "two", single.json, _document(two.stdout))
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # dcp.load in this one process
 def test_workers_convert_to_dcp_is_byte_identical_and_loads(run_cli: Cli, demo_dir: Path, tmp_path: Path) -> None:
     """`--to dcp`: the ranks share the data files (`--dcp-file-size`), rank 0 writes `.metadata`, which is
     byte-identical too (no random save id), and `dcp.load` reads the tensors of the HF source."""

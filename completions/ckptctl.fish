@@ -4,7 +4,7 @@ complete -c ckptctl -n 'not __fish_seen_subcommand_from convert demo diff inspec
 complete -c ckptctl -n 'not __fish_seen_subcommand_from convert demo diff inspect list prune resume-plan verify' -a convert -d 'Convert a checkpoint\'s model into a Hugging Face folder (or an HF model into a torch DCP checkpoint).'
 complete -c ckptctl -n '__fish_seen_subcommand_from convert' -l to -x -a 'hf dcp' -d 'Output format: hf or dcp.'
 complete -c ckptctl -n '__fish_seen_subcommand_from convert' -l dtype -x -a 'bf16 bfloat16 fp16 float16 fp32 float32' -d 'Cast floating-point tensors to bf16, fp16 or fp32 (or bfloat16, float16, float32); default: keep the stored dtypes.'
-complete -c ckptctl -n '__fish_seen_subcommand_from convert' -l max-shard-size -r -d 'Most tensor bytes per output file: 5GB, 500MB, 20KB or bytes.'
+complete -c ckptctl -n '__fish_seen_subcommand_from convert' -l max-shard-size -r -d 'Most tensor bytes per safetensors shard of a --to hf output: 5GB, 500MB, 20KB or bytes.'
 complete -c ckptctl -n '__fish_seen_subcommand_from convert' -l dcp-file-size -r -d 'Most tensor bytes per data file of a --to dcp output (the unit the ranks of a split conversion share; one file up to that).'
 complete -c ckptctl -n '__fish_seen_subcommand_from convert' -l component -x -a 'model optimizer scheduler rng dataloader trainer_state config tokenizer extra' -d 'The component whose tensors are read: model, optimizer, scheduler, rng, dataloader, trainer_state, config, tokenizer, extra.'
 complete -c ckptctl -n '__fish_seen_subcommand_from convert' -l strip-prefix -r -d 'Prefix removed from tensor names (default: detected, e.g. \'model.\'; \'\' keeps names as stored).'

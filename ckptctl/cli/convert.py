@@ -114,7 +114,9 @@ def convert(
     max_shard_size: Annotated[
         str,
         typer.Option(
-            "--max-shard-size", metavar="SIZE", help="Most tensor bytes per output file: 5GB, 500MB, 20KB or bytes."
+            "--max-shard-size",
+            metavar="SIZE",
+            help="Most tensor bytes per safetensors shard of a --to hf output: 5GB, 500MB, 20KB or bytes.",
         ),
     ] = "5GB",
     dcp_file_size: Annotated[

@@ -37,7 +37,7 @@ The output is written to a hidden staging folder next to DST, checked, digested 
 
 DST may be an object store URL (s3://bucket/prefix, any fsspec URL): the output is staged in TMPDIR, then uploaded in parallel, weight files first and ckptctl-digests.json last, in an order that never lets a partial upload list as a complete checkpoint. A non-empty prefix is refused unless --force, which deletes the old objects first.
 
-Launched by torchrun (any number of hosts on a shared filesystem), the ranks share the work: rank 0 plans, each rank writes its share of the shard files (balanced by bytes) into the staging folder, rank 0 writes the index (or DCP's .metadata) and digests and renames; the output is the same byte for byte, and a failed or killed rank leaves nothing at DST. For an object-store DST each rank stages and uploads its own files and rank 0 uploads what completes the output last. --workers N does the same with N processes on this host. --check-logits, and a --to dcp output for an object store, are written by rank 0 alone."""
+Launched by torchrun (any number of hosts on a shared filesystem), the ranks share the work: rank 0 plans, each rank writes its share of the shard files (balanced by bytes) into the staging folder, rank 0 writes the index (or DCP's .metadata) and digests and renames; the output is the same byte for byte, and a failed or killed rank leaves nothing at DST. For an object-store DST each rank stages and uploads its own files and rank 0 uploads what completes the output last. --workers N does the same with N processes on this host. With --check-logits, rank 0 writes an object-store output alone."""
 
 EXAMPLES = """\
 ckptctl convert runs/llama/step-1000 hf-export --to hf --config runs/llama --dtype bf16

@@ -264,16 +264,24 @@ def test_staging_goes_to_tmpdir_and_its_free_space_is_checked(
     assert io.list_tree(f"{bucket}/no-room") == {}
 
 
+@pytest.mark.parametrize("to", ["hf", "dcp"])
 def test_a_conversion_over_two_ranks_uploads_what_one_process_uploads(
-    demo_dir: Path, local_export: Path, bucket: str
+    run_cli: Cli, demo_dir: Path, local_export: Path, bucket: str, tmp_path: Path, to: str
 ) -> None:
-    """`--workers 2`: each rank stages and uploads its own shards, rank 0 the index, config and digests."""
-    dst = f"{bucket}/two-ranks"
-    done = _ckptctl("convert", demo_dir / "dcp" / "step-30", dst, "--max-shard-size", SHARD, "--json")
+    """`--workers 2`: each rank stages and uploads its own data files, rank 0 the index (or `.metadata`),
+    config and digests."""
+    dst = f"{bucket}/two-ranks-{to}"
+    if to == "hf":
+        src, args, reference = demo_dir / "dcp" / "step-30", ["--max-shard-size", SHARD], local_export
+    else:
+        src, args, reference = demo_dir / "hf", ["--to", "dcp", "--dcp-file-size", SHARD], tmp_path / "dcp"
+        convert_json(run_cli, src, reference, *args)
+    done = _ckptctl("convert", src, dst, *args, "--json")
     assert done.returncode == 0, done.stderr
     doc = _document(done.stdout)
     uploaded = objects(dst)
-    assert_same_output(uploaded, files(local_export))
+    assert len([n for n in uploaded if n.endswith((".safetensors", ".distcp"))]) > 2
+    assert_same_output(uploaded, files(reference))  # a DCP output's `.metadata` too
     assert doc["files"] == sorted(uploaded)
     assert doc["bytes_uploaded"] == sum(len(data) for data in uploaded.values())
     assert [ref.state for ref in scan_run(dst)] == [CheckpointState.COMPLETE]

@@ -113,9 +113,8 @@ def _convert(src: str, dst: str, options: ConvertOptions, progress: Progress, re
     Over several ranks, rank 0 plans and opens the staging folder, each rank writes its share of the
     output's data files (`write_hf`, `write_dcp`) into it, and rank 0 adds the side files and the digests
     and commits. For an object-store DST each rank stages its share in a local folder of its own and
-    uploads it, rank 0 what completes the output last (`UploadStaging.commit`). Rank 0 converts
-    alone where the output must be whole in one place before it is committed: `--check-logits` (it loads
-    the model) and a DCP output for an object store (its check reads every data file's records).
+    uploads it, rank 0 what completes the output last (`UploadStaging.commit`). With `--check-logits`,
+    which loads the whole output, rank 0 converts an upload alone.
     """
     started = time.perf_counter()
     ranks = options.ranks if options.ranks is not None and options.ranks.size > 1 else None
@@ -132,7 +131,7 @@ def _convert(src: str, dst: str, options: ConvertOptions, progress: Progress, re
             state["staging"] = stack.enter_context(staging)
             staging.check_space(sum(p.nbytes for p in prepared.plan))
             upload = isinstance(staging, UploadStaging)
-            shared = not (upload and (options.check_logits or options.to is Target.DCP))
+            shared = not (upload and options.check_logits)
             return _Work(prepared.checkpoint.url, prepared.plan, staging.out, prepared.dst, shared, upload)
 
         work = _on_leader(ranks, begin)

@@ -16,9 +16,11 @@ import contextlib
 import dataclasses
 import os
 import queue
+from collections.abc import Mapping
 from typing import Any
 
 from ckptctl import io
+from ckptctl.checkpoint import ProblemKind
 from ckptctl.errors import CorruptCheckpoint
 from ckptctl.formats.digest import file_digest
 from ckptctl.formats.manifest import FileRecord
@@ -90,7 +92,13 @@ def write_dcp(
             for name, (results, _, _) in zip(names, found, strict=True)
         ]
         _data_file_writer(out, "").finish(metadata, records)
-        _check_dcp_output(out, plan)
+        # Files absent here were written by other ranks into staging folders of their own (an upload).
+        elsewhere = {
+            name: record.size
+            for name, (_, record, _) in zip(names, found, strict=True)
+            if not os.path.exists(os.path.join(out, name))
+        }
+        _check_dcp_output(out, plan, elsewhere, metadata)
     digests = {name: record for name, (_, record, _) in zip(names, found, strict=True)}
     return Written(0, sum(assembled for _, _, assembled in found), digests)
 
@@ -180,13 +188,26 @@ def _close_quietly(mapped: Any) -> None:
         mapped.close()
 
 
-def _check_dcp_output(out: str, plan: list[Planned]) -> None:
-    """The output passes its layout's verify and its index holds exactly the planned tensors."""
+def _check_dcp_output(out: str, plan: list[Planned], elsewhere: Mapping[str, int], metadata: Any) -> None:
+    """The output passes its layout's verify and its index holds exactly the planned tensors.
+
+    `elsewhere`: the data files (name -> size) that other ranks staged in folders of their own for an
+    upload; they are checked against `metadata`'s records by their sizes instead of on disk.
+    """
     layout = get_layout(Target.DCP)
     written = layout.open(out)
-    problems = [p for p in layout.verify(written) if p.severity == "error"]
-    if problems:
-        raise CorruptCheckpoint(f"the DCP output fails verification: {problems[0].message}", "this is a bug in ckptctl")
+    problems = [
+        p
+        for p in layout.verify(written)
+        if p.severity == "error" and not (p.kind is ProblemKind.MISSING_FILE and p.path in elsewhere)
+    ]
+    ends: dict[str, int] = {}
+    for info in metadata.storage_data.values():
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    short = sorted(name for name, size in elsewhere.items() if ends.get(name, 0) > size)
+    if problems or short:
+        first = problems[0].message if problems else f"{short[0]} is shorter than its records"
+        raise CorruptCheckpoint(f"the DCP output fails verification: {first}", "this is a bug in ckptctl")
     stored = {entry.name: (entry.dtype, entry.shape) for entry in written.tensors()}
     want = {f"{DCP_NAMESPACE}.{p.name}": (p.dtype, p.shape) for p in plan}
     if stored != want:

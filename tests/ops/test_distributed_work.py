@@ -156,8 +156,13 @@ def test_a_rank_killed_mid_conversion_leaves_nothing_at_dst(
     done = _torchrun("convert", src, parent / "out", *SHARDS, "--json", module="tests.ops._killed_rank")
     assert done.returncode != 0
     error = _document(done.stdout)["error"]  # rank 0 reports the failure it met
-    assert error["type"] == "RankFailed" and error["exit_code"] == 2
-    assert "rank 0 lost contact with the other ranks" in error["message"]
+    if error["type"] == "Interrupted":
+        # torchrun's SIGTERM to the rest of a failed job reached rank 0 before it noticed rank 1 was gone
+        # (1 run in 3 on a loaded machine): it stopped as on Ctrl-C and said so.
+        assert error["exit_code"] == 130
+    else:
+        assert error["type"] == "RankFailed" and error["exit_code"] == 2
+        assert "rank 0 lost contact with the other ranks" in error["message"]
     # No DST. Rank 0 removes its staging folder unless torchrun's SIGTERM ends it first (seen with the ZeRO
     # source on a loaded machine): then, as after a SIGKILL of one process, the next conversion removes it.
     assert all(p.name.startswith(".out.ckptctl-convert-") for p in parent.iterdir()), list(parent.iterdir())

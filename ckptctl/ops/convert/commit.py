@@ -172,6 +172,13 @@ class Staging:
         self._remove()
 
     def _remove(self) -> None:
+        # The lock goes last: a removal cut short (the launcher's SIGKILL after its SIGTERM, seen on a loaded
+        # machine) leaves a folder whose lock nobody holds, which the next conversion removes; a folder
+        # without its lock would be judged still being created, and stay.
+        if os.path.isdir(self.root):
+            for name in os.listdir(self.root):
+                if name != _LOCK_NAME:
+                    shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
         shutil.rmtree(self.root, ignore_errors=True)
         if self._lock_fd is not None:
             os.close(self._lock_fd)

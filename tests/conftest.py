@@ -252,7 +252,7 @@ def fsdp_runs(tmp_path_factory: pytest.TempPathFactory) -> WrittenFsdpRuns:
 
 @pytest.fixture(scope="session")
 def areal_run(tmp_path_factory: pytest.TempPathFactory) -> WrittenAreal:
-    """AReaL's own FSDPLMEngine, Saver and RecoverHandler on 2 CPU ranks, two SFT steps of a tiny Qwen3: a trial
+    """AReaL's own FSDPLMEngine, Saver and RecoverHandler on one CPU rank, two SFT steps of a tiny Qwen3: a trial
     with the exports of global steps 0 and 1, the recover slot and recover_info/ (slow: spawns)."""
     return build_once(tmp_path_factory, "areal", write_areal_run)
 

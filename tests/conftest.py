@@ -23,7 +23,7 @@ from filelock import FileLock
 from tests.writers.accelerate_writer import WrittenAccelerate, write_accelerate_runs
 from tests.writers.areal_writer import WrittenAreal, write_areal_run
 from tests.writers.dcp_writer import WrittenDcp, write_single_process_dcp
-from tests.writers.deepspeed_writer import WrittenDeepSpeed, write_deepspeed_runs
+from tests.writers.deepspeed_writer import CONVERTER_RUNS, DeepSpeedRuns, WrittenDeepSpeed, write_deepspeed_sets
 from tests.writers.hf_legacy_writer import WrittenLegacy, write_legacy_models
 from tests.writers.lightning_writer import WrittenLightning, write_lightning_run
 from tests.writers.megatron_writer import WrittenMegatron, write_megatron_runs
@@ -41,6 +41,7 @@ T = TypeVar("T")
 SLOW_FIXTURES = frozenset(
     {
         "demo_dir",
+        "deepspeed_sets",
         "deepspeed_runs",
         "deepspeed_universal",
         "trainer_run",
@@ -191,9 +192,22 @@ def demo_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def deepspeed_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, WrittenDeepSpeed]:
+def deepspeed_sets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[int, WrittenDeepSpeed]]:
+    """The suite's DeepSpeed runs (`deepspeed_runs`) and the converter tests' (`CONVERTER_RUNS`), trained by the
+    same 2 spawned CPU ranks (slow: spawns)."""
+
+    def build(root: Path) -> dict[str, dict[int, WrittenDeepSpeed]]:
+        sets = {"suite": DeepSpeedRuns(stages=(0, 2, 3)), "converter": CONVERTER_RUNS}
+        written = write_deepspeed_sets({root / name: runs for name, runs in sets.items()})
+        return {name: written[root / name] for name in sets}
+
+    return build_once(tmp_path_factory, "deepspeed", build)
+
+
+@pytest.fixture(scope="session")
+def deepspeed_runs(deepspeed_sets: dict[str, dict[int, WrittenDeepSpeed]]) -> dict[int, WrittenDeepSpeed]:
     """DeepSpeed on 2 CPU ranks, bf16, ZeRO 0, 2 and 3, tags global_step2 and global_step4 (slow: spawns)."""
-    return build_once(tmp_path_factory, "deepspeed", lambda root: write_deepspeed_runs(root, stages=(0, 2, 3)))
+    return deepspeed_sets["suite"]
 
 
 @pytest.fixture(scope="session")

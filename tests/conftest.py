@@ -172,7 +172,7 @@ def peft_adapters(tmp_path_factory: pytest.TempPathFactory) -> WrittenPeft:
 
 @pytest.fixture(scope="session")
 def lightning_run(tmp_path_factory: pytest.TempPathFactory) -> WrittenLightning:
-    """lightning 2.6.6 on 2 CPU ranks (ddp_spawn), ModelCheckpoint every 2 of 4 steps: files with last.ckpt as a
+    """lightning 2.6.6 on 2 CPU ranks (ddp), ModelCheckpoint every 2 of 4 steps: files with last.ckpt as a
     copy and as a link, and a sharded FSDP-style `.ckpt/` folder (see `tests.writers.lightning_writer`; slow:
     spawns)."""
     return build_once(tmp_path_factory, "lightning", lambda root: write_lightning_run(root / "run"))

@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 import pytest
 from filelock import FileLock
 
+from tests.writers import openrlhf_writer
 from tests.writers.accelerate_writer import WrittenAccelerate, write_accelerate_runs
 from tests.writers.areal_writer import WrittenAreal, write_areal_run
 from tests.writers.dcp_writer import WrittenDcp, write_single_process_dcp
@@ -27,7 +28,7 @@ from tests.writers.deepspeed_writer import CONVERTER_RUNS, DeepSpeedRuns, Writte
 from tests.writers.hf_legacy_writer import WrittenLegacy, write_legacy_models
 from tests.writers.lightning_writer import WrittenLightning, write_lightning_run
 from tests.writers.megatron_writer import WrittenMegatron, write_megatron_runs
-from tests.writers.openrlhf_writer import WrittenOpenRlhf, write_openrlhf_run
+from tests.writers.openrlhf_writer import WrittenOpenRlhf
 from tests.writers.peft_writer import WrittenPeft, write_peft_adapters
 from tests.writers.rl_runs import WrittenFsdpRuns, write_fsdp_runs
 from tests.writers.run_folders import NestedRun, arrange_deepspeed_run, trainer_nested_run, write_dcp_run
@@ -41,7 +42,7 @@ T = TypeVar("T")
 SLOW_FIXTURES = frozenset(
     {
         "demo_dir",
-        "deepspeed_sets",
+        "deepspeed_writers",
         "deepspeed_runs",
         "deepspeed_universal",
         "trainer_run",
@@ -191,23 +192,35 @@ def demo_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_once(tmp_path_factory, "demo", _demo)
 
 
-@pytest.fixture(scope="session")
-def deepspeed_sets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[int, WrittenDeepSpeed]]:
-    """The suite's DeepSpeed runs (`deepspeed_runs`) and the converter tests' (`CONVERTER_RUNS`), trained by the
-    same 2 spawned CPU ranks (slow: spawns)."""
+@dataclass(frozen=True)
+class DeepSpeedWriters:
+    """What the one DeepSpeed spawn of `deepspeed_writers` wrote: sets of ZeRO runs by name, and OpenRLHF's."""
 
-    def build(root: Path) -> dict[str, dict[int, WrittenDeepSpeed]]:
+    runs: dict[str, dict[int, WrittenDeepSpeed]]
+    openrlhf: WrittenOpenRlhf
+
+
+@pytest.fixture(scope="session")
+def deepspeed_writers(tmp_path_factory: pytest.TempPathFactory) -> DeepSpeedWriters:
+    """The suite's DeepSpeed runs (`deepspeed_runs`), the converter tests' (`CONVERTER_RUNS`) and OpenRLHF's PPO
+    saves (`openrlhf_ppo`), written by the same 2 spawned CPU ranks (slow: spawns)."""
+
+    def build(root: Path) -> DeepSpeedWriters:
         sets = {"suite": DeepSpeedRuns(stages=(0, 2, 3)), "converter": CONVERTER_RUNS}
-        written = write_deepspeed_sets({root / name: runs for name, runs in sets.items()})
-        return {name: written[root / name] for name in sets}
+        openrlhf = root / "openrlhf-ppo"
+        openrlhf_writer.prepare_run(openrlhf)
+        written = write_deepspeed_sets(
+            {root / name: runs for name, runs in sets.items()}, then=[(openrlhf_writer.train_rank, (str(openrlhf),))]
+        )
+        return DeepSpeedWriters({name: written[root / name] for name in sets}, openrlhf_writer.written_run(openrlhf))
 
     return build_once(tmp_path_factory, "deepspeed", build)
 
 
 @pytest.fixture(scope="session")
-def deepspeed_runs(deepspeed_sets: dict[str, dict[int, WrittenDeepSpeed]]) -> dict[int, WrittenDeepSpeed]:
+def deepspeed_runs(deepspeed_writers: DeepSpeedWriters) -> dict[int, WrittenDeepSpeed]:
     """DeepSpeed on 2 CPU ranks, bf16, ZeRO 0, 2 and 3, tags global_step2 and global_step4 (slow: spawns)."""
-    return deepspeed_sets["suite"]
+    return deepspeed_writers.runs["suite"]
 
 
 @pytest.fixture(scope="session")
@@ -272,10 +285,10 @@ def areal_run(tmp_path_factory: pytest.TempPathFactory) -> WrittenAreal:
 
 
 @pytest.fixture(scope="session")
-def openrlhf_ppo(tmp_path_factory: pytest.TempPathFactory) -> WrittenOpenRlhf:
+def openrlhf_ppo(deepspeed_writers: DeepSpeedWriters) -> WrittenOpenRlhf:
     """OpenRLHF 0.11.2's own PPO saves (DeepspeedStrategy, ZeRO-2, actor and critic) on 2 CPU ranks: global
     steps 1-3, a best tag at step 2, `{tag}_hf` exports and the final models (slow: spawns)."""
-    return build_once(tmp_path_factory, "openrlhf-ppo", write_openrlhf_run)
+    return deepspeed_writers.openrlhf
 
 
 @pytest.fixture(scope="session")

@@ -26,7 +26,7 @@ from ckptctl.frameworks.deepspeed.naming import wrapper_prefix
 from ckptctl.ops.convert import ConvertOptions, Target, Weights, convert
 from ckptctl.ops.convert.plan import plan_tensors as _plan
 from ckptctl.ops.verification import verify_checkpoint
-from tests.conftest import CliResult
+from tests.conftest import CliResult, DeepSpeedWriters
 from tests.writers.deepspeed_writer import CONVERTER_FROZEN, WRAPPED_BUFFERS, WRAPPER_PREFIX, WrittenDeepSpeed
 
 Cli = Callable[..., CliResult]
@@ -34,9 +34,9 @@ FROZEN = CONVERTER_FROZEN
 
 
 @pytest.fixture(scope="session")
-def zero_runs(deepspeed_sets: dict[str, dict[int, WrittenDeepSpeed]]) -> dict[int, WrittenDeepSpeed]:
+def zero_runs(deepspeed_writers: DeepSpeedWriters) -> dict[int, WrittenDeepSpeed]:
     """ZeRO 0-3 save folders of the tied tiny Llama (`CONVERTER_RUNS`, written by the suite's DeepSpeed ranks)."""
-    return deepspeed_sets["converter"]
+    return deepspeed_writers.runs["converter"]
 
 
 def _tensors(folder: Path) -> dict[str, torch.Tensor]:

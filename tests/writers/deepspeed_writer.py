@@ -27,7 +27,7 @@ import logging
 import os
 import socket
 import warnings
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -163,7 +163,7 @@ def _train(
     return engine
 
 
-def _worker(rank: int, port: int, jobs: Sequence[_Job]) -> None:
+def _worker(rank: int, port: int, jobs: Sequence[_Job], then: Sequence[_Then]) -> None:
     os.environ.update(
         DS_ACCELERATOR="cpu",
         MASTER_ADDR="127.0.0.1",
@@ -195,6 +195,8 @@ def _worker(rank: int, port: int, jobs: Sequence[_Job]) -> None:
             if rank == 0:
                 _write_reference(save_dir, engine if stage == 0 else None)
             deepspeed.comm.barrier()
+    for work, args in then:
+        work(rank, *args)
 
 
 def _write_reference(save_dir: Path, engine: Any) -> None:
@@ -250,13 +252,19 @@ class DeepSpeedRuns:
 
 CONVERTER_RUNS = DeepSpeedRuns(stages=(0, 1, 2, 3), tie_embeddings=True, frozen=CONVERTER_FROZEN, wrap=(1,))
 
+#: Work for both ranks after the sets: a module-level function (spawn pickles it) and its arguments after the rank.
+_Then = tuple[Callable[..., None], tuple[Any, ...]]
 #: (folder, stages, tie_embeddings, frozen with the wrapper's prefix, wrapped stages): one set, for the ranks.
 _Job = tuple[str, tuple[int, ...], bool, Mapping[int, tuple[str, ...]] | None, tuple[int, ...]]
 
 
-def write_deepspeed_sets(sets: Mapping[Path, DeepSpeedRuns]) -> dict[Path, dict[int, WrittenDeepSpeed]]:
+def write_deepspeed_sets(
+    sets: Mapping[Path, DeepSpeedRuns], then: Sequence[_Then] = ()
+) -> dict[Path, dict[int, WrittenDeepSpeed]]:
     """Train and save with DeepSpeed each folder of `sets` (`root/zero{stage}/` per stage), all in the same 2
-    spawned ranks (their imports and process group paid once).
+    spawned ranks (their imports and process group paid once), then run each `(work, args)` of `then` in
+    both ranks as `work(rank, *args)`: another writer's ranks on the same DeepSpeed process group
+    (`tests.writers.openrlhf_writer.train_rank`).
 
     Takes tens of seconds (2 spawned ranks importing DeepSpeed and transformers); use it from a session-scoped
     fixture.
@@ -273,7 +281,7 @@ def write_deepspeed_sets(sets: Mapping[Path, DeepSpeedRuns]) -> dict[Path, dict[
             else {s: tuple(WRAPPER_PREFIX + n if s in wrap else n for n in names) for s, names in runs.frozen.items()}
         )
         jobs.append((str(root), runs.stages, runs.tie_embeddings, prefixed, wrap))
-    mp.spawn(_worker, args=(_free_port(), jobs), nprocs=WORLD_SIZE)
+    mp.spawn(_worker, args=(_free_port(), jobs, then), nprocs=WORLD_SIZE)
     return {root: _written(root, runs) for root, runs in sets.items()}
 
 

@@ -1,9 +1,13 @@
-"""`verify`: structure, digests and (with `deep`) every tensor of a checkpoint or of a whole run.
+"""`verify`: structure, content and (with `deep`) every tensor of a checkpoint or of a whole run.
 
-Three levels, each optional beyond the first:
-1. structure (the layout's rules; reads metadata and headers only, well under 1% of the bytes),
-2. digests against `ckptctl-manifest.json` / `ckptctl-digests.json` when present (files hashed in parallel),
-3. `deep`: every tensor read and assembled from its chunks, `check_finite` flags NaN/Inf.
+Three levels:
+1. structure (the layout's rules; reads metadata and headers only, well under 1% of the bytes); `quick`
+   stops here,
+2. content: digests against `ckptctl-manifest.json` / `ckptctl-digests.json` when present, and the
+   CRC-32s torch recorded in every torch.save archive no digest covers (`ops.content`),
+3. `deep`: every tensor chunk located and read, `check_finite` flags NaN/Inf.
+
+Levels 2 and 3 share one parallel pass over the bytes through small reused buffers.
 """
 
 from __future__ import annotations
@@ -13,11 +17,12 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ckptctl import io
-from ckptctl.checkpoint import Checkpoint, CheckpointRef, CheckpointState, Problem, ProblemKind
+from ckptctl.checkpoint import CheckpointRef, CheckpointState, Problem, ProblemKind
 from ckptctl.errors import CheckpointNotFound, CkptctlError, UnsafePickle
 from ckptctl.formats.manifest import DIGESTS_NAME, read_manifest
 from ckptctl.layouts import detect, scan_context, scan_run
-from ckptctl.ops.digests import check_digests, write_digests
+from ckptctl.ops.content import ContentChecks, check_content
+from ckptctl.ops.digests import save_digests
 from ckptctl.ops.report import SCHEMA_VERSION, NoProgress, Progress, problem_json
 from ckptctl.ops.resume_plan import plan_resume
 
@@ -34,6 +39,7 @@ class VerifyResult:
     tensors_read: int
     bytes_read: int
     wrote_digests: bool = False
+    crc_records_checked: int = 0
 
     @property
     def ok(self) -> bool:
@@ -51,6 +57,7 @@ class VerifyResult:
             "tensors_read": self.tensors_read,
             "bytes_read": self.bytes_read,
             "wrote_digests": self.wrote_digests,
+            "crc_records_checked": self.crc_records_checked,
         }
 
 
@@ -86,13 +93,23 @@ class RunVerifyReport:
 
 @dataclass(frozen=True, slots=True)
 class VerifyOptions:
-    """What to check beyond structure."""
+    """What to check beyond structure.
+
+    Attributes:
+        deep: locate and read every tensor chunk.
+        check_finite: with `deep`, flag NaN/Inf values.
+        write_manifest: record digests into a checkpoint that has none (when it verifies).
+        workers: threads reading at once.
+        layout: read the checkpoint as this layout (skip detection).
+        quick: structure only: no digests, no CRC-32s (reads well under 1% of the bytes).
+    """
 
     deep: bool = False
     check_finite: bool = False
     write_manifest: bool = False
     workers: int | None = None
     layout: str | None = None
+    quick: bool = False
 
 
 def verify_path(
@@ -200,17 +217,31 @@ def _verify_checkpoint(url: str, options: VerifyOptions, progress: Progress, rea
         problem = Problem(kind, "", exc.message)
         return VerifyResult(url, layout.name, ref.step, (problem,), 0, 0, read.bytes_read)
 
-    digests_checked = 0
-    wrote = False
+    if options.quick:
+        return VerifyResult(url, layout.name, ref.step, tuple(problems), 0, 0, read.bytes_read)
     try:
         manifest = read_manifest(url)
     except CkptctlError as exc:
         problems.append(Problem(ProblemKind.BAD_METADATA, DIGESTS_NAME, exc.message))
         manifest = None
-    if manifest is not None:
-        digest_problems, digests_checked = check_digests(url, manifest, checkpoint.files, options.workers, progress)
-        problems.extend(digest_problems)
-    elif options.write_manifest:
+    try:
+        archives = layout.torch_archives(checkpoint)
+    except CkptctlError as exc:
+        problems.append(Problem.from_error(exc, ""))
+        archives = ()
+    record = options.write_manifest and manifest is None
+    checks = ContentChecks(
+        manifest=manifest,
+        deep=options.deep,
+        check_finite=options.check_finite,
+        record_digests=record,
+        workers=options.workers,
+    )
+    broken = frozenset(p.path for p in problems if p.severity == "error")
+    content = check_content(checkpoint, archives, checks, progress, broken)
+    problems.extend(content.problems)
+    wrote = False
+    if record:
         if any(p.severity == "error" for p in problems):
             problems.append(
                 Problem(
@@ -221,53 +252,16 @@ def _verify_checkpoint(url: str, options: VerifyOptions, progress: Progress, rea
                 )
             )
         else:
-            write_digests(url, checkpoint.files, options.workers, progress)
+            save_digests(url, content.digests)
             wrote = True
-
-    tensors_read = 0
-    if options.deep:
-        deep_problems, tensors_read = read_every_tensor(checkpoint, options.check_finite, progress)
-        problems.extend(deep_problems)
     return VerifyResult(
         url,
         layout.name,
         ref.step,
         tuple(problems),
-        digests_checked,
-        tensors_read,
+        content.digests_checked,
+        content.tensors_read,
         read.bytes_read,
         wrote,
+        content.crc_records_checked,
     )
-
-
-def read_every_tensor(checkpoint: Checkpoint, check_finite: bool, progress: Progress) -> tuple[list[Problem], int]:
-    """Read and assemble every tensor (proves every chunk decodes); optionally flag NaN/Inf."""
-    import torch
-
-    from ckptctl.formats.chunks import read_tensor
-
-    index = checkpoint.tensor_index()
-    progress.start("reading tensors", sum(t.nbytes for t in index))
-    problems: list[Problem] = []
-    for entry in index:
-        try:
-            tensor = read_tensor(checkpoint.url, entry)
-        except CkptctlError as exc:
-            problems.append(Problem(ProblemKind.UNREADABLE, entry.name, exc.message))
-            continue
-        finally:
-            progress.advance(entry.nbytes)
-        if tuple(tensor.shape) != entry.shape:
-            problems.append(
-                Problem(
-                    ProblemKind.BAD_METADATA, entry.name, f"read shape {tuple(tensor.shape)}, expected {entry.shape}"
-                )
-            )
-        if check_finite and tensor.is_floating_point() and tensor.numel():
-            bad = int((~torch.isfinite(tensor)).sum())
-            if bad:
-                problems.append(
-                    Problem(ProblemKind.NOT_FINITE, entry.name, f"{bad} of {tensor.numel()} values are NaN or Inf")
-                )
-    progress.finish()
-    return problems, len(index)

@@ -46,7 +46,7 @@ def test_a_clean_file_checks_every_record(saved: Path) -> None:
 @pytest.mark.parametrize("workers", [1, 2])
 def test_a_flipped_byte_names_its_record(saved: Path, workers: int) -> None:
     opened = open_torch_pickle(str(saved))
-    [(path, ref)] = [(p, r) for p, r in opened.tensors() if p == "state.0.exp_avg"]
+    [ref] = [r for p, r in opened.tensors() if p == "state.0.exp_avg"]
     start, _ = opened.byte_range(ref)  # type: ignore[misc]
     _flip(saved, start + 1000)
     [damaged] = check_zip_crcs(str(saved), workers=workers).damaged

@@ -30,6 +30,7 @@ from ckptctl.checkpoint import Checkpoint, Problem, ProblemKind, TensorEntry, dt
 from ckptctl.errors import CkptctlError, CorruptCheckpoint
 from ckptctl.formats.chunks import read_chunk, tiling_problem
 from ckptctl.formats.manifest import FileRecord, Manifest
+from ckptctl.formats.nonfinite import counts_non_finite, non_finite
 from ckptctl.formats.raw_chunks import ChunkLocator
 from ckptctl.formats.torch_zip import (
     SMALL_ARCHIVE,
@@ -46,12 +47,6 @@ from ckptctl.ops.digests import DigestPlan, workers_for
 from ckptctl.ops.report import Progress
 
 __all__ = ["ContentChecks", "ContentReport", "check_content"]
-
-#: Float dtypes whose values `check_finite` looks at (integers and bools are always finite).
-_FLOATS = frozenset(
-    {"float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"}
-)
-
 
 @dataclass(frozen=True, slots=True)
 class ContentChecks:
@@ -493,11 +488,11 @@ class _ChunkBytes:
                 view = view[take:]
                 if len(carry) < size:
                     return
-                part[2] += _non_finite(carry, self.dtype)
+                part[2] += non_finite(carry, self.dtype)
                 carry.clear()
             whole = len(view) - len(view) % size
             if whole:
-                part[2] += _non_finite(view[:whole], self.dtype)
+                part[2] += non_finite(view[:whole], self.dtype)
             carry += view[whole:]
 
         return feed
@@ -513,20 +508,13 @@ class _ChunkBytes:
             lead, carry, bad = self._parts[offset]
             total += bad
             if previous is not None and len(previous) + len(lead) == self.itemsize:
-                total += _non_finite(previous + lead, self.dtype)
+                total += non_finite(previous + lead, self.dtype)
             previous = carry
         return total
 
 
 def _ignore(block: memoryview) -> None:
     pass
-
-
-def _non_finite(data: bytes | bytearray | memoryview, dtype: str) -> int:
-    import torch
-
-    values = torch.frombuffer(data, dtype=torch.uint8).view(getattr(torch, dtype))
-    return int(values.numel() - torch.isfinite(values).sum())
 
 
 class _DeepPlan:
@@ -550,7 +538,7 @@ class _DeepPlan:
         if problem is not None:
             state.problems.append(Problem(ProblemKind.UNREADABLE, entry.name, f"{entry.name}: {problem}"))
             return state
-        finite = check_finite and entry.dtype in _FLOATS
+        finite = check_finite and counts_non_finite(entry.dtype)
         spans = []
         try:
             for chunk in entry.chunks:

@@ -170,6 +170,9 @@ def main() -> int:
                 m = results[(label, s)]
                 row += f"{m.seconds:>9.2f}{m.seconds / floor[s]:>7.2f}{total / 1e9 / m.seconds:>7.2f}{m.peak_mib:>7.0f}"
             print(row)
+        for s in states:
+            sha = results[("sha256sum", s)].seconds / results[("verify with manifest (digests)", s)].seconds
+            print(f"verify with manifest is {sha:.1f}x faster than sha256sum ({s}; DESIGN target >= 8x)")
         if "cold" in states and floor["cold"] < 1.3 * floor["warm"]:
             print("note: cold cat is about as fast as warm cat: posix_fadvise(DONTNEED) may not have dropped the cache")
         quick = subprocess.run(

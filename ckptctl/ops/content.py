@@ -30,7 +30,6 @@ from ckptctl.checkpoint import Checkpoint, Problem, ProblemKind, TensorEntry, dt
 from ckptctl.errors import CkptctlError, CorruptCheckpoint
 from ckptctl.formats.chunks import read_chunk, tiling_problem
 from ckptctl.formats.manifest import FileRecord, Manifest
-from ckptctl.formats.nonfinite import counts_non_finite, non_finite
 from ckptctl.formats.raw_chunks import ChunkLocator
 from ckptctl.formats.torch_zip import (
     SMALL_ARCHIVE,
@@ -456,7 +455,7 @@ class _ChunkBytes:
     whole element (`lead`) and after its last (`carry`) are kept, and joined with the next part's at the end.
     """
 
-    __slots__ = ("_parts", "dtype", "error", "finite", "itemsize")
+    __slots__ = ("_count", "_parts", "dtype", "error", "finite", "itemsize")
 
     def __init__(self, dtype: str, finite: bool) -> None:
         self.dtype = dtype
@@ -464,6 +463,10 @@ class _ChunkBytes:
         self.finite = finite
         self.error: str | None = None
         self._parts: dict[int, list[Any]] = {}  # offset -> [lead, carry, bad]
+        if finite:  # numpy only when values are looked at (importing it costs a plain verify ~0.3 s)
+            from ckptctl.formats.nonfinite import non_finite
+
+            self._count = non_finite
 
     def piece(self, offset: int) -> Feed:
         if not self.finite:
@@ -488,11 +491,11 @@ class _ChunkBytes:
                 view = view[take:]
                 if len(carry) < size:
                     return
-                part[2] += non_finite(carry, self.dtype)
+                part[2] += self._count(carry, self.dtype)
                 carry.clear()
             whole = len(view) - len(view) % size
             if whole:
-                part[2] += non_finite(view[:whole], self.dtype)
+                part[2] += self._count(view[:whole], self.dtype)
             carry += view[whole:]
 
         return feed
@@ -508,13 +511,19 @@ class _ChunkBytes:
             lead, carry, bad = self._parts[offset]
             total += bad
             if previous is not None and len(previous) + len(lead) == self.itemsize:
-                total += non_finite(previous + lead, self.dtype)
+                total += self._count(previous + lead, self.dtype)
             previous = carry
         return total
 
 
 def _ignore(block: memoryview) -> None:
     pass
+
+
+def _counts_non_finite(dtype: str) -> bool:
+    from ckptctl.formats.nonfinite import counts_non_finite
+
+    return counts_non_finite(dtype)
 
 
 class _DeepPlan:
@@ -538,7 +547,7 @@ class _DeepPlan:
         if problem is not None:
             state.problems.append(Problem(ProblemKind.UNREADABLE, entry.name, f"{entry.name}: {problem}"))
             return state
-        finite = check_finite and counts_non_finite(entry.dtype)
+        finite = check_finite and _counts_non_finite(entry.dtype)
         spans = []
         try:
             for chunk in entry.chunks:

@@ -214,7 +214,7 @@ class _SmallArchive:
     def failed(self, message: str) -> None:
         with self._lock:
             self._buf = None
-            self.outcome = _Outcome(error=message)
+            self.outcome = _Outcome(error=f"{self.where}: {message}")
 
 
 def _check_bytes(data: bytearray, base: int, where: str) -> _Outcome:
@@ -327,7 +327,7 @@ class _CrcPlan:
     def results(self) -> tuple[list[Problem], int]:
         """After the sweep: the problems found and the number of records checked."""
         outcomes: list[tuple[TorchArchive, int, int, _Outcome]] = [
-            (s.archive, s.base, s.length, s.outcome or _Outcome(error="its bytes were not all read"))
+            (s.archive, s.base, s.length, s.outcome or _Outcome(error=f"{s.where}: its bytes were not all read"))
             for s in self._small
         ]
         outcomes += [(a.archive, a.base, a.length, a.result()) for a in self._large]
@@ -346,7 +346,7 @@ class _CrcPlan:
                 if archive.entry and archive.file in zips_in:
                     problems.append(
                         Problem(
-                            ProblemKind.CRC_MISMATCH,
+                            ProblemKind.BAD_METADATA,
                             archive.file,
                             f"{archive.file}: {_item(archive, base, length)} does not start like a torch.save "
                             "archive, as the other items of the file do: its first bytes are damaged",

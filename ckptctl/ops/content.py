@@ -47,6 +47,7 @@ from ckptctl.ops.report import Progress
 
 __all__ = ["ContentChecks", "ContentReport", "check_content"]
 
+
 @dataclass(frozen=True, slots=True)
 class ContentChecks:
     """Which content checks to run.

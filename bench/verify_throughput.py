@@ -59,24 +59,27 @@ def build_checkpoint(folder: Path, gb: float) -> None:
 
 @dataclass(frozen=True)
 class Measure:
-    seconds: float
-    peak_mib: float
+    seconds: float  # the child's wall time, start to exit
+    peak_mib: float  # its peak RSS
+    work: float | None = None  # the verify call alone (in-process children), imports excluded
 
 
 def run_child(argv: Sequence[str]) -> Measure:
-    """Wall time and peak RSS of a child process (exit code 0 or 1 accepted: verify may report problems)."""
+    """Wall time and peak RSS of a child process that must succeed; `work` if it prints its own time."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    start = time.perf_counter()
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
-    _, status, usage = os.wait4(proc.pid, 0)
-    seconds = time.perf_counter() - start
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    if proc.returncode != 0:
-        err = proc.stderr.read().decode() if proc.stderr else ""
-        raise SystemExit(f"{' '.join(argv)} exited with {proc.returncode}: {err[-2000:]}")
-    if proc.stderr:
-        proc.stderr.close()
-    return Measure(seconds, usage.ru_maxrss / 1024)
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        start = time.perf_counter()
+        proc = subprocess.Popen(argv, stdout=out, stderr=err, env=env)
+        _, status, usage = os.wait4(proc.pid, 0)  # the child's own rusage (communicate() would lose it)
+        seconds = time.perf_counter() - start
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        err.seek(0)
+        if proc.returncode != 0:
+            raise SystemExit(f"{' '.join(argv)} exited with {proc.returncode}: {err.read().decode()[-2000:]}")
+        text = out.read().decode().strip()
+    work = float(text.rsplit(None, 1)[-1]) if text.startswith("work") else None
+    return Measure(seconds, usage.ru_maxrss / 1024, work)
 
 
 def drop_cache(files: Sequence[Path]) -> None:
@@ -89,15 +92,58 @@ def drop_cache(files: Sequence[Path]) -> None:
             os.close(fd)
 
 
-def best(argv: Sequence[str], repeat: int, cold: bool, files: Sequence[Path]) -> Measure:
+def best(argv: Sequence[str], repeat: int, cold: bool, files: Sequence[Path], before: Sequence[Path] = ()) -> Measure:
+    """The best of `repeat` runs, the cache dropped (cold) or filled (warm) before each; `before` is deleted."""
     runs = []
     for _ in range(repeat):
+        for path in before:
+            path.unlink(missing_ok=True)
         if cold:
             drop_cache(files)
         else:
             subprocess.run(["cat", *map(str, files)], stdout=subprocess.DEVNULL, check=True)
         runs.append(run_child(argv))
-    return Measure(min(r.seconds for r in runs), max(r.peak_mib for r in runs))
+    works = [r.work for r in runs if r.work is not None]
+    return Measure(min(r.seconds for r in runs), max(r.peak_mib for r in runs), min(works) if works else None)
+
+
+def verify_in_process(folder: str, flags: Sequence[str]) -> None:
+    """A child that imports what verify needs, then times the verify call alone and prints `work SECONDS`."""
+    from ckptctl.ops.content import check_content  # noqa: F401  (imported before the clock starts)
+    from ckptctl.ops.verification import VerifyOptions, verify_path
+
+    options = VerifyOptions(
+        quick="--quick" in flags,
+        deep="--deep" in flags,
+        check_finite="--check-finite" in flags,
+        write_manifest="--write-manifest" in flags,
+    )
+    start = time.perf_counter()
+    report = verify_path(folder, options)
+    seconds = time.perf_counter() - start
+    if not report.ok:
+        raise SystemExit(f"verify failed: {report.to_json()}")
+    print(f"work {seconds:.4f}")
+
+
+def _flags(flags: Sequence[str]) -> str:
+    return "--verify-flags=" + ",".join(f.removeprefix("--") for f in flags)
+
+
+#: Mode label -> verify flags; None for the peers (cat, sha256sum).
+MODES: dict[str, tuple[str, ...] | None] = {
+    "cat > /dev/null (the read floor)": None,
+    "sha256sum": None,
+    "verify --quick (structure)": ("--quick",),
+    "verify, no manifest (CRC-32s)": (),
+    "verify --deep (CRC-32s, tensors)": ("--deep",),
+    "verify --deep --check-finite": ("--deep", "--check-finite"),
+    "verify --write-manifest (blake3 + CRC-32s)": ("--write-manifest",),
+    "verify with manifest (digests)": (),
+    "verify --deep with manifest": ("--deep",),
+}
+WRITE = "verify --write-manifest (blake3 + CRC-32s)"
+WITH_MANIFEST = ("verify with manifest (digests)", "verify --deep with manifest")
 
 
 def main() -> int:
@@ -107,9 +153,14 @@ def main() -> int:
     parser.add_argument("--dir", type=Path, default=None, help="where to build the checkpoint (default: a temp dir)")
     parser.add_argument("--no-cold", action="store_true", help="skip the cold-cache runs")
     parser.add_argument("--build-into", type=Path, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--verify-in-process", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--verify-flags", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.build_into is not None:  # the child that writes the checkpoint (see below)
         build_checkpoint(args.build_into, args.gb)
+        return 0
+    if args.verify_in_process is not None:
+        verify_in_process(args.verify_in_process, [f"--{f}" for f in args.verify_flags.split(",") if f])
         return 0
 
     root = Path(tempfile.mkdtemp(prefix="ckptctl-verify-bench-", dir=args.dir))
@@ -121,58 +172,59 @@ def main() -> int:
         subprocess.run([sys.executable, __file__, "--gb", str(args.gb), "--build-into", str(folder)], check=True)
         files = sorted(p for p in folder.iterdir() if p.is_file())
         total = sum(p.stat().st_size for p in files)
+        digests = folder / "ckptctl-digests.json"
+        states = ["warm"] if args.no_cold else ["warm", "cold"]
         cli = [sys.executable, "-m", "ckptctl", "verify", str(folder), "--json"]
-        cat = ["cat", *map(str, files)]
-        modes_without = {
+        lib = [sys.executable, __file__, f"--verify-in-process={folder}"]
+        peers = {
             "cat > /dev/null (the read floor)": ["sh", "-c", 'cat "$@" > /dev/null', "cat", *map(str, files)],
             "sha256sum": ["sha256sum", *map(str, files)],
-            "verify --quick (structure)": [*cli, "--quick"],
-            "verify, no manifest (CRC-32s)": cli,
-            "verify --deep (CRC-32s, tensors)": [*cli, "--deep"],
-            "verify --deep --check-finite": [*cli, "--deep", "--check-finite"],
         }
-        states = ["warm"] if args.no_cold else ["warm", "cold"]
-        results: dict[tuple[str, str], Measure] = {}
-        for state in states:
-            for label, argv in modes_without.items():
-                results[(label, state)] = best(argv, args.repeat, state == "cold", files)
-        # --write-manifest once per state (it writes the digests file; removed before the next run).
-        digests = folder / "ckptctl-digests.json"
-        for state in states:
-            runs = []
-            for _ in range(args.repeat):
-                digests.unlink(missing_ok=True)
-                if state == "cold":
-                    drop_cache(files)
-                else:
-                    subprocess.run(cat, stdout=subprocess.DEVNULL, check=True)
-                runs.append(run_child([*cli, "--write-manifest"]))
-            results[("verify --write-manifest (blake3 + CRC-32s)", state)] = Measure(
-                min(r.seconds for r in runs), max(r.peak_mib for r in runs)
-            )
-        modes_with = {
-            "verify with manifest (digests)": cli,
-            "verify --deep with manifest": [*cli, "--deep"],
-        }
-        for state in states:
-            for label, argv in modes_with.items():
-                results[(label, state)] = best(argv, args.repeat, state == "cold", files)
+        results: dict[tuple[str, str], tuple[Measure, Measure | None]] = {}
+        for label, flags in MODES.items():
+            if label == WRITE:
+                continue
+            if label in WITH_MANIFEST and not digests.exists():
+                run_child([*cli, "--write-manifest"])
+            for state in states:
+                cold = state == "cold"
+                if flags is None:
+                    results[(label, state)] = (best(peers[label], args.repeat, cold, files), None)
+                    continue
+                gone = (digests,) if label not in WITH_MANIFEST else ()
+                command = best([*cli, *flags], args.repeat, cold, files, gone)
+                call = best([*lib, _flags(flags)], args.repeat, cold, files, gone)
+                results[(label, state)] = (command, call)
+            if label == "verify --deep --check-finite":  # then the manifest is written, and timed
+                for state in states:
+                    command = best([*cli, "--write-manifest"], args.repeat, state == "cold", files, (digests,))
+                    call = best([*lib, _flags(("--write-manifest",))], args.repeat, state == "cold", files, (digests,))
+                    results[(WRITE, state)] = (command, call)
 
         print(
-            f"checkpoint: {total / 1e9:.2f} GB in {len(files)} files (torch DCP, {sum(1 for f in files if f.suffix == '.distcp')} "
-            f".distcp), best of {args.repeat}; ratios are seconds / seconds of cat in the same cache state"
+            f"checkpoint: {total / 1e9:.2f} GB in {len(files)} files (torch DCP: "
+            f"{sum(1 for f in files if f.suffix == '.distcp')} .distcp and .metadata), best of {args.repeat}.\n"
+            "command: `ckptctl verify` end to end (process start and imports included); call: the verify call "
+            "alone in a child that imported ckptctl first; x cat: seconds / seconds of cat in the same cache state; "
+            "MiB: the child's peak RSS"
         )
-        print(f"{'mode':<44}" + "".join(f"{s + ' s':>9}{'x cat':>7}{'GB/s':>7}{'MiB':>7}" for s in states))
-        floor = {s: results[(next(iter(modes_without)), s)].seconds for s in states}
-        for label in [*modes_without, "verify --write-manifest (blake3 + CRC-32s)", *modes_with]:
+        head = f"{'mode':<44}"
+        for s in states:
+            head += f"{s + ' cmd s':>13}{'x cat':>7}{'call s':>8}{'x cat':>7}{'GB/s':>7}{'MiB':>6}"
+        print(head)
+        floor = {s: results[(next(iter(peers)), s)][0].seconds for s in states}
+        for label in MODES:
             row = f"{label:<44}"
             for s in states:
-                m = results[(label, s)]
-                row += f"{m.seconds:>9.2f}{m.seconds / floor[s]:>7.2f}{total / 1e9 / m.seconds:>7.2f}{m.peak_mib:>7.0f}"
+                command, call = results[(label, s)]
+                work = call.work if call is not None and call.work is not None else command.seconds
+                peak = max(command.peak_mib, call.peak_mib if call is not None else 0)
+                row += f"{command.seconds:>13.2f}{command.seconds / floor[s]:>7.2f}"
+                row += f"{work:>8.2f}{work / floor[s]:>7.2f}{total / 1e9 / work:>7.2f}{peak:>6.0f}"
             print(row)
         for s in states:
-            sha = results[("sha256sum", s)].seconds / results[("verify with manifest (digests)", s)].seconds
-            print(f"verify with manifest is {sha:.1f}x faster than sha256sum ({s}; DESIGN target >= 8x)")
+            sha = results[("sha256sum", s)][0].seconds / results[("verify with manifest (digests)", s)][0].seconds
+            print(f"verify with manifest (command) is {sha:.1f}x faster than sha256sum ({s}; DESIGN target >= 8x)")
         if "cold" in states and floor["cold"] < 1.3 * floor["warm"]:
             print("note: cold cat is about as fast as warm cat: posix_fadvise(DONTNEED) may not have dropped the cache")
         quick = subprocess.run(

@@ -14,6 +14,10 @@ of a checkpoint without a manifest is what its writer wrote, and names the recor
 
 `torch.serialization.set_crc32_options(False)` makes torch write 0 for every CRC: such an archive has
 nothing to check (`ArchiveMembers.crc_recorded`).
+
+`crc32` is zlib-ng's when the `zlib-ng` package is installed: it folds with carry-less multiplies
+(PCLMULQDQ), about 5x zlib's speed on one core, so that checking CRCs costs no more than reading the
+bytes. zlib's (about 2-4 GB/s a core, in threads: both release the GIL) is the fallback.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ __all__ = [
     "ZipMember",
     "archive_members",
     "check_zip_crcs",
+    "crc32",
     "crc32_combine",
     "is_zip",
     "mismatch",
@@ -120,6 +125,18 @@ class CrcCheck:
     crc_recorded: bool
 
 
+def _crc32() -> Callable[[Any, int], int]:
+    try:
+        from zlib_ng import zlib_ng
+    except ImportError:
+        return zlib.crc32
+    return zlib_ng.crc32
+
+
+#: `crc32(data, value)`: zlib's CRC-32, by the fastest implementation installed.
+crc32 = _crc32()
+
+
 def is_zip(head: bytes | bytearray) -> bool:
     """Whether bytes start like a zip archive (a local file header)."""
     return bytes(head[:4]) == ZIP_MAGIC
@@ -182,7 +199,7 @@ class RecordCrc:
         part = self._parts[offset] = [0, 0]  # crc, length
 
         def feed(block: memoryview) -> None:
-            part[0] = zlib.crc32(block, part[0])
+            part[0] = crc32(block, part[0])
             part[1] += len(block)
 
         return feed

@@ -20,7 +20,6 @@ file, a DCP save in the safetensors format) are vouched for by a manifest only.
 from __future__ import annotations
 
 import threading
-import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,6 +37,7 @@ from ckptctl.formats.torch_zip import (
     RecordCrc,
     TorchArchive,
     archive_members,
+    crc32,
     is_zip,
     mismatch,
 )
@@ -232,7 +232,7 @@ def _check_bytes(data: bytearray, base: int, where: str) -> _Outcome:
     damaged = []
     for member in found.members:
         start = member.start - base
-        computed = zlib.crc32(view[start : start + member.size])
+        computed = crc32(view[start : start + member.size], 0)
         if computed != member.crc:
             damaged.append(mismatch(member, computed))
     return _Outcome(len(found.members), tuple(damaged))

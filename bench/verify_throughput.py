@@ -37,6 +37,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+#: The children's environment: this checkout first on the path (then whatever the caller set).
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
 TENSOR_ELEMENTS = 16 << 20  # 64 MiB of fp32
 SMALL_TENSORS = 256
 
@@ -66,10 +68,9 @@ class Measure:
 
 def run_child(argv: Sequence[str]) -> Measure:
     """Wall time and peak RSS of a child process that must succeed; `work` if it prints its own time."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         start = time.perf_counter()
-        proc = subprocess.Popen(argv, stdout=out, stderr=err, env=env)
+        proc = subprocess.Popen(argv, stdout=out, stderr=err, env=ENV)
         _, status, usage = os.wait4(proc.pid, 0)  # the child's own rusage (communicate() would lose it)
         seconds = time.perf_counter() - start
         proc.returncode = os.waitstatus_to_exitcode(status)
@@ -166,6 +167,14 @@ def main() -> int:
     root = Path(tempfile.mkdtemp(prefix="ckptctl-verify-bench-", dir=args.dir))
     folder = root / "step-1"
     print(f"load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())} ({os.cpu_count()} cores)")
+    crc = subprocess.run(
+        [sys.executable, "-c", "from ckptctl.formats.torch_zip import crc32; print(crc32.__module__)"],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        check=True,
+    ).stdout.strip()
+    print(f"CRC-32 by: {crc}")
     try:
         # Written by a child: this process stays small, and children forked from it start with its memory
         # counted in their peak RSS (ru_maxrss survives exec), so it must not hold torch.

@@ -177,7 +177,7 @@ def main() -> int:
         inspected = inspect_checkpoint(str(root / "dcp"))  # the first call: the metadata cache is cold
         inspect_read = inspected.bytes_read
         assert inspected.totals.tensors == args.tensors
-        from ckptctl.layouts import dcp as dcp_layout
+        from ckptctl.frameworks.dcp import layout as dcp_layout
 
         def cold_inspect() -> None:
             dcp_layout._cache.clear()  # measure the parse, not the in-process cache

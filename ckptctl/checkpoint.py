@@ -17,11 +17,22 @@ from ckptctl.errors import CkptctlError, UnsafePickle
 
 
 class CheckpointState(enum.StrEnum):
-    """Whether a checkpoint can be trusted as a whole, judged from cheap evidence (listing, markers)."""
+    """Whether a checkpoint can be trusted as a whole, judged from cheap evidence (listing, markers).
+
+    - `complete`: committed and whole.
+    - `in_progress`: being written (no completion marker yet), as far as anyone can tell.
+    - `broken`: damaged or incomplete for good.
+    - `abandoned`: what a save left when its writer stopped (killed, crashed): never to be completed, and
+      deleted by the next save of the run or by `prune`.
+    - `superseded`: committed and whole, but off the run's branch: the run went back to an older step and
+      saved again, so a resume no longer picks it.
+    """
 
     COMPLETE = "complete"
     IN_PROGRESS = "in_progress"
     BROKEN = "broken"
+    ABANDONED = "abandoned"
+    SUPERSEDED = "superseded"
 
 
 class Component(enum.StrEnum):
@@ -257,6 +268,7 @@ class ProblemKind(enum.StrEnum):
     UNREADABLE = "unreadable"
     NOT_FINITE = "not_finite"
     IN_PROGRESS = "in_progress"
+    ABANDONED = "abandoned"
     UNEXPECTED_FILE = "unexpected_file"
 
 

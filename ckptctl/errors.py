@@ -54,3 +54,15 @@ class SerializationError(CkptctlError):
 
 class CheckpointInProgress(CkptctlError):
     """The checkpoint has not been committed yet (or is being written right now)."""
+
+
+class ModelMismatch(CkptctlError):
+    """A converted model is not the model its config describes (a tensor missing, left over or of another
+    shape; logits that differ from the source's). The command ran and found a problem: exit code 1."""
+
+    exit_code = 1
+
+
+class StateMismatch(CkptctlError):
+    """The training state does not fit the checkpoint being restored into it (a module with other parameter
+    names or shapes, an optimizer over other parameters): a different model, not a damaged checkpoint."""

@@ -20,11 +20,15 @@ from typing import Any, TypeVar
 import pytest
 from filelock import FileLock
 
+from tests.writers.areal_writer import WrittenAreal, write_areal_run
 from tests.writers.dcp_writer import WrittenDcp, write_single_process_dcp
 from tests.writers.deepspeed_writer import WrittenDeepSpeed, write_deepspeed_runs
+from tests.writers.hf_legacy_writer import WrittenLegacy, write_legacy_models
+from tests.writers.openrlhf_writer import WrittenOpenRlhf, write_openrlhf_run
 from tests.writers.rl_runs import WrittenFsdpRuns, write_fsdp_runs
 from tests.writers.run_folders import NestedRun, arrange_deepspeed_run, trainer_nested_run, write_dcp_run
 from tests.writers.trainer_writer import WrittenTrainerRun, write_trainer_run
+from tests.writers.universal_writer import WrittenUniversal, write_universal_runs
 
 T = TypeVar("T")
 
@@ -33,13 +37,17 @@ SLOW_FIXTURES = frozenset(
     {
         "demo_dir",
         "deepspeed_runs",
+        "deepspeed_universal",
         "trainer_run",
         "zero_runs",
         "llama_dcp",
         "fsdp_dcp",
         "fsdp_runs",
+        "areal_run",
         "fsdp_run",
         "big_dcp",
+        "interrupted_saves",
+        "openrlhf_ppo",
     }
 )
 
@@ -98,8 +106,9 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
-def tiny_llama() -> Any:
-    """A tiny Llama built from a local config (no hub access), with a fixed seed."""
+def tiny_llama(**overrides: Any) -> Any:
+    """A tiny Llama built from a local config (no hub access), with a fixed seed; `overrides` change the
+    config (`tie_word_embeddings=True`)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -112,6 +121,7 @@ def tiny_llama() -> Any:
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=64,
+        **overrides,
     )
     return LlamaForCausalLM(config)
 
@@ -133,6 +143,13 @@ def hf_model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return build_once(tmp_path_factory, "hf", _hf_models)
 
 
+@pytest.fixture(scope="session")
+def legacy_models(tmp_path_factory: pytest.TempPathFactory) -> WrittenLegacy:
+    """`pytorch_model.bin` folders as transformers 4 wrote them (one file; tied and sharded), and the tied
+    Llama as transformers 5 saves it (see `tests.writers.hf_legacy_writer`)."""
+    return build_once(tmp_path_factory, "hf-legacy", write_legacy_models)
+
+
 def _demo(root: Path) -> Path:
     from ckptctl.demo import run_demo
 
@@ -150,6 +167,21 @@ def demo_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def deepspeed_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, WrittenDeepSpeed]:
     """DeepSpeed on 2 CPU ranks, bf16, ZeRO 0, 2 and 3, tags global_step2 and global_step4 (slow: spawns)."""
     return build_once(tmp_path_factory, "deepspeed", lambda root: write_deepspeed_runs(root, stages=(0, 2, 3)))
+
+
+@pytest.fixture(scope="session")
+def deepspeed_universal(
+    tmp_path_factory: pytest.TempPathFactory,
+    deepspeed_runs: dict[int, WrittenDeepSpeed],
+    hf_model_dirs: dict[str, Path],
+) -> WrittenUniversal:
+    """DeepSpeed's `ds_to_universal` run on copies of the ZeRO-2 and ZeRO-3 save folders and on open-instruct
+    and OpenRLHF folders arranged from them, as each framework runs it (slow: a subprocess importing DeepSpeed)."""
+    return build_once(
+        tmp_path_factory,
+        "deepspeed-universal",
+        lambda root: write_universal_runs(root, deepspeed_runs, hf_model_dirs["single"]),
+    )
 
 
 @pytest.fixture(scope="session")
@@ -189,6 +221,20 @@ def fsdp_runs(tmp_path_factory: pytest.TempPathFactory) -> WrittenFsdpRuns:
     """FSDP2 on 2 CPU ranks, saved every step as AReaL (trial with recover slots, exports, recover_info) and
     ROLL (launch folder with checkpoint-1 and checkpoint-2, the latter with critic/) save (slow: spawns)."""
     return build_once(tmp_path_factory, "fsdp-rl", write_fsdp_runs)
+
+
+@pytest.fixture(scope="session")
+def areal_run(tmp_path_factory: pytest.TempPathFactory) -> WrittenAreal:
+    """AReaL's own FSDPLMEngine, Saver and RecoverHandler on 2 CPU ranks, two SFT steps of a tiny Qwen3: a trial
+    with the exports of global steps 0 and 1, the recover slot and recover_info/ (slow: spawns)."""
+    return build_once(tmp_path_factory, "areal", write_areal_run)
+
+
+@pytest.fixture(scope="session")
+def openrlhf_ppo(tmp_path_factory: pytest.TempPathFactory) -> WrittenOpenRlhf:
+    """OpenRLHF 0.11.2's own PPO saves (DeepspeedStrategy, ZeRO-2, actor and critic) on 2 CPU ranks: global
+    steps 1-3, a best tag at step 2, `{tag}_hf` exports and the final models (slow: spawns)."""
+    return build_once(tmp_path_factory, "openrlhf-ppo", write_openrlhf_run)
 
 
 def copy_tree(src: Path, dst: Path) -> Path:

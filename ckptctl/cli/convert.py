@@ -25,6 +25,8 @@ SRC may also be a single weights file: a `*.safetensors` file, or a torch.save z
 
 --to dcp writes a single-process torch.distributed.checkpoint save with keys model.<name>, which dcp.load reads into a model of any world size.
 
+When config.json names an architecture and transformers is installed, the model is built on the meta device (no memory) and the output must hold every tensor it expects, with its shape, and nothing else: otherwise convert fails with exit code 1 and writes nothing (--no-check-model skips it). Tied weights follow transformers: an HF output leaves lm_head.weight out when tie_word_embeddings ties it, a DCP output holds it so that dcp.load(model.state_dict()) finds every key. --check-logits also compares the output's logits with the source's. config.json's dtype is made to say what the output holds.
+
 The output is written to a hidden staging folder next to DST, checked, digested into ckptctl-digests.json (so `ckptctl verify DST` checks every byte later) and renamed into place: an interrupted conversion leaves nothing at DST.
 
 DST may be an object store URL (s3://bucket/prefix, any fsspec URL): the output is staged in TMPDIR, then uploaded in parallel, weight files first and ckptctl-digests.json last, in an order that never lets a partial upload list as a complete checkpoint. A non-empty prefix is refused unless --force, which deletes the old objects first."""
@@ -143,6 +145,22 @@ def convert(
             "16-bit module weights the model states hold (stored; ZeRO-3 keeps none: its model is the partitions).",
         ),
     ] = WeightsChoice.auto,
+    no_check_model: Annotated[
+        bool,
+        typer.Option(
+            "--no-check-model",
+            help="Do not build the architecture config.json names with transformers: no check of the output's "
+            "tensors against it, and tied weights are not resolved (a --to dcp output may then lack lm_head.weight).",
+        ),
+    ] = False,
+    check_logits: Annotated[
+        bool,
+        typer.Option(
+            "--check-logits",
+            help="After writing, load the output with transformers and compare its logits on a few fixed token ids "
+            "with the source tensors' in the same architecture (--to hf; holds two copies of the model in memory).",
+        ),
+    ] = False,
     layout: LayoutOpt = None,
     json_output: JsonOpt = False,
     quiet: QuietOpt = False,
@@ -174,6 +192,8 @@ def convert(
         reread=reread,
         workers=workers,
         weights=Weights(weights.value),
+        check_model=not no_check_model,
+        check_logits=check_logits,
     )
     out = Output(json_mode=json_output, quiet=quiet)
     try:
@@ -212,5 +232,14 @@ def _render(out: Output, result: ConvertResult) -> None:
         out.print(esc(f"  copied: {', '.join(result.copied)}"))
     if result.uploaded:
         out.print(esc(f"  uploaded {human_bytes(result.uploaded)} to {result.dst}"))
+    if result.model is not None:
+        check = result.model
+        tied = f"; tied: {', '.join(check.tied)}" if check.tied else ""
+        logits = (
+            f"; logits match the source's (max abs diff {check.logits_max_abs_diff:.3g})"
+            if check.logits_max_abs_diff is not None
+            else ""
+        )
+        out.print(esc(f"  model: {check.tensors} tensors as {check.architecture} expects them{tied}{logits}"))
     if result.assembled:
         out.print(f"  {result.assembled} tensor(s) assembled in memory (not contiguous in their source)")

@@ -52,7 +52,8 @@ def list_checkpoints(
         typer.Option(
             "--state",
             metavar="STATE",
-            help="Only checkpoints in this state: complete, in_progress or broken; repeatable.",
+            help="Only checkpoints in this state: complete, in_progress, broken, abandoned (a save that "
+            "stopped) or superseded (off the run's branch after a rollback); repeatable.",
         ),
     ] = None,
     layout: RunLayoutOpt = None,

@@ -254,4 +254,10 @@ def human_count(n: int) -> str:
     return str(n)
 
 
-STATE_STYLE = {"complete": "green", "in_progress": "yellow", "broken": "red"}
+STATE_STYLE = {
+    "complete": "green",
+    "in_progress": "yellow",
+    "abandoned": "magenta",
+    "superseded": "dim",
+    "broken": "red",
+}

@@ -18,7 +18,9 @@ HELP = """Say which checkpoint a resume of the run would load, what it restores,
 
 Checkpoints are tried newest first; one still being written, broken, or failing structural verify is skipped with the reason (frameworks that follow a `latest` pointer load the tag it names). For the one chosen: the step, epoch and counters it continues from; the components the framework restores and those it does not, with what that means for the run; whether it loads on --world-size ranks (torch DCP reshards, DeepSpeed ZeRO needs the same data-parallel size or a universal checkpoint) and what each rank reads; the exact setting for the framework that wrote it; and warnings about each framework's traps (a DCP folder overwritten in place, a `latest` naming a broken tag, the Trainer picking the highest checkpoint-N without checking it, ...).
 
-Exit code 0 with a plan that loads as asked, 1 when nothing is resumable or the checkpoint cannot load on --world-size ranks as it is, 2 when the folder cannot be read."""
+What the framework loads along with it is verified too (OpenRLHF's critic, from `_critic/latest`): one that does not load blocks the resume, and the plan says what to write first.
+
+Exit code 0 with a plan that loads as asked, 1 when nothing is resumable, the checkpoint cannot load on --world-size ranks as it is, or what loads along with it does not load, 2 when the folder cannot be read."""
 
 EXAMPLES = """\
 ckptctl resume-plan runs/llama-sft
@@ -77,7 +79,7 @@ def resume_plan(
     if not quiet:
         for warning in plan.warnings:
             out.warn(warning)
-    if not plan.resumable or (plan.world_size is not None and plan.world_size.ok is False):
+    if not plan.resumable or plan.blockers or (plan.world_size is not None and plan.world_size.ok is False):
         raise typer.Exit(1)
 
 
@@ -108,4 +110,7 @@ def _render(out: Output, plan: ResumePlan) -> None:
             if check.bytes_per_rank is not None:
                 facts.append(("reads per rank", f"~{human_bytes(check.bytes_per_rank)}"))
         facts.append(("setting", plan.resume_hint or "-"))
+        for blocker in plan.blockers:
+            facts.append(("fails", styled(blocker.url, "red") + Text(f": {blocker.reason}")))
+            facts.append(("first", blocker.fix))
     out.facts(facts)

@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+from ckptctl.checkpoint import ProblemKind
 from ckptctl.cli.command import add_command
 from ckptctl.cli.options import JsonOpt, LayoutOpt, QuietOpt, bad_value
 from ckptctl.cli.output import Output, esc
@@ -13,13 +14,15 @@ from ckptctl.cli.output import Output, esc
 if TYPE_CHECKING:
     from ckptctl.ops.verification import VerifyResult
 
-HELP = """Check that a checkpoint (or every checkpoint of a run) is whole before you resume from it.
+KINDS = ", ".join(ProblemKind)
+
+HELP = f"""Check that a checkpoint (or every checkpoint of a run) is whole before you resume from it.
 
 Structure: every shard present, sizes and offsets consistent with the metadata, every chunk of every tensor covered, index files pointing at real files. Content: every file against the manifest when there is one (blake3 digests), and the CRC-32 torch recorded for every record of every torch.save zip it wrote (each torch DCP item, DeepSpeed `*_states.pt`, the Trainer's `optimizer.pt`, `pytorch_model.bin`, ...) that no digest covers, so that checkpoints without a manifest are checked too and a damaged record is named. Raw bytes with no CRC (safetensors) are vouched for by a manifest only. --deep also locates and reads every tensor; --check-finite flags NaN/Inf. Content checks read every byte once, in parallel, in flat memory; --quick checks the structure only (well under 1% of the bytes). PATH may also be a single weights file (`*.safetensors`, or a torch.save zip: `*.pt`, `*.pth`, `*.bin`).
 
 With --latest, only the checkpoint a resume would load is verified. A run with no checkpoint yet (no folder, or only a save still being written) is a fresh start: exit code 0, said on stderr and as "fresh_start" in JSON, so that a resume gate lets the first launch through.
 
-Problem kinds (`kind` in --json; `path` is the file or tensor, and a damaged zip record adds `record` and, where known, `entry`, the tensor or state-dict key): missing_file, truncated, size_mismatch, digest_mismatch, crc_mismatch (a record's bytes differ from the CRC-32 torch recorded), no_crc (warning: an archive written with torch's CRC computation off), bad_metadata, unsafe_pickle, coverage, out_of_bounds, unreadable, not_finite, in_progress, unexpected_file.
+Problem kinds (`kind` in --json; `path` is the file or tensor, and a damaged zip record adds `record` and, where known, `entry`, the tensor or state-dict key): {KINDS}. crc_mismatch: a record's bytes differ from the CRC-32 torch recorded when writing it; no_crc (a warning): archives written with torch's CRC computation off.
 
 Exit code 0 when everything verifies, 1 when a problem was found (with --latest: no checkpoint a resume could load), 2 when the path cannot be read."""
 

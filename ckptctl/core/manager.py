@@ -30,6 +30,24 @@ digest as it arrives, and loads from there. What differs between the two is `cor
 Retention deletes through `io.trash`: a doomed step is taken out of sight before `save` returns (renamed
 into `.ckptctl-trash/`, or its manifest deleted), and its files are deleted on a background thread
 (`core.deleter`), which `wait()` and `close()` wait for.
+
+A save that is killed leaves its staging folder. Every staging folder holds a record of its writer (host,
+pid, process start, boot id, pid namespace), so that `resume()` and every commit can delete the ones whose
+writer is provably gone, and those that another machine's writer left an hour or more before a later
+step was committed (`native.layout.abandoned_staging`); a live writer's folder is never touched.
+
+Rollback. A run that goes back to an older step (`restore(state, step=10)`) and saves again (`save(20)`)
+has left the newer steps (30) on a branch it abandoned: a later resume must follow the new branch, not
+the highest step. Saving a step below committed newer ones therefore marks those, and the old save of
+the same step, superseded (`ckptctl-superseded.json` in each) before the new save commits. Resumes,
+`latest_step()`, `ckptctl resume-plan` and `verify --latest` skip superseded steps, `list` shows them as
+`superseded`, retention leaves them alone and `ckptctl prune` deletes them by its rules. The state lives in the step folders rather than in the `latest` pointer because the pointer is written after
+the commit: a crash between the two leaves a newest step the pointer does not name, which must still be
+resumed. Marking before the commit, the lowest step first, keeps every crash harmless: killed before any
+mark, the run resumes where it was before the rollback; after the mark of the old save of the step but
+before the newer ones', also (the newest step is unmarked); after all marks but before the commit, from
+the newest unmarked step below, the rollback's base in the usual case (an old save between the base and
+the new step stays unmarked); after the commit, from the new save.
 """
 
 from __future__ import annotations
@@ -63,7 +81,7 @@ from ckptctl.core.storage import open_run, storage_errors
 from ckptctl.errors import CheckpointNotFound, CkptctlError, CorruptCheckpoint, SerializationError, StorageError
 from ckptctl.formats.digest import file_digest
 from ckptctl.formats.manifest import MANIFEST_NAME, ComponentRecord, FileRecord, Manifest, load_manifest, now_iso
-from ckptctl.frameworks.native.layout import POINTER_NAME, StepNaming
+from ckptctl.frameworks.native.layout import ABANDON_GRACE, POINTER_NAME, StepNaming, superseded_note
 from ckptctl.io import trash
 from ckptctl.io.trash import TRASH_NAME, Retired
 from ckptctl.layouts.base import folder_size
@@ -131,16 +149,21 @@ class CheckpointManager:
         return self._storage.step_dir(step)
 
     def all_steps(self) -> list[int]:
-        """Committed steps (a `step-{N}` folder holding a manifest), sorted ascending; not validated."""
+        """Committed steps (a `step-{N}` folder holding a manifest), sorted ascending; not validated.
+
+        Superseded steps (see `save`) are committed and listed; `latest_step()` and `restore` skip them.
+        """
         return sorted(self._storage.committed())
 
     def latest_step(self) -> int | None:
-        """The newest committed step whose manifest parses and whose files are all there at their size.
+        """The newest committed step whose manifest parses and whose files are all there at their size, and
+        that a rollback did not supersede.
 
         This is the step `restore(state)` picks; None when the run has no usable checkpoint.
         """
+        superseded = self._storage.superseded()
         for step in reversed(self.all_steps()):
-            if self._problem(step, verify=False) is None:
+            if step not in superseded and self._problem(step, verify=False) is None:
                 return step
         return None
 
@@ -158,6 +181,12 @@ class CheckpointManager:
 
         With `async_save`, returns once the state is copied to CPU memory; the write and the commit run
         in a background thread (see `wait`).
+
+        Saving a step below the run's newest committed step (after `restore(state, step=...)` of an older
+        one) goes back in the run: the newer steps, and an earlier save of this step, are marked
+        superseded before this one commits, with a `CheckpointWarning`. They stay on disk (`all_steps()`
+        lists them; retention neither counts nor deletes them) but resumes follow the new branch, whose
+        saves replace them as they reach their steps; `ckptctl prune` deletes the others.
 
         Args:
             step: the global step (a non-negative integer).
@@ -229,7 +258,7 @@ class CheckpointManager:
         components: dict[str, ComponentRecord] = {}
         try:
             with storage_errors(f"saving step {step} into {self.root}"):
-                os.makedirs(staging)
+                self._storage.begin(staging)
                 for entry in taken.entries:
                     written = write_tree(staging, entry.name, entry.encoded, entry.extra, files)
                     components[entry.name] = ComponentRecord(entry.kind, "safetensors", written)
@@ -242,6 +271,7 @@ class CheckpointManager:
         size = sum(r.size for r in files.values())
         elapsed = time.perf_counter() - started
         log.info("saved step %d: %.1f MB in %.2fs", step, size / 1e6, elapsed)
+        self._remove_abandoned()
         self._apply_retention()
 
     def _save_multi_rank(
@@ -254,6 +284,8 @@ class CheckpointManager:
             staging = self._storage.staging(step, secrets.token_hex(4))
             try:
                 self._storage.prepare(step)
+                with storage_errors(f"saving step {step} into {self.root}"):
+                    self._storage.begin(staging)
             except CkptctlError as exc:
                 error = str(exc)
         staging, error = dist_.broadcast((staging, error))
@@ -313,6 +345,7 @@ class CheckpointManager:
                 try:
                     with storage_errors(f"committing step {step} into {self.root}"):
                         self._commit(step, staging, all_files, components, metrics, world_size=world.size)
+                    self._remove_abandoned()
                     self._apply_retention()
                 except BaseException as exc:
                     status = _describe(exc)
@@ -360,10 +393,46 @@ class CheckpointManager:
             versions=_versions(),
             components=components,
         )
+        self._supersede_newer(step)
         replaced = self._storage.commit(step, staging, manifest)
         io.write_bytes_atomic(io.join(self.root, POINTER_NAME), f"{self.naming.folder(step)}\n".encode())
         if replaced is not None:
             self._purge_later(replaced)
+
+    def _supersede_newer(self, step: int) -> None:
+        """Before `step` commits: if the run holds newer committed steps that are not superseded yet, the run
+        went back; mark them and an earlier save of `step` superseded, the lowest first (see the module
+        docstring for why this order and why before the commit)."""
+        committed = self._storage.committed()
+        if not any(s > step for s in committed):
+            return  # the usual save: nothing newer
+        marked = self._storage.superseded()
+        doomed = sorted(s for s in committed if s >= step and s not in marked)
+        if not any(s > step for s in doomed):
+            return  # a save on a branch already taken: the newer steps are marked
+        for old in doomed:
+            self._storage.supersede(old, step)
+        names = ", ".join(self.naming.folder(s) for s in doomed)
+        warnings.warn(
+            f"saving step {step} below the run's newest step {doomed[-1]}: {names} are superseded; resumes "
+            f"follow the run from {self.naming.folder(step)} on",
+            CheckpointWarning,
+            stacklevel=5,  # the caller of save() (a synchronous single-process save)
+        )
+
+    def _remove_abandoned(self) -> None:
+        """Take the staging folders that stopped saves left in the run out of sight, and delete them in the
+        background (`native.layout.abandoned_staging`: never one whose writer may be alive)."""
+        try:
+            for url, why in self._storage.abandoned(ABANDON_GRACE):
+                try:
+                    retired = trash.retire(url)
+                except FileNotFoundError:  # another process removed it first
+                    continue
+                log.info("removing %s, an interrupted save: %s", url, why)
+                self._purge_later(retired)
+        except (OSError, CkptctlError) as exc:
+            warnings.warn(f"removing interrupted saves in {self.root} failed: {exc}", CheckpointWarning, stacklevel=3)
 
     # ------------------------------------------------------------------ retention
 
@@ -375,9 +444,14 @@ class CheckpointManager:
             if leftovers is not None:
                 self._deleter.submit(functools.partial(trash.empty, leftovers))
             pointer = self.pointer()
+            # Superseded steps are off the run's branch: not counted by the rules, and not deleted either
+            # (a person may want to look at the branch the run left). A re-save of their step on the new
+            # branch replaces them; `ckptctl prune` deletes the others.
+            superseded = self._storage.superseded()
             candidates = [
                 self._retention_candidate(step, pointer, datetime.fromtimestamp(mtime, tz=UTC))
                 for step, mtime in sorted(self._storage.committed().items())
+                if step not in superseded
             ]
             doomed = [d.step for d in self.policy.plan(candidates, now=datetime.now(UTC)) if not d.keep]
             # Every doomed step is out of sight before this returns; a crash mid-deletion leaves a
@@ -428,7 +502,8 @@ class CheckpointManager:
 
         Returns:
             The restored step + 1, or `first_step` when nothing has been committed yet (`state` is then left
-            as built; a staging folder of an interrupted first save counts as nothing).
+            as built; a staging folder of an interrupted first save counts as nothing). Staging folders of
+            saves whose writer is gone are deleted first.
 
         Raises:
             CheckpointNotFound: the run has committed checkpoints but none is valid. Starting over would
@@ -437,8 +512,10 @@ class CheckpointManager:
             CorruptCheckpoint: the chosen checkpoint is broken.
         """
         self._join()
-        saved = bool(self.all_steps())
         world = dist_.current_world()
+        if world.rank == 0:
+            self._remove_abandoned()
+        saved = bool(self.all_steps())
         if world.multi:  # rank 0's view decides, as it does for the step `restore` picks
             saved = bool(dist_.broadcast(saved))
         if not saved:
@@ -449,18 +526,21 @@ class CheckpointManager:
         """Load a checkpoint into `state` and restore the random generators; return its step.
 
         Objects are loaded in place (`load_state_dict`); plain values replace `state[key]`. Entries of
-        `state` that the checkpoint does not hold keep their state, with a `CheckpointWarning`.
+        `state` that the checkpoint does not hold keep their state, and entries of the checkpoint that
+        `state` does not ask for are not restored, each with a `CheckpointWarning`.
 
         Args:
             state: the same kind of dict that was saved (freshly built objects to load into).
             step: the step to load; None loads the newest valid checkpoint (committed, manifest readable,
-                every file present at its recorded size), skipping broken newer ones.
+                every file present at its recorded size) that a rollback did not supersede, skipping
+                broken newer ones. A superseded step given here loads, with a `CheckpointWarning`.
             verify: also check every file's blake3 digest against the manifest before loading. A remote
                 run's files are always checked, as they are downloaded.
 
         Raises:
             CheckpointNotFound: no (valid) checkpoint, or no checkpoint of `step`.
             CorruptCheckpoint: the chosen checkpoint is broken.
+            StateMismatch: a module of `state` has other parameters or shapes than the checkpoint's.
         """
         self._join()
         world = dist_.current_world()
@@ -511,9 +591,17 @@ class CheckpointManager:
         return int(chosen)
 
     def _choose(self, step: int | None, verify: bool, skip: Mapping[int, str]) -> int:
+        superseded = self._storage.superseded()
         if step is not None:
             problem = self._problem(step, verify)
             if problem is None:
+                if step in superseded:
+                    warnings.warn(
+                        f"restoring {self.naming.folder(step)}, which is off the run's branch "
+                        f"({superseded_note(self.step_dir(step))})",
+                        CheckpointWarning,
+                        stacklevel=5,
+                    )
                 return step
             if not io.is_dir(self.step_dir(step)):
                 raise CheckpointNotFound(f"no checkpoint of step {step} in {self.root}", _steps_hint(self.all_steps()))
@@ -522,6 +610,9 @@ class CheckpointManager:
             )
         skipped: list[tuple[str, str]] = []
         for candidate in reversed(self.all_steps()):
+            if candidate in superseded:  # off the run's branch: not worth a warning, it is how rollbacks work
+                log.debug("skipping %s: superseded", self.naming.folder(candidate))
+                continue
             problem = skip.get(candidate) or self._problem(candidate, verify)
             if problem is None:
                 if skipped:
@@ -533,10 +624,12 @@ class CheckpointManager:
                     )
                 return candidate
             skipped.append((self.naming.folder(candidate), problem))
+        skipped += [(self.naming.folder(s), "superseded by a rollback") for s in sorted(superseded, reverse=True)]
         detail = "; ".join(f"{name}: {why}" for name, why in skipped)
         raise CheckpointNotFound(
             f"no valid committed checkpoint in {self.root}" + (f" (skipped {detail})" if detail else ""),
-            "save one first, or check the run folder path",
+            "save one first, or check the run folder path"
+            + (" (a superseded step loads when named: restore(state, step=N))" if superseded else ""),
         )
 
     def _problem(self, step: int, verify: bool) -> str | None:

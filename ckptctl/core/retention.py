@@ -12,7 +12,9 @@ How a plan is made, per series (the checkpoints of one folder, e.g. `_actor/` an
    step (they cannot be ordered) and, with `older_than`, those not older than that.
 2. Rules, composed with "any": `keep_last` (the newest N complete checkpoints), `keep_every` (complete
    checkpoints whose step is a multiple of K), `keep_best` (the complete checkpoint with the best value of
-   a metric). Broken checkpoints are kept by no rule: a rule keeps checkpoints one could resume from.
+   a metric). Broken and superseded checkpoints are kept by no rule: a rule keeps checkpoints a resume
+   could load. What a killed save left (`Candidate.abandoned`) is not a checkpoint at all: not even a
+   policy without rules keeps it; only the protections of 1 do.
 3. `max_total_size`, over the whole run: while the run is larger, checkpoints that only rules keep are
    deleted, oldest first (those `keep_best` keeps last of all). Protected ones never go.
 
@@ -61,6 +63,9 @@ class Candidate:
         protected: why it may never be deleted, as found by the caller (`named by latest`, ...). The
             plan flags a protected checkpoint that no rule keeps as `blocked`.
         busy: why it is being written right now, or "" (kept, and never counted as blocked).
+        note: why it is not complete (superseded by a rollback, an abandoned save), given as the reason it
+            goes; "" says it is broken.
+        abandoned: what a save left when its writer stopped: no rule keeps it (see the module docstring).
     """
 
     step: int | None
@@ -72,6 +77,8 @@ class Candidate:
     metrics: Mapping[str, Any] = field(default_factory=dict)
     protected: tuple[str, ...] = ()
     busy: str = ""
+    note: str = ""
+    abandoned: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -295,7 +302,7 @@ class RetentionPolicy:
                 blocked = not soft[c.url] and not c.busy and set(hard[c.url]) <= set(c.protected)
                 decisions.append(Decision(c.step, True, tuple(reasons), c.url, blocked))
             else:
-                decisions.append(Decision(c.step, False, (NO_RULE if c.complete else BROKEN,), c.url))
+                decisions.append(Decision(c.step, False, (NO_RULE if c.complete else c.note or BROKEN,), c.url))
         return decisions
 
     def _protections(self, c: Candidate, now: datetime | None) -> list[str]:
@@ -331,11 +338,12 @@ class RetentionPolicy:
                 # Ties go to the newest: `usable` is oldest first and max() keeps the first maximum.
                 value, winner = max(reversed(scored), key=lambda vc: sign * vc[0])
                 soft[winner.url].append(f"best {best.metric} ({best.mode}) = {value:g}")
+        checkpoints = [c for c in series if not c.abandoned]
         if not self._keep_rules and self.max_total_size is not None:
-            for c in series:
+            for c in checkpoints:
                 soft[c.url].append("no keep rule (max_total_size decides)")
         if self.keeps_everything:
-            for c in series:
+            for c in checkpoints:
                 soft[c.url].append("no retention rule")
 
     def _fit_budget(

@@ -21,6 +21,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from datetime import timedelta
 
 import blake3
 
@@ -29,9 +30,18 @@ from ckptctl.errors import CorruptCheckpoint, StorageError
 from ckptctl.formats.digest import file_digest
 from ckptctl.formats.documents import MAX_JSON_BYTES
 from ckptctl.formats.manifest import MANIFEST_NAME, FileRecord, Manifest, parse_manifest
-from ckptctl.frameworks.native.layout import NativeLayout, StepNaming, is_rng_file
+from ckptctl.frameworks.native.layout import (
+    SUPERSEDED_NAME,
+    WRITER_NAME,
+    NativeLayout,
+    StepNaming,
+    abandoned_staging,
+    is_rng_file,
+    superseded_marker,
+)
 from ckptctl.io import trash
 from ckptctl.io.commit import ObjectStoreUpload, install, write_marker
+from ckptctl.io.process import ProcessRecord
 from ckptctl.io.trash import Retired, Tiers
 
 __all__ = ["LocalRun", "RemoteRun", "RunStorage", "markers", "open_run"]
@@ -77,6 +87,14 @@ class RunStorage(abc.ABC):
     def staging(self, step: int, token: str) -> str:
         """The local folder a save of `step` is written into before it is committed (not created)."""
 
+    def begin(self, staging: str) -> None:
+        """Create the staging folder of a save (rank 0's, for a multi-rank save).
+
+        Raises:
+            OSError: it cannot be created.
+        """
+        os.makedirs(staging)
+
     @abc.abstractmethod
     def prepare(self, step: int) -> None:
         """Called on rank 0 before the ranks of a multi-rank save write anything."""
@@ -109,6 +127,19 @@ class RunStorage(abc.ABC):
     def leftovers(self) -> str | None:
         """The folder holding what an interrupted deletion left (for `trash.empty`), or None."""
         return None
+
+    def abandoned(self, grace: timedelta) -> list[tuple[str, str]]:
+        """The staging folders in the run that saves left when their writers stopped, with why
+        (`abandoned_staging`); none where saves are staged outside the run."""
+        return []
+
+    def superseded(self) -> set[int]:
+        """The committed steps marked superseded (`SUPERSEDED_NAME`)."""
+        return {step for step in self.committed() if io.exists(io.join(self.step_dir(step), SUPERSEDED_NAME))}
+
+    def supersede(self, step: int, by: int) -> None:
+        """Mark the committed `step` superseded by a save of `by` (one atomic write, or one PUT)."""
+        io.write_bytes_atomic(io.join(self.step_dir(step), SUPERSEDED_NAME), superseded_marker(by))
 
     def retire(self, step: int) -> Retired:
         """Take a committed step out of sight at once (`io.trash`); its deletion is `trash.purge`."""
@@ -148,6 +179,24 @@ class LocalRun(RunStorage):
     def staging(self, step: int, token: str) -> str:
         return os.path.join(self.root, self.naming.staging(step, token))
 
+    def begin(self, staging: str) -> None:
+        # Who writes it, first: a later process tells a save that was killed from one still at work.
+        os.makedirs(staging)
+        io.write_bytes_atomic(os.path.join(staging, WRITER_NAME), ProcessRecord.current().to_json())
+
+    def abandoned(self, grace: timedelta) -> list[tuple[str, str]]:
+        found = []
+        with contextlib.suppress(FileNotFoundError), os.scandir(self.root) as it:
+            for entry in it:
+                if self.naming.staging_step(entry.name) is not None and entry.is_dir(follow_symlinks=False):
+                    why = abandoned_staging(entry.path, grace)
+                    if why:
+                        found.append((entry.path, why))
+        return found
+
+    def superseded(self) -> set[int]:
+        return {step for step in self.committed() if os.path.exists(os.path.join(self.step_dir(step), SUPERSEDED_NAME))}
+
     def prepare(self, step: int) -> None:
         pass  # an existing step-N is swapped out by the commit's rename, not before
 
@@ -155,6 +204,9 @@ class LocalRun(RunStorage):
         pass  # the ranks write into one staging folder
 
     def commit(self, step: int, staging: str, manifest: Manifest) -> Retired | None:
+        # The writer's record goes before the commit: a committed folder holds what its manifest lists.
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(staging, WRITER_NAME))
         write_marker(staging, MANIFEST_NAME, manifest.to_json())
         return install(staging, self.step_dir(step))
 
@@ -182,6 +234,16 @@ class RemoteRun(RunStorage):
             if step is not None and name == MANIFEST_NAME:
                 found[step] = entry.mtime
         return found
+
+    def superseded(self) -> set[int]:
+        listed = io.list_tree(self.root)  # one listing of the run, not a request per step
+        return {
+            step
+            for rel in listed
+            if rel.endswith(f"/{SUPERSEDED_NAME}")
+            and (step := self.naming.step_of(rel.partition("/")[0])) is not None
+            and f"{self.naming.folder(step)}/{MANIFEST_NAME}" in listed
+        }
 
     def staging(self, step: int, token: str) -> str:
         # The same name on every rank: ranks on one node share the folder (their files differ).

@@ -5,7 +5,8 @@ storage record holds the same raw bytes uncompressed. When the chunk is full in 
 its bytes land in contiguous runs of the full tensor's row-major bytes (one run for an FSDP dim-0 shard,
 one per row for a tensor-parallel column shard), and converting is a byte copy.
 
-`ChunkLocator.locate` finds the raw range; `row_major_runs` says where a chunk's rows land in its tensor.
+`ChunkLocator.locate` finds the raw range; `row_major_runs` says where a chunk's rows land in its tensor;
+`flat_ranges` puts both together into the byte ranges that hold a whole tensor in row-major order.
 Importing this module does not import torch.
 """
 
@@ -24,7 +25,7 @@ from ckptctl.checkpoint import ChunkEncoding, TensorChunk, TensorEntry, dtype_it
 from ckptctl.errors import CorruptCheckpoint, StorageError
 from ckptctl.formats.torch_save import ArchiveTensor, inspect_archive
 
-__all__ = ["ByteRange", "ChunkLocator", "row_major_runs"]
+__all__ = ["ByteRange", "ChunkLocator", "FlatRange", "flat_ranges", "row_major_runs"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +35,16 @@ class ByteRange:
     url: str
     offset: int
     length: int
+
+
+@dataclass(frozen=True, slots=True)
+class FlatRange:
+    """`count` elements of a tensor, from its row-major element `start` on, stored raw at `offset` of `url`."""
+
+    start: int
+    count: int
+    url: str
+    offset: int
 
 
 def row_major_runs(
@@ -173,3 +184,44 @@ class ChunkLocator:
             # A traceback may still hold a view of the map; then the collector unmaps it later.
             with contextlib.suppress(BufferError):
                 mapped.close()
+
+
+def flat_ranges(entry: TensorEntry, locator: ChunkLocator, min_average_bytes: int = 1) -> list[FlatRange] | None:
+    """The raw byte ranges that hold `entry`'s elements, in row-major order, adjacent ones merged.
+
+    None when the tensor must be assembled by decoding instead (`chunks.read_tensor`): a chunk without a
+    raw range (`ChunkLocator.locate`), one scattered into more row runs than `row_major_runs` describes,
+    row runs shorter than `min_average_bytes` on average (interleaved tensor-parallel shards of tiny
+    rows: one read each would cost more than decoding), or chunks that leave a gap or overlap (which
+    `read_tensor` reports with its coverage check).
+
+    Raises:
+        CorruptCheckpoint: a chunk's record lies outside its file or disagrees with the metadata.
+    """
+    itemsize = dtype_itemsize(entry.dtype)
+    runs: list[tuple[int, int, str, int]] = []  # (first element, count, file, byte offset)
+    for chunk in entry.chunks:
+        if chunk.numel == 0:
+            continue
+        layout = row_major_runs(entry.shape, chunk.offsets, chunk.sizes)
+        if layout is None:
+            return None
+        found = locator.locate(entry, chunk)
+        if found is None:
+            return None
+        runs.extend((start, count, found.url, found.offset + first * itemsize) for start, first, count in layout)
+    if len(runs) > len(entry.chunks) and entry.nbytes / len(runs) < min_average_bytes:
+        return None
+    runs.sort(key=lambda run: run[0])
+    merged: list[FlatRange] = []
+    position = 0
+    for start, count, url, offset in runs:
+        if start != position:
+            return None
+        position += count
+        last = merged[-1] if merged else None
+        if last is not None and last.url == url and last.offset + last.count * itemsize == offset:
+            merged[-1] = FlatRange(last.start, last.count + count, url, last.offset)
+        else:
+            merged.append(FlatRange(start, count, url, offset))
+    return merged if position == entry.numel else None

@@ -14,7 +14,8 @@ filesystem allows it: the output bypasses the page cache (no fresh page-cache pa
 left to flush at fsync, no eviction of the source's cached pages) and goes to the disk at its own speed.
 Elsewhere (tmpfs, some network filesystems) the same blocks go through ordinary buffered writes.
 
-Memory in flight is bounded by `depth × block_bytes` (plus conversion scratch), whatever the tensors' size.
+Memory in flight is bounded by `depth × block_bytes` (plus `CAST_PIECE_BYTES` of conversion scratch per
+block), whatever the tensors' size.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ import threading
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, wait
 from dataclasses import dataclass
+from functools import cache
+from typing import Any
 
 import blake3
 
@@ -48,6 +51,8 @@ __all__ = [
 
 #: Bytes per block: large enough that per-call overhead vanishes, small enough to bound memory.
 BLOCK_BYTES = 16 << 20
+#: Source bytes read and cast at a time by `--dtype` conversions (per block in flight).
+CAST_PIECE_BYTES = 1 << 20
 #: O_DIRECT needs buffer addresses, file offsets and lengths aligned to the device's logical block size;
 #: 4 KiB covers every device in use.
 _ALIGN = 4096
@@ -128,7 +133,7 @@ class _Slot:
     def scratch(self, kind: str, size: int) -> memoryview:
         buffer = self._scratch.get(kind)
         if buffer is None or len(buffer) < size:
-            buffer = self._scratch[kind] = bytearray(max(size, min(self.size, BLOCK_BYTES)))
+            buffer = self._scratch[kind] = bytearray(size)
         return memoryview(buffer)[:size]
 
     def close(self) -> None:
@@ -383,16 +388,24 @@ class StreamCopier:
             self._read_into(source.url, source.offset + first, target)
             return
         itemsize, out_itemsize = dtype_itemsize(source.dtype), dtype_itemsize(source.out_dtype)
-        # Elements covering the range; a block boundary may cut an output element in two.
+        # Elements covering the range (a block boundary may cut an output element in two), read and cast a
+        # piece at a time so that the scratch stays small: a whole block of fp32 sources for a bf16 block
+        # would double the memory of the copy.
         e0, e1 = first // out_itemsize, -(-end // out_itemsize)
-        raw = slot.scratch("raw", (e1 - e0) * itemsize)
-        self._read_into(source.url, source.offset + e0 * itemsize, raw)
-        whole = first % out_itemsize == 0 and end % out_itemsize == 0
-        converted = target if whole else slot.scratch("converted", (e1 - e0) * out_itemsize)
-        _convert(raw, source.dtype, converted, source.out_dtype, e1 - e0)
-        if not whole:
-            skip = first - e0 * out_itemsize
-            target[:] = converted[skip : skip + end - first]
+        # (an object store's source is read in one request per block, as uncast copies are)
+        piece = max(1, CAST_PIECE_BYTES // itemsize) if io.is_local(source.url) else e1 - e0
+        for p0 in range(e0, e1, piece):
+            count = min(piece, e1 - p0)
+            raw = slot.scratch("raw", count * itemsize)
+            self._read_into(source.url, source.offset + p0 * itemsize, raw)
+            lo, hi = p0 * out_itemsize, (p0 + count) * out_itemsize  # this piece's bytes of the output
+            if first <= lo and hi <= end:
+                _convert(raw, source.dtype, target[lo - first : hi - first], source.out_dtype, count)
+                continue
+            converted = slot.scratch("converted", count * out_itemsize)
+            _convert(raw, source.dtype, converted, source.out_dtype, count)
+            a, b = max(lo, first), min(hi, end)
+            target[a - first : b - first] = converted[a - lo : b - lo]
 
     def _read_into(self, url: str, offset: int, view: memoryview) -> None:
         if not io.is_local(url):
@@ -419,8 +432,29 @@ class StreamCopier:
             return fd
 
 
+@cache
+def _numpy_types() -> dict[str, Any]:
+    """numpy element types of the casts done without torch.
+
+    Importing torch costs a convert ~200 MiB of resident memory, and its intra-op threads fight the copy
+    threads for the cores; ml_dtypes' C loops cast a block in one pass on the calling thread, rounding
+    to nearest even as torch does (bit-identical results but for NaN payloads)."""
+    import ml_dtypes
+    import numpy as np
+
+    return {"float32": np.float32, "float16": np.float16, "float64": np.float64, "bfloat16": ml_dtypes.bfloat16}
+
+
 def _convert(raw: memoryview, dtype: str, out: memoryview, out_dtype: str, count: int) -> None:
-    import torch
+    types = _numpy_types()
+    if dtype in types and out_dtype in types:
+        import numpy as np
+
+        elements = np.frombuffer(raw, dtype=types[dtype], count=count)
+        with np.errstate(over="ignore", invalid="ignore"):  # overflow to inf and NaNs are the cast's meaning
+            np.copyto(np.frombuffer(out, dtype=types[out_dtype], count=count), elements, casting="unsafe")
+        return
+    import torch  # dtypes numpy has no type for (float8 variants)
 
     source = torch.frombuffer(raw, dtype=getattr(torch, dtype), count=count)
     target = torch.frombuffer(out, dtype=getattr(torch, out_dtype), count=count)

@@ -48,7 +48,9 @@ __all__ = [
 #: both come before the layouts they would otherwise pass for. A Trainer `checkpoint-N` holds an HF model
 #: folder and possibly a DeepSpeed tag folder, and is one checkpoint with all of them. OpenRLHF and
 #: open-instruct tags ARE DeepSpeed tag folders, told apart by the files around them, so they come before
-#: `deepspeed`, which takes the tags nothing else claims.
+#: `deepspeed`, which takes the tags nothing else claims. A DeepSpeed universal checkpoint holds model-states
+#: files as a tag does, beside a `zero/` folder and without optim-states files: the tag layouts leave such a
+#: folder alone (`deepspeed.names.is_universal`), so it can come last, after the layouts people know.
 _REGISTRY: tuple[tuple[str, str], ...] = (
     ("native", "ckptctl.frameworks.native.layout:NativeLayout"),
     ("areal", "ckptctl.frameworks.areal.layout:ArealLayout"),
@@ -59,6 +61,7 @@ _REGISTRY: tuple[tuple[str, str], ...] = (
     ("open_instruct", "ckptctl.frameworks.open_instruct.layout:OpenInstructLayout"),
     ("deepspeed", "ckptctl.frameworks.deepspeed.layout:DeepSpeedLayout"),
     ("hf", "ckptctl.frameworks.hf.layout:HfModelLayout"),
+    ("deepspeed_universal", "ckptctl.frameworks.deepspeed.universal:DeepSpeedUniversalLayout"),
 )
 
 
@@ -306,6 +309,9 @@ def resolve(url: str, layout: str | None = None) -> tuple[Layout, CheckpointRef]
         ]
         if len(named) == 1:
             return named[0]
+        if len(named) > 1:  # a DeepSpeed save folder's `latest` and `latest_universal`
+            names = ", ".join(f"{io.name_of(ref.url)} ({found.name})" for found, ref in named)
+            raise UnknownLayout(f"{url} is not a checkpoint; pointers in it name {names}", "pass one of them")
         raise _not_a_checkpoint(url, entries, layout, explain=True)
 
 

@@ -12,7 +12,8 @@ import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
+from typing import Any
 
 from ckptctl import io
 from ckptctl.checkpoint import Checkpoint, CheckpointRef, Problem, TensorEntry
@@ -107,6 +108,22 @@ class Layout:
         """
         return ()
 
+    def abandoned(self, ref: CheckpointRef, grace: timedelta) -> str | None:
+        """Why a checkpoint of this layout that is not complete (`in_progress` or `abandoned` in `ref`) is
+        what a save left when its writer stopped, so that `prune` may delete it; None while a writer may
+        still be at it.
+
+        A layout whose writers leave proof of who they are (a record of the writing process) or whose
+        unfinished saves are otherwise recognisable overrides this; the default never says so, and such a
+        checkpoint stays in progress for `prune`.
+
+        Args:
+            ref: the checkpoint as the scan found it.
+            grace: how long after its last write an unfinished save may still be being written, when
+                nothing proves its writer gone.
+        """
+        return None
+
     def protections(self, series: Sequence[CheckpointRef]) -> Protections:
         """What this framework's files say `prune` must keep among `series`, the checkpoints of one folder
         (a best checkpoint its training loop goes back to, ...).
@@ -152,6 +169,33 @@ class Layout:
         step first, then the latest one.
         """
         return (checkpoint.ref.url, io.parent_of(checkpoint.ref.url))
+
+    def model_spec(self, config: Mapping[str, Any], notes: list[str]) -> ModelSpec | None:
+        """The tensors of the model a config of this framework describes (a parsed `config.json`), as the
+        framework's own code builds it, without memory; `convert` checks its output against it.
+
+        Args:
+            config: the config the output carries.
+            notes: where to append why there is no spec, when a person would expect one.
+
+        Returns:
+            The spec, or None when this framework cannot tell (the default).
+
+        Raises:
+            ModelMismatch: the framework refuses to build a model from `config`.
+        """
+        return None
+
+    def model_logits(self, folder: str, config: Mapping[str, Any], tensors: Mapping[str, Any] | None) -> Any:
+        """Logits (a float torch tensor) of the model in `folder` on fixed token ids, loaded by the framework's
+        own loader; given `tensors` (name -> torch tensor), of the architecture `config` describes holding
+        them instead. `convert --check-logits` compares the two.
+
+        Raises:
+            ModelMismatch: the loader reports tensors missing, left over or of another shape.
+            CkptctlError: this framework cannot run its models (the default).
+        """
+        raise CkptctlError(f"{self.name} models cannot be run to compare their logits")
 
     # ---------------------------------------------------------------------------------- tensor names
 
@@ -226,6 +270,28 @@ class MasterWeights:
     entries: tuple[TensorEntry, ...]
     upcast: frozenset[str]
     notes: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    """The tensors of a model architecture (`Layout.model_spec`), read off the framework's own code.
+
+    Attributes:
+        architecture: the class that was built (`LlamaForCausalLM`).
+        saved: name -> shape of what the framework's own save writes (tied copies left out).
+        state: name -> shape of the model's state dict (tied copies in; persistent buffers only), what
+            `dcp.load({"model": model.state_dict()})` fills.
+        tied: each tied copy -> the tensor it is (`lm_head.weight` -> `model.embed_tokens.weight`).
+        ignored_leftovers: patterns (regular expressions) of names the loader ignores when present.
+        ignored_missing: patterns of names the loader accepts missing.
+    """
+
+    architecture: str
+    saved: Mapping[str, tuple[int, ...]]
+    state: Mapping[str, tuple[int, ...]]
+    tied: Mapping[str, str]
+    ignored_leftovers: tuple[str, ...] = ()
+    ignored_missing: tuple[str, ...] = ()
 
 
 _STEP_PATTERNS = (

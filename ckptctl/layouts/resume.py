@@ -18,6 +18,8 @@ from ckptctl.checkpoint import Checkpoint, CheckpointRef, CheckpointState, Compo
 __all__ = [
     "DEFAULT_IMPACT",
     "RESUMABLE",
+    "Blocker",
+    "LoadedAlong",
     "PlanContext",
     "ResumeProfile",
     "Skipped",
@@ -65,6 +67,42 @@ class Skipped:
 
     def to_json(self) -> dict[str, Any]:
         return {"url": self.url, "step": self.step, "reason": self.reason, "layout": self.layout, "state": self.state}
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedAlong:
+    """A checkpoint the framework loads along with the chosen one, from where its own setting points (the
+    critic OpenRLHF loads from `_critic/latest` with the actor): the resume fails when it does not load.
+
+    Attributes:
+        url: the checkpoint folder that will be loaded (it may not exist).
+        what: what it is, for people ("the critic's `latest` tag").
+        fix: what to do first when it does not load ("write global_step2 into _critic/latest").
+    """
+
+    url: str
+    what: str
+    fix: str
+
+
+@dataclass(frozen=True, slots=True)
+class Blocker:
+    """A checkpoint loaded along with the chosen one that does not load: the resume, as it stands, fails.
+
+    Attributes:
+        url: the checkpoint folder.
+        step: its step, when it can be read.
+        reason: why it does not load (missing, broken, failing structural verify).
+        fix: what to do first.
+    """
+
+    url: str
+    step: int | None
+    reason: str
+    fix: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"url": self.url, "step": self.step, "reason": self.reason, "fix": self.fix}
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,6 +171,14 @@ def _never(ref: CheckpointRef) -> bool:
     return False
 
 
+def _nothing_along(ctx: PlanContext) -> list[LoadedAlong]:
+    return []
+
+
+def _not_converted(url: str) -> str | None:
+    return None
+
+
 def recorded_rng_keys(checkpoint: Checkpoint) -> frozenset[str] | None:
     """The RNG keys the layout recorded when it opened the checkpoint (`Checkpoint.rng_keys`)."""
     return checkpoint.rng_keys
@@ -153,13 +199,19 @@ class ResumeProfile:
         export_name: what the framework's model-only folders are, for the reason a plan skips them.
         run_of: the run folder a checkpoint belongs to (the folder its checkpoints are grouped by).
         companion: checkpoints that are not resumed from but load along with the chosen one (OpenRLHF's
-            critic tags); they are left out of the candidates.
+            critic tags); they are left out of the candidates, unless the run holds nothing else.
+        loaded_with: the checkpoints the framework loads along with the chosen one (OpenRLHF's critic from
+            `_critic/latest`); the plan verifies each, and one that does not load blocks the resume.
         rng_keys: the top-level keys of the checkpoint's RNG state (None when it has none, or cannot
             tell); by default what the layout recorded, a profile may read them on demand instead.
         traps: warnings the files on disk give about the chosen checkpoint that structural verify cannot
             tell (a DCP folder overwritten in place, a folder the framework would pick instead); listed first.
         notes: other framework-specific warnings, listed last.
         extras: framework-specific "not restored" lines beyond components (AReaL's critic).
+        converted_from: the checkpoint of the run a checkpoint of this layout was converted from, holding the
+            same training state in a form the framework loads on fewer world sizes (the ZeRO tag of a DeepSpeed
+            universal checkpoint), or None. At equal steps the original is tried first, and a plan whose
+            original does not load on the target number of ranks takes a conversion of it that does.
     """
 
     framework: str
@@ -172,10 +224,12 @@ class ResumeProfile:
     export_name: str = "an HF export"
     run_of: Callable[[str], str] = io.parent_of
     companion: Callable[[CheckpointRef], bool] = _never
+    loaded_with: Callable[[PlanContext], list[LoadedAlong]] = _nothing_along
     rng_keys: Callable[[Checkpoint], frozenset[str] | None] = recorded_rng_keys
     traps: Callable[[PlanContext], list[str]] = _no_notes
     notes: Callable[[PlanContext], list[str]] = _no_notes
     extras: Callable[[PlanContext], dict[str, str]] = _no_extras
+    converted_from: Callable[[str], str | None] = _not_converted
 
 
 def target_ranks(ctx: PlanContext, saved: int | None) -> int | None:

@@ -21,11 +21,9 @@ from ckptctl.checkpoint import (
     Checkpoint,
     CheckpointRef,
     CheckpointState,
-    ChunkEncoding,
     Component,
     Problem,
     ProblemKind,
-    TensorChunk,
     TensorEntry,
 )
 from ckptctl.errors import CkptctlError, UnknownLayout, UnsafePickle
@@ -33,7 +31,7 @@ from ckptctl.formats.safetensors import read_header
 from ckptctl.formats.torch_pickle import TorchPickle, open_torch_pickle, storage_problems
 from ckptctl.formats.torch_zip import TorchArchive
 from ckptctl.frameworks.dcp.layout import component_classifier
-from ckptctl.frameworks.hf.layout import safetensors_index
+from ckptctl.frameworks.hf.layout import safetensors_index, torch_file_entries
 from ckptctl.io import DirEntry
 from ckptctl.layouts.base import Layout, timestamp
 
@@ -107,23 +105,13 @@ class TorchFile(_FileLayout):
 
 
 def _tensor_entries(opened: TorchPickle) -> tuple[TensorEntry, ...]:
-    """Every tensor of the file, as RAW chunks into it (none for a tensor that is not one contiguous range)."""
-    tensors = opened.tensors()
+    """Every tensor of the file, as RAW chunks into it (see `torch_file_entries`)."""
     classify: Callable[[str], Component]
     if io.name_of(opened.url).startswith("optim"):  # optimizer.pt, optim_states.pt: keys are `state.0.*`
         classify = _optimizer
     else:
-        classify = component_classifier([name for name, _ in tensors])
-    entries = []
-    for name, ref in tensors:
-        found = opened.byte_range(ref)
-        chunks = (
-            (TensorChunk(SELF, found[0], found[1] - found[0], (0,) * len(ref.shape), ref.shape, ChunkEncoding.RAW),)
-            if found is not None
-            else ()
-        )
-        entries.append(TensorEntry(name, classify(name), ref.dtype, ref.shape, chunks))
-    return tuple(entries)
+        classify = component_classifier([name for name, _ in opened.tensors()])
+    return tuple(torch_file_entries(opened, SELF, classify))
 
 
 def _optimizer(_name: str) -> Component:

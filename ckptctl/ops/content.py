@@ -105,8 +105,7 @@ def check_content(
         skip: files that structural verify found broken (missing, truncated): their archives are not
             checked again.
 
-    Raises:
-        CkptctlError: with `deep`, the tensor index cannot be read (as `Checkpoint.tensor_index`).
+    With `deep`, a tensor index that cannot be read is a problem (and no tensor is read).
     """
     workers = workers_for(checks.workers)
     digests = DigestPlan(checkpoint.url, checkpoint.files, checks.manifest, checks.record_digests)
@@ -531,10 +530,15 @@ class _DeepPlan:
     """Every chunk of every tensor: checked against its metadata now, its bytes read by the sweep."""
 
     def __init__(self, checkpoint: Checkpoint, check_finite: bool, progress: Progress) -> None:
-        index = checkpoint.tensor_index()
-        self.count = len(index)
         self.spans: list[Span] = []
         self._states: list[_EntryState] = []
+        self._unreadable: list[Problem] = []
+        try:
+            index = checkpoint.tensor_index()
+        except CkptctlError as exc:  # a truncated file: structure says so too, and nothing more can be read
+            self._unreadable.append(Problem.from_error(exc, ""))
+            index = ()
+        self.count = len(index)
         progress.start("locating tensors", len(index))
         with ChunkLocator(checkpoint.url) as locator:
             for entry in index:
@@ -572,7 +576,7 @@ class _DeepPlan:
 
     def results(self) -> list[Problem]:
         """After the sweep: unreadable tensors, and those holding NaN/Inf."""
-        problems = []
+        problems = list(self._unreadable)
         for state in self._states:
             problems += state.problems
             failed = next((s.error for s in state.sinks if s.error is not None), None)

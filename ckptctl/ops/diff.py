@@ -4,8 +4,14 @@ Tensors of one component (the model by default) are matched by name after the na
 `convert` uses (`ops.naming`: `model.` of DCP state dicts, the entry name of a save) and the user's
 renames. Each matched pair is classified as equal, or changed in shape, dtype or values; values are
 compared element by element after upcasting both sides (float64, complex128 for complex tensors, int64
-differences for integer ones), in blocks, so memory stays near the pair of tensors being compared. One
-pair is read at a time and only tensors that are compared are read.
+differences for integer ones), in cache-sized blocks (`ops.tensor_stats`). Only tensors that are compared
+are read.
+
+Reading runs at the speed of the reads: a pair whose bytes both sides store raw (safetensors, the records
+of local torch.save archives such as DCP items) is streamed in blocks on a pool of threads, so memory
+stays at a few blocks per thread whatever the tensor's size; when both sides store the same dtype, each
+block's bytes are compared first and only blocks that differ are decoded. Other pairs (small ones, and
+records that must be decoded) are read whole, one pair at a time.
 
 Equal means every element satisfies `|b - a| <= atol + rtol * |a|` (NaN equals NaN; the defaults 0 and 0
 ask for equal values). Per tensor: the largest absolute difference and the relative L2 difference
@@ -23,24 +29,38 @@ checkpoints different: `equal` is about tensors.
 
 from __future__ import annotations
 
+import bisect
 import enum
 import math
 import os
-from collections.abc import Mapping
+from collections import deque
+from collections.abc import Callable, Mapping
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ckptctl import io
-from ckptctl.checkpoint import Checkpoint, Component, TensorChunk, TensorEntry
-from ckptctl.errors import CkptctlError
+from ckptctl.checkpoint import Checkpoint, Component, TensorChunk, TensorEntry, dtype_itemsize
+from ckptctl.errors import CkptctlError, CorruptCheckpoint
 from ckptctl.formats.documents import read_json
 from ckptctl.formats.manifest import FileRecord, Manifest, read_manifest
 from ckptctl.layouts import open_checkpoint
 from ckptctl.ops.naming import Renames, normalised_names
 from ckptctl.ops.report import SCHEMA_VERSION, NoProgress, Progress, flatten, jsonable
+from ckptctl.ops.tensor_stats import (
+    BlockStats,
+    ValueStats,
+    compare_block,
+    fold,
+    norms_block,
+    raw_from_bytes,
+    raw_from_tensor,
+)
 
 if TYPE_CHECKING:
     import torch
+
+    from ckptctl.formats.raw_chunks import FlatRange
 
 __all__ = [
     "ChangeKind",
@@ -55,8 +75,13 @@ __all__ = [
     "metadata_differences",
 ]
 
-#: Elements upcast and compared at once: bounds the temporaries to a few tens of MiB.
-_BLOCK = 1 << 20
+#: Elements upcast and compared at once: their float64 copies and temporaries stay in the CPU cache.
+_BLOCK = 1 << 16
+#: Elements of each side a task of a streamed pair reads at once (a multiple of `_BLOCK`).
+_READ_BLOCK = 1 << 20
+#: Tensors stored in raw ranges shorter than this on average (interleaved rows of tensor-parallel
+#: shards) are decoded whole rather than read range by range.
+_MIN_AVERAGE_RANGE = 64 << 10
 #: Metadata keys that differ between any two saves and say nothing about them: a save's id, and what a
 #: layout met reading one (`error`, and `*_error` keys, whose messages name each checkpoint's own paths).
 _IGNORED_METADATA = frozenset({"save_id", "error"})
@@ -289,21 +314,29 @@ def _diff(a: str, b: str, options: DiffOptions, progress: Progress, read: io.Byt
     names_b = _named(right, options)
     common = [name for name in names_a if name in names_b]
     digests = _Digests(left, right, enabled=not options.read_all)
-    to_read = [n for n in common if names_a[n].shape == names_b[n].shape and not digests.prove(names_a[n], names_b[n])]
-    progress.start("comparing", sum(names_a[n].nbytes + names_b[n].nbytes for n in to_read))
-    changed: list[TensorDiff] = []
-    equal: list[TensorDiff] = []
-    proven = 0
+    results: dict[str, TensorDiff] = {}
+    to_read: list[_Pair] = []
+    for name in common:
+        entry_a, entry_b = names_a[name], names_b[name]
+        base = TensorDiff(
+            name, None, entry_a.name, entry_b.name, entry_a.dtype, entry_b.dtype, entry_a.shape, entry_b.shape
+        )
+        if entry_a.shape != entry_b.shape:
+            results[name] = replace(base, kind=ChangeKind.SHAPE)
+            continue
+        evidence = digests.prove(entry_a, entry_b)
+        if evidence is not None:
+            results[name] = replace(base, identical=True, evidence=evidence, max_abs_diff=0.0, rel_l2=0.0, mismatched=0)
+        else:
+            to_read.append(_Pair(base, entry_a, entry_b))
+    progress.start("comparing", sum(p.a.nbytes + p.b.nbytes for p in to_read))
     try:
-        for name in common:
-            result = _compare_pair(name, left, names_a[name], right, names_b[name], options, digests, progress)
-            proven += result.evidence in (Evidence.SAME_FILE, Evidence.DIGEST)
-            if result.kind is None:
-                equal.append(result)
-            else:
-                changed.append(result)
+        for pair, stats in _compare_pairs(left, right, to_read, options, progress).items():
+            results[pair.base.name] = _judged(pair, stats, options)
     finally:
         progress.finish()
+    changed = [results[n] for n in common if results[n].kind is not None]
+    equal = [results[n] for n in common if results[n].kind is None]
     changed.sort(key=TensorDiff.sort_key)
     return DiffReport(
         a=a,
@@ -316,7 +349,7 @@ def _diff(a: str, b: str, options: DiffOptions, progress: Progress, read: io.Byt
         changed=tuple(changed),
         equal_count=len(equal),
         identical_count=sum(d.identical for d in equal),
-        proven_count=proven,
+        proven_count=sum(d.evidence in (Evidence.SAME_FILE, Evidence.DIGEST) for d in results.values()),
         compared=len(common),
         metadata=tuple(metadata_differences(left, right)),
         atol=options.atol,
@@ -338,37 +371,23 @@ def _named(checkpoint: Checkpoint, options: DiffOptions) -> dict[str, TensorEntr
     return normalised_names(checkpoint.layout, entries, options.strip_prefix, options.renames)
 
 
-def _compare_pair(
-    name: str,
-    left: Checkpoint,
-    a: TensorEntry,
-    right: Checkpoint,
-    b: TensorEntry,
-    options: DiffOptions,
-    digests: _Digests,
-    progress: Progress,
-) -> TensorDiff:
-    base = TensorDiff(name, None, a.name, b.name, a.dtype, b.dtype, a.shape, b.shape)
-    if a.shape != b.shape:
-        return replace(base, kind=ChangeKind.SHAPE)
-    evidence = digests.prove(a, b)
-    if evidence is not None:
-        return replace(base, identical=True, evidence=evidence, max_abs_diff=0.0, rel_l2=0.0, mismatched=0)
-    from ckptctl.formats.chunks import read_tensor
+@dataclass(frozen=True, slots=True, eq=False)
+class _Pair:
+    """A matched pair of the same shape whose values must be read (`base`: its names, dtypes and shape)."""
 
-    tensor_a = read_tensor(left.url, a)
-    progress.advance(a.nbytes)
-    tensor_b = read_tensor(right.url, b)
-    progress.advance(b.nbytes)
-    stats = compare_values(tensor_a, tensor_b, options.atol, options.rtol)
-    del tensor_a, tensor_b
+    base: TensorDiff
+    a: TensorEntry
+    b: TensorEntry
+
+
+def _judged(pair: _Pair, stats: ValueStats, options: DiffOptions) -> TensorDiff:
     kind: ChangeKind | None = None
-    if a.dtype != b.dtype and not options.ignore_dtype:
+    if pair.a.dtype != pair.b.dtype and not options.ignore_dtype:
         kind = ChangeKind.DTYPE
     elif stats.mismatched:
         kind = ChangeKind.VALUES
     return replace(
-        base,
+        pair.base,
         kind=kind,
         max_abs_diff=stats.max_abs_diff,
         rel_l2=stats.rel_l2,
@@ -380,65 +399,249 @@ def _compare_pair(
 
 
 # --------------------------------------------------------------------------------------------------
+# Reading and comparing.
+# --------------------------------------------------------------------------------------------------
+
+
+def _compare_pairs(
+    left: Checkpoint, right: Checkpoint, pairs: list[_Pair], options: DiffOptions, progress: Progress
+) -> dict[_Pair, ValueStats]:
+    """The values of every pair, compared on a pool of threads.
+
+    Pairs whose bytes both sides store raw (`raw_chunks.flat_ranges`: safetensors, and the records of
+    local torch.save archives) are streamed: tasks of `_READ_BLOCK` elements run on `_workers()` threads,
+    at most twice that many queued, so memory stays at a few blocks per thread, and torch is not even
+    imported. The rest (strided or remote torch.save records) are read whole (`chunks.read_tensor`) and
+    compared one pair at a time on one more thread, as are all pairs of a comparison whose tensors are
+    all smaller than a block: there, whole tensors are as small as blocks.
+    """
+    from ckptctl.formats.raw_chunks import ChunkLocator, flat_ranges
+
+    streamed: list[_Streamed] = []
+    whole: list[_Pair] = []
+    any_large = any(pair.a.numel > _BLOCK for pair in pairs)
+    with ChunkLocator(left.url) as locate_a, ChunkLocator(right.url) as locate_b:
+        for pair in pairs:
+            ranges_a = ranges_b = None
+            if any_large:
+                ranges_a = flat_ranges(pair.a, locate_a, _MIN_AVERAGE_RANGE)
+                ranges_b = flat_ranges(pair.b, locate_b, _MIN_AVERAGE_RANGE) if ranges_a is not None else None
+            if ranges_a is None or ranges_b is None:
+                whole.append(pair)
+            else:
+                streamed.append(_Streamed(pair, ranges_a, ranges_b, options.atol, options.rtol))
+    results: dict[_Pair, ValueStats] = {}
+    blocks = ((stream, k, False) for stream in streamed for k in range(len(stream.spans)))
+    rereads: deque[tuple[_Streamed, int, bool]] = deque()  # go first, while the bytes are still cached
+    workers = _workers(left.url, right.url)
+    pending: dict[Future[Any], Callable[[Any], None]] = {}
+    blocks_pending = 0
+
+    def finished_block(stream: _Streamed) -> Callable[[_BlockResult], None]:
+        def record(result: _BlockResult) -> None:
+            nonlocal blocks_pending
+            blocks_pending -= 1
+            progress.advance(result.nbytes)
+            again = stream.record(result)
+            if again is None:
+                results[stream.pair] = stream.stats()
+            else:
+                rereads.extend((stream, k, True) for k in again)
+
+        return record
+
+    def finished_whole(pair: _Pair) -> Callable[[ValueStats], None]:
+        def record(stats: ValueStats) -> None:
+            progress.advance(pair.a.nbytes + pair.b.nbytes)
+            results[pair] = stats
+
+        return record
+
+    with io.ContextThreadPool(max_workers=workers) as pool, io.ContextThreadPool(max_workers=1) as one:
+        for pair in whole:
+            future = one.submit(_compare_whole, left.url, right.url, pair, options.atol, options.rtol)
+            pending[future] = finished_whole(pair)
+        try:
+            while True:
+                while blocks_pending < 2 * workers:
+                    task = rereads.popleft() if rereads else next(blocks, None)
+                    if task is None:
+                        break
+                    stream, k, norms_only = task
+                    pending[pool.submit(stream.norms if norms_only else stream.compare, k)] = finished_block(stream)
+                    blocks_pending += 1
+                if not pending:
+                    break
+                done, _ = wait(pending, return_when=FIRST_COMPLETED)
+                for future in done:
+                    pending.pop(future)(future.result())
+        except BaseException:  # an error or Ctrl-C: start nothing more; the pools wait for running tasks
+            for future in pending:
+                future.cancel()
+            raise
+    return results
+
+
+def _workers(url_a: str, url_b: str) -> int:
+    """Threads for streamed pairs: one per core (they decode and compare), or the I/O pool's size when
+    a side is remote (they mostly wait on range reads)."""
+    if not (io.is_local(url_a) and io.is_local(url_b)):
+        return io.workers()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(2, min(8, cores))
+
+
+def _compare_whole(url_a: str, url_b: str, pair: _Pair, atol: float, rtol: float) -> ValueStats:
+    from ckptctl.formats.chunks import read_tensor
+
+    tensor_a = read_tensor(url_a, pair.a)
+    tensor_b = read_tensor(url_b, pair.b)
+    return compare_values(tensor_a, tensor_b, atol, rtol)
+
+
+class _BlockResult(NamedTuple):
+    """What a task of a streamed pair found in its block: each `_BLOCK`'s statistics, or None for a
+    bit-identical block whose norms are not computed yet; `nbytes` read for it (not counting re-reads)."""
+
+    block: int
+    stats: list[BlockStats] | None
+    nbytes: int
+
+
+class _Streamed:
+    """One pair compared block by block from the raw bytes of both sides.
+
+    Blocks of the same dtype are compared as bytes first (memcmp speed); only blocks that differ are
+    decoded. A bit-identical block still adds its values to the norms of a pair that differs elsewhere
+    (the relative L2 difference is over the whole tensor), so once any block of the pair differs, the
+    identical ones are decoded for their norms; the ones compared before that are read again at the end
+    (`record` names them). A pair whose blocks are all identical is never decoded.
+    """
+
+    def __init__(
+        self, pair: _Pair, ranges_a: list[FlatRange], ranges_b: list[FlatRange], atol: float, rtol: float
+    ) -> None:
+        self.pair = pair
+        self.side_a = _RawSide(pair.a, ranges_a)
+        self.side_b = _RawSide(pair.b, ranges_b)
+        self.atol, self.rtol = atol, rtol
+        self.bitwise = pair.a.dtype == pair.b.dtype
+        numel = pair.a.numel
+        step = _READ_BLOCK - _READ_BLOCK % _BLOCK or _BLOCK  # blocks start where compare_values' would
+        self.spans = [(start, min(start + step, numel)) for start in range(0, numel, step)]
+        self.blocks: list[list[BlockStats] | None] = [None] * len(self.spans)
+        self.differs = False  # set by the first task that meets a differing block
+        self.unread = len(self.spans)
+        self.unnormed: list[int] = []
+
+    def compare(self, index: int) -> _BlockResult:
+        """Compare block `index` (on a worker thread)."""
+        start, stop = self.spans[index]
+        data_a = self.side_a.read(start, stop)
+        data_b = self.side_b.read(start, stop)
+        nbytes = len(data_a) + len(data_b)
+        if self.bitwise and data_a == data_b:
+            return _BlockResult(index, self._norms(data_a) if self.differs else None, nbytes)
+        self.differs = True
+        dtype_a, dtype_b = self.pair.a.dtype, self.pair.b.dtype
+        raw_a, raw_b = raw_from_bytes(data_a, dtype_a), raw_from_bytes(data_b, dtype_b)
+        stats = [
+            compare_block(raw_a[i : i + _BLOCK], dtype_a, raw_b[i : i + _BLOCK], dtype_b, self.atol, self.rtol)
+            for i in range(0, len(raw_a), _BLOCK)
+        ]
+        return _BlockResult(index, stats, nbytes)
+
+    def norms(self, index: int) -> _BlockResult:
+        """Read identical block `index` again for its norms (on a worker thread)."""
+        start, stop = self.spans[index]
+        return _BlockResult(index, self._norms(self.side_a.read(start, stop)), 0)
+
+    def _norms(self, data: bytes) -> list[BlockStats]:
+        dtype = self.pair.a.dtype
+        raw = raw_from_bytes(data, dtype)
+        return [norms_block(raw[i : i + _BLOCK], dtype) for i in range(0, len(raw), _BLOCK)]
+
+    def record(self, result: _BlockResult) -> list[int] | None:
+        """Take a task's result (on the calling thread): the blocks still to read for their norms, an
+        empty list while other blocks are outstanding, or None when the pair is done."""
+        if result.stats is None:
+            self.unnormed.append(result.block)
+        else:
+            self.blocks[result.block] = result.stats
+        self.unread -= 1
+        if self.unread:
+            return []
+        if self.differs and self.unnormed:
+            again, self.unnormed = self.unnormed, []
+            self.unread = len(again)
+            return again
+        return None
+
+    def stats(self) -> ValueStats:
+        """The pair's statistics, once `record` said it is done (its blocks' results are let go)."""
+        blocks, self.blocks = self.blocks, []
+        if not self.differs:
+            return ValueStats(True, 0.0, 0.0, 0, 0)
+        return fold(block for stats in blocks for block in stats or ())
+
+
+class _RawSide:
+    """One side of a streamed pair: reads any run of its elements from its raw byte ranges."""
+
+    def __init__(self, entry: TensorEntry, ranges: list[FlatRange]) -> None:
+        self.entry = entry
+        self.ranges = ranges
+        self.starts = [r.start for r in ranges]
+        self.itemsize = dtype_itemsize(entry.dtype)
+
+    def read(self, start: int, stop: int) -> bytes:
+        """The raw bytes of elements `start:stop`.
+
+        Raises:
+            CorruptCheckpoint: a file ends before the range its metadata gives.
+        """
+        pieces = []
+        index = bisect.bisect_right(self.starts, start) - 1
+        position = start
+        while position < stop:
+            run = self.ranges[index]
+            end = min(stop, run.start + run.count)
+            offset = run.offset + (position - run.start) * self.itemsize
+            length = (end - position) * self.itemsize
+            data = io.read_bytes(run.url, offset, length)
+            if len(data) != length:
+                raise CorruptCheckpoint(
+                    f"{run.url}@{offset} ({self.entry.name}): expected {length} bytes, read {len(data)}",
+                    "the file is truncated",
+                )
+            pieces.append(data)
+            position = end
+            index += 1
+        return pieces[0] if len(pieces) == 1 else b"".join(pieces)
+
+
+# --------------------------------------------------------------------------------------------------
 # Values.
 # --------------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class ValueStats:
-    """How the values of two tensors of the same shape differ (see `compare_values`)."""
-
-    identical: bool
-    max_abs_diff: float
-    rel_l2: float
-    mismatched: int
-    nonfinite_mismatched: int
-
-
 def compare_values(a: torch.Tensor, b: torch.Tensor, atol: float = 0.0, rtol: float = 0.0) -> ValueStats:
-    """Compare two tensors of the same shape element by element, in blocks.
+    """Compare two tensors of the same shape element by element, in blocks of `_BLOCK` elements.
 
     Floating-point and complex values are upcast to float64/complex128 (so bf16 against fp32 compares
     the bf16 values exactly), integers and bools are subtracted as int64. NaN equals NaN, and infinities
     equal the same infinity; any other position where either side is not finite counts as a mismatch
     and makes `max_abs_diff` infinite; the L2 sums leave those positions (and matching infinities) out.
+    The numbers are those of the streamed comparison `diff` runs on raw bytes (`ops.tensor_stats`).
     """
-    import torch
-
     if a.dtype == b.dtype and _bitwise_equal(a, b):
         return ValueStats(True, 0.0, 0.0, 0, 0)
-    flat_a, flat_b = a.reshape(-1), b.reshape(-1)
-    floating = any(t.is_floating_point() or t.is_complex() for t in (a, b))
-    complex_ = a.is_complex() or b.is_complex()
-    compute = torch.complex128 if complex_ else (torch.float64 if floating else torch.int64)
-    max_abs = 0.0
-    sq_diff = sq_a = sq_b = 0.0
-    mismatched = nonfinite = 0
-    for start in range(0, flat_a.numel(), _BLOCK):
-        x = flat_a[start : start + _BLOCK].to(compute)
-        y = flat_b[start : start + _BLOCK].to(compute)
-        same = x == y
-        if floating:
-            same |= torch.isnan(x) & torch.isnan(y)
-        d = (x - y).abs().to(torch.float64)
-        d[same] = 0.0
-        finite = torch.isfinite(d)
-        bad_nonfinite = int((~finite).sum())
-        nonfinite += bad_nonfinite
-        d = torch.where(finite, d, 0.0)
-        ax = x.abs().to(torch.float64)
-        ay = y.abs().to(torch.float64)
-        ax = torch.where(finite & torch.isfinite(ax), ax, 0.0)
-        ay = torch.where(finite & torch.isfinite(ay), ay, 0.0)
-        if d.numel():
-            max_abs = max(max_abs, float(d.max()))
-        sq_diff += float((d * d).sum())
-        sq_a += float((ax * ax).sum())
-        sq_b += float((ay * ay).sum())
-        mismatched += int((d > atol + rtol * ax).sum()) + bad_nonfinite
-    norm = math.sqrt(max(sq_a, sq_b))
-    rel = math.sqrt(sq_diff) / norm if norm > 0 else (0.0 if sq_diff == 0 else math.inf)
-    return ValueStats(False, math.inf if nonfinite else max_abs, rel, mismatched, nonfinite)
+    dtype_a, dtype_b = (str(t.dtype).removeprefix("torch.") for t in (a, b))
+    raw_a, raw_b = raw_from_tensor(a), raw_from_tensor(b)
+    return fold(
+        compare_block(raw_a[i : i + _BLOCK], dtype_a, raw_b[i : i + _BLOCK], dtype_b, atol, rtol)
+        for i in range(0, raw_a.size, _BLOCK)
+    )
 
 
 def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -20,7 +20,6 @@ import json
 import os
 import secrets
 import socket
-import sys
 import time
 import warnings
 from collections.abc import Callable
@@ -31,6 +30,7 @@ from types import TracebackType
 from ckptctl import io
 from ckptctl.errors import CkptctlError, CorruptCheckpoint, StorageError
 from ckptctl.formats.documents import as_whole, parse_json
+from ckptctl.io.process import alive, process_start
 
 __all__ = [
     "LOCK_NAME",
@@ -142,7 +142,7 @@ def stale_reason(
 ) -> str | None:
     """Why a lock is stale, or None when its holder may still be alive."""
     now = time.time() if now is None else now
-    if info is not None and info.host == socket.gethostname() and not _alive(info.pid, info.pid_start):
+    if info is not None and info.host == socket.gethostname() and not alive(info.pid, info.pid_start):
         return f"its process {info.pid} on {info.host} is gone"
     idle = now - mtime
     if idle > stale_after.total_seconds():
@@ -180,7 +180,7 @@ class RunLock:
             pid=os.getpid(),
             token=secrets.token_hex(8),
             started=datetime.now(UTC).isoformat(timespec="seconds"),
-            pid_start=_process_start(os.getpid()),
+            pid_start=process_start(os.getpid()),
             command=command,
         )
         self._warn = warn or (lambda message: warnings.warn(message, RuntimeWarning, stacklevel=3))
@@ -341,30 +341,3 @@ class RunLock:
         with contextlib.suppress(OSError):
             os.unlink(aside)
         return same
-
-
-def _alive(pid: int, start: str | None) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, belongs to another user
-        pass
-    except OSError:
-        return True
-    current = _process_start(pid)
-    return start is None or current is None or current == start
-
-
-def _process_start(pid: int) -> str | None:
-    """The start time of a process in clock ticks since boot (Linux), or None where unknown."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read().decode(errors="replace")
-    except OSError:
-        return None
-    fields = stat.rpartition(")")[2].split()
-    # Field 22 of /proc/PID/stat; fields[0] is field 3 (the state) once the name is cut off.
-    return fields[19] if len(fields) > 19 else None

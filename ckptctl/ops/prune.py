@@ -18,6 +18,9 @@ Never deleted, whatever the rules say (each kept checkpoint carries its reasons)
   in the run points to;
 - anything in progress: the layout says so (no completion marker yet), a staging name (hidden, `.tmp`,
   `staging`, ...), a live writer's lock file in or beside it, or a file modified within `grace`;
+  unless its layout proves it abandoned (`Layout.abandoned`: a ckptctl staging folder whose writer is gone,
+  or that nobody wrote to within `grace` and behind which a step was committed), which is deleted whatever
+  the rules;
 - anything whose real path lies outside the run, and symlinks: a checkpoint reached through a symlink is
   listed as kept and never followed, so neither the link nor what it points to is deleted.
 """
@@ -30,7 +33,7 @@ import os
 import re
 import stat
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -352,6 +355,8 @@ def plan_prune(
             metrics=metrics.get(f.ref.url, {}),
             protected=tuple(f.protected),
             busy=f.busy,
+            note=f.ref.note if f.ref.state in _OFF_BRANCH else "",
+            abandoned=f.ref.state is CheckpointState.ABANDONED,
         )
         for f in found
         if not f.link
@@ -367,7 +372,25 @@ def plan_prune(
     return PrunePlan(run, policy, tuple(items), grace, now, trash, tuple(notes))
 
 
+#: States whose note says why the checkpoint goes (a broken one just goes as broken).
+_OFF_BRANCH = (CheckpointState.ABANDONED, CheckpointState.SUPERSEDED)
+
+
+def _judged(ref: CheckpointRef, grace: timedelta) -> CheckpointRef:
+    """`ref` in progress or abandoned as its layout judges it under this prune's `grace` (the scan judged
+    it under the layout's own)."""
+    if ref.state not in (CheckpointState.IN_PROGRESS, CheckpointState.ABANDONED):
+        return ref
+    why = get_layout(ref.layout).abandoned(ref, grace)
+    if why:
+        return replace(ref, state=CheckpointState.ABANDONED, note=f"an interrupted save: {why}")
+    if ref.state is CheckpointState.ABANDONED:
+        return replace(ref, state=CheckpointState.IN_PROGRESS, note=f"may still be written (grace {format_age(grace)})")
+    return ref
+
+
 def _examine(ref: CheckpointRef, run: str, now: datetime, grace: timedelta) -> _Found:
+    ref = _judged(ref, grace)
     if not io.is_local(ref.url):
         return _Found(ref, ref.size_bytes, busy=_busy(ref, now, grace, _own_tree(ref)[1]))
     path = os.path.abspath(io.local_path(ref.url))
@@ -386,8 +409,10 @@ def _examine(ref: CheckpointRef, run: str, now: datetime, grace: timedelta) -> _
 
 
 def _busy(ref: CheckpointRef, now: datetime, grace: timedelta, newest: float | None) -> str:
-    """Why the checkpoint is being written right now, or ""."""
+    """Why the checkpoint is being written right now, or "" (`ref` as `_judged`)."""
     name = io.name_of(ref.url)
+    if ref.state is CheckpointState.ABANDONED:  # its layout proved it: a staging name says nothing more
+        return ""
     if ref.state is CheckpointState.IN_PROGRESS:
         return f"in progress: {ref.note}" if ref.note else "in progress"
     if name.startswith(".") or _STAGING_NAME.search(name):
@@ -615,6 +640,7 @@ def _still_deletable(item: PruneItem, plan: PrunePlan) -> str:
     try:
         entries = io.list_dir(parent)
         _, ref = detect(url)
+        ref = _judged(ref, plan.grace)
     except CkptctlError as exc:
         return f"it cannot be read now ({exc.message})"
     name = io.name_of(url)

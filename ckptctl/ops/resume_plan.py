@@ -1,12 +1,16 @@
 """`resume-plan`: which checkpoint of a run a resume should load, what it brings back, and how to ask for it.
 
-The checkpoints of the run are tried newest first: one still being written, broken, or failing the
-layout's structural verify is skipped with its reason, and the first that passes is the plan. Frameworks
-that follow a `latest` pointer load the tag it names, so newer tags are skipped as unfinished saves. The
-plan then says what the framework restores from that checkpoint and what it does not (with what that
-means for the run), whether it loads on the target number of ranks and how many bytes each rank reads,
-the exact setting that resumes from it, and warnings: a `latest` naming a broken tag, RNG keys older
-checkpoints lack, and the traps of each framework (LAYOUTS.md).
+The checkpoints of the run are tried newest first: one still being written, abandoned, superseded (off
+the run's branch after a rollback), broken, or failing the layout's structural verify is skipped with its
+reason, and the first that passes is the plan. Frameworks that follow a `latest` pointer load the tag it
+names, so newer tags are skipped as unfinished saves. A checkpoint that does not load on the target number
+of ranks gives way to a conversion of it that does (`ResumeProfile.converted_from`). The plan then says
+what the framework restores from that checkpoint and what it does not (with what that means for the run),
+whether it loads on the target number of ranks and how many bytes each rank reads, the exact setting that
+resumes from it, and warnings: a `latest` naming a broken tag, RNG keys older checkpoints lack, and the
+traps of each framework (LAYOUTS.md). What the framework loads along with the chosen checkpoint
+(OpenRLHF's critic, from its own `latest`) is verified too: one that does not load is a blocker, and the
+resume as it stands fails.
 
 What each framework does is the `ResumeProfile` its layout returns (`Layout.resume_profile()`, in
 `ckptctl/frameworks/<name>/resume.py`); a layout without one gets a generic plan. Nothing here names a
@@ -21,12 +25,14 @@ from typing import Any
 
 from ckptctl import io
 from ckptctl.checkpoint import Checkpoint, CheckpointRef, CheckpointState, Component, Problem, Role
-from ckptctl.errors import CkptctlError, UnknownLayout
+from ckptctl.errors import CheckpointNotFound, CkptctlError, UnknownLayout
 from ckptctl.formats.manifest import read_manifest
-from ckptctl.layouts import get_layout, scan_run
+from ckptctl.layouts import detect, get_layout, scan_run
 from ckptctl.layouts.resume import (
     DEFAULT_IMPACT,
     RESUMABLE,
+    Blocker,
+    LoadedAlong,
     PlanContext,
     ResumeProfile,
     Skipped,
@@ -37,6 +43,7 @@ from ckptctl.ops.digests import check_digests
 from ckptctl.ops.report import SCHEMA_VERSION, NoProgress, Progress, iso, jsonable
 
 __all__ = [
+    "Blocker",
     "ResumePlan",
     "Skipped",
     "WorldSizeCheck",
@@ -67,6 +74,8 @@ class ResumePlan:
         world_size: whether the target number of ranks can load it.
         resume_hint: the setting that resumes from it, for the framework that wrote it.
         warnings: traps worth knowing before resuming.
+        blockers: checkpoints the framework loads along with the chosen one that do not load (the resume
+            fails until each one's `fix` is done).
     """
 
     run: str
@@ -80,6 +89,7 @@ class ResumePlan:
     world_size: WorldSizeCheck | None = None
     resume_hint: str | None = None
     warnings: tuple[str, ...] = ()
+    blockers: tuple[Blocker, ...] = ()
 
     @property
     def resumable(self) -> bool:
@@ -110,6 +120,7 @@ class ResumePlan:
             "resume_hint": self.resume_hint,
             "continues_from": jsonable(dict(self.continues_from)),
             "warnings": list(self.warnings),
+            "blockers": [b.to_json() for b in self.blockers],
         }
 
 
@@ -157,7 +168,10 @@ def plan_resume(
         get_layout(layout)  # an unknown name fails here, listing the known ones
     refs = [r for r in scan_run(run) if layout is None or r.layout == layout]
     refs = _one_run(run, refs)
-    ordered = [r for r in _newest_first(refs) if not profile_for(r.layout).companion(r)]
+    newest = _newest_first(refs)
+    # What loads along with another checkpoint is no candidate of its own, unless the folder holds nothing
+    # else (`resume-plan RUN/_critic` plans the critic's resume).
+    ordered = [r for r in newest if not profile_for(r.layout).companion(r)] or newest
     pointer_named = _pointer_target(ordered)
     skipped: list[Skipped] = []
     chosen: Checkpoint | None = None
@@ -177,8 +191,25 @@ def plan_resume(
     profile = profile_for(chosen.layout)
     ctx = PlanContext(run, chosen, tuple(refs), tuple(skipped), world_size)
     ctx = replace(ctx, world=profile.world_size(ctx))
+    if ctx.world is not None and ctx.world.ok is False:
+        found = _conversion_that_loads(ctx, ordered, digests, progress or NoProgress())
+        if found is not None:
+            conversion, profile, world, conversion_problems = found
+            reason = (
+                f"does not load on {ctx.world.target} ranks ({ctx.world.note}): resuming from "
+                f"{io.name_of(conversion.url)}, a conversion of it that does"
+            )
+            skipped.append(Skipped(chosen.url, chosen.ref.step, reason, chosen.layout, chosen.ref.state))
+            run_warnings += [p for p in conversion_problems if p not in run_warnings]
+            chosen = conversion
+            ctx = PlanContext(run, chosen, tuple(refs), tuple(skipped), world_size, world)
     restores, missing, impacts = _components(ctx, profile)
     warnings = run_warnings + _warnings(ctx, profile, pointer_named, cuda)
+    blockers = tuple(
+        blocker
+        for along in profile.loaded_with(ctx)
+        if (blocker := _blocker(ctx, profile, along, digests, progress or NoProgress())) is not None
+    )
     return ResumePlan(
         run=run,
         checkpoint=chosen.ref,
@@ -191,6 +222,7 @@ def plan_resume(
         world_size=ctx.world,
         resume_hint=profile.hint(ctx),
         warnings=tuple(warnings),
+        blockers=blockers,
     )
 
 
@@ -213,12 +245,33 @@ def _one_run(run: str, refs: list[CheckpointRef]) -> list[CheckpointRef]:
 
 
 def _newest_first(refs: Sequence[CheckpointRef]) -> list[CheckpointRef]:
-    def key(ref: CheckpointRef) -> tuple[bool, int, bool, float]:
+    def key(ref: CheckpointRef) -> tuple[bool, int, bool, bool, float]:
         created = ref.created.timestamp() if ref.created else 0.0
-        # At equal steps, what a `latest` pointer names first (a best-so-far copy saved beside the step's own).
-        return (ref.step is not None, ref.step if ref.step is not None else -1, ref.latest, created)
+        # At equal steps, a checkpoint before its conversions (which a plan takes when it does not load on the
+        # target ranks), and what a `latest` pointer names first (a best-so-far copy saved beside the step's own).
+        original = profile_for(ref.layout).converted_from(ref.url) is None
+        return (ref.step is not None, ref.step if ref.step is not None else -1, original, ref.latest, created)
 
     return sorted(refs, key=key, reverse=True)
+
+
+def _conversion_that_loads(
+    ctx: PlanContext, ordered: Sequence[CheckpointRef], digests: bool, progress: Progress
+) -> tuple[Checkpoint, ResumeProfile, WorldSizeCheck, list[str]] | None:
+    """A conversion of the chosen checkpoint (`ResumeProfile.converted_from`: a DeepSpeed universal
+    checkpoint of a ZeRO tag) that passes verify and loads on the target ranks: the opened conversion, its
+    profile and world-size verdict, and the run-level problems its verify reported."""
+    for ref in ordered:
+        profile = profile_for(ref.layout)
+        if profile.converted_from(ref.url) != ctx.url:
+            continue
+        reason, checkpoint, problems = _judge(ref, profile, None, digests, progress)
+        if reason is not None or checkpoint is None:
+            continue
+        world = profile.world_size(replace(ctx, checkpoint=checkpoint, world=None))
+        if world.ok:
+            return checkpoint, profile, world, problems
+    return None
 
 
 def _pointer_target(ordered: Sequence[CheckpointRef]) -> CheckpointRef | None:
@@ -237,6 +290,10 @@ def _judge(
     its verify reported (a `latest` pointer naming a missing tag concerns the run, not this checkpoint)."""
     if ref.state is CheckpointState.IN_PROGRESS:
         return f"in progress: {ref.note or 'still being written'}", None, []
+    if ref.state is CheckpointState.ABANDONED:
+        return f"abandoned: {ref.note or 'a save that stopped'}", None, []
+    if ref.state is CheckpointState.SUPERSEDED:  # the run went back and saved again: it follows that branch
+        return ref.note or "superseded", None, []
     if ref.state is CheckpointState.BROKEN:
         return f"broken: {ref.note or 'incomplete'}", None, []
     if not profile.resumable:
@@ -272,6 +329,39 @@ def _judge(
     if checkpoint.ref.state is CheckpointState.BROKEN:
         return f"broken: {checkpoint.ref.note}", checkpoint, run_problems
     return None, checkpoint, run_problems
+
+
+def _blocker(
+    ctx: PlanContext, profile: ResumeProfile, along: LoadedAlong, digests: bool, progress: Progress
+) -> Blocker | None:
+    """A blocker when what loads along with the chosen checkpoint does not load: missing, not complete, or
+    failing its layout's structural verify (and digests, when asked), as a candidate would."""
+    step = None
+    try:
+        layout, ref = detect(along.url, explain=False)
+        step = ref.step
+        if ref.state is not CheckpointState.COMPLETE:
+            reason = f"is {ref.state.value}" + (f" ({ref.note})" if ref.note else "")
+        else:
+            checkpoint = layout.open(along.url)
+            problems = list(layout.verify(checkpoint))
+            if digests:
+                problems += _digest_problems(checkpoint, progress)
+            errors = [p for p in problems if p.severity == "error" and not p.path.startswith("../")]
+            if not errors and checkpoint.ref.state is CheckpointState.COMPLETE:
+                return None
+            reason = f"fails verify: {_problem_text(errors[0])}" if errors else f"is broken ({checkpoint.ref.note})"
+    except CheckpointNotFound:
+        reason = "does not exist"
+    except CkptctlError as exc:
+        reason = f"cannot be read: {exc.message}"
+    return Blocker(
+        along.url,
+        step,
+        f"{along.what} {io.name_of(along.url)} {reason}: {profile.framework} loads it along with "
+        f"{io.name_of(ctx.url)}, so the resume fails",
+        along.fix,
+    )
 
 
 def _newer(a: CheckpointRef, b: CheckpointRef) -> bool:

@@ -151,7 +151,7 @@ def verify_run(
     options = options or VerifyOptions()
     with scan_context():  # the scan's peeks serve the checkpoints' verification too
         if only_resume_target:
-            if not io.exists(run) or all(r.state is CheckpointState.IN_PROGRESS for r in scan_run(run)):
+            if not io.exists(run) or all(r.state in _UNFINISHED for r in scan_run(run)):
                 return RunVerifyReport(run, (), fresh_start=True)
             plan = plan_resume(run)
             if plan.checkpoint is None:
@@ -173,21 +173,17 @@ def _verify_refs(
         )
     results = []
     for ref in refs:
-        if ref.state is CheckpointState.IN_PROGRESS:
-            results.append(
-                VerifyResult(
-                    ref.url,
-                    ref.layout,
-                    ref.step,
-                    (Problem(ProblemKind.IN_PROGRESS, "", ref.note or "still being written", severity="warning"),),
-                    0,
-                    0,
-                    0,
-                )
-            )
+        if ref.state in _UNFINISHED:  # not a checkpoint (yet): worth a word, not a failure of the run
+            kind = ProblemKind.IN_PROGRESS if ref.state is CheckpointState.IN_PROGRESS else ProblemKind.ABANDONED
+            problem = Problem(kind, "", ref.note or "still being written", severity="warning")
+            results.append(VerifyResult(ref.url, ref.layout, ref.step, (problem,), 0, 0, 0))
             continue
         results.append(verify_checkpoint(ref.url, replace(options, layout=ref.layout), progress))
     return RunVerifyReport(run, tuple(results))
+
+
+#: States of what a save has not finished (or never will): not a checkpoint to verify.
+_UNFINISHED = (CheckpointState.IN_PROGRESS, CheckpointState.ABANDONED)
 
 
 class NothingResumable(CkptctlError):
@@ -208,6 +204,9 @@ def _verify_checkpoint(url: str, options: VerifyOptions, progress: Progress, rea
         problem = Problem(
             ProblemKind.IN_PROGRESS, "", ref.note or "the checkpoint is still being written (no completion marker)"
         )
+        return VerifyResult(url, layout.name, ref.step, (problem,), 0, 0, read.bytes_read)
+    if ref.state is CheckpointState.ABANDONED:
+        problem = Problem(ProblemKind.ABANDONED, "", ref.note)
         return VerifyResult(url, layout.name, ref.step, (problem,), 0, 0, read.bytes_read)
     try:
         checkpoint = layout.open(url)
@@ -239,7 +238,8 @@ def _verify_checkpoint(url: str, options: VerifyOptions, progress: Progress, rea
     )
     broken = frozenset(p.path for p in problems if p.severity == "error")
     content = check_content(checkpoint, archives, checks, progress, broken)
-    problems.extend(content.problems)
+    said = {p.message for p in problems}  # a truncated file fails the structure and the read alike
+    problems.extend(p for p in content.problems if p.message not in said)
     wrote = False
     if record:
         if any(p.severity == "error" for p in problems):

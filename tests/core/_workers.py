@@ -1,9 +1,12 @@
 """Programs the core tests run in fresh processes: `python -m tests.core._workers <command> ...`.
 
 - `roundtrip-save DIR` / `roundtrip-restore DIR`: train a tiny model, save; restore in another process.
-- `crash SPEC.json`: save a ~200 MB state in forked children, SIGKILLed over a save or at a commit phase.
+- `crash SPEC.json`: save a ~50 MB state in forked children, SIGKILLed over a save or at a commit phase.
 - `fsdp DIR`: 2-rank gloo FSDP2 training saved through DCP, then restored in 2 fresh ranks.
 - `autosave DIR`: a loop that leaves the saving at exit to AutoSaver's atexit hook.
+- `interrupt SPEC.json`: saves of a small state in forked children that stop mid-save; SIGKILLed, or left
+  running (a live writer) for the test to kill.
+- `fresh SPEC.json`: what a restarted job does first, in a process that never saw the run: save, restore.
 
 Expected and observed values are written with `torch.save` (test artifacts, read back with weights_only).
 """
@@ -120,9 +123,10 @@ def roundtrip_restore(root: str) -> None:
 
 
 def big_state() -> dict[str, Any]:
-    """About 200 MB: 4 linear layers of 2048x2048 fp32 plus AdamW moments."""
+    """About 50 MB: 4 linear layers of 1024x1024 fp32 plus AdamW moments (enough that a save takes long
+    enough to be killed in the middle of its writes)."""
     # built on the meta device and materialised uninitialised: `fill` sets every value anyway
-    model = nn.Sequential(*[nn.Linear(2048, 2048, device="meta") for _ in range(4)]).to_empty(device="cpu")
+    model = nn.Sequential(*[nn.Linear(1024, 1024, device="meta") for _ in range(4)]).to_empty(device="cpu")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
@@ -145,6 +149,7 @@ def fill(state: dict[str, Any], value: float) -> None:
 def _hang(point: str) -> None:
     print(f"at {point}", flush=True)
     time.sleep(600)
+    os._exit(3)  # never killed (the test run died): end here rather than go on with the save
 
 
 def _install_hang(point: str) -> None:
@@ -191,6 +196,24 @@ def _install_hang(point: str) -> None:
             real_rmtree(path, *args, **kwargs)
 
         shutil.rmtree = rmtree  # type: ignore[assignment]
+    elif point == "write":  # mid-write: the staging folder and the first entry's files are there, not the rest
+        real_write_tree = manager_module.write_tree
+        calls = []
+
+        def write_tree(*args: Any, **kwargs: Any) -> Any:
+            if calls:
+                _hang(point)
+            calls.append(args[1])
+            return real_write_tree(*args, **kwargs)
+
+        manager_module.write_tree = write_tree  # type: ignore[assignment]
+    elif point == "commit":  # everything written, a rollback's superseded marks too; not committed yet
+        from ckptctl.core.storage import LocalRun
+
+        def commit(*args: Any, **kwargs: Any) -> Any:
+            _hang(point)
+
+        LocalRun.commit = commit  # type: ignore[method-assign]
     elif point == "exchanged":  # re-saving a step: just after the atomic swap of the old and new folders
         real_exchange = manager_module.io.exchange
 
@@ -275,6 +298,83 @@ def crash(spec_path: str) -> None:
         _, status = os.waitpid(pid, 0)
         killed = os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
         print(json.dumps({"root": root, "killed": killed, "lines": lines}), flush=True)
+
+
+def small_state(value: float) -> dict[str, Any]:
+    """A linear layer, SGD with momentum and a counter, every number equal to `value` (which save it is)."""
+    model = nn.Linear(64, 64)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(value)
+            optimizer.state[p]["momentum_buffer"].fill_(value)
+    return {"model": model, "optimizer": optimizer, "counter": {"step": value}}
+
+
+def interrupt(spec_path: str) -> None:
+    """Run each save of a JSON spec (`[[root, step, point, kill, restore_step], ...]`) in a forked child that
+    stops at `point` (`_install_hang`), after restoring `restore_step` first when it is not null (a
+    rollback); SIGKILL it when `kill`, else leave it running. Prints one JSON line per save: root, pid,
+    killed.
+
+    This process never saves or restores: the children fork from a process without ckptctl's threads.
+    """
+    with open(spec_path) as f:
+        cases = json.load(f)
+    for root, step, point, kill, restore_step in cases:
+        read_end, write_end = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(read_end)
+            # Both streams into the pipe: a child left running must not hold this worker's output open.
+            os.dup2(write_end, 1)
+            os.dup2(write_end, 2)
+            try:
+                manager = CheckpointManager(root)
+                state = small_state(0.0)
+                if restore_step is not None:
+                    manager.restore(state, step=restore_step)
+                _install_hang(point)
+                manager.save(step, small_state(float(step) + 0.5))
+            finally:
+                os._exit(1)  # never reached: the child stops at `point`
+        os.close(write_end)
+        with os.fdopen(read_end) as out:
+            lines: list[str] = []
+            for line in out:
+                lines.append(line.strip())
+                if line.startswith(f"at {point}"):
+                    break
+            else:
+                raise SystemExit(f"the save of step {step} ended before {point}: {lines}")
+        killed = False
+        if kill:
+            os.kill(pid, signal.SIGKILL)
+            _, status = os.waitpid(pid, 0)
+            killed = os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+        print(json.dumps({"root": root, "step": step, "pid": pid, "killed": killed}), flush=True)
+
+
+def fresh(spec_path: str) -> None:
+    """Actions of a JSON spec in this fresh process, in order: `["save", root, step]` saves a `small_state`
+    of the step's value and closes the manager; `["restore", root]` restores the newest valid checkpoint.
+    Prints one JSON line per action (the restored step and the value it holds)."""
+    with open(spec_path) as f:
+        actions = json.load(f)
+    for action, root, *args in actions:
+        manager = CheckpointManager(root)
+        if action == "save":
+            manager.save(args[0], small_state(float(args[0])))
+            manager.close()
+            print(json.dumps({"saved": args[0]}), flush=True)
+        else:
+            state = small_state(-1.0)
+            step = manager.restore(state)
+            value = {float(state["model"].weight.flatten()[0]), float(state["counter"]["step"])}
+            print(json.dumps({"restored": step, "values": sorted(value)}), flush=True)
 
 
 def _fsdp_model(seed: int) -> nn.Sequential:
@@ -394,6 +494,8 @@ COMMANDS: dict[str, Callable[..., None]] = {
     "crash": crash,
     "fsdp": fsdp,
     "autosave": autosave,
+    "interrupt": interrupt,
+    "fresh": fresh,
 }
 
 if __name__ == "__main__":

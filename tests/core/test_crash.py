@@ -1,7 +1,7 @@
 """SIGKILL at any moment of a save leaves the previous checkpoint and the `latest` pointer intact, the
 partial one recognisable as a staging folder, and `restore` working.
 
-A worker process builds a ~200 MB state (a model and AdamW moments, every tensor filled with the step
+A worker process builds a ~50 MB state (a model and AdamW moments, every tensor filled with the step
 number) and forks one child per case, which saves and is SIGKILLed either after a delay spread over a
 save (a fraction of its measured save time), or at a named moment of the commit protocol, where it stops
 until killed (see `_workers._install_hang`).

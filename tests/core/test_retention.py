@@ -420,3 +420,19 @@ def test_a_failed_background_deletion_warns_on_the_next_call(run_dir: Path, monk
     save_steps(manager, [3])  # the next retention empties what the failed one left
     manager.close()
     assert sorted(os.listdir(run_dir)) == ["latest", "step-3"]
+
+
+def test_an_abandoned_save_is_kept_by_no_rule_and_a_superseded_step_goes_with_its_reason() -> None:
+    leftover = Candidate(20, ".step-20.staging-x", complete=False, abandoned=True, note="an interrupted save: gone")
+    superseded = Candidate(30, "step-30", complete=False, note="superseded by step-20: a rollback")
+    candidates = [Candidate(10, "step-10"), leftover, superseded]
+    for policy in (RetentionPolicy(), RetentionPolicy(max_total_size=10**9), RetentionPolicy(keep_last=3)):
+        decisions = {d.url: d for d in policy.plan(candidates)}
+        assert decisions["step-10"].keep
+        assert not decisions[leftover.url].keep and decisions[leftover.url].reasons == ("an interrupted save: gone",)
+        # a whole checkpoint off the branch stays where no rule deletes anything; rules keep only resumable ones
+        assert decisions["step-30"].keep == (policy.keep_last is None)
+    (gone,) = [d for d in RetentionPolicy(keep_last=3).plan(candidates) if d.url == "step-30"]
+    assert gone.reasons == ("superseded by step-20: a rollback",)
+    pinned = RetentionPolicy(pin=frozenset({20})).plan(candidates)
+    assert next(d for d in pinned if d.url == leftover.url).keep  # protections still hold

@@ -1,4 +1,5 @@
-"""The AReaL layout on a trial folder saved by FSDP2 the way AReaL saves (tests.writers.rl_runs)."""
+"""The AReaL layout on a trial folder saved by FSDP2 the way AReaL saves (tests.writers.rl_runs), and on one
+AReaL's own engine, Saver and RecoverHandler wrote (tests.writers.areal_writer)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import os
 import pickle
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -18,8 +20,9 @@ from ckptctl.layouts import open_checkpoint, scan_run
 from ckptctl.layouts.resume import PlanContext
 from ckptctl.ops.resume_plan import plan_resume, profile_for
 from ckptctl.ops.verification import verify_checkpoint, verify_run
-from tests.conftest import copy_tree
+from tests.conftest import CliResult, copy_tree
 from tests.layouts.test_deepspeed import Payload
+from tests.writers.areal_writer import WrittenAreal
 from tests.writers.rl_runs import AREAL_EXPERIMENT, WrittenFsdpRuns
 
 
@@ -186,3 +189,45 @@ def test_resume_plan_skips_a_torn_save_by_the_layouts_rule(fsdp_runs: WrittenFsd
     ctx = PlanContext(str(trial), checkpoint, (checkpoint.ref,), (), None)
     (note,) = profile_for("areal").notes(ctx)
     assert "step_info.json" in note and "older than the recover checkpoint's .metadata" in note
+
+
+def test_convert_without_config_takes_the_savers_export_beside_the_slot(
+    areal_run: WrittenAreal, run_cli: Callable[..., CliResult], tmp_path: Path
+) -> None:
+    """On a trial AReaL's own code wrote (tests.writers.areal_writer): the recover slot holds weights only;
+    AReaL's Saver writes the config and tokenizer into its exports in the same model folder
+    (areal/utils/saver.py `Saver.save` → areal/engine/fsdp_engine.py `FSDPEngine._save_model_to_hf`:
+    `save_pretrained`, `model_config.save_pretrained`, `tokenizer.save_pretrained`)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    trial = areal_run.trial
+    found = sorted((io.relative_to(r.url, str(trial)), r.step, r.state, r.latest) for r in scan_run(str(trial)))
+    complete = CheckpointState.COMPLETE
+    assert found == [
+        ("default/epoch0epochstep0globalstep0", 0, complete, False),
+        ("default/epoch0epochstep1globalstep1", 1, complete, False),
+        ("default/recover_checkpoint", 1, complete, True),
+    ]
+    assert verify_run(str(trial)).ok
+
+    result = run_cli("convert", areal_run.slot, tmp_path / "hf", "--json")
+    assert result.exit_code == 0, result.stderr
+    doc = result.json
+    assert f"config.json taken from {areal_run.export(1)}" in doc["warnings"]  # the export of the slot's step
+    assert {"config.json", "tokenizer.json", "tokenizer_config.json"} <= set(doc["copied"])
+    dcp_to_torch_save(areal_run.slot, tmp_path / "source.pt")  # torch's own reading of the slot
+    source = torch.load(tmp_path / "source.pt", weights_only=True)["dcp"]["model"]
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"))
+    state = model.state_dict()
+    assert sorted(state) == sorted(source)
+    for name, tensor in source.items():
+        assert state[name].dtype == tensor.dtype and torch.equal(state[name], tensor), name
+    assert AutoTokenizer.from_pretrained(str(tmp_path / "hf")).vocab_size == model.config.vocab_size
+
+    # Without an export of the slot's own step (the Saver's frequency differs), the latest one serves.
+    copy = copy_tree(trial, tmp_path / "checkpoints" / "tester" / "tiny-sft" / "trial0")
+    shutil.rmtree(copy / "default" / "epoch0epochstep1globalstep1")
+    other = run_cli("convert", copy / "default" / "recover_checkpoint", tmp_path / "hf-0", "--json")
+    assert other.exit_code == 0, other.stderr
+    assert f"config.json taken from {copy / 'default' / 'epoch0epochstep0globalstep0'}" in other.json["warnings"]

@@ -19,9 +19,12 @@ from ckptctl.layouts import detect, get_layout, open_checkpoint, scan_run
 from ckptctl.layouts.base import list_files
 from ckptctl.ops.verification import RunVerifyReport, verify_checkpoint, verify_path
 from tests.conftest import copy_tree
+from tests.writers.areal_writer import WrittenAreal
 from tests.writers.deepspeed_writer import WrittenDeepSpeed
+from tests.writers.openrlhf_writer import WrittenOpenRlhf
 from tests.writers.rl_runs import WrittenFsdpRuns
 from tests.writers.trainer_writer import WrittenTrainerRun
+from tests.writers.universal_writer import WrittenUniversal
 
 
 class LayoutContract:
@@ -215,6 +218,30 @@ class TestDeepSpeedZero3(LayoutContract):
         return deepspeed_runs[3].latest, deepspeed_runs[3].model_parameters
 
 
+class TestDeepSpeedUniversalZero2(LayoutContract):
+    """`ds_to_universal`'s conversion of a ZeRO-2 tag: a folder per parameter, the model states copied last."""
+
+    layout = "deepspeed_universal"
+    marker = "mp_rank_00_model_states.pt"
+    data_glob = "zero/*/fp32.pt"
+
+    @pytest.fixture
+    def source(self, deepspeed_universal: WrittenUniversal) -> tuple[Path, int]:
+        return deepspeed_universal.universal(2), deepspeed_universal.runs[2].model_parameters
+
+
+class TestDeepSpeedUniversalZero3(LayoutContract):
+    """The same of a ZeRO-3 tag: flat states, and the frozen parameter only in the DP ranks' model states."""
+
+    layout = "deepspeed_universal"
+    marker = "zero_pp_rank_0_mp_rank_00_model_states.pt"
+    data_glob = "zero/*/exp_avg.pt"
+
+    @pytest.fixture
+    def source(self, deepspeed_universal: WrittenUniversal) -> tuple[Path, int]:
+        return deepspeed_universal.universal(3), deepspeed_universal.runs[3].model_parameters
+
+
 class TestHfTrainer(LayoutContract):
     layout = "hf_trainer"
     marker = "trainer_state.json"
@@ -256,6 +283,50 @@ class TestOpenRlhfExport(LayoutContract):
         return openrlhf_run / "global_step4_hf", deepspeed_runs[2].model_parameters
 
 
+def _parameters(safetensors_file: Path) -> int:
+    from safetensors.torch import load_file
+
+    return sum(t.numel() for t in load_file(str(safetensors_file)).values())
+
+
+class TestOpenRlhfWrittenActorTag(LayoutContract):
+    """An actor tag written by OpenRLHF's own `DeepspeedStrategy.save_ckpt` (tests.writers.openrlhf_writer)."""
+
+    layout = "openrlhf"
+    marker = "mp_rank_00_model_states.pt"
+    data_glob = "*_optim_states.pt"
+
+    @pytest.fixture
+    def source(self, openrlhf_ppo: WrittenOpenRlhf) -> tuple[Path, int]:
+        return openrlhf_ppo.actor / openrlhf_ppo.latest, _parameters(openrlhf_ppo.reference)
+
+
+class TestOpenRlhfWrittenCriticTag(LayoutContract):
+    """A critic tag (a Llama body and a value head) written by OpenRLHF's `save_ckpt`."""
+
+    layout = "openrlhf"
+    marker = "mp_rank_00_model_states.pt"
+    data_glob = "*_optim_states.pt"
+
+    @pytest.fixture
+    def source(self, openrlhf_ppo: WrittenOpenRlhf) -> tuple[Path, int]:
+        return openrlhf_ppo.critic / openrlhf_ppo.latest, _parameters(
+            openrlhf_ppo.critic_output_dir / "model.safetensors"
+        )
+
+
+class TestOpenRlhfWrittenExport(LayoutContract):
+    """A `{tag}_hf` export written by OpenRLHF's `save_model` (`--ckpt.save_hf`)."""
+
+    layout = "openrlhf"
+    marker = None
+    data_glob = "*.safetensors"
+
+    @pytest.fixture
+    def source(self, openrlhf_ppo: WrittenOpenRlhf) -> tuple[Path, int]:
+        return openrlhf_ppo.ckpt_path / f"{openrlhf_ppo.latest}_hf", _parameters(openrlhf_ppo.reference)
+
+
 class TestOpenInstructTag(LayoutContract):
     """A tag holding driver_state.pt (the evidence that makes it open-instruct's without its ref_policy/)."""
 
@@ -274,15 +345,16 @@ class TestOpenInstructTag(LayoutContract):
 
 
 class TestArealRecoverSlot(LayoutContract):
-    """The recover slot, copied with the `recover_info/` it belongs with (and nothing else of the trial)."""
+    """The recover slot AReaL's RecoverHandler dumped, copied with the `recover_info/` it belongs with (and
+    nothing else of the trial)."""
 
     layout = "areal"
     marker = ".metadata"
     data_glob = "*.distcp"
 
     @pytest.fixture
-    def source(self, fsdp_runs: WrittenFsdpRuns) -> tuple[Path, int]:
-        return fsdp_runs.areal_trial / "default" / "recover_checkpoint", fsdp_runs.model_parameters
+    def source(self, areal_run: WrittenAreal) -> tuple[Path, int]:
+        return areal_run.slot, areal_run.model_parameters
 
     @pytest.fixture
     def checkpoint(self, source: tuple[Path, int], tmp_path: Path) -> Path:
@@ -292,13 +364,15 @@ class TestArealRecoverSlot(LayoutContract):
 
 
 class TestArealExport(LayoutContract):
+    """An HF export AReaL's Saver wrote."""
+
     layout = "areal"
     marker = None
     data_glob = "*.safetensors"
 
     @pytest.fixture
-    def source(self, fsdp_runs: WrittenFsdpRuns) -> tuple[Path, int]:
-        return fsdp_runs.areal_trial / "default" / "epoch0epochstep1globalstep1", fsdp_runs.model_parameters
+    def source(self, areal_run: WrittenAreal) -> tuple[Path, int]:
+        return areal_run.export(1), areal_run.model_parameters
 
 
 class TestRollFsdp2(LayoutContract):

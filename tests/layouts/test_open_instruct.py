@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -12,7 +13,7 @@ from ckptctl import io
 from ckptctl.checkpoint import CheckpointRef, CheckpointState, Component, ProblemKind
 from ckptctl.layouts import open_checkpoint, scan_run
 from ckptctl.ops.verification import verify_checkpoint, verify_run
-from tests.conftest import copy_tree
+from tests.conftest import CliResult, copy_tree
 from tests.layouts.test_deepspeed import Payload
 from tests.writers.deepspeed_writer import WrittenDeepSpeed
 
@@ -103,3 +104,40 @@ def test_a_snapshot_without_its_marker_is_in_progress_then_broken(open_instruct_
     refs = _refs(output)
     assert (refs["step_1"].state, refs["step_2"].state) == (CheckpointState.COMPLETE, CheckpointState.BROKEN)
     assert not verify_checkpoint(str(next(output.iterdir()) / "step_2")).ok
+
+
+def test_convert_without_config_takes_the_snapshot_of_the_tags_training_step(
+    open_instruct_run: Path,
+    deepspeed_runs: dict[int, WrittenDeepSpeed],
+    run_cli: Callable[..., CliResult],
+    tmp_path: Path,
+) -> None:
+    """A tag of `--checkpoint_state_dir` holds no config: open-instruct writes it only into the HF snapshots
+    under `--output_dir` (see `arrange_open_instruct`), found beside the state folder. global_step4 is
+    training step 2: step_2 is the snapshot of the same step."""
+    from transformers import AutoModelForCausalLM
+
+    tag = open_instruct_run / "state" / "global_step4"
+    snapshots = open_instruct_run / "output" / "grpo_tiny__1__1700000000_checkpoints"
+    result = run_cli("convert", tag, tmp_path / "hf", "--json")
+    assert result.exit_code == 0, result.stderr
+    doc = result.json
+    assert doc["weights"] == "master" and "config.json" in doc["copied"]
+    assert f"config.json taken from {snapshots / 'step_2'}" in doc["warnings"]
+    reference = deepspeed_runs[2].reference_tensors()  # DeepSpeed's own zero_to_fp32 of that tag
+    state = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).state_dict()
+    assert sorted(state) == sorted(reference)
+    for name, tensor in reference.items():
+        assert state[name].dtype == tensor.dtype and torch.equal(state[name], tensor), name
+
+    # The state folder inside the output folder (`--checkpoint_state_dir out/state --output_dir out`), and no
+    # snapshot of training step 1 (global_step2): the latest snapshot serves, of the newest run (its name ends
+    # in its start time).
+    out = tmp_path / "out"
+    state = copy_tree(open_instruct_run / "state", out / "state")
+    copy_tree(snapshots / "step_2", out / "grpo_tiny__1__1700000000_checkpoints" / "step_3")
+    newest = copy_tree(snapshots / "step_2", out / "grpo_tiny__1__1800000000_checkpoints" / "step_3")
+    copy_tree(snapshots / "step_1", out / "grpo_tiny__1__1800000000_checkpoints" / "step_2")
+    other = run_cli("convert", state / "global_step2", tmp_path / "hf-1", "--json")
+    assert other.exit_code == 0, other.stderr
+    assert f"config.json taken from {newest}" in other.json["warnings"]

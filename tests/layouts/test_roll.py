@@ -3,16 +3,21 @@ arranged from real pieces (tests.writers.rl_runs)."""
 
 from __future__ import annotations
 
+import math
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
+
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ckptctl import io
 from ckptctl.checkpoint import CheckpointRef, CheckpointState, Component, ProblemKind
 from ckptctl.layouts import open_checkpoint, scan_run
 from ckptctl.ops.prune import checkpoint_metrics
 from ckptctl.ops.verification import verify_checkpoint, verify_run
-from tests.conftest import copy_tree
+from tests.conftest import CliResult, copy_tree
 from tests.writers.rl_runs import ROLL_LAUNCH, WrittenFsdpRuns
 
 
@@ -121,3 +126,28 @@ def test_megatron_checkpoints(roll_megatron: Path, fsdp_runs: WrittenFsdpRuns, t
     assert [(p.kind, p.path) for p in verify_checkpoint(str(launch / "checkpoint-4")).problems] == [
         (ProblemKind.MISSING_FILE, "iter_0000001/mp_rank_01/model_optim_rng.pt")
     ]
+
+
+def test_resume_plan_on_another_world_size_reshards_the_fsdp2_dcp_folder(
+    fsdp_runs: WrittenFsdpRuns, roll_megatron: Path, run_cli: Callable[..., CliResult]
+) -> None:
+    """ROLL's FSDP2 strategy reloads `dcp/` with `dcp.load` into the new run's sharded state dict
+    (alibaba/ROLL `roll/distributed/strategy/fsdp2_strategy.py`, `load_checkpoint` →
+    `_load_checkpoint_with_dcp`), so torch DCP reshards it onto any number of ranks."""
+    result = run_cli("resume-plan", fsdp_runs.roll_output, "--world-size", "4", "--json")
+    assert result.exit_code == 0, result.stderr
+    doc = result.json
+    assert doc["checkpoint"]["url"] == str(fsdp_runs.roll_launch / "checkpoint-2")
+    assert (doc["world_size_ok"], doc["world_size"]["saved"], doc["world_size"]["target"]) == (True, 2, 4)
+    assert "reshards" in doc["world_size"]["note"] and doc["world_size"]["fix"] == ""
+    # Each of the 4 ranks reads a quarter of the actor's dcp/ tensors, as torch's own metadata sizes them.
+    metadata = FileSystemReader(str(fsdp_runs.roll_launch / "checkpoint-2" / "dcp")).read_metadata()
+    stored = sum(
+        math.prod(item.size) * item.properties.dtype.itemsize
+        for item in metadata.state_dict_metadata.values()
+        if isinstance(item, TensorStorageMetadata)
+    )
+    assert doc["bytes_per_rank"] == stored // 4
+
+    megatron = run_cli("resume-plan", roll_megatron, "--world-size", "4", "--json")  # no dcp/: not checked
+    assert megatron.exit_code == 0 and megatron.json["world_size_ok"] is None

@@ -336,11 +336,20 @@ def test_tensor_parallel_column_shards_stream_and_scattered_ones_are_assembled(
     assert (result.streamed, result.assembled) == (2, 1)  # "last" has 20-byte runs: assembled
 
 
+@pytest.mark.parametrize("piece", [None, 36])
 @pytest.mark.parametrize("where", ["disk", "tmpfs", "buffered"])
-def test_stream_copier_with_small_blocks_casts_and_hashes(tmp_path: Path, where: str) -> None:
-    """Blocks of 4 KiB after a 5-byte header: converted elements straddle block boundaries. On disk the
-    blocks go out with O_DIRECT; tmpfs refuses O_DIRECT and gets buffered writes."""
+def test_stream_copier_with_small_blocks_casts_and_hashes(
+    tmp_path: Path, where: str, piece: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Blocks of 4 KiB after a 5-byte header: converted elements straddle block boundaries (and, with
+    36-byte cast pieces, piece boundaries inside a block). On disk the blocks go out with O_DIRECT; tmpfs
+    refuses O_DIRECT and gets buffered writes."""
     import blake3
+
+    from ckptctl.formats import safetensors_stream
+
+    if piece is not None:
+        monkeypatch.setattr(safetensors_stream, "CAST_PIECE_BYTES", piece)
 
     out_dir = tmp_path
     if where == "tmpfs":

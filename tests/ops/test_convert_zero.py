@@ -255,3 +255,28 @@ def test_layouts_built_on_the_deepspeed_one_are_recognised(zero_runs: dict[int, 
 )
 def test_wrapper_prefix(names: list[str], prefix: str) -> None:
     assert wrapper_prefix(names) == prefix
+
+
+def test_a_bf16_export_config_over_the_fp32_masters(zero_runs: dict[int, WrittenDeepSpeed], tmp_path: Path) -> None:
+    """`--config` from a bf16 export (with `architectures`, so the model check runs on a ZeRO output): the
+    output's config says float32, what the masters are, so transformers loads them as they are; the tied
+    `lm_head.weight` is left out, as transformers' own save does."""
+    from tests.conftest import tiny_llama
+
+    run = zero_runs[2]
+    export = tmp_path / "bf16-export"
+    tiny_llama(tie_word_embeddings=True).to(torch.bfloat16).save_pretrained(export)
+    assert json.loads((export / "config.json").read_text())["dtype"] == "bfloat16"
+    dst = tmp_path / "hf"
+    result = convert(str(run.save_dir), str(dst), ConvertOptions(config_dir=str(export)))
+    assert result.model is not None and (result.model.architecture, result.model.tied) == (
+        "LlamaForCausalLM",
+        ("lm_head.weight",),
+    )
+    assert json.loads((dst / "config.json").read_text())["dtype"] == "float32"
+    reference = run.reference_tensors()
+    _assert_equal_tensors(_tensors(dst), {k: v for k, v in reference.items() if k != "lm_head.weight"})
+    model, info = _load_pretrained(dst)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    assert model.model.embed_tokens.weight.dtype == torch.float32
+    assert model.lm_head.weight is model.model.embed_tokens.weight

@@ -16,7 +16,11 @@ the frameworks add themselves is written here the way their code writes it:
   `rng_states`, `rank`, `ref_policy_saved`; `ref_policy/pytorch_model.bin` (a `torch.save` of the reference
   policy's state dict) beside the tags; `driver_state.pt` (rank 0's data state, PR #1647) in each tag; tag
   numbers count optimizer steps (two per training step here); HF snapshots `step_N/` with
-  `.checkpoint_complete` under `{exp}__{seed}__{time}_checkpoints/`.
+  `.checkpoint_complete` under `{exp}__{seed}__{time}_checkpoints/` in `--output_dir`: `setup_runtime_variables`
+  sets `args.output_dir = {output_dir}/{exp_name}__{seed}__{int(time.time())}`, `maybe_save_checkpoint` saves
+  into `f"{args.output_dir}_checkpoints"/step_{training_step}`, and `PolicyTrainerRayProcess.save_model`
+  writes `save_pretrained` (config and weights), the tokenizer, then touches `.checkpoint_complete`
+  (allenai/open-instruct `open_instruct/grpo_fast.py`). Nothing ties them to `--checkpoint_state_dir`.
 - AReaL (`areal/utils/saver.py`, `recover.py`, `engine/fsdp_engine.py`): per step the Saver's HF export
   `default/epoch{E}epochstep{S}globalstep{G}/`, then the recover dump: `dcp.save({"dcp": {"model", "optim"}})`
   into `default/recover_checkpoint/` and `critic/recover_checkpoint/`, overwritten in place each step, then

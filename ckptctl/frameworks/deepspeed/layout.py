@@ -13,7 +13,8 @@ re-exported here; those for a DeepSpeed folder inside `checkpoint-N/` take a `pa
 that makes file names relative to the outer checkpoint: `tag_files`, `read_tag`, `tag_index`, `verify_tag`.
 
 The package's modules: `names` (rank files and `latest`, from listings), `tag` (the rank-0 facts),
-`zero_index` (the tensor index), `master_weights` (zero_to_fp32's output), `verify`.
+`zero_index` (the tensor index), `master_weights` (zero_to_fp32's output), `verify`; `universal` and
+`universal_states`, the layout of what `ds_to_universal` makes of a tag.
 """
 
 from __future__ import annotations
@@ -29,12 +30,14 @@ from ckptctl.frameworks.deepspeed.master_weights import checkpoint_master_weight
 from ckptctl.frameworks.deepspeed.names import (
     LATEST_NAME,
     TagFiles,
+    is_universal,
     latest_problem,
+    missing_note,
     read_latest,
     tag_files,
     tag_markers,
 )
-from ckptctl.frameworks.deepspeed.tag import ENGINE_KEYS, DeepSpeedTag, read_tag
+from ckptctl.frameworks.deepspeed.tag import ENGINE_KEYS, DeepSpeedTag, missing_rank_files, read_tag
 from ckptctl.frameworks.deepspeed.verify import verify_tag
 from ckptctl.frameworks.deepspeed.zero_index import tag_index
 from ckptctl.io import DirEntry
@@ -58,6 +61,8 @@ __all__ = [
     "checkpoint_master_weights",
     "latest_problem",
     "master_weights",
+    "missing_note",
+    "missing_rank_files",
     "read_latest",
     "read_tag",
     "tag_files",
@@ -74,12 +79,13 @@ class DeepSpeedLayout(Layout):
     name = "deepspeed"
 
     def identify(self, url: str, entries: Sequence[DirEntry]) -> CheckpointRef | None:
-        """A ref when the folder holds DeepSpeed model/optim states (names only); BROKEN when rank files
-        the other names promise are missing."""
+        """A ref when the folder holds DeepSpeed model/optim states and is no universal checkpoint
+        (`universal`); BROKEN when it lacks a rank file (`missing_rank_files`: the names, and the world size
+        its rank-0 model states record)."""
         files = tag_files(entries)
-        if files is None:
+        if files is None or is_universal(entries):
             return None
-        missing = files.missing_from_names()
+        missing = missing_rank_files(url, files)
         return CheckpointRef(
             url=url,
             layout=self.name,
@@ -88,7 +94,7 @@ class DeepSpeedLayout(Layout):
             created=timestamp(newest_mtime(entries)),
             state=CheckpointState.BROKEN if missing else CheckpointState.COMPLETE,
             size_bytes=folder_size(url, entries),
-            note=f"missing {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}" if missing else "",
+            note=missing_note(missing),
         )
 
     def latest_pointer(self, url: str, entries: Sequence[DirEntry]) -> str | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
 
 from ckptctl import io
@@ -52,7 +53,27 @@ def master_weights(tag: DeepSpeedTag, path_prefix: str = "") -> MasterWeights:
             "partitions only",
             "merge the tensor-parallel ranks with the training framework's own tool first",
         )
-    index = tag_index(tag, path_prefix)
+    return assemble_master_weights(
+        tag, tag_index(tag, path_prefix), zero3=tag.optim_kind == "zero3", path_prefix=path_prefix
+    )
+
+
+def assemble_master_weights(
+    tag: DeepSpeedTag, index: Sequence[TensorEntry], *, zero3: bool, path_prefix: str = ""
+) -> MasterWeights:
+    """What `master_weights` returns, from a tensor index named as `tag_index` names its entries: the model
+    under the module's names (the fp32 partitions themselves under ZeRO-3), the fp32 copies of ZeRO 1-2
+    as `optimizer.fp32.<name>`. A universal checkpoint's index is named the same way.
+
+    Args:
+        tag: the model states (`read_tag`).
+        index: the tensor index.
+        zero3: whether the model entries of trainable parameters are the fp32 masters themselves.
+        path_prefix: where the model states lie relative to the checkpoint (as for `tag_index`).
+
+    Raises:
+        CorruptCheckpoint: a parameter `param_shapes` names has no fp32 copy in `index`.
+    """
     model = {e.name: e for e in index if e.component is Component.MODEL}
     fp32 = {e.name[len(_FP32_PREFIX) :]: e for e in index if e.name.startswith(_FP32_PREFIX)}
     states = tag.states
@@ -78,7 +99,7 @@ def master_weights(tag: DeepSpeedTag, path_prefix: str = "") -> MasterWeights:
             raise CorruptCheckpoint(f"{tag.url}: the weights of frozen parameter {name} are missing")
         found[name] = entry
     for name in trainable:
-        entry = model.get(name) if tag.optim_kind == "zero3" else fp32.get(name)
+        entry = model.get(name) if zero3 else fp32.get(name)
         if entry is None or not entry.chunks:
             raise CorruptCheckpoint(f"{tag.url}: the fp32 partitions hold no {name}")
         found[name] = replace(entry, name=name, component=Component.MODEL)
@@ -89,7 +110,7 @@ def master_weights(tag: DeepSpeedTag, path_prefix: str = "") -> MasterWeights:
             if target in upcast:
                 upcast.add(alias)
     notes = []
-    if tag.optim_kind != "zero3":
+    if not zero3:
         builder = IndexBuilder(tag, 0, path_prefix, "")
         outside = [n for n, ref in module.items() if isinstance(n, str) and n not in found and type(ref) is TensorRef]
         for name in outside:

@@ -15,6 +15,11 @@ from ckptctl.io import DirEntry
 from ckptctl.layouts.base import LISTED_ABSENT
 
 LATEST_NAME = "latest"
+#: What `load_checkpoint` follows instead of `latest` with `"checkpoint": {"load_universal": true}`:
+#: `ds_to_universal` writes the name of its output folder into it, beside that folder.
+UNIVERSAL_LATEST_NAME = "latest_universal"
+#: The folder of a universal checkpoint holding one folder of states per parameter.
+UNIVERSAL_STATES_DIR = "zero"
 #: The names of DeepSpeed's rank files (the one definition every module uses): model states, one per MP
 #: rank under ZeRO 0-2 and one per DP and MP rank under ZeRO-3; optimizer states, one per DP and MP rank.
 MODEL_STATES = re.compile(r"^(?:zero_pp_rank_(?P<dp>\d+)_)?mp_rank_(?P<mp>\d+)_model_states\.pt$")
@@ -84,6 +89,37 @@ class TagFiles:
         return list(itertools.islice((name for name in expected() if name not in self.sizes), LISTED_ABSENT))
 
 
+def expected_rank_files(
+    files: TagFiles, dp_world_size: int, mp_world_size: int, zero_stage: int
+) -> tuple[set[str], set[str]]:
+    """The model- and optim-states file names a tag saved by `dp_world_size` x `mp_world_size` ranks holds:
+    one model-states file per MP rank (per DP and MP rank under ZeRO-3), and one optim-states file per DP
+    and MP rank when the tag has any or ZeRO partitioned the optimizer."""
+    model = {
+        files.model_name(dp, mp) if files.per_dp_model_files else files.model_name_0(mp)
+        for mp in range(mp_world_size)
+        for dp in range(dp_world_size)
+    }
+    optim = (
+        {files.optim_name(dp, mp) for mp in range(mp_world_size) for dp in range(dp_world_size)}
+        if files.optim or zero_stage >= 1
+        else set()
+    )
+    return model, optim
+
+
+def missing_note(missing: Sequence[str]) -> str:
+    """The note of a tag that lacks rank files (the first few named)."""
+    return f"missing {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}" if missing else ""
+
+
+def is_universal(entries: Sequence[DirEntry]) -> bool:
+    """Whether a folder listing is a universal checkpoint's (what `ds_to_universal` writes): model-states
+    files beside a `zero/` folder of parameter states, and no optim-states files. A tag never holds `zero/`."""
+    files = tag_files(entries)
+    return files is not None and not files.optim and any(e.name == UNIVERSAL_STATES_DIR and e.is_dir for e in entries)
+
+
 def is_rank_file(path: str) -> bool:
     """Whether the file at `path` (`/`-separated, any folder) is a DeepSpeed model- or optim-states file."""
     name = path.rpartition("/")[2]
@@ -120,27 +156,29 @@ def tag_markers(files: Mapping[str, int]) -> tuple[str, ...]:
     return tuple(name for mp in ranks if (name := found.rank0_model(mp)) is not None)
 
 
-def read_latest(url: str, entries: Sequence[DirEntry]) -> str | None:
-    """The tag a save folder's `latest` file names (None when there is no readable one)."""
-    entry = next((e for e in entries if e.name == LATEST_NAME and not e.is_dir), None)
+def read_latest(url: str, entries: Sequence[DirEntry], pointer: str = LATEST_NAME) -> str | None:
+    """The tag a save folder's `latest` file (or another `pointer` file) names (None when there is no
+    readable one)."""
+    entry = next((e for e in entries if e.name == pointer and not e.is_dir), None)
     if entry is None or entry.size > _MAX_LATEST_BYTES:
         return None
     try:
-        text = io.read_bytes(io.join(url, LATEST_NAME), max_size=_MAX_LATEST_BYTES).decode("utf-8").strip()
+        text = io.read_bytes(io.join(url, pointer), max_size=_MAX_LATEST_BYTES).decode("utf-8").strip()
     except (CkptctlError, UnicodeDecodeError):
         return None
     return text if text and "/" not in text and "\n" not in text else None
 
 
-def latest_problem(save_dir: str, path: str) -> Problem | None:
-    """A problem when `save_dir/latest` names a tag folder that does not exist (a resume would fail)."""
+def latest_problem(save_dir: str, path: str, pointer: str = LATEST_NAME) -> Problem | None:
+    """A problem when `save_dir/latest` (or another `pointer` file) names a tag folder that does not exist
+    (a resume would fail)."""
     try:
         entries = io.list_dir(save_dir)
     except CkptctlError:
         return None
-    if not any(e.name == LATEST_NAME and not e.is_dir for e in entries):
+    if not any(e.name == pointer and not e.is_dir for e in entries):
         return None
-    tag = read_latest(save_dir, entries)
+    tag = read_latest(save_dir, entries, pointer)
     if tag is None:
         return Problem(ProblemKind.BAD_METADATA, path, f"{path} does not name a tag")
     if not any(e.name == tag and e.is_dir for e in entries):

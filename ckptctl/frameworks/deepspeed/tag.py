@@ -6,15 +6,19 @@ so neither DeepSpeed nor torch is needed and no tensor bytes are read to list, i
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from ckptctl import io
 from ckptctl.checkpoint import Component
-from ckptctl.errors import CorruptCheckpoint, UnknownLayout
+from ckptctl.errors import CkptctlError, CorruptCheckpoint, UnknownLayout
 from ckptctl.formats.safe_pickle import FrameworkObject, StandIn, state_fields
 from ckptctl.formats.torch_pickle import TorchPickle, open_torch_pickle
-from ckptctl.frameworks.deepspeed.names import TagFiles, tag_files
+from ckptctl.frameworks.deepspeed.names import TagFiles, expected_rank_files, read_latest, tag_files
+from ckptctl.io import DirEntry
+from ckptctl.layouts import peek, peek_dir
+from ckptctl.layouts.base import LISTED_ABSENT, step_from_name
 
 #: Top-level keys of model_states that DeepSpeed itself writes; every other key is client state.
 _ENGINE_KEYS = frozenset(
@@ -164,21 +168,7 @@ def read_tag(url: str, files: TagFiles | None = None) -> DeepSpeedTag:
     if not isinstance(states, dict):
         raise CorruptCheckpoint(f"{url}/{rank0}: not a DeepSpeed model states dict")
     tag.states = states
-    dp = states.get("dp_world_size")
-    mp = states.get("mp_world_size")
-    tag.dp_world_size = dp if type(dp) is int and dp > 0 else max((d for d, _ in files.optim), default=0) + 1
-    tag.mp_world_size = mp if type(mp) is int and mp > 0 else max(m for _, m in files.model) + 1
-    if tag.dp_world_size * tag.mp_world_size > MAX_RANKS:
-        # Every rank is looked for by name: a damaged count (or a stray rank file name) must not send us
-        # looping over billions of them.
-        raise CorruptCheckpoint(
-            f"{url}: dp_world_size {tag.dp_world_size} x mp_world_size {tag.mp_world_size} is more ranks than "
-            f"ckptctl believes (at most {MAX_RANKS}); the model states or the rank file names are damaged"
-        )
-    config = states.get("ds_config")
-    zero = config.get("zero_optimization") if isinstance(config, dict) else None
-    stage = zero.get("stage") if isinstance(zero, dict) else None
-    tag.zero_stage = stage if type(stage) is int else 0
+    tag.dp_world_size, tag.mp_world_size, tag.zero_stage = _recorded_ranks(url, states, files)
     optim0 = files.optim.get((0, 0))
     if optim0 is not None:
         osd = optimizer_state_dict(tag.open_file(optim0))
@@ -189,6 +179,84 @@ def read_tag(url: str, files: TagFiles | None = None) -> DeepSpeedTag:
         tag.partition_count = read_partition_count(osd.get("partition_count"))
         tag.optim_info = _optim_info(osd)
     return tag
+
+
+def _recorded_ranks(url: str, states: dict[str, Any], files: TagFiles) -> tuple[int, int, int]:
+    """(dp_world_size, mp_world_size, ZeRO stage) as the rank-0 model states record them; the sizes from the
+    rank file names where they are not recorded, the stage from `ds_config` (0 when it says none).
+
+    Raises:
+        CorruptCheckpoint: more ranks than any DeepSpeed job has.
+    """
+    dp = states.get("dp_world_size")
+    mp = states.get("mp_world_size")
+    dp = dp if type(dp) is int and dp > 0 else max((d for d, _ in files.optim), default=0) + 1
+    mp = mp if type(mp) is int and mp > 0 else max(m for _, m in files.model) + 1
+    if dp * mp > MAX_RANKS:
+        # Every rank is looked for by name: a damaged count (or a stray rank file name) must not send us
+        # looping over billions of them.
+        raise CorruptCheckpoint(
+            f"{url}: dp_world_size {dp} x mp_world_size {mp} is more ranks than ckptctl believes (at most "
+            f"{MAX_RANKS}); the model states or the rank file names are damaged"
+        )
+    config = states.get("ds_config")
+    zero = config.get("zero_optimization") if isinstance(config, dict) else None
+    stage = zero.get("stage") if isinstance(zero, dict) else None
+    return dp, mp, stage if type(stage) is int else 0
+
+
+def missing_rank_files(url: str, files: TagFiles) -> list[str]:
+    """The rank files a tag lacks (the first `LISTED_ABSENT`): what decides whether a DeepSpeed tag is
+    complete, for every layout built on DeepSpeed.
+
+    The names of the other rank files show a gap (`TagFiles.missing_from_names`); the highest DP or MP
+    rank's files only the world size says, which the rank-0 model states record (their `data.pkl` is
+    read, no tensor bytes). So that a save folder of thousands of tags is not read tag by tag, the world
+    size of one tag of the folder is read once per scan (`_reference_world`: the tag `latest` names); a
+    tag holding every rank file that world size promises is whole, any other is judged by its own. When
+    the states do not parse, this says what the names say and leaves the reason to `verify_tag` (and to
+    the open, which reads the tag broken).
+    """
+    missing = files.missing_from_names()
+    if missing or files.rank0_model() is None:
+        return missing
+    reference = peek(io.parent_of(url), _reference_world)
+    if reference is not None and not _absent(files, reference):
+        return []
+    own = _recorded_world(url, files)
+    return [] if own is None else _absent(files, own)
+
+
+def _absent(files: TagFiles, world: tuple[int, int, int]) -> list[str]:
+    """The rank files a (dp, mp, ZeRO stage) world promises that `files` lacks."""
+    model, optim = expected_rank_files(files, *world)
+    return sorted((model | optim) - set(files.sizes))[:LISTED_ABSENT]
+
+
+def _recorded_world(url: str, files: TagFiles) -> tuple[int, int, int] | None:
+    """(dp_world_size, mp_world_size, ZeRO stage) of a tag's rank-0 model states; None when unreadable."""
+    rank0 = files.rank0_model()
+    if rank0 is None:
+        return None
+    try:
+        states = open_torch_pickle(io.join(url, rank0), files.sizes.get(rank0)).root
+        return _recorded_ranks(url, states, files) if isinstance(states, dict) else None
+    except CkptctlError:
+        return None
+
+
+def _reference_world(save_dir: str, entries: Sequence[DirEntry]) -> tuple[int, int, int] | None:
+    """The world a save folder's tags were saved by, as one tag records it: the tag `latest` names, else
+    the newest by its name's step (None when there is none, or it does not read)."""
+    folders = [e.name for e in entries if e.is_dir]
+    name = read_latest(save_dir, entries)
+    if name not in folders:
+        name = max(folders, key=lambda n: (step_from_name(n) or -1, n), default=None)
+    if name is None:
+        return None
+    url = io.join(save_dir, name)
+    files = tag_files(peek_dir(url) or [])
+    return None if files is None else _recorded_world(url, files)
 
 
 def optimizer_state_dict(opened: TorchPickle) -> dict[str, Any]:

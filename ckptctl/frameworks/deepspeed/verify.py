@@ -7,7 +7,7 @@ from ckptctl.checkpoint import Problem, ProblemKind
 from ckptctl.errors import CkptctlError, CorruptCheckpoint
 from ckptctl.formats.chunks import tiling_problem
 from ckptctl.formats.torch_pickle import TorchPickle, storage_problems
-from ckptctl.frameworks.deepspeed.names import tag_files
+from ckptctl.frameworks.deepspeed.names import expected_rank_files, tag_files
 from ckptctl.frameworks.deepspeed.tag import (
     DeepSpeedTag,
     enum_value,
@@ -43,16 +43,7 @@ def verify_tag(url: str, path_prefix: str = "") -> list[Problem]:
         tag = read_tag(url, files)
     except CkptctlError as exc:
         return [*problems, _problem(exc, path_prefix + (files.rank0_model() or files.model_name(0, 0)))]
-    expected_model = {
-        tag.files.model_name(dp, mp) if files.per_dp_model_files else files.model_name_0(mp)
-        for mp in range(tag.mp_world_size)
-        for dp in range(tag.dp_world_size)
-    }
-    expected_optim = (
-        {files.optim_name(dp, mp) for mp in range(tag.mp_world_size) for dp in range(tag.dp_world_size)}
-        if files.optim or tag.zero_stage >= 1
-        else set()
-    )
+    expected_model, expected_optim = expected_rank_files(files, tag.dp_world_size, tag.mp_world_size, tag.zero_stage)
     reported = {p.path for p in problems}
     absent = [
         n for n in sorted((expected_model | expected_optim) - set(files.sizes)) if path_prefix + n not in reported

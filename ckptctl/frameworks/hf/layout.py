@@ -3,13 +3,20 @@
 `model.safetensors`, or `model-0000i-of-0000N.safetensors` shards with `model.safetensors.index.json`
 (`{"metadata": {"total_size"}, "weight_map": {name: file}}`), plus `config.json`, `generation_config.json`
 and tokenizer files. Only headers are read: a 100 GB model opens with a few range reads.
+
+Legacy folders (transformers before 5 with `safe_serialization=False`, and most models published before
+2023) hold `pytorch_model.bin`, or `pytorch_model-0000i-of-0000N.bin` shards with
+`pytorch_model.bin.index.json`: torch.save zip files of the state dict. They are read as torch zips (the
+zip directory and `data.pkl` through the allowlisting unpickler; nothing in them runs), and each tensor
+is a plain byte range of its storage record. As in transformers, safetensors weights win when a folder
+has both.
 """
 
 from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from functools import cache
 from typing import Any
 
@@ -28,12 +35,15 @@ from ckptctl.checkpoint import (
 from ckptctl.errors import CkptctlError, CorruptCheckpoint
 from ckptctl.formats.documents import read_json
 from ckptctl.formats.safetensors import read_header
+from ckptctl.formats.torch_pickle import TorchPickle, open_torch_pickle, storage_problems
 from ckptctl.io import DirEntry
-from ckptctl.layouts.base import Layout, absent_numbers, newest_mtime, step_from_name, timestamp
+from ckptctl.layouts.base import Layout, ModelSpec, absent_numbers, newest_mtime, step_from_name, timestamp
 from ckptctl.layouts.resume import ResumeProfile
 
 INDEX_NAMES = ("model.safetensors.index.json", "adapter_model.safetensors.index.json")
-_SHARD = re.compile(r"^(?P<stem>.+)-(?P<i>\d{5})-of-(?P<n>\d{5})\.safetensors$")
+_SHARD = re.compile(r"^(?P<stem>.+)-(?P<i>\d{5})-of-(?P<n>\d{5})\.(?P<ext>safetensors|bin)$")
+#: The index of legacy `pytorch_model-0000i-of-0000N.bin` shards (transformers' WEIGHTS_INDEX_NAME).
+LEGACY_INDEX = "pytorch_model.bin.index.json"
 _TOKENIZER_FILES = frozenset(
     {
         "tokenizer.json",
@@ -47,7 +57,7 @@ _TOKENIZER_FILES = frozenset(
     }
 )
 _CONFIG_FILES = frozenset({"config.json", "generation_config.json", "adapter_config.json"})
-_LEGACY_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json")
+_LEGACY_WEIGHTS = ("pytorch_model.bin", LEGACY_INDEX)
 #: Config fields worth showing in `inspect`.
 _CONFIG_SUMMARY = (
     "model_type",
@@ -68,17 +78,22 @@ _CONFIG_SUMMARY = (
 def _shards_missing(names: set[str]) -> tuple[list[str], int]:
     """Shard files a `-0000i-of-0000N` naming promises but the folder lacks (judged from names only): the
     first `LISTED_ABSENT` of each series (stem, N), and how many are missing in all."""
-    series: dict[tuple[str, int], set[int]] = {}
+    series: dict[tuple[str, int, str], set[int]] = {}
     for name in names:
-        if m := _SHARD.match(name):
-            series.setdefault((m.group("stem"), int(m.group("n"))), set()).add(int(m.group("i")) - 1)
+        if (m := _SHARD.match(name)) and (m.group("ext") == "safetensors" or _is_legacy_weight(name)):
+            series.setdefault((m.group("stem"), int(m.group("n")), m.group("ext")), set()).add(int(m.group("i")) - 1)
     listed: list[str] = []
     total = 0
-    for (stem, n), present in series.items():
+    for (stem, n, ext), present in series.items():
         numbers, absent = absent_numbers(present, n)
-        listed += [f"{stem}-{i + 1:05d}-of-{n:05d}.safetensors" for i in numbers]
+        listed += [f"{stem}-{i + 1:05d}-of-{n:05d}.{ext}" for i in numbers]
         total += absent
     return sorted(listed), total
+
+
+def _is_legacy_weight(name: str) -> bool:
+    """`pytorch_model.bin` or one of its `-0000i-of-0000N` shards (not `training_args.bin` beside them)."""
+    return name == _LEGACY_WEIGHTS[0] or (name.startswith("pytorch_model") and bool(_SHARD.match(name)))
 
 
 class HfModelLayout(Layout):
@@ -94,13 +109,12 @@ class HfModelLayout(Layout):
 
     def identify(self, url: str, entries: Sequence[DirEntry]) -> CheckpointRef | None:
         names = {e.name for e in entries if not e.is_dir}
-        has_weights = any(n.endswith(".safetensors") for n in names) or any(n in names for n in INDEX_NAMES)
-        if not has_weights and not any(n in names for n in _LEGACY_WEIGHTS):
+        if not has_weights(names):
             return None
         missing, missing_count = _shards_missing(names)
-        index_without_shards = any(n in names for n in INDEX_NAMES) and not any(
-            n.endswith(".safetensors") for n in names
-        )
+        index_without_shards = (
+            any(n in names for n in INDEX_NAMES) and not any(n.endswith(".safetensors") for n in names)
+        ) or (LEGACY_INDEX in names and not any(_is_legacy_weight(n) for n in names))
         state = CheckpointState.BROKEN if missing or index_without_shards else CheckpointState.COMPLETE
         more = f" and {missing_count - len(missing)} more" if missing_count > len(missing) else ""
         note = (
@@ -126,10 +140,12 @@ class HfModelLayout(Layout):
             raise CorruptCheckpoint(f"{url} holds no model weights")
         files = {e.name: e.size for e in entries if not e.is_dir}  # its own files: none of a child folder's
         names = set(files)
-        weights = weight_files(url, names)
+        weights = weight_files(url, names) or legacy_weight_files(url, names)
 
         @cache
         def tensor_index() -> tuple[TensorEntry, ...]:
+            if weights and weights[0].endswith(".bin"):
+                return legacy_index(url, weights, files)
             return safetensors_index(url, weights, files)
 
         return Checkpoint(
@@ -153,6 +169,18 @@ class HfModelLayout(Layout):
         from ckptctl.frameworks.hf.resume import PROFILE
 
         return PROFILE
+
+    def model_spec(self, config: Mapping[str, Any], notes: list[str]) -> ModelSpec | None:
+        """The model transformers builds from `config` on the meta device (see `frameworks.hf.architecture`)."""
+        from ckptctl.frameworks.hf.architecture import model_spec
+
+        return model_spec(config, notes)
+
+    def model_logits(self, folder: str, config: Mapping[str, Any], tensors: Mapping[str, Any] | None) -> Any:
+        """See `frameworks.hf.architecture.model_logits`."""
+        from ckptctl.frameworks.hf.architecture import model_logits
+
+        return model_logits(folder, config, tensors)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -184,13 +212,15 @@ def model_markers(files: Mapping[str, int]) -> tuple[str, ...]:
 
 def has_weights(names: Iterable[str]) -> bool:
     """Whether a folder's top-level file names include model weights (safetensors, index or legacy bin)."""
-    return any(n.endswith(".safetensors") or n in INDEX_NAMES or n in _LEGACY_WEIGHTS for n in names)
+    return any(
+        n.endswith(".safetensors") or n in INDEX_NAMES or n in _LEGACY_WEIGHTS or _is_legacy_weight(n) for n in names
+    )
 
 
 def model_components(names: set[str]) -> set[Component]:
     """MODEL, CONFIG and TOKENIZER, as far as the file names of a model folder show them."""
     components = set()
-    if any(n.endswith(".safetensors") for n in names) or any(n in names for n in _LEGACY_WEIGHTS):
+    if any(n.endswith(".safetensors") or n in _LEGACY_WEIGHTS or _is_legacy_weight(n) for n in names):
         components.add(Component.MODEL)
     if names & _CONFIG_FILES:
         components.add(Component.CONFIG)
@@ -205,8 +235,10 @@ def model_metadata(url: str, names: set[str], weights: Sequence[str]) -> dict[st
     config = _read_json_or_none(io.join(url, "config.json")) if "config.json" in names else None
     if isinstance(config, dict):
         metadata["config"] = {k: config[k] for k in _CONFIG_SUMMARY if k in config}
-    if any(n in names for n in _LEGACY_WEIGHTS) and not any(n.endswith(".safetensors") for n in names):
+    if not weights and any(n in names for n in _LEGACY_WEIGHTS) and not any(n.endswith(".safetensors") for n in names):
         metadata["note"] = "pickle weights (pytorch_model.bin) are not indexed; convert them to safetensors"
+    elif weights and weights[0].endswith(".bin"):
+        metadata["format"] = "pytorch_model.bin: torch.save zip (read without unpickling code)"
     metadata["weight_files"] = len(weights)
     return metadata
 
@@ -214,6 +246,10 @@ def model_metadata(url: str, names: set[str], weights: Sequence[str]) -> dict[st
 def verify_model_files(url: str, files: Mapping[str, int]) -> list[Problem]:
     """Structural problems of the model files of a folder: config and index parse, every shard the index
     or the shard naming promises is present, headers are valid, and each tensor is where the index says.
+
+    Safetensors files and legacy `pytorch_model*.bin` files are checked apart (a folder on the hub often
+    holds both, the same tensors in each): a torch zip's directory and `data.pkl` must read with the
+    allowlist and every storage it names must lie whole inside the file (a truncated bin fails here).
 
     Args:
         url: the model folder.
@@ -228,8 +264,49 @@ def verify_model_files(url: str, files: Mapping[str, int]) -> list[Problem]:
             problems.append(
                 Problem(ProblemKind.BAD_METADATA, "config.json", f"config.json does not parse: {exc.message}")
             )
+    safetensors = sorted(n for n in files if n.endswith(".safetensors"))
+    legacy = sorted(n for n in files if _is_legacy_weight(n))
+    weight_map, indexed = _index_problems(url, files, INDEX_NAMES, problems)
+    legacy_map, legacy_indexed = _index_problems(url, files, (LEGACY_INDEX,), problems)
+    promised, promised_count = _shards_missing(set(files))
+    problems += [
+        Problem(ProblemKind.MISSING_FILE, shard, f"shard {shard} is missing")
+        for shard in promised
+        if shard not in indexed | legacy_indexed
+    ]
+    if promised_count > len(promised):
+        problems.append(
+            Problem(ProblemKind.MISSING_FILE, "", f"{promised_count - len(promised)} more shards are missing")
+        )
+    located: dict[str, str] = {}
+    for rel in safetensors:
+        try:
+            header = read_header(io.join(url, rel), files[rel])
+        except CkptctlError as exc:
+            problems.append(Problem.from_error(exc, rel))
+            continue
+        problems += _locate(located, rel, (rec.name for rec in header.tensors))
+    problems += _placement_problems(weight_map, located, files)
+    located = {}
+    for rel in legacy:
+        try:
+            opened = open_torch_pickle(io.join(url, rel), files[rel])
+        except CkptctlError as exc:
+            problems.append(Problem.from_error(exc, rel))
+            continue
+        problems += [Problem(ProblemKind.TRUNCATED, rel, message) for message in storage_problems(opened)]
+        problems += _locate(located, rel, (name for name, _ in opened.tensors()))
+    problems += _placement_problems(legacy_map, located, files)
+    return problems
+
+
+def _index_problems(
+    url: str, files: Mapping[str, int], index_names: Sequence[str], problems: list[Problem]
+) -> tuple[Mapping[str, str], set[str]]:
+    """The weight map of the first of `index_names` present (later ones replace it) and the files it names,
+    appending to `problems` what is wrong with each index: unparseable, files missing, a wrong total size."""
     weight_map: Mapping[str, str] = {}
-    for index_name in INDEX_NAMES:
+    for index_name in index_names:
         if index_name not in files:
             continue
         try:
@@ -246,30 +323,24 @@ def verify_model_files(url: str, files: Mapping[str, int]) -> list[Problem]:
             ProblemKind.MISSING_FILE, index_name, len(absent_shards), "{path} names {count} more files that are missing"
         )
         problems.extend(_total_size_problems(index_name, total_size, weight_map, files))
-    indexed = set(weight_map.values())
-    promised, promised_count = _shards_missing(set(files))
-    problems += [
-        Problem(ProblemKind.MISSING_FILE, shard, f"shard {shard} is missing")
-        for shard in promised
-        if shard not in indexed
-    ]
-    if promised_count > len(promised):
-        problems.append(
-            Problem(ProblemKind.MISSING_FILE, "", f"{promised_count - len(promised)} more shards are missing")
-        )
-    located: dict[str, str] = {}
-    for rel in sorted(n for n in files if n.endswith(".safetensors")):
-        try:
-            header = read_header(io.join(url, rel), files[rel])
-        except CkptctlError as exc:
-            problems.append(Problem.from_error(exc, rel))
-            continue
-        for rec in header.tensors:
-            if rec.name in located:
-                problems.append(
-                    Problem(ProblemKind.BAD_METADATA, rel, f"tensor {rec.name!r} is also in {located[rec.name]}")
-                )
-            located[rec.name] = rel
+    return weight_map, set(weight_map.values())
+
+
+def _locate(located: dict[str, str], rel: str, names: Iterable[str]) -> list[Problem]:
+    """Record that the tensors `names` are in `rel`; a problem for each one another file holds already."""
+    problems = []
+    for name in names:
+        if name in located:
+            problems.append(Problem(ProblemKind.BAD_METADATA, rel, f"tensor {name!r} is also in {located[name]}"))
+        located[name] = rel
+    return problems
+
+
+def _placement_problems(
+    weight_map: Mapping[str, str], located: Mapping[str, str], files: Mapping[str, int]
+) -> list[Problem]:
+    """Where the index puts a tensor in another file than the one holding it, or in a file that lacks it."""
+    problems: list[Problem] = []
     misplaced: dict[str, list[str]] = {}
     absent: dict[str, list[str]] = {}
     for name, shard in weight_map.items():
@@ -376,6 +447,57 @@ def weight_files(url: str, names: set[str]) -> list[str]:
             except CorruptCheckpoint:
                 break
     return sorted(n for n in names if n.endswith(".safetensors") and "/" not in n)
+
+
+def legacy_weight_files(url: str, names: set[str]) -> list[str]:
+    """The legacy torch.save files holding the weights: those `pytorch_model.bin.index.json` names, else
+    `pytorch_model.bin` and every `pytorch_model-0000i-of-0000N.bin` at the top.
+
+    Args:
+        url: the model folder.
+        names: file names relative to it.
+    """
+    if LEGACY_INDEX in names:
+        try:
+            return sorted(set(_read_index(io.join(url, LEGACY_INDEX)).values()) & names)
+        except CorruptCheckpoint:
+            pass
+    return sorted(n for n in names if _is_legacy_weight(n))
+
+
+def legacy_index(url: str, weights: Sequence[str], files: Mapping[str, int]) -> tuple[TensorEntry, ...]:
+    """The tensors of the torch.save files `weights` (relative to `url`), from their zip directories and
+    `data.pkl` (read with the allowlist), all of the model. See `torch_file_entries` for tied weights."""
+    entries: list[TensorEntry] = []
+    for rel in weights:
+        opened = open_torch_pickle(io.join(url, rel), files.get(rel))
+        entries += torch_file_entries(opened, rel, lambda _name: Component.MODEL)
+    return tuple(entries)
+
+
+def torch_file_entries(opened: TorchPickle, rel: str, classify: Callable[[str], Component]) -> list[TensorEntry]:
+    """Every tensor of an opened torch.save file, as RAW chunks of the file `rel` (none for a tensor that is
+    not one contiguous range), its component given by `classify(name)`.
+
+    A state dict of a model with tied weights pickles one tensor under two names (`lm_head.weight` is
+    `model.embed_tokens.weight`): the later names of the same elements are left out, as transformers leaves
+    them out of a safetensors save, so that they count once and convert to what transformers writes.
+    """
+    entries = []
+    seen: set[tuple[str, int, str, tuple[int, ...], tuple[int, ...]]] = set()
+    for name, ref in opened.tensors():
+        same = (ref.storage_key, ref.storage_offset, ref.dtype, ref.shape, ref.stride)
+        if ref.numel and same in seen:
+            continue
+        seen.add(same)
+        found = opened.byte_range(ref)
+        chunks = (
+            (TensorChunk(rel, found[0], found[1] - found[0], (0,) * len(ref.shape), ref.shape, ChunkEncoding.RAW),)
+            if found is not None
+            else ()
+        )
+        entries.append(TensorEntry(name, classify(name), ref.dtype, ref.shape, chunks))
+    return entries
 
 
 def safetensors_index(url: str, weights: Sequence[str], files: Mapping[str, int]) -> tuple[TensorEntry, ...]:

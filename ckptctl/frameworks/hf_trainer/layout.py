@@ -56,6 +56,7 @@ from ckptctl.frameworks.hf.layout import (
     weight_files,
 )
 from ckptctl.io import DirEntry
+from ckptctl.layouts import peek_dir
 from ckptctl.layouts.base import (
     Layout,
     MasterWeights,
@@ -146,6 +147,15 @@ class _Parts:
         )
 
 
+def _missing_tag_files(url: str, ds_tag: str | None) -> list[str]:
+    """The rank files the DeepSpeed tag inside a checkpoint lacks (none without one): the Trainer's resume
+    loads it whole, so a tag without them is no complete checkpoint, whatever trainer_state.json says."""
+    if ds_tag is None:
+        return []
+    files = deepspeed.tag_files(peek_dir(io.join(url, ds_tag)) or [])
+    return [] if files is None else deepspeed.missing_rank_files(io.join(url, ds_tag), files)
+
+
 class HfTrainerLayout(Layout):
     """A `checkpoint-N` folder of the Hugging Face Trainer (with or without DeepSpeed/FSDP inside)."""
 
@@ -171,6 +181,8 @@ class HfTrainerLayout(Layout):
             step = step if head_step is None else head_step
             epoch = as_real(head.get("epoch"))
             created = timestamp(marker.mtime)
+            if missing := _missing_tag_files(url, parts.ds_tag):
+                state, note = CheckpointState.BROKEN, f"{parts.ds_tag}/: {deepspeed.missing_note(missing)}"
         else:
             newest = newest_mtime(entries)
             created = timestamp(newest)

@@ -3,6 +3,11 @@
 A committed checkpoint is a `step-N` folder holding `ckptctl-manifest.json`; a `.step-N.staging-*`
 folder is one being written. The run folder's `latest` file names the newest committed one.
 
+A staging folder holds a record of the process writing it (`ckptctl-writer.json`), so that one left by a
+save that was killed reads as `abandoned` rather than in progress forever (`abandoned_staging`). A step
+folder holding `ckptctl-superseded.json` is committed but `superseded`: the run went back to an older
+step and saved again (the manager's `save`), so resumes follow the new branch.
+
 Object stores have no atomic folder rename, so there the core uploads straight into `step-N/`: the RNG
 files first, the manifest last. A remote `step-N/` holding RNG files but no manifest is therefore an upload
 in progress while its newest object is recent (`REMOTE_UPLOAD_WINDOW`), and an interrupted one after.
@@ -10,6 +15,8 @@ in progress while its newest object is recent (`REMOTE_UPLOAD_WINDOW`), and an i
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import re
 import threading
@@ -17,7 +24,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from functools import cache
 
 from ckptctl import io
@@ -36,6 +43,7 @@ from ckptctl.errors import CkptctlError, CorruptCheckpoint
 from ckptctl.formats.manifest import DIGESTS_NAME, MANIFEST_NAME, Manifest, load_manifest
 from ckptctl.formats.safetensors import read_header
 from ckptctl.io import DirEntry
+from ckptctl.io.process import Liveness, ProcessRecord
 from ckptctl.io.trash import TRASH_NAME
 from ckptctl.layouts.base import (
     Layout,
@@ -48,17 +56,24 @@ from ckptctl.layouts.base import (
 )
 from ckptctl.layouts.naming import NameStripper, keep_name, shared_first_segment, strip_segments
 from ckptctl.layouts.resume import ResumeProfile
+from ckptctl.units import format_age
 
 __all__ = [
+    "ABANDON_GRACE",
     "COMPONENT_OF_KIND",
     "DCP_FOLDER",
     "POINTER_NAME",
     "REMOTE_UPLOAD_WINDOW",
+    "SUPERSEDED_NAME",
     "TRASH_NAME",
+    "WRITER_NAME",
     "NativeLayout",
     "StepNaming",
+    "abandoned_staging",
     "is_rng_file",
     "read_native_manifest",
+    "superseded_marker",
+    "superseded_note",
 ]
 
 POINTER_NAME = "latest"
@@ -67,6 +82,14 @@ _RNG_FILE = re.compile(r"^rng(\.rank-\d+)?\.json$")
 #: How long after its newest object a remote `step-N/` without a manifest still reads as being uploaded
 #: (uploads of single objects take minutes at most); older, it reads as an interrupted upload.
 REMOTE_UPLOAD_WINDOW = timedelta(hours=1)
+#: The record of the process writing a staging folder (`io.process.ProcessRecord`), written first.
+WRITER_NAME = "ckptctl-writer.json"
+#: Present in a committed step folder that a save of a lower step made after it superseded.
+SUPERSEDED_NAME = "ckptctl-superseded.json"
+#: How long a staging folder whose writer cannot be checked from here (another machine, no record) must
+#: have gone unwritten, behind a step committed after it, before `list` and the manager's own clean-up
+#: count it as abandoned. A save keeps touching its files; an hour without a write is no slow save.
+ABANDON_GRACE = timedelta(hours=1)
 
 
 def is_rng_file(name: str) -> bool:
@@ -123,15 +146,18 @@ class NativeLayout(Layout):
         folder = io.name_of(url)
         in_progress_step = NAMING.staging_step(folder)
         if in_progress_step is not None:
+            why = abandoned_staging(url, ABANDON_GRACE)
             return CheckpointRef(
                 url=url,
                 layout=self.name,
                 step=in_progress_step,
                 epoch=None,
                 created=timestamp(newest_mtime(entries)),
-                state=CheckpointState.IN_PROGRESS,
+                state=CheckpointState.ABANDONED if why else CheckpointState.IN_PROGRESS,
                 size_bytes=folder_size(url),
-                note="being written (staging folder, no manifest yet)",
+                note=f"an interrupted save: {why}; the run's next save or `ckptctl prune` deletes it"
+                if why
+                else "being written (staging folder, no manifest yet)",
             )
         if not any(e.name == MANIFEST_NAME and not e.is_dir for e in entries):
             return self._damaged(url, entries)
@@ -150,14 +176,16 @@ class NativeLayout(Layout):
                 note=str(exc),
             )
         created = _parse_time(manifest.created) or timestamp(manifest_entry.mtime)
+        superseded = any(e.name == SUPERSEDED_NAME and not e.is_dir for e in entries)
         return CheckpointRef(
             url=url,
             layout=self.name,
             step=manifest.step if manifest.step is not None else step_from_name(folder),
             epoch=manifest.epoch,
             created=created,
-            state=CheckpointState.COMPLETE,
+            state=CheckpointState.SUPERSEDED if superseded else CheckpointState.COMPLETE,
             size_bytes=folder_size(url),
+            note=superseded_note(url) if superseded else "",
         )
 
     def _damaged(self, url: str, entries: Sequence[DirEntry]) -> CheckpointRef | None:
@@ -224,6 +252,8 @@ class NativeLayout(Layout):
             from ckptctl.errors import CheckpointInProgress
 
             raise CheckpointInProgress(f"{url} is still being written (no manifest yet)", "wait for the save to commit")
+        if ref.state is CheckpointState.ABANDONED:
+            raise CorruptCheckpoint(f"{url} is {ref.note}", "it was never committed: open a step-N folder instead")
         manifest = read_native_manifest(url)
         components = {COMPONENT_OF_KIND.get(record.kind, Component.EXTRA) for record in manifest.components.values()}
         # The manifest records the step, time and metrics: the counters `restore()` hands back.
@@ -262,7 +292,7 @@ class NativeLayout(Layout):
                 problems.append(
                     Problem(kind, rel, f"{rel} has {files[rel]} bytes, the manifest recorded {record.size}")
                 )
-        for rel in sorted(set(files) - set(manifest.files) - {MANIFEST_NAME, DIGESTS_NAME}):
+        for rel in sorted(set(files) - set(manifest.files) - {MANIFEST_NAME, DIGESTS_NAME, SUPERSEDED_NAME}):
             problems.append(
                 Problem(ProblemKind.UNEXPECTED_FILE, rel, f"{rel} is not in the manifest", severity="warning")
             )
@@ -281,6 +311,12 @@ class NativeLayout(Layout):
         """The manifest, which the core writes last (without it a folder is in progress or broken)."""
         return (MANIFEST_NAME,) if MANIFEST_NAME in files else ()
 
+    def abandoned(self, ref: CheckpointRef, grace: timedelta) -> str | None:
+        """A staging folder's verdict (`abandoned_staging`); committed folders are never abandoned."""
+        if NAMING.staging_step(io.name_of(ref.url)) is None:
+            return None
+        return abandoned_staging(ref.url, grace)
+
     def resume_profile(self) -> ResumeProfile:
         """See `frameworks.native.resume`."""
         from ckptctl.frameworks.native.resume import PROFILE
@@ -291,6 +327,85 @@ class NativeLayout(Layout):
         """`<entry>.<key>` names lose the entry name (the key of the saved state, `model` for `state["model"]`)
         when every tensor of the component carries the same one."""
         return keep_name if shared_first_segment(entries) is None else strip_segments(1)
+
+
+def abandoned_staging(url: str, grace: timedelta, *, now: float | None = None) -> str | None:
+    """Why the staging folder `url` of a native run is what a save left when its writer stopped, or None
+    while its writer may still be at it.
+
+    Abandoned, by the record of its writer (`WRITER_NAME`): a process of this machine that is gone. A
+    writer that is alive here keeps it in progress however old it is (a slow save). Where nothing can be
+    told (a writer on another machine, no record: the save was killed before writing it), the folder must
+    have gone unwritten for `grace` and a step at least as high must have been committed after its last
+    write: the run went on without it.
+
+    Args:
+        url: a `.step-N.staging-*` folder.
+        grace: see above.
+        now: the current time (POSIX seconds; tests fix it).
+    """
+    step = NAMING.staging_step(io.name_of(url))
+    if step is None:
+        return None
+    record = _writer_of(url)
+    if record is not None:
+        liveness = record.liveness()
+        if liveness is Liveness.GONE:
+            return f"its writer ({record.describe()}) is gone"
+        if liveness is Liveness.ALIVE:
+            return None
+    parent = io.parent_of(url)
+    try:
+        siblings = {e.name: e for e in io.list_dir(parent)}
+        files = io.list_tree(url)
+    except CkptctlError:  # removed while we looked: nothing to judge
+        return None
+    own = siblings.get(io.name_of(url))
+    last = max([e.mtime for e in files.values() if e.mtime] + ([own.mtime] if own and own.mtime else []), default=None)
+    if last is None:
+        return None
+    age = (time.time() if now is None else now) - last
+    if age < grace.total_seconds():
+        return None
+    later = sorted(s for name in siblings if (s := NAMING.step_of(name)) is not None and s >= step)
+    for newer in later:
+        manifest = _manifest_mtime(io.join(parent, NAMING.folder(newer)))
+        if manifest is not None and manifest > last:
+            who = f"its writer, {record.describe()}, cannot be checked from here; " if record else ""
+            return (
+                f"{who}nothing has written to it for {format_age(timedelta(seconds=round(age)))} and "
+                f"{NAMING.folder(newer)} was committed after its last write"
+            )
+    return None
+
+
+def _writer_of(url: str) -> ProcessRecord | None:
+    try:
+        return ProcessRecord.parse(io.read_bytes(io.join(url, WRITER_NAME), max_size=io.MAX_MARKER_BYTES))
+    except CkptctlError:  # no record yet (or any more), or unreadable: nothing proved
+        return None
+
+
+def _manifest_mtime(folder: str) -> float | None:
+    try:
+        return next((e.mtime for e in io.list_dir(folder) if e.name == MANIFEST_NAME and not e.is_dir), None)
+    except CkptctlError:
+        return None
+
+
+def superseded_marker(by: int) -> bytes:
+    """The content of `SUPERSEDED_NAME` in a step that a save of step `by` superseded."""
+    doc = {"superseded_by": NAMING.folder(by), "step": by, "time": datetime.now(UTC).isoformat(timespec="seconds")}
+    return json.dumps(doc, indent=1).encode()
+
+
+def superseded_note(url: str) -> str:
+    """Why the committed step folder `url` is superseded, from its `SUPERSEDED_NAME` marker, for people."""
+    by = ""
+    with contextlib.suppress(CkptctlError, ValueError, AttributeError):
+        doc = json.loads(io.read_bytes(io.join(url, SUPERSEDED_NAME), max_size=io.MAX_MARKER_BYTES))
+        by = f" by {doc['superseded_by']}" if isinstance(doc.get("superseded_by"), str) else ""
+    return f"superseded{by}: the run went back to an older step and saved again, and resumes follow that branch"
 
 
 #: A parse cache owned by this module for the whole process, not by a scan (`layouts.ScanContext`): keyed

@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 
 from ckptctl import io
-from ckptctl.checkpoint import Checkpoint, Component
+from ckptctl.checkpoint import Checkpoint, CheckpointState, Component
 from ckptctl.errors import CkptctlError
 from ckptctl.formats.documents import read_json
 from ckptctl.formats.manifest import MANIFEST_NAME
@@ -17,9 +17,14 @@ from ckptctl.layouts.resume import PlanContext, ResumeProfile, WorldSizeCheck, t
 __all__ = ["PROFILE"]
 
 
+#: What `CheckpointManager.restore(state)` passes over by itself: no step is needed to skip these.
+_PASSED_OVER = (CheckpointState.IN_PROGRESS, CheckpointState.ABANDONED, CheckpointState.SUPERSEDED)
+
+
 def _hint(ctx: PlanContext) -> str:
     root = io.parent_of(ctx.url)
-    step = "" if ctx.newest or ctx.checkpoint.ref.step is None else f", step={ctx.checkpoint.ref.step}"
+    picked = all(s.state in _PASSED_OVER for s in ctx.skipped)
+    step = "" if picked or ctx.checkpoint.ref.step is None else f", step={ctx.checkpoint.ref.step}"
     return f'CheckpointManager("{root}").restore(state{step})'
 
 

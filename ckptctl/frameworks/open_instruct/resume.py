@@ -1,18 +1,71 @@
 """How open-instruct resumes (`--checkpoint_state_dir`): the DeepSpeed tag `latest` names, after a
-start-up that deletes the tags it deems incomplete."""
+start-up that deletes the tags it deems incomplete.
+
+With `--deepspeed_checkpoint_load_universal` (open-instruct @ e6c3044a, `grpo_utils.py`, which sets
+`"checkpoint": {"load_universal": ...}` in `grpo_fast.py`) its start-up
+(`utils.ensure_universal_checkpoint_exists`) loads `ds_universal_{tag}` for the tag `latest` names: it
+points `latest_universal` at that folder when it exists, whatever it holds, and otherwise runs
+`python -m deepspeed.checkpoint.ds_to_universal --inject_missing_state` on the tag to make it.
+"""
 
 from __future__ import annotations
 
 from ckptctl import io
 from ckptctl.errors import CkptctlError
 from ckptctl.frameworks.deepspeed import resume as deepspeed
+from ckptctl.frameworks.deepspeed.layout import read_latest
 from ckptctl.layouts.resume import PlanContext, ResumeProfile
 
 __all__ = ["PROFILE"]
 
+#: Loads a DeepSpeed universal checkpoint of the tag `latest` names, converting the tag first when needed.
+_UNIVERSAL_FLAG = "--deepspeed_checkpoint_load_universal"
+
+
+def _universal_folder(tag: str) -> str:
+    """The folder open-instruct loads (and converts `tag` into) with `_UNIVERSAL_FLAG`."""
+    return f"ds_universal_{tag}"
+
 
 def _hint(ctx: PlanContext) -> str:
-    return f"--checkpoint_state_dir {io.parent_of(ctx.url)}" + deepspeed.pointer_caveat(ctx, "latest")
+    save_dir = io.parent_of(ctx.url)
+    if not deepspeed.is_universal(ctx.checkpoint):
+        return f"--checkpoint_state_dir {save_dir}" + deepspeed.pointer_caveat(ctx, "latest")
+    name = io.name_of(ctx.url)
+    latest = _latest(save_dir)
+    if latest is not None and _universal_folder(latest) == name:
+        return f"--checkpoint_state_dir {save_dir} {_UNIVERSAL_FLAG}"
+    return (
+        f"--checkpoint_state_dir {save_dir} {_UNIVERSAL_FLAG} (it loads {_universal_folder(latest or '<tag>')} for the "
+        f"tag `latest` names{f' ({latest})' if latest else ''}, converting that tag when the folder is missing: "
+        f"{name} is not that folder)"
+    )
+
+
+def _latest(save_dir: str) -> str | None:
+    try:
+        return read_latest(save_dir, io.list_dir(save_dir))
+    except CkptctlError:
+        return None
+
+
+def _universal_fix(ctx: PlanContext, tag_url: str, conversion: deepspeed.Conversion | None) -> str:
+    """open-instruct converts the tag `latest` names itself, at start-up, when asked to load universal
+    checkpoints; an existing `ds_universal_{tag}` is loaded as it is."""
+    save_dir, tag = io.parent_of(tag_url), io.name_of(tag_url)
+    folder = _universal_folder(tag)
+    setting = f"--checkpoint_state_dir {save_dir} {_UNIVERSAL_FLAG}"
+    if conversion is not None and not conversion.problem:
+        return f"load {io.name_of(conversion.url)}, its universal conversion: {setting}"
+    fix = (
+        f"{setting}: at start-up open-instruct converts the tag `latest` names into {folder} (ds_to_universal) "
+        "and loads it"
+    )
+    if _latest(save_dir) != tag:
+        fix += f" (write {tag} into latest first)"
+    if conversion is not None and io.name_of(conversion.url) == folder:
+        return f"delete {folder} ({conversion.problem}): open-instruct loads an existing {folder} as it is; then {fix}"
+    return fix
 
 
 def _notes(ctx: PlanContext) -> list[str]:
@@ -42,7 +95,7 @@ def _notes(ctx: PlanContext) -> list[str]:
 PROFILE = ResumeProfile(
     framework="open-instruct",
     hint=_hint,
-    world_size=deepspeed.world_size,
+    world_size=deepspeed.zero_world_size(_universal_fix),
     notes=_notes,
     impacts=deepspeed.IMPACTS,
     follows_pointer=True,

@@ -5,8 +5,9 @@ checkpoint a layout's `latest`-style pointer in it names (a save folder's `lates
 complete and pass its layout's structural verification.
 
 The command reads like its modules, in order: `options` (what is asked, what was done), `plan` (which
-tensors, names, dtypes and weights), `to_hf` / `to_dcp` (the writers), `side_files` (config and tokenizer
-files), `commit` (staging, digests and the move or upload into DST).
+tensors, names, dtypes and weights), `side_files` (config and tokenizer files), `model_check` (the plan
+against the model the config names: tied weights, missing, reshaped and leftover tensors), `to_hf` /
+`to_dcp` (the writers), `commit` (staging, digests and the move or upload into DST).
 """
 
 from __future__ import annotations
@@ -15,20 +16,22 @@ import os
 import time
 
 from ckptctl import io
-from ckptctl.checkpoint import CheckpointState
+from ckptctl.checkpoint import CheckpointState, Component
 from ckptctl.errors import CheckpointInProgress, CkptctlError, CorruptCheckpoint
 from ckptctl.layouts import get_layout, resolve
 from ckptctl.ops.convert.commit import Staging, UploadStaging, check_destination, write_digests
+from ckptctl.ops.convert.model_check import apply_ties, check_plan, compare_logits, model_spec, read_config
 from ckptctl.ops.convert.options import (
     DEFAULT_MAX_SHARD_SIZE,
     DTYPE_NAMES,
     ConvertOptions,
     ConvertResult,
+    ModelCheck,
     Target,
     Weights,
     parse_dtype,
 )
-from ckptctl.ops.convert.plan import plan_tensors
+from ckptctl.ops.convert.plan import float_dtype, plan_tensors
 from ckptctl.ops.convert.side_files import CONFIG_FILES, TOKENIZER_FILES, copy_side_files, find_side_files
 from ckptctl.ops.convert.to_dcp import DCP_NAMESPACE, write_dcp
 from ckptctl.ops.convert.to_hf import INDEX_NAME, write_hf
@@ -43,6 +46,7 @@ __all__ = [
     "TOKENIZER_FILES",
     "ConvertOptions",
     "ConvertResult",
+    "ModelCheck",
     "Target",
     "Weights",
     "convert",
@@ -70,6 +74,8 @@ def _convert(src: str, dst: str, options: ConvertOptions, progress: Progress, re
     started = time.perf_counter()
     if options.max_shard_size <= 0:
         raise CkptctlError("the maximum shard size must be positive")
+    if options.check_logits and (options.to is not Target.HF or options.component is not Component.MODEL):
+        raise CkptctlError("--check-logits compares the logits of a model converted --to hf (--component model)")
     dst = check_destination(src, dst, options.force)
     layout, ref = resolve(src, options.layout)
     url = ref.url
@@ -77,6 +83,8 @@ def _convert(src: str, dst: str, options: ConvertOptions, progress: Progress, re
         raise CheckpointInProgress(
             f"{url} is still being written ({ref.note or 'no completion marker'})", "wait for the save to finish"
         )
+    if ref.state is CheckpointState.ABANDONED:
+        raise CorruptCheckpoint(f"{url} is {ref.note}", "convert a committed checkpoint instead")
     checkpoint = layout.open(url)
     problems = [p for p in layout.verify(checkpoint) if p.severity == "error"]
     if problems or checkpoint.ref.state is CheckpointState.BROKEN:
@@ -88,6 +96,22 @@ def _convert(src: str, dst: str, options: ConvertOptions, progress: Progress, re
     plan, weights = plan_tensors(checkpoint, layout, options, notes)
     side_files, side_notes = find_side_files(url, options, layout.config_folders(checkpoint))
     notes += side_notes
+    config = read_config(side_files, notes) if options.check_model or options.check_logits else None
+    why_not: list[str] = []
+    spec = None
+    if config is not None and options.component is Component.MODEL:
+        spec = model_spec(config, plan, why_not)
+    notes += why_not
+    tied: tuple[str, ...] = ()
+    if spec is not None:
+        plan, tied = apply_ties(checkpoint, plan, spec, options.to)
+        if options.check_model:
+            check_plan(plan, spec, options.to)
+    elif options.check_logits:
+        raise CkptctlError(
+            f"cannot compare logits: {why_not[0] if why_not else 'the output gets no config.json'}",
+            "pass the folder of the model's config.json with --config (transformers 5 must be installed)",
+        )
 
     staging = Staging(dst) if io.is_local(dst) else UploadStaging(dst, get_layout(options.to))
     with staging:
@@ -99,7 +123,8 @@ def _convert(src: str, dst: str, options: ConvertOptions, progress: Progress, re
                 written = write_dcp(checkpoint, plan, staging.out, progress)
         finally:
             progress.finish()  # a bar left running on an error would hide the terminal's cursor
-        copied = copy_side_files(side_files, staging.out, options.dtype)
+        copied = copy_side_files(side_files, staging.out, options.dtype or float_dtype(plan), options.dtype is not None)
+        logits = compare_logits(checkpoint, plan, staging.out, config) if options.check_logits and config else None
         write_digests(staging.out, written.digests)
         files = tuple(sorted(os.listdir(staging.out)))
         uploaded = staging.commit(options.force, progress)
@@ -121,4 +146,5 @@ def _convert(src: str, dst: str, options: ConvertOptions, progress: Progress, re
         checkpoint=url,
         weights=weights.value,
         uploaded=uploaded,
+        model=ModelCheck(spec.architecture, len(plan), tied, logits) if spec is not None else None,
     )

@@ -74,6 +74,10 @@ class ConvertOptions:
         workers: copy threads (default: cores, 2 to 8).
         weights: for sources that keep fp32 master weights apart from the model, those (`auto`, `master`)
             or the model weights as stored (`stored`); other sources have one copy of the model.
+        check_model: build the architecture the output's config.json names with transformers (on the meta
+            device) to resolve tied weights and check the model's tensors (`ops.convert.model_check`).
+        check_logits: also compare the logits of the output (loaded by transformers) with those of the
+            source tensors on a few fixed token ids (`--to hf`; holds two copies of the model in memory).
     """
 
     to: Target = Target.HF
@@ -89,6 +93,34 @@ class ConvertOptions:
     reread: bool = False
     workers: int | None = None
     weights: Weights = Weights.AUTO
+    check_model: bool = True
+    check_logits: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class ModelCheck:
+    """What the model check found (`ConvertResult.model`).
+
+    Attributes:
+        architecture: the class the output's config names, as transformers built it.
+        tensors: output tensors checked against it.
+        tied: tied copies left out of an HF output, or written as keys of their own into a DCP output.
+        logits_max_abs_diff: the largest difference between the output's and the source's logits
+            (`check_logits`), or None when they were not compared.
+    """
+
+    architecture: str
+    tensors: int
+    tied: tuple[str, ...] = ()
+    logits_max_abs_diff: float | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "architecture": self.architecture,
+            "tensors": self.tensors,
+            "tied": list(self.tied),
+            "logits_max_abs_diff": self.logits_max_abs_diff,
+        }
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +145,8 @@ class ConvertResult:
         checkpoint: the checkpoint folder converted (the one a `latest` pointer names, given its run folder).
         weights: `master` (fp32 master weights rebuilt from optimizer partitions) or `stored`.
         uploaded: bytes uploaded to an object store DST (every file of the output; 0 for a local DST).
+        model: what the check against the architecture of the output's config found, or None when there
+            was none (no config, no architecture named, transformers not importable, `check_model` off).
     """
 
     src: str
@@ -132,6 +166,7 @@ class ConvertResult:
     checkpoint: str = ""
     weights: str = Weights.STORED.value
     uploaded: int = 0
+    model: ModelCheck | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -154,4 +189,5 @@ class ConvertResult:
             "assembled_tensors": self.assembled,
             "digests": DIGESTS_NAME,
             "warnings": list(self.warnings),
+            "model_check": self.model.to_json() if self.model is not None else None,
         }

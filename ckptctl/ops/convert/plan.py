@@ -12,6 +12,7 @@ model) is removed, then `renames` apply.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ckptctl.checkpoint import Checkpoint, Component, TensorEntry, dtype_itemsize
@@ -107,3 +108,13 @@ def _master_weights(
         return None
     notes.extend(found.notes)
     return found
+
+
+def float_dtype(plan: Sequence[Planned]) -> str | None:
+    """The floating-point dtype that most of the planned bytes are in: what the output holds, so what its
+    config's `dtype` must say (transformers loads the model in it)."""
+    totals: dict[str, int] = {}
+    for p in plan:
+        if p.dtype in _CASTABLE:
+            totals[p.dtype] = totals.get(p.dtype, 0) + p.nbytes
+    return max(totals, key=lambda dtype: totals[dtype]) if totals else None

@@ -77,24 +77,36 @@ def _present(folder: str, names: Sequence[str]) -> dict[str, str]:
 _MAX_SIDE_FILE = 256 << 20
 
 
-def copy_side_files(files: dict[str, str], out: str, dtype: str | None) -> tuple[str, ...]:
-    """Copy config/tokenizer files; with a cast, config.json's dtype field follows it."""
+def copy_side_files(files: dict[str, str], out: str, dtype: str | None, cast: bool) -> tuple[str, ...]:
+    """Copy config/tokenizer files; config.json's dtype is made to say `dtype`, what the output holds.
+
+    Args:
+        files: name -> URL, from `find_side_files`.
+        out: the output folder.
+        dtype: the floating-point dtype of the output's tensors (None: it has none).
+        cast: the tensors were cast to `dtype` (`--dtype`): a config without a dtype field gets one.
+    """
     for name, url in files.items():
         data = io.read_bytes(url, max_size=_MAX_SIDE_FILE)
         if name == "config.json" and dtype is not None:
-            data = _config_with_dtype(data, dtype)
+            data = _config_with_dtype(data, dtype, cast)
         write_small(os.path.join(out, name), data)
     return tuple(sorted(files))
 
 
-def _config_with_dtype(data: bytes, dtype: str) -> bytes:
+def _config_with_dtype(data: bytes, dtype: str, add: bool) -> bytes:
+    """config.json saying `dtype` in the fields it has (`dtype` since transformers 5, `torch_dtype` before),
+    or in a new `torch_dtype` field when `add`: a config from a bf16 export over fp32 tensors would have
+    transformers load them in bf16. Unchanged bytes when it already says so."""
     try:
         config = parse_json(data, "config.json")
     except CorruptCheckpoint:
         return data
     if not isinstance(config, dict):
         return data
-    keys = [k for k in ("dtype", "torch_dtype") if k in config] or ["torch_dtype"]
+    keys = [k for k in ("dtype", "torch_dtype") if k in config] or (["torch_dtype"] if add else [])
+    if all(config.get(key) == dtype for key in keys):
+        return data
     for key in keys:
         config[key] = dtype
     return json.dumps(config, indent=2, sort_keys=True).encode() + b"\n"

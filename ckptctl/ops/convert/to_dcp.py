@@ -1,6 +1,7 @@
 """`convert --to dcp` (from an HF folder, for resuming from a published model): one
 `torch.distributed.checkpoint.save` without a process group, keys `model.<name>`, which `dcp.load` reshards
-onto any world size.
+onto any world size. A tied copy the HF folder leaves out (`lm_head.weight`) is in the plan as a key of its
+own (`model_check.apply_ties`): `dcp.load({"model": model.state_dict()})` asks for every key.
 """
 
 from __future__ import annotations

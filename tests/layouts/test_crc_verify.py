@@ -1,6 +1,6 @@
 """Plain `verify` checks the CRC-32 torch recorded for every record of every torch.save zip, on checkpoints
-written by torch DCP (2 FSDP2 ranks), DeepSpeed (ZeRO-2) and the Hugging Face Trainer, none of which has a
-manifest: a byte flipped in a tensor's bytes fails verify with the file, the zip record and the tensor
+written by torch DCP (2 FSDP2 ranks), DeepSpeed (ZeRO-2), the Hugging Face Trainer and transformers 4's
+`pytorch_model.bin` folders, none of which has a manifest: a byte flipped in a tensor's bytes fails verify with the file, the zip record and the tensor
 named; clean checkpoints pass with every record checked; `--quick` checks the structure only.
 """
 
@@ -21,6 +21,7 @@ from ckptctl.frameworks.dcp.layout import load_dcp_metadata
 from tests.conftest import CliResult, copy_tree
 from tests.writers.dcp_writer import WrittenDcp
 from tests.writers.deepspeed_writer import WrittenDeepSpeed
+from tests.writers.hf_legacy_writer import WrittenLegacy
 from tests.writers.trainer_writer import WrittenTrainerRun
 
 Cli = Callable[..., CliResult]
@@ -75,7 +76,8 @@ def _damage_torch_file(checkpoint: Path, name: str, pick: Callable[[list[str]], 
     ref = tensors[path]
     start, end = opened.byte_range(ref)  # type: ignore[misc]
     _flip(checkpoint / name, (start + end) // 2)
-    return Damage(checkpoint, name, f"{opened.prefix}data/{ref.storage_key}", path)
+    sharing = ", ".join(p for p, r in tensors.items() if r.storage_key == ref.storage_key)  # tied weights
+    return Damage(checkpoint, name, f"{opened.prefix}data/{ref.storage_key}", sharing)
 
 
 @pytest.fixture(params=FRAMEWORKS)
@@ -107,6 +109,26 @@ def test_a_flipped_byte_fails_plain_verify_naming_the_record(damaged: Damage, ru
     assert damaged.entry in errors[0]["message"] and damaged.record in errors[0]["message"]
     human = run_cli("verify", damaged.checkpoint)
     assert human.exit_code == 1 and "crc_mismatch" in human.stdout
+
+
+@pytest.mark.parametrize("variant", ["single", "sharded"])
+def test_a_flipped_byte_in_a_legacy_bin_is_named(
+    legacy_models: WrittenLegacy, tmp_path: Path, run_cli: Cli, variant: str
+) -> None:
+    """`pytorch_model.bin` folders as transformers 4 wrote them; the sharded one ties `lm_head.weight` to the
+    embeddings, which share one storage record: both are named."""
+    folder = copy_tree(getattr(legacy_models, variant), tmp_path / variant)
+    embeddings = "model.embed_tokens.weight"
+    victim = next(
+        p for p in sorted(folder.glob("pytorch_model*.bin")) if embeddings in dict(open_torch_pickle(str(p)).tensors())
+    )
+    damage = _damage_torch_file(folder, victim.name, lambda names: embeddings)
+    assert ("lm_head.weight" in damage.entry) == (variant == "sharded")
+    result = run_cli("verify", folder, "--json")
+    assert result.exit_code == 1, result.stdout
+    assert [(p["kind"], p["path"], p.get("record"), p.get("entry")) for p in result.json["problems"]] == [
+        ("crc_mismatch", damage.path, damage.record, damage.entry)
+    ]
 
 
 def test_quick_checks_the_structure_only(damaged: Damage, run_cli: Cli) -> None:

@@ -20,10 +20,12 @@ from typing import Any, TypeVar
 import pytest
 from filelock import FileLock
 
+from tests.writers.accelerate_writer import WrittenAccelerate, write_accelerate_runs
 from tests.writers.areal_writer import WrittenAreal, write_areal_run
 from tests.writers.dcp_writer import WrittenDcp, write_single_process_dcp
 from tests.writers.deepspeed_writer import WrittenDeepSpeed, write_deepspeed_runs
 from tests.writers.hf_legacy_writer import WrittenLegacy, write_legacy_models
+from tests.writers.megatron_writer import WrittenMegatron, write_megatron_runs
 from tests.writers.openrlhf_writer import WrittenOpenRlhf, write_openrlhf_run
 from tests.writers.rl_runs import WrittenFsdpRuns, write_fsdp_runs
 from tests.writers.run_folders import NestedRun, arrange_deepspeed_run, trainer_nested_run, write_dcp_run
@@ -48,6 +50,9 @@ SLOW_FIXTURES = frozenset(
         "big_dcp",
         "interrupted_saves",
         "openrlhf_ppo",
+        "megatron_runs",
+        "accelerate_runs",
+        "distributed_saves",
     }
 )
 
@@ -235,6 +240,21 @@ def openrlhf_ppo(tmp_path_factory: pytest.TempPathFactory) -> WrittenOpenRlhf:
     """OpenRLHF 0.11.2's own PPO saves (DeepspeedStrategy, ZeRO-2, actor and critic) on 2 CPU ranks: global
     steps 1-3, a best tag at step 2, `{tag}_hf` exports and the final models (slow: spawns)."""
     return build_once(tmp_path_factory, "openrlhf-ppo", write_openrlhf_run)
+
+
+@pytest.fixture(scope="session")
+def megatron_runs(tmp_path_factory: pytest.TempPathFactory) -> WrittenMegatron:
+    """megatron-core 0.16.1's `GPTModel` (TP 2 on 2 CPU ranks) holding a transformers Llama's weights, saved by
+    `dist_checkpointing.save` as Megatron-LM saves: iterations 1 and 2 with the tracker, a release save, a
+    tied-embeddings save, and the source models (slow: spawns)."""
+    return build_once(tmp_path_factory, "megatron", write_megatron_runs)
+
+
+@pytest.fixture(scope="session")
+def accelerate_runs(tmp_path_factory: pytest.TempPathFactory) -> WrittenAccelerate:
+    """accelerate 1.15 `save_state` on CPU: a plain run with automatic checkpoint naming (checkpoint_0..2), a
+    user-named `.bin` save, a resumed copy, a DeepSpeed ZeRO-2 run and an FSDP2 save (slow: a subprocess)."""
+    return build_once(tmp_path_factory, "accelerate", write_accelerate_runs)
 
 
 def copy_tree(src: Path, dst: Path) -> Path:

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Iterator, Mapping
+import re
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -38,17 +39,22 @@ from ckptctl.formats.safe_pickle import (
 
 __all__ = [
     "METADATA_NAME",
+    "RANK_METADATA",
     "DcpBytesItem",
     "DcpChunk",
     "DcpMetadata",
     "DcpTensor",
     "StorageKey",
     "StorageRecord",
+    "merge_rank_metadata",
     "parse_dcp_metadata",
 ]
 
 #: The file name torch gives the global metadata of a DCP checkpoint.
 METADATA_NAME = ".metadata"
+#: What `dcp.save(..., use_collectives=False)` writes instead (torch 2.13 `filesystem.py` `finish`): each rank
+#: its own `__{rank}.metadata`, describing only what that rank wrote, and nobody a global one.
+RANK_METADATA = re.compile(r"^__(\d+)\.metadata$")
 
 #: Storage records are keyed by (flattened key, chunk offsets); bytes items have no offsets.
 StorageKey = tuple[str, tuple[int, ...] | None]
@@ -132,6 +138,9 @@ class DcpMetadata:
     save_id: str | None = None
     checkpoint_id: str | None = None
     raw_planner_data: Any = field(default=None, repr=False, compare=False)
+    #: Data files that records left out of `storage` name (a merge of per-rank metadata keeps one record of
+    #: an item every rank wrote), with the end of their last record.
+    other_references: Mapping[str, int] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def planner_data(self) -> dict[str, tuple[str | int, ...]]:
@@ -164,12 +173,59 @@ class DcpMetadata:
 
     def referenced_files(self) -> dict[str, int]:
         """Data files the storage records name → the end of the last byte range each must hold."""
-        ends: dict[str, int] = {}
+        ends: dict[str, int] = dict(self.other_references)
         for record in self.storage.values():
             end = record.offset + record.length
             if end > ends.get(record.relative_path, -1):
                 ends[record.relative_path] = end
         return ends
+
+
+def merge_rank_metadata(parts: Sequence[tuple[str, DcpMetadata]]) -> DcpMetadata:
+    """One view of a save without collectives: the per-rank metadata `(file name, parsed)` of every rank,
+    in rank order, merged as its tensors' chunks and records.
+
+    A rank describes the tensors it holds with their full sizes and only its own chunks; an item several
+    ranks wrote (a replicated tensor, a non-tensor value: nothing deduplicates them without collectives)
+    keeps the first rank's record, and the others' files stay referenced (`other_references`).
+
+    Raises:
+        CorruptCheckpoint: the ranks disagree on a key's dtype, size or kind.
+    """
+    entries: dict[str, DcpTensor | DcpBytesItem] = {}
+    storage: dict[StorageKey, StorageRecord] = {}
+    others: dict[str, int] = {}
+    for name, part in parts:
+        for key, item in part.entries.items():
+            seen = entries.get(key)
+            if seen is None:
+                entries[key] = item
+            elif type(seen) is not type(item) or (
+                isinstance(item, DcpTensor)
+                and isinstance(seen, DcpTensor)
+                and (seen.dtype, seen.size) != (item.dtype, item.size)
+            ):
+                raise CorruptCheckpoint(f"{name} describes {key!r} unlike the ranks before it (dtype, size or kind)")
+            elif isinstance(item, DcpTensor) and isinstance(seen, DcpTensor):
+                known = set(seen.chunks)
+                added = tuple(chunk for chunk in item.chunks if chunk not in known)
+                if added:
+                    entries[key] = DcpTensor(seen.dtype, seen.size, seen.chunks + added)
+        for index, record in part.storage.items():
+            if index not in storage:
+                storage[index] = record
+            else:
+                end = record.offset + record.length
+                others[record.relative_path] = max(end, others.get(record.relative_path, 0))
+    first = parts[0][1] if parts else DcpMetadata({}, {})
+    return DcpMetadata(
+        entries=entries,
+        storage=storage,
+        version=first.version,
+        save_id=first.save_id,
+        checkpoint_id=first.checkpoint_id,
+        other_references=others,
+    )
 
 
 #: The largest `.metadata` read. It grows with tensors x ranks (a 70B model sharded over 2,048 ranks: a few

@@ -24,10 +24,13 @@ class FrameworkClasses:
         classes: exact (module, name) pairs.
         modules: (module prefix, name suffix) pairs: every class of a module under the prefix whose name
             ends in the suffix ("" for any) is allowed (modules of plain config classes and enums).
+        packages: the framework's top-level packages: a class of theirs outside the above is refused as
+            unsupported (a newer version's class), never as the sign of a forged file.
     """
 
     classes: frozenset[tuple[str, str]] = frozenset()
     modules: tuple[tuple[str, str], ...] = ()
+    packages: frozenset[str] = frozenset()
 
 
 _sources: list[Callable[[], Iterable[FrameworkClasses]]] = []
@@ -52,5 +55,6 @@ def registered() -> FrameworkClasses:
             _assembled = FrameworkClasses(
                 frozenset(key for entry in found for key in entry.classes),
                 tuple(rule for entry in found for rule in entry.modules),
+                frozenset(package for entry in found for package in entry.packages),
             )
         return _assembled

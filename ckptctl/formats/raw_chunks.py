@@ -7,7 +7,8 @@ one per row for a tensor-parallel column shard), and converting is a byte copy.
 
 `ChunkLocator.locate` finds the raw range; `row_major_runs` says where a chunk's rows land in its tensor;
 `flat_ranges` puts both together into the byte ranges that hold a whole tensor in row-major order.
-Importing this module does not import torch.
+`row_slice` makes a part of a stored tensor (a layer of stacked layers, some of its rows) a tensor of its own
+whose chunks point at those bytes. Importing this module does not import torch.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import math
 import mmap
 import os
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ckptctl import io
@@ -25,7 +27,7 @@ from ckptctl.checkpoint import ChunkEncoding, TensorChunk, TensorEntry, dtype_it
 from ckptctl.errors import CorruptCheckpoint, StorageError
 from ckptctl.formats.torch_save import ArchiveTensor, inspect_archive
 
-__all__ = ["ByteRange", "ChunkLocator", "FlatRange", "flat_ranges", "row_major_runs"]
+__all__ = ["ByteRange", "ChunkLocator", "FlatRange", "flat_ranges", "row_major_runs", "row_slice"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +93,61 @@ def _row_major_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     for dim in range(len(shape) - 2, -1, -1):
         strides[dim] = strides[dim + 1] * shape[dim + 1]
     return tuple(strides)
+
+
+def row_slice(
+    entry: TensorEntry,
+    name: str,
+    index: tuple[int, ...],
+    rows: Sequence[tuple[int, int]] | None,
+    locator: ChunkLocator,
+) -> TensorEntry:
+    """A part of a stored tensor as a tensor of its own named `name`, whose RAW chunks point at the stored bytes.
+
+    The part is the sub-tensor at `index` of the leading dimensions (a layer of stacked layers) and, of the
+    next dimension, the `rows` ranges one after the other (the query rows of each group of a fused projection;
+    None: all of them). Within each stored chunk such a part is one contiguous run of its row-major bytes, so
+    each chunk it meets gives one RAW chunk of the result: tensor-parallel parts stay separate chunks, and
+    converting is still a byte copy.
+
+    Raises:
+        ValueError: the part lies outside the tensor, or a chunk's elements are not one range the locator
+            finds (a non-contiguous view inside a torch.save archive, an archive on an object store).
+        CorruptCheckpoint: a record lies outside its file or disagrees with the metadata (`locate`).
+    """
+    shape = entry.shape
+    k = len(index)
+    if k >= len(shape) or any(not 0 <= i < d for i, d in zip(index, shape, strict=False)):
+        raise ValueError(f"index {list(index)} lies outside the shape {list(shape)}")
+    ranges = tuple(rows) if rows is not None else ((0, shape[k]),)
+    if any(not 0 <= a < b <= shape[k] for a, b in ranges):
+        raise ValueError(f"rows {list(ranges)} lie outside dimension {k} of the shape {list(shape)}")
+    itemsize = dtype_itemsize(entry.dtype)
+    chunks: list[TensorChunk] = []
+    position = 0
+    for a, b in ranges:
+        for chunk in entry.chunks:
+            offsets, sizes = chunk.offsets, chunk.sizes
+            lo, hi = max(a, offsets[k]), min(b, offsets[k] + sizes[k])
+            if lo >= hi or any(not offsets[j] <= index[j] < offsets[j] + sizes[j] for j in range(k)):
+                continue
+            found = locator.locate(entry, chunk)
+            if found is None:
+                raise ValueError(f"the chunk at {list(offsets)} is not stored as one contiguous local byte range")
+            strides = _row_major_strides(sizes)
+            first = sum((index[j] - offsets[j]) * strides[j] for j in range(k)) + (lo - offsets[k]) * strides[k]
+            chunks.append(
+                TensorChunk(
+                    chunk.file,
+                    found.offset + first * itemsize,
+                    (hi - lo) * strides[k] * itemsize,
+                    (position + lo - a, *offsets[k + 1 :]),
+                    (hi - lo, *sizes[k + 1 :]),
+                    ChunkEncoding.RAW,
+                )
+            )
+        position += b - a
+    return TensorEntry(name, entry.component, entry.dtype, (position, *shape[k + 1 :]), tuple(chunks))
 
 
 class ChunkLocator:

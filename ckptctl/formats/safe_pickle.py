@@ -62,6 +62,7 @@ __all__ = [
     "MAX_DIMS",
     "MAX_GROWTH_PER_BYTE",
     "MAX_NESTING",
+    "OBJECT_READ_GLOBALS",
     "TORCH_PICKLE_GLOBALS",
     "TORCH_SAVE_GLOBALS",
     "DType",
@@ -330,11 +331,30 @@ class StorageInfoStandIn(StandIn):
     stands_for = "_StorageInfo"
 
 
+# A decentralized save (megatron-core's `save_state_dict_async_plan`) keeps every rank's save plan in the
+# metadata (`Metadata.all_local_plans`), to check on its next save that the plans are unchanged. They repeat
+# what the storage records say (names, offsets, sizes); the parser reads none of them.
+
+
+class SavePlanStandIn(StandIn):
+    stands_for = "SavePlan"
+
+
+class WriteItemStandIn(StandIn):
+    stands_for = "WriteItem"
+
+
+class TensorWriteDataStandIn(StandIn):
+    stands_for = "TensorWriteData"
+
+
 _DCP_MODULE = "torch.distributed.checkpoint.metadata"
+_PLANNER_MODULE = "torch.distributed.checkpoint.planner"
 _TORCH_DTYPES: dict[tuple[str, str], Any] = {("torch", name): DType(name) for name in sorted(known_dtypes())}
 
 #: What a torch DCP `.metadata` may name, checked against the pickles torch 2.13 writes (FSDP2 and
-#: single-process saves: disassembled with pickletools). Each maps to an inert stand-in.
+#: single-process saves) and megatron-core 0.16's decentralized saves (disassembled with pickletools). Each
+#: maps to an inert stand-in.
 DCP_METADATA_GLOBALS: Mapping[tuple[str, str], Any] = {
     (_DCP_MODULE, "Metadata"): DcpMetadataStandIn,
     (_DCP_MODULE, "TensorStorageMetadata"): TensorStorageMetadataStandIn,
@@ -349,6 +369,11 @@ DCP_METADATA_GLOBALS: Mapping[tuple[str, str], Any] = {
     # object on every call), and sys.intern() takes exact strings only; parsers check the values.
     (_DCP_MODULE, "_MEM_FORMAT_ENCODING"): operator.index,
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): StorageInfoStandIn,
+    (_PLANNER_MODULE, "SavePlan"): SavePlanStandIn,
+    (_PLANNER_MODULE, "WriteItem"): WriteItemStandIn,
+    (_PLANNER_MODULE, "TensorWriteData"): TensorWriteDataStandIn,
+    # An enum member, rebuilt as REDUCE(WriteItemType, (value,)): the value is all it is.
+    (_PLANNER_MODULE, "WriteItemType"): operator.index,
     # torch.Size runs three times per tensor: `() + dims` is C that accepts exact tuples only and returns
     # them as they are (no copy, so a memoised tuple cannot be amplified); the parser checks the entries
     # and the length of each distinct one.
@@ -624,6 +649,18 @@ _NUMPY_GLOBALS = {
     }.items()
 }
 
+#: What a torch.save archive of a plain value (a DCP bytes item) may name when it is read to check it, not
+#: rebuilt (`torch_save.read_object_archive`, which `verify` uses): `TORCH_SAVE_GLOBALS`, and the numpy
+#: values RNG states hold (Megatron's `rng_state` items keep `np.random.get_state()`, an array pickled with
+#: protocol 2, whose bytes come through `_codecs.encode`) as inert stand-ins.
+OBJECT_READ_GLOBALS: Mapping[tuple[str, str], Any] = {
+    **TORCH_SAVE_GLOBALS,
+    ("numpy", "dtype"): NumpyDType,
+    ("numpy", "ndarray"): _NDARRAY,
+    ("_codecs", "encode"): _codecs_encode,
+    **_NUMPY_GLOBALS,
+}
+
 #: What a whole training-state torch.save file may name. Tensors become `TensorRef`s, framework objects
 #: `FrameworkObject`s, numpy values `NumpyArray`/`NumpyScalar`; nothing named is imported or called.
 TORCH_PICKLE_GLOBALS: Mapping[tuple[str, str], Any] = _Allowlist(
@@ -647,6 +684,11 @@ TORCH_PICKLE_GLOBALS: Mapping[tuple[str, str], Any] = _Allowlist(
         **_NUMPY_GLOBALS,
     },
 )
+
+#: The packages whose file formats ckptctl reads (torch.save, DCP, numpy values in them): a global of theirs
+#: outside the allowlists is refused as an unsupported class, not as a forgery; framework packages add
+#: their own (`FrameworkClasses.packages`).
+_FORMAT_PACKAGES = frozenset({"torch", "numpy"})
 
 # Real torch dtypes the data model has no itemsize for: refused as unsupported rather than as unsafe.
 _UNSUPPORTED_DTYPES = frozenset(
@@ -698,9 +740,19 @@ class SafeUnpickler(pickle.Unpickler):
             pass
         if module == "torch" and name in _UNSUPPORTED_DTYPES:
             raise CorruptCheckpoint(f"{self._source}: tensor dtype torch.{name} is not supported by ckptctl")
+        qualified = f"{_printable(module)}.{_printable(name)}"
+        package = module.partition(".")[0]
+        if package in _FORMAT_PACKAGES or package in framework_classes.registered().packages:
+            # A genuine file of a newer framework version can name a class ckptctl has not been taught: it
+            # is refused all the same, without calling the file a forgery.
+            raise UnsafePickle(
+                f"{self._source}: unsupported class {qualified} (from {package}): ckptctl reads only the {package} "
+                "classes it knows; nothing in the pickle was executed",
+                f"a {package} version newer than ckptctl knows may pickle this class: please report it with the "
+                f"{package} version; load the file with torch.load(weights_only=False) only if you trust its origin",
+            )
         raise UnsafePickle(
-            f"{self._source}: the pickle asks for {_printable(module)}.{_printable(name)}, which is not allowed; "
-            "nothing in it was executed",
+            f"{self._source}: the pickle asks for {qualified}, which is not allowed; nothing in it was executed",
             "this file is not what it claims to be: do not load it with pickle or torch.load(weights_only=False)",
         )
 
@@ -796,9 +848,17 @@ def parse_pickle(
     return _on_deep_stack(run, depth * _STACK_PER_LEVEL + (1 << 20), source)
 
 
-def load_torch_save_pickle(data: bytes | memoryview, source: str) -> Any:
-    """Unpickle the `data.pkl` of a torch.save archive into `TensorRebuild`/`StorageRef` facts."""
-    return parse_pickle(data, TORCH_SAVE_GLOBALS, source, _as_is, _TorchSaveUnpickler)
+def load_torch_save_pickle(
+    data: bytes | memoryview, source: str, allowed: Mapping[tuple[str, str], Any] = TORCH_SAVE_GLOBALS
+) -> Any:
+    """Unpickle the `data.pkl` of a torch.save archive into `TensorRebuild`/`StorageRef` facts.
+
+    Args:
+        data: the pickle.
+        source: its name, for messages.
+        allowed: `TORCH_SAVE_GLOBALS`, or `OBJECT_READ_GLOBALS` for a value that is only read.
+    """
+    return parse_pickle(data, allowed, source, _as_is, _TorchSaveUnpickler)
 
 
 def load_torch_pickle(data: bytes | memoryview, source: str) -> Any:

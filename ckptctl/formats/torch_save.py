@@ -32,7 +32,16 @@ from typing import TYPE_CHECKING, Any
 from ckptctl import io as ckpt_io
 from ckptctl.checkpoint import dtype_itemsize
 from ckptctl.errors import CkptctlError, CorruptCheckpoint, UnsafePickle
-from ckptctl.formats.safe_pickle import DType, TensorRebuild, load_torch_save_pickle
+from ckptctl.formats.safe_pickle import (
+    OBJECT_READ_GLOBALS,
+    TORCH_SAVE_GLOBALS,
+    DType,
+    NumpyArray,
+    NumpyDType,
+    NumpyScalar,
+    TensorRebuild,
+    load_torch_save_pickle,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -61,6 +70,7 @@ _MAX_OBJECT_PKL = 16 << 20
 _MAX_OBJECT_DEPTH = 100
 #: What a plain value of a torch.save archive may be besides containers and tensors.
 _PLAIN_VALUES = (str, bytes, int, float, complex, bool, type(None), DType)
+_NUMPY_VALUES = (NumpyArray, NumpyScalar, NumpyDType)
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,7 +217,8 @@ def _open_archive(blob: bytes | memoryview, source: str, max_pickle: int) -> _Op
 
 def read_object_archive(blob: bytes | memoryview, source: str) -> Any:
     """The object a torch.save archive of a plain value holds (a DCP bytes item: a learning rate, a
-    tuple of betas, a list of parameter names), read with the `TORCH_SAVE_GLOBALS` allowlist.
+    tuple of betas, a list of parameter names, an RNG state), read with the `OBJECT_READ_GLOBALS` allowlist
+    (numpy values come back as inert stand-ins).
 
     Tensors inside come back as `TensorRebuild` facts, checked to lie inside their storage records; use
     `load_object_archive` for real tensors. Nothing of the pickle runs: torch DCP itself would
@@ -217,7 +228,7 @@ def read_object_archive(blob: bytes | memoryview, source: str) -> Any:
         UnsafePickle: the pickle names a global outside the allowlist (nothing of it ran).
         CorruptCheckpoint: not a torch.save archive, damaged, or a tensor outside its storage.
     """
-    value, _ = _object_and_tensors(blob, source)
+    value, _ = _object_and_tensors(blob, source, numpy=True)
     return value
 
 
@@ -272,10 +283,15 @@ class _LocatedStorage:
     little: bool
 
 
-def _object_and_tensors(blob: bytes | memoryview, source: str) -> tuple[Any, dict[int, _LocatedStorage]]:
-    """The unpickled value and, by `id()` of each `TensorRebuild` in it, where its first element is."""
+def _object_and_tensors(
+    blob: bytes | memoryview, source: str, *, numpy: bool = False
+) -> tuple[Any, dict[int, _LocatedStorage]]:
+    """The unpickled value and, by `id()` of each `TensorRebuild` in it, where its first element is (`numpy`:
+    numpy values are allowed, as inert stand-ins)."""
     archive = _open_archive(blob, source, _MAX_OBJECT_PKL)
-    value = load_torch_save_pickle(archive.pickled, f"{source} data.pkl")
+    allowed = OBJECT_READ_GLOBALS if numpy else TORCH_SAVE_GLOBALS
+    value = load_torch_save_pickle(archive.pickled, f"{source} data.pkl", allowed)
+    plain = _PLAIN_VALUES + _NUMPY_VALUES if numpy else _PLAIN_VALUES
     located: dict[int, _LocatedStorage] = {}
     stack: list[tuple[Any, int]] = [(value, 0)]
     while stack:
@@ -289,7 +305,7 @@ def _object_and_tensors(blob: bytes | memoryview, source: str) -> tuple[Any, dic
             if depth >= _MAX_OBJECT_DEPTH:
                 raise CorruptCheckpoint(f"{source}: the value is nested deeper than {_MAX_OBJECT_DEPTH} levels")
             stack.extend((item, depth + 1) for item in (obj.values() if kind is dict else obj))
-        elif not isinstance(obj, _PLAIN_VALUES):
+        elif not isinstance(obj, plain):
             # The allowlist has only tensor-rebuild helpers, storages and dtypes besides builtins; a
             # storage tag or other helper object as a value means the pickle was crafted.
             raise CorruptCheckpoint(f"{source}: the value holds a {kind.__name__}, which torch.save never writes there")

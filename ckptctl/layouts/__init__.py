@@ -44,9 +44,11 @@ __all__ = [
 
 #: Tried in this order: the more specific layouts first. A native checkpoint also holds safetensors files an
 #: HF reader would accept, and a native multi-rank one holds a DCP folder. AReaL's recover slot is a DCP
-#: folder with a name of its own, and a ROLL `checkpoint-N` holds `scheduler.pt` like a Trainer checkpoint:
-#: both come before the layouts they would otherwise pass for. A Trainer `checkpoint-N` holds an HF model
-#: folder and possibly a DeepSpeed tag folder, and is one checkpoint with all of them. OpenRLHF and
+#: folder with a name of its own, a Megatron dist-ckpt folder is a DCP folder with Megatron's files beside it,
+#: and a ROLL `checkpoint-N` holds `scheduler.pt` like a Trainer checkpoint: they come before the layouts
+#: they would otherwise pass for. A Trainer `checkpoint-N` holds an HF model
+#: folder and possibly a DeepSpeed tag folder, and is one checkpoint with all of them; so does an accelerate
+#: `save_state` folder (its model file, DeepSpeed tag or FSDP DCP folders). OpenRLHF and
 #: open-instruct tags ARE DeepSpeed tag folders, told apart by the files around them, so they come before
 #: `deepspeed`, which takes the tags nothing else claims. A DeepSpeed universal checkpoint holds model-states
 #: files as a tag does, beside a `zero/` folder and without optim-states files: the tag layouts leave such a
@@ -55,8 +57,10 @@ _REGISTRY: tuple[tuple[str, str], ...] = (
     ("native", "ckptctl.frameworks.native.layout:NativeLayout"),
     ("areal", "ckptctl.frameworks.areal.layout:ArealLayout"),
     ("roll", "ckptctl.frameworks.roll.layout:RollLayout"),
+    ("megatron", "ckptctl.frameworks.megatron.layout:MegatronLayout"),
     ("dcp", "ckptctl.frameworks.dcp.layout:DcpLayout"),
     ("hf_trainer", "ckptctl.frameworks.hf_trainer.layout:HfTrainerLayout"),
+    ("accelerate", "ckptctl.frameworks.accelerate.layout:AccelerateLayout"),
     ("openrlhf", "ckptctl.frameworks.openrlhf.layout:OpenRlhfLayout"),
     ("open_instruct", "ckptctl.frameworks.open_instruct.layout:OpenInstructLayout"),
     ("deepspeed", "ckptctl.frameworks.deepspeed.layout:DeepSpeedLayout"),

@@ -159,6 +159,28 @@ class Layout:
         """
         return None
 
+    def hf_model(self, checkpoint: Checkpoint, config: Mapping[str, Any] | None) -> HfModel | None:
+        """The model's tensors as Hugging Face transformers names and shapes them, for a layout whose framework
+        stores them otherwise (Megatron's fused QKV and gate/up projections, its stacked layers and its own
+        names): what `convert --to hf` writes, and what `diff` compares with a checkpoint of another layout.
+
+        The entries are made from the tensor index without reading tensor data: each one's chunks point at the
+        stored bytes of the part of a stored tensor it is (RAW chunks into the framework's files).
+
+        Args:
+            checkpoint: a checkpoint this layout opened.
+            config: the transformers `config.json` the user gave (`--config`), for what the checkpoint does not
+                record itself (the model's shape).
+
+        Returns:
+            The tensors (and the config the checkpoint's own records describe), or None when the stored names
+            and shapes are the model's own (the default).
+
+        Raises:
+            CkptctlError: the model cannot be mapped (an architecture without a mapping, an unknown shape).
+        """
+        return None
+
     def config_folders(self, checkpoint: Checkpoint) -> Sequence[str]:
         """Folders that may hold the model's `config.json` (and tokenizer) for this checkpoint, best first,
         when `convert` is given no `--config`/`--tokenizer`.
@@ -252,6 +274,22 @@ class Protections:
     """
 
     reasons: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    notes: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class HfModel:
+    """A checkpoint's model under Hugging Face transformers names (`Layout.hf_model`); no tensor data is read.
+
+    Attributes:
+        entries: in the model's state-dict order, named as transformers names them.
+        config: the transformers `config.json` the checkpoint's own records describe (None: they describe none;
+            `convert` then copies one as for any layout).
+        notes: what the user should know about the mapping.
+    """
+
+    entries: tuple[TensorEntry, ...]
+    config: Mapping[str, Any] | None = None
     notes: tuple[str, ...] = ()
 
 

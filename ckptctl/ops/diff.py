@@ -2,10 +2,11 @@
 
 Tensors of one component (the model by default) are matched by name after the namespace rules that
 `convert` uses (`ops.naming`: `model.` of DCP state dicts, the entry name of a save) and the user's
-renames. Each matched pair is classified as equal, or changed in shape, dtype or values; values are
-compared element by element after upcasting both sides (float64, complex128 for complex tensors, int64
-differences for integer ones), in cache-sized blocks (`ops.tensor_stats`). Only tensors that are compared
-are read.
+renames; against a checkpoint of another layout, a model that its framework names and lays out otherwise
+(Megatron's fused projections) is taken under transformers names (`Layout.hf_model`). Each matched pair is
+classified as equal, or changed in shape, dtype or values; values are compared element by element after
+upcasting both sides (float64, complex128 for complex tensors, int64 differences for integer ones), in
+cache-sized blocks (`ops.tensor_stats`). Only tensors that are compared are read.
 
 Reading runs at the speed of the reads: a pair whose bytes both sides store raw (safetensors, the records
 of local torch.save archives such as DCP items) is streamed in blocks on a pool of threads, so memory
@@ -44,7 +45,7 @@ from ckptctl.checkpoint import Checkpoint, Component, TensorChunk, TensorEntry, 
 from ckptctl.errors import CkptctlError, CorruptCheckpoint
 from ckptctl.formats.documents import read_json
 from ckptctl.formats.manifest import FileRecord, Manifest, read_manifest
-from ckptctl.layouts import open_checkpoint
+from ckptctl.layouts import get_layout, open_checkpoint
 from ckptctl.ops.naming import Renames, normalised_names
 from ckptctl.ops.report import SCHEMA_VERSION, NoProgress, Progress, flatten, jsonable
 from ckptctl.ops.tensor_stats import (
@@ -310,8 +311,8 @@ def diff(a: str, b: str, options: DiffOptions | None = None, progress: Progress 
 def _diff(a: str, b: str, options: DiffOptions, progress: Progress, read: io.ByteCounter) -> DiffReport:
     left = open_checkpoint(a, options.layout_a)
     right = open_checkpoint(b, options.layout_b)
-    names_a = _named(left, options)
-    names_b = _named(right, options)
+    names_a = _named(left, options, right.layout)
+    names_b = _named(right, options, left.layout)
     common = [name for name in names_a if name in names_b]
     digests = _Digests(left, right, enabled=not options.read_all)
     results: dict[str, TensorDiff] = {}
@@ -360,7 +361,18 @@ def _diff(a: str, b: str, options: DiffOptions, progress: Progress, read: io.Byt
     )
 
 
-def _named(checkpoint: Checkpoint, options: DiffOptions) -> dict[str, TensorEntry]:
+def _named(checkpoint: Checkpoint, options: DiffOptions, other_layout: str) -> dict[str, TensorEntry]:
+    """The tensors of the compared component under the names `diff` matches them by. Against a checkpoint of
+    another layout, a model its framework stores under names of its own (Megatron) is taken under transformers
+    names (`Layout.hf_model`), as `convert --to hf` writes it; when that mapping does not apply (no shape
+    recorded), the stored names are kept."""
+    if options.component is Component.MODEL and other_layout != checkpoint.layout:
+        try:
+            hf = get_layout(checkpoint.layout).hf_model(checkpoint, None)
+        except CkptctlError:
+            hf = None
+        if hf is not None:
+            return normalised_names(checkpoint.layout, hf.entries, options.strip_prefix or "", options.renames)
     entries = list(checkpoint.tensors(options.component))
     if not entries:
         present = sorted({e.component.value for e in checkpoint.tensor_index()})

@@ -455,7 +455,7 @@ def _rng_warnings(ctx: PlanContext, cuda: bool | None) -> list[str]:
                     "those generators keep their seeded state on resume (a loader that requires them fails)"
                 )
             break
-    cuda_keys = {"cuda", "torch_cuda_rng_state_all", "torch_cuda_rng_state"}
+    cuda_keys = {"cuda", "torch_cuda_rng_state_all", "torch_cuda_rng_state", "torch_cuda_manual_seed"}
     if not keys & cuda_keys and _resumes_on_cuda(cuda):
         found.append("the RNG state holds no CUDA generators (saved without CUDA): a GPU resume leaves them unrestored")
     return found

@@ -78,7 +78,10 @@ def test_unknown_folder_names_the_layouts_tried(run_cli: Cli, tmp_path: Path) ->
     (tmp_path / "notes.txt").write_text("hello")
     result = run_cli("inspect", tmp_path)
     assert result.exit_code == 2
-    assert "tried: native, areal, roll, dcp, hf_trainer, openrlhf, open_instruct, deepspeed, hf" in result.stderr
+    assert (
+        "tried: native, areal, roll, megatron, dcp, hf_trainer, accelerate, openrlhf, open_instruct, deepspeed, hf"
+        in result.stderr
+    )
 
 
 def test_run_folder_passed_to_inspect_gets_a_hint(run_cli: Cli, hf_model_dirs: dict[str, Path]) -> None:

@@ -192,7 +192,7 @@ def test_help_paragraphs_reflow_at_any_width() -> None:
 def test_the_layout_and_sort_options_name_their_choices() -> None:
     text = " ".join(ckptctl("list", "--help", columns=200).stdout.split())
     assert "Sort by step, created, size or url" in text
-    assert "native, areal, roll, dcp, hf_trainer, openrlhf, open_instruct, deepspeed, hf" in text
+    assert "native, areal, roll, megatron, dcp, hf_trainer, accelerate, openrlhf, open_instruct, deepspeed, hf" in text
 
 
 # --- errors: one style, and JSON with --json ---------------------------------------------------------

@@ -198,3 +198,45 @@ def test_unpickler_input_is_a_plain_stream() -> None:
     # The same bytes through a memoryview parse the same (callers pass slices of mapped files).
     data = pickle.dumps({"a": [1, 2, (3, "x")]}, protocol=4)
     assert safe_loads(memoryview(data), {}, "x") == safe_loads(io.BytesIO(data).getvalue(), {}, "x")
+
+
+@pytest.mark.parametrize(
+    ("pickled", "qualified", "package"),
+    [
+        # A class of a newer megatron-core (the classes of older ones, too: MCoreMetadata of 0.15 saves).
+        (
+            b"\x80\x02cmegatron.core.dist_checkpointing.strategies.torch\nMCoreMetadata\n)\x81.",
+            "megatron.core.dist_checkpointing.strategies.torch.MCoreMetadata",
+            "megatron",
+        ),
+        # A torch class no DCP metadata allowlist holds.
+        (
+            b"\x80\x02ctorch.distributed.checkpoint.planner\nLoadPlan\n)\x81.",
+            "torch.distributed.checkpoint.planner.LoadPlan",
+            "torch",
+        ),
+        (
+            b"\x80\x02cdeepspeed.runtime.engine\nDeepSpeedEngine\n)\x81.",
+            "deepspeed.runtime.engine.DeepSpeedEngine",
+            "deepspeed",
+        ),
+    ],
+)
+def test_an_unknown_class_of_a_known_framework_is_unsupported_not_a_forgery(
+    pickled: bytes, qualified: str, package: str
+) -> None:
+    import ckptctl  # noqa: F401  (registers the framework packages' classes)
+
+    with pytest.raises(UnsafePickle) as info:
+        safe_loads(pickled, DCP_METADATA_GLOBALS, "iter_0000100/.metadata")
+    assert f"unsupported class {qualified} (from {package})" in info.value.message
+    assert "not what it claims" not in f"{info.value.message} {info.value.hint}"
+
+
+@pytest.mark.parametrize("name", list(payloads(Path("/nonexistent"))))
+def test_a_foreign_global_is_still_called_a_forgery(name: str) -> None:
+    global_name, payload = payloads(Path("/nonexistent"))[name]
+    with pytest.raises(UnsafePickle) as info:
+        safe_loads(pickle.dumps(payload, protocol=2), DCP_METADATA_GLOBALS, "iter_0000100/.metadata")
+    assert global_name in info.value.message and "unsupported class" not in info.value.message
+    assert "not what it claims" in info.value.hint

@@ -219,8 +219,12 @@ def test_convert_takes_the_config_of_the_tags_export_and_loads_in_transformers(
     result = convert(str(openrlhf_ppo.actor / "global_step3"), str(tmp_path / "hf"))
     export = openrlhf_ppo.ckpt_path / "global_step3_hf"
     assert f"config.json taken from {export}" in result.warnings
-    assert (tmp_path / "hf" / "config.json").read_bytes() == (export / "config.json").read_bytes()
-    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+    written, exported = (json.loads((folder / "config.json").read_text()) for folder in (tmp_path / "hf", export))
+    # the export's config but for its dtype: OpenRLHF exported bf16 weights, the conversion holds the fp32 masters
+    dtype_key = "dtype" if "dtype" in exported else "torch_dtype"
+    assert exported[dtype_key] == "bfloat16" and written.pop(dtype_key) == "float32"
+    assert written == {k: v for k, v in exported.items() if k != dtype_key}
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     loaded = model.state_dict()
     reference = openrlhf_ppo.reference_tensors()  # DeepSpeed's own zero_to_fp32 of the same tag
     assert loaded.keys() == reference.keys()
@@ -252,7 +256,10 @@ def test_convert_takes_the_best_tags_own_export_else_the_newest(openrlhf_ppo: Wr
 def test_convert_of_a_critic_takes_the_critics_final_model(openrlhf_ppo: WrittenOpenRlhf, tmp_path: Path) -> None:
     result = convert(str(openrlhf_ppo.critic / "global_step3"), str(tmp_path / "hf"))
     assert f"config.json taken from {openrlhf_ppo.critic_output_dir}" in result.warnings
-    assert (tmp_path / "hf" / "config.json").read_bytes() == (
-        openrlhf_ppo.critic_output_dir / "config.json"
-    ).read_bytes()
+    written, exported = (
+        json.loads((folder / "config.json").read_text()) for folder in (tmp_path / "hf", openrlhf_ppo.critic_output_dir)
+    )
+    dtype_key = "dtype" if "dtype" in exported else "torch_dtype"  # bf16 export, fp32 masters converted
+    assert exported[dtype_key] == "bfloat16" and written.pop(dtype_key) == "float32"
+    assert written == {k: v for k, v in exported.items() if k != dtype_key}
     assert "score.weight" in load_file(str(tmp_path / "hf" / "model.safetensors"))

@@ -12,6 +12,7 @@ import pytest
 from tests.conftest import build_once
 from tests.writers.dcp_writer import WrittenDcp, write_fsdp_dcp
 from tests.writers.deepspeed_writer import WrittenDeepSpeed
+from tests.writers.distributed_save_writer import WrittenDistributedSaves, write_distributed_saves
 from tests.writers.rl_runs import arrange_open_instruct, arrange_openrlhf, arrange_roll_megatron
 
 
@@ -59,3 +60,10 @@ def roll_megatron(tmp_path_factory: pytest.TempPathFactory) -> Path:
     arrange_roll_megatron(launch / "checkpoint-3", 3)
     arrange_roll_megatron(launch / "checkpoint-4", 4, legacy=True)
     return launch.parent
+
+
+@pytest.fixture(scope="session")
+def distributed_saves(tmp_path_factory: pytest.TempPathFactory) -> WrittenDistributedSaves:
+    """transformers' `save_pretrained(distributed_checkpoint=True)` and torch's `dcp.save(use_collectives=False)`
+    of an FSDP2 model on 2 CPU ranks: per-rank files, no global index (slow: spawns)."""
+    return build_once(tmp_path_factory, "distributed-saves", write_distributed_saves)

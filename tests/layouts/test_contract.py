@@ -19,8 +19,11 @@ from ckptctl.layouts import detect, get_layout, open_checkpoint, scan_run
 from ckptctl.layouts.base import list_files
 from ckptctl.ops.verification import RunVerifyReport, verify_checkpoint, verify_path
 from tests.conftest import copy_tree
+from tests.writers.accelerate_writer import WrittenAccelerate
 from tests.writers.areal_writer import WrittenAreal
 from tests.writers.deepspeed_writer import WrittenDeepSpeed
+from tests.writers.distributed_save_writer import WrittenDistributedSaves
+from tests.writers.megatron_writer import WrittenMegatron
 from tests.writers.openrlhf_writer import WrittenOpenRlhf
 from tests.writers.rl_runs import WrittenFsdpRuns
 from tests.writers.trainer_writer import WrittenTrainerRun
@@ -395,3 +398,81 @@ class TestRollMegatron(LayoutContract):
     @pytest.fixture
     def source(self, roll_megatron: Path, fsdp_runs: WrittenFsdpRuns) -> tuple[Path, int]:
         return roll_megatron / "20250102-080000" / "checkpoint-3", fsdp_runs.model_parameters
+
+
+class TestMegatron(LayoutContract):
+    """An iteration folder of megatron-core's own save (TP 2), with the optimizer and RNG state."""
+
+    layout = "megatron"
+    marker = "metadata.json"
+    data_glob = "*.distcp"
+
+    @pytest.fixture
+    def source(self, megatron_runs: WrittenMegatron) -> tuple[Path, int]:
+        return megatron_runs.iteration(2), megatron_runs.parameters
+
+
+# --- accelerate save_state folders (tests.writers.accelerate_writer: accelerate 1.15's own code) -------
+
+
+class TestAcceleratePlain(LayoutContract):
+    layout = "accelerate"
+    marker = "random_states_0.pkl"
+    data_glob = "*.safetensors"
+
+    @pytest.fixture
+    def source(self, accelerate_runs: WrittenAccelerate) -> tuple[Path, int]:
+        return accelerate_runs.plain_checkpoints()[-1], accelerate_runs.model_parameters
+
+
+class TestAccelerateNamedBin(TestAcceleratePlain):
+    """A user-named folder saved with `safe_serialization=False`: the model in `pytorch_model.bin`."""
+
+    data_glob = "pytorch_model.bin"
+
+    @pytest.fixture
+    def source(self, accelerate_runs: WrittenAccelerate) -> tuple[Path, int]:
+        return accelerate_runs.named, accelerate_runs.model_parameters
+
+
+class TestAccelerateDeepSpeed(TestAcceleratePlain):
+    data_glob = "pytorch_model/*_optim_states.pt"
+
+    @pytest.fixture
+    def source(self, accelerate_runs: WrittenAccelerate) -> tuple[Path, int]:
+        return accelerate_runs.deepspeed_checkpoints()[-1], accelerate_runs.model_parameters
+
+
+class TestAccelerateFsdp(TestAcceleratePlain):
+    data_glob = "pytorch_model_fsdp_0/*.distcp"
+
+    @pytest.fixture
+    def source(self, accelerate_runs: WrittenAccelerate) -> tuple[Path, int]:
+        return accelerate_runs.fsdp, accelerate_runs.model_parameters
+
+
+# --- per-rank saves without a global index (tests.writers.distributed_save_writer) --------------------
+
+
+class TestHfDistributed(LayoutContract):
+    """`save_pretrained(distributed_checkpoint=True)`. Its damage is done to rank 1's file (plan number 1): the
+    files record no full shapes, so a folder that lost the LAST rank's files reads as a smaller model that
+    tiles (torch's own HuggingFaceStorageReader reads it so too); losing any other rank shows."""
+
+    layout = "hf"
+    marker = None
+    data_glob = "shard-00001-*.safetensors"
+
+    @pytest.fixture
+    def source(self, distributed_saves: WrittenDistributedSaves) -> tuple[Path, int]:
+        return distributed_saves.hf, distributed_saves.model_parameters
+
+
+class TestDcpWithoutCollectives(LayoutContract):
+    layout = "dcp"
+    marker = "__0.metadata"
+    data_glob = "*.distcp"
+
+    @pytest.fixture
+    def source(self, distributed_saves: WrittenDistributedSaves) -> tuple[Path, int]:
+        return distributed_saves.dcp, distributed_saves.model_parameters

@@ -5,6 +5,10 @@ data, and need no torch: `.metadata` is parsed by `formats.dcp_metadata` with in
 torch classes it names. Each tensor chunk is a torch.save archive at (file, offset, length), which the
 index exposes as `ChunkEncoding.TORCH_SAVE` chunks for `formats.chunks.read_tensor`.
 
+A save without collectives (`dcp.save(..., use_collectives=False)`) has no `.metadata` but one
+`__{rank}.metadata` per rank, each describing what its rank wrote: read as their merge (`rank_metadata`).
+torch loads such a save only rank by rank, each rank from its own file.
+
 The native layout stores its multi-rank state as a DCP folder (`step-N/dcp/`), so the pieces it needs are
 public here: `dcp_tensor_index` and `verify_dcp` take the folder URL and a path prefix that makes chunk
 files relative to the outer checkpoint.
@@ -34,16 +38,25 @@ from ckptctl.checkpoint import (
 )
 from ckptctl.errors import CheckpointInProgress, CheckpointNotFound, CorruptCheckpoint, UnknownLayout, UnsafePickle
 from ckptctl.formats.chunks import tiling_problem
-from ckptctl.formats.dcp_metadata import MAX_METADATA_BYTES, METADATA_NAME, DcpMetadata, DcpTensor, parse_dcp_metadata
+from ckptctl.formats.dcp_metadata import (
+    MAX_METADATA_BYTES,
+    METADATA_NAME,
+    RANK_METADATA,
+    DcpMetadata,
+    DcpTensor,
+    merge_rank_metadata,
+    parse_dcp_metadata,
+)
 from ckptctl.formats.safe_pickle import gc_paused
 from ckptctl.formats.torch_save import read_object_archive
 from ckptctl.formats.torch_zip import TorchArchive
 from ckptctl.frameworks.hf.layout import model_components
 from ckptctl.io import DirEntry
-from ckptctl.layouts.base import Layout, newest_mtime, step_from_name, timestamp
+from ckptctl.layouts.base import LISTED_ABSENT, Layout, newest_mtime, step_from_name, timestamp
 from ckptctl.layouts.resume import ResumeProfile
 
 __all__ = [
+    "RANK_METADATA_KEY",
     "DcpLayout",
     "KeyClassifier",
     "component_classifier",
@@ -52,12 +65,16 @@ __all__ = [
     "dcp_tensor_index",
     "index_from_metadata",
     "load_dcp_metadata",
+    "rank_metadata",
     "verify_dcp",
     "world_size_of",
 ]
 
 #: Components a DCP folder can hold as plain files beside its data (`convert --to dcp` copies them).
 _BESIDE = frozenset({Component.CONFIG, Component.TOKENIZER})
+
+#: The key of `Checkpoint.metadata` that counts the per-rank metadata files of a save without collectives.
+RANK_METADATA_KEY = "per_rank_metadata_files"
 
 #: Data files torch's FileSystemWriter creates: `__{rank}_{n}.distcp`.
 DISTCP_RE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
@@ -148,22 +165,47 @@ _cache_lock = threading.Lock()
 
 
 def load_dcp_metadata(url: str, entry: DirEntry | None = None) -> DcpMetadata:
-    """Read and parse the `.metadata` of the DCP folder at `url` (a small cache keyed by size and mtime).
+    """Read and parse the `.metadata` of the DCP folder at `url` (a small cache keyed by size and mtime), or,
+    without one, the merge of its per-rank `__{rank}.metadata` files (a save without collectives).
 
     Args:
         url: the DCP folder.
-        entry: its `.metadata` listing entry when the caller has it (saves a stat).
+        entry: its `.metadata` listing entry when the caller has it (saves a listing).
 
     Raises:
-        CheckpointInProgress: there is no `.metadata` (the save has not finished).
+        CheckpointInProgress: there is neither `.metadata` nor a per-rank one (the save has not finished).
         UnsafePickle: the file asks for a global outside the allowlist.
         CorruptCheckpoint: it does not parse or validate.
     """
-    path = io.join(url, METADATA_NAME)
     if entry is None:
-        entry = next((e for e in io.list_dir(url) if e.name == METADATA_NAME and not e.is_dir), None)
+        listing = io.list_dir(url)
+        entry = next((e for e in listing if e.name == METADATA_NAME and not e.is_dir), None)
         if entry is None:
-            raise _in_progress(url)
+            ranks = rank_metadata(listing)
+            if not ranks:
+                raise _in_progress(url)
+            return merge_rank_metadata([(e.name, _parse_cached(io.join(url, e.name), e)) for e in ranks])
+    return _parse_cached(io.join(url, METADATA_NAME), entry)
+
+
+def _rank_metadata_state(entries: Sequence[DirEntry], per_rank: Sequence[DirEntry]) -> tuple[CheckpointState, str]:
+    """Complete when every rank that wrote data also wrote its `__{rank}.metadata` (after its data)."""
+    written = {int(m.group(1)) for e in entries if not e.is_dir and (m := DISTCP_RE.match(e.name))}
+    described = {int(m.group(1)) for e in per_rank if (m := RANK_METADATA.match(e.name))}
+    pending = sorted(written - described)
+    if pending or any(e.name.endswith(f"{METADATA_NAME}.tmp") for e in entries):
+        shown = ", ".join(f"__{r}{METADATA_NAME}" for r in pending[:4]) or f"a rank's {METADATA_NAME}.tmp"
+        return CheckpointState.IN_PROGRESS, f"saved without collectives, {shown} not written yet"
+    return CheckpointState.COMPLETE, "saved without collectives: per-rank metadata, loads only on the same ranks"
+
+
+def rank_metadata(entries: Sequence[DirEntry]) -> list[DirEntry]:
+    """The per-rank `__{rank}.metadata` files of a listing, in rank order (a save without collectives)."""
+    found = [(int(m.group(1)), e) for e in entries if not e.is_dir and (m := RANK_METADATA.match(e.name))]
+    return [e for _, e in sorted(found, key=lambda item: item[0])]
+
+
+def _parse_cached(path: str, entry: DirEntry) -> DcpMetadata:
     key = (path, entry.size, entry.mtime)
     with _cache_lock:
         cached = _cache.get(key)
@@ -304,6 +346,9 @@ def verify_dcp(url: str, path_prefix: str = "") -> list[Problem]:
     by_name = {e.name: e for e in entries if not e.is_dir}
     meta_path = path_prefix + METADATA_NAME
     meta_entry = by_name.get(METADATA_NAME)
+    per_rank = rank_metadata(entries) if meta_entry is None else []
+    if per_rank:
+        return _verify_rank_metadata(url, entries, per_rank, path_prefix)
     if meta_entry is None:
         pending = _TMP_METADATA in by_name or any(DISTCP_RE.match(n) for n in by_name)
         message = (
@@ -318,6 +363,54 @@ def verify_dcp(url: str, path_prefix: str = "") -> list[Problem]:
         return [Problem(ProblemKind.UNSAFE_PICKLE, meta_path, exc.message)]
     except CorruptCheckpoint as exc:
         return [Problem(ProblemKind.BAD_METADATA, meta_path, exc.message)]
+    return _verify_metadata(url, metadata, by_name, path_prefix)
+
+
+def _verify_rank_metadata(
+    url: str, entries: Sequence[DirEntry], per_rank: Sequence[DirEntry], path_prefix: str
+) -> list[Problem]:
+    """`verify_dcp` of a save without collectives: a `__{rank}.metadata` for every rank that wrote data
+    (each rank writes its own after its data), then the rules of `.metadata` on their merge."""
+    by_name = {e.name: e for e in entries if not e.is_dir}
+    written = {int(m.group(1)) for name in by_name if (m := DISTCP_RE.match(name))}
+    described = {int(m.group(1)) for e in per_rank if (m := RANK_METADATA.match(e.name))}
+    problems = [
+        Problem(
+            ProblemKind.IN_PROGRESS,
+            f"{path_prefix}__{rank}{METADATA_NAME}",
+            f"rank {rank} wrote data but no __{rank}{METADATA_NAME}: its save has not finished (or was interrupted)",
+        )
+        for rank in sorted(written - described)[:LISTED_ABSENT]
+    ]
+    problems += [
+        Problem(
+            ProblemKind.IN_PROGRESS,
+            path_prefix + name,
+            f"{name} exists: rank {name[2:].partition('.')[0]}'s save is under way or was interrupted",
+        )
+        for name in sorted(by_name)
+        if name.endswith(f"{METADATA_NAME}.tmp") and RANK_METADATA.match(name.removesuffix(".tmp"))
+    ]
+    parts = []
+    for entry in per_rank:
+        path = path_prefix + entry.name
+        try:
+            parts.append((entry.name, _parse_cached(io.join(url, entry.name), entry)))
+        except UnsafePickle as exc:
+            problems.append(Problem(ProblemKind.UNSAFE_PICKLE, path, exc.message))
+        except CorruptCheckpoint as exc:
+            problems.append(Problem(ProblemKind.BAD_METADATA, path, exc.message))
+    if len(parts) < len(per_rank):
+        return problems
+    try:
+        metadata = merge_rank_metadata(parts)
+    except CorruptCheckpoint as exc:
+        return [*problems, Problem(ProblemKind.BAD_METADATA, path_prefix + per_rank[0].name, exc.message)]
+    return problems + _verify_metadata(url, metadata, by_name, path_prefix)
+
+
+def _verify_metadata(url: str, metadata: DcpMetadata, by_name: dict[str, DirEntry], path_prefix: str) -> list[Problem]:
+    """The rules `verify_dcp` checks on parsed metadata: storage files, coverage, bytes items, stale files."""
     problems: list[Problem] = []
     if _TMP_METADATA in by_name:
         problems.append(
@@ -503,7 +596,8 @@ class DcpLayout(Layout):
     name = "dcp"
 
     def identify(self, url: str, entries: Sequence[DirEntry]) -> CheckpointRef | None:
-        """A DCP ref when the folder holds `.metadata` or `__R_N.distcp` files (listing only)."""
+        """A DCP ref when the folder holds `.metadata` (or per-rank `__R.metadata`) or `__R_N.distcp` files
+        (listing only)."""
         meta = tmp = None
         has_data = False
         size = 0
@@ -517,10 +611,14 @@ class DcpLayout(Layout):
                 tmp = entry
             elif not has_data and DISTCP_RE.match(entry.name):
                 has_data = True
-        if meta is None and tmp is None and not has_data:
+        per_rank = rank_metadata(entries) if meta is None else []
+        if meta is None and tmp is None and not has_data and not per_rank:
             return None
         note = ""
-        if meta is None:
+        if per_rank and tmp is None:
+            state, note = _rank_metadata_state(entries, per_rank)
+            meta = max(per_rank, key=lambda e: e.mtime or 0)
+        elif meta is None:
             state = CheckpointState.IN_PROGRESS
             note = f"no {METADATA_NAME} yet"
         elif tmp is not None:
@@ -556,8 +654,9 @@ class DcpLayout(Layout):
             raise UnknownLayout(f"{url} is not a DCP checkpoint (no {METADATA_NAME} and no .distcp files)")
         files = {e.name: e.size for e in entries if not e.is_dir}
         meta_entry = next((e for e in entries if e.name == METADATA_NAME and not e.is_dir), None)
+        per_rank = rank_metadata(entries) if meta_entry is None else []
         try:
-            if meta_entry is None:
+            if meta_entry is None and not per_rank:
                 raise _in_progress(url)
             metadata = load_dcp_metadata(url, meta_entry)
         except (CheckpointInProgress, CorruptCheckpoint) as exc:
@@ -589,6 +688,9 @@ class DcpLayout(Layout):
             "storage_files": len(referenced),
             "save_id": metadata.save_id,
         }
+        if per_rank:
+            info["save_id"] = None  # each rank draws its own
+            info[RANK_METADATA_KEY] = len(per_rank)
 
         @cache
         def tensor_index() -> tuple[TensorEntry, ...]:
@@ -608,8 +710,12 @@ class DcpLayout(Layout):
         return verify_dcp(checkpoint.url)
 
     def completion_markers(self, files: Mapping[str, int]) -> tuple[str, ...]:
-        """`.metadata`, which `dcp.save` writes after every rank's data (without it the folder is in progress)."""
-        return (METADATA_NAME,) if METADATA_NAME in files else ()
+        """`.metadata`, which `dcp.save` writes after every rank's data (without it the folder is in progress);
+        for a save without collectives, every rank's `__{rank}.metadata`, written after that rank's data."""
+        if METADATA_NAME in files:
+            return (METADATA_NAME,)
+        ranks = sorted((int(m.group(1)), name) for name in files if (m := RANK_METADATA.match(name)))
+        return tuple(name for _, name in ranks)
 
     def resume_profile(self) -> ResumeProfile:
         """See `frameworks.dcp.resume`."""

@@ -12,7 +12,7 @@ import os
 from ckptctl import io
 from ckptctl.errors import CkptctlError
 from ckptctl.formats.dcp_metadata import METADATA_NAME
-from ckptctl.frameworks.dcp.layout import data_newer_than_metadata
+from ckptctl.frameworks.dcp.layout import RANK_METADATA_KEY, data_newer_than_metadata
 from ckptctl.layouts.resume import PlanContext, ResumeProfile, WorldSizeCheck, target_ranks
 
 __all__ = ["PROFILE", "overwrite_warnings", "reshards"]
@@ -23,10 +23,23 @@ def _hint(ctx: PlanContext) -> str:
 
 
 def reshards(ctx: PlanContext) -> WorldSizeCheck:
-    """DCP reshards at load: any number of ranks loads it, each reading its part of the tensors."""
+    """DCP reshards at load: any number of ranks loads it, each reading its part of the tensors. A save
+    without collectives does not: each rank loads from its own `__{rank}.metadata` alone."""
     saved = ctx.checkpoint.world_size
     target = target_ranks(ctx, saved) or 1
     total = sum(e.nbytes for e in ctx.checkpoint.tensors())
+    if ctx.checkpoint.metadata.get(RANK_METADATA_KEY):
+        note = (
+            f"saved without collectives: each of the {saved} rank(s) loads only what its own __{{rank}}.metadata "
+            "describes, so only the same ranks with the same sharding load it"
+        )
+        if target == saved:
+            return WorldSizeCheck(saved, target, True, note, bytes_per_rank=total // max(1, target))
+        fix = (
+            f"ckptctl convert {ctx.url} NEW_DIR --to dcp writes its model weights with one global .metadata, "
+            "which reshards"
+        )
+        return WorldSizeCheck(saved, target, False, note, fix=fix)
     return WorldSizeCheck(
         saved,
         target,

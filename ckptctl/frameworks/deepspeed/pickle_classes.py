@@ -16,5 +16,6 @@ CLASSES = FrameworkClasses(
             # Megatron-style `args` in client states.
             ("argparse", "Namespace"),
         }
-    )
+    ),
+    packages=frozenset({"deepspeed"}),
 )

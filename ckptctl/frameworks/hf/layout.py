@@ -10,6 +10,9 @@ Legacy folders (transformers before 5 with `safe_serialization=False`, and most 
 zip directory and `data.pkl` through the allowlisting unpickler; nothing in them runs), and each tensor
 is a plain byte range of its storage record. As in transformers, safetensors weights win when a folder
 has both.
+
+`save_pretrained(distributed_checkpoint=True)` writes per-rank pieces of each tensor instead
+(`shard-0000P-model-0000i-of-0000N.safetensors`): read as whole tensors with `frameworks.hf.distributed`.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from ckptctl.errors import CkptctlError, CorruptCheckpoint
 from ckptctl.formats.documents import read_json
 from ckptctl.formats.safetensors import read_header
 from ckptctl.formats.torch_pickle import TorchPickle, open_torch_pickle, storage_problems
+from ckptctl.frameworks.hf.distributed import SHARD_FILE, is_distributed, rank_files, shards_index, shards_problems
 from ckptctl.io import DirEntry
 from ckptctl.layouts.base import Layout, ModelSpec, absent_numbers, newest_mtime, step_from_name, timestamp
 from ckptctl.layouts.resume import ResumeProfile
@@ -141,6 +145,13 @@ class HfModelLayout(Layout):
         files = {e.name: e.size for e in entries if not e.is_dir}  # its own files: none of a child folder's
         names = set(files)
         weights = weight_files(url, names) or legacy_weight_files(url, names)
+        ranks = rank_files(names)
+        metadata = model_metadata(url, names, weights)
+        if ranks:
+            metadata["distributed"] = (
+                f"per-rank pieces of {len(ranks)} rank(s) (save_pretrained(distributed_checkpoint=True)); the full "
+                "shapes are where the pieces end"
+            )
 
         @cache
         def tensor_index() -> tuple[TensorEntry, ...]:
@@ -151,8 +162,8 @@ class HfModelLayout(Layout):
         return Checkpoint(
             ref=ref,
             components=frozenset(model_components(names)),
-            world_size=None,
-            metadata=model_metadata(url, names, weights),
+            world_size=max(ranks) if ranks else None,
+            metadata=metadata,
             tensor_index=tensor_index,
             files=files,
         )
@@ -264,7 +275,7 @@ def verify_model_files(url: str, files: Mapping[str, int]) -> list[Problem]:
             problems.append(
                 Problem(ProblemKind.BAD_METADATA, "config.json", f"config.json does not parse: {exc.message}")
             )
-    safetensors = sorted(n for n in files if n.endswith(".safetensors"))
+    safetensors = sorted(n for n in files if n.endswith(".safetensors") and not SHARD_FILE.match(n))
     legacy = sorted(n for n in files if _is_legacy_weight(n))
     weight_map, indexed = _index_problems(url, files, INDEX_NAMES, problems)
     legacy_map, legacy_indexed = _index_problems(url, files, (LEGACY_INDEX,), problems)
@@ -278,6 +289,8 @@ def verify_model_files(url: str, files: Mapping[str, int]) -> list[Problem]:
         problems.append(
             Problem(ProblemKind.MISSING_FILE, "", f"{promised_count - len(promised)} more shards are missing")
         )
+    if is_distributed(files):
+        problems += shards_problems(url, files)
     located: dict[str, str] = {}
     for rel in safetensors:
         try:
@@ -501,9 +514,12 @@ def torch_file_entries(opened: TorchPickle, rel: str, classify: Callable[[str], 
 
 
 def safetensors_index(url: str, weights: Sequence[str], files: Mapping[str, int]) -> tuple[TensorEntry, ...]:
-    """The tensors of the safetensors files `weights` (relative to `url`), from their headers."""
-    entries = []
+    """The tensors of the safetensors files `weights` (relative to `url`), from their headers; per-rank
+    pieces (`shard-0000P-...`) as the whole tensors they make up."""
+    entries = list(shards_index(url, {w: files[w] for w in weights if SHARD_FILE.match(w)}))
     for rel in weights:
+        if SHARD_FILE.match(rel):
+            continue
         header = read_header(io.join(url, rel), files.get(rel))
         for rec in header.tensors:
             chunk = TensorChunk(

@@ -37,4 +37,5 @@ CLASSES = FrameworkClasses(
         ("torch.distributed.fsdp.api", ""),
         ("trl.trainer.", "Config"),
     ),
+    packages=frozenset({"transformers", "accelerate", "trl"}),
 )

@@ -16,9 +16,11 @@ import os
 import time
 
 from ckptctl import io
-from ckptctl.checkpoint import CheckpointState, Component
-from ckptctl.errors import CheckpointInProgress, CkptctlError, CorruptCheckpoint
-from ckptctl.layouts import get_layout, resolve
+from ckptctl.checkpoint import Checkpoint, CheckpointState, Component
+from ckptctl.errors import CheckpointInProgress, CheckpointNotFound, CkptctlError, CorruptCheckpoint
+from ckptctl.formats.documents import read_json
+from ckptctl.layouts import Layout, get_layout, resolve
+from ckptctl.layouts.base import HfModel
 from ckptctl.ops.convert.commit import Staging, UploadStaging, check_destination, write_digests
 from ckptctl.ops.convert.model_check import apply_ties, check_plan, compare_logits, model_spec, read_config
 from ckptctl.ops.convert.options import (
@@ -70,6 +72,23 @@ def convert(
         return _convert(src, dst, options or ConvertOptions(), progress or NoProgress(), read)
 
 
+def _hf_model(checkpoint: Checkpoint, layout: Layout, options: ConvertOptions) -> HfModel | None:
+    """The model under transformers names when the layout has it and `--to hf` converts the model (the
+    `--config` given is read for what the checkpoint does not record)."""
+    if options.to is not Target.HF or options.component is not Component.MODEL:
+        return None
+    config = None
+    if options.config_dir is not None:
+        path = io.join(options.config_dir, "config.json")
+        if not io.exists(path):
+            raise CheckpointNotFound(
+                f"{options.config_dir} holds no config.json", "pass the folder that holds it to --config"
+            )
+        found = read_json(path)
+        config = found if isinstance(found, dict) else None
+    return layout.hf_model(checkpoint, config)
+
+
 def _convert(src: str, dst: str, options: ConvertOptions, progress: Progress, read: io.ByteCounter) -> ConvertResult:
     started = time.perf_counter()
     if options.max_shard_size <= 0:
@@ -93,10 +112,17 @@ def _convert(src: str, dst: str, options: ConvertOptions, progress: Progress, re
             f"{url} fails structural verification: {first}", f"run `ckptctl verify {url}` for the full report"
         )
     notes: list[str] = []
-    plan, weights = plan_tensors(checkpoint, layout, options, notes)
-    side_files, side_notes = find_side_files(url, options, layout.config_folders(checkpoint))
+    hf = _hf_model(checkpoint, layout, options)
+    plan, weights = plan_tensors(checkpoint, layout, options, notes, hf)
+    made_config = hf.config if hf is not None and options.config_dir is None else None
+    side_files, side_notes = find_side_files(
+        url, options, layout.config_folders(checkpoint), config_made=made_config is not None
+    )
     notes += side_notes
-    config = read_config(side_files, notes) if options.check_model or options.check_logits else None
+    config = None
+    if options.check_model or options.check_logits:
+        # the config the output gets: the copied config.json, else the one the layout made (Megatron's)
+        config = read_config(side_files, notes) if "config.json" in side_files else made_config and dict(made_config)
     why_not: list[str] = []
     spec = None
     if config is not None and options.component is Component.MODEL:
@@ -123,7 +149,9 @@ def _convert(src: str, dst: str, options: ConvertOptions, progress: Progress, re
                 written = write_dcp(checkpoint, plan, staging.out, progress)
         finally:
             progress.finish()  # a bar left running on an error would hide the terminal's cursor
-        copied = copy_side_files(side_files, staging.out, options.dtype or float_dtype(plan), options.dtype is not None)
+        copied = copy_side_files(
+            side_files, staging.out, options.dtype or float_dtype(plan), options.dtype is not None, made_config
+        )
         logits = compare_logits(checkpoint, plan, staging.out, config) if options.check_logits and config else None
         write_digests(staging.out, written.digests)
         files = tuple(sorted(os.listdir(staging.out)))

@@ -7,7 +7,8 @@ byte copy); `weights=stored` writes the model weights as stored instead.
 
 Names are the model's own, by the rules `diff` matches tensors with (`ops.naming`): the namespace a save
 adds (`model.` of a DCP state dict, the entry name of a save, the wrappers a training loop put around a
-model) is removed, then `renames` apply.
+model) is removed, then `renames` apply. A layout whose framework names and lays out the model otherwise
+(Megatron) supplies it under transformers names for `--to hf` (`Layout.hf_model`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from ckptctl.errors import CkptctlError
 from ckptctl.formats.manifest import FileRecord
 from ckptctl.formats.safetensors import TORCH_TO_SAFETENSORS
 from ckptctl.layouts import Layout
-from ckptctl.layouts.base import MasterWeights
+from ckptctl.layouts.base import HfModel, MasterWeights
 from ckptctl.ops.convert.options import ConvertOptions, Target, Weights
 from ckptctl.ops.naming import compile_renames, normalised_names
 
@@ -56,14 +57,24 @@ class Planned:
 
 
 def plan_tensors(
-    checkpoint: Checkpoint, layout: Layout, options: ConvertOptions, notes: list[str]
+    checkpoint: Checkpoint, layout: Layout, options: ConvertOptions, notes: list[str], hf: HfModel | None = None
 ) -> tuple[list[Planned], Weights]:
     """The output tensors of `checkpoint` (opened by `layout`), and which weights they are; appends what
-    the user should know to `notes`."""
+    the user should know to `notes`.
+
+    Args:
+        hf: the model under transformers names (`Layout.hf_model`), which `--to hf` writes when the
+            checkpoint keeps no fp32 master weights; its names are kept as they are.
+    """
     index = checkpoint.tensor_index()
     masters = _master_weights(checkpoint, layout, options, notes) if options.component is Component.MODEL else None
+    strip_prefix = options.strip_prefix
     if masters is not None:
         entries, upcast = list(masters.entries), masters.upcast
+    elif hf is not None:
+        entries, upcast = list(hf.entries), frozenset()
+        notes.extend(hf.notes)
+        strip_prefix = "" if strip_prefix is None else strip_prefix
     else:
         entries, upcast = [e for e in index if e.component == options.component], frozenset()
     if not entries:
@@ -73,7 +84,7 @@ def plan_tensors(
             f"components with tensors: {', '.join(present) or 'none'}; choose one with --component",
         )
     named = normalised_names(
-        checkpoint.layout, entries, options.strip_prefix, compile_renames(options.renames), verb="written as"
+        checkpoint.layout, entries, strip_prefix, compile_renames(options.renames), verb="written as"
     )
     plan: list[Planned] = []
     for name, entry in named.items():

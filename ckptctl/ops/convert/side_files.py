@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from ckptctl import io
 from ckptctl.errors import CheckpointNotFound, CkptctlError, CorruptCheckpoint
@@ -30,7 +31,7 @@ TOKENIZER_FILES = (
 
 
 def find_side_files(
-    src: str, options: ConvertOptions, beside: Sequence[str] | None = None
+    src: str, options: ConvertOptions, beside: Sequence[str] | None = None, *, config_made: bool = False
 ) -> tuple[dict[str, str], list[str]]:
     """Config and tokenizer files to copy (name -> URL), and notes for the user.
 
@@ -39,6 +40,8 @@ def find_side_files(
         options: `--config`/`--tokenizer` folders, which win when given.
         beside: folders to look in otherwise, best first (the layout's `config_folders`); default: the
             checkpoint's folder and its parent.
+        config_made: the config is made from the checkpoint's own records (`HfModel.config`), so none is
+            looked for unless `--config` names one.
     """
     beside = list(beside) if beside is not None else [src, io.parent_of(src)]
     notes: list[str] = []
@@ -47,6 +50,8 @@ def find_side_files(
         (CONFIG_FILES, options.config_dir, "config.json", "--config"),
         (TOKENIZER_FILES, options.tokenizer_dir, "tokenizer files", "--tokenizer"),
     ):
+        if names is CONFIG_FILES and config_made and explicit is None:
+            continue
         if explicit is not None:
             files = _present(explicit, names)
             if not files:
@@ -77,21 +82,32 @@ def _present(folder: str, names: Sequence[str]) -> dict[str, str]:
 _MAX_SIDE_FILE = 256 << 20
 
 
-def copy_side_files(files: dict[str, str], out: str, dtype: str | None, cast: bool) -> tuple[str, ...]:
-    """Copy config/tokenizer files; config.json's dtype is made to say `dtype`, what the output holds.
+def copy_side_files(
+    files: dict[str, str], out: str, dtype: str | None, cast: bool, config: Mapping[str, Any] | None = None
+) -> tuple[str, ...]:
+    """Copy config/tokenizer files, or write `config` as config.json when no config.json is copied;
+    config.json's dtype is made to say `dtype`, what the output holds.
 
     Args:
         files: name -> URL, from `find_side_files`.
         out: the output folder.
         dtype: the floating-point dtype of the output's tensors (None: it has none).
         cast: the tensors were cast to `dtype` (`--dtype`): a config without a dtype field gets one.
+        config: a config the layout made from what the checkpoint records (Megatron's saved arguments).
     """
+    written = dict.fromkeys(files)
+    if config is not None and "config.json" not in files:
+        data = json.dumps(dict(config), indent=2, sort_keys=True).encode() + b"\n"
+        write_small(
+            os.path.join(out, "config.json"), _config_with_dtype(data, dtype, True) if dtype is not None else data
+        )
+        written["config.json"] = None
     for name, url in files.items():
         data = io.read_bytes(url, max_size=_MAX_SIDE_FILE)
         if name == "config.json" and dtype is not None:
             data = _config_with_dtype(data, dtype, cast)
         write_small(os.path.join(out, name), data)
-    return tuple(sorted(files))
+    return tuple(sorted(written))
 
 
 def _config_with_dtype(data: bytes, dtype: str, add: bool) -> bytes:

@@ -1,0 +1,1 @@
+"""accelerate `Accelerator.save_state()` folders (plain, DeepSpeed plugin, FSDP plugin)."""

@@ -18,6 +18,7 @@ from typing import Any
 from ckptctl import io
 from ckptctl.checkpoint import Checkpoint, CheckpointRef, Problem, TensorEntry
 from ckptctl.errors import CkptctlError
+from ckptctl.formats.dcp_metadata import METADATA_NAME, RANK_METADATA
 from ckptctl.formats.torch_zip import TorchArchive
 from ckptctl.io import DirEntry
 from ckptctl.layouts.naming import NameStripper, format_namespace_stripper
@@ -235,20 +236,23 @@ class Layout:
 
 #: Suffixes of the files torch.save writes as frameworks name them.
 TORCH_SAVE_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
-_DCP_METADATA = ".metadata"
 
 
 def default_torch_archives(checkpoint: Checkpoint) -> tuple[TorchArchive, ...]:
-    """`Layout.torch_archives`' default: torch.save files by name, and the items of DCP folders.
+    """`Layout.torch_archives`' default: torch.save files by name, and the items of DCP folders (a
+    `.metadata`, or the per-rank `__{rank}.metadata` of a save without collectives).
 
-    A DCP folder whose `.metadata` does not parse contributes nothing (structural verify reports why).
+    A DCP folder whose metadata does not parse contributes nothing (structural verify reports why).
     """
     from ckptctl.frameworks.dcp.layout import dcp_item_archives
 
     archives: list[TorchArchive] = []
-    for folder in sorted(
-        {rel.rpartition("/")[0] for rel in checkpoint.files if rel.rpartition("/")[2] == _DCP_METADATA}
-    ):
+    folders = set()
+    for rel in checkpoint.files:
+        folder, _, name = rel.rpartition("/")
+        if name == METADATA_NAME or RANK_METADATA.match(name):
+            folders.add(folder)
+    for folder in sorted(folders):
         url = io.join(checkpoint.url, folder) if folder else checkpoint.url
         try:
             archives += dcp_item_archives(url, f"{folder}/" if folder else "")

@@ -89,7 +89,7 @@ complete -c ckptctl -n '__fish_seen_subcommand_from verify' -l quick -d 'Check t
 complete -c ckptctl -n '__fish_seen_subcommand_from verify' -l deep -d 'Also locate and read every tensor.'
 complete -c ckptctl -n '__fish_seen_subcommand_from verify' -l check-finite -d 'Read every tensor and flag NaN/Inf.'
 complete -c ckptctl -n '__fish_seen_subcommand_from verify' -l write-manifest -d 'Record digests (ckptctl-digests.json) into a checkpoint that has none.'
-complete -c ckptctl -n '__fish_seen_subcommand_from verify' -l workers -r -d 'Threads reading at once (default: one per core, 2 to 8).'
+complete -c ckptctl -n '__fish_seen_subcommand_from verify' -l workers -r -d 'Threads reading at once (default: one per core, 4 to 8).'
 complete -c ckptctl -n '__fish_seen_subcommand_from verify' -l layout -x -a 'native areal roll megatron dcp hf_trainer accelerate openrlhf open_instruct deepspeed hf deepspeed_universal' -d 'Skip detection and read the checkpoint as this layout: native, areal, roll, megatron, dcp, hf_trainer, accelerate, openrlhf, open_instruct, deepspeed, hf, deepspeed_universal.'
 complete -c ckptctl -n '__fish_seen_subcommand_from verify' -l json -d 'Print one JSON document on stdout (schema_version 1).'
 complete -c ckptctl -n '__fish_seen_subcommand_from verify' -l quiet -s q -d 'Print nothing but errors; the exit code tells the result.'

@@ -64,7 +64,7 @@ def verify(
     ] = False,
     workers: Annotated[
         int | None,
-        typer.Option("--workers", metavar="N", help="Threads reading at once (default: one per core, 2 to 8).", min=1),
+        typer.Option("--workers", metavar="N", help="Threads reading at once (default: one per core, 4 to 8).", min=1),
     ] = None,
     layout: LayoutOpt = None,
     json_output: JsonOpt = False,

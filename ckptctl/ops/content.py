@@ -58,7 +58,7 @@ class ContentChecks:
         deep: locate and read every tensor chunk.
         check_finite: with `deep`, flag NaN/Inf values.
         record_digests: hash every file to record a manifest (`ContentReport.digests`).
-        workers: threads reading at once (default: one per core, 2 to 8).
+        workers: threads reading at once (default: `ops.digests.workers_for`).
     """
 
     manifest: Manifest | None = None

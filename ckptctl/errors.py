@@ -66,3 +66,12 @@ class ModelMismatch(CkptctlError):
 class StateMismatch(CkptctlError):
     """The training state does not fit the checkpoint being restored into it (a module with other parameter
     names or shapes, an optimizer over other parameters): a different model, not a damaged checkpoint."""
+
+
+class RankFailed(CkptctlError):
+    """Another rank of a multi-rank job failed (or a rank was lost): this rank stops with that rank's
+    message and exit code, so that every rank of the job reports the failure the same way."""
+
+    def __init__(self, message: str, hint: str = "", exit_code: int = 2) -> None:
+        super().__init__(message, hint)
+        self.exit_code = exit_code

@@ -11,18 +11,18 @@ _ckptctl() {
     case "$prev" in
         --sort) COMPREPLY=($(compgen -W "step created size url" -- "$cur")); return;;
         --state) COMPREPLY=($(compgen -W "complete in_progress broken abandoned superseded" -- "$cur")); return;;
-        --layout) COMPREPLY=($(compgen -W "native areal roll megatron dcp hf_trainer accelerate openrlhf open_instruct deepspeed hf deepspeed_universal" -- "$cur")); return;;
-        --layout-a) COMPREPLY=($(compgen -W "native areal roll megatron dcp hf_trainer accelerate openrlhf open_instruct deepspeed hf deepspeed_universal" -- "$cur")); return;;
-        --layout-b) COMPREPLY=($(compgen -W "native areal roll megatron dcp hf_trainer accelerate openrlhf open_instruct deepspeed hf deepspeed_universal" -- "$cur")); return;;
+        --layout) COMPREPLY=($(compgen -W "native areal roll lightning megatron torchtitan dcp hf_trainer accelerate openrlhf open_instruct deepspeed peft hf deepspeed_universal" -- "$cur")); return;;
+        --layout-a) COMPREPLY=($(compgen -W "native areal roll lightning megatron torchtitan dcp hf_trainer accelerate openrlhf open_instruct deepspeed peft hf deepspeed_universal" -- "$cur")); return;;
+        --layout-b) COMPREPLY=($(compgen -W "native areal roll lightning megatron torchtitan dcp hf_trainer accelerate openrlhf open_instruct deepspeed peft hf deepspeed_universal" -- "$cur")); return;;
         --component) COMPREPLY=($(compgen -W "model optimizer scheduler rng dataloader trainer_state config tokenizer extra" -- "$cur")); return;;
         --to) COMPREPLY=($(compgen -W "hf dcp" -- "$cur")); return;;
         --dtype) COMPREPLY=($(compgen -W "bf16 bfloat16 fp16 float16 fp32 float32" -- "$cur")); return;;
         --weights) COMPREPLY=($(compgen -W "auto master stored" -- "$cur")); return;;
     esac
     case "$cmd" in
-        convert) local opts="--to --dtype --max-shard-size --component --strip-prefix --rename --config --tokenizer --force --reread --workers --weights --no-check-model --check-logits --layout --json --quiet -q --help -h";;
+        convert) local opts="--to --dtype --max-shard-size --component --strip-prefix --rename --mapping --config --tokenizer --force --reread --workers --weights --no-check-model --check-logits --merge-adapter --lora --adapter-config --layout --json --quiet -q --help -h";;
         demo) local opts="--steps --distributed --no-distributed --force --json --quiet -q --help -h";;
-        diff) local opts="--component --atol --rtol --strip-prefix --rename --ignore-dtype --all --top --read-all --layout-a --layout-b --json --quiet -q --help -h";;
+        diff) local opts="--component --atol --rtol --strip-prefix --rename --ignore-dtype --all --top --read-all --layout-a --layout-b --workers --json --quiet -q --help -h";;
         inspect) local opts="--filter -f --component --limit --layout --json --quiet -q --help -h";;
         list) local opts="--sort --reverse -r --state --layout --limit --depth --json --quiet -q --help -h";;
         prune) local opts="--keep-last --keep-every --keep-best --max-total-size --older-than --pin --grace --dry-run --yes -y --wait --depth --json --quiet -q --help -h";;

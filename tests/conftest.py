@@ -25,10 +25,13 @@ from tests.writers.areal_writer import WrittenAreal, write_areal_run
 from tests.writers.dcp_writer import WrittenDcp, write_single_process_dcp
 from tests.writers.deepspeed_writer import WrittenDeepSpeed, write_deepspeed_runs
 from tests.writers.hf_legacy_writer import WrittenLegacy, write_legacy_models
+from tests.writers.lightning_writer import WrittenLightning, write_lightning_run
 from tests.writers.megatron_writer import WrittenMegatron, write_megatron_runs
 from tests.writers.openrlhf_writer import WrittenOpenRlhf, write_openrlhf_run
+from tests.writers.peft_writer import WrittenPeft, write_peft_adapters
 from tests.writers.rl_runs import WrittenFsdpRuns, write_fsdp_runs
 from tests.writers.run_folders import NestedRun, arrange_deepspeed_run, trainer_nested_run, write_dcp_run
+from tests.writers.torchtitan_writer import WrittenTorchtitan, write_torchtitan_run
 from tests.writers.trainer_writer import WrittenTrainerRun, write_trainer_run
 from tests.writers.universal_writer import WrittenUniversal, write_universal_runs
 
@@ -53,6 +56,9 @@ SLOW_FIXTURES = frozenset(
         "megatron_runs",
         "accelerate_runs",
         "distributed_saves",
+        "torchtitan_run",
+        "peft_adapters",
+        "lightning_run",
     }
 )
 
@@ -155,6 +161,22 @@ def legacy_models(tmp_path_factory: pytest.TempPathFactory) -> WrittenLegacy:
     return build_once(tmp_path_factory, "hf-legacy", write_legacy_models)
 
 
+@pytest.fixture(scope="session")
+def peft_adapters(tmp_path_factory: pytest.TempPathFactory) -> WrittenPeft:
+    """peft 0.21.2's `save_pretrained` of LoRA adapters on the tiny Llama (plain with patterns and an Embedding
+    LoRA, rsLoRA, modules_to_save, lora_alpha 0, DoRA), each with PEFT's `merge_and_unload()` state dict, and a
+    PEFT-wrapped model saved whole by DCP (see `tests.writers.peft_writer`)."""
+    return build_once(tmp_path_factory, "peft", write_peft_adapters)
+
+
+@pytest.fixture(scope="session")
+def lightning_run(tmp_path_factory: pytest.TempPathFactory) -> WrittenLightning:
+    """lightning 2.6.6 on 2 CPU ranks (ddp_spawn), ModelCheckpoint every 2 of 4 steps: files with last.ckpt as a
+    copy and as a link, and a sharded FSDP-style `.ckpt/` folder (see `tests.writers.lightning_writer`; slow:
+    spawns)."""
+    return build_once(tmp_path_factory, "lightning", lambda root: write_lightning_run(root / "run"))
+
+
 def _demo(root: Path) -> Path:
     from ckptctl.demo import run_demo
 
@@ -255,6 +277,12 @@ def accelerate_runs(tmp_path_factory: pytest.TempPathFactory) -> WrittenAccelera
     """accelerate 1.15 `save_state` on CPU: a plain run with automatic checkpoint naming (checkpoint_0..2), a
     user-named `.bin` save, a resumed copy, a DeepSpeed ZeRO-2 run and an FSDP2 save (slow: a subprocess)."""
     return build_once(tmp_path_factory, "accelerate", write_accelerate_runs)
+
+
+@pytest.fixture(scope="session")
+def torchtitan_run(tmp_path_factory: pytest.TempPathFactory) -> WrittenTorchtitan:
+    """torchtitan 0.3.0's CheckpointManager on its own tiny Llama 3: step-1, step-2 and the model-only step-3."""
+    return build_once(tmp_path_factory, "torchtitan", write_torchtitan_run)
 
 
 def copy_tree(src: Path, dst: Path) -> Path:

@@ -17,11 +17,12 @@ from typing import Any, TextIO
 import typer
 
 from ckptctl import __version__
-from ckptctl.cli import convert, demo, diff, prune, resume_plan, verify
+from ckptctl.cli import convert, demo, diff, prune, ranks, resume_plan, verify
 from ckptctl.cli import inspect as inspect_command
 from ckptctl.cli import list as list_command
 from ckptctl.cli.command import Group
 from ckptctl.errors import CkptctlError
+from ckptctl.ops.distributed_work import launched
 
 app = typer.Typer(
     name="ckptctl",
@@ -102,6 +103,9 @@ def main(argv: Sequence[str] | None = None) -> None:
 def _run(args: list[str]) -> int:
     debug = os.environ.get("CKPTCTL_DEBUG") == "1"
     json_mode = "--json" in args[: args.index("--")] if "--" in args else "--json" in args
+    if launched() and os.environ.get("RANK") != "0":
+        json_mode = False  # rank 0 prints the job's JSON document; the other ranks say their errors on stderr
+    ranks.ARGS.set(tuple(args))
     try:
         result = app(args=args, prog_name="ckptctl", standalone_mode=False)
     except CkptctlError as exc:

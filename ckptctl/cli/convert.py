@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from dataclasses import replace
 from typing import TYPE_CHECKING, Annotated
 
 import typer
@@ -11,9 +12,10 @@ from ckptctl.checkpoint import Component
 from ckptctl.cli.command import add_command
 from ckptctl.cli.options import ComponentOpt, JsonOpt, LayoutOpt, QuietOpt, bad_value
 from ckptctl.cli.output import Output, esc, human_bytes
+from ckptctl.cli.ranks import WorkersOpt, job_ranks, prints
 
 if TYPE_CHECKING:
-    from ckptctl.ops.convert import ConvertResult
+    from ckptctl.ops.convert import ConvertOptions, ConvertResult
 
 HELP = """Convert a checkpoint's model into a Hugging Face folder (or an HF model into a torch DCP checkpoint).
 
@@ -21,7 +23,11 @@ HELP = """Convert a checkpoint's model into a Hugging Face folder (or an HF mode
 
 DeepSpeed ZeRO 1-3 (a global_stepN tag folder, the save folder holding `latest`, or a Trainer checkpoint-N with DeepSpeed inside) gives the fp32 master weights, exactly as DeepSpeed's zero_to_fp32.py rebuilds them from the optimizer partitions, without DeepSpeed installed and without loading a partition whole; --weights stored writes the 16-bit module weights instead (ZeRO 0-2; ZeRO-3 keeps none, its model is the partitions).
 
+Lightning checkpoints (an `epoch=E-step=S.ckpt` file, `last.ckpt`, the ModelCheckpoint folder holding it, or a sharded FSDP `.ckpt/` folder) give the LightningModule's state_dict under the model's own names (the `model.` attribute removed); config.json is taken from the module's hyper_parameters when they hold a transformers config, else give --config.
+
 SRC may also be a single weights file: a `*.safetensors` file, or a torch.save zip such as `pytorch_model.bin` (read with the allowlisting unpickler: nothing in it runs).
+
+An adapter (a PEFT folder: adapter_config.json + adapter_model.safetensors) converts merged into its base model: --merge-adapter BASE writes BASE with every adapted weight W replaced by W + (lora_alpha/r)·B@A (rsLoRA: lora_alpha/sqrt(r); rank_pattern and alpha_pattern per module; fan_in_fan_out), and the adapter's modules_to_save tensors in place of BASE's: what PEFT's merge_and_unload() gives. DoRA and other PEFT types are refused. A model saved whole while wrapped by PEFT (q_proj.base_layer.weight beside q_proj.lora_A.default.weight, as FSDP, DeepSpeed, DCP and verl saves hold it) is written under the model's own names with the LoRA merged in; its lora_alpha comes from the run's adapter_config.json or verl's lora_train_meta.json (--adapter-config).
 
 --to dcp writes a single-process torch.distributed.checkpoint save with keys model.<name>, which dcp.load reads into a model of any world size.
 
@@ -29,7 +35,9 @@ When config.json names an architecture and transformers is installed, the model 
 
 The output is written to a hidden staging folder next to DST, checked, digested into ckptctl-digests.json (so `ckptctl verify DST` checks every byte later) and renamed into place: an interrupted conversion leaves nothing at DST.
 
-DST may be an object store URL (s3://bucket/prefix, any fsspec URL): the output is staged in TMPDIR, then uploaded in parallel, weight files first and ckptctl-digests.json last, in an order that never lets a partial upload list as a complete checkpoint. A non-empty prefix is refused unless --force, which deletes the old objects first."""
+DST may be an object store URL (s3://bucket/prefix, any fsspec URL): the output is staged in TMPDIR, then uploaded in parallel, weight files first and ckptctl-digests.json last, in an order that never lets a partial upload list as a complete checkpoint. A non-empty prefix is refused unless --force, which deletes the old objects first.
+
+Launched by torchrun (any number of hosts on a shared filesystem), the ranks share the work: rank 0 plans, each rank writes its share of the shard files (balanced by bytes) into the staging folder, rank 0 writes the index and digests and renames; the output is the same byte for byte, and a failed or killed rank leaves nothing at DST. --workers N does the same with N processes on this host. A --to dcp output and an object-store DST are written by rank 0 alone."""
 
 EXAMPLES = """\
 ckptctl convert runs/llama/step-1000 hf-export --to hf --config runs/llama --dtype bf16
@@ -37,7 +45,11 @@ ckptctl convert runs/llama/step-1000 hf-export --max-shard-size 2GB --rename '^l
 ckptctl convert ds-run/ hf-export --config base-model/ --dtype bf16   # a DeepSpeed save folder
 ckptctl convert meta-llama-3-8b/ init-dcp --to dcp
 ckptctl convert old-model/pytorch_model.bin old-model-safetensors/
+ckptctl convert lora-adapter/ merged-model/ --merge-adapter Llama-3.1-8B/
+ckptctl convert lora-run/step-500 merged-model/ --adapter-config lora-run/adapter_config.json
 ckptctl convert s3://ckpts/llama/step-1000 s3://exports/llama-1000 --dtype bf16
+torchrun --nnodes 4 --nproc-per-node 8 -m ckptctl convert /lustre/run/step-1000 /lustre/export --max-shard-size 2GB
+ckptctl convert runs/llama/step-1000 hf-export --dtype bf16 --workers 4
 """
 
 
@@ -50,6 +62,11 @@ class WeightsChoice(enum.StrEnum):
     auto = "auto"
     master = "master"
     stored = "stored"
+
+
+class LoraChoice(enum.StrEnum):
+    merge = "merge"
+    keep = "keep"
 
 
 class DtypeChoice(enum.StrEnum):
@@ -117,6 +134,15 @@ def convert(
             help="PATTERN=REPL regex substitution on tensor names (repeatable, in order).",
         ),
     ] = None,
+    mapping: Annotated[
+        str | None,
+        typer.Option(
+            "--mapping",
+            metavar="MAP",
+            help="--to hf from a framework whose models are its own code (torchtitan): the map of its tensor names "
+            "to transformers' (llama3, qwen3; default: from config.json's model_type; 'none' keeps the names).",
+        ),
+    ] = None,
     config: Annotated[
         str | None,
         typer.Option("--config", metavar="DIR", help="Folder holding config.json (default: beside the source)."),
@@ -132,10 +158,7 @@ def convert(
         bool,
         typer.Option("--reread", help="Read every written file back from disk and check its digest (doubles the I/O)."),
     ] = False,
-    workers: Annotated[
-        int | None,
-        typer.Option("--workers", metavar="N", help="Copy threads (default: one per core, 2 to 8).", min=1),
-    ] = None,
+    workers: WorkersOpt = None,
     weights: Annotated[
         WeightsChoice,
         typer.Option(
@@ -161,12 +184,39 @@ def convert(
             "with the source tensors' in the same architecture (--to hf; holds two copies of the model in memory).",
         ),
     ] = False,
+    merge_adapter: Annotated[
+        str | None,
+        typer.Option(
+            "--merge-adapter",
+            metavar="BASE",
+            help="SRC is an adapter (a PEFT LoRA folder): write the base model BASE (an HF model folder) with the "
+            "adapter merged in, as PEFT's merge_and_unload() does; config and tokenizer come from BASE. Default: "
+            "the adapter's base_model_name_or_path when that is a local folder.",
+        ),
+    ] = None,
+    lora: Annotated[
+        LoraChoice,
+        typer.Option(
+            "--lora",
+            metavar="MODE",
+            help="A model saved with LoRA adapters around its layers (base_layer.weight + lora_A.default.weight): "
+            "merge them into the weights under the model's own names (merge), or write the tensors as stored (keep).",
+        ),
+    ] = LoraChoice.merge,
+    adapter_config: Annotated[
+        str | None,
+        typer.Option(
+            "--adapter-config",
+            metavar="PATH",
+            help="The run's adapter_config.json (or verl's lora_train_meta.json), or its folder, for --lora merge "
+            "(default: found beside the checkpoint or its config).",
+        ),
+    ] = None,
     layout: LayoutOpt = None,
     json_output: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
-    from ckptctl.ops.convert import ConvertOptions, Target, Weights, parse_dtype
-    from ckptctl.ops.convert import convert as run_convert
+    from ckptctl.ops.convert import ConvertOptions, LoraMode, Target, Weights, parse_dtype
     from ckptctl.ops.naming import parse_rename
     from ckptctl.units import parse_size
 
@@ -185,16 +235,26 @@ def convert(
         component=component,
         strip_prefix=strip_prefix,
         renames=renames,
+        mapping=mapping,
         config_dir=config,
         tokenizer_dir=tokenizer,
         force=force,
         layout=layout,
         reread=reread,
-        workers=workers,
         weights=Weights(weights.value),
         check_model=not no_check_model,
         check_logits=check_logits,
+        merge_adapter=merge_adapter,
+        lora=LoraMode(lora.value),
+        adapter_config=adapter_config,
     )
+    with job_ranks(workers) as ranks:
+        _convert(src, dst, replace(options, ranks=ranks), json_output, quiet or not prints(ranks), prints(ranks))
+
+
+def _convert(src: str, dst: str, options: ConvertOptions, json_output: bool, quiet: bool, show: bool) -> None:
+    from ckptctl.ops.convert import convert as run_convert
+
     out = Output(json_mode=json_output, quiet=quiet)
     try:
         result = run_convert(src, dst, options, out.progress())
@@ -204,6 +264,8 @@ def convert(
         else:
             out.note(f"interrupted: the staging folder was removed and nothing was written to {dst}")
         raise
+    if not show:
+        return
     if not quiet:
         for note in result.warnings:
             out.warn(note)
@@ -230,6 +292,8 @@ def _render(out: Output, result: ConvertResult) -> None:
     out.print(esc(f"  files: {', '.join(weights) or '-'}" + (f" (+ {others} more)" if others else "")))
     if result.copied:
         out.print(esc(f"  copied: {', '.join(result.copied)}"))
+    if result.base:
+        out.print(esc(f"  merged the adapter into {result.base}: {result.derived} tensor(s) computed"))
     if result.uploaded:
         out.print(esc(f"  uploaded {human_bytes(result.uploaded)} to {result.dst}"))
     if result.model is not None:

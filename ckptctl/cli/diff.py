@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING, Annotated
 
 import typer
@@ -10,6 +11,7 @@ from ckptctl.checkpoint import Component
 from ckptctl.cli.command import add_command
 from ckptctl.cli.options import ComponentOpt, JsonOpt, QuietOpt, bad_value
 from ckptctl.cli.output import Cell, Column, Output, human_bytes, human_count, styled
+from ckptctl.cli.ranks import WorkersOpt, job_ranks, prints
 
 if TYPE_CHECKING:
     from ckptctl.ops.diff import DiffReport, TensorDiff
@@ -19,6 +21,8 @@ HELP = """Compare two checkpoints tensor by tensor, also across layouts (a DCP s
 A and B are checkpoint folders of any known layout, or single weights files (`*.safetensors`, or a torch.save zip: `*.pt`, `*.pth`, `*.bin`, read without running anything in it).
 
 Tensors are matched by name after the same namespace rules convert uses (the model. prefix of DCP state dicts, the entry name of ckptctl's own checkpoints); --rename handles the rest. Reported: names only in A or only in B, shape and dtype changes, and per tensor the largest absolute difference and the relative L2 difference ||a-b|| / max(||a||, ||b||), most changed first. Values are compared after upcasting both sides to float64, block by block on all cores, at about the speed the bytes are read: blocks both sides hold byte for byte are not decoded, and memory stays at a few blocks per core; equal tensors are counted, not listed (--all lists them). Pairs whose bytes the recorded digests (ckptctl-digests.json, native manifests) prove identical are not read (--read-all reads them anyway). Metadata differences (step, config fields, counters) are shown but do not count as differences.
+
+Launched by torchrun (or with --workers N on this host), the ranks share the pairs to read by bytes; rank 0 prints the one report and every rank exits with its code.
 
 Exit code 0 when the tensors are equal (within --atol/--rtol), 1 when they differ, 2 on errors."""
 
@@ -92,6 +96,7 @@ def diff_checkpoints(
         str | None,
         typer.Option("--layout-b", metavar="LAYOUT", help="Read B as this layout instead of detecting it."),
     ] = None,
+    workers: WorkersOpt = None,
     json_output: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
@@ -115,12 +120,14 @@ def diff_checkpoints(
         layout_b=layout_b,
         top=top,
     )
-    out = Output(json_mode=json_output, quiet=quiet)
-    report = diff(a, b, options, out.progress())
-    if json_output:
-        out.json(report.to_json())
-    else:
-        _render(out, report)
+    with job_ranks(workers) as ranks:
+        out = Output(json_mode=json_output, quiet=quiet or not prints(ranks))
+        report = diff(a, b, replace(options, ranks=ranks), out.progress())
+    if prints(ranks):
+        if json_output:
+            out.json(report.to_json())
+        else:
+            _render(out, report)
     if not report.equal:
         raise typer.Exit(1)
 

@@ -18,7 +18,7 @@ HELP = """Show what a checkpoint holds: layout, step, components present and mis
 
 Reads headers and metadata only (never tensor data, never unpickles with code execution), so it is fast on checkpoints of any size and works without torch installed.
 
-CKPT is a checkpoint folder of any known layout, or a single weights file: `*.safetensors`, or a torch.save zip (`*.pt`, `*.pth`, `*.bin`) read with the same allowlisting reader (nothing in it runs)."""
+CKPT is a checkpoint folder of any known layout, a Lightning checkpoint file (`epoch=0-step=100.ckpt`, `last.ckpt`), or a single weights file: `*.safetensors`, or a torch.save zip (`*.pt`, `*.pth`, `*.bin`) read with the same allowlisting reader (nothing in it runs)."""
 
 EXAMPLES = """\
 ckptctl inspect runs/llama-sft/step-1000
@@ -92,11 +92,20 @@ def _render(out: Output, report: InspectReport, limit: int, *, filtered: bool) -
         ("parameters", f"{human_count(totals.parameters)} ({totals.parameters:,})"),
         ("tensor bytes", ", ".join(f"{d} {human_bytes(b)}" for d, b in totals.bytes_by_dtype.items()) or "-"),
     ]
+    warnings: list[str] = []
     for key, value in ckpt.metadata.items():
+        if key == "warnings" and isinstance(value, list):  # what a layout says a person must know
+            warnings += map(str, value)
+            continue
         if isinstance(value, dict):
             value = ", ".join(f"{k}={v}" for k, v in value.items()) or "-"
         facts.append((key, str(value)))
+    if report.wrapped is not None:
+        summary = ", ".join(f"{k}={v}" for k, v in report.wrapped.summary.items())
+        facts.append(("wrapped model", f"{report.wrapped.kind}; {summary}; convert merges it (--lora merge)"))
     out.facts(facts)
+    for warning in warnings:
+        out.warn(warning)
 
     if not report.tensors:
         if filtered and totals.tensors:

@@ -10,9 +10,10 @@ from ckptctl.checkpoint import ProblemKind
 from ckptctl.cli.command import add_command
 from ckptctl.cli.options import JsonOpt, LayoutOpt, QuietOpt, bad_value
 from ckptctl.cli.output import Output, esc
+from ckptctl.cli.ranks import WorkersOpt, job_ranks, prints
 
 if TYPE_CHECKING:
-    from ckptctl.ops.verification import VerifyResult
+    from ckptctl.ops.verification import RunVerifyReport, VerifyResult
 
 KINDS = ", ".join(ProblemKind)
 
@@ -23,6 +24,8 @@ Structure: every shard present, sizes and offsets consistent with the metadata, 
 With --latest, only the checkpoint a resume would load is verified. A run with no checkpoint yet (no folder, or only a save still being written) is a fresh start: exit code 0, said on stderr and as "fresh_start" in JSON, so that a resume gate lets the first launch through.
 
 Problem kinds (`kind` in --json; `path` is the file or tensor, and a damaged zip record adds `record` and, where known, `entry`, the tensor or state-dict key): {KINDS}. crc_mismatch: a record's bytes differ from the CRC-32 torch recorded when writing it; no_crc (a warning): archives written with torch's CRC computation off.
+
+Each process reads with one thread per core (4 to 8, shared by the ranks on a host). Launched by torchrun (or with --workers N on this host), the ranks share the hashing, the CRC-32s and the reading by bytes; rank 0 prints the one report and every rank exits with its code.
 
 Exit code 0 when everything verifies, 1 when a problem was found (with --latest: no checkpoint a resume could load), 2 when the path cannot be read."""
 
@@ -62,35 +65,42 @@ def verify(
             help="Record digests (ckptctl-digests.json) into a checkpoint that has none.",
         ),
     ] = False,
-    workers: Annotated[
-        int | None,
-        typer.Option("--workers", metavar="N", help="Threads reading at once (default: one per core, 4 to 8).", min=1),
-    ] = None,
+    workers: WorkersOpt = None,
     layout: LayoutOpt = None,
     json_output: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
-    from ckptctl.ops.verification import RunVerifyReport, VerifyOptions, verify_path, verify_run
+    from ckptctl.ops.verification import VerifyOptions, verify_path, verify_run
 
     if quick and (deep or check_finite or write_manifest):
         raise bad_value(
             "--quick", "checks the structure only; it cannot go with --deep, --check-finite or --write-manifest"
         )
-    out = Output(json_mode=json_output, quiet=quiet)
-    options = VerifyOptions(
-        quick=quick,
-        deep=deep or check_finite,
-        check_finite=check_finite,
-        write_manifest=write_manifest,
-        workers=workers,
-        layout=layout,
-    )
-    progress = out.progress()
-    report: VerifyResult | RunVerifyReport
-    if latest:
-        report = verify_run(path, options, progress, only_resume_target=True)
-    else:
-        report = verify_path(path, options, progress)
+    with job_ranks(workers) as ranks:
+        out = Output(json_mode=json_output, quiet=quiet or not prints(ranks))
+        options = VerifyOptions(
+            quick=quick,
+            deep=deep or check_finite,
+            check_finite=check_finite,
+            write_manifest=write_manifest,
+            layout=layout,
+            ranks=ranks,
+        )
+        progress = out.progress()
+        report: VerifyResult | RunVerifyReport
+        if latest:
+            report = verify_run(path, options, progress, only_resume_target=True)
+        else:
+            report = verify_path(path, options, progress)
+    if prints(ranks):
+        _report(out, path, report, json_output)
+    if not report.ok:
+        raise typer.Exit(1)
+
+
+def _report(out: Output, path: str, report: VerifyResult | RunVerifyReport, json_output: bool) -> None:
+    from ckptctl.ops.verification import RunVerifyReport
+
     if json_output:
         out.json(report.to_json())
     elif isinstance(report, RunVerifyReport) and report.fresh_start:
@@ -102,8 +112,6 @@ def verify(
         if isinstance(report, RunVerifyReport):
             failed = sum(not r.ok for r in report.results)
             out.print(f"{len(report.results) - failed} of {len(report.results)} checkpoint(s) verified")
-    if not report.ok:
-        raise typer.Exit(1)
 
 
 def _render(out: Output, result: VerifyResult) -> None:

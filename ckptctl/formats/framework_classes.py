@@ -26,11 +26,14 @@ class FrameworkClasses:
             ends in the suffix ("" for any) is allowed (modules of plain config classes and enums).
         packages: the framework's top-level packages: a class of theirs outside the above is refused as
             unsupported (a newer version's class), never as the sign of a forged file.
+        mappings: exact (module, name) pairs of dict subclasses (Lightning's `AttributeDict`), read as a
+            dict stand-in that keeps their items (a pickle fills them item by item).
     """
 
     classes: frozenset[tuple[str, str]] = frozenset()
     modules: tuple[tuple[str, str], ...] = ()
     packages: frozenset[str] = frozenset()
+    mappings: frozenset[tuple[str, str]] = frozenset()
 
 
 _sources: list[Callable[[], Iterable[FrameworkClasses]]] = []
@@ -56,5 +59,6 @@ def registered() -> FrameworkClasses:
                 frozenset(key for entry in found for key in entry.classes),
                 tuple(rule for entry in found for rule in entry.modules),
                 frozenset(package for entry in found for package in entry.packages),
+                frozenset(key for entry in found for key in entry.mappings),
             )
         return _assembled

@@ -66,6 +66,7 @@ __all__ = [
     "TORCH_PICKLE_GLOBALS",
     "TORCH_SAVE_GLOBALS",
     "DType",
+    "FrameworkMapping",
     "FrameworkObject",
     "NumpyArray",
     "NumpyDType",
@@ -385,6 +386,16 @@ DCP_METADATA_GLOBALS: Mapping[tuple[str, str], Any] = {
     **_TORCH_DTYPES,
 }
 
+
+def _codecs_encode(text: Any, encoding: Any = "utf-8") -> bytes:
+    """Stand-in for `_codecs.encode`, which protocol-2 pickles use to carry bytes (numpy's raw data; a DCP
+    bytes item holding bytes, like each rank's pickled data-loader state in torchtitan's saves)."""
+    if type(text) is not str or encoding not in ("latin1", "latin-1"):
+        raise ValueError("_codecs.encode is only allowed for latin-1 bytes")
+    _spend(33 + len(text))
+    return text.encode("latin-1")
+
+
 #: What the `data.pkl` of a torch.save archive holding one plain tensor may name (for `raw_record`;
 #: decoding tensors goes through torch's own `weights_only` unpickler instead).
 TORCH_SAVE_GLOBALS: Mapping[tuple[str, str], Any] = {
@@ -392,6 +403,7 @@ TORCH_SAVE_GLOBALS: Mapping[tuple[str, str], Any] = {
     ("torch._utils", "_rebuild_tensor_v3"): _rebuild_tensor_v3,
     ("collections", "OrderedDict"): _empty_ordered_dict,
     ("torch.storage", "UntypedStorage"): _TypedStorageTag(None),
+    ("_codecs", "encode"): _codecs_encode,
     **{("torch", name): _TypedStorageTag(dtype) for name, dtype in _LEGACY_STORAGES.items()},
     **_TORCH_DTYPES,
 }
@@ -546,6 +558,23 @@ class FrameworkObject(StandIn):
         return f"<{self.stands_for} {self.value!r}>" if self.value is not None else f"<{self.stands_for}>"
 
 
+class FrameworkMapping(dict[Any, Any]):
+    """An object of an allowlisted framework class that subclasses dict (Lightning's `AttributeDict`): the
+    items the pickle sets, and the state a BUILD gives it in `state`."""
+
+    __slots__ = ("state",)
+    #: The class this stands in for, for messages.
+    stands_for: ClassVar[str] = "dict"
+
+    def __setstate__(self, state: Any) -> None:
+        self.state = state
+
+
+@cache
+def _framework_mapping(qualified_name: str) -> type[FrameworkMapping]:
+    return type("FrameworkMapping", (FrameworkMapping,), {"__slots__": (), "stands_for": qualified_name})
+
+
 @cache
 def _framework_class(qualified_name: str) -> type[FrameworkObject]:
     # Exact names only (a bounded set): pattern matches get a fresh class per file, see _Allowlist.
@@ -590,14 +619,6 @@ class NumpyScalar:
         self.data = data
 
 
-def _codecs_encode(text: Any, encoding: Any = "utf-8") -> bytes:
-    """Stand-in for `_codecs.encode`, which protocol-2 pickles use to carry bytes (numpy's raw data)."""
-    if type(text) is not str or encoding not in ("latin1", "latin-1"):
-        raise ValueError("_codecs.encode is only allowed for latin-1 bytes")
-    _spend(33 + len(text))
-    return text.encode("latin-1")
-
-
 def _torch_device(kind: Any, index: Any = None) -> str:
     """Stand-in for `torch.device(...)`: its name (`cpu`, `cuda:0`)."""
     if type(kind) is not str or len(kind) > 32 or (index is not None and type(index) is not int):
@@ -626,6 +647,8 @@ class _Allowlist(Mapping[tuple[str, str], Any]):
             return found
         module, name = key
         frameworks = framework_classes.registered()
+        if key in frameworks.mappings:
+            return _framework_mapping(f"{module}.{name}")
         if key in frameworks.classes:
             return _framework_class(f"{module}.{name}")
         covered = any(module.startswith(prefix) and name.endswith(suffix) for prefix, suffix in frameworks.modules)
@@ -634,10 +657,12 @@ class _Allowlist(Mapping[tuple[str, str], Any]):
         raise KeyError(key)
 
     def __iter__(self) -> Iterator[tuple[str, str]]:
-        return iter([*self._exact, *sorted(framework_classes.registered().classes - self._exact.keys())])
+        registered = framework_classes.registered()
+        return iter([*self._exact, *sorted((registered.classes | registered.mappings) - self._exact.keys())])
 
     def __len__(self) -> int:
-        return len(self._exact.keys() | framework_classes.registered().classes)
+        registered = framework_classes.registered()
+        return len(self._exact.keys() | registered.classes | registered.mappings)
 
 
 _NUMPY_GLOBALS = {

@@ -24,7 +24,7 @@ from typing import IO
 
 from ckptctl.errors import CorruptCheckpoint, StorageError
 from ckptctl.io.backend import Backend
-from ckptctl.io.counting import READ_STATS, ByteCounter, ReadStats, count_read, counting
+from ckptctl.io.counting import READ_STATS, ByteCounter, ReadStats, count_read, count_read_elsewhere, counting
 from ckptctl.io.failures import RetryPolicy, check_size, policy_from_env, translate_errors
 from ckptctl.io.local import LOCAL, exchange, fsync_dir, refuse_to_replace_precious
 from ckptctl.io.parallel import ContextThreadPool, parallel_map, workers
@@ -43,6 +43,7 @@ __all__ = [
     "ReadStats",
     "RetryPolicy",
     "count_read",
+    "count_read_elsewhere",
     "counting",
     "delete_file",
     "delete_files",

@@ -14,7 +14,7 @@ import contextvars
 import threading
 from collections.abc import Iterator
 
-__all__ = ["READ_STATS", "ByteCounter", "ReadStats", "count_read", "counting"]
+__all__ = ["READ_STATS", "ByteCounter", "ReadStats", "count_read", "count_read_elsewhere", "counting"]
 
 
 class ByteCounter:
@@ -62,5 +62,13 @@ def counting() -> Iterator[ByteCounter]:
 def count_read(n: int) -> None:
     """Count `n` bytes read: in every counter open in the caller's context, and in `READ_STATS`."""
     READ_STATS.add(n)
+    for counter in _COUNTERS.get():
+        counter.add(n)
+
+
+def count_read_elsewhere(n: int) -> None:
+    """Count `n` bytes that other processes read for the caller's operation (the other ranks of a job,
+    `ops.distributed_work`): in every counter open in the caller's context, not in this process's
+    `READ_STATS`."""
     for counter in _COUNTERS.get():
         counter.add(n)

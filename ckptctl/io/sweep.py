@@ -24,7 +24,7 @@ import os
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import IO, Protocol
+from typing import IO, Any, Generic, Protocol, TypeVar
 
 from ckptctl.errors import CkptctlError
 from ckptctl.io.counting import count_read
@@ -34,7 +34,21 @@ from ckptctl.io.parallel import ContextThreadPool
 from ckptctl.io.paths import is_local
 from ckptctl.io.remote import FSSPEC
 
-__all__ = ["BLOCK", "PIECE", "REMOTE_BLOCK", "Feed", "ReadInto", "Span", "SpanSink", "Sweep", "open_ranges"]
+__all__ = [
+    "BLOCK",
+    "PIECE",
+    "REMOTE_BLOCK",
+    "Feed",
+    "Job",
+    "ReadInto",
+    "Span",
+    "SpanSink",
+    "Sweep",
+    "job_groups",
+    "open_ranges",
+]
+
+R = TypeVar("R")
 
 #: Bytes read at once into a worker's buffer: large enough to amortise a system call, small enough that
 #: what a sink does with it stays in the CPU's caches.
@@ -86,6 +100,60 @@ class Span:
     end: int
     sink: SpanSink
     ordered: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Job(Generic[R]):
+    """Spans whose sinks together give one verdict: a file's digest, an archive's CRC-32s, a chunk's read.
+
+    The unit of work that the ranks of a job share (`job_groups`): its spans are read by one process, which
+    calls `result` after the sweep and hands the others the (picklable) verdict.
+
+    Attributes:
+        spans: the byte ranges the sweep feeds.
+        result: the verdict, once the sweep has read the spans.
+        extra: bytes `result` reads itself, outside the sweep (a chunk decoded on its own): its weight.
+    """
+
+    spans: Sequence[Span]
+    result: Callable[[], R]
+    extra: int = 0
+
+
+def job_groups(jobs: Sequence[Job[Any]]) -> list[tuple[list[int], int]]:
+    """`jobs` grouped so that jobs reading the same bytes of a file (a file's digest and the CRC-32s or
+    tensors inside it) fall in one group, whose bytes one process then reads once: `(job indices, bytes
+    to read)` per group, in the order of their first job."""
+    parent = list(range(len(jobs)))
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    by_url: dict[str, list[tuple[int, int, int]]] = {}
+    for i, job in enumerate(jobs):
+        for span in job.spans:
+            if span.end > span.start:
+                by_url.setdefault(span.url, []).append((span.start, span.end, i))
+    weight = [job.extra for job in jobs]
+    for ranges in by_url.values():
+        ranges.sort()
+        start, end, first = ranges[0]
+        for lo, hi, i in ranges[1:]:
+            if lo < end:  # overlaps the run of ranges so far: the same group
+                parent[root(i)] = root(first)
+                end = max(end, hi)
+                continue
+            weight[first] += end - start
+            start, end, first = lo, hi, i
+        weight[first] += end - start
+    # Bytes are counted on the job that began each run of ranges, so a group weighs the sum over its jobs.
+    groups: dict[int, list[int]] = {}
+    for i in range(len(jobs)):
+        groups.setdefault(root(i), []).append(i)
+    return [(members, sum(weight[i] for i in members)) for members in groups.values()]
 
 
 @dataclass(slots=True)

@@ -137,7 +137,8 @@ def purge(retired: Retired) -> None:
     Raises:
         CkptctlError: the deletion failed; what is left stays out of sight.
     """
-    io.delete_tree(retired.url)
+    # A checkpoint may be one file (a Lightning `.ckpt`): what was retired is then a file.
+    (io.delete_tree if io.is_dir(retired.url) else io.delete_file)(retired.url)
     if retired.trash is not None:
         remove_if_empty(retired.trash)
 

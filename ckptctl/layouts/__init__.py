@@ -50,20 +50,26 @@ __all__ = [
 #: folder and possibly a DeepSpeed tag folder, and is one checkpoint with all of them; so does an accelerate
 #: `save_state` folder (its model file, DeepSpeed tag or FSDP DCP folders). OpenRLHF and
 #: open-instruct tags ARE DeepSpeed tag folders, told apart by the files around them, so they come before
-#: `deepspeed`, which takes the tags nothing else claims. A DeepSpeed universal checkpoint holds model-states
-#: files as a tag does, beside a `zero/` folder and without optim-states files: the tag layouts leave such a
-#: folder alone (`deepspeed.names.is_universal`), so it can come last, after the layouts people know.
+#: `deepspeed`, which takes the tags nothing else claims. A PEFT adapter folder holds safetensors an HF reader
+#: would take for a model: `peft` comes before `hf`. A sharded Lightning `.ckpt/` folder is a DCP save with
+#: Lightning's `meta.pt`: `lightning` comes before the DCP-based layouts. A DeepSpeed universal checkpoint
+#: holds model-states files as a tag does, beside a `zero/` folder and without optim-states files: the tag
+#: layouts leave such a folder alone (`deepspeed.names.is_universal`), so it can come last, after the layouts
+#: people know.
 _REGISTRY: tuple[tuple[str, str], ...] = (
     ("native", "ckptctl.frameworks.native.layout:NativeLayout"),
     ("areal", "ckptctl.frameworks.areal.layout:ArealLayout"),
     ("roll", "ckptctl.frameworks.roll.layout:RollLayout"),
+    ("lightning", "ckptctl.frameworks.lightning.layout:LightningLayout"),
     ("megatron", "ckptctl.frameworks.megatron.layout:MegatronLayout"),
+    ("torchtitan", "ckptctl.frameworks.torchtitan.layout:TorchtitanLayout"),
     ("dcp", "ckptctl.frameworks.dcp.layout:DcpLayout"),
     ("hf_trainer", "ckptctl.frameworks.hf_trainer.layout:HfTrainerLayout"),
     ("accelerate", "ckptctl.frameworks.accelerate.layout:AccelerateLayout"),
     ("openrlhf", "ckptctl.frameworks.openrlhf.layout:OpenRlhfLayout"),
     ("open_instruct", "ckptctl.frameworks.open_instruct.layout:OpenInstructLayout"),
     ("deepspeed", "ckptctl.frameworks.deepspeed.layout:DeepSpeedLayout"),
+    ("peft", "ckptctl.frameworks.peft.layout:PeftLayout"),
     ("hf", "ckptctl.frameworks.hf.layout:HfModelLayout"),
     ("deepspeed_universal", "ckptctl.frameworks.deepspeed.universal:DeepSpeedUniversalLayout"),
 )
@@ -238,8 +244,33 @@ def _identify(
 
 
 def _pointed(url: str, entries: Sequence[io.DirEntry]) -> set[str]:
-    """The child folders of `url` that a `latest`-style pointer in it names (any layout's)."""
+    """The children of `url` that a `latest`-style pointer in it names (any layout's)."""
     return {io.join(url, name) for layout in all_layouts() if (name := layout.latest_pointer(url, entries))}
+
+
+def _identify_file(url: str, entry: io.DirEntry, layout: str | None = None) -> tuple[Layout, CheckpointRef] | None:
+    """The first layout (in registry order, or only `layout`) whose checkpoints are files like `entry`, and
+    the file's ref when it recognises it."""
+    for candidate in [get_layout(layout)] if layout else all_layouts():
+        if candidate.checkpoint_files and entry.name.endswith(candidate.checkpoint_files):
+            ref = candidate.identify_file(url, entry)
+            if ref is not None:
+                return candidate, ref
+    return None
+
+
+def _file_checkpoints(url: str, entries: Sequence[io.DirEntry]) -> list[CheckpointRef]:
+    """The files of the folder `url` that are whole checkpoints (hidden ones are staging files)."""
+    endings = tuple(ending for layout in all_layouts() for ending in layout.checkpoint_files)
+    if not endings:
+        return []
+    found = []
+    for entry in entries:
+        if not entry.is_dir and entry.name.endswith(endings) and not entry.name.startswith("."):
+            hit = _identify_file(io.join(url, entry.name), entry)
+            if hit is not None:
+                found.append(hit[1])
+    return found
 
 
 def detect(url: str, layout: str | None = None, *, explain: bool = True) -> tuple[Layout, CheckpointRef]:
@@ -262,10 +293,16 @@ def detect(url: str, layout: str | None = None, *, explain: bool = True) -> tupl
 
 
 def _detect_file(url: str, layout: str | None) -> tuple[Layout, CheckpointRef]:
-    """A single weights file, or the error that says what to pass instead."""
+    """A file a layout takes for a whole checkpoint (`Layout.identify_file`), a single weights file, or the
+    error that says what to pass instead."""
     if io.exists(url):
         from ckptctl.layouts.single_file import detect_file
 
+        name = io.name_of(url)
+        entry = next((e for e in peek_dir(io.parent_of(url)) or () if e.name == name and not e.is_dir), None)
+        hit = _identify_file(url, entry, layout) if entry is not None else None
+        if hit is not None:
+            return hit
         if layout is not None:
             raise UnknownLayout(f"{url} is a file: --layout {layout} names a folder layout", "leave out --layout")
         return detect_file(url)
@@ -288,7 +325,8 @@ def resolve(url: str, layout: str | None = None) -> tuple[Layout, CheckpointRef]
 
     The folder itself when it is a checkpoint, also when it holds others (the final model of an HF
     Trainer `output_dir` beside its `checkpoint-N/`); else the checkpoint that a `latest`-style pointer in
-    it names (a DeepSpeed save folder: the tag its `latest` names), as `scan_run` marks it.
+    it names (a DeepSpeed save folder: the tag its `latest` names; a Lightning `dirpath`: `last.ckpt`), as
+    `scan_run` marks it.
 
     Args:
         url: the folder.
@@ -306,10 +344,15 @@ def resolve(url: str, layout: str | None = None) -> tuple[Layout, CheckpointRef]
         if hit is not None:
             return hit
         folders = {io.join(url, e.name) for e in entries if e.is_dir}
+        files = {io.join(url, e.name): e for e in entries if not e.is_dir}
+        pointed = _pointed(url, entries)
         named = [
             found
-            for child in sorted(_pointed(url, entries) & folders)
+            for child in sorted(pointed & folders)
             if (found := _identify(child, io.list_dir(child), layout)) is not None
+        ]
+        named += [
+            found for child in sorted(pointed & set(files)) if (found := _identify_file(child, files[child], layout))
         ]
         if len(named) == 1:
             return named[0]
@@ -337,8 +380,9 @@ def scan_run(url: str, max_depth: int = DEFAULT_SCAN_DEPTH) -> list[CheckpointRe
     beside `checkpoint-N/`; a DCP or DeepSpeed run with an exported model beside its steps). A folder
     recognised as a checkpoint is recorded, and its child folders that are not part of it (the layout's
     `members`) are walked on; the ref names those that hold checkpoints in `CheckpointRef.holds`, and
-    comes before them. Hidden folders are only checked themselves (a layout may recognise its own
-    staging folders) and never descended into. Folders that a layout names as parts of its checkpoints
+    comes before them. In a folder that is no checkpoint, files a layout takes for whole checkpoints
+    (`Layout.identify_file`: Lightning's `epoch=0-step=100.ckpt`) are listed too. Hidden folders are only
+    checked themselves (a layout may recognise its own staging folders) and never descended into. Folders that a layout names as parts of its checkpoints
     kept beside them (its `companions(url, entries)`: open-instruct's shared `ref_policy/`, AReaL's
     `recover_info/`) are neither listed nor descended into. A checkpoint that a `latest`-style pointer in
     its parent folder names has `latest` set.
@@ -375,6 +419,7 @@ class _Level:
         url, entries, depth: the folder, its listing and its depth below the run.
         out: where its checkpoints go once all its children are walked (its parent's list for that child).
         hit: the folder's own ref when it is a checkpoint.
+        files: its files that are whole checkpoints (`Layout.identify_file`), when it is not one itself.
         todo: child folders still to walk.
         parallel: whether its children may fan out on threads.
         children: each walked child's name with the checkpoints found at or below it.
@@ -386,6 +431,7 @@ class _Level:
     out: list[CheckpointRef]
     hit: CheckpointRef | None
     parallel: bool = False
+    files: list[CheckpointRef] = field(default_factory=list)
     todo: deque[io.DirEntry] = field(default_factory=deque)
     children: list[tuple[str, list[CheckpointRef]]] = field(default_factory=list)
 
@@ -414,6 +460,8 @@ def _walk(
                 parts = _companions(url, entries)
                 folders = [e for e in folders if e.name not in parts]
         level = _Level(url, entries, depth, out, hit[1] if hit is not None else None, parallel)
+        if hit is None:
+            level.files = _file_checkpoints(url, entries)
         if parallel and len(folders) > 1:
             visited = io.parallel_map(lambda e: _walk_child(url, e, depth, max_depth), folders)
             level.children = [(e.name, refs) for e, refs in zip(folders, visited, strict=True)]
@@ -472,6 +520,6 @@ def _finish(level: _Level) -> None:
     if level.hit is not None:
         holds = tuple(name for name, refs in level.children if refs)
         level.out.append(replace(level.hit, holds=holds) if holds else level.hit)
-    children = [ref for _, refs in level.children for ref in refs]
+    children = level.files + [ref for _, refs in level.children for ref in refs]
     pointed = _pointed(level.url, level.entries) if children else set()
     level.out.extend(replace(ref, latest=True) if ref.url in pointed else ref for ref in children)

@@ -8,9 +8,10 @@ shared contract test in `tests/layouts/test_contract.py` runs against every regi
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -36,6 +37,9 @@ class Layout:
 
     #: Short stable name shown in `list`/`inspect` and accepted by `--layout`.
     name: str = ""
+    #: Endings of the names of files that are whole checkpoints of this layout (Lightning's `.ckpt`), which
+    #: the run walker hands to `identify_file`; empty for a layout whose checkpoints are folders.
+    checkpoint_files: tuple[str, ...] = ()
 
     # ---------------------------------------------------------------------------------------- reading
 
@@ -47,8 +51,17 @@ class Layout:
         """
         raise NotImplementedError
 
+    def identify_file(self, url: str, entry: DirEntry) -> CheckpointRef | None:
+        """The ref of the file at `url` (`entry`: its listing entry) if it is a whole checkpoint of this layout,
+        else None. Asked for the files whose names end in one of `checkpoint_files`, in the folders the run
+        walker lists that are not checkpoints themselves, and for a file given as a checkpoint: like
+        `identify`, it decides from the name and at most a few small reads.
+        """
+        return None
+
     def latest_pointer(self, url: str, entries: Sequence[DirEntry]) -> str | None:
-        """The name of the child folder a `latest`-style pointer in this folder names, if any."""
+        """The name of the child (a folder, or a file checkpoint) a `latest`-style pointer in this folder
+        names, if any."""
         return None
 
     def open(self, url: str) -> Checkpoint:
@@ -193,6 +206,12 @@ class Layout:
         """
         return (checkpoint.ref.url, io.parent_of(checkpoint.ref.url))
 
+    def model_config(self, checkpoint: Checkpoint) -> Mapping[str, Any] | None:
+        """The model's `config.json` as the checkpoint itself records it (a transformers config among a
+        Lightning module's hyperparameters), which `convert` writes when it finds no config.json and is given
+        no `--config`; None (the default) when it records none."""
+        return None
+
     def model_spec(self, config: Mapping[str, Any], notes: list[str]) -> ModelSpec | None:
         """The tensors of the model a config of this framework describes (a parsed `config.json`), as the
         framework's own code builds it, without memory; `convert` checks its output against it.
@@ -209,6 +228,15 @@ class Layout:
         """
         return None
 
+    def adapter(self, checkpoint: Checkpoint) -> Adapter | None:
+        """The adapter this checkpoint holds instead of a model (a PEFT LoRA folder), which `convert` merges
+        into a base model (`--merge-adapter BASE`); None (the default) for a checkpoint that holds a model.
+
+        Args:
+            checkpoint: a checkpoint this layout opened.
+        """
+        return None
+
     def model_logits(self, folder: str, config: Mapping[str, Any], tensors: Mapping[str, Any] | None) -> Any:
         """Logits (a float torch tensor) of the model in `folder` on fixed token ids, loaded by the framework's
         own loader; given `tensors` (name -> torch tensor), of the architecture `config` describes holding
@@ -221,6 +249,39 @@ class Layout:
         raise CkptctlError(f"{self.name} models cannot be run to compare their logits")
 
     # ---------------------------------------------------------------------------------- tensor names
+
+    def hf_name_map(
+        self,
+        tensors: Mapping[str, tuple[int, ...]],
+        config: Mapping[str, Any] | None,
+        requested: str | None,
+        notes: list[str],
+    ) -> NameMap | None:
+        """How the model's tensors, as this framework names and lays them out, become those of the Hugging
+        Face model (`convert --to hf`): a framework whose models are its own code (torchtitan's `layers.0.
+        attention.wq.weight`) maps them to transformers' names, and reorders rows where the two compute
+        alike from rows in another order (the q/k rows of rotary embeddings).
+
+        Args:
+            tensors: the model's tensor names (the namespace of the save removed, as `namespace_stripper`
+                does) -> their shapes.
+            config: the parsed `config.json` the output gets, or None.
+            requested: the map asked for by name (`--mapping`); None picks one from `config` and `names`,
+                `"none"` keeps the names.
+            notes: where to append what the user should know about the map used.
+
+        Returns:
+            The map, or None to keep the names (the default: a framework whose names are transformers').
+
+        Raises:
+            CkptctlError: `requested` names no map of this framework, or the map needs what `config` lacks.
+        """
+        if requested not in (None, NO_NAME_MAP):
+            raise CkptctlError(
+                f"{self.name} checkpoints have no tensor name map {requested!r}",
+                f"their tensors keep their names: drop --mapping (or pass --mapping {NO_NAME_MAP})",
+            )
+        return None
 
     def namespace_stripper(self, entries: Sequence[TensorEntry]) -> NameStripper:
         """How to remove the namespace this layout's saves put in front of the model's own tensor names,
@@ -281,6 +342,27 @@ class Protections:
     notes: tuple[str, ...] = ()
 
 
+#: `--mapping` value that keeps the names as the framework stores them.
+NO_NAME_MAP = "none"
+
+
+@dataclass(frozen=True, slots=True)
+class NameMap:
+    """A framework's model tensors as a Hugging Face model names and lays them out (`Layout.hf_name_map`).
+
+    Attributes:
+        mapping: the map's name (`llama3`), as `--mapping` takes it.
+        names: stored name (namespace removed) -> the transformers name; names not in it are kept as they are
+            (the model check then names any the architecture does not have).
+        rows: transformers name -> the stored rows (first dimension) in the order the output holds them: a
+            row permutation, for tensors the two models compute alike from rows in another order.
+    """
+
+    mapping: str
+    names: Mapping[str, str]
+    rows: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+
+
 @dataclass(frozen=True, slots=True)
 class HfModel:
     """A checkpoint's model under Hugging Face transformers names (`Layout.hf_model`); no tensor data is read.
@@ -334,6 +416,53 @@ class ModelSpec:
     tied: Mapping[str, str]
     ignored_leftovers: tuple[str, ...] = ()
     ignored_missing: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class DerivedTensor:
+    """An output tensor that no file holds as is, computed when it is written (a LoRA merge: W + s·B@A).
+
+    `convert` plans, checks and writes it like a stored tensor; its bytes come from `compute()` instead of
+    a byte copy.
+
+    Attributes:
+        name: its name in the output.
+        dtype: torch-style dtype name of what `compute` returns.
+        shape: the shape of what `compute` returns.
+        compute: reads the stored tensors it derives from and returns the result (a torch tensor).
+    """
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    compute: Callable[[], Any] = field(repr=False, compare=False)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+#: A model as `convert` writes it: each output name -> the stored tensor it is, or the tensor computed for it.
+ModelTensors = Mapping[str, "TensorEntry | DerivedTensor"]
+
+
+@dataclass(frozen=True, slots=True)
+class Adapter:
+    """An adapter a checkpoint holds in place of a model (`Layout.adapter`).
+
+    Attributes:
+        kind: what it is, for people (`LoRA`).
+        base_hint: the base model the adapter itself names (PEFT's `base_model_name_or_path`), or None.
+        merge: `merge(base_url, base, notes)`: the model `base` (the base model's tensors by the model's
+            names, in order, their chunks relative to `base_url`) with the adapter merged in, by name and in
+            base order: the base entries it leaves alone kept as they are, the others derived. It appends
+            to `notes` what a person should know, and raises `CkptctlError` when the adapter cannot be
+            merged (a kind it does not handle) or does not fit the base.
+    """
+
+    kind: str
+    base_hint: str | None
+    merge: Callable[[str, Mapping[str, TensorEntry], list[str]], ModelTensors] = field(repr=False)
 
 
 _STEP_PATTERNS = (

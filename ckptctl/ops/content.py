@@ -13,19 +13,21 @@
 
 Every byte is read once whichever checks want it (`io.sweep`), and memory stays flat: the workers'
 buffers, small archives while they are checked, never a whole tensor (a chunk that is not one plain range
-of its file is decoded on its own). Checks that find no CRC to check say so: raw bytes (a safetensors
+of its file is decoded on its own). Over the ranks of a job (`ops.distributed_work`), each rank reads the
+bytes of its share of the checks (`ops.sweeping`) and every rank gets the whole report; every rank plans
+them all (reads the tensor index, zip directories and item headers: metadata, well under 1% of the bytes). Checks that find no CRC to check say so: raw bytes (a safetensors
 file, a DCP save in the safetensors format) are vouched for by a manifest only.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from ckptctl import io
-from ckptctl.checkpoint import Checkpoint, Problem, ProblemKind, TensorEntry, dtype_itemsize
+from ckptctl.checkpoint import Checkpoint, Problem, ProblemKind, TensorChunk, TensorEntry, dtype_itemsize
 from ckptctl.errors import CkptctlError, CorruptCheckpoint
 from ckptctl.formats.chunks import read_chunk, tiling_problem
 from ckptctl.formats.manifest import FileRecord, Manifest
@@ -41,9 +43,11 @@ from ckptctl.formats.torch_zip import (
     is_zip,
     mismatch,
 )
-from ckptctl.io.sweep import Feed, Span, Sweep
-from ckptctl.ops.digests import DigestPlan, workers_for
+from ckptctl.io.sweep import Feed, Job, Span
+from ckptctl.ops.digests import DigestPlan
+from ckptctl.ops.distributed_work import Ranks
 from ckptctl.ops.report import Progress
+from ckptctl.ops.sweeping import sweep_jobs, threads_for
 
 __all__ = ["ContentChecks", "ContentReport", "check_content"]
 
@@ -58,7 +62,8 @@ class ContentChecks:
         deep: locate and read every tensor chunk.
         check_finite: with `deep`, flag NaN/Inf values.
         record_digests: hash every file to record a manifest (`ContentReport.digests`).
-        workers: threads reading at once (default: `ops.digests.workers_for`).
+        workers: threads reading at once in this process (default: `ops.sweeping.threads_for`).
+        ranks: the ranks of a job that share the reading by bytes (None: this process alone).
     """
 
     manifest: Manifest | None = None
@@ -67,6 +72,7 @@ class ContentChecks:
     check_finite: bool = False
     record_digests: bool = False
     workers: int | None = None
+    ranks: Ranks | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,55 +113,49 @@ def check_content(
 
     With `deep`, a tensor index that cannot be read is a problem (and no tensor is read).
     """
-    workers = workers_for(checks.workers)
+    workers = threads_for(checks.workers, checks.ranks)
     digests = DigestPlan(checkpoint.url, checkpoint.files, checks.manifest, checks.record_digests)
     crcs = None
     if checks.crc:
         covered = digests.checked | skip
         crcs = _CrcPlan(checkpoint, [a for a in archives if a.file not in covered], workers, progress)
     deep = _DeepPlan(checkpoint, checks.check_finite, progress) if checks.deep else None
-    spans = [*digests.spans, *(crcs.spans if crcs else ()), *(deep.spans if deep else ())]
-    _sweep(spans, workers, progress, _description(checks, digests, crcs))
+    jobs: list[Job[Any]] = [*digests.jobs, *(crcs.jobs if crcs else ()), *(deep.jobs if deep else ())]
+    verdicts = sweep_jobs(jobs, checks.ranks, workers, progress, _description(checks, digests, crcs))
+    digests.conclude(verdicts[: len(digests.jobs)])
+    verdicts = verdicts[len(digests.jobs) :]
 
     problems = digests.problems()
     crc_records = 0
     if crcs is not None:
-        crc_problems, crc_records = crcs.results()
+        crc_problems, crc_records = crcs.results(verdicts[: len(crcs.jobs)])
+        verdicts = verdicts[len(crcs.jobs) :]
         problems += crc_problems
         # A file whose digest failed: its CRCs say which record changed.
         changed = digests.mismatched()
         again = [a for a in archives if a.file in changed and a.file not in skip]
         if again:
             named = _CrcPlan(checkpoint, again, workers, progress)
-            _sweep(named.spans, workers, progress, "finding the damaged records")
-            named_problems, named_records = named.results()
+            found = sweep_jobs(named.jobs, checks.ranks, workers, progress, "finding the damaged records")
+            named_problems, named_records = named.results(found)
             problems += named_problems
             crc_records += named_records
     tensors = 0
     if deep is not None:
-        problems += deep.results()
+        problems += deep.results(verdicts)
         tensors = deep.count
     return ContentReport(tuple(problems), digests.count, crc_records, tensors, digests.records())
 
 
 def _description(checks: ContentChecks, digests: DigestPlan, crcs: _CrcPlan | None) -> str:
     parts = []
-    if digests.spans:
+    if digests.jobs:
         parts.append("hashing")
-    if crcs is not None and crcs.spans:
+    if crcs is not None and crcs.jobs:
         parts.append("checking CRC-32s")
     if checks.deep:
         parts.append("reading tensors")
     return ", ".join(parts) or "reading"
-
-
-def _sweep(spans: list[Span], workers: int, progress: Progress, description: str) -> None:
-    sweep = Sweep(spans)
-    if not sweep.total:
-        return
-    progress.start(description, sweep.total)
-    sweep.run(workers, progress.advance)
-    progress.finish()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -177,14 +177,17 @@ class _Outcome:
 class _SmallArchive:
     """A sink that gathers a small archive's bytes (from any pieces) and checks it when the last arrive."""
 
-    __slots__ = ("_buf", "_got", "_lock", "archive", "base", "length", "outcome", "where")
+    __slots__ = ("_buf", "_got", "_lock", "archive", "base", "length", "outcome", "span", "where")
 
-    def __init__(self, archive: TorchArchive, base: int, length: int, where: str, lock: threading.Lock) -> None:
+    def __init__(
+        self, url: str, archive: TorchArchive, base: int, length: int, where: str, lock: threading.Lock
+    ) -> None:
         self.archive = archive
         self.base = base
         self.length = length
         self.where = where
         self.outcome: _Outcome | None = None
+        self.span = Span(url, base, base + length, self)
         self._buf: bytearray | None = None
         self._got = 0
         self._lock = lock
@@ -215,6 +218,10 @@ class _SmallArchive:
         with self._lock:
             self._buf = None
             self.outcome = _Outcome(error=f"{self.where}: {message}")
+
+    def result(self) -> _Outcome:
+        """After the sweep: what the check found."""
+        return self.outcome or _Outcome(error=f"{self.where}: its bytes were not all read")
 
 
 def _check_bytes(data: bytearray, base: int, where: str) -> _Outcome:
@@ -261,7 +268,6 @@ class _CrcPlan:
     def __init__(self, checkpoint: Checkpoint, archives: Sequence[TorchArchive], workers: int, progress: Progress):
         self._root = checkpoint.url
         self._files = checkpoint.files
-        self.spans: list[Span] = []
         self._small: list[_SmallArchive] = []
         self._large: list[_LargeArchive] = []
         lock = threading.Lock()
@@ -275,9 +281,7 @@ class _CrcPlan:
                 continue  # structural verify reports records outside their file
             url = io.join(self._root, archive.file)
             if length <= SMALL_ARCHIVE:
-                small = _SmallArchive(archive, archive.offset, length, self._where(archive), lock)
-                self._small.append(small)
-                self.spans.append(Span(url, archive.offset, archive.offset + length, small))
+                self._small.append(_SmallArchive(url, archive, archive.offset, length, self._where(archive), lock))
             else:
                 large = _LargeArchive(archive, archive.offset, length)
                 self._large.append(large)
@@ -286,9 +290,12 @@ class _CrcPlan:
             progress.start("reading zip directories", len(self._large))
             io.parallel_map(lambda group: self._directories(*group, progress), list(large_by_file.items()), workers)
             progress.finish()
-            for large in self._large:
-                url = io.join(self._root, large.archive.file)
-                self.spans += (Span(url, s.member.start, s.member.start + s.member.size, s) for s in large.sinks)
+        #: One job per archive; its verdict is an `_Outcome`.
+        self.jobs: list[Job[_Outcome]] = [Job([s.span], s.result) for s in self._small]
+        for large in self._large:
+            url = io.join(self._root, large.archive.file)
+            spans = [Span(url, s.member.start, s.member.start + s.member.size, s) for s in large.sinks]
+            self.jobs.append(Job(spans, large.result))
 
     def _directories(self, file: str, group: list[_LargeArchive], progress: Progress) -> None:
         try:
@@ -324,13 +331,12 @@ class _CrcPlan:
             return f"{file} ({archive.entry}{', ' + archive.where if archive.where else ''})"
         return file
 
-    def results(self) -> tuple[list[Problem], int]:
-        """After the sweep: the problems found and the number of records checked."""
-        outcomes: list[tuple[TorchArchive, int, int, _Outcome]] = [
-            (s.archive, s.base, s.length, s.outcome or _Outcome(error=f"{s.where}: its bytes were not all read"))
-            for s in self._small
+    def results(self, verdicts: Sequence[_Outcome]) -> tuple[list[Problem], int]:
+        """The problems `jobs`' verdicts (in their order) show, and the number of records checked."""
+        placed = [(s.archive, s.base, s.length) for s in self._small] + [
+            (a.archive, a.base, a.length) for a in self._large
         ]
-        outcomes += [(a.archive, a.base, a.length, a.result()) for a in self._large]
+        outcomes = [(*where, outcome) for where, outcome in zip(placed, verdicts, strict=True)]
         outcomes.sort(key=lambda o: (o[0].file, o[1]))
         zips_in = {a.file for a, _, _, o in outcomes if not o.not_zip}
         problems: list[Problem] = []
@@ -443,9 +449,12 @@ def _entries_by_record(url: str) -> dict[str, list[str]]:
 @dataclass(slots=True)
 class _EntryState:
     entry: TensorEntry
-    sinks: list[_ChunkBytes] = field(default_factory=list)
-    bad: int = 0  # non-finite values found outside the sweep (decoded chunks)
+    jobs: range = range(0)  # its chunks' jobs in `_DeepPlan.jobs`
     problems: list[Problem] = field(default_factory=list)
+
+
+#: What reading one chunk found: (why it could not be read, as the problem says it, or None; NaN/Inf counted).
+_ChunkRead = tuple[str | None, int]
 
 
 class _ChunkBytes:
@@ -527,10 +536,11 @@ def _counts_non_finite(dtype: str) -> bool:
 
 
 class _DeepPlan:
-    """Every chunk of every tensor: checked against its metadata now, its bytes read by the sweep."""
+    """Every chunk of every tensor: checked against its metadata now, its bytes read by the sweep (one job
+    per chunk; a chunk that is not one plain range of its file is a job that decodes it alone)."""
 
     def __init__(self, checkpoint: Checkpoint, check_finite: bool, progress: Progress) -> None:
-        self.spans: list[Span] = []
+        self.jobs: list[Job[_ChunkRead]] = []
         self._states: list[_EntryState] = []
         self._unreadable: list[Problem] = []
         try:
@@ -553,40 +563,58 @@ class _DeepPlan:
             state.problems.append(Problem(ProblemKind.UNREADABLE, entry.name, f"{entry.name}: {problem}"))
             return state
         finite = check_finite and _counts_non_finite(entry.dtype)
-        spans = []
+        jobs: list[Job[_ChunkRead]] = []
         try:
             for chunk in entry.chunks:
                 if chunk.numel == 0:
                     continue
                 found = locator.locate(entry, chunk)
                 if found is None:  # not one plain range (a strided view, a remote archive): decode it alone
-                    tensor = read_chunk(url, entry, chunk)
-                    if finite:
-                        state.bad += int(tensor.numel() - tensor.isfinite().sum())
+                    nbytes = chunk.numel * dtype_itemsize(entry.dtype)
+                    jobs.append(Job((), _decoded(url, entry, chunk, finite), extra=nbytes))
                     continue
                 sink = _ChunkBytes(entry.dtype, finite)
-                state.sinks.append(sink)
-                spans.append(Span(found.url, found.offset, found.offset + found.length, sink))
+                span = Span(found.url, found.offset, found.offset + found.length, sink)
+                jobs.append(Job([span], _read(sink, entry.name)))
         except CkptctlError as exc:
             state.problems.append(Problem(ProblemKind.UNREADABLE, entry.name, exc.message))
-            state.sinks.clear()
             return state
-        self.spans += spans
+        state.jobs = range(len(self.jobs), len(self.jobs) + len(jobs))
+        self.jobs += jobs
         return state
 
-    def results(self) -> list[Problem]:
-        """After the sweep: unreadable tensors, and those holding NaN/Inf."""
+    def results(self, verdicts: Sequence[_ChunkRead]) -> list[Problem]:
+        """The problems `jobs`' verdicts (in their order) show: unreadable tensors, and those holding NaN/Inf."""
         problems = list(self._unreadable)
         for state in self._states:
             problems += state.problems
-            failed = next((s.error for s in state.sinks if s.error is not None), None)
+            reads = [verdicts[i] for i in state.jobs]
+            failed = next((error for error, _ in reads if error is not None), None)
             if failed is not None:
-                problems.append(Problem(ProblemKind.UNREADABLE, state.entry.name, f"{state.entry.name}: {failed}"))
+                problems.append(Problem(ProblemKind.UNREADABLE, state.entry.name, failed))
                 continue
-            bad = state.bad + sum(s.bad() for s in state.sinks)
+            bad = sum(n for _, n in reads)
             if bad:
                 numel = state.entry.numel
                 problems.append(
                     Problem(ProblemKind.NOT_FINITE, state.entry.name, f"{bad} of {numel} values are NaN or Inf")
                 )
         return problems
+
+
+def _read(sink: _ChunkBytes, name: str) -> Callable[[], _ChunkRead]:
+    def verdict() -> _ChunkRead:
+        return (f"{name}: {sink.error}", 0) if sink.error is not None else (None, sink.bad())
+
+    return verdict
+
+
+def _decoded(url: str, entry: TensorEntry, chunk: TensorChunk, finite: bool) -> Callable[[], _ChunkRead]:
+    def verdict() -> _ChunkRead:
+        try:
+            tensor = read_chunk(url, entry, chunk)
+        except CkptctlError as exc:
+            return exc.message, 0
+        return None, int(tensor.numel() - tensor.isfinite().sum()) if finite else 0
+
+    return verdict

@@ -46,6 +46,7 @@ from ckptctl.errors import CkptctlError, CorruptCheckpoint
 from ckptctl.formats.documents import read_json
 from ckptctl.formats.manifest import FileRecord, Manifest, read_manifest
 from ckptctl.layouts import get_layout, open_checkpoint
+from ckptctl.ops.distributed_work import Ranks, split
 from ckptctl.ops.naming import Renames, normalised_names
 from ckptctl.ops.report import SCHEMA_VERSION, NoProgress, Progress, flatten, jsonable
 from ckptctl.ops.tensor_stats import (
@@ -122,6 +123,8 @@ class DiffOptions:
         layout_a: read A as this layout instead of detecting it.
         layout_b: read B as this layout instead of detecting it.
         top: list only this many most changed pairs (None: all); the counts cover every pair.
+        ranks: the ranks of a job (`ops.distributed_work.join`) that all run this comparison and share the
+            pairs to read by bytes; every rank gets the whole report. None: this process alone.
     """
 
     component: Component = Component.MODEL
@@ -135,6 +138,7 @@ class DiffOptions:
     layout_a: str | None = None
     layout_b: str | None = None
     top: int | None = None
+    ranks: Ranks | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -330,12 +334,19 @@ def _diff(a: str, b: str, options: DiffOptions, progress: Progress, read: io.Byt
             results[name] = replace(base, identical=True, evidence=evidence, max_abs_diff=0.0, rel_l2=0.0, mismatched=0)
         else:
             to_read.append(_Pair(base, entry_a, entry_b))
-    progress.start("comparing", sum(p.a.nbytes + p.b.nbytes for p in to_read))
-    try:
-        for pair, stats in _compare_pairs(left, right, to_read, options, progress).items():
-            results[pair.base.name] = _judged(pair, stats, options)
-    finally:
-        progress.finish()
+
+    def compare(indices: list[int]) -> dict[int, ValueStats]:
+        share = [to_read[i] for i in indices]
+        progress.start("comparing", sum(p.a.nbytes + p.b.nbytes for p in share))
+        try:
+            found = _compare_pairs(left, right, share, options, progress)
+        finally:
+            progress.finish()
+        return {i: found[to_read[i]] for i in indices}
+
+    sizes = [p.a.nbytes + p.b.nbytes for p in to_read]
+    for pair, stats in zip(to_read, split(options.ranks, sizes, compare), strict=True):
+        results[pair.base.name] = _judged(pair, stats, options)
     changed = [results[n] for n in common if results[n].kind is not None]
     equal = [results[n] for n in common if results[n].kind is None]
     changed.sort(key=TensorDiff.sort_key)

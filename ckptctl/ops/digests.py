@@ -2,38 +2,36 @@
 
 `verify` (level 2) and `resume-plan --digests` check them; `verify --write-manifest` and the transformers
 callback record them. Files are hashed in parallel with blake3, each read once through a small reused
-buffer (`io.sweep`), so memory stays flat whatever their size. `DigestPlan` is the part `verify` runs in
-the same pass as its other content checks.
+buffer (`io.sweep`), so memory stays flat whatever their size; over the ranks of a job each rank hashes
+its share of the files by bytes (`ops.sweeping`). `DigestPlan` is the part `verify` runs in the same pass
+as its other content checks.
 """
 
 from __future__ import annotations
 
-import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from ckptctl import io
 from ckptctl.checkpoint import Problem, ProblemKind
 from ckptctl.errors import StorageError
 from ckptctl.formats.digest import DigestSink
 from ckptctl.formats.manifest import DIGESTS_NAME, MANIFEST_NAME, FileRecord, Manifest, now_iso
-from ckptctl.io.sweep import Span, Sweep
+from ckptctl.io.sweep import Job, Span
+from ckptctl.ops.distributed_work import Ranks
 from ckptctl.ops.report import Progress
+from ckptctl.ops.sweeping import sweep_jobs, threads_for
 
-__all__ = ["DigestPlan", "check_digests", "save_digests", "workers_for", "write_digests"]
+__all__ = ["DigestPlan", "check_digests", "save_digests", "write_digests"]
 
-
-def workers_for(requested: int | None) -> int:
-    """Threads that read and hash at once: `requested`, or one per core (4 to 8). At least 4 even on fewer
-    cores: reading a cold checkpoint waits on the disk, and more reads in flight keep it busy (on 2 cores,
-    4 threads read a cold DCP save about 12% faster than 2, and as fast from the page cache)."""
-    return requested or max(4, min(8, os.cpu_count() or 4))
+#: What hashing one file found: (the read error, or None; the blake3 digest when it was read whole).
+Hashed = tuple[str | None, str | None]
 
 
 class DigestPlan:
     """The digests to compute over a checkpoint's files: to check against a manifest, or to record.
 
-    `spans` go through an `io.sweep.Sweep` (with any other checks' spans); then `problems()` and
-    `records()` give the verdicts.
+    `jobs` (one per file) go through a sweep (`ops.sweeping.sweep_jobs`, with any other checks' jobs); their
+    verdicts, handed to `conclude`, make `problems()`, `mismatched()` and `records()`.
 
     Args:
         url: the checkpoint.
@@ -57,9 +55,16 @@ class DigestPlan:
             for rel, size in present.items():
                 if rel not in (DIGESTS_NAME, MANIFEST_NAME) and rel not in self._sinks:
                     self._sinks[rel] = (DigestSink(), size, None)
-        self.spans = [
-            Span(io.join(url, rel), 0, size, sink, ordered=True) for rel, (sink, size, _) in self._sinks.items()
+        self._found: dict[str, Hashed] = {}
+        self.jobs = [
+            Job([Span(io.join(url, rel), 0, size, sink, ordered=True)], _hashed(sink))
+            for rel, (sink, size, _) in self._sinks.items()
         ]
+
+    def conclude(self, verdicts: list[Hashed]) -> None:
+        """The verdicts of `jobs`, in their order (from this process's sweep or from the ranks that hashed
+        them)."""
+        self._found = dict(zip(self._sinks, verdicts, strict=True))
 
     @property
     def checked(self) -> frozenset[str]:
@@ -93,10 +98,11 @@ class DigestPlan:
     def problems(self) -> list[Problem]:
         """After the sweep: files missing, resized, unreadable or changed; files added (warnings)."""
         problems = list(self._before)
-        for rel, (sink, _, recorded) in sorted(self._sinks.items(), key=lambda kv: -kv[1][1]):
-            if sink.error is not None:
-                problems.append(Problem(ProblemKind.UNREADABLE, rel, f"{rel}: {sink.error}"))
-            elif recorded is not None and sink.hexdigest() != recorded:
+        for rel, (_, _, recorded) in sorted(self._sinks.items(), key=lambda kv: -kv[1][1]):
+            error, digest = self._found[rel]
+            if error is not None:
+                problems.append(Problem(ProblemKind.UNREADABLE, rel, f"{rel}: {error}"))
+            elif recorded is not None and digest != recorded:
                 problems.append(
                     Problem(ProblemKind.DIGEST_MISMATCH, rel, f"{rel}: content differs from the recorded blake3 digest")
                 )
@@ -116,39 +122,58 @@ class DigestPlan:
         """After the sweep: the files whose content differs from their recorded digest."""
         return frozenset(
             rel
-            for rel, (sink, _, recorded) in self._sinks.items()
-            if recorded is not None and sink.error is None and sink.hexdigest() != recorded
+            for rel, (_, _, recorded) in self._sinks.items()
+            if recorded is not None and self._found[rel][0] is None and self._found[rel][1] != recorded
         )
 
     def records(self) -> dict[str, FileRecord]:
         """After the sweep: size and digest of every file hashed (those that could be read whole)."""
+        found = self._found
         return {
-            rel: FileRecord(size, sink.hexdigest())
-            for rel, (sink, size, _) in sorted(self._sinks.items())
-            if sink.error is None
+            rel: FileRecord(size, found[rel][1] or "")
+            for rel, (_, size, _) in sorted(self._sinks.items())
+            if found[rel][0] is None
         }
 
 
+def _hashed(sink: DigestSink) -> Callable[[], Hashed]:
+    def verdict() -> Hashed:
+        return (sink.error, None) if sink.error is not None else (None, sink.hexdigest())
+
+    return verdict
+
+
 def check_digests(
-    url: str, manifest: Manifest, present: Mapping[str, int], workers: int | None, progress: Progress
+    url: str,
+    manifest: Manifest,
+    present: Mapping[str, int],
+    workers: int | None,
+    progress: Progress,
+    ranks: Ranks | None = None,
 ) -> tuple[list[Problem], int]:
-    """Hash every file the manifest lists (in parallel) and compare; returns problems and files checked."""
+    """Hash every file the manifest lists (in parallel: `workers` threads; over a job's `ranks`, each rank
+    its share by bytes) and compare; returns problems and files checked (the same on every rank)."""
     plan = DigestPlan(url, present, manifest)
-    _run(Sweep(plan.spans), workers, progress)
+    _run(plan, workers, progress, ranks)
     return plan.problems(), plan.count
 
 
-def write_digests(url: str, files: Mapping[str, int], workers: int | None, progress: Progress) -> Manifest:
-    """Record size and blake3 of every file of a foreign checkpoint into `ckptctl-digests.json`.
+def write_digests(
+    url: str, files: Mapping[str, int], workers: int | None, progress: Progress, ranks: Ranks | None = None
+) -> Manifest:
+    """Record size and blake3 of every file of a foreign checkpoint into `ckptctl-digests.json` (over a job's
+    `ranks`, each rank hashes its share and rank 0 writes the file).
 
     Raises:
         StorageError: a file could not be read whole.
     """
     plan = DigestPlan(url, files, None, record=True)
-    _run(Sweep(plan.spans), workers, progress)
+    _run(plan, workers, progress, ranks)
     unreadable = [p for p in plan.problems() if p.kind == ProblemKind.UNREADABLE]
     if unreadable:
         raise StorageError(unreadable[0].message)
+    if ranks is not None and not ranks.leader:
+        return Manifest(files=plan.records(), created=now_iso())
     return save_digests(url, plan.records())
 
 
@@ -159,7 +184,5 @@ def save_digests(url: str, records: Mapping[str, FileRecord]) -> Manifest:
     return manifest
 
 
-def _run(sweep: Sweep, workers: int | None, progress: Progress) -> None:
-    progress.start("hashing", sweep.total)
-    sweep.run(workers_for(workers), progress.advance)
-    progress.finish()
+def _run(plan: DigestPlan, workers: int | None, progress: Progress, ranks: Ranks | None) -> None:
+    plan.conclude(sweep_jobs(plan.jobs, ranks, threads_for(workers, ranks), progress, "hashing"))

@@ -1,4 +1,5 @@
-"""`inspect`: what a checkpoint holds, from headers and metadata only."""
+"""`inspect`: what a checkpoint holds, from headers and metadata only; and whether its model carries adapters
+around its layers (`layouts.wrapped`: a PEFT-wrapped model saved whole), which `convert` merges."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from typing import Any
 from ckptctl import io
 from ckptctl.checkpoint import Checkpoint, Component, TensorEntry, dtype_itemsize
 from ckptctl.layouts import open_checkpoint
+from ckptctl.layouts.wrapped import WrappedModel, find_wrapped
+from ckptctl.ops.naming import namespace_stripper
 from ckptctl.ops.report import SCHEMA_VERSION, jsonable, ref_json
 
 
@@ -33,6 +36,7 @@ class InspectReport:
     tensors: tuple[TensorEntry, ...]
     totals: Totals
     bytes_read: int
+    wrapped: WrappedModel | None = None
 
     def to_json(self) -> dict[str, Any]:
         ckpt = self.checkpoint
@@ -67,6 +71,11 @@ class InspectReport:
                 "bytes_by_component": self.totals.bytes_by_component,
             },
             "bytes_read": self.bytes_read,
+            "wrapped_model": (
+                {"kind": self.wrapped.kind, **jsonable(dict(self.wrapped.summary))}
+                if self.wrapped is not None
+                else None
+            ),
         }
 
 
@@ -127,4 +136,7 @@ def _inspect(
         bytes_by_dtype=dict(dtype_bytes.most_common()),
         bytes_by_component=dict(component_bytes.most_common()),
     )
-    return InspectReport(ckpt, rows, totals, read.bytes_read)
+    model = [t for t in index if t.component is Component.MODEL]
+    strip = namespace_stripper(ckpt.layout, model)
+    wrapped = find_wrapped({strip(t.name): t for t in model})
+    return InspectReport(ckpt, rows, totals, read.bytes_read, wrapped)

@@ -1,4 +1,5 @@
-"""Tensor names as a model knows them: the namespace a save adds is removed, then the user's renames apply.
+"""Tensor names as a model knows them: the namespace a save adds is removed, then the user's renames apply
+(`convert --to hf` maps a framework's own names to transformers' in between).
 
 `convert` (which writes the model's names into its output) and `diff` (which matches the tensors of
 two checkpoints, possibly of different layouts) share these rules, so that a sharded training save and
@@ -10,7 +11,7 @@ format it keeps tensors in: its `namespace_stripper` hook says how to remove it.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from ckptctl.checkpoint import TensorEntry
 from ckptctl.errors import CkptctlError, UnknownLayout
@@ -92,6 +93,7 @@ def normalised_names(
     renames: Renames = (),
     *,
     verb: str = "named",
+    mapped: Mapping[str, str] | None = None,
 ) -> dict[str, TensorEntry]:
     """The tensors of one component keyed by their normalised names, in stored order.
 
@@ -101,6 +103,7 @@ def normalised_names(
         strip_prefix: a prefix to remove instead of detecting the namespace; `""` keeps names as stored.
         renames: substitutions applied after the namespace is removed.
         verb: what happens to a tensor under its new name, for the collision error (`named`, `written as`).
+        mapped: names (namespace removed) -> the names a framework's name map gives them, before `renames`.
 
     Raises:
         CkptctlError: two tensors get the same name, or a name becomes empty.
@@ -108,7 +111,8 @@ def normalised_names(
     strip = namespace_stripper(layout, entries, strip_prefix)
     named: dict[str, TensorEntry] = {}
     for entry in entries:
-        name = normalise_name(entry.name, strip, renames)
+        name = strip(entry.name)
+        name = apply_renames(mapped.get(name, name) if mapped else name, renames)
         if not name:
             raise CkptctlError(f"{entry.name!r} has no name left after prefix removal and renaming")
         other = named.get(name)

@@ -515,7 +515,12 @@ def _own_tree(ref: CheckpointRef) -> tuple[int, float | None]:
 
 
 def _local_tree(path: str) -> tuple[int, float | None]:
-    """Bytes of the files below `path` and the newest mtime of anything there; links are not followed."""
+    """Bytes of the files below `path` and the newest mtime of anything there; links are not followed. A
+    checkpoint that is one file (a Lightning `.ckpt`) is its own size and mtime."""
+    with contextlib.suppress(OSError):
+        st = os.lstat(path)
+        if stat.S_ISREG(st.st_mode):
+            return st.st_size, st.st_mtime
     size, newest = 0, None
     for root, _dirs, files in os.walk(path):
         for name in (root, *(os.path.join(root, n) for n in files)):

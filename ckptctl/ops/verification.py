@@ -7,7 +7,8 @@ Three levels:
    CRC-32s torch recorded in every torch.save archive no digest covers (`ops.content`),
 3. `deep`: every tensor chunk located and read, `check_finite` flags NaN/Inf.
 
-Levels 2 and 3 share one parallel pass over the bytes through small reused buffers.
+Levels 2 and 3 share one parallel pass over the bytes through small reused buffers; over the ranks of a
+job (torchrun, `--workers N`), each rank reads its share of those bytes and every rank gets the report.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from ckptctl.formats.manifest import DIGESTS_NAME, read_manifest
 from ckptctl.layouts import detect, scan_context, scan_run
 from ckptctl.ops.content import ContentChecks, check_content
 from ckptctl.ops.digests import save_digests
+from ckptctl.ops.distributed_work import Ranks
 from ckptctl.ops.report import SCHEMA_VERSION, NoProgress, Progress, problem_json
 from ckptctl.ops.resume_plan import plan_resume
 
@@ -99,9 +101,14 @@ class VerifyOptions:
         deep: locate and read every tensor chunk.
         check_finite: with `deep`, flag NaN/Inf values.
         write_manifest: record digests into a checkpoint that has none (when it verifies).
-        workers: threads reading at once.
+        workers: threads reading at once in each process (default: one per core, 4 to 8, shared by the
+            ranks of a job on one host; `ops.sweeping.threads_for`). Not the CLI's `--workers`, which
+            starts processes (`ranks`).
         layout: read the checkpoint as this layout (skip detection).
         quick: structure only: no digests, no CRC-32s (reads well under 1% of the bytes).
+        ranks: the ranks of a job (`ops.distributed_work.join`) that all run this verification and share
+            the hashing, the CRC-32s and the reading by bytes; every rank gets the whole report. None: this
+            process alone.
     """
 
     deep: bool = False
@@ -110,6 +117,7 @@ class VerifyOptions:
     workers: int | None = None
     layout: str | None = None
     quick: bool = False
+    ranks: Ranks | None = None
 
 
 def verify_path(
@@ -235,6 +243,7 @@ def _verify_checkpoint(url: str, options: VerifyOptions, progress: Progress, rea
         check_finite=options.check_finite,
         record_digests=record,
         workers=options.workers,
+        ranks=options.ranks,
     )
     broken = frozenset(p.path for p in problems if p.severity == "error")
     content = check_content(checkpoint, archives, checks, progress, broken)
@@ -252,7 +261,8 @@ def _verify_checkpoint(url: str, options: VerifyOptions, progress: Progress, rea
                 )
             )
         else:
-            save_digests(url, content.digests)
+            if options.ranks is None or options.ranks.leader:
+                save_digests(url, content.digests)
             wrote = True
     return VerifyResult(
         url,

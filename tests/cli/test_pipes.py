@@ -190,9 +190,13 @@ def test_help_paragraphs_reflow_at_any_width() -> None:
 
 
 def test_the_layout_and_sort_options_name_their_choices() -> None:
-    text = " ".join(ckptctl("list", "--help", columns=200).stdout.split())
+    # wide enough for the whole list of layouts on one line of the options table
+    text = " ".join(ckptctl("list", "--help", columns=260).stdout.split())
     assert "Sort by step, created, size or url" in text
-    assert "native, areal, roll, megatron, dcp, hf_trainer, accelerate, openrlhf, open_instruct, deepspeed, hf" in text
+    assert (
+        "native, areal, roll, lightning, megatron, torchtitan, dcp, hf_trainer, accelerate, openrlhf, open_instruct, deepspeed, peft, hf"
+        in text
+    )
 
 
 # --- errors: one style, and JSON with --json ---------------------------------------------------------

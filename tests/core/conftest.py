@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import time
 from collections.abc import Iterator
@@ -49,7 +50,17 @@ def fsdp_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _fsdp_run(root: Path) -> Path:
-    run_worker("fsdp", str(root), timeout=240)
+    try:
+        run_worker("fsdp", str(root), timeout=240)
+    except AssertionError as exc:
+        # gloo now and then aborts a spawned rank at start-up or teardown on a loaded 2-core machine (SIGABRT:
+        # "terminate called without an active exception"; seen in CI). That says nothing about ckptctl: build
+        # once more into an emptied folder, as tests/conftest._build_retrying does. A rank that raises fails.
+        if "terminated with signal" not in str(exc):
+            raise
+        shutil.rmtree(root)
+        root.mkdir()
+        run_worker("fsdp", str(root), timeout=240)
     return root
 
 

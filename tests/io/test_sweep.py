@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ckptctl import io
-from ckptctl.io.sweep import Feed, Span, Sweep
+from ckptctl.io.sweep import Feed, Job, Span, Sweep, job_groups
 
 
 class Collect:
@@ -91,3 +91,22 @@ def test_a_missing_file_fails_its_spans(tmp_path: Path) -> None:
     sink = Collect()
     Sweep([Span(str(tmp_path / "gone"), 0, 10, sink)]).run(1)
     assert sink.error is not None and "gone" in sink.error
+
+
+def test_jobs_reading_the_same_bytes_are_one_group_weighed_by_the_bytes_read_once() -> None:
+    """What the ranks of a job share (`ops.sweeping`): a file's digest with the records inside it, records
+    that overlap; apart, jobs on other bytes, and a job with no span weighed by what it reads itself."""
+
+    def job(*ranges: tuple[str, int, int], extra: int = 0) -> Job[None]:
+        return Job([Span(url, lo, hi, Collect()) for url, lo, hi in ranges], lambda: None, extra)
+
+    jobs = [
+        job(("a", 0, 100)),  # a whole file's digest ...
+        job(("a", 10, 20)),  # ... and records inside it
+        job(("a", 50, 150)),  # crosses the digest's end: 150 bytes of a in all
+        job(("a", 200, 210)),  # apart
+        job(("b", 0, 40), ("a", 205, 300)),  # links itself to the previous one through a
+        job(extra=7),  # decodes a chunk on its own
+        job(("c", 5, 5)),  # empty: reads nothing
+    ]
+    assert job_groups(jobs) == [([0, 1, 2], 150), ([3, 4], 140), ([5], 7), ([6], 0)]

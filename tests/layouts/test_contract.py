@@ -3,29 +3,35 @@
 Each subclass names a real checkpoint written by the real writer, the parameter count its model really
 has, the file whose loss must make it not complete, and how to find a data file. The tests: detect,
 list (also below a model folder that holds it), inspect totals equal the real parameter count, verify ok,
-and verify fails on each corruption kind.
+and verify fails on each corruption kind (a byte flipped in a torch.save zip too: plain verify checks the
+CRC-32 torch recorded for each record of every zip the writer wrote, through `Layout.torch_archives`).
 """
 
 from __future__ import annotations
 
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from ckptctl.checkpoint import CheckpointState, Component, Role
 from ckptctl.errors import UnknownLayout
+from ckptctl.formats.torch_zip import ZipMember, archive_members
 from ckptctl.layouts import detect, get_layout, open_checkpoint, scan_run
 from ckptctl.layouts.base import list_files
 from ckptctl.ops.verification import RunVerifyReport, verify_checkpoint, verify_path
-from tests.conftest import copy_tree
+from tests.conftest import CliResult, copy_tree
 from tests.writers.accelerate_writer import WrittenAccelerate
 from tests.writers.areal_writer import WrittenAreal
 from tests.writers.deepspeed_writer import WrittenDeepSpeed
 from tests.writers.distributed_save_writer import WrittenDistributedSaves
+from tests.writers.lightning_writer import WrittenLightning
 from tests.writers.megatron_writer import WrittenMegatron
 from tests.writers.openrlhf_writer import WrittenOpenRlhf
+from tests.writers.peft_writer import WrittenPeft
 from tests.writers.rl_runs import WrittenFsdpRuns
+from tests.writers.torchtitan_writer import WrittenTorchtitan
 from tests.writers.trainer_writer import WrittenTrainerRun
 from tests.writers.universal_writer import WrittenUniversal
 
@@ -97,6 +103,34 @@ class LayoutContract:
         result = verify_checkpoint(str(checkpoint))
         assert result.ok, result.problems
 
+    def test_every_torch_zip_it_wrote_is_crc_checked(self, source: tuple[Path, int]) -> None:
+        folder = source[0]
+        checkpoint = open_checkpoint(str(folder))
+        covered = {a.file for a in get_layout(self.layout).torch_archives(checkpoint)}
+        zips = set()
+        for rel in checkpoint.files:
+            with open(folder / rel, "rb") as f:
+                if f.read(4) == b"PK\x03\x04":  # a torch.save zip, or a DCP file of them
+                    zips.add(rel)
+        assert zips <= covered
+
+    def test_a_flipped_byte_in_a_torch_zip_fails_plain_verify_naming_the_record(
+        self, checkpoint: Path, run_cli: Callable[..., CliResult]
+    ) -> None:
+        records = _tensor_records(checkpoint, self.layout)
+        if not records:
+            pytest.skip("the writer wrote no torch.save zip")
+        file, member = max(records, key=lambda r: (r[1].size, r[0], r[1].start))  # the largest tensor record
+        data = bytearray((checkpoint / file).read_bytes())
+        data[member.start + member.size // 2] ^= 0x20
+        (checkpoint / file).write_bytes(bytes(data))
+        result = run_cli("verify", checkpoint, "--json")
+        assert result.exit_code == 1, result.stdout
+        assert any(
+            p["kind"] == "crc_mismatch" and p["path"] == file and p["record"] == member.name
+            for p in result.json["problems"]
+        ), result.json["problems"]
+
     def test_truncated_data_file_fails(self, checkpoint: Path) -> None:
         victim = self._largest_data_file(checkpoint)
         victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
@@ -131,6 +165,23 @@ class LayoutContract:
             (checkpoint / name).unlink()
         refs = scan_run(str(checkpoint.parent))
         assert CheckpointState.COMPLETE not in [r.state for r in refs]
+
+
+def _tensor_records(folder: Path, layout: str) -> list[tuple[str, ZipMember]]:
+    """(file, record) of every tensor record (not a pickle) of the torch.save zips the layout names."""
+    checkpoint = open_checkpoint(str(folder))
+    found = []
+    for archive in get_layout(layout).torch_archives(checkpoint):
+        data = (folder / archive.file).read_bytes()
+        end = len(data) if archive.length is None else archive.offset + archive.length
+        blob = data[archive.offset : end]
+        if blob[:4] != b"PK\x03\x04":
+            continue
+        members = archive_members(
+            lambda start, n, b=blob: b[start : start + n], len(blob), archive.offset, archive.file
+        )
+        found += [(archive.file, m) for m in members.members if m.size and not m.name.endswith(".pkl")]
+    return found
 
 
 def _demo_parameters() -> int:
@@ -187,6 +238,18 @@ class TestDcp(LayoutContract):
     @pytest.fixture
     def source(self, demo_dir: Path) -> tuple[Path, int]:
         return demo_dir / "dcp" / "step-30", _demo_parameters()
+
+
+class TestTorchtitan(LayoutContract):
+    layout = "torchtitan"
+    marker = ".metadata"
+    data_glob = "*.distcp"
+
+    @pytest.fixture
+    def source(self, torchtitan_run: WrittenTorchtitan) -> tuple[Path, int]:
+        from tests.writers.torchtitan_writer import model_parameters
+
+        return torchtitan_run.step(2), model_parameters()
 
 
 class TestDeepSpeedZero0(LayoutContract):
@@ -259,6 +322,31 @@ class TestHfTrainerOptimizer(TestHfTrainer):
     """The same checkpoint, damaged in its largest pickle (optimizer.pt) instead of its weights."""
 
     data_glob = "*.pt"
+
+
+class TestPeftAdapter(LayoutContract):
+    """A LoRA adapter as PEFT's `save_pretrained` writes it: its model is the adapter's trainable parameters."""
+
+    layout = "peft"
+    marker = "adapter_config.json"
+    data_glob = "*.safetensors"
+
+    @pytest.fixture
+    def source(self, peft_adapters: WrittenPeft) -> tuple[Path, int]:
+        return peft_adapters.adapters["rslora"], peft_adapters.trainable["rslora"]
+
+
+class TestLightningSharded(LayoutContract):
+    """A sharded FSDP `.ckpt` folder as Lightning's FSDPStrategy writes it (DCP, then meta.pt). Its `.ckpt` files
+    are single files, which this folder contract cannot copy: tests/layouts/test_lightning.py covers them."""
+
+    layout = "lightning"
+    marker = "meta.pt"
+    data_glob = "*.distcp"
+
+    @pytest.fixture
+    def source(self, lightning_run: WrittenLightning) -> tuple[Path, int]:
+        return lightning_run.sharded, lightning_run.model_parameters
 
 
 # --- The RL frameworks' layouts (run folders arranged from real pieces by tests.writers.rl_runs) ---------

@@ -8,19 +8,26 @@ The command reads like its modules, in order: `options` (what is asked, what was
 tensors, names, dtypes and weights), `side_files` (config and tokenizer files), `model_check` (the plan
 against the model the config names: tied weights, missing, reshaped and leftover tensors), `to_hf` /
 `to_dcp` (the writers), `commit` (staging, digests and the move or upload into DST).
+
+An adapter (`Layout.adapter`: a PEFT LoRA folder) is not a model: it converts merged into its base model
+(`merge_adapter`), whose tensors, config and tokenizer the output takes, the adapted weights computed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from ckptctl import io
-from ckptctl.checkpoint import Checkpoint, CheckpointState, Component
+from ckptctl.checkpoint import Checkpoint, CheckpointRef, CheckpointState, Component
 from ckptctl.errors import CheckpointInProgress, CheckpointNotFound, CkptctlError, CorruptCheckpoint
 from ckptctl.formats.documents import read_json
 from ckptctl.layouts import Layout, get_layout, resolve
-from ckptctl.layouts.base import HfModel
+from ckptctl.layouts.base import HfModel, ModelSpec
 from ckptctl.ops.convert.commit import Staging, UploadStaging, check_destination, write_digests
 from ckptctl.ops.convert.model_check import apply_ties, check_plan, compare_logits, model_spec, read_config
 from ckptctl.ops.convert.options import (
@@ -28,15 +35,23 @@ from ckptctl.ops.convert.options import (
     DTYPE_NAMES,
     ConvertOptions,
     ConvertResult,
+    LoraMode,
     ModelCheck,
     Target,
     Weights,
     parse_dtype,
 )
-from ckptctl.ops.convert.plan import float_dtype, plan_tensors
-from ckptctl.ops.convert.side_files import CONFIG_FILES, TOKENIZER_FILES, copy_side_files, find_side_files
+from ckptctl.ops.convert.plan import Planned, Written, float_dtype, plan_tensors
+from ckptctl.ops.convert.side_files import (
+    CONFIG_FILES,
+    TOKENIZER_FILES,
+    copy_side_files,
+    find_adapter_settings,
+    find_side_files,
+)
 from ckptctl.ops.convert.to_dcp import DCP_NAMESPACE, write_dcp
 from ckptctl.ops.convert.to_hf import INDEX_NAME, write_hf
+from ckptctl.ops.distributed_work import Ranks
 from ckptctl.ops.report import NoProgress, Progress
 
 __all__ = [
@@ -48,12 +63,15 @@ __all__ = [
     "TOKENIZER_FILES",
     "ConvertOptions",
     "ConvertResult",
+    "LoraMode",
     "ModelCheck",
     "Target",
     "Weights",
     "convert",
     "parse_dtype",
 ]
+
+T = TypeVar("T")
 
 
 def convert(
@@ -90,13 +108,151 @@ def _hf_model(checkpoint: Checkpoint, layout: Layout, options: ConvertOptions) -
 
 
 def _convert(src: str, dst: str, options: ConvertOptions, progress: Progress, read: io.ByteCounter) -> ConvertResult:
+    """The conversion, in this process or over `options.ranks`, whose every rank runs it.
+
+    Over several ranks, rank 0 plans and opens the staging folder, each rank writes its share of the
+    shard files into it (`write_hf`), and rank 0 adds the side files and the digests and commits. A
+    `--to dcp` output (one `dcp.save`) and an object-store DST are written by rank 0 alone.
+    """
     started = time.perf_counter()
+    ranks = options.ranks if options.ranks is not None and options.ranks.size > 1 else None
+    with contextlib.ExitStack() as stack:
+        state: dict[str, Any] = {}
+
+        def begin() -> _Work:
+            prepared = state["prepared"] = _prepare(src, dst, options)
+            staging = (
+                Staging(prepared.dst)
+                if io.is_local(prepared.dst)
+                else UploadStaging(prepared.dst, get_layout(options.to))
+            )
+            state["staging"] = stack.enter_context(staging)
+            staging.check_space(sum(p.nbytes for p in prepared.plan))
+            shared = options.to is Target.HF and not isinstance(staging, UploadStaging)
+            return _Work(prepared.checkpoint.url, prepared.plan, staging.out, shared)
+
+        work = _on_leader(ranks, begin)
+        written: Written | None = None
+        if work.shared or ranks is None or ranks.leader:
+            try:
+                if options.to is Target.HF:
+                    written = write_hf(work.url, work.plan, work.out, options, progress, ranks if work.shared else None)
+                else:
+                    written = write_dcp(state["prepared"].checkpoint, work.plan, work.out, progress)
+            finally:
+                progress.finish()  # a bar left running on an error would hide the terminal's cursor
+        return _on_leader(
+            ranks, lambda: _finish(state["prepared"], state["staging"], written, options, progress, read, started)
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class _Work:
+    """What every rank needs to write its share: the source, the plan, the staging folder's output folder,
+    and whether the ranks share the writing (else rank 0 writes alone)."""
+
+    url: str
+    plan: list[Planned]
+    out: str
+    shared: bool
+
+
+@dataclass(frozen=True, slots=True)
+class _Prepared:
+    """The checked source and what to make of it: `checkpoint` is where the output's stored tensors are read
+    (the base model an adapter is merged into, else the source itself), `url` the source converted."""
+
+    src: str
+    dst: str
+    url: str
+    layout: str
+    checkpoint: Checkpoint
+    base: Checkpoint | None
+    plan: list[Planned]
+    weights: Weights
+    side_files: dict[str, str]
+    made_config: Mapping[str, Any] | None
+    config: dict[str, Any] | None
+    spec: ModelSpec | None
+    tied: tuple[str, ...]
+    notes: list[str]
+
+
+def _on_leader(ranks: Ranks | None, work: Callable[[], T]) -> T:
+    return work() if ranks is None else ranks.lead(work)
+
+
+def _prepare(src: str, dst: str, options: ConvertOptions) -> _Prepared:
     if options.max_shard_size <= 0:
         raise CkptctlError("the maximum shard size must be positive")
     if options.check_logits and (options.to is not Target.HF or options.component is not Component.MODEL):
         raise CkptctlError("--check-logits compares the logits of a model converted --to hf (--component model)")
     dst = check_destination(src, dst, options.force)
     layout, ref = resolve(src, options.layout)
+    url = ref.url
+    checkpoint = _open_verified(layout, ref)
+    notes: list[str] = []
+    base = _base_model(checkpoint, layout, dst, options, notes)
+    # The output's stored tensors and its config come from the base model when an adapter is merged into it.
+    source, source_layout = (base, get_layout(base.layout)) if base is not None else (checkpoint, layout)
+    hf = _hf_model(checkpoint, layout, options) if base is None else None
+    made_config = hf.config if hf is not None and options.config_dir is None else None
+    folders = source_layout.config_folders(source)
+    side_files, side_notes = find_side_files(source.url, options, folders, config_made=made_config is not None)
+    if made_config is None and options.config_dir is None and "config.json" not in side_files:
+        made_config = source_layout.model_config(source)
+        if made_config is not None:
+            side_files, side_notes = find_side_files(source.url, options, folders, config_made=True)
+            side_notes.append(
+                f"config.json written from the model config that {source.url} records (pass --config DIR to use another)"
+            )
+    checks = options.check_model or options.check_logits
+    config: dict[str, Any] | None = None
+    # An HF output's name map may need the config (head sizes), whether or not the model is checked. The
+    # config the output gets: the copied config.json, else the one the layout made (Megatron's).
+    if checks or options.to is Target.HF:
+        if "config.json" in side_files:
+            config = read_config(side_files, notes)
+        elif made_config is not None:
+            config = dict(made_config)
+    plan, weights = plan_tensors(
+        checkpoint,
+        layout,
+        options,
+        notes,
+        config,
+        hf,
+        base=base,
+        adapter_settings=lambda names: find_adapter_settings(names, options, checkpoint, layout, notes),
+    )
+    notes += side_notes
+    why_not: list[str] = []
+    spec = None
+    if config is not None and checks and options.component is Component.MODEL:
+        spec = model_spec(config, plan, why_not)
+    notes += why_not
+    tied: tuple[str, ...] = ()
+    if spec is not None:
+        plan, tied = apply_ties(source, plan, spec, options.to)
+        if options.check_model:
+            check_plan(plan, spec, options.to)
+    elif options.check_logits:
+        raise CkptctlError(
+            f"cannot compare logits: {why_not[0] if why_not else 'the output gets no config.json'}",
+            "pass the folder of the model's config.json with --config (transformers 5 must be installed)",
+        )
+    return _Prepared(
+        src, dst, url, layout.name, source, base, plan, weights, side_files, made_config, config, spec, tied, notes
+    )
+
+
+def _open_verified(layout: Layout, ref: CheckpointRef) -> Checkpoint:
+    """The checkpoint of `ref`, opened by `layout`.
+
+    Raises:
+        CheckpointInProgress: it is still being written.
+        CorruptCheckpoint: it was abandoned, is broken, or fails its layout's structural verification.
+    """
     url = ref.url
     if ref.state is CheckpointState.IN_PROGRESS:
         raise CheckpointInProgress(
@@ -111,56 +267,79 @@ def _convert(src: str, dst: str, options: ConvertOptions, progress: Progress, re
         raise CorruptCheckpoint(
             f"{url} fails structural verification: {first}", f"run `ckptctl verify {url}` for the full report"
         )
-    notes: list[str] = []
-    hf = _hf_model(checkpoint, layout, options)
-    plan, weights = plan_tensors(checkpoint, layout, options, notes, hf)
-    made_config = hf.config if hf is not None and options.config_dir is None else None
-    side_files, side_notes = find_side_files(
-        url, options, layout.config_folders(checkpoint), config_made=made_config is not None
-    )
-    notes += side_notes
-    config = None
-    if options.check_model or options.check_logits:
-        # the config the output gets: the copied config.json, else the one the layout made (Megatron's)
-        config = read_config(side_files, notes) if "config.json" in side_files else made_config and dict(made_config)
-    why_not: list[str] = []
-    spec = None
-    if config is not None and options.component is Component.MODEL:
-        spec = model_spec(config, plan, why_not)
-    notes += why_not
-    tied: tuple[str, ...] = ()
-    if spec is not None:
-        plan, tied = apply_ties(checkpoint, plan, spec, options.to)
-        if options.check_model:
-            check_plan(plan, spec, options.to)
-    elif options.check_logits:
-        raise CkptctlError(
-            f"cannot compare logits: {why_not[0] if why_not else 'the output gets no config.json'}",
-            "pass the folder of the model's config.json with --config (transformers 5 must be installed)",
-        )
+    return checkpoint
 
-    staging = Staging(dst) if io.is_local(dst) else UploadStaging(dst, get_layout(options.to))
-    with staging:
-        staging.check_space(sum(p.nbytes for p in plan))
-        try:
-            if options.to is Target.HF:
-                written = write_hf(checkpoint, plan, staging.out, options, progress)
-            else:
-                written = write_dcp(checkpoint, plan, staging.out, progress)
-        finally:
-            progress.finish()  # a bar left running on an error would hide the terminal's cursor
-        copied = copy_side_files(
-            side_files, staging.out, options.dtype or float_dtype(plan), options.dtype is not None, made_config
-        )
-        logits = compare_logits(checkpoint, plan, staging.out, config) if options.check_logits and config else None
-        write_digests(staging.out, written.digests)
-        files = tuple(sorted(os.listdir(staging.out)))
-        uploaded = staging.commit(options.force, progress)
+
+def _base_model(
+    checkpoint: Checkpoint, layout: Layout, dst: str, options: ConvertOptions, notes: list[str]
+) -> Checkpoint | None:
+    """The base model to merge the adapter `checkpoint` holds into (`Layout.adapter`), opened and verified:
+    `merge_adapter`, else the local folder the adapter names as its base; None when it holds a model.
+
+    Raises:
+        CkptctlError: `merge_adapter` given for a model, an adapter without a base to merge it into, a base
+            that is itself an adapter, incomplete or broken, or that DST would overwrite.
+    """
+    adapter = layout.adapter(checkpoint)
+    wanted = options.merge_adapter
+    if adapter is None:
+        if wanted is not None:
+            raise CkptctlError(
+                f"{checkpoint.url} ({layout.name}) holds a model, not an adapter: --merge-adapter merges an adapter "
+                "folder into the base model it names",
+                "pass the adapter folder as SRC",
+            )
+        return None
+    if options.component is not Component.MODEL:
+        raise CkptctlError(f"{checkpoint.url} holds a {adapter.kind} adapter: it converts as a merged model only")
+    if wanted is None:
+        hint = adapter.base_hint
+        if hint is None or not io.is_dir(hint):
+            named = f" (it names {hint!r} as its base, which is no local folder)" if hint else ""
+            raise CkptctlError(
+                f"{checkpoint.url} is a {adapter.kind} adapter, not a model{named}",
+                "pass the base model's folder with --merge-adapter BASE to write the merged model",
+            )
+        wanted = hint
+        notes.append(f"merging into {hint}, the base model the adapter names")
+    check_destination(wanted, dst, options.force)
+    base_layout, base_ref = resolve(wanted)
+    base = _open_verified(base_layout, base_ref)
+    if base_layout.adapter(base) is not None:
+        raise CkptctlError(f"{base.url} is an adapter too: --merge-adapter takes the base model's folder")
+    return base
+
+
+def _finish(
+    prepared: _Prepared,
+    staging: Staging,
+    written: Written | None,
+    options: ConvertOptions,
+    progress: Progress,
+    read: io.ByteCounter,
+    started: float,
+) -> ConvertResult:
+    """Side files, the logits check, digests and the commit (rank 0); what the conversion did."""
+    assert written is not None  # rank 0 always writes
+    plan, checkpoint, config = prepared.plan, prepared.checkpoint, prepared.config
+    copied = copy_side_files(
+        prepared.side_files,
+        staging.out,
+        options.dtype or float_dtype(plan),
+        options.dtype is not None,
+        prepared.made_config,
+    )
+    logits = compare_logits(checkpoint, plan, staging.out, config) if options.check_logits and config else None
+    write_digests(staging.out, written.digests)
+    files = tuple(sorted(os.listdir(staging.out)))
+    uploaded = staging.commit(options.force, progress)
+    spec = prepared.spec
+    derived = sum(1 for p in plan if p.derived is not None)
     return ConvertResult(
-        src=src,
-        dst=dst,
+        src=prepared.src,
+        dst=prepared.dst,
         to=options.to.value,
-        layout=layout.name,
+        layout=prepared.layout,
         tensors=len(plan),
         bytes=sum(p.nbytes for p in plan),
         files=files,
@@ -169,10 +348,12 @@ def _convert(src: str, dst: str, options: ConvertOptions, progress: Progress, re
         dtype=options.dtype,
         copied=copied,
         streamed=written.streamed,
-        assembled=written.assembled,
-        warnings=tuple(notes),
-        checkpoint=url,
-        weights=weights.value,
+        assembled=written.assembled - derived,
+        warnings=tuple(prepared.notes),
+        checkpoint=prepared.url,
+        weights=prepared.weights.value,
         uploaded=uploaded,
-        model=ModelCheck(spec.architecture, len(plan), tied, logits) if spec is not None else None,
+        model=ModelCheck(spec.architecture, len(plan), prepared.tied, logits) if spec is not None else None,
+        base=prepared.base.url if prepared.base is not None else "",
+        derived=derived,
     )

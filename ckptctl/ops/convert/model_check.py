@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 from ckptctl import io
@@ -32,7 +33,7 @@ from ckptctl.formats.documents import parse_json
 from ckptctl.layouts import get_layout
 from ckptctl.layouts.base import ModelSpec
 from ckptctl.ops.convert.options import Target
-from ckptctl.ops.convert.plan import Planned, float_dtype
+from ckptctl.ops.convert.plan import Planned, float_dtype, read_planned
 
 #: Names of each kind listed in a mismatch message; the rest are counted.
 _LISTED = 5
@@ -110,7 +111,7 @@ def apply_ties(
         copy = by_name.get(alias)
         if copy is None:
             if target is Target.DCP:
-                added.append(Planned(kept.entry, alias, kept.dtype))
+                added.append(replace(kept, name=alias))
             continue
         if not _same_values(checkpoint, copy, kept):
             raise ModelMismatch(
@@ -130,13 +131,11 @@ def _same_values(checkpoint: Checkpoint, a: Planned, b: Planned) -> bool:
     (a DCP checkpoint stores a tied copy as an item of its own)."""
     if (a.entry.dtype, a.shape, a.dtype) != (b.entry.dtype, b.shape, b.dtype):
         return False
-    if a.entry.chunks == b.entry.chunks:
+    if a.derived is None and b.derived is None and a.entry.chunks == b.entry.chunks:
         return True
     import torch
 
-    from ckptctl.formats.chunks import read_tensor
-
-    return torch.equal(read_tensor(checkpoint.url, a.entry), read_tensor(checkpoint.url, b.entry))
+    return torch.equal(read_planned(checkpoint.url, a), read_planned(checkpoint.url, b))
 
 
 def check_plan(plan: Sequence[Planned], spec: ModelSpec, target: Target) -> None:
@@ -187,18 +186,9 @@ def compare_logits(checkpoint: Checkpoint, plan: Sequence[Planned], out: str, co
         ModelMismatch: either model loads with tensors missing or left over, or the logits differ by more
             than the dtype of the weights explains.
     """
-    import torch
-
-    from ckptctl.formats.chunks import read_tensor
-
     layout = get_layout(Target.HF)
     got = layout.model_logits(out, config, None)
-    source = {}
-    for planned in plan:
-        tensor = read_tensor(checkpoint.url, planned.entry)
-        source[planned.name] = (
-            tensor.to(getattr(torch, planned.dtype)) if planned.dtype != planned.entry.dtype else tensor
-        )
+    source = {planned.name: read_planned(checkpoint.url, planned) for planned in plan}
     want = layout.model_logits(out, config, source)
     source.clear()
     if got.shape != want.shape:

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckptctl.checkpoint import Component
 from ckptctl.formats.manifest import DIGESTS_NAME
 from ckptctl.layouts import ConvertTarget
 from ckptctl.ops.report import SCHEMA_VERSION
+
+if TYPE_CHECKING:
+    from ckptctl.ops.distributed_work import Ranks
 
 #: What `convert` writes: the layouts it can write, by name.
 Target = ConvertTarget
@@ -24,6 +27,15 @@ class Weights(enum.StrEnum):
     MASTER = "master"
     #: The model weights as stored (mixed-precision training: its 16-bit weights).
     STORED = "stored"
+
+
+class LoraMode(enum.StrEnum):
+    """What `convert` does with adapters a model's state dict carries around its layers (`layouts.wrapped`)."""
+
+    #: Merge them into the base weights and write the model under its own names (what transformers loads).
+    MERGE = "merge"
+    #: Write the tensors as stored (`base_layer`, `lora_A`, ... names), with no model check passing them.
+    KEEP = "keep"
 
 
 #: Accepted spellings of `dtype` -> torch dtype name.
@@ -64,7 +76,10 @@ class ConvertOptions:
         strip_prefix: namespace prefix removed from names; None detects it as `diff` does (`ops.naming`:
             `model.` of DCP state dicts, the entry name of a save, training wrappers); "" keeps names as
             stored.
-        renames: `(pattern, replacement)` regex substitutions applied in order after the prefix is removed.
+        renames: `(pattern, replacement)` regex substitutions applied in order after the prefix is removed
+            (and after the name map).
+        mapping: the source framework's map of its model's names to transformers' (`--to hf`;
+            `Layout.hf_name_map`): None picks one from the config, `"none"` keeps the names.
         config_dir: where `config.json`/`generation_config.json` come from (default: beside the source).
         tokenizer_dir: where tokenizer files come from (default: beside the source).
         force: replace a non-empty DST.
@@ -78,6 +93,13 @@ class ConvertOptions:
             device) to resolve tied weights and check the model's tensors (`ops.convert.model_check`).
         check_logits: also compare the logits of the output (loaded by transformers) with those of the
             source tensors on a few fixed token ids (`--to hf`; holds two copies of the model in memory).
+        merge_adapter: the base model (a checkpoint folder) to merge the source, an adapter, into; None
+            takes the local folder the adapter itself names as its base, if any.
+        lora: for a model whose layers carry LoRA adapters, merge them (`merge`) or keep the stored tensors.
+        adapter_config: the adapter settings file (or its folder) that a wrapped model's merge takes the
+            LoRA alpha from (default: found beside the checkpoint or its config).
+        ranks: the ranks of a job (`ops.distributed_work.join`) that all run this conversion and share the
+            writing of the shard files; None: this process alone. The output is the same byte for byte.
     """
 
     to: Target = Target.HF
@@ -86,6 +108,7 @@ class ConvertOptions:
     component: Component = Component.MODEL
     strip_prefix: str | None = None
     renames: tuple[tuple[str, str], ...] = ()
+    mapping: str | None = None
     config_dir: str | None = None
     tokenizer_dir: str | None = None
     force: bool = False
@@ -95,6 +118,10 @@ class ConvertOptions:
     weights: Weights = Weights.AUTO
     check_model: bool = True
     check_logits: bool = False
+    merge_adapter: str | None = None
+    lora: LoraMode = LoraMode.MERGE
+    adapter_config: str | None = None
+    ranks: Ranks | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,6 +174,8 @@ class ConvertResult:
         uploaded: bytes uploaded to an object store DST (every file of the output; 0 for a local DST).
         model: what the check against the architecture of the output's config found, or None when there
             was none (no config, no architecture named, transformers not importable, `check_model` off).
+        base: the base model an adapter was merged into ("" when the source is a model).
+        derived: tensors computed rather than copied (the weights an adapter was merged into).
     """
 
     src: str
@@ -167,6 +196,8 @@ class ConvertResult:
     weights: str = Weights.STORED.value
     uploaded: int = 0
     model: ModelCheck | None = None
+    base: str = ""
+    derived: int = 0
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -190,4 +221,6 @@ class ConvertResult:
             "digests": DIGESTS_NAME,
             "warnings": list(self.warnings),
             "model_check": self.model.to_json() if self.model is not None else None,
+            "base": self.base or None,
+            "derived_tensors": self.derived,
         }

@@ -7,23 +7,33 @@ byte copy); `weights=stored` writes the model weights as stored instead.
 
 Names are the model's own, by the rules `diff` matches tensors with (`ops.naming`): the namespace a save
 adds (`model.` of a DCP state dict, the entry name of a save, the wrappers a training loop put around a
-model) is removed, then `renames` apply. A layout whose framework names and lays out the model otherwise
-(Megatron) supplies it under transformers names for `--to hf` (`Layout.hf_model`).
+model) is removed, then `renames` apply. For an HF output, a framework whose models are its own code maps
+its names to transformers' before the renames (`Layout.hf_name_map`), and may reorder a tensor's rows; a
+framework that also fuses and lays out tensors otherwise (Megatron) supplies the whole model under
+transformers names instead (`Layout.hf_model`).
+
+Some output tensors are computed rather than copied (`DerivedTensor`):
+- an adapter (`Layout.adapter`: a PEFT LoRA folder) merged into a base model (`base`): the plan is the
+  base model's, its stored tensors read from the base checkpoint, the merged ones derived;
+- a model whose state dict carries adapters around its layers (`layouts.wrapped`: a PEFT-wrapped model
+  saved whole): written under the base model's names with the adapter merged in (`lora=merge`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from ckptctl.checkpoint import Checkpoint, Component, TensorEntry, dtype_itemsize
-from ckptctl.errors import CkptctlError
+from ckptctl.errors import CkptctlError, CorruptCheckpoint
 from ckptctl.formats.manifest import FileRecord
 from ckptctl.formats.safetensors import TORCH_TO_SAFETENSORS
 from ckptctl.layouts import Layout
-from ckptctl.layouts.base import HfModel, MasterWeights
-from ckptctl.ops.convert.options import ConvertOptions, Target, Weights
-from ckptctl.ops.naming import compile_renames, normalised_names
+from ckptctl.layouts.base import NO_NAME_MAP, DerivedTensor, HfModel, MasterWeights, ModelTensors, NameMap
+from ckptctl.layouts.wrapped import find_wrapped
+from ckptctl.ops.convert.options import ConvertOptions, LoraMode, Target, Weights
+from ckptctl.ops.naming import Renames, apply_renames, compile_renames, namespace_stripper, normalised_names
 
 #: `dtype` casts these; integer, bool and float8 tensors (ids, masks, quantised weights) keep their type,
 #: as `model.to(dtype)` in torch does.
@@ -41,11 +51,22 @@ class Written:
 
 @dataclass(frozen=True, slots=True)
 class Planned:
-    """One output tensor: its source entry, output name and output dtype."""
+    """One output tensor.
+
+    Attributes:
+        entry: the stored tensor it is; for a derived tensor, an entry without chunks that gives its
+            dtype and shape.
+        name: its name in the output.
+        dtype: its dtype in the output.
+        rows: the source rows in output order when the output orders them otherwise (`NameMap.rows`).
+        derived: how to compute it when no file holds it as is (`read_planned` reads either).
+    """
 
     entry: TensorEntry
     name: str
     dtype: str
+    rows: tuple[int, ...] | None = None
+    derived: DerivedTensor | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -56,16 +77,48 @@ class Planned:
         return self.entry.numel * dtype_itemsize(self.dtype)
 
 
+#: Finds the files of the given names that hold an adapter's settings (name -> parsed JSON).
+SettingsFinder = Callable[[Sequence[str]], Mapping[str, Any]]
+
+
 def plan_tensors(
-    checkpoint: Checkpoint, layout: Layout, options: ConvertOptions, notes: list[str], hf: HfModel | None = None
+    checkpoint: Checkpoint,
+    layout: Layout,
+    options: ConvertOptions,
+    notes: list[str],
+    config: Mapping[str, Any] | None = None,
+    hf: HfModel | None = None,
+    *,
+    base: Checkpoint | None = None,
+    adapter_settings: SettingsFinder | None = None,
 ) -> tuple[list[Planned], Weights]:
     """The output tensors of `checkpoint` (opened by `layout`), and which weights they are; appends what
     the user should know to `notes`.
 
     Args:
+        config: the parsed config.json the output gets (the name map of an HF output may need it).
         hf: the model under transformers names (`Layout.hf_model`), which `--to hf` writes when the
             checkpoint keeps no fp32 master weights; its names are kept as they are.
+        base: the base model to merge the adapter `checkpoint` holds into (`Layout.adapter`); the plan's
+            stored entries are then the base's.
+        adapter_settings: where a model whose layers carry adapters finds what it needs to merge them.
+
+    Raises:
+        CkptctlError: no tensors of the component, names that collide, dtypes safetensors cannot store, an
+            adapter that cannot be merged.
     """
+    renames = compile_renames(options.renames)
+    if base is not None:
+        adapter = layout.adapter(checkpoint)
+        if adapter is None:
+            raise CkptctlError(f"{checkpoint.url} ({checkpoint.layout}) holds a model, not an adapter to merge")
+        base_named = normalised_names(
+            base.layout, list(base.tensors(Component.MODEL)), options.strip_prefix, verb="written as"
+        )
+        if not base_named:
+            raise CkptctlError(f"the base model {base.url} holds no model tensors")
+        merged = adapter.merge(base.url, base_named, notes)
+        return _planned(_renamed(merged, renames), frozenset(), options), Weights.STORED
     index = checkpoint.tensor_index()
     masters = _master_weights(checkpoint, layout, options, notes) if options.component is Component.MODEL else None
     strip_prefix = options.strip_prefix
@@ -83,8 +136,22 @@ def plan_tensors(
             f"{checkpoint.url} holds no {options.component.value} tensors",
             f"components with tensors: {', '.join(present) or 'none'}; choose one with --component",
         )
+    weights = Weights.MASTER if masters is not None else Weights.STORED
+    if hf is None and options.component is Component.MODEL and options.lora is LoraMode.MERGE:
+        stored = normalised_names(checkpoint.layout, entries, strip_prefix, verb="written as")
+        wrapped = find_wrapped(stored)
+        if wrapped is not None:
+            found = adapter_settings(wrapped.settings_files) if adapter_settings is not None else {}
+            model = wrapped.merge(checkpoint.url, found, notes)
+            return _planned(_renamed(model, renames), upcast, options), weights
+    name_map, rows = (None, {}) if hf is not None else _name_map(checkpoint, layout, entries, options, config, notes)
     named = normalised_names(
-        checkpoint.layout, entries, strip_prefix, compile_renames(options.renames), verb="written as"
+        checkpoint.layout,
+        entries,
+        strip_prefix,
+        renames,
+        verb="written as",
+        mapped=name_map.names if name_map is not None else None,
     )
     plan: list[Planned] = []
     for name, entry in named.items():
@@ -94,8 +161,115 @@ def plan_tensors(
             dtype = "float32" if entry.name in upcast else entry.dtype
         if options.to is Target.HF and dtype not in TORCH_TO_SAFETENSORS:
             raise CkptctlError(f"{entry.name!r} is {dtype}, which safetensors cannot store")
-        plan.append(Planned(entry, name, dtype))
-    return plan, Weights.MASTER if masters is not None else Weights.STORED
+        order = rows.get(entry.name)
+        if order is not None and (not entry.shape or len(order) != entry.shape[0]):
+            raise CkptctlError(
+                f"{entry.name!r} has shape {list(entry.shape)} where the tensor name map reorders {len(order)} rows",
+                "is the config (--config) this model's?",
+            )
+        plan.append(Planned(entry, name, dtype, order))
+    return plan, weights
+
+
+def _renamed(model: ModelTensors, renames: Renames) -> dict[str, TensorEntry | DerivedTensor]:
+    """`model` with `renames` applied to its names (after any merge: adapters name the model's own tensors).
+
+    Raises:
+        CkptctlError: two tensors get the same name, or a name becomes empty.
+    """
+    if not renames:
+        return dict(model)
+    renamed: dict[str, TensorEntry | DerivedTensor] = {}
+    for name, item in model.items():
+        new = apply_renames(name, renames)
+        if not new:
+            raise CkptctlError(f"{name!r} has no name left after renaming")
+        if new in renamed:
+            raise CkptctlError(f"two tensors would both be written as {new!r}", "adjust --rename")
+        renamed[new] = item
+    return renamed
+
+
+def _planned(
+    model: Mapping[str, TensorEntry | DerivedTensor], upcast: frozenset[str], options: ConvertOptions
+) -> list[Planned]:
+    """The plan of a model given as output name -> stored or derived tensor."""
+    plan: list[Planned] = []
+    for name, item in model.items():
+        derived = item if isinstance(item, DerivedTensor) else None
+        entry = (
+            TensorEntry(item.name, Component.MODEL, item.dtype, item.shape, ())
+            if isinstance(item, DerivedTensor)
+            else item
+        )
+        if options.dtype and entry.dtype in _CASTABLE:
+            dtype = options.dtype
+        else:
+            dtype = "float32" if entry.name in upcast and derived is None else entry.dtype
+        if options.to is Target.HF and dtype not in TORCH_TO_SAFETENSORS:
+            raise CkptctlError(f"{entry.name!r} is {dtype}, which safetensors cannot store")
+        plan.append(Planned(entry, name, dtype, derived=derived))
+    return plan
+
+
+def _name_map(
+    checkpoint: Checkpoint,
+    layout: Layout,
+    entries: Sequence[TensorEntry],
+    options: ConvertOptions,
+    config: Mapping[str, Any] | None,
+    notes: list[str],
+) -> tuple[NameMap | None, dict[str, tuple[int, ...]]]:
+    """The source framework's map of its model's names to transformers' (`Layout.hf_name_map`), for the
+    model of an HF output (other outputs keep the framework's names), and the rows it reorders by stored
+    tensor name.
+
+    Raises:
+        CkptctlError: `--mapping` for an output that keeps the names, or as `Layout.hf_name_map`.
+    """
+    if options.to is not Target.HF or options.component is not Component.MODEL:
+        if options.mapping not in (None, NO_NAME_MAP):
+            raise CkptctlError("--mapping names the tensors of a model converted --to hf (--component model)")
+        return None, {}
+    strip = namespace_stripper(checkpoint.layout, entries, options.strip_prefix)
+    found = layout.hf_name_map({strip(e.name): e.shape for e in entries}, config, options.mapping, notes)
+    if found is None:
+        return None, {}
+    rows = {}
+    for entry in entries:
+        order = found.rows.get(found.names.get(strip(entry.name), ""))
+        if order is not None:
+            rows[entry.name] = order
+    return found, rows
+
+
+def read_planned(checkpoint_url: str, planned: Planned) -> Any:
+    """The tensor of `planned` as the output holds it (a torch tensor): read from the checkpoint at
+    `checkpoint_url` (or computed, for a derived tensor), rows reordered, cast.
+
+    Raises:
+        CorruptCheckpoint: the chunks do not read back (see `read_tensor`), or a computed tensor is not
+            what was planned.
+    """
+    import torch
+
+    from ckptctl.formats.chunks import read_tensor
+
+    if planned.derived is None:
+        tensor = read_tensor(checkpoint_url, planned.entry)
+    else:
+        tensor = planned.derived.compute()
+        if tuple(tensor.shape) != planned.shape or str(tensor.dtype).removeprefix("torch.") != planned.entry.dtype:
+            raise CorruptCheckpoint(
+                f"{planned.name}: computed as {tensor.dtype}{list(tensor.shape)} where "
+                f"{planned.entry.dtype}{list(planned.shape)} was planned",
+                "this is a bug in ckptctl",
+            )
+    if planned.rows is not None:
+        tensor = tensor.index_select(0, torch.tensor(planned.rows, dtype=torch.long))
+    if planned.dtype != planned.entry.dtype:
+        tensor = tensor.to(getattr(torch, planned.dtype))
+    return tensor
 
 
 def _master_weights(

@@ -1,4 +1,5 @@
-"""Config and tokenizer files: found beside the source (or where the options say), copied into the output."""
+"""Config and tokenizer files: found beside the source (or where the options say), copied into the output; and
+the settings files of adapters a model's layers carry, which a merge needs (`find_adapter_settings`)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ckptctl import io
+from ckptctl.checkpoint import Checkpoint
 from ckptctl.errors import CheckpointNotFound, CkptctlError, CorruptCheckpoint
-from ckptctl.formats.documents import parse_json
+from ckptctl.formats.documents import parse_json, read_json
+from ckptctl.layouts import Layout
 from ckptctl.ops.convert.commit import write_small
 from ckptctl.ops.convert.options import ConvertOptions
 
@@ -70,6 +73,40 @@ def find_side_files(
     return found, notes
 
 
+def find_adapter_settings(
+    names: Sequence[str], options: ConvertOptions, checkpoint: Checkpoint, layout: Layout, notes: list[str]
+) -> dict[str, Any]:
+    """The files of `names` that hold the settings of the adapters a model's layers carry (name -> parsed
+    JSON): `--adapter-config` (a file, read as the first of `names` unless it has another of them as its
+    name; or a folder), else the first of the checkpoint's folder, `--config` and the layout's config
+    folders that holds any of them. Empty when none does.
+
+    Raises:
+        CheckpointNotFound: `--adapter-config` names no such file, or a folder holding none of them.
+        CorruptCheckpoint: a settings file does not parse.
+    """
+    explicit = options.adapter_config
+    if explicit is not None and not io.is_dir(explicit):
+        if not io.exists(explicit):
+            raise CheckpointNotFound(f"no such adapter settings file: {explicit}")
+        name = io.name_of(explicit)
+        return {name if name in names else names[0]: read_json(explicit)}
+    folders = (
+        [explicit]
+        if explicit is not None
+        else [checkpoint.url, *([options.config_dir] if options.config_dir else []), *layout.config_folders(checkpoint)]
+    )
+    for folder in folders:
+        present = _present(folder, names)
+        if present:
+            if folder != checkpoint.url:
+                notes.append(f"adapter settings ({', '.join(present)}) taken from {folder}")
+            return {name: read_json(url) for name, url in present.items()}
+    if explicit is not None:
+        raise CheckpointNotFound(f"{explicit} holds none of {', '.join(names)}")
+    return {}
+
+
 def _present(folder: str, names: Sequence[str]) -> dict[str, str]:
     try:
         entries = {e.name for e in io.list_dir(folder) if not e.is_dir}
@@ -93,7 +130,8 @@ def copy_side_files(
         out: the output folder.
         dtype: the floating-point dtype of the output's tensors (None: it has none).
         cast: the tensors were cast to `dtype` (`--dtype`): a config without a dtype field gets one.
-        config: a config the layout made from what the checkpoint records (Megatron's saved arguments).
+        config: a config the layout made from what the checkpoint records (Megatron's saved arguments, a
+            transformers config among a Lightning module's hyperparameters).
     """
     written = dict.fromkeys(files)
     if config is not None and "config.json" not in files:

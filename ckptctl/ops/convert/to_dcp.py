@@ -11,11 +11,11 @@ import warnings
 from typing import Any
 
 from ckptctl import io
-from ckptctl.checkpoint import Checkpoint, TensorEntry
+from ckptctl.checkpoint import Checkpoint
 from ckptctl.errors import CorruptCheckpoint
 from ckptctl.layouts import get_layout
 from ckptctl.ops.convert.options import Target
-from ckptctl.ops.convert.plan import Planned, Written
+from ckptctl.ops.convert.plan import Planned, Written, read_planned
 from ckptctl.ops.report import Progress
 
 #: The key namespace of a `--to dcp` save: `{"model": state_dict}` as training loops save and load it.
@@ -27,10 +27,7 @@ def write_dcp(checkpoint: Checkpoint, plan: list[Planned], out: str, progress: P
 
     Whole tensors stored raw in local files (HF folders, ckptctl's own safetensors) are memory-mapped, not copied.
     """
-    import torch
     import torch.distributed.checkpoint as dcp
-
-    from ckptctl.formats.chunks import read_tensor
 
     total = sum(p.nbytes for p in plan)
     progress.start("writing DCP", total)
@@ -39,12 +36,10 @@ def write_dcp(checkpoint: Checkpoint, plan: list[Planned], out: str, progress: P
         state: dict[str, Any] = {}
         maps: dict[str, Any] = {}
         for planned in plan:
-            tensor = _mapped_tensor(checkpoint.url, planned.entry, maps, stack)
+            tensor = _mapped_tensor(checkpoint.url, planned, maps, stack)
             if tensor is None:
-                tensor = read_tensor(checkpoint.url, planned.entry)
+                tensor = read_planned(checkpoint.url, planned)
                 assembled += 1
-            if planned.dtype != planned.entry.dtype:
-                tensor = tensor.to(getattr(torch, planned.dtype))
             state[planned.name] = tensor
         writer = dcp.FileSystemWriter(out, single_file_per_rank=True, sync_files=True)
         with warnings.catch_warnings():
@@ -57,15 +52,17 @@ def write_dcp(checkpoint: Checkpoint, plan: list[Planned], out: str, progress: P
     return Written(0, assembled, {})
 
 
-def _mapped_tensor(checkpoint_url: str, entry: TensorEntry, maps: dict[str, Any], stack: contextlib.ExitStack) -> Any:
-    """A tensor over a copy-on-write map of its bytes when it is one raw chunk of a local file, else None."""
+def _mapped_tensor(checkpoint_url: str, planned: Planned, maps: dict[str, Any], stack: contextlib.ExitStack) -> Any:
+    """A tensor over a copy-on-write map of its bytes (cast as planned) when it is one raw chunk of a local
+    file, else None."""
     import mmap
 
     import torch
 
     from ckptctl.checkpoint import ChunkEncoding
 
-    if len(entry.chunks) != 1 or entry.numel == 0:
+    entry = planned.entry
+    if len(entry.chunks) != 1 or entry.numel == 0 or planned.derived is not None:
         return None
     chunk = entry.chunks[0]
     url = io.join(checkpoint_url, chunk.file)
@@ -80,7 +77,8 @@ def _mapped_tensor(checkpoint_url: str, entry: TensorEntry, maps: dict[str, Any]
         raise CorruptCheckpoint(f"{entry.name}: its bytes lie outside {chunk.file}", "the file is truncated")
     io.count_read(chunk.byte_length)
     flat = torch.frombuffer(mapped, dtype=getattr(torch, entry.dtype), count=entry.numel, offset=chunk.byte_offset)
-    return flat.view(entry.shape)
+    tensor = flat.view(entry.shape)
+    return tensor.to(getattr(torch, planned.dtype)) if planned.dtype != entry.dtype else tensor
 
 
 def _close_quietly(mapped: Any) -> None:

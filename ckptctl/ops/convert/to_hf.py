@@ -17,7 +17,7 @@ import json
 import os
 from typing import Any
 
-from ckptctl.checkpoint import Checkpoint, dtype_itemsize
+from ckptctl.checkpoint import dtype_itemsize
 from ckptctl.errors import CorruptCheckpoint
 from ckptctl.formats.manifest import FileRecord
 from ckptctl.formats.raw_chunks import ChunkLocator, row_major_runs
@@ -26,7 +26,8 @@ from ckptctl.formats.safetensors_stream import BufferSource, RangeSource, Source
 from ckptctl.formats.safetensors_stream import shard_file_names as _shard_names
 from ckptctl.ops.convert.commit import write_small
 from ckptctl.ops.convert.options import ConvertOptions
-from ckptctl.ops.convert.plan import Planned, Written
+from ckptctl.ops.convert.plan import Planned, Written, read_planned
+from ckptctl.ops.distributed_work import Ranks, split
 from ckptctl.ops.report import Progress
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -37,30 +38,52 @@ def _workers(requested: int | None) -> int:
 
 
 def write_hf(
-    checkpoint: Checkpoint, plan: list[Planned], out: str, options: ConvertOptions, progress: Progress
+    checkpoint_url: str,
+    plan: list[Planned],
+    out: str,
+    options: ConvertOptions,
+    progress: Progress,
+    ranks: Ranks | None = None,
 ) -> Written:
-    """Write the safetensors shards (+ index), streaming every tensor that allows it, and check them."""
+    """Write the safetensors shards (+ index), streaming every tensor that allows it, and check them.
+
+    Over a job's `ranks` (all of them call this), each rank writes and checks its share of the shard files,
+    balanced by bytes, and rank 0 writes the index; every rank returns the digests of all files.
+    """
     shards = plan_shards([p.nbytes for p in plan], options.max_shard_size)
     names = _shard_names(len(shards))
-    with ChunkLocator(checkpoint.url) as locator:
-        sources = [_sources(p, locator) for p in plan]
-    streamed = sum(1 for s in sources if s is not None)
-    expected: dict[str, list[Planned]] = {}
-    written: dict[str, WrittenFile] = {}
-    progress.start("converting", sum(p.nbytes for p in plan))
-    with StreamCopier(_workers(options.workers), on_bytes=progress.advance) as copier:
-        for file_name, members in zip(names, shards, strict=True):
-            items = [plan[i] for i in members]
-            header = build_header([(p.name, p.dtype, p.shape) for p in items], {"format": "pt"})
-            file_sources: list[Source] = []
-            for i in members:
-                found = sources[i]
-                file_sources.extend(found if found is not None else [_assembled_source(checkpoint.url, plan[i])])
-            written[file_name] = copier.write_file(os.path.join(out, file_name), header, file_sources)
-            expected[file_name] = items
-        progress.finish()
-        _check_hf_output(out, expected, written, copier if options.reread else None, progress)
-    if len(names) > 1:
+    expected = {file_name: [plan[i] for i in members] for file_name, members in zip(names, shards, strict=True)}
+    headers = {
+        file_name: build_header([(p.name, p.dtype, p.shape) for p in items], {"format": "pt"})
+        for file_name, items in expected.items()
+    }
+    sizes = [len(headers[name]) + sum(p.nbytes for p in expected[name]) for name in names]
+
+    def write(indices: list[int]) -> dict[int, tuple[WrittenFile, int]]:
+        """Write the files `indices`: each file's size and digest, and how many of its tensors streamed."""
+        members = [i for k in indices for i in shards[k]]
+        with ChunkLocator(checkpoint_url) as locator:
+            sources = {i: _sources(plan[i], locator) for i in members}
+        done: dict[int, tuple[WrittenFile, int]] = {}
+        progress.start("converting", sum(plan[i].nbytes for i in members))
+        with StreamCopier(_workers(options.workers), on_bytes=progress.advance) as copier:
+            for k in indices:
+                file_sources: list[Source] = []
+                for i in shards[k]:
+                    found = sources[i]
+                    file_sources.extend(found if found is not None else [_assembled_source(checkpoint_url, plan[i])])
+                streamed = sum(sources[i] is not None for i in shards[k])
+                done[k] = (copier.write_file(os.path.join(out, names[k]), headers[names[k]], file_sources), streamed)
+            progress.finish()
+            mine = {names[k]: expected[names[k]] for k in indices}
+            files = {names[k]: done[k][0] for k in indices}
+            _check_hf_output(out, mine, files, copier if options.reread else None, progress)
+        return done
+
+    results = split(ranks, sizes, write)
+    written = {name: result[0] for name, result in zip(names, results, strict=True)}
+    streamed = sum(result[1] for result in results)
+    if len(names) > 1 and (ranks is None or ranks.leader):
         weight_map = {p.name: file_name for file_name, items in expected.items() for p in items}
         index = {
             "metadata": {
@@ -80,7 +103,9 @@ _MIN_AVERAGE_RUN_BYTES = 256
 
 
 def _sources(planned: Planned, locator: ChunkLocator) -> list[Source] | None:
-    """Byte ranges that make up the tensor in row-major order, or None when it must be assembled."""
+    """Byte ranges that make up the tensor in row-major order, or None when it must be assembled (or computed)."""
+    if planned.rows is not None or planned.derived is not None:  # reordered rows, or computed: one at a time
+        return None
     entry = planned.entry
     itemsize = dtype_itemsize(entry.dtype)
     runs: list[tuple[int, int, str, int]] = []  # (first element, count, file, byte offset)
@@ -117,14 +142,7 @@ def _sources(planned: Planned, locator: ChunkLocator) -> list[Source] | None:
 
 def _assembled_source(checkpoint_url: str, planned: Planned) -> BufferSource:
     def produce() -> memoryview:
-        import torch
-
-        from ckptctl.formats.chunks import read_tensor
-
-        tensor = read_tensor(checkpoint_url, planned.entry)
-        if planned.dtype != planned.entry.dtype:
-            tensor = tensor.to(getattr(torch, planned.dtype))
-        return tensor_bytes(tensor)
+        return tensor_bytes(read_planned(checkpoint_url, planned))
 
     return BufferSource(produce, planned.nbytes)
 

@@ -1,0 +1,65 @@
+"""`convert`, `verify` and `diff` over several processes: the ranks of the torchrun job that started this
+process, or `--workers N` ranks this process starts on its host (`ops.distributed_work`).
+
+Every rank runs the same command and gets the same result; rank 0 alone prints it, and every rank exits
+with the same code. A rank that fails makes every rank fail (each says which rank failed and why).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import signal
+from collections.abc import Iterator
+from typing import Annotated, Any
+
+import typer
+
+from ckptctl.ops.distributed_work import Ranks, join, launched, leave, run_workers
+
+WorkersOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--workers",
+        metavar="N",
+        help="Processes on this host that share the work by bytes, as the ranks of a torchrun job do (useful "
+        "where one process is CPU-bound: casts, digests, diff). Under torchrun the job's ranks share it.",
+        min=1,
+    ),
+]
+
+#: The command line being run (without the program name), set by `cli.app`: `--workers` runs it again
+#: in each rank it starts.
+ARGS: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar("ckptctl_cli_args", default=())
+
+
+@contextlib.contextmanager
+def job_ranks(workers: int | None) -> Iterator[Ranks | None]:
+    """The ranks this command runs over (None: this process alone), for the duration of the command.
+
+    With `workers` > 1 outside a job, this process starts the ranks, waits for them and exits with their
+    exit code (`typer.Exit`); the block does not run here.
+    """
+    if not launched():
+        if workers is not None and workers > 1:
+            raise typer.Exit(run_workers(ARGS.get(), workers))
+        yield None
+        return
+    ranks = join()
+    # A launcher stops the other ranks of a failed job with SIGTERM: clean up (the staging folder) as on
+    # Ctrl-C rather than die where the signal finds the process.
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        yield ranks
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        leave()
+
+
+def prints(ranks: Ranks | None) -> bool:
+    """Whether this process prints the command's result: it runs alone, or it is rank 0."""
+    return ranks is None or ranks.leader
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt

@@ -1,0 +1,277 @@
+"""PEFT adapter folders, as `PeftModel.save_pretrained` writes them (LAYOUTS.md, PEFT adapters).
+
+```
+ADAPTER/
+    adapter_model.safetensors      the adapter's tensors (`{"format": "pt"}` metadata), or adapter_model.bin
+    adapter_config.json            written after the weights: peft_type, r, lora_alpha, target_modules, ...
+    README.md, tokenizer files     (a model card; the tokenizer when the trainer saved one)
+```
+
+peft 0.21.2 `peft_model.py` `PeftModel.save_pretrained`: the weights, then `peft_config.save_pretrained`;
+an adapter other than `default` goes into `ADAPTER/<adapter_name>/` (a folder of its own, walked as such).
+The tensors are named `base_model.model.<module>.lora_A.weight` and so on (`frameworks.peft.lora`).
+
+An adapter is not a model: `convert --merge-adapter BASE` writes the model that PEFT's
+`PeftModel.from_pretrained(BASE, ADAPTER).merge_and_unload()` gives (`Layout.adapter`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from functools import cache, partial
+from typing import Any
+
+from ckptctl import io
+from ckptctl.checkpoint import (
+    Checkpoint,
+    CheckpointRef,
+    CheckpointState,
+    Component,
+    Problem,
+    ProblemKind,
+    TensorEntry,
+)
+from ckptctl.errors import CkptctlError, CorruptCheckpoint
+from ckptctl.formats.documents import read_json
+from ckptctl.formats.safetensors import read_header
+from ckptctl.formats.torch_pickle import open_torch_pickle, storage_problems
+from ckptctl.frameworks.hf.layout import has_weights, legacy_index, model_components, safetensors_index
+from ckptctl.frameworks.peft.lora import adapter_factors, factor_problems, merged_weight, read_from
+from ckptctl.frameworks.peft.settings import ADAPTER_CONFIG, LoraSettings, parse_settings
+from ckptctl.io import DirEntry
+from ckptctl.layouts.base import (
+    Adapter,
+    DerivedTensor,
+    Layout,
+    ModelTensors,
+    newest_mtime,
+    step_from_name,
+    timestamp,
+)
+from ckptctl.layouts.resume import ResumeProfile
+
+__all__ = ["ADAPTER_WEIGHTS", "PeftLayout"]
+
+#: The adapter's weights, in the order PEFT's `load_peft_weights` prefers them.
+ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
+_MERGE_HINT = "merge it with PEFT: PeftModel.from_pretrained(base, ADAPTER).merge_and_unload().save_pretrained(OUT)"
+
+
+def _weights(names: set[str]) -> str | None:
+    return next((name for name in ADAPTER_WEIGHTS if name in names), None)
+
+
+class PeftLayout(Layout):
+    """A PEFT adapter folder (`adapter_config.json` + `adapter_model.safetensors` or `.bin`).
+
+    A folder that also holds a model's own weights is a model folder (the `hf` layout) that happens to keep
+    an adapter beside it.
+    """
+
+    name = "peft"
+
+    def identify(self, url: str, entries: Sequence[DirEntry]) -> CheckpointRef | None:
+        """An adapter's weights make the folder an adapter; without `adapter_config.json` (written after
+        them) it is broken: PEFT cannot load it."""
+        names = {e.name for e in entries if not e.is_dir}
+        weights = _weights(names)
+        if weights is None or has_weights(names - set(ADAPTER_WEIGHTS)):
+            return None
+        complete = ADAPTER_CONFIG in names
+        return CheckpointRef(
+            url=url,
+            layout=self.name,
+            step=step_from_name(io.name_of(url)),
+            epoch=None,
+            created=timestamp(newest_mtime(entries)),
+            state=CheckpointState.COMPLETE if complete else CheckpointState.BROKEN,
+            size_bytes=sum(e.size for e in entries if not e.is_dir),
+            note=""
+            if complete
+            else f"no {ADAPTER_CONFIG}: PEFT writes it after the weights, and cannot load without it",
+        )
+
+    def open(self, url: str) -> Checkpoint:
+        """The adapter's settings (adapter_config.json) and its tensor index (the weights file's header)."""
+        entries = io.list_dir(url)
+        ref = self.identify(url, entries)
+        if ref is None:
+            raise CorruptCheckpoint(f"{url} holds no adapter_model.safetensors or adapter_model.bin")
+        files = {e.name: e.size for e in entries if not e.is_dir}
+        weights = _weights(set(files))
+        assert weights is not None  # identify found it
+
+        @cache
+        def tensor_index() -> tuple[TensorEntry, ...]:
+            if weights.endswith(".bin"):
+                return legacy_index(url, [weights], files)
+            return safetensors_index(url, [weights], files)
+
+        metadata: dict[str, Any] = {"format": f"PEFT adapter ({weights})"}
+        try:
+            settings = _settings(url) if ADAPTER_CONFIG in files else None
+        except CkptctlError as exc:
+            metadata["error"] = exc.message
+            settings = None
+        if settings is not None:
+            metadata["adapter"] = dict(settings.shown)
+            if settings.peft_type == "LORA":
+                metadata["scaling"] = _scaling_summary(settings)
+            if warnings := settings.warnings():
+                metadata["warnings"] = warnings
+        try:
+            factors, others, _ = adapter_factors(tensor_index())
+        except CkptctlError:
+            pass  # verify says why the weights do not read
+        else:
+            metadata["lora_modules"] = len(factors)
+            ranks = sorted({pair.a.shape[0] for pair in factors.values() if pair.a is not None and pair.a.shape})
+            if ranks:
+                metadata["ranks"] = ranks
+            if others:
+                metadata["replaces"] = sorted(others)
+        return Checkpoint(
+            ref=ref,
+            components=frozenset(model_components(set(files)) | {Component.MODEL}),
+            world_size=None,
+            metadata=metadata,
+            tensor_index=tensor_index,
+            files=files,
+        )
+
+    def verify(self, checkpoint: Checkpoint) -> list[Problem]:
+        """adapter_config.json parses; the weights file's header (or zip and pickle) is whole; every lora_A
+        has its lora_B with ranks that agree with each other and with r / rank_pattern. An alpha of 0 is a
+        warning: such an adapter loads and does nothing."""
+        url, files = checkpoint.url, checkpoint.files
+        problems: list[Problem] = []
+        settings = None
+        if ADAPTER_CONFIG not in files:
+            problems.append(Problem(ProblemKind.MISSING_FILE, ADAPTER_CONFIG, f"{ADAPTER_CONFIG} is missing"))
+        else:
+            try:
+                settings = _settings(url)
+            except CkptctlError as exc:
+                problems.append(Problem(ProblemKind.BAD_METADATA, ADAPTER_CONFIG, exc.message))
+        weights = _weights(set(files))
+        assert weights is not None
+        try:
+            if weights.endswith(".bin"):
+                opened = open_torch_pickle(io.join(url, weights), files[weights])
+                problems += [Problem(ProblemKind.TRUNCATED, weights, message) for message in storage_problems(opened)]
+            else:
+                read_header(io.join(url, weights), files[weights])
+            index = checkpoint.tensor_index()
+        except CkptctlError as exc:
+            return [*problems, Problem.from_error(exc, weights)]
+        factors, _, _ = adapter_factors(index)
+        if not factors and settings is not None and settings.peft_type == "LORA":
+            problems.append(Problem(ProblemKind.MISSING_FILE, weights, f"{weights} holds no LoRA factors"))
+        problems += factor_problems(factors, settings)
+        if settings is not None:
+            problems += [
+                Problem(ProblemKind.BAD_METADATA, ADAPTER_CONFIG, warning, severity="warning")
+                for warning in settings.warnings()
+            ]
+        return problems
+
+    def completion_markers(self, files: Mapping[str, int]) -> tuple[str, ...]:
+        """adapter_config.json: PEFT writes it after the weights, and loads nothing without it."""
+        return (ADAPTER_CONFIG,) if ADAPTER_CONFIG in files else ()
+
+    def resume_profile(self) -> ResumeProfile:
+        """See `frameworks.peft.resume`."""
+        from ckptctl.frameworks.peft.resume import PROFILE
+
+        return PROFILE
+
+    def adapter(self, checkpoint: Checkpoint) -> Adapter | None:
+        """A LoRA adapter, merged as PEFT's `merge_and_unload` merges it (see `_merge`)."""
+        try:
+            base = _settings(checkpoint.url).shown.get("base_model_name_or_path")
+        except CkptctlError:
+            base = None
+        return Adapter("LoRA", base if isinstance(base, str) else None, partial(_merge, checkpoint))
+
+
+def _settings(url: str) -> LoraSettings:
+    """The adapter's settings (adapter_config.json).
+
+    Raises:
+        CkptctlError: the file is missing, does not parse, or holds values PEFT never writes.
+    """
+    source = io.join(url, ADAPTER_CONFIG)
+    return parse_settings(read_json(source), source)
+
+
+def _scaling_summary(settings: LoraSettings) -> str:
+    """What PEFT multiplies B @ A by, for people: the default, and whether patterns change it."""
+    formula = "lora_alpha/sqrt(r)" if settings.use_rslora else "lora_alpha/r"
+    patterns = (
+        " (rank_pattern/alpha_pattern change it per module)" if settings.rank_pattern or settings.alpha_pattern else ""
+    )
+    return f"{formula} = {settings.scaling(''):.6g}{patterns}"
+
+
+def _merge(checkpoint: Checkpoint, base_url: str, base: Mapping[str, TensorEntry], notes: list[str]) -> ModelTensors:
+    """The base model's tensors with the adapter merged in (`Adapter.merge`).
+
+    Each adapted module's weight becomes `W + scaling·B@A` (`frameworks.peft.lora`); each other tensor of
+    the adapter (a `modules_to_save` copy: `lm_head.weight`, `embed_tokens.weight`) replaces the base tensor
+    of its name, cast to the base tensor's dtype as PEFT's loading copies it into the base module's copy.
+
+    Raises:
+        CkptctlError: not a LoRA adapter PEFT merges as `W + s·B@A` (DoRA, other PEFT types, ...), factors
+            that do not fit each other or the base, or a tensor the base model lacks.
+    """
+    settings = _settings(checkpoint.url)
+    settings.check_mergeable()
+    factors, others, extra = adapter_factors(checkpoint.tensor_index())
+    if extra:
+        raise CkptctlError(
+            f"{checkpoint.url} holds {extra[0]}, a LoRA parameter ckptctl does not merge (adapter_config.json does not "
+            "say it uses DoRA or a LoRA bias)",
+            _MERGE_HINT,
+        )
+    broken = [p for p in factor_problems(factors, settings) if p.severity == "error"]
+    if broken:
+        raise CkptctlError(f"{checkpoint.url}: {broken[0].message}", f"run `ckptctl verify {checkpoint.url}`")
+    if not factors:
+        raise CkptctlError(f"{checkpoint.url} holds no LoRA factors to merge")
+    notes += settings.warnings()
+    read_base, read_adapter = read_from(base_url), read_from(checkpoint.url)
+    merged: dict[str, TensorEntry | DerivedTensor] = dict(base)
+    for name, entry in others.items():
+        target = base.get(name)
+        if target is None or target.shape != entry.shape:
+            held = "has no such tensor" if target is None else f"holds it as {list(target.shape)}"
+            raise CkptctlError(
+                f"the adapter holds {name} {list(entry.shape)} (a modules_to_save copy or a saved embedding layer) "
+                f"but the base model {held}",
+                "pass the base model the adapter was trained on (a resized vocabulary needs the resized base)",
+            )
+        merged[name] = DerivedTensor(name, target.dtype, target.shape, partial(_cast_copy, read_adapter, entry, target))
+    for module, pair in factors.items():
+        name = f"{module}.weight"
+        target = base.get(name)
+        if target is None:
+            raise CkptctlError(
+                f"the adapter adapts {module}, but the base model {base_url} has no {name}",
+                "pass the base model the adapter was trained on (adapter_config.json's base_model_name_or_path)",
+            )
+        # A layer the adapter saved whole (an adapted embedding) is what PEFT loads and merges into.
+        own = others.get(name)
+        weight, read_weight = (own, read_adapter) if own is not None else (target, read_base)
+        merged[name] = merged_weight(pair, weight, settings, read_weight, read_adapter, name, target.dtype)
+    kept = (
+        f"; {len(others)} tensor(s) of the adapter replace the base's ({', '.join(list(others)[:3])})" if others else ""
+    )
+    notes.append(f"merged the LoRA factors of {len(factors)} module(s) into {base_url}{kept}")
+    return merged
+
+
+def _cast_copy(read: Any, entry: TensorEntry, like: TensorEntry) -> Any:
+    import torch
+
+    tensor = read(entry)
+    return tensor.to(getattr(torch, like.dtype)) if entry.dtype != like.dtype else tensor

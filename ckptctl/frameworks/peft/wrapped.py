@@ -1,0 +1,178 @@
+"""LoRA modules inside a PEFT-wrapped model's own state dict (see `ckptctl.layouts.wrapped`).
+
+peft 0.21.2 wraps each adapted layer in a `LoraLayer` whose state dict holds the original layer as
+`base_layer`, the factors as `lora_A.<adapter>` / `lora_B.<adapter>` (`nn.Linear`s) or
+`lora_embedding_A.<adapter>` / `lora_embedding_B.<adapter>` (parameters), and each module to save in a
+`ModulesToSaveWrapper` holding `original_module` and `modules_to_save.<adapter>`; a `PeftModel` puts
+`base_model.model.` in front of it all. So a full save of a PEFT model (FSDP or DeepSpeed module states, a
+DCP save of `model.state_dict()`, verl's shards) holds, per adapted layer:
+
+    base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight
+    base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight
+    base_model.model.model.layers.0.self_attn.q_proj.lora_B.default.weight
+
+The factors' shapes give each module's rank, but not its alpha: the scaling comes from the run's
+`adapter_config.json` or verl's `lora_train_meta.json` (`frameworks.peft.settings`). The merge is the
+one of adapter folders (`frameworks.peft.lora`), into the base layer's weight, written under the base
+model's own name (`model.layers.0.self_attn.q_proj.weight`), as PEFT's `merge_and_unload` leaves it.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from functools import partial
+from typing import Any
+
+from ckptctl.checkpoint import TensorEntry
+from ckptctl.errors import CkptctlError
+from ckptctl.frameworks.peft.lora import PEFT_PREFIX, Factors, factor_problems, merged_weight, read_from
+from ckptctl.frameworks.peft.settings import ADAPTER_CONFIG, LORA_TRAIN_META, LoraSettings, parse_settings
+from ckptctl.layouts.base import DerivedTensor, ModelTensors
+from ckptctl.layouts.wrapped import WrappedModel
+
+__all__ = ["lora_wrapped"]
+
+#: `lora_A.<adapter>.weight` (Linear) or `lora_embedding_A.<adapter>` (Embedding), and the B sides.
+_FACTOR = re.compile(r"^(?P<module>.+)\.lora_(?:embedding_)?(?P<side>A|B)\.(?P<adapter>[^.]+)(?:\.weight)?$")
+_TO_SAVE = re.compile(r"^(?P<module>.+)\.modules_to_save\.(?P<adapter>[^.]+)\.(?P<param>.+)$")
+_ORIGINAL = ".original_module."
+_BASE_LAYER = ".base_layer."
+#: LoRA parameters beside the factors that make more than `W + s·B@A` (a lora_B bias, DoRA's magnitudes).
+_OTHER_LORA = re.compile(r"\.lora_(?:B\.[^.]+\.bias|magnitude_vector\.[^.]+(?:\.weight)?)$")
+_HINT = (
+    "pass the run's adapter_config.json (or verl's lora_train_meta.json) with --adapter-config PATH, "
+    "or put it beside the checkpoint"
+)
+
+
+class _Parsed:
+    """The LoRA-wrapped names of one state dict."""
+
+    def __init__(self, tensors: Mapping[str, TensorEntry]) -> None:
+        halves: dict[str, dict[str, TensorEntry]] = {}
+        self.embeddings: set[str] = set()
+        self.adapters: set[str] = set()
+        self.saved: set[str] = set()
+        self.other_lora: list[str] = []
+        for name, entry in tensors.items():
+            found = _FACTOR.match(name)
+            if found is not None:
+                halves.setdefault(found.group("module"), {})[found.group("side")] = entry
+                self.adapters.add(found.group("adapter"))
+                if ".lora_embedding_" in name:
+                    self.embeddings.add(found.group("module"))
+            elif _OTHER_LORA.search(name):
+                self.other_lora.append(name)
+            elif saved := _TO_SAVE.match(name):
+                self.saved.add(saved.group("module"))
+                self.adapters.add(saved.group("adapter"))
+        self.factors = {
+            module: Factors(module, sides.get("A"), sides.get("B"), module in self.embeddings)
+            for module, sides in halves.items()
+        }
+        self.prefixed = bool(tensors) and all(name.startswith(PEFT_PREFIX) for name in tensors)
+
+    def model_name(self, module: str) -> str:
+        """A module's name inside the base model (the name PEFT matches rank_pattern keys against)."""
+        return module.removeprefix(PEFT_PREFIX) if self.prefixed else module
+
+
+def lora_wrapped(tensors: Mapping[str, TensorEntry]) -> WrappedModel | None:
+    """The LoRA adapter wrapped around the model whose tensors are `tensors`, or None.
+
+    A state dict counts as wrapped when some module has both factors and its `base_layer.weight`: an
+    adapter's own file (factors only, no base layers) is not a model.
+    """
+    if not any(".lora_" in name for name in tensors):
+        return None
+    parsed = _Parsed(tensors)
+    wrapped = [m for m, pair in parsed.factors.items() if f"{m}{_BASE_LAYER}weight" in tensors and pair.a is not None]
+    if not wrapped:
+        return None
+    ranks = sorted({pair.a.shape[0] for pair in parsed.factors.values() if pair.a is not None and pair.a.shape})
+    summary: dict[str, Any] = {
+        "adapters": sorted(parsed.adapters),
+        "lora_modules": len(parsed.factors),
+        "ranks": ranks,
+    }
+    if parsed.saved:
+        summary["modules_to_save"] = sorted(parsed.model_name(m) for m in parsed.saved)
+    return WrappedModel(
+        kind="LoRA-wrapped model (PEFT): base_layer weights with lora_A/lora_B factors beside them",
+        summary=summary,
+        settings_files=(ADAPTER_CONFIG, LORA_TRAIN_META),
+        merge=partial(_merge, tensors, parsed),
+    )
+
+
+def _settings(found: Mapping[str, Any]) -> LoraSettings:
+    for name in (ADAPTER_CONFIG, LORA_TRAIN_META):
+        if name in found:
+            return parse_settings(found[name], name)
+    raise CkptctlError(
+        "the checkpoint holds LoRA factors but not their scaling (lora_alpha is kept in adapter_config.json, "
+        "which was not found beside it)",
+        _HINT,
+    )
+
+
+def _merge(
+    tensors: Mapping[str, TensorEntry], parsed: _Parsed, url: str, found: Mapping[str, Any], notes: list[str]
+) -> ModelTensors:
+    """The model with the adapter merged into its base layers, by the base model's names (`WrappedModel.merge`).
+
+    Raises:
+        CkptctlError: more than one adapter, no settings, settings PEFT would not merge as `W + s·B@A`,
+            factors that do not fit each other or their base layer, or names that collide once unwrapped.
+    """
+    if len(parsed.adapters) > 1:
+        raise CkptctlError(
+            f"the model carries adapters {', '.join(sorted(parsed.adapters))}; ckptctl merges one",
+            "merge them with PEFT (add_weighted_adapter, then merge_and_unload)",
+        )
+    if parsed.other_lora:
+        raise CkptctlError(
+            f"{parsed.other_lora[0]} is a LoRA parameter ckptctl does not merge (DoRA or a LoRA bias)",
+            "merge it with PEFT's merge_and_unload()",
+        )
+    settings = _settings(found)
+    settings.check_mergeable()
+    named = {parsed.model_name(module): pair for module, pair in parsed.factors.items()}
+    broken = [p for p in factor_problems(named, settings) if p.severity == "error"]
+    if broken:
+        raise CkptctlError(broken[0].message, f"run `ckptctl verify {url}`")
+    notes += settings.warnings()
+    read = read_from(url)
+    model: dict[str, TensorEntry | DerivedTensor] = {}
+    origin: dict[str, str] = {}
+    for name, entry in tensors.items():
+        out = _unwrapped(name, parsed)
+        if out is None:
+            continue
+        module = out.removesuffix(".weight")
+        if out.endswith(".weight") and name.endswith(f"{_BASE_LAYER}weight") and module in named:
+            item: TensorEntry | DerivedTensor = merged_weight(named[module], entry, settings, read, read, out)
+        else:
+            item = entry
+        if out in model:
+            raise CkptctlError(f"{origin[out]!r} and {name!r} would both be written as {out!r}")
+        model[out], origin[out] = item, name
+    notes.append(
+        f"merged the LoRA factors of {len(named)} module(s) into their base weights ({settings.source} gives the "
+        "scaling); --lora keep writes the tensors as stored"
+    )
+    return model
+
+
+def _unwrapped(name: str, parsed: _Parsed) -> str | None:
+    """The base model's name of a stored tensor, or None for the factors and the replaced original modules."""
+    if _FACTOR.match(name) or _ORIGINAL in name:
+        return None
+    saved = _TO_SAVE.match(name)
+    if saved is not None:
+        name = f"{saved.group('module')}.{saved.group('param')}"
+    elif _BASE_LAYER in name:
+        head, _, tail = name.rpartition(_BASE_LAYER)
+        name = f"{head}.{tail}"
+    return parsed.model_name(name)

@@ -1,0 +1,142 @@
+"""Lightning checkpoints written by lightning 2.6.6 itself: `ModelCheckpoint` files of a 2-rank CPU run.
+
+`Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", max_steps=4)` trains a tiny LightningModule
+wrapping the tiny Llama of `tests.conftest` (built from a config dict it saves as its hyperparameters, as
+`AutoConfig.from_pretrained(...).to_dict()` gives one) with AdamW and a StepLR scheduler, logging `train_loss`.
+Two `ModelCheckpoint` callbacks watch it:
+
+- `checkpoints/`: `every_n_train_steps=2, save_top_k=2, monitor="train_loss", save_last=True`: the files
+  `epoch=0-step=2.ckpt`, `epoch=0-step=4.ckpt` and the copy `last.ckpt`;
+- `linked/`: `every_n_train_steps=2, save_top_k=-1` (no monitor: every file kept) with `save_last="link"`:
+  `last.ckpt` is a symbolic link to the newest file.
+
+A sharded FSDP checkpoint (a `.ckpt` folder) needs `FSDPStrategy`, which needs CUDA. The writer arranges one
+from the same run the way Lightning's own code writes it (lightning 2.6.6
+`lightning/pytorch/strategies/fsdp.py` `FSDPStrategy.save_checkpoint`, `state_dict_type="sharded"`):
+a callback (`tests.writers.lightning_module.ShardedSave`) takes the checkpoint dict Lightning builds at the end of training
+(`trainer._checkpoint_connector.dump_checkpoint()`), moves `state_dict` to `"model"` and each of
+`optimizer_states` to `"optimizer_{i}"`, saves those with Lightning's `_distributed_checkpoint_save`
+(`lightning/fabric/strategies/fsdp.py`: `torch.distributed.checkpoint.save`, on both gloo ranks), and rank 0
+then writes the rest with `torch.save` to `meta.pt`: `sharded/epoch=0-step=4.ckpt/`.
+
+The final weights (the model's `state_dict()` in the main process, what `ddp_spawn` hands back) are saved
+beside the run as `reference.pt`. Run directly: `python -m tests.writers.lightning_writer OUT_DIR`.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = ["WrittenLightning", "write_lightning_run"]
+
+STEPS = 4
+EVERY = 2
+
+
+@dataclass(frozen=True)
+class WrittenLightning:
+    """A Lightning run folder and what it must contain.
+
+    Attributes:
+        root: the run's `default_root_dir`.
+        checkpoints: `ModelCheckpoint`'s `dirpath` with `save_last=True` (a copy).
+        linked: the `dirpath` with `save_last="link"` (a symbolic link).
+        sharded: the sharded FSDP checkpoint folder.
+        reference: the final weights (LightningModule `state_dict()` names, `model.` prefixed).
+        model_parameters: elements of the model's parameters.
+    """
+
+    root: Path
+    checkpoints: Path
+    linked: Path
+    sharded: Path
+    reference: Path
+    model_parameters: int
+
+    def step(self, n: int) -> Path:
+        return self.checkpoints / f"epoch=0-step={n}.ckpt"
+
+
+def model_config() -> dict[str, Any]:
+    """The tiny Llama's config as a dict (what the module saves as a hyperparameter)."""
+    from tests.conftest import tiny_llama
+
+    config: dict[str, Any] = tiny_llama().config.to_dict()
+    config["architectures"] = ["LlamaForCausalLM"]
+    return config
+
+
+def _train(root: Path) -> None:
+    import lightning as L
+    import torch
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    L.seed_everything(0, verbose=False)
+    generator = torch.Generator().manual_seed(0)
+    data = torch.utils.data.DataLoader(
+        [torch.randint(0, 128, (16,), generator=generator) for _ in range(32)], batch_size=2
+    )
+    from tests.writers.lightning_module import ShardedSave, TinyLlamaModule
+
+    module = TinyLlamaModule(model_config())
+    callbacks = [
+        ModelCheckpoint(
+            dirpath=root / "checkpoints",
+            every_n_train_steps=EVERY,
+            save_top_k=2,
+            monitor="train_loss",
+            save_last=True,
+        ),
+        ModelCheckpoint(dirpath=root / "linked", every_n_train_steps=EVERY, save_top_k=-1, save_last="link"),
+        ShardedSave(root / "sharded" / f"epoch=0-step={STEPS}.ckpt"),
+    ]
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp_spawn",
+        max_steps=STEPS,
+        callbacks=callbacks,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=root,
+    )
+    trainer.fit(module, data)
+    torch.save({k: v.detach().clone() for k, v in module.state_dict().items()}, root.parent / "reference.pt")
+
+
+def write_lightning_run(root: Path) -> WrittenLightning:
+    """Run the 2-rank training in a subprocess and describe what it wrote."""
+    from tests.conftest import tiny_llama
+
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(repo), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
+    for attempt in range(2):
+        done = subprocess.run(
+            [sys.executable, "-m", "tests.writers.lightning_writer", str(root)], cwd=repo, env=env, capture_output=True
+        )
+        # gloo on a loaded machine now and then aborts a rank (see tests.conftest._build_retrying): once more
+        killed = b"ProcessExitedException" in done.stderr and b"signal" in done.stderr
+        if done.returncode == 0 or not killed or attempt:
+            break
+        shutil.rmtree(root, ignore_errors=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"the Lightning writer failed:\n{done.stderr.decode(errors='replace')[-4000:]}")
+    return WrittenLightning(
+        root=root,
+        checkpoints=root / "checkpoints",
+        linked=root / "linked",
+        sharded=root / "sharded" / f"epoch=0-step={STEPS}.ckpt",
+        reference=root.parent / "reference.pt",
+        model_parameters=sum(p.numel() for p in tiny_llama().parameters()),
+    )
+
+
+if __name__ == "__main__":
+    _train(Path(sys.argv[1]))

@@ -17,11 +17,10 @@ import pytest
 
 from ckptctl.checkpoint import CheckpointState, Component, Role
 from ckptctl.errors import UnknownLayout
-from ckptctl.formats.torch_zip import ZipMember, archive_members
 from ckptctl.layouts import detect, get_layout, open_checkpoint, scan_run
 from ckptctl.layouts.base import list_files
 from ckptctl.ops.verification import RunVerifyReport, verify_checkpoint, verify_path
-from tests.conftest import CliResult, copy_tree
+from tests.conftest import CliResult, copy_tree, torch_zip_records
 from tests.writers.accelerate_writer import WrittenAccelerate
 from tests.writers.areal_writer import WrittenAreal
 from tests.writers.deepspeed_writer import WrittenDeepSpeed
@@ -117,7 +116,7 @@ class LayoutContract:
     def test_a_flipped_byte_in_a_torch_zip_fails_plain_verify_naming_the_record(
         self, checkpoint: Path, run_cli: Callable[..., CliResult]
     ) -> None:
-        records = _tensor_records(checkpoint, self.layout)
+        records = torch_zip_records(checkpoint, get_layout(self.layout))
         if not records:
             pytest.skip("the writer wrote no torch.save zip")
         file, member = max(records, key=lambda r: (r[1].size, r[0], r[1].start))  # the largest tensor record
@@ -165,23 +164,6 @@ class LayoutContract:
             (checkpoint / name).unlink()
         refs = scan_run(str(checkpoint.parent))
         assert CheckpointState.COMPLETE not in [r.state for r in refs]
-
-
-def _tensor_records(folder: Path, layout: str) -> list[tuple[str, ZipMember]]:
-    """(file, record) of every tensor record (not a pickle) of the torch.save zips the layout names."""
-    checkpoint = open_checkpoint(str(folder))
-    found = []
-    for archive in get_layout(layout).torch_archives(checkpoint):
-        data = (folder / archive.file).read_bytes()
-        end = len(data) if archive.length is None else archive.offset + archive.length
-        blob = data[archive.offset : end]
-        if blob[:4] != b"PK\x03\x04":
-            continue
-        members = archive_members(
-            lambda start, n, b=blob: b[start : start + n], len(blob), archive.offset, archive.file
-        )
-        found += [(archive.file, m) for m in members.members if m.size and not m.name.endswith(".pkl")]
-    return found
 
 
 def _demo_parameters() -> int:

@@ -1,6 +1,6 @@
 """Plain `verify` checks the CRC-32 torch recorded for every record of every torch.save zip, on checkpoints
 written by torch DCP (2 FSDP2 ranks), DeepSpeed (ZeRO-2), the Hugging Face Trainer and transformers 4's
-`pytorch_model.bin` folders, none of which has a manifest: a byte flipped in a tensor's bytes fails verify with the file, the zip record and the tensor
+`pytorch_model.bin` folders and a Lightning `.ckpt` file, none of which has a manifest: a byte flipped in a tensor's bytes fails verify with the file, the zip record and the tensor
 named; clean checkpoints pass with every record checked; `--quick` checks the structure only.
 """
 
@@ -18,10 +18,12 @@ from ckptctl.formats.torch_pickle import open_torch_pickle
 from ckptctl.formats.torch_save import inspect_archive
 from ckptctl.formats.torch_zip import archive_members
 from ckptctl.frameworks.dcp.layout import load_dcp_metadata
-from tests.conftest import CliResult, copy_tree
+from ckptctl.layouts import get_layout
+from tests.conftest import CliResult, copy_tree, torch_zip_records
 from tests.writers.dcp_writer import WrittenDcp
 from tests.writers.deepspeed_writer import WrittenDeepSpeed
 from tests.writers.hf_legacy_writer import WrittenLegacy
+from tests.writers.lightning_writer import WrittenLightning
 from tests.writers.trainer_writer import WrittenTrainerRun
 
 Cli = Callable[..., CliResult]
@@ -182,3 +184,21 @@ def test_a_failed_digest_names_the_damaged_record(fsdp_dcp: WrittenDcp, tmp_path
         ("digest_mismatch", damage.path, None),
         ("crc_mismatch", damage.path, damage.record),
     ]
+
+
+def test_a_flipped_byte_in_a_lightning_ckpt_file_is_named(
+    lightning_run: WrittenLightning, tmp_path: Path, run_cli: Cli
+) -> None:
+    """A `.ckpt` file ModelCheckpoint wrote (one torch.save zip; the layout's file checkpoints, which the
+    layout contract's folders do not cover)."""
+    victim = tmp_path / "epoch=0-step=4.ckpt"
+    victim.write_bytes(lightning_run.step(4).read_bytes())
+    clean = run_cli("verify", victim, "--json")
+    assert clean.exit_code == 0, clean.stdout
+    with zipfile.ZipFile(victim) as archive:
+        assert clean.json["layout"] == "lightning" and clean.json["crc_records_checked"] == len(archive.infolist())
+    _, member = max(torch_zip_records(victim, get_layout("lightning")), key=lambda r: r[1].size)
+    _flip(victim, member.start + member.size // 2)
+    result = run_cli("verify", victim, "--json")
+    assert result.exit_code == 1, result.stdout
+    assert [(p["kind"], p.get("record")) for p in result.json["problems"]] == [("crc_mismatch", member.name)]

@@ -8,6 +8,8 @@ are), then runs each mode as a `ckptctl verify` child process and reports, best 
 - `sha256sum FILES`: the tool people reach for (DESIGN §5: digest verify >= 8x faster);
 - `--quick`: structure only;
 - plain verify without a manifest: the CRC-32 of every zip record (every DCP item is a torch.save zip);
+  also as 2 ranks (`--workers 2`: the items shared by bytes, each rank reading its share; its peak RSS is
+  the largest rank's);
 - `--deep` and `--deep --check-finite` (without a manifest: CRC-32s as well);
 - `--write-manifest` (blake3 of every file and CRC-32s, one pass), then plain verify with the manifest
   (digests) and `--deep` with it.
@@ -137,6 +139,7 @@ MODES: dict[str, tuple[str, ...] | None] = {
     "sha256sum": None,
     "verify --quick (structure)": ("--quick",),
     "verify, no manifest (CRC-32s)": (),
+    "verify --workers 2, no manifest (2 ranks)": ("--workers", "2"),
     "verify --deep (CRC-32s, tensors)": ("--deep",),
     "verify --deep --check-finite": ("--deep", "--check-finite"),
     "verify --write-manifest (blake3 + CRC-32s)": ("--write-manifest",),
@@ -202,7 +205,8 @@ def main() -> int:
                     continue
                 gone = (digests,) if label not in WITH_MANIFEST else ()
                 command = best([*cli, *flags], args.repeat, cold, files, gone)
-                call = best([*lib, _flags(flags)], args.repeat, cold, files, gone)
+                # The ranks are processes of their own: only the command is timed.
+                call = None if "--workers" in flags else best([*lib, _flags(flags)], args.repeat, cold, files, gone)
                 results[(label, state)] = (command, call)
             if label == "verify --deep --check-finite":  # then the manifest is written, and timed
                 for state in states:

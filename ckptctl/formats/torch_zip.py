@@ -41,6 +41,7 @@ __all__ = [
     "ArchiveReader",
     "CrcCheck",
     "DamagedRecord",
+    "RangeReader",
     "RecordCrc",
     "TorchArchive",
     "ZipMember",
@@ -264,7 +265,7 @@ def archive_members(read_at: ReadAt, length: int, base: int, where: str) -> Arch
         CorruptCheckpoint: no zip directory (truncated, or not a zip), a damaged directory or local header,
             a record outside the archive, or a compressed or encrypted record (torch writes neither).
     """
-    reader = _RangeReader(read_at, length)
+    reader = RangeReader(read_at, length)
     try:
         with zipfile.ZipFile(reader) as archive:
             infos = archive.infolist()
@@ -310,8 +311,9 @@ def _data_start(read_at: ReadAt, length: int, info: zipfile.ZipInfo, where: str)
     return start
 
 
-class _RangeReader(io.RawIOBase):
-    """A seekable read-only file of `length` bytes over `read_at`, for zipfile."""
+class RangeReader(io.RawIOBase):
+    """A seekable read-only file of `length` bytes over `read_at`, for zipfile (`torch_save` reads its
+    archives through one too)."""
 
     def __init__(self, read_at: ReadAt, length: int) -> None:
         super().__init__()

@@ -9,6 +9,7 @@ CRC-32 torch recorded for each record of every zip the writer wrote, through `La
 
 from __future__ import annotations
 
+import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -120,9 +121,14 @@ class LayoutContract:
         if not records:
             pytest.skip("the writer wrote no torch.save zip")
         file, member = max(records, key=lambda r: (r[1].size, r[0], r[1].start))  # the largest tensor record
-        data = bytearray((checkpoint / file).read_bytes())
+        path = checkpoint / file
+        data = bytearray(path.read_bytes())
         data[member.start + member.size // 2] ^= 0x20
-        (checkpoint / file).write_bytes(bytes(data))
+        written = path.stat()
+        path.write_bytes(bytes(data))
+        # Bit rot keeps the file's times (AReaL's slot takes a data file newer than its metadata for an
+        # unfinished overwrite).
+        os.utime(path, ns=(written.st_atime_ns, written.st_mtime_ns))
         result = run_cli("verify", checkpoint, "--json")
         assert result.exit_code == 1, result.stdout
         assert any(

@@ -11,16 +11,16 @@ _ckptctl() {
     case "$prev" in
         --sort) COMPREPLY=($(compgen -W "step created size url" -- "$cur")); return;;
         --state) COMPREPLY=($(compgen -W "complete in_progress broken abandoned superseded" -- "$cur")); return;;
-        --layout) COMPREPLY=($(compgen -W "native areal roll lightning megatron torchtitan dcp hf_trainer accelerate openrlhf open_instruct deepspeed peft hf deepspeed_universal" -- "$cur")); return;;
-        --layout-a) COMPREPLY=($(compgen -W "native areal roll lightning megatron torchtitan dcp hf_trainer accelerate openrlhf open_instruct deepspeed peft hf deepspeed_universal" -- "$cur")); return;;
-        --layout-b) COMPREPLY=($(compgen -W "native areal roll lightning megatron torchtitan dcp hf_trainer accelerate openrlhf open_instruct deepspeed peft hf deepspeed_universal" -- "$cur")); return;;
+        --layout) COMPREPLY=($(compgen -W "native verl areal roll lightning megatron torchtitan dcp hf_trainer accelerate openrlhf open_instruct deepspeed peft hf deepspeed_universal" -- "$cur")); return;;
+        --layout-a) COMPREPLY=($(compgen -W "native verl areal roll lightning megatron torchtitan dcp hf_trainer accelerate openrlhf open_instruct deepspeed peft hf deepspeed_universal" -- "$cur")); return;;
+        --layout-b) COMPREPLY=($(compgen -W "native verl areal roll lightning megatron torchtitan dcp hf_trainer accelerate openrlhf open_instruct deepspeed peft hf deepspeed_universal" -- "$cur")); return;;
         --component) COMPREPLY=($(compgen -W "model optimizer scheduler rng dataloader trainer_state config tokenizer extra" -- "$cur")); return;;
         --to) COMPREPLY=($(compgen -W "hf dcp" -- "$cur")); return;;
         --dtype) COMPREPLY=($(compgen -W "bf16 bfloat16 fp16 float16 fp32 float32" -- "$cur")); return;;
         --weights) COMPREPLY=($(compgen -W "auto master stored" -- "$cur")); return;;
     esac
     case "$cmd" in
-        convert) local opts="--to --dtype --max-shard-size --component --strip-prefix --rename --mapping --config --tokenizer --force --reread --workers --weights --no-check-model --check-logits --merge-adapter --lora --adapter-config --layout --json --quiet -q --help -h";;
+        convert) local opts="--to --dtype --max-shard-size --component --strip-prefix --rename --mapping --config --tokenizer --force --reread --workers --weights --no-check-model --check-logits --merge-adapter --lora --adapter-config --lora-alpha --lora-r --lora-rslora --layout --json --quiet -q --help -h";;
         demo) local opts="--steps --distributed --no-distributed --force --json --quiet -q --help -h";;
         diff) local opts="--component --atol --rtol --strip-prefix --rename --ignore-dtype --all --top --read-all --layout-a --layout-b --workers --json --quiet -q --help -h";;
         inspect) local opts="--filter -f --component --limit --layout --json --quiet -q --help -h";;

@@ -34,6 +34,7 @@ from tests.writers.run_folders import NestedRun, arrange_deepspeed_run, trainer_
 from tests.writers.torchtitan_writer import WrittenTorchtitan, write_torchtitan_run
 from tests.writers.trainer_writer import WrittenTrainerRun, write_trainer_run
 from tests.writers.universal_writer import WrittenUniversal, write_universal_runs
+from tests.writers.verl_writer import WrittenVerl, write_verl_run
 
 if TYPE_CHECKING:
     from ckptctl.formats.torch_zip import ZipMember
@@ -53,6 +54,7 @@ SLOW_FIXTURES = frozenset(
         "fsdp_dcp",
         "fsdp_runs",
         "areal_run",
+        "verl_run",
         "fsdp_run",
         "big_dcp",
         "interrupted_saves",
@@ -86,13 +88,22 @@ def build_once(tmp_path_factory: pytest.TempPathFactory, name: str, build: Calla
     shared = tmp_path_factory.getbasetemp().parent / "shared"  # the run's folder, above each worker's own
     shared.mkdir(exist_ok=True)
     record = shared / f"{name}.pickle"
+    failure = shared / f"{name}.failed"
     with FileLock(str(shared / f"{name}.lock")):
         if record.exists():
             built: T = pickle.loads(record.read_bytes())  # written by this run's own fixture code just before
             return built
+        if failure.exists():
+            # Another worker's build failed: say why here too, rather than building again for minutes (or
+            # tripping over its half-written folder).
+            pytest.fail(f"the {name!r} fixture failed to build in another worker:\n{failure.read_text()}")
         folder = shared / name
         folder.mkdir()
-        built = _build_retrying(build, folder)
+        try:
+            built = _build_retrying(build, folder)
+        except BaseException as exc:
+            failure.write_text(f"{type(exc).__name__}: {exc}")
+            raise
         record.write_bytes(pickle.dumps(built))
         return built
 
@@ -252,6 +263,14 @@ def fsdp_runs(tmp_path_factory: pytest.TempPathFactory) -> WrittenFsdpRuns:
     """FSDP2 on 2 CPU ranks, saved every step as AReaL (trial with recover slots, exports, recover_info) and
     ROLL (launch folder with checkpoint-1 and checkpoint-2, the latter with critic/) save (slow: spawns)."""
     return build_once(tmp_path_factory, "fsdp-rl", write_fsdp_runs)
+
+
+@pytest.fixture(scope="session")
+def verl_run(tmp_path_factory: pytest.TempPathFactory) -> WrittenVerl:
+    """verl 0.9.1's own FSDPCheckpointManager on 2 CPU ranks (FSDP2): global steps 1 and 2 of a tiny Qwen2 actor
+    (1-D fsdp mesh) and critic (HSDP mesh, replicated), the tracker, and verl's own merger's output of step 2
+    (slow: spawns)."""
+    return build_once(tmp_path_factory, "verl", write_verl_run)
 
 
 @pytest.fixture(scope="session")

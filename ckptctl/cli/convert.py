@@ -23,11 +23,11 @@ HELP = """Convert a checkpoint's model into a Hugging Face folder (or an HF mode
 
 DeepSpeed ZeRO 1-3 (a global_stepN tag folder, the save folder holding `latest`, or a Trainer checkpoint-N with DeepSpeed inside) gives the fp32 master weights, exactly as DeepSpeed's zero_to_fp32.py rebuilds them from the optimizer partitions, without DeepSpeed installed and without loading a partition whole; --weights stored writes the 16-bit module weights instead (ZeRO 0-2; ZeRO-3 keeps none, its model is the partitions).
 
-Lightning checkpoints (an `epoch=E-step=S.ckpt` file, `last.ckpt`, the ModelCheckpoint folder holding it, or a sharded FSDP `.ckpt/` folder) give the LightningModule's state_dict under the model's own names (the `model.` attribute removed); config.json is taken from the module's hyper_parameters when they hold a transformers config, else give --config.
+Lightning checkpoints (an `epoch=E-step=S.ckpt` file, `last.ckpt`, the ModelCheckpoint folder holding it, a sharded FSDP `.ckpt/` folder, or a DeepSpeedStrategy `.ckpt/` folder, read as DeepSpeed's) give the LightningModule's state_dict under the model's own names (the `model.` attribute removed); config.json is taken from the module's hyper_parameters when they hold a transformers config, else give --config.
 
 SRC may also be a single weights file: a `*.safetensors` file, or a torch.save zip such as `pytorch_model.bin` (read with the allowlisting unpickler: nothing in it runs).
 
-An adapter (a PEFT folder: adapter_config.json + adapter_model.safetensors) converts merged into its base model: --merge-adapter BASE writes BASE with every adapted weight W replaced by W + (lora_alpha/r)·B@A (rsLoRA: lora_alpha/sqrt(r); rank_pattern and alpha_pattern per module; fan_in_fan_out), and the adapter's modules_to_save tensors in place of BASE's: what PEFT's merge_and_unload() gives. DoRA and other PEFT types are refused. A model saved whole while wrapped by PEFT (q_proj.base_layer.weight beside q_proj.lora_A.default.weight, as FSDP, DeepSpeed, DCP and verl saves hold it) is written under the model's own names with the LoRA merged in; its lora_alpha comes from the run's adapter_config.json or verl's lora_train_meta.json (--adapter-config).
+An adapter (a PEFT folder: adapter_config.json + adapter_model.safetensors, or a Trainer checkpoint-N of a PEFT model, which holds one instead of the model) converts merged into its base model: --merge-adapter BASE writes BASE with every adapted weight W replaced by W + (lora_alpha/r)·B@A (rsLoRA: lora_alpha/sqrt(r); rank_pattern and alpha_pattern per module; fan_in_fan_out), and the adapter's modules_to_save tensors in place of BASE's: what PEFT's merge_and_unload() gives. DoRA and other PEFT types are refused. A model saved whole while wrapped by PEFT (q_proj.base_layer.weight beside q_proj.lora_A.default.weight, as FSDP, DeepSpeed, DCP and verl saves hold it) is written under the model's own names with the LoRA merged in; its lora_alpha comes from the run's adapter_config.json or verl's lora_train_meta.json (--adapter-config), or from --lora-alpha (with --lora-r, --lora-rslora) when the run kept neither; without any, convert refuses rather than guess. --lora adapter writes that model's adapter alone instead, as PEFT's save_pretrained does (adapter_model.safetensors + adapter_config.json), for PeftModel.from_pretrained(BASE, DST).
 
 --to dcp writes a single-process torch.distributed.checkpoint save with keys model.<name>, which dcp.load reads into a model of any world size.
 
@@ -47,6 +47,7 @@ ckptctl convert meta-llama-3-8b/ init-dcp --to dcp
 ckptctl convert old-model/pytorch_model.bin old-model-safetensors/
 ckptctl convert lora-adapter/ merged-model/ --merge-adapter Llama-3.1-8B/
 ckptctl convert lora-run/step-500 merged-model/ --adapter-config lora-run/adapter_config.json
+ckptctl convert lora-run/step-500 lora-adapter/ --lora adapter --lora-alpha 32
 ckptctl convert s3://ckpts/llama/step-1000 s3://exports/llama-1000 --dtype bf16
 torchrun --nnodes 4 --nproc-per-node 8 -m ckptctl convert /lustre/run/step-1000 /lustre/export --max-shard-size 2GB
 ckptctl convert runs/llama/step-1000 hf-export --dtype bf16 --workers 4
@@ -66,6 +67,7 @@ class WeightsChoice(enum.StrEnum):
 
 class LoraChoice(enum.StrEnum):
     merge = "merge"
+    adapter = "adapter"
     keep = "keep"
 
 
@@ -200,7 +202,8 @@ def convert(
             "--lora",
             metavar="MODE",
             help="A model saved with LoRA adapters around its layers (base_layer.weight + lora_A.default.weight): "
-            "merge them into the weights under the model's own names (merge), or write the tensors as stored (keep).",
+            "merge them into the weights under the model's own names (merge), write the adapter alone as a PEFT "
+            "adapter folder (adapter), or write the tensors as stored (keep).",
         ),
     ] = LoraChoice.merge,
     adapter_config: Annotated[
@@ -212,6 +215,28 @@ def convert(
             "(default: found beside the checkpoint or its config).",
         ),
     ] = None,
+    lora_alpha: Annotated[
+        float | None,
+        typer.Option(
+            "--lora-alpha",
+            metavar="ALPHA",
+            help="The LoRA alpha of a model saved with LoRA adapters, when no adapter_config.json is found "
+            "(wins over one found).",
+        ),
+    ] = None,
+    lora_r: Annotated[
+        int | None,
+        typer.Option(
+            "--lora-r",
+            metavar="R",
+            help="With --lora-alpha: the run's LoRA rank, checked against the factors (default: each module's "
+            "factors give its rank).",
+        ),
+    ] = None,
+    lora_rslora: Annotated[
+        bool,
+        typer.Option("--lora-rslora", help="With --lora-alpha: the run used rsLoRA (scaling alpha/sqrt(r))."),
+    ] = False,
     layout: LayoutOpt = None,
     json_output: JsonOpt = False,
     quiet: QuietOpt = False,
@@ -247,6 +272,9 @@ def convert(
         merge_adapter=merge_adapter,
         lora=LoraMode(lora.value),
         adapter_config=adapter_config,
+        lora_alpha=lora_alpha,
+        lora_r=lora_r,
+        lora_rslora=lora_rslora,
     )
     with job_ranks(workers) as ranks:
         _convert(src, dst, replace(options, ranks=ranks), json_output, quiet or not prints(ranks), prints(ranks))

@@ -33,9 +33,13 @@ from ckptctl.formats.torch_save import load_object_archive
 __all__ = [
     "World",
     "all_gather",
+    "background_group",
     "broadcast",
     "current_world",
     "dcp_files_of_rank",
+    "dcp_state",
+    "default_group",
+    "is_lost_peer",
     "load_dcp",
     "load_full_module",
     "load_full_optimizer",
@@ -65,18 +69,48 @@ def current_world() -> World:
     return World()
 
 
-def broadcast(obj: Any, src: int = 0) -> Any:
-    """`obj` of rank `src` on every rank (picklable objects only; small control messages)."""
+def broadcast(obj: Any, src: int = 0, group: Any = None) -> Any:
+    """`obj` of rank `src` on every rank of `group` (default: the default group; picklable objects only,
+    small control messages)."""
     box = [obj]
-    dist.broadcast_object_list(box, src=src)
+    dist.broadcast_object_list(box, src=src, group=group)
     return box[0]
 
 
-def all_gather(obj: Any) -> list[Any]:
-    """Every rank's `obj`, indexed by rank."""
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
+def all_gather(obj: Any, group: Any = None) -> list[Any]:
+    """Every rank's `obj`, indexed by rank (of `group`, default: the default group)."""
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
     return out
+
+
+def default_group() -> Any:
+    """The default process group object (None when torch.distributed is not initialised)."""
+    return dist.group.WORLD if dist.is_initialized() else None
+
+
+def is_lost_peer(exc: BaseException) -> bool:
+    """Whether a collective failed because another rank is gone (killed, its connection dropped) or did
+    not answer in time, rather than because of something this rank did."""
+    if isinstance(exc, dist.DistError):  # DistBackendError, DistNetworkError, DistStoreError
+        return True
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and any(
+        sign in text for sign in ("connection closed", "connection reset", "broken pipe", "timed out")
+    )
+
+
+def background_group() -> Any:
+    """A gloo process group of every rank, for the collectives of background saves (a collective: every
+    rank calls it, from the training thread).
+
+    Background threads must not use the default group: the training loop's own collectives (FSDP's
+    all-gathers, a loss all-reduce) run on it meanwhile, and two threads issuing collectives on one group
+    pair them up in different orders on different ranks, which deadlocks or mixes their data. Gloo also
+    serves CUDA runs, whose default group is NCCL: the background collectives carry small pickled
+    messages and DCP's plans, never tensors.
+    """
+    return dist.new_group(backend="gloo")
 
 
 def owner_of(name: str, optimizer: torch.optim.Optimizer, modules: Mapping[str, torch.nn.Module]) -> torch.nn.Module:
@@ -97,7 +131,9 @@ def owner_of(name: str, optimizer: torch.optim.Optimizer, modules: Mapping[str, 
     )
 
 
-def _dcp_state(entries: Mapping[str, tuple[str, Any]], modules: Mapping[str, torch.nn.Module]) -> dict[str, Any]:
+def dcp_state(entries: Mapping[str, tuple[str, Any]], modules: Mapping[str, torch.nn.Module]) -> dict[str, Any]:
+    """The state dicts DCP saves and loads for module and optimizer entries (name -> (kind, object)): FSDP2
+    parameters stay sharded DTensors, optimizer state is keyed by parameter FQN."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
     state: dict[str, Any] = {}
@@ -109,19 +145,19 @@ def _dcp_state(entries: Mapping[str, tuple[str, Any]], modules: Mapping[str, tor
     return state
 
 
-def save_dcp(path: str, entries: Mapping[str, tuple[str, Any]], modules: Mapping[str, torch.nn.Module]) -> None:
-    """Save module and optimizer entries with DCP into `path` (a collective: every rank calls it).
+def save_dcp(path: str, state: Mapping[str, Any], group: Any = None) -> None:
+    """Save a `dcp_state` into `path` (a collective over `group`: every rank calls it).
 
     Args:
         path: the `dcp/` folder of the staging checkpoint (the same path on every rank).
-        entries: name -> (kind, object) of the `module` and `optimizer` entries.
-        modules: every module entry of the state, to find which module owns each optimizer.
+        state: what `dcp_state` returned, or a host copy of it (an async save).
+        group: the process group of DCP's collectives; None for the default group.
     """
     import torch.distributed.checkpoint as dcp
 
     # fsync every file: the commit protocol depends on the data being durable before the manifest
     writer = dcp.FileSystemWriter(path, sync_files=True)
-    dcp.save(_dcp_state(entries, modules), storage_writer=writer, no_dist=not current_world().multi)
+    dcp.save(dict(state), storage_writer=writer, process_group=group, no_dist=not current_world().multi)
 
 
 def load_dcp(path: str, entries: Mapping[str, tuple[str, Any]], modules: Mapping[str, torch.nn.Module]) -> None:
@@ -134,7 +170,7 @@ def load_dcp(path: str, entries: Mapping[str, tuple[str, Any]], modules: Mapping
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
-    state = _dcp_state(entries, modules)
+    state = dcp_state(entries, modules)
     with warnings.catch_warnings():
         # torch warns that it "assumes" a single process; loading in one is what we mean to do
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)

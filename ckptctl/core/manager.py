@@ -100,15 +100,17 @@ class CheckpointManager:
 
     When `torch.distributed` is initialised with more than one rank, module and optimizer entries are
     saved through torch DCP (sharded, reshardable) and rank 0 commits; every rank must call `save` and
-    `resume`/`restore`. Multi-rank saves are synchronous even with `async_save=True`.
+    `resume`/`restore`. Async saves are asynchronous on several ranks too (see `save`).
 
     Args:
         root: the run folder: a local path (created if missing) or an fsspec URL such as
             `s3://bucket/runs/exp1` (credentials and endpoint from the standard AWS settings).
         policy: retention applied after each commit; None keeps everything. The steps it drops are gone
             from `all_steps()` when `save` returns; their files are deleted in the background.
-        async_save: return from `save` once the state is copied to CPU memory and write in a background
-            thread. The copy buffers are kept for the next save (one CPU copy of the state stays allocated).
+        async_save: return from `save` once the state is copied to host memory and write in a background
+            thread; on a multi-rank run each rank copies its own shards and rank 0 commits once every rank
+            has written. The copy buffers (pinned when CUDA is available) are kept for the next save: one
+            host copy of the state this process saves stays allocated until `close()`.
         staging_dir: for a remote `root`, the local folder where a save is written before it is uploaded
             and a restore is downloaded before it is loaded (default: the system temp folder); it needs
             room for one checkpoint.
@@ -140,6 +142,7 @@ class CheckpointManager:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._stager = snapshot.Stager()
+        self._group: tuple[Any, Any] | None = None  # (the default group it was made for, the background group)
         self._deleter = BackgroundDeleter(f"ckptctl-delete-{self.naming.prefix}")
 
     # ------------------------------------------------------------------ queries
@@ -179,8 +182,11 @@ class CheckpointManager:
     def save(self, step: int, state: Mapping[str, Any], metrics: Mapping[str, Any] | None = None) -> None:
         """Save `state` as step `step`, replacing a checkpoint of that step if there is one.
 
-        With `async_save`, returns once the state is copied to CPU memory; the write and the commit run
-        in a background thread (see `wait`).
+        With `async_save`, returns once the state is copied to host memory; the write and the commit run
+        in a background thread (see `wait`). On a multi-rank run every rank's thread writes its part and
+        rank 0's commits after all of them have written, coordinating over a gloo group of their own
+        (created by the first such save), so the training loop's collectives never wait for them; a
+        failure on any rank is raised by the next `save`/`wait`/`restore` on every rank.
 
         Saving a step below the run's newest committed step (after `restore(state, step=...)` of an older
         one) goes back in the run: the newer steps, and an earlier save of this step, are marked
@@ -226,9 +232,10 @@ class CheckpointManager:
         self._report_deletions(stacklevel=3)
 
     def close(self) -> None:
-        """Finish what runs in the background (as `wait`); call it when training ends. The manager stays
-        usable."""
+        """Finish what runs in the background (as `wait`) and free the host buffers of async saves; call it
+        when training ends. The manager stays usable (a later async save allocates the buffers again)."""
         self.wait()
+        self._stager.release()
 
     def _join(self) -> None:
         if self._thread is not None:
@@ -279,6 +286,7 @@ class CheckpointManager:
     ) -> None:
         # Every rank reaches every collective below, whatever fails locally: a rank that raised early
         # would leave the others waiting forever. Local failures travel with the gathered results.
+        group = self._background_group() if self.async_save else None
         staging, error = None, None
         if world.rank == 0:
             staging = self._storage.staging(step, secrets.token_hex(4))
@@ -297,25 +305,69 @@ class CheckpointManager:
         taken = None
         try:
             os.makedirs(os.path.join(staging, "dcp"), exist_ok=True)
-            taken = snapshot.take(state, world, None)
+            taken = snapshot.take(state, world, self._stager if self.async_save else None)
         except OSError as exc:
             local = StorageError(f"cannot create {staging}: {exc.strerror or exc}")
         except CkptctlError as exc:
             local = exc
         self._agree(world, staging, local, "preparing the state")
         assert taken is not None
+        if group is None:
+            self._write_multi_rank(step, staging, taken, metrics, world, None)
+            return
+        # Each rank writes its part and rank 0 commits on a thread of their own, which talk over a group
+        # of their own (`dist_.background_group`). torch's `dcp.async_save` would stage and write the DCP
+        # part alone: the commit protocol needs more after it on every rank (the rank's RNG and rank 0's
+        # unsharded files, hashing what the rank wrote, uploading it to an object store) and one outcome
+        # agreed by all ranks before rank 0 commits, its staging cache differs between torch releases,
+        # and this way sync and async saves run the same code. The host copy `snapshot.take` made is
+        # what this thread writes; DCP sees it as it would the live state (same DTensor specs).
+        self._thread = threading.Thread(
+            target=self._background_multi_rank,
+            args=(step, staging, taken, metrics, world, group),
+            name=f"ckptctl-save-{step}",
+        )
+        self._thread.start()
 
+    def _background_group(self) -> Any:
+        """The process group of this manager's background saves, created by the first multi-rank async
+        save (every rank makes it together, in `save`), and again after the default group was replaced."""
+        default = dist_.default_group()
+        if self._group is None or self._group[0] is not default:
+            self._group = (default, dist_.background_group())
+        return self._group[1]
+
+    def _background_multi_rank(
+        self, step: int, staging: str, taken: Snapshot, metrics: dict[str, Any], world: dist_.World, group: Any
+    ) -> None:
+        try:
+            self._write_multi_rank(step, staging, taken, metrics, world, group)
+        except BaseException as exc:  # handed to the training thread on its next call, on every rank
+            self._error = exc
+
+    def _write_multi_rank(
+        self, step: int, staging: str, taken: Snapshot, metrics: dict[str, Any], world: dist_.World, group: Any
+    ) -> None:
+        """Write this rank's part of a multi-rank save, and commit it on rank 0 once every rank has written
+        (collectives over `group`: the default group for a sync save, the background group for an async one).
+
+        Raises, on every rank, when any rank failed or lost contact with the others (then nothing is
+        committed: the previous checkpoint stays the one a restore takes).
+        """
         dcp_dir = os.path.join(staging, "dcp")
         try:
-            if taken.sharded:
-                dist_.save_dcp(dcp_dir, taken.sharded, taken.modules)
-        except BaseException:
+            if taken.dcp:
+                dist_.save_dcp(dcp_dir, taken.dcp, group)
+        except BaseException as exc:
             self._discard(world, staging)
+            if dist_.is_lost_peer(exc):
+                raise _lost(step, exc) from exc
             raise
 
         files: dict[str, FileRecord] = {}
         components: dict[str, ComponentRecord] = {}
         rng_files: tuple[str, ...] = ()
+        local: BaseException | None = None
         try:
             with storage_errors(f"saving step {step} into {self.root}"):
                 rng_files = write_tree(staging, f"rng.rank-{world.rank}", taken.rng, {}, files)
@@ -329,27 +381,36 @@ class CheckpointManager:
             self._storage.share(step, staging, list(files))
         except BaseException as exc:
             local = exc
-        gathered = dist_.all_gather((files, rng_files, _describe(local)))
-
-        status = None
-        if world.rank == 0:
-            failures = [f"rank {r}: {msg}" for r, (_, _, msg) in enumerate(gathered) if msg]
-            if failures:
-                status = "; ".join(failures)
-            else:
-                all_files = {k: v for rank_files, _, _ in gathered for k, v in rank_files.items()}
-                dcp_files = tuple(sorted(k for k in all_files if k.startswith("dcp/")))
-                for name, (kind, _) in taken.sharded.items():
-                    components[name] = ComponentRecord(kind, "dcp", dcp_files)
-                components["rng"] = ComponentRecord("rng", "safetensors", tuple(f for _, rf, _ in gathered for f in rf))
-                try:
-                    with storage_errors(f"committing step {step} into {self.root}"):
-                        self._commit(step, staging, all_files, components, metrics, world_size=world.size)
-                    self._remove_abandoned()
-                    self._apply_retention()
-                except BaseException as exc:
-                    status = _describe(exc)
-        status = dist_.broadcast(status)
+        status: str | None = None
+        committed = False
+        try:
+            gathered = dist_.all_gather((files, rng_files, _describe(local)), group)
+            if world.rank == 0:
+                failures = [f"rank {r}: {msg}" for r, (_, _, msg) in enumerate(gathered) if msg]
+                if failures:
+                    status = "; ".join(failures)
+                else:
+                    all_files = {k: v for rank_files, _, _ in gathered for k, v in rank_files.items()}
+                    dcp_files = tuple(sorted(k for k in all_files if k.startswith("dcp/")))
+                    for name, (kind, _) in taken.sharded.items():
+                        components[name] = ComponentRecord(kind, "dcp", dcp_files)
+                    rng = tuple(f for _, rf, _ in gathered for f in rf)
+                    components["rng"] = ComponentRecord("rng", "safetensors", rng)
+                    try:
+                        with storage_errors(f"committing step {step} into {self.root}"):
+                            self._commit(step, staging, all_files, components, metrics, world_size=world.size)
+                        committed = True
+                        self._remove_abandoned()
+                        self._apply_retention()
+                    except BaseException as exc:
+                        status = _describe(exc)
+            status = dist_.broadcast(status, group=group)
+        except Exception as exc:  # the commit's own failures are in `status`: this is the collectives'
+            if committed:  # every rank had written: the checkpoint is whole, whoever left since
+                log.warning("step %d committed, but a rank left before hearing so: %s", step, exc)
+                return
+            self._discard(world, staging)
+            raise _lost(step, exc) from exc
         self._discard(world, staging)  # a failed save's files; committed ones moved away
         if local is not None:
             raise local
@@ -652,6 +713,13 @@ class CheckpointManager:
             if sizes[rel] != record.size:
                 return f"{rel} has {sizes[rel]} bytes, the manifest says {record.size}"
         return self._storage.check_digests(folder, manifest) if verify else None
+
+
+def _lost(step: int, exc: BaseException) -> StorageError:
+    return StorageError(
+        f"saving step {step} failed: lost contact with another rank ({exc})",
+        "a rank stopped mid-save; nothing was committed, the previous checkpoint is the one a restore takes",
+    )
 
 
 def _describe(exc: BaseException | None) -> str | None:

@@ -59,12 +59,14 @@ from ckptctl.formats import framework_classes
 
 __all__ = [
     "DCP_METADATA_GLOBALS",
+    "DTENSOR_PICKLE_GLOBALS",
     "MAX_DIMS",
     "MAX_GROWTH_PER_BYTE",
     "MAX_NESTING",
     "OBJECT_READ_GLOBALS",
     "TORCH_PICKLE_GLOBALS",
     "TORCH_SAVE_GLOBALS",
+    "DTensorRef",
     "DType",
     "FrameworkMapping",
     "FrameworkObject",
@@ -688,27 +690,183 @@ OBJECT_READ_GLOBALS: Mapping[tuple[str, str], Any] = {
 
 #: What a whole training-state torch.save file may name. Tensors become `TensorRef`s, framework objects
 #: `FrameworkObject`s, numpy values `NumpyArray`/`NumpyScalar`; nothing named is imported or called.
-TORCH_PICKLE_GLOBALS: Mapping[tuple[str, str], Any] = _Allowlist(
-    {
-        **TORCH_SAVE_GLOBALS,
-        ("torch._utils", "_rebuild_tensor_v2"): _ref_v2,
-        ("torch._utils", "_rebuild_tensor_v3"): _ref_v3,
-        ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
-        ("torch._utils", "_rebuild_parameter_with_state"): _rebuild_parameter,
-        ("torch._tensor", "_rebuild_from_type_v2"): _rebuild_from_type_v2,
-        ("torch", "Tensor"): _TENSOR_TYPES[0],
-        ("torch.nn.parameter", "Parameter"): _TENSOR_TYPES[1],
-        ("torch", "Size"): _torch_size,
-        ("torch", "device"): _torch_device,
-        ("collections", "OrderedDict"): OrderedDictStandIn,
-        ("builtins", "set"): _plain_set,
-        ("builtins", "frozenset"): _plain_set,
-        ("_codecs", "encode"): _codecs_encode,
-        ("numpy", "dtype"): NumpyDType,
-        ("numpy", "ndarray"): _NDARRAY,
-        **_NUMPY_GLOBALS,
+_TORCH_PICKLE_EXACT: dict[tuple[str, str], Any] = {
+    **TORCH_SAVE_GLOBALS,
+    ("torch._utils", "_rebuild_tensor_v2"): _ref_v2,
+    ("torch._utils", "_rebuild_tensor_v3"): _ref_v3,
+    ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
+    ("torch._utils", "_rebuild_parameter_with_state"): _rebuild_parameter,
+    ("torch._tensor", "_rebuild_from_type_v2"): _rebuild_from_type_v2,
+    ("torch", "Tensor"): _TENSOR_TYPES[0],
+    ("torch.nn.parameter", "Parameter"): _TENSOR_TYPES[1],
+    ("torch", "Size"): _torch_size,
+    ("torch", "device"): _torch_device,
+    ("collections", "OrderedDict"): OrderedDictStandIn,
+    ("builtins", "set"): _plain_set,
+    ("builtins", "frozenset"): _plain_set,
+    ("_codecs", "encode"): _codecs_encode,
+    ("numpy", "dtype"): NumpyDType,
+    ("numpy", "ndarray"): _NDARRAY,
+    **_NUMPY_GLOBALS,
+}
+TORCH_PICKLE_GLOBALS: Mapping[tuple[str, str], Any] = _Allowlist(_TORCH_PICKLE_EXACT)
+
+# --------------------------------------------------------------------------------------------------
+# DTensors in whole torch.save files (FSDP2 / FSDP1-with-device-mesh sharded state dicts, as verl saves them).
+# --------------------------------------------------------------------------------------------------
+# torch pickles a DTensor as `_rebuild_from_type_v2(_rebuild_wrapper_subclass, DTensor, (DTensor, dtype, size,
+# stride, storage_offset, layout, device, requires_grad), (None, {"_local_tensor": tensor, "_spec": spec}))`
+# (`torch/_tensor.py` `__reduce_ex__` of a wrapper subclass, `torch/distributed/tensor/_api.py` DTensor's
+# `__slots__`); the spec is a `DTensorSpec` dataclass (mesh, placements, tensor_meta, shard_order) built by
+# NEWOBJ + BUILD, its mesh a `DeviceMesh` whose state holds `_layout` (`_MeshLayout` of `_FlatLayout`s, torch
+# >= 2.9), `_mesh_dim_names`, `_coordinate_on_dim` (the saving rank's place) and a rank-map tensor. Each
+# becomes an inert stand-in below; `formats.dtensor` reads the facts off them.
+
+
+class DTensorSpecStandIn(StandIn):
+    __slots__ = ()
+    stands_for = "torch.distributed.tensor._dtensor_spec.DTensorSpec"
+
+
+class DeviceMeshStandIn(StandIn):
+    __slots__ = ()
+    stands_for = "torch.distributed.device_mesh.DeviceMesh"
+
+
+class MeshLayoutStandIn(StandIn):
+    __slots__ = ()
+    stands_for = "torch.distributed._mesh_layout._MeshLayout"
+
+
+class FlatLayoutStandIn(StandIn):
+    __slots__ = ()
+    stands_for = "torch.distributed._mesh_layout._FlatLayout"
+
+
+class PlacementStandIn(StandIn):
+    """`Shard(dim)`, `_StridedShard(dim, split_factor)`, `Replicate()` or `Partial(reduce_op)`: its kind and
+    the fields BUILD gives it."""
+
+    __slots__ = ()
+    kind: ClassVar[str] = ""
+
+
+class _NamedTupleStandIn(tuple[Any, ...]):
+    """A NamedTuple rebuilt by NEWOBJ with its fields (`TensorMeta(shape, stride, dtype)`,
+    `ShardOrderEntry(tensor_dim, mesh_dims)`): the plain tuple of them, its length checked."""
+
+    fields: ClassVar[int] = 0
+
+    def __new__(cls, *args: Any) -> _NamedTupleStandIn:
+        if len(args) != cls.fields:
+            raise ValueError(f"{cls.__name__} takes {cls.fields} fields")
+        return super().__new__(cls, args)
+
+
+class TensorMetaStandIn(_NamedTupleStandIn):
+    fields = 3
+
+
+class ShardOrderEntryStandIn(_NamedTupleStandIn):
+    fields = 2
+
+
+class WrapperSubclass:
+    """What `torch._utils._rebuild_wrapper_subclass(DTensor, ...)` rebuilds: the global tensor's facts,
+    before `_rebuild_from_type_v2` hands it its state."""
+
+    __slots__ = ("dtype", "requires_grad", "shape", "stride")
+
+    def __init__(self, dtype: str, shape: tuple[int, ...], stride: tuple[int, ...], requires_grad: bool) -> None:
+        self.dtype = dtype
+        self.shape = shape
+        self.stride = stride
+        self.requires_grad = requires_grad
+
+
+class DTensorRef:
+    """A pickled DTensor as facts: the global tensor's, its local shard (a `TensorRef`, data left on disk)
+    and its unchecked `DTensorSpec` stand-in (`formats.dtensor.dtensor_facts` validates it)."""
+
+    __slots__ = ("dtype", "local", "shape", "spec")
+
+    def __init__(self, dtype: str, shape: tuple[int, ...], local: TensorRef, spec: Any) -> None:
+        self.dtype = dtype
+        self.shape = shape
+        self.local = local
+        self.spec = spec
+
+
+_DTENSOR = _TypeTag("torch.distributed.tensor.DTensor")
+
+
+def _rebuild_wrapper_subclass(
+    cls: Any, dtype: Any, size: Any, stride: Any, storage_offset: Any, layout: Any, device: Any, requires_grad: Any
+) -> WrapperSubclass:
+    """Stand-in for `torch._utils._rebuild_wrapper_subclass`, for DTensors only."""
+    if cls is not _DTENSOR or type(dtype) is not DType or type(storage_offset) is not int:
+        raise ValueError("_rebuild_wrapper_subclass rebuilds only a DTensor")
+    shape = _int_tuple(size, "a DTensor size")
+    strides = _int_tuple(stride, "a DTensor stride")
+    if len(shape) != len(strides) or any(d < 0 for d in shape):
+        raise ValueError("a DTensor's size and stride disagree")
+    return WrapperSubclass(str(dtype), shape, strides, bool(requires_grad))
+
+
+def _rebuild_dtensor_or_tensor(func: Any, new_type: Any, args: Any, state: Any) -> TensorRef | DTensorRef:
+    """`torch._tensor._rebuild_from_type_v2` where DTensors may appear: a DTensor becomes a `DTensorRef` from
+    its slots' state; anything else as `_rebuild_from_type_v2`."""
+    if func is not _rebuild_wrapper_subclass:
+        return _rebuild_from_type_v2(func, new_type, args, state)
+    if new_type is not _DTENSOR or type(args) is not tuple:
+        raise ValueError("_rebuild_wrapper_subclass rebuilds only a DTensor")
+    wrapper = _rebuild_wrapper_subclass(*args)
+    if type(state) is not tuple or len(state) != 2 or state[0] is not None or type(state[1]) is not dict:
+        raise ValueError("a DTensor's state must be its slots")
+    local, spec = state[1].get("_local_tensor"), state[1].get("_spec")
+    if type(local) is not TensorRef or type(spec) is not DTensorSpecStandIn:
+        raise ValueError("a DTensor needs a local tensor and a DTensorSpec")
+    if local.dtype != wrapper.dtype:
+        raise ValueError("a DTensor's local tensor has another dtype")
+    return DTensorRef(wrapper.dtype, wrapper.shape, local, spec)
+
+
+def _torch_layout(name: Any) -> str:
+    """Stand-in for `torch.serialization._get_layout(name)`: the name (`torch.strided`)."""
+    if name != "torch.strided":
+        raise ValueError("only strided tensors are read")
+    return name
+
+
+def _placement(kind: str) -> type[PlacementStandIn]:
+    return type("PlacementStandIn", (PlacementStandIn,), {"__slots__": (), "kind": kind, "stands_for": kind})
+
+
+_PLACEMENTS = "torch.distributed.tensor.placement_types"
+_DTENSOR_GLOBALS: dict[tuple[str, str], Any] = {
+    ("torch._utils", "_rebuild_wrapper_subclass"): _rebuild_wrapper_subclass,
+    ("torch._tensor", "_rebuild_from_type_v2"): _rebuild_dtensor_or_tensor,
+    ("torch.serialization", "_get_layout"): _torch_layout,
+    ("torch.distributed.tensor._dtensor_spec", "DTensorSpec"): DTensorSpecStandIn,
+    ("torch.distributed.tensor._dtensor_spec", "TensorMeta"): TensorMetaStandIn,
+    ("torch.distributed.tensor._dtensor_spec", "ShardOrderEntry"): ShardOrderEntryStandIn,
+    ("torch.distributed.device_mesh", "DeviceMesh"): DeviceMeshStandIn,
+    ("torch.distributed._mesh_layout", "_MeshLayout"): MeshLayoutStandIn,
+    ("torch.distributed._mesh_layout", "_FlatLayout"): FlatLayoutStandIn,
+    **{
+        (module, name): _placement(name)
+        for module in (_PLACEMENTS, "torch.distributed._tensor.placement_types")
+        for name in ("Shard", "_StridedShard", "Replicate", "Partial")
     },
-)
+    # The DTensor class itself, under its public and its pre-2.4 module.
+    ("torch.distributed.tensor", "DTensor"): _DTENSOR,
+    ("torch.distributed.tensor._api", "DTensor"): _DTENSOR,
+    ("torch.distributed._tensor.api", "DTensor"): _DTENSOR,
+}
+
+#: `TORCH_PICKLE_GLOBALS` plus DTensors (`DTensorRef`s): for files of sharded state dicts (verl's per-rank
+#: `model_world_size_W_rank_R.pt`). Kept apart so that readers of other training files keep refusing a DTensor.
+DTENSOR_PICKLE_GLOBALS: Mapping[tuple[str, str], Any] = _Allowlist({**_TORCH_PICKLE_EXACT, **_DTENSOR_GLOBALS})
 
 #: The packages whose file formats ckptctl reads (torch.save, DCP, numpy values in them): a global of theirs
 #: outside the allowlists is refused as an unsupported class, not as a forgery; framework packages add
@@ -886,15 +1044,18 @@ def load_torch_save_pickle(
     return parse_pickle(data, allowed, source, _as_is, _TorchSaveUnpickler)
 
 
-def load_torch_pickle(data: bytes | memoryview, source: str) -> Any:
-    """Unpickle the `data.pkl` of a whole training-state torch.save file with `TORCH_PICKLE_GLOBALS`.
+def load_torch_pickle(
+    data: bytes | memoryview, source: str, allowed: Mapping[tuple[str, str], Any] = TORCH_PICKLE_GLOBALS
+) -> Any:
+    """Unpickle the `data.pkl` of a whole training-state torch.save file with `TORCH_PICKLE_GLOBALS` (or
+    `DTENSOR_PICKLE_GLOBALS` for sharded state dicts).
 
     Raises:
         UnsafePickle: a global outside the allowlist (nothing of the pickle ran).
         CorruptCheckpoint: anything else that makes it unreadable.
     """
     with gc_paused():
-        return parse_pickle(data, TORCH_PICKLE_GLOBALS, source, _as_is, _TorchSaveUnpickler)
+        return parse_pickle(data, allowed, source, _as_is, _TorchSaveUnpickler)
 
 
 _T = TypeVar("_T")

@@ -16,13 +16,20 @@ whole object, and each tensor storage is a record `<archive>/data/<key>` stored 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from ckptctl import io
 from ckptctl.checkpoint import dtype_itemsize
 from ckptctl.errors import CorruptCheckpoint
-from ckptctl.formats.safe_pickle import MAX_NESTING, StandIn, TensorRef, check_nesting, load_torch_pickle
+from ckptctl.formats.safe_pickle import (
+    MAX_NESTING,
+    TORCH_PICKLE_GLOBALS,
+    StandIn,
+    TensorRef,
+    check_nesting,
+    load_torch_pickle,
+)
 from ckptctl.formats.torch_save import ZipDirectory, ZipRecord, read_zip_directory
 
 if TYPE_CHECKING:
@@ -125,12 +132,15 @@ class TorchPickle:
         return list(tensor_refs(self.root))
 
 
-def open_torch_pickle(url: str, size: int | None = None) -> TorchPickle:
+def open_torch_pickle(
+    url: str, size: int | None = None, allowed: Mapping[tuple[str, str], Any] = TORCH_PICKLE_GLOBALS
+) -> TorchPickle:
     """Read the zip directory and `data.pkl` of the torch.save file at `url` (nothing else).
 
     Args:
         url: the file.
         size: its size when the caller has it from a listing (saves a stat).
+        allowed: the allowlist (`DTENSOR_PICKLE_GLOBALS` for sharded state dicts holding DTensors).
 
     Raises:
         UnsafePickle: `data.pkl` names a global outside `TORCH_PICKLE_GLOBALS`; nothing of it ran.
@@ -141,7 +151,7 @@ def open_torch_pickle(url: str, size: int | None = None) -> TorchPickle:
     directory = read_zip_directory(url, size)
     prefix = _archive_prefix(directory)
     data = directory.read_record(directory.records[prefix + "data.pkl"], MAX_DATA_PKL)
-    root = load_torch_pickle(data, f"{url} (data.pkl)")
+    root = load_torch_pickle(data, f"{url} (data.pkl)", allowed)
     return TorchPickle(directory, root, prefix)
 
 

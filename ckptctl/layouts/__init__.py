@@ -55,9 +55,11 @@ __all__ = [
 #: Lightning's `meta.pt`: `lightning` comes before the DCP-based layouts. A DeepSpeed universal checkpoint
 #: holds model-states files as a tag does, beside a `zero/` folder and without optim-states files: the tag
 #: layouts leave such a folder alone (`deepspeed.names.is_universal`), so it can come last, after the layouts
-#: people know.
+#: people know. A verl `global_step_N/` (role folders of per-rank `*_world_size_W_rank_R.pt` files) and its role
+#: folders look like no other layout's, but come early so that nothing generic claims a role folder's files.
 _REGISTRY: tuple[tuple[str, str], ...] = (
     ("native", "ckptctl.frameworks.native.layout:NativeLayout"),
+    ("verl", "ckptctl.frameworks.verl.layout:VerlLayout"),
     ("areal", "ckptctl.frameworks.areal.layout:ArealLayout"),
     ("roll", "ckptctl.frameworks.roll.layout:RollLayout"),
     ("lightning", "ckptctl.frameworks.lightning.layout:LightningLayout"),

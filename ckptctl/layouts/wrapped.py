@@ -18,10 +18,44 @@ from typing import Any
 from ckptctl.checkpoint import TensorEntry
 from ckptctl.layouts.base import ModelTensors
 
-__all__ = ["WRAPPED_MODEL_RULES", "WrappedModel", "find_wrapped"]
+__all__ = ["WRAPPED_MODEL_RULES", "GivenScaling", "WrappedAdapter", "WrappedModel", "find_wrapped"]
 
 #: Each rule takes a component's tensors by name and returns a `WrappedModel`, or None when it finds none.
 WRAPPED_MODEL_RULES = ("ckptctl.frameworks.peft.wrapped:lora_wrapped",)
+
+
+@dataclass(frozen=True, slots=True)
+class GivenScaling:
+    """An adapter's scaling as the user gives it (`convert --lora-alpha/--lora-r/--lora-rslora`), for a
+    checkpoint that keeps no settings file beside it.
+
+    Attributes:
+        alpha: the LoRA alpha.
+        r: the rank the run was configured with (checked against the factors), or None: each module's rank
+            is its factors'.
+        rslora: the scaling is alpha/sqrt(r) instead of alpha/r.
+    """
+
+    alpha: float
+    r: int | None = None
+    rslora: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class WrappedAdapter:
+    """The adapters a wrapped model carries, as their framework's own adapter folder holds them.
+
+    Attributes:
+        tensors: the adapter's tensors by the names its framework saves them under, in stored order.
+        weights_name: the file those tensors go into (safetensors).
+        settings_name: the settings file written beside them.
+        settings: that file's content (JSON).
+    """
+
+    tensors: ModelTensors
+    weights_name: str
+    settings_name: str
+    settings: Mapping[str, Any]
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,16 +67,20 @@ class WrappedModel:
         summary: facts `inspect` shows (adapter names, adapted modules, ranks).
         settings_files: names of the files that hold what the state dict lacks to merge the adapter (the
             LoRA alpha), any of which `convert` looks for beside the checkpoint.
-        merge: `merge(url, settings, notes)`: the model with the adapter merged in, by the model's own names
-            and in stored order (stored entries relative to `url`, the checkpoint's folder; merged ones
-            derived), given `settings`, the files of `settings_files` found (name -> parsed JSON). It
-            appends what a person should know to `notes`, and raises `CkptctlError` when it cannot merge.
+        merge: `merge(url, settings, notes, given)`: the model with the adapter merged in, by the model's own
+            names and in stored order (stored entries relative to `url`, the checkpoint's folder; merged ones
+            derived), given `settings`, the files of `settings_files` found (name -> parsed JSON), and the
+            scaling the user gave (`GivenScaling` or None), which wins over them. It appends what a person
+            should know to `notes`, and raises `CkptctlError` when it cannot merge.
+        adapter: `adapter(url, settings, notes, given)`: the adapter alone, as its framework's adapter folder
+            holds it (`WrappedAdapter`), with the same arguments and errors as `merge`.
     """
 
     kind: str
     summary: Mapping[str, Any]
     settings_files: tuple[str, ...]
-    merge: Callable[[str, Mapping[str, Any], list[str]], ModelTensors] = field(repr=False)
+    merge: Callable[[str, Mapping[str, Any], list[str], GivenScaling | None], ModelTensors] = field(repr=False)
+    adapter: Callable[[str, Mapping[str, Any], list[str], GivenScaling | None], WrappedAdapter] = field(repr=False)
 
 
 def find_wrapped(tensors: Mapping[str, TensorEntry]) -> WrappedModel | None:

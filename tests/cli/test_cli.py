@@ -79,7 +79,7 @@ def test_unknown_folder_names_the_layouts_tried(run_cli: Cli, tmp_path: Path) ->
     result = run_cli("inspect", tmp_path)
     assert result.exit_code == 2
     assert (
-        "tried: native, areal, roll, lightning, megatron, torchtitan, dcp, hf_trainer, accelerate, openrlhf, open_instruct, deepspeed, peft, hf"
+        "tried: native, verl, areal, roll, lightning, megatron, torchtitan, dcp, hf_trainer, accelerate, openrlhf, open_instruct, deepspeed, peft, hf"
         in result.stderr
     )
 

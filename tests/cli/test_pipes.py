@@ -194,7 +194,7 @@ def test_the_layout_and_sort_options_name_their_choices() -> None:
     text = " ".join(ckptctl("list", "--help", columns=260).stdout.split())
     assert "Sort by step, created, size or url" in text
     assert (
-        "native, areal, roll, lightning, megatron, torchtitan, dcp, hf_trainer, accelerate, openrlhf, open_instruct, deepspeed, peft, hf"
+        "native, verl, areal, roll, lightning, megatron, torchtitan, dcp, hf_trainer, accelerate, openrlhf, open_instruct, deepspeed, peft, hf"
         in text
     )
 
@@ -234,7 +234,7 @@ def test_every_usage_error_reads_the_same(run_cli: Cli, native_run: Path, args: 
 
 def test_list_layout_nosuch_names_the_known_layouts(run_cli: Cli, native_run: Path) -> None:
     result = run_cli("list", native_run, "--layout", "nosuch")
-    assert result.exit_code == 2 and "known layouts: native, areal" in result.stderr
+    assert result.exit_code == 2 and "known layouts: native, verl, areal" in result.stderr
     assert "no checkpoints found" not in result.stderr
 
 

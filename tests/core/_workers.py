@@ -2,7 +2,8 @@
 
 - `roundtrip-save DIR` / `roundtrip-restore DIR`: train a tiny model, save; restore in another process.
 - `crash SPEC.json`: save a ~50 MB state in forked children, SIGKILLed over a save or at a commit phase.
-- `fsdp DIR`: 2-rank gloo FSDP2 training saved through DCP, then restored in 2 fresh ranks.
+- `fsdp DIR`: 2-rank gloo FSDP2 training saved through DCP (also asynchronously, with a failing and a killed
+  rank), then restored in 2 fresh ranks.
 - `autosave DIR`: a loop that leaves the saving at exit to AutoSaver's atexit hook.
 - `interrupt SPEC.json`: saves of a small state in forked children that stop mid-save; SIGKILLed, or left
   running (a live writer) for the test to kill.
@@ -441,7 +442,82 @@ def _fsdp_save_rank(rank: int, world: int, root: str) -> None:
     if rank == 0:
         torch.save(full, os.path.join(root, "expected.pt"))
     torch.save(after, os.path.join(root, f"draws-save-{rank}.pt"))
-    _leave_group()
+    _async_saves(rank, root, state)  # ends with rank 1 SIGKILLed: no barrier, no teardown
+    os._exit(0)
+
+
+def _train_step(state: dict[str, Any]) -> None:
+    x = torch.randn(4, 8)
+    state["model"](x).pow(2).mean().backward()
+    state["optimizer"].step()
+    state["optimizer"].zero_grad()
+    state["scheduler"].step()
+
+
+def _async_saves(rank: int, root: str, state: dict[str, Any]) -> None:
+    """Async saves of the state `_fsdp_save_rank` saved at step 3 into `async/`; rank 0 reports in
+    `async.json`.
+
+    1. step 3: every rank's background write waits until the loop has trained one more step (its
+       collectives on the default group meanwhile); the checkpoint must still hold the state at `save`.
+    2. step 4: rank 1's background write fails (ENOSPC); the next `save` raises it on both ranks.
+    3. step 6: rank 1 is SIGKILLed while it writes; rank 0's `wait` raises, nothing is committed.
+    """
+    import threading
+
+    import ckptctl.core.distributed as dist_
+    from ckptctl.errors import CkptctlError
+    from ckptctl.formats import state_tree
+
+    report: dict[str, Any] = {}
+    manager = CheckpointManager(os.path.join(root, "async"), async_save=True)
+    opened = threading.Event()
+    real_save_dcp = dist_.save_dcp
+
+    def gated(*args: Any, **kwargs: Any) -> None:
+        assert opened.wait(timeout=120), "the loop never let the background write go on"
+        real_save_dcp(*args, **kwargs)
+
+    dist_.save_dcp = gated  # type: ignore[assignment]
+    manager.save(3, state, metrics={"loss": 0.25})
+    report["committed_while_writing"] = manager.all_steps()
+    _train_step(state)  # FSDP all-gathers on the default group while the save's thread waits
+    opened.set()
+    manager.wait()
+    dist_.save_dcp = real_save_dcp  # type: ignore[assignment]
+    report["committed"] = manager.all_steps()
+
+    real_write = state_tree.write_files
+
+    def no_space(*args: Any, **kwargs: Any) -> Any:
+        raise OSError(28, "No space left on device")
+
+    if rank == 1:
+        state_tree.write_files = no_space  # type: ignore[assignment]
+    manager.save(4, state)  # returns: the failure happens in the background
+    try:
+        manager.save(6, state)
+        report["next_save"] = "returned"
+    except CkptctlError as exc:
+        report["next_save"] = f"{type(exc).__name__}: {exc}"
+    state_tree.write_files = real_write  # type: ignore[assignment]
+    report["after_failure"] = sorted(os.listdir(os.path.join(root, "async")))
+    torch.save(report, os.path.join(root, f"async-report-{rank}.pt"))
+
+    def killed(*args: Any, **kwargs: Any) -> Any:
+        with open(os.path.join(root, "rank-1-killed"), "w") as f:
+            f.write("killed mid-write\n")
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    if rank == 1:
+        state_tree.write_files = killed  # type: ignore[assignment]
+    manager.save(6, state)
+    try:
+        manager.wait()
+        report["wait_after_kill"] = "returned"
+    except CkptctlError as exc:
+        report["wait_after_kill"] = f"{type(exc).__name__}: {exc}"
+    torch.save(report, os.path.join(root, f"async-report-{rank}.pt"))
 
 
 def _fsdp_restore_rank(rank: int, world: int, root: str) -> None:
@@ -464,7 +540,14 @@ def fsdp(root: str) -> None:
     checkpoint (run `single`); then restore both runs in 2 fresh ranks."""
     import torch.multiprocessing as mp
 
-    mp.spawn(_fsdp_save_rank, args=(2, root), nprocs=2)
+    context = mp.spawn(_fsdp_save_rank, args=(2, root), nprocs=2, join=False)
+    for process in context.processes:  # not `join()`: it stops rank 0 as soon as rank 1 is SIGKILLed
+        process.join()
+    codes = [p.exitcode for p in context.processes]
+    if codes != [0, -signal.SIGKILL] or not os.path.exists(os.path.join(root, "rank-1-killed")):
+        sign = next((c for c in codes if c and c < 0), None)
+        # "terminated with signal" lets the fixture build once more (gloo aborts, see tests/core/conftest)
+        raise RuntimeError(f"save ranks ended with {codes}" + (f" (terminated with signal {-sign})" if sign else ""))
     model = _fsdp_model(seed=5)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))

@@ -34,6 +34,7 @@ from tests.writers.rl_runs import WrittenFsdpRuns
 from tests.writers.torchtitan_writer import WrittenTorchtitan
 from tests.writers.trainer_writer import WrittenTrainerRun
 from tests.writers.universal_writer import WrittenUniversal
+from tests.writers.verl_writer import WrittenVerl
 
 
 class LayoutContract:
@@ -452,6 +453,18 @@ class TestArealExport(LayoutContract):
     @pytest.fixture
     def source(self, areal_run: WrittenAreal) -> tuple[Path, int]:
         return areal_run.export(1), areal_run.model_parameters
+
+
+class TestVerlStep(LayoutContract):
+    """A `global_step_N/` verl's own FSDPCheckpointManager wrote (actor and critic role folders, data.pt)."""
+
+    layout = "verl"
+    marker = "actor/fsdp_config.json"
+    data_glob = "*/model_world_size_*.pt"
+
+    @pytest.fixture
+    def source(self, verl_run: WrittenVerl) -> tuple[Path, int]:
+        return verl_run.step(2), verl_run.actor_parameters
 
 
 class TestRollFsdp2(LayoutContract):

@@ -8,6 +8,7 @@ from typing import Any
 
 import lightning as L
 import torch
+from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
 
 
 class TinyLlamaModule(L.LightningModule):
@@ -29,6 +30,27 @@ class TinyLlamaModule(L.LightningModule):
     def configure_optimizers(self) -> Any:
         optimizer = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
         return [optimizer], [torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.9)]
+
+
+class CpuDeepSpeed(DeepSpeedStrategy):
+    """lightning 2.6.6 `DeepSpeedStrategy` on one CPU process (DeepSpeed's CPU accelerator, gloo): the strategy
+    refuses any accelerator but CUDA in `setup_environment`, checks device indices against local ranks in
+    `setup_distributed`, and hands `root_device.index` (None on CPU) to `deepspeed.initialize` as the device
+    rank; these three are what changes. Its saving (`save_checkpoint`) is Lightning's own."""
+
+    def setup_environment(self) -> None:
+        DDPStrategy.setup_environment(self)
+
+    def setup_distributed(self) -> None:
+        from lightning.fabric.utilities.seed import reset_seed
+
+        reset_seed()
+        self.set_world_ranks()
+        self._init_deepspeed_distributed()
+
+    @property
+    def root_device(self) -> torch.device:
+        return torch.device("cpu", 0)
 
 
 class ShardedSave(L.Callback):

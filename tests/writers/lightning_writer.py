@@ -20,7 +20,14 @@ a callback (`tests.writers.lightning_module.ShardedSave`) takes the checkpoint d
 then writes the rest with `torch.save` to `meta.pt`: `sharded/epoch=0-step=4.ckpt/`.
 
 The final weights (the model's `state_dict()` in the main process, what `ddp_spawn` hands back) are saved
-beside the run as `reference.pt`. Run directly: `python -m tests.writers.lightning_writer OUT_DIR`.
+beside the run as `reference.pt`.
+
+Then, in the same process, a second Trainer trains a fresh module for 2 steps with `DeepSpeedStrategy(stage=2)`
+on one CPU process (`tests.writers.lightning_module.CpuDeepSpeed`: DeepSpeed's CPU accelerator and gloo; only
+the strategy's CUDA checks are bypassed) and `ModelCheckpoint(every_n_train_steps=1, save_top_k=-1)`:
+`deepspeed/epoch=0-step={1,2}.ckpt/` beside the run, DeepSpeed save folders written by Lightning's own
+`DeepSpeedStrategy.save_checkpoint` (tag `checkpoint/`, `latest`, zero_to_fp32.py); its final weights are
+`deepspeed-reference.pt` beside the run. Run directly: `python -m tests.writers.lightning_writer OUT_DIR`.
 """
 
 from __future__ import annotations
@@ -61,6 +68,16 @@ class WrittenLightning:
 
     def step(self, n: int) -> Path:
         return self.checkpoints / f"epoch=0-step={n}.ckpt"
+
+    @property
+    def deepspeed(self) -> Path:
+        """The DeepSpeed run's ModelCheckpoint `dirpath`: `epoch=0-step=1.ckpt/` and `epoch=0-step=2.ckpt/`."""
+        return self.root.parent / "deepspeed"
+
+    @property
+    def deepspeed_reference(self) -> Path:
+        """The DeepSpeed run's final weights (LightningModule `state_dict()` names)."""
+        return self.root.parent / "deepspeed-reference.pt"
 
 
 def model_config() -> dict[str, Any]:
@@ -109,6 +126,38 @@ def _train(root: Path) -> None:
     )
     trainer.fit(module, data)
     torch.save({k: v.detach().clone() for k, v in module.state_dict().items()}, root.parent / "reference.pt")
+    _train_deepspeed(root, data)
+
+
+def _train_deepspeed(root: Path, data: Any) -> None:
+    import importlib
+    import logging
+
+    import lightning as L
+    import torch
+    from deepspeed.utils import logger
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from tests.writers.lightning_module import CpuDeepSpeed, TinyLlamaModule
+
+    logger.setLevel(logging.ERROR)
+    # as tests.writers.deepspeed_writer: no JIT-compiled shared-memory allreduce, plain gloo
+    setattr(importlib.import_module("deepspeed.comm.torch"), "build_shm_op", lambda: None)  # noqa: B010
+    module = TinyLlamaModule(model_config())
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=CpuDeepSpeed(stage=2, process_group_backend="gloo"),
+        max_steps=2,
+        callbacks=[ModelCheckpoint(dirpath=root.parent / "deepspeed", every_n_train_steps=1, save_top_k=-1)],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=root.parent / "deepspeed",
+    )
+    trainer.fit(module, data)
+    weights = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    torch.save(weights, root.parent / "deepspeed-reference.pt")
 
 
 def write_lightning_run(root: Path) -> WrittenLightning:
@@ -116,7 +165,13 @@ def write_lightning_run(root: Path) -> WrittenLightning:
     from tests.conftest import tiny_llama
 
     repo = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "PYTHONPATH": str(repo), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(repo),
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_VERBOSITY": "error",
+        "DS_ACCELERATOR": "cpu",
+    }
     for attempt in range(2):
         done = subprocess.run(
             [sys.executable, "-m", "tests.writers.lightning_writer", str(root)], cwd=repo, env=env, capture_output=True

@@ -11,6 +11,13 @@ Then it copies the output folder and has `trainer.save_model()` write the final 
 run folder that `run_clm.py` and most fine-tuning scripts leave behind (model.safetensors, config.json,
 generation_config.json and training_args.bin beside `checkpoint-N/`), at the cost of one save.
 
+Last, in the same process, the Trainer trains a PEFT model (`get_peft_model` of the tiny Llama loaded from
+its `save_pretrained` folder `peft-base/`, LoRA r=4 on q_proj/v_proj, `init_lora_weights=False` so that the
+adapter changes the model) for 2 steps with `save_steps=1`, beside the output folder in `peft-out/`: its
+`checkpoint-N/` hold the adapter (adapter_model.safetensors + adapter_config.json, no model) with the
+Trainer's files; PEFT's own `merge_and_unload()` of the final model is the reference
+`peft-out.merged.safetensors`.
+
 Run directly: `python -m tests.writers.trainer_writer OUT_DIR`.
 """
 
@@ -22,6 +29,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 __all__ = ["WrittenTrainerRun", "write_trainer_run"]
 
@@ -48,6 +56,21 @@ class WrittenTrainerRun:
     @property
     def checkpoints(self) -> tuple[Path, ...]:
         return tuple(self.output_dir / f"checkpoint-{s}" for s in range(SAVE_STEPS, STEPS + 1, SAVE_STEPS))
+
+    @property
+    def peft_base(self) -> Path:
+        """The base model folder the PEFT run loaded (its adapter_config.json names it)."""
+        return self.output_dir.parent / "peft-base"
+
+    @property
+    def peft_run(self) -> Path:
+        """The PEFT run's `output_dir`: `checkpoint-1/` and `checkpoint-2/`, adapters with the Trainer's files."""
+        return self.output_dir.parent / "peft-out"
+
+    @property
+    def peft_merged(self) -> Path:
+        """PEFT's `merge_and_unload().state_dict()` of the final model (`checkpoint-2`'s adapter), safetensors."""
+        return self.output_dir.parent / "peft-out.merged.safetensors"
 
 
 def _train(output_dir: Path) -> None:
@@ -84,6 +107,34 @@ def _train(output_dir: Path) -> None:
     # that `output_dir` stays as `train()` left it.
     shutil.copytree(output_dir, _saved_run_path(output_dir))
     trainer.save_model(str(_saved_run_path(output_dir)))
+    _train_peft(output_dir.parent, dataset)
+
+
+def _train_peft(root: Path, dataset: list[dict[str, Any]]) -> None:
+    from peft import LoraConfig, get_peft_model
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+
+    from tests.conftest import tiny_llama
+
+    tiny_llama().save_pretrained(root / "peft-base")
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(root / "peft-base"), config)
+    args = TrainingArguments(
+        output_dir=str(root / "peft-out"),
+        max_steps=2,
+        save_steps=1,
+        save_strategy="steps",
+        per_device_train_batch_size=2,
+        use_cpu=True,
+        report_to=[],
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        seed=0,
+    )
+    Trainer(model=model, args=args, train_dataset=dataset).train()
+    merged = model.merge_and_unload().state_dict()
+    save_file({k: v.detach().contiguous() for k, v in merged.items()}, str(root / "peft-out.merged.safetensors"))
 
 
 def _reference_path(output_dir: Path) -> Path:

@@ -7,7 +7,13 @@ checkpoint-N/
     trainer_state.json             written LAST: the completion marker (global_step, epoch, best_metric, ...)
     [DeepSpeed: latest, global_stepN/ (read with `frameworks.deepspeed.layout`)]
     [FSDP sharded: pytorch_model_fsdp_0/, optimizer_0/ (torch DCP folders, read with `frameworks.dcp.layout`)]
+    [a PEFT model: adapter_model.safetensors + adapter_config.json instead of the model (read with
+     `frameworks.peft.layout`)]
 ```
+
+A Trainer training a PEFT model saves the adapter alone (transformers 5.24 `Trainer._save`: a `PeftModel`
+is saved with its own `save_pretrained`); the checkpoint's model is then that adapter (`Layout.adapter`),
+which `convert` merges into the base model the adapter names or `--merge-adapter BASE`.
 
 The `.pt`/`.pth`/`.bin` files are torch.save pickles; they are read with `formats.torch_pickle` (their
 `data.pkl` and zip directory only, through the allowlisting unpickler), so neither transformers nor torch
@@ -26,7 +32,7 @@ import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from functools import cache
+from functools import cache, partial
 from typing import Any
 
 from ckptctl import io
@@ -55,9 +61,12 @@ from ckptctl.frameworks.hf.layout import (
     verify_model_files,
     weight_files,
 )
+from ckptctl.frameworks.peft import layout as peft
+from ckptctl.frameworks.peft.settings import ADAPTER_CONFIG
 from ckptctl.io import DirEntry
 from ckptctl.layouts import peek_dir
 from ckptctl.layouts.base import (
+    Adapter,
     Layout,
     MasterWeights,
     Protections,
@@ -140,6 +149,11 @@ class _Parts:
             elif _FSDP_OPTIMIZER.match(d):
                 dcp[d] = Component.OPTIMIZER
         return cls(names, tag, dcp)
+
+    @property
+    def adapter_weights(self) -> str | None:
+        """The PEFT adapter's weights file when the checkpoint's model is an adapter."""
+        return next((name for name in peft.ADAPTER_WEIGHTS if name in self.names), None)
 
     def is_trainer_checkpoint(self) -> bool:
         return bool(
@@ -269,6 +283,9 @@ class HfTrainerLayout(Layout):
         def tensor_index() -> tuple[TensorEntry, ...]:
             return _tensor_index(url, weights, files, tag, parts)
 
+        if parts.adapter_weights is not None:
+            metadata["model"] = "a PEFT adapter (the Trainer trained a PEFT model): convert merges it into its base"
+            metadata.update(peft.adapter_metadata(url, ADAPTER_CONFIG in top, partial(_model_tensors, tensor_index)))
         return Checkpoint(
             ref=ref,
             components=frozenset(components),
@@ -312,6 +329,10 @@ class HfTrainerLayout(Layout):
                 )
         if has_weights(parts.names):
             problems += verify_model_files(url, {n: s for n, s in files.items() if "/" not in n})
+            if parts.adapter_weights is not None and not any(p.severity == "error" for p in problems):
+                problems += peft.adapter_problems(
+                    url, ADAPTER_CONFIG in files, _model_tensors(checkpoint.tensor_index), parts.adapter_weights
+                )
         elif parts.ds_tag is None and Component.MODEL not in parts.dcp_folders.values():
             problems.append(
                 Problem(ProblemKind.MISSING_FILE, "", "no model weights (no safetensors, DeepSpeed or FSDP)")
@@ -345,10 +366,19 @@ class HfTrainerLayout(Layout):
         return problems
 
     def completion_markers(self, files: Mapping[str, int]) -> tuple[str, ...]:
-        """The model folder's markers, then trainer_state.json, which the Trainer writes last."""
+        """The model folder's markers (an adapter's config, which PEFT writes after its weights), then
+        trainer_state.json, which the Trainer writes last."""
         top = {name: size for name, size in files.items() if "/" not in name}
         found = model_markers(top)
+        if ADAPTER_CONFIG in top and any(name in top for name in peft.ADAPTER_WEIGHTS):
+            found = (*found, ADAPTER_CONFIG)
         return (*found, TRAINER_STATE_NAME) if TRAINER_STATE_NAME in top else found
+
+    def adapter(self, checkpoint: Checkpoint) -> Adapter | None:
+        """The PEFT adapter the Trainer saved instead of the model, when it trained a PEFT model."""
+        if not any(name in checkpoint.files for name in peft.ADAPTER_WEIGHTS):
+            return None
+        return peft.lora_adapter(checkpoint.url, partial(_model_tensors, checkpoint.tensor_index))
 
     def master_weights(self, checkpoint: Checkpoint, *, required: bool, notes: list[str]) -> MasterWeights | None:
         """The fp32 master weights of the DeepSpeed tag inside (`global_stepN/`), when there is one."""
@@ -512,6 +542,11 @@ def _tensor_index(
                 continue
             entries += dcp_tensor_index(io.join(url, folder), _constant(component), f"{folder}/")
     return tuple(entries)
+
+
+def _model_tensors(index: Callable[[], Sequence[TensorEntry]]) -> list[TensorEntry]:
+    """The model's tensors of a checkpoint's index (an adapter's, beside the optimizer's)."""
+    return [entry for entry in index() if entry.component is Component.MODEL]
 
 
 def _constant(component: Component) -> Callable[[str], Component]:

@@ -8,7 +8,16 @@ DIRPATH/                            ModelCheckpoint's dirpath (default: <default
     epoch=0-step=300.ckpt/          FSDPStrategy(state_dict_type="sharded"): a folder, torch DCP of
         .metadata, __R_0.distcp       {"model": state_dict, "optimizer_0": ...}, then meta.pt (the rest, torch.save)
         meta.pt                       written by rank 0 after the DCP save (`_is_sharded_checkpoint` = folder + meta.pt)
+    epoch=0-step=400.ckpt/          DeepSpeedStrategy: a DeepSpeed save folder, tag `checkpoint`
+        checkpoint/                   mp_rank_00_model_states.pt (the module's weights + Lightning's dict as
+                                      client state), *_optim_states.pt (ZeRO partitions)
+        latest                        "checkpoint", written after the tag; zero_to_fp32.py, DeepSpeed's script
 ```
+
+A DeepSpeed folder (lightning 2.6.6 `pytorch/strategies/deepspeed.py` `DeepSpeedStrategy.save_checkpoint`):
+`deepspeed_engine.save_checkpoint(filepath, client_state=<the checkpoint dict without state_dict and
+optimizer_states>, tag="checkpoint")`; the weights are the LightningModule's own state dict (no `state_dict.`
+key in front), the optimizer its ZeRO partitions. It is read with `frameworks.deepspeed`.
 
 A file is written at once (`_atomic_save`: a BytesIO, then an fsspec transaction), so it is complete when
 listed. Its keys (`checkpoint_connector.py` `dump_checkpoint`): `epoch`, `global_step`,
@@ -48,13 +57,26 @@ from ckptctl.formats.safe_pickle import FrameworkObject, StandIn, TensorRef, sta
 from ckptctl.formats.torch_pickle import TorchPickle, open_torch_pickle, storage_problems
 from ckptctl.formats.torch_zip import TorchArchive
 from ckptctl.frameworks.dcp.layout import DISTCP_RE, dcp_tensor_index, verify_dcp, world_size_of
+from ckptctl.frameworks.deepspeed import layout as deepspeed
+from ckptctl.frameworks.deepspeed.names import TagFiles
 from ckptctl.frameworks.hf.layout import torch_file_entries
 from ckptctl.io import DirEntry
-from ckptctl.layouts.base import Layout, Protections, default_torch_archives, list_files, newest_mtime, timestamp
+from ckptctl.layouts import peek_dir
+from ckptctl.layouts.base import (
+    Layout,
+    MasterWeights,
+    Protections,
+    default_torch_archives,
+    every_child_folder,
+    folder_size,
+    list_files,
+    newest_mtime,
+    timestamp,
+)
 from ckptctl.layouts.naming import NameStripper, keep_name, strip_segments
 from ckptctl.layouts.resume import ResumeProfile
 
-__all__ = ["LAST", "META", "SUFFIX", "LightningLayout", "name_fields"]
+__all__ = ["DEEPSPEED_TAG", "LAST", "META", "SUFFIX", "LightningLayout", "name_fields"]
 
 SUFFIX = ".ckpt"
 #: `ModelCheckpoint.CHECKPOINT_NAME_LAST` (and its `-vN` versions when the name was taken).
@@ -62,6 +84,8 @@ LAST = "last.ckpt"
 _LAST = re.compile(r"^last(?:-v\d+)?\.ckpt$")
 #: The sharded folder's last file (`lightning.fabric.utilities.load._METADATA_FILENAME`).
 META = "meta.pt"
+#: The tag `DeepSpeedStrategy.save_checkpoint` saves under, inside the `.ckpt` folder.
+DEEPSPEED_TAG = "checkpoint"
 #: `key=value` parts of a ModelCheckpoint file name (`epoch=3-step=1200-val_loss=0.42`).
 _FIELD = re.compile(r"(?:^|[-_ ])([A-Za-z_][\w/.]*?)=(-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?)(?=$|[-_ ])")
 #: What the state dict's own file is, by top-level key: component of its tensors.
@@ -134,10 +158,13 @@ class LightningLayout(Layout):
     # ----------------------------------------------------------------------------- sharded folders
 
     def identify(self, url: str, entries: Sequence[DirEntry]) -> CheckpointRef | None:
-        """A sharded FSDP checkpoint: a folder named `*.ckpt` holding a DCP save (and `meta.pt` once done)."""
+        """A sharded FSDP checkpoint: a folder named `*.ckpt` holding a DCP save (and `meta.pt` once done);
+        or a DeepSpeed one: a `*.ckpt` folder holding the tag `checkpoint/` (and `latest` once done)."""
         if not io.name_of(url).endswith(SUFFIX):
             return None
         names = {e.name for e in entries if not e.is_dir}
+        if any(e.is_dir and e.name == DEEPSPEED_TAG for e in entries):
+            return self._identify_deepspeed(url, entries)
         if not (names & {METADATA_NAME, META} or any(DISTCP_RE.match(n) for n in names)):
             return None
         fields = name_fields(io.name_of(url))
@@ -160,6 +187,35 @@ class LightningLayout(Layout):
             note=note,
         )
 
+    def _identify_deepspeed(self, url: str, entries: Sequence[DirEntry]) -> CheckpointRef | None:
+        """A DeepSpeed `.ckpt` folder: complete once `latest` names its tag (DeepSpeed writes it after the rank
+        files), broken when the tag lacks a rank file."""
+        tag = deepspeed.tag_files(peek_dir(io.join(url, DEEPSPEED_TAG)) or [])
+        if tag is None:
+            return None
+        fields = name_fields(io.name_of(url))
+        state, note = CheckpointState.COMPLETE, ""
+        if deepspeed.read_latest(url, entries) != DEEPSPEED_TAG:
+            state = CheckpointState.IN_PROGRESS
+            note = f"no {deepspeed.LATEST_NAME} naming {DEEPSPEED_TAG}/ yet: DeepSpeed writes it after the rank files"
+        elif missing := deepspeed.missing_rank_files(io.join(url, DEEPSPEED_TAG), tag):
+            state, note = CheckpointState.BROKEN, f"{DEEPSPEED_TAG}/: {deepspeed.missing_note(missing)}"
+        marker = next((e for e in entries if e.name == deepspeed.LATEST_NAME and not e.is_dir), None)
+        return CheckpointRef(
+            url=url,
+            layout=self.name,
+            step=as_whole(fields.get("step")),
+            epoch=as_real(fields.get("epoch")),
+            created=timestamp(marker.mtime if marker is not None else newest_mtime(entries)),
+            state=state,
+            size_bytes=folder_size(url, entries),
+            note=note,
+        )
+
+    def members(self, url: str, entries: Sequence[DirEntry]) -> frozenset[str]:
+        """A DeepSpeed `.ckpt` folder's tag: one save wrote it, and it is no checkpoint of its own."""
+        return every_child_folder(entries) if io.name_of(url).endswith(SUFFIX) else frozenset()
+
     def latest_pointer(self, url: str, entries: Sequence[DirEntry]) -> str | None:
         """`last.ckpt`: the file itself (a copy), or the checkpoint of this folder its symbolic link names."""
         last = next((e for e in entries if e.name == LAST), None)
@@ -178,6 +234,8 @@ class LightningLayout(Layout):
         """The file's pickle (`data.pkl` only) or the folder's `.metadata` and `meta.pt`: counters, callbacks,
         hyperparameters; a lazy tensor index (state_dict, optimizer states)."""
         if io.is_dir(url):
+            if io.is_dir(io.join(url, DEEPSPEED_TAG)):
+                return self._open_deepspeed(url)
             return self._open_sharded(url)
         name = io.name_of(url)
         entry = next((e for e in io.list_dir(io.parent_of(url)) if e.name == name and not e.is_dir), None)
@@ -226,6 +284,39 @@ class LightningLayout(Layout):
         if error:
             checkpoint = replace(checkpoint, metadata={**checkpoint.metadata, "error": error})
         return checkpoint
+
+    def _open_deepspeed(self, url: str) -> Checkpoint:
+        ref = self.identify(url, io.list_dir(url))
+        if ref is None:
+            raise UnknownLayout(f"{url} is not a Lightning DeepSpeed checkpoint (no DeepSpeed tag {DEEPSPEED_TAG}/)")
+        files = list_files(url)
+        try:
+            tag = deepspeed.read_tag(io.join(url, DEEPSPEED_TAG))
+        except CkptctlError as exc:
+            error = exc
+
+            def unreadable() -> tuple[TensorEntry, ...]:
+                raise error
+
+            broken = replace(ref, state=CheckpointState.BROKEN, note=exc.message)
+            return Checkpoint(broken, frozenset(), None, {"error": exc.message}, unreadable, files)
+        root = tag.client_state()
+        counters = _counters(root)
+        ref = replace(ref, step=counters.get("global_step", ref.step), epoch=counters.get("epoch", ref.epoch))
+
+        @cache
+        def tensor_index() -> tuple[TensorEntry, ...]:
+            return deepspeed.tag_index(tag, f"{DEEPSPEED_TAG}/")
+
+        components = set(tag.components())
+        checkpoint = self._checkpoint(ref, root, components, tensor_index, files, "DeepSpeed save folder")
+        info = tag.metadata()
+        ds = {k: info[k] for k in ("tag", "zero_stage", "dp_world_size", "partition_count", "precision")}
+        return replace(
+            checkpoint,
+            world_size=tag.dp_world_size * tag.mp_world_size,
+            metadata={**checkpoint.metadata, "deepspeed": ds},
+        )
 
     def _checkpoint(
         self,
@@ -278,7 +369,8 @@ class LightningLayout(Layout):
         )
 
     def torch_archives(self, checkpoint: Checkpoint) -> Sequence[TorchArchive]:
-        """A `.ckpt` file is itself a torch.save zip; a sharded folder's are its DCP items and `meta.pt`."""
+        """A `.ckpt` file is itself a torch.save zip; a folder's are found by name (its DCP items and `meta.pt`, or
+        the `*_states.pt` of a DeepSpeed save)."""
         if "" in checkpoint.files:
             return (TorchArchive(""),)
         return default_torch_archives(checkpoint)
@@ -288,6 +380,8 @@ class LightningLayout(Layout):
         what `dump_checkpoint` writes (`state_dict`, `global_step`, `epoch`). A sharded folder: the DCP rules
         (`verify_dcp`), and `meta.pt` present (written last) and readable."""
         url = checkpoint.url
+        if io.is_dir(io.join(url, DEEPSPEED_TAG)):
+            return self._verify_deepspeed(url)
         if io.is_dir(url):
             return self._verify_sharded(url)
         try:
@@ -298,6 +392,28 @@ class LightningLayout(Layout):
             return [Problem.from_error(exc, "")]
         problems = [Problem(ProblemKind.TRUNCATED, "", message) for message in storage_problems(opened)]
         return problems + _content_problems(opened.root, "", require_state_dict=True)
+
+    def _verify_deepspeed(self, url: str) -> list[Problem]:
+        """The tag's rules (`verify_tag`), `latest` naming it, and Lightning's dict in its client state."""
+        problems = deepspeed.verify_tag(io.join(url, DEEPSPEED_TAG), f"{DEEPSPEED_TAG}/")
+        if deepspeed.read_latest(url, io.list_dir(url)) != DEEPSPEED_TAG:
+            problems.append(
+                Problem(
+                    ProblemKind.IN_PROGRESS,
+                    deepspeed.LATEST_NAME,
+                    f"no {deepspeed.LATEST_NAME} naming {DEEPSPEED_TAG}/: DeepSpeed writes it after the rank files, "
+                    "so the save has not finished",
+                )
+            )
+        if any(p.severity == "error" for p in problems):
+            return problems
+        path = _lightning_dict(url)
+        try:
+            opened = _open(io.join(url, path), None)
+        except CkptctlError as exc:
+            return [*problems, Problem.from_error(exc, path)]
+        client = {k: v for k, v in opened.root.items() if k not in deepspeed.ENGINE_KEYS}
+        return problems + _content_problems(client, path, require_state_dict=False)
 
     def _verify_sharded(self, url: str) -> list[Problem]:
         problems = verify_dcp(url)
@@ -321,8 +437,15 @@ class LightningLayout(Layout):
         return problems + _content_problems(opened.root, META, require_state_dict=False)
 
     def completion_markers(self, files: Mapping[str, int]) -> tuple[str, ...]:
-        """A sharded folder's `.metadata` (DCP writes it after the data) and `meta.pt` (Lightning's, last)."""
-        return tuple(name for name in (METADATA_NAME, META) if name in files)
+        """A sharded folder's `.metadata` (DCP writes it after the data) and `meta.pt` (Lightning's, last); a
+        DeepSpeed folder's `latest` (written after the tag)."""
+        names = (METADATA_NAME, META, deepspeed.LATEST_NAME)
+        return tuple(name for name in names if name in files)
+
+    def master_weights(self, checkpoint: Checkpoint, *, required: bool, notes: list[str]) -> MasterWeights | None:
+        """A DeepSpeed folder's fp32 master weights (ZeRO's partitions, as `zero_to_fp32.py` rebuilds them)."""
+        prefix = f"{DEEPSPEED_TAG}/" if DEEPSPEED_TAG in _top_folders(checkpoint) else None
+        return deepspeed.checkpoint_master_weights(checkpoint, prefix, required=required, notes=notes)
 
     def namespace_stripper(self, entries: Sequence[TensorEntry]) -> NameStripper:
         """`state_dict.` (a file's key) or `model.` (a sharded folder's DCP key), then the LightningModule's
@@ -330,6 +453,10 @@ class LightningLayout(Layout):
         names = [e.name for e in entries]
         if not names:
             return keep_name
+        if all(c.file.startswith(f"{DEEPSPEED_TAG}/") for e in entries for c in e.chunks):
+            # A DeepSpeed folder holds the LightningModule's own state dict: only its attribute is in front.
+            heads = {name.partition(".")[0] for name in names}
+            return strip_segments(1) if len(heads) == 1 and all("." in name for name in names) else keep_name
         sharded = all(c.encoding is ChunkEncoding.TORCH_SAVE for e in entries for c in e.chunks)
         outer = "model" if sharded else "state_dict"
         if not all(name.startswith(f"{outer}.") for name in names):
@@ -357,7 +484,7 @@ class LightningLayout(Layout):
             root = (
                 _open(newest.url, None).root
                 if not io.is_dir(newest.url)
-                else _open(io.join(newest.url, META), None).root
+                else _open(io.join(newest.url, _lightning_dict(newest.url)), None).root
             )
         except CkptctlError:
             return Protections(reasons)
@@ -383,7 +510,7 @@ class LightningLayout(Layout):
         module built from `config.to_dict()`): a dict naming its `model_type` and `architectures`."""
         url = checkpoint.url
         try:
-            root = _open(io.join(url, META) if io.is_dir(url) else url, None).root
+            root = _open(io.join(url, _lightning_dict(url)) if io.is_dir(url) else url, None).root
         except CkptctlError:
             return None
         hparams = root.get("hyper_parameters") if isinstance(root, dict) else None
@@ -423,6 +550,21 @@ def _open(url: str, size: int | None) -> TorchPickle:
         return open_torch_pickle(url, size)
     except UnsafePickle as exc:
         raise UnsafePickle(exc.message + _UNSAFE, _UNSAFE_HINT) from exc
+
+
+def _lightning_dict(folder: str) -> str:
+    """The file of a `.ckpt` folder that holds Lightning's checkpoint dict (counters, callbacks,
+    hyperparameters): a DeepSpeed folder's rank-0 model states (its client state), else `meta.pt`."""
+    tag = io.join(folder, DEEPSPEED_TAG)
+    if io.is_dir(tag):
+        files = deepspeed.tag_files(io.list_dir(tag))
+        rank0 = files.rank0_model() if files is not None else None
+        return f"{DEEPSPEED_TAG}/{rank0 or TagFiles.model_name_0(0)}"
+    return META
+
+
+def _top_folders(checkpoint: Checkpoint) -> set[str]:
+    return {name.partition("/")[0] for name in checkpoint.files if "/" in name}
 
 
 def _counters(root: Any) -> dict[str, Any]:

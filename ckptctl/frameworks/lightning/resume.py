@@ -3,7 +3,7 @@
 `last.ckpt` of the ModelCheckpoint callbacks, or "best"). Without `ckpt_path` nothing is restored.
 
 A file holds the whole state and loads on any number of ranks; a sharded folder is a DCP save, which
-reshards. Lightning saves no RNG state: a resumed run draws other numbers than an uninterrupted one.
+reshards; a DeepSpeed folder follows DeepSpeed's rules (`DeepSpeedStrategy.load_checkpoint` is the engine's). Lightning saves no RNG state: a resumed run draws other numbers than an uninterrupted one.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from ckptctl import io
 from ckptctl.checkpoint import Component
 from ckptctl.frameworks.dcp.resume import overwrite_warnings, reshards
+from ckptctl.frameworks.deepspeed import resume as deepspeed
 from ckptctl.frameworks.lightning.layout import LAST
 from ckptctl.layouts.resume import PlanContext, ResumeProfile, WorldSizeCheck, target_ranks
 
@@ -30,6 +31,8 @@ def _hint(ctx: PlanContext) -> str:
 
 
 def _world_size(ctx: PlanContext) -> WorldSizeCheck:
+    if deepspeed.zero_facts(ctx.checkpoint):
+        return deepspeed.world_size(ctx)
     if io.is_dir(ctx.url):
         return reshards(ctx)
     target = target_ranks(ctx, None)
@@ -51,7 +54,7 @@ _IMPACTS: Mapping[Component, str] = {
 
 
 def _traps(ctx: PlanContext) -> list[str]:
-    return overwrite_warnings(ctx) if io.is_dir(ctx.url) else []
+    return overwrite_warnings(ctx) if io.is_dir(ctx.url) and not deepspeed.zero_facts(ctx.checkpoint) else []
 
 
 PROFILE = ResumeProfile(

@@ -17,7 +17,7 @@ An adapter is not a model: `convert --merge-adapter BASE` writes the model that 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from functools import cache, partial
 from typing import Any
 
@@ -50,7 +50,7 @@ from ckptctl.layouts.base import (
 )
 from ckptctl.layouts.resume import ResumeProfile
 
-__all__ = ["ADAPTER_WEIGHTS", "PeftLayout"]
+__all__ = ["ADAPTER_WEIGHTS", "PeftLayout", "adapter_metadata", "adapter_problems", "lora_adapter"]
 
 #: The adapter's weights, in the order PEFT's `load_peft_weights` prefers them.
 ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
@@ -108,28 +108,7 @@ class PeftLayout(Layout):
             return safetensors_index(url, [weights], files)
 
         metadata: dict[str, Any] = {"format": f"PEFT adapter ({weights})"}
-        try:
-            settings = _settings(url) if ADAPTER_CONFIG in files else None
-        except CkptctlError as exc:
-            metadata["error"] = exc.message
-            settings = None
-        if settings is not None:
-            metadata["adapter"] = dict(settings.shown)
-            if settings.peft_type == "LORA":
-                metadata["scaling"] = _scaling_summary(settings)
-            if warnings := settings.warnings():
-                metadata["warnings"] = warnings
-        try:
-            factors, others, _ = adapter_factors(tensor_index())
-        except CkptctlError:
-            pass  # verify says why the weights do not read
-        else:
-            metadata["lora_modules"] = len(factors)
-            ranks = sorted({pair.a.shape[0] for pair in factors.values() if pair.a is not None and pair.a.shape})
-            if ranks:
-                metadata["ranks"] = ranks
-            if others:
-                metadata["replaces"] = sorted(others)
+        metadata.update(adapter_metadata(url, ADAPTER_CONFIG in files, tensor_index))
         return Checkpoint(
             ref=ref,
             components=frozenset(model_components(set(files)) | {Component.MODEL}),
@@ -144,17 +123,9 @@ class PeftLayout(Layout):
         has its lora_B with ranks that agree with each other and with r / rank_pattern. An alpha of 0 is a
         warning: such an adapter loads and does nothing."""
         url, files = checkpoint.url, checkpoint.files
-        problems: list[Problem] = []
-        settings = None
-        if ADAPTER_CONFIG not in files:
-            problems.append(Problem(ProblemKind.MISSING_FILE, ADAPTER_CONFIG, f"{ADAPTER_CONFIG} is missing"))
-        else:
-            try:
-                settings = _settings(url)
-            except CkptctlError as exc:
-                problems.append(Problem(ProblemKind.BAD_METADATA, ADAPTER_CONFIG, exc.message))
         weights = _weights(set(files))
         assert weights is not None
+        problems: list[Problem] = []
         try:
             if weights.endswith(".bin"):
                 opened = open_torch_pickle(io.join(url, weights), files[weights])
@@ -163,17 +134,9 @@ class PeftLayout(Layout):
                 read_header(io.join(url, weights), files[weights])
             index = checkpoint.tensor_index()
         except CkptctlError as exc:
-            return [*problems, Problem.from_error(exc, weights)]
-        factors, _, _ = adapter_factors(index)
-        if not factors and settings is not None and settings.peft_type == "LORA":
-            problems.append(Problem(ProblemKind.MISSING_FILE, weights, f"{weights} holds no LoRA factors"))
-        problems += factor_problems(factors, settings)
-        if settings is not None:
-            problems += [
-                Problem(ProblemKind.BAD_METADATA, ADAPTER_CONFIG, warning, severity="warning")
-                for warning in settings.warnings()
-            ]
-        return problems
+            settings_problems = adapter_problems(url, ADAPTER_CONFIG in files, (), weights)
+            return [*settings_problems, *problems, Problem.from_error(exc, weights)]
+        return [*adapter_problems(url, ADAPTER_CONFIG in files, index, weights), *problems]
 
     def completion_markers(self, files: Mapping[str, int]) -> tuple[str, ...]:
         """adapter_config.json: PEFT writes it after the weights, and loads nothing without it."""
@@ -187,11 +150,72 @@ class PeftLayout(Layout):
 
     def adapter(self, checkpoint: Checkpoint) -> Adapter | None:
         """A LoRA adapter, merged as PEFT's `merge_and_unload` merges it (see `_merge`)."""
+        return lora_adapter(checkpoint.url, checkpoint.tensor_index)
+
+
+def lora_adapter(url: str, tensors: Callable[[], Sequence[TensorEntry]]) -> Adapter:
+    """The LoRA adapter whose `adapter_config.json` lies in the folder `url` and whose tensors are
+    `tensors()` (chunks relative to `url`), merged as PEFT's `merge_and_unload` merges it (see `_merge`)."""
+    try:
+        base = _settings(url).shown.get("base_model_name_or_path")
+    except CkptctlError:
+        base = None
+    return Adapter("LoRA", base if isinstance(base, str) else None, partial(_merge, url, tensors))
+
+
+def adapter_metadata(url: str, has_config: bool, tensors: Callable[[], Sequence[TensorEntry]]) -> dict[str, Any]:
+    """What `inspect` shows of the adapter in the folder `url` whose tensors are `tensors()`: its settings
+    (when `has_config`), scaling, warnings, LoRA modules, ranks and the base tensors it replaces."""
+    metadata: dict[str, Any] = {}
+    try:
+        settings = _settings(url) if has_config else None
+    except CkptctlError as exc:
+        metadata["error"] = exc.message
+        settings = None
+    if settings is not None:
+        metadata["adapter"] = dict(settings.shown)
+        if settings.peft_type == "LORA":
+            metadata["scaling"] = _scaling_summary(settings)
+        if warnings := settings.warnings():
+            metadata["warnings"] = warnings
+    try:
+        factors, others, _ = adapter_factors(tensors())
+    except CkptctlError:
+        return metadata  # verify says why the weights do not read
+    metadata["lora_modules"] = len(factors)
+    ranks = sorted({pair.a.shape[0] for pair in factors.values() if pair.a is not None and pair.a.shape})
+    if ranks:
+        metadata["ranks"] = ranks
+    if others:
+        metadata["replaces"] = sorted(others)
+    return metadata
+
+
+def adapter_problems(url: str, has_config: bool, tensors: Sequence[TensorEntry], weights: str) -> list[Problem]:
+    """What is wrong with the adapter in the folder `url` whose tensors (from the file `weights`) are
+    `tensors`: adapter_config.json missing or not parsing, no LoRA factors, factor pairs and ranks that do not
+    fit (`factor_problems`); an alpha of 0 is a warning: such an adapter loads and does nothing."""
+    problems: list[Problem] = []
+    settings = None
+    if not has_config:
+        problems.append(Problem(ProblemKind.MISSING_FILE, ADAPTER_CONFIG, f"{ADAPTER_CONFIG} is missing"))
+    else:
         try:
-            base = _settings(checkpoint.url).shown.get("base_model_name_or_path")
-        except CkptctlError:
-            base = None
-        return Adapter("LoRA", base if isinstance(base, str) else None, partial(_merge, checkpoint))
+            settings = _settings(url)
+        except CkptctlError as exc:
+            problems.append(Problem(ProblemKind.BAD_METADATA, ADAPTER_CONFIG, exc.message))
+    if not tensors:
+        return problems
+    factors, _, _ = adapter_factors(tensors)
+    if not factors and settings is not None and settings.peft_type == "LORA":
+        problems.append(Problem(ProblemKind.MISSING_FILE, weights, f"{weights} holds no LoRA factors"))
+    problems += factor_problems(factors, settings)
+    if settings is not None:
+        problems += [
+            Problem(ProblemKind.BAD_METADATA, ADAPTER_CONFIG, warning, severity="warning")
+            for warning in settings.warnings()
+        ]
+    return problems
 
 
 def _settings(url: str) -> LoraSettings:
@@ -213,7 +237,13 @@ def _scaling_summary(settings: LoraSettings) -> str:
     return f"{formula} = {settings.scaling(''):.6g}{patterns}"
 
 
-def _merge(checkpoint: Checkpoint, base_url: str, base: Mapping[str, TensorEntry], notes: list[str]) -> ModelTensors:
+def _merge(
+    url: str,
+    tensors: Callable[[], Sequence[TensorEntry]],
+    base_url: str,
+    base: Mapping[str, TensorEntry],
+    notes: list[str],
+) -> ModelTensors:
     """The base model's tensors with the adapter merged in (`Adapter.merge`).
 
     Each adapted module's weight becomes `W + scaling·B@A` (`frameworks.peft.lora`); each other tensor of
@@ -224,22 +254,22 @@ def _merge(checkpoint: Checkpoint, base_url: str, base: Mapping[str, TensorEntry
         CkptctlError: not a LoRA adapter PEFT merges as `W + s·B@A` (DoRA, other PEFT types, ...), factors
             that do not fit each other or the base, or a tensor the base model lacks.
     """
-    settings = _settings(checkpoint.url)
+    settings = _settings(url)
     settings.check_mergeable()
-    factors, others, extra = adapter_factors(checkpoint.tensor_index())
+    factors, others, extra = adapter_factors(tensors())
     if extra:
         raise CkptctlError(
-            f"{checkpoint.url} holds {extra[0]}, a LoRA parameter ckptctl does not merge (adapter_config.json does not "
+            f"{url} holds {extra[0]}, a LoRA parameter ckptctl does not merge (adapter_config.json does not "
             "say it uses DoRA or a LoRA bias)",
             _MERGE_HINT,
         )
     broken = [p for p in factor_problems(factors, settings) if p.severity == "error"]
     if broken:
-        raise CkptctlError(f"{checkpoint.url}: {broken[0].message}", f"run `ckptctl verify {checkpoint.url}`")
+        raise CkptctlError(f"{url}: {broken[0].message}", f"run `ckptctl verify {url}`")
     if not factors:
-        raise CkptctlError(f"{checkpoint.url} holds no LoRA factors to merge")
+        raise CkptctlError(f"{url} holds no LoRA factors to merge")
     notes += settings.warnings()
-    read_base, read_adapter = read_from(base_url), read_from(checkpoint.url)
+    read_base, read_adapter = read_from(base_url), read_from(url)
     merged: dict[str, TensorEntry | DerivedTensor] = dict(base)
     for name, entry in others.items():
         target = base.get(name)

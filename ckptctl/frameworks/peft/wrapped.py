@@ -20,16 +20,18 @@ model's own name (`model.layers.0.self_attn.q_proj.weight`), as PEFT's `merge_an
 from __future__ import annotations
 
 import re
+from collections import Counter
 from collections.abc import Mapping
 from functools import partial
 from typing import Any
 
 from ckptctl.checkpoint import TensorEntry
 from ckptctl.errors import CkptctlError
+from ckptctl.frameworks.peft.layout import ADAPTER_WEIGHTS
 from ckptctl.frameworks.peft.lora import PEFT_PREFIX, Factors, factor_problems, merged_weight, read_from
 from ckptctl.frameworks.peft.settings import ADAPTER_CONFIG, LORA_TRAIN_META, LoraSettings, parse_settings
 from ckptctl.layouts.base import DerivedTensor, ModelTensors
-from ckptctl.layouts.wrapped import WrappedModel
+from ckptctl.layouts.wrapped import GivenScaling, WrappedAdapter, WrappedModel
 
 __all__ = ["lora_wrapped"]
 
@@ -42,8 +44,9 @@ _BASE_LAYER = ".base_layer."
 _OTHER_LORA = re.compile(r"\.lora_(?:B\.[^.]+\.bias|magnitude_vector\.[^.]+(?:\.weight)?)$")
 _HINT = (
     "pass the run's adapter_config.json (or verl's lora_train_meta.json) with --adapter-config PATH, "
-    "or put it beside the checkpoint"
+    "put it beside the checkpoint, or give the scaling with --lora-alpha (and --lora-r, --lora-rslora)"
 )
+_GIVEN = "--lora-alpha/--lora-r"
 
 
 class _Parsed:
@@ -95,6 +98,7 @@ def lora_wrapped(tensors: Mapping[str, TensorEntry]) -> WrappedModel | None:
         "adapters": sorted(parsed.adapters),
         "lora_modules": len(parsed.factors),
         "ranks": ranks,
+        "targets": sorted({module.rpartition(".")[2] for module in parsed.factors}),
     }
     if parsed.saved:
         summary["modules_to_save"] = sorted(parsed.model_name(m) for m in parsed.saved)
@@ -103,10 +107,23 @@ def lora_wrapped(tensors: Mapping[str, TensorEntry]) -> WrappedModel | None:
         summary=summary,
         settings_files=(ADAPTER_CONFIG, LORA_TRAIN_META),
         merge=partial(_merge, tensors, parsed),
+        adapter=partial(_adapter, tensors, parsed),
     )
 
 
-def _settings(found: Mapping[str, Any]) -> LoraSettings:
+def _settings(found: Mapping[str, Any], given: GivenScaling | None, parsed: _Parsed) -> LoraSettings:
+    """The scaling the user gave, else the settings file found.
+
+    Raises:
+        CkptctlError: neither: the factors' shapes give each module's rank but never its alpha.
+    """
+    if given is not None:
+        ranks = {parsed.model_name(m): pair.a.shape[0] for m, pair in parsed.factors.items() if pair.a is not None}
+        r = given.r if given.r is not None else Counter(ranks.values()).most_common(1)[0][0]
+        # Without --lora-r each module's rank is its factors' (as PEFT's rank_pattern made them).
+        pattern = {} if given.r is not None else {re.escape(m): rank for m, rank in ranks.items() if rank != r}
+        alpha = int(given.alpha) if float(given.alpha).is_integer() else given.alpha
+        return LoraSettings(_GIVEN, "LORA", r, alpha, rank_pattern=pattern, use_rslora=given.rslora)
     for name in (ADAPTER_CONFIG, LORA_TRAIN_META):
         if name in found:
             return parse_settings(found[name], name)
@@ -117,14 +134,14 @@ def _settings(found: Mapping[str, Any]) -> LoraSettings:
     )
 
 
-def _merge(
-    tensors: Mapping[str, TensorEntry], parsed: _Parsed, url: str, found: Mapping[str, Any], notes: list[str]
-) -> ModelTensors:
-    """The model with the adapter merged into its base layers, by the base model's names (`WrappedModel.merge`).
+def _checked(
+    parsed: _Parsed, url: str, found: Mapping[str, Any], given: GivenScaling | None, notes: list[str]
+) -> tuple[LoraSettings, dict[str, Factors]]:
+    """The settings of the one adapter the model carries and its factors by the base model's module names.
 
     Raises:
-        CkptctlError: more than one adapter, no settings, settings PEFT would not merge as `W + s·B@A`,
-            factors that do not fit each other or their base layer, or names that collide once unwrapped.
+        CkptctlError: more than one adapter, no settings, settings PEFT would not merge as `W + s·B@A`
+            (DoRA, ...), or factors that do not fit each other or the settings.
     """
     if len(parsed.adapters) > 1:
         raise CkptctlError(
@@ -136,13 +153,32 @@ def _merge(
             f"{parsed.other_lora[0]} is a LoRA parameter ckptctl does not merge (DoRA or a LoRA bias)",
             "merge it with PEFT's merge_and_unload()",
         )
-    settings = _settings(found)
+    settings = _settings(found, given, parsed)
     settings.check_mergeable()
     named = {parsed.model_name(module): pair for module, pair in parsed.factors.items()}
     broken = [p for p in factor_problems(named, settings) if p.severity == "error"]
     if broken:
         raise CkptctlError(broken[0].message, f"run `ckptctl verify {url}`")
+    if given is not None and found:
+        notes.append(f"the scaling given by {_GIVEN} is used, not that of {', '.join(found)}")
     notes += settings.warnings()
+    return settings, named
+
+
+def _merge(
+    tensors: Mapping[str, TensorEntry],
+    parsed: _Parsed,
+    url: str,
+    found: Mapping[str, Any],
+    notes: list[str],
+    given: GivenScaling | None = None,
+) -> ModelTensors:
+    """The model with the adapter merged into its base layers, by the base model's names (`WrappedModel.merge`).
+
+    Raises:
+        CkptctlError: as `_checked`, or names that collide once unwrapped.
+    """
+    settings, named = _checked(parsed, url, found, given, notes)
     read = read_from(url)
     model: dict[str, TensorEntry | DerivedTensor] = {}
     origin: dict[str, str] = {}
@@ -160,9 +196,80 @@ def _merge(
         model[out], origin[out] = item, name
     notes.append(
         f"merged the LoRA factors of {len(named)} module(s) into their base weights ({settings.source} gives the "
-        "scaling); --lora keep writes the tensors as stored"
+        "scaling); --lora adapter writes the adapter alone, --lora keep the tensors as stored"
     )
     return model
+
+
+def _adapter(
+    tensors: Mapping[str, TensorEntry],
+    parsed: _Parsed,
+    url: str,
+    found: Mapping[str, Any],
+    notes: list[str],
+    given: GivenScaling | None = None,
+) -> WrappedAdapter:
+    """The adapter as `PeftModel.save_pretrained` writes it (`WrappedModel.adapter`).
+
+    peft 0.21.2 `utils/save_and_load.py` `get_peft_model_state_dict`: the adapter's own tensors (`lora_A`,
+    `lora_B`, `lora_embedding_A/B`, a module to save's trained copy) under the `PeftModel`'s names with the
+    adapter name removed (`...q_proj.lora_A.weight`, `...lm_head.weight`), and an adapted embedding's
+    `base_layer.weight` (saved when an embedding is targeted), into `adapter_model.safetensors`; the settings
+    into `adapter_config.json`: the run's own when it was found, else made from what is known.
+
+    Raises:
+        CkptctlError: as `_checked`.
+    """
+    settings, named = _checked(parsed, url, found, given, notes)
+    out: dict[str, TensorEntry | DerivedTensor] = {}
+    for name, entry in tensors.items():
+        factor = _FACTOR.match(name)
+        saved = _TO_SAVE.match(name)
+        if factor is not None:
+            module, side = parsed.model_name(factor.group("module")), factor.group("side")
+            suffix = f"lora_embedding_{side}" if factor.group("module") in parsed.embeddings else f"lora_{side}.weight"
+            key = f"{module}.{suffix}"
+        elif saved is not None:
+            key = f"{parsed.model_name(saved.group('module'))}.{saved.group('param')}"
+        elif name.endswith(f"{_BASE_LAYER}weight") and name.removesuffix(f"{_BASE_LAYER}weight") in parsed.embeddings:
+            key = parsed.model_name(name)
+        else:
+            continue
+        out[f"{PEFT_PREFIX}{key}"] = entry
+    if given is None and ADAPTER_CONFIG in found:
+        config = dict(found[ADAPTER_CONFIG])
+    else:
+        config = _made_config(settings, sorted(named), sorted(parsed.model_name(m) for m in parsed.saved), found)
+        notes.append(f"adapter_config.json made from {settings.source} and the factors found (targets, ranks)")
+    notes.append(
+        f"wrote the LoRA adapter of {len(named)} module(s) as a PEFT adapter folder: load it with "
+        "PeftModel.from_pretrained(BASE, DST)"
+    )
+    return WrappedAdapter(out, ADAPTER_WEIGHTS[0], ADAPTER_CONFIG, config)
+
+
+def _made_config(
+    settings: LoraSettings, targets: list[str], to_save: list[str], found: Mapping[str, Any]
+) -> dict[str, Any]:
+    """An adapter_config.json PEFT's `LoraConfig` loads: the adapted modules by their full names (PEFT
+    matches a list entry against the end of a module's name), each module's rank and alpha as the merge
+    takes them, and verl's task_type when its lora_train_meta.json gave the settings."""
+    meta = found.get(LORA_TRAIN_META)
+    task_type = meta.get("task_type") if isinstance(meta, dict) else None
+    return {
+        "peft_type": "LORA",
+        "task_type": task_type if isinstance(task_type, str) else None,
+        "r": settings.r,
+        "lora_alpha": settings.lora_alpha,
+        "rank_pattern": dict(settings.rank_pattern),
+        "alpha_pattern": dict(settings.alpha_pattern),
+        "use_rslora": settings.use_rslora,
+        "fan_in_fan_out": settings.fan_in_fan_out,
+        "target_modules": targets,
+        "modules_to_save": to_save or None,
+        "bias": "none",
+        "inference_mode": True,
+    }
 
 
 def _unwrapped(name: str, parsed: _Parsed) -> str | None:

@@ -11,11 +11,14 @@ against the model the config names: tied weights, missing, reshaped and leftover
 
 An adapter (`Layout.adapter`: a PEFT LoRA folder) is not a model: it converts merged into its base model
 (`merge_adapter`), whose tensors, config and tokenizer the output takes, the adapted weights computed.
+The adapters a model carries around its layers (`layouts.wrapped`) convert merged into it, or alone as an
+adapter folder (`lora=adapter`: its weights file and settings file, no model check).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import time
 from collections.abc import Callable, Mapping
@@ -28,7 +31,8 @@ from ckptctl.errors import CheckpointInProgress, CheckpointNotFound, CkptctlErro
 from ckptctl.formats.documents import read_json
 from ckptctl.layouts import Layout, get_layout, resolve
 from ckptctl.layouts.base import HfModel, ModelSpec
-from ckptctl.ops.convert.commit import Staging, UploadStaging, check_destination, write_digests
+from ckptctl.layouts.wrapped import WrappedAdapter
+from ckptctl.ops.convert.commit import Staging, UploadStaging, check_destination, write_digests, write_small
 from ckptctl.ops.convert.model_check import apply_ties, check_plan, compare_logits, model_spec, read_config
 from ckptctl.ops.convert.options import (
     DEFAULT_MAX_SHARD_SIZE,
@@ -41,7 +45,7 @@ from ckptctl.ops.convert.options import (
     Weights,
     parse_dtype,
 )
-from ckptctl.ops.convert.plan import Planned, Written, float_dtype, plan_tensors
+from ckptctl.ops.convert.plan import Planned, Written, float_dtype, plan_adapter, plan_tensors
 from ckptctl.ops.convert.side_files import (
     CONFIG_FILES,
     TOKENIZER_FILES,
@@ -129,14 +133,17 @@ def _convert(src: str, dst: str, options: ConvertOptions, progress: Progress, re
             state["staging"] = stack.enter_context(staging)
             staging.check_space(sum(p.nbytes for p in prepared.plan))
             shared = options.to is Target.HF and not isinstance(staging, UploadStaging)
-            return _Work(prepared.checkpoint.url, prepared.plan, staging.out, shared)
+            file_name = prepared.adapter.weights_name if prepared.adapter is not None else None
+            return _Work(prepared.checkpoint.url, prepared.plan, staging.out, shared, file_name)
 
         work = _on_leader(ranks, begin)
         written: Written | None = None
         if work.shared or ranks is None or ranks.leader:
             try:
                 if options.to is Target.HF:
-                    written = write_hf(work.url, work.plan, work.out, options, progress, ranks if work.shared else None)
+                    written = write_hf(
+                        work.url, work.plan, work.out, options, progress, ranks if work.shared else None, work.file_name
+                    )
                 else:
                     written = write_dcp(state["prepared"].checkpoint, work.plan, work.out, progress)
             finally:
@@ -149,18 +156,21 @@ def _convert(src: str, dst: str, options: ConvertOptions, progress: Progress, re
 @dataclass(frozen=True, slots=True)
 class _Work:
     """What every rank needs to write its share: the source, the plan, the staging folder's output folder,
-    and whether the ranks share the writing (else rank 0 writes alone)."""
+    whether the ranks share the writing (else rank 0 writes alone), and the one file an adapter's tensors go
+    into (None: model shards)."""
 
     url: str
     plan: list[Planned]
     out: str
     shared: bool
+    file_name: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class _Prepared:
     """The checked source and what to make of it: `checkpoint` is where the output's stored tensors are read
-    (the base model an adapter is merged into, else the source itself), `url` the source converted."""
+    (the base model an adapter is merged into, else the source itself), `url` the source converted,
+    `adapter` the adapter folder written instead of a model (`lora=adapter`)."""
 
     src: str
     dst: str
@@ -176,6 +186,7 @@ class _Prepared:
     spec: ModelSpec | None
     tied: tuple[str, ...]
     notes: list[str]
+    adapter: WrappedAdapter | None = None
 
 
 def _on_leader(ranks: Ranks | None, work: Callable[[], T]) -> T:
@@ -192,6 +203,14 @@ def _prepare(src: str, dst: str, options: ConvertOptions) -> _Prepared:
     url = ref.url
     checkpoint = _open_verified(layout, ref)
     notes: list[str] = []
+    if options.lora is LoraMode.ADAPTER:
+        if layout.adapter(checkpoint) is not None:
+            raise CkptctlError(
+                f"{checkpoint.url} ({layout.name}) holds an adapter already: --lora adapter takes a model saved with "
+                "adapters around its layers",
+                "drop --lora adapter to merge it into its base model (--merge-adapter BASE)",
+            )
+        return _prepare_adapter(src, dst, layout, checkpoint, options, notes)
     base = _base_model(checkpoint, layout, dst, options, notes)
     # The output's stored tensors and its config come from the base model when an adapter is merged into it.
     source, source_layout = (base, get_layout(base.layout)) if base is not None else (checkpoint, layout)
@@ -243,6 +262,49 @@ def _prepare(src: str, dst: str, options: ConvertOptions) -> _Prepared:
         )
     return _Prepared(
         src, dst, url, layout.name, source, base, plan, weights, side_files, made_config, config, spec, tied, notes
+    )
+
+
+def _prepare_adapter(
+    src: str, dst: str, layout: Layout, checkpoint: Checkpoint, options: ConvertOptions, notes: list[str]
+) -> _Prepared:
+    """The adapter folder of the adapters the checkpoint's model carries (`lora=adapter`), with the
+    tokenizer found beside it; no config.json (the base model's is where the adapter is loaded onto).
+
+    Raises:
+        CkptctlError: an output other than HF's, another component, a base to merge into, or as `plan_adapter`.
+    """
+    if options.to is not Target.HF or options.component is not Component.MODEL or options.merge_adapter:
+        raise CkptctlError(
+            "--lora adapter writes the adapter of a model --to hf (--component model, no --merge-adapter)"
+        )
+    plan, adapter = plan_adapter(
+        checkpoint,
+        options,
+        notes,
+        lambda names: find_adapter_settings(names, options, checkpoint, layout, notes),
+    )
+    side_files, side_notes = find_side_files(
+        checkpoint.url, options, layout.config_folders(checkpoint), config_made=options.config_dir is None
+    )
+    side_files.pop("config.json", None)
+    notes += [n for n in side_notes if "config.json" not in n]
+    return _Prepared(
+        src=src,
+        dst=dst,
+        url=checkpoint.url,
+        layout=layout.name,
+        checkpoint=checkpoint,
+        base=None,
+        plan=plan,
+        weights=Weights.STORED,
+        side_files=side_files,
+        made_config=None,
+        config=None,
+        spec=None,
+        tied=(),
+        notes=notes,
+        adapter=adapter,
     )
 
 
@@ -329,6 +391,10 @@ def _finish(
         options.dtype is not None,
         prepared.made_config,
     )
+    if prepared.adapter is not None:
+        settings = json.dumps(dict(prepared.adapter.settings), indent=2, sort_keys=True).encode() + b"\n"
+        write_small(os.path.join(staging.out, prepared.adapter.settings_name), settings)
+        copied = tuple(sorted((*copied, prepared.adapter.settings_name)))
     logits = compare_logits(checkpoint, plan, staging.out, config) if options.check_logits and config else None
     write_digests(staging.out, written.digests)
     files = tuple(sorted(os.listdir(staging.out)))

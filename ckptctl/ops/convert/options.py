@@ -7,8 +7,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ckptctl.checkpoint import Component
+from ckptctl.errors import CkptctlError
 from ckptctl.formats.manifest import DIGESTS_NAME
 from ckptctl.layouts import ConvertTarget
+from ckptctl.layouts.wrapped import GivenScaling
 from ckptctl.ops.report import SCHEMA_VERSION
 
 if TYPE_CHECKING:
@@ -34,6 +36,9 @@ class LoraMode(enum.StrEnum):
 
     #: Merge them into the base weights and write the model under its own names (what transformers loads).
     MERGE = "merge"
+    #: Write the adapters alone, as their framework's adapter folder (PEFT's adapter_model.safetensors and
+    #: adapter_config.json), which loads onto the base model.
+    ADAPTER = "adapter"
     #: Write the tensors as stored (`base_layer`, `lora_A`, ... names), with no model check passing them.
     KEEP = "keep"
 
@@ -95,9 +100,13 @@ class ConvertOptions:
             source tensors on a few fixed token ids (`--to hf`; holds two copies of the model in memory).
         merge_adapter: the base model (a checkpoint folder) to merge the source, an adapter, into; None
             takes the local folder the adapter itself names as its base, if any.
-        lora: for a model whose layers carry LoRA adapters, merge them (`merge`) or keep the stored tensors.
+        lora: for a model whose layers carry LoRA adapters, merge them (`merge`), write the adapter alone
+            (`adapter`), or keep the stored tensors.
         adapter_config: the adapter settings file (or its folder) that a wrapped model's merge takes the
             LoRA alpha from (default: found beside the checkpoint or its config).
+        lora_alpha: the LoRA alpha of a wrapped model, for one without a settings file (wins over one found).
+        lora_r: the rank the run was configured with (with `lora_alpha`; default: the factors' ranks).
+        lora_rslora: with `lora_alpha`, the run used rsLoRA (scaling alpha/sqrt(r)).
         ranks: the ranks of a job (`ops.distributed_work.join`) that all run this conversion and share the
             writing of the shard files; None: this process alone. The output is the same byte for byte.
     """
@@ -121,7 +130,24 @@ class ConvertOptions:
     merge_adapter: str | None = None
     lora: LoraMode = LoraMode.MERGE
     adapter_config: str | None = None
+    lora_alpha: float | None = None
+    lora_r: int | None = None
+    lora_rslora: bool = False
     ranks: Ranks | None = None
+
+    def given_scaling(self) -> GivenScaling | None:
+        """The LoRA scaling given by `lora_alpha` (with `lora_r`, `lora_rslora`), or None.
+
+        Raises:
+            CkptctlError: `lora_r` or `lora_rslora` without `lora_alpha`, or a rank below 1.
+        """
+        if self.lora_alpha is None:
+            if self.lora_r is not None or self.lora_rslora:
+                raise CkptctlError("--lora-r and --lora-rslora go with --lora-alpha", "give the run's --lora-alpha too")
+            return None
+        if self.lora_r is not None and self.lora_r < 1:
+            raise CkptctlError(f"--lora-r must be at least 1, not {self.lora_r}")
+        return GivenScaling(self.lora_alpha, self.lora_r, self.lora_rslora)
 
 
 @dataclass(frozen=True, slots=True)

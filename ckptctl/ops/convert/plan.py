@@ -17,6 +17,9 @@ Some output tensors are computed rather than copied (`DerivedTensor`):
   base model's, its stored tensors read from the base checkpoint, the merged ones derived;
 - a model whose state dict carries adapters around its layers (`layouts.wrapped`: a PEFT-wrapped model
   saved whole): written under the base model's names with the adapter merged in (`lora=merge`).
+
+Such a model's adapter can also be written alone (`lora=adapter`, `plan_adapter`): its tensors under the
+names of its framework's adapter folder, with its settings file.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from ckptctl.formats.manifest import FileRecord
 from ckptctl.formats.safetensors import TORCH_TO_SAFETENSORS
 from ckptctl.layouts import Layout
 from ckptctl.layouts.base import NO_NAME_MAP, DerivedTensor, HfModel, MasterWeights, ModelTensors, NameMap
-from ckptctl.layouts.wrapped import find_wrapped
+from ckptctl.layouts.wrapped import WrappedAdapter, find_wrapped
 from ckptctl.ops.convert.options import ConvertOptions, LoraMode, Target, Weights
 from ckptctl.ops.naming import Renames, apply_renames, compile_renames, namespace_stripper, normalised_names
 
@@ -140,10 +143,16 @@ def plan_tensors(
     if hf is None and options.component is Component.MODEL and options.lora is LoraMode.MERGE:
         stored = normalised_names(checkpoint.layout, entries, strip_prefix, verb="written as")
         wrapped = find_wrapped(stored)
+        given = options.given_scaling()
         if wrapped is not None:
             found = adapter_settings(wrapped.settings_files) if adapter_settings is not None else {}
-            model = wrapped.merge(checkpoint.url, found, notes)
+            model = wrapped.merge(checkpoint.url, found, notes, given)
             return _planned(_renamed(model, renames), upcast, options), weights
+        if given is not None:
+            raise CkptctlError(
+                f"--lora-alpha scales LoRA adapters, and the model of {checkpoint.url} carries none around its layers",
+                "drop --lora-alpha (--lora-r, --lora-rslora)",
+            )
     name_map, rows = (None, {}) if hf is not None else _name_map(checkpoint, layout, entries, options, config, notes)
     named = normalised_names(
         checkpoint.layout,
@@ -169,6 +178,28 @@ def plan_tensors(
             )
         plan.append(Planned(entry, name, dtype, order))
     return plan, weights
+
+
+def plan_adapter(
+    checkpoint: Checkpoint, options: ConvertOptions, notes: list[str], adapter_settings: SettingsFinder
+) -> tuple[list[Planned], WrappedAdapter]:
+    """The adapters the model of `checkpoint` carries around its layers (`layouts.wrapped`), as their
+    framework's adapter folder holds them: the plan of its weights file, and what that folder holds.
+
+    Raises:
+        CkptctlError: the model carries no adapters, or as `WrappedModel.adapter`.
+    """
+    entries = [e for e in checkpoint.tensor_index() if e.component is Component.MODEL]
+    stored = normalised_names(checkpoint.layout, entries, options.strip_prefix, verb="written as")
+    wrapped = find_wrapped(stored)
+    if wrapped is None:
+        raise CkptctlError(
+            f"{checkpoint.url} holds a model without adapters around its layers (no base_layer beside lora_A/lora_B)",
+            "--lora adapter writes the adapter of a model saved while wrapped by PEFT; drop it to convert the model",
+        )
+    found = adapter_settings(wrapped.settings_files)
+    adapter = wrapped.adapter(checkpoint.url, found, notes, options.given_scaling())
+    return _planned(_renamed(adapter.tensors, compile_renames(options.renames)), frozenset(), options), adapter
 
 
 def _renamed(model: ModelTensors, renames: Renames) -> dict[str, TensorEntry | DerivedTensor]:

@@ -44,14 +44,19 @@ def write_hf(
     options: ConvertOptions,
     progress: Progress,
     ranks: Ranks | None = None,
+    file_name: str | None = None,
 ) -> Written:
     """Write the safetensors shards (+ index), streaming every tensor that allows it, and check them.
 
     Over a job's `ranks` (all of them call this), each rank writes and checks its share of the shard files,
-    balanced by bytes, and rank 0 writes the index; every rank returns the digests of all files.
+    balanced by bytes, and rank 0 writes the index; every rank returns the digests of all files. Given
+    `file_name`, every tensor goes into that one file (an adapter's weights file, which is never sharded).
     """
-    shards = plan_shards([p.nbytes for p in plan], options.max_shard_size)
-    names = _shard_names(len(shards))
+    if file_name is not None:
+        shards, names = [list(range(len(plan)))], [file_name]
+    else:
+        shards = plan_shards([p.nbytes for p in plan], options.max_shard_size)
+        names = _shard_names(len(shards))
     expected = {file_name: [plan[i] for i in members] for file_name, members in zip(names, shards, strict=True)}
     headers = {
         file_name: build_header([(p.name, p.dtype, p.shape) for p in items], {"format": "pt"})

@@ -27,7 +27,7 @@ _ckptctl() {
         list) local opts="--sort --reverse -r --state --layout --limit --depth --json --quiet -q --help -h";;
         prune) local opts="--keep-last --keep-every --keep-best --max-total-size --older-than --pin --grace --dry-run --yes -y --wait --depth --json --quiet -q --help -h";;
         resume-plan) local opts="--world-size --digests --cuda --no-cuda --layout --json --quiet -q --help -h";;
-        verify) local opts="--latest --deep --check-finite --write-manifest --workers --layout --json --quiet -q --help -h";;
+        verify) local opts="--latest --quick --deep --check-finite --write-manifest --workers --layout --json --quiet -q --help -h";;
         *) local opts='';;
     esac
     if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "$opts" -- "$cur")); else COMPREPLY=($(compgen -f -- "$cur")); fi

@@ -15,7 +15,7 @@ import shutil
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import pytest
 from filelock import FileLock
@@ -36,6 +36,10 @@ from tests.writers.torchtitan_writer import WrittenTorchtitan, write_torchtitan_
 from tests.writers.trainer_writer import WrittenTrainerRun, write_trainer_run
 from tests.writers.universal_writer import WrittenUniversal, write_universal_runs
 from tests.writers.verl_writer import WrittenVerl, write_verl_run
+
+if TYPE_CHECKING:
+    from ckptctl.formats.torch_zip import ZipMember
+    from ckptctl.layouts.base import Layout
 
 T = TypeVar("T")
 
@@ -334,6 +338,25 @@ def torchtitan_run(tmp_path_factory: pytest.TempPathFactory) -> WrittenTorchtita
 def copy_tree(src: Path, dst: Path) -> Path:
     shutil.copytree(src, dst, symlinks=True)
     return dst
+
+
+def torch_zip_records(folder: Path, layout: Layout) -> list[tuple[str, ZipMember]]:
+    """(file, record) of every tensor record (not a pickle) of the torch.save zips `layout` names in the
+    checkpoint at `folder` (`Layout.torch_archives`): where to flip a byte that plain verify's CRC-32 check
+    must name."""
+    from ckptctl.formats.torch_zip import archive_members
+
+    checkpoint = layout.open(str(folder))
+    found = []
+    for archive in layout.torch_archives(checkpoint):
+        data = (folder / archive.file).read_bytes() if archive.file else folder.read_bytes()
+        end = len(data) if archive.length is None else archive.offset + archive.length
+        blob = data[archive.offset : end]
+        if blob[:4] != b"PK\x03\x04":
+            continue
+        members = archive_members(lambda start, n, b=blob: b[start : start + n], len(blob), archive.offset, "")
+        found += [(archive.file, m) for m in members.members if m.size and not m.name.endswith(".pkl")]
+    return found
 
 
 @dataclass

@@ -19,8 +19,9 @@ from typing import Any
 import pytest
 
 from ckptctl.formats.manifest import DIGESTS_NAME
+from ckptctl.layouts import get_layout
 from ckptctl.ops.distributed_work import balance
-from tests.conftest import CliResult, copy_tree
+from tests.conftest import CliResult, copy_tree, torch_zip_records
 from tests.writers.deepspeed_writer import WrittenDeepSpeed
 
 Cli = Callable[..., CliResult]
@@ -183,6 +184,30 @@ def test_verify_over_two_ranks_gives_the_single_process_report(run_cli: Cli, dem
     assert two.returncode == 1, two.stderr  # every rank exits with the report's code
     _same_report(single.json, _document(two.stdout))
     assert not single.json["ok"] and any(r["problems"] for r in single.json["results"])
+
+
+def test_workers_verify_checks_the_crc_32s_of_a_two_rank_dcp_checkpoint(
+    run_cli: Cli, demo_dir: Path, tmp_path: Path
+) -> None:
+    """No manifest: the ranks share the CRC-32 checks of the DCP items by bytes; a clean save passes with
+    every record checked, and a flipped byte is named by its record, as in one process."""
+    checkpoint = copy_tree(demo_dir / "dcp" / "step-30", tmp_path / "step-30")  # 2-rank FSDP2 save
+    clean = _ckptctl("verify", checkpoint, "--json")
+    assert clean.returncode == 0, clean.stderr
+    _same_report(run_cli("verify", checkpoint, "--json").json, _document(clean.stdout))
+    assert _document(clean.stdout)["crc_records_checked"] > 0
+    file, member = max(torch_zip_records(checkpoint, get_layout("dcp")), key=lambda r: (r[1].size, r[0]))
+    data = bytearray((checkpoint / file).read_bytes())
+    data[member.start + member.size // 2] ^= 0xFF
+    (checkpoint / file).write_bytes(bytes(data))
+    single = run_cli("verify", checkpoint, "--json")
+    assert single.exit_code == 1, single.stdout
+    two = _ckptctl("verify", checkpoint, "--json")
+    assert two.returncode == 1, two.stderr
+    _same_report(single.json, _document(two.stdout))
+    assert [(p["kind"], p["path"], p.get("record")) for p in single.json["problems"]] == [
+        ("crc_mismatch", file, member.name)
+    ]
 
 
 def test_diff_over_two_ranks_gives_the_single_process_report(run_cli: Cli, demo_dir: Path) -> None:

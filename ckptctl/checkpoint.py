@@ -227,12 +227,18 @@ class Problem:
         message: what is wrong, for a person.
         severity: `error` makes verify fail; `warning` is reported but the checkpoint still verifies
             (stale files left by an in-place overwrite, for example).
+        record: the record inside the file, when the problem is one record of a zip archive
+            (`archive/data/0`).
+        entry: the state-dict entry concerned inside the file (a tensor's dotted path, a DCP key), when
+            known.
     """
 
     kind: str
     path: str
     message: str
     severity: str = "error"
+    record: str = ""
+    entry: str = ""
 
     @classmethod
     def from_error(cls, exc: CkptctlError, path: str) -> Problem:
@@ -244,12 +250,17 @@ class Problem:
 
 
 class ProblemKind(enum.StrEnum):
-    """Stable `kind` values of `Problem` (scripts match on them)."""
+    """Stable `kind` values of `Problem` (scripts match on them; `docs/cli.md` lists them)."""
 
     MISSING_FILE = "missing_file"
     TRUNCATED = "truncated"
     SIZE_MISMATCH = "size_mismatch"
     DIGEST_MISMATCH = "digest_mismatch"
+    #: A record of a torch.save zip archive does not match the CRC-32 torch recorded when writing it.
+    CRC_MISMATCH = "crc_mismatch"
+    #: A torch.save archive records no CRC-32s (written with torch's CRC computation off): only a manifest
+    #: can vouch for its content (a warning).
+    NO_CRC = "no_crc"
     BAD_METADATA = "bad_metadata"
     UNSAFE_PICKLE = "unsafe_pickle"
     COVERAGE = "coverage"

@@ -20,14 +20,14 @@ _ckptctl() {
         --weights) COMPREPLY=($(compgen -W "auto master stored" -- "$cur")); return;;
     esac
     case "$cmd" in
-        convert) local opts="--to --dtype --max-shard-size --component --strip-prefix --rename --mapping --config --tokenizer --force --reread --workers --weights --no-check-model --check-logits --merge-adapter --lora --adapter-config --lora-alpha --lora-r --lora-rslora --layout --json --quiet -q --help -h";;
+        convert) local opts="--to --dtype --max-shard-size --dcp-file-size --component --strip-prefix --rename --mapping --config --tokenizer --force --reread --workers --weights --no-check-model --check-logits --merge-adapter --lora --adapter-config --lora-alpha --lora-r --lora-rslora --layout --json --quiet -q --help -h";;
         demo) local opts="--steps --distributed --no-distributed --force --json --quiet -q --help -h";;
         diff) local opts="--component --atol --rtol --strip-prefix --rename --ignore-dtype --all --top --read-all --layout-a --layout-b --workers --json --quiet -q --help -h";;
         inspect) local opts="--filter -f --component --limit --layout --json --quiet -q --help -h";;
         list) local opts="--sort --reverse -r --state --layout --limit --depth --json --quiet -q --help -h";;
         prune) local opts="--keep-last --keep-every --keep-best --max-total-size --older-than --pin --grace --dry-run --yes -y --wait --depth --json --quiet -q --help -h";;
         resume-plan) local opts="--world-size --digests --cuda --no-cuda --layout --json --quiet -q --help -h";;
-        verify) local opts="--latest --deep --check-finite --write-manifest --workers --layout --json --quiet -q --help -h";;
+        verify) local opts="--latest --quick --deep --check-finite --write-manifest --workers --layout --json --quiet -q --help -h";;
         *) local opts='';;
     esac
     if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "$opts" -- "$cur")); else COMPREPLY=($(compgen -f -- "$cur")); fi

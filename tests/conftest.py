@@ -15,19 +15,20 @@ import shutil
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import pytest
 from filelock import FileLock
 
+from tests.writers import openrlhf_writer
 from tests.writers.accelerate_writer import WrittenAccelerate, write_accelerate_runs
 from tests.writers.areal_writer import WrittenAreal, write_areal_run
 from tests.writers.dcp_writer import WrittenDcp, write_single_process_dcp
-from tests.writers.deepspeed_writer import WrittenDeepSpeed, write_deepspeed_runs
+from tests.writers.deepspeed_writer import CONVERTER_RUNS, DeepSpeedRuns, WrittenDeepSpeed, write_deepspeed_sets
 from tests.writers.hf_legacy_writer import WrittenLegacy, write_legacy_models
 from tests.writers.lightning_writer import WrittenLightning, write_lightning_run
 from tests.writers.megatron_writer import WrittenMegatron, write_megatron_runs
-from tests.writers.openrlhf_writer import WrittenOpenRlhf, write_openrlhf_run
+from tests.writers.openrlhf_writer import WrittenOpenRlhf
 from tests.writers.peft_writer import WrittenPeft, write_peft_adapters
 from tests.writers.rl_runs import WrittenFsdpRuns, write_fsdp_runs
 from tests.writers.run_folders import NestedRun, arrange_deepspeed_run, trainer_nested_run, write_dcp_run
@@ -36,12 +37,17 @@ from tests.writers.trainer_writer import WrittenTrainerRun, write_trainer_run
 from tests.writers.universal_writer import WrittenUniversal, write_universal_runs
 from tests.writers.verl_writer import WrittenVerl, write_verl_run
 
+if TYPE_CHECKING:
+    from ckptctl.formats.torch_zip import ZipMember
+    from ckptctl.layouts.base import Layout
+
 T = TypeVar("T")
 
 #: Fixtures that start processes or write large checkpoints (tens of seconds each on a small machine).
 SLOW_FIXTURES = frozenset(
     {
         "demo_dir",
+        "deepspeed_writers",
         "deepspeed_runs",
         "deepspeed_universal",
         "trainer_run",
@@ -182,7 +188,7 @@ def peft_adapters(tmp_path_factory: pytest.TempPathFactory) -> WrittenPeft:
 
 @pytest.fixture(scope="session")
 def lightning_run(tmp_path_factory: pytest.TempPathFactory) -> WrittenLightning:
-    """lightning 2.6.6 on 2 CPU ranks (ddp_spawn), ModelCheckpoint every 2 of 4 steps: files with last.ckpt as a
+    """lightning 2.6.6 on 2 CPU ranks (ddp), ModelCheckpoint every 2 of 4 steps: files with last.ckpt as a
     copy and as a link, and a sharded FSDP-style `.ckpt/` folder (see `tests.writers.lightning_writer`; slow:
     spawns)."""
     return build_once(tmp_path_factory, "lightning", lambda root: write_lightning_run(root / "run"))
@@ -201,10 +207,35 @@ def demo_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_once(tmp_path_factory, "demo", _demo)
 
 
+@dataclass(frozen=True)
+class DeepSpeedWriters:
+    """What the one DeepSpeed spawn of `deepspeed_writers` wrote: sets of ZeRO runs by name, and OpenRLHF's."""
+
+    runs: dict[str, dict[int, WrittenDeepSpeed]]
+    openrlhf: WrittenOpenRlhf
+
+
 @pytest.fixture(scope="session")
-def deepspeed_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, WrittenDeepSpeed]:
+def deepspeed_writers(tmp_path_factory: pytest.TempPathFactory) -> DeepSpeedWriters:
+    """The suite's DeepSpeed runs (`deepspeed_runs`), the converter tests' (`CONVERTER_RUNS`) and OpenRLHF's PPO
+    saves (`openrlhf_ppo`), written by the same 2 spawned CPU ranks (slow: spawns)."""
+
+    def build(root: Path) -> DeepSpeedWriters:
+        sets = {"suite": DeepSpeedRuns(stages=(0, 2, 3)), "converter": CONVERTER_RUNS}
+        openrlhf = root / "openrlhf-ppo"
+        openrlhf_writer.prepare_run(openrlhf)
+        written = write_deepspeed_sets(
+            {root / name: runs for name, runs in sets.items()}, then=[(openrlhf_writer.train_rank, (str(openrlhf),))]
+        )
+        return DeepSpeedWriters({name: written[root / name] for name in sets}, openrlhf_writer.written_run(openrlhf))
+
+    return build_once(tmp_path_factory, "deepspeed", build)
+
+
+@pytest.fixture(scope="session")
+def deepspeed_runs(deepspeed_writers: DeepSpeedWriters) -> dict[int, WrittenDeepSpeed]:
     """DeepSpeed on 2 CPU ranks, bf16, ZeRO 0, 2 and 3, tags global_step2 and global_step4 (slow: spawns)."""
-    return build_once(tmp_path_factory, "deepspeed", lambda root: write_deepspeed_runs(root, stages=(0, 2, 3)))
+    return deepspeed_writers.runs["suite"]
 
 
 @pytest.fixture(scope="session")
@@ -271,16 +302,16 @@ def verl_run(tmp_path_factory: pytest.TempPathFactory) -> WrittenVerl:
 
 @pytest.fixture(scope="session")
 def areal_run(tmp_path_factory: pytest.TempPathFactory) -> WrittenAreal:
-    """AReaL's own FSDPLMEngine, Saver and RecoverHandler on 2 CPU ranks, two SFT steps of a tiny Qwen3: a trial
+    """AReaL's own FSDPLMEngine, Saver and RecoverHandler on one CPU rank, two SFT steps of a tiny Qwen3: a trial
     with the exports of global steps 0 and 1, the recover slot and recover_info/ (slow: spawns)."""
     return build_once(tmp_path_factory, "areal", write_areal_run)
 
 
 @pytest.fixture(scope="session")
-def openrlhf_ppo(tmp_path_factory: pytest.TempPathFactory) -> WrittenOpenRlhf:
+def openrlhf_ppo(deepspeed_writers: DeepSpeedWriters) -> WrittenOpenRlhf:
     """OpenRLHF 0.11.2's own PPO saves (DeepspeedStrategy, ZeRO-2, actor and critic) on 2 CPU ranks: global
     steps 1-3, a best tag at step 2, `{tag}_hf` exports and the final models (slow: spawns)."""
-    return build_once(tmp_path_factory, "openrlhf-ppo", write_openrlhf_run)
+    return deepspeed_writers.openrlhf
 
 
 @pytest.fixture(scope="session")
@@ -307,6 +338,25 @@ def torchtitan_run(tmp_path_factory: pytest.TempPathFactory) -> WrittenTorchtita
 def copy_tree(src: Path, dst: Path) -> Path:
     shutil.copytree(src, dst, symlinks=True)
     return dst
+
+
+def torch_zip_records(folder: Path, layout: Layout) -> list[tuple[str, ZipMember]]:
+    """(file, record) of every tensor record (not a pickle) of the torch.save zips `layout` names in the
+    checkpoint at `folder` (`Layout.torch_archives`): where to flip a byte that plain verify's CRC-32 check
+    must name."""
+    from ckptctl.formats.torch_zip import archive_members
+
+    checkpoint = layout.open(str(folder))
+    found = []
+    for archive in layout.torch_archives(checkpoint):
+        data = (folder / archive.file).read_bytes() if archive.file else folder.read_bytes()
+        end = len(data) if archive.length is None else archive.offset + archive.length
+        blob = data[archive.offset : end]
+        if blob[:4] != b"PK\x03\x04":
+            continue
+        members = archive_members(lambda start, n, b=blob: b[start : start + n], len(blob), archive.offset, "")
+        found += [(archive.file, m) for m in members.members if m.size and not m.name.endswith(".pkl")]
+    return found
 
 
 @dataclass

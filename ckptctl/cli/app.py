@@ -24,6 +24,9 @@ from ckptctl.cli.command import Group
 from ckptctl.errors import CkptctlError
 from ckptctl.ops.distributed_work import launched
 
+#: The exit code of an interrupted command (128 + SIGINT, as shells report it).
+INTERRUPTED = 130
+
 app = typer.Typer(
     name="ckptctl",
     help="Checkpoints of large-model training runs: list, inspect and verify them before you resume.",
@@ -115,8 +118,7 @@ def _run(args: list[str]) -> int:
     except typer.Abort:
         return _fail("aborted", "", 1, "Aborted", json_mode)
     except KeyboardInterrupt:  # raised outside a command (Typer maps it to 130 inside one)
-        sys.stderr.write("interrupted\n")
-        return 130
+        result = INTERRUPTED
     except Exception as exc:
         usage = _usage_error(exc)
         if usage is not None:
@@ -131,6 +133,10 @@ def _run(args: list[str]) -> int:
             json_mode,
             label="internal error",
         )
+    if result == INTERRUPTED and not ranks.DELEGATED.get():
+        # Typer turns Ctrl-C (or a launcher's SIGTERM, see cli.ranks) inside a command into exit code 130; a
+        # script reading --json still gets one document saying so, rather than an empty stdout.
+        return _fail("interrupted before the command finished", "", INTERRUPTED, "Interrupted", json_mode)
     return result if isinstance(result, int) else 0
 
 

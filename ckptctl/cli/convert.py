@@ -29,7 +29,7 @@ SRC may also be a single weights file: a `*.safetensors` file, or a torch.save z
 
 An adapter (a PEFT folder: adapter_config.json + adapter_model.safetensors, or a Trainer checkpoint-N of a PEFT model, which holds one instead of the model) converts merged into its base model: --merge-adapter BASE writes BASE with every adapted weight W replaced by W + (lora_alpha/r)·B@A (rsLoRA: lora_alpha/sqrt(r); rank_pattern and alpha_pattern per module; fan_in_fan_out), and the adapter's modules_to_save tensors in place of BASE's: what PEFT's merge_and_unload() gives. DoRA and other PEFT types are refused. A model saved whole while wrapped by PEFT (q_proj.base_layer.weight beside q_proj.lora_A.default.weight, as FSDP, DeepSpeed, DCP and verl saves hold it) is written under the model's own names with the LoRA merged in; its lora_alpha comes from the run's adapter_config.json or verl's lora_train_meta.json (--adapter-config), or from --lora-alpha (with --lora-r, --lora-rslora) when the run kept neither; without any, convert refuses rather than guess. --lora adapter writes that model's adapter alone instead, as PEFT's save_pretrained does (adapter_model.safetensors + adapter_config.json), for PeftModel.from_pretrained(BASE, DST).
 
---to dcp writes a single-process torch.distributed.checkpoint save with keys model.<name>, which dcp.load reads into a model of any world size.
+--to dcp writes a torch.distributed.checkpoint save with keys model.<name>, which dcp.load reads into a model of any world size (data files of --dcp-file-size each, one up to 5GB).
 
 When config.json names an architecture and transformers is installed, the model is built on the meta device (no memory) and the output must hold every tensor it expects, with its shape, and nothing else: otherwise convert fails with exit code 1 and writes nothing (--no-check-model skips it). Tied weights follow transformers: an HF output leaves lm_head.weight out when tie_word_embeddings ties it, a DCP output holds it so that dcp.load(model.state_dict()) finds every key. --check-logits also compares the output's logits with the source's. config.json's dtype is made to say what the output holds.
 
@@ -37,7 +37,7 @@ The output is written to a hidden staging folder next to DST, checked, digested 
 
 DST may be an object store URL (s3://bucket/prefix, any fsspec URL): the output is staged in TMPDIR, then uploaded in parallel, weight files first and ckptctl-digests.json last, in an order that never lets a partial upload list as a complete checkpoint. A non-empty prefix is refused unless --force, which deletes the old objects first.
 
-Launched by torchrun (any number of hosts on a shared filesystem), the ranks share the work: rank 0 plans, each rank writes its share of the shard files (balanced by bytes) into the staging folder, rank 0 writes the index and digests and renames; the output is the same byte for byte, and a failed or killed rank leaves nothing at DST. --workers N does the same with N processes on this host. A --to dcp output and an object-store DST are written by rank 0 alone."""
+Launched by torchrun (any number of hosts on a shared filesystem), the ranks share the work: rank 0 plans, each rank writes its share of the shard files (balanced by bytes) into the staging folder, rank 0 writes the index (or DCP's .metadata) and digests and renames; the output is the same byte for byte, and a failed or killed rank leaves nothing at DST. For an object-store DST each rank stages and uploads its own files and rank 0 uploads what completes the output last. --workers N does the same with N processes on this host. With --check-logits, rank 0 writes an object-store output alone."""
 
 EXAMPLES = """\
 ckptctl convert runs/llama/step-1000 hf-export --to hf --config runs/llama --dtype bf16
@@ -116,7 +116,18 @@ def convert(
     max_shard_size: Annotated[
         str,
         typer.Option(
-            "--max-shard-size", metavar="SIZE", help="Most tensor bytes per output file: 5GB, 500MB, 20KB or bytes."
+            "--max-shard-size",
+            metavar="SIZE",
+            help="Most tensor bytes per safetensors shard of a --to hf output: 5GB, 500MB, 20KB or bytes.",
+        ),
+    ] = "5GB",
+    dcp_file_size: Annotated[
+        str,
+        typer.Option(
+            "--dcp-file-size",
+            metavar="SIZE",
+            help="Most tensor bytes per data file of a --to dcp output (the unit the ranks of a split "
+            "conversion share; one file up to that).",
         ),
     ] = "5GB",
     component: ComponentOpt = Component.MODEL,
@@ -250,6 +261,10 @@ def convert(
     except ValueError as exc:
         raise bad_value("--max-shard-size", str(exc)) from exc
     try:
+        dcp_file_bytes = parse_size(dcp_file_size, minimum=1)
+    except ValueError as exc:
+        raise bad_value("--dcp-file-size", str(exc)) from exc
+    try:
         renames = tuple(parse_rename(r) for r in rename or ())
     except ValueError as exc:
         raise bad_value("--rename", str(exc)) from exc
@@ -257,6 +272,7 @@ def convert(
         to=Target(to.value),
         dtype=parse_dtype(dtype.value) if dtype else None,
         max_shard_size=shard_bytes,
+        dcp_file_size=dcp_file_bytes,
         component=component,
         strip_prefix=strip_prefix,
         renames=renames,

@@ -32,6 +32,10 @@ WorkersOpt = Annotated[
 #: in each rank it starts.
 ARGS: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar("ckptctl_cli_args", default=())
 
+#: Whether this process only started `--workers` ranks and exits with their code: then rank 0 has reported
+#: the command's outcome (an interruption included), and this process reports nothing of its own.
+DELEGATED: contextvars.ContextVar[bool] = contextvars.ContextVar("ckptctl_cli_delegated", default=False)
+
 
 @contextlib.contextmanager
 def job_ranks(workers: int | None) -> Iterator[Ranks | None]:
@@ -42,6 +46,7 @@ def job_ranks(workers: int | None) -> Iterator[Ranks | None]:
     """
     if not launched():
         if workers is not None and workers > 1:
+            DELEGATED.set(True)
             raise typer.Exit(run_workers(ARGS.get(), workers))
         yield None
         return

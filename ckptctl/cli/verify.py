@@ -6,27 +6,33 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+from ckptctl.checkpoint import ProblemKind
 from ckptctl.cli.command import add_command
-from ckptctl.cli.options import JsonOpt, LayoutOpt, QuietOpt
+from ckptctl.cli.options import JsonOpt, LayoutOpt, QuietOpt, bad_value
 from ckptctl.cli.output import Output, esc
 from ckptctl.cli.ranks import WorkersOpt, job_ranks, prints
 
 if TYPE_CHECKING:
     from ckptctl.ops.verification import RunVerifyReport, VerifyResult
 
-HELP = """Check that a checkpoint (or every checkpoint of a run) is whole before you resume from it.
+KINDS = ", ".join(ProblemKind)
 
-Structure: every shard present, sizes and offsets consistent with the metadata, every chunk of every tensor covered, index files pointing at real files. Digests: every file against the manifest when there is one (files hashed in parallel with blake3). --deep reads every tensor; --check-finite flags NaN/Inf. PATH may also be a single weights file (`*.safetensors`, or a torch.save zip: `*.pt`, `*.pth`, `*.bin`).
+HELP = f"""Check that a checkpoint (or every checkpoint of a run) is whole before you resume from it.
+
+Structure: every shard present, sizes and offsets consistent with the metadata, every chunk of every tensor covered, index files pointing at real files. Content: every file against the manifest when there is one (blake3 digests), and the CRC-32 torch recorded for every record of every torch.save zip it wrote (each torch DCP item, DeepSpeed `*_states.pt`, the Trainer's `optimizer.pt`, `pytorch_model.bin`, ...) that no digest covers, so that checkpoints without a manifest are checked too and a damaged record is named. Raw bytes with no CRC (safetensors) are vouched for by a manifest only. --deep also locates and reads every tensor; --check-finite flags NaN/Inf. Content checks read every byte once, in parallel, in flat memory; --quick checks the structure only (well under 1% of the bytes). PATH may also be a single weights file (`*.safetensors`, or a torch.save zip: `*.pt`, `*.pth`, `*.bin`).
 
 With --latest, only the checkpoint a resume would load is verified. A run with no checkpoint yet (no folder, or only a save still being written) is a fresh start: exit code 0, said on stderr and as "fresh_start" in JSON, so that a resume gate lets the first launch through.
 
-Launched by torchrun (or with --workers N on this host), the ranks share the hashing and the reading by bytes; rank 0 prints the one report and every rank exits with its code.
+Problem kinds (`kind` in --json; `path` is the file or tensor, and a damaged zip record adds `record` and, where known, `entry`, the tensor or state-dict key): {KINDS}. crc_mismatch: a record's bytes differ from the CRC-32 torch recorded when writing it; no_crc (a warning): archives written with torch's CRC computation off.
+
+Each process reads with one thread per core (4 to 8, shared by the ranks on a host). Launched by torchrun (or with --workers N on this host), the ranks share the hashing, the CRC-32s and the reading by bytes; rank 0 prints the one report and every rank exits with its code.
 
 Exit code 0 when everything verifies, 1 when a problem was found (with --latest: no checkpoint a resume could load), 2 when the path cannot be read."""
 
 EXAMPLES = """\
 ckptctl verify runs/llama-sft --latest -q && torchrun train.py --resume
 ckptctl verify runs/llama-sft/step-1000 --deep --check-finite
+ckptctl verify runs/llama-70b --quick          # structure only, for a quick look over a huge run
 ckptctl verify hf-export/model.safetensors --deep
 ckptctl verify dcp-export/ --write-manifest   # record digests for later checks
 """
@@ -46,7 +52,11 @@ def verify(
         ),
     ],
     latest: Annotated[bool, typer.Option("--latest", help="Verify only the checkpoint a resume would pick.")] = False,
-    deep: Annotated[bool, typer.Option("--deep", help="Read and assemble every tensor.")] = False,
+    quick: Annotated[
+        bool,
+        typer.Option("--quick", help="Check the structure only: no digests, no CRC-32s (reads under 1% of the bytes)."),
+    ] = False,
+    deep: Annotated[bool, typer.Option("--deep", help="Also locate and read every tensor.")] = False,
     check_finite: Annotated[bool, typer.Option("--check-finite", help="Read every tensor and flag NaN/Inf.")] = False,
     write_manifest: Annotated[
         bool,
@@ -62,9 +72,14 @@ def verify(
 ) -> None:
     from ckptctl.ops.verification import VerifyOptions, verify_path, verify_run
 
+    if quick and (deep or check_finite or write_manifest):
+        raise bad_value(
+            "--quick", "checks the structure only; it cannot go with --deep, --check-finite or --write-manifest"
+        )
     with job_ranks(workers) as ranks:
         out = Output(json_mode=json_output, quiet=quiet or not prints(ranks))
         options = VerifyOptions(
+            quick=quick,
             deep=deep or check_finite,
             check_finite=check_finite,
             write_manifest=write_manifest,
@@ -104,6 +119,8 @@ def _render(out: Output, result: VerifyResult) -> None:
     checks = "structure"
     if result.digests_checked:
         checks += f", {result.digests_checked} digest(s)"
+    if result.crc_records_checked:
+        checks += f", {result.crc_records_checked} CRC-32(s)"
     if result.tensors_read:
         checks += f", {result.tensors_read} tensor(s) read"
     if result.wrote_digests:

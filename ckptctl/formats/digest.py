@@ -1,4 +1,4 @@
-"""blake3 digests: of whole files (parallel, mmap on local files) and of bytes as they are written.
+"""blake3 digests: of whole files (read through a small reused buffer) and of bytes as they are written.
 
 blake3 is used rather than sha256 because it hashes at memory speed on several threads; the manifest
 records the algorithm name so that another one can be added without breaking old manifests.
@@ -6,38 +6,53 @@ records the algorithm name so that another one can be added without breaking old
 
 from __future__ import annotations
 
-import os
 from typing import IO
 
 import blake3
 
 from ckptctl import io
-from ckptctl.errors import StorageError
+from ckptctl.errors import CheckpointNotFound, StorageError
+from ckptctl.io.sweep import Feed, Span, Sweep
 
 ALGORITHM = "blake3"
-_REMOTE_BLOCK = 8 << 20
+
+
+class DigestSink:
+    """The `io.sweep.SpanSink` of a whole file's blake3 digest (its span must be `ordered`)."""
+
+    __slots__ = ("_hasher", "error")
+
+    def __init__(self) -> None:
+        self._hasher = blake3.blake3(max_threads=blake3.blake3.AUTO)
+        self.error: str | None = None
+
+    def piece(self, offset: int) -> Feed:
+        if offset:
+            raise ValueError("a digest is fed from the start of its file, in order (an ordered span)")
+        return self._hasher.update
+
+    def failed(self, message: str) -> None:
+        self.error = message
+
+    def hexdigest(self) -> str:
+        return self._hasher.hexdigest()
 
 
 def file_digest(url: str) -> str:
-    """Hex blake3 digest of a file; local files are memory-mapped and hashed on every core."""
-    hasher = blake3.blake3(max_threads=blake3.blake3.AUTO)
-    if io.is_local(url):
-        path = io.local_path(url)
-        try:
-            size = os.path.getsize(path)
-            if size:
-                hasher.update_mmap(path)
-        except FileNotFoundError as exc:
-            raise StorageError(f"file vanished while hashing: {url}") from exc
-        except OSError as exc:
-            raise StorageError(f"cannot read {url}: {exc.strerror or exc}") from exc
-        io.count_read(size)
-        return hasher.hexdigest()
-    with io.open_read(url) as f:
-        while block := f.read(_REMOTE_BLOCK):
-            io.count_read(len(block))
-            hasher.update(block)
-    return hasher.hexdigest()
+    """Hex blake3 digest of a file, read through a small reused buffer (no memory map: memory stays flat).
+
+    Raises:
+        StorageError: the file vanished or could not be read whole.
+    """
+    try:
+        size = io.file_size(url)
+    except CheckpointNotFound as exc:
+        raise StorageError(f"file vanished while hashing: {url}") from exc
+    sink = DigestSink()
+    Sweep([Span(url, 0, size, sink, ordered=True)]).run(1)
+    if sink.error is not None:
+        raise StorageError(f"cannot hash {url}: {sink.error}")
+    return sink.hexdigest()
 
 
 class HashingWriter:

@@ -42,6 +42,7 @@ from ckptctl.formats.safe_pickle import (
     TensorRebuild,
     load_torch_save_pickle,
 )
+from ckptctl.formats.torch_zip import RangeReader
 
 if TYPE_CHECKING:
     import torch
@@ -195,7 +196,7 @@ def _open_archive(blob: bytes | memoryview, source: str, max_pickle: int) -> _Op
             "format, which ckptctl does not read",
         )
     try:
-        with zipfile.ZipFile(_ViewReader(view)) as archive:
+        with zipfile.ZipFile(RangeReader(lambda start, n: bytes(view[start : start + n]), len(view))) as archive:
             infos = {info.filename: info for info in archive.infolist()}
             pkl_names = [n for n in infos if n.count("/") == 1 and n.endswith("/data.pkl")]
             if len(pkl_names) != 1:
@@ -378,44 +379,6 @@ def _stored_bytes(view: memoryview, info: zipfile.ZipInfo, source: str) -> bytes
     return bytes(view[start : start + info.file_size])
 
 
-class _ViewReader(io.RawIOBase):
-    """A read-only, seekable file over a memoryview, so that zipfile reads only what it needs."""
-
-    def __init__(self, view: memoryview) -> None:
-        super().__init__()
-        self._view = view
-        self._pos = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._view)}[whence]
-        if base + offset < 0:
-            raise ValueError("negative seek position")
-        self._pos = base + offset
-        return self._pos
-
-    def readinto(self, buffer: Any) -> int:
-        chunk = self._view[self._pos : self._pos + len(buffer)]
-        n = len(chunk)
-        memoryview(buffer).cast("B")[:n] = chunk
-        self._pos += n
-        return n
-
-    def read(self, size: int = -1) -> bytes:
-        end = len(self._view) if size is None or size < 0 else self._pos + size
-        data = bytes(self._view[self._pos : end])
-        self._pos += len(data)
-        return data
-
-
 # --------------------------------------------------------------------------------------------------
 # torch.save files on disk (or in an object store): the zip directory and single records by range reads.
 # --------------------------------------------------------------------------------------------------
@@ -563,16 +526,14 @@ def read_zip_directory(url: str, size: int | None = None) -> ZipDirectory:
     return ZipDirectory(url, size, records, reader.tail)
 
 
-class _UrlReader(io.RawIOBase):
+class _UrlReader(RangeReader):
     """A seekable read-only file over `ckptctl.io` range reads, the file's last bytes fetched at once."""
 
     def __init__(self, url: str, size: int) -> None:
-        super().__init__()
         self._url = url
-        self._size = size
-        self._pos = 0
         self._tail_start = max(0, size - _TAIL_READ)
         self._tail = ckpt_io.read_bytes(url, self._tail_start) if size else b""
+        super().__init__(self.read_at, size)
 
     @property
     def tail(self) -> bytes:
@@ -582,32 +543,3 @@ class _UrlReader(io.RawIOBase):
         if start >= self._tail_start:
             return self._tail[start - self._tail_start : start - self._tail_start + length]
         return ckpt_io.read_bytes(self._url, start, length)
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
-        if base + offset < 0:
-            raise ValueError("negative seek position")
-        self._pos = base + offset
-        return self._pos
-
-    def read(self, size: int | None = -1) -> bytes:
-        end = self._size if size is None or size < 0 else min(self._size, self._pos + size)
-        if end <= self._pos:
-            return b""
-        data = self.read_at(self._pos, end - self._pos)
-        self._pos += len(data)
-        return data
-
-    def readinto(self, buffer: Any) -> int:
-        data = self.read(len(buffer))
-        memoryview(buffer).cast("B")[: len(data)] = data
-        return len(data)

@@ -19,6 +19,8 @@ from typing import Any
 from ckptctl import io
 from ckptctl.checkpoint import Checkpoint, CheckpointRef, Problem, TensorEntry
 from ckptctl.errors import CkptctlError
+from ckptctl.formats.dcp_metadata import METADATA_NAME, RANK_METADATA
+from ckptctl.formats.torch_zip import TorchArchive
 from ckptctl.io import DirEntry
 from ckptctl.layouts.naming import NameStripper, format_namespace_stripper
 from ckptctl.layouts.resume import ResumeProfile, generic_profile
@@ -69,6 +71,17 @@ class Layout:
     def verify(self, checkpoint: Checkpoint) -> list[Problem]:
         """Structural problems: missing or short files, metadata that does not parse or cover its data."""
         raise NotImplementedError
+
+    def torch_archives(self, checkpoint: Checkpoint) -> Sequence[TorchArchive]:
+        """The torch.save zip archives of a checkpoint, whose recorded CRC-32s `verify` checks.
+
+        The default finds them by name among `checkpoint.files`: every file named as torch.save files are
+        (`.pt`, `.pth`, `.bin`, `.ckpt`: DeepSpeed's `*_states.pt`, the Trainer's `optimizer.pt`, a
+        `pytorch_model.bin`), and every item of every torch DCP folder (a `.metadata` beside its `.distcp`
+        files, at any depth). A file so named that is not a zip (a legacy pickle) is passed over by the
+        check. A layout overrides this only when its archives are named otherwise.
+        """
+        return default_torch_archives(checkpoint)
 
     # ------------------------------------------------------------------------------------ the run walk
 
@@ -280,6 +293,34 @@ class Layout:
         saves add a namespace of their own overrides it.
         """
         return format_namespace_stripper(entries)
+
+
+#: Suffixes of the files torch.save writes as frameworks name them.
+TORCH_SAVE_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
+
+
+def default_torch_archives(checkpoint: Checkpoint) -> tuple[TorchArchive, ...]:
+    """`Layout.torch_archives`' default: torch.save files by name, and the items of DCP folders (a
+    `.metadata`, or the per-rank `__{rank}.metadata` of a save without collectives).
+
+    A DCP folder whose metadata does not parse contributes nothing (structural verify reports why).
+    """
+    from ckptctl.frameworks.dcp.layout import dcp_item_archives
+
+    archives: list[TorchArchive] = []
+    folders = set()
+    for rel in checkpoint.files:
+        folder, _, name = rel.rpartition("/")
+        if name == METADATA_NAME or RANK_METADATA.match(name):
+            folders.add(folder)
+    for folder in sorted(folders):
+        url = io.join(checkpoint.url, folder) if folder else checkpoint.url
+        try:
+            archives += dcp_item_archives(url, f"{folder}/" if folder else "")
+        except CkptctlError:
+            continue
+    archives += (TorchArchive(rel) for rel in sorted(checkpoint.files) if rel.endswith(TORCH_SAVE_SUFFIXES))
+    return tuple(archives)
 
 
 def every_child_folder(entries: Sequence[DirEntry]) -> frozenset[str]:

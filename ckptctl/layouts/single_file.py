@@ -29,6 +29,7 @@ from ckptctl.checkpoint import (
 from ckptctl.errors import CkptctlError, UnknownLayout, UnsafePickle
 from ckptctl.formats.safetensors import read_header
 from ckptctl.formats.torch_pickle import TorchPickle, open_torch_pickle, storage_problems
+from ckptctl.formats.torch_zip import TorchArchive
 from ckptctl.frameworks.dcp.layout import component_classifier
 from ckptctl.frameworks.hf.layout import safetensors_index, torch_file_entries
 from ckptctl.io import DirEntry
@@ -87,6 +88,10 @@ class TorchFile(_FileLayout):
         metadata = {"format": "torch.save zip (read without unpickling code)", "tensors": len(entries)}
         components = frozenset(e.component for e in entries) or frozenset({Component.EXTRA})
         return Checkpoint(ref, components, None, metadata, lambda: entries, {SELF: ref.size_bytes})
+
+    def torch_archives(self, checkpoint: Checkpoint) -> Sequence[TorchArchive]:
+        """The file itself."""
+        return (TorchArchive(SELF),)
 
     def verify(self, checkpoint: Checkpoint) -> list[Problem]:
         """`data.pkl` loads with the allowlist and every storage it names lies whole inside the file."""

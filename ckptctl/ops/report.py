@@ -101,4 +101,10 @@ def ref_json(ref: CheckpointRef) -> dict[str, Any]:
 
 
 def problem_json(problem: Problem) -> dict[str, Any]:
-    return {"kind": str(problem.kind), "path": problem.path, "message": problem.message, "severity": problem.severity}
+    """A problem as `verify --json` prints it; `record` and `entry` only when the problem has them."""
+    doc = {"kind": str(problem.kind), "path": problem.path, "message": problem.message, "severity": problem.severity}
+    if problem.record:
+        doc["record"] = problem.record
+    if problem.entry:
+        doc["entry"] = problem.entry
+    return doc

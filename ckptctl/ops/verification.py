@@ -1,9 +1,14 @@
-"""`verify`: structure, digests and (with `deep`) every tensor of a checkpoint or of a whole run.
+"""`verify`: structure, content and (with `deep`) every tensor of a checkpoint or of a whole run.
 
-Three levels, each optional beyond the first:
-1. structure (the layout's rules; reads metadata and headers only, well under 1% of the bytes),
-2. digests against `ckptctl-manifest.json` / `ckptctl-digests.json` when present (files hashed in parallel),
-3. `deep`: every tensor read and assembled from its chunks, `check_finite` flags NaN/Inf.
+Three levels:
+1. structure (the layout's rules; reads metadata and headers only, well under 1% of the bytes); `quick`
+   stops here,
+2. content: digests against `ckptctl-manifest.json` / `ckptctl-digests.json` when present, and the
+   CRC-32s torch recorded in every torch.save archive no digest covers (`ops.content`),
+3. `deep`: every tensor chunk located and read, `check_finite` flags NaN/Inf.
+
+Levels 2 and 3 share one parallel pass over the bytes through small reused buffers; over the ranks of a
+job (torchrun, `--workers N`), each rank reads its share of those bytes and every rank gets the report.
 """
 
 from __future__ import annotations
@@ -13,12 +18,13 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ckptctl import io
-from ckptctl.checkpoint import Checkpoint, CheckpointRef, CheckpointState, Problem, ProblemKind, TensorEntry
+from ckptctl.checkpoint import CheckpointRef, CheckpointState, Problem, ProblemKind
 from ckptctl.errors import CheckpointNotFound, CkptctlError, UnsafePickle
 from ckptctl.formats.manifest import DIGESTS_NAME, read_manifest
 from ckptctl.layouts import detect, scan_context, scan_run
-from ckptctl.ops.digests import check_digests, write_digests
-from ckptctl.ops.distributed_work import Ranks, split
+from ckptctl.ops.content import ContentChecks, check_content
+from ckptctl.ops.digests import save_digests
+from ckptctl.ops.distributed_work import Ranks
 from ckptctl.ops.report import SCHEMA_VERSION, NoProgress, Progress, problem_json
 from ckptctl.ops.resume_plan import plan_resume
 
@@ -35,6 +41,7 @@ class VerifyResult:
     tensors_read: int
     bytes_read: int
     wrote_digests: bool = False
+    crc_records_checked: int = 0
 
     @property
     def ok(self) -> bool:
@@ -52,6 +59,7 @@ class VerifyResult:
             "tensors_read": self.tensors_read,
             "bytes_read": self.bytes_read,
             "wrote_digests": self.wrote_digests,
+            "crc_records_checked": self.crc_records_checked,
         }
 
 
@@ -87,15 +95,28 @@ class RunVerifyReport:
 
 @dataclass(frozen=True, slots=True)
 class VerifyOptions:
-    """What to check beyond structure."""
+    """What to check beyond structure.
+
+    Attributes:
+        deep: locate and read every tensor chunk.
+        check_finite: with `deep`, flag NaN/Inf values.
+        write_manifest: record digests into a checkpoint that has none (when it verifies).
+        workers: threads reading at once in each process (default: one per core, 4 to 8, shared by the
+            ranks of a job on one host; `ops.sweeping.threads_for`). Not the CLI's `--workers`, which
+            starts processes (`ranks`).
+        layout: read the checkpoint as this layout (skip detection).
+        quick: structure only: no digests, no CRC-32s (reads well under 1% of the bytes).
+        ranks: the ranks of a job (`ops.distributed_work.join`) that all run this verification and share
+            the hashing, the CRC-32s and the reading by bytes; every rank gets the whole report. None: this
+            process alone.
+    """
 
     deep: bool = False
     check_finite: bool = False
     write_manifest: bool = False
     workers: int | None = None
     layout: str | None = None
-    #: The ranks of a job (`ops.distributed_work.join`) that all run this verification and share the
-    #: hashing and the reading by bytes; every rank gets the whole report. None: this process alone.
+    quick: bool = False
     ranks: Ranks | None = None
 
 
@@ -203,19 +224,33 @@ def _verify_checkpoint(url: str, options: VerifyOptions, progress: Progress, rea
         problem = Problem(kind, "", exc.message)
         return VerifyResult(url, layout.name, ref.step, (problem,), 0, 0, read.bytes_read)
 
-    digests_checked = 0
-    wrote = False
+    if options.quick:
+        return VerifyResult(url, layout.name, ref.step, tuple(problems), 0, 0, read.bytes_read)
     try:
         manifest = read_manifest(url)
     except CkptctlError as exc:
         problems.append(Problem(ProblemKind.BAD_METADATA, DIGESTS_NAME, exc.message))
         manifest = None
-    if manifest is not None:
-        digest_problems, digests_checked = check_digests(
-            url, manifest, checkpoint.files, options.workers, progress, options.ranks
-        )
-        problems.extend(digest_problems)
-    elif options.write_manifest:
+    try:
+        archives = layout.torch_archives(checkpoint)
+    except CkptctlError as exc:
+        problems.append(Problem.from_error(exc, ""))
+        archives = ()
+    record = options.write_manifest and manifest is None
+    checks = ContentChecks(
+        manifest=manifest,
+        deep=options.deep,
+        check_finite=options.check_finite,
+        record_digests=record,
+        workers=options.workers,
+        ranks=options.ranks,
+    )
+    broken = frozenset(p.path for p in problems if p.severity == "error")
+    content = check_content(checkpoint, archives, checks, progress, broken)
+    said = {p.message for p in problems}  # a truncated file fails the structure and the read alike
+    problems.extend(p for p in content.problems if p.message not in said)
+    wrote = False
+    if record:
         if any(p.severity == "error" for p in problems):
             problems.append(
                 Problem(
@@ -226,66 +261,17 @@ def _verify_checkpoint(url: str, options: VerifyOptions, progress: Progress, rea
                 )
             )
         else:
-            write_digests(url, checkpoint.files, options.workers, progress, options.ranks)
+            if options.ranks is None or options.ranks.leader:
+                save_digests(url, content.digests)
             wrote = True
-
-    tensors_read = 0
-    if options.deep:
-        deep_problems, tensors_read = read_every_tensor(checkpoint, options.check_finite, progress, options.ranks)
-        said = {p.message for p in problems}  # a truncated file fails the structure and the read alike
-        problems.extend(p for p in deep_problems if p.message not in said)
     return VerifyResult(
         url,
         layout.name,
         ref.step,
         tuple(problems),
-        digests_checked,
-        tensors_read,
+        content.digests_checked,
+        content.tensors_read,
         read.bytes_read,
         wrote,
+        content.crc_records_checked,
     )
-
-
-def read_every_tensor(
-    checkpoint: Checkpoint, check_finite: bool, progress: Progress, ranks: Ranks | None = None
-) -> tuple[list[Problem], int]:
-    """Read and assemble every tensor (proves every chunk decodes); optionally flag NaN/Inf. Over a job's
-    `ranks`, each rank reads its share of the tensors by bytes and every rank gets all the problems."""
-    try:
-        index = checkpoint.tensor_index()
-    except CkptctlError as exc:  # a truncated file: structure says so too, and nothing more can be read
-        return [Problem.from_error(exc, "")], 0
-
-    def read(indices: list[int]) -> dict[int, list[Problem]]:
-        progress.start("reading tensors", sum(index[i].nbytes for i in indices))
-        found = {i: _tensor_problems(checkpoint.url, index[i], check_finite, progress) for i in indices}
-        progress.finish()
-        return found
-
-    found = split(ranks, [entry.nbytes for entry in index], read)
-    return [problem for problems in found for problem in problems], len(index)
-
-
-def _tensor_problems(url: str, entry: TensorEntry, check_finite: bool, progress: Progress) -> list[Problem]:
-    import torch
-
-    from ckptctl.formats.chunks import read_tensor
-
-    try:
-        tensor = read_tensor(url, entry)
-    except CkptctlError as exc:
-        return [Problem(ProblemKind.UNREADABLE, entry.name, exc.message)]
-    finally:
-        progress.advance(entry.nbytes)
-    problems: list[Problem] = []
-    if tuple(tensor.shape) != entry.shape:
-        problems.append(
-            Problem(ProblemKind.BAD_METADATA, entry.name, f"read shape {tuple(tensor.shape)}, expected {entry.shape}")
-        )
-    if check_finite and tensor.is_floating_point() and tensor.numel():
-        bad = int((~torch.isfinite(tensor)).sum())
-        if bad:
-            problems.append(
-                Problem(ProblemKind.NOT_FINITE, entry.name, f"{bad} of {tensor.numel()} values are NaN or Inf")
-            )
-    return problems

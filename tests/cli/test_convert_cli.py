@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -173,7 +174,13 @@ def test_ctrl_c_exits_130_and_removes_the_staging_folder(big_dcp: Path, tmp_path
     assert interrupted.returncode == 130, interrupted.stderr
     assert "interrupted" in interrupted.stderr and "nothing was written" in interrupted.stderr
     assert "Traceback" not in interrupted.stderr
-    assert interrupted.stdout == ""
+    # --json: no result, but one document that says the command was interrupted
+    assert json.loads(interrupted.stdout)["error"] == {
+        "type": "Interrupted",
+        "message": "interrupted before the command finished",
+        "hint": None,
+        "exit_code": 130,
+    }
     assert list(tmp_path.iterdir()) == []
 
 

@@ -19,7 +19,7 @@ import pytest
 
 from tests.conftest import CliResult
 from tests.hostile.harness import Outcome
-from tests.writers.rl_runs import WrittenFsdpRuns, write_fsdp_runs
+from tests.writers.rl_runs import WrittenFsdpRuns
 from tests.writers.trainer_writer import WrittenTrainerRun
 
 __all__ = ["BIG_INT", "DEEP_JSON", "Source", "json_with", "message_of", "plant", "problems_of"]
@@ -40,24 +40,19 @@ class Source:
 
 
 @pytest.fixture(scope="session")
-def rl_runs(tmp_path_factory: pytest.TempPathFactory) -> WrittenFsdpRuns:
-    """An AReaL trial and a ROLL output folder saved by FSDP2 on 2 CPU ranks (slow: spawns)."""
-    return write_fsdp_runs(tmp_path_factory.mktemp("hostile-fsdp"))
-
-
-@pytest.fixture(scope="session")
 def sources(
-    demo_dir: Path, trainer_run: WrittenTrainerRun, hf_model_dirs: dict[str, Path], rl_runs: WrittenFsdpRuns
+    demo_dir: Path, trainer_run: WrittenTrainerRun, hf_model_dirs: dict[str, Path], fsdp_runs: WrittenFsdpRuns
 ) -> dict[str, Source]:
-    """The runs hostile files are planted in, by name."""
+    """The runs hostile files are planted in, by name (the AReaL trial and ROLL output folder are the session's
+    `fsdp_runs`: variants are copies, so one 2-rank run serves the whole suite)."""
     return {
         "native": Source(demo_dir / "native", "step-30"),
         "dcp": Source(demo_dir / "dcp", "step-30"),
         "hf": Source(demo_dir / "hf"),
         "hf-sharded": Source(hf_model_dirs["sharded"]),
         "trainer": Source(trainer_run.output_dir, "checkpoint-4"),
-        "areal": Source(rl_runs.areal_trial, "default/recover_checkpoint"),
-        "roll": Source(rl_runs.roll_output, f"{rl_runs.roll_launch.name}/checkpoint-2"),
+        "areal": Source(fsdp_runs.areal_trial, "default/recover_checkpoint"),
+        "roll": Source(fsdp_runs.roll_output, f"{fsdp_runs.roll_launch.name}/checkpoint-2"),
     }
 
 

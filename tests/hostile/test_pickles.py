@@ -19,7 +19,7 @@ import pytest
 from tests.conftest import copy_tree
 from tests.hostile.harness import Outcome, run_ckptctl
 from tests.hostile.pickle_payloads import PAYLOADS, plant
-from tests.writers.dcp_writer import WrittenDcp, write_single_process_dcp
+from tests.writers.dcp_writer import WrittenDcp
 from tests.writers.deepspeed_writer import WrittenDeepSpeed
 from tests.writers.rl_runs import WrittenFsdpRuns
 from tests.writers.trainer_writer import WrittenTrainerRun
@@ -49,8 +49,9 @@ def hostile_pickles(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]
 
 
 @pytest.fixture(scope="session")
-def dcp_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> WrittenDcp:
-    return write_single_process_dcp(tmp_path_factory.mktemp("hostile-dcp") / "step-1")
+def dcp_checkpoint(raw_dcp: WrittenDcp) -> WrittenDcp:
+    """The session's single-process DCP save (each case works on a copy)."""
+    return raw_dcp
 
 
 # (checkpoint to run the commands on, pickle to replace): relative to a private copy of the source folder.

@@ -3,12 +3,15 @@
 Each subclass names a real checkpoint written by the real writer, the parameter count its model really
 has, the file whose loss must make it not complete, and how to find a data file. The tests: detect,
 list (also below a model folder that holds it), inspect totals equal the real parameter count, verify ok,
-and verify fails on each corruption kind.
+and verify fails on each corruption kind (a byte flipped in a torch.save zip too: plain verify checks the
+CRC-32 torch recorded for each record of every zip the writer wrote, through `Layout.torch_archives`).
 """
 
 from __future__ import annotations
 
+import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -18,7 +21,7 @@ from ckptctl.errors import UnknownLayout
 from ckptctl.layouts import detect, get_layout, open_checkpoint, scan_run
 from ckptctl.layouts.base import list_files
 from ckptctl.ops.verification import RunVerifyReport, verify_checkpoint, verify_path
-from tests.conftest import copy_tree
+from tests.conftest import CliResult, copy_tree, torch_zip_records
 from tests.writers.accelerate_writer import WrittenAccelerate
 from tests.writers.areal_writer import WrittenAreal
 from tests.writers.deepspeed_writer import WrittenDeepSpeed
@@ -100,6 +103,39 @@ class LayoutContract:
     def test_verify_ok(self, checkpoint: Path) -> None:
         result = verify_checkpoint(str(checkpoint))
         assert result.ok, result.problems
+
+    def test_every_torch_zip_it_wrote_is_crc_checked(self, source: tuple[Path, int]) -> None:
+        folder = source[0]
+        checkpoint = open_checkpoint(str(folder))
+        covered = {a.file for a in get_layout(self.layout).torch_archives(checkpoint)}
+        zips = set()
+        for rel in checkpoint.files:
+            with open(folder / rel, "rb") as f:
+                if f.read(4) == b"PK\x03\x04":  # a torch.save zip, or a DCP file of them
+                    zips.add(rel)
+        assert zips <= covered
+
+    def test_a_flipped_byte_in_a_torch_zip_fails_plain_verify_naming_the_record(
+        self, checkpoint: Path, run_cli: Callable[..., CliResult]
+    ) -> None:
+        records = torch_zip_records(checkpoint, get_layout(self.layout))
+        if not records:
+            pytest.skip("the writer wrote no torch.save zip")
+        file, member = max(records, key=lambda r: (r[1].size, r[0], r[1].start))  # the largest tensor record
+        path = checkpoint / file
+        data = bytearray(path.read_bytes())
+        data[member.start + member.size // 2] ^= 0x20
+        written = path.stat()
+        path.write_bytes(bytes(data))
+        # Bit rot keeps the file's times (AReaL's slot takes a data file newer than its metadata for an
+        # unfinished overwrite).
+        os.utime(path, ns=(written.st_atime_ns, written.st_mtime_ns))
+        result = run_cli("verify", checkpoint, "--json")
+        assert result.exit_code == 1, result.stdout
+        assert any(
+            p["kind"] == "crc_mismatch" and p["path"] == file and p["record"] == member.name
+            for p in result.json["problems"]
+        ), result.json["problems"]
 
     def test_truncated_data_file_fails(self, checkpoint: Path) -> None:
         victim = self._largest_data_file(checkpoint)

@@ -26,25 +26,17 @@ from ckptctl.frameworks.deepspeed.naming import wrapper_prefix
 from ckptctl.ops.convert import ConvertOptions, Target, Weights, convert
 from ckptctl.ops.convert.plan import plan_tensors as _plan
 from ckptctl.ops.verification import verify_checkpoint
-from tests.conftest import CliResult, build_once
-from tests.writers.deepspeed_writer import WRAPPED_BUFFERS, WRAPPER_PREFIX, WrittenDeepSpeed, write_deepspeed_runs
+from tests.conftest import CliResult, DeepSpeedWriters
+from tests.writers.deepspeed_writer import CONVERTER_FROZEN, WRAPPED_BUFFERS, WRAPPER_PREFIX, WrittenDeepSpeed
 
 Cli = Callable[..., CliResult]
-FROZEN = {
-    1: ("model.norm.weight",),
-    2: ("model.layers.0.mlp.up_proj.weight",),
-    3: ("model.layers.1.self_attn.k_proj.weight",),
-}
+FROZEN = CONVERTER_FROZEN
 
 
 @pytest.fixture(scope="session")
-def zero_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, WrittenDeepSpeed]:
-    """ZeRO 0-3 save folders of the tied tiny Llama (slow: spawns 2 ranks once)."""
-    return build_once(
-        tmp_path_factory,
-        "zero-convert",
-        lambda root: write_deepspeed_runs(root, stages=(0, 1, 2, 3), tie_embeddings=True, frozen=FROZEN, wrap=(1,)),
-    )
+def zero_runs(deepspeed_writers: DeepSpeedWriters) -> dict[int, WrittenDeepSpeed]:
+    """ZeRO 0-3 save folders of the tied tiny Llama (`CONVERTER_RUNS`, written by the suite's DeepSpeed ranks)."""
+    return deepspeed_writers.runs["converter"]
 
 
 def _tensors(folder: Path) -> dict[str, torch.Tensor]:

@@ -25,6 +25,7 @@ from ckptctl.layouts import scan_run
 from ckptctl.ops.convert import INDEX_NAME, ConvertOptions, Target, convert
 from tests.conftest import CliResult
 from tests.core.util import REPO, worker_env
+from tests.ops.test_distributed_work import _ckptctl, _document, _torchrun
 from tests.s3.server import copy_to_store
 
 Cli = Callable[..., CliResult]
@@ -261,3 +262,51 @@ def test_staging_goes_to_tmpdir_and_its_free_space_is_checked(
     full = convert_json(run_cli, demo_dir / "hf", f"{bucket}/no-room", code=2)
     assert "which has 1000 free" in full.stderr and "TMPDIR" in full.stderr
     assert io.list_tree(f"{bucket}/no-room") == {}
+
+
+@pytest.mark.parametrize("to", ["hf", "dcp"])
+def test_a_conversion_over_two_ranks_uploads_what_one_process_uploads(
+    run_cli: Cli, demo_dir: Path, local_export: Path, bucket: str, tmp_path: Path, to: str
+) -> None:
+    """`--workers 2`: each rank stages and uploads its own data files, rank 0 the index (or `.metadata`),
+    config and digests."""
+    dst = f"{bucket}/two-ranks-{to}"
+    if to == "hf":
+        src, args, reference = demo_dir / "dcp" / "step-30", ["--max-shard-size", SHARD], local_export
+    else:
+        src, args, reference = demo_dir / "hf", ["--to", "dcp", "--dcp-file-size", SHARD], tmp_path / "dcp"
+        convert_json(run_cli, src, reference, *args)
+    done = _ckptctl("convert", src, dst, *args, "--json")
+    assert done.returncode == 0, done.stderr
+    doc = _document(done.stdout)
+    uploaded = objects(dst)
+    assert len([n for n in uploaded if n.endswith((".safetensors", ".distcp"))]) > 2
+    assert_same_output(uploaded, files(reference))  # a DCP output's `.metadata` too
+    assert doc["files"] == sorted(uploaded)
+    assert doc["bytes_uploaded"] == sum(len(data) for data in uploaded.values())
+    assert [ref.state for ref in scan_run(dst)] == [CheckpointState.COMPLETE]
+
+
+def test_a_rank_killed_mid_upload_leaves_nothing_complete(
+    demo_dir: Path, bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 1 dies once its first shard is up: rank 0 never uploads the index, the smallest shard nor the
+    digests (they wait for every rank's other files), and takes back what it uploaded."""
+    dst = f"{bucket}/killed-rank"
+    monkeypatch.setenv("KILL_AFTER", "upload")  # tests/ops/_killed_rank.py
+    monkeypatch.setenv("CKPTCTL_IO_WORKERS", "1")
+    done = _torchrun(
+        "convert",
+        demo_dir / "dcp" / "step-30",
+        dst,
+        "--max-shard-size",
+        SHARD,
+        "--json",
+        module="tests.ops._killed_rank",
+    )
+    assert done.returncode != 0
+    left = io.list_tree(dst)
+    assert left and all(name.endswith(".safetensors") for name in left)  # the killed rank's upload stays
+    sizes = {rel: entry.size for rel, entry in left.items()}
+    assert INDEX_NAME not in left and DIGESTS_NAME not in left
+    assert CheckpointState.COMPLETE not in [ref.state for ref in scan_run(dst)], sizes

@@ -1,4 +1,4 @@
-"""AReaL 1.0.4's own training engine, Saver and RecoverHandler on 2 gloo CPU ranks.
+"""AReaL 1.0.4's own training engine, Saver and RecoverHandler on one gloo CPU rank.
 
 Each spawned rank runs what AReaL's `SFTTrainer` runs (areal/trainer/sft_trainer.py), unmodified and on
 AReaL's CPU platform (`areal.infra.platforms.CpuPlatform`: gloo): `FSDPLMEngine` (areal/engine/fsdp_engine.py)
@@ -46,7 +46,10 @@ from typing import Any
 
 __all__ = ["EXPERIMENT", "TRIAL", "WrittenAreal", "write_areal_run"]
 
-WORLD_SIZE = 2
+#: One spawned rank: no test of this run needs a second one (what several ranks write, recover slots and their
+#: `dataloader_info.pkl` of one state per rank, is tested on `tests.writers.rl_runs`' 2-rank FSDP2 trial), and a
+#: rank costs seconds of imports.
+WORLD_SIZE = 1
 #: Training steps; AReaL numbers them from 0 and saves after each (Saver and recover `freq_steps=1`).
 STEPS = 2
 EXPERIMENT = "tiny-sft"

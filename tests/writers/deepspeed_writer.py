@@ -1,12 +1,13 @@
 """Real DeepSpeed ZeRO checkpoints for tests, written by DeepSpeed itself on CPU.
 
-`write_deepspeed_runs` spawns 2 ranks (torch.multiprocessing, gloo through `deepspeed.init_distributed`,
+`write_deepspeed_sets` spawns 2 ranks (torch.multiprocessing, gloo through `deepspeed.init_distributed`,
 `DS_ACCELERATOR=cpu`) that train the tiny Llama of `tests.conftest` for 4 steps with bf16 under each
 requested ZeRO stage, 0 (no ZeRO) included (one `deepspeed.initialize` per stage, in the same processes
 to pay the imports once) and `engine.save_checkpoint` at steps 2 and 4, so that each save folder holds `latest`,
 `global_step2/` and `global_step4/`. bf16 works on DeepSpeed's CPU accelerator, so the optim files carry
 the `bf16_` prefix as they do on GPUs. The ZeRO-3 run freezes one parameter, so that its
-`frozen_param_fragments` are exercised too.
+`frozen_param_fragments` are exercised too. Several sets of such folders (each with its own options) are
+trained by the same two ranks: the suite's runs and the converter's (`CONVERTER_RUNS`) share one spawn.
 
 After the last save rank 0 runs DeepSpeed's own `get_fp32_state_dict_from_zero_checkpoint` (what
 `zero_to_fp32.py` does) on the latest tag and writes the result as the reference safetensors file
@@ -26,14 +27,20 @@ import logging
 import os
 import socket
 import warnings
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-__all__ = ["WrittenDeepSpeed", "write_deepspeed_runs"]
+__all__ = [
+    "CONVERTER_FROZEN",
+    "CONVERTER_RUNS",
+    "DeepSpeedRuns",
+    "WrittenDeepSpeed",
+    "write_deepspeed_sets",
+]
 
 WORLD_SIZE = 2
 STEPS = 4
@@ -156,15 +163,7 @@ def _train(
     return engine
 
 
-def _worker(
-    rank: int,
-    port: int,
-    out: str,
-    stages: tuple[int, ...],
-    tie_embeddings: bool = False,
-    frozen: Mapping[int, tuple[str, ...]] | None = None,
-    wrap: Collection[int] = (),
-) -> None:
+def _worker(rank: int, port: int, jobs: Sequence[_Job], then: Sequence[_Then]) -> None:
     os.environ.update(
         DS_ACCELERATOR="cpu",
         MASTER_ADDR="127.0.0.1",
@@ -187,14 +186,17 @@ def _worker(
     # torch package itself, hence the lookup by module name.)
     setattr(importlib.import_module("deepspeed.comm.torch"), "build_shm_op", lambda: None)  # noqa: B010
     deepspeed.init_distributed(dist_backend="gloo")
-    for stage in stages:
-        save_dir = Path(out) / f"zero{stage}"
-        stage_frozen = None if frozen is None else tuple(frozen.get(stage, ()))
-        engine = _train(rank, stage, save_dir, tie_embeddings, stage_frozen, stage in wrap)
-        deepspeed.comm.barrier()
-        if rank == 0:
-            _write_reference(save_dir, engine if stage == 0 else None)
-        deepspeed.comm.barrier()
+    for out, stages, tie_embeddings, frozen, wrap in jobs:
+        for stage in stages:
+            save_dir = Path(out) / f"zero{stage}"
+            stage_frozen = None if frozen is None else tuple(frozen.get(stage, ()))
+            engine = _train(rank, stage, save_dir, tie_embeddings, stage_frozen, stage in wrap)
+            deepspeed.comm.barrier()
+            if rank == 0:
+                _write_reference(save_dir, engine if stage == 0 else None)
+            deepspeed.comm.barrier()
+    for work, args in then:
+        work(rank, *args)
 
 
 def _write_reference(save_dir: Path, engine: Any) -> None:
@@ -221,41 +223,76 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def write_deepspeed_runs(
-    root: Path,
-    stages: tuple[int, ...] = (2, 3),
-    *,
-    tie_embeddings: bool = False,
-    frozen: Mapping[int, tuple[str, ...]] | None = None,
-    wrap: Collection[int] = (),
-) -> dict[int, WrittenDeepSpeed]:
-    """Train and save with DeepSpeed under each ZeRO stage in `stages`: `root/zero{stage}/`.
+#: The converter tests' runs (tests/ops/test_convert_zero.py): ZeRO 0-3 of the tied model, one frozen parameter
+#: per stage, and ZeRO-1 inside the wrapper.
+CONVERTER_FROZEN: dict[int, tuple[str, ...]] = {
+    1: ("model.norm.weight",),
+    2: ("model.layers.0.mlp.up_proj.weight",),
+    3: ("model.layers.1.self_attn.k_proj.weight",),
+}
 
-    Takes about 10 s (2 spawned ranks importing DeepSpeed and transformers); use it from a session-scoped
-    fixture.
 
-    Args:
+@dataclass(frozen=True)
+class DeepSpeedRuns:
+    """What `write_deepspeed_sets` trains into one folder: one save folder per ZeRO stage, with these options.
+
+    Attributes:
+        stages: the ZeRO stages (`zero{stage}/`).
         tie_embeddings: tie `lm_head.weight` to `model.embed_tokens.weight`.
         frozen: stage -> names of the parameters to freeze (default: `FROZEN_UNDER_ZERO3` under ZeRO-3).
             Names are the HF model's; under `wrap` they gain `WRAPPER_PREFIX`.
         wrap: stages whose model is trained inside a wrapper, as OpenRLHF's `Actor` does.
     """
+
+    stages: tuple[int, ...] = (2, 3)
+    tie_embeddings: bool = False
+    frozen: Mapping[int, tuple[str, ...]] | None = None
+    wrap: Collection[int] = ()
+
+
+CONVERTER_RUNS = DeepSpeedRuns(stages=(0, 1, 2, 3), tie_embeddings=True, frozen=CONVERTER_FROZEN, wrap=(1,))
+
+#: Work for both ranks after the sets: a module-level function (spawn pickles it) and its arguments after the rank.
+_Then = tuple[Callable[..., None], tuple[Any, ...]]
+#: (folder, stages, tie_embeddings, frozen with the wrapper's prefix, wrapped stages): one set, for the ranks.
+_Job = tuple[str, tuple[int, ...], bool, Mapping[int, tuple[str, ...]] | None, tuple[int, ...]]
+
+
+def write_deepspeed_sets(
+    sets: Mapping[Path, DeepSpeedRuns], then: Sequence[_Then] = ()
+) -> dict[Path, dict[int, WrittenDeepSpeed]]:
+    """Train and save with DeepSpeed each folder of `sets` (`root/zero{stage}/` per stage), all in the same 2
+    spawned ranks (their imports and process group paid once), then run each `(work, args)` of `then` in
+    both ranks as `work(rank, *args)`: another writer's ranks on the same DeepSpeed process group
+    (`tests.writers.openrlhf_writer.train_rank`).
+
+    Takes tens of seconds (2 spawned ranks importing DeepSpeed and transformers); use it from a session-scoped
+    fixture.
+    """
     import torch.multiprocessing as mp
 
-    root.mkdir(parents=True, exist_ok=True)
-    wrap = tuple(wrap)
-    prefixed = (
-        None
-        if frozen is None
-        else {s: tuple(WRAPPER_PREFIX + n if s in wrap else n for n in names) for s, names in frozen.items()}
-    )
-    mp.spawn(_worker, args=(_free_port(), str(root), stages, tie_embeddings, prefixed, wrap), nprocs=WORLD_SIZE)
-    model = _model(tie_embeddings)
+    jobs: list[_Job] = []
+    for root, runs in sets.items():
+        root.mkdir(parents=True, exist_ok=True)
+        wrap = tuple(runs.wrap)
+        prefixed = (
+            None
+            if runs.frozen is None
+            else {s: tuple(WRAPPER_PREFIX + n if s in wrap else n for n in names) for s, names in runs.frozen.items()}
+        )
+        jobs.append((str(root), runs.stages, runs.tie_embeddings, prefixed, wrap))
+    mp.spawn(_worker, args=(_free_port(), jobs, then), nprocs=WORLD_SIZE)
+    return {root: _written(root, runs) for root, runs in sets.items()}
+
+
+def _written(root: Path, runs: DeepSpeedRuns) -> dict[int, WrittenDeepSpeed]:
+    model = _model(runs.tie_embeddings)
     parameters = sum(p.numel() for p in model.parameters())
     config_dir = root / "config"
     model.config.save_pretrained(str(config_dir))
+    frozen = runs.frozen
     written = {}
-    for stage in stages:
+    for stage in runs.stages:
         save_dir = root / f"zero{stage}"
         tags = tuple(f"global_step{step}" for step in range(SAVE_EVERY, STEPS + 1, SAVE_EVERY))
         written[stage] = WrittenDeepSpeed(
@@ -267,8 +304,8 @@ def write_deepspeed_runs(
             frozen=(FROZEN_UNDER_ZERO3,) if frozen is None and stage == 3 else tuple((frozen or {}).get(stage, ())),
             world_size=WORLD_SIZE,
             client_state=_client_state(STEPS),
-            tied=tie_embeddings,
-            wrapped=stage in wrap,
+            tied=runs.tie_embeddings,
+            wrapped=stage in runs.wrap,
             config_dir=config_dir,
         )
         (root / f"zero{stage}.json").write_text(json.dumps({"tags": tags}))

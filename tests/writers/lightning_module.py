@@ -1,5 +1,5 @@
-"""The LightningModule and callback of `tests.writers.lightning_writer`, importable by name in the ranks that
-`ddp_spawn` starts (it pickles them to its processes), and imported only by the writer's subprocess."""
+"""The LightningModule and callback of `tests.writers.lightning_writer`, importable by name in both of its ranks
+(not `__main__` classes), and imported only by the writer's subprocesses."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Lightning checkpoints written by lightning 2.6.6 itself: `ModelCheckpoint` files of a 2-rank CPU run.
 
-`Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", max_steps=4)` trains a tiny LightningModule
+`Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=4)` trains a tiny LightningModule
 wrapping the tiny Llama of `tests.conftest` (built from a config dict it saves as its hyperparameters, as
 `AutoConfig.from_pretrained(...).to_dict()` gives one) with AdamW and a StepLR scheduler, logging `train_loss`.
 Two `ModelCheckpoint` callbacks watch it:
@@ -19,15 +19,18 @@ a callback (`tests.writers.lightning_module.ShardedSave`) takes the checkpoint d
 (`lightning/fabric/strategies/fsdp.py`: `torch.distributed.checkpoint.save`, on both gloo ranks), and rank 0
 then writes the rest with `torch.save` to `meta.pt`: `sharded/epoch=0-step=4.ckpt/`.
 
-The final weights (the model's `state_dict()` in the main process, what `ddp_spawn` hands back) are saved
-beside the run as `reference.pt`.
+`ddp` runs rank 0 in the writer's process and starts rank 1 as `python -m tests.writers.lightning_writer OUT_DIR`
+again (Lightning's subprocess launcher): two processes import Lightning, where `ddp_spawn` took three. Rank 0's
+final weights (the model's `state_dict()`) are saved beside the run as `reference.pt`.
 
-Then, in the same process, a second Trainer trains a fresh module for 2 steps with `DeepSpeedStrategy(stage=2)`
-on one CPU process (`tests.writers.lightning_module.CpuDeepSpeed`: DeepSpeed's CPU accelerator and gloo; only
-the strategy's CUDA checks are bypassed) and `ModelCheckpoint(every_n_train_steps=1, save_top_k=-1)`:
-`deepspeed/epoch=0-step={1,2}.ckpt/` beside the run, DeepSpeed save folders written by Lightning's own
-`DeepSpeedStrategy.save_checkpoint` (tag `checkpoint/`, `latest`, zero_to_fp32.py); its final weights are
-`deepspeed-reference.pt` beside the run. Run directly: `python -m tests.writers.lightning_writer OUT_DIR`.
+Beside it, in a process of its own started at the same time (`--deepspeed`: the DDP ranks' process group
+must not be the one DeepSpeed joins), a second Trainer trains a fresh module for 2 steps with
+`DeepSpeedStrategy(stage=2)` on one CPU process (`tests.writers.lightning_module.CpuDeepSpeed`: DeepSpeed's
+CPU accelerator and gloo; only the strategy's CUDA checks are bypassed) and
+`ModelCheckpoint(every_n_train_steps=1, save_top_k=-1)`: `deepspeed/epoch=0-step={1,2}.ckpt/` beside the
+run, DeepSpeed save folders written by Lightning's own `DeepSpeedStrategy.save_checkpoint` (tag
+`checkpoint/`, `latest`, zero_to_fp32.py); its final weights are `deepspeed-reference.pt` beside the run.
+Run directly: `python -m tests.writers.lightning_writer OUT_DIR [--deepspeed]`.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -89,16 +93,24 @@ def model_config() -> dict[str, Any]:
     return config
 
 
+def _data() -> Any:
+    """The seeded batches both runs train on."""
+    import lightning as L
+    import torch
+
+    L.seed_everything(0, verbose=False)
+    generator = torch.Generator().manual_seed(0)
+    return torch.utils.data.DataLoader(
+        [torch.randint(0, 128, (16,), generator=generator) for _ in range(32)], batch_size=2
+    )
+
+
 def _train(root: Path) -> None:
     import lightning as L
     import torch
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    L.seed_everything(0, verbose=False)
-    generator = torch.Generator().manual_seed(0)
-    data = torch.utils.data.DataLoader(
-        [torch.randint(0, 128, (16,), generator=generator) for _ in range(32)], batch_size=2
-    )
+    data = _data()
     from tests.writers.lightning_module import ShardedSave, TinyLlamaModule
 
     module = TinyLlamaModule(model_config())
@@ -116,7 +128,7 @@ def _train(root: Path) -> None:
     trainer = L.Trainer(
         accelerator="cpu",
         devices=2,
-        strategy="ddp_spawn",
+        strategy="ddp",
         max_steps=STEPS,
         callbacks=callbacks,
         logger=False,
@@ -125,11 +137,11 @@ def _train(root: Path) -> None:
         default_root_dir=root,
     )
     trainer.fit(module, data)
-    torch.save({k: v.detach().clone() for k, v in module.state_dict().items()}, root.parent / "reference.pt")
-    _train_deepspeed(root, data)
+    if trainer.global_rank == 0:
+        torch.save({k: v.detach().clone() for k, v in module.state_dict().items()}, root.parent / "reference.pt")
 
 
-def _train_deepspeed(root: Path, data: Any) -> None:
+def _train_deepspeed(root: Path) -> None:
     import importlib
     import logging
 
@@ -143,6 +155,7 @@ def _train_deepspeed(root: Path, data: Any) -> None:
     logger.setLevel(logging.ERROR)
     # as tests.writers.deepspeed_writer: no JIT-compiled shared-memory allreduce, plain gloo
     setattr(importlib.import_module("deepspeed.comm.torch"), "build_shm_op", lambda: None)  # noqa: B010
+    data = _data()
     module = TinyLlamaModule(model_config())
     trainer = L.Trainer(
         accelerator="cpu",
@@ -161,28 +174,27 @@ def _train_deepspeed(root: Path, data: Any) -> None:
 
 
 def write_lightning_run(root: Path) -> WrittenLightning:
-    """Run the 2-rank training in a subprocess and describe what it wrote."""
+    """Run the 2-rank training and, at the same time, the DeepSpeed one (subprocesses); describe what they wrote."""
     from tests.conftest import tiny_llama
 
     repo = Path(__file__).resolve().parents[2]
-    env = {
-        **os.environ,
-        "PYTHONPATH": str(repo),
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_VERBOSITY": "error",
-        "DS_ACCELERATOR": "cpu",
-    }
-    for attempt in range(2):
-        done = subprocess.run(
-            [sys.executable, "-m", "tests.writers.lightning_writer", str(root)], cwd=repo, env=env, capture_output=True
+    env = {**os.environ, "PYTHONPATH": str(repo), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
+    command = [sys.executable, "-m", "tests.writers.lightning_writer", str(root)]
+    deepspeed = subprocess.Popen(
+        [*command, "--deepspeed"], cwd=repo, env={**env, "DS_ACCELERATOR": "cpu"}, stderr=subprocess.PIPE
+    )
+    try:
+        _run_retrying(command, repo, env, lambda: shutil.rmtree(root, ignore_errors=True))
+    finally:
+        _, stderr = deepspeed.communicate()
+    if deepspeed.returncode != 0:
+        _run_retrying(
+            [*command, "--deepspeed"],
+            repo,
+            {**env, "DS_ACCELERATOR": "cpu"},
+            lambda: shutil.rmtree(root.parent / "deepspeed", ignore_errors=True),
+            first=subprocess.CompletedProcess(deepspeed.args, deepspeed.returncode, b"", stderr),
         )
-        # gloo on a loaded machine now and then aborts a rank (see tests.conftest._build_retrying): once more
-        killed = b"ProcessExitedException" in done.stderr and b"signal" in done.stderr
-        if done.returncode == 0 or not killed or attempt:
-            break
-        shutil.rmtree(root, ignore_errors=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"the Lightning writer failed:\n{done.stderr.decode(errors='replace')[-4000:]}")
     return WrittenLightning(
         root=root,
         checkpoints=root / "checkpoints",
@@ -193,5 +205,31 @@ def write_lightning_run(root: Path) -> WrittenLightning:
     )
 
 
+def _run_retrying(
+    command: list[str],
+    repo: Path,
+    env: dict[str, str],
+    clean: Callable[[], None],
+    first: subprocess.CompletedProcess[bytes] | None = None,
+) -> None:
+    """`command` to success, once more after `clean()` when a process was killed by a signal (gloo on a loaded
+    machine now and then aborts a rank, see tests.conftest._build_retrying); `first`: a run already made."""
+    done = first
+    for attempt in range(2):
+        if done is None:
+            done = subprocess.run(command, cwd=repo, env=env, capture_output=True)
+        killed = done.returncode < 0 or (b"ProcessExitedException" in done.stderr and b"signal" in done.stderr)
+        if done.returncode == 0 or not killed or attempt:
+            break
+        clean()
+        done = None
+    assert done is not None
+    if done.returncode != 0:
+        raise RuntimeError(f"the Lightning writer failed:\n{done.stderr.decode(errors='replace')[-4000:]}")
+
+
 if __name__ == "__main__":
-    _train(Path(sys.argv[1]))
+    if sys.argv[2:] == ["--deepspeed"]:
+        _train_deepspeed(Path(sys.argv[1]))
+    else:
+        _train(Path(sys.argv[1]))

@@ -1,7 +1,8 @@
 """A real OpenRLHF PPO checkpoint folder, written by OpenRLHF's own saving code (openrlhf 0.11.2) on CPU.
 
-`write_openrlhf_run` spawns 2 ranks (torch.multiprocessing, gloo, `DS_ACCELERATOR=cpu`) that run what
-OpenRLHF's PPO actor and critic workers run around their saves, with OpenRLHF's classes doing the work:
+`train_rank` runs, in each of the 2 ranks the DeepSpeed writer spawns (`tests.writers.deepspeed_writer`, gloo,
+`DS_ACCELERATOR=cpu`; after its own runs, so that the ranks' imports are paid once), what OpenRLHF's PPO actor
+and critic workers run around their saves, with OpenRLHF's classes doing the work:
 
 - `openrlhf.utils.deepspeed.DeepspeedStrategy` (ZeRO-2, bf16): `setup_distributed`, `prepare` (its DeepSpeed
   config, AdamW and `cosine_with_min_lr` scheduler), `backward`, `optimizer_step`, `save_ckpt` (retention,
@@ -46,21 +47,18 @@ actor's `global_step3` and writes it as the reference for conversions.
 from __future__ import annotations
 
 import json
-import logging
-import os
-import socket
 import sys
 import types
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-__all__ = ["WrittenOpenRlhf", "write_openrlhf_run"]
+from tests.writers.deepspeed_writer import WORLD_SIZE
 
-WORLD_SIZE = 2
+__all__ = ["WrittenOpenRlhf", "prepare_run", "train_rank", "written_run"]
+
 STEPS = 3
 #: `PPOTrainer.fit` evaluates every `eval.steps` global steps; a new best is saved as `best_global_step{N}`.
 EVAL_STEP = 2
@@ -234,27 +232,17 @@ def _data_loader_state(step: int) -> dict[str, Any]:
     }
 
 
-def _worker(rank: int, port: int, root: str) -> None:
-    os.environ.update(
-        DS_ACCELERATOR="cpu",
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(WORLD_SIZE),
-        LOCAL_WORLD_SIZE=str(WORLD_SIZE),
-    )
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)
+def train_rank(rank: int, root: str) -> None:
+    """One rank of the PPO saves into `root` (prepared by `prepare_run`), run by the DeepSpeed writer's ranks after
+    their own runs (`write_deepspeed_sets(..., then=[(train_rank, (root,))])`): the environment and the
+    DeepSpeed process group OpenRLHF's `setup_distributed` would set up are theirs (`DS_ACCELERATOR=cpu`, gloo,
+    2 ranks, DeepSpeed's shared-memory op left unbuilt), and `deepspeed.init_distributed` does nothing the second
+    time."""
     _install_stand_ins()
     import importlib
 
     import deepspeed
-    from deepspeed.utils import logger
 
-    logger.setLevel(logging.ERROR)
-    # The CPU backend JIT-compiles a shared-memory allreduce on first use; plain gloo is all this needs.
-    setattr(importlib.import_module("deepspeed.comm.torch"), "build_shm_op", lambda: None)  # noqa: B010
     strategy_module = importlib.import_module("openrlhf.utils.deepspeed.deepspeed")
     _cpu_only(strategy_module)
     from openrlhf.models import Actor, get_llm_for_sequence_regression
@@ -373,19 +361,14 @@ def _write_reference(save_dir: Path, tag: str, path: Path) -> None:
     save_file({k: v.detach().clone().contiguous() for k, v in state.items()}, str(path))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def write_openrlhf_run(root: Path) -> WrittenOpenRlhf:
-    """Run OpenRLHF's PPO saves on 2 CPU ranks into `root` (see the module docstring); 30-70 s on 2 busy cores."""
-    import torch.multiprocessing as mp
-
+def prepare_run(root: Path) -> None:
+    """The pretrained model the ranks of `train_rank` start from, in `root/pretrain`."""
     root.mkdir(parents=True, exist_ok=True)
     _write_pretrain(root / "pretrain")
-    mp.spawn(_worker, args=(_free_port(), str(root)), nprocs=WORLD_SIZE)
+
+
+def written_run(root: Path) -> WrittenOpenRlhf:
+    """What the ranks of `train_rank` wrote into `root` (see the module docstring)."""
     ckpt_path = root / "ckpt" / "checkpoints_ppo_ray"
     tags = ("best_global_step2", "global_step2", "global_step3")
     written = WrittenOpenRlhf(

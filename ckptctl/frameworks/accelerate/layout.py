@@ -49,6 +49,7 @@ from ckptctl.checkpoint import (
 )
 from ckptctl.errors import CkptctlError, UnknownLayout
 from ckptctl.formats.torch_pickle import TorchPickle, open_torch_pickle, storage_problems
+from ckptctl.formats.torch_zip import TorchArchive
 from ckptctl.frameworks.deepspeed import layout as deepspeed
 from ckptctl.frameworks.deepspeed.naming import wrapper_prefix
 from ckptctl.frameworks.hf.layout import safetensors_index, verify_model_files
@@ -60,6 +61,7 @@ from ckptctl.layouts.base import (
     MasterWeights,
     Protections,
     absent_numbers,
+    default_torch_archives,
     every_child_folder,
     folder_size,
     list_files,
@@ -382,6 +384,13 @@ class AccelerateLayout(Layout):
         for folder in sorted({*parts.dcp_models.values(), *parts.dcp_optimizers.values()}):
             problems += verify_dcp(io.join(url, folder), f"{folder}/")
         return problems
+
+    def torch_archives(self, checkpoint: Checkpoint) -> Sequence[TorchArchive]:
+        """The default's, and the `.pkl` files accelerate writes with torch.save too (`random_states_{i}.pkl`,
+        `custom_checkpoint_{i}.pkl`: accelerate/checkpointing.py, save_accelerator_state and
+        save_custom_state)."""
+        pickles = (TorchArchive(rel) for rel in sorted(checkpoint.files) if "/" not in rel and rel.endswith(".pkl"))
+        return (*default_torch_archives(checkpoint), *pickles)
 
     def completion_markers(self, files: Mapping[str, int]) -> tuple[str, ...]:
         """The `random_states_{i}.pkl` files, which save_state writes after the model, optimizer, scheduler

@@ -49,6 +49,7 @@ from ckptctl.formats.dcp_metadata import (
 )
 from ckptctl.formats.safe_pickle import gc_paused
 from ckptctl.formats.torch_save import read_object_archive
+from ckptctl.formats.torch_zip import TorchArchive
 from ckptctl.frameworks.hf.layout import model_components
 from ckptctl.io import DirEntry
 from ckptctl.layouts.base import LISTED_ABSENT, Layout, newest_mtime, step_from_name, timestamp
@@ -60,6 +61,7 @@ __all__ = [
     "KeyClassifier",
     "component_classifier",
     "component_for_prefix",
+    "dcp_item_archives",
     "dcp_tensor_index",
     "index_from_metadata",
     "load_dcp_metadata",
@@ -291,6 +293,36 @@ def index_from_metadata(
 # --------------------------------------------------------------------------------------------------
 # Verify.
 # --------------------------------------------------------------------------------------------------
+
+
+def dcp_item_archives(url: str, path_prefix: str = "") -> tuple[TorchArchive, ...]:
+    """The torch.save archive of every item of the DCP folder at `url`, in file order, for the CRC check.
+
+    torch's FileSystemWriter writes each item, a tensor chunk and a bytes item alike, as a torch.save zip
+    archive (`torch.save(tensor, stream)` in `filesystem._write_item`; the planner torch.saves bytes items),
+    whose records carry CRC-32s. Items written with a stream transform (a compression extension) are left
+    out: their stored bytes are not the archive.
+
+    Args:
+        url: the DCP folder.
+        path_prefix: prepended to the file names (the archives' files are relative to an outer checkpoint).
+
+    Raises:
+        CheckpointInProgress, UnsafePickle, CorruptCheckpoint: as `load_dcp_metadata`.
+    """
+    archives = [
+        TorchArchive(
+            path_prefix + record.relative_path,
+            record.offset,
+            record.length,
+            key,
+            "" if offsets is None else f"chunk at {list(offsets)}",
+        )
+        for (key, offsets), record in load_dcp_metadata(url).storage.items()
+        if not record.transforms
+    ]
+    archives.sort(key=lambda a: (a.file, a.offset))
+    return tuple(archives)
 
 
 def verify_dcp(url: str, path_prefix: str = "") -> list[Problem]:

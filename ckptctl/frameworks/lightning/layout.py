@@ -55,6 +55,7 @@ from ckptctl.formats.dcp_metadata import METADATA_NAME
 from ckptctl.formats.documents import as_real, as_whole
 from ckptctl.formats.safe_pickle import FrameworkObject, StandIn, TensorRef, state_fields
 from ckptctl.formats.torch_pickle import TorchPickle, open_torch_pickle, storage_problems
+from ckptctl.formats.torch_zip import TorchArchive
 from ckptctl.frameworks.dcp.layout import DISTCP_RE, dcp_tensor_index, verify_dcp, world_size_of
 from ckptctl.frameworks.deepspeed import layout as deepspeed
 from ckptctl.frameworks.deepspeed.names import TagFiles
@@ -65,6 +66,7 @@ from ckptctl.layouts.base import (
     Layout,
     MasterWeights,
     Protections,
+    default_torch_archives,
     every_child_folder,
     folder_size,
     list_files,
@@ -365,6 +367,13 @@ class LightningLayout(Layout):
             metrics=metrics,
             progress=counters,
         )
+
+    def torch_archives(self, checkpoint: Checkpoint) -> Sequence[TorchArchive]:
+        """A `.ckpt` file is itself a torch.save zip; a folder's are found by name (its DCP items and `meta.pt`, or
+        the `*_states.pt` of a DeepSpeed save)."""
+        if "" in checkpoint.files:
+            return (TorchArchive(""),)
+        return default_torch_archives(checkpoint)
 
     def verify(self, checkpoint: Checkpoint) -> list[Problem]:
         """A file: its zip and pickle read with the allowlist, every storage lies whole inside it, and it holds

@@ -115,8 +115,10 @@ def _convert(src: str, dst: str, options: ConvertOptions, progress: Progress, re
     """The conversion, in this process or over `options.ranks`, whose every rank runs it.
 
     Over several ranks, rank 0 plans and opens the staging folder, each rank writes its share of the
-    shard files into it (`write_hf`), and rank 0 adds the side files and the digests and commits. A
-    `--to dcp` output (one `dcp.save`) and an object-store DST are written by rank 0 alone.
+    output's data files (`write_hf`, `write_dcp`) into it, and rank 0 adds the side files and the digests
+    and commits. For an object-store DST each rank stages its share in a local folder of its own and
+    uploads it, rank 0 what completes the output last (`UploadStaging.commit`). With `--check-logits`,
+    which loads the whole output, rank 0 converts an upload alone.
     """
     started = time.perf_counter()
     ranks = options.ranks if options.ranks is not None and options.ranks.size > 1 else None
@@ -132,37 +134,55 @@ def _convert(src: str, dst: str, options: ConvertOptions, progress: Progress, re
             )
             state["staging"] = stack.enter_context(staging)
             staging.check_space(sum(p.nbytes for p in prepared.plan))
-            shared = options.to is Target.HF and not isinstance(staging, UploadStaging)
+            upload = isinstance(staging, UploadStaging)
+            shared = not (upload and options.check_logits)
             file_name = prepared.adapter.weights_name if prepared.adapter is not None else None
-            return _Work(prepared.checkpoint.url, prepared.plan, staging.out, shared, file_name)
+            return _Work(prepared.checkpoint.url, prepared.plan, staging.out, prepared.dst, shared, upload, file_name)
 
         work = _on_leader(ranks, begin)
+        sharing = ranks if work.shared else None
+        if sharing is not None and work.upload:
+
+            def stage_own_share() -> None:
+                """Every rank but 0 stages its files in a local folder of its own (hosts share no TMPDIR)."""
+                if not sharing.leader:
+                    own = UploadStaging(work.dst, get_layout(options.to), sharing.rank)
+                    state["staging"] = stack.enter_context(own)
+
+            sharing.each(stage_own_share)
+        out = state["staging"].out if "staging" in state else work.out
         written: Written | None = None
-        if work.shared or ranks is None or ranks.leader:
+        if sharing is not None or ranks is None or ranks.leader:
             try:
                 if options.to is Target.HF:
-                    written = write_hf(
-                        work.url, work.plan, work.out, options, progress, ranks if work.shared else None, work.file_name
-                    )
+                    written = write_hf(work.url, work.plan, out, options, progress, sharing, work.file_name)
                 else:
-                    written = write_dcp(state["prepared"].checkpoint, work.plan, work.out, progress)
+                    written = write_dcp(work.url, work.plan, out, options.dcp_file_size, progress, sharing)
             finally:
                 progress.finish()  # a bar left running on an error would hide the terminal's cursor
+        sealed = _on_leader(ranks, lambda: _seal(state["prepared"], state["staging"].out, written, options))
+        if sharing is not None and work.upload:
+            uploaded = state["staging"].commit(options.force, progress, sharing)
+        else:
+            uploaded = _on_leader(ranks, lambda: state["staging"].commit(options.force, progress))
         return _on_leader(
-            ranks, lambda: _finish(state["prepared"], state["staging"], written, options, progress, read, started)
+            ranks, lambda: _result(state["prepared"], written, sealed, uploaded, options, read.bytes_read, started)
         )
 
 
 @dataclass(frozen=True, slots=True)
 class _Work:
     """What every rank needs to write its share: the source, the plan, the staging folder's output folder,
-    whether the ranks share the writing (else rank 0 writes alone), and the one file an adapter's tensors go
-    into (None: model shards)."""
+    DST, whether the ranks share the writing (else rank 0 writes alone), whether the output is staged for an
+    upload (then each rank stages its share in a local folder of its own), and the one file an adapter's
+    tensors go into (None: model shards)."""
 
     url: str
     plan: list[Planned]
     out: str
+    dst: str
     shared: bool
+    upload: bool
     file_name: str | None = None
 
 
@@ -194,8 +214,8 @@ def _on_leader(ranks: Ranks | None, work: Callable[[], T]) -> T:
 
 
 def _prepare(src: str, dst: str, options: ConvertOptions) -> _Prepared:
-    if options.max_shard_size <= 0:
-        raise CkptctlError("the maximum shard size must be positive")
+    if options.max_shard_size <= 0 or options.dcp_file_size <= 0:
+        raise CkptctlError("the maximum shard and file sizes must be positive")
     if options.check_logits and (options.to is not Target.HF or options.component is not Component.MODEL):
         raise CkptctlError("--check-logits compares the logits of a model converted --to hf (--component model)")
     dst = check_destination(src, dst, options.force)
@@ -379,33 +399,49 @@ def _base_model(
     return base
 
 
-def _finish(
-    prepared: _Prepared,
-    staging: Staging,
-    written: Written | None,
-    options: ConvertOptions,
-    progress: Progress,
-    read: io.ByteCounter,
-    started: float,
-) -> ConvertResult:
-    """Side files, the logits check, digests and the commit (rank 0); what the conversion did."""
+@dataclass(frozen=True, slots=True)
+class _Sealed:
+    """What rank 0 added to the staged output before the commit: side files, the logits check, file names."""
+
+    copied: tuple[str, ...]
+    logits: float | None
+    files: tuple[str, ...]
+
+
+def _seal(prepared: _Prepared, out: str, written: Written | None, options: ConvertOptions) -> _Sealed:
+    """Side files, the logits check and the digests, into the staged output `out` (rank 0)."""
     assert written is not None  # rank 0 always writes
     plan, checkpoint, config = prepared.plan, prepared.checkpoint, prepared.config
     copied = copy_side_files(
         prepared.side_files,
-        staging.out,
+        out,
         options.dtype or float_dtype(plan),
         options.dtype is not None,
         prepared.made_config,
     )
     if prepared.adapter is not None:
         settings = json.dumps(dict(prepared.adapter.settings), indent=2, sort_keys=True).encode() + b"\n"
-        write_small(os.path.join(staging.out, prepared.adapter.settings_name), settings)
+        write_small(os.path.join(out, prepared.adapter.settings_name), settings)
         copied = tuple(sorted((*copied, prepared.adapter.settings_name)))
-    logits = compare_logits(checkpoint, plan, staging.out, config) if options.check_logits and config else None
-    write_digests(staging.out, written.digests)
-    files = tuple(sorted(os.listdir(staging.out)))
-    uploaded = staging.commit(options.force, progress)
+    logits = compare_logits(checkpoint, plan, out, config) if options.check_logits and config else None
+    write_digests(out, written.digests)
+    # The other ranks' files of an upload are in their own staging folders: the digests name them.
+    files = tuple(sorted({*os.listdir(out), *written.digests}))
+    return _Sealed(copied, logits, files)
+
+
+def _result(
+    prepared: _Prepared,
+    written: Written | None,
+    sealed: _Sealed,
+    uploaded: int,
+    options: ConvertOptions,
+    bytes_read: int,
+    started: float,
+) -> ConvertResult:
+    """What the conversion did (rank 0)."""
+    assert written is not None  # rank 0 always writes
+    plan = prepared.plan
     spec = prepared.spec
     derived = sum(1 for p in plan if p.derived is not None)
     return ConvertResult(
@@ -415,18 +451,18 @@ def _finish(
         layout=prepared.layout,
         tensors=len(plan),
         bytes=sum(p.nbytes for p in plan),
-        files=files,
-        bytes_read=read.bytes_read,
+        files=sealed.files,
+        bytes_read=bytes_read,
         seconds=time.perf_counter() - started,
         dtype=options.dtype,
-        copied=copied,
+        copied=sealed.copied,
         streamed=written.streamed,
         assembled=written.assembled - derived,
         warnings=tuple(prepared.notes),
         checkpoint=prepared.url,
         weights=prepared.weights.value,
         uploaded=uploaded,
-        model=ModelCheck(spec.architecture, len(plan), prepared.tied, logits) if spec is not None else None,
+        model=ModelCheck(spec.architecture, len(plan), prepared.tied, sealed.logits) if spec is not None else None,
         base=prepared.base.url if prepared.base is not None else "",
         derived=derived,
     )

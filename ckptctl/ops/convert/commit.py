@@ -24,12 +24,13 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import hashlib
 import os
 import posixpath
 import shutil
 import tempfile
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 
 from ckptctl import io
 from ckptctl.errors import CkptctlError, StorageError
@@ -39,6 +40,7 @@ from ckptctl.io import trash
 from ckptctl.io.commit import ObjectStoreUpload, install
 from ckptctl.io.trash import Tiers
 from ckptctl.layouts import Layout, all_layouts
+from ckptctl.ops.distributed_work import Ranks
 from ckptctl.ops.report import Progress
 
 _STAGING_TAG = ".ckptctl-convert-"
@@ -60,17 +62,22 @@ def write_small(path: str, data: bytes) -> None:
 def write_digests(out: str, known: dict[str, FileRecord]) -> None:
     """Record size and blake3 of every output file, as `ckptctl verify --write-manifest` would.
 
-    `known` holds the digests computed while writing the tensor files: they are not hashed again.
+    `known` holds the digests computed while writing the tensor files: they are not hashed again, and
+    they are recorded too where they are not in `out` (written by the other ranks of a job, into their
+    own staging folders).
     """
     files = {}
     for root, _dirs, names in os.walk(out):
         for name in names:
             path = os.path.join(root, name)
             files[os.path.relpath(path, out).replace(os.sep, "/")] = path
-    records = {}
-    for rel, path in sorted(files.items()):
-        records[rel] = known.get(rel) or FileRecord(os.path.getsize(path), file_digest(path))
-    write_small(os.path.join(out, DIGESTS_NAME), Manifest(files=records, created=now_iso()).to_json())
+    records = dict(known)
+    for rel, path in files.items():
+        if rel not in records:
+            records[rel] = FileRecord(os.path.getsize(path), file_digest(path))
+    write_small(
+        os.path.join(out, DIGESTS_NAME), Manifest(files=dict(sorted(records.items())), created=now_iso()).to_json()
+    )
     io.fsync_dir(out)
 
 
@@ -165,6 +172,13 @@ class Staging:
         self._remove()
 
     def _remove(self) -> None:
+        # The lock goes last: a removal cut short (the launcher's SIGKILL after its SIGTERM, seen on a loaded
+        # machine) leaves a folder whose lock nobody holds, which the next conversion removes; a folder
+        # without its lock would be judged still being created, and stay.
+        if os.path.isdir(self.root):
+            for name in os.listdir(self.root):
+                if name != _LOCK_NAME:
+                    shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
         shutil.rmtree(self.root, ignore_errors=True)
         if self._lock_fd is not None:
             os.close(self._lock_fd)
@@ -216,10 +230,13 @@ class UploadStaging(Staging):
     refused, and one that was killed has its staging folder removed by the next.
     """
 
-    def __init__(self, dst: str, layout: Layout) -> None:
-        """`layout`: what the output is, whose completion markers go up last."""
+    def __init__(self, dst: str, layout: Layout, rank: int = 0) -> None:
+        """`layout`: what the output is, whose completion markers go up last; `rank`: the rank of a job
+        that stages its share of the output here (the other ranks' folders are not its competitors, even
+        on the same host)."""
         digest = hashlib.sha256(dst.encode()).hexdigest()[:16]
-        super().__init__(dst, tempfile.gettempdir(), f".ckptctl-upload-{digest}")
+        suffix = f"-rank{rank}" if rank else ""
+        super().__init__(dst, tempfile.gettempdir(), f".ckptctl-upload-{digest}{suffix}")
         self.layout = layout
 
     def check_space(self, tensor_bytes: int) -> None:
@@ -236,31 +253,38 @@ class UploadStaging(Staging):
                 "point TMPDIR at a folder on a disk with room for the output (it is uploaded from there)",
             )
 
-    def commit(self, force: bool, progress: Progress) -> int:
+    def commit(self, force: bool, progress: Progress, ranks: Ranks | None = None) -> int:
         """Upload `out/` to DST in `_upload_order`, then, once a listing shows every object with its size,
         the digests; returns the bytes uploaded.
 
         Objects that appeared below DST while converting are refused without `force` and deleted first
         with it. A failed upload deletes what it uploaded (the old objects, under `force`, are gone).
+
+        Over a job's `ranks` (all of them call this), each rank holds its share of the output in its own
+        staging folder (rank 0: the index, side files and digests too), and the order is one process's,
+        batch by batch, each rank putting its own files of a batch and every rank waiting for the others
+        before the next: rank 0 clears DST, the ranks upload every file but the completion markers, each
+        marker goes up from the rank that wrote it, and last rank 0 checks the listing and puts the
+        digests. A rank that fails or dies makes every rank delete what it put (a killed rank's objects
+        stay, and nothing lists complete without the markers that come after them).
         """
-        sizes = {
-            os.path.relpath(os.path.join(root, name), self.out).replace(os.sep, "/"): os.path.getsize(
-                os.path.join(root, name)
-            )
-            for root, _dirs, names in os.walk(self.out)
-            for name in names
-        }
+        shares = [self._sizes()] if ranks is None else ranks.each(self._sizes)
+        rank = 0 if ranks is None else ranks.rank
+        sizes = {rel: size for share in shares for rel, size in share.items()}
+        owner = {rel: holder for holder, share in enumerate(shares) for rel in share}
         upload = ObjectStoreUpload(self.out, self.dst, _markers, lambda rel: progress.advance(sizes[rel]))
-        existing = io.list_tree(self.dst)
-        if existing:
-            if not force:
-                raise CkptctlError(f"{self.dst} was filled while converting", "pass --force to replace it")
-            upload.clear({rel: entry.size for rel, entry in existing.items()})
-        progress.start("uploading", sum(sizes.values()))
-        try:
-            upload.upload(_upload_order(sizes, self.layout.completion_markers(sizes)))
+
+        def finish() -> None:
             self._check_uploaded({rel: size for rel, size in sizes.items() if rel != DIGESTS_NAME})
             upload.finish(DIGESTS_NAME)
+
+        _everyone(ranks, lambda: None, lambda: self._clear(upload, force))
+        progress.start("uploading", sum(shares[rank].values()))
+        try:
+            for batch in _upload_order(sizes, self.layout.completion_markers(sizes)):
+                mine = [rel for rel in batch if owner[rel] == rank]
+                _everyone(ranks, functools.partial(upload.upload, [mine]))
+            _everyone(ranks, lambda: None, finish)
         except BaseException:
             with contextlib.suppress(Exception):
                 upload.undo()
@@ -268,6 +292,24 @@ class UploadStaging(Staging):
         finally:
             progress.finish()
         return sum(sizes.values())
+
+    def _sizes(self) -> dict[str, int]:
+        """The staged files, relative path -> size."""
+        return {
+            os.path.relpath(os.path.join(root, name), self.out).replace(os.sep, "/"): os.path.getsize(
+                os.path.join(root, name)
+            )
+            for root, _dirs, names in os.walk(self.out)
+            for name in names
+        }
+
+    def _clear(self, upload: ObjectStoreUpload, force: bool) -> None:
+        """Refuse objects that appeared below DST while converting, or delete them under `force`."""
+        existing = io.list_tree(self.dst)
+        if existing:
+            if not force:
+                raise CkptctlError(f"{self.dst} was filled while converting", "pass --force to replace it")
+            upload.clear({rel: entry.size for rel, entry in existing.items()})
 
     def _check_uploaded(self, sizes: Mapping[str, int]) -> None:
         """Every uploaded object is listed with the size of its local file (before the digests go up)."""
@@ -279,6 +321,15 @@ class UploadStaging(Staging):
                 + ("as missing" if wrong[0] not in listed else f"with {listed[wrong[0]]} bytes, not {sizes[wrong[0]]}"),
                 "another writer may be using the same prefix; convert again with --force",
             )
+
+
+def _everyone(ranks: Ranks | None, work: Callable[[], object], leader: Callable[[], object] | None = None) -> None:
+    """`work()` on every rank (`leader()` instead on rank 0, when given), every rank waiting for all of
+    them and failing when one fails; in this process alone without `ranks`."""
+    if ranks is None:
+        (leader or work)()
+    else:
+        ranks.each(leader if leader is not None and ranks.leader else work)
 
 
 def _upload_order(sizes: Mapping[str, int], markers: Sequence[str]) -> list[list[str]]:

@@ -88,6 +88,8 @@ class ConvertOptions:
             `Layout.hf_name_map`): None picks one from the config, `"none"` keeps the names.
         config_dir: where `config.json`/`generation_config.json` come from (default: beside the source).
         tokenizer_dir: where tokenizer files come from (default: beside the source).
+        dcp_file_size: most tensor bytes per data file of a `--to dcp` output (`max_shard_size` is the HF
+            shards'); a file is the unit the ranks of a job share, and the output is the same on any number.
         force: replace a non-empty DST.
         layout: read the source as this layout instead of detecting it.
         reread: read every written file back from disk and compare its digest with the one computed while
@@ -109,12 +111,13 @@ class ConvertOptions:
         lora_r: the rank the run was configured with (with `lora_alpha`; default: the factors' ranks).
         lora_rslora: with `lora_alpha`, the run used rsLoRA (scaling alpha/sqrt(r)).
         ranks: the ranks of a job (`ops.distributed_work.join`) that all run this conversion and share the
-            writing of the shard files; None: this process alone. The output is the same byte for byte.
+            writing of the output's data files; None: this process alone. The output is the same byte for byte.
     """
 
     to: Target = Target.HF
     dtype: str | None = None
     max_shard_size: int = DEFAULT_MAX_SHARD_SIZE
+    dcp_file_size: int = DEFAULT_MAX_SHARD_SIZE
     component: Component = Component.MODEL
     strip_prefix: str | None = None
     renames: tuple[tuple[str, str], ...] = ()

@@ -1,55 +1,157 @@
-"""`convert --to dcp` (from an HF folder, for resuming from a published model): one
-`torch.distributed.checkpoint.save` without a process group, keys `model.<name>`, which `dcp.load` reshards
-onto any world size. A tied copy the HF folder leaves out (`lm_head.weight`) is in the plan as a key of its
-own (`model_check.apply_ties`): `dcp.load({"model": model.state_dict()})` asks for every key.
+"""`convert --to dcp` (from an HF folder, for resuming from a published model): a torch DCP save as
+`dcp.save` makes it without a process group, keys `model.<name>`, which `dcp.load` reshards onto any world
+size. A tied copy the HF folder leaves out (`lm_head.weight`) is in the plan as a key of its own
+(`model_check.apply_ties`): `dcp.load({"model": model.state_dict()})` asks for every key.
+
+The tensors go into data files of at most `dcp_file_size` bytes (`__0_0.distcp`, `__0_1.distcp`, ...; one
+file, as `dcp.save` writes it, up to the default 5 GB), each written by torch's own `FileSystemWriter`.
+The files are the unit a job's ranks share by bytes: the plan (`.metadata`) is made from the tensors'
+shapes alone, each rank writes its files, and rank 0 writes `.metadata`, which completes the folder,
+after every rank's files. The output does not depend on the number of ranks.
 """
 
 from __future__ import annotations
 
 import contextlib
-import warnings
+import dataclasses
+import os
+import queue
+from collections.abc import Mapping
 from typing import Any
 
 from ckptctl import io
-from ckptctl.checkpoint import Checkpoint
+from ckptctl.checkpoint import ProblemKind
 from ckptctl.errors import CorruptCheckpoint
+from ckptctl.formats.digest import file_digest
+from ckptctl.formats.manifest import FileRecord
+from ckptctl.formats.safetensors_stream import plan_shards
 from ckptctl.layouts import get_layout
 from ckptctl.ops.convert.options import Target
 from ckptctl.ops.convert.plan import Planned, Written, read_planned
+from ckptctl.ops.distributed_work import Ranks, split
 from ckptctl.ops.report import Progress
 
 #: The key namespace of a `--to dcp` save: `{"model": state_dict}` as training loops save and load it.
 DCP_NAMESPACE = "model"
 
 
-def write_dcp(checkpoint: Checkpoint, plan: list[Planned], out: str, progress: Progress) -> Written:
-    """One `dcp.save({"model": ...})` without a process group, checked against the plan.
+def write_dcp(
+    checkpoint_url: str,
+    plan: list[Planned],
+    out: str,
+    file_size: int,
+    progress: Progress,
+    ranks: Ranks | None = None,
+) -> Written:
+    """The DCP save of `plan` into `out`, checked against the plan.
 
-    Whole tensors stored raw in local files (HF folders, ckptctl's own safetensors) are memory-mapped, not copied.
+    Over a job's `ranks` (all of them call this), each rank writes its share of the data files, balanced
+    by bytes, and rank 0 writes `.metadata` and checks the output; every rank returns the digests of
+    the data files. Whole tensors stored raw in local files (HF folders, ckptctl's own safetensors) are
+    memory-mapped, not copied.
     """
-    import torch.distributed.checkpoint as dcp
+    import torch
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-    total = sum(p.nbytes for p in plan)
-    progress.start("writing DCP", total)
+    # The global plan and its metadata from stand-ins of the tensors' shapes: no rank reads a tensor that
+    # another rank writes.
+    planner = DefaultSavePlanner()
+    stand_ins = {p.name: torch.empty(p.shape, dtype=getattr(torch, p.dtype), device="meta") for p in plan}
+    planner.set_up_planner({DCP_NAMESPACE: stand_ins}, None, True)
+    plans, metadata = planner.create_global_plan([planner.create_local_plan()])
+    items = {item.index.fqn: item for item in planner.finish_plan(plans[0]).items}
+    files = plan_shards([p.nbytes for p in plan], file_size)
+    names = [f"__0_{k}.distcp" for k in range(len(files))]
+
+    def write(indices: list[int]) -> dict[int, tuple[list[Any], FileRecord, int]]:
+        """Write the files `indices`: each file's write results (for `.metadata`), size and digest, and how
+        many of its tensors were read and assembled rather than mapped."""
+        done: dict[int, tuple[list[Any], FileRecord, int]] = {}
+        progress.start("writing DCP", sum(plan[i].nbytes for k in indices for i in files[k]))
+        for k in indices:
+            results, assembled = _write_file(checkpoint_url, [plan[i] for i in files[k]], items, out, names[k])
+            path = os.path.join(out, names[k])
+            done[k] = (results, FileRecord(os.path.getsize(path), file_digest(path)), assembled)
+            progress.advance(sum(plan[i].nbytes for i in files[k]))
+        progress.finish()
+        return done
+
+    found = split(ranks, [sum(plan[i].nbytes for i in members) for members in files], write)
+    if ranks is None or ranks.leader:
+        # The records anew from this rank's own plan and names: pickle shares what is one object in memory,
+        # and the other ranks' records arrive as copies, which would make `.metadata`'s bytes differ.
+        records = [
+            [
+                dataclasses.replace(
+                    result,
+                    index=items[result.index.fqn].index,
+                    storage_data=dataclasses.replace(result.storage_data, relative_path=name),
+                )
+                for result in results
+            ]
+            for name, (results, _, _) in zip(names, found, strict=True)
+        ]
+        _data_file_writer(out, "").finish(metadata, records)
+        # Files absent here were written by other ranks into staging folders of their own (an upload).
+        elsewhere = {
+            name: record.size
+            for name, (_, record, _) in zip(names, found, strict=True)
+            if not os.path.exists(os.path.join(out, name))
+        }
+        _check_dcp_output(out, plan, elsewhere, metadata)
+    digests = {name: record for name, (_, record, _) in zip(names, found, strict=True)}
+    return Written(0, sum(assembled for _, _, assembled in found), digests)
+
+
+def _write_file(
+    checkpoint_url: str, members: list[Planned], items: dict[str, Any], out: str, name: str
+) -> tuple[list[Any], int]:
+    """One data file of `members` (torch's writer: what `dcp.save` writes, tensor by tensor); its write
+    results and the number of tensors read and assembled rather than mapped."""
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+    from torch.distributed.checkpoint.planner import SavePlan
+
     assembled = 0
     with contextlib.ExitStack() as stack:
         state: dict[str, Any] = {}
         maps: dict[str, Any] = {}
-        for planned in plan:
-            tensor = _mapped_tensor(checkpoint.url, planned, maps, stack)
+        for planned in members:
+            tensor = _mapped_tensor(checkpoint_url, planned, maps, stack)
             if tensor is None:
-                tensor = read_planned(checkpoint.url, planned)
+                tensor = read_planned(checkpoint_url, planned)
                 assembled += 1
             state[planned.name] = tensor
-        writer = dcp.FileSystemWriter(out, single_file_per_rank=True, sync_files=True)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # "saving in non-distributed mode"
-            dcp.save({DCP_NAMESPACE: state}, storage_writer=writer, no_dist=True)
+        planner = DefaultSavePlanner()
+        planner.set_up_planner({DCP_NAMESPACE: state}, None, True)
+        file_plan = SavePlan([items[f"{DCP_NAMESPACE}.{p.name}"] for p in members])
+        results = _data_file_writer(out, name).write_data(file_plan, planner).value()
         state.clear()
-    progress.advance(total)
-    progress.finish()
-    _check_dcp_output(out, plan)
-    return Written(0, assembled, {})
+    return results, assembled
+
+
+def _data_file_writer(path: str, name: str) -> Any:
+    """torch's `FileSystemWriter` of the DCP folder `path` that writes a plan into the data file `name`."""
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+    class DataFileWriter(FileSystemWriter):
+        """torch's writer of a DCP folder, writing the items of a plan into the one data file `name`
+        (torch names a rank's files `__{rank}_{n}` from 0 on each call), and a `.metadata` without the
+        save's random id and staging path (`storage_meta`, which no loader needs), so that the same
+        conversion gives the same bytes."""
+
+        def __init__(self, path: str, name: str) -> None:
+            super().__init__(path, single_file_per_rank=True, sync_files=True, thread_count=1)
+            self.name = name
+
+        def write_data(self, plan: Any, planner: Any) -> Any:
+            files: queue.Queue[tuple[Any, str, list[Any]]] = queue.Queue()
+            files.put((self.fs.concat_path(self.path, self.name), self.name, plan.items))
+            return self._write_data(planner, files)
+
+        def storage_meta(self) -> None:
+            return None
+
+    return DataFileWriter(path, name)
 
 
 def _mapped_tensor(checkpoint_url: str, planned: Planned, maps: dict[str, Any], stack: contextlib.ExitStack) -> Any:
@@ -86,13 +188,26 @@ def _close_quietly(mapped: Any) -> None:
         mapped.close()
 
 
-def _check_dcp_output(out: str, plan: list[Planned]) -> None:
-    """The output passes its layout's verify and its index holds exactly the planned tensors."""
+def _check_dcp_output(out: str, plan: list[Planned], elsewhere: Mapping[str, int], metadata: Any) -> None:
+    """The output passes its layout's verify and its index holds exactly the planned tensors.
+
+    `elsewhere`: the data files (name -> size) that other ranks staged in folders of their own for an
+    upload; they are checked against `metadata`'s records by their sizes instead of on disk.
+    """
     layout = get_layout(Target.DCP)
     written = layout.open(out)
-    problems = [p for p in layout.verify(written) if p.severity == "error"]
-    if problems:
-        raise CorruptCheckpoint(f"the DCP output fails verification: {problems[0].message}", "this is a bug in ckptctl")
+    problems = [
+        p
+        for p in layout.verify(written)
+        if p.severity == "error" and not (p.kind is ProblemKind.MISSING_FILE and p.path in elsewhere)
+    ]
+    ends: dict[str, int] = {}
+    for info in metadata.storage_data.values():
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    short = sorted(name for name, size in elsewhere.items() if ends.get(name, 0) > size)
+    if problems or short:
+        first = problems[0].message if problems else f"{short[0]} is shorter than its records"
+        raise CorruptCheckpoint(f"the DCP output fails verification: {first}", "this is a bug in ckptctl")
     stored = {entry.name: (entry.dtype, entry.shape) for entry in written.tensors()}
     want = {f"{DCP_NAMESPACE}.{p.name}": (p.dtype, p.shape) for p in plan}
     if stored != want:

@@ -1,0 +1,112 @@
+"""`io.sweep`: every span gets exactly its bytes, in order within each part, however the pass cuts them."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ckptctl import io
+from ckptctl.io.sweep import Feed, Job, Span, Sweep, job_groups
+
+
+class Collect:
+    """A sink that keeps the parts it is fed, by offset."""
+
+    def __init__(self) -> None:
+        self.parts: dict[int, bytearray] = {}
+        self.error: str | None = None
+
+    def piece(self, offset: int) -> Feed:
+        part = self.parts.setdefault(offset, bytearray())
+        return part.extend
+
+    def failed(self, message: str) -> None:
+        self.error = message
+
+    def joined(self) -> bytes:
+        out = bytearray()
+        for offset in sorted(self.parts):
+            assert offset == len(out), "parts must tile the span"
+            out += self.parts[offset]
+        return bytes(out)
+
+
+DATA = os.urandom(300_000)
+
+
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("sweep") / "data"
+    path.write_bytes(DATA)
+    return path
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    ranges=st.lists(st.tuples(st.integers(0, len(DATA)), st.integers(0, 40_000)), min_size=1, max_size=12),
+    block=st.sampled_from([7, 4096, 65_536]),
+    piece=st.sampled_from([1_000, 50_000, 1 << 20]),
+    gap=st.sampled_from([0, 10_000]),
+    workers=st.sampled_from([1, 3]),
+)
+def test_each_span_gets_its_bytes(
+    data_file: Path, ranges: list[tuple[int, int]], block: int, piece: int, gap: int, workers: int
+) -> None:
+    spans = [Span(str(data_file), start, min(start + n, len(DATA)), Collect()) for start, n in ranges]
+    sweep = Sweep(spans, block=block, large_block=block, piece=piece, gap=gap)
+    sweep.run(workers)
+    for span in spans:
+        assert isinstance(span.sink, Collect)
+        assert span.sink.error is None
+        assert span.sink.joined() == DATA[span.start : span.end]
+
+
+def test_overlapping_bytes_are_read_once(data_file: Path) -> None:
+    spans = [Span(str(data_file), 0, 200_000, Collect()), Span(str(data_file), 100_000, 300_000, Collect())]
+    with io.counting() as read:
+        Sweep(spans, piece=64_000).run(2)
+    assert read.bytes_read == len(DATA)
+    assert [s.sink.joined() for s in spans] == [DATA[:200_000], DATA[100_000:]]  # type: ignore[attr-defined]
+
+
+def test_an_ordered_span_is_fed_in_one_part(data_file: Path) -> None:
+    ordered = Collect()
+    Sweep([Span(str(data_file), 0, len(DATA), ordered, ordered=True)], piece=1_000, block=999).run(4)
+    assert list(ordered.parts) == [0]
+    assert ordered.joined() == DATA
+
+
+def test_a_short_file_fails_the_spans_past_its_end(data_file: Path) -> None:
+    inside, past = Collect(), Collect()
+    Sweep([Span(str(data_file), 0, 1_000, inside), Span(str(data_file), 299_000, 400_000, past)]).run(1)
+    assert inside.error is None and inside.joined() == DATA[:1_000]
+    assert past.error is not None and "ends at byte 300000" in past.error
+
+
+def test_a_missing_file_fails_its_spans(tmp_path: Path) -> None:
+    sink = Collect()
+    Sweep([Span(str(tmp_path / "gone"), 0, 10, sink)]).run(1)
+    assert sink.error is not None and "gone" in sink.error
+
+
+def test_jobs_reading_the_same_bytes_are_one_group_weighed_by_the_bytes_read_once() -> None:
+    """What the ranks of a job share (`ops.sweeping`): a file's digest with the records inside it, records
+    that overlap; apart, jobs on other bytes, and a job with no span weighed by what it reads itself."""
+
+    def job(*ranges: tuple[str, int, int], extra: int = 0) -> Job[None]:
+        return Job([Span(url, lo, hi, Collect()) for url, lo, hi in ranges], lambda: None, extra)
+
+    jobs = [
+        job(("a", 0, 100)),  # a whole file's digest ...
+        job(("a", 10, 20)),  # ... and records inside it
+        job(("a", 50, 150)),  # crosses the digest's end: 150 bytes of a in all
+        job(("a", 200, 210)),  # apart
+        job(("b", 0, 40), ("a", 205, 300)),  # links itself to the previous one through a
+        job(extra=7),  # decodes a chunk on its own
+        job(("c", 5, 5)),  # empty: reads nothing
+    ]
+    assert job_groups(jobs) == [([0, 1, 2], 150), ([3, 4], 140), ([5], 7), ([6], 0)]

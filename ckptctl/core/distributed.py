@@ -95,9 +95,11 @@ def is_lost_peer(exc: BaseException) -> bool:
     if isinstance(exc, dist.DistError):  # DistBackendError, DistNetworkError, DistStoreError
         return True
     text = str(exc).lower()
-    return isinstance(exc, RuntimeError) and any(
-        sign in text for sign in ("connection closed", "connection reset", "broken pipe", "timed out")
-    )
+    # gloo's own wording (transport/tcp/pair.cc): a peer's socket gone, or no answer to a send/recv. A
+    # timeout of this rank's own write (an NFS mount, say) is not a lost rank, so "timed out" alone is not.
+    peer_gone = ("connection closed", "connection reset", "broken pipe")
+    no_answer = "timed out waiting" in text and ("recv" in text or "send" in text)
+    return isinstance(exc, RuntimeError) and (no_answer or any(sign in text for sign in peer_gone))
 
 
 def background_group() -> Any:

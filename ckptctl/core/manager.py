@@ -400,10 +400,14 @@ class CheckpointManager:
                         with storage_errors(f"committing step {step} into {self.root}"):
                             self._commit(step, staging, all_files, components, metrics, world_size=world.size)
                         committed = True
-                        self._remove_abandoned()
-                        self._apply_retention()
                     except BaseException as exc:
                         status = _describe(exc)
+                    if committed:  # tidying the run after a commit never fails the save it follows
+                        try:
+                            self._remove_abandoned()
+                            self._apply_retention()
+                        except Exception as exc:
+                            log.warning("step %d committed, but tidying %s failed: %s", step, self.root, exc)
             status = dist_.broadcast(status, group=group)
         except Exception as exc:  # the commit's own failures are in `status`: this is the collectives'
             if committed:  # every rank had written: the checkpoint is whole, whoever left since

@@ -55,8 +55,8 @@ class Stager:
     """Copies tensors into host buffers kept from one async save to the next.
 
     Reusing the buffers means the training loop pays for a memory copy only, not for allocating (and
-    page-faulting) a fresh copy of the whole state on every save; they are pinned when CUDA is available,
-    so that device tensors come over by DMA. The next save starts only after the previous one has finished
+    page-faulting) a fresh copy of the whole state on every save; the buffers of device tensors are pinned,
+    so that they come over by DMA. The next save starts only after the previous one has finished
     writing, so a buffer is never overwritten while it is being written out. What the stager holds is one
     host copy of the state this process saves (its shards, on a multi-rank run) until `release()`.
 
@@ -79,8 +79,11 @@ class Stager:
     def stage(self, slot: str, tensor: torch.Tensor) -> torch.Tensor:
         """The buffer of `slot` (shaped like `tensor`, on the host), to be filled with `tensor` by `finish`."""
         buf = self._buffers.get(slot)
-        if buf is None or buf.shape != tensor.shape or buf.dtype != tensor.dtype:
-            buf = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=self._pin)
+        # Only a device tensor's buffer is pinned: it makes its copy a DMA, while page-locked memory for a
+        # host tensor's copy gains nothing and takes RAM the OS can never page out, until `release()`.
+        pin = self._pin and tensor.is_cuda
+        if buf is None or buf.shape != tensor.shape or buf.dtype != tensor.dtype or (pin and not buf.is_pinned()):
+            buf = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pin)
             self._buffers[slot] = buf
         self._used.add(slot)
         # A conjugate or negative view's bytes are not its values: `copy_` resolves them, a memcpy would not.

@@ -134,3 +134,14 @@ def test_cuda_state_restores_onto_its_device_with_the_cuda_generators(tmp_path: 
     assert all(s["exp_avg"].is_cuda for s in fresh["optimizer"].state.values())
     assert_same(saved, on_host(fresh))
     assert torch.equal(fresh["buffer"]["ema"].cpu(), saved_ema)  # a plain value comes back as saved
+
+
+def test_async_staging_pins_only_the_buffers_of_device_tensors() -> None:
+    from ckptctl.core.snapshot import Stager
+
+    stager = Stager()
+    host, device = torch.arange(6.0), torch.arange(6.0, device="cuda")
+    host_buffer, device_buffer = stager.stage("host", host), stager.stage("device", device)
+    stager.finish()
+    assert device_buffer.is_pinned() and not host_buffer.is_pinned()
+    assert torch.equal(host_buffer, host) and torch.equal(device_buffer, device.cpu())

@@ -146,3 +146,41 @@ def test_a_scaling_given_where_it_would_not_be_used_is_refused(
         result = run_cli("convert", src, tmp_path / "out", *args)
         assert result.exit_code == 2 and "--lora-alpha" in result.stderr, (case, result.stderr)
     assert not (tmp_path / "out").exists()
+
+
+def test_gpt2_conv1d_layers_merge_transposed_and_only_with_the_runs_adapter_config(
+    run_cli: Cli, tmp_path: Path
+) -> None:
+    """GPT-2's Conv1D layers store W as (in, out), and PEFT merges their LoRA transposed (fan_in_fan_out). For the
+    square c_proj the shapes fit either way: without the run's adapter_config.json (which records it) convert
+    refuses rather than write wrong weights; with it, the merge equals PEFT's merge_and_unload()."""
+    from peft import LoraConfig, get_peft_model
+    from safetensors.torch import save_file
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(n_embd=32, n_layer=1, n_head=2, n_positions=16, vocab_size=64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # PEFT's note that it sets fan_in_fan_out for Conv1D
+        model = get_peft_model(GPT2LMHeadModel(config), LoraConfig(r=4, lora_alpha=8, target_modules=["c_proj"]))
+    for name, param in model.named_parameters():
+        if "lora_B" in name:  # PEFT starts B at zero: a trained adapter's B is not
+            torch.nn.init.normal_(param)
+    src = tmp_path / "wrapped"
+    src.mkdir()
+    state = {k: v.contiguous() for k, v in model.state_dict().items() if k != "base_model.model.lm_head.weight"}
+    save_file(state, str(src / "model.safetensors"))
+    config.save_pretrained(src)
+
+    refused = run_cli("convert", src, tmp_path / "guessed", "--lora-alpha", "8", "--no-check-model")
+    assert refused.exit_code == 2 and "Conv1D" in refused.stderr and "fan_in_fan_out" in refused.stderr
+    assert not (tmp_path / "guessed").exists()
+
+    model.peft_config["default"].save_pretrained(str(src))  # adapter_config.json beside it, as the run keeps it
+    assert json.loads((src / "adapter_config.json").read_text())["fan_in_fan_out"] is True
+    merged = run_cli("convert", src, tmp_path / "merged", "--no-check-model")
+    assert merged.exit_code == 0, merged.stderr
+    want = {k: v for k, v in model.merge_and_unload().state_dict().items() if k != "lm_head.weight"}
+    got = load_file(str(tmp_path / "merged" / "model.safetensors"))
+    assert sorted(got) == sorted(want)
+    assert all(torch.equal(got[k], want[k]) for k in want)

@@ -118,20 +118,44 @@ def _settings(found: Mapping[str, Any], given: GivenScaling | None, parsed: _Par
         CkptctlError: neither: the factors' shapes give each module's rank but never its alpha.
     """
     if given is not None:
+        _refuse_conv1d(parsed)
         ranks = {parsed.model_name(m): pair.a.shape[0] for m, pair in parsed.factors.items() if pair.a is not None}
         r = given.r if given.r is not None else Counter(ranks.values()).most_common(1)[0][0]
         # Without --lora-r each module's rank is its factors' (as PEFT's rank_pattern made them).
         pattern = {} if given.r is not None else {re.escape(m): rank for m, rank in ranks.items() if rank != r}
         alpha = int(given.alpha) if float(given.alpha).is_integer() else given.alpha
         return LoraSettings(_GIVEN, "LORA", r, alpha, rank_pattern=pattern, use_rslora=given.rslora)
-    for name in (ADAPTER_CONFIG, LORA_TRAIN_META):
-        if name in found:
-            return parse_settings(found[name], name)
+    if ADAPTER_CONFIG in found:
+        return parse_settings(found[ADAPTER_CONFIG], ADAPTER_CONFIG)
+    if LORA_TRAIN_META in found:
+        _refuse_conv1d(parsed)  # verl's file does not say whether the layers are transposed either
+        return parse_settings(found[LORA_TRAIN_META], LORA_TRAIN_META)
     raise CkptctlError(
         "the checkpoint holds LoRA factors but not their scaling (lora_alpha is kept in adapter_config.json, "
         "which was not found beside it)",
         _HINT,
     )
+
+
+#: The modules of transformers' `Conv1D` (GPT-2 and its kin), which store their weights as (in, out): PEFT
+#: merges their LoRA transposed (`fan_in_fan_out`, set from the model when the adapter was made).
+_CONV1D_MODULES = frozenset({"c_attn", "c_proj", "c_fc", "q_attn"})
+
+
+def _refuse_conv1d(parsed: _Parsed) -> None:
+    """Refuse settings that cannot say `fan_in_fan_out` for a model whose adapted layers are `Conv1D`:
+    for a square layer the shapes fit either way, and the wrong one writes wrong weights without a word.
+
+    Raises:
+        CkptctlError: an adapted module is one of GPT-2's Conv1D layers.
+    """
+    conv1d = sorted({m.rpartition(".")[2] for m in parsed.factors} & _CONV1D_MODULES)
+    if conv1d:
+        raise CkptctlError(
+            f"the adapted layers {', '.join(conv1d)} are GPT-2-style Conv1D layers, which PEFT merges transposed "
+            "(fan_in_fan_out); only the run's adapter_config.json says so",
+            "pass the run's adapter_config.json with --adapter-config PATH, or put it beside the checkpoint",
+        )
 
 
 def _checked(

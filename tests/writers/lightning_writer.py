@@ -23,14 +23,13 @@ then writes the rest with `torch.save` to `meta.pt`: `sharded/epoch=0-step=4.ckp
 again (Lightning's subprocess launcher): two processes import Lightning, where `ddp_spawn` took three. Rank 0's
 final weights (the model's `state_dict()`) are saved beside the run as `reference.pt`.
 
-Beside it, in a process of its own started at the same time (`--deepspeed`: the DDP ranks' process group
-must not be the one DeepSpeed joins), a second Trainer trains a fresh module for 2 steps with
+Then rank 0, once the ddp ranks' process group is gone, runs a second Trainer that trains a fresh module for 2 steps with
 `DeepSpeedStrategy(stage=2)` on one CPU process (`tests.writers.lightning_module.CpuDeepSpeed`: DeepSpeed's
 CPU accelerator and gloo; only the strategy's CUDA checks are bypassed) and
 `ModelCheckpoint(every_n_train_steps=1, save_top_k=-1)`: `deepspeed/epoch=0-step={1,2}.ckpt/` beside the
 run, DeepSpeed save folders written by Lightning's own `DeepSpeedStrategy.save_checkpoint` (tag
 `checkpoint/`, `latest`, zero_to_fp32.py); its final weights are `deepspeed-reference.pt` beside the run.
-Run directly: `python -m tests.writers.lightning_writer OUT_DIR [--deepspeed]`.
+Run directly: `python -m tests.writers.lightning_writer OUT_DIR`.
 """
 
 from __future__ import annotations
@@ -139,6 +138,12 @@ def _train(root: Path) -> None:
     trainer.fit(module, data)
     if trainer.global_rank == 0:
         torch.save({k: v.detach().clone() for k, v in module.state_dict().items()}, root.parent / "reference.pt")
+        # The DeepSpeed run in this process (its imports are paid already): on a process group of its own, not
+        # the ddp ranks' (rank 1 has left), and as a single process, not as rank 0 of the launcher's two.
+        torch.distributed.destroy_process_group()
+        for name in ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "RANK", "MASTER_PORT"):
+            os.environ.pop(name, None)
+        _train_deepspeed(root)
 
 
 def _train_deepspeed(root: Path) -> None:
@@ -174,27 +179,13 @@ def _train_deepspeed(root: Path) -> None:
 
 
 def write_lightning_run(root: Path) -> WrittenLightning:
-    """Run the 2-rank training and, at the same time, the DeepSpeed one (subprocesses); describe what they wrote."""
+    """Run the 2-rank training and the DeepSpeed one in a subprocess; describe what they wrote."""
     from tests.conftest import tiny_llama
 
     repo = Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONPATH": str(repo), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
     command = [sys.executable, "-m", "tests.writers.lightning_writer", str(root)]
-    deepspeed = subprocess.Popen(
-        [*command, "--deepspeed"], cwd=repo, env={**env, "DS_ACCELERATOR": "cpu"}, stderr=subprocess.PIPE
-    )
-    try:
-        _run_retrying(command, repo, env, lambda: shutil.rmtree(root, ignore_errors=True))
-    finally:
-        _, stderr = deepspeed.communicate()
-    if deepspeed.returncode != 0:
-        _run_retrying(
-            [*command, "--deepspeed"],
-            repo,
-            {**env, "DS_ACCELERATOR": "cpu"},
-            lambda: shutil.rmtree(root.parent / "deepspeed", ignore_errors=True),
-            first=subprocess.CompletedProcess(deepspeed.args, deepspeed.returncode, b"", stderr),
-        )
+    _run_retrying(command, repo, {**env, "DS_ACCELERATOR": "cpu"}, lambda: _clean(root))
     return WrittenLightning(
         root=root,
         checkpoints=root / "checkpoints",
@@ -205,31 +196,23 @@ def write_lightning_run(root: Path) -> WrittenLightning:
     )
 
 
-def _run_retrying(
-    command: list[str],
-    repo: Path,
-    env: dict[str, str],
-    clean: Callable[[], None],
-    first: subprocess.CompletedProcess[bytes] | None = None,
-) -> None:
+def _clean(root: Path) -> None:
+    shutil.rmtree(root, ignore_errors=True)
+    shutil.rmtree(root.parent / "deepspeed", ignore_errors=True)
+
+
+def _run_retrying(command: list[str], repo: Path, env: dict[str, str], clean: Callable[[], None]) -> None:
     """`command` to success, once more after `clean()` when a process was killed by a signal (gloo on a loaded
-    machine now and then aborts a rank, see tests.conftest._build_retrying); `first`: a run already made."""
-    done = first
+    machine now and then aborts a rank, see tests.conftest._build_retrying)."""
     for attempt in range(2):
-        if done is None:
-            done = subprocess.run(command, cwd=repo, env=env, capture_output=True)
+        done = subprocess.run(command, cwd=repo, env=env, capture_output=True)
         killed = done.returncode < 0 or (b"ProcessExitedException" in done.stderr and b"signal" in done.stderr)
         if done.returncode == 0 or not killed or attempt:
             break
         clean()
-        done = None
-    assert done is not None
     if done.returncode != 0:
         raise RuntimeError(f"the Lightning writer failed:\n{done.stderr.decode(errors='replace')[-4000:]}")
 
 
 if __name__ == "__main__":
-    if sys.argv[2:] == ["--deepspeed"]:
-        _train_deepspeed(Path(sys.argv[1]))
-    else:
-        _train(Path(sys.argv[1]))
+    _train(Path(sys.argv[1]))

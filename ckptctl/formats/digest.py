@@ -18,13 +18,22 @@ ALGORITHM = "blake3"
 
 
 class DigestSink:
-    """The `io.sweep.SpanSink` of a whole file's blake3 digest (its span must be `ordered`)."""
+    """The `io.sweep.SpanSink` of a whole file's blake3 digest (its span must be `ordered`).
+
+    Hashed on the reading thread, unless the sweep gives it threads (`io.sweep.ThreadedSink`): with as
+    many files as threads, every core already hashes a file, and a hash spread over the cores too would
+    only move each buffer to other cores' caches.
+    """
 
     __slots__ = ("_hasher", "error")
 
     def __init__(self) -> None:
-        self._hasher = blake3.blake3(max_threads=blake3.blake3.AUTO)
+        self._hasher = blake3.blake3()
         self.error: str | None = None
+
+    def use_threads(self, threads: int) -> None:
+        # blake3's threaded hash of the same bytes is the same digest, by design.
+        self._hasher = blake3.blake3(max_threads=threads)
 
     def piece(self, offset: int) -> Feed:
         if offset:

@@ -20,15 +20,14 @@ ALGORITHM = "blake3"
 class DigestSink:
     """The `io.sweep.SpanSink` of a whole file's blake3 digest (its span must be `ordered`).
 
-    Hashed on the reading thread, unless the sweep gives it threads (`io.sweep.ThreadedSink`): with as
-    many files as threads, every core already hashes a file, and a hash spread over the cores too would
-    only move each buffer to other cores' caches.
+    A sweep that has threads to spare gives them to the sink of a large file (`io.sweep.ThreadedSink`),
+    which then hashes its larger updates on threads of its own.
     """
 
     __slots__ = ("_hasher", "error")
 
     def __init__(self) -> None:
-        self._hasher = blake3.blake3()
+        self._hasher = blake3.blake3(max_threads=blake3.blake3.AUTO)
         self.error: str | None = None
 
     def use_threads(self, threads: int) -> None:

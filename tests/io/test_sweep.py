@@ -156,9 +156,7 @@ def test_a_large_file_alone_is_hashed_on_spare_threads_to_the_same_digest_in_one
     assert read.bytes_read == len(data)
 
 
-def test_files_as_many_as_threads_are_hashed_each_on_its_reading_thread(
-    large_file: tuple[Path, bytes], tmp_path: Path
-) -> None:
+def test_files_as_many_as_threads_get_no_threads_of_their_own(large_file: tuple[Path, bytes], tmp_path: Path) -> None:
     path, data = large_file
     other = tmp_path / "other"
     other.write_bytes(data[::-1])
@@ -166,3 +164,14 @@ def test_files_as_many_as_threads_are_hashed_each_on_its_reading_thread(
     Sweep([Span(str(p), 0, len(data), s, ordered=True) for p, s in zip([path, other], sinks, strict=True)]).run(2)
     assert [s.threads for s in sinks] == [[], []]
     assert [s.hexdigest() for s in sinks] == [blake3.blake3(data).hexdigest(), blake3.blake3(data[::-1]).hexdigest()]
+
+
+def test_a_large_file_gets_no_threads_where_the_cores_are_too_few(
+    large_file: tuple[Path, bytes], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path, data = large_file
+    monkeypatch.setattr(sweep.os, "cpu_count", lambda: 2)
+    digest = ThreadCounting()
+    Sweep([Span(str(path), 0, len(data), digest, ordered=True)]).run(8)
+    assert digest.threads == []
+    assert digest.hexdigest() == blake3.blake3(data).hexdigest()

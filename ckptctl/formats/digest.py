@@ -18,13 +18,21 @@ ALGORITHM = "blake3"
 
 
 class DigestSink:
-    """The `io.sweep.SpanSink` of a whole file's blake3 digest (its span must be `ordered`)."""
+    """The `io.sweep.SpanSink` of a whole file's blake3 digest (its span must be `ordered`).
+
+    A sweep that has threads to spare gives them to the sink of a large file (`io.sweep.ThreadedSink`),
+    which then hashes its larger updates on threads of its own.
+    """
 
     __slots__ = ("_hasher", "error")
 
     def __init__(self) -> None:
         self._hasher = blake3.blake3(max_threads=blake3.blake3.AUTO)
         self.error: str | None = None
+
+    def use_threads(self, threads: int) -> None:
+        # blake3's threaded hash of the same bytes is the same digest, by design.
+        self._hasher = blake3.blake3(max_threads=threads)
 
     def piece(self, offset: int) -> Feed:
         if offset:

@@ -5,11 +5,14 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import blake3
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ckptctl import io
+from ckptctl.formats.digest import DigestSink
+from ckptctl.io import sweep
 from ckptctl.io.sweep import Feed, Job, Span, Sweep, job_groups
 
 
@@ -110,3 +113,65 @@ def test_jobs_reading_the_same_bytes_are_one_group_weighed_by_the_bytes_read_onc
         job(("c", 5, 5)),  # empty: reads nothing
     ]
     assert job_groups(jobs) == [([0, 1, 2], 150), ([3, 4], 140), ([5], 7), ([6], 0)]
+
+
+class ThreadCounting(DigestSink):
+    """A digest sink that records the threads the sweep gives it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.threads: list[int] = []
+
+    def use_threads(self, threads: int) -> None:
+        self.threads.append(threads)
+        super().use_threads(threads)
+
+
+@pytest.fixture
+def large_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, bytes]:
+    """A file 'large' for the sweep (thresholds scaled down to 1 MiB), of 3 buffers and a partial one, on a
+    machine of 8 cores."""
+    monkeypatch.setattr(sweep, "THREADED_PIECE", 1 << 20)
+    monkeypatch.setattr(sweep, "HASH_BLOCK", 1 << 20)
+    monkeypatch.setattr(sweep.os, "cpu_count", lambda: 8)
+    data = os.urandom(3 * (1 << 20) + 4097)
+    path = tmp_path / "large"
+    path.write_bytes(data)
+    return path, data
+
+
+def test_a_large_file_alone_is_hashed_on_spare_threads_to_the_same_digest_in_one_read(
+    large_file: tuple[Path, bytes],
+) -> None:
+    path, data = large_file
+    digest, crc = ThreadCounting(), Collect()
+    spans = [Span(str(path), 0, len(data), digest, ordered=True), Span(str(path), 0, len(data), crc)]
+    with io.counting() as read:
+        Sweep(spans, block=64 << 10).run(4)
+    assert digest.threads == [4]
+    assert digest.error is None
+    assert digest.hexdigest() == blake3.blake3(data).hexdigest()
+    # The span fed from the same (larger) buffers gets every byte, and nothing is read twice.
+    assert crc.joined() == data
+    assert read.bytes_read == len(data)
+
+
+def test_files_as_many_as_threads_get_no_threads_of_their_own(large_file: tuple[Path, bytes], tmp_path: Path) -> None:
+    path, data = large_file
+    other = tmp_path / "other"
+    other.write_bytes(data[::-1])
+    sinks = [ThreadCounting(), ThreadCounting()]
+    Sweep([Span(str(p), 0, len(data), s, ordered=True) for p, s in zip([path, other], sinks, strict=True)]).run(2)
+    assert [s.threads for s in sinks] == [[], []]
+    assert [s.hexdigest() for s in sinks] == [blake3.blake3(data).hexdigest(), blake3.blake3(data[::-1]).hexdigest()]
+
+
+def test_a_large_file_gets_no_threads_where_the_cores_are_too_few(
+    large_file: tuple[Path, bytes], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path, data = large_file
+    monkeypatch.setattr(sweep.os, "cpu_count", lambda: 2)
+    digest = ThreadCounting()
+    Sweep([Span(str(path), 0, len(data), digest, ordered=True)]).run(8)
+    assert digest.threads == []
+    assert digest.hexdigest() == blake3.blake3(data).hexdigest()

@@ -14,7 +14,7 @@ stats_logger, dataloader)` → `FSDPEngine._save_to_dcp`: `dcp.save({"dcp": DCPS
 
 AReaL is installed without its dependencies (tests/writers/frameworks-nodeps.txt). The modules it imports
 that are not installed here are stood in for inside the spawned ranks only, and only for imports made by
-AReaL's own modules (`_StandIns`); none of them is on the save path:
+AReaL's own modules (`tests.writers.stand_ins`); none of them is on the save path:
 
 - inert: GPU kernels (`triton`), cluster, serving and network stacks (`ray`, `uvloop`, `httpx`, `tenacity`,
   `aiofiles`, `orjson`, `pybase64`, `openai`), experiment trackers (`wandb`, `swanlab`, `trackio`,
@@ -32,17 +32,16 @@ AReaL's own modules (`_StandIns`); none of them is on the save path:
 from __future__ import annotations
 
 import getpass
-import importlib.abc
-import importlib.machinery
 import logging
 import os
-import sys
 import types
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from tests.writers.stand_ins import InertModule, StandIns
 
 __all__ = ["EXPERIMENT", "TRIAL", "WrittenAreal", "write_areal_run"]
 
@@ -94,53 +93,6 @@ class WrittenAreal:
 # --------------------------------------------------------------------------------------------------
 # Stand-ins for the modules AReaL imports that are not installed (see the module docstring).
 # --------------------------------------------------------------------------------------------------
-
-
-class _InertMeta(type):
-    """Classes whose every attribute is another inert class: `openai.types.chat.X | None`, `Foo[int]`,
-    subclassing and calling all work, and do nothing."""
-
-    def __getattr__(cls, name: str) -> Any:
-        if name.startswith("__"):
-            raise AttributeError(name)
-        value = _InertMeta(name, (_Inert,), {})
-        setattr(cls, name, value)
-        return value
-
-    def __or__(cls, other: Any) -> Any:
-        return cls
-
-    def __ror__(cls, other: Any) -> Any:
-        return cls
-
-    def __getitem__(cls, item: Any) -> Any:
-        return cls
-
-
-class _Inert(metaclass=_InertMeta):
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def __call__(self, *args: Any, **kwargs: Any) -> None:
-        return None
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("__"):
-            raise AttributeError(name)
-        return _Inert()
-
-
-class _InertModule(types.ModuleType):
-    def __init__(self, name: str, **attributes: Any) -> None:
-        super().__init__(name)
-        self.__dict__.update(attributes)
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("__"):
-            raise AttributeError(name)
-        value = _InertMeta(name, (_Inert,), {})
-        setattr(self, name, value)
-        return value
 
 
 _INERT = frozenset(
@@ -239,48 +191,15 @@ _WORKING: dict[str, Callable[[str], types.ModuleType]] = {
     "numba": lambda name: _module(name, njit=_numba_njit),
     "torchdata": _module,
     "torchdata.stateful_dataloader": _torchdata,
-    "omegaconf": lambda name: _InertModule(name, MISSING="???"),  # the dataclass default AReaL's configs use
+    "omegaconf": lambda name: InertModule(name, MISSING="???"),  # the dataclass default AReaL's configs use
 }
 _STOOD_IN = _INERT | {name.partition(".")[0] for name in _WORKING}
-
-
-class _StandIns(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Serves the stand-ins, last on `sys.meta_path` (an installed module always wins) and only to imports
-    made by AReaL's modules, so that torch and transformers, which probe for triton or tensorboardX, still
-    see them missing."""
-
-    def find_spec(self, fullname: str, path: Sequence[str] | None, target: Any = None) -> Any:
-        if fullname.partition(".")[0] not in _STOOD_IN or not _imported_by_areal():
-            return None
-        return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
-        module = _WORKING.get(spec.name, _InertModule)(spec.name)
-        module.__path__ = []
-        return module
-
-    def exec_module(self, module: types.ModuleType) -> None:
-        pass
-
-
-def _imported_by_areal() -> bool:
-    """Whether the import being resolved was asked for by a module of AReaL (the first frame outside the
-    import machinery)."""
-    frame = sys._getframe(2)
-    while frame is not None:
-        filename = frame.f_code.co_filename
-        if not filename.startswith("<frozen") and "importlib" not in filename:
-            return str(frame.f_globals.get("__name__", "")).partition(".")[0] == "areal"
-        frame = frame.f_back  # type: ignore[assignment]
-    return False
 
 
 def _import_areal() -> None:
     """Import the AReaL modules the run uses (and those they import lazily at save time) with the stand-ins
     in place, then take the stand-ins out of `sys.modules` again: AReaL's modules keep their references."""
-    finder = _StandIns()
-    sys.meta_path.append(finder)
-    try:
+    with StandIns("areal", _STOOD_IN, lambda name: _WORKING.get(name, InertModule)(name)).serving():
         import areal.engine.fsdp_engine
         import areal.experimental.engine.archon_engine  # Saver._should_use_async imports it at each save
         import areal.trainer.sft.lm_engine
@@ -288,10 +207,6 @@ def _import_areal() -> None:
         import areal.utils.recover
         import areal.utils.saver
         import areal.utils.stats_logger  # noqa: F401
-    finally:
-        sys.meta_path.remove(finder)
-        for name in [n for n, m in sys.modules.items() if getattr(m, "__loader__", None) is finder]:
-            del sys.modules[name]
 
 
 # --------------------------------------------------------------------------------------------------

@@ -23,17 +23,16 @@ which compiles for tens of seconds on CPU; attention holds no weights, so the ch
 from __future__ import annotations
 
 import contextlib
-import importlib.abc
-import importlib.machinery
 import json
 import os
 import sys
 import types
 import warnings
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from tests.writers.stand_ins import InertModule, StandIns
 
 __all__ = ["HF_CONFIG", "TOKENS", "WrittenTorchtitan", "model_parameters", "write_torchtitan_run"]
 
@@ -102,46 +101,6 @@ class WrittenTorchtitan:
 # --------------------------------------------------------------------------------------------------
 
 
-class _InertMeta(type):
-    def __getattr__(cls, name: str) -> Any:
-        if name.startswith("__"):
-            raise AttributeError(name)
-        value = _InertMeta(name, (_Inert,), {})
-        setattr(cls, name, value)
-        return value
-
-    def __or__(cls, other: Any) -> Any:
-        return cls
-
-    def __ror__(cls, other: Any) -> Any:
-        return cls
-
-    def __getitem__(cls, item: Any) -> Any:
-        return cls
-
-
-class _Inert(metaclass=_InertMeta):
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def __call__(self, *args: Any, **kwargs: Any) -> None:
-        return None
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("__"):
-            raise AttributeError(name)
-        return _Inert()
-
-
-class _InertModule(types.ModuleType):
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("__"):
-            raise AttributeError(name)
-        value = _InertMeta(name, (_Inert,), {})
-        setattr(self, name, value)
-        return value
-
-
 class _Plain(contextlib.ContextDecorator):
     """`spmd.local()` / `spmd.no_typecheck()`: a context manager and decorator that does nothing."""
 
@@ -188,32 +147,9 @@ _WORKING = {
 _STOOD_IN = frozenset({"tyro", "triton", "spmd_types", "torchdata"})
 
 
-class _StandIns(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Serves the stand-ins, last on `sys.meta_path` and only to imports made by torchtitan's modules."""
-
-    def find_spec(self, fullname: str, path: Sequence[str] | None, target: Any = None) -> Any:
-        if fullname.partition(".")[0] not in _STOOD_IN or not _imported_by_torchtitan():
-            return None
-        return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
-        module = _InertModule(spec.name)
-        module.__path__ = []
-        module.__dict__.update(_WORKING.get(spec.name, dict)())
-        return module
-
-    def exec_module(self, module: types.ModuleType) -> None:
-        pass
-
-
-def _imported_by_torchtitan() -> bool:
-    frame = sys._getframe(2)
-    while frame is not None:
-        filename = frame.f_code.co_filename
-        if not filename.startswith("<frozen") and "importlib" not in filename:
-            return str(frame.f_globals.get("__name__", "")).partition(".")[0] == "torchtitan"
-        frame = frame.f_back  # type: ignore[assignment]
-    return False
+def _stand_in(name: str) -> types.ModuleType:
+    """An inert module, with the attributes torchtitan uses of it where it uses some (`_WORKING`)."""
+    return InertModule(name, **_WORKING.get(name, dict)())
 
 
 # --------------------------------------------------------------------------------------------------
@@ -268,7 +204,7 @@ def _worker(rank: int, rendezvous: str, dump_folder: str, reference: str) -> Non
 
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
-    sys.meta_path.append(_StandIns())
+    sys.meta_path.append(StandIns("torchtitan", _STOOD_IN, _stand_in))
     from safetensors.torch import save_file
     from torchtitan.components.checkpoint import CheckpointManager
     from torchtitan.components.dataloader import ParallelAwareDataloader

@@ -22,7 +22,7 @@ actor and critic saves: its output folders are the references conversions are co
 What is not verl's own, and why:
 - Stand-in modules for imports verl's modules make that are not installed here and that these save paths never
   call (`ray`, `tensordict`, `codetiming`, `omegaconf`, ...: cluster, data-protocol and config libraries),
-  served only to imports made by verl's own modules (as in `tests.writers.areal_writer`).
+  served only to imports made by verl's own modules (`tests.writers.stand_ins`).
 - The data loader state: verl saves `StatefulDataLoader.state_dict()` (torchdata, not installed); it is
   written here in that method's shape for a single-process loader (pytorch/data
   `torchdata/stateful_dataloader/stateful_dataloader.py`, `_StatefulSingleProcessDataLoaderIter.state_dict`).
@@ -30,18 +30,15 @@ What is not verl's own, and why:
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
 import json
 import os
 import socket
-import sys
-import types
 import warnings
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from tests.writers.stand_ins import StandIns
 
 __all__ = ["STEPS", "WORLD_SIZE", "WrittenVerl", "write_verl_run"]
 
@@ -82,47 +79,6 @@ class WrittenVerl:
 # Stand-ins for modules verl imports that are not installed and that the save path never calls.
 # --------------------------------------------------------------------------------------------------
 
-
-class _InertMeta(type):
-    def __getattr__(cls, name: str) -> Any:
-        if name.startswith("__"):
-            raise AttributeError(name)
-        value = _InertMeta(name, (_Inert,), {})
-        setattr(cls, name, value)
-        return value
-
-    def __or__(cls, other: Any) -> Any:
-        return cls
-
-    def __ror__(cls, other: Any) -> Any:
-        return cls
-
-    def __getitem__(cls, item: Any) -> Any:
-        return cls
-
-
-class _Inert(metaclass=_InertMeta):
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def __call__(self, *args: Any, **kwargs: Any) -> None:
-        return None
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("__"):
-            raise AttributeError(name)
-        return _Inert()
-
-
-class _InertModule(types.ModuleType):
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("__"):
-            raise AttributeError(name)
-        value = _InertMeta(name, (_Inert,), {})
-        setattr(self, name, value)
-        return value
-
-
 #: Top-level modules verl's checkpoint manager and merger import on the way (module level) without using them
 #: on a save: cluster (`ray`), data protocol (`tensordict`, `pandas`, `datasets`, `PIL`), timing and profiling
 #: (`codetiming`, `nvtx`), config (`omegaconf`: its `DictConfig` only appears in annotations and isinstance
@@ -146,43 +102,10 @@ _STOOD_IN = frozenset(
 )
 
 
-class _StandIns(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Last on `sys.meta_path` (an installed module always wins), and only for imports made by verl."""
-
-    def find_spec(self, fullname: str, path: Sequence[str] | None, target: Any = None) -> Any:
-        if fullname.partition(".")[0] not in _STOOD_IN or not _imported_by_verl():
-            return None
-        return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
-        module = _InertModule(spec.name)
-        module.__path__ = []
-        return module
-
-    def exec_module(self, module: types.ModuleType) -> None:
-        pass
-
-
-def _imported_by_verl() -> bool:
-    frame = sys._getframe(2)
-    while frame is not None:
-        filename = frame.f_code.co_filename
-        if not filename.startswith("<frozen") and "importlib" not in filename:
-            return str(frame.f_globals.get("__name__", "")).partition(".")[0] == "verl"
-        frame = frame.f_back  # type: ignore[assignment]
-    return False
-
-
 def _import_verl() -> None:
-    finder = _StandIns()
-    sys.meta_path.append(finder)
-    try:
+    with StandIns("verl", _STOOD_IN).serving():
         import verl.model_merger.fsdp_model_merger
         import verl.utils.checkpoint.fsdp_checkpoint_manager  # noqa: F401
-    finally:
-        sys.meta_path.remove(finder)
-        for name in [n for n, m in sys.modules.items() if getattr(m, "__loader__", None) is finder]:
-            del sys.modules[name]
 
 
 # --------------------------------------------------------------------------------------------------

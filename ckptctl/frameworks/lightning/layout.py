@@ -167,7 +167,6 @@ class LightningLayout(Layout):
             return self._identify_deepspeed(url, entries)
         if not (names & {METADATA_NAME, META} or any(DISTCP_RE.match(n) for n in names)):
             return None
-        fields = name_fields(io.name_of(url))
         if META in names and METADATA_NAME in names:
             state, note = CheckpointState.COMPLETE, ""
         else:
@@ -175,17 +174,7 @@ class LightningLayout(Layout):
             note = (
                 f"no {META if METADATA_NAME in names else METADATA_NAME} yet: rank 0 writes {META} after the DCP save"
             )
-        marker = next((e for e in entries if e.name == META and not e.is_dir), None)
-        return CheckpointRef(
-            url=url,
-            layout=self.name,
-            step=as_whole(fields.get("step")),
-            epoch=as_real(fields.get("epoch")),
-            created=timestamp(marker.mtime if marker is not None else newest_mtime(entries)),
-            state=state,
-            size_bytes=sum(e.size for e in entries if not e.is_dir),
-            note=note,
-        )
+        return self._folder_ref(url, entries, META, state, note, sum(e.size for e in entries if not e.is_dir))
 
     def _identify_deepspeed(self, url: str, entries: Sequence[DirEntry]) -> CheckpointRef | None:
         """A DeepSpeed `.ckpt` folder: complete once `latest` names its tag (DeepSpeed writes it after the rank
@@ -193,14 +182,20 @@ class LightningLayout(Layout):
         tag = deepspeed.tag_files(peek_dir(io.join(url, DEEPSPEED_TAG)) or [])
         if tag is None:
             return None
-        fields = name_fields(io.name_of(url))
         state, note = CheckpointState.COMPLETE, ""
         if deepspeed.read_latest(url, entries) != DEEPSPEED_TAG:
             state = CheckpointState.IN_PROGRESS
             note = f"no {deepspeed.LATEST_NAME} naming {DEEPSPEED_TAG}/ yet: DeepSpeed writes it after the rank files"
         elif missing := deepspeed.missing_rank_files(io.join(url, DEEPSPEED_TAG), tag):
             state, note = CheckpointState.BROKEN, f"{DEEPSPEED_TAG}/: {deepspeed.missing_note(missing)}"
-        marker = next((e for e in entries if e.name == deepspeed.LATEST_NAME and not e.is_dir), None)
+        return self._folder_ref(url, entries, deepspeed.LATEST_NAME, state, note, folder_size(url, entries))
+
+    def _folder_ref(
+        self, url: str, entries: Sequence[DirEntry], marker_name: str, state: CheckpointState, note: str, size: int
+    ) -> CheckpointRef:
+        """A `.ckpt` folder's ref: step and epoch from its name, dated by the file written last (`marker_name`)."""
+        fields = name_fields(io.name_of(url))
+        marker = next((e for e in entries if e.name == marker_name and not e.is_dir), None)
         return CheckpointRef(
             url=url,
             layout=self.name,
@@ -208,7 +203,7 @@ class LightningLayout(Layout):
             epoch=as_real(fields.get("epoch")),
             created=timestamp(marker.mtime if marker is not None else newest_mtime(entries)),
             state=state,
-            size_bytes=folder_size(url, entries),
+            size_bytes=size,
             note=note,
         )
 

@@ -34,7 +34,7 @@ from __future__ import annotations
 import math
 import re
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cache
 from typing import Any
@@ -125,6 +125,17 @@ class _Role:
         """Why the role is not a finished save ("" when it is)."""
         if len(self.world_sizes) > 1:
             return f"{self.name}: rank files of several world sizes ({', '.join(map(str, sorted(self.world_sizes)))})"
+        absent = next(self.absent_ranks(), None)
+        if absent is not None:
+            kind, world, missing, count = absent
+            return f"{self.name}: {count} of {world} {kind} rank files missing (rank {missing[0]} first)"
+        if not self.has_marker:
+            return f"{self.name}: no {MARKER}: the save has not finished"
+        return ""
+
+    def absent_ranks(self) -> Iterator[tuple[str, int, list[int], int]]:
+        """Each kind of rank file (a model file always) that some of the world's ranks lack: the kind, the world
+        size, the first absent ranks and how many are absent (`absent_numbers`). The world size must be one."""
         world = self.world_size
         assert world is not None
         for kind in _KINDS:
@@ -132,10 +143,7 @@ class _Role:
                 continue
             missing, count = absent_numbers(self.ranks.get(kind, set()), world)
             if count:
-                return f"{self.name}: {count} of {world} {kind} rank files missing (rank {missing[0]} first)"
-        if not self.has_marker:
-            return f"{self.name}: no {MARKER}: the save has not finished"
-        return ""
+                yield kind, world, missing, count
 
 
 def _role(name: str, entries: Sequence[DirEntry]) -> _Role | None:
@@ -471,11 +479,7 @@ def _role_problems(prefix: str, role_url: str, role: _Role | None) -> list[Probl
     if len(role.world_sizes) > 1:
         return [Problem(ProblemKind.UNEXPECTED_FILE, prefix, role.problem())]
     world = role.world_size
-    assert world is not None
-    for kind in _KINDS:
-        if kind not in role.ranks and kind != "model":
-            continue
-        missing, count = absent_numbers(role.ranks.get(kind, set()), world)
+    for kind, _, missing, count in role.absent_ranks():
         for rank in missing:
             problems.append(
                 Problem(

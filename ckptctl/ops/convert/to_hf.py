@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
 
 from ckptctl.checkpoint import dtype_itemsize
 from ckptctl.errors import CorruptCheckpoint
 from ckptctl.formats.manifest import FileRecord
-from ckptctl.formats.raw_chunks import ChunkLocator, row_major_runs
+from ckptctl.formats.raw_chunks import ChunkLocator, flat_ranges
 from ckptctl.formats.safetensors import WrittenFile, build_header, read_header, tensor_bytes
 from ckptctl.formats.safetensors_stream import BufferSource, RangeSource, Source, StreamCopier, plan_shards
 from ckptctl.formats.safetensors_stream import shard_file_names as _shard_names
@@ -112,37 +111,11 @@ def _sources(planned: Planned, locator: ChunkLocator) -> list[Source] | None:
     if planned.rows is not None or planned.derived is not None:  # reordered rows, or computed: one at a time
         return None
     entry = planned.entry
+    ranges = flat_ranges(entry, locator, _MIN_AVERAGE_RUN_BYTES)
+    if ranges is None:
+        return None
     itemsize = dtype_itemsize(entry.dtype)
-    runs: list[tuple[int, int, str, int]] = []  # (first element, count, file, byte offset)
-    interleaved = False
-    for chunk in entry.chunks:
-        if chunk.numel == 0:
-            continue
-        layout = row_major_runs(entry.shape, chunk.offsets, chunk.sizes)
-        if layout is None:
-            return None
-        found = locator.locate(entry, chunk)
-        if found is None:
-            return None
-        interleaved = interleaved or len(layout) > 1
-        runs.extend((start, count, found.url, found.offset + first * itemsize) for start, first, count in layout)
-    if interleaved and entry.nbytes / len(runs) < _MIN_AVERAGE_RUN_BYTES:
-        return None
-    runs.sort(key=lambda run: run[0])
-    merged: list[list[Any]] = []
-    position = 0
-    for start, count, url, offset in runs:
-        if start != position:  # a gap or an overlap: let read_tensor report it with its coverage check
-            return None
-        position += count
-        last = merged[-1] if merged else None
-        if last is not None and last[2] == url and last[3] + last[1] * itemsize == offset:
-            last[1] += count  # adjacent in the source too: one read
-        else:
-            merged.append([start, count, url, offset])
-    if position != entry.numel:
-        return None
-    return [RangeSource(url, offset, count * itemsize, entry.dtype, planned.dtype) for _, count, url, offset in merged]
+    return [RangeSource(r.url, r.offset, r.count * itemsize, entry.dtype, planned.dtype) for r in ranges]
 
 
 def _assembled_source(checkpoint_url: str, planned: Planned) -> BufferSource:

@@ -10,17 +10,24 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from ckptctl import io
-from ckptctl.checkpoint import ChunkEncoding, TensorChunk, TensorEntry, dtype_itemsize
+from ckptctl.checkpoint import ChunkEncoding, Problem, ProblemKind, TensorChunk, TensorEntry, dtype_itemsize
 from ckptctl.errors import CorruptCheckpoint
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["flat_range_boxes", "read_chunk", "read_tensor", "tiling_problem"]
+__all__ = [
+    "coverage_problems",
+    "entry_tiling_problem",
+    "flat_range_boxes",
+    "read_chunk",
+    "read_tensor",
+    "tiling_problem",
+]
 
 #: Above this many grid cells the overlap check falls back to looking for duplicate chunk offsets.
 _MAX_GRID_CELLS = 1 << 20
@@ -62,6 +69,17 @@ def tiling_problem(shape: tuple[int, ...], boxes: Sequence[Box]) -> str | None:
     if total != numel:
         return f"chunks hold {total} elements but the tensor has {numel}: some overlap"
     return None
+
+
+def entry_tiling_problem(entry: TensorEntry) -> str | None:
+    """`tiling_problem` of a tensor index entry's chunks."""
+    return tiling_problem(entry.shape, [(c.offsets, c.sizes) for c in entry.chunks])
+
+
+def coverage_problems(index: Iterable[TensorEntry]) -> list[Problem]:
+    """A `coverage` problem for each tensor whose chunks do not tile it exactly."""
+    found = ((entry.name, entry_tiling_problem(entry)) for entry in index)
+    return [Problem(ProblemKind.COVERAGE, name, problem) for name, problem in found if problem is not None]
 
 
 def _overlap(shape: tuple[int, ...], boxes: list[Box]) -> str | None:
@@ -144,7 +162,7 @@ def read_tensor(checkpoint_url: str, entry: TensorEntry) -> torch.Tensor:
     """
     import torch
 
-    problem = tiling_problem(entry.shape, [(c.offsets, c.sizes) for c in entry.chunks])
+    problem = entry_tiling_problem(entry)
     if problem is not None:
         raise CorruptCheckpoint(f"{entry.name}: {problem}")
     # Bound what we allocate by what is really on disk before allocating it.

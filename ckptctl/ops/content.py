@@ -29,7 +29,7 @@ from typing import Any
 from ckptctl import io
 from ckptctl.checkpoint import Checkpoint, Problem, ProblemKind, TensorChunk, TensorEntry, dtype_itemsize
 from ckptctl.errors import CkptctlError, CorruptCheckpoint
-from ckptctl.formats.chunks import read_chunk, tiling_problem
+from ckptctl.formats.chunks import entry_tiling_problem, read_chunk
 from ckptctl.formats.manifest import FileRecord, Manifest
 from ckptctl.formats.raw_chunks import ChunkLocator
 from ckptctl.formats.torch_zip import (
@@ -558,7 +558,7 @@ class _DeepPlan:
 
     def _plan(self, url: str, locator: ChunkLocator, entry: TensorEntry, check_finite: bool) -> _EntryState:
         state = _EntryState(entry)
-        problem = tiling_problem(entry.shape, [(c.offsets, c.sizes) for c in entry.chunks])
+        problem = entry_tiling_problem(entry)
         if problem is not None:
             state.problems.append(Problem(ProblemKind.UNREADABLE, entry.name, f"{entry.name}: {problem}"))
             return state

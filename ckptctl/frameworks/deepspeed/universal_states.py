@@ -32,7 +32,7 @@ from typing import Any
 from ckptctl import io
 from ckptctl.checkpoint import ChunkEncoding, Component, Problem, ProblemKind, TensorChunk, TensorEntry
 from ckptctl.errors import CkptctlError
-from ckptctl.formats.chunks import tiling_problem
+from ckptctl.formats.chunks import coverage_problems
 from ckptctl.formats.safe_pickle import TensorRef
 from ckptctl.formats.torch_pickle import TorchPickle, open_torch_pickle, storage_problems
 from ckptctl.frameworks.deepspeed.names import UNIVERSAL_STATES_DIR
@@ -291,11 +291,7 @@ def verify_states(tag: DeepSpeedTag, states: UniversalStates) -> list[Problem]:
         index = universal_index(tag, states)
     except CkptctlError as exc:
         return [*problems, Problem(ProblemKind.COVERAGE, ZERO_DIR, exc.message)]
-    for entry in index:
-        problem = tiling_problem(entry.shape, [(c.offsets, c.sizes) for c in entry.chunks])
-        if problem is not None:
-            problems.append(Problem(ProblemKind.COVERAGE, entry.name, problem))
-    return problems
+    return problems + coverage_problems(index)
 
 
 def _param_problems(

@@ -5,7 +5,7 @@ from __future__ import annotations
 from ckptctl import io
 from ckptctl.checkpoint import Problem, ProblemKind
 from ckptctl.errors import CkptctlError, CorruptCheckpoint
-from ckptctl.formats.chunks import tiling_problem
+from ckptctl.formats.chunks import coverage_problems
 from ckptctl.formats.torch_pickle import TorchPickle, storage_problems
 from ckptctl.frameworks.deepspeed.names import expected_rank_files, tag_files
 from ckptctl.frameworks.deepspeed.tag import (
@@ -99,11 +99,7 @@ def verify_tag(url: str, path_prefix: str = "") -> list[Problem]:
         index = tag_index(tag, path_prefix)
     except CkptctlError as exc:
         return [*problems, Problem(ProblemKind.COVERAGE, path_prefix, exc.message)]
-    for entry in index:
-        problem = tiling_problem(entry.shape, [(c.offsets, c.sizes) for c in entry.chunks])
-        if problem is not None:
-            problems.append(Problem(ProblemKind.COVERAGE, entry.name, problem))
-    return problems
+    return problems + coverage_problems(index)
 
 
 def _optim_file_problems(tag: DeepSpeedTag, opened: TorchPickle, path: str) -> list[Problem]:

@@ -50,8 +50,6 @@ from ckptctl.checkpoint import (
 from ckptctl.errors import CkptctlError, UnknownLayout
 from ckptctl.formats.torch_pickle import TorchPickle, open_torch_pickle, storage_problems
 from ckptctl.formats.torch_zip import TorchArchive
-from ckptctl.frameworks.deepspeed import layout as deepspeed
-from ckptctl.frameworks.deepspeed.naming import wrapper_prefix
 from ckptctl.frameworks.hf.layout import safetensors_index, verify_model_files
 from ckptctl.frameworks.hf_trainer.layout import IN_PROGRESS_WINDOW_S
 from ckptctl.io import DirEntry
@@ -70,6 +68,12 @@ from ckptctl.layouts.base import (
     timestamp,
 )
 from ckptctl.layouts.naming import NameStripper, format_namespace_stripper, keep_name
+from ckptctl.layouts.parts.zero_tag.master_weights import checkpoint_master_weights
+from ckptctl.layouts.parts.zero_tag.names import LATEST_NAME, latest_problem
+from ckptctl.layouts.parts.zero_tag.naming import wrapper_prefix
+from ckptctl.layouts.parts.zero_tag.tag import DeepSpeedTag, read_tag
+from ckptctl.layouts.parts.zero_tag.tensor_index import tag_index
+from ckptctl.layouts.parts.zero_tag.verify import verify_tag
 from ckptctl.layouts.resume import ResumeProfile
 
 __all__ = [
@@ -299,7 +303,7 @@ class AccelerateLayout(Layout):
         tag = None
         if 0 in parts.ds_tags:
             try:
-                tag = deepspeed.read_tag(io.join(url, parts.ds_tags[0]))
+                tag = read_tag(io.join(url, parts.ds_tags[0]))
             except CkptctlError as exc:
                 metadata["deepspeed_error"] = exc.message
             else:
@@ -373,10 +377,10 @@ class AccelerateLayout(Layout):
         for name in parts.pickles():
             problems += _pickle_problems(url, name, files[name])
         for index, tag in sorted(parts.ds_tags.items()):
-            problems += deepspeed.verify_tag(io.join(url, tag), f"{tag}/")
+            problems += verify_tag(io.join(url, tag), f"{tag}/")
             if index == max(parts.ds_tags):
                 # Every model's save_checkpoint rewrites `latest` with its own tag: the last model's stays.
-                pointer = deepspeed.latest_problem(url, deepspeed.LATEST_NAME)
+                pointer = latest_problem(url, LATEST_NAME)
                 if pointer is not None:
                     problems.append(pointer)
         from ckptctl.frameworks.dcp.layout import verify_dcp
@@ -434,7 +438,7 @@ class AccelerateLayout(Layout):
         """The fp32 master weights of the DeepSpeed tag (`pytorch_model/`), when the plugin was DeepSpeed."""
         tag = _Parts.of(io.list_dir(checkpoint.url)).ds_tags.get(0)
         prefix = None if tag is None else f"{tag}/"
-        return deepspeed.checkpoint_master_weights(checkpoint, prefix, required=required, notes=notes)
+        return checkpoint_master_weights(checkpoint, prefix, required=required, notes=notes)
 
     def config_folders(self, checkpoint: Checkpoint) -> Sequence[str]:
         """The folder, its parent, and for `checkpoints/checkpoint_N` the project folder above (where a
@@ -534,7 +538,7 @@ def _pickle_problems(url: str, name: str, size: int) -> list[Problem]:
 
 
 def _tensor_index(
-    url: str, parts: _Parts, files: Mapping[str, int], tag: deepspeed.DeepSpeedTag | None
+    url: str, parts: _Parts, files: Mapping[str, int], tag: DeepSpeedTag | None
 ) -> tuple[TensorEntry, ...]:
     entries: list[TensorEntry] = []
     for index, name in sorted(parts.models.items()):
@@ -549,7 +553,7 @@ def _tensor_index(
         entries += _pickle_tensors(open_torch_pickle(io.join(url, name), files[name]), prefix, Component.OPTIMIZER)
     if tag is not None:
         folder = parts.ds_tags[0]
-        inner = deepspeed.tag_index(tag, f"{folder}/")
+        inner = tag_index(tag, f"{folder}/")
         entries += [e for e in inner if not (parts.models and e.component is Component.MODEL)]
     if parts.dcp_models or parts.dcp_optimizers:
         from ckptctl.frameworks.dcp.layout import dcp_tensor_index

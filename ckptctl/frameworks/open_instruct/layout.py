@@ -41,6 +41,7 @@ from ckptctl.io import DirEntry
 from ckptctl.layouts import peek, peek_dir
 from ckptctl.layouts.base import Layout, MasterWeights, folder_size, newest_mtime, timestamp
 from ckptctl.layouts.resume import ResumeProfile
+from ckptctl.quoting import comment, shell
 
 __all__ = ["COMPLETE_MARKER", "DRIVER_STATE_NAME", "REF_POLICY", "OpenInstructLayout"]
 
@@ -347,7 +348,7 @@ class OpenInstructLayout(Layout):
             "rng_keys": list(client.rng_keys),
             "driver_state": sorted(client.driver_keys) if DRIVER_STATE_NAME in {e.name for e in entries} else None,
             "ref_policy": ref_policy,
-            "resume_setting": f"--checkpoint_state_dir {io.parent_of(url)} (reads `latest`)",
+            "resume_setting": shell("--checkpoint_state_dir", io.parent_of(url)) + comment("reads `latest`"),
         }
         if client.error:
             metadata["client_state_error"] = client.error

@@ -49,6 +49,7 @@ from ckptctl.layouts.base import (
     timestamp,
 )
 from ckptctl.layouts.resume import ResumeProfile
+from ckptctl.quoting import shell
 
 __all__ = ["ADAPTER_WEIGHTS", "PeftLayout", "adapter_metadata", "adapter_problems", "lora_adapter"]
 
@@ -265,7 +266,7 @@ def _merge(
         )
     broken = [p for p in factor_problems(factors, settings) if p.severity == "error"]
     if broken:
-        raise CkptctlError(f"{url}: {broken[0].message}", f"run `ckptctl verify {url}`")
+        raise CkptctlError(f"{url}: {broken[0].message}", f"run `{shell('ckptctl', 'verify', url)}`")
     if not factors:
         raise CkptctlError(f"{url} holds no LoRA factors to merge")
     notes += settings.warnings()

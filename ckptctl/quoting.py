@@ -74,5 +74,9 @@ def comment(*remarks: str) -> str:
 
 def yaml_value(text: str) -> str:
     """`text` as a double-quoted YAML scalar (JSON's string syntax, which YAML reads the same), so that a
-    `#`, a `: ` or a line break in a path stays part of the value."""
-    return json.dumps(text)
+    `#`, a `: ` or a line break in a path stays part of the value. Characters outside ASCII stay as they are
+    (YAML readers do not join JSON's surrogate pairs), but for DEL, C1 and the Unicode line breaks, which YAML
+    takes only escaped."""
+    return re.sub(
+        r"[\x7f-\x9f\u2028\u2029]", lambda m: f"\\u{ord(m.group()):04x}", json.dumps(text, ensure_ascii=False)
+    )

@@ -20,6 +20,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from ckptctl import io
 from ckptctl.checkpoint import Checkpoint, CheckpointRef, CheckpointState, Component
@@ -357,3 +359,23 @@ def test_json_round_trips_every_sequence(run_cli: Cli, hostile_run: Path) -> Non
     urls = [c["url"] for c in listed["checkpoints"]]
     assert urls and all(u.startswith(str(hostile_run)) for u in urls)
     assert json.loads(json.dumps(listed)) == listed
+
+
+@given(st.text())
+def test_quoting_gives_back_any_text(text: str) -> None:
+    """The helpers every suggestion is built with, on any text: one shell word, one Python string, one YAML
+    value, a comment that no character ends, and nothing a terminal would act on."""
+    from ckptctl.quoting import Code, comment, python_call, shell, yaml_value
+
+    assert RAW.search(printable(text)) is None and "\n" not in printable(text)
+    assert "\n" not in comment(text) and "\r" not in comment(text)
+    word = text.replace("\x00", "")  # no shell word holds NUL
+    assert shlex.split(shell("ckptctl", "list", word)) == ["ckptctl", "list", word]
+    call = ast.parse(python_call("f", Code("state"), text, key=text) + comment(text)).body
+    assert len(call) == 1 and isinstance(call[0], ast.Expr) and isinstance(call[0].value, ast.Call)
+    assert [ast.literal_eval(a) for a in call[0].value.args[1:]] == [text]
+    assert ast.literal_eval(call[0].value.keywords[0].value) == text
+    if not any(0xD800 <= ord(c) <= 0xDFFF for c in text):  # a lone surrogate is no YAML text
+        import yaml
+
+        assert yaml.safe_load("k: " + yaml_value(text) + comment(text)) == {"k": text}

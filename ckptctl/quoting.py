@@ -17,13 +17,16 @@ import shlex
 __all__ = ["Code", "comment", "has_control", "printable", "python_call", "shell", "yaml_value"]
 
 #: What `printable` escapes: the C0 controls, DEL and the C1 controls (Unicode's category Cc).
-_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+#: And the surrogates: a file name that is not UTF-8 holds its bytes as U+DC80..U+DCFF (`os.fsdecode`), which
+#: a stream writing with `surrogateescape` turns back into raw bytes: 0x9b is a C1 CSI.
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\ud800-\udfff]")
 _NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
 
 
 def printable(text: str) -> str:
-    """`text` with its control characters written as escapes (`\\x1b`, `\\x9b`, `\\x7f`, `\\n`), so that no
-    byte of it drives a terminal (clears the screen, sets the title, writes the clipboard) or ends a line."""
+    """`text` with its control characters written as escapes (`\\x1b`, `\\x9b`, `\\x7f`, `\\n`; a byte of
+    a name that is not UTF-8 as `\\xNN` too), so that nothing in it drives a terminal (clears the screen,
+    sets the title, writes the clipboard) or ends a line."""
     return _CONTROL.sub(_escape, text)
 
 
@@ -34,7 +37,10 @@ def has_control(text: str) -> bool:
 
 def _escape(match: re.Match[str]) -> str:
     char = match.group()
-    return _NAMED.get(char) or f"\\x{ord(char):02x}"
+    code = ord(char)
+    if 0xDC80 <= code <= 0xDCFF:  # the byte that `surrogateescape` decoded
+        code -= 0xDC00
+    return _NAMED.get(char) or (f"\\x{code:02x}" if code <= 0xFF else f"\\u{code:04x}")
 
 
 def shell(*words: str) -> str:

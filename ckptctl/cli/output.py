@@ -239,8 +239,11 @@ def styled(text: str, style: str) -> Text:
     """`text` (literal, never markup; control characters escaped) in `style` (colours show in a terminal only).
 
     Strings from a checkpoint become rich text only here and in `Output`: rich's `Text` would silently drop
-    some control characters (BEL, CR) that `printable` shows."""
-    return Text(printable(text), style=style)
+    some control characters (BEL, CR) that `printable` shows. The style is a span, not the text's own style,
+    so that `styled(url, "green") + styled(" (DeepSpeed)", "")` colours the url alone."""
+    shown = Text(printable(text))
+    shown.stylize(style)
+    return shown
 
 
 def when(value: datetime | None, *, now: datetime | None = None) -> str:

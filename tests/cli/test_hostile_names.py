@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import builtins
 import json
+import os
 import re
 import shlex
 import subprocess
@@ -37,11 +38,13 @@ Cli = Callable[..., CliResult]
 #: Erase the screen, set the window title, write the clipboard (OSC 52), a C1 CSI, DEL.
 SEQUENCES = ["\x1b[2J", "\x1b]0;title\x07", "\x1b]52;c;cHduZWQ=\x07", "\x9b31m", "\x7f"]
 HOSTILE = "run" + "".join(SEQUENCES)
+#: A name that is not UTF-8: its bytes 0x9b (a C1 CSI) and 0xe9 reach Python as surrogates (`os.fsdecode`).
+NOT_UTF8 = os.fsdecode(b"raw\x9b2J\xe9")
 #: Rich markup in tensor names: it must print as written and never open a style or a link.
 MARKUP = ["[bold]x", "[link=https://example.com]y[/link]", "\x1b]8;;https://example.com\x07z"]
 
 #: Any control character but the line break: none may reach a terminal from human output.
-RAW = re.compile(r"[\x00-\x09\x0b-\x1f\x7f-\x9f]")
+RAW = re.compile(r"[\x00-\x09\x0b-\x1f\x7f-\x9f\ud800-\udfff]")
 #: What rich itself writes to a colour terminal: styles, and the cursor moves of a progress bar.
 RICH_OWN = re.compile(r"\x1b\[(?:[0-9;]*m|\?25[lh]|2K|[0-9]*[AG])|\r")
 
@@ -85,13 +88,15 @@ def _strings(document: Any) -> Iterator[str]:
 
 
 @pytest.mark.usefixtures("wide")
-def test_human_output_escapes_a_run_folder_name(run_cli: Cli, hostile_run: Path, tmp_path: Path) -> None:
-    for command, args in _commands(hostile_run, tmp_path / HOSTILE / "hf").items():
+@pytest.mark.parametrize("name", [HOSTILE, NOT_UTF8], ids=["sequences", "not-utf8"])
+def test_human_output_escapes_a_run_folder_name(run_cli: Cli, demo_dir: Path, tmp_path: Path, name: str) -> None:
+    run = copy_tree(demo_dir / "native", tmp_path / name / "native")
+    for command, args in _commands(run, tmp_path / name / "hf").items():
         result = run_cli(*args)
         assert result.exit_code in (0, 1), (command, result.stderr)
         shown = result.stdout + result.stderr
         assert RAW.search(shown) is None, (command, shown)
-        assert printable(HOSTILE) in shown, (command, shown)
+        assert printable(name) in shown, (command, shown)
 
 
 @pytest.mark.usefixtures("wide")

@@ -23,6 +23,7 @@ from ckptctl.cli import list as list_command
 from ckptctl.cli.command import Group
 from ckptctl.errors import CkptctlError
 from ckptctl.ops.distributed_work import launched
+from ckptctl.quoting import printable
 
 #: The exit code of an interrupted command (128 + SIGINT, as shells report it).
 INTERRUPTED = 130
@@ -157,13 +158,16 @@ def _usage_error(exc: Exception) -> tuple[str, str] | None:
 
 
 def _fail(message: str, hint: str, code: int, kind: str, json_mode: bool, *, label: str = "error") -> int:
-    """Report an error on stderr (and as `{"schema_version": 1, "error": {...}}` on stdout with --json)."""
+    """Report an error on stderr (and as `{"schema_version": 1, "error": {...}}` on stdout with --json).
+
+    Messages quote paths and names from the checkpoint: stderr shows their control characters escaped, the
+    JSON document keeps them exact."""
     if json_mode:
         error = {"type": kind, "message": message, "hint": hint or None, "exit_code": code}
         sys.stdout.write(json.dumps({"schema_version": 1, "error": error}, indent=2) + "\n")
-    sys.stderr.write(f"{label}: {message}\n")
+    sys.stderr.write(f"{label}: {printable(message)}\n")
     if hint:
-        sys.stderr.write(f"hint: {hint}\n")
+        sys.stderr.write(f"hint: {printable(hint)}\n")
     return code
 
 

@@ -11,7 +11,7 @@ import typer
 from ckptctl.checkpoint import Component
 from ckptctl.cli.command import add_command
 from ckptctl.cli.options import ComponentOpt, JsonOpt, LayoutOpt, QuietOpt, bad_value
-from ckptctl.cli.output import Output, esc, human_bytes
+from ckptctl.cli.output import Output, human_bytes, styled
 from ckptctl.cli.ranks import WorkersOpt, job_ranks, prints
 
 if TYPE_CHECKING:
@@ -325,21 +325,19 @@ def _render(out: Output, result: ConvertResult) -> None:
     source = result.checkpoint or result.src
     masters = ", fp32 master weights" if result.weights == "master" else ""
     out.print(
-        "[green]converted[/green] "
-        + esc(
-            f"{result.tensors} tensors ({human_bytes(result.bytes)}{cast}) from {source} "
-            f"({result.layout}{masters}) to {result.dst} ({result.to}) in {result.seconds:.1f} s, {rate}"
-        )
+        styled("converted", "green"),
+        f"{result.tensors} tensors ({human_bytes(result.bytes)}{cast}) from {source} "
+        f"({result.layout}{masters}) to {result.dst} ({result.to}) in {result.seconds:.1f} s, {rate}",
     )
     weights = [f for f in result.files if f.endswith((".safetensors", ".distcp"))]
     others = len(result.files) - len(weights)
-    out.print(esc(f"  files: {', '.join(weights) or '-'}" + (f" (+ {others} more)" if others else "")))
+    out.print(f"  files: {', '.join(weights) or '-'}" + (f" (+ {others} more)" if others else ""))
     if result.copied:
-        out.print(esc(f"  copied: {', '.join(result.copied)}"))
+        out.print(f"  copied: {', '.join(result.copied)}")
     if result.base:
-        out.print(esc(f"  merged the adapter into {result.base}: {result.derived} tensor(s) computed"))
+        out.print(f"  merged the adapter into {result.base}: {result.derived} tensor(s) computed")
     if result.uploaded:
-        out.print(esc(f"  uploaded {human_bytes(result.uploaded)} to {result.dst}"))
+        out.print(f"  uploaded {human_bytes(result.uploaded)} to {result.dst}")
     if result.model is not None:
         check = result.model
         tied = f"; tied: {', '.join(check.tied)}" if check.tied else ""
@@ -348,6 +346,6 @@ def _render(out: Output, result: ConvertResult) -> None:
             if check.logits_max_abs_diff is not None
             else ""
         )
-        out.print(esc(f"  model: {check.tensors} tensors as {check.architecture} expects them{tied}{logits}"))
+        out.print(f"  model: {check.tensors} tensors as {check.architecture} expects them{tied}{logits}")
     if result.assembled:
         out.print(f"  {result.assembled} tensor(s) assembled in memory (not contiguous in their source)")

@@ -8,7 +8,8 @@ import typer
 
 from ckptctl.cli.command import add_command
 from ckptctl.cli.options import JsonOpt, QuietOpt
-from ckptctl.cli.output import Output, esc
+from ckptctl.cli.output import Output
+from ckptctl.quoting import shell
 
 HELP = """Train a tiny model for a few steps and write real checkpoints to try every command on.
 
@@ -49,5 +50,5 @@ def demo(
         out.json(result.to_json())
         return
     for run in result.runs:
-        out.print(esc(f"wrote {folder}/{run}"))
-    out.print(esc(f"next: ckptctl list {folder}"))
+        out.print(f"wrote {folder}/{run}")
+    out.print(f"next: {shell('ckptctl', 'list', folder)}")

@@ -1,4 +1,11 @@
-"""One output object for every command: data to stdout (rich for people, JSON for scripts), the rest to stderr."""
+"""One output object for every command: data to stdout (rich for people, JSON for scripts), the rest to stderr.
+
+Every string a person sees goes through `Output` (and the error boundary through `printable`): names from a
+checkpoint (folders, files, tensors, the messages that quote them) are never markup, and their control
+characters are shown as escapes (`\\x1b`), so that a folder named `ESC[2J` or holding an OSC 52 sequence
+cannot clear the screen, set the title or write the clipboard. JSON output keeps every name exact (JSON
+escapes control characters itself).
+"""
 
 from __future__ import annotations
 
@@ -11,12 +18,12 @@ from typing import Any, Literal
 
 from rich.cells import cell_len
 from rich.console import Console
-from rich.markup import escape
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 from rich.table import Table
-from rich.text import Text
+from rich.text import Span, Text
 
 from ckptctl.ops.report import finite_json
+from ckptctl.quoting import has_control, printable
 
 #: Between two columns of a table.
 _GAP = "  "
@@ -64,10 +71,11 @@ class Output:
         sys.stdout.write(json.dumps(finite_json(document), indent=2, allow_nan=False) + "\n")
         sys.stdout.flush()
 
-    def print(self, *renderables: Any) -> None:
-        """Human output (stdout); nothing in JSON or quiet mode."""
+    def print(self, *parts: Cell) -> None:
+        """One line of human output (stdout), the parts joined by spaces; strings are literal text (colour
+        comes from `styled` parts). Nothing in JSON or quiet mode."""
         if not self.json_mode and not self.quiet:
-            self.out.print(*renderables)
+            self.out.print(Text(" ").join(_text(part) for part in parts))
 
     def table(self, columns: Sequence[Column], rows: Sequence[Sequence[Cell]], *, title: str | None = None) -> None:
         """Rows under a header line, columns aligned, no borders (as `docker ps` and `kubectl get` print).
@@ -88,8 +96,8 @@ class Output:
         if terminal:
             shown, widths = _fit(columns, widths, self.out.width)
         if title:
-            self.out.print(Text(title, style="bold" if terminal else ""))
-        header = [Text(c.header, style="bold" if terminal else "") for c in columns]
+            self.out.print(styled(title, "bold" if terminal else ""))
+        header = [styled(c.header, "bold" if terminal else "") for c in columns]
         for row in (header, *cells):
             line = Text()
             for i in shown:
@@ -118,23 +126,23 @@ class Output:
             grid.add_column(style="bold", no_wrap=True)
             grid.add_column()
             for name, value in rows:
-                grid.add_row(name, _text(value))
+                grid.add_row(_text(name), _text(value))
             self.out.print(grid)
             return
         width = max((cell_len(name) for name, _ in rows), default=0)
         for name, value in rows:
-            line = Text(name + " " * (width - cell_len(name)) + _GAP) + _text(value)
+            line = _text(name + " " * (width - cell_len(name)) + _GAP) + _text(value)
             line.rstrip()
             self.out.print(line, no_wrap=True, overflow="ignore", crop=False)
 
     def note(self, message: str) -> None:
         """A remark for a person (stderr), printed as plain text; nothing in quiet mode."""
         if not self.quiet:
-            self.err.print(message, markup=False)
+            self.err.print(_text(message))
 
     def warn(self, message: str) -> None:
         """A warning (stderr), printed as plain text after a coloured label."""
-        self.err.print(f"[yellow]warning:[/yellow] {esc(message)}")
+        self.err.print(styled("warning:", "yellow") + " " + _text(message))
 
     def progress(self) -> RichProgress:
         """A progress sink for `ckptctl.ops` that draws on stderr when it is a terminal that can redraw a line
@@ -157,7 +165,7 @@ class RichProgress:
             return
         self.finish()
         self._bar = Progress(
-            TextColumn("{task.description}"),
+            TextColumn("{task.description}", markup=False),
             BarColumn(),
             DownloadColumn(),
             TransferSpeedColumn(),
@@ -166,7 +174,7 @@ class RichProgress:
             transient=True,
         )
         self._bar.start()
-        self._task = self._bar.add_task(description, total=total)
+        self._task = self._bar.add_task(printable(description), total=total)
 
     def advance(self, amount: int) -> None:
         if self._bar is not None:
@@ -179,7 +187,23 @@ class RichProgress:
 
 
 def _text(cell: Cell) -> Text:
-    return cell if isinstance(cell, Text) else Text(cell)
+    """A cell as rich text with its control characters escaped (a `Text`'s styles move along with them)."""
+    if isinstance(cell, str):
+        return Text(printable(cell))
+    plain = cell.plain
+    if not has_control(plain):
+        return cell
+    # Where each character of `plain` starts in the escaped text, so that every span keeps its characters.
+    starts, pieces, at = [], [], 0
+    for char in plain:
+        starts.append(at)
+        piece = printable(char)
+        pieces.append(piece)
+        at += len(piece)
+    starts.append(at)
+    escaped = cell.blank_copy("".join(pieces))
+    escaped.spans = [Span(starts[s.start], starts[s.end], s.style) for s in cell.spans]
+    return escaped
 
 
 def _fit(columns: Sequence[Column], widths: list[int], available: int) -> tuple[list[int], list[int]]:
@@ -212,8 +236,14 @@ def _fit(columns: Sequence[Column], widths: list[int], available: int) -> tuple[
 
 
 def styled(text: str, style: str) -> Text:
-    """`text` (literal, never markup) in `style` (colours show in a terminal only)."""
-    return Text(text, style=style)
+    """`text` (literal, never markup; control characters escaped) in `style` (colours show in a terminal only).
+
+    Strings from a checkpoint become rich text only here and in `Output`: rich's `Text` would silently drop
+    some control characters (BEL, CR) that `printable` shows. The style is a span, not the text's own style,
+    so that `styled(url, "green") + styled(" (DeepSpeed)", "")` colours the url alone."""
+    shown = Text(printable(text))
+    shown.stylize(style)
+    return shown
 
 
 def when(value: datetime | None, *, now: datetime | None = None) -> str:
@@ -224,16 +254,6 @@ def when(value: datetime | None, *, now: datetime | None = None) -> str:
     local = value.astimezone()
     current = (now or datetime.now()).astimezone()
     return local.strftime("%m-%d %H:%M:%S" if local.year == current.year else "%Y-%m-%d %H:%M:%S")
-
-
-def esc(value: object) -> str:
-    """`value` as literal text inside rich markup.
-
-    Every string that comes from the user or the checkpoint (paths, tensor names, notes, messages) goes
-    through this before it meets markup: a folder named `exp[lr=3e-4]` would otherwise lose its brackets
-    and one named `run[/bold]` would crash the renderer.
-    """
-    return escape(str(value))
 
 
 def human_bytes(n: int | None) -> str:

@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Annotated
 
 import typer
-from rich.text import Text
 
 from ckptctl.cli.command import add_command
 from ckptctl.cli.options import JsonOpt, QuietOpt, RunLayoutOpt
@@ -87,10 +86,10 @@ def _render(out: Output, plan: ResumePlan) -> None:
     facts: list[tuple[str, Cell]] = []
     chosen = plan.checkpoint
     if chosen is None:
-        facts.append(("resume from", styled("nothing resumable", "red") + Text(f" in {plan.run}")))
+        facts.append(("resume from", styled("nothing resumable", "red") + styled(f" in {plan.run}", "")))
     else:
         step = "" if chosen.step is None else f", step {chosen.step}"
-        facts.append(("resume from", styled(chosen.url, "green") + Text(f" ({plan.framework}{step})")))
+        facts.append(("resume from", styled(chosen.url, "green") + styled(f" ({plan.framework}{step})", "")))
     for skipped in plan.skipped:
         step = "" if skipped.step is None else f" (step {skipped.step})"
         facts.append(("skipped", f"{skipped.url}{step}: {skipped.reason}"))
@@ -99,18 +98,20 @@ def _render(out: Output, plan: ResumePlan) -> None:
         facts.append(("continues from", counters or "-"))
         facts.append(("restores", ", ".join(plan.restores) or "-"))
         for name in plan.missing:
-            facts.append(("not restored", styled(name, "yellow") + Text(f": {plan.impacts.get(name, '')}")))
+            facts.append(("not restored", styled(name, "yellow") + styled(f": {plan.impacts.get(name, '')}", "")))
         check = plan.world_size
         if check is not None:
             verdict = {True: styled("ok", "green"), False: styled("no", "red"), None: styled("unknown", "yellow")}
             saved = "" if check.saved is None else f" (saved on {check.saved})"
-            facts.append(("ranks", Text(f"{check.target}{saved}: ") + verdict[check.ok] + Text(f"; {check.note}")))
+            facts.append(
+                ("ranks", styled(f"{check.target}{saved}: ", "") + verdict[check.ok] + styled(f"; {check.note}", ""))
+            )
             if check.fix:
                 facts.append(("first run", check.fix))
             if check.bytes_per_rank is not None:
                 facts.append(("reads per rank", f"~{human_bytes(check.bytes_per_rank)}"))
         facts.append(("setting", plan.resume_hint or "-"))
         for blocker in plan.blockers:
-            facts.append(("fails", styled(blocker.url, "red") + Text(f": {blocker.reason}")))
+            facts.append(("fails", styled(blocker.url, "red") + styled(f": {blocker.reason}", "")))
             facts.append(("first", blocker.fix))
     out.facts(facts)

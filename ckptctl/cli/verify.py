@@ -9,7 +9,7 @@ import typer
 from ckptctl.checkpoint import ProblemKind
 from ckptctl.cli.command import add_command
 from ckptctl.cli.options import JsonOpt, LayoutOpt, QuietOpt, bad_value
-from ckptctl.cli.output import Output, esc
+from ckptctl.cli.output import Output, styled
 from ckptctl.cli.ranks import WorkersOpt, job_ranks, prints
 
 if TYPE_CHECKING:
@@ -125,12 +125,12 @@ def _render(out: Output, result: VerifyResult) -> None:
         checks += f", {result.tensors_read} tensor(s) read"
     if result.wrote_digests:
         checks += ", digests recorded"
-    mark = "[green]ok[/green]" if result.ok else "[red]FAILED[/red]"
-    out.print(f"{mark}  {esc(result.url)} ({esc(result.layout)}{step}; {checks})")
+    mark = styled("ok", "green") if result.ok else styled("FAILED", "red")
+    out.print(mark, f" {result.url} ({result.layout}{step}; {checks})")
     for problem in result.problems[:_SHOWN]:
         colour = "red" if problem.severity == "error" else "yellow"
         where = f"{problem.path}: " if problem.path and not problem.message.startswith(problem.path) else ""
-        out.print(f"    [{colour}]{esc(problem.kind)}[/{colour}] {esc(where + problem.message)}")
+        out.print("   ", styled(problem.kind, colour), where + problem.message)
     if len(result.problems) > _SHOWN:
         out.print(f"    ... and {len(result.problems) - _SHOWN} more problem(s): --json lists them all")
 

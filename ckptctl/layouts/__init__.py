@@ -24,6 +24,7 @@ from ckptctl.checkpoint import Checkpoint, CheckpointRef
 from ckptctl.errors import CheckpointNotFound, CkptctlError, UnknownLayout
 from ckptctl.formats.framework_classes import FrameworkClasses
 from ckptctl.layouts.base import Layout
+from ckptctl.quoting import shell
 
 __all__ = [
     "DEFAULT_SCAN_DEPTH",
@@ -318,7 +319,7 @@ def _not_a_checkpoint(url: str, entries: Sequence[io.DirEntry], layout: str | No
     if explain and layout is None and any(e.is_dir for e in entries):
         inner = scan_run(url, max_depth=2)
         if inner:
-            hint = f"this looks like a run folder with {len(inner)} checkpoint(s); use `ckptctl list {url}` or pass one of them"
+            hint = f"this looks like a run folder with {len(inner)} checkpoint(s); use `{shell('ckptctl', 'list', url)}` or pass one of them"
     return UnknownLayout(f"{url} is not a checkpoint of any known layout (tried: {tried})", hint)
 
 

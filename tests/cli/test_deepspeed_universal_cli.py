@@ -109,8 +109,8 @@ def test_resume_plan_on_another_world_size_loads_the_universal_checkpoint(
     assert (doc["checkpoint"]["layout"], doc["checkpoint"]["step"]) == ("deepspeed_universal", 4)
     assert doc["world_size_ok"] is True and doc["world_size"]["target"] == 4 and doc["world_size"]["fix"] == ""
     assert doc["resume_hint"] == (
-        f'engine.load_checkpoint("{save_dir}", tag="{UNIVERSAL_TAG}") with "checkpoint": {{"load_universal": true}} '
-        "in the DeepSpeed config"
+        f"engine.load_checkpoint({str(save_dir)!r}, tag={UNIVERSAL_TAG!r})  # with "
+        '"checkpoint": {"load_universal": true} in the DeepSpeed config'
     )
     assert "ds_to_universal" not in result.stdout  # the conversion exists: nobody is told to run it again
     (skipped,) = doc["skipped"]
@@ -133,12 +133,13 @@ def test_a_broken_conversion_is_not_loaded(run_cli: Cli, deepspeed_universal: Wr
     doc = run_cli("resume-plan", save_dir, "--world-size", "4", "--json").json
     assert doc["checkpoint"]["url"] == str(save_dir / "global_step4") and doc["world_size_ok"] is False
     fix = doc["world_size"]["fix"]
-    assert fix.startswith(
-        f"{UNIVERSAL_TAG}, its universal conversion, cannot be loaded (fails verify: zero/{PARAM}/exp_avg.pt: "
-    )
-    assert "delete it; python -m deepspeed.checkpoint.ds_to_universal" in fix
+    assert fix.startswith("python -m deepspeed.checkpoint.ds_to_universal")
     # A plain engine's tag records no universal_checkpoint_info: ds_to_universal refuses it without this.
-    assert f"--output_folder {save_dir / UNIVERSAL_TAG} --inject_missing_state;" in fix
+    assert f"--output_folder {save_dir / UNIVERSAL_TAG} --inject_missing_state  # first delete " in fix
+    assert (
+        f"# first delete {UNIVERSAL_TAG}, its universal conversion, which cannot be loaded (fails verify: "
+        f"zero/{PARAM}/exp_avg.pt: "
+    ) in fix
 
 
 def test_list_marks_what_latest_universal_names(run_cli: Cli, deepspeed_universal: WrittenUniversal) -> None:
@@ -179,15 +180,18 @@ def test_open_instruct_converts_at_start_up_when_asked(
     doc = run_cli("resume-plan", state, "--world-size", "4", "--json").json
     assert doc["checkpoint"]["url"] == str(state / "global_step4") and doc["world_size_ok"] is False
     fix = doc["world_size"]["fix"]
-    assert fix.startswith(f"delete ds_universal_global_step4 (fails verify: zero/{PARAM}/fp32.pt: ")
-    assert "open-instruct loads an existing ds_universal_global_step4 as it is; then --checkpoint_state_dir" in fix
+    assert fix.startswith(
+        f"--checkpoint_state_dir {state} --deepspeed_checkpoint_load_universal  # first delete "
+        f"ds_universal_global_step4 (fails verify: zero/{PARAM}/fp32.pt: "
+    )
+    assert "open-instruct loads an existing ds_universal_global_step4 as it is; at start-up" in fix
     # Without one, the flag is all it takes: open-instruct converts the tag itself.
     shutil.rmtree(conversion)
     (state / "latest_universal").unlink()
     doc = run_cli("resume-plan", state, "--world-size", "4", "--json").json
     assert doc["world_size"]["fix"] == (
-        f"--checkpoint_state_dir {state} --deepspeed_checkpoint_load_universal: at start-up open-instruct converts "
-        "the tag `latest` names into ds_universal_global_step4 (ds_to_universal) and loads it"
+        f"--checkpoint_state_dir {state} --deepspeed_checkpoint_load_universal  # at start-up open-instruct "
+        "converts the tag `latest` names into ds_universal_global_step4 (ds_to_universal) and loads it"
     )
 
 
@@ -199,8 +203,8 @@ def test_openrlhf_loads_its_conversions_with_its_flag(run_cli: Cli, deepspeed_un
     doc = run_cli("resume-plan", ckpt, "--world-size", "4", "--json").json
     assert doc["checkpoint"]["url"] == str(ckpt / "_actor" / "best_global_step4_uni") and doc["world_size_ok"] is True
     assert doc["resume_hint"] == (
-        f"--load_checkpoint --ckpt_path {ckpt} --use_ds_universal_ckpt (OpenRLHF >= 0.10.2: --ckpt.load_enable "
-        f"--ckpt.path {ckpt} --ds.use_universal_ckpt)"
+        f"--load_checkpoint --ckpt_path {ckpt} --use_ds_universal_ckpt  # OpenRLHF >= 0.10.2: --ckpt.load_enable "
+        f"--ckpt.path {ckpt} --ds.use_universal_ckpt"
     )
     assert not any("critic" in w for w in doc["warnings"])
 

@@ -86,7 +86,7 @@ def test_resume_plan_exits_1_when_it_cannot_load_on_the_ranks_asked(
     other = run_cli("resume-plan", zero2.save_dir, "--world-size", "16", "--json")
     assert other.exit_code == 1 and other.json["world_size_ok"] is False
     hint = other.json["resume_hint"]
-    assert 'tag="global_step4_universal"' in hint and "below" not in hint and "ds_to_universal" in hint
+    assert "tag='global_step4_universal'" in hint and "below" not in hint and "ds_to_universal" in hint
     human = run_cli("resume-plan", zero2.save_dir, "--world-size", "16")
     assert human.exit_code == 1 and "ranks" in human.stdout and "ds_to_universal" in human.stdout
 

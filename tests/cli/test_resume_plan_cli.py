@@ -36,7 +36,7 @@ def test_plan_exits_0(run_cli: Cli, demo_dir: Path) -> None:
     }
     assert doc["skipped"] == [] and doc["world_size_ok"] is True and doc["bytes_per_rank"] > 0
     assert doc["restores"][:2] == ["model", "optimizer"] and doc["missing"] == ["dataloader"]
-    assert doc["resume_hint"] == f'CheckpointManager("{run}").restore(state)'
+    assert doc["resume_hint"] == f"CheckpointManager({str(run)!r}).restore(state)"
     assert "warning: " in result.stderr  # warnings go to stderr too
 
     human = run_cli("resume-plan", run)

@@ -41,7 +41,7 @@ def test_every_resume_follows_the_branch_the_run_is_on(interrupted_saves: Interr
         plan = run_cli("resume-plan", folder, "--json")
         assert plan.exit_code == 0, plan.stderr
         assert os.path.basename(plan.json["checkpoint"]["url"]) == resumed
-        assert plan.json["resume_hint"] == f'CheckpointManager("{folder}").restore(state)'  # no step needed
+        assert plan.json["resume_hint"] == f"CheckpointManager({str(folder)!r}).restore(state)"  # no step needed
         verified = run_cli("verify", folder, "--latest", "--json")
         assert verified.exit_code == 0 and [os.path.basename(r["url"]) for r in verified.json["results"]] == [resumed]
 

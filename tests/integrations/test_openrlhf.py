@@ -200,7 +200,7 @@ def test_resume_plan_of_the_critic_folder(openrlhf_ppo: WrittenOpenRlhf, torn: P
     assert plan["checkpoint"]["url"] == str(torn / "_critic" / "best_global_step2")
     assert [(s["url"], s["step"]) for s in plan["skipped"]] == [(str(torn / "_critic" / "global_step3"), 3)]
     assert plan["resume_hint"].endswith(
-        "(it loads the tag `_critic/latest` names: write best_global_step2 into _critic/latest first)"
+        "; it loads the tag `_critic/latest` names: write best_global_step2 into _critic/latest first"
     )
     assert any(
         "the actor resumes from global_step3 (step 3) and the critic from best_global_step2" in w

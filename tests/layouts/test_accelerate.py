@@ -128,7 +128,7 @@ def test_resume_plan_gives_load_state_and_what_it_restores(accelerate_runs: Writ
         doc = result.json
         newest = str(project / "checkpoints" / "checkpoint_2")
         assert (doc["checkpoint"]["url"], doc["checkpoint"]["layout"]) == (newest, "accelerate")
-        assert doc["resume_hint"] == f'accelerator.load_state("{newest}")'
+        assert doc["resume_hint"] == f"accelerator.load_state({newest!r})"
         assert doc["restores"] == ["model", "optimizer", "scheduler", "rng"]
         assert doc["missing"] == ["dataloader", "trainer_state"]
         assert "skip_first_batches" in doc["impacts"]["dataloader"]
@@ -136,7 +136,7 @@ def test_resume_plan_gives_load_state_and_what_it_restores(accelerate_runs: Writ
         assert any("project_configuration.iteration = 3" in w for w in doc["warnings"])
     named = run_cli("resume-plan", accelerate_runs.named.parent, "--json").json
     assert named["restores"] == ["model", "optimizer", "scheduler", "rng", "dataloader"]
-    assert named["resume_hint"] == f'accelerator.load_state("{accelerate_runs.named}")'
+    assert named["resume_hint"] == f"accelerator.load_state({str(accelerate_runs.named)!r})"
 
 
 def test_a_resume_that_restarted_the_numbering(accelerate_runs: WrittenAccelerate, run_cli: Cli) -> None:

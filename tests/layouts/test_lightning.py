@@ -188,14 +188,14 @@ def test_resume_plan_names_ckpt_path(run_cli: Cli, lightning_run: WrittenLightni
     doc = copied.json
     assert doc["checkpoint"]["url"] == str(lightning_run.checkpoints / "last.ckpt")
     assert doc["checkpoint"]["step"] == STEPS
-    assert 'ckpt_path="last"' in doc["resume_hint"]
+    assert "ckpt_path='last'" in doc["resume_hint"]
     assert {"model", "optimizer", "scheduler", "trainer_state"} <= set(doc["restores"])
     assert "rng" in doc["missing"] and "no RNG state" in doc["impacts"]["rng"]
     linked = run_cli("resume-plan", lightning_run.linked, "--json").json
     assert linked["checkpoint"]["url"] == str(lightning_run.linked / f"epoch=0-step={STEPS}.ckpt")
     assert (
         linked["resume_hint"]
-        == f'trainer.fit(model, ckpt_path="{lightning_run.linked / f"epoch=0-step={STEPS}.ckpt"}")'
+        == f"trainer.fit(model, ckpt_path={str(lightning_run.linked / f'epoch=0-step={STEPS}.ckpt')!r})"
     )
     sharded = run_cli("resume-plan", lightning_run.sharded.parent, "--world-size", "4", "--json").json
     assert sharded["world_size_ok"] is True and sharded["world_size"]["saved"] == 2

@@ -66,7 +66,7 @@ def test_resume_plan_and_prune(run_cli: Cli, lightning_run: WrittenLightning, tm
     plan = run_cli("resume-plan", lightning_run.deepspeed, "--json")
     assert plan.exit_code == 0, plan.stderr
     assert plan.json["checkpoint"]["step"] == 2 and plan.json["world_size_ok"] is True
-    assert 'ckpt_path="' in plan.json["resume_hint"]
+    assert "ckpt_path='" in plan.json["resume_hint"]
     wider = run_cli("resume-plan", lightning_run.deepspeed, "--world-size", "2", "--json")
     assert wider.json["world_size_ok"] is False  # ZeRO-2 partitions need a universal checkpoint
     run = copy_tree(lightning_run.deepspeed, tmp_path / "run")

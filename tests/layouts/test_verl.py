@@ -186,7 +186,7 @@ def test_resume_plan_gives_verls_own_settings(verl_run: WrittenVerl, tmp_path: P
     assert latest.exit_code == 0, latest.stderr
     assert latest.json["checkpoint"]["url"] == str(run / "global_step_2")
     assert latest.json["resume_hint"] == (
-        f"trainer.resume_mode=auto trainer.default_local_dir={run} (its {TRACKER} names global_step_2)"
+        f"trainer.resume_mode=auto trainer.default_local_dir={run}  # its {TRACKER} names global_step_2"
     )
     older = run_cli("resume-plan", run / "global_step_1", "--json")
     assert older.exit_code == 0, older.stderr

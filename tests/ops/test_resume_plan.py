@@ -55,7 +55,7 @@ def test_native_run_on_one_and_four_ranks(demo_dir: Path) -> None:
     plan = plan_resume(run, cuda=True)
     assert plan.checkpoint is not None and _name(plan.checkpoint.url) == "step-30"
     assert plan.framework == "ckptctl" and not plan.skipped
-    assert plan.resume_hint == f'CheckpointManager("{run}").restore(state)'
+    assert plan.resume_hint == f"CheckpointManager({str(run)!r}).restore(state)"
     assert plan.restores == ("model", "optimizer", "scheduler", "rng", "trainer_state")
     assert plan.missing == ("dataloader",) and "sampler" in plan.impacts["dataloader"]
     assert plan.continues_from == {"step": 30, "epoch": None}
@@ -95,7 +95,7 @@ def test_broken_newest_native_step_is_skipped_and_the_hint_names_the_step(demo_d
     (skipped,) = plan.skipped
     assert _name(skipped.url) == "step-30" and skipped.step == 30
     assert skipped.reason.startswith("fails verify: model.safetensors")
-    assert plan.resume_hint == f'CheckpointManager("{run}").restore(state, step=20)'
+    assert plan.resume_hint == f"CheckpointManager({str(run)!r}).restore(state, step=20)"
     assert any("step-20 lacks RNG state cuda that step-30 has" in w for w in plan.warnings)
 
 
@@ -113,7 +113,7 @@ def test_dcp_run_skips_a_save_in_progress_and_warns_about_an_overwrite(demo_dir:
     (skipped,) = plan.skipped
     assert (skipped.step, skipped.state) == (40, CheckpointState.IN_PROGRESS)
     assert skipped.reason.startswith("in progress: no .metadata")
-    assert plan.resume_hint == f'dcp.load(state, checkpoint_id="{run / "step-30"}")'
+    assert plan.resume_hint == f"dcp.load(state, checkpoint_id={str(run / 'step-30')!r})"
     assert plan.world_size is not None and plan.world_size.ok is True and plan.world_size.saved == 2
     tensor_bytes = 397_333 * 3  # model + optimizer of the demo, from its metadata
     assert plan.world_size.bytes_per_rank == pytest.approx(tensor_bytes / 3, rel=0.01)
@@ -173,7 +173,7 @@ def test_truncated_newest_trainer_checkpoint(trainer: WrittenTrainerRun, tmp_pat
     assert plan.checkpoint is not None and _name(plan.checkpoint.url) == "checkpoint-2"
     (skipped,) = plan.skipped
     assert _name(skipped.url) == "checkpoint-4" and "fails verify" in skipped.reason and "truncated" in skipped.reason
-    assert plan.resume_hint == f'trainer.train(resume_from_checkpoint="{out / "checkpoint-2"}")'
+    assert plan.resume_hint == f"trainer.train(resume_from_checkpoint={str(out / 'checkpoint-2')!r})"
     assert plan.framework == "transformers Trainer"
     assert plan.continues_from == {"step": 2, "epoch": pytest.approx(0.25)}
     assert plan.restores == ("model", "optimizer", "scheduler", "rng", "trainer_state")
@@ -220,7 +220,7 @@ def test_interrupted_trainer_save(trainer: WrittenTrainerRun, tmp_path: Path) ->
 def test_deepspeed_on_its_own_world_size(zero2: WrittenDeepSpeed) -> None:
     plan = plan_resume(str(zero2.save_dir))
     assert plan.checkpoint is not None and _name(plan.checkpoint.url) == "global_step4"
-    assert plan.resume_hint == f'engine.load_checkpoint("{zero2.save_dir}", tag="global_step4")'
+    assert plan.resume_hint == f"engine.load_checkpoint({str(zero2.save_dir)!r}, tag='global_step4')"
     assert plan.continues_from["global_steps"] == 4
     assert plan.continues_from["consumed_samples"] == zero2.client_state["consumed_samples"]
     assert plan.restores == ("model", "optimizer", "scheduler", "trainer_state")
@@ -241,7 +241,7 @@ def test_deepspeed_on_another_world_size_needs_a_universal_checkpoint(zero2: Wri
         f"python -m deepspeed.checkpoint.ds_to_universal --input_folder {tag} --output_folder {tag}_universal"
     )
     assert '"load_universal": true' in check.fix
-    assert plan.resume_hint is not None and 'tag="global_step4_universal"' in plan.resume_hint
+    assert plan.resume_hint is not None and "tag='global_step4_universal'" in plan.resume_hint
     doc = plan.to_json()
     assert doc["world_size_ok"] is False and doc["world_size"]["fix"] == check.fix
 
@@ -253,7 +253,7 @@ def test_latest_naming_a_tag_with_missing_rank_files(zero2: WrittenDeepSpeed, tm
     assert plan.checkpoint is not None and _name(plan.checkpoint.url) == "global_step2"
     (skipped,) = plan.skipped
     assert _name(skipped.url) == "global_step4" and "optim_states" in skipped.reason
-    assert plan.resume_hint == f'engine.load_checkpoint("{save_dir}", tag="global_step2")'
+    assert plan.resume_hint == f"engine.load_checkpoint({str(save_dir)!r}, tag='global_step2')"
     (pointer,) = [w for w in plan.warnings if "`latest` names" in w]
     assert pointer.startswith("`latest` names global_step4 (") and "load global_step2 by name" in pointer
 
@@ -282,7 +282,7 @@ def test_openrlhf_run(zero2: WrittenDeepSpeed, hf_model_dirs: dict[str, Path], t
     assert plan.checkpoint is not None and plan.checkpoint.url == str(ckpt / "_actor" / "best_global_step4")
     assert plan.framework == "OpenRLHF" and not plan.skipped
     assert plan.resume_hint == (
-        f"--load_checkpoint --ckpt_path {ckpt} (OpenRLHF >= 0.10.2: --ckpt.load_enable --ckpt.path {ckpt})"
+        f"--load_checkpoint --ckpt_path {ckpt}  # OpenRLHF >= 0.10.2: --ckpt.load_enable --ckpt.path {ckpt}"
     )
     assert plan.continues_from["total_consumed_prompts"] == 32
     assert plan.world_size is not None and plan.world_size.ok is True and not plan.warnings
@@ -314,7 +314,7 @@ def test_open_instruct_run(zero2: WrittenDeepSpeed, hf_model_dirs: dict[str, Pat
     assert plan.checkpoint is not None and _name(plan.checkpoint.url) == "global_step2"
     assert (
         plan.resume_hint
-        == f"--checkpoint_state_dir {state} (it loads the tag `latest` names: write global_step2 into latest first)"
+        == f"--checkpoint_state_dir {state}  # it loads the tag `latest` names: write global_step2 into latest first"
     )
     assert any("it would delete global_step4;" in w for w in plan.warnings)
     assert any(w.startswith("`latest` names global_step4") for w in plan.warnings)
@@ -349,7 +349,9 @@ def test_openrlhf_profile(tmp_path: Path) -> None:
     assert profile.run_of(str(actor)) == str(tmp_path / "ckpt")
     assert profile.run_of(str(tmp_path / "ckpt" / "_critic" / "global_step4")) == str(tmp_path / "ckpt")
     hint = profile.hint(_context(_checkpoint(actor, "openrlhf")))
-    assert hint.startswith(f"--load_checkpoint --ckpt_path {tmp_path / 'ckpt'} (OpenRLHF >= 0.10.2: --ckpt.load_enable")
+    assert hint.startswith(
+        f"--load_checkpoint --ckpt_path {tmp_path / 'ckpt'}  # OpenRLHF >= 0.10.2: --ckpt.load_enable"
+    )
     assert "write global_step4 into _actor/latest first" in hint
     world = profile.world_size(_context(_checkpoint(actor, "openrlhf", zero_stage=3, dp_world_size=8), target=16))
     assert world.ok is False and "ds_to_universal" in world.fix
@@ -408,5 +410,5 @@ def test_roll_runs_span_launch_folders(tmp_path: Path) -> None:
     checkpoint = tmp_path / "out" / "20250101-120000" / "checkpoint-10"
     assert profile_for("roll").run_of(str(checkpoint)) == str(tmp_path / "out")
     ctx = _context(_checkpoint(checkpoint, "roll"))
-    assert profile_for("roll").hint(ctx) == f"resume_from_checkpoint: {checkpoint}"
+    assert profile_for("roll").hint(ctx) == f'resume_from_checkpoint: "{checkpoint}"'
     assert profile_for("roll").world_size(ctx).ok is None

@@ -23,6 +23,7 @@ from ckptctl.frameworks.accelerate.layout import (
 from ckptctl.frameworks.dcp.resume import overwrite_warnings, reshards
 from ckptctl.layouts.parts.zero_tag import resume as zero_resume
 from ckptctl.layouts.resume import RESUMABLE, PlanContext, ResumeProfile, WorldSizeCheck, target_ranks
+from ckptctl.quoting import Code, comment, python_call
 
 __all__ = ["PROFILE"]
 
@@ -35,12 +36,14 @@ _SORT_NUMBER = re.compile(r"[0-9]+")
 def _hint(ctx: PlanContext) -> str:
     if without_dcp(ctx.checkpoint.files):
         # load_state passes no use_dcp and reads FSDP state from the DCP folders only.
+        plugin, accelerator = Code("accelerator.state.fsdp_plugin"), Code("accelerator")
+        model, optimizer = Code("model"), Code("optimizer")
         return (
-            f'load_fsdp_model(accelerator.state.fsdp_plugin, accelerator, model, "{ctx.url}", 0, use_dcp=False) and '
-            f'load_fsdp_optimizer(accelerator.state.fsdp_plugin, accelerator, optimizer, model, "{ctx.url}", 0, '
-            "use_dcp=False) (accelerate.utils), on each process"
+            f"{python_call('load_fsdp_model', plugin, accelerator, model, ctx.url, 0, use_dcp=False)}; "
+            f"{python_call('load_fsdp_optimizer', plugin, accelerator, optimizer, model, ctx.url, 0, use_dcp=False)}"
+            + comment("accelerate.utils, on each process")
         )
-    return f'accelerator.load_state("{ctx.url}")'
+    return python_call("accelerator.load_state", ctx.url)
 
 
 def _world_size(ctx: PlanContext) -> WorldSizeCheck:

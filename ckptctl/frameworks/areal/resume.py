@@ -12,6 +12,7 @@ from ckptctl.formats.dcp_metadata import METADATA_NAME
 from ckptctl.frameworks.areal.layout import RECOVER_INFO, torn_info_files
 from ckptctl.frameworks.dcp.resume import overwrite_warnings
 from ckptctl.layouts.resume import PlanContext, ResumeProfile, WorldSizeCheck, target_ranks
+from ckptctl.quoting import comment, shell
 
 __all__ = ["PROFILE"]
 
@@ -44,11 +45,11 @@ def _hint(ctx: PlanContext) -> str:
     if trial is None:
         return "recover.mode=on with the experiment_name and trial_name of the run that saved it"
     experiment = io.name_of(io.parent_of(trial))
-    hint = f"recover.mode=on experiment_name={experiment} trial_name={io.name_of(trial)}"
+    words = ["recover.mode=on", f"experiment_name={experiment}", f"trial_name={io.name_of(trial)}"]
     marker = "/checkpoints/"
     if marker in trial:
-        hint += f" cluster.fileroot={trial.split(marker, 1)[0]}"
-    return hint + " (older releases: recover.mode=auto or resume)"
+        words.append(f"cluster.fileroot={trial.split(marker, 1)[0]}")
+    return shell(*words) + comment("older releases: recover.mode=auto or resume")
 
 
 def _world_size(ctx: PlanContext) -> WorldSizeCheck:

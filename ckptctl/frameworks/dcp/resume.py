@@ -14,12 +14,13 @@ from ckptctl.errors import CkptctlError
 from ckptctl.formats.dcp_metadata import METADATA_NAME
 from ckptctl.frameworks.dcp.layout import RANK_METADATA_KEY, data_newer_than_metadata
 from ckptctl.layouts.resume import PlanContext, ResumeProfile, WorldSizeCheck, target_ranks
+from ckptctl.quoting import Code, comment, python_call, shell
 
 __all__ = ["PROFILE", "overwrite_warnings", "reshards"]
 
 
 def _hint(ctx: PlanContext) -> str:
-    return f'dcp.load(state, checkpoint_id="{ctx.url}")'
+    return python_call("dcp.load", Code("state"), checkpoint_id=ctx.url)
 
 
 def reshards(ctx: PlanContext) -> WorldSizeCheck:
@@ -35,9 +36,8 @@ def reshards(ctx: PlanContext) -> WorldSizeCheck:
         )
         if target == saved:
             return WorldSizeCheck(saved, target, True, note, bytes_per_rank=total // max(1, target))
-        fix = (
-            f"ckptctl convert {ctx.url} NEW_DIR --to dcp writes its model weights with one global .metadata, "
-            "which reshards"
+        fix = shell("ckptctl", "convert", ctx.url, "NEW_DIR", "--to", "dcp") + comment(
+            "writes its model weights with one global .metadata, which reshards"
         )
         return WorldSizeCheck(saved, target, False, note, fix=fix)
     return WorldSizeCheck(

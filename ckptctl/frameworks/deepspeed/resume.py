@@ -14,20 +14,22 @@ from ckptctl.layouts import get_layout
 from ckptctl.layouts.parts.zero_tag.names import MODEL_STATES
 from ckptctl.layouts.parts.zero_tag.resume import IMPACTS, LOAD_UNIVERSAL, is_universal, world_size, zero_facts
 from ckptctl.layouts.resume import PlanContext, ResumeProfile, WorldSizeCheck, target_ranks
+from ckptctl.quoting import comment, python_call
 
 __all__ = ["PROFILE", "UNIVERSAL_PROFILE"]
 
 
 def _hint(ctx: PlanContext) -> str:
-    tag = io.name_of(ctx.url)
+    save_dir, tag = io.parent_of(ctx.url), io.name_of(ctx.url)
     if is_universal(ctx.checkpoint):
-        return f'engine.load_checkpoint("{io.parent_of(ctx.url)}", tag="{tag}") with {LOAD_UNIVERSAL} in the DeepSpeed config'
-    if ctx.world is not None and ctx.world.ok is False and ctx.world.fix:
-        return (
-            f'engine.load_checkpoint("{io.parent_of(ctx.url)}", tag="{tag}_universal") with {LOAD_UNIVERSAL}, '
-            f"once ds_to_universal has converted {tag} into {tag}_universal"
+        return python_call("engine.load_checkpoint", save_dir, tag=tag) + comment(
+            f"with {LOAD_UNIVERSAL} in the DeepSpeed config"
         )
-    return f'engine.load_checkpoint("{io.parent_of(ctx.url)}", tag="{tag}")'
+    if ctx.world is not None and ctx.world.ok is False and ctx.world.fix:
+        return python_call("engine.load_checkpoint", save_dir, tag=f"{tag}_universal") + comment(
+            f"with {LOAD_UNIVERSAL}, once ds_to_universal has converted {tag} into {tag}_universal"
+        )
+    return python_call("engine.load_checkpoint", save_dir, tag=tag)
 
 
 PROFILE = ResumeProfile(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ckptctl.layouts.resume import PlanContext, ResumeProfile, WorldSizeCheck
+from ckptctl.quoting import comment, python_call
 
 __all__ = ["PROFILE"]
 
@@ -12,7 +13,7 @@ def _world_size(ctx: PlanContext) -> WorldSizeCheck:
 
 
 def _hint(ctx: PlanContext) -> str:
-    return f'AutoModelForCausalLM.from_pretrained("{ctx.url}") (starts a new run: no training state)'
+    return python_call("AutoModelForCausalLM.from_pretrained", ctx.url) + comment("starts a new run: no training state")
 
 
 PROFILE = ResumeProfile(framework="transformers (a model folder)", hint=_hint, world_size=_world_size, resumable=False)

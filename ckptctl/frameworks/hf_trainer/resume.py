@@ -13,6 +13,7 @@ from ckptctl.frameworks.dcp.resume import overwrite_warnings, reshards
 from ckptctl.frameworks.hf_trainer.layout import CHECKPOINT_DIR, RNG_FILE
 from ckptctl.layouts.parts.zero_tag import resume as zero_resume
 from ckptctl.layouts.resume import PlanContext, ResumeProfile, WorldSizeCheck, target_ranks
+from ckptctl.quoting import python_call
 
 __all__ = ["PROFILE"]
 
@@ -20,7 +21,7 @@ _FRAMEWORK = "transformers Trainer"
 
 
 def _hint(ctx: PlanContext) -> str:
-    return f'trainer.train(resume_from_checkpoint="{ctx.url}")'
+    return python_call("trainer.train", resume_from_checkpoint=ctx.url)
 
 
 def _world_size(ctx: PlanContext) -> WorldSizeCheck:

@@ -16,6 +16,7 @@ from ckptctl.frameworks.dcp.resume import overwrite_warnings, reshards
 from ckptctl.frameworks.lightning.layout import LAST
 from ckptctl.layouts.parts.zero_tag import resume as zero_resume
 from ckptctl.layouts.resume import PlanContext, ResumeProfile, WorldSizeCheck, target_ranks
+from ckptctl.quoting import Code, comment, python_call
 
 __all__ = ["PROFILE"]
 
@@ -24,10 +25,9 @@ _FRAMEWORK = "Lightning"
 
 def _hint(ctx: PlanContext) -> str:
     if io.name_of(ctx.url) == LAST:
-        return (
-            f'trainer.fit(model, ckpt_path="last")  # the newest last.ckpt of the ModelCheckpoint callbacks: {ctx.url}'
-        )
-    return f'trainer.fit(model, ckpt_path="{ctx.url}")'
+        call = python_call("trainer.fit", Code("model"), ckpt_path="last")
+        return call + comment(f"the newest last.ckpt of the ModelCheckpoint callbacks: {ctx.url}")
+    return python_call("trainer.fit", Code("model"), ckpt_path=ctx.url)
 
 
 def _world_size(ctx: PlanContext) -> WorldSizeCheck:

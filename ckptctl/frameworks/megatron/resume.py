@@ -19,6 +19,7 @@ from ckptctl.checkpoint import Component
 from ckptctl.frameworks.dcp.resume import overwrite_warnings
 from ckptctl.frameworks.megatron.layout import RELEASE, iteration_of, read_tracker
 from ckptctl.layouts.resume import PlanContext, ResumeProfile, WorldSizeCheck, target_ranks
+from ckptctl.quoting import shell
 
 __all__ = ["PROFILE"]
 
@@ -68,11 +69,11 @@ def _world_size(ctx: PlanContext) -> WorldSizeCheck:
 def _hint(ctx: PlanContext) -> str:
     save = io.parent_of(ctx.url)
     name = io.name_of(ctx.url)
-    hint = f"--load {save} --ckpt-format torch_dist"
+    words = ["--load", save, "--ckpt-format", "torch_dist"]
     iteration = iteration_of(name)
     if iteration is not None and read_tracker(save) != name:
-        hint += f" --ckpt-step {iteration}"
-    return hint
+        words += ["--ckpt-step", str(iteration)]
+    return shell(*words)
 
 
 def _notes(ctx: PlanContext) -> list[str]:

@@ -13,6 +13,7 @@ from ckptctl.formats.manifest import MANIFEST_NAME
 from ckptctl.frameworks.dcp.resume import overwrite_warnings
 from ckptctl.frameworks.native.layout import DCP_FOLDER, read_native_manifest
 from ckptctl.layouts.resume import PlanContext, ResumeProfile, WorldSizeCheck, target_ranks
+from ckptctl.quoting import Code, python_call
 
 __all__ = ["PROFILE"]
 
@@ -24,8 +25,8 @@ _PASSED_OVER = (CheckpointState.IN_PROGRESS, CheckpointState.ABANDONED, Checkpoi
 def _hint(ctx: PlanContext) -> str:
     root = io.parent_of(ctx.url)
     picked = all(s.state in _PASSED_OVER for s in ctx.skipped)
-    step = "" if picked or ctx.checkpoint.ref.step is None else f", step={ctx.checkpoint.ref.step}"
-    return f'CheckpointManager("{root}").restore(state{step})'
+    step = {} if picked or ctx.checkpoint.ref.step is None else {"step": ctx.checkpoint.ref.step}
+    return python_call(f"{python_call('CheckpointManager', root)}.restore", Code("state"), **step)
 
 
 def _world_size(ctx: PlanContext) -> WorldSizeCheck:

@@ -52,6 +52,7 @@ from ckptctl.layouts.parts.zero_tag.names import (
 from ckptctl.layouts.parts.zero_tag.tag import ENGINE_KEYS, missing_rank_files
 from ckptctl.layouts.parts.zero_tag.verify import verify_tag
 from ckptctl.layouts.resume import ResumeProfile
+from ckptctl.quoting import comment, shell
 
 __all__ = ["COMPLETE_MARKER", "DRIVER_STATE_NAME", "REF_POLICY", "OpenInstructLayout"]
 
@@ -358,7 +359,7 @@ class OpenInstructLayout(Layout):
             "rng_keys": list(client.rng_keys),
             "driver_state": sorted(client.driver_keys) if DRIVER_STATE_NAME in {e.name for e in entries} else None,
             "ref_policy": ref_policy,
-            "resume_setting": f"--checkpoint_state_dir {io.parent_of(url)} (reads `latest`)",
+            "resume_setting": shell("--checkpoint_state_dir", io.parent_of(url)) + comment("reads `latest`"),
         }
         if client.error:
             metadata["client_state_error"] = client.error

@@ -15,6 +15,7 @@ from ckptctl.errors import CkptctlError
 from ckptctl.layouts.parts.zero_tag import resume as zero_resume
 from ckptctl.layouts.parts.zero_tag.names import read_latest
 from ckptctl.layouts.resume import PlanContext, ResumeProfile
+from ckptctl.quoting import comment, shell
 
 __all__ = ["PROFILE"]
 
@@ -30,15 +31,15 @@ def _universal_folder(tag: str) -> str:
 def _hint(ctx: PlanContext) -> str:
     save_dir = io.parent_of(ctx.url)
     if not zero_resume.is_universal(ctx.checkpoint):
-        return f"--checkpoint_state_dir {save_dir}" + zero_resume.pointer_caveat(ctx, "latest")
+        return shell("--checkpoint_state_dir", save_dir) + comment(zero_resume.pointer_caveat(ctx, "latest"))
     name = io.name_of(ctx.url)
     latest = _latest(save_dir)
+    setting = shell("--checkpoint_state_dir", save_dir, _UNIVERSAL_FLAG)
     if latest is not None and _universal_folder(latest) == name:
-        return f"--checkpoint_state_dir {save_dir} {_UNIVERSAL_FLAG}"
-    return (
-        f"--checkpoint_state_dir {save_dir} {_UNIVERSAL_FLAG} (it loads {_universal_folder(latest or '<tag>')} for the "
-        f"tag `latest` names{f' ({latest})' if latest else ''}, converting that tag when the folder is missing: "
-        f"{name} is not that folder)"
+        return setting
+    return setting + comment(
+        f"it loads {_universal_folder(latest or '<tag>')} for the tag `latest` names{f' ({latest})' if latest else ''}, "
+        f"converting that tag when the folder is missing: {name} is not that folder"
     )
 
 
@@ -54,18 +55,17 @@ def _universal_fix(ctx: PlanContext, tag_url: str, conversion: zero_resume.Conve
     checkpoints; an existing `ds_universal_{tag}` is loaded as it is."""
     save_dir, tag = io.parent_of(tag_url), io.name_of(tag_url)
     folder = _universal_folder(tag)
-    setting = f"--checkpoint_state_dir {save_dir} {_UNIVERSAL_FLAG}"
+    setting = shell("--checkpoint_state_dir", save_dir, _UNIVERSAL_FLAG)
     if conversion is not None and not conversion.problem:
-        return f"load {io.name_of(conversion.url)}, its universal conversion: {setting}"
-    fix = (
-        f"{setting}: at start-up open-instruct converts the tag `latest` names into {folder} (ds_to_universal) "
-        "and loads it"
+        return setting + comment(f"loads {io.name_of(conversion.url)}, its universal conversion")
+    stale = conversion is not None and io.name_of(conversion.url) == folder
+    return setting + comment(
+        f"first delete {folder} ({conversion.problem}): open-instruct loads an existing {folder} as it is"
+        if stale and conversion is not None
+        else "",
+        "" if _latest(save_dir) == tag else f"first write {tag} into latest",
+        f"at start-up open-instruct converts the tag `latest` names into {folder} (ds_to_universal) and loads it",
     )
-    if _latest(save_dir) != tag:
-        fix += f" (write {tag} into latest first)"
-    if conversion is not None and io.name_of(conversion.url) == folder:
-        return f"delete {folder} ({conversion.problem}): open-instruct loads an existing {folder} as it is; then {fix}"
-    return fix
 
 
 def _notes(ctx: PlanContext) -> list[str]:

@@ -22,6 +22,7 @@ from ckptctl.layouts import detect, peek_dir, scan_run
 from ckptctl.layouts.parts.zero_tag import resume as zero_resume
 from ckptctl.layouts.parts.zero_tag.names import LATEST_NAME, UNIVERSAL_LATEST_NAME, read_latest
 from ckptctl.layouts.resume import LoadedAlong, PlanContext, ResumeProfile
+from ckptctl.quoting import comment, shell
 
 __all__ = ["PROFILE"]
 
@@ -139,14 +140,14 @@ def _hint(ctx: PlanContext) -> str:
     role = _role_dir(ctx)
     if zero_resume.is_universal(ctx.checkpoint):
         pointer = f"{role}/{UNIVERSAL_LATEST_NAME}" if role is not None else UNIVERSAL_LATEST_NAME
-        return (
-            f"--load_checkpoint --ckpt_path {ckpt_path} {_UNIVERSAL_FLAG} (OpenRLHF >= 0.10.2: --ckpt.load_enable "
-            f"--ckpt.path {ckpt_path} {_UNIVERSAL_FLAG_NEW})" + zero_resume.universal_pointer_caveat(ctx, pointer)
+        return shell("--load_checkpoint", "--ckpt_path", ckpt_path, _UNIVERSAL_FLAG) + comment(
+            f"OpenRLHF >= 0.10.2: {shell('--ckpt.load_enable', '--ckpt.path', ckpt_path, _UNIVERSAL_FLAG_NEW)}",
+            zero_resume.universal_pointer_caveat(ctx, pointer),
         )
     pointer = f"{role}/{LATEST_NAME}" if role is not None else LATEST_NAME
-    return (
-        f"--load_checkpoint --ckpt_path {ckpt_path} (OpenRLHF >= 0.10.2: --ckpt.load_enable --ckpt.path {ckpt_path})"
-        + zero_resume.pointer_caveat(ctx, pointer)
+    return shell("--load_checkpoint", "--ckpt_path", ckpt_path) + comment(
+        f"OpenRLHF >= 0.10.2: {shell('--ckpt.load_enable', '--ckpt.path', ckpt_path)}",
+        zero_resume.pointer_caveat(ctx, pointer),
     )
 
 
@@ -155,13 +156,12 @@ def _universal_fix(ctx: PlanContext, tag_url: str, conversion: zero_resume.Conve
     flags = f"add {_UNIVERSAL_FLAG} (OpenRLHF >= 0.10.2: {_UNIVERSAL_FLAG_NEW})"
     if conversion is not None and not conversion.problem:
         return f"load {io.name_of(conversion.url)}, its universal conversion: {flags}"
-    fix = (
-        f"bash examples/scripts/ckpt_ds_zero_to_universal.sh {_run(tag_url)} (OpenRLHF's script: ds_to_universal on "
-        f"the tag `latest` names in _actor/ and _critic/, into <tag>_uni, writing {UNIVERSAL_LATEST_NAME}); then {flags}"
+    return shell("bash", "examples/scripts/ckpt_ds_zero_to_universal.sh", _run(tag_url)) + comment(
+        "" if conversion is None else f"first delete {io.name_of(conversion.url)} ({conversion.problem})",
+        f"OpenRLHF's script: ds_to_universal on the tag `latest` names in _actor/ and _critic/, into <tag>_uni, "
+        f"writing {UNIVERSAL_LATEST_NAME}",
+        f"then {flags}",
     )
-    if conversion is not None:
-        return f"delete {io.name_of(conversion.url)} ({conversion.problem}); {fix}"
-    return fix
 
 
 def _critic_universal(ctx: PlanContext) -> list[str]:

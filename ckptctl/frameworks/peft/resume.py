@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ckptctl.layouts.resume import PlanContext, ResumeProfile, WorldSizeCheck
+from ckptctl.quoting import Code, comment, python_call
 
 __all__ = ["PROFILE"]
 
@@ -12,7 +13,8 @@ def _world_size(ctx: PlanContext) -> WorldSizeCheck:
 
 
 def _hint(ctx: PlanContext) -> str:
-    return f'PeftModel.from_pretrained(base_model, "{ctx.url}") (starts a new run: no training state)'
+    call = python_call("PeftModel.from_pretrained", Code("base_model"), ctx.url)
+    return call + comment("starts a new run: no training state")
 
 
 PROFILE = ResumeProfile(

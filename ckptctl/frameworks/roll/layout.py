@@ -78,6 +78,7 @@ from ckptctl.layouts.base import (
     timestamp,
 )
 from ckptctl.layouts.resume import ResumeProfile
+from ckptctl.quoting import yaml_value
 
 __all__ = ["CRITIC", "PIPELINE_STATE", "RollLayout"]
 
@@ -300,7 +301,7 @@ class RollLayout(Layout):
         files = list_files(url)
         components: set[Component] = set()
         metrics: dict[str, Any] = {}
-        metadata: dict[str, Any] = {"format": "roll", "resume_setting": f"resume_from_checkpoint: {url}"}
+        metadata: dict[str, Any] = {"format": "roll", "resume_setting": f"resume_from_checkpoint: {yaml_value(url)}"}
         progress: dict[str, Any] = {}
         rng_keys: list[str] | None = None
         doc = _read_pipeline_state(url)

@@ -15,6 +15,7 @@ from ckptctl.frameworks.dcp.layout import load_dcp_metadata
 from ckptctl.frameworks.dcp.resume import overwrite_warnings
 from ckptctl.frameworks.roll.layout import DCP_FOLDER
 from ckptctl.layouts.resume import PlanContext, ResumeProfile, WorldSizeCheck, target_ranks, unchecked_world_size
+from ckptctl.quoting import yaml_value
 
 __all__ = ["PROFILE"]
 
@@ -28,7 +29,7 @@ def _run(url: str) -> str:
 
 
 def _hint(ctx: PlanContext) -> str:
-    return f"resume_from_checkpoint: {ctx.url}"
+    return f"resume_from_checkpoint: {yaml_value(ctx.url)}"
 
 
 def _world_size(ctx: PlanContext) -> WorldSizeCheck:

@@ -17,6 +17,7 @@ from ckptctl import io
 from ckptctl.checkpoint import CheckpointState, Component
 from ckptctl.frameworks.dcp.resume import overwrite_warnings
 from ckptctl.layouts.resume import PlanContext, ResumeProfile, WorldSizeCheck, target_ranks
+from ckptctl.quoting import comment, shell
 
 __all__ = ["PROFILE"]
 
@@ -37,14 +38,14 @@ def _newest_step(ctx: PlanContext) -> int | None:
 
 def _hint(ctx: PlanContext) -> str:
     folder = io.parent_of(ctx.url)
-    setting = f"--dump_folder {io.parent_of(folder)} --checkpoint.enable --checkpoint.folder {io.name_of(folder)}"
+    words = ["--dump_folder", io.parent_of(folder), "--checkpoint.enable", "--checkpoint.folder", io.name_of(folder)]
     step = ctx.checkpoint.ref.step
     if step is not None and step != _newest_step(ctx):
-        setting += f" --checkpoint.load_step {step}"
+        words += ["--checkpoint.load_step", str(step)]
     world = ctx.world
     if world is not None and world.ok is False:
-        setting += " --checkpoint.exclude_from_loading dataloader"
-    return setting
+        words += ["--checkpoint.exclude_from_loading", "dataloader"]
+    return shell(*words)
 
 
 def _world_size(ctx: PlanContext) -> WorldSizeCheck:
@@ -65,7 +66,7 @@ def _world_size(ctx: PlanContext) -> WorldSizeCheck:
         False,
         f"the data loader state was saved by {saved} data-parallel ranks and torchtitan does not reshard it "
         "(ParallelAwareDataloader asserts the same dp degree)",
-        fix="--checkpoint.exclude_from_loading dataloader (the data order restarts)",
+        fix=shell("--checkpoint.exclude_from_loading", "dataloader") + comment("the data order restarts"),
         bytes_per_rank=per_rank,
     )
 

@@ -16,6 +16,7 @@ from ckptctl import io
 from ckptctl.checkpoint import CheckpointRef, Component
 from ckptctl.frameworks.verl.layout import STEP_RE, tracker_of
 from ckptctl.layouts.resume import PlanContext, ResumeProfile, WorldSizeCheck, target_ranks
+from ckptctl.quoting import comment, shell
 
 __all__ = ["PROFILE"]
 
@@ -42,8 +43,9 @@ def _hint(ctx: PlanContext) -> str:
     tracker = tracker_of(run)
     step = ctx.checkpoint.ref.step
     if tracker is not None and step is not None and tracker[1] == step:
-        return f"trainer.resume_mode=auto trainer.default_local_dir={run} (its {tracker[0]} names global_step_{step})"
-    return f"trainer.resume_mode=resume_path trainer.resume_from_path={step_folder}"
+        setting = shell("trainer.resume_mode=auto", f"trainer.default_local_dir={run}")
+        return setting + comment(f"its {tracker[0]} names global_step_{step}")
+    return shell("trainer.resume_mode=resume_path", f"trainer.resume_from_path={step_folder}")
 
 
 def _world_size(ctx: PlanContext) -> WorldSizeCheck:

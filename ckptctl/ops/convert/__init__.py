@@ -57,6 +57,7 @@ from ckptctl.ops.convert.to_dcp import DCP_NAMESPACE, write_dcp
 from ckptctl.ops.convert.to_hf import INDEX_NAME, write_hf
 from ckptctl.ops.distributed_work import Ranks
 from ckptctl.ops.report import NoProgress, Progress
+from ckptctl.quoting import shell
 
 __all__ = [
     "CONFIG_FILES",
@@ -354,7 +355,8 @@ def _open_verified(layout: Layout, ref: CheckpointRef) -> Checkpoint:
     if problems or checkpoint.ref.state is CheckpointState.BROKEN:
         first = problems[0].message if problems else checkpoint.ref.note
         raise CorruptCheckpoint(
-            f"{url} fails structural verification: {first}", f"run `ckptctl verify {url}` for the full report"
+            f"{url} fails structural verification: {first}",
+            f"run `{shell('ckptctl', 'verify', url)}` for the full report",
         )
     return checkpoint
 

@@ -16,6 +16,7 @@ from ckptctl.formats.documents import read_json
 from ckptctl.layouts.base import Adapter, DerivedTensor, ModelTensors
 from ckptctl.layouts.parts.lora.factors import adapter_factors, factor_problems, merged_weight, read_from
 from ckptctl.layouts.parts.lora.settings import ADAPTER_CONFIG, LoraSettings, parse_settings
+from ckptctl.quoting import shell
 
 __all__ = ["ADAPTER_WEIGHTS", "adapter_metadata", "adapter_problems", "lora_adapter"]
 
@@ -136,7 +137,7 @@ def _merge(
         )
     broken = [p for p in factor_problems(factors, settings) if p.severity == "error"]
     if broken:
-        raise CkptctlError(f"{url}: {broken[0].message}", f"run `ckptctl verify {url}`")
+        raise CkptctlError(f"{url}: {broken[0].message}", f"run `{shell('ckptctl', 'verify', url)}`")
     if not factors:
         raise CkptctlError(f"{url} holds no LoRA factors to merge")
     notes += settings.warnings()

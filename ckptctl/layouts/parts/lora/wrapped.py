@@ -32,6 +32,7 @@ from ckptctl.layouts.parts.lora.adapter import ADAPTER_WEIGHTS
 from ckptctl.layouts.parts.lora.factors import PEFT_PREFIX, Factors, factor_problems, merged_weight, read_from
 from ckptctl.layouts.parts.lora.settings import ADAPTER_CONFIG, LORA_TRAIN_META, LoraSettings, parse_settings
 from ckptctl.layouts.wrapped import GivenScaling, WrappedAdapter, WrappedModel
+from ckptctl.quoting import shell
 
 __all__ = ["lora_wrapped"]
 
@@ -182,7 +183,7 @@ def _checked(
     named = {parsed.model_name(module): pair for module, pair in parsed.factors.items()}
     broken = [p for p in factor_problems(named, settings) if p.severity == "error"]
     if broken:
-        raise CkptctlError(broken[0].message, f"run `ckptctl verify {url}`")
+        raise CkptctlError(broken[0].message, f"run `{shell('ckptctl', 'verify', url)}`")
     if given is not None and found:
         notes.append(f"the scaling given by {_GIVEN} is used, not that of {', '.join(found)}")
     notes += settings.warnings()

@@ -26,6 +26,7 @@ from ckptctl.layouts.parts.zero_tag.names import (
     read_latest,
 )
 from ckptctl.layouts.resume import PlanContext, WorldSizeCheck, target_ranks
+from ckptctl.quoting import comment, shell
 
 __all__ = [
     "IMPACTS",
@@ -163,9 +164,15 @@ def _convert_command(tag_url: str, output: str) -> str:
     ds_to_universal refuses them unless `--inject_missing_state` adds an empty one, as open-instruct and
     OpenRLHF's script pass it.
     """
-    return (
-        f"python -m deepspeed.checkpoint.ds_to_universal --input_folder {tag_url} --output_folder {output} "
-        "--inject_missing_state"
+    return shell(
+        "python",
+        "-m",
+        "deepspeed.checkpoint.ds_to_universal",
+        "--input_folder",
+        tag_url,
+        "--output_folder",
+        output,
+        "--inject_missing_state",
     )
 
 
@@ -173,14 +180,17 @@ def _deepspeed_fix(ctx: PlanContext, tag_url: str, conversion: Conversion | None
     if conversion is not None and not conversion.problem:
         return f"load {io.name_of(conversion.url)}, its universal conversion, with {LOAD_UNIVERSAL} in the DeepSpeed config"
     universal = f"{tag_url.rstrip('/')}_universal"
-    fix = (
-        f"{_convert_command(tag_url, universal)}; "
+    first = (
+        ""
+        if conversion is None
+        else f"first delete {io.name_of(conversion.url)}, its universal conversion, which cannot be loaded "
+        f"({conversion.problem})"
+    )
+    then = (
         f"then set {LOAD_UNIVERSAL} in the DeepSpeed config (load_checkpoint then follows "
         f"{io.join(io.parent_of(universal), 'latest_universal')})"
     )
-    if conversion is not None:
-        return f"{io.name_of(conversion.url)}, its universal conversion, cannot be loaded ({conversion.problem}): delete it; {fix}"
-    return fix
+    return _convert_command(tag_url, universal) + comment(first, then)
 
 
 #: Without ZeRO any multiple of the model-parallel size loads the tag; with ZeRO only the saved data-parallel
@@ -197,16 +207,17 @@ IMPACTS: Mapping[Component, str] = {
 
 
 def pointer_caveat(ctx: PlanContext, pointer: str) -> str:
-    """What to do first when the framework follows `latest` and it names another tag than the chosen one."""
+    """What to do first when the framework follows `latest` and it names another tag than the chosen one (a
+    remark for `quoting.comment`; "" when nothing is needed)."""
     named = next((r for r in ctx.refs if r.latest and io.parent_of(r.url) == io.parent_of(ctx.url)), None)
     if named is not None and named.url == ctx.url:
         return ""
-    return f" (it loads the tag `{pointer}` names: write {io.name_of(ctx.url)} into {pointer} first)"
+    return f"it loads the tag `{pointer}` names: write {io.name_of(ctx.url)} into {pointer} first"
 
 
 def universal_pointer_caveat(ctx: PlanContext, pointer: str) -> str:
     """What to do first when a framework that follows `latest_universal` would load another folder than
-    the chosen universal checkpoint (`pointer`: how the hint names that file)."""
+    the chosen universal checkpoint (`pointer`: how the hint names that file); a remark for `quoting.comment`."""
     save_dir = io.parent_of(ctx.url)
     try:
         named = read_latest(save_dir, io.list_dir(save_dir), UNIVERSAL_LATEST_NAME)
@@ -214,4 +225,4 @@ def universal_pointer_caveat(ctx: PlanContext, pointer: str) -> str:
         named = None
     if named == io.name_of(ctx.url):
         return ""
-    return f" (it loads the folder `{pointer}` names: write {io.name_of(ctx.url)} into {pointer} first)"
+    return f"it loads the folder `{pointer}` names: write {io.name_of(ctx.url)} into {pointer} first"

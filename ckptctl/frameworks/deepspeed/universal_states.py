@@ -33,8 +33,8 @@ from ckptctl import io
 from ckptctl.checkpoint import ChunkEncoding, Component, Problem, ProblemKind, TensorChunk, TensorEntry
 from ckptctl.errors import CkptctlError
 from ckptctl.formats.chunks import coverage_problems
-from ckptctl.formats.safe_pickle import TensorRef
 from ckptctl.formats.torch_pickle import TorchPickle, open_torch_pickle, storage_problems
+from ckptctl.formats.torch_pickle_classes import TensorRef
 from ckptctl.frameworks.deepspeed.names import UNIVERSAL_STATES_DIR
 from ckptctl.frameworks.deepspeed.tag import DeepSpeedTag, base_state
 from ckptctl.frameworks.deepspeed.zero_index import IndexBuilder, param_groups

@@ -27,7 +27,8 @@ import torch.distributed as dist
 from ckptctl import io
 from ckptctl.errors import CkptctlError, CorruptCheckpoint, SerializationError
 from ckptctl.formats.dcp_metadata import MAX_METADATA_BYTES, parse_dcp_metadata
-from ckptctl.formats.safe_pickle import DCP_METADATA_GLOBALS, safe_loads
+from ckptctl.formats.dcp_metadata_classes import DCP_METADATA_GLOBALS
+from ckptctl.formats.safe_pickle import safe_loads
 from ckptctl.formats.torch_save import load_object_archive
 
 __all__ = [

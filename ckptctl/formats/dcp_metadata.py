@@ -1,7 +1,7 @@
 """torch DCP `.metadata`: parsed without torch and without executing the pickle, then validated.
 
 torch writes `.metadata` with `pickle.dump(Metadata(...))` and reads it back with plain `pickle.load`.
-ckptctl unpickles it with `safe_pickle.DCP_METADATA_GLOBALS` (inert stand-ins for the few torch
+ckptctl unpickles it with `dcp_metadata_classes.DCP_METADATA_GLOBALS` (inert stand-ins for the few torch
 classes it names) and turns the result into the frozen dataclasses below, checking every type and value
 on the way: a file that parses here has string keys, known dtypes, non-negative sizes and offsets whose
 dimensions agree, and storage paths that stay inside the checkpoint folder. Whether the chunks tile
@@ -20,22 +20,9 @@ from typing import Any, NamedTuple
 
 from ckptctl.checkpoint import dtype_itemsize, known_dtypes
 from ckptctl.errors import CorruptCheckpoint
-from ckptctl.formats.safe_pickle import (
-    DCP_METADATA_GLOBALS,
-    MAX_DIMS,
-    BytesStorageMetadataStandIn,
-    ChunkStorageMetadataStandIn,
-    DcpMetadataStandIn,
-    DType,
-    MetadataIndexStandIn,
-    StorageInfoStandIn,
-    StorageMetaStandIn,
-    TensorPropertiesStandIn,
-    TensorStorageMetadataStandIn,
-    gc_paused,
-    parse_pickle,
-    state_fields,
-)
+from ckptctl.formats.dcp_metadata_classes import DCP_METADATA_GLOBALS, DCP_STAND_INS
+from ckptctl.formats.safe_pickle import MAX_DIMS, StandIn, gc_paused, parse_pickle, state_fields
+from ckptctl.formats.torch_save_classes import DType
 
 __all__ = [
     "METADATA_NAME",
@@ -284,7 +271,7 @@ class _Parser:
             raise CorruptCheckpoint(f"{self.source}: unexpected content ({type(exc).__name__}: {exc})") from exc
 
     def metadata(self, root: Any) -> DcpMetadata:
-        if type(root) is not DcpMetadataStandIn:
+        if type(root) is not DCP_STAND_INS["Metadata"]:
             raise self.fail("not a torch DCP metadata pickle (the top object is not a Metadata)")
         state = state_fields(root, self.source)
         raw_entries = state.get("state_dict_metadata")
@@ -317,9 +304,10 @@ class _Parser:
         tensors = self.tensors
         known = tensors.get
         signature_of = self.signature
+        tensor_class, bytes_class = DCP_STAND_INS["TensorStorageMetadata"], DCP_STAND_INS["BytesStorageMetadata"]
         for key, item in raw.items():
             kind = type(item)
-            if kind is TensorStorageMetadataStandIn and type(key) is str:
+            if kind is tensor_class and type(key) is str:
                 signature = signature_of(item)
                 if signature is not None:
                     try:
@@ -332,15 +320,15 @@ class _Parser:
                     continue
             if type(key) is not str:
                 raise self.fail("a state_dict_metadata key is not a string")
-            if kind is BytesStorageMetadataStandIn:
+            if kind is bytes_class:
                 out[key] = _BYTES_ITEM
                 continue
-            if kind is not TensorStorageMetadataStandIn:
+            if kind is not tensor_class:
                 raise self.fail(f"{key!r} is neither a TensorStorageMetadata nor a BytesStorageMetadata")
             out[key] = self.tensor_checked(key, item)
         return out
 
-    def signature(self, item: TensorStorageMetadataStandIn) -> tuple[Any, ...] | None:
+    def signature(self, item: StandIn) -> tuple[Any, ...] | None:
         """The raw (dtype, layout, size, chunk offsets and sizes) of a record shaped like torch writes it."""
         try:
             state = item.state
@@ -355,7 +343,7 @@ class _Parser:
             or len(pstate) != 5
             or type(pstate[0]) is not DType
             or type(raw_chunks) is not list
-            or type(state["properties"]) is not TensorPropertiesStandIn
+            or type(state["properties"]) is not DCP_STAND_INS["TensorProperties"]
         ):
             return None
         # A real chunk costs dozens of pickle bytes, but a hostile file can reference one chunk list from
@@ -363,15 +351,16 @@ class _Parser:
         self.chunk_budget -= len(raw_chunks)
         if self.chunk_budget < 0:
             raise self.fail("more chunks than the file can hold")
+        chunk_class = DCP_STAND_INS["ChunkStorageMetadata"]
         if len(raw_chunks) == 1:  # the common case, without the loop
             chunk = raw_chunks[0]
-            chunk_state = getattr(chunk, "state", None) if type(chunk) is ChunkStorageMetadataStandIn else None
+            chunk_state = getattr(chunk, "state", None) if type(chunk) is chunk_class else None
             if type(chunk_state) is not dict:
                 return None
             return pstate[0], pstate[1], size, chunk_state.get("offsets"), chunk_state.get("sizes")
         parts = [pstate[0], pstate[1], size]
         for chunk in raw_chunks:
-            chunk_state = getattr(chunk, "state", None) if type(chunk) is ChunkStorageMetadataStandIn else None
+            chunk_state = getattr(chunk, "state", None) if type(chunk) is chunk_class else None
             if type(chunk_state) is not dict:
                 return None
             parts.append(chunk_state.get("offsets"))
@@ -383,7 +372,7 @@ class _Parser:
         if self.chunk_budget < 0:
             raise self.fail("more chunks than the file can hold")
 
-    def tensor_checked(self, key: str, item: TensorStorageMetadataStandIn) -> DcpTensor:
+    def tensor_checked(self, key: str, item: StandIn) -> DcpTensor:
         state = state_fields(item, self.source)
         dtype = self.dtype(key, state.get("properties"))
         size = self.shape(key, state.get("size"), "size")
@@ -394,7 +383,7 @@ class _Parser:
         ndim = len(size)
         chunks = []
         for raw in raw_chunks:
-            if type(raw) is not ChunkStorageMetadataStandIn:
+            if type(raw) is not DCP_STAND_INS["ChunkStorageMetadata"]:
                 raise self.fail(f"{key!r}: a chunk is not a ChunkStorageMetadata")
             chunk_state = state_fields(raw, self.source)
             offsets = self.shape(key, chunk_state.get("offsets"), "chunk offsets")
@@ -408,7 +397,7 @@ class _Parser:
         return DcpTensor(dtype, size, tuple(chunks))
 
     def dtype(self, key: str, properties: Any) -> str:
-        if type(properties) is not TensorPropertiesStandIn:
+        if type(properties) is not DCP_STAND_INS["TensorProperties"]:
             raise self.fail(f"{key!r}: properties is not a TensorProperties")
         state = getattr(properties, "state", None)
         # TensorProperties.__getstate__ pickles (dtype, layout, requires_grad, memory_format, pin_memory);
@@ -448,9 +437,10 @@ class _Parser:
         paths: dict[Any, str] = {}
         dims = self.dims
         new_record = _new_record
+        index_class, info_class = DCP_STAND_INS["MetadataIndex"], DCP_STAND_INS["_StorageInfo"]
         for index, info in raw.items():
             # Fast path for what torch writes: known offsets, a file name seen before, plain ints.
-            if type(index) is MetadataIndexStandIn and type(info) is StorageInfoStandIn:
+            if type(index) is index_class and type(info) is info_class:
                 try:
                     istate = index.state
                     rstate = info.state
@@ -480,7 +470,7 @@ class _Parser:
         return out
 
     def record_checked(self, index: Any, info: Any, paths: dict[Any, str]) -> tuple[StorageKey, StorageRecord]:
-        if type(index) is not MetadataIndexStandIn or type(info) is not StorageInfoStandIn:
+        if type(index) is not DCP_STAND_INS["MetadataIndex"] or type(info) is not DCP_STAND_INS["_StorageInfo"]:
             raise self.fail("a storage_data entry is not a MetadataIndex → _StorageInfo pair")
         idx = state_fields(index, self.source)
         fqn = idx.get("fqn")
@@ -528,7 +518,7 @@ class _Parser:
     def storage_meta(self, value: Any) -> tuple[str | None, str | None]:
         if value is None:
             return None, None
-        if type(value) is not StorageMetaStandIn:
+        if type(value) is not DCP_STAND_INS["StorageMeta"]:
             raise self.fail("storage_meta is not a StorageMeta")
         state = state_fields(value, self.source)
         save_id, checkpoint_id = state.get("save_id"), state.get("checkpoint_id")

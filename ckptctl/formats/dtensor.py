@@ -2,7 +2,7 @@
 
 An FSDP2 (or FSDP1 with a device mesh) `SHARDED_STATE_DICT` pickles every parameter as a DTensor: the rank's
 local tensor plus a `DTensorSpec` (device mesh, one placement per mesh dimension, the global shape). The
-allowlisting unpickler rebuilds it as a `DTensorRef` (`formats.safe_pickle`); `dtensor_facts` validates the
+allowlisting unpickler rebuilds it as a `DTensorRef` (`formats.dtensor_classes`); `dtensor_facts` validates the
 spec's stand-ins into `DTensorFacts`, and `DTensorFacts.local_box` says which part of the global tensor the
 local shard is, following DTensor's own rule (`torch/distributed/tensor/_utils.py`
 `compute_local_shape_and_global_offset`, `placement_types.py` `Shard._local_shard_size_and_offset`): on each
@@ -20,19 +20,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptctl.errors import CkptctlError, CorruptCheckpoint
-from ckptctl.formats.safe_pickle import (
-    MAX_DIMS,
-    DeviceMeshStandIn,
-    DTensorRef,
-    FlatLayoutStandIn,
-    MeshLayoutStandIn,
-    PlacementStandIn,
-    ShardOrderEntryStandIn,
-    TensorMetaStandIn,
-    TensorRef,
-    state_fields,
-)
+from ckptctl.formats.dtensor_classes import DTENSOR_STAND_INS, DTENSOR_TUPLES, DTensorRef, PlacementStandIn
+from ckptctl.formats.safe_pickle import MAX_DIMS, state_fields
 from ckptctl.formats.torch_pickle import refs_of
+from ckptctl.formats.torch_pickle_classes import TensorRef
 
 __all__ = ["DTensorFacts", "Placement", "dtensor_facts", "state_tensors"]
 
@@ -112,7 +103,7 @@ def dtensor_facts(ref: DTensorRef, source: str) -> DTensorFacts:
     """
     spec = state_fields(ref.spec, source)
     mesh = spec.get("mesh")
-    if type(mesh) is not DeviceMeshStandIn:
+    if type(mesh) is not DTENSOR_STAND_INS["DeviceMesh"]:
         raise CorruptCheckpoint(f"{source}: a DTensor's spec has no device mesh")
     mesh_state = state_fields(mesh, source)
     mesh_shape = _mesh_shape(mesh_state, source)
@@ -136,7 +127,9 @@ def dtensor_facts(ref: DTensorRef, source: str) -> DTensorFacts:
         raise CorruptCheckpoint(f"{source}: a DTensor has {len(placements)} placements on a {len(mesh_shape)}-D mesh")
     _check_shard_order(spec.get("shard_order"), source)
     meta = spec.get("tensor_meta")
-    if type(meta) is TensorMetaStandIn and (type(meta[0]) not in (tuple, list) or tuple(meta[0]) != ref.shape):
+    if type(meta) is DTENSOR_TUPLES["TensorMeta"] and (
+        type(meta[0]) not in (tuple, list) or tuple(meta[0]) != ref.shape
+    ):
         raise CorruptCheckpoint(f"{source}: a DTensor's tensor_meta disagrees with its size")
     return DTensorFacts(
         ref.dtype,
@@ -153,13 +146,13 @@ def _mesh_shape(state: dict[str, Any], source: str) -> tuple[int, ...]:
     """The mesh's shape: from its `_layout` (torch >= 2.9: one `_FlatLayout` per dimension, whose shape's
     product is the dimension's size), else from its `mesh` tensor's shape (older torch)."""
     layout = state.get("_layout")
-    if type(layout) is MeshLayoutStandIn:
+    if type(layout) is DTENSOR_STAND_INS["_MeshLayout"]:
         axes = state_fields(layout, source).get("axes")
         if type(axes) is not tuple or not 0 < len(axes) <= MAX_DIMS:
             raise CorruptCheckpoint(f"{source}: a device mesh layout has no axes")
         shape = []
         for axis in axes:
-            sizes = state_fields(axis, source).get("shape") if type(axis) is FlatLayoutStandIn else None
+            sizes = state_fields(axis, source).get("shape") if type(axis) is DTENSOR_STAND_INS["_FlatLayout"] else None
             if type(sizes) is not tuple or len(sizes) > MAX_DIMS or not all(type(s) is int and s > 0 for s in sizes):
                 raise CorruptCheckpoint(f"{source}: a device mesh layout axis has no shape")
             shape.append(math.prod(sizes))
@@ -203,7 +196,7 @@ def _check_shard_order(value: Any, source: str) -> None:
     if type(value) is not tuple or len(value) > MAX_DIMS:
         raise CorruptCheckpoint(f"{source}: a DTensor's shard order is not a tuple")
     for entry in value:
-        if type(entry) is not ShardOrderEntryStandIn:
+        if type(entry) is not DTENSOR_TUPLES["ShardOrderEntry"]:
             raise CorruptCheckpoint(f"{source}: a DTensor's shard order holds something else")
         mesh_dims = entry[1]
         if type(mesh_dims) is not tuple or not all(type(d) is int for d in mesh_dims):

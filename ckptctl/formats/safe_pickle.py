@@ -5,7 +5,7 @@ so `pickle.load` on a file from disk is code execution. This module is the one p
 reads pickles, and it follows these rules:
 
 1. Every global a pickle asks for goes through `find_class`, which answers from a fixed allowlist of
-   *inert stand-ins* defined here (plain classes that only store what BUILD hands them, and small
+   *inert stand-ins* (plain classes that only store what BUILD hands them, and small
    functions that validate their arguments). Nothing named by the file is imported. Anything else is
    refused with `UnsafePickle` naming the global (`posix.system`), before any of the pickle runs.
 2. Before the C unpickler sees the bytes, `check_opcodes` walks the opcode stream. The C unpickler
@@ -25,9 +25,12 @@ reads pickles, and it follows these rules:
    (`parse_pickle`).
 5. Whatever else goes wrong (truncation, wrong types, bad states) comes out as `CorruptCheckpoint`.
 
-The allowlists are what the real files need and nothing more; see `DCP_METADATA_GLOBALS`,
-`TORCH_SAVE_GLOBALS` and `TORCH_PICKLE_GLOBALS` (whole training-state files: DeepSpeed, HF Trainer) and
-the notes on each entry.
+This module is the engine and knows no file format. The allowlists are what the real files need and
+nothing more, and live beside the parser of their format: `formats.dcp_metadata_classes`
+(`DCP_METADATA_GLOBALS`), `formats.torch_save_classes` (`TORCH_SAVE_GLOBALS`, `OBJECT_READ_GLOBALS`),
+`formats.torch_pickle_classes` (`TORCH_PICKLE_GLOBALS`: whole training-state files, DeepSpeed, HF Trainer),
+`formats.dtensor_classes` (`DTENSOR_PICKLE_GLOBALS`); framework packages add the classes their files pickle
+through `formats.framework_classes`. See the notes on each entry.
 """
 
 from __future__ import annotations
@@ -36,12 +39,9 @@ import _compat_pickle
 import gc
 import io
 import itertools
-import math
-import operator
 import os
 import pickle
 import pickletools
-import posixpath
 import re
 import resource
 import struct
@@ -53,46 +53,30 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Any, ClassVar, TypeVar
 
-from ckptctl.checkpoint import dtype_itemsize, known_dtypes
 from ckptctl.errors import CkptctlError, CorruptCheckpoint, UnsafePickle
 from ckptctl.formats import framework_classes
 
 __all__ = [
-    "DCP_METADATA_GLOBALS",
-    "DTENSOR_PICKLE_GLOBALS",
     "MAX_DIMS",
     "MAX_GROWTH_PER_BYTE",
     "MAX_NESTING",
-    "OBJECT_READ_GLOBALS",
-    "TORCH_PICKLE_GLOBALS",
-    "TORCH_SAVE_GLOBALS",
-    "DTensorRef",
-    "DType",
+    "Allowlist",
     "FrameworkMapping",
     "FrameworkObject",
-    "NumpyArray",
-    "NumpyDType",
-    "NumpyScalar",
-    "OrderedDictStandIn",
     "SafeUnpickler",
     "StandIn",
-    "StorageRef",
-    "TensorRebuild",
-    "TensorRef",
+    "check_growth",
     "check_nesting",
     "check_opcodes",
     "gc_paused",
-    "load_torch_pickle",
     "parse_pickle",
     "safe_loads",
+    "stand_in_class",
     "state_fields",
 ]
 
 #: More dimensions than any real tensor has; bounds the work one `torch.Size` stand-in can do.
 MAX_DIMS = 64
-#: Bounds on what a path stand-in accepts (a checkpoint id is a path, not a payload).
-_MAX_PATH_PARTS = 256
-_MAX_PATH_CHARS = 4096
 #: How much a pickle may grow the process's resident memory, per byte of pickle. Real files need about 12 (a
 #: 100k-tensor DCP `.metadata` of 20 MB builds 235 MB of objects); hostile ones reach 240.
 MAX_GROWTH_PER_BYTE = 20
@@ -115,7 +99,7 @@ class _RunningLoad(threading.local):
 _RUNNING = _RunningLoad()
 
 
-def _spend(nbytes: int) -> None:
+def check_growth(nbytes: int) -> None:
     """Check that the running load may grow memory by `nbytes` more, before a stand-in copies that much.
 
     A stand-in's output can be far larger than the opcodes that call it (a REDUCE of memoised arguments
@@ -147,400 +131,20 @@ class StandIn:
         self.state = state
 
 
-class DType(str):
-    """A torch dtype named by a pickle (`torch.float32` → `DType("float32")`); a name, never callable."""
+_C = TypeVar("_C", bound=type)
 
-    __slots__ = ()
 
-
-class TensorRebuild:
-    """What `torch._utils._rebuild_tensor_v2/v3` would rebuild, as plain facts (no storage is read)."""
-
-    __slots__ = ("dtype", "requires_grad", "shape", "storage", "storage_offset", "stride")
-
-    def __init__(
-        self,
-        storage: StorageRef,
-        storage_offset: int,
-        shape: tuple[int, ...],
-        stride: tuple[int, ...],
-        dtype: str,
-        requires_grad: bool,
-    ) -> None:
-        self.storage = storage
-        self.storage_offset = storage_offset
-        self.shape = shape
-        self.stride = stride
-        self.dtype = dtype
-        self.requires_grad = requires_grad
-
-
-class StorageRef:
-    """A storage named by a torch.save persistent id: its record key, dtype and element count."""
-
-    __slots__ = ("dtype", "key", "location", "numel")
-
-    def __init__(self, key: str, dtype: str | None, location: str, numel: int) -> None:
-        self.key = key
-        self.dtype = dtype
-        self.location = location
-        self.numel = numel
-
-
-def _int_tuple(value: Any, what: str) -> tuple[int, ...]:
-    # A length check before touching the elements: a hostile file may hand one huge list to many calls.
-    if type(value) not in (tuple, list) or len(value) > MAX_DIMS:
-        raise ValueError(f"{what} must be a short sequence of integers")
-    if type(value) is list:  # tuple() of a tuple is that tuple; of a list, a copy
-        _spend(56 + 8 * len(value))
-    out = tuple(value)
-    for v in out:
-        if type(v) is not int:
-            raise ValueError(f"{what} must hold integers")
-    return out
-
-
-def _torch_size(dims: Any = ()) -> tuple[int, ...]:
-    """Stand-in for `torch.Size(dims)`: the tuple itself (parsers check the entries).
-
-    Kept to a type and length check because it runs for every size and chunk of every tensor.
-    """
-    if type(dims) is tuple and len(dims) <= MAX_DIMS:
-        return dims
-    raise ValueError("torch.Size needs a short tuple")
-
-
-def _posix_path(*parts: Any) -> str:
-    """Stand-in for `pathlib.PosixPath(*parts)`: the path as a string (nothing touches the filesystem)."""
-    if len(parts) > _MAX_PATH_PARTS or not all(type(p) is str for p in parts):
-        raise ValueError("a path must be made of a few strings")
-    chars = sum(len(p) for p in parts)
-    if chars > _MAX_PATH_CHARS:
-        raise ValueError("a path is longer than any real one")
-    _spend(64 + chars + len(parts))
-    return posixpath.join(*parts) if parts else "."
-
-
-def _empty_ordered_dict(*args: Any) -> dict[str, Any]:
-    """Stand-in for `collections.OrderedDict()`, which torch.save writes for a tensor's backward hooks."""
-    if args:
-        raise ValueError("backward hooks must be empty")
-    return {}
-
-
-def _rebuild_tensor_v2(
-    storage: Any,
-    storage_offset: Any,
-    size: Any,
-    stride: Any,
-    requires_grad: Any,
-    backward_hooks: Any,
-    metadata: Any = None,
-) -> TensorRebuild:
-    """Stand-in for `torch._utils._rebuild_tensor_v2`: a typed (legacy) storage carries the dtype."""
-    if not isinstance(storage, StorageRef) or storage.dtype is None:
-        raise ValueError("_rebuild_tensor_v2 needs a typed storage")
-    return _tensor_rebuild(storage, storage_offset, size, stride, storage.dtype, requires_grad)
-
-
-def _rebuild_tensor_v3(
-    storage: Any,
-    storage_offset: Any,
-    size: Any,
-    stride: Any,
-    requires_grad: Any,
-    backward_hooks: Any,
-    dtype: Any,
-    metadata: Any = None,
-) -> TensorRebuild:
-    """Stand-in for `torch._utils._rebuild_tensor_v3`: an untyped storage plus a dtype argument."""
-    if not isinstance(storage, StorageRef) or storage.dtype is not None or type(dtype) is not DType:
-        raise ValueError("_rebuild_tensor_v3 needs an untyped storage and a dtype")
-    return _tensor_rebuild(storage, storage_offset, size, stride, str(dtype), requires_grad)
-
-
-def _tensor_rebuild(
-    storage: StorageRef, storage_offset: Any, size: Any, stride: Any, dtype: str, requires_grad: Any
-) -> TensorRebuild:
-    if type(storage_offset) is not int or storage_offset < 0:
-        raise ValueError("a storage offset must be a non-negative integer")
-    shape = _int_tuple(size, "a tensor size")
-    strides = _int_tuple(stride, "a tensor stride")
-    if len(shape) != len(strides) or any(d < 0 for d in shape):
-        raise ValueError("a tensor's size and stride disagree")
-    return TensorRebuild(storage, storage_offset, shape, strides, dtype, bool(requires_grad))
-
-
-class _TypedStorageTag:
-    """A legacy `torch.FloatStorage`-style class named in a torch.save persistent id (its dtype)."""
-
-    __slots__ = ("dtype",)
-
-    def __init__(self, dtype: str | None) -> None:
-        self.dtype = dtype
-
-
-# Legacy storage class names torch.save writes, for the dtypes the data model knows
-# (torch/storage.py `_dtype_to_storage_type_map`); newer dtypes use UntypedStorage + a dtype argument.
-_LEGACY_STORAGES = {
-    "DoubleStorage": "float64",
-    "FloatStorage": "float32",
-    "HalfStorage": "float16",
-    "BFloat16Storage": "bfloat16",
-    "LongStorage": "int64",
-    "IntStorage": "int32",
-    "ShortStorage": "int16",
-    "CharStorage": "int8",
-    "ByteStorage": "uint8",
-    "BoolStorage": "bool",
-    "ComplexDoubleStorage": "complex128",
-    "ComplexFloatStorage": "complex64",
-}
-
-# --------------------------------------------------------------------------------------------------
-# DCP `.metadata` (torch/distributed/checkpoint/metadata.py and filesystem.py).
-# --------------------------------------------------------------------------------------------------
-
-
-class DcpMetadataStandIn(StandIn):
-    stands_for = "Metadata"
-
-
-class TensorStorageMetadataStandIn(StandIn):
-    stands_for = "TensorStorageMetadata"
-
-
-class BytesStorageMetadataStandIn(StandIn):
-    stands_for = "BytesStorageMetadata"
-
-
-class ChunkStorageMetadataStandIn(StandIn):
-    stands_for = "ChunkStorageMetadata"
-
-
-class TensorPropertiesStandIn(StandIn):
-    stands_for = "TensorProperties"
-
-
-class StorageMetaStandIn(StandIn):
-    stands_for = "StorageMeta"
-
-
-class MetadataIndexStandIn(StandIn):
-    stands_for = "MetadataIndex"
-
-
-class StorageInfoStandIn(StandIn):
-    stands_for = "_StorageInfo"
-
-
-# A decentralized save (megatron-core's `save_state_dict_async_plan`) keeps every rank's save plan in the
-# metadata (`Metadata.all_local_plans`), to check on its next save that the plans are unchanged. They repeat
-# what the storage records say (names, offsets, sizes); the parser reads none of them.
-
-
-class SavePlanStandIn(StandIn):
-    stands_for = "SavePlan"
-
-
-class WriteItemStandIn(StandIn):
-    stands_for = "WriteItem"
-
-
-class TensorWriteDataStandIn(StandIn):
-    stands_for = "TensorWriteData"
-
-
-_DCP_MODULE = "torch.distributed.checkpoint.metadata"
-_PLANNER_MODULE = "torch.distributed.checkpoint.planner"
-_TORCH_DTYPES: dict[tuple[str, str], Any] = {("torch", name): DType(name) for name in sorted(known_dtypes())}
-
-#: What a torch DCP `.metadata` may name, checked against the pickles torch 2.13 writes (FSDP2 and
-#: single-process saves) and megatron-core 0.16's decentralized saves (disassembled with pickletools). Each
-#: maps to an inert stand-in.
-DCP_METADATA_GLOBALS: Mapping[tuple[str, str], Any] = {
-    (_DCP_MODULE, "Metadata"): DcpMetadataStandIn,
-    (_DCP_MODULE, "TensorStorageMetadata"): TensorStorageMetadataStandIn,
-    (_DCP_MODULE, "BytesStorageMetadata"): BytesStorageMetadataStandIn,
-    (_DCP_MODULE, "ChunkStorageMetadata"): ChunkStorageMetadataStandIn,
-    (_DCP_MODULE, "TensorProperties"): TensorPropertiesStandIn,
-    (_DCP_MODULE, "StorageMeta"): StorageMetaStandIn,
-    (_DCP_MODULE, "MetadataIndex"): MetadataIndexStandIn,
-    # REDUCE(_MEM_FORMAT_ENCODING, (0,)) and REDUCE(_get_layout, ("torch.strided",)) run for every tensor,
-    # so their stand-ins are C builtins that only accept what they should and build nothing:
-    # operator.index() of an int is that int (int() would also parse a 4,000-digit string into a new
-    # object on every call), and sys.intern() takes exact strings only; parsers check the values.
-    (_DCP_MODULE, "_MEM_FORMAT_ENCODING"): operator.index,
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): StorageInfoStandIn,
-    (_PLANNER_MODULE, "SavePlan"): SavePlanStandIn,
-    (_PLANNER_MODULE, "WriteItem"): WriteItemStandIn,
-    (_PLANNER_MODULE, "TensorWriteData"): TensorWriteDataStandIn,
-    # An enum member, rebuilt as REDUCE(WriteItemType, (value,)): the value is all it is.
-    (_PLANNER_MODULE, "WriteItemType"): operator.index,
-    # torch.Size runs three times per tensor: `() + dims` is C that accepts exact tuples only and returns
-    # them as they are (no copy, so a memoised tuple cannot be amplified); the parser checks the entries
-    # and the length of each distinct one.
-    ("torch", "Size"): ().__add__,
-    ("torch.serialization", "_get_layout"): sys.intern,
-    # StorageMeta.checkpoint_id is the save's pathlib.Path; Python 3.13 pickles it from pathlib._local.
-    ("pathlib", "PosixPath"): _posix_path,
-    ("pathlib._local", "PosixPath"): _posix_path,
-    **_TORCH_DTYPES,
-}
-
-
-def _codecs_encode(text: Any, encoding: Any = "utf-8") -> bytes:
-    """Stand-in for `_codecs.encode`, which protocol-2 pickles use to carry bytes (numpy's raw data; a DCP
-    bytes item holding bytes, like each rank's pickled data-loader state in torchtitan's saves)."""
-    if type(text) is not str or encoding not in ("latin1", "latin-1"):
-        raise ValueError("_codecs.encode is only allowed for latin-1 bytes")
-    _spend(33 + len(text))
-    return text.encode("latin-1")
-
-
-#: What the `data.pkl` of a torch.save archive holding one plain tensor may name (for `raw_record`;
-#: decoding tensors goes through torch's own `weights_only` unpickler instead).
-TORCH_SAVE_GLOBALS: Mapping[tuple[str, str], Any] = {
-    ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor_v2,
-    ("torch._utils", "_rebuild_tensor_v3"): _rebuild_tensor_v3,
-    ("collections", "OrderedDict"): _empty_ordered_dict,
-    ("torch.storage", "UntypedStorage"): _TypedStorageTag(None),
-    ("_codecs", "encode"): _codecs_encode,
-    **{("torch", name): _TypedStorageTag(dtype) for name, dtype in _LEGACY_STORAGES.items()},
-    **_TORCH_DTYPES,
-}
-
-# --------------------------------------------------------------------------------------------------
-# Whole torch.save files of a training state (`formats.torch_pickle`): `optimizer.pt`, `scheduler.pt`,
-# `rng_state*.pth`, `training_args.bin`, DeepSpeed `*_model_states.pt` / `*_optim_states.pt`.
-# --------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class TensorRef:
-    """A tensor of a torch.save file as facts; its elements stay on disk until `torch_pickle.load_tensor`.
-
-    Attributes:
-        dtype: torch-style dtype name.
-        shape: the tensor's shape.
-        storage_key: the storage record holding its elements (`<archive>/data/<key>`).
-        storage_offset: where the tensor starts in its storage, in elements.
-        stride: strides in elements.
-        nbytes: bytes of the tensor's own elements (`numel * itemsize`).
-        storage_nbytes: bytes the whole storage holds (views share one storage).
-        requires_grad: what the saved tensor said (parameters say True).
-    """
-
-    dtype: str
-    shape: tuple[int, ...]
-    storage_key: str
-    storage_offset: int
-    stride: tuple[int, ...]
-    nbytes: int
-    storage_nbytes: int
-    requires_grad: bool = False
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    @property
-    def is_contiguous(self) -> bool:
-        """Row-major without gaps, so that its elements are one byte range of the storage record."""
-        step = 1
-        for dim, stride in zip(reversed(self.shape), reversed(self.stride), strict=True):
-            if dim != 1 and stride != step:  # a dimension of size 1 never steps: its stride is arbitrary
-                return False
-            step *= dim
-        return True
-
-
-def _tensor_ref(rebuilt: TensorRebuild) -> TensorRef:
-    storage = rebuilt.storage
-    itemsize = dtype_itemsize(rebuilt.dtype)
-    storage_nbytes = storage.numel * (itemsize if storage.dtype is not None else 1)
-    if any(s < 0 for s in rebuilt.stride):
-        raise ValueError("a tensor has a negative stride")
-    numel = math.prod(rebuilt.shape)
-    if numel:
-        last = rebuilt.storage_offset + sum((d - 1) * s for d, s in zip(rebuilt.shape, rebuilt.stride, strict=True))
-        if (last + 1) * itemsize > storage_nbytes:
-            raise ValueError("a tensor reaches outside its storage")
-    return TensorRef(
-        rebuilt.dtype,
-        rebuilt.shape,
-        storage.key,
-        rebuilt.storage_offset,
-        rebuilt.stride,
-        numel * itemsize,
-        storage_nbytes,
-        rebuilt.requires_grad,
-    )
-
-
-def _ref_v2(*args: Any) -> TensorRef:
-    """Stand-in for `torch._utils._rebuild_tensor_v2` in whole-file pickles: a `TensorRef`."""
-    return _tensor_ref(_rebuild_tensor_v2(*args))
-
-
-def _ref_v3(*args: Any) -> TensorRef:
-    """Stand-in for `torch._utils._rebuild_tensor_v3` in whole-file pickles: a `TensorRef`."""
-    return _tensor_ref(_rebuild_tensor_v3(*args))
-
-
-def _rebuild_parameter(data: Any, requires_grad: Any, backward_hooks: Any, state: Any = None) -> TensorRef:
-    """Stand-in for `torch._utils._rebuild_parameter[_with_state]`: the parameter's data, as a `TensorRef`."""
-    if type(data) is not TensorRef:
-        raise ValueError("a parameter must wrap a tensor")
-    return data
-
-
-class _TypeTag:
-    """A class a pickle names only to say what type to rebuild (`torch.Tensor`, `numpy.ndarray`)."""
-
-    __slots__ = ("name",)
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-
-_TENSOR_TYPES = (_TypeTag("torch.Tensor"), _TypeTag("torch.nn.parameter.Parameter"))
-_NDARRAY = _TypeTag("numpy.ndarray")
-
-
-def _rebuild_from_type_v2(func: Any, new_type: Any, args: Any, state: Any) -> TensorRef:
-    """Stand-in for `torch._tensor._rebuild_from_type_v2` (tensors with attributes, e.g. DeepSpeed's
-    flat ZeRO-3 partitions carrying `ds_id`): calls only the tensor stand-ins, drops the attributes."""
-    known_func = func is _ref_v2 or func is _ref_v3 or func is _rebuild_parameter
-    if not known_func or not any(new_type is t for t in _TENSOR_TYPES) or type(args) is not tuple:
-        raise ValueError("_rebuild_from_type_v2 may only rebuild a plain tensor")
-    result: TensorRef = func(*args)
-    return result
-
-
-class OrderedDictStandIn(dict[Any, Any]):
-    """Stand-in for `collections.OrderedDict` in whole-file pickles: a dict that also takes a BUILD state.
-
-    `module.state_dict()` is an OrderedDict carrying a `_metadata` attribute, which pickles as BUILD; the
-    state is kept in `state` (dicts keep insertion order, so nothing else is lost).
-    """
-
-    __slots__ = ("state",)
-
-    def __init__(self, *args: Any) -> None:
-        if args:
-            raise ValueError("OrderedDict is rebuilt empty, then filled")
-        super().__init__()
-
-    def __setstate__(self, state: Any) -> None:
-        self.state = state
+def stand_in_class(name: str, base: _C, **attributes: Any) -> _C:
+    """A subclass of the stand-in class `base` named `name`, with `attributes` as class attributes (no
+    instance attributes of its own): the allowlists declare their plain stand-ins as tables of this."""
+    return type(name, (base,), {"__slots__": (), **attributes})  # type: ignore[return-value]
 
 
 _SCALAR_TYPES = (str, int, float, bool, type(None))
 
 
 class FrameworkObject(StandIn):
-    """An object of an allowlisted framework class (one a framework package registers, see `_Allowlist`).
+    """An object of an allowlisted framework class (one a framework package registers, see `Allowlist`).
 
     NEWOBJ + BUILD give an object its fields (`state_fields` reads them); an enum member is rebuilt by
     calling its class with its value, which is kept as `value` (None for plain objects).
@@ -579,64 +183,11 @@ def _framework_mapping(qualified_name: str) -> type[FrameworkMapping]:
 
 @cache
 def _framework_class(qualified_name: str) -> type[FrameworkObject]:
-    # Exact names only (a bounded set): pattern matches get a fresh class per file, see _Allowlist.
+    # Exact names only (a bounded set): pattern matches get a fresh class per file, see Allowlist.
     return type("FrameworkObject", (FrameworkObject,), {"__slots__": (), "stands_for": qualified_name})
 
 
-class NumpyDType(StandIn):
-    """Stand-in for `numpy.dtype(name, align, copy)`: the type name (its BUILD state is kept as is)."""
-
-    __slots__ = ("name",)
-    stands_for = "numpy.dtype"
-
-    def __init__(self, name: Any, align: Any = False, copy: Any = False) -> None:
-        if type(name) is not str or len(name) > 64:
-            raise ValueError("numpy.dtype needs a short type name")
-        self.name = name
-
-
-class NumpyArray(StandIn):
-    """Stand-in for a numpy array (`numpy.core.multiarray._reconstruct` + BUILD): keeps the BUILD state
-    `(version, shape, dtype, is_fortran, raw bytes)` without interpreting it."""
-
-    __slots__ = ()
-    stands_for = "numpy.ndarray"
-
-
-def _np_reconstruct(subtype: Any, shape: Any, dtype: Any) -> NumpyArray:
-    if subtype is not _NDARRAY:
-        raise ValueError("only plain numpy arrays are rebuilt")
-    return NumpyArray()
-
-
-class NumpyScalar:
-    """Stand-in for `numpy.core.multiarray.scalar(dtype, bytes)` (numpy scalars in RNG states)."""
-
-    __slots__ = ("data", "dtype")
-
-    def __init__(self, dtype: Any, data: Any = None) -> None:
-        if type(dtype) is not NumpyDType or (data is not None and type(data) is not bytes):
-            raise ValueError("numpy scalar needs a dtype and its bytes")
-        self.dtype = dtype
-        self.data = data
-
-
-def _torch_device(kind: Any, index: Any = None) -> str:
-    """Stand-in for `torch.device(...)`: its name (`cpu`, `cuda:0`)."""
-    if type(kind) is not str or len(kind) > 32 or (index is not None and type(index) is not int):
-        raise ValueError("torch.device needs a short name and an optional index")
-    return kind if index is None else f"{kind}:{index}"
-
-
-def _plain_set(items: Any = ()) -> set[Any]:
-    """Stand-in for `builtins.set`/`frozenset` (protocol 0-3 pickles rebuild sets from a list)."""
-    if type(items) not in (list, tuple):
-        raise ValueError("a set is rebuilt from a list")
-    _spend(232 + 32 * len(items))
-    return set(items)
-
-
-class _Allowlist(Mapping[tuple[str, str], Any]):
+class Allowlist(Mapping[tuple[str, str], Any]):
     """Exact (module, name) entries, plus the framework classes the framework packages register
     (`formats.framework_classes`: exact names and module prefixes), which become `FrameworkObject`s."""
 
@@ -666,207 +217,6 @@ class _Allowlist(Mapping[tuple[str, str], Any]):
         registered = framework_classes.registered()
         return len(self._exact.keys() | registered.classes | registered.mappings)
 
-
-_NUMPY_GLOBALS = {
-    key: value
-    for core in ("numpy.core", "numpy._core")  # numpy 1.x and 2.x pickle under different module names
-    for key, value in {
-        (f"{core}.multiarray", "_reconstruct"): _np_reconstruct,
-        (f"{core}.multiarray", "scalar"): NumpyScalar,
-    }.items()
-}
-
-#: What a torch.save archive of a plain value (a DCP bytes item) may name when it is read to check it, not
-#: rebuilt (`torch_save.read_object_archive`, which `verify` uses): `TORCH_SAVE_GLOBALS`, and the numpy
-#: values RNG states hold (Megatron's `rng_state` items keep `np.random.get_state()`, an array pickled with
-#: protocol 2, whose bytes come through `_codecs.encode`) as inert stand-ins.
-OBJECT_READ_GLOBALS: Mapping[tuple[str, str], Any] = {
-    **TORCH_SAVE_GLOBALS,
-    ("numpy", "dtype"): NumpyDType,
-    ("numpy", "ndarray"): _NDARRAY,
-    ("_codecs", "encode"): _codecs_encode,
-    **_NUMPY_GLOBALS,
-}
-
-#: What a whole training-state torch.save file may name. Tensors become `TensorRef`s, framework objects
-#: `FrameworkObject`s, numpy values `NumpyArray`/`NumpyScalar`; nothing named is imported or called.
-_TORCH_PICKLE_EXACT: dict[tuple[str, str], Any] = {
-    **TORCH_SAVE_GLOBALS,
-    ("torch._utils", "_rebuild_tensor_v2"): _ref_v2,
-    ("torch._utils", "_rebuild_tensor_v3"): _ref_v3,
-    ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
-    ("torch._utils", "_rebuild_parameter_with_state"): _rebuild_parameter,
-    ("torch._tensor", "_rebuild_from_type_v2"): _rebuild_from_type_v2,
-    ("torch", "Tensor"): _TENSOR_TYPES[0],
-    ("torch.nn.parameter", "Parameter"): _TENSOR_TYPES[1],
-    ("torch", "Size"): _torch_size,
-    ("torch", "device"): _torch_device,
-    ("collections", "OrderedDict"): OrderedDictStandIn,
-    ("builtins", "set"): _plain_set,
-    ("builtins", "frozenset"): _plain_set,
-    ("_codecs", "encode"): _codecs_encode,
-    ("numpy", "dtype"): NumpyDType,
-    ("numpy", "ndarray"): _NDARRAY,
-    **_NUMPY_GLOBALS,
-}
-TORCH_PICKLE_GLOBALS: Mapping[tuple[str, str], Any] = _Allowlist(_TORCH_PICKLE_EXACT)
-
-# --------------------------------------------------------------------------------------------------
-# DTensors in whole torch.save files (FSDP2 / FSDP1-with-device-mesh sharded state dicts, as verl saves them).
-# --------------------------------------------------------------------------------------------------
-# torch pickles a DTensor as `_rebuild_from_type_v2(_rebuild_wrapper_subclass, DTensor, (DTensor, dtype, size,
-# stride, storage_offset, layout, device, requires_grad), (None, {"_local_tensor": tensor, "_spec": spec}))`
-# (`torch/_tensor.py` `__reduce_ex__` of a wrapper subclass, `torch/distributed/tensor/_api.py` DTensor's
-# `__slots__`); the spec is a `DTensorSpec` dataclass (mesh, placements, tensor_meta, shard_order) built by
-# NEWOBJ + BUILD, its mesh a `DeviceMesh` whose state holds `_layout` (`_MeshLayout` of `_FlatLayout`s, torch
-# >= 2.9), `_mesh_dim_names`, `_coordinate_on_dim` (the saving rank's place) and a rank-map tensor. Each
-# becomes an inert stand-in below; `formats.dtensor` reads the facts off them.
-
-
-class DTensorSpecStandIn(StandIn):
-    __slots__ = ()
-    stands_for = "torch.distributed.tensor._dtensor_spec.DTensorSpec"
-
-
-class DeviceMeshStandIn(StandIn):
-    __slots__ = ()
-    stands_for = "torch.distributed.device_mesh.DeviceMesh"
-
-
-class MeshLayoutStandIn(StandIn):
-    __slots__ = ()
-    stands_for = "torch.distributed._mesh_layout._MeshLayout"
-
-
-class FlatLayoutStandIn(StandIn):
-    __slots__ = ()
-    stands_for = "torch.distributed._mesh_layout._FlatLayout"
-
-
-class PlacementStandIn(StandIn):
-    """`Shard(dim)`, `_StridedShard(dim, split_factor)`, `Replicate()` or `Partial(reduce_op)`: its kind and
-    the fields BUILD gives it."""
-
-    __slots__ = ()
-    kind: ClassVar[str] = ""
-
-
-class _NamedTupleStandIn(tuple[Any, ...]):
-    """A NamedTuple rebuilt by NEWOBJ with its fields (`TensorMeta(shape, stride, dtype)`,
-    `ShardOrderEntry(tensor_dim, mesh_dims)`): the plain tuple of them, its length checked."""
-
-    fields: ClassVar[int] = 0
-
-    def __new__(cls, *args: Any) -> _NamedTupleStandIn:
-        if len(args) != cls.fields:
-            raise ValueError(f"{cls.__name__} takes {cls.fields} fields")
-        return super().__new__(cls, args)
-
-
-class TensorMetaStandIn(_NamedTupleStandIn):
-    fields = 3
-
-
-class ShardOrderEntryStandIn(_NamedTupleStandIn):
-    fields = 2
-
-
-class WrapperSubclass:
-    """What `torch._utils._rebuild_wrapper_subclass(DTensor, ...)` rebuilds: the global tensor's facts,
-    before `_rebuild_from_type_v2` hands it its state."""
-
-    __slots__ = ("dtype", "requires_grad", "shape", "stride")
-
-    def __init__(self, dtype: str, shape: tuple[int, ...], stride: tuple[int, ...], requires_grad: bool) -> None:
-        self.dtype = dtype
-        self.shape = shape
-        self.stride = stride
-        self.requires_grad = requires_grad
-
-
-class DTensorRef:
-    """A pickled DTensor as facts: the global tensor's, its local shard (a `TensorRef`, data left on disk)
-    and its unchecked `DTensorSpec` stand-in (`formats.dtensor.dtensor_facts` validates it)."""
-
-    __slots__ = ("dtype", "local", "shape", "spec")
-
-    def __init__(self, dtype: str, shape: tuple[int, ...], local: TensorRef, spec: Any) -> None:
-        self.dtype = dtype
-        self.shape = shape
-        self.local = local
-        self.spec = spec
-
-
-_DTENSOR = _TypeTag("torch.distributed.tensor.DTensor")
-
-
-def _rebuild_wrapper_subclass(
-    cls: Any, dtype: Any, size: Any, stride: Any, storage_offset: Any, layout: Any, device: Any, requires_grad: Any
-) -> WrapperSubclass:
-    """Stand-in for `torch._utils._rebuild_wrapper_subclass`, for DTensors only."""
-    if cls is not _DTENSOR or type(dtype) is not DType or type(storage_offset) is not int:
-        raise ValueError("_rebuild_wrapper_subclass rebuilds only a DTensor")
-    shape = _int_tuple(size, "a DTensor size")
-    strides = _int_tuple(stride, "a DTensor stride")
-    if len(shape) != len(strides) or any(d < 0 for d in shape):
-        raise ValueError("a DTensor's size and stride disagree")
-    return WrapperSubclass(str(dtype), shape, strides, bool(requires_grad))
-
-
-def _rebuild_dtensor_or_tensor(func: Any, new_type: Any, args: Any, state: Any) -> TensorRef | DTensorRef:
-    """`torch._tensor._rebuild_from_type_v2` where DTensors may appear: a DTensor becomes a `DTensorRef` from
-    its slots' state; anything else as `_rebuild_from_type_v2`."""
-    if func is not _rebuild_wrapper_subclass:
-        return _rebuild_from_type_v2(func, new_type, args, state)
-    if new_type is not _DTENSOR or type(args) is not tuple:
-        raise ValueError("_rebuild_wrapper_subclass rebuilds only a DTensor")
-    wrapper = _rebuild_wrapper_subclass(*args)
-    if type(state) is not tuple or len(state) != 2 or state[0] is not None or type(state[1]) is not dict:
-        raise ValueError("a DTensor's state must be its slots")
-    local, spec = state[1].get("_local_tensor"), state[1].get("_spec")
-    if type(local) is not TensorRef or type(spec) is not DTensorSpecStandIn:
-        raise ValueError("a DTensor needs a local tensor and a DTensorSpec")
-    if local.dtype != wrapper.dtype:
-        raise ValueError("a DTensor's local tensor has another dtype")
-    return DTensorRef(wrapper.dtype, wrapper.shape, local, spec)
-
-
-def _torch_layout(name: Any) -> str:
-    """Stand-in for `torch.serialization._get_layout(name)`: the name (`torch.strided`)."""
-    if name != "torch.strided":
-        raise ValueError("only strided tensors are read")
-    return name
-
-
-def _placement(kind: str) -> type[PlacementStandIn]:
-    return type("PlacementStandIn", (PlacementStandIn,), {"__slots__": (), "kind": kind, "stands_for": kind})
-
-
-_PLACEMENTS = "torch.distributed.tensor.placement_types"
-_DTENSOR_GLOBALS: dict[tuple[str, str], Any] = {
-    ("torch._utils", "_rebuild_wrapper_subclass"): _rebuild_wrapper_subclass,
-    ("torch._tensor", "_rebuild_from_type_v2"): _rebuild_dtensor_or_tensor,
-    ("torch.serialization", "_get_layout"): _torch_layout,
-    ("torch.distributed.tensor._dtensor_spec", "DTensorSpec"): DTensorSpecStandIn,
-    ("torch.distributed.tensor._dtensor_spec", "TensorMeta"): TensorMetaStandIn,
-    ("torch.distributed.tensor._dtensor_spec", "ShardOrderEntry"): ShardOrderEntryStandIn,
-    ("torch.distributed.device_mesh", "DeviceMesh"): DeviceMeshStandIn,
-    ("torch.distributed._mesh_layout", "_MeshLayout"): MeshLayoutStandIn,
-    ("torch.distributed._mesh_layout", "_FlatLayout"): FlatLayoutStandIn,
-    **{
-        (module, name): _placement(name)
-        for module in (_PLACEMENTS, "torch.distributed._tensor.placement_types")
-        for name in ("Shard", "_StridedShard", "Replicate", "Partial")
-    },
-    # The DTensor class itself, under its public and its pre-2.4 module.
-    ("torch.distributed.tensor", "DTensor"): _DTENSOR,
-    ("torch.distributed.tensor._api", "DTensor"): _DTENSOR,
-    ("torch.distributed._tensor.api", "DTensor"): _DTENSOR,
-}
-
-#: `TORCH_PICKLE_GLOBALS` plus DTensors (`DTensorRef`s): for files of sharded state dicts (verl's per-rank
-#: `model_world_size_W_rank_R.pt`). Kept apart so that readers of other training files keep refusing a DTensor.
-DTENSOR_PICKLE_GLOBALS: Mapping[tuple[str, str], Any] = _Allowlist({**_TORCH_PICKLE_EXACT, **_DTENSOR_GLOBALS})
 
 #: The packages whose file formats ckptctl reads (torch.save, DCP, numpy values in them): a global of theirs
 #: outside the allowlists is refused as an unsupported class, not as a forgery; framework packages add
@@ -943,35 +293,23 @@ class SafeUnpickler(pickle.Unpickler):
         raise UnsafePickle(f"{self._source}: the pickle uses persistent ids, which this file type never has")
 
 
-class _TorchSaveUnpickler(SafeUnpickler):
-    """Resolves torch.save's `('storage', type, key, location, numel)` persistent ids to `StorageRef`s."""
-
-    def persistent_load(self, pid: Any) -> Any:
-        if (
-            type(pid) is tuple
-            and len(pid) == 5
-            and pid[0] == "storage"
-            and isinstance(pid[1], _TypedStorageTag)
-            and type(pid[2]) is str
-            and type(pid[3]) is str
-            and type(pid[4]) is int
-            and pid[4] >= 0
-        ):
-            return StorageRef(pid[2], pid[1].dtype, pid[3], pid[4])
-        raise CorruptCheckpoint(f"{self._source}: unexpected persistent id in a torch.save archive")
-
-
 def _printable(name: str) -> str:
     return name if len(name) <= 200 and name.isprintable() else repr(name[:200])
 
 
-def safe_loads(data: bytes | memoryview, allowed: Mapping[tuple[str, str], Any], source: str) -> Any:
+def safe_loads(
+    data: bytes | memoryview,
+    allowed: Mapping[tuple[str, str], Any],
+    source: str,
+    unpickler: type[SafeUnpickler] | None = None,
+) -> Any:
     """Unpickle `data`, resolving globals only from `allowed`.
 
     Args:
         data: the whole pickle.
         allowed: (module, name) → stand-in (`DCP_METADATA_GLOBALS`, `TORCH_SAVE_GLOBALS`, or your own).
         source: the file's name, for messages.
+        unpickler: the `SafeUnpickler` subclass to use (default `SafeUnpickler`).
 
     Returns:
         The unpickled object, built from builtins and stand-ins only.
@@ -981,7 +319,7 @@ def safe_loads(data: bytes | memoryview, allowed: Mapping[tuple[str, str], Any],
         CorruptCheckpoint: anything else that makes it unreadable, or it would build more than a real
             file of its size.
     """
-    return parse_pickle(data, allowed, source, _as_is)
+    return parse_pickle(data, allowed, source, _as_is, unpickler)
 
 
 def parse_pickle(
@@ -1029,33 +367,6 @@ def parse_pickle(
     if depth <= _INLINE_DEPTH:
         return run()
     return _on_deep_stack(run, depth * _STACK_PER_LEVEL + (1 << 20), source)
-
-
-def load_torch_save_pickle(
-    data: bytes | memoryview, source: str, allowed: Mapping[tuple[str, str], Any] = TORCH_SAVE_GLOBALS
-) -> Any:
-    """Unpickle the `data.pkl` of a torch.save archive into `TensorRebuild`/`StorageRef` facts.
-
-    Args:
-        data: the pickle.
-        source: its name, for messages.
-        allowed: `TORCH_SAVE_GLOBALS`, or `OBJECT_READ_GLOBALS` for a value that is only read.
-    """
-    return parse_pickle(data, allowed, source, _as_is, _TorchSaveUnpickler)
-
-
-def load_torch_pickle(
-    data: bytes | memoryview, source: str, allowed: Mapping[tuple[str, str], Any] = TORCH_PICKLE_GLOBALS
-) -> Any:
-    """Unpickle the `data.pkl` of a whole training-state torch.save file with `TORCH_PICKLE_GLOBALS` (or
-    `DTENSOR_PICKLE_GLOBALS` for sharded state dicts).
-
-    Raises:
-        UnsafePickle: a global outside the allowlist (nothing of the pickle ran).
-        CorruptCheckpoint: anything else that makes it unreadable.
-    """
-    with gc_paused():
-        return parse_pickle(data, allowed, source, _as_is, _TorchSaveUnpickler)
 
 
 _T = TypeVar("_T")

@@ -22,14 +22,8 @@ from typing import TYPE_CHECKING, Any
 from ckptctl import io
 from ckptctl.checkpoint import dtype_itemsize
 from ckptctl.errors import CorruptCheckpoint
-from ckptctl.formats.safe_pickle import (
-    MAX_NESTING,
-    TORCH_PICKLE_GLOBALS,
-    StandIn,
-    TensorRef,
-    check_nesting,
-    load_torch_pickle,
-)
+from ckptctl.formats.safe_pickle import MAX_NESTING, StandIn, check_nesting
+from ckptctl.formats.torch_pickle_classes import TORCH_PICKLE_GLOBALS, TensorRef, load_torch_pickle
 from ckptctl.formats.torch_save import ZipDirectory, ZipRecord, read_zip_directory
 
 if TYPE_CHECKING:

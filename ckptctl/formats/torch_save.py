@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 from ckptctl import io as ckpt_io
 from ckptctl.checkpoint import dtype_itemsize
 from ckptctl.errors import CkptctlError, CorruptCheckpoint, UnsafePickle
-from ckptctl.formats.safe_pickle import (
+from ckptctl.formats.torch_save_classes import (
     OBJECT_READ_GLOBALS,
     TORCH_SAVE_GLOBALS,
     DType,

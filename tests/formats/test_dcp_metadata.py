@@ -23,7 +23,8 @@ from torch.distributed.checkpoint.metadata import (
 
 from ckptctl.errors import CorruptCheckpoint
 from ckptctl.formats.dcp_metadata import DcpBytesItem, DcpChunk, DcpTensor, StorageRecord, parse_dcp_metadata
-from ckptctl.formats.safe_pickle import DCP_METADATA_GLOBALS, SafeUnpickler
+from ckptctl.formats.dcp_metadata_classes import DCP_METADATA_GLOBALS
+from ckptctl.formats.safe_pickle import SafeUnpickler
 from tests.writers.dcp_writer import WrittenDcp
 
 

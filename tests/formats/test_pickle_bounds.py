@@ -16,16 +16,10 @@ from typing import Any
 import pytest
 
 from ckptctl.errors import CorruptCheckpoint
-from ckptctl.formats.safe_pickle import (
-    DCP_METADATA_GLOBALS,
-    MAX_NESTING,
-    TORCH_PICKLE_GLOBALS,
-    check_nesting,
-    check_opcodes,
-    load_torch_pickle,
-    safe_loads,
-)
+from ckptctl.formats.dcp_metadata_classes import DCP_METADATA_GLOBALS
+from ckptctl.formats.safe_pickle import MAX_NESTING, check_nesting, check_opcodes, safe_loads
 from ckptctl.formats.torch_pickle import tensor_refs
+from ckptctl.formats.torch_pickle_classes import TORCH_PICKLE_GLOBALS, load_torch_pickle
 from tests.hostile.pickle_payloads import PAYLOADS
 
 
@@ -35,7 +29,7 @@ def _in_child(payload: str, call: str) -> tuple[int, str, int]:
         import resource
         from ckptctl.errors import CorruptCheckpoint
         from ckptctl.formats.dcp_metadata import parse_dcp_metadata
-        from ckptctl.formats.safe_pickle import load_torch_pickle
+        from ckptctl.formats.torch_pickle_classes import load_torch_pickle
         from tests.hostile.pickle_payloads import PAYLOADS
         data = PAYLOADS[{payload!r}]()
         start = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

@@ -19,7 +19,8 @@ from hypothesis import strategies as st
 
 from ckptctl.errors import CorruptCheckpoint, UnsafePickle
 from ckptctl.formats.dcp_metadata import parse_dcp_metadata
-from ckptctl.formats.safe_pickle import DCP_METADATA_GLOBALS, check_opcodes, safe_loads
+from ckptctl.formats.dcp_metadata_classes import DCP_METADATA_GLOBALS
+from ckptctl.formats.safe_pickle import check_opcodes, safe_loads
 
 
 class Payload:

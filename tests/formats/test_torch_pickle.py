@@ -23,14 +23,10 @@ import torch
 
 from ckptctl import io
 from ckptctl.errors import CorruptCheckpoint, UnsafePickle
-from ckptctl.formats.safe_pickle import (
-    FrameworkObject,
-    NumpyArray,
-    OrderedDictStandIn,
-    TensorRef,
-    state_fields,
-)
+from ckptctl.formats.safe_pickle import FrameworkObject, state_fields
 from ckptctl.formats.torch_pickle import load_tensor, open_torch_pickle, read_pickled_structure, tensor_refs
+from ckptctl.formats.torch_pickle_classes import OrderedDictStandIn, TensorRef
+from ckptctl.formats.torch_save_classes import NumpyArray
 from tests.formats.test_safe_pickle import payloads
 
 
@@ -279,7 +275,7 @@ def test_framework_classes_come_from_the_framework_packages() -> None:
     import ast
 
     from ckptctl.formats import framework_classes
-    from ckptctl.formats.safe_pickle import TORCH_PICKLE_GLOBALS
+    from ckptctl.formats.torch_pickle_classes import TORCH_PICKLE_GLOBALS
 
     formats = Path(framework_classes.__file__).parent
     for source in formats.glob("*.py"):

@@ -19,7 +19,8 @@ import pytest
 
 from ckptctl.checkpoint import CheckpointState
 from ckptctl.errors import CkptctlError
-from ckptctl.formats.safe_pickle import DCP_METADATA_GLOBALS, SafeUnpickler
+from ckptctl.formats.dcp_metadata_classes import DCP_METADATA_GLOBALS
+from ckptctl.formats.safe_pickle import SafeUnpickler
 from ckptctl.frameworks.megatron.hf import hf_config, shape_from_args, shape_from_config
 from ckptctl.layouts import detect, open_checkpoint
 from tests.conftest import CliResult, copy_tree

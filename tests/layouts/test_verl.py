@@ -20,7 +20,7 @@ from ckptctl import io
 from ckptctl.checkpoint import CheckpointState, Component, ProblemKind
 from ckptctl.errors import CkptctlError
 from ckptctl.formats.dtensor import dtensor_facts, state_tensors
-from ckptctl.formats.safe_pickle import DTENSOR_PICKLE_GLOBALS, DTensorRef
+from ckptctl.formats.dtensor_classes import DTENSOR_PICKLE_GLOBALS, DTensorRef
 from ckptctl.formats.torch_pickle import open_torch_pickle
 from ckptctl.layouts import open_checkpoint, scan_run
 from ckptctl.ops.verification import verify_checkpoint
@@ -72,7 +72,7 @@ def test_inspect_names_roles_world_size_and_components(verl_run: WrittenVerl) ->
 
 def test_real_rank_files_name_only_the_dtensor_globals_ckptctl_allows(verl_run: WrittenVerl) -> None:
     """What torch 2.13 pickles for verl's sharded state dicts (model, optimizer, extra state): all allowed, and
-    the DTensor pieces exactly the stand-ins `formats.safe_pickle` defines for them."""
+    the DTensor pieces exactly the stand-ins `formats.dtensor_classes` defines for them."""
     seen: set[tuple[str, str]] = set()
     for path in sorted((verl_run.step(2) / "critic").glob("*_world_size_2_rank_*.pt")):
         with zipfile.ZipFile(path) as z:

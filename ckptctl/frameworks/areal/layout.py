@@ -54,7 +54,8 @@ from ckptctl.checkpoint import (
 from ckptctl.errors import CkptctlError, CorruptCheckpoint, UnknownLayout, UnsafePickle
 from ckptctl.formats.dcp_metadata import METADATA_NAME
 from ckptctl.formats.documents import MAX_INT, read_json
-from ckptctl.formats.safe_pickle import MAX_DIMS, TORCH_PICKLE_GLOBALS, check_nesting, safe_loads
+from ckptctl.formats.safe_pickle import MAX_DIMS, check_nesting, safe_loads
+from ckptctl.formats.torch_pickle_classes import TORCH_PICKLE_GLOBALS
 from ckptctl.frameworks.dcp.layout import (
     DISTCP_RE,
     MTIME_SLACK_S,

@@ -33,8 +33,8 @@ from ckptctl import io
 from ckptctl.checkpoint import ChunkEncoding, Component, Problem, ProblemKind, TensorChunk, TensorEntry
 from ckptctl.errors import CkptctlError
 from ckptctl.formats.chunks import coverage_problems
-from ckptctl.formats.safe_pickle import TensorRef
 from ckptctl.formats.torch_pickle import TorchPickle, open_torch_pickle, storage_problems
+from ckptctl.formats.torch_pickle_classes import TensorRef
 from ckptctl.layouts.base import LISTED_ABSENT
 from ckptctl.layouts.parts.zero_tag.names import UNIVERSAL_STATES_DIR
 from ckptctl.layouts.parts.zero_tag.tag import DeepSpeedTag, base_state

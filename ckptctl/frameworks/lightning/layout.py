@@ -53,8 +53,9 @@ from ckptctl.checkpoint import (
 from ckptctl.errors import CkptctlError, UnknownLayout, UnsafePickle
 from ckptctl.formats.dcp_metadata import METADATA_NAME
 from ckptctl.formats.documents import as_real, as_whole
-from ckptctl.formats.safe_pickle import FrameworkObject, StandIn, TensorRef, state_fields
+from ckptctl.formats.safe_pickle import FrameworkObject, StandIn, state_fields
 from ckptctl.formats.torch_pickle import TorchPickle, open_torch_pickle, storage_problems
+from ckptctl.formats.torch_pickle_classes import TensorRef
 from ckptctl.formats.torch_zip import TorchArchive
 from ckptctl.frameworks.dcp.layout import DISTCP_RE, dcp_tensor_index, verify_dcp, world_size_of
 from ckptctl.frameworks.hf.layout import torch_file_entries

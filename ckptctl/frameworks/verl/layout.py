@@ -54,8 +54,9 @@ from ckptctl.errors import CkptctlError, CorruptCheckpoint, UnknownLayout, Unsaf
 from ckptctl.formats.chunks import tiling_problem
 from ckptctl.formats.documents import read_json
 from ckptctl.formats.dtensor import dtensor_facts, state_tensors
-from ckptctl.formats.safe_pickle import DTENSOR_PICKLE_GLOBALS, DTensorRef, TensorRef
+from ckptctl.formats.dtensor_classes import DTENSOR_PICKLE_GLOBALS, DTensorRef
 from ckptctl.formats.torch_pickle import TorchPickle, open_torch_pickle
+from ckptctl.formats.torch_pickle_classes import TensorRef
 from ckptctl.frameworks.hf_trainer.layout import IN_PROGRESS_WINDOW_S
 from ckptctl.io import DirEntry
 from ckptctl.layouts import peek_dir

@@ -8,7 +8,7 @@ from dataclasses import replace
 from ckptctl import io
 from ckptctl.checkpoint import Checkpoint, Component, TensorEntry
 from ckptctl.errors import CkptctlError, CorruptCheckpoint
-from ckptctl.formats.safe_pickle import TensorRef
+from ckptctl.formats.torch_pickle_classes import TensorRef
 from ckptctl.layouts.base import MasterWeights
 from ckptctl.layouts.parts.zero_tag.names import is_rank_file
 from ckptctl.layouts.parts.zero_tag.tag import DeepSpeedTag, read_tag

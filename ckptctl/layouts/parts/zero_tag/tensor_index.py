@@ -18,8 +18,8 @@ from typing import Any
 from ckptctl.checkpoint import ChunkEncoding, Component, TensorChunk, TensorEntry, dtype_itemsize
 from ckptctl.errors import CorruptCheckpoint
 from ckptctl.formats.chunks import flat_range_boxes
-from ckptctl.formats.safe_pickle import TensorRef
 from ckptctl.formats.torch_pickle import TorchPickle, tensor_refs
+from ckptctl.formats.torch_pickle_classes import TensorRef
 from ckptctl.layouts.parts.zero_tag.tag import DeepSpeedTag, base_state, optimizer_state_dict
 
 #: A parameter's piece on one rank: (DP rank, group, first element in the rank's flat group tensor,

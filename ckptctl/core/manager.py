@@ -31,10 +31,12 @@ Retention deletes through `io.trash`: a doomed step is taken out of sight before
 into `.ckptctl-trash/`, or its manifest deleted), and its files are deleted on a background thread
 (`core.deleter`), which `wait()` and `close()` wait for.
 
-A save that is killed leaves its staging folder. Every staging folder holds a record of its writer (host,
-pid, process start, boot id, pid namespace), so that `resume()` and every commit can delete the ones whose
-writer is provably gone, and those that another machine's writer left an hour or more before a later
-step was committed (`native.layout.abandoned_staging`); a live writer's folder is never touched.
+A save that is killed leaves its staging folder. Every staging folder says who writes it, in its name (pid
+and machine, `native.layout.staging_token`) from its first moment and in a record written into it first
+(host, pid, process start, boot id, pid namespace), so that `resume()` and every commit can delete the
+ones whose writer is provably gone, whatever moment of the save the kill landed on, and those that another
+machine's writer left an hour or more before a later step was committed
+(`native.layout.abandoned_staging`); a live writer's folder is never touched.
 
 Rollback. A run that goes back to an older step (`restore(state, step=10)`) and saves again (`save(20)`)
 has left the newer steps (30) on a branch it abandoned: a later resume must follow the new branch, not
@@ -57,7 +59,6 @@ import functools
 import logging
 import os
 import platform
-import secrets
 import shutil
 import threading
 import time
@@ -81,7 +82,7 @@ from ckptctl.core.storage import open_run, storage_errors
 from ckptctl.errors import CheckpointNotFound, CkptctlError, CorruptCheckpoint, SerializationError, StorageError
 from ckptctl.formats.digest import file_digest
 from ckptctl.formats.manifest import MANIFEST_NAME, ComponentRecord, FileRecord, Manifest, load_manifest, now_iso
-from ckptctl.frameworks.native.layout import ABANDON_GRACE, POINTER_NAME, StepNaming, superseded_note
+from ckptctl.frameworks.native.layout import ABANDON_GRACE, POINTER_NAME, StepNaming, staging_token, superseded_note
 from ckptctl.io import trash
 from ckptctl.io.trash import TRASH_NAME, Retired
 from ckptctl.layouts.base import folder_size
@@ -260,7 +261,7 @@ class CheckpointManager:
 
     def _commit_single(self, step: int, taken: Snapshot, metrics: dict[str, Any]) -> None:
         started = time.perf_counter()
-        staging = self._storage.staging(step, secrets.token_hex(4))
+        staging = self._storage.staging(step, staging_token())
         files: dict[str, FileRecord] = {}
         components: dict[str, ComponentRecord] = {}
         try:
@@ -289,7 +290,7 @@ class CheckpointManager:
         group = self._background_group() if self.async_save else None
         staging, error = None, None
         if world.rank == 0:
-            staging = self._storage.staging(step, secrets.token_hex(4))
+            staging = self._storage.staging(step, staging_token())
             try:
                 self._storage.prepare(step)
                 with storage_errors(f"saving step {step} into {self.root}"):

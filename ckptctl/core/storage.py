@@ -183,7 +183,8 @@ class LocalRun(RunStorage):
         return os.path.join(self.root, self.naming.staging(step, token))
 
     def begin(self, staging: str) -> None:
-        # Who writes it, first: a later process tells a save that was killed from one still at work.
+        # Who writes it: its name says so from the start (`staging_token`, pid and machine); the record adds
+        # the host name and the process start time (a pid reused since the kill).
         os.makedirs(staging)
         io.write_bytes_atomic(os.path.join(staging, WRITER_NAME), ProcessRecord.current().to_json())
 

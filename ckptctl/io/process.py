@@ -1,10 +1,10 @@
 """Which process wrote a file, and whether that process is provably gone.
 
-Lock files (`ops.lock`) and the manager's staging folders record who made them, so that a later process can
-tell a holder or a writer that died from one still at work. From another machine nothing can be proved:
-a process is gone only when it ran on this machine, in this process namespace, and its pid is dead (or
-now belongs to a process started at another time). Everything else is unknown, and callers fall back to
-the age of what was written.
+Lock files (`ops.lock`) and the manager's staging folders record who made them (a staging folder in its
+name too, `machine_tag`), so that a later process can tell a holder or a writer that died from one still at
+work. From another machine nothing can be proved: a process is gone only when it ran on this machine, in
+this process namespace, and its pid is dead (or now belongs to a process started at another time).
+Everything else is unknown, and callers fall back to the age of what was written.
 
 Two machines may carry one host name, and a container sharing the host's name (`--net=host`) sees other
 pids: the boot id and the pid namespace recorded beside the host name keep such a process from being
@@ -14,6 +14,7 @@ declared dead on the strength of a pid that means something else here.
 from __future__ import annotations
 
 import enum
+import hashlib
 import json
 import os
 import socket
@@ -22,7 +23,7 @@ from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from functools import cache
 
-__all__ = ["Liveness", "ProcessRecord", "alive", "process_start"]
+__all__ = ["Liveness", "ProcessRecord", "alive", "machine_tag", "process_start"]
 
 #: pids are at most 2**22 on Linux; a larger one in a record is not a process id.
 _MAX_PID = 2**31 - 1
@@ -94,6 +95,15 @@ class ProcessRecord:
                 return Liveness.UNKNOWN
         return Liveness.ALIVE if alive(self.pid, self.pid_start) else Liveness.GONE
 
+    @classmethod
+    def tagged(cls, pid: int, tag: str) -> ProcessRecord | None:
+        """Process `pid` of the machine whose `machine_tag` is `tag` (a name that carries both), when that is
+        this machine and this pid namespace: its liveness can be checked. None for any other: nothing can
+        be told about it from here."""
+        if tag != machine_tag() or not 0 < pid <= _MAX_PID:
+            return None
+        return cls(host=socket.gethostname(), pid=pid, boot_id=_boot_id(), pid_namespace=_pid_namespace())
+
     def describe(self) -> str:
         return f"pid {self.pid} on {self.host}"
 
@@ -119,6 +129,15 @@ def alive(pid: int, start: str | None) -> bool:
         return False
     current = _start_of(fields)
     return start is None or current is None or current == start
+
+
+@cache
+def machine_tag() -> str:
+    """This machine and pid namespace in 12 hex digits: a digest of what `ProcessRecord.liveness` compares
+    (host name, boot id, pid namespace), for a name that must say whose it is where no file can be written
+    beside it first (`ProcessRecord.tagged`)."""
+    identity = "\n".join((socket.gethostname(), _boot_id() or "", _pid_namespace() or ""))
+    return hashlib.blake2b(identity.encode(), digest_size=6).hexdigest()
 
 
 def process_start(pid: int) -> str | None:

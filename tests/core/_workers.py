@@ -8,12 +8,15 @@
 - `interrupt SPEC.json`: saves of a small state in forked children that stop mid-save; SIGKILLed, or left
   running (a live writer) for the test to kill.
 - `fresh SPEC.json`: what a restarted job does first, in a process that never saw the run: save, restore.
+- `kill-saves SPEC.json`: save loops (sync or async) of a small state in forked children, each SIGKILLed at
+  a random moment.
 
 Expected and observed values are written with `torch.save` (test artifacts, read back with weights_only).
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import random
@@ -28,6 +31,7 @@ import torch
 from torch import nn
 
 from ckptctl.core import AutoSaver, CheckpointManager, RetentionPolicy
+from ckptctl.frameworks.native.layout import WRITER_NAME
 
 
 class ResumableSampler:
@@ -197,6 +201,31 @@ def _install_hang(point: str) -> None:
             real_rmtree(path, *args, dir_fd=dir_fd, **kwargs)
 
         shutil.rmtree = rmtree  # type: ignore[assignment]
+    elif point == "mkdir":  # the staging folder was just made: its writer's record is not written yet
+        real_write_atomic = manager_module.io.write_bytes_atomic
+
+        def write_atomic(url: str, data: bytes) -> None:
+            if url.endswith(WRITER_NAME):
+                _hang(point)
+            real_write_atomic(url, data)
+
+        manager_module.io.write_bytes_atomic = write_atomic  # type: ignore[assignment]
+    elif point == "record":  # the writer's record is written under its temporary name, not renamed yet
+        real_replace = os.replace
+
+        def replace(src: Any, dst: Any, *args: Any, **kwargs: Any) -> None:
+            if str(dst).endswith(WRITER_NAME):
+                _hang(point)
+            real_replace(src, dst, *args, **kwargs)
+
+        os.replace = replace
+    elif point == "unrecorded":  # committing: the writer's record is removed, the manifest not written yet
+        import ckptctl.core.storage as storage_module
+
+        def write_marker(*args: Any, **kwargs: Any) -> None:
+            _hang(point)
+
+        storage_module.write_marker = write_marker  # type: ignore[assignment]
     elif point == "write":  # mid-write: the staging folder and the first entry's files are there, not the rest
         real_write_tree = manager_module.write_tree
         calls = []
@@ -357,6 +386,91 @@ def interrupt(spec_path: str) -> None:
             _, status = os.waitpid(pid, 0)
             killed = os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
         print(json.dumps({"root": root, "step": step, "pid": pid, "killed": killed}), flush=True)
+
+
+#: How many save loops `kill_saves` runs at once (their fsyncs overlap: the wall time of the test shrinks).
+_KILL_GROUP = 10
+
+
+def kill_saves(spec_path: str) -> None:
+    """SIGKILL saves, sync or async, at random moments and at named ones. For each `[root, async_save,
+    point]` of a JSON spec (`{"seed": N, "runs": [...]}`) a forked child commits steps 1 and 2, waits for
+    the word to go on, and then
+
+    - `point` null: saves 3, 4, ... without end (an async manager's next `save` waits for the previous one,
+      so it is always saving) and is killed after a random delay of up to twice the duration of its second
+      save, so that the kills land at every moment of a save;
+    - else: saves step 3 (`exchanged`: step 2 again), stops at `point` (`_install_hang`) and is killed.
+
+    Prints one JSON line per run: root, pid, killed.
+
+    The state is built once here (building an optimizer's state imports torch's compiler: seconds) and
+    inherited by every child. This process never saves: the children fork from a process without
+    ckptctl's threads.
+    """
+    with open(spec_path) as f:
+        spec = json.load(f)
+    chance = random.Random(spec["seed"])
+    state = small_state(1.0)
+    gc.freeze()  # the children's garbage collections leave the inherited objects' pages shared
+    runs = spec["runs"]
+    for first in range(0, len(runs), _KILL_GROUP):
+        children = [_save_loop(*run, state) for run in runs[first : first + _KILL_GROUP]]
+        seconds = {}
+        for root, _, _, out, _ in children:
+            line = out.readline()
+            if not line.startswith("ready "):
+                raise SystemExit(f"the saves in {root} did not start: {line!r}")
+            seconds[root] = float(line.split()[1])
+        due = []
+        for root, pid, point, out, go in children:
+            os.write(go, b"x")
+            os.close(go)
+            delay = 0.0 if point else chance.uniform(0, 2 * seconds[root])
+            due.append((time.monotonic() + delay, root, pid, point, out))
+        for when, root, pid, point, out in sorted(due):
+            if point and not (line := out.readline()).startswith(f"at {point}"):
+                raise SystemExit(f"the save in {root} did not stop at {point}: {line!r}")
+            time.sleep(max(0.0, when - time.monotonic()))
+            os.kill(pid, signal.SIGKILL)
+            out.close()
+            _, status = os.waitpid(pid, 0)
+            killed = os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+            print(json.dumps({"root": root, "pid": pid, "killed": killed}), flush=True)
+
+
+def _save_loop(
+    root: str, async_save: bool, point: str | None, state: dict[str, Any]
+) -> tuple[str, int, str | None, Any, int]:
+    """Fork a child that saves `state` into `root` as `kill_saves` says: its pid, its stdout and the pipe
+    that tells it to go on after its first two saves."""
+    read_end, write_end = os.pipe()
+    go_read, go_write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read_end)
+        os.close(go_write)
+        os.dup2(write_end, 1)
+        try:
+            manager = CheckpointManager(root, async_save=async_save)
+            manager.save(1, state)
+            started = time.perf_counter()  # the first save paid for lazy imports: time the second
+            manager.save(2, state)
+            manager.wait()
+            print(f"ready {time.perf_counter() - started:.6f}", flush=True)
+            os.read(go_read, 1)
+            if point:
+                _install_hang(point)
+                manager.save(2 if point == "exchanged" else 3, state)
+                manager.wait()
+            for step in range(3, 1_000_000):
+                state["counter"]["step"] = float(step)
+                manager.save(step, state)
+        finally:
+            os._exit(1)  # never reached: killed mid-save
+    os.close(write_end)
+    os.close(go_read)
+    return root, pid, point, os.fdopen(read_end), go_write
 
 
 def fresh(spec_path: str) -> None:
@@ -579,6 +693,7 @@ COMMANDS: dict[str, Callable[..., None]] = {
     "autosave": autosave,
     "interrupt": interrupt,
     "fresh": fresh,
+    "kill-saves": kill_saves,
 }
 
 if __name__ == "__main__":

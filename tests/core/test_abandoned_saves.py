@@ -1,14 +1,17 @@
 """A save that is killed leaves its staging folder behind: the run's next save deletes it, `list` labels it
 `abandoned`, `prune` deletes it; a staging folder whose writer is still running stays through all three.
 
-The saves are real ones, stopped mid-write in child processes and SIGKILLed (`interrupted_saves`); the next
-save runs in a fresh process, as a restarted job's would.
+The saves are real ones, stopped mid-write in child processes and SIGKILLed (`interrupted_saves`), or
+killed at random moments and at the moments when a staging folder holds no writer's record
+(`_workers.kill_saves`); the next save runs in a fresh process, as a restarted job's would.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import signal
 import socket
 import time
@@ -20,17 +23,22 @@ import pytest
 import torch
 
 from ckptctl.core import CheckpointManager, RetentionPolicy
-from ckptctl.frameworks.native.layout import WRITER_NAME, abandoned_staging
+from ckptctl.frameworks.native.layout import WRITER_NAME, abandoned_staging, staging_token
 from ckptctl.ops.prune import plan_prune
 from tests.conftest import CliResult
 from tests.core import _workers
 from tests.core.conftest import InterruptedSaves
+from tests.core.util import run_worker
 
 
 def staging_folders(run: Path) -> dict[int, Path]:
     found = {int(p.name.split(".")[1].removeprefix("step-")): p for p in run.glob(".step-*.staging-*")}
     assert all(p.is_dir() for p in found.values())
     return found
+
+
+def staging_names(run: Path) -> list[str]:
+    return sorted(p.name for p in run.glob(".step-*.staging-*"))
 
 
 def by_name(doc: dict[str, Any], key: str = "checkpoints") -> dict[str, dict[str, Any]]:
@@ -147,3 +155,113 @@ def test_a_writer_that_cannot_be_checked_is_judged_by_age_and_newer_commits(
     assert [i.ref.state.value for i in lenient.items if i.url == str(staging)] == ["in_progress"]
     (doomed,) = strict.delete
     assert doomed.url == str(staging) and doomed.ref.state.value == "abandoned"
+
+
+#: Moments of a save at which its staging folder holds no record of its writer (the record is not in
+#: place yet, or the commit removed it), or holds the step a re-save swapped out (`exchanged`).
+UNRECORDED = ("mkdir", "record", "unrecorded", "rename", "exchanged")
+#: What a run folder may hold after a save that followed killed ones: committed steps, the pointer, and a
+#: temporary file of the pointer that a kill left before its rename (a few bytes, never read).
+NAMES = re.compile(r"step-\d+|latest|\.latest\.tmp-\d+-\d+")
+
+
+def test_random_sigkills_of_sync_and_async_saves_leave_nothing_after_the_next_save_or_prune(
+    tmp_path: Path, run_cli: Any
+) -> None:
+    """50 save loops (sync and async) SIGKILLed at random moments, and a save killed at each `UNRECORDED`
+    moment: every staging folder they leave lists as `abandoned` (its writer is dead) and is gone after the
+    run's next save, and, in a copy of the runs, after `prune --grace 0s`."""
+    runs = [[str(tmp_path / "runs" / f"random-{i}"), i % 2 == 1, None] for i in range(50)]
+    runs += [[str(tmp_path / "runs" / point), i % 2 == 1, point] for i, point in enumerate(UNRECORDED)]
+    (tmp_path / "kills.json").write_text(json.dumps({"seed": 21, "runs": runs}))
+    reports = [json.loads(line) for line in run_worker("kill-saves", str(tmp_path / "kills.json")).stdout.splitlines()]
+    assert len(reports) == len(runs) and all(r["killed"] for r in reports), reports
+    pruned = tmp_path / "pruned"
+    shutil.copytree(tmp_path / "runs", pruned, copy_function=os.link)  # the same files, dates and records
+
+    listed = run_cli("list", pruned, "--json")  # every run at once: they are folders of one tree
+    assert listed.exit_code == 0, listed.stderr
+    states = {c["url"]: c["state"] for c in listed.json["checkpoints"] if os.path.basename(c["url"]).startswith(".")}
+    assert states == dict.fromkeys(states, "abandoned"), {k: v for k, v in states.items() if v != "abandoned"}
+    left = {run.name: staging_names(run) for run in pruned.iterdir()}
+    assert sorted(states) == sorted(str(pruned / run / name) for run, names in left.items() for name in names)
+    assert all(len(left[point]) == 1 for point in UNRECORDED), left
+    assert sum(map(len, left.values())) > len(UNRECORDED)  # the random kills left staging folders too
+
+    state = _workers.small_state(1000.0)
+    for root, _, _ in runs:  # as a restarted job would, in a process that is none of the killed writers
+        manager = CheckpointManager(root)
+        manager.save(1000, state)
+        manager.close()
+        assert staging_names(Path(root)) == [], f"{root}: the next save left {staging_names(Path(root))}"
+        assert all(NAMES.fullmatch(name) for name in os.listdir(root)), sorted(os.listdir(root))
+        assert manager.latest_step() == 1000
+
+    # Rules that keep every checkpoint: what goes is what no rule keeps, the abandoned saves.
+    done = run_cli("prune", pruned, "-y", "--keep-last", "1000", "--grace", "0s", "--json")
+    assert done.exit_code == 0, done.stderr
+    assert sorted(d["url"] for d in done.json["delete"]) == sorted(states)
+    assert all(staging_names(run) == [] for run in pruned.iterdir())
+
+
+def test_an_older_versions_staging_folder_holding_only_a_temporary_record_is_judged_by_it(
+    tmp_path: Path, run_cli: Any
+) -> None:
+    """Older versions named staging folders at random and wrote the record after making the folder: a kill
+    before the record's rename left a folder holding only its temporary file (here a week old, above every
+    committed step, of a writer that is dead). `list` calls it abandoned, `prune --grace 0s` deletes it, and
+    so does the next save."""
+    killed = tmp_path / "killed"
+    (tmp_path / "kill.json").write_text(json.dumps({"seed": 1, "runs": [[str(killed), False, "record"]]}))
+    run_worker("kill-saves", str(tmp_path / "kill.json"))
+    (left,) = staging_folders(killed).values()
+    old = left.rename(killed / ".step-3.staging-0a1b2c3d")  # an older version's name: random, nothing more
+    (temporary,) = old.iterdir()
+    assert temporary.name.startswith(f".{WRITER_NAME}.tmp-")
+    week_ago = time.time() - 7 * 86400
+    for path in (temporary, old):
+        os.utime(path, (week_ago, week_ago))
+    copy = tmp_path / "copy"
+    shutil.copytree(killed, copy, symlinks=True)
+
+    listed = by_name(run_cli("list", killed, "--json").json)[old.name]
+    assert listed["state"] == "abandoned" and "is gone" in listed["note"], listed
+    done = run_cli("prune", killed, "-y", "--keep-last", "1", "--grace", "0s", "--json")
+    assert done.exit_code == 0, done.stderr
+    assert sorted(os.path.basename(d["url"]) for d in done.json["delete"]) == [old.name, "step-1"]
+    assert staging_folders(killed) == {}
+
+    manager = CheckpointManager(copy)
+    manager.save(4, _workers.small_state(4.0))
+    manager.close()
+    assert staging_folders(copy) == {} and manager.all_steps() == [1, 2, 4]
+
+
+def test_a_staging_folder_without_a_record_is_judged_by_the_writer_its_name_carries(
+    run_dir: Path, run_cli: Any
+) -> None:
+    """A staging folder whose name carries a live writer of this machine (this process) stays in progress
+    whatever its age and the steps committed after it; one whose name carries another machine is judged by
+    age and newer commits, as another machine's record is."""
+    manager = CheckpointManager(run_dir)
+    manager.save(10, {"w": torch.zeros(2)})
+    live = run_dir / f".step-20.staging-{staging_token()}"
+    elsewhere = run_dir / f".step-20.staging-{staging_token()[:-12]}{'0' * 12}"  # another machine's tag
+    day_ago = time.time() - 86400
+    for folder in (live, elsewhere):
+        folder.mkdir()
+        (folder / "model.safetensors").write_bytes(b"\0" * 64)
+        for path in (folder / "model.safetensors", folder):
+            os.utime(path, (day_ago, day_ago))
+    manager.save(30, {"w": torch.ones(2)})  # committed after both, a day after their last write
+    manager.close()
+    assert staging_names(run_dir) == [live.name]  # the other machine's went
+
+    elsewhere.mkdir()  # written just now: within any grace, and after step-30's commit
+    (elsewhere / "model.safetensors").write_bytes(b"\0" * 64)
+    states = {name: c["state"] for name, c in by_name(run_cli("list", run_dir, "--json").json).items()}
+    assert states[live.name] == "in_progress" and states[elsewhere.name] == "in_progress"
+    done = run_cli("prune", run_dir, "-y", "--keep-last", "1", "--grace", "0s", "--json")
+    assert done.exit_code == 0, done.stderr
+    assert [os.path.basename(d["url"]) for d in done.json["delete"]] == ["step-10"]
+    assert staging_names(run_dir) == sorted([live.name, elsewhere.name])

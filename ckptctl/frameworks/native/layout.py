@@ -3,8 +3,10 @@
 A committed checkpoint is a `step-N` folder holding `ckptctl-manifest.json`; a `.step-N.staging-*`
 folder is one being written. The run folder's `latest` file names the newest committed one.
 
-A staging folder holds a record of the process writing it (`ckptctl-writer.json`), so that one left by a
-save that was killed reads as `abandoned` rather than in progress forever (`abandoned_staging`). A step
+A staging folder says who writes it, so that one left by a save that was killed reads as `abandoned` rather
+than in progress forever (`abandoned_staging`): its name carries the writer's pid and machine
+(`staging_token`), from the moment it exists to its commit, and a record of the process
+(`ckptctl-writer.json`) written into it first adds the host name and the process start time. A step
 folder holding `ckptctl-superseded.json` is committed but `superseded`: the run went back to an older
 step and saved again (the manager's `save`), so resumes follow the new branch.
 
@@ -19,6 +21,7 @@ import contextlib
 import json
 import os
 import re
+import secrets
 import threading
 import time
 from collections import OrderedDict
@@ -43,7 +46,7 @@ from ckptctl.errors import CkptctlError, CorruptCheckpoint
 from ckptctl.formats.manifest import DIGESTS_NAME, MANIFEST_NAME, Manifest, load_manifest
 from ckptctl.formats.safetensors import read_header
 from ckptctl.io import DirEntry
-from ckptctl.io.process import Liveness, ProcessRecord
+from ckptctl.io.process import Liveness, ProcessRecord, machine_tag
 from ckptctl.io.trash import TRASH_NAME
 from ckptctl.layouts.base import (
     Layout,
@@ -72,6 +75,7 @@ __all__ = [
     "abandoned_staging",
     "is_rng_file",
     "read_native_manifest",
+    "staging_token",
     "superseded_marker",
     "superseded_note",
 ]
@@ -84,6 +88,11 @@ _RNG_FILE = re.compile(r"^rng(\.rank-\d+)?\.json$")
 REMOTE_UPLOAD_WINDOW = timedelta(hours=1)
 #: The record of the process writing a staging folder (`io.process.ProcessRecord`), written first.
 WRITER_NAME = "ckptctl-writer.json"
+#: What `io.write_bytes_atomic` leaves of `WRITER_NAME` when killed before its rename (the only record in a
+#: staging folder of an older version whose save was killed right after creating it).
+_WRITER_TEMP = re.compile(r"\." + re.escape(WRITER_NAME) + r"\.tmp-\d+-\d+")
+#: A staging token that names its writer (`staging_token`): random, the pid, the machine tag.
+_TOKEN_WRITER = re.compile(r"[0-9a-f]{8}p([1-9]\d{0,9})m([0-9a-f]{12})")
 #: Present in a committed step folder that a save of a lower step made after it superseded.
 SUPERSEDED_NAME = "ckptctl-superseded.json"
 #: How long a staging folder whose writer cannot be checked from here (another machine, no record) must
@@ -135,6 +144,18 @@ class StepNaming:
 
 
 NAMING = StepNaming()
+
+
+def staging_token() -> str:
+    """The token of a new staging folder's name (`StepNaming.staging`): random, then who writes it,
+    `p<pid>m<machine tag>` (`io.process.machine_tag`).
+
+    The name is there from the folder's first moment to its commit, when no record of the writer may be
+    (killed before `WRITER_NAME` was in place, or after the commit removed it and before the rename, or a
+    re-save's swap put the replaced step under the name): whatever moment a kill lands on, what it leaves
+    says whose it was.
+    """
+    return f"{secrets.token_hex(4)}p{os.getpid()}m{machine_tag()}"
 
 
 class NativeLayout(Layout):
@@ -333,11 +354,11 @@ def abandoned_staging(url: str, grace: timedelta, *, now: float | None = None) -
     """Why the staging folder `url` of a native run is what a save left when its writer stopped, or None
     while its writer may still be at it.
 
-    Abandoned, by the record of its writer (`WRITER_NAME`): a process of this machine that is gone. A
-    writer that is alive here keeps it in progress however old it is (a slow save). Where nothing can be
-    told (a writer on another machine, no record: the save was killed before writing it), the folder must
-    have gone unwritten for `grace` and a step at least as high must have been committed after its last
-    write: the run went on without it.
+    Abandoned, by its writer (`_writer_of`): a process of this machine that is gone. A writer that is
+    alive here keeps it in progress however old it is (a slow save). Where nothing can be told (a writer
+    on another machine, or an older version's folder without a record), the folder must have gone
+    unwritten for `grace` and a step at least as high must have been committed after its last write: the
+    run went on without it.
 
     Args:
         url: a `.step-N.staging-*` folder.
@@ -380,9 +401,24 @@ def abandoned_staging(url: str, grace: timedelta, *, now: float | None = None) -
 
 
 def _writer_of(url: str) -> ProcessRecord | None:
+    """Who writes the staging folder `url`, as far as it says: its record (`WRITER_NAME`); else a record a
+    kill left before its rename (`_WRITER_TEMP`); else the writer its name carries (`staging_token`), when
+    that is a process of this machine. None when nothing says (another machine's folder without a record,
+    an older version's folder killed before its record was written)."""
+    record = _record(io.join(url, WRITER_NAME))
+    if record is None:
+        with contextlib.suppress(CkptctlError):  # removed while we looked: the name still tells
+            temps = sorted(e.name for e in io.list_dir(url) if not e.is_dir and _WRITER_TEMP.fullmatch(e.name))
+            record = next(filter(None, (_record(io.join(url, name)) for name in temps)), None)
+    if record is None and (named := _TOKEN_WRITER.fullmatch(io.name_of(url).rpartition(".staging-")[2])):
+        record = ProcessRecord.tagged(int(named.group(1)), named.group(2))
+    return record
+
+
+def _record(url: str) -> ProcessRecord | None:
     try:
-        return ProcessRecord.parse(io.read_bytes(io.join(url, WRITER_NAME), max_size=io.MAX_MARKER_BYTES))
-    except CkptctlError:  # no record yet (or any more), or unreadable: nothing proved
+        return ProcessRecord.parse(io.read_bytes(url, max_size=io.MAX_MARKER_BYTES))
+    except CkptctlError:  # missing, or unreadable: nothing proved
         return None
 
 

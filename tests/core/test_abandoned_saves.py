@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from ckptctl.core import CheckpointManager, RetentionPolicy
-from ckptctl.frameworks.native.layout import WRITER_NAME, abandoned_staging
+from ckptctl.formats.native import WRITER_NAME, abandoned_staging
 from ckptctl.ops.prune import plan_prune
 from tests.conftest import CliResult
 from tests.core import _workers

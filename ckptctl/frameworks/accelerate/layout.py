@@ -23,13 +23,12 @@ own frameworks' readers, as members of this checkpoint (the run walker does not 
 
 `random_states_{i}.pkl` is written by every process after the model, optimizer, scheduler and sampler
 files: a folder without `random_states_0.pkl` did not finish its save (in progress while its files are
-fresh, broken once older than `IN_PROGRESS_WINDOW_S`).
+fresh, broken once older: `layouts.parts.in_progress`).
 """
 
 from __future__ import annotations
 
 import re
-import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import cache
@@ -52,8 +51,6 @@ from ckptctl.formats.torch_pickle import TorchPickle, open_torch_pickle, storage
 from ckptctl.formats.torch_zip import TorchArchive
 from ckptctl.frameworks.deepspeed import layout as deepspeed
 from ckptctl.frameworks.deepspeed.naming import wrapper_prefix
-from ckptctl.frameworks.hf.layout import safetensors_index, verify_model_files
-from ckptctl.frameworks.hf_trainer.layout import IN_PROGRESS_WINDOW_S
 from ckptctl.io import DirEntry
 from ckptctl.layouts.base import (
     LISTED_ABSENT,
@@ -70,6 +67,8 @@ from ckptctl.layouts.base import (
     timestamp,
 )
 from ckptctl.layouts.naming import NameStripper, format_namespace_stripper, keep_name
+from ckptctl.layouts.parts.hf_folder import safetensors_index, verify_model_files
+from ckptctl.layouts.parts.in_progress import recently_written
 from ckptctl.layouts.resume import ResumeProfile
 
 __all__ = [
@@ -246,7 +245,7 @@ class AccelerateLayout(Layout):
         else:
             newest = newest_mtime(entries)
             created = timestamp(newest)
-            if newest is not None and time.time() - newest < IN_PROGRESS_WINDOW_S:
+            if recently_written(newest):
                 state = CheckpointState.IN_PROGRESS
                 note = "no random_states_0.pkl yet: being written"
             else:
@@ -379,7 +378,7 @@ class AccelerateLayout(Layout):
                 pointer = deepspeed.latest_problem(url, deepspeed.LATEST_NAME)
                 if pointer is not None:
                     problems.append(pointer)
-        from ckptctl.frameworks.dcp.layout import verify_dcp
+        from ckptctl.layouts.parts.dcp_folder import verify_dcp
 
         for folder in sorted({*parts.dcp_models.values(), *parts.dcp_optimizers.values()}):
             problems += verify_dcp(io.join(url, folder), f"{folder}/")
@@ -552,7 +551,7 @@ def _tensor_index(
         inner = deepspeed.tag_index(tag, f"{folder}/")
         entries += [e for e in inner if not (parts.models and e.component is Component.MODEL)]
     if parts.dcp_models or parts.dcp_optimizers:
-        from ckptctl.frameworks.dcp.layout import dcp_tensor_index
+        from ckptctl.layouts.parts.dcp_folder import dcp_tensor_index
 
         # The first model's folder only: every model's DCP keys start `model.`, so the others' tensors would
         # read as duplicates of its own (they are verified, not indexed).

@@ -20,8 +20,8 @@ from ckptctl.frameworks.accelerate.layout import (
     rng_ranks,
     without_dcp,
 )
-from ckptctl.frameworks.dcp.resume import overwrite_warnings, reshards
 from ckptctl.frameworks.deepspeed import resume as deepspeed
+from ckptctl.layouts.parts.dcp_resume import overwrite_warnings, reshards
 from ckptctl.layouts.resume import RESUMABLE, PlanContext, ResumeProfile, WorldSizeCheck, target_ranks
 
 __all__ = ["PROFILE"]

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import collections
 import re
-import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import cache
@@ -55,21 +54,21 @@ from ckptctl.errors import CkptctlError, CorruptCheckpoint, UnknownLayout, Unsaf
 from ckptctl.formats.dcp_metadata import METADATA_NAME
 from ckptctl.formats.documents import MAX_INT, read_json
 from ckptctl.formats.safe_pickle import MAX_DIMS, TORCH_PICKLE_GLOBALS, check_nesting, safe_loads
-from ckptctl.frameworks.dcp.layout import (
+from ckptctl.io import DirEntry
+from ckptctl.layouts import peek_dir
+from ckptctl.layouts.base import Layout, newest_mtime, timestamp
+from ckptctl.layouts.parts.dcp_folder import (
     DISTCP_RE,
     MTIME_SLACK_S,
     component_classifier,
     data_newer_than_metadata,
     index_from_metadata,
-    load_dcp_metadata,
     verify_dcp,
     world_size_of,
 )
-from ckptctl.frameworks.hf.layout import HfModelLayout, model_markers, verify_model_files
-from ckptctl.frameworks.hf_trainer.layout import IN_PROGRESS_WINDOW_S
-from ckptctl.io import DirEntry
-from ckptctl.layouts import peek_dir
-from ckptctl.layouts.base import Layout, newest_mtime, timestamp
+from ckptctl.layouts.parts.dcp_folder_metadata import load_dcp_metadata
+from ckptctl.layouts.parts.hf_folder import HfFolderLayout, model_markers, verify_model_files
+from ckptctl.layouts.parts.in_progress import unfinished_state
 from ckptctl.layouts.resume import ResumeProfile
 
 __all__ = [
@@ -259,7 +258,7 @@ def torn_info_files(weights_mtime: float, info: Iterable[DirEntry]) -> list[str]
 def _unfinished(entries: Sequence[DirEntry], info: _RecoverInfo) -> CheckpointState:
     """In progress while the newest file of the save is fresh, else broken."""
     times = [newest_mtime(entries) or 0.0, *(e.mtime for e in (info.entries or {}).values())]
-    return CheckpointState.IN_PROGRESS if time.time() - max(times) < IN_PROGRESS_WINDOW_S else CheckpointState.BROKEN
+    return unfinished_state(max(times))
 
 
 def _is_counter(value: Any) -> bool:
@@ -320,13 +319,11 @@ class ArealLayout(Layout):
                 global_step,
                 float(epoch),
                 timestamp(newest_mtime(entries)),
-                CheckpointState.IN_PROGRESS
-                if time.time() - (newest_mtime(entries) or 0.0) < IN_PROGRESS_WINDOW_S
-                else CheckpointState.BROKEN,
+                unfinished_state(newest_mtime(entries)),
                 sum(e.size for e in entries if not e.is_dir),
                 note="an export still named *.tmp: not renamed into place yet",
             )
-        ref = HfModelLayout().identify(url, entries)
+        ref = HfFolderLayout().identify(url, entries)
         return None if ref is None else replace(ref, layout=self.name, step=global_step, epoch=float(epoch))
 
     def latest_pointer(self, url: str, entries: Sequence[DirEntry]) -> str | None:
@@ -432,7 +429,7 @@ class ArealLayout(Layout):
         if m.group(4):  # not renamed into place yet: nothing to index
             files = {e.name: e.size for e in io.list_dir(url) if not e.is_dir}
             return Checkpoint(ref, frozenset(), None, metadata, tuple, files, role=Role.EXPORT, progress=progress)
-        model = HfModelLayout().open(url)
+        model = HfFolderLayout().open(url)
         return replace(model, ref=ref, metadata={**metadata, **model.metadata}, role=Role.EXPORT, progress=progress)
 
     def verify(self, checkpoint: Checkpoint) -> list[Problem]:

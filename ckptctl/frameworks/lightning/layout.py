@@ -56,10 +56,8 @@ from ckptctl.formats.documents import as_real, as_whole
 from ckptctl.formats.safe_pickle import FrameworkObject, StandIn, TensorRef, state_fields
 from ckptctl.formats.torch_pickle import TorchPickle, open_torch_pickle, storage_problems
 from ckptctl.formats.torch_zip import TorchArchive
-from ckptctl.frameworks.dcp.layout import DISTCP_RE, dcp_tensor_index, verify_dcp, world_size_of
 from ckptctl.frameworks.deepspeed import layout as deepspeed
 from ckptctl.frameworks.deepspeed.names import TagFiles
-from ckptctl.frameworks.hf.layout import torch_file_entries
 from ckptctl.io import DirEntry
 from ckptctl.layouts import peek_dir
 from ckptctl.layouts.base import (
@@ -74,6 +72,8 @@ from ckptctl.layouts.base import (
     timestamp,
 )
 from ckptctl.layouts.naming import NameStripper, keep_name, strip_segments
+from ckptctl.layouts.parts.dcp_folder import DISTCP_RE, dcp_tensor_index, verify_dcp, world_size_of
+from ckptctl.layouts.parts.hf_folder import torch_file_entries
 from ckptctl.layouts.resume import ResumeProfile
 
 __all__ = ["DEEPSPEED_TAG", "LAST", "META", "SUFFIX", "LightningLayout", "name_fields"]
@@ -587,7 +587,7 @@ def _classify_sharded(key: str) -> Component:
 
 
 def _dcp_keys(url: str) -> list[str]:
-    from ckptctl.frameworks.dcp.layout import load_dcp_metadata
+    from ckptctl.layouts.parts.dcp_folder_metadata import load_dcp_metadata
 
     try:
         return list(load_dcp_metadata(url).entries)

@@ -46,16 +46,16 @@ from ckptctl.formats.dcp_metadata import METADATA_NAME, DcpMetadata
 from ckptctl.formats.documents import read_json
 from ckptctl.formats.safe_pickle import FrameworkObject, state_fields
 from ckptctl.formats.torch_pickle import read_pickled_structure
-from ckptctl.frameworks.dcp.layout import (
+from ckptctl.io import DirEntry
+from ckptctl.layouts.base import HfModel, Layout, every_child_folder, list_files, newest_mtime, timestamp
+from ckptctl.layouts.parts.dcp_folder import (
     DISTCP_RE,
     component_classifier,
     index_from_metadata,
-    load_dcp_metadata,
     verify_dcp,
     world_size_of,
 )
-from ckptctl.io import DirEntry
-from ckptctl.layouts.base import HfModel, Layout, every_child_folder, list_files, newest_mtime, timestamp
+from ckptctl.layouts.parts.dcp_folder_metadata import load_dcp_metadata
 from ckptctl.layouts.resume import ResumeProfile
 
 __all__ = [

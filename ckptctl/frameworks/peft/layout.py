@@ -35,7 +35,6 @@ from ckptctl.errors import CkptctlError, CorruptCheckpoint
 from ckptctl.formats.documents import read_json
 from ckptctl.formats.safetensors import read_header
 from ckptctl.formats.torch_pickle import open_torch_pickle, storage_problems
-from ckptctl.frameworks.hf.layout import has_weights, legacy_index, model_components, safetensors_index
 from ckptctl.frameworks.peft.lora import adapter_factors, factor_problems, merged_weight, read_from
 from ckptctl.frameworks.peft.settings import ADAPTER_CONFIG, LoraSettings, parse_settings
 from ckptctl.io import DirEntry
@@ -48,6 +47,7 @@ from ckptctl.layouts.base import (
     step_from_name,
     timestamp,
 )
+from ckptctl.layouts.parts.hf_folder import has_weights, legacy_index, model_components, safetensors_index
 from ckptctl.layouts.resume import ResumeProfile
 
 __all__ = ["ADAPTER_WEIGHTS", "PeftLayout", "adapter_metadata", "adapter_problems", "lora_adapter"]

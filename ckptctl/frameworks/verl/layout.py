@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import math
 import re
-import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cache
@@ -56,7 +55,6 @@ from ckptctl.formats.documents import read_json
 from ckptctl.formats.dtensor import dtensor_facts, state_tensors
 from ckptctl.formats.safe_pickle import DTENSOR_PICKLE_GLOBALS, DTensorRef, TensorRef
 from ckptctl.formats.torch_pickle import TorchPickle, open_torch_pickle
-from ckptctl.frameworks.hf_trainer.layout import IN_PROGRESS_WINDOW_S
 from ckptctl.io import DirEntry
 from ckptctl.layouts import peek_dir
 from ckptctl.layouts.base import (
@@ -68,6 +66,7 @@ from ckptctl.layouts.base import (
     newest_mtime,
     timestamp,
 )
+from ckptctl.layouts.parts.in_progress import unfinished_state
 from ckptctl.layouts.resume import ResumeProfile
 
 __all__ = ["HF_FOLDER", "MARKER", "STEP_RE", "TRACKERS", "VerlLayout", "read_tracker", "tracker_of"]
@@ -191,8 +190,7 @@ def _role_order(role: _Role) -> tuple[int, str]:
 def _state(note: str, newest: float | None) -> CheckpointState:
     if not note:
         return CheckpointState.COMPLETE
-    fresh = newest is not None and time.time() - newest < IN_PROGRESS_WINDOW_S
-    return CheckpointState.IN_PROGRESS if fresh else CheckpointState.BROKEN
+    return unfinished_state(newest)
 
 
 # --------------------------------------------------------------------------------------------------

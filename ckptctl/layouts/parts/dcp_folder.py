@@ -9,16 +9,16 @@ A save without collectives (`dcp.save(..., use_collectives=False)`) has no `.met
 `__{rank}.metadata` per rank, each describing what its rank wrote: read as their merge (`rank_metadata`).
 torch loads such a save only rank by rank, each rank from its own file.
 
-The native layout stores its multi-rank state as a DCP folder (`step-N/dcp/`), so the pieces it needs are
-public here: `dcp_tensor_index` and `verify_dcp` take the folder URL and a path prefix that makes chunk
-files relative to the outer checkpoint.
+Many plugins keep DCP folders: the DCP plugin and torchtitan read one as the checkpoint (`DcpFolderLayout`,
+which both subclass); the core's `step-N/dcp/`, the Trainer's and accelerate's FSDP folders, AReaL's
+recover slot, Megatron, ROLL and Lightning hold them inside theirs: `dcp_tensor_index` and `verify_dcp`
+take the folder URL and a path prefix that makes chunk files relative to the outer checkpoint. Reading
+the metadata itself (cached) is `dcp_folder_metadata`.
 """
 
 from __future__ import annotations
 
 import re
-import threading
-from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import replace
 from functools import cache
@@ -38,34 +38,25 @@ from ckptctl.checkpoint import (
 )
 from ckptctl.errors import CheckpointInProgress, CheckpointNotFound, CorruptCheckpoint, UnknownLayout, UnsafePickle
 from ckptctl.formats.chunks import tiling_problem
-from ckptctl.formats.dcp_metadata import (
-    MAX_METADATA_BYTES,
-    METADATA_NAME,
-    RANK_METADATA,
-    DcpMetadata,
-    DcpTensor,
-    merge_rank_metadata,
-    parse_dcp_metadata,
-)
+from ckptctl.formats.dcp_metadata import METADATA_NAME, RANK_METADATA, DcpMetadata, DcpTensor, merge_rank_metadata
 from ckptctl.formats.safe_pickle import gc_paused
 from ckptctl.formats.torch_save import read_object_archive
-from ckptctl.formats.torch_zip import TorchArchive
-from ckptctl.frameworks.hf.layout import model_components
 from ckptctl.io import DirEntry
 from ckptctl.layouts.base import LISTED_ABSENT, Layout, newest_mtime, step_from_name, timestamp
-from ckptctl.layouts.resume import ResumeProfile
+from ckptctl.layouts.parts.dcp_folder_metadata import in_progress_error, load_dcp_metadata, parse_cached, rank_metadata
+from ckptctl.layouts.parts.hf_folder import model_components
 
 __all__ = [
+    "DISTCP_RE",
+    "MTIME_SLACK_S",
     "RANK_METADATA_KEY",
-    "DcpLayout",
+    "DcpFolderLayout",
     "KeyClassifier",
     "component_classifier",
     "component_for_prefix",
-    "dcp_item_archives",
+    "data_newer_than_metadata",
     "dcp_tensor_index",
     "index_from_metadata",
-    "load_dcp_metadata",
-    "rank_metadata",
     "verify_dcp",
     "world_size_of",
 ]
@@ -151,43 +142,6 @@ def component_classifier(keys: Iterable[str]) -> KeyClassifier:
     return KeyClassifier(depth, Component.EXTRA if namespaced else Component.MODEL, segments)
 
 
-# --------------------------------------------------------------------------------------------------
-# Reading `.metadata` (cached: open, tensor_index and verify of one checkpoint parse it once).
-# --------------------------------------------------------------------------------------------------
-
-#: A parse cache owned by this module for the whole process, not by a scan (`layouts.ScanContext`): it is
-#: keyed by the file's version (URL, size, mtime), so it serves only the bytes it parsed, whichever operation
-#: asks. A store that reports no mtime is not cached. Object stores report whole seconds, so a `.metadata`
-#: rewritten in place with the same size within one second of an earlier read could be served stale.
-_CACHE_SIZE = 2
-_cache: OrderedDict[tuple[str, int, float], DcpMetadata] = OrderedDict()
-_cache_lock = threading.Lock()
-
-
-def load_dcp_metadata(url: str, entry: DirEntry | None = None) -> DcpMetadata:
-    """Read and parse the `.metadata` of the DCP folder at `url` (a small cache keyed by size and mtime), or,
-    without one, the merge of its per-rank `__{rank}.metadata` files (a save without collectives).
-
-    Args:
-        url: the DCP folder.
-        entry: its `.metadata` listing entry when the caller has it (saves a listing).
-
-    Raises:
-        CheckpointInProgress: there is neither `.metadata` nor a per-rank one (the save has not finished).
-        UnsafePickle: the file asks for a global outside the allowlist.
-        CorruptCheckpoint: it does not parse or validate.
-    """
-    if entry is None:
-        listing = io.list_dir(url)
-        entry = next((e for e in listing if e.name == METADATA_NAME and not e.is_dir), None)
-        if entry is None:
-            ranks = rank_metadata(listing)
-            if not ranks:
-                raise _in_progress(url)
-            return merge_rank_metadata([(e.name, _parse_cached(io.join(url, e.name), e)) for e in ranks])
-    return _parse_cached(io.join(url, METADATA_NAME), entry)
-
-
 def _rank_metadata_state(entries: Sequence[DirEntry], per_rank: Sequence[DirEntry]) -> tuple[CheckpointState, str]:
     """Complete when every rank that wrote data also wrote its `__{rank}.metadata` (after its data)."""
     written = {int(m.group(1)) for e in entries if not e.is_dir and (m := DISTCP_RE.match(e.name))}
@@ -197,35 +151,6 @@ def _rank_metadata_state(entries: Sequence[DirEntry], per_rank: Sequence[DirEntr
         shown = ", ".join(f"__{r}{METADATA_NAME}" for r in pending[:4]) or f"a rank's {METADATA_NAME}.tmp"
         return CheckpointState.IN_PROGRESS, f"saved without collectives, {shown} not written yet"
     return CheckpointState.COMPLETE, "saved without collectives: per-rank metadata, loads only on the same ranks"
-
-
-def rank_metadata(entries: Sequence[DirEntry]) -> list[DirEntry]:
-    """The per-rank `__{rank}.metadata` files of a listing, in rank order (a save without collectives)."""
-    found = [(int(m.group(1)), e) for e in entries if not e.is_dir and (m := RANK_METADATA.match(e.name))]
-    return [e for _, e in sorted(found, key=lambda item: item[0])]
-
-
-def _parse_cached(path: str, entry: DirEntry) -> DcpMetadata:
-    key = (path, entry.size, entry.mtime)
-    with _cache_lock:
-        cached = _cache.get(key)
-        if cached is not None:
-            _cache.move_to_end(key)
-            return cached
-    parsed = parse_dcp_metadata(io.read_bytes(path, max_size=MAX_METADATA_BYTES), path)
-    if entry.mtime:  # a store that reports no mtime could not tell a rewritten file from the cached one
-        with _cache_lock:
-            _cache[key] = parsed
-            while len(_cache) > _CACHE_SIZE:
-                _cache.popitem(last=False)
-    return parsed
-
-
-def _in_progress(url: str) -> CheckpointInProgress:
-    return CheckpointInProgress(
-        f"{url} has no {METADATA_NAME}: the DCP save has not finished (or was interrupted)",
-        "wait for the save, or pick another checkpoint",
-    )
 
 
 def world_size_of(entries: Sequence[DirEntry], referenced: Mapping[str, int] | None = None) -> int | None:
@@ -293,36 +218,6 @@ def index_from_metadata(
 # --------------------------------------------------------------------------------------------------
 # Verify.
 # --------------------------------------------------------------------------------------------------
-
-
-def dcp_item_archives(url: str, path_prefix: str = "") -> tuple[TorchArchive, ...]:
-    """The torch.save archive of every item of the DCP folder at `url`, in file order, for the CRC check.
-
-    torch's FileSystemWriter writes each item, a tensor chunk and a bytes item alike, as a torch.save zip
-    archive (`torch.save(tensor, stream)` in `filesystem._write_item`; the planner torch.saves bytes items),
-    whose records carry CRC-32s. Items written with a stream transform (a compression extension) are left
-    out: their stored bytes are not the archive.
-
-    Args:
-        url: the DCP folder.
-        path_prefix: prepended to the file names (the archives' files are relative to an outer checkpoint).
-
-    Raises:
-        CheckpointInProgress, UnsafePickle, CorruptCheckpoint: as `load_dcp_metadata`.
-    """
-    archives = [
-        TorchArchive(
-            path_prefix + record.relative_path,
-            record.offset,
-            record.length,
-            key,
-            "" if offsets is None else f"chunk at {list(offsets)}",
-        )
-        for (key, offsets), record in load_dcp_metadata(url).storage.items()
-        if not record.transforms
-    ]
-    archives.sort(key=lambda a: (a.file, a.offset))
-    return tuple(archives)
 
 
 def verify_dcp(url: str, path_prefix: str = "") -> list[Problem]:
@@ -395,7 +290,7 @@ def _verify_rank_metadata(
     for entry in per_rank:
         path = path_prefix + entry.name
         try:
-            parts.append((entry.name, _parse_cached(io.join(url, entry.name), entry)))
+            parts.append((entry.name, parse_cached(io.join(url, entry.name), entry)))
         except UnsafePickle as exc:
             problems.append(Problem(ProblemKind.UNSAFE_PICKLE, path, exc.message))
         except CorruptCheckpoint as exc:
@@ -586,8 +481,10 @@ def data_newer_than_metadata(entries: Sequence[DirEntry]) -> list[str]:
     )
 
 
-class DcpLayout(Layout):
-    """A torch DCP checkpoint folder written by `torch.distributed.checkpoint.save` (FileSystemWriter).
+class DcpFolderLayout(Layout):
+    """The reader of a torch DCP checkpoint folder written by `torch.distributed.checkpoint.save`
+    (FileSystemWriter): the DCP plugin's layout and torchtitan's (a DCP folder with torchtitan's keys)
+    subclass it with their own resume profiles.
 
     FileSystemWriter writes files only: a child folder is not part of the checkpoint (`Layout.members`'
     default), and the walker looks inside it (an HF export kept in `step-N/hf/`).
@@ -657,7 +554,7 @@ class DcpLayout(Layout):
         per_rank = rank_metadata(entries) if meta_entry is None else []
         try:
             if meta_entry is None and not per_rank:
-                raise _in_progress(url)
+                raise in_progress_error(url)
             metadata = load_dcp_metadata(url, meta_entry)
         except (CheckpointInProgress, CorruptCheckpoint) as exc:
             error = exc
@@ -716,9 +613,3 @@ class DcpLayout(Layout):
             return (METADATA_NAME,)
         ranks = sorted((int(m.group(1)), name) for name in files if (m := RANK_METADATA.match(name)))
         return tuple(name for _, name in ranks)
-
-    def resume_profile(self) -> ResumeProfile:
-        """See `frameworks.dcp.resume`."""
-        from ckptctl.frameworks.dcp.resume import PROFILE
-
-        return PROFILE

@@ -12,7 +12,11 @@ is a plain byte range of its storage record. As in transformers, safetensors wei
 has both.
 
 `save_pretrained(distributed_checkpoint=True)` writes per-rank pieces of each tensor instead
-(`shard-0000P-model-0000i-of-0000N.safetensors`): read as whole tensors with `frameworks.hf.distributed`.
+(`shard-0000P-model-0000i-of-0000N.safetensors`): read as whole tensors with `hf_rank_shards`.
+
+A shared part: the HF plugin's layout subclasses `HfFolderLayout` (adding its resume profile and the
+model transformers builds), and the plugins whose checkpoints hold a model folder (the Trainer's
+`checkpoint-N`, ROLL, AReaL, OpenRLHF, open-instruct, accelerate) read it with the functions below.
 """
 
 from __future__ import annotations
@@ -39,10 +43,9 @@ from ckptctl.errors import CkptctlError, CorruptCheckpoint
 from ckptctl.formats.documents import read_json
 from ckptctl.formats.safetensors import read_header
 from ckptctl.formats.torch_pickle import TorchPickle, open_torch_pickle, storage_problems
-from ckptctl.frameworks.hf.distributed import SHARD_FILE, is_distributed, rank_files, shards_index, shards_problems
 from ckptctl.io import DirEntry
-from ckptctl.layouts.base import Layout, ModelSpec, absent_numbers, newest_mtime, step_from_name, timestamp
-from ckptctl.layouts.resume import ResumeProfile
+from ckptctl.layouts.base import Layout, absent_numbers, newest_mtime, step_from_name, timestamp
+from ckptctl.layouts.parts.hf_rank_shards import SHARD_FILE, is_distributed, rank_files, shards_index, shards_problems
 
 INDEX_NAMES = ("model.safetensors.index.json", "adapter_model.safetensors.index.json")
 _SHARD = re.compile(r"^(?P<stem>.+)-(?P<i>\d{5})-of-(?P<n>\d{5})\.(?P<ext>safetensors|bin)$")
@@ -100,8 +103,9 @@ def _is_legacy_weight(name: str) -> bool:
     return name == _LEGACY_WEIGHTS[0] or (name.startswith("pytorch_model") and bool(_SHARD.match(name)))
 
 
-class HfModelLayout(Layout):
-    """A Hugging Face model folder (safetensors, single file or sharded with an index).
+class HfFolderLayout(Layout):
+    """The reader of a Hugging Face model folder (safetensors, single file or sharded with an index); the
+    plugins whose checkpoints hold one open it with this (its refs read as `hf`).
 
     `save_pretrained` writes files only, and often into a folder that holds more: the Trainer's
     `output_dir` with `checkpoint-N/` beside the final model, a DCP or DeepSpeed run with an exported
@@ -174,24 +178,6 @@ class HfModelLayout(Layout):
     def completion_markers(self, files: Mapping[str, int]) -> tuple[str, ...]:
         """The index, then one shard (or the single weights file): see `model_markers`."""
         return model_markers({name: size for name, size in files.items() if "/" not in name})
-
-    def resume_profile(self) -> ResumeProfile:
-        """See `frameworks.hf.resume`."""
-        from ckptctl.frameworks.hf.resume import PROFILE
-
-        return PROFILE
-
-    def model_spec(self, config: Mapping[str, Any], notes: list[str]) -> ModelSpec | None:
-        """The model transformers builds from `config` on the meta device (see `frameworks.hf.architecture`)."""
-        from ckptctl.frameworks.hf.architecture import model_spec
-
-        return model_spec(config, notes)
-
-    def model_logits(self, folder: str, config: Mapping[str, Any], tensors: Mapping[str, Any] | None) -> Any:
-        """See `frameworks.hf.architecture.model_logits`."""
-        from ckptctl.frameworks.hf.architecture import model_logits
-
-        return model_logits(folder, config, tensors)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -29,7 +29,7 @@ fresh, broken once older: `layouts.parts.in_progress`).
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import cache
 from typing import Any
@@ -49,6 +49,14 @@ from ckptctl.checkpoint import (
 from ckptctl.errors import CkptctlError, UnknownLayout
 from ckptctl.formats.torch_pickle import TorchPickle, open_torch_pickle, storage_problems
 from ckptctl.formats.torch_zip import TorchArchive
+from ckptctl.frameworks.accelerate.files import (
+    AUTO_FOLDER,
+    AUTO_PARENT,
+    FSDP_RANK_FILE,
+    RNG_FILE,
+    per_process_files,
+    rng_ranks,
+)
 from ckptctl.frameworks.deepspeed import layout as deepspeed
 from ckptctl.frameworks.deepspeed.naming import wrapper_prefix
 from ckptctl.io import DirEntry
@@ -71,22 +79,10 @@ from ckptctl.layouts.parts.hf_folder import safetensors_index, verify_model_file
 from ckptctl.layouts.parts.in_progress import recently_written
 from ckptctl.layouts.resume import ResumeProfile
 
-__all__ = [
-    "AUTO_FOLDER",
-    "AUTO_PARENT",
-    "RNG_FILE",
-    "AccelerateLayout",
-    "per_process_files",
-    "rng_ranks",
-    "without_dcp",
-]
+__all__ = ["AccelerateLayout"]
 
-#: `ProjectConfiguration(automatic_checkpoint_naming=True)` saves into `{project_dir}/checkpoints/checkpoint_{N}`.
-AUTO_PARENT = "checkpoints"
-AUTO_FOLDER = re.compile(r"^checkpoint_(\d+)$")
 #: The folder names accelerate's own examples pass to save_state (`step_{N}`, `epoch_{E}`).
 _EPOCH_FOLDER = re.compile(r"^epoch_(\d+)$")
-RNG_FILE = re.compile(r"^random_states_(\d+)\.pkl$")
 _MODEL_SAFE = re.compile(r"^model(?:_(\d+))?\.safetensors$")
 _MODEL_BIN = re.compile(r"^pytorch_model(?:_(\d+))?\.bin$")
 _OPTIMIZER = re.compile(r"^optimizer(?:_(\d+))?\.bin$")
@@ -98,29 +94,8 @@ _DS_TAG = re.compile(r"^pytorch_model(?:_(\d+))?$")
 _FSDP_MODEL_DIR = re.compile(r"^pytorch_model_fsdp_(\d+)$")
 _FSDP_OPTIM_DIR = re.compile(r"^optimizer_(\d+)$")
 _FSDP_FULL = re.compile(r"^pytorch_model_fsdp(?:_(\d+))?\.bin$")
-#: Per-process FSDP files: LOCAL_STATE_DICT (`pytorch_model_fsdp[_{i}]_rank{R}.bin`) and SHARDED_STATE_DICT
-#: with `use_dcp=False` (`pytorch_model_fsdp_{i}_rank{R}.bin`, `optimizer_{i}_rank{R}.bin`).
-_FSDP_RANK = re.compile(r"^(?P<kind>pytorch_model_fsdp|optimizer)(?:_\d+)?_rank(?P<rank>\d+)\.bin$")
-_WITHOUT_DCP = re.compile(r"^(?:pytorch_model_fsdp_0|optimizer_\d+)_rank\d+\.bin$")
 #: RNG keys every random_states file holds (`save_accelerator_state`); device generators are added per device.
 _RNG_KEYS = ("random_state", "numpy_random_seed", "torch_manual_seed")
-
-
-def rng_ranks(names: Sequence[str]) -> list[int]:
-    """The process indices of the `random_states_{i}.pkl` files among `names`, sorted."""
-    return sorted(int(m.group(1)) for n in names if (m := RNG_FILE.match(n)))
-
-
-def per_process_files(names: Iterable[str]) -> list[str]:
-    """The per-process FSDP files (`*_rank{R}.bin`) among `names` (top-level file names)."""
-    return sorted(n for n in names if _FSDP_RANK.match(n))
-
-
-def without_dcp(names: Iterable[str]) -> bool:
-    """Whether the per-process files come from `save_fsdp_model`/`save_fsdp_optimizer(..., use_dcp=False)`
-    (`pytorch_model_fsdp_0_rank{R}.bin`, `optimizer_{i}_rank{R}.bin`) rather than LOCAL_STATE_DICT
-    (`pytorch_model_fsdp_rank{R}.bin`)."""
-    return any(_WITHOUT_DCP.match(n) for n in names)
 
 
 def _index(match: re.Match[str]) -> int:
@@ -207,7 +182,7 @@ class _Parts:
 
 def _fsdp_kind(name: str) -> str:
     """`model` or `optimizer`: what one of the per-process FSDP files holds."""
-    m = _FSDP_RANK.match(name)
+    m = FSDP_RANK_FILE.match(name)
     return "optimizer" if m is not None and m.group("kind") == "optimizer" else "model"
 
 
@@ -489,7 +464,7 @@ def _rank_file_problems(parts: _Parts) -> list[Problem]:
     process writes its own, and load_state needs each process's."""
     ranks: dict[str, set[int]] = {}
     for name in parts.fsdp_files:
-        m = _FSDP_RANK.match(name)
+        m = FSDP_RANK_FILE.match(name)
         if m is not None:
             ranks.setdefault(name[: m.start("rank") - len("_rank")], set()).add(int(m.group("rank")))
     expected = set(parts.rng)

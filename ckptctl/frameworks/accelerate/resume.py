@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from ckptctl import io
 from ckptctl.checkpoint import Checkpoint, CheckpointState, Component
 from ckptctl.errors import CkptctlError
-from ckptctl.frameworks.accelerate.layout import (
+from ckptctl.frameworks.accelerate.files import (
     AUTO_FOLDER,
     AUTO_PARENT,
     RNG_FILE,

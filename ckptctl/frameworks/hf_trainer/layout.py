@@ -2,11 +2,11 @@
 
 ```
 checkpoint-N/
-    model weights and config as an HF model folder (read with `frameworks.hf.layout`)
+    model weights and config as an HF model folder (read with `layouts.parts.hf_folder`)
     optimizer.pt, scheduler.pt, scaler.pt (AMP), rng_state.pth | rng_state_{process}.pth, training_args.bin
     trainer_state.json             written LAST: the completion marker (global_step, epoch, best_metric, ...)
     [DeepSpeed: latest, global_stepN/ (read with `frameworks.deepspeed.layout`)]
-    [FSDP sharded: pytorch_model_fsdp_0/, optimizer_0/ (torch DCP folders, read with `frameworks.dcp.layout`)]
+    [FSDP sharded: pytorch_model_fsdp_0/, optimizer_0/ (torch DCP folders, read with `layouts.parts.dcp_folder`)]
     [a PEFT model: adapter_model.safetensors + adapter_config.json instead of the model (read with
      `frameworks.peft.layout`)]
 ```
@@ -51,6 +51,7 @@ from ckptctl.formats.documents import as_real, as_whole, read_json
 from ckptctl.formats.safe_pickle import FrameworkObject, StandIn, state_fields
 from ckptctl.formats.torch_pickle import TorchPickle, open_torch_pickle, storage_problems
 from ckptctl.frameworks.deepspeed import layout as deepspeed
+from ckptctl.frameworks.hf_trainer.files import CHECKPOINT_DIR, RNG_FILE, TRAINER_STATE_NAME
 from ckptctl.frameworks.peft import layout as peft
 from ckptctl.frameworks.peft.settings import ADAPTER_CONFIG
 from ckptctl.io import DirEntry
@@ -80,12 +81,8 @@ from ckptctl.layouts.parts.hf_folder import (
 from ckptctl.layouts.parts.in_progress import recently_written
 from ckptctl.layouts.resume import ResumeProfile
 
-__all__ = ["CHECKPOINT_DIR", "RNG_FILE", "TRAINER_STATE_NAME", "HfTrainerLayout"]
+__all__ = ["HfTrainerLayout"]
 
-TRAINER_STATE_NAME = "trainer_state.json"
-#: The Trainer's checkpoint folders (`checkpoint-{global_step}`) and RNG files (one per process).
-CHECKPOINT_DIR = re.compile(r"^checkpoint-(\d+)$")
-RNG_FILE = re.compile(r"^rng_state(?:_(\d+))?\.pth$")
 _PICKLE_FILES = ("optimizer.pt", "scheduler.pt", "scaler.pt", "training_args.bin")
 _TRAINER_FILES = frozenset({TRAINER_STATE_NAME, *_PICKLE_FILES})
 #: trainer_state.json is written with sorted keys and indent=2, so `epoch` and `global_step` come before

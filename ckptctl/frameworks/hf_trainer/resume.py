@@ -10,7 +10,7 @@ from ckptctl import io
 from ckptctl.checkpoint import Checkpoint, Component
 from ckptctl.errors import CkptctlError
 from ckptctl.frameworks.deepspeed import resume as deepspeed
-from ckptctl.frameworks.hf_trainer.layout import CHECKPOINT_DIR, RNG_FILE
+from ckptctl.frameworks.hf_trainer.files import CHECKPOINT_DIR, RNG_FILE
 from ckptctl.layouts.parts.dcp_resume import overwrite_warnings, reshards
 from ckptctl.layouts.resume import PlanContext, ResumeProfile, WorldSizeCheck, target_ranks
 

@@ -58,6 +58,7 @@ from ckptctl.formats.torch_pickle import TorchPickle, open_torch_pickle, storage
 from ckptctl.formats.torch_zip import TorchArchive
 from ckptctl.frameworks.deepspeed import layout as deepspeed
 from ckptctl.frameworks.deepspeed.names import TagFiles
+from ckptctl.frameworks.lightning.files import DEEPSPEED_TAG, LAST, META, SUFFIX
 from ckptctl.io import DirEntry
 from ckptctl.layouts import peek_dir
 from ckptctl.layouts.base import (
@@ -76,16 +77,9 @@ from ckptctl.layouts.parts.dcp_folder import DISTCP_RE, dcp_tensor_index, verify
 from ckptctl.layouts.parts.hf_folder import torch_file_entries
 from ckptctl.layouts.resume import ResumeProfile
 
-__all__ = ["DEEPSPEED_TAG", "LAST", "META", "SUFFIX", "LightningLayout", "name_fields"]
+__all__ = ["LightningLayout", "name_fields"]
 
-SUFFIX = ".ckpt"
-#: `ModelCheckpoint.CHECKPOINT_NAME_LAST` (and its `-vN` versions when the name was taken).
-LAST = "last.ckpt"
 _LAST = re.compile(r"^last(?:-v\d+)?\.ckpt$")
-#: The sharded folder's last file (`lightning.fabric.utilities.load._METADATA_FILENAME`).
-META = "meta.pt"
-#: The tag `DeepSpeedStrategy.save_checkpoint` saves under, inside the `.ckpt` folder.
-DEEPSPEED_TAG = "checkpoint"
 #: `key=value` parts of a ModelCheckpoint file name (`epoch=3-step=1200-val_loss=0.42`).
 _FIELD = re.compile(r"(?:^|[-_ ])([A-Za-z_][\w/.]*?)=(-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?)(?=$|[-_ ])")
 #: What the state dict's own file is, by top-level key: component of its tensors.

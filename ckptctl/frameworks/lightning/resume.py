@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from ckptctl import io
 from ckptctl.checkpoint import Component
 from ckptctl.frameworks.deepspeed import resume as deepspeed
-from ckptctl.frameworks.lightning.layout import LAST
+from ckptctl.frameworks.lightning.files import LAST
 from ckptctl.layouts.parts.dcp_resume import overwrite_warnings, reshards
 from ckptctl.layouts.resume import PlanContext, ResumeProfile, WorldSizeCheck, target_ranks
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from ckptctl import io
 from ckptctl.checkpoint import Component
-from ckptctl.frameworks.megatron.layout import RELEASE, iteration_of, read_tracker
+from ckptctl.frameworks.megatron.files import RELEASE, iteration_of, read_tracker
 from ckptctl.layouts.parts.dcp_resume import overwrite_warnings
 from ckptctl.layouts.resume import PlanContext, ResumeProfile, WorldSizeCheck, target_ranks
 

@@ -47,6 +47,7 @@ from ckptctl.errors import CkptctlError, UnknownLayout
 from ckptctl.formats.dcp_metadata import METADATA_NAME
 from ckptctl.formats.documents import read_json
 from ckptctl.formats.torch_pickle import open_torch_pickle
+from ckptctl.frameworks.roll.files import CRITIC, DCP_FOLDER, MCA_CONFIG, PIPELINE_RNG, PIPELINE_STATE, RNG_DIR, TRACKER
 from ckptctl.io import DirEntry
 from ckptctl.layouts.base import (
     Layout,
@@ -78,15 +79,8 @@ from ckptctl.layouts.parts.hf_folder import (
 from ckptctl.layouts.parts.in_progress import unfinished_state
 from ckptctl.layouts.resume import ResumeProfile
 
-__all__ = ["CRITIC", "PIPELINE_STATE", "RollLayout"]
+__all__ = ["RollLayout"]
 
-PIPELINE_STATE = "pipeline/worker_state_pipeline.json"
-PIPELINE_RNG = "pipeline/rng_state_pipeline.pth"
-CRITIC = "critic"
-DCP_FOLDER = "dcp"
-MCA_CONFIG = "mca_config.json"
-TRACKER = "latest_checkpointed_iteration.txt"
-RNG_DIR = "rng_state"
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 _ITER = re.compile(r"^iter_(\d{7})$")
 _MP_RANK = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")

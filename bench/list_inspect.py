@@ -177,10 +177,10 @@ def main() -> int:
         inspected = inspect_checkpoint(str(root / "dcp"))  # the first call: the metadata cache is cold
         inspect_read = inspected.bytes_read
         assert inspected.totals.tensors == args.tensors
-        from ckptctl.frameworks.dcp import layout as dcp_layout
+        from ckptctl.layouts.parts import dcp_folder_metadata
 
         def cold_inspect() -> None:
-            dcp_layout._cache.clear()  # measure the parse, not the in-process cache
+            dcp_folder_metadata._cache.clear()  # measure the parse, not the in-process cache
             inspect_checkpoint(str(root / "dcp"))
 
         ours_inspect = best_of(args.repeat, cold_inspect)

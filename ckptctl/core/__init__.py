@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from ckptctl.core.entries import CheckpointWarning
     from ckptctl.core.hooks import AutoSaver
     from ckptctl.core.manager import CheckpointManager
-    from ckptctl.frameworks.native.layout import StepNaming
+    from ckptctl.formats.native import StepNaming
 
 __all__ = [
     "AutoSaver",
@@ -34,7 +34,7 @@ _LAZY = {
     "AutoSaver": "ckptctl.core.hooks",
     "CheckpointManager": "ckptctl.core.manager",
     "CheckpointWarning": "ckptctl.core.entries",
-    "StepNaming": "ckptctl.frameworks.native.layout",
+    "StepNaming": "ckptctl.formats.native",
 }
 
 

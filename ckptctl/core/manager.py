@@ -32,11 +32,11 @@ into `.ckptctl-trash/`, or its manifest deleted), and its files are deleted on a
 (`core.deleter`), which `wait()` and `close()` wait for.
 
 A save that is killed leaves its staging folder. Every staging folder says who writes it, in its name (pid
-and machine, `native.layout.staging_token`) from its first moment and in a record written into it first
+and machine, `formats.native.staging_token`) from its first moment and in a record written into it first
 (host, pid, process start, boot id, pid namespace), so that `resume()` and every commit can delete the
 ones whose writer is provably gone, whatever moment of the save the kill landed on, and those that another
 machine's writer left an hour or more before a later step was committed
-(`native.layout.abandoned_staging`); a live writer's folder is never touched.
+(`formats.native.abandoned_staging`); a live writer's folder is never touched.
 
 Rollback. A run that goes back to an older step (`restore(state, step=10)`) and saves again (`save(20)`)
 has left the newer steps (30) on a branch it abandoned: a later resume must follow the new branch, not
@@ -82,7 +82,7 @@ from ckptctl.core.storage import open_run, storage_errors
 from ckptctl.errors import CheckpointNotFound, CkptctlError, CorruptCheckpoint, SerializationError, StorageError
 from ckptctl.formats.digest import file_digest
 from ckptctl.formats.manifest import MANIFEST_NAME, ComponentRecord, FileRecord, Manifest, load_manifest, now_iso
-from ckptctl.frameworks.native.layout import ABANDON_GRACE, POINTER_NAME, StepNaming, staging_token, superseded_note
+from ckptctl.formats.native import ABANDON_GRACE, POINTER_NAME, StepNaming, staging_token, superseded_note
 from ckptctl.io import trash
 from ckptctl.io.trash import TRASH_NAME, Retired
 from ckptctl.layouts.base import folder_size
@@ -488,7 +488,7 @@ class CheckpointManager:
 
     def _remove_abandoned(self) -> None:
         """Take the staging folders that stopped saves left in the run out of sight, and delete them in the
-        background (`native.layout.abandoned_staging`: never one whose writer may be alive)."""
+        background (`formats.native.abandoned_staging`: never one whose writer may be alive)."""
         try:
             for url, why in self._storage.abandoned(ABANDON_GRACE):
                 try:

@@ -30,12 +30,12 @@ from ckptctl.errors import CorruptCheckpoint, StorageError
 from ckptctl.formats.digest import file_digest
 from ckptctl.formats.documents import MAX_JSON_BYTES
 from ckptctl.formats.manifest import MANIFEST_NAME, FileRecord, Manifest, parse_manifest
-from ckptctl.frameworks.native.layout import (
+from ckptctl.formats.native import (
     SUPERSEDED_NAME,
     WRITER_NAME,
-    NativeLayout,
     StepNaming,
     abandoned_staging,
+    completion_markers,
     is_rng_file,
     superseded_marker,
 )
@@ -48,12 +48,11 @@ __all__ = ["LocalRun", "RemoteRun", "RunStorage", "markers", "open_run"]
 
 
 def markers(files: Mapping[str, int]) -> Tiers:
-    """What a step's deletion removes first: the native layout's completion markers (the manifest), the
+    """What a step's deletion removes first: the native format's completion markers (the manifest), the
     last one written first."""
-    return [[name] for name in reversed(_NATIVE.completion_markers(files))]
+    return [[name] for name in reversed(completion_markers(files))]
 
 
-_NATIVE = NativeLayout()
 #: `fetch(step)` of `RunStorage.fetcher`: the local folder holding the step's files.
 Fetch = Callable[[int], str]
 

@@ -23,6 +23,7 @@ from ckptctl.formats.dcp_metadata import METADATA_NAME, RANK_METADATA
 from ckptctl.formats.torch_zip import TorchArchive
 from ckptctl.io import DirEntry
 from ckptctl.layouts.naming import NameStripper, format_namespace_stripper
+from ckptctl.layouts.parts.dcp_folder_metadata import dcp_item_archives
 from ckptctl.layouts.resume import ResumeProfile, generic_profile
 
 
@@ -305,8 +306,6 @@ def default_torch_archives(checkpoint: Checkpoint) -> tuple[TorchArchive, ...]:
 
     A DCP folder whose metadata does not parse contributes nothing (structural verify reports why).
     """
-    from ckptctl.frameworks.dcp.layout import dcp_item_archives
-
     archives: list[TorchArchive] = []
     folders = set()
     for rel in checkpoint.files:

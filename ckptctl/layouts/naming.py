@@ -26,7 +26,7 @@ NameStripper = Callable[[str], str]
 #: files, else None. A layout built on one of these formats gets its rule without naming it, like the
 #: layout registry in `ckptctl.layouts`.
 FORMAT_NAME_RULES = (
-    "ckptctl.frameworks.dcp.naming:dcp_namespace_stripper",
+    "ckptctl.layouts.parts.dcp_naming:dcp_namespace_stripper",
     "ckptctl.layouts.parts.zero_tag.naming:wrapper_stripper",
 )
 

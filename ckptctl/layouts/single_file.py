@@ -30,10 +30,10 @@ from ckptctl.errors import CkptctlError, UnknownLayout, UnsafePickle
 from ckptctl.formats.safetensors import read_header
 from ckptctl.formats.torch_pickle import TorchPickle, open_torch_pickle, storage_problems
 from ckptctl.formats.torch_zip import TorchArchive
-from ckptctl.frameworks.dcp.layout import component_classifier
-from ckptctl.frameworks.hf.layout import safetensors_index, torch_file_entries
 from ckptctl.io import DirEntry
 from ckptctl.layouts.base import Layout, timestamp
+from ckptctl.layouts.parts.dcp_folder import component_classifier
+from ckptctl.layouts.parts.hf_folder import safetensors_index, torch_file_entries
 
 #: The chunk file name of a single-file checkpoint: the checkpoint itself.
 SELF = ""

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from ckptctl.core import AutoSaver, CheckpointManager, RetentionPolicy
-from ckptctl.frameworks.native.layout import WRITER_NAME
+from ckptctl.formats.native import WRITER_NAME
 
 
 class ResumableSampler:

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from ckptctl.core import CheckpointManager, CheckpointWarning
-from ckptctl.frameworks.native.layout import WRITER_NAME
+from ckptctl.formats.native import WRITER_NAME
 from tests.conftest import build_once
 from tests.core import _workers
 from tests.core.util import run_worker

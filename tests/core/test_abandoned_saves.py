@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from ckptctl.core import CheckpointManager, RetentionPolicy
-from ckptctl.frameworks.native.layout import WRITER_NAME, abandoned_staging, staging_token
+from ckptctl.formats.native import WRITER_NAME, abandoned_staging, staging_token
 from ckptctl.ops.prune import plan_prune
 from tests.conftest import CliResult
 from tests.core import _workers

@@ -17,8 +17,9 @@ from ckptctl.checkpoint import CheckpointState, Component, ProblemKind
 from ckptctl.errors import CheckpointInProgress, CorruptCheckpoint, UnsafePickle
 from ckptctl.formats.chunks import read_tensor
 from ckptctl.formats.torch_save import raw_record
-from ckptctl.frameworks.dcp.layout import DcpLayout, component_classifier, dcp_tensor_index, verify_dcp
+from ckptctl.frameworks.dcp.layout import DcpLayout
 from ckptctl.layouts import detect
+from ckptctl.layouts.parts.dcp_folder import component_classifier, dcp_tensor_index, verify_dcp
 from tests.writers.dcp_writer import WrittenDcp
 
 LAYOUT = DcpLayout()

@@ -23,14 +23,13 @@ own frameworks' readers, as members of this checkpoint (the run walker does not 
 
 `random_states_{i}.pkl` is written by every process after the model, optimizer, scheduler and sampler
 files: a folder without `random_states_0.pkl` did not finish its save (in progress while its files are
-fresh, broken once older than `IN_PROGRESS_WINDOW_S`).
+fresh, broken once older: `layouts.parts.in_progress`).
 """
 
 from __future__ import annotations
 
 import re
-import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import cache
 from typing import Any
@@ -50,8 +49,14 @@ from ckptctl.checkpoint import (
 from ckptctl.errors import CkptctlError, UnknownLayout
 from ckptctl.formats.torch_pickle import TorchPickle, open_torch_pickle, storage_problems
 from ckptctl.formats.torch_zip import TorchArchive
-from ckptctl.frameworks.hf.layout import safetensors_index, verify_model_files
-from ckptctl.frameworks.hf_trainer.layout import IN_PROGRESS_WINDOW_S
+from ckptctl.frameworks.accelerate.files import (
+    AUTO_FOLDER,
+    AUTO_PARENT,
+    FSDP_RANK_FILE,
+    RNG_FILE,
+    per_process_files,
+    rng_ranks,
+)
 from ckptctl.io import DirEntry
 from ckptctl.layouts.base import (
     LISTED_ABSENT,
@@ -68,6 +73,8 @@ from ckptctl.layouts.base import (
     timestamp,
 )
 from ckptctl.layouts.naming import NameStripper, format_namespace_stripper, keep_name
+from ckptctl.layouts.parts.hf_folder import safetensors_index, verify_model_files
+from ckptctl.layouts.parts.in_progress import recently_written
 from ckptctl.layouts.parts.zero_tag.master_weights import checkpoint_master_weights
 from ckptctl.layouts.parts.zero_tag.names import LATEST_NAME, latest_problem
 from ckptctl.layouts.parts.zero_tag.naming import wrapper_prefix
@@ -76,22 +83,10 @@ from ckptctl.layouts.parts.zero_tag.tensor_index import tag_index
 from ckptctl.layouts.parts.zero_tag.verify import verify_tag
 from ckptctl.layouts.resume import ResumeProfile
 
-__all__ = [
-    "AUTO_FOLDER",
-    "AUTO_PARENT",
-    "RNG_FILE",
-    "AccelerateLayout",
-    "per_process_files",
-    "rng_ranks",
-    "without_dcp",
-]
+__all__ = ["AccelerateLayout"]
 
-#: `ProjectConfiguration(automatic_checkpoint_naming=True)` saves into `{project_dir}/checkpoints/checkpoint_{N}`.
-AUTO_PARENT = "checkpoints"
-AUTO_FOLDER = re.compile(r"^checkpoint_(\d+)$")
 #: The folder names accelerate's own examples pass to save_state (`step_{N}`, `epoch_{E}`).
 _EPOCH_FOLDER = re.compile(r"^epoch_(\d+)$")
-RNG_FILE = re.compile(r"^random_states_(\d+)\.pkl$")
 _MODEL_SAFE = re.compile(r"^model(?:_(\d+))?\.safetensors$")
 _MODEL_BIN = re.compile(r"^pytorch_model(?:_(\d+))?\.bin$")
 _OPTIMIZER = re.compile(r"^optimizer(?:_(\d+))?\.bin$")
@@ -103,29 +98,8 @@ _DS_TAG = re.compile(r"^pytorch_model(?:_(\d+))?$")
 _FSDP_MODEL_DIR = re.compile(r"^pytorch_model_fsdp_(\d+)$")
 _FSDP_OPTIM_DIR = re.compile(r"^optimizer_(\d+)$")
 _FSDP_FULL = re.compile(r"^pytorch_model_fsdp(?:_(\d+))?\.bin$")
-#: Per-process FSDP files: LOCAL_STATE_DICT (`pytorch_model_fsdp[_{i}]_rank{R}.bin`) and SHARDED_STATE_DICT
-#: with `use_dcp=False` (`pytorch_model_fsdp_{i}_rank{R}.bin`, `optimizer_{i}_rank{R}.bin`).
-_FSDP_RANK = re.compile(r"^(?P<kind>pytorch_model_fsdp|optimizer)(?:_\d+)?_rank(?P<rank>\d+)\.bin$")
-_WITHOUT_DCP = re.compile(r"^(?:pytorch_model_fsdp_0|optimizer_\d+)_rank\d+\.bin$")
 #: RNG keys every random_states file holds (`save_accelerator_state`); device generators are added per device.
 _RNG_KEYS = ("random_state", "numpy_random_seed", "torch_manual_seed")
-
-
-def rng_ranks(names: Sequence[str]) -> list[int]:
-    """The process indices of the `random_states_{i}.pkl` files among `names`, sorted."""
-    return sorted(int(m.group(1)) for n in names if (m := RNG_FILE.match(n)))
-
-
-def per_process_files(names: Iterable[str]) -> list[str]:
-    """The per-process FSDP files (`*_rank{R}.bin`) among `names` (top-level file names)."""
-    return sorted(n for n in names if _FSDP_RANK.match(n))
-
-
-def without_dcp(names: Iterable[str]) -> bool:
-    """Whether the per-process files come from `save_fsdp_model`/`save_fsdp_optimizer(..., use_dcp=False)`
-    (`pytorch_model_fsdp_0_rank{R}.bin`, `optimizer_{i}_rank{R}.bin`) rather than LOCAL_STATE_DICT
-    (`pytorch_model_fsdp_rank{R}.bin`)."""
-    return any(_WITHOUT_DCP.match(n) for n in names)
 
 
 def _index(match: re.Match[str]) -> int:
@@ -212,7 +186,7 @@ class _Parts:
 
 def _fsdp_kind(name: str) -> str:
     """`model` or `optimizer`: what one of the per-process FSDP files holds."""
-    m = _FSDP_RANK.match(name)
+    m = FSDP_RANK_FILE.match(name)
     return "optimizer" if m is not None and m.group("kind") == "optimizer" else "model"
 
 
@@ -250,7 +224,7 @@ class AccelerateLayout(Layout):
         else:
             newest = newest_mtime(entries)
             created = timestamp(newest)
-            if newest is not None and time.time() - newest < IN_PROGRESS_WINDOW_S:
+            if recently_written(newest):
                 state = CheckpointState.IN_PROGRESS
                 note = "no random_states_0.pkl yet: being written"
             else:
@@ -383,7 +357,7 @@ class AccelerateLayout(Layout):
                 pointer = latest_problem(url, LATEST_NAME)
                 if pointer is not None:
                     problems.append(pointer)
-        from ckptctl.frameworks.dcp.layout import verify_dcp
+        from ckptctl.layouts.parts.dcp_folder import verify_dcp
 
         for folder in sorted({*parts.dcp_models.values(), *parts.dcp_optimizers.values()}):
             problems += verify_dcp(io.join(url, folder), f"{folder}/")
@@ -494,7 +468,7 @@ def _rank_file_problems(parts: _Parts) -> list[Problem]:
     process writes its own, and load_state needs each process's."""
     ranks: dict[str, set[int]] = {}
     for name in parts.fsdp_files:
-        m = _FSDP_RANK.match(name)
+        m = FSDP_RANK_FILE.match(name)
         if m is not None:
             ranks.setdefault(name[: m.start("rank") - len("_rank")], set()).add(int(m.group("rank")))
     expected = set(parts.rng)
@@ -556,7 +530,7 @@ def _tensor_index(
         inner = tag_index(tag, f"{folder}/")
         entries += [e for e in inner if not (parts.models and e.component is Component.MODEL)]
     if parts.dcp_models or parts.dcp_optimizers:
-        from ckptctl.frameworks.dcp.layout import dcp_tensor_index
+        from ckptctl.layouts.parts.dcp_folder import dcp_tensor_index
 
         # The first model's folder only: every model's DCP keys start `model.`, so the others' tensors would
         # read as duplicates of its own (they are verified, not indexed).

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from ckptctl import io
 from ckptctl.checkpoint import Checkpoint, CheckpointState, Component
 from ckptctl.errors import CkptctlError
-from ckptctl.frameworks.accelerate.layout import (
+from ckptctl.frameworks.accelerate.files import (
     AUTO_FOLDER,
     AUTO_PARENT,
     RNG_FILE,
@@ -20,7 +20,7 @@ from ckptctl.frameworks.accelerate.layout import (
     rng_ranks,
     without_dcp,
 )
-from ckptctl.frameworks.dcp.resume import overwrite_warnings, reshards
+from ckptctl.layouts.parts.dcp_resume import overwrite_warnings, reshards
 from ckptctl.layouts.parts.zero_tag import resume as zero_resume
 from ckptctl.layouts.resume import RESUMABLE, PlanContext, ResumeProfile, WorldSizeCheck, target_ranks
 from ckptctl.quoting import Code, comment, python_call

@@ -22,7 +22,7 @@ counts as complete only when `.metadata` is newer than its data files (else an i
 finish), `recover_info/` holds a `step_info.json` with a valid step, and every info file is newer than
 `.metadata` (else the save was torn between weights and counters: AReaL would pair new weights with old
 counters, or restart from step 0 when an info file does not parse). While the newest file is fresh the
-slot is in progress instead of broken. Times compare with a little slack (`MTIME_SLACK_S`); a copy that
+slot is in progress instead of broken. Times compare with a little slack (`dcp_folder.MTIME_SLACK_S`); a copy that
 did not keep modification times can trip these checks.
 
 `dataloader_info.pkl` is a plain pickle (one data loader state per rank) read through the allowlisting
@@ -34,8 +34,7 @@ from __future__ import annotations
 
 import collections
 import re
-import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import cache
 from typing import Any
@@ -56,46 +55,32 @@ from ckptctl.formats.dcp_metadata import METADATA_NAME
 from ckptctl.formats.documents import MAX_INT, read_json
 from ckptctl.formats.safe_pickle import MAX_DIMS, check_nesting, safe_loads
 from ckptctl.formats.torch_pickle_classes import TORCH_PICKLE_GLOBALS
-from ckptctl.frameworks.dcp.layout import (
-    DISTCP_RE,
-    MTIME_SLACK_S,
-    component_classifier,
-    data_newer_than_metadata,
-    index_from_metadata,
-    load_dcp_metadata,
-    verify_dcp,
-    world_size_of,
+from ckptctl.frameworks.areal.files import (
+    DATALOADER_INFO,
+    INFO_FILES,
+    RECOVER_INFO,
+    RECOVER_SLOT,
+    STEP_INFO,
+    torn_info_files,
 )
-from ckptctl.frameworks.hf.layout import HfModelLayout, model_markers, verify_model_files
-from ckptctl.frameworks.hf_trainer.layout import IN_PROGRESS_WINDOW_S
 from ckptctl.io import DirEntry
 from ckptctl.layouts import peek_dir
 from ckptctl.layouts.base import Layout, newest_mtime, timestamp
+from ckptctl.layouts.parts.dcp_folder import (
+    DISTCP_RE,
+    component_classifier,
+    data_newer_than_metadata,
+    index_from_metadata,
+    verify_dcp,
+    world_size_of,
+)
+from ckptctl.layouts.parts.dcp_folder_metadata import load_dcp_metadata
+from ckptctl.layouts.parts.hf_folder import HfFolderLayout, model_markers, verify_model_files
+from ckptctl.layouts.parts.in_progress import unfinished_state
 from ckptctl.layouts.resume import ResumeProfile
 
-__all__ = [
-    "INFO_FILES",
-    "MTIME_SLACK_S",
-    "RECOVER_INFO",
-    "RECOVER_SLOT",
-    "ArealLayout",
-    "read_dataloader_info",
-    "torn_info_files",
-]
+__all__ = ["ArealLayout", "read_dataloader_info"]
 
-RECOVER_SLOT = "recover_checkpoint"
-RECOVER_INFO = "recover_info"
-STEP_INFO = "step_info.json"
-DATALOADER_INFO = "dataloader_info.pkl"
-#: The files of `recover_info/`, in the order `RecoverInfo.dump` writes them.
-INFO_FILES = (
-    STEP_INFO,
-    "saver_info.json",
-    "evaluator_info.json",
-    "stats_logger_info.json",
-    "checkpoint_info.json",
-    DATALOADER_INFO,
-)
 _EXPORT = re.compile(r"^epoch(\d+)epochstep(\d+)globalstep(\d+)(\.tmp)?$")
 _STEP_FIELDS = ("epoch", "epoch_step", "global_step", "steps_per_epoch")
 _MEGATRON_FILES = frozenset({"metadata.json", "common.pt"})
@@ -250,17 +235,10 @@ def _slot_problem(entries: Sequence[DirEntry], info: _RecoverInfo) -> str:
     return ""
 
 
-def torn_info_files(weights_mtime: float, info: Iterable[DirEntry]) -> list[str]:
-    """The files of `recover_info/` older than the slot's `.metadata` (modified at `weights_mtime`) beyond
-    the slack: AReaL writes the slot first and its info files after, so these are left from an earlier
-    save that the last one tore (a recover pairs the new weights with the old counters)."""
-    return sorted(e.name for e in info if e.name in INFO_FILES and e.mtime and e.mtime + MTIME_SLACK_S < weights_mtime)
-
-
 def _unfinished(entries: Sequence[DirEntry], info: _RecoverInfo) -> CheckpointState:
     """In progress while the newest file of the save is fresh, else broken."""
     times = [newest_mtime(entries) or 0.0, *(e.mtime for e in (info.entries or {}).values())]
-    return CheckpointState.IN_PROGRESS if time.time() - max(times) < IN_PROGRESS_WINDOW_S else CheckpointState.BROKEN
+    return unfinished_state(max(times))
 
 
 def _is_counter(value: Any) -> bool:
@@ -321,13 +299,11 @@ class ArealLayout(Layout):
                 global_step,
                 float(epoch),
                 timestamp(newest_mtime(entries)),
-                CheckpointState.IN_PROGRESS
-                if time.time() - (newest_mtime(entries) or 0.0) < IN_PROGRESS_WINDOW_S
-                else CheckpointState.BROKEN,
+                unfinished_state(newest_mtime(entries)),
                 sum(e.size for e in entries if not e.is_dir),
                 note="an export still named *.tmp: not renamed into place yet",
             )
-        ref = HfModelLayout().identify(url, entries)
+        ref = HfFolderLayout().identify(url, entries)
         return None if ref is None else replace(ref, layout=self.name, step=global_step, epoch=float(epoch))
 
     def latest_pointer(self, url: str, entries: Sequence[DirEntry]) -> str | None:
@@ -433,7 +409,7 @@ class ArealLayout(Layout):
         if m.group(4):  # not renamed into place yet: nothing to index
             files = {e.name: e.size for e in io.list_dir(url) if not e.is_dir}
             return Checkpoint(ref, frozenset(), None, metadata, tuple, files, role=Role.EXPORT, progress=progress)
-        model = HfModelLayout().open(url)
+        model = HfFolderLayout().open(url)
         return replace(model, ref=ref, metadata={**metadata, **model.metadata}, role=Role.EXPORT, progress=progress)
 
     def verify(self, checkpoint: Checkpoint) -> list[Problem]:

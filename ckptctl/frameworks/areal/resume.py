@@ -9,8 +9,8 @@ from ckptctl import io
 from ckptctl.checkpoint import CheckpointRef, Component
 from ckptctl.errors import CkptctlError
 from ckptctl.formats.dcp_metadata import METADATA_NAME
-from ckptctl.frameworks.areal.layout import RECOVER_INFO, torn_info_files
-from ckptctl.frameworks.dcp.resume import overwrite_warnings
+from ckptctl.frameworks.areal.files import RECOVER_INFO, torn_info_files
+from ckptctl.layouts.parts.dcp_resume import overwrite_warnings
 from ckptctl.layouts.resume import PlanContext, ResumeProfile, WorldSizeCheck, target_ranks
 from ckptctl.quoting import comment, shell
 

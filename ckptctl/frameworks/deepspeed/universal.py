@@ -25,7 +25,6 @@ training step, not DeepSpeed's count), and `resume-plan` resumes the framework t
 from __future__ import annotations
 
 import re
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import cache
@@ -45,7 +44,6 @@ from ckptctl.frameworks.deepspeed.universal_states import (
     universal_index,
     verify_states,
 )
-from ckptctl.frameworks.hf_trainer.layout import IN_PROGRESS_WINDOW_S
 from ckptctl.io import DirEntry
 from ckptctl.layouts import detect, get_layout, peek, peek_dir
 from ckptctl.layouts.base import (
@@ -59,6 +57,7 @@ from ckptctl.layouts.base import (
     timestamp,
 )
 from ckptctl.layouts.naming import NameStripper, keep_name
+from ckptctl.layouts.parts.in_progress import unfinished_state
 from ckptctl.layouts.parts.zero_tag.master_weights import assemble_master_weights
 from ckptctl.layouts.parts.zero_tag.names import (
     MODEL_STATES,
@@ -214,8 +213,7 @@ class DeepSpeedUniversalLayout(Layout):
         newest = newest_mtime([*entries, *zero])
         state = CheckpointState.COMPLETE
         if note:
-            fresh = newest is not None and time.time() - newest < IN_PROGRESS_WINDOW_S
-            state = CheckpointState.IN_PROGRESS if fresh else CheckpointState.BROKEN
+            state = unfinished_state(newest)
         source = source_of(url)
         return CheckpointRef(
             url=url,

@@ -2,11 +2,11 @@
 
 ```
 checkpoint-N/
-    model weights and config as an HF model folder (read with `frameworks.hf.layout`)
+    model weights and config as an HF model folder (read with `layouts.parts.hf_folder`)
     optimizer.pt, scheduler.pt, scaler.pt (AMP), rng_state.pth | rng_state_{process}.pth, training_args.bin
     trainer_state.json             written LAST: the completion marker (global_step, epoch, best_metric, ...)
     [DeepSpeed: latest, global_stepN/ (read with `layouts.parts.zero_tag`)]
-    [FSDP sharded: pytorch_model_fsdp_0/, optimizer_0/ (torch DCP folders, read with `frameworks.dcp.layout`)]
+    [FSDP sharded: pytorch_model_fsdp_0/, optimizer_0/ (torch DCP folders, read with `layouts.parts.dcp_folder`)]
     [a PEFT model: adapter_model.safetensors + adapter_config.json instead of the model (read with
      `layouts.parts.lora.adapter`)]
 ```
@@ -20,7 +20,7 @@ The `.pt`/`.pth`/`.bin` files are torch.save pickles; they are read with `format
 is needed and a hostile pickle is refused before anything runs.
 
 A folder without `trainer_state.json` is a save that has not finished: in progress while its files are
-fresh, broken once they are older than `IN_PROGRESS_WINDOW_S` (transformers' resume picks the highest
+fresh, broken once they are older (`layouts.parts.in_progress`; transformers' resume picks the highest
 `checkpoint-N` without looking, transformers#35782, and fails on such a folder).
 """
 
@@ -29,7 +29,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import cache, partial
@@ -51,15 +50,7 @@ from ckptctl.errors import CkptctlError, UnknownLayout
 from ckptctl.formats.documents import as_real, as_whole, read_json
 from ckptctl.formats.safe_pickle import FrameworkObject, StandIn, state_fields
 from ckptctl.formats.torch_pickle import TorchPickle, open_torch_pickle, storage_problems
-from ckptctl.frameworks.hf.layout import (
-    has_weights,
-    model_components,
-    model_markers,
-    model_metadata,
-    safetensors_index,
-    verify_model_files,
-    weight_files,
-)
+from ckptctl.frameworks.hf_trainer.files import CHECKPOINT_DIR, RNG_FILE, TRAINER_STATE_NAME
 from ckptctl.io import DirEntry
 from ckptctl.layouts import peek_dir
 from ckptctl.layouts.base import (
@@ -75,6 +66,16 @@ from ckptctl.layouts.base import (
     step_from_name,
     timestamp,
 )
+from ckptctl.layouts.parts.hf_folder import (
+    has_weights,
+    model_components,
+    model_markers,
+    model_metadata,
+    safetensors_index,
+    verify_model_files,
+    weight_files,
+)
+from ckptctl.layouts.parts.in_progress import recently_written
 from ckptctl.layouts.parts.lora.adapter import ADAPTER_WEIGHTS, adapter_metadata, adapter_problems, lora_adapter
 from ckptctl.layouts.parts.lora.settings import ADAPTER_CONFIG
 from ckptctl.layouts.parts.zero_tag.master_weights import checkpoint_master_weights
@@ -84,15 +85,8 @@ from ckptctl.layouts.parts.zero_tag.tensor_index import tag_index
 from ckptctl.layouts.parts.zero_tag.verify import verify_tag
 from ckptctl.layouts.resume import ResumeProfile
 
-__all__ = ["CHECKPOINT_DIR", "IN_PROGRESS_WINDOW_S", "RNG_FILE", "TRAINER_STATE_NAME", "HfTrainerLayout"]
+__all__ = ["HfTrainerLayout"]
 
-TRAINER_STATE_NAME = "trainer_state.json"
-#: A checkpoint folder without trainer_state.json whose newest file is younger than this is still being
-#: written; older, the save was interrupted.
-IN_PROGRESS_WINDOW_S = 15 * 60
-#: The Trainer's checkpoint folders (`checkpoint-{global_step}`) and RNG files (one per process).
-CHECKPOINT_DIR = re.compile(r"^checkpoint-(\d+)$")
-RNG_FILE = re.compile(r"^rng_state(?:_(\d+))?\.pth$")
 _PICKLE_FILES = ("optimizer.pt", "scheduler.pt", "scaler.pt", "training_args.bin")
 _TRAINER_FILES = frozenset({TRAINER_STATE_NAME, *_PICKLE_FILES})
 #: trainer_state.json is written with sorted keys and indent=2, so `epoch` and `global_step` come before
@@ -204,7 +198,7 @@ class HfTrainerLayout(Layout):
         else:
             newest = newest_mtime(entries)
             created = timestamp(newest)
-            if newest is not None and time.time() - newest < IN_PROGRESS_WINDOW_S:
+            if recently_written(newest):
                 state = CheckpointState.IN_PROGRESS
                 note = f"no {TRAINER_STATE_NAME} yet: being written"
             else:
@@ -363,7 +357,7 @@ class HfTrainerLayout(Layout):
             pointer = latest_problem(url, LATEST_NAME)
             if pointer is not None:
                 problems.append(pointer)
-        from ckptctl.frameworks.dcp.layout import verify_dcp
+        from ckptctl.layouts.parts.dcp_folder import verify_dcp
 
         for folder in sorted(parts.dcp_folders):
             problems += verify_dcp(io.join(url, folder), f"{folder}/")
@@ -539,7 +533,7 @@ def _tensor_index(
         inner = tag_index(tag, f"{parts.ds_tag}/")
         entries += [e for e in inner if not (weights and e.component is Component.MODEL)]
     if parts.dcp_folders:
-        from ckptctl.frameworks.dcp.layout import dcp_tensor_index
+        from ckptctl.layouts.parts.dcp_folder import dcp_tensor_index
 
         for folder, component in sorted(parts.dcp_folders.items()):
             if weights and component is Component.MODEL:

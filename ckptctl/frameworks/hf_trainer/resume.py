@@ -9,8 +9,8 @@ from collections.abc import Mapping
 from ckptctl import io
 from ckptctl.checkpoint import Checkpoint, Component
 from ckptctl.errors import CkptctlError
-from ckptctl.frameworks.dcp.resume import overwrite_warnings, reshards
-from ckptctl.frameworks.hf_trainer.layout import CHECKPOINT_DIR, RNG_FILE
+from ckptctl.frameworks.hf_trainer.files import CHECKPOINT_DIR, RNG_FILE
+from ckptctl.layouts.parts.dcp_resume import overwrite_warnings, reshards
 from ckptctl.layouts.parts.zero_tag import resume as zero_resume
 from ckptctl.layouts.resume import PlanContext, ResumeProfile, WorldSizeCheck, target_ranks
 from ckptctl.quoting import python_call

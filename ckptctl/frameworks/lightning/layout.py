@@ -57,8 +57,7 @@ from ckptctl.formats.safe_pickle import FrameworkObject, StandIn, state_fields
 from ckptctl.formats.torch_pickle import TorchPickle, open_torch_pickle, storage_problems
 from ckptctl.formats.torch_pickle_classes import TensorRef
 from ckptctl.formats.torch_zip import TorchArchive
-from ckptctl.frameworks.dcp.layout import DISTCP_RE, dcp_tensor_index, verify_dcp, world_size_of
-from ckptctl.frameworks.hf.layout import torch_file_entries
+from ckptctl.frameworks.lightning.files import DEEPSPEED_TAG, LAST, META, SUFFIX
 from ckptctl.io import DirEntry
 from ckptctl.layouts import peek_dir
 from ckptctl.layouts.base import (
@@ -73,6 +72,8 @@ from ckptctl.layouts.base import (
     timestamp,
 )
 from ckptctl.layouts.naming import NameStripper, keep_name, strip_segments
+from ckptctl.layouts.parts.dcp_folder import DISTCP_RE, dcp_tensor_index, verify_dcp, world_size_of
+from ckptctl.layouts.parts.hf_folder import torch_file_entries
 from ckptctl.layouts.parts.zero_tag.master_weights import checkpoint_master_weights
 from ckptctl.layouts.parts.zero_tag.names import LATEST_NAME, TagFiles, missing_note, read_latest, tag_files
 from ckptctl.layouts.parts.zero_tag.tag import ENGINE_KEYS, missing_rank_files, read_tag
@@ -80,16 +81,9 @@ from ckptctl.layouts.parts.zero_tag.tensor_index import tag_index
 from ckptctl.layouts.parts.zero_tag.verify import verify_tag
 from ckptctl.layouts.resume import ResumeProfile
 
-__all__ = ["DEEPSPEED_TAG", "LAST", "META", "SUFFIX", "LightningLayout", "name_fields"]
+__all__ = ["LightningLayout", "name_fields"]
 
-SUFFIX = ".ckpt"
-#: `ModelCheckpoint.CHECKPOINT_NAME_LAST` (and its `-vN` versions when the name was taken).
-LAST = "last.ckpt"
 _LAST = re.compile(r"^last(?:-v\d+)?\.ckpt$")
-#: The sharded folder's last file (`lightning.fabric.utilities.load._METADATA_FILENAME`).
-META = "meta.pt"
-#: The tag `DeepSpeedStrategy.save_checkpoint` saves under, inside the `.ckpt` folder.
-DEEPSPEED_TAG = "checkpoint"
 #: `key=value` parts of a ModelCheckpoint file name (`epoch=3-step=1200-val_loss=0.42`).
 _FIELD = re.compile(r"(?:^|[-_ ])([A-Za-z_][\w/.]*?)=(-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?)(?=$|[-_ ])")
 #: What the state dict's own file is, by top-level key: component of its tensors.
@@ -591,7 +585,7 @@ def _classify_sharded(key: str) -> Component:
 
 
 def _dcp_keys(url: str) -> list[str]:
-    from ckptctl.frameworks.dcp.layout import load_dcp_metadata
+    from ckptctl.layouts.parts.dcp_folder_metadata import load_dcp_metadata
 
     try:
         return list(load_dcp_metadata(url).entries)

@@ -12,8 +12,8 @@ from collections.abc import Mapping
 
 from ckptctl import io
 from ckptctl.checkpoint import Component
-from ckptctl.frameworks.dcp.resume import overwrite_warnings, reshards
-from ckptctl.frameworks.lightning.layout import LAST
+from ckptctl.frameworks.lightning.files import LAST
+from ckptctl.layouts.parts.dcp_resume import overwrite_warnings, reshards
 from ckptctl.layouts.parts.zero_tag import resume as zero_resume
 from ckptctl.layouts.resume import PlanContext, ResumeProfile, WorldSizeCheck, target_ranks
 from ckptctl.quoting import Code, comment, python_call

@@ -41,7 +41,7 @@ from typing import Any
 from ckptctl.checkpoint import Checkpoint, Component, TensorEntry
 from ckptctl.errors import CkptctlError
 from ckptctl.formats.raw_chunks import ChunkLocator, row_slice
-from ckptctl.frameworks.megatron.layout import COMMON, read_common
+from ckptctl.frameworks.megatron.files import COMMON, read_common
 from ckptctl.layouts.base import HfModel
 
 __all__ = ["GptShape", "hf_config", "hf_model", "shape_from_args", "shape_from_config"]

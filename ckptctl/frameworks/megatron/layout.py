@@ -25,7 +25,6 @@ parts as chunks of the full tensor; `hf.py` maps them to transformers names for 
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from functools import cache
@@ -44,50 +43,30 @@ from ckptctl.checkpoint import (
 from ckptctl.errors import CheckpointInProgress, CkptctlError, CorruptCheckpoint, UnknownLayout
 from ckptctl.formats.dcp_metadata import METADATA_NAME, DcpMetadata
 from ckptctl.formats.documents import read_json
-from ckptctl.formats.safe_pickle import FrameworkObject, state_fields
-from ckptctl.formats.torch_pickle import read_pickled_structure
-from ckptctl.frameworks.dcp.layout import (
+from ckptctl.formats.safe_pickle import FrameworkObject
+from ckptctl.frameworks.megatron.files import COMMON, RELEASE, TRACKER, iteration_of, read_common, read_tracker
+from ckptctl.io import DirEntry
+from ckptctl.layouts.base import HfModel, Layout, every_child_folder, list_files, newest_mtime, timestamp
+from ckptctl.layouts.parts.dcp_folder import (
     DISTCP_RE,
     component_classifier,
     index_from_metadata,
-    load_dcp_metadata,
     verify_dcp,
     world_size_of,
 )
-from ckptctl.io import DirEntry
-from ckptctl.layouts.base import HfModel, Layout, every_child_folder, list_files, newest_mtime, timestamp
+from ckptctl.layouts.parts.dcp_folder_metadata import load_dcp_metadata
 from ckptctl.layouts.resume import ResumeProfile
 
-__all__ = [
-    "COMMON",
-    "MARKER",
-    "RELEASE",
-    "TRACKER",
-    "MegatronLayout",
-    "iteration_of",
-    "read_common",
-    "read_tracker",
-]
+__all__ = ["MARKER", "MegatronLayout"]
 
-#: Megatron-LM's tracker beside the iteration folders.
-TRACKER = "latest_checkpointed_iteration.txt"
 #: megatron-core's dist-ckpt config, written after everything else (`CONFIG_FNAME`).
 MARKER = "metadata.json"
-#: The non-sharded part of the state dict (torch.save).
-COMMON = "common.pt"
-#: The folder of a checkpoint saved with `release=True` (what the tracker then says).
-RELEASE = "release"
 #: Megatron-LM's tokenizer assets inside an iteration folder (`save_tokenizer_assets`).
 TOKENIZER_FOLDER = "tokenizer"
 #: verl's Hugging Face export (config, tokenizer, weights) beside its `dist_ckpt/`.
 VERL_HF_FOLDER = "huggingface"
 
-_ITER = re.compile(r"^iter_(\d{7,})$")
 _TMP_METADATA = METADATA_NAME + ".tmp"
-#: The tracker holds an integer or "release"; anything longer is not Megatron's.
-_MAX_TRACKER = 64
-#: `common.pt` holds arguments and small states; a larger one is not Megatron's.
-_MAX_COMMON = 256 << 20
 
 #: Megatron-LM argument names shown by `inspect` (the parallelism facts, then the model's shape).
 _PARALLELISM_ARGS = (
@@ -120,45 +99,6 @@ _MODEL_ARGS = (
 )
 #: Counters `common.pt` keeps that a resume continues from (in `args` or at the top).
 _PROGRESS_KEYS = ("consumed_train_samples", "consumed_valid_samples", "num_floating_point_operations_so_far")
-
-
-def iteration_of(name: str) -> int | None:
-    """The iteration an `iter_NNNNNNN` folder name holds (None for `release` and other names)."""
-    m = _ITER.match(name)
-    return int(m.group(1)) if m else None
-
-
-def read_tracker(url: str) -> str | None:
-    """The folder Megatron-LM's tracker in the save folder `url` names (`iter_0000100` or `release`), as its
-    `read_metadata` reads it (an integer, or the word `release`); None when there is none or it is not one."""
-    try:
-        text = io.read_bytes(io.join(url, TRACKER), max_size=_MAX_TRACKER).decode("ascii").strip()
-    except (CkptctlError, UnicodeDecodeError):
-        return None
-    if text == RELEASE:
-        return RELEASE
-    return f"iter_{int(text):07d}" if text.isdigit() else None
-
-
-def read_common(url: str) -> dict[str, Any]:
-    """`common.pt` of the dist-ckpt folder at `url`, through the allowlisting reader (tensors as facts,
-    Megatron-LM's `args` as a plain dict); nothing in it runs.
-
-    Raises:
-        CheckpointNotFound: there is no `common.pt`.
-        UnsafePickle, CorruptCheckpoint: it cannot be read safely.
-    """
-    path = io.join(url, COMMON)
-    if io.file_size(path) > _MAX_COMMON:
-        raise CorruptCheckpoint(f"{path}: larger than any Megatron common state")
-    root = read_pickled_structure(path)
-    if not isinstance(root, dict):
-        raise CorruptCheckpoint(f"{path}: not a Megatron common state (the top object is not a dict)")
-    common = dict(root)
-    args = common.get("args")
-    if isinstance(args, FrameworkObject):
-        common["args"] = state_fields(args, path)
-    return common
 
 
 def _plain(value: Any) -> Any:

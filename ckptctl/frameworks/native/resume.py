@@ -10,8 +10,8 @@ from ckptctl.checkpoint import Checkpoint, CheckpointState, Component
 from ckptctl.errors import CkptctlError
 from ckptctl.formats.documents import read_json
 from ckptctl.formats.manifest import MANIFEST_NAME
-from ckptctl.frameworks.dcp.resume import overwrite_warnings
-from ckptctl.frameworks.native.layout import DCP_FOLDER, read_native_manifest
+from ckptctl.formats.native import DCP_FOLDER, read_native_manifest
+from ckptctl.layouts.parts.dcp_resume import overwrite_warnings
 from ckptctl.layouts.resume import PlanContext, ResumeProfile, WorldSizeCheck, target_ranks
 from ckptctl.quoting import Code, python_call
 

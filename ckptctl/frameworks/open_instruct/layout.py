@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import re
 import threading
-import time
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -34,11 +33,11 @@ from ckptctl import io
 from ckptctl.checkpoint import Checkpoint, CheckpointRef, CheckpointState, Component, Problem, ProblemKind, Role
 from ckptctl.errors import CkptctlError, UnknownLayout
 from ckptctl.formats.torch_pickle import open_torch_pickle, storage_problems
-from ckptctl.frameworks.hf.layout import HfModelLayout, has_weights, model_markers, verify_model_files
-from ckptctl.frameworks.hf_trainer.layout import IN_PROGRESS_WINDOW_S
 from ckptctl.io import DirEntry
 from ckptctl.layouts import peek, peek_dir
 from ckptctl.layouts.base import Layout, MasterWeights, every_child_folder, folder_size, newest_mtime, timestamp
+from ckptctl.layouts.parts.hf_folder import HfFolderLayout, has_weights, model_markers, verify_model_files
+from ckptctl.layouts.parts.in_progress import recently_written
 from ckptctl.layouts.parts.zero_tag.folder import open_tag
 from ckptctl.layouts.parts.zero_tag.master_weights import checkpoint_master_weights, tag_prefix
 from ckptctl.layouts.parts.zero_tag.names import (
@@ -179,7 +178,7 @@ def _has_ref_policy(save_dir: str, entries: Sequence[DirEntry]) -> bool:
 
 def _unfinished(entries: Sequence[DirEntry], note: str) -> tuple[CheckpointState, str]:
     newest = newest_mtime(entries)
-    if newest is not None and time.time() - newest < IN_PROGRESS_WINDOW_S:
+    if recently_written(newest):
         return CheckpointState.IN_PROGRESS, f"still being written, or cut short: {note}"
     return CheckpointState.BROKEN, note
 
@@ -261,7 +260,7 @@ class OpenInstructLayout(Layout):
         marked = COMPLETE_MARKER in names
         if not marked and not (io.name_of(io.parent_of(url)).endswith("_checkpoints") and has_weights(names)):
             return None
-        ref = HfModelLayout().identify(url, entries)
+        ref = HfFolderLayout().identify(url, entries)
         if ref is None:
             size = sum(e.size for e in entries if not e.is_dir)
             ref = CheckpointRef(
@@ -338,7 +337,7 @@ class OpenInstructLayout(Layout):
         if ref is None:
             raise UnknownLayout(f"{url} is not an open-instruct checkpoint (a DeepSpeed tag beside ref_policy/)")
         if _SNAPSHOT.match(io.name_of(url)):
-            model = HfModelLayout().open(url)
+            model = HfFolderLayout().open(url)
             snapshot = {"format": "open_instruct", "kind": "hf_snapshot", **model.metadata}
             return replace(model, ref=ref, metadata=snapshot, role=Role.EXPORT)
         inner = open_tag(url, self.name)

@@ -32,7 +32,6 @@ from ckptctl import io
 from ckptctl.checkpoint import Checkpoint, CheckpointRef, CheckpointState, Component, Problem, ProblemKind, Role
 from ckptctl.errors import CkptctlError, UnknownLayout
 from ckptctl.formats.documents import as_real, read_json
-from ckptctl.frameworks.hf.layout import HfModelLayout, has_weights, model_markers, verify_model_files
 from ckptctl.io import DirEntry
 from ckptctl.layouts import peek, peek_dir
 from ckptctl.layouts.base import (
@@ -44,6 +43,7 @@ from ckptctl.layouts.base import (
     newest_mtime,
     timestamp,
 )
+from ckptctl.layouts.parts.hf_folder import HfFolderLayout, has_weights, model_markers, verify_model_files
 from ckptctl.layouts.parts.zero_tag.folder import open_tag
 from ckptctl.layouts.parts.zero_tag.master_weights import checkpoint_master_weights, tag_prefix
 from ckptctl.layouts.parts.zero_tag.names import (
@@ -120,7 +120,7 @@ class OpenRlhfLayout(Layout):
         if m := _EXPORT.match(name):
             if not has_weights(names):
                 return None
-            ref = HfModelLayout().identify(url, entries)
+            ref = HfFolderLayout().identify(url, entries)
             return None if ref is None else replace(ref, layout=self.name, step=int(m.group(2)))
         m = _TAG.match(name)
         if m is None:
@@ -156,7 +156,7 @@ class OpenRlhfLayout(Layout):
         if ref is None:
             raise UnknownLayout(f"{url} is not an OpenRLHF checkpoint (a DeepSpeed tag or *_hf export of OpenRLHF)")
         if _EXPORT.match(io.name_of(url)):
-            model = HfModelLayout().open(url)
+            model = HfFolderLayout().open(url)
             export = {"format": "openrlhf", "kind": "hf_export", **model.metadata}
             return replace(model, ref=replace(ref, created=model.ref.created), metadata=export, role=Role.EXPORT)
         inner = open_tag(url, self.name)

@@ -36,7 +36,6 @@ from ckptctl.checkpoint import (
 from ckptctl.errors import CkptctlError, CorruptCheckpoint
 from ckptctl.formats.safetensors import read_header
 from ckptctl.formats.torch_pickle import open_torch_pickle, storage_problems
-from ckptctl.frameworks.hf.layout import has_weights, legacy_index, model_components, safetensors_index
 from ckptctl.io import DirEntry
 from ckptctl.layouts.base import (
     Adapter,
@@ -45,6 +44,7 @@ from ckptctl.layouts.base import (
     step_from_name,
     timestamp,
 )
+from ckptctl.layouts.parts.hf_folder import has_weights, legacy_index, model_components, safetensors_index
 from ckptctl.layouts.parts.lora.adapter import ADAPTER_WEIGHTS, adapter_metadata, adapter_problems, lora_adapter
 from ckptctl.layouts.parts.lora.settings import ADAPTER_CONFIG
 from ckptctl.layouts.resume import ResumeProfile

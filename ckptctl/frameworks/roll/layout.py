@@ -28,7 +28,6 @@ so the explicit path is what resumes.
 from __future__ import annotations
 
 import re
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import cache
@@ -48,25 +47,7 @@ from ckptctl.errors import CkptctlError, UnknownLayout
 from ckptctl.formats.dcp_metadata import METADATA_NAME
 from ckptctl.formats.documents import read_json
 from ckptctl.formats.torch_pickle import open_torch_pickle
-from ckptctl.frameworks.dcp.layout import (
-    DISTCP_RE,
-    component_for_prefix,
-    dcp_tensor_index,
-    load_dcp_metadata,
-    verify_dcp,
-    world_size_of,
-)
-from ckptctl.frameworks.hf.layout import (
-    has_weights,
-    missing_shards,
-    model_components,
-    model_markers,
-    model_metadata,
-    safetensors_index,
-    verify_model_files,
-    weight_files,
-)
-from ckptctl.frameworks.hf_trainer.layout import IN_PROGRESS_WINDOW_S
+from ckptctl.frameworks.roll.files import CRITIC, DCP_FOLDER, MCA_CONFIG, PIPELINE_RNG, PIPELINE_STATE, RNG_DIR, TRACKER
 from ckptctl.io import DirEntry
 from ckptctl.layouts.base import (
     Layout,
@@ -77,18 +58,30 @@ from ckptctl.layouts.base import (
     newest_mtime,
     timestamp,
 )
+from ckptctl.layouts.parts.dcp_folder import (
+    DISTCP_RE,
+    component_for_prefix,
+    dcp_tensor_index,
+    verify_dcp,
+    world_size_of,
+)
+from ckptctl.layouts.parts.dcp_folder_metadata import load_dcp_metadata
+from ckptctl.layouts.parts.hf_folder import (
+    has_weights,
+    missing_shards,
+    model_components,
+    model_markers,
+    model_metadata,
+    safetensors_index,
+    verify_model_files,
+    weight_files,
+)
+from ckptctl.layouts.parts.in_progress import unfinished_state
 from ckptctl.layouts.resume import ResumeProfile
 from ckptctl.quoting import yaml_value
 
-__all__ = ["CRITIC", "PIPELINE_STATE", "RollLayout"]
+__all__ = ["RollLayout"]
 
-PIPELINE_STATE = "pipeline/worker_state_pipeline.json"
-PIPELINE_RNG = "pipeline/rng_state_pipeline.pth"
-CRITIC = "critic"
-DCP_FOLDER = "dcp"
-MCA_CONFIG = "mca_config.json"
-TRACKER = "latest_checkpointed_iteration.txt"
-RNG_DIR = "rng_state"
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 _ITER = re.compile(r"^iter_(\d{7})$")
 _MP_RANK = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
@@ -268,8 +261,7 @@ class RollLayout(Layout):
         state = CheckpointState.COMPLETE
         newest = max([newest_mtime(entries) or 0.0, *(e.mtime for e in pipeline)])
         if problems:
-            recent = time.time() - newest < IN_PROGRESS_WINDOW_S
-            state = CheckpointState.IN_PROGRESS if recent else CheckpointState.BROKEN
+            state = unfinished_state(newest)
         return CheckpointRef(
             url=url,
             layout=self.name,

@@ -11,9 +11,9 @@ import re
 from ckptctl import io
 from ckptctl.errors import CkptctlError
 from ckptctl.formats.dcp_metadata import METADATA_NAME
-from ckptctl.frameworks.dcp.layout import load_dcp_metadata
-from ckptctl.frameworks.dcp.resume import overwrite_warnings
-from ckptctl.frameworks.roll.layout import DCP_FOLDER
+from ckptctl.frameworks.roll.files import DCP_FOLDER
+from ckptctl.layouts.parts.dcp_folder_metadata import load_dcp_metadata
+from ckptctl.layouts.parts.dcp_resume import overwrite_warnings
 from ckptctl.layouts.resume import PlanContext, ResumeProfile, WorldSizeCheck, target_ranks, unchecked_world_size
 from ckptctl.quoting import yaml_value
 

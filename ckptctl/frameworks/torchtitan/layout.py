@@ -28,9 +28,10 @@ from ckptctl.checkpoint import Checkpoint, CheckpointRef, Role
 from ckptctl.errors import CkptctlError
 from ckptctl.formats.dcp_metadata import METADATA_NAME, DcpMetadata
 from ckptctl.formats.torch_save import read_object_archive
-from ckptctl.frameworks.dcp.layout import DcpLayout, load_dcp_metadata
 from ckptctl.io import DirEntry
 from ckptctl.layouts.base import NameMap
+from ckptctl.layouts.parts.dcp_folder import DcpFolderLayout
+from ckptctl.layouts.parts.dcp_folder_metadata import load_dcp_metadata
 from ckptctl.layouts.resume import ResumeProfile
 
 __all__ = ["TorchtitanLayout", "data_ranks"]
@@ -62,7 +63,7 @@ def data_ranks(metadata: DcpMetadata) -> int | None:
 CHECKPOINT_FOLDER = "checkpoint"
 
 
-class TorchtitanLayout(DcpLayout):
+class TorchtitanLayout(DcpFolderLayout):
     """A `step-N` DCP folder written by torchtitan's `CheckpointManager` (see the module docstring)."""
 
     name = "torchtitan"

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from ckptctl import io
 from ckptctl.checkpoint import CheckpointState, Component
-from ckptctl.frameworks.dcp.resume import overwrite_warnings
+from ckptctl.layouts.parts.dcp_resume import overwrite_warnings
 from ckptctl.layouts.resume import PlanContext, ResumeProfile, WorldSizeCheck, target_ranks
 from ckptctl.quoting import comment, shell
 

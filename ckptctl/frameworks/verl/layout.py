@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import math
 import re
-import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cache
@@ -57,7 +56,7 @@ from ckptctl.formats.dtensor import dtensor_facts, state_tensors
 from ckptctl.formats.dtensor_classes import DTENSOR_PICKLE_GLOBALS, DTensorRef
 from ckptctl.formats.torch_pickle import TorchPickle, open_torch_pickle
 from ckptctl.formats.torch_pickle_classes import TensorRef
-from ckptctl.frameworks.hf_trainer.layout import IN_PROGRESS_WINDOW_S
+from ckptctl.frameworks.verl.files import STEP_RE, read_tracker
 from ckptctl.io import DirEntry
 from ckptctl.layouts import peek_dir
 from ckptctl.layouts.base import (
@@ -69,36 +68,20 @@ from ckptctl.layouts.base import (
     newest_mtime,
     timestamp,
 )
+from ckptctl.layouts.parts.in_progress import unfinished_state
 from ckptctl.layouts.resume import ResumeProfile
 
-__all__ = ["HF_FOLDER", "MARKER", "STEP_RE", "TRACKERS", "VerlLayout", "read_tracker", "tracker_of"]
+__all__ = ["HF_FOLDER", "MARKER", "VerlLayout"]
 
-STEP_RE = re.compile(r"^global_step_(\d+)$")
 _RANK_FILE = re.compile(r"^(model|optim|extra_state)_world_size_(\d+)_rank_(\d+)\.pt$")
 MARKER = "fsdp_config.json"
 HF_FOLDER = "huggingface"
 DATALOADER = "data.pt"
 SKYRL_TRAINER_STATE = "trainer_state.pt"
-#: verl's tracker, SkyRL's: each names the last saved step (an integer).
-TRACKERS = ("latest_checkpointed_iteration.txt", "latest_ckpt_global_step.txt")
 #: The roles that hold the model people convert, best first (SkyRL calls the actor `policy`).
 _POLICY_ROLES = ("actor", "policy")
 _KINDS = ("model", "optim", "extra_state")
 _MAX_SMALL = 1 << 16
-
-
-def read_tracker(url: str, entries: Sequence[DirEntry]) -> tuple[str, int] | None:
-    """(tracker file name, step) of the first tracker in a run folder that holds an integer."""
-    for name in TRACKERS:
-        if any(e.name == name and not e.is_dir for e in entries):
-            try:
-                text = io.read_bytes(io.join(url, name), 0, 64)
-            except CkptctlError:
-                continue
-            value = text.strip()
-            if value.isdigit() and len(value) < 19:
-                return name, int(value)
-    return None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -192,8 +175,7 @@ def _role_order(role: _Role) -> tuple[int, str]:
 def _state(note: str, newest: float | None) -> CheckpointState:
     if not note:
         return CheckpointState.COMPLETE
-    fresh = newest is not None and time.time() - newest < IN_PROGRESS_WINDOW_S
-    return CheckpointState.IN_PROGRESS if fresh else CheckpointState.BROKEN
+    return unfinished_state(newest)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -567,9 +549,3 @@ def _storage_problems(opened: TorchPickle) -> list[str]:
     except CorruptCheckpoint as exc:
         return [exc.message]
     return []
-
-
-def tracker_of(run: str) -> tuple[str, int] | None:
-    """The tracker of a run folder (its name and step), if any."""
-    entries = peek_dir(run)
-    return None if entries is None else read_tracker(run, entries)

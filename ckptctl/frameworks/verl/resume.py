@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from ckptctl import io
 from ckptctl.checkpoint import CheckpointRef, Component
-from ckptctl.frameworks.verl.layout import STEP_RE, tracker_of
+from ckptctl.frameworks.verl.files import STEP_RE, tracker_of
 from ckptctl.layouts.resume import PlanContext, ResumeProfile, WorldSizeCheck, target_ranks
 from ckptctl.quoting import comment, shell
 

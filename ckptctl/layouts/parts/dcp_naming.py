@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ckptctl.checkpoint import ChunkEncoding, TensorEntry
-from ckptctl.frameworks.dcp.layout import component_for_prefix
 from ckptctl.layouts.naming import NameStripper, keep_name, shared_first_segment, strip_segments
+from ckptctl.layouts.parts.dcp_folder import component_for_prefix
 
 __all__ = ["dcp_namespace_stripper"]
 

@@ -43,6 +43,7 @@ lint: $(VENV)/.dev
 	$(BIN)/ruff check ckptctl tests bench scripts
 	$(BIN)/ruff format --check ckptctl tests bench scripts
 	$(BIN)/mypy
+	$(BIN)/python -m scripts.check_imports
 
 bench: $(VENV)/.dev
 	$(BIN)/python bench/verify_throughput.py

@@ -1,7 +1,9 @@
 """The layout registry: which layouts exist, in which order they are tried, and the run walker.
 
-Layout modules are imported lazily (as fsspec does with its implementations), so that a command that
-needs one layout does not pay for all of them.
+The registry holds dotted names: each framework plugin's reader (its `Layout` subclass) and the capabilities
+it provides (`layouts.capabilities`). Modules are imported on first use (as fsspec does with its
+implementations), and detection imports the readers in registry order only until one recognises the folder,
+so that a command that needs one layout does not pay for all of them.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import importlib.util
 import os
 import threading
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cache
 from typing import Any, TypeVar, cast
@@ -24,12 +26,15 @@ from ckptctl.checkpoint import Checkpoint, CheckpointRef
 from ckptctl.errors import CheckpointNotFound, CkptctlError, UnknownLayout
 from ckptctl.formats.framework_classes import FrameworkClasses
 from ckptctl.layouts.base import Layout
+from ckptctl.layouts.capabilities import CONVERT_SOURCE, Slot
 
 __all__ = [
     "DEFAULT_SCAN_DEPTH",
     "ConvertTarget",
     "Layout",
+    "Plugin",
     "ScanContext",
+    "capability",
     "detect",
     "framework_pickle_classes",
     "get_layout",
@@ -41,6 +46,24 @@ __all__ = [
     "scan_context",
     "scan_run",
 ]
+
+
+@dataclass(frozen=True, slots=True)
+class Plugin:
+    """One registered layout: the reader of a framework plugin and the capabilities it provides, as dotted
+    names (`module:attribute`) imported on first use (Pillow's `register_open`/`register_save`, fsspec's
+    `known_implementations`).
+
+    Attributes:
+        name: the layout's name (`Layout.name`), as `--layout` takes it.
+        reader: its `Layout` subclass.
+        capabilities: each slot it fills (`layouts.capabilities`) -> the object that fills it.
+    """
+
+    name: str
+    reader: str
+    capabilities: Mapping[Slot[Any], str] = field(default_factory=dict)
+
 
 #: Tried in this order: the more specific layouts first. A native checkpoint also holds safetensors files an
 #: HF reader would accept, and a native multi-rank one holds a DCP folder. AReaL's recover slot is a DCP
@@ -57,23 +80,73 @@ __all__ = [
 #: layouts leave such a folder alone (`deepspeed.names.is_universal`), so it can come last, after the layouts
 #: people know. A verl `global_step_N/` (role folders of per-rank `*_world_size_W_rank_R.pt` files) and its role
 #: folders look like no other layout's, but come early so that nothing generic claims a role folder's files.
-_REGISTRY: tuple[tuple[str, str], ...] = (
-    ("native", "ckptctl.frameworks.native.layout:NativeLayout"),
-    ("verl", "ckptctl.frameworks.verl.layout:VerlLayout"),
-    ("areal", "ckptctl.frameworks.areal.layout:ArealLayout"),
-    ("roll", "ckptctl.frameworks.roll.layout:RollLayout"),
-    ("lightning", "ckptctl.frameworks.lightning.layout:LightningLayout"),
-    ("megatron", "ckptctl.frameworks.megatron.layout:MegatronLayout"),
-    ("torchtitan", "ckptctl.frameworks.torchtitan.layout:TorchtitanLayout"),
-    ("dcp", "ckptctl.frameworks.dcp.layout:DcpLayout"),
-    ("hf_trainer", "ckptctl.frameworks.hf_trainer.layout:HfTrainerLayout"),
-    ("accelerate", "ckptctl.frameworks.accelerate.layout:AccelerateLayout"),
-    ("openrlhf", "ckptctl.frameworks.openrlhf.layout:OpenRlhfLayout"),
-    ("open_instruct", "ckptctl.frameworks.open_instruct.layout:OpenInstructLayout"),
-    ("deepspeed", "ckptctl.frameworks.deepspeed.layout:DeepSpeedLayout"),
-    ("peft", "ckptctl.frameworks.peft.layout:PeftLayout"),
-    ("hf", "ckptctl.frameworks.hf.layout:HfModelLayout"),
-    ("deepspeed_universal", "ckptctl.frameworks.deepspeed.universal:DeepSpeedUniversalLayout"),
+_REGISTRY: tuple[Plugin, ...] = (
+    Plugin(
+        "native",
+        "ckptctl.frameworks.native.layout:NativeLayout",
+        {CONVERT_SOURCE: "ckptctl.frameworks.native.convert:SOURCE"},
+    ),
+    Plugin(
+        "verl", "ckptctl.frameworks.verl.layout:VerlLayout", {CONVERT_SOURCE: "ckptctl.frameworks.verl.convert:SOURCE"}
+    ),
+    Plugin(
+        "areal",
+        "ckptctl.frameworks.areal.layout:ArealLayout",
+        {CONVERT_SOURCE: "ckptctl.frameworks.areal.convert:SOURCE"},
+    ),
+    Plugin("roll", "ckptctl.frameworks.roll.layout:RollLayout"),
+    Plugin(
+        "lightning",
+        "ckptctl.frameworks.lightning.layout:LightningLayout",
+        {CONVERT_SOURCE: "ckptctl.frameworks.lightning.convert:SOURCE"},
+    ),
+    Plugin(
+        "megatron",
+        "ckptctl.frameworks.megatron.layout:MegatronLayout",
+        {CONVERT_SOURCE: "ckptctl.frameworks.megatron.convert:SOURCE"},
+    ),
+    Plugin(
+        "torchtitan",
+        "ckptctl.frameworks.torchtitan.layout:TorchtitanLayout",
+        {CONVERT_SOURCE: "ckptctl.frameworks.torchtitan.convert:SOURCE"},
+    ),
+    Plugin("dcp", "ckptctl.frameworks.dcp.layout:DcpLayout"),
+    Plugin(
+        "hf_trainer",
+        "ckptctl.frameworks.hf_trainer.layout:HfTrainerLayout",
+        {CONVERT_SOURCE: "ckptctl.frameworks.hf_trainer.convert:SOURCE"},
+    ),
+    Plugin(
+        "accelerate",
+        "ckptctl.frameworks.accelerate.layout:AccelerateLayout",
+        {CONVERT_SOURCE: "ckptctl.frameworks.accelerate.convert:SOURCE"},
+    ),
+    Plugin(
+        "openrlhf",
+        "ckptctl.frameworks.openrlhf.layout:OpenRlhfLayout",
+        {CONVERT_SOURCE: "ckptctl.frameworks.openrlhf.convert:SOURCE"},
+    ),
+    Plugin(
+        "open_instruct",
+        "ckptctl.frameworks.open_instruct.layout:OpenInstructLayout",
+        {CONVERT_SOURCE: "ckptctl.frameworks.open_instruct.convert:SOURCE"},
+    ),
+    Plugin(
+        "deepspeed",
+        "ckptctl.frameworks.deepspeed.layout:DeepSpeedLayout",
+        {CONVERT_SOURCE: "ckptctl.frameworks.deepspeed.convert:SOURCE"},
+    ),
+    Plugin(
+        "peft", "ckptctl.frameworks.peft.layout:PeftLayout", {CONVERT_SOURCE: "ckptctl.frameworks.peft.convert:SOURCE"}
+    ),
+    Plugin(
+        "hf", "ckptctl.frameworks.hf.layout:HfModelLayout", {CONVERT_SOURCE: "ckptctl.frameworks.hf.convert:SOURCE"}
+    ),
+    Plugin(
+        "deepspeed_universal",
+        "ckptctl.frameworks.deepspeed.universal:DeepSpeedUniversalLayout",
+        {CONVERT_SOURCE: "ckptctl.frameworks.deepspeed.convert:UNIVERSAL_SOURCE"},
+    ),
 )
 
 
@@ -99,6 +172,7 @@ _SKIP_DIRS = frozenset({"__pycache__", ".git", ".hg", ".svn", "node_modules", ".
 _PEEK_LIMIT = 4096
 _LISTING = "listing"
 T = TypeVar("T")
+C = TypeVar("C")
 
 
 class ScanContext:
@@ -195,8 +269,18 @@ def peek(url: str, derive: Callable[[str, list[io.DirEntry]], T]) -> T | None:
     return (_current_scan.get() or ScanContext()).peek(url, derive)
 
 
+_PLUGINS = {plugin.name: plugin for plugin in _REGISTRY}
+
+
 def layout_names() -> list[str]:
-    return [name for name, _ in _REGISTRY]
+    return [plugin.name for plugin in _REGISTRY]
+
+
+@cache
+def _load(target: str) -> Any:
+    """The object a dotted name `module:attribute` names, its module imported on first use."""
+    module_name, _, attribute = target.partition(":")
+    return getattr(importlib.import_module(module_name), attribute)
 
 
 @cache
@@ -206,24 +290,45 @@ def get_layout(name: str) -> Layout:
     One instance per name for the whole process: layouts hold no state of their own (what a scan learns
     lives in its `ScanContext`), so every operation can share them.
     """
-    for registered, target in _REGISTRY:
-        if registered == name:
-            module_name, _, class_name = target.partition(":")
-            layout: Layout = getattr(importlib.import_module(module_name), class_name)()
-            return layout
-    raise UnknownLayout(f"no layout named {name!r}", f"known layouts: {', '.join(layout_names())}")
+    plugin = _PLUGINS.get(name)
+    if plugin is None:
+        raise UnknownLayout(f"no layout named {name!r}", f"known layouts: {', '.join(layout_names())}")
+    layout: Layout = _load(plugin.reader)()
+    return layout
 
 
 def all_layouts() -> list[Layout]:
     return [get_layout(name) for name in layout_names()]
 
 
+def _candidates(layout: str | None) -> Iterator[Layout]:
+    """`layout`'s reader, or every reader in registry order, each imported only when the one before it
+    has not recognised what is being identified."""
+    if layout:
+        yield get_layout(layout)
+        return
+    for name in layout_names():
+        yield get_layout(name)
+
+
+def capability(layout: str, slot: Slot[C]) -> C | None:
+    """The capability of `slot` that the framework of the layout named `layout` provides (imported on
+    first use), or None where it provides none: every layout outside the registry (a single weights file)
+    provides none.
+
+    Example: `capability(checkpoint.layout, CONVERT_SOURCE)` is the layout's `ConvertSource`, or None.
+    """
+    plugin = _PLUGINS.get(layout)
+    target = None if plugin is None else plugin.capabilities.get(slot)
+    return None if target is None else cast(C, _load(target))
+
+
 def framework_pickle_classes() -> list[FrameworkClasses]:
     """The classes each registered framework package lists in its `pickle_classes` module (where it has
     one): what the torch-pickle allowlist reads as inert stand-ins (`formats.framework_classes`)."""
     found = []
-    for _, target in _REGISTRY:
-        module = f"{target.partition(':')[0].rpartition('.')[0]}.pickle_classes"
+    for plugin in _REGISTRY:
+        module = f"{plugin.reader.partition(':')[0].rpartition('.')[0]}.pickle_classes"
         if importlib.util.find_spec(module) is not None:
             found.append(importlib.import_module(module).CLASSES)
     return found
@@ -238,7 +343,7 @@ def _identify(
     url: str, entries: Sequence[io.DirEntry], layout: str | None = None
 ) -> tuple[Layout, CheckpointRef] | None:
     """The first layout (in registry order, or only `layout`) that recognises the folder, and its ref."""
-    for candidate in [get_layout(layout)] if layout else all_layouts():
+    for candidate in _candidates(layout):
         ref = candidate.identify(url, entries)
         if ref is not None:
             return candidate, ref
@@ -253,7 +358,7 @@ def _pointed(url: str, entries: Sequence[io.DirEntry]) -> set[str]:
 def _identify_file(url: str, entry: io.DirEntry, layout: str | None = None) -> tuple[Layout, CheckpointRef] | None:
     """The first layout (in registry order, or only `layout`) whose checkpoints are files like `entry`, and
     the file's ref when it recognises it."""
-    for candidate in [get_layout(layout)] if layout else all_layouts():
+    for candidate in _candidates(layout):
         if candidate.checkpoint_files and entry.name.endswith(candidate.checkpoint_files):
             ref = candidate.identify_file(url, entry)
             if ref is not None:

@@ -1,4 +1,4 @@
-"""What the layouts' `namespace_stripper` hooks share: the name rules of the storage formats layouts build
+"""What the frameworks' `ConvertSource.namespace_stripper`s share: the name rules of the storage formats layouts build
 on, and ways a tensor name loses the namespace a save put in front of the model's own name
 (`ckptctl.ops.naming` applies the hook)."""
 

@@ -43,7 +43,6 @@ from ckptctl.frameworks.deepspeed.zero_index import tag_index
 from ckptctl.io import DirEntry
 from ckptctl.layouts.base import (
     Layout,
-    MasterWeights,
     every_child_folder,
     folder_size,
     newest_mtime,
@@ -169,10 +168,6 @@ class DeepSpeedLayout(Layout):
         """The rank-0 model states (`tag_markers`): DeepSpeed writes no marker, but without them the tag
         reads broken."""
         return tag_markers(files)
-
-    def master_weights(self, checkpoint: Checkpoint, *, required: bool, notes: list[str]) -> MasterWeights | None:
-        """The fp32 master weights DeepSpeed's `zero_to_fp32.py` reconstructs (`checkpoint_master_weights`)."""
-        return checkpoint_master_weights(checkpoint, "", required=required, notes=notes)
 
     def resume_profile(self) -> ResumeProfile:
         """See `frameworks.deepspeed.resume`."""

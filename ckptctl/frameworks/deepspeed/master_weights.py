@@ -12,7 +12,7 @@ from ckptctl.formats.safe_pickle import TensorRef
 from ckptctl.frameworks.deepspeed.names import is_rank_file
 from ckptctl.frameworks.deepspeed.tag import DeepSpeedTag, read_tag
 from ckptctl.frameworks.deepspeed.zero_index import IndexBuilder, param_groups, tag_index
-from ckptctl.layouts.base import MasterWeights
+from ckptctl.layouts.capabilities import MasterWeights
 
 #: Dtypes whose buffers zero_to_fp32 returns as float32 (`v.float() if v.is_floating_point()`).
 _FLOATING = frozenset({"float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"})
@@ -142,7 +142,7 @@ def tag_prefix(checkpoint: Checkpoint) -> str | None:
 def checkpoint_master_weights(
     checkpoint: Checkpoint, prefix: str | None, *, required: bool, notes: list[str]
 ) -> MasterWeights | None:
-    """`Layout.master_weights` of a checkpoint holding a DeepSpeed tag at `prefix` (relative to it, `""`: it
+    """`ConvertSource.master_weights` of a checkpoint holding a DeepSpeed tag at `prefix` (relative to it, `""`: it
     is the tag; None: it holds none): the fp32 master weights of ZeRO 1-3 (`master_weights`).
 
     Without ZeRO (stage 0) a tag keeps no optimizer partitions, hence no masters: None, and a note (an

@@ -41,7 +41,7 @@ from ckptctl.formats.safetensors import read_header
 from ckptctl.formats.torch_pickle import TorchPickle, open_torch_pickle, storage_problems
 from ckptctl.frameworks.hf.distributed import SHARD_FILE, is_distributed, rank_files, shards_index, shards_problems
 from ckptctl.io import DirEntry
-from ckptctl.layouts.base import Layout, ModelSpec, absent_numbers, newest_mtime, step_from_name, timestamp
+from ckptctl.layouts.base import Layout, absent_numbers, newest_mtime, step_from_name, timestamp
 from ckptctl.layouts.resume import ResumeProfile
 
 INDEX_NAMES = ("model.safetensors.index.json", "adapter_model.safetensors.index.json")
@@ -180,18 +180,6 @@ class HfModelLayout(Layout):
         from ckptctl.frameworks.hf.resume import PROFILE
 
         return PROFILE
-
-    def model_spec(self, config: Mapping[str, Any], notes: list[str]) -> ModelSpec | None:
-        """The model transformers builds from `config` on the meta device (see `frameworks.hf.architecture`)."""
-        from ckptctl.frameworks.hf.architecture import model_spec
-
-        return model_spec(config, notes)
-
-    def model_logits(self, folder: str, config: Mapping[str, Any], tensors: Mapping[str, Any] | None) -> Any:
-        """See `frameworks.hf.architecture.model_logits`."""
-        from ckptctl.frameworks.hf.architecture import model_logits
-
-        return model_logits(folder, config, tensors)
 
 
 # --------------------------------------------------------------------------------------------------

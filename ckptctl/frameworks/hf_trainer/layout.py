@@ -12,7 +12,7 @@ checkpoint-N/
 ```
 
 A Trainer training a PEFT model saves the adapter alone (transformers 5.24 `Trainer._save`: a `PeftModel`
-is saved with its own `save_pretrained`); the checkpoint's model is then that adapter (`Layout.adapter`),
+is saved with its own `save_pretrained`); the checkpoint's model is then that adapter (`ConvertSource.adapter`),
 which `convert` merges into the base model the adapter names or `--merge-adapter BASE`.
 
 The `.pt`/`.pth`/`.bin` files are torch.save pickles; they are read with `formats.torch_pickle` (their
@@ -66,9 +66,7 @@ from ckptctl.frameworks.peft.settings import ADAPTER_CONFIG
 from ckptctl.io import DirEntry
 from ckptctl.layouts import peek_dir
 from ckptctl.layouts.base import (
-    Adapter,
     Layout,
-    MasterWeights,
     Protections,
     absent_numbers,
     every_child_folder,
@@ -373,18 +371,6 @@ class HfTrainerLayout(Layout):
         if ADAPTER_CONFIG in top and any(name in top for name in peft.ADAPTER_WEIGHTS):
             found = (*found, ADAPTER_CONFIG)
         return (*found, TRAINER_STATE_NAME) if TRAINER_STATE_NAME in top else found
-
-    def adapter(self, checkpoint: Checkpoint) -> Adapter | None:
-        """The PEFT adapter the Trainer saved instead of the model, when it trained a PEFT model."""
-        if not any(name in checkpoint.files for name in peft.ADAPTER_WEIGHTS):
-            return None
-        return peft.lora_adapter(checkpoint.url, partial(_model_tensors, checkpoint.tensor_index))
-
-    def master_weights(self, checkpoint: Checkpoint, *, required: bool, notes: list[str]) -> MasterWeights | None:
-        """The fp32 master weights of the DeepSpeed tag inside (`global_stepN/`), when there is one."""
-        tag = _Parts.of(checkpoint.url, io.list_dir(checkpoint.url)).ds_tag
-        prefix = None if tag is None else f"{tag}/"
-        return deepspeed.checkpoint_master_weights(checkpoint, prefix, required=required, notes=notes)
 
     def protections(self, series: Sequence[CheckpointRef]) -> Protections:
         """The `best_model_checkpoint` that the newest complete checkpoint's trainer_state.json names

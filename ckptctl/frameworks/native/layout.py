@@ -54,7 +54,6 @@ from ckptctl.layouts.base import (
     step_from_name,
     timestamp,
 )
-from ckptctl.layouts.naming import NameStripper, keep_name, shared_first_segment, strip_segments
 from ckptctl.layouts.resume import ResumeProfile
 from ckptctl.units import format_age
 
@@ -322,11 +321,6 @@ class NativeLayout(Layout):
         from ckptctl.frameworks.native.resume import PROFILE
 
         return PROFILE
-
-    def namespace_stripper(self, entries: Sequence[TensorEntry]) -> NameStripper:
-        """`<entry>.<key>` names lose the entry name (the key of the saved state, `model` for `state["model"]`)
-        when every tensor of the component carries the same one."""
-        return keep_name if shared_first_segment(entries) is None else strip_segments(1)
 
 
 def abandoned_staging(url: str, grace: timedelta, *, now: float | None = None) -> str | None:

@@ -12,7 +12,7 @@ an adapter other than `default` goes into `ADAPTER/<adapter_name>/` (a folder of
 The tensors are named `base_model.model.<module>.lora_A.weight` and so on (`frameworks.peft.lora`).
 
 An adapter is not a model: `convert --merge-adapter BASE` writes the model that PEFT's
-`PeftModel.from_pretrained(BASE, ADAPTER).merge_and_unload()` gives (`Layout.adapter`).
+`PeftModel.from_pretrained(BASE, ADAPTER).merge_and_unload()` gives (`ConvertSource.adapter`).
 """
 
 from __future__ import annotations
@@ -39,15 +39,8 @@ from ckptctl.frameworks.hf.layout import has_weights, legacy_index, model_compon
 from ckptctl.frameworks.peft.lora import adapter_factors, factor_problems, merged_weight, read_from
 from ckptctl.frameworks.peft.settings import ADAPTER_CONFIG, LoraSettings, parse_settings
 from ckptctl.io import DirEntry
-from ckptctl.layouts.base import (
-    Adapter,
-    DerivedTensor,
-    Layout,
-    ModelTensors,
-    newest_mtime,
-    step_from_name,
-    timestamp,
-)
+from ckptctl.layouts.base import Layout, newest_mtime, step_from_name, timestamp
+from ckptctl.layouts.capabilities import Adapter, DerivedTensor, ModelTensors
 from ckptctl.layouts.resume import ResumeProfile
 
 __all__ = ["ADAPTER_WEIGHTS", "PeftLayout", "adapter_metadata", "adapter_problems", "lora_adapter"]
@@ -147,10 +140,6 @@ class PeftLayout(Layout):
         from ckptctl.frameworks.peft.resume import PROFILE
 
         return PROFILE
-
-    def adapter(self, checkpoint: Checkpoint) -> Adapter | None:
-        """A LoRA adapter, merged as PEFT's `merge_and_unload` merges it (see `_merge`)."""
-        return lora_adapter(checkpoint.url, checkpoint.tensor_index)
 
 
 def lora_adapter(url: str, tensors: Callable[[], Sequence[TensorEntry]]) -> Adapter:

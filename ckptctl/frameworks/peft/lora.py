@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 from ckptctl.checkpoint import Problem, ProblemKind, TensorEntry
 from ckptctl.errors import CkptctlError
 from ckptctl.frameworks.peft.settings import LoraSettings
-from ckptctl.layouts.base import DerivedTensor
+from ckptctl.layouts.capabilities import DerivedTensor
 
 if TYPE_CHECKING:
     import torch

@@ -30,7 +30,7 @@ from ckptctl.errors import CkptctlError
 from ckptctl.frameworks.peft.layout import ADAPTER_WEIGHTS
 from ckptctl.frameworks.peft.lora import PEFT_PREFIX, Factors, factor_problems, merged_weight, read_from
 from ckptctl.frameworks.peft.settings import ADAPTER_CONFIG, LORA_TRAIN_META, LoraSettings, parse_settings
-from ckptctl.layouts.base import DerivedTensor, ModelTensors
+from ckptctl.layouts.capabilities import DerivedTensor, ModelTensors
 from ckptctl.layouts.wrapped import GivenScaling, WrappedAdapter, WrappedModel
 
 __all__ = ["lora_wrapped"]

@@ -50,19 +50,25 @@ __all__ = [
 
 @dataclass(frozen=True, slots=True)
 class Plugin:
-    """One registered layout: the reader of a framework plugin and the capabilities it provides, as dotted
-    names (`module:attribute`) imported on first use (Pillow's `register_open`/`register_save`, fsspec's
-    `known_implementations`).
+    """One registered layout: the reader of a framework plugin and the capabilities it provides, as names
+    (`module:attribute`, the module in the plugin's package) imported on first use (Pillow's
+    `register_open`/`register_save`, fsspec's `known_implementations`).
 
     Attributes:
         name: the layout's name (`Layout.name`), as `--layout` takes it.
+        package: the framework's package.
         reader: its `Layout` subclass.
         capabilities: each slot it fills (`layouts.capabilities`) -> the object that fills it.
     """
 
     name: str
+    package: str
     reader: str
     capabilities: Mapping[Slot[Any], str] = field(default_factory=dict)
+
+    def load(self, target: str) -> Any:
+        """The object `target` (`module:attribute` in the package) names, its module imported on first use."""
+        return _load(f"{self.package}.{target}")
 
 
 #: Tried in this order: the more specific layouts first. A native checkpoint also holds safetensors files an
@@ -81,71 +87,35 @@ class Plugin:
 #: people know. A verl `global_step_N/` (role folders of per-rank `*_world_size_W_rank_R.pt` files) and its role
 #: folders look like no other layout's, but come early so that nothing generic claims a role folder's files.
 _REGISTRY: tuple[Plugin, ...] = (
+    Plugin("native", "ckptctl.frameworks.native", "layout:NativeLayout", {CONVERT_SOURCE: "convert:SOURCE"}),
+    Plugin("verl", "ckptctl.frameworks.verl", "layout:VerlLayout", {CONVERT_SOURCE: "convert:SOURCE"}),
+    Plugin("areal", "ckptctl.frameworks.areal", "layout:ArealLayout", {CONVERT_SOURCE: "convert:SOURCE"}),
+    Plugin("roll", "ckptctl.frameworks.roll", "layout:RollLayout"),
+    Plugin("lightning", "ckptctl.frameworks.lightning", "layout:LightningLayout", {CONVERT_SOURCE: "convert:SOURCE"}),
+    Plugin("megatron", "ckptctl.frameworks.megatron", "layout:MegatronLayout", {CONVERT_SOURCE: "convert:SOURCE"}),
     Plugin(
-        "native",
-        "ckptctl.frameworks.native.layout:NativeLayout",
-        {CONVERT_SOURCE: "ckptctl.frameworks.native.convert:SOURCE"},
+        "torchtitan", "ckptctl.frameworks.torchtitan", "layout:TorchtitanLayout", {CONVERT_SOURCE: "convert:SOURCE"}
     ),
+    Plugin("dcp", "ckptctl.frameworks.dcp", "layout:DcpLayout"),
+    Plugin("hf_trainer", "ckptctl.frameworks.hf_trainer", "layout:HfTrainerLayout", {CONVERT_SOURCE: "convert:SOURCE"}),
     Plugin(
-        "verl", "ckptctl.frameworks.verl.layout:VerlLayout", {CONVERT_SOURCE: "ckptctl.frameworks.verl.convert:SOURCE"}
+        "accelerate", "ckptctl.frameworks.accelerate", "layout:AccelerateLayout", {CONVERT_SOURCE: "convert:SOURCE"}
     ),
-    Plugin(
-        "areal",
-        "ckptctl.frameworks.areal.layout:ArealLayout",
-        {CONVERT_SOURCE: "ckptctl.frameworks.areal.convert:SOURCE"},
-    ),
-    Plugin("roll", "ckptctl.frameworks.roll.layout:RollLayout"),
-    Plugin(
-        "lightning",
-        "ckptctl.frameworks.lightning.layout:LightningLayout",
-        {CONVERT_SOURCE: "ckptctl.frameworks.lightning.convert:SOURCE"},
-    ),
-    Plugin(
-        "megatron",
-        "ckptctl.frameworks.megatron.layout:MegatronLayout",
-        {CONVERT_SOURCE: "ckptctl.frameworks.megatron.convert:SOURCE"},
-    ),
-    Plugin(
-        "torchtitan",
-        "ckptctl.frameworks.torchtitan.layout:TorchtitanLayout",
-        {CONVERT_SOURCE: "ckptctl.frameworks.torchtitan.convert:SOURCE"},
-    ),
-    Plugin("dcp", "ckptctl.frameworks.dcp.layout:DcpLayout"),
-    Plugin(
-        "hf_trainer",
-        "ckptctl.frameworks.hf_trainer.layout:HfTrainerLayout",
-        {CONVERT_SOURCE: "ckptctl.frameworks.hf_trainer.convert:SOURCE"},
-    ),
-    Plugin(
-        "accelerate",
-        "ckptctl.frameworks.accelerate.layout:AccelerateLayout",
-        {CONVERT_SOURCE: "ckptctl.frameworks.accelerate.convert:SOURCE"},
-    ),
-    Plugin(
-        "openrlhf",
-        "ckptctl.frameworks.openrlhf.layout:OpenRlhfLayout",
-        {CONVERT_SOURCE: "ckptctl.frameworks.openrlhf.convert:SOURCE"},
-    ),
+    Plugin("openrlhf", "ckptctl.frameworks.openrlhf", "layout:OpenRlhfLayout", {CONVERT_SOURCE: "convert:SOURCE"}),
     Plugin(
         "open_instruct",
-        "ckptctl.frameworks.open_instruct.layout:OpenInstructLayout",
-        {CONVERT_SOURCE: "ckptctl.frameworks.open_instruct.convert:SOURCE"},
+        "ckptctl.frameworks.open_instruct",
+        "layout:OpenInstructLayout",
+        {CONVERT_SOURCE: "convert:SOURCE"},
     ),
-    Plugin(
-        "deepspeed",
-        "ckptctl.frameworks.deepspeed.layout:DeepSpeedLayout",
-        {CONVERT_SOURCE: "ckptctl.frameworks.deepspeed.convert:SOURCE"},
-    ),
-    Plugin(
-        "peft", "ckptctl.frameworks.peft.layout:PeftLayout", {CONVERT_SOURCE: "ckptctl.frameworks.peft.convert:SOURCE"}
-    ),
-    Plugin(
-        "hf", "ckptctl.frameworks.hf.layout:HfModelLayout", {CONVERT_SOURCE: "ckptctl.frameworks.hf.convert:SOURCE"}
-    ),
+    Plugin("deepspeed", "ckptctl.frameworks.deepspeed", "layout:DeepSpeedLayout", {CONVERT_SOURCE: "convert:SOURCE"}),
+    Plugin("peft", "ckptctl.frameworks.peft", "layout:PeftLayout", {CONVERT_SOURCE: "convert:SOURCE"}),
+    Plugin("hf", "ckptctl.frameworks.hf", "layout:HfModelLayout", {CONVERT_SOURCE: "convert:SOURCE"}),
     Plugin(
         "deepspeed_universal",
-        "ckptctl.frameworks.deepspeed.universal:DeepSpeedUniversalLayout",
-        {CONVERT_SOURCE: "ckptctl.frameworks.deepspeed.convert:UNIVERSAL_SOURCE"},
+        "ckptctl.frameworks.deepspeed",
+        "universal:DeepSpeedUniversalLayout",
+        {CONVERT_SOURCE: "convert:UNIVERSAL_SOURCE"},
     ),
 )
 
@@ -278,7 +248,7 @@ def layout_names() -> list[str]:
 
 @cache
 def _load(target: str) -> Any:
-    """The object a dotted name `module:attribute` names, its module imported on first use."""
+    """The object `module:attribute` names (the module's dotted name), its module imported on first use."""
     module_name, _, attribute = target.partition(":")
     return getattr(importlib.import_module(module_name), attribute)
 
@@ -293,7 +263,7 @@ def get_layout(name: str) -> Layout:
     plugin = _PLUGINS.get(name)
     if plugin is None:
         raise UnknownLayout(f"no layout named {name!r}", f"known layouts: {', '.join(layout_names())}")
-    layout: Layout = _load(plugin.reader)()
+    layout: Layout = plugin.load(plugin.reader)()
     return layout
 
 
@@ -311,16 +281,32 @@ def _candidates(layout: str | None) -> Iterator[Layout]:
         yield get_layout(name)
 
 
-def capability(layout: str, slot: Slot[C]) -> C | None:
-    """The capability of `slot` that the framework of the layout named `layout` provides (imported on
-    first use), or None where it provides none: every layout outside the registry (a single weights file)
-    provides none.
+def capability(layout: str | Layout, slot: Slot[C]) -> C | None:
+    """The capability of `slot` that the framework of `layout` (a layout or its name) provides, imported on
+    first use; None where it provides none.
+
+    A reader outside the registry that is built on a registered one (a subclass of its `Layout`) has that
+    one's capabilities, as it has its hooks; any other layout outside the registry (a single weights file)
+    has none.
 
     Example: `capability(checkpoint.layout, CONVERT_SOURCE)` is the layout's `ConvertSource`, or None.
     """
-    plugin = _PLUGINS.get(layout)
+    plugin = _PLUGINS.get(layout) if isinstance(layout, str) else _plugin_of(layout)
     target = None if plugin is None else plugin.capabilities.get(slot)
-    return None if target is None else cast(C, _load(target))
+    return None if plugin is None or target is None else cast(C, plugin.load(target))
+
+
+def _plugin_of(layout: Layout) -> Plugin | None:
+    """The registry entry of `layout`: the one of its name, else the one of the nearest registered reader
+    its class is built on (read off the class's bases, which imports nothing)."""
+    plugin = _PLUGINS.get(layout.name)
+    if plugin is not None:
+        return plugin
+    readers = {f"{plugin.package}.{plugin.reader}": plugin for plugin in _REGISTRY}
+    return next(
+        (readers[name] for cls in type(layout).__mro__ if (name := f"{cls.__module__}:{cls.__qualname__}") in readers),
+        None,
+    )
 
 
 def framework_pickle_classes() -> list[FrameworkClasses]:
@@ -328,7 +314,7 @@ def framework_pickle_classes() -> list[FrameworkClasses]:
     one): what the torch-pickle allowlist reads as inert stand-ins (`formats.framework_classes`)."""
     found = []
     for plugin in _REGISTRY:
-        module = f"{plugin.reader.partition(':')[0].rpartition('.')[0]}.pickle_classes"
+        module = f"{plugin.package}.pickle_classes"
         if importlib.util.find_spec(module) is not None:
             found.append(importlib.import_module(module).CLASSES)
     return found

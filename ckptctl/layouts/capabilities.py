@@ -29,7 +29,6 @@ __all__ = [
     "NO_NAME_MAP",
     "POINTER_WRITER",
     "SLIMMER",
-    "SLOTS",
     "TRAINING_STATE_WRITER",
     "Adapter",
     "ConvertSource",
@@ -50,9 +49,10 @@ __all__ = [
 C = TypeVar("C")
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)
 class Slot(Generic[C]):
     """A kind of capability, the key a registry entry declares one under: `capability(layout, slot)` is a `C`.
+    Each slot is one object, compared by identity.
 
     Attributes:
         name: what the capability is for, for people (`convert source`).
@@ -173,7 +173,6 @@ CONVERT_SOURCE: Slot[ConvertSource] = Slot("convert source")
 TRAINING_STATE_WRITER: Slot[TrainingStateWriter] = Slot("training-state writer")
 POINTER_WRITER: Slot[PointerWriter] = Slot("pointer writer")
 SLIMMER: Slot[Slimmer] = Slot("slimmer")
-SLOTS = (CONVERT_SOURCE, TRAINING_STATE_WRITER, POINTER_WRITER, SLIMMER)
 
 
 def default_config_folders(checkpoint: Checkpoint) -> tuple[str, ...]:

@@ -14,7 +14,7 @@ from typing import Any
 
 from ckptctl.checkpoint import Checkpoint, TensorEntry
 from ckptctl.errors import CkptctlError
-from ckptctl.layouts import capability
+from ckptctl.layouts import Layout, capability
 from ckptctl.layouts.capabilities import (
     CONVERT_SOURCE,
     NO_NAME_MAP,
@@ -113,7 +113,8 @@ class Source:
         return found(folder, config, tensors)
 
 
-def convert_source(layout: str) -> Source:
-    """The `Source` of the layout named `layout`: its framework's `ConvertSource`, imported on first use, with
-    the defaults for what it lacks (all of it for a framework that provides none)."""
-    return Source(layout, capability(layout, CONVERT_SOURCE) or ConvertSource())
+def convert_source(layout: str | Layout) -> Source:
+    """The `Source` of `layout` (a layout or its name): its framework's `ConvertSource` (`layouts.capability`),
+    imported on first use, with the defaults for what it lacks (all of it for a framework that provides none)."""
+    name = layout if isinstance(layout, str) else layout.name
+    return Source(name, capability(layout, CONVERT_SOURCE) or ConvertSource())

@@ -38,7 +38,8 @@ def test_detecting_a_checkpoint_imports_no_later_plugin_and_no_capability(tmp_pa
         "from ckptctl.layouts import detect\n"
         "layout, _ = detect(sys.argv[1])\n"
         "loaded = sorted(m for m in sys.modules if m.startswith('ckptctl.frameworks.'))\n"
-        "print(json.dumps([layout.name, sorted({m.split('.')[2] for m in loaded}), [m for m in loaded if m.endswith('.convert')]]))\n"
+        "packages = sorted({m.split('.')[2] for m in loaded})\n"
+        "print(json.dumps([layout.name, packages, [m for m in loaded if m.endswith('.convert')]]))\n"
     )
     proc = subprocess.run(
         [sys.executable, "-c", script, str(step)],

@@ -109,7 +109,7 @@ def _hf_model(checkpoint: Checkpoint, layout: Layout, options: ConvertOptions) -
             )
         found = read_json(path)
         config = found if isinstance(found, dict) else None
-    return convert_source(layout.name).hf_model(checkpoint, config)
+    return convert_source(layout).hf_model(checkpoint, config)
 
 
 def _convert(src: str, dst: str, options: ConvertOptions, progress: Progress, read: io.ByteCounter) -> ConvertResult:
@@ -225,7 +225,7 @@ def _prepare(src: str, dst: str, options: ConvertOptions) -> _Prepared:
     checkpoint = _open_verified(layout, ref)
     notes: list[str] = []
     if options.lora is LoraMode.ADAPTER:
-        if convert_source(layout.name).adapter(checkpoint) is not None:
+        if convert_source(layout).adapter(checkpoint) is not None:
             raise CkptctlError(
                 f"{checkpoint.url} ({layout.name}) holds an adapter already: --lora adapter takes a model saved with "
                 "adapters around its layers",
@@ -241,8 +241,8 @@ def _prepare(src: str, dst: str, options: ConvertOptions) -> _Prepared:
             "drop --lora-alpha (--lora-r, --lora-rslora)",
         )
     # The output's stored tensors and its config come from the base model when an adapter is merged into it.
-    source = base if base is not None else checkpoint
-    source_reads = convert_source(source.layout)
+    source, source_layout = (base, get_layout(base.layout)) if base is not None else (checkpoint, layout)
+    source_reads = convert_source(source_layout)
     hf = _hf_model(checkpoint, layout, options) if base is None else None
     made_config = hf.config if hf is not None and options.config_dir is None else None
     folders = source_reads.config_folders(source)
@@ -316,7 +316,7 @@ def _prepare_adapter(
     side_files, side_notes = find_side_files(
         checkpoint.url,
         options,
-        convert_source(layout.name).config_folders(checkpoint),
+        convert_source(layout).config_folders(checkpoint),
         config_made=options.config_dir is None,
     )
     side_files.pop("config.json", None)
@@ -374,7 +374,7 @@ def _base_model(
         CkptctlError: `merge_adapter` given for a model, an adapter without a base to merge it into, a base
             that is itself an adapter, incomplete or broken, or that DST would overwrite.
     """
-    adapter = convert_source(layout.name).adapter(checkpoint)
+    adapter = convert_source(layout).adapter(checkpoint)
     wanted = options.merge_adapter
     if adapter is None:
         if wanted is not None:
@@ -399,7 +399,7 @@ def _base_model(
     check_destination(wanted, dst, options.force)
     base_layout, base_ref = resolve(wanted)
     base = _open_verified(base_layout, base_ref)
-    if convert_source(base_layout.name).adapter(base) is not None:
+    if convert_source(base_layout).adapter(base) is not None:
         raise CkptctlError(f"{base.url} is an adapter too: --merge-adapter takes the base model's folder")
     return base
 

@@ -113,7 +113,7 @@ def plan_tensors(
     """
     renames = compile_renames(options.renames)
     if base is not None:
-        adapter = convert_source(layout.name).adapter(checkpoint)
+        adapter = convert_source(layout).adapter(checkpoint)
         if adapter is None:
             raise CkptctlError(f"{checkpoint.url} ({checkpoint.layout}) holds a model, not an adapter to merge")
         base_named = normalised_names(
@@ -264,7 +264,7 @@ def _name_map(
             raise CkptctlError("--mapping names the tensors of a model converted --to hf (--component model)")
         return None, {}
     strip = namespace_stripper(checkpoint.layout, entries, options.strip_prefix)
-    found = convert_source(layout.name).hf_name_map(
+    found = convert_source(layout).hf_name_map(
         {strip(e.name): e.shape for e in entries}, config, options.mapping, notes
     )
     if found is None:
@@ -317,7 +317,7 @@ def _master_weights(
     if options.weights is Weights.STORED:
         return None
     required = options.weights is Weights.MASTER
-    found = convert_source(layout.name).master_weights(checkpoint, required=required, notes=notes)
+    found = convert_source(layout).master_weights(checkpoint, required=required, notes=notes)
     if found is None:
         if required:
             raise CkptctlError(

@@ -98,7 +98,7 @@ def find_adapter_settings(
         else [
             checkpoint.url,
             *([options.config_dir] if options.config_dir else []),
-            *convert_source(layout.name).config_folders(checkpoint),
+            *convert_source(layout).config_folders(checkpoint),
         ]
     )
     for folder in folders:

@@ -48,6 +48,11 @@ class StorageError(CkptctlError):
     """A file could not be read or written (permissions, network, missing bucket)."""
 
 
+class UnsafePath(StorageError):
+    """A path that ckptctl creates or deletes under (its trash, a staging folder, a lock) is a symbolic link
+    or not a folder: following it could move or delete files outside the run, so nothing is done (exit 2)."""
+
+
 class SerializationError(CkptctlError):
     """A value in the training state has a type the core cannot store without pickle."""
 

@@ -160,7 +160,10 @@ class LocalRun(RunStorage):
 
     def leftovers(self) -> str | None:
         folder = os.path.join(self.root, trash.TRASH_NAME)
-        return folder if os.path.isdir(folder) else None
+        if not os.path.lexists(folder):
+            return None
+        trash.check_trash(folder)  # a link in its place: refused here, before retention moves anything
+        return folder
 
     def committed(self) -> dict[int, float]:
         found = {}

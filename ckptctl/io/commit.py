@@ -57,6 +57,7 @@ def install(staging: str, final: str) -> Retired | None:
     replaced folder is returned retired into the trash beside `final`, for the caller to `trash.purge`.
 
     Raises:
+        UnsafePath: the trash beside `final` is a link (checked before anything moves).
         OSError: a rename failed (`staging` is left as it was, or holds the replaced folder).
     """
     parent = os.path.dirname(os.path.abspath(final))
@@ -65,6 +66,7 @@ def install(staging: str, final: str) -> Retired | None:
         io.fsync_dir(parent)
         return None
     name, bin_ = os.path.basename(final), trash.trash_of(final)
+    trash.check_trash(bin_)  # before the swap: a refusal after it would leave the old folder at the staging name
     if io.exchange(staging, final):
         # The swap is atomic: `final` is the new folder; the old one now has the staging name.
         retired = trash.move_to_trash(staging, bin_, name)

@@ -15,6 +15,13 @@ folder in the trash (or a prefix without markers), which every reader skips and 
 same folder (`empty`, run by `prune` and by the manager's retention) removes. `delete_parts` deletes some
 entries of a folder the same way (a checkpoint whose folder also holds other checkpoints).
 
+Locally, nothing here follows a symbolic link: the trash is opened with `O_NOFOLLOW` below a descriptor of
+its parent, renames go from one directory descriptor to another, and deletions run through descriptors
+(`shutil.rmtree`'s fd-based walk), so that a link planted in place of the trash (or swapped in while we
+work) cannot make a deletion reach outside the run. A link where the trash should be is refused
+(`UnsafePath`) before anything is moved; a checkpoint that is itself a link loses the link, never what it
+points to.
+
 The completion markers are the caller's (`Markers`, from the layouts' `completion_markers`): given the
 files of the folder, tiers of files that are deleted tier by tier (each tier in one batch) before the
 rest.
@@ -26,24 +33,29 @@ import contextlib
 import errno
 import os
 import secrets
+import shlex
+import shutil
 import stat
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from ckptctl import io
-from ckptctl.errors import CheckpointNotFound
+from ckptctl.errors import CheckpointNotFound, UnsafePath
 
 __all__ = [
     "TRASH_NAME",
     "Markers",
     "Retired",
     "Tiers",
+    "check_trash",
     "delete",
     "delete_objects",
     "delete_parts",
     "empty",
     "no_markers",
     "purge",
+    "remove_entry",
     "retire",
     "trash_of",
 ]
@@ -115,32 +127,50 @@ def retire(url: str, markers: Markers = no_markers) -> Retired:
 def move_to_trash(path: str, trash: str, name: str) -> Retired:
     """Rename the local `path` into `trash` (created if missing) as `name.<random>`, and fsync its parent.
 
-    `trash` must be on the filesystem of `path`.
+    `trash` must be on the filesystem of `path`. A link at `path` is moved itself, never what it names.
+
+    Raises:
+        UnsafePath: `trash` is a symbolic link or not a folder (nothing was moved).
+        OSError: the rename failed.
     """
+    parent, entry = os.path.split(path)
     for attempt in range(_RENAME_TRIES):
-        os.makedirs(trash, exist_ok=True)
-        target = os.path.join(trash, f"{name}.{secrets.token_hex(4)}")
-        try:
-            os.rename(path, target)
-            break
-        except FileNotFoundError:
-            # The trash was removed (empty) by another deletion between makedirs and rename: make it again.
-            if not os.path.lexists(path) or attempt == _RENAME_TRIES - 1:
-                raise
-    io.fsync_dir(os.path.dirname(path))
-    return Retired(target, trash)
+        target = f"{name}.{secrets.token_hex(4)}"
+        with _opened_dir(parent) as parent_fd, _opened_trash(trash, create=True) as trash_fd:
+            assert trash_fd is not None  # created
+            try:
+                os.rename(entry, target, src_dir_fd=parent_fd, dst_dir_fd=trash_fd)
+                break
+            except FileNotFoundError:
+                # The trash was removed (empty) by another deletion between opening and renaming: again.
+                if not os.path.lexists(path) or attempt == _RENAME_TRIES - 1:
+                    raise
+    io.fsync_dir(parent)
+    return Retired(os.path.join(trash, target), trash)
+
+
+def check_trash(trash: str) -> None:
+    """Refuse (`UnsafePath`) when the local trash folder `trash` exists and is a link or not a folder: for
+    callers that must know before they change anything (a swap that would otherwise stop halfway)."""
+    with _opened_trash(trash, create=False):
+        pass
 
 
 def purge(retired: Retired) -> None:
     """Delete what `retire` left (step 2 of the module docstring), then the trash folder if it is empty.
 
     Raises:
+        UnsafePath: the trash was replaced by a link meanwhile (nothing is deleted through it).
         CkptctlError: the deletion failed; what is left stays out of sight.
     """
-    # A checkpoint may be one file (a Lightning `.ckpt`): what was retired is then a file.
-    (io.delete_tree if io.is_dir(retired.url) else io.delete_file)(retired.url)
-    if retired.trash is not None:
-        remove_if_empty(retired.trash)
+    if retired.trash is None or not io.is_local(retired.url):
+        # A checkpoint may be one file (a Lightning `.ckpt`): what was retired is then a file.
+        (io.delete_tree if io.is_dir(retired.url) else io.delete_file)(retired.url)
+        return
+    with _opened_trash(retired.trash, create=False) as trash_fd:
+        if trash_fd is not None:
+            remove_entry(trash_fd, os.path.basename(retired.url))
+    remove_if_empty(retired.trash)
 
 
 def delete(url: str, markers: Markers = no_markers) -> None:
@@ -178,12 +208,15 @@ def delete_parts(url: str, parts: Sequence[io.DirEntry]) -> None:
         return
     path = os.path.abspath(io.local_path(url))
     bin_ = trash_of(path)
-    folder = os.path.join(bin_, f"{os.path.basename(path)}.{secrets.token_hex(4)}")
-    os.makedirs(folder)
-    for entry in parts:
-        os.rename(os.path.join(path, entry.name), os.path.join(folder, entry.name))
-    io.fsync_dir(path)
-    purge(Retired(folder, bin_))
+    folder = f"{os.path.basename(path)}.{secrets.token_hex(4)}"
+    with _opened_trash(bin_, create=True) as trash_fd, _opened_dir(path) as source_fd:
+        assert trash_fd is not None  # created
+        os.mkdir(folder, dir_fd=trash_fd)
+        with _opened_dir(folder, dir_fd=trash_fd, what=os.path.join(bin_, folder)) as folder_fd:
+            for entry in parts:
+                os.rename(entry.name, entry.name, src_dir_fd=source_fd, dst_dir_fd=folder_fd)
+        os.fsync(source_fd)
+    purge(Retired(os.path.join(bin_, folder), bin_))
 
 
 def empty(trash: str) -> int:
@@ -191,8 +224,19 @@ def empty(trash: str) -> int:
     the bytes freed. A missing trash folder is empty.
 
     Raises:
+        UnsafePath: the local `trash` is a symbolic link or not a folder (nothing is deleted).
         CkptctlError: a deletion failed.
     """
+    if io.is_local(trash):
+        freed = 0
+        with _opened_trash(trash, create=False) as trash_fd:
+            if trash_fd is None:
+                return 0
+            for name in os.listdir(trash_fd):
+                freed += _entry_size(trash_fd, name)
+                remove_entry(trash_fd, name)
+        remove_if_empty(trash)
+        return freed
     try:
         entries = io.list_dir(trash)
     except CheckpointNotFound:
@@ -206,8 +250,6 @@ def empty(trash: str) -> int:
         else:
             freed += entry.size
             io.delete_file(child)
-    if io.is_local(trash):
-        remove_if_empty(trash)
     return freed
 
 
@@ -225,14 +267,108 @@ def _delete_markers(url: str, markers: Markers) -> None:
 
 
 def _tree_size(url: str) -> int:
-    """Bytes of the regular files below a folder; symbolic links are not followed."""
-    if not io.is_local(url):
-        return sum(entry.size for entry in io.list_tree(url).values())
+    """Bytes of the files below a folder of an object store."""
+    return sum(entry.size for entry in io.list_tree(url).values())
+
+
+def remove_entry(dir_fd: int, name: str) -> None:
+    """Delete the entry `name` of the folder open as `dir_fd`: a folder with everything below it, walked
+    through descriptors (links inside are removed, never followed); a file or a link itself. Gone already
+    is fine (another deletion may remove the same files)."""
+
+    def gone_is_fine(function: Any, target: str, excinfo: Any) -> None:
+        if not isinstance(excinfo[1], FileNotFoundError):
+            raise excinfo[1]
+
+    try:
+        mode = os.lstat(name, dir_fd=dir_fd).st_mode
+        if stat.S_ISDIR(mode):
+            shutil.rmtree(name, dir_fd=dir_fd, onerror=gone_is_fine)
+        else:
+            os.unlink(name, dir_fd=dir_fd)
+    except FileNotFoundError:
+        pass
+
+
+def _entry_size(dir_fd: int, name: str) -> int:
+    """Bytes of the regular files at or below the entry `name` of the folder open as `dir_fd`; links are not
+    followed."""
     size = 0
-    for root, _dirs, files in os.walk(io.local_path(url)):
-        for name in files:
-            with contextlib.suppress(FileNotFoundError):
-                st = os.lstat(os.path.join(root, name))
-                if stat.S_ISREG(st.st_mode):
-                    size += st.st_size
+    with contextlib.suppress(FileNotFoundError):
+        st = os.lstat(name, dir_fd=dir_fd)
+        if stat.S_ISREG(st.st_mode):
+            return st.st_size
+        if not stat.S_ISDIR(st.st_mode):
+            return 0
+        for _root, _dirs, files, root_fd in os.fwalk(name, dir_fd=dir_fd):
+            for file in files:
+                with contextlib.suppress(FileNotFoundError):
+                    st = os.lstat(file, dir_fd=root_fd)
+                    if stat.S_ISREG(st.st_mode):
+                        size += st.st_size
     return size
+
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0)
+
+
+@contextlib.contextmanager
+def _opened_dir(path: str, *, dir_fd: int | None = None, what: str | None = None) -> Iterator[int]:
+    """A descriptor of the folder `path` (relative to `dir_fd` when given), opened without following a link
+    in its last component: a link or a file there is refused with `UnsafePath` naming `what` (or `path`)."""
+    fd = _open_dir_nofollow(path, dir_fd, what or path)
+    try:
+        yield fd
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def _opened_trash(trash: str, *, create: bool) -> Iterator[int | None]:
+    """A descriptor of the local trash folder, opened below a descriptor of its parent (the run folder as the
+    user named it) without following a link; made first when `create`, None when missing and not made.
+
+    Raises:
+        UnsafePath: a link (or anything but a folder) is in its place.
+    """
+    parent, name = os.path.split(trash)
+    parent_fd = os.open(parent, _DIR_FLAGS)
+    try:
+        fd = None
+        for attempt in range(_RENAME_TRIES):
+            if create:
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(name, dir_fd=parent_fd)
+            try:
+                fd = _open_dir_nofollow(name, parent_fd, trash)
+                break
+            except FileNotFoundError:
+                # Missing; or, when making it, removed (empty) by another deletion since our mkdir: again.
+                if not create:
+                    break
+                if attempt == _RENAME_TRIES - 1:
+                    raise
+        try:
+            yield fd
+        finally:
+            if fd is not None:
+                os.close(fd)
+    finally:
+        os.close(parent_fd)
+
+
+def _open_dir_nofollow(path: str, dir_fd: int | None, what: str) -> int:
+    try:
+        return os.open(path, _DIR_FLAGS | os.O_NOFOLLOW, dir_fd=dir_fd)
+    except OSError as exc:
+        if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
+            raise
+    try:
+        target = os.readlink(path, dir_fd=dir_fd)
+        why = f"is a symbolic link (to {target}), not a folder of ckptctl's"
+    except OSError:
+        why = "is not a folder"
+    raise UnsafePath(
+        f"{what} {why}: refusing to move or delete anything through it; nothing was changed",
+        f"remove it (rm {shlex.quote(what)}) after checking who put it there, then run the command again",
+    )

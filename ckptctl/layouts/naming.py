@@ -27,7 +27,7 @@ NameStripper = Callable[[str], str]
 #: layout registry in `ckptctl.layouts`.
 FORMAT_NAME_RULES = (
     "ckptctl.frameworks.dcp.naming:dcp_namespace_stripper",
-    "ckptctl.frameworks.deepspeed.naming:wrapper_stripper",
+    "ckptctl.layouts.parts.zero_tag.naming:wrapper_stripper",
 )
 
 

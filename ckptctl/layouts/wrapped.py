@@ -21,7 +21,7 @@ from ckptctl.layouts.capabilities import ModelTensors
 __all__ = ["WRAPPED_MODEL_RULES", "GivenScaling", "WrappedAdapter", "WrappedModel", "find_wrapped"]
 
 #: Each rule takes a component's tensors by name and returns a `WrappedModel`, or None when it finds none.
-WRAPPED_MODEL_RULES = ("ckptctl.frameworks.peft.wrapped:lora_wrapped",)
+WRAPPED_MODEL_RULES = ("ckptctl.layouts.parts.lora.wrapped:lora_wrapped",)
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,6 +19,7 @@ import errno
 import json
 import os
 import secrets
+import shlex
 import socket
 import time
 import warnings
@@ -283,8 +284,14 @@ class RunLock:
             return found is not None and found[0] is not None and found[0].token == self.info.token
         path = io.local_path(self.url)
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
         except FileExistsError:
+            if os.path.islink(path):
+                # Whoever planted it could have a takeover rename or remove what it names: touch nothing.
+                raise LockUnusable(
+                    f"the lock file {self.url} is a symbolic link (to {os.readlink(path)}): refusing to use it; nothing was changed",
+                    f"remove the link (rm {shlex.quote(path)}) after checking who put it there",
+                ) from None
             return False
         except OSError as exc:
             raise self._unusable(exc) from exc

@@ -553,9 +553,22 @@ def _tree_size(url: str) -> int:
 
 
 def _trash_folders(run: str, items: Iterable[PruneItem]) -> list[str]:
-    """The trash folders of the run and of each folder holding checkpoints, that exist."""
+    """The trash folders of the run and of each folder holding checkpoints, that exist.
+
+    Raises:
+        UnsafePath: one is a symbolic link (or not a folder): the plan stops before anything is deleted.
+    """
     folders = {run, *(io.parent_of(i.url) for i in items if i.ref.url != run)}
-    return sorted(t for f in folders if io.is_dir(t := io.join(f, trash.TRASH_NAME)))
+    found = []
+    for folder in sorted(folders):
+        bin_ = io.join(folder, trash.TRASH_NAME)
+        if io.is_local(bin_):
+            if os.path.lexists(io.local_path(bin_)):
+                trash.check_trash(io.local_path(bin_))
+                found.append(bin_)
+        elif io.is_dir(bin_):
+            found.append(bin_)
+    return found
 
 
 # ------------------------------------------------------------------------------------------ executing

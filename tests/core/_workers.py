@@ -190,11 +190,11 @@ def _install_hang(point: str) -> None:
     elif point == "retention":  # the doomed folder is in the trash and half deleted
         real_rmtree = shutil.rmtree
 
-        def rmtree(path: Any, *args: Any, **kwargs: Any) -> None:
-            if ".ckptctl-trash" in str(path) and os.path.isdir(path):
-                os.unlink(os.path.join(path, "model.safetensors"))
+        def rmtree(path: Any, *args: Any, dir_fd: int | None = None, **kwargs: Any) -> None:
+            if dir_fd is not None:  # the trash's entries are deleted below its descriptor (io.trash)
+                os.unlink(os.path.join(path, "model.safetensors"), dir_fd=dir_fd)
                 _hang(point)
-            real_rmtree(path, *args, **kwargs)
+            real_rmtree(path, *args, dir_fd=dir_fd, **kwargs)
 
         shutil.rmtree = rmtree  # type: ignore[assignment]
     elif point == "write":  # mid-write: the staging folder and the first entry's files are there, not the rest

@@ -6,9 +6,10 @@ import contextlib
 import os
 import threading
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -374,17 +375,20 @@ def test_retention_deletes_off_the_training_thread_and_wait_flushes(
     """`save` returns while the dropped step's files are still being deleted (here: held by the test), with
     the step already gone from `all_steps`; `wait` returns once they are deleted."""
     entered, opened = threading.Event(), threading.Event()
-    real = io.delete_tree
 
-    def slow_delete_tree(url: str) -> None:
-        if "step-1" in url:
-            entered.set()
-            assert opened.wait(timeout=60), "the test never let the deletion go on"
-        real(url)
+    def held(real: Callable[..., None]) -> Callable[..., None]:
+        def slow_delete(*args: Any) -> None:  # io.delete_tree(url), or locally trash.remove_entry(fd, name)
+            if "step-1" in args[-1]:
+                entered.set()
+                assert opened.wait(timeout=60), "the test never let the deletion go on"
+            real(*args)
+
+        return slow_delete
 
     manager = CheckpointManager(any_root, policy=RetentionPolicy(keep_last=1))
     save_steps(manager, [1])
-    monkeypatch.setattr(io, "delete_tree", slow_delete_tree)
+    monkeypatch.setattr(io, "delete_tree", held(io.delete_tree))
+    monkeypatch.setattr(trash, "remove_entry", held(trash.remove_entry))
     try:
         save_steps(manager, [2])  # returns although deleting step 1 cannot finish yet
         assert entered.wait(timeout=60) and manager.all_steps() == [2]
@@ -403,12 +407,12 @@ def test_retention_deletes_off_the_training_thread_and_wait_flushes(
 
 
 def test_a_failed_background_deletion_warns_on_the_next_call(run_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    def failing(url: str) -> None:
-        raise StorageError(f"permission denied: {url}")
+    def failing(dir_fd: int, name: str) -> None:
+        raise StorageError(f"permission denied: {name}")
 
     manager = CheckpointManager(run_dir, policy=RetentionPolicy(keep_last=1))
     save_steps(manager, [1])
-    monkeypatch.setattr(io, "delete_tree", failing)
+    monkeypatch.setattr(trash, "remove_entry", failing)
     save_steps(manager, [2])
     with pytest.warns(CheckpointWarning, match="retention in .* failed: permission denied"):
         manager.wait()

@@ -27,10 +27,10 @@ class Killed(BaseException):
 
 
 def kill_after_the_rename(monkeypatch: pytest.MonkeyPatch) -> None:
-    def killed(url: str) -> None:
+    def killed(*args: object) -> None:
         raise Killed
 
-    monkeypatch.setattr(io, "delete_tree", killed)
+    monkeypatch.setattr(trash, "remove_entry", killed)
 
 
 def leftovers(run: Path) -> list[str]:
@@ -81,18 +81,18 @@ def test_the_trash_goes_once_empty_and_stays_while_it_holds_something(tmp_path: 
 
 
 def test_a_trash_removed_under_a_rename_is_made_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Another process empties and removes the trash between our makedirs and our rename."""
+    """Another process empties and removes the trash between our mkdir and our rename."""
     run = write_run(tmp_path / "run", [1, 2])
-    real_makedirs = os.makedirs
+    real_mkdir = os.mkdir
     calls = []
 
-    def makedirs_then_lose_it(path: str, *args: object, **kwargs: object) -> None:
-        real_makedirs(path, *args, **kwargs)  # type: ignore[arg-type]
+    def mkdir_then_lose_it(path: str, *args: object, dir_fd: int | None = None, **kwargs: object) -> None:
+        real_mkdir(path, *args, dir_fd=dir_fd, **kwargs)  # type: ignore[arg-type]
         calls.append(path)
         if len(calls) == 1:
-            os.rmdir(path)
+            os.rmdir(path, dir_fd=dir_fd)
 
-    monkeypatch.setattr(os, "makedirs", makedirs_then_lose_it)
+    monkeypatch.setattr(os, "mkdir", mkdir_then_lose_it)
     retired = trash.retire(str(run / "step-1"))
     monkeypatch.undo()
     assert len(calls) == 2 and os.path.isdir(retired.url)
@@ -107,10 +107,10 @@ def test_a_folder_that_cannot_be_renamed_loses_its_markers_first(
     run = write_run(tmp_path / "run", [1, 2])
     real_rename = os.rename
 
-    def rename(src: str, dst: str) -> None:
+    def rename(src: str, dst: str, **dir_fds: int) -> None:
         if src.endswith("step-1"):
             raise OSError(errno.EXDEV, "Invalid cross-device link", src)
-        real_rename(src, dst)
+        real_rename(src, dst, **dir_fds)
 
     monkeypatch.setattr(os, "rename", rename)
     retired = trash.retire(str(run / "step-1"), lambda files: [["ckptctl-manifest.json"]])
@@ -170,7 +170,9 @@ def test_parts_of_a_folder_go_in_order_and_the_rest_stays(tmp_path: Path, monkey
     (run / "config.json").write_text("{}")
     moved: list[str] = []
     real_rename = os.rename
-    monkeypatch.setattr(os, "rename", lambda a, b: (moved.append(os.path.basename(a)), real_rename(a, b))[1])
+    monkeypatch.setattr(
+        os, "rename", lambda a, b, **fds: (moved.append(os.path.basename(a)), real_rename(a, b, **fds))[1]
+    )
     entries = {e.name: e for e in io.list_dir(str(run))}
     trash.delete_parts(str(run), [entries["config.json"], entries["model.safetensors"]])
     monkeypatch.undo()

@@ -17,6 +17,7 @@ import torch
 from ckptctl import io
 from ckptctl.core import CheckpointManager, KeepBest, RetentionPolicy
 from ckptctl.errors import CkptctlError
+from ckptctl.io import trash
 from ckptctl.layouts import scan_run
 from ckptctl.ops.lock import LOCK_NAME
 from ckptctl.ops.prune import PrunePlan, load_policy_file, plan_prune, prune
@@ -160,15 +161,13 @@ def test_a_live_writer_lock_marks_a_checkpoint_in_progress(run: Path) -> None:
 def test_a_crash_mid_deletion_leaves_trash_that_the_next_prune_empties(
     run: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real_delete_tree = io.delete_tree
-
-    def crash(url: str) -> None:
+    def crash(*args: object) -> None:
         raise KeyboardInterrupt  # killed right after the first checkpoint was moved into the trash
 
-    monkeypatch.setattr(io, "delete_tree", crash)
+    monkeypatch.setattr(trash, "remove_entry", crash)
     with pytest.raises(KeyboardInterrupt):
         prune(str(run), RetentionPolicy(keep_last=5), grace=NO_GRACE)
-    monkeypatch.setattr(io, "delete_tree", real_delete_tree)
+    monkeypatch.undo()
     assert not (run / "step-10").exists() and not (run / LOCK_NAME).exists()
     (leftover,) = (run / ".ckptctl-trash").iterdir()
     assert leftover.name.startswith("step-10.")

@@ -264,7 +264,7 @@ def write_fsdp_runs(root: Path) -> WrittenFsdpRuns:
 def _copy_tag(source: Path, target: Path, client_state: dict[str, Any] | None) -> None:
     """Copy a DeepSpeed tag folder; replace the client state in every model-states file (DeepSpeed saves
     `client_state` as top-level keys of each one) with what the framework passes to `save_checkpoint`."""
-    from ckptctl.frameworks.deepspeed.layout import ENGINE_KEYS
+    from ckptctl.layouts.parts.zero_tag.tag import ENGINE_KEYS
 
     shutil.copytree(source, target)
     if client_state is None:

@@ -8,10 +8,10 @@ from collections.abc import Sequence
 from ckptctl import io
 from ckptctl.checkpoint import Checkpoint, TensorEntry
 from ckptctl.frameworks.accelerate.layout import _is_auto, _Parts
-from ckptctl.frameworks.deepspeed import layout as deepspeed
-from ckptctl.frameworks.deepspeed.naming import wrapper_prefix
 from ckptctl.layouts.capabilities import ConvertSource, MasterWeights
 from ckptctl.layouts.naming import NameStripper, format_namespace_stripper, keep_name
+from ckptctl.layouts.parts.zero_tag.master_weights import checkpoint_master_weights
+from ckptctl.layouts.parts.zero_tag.naming import wrapper_prefix
 
 __all__ = ["SOURCE"]
 
@@ -20,7 +20,7 @@ def _master_weights(checkpoint: Checkpoint, *, required: bool, notes: list[str])
     """The fp32 master weights of the DeepSpeed tag (`pytorch_model/`), when the plugin was DeepSpeed."""
     tag = _Parts.of(io.list_dir(checkpoint.url)).ds_tags.get(0)
     prefix = None if tag is None else f"{tag}/"
-    return deepspeed.checkpoint_master_weights(checkpoint, prefix, required=required, notes=notes)
+    return checkpoint_master_weights(checkpoint, prefix, required=required, notes=notes)
 
 
 def _config_folders(checkpoint: Checkpoint) -> Sequence[str]:

@@ -50,7 +50,6 @@ from ckptctl.checkpoint import (
 from ckptctl.errors import CkptctlError, UnknownLayout
 from ckptctl.formats.torch_pickle import TorchPickle, open_torch_pickle, storage_problems
 from ckptctl.formats.torch_zip import TorchArchive
-from ckptctl.frameworks.deepspeed import layout as deepspeed
 from ckptctl.frameworks.hf.layout import safetensors_index, verify_model_files
 from ckptctl.frameworks.hf_trainer.layout import IN_PROGRESS_WINDOW_S
 from ckptctl.io import DirEntry
@@ -67,6 +66,10 @@ from ckptctl.layouts.base import (
     step_from_name,
     timestamp,
 )
+from ckptctl.layouts.parts.zero_tag.names import LATEST_NAME, latest_problem
+from ckptctl.layouts.parts.zero_tag.tag import DeepSpeedTag, read_tag
+from ckptctl.layouts.parts.zero_tag.tensor_index import tag_index
+from ckptctl.layouts.parts.zero_tag.verify import verify_tag
 from ckptctl.layouts.resume import ResumeProfile
 
 __all__ = [
@@ -296,7 +299,7 @@ class AccelerateLayout(Layout):
         tag = None
         if 0 in parts.ds_tags:
             try:
-                tag = deepspeed.read_tag(io.join(url, parts.ds_tags[0]))
+                tag = read_tag(io.join(url, parts.ds_tags[0]))
             except CkptctlError as exc:
                 metadata["deepspeed_error"] = exc.message
             else:
@@ -370,10 +373,10 @@ class AccelerateLayout(Layout):
         for name in parts.pickles():
             problems += _pickle_problems(url, name, files[name])
         for index, tag in sorted(parts.ds_tags.items()):
-            problems += deepspeed.verify_tag(io.join(url, tag), f"{tag}/")
+            problems += verify_tag(io.join(url, tag), f"{tag}/")
             if index == max(parts.ds_tags):
                 # Every model's save_checkpoint rewrites `latest` with its own tag: the last model's stays.
-                pointer = deepspeed.latest_problem(url, deepspeed.LATEST_NAME)
+                pointer = latest_problem(url, LATEST_NAME)
                 if pointer is not None:
                     problems.append(pointer)
         from ckptctl.frameworks.dcp.layout import verify_dcp
@@ -506,7 +509,7 @@ def _pickle_problems(url: str, name: str, size: int) -> list[Problem]:
 
 
 def _tensor_index(
-    url: str, parts: _Parts, files: Mapping[str, int], tag: deepspeed.DeepSpeedTag | None
+    url: str, parts: _Parts, files: Mapping[str, int], tag: DeepSpeedTag | None
 ) -> tuple[TensorEntry, ...]:
     entries: list[TensorEntry] = []
     for index, name in sorted(parts.models.items()):
@@ -521,7 +524,7 @@ def _tensor_index(
         entries += _pickle_tensors(open_torch_pickle(io.join(url, name), files[name]), prefix, Component.OPTIMIZER)
     if tag is not None:
         folder = parts.ds_tags[0]
-        inner = deepspeed.tag_index(tag, f"{folder}/")
+        inner = tag_index(tag, f"{folder}/")
         entries += [e for e in inner if not (parts.models and e.component is Component.MODEL)]
     if parts.dcp_models or parts.dcp_optimizers:
         from ckptctl.frameworks.dcp.layout import dcp_tensor_index

@@ -21,7 +21,7 @@ from ckptctl.frameworks.accelerate.layout import (
     without_dcp,
 )
 from ckptctl.frameworks.dcp.resume import overwrite_warnings, reshards
-from ckptctl.frameworks.deepspeed import resume as deepspeed
+from ckptctl.layouts.parts.zero_tag import resume as zero_resume
 from ckptctl.layouts.resume import RESUMABLE, PlanContext, ResumeProfile, WorldSizeCheck, target_ranks
 
 __all__ = ["PROFILE"]
@@ -45,8 +45,8 @@ def _hint(ctx: PlanContext) -> str:
 
 def _world_size(ctx: PlanContext) -> WorldSizeCheck:
     checkpoint = ctx.checkpoint
-    if deepspeed.zero_facts(checkpoint):
-        return deepspeed.world_size(ctx)
+    if zero_resume.zero_facts(checkpoint):
+        return zero_resume.world_size(ctx)
     own = per_process_files(name for name in checkpoint.files if "/" not in name)
     if own:
         saved = checkpoint.world_size
@@ -164,7 +164,7 @@ def _notes(ctx: PlanContext) -> list[str]:
             "RNG states load with accelerate.checkpointing.load_accelerator_state(dir, [], [], schedulers, "
             "dataloaders, accelerator.process_index)"
         )
-    if deepspeed.zero_facts(ctx.checkpoint):
+    if zero_resume.zero_facts(ctx.checkpoint):
         found.append(
             "load_state reads the DeepSpeed tag through engine.load_checkpoint(dir, 'pytorch_model'): prepare the "
             "same DeepSpeed config (ZeRO stage) before calling it"

@@ -8,68 +8,27 @@ SAVE_DIR/{tag}/                         one checkpoint (a "tag folder")
     [bf16_]zero_pp_rank_{dp}_mp_rank_{mp:02d}_optim_states.pt   one per DP rank: fp32 flat partitions
 ```
 
-The pieces the layouts built on this one reuse (the Trainer's, OpenRLHF's, open-instruct's) are
-re-exported here; those for a DeepSpeed folder inside `checkpoint-N/` take a `path_prefix`
-that makes file names relative to the outer checkpoint: `tag_files`, `read_tag`, `tag_index`, `verify_tag`.
-
-The package's modules: `names` (rank files and `latest`, from listings), `tag` (the rank-0 facts),
-`zero_index` (the tensor index), `master_weights` (zero_to_fp32's output), `verify`; `universal` and
-`universal_states`, the layout of what `ds_to_universal` makes of a tag.
+A tag is read with the ZeRO tag part (`layouts.parts.zero_tag`: `names` for rank files and `latest` from
+listings, `tag` for the rank-0 facts, `tensor_index`, `master_weights` for zero_to_fp32's output, `verify`,
+`folder` for the ref and the checkpoint), which the layouts built on DeepSpeed share. This package holds
+DeepSpeed's own: this layout, its resume profile, the classes its files pickle (`pickle_classes`), and
+`universal` and `universal_states`, the layout of what `ds_to_universal` makes of a tag.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
-from functools import cache
 
 from ckptctl import io
-from ckptctl.checkpoint import Checkpoint, CheckpointRef, CheckpointState, Problem, TensorEntry
-from ckptctl.errors import CorruptCheckpoint, UnknownLayout
-from ckptctl.frameworks.deepspeed.master_weights import checkpoint_master_weights, master_weights, tag_prefix
-from ckptctl.frameworks.deepspeed.names import (
-    LATEST_NAME,
-    TagFiles,
-    is_universal,
-    latest_problem,
-    missing_note,
-    read_latest,
-    tag_files,
-    tag_markers,
-)
-from ckptctl.frameworks.deepspeed.tag import ENGINE_KEYS, DeepSpeedTag, missing_rank_files, read_tag
-from ckptctl.frameworks.deepspeed.verify import verify_tag
-from ckptctl.frameworks.deepspeed.zero_index import tag_index
+from ckptctl.checkpoint import Checkpoint, CheckpointRef, Problem
 from ckptctl.io import DirEntry
-from ckptctl.layouts.base import (
-    Layout,
-    every_child_folder,
-    folder_size,
-    newest_mtime,
-    step_from_name,
-    timestamp,
-)
+from ckptctl.layouts.base import Layout, every_child_folder
+from ckptctl.layouts.parts.zero_tag.folder import open_tag, tag_ref
+from ckptctl.layouts.parts.zero_tag.names import LATEST_NAME, latest_problem, read_latest, tag_markers
+from ckptctl.layouts.parts.zero_tag.verify import verify_tag
 from ckptctl.layouts.resume import ResumeProfile
 
-__all__ = [
-    "ENGINE_KEYS",
-    "LATEST_NAME",
-    "DeepSpeedLayout",
-    "DeepSpeedTag",
-    "TagFiles",
-    "checkpoint_master_weights",
-    "latest_problem",
-    "master_weights",
-    "missing_note",
-    "missing_rank_files",
-    "read_latest",
-    "read_tag",
-    "tag_files",
-    "tag_index",
-    "tag_markers",
-    "tag_prefix",
-    "verify_tag",
-]
+__all__ = ["DeepSpeedLayout"]
 
 
 class DeepSpeedLayout(Layout):
@@ -78,23 +37,8 @@ class DeepSpeedLayout(Layout):
     name = "deepspeed"
 
     def identify(self, url: str, entries: Sequence[DirEntry]) -> CheckpointRef | None:
-        """A ref when the folder holds DeepSpeed model/optim states and is no universal checkpoint
-        (`universal`); BROKEN when it lacks a rank file (`missing_rank_files`: the names, and the world size
-        its rank-0 model states record)."""
-        files = tag_files(entries)
-        if files is None or is_universal(entries):
-            return None
-        missing = missing_rank_files(url, files)
-        return CheckpointRef(
-            url=url,
-            layout=self.name,
-            step=step_from_name(io.name_of(url)),
-            epoch=None,
-            created=timestamp(newest_mtime(entries)),
-            state=CheckpointState.BROKEN if missing else CheckpointState.COMPLETE,
-            size_bytes=folder_size(url, entries),
-            note=missing_note(missing),
-        )
+        """A ref when the folder is a ZeRO tag (`tag_ref`)."""
+        return tag_ref(url, entries, self.name)
 
     def latest_pointer(self, url: str, entries: Sequence[DirEntry]) -> str | None:
         """The tag the save folder's `latest` file names."""
@@ -106,55 +50,8 @@ class DeepSpeedLayout(Layout):
         return every_child_folder(entries)
 
     def open(self, url: str) -> Checkpoint:
-        """Read the rank-0 model and optim states; the tensor index reads the other ranks' `data.pkl`.
-
-        A tag whose rank-0 files do not parse still opens (so that `verify` can say why), as BROKEN,
-        with a tensor index that raises the reason.
-        """
-        entries = io.list_dir(url)
-        ref = self.identify(url, entries)
-        files = tag_files(entries)
-        if ref is None or files is None:
-            raise UnknownLayout(f"{url} is not a DeepSpeed checkpoint (no *_model_states.pt or *_optim_states.pt)")
-        all_files = {e.name: e.size for e in entries if not e.is_dir}
-        try:
-            tag = read_tag(url, files)
-        except CorruptCheckpoint as exc:
-            error = exc
-
-            def unreadable() -> tuple[TensorEntry, ...]:
-                raise error
-
-            return Checkpoint(
-                ref=replace(ref, state=CheckpointState.BROKEN, note=exc.message),
-                components=frozenset(),
-                world_size=None,
-                metadata={"error": exc.message},
-                tensor_index=unreadable,
-                files=all_files,
-            )
-        epoch = tag.client_state().get("epoch")
-        ref = replace(
-            ref,
-            step=tag.global_steps if tag.global_steps is not None else ref.step,
-            epoch=float(epoch) if isinstance(epoch, int | float) and not isinstance(epoch, bool) else None,
-            latest=read_latest(io.parent_of(url), io.list_dir(io.parent_of(url))) == io.name_of(url),
-        )
-
-        @cache
-        def tensor_index() -> tuple[TensorEntry, ...]:
-            return tag_index(tag)
-
-        metadata = tag.metadata()
-        return Checkpoint(
-            ref=ref,
-            components=tag.components(),
-            world_size=tag.dp_world_size * tag.mp_world_size,
-            metadata=metadata,
-            tensor_index=tensor_index,
-            files=all_files,
-            progress=metadata["progress"],
-        )
+        """The tag's rank-0 facts and its tensor index (`open_tag`)."""
+        return open_tag(url, self.name)
 
     def verify(self, checkpoint: Checkpoint) -> list[Problem]:
         """`verify_tag`, plus the save folder's `latest` pointer naming an existing tag."""

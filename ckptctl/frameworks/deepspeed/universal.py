@@ -37,16 +37,6 @@ from ckptctl.errors import CkptctlError, CorruptCheckpoint, UnknownLayout
 from ckptctl.formats.safe_pickle import StandIn, state_fields
 from ckptctl.formats.torch_pickle import storage_problems
 from ckptctl.frameworks.deepspeed.layout import DeepSpeedLayout
-from ckptctl.frameworks.deepspeed.names import (
-    MODEL_STATES,
-    UNIVERSAL_LATEST_NAME,
-    TagFiles,
-    latest_problem,
-    read_latest,
-    tag_files,
-    tag_markers,
-)
-from ckptctl.frameworks.deepspeed.tag import DeepSpeedTag, base_state, read_tag
 from ckptctl.frameworks.deepspeed.universal_states import (
     MOMENTS,
     OPTIMIZER_STATE,
@@ -67,11 +57,21 @@ from ckptctl.layouts.base import (
     newest_mtime,
     timestamp,
 )
+from ckptctl.layouts.parts.zero_tag.names import (
+    MODEL_STATES,
+    UNIVERSAL_LATEST_NAME,
+    UNIVERSAL_LAYOUT,
+    TagFiles,
+    latest_problem,
+    read_latest,
+    tag_files,
+    tag_markers,
+)
+from ckptctl.layouts.parts.zero_tag.tag import DeepSpeedTag, base_state, read_tag
 from ckptctl.layouts.resume import ResumeProfile
 
-__all__ = ["UNIVERSAL_LAYOUT", "DeepSpeedUniversalLayout", "Source", "conversion_source", "host_layout"]
+__all__ = ["DeepSpeedUniversalLayout", "Source", "conversion_source", "host_layout"]
 
-UNIVERSAL_LAYOUT = "deepspeed_universal"
 #: The per-rank fragments ds_to_universal gathers before merging them into `zero/`.
 _TEMP_DIR = "tmp"
 #: DeepSpeed's default tag, `global_step{N}`, inside the name of a conversion of it.

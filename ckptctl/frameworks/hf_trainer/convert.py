@@ -7,26 +7,26 @@ from functools import partial
 
 from ckptctl import io
 from ckptctl.checkpoint import Checkpoint
-from ckptctl.frameworks.deepspeed import layout as deepspeed
 from ckptctl.frameworks.hf_trainer.layout import _model_tensors, _Parts
-from ckptctl.frameworks.peft import layout as peft
 from ckptctl.layouts.capabilities import Adapter, ConvertSource, MasterWeights
+from ckptctl.layouts.parts.lora.adapter import ADAPTER_WEIGHTS, lora_adapter
+from ckptctl.layouts.parts.zero_tag.master_weights import checkpoint_master_weights
 
 __all__ = ["SOURCE"]
 
 
 def _adapter(checkpoint: Checkpoint) -> Adapter | None:
     """The PEFT adapter the Trainer saved instead of the model, when it trained a PEFT model."""
-    if not any(name in checkpoint.files for name in peft.ADAPTER_WEIGHTS):
+    if not any(name in checkpoint.files for name in ADAPTER_WEIGHTS):
         return None
-    return peft.lora_adapter(checkpoint.url, partial(_model_tensors, checkpoint.tensor_index))
+    return lora_adapter(checkpoint.url, partial(_model_tensors, checkpoint.tensor_index))
 
 
 def _master_weights(checkpoint: Checkpoint, *, required: bool, notes: list[str]) -> MasterWeights | None:
     """The fp32 master weights of the DeepSpeed tag inside (`global_stepN/`), when there is one."""
     tag = _Parts.of(checkpoint.url, io.list_dir(checkpoint.url)).ds_tag
     prefix = None if tag is None else f"{tag}/"
-    return deepspeed.checkpoint_master_weights(checkpoint, prefix, required=required, notes=notes)
+    return checkpoint_master_weights(checkpoint, prefix, required=required, notes=notes)
 
 
 SOURCE = ConvertSource(adapter=_adapter, master_weights=_master_weights)

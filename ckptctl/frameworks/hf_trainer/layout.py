@@ -5,10 +5,10 @@ checkpoint-N/
     model weights and config as an HF model folder (read with `frameworks.hf.layout`)
     optimizer.pt, scheduler.pt, scaler.pt (AMP), rng_state.pth | rng_state_{process}.pth, training_args.bin
     trainer_state.json             written LAST: the completion marker (global_step, epoch, best_metric, ...)
-    [DeepSpeed: latest, global_stepN/ (read with `frameworks.deepspeed.layout`)]
+    [DeepSpeed: latest, global_stepN/ (read with `layouts.parts.zero_tag`)]
     [FSDP sharded: pytorch_model_fsdp_0/, optimizer_0/ (torch DCP folders, read with `frameworks.dcp.layout`)]
     [a PEFT model: adapter_model.safetensors + adapter_config.json instead of the model (read with
-     `frameworks.peft.layout`)]
+     `layouts.parts.lora.adapter`)]
 ```
 
 A Trainer training a PEFT model saves the adapter alone (transformers 5.24 `Trainer._save`: a `PeftModel`
@@ -51,7 +51,6 @@ from ckptctl.errors import CkptctlError, UnknownLayout
 from ckptctl.formats.documents import as_real, as_whole, read_json
 from ckptctl.formats.safe_pickle import FrameworkObject, StandIn, state_fields
 from ckptctl.formats.torch_pickle import TorchPickle, open_torch_pickle, storage_problems
-from ckptctl.frameworks.deepspeed import layout as deepspeed
 from ckptctl.frameworks.hf.layout import (
     has_weights,
     model_components,
@@ -61,8 +60,6 @@ from ckptctl.frameworks.hf.layout import (
     verify_model_files,
     weight_files,
 )
-from ckptctl.frameworks.peft import layout as peft
-from ckptctl.frameworks.peft.settings import ADAPTER_CONFIG
 from ckptctl.io import DirEntry
 from ckptctl.layouts import peek_dir
 from ckptctl.layouts.base import (
@@ -76,6 +73,12 @@ from ckptctl.layouts.base import (
     step_from_name,
     timestamp,
 )
+from ckptctl.layouts.parts.lora.adapter import ADAPTER_WEIGHTS, adapter_metadata, adapter_problems
+from ckptctl.layouts.parts.lora.settings import ADAPTER_CONFIG
+from ckptctl.layouts.parts.zero_tag.names import LATEST_NAME, latest_problem, missing_note, read_latest, tag_files
+from ckptctl.layouts.parts.zero_tag.tag import DeepSpeedTag, missing_rank_files, read_tag
+from ckptctl.layouts.parts.zero_tag.tensor_index import tag_index
+from ckptctl.layouts.parts.zero_tag.verify import verify_tag
 from ckptctl.layouts.resume import ResumeProfile
 
 __all__ = ["CHECKPOINT_DIR", "IN_PROGRESS_WINDOW_S", "RNG_FILE", "TRAINER_STATE_NAME", "HfTrainerLayout"]
@@ -136,7 +139,7 @@ class _Parts:
     def of(cls, url: str, entries: Sequence[DirEntry]) -> _Parts:
         names = {e.name for e in entries if not e.is_dir}
         dirs = [e.name for e in entries if e.is_dir]
-        tag = deepspeed.read_latest(url, entries) if deepspeed.LATEST_NAME in names else None
+        tag = read_latest(url, entries) if LATEST_NAME in names else None
         if tag not in dirs:
             candidates = [d for d in dirs if step_from_name(d) is not None and d.startswith("global_step")]
             tag = candidates[0] if len(candidates) == 1 else None
@@ -151,7 +154,7 @@ class _Parts:
     @property
     def adapter_weights(self) -> str | None:
         """The PEFT adapter's weights file when the checkpoint's model is an adapter."""
-        return next((name for name in peft.ADAPTER_WEIGHTS if name in self.names), None)
+        return next((name for name in ADAPTER_WEIGHTS if name in self.names), None)
 
     def is_trainer_checkpoint(self) -> bool:
         return bool(
@@ -164,8 +167,8 @@ def _missing_tag_files(url: str, ds_tag: str | None) -> list[str]:
     loads it whole, so a tag without them is no complete checkpoint, whatever trainer_state.json says."""
     if ds_tag is None:
         return []
-    files = deepspeed.tag_files(peek_dir(io.join(url, ds_tag)) or [])
-    return [] if files is None else deepspeed.missing_rank_files(io.join(url, ds_tag), files)
+    files = tag_files(peek_dir(io.join(url, ds_tag)) or [])
+    return [] if files is None else missing_rank_files(io.join(url, ds_tag), files)
 
 
 class HfTrainerLayout(Layout):
@@ -194,7 +197,7 @@ class HfTrainerLayout(Layout):
             epoch = as_real(head.get("epoch"))
             created = timestamp(marker.mtime)
             if missing := _missing_tag_files(url, parts.ds_tag):
-                state, note = CheckpointState.BROKEN, f"{parts.ds_tag}/: {deepspeed.missing_note(missing)}"
+                state, note = CheckpointState.BROKEN, f"{parts.ds_tag}/: {missing_note(missing)}"
         else:
             newest = newest_mtime(entries)
             created = timestamp(newest)
@@ -265,7 +268,7 @@ class HfTrainerLayout(Layout):
         tag = None
         if parts.ds_tag is not None:
             try:
-                tag = deepspeed.read_tag(io.join(url, parts.ds_tag))
+                tag = read_tag(io.join(url, parts.ds_tag))
             except CkptctlError as exc:
                 metadata["deepspeed_error"] = exc.message
             else:
@@ -283,7 +286,7 @@ class HfTrainerLayout(Layout):
 
         if parts.adapter_weights is not None:
             metadata["model"] = "a PEFT adapter (the Trainer trained a PEFT model): convert merges it into its base"
-            metadata.update(peft.adapter_metadata(url, ADAPTER_CONFIG in top, partial(_model_tensors, tensor_index)))
+            metadata.update(adapter_metadata(url, ADAPTER_CONFIG in top, partial(_model_tensors, tensor_index)))
         return Checkpoint(
             ref=ref,
             components=frozenset(components),
@@ -328,7 +331,7 @@ class HfTrainerLayout(Layout):
         if has_weights(parts.names):
             problems += verify_model_files(url, {n: s for n, s in files.items() if "/" not in n})
             if parts.adapter_weights is not None and not any(p.severity == "error" for p in problems):
-                problems += peft.adapter_problems(
+                problems += adapter_problems(
                     url, ADAPTER_CONFIG in files, _model_tensors(checkpoint.tensor_index), parts.adapter_weights
                 )
         elif parts.ds_tag is None and Component.MODEL not in parts.dcp_folders.values():
@@ -353,8 +356,8 @@ class HfTrainerLayout(Layout):
                     )
                 )
         if parts.ds_tag is not None:
-            problems += deepspeed.verify_tag(io.join(url, parts.ds_tag), f"{parts.ds_tag}/")
-            pointer = deepspeed.latest_problem(url, deepspeed.LATEST_NAME)
+            problems += verify_tag(io.join(url, parts.ds_tag), f"{parts.ds_tag}/")
+            pointer = latest_problem(url, LATEST_NAME)
             if pointer is not None:
                 problems.append(pointer)
         from ckptctl.frameworks.dcp.layout import verify_dcp
@@ -368,7 +371,7 @@ class HfTrainerLayout(Layout):
         trainer_state.json, which the Trainer writes last."""
         top = {name: size for name, size in files.items() if "/" not in name}
         found = model_markers(top)
-        if ADAPTER_CONFIG in top and any(name in top for name in peft.ADAPTER_WEIGHTS):
+        if ADAPTER_CONFIG in top and any(name in top for name in ADAPTER_WEIGHTS):
             found = (*found, ADAPTER_CONFIG)
         return (*found, TRAINER_STATE_NAME) if TRAINER_STATE_NAME in top else found
 
@@ -511,14 +514,14 @@ def _tensor_index(
     url: str,
     weights: Sequence[str],
     files: Mapping[str, int],
-    tag: deepspeed.DeepSpeedTag | None,
+    tag: DeepSpeedTag | None,
     parts: _Parts,
 ) -> tuple[TensorEntry, ...]:
     entries = list(safetensors_index(url, weights, files)) if weights else []
     if "optimizer.pt" in files:
         entries += _pickle_tensors(open_torch_pickle(io.join(url, "optimizer.pt"), files["optimizer.pt"]), "optimizer")
     if tag is not None and parts.ds_tag is not None:
-        inner = deepspeed.tag_index(tag, f"{parts.ds_tag}/")
+        inner = tag_index(tag, f"{parts.ds_tag}/")
         entries += [e for e in inner if not (weights and e.component is Component.MODEL)]
     if parts.dcp_folders:
         from ckptctl.frameworks.dcp.layout import dcp_tensor_index

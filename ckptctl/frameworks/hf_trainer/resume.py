@@ -10,8 +10,8 @@ from ckptctl import io
 from ckptctl.checkpoint import Checkpoint, Component
 from ckptctl.errors import CkptctlError
 from ckptctl.frameworks.dcp.resume import overwrite_warnings, reshards
-from ckptctl.frameworks.deepspeed import resume as deepspeed
 from ckptctl.frameworks.hf_trainer.layout import CHECKPOINT_DIR, RNG_FILE
+from ckptctl.layouts.parts.zero_tag import resume as zero_resume
 from ckptctl.layouts.resume import PlanContext, ResumeProfile, WorldSizeCheck, target_ranks
 
 __all__ = ["PROFILE"]
@@ -25,8 +25,8 @@ def _hint(ctx: PlanContext) -> str:
 
 def _world_size(ctx: PlanContext) -> WorldSizeCheck:
     checkpoint = ctx.checkpoint
-    if deepspeed.zero_facts(checkpoint):
-        return deepspeed.world_size(ctx)
+    if zero_resume.zero_facts(checkpoint):
+        return zero_resume.world_size(ctx)
     rng = sorted(int(m.group(1) or 0) if m.group(1) else -1 for f in checkpoint.files if (m := RNG_FILE.match(f)))
     saved = checkpoint.world_size
     target = target_ranks(ctx, saved) or 1

@@ -11,10 +11,10 @@ from ckptctl import io
 from ckptctl.checkpoint import Checkpoint, ChunkEncoding, TensorEntry
 from ckptctl.errors import CkptctlError
 from ckptctl.formats.safe_pickle import StandIn, state_fields
-from ckptctl.frameworks.deepspeed import layout as deepspeed
 from ckptctl.frameworks.lightning.layout import DEEPSPEED_TAG, _lightning_dict, _open
 from ckptctl.layouts.capabilities import ConvertSource, MasterWeights
 from ckptctl.layouts.naming import NameStripper, keep_name, strip_segments
+from ckptctl.layouts.parts.zero_tag.master_weights import checkpoint_master_weights
 
 __all__ = ["SOURCE"]
 
@@ -22,7 +22,7 @@ __all__ = ["SOURCE"]
 def _master_weights(checkpoint: Checkpoint, *, required: bool, notes: list[str]) -> MasterWeights | None:
     """A DeepSpeed folder's fp32 master weights (ZeRO's partitions, as `zero_to_fp32.py` rebuilds them)."""
     prefix = f"{DEEPSPEED_TAG}/" if DEEPSPEED_TAG in _top_folders(checkpoint) else None
-    return deepspeed.checkpoint_master_weights(checkpoint, prefix, required=required, notes=notes)
+    return checkpoint_master_weights(checkpoint, prefix, required=required, notes=notes)
 
 
 def _namespace_stripper(entries: Sequence[TensorEntry]) -> NameStripper:

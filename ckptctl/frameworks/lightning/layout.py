@@ -17,7 +17,7 @@ DIRPATH/                            ModelCheckpoint's dirpath (default: <default
 A DeepSpeed folder (lightning 2.6.6 `pytorch/strategies/deepspeed.py` `DeepSpeedStrategy.save_checkpoint`):
 `deepspeed_engine.save_checkpoint(filepath, client_state=<the checkpoint dict without state_dict and
 optimizer_states>, tag="checkpoint")`; the weights are the LightningModule's own state dict (no `state_dict.`
-key in front), the optimizer its ZeRO partitions. It is read with `frameworks.deepspeed`.
+key in front), the optimizer its ZeRO partitions. It is read with `layouts.parts.zero_tag`.
 
 A file is written at once (`_atomic_save`: a BytesIO, then an fsspec transaction), so it is complete when
 listed. Its keys (`checkpoint_connector.py` `dump_checkpoint`): `epoch`, `global_step`,
@@ -56,8 +56,6 @@ from ckptctl.formats.safe_pickle import FrameworkObject, StandIn, TensorRef, sta
 from ckptctl.formats.torch_pickle import TorchPickle, open_torch_pickle, storage_problems
 from ckptctl.formats.torch_zip import TorchArchive
 from ckptctl.frameworks.dcp.layout import DISTCP_RE, dcp_tensor_index, verify_dcp, world_size_of
-from ckptctl.frameworks.deepspeed import layout as deepspeed
-from ckptctl.frameworks.deepspeed.names import TagFiles
 from ckptctl.frameworks.hf.layout import torch_file_entries
 from ckptctl.io import DirEntry
 from ckptctl.layouts import peek_dir
@@ -71,6 +69,10 @@ from ckptctl.layouts.base import (
     newest_mtime,
     timestamp,
 )
+from ckptctl.layouts.parts.zero_tag.names import LATEST_NAME, TagFiles, missing_note, read_latest, tag_files
+from ckptctl.layouts.parts.zero_tag.tag import ENGINE_KEYS, missing_rank_files, read_tag
+from ckptctl.layouts.parts.zero_tag.tensor_index import tag_index
+from ckptctl.layouts.parts.zero_tag.verify import verify_tag
 from ckptctl.layouts.resume import ResumeProfile
 
 __all__ = ["DEEPSPEED_TAG", "LAST", "META", "SUFFIX", "LightningLayout", "name_fields"]
@@ -176,16 +178,16 @@ class LightningLayout(Layout):
     def _identify_deepspeed(self, url: str, entries: Sequence[DirEntry]) -> CheckpointRef | None:
         """A DeepSpeed `.ckpt` folder: complete once `latest` names its tag (DeepSpeed writes it after the rank
         files), broken when the tag lacks a rank file."""
-        tag = deepspeed.tag_files(peek_dir(io.join(url, DEEPSPEED_TAG)) or [])
+        tag = tag_files(peek_dir(io.join(url, DEEPSPEED_TAG)) or [])
         if tag is None:
             return None
         state, note = CheckpointState.COMPLETE, ""
-        if deepspeed.read_latest(url, entries) != DEEPSPEED_TAG:
+        if read_latest(url, entries) != DEEPSPEED_TAG:
             state = CheckpointState.IN_PROGRESS
-            note = f"no {deepspeed.LATEST_NAME} naming {DEEPSPEED_TAG}/ yet: DeepSpeed writes it after the rank files"
-        elif missing := deepspeed.missing_rank_files(io.join(url, DEEPSPEED_TAG), tag):
-            state, note = CheckpointState.BROKEN, f"{DEEPSPEED_TAG}/: {deepspeed.missing_note(missing)}"
-        return self._folder_ref(url, entries, deepspeed.LATEST_NAME, state, note, folder_size(url, entries))
+            note = f"no {LATEST_NAME} naming {DEEPSPEED_TAG}/ yet: DeepSpeed writes it after the rank files"
+        elif missing := missing_rank_files(io.join(url, DEEPSPEED_TAG), tag):
+            state, note = CheckpointState.BROKEN, f"{DEEPSPEED_TAG}/: {missing_note(missing)}"
+        return self._folder_ref(url, entries, LATEST_NAME, state, note, folder_size(url, entries))
 
     def _folder_ref(
         self, url: str, entries: Sequence[DirEntry], marker_name: str, state: CheckpointState, note: str, size: int
@@ -283,7 +285,7 @@ class LightningLayout(Layout):
             raise UnknownLayout(f"{url} is not a Lightning DeepSpeed checkpoint (no DeepSpeed tag {DEEPSPEED_TAG}/)")
         files = list_files(url)
         try:
-            tag = deepspeed.read_tag(io.join(url, DEEPSPEED_TAG))
+            tag = read_tag(io.join(url, DEEPSPEED_TAG))
         except CkptctlError as exc:
             error = exc
 
@@ -298,7 +300,7 @@ class LightningLayout(Layout):
 
         @cache
         def tensor_index() -> tuple[TensorEntry, ...]:
-            return deepspeed.tag_index(tag, f"{DEEPSPEED_TAG}/")
+            return tag_index(tag, f"{DEEPSPEED_TAG}/")
 
         components = set(tag.components())
         checkpoint = self._checkpoint(ref, root, components, tensor_index, files, "DeepSpeed save folder")
@@ -387,13 +389,13 @@ class LightningLayout(Layout):
 
     def _verify_deepspeed(self, url: str) -> list[Problem]:
         """The tag's rules (`verify_tag`), `latest` naming it, and Lightning's dict in its client state."""
-        problems = deepspeed.verify_tag(io.join(url, DEEPSPEED_TAG), f"{DEEPSPEED_TAG}/")
-        if deepspeed.read_latest(url, io.list_dir(url)) != DEEPSPEED_TAG:
+        problems = verify_tag(io.join(url, DEEPSPEED_TAG), f"{DEEPSPEED_TAG}/")
+        if read_latest(url, io.list_dir(url)) != DEEPSPEED_TAG:
             problems.append(
                 Problem(
                     ProblemKind.IN_PROGRESS,
-                    deepspeed.LATEST_NAME,
-                    f"no {deepspeed.LATEST_NAME} naming {DEEPSPEED_TAG}/: DeepSpeed writes it after the rank files, "
+                    LATEST_NAME,
+                    f"no {LATEST_NAME} naming {DEEPSPEED_TAG}/: DeepSpeed writes it after the rank files, "
                     "so the save has not finished",
                 )
             )
@@ -404,7 +406,7 @@ class LightningLayout(Layout):
             opened = _open(io.join(url, path), None)
         except CkptctlError as exc:
             return [*problems, Problem.from_error(exc, path)]
-        client = {k: v for k, v in opened.root.items() if k not in deepspeed.ENGINE_KEYS}
+        client = {k: v for k, v in opened.root.items() if k not in ENGINE_KEYS}
         return problems + _content_problems(client, path, require_state_dict=False)
 
     def _verify_sharded(self, url: str) -> list[Problem]:
@@ -431,7 +433,7 @@ class LightningLayout(Layout):
     def completion_markers(self, files: Mapping[str, int]) -> tuple[str, ...]:
         """A sharded folder's `.metadata` (DCP writes it after the data) and `meta.pt` (Lightning's, last); a
         DeepSpeed folder's `latest` (written after the tag)."""
-        names = (METADATA_NAME, META, deepspeed.LATEST_NAME)
+        names = (METADATA_NAME, META, LATEST_NAME)
         return tuple(name for name in names if name in files)
 
     def protections(self, series: Sequence[CheckpointRef]) -> Protections:
@@ -496,7 +498,7 @@ def _lightning_dict(folder: str) -> str:
     hyperparameters): a DeepSpeed folder's rank-0 model states (its client state), else `meta.pt`."""
     tag = io.join(folder, DEEPSPEED_TAG)
     if io.is_dir(tag):
-        files = deepspeed.tag_files(io.list_dir(tag))
+        files = tag_files(io.list_dir(tag))
         rank0 = files.rank0_model() if files is not None else None
         return f"{DEEPSPEED_TAG}/{rank0 or TagFiles.model_name_0(0)}"
     return META

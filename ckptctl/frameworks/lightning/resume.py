@@ -13,8 +13,8 @@ from collections.abc import Mapping
 from ckptctl import io
 from ckptctl.checkpoint import Component
 from ckptctl.frameworks.dcp.resume import overwrite_warnings, reshards
-from ckptctl.frameworks.deepspeed import resume as deepspeed
 from ckptctl.frameworks.lightning.layout import LAST
+from ckptctl.layouts.parts.zero_tag import resume as zero_resume
 from ckptctl.layouts.resume import PlanContext, ResumeProfile, WorldSizeCheck, target_ranks
 
 __all__ = ["PROFILE"]
@@ -31,8 +31,8 @@ def _hint(ctx: PlanContext) -> str:
 
 
 def _world_size(ctx: PlanContext) -> WorldSizeCheck:
-    if deepspeed.zero_facts(ctx.checkpoint):
-        return deepspeed.world_size(ctx)
+    if zero_resume.zero_facts(ctx.checkpoint):
+        return zero_resume.world_size(ctx)
     if io.is_dir(ctx.url):
         return reshards(ctx)
     target = target_ranks(ctx, None)
@@ -54,7 +54,7 @@ _IMPACTS: Mapping[Component, str] = {
 
 
 def _traps(ctx: PlanContext) -> list[str]:
-    return overwrite_warnings(ctx) if io.is_dir(ctx.url) and not deepspeed.zero_facts(ctx.checkpoint) else []
+    return overwrite_warnings(ctx) if io.is_dir(ctx.url) and not zero_resume.zero_facts(ctx.checkpoint) else []
 
 
 PROFILE = ResumeProfile(

@@ -8,9 +8,9 @@ from collections.abc import Sequence
 
 from ckptctl import io
 from ckptctl.checkpoint import Checkpoint
-from ckptctl.frameworks.deepspeed import layout as deepspeed
 from ckptctl.frameworks.open_instruct.layout import _SNAPSHOT, _SNAPSHOTS_SUFFIX, _listing
 from ckptctl.layouts.capabilities import ConvertSource, MasterWeights, default_config_folders
+from ckptctl.layouts.parts.zero_tag.master_weights import checkpoint_master_weights, tag_prefix
 
 __all__ = ["SOURCE"]
 
@@ -21,8 +21,8 @@ _MAX_SIBLINGS = 64
 
 def _master_weights(checkpoint: Checkpoint, *, required: bool, notes: list[str]) -> MasterWeights | None:
     """A tag's fp32 master weights, as DeepSpeed's zero_to_fp32 rebuilds them; a snapshot has none."""
-    prefix = deepspeed.tag_prefix(checkpoint)
-    return deepspeed.checkpoint_master_weights(checkpoint, prefix, required=required, notes=notes)
+    prefix = tag_prefix(checkpoint)
+    return checkpoint_master_weights(checkpoint, prefix, required=required, notes=notes)
 
 
 def _config_folders(checkpoint: Checkpoint) -> Sequence[str]:

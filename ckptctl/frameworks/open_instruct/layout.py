@@ -10,7 +10,7 @@ CHECKPOINT_STATE_DIR/                  (--checkpoint_state_dir)
 OUTPUT_DIR/{exp}__{seed}__{time}_checkpoints/step_{training_step}/   HF snapshots + .checkpoint_complete
 ```
 
-A tag is read with `frameworks.deepspeed.layout`; it is open-instruct's when it holds `driver_state.pt` or when
+A tag is read with `layouts.parts.zero_tag`; it is open-instruct's when it holds `driver_state.pt` or when
 `ref_policy/` lies beside it. Its step is the `training_step` of the client state (or of
 `driver_state.pt`), not the N of its name, which counts optimizer steps; so `identify` reads the rank-0
 `data.pkl` (small: references, no weights) and keeps what it found for `open`.
@@ -34,12 +34,22 @@ from ckptctl import io
 from ckptctl.checkpoint import Checkpoint, CheckpointRef, CheckpointState, Component, Problem, ProblemKind, Role
 from ckptctl.errors import CkptctlError, UnknownLayout
 from ckptctl.formats.torch_pickle import open_torch_pickle, storage_problems
-from ckptctl.frameworks.deepspeed import layout as deepspeed
 from ckptctl.frameworks.hf.layout import HfModelLayout, has_weights, model_markers, verify_model_files
 from ckptctl.frameworks.hf_trainer.layout import IN_PROGRESS_WINDOW_S
 from ckptctl.io import DirEntry
 from ckptctl.layouts import peek, peek_dir
-from ckptctl.layouts.base import Layout, folder_size, newest_mtime, timestamp
+from ckptctl.layouts.base import Layout, every_child_folder, folder_size, newest_mtime, timestamp
+from ckptctl.layouts.parts.zero_tag.folder import open_tag
+from ckptctl.layouts.parts.zero_tag.names import (
+    LATEST_NAME,
+    latest_problem,
+    missing_note,
+    read_latest,
+    tag_files,
+    tag_markers,
+)
+from ckptctl.layouts.parts.zero_tag.tag import ENGINE_KEYS, missing_rank_files
+from ckptctl.layouts.parts.zero_tag.verify import verify_tag
 from ckptctl.layouts.resume import ResumeProfile
 
 __all__ = ["COMPLETE_MARKER", "DRIVER_STATE_NAME", "REF_POLICY", "OpenInstructLayout"]
@@ -115,11 +125,11 @@ def _client_state(url: str, entries: Sequence[DirEntry]) -> _ClientState:
             driver_keys = frozenset(k for k in state if isinstance(k, str))
             scalars.update({k: v for k, v in state.items() if k in _COUNTERS and _scalar(v)})
             rng = _rng_keys(state.get(_RNG_KEY))
-        files = deepspeed.tag_files(entries)
+        files = tag_files(entries)
         rank0 = files.rank0_model() if files is not None else None
         if rank0 is not None:
             states = _read_dict(io.join(url, rank0), by_name[rank0])
-            client = {k: v for k, v in states.items() if isinstance(k, str) and k not in deepspeed.ENGINE_KEYS}
+            client = {k: v for k, v in states.items() if isinstance(k, str) and k not in ENGINE_KEYS}
             keys = set(client)
             for k, v in client.items():
                 if _scalar(v):
@@ -192,7 +202,7 @@ class OpenInstructLayout(Layout):
         m = _TAG.match(name)
         if m is None:
             return None
-        files = deepspeed.tag_files(entries)
+        files = tag_files(entries)
         if files is None:
             return None
         if DRIVER_STATE_NAME not in names and peek(io.parent_of(url), _has_ref_policy) is not True:
@@ -201,7 +211,7 @@ class OpenInstructLayout(Layout):
         missing = files.missing_from_names()
         client = _client_state(url, entries)
         if missing:
-            state, note = CheckpointState.BROKEN, deepspeed.missing_note(missing)
+            state, note = CheckpointState.BROKEN, missing_note(missing)
         elif client.error:
             state, note = CheckpointState.BROKEN, client.error
         elif fuller := _fuller_sibling(url, len(entries)):
@@ -210,8 +220,8 @@ class OpenInstructLayout(Layout):
                 f"{len(entries)} entries, fewer than {fuller[0]}'s {fuller[1]}: open-instruct deletes this folder at "
                 "start-up",
             )
-        elif missing := deepspeed.missing_rank_files(url, files):  # the highest rank's: no sibling is fuller
-            state, note = _unfinished(entries, deepspeed.missing_note(missing))
+        elif missing := missing_rank_files(url, files):  # the highest rank's: no sibling is fuller
+            state, note = _unfinished(entries, missing_note(missing))
         step = client.training_step
         return CheckpointRef(
             url=url,
@@ -245,19 +255,19 @@ class OpenInstructLayout(Layout):
 
     def latest_pointer(self, url: str, entries: Sequence[DirEntry]) -> str | None:
         """The tag the checkpoint state folder's `latest` names (what `--checkpoint_state_dir` resumes)."""
-        return deepspeed.read_latest(url, entries)
+        return read_latest(url, entries)
 
     def members(self, url: str, entries: Sequence[DirEntry]) -> frozenset[str]:
         """A tag: every child folder, as DeepSpeed's; a snapshot: none, as an HF model folder's."""
         if _SNAPSHOT.match(io.name_of(url)):
             return frozenset()
-        return deepspeed.DeepSpeedLayout().members(url, entries)
+        return every_child_folder(entries)
 
     def completion_markers(self, files: Mapping[str, int]) -> tuple[str, ...]:
         """A tag: DeepSpeed's markers; a snapshot: the model folder's, then `.checkpoint_complete`, which
         open-instruct writes once the snapshot is saved."""
         top = {name: size for name, size in files.items() if "/" not in name}
-        if tag := deepspeed.tag_markers(top):
+        if tag := tag_markers(top):
             return tag
         return (*model_markers(top), *((COMPLETE_MARKER,) if COMPLETE_MARKER in top else ()))
 
@@ -279,7 +289,7 @@ class OpenInstructLayout(Layout):
             model = HfModelLayout().open(url)
             snapshot = {"format": "open_instruct", "kind": "hf_snapshot", **model.metadata}
             return replace(model, ref=ref, metadata=snapshot, role=Role.EXPORT)
-        inner = deepspeed.DeepSpeedLayout().open(url)
+        inner = open_tag(url, self.name)
         client = _client_state(url, entries)
         components = set(inner.components)
         if client.rng_keys or _RNG_KEY in client.keys | client.driver_keys:
@@ -341,8 +351,8 @@ class OpenInstructLayout(Layout):
                     )
                 )
             return problems
-        problems = deepspeed.verify_tag(url)
-        pointer = deepspeed.latest_problem(io.parent_of(url), f"../{deepspeed.LATEST_NAME}")
+        problems = verify_tag(url)
+        pointer = latest_problem(io.parent_of(url), f"../{LATEST_NAME}")
         if pointer is not None:
             problems.append(pointer)
         if DRIVER_STATE_NAME in checkpoint.files:

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from ckptctl import io
 from ckptctl.errors import CkptctlError
-from ckptctl.frameworks.deepspeed import resume as deepspeed
-from ckptctl.frameworks.deepspeed.layout import read_latest
+from ckptctl.layouts.parts.zero_tag import resume as zero_resume
+from ckptctl.layouts.parts.zero_tag.names import read_latest
 from ckptctl.layouts.resume import PlanContext, ResumeProfile
 
 __all__ = ["PROFILE"]
@@ -29,8 +29,8 @@ def _universal_folder(tag: str) -> str:
 
 def _hint(ctx: PlanContext) -> str:
     save_dir = io.parent_of(ctx.url)
-    if not deepspeed.is_universal(ctx.checkpoint):
-        return f"--checkpoint_state_dir {save_dir}" + deepspeed.pointer_caveat(ctx, "latest")
+    if not zero_resume.is_universal(ctx.checkpoint):
+        return f"--checkpoint_state_dir {save_dir}" + zero_resume.pointer_caveat(ctx, "latest")
     name = io.name_of(ctx.url)
     latest = _latest(save_dir)
     if latest is not None and _universal_folder(latest) == name:
@@ -49,7 +49,7 @@ def _latest(save_dir: str) -> str | None:
         return None
 
 
-def _universal_fix(ctx: PlanContext, tag_url: str, conversion: deepspeed.Conversion | None) -> str:
+def _universal_fix(ctx: PlanContext, tag_url: str, conversion: zero_resume.Conversion | None) -> str:
     """open-instruct converts the tag `latest` names itself, at start-up, when asked to load universal
     checkpoints; an existing `ds_universal_{tag}` is loaded as it is."""
     save_dir, tag = io.parent_of(tag_url), io.name_of(tag_url)
@@ -95,9 +95,9 @@ def _notes(ctx: PlanContext) -> list[str]:
 PROFILE = ResumeProfile(
     framework="open-instruct",
     hint=_hint,
-    world_size=deepspeed.zero_world_size(_universal_fix),
+    world_size=zero_resume.zero_world_size(_universal_fix),
     notes=_notes,
-    impacts=deepspeed.IMPACTS,
+    impacts=zero_resume.IMPACTS,
     follows_pointer=True,
     export_name="an HF snapshot",
 )

@@ -10,7 +10,7 @@ CKPT_PATH/                          (--ckpt_path; >= v0.10.2 --ckpt.path)
 SFT/DPO/RM: the tags and `{tag}_hf` exports directly in CKPT_PATH.
 ```
 
-A tag is read with `frameworks.deepspeed.layout`; what makes it OpenRLHF's is the evidence around it: a `_actor` or
+A tag is read with `layouts.parts.zero_tag`; what makes it OpenRLHF's is the evidence around it: a `_actor` or
 `_critic` parent, its `metric.json`, a `best_` name, or `best_global_step*`/`*_hf` folders beside it (one
 listing of the save folder per scan, see `peek_dir`). The actor and the critic of one step are two
 checkpoints, as OpenRLHF writes them: two save folders, each with its own `latest` and its own rotation.
@@ -32,11 +32,28 @@ from ckptctl import io
 from ckptctl.checkpoint import Checkpoint, CheckpointRef, CheckpointState, Component, Problem, ProblemKind, Role
 from ckptctl.errors import CkptctlError, UnknownLayout
 from ckptctl.formats.documents import as_real, read_json
-from ckptctl.frameworks.deepspeed import layout as deepspeed
 from ckptctl.frameworks.hf.layout import HfModelLayout, has_weights, model_markers, verify_model_files
 from ckptctl.io import DirEntry
 from ckptctl.layouts import peek, peek_dir
-from ckptctl.layouts.base import Layout, Protections, folder_size, newest_mtime, timestamp
+from ckptctl.layouts.base import (
+    Layout,
+    Protections,
+    every_child_folder,
+    folder_size,
+    newest_mtime,
+    timestamp,
+)
+from ckptctl.layouts.parts.zero_tag.folder import open_tag
+from ckptctl.layouts.parts.zero_tag.names import (
+    LATEST_NAME,
+    latest_problem,
+    missing_note,
+    read_latest,
+    tag_files,
+    tag_markers,
+)
+from ckptctl.layouts.parts.zero_tag.tag import missing_rank_files
+from ckptctl.layouts.parts.zero_tag.verify import verify_tag
 from ckptctl.layouts.resume import ResumeProfile
 
 __all__ = ["METRIC_NAME", "OpenRlhfLayout"]
@@ -106,10 +123,10 @@ class OpenRlhfLayout(Layout):
         m = _TAG.match(name)
         if m is None:
             return None
-        files = deepspeed.tag_files(entries)
+        files = tag_files(entries)
         if files is None or not _is_tag_evidence(url, names):
             return None
-        missing = deepspeed.missing_rank_files(url, files)
+        missing = missing_rank_files(url, files)
         return CheckpointRef(
             url=url,
             layout=self.name,
@@ -118,16 +135,16 @@ class OpenRlhfLayout(Layout):
             created=timestamp(newest_mtime(entries)),
             state=CheckpointState.BROKEN if missing else CheckpointState.COMPLETE,
             size_bytes=folder_size(url, entries),
-            note=deepspeed.missing_note(missing),
+            note=missing_note(missing),
         )
 
     def latest_pointer(self, url: str, entries: Sequence[DirEntry]) -> str | None:
         """The tag the save folder's DeepSpeed `latest` file names (OpenRLHF resumes from it)."""
-        return deepspeed.read_latest(url, entries)
+        return read_latest(url, entries)
 
     def members(self, url: str, entries: Sequence[DirEntry]) -> frozenset[str]:
         """A tag: every child folder, as DeepSpeed's; an `*_hf` export: none, as an HF model folder's."""
-        return frozenset() if _EXPORT.match(io.name_of(url)) else deepspeed.DeepSpeedLayout().members(url, entries)
+        return frozenset() if _EXPORT.match(io.name_of(url)) else every_child_folder(entries)
 
     def open(self, url: str) -> Checkpoint:
         """A tag: DeepSpeed's reading, with OpenRLHF's step, role, counters and metric; an export: the
@@ -140,7 +157,7 @@ class OpenRlhfLayout(Layout):
             model = HfModelLayout().open(url)
             export = {"format": "openrlhf", "kind": "hf_export", **model.metadata}
             return replace(model, ref=replace(ref, created=model.ref.created), metadata=export, role=Role.EXPORT)
-        inner = deepspeed.DeepSpeedLayout().open(url)
+        inner = open_tag(url, self.name)
         progress = dict(inner.progress)
         global_step = progress.get("global_step")
         payload = _read_metric(url) if any(e.name == METRIC_NAME for e in entries) else None
@@ -184,8 +201,8 @@ class OpenRlhfLayout(Layout):
         url = checkpoint.url
         if _EXPORT.match(io.name_of(url)):
             return verify_model_files(url, checkpoint.files)
-        problems = deepspeed.verify_tag(url)
-        pointer = deepspeed.latest_problem(io.parent_of(url), f"../{deepspeed.LATEST_NAME}")
+        problems = verify_tag(url)
+        pointer = latest_problem(io.parent_of(url), f"../{LATEST_NAME}")
         if pointer is not None:
             problems.append(pointer)
         if METRIC_NAME in checkpoint.files:
@@ -207,7 +224,7 @@ class OpenRlhfLayout(Layout):
         """A tag: DeepSpeed's markers, then `metric.json`, which OpenRLHF writes after the DeepSpeed save; an
         export: the model folder's."""
         top = {name: size for name, size in files.items() if "/" not in name}
-        if tag := deepspeed.tag_markers(top):
+        if tag := tag_markers(top):
             return (*tag, *((METRIC_NAME,) if METRIC_NAME in top else ()))
         return model_markers(top)
 

@@ -18,9 +18,9 @@ from __future__ import annotations
 from ckptctl import io
 from ckptctl.checkpoint import CheckpointRef, CheckpointState
 from ckptctl.errors import CkptctlError
-from ckptctl.frameworks.deepspeed import resume as deepspeed
-from ckptctl.frameworks.deepspeed.names import LATEST_NAME, UNIVERSAL_LATEST_NAME, read_latest
 from ckptctl.layouts import detect, peek_dir, scan_run
+from ckptctl.layouts.parts.zero_tag import resume as zero_resume
+from ckptctl.layouts.parts.zero_tag.names import LATEST_NAME, UNIVERSAL_LATEST_NAME, read_latest
 from ckptctl.layouts.resume import LoadedAlong, PlanContext, ResumeProfile
 
 __all__ = ["PROFILE"]
@@ -137,20 +137,20 @@ def _notes(ctx: PlanContext) -> list[str]:
 def _hint(ctx: PlanContext) -> str:
     ckpt_path = _run(ctx.url)
     role = _role_dir(ctx)
-    if deepspeed.is_universal(ctx.checkpoint):
+    if zero_resume.is_universal(ctx.checkpoint):
         pointer = f"{role}/{UNIVERSAL_LATEST_NAME}" if role is not None else UNIVERSAL_LATEST_NAME
         return (
             f"--load_checkpoint --ckpt_path {ckpt_path} {_UNIVERSAL_FLAG} (OpenRLHF >= 0.10.2: --ckpt.load_enable "
-            f"--ckpt.path {ckpt_path} {_UNIVERSAL_FLAG_NEW})" + deepspeed.universal_pointer_caveat(ctx, pointer)
+            f"--ckpt.path {ckpt_path} {_UNIVERSAL_FLAG_NEW})" + zero_resume.universal_pointer_caveat(ctx, pointer)
         )
     pointer = f"{role}/{LATEST_NAME}" if role is not None else LATEST_NAME
     return (
         f"--load_checkpoint --ckpt_path {ckpt_path} (OpenRLHF >= 0.10.2: --ckpt.load_enable --ckpt.path {ckpt_path})"
-        + deepspeed.pointer_caveat(ctx, pointer)
+        + zero_resume.pointer_caveat(ctx, pointer)
     )
 
 
-def _universal_fix(ctx: PlanContext, tag_url: str, conversion: deepspeed.Conversion | None) -> str:
+def _universal_fix(ctx: PlanContext, tag_url: str, conversion: zero_resume.Conversion | None) -> str:
     """OpenRLHF's script converts the tags `latest` names, the actor's and the critic's, then a flag loads them."""
     flags = f"add {_UNIVERSAL_FLAG} (OpenRLHF >= 0.10.2: {_UNIVERSAL_FLAG_NEW})"
     if conversion is not None and not conversion.problem:
@@ -167,7 +167,7 @@ def _universal_fix(ctx: PlanContext, tag_url: str, conversion: deepspeed.Convers
 def _critic_universal(ctx: PlanContext) -> list[str]:
     """With the universal flag the critic loads what `_critic/latest_universal` names, too."""
     critic = io.join(_run(ctx.url), "_critic")
-    if not deepspeed.is_universal(ctx.checkpoint) or not io.is_dir(critic):
+    if not zero_resume.is_universal(ctx.checkpoint) or not io.is_dir(critic):
         return []
     try:
         entries = io.list_dir(critic)
@@ -190,11 +190,11 @@ def _all_notes(ctx: PlanContext) -> list[str]:
 PROFILE = ResumeProfile(
     framework="OpenRLHF",
     hint=_hint,
-    world_size=deepspeed.zero_world_size(_universal_fix),
+    world_size=zero_resume.zero_world_size(_universal_fix),
     run_of=_run,
     companion=_critic,
     loaded_with=_loaded_with,
     notes=_all_notes,
-    impacts=deepspeed.IMPACTS,
+    impacts=zero_resume.IMPACTS,
     follows_pointer=True,
 )

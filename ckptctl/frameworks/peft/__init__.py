@@ -1,1 +1,1 @@
-"""PEFT adapters (`adapter_config.json` + `adapter_model.safetensors`) and LoRA modules inside model state dicts."""
+"""PEFT adapter folders (`adapter_config.json` + `adapter_model.safetensors`), read with `layouts.parts.lora`."""

@@ -175,11 +175,21 @@ class Staging:
         # The lock goes last: a removal cut short (the launcher's SIGKILL after its SIGTERM, seen on a loaded
         # machine) leaves a folder whose lock nobody holds, which the next conversion removes; a folder
         # without its lock would be judged still being created, and stay.
-        if os.path.isdir(self.root):
-            for name in os.listdir(self.root):
-                if name != _LOCK_NAME:
-                    shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
-        shutil.rmtree(self.root, ignore_errors=True)
+        # Through descriptors, never following a link: one swapped in for the folder is removed, not emptied.
+        with contextlib.suppress(OSError):
+            root_fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+            try:
+                for name in os.listdir(root_fd):
+                    if name != _LOCK_NAME:
+                        trash.remove_entry(root_fd, name)
+            finally:
+                os.close(root_fd)
+        with contextlib.suppress(OSError):
+            parent_fd = os.open(self.parent, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                trash.remove_entry(parent_fd, os.path.basename(self.root))
+            finally:
+                os.close(parent_fd)
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None

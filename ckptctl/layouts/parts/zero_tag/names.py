@@ -20,6 +20,9 @@ LATEST_NAME = "latest"
 UNIVERSAL_LATEST_NAME = "latest_universal"
 #: The folder of a universal checkpoint holding one folder of states per parameter.
 UNIVERSAL_STATES_DIR = "zero"
+#: The registry name of the layout of universal checkpoints (`frameworks.deepspeed.universal`), which the
+#: resume rules of every framework built on DeepSpeed tell apart from its tags.
+UNIVERSAL_LAYOUT = "deepspeed_universal"
 #: The names of DeepSpeed's rank files (the one definition every module uses): model states, one per MP
 #: rank under ZeRO 0-2 and one per DP and MP rank under ZeRO-3; optimizer states, one per DP and MP rank.
 MODEL_STATES = re.compile(r"^(?:zero_pp_rank_(?P<dp>\d+)_)?mp_rank_(?P<mp>\d+)_model_states\.pt$")

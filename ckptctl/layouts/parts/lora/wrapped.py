@@ -12,8 +12,8 @@ DCP save of `model.state_dict()`, verl's shards) holds, per adapted layer:
     base_model.model.model.layers.0.self_attn.q_proj.lora_B.default.weight
 
 The factors' shapes give each module's rank, but not its alpha: the scaling comes from the run's
-`adapter_config.json` or verl's `lora_train_meta.json` (`frameworks.peft.settings`). The merge is the
-one of adapter folders (`frameworks.peft.lora`), into the base layer's weight, written under the base
+`adapter_config.json` or verl's `lora_train_meta.json` (`settings`). The merge is the
+one of adapter folders (`factors`), into the base layer's weight, written under the base
 model's own name (`model.layers.0.self_attn.q_proj.weight`), as PEFT's `merge_and_unload` leaves it.
 """
 
@@ -27,10 +27,10 @@ from typing import Any
 
 from ckptctl.checkpoint import TensorEntry
 from ckptctl.errors import CkptctlError
-from ckptctl.frameworks.peft.layout import ADAPTER_WEIGHTS
-from ckptctl.frameworks.peft.lora import PEFT_PREFIX, Factors, factor_problems, merged_weight, read_from
-from ckptctl.frameworks.peft.settings import ADAPTER_CONFIG, LORA_TRAIN_META, LoraSettings, parse_settings
 from ckptctl.layouts.capabilities import DerivedTensor, ModelTensors
+from ckptctl.layouts.parts.lora.adapter import ADAPTER_WEIGHTS
+from ckptctl.layouts.parts.lora.factors import PEFT_PREFIX, Factors, factor_problems, merged_weight, read_from
+from ckptctl.layouts.parts.lora.settings import ADAPTER_CONFIG, LORA_TRAIN_META, LoraSettings, parse_settings
 from ckptctl.layouts.wrapped import GivenScaling, WrappedAdapter, WrappedModel
 
 __all__ = ["lora_wrapped"]

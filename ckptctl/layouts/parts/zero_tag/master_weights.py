@@ -9,10 +9,10 @@ from ckptctl import io
 from ckptctl.checkpoint import Checkpoint, Component, TensorEntry
 from ckptctl.errors import CkptctlError, CorruptCheckpoint
 from ckptctl.formats.safe_pickle import TensorRef
-from ckptctl.frameworks.deepspeed.names import is_rank_file
-from ckptctl.frameworks.deepspeed.tag import DeepSpeedTag, read_tag
-from ckptctl.frameworks.deepspeed.zero_index import IndexBuilder, param_groups, tag_index
 from ckptctl.layouts.capabilities import MasterWeights
+from ckptctl.layouts.parts.zero_tag.names import is_rank_file
+from ckptctl.layouts.parts.zero_tag.tag import DeepSpeedTag, read_tag
+from ckptctl.layouts.parts.zero_tag.tensor_index import IndexBuilder, param_groups, tag_index
 
 #: Dtypes whose buffers zero_to_fp32 returns as float32 (`v.float() if v.is_floating_point()`).
 _FLOATING = frozenset({"float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"})

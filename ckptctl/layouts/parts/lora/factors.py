@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING
 
 from ckptctl.checkpoint import Problem, ProblemKind, TensorEntry
 from ckptctl.errors import CkptctlError
-from ckptctl.frameworks.peft.settings import LoraSettings
 from ckptctl.layouts.capabilities import DerivedTensor
+from ckptctl.layouts.parts.lora.settings import LoraSettings
 
 if TYPE_CHECKING:
     import torch

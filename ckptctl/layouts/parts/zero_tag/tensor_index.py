@@ -20,7 +20,7 @@ from ckptctl.errors import CorruptCheckpoint
 from ckptctl.formats.chunks import flat_range_boxes
 from ckptctl.formats.safe_pickle import TensorRef
 from ckptctl.formats.torch_pickle import TorchPickle, tensor_refs
-from ckptctl.frameworks.deepspeed.tag import DeepSpeedTag, base_state, optimizer_state_dict
+from ckptctl.layouts.parts.zero_tag.tag import DeepSpeedTag, base_state, optimizer_state_dict
 
 #: A parameter's piece on one rank: (DP rank, group, first element in the rank's flat group tensor,
 #: first and one-past-last element of the piece in the full parameter, flattened).

@@ -7,16 +7,16 @@ from ckptctl.checkpoint import Problem, ProblemKind
 from ckptctl.errors import CkptctlError, CorruptCheckpoint
 from ckptctl.formats.chunks import coverage_problems
 from ckptctl.formats.torch_pickle import TorchPickle, storage_problems
-from ckptctl.frameworks.deepspeed.names import expected_rank_files, tag_files
-from ckptctl.frameworks.deepspeed.tag import (
+from ckptctl.layouts.base import LISTED_ABSENT
+from ckptctl.layouts.parts.zero_tag.names import expected_rank_files, tag_files
+from ckptctl.layouts.parts.zero_tag.tag import (
     DeepSpeedTag,
     enum_value,
     optimizer_state_dict,
     read_partition_count,
     read_tag,
 )
-from ckptctl.frameworks.deepspeed.zero_index import tag_index
-from ckptctl.layouts.base import LISTED_ABSENT
+from ckptctl.layouts.parts.zero_tag.tensor_index import tag_index
 
 
 def verify_tag(url: str, path_prefix: str = "") -> list[Problem]:

@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ckptctl.checkpoint import TensorEntry
-from ckptctl.frameworks.deepspeed.names import is_rank_file
 from ckptctl.layouts.naming import NameStripper
+from ckptctl.layouts.parts.zero_tag.names import is_rank_file
 
 __all__ = ["WRAPPER_PREFIXES", "wrapper_prefix", "wrapper_stripper"]
 

@@ -80,15 +80,12 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.slow)
 
 
-def build_once(
-    tmp_path_factory: pytest.TempPathFactory, name: str, build: Callable[[Path], T], *, private: bool = False
-) -> T:
+def build_once(tmp_path_factory: pytest.TempPathFactory, name: str, build: Callable[[Path], T]) -> T:
     """`build(folder)` for a session fixture, run once per machine while the writer's code and the frameworks
     stay the same, and read by every test run after (`tests.writer_cache`: its cache folder, key and rules).
 
-    The cached folder is shared: its tests only read it (a test that writes to it fails the session). The
-    fixtures whose tests change what they get pass `private`: each run then gets its own copy (in the run's
-    temp folder) and what `build` returned, with its paths moved into that copy.
+    The cached folder is shared: tests only read it, and copy what they change (`copy_tree`; a test that
+    writes into it fails the session). Its files are dated as if written at the start of the run.
 
     Under pytest-xdist every worker runs session fixtures of its own: the first worker to ask fetches the
     entry (building it if no run has) under a file lock into a folder all workers of the run share, and
@@ -100,7 +97,8 @@ def build_once(
 
     def fetch(folder: Path) -> T:
         built = entry.get(lambda out: _build_retrying(build, out))
-        return writer_cache.copy_private(built, entry.out, folder / "copy") if private else built
+        writer_cache.refresh(entry)
+        return built
 
     return _once_per_run(tmp_path_factory, name, fetch)
 
@@ -135,12 +133,12 @@ def _once_per_run(tmp_path_factory: pytest.TempPathFactory, name: str, build: Ca
 @pytest.fixture(scope="session", autouse=True)
 def _cached_outputs_unchanged() -> Iterator[None]:
     """Fails the session when one of its tests changed a writer's output in the cache (and drops that entry,
-    so that the next run builds it again): tests copy what they change, or their fixture is `private`."""
+    so that the next run builds it again): tests copy what they change."""
     yield
     changed = writer_cache.changed_entries()
     if changed:
         pytest.fail(
-            "tests changed cached writer outputs (copy_tree them first, or make the fixture private):\n"
+            "tests changed cached writer outputs (copy_tree what a test changes):\n"
             + "\n".join(f"{entry.name} ({entry.out}): {', '.join(files[:8])}" for entry, files in changed.items())
         )
 

@@ -1,4 +1,5 @@
-"""The writers' output cache (tests/writer_cache.py): keys, a killed build, a test that writes into an entry."""
+"""The writers' output cache (tests/writer_cache.py): keys, a killed build, a test that writes into an entry,
+the files' times."""
 
 from __future__ import annotations
 
@@ -6,13 +7,13 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from tests import writer_cache
-from tests.writer_cache import Entry
 
 
 @pytest.fixture
@@ -113,14 +114,20 @@ def test_a_changed_entry_is_named_and_dropped(cache: Path) -> None:
     assert not entry.record.exists()  # the next run builds it again
 
 
-def test_a_private_copy_moves_the_paths_and_leaves_the_entry(tmp_path: Path, cache: Path) -> None:
-    entry = writer_cache.entry_for("fixture", _write)
-    assert isinstance(entry, Entry)
-    built = entry.get(_write)
-    copy = writer_cache.copy_private({**built, "name": str(entry.out / "x")}, entry.out, tmp_path / "copy")
-    assert copy == {"weights": tmp_path / "copy" / "weights.bin", "name": str(tmp_path / "copy" / "x")}
-    (tmp_path / "copy" / "weights.bin").write_bytes(b"")
-    assert entry.changes() == [] and os.stat(entry.out / "weights.bin").st_nlink == 1
+def test_a_refresh_dates_the_newest_file_now_and_keeps_the_order(cache: Path) -> None:
+    def build(folder: Path) -> None:
+        for age, name in ((7200, "old"), (3600, "newer")):
+            (folder / name).write_text(name)
+            os.utime(folder / name, (time.time() - age, time.time() - age))
+        os.utime(folder, (time.time() - 3600, time.time() - 3600))
+
+    entry = writer_cache.entry_for("fixture", build)
+    assert entry is not None
+    entry.get(build)
+    writer_cache.refresh(entry)
+    old, newer = (os.stat(entry.out / name).st_mtime for name in ("old", "newer"))
+    assert abs(time.time() - newer) < 60 and 3590 < newer - old < 3610
+    assert entry.changes() == []  # times are not the files' content
 
 
 def test_off_builds_per_run(monkeypatch: pytest.MonkeyPatch) -> None:

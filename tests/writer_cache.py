@@ -16,9 +16,11 @@ hands every later run (every xdist worker, every checkout on the machine) the sa
   record, and the next one builds that folder again from empty. The build writes in the entry's own
   folder rather than into one renamed afterwards, because writers record absolute paths in what they write
   (PEFT's `base_model_name_or_path`, the Trainer's `training_args.bin`) and the tests compare them.
-- Read only: the record lists the entry's files (size, mtime, ctime); when the session ends, the entries
-  it used are listed again and a difference fails the session (and drops the entry, which the next run
-  builds again). Fixtures whose tests change what they get hand each run a copy (`private`).
+- Read only: tests copy what they change (`copy_tree`). The record lists the entry's files (type, size,
+  SHA-256); when the session ends, the entries it used are listed again and a difference fails the session
+  (and drops the entry, which the next run builds again).
+- Fresh: each run moves the times of an entry's files forward (`refresh`), so that its newest file is
+  dated at the run's start, as when every run wrote its own.
 - Bounded: a new entry removes those of the same fixture that no run used for a day, beyond the newest 3.
 """
 
@@ -32,12 +34,12 @@ import hashlib
 import importlib.metadata
 import importlib.util
 import inspect
-import io
 import json
 import os
 import pickle
 import re
 import shutil
+import stat
 import sys
 import textwrap
 import time
@@ -45,12 +47,12 @@ import types
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path, PurePath
+from pathlib import Path
 from typing import Any, TypeVar
 
 from filelock import FileLock, Timeout
 
-__all__ = ["ENV", "Entry", "Unkeyable", "cache_root", "changed_entries", "copy_private", "entry_for", "key_of"]
+__all__ = ["ENV", "Entry", "Unkeyable", "cache_root", "changed_entries", "entry_for", "key_of", "refresh"]
 
 T = TypeVar("T")
 
@@ -59,8 +61,9 @@ REPO = Path(__file__).resolve().parents[1]
 _PROJECT = ("tests", "ckptctl")
 #: Part of every key: a change to what an entry holds or how it is keyed here makes all entries new.
 _FORMAT = "1"
-#: A string constant naming a project module (`[sys.executable, "-m", "tests.core._workers"]`): reached too.
-_MODULE_NAME = re.compile(r"(?:tests|ckptctl)(?:\.\w+)+")
+#: A string constant naming a project module (`[sys.executable, "-m", "tests.core._workers"]`, or something in
+#: it: "ckptctl.frameworks.dcp.layout:DcpLayout"): that module is reached too.
+_MODULE_NAME = re.compile(r"(?:tests|ckptctl)(?:[.:]\w+)+")
 _KEEP_NEWEST = 3
 _KEEP_USED_WITHIN_S = 86400
 
@@ -120,7 +123,7 @@ class Entry:
         _evict_siblings(self)
         return value
 
-    def _read(self) -> tuple[Any, dict[str, tuple[int, ...]]] | None:
+    def _read(self) -> tuple[Any, dict[str, tuple[object, ...]]] | None:
         if not self.record.exists():
             return None
         built_at, listing, value = pickle.loads(self.record.read_bytes())  # written by this cache's own code
@@ -175,47 +178,36 @@ def changed_entries() -> dict[Entry, list[str]]:
     return changed
 
 
-def copy_private(value: T, src: Path, dst: Path) -> T:
-    """A copy of the folder `src` at `dst` (no hard links: a test writing into it leaves `src` alone) and
-    `value` with every path inside `src` moved to the same place inside `dst`."""
-    shutil.copytree(src, dst, symlinks=True)
-    return _moved(value, src, dst)
+def refresh(entry: Entry) -> None:
+    """Move the times of the entry's files forward, keeping their order and gaps, so that its newest file
+    is dated now: the run reads it as written at its start, as it did when each run wrote its own (layouts
+    call a checkpoint without its completion marker in progress while its files are recent, broken after).
+    The newest go first, so that a concurrent run never sees two files in another order."""
+    paths = [entry.out, *entry.out.rglob("*")]
+    times = {path: os.lstat(path).st_mtime_ns for path in paths}
+    shift = time.time_ns() - max(times.values())
+    if shift <= 0:
+        return
+    for path in sorted(paths, key=times.__getitem__, reverse=True):
+        os.utime(path, ns=(times[path] + shift, times[path] + shift), follow_symlinks=False)
 
 
-def _moved(value: T, src: Path, dst: Path) -> T:
-    prefix = str(src) + os.sep
-
-    def moved(path: str) -> str | None:
-        if path == str(src):
-            return str(dst)
-        return str(dst) + os.sep + path[len(prefix) :] if path.startswith(prefix) else None
-
-    class Pickler(pickle.Pickler):
-        def persistent_id(self, obj: Any) -> Any:
-            if isinstance(obj, PurePath) and (new := moved(str(obj))) is not None:
-                return ("path", type(obj), new)
-            if isinstance(obj, str) and (new := moved(obj)) is not None:
-                return ("str", str, new)
-            return None
-
-    class Unpickler(pickle.Unpickler):
-        def persistent_load(self, pid: Any) -> Any:
-            _, kind, new = pid
-            return kind(new)
-
-    buffer = io.BytesIO()
-    Pickler(buffer).dump(value)
-    buffer.seek(0)
-    return Unpickler(buffer).load()  # type: ignore[no-any-return]
-
-
-def _listing(folder: Path) -> dict[str, tuple[int, ...]]:
-    listing = {}
+def _listing(folder: Path) -> dict[str, tuple[object, ...]]:
+    """Each file's and folder's type and permissions, size and SHA-256 (a link's target), by relative path:
+    what a test may not change. (Times are left out: `refresh` moves them.)"""
+    listing: dict[str, tuple[object, ...]] = {}
     for dirpath, dirnames, filenames in os.walk(folder):
         for name in (*dirnames, *filenames):
             path = os.path.join(dirpath, name)
             st = os.lstat(path)
-            listing[os.path.relpath(path, folder)] = (st.st_mode, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+            if stat.S_ISLNK(st.st_mode):
+                content: str | None = os.readlink(path)
+            elif stat.S_ISREG(st.st_mode):
+                with open(path, "rb") as f:
+                    content = hashlib.file_digest(f, "sha256").hexdigest()
+            else:
+                content = None
+            listing[os.path.relpath(path, folder)] = (st.st_mode, st.st_size, content)
     return listing
 
 
@@ -380,7 +372,10 @@ def _referenced(tree: ast.AST, module: str) -> list[str]:
             if _top(base) in _PROJECT:  # `from tests.writers import openrlhf_writer`: a module too
                 found += [f"{base}.{alias.name}" for alias in node.names if _module_file(f"{base}.{alias.name}")]
         elif isinstance(node, ast.Constant) and isinstance(node.value, str) and _MODULE_NAME.fullmatch(node.value):
-            found += [node.value] if _module_file(node.value) else []
+            # `-m tests.core._workers`, a registry's "ckptctl.frameworks.dcp.layout:DcpLayout": the module named
+            parts = re.split(r"[.:]", node.value)
+            named = (".".join(parts[:n]) for n in range(len(parts), 1, -1))
+            found += [name for name in named if _module_file(name)][:1]
     return list(dict.fromkeys(found))
 
 

@@ -95,12 +95,7 @@ def build_once(tmp_path_factory: pytest.TempPathFactory, name: str, build: Calla
     if entry is None:  # CKPTCTL_TEST_CACHE=off, or a build closing over a value pickle cannot write
         return _once_per_run(tmp_path_factory, name, lambda folder: _build_retrying(build, folder))
 
-    def fetch(folder: Path) -> T:
-        built = entry.get(lambda out: _build_retrying(build, out))
-        writer_cache.refresh(entry)
-        return built
-
-    return _once_per_run(tmp_path_factory, name, fetch)
+    return _once_per_run(tmp_path_factory, name, lambda _: entry.get(lambda out: _build_retrying(build, out)))
 
 
 def _once_per_run(tmp_path_factory: pytest.TempPathFactory, name: str, build: Callable[[Path], T]) -> T:

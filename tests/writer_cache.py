@@ -6,9 +6,9 @@ hands every later run (every xdist worker, every checkout on the machine) the sa
 
 - The key: a SHA-256 of the build function's source and the files of every project module it reaches (its
   module and, transitively, the `tests`/`ckptctl` modules those import or run as `python -m NAME`), the
-  versions of the distributions those modules import and of what they require (importlib.metadata),
-  Python's and torch's versions, and the data the build is handed (another entry's paths). A changed writer
-  or helper rebuilds the entries that reach it; a fresh clone (or machine) builds them all.
+  versions of the distributions those modules import (importlib.metadata), Python's and torch's versions,
+  and the data the build is handed (another entry's paths). A changed writer or helper rebuilds the
+  entries that reach it; a fresh clone (or machine) builds them all.
 - Where: `$CKPTCTL_TEST_CACHE`, else `$XDG_CACHE_HOME/ckptctl-tests`, else `~/.cache/ckptctl-tests`;
   `CKPTCTL_TEST_CACHE=off` builds into the run's temp folder, as before the cache. Deleting it is safe.
 - Safe to share: an entry is built under a file lock on its key (other workers and runs wait, then read)
@@ -19,8 +19,8 @@ hands every later run (every xdist worker, every checkout on the machine) the sa
 - Read only: tests copy what they change (`copy_tree`). The record lists the entry's files (type, size,
   SHA-256); when the session ends, the entries it used are listed again and a difference fails the session
   (and drops the entry, which the next run builds again).
-- Fresh: each run moves the times of an entry's files forward (`refresh`), so that its newest file is
-  dated at the run's start, as when every run wrote its own.
+- Fresh: each run moves the times of an entry's files forward (`Entry.refresh`), so that its newest file
+  is dated at the run's start, as when every run wrote its own.
 - Bounded: a new entry removes those of the same fixture that no run used for a day, beyond the newest 3.
 """
 
@@ -52,7 +52,7 @@ from typing import Any, TypeVar
 
 from filelock import FileLock, Timeout
 
-__all__ = ["ENV", "Entry", "Unkeyable", "cache_root", "changed_entries", "entry_for", "key_of", "refresh"]
+__all__ = ["ENV", "Entry", "Unkeyable", "cache_root", "changed_entries", "entry_for", "key_of"]
 
 T = TypeVar("T")
 
@@ -103,15 +103,14 @@ class Entry:
     def lock(self) -> FileLock:
         return FileLock(str(self.root / f"{self.folder.name}.lock"))
 
-    def get(self, build: Callable[[Path], T], before_build: Callable[[], None] = lambda: None) -> T:
-        """What `build(out)` returned, building it first (under the entry's lock) when no run has yet.
-        `before_build` runs under the lock when this process is about to build (to fail instead)."""
+    def get(self, build: Callable[[Path], T]) -> T:
+        """What `build(out)` returned, building it first (under the entry's lock) when no run has yet; its
+        files dated as if written now (`Entry.refresh`)."""
         with self.lock():
             found = self._read()
             if found is not None:
-                value, _ = found
-                return value  # type: ignore[no-any-return]
-            before_build()
+                self.refresh()
+                return found[0]  # type: ignore[no-any-return]
             if self.folder.exists():
                 shutil.rmtree(self.folder)  # a killed build's, or a dropped entry's
             self.out.mkdir(parents=True)
@@ -122,6 +121,17 @@ class Entry:
             (self.folder / "used").touch()
         _evict_siblings(self)
         return value
+
+    def refresh(self) -> None:
+        """Move the times of the files forward, keeping their order and gaps, so that the newest is dated now:
+        the run reads the entry as written at its start, as it did when each run wrote its own (layouts call a
+        checkpoint without its completion marker in progress while its files are recent, broken after). The
+        newest go first, so that a run reading it meanwhile never sees two files in another order."""
+        paths = [self.out, *self.out.rglob("*")]
+        times = {path: os.lstat(path).st_mtime_ns for path in paths}
+        shift = time.time_ns() - max(times.values())
+        for path in sorted(paths, key=times.__getitem__, reverse=True):
+            os.utime(path, ns=(times[path] + shift, times[path] + shift), follow_symlinks=False)
 
     def _read(self) -> tuple[Any, dict[str, tuple[object, ...]]] | None:
         if not self.record.exists():
@@ -178,23 +188,9 @@ def changed_entries() -> dict[Entry, list[str]]:
     return changed
 
 
-def refresh(entry: Entry) -> None:
-    """Move the times of the entry's files forward, keeping their order and gaps, so that its newest file
-    is dated now: the run reads it as written at its start, as it did when each run wrote its own (layouts
-    call a checkpoint without its completion marker in progress while its files are recent, broken after).
-    The newest go first, so that a concurrent run never sees two files in another order."""
-    paths = [entry.out, *entry.out.rglob("*")]
-    times = {path: os.lstat(path).st_mtime_ns for path in paths}
-    shift = time.time_ns() - max(times.values())
-    if shift <= 0:
-        return
-    for path in sorted(paths, key=times.__getitem__, reverse=True):
-        os.utime(path, ns=(times[path] + shift, times[path] + shift), follow_symlinks=False)
-
-
 def _listing(folder: Path) -> dict[str, tuple[object, ...]]:
     """Each file's and folder's type and permissions, size and SHA-256 (a link's target), by relative path:
-    what a test may not change. (Times are left out: `refresh` moves them.)"""
+    what a test may not change. (Times are left out: `Entry.refresh` moves them.)"""
     listing: dict[str, tuple[object, ...]] = {}
     for dirpath, dirnames, filenames in os.walk(folder):
         for name in (*dirnames, *filenames):
@@ -299,7 +295,10 @@ class _Reach:
             self.module(module)  # its whole module (and what that reaches)
             return
         # Defined in a conftest or inside a function: its own source, and what it names.
-        source = textwrap.dedent(inspect.getsource(obj))
+        try:
+            source = textwrap.dedent(inspect.getsource(obj))
+        except (OSError, TypeError) as exc:  # defined in a string, or in a file gone since
+            raise Unkeyable(f"no source for {obj.__qualname__} ({exc}): built per run") from exc
         self.texts.append(source)
         with contextlib.suppress(SyntaxError):  # a lambda's lines may not parse alone
             self.statements(ast.parse(source), module)
@@ -380,13 +379,14 @@ def _referenced(tree: ast.AST, module: str) -> list[str]:
 
 
 def _methods(cls: type) -> Iterator[types.FunctionType]:
-    """The functions written in `cls`'s body (not those `dataclass` generates)."""
+    """The functions written in `cls`'s body (not those `dataclass` generates, nor its `__repr__` wrapper)."""
+    source = getattr(sys.modules.get(cls.__module__), "__file__", None)
     for value in vars(cls).values():
         if isinstance(value, staticmethod | classmethod):
             value = value.__func__
         if isinstance(value, property):
             value = value.fget
-        if isinstance(value, types.FunctionType) and not value.__code__.co_filename.startswith("<"):
+        if isinstance(value, types.FunctionType) and value.__code__.co_filename == source:
             yield value
 
 

@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 from ckptctl.core import CheckpointManager
 from ckptctl.errors import CkptctlError, UnsafePickle
-from ckptctl.formats.digest import file_digest
+from tests.hostile.conftest import demo_state, refresh_manifest
 from tests.hostile.harness import run_ckptctl
 
 #: The bytes item replaced in every case: AdamW's learning rate of the first parameter group.
@@ -116,13 +116,7 @@ def _plant(step_dir: Path, archive: bytes) -> None:
     metadata.storage_data[index] = _StorageInfo(info.relative_path, offset, len(archive))
     with open(dcp_dir / ".metadata", "wb") as f:
         pickle.dump(metadata, f)
-    manifest_path = step_dir / "ckptctl-manifest.json"
-    manifest = json.loads(manifest_path.read_text())
-    for rel in (".metadata", info.relative_path):
-        record = manifest["files"][f"dcp/{rel}"]
-        record["size"] = (dcp_dir / rel).stat().st_size
-        record["blake3"] = file_digest(str(dcp_dir / rel))
-    manifest_path.write_text(json.dumps(manifest))
+    refresh_manifest(step_dir, "dcp/.metadata", f"dcp/{info.relative_path}")
 
 
 @pytest.fixture(scope="session")
@@ -137,15 +131,6 @@ def hostile_runs(demo_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tu
         _plant(run / "step-30", _torch_save_archive_with(data_pkl))
         runs[name] = run
     return runs, marker
-
-
-def _demo_state() -> dict[str, object]:
-    from ckptctl.demo import _model
-
-    model = _model()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
-    return {"model": model, "optimizer": optimizer, "scheduler": scheduler}
 
 
 def test_the_payloads_are_live(tmp_path: Path) -> None:
@@ -168,7 +153,7 @@ PAYLOAD_NAMES = sorted(_payloads(Path("/x")))
 def test_restore_refuses_a_crafted_bytes_item(name: str, hostile_runs: tuple[dict[str, Path], Path]) -> None:
     runs, marker = hostile_runs
     with pytest.raises(CkptctlError) as caught:
-        CheckpointManager(str(runs[name])).restore(_demo_state(), step=30)
+        CheckpointManager(str(runs[name])).restore(demo_state(), step=30)
     assert not marker.exists(), f"the {name} payload ran inside restore()"
     assert isinstance(caught.value, UnsafePickle) or "pickle" in caught.value.message
     assert TARGET_ITEM in caught.value.message
@@ -177,7 +162,7 @@ def test_restore_refuses_a_crafted_bytes_item(name: str, hostile_runs: tuple[dic
 def test_restore_of_the_clean_run_loads_the_saved_values(demo_dir: Path, tmp_path: Path) -> None:
     """The safe reader loads real bytes items with their saved values (not defaults)."""
     run = shutil.copytree(demo_dir / "distributed", tmp_path / "run")
-    state = _demo_state()
+    state = demo_state()
     optimizer: torch.optim.AdamW = state["optimizer"]  # type: ignore[assignment]
     optimizer.param_groups[0]["lr"] = 123.0
     optimizer.param_groups[0]["betas"] = (0.1, 0.2)

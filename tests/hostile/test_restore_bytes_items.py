@@ -23,9 +23,10 @@ import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 from ckptctl.core import CheckpointManager
-from ckptctl.errors import CkptctlError, UnsafePickle
+from ckptctl.errors import CkptctlError, CorruptCheckpoint, UnsafePickle
 from tests.hostile.conftest import demo_state, refresh_manifest
 from tests.hostile.harness import run_ckptctl
+from tests.hostile.pickle_payloads import PAYLOADS
 
 #: The bytes item replaced in every case: AdamW's learning rate of the first parameter group.
 TARGET_ITEM = "optimizer.param_groups.0.lr"
@@ -198,3 +199,35 @@ def test_verify_of_the_run_fails_and_resume_plan_skips_the_step(hostile_runs: tu
     chosen = json.loads(plan.stdout)["checkpoint"]
     assert chosen is not None and chosen["step"] == 20
     assert not marker.exists()
+
+
+@pytest.fixture(scope="session")
+def flooded_runs(demo_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], Path]:
+    """(where, payload) -> a copy of the demo's 2-rank run whose newest step holds a hostile pickle of
+    `pickle_payloads` (deep, flooding, copying; no code-running global) as `dcp/.metadata` or as the pickle
+    of TARGET_ITEM's bytes item."""
+    root = tmp_path_factory.mktemp("hostile-dcp-pickles")
+    runs = {}
+    for name, build in PAYLOADS.items():
+        for where in ("metadata", "bytes_item"):
+            run = shutil.copytree(demo_dir / "distributed", root / f"{where}-{name}")
+            step = run / "step-30"
+            if where == "metadata":
+                (step / "dcp" / ".metadata").write_bytes(build())
+                refresh_manifest(step, "dcp/.metadata")
+            else:
+                _plant(step, _torch_save_archive_with(build()))
+            runs[where, name] = run
+    return runs
+
+
+@pytest.mark.parametrize("where", ["metadata", "bytes_item"])
+@pytest.mark.parametrize("name", list(PAYLOADS))
+def test_restore_raises_a_ckptctl_error_for_a_hostile_dcp_pickle(
+    name: str, where: str, flooded_runs: dict[tuple[str, str], Path]
+) -> None:
+    # Before (issue 21.5): torch's CheckpointException for every hostile .metadata (torch swallowed our
+    # refusal and retried per-rank metadata), a SIGSEGV for the deep tuple key as a bytes item.
+    with pytest.raises(CorruptCheckpoint) as caught:  # UnsafePickle is one
+        CheckpointManager(str(flooded_runs[where, name])).restore(demo_state(), step=30)
+    assert (".metadata" if where == "metadata" else TARGET_ITEM) in caught.value.message

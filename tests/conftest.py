@@ -74,10 +74,18 @@ SLOW_FIXTURES = frozenset(
 )
 
 
+#: Session fixtures that cannot be cached (`interrupted_saves` leaves a live writer process behind): the tests
+#: using one run on one xdist worker (`make test` distributes with `--dist loadgroup`), so it is built once.
+PER_RUN_FIXTURES = frozenset({"interrupted_saves"})
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
-        if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
+        fixtures = set(getattr(item, "fixturenames", ()))
+        if SLOW_FIXTURES & fixtures:
             item.add_marker(pytest.mark.slow)
+        for name in sorted(PER_RUN_FIXTURES & fixtures):
+            item.add_marker(pytest.mark.xdist_group(name))
 
 
 def build_once(tmp_path_factory: pytest.TempPathFactory, name: str, build: Callable[[Path], T]) -> T:

@@ -56,7 +56,11 @@ def test_a_store_that_stops_answering_is_not_a_missing_bucket(
     monkeypatch.setattr(io, "RETRY", io.RetryPolicy(attempts=2, base_delay=0.001, max_delay=0.001, timeout=5.0))
     with socket.create_server(("127.0.0.1", 0)) as closed:
         dead = f"http://127.0.0.1:{closed.getsockname()[1]}"  # nothing listens there once closed
-    store = s3fs.S3FileSystem(skip_instance_cache=True, endpoint_url=dead, config_kwargs={"connect_timeout": 1})
+    store = s3fs.S3FileSystem(
+        skip_instance_cache=True,
+        endpoint_url=dead,
+        config_kwargs={"connect_timeout": 1, "retries": {"max_attempts": 1}},
+    )
     down = f"{bucket}-down"  # a store is marked unreachable by bucket: the live checks below use others
     assert store.exists(down.removeprefix("s3://")) is False  # what s3fs says of a store that is down
     with pytest.raises(StorageError, match="did not answer"):

@@ -136,7 +136,7 @@ def move_to_trash(path: str, trash: str, name: str) -> Retired:
     parent, entry = os.path.split(path)
     for attempt in range(_RENAME_TRIES):
         target = f"{name}.{secrets.token_hex(4)}"
-        with _opened_dir(parent) as parent_fd, _opened_trash(trash, create=True) as trash_fd:
+        with _opened_dir(parent, follow=True) as parent_fd, _opened_trash(trash, create=True) as trash_fd:
             assert trash_fd is not None  # created
             try:
                 os.rename(entry, target, src_dir_fd=parent_fd, dst_dir_fd=trash_fd)
@@ -313,10 +313,14 @@ _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0)
 
 
 @contextlib.contextmanager
-def _opened_dir(path: str, *, dir_fd: int | None = None, what: str | None = None) -> Iterator[int]:
+def _opened_dir(
+    path: str, *, dir_fd: int | None = None, what: str | None = None, follow: bool = False
+) -> Iterator[int]:
     """A descriptor of the folder `path` (relative to `dir_fd` when given), opened without following a link
-    in its last component: a link or a file there is refused with `UnsafePath` naming `what` (or `path`)."""
-    fd = _open_dir_nofollow(path, dir_fd, what or path)
+    in its last component: a link or a file there is refused with `UnsafePath` naming `what` (or `path`).
+    With `follow`, for a folder the user named (a run folder reached through a link is theirs to choose),
+    a link is followed."""
+    fd = os.open(path, _DIR_FLAGS, dir_fd=dir_fd) if follow else _open_dir_nofollow(path, dir_fd, what or path)
     try:
         yield fd
     finally:

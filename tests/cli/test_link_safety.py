@@ -176,3 +176,15 @@ def test_convert_staging_swapped_for_a_link_is_not_emptied(tmp_path: Path, outsi
         os.rename(staging.root, tmp_path / "real-staging")
         os.symlink(outside, staging.root)
     assert tree(outside) == before and not os.path.lexists(staging.root)
+
+
+def test_a_run_reached_through_a_link_is_pruned_as_usual(run_cli: Cli, tmp_path: Path) -> None:
+    """The run folder itself may be a link the user chose (`/scratch/run -> /lustre/...`): followed."""
+    real = write_run(tmp_path / "real-run")
+    (tmp_path / "run").symlink_to(real)
+
+    result = run_cli("prune", tmp_path / "run", "--keep-last", "1", "--grace", "0s", "-y", "--json")
+
+    assert result.exit_code == 0, result.stderr
+    assert len(result.json["delete"]) == 5 and len(_steps(real)) == 1
+    assert not (real / ".ckptctl-trash").exists()

@@ -209,7 +209,7 @@ def delete_parts(url: str, parts: Sequence[io.DirEntry]) -> None:
     path = os.path.abspath(io.local_path(url))
     bin_ = trash_of(path)
     folder = f"{os.path.basename(path)}.{secrets.token_hex(4)}"
-    with _opened_trash(bin_, create=True) as trash_fd, _opened_dir(path) as source_fd:
+    with _opened_trash(bin_, create=True) as trash_fd, _opened_dir(path, follow=True) as source_fd:
         assert trash_fd is not None  # created
         os.mkdir(folder, dir_fd=trash_fd)
         with _opened_dir(folder, dir_fd=trash_fd, what=os.path.join(bin_, folder)) as folder_fd:

@@ -34,6 +34,7 @@ from ckptctl.formats.safetensors import read_header
 from ckptctl.io import DirEntry
 from ckptctl.layouts.base import Layout, timestamp
 from ckptctl.layouts.resume import ResumeProfile, generic_profile
+from ckptctl.quoting import shell
 
 __all__ = [
     "GENERIC",
@@ -242,9 +243,13 @@ class GenericLayout(Layout):
         return None if what is None else _ref(url, name_facts(entry.name), [entry], _note([(entry.name, what)]))
 
     def open(self, url: str) -> Checkpoint:
-        """Never: what the files are for cannot be told (the error names them, as `list` does)."""
+        """Never: what the files are for cannot be told (the error names them, as `list` does; of a folder that
+        holds other folders, a run folder's hint comes first)."""
         ref = self._ref_of(url)
-        raise UnknownLayout(f"{url}: {ref.note}", _HINT)
+        hint = _HINT
+        if io.is_dir(url) and any(e.is_dir for e in io.list_dir(url)):
+            hint = f"if this is a run folder, use `{shell('ckptctl', 'list', url)}` to see its checkpoints; {hint}"
+        raise UnknownLayout(f"{url}: {ref.note}", hint)
 
     def verify(self, checkpoint: Checkpoint) -> list[Problem]:
         """Never reached: `open` refuses (see `read_as_files`)."""

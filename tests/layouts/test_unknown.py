@@ -241,3 +241,56 @@ def test_a_folder_without_checkpoint_like_files_is_still_empty(
 )
 def test_naming_rules(name: str, facts: NameFacts) -> None:
     assert name_facts(name) == facts
+
+
+def _dcp_step(run: Path, step: int) -> Path:
+    """A torch DCP checkpoint written by `dcp.save` in one process."""
+    import torch.distributed.checkpoint as dcp
+
+    model, optimizer = _trained()
+    folder = run / f"step-{step}"
+    with pytest.warns(UserWarning, match="single process"):
+        dcp.save({"model": model.state_dict(), "optim": optimizer.state_dict()}, checkpoint_id=folder, no_dist=True)
+    return folder
+
+
+#: A pickle of another library's metadata class (ByteCheckpoint's), as its first bytes name it.
+FOREIGN_METADATA = b"\x80\x02cbytecheckpoint.checkpointer.meta_type\nMetadata\nq\x00)\x81q\x01}q\x02b."
+
+
+@pytest.mark.parametrize(
+    ("metadata", "state", "layout"),
+    [
+        (None, "complete", "dcp"),
+        (FOREIGN_METADATA, "unknown", "unknown"),
+        (b"\x80\x04\x95\xb0\x03\x00\x00\x00\x00\x00\x00\x8c%torch.distrib", "broken", "dcp"),  # cut short
+        (b"not a pickle", "broken", "dcp"),
+    ],
+)
+def test_a_dcp_folder_whose_metadata_cannot_be_read_is_never_complete(
+    run_cli: Cli, tmp_path: Path, metadata: bytes | None, state: str, layout: str
+) -> None:
+    folder = _dcp_step(tmp_path / "run", 5)
+    if metadata is not None:
+        (folder / ".metadata").write_bytes(metadata)
+    listed = json.loads(run_cli("list", tmp_path / "run", "--json").stdout)["checkpoints"]
+    assert [(c["step"], c["state"], c["layout"]) for c in listed] == [(5, state, layout)]
+    verified = run_cli("verify", folder)
+    assert verified.exit_code == {"complete": 0, "broken": 1, "unknown": 2}[state], verified.stdout
+
+
+def test_list_orders_unknown_checkpoints_by_the_naming_rules_then_time(run_cli: Cli, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    model, _ = _trained()
+    for name, mtime in [("epoch_10", 100), ("epoch_2", 200), ("checkpoint-7", 400), ("step-7", 300)]:
+        (run / name).mkdir(parents=True)
+        torch.save(model.state_dict(), run / name / "model.pth")
+        os.utime(run / name / "model.pth", (mtime, mtime))
+    listed = json.loads(run_cli("list", run, "--json").stdout)["checkpoints"]
+    # Epoch folders have no step (they come first), ordered by number, not by name; at equal steps the older first.
+    assert [(os.path.basename(c["url"]), c["step"], c["epoch"]) for c in listed] == [
+        ("epoch_2", None, 2.0),
+        ("epoch_10", None, 10.0),
+        ("step-7", 7, None),
+        ("checkpoint-7", 7, None),
+    ]

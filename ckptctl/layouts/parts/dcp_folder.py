@@ -18,10 +18,13 @@ the metadata itself (cached) is `dcp_folder_metadata`.
 
 from __future__ import annotations
 
+import pickletools
 import re
+import struct
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import replace
 from functools import cache
+from io import BytesIO
 
 from ckptctl import io
 from ckptctl.checkpoint import (
@@ -36,7 +39,14 @@ from ckptctl.checkpoint import (
     TensorEntry,
     dtype_itemsize,
 )
-from ckptctl.errors import CheckpointInProgress, CheckpointNotFound, CorruptCheckpoint, UnknownLayout, UnsafePickle
+from ckptctl.errors import (
+    CheckpointInProgress,
+    CheckpointNotFound,
+    CkptctlError,
+    CorruptCheckpoint,
+    UnknownLayout,
+    UnsafePickle,
+)
 from ckptctl.formats.chunks import tiling_problem
 from ckptctl.formats.dcp_metadata import METADATA_NAME, RANK_METADATA, DcpMetadata, DcpTensor, merge_rank_metadata
 from ckptctl.formats.safe_pickle import gc_paused
@@ -481,6 +491,40 @@ def data_newer_than_metadata(entries: Sequence[DirEntry]) -> list[str]:
     )
 
 
+#: The class a torch DCP `.metadata` pickles first (its top-level object).
+_DCP_METADATA_CLASS = ("torch.distributed.checkpoint.metadata", "Metadata")
+#: Enough of a `.metadata` to hold its first global (a protocol-4 frame header, then module and class names).
+_METADATA_HEAD = 512
+_STRING_OPS = frozenset({"SHORT_BINUNICODE", "BINUNICODE", "UNICODE", "BINUNICODE8"})
+
+
+@cache
+def _metadata_class(url: str, size: int, mtime: float) -> tuple[str, str] | None:
+    """The (module, class) a `.metadata` pickles first, from its first bytes (None: not a pickle, or unreadable).
+
+    `list` tells a torch DCP folder from another library's folder of `.distcp` files (ByteCheckpoint pickles a
+    class of its own) and from a `.metadata` that cannot be read, without parsing the whole file; cached by
+    size and time, as the walk may ask twice.
+    """
+    try:
+        head = io.read_bytes(url, 0, min(size, _METADATA_HEAD))
+    except CkptctlError:
+        return None
+    strings: list[str] = []
+    try:
+        for op, arg, _ in pickletools.genops(BytesIO(head)):
+            if op.name in _STRING_OPS and isinstance(arg, str):
+                strings.append(arg)
+            elif op.name == "STACK_GLOBAL":
+                return (strings[-2], strings[-1]) if len(strings) >= 2 else None
+            elif op.name == "GLOBAL" and isinstance(arg, str):
+                module, _, name = arg.partition(" ")
+                return module, name
+    except (ValueError, EOFError, struct.error):  # a truncated head, or no pickle at all
+        return None
+    return None
+
+
 class DcpFolderLayout(Layout):
     """The reader of a torch DCP checkpoint folder written by `torch.distributed.checkpoint.save`
     (FileSystemWriter): the DCP plugin's layout and torchtitan's (a DCP folder with torchtitan's keys)
@@ -524,6 +568,11 @@ class DcpFolderLayout(Layout):
             note = f"{_TMP_METADATA} present: being overwritten"
         else:
             state = CheckpointState.COMPLETE
+            found = _metadata_class(io.join(url, METADATA_NAME), meta.size, meta.mtime)
+            if found is None:
+                state, note = CheckpointState.BROKEN, f"{METADATA_NAME} is not a pickle of torch DCP metadata"
+            elif found != _DCP_METADATA_CLASS:  # another library's metadata (ByteCheckpoint's): not torch DCP
+                return None
         return CheckpointRef(
             url=url,
             layout=self.name,

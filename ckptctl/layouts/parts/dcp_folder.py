@@ -538,7 +538,19 @@ class DcpFolderLayout(Layout):
 
     def identify(self, url: str, entries: Sequence[DirEntry]) -> CheckpointRef | None:
         """A DCP ref when the folder holds `.metadata` (or per-rank `__R.metadata`) or `__R_N.distcp` files
-        (listing only)."""
+        (the listing, and the first bytes of `.metadata`: one that is no DCP metadata pickle is `broken`, one
+        that pickles another library's class makes no DCP folder)."""
+        ref = self._listed(url, entries)
+        if ref is None or ref.state is not CheckpointState.COMPLETE:
+            return ref
+        meta = next(e for e in entries if e.name == METADATA_NAME and not e.is_dir)
+        found = _metadata_class(io.join(url, METADATA_NAME), meta.size, meta.mtime)
+        if found is None:
+            return replace(ref, state=CheckpointState.BROKEN, note=f"{METADATA_NAME} is not a pickle of DCP metadata")
+        return ref if found == _DCP_METADATA_CLASS else None  # another library's metadata (ByteCheckpoint's)
+
+    def _listed(self, url: str, entries: Sequence[DirEntry]) -> CheckpointRef | None:
+        """`identify` from the listing alone (`open` reads the whole `.metadata` anyway)."""
         meta = tmp = None
         has_data = False
         size = 0
@@ -568,11 +580,6 @@ class DcpFolderLayout(Layout):
             note = f"{_TMP_METADATA} present: being overwritten"
         else:
             state = CheckpointState.COMPLETE
-            found = _metadata_class(io.join(url, METADATA_NAME), meta.size, meta.mtime)
-            if found is None:
-                state, note = CheckpointState.BROKEN, f"{METADATA_NAME} is not a pickle of torch DCP metadata"
-            elif found != _DCP_METADATA_CLASS:  # another library's metadata (ByteCheckpoint's): not torch DCP
-                return None
         return CheckpointRef(
             url=url,
             layout=self.name,
@@ -595,7 +602,7 @@ class DcpFolderLayout(Layout):
         tensor index then raises the reason (CheckpointInProgress, UnsafePickle or CorruptCheckpoint).
         """
         entries = io.list_dir(url)
-        ref = self.identify(url, entries)
+        ref = self._listed(url, entries)
         if ref is None:
             raise UnknownLayout(f"{url} is not a DCP checkpoint (no {METADATA_NAME} and no .distcp files)")
         files = {e.name: e.size for e in entries if not e.is_dir}

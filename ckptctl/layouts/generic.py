@@ -20,12 +20,13 @@ and `resume-plan` says "unknown layout". Nothing here opens them as a training s
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from functools import cache
+from functools import cache, lru_cache
 
 from ckptctl import io
 from ckptctl.checkpoint import Checkpoint, CheckpointRef, CheckpointState, Problem, ProblemKind
@@ -116,8 +117,8 @@ def name_facts(name: str) -> NameFacts:
 def checkpoint_like(url: str, entry: DirEntry) -> str | None:
     """What the file at `url` is, for people (`torch.save zip`), when it holds a checkpoint's bytes; else None.
 
-    Reads at most a small prefix (a safetensors header), and only of files named as checkpoints are or of
-    DCP data; a link is never one (it points at one: see `_pointed_files`).
+    Reads at most a small prefix (a safetensors header), and only of files with a checkpoint's suffix; a
+    link is never one (it points at one: see `_pointed_files`).
     """
     name = entry.name
     if entry.is_dir or name.startswith("."):
@@ -129,7 +130,7 @@ def checkpoint_like(url: str, entry: DirEntry) -> str | None:
     return _content(url, entry.size, entry.mtime)
 
 
-@cache
+@lru_cache(maxsize=4096)
 def _content(url: str, size: int, mtime: float) -> str | None:
     """`checkpoint_like` of a file by its bytes (cached by size and time: the walk asks once per file)."""
     try:
@@ -160,9 +161,10 @@ def _pointed_files(url: str, entries: Sequence[DirEntry]) -> set[str]:
     for entry in entries:
         path = os.path.join(io.local_path(url), entry.name)
         if not entry.is_dir and _POINTER_LINK.match(entry.name) and os.path.islink(path):
-            target = os.readlink(path)
-            if "/" not in target:
-                pointed.add(target)
+            with contextlib.suppress(OSError):  # removed while we look
+                target = os.readlink(path)
+                if "/" not in target:
+                    pointed.add(target)
     return pointed
 
 
@@ -276,8 +278,8 @@ class GenericLayout(Layout):
 
 #: What a person can do with a checkpoint of a layout ckptctl does not know.
 _HINT = (
-    "ckptctl can read each file on its own (`ckptctl inspect FILE`, `ckptctl verify FILE`) but cannot tell "
-    "whether the checkpoint is whole or what a resume needs; it never deletes it"
+    "ckptctl reads each file on its own (`ckptctl inspect FILE`, `ckptctl verify FILE`) but cannot tell "
+    "whether the checkpoint is whole or what a resume needs (`prune` never deletes it)"
 )
 
 

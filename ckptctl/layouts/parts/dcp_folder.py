@@ -23,7 +23,7 @@ import re
 import struct
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import replace
-from functools import cache
+from functools import cache, lru_cache
 from io import BytesIO
 
 from ckptctl import io
@@ -498,7 +498,7 @@ _METADATA_HEAD = 512
 _STRING_OPS = frozenset({"SHORT_BINUNICODE", "BINUNICODE", "UNICODE", "BINUNICODE8"})
 
 
-@cache
+@lru_cache(maxsize=4096)
 def _metadata_class(url: str, size: int, mtime: float) -> tuple[str, str] | None:
     """The (module, class) a `.metadata` pickles first, from its first bytes (None: not a pickle, or unreadable).
 

@@ -498,6 +498,13 @@ _METADATA_HEAD = 512
 _STRING_OPS = frozenset({"SHORT_BINUNICODE", "BINUNICODE", "UNICODE", "BINUNICODE8"})
 
 
+def _foreign_metadata(module: str, name: str) -> bool:
+    """Whether a pickled class is another checkpointing library's metadata (`bytecheckpoint.checkpointer.
+    meta_type.Metadata`), as opposed to anything else a `.metadata` may hold (a damaged or hostile pickle,
+    which verify reports as such)."""
+    return name.endswith("Metadata") and module.partition(".")[0] not in ("torch", "builtins", "__builtin__")
+
+
 @lru_cache(maxsize=4096)
 def _metadata_class(url: str, size: int, mtime: float) -> tuple[str, str] | None:
     """The (module, class) a `.metadata` pickles first, from its first bytes (None: not a pickle, or unreadable).
@@ -537,17 +544,23 @@ class DcpFolderLayout(Layout):
     name = "dcp"
 
     def identify(self, url: str, entries: Sequence[DirEntry]) -> CheckpointRef | None:
-        """A DCP ref when the folder holds `.metadata` (or per-rank `__R.metadata`) or `__R_N.distcp` files
-        (the listing, and the first bytes of `.metadata`: one that is no DCP metadata pickle is `broken`, one
-        that pickles another library's class makes no DCP folder)."""
+        """A DCP ref when the folder holds `.metadata` (or per-rank `__R.metadata`) or `__R_N.distcp` files.
+
+        Judged from the listing, and on local disks from the first bytes of `.metadata` too: one that pickles
+        another library's metadata class (ByteCheckpoint's) makes no DCP folder (the generic reader lists it
+        `unknown`), and one that is no pickle of DCP metadata is `broken`. On object stores that read would
+        cost a request per folder, so a folder there is judged from the listing alone (verify reads it).
+        """
         ref = self._listed(url, entries)
-        if ref is None or ref.state is not CheckpointState.COMPLETE:
+        if ref is None or ref.state is not CheckpointState.COMPLETE or not io.is_local(url):
             return ref
         meta = next(e for e in entries if e.name == METADATA_NAME and not e.is_dir)
         found = _metadata_class(io.join(url, METADATA_NAME), meta.size, meta.mtime)
-        if found is None:
-            return replace(ref, state=CheckpointState.BROKEN, note=f"{METADATA_NAME} is not a pickle of DCP metadata")
-        return ref if found == _DCP_METADATA_CLASS else None  # another library's metadata (ByteCheckpoint's)
+        if found == _DCP_METADATA_CLASS:
+            return ref
+        if found is not None and _foreign_metadata(*found):
+            return None
+        return replace(ref, state=CheckpointState.BROKEN, note=f"{METADATA_NAME} is not a pickle of DCP metadata")
 
     def _listed(self, url: str, entries: Sequence[DirEntry]) -> CheckpointRef | None:
         """`identify` from the listing alone (`open` reads the whole `.metadata` anyway)."""

@@ -33,7 +33,7 @@ demo: $(VENV)/.base
 # 2 cores than one process, and faster on more; TESTFLAGS adds pytest options (TESTFLAGS="-k prune").
 WORKERS ?= 2
 test: $(VENV)/.dev
-	$(BIN)/python -m pytest -q -n $(WORKERS) $(TESTFLAGS)
+	$(BIN)/python -m pytest -q -n $(WORKERS) --dist loadgroup $(TESTFLAGS)
 
 # The inner loop: no multi-process writers, no large state (tests marked or inferred `slow`).
 test-fast: $(VENV)/.dev

@@ -1,8 +1,9 @@
 """Fixtures shared across the suite: real Hugging Face folders, the demo runs, and a CLI runner.
 
 Slow writers (the demo's 2-rank run, DeepSpeed, the Trainer) are session-scoped and built with
-`build_once`: written once per test run, also when pytest-xdist runs the suite on several workers, and read
-by many tests. Tests that modify a checkpoint copy it first (`copy_tree`). Every test that uses one of
+`build_once`: written once per machine into a cache kept between runs (`tests.writer_cache`: keyed by the
+writer's code and the frameworks' versions), also when pytest-xdist runs the suite on several workers, and
+read by many tests. Tests that modify a checkpoint copy it first (`copy_tree`). Every test that uses one of
 `SLOW_FIXTURES` is marked `slow`, so that `make test-fast` (`-m "not slow"`) starts none of them.
 """
 
@@ -20,6 +21,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import pytest
 from filelock import FileLock
 
+from tests import writer_cache
 from tests.writers import openrlhf_writer
 from tests.writers.accelerate_writer import WrittenAccelerate, write_accelerate_runs
 from tests.writers.areal_writer import WrittenAreal, write_areal_run
@@ -28,6 +30,7 @@ from tests.writers.deepspeed_writer import CONVERTER_RUNS, DeepSpeedRuns, Writte
 from tests.writers.hf_legacy_writer import WrittenLegacy, write_legacy_models
 from tests.writers.lightning_writer import WrittenLightning, write_lightning_run
 from tests.writers.megatron_writer import WrittenMegatron, write_megatron_runs
+from tests.writers.models import tiny_llama
 from tests.writers.openrlhf_writer import WrittenOpenRlhf
 from tests.writers.peft_writer import WrittenPeft, write_peft_adapters
 from tests.writers.rl_runs import WrittenFsdpRuns, write_fsdp_runs
@@ -71,22 +74,42 @@ SLOW_FIXTURES = frozenset(
 )
 
 
+#: Session fixtures that cannot be cached (`interrupted_saves` leaves a live writer process behind): the tests
+#: using one run on one xdist worker (`make test` distributes with `--dist loadgroup`), so it is built once.
+PER_RUN_FIXTURES = frozenset({"interrupted_saves"})
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
-        if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
+        fixtures = set(getattr(item, "fixturenames", ()))
+        if SLOW_FIXTURES & fixtures:
             item.add_marker(pytest.mark.slow)
+        for name in sorted(PER_RUN_FIXTURES & fixtures):
+            item.add_marker(pytest.mark.xdist_group(name))
 
 
 def build_once(tmp_path_factory: pytest.TempPathFactory, name: str, build: Callable[[Path], T]) -> T:
-    """`build(folder)` for a session fixture, run once per test run whatever the number of workers.
+    """`build(folder)` for a session fixture, run once per machine while the writer's code and the frameworks
+    stay the same, and read by every test run after (`tests.writer_cache`: its cache folder, key and rules).
 
-    Under pytest-xdist every worker runs session fixtures of its own; for a writer that spawns ranks for
-    tens of seconds, that would cost more than the parallel workers gain. The first worker to ask builds
-    it (under a file lock) into a folder all workers of the run share and records what `build` returned;
-    the others wait for it and read that record. Without xdist it is a plain `mktemp`.
+    The cached folder is shared: tests only read it, and copy what they change (`copy_tree`; a test that
+    writes into it fails the session). Its files are dated as if written at the start of the run.
+
+    Under pytest-xdist every worker runs session fixtures of its own: the first worker to ask fetches the
+    entry (building it if no run has) under a file lock into a folder all workers of the run share, and
+    records what it got; the others wait for it and read that record. Without xdist it is a plain `mktemp`.
     """
+    entry = writer_cache.entry_for(name, build)
+    if entry is None:  # CKPTCTL_TEST_CACHE=off, or a build closing over a value pickle cannot write
+        return _once_per_run(tmp_path_factory, name, lambda folder: _build_retrying(build, folder))
+
+    return _once_per_run(tmp_path_factory, name, lambda _: entry.get(lambda out: _build_retrying(build, out)))
+
+
+def _once_per_run(tmp_path_factory: pytest.TempPathFactory, name: str, build: Callable[[Path], T]) -> T:
+    """`build(folder)` once per test run whatever the number of xdist workers (see `build_once`)."""
     if os.environ.get("PYTEST_XDIST_WORKER") is None:
-        return _build_retrying(build, tmp_path_factory.mktemp(name))
+        return build(tmp_path_factory.mktemp(name))
     shared = tmp_path_factory.getbasetemp().parent / "shared"  # the run's folder, above each worker's own
     shared.mkdir(exist_ok=True)
     record = shared / f"{name}.pickle"
@@ -102,12 +125,25 @@ def build_once(tmp_path_factory: pytest.TempPathFactory, name: str, build: Calla
         folder = shared / name
         folder.mkdir()
         try:
-            built = _build_retrying(build, folder)
+            built = build(folder)
         except BaseException as exc:
             failure.write_text(f"{type(exc).__name__}: {exc}")
             raise
         record.write_bytes(pickle.dumps(built))
         return built
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _cached_outputs_unchanged() -> Iterator[None]:
+    """Fails the session when one of its tests changed a writer's output in the cache (and drops that entry,
+    so that the next run builds it again): tests copy what they change."""
+    yield
+    changed = writer_cache.changed_entries()
+    if changed:
+        pytest.fail(
+            "tests changed cached writer outputs (copy_tree what a test changes):\n"
+            + "\n".join(f"{entry.name} ({entry.out}): {', '.join(files[:8])}" for entry, files in changed.items())
+        )
 
 
 def _build_retrying(build: Callable[[Path], T], folder: Path) -> T:
@@ -132,26 +168,6 @@ def _build_retrying(build: Callable[[Path], T], folder: Path) -> T:
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-
-def tiny_llama(**overrides: Any) -> Any:
-    """A tiny Llama built from a local config (no hub access), with a fixed seed; `overrides` change the
-    config (`tie_word_embeddings=True`)."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(1234)
-    config = LlamaConfig(
-        vocab_size=128,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        **overrides,
-    )
-    return LlamaForCausalLM(config)
 
 
 def _hf_models(root: Path) -> dict[str, Path]:

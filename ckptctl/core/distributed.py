@@ -177,19 +177,18 @@ def load_dcp(path: str, entries: Mapping[str, tuple[str, Any]], modules: Mapping
     with warnings.catch_warnings():
         # torch warns that it "assumes" a single process; loading in one is what we mean to do
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        reader = _safe_reader(path)
         try:
-            dcp.load(
-                state,
-                storage_reader=_safe_reader(path),
-                planner=_safe_planner(path),
-                no_dist=not current_world().multi,
-            )
+            dcp.load(state, storage_reader=reader, planner=_safe_planner(path), no_dist=not current_world().multi)
         except CheckpointException as exc:
-            # DCP wraps every rank's failure; a refusal of ours is the one worth reporting as it is.
-            for failure, _ in exc.failures.values():
+            # DCP wraps every rank's failure; a refusal of ours is the one worth reporting as it is, and any
+            # other is still a checkpoint this rank could not load (callers catch ckptctl's types).
+            failures = [reader.refusal, *(failure for failure, _ in exc.failures.values())]
+            for failure in failures:
                 if isinstance(failure, CkptctlError):
                     raise failure from None
-            raise
+            reason = next((f"{type(f).__name__}: {str(f)[:300]}" for f in failures if f), "no reason given")
+            raise CorruptCheckpoint(f"{path}: torch DCP could not load it ({reason})") from exc
     for name, (kind, obj) in entries.items():
         if kind == "module":
             set_model_state_dict(obj, state[name])
@@ -208,13 +207,22 @@ def _safe_reader(path: str) -> Any:
     from torch.distributed.checkpoint.metadata import StorageMeta
 
     class SafeFileSystemReader(FileSystemReader):
+        #: Why `.metadata` was refused: torch catches a failure of `read_metadata`, falls back to per-rank
+        #: metadata and reports both as an AssertionError, which hides the refusal's type (`load_dcp`
+        #: raises this instead).
+        refusal: CkptctlError | None = None
+
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
             if kwargs.get("rank") is not None:
                 raise CorruptCheckpoint(f"{path}: per-rank DCP metadata is not read by ckptctl's core")
             source = io.join(path, ".metadata")
-            data = io.read_bytes(source, max_size=MAX_METADATA_BYTES)
-            parse_dcp_metadata(data, source)
-            metadata = safe_loads(data, _real_dcp_globals(), source)
+            try:
+                data = io.read_bytes(source, max_size=MAX_METADATA_BYTES)
+                parse_dcp_metadata(data, source)
+                metadata = safe_loads(data, _real_dcp_globals(), source)
+            except CkptctlError as exc:
+                self.refusal = exc
+                raise
             if getattr(metadata, "storage_meta", None) is None:
                 metadata.storage_meta = StorageMeta()
             metadata.storage_meta.load_id = self.load_id

@@ -35,6 +35,7 @@ __all__ = [
     "read_json",
     "read_toml",
     "real_number",
+    "shown",
     "whole_number",
 ]
 
@@ -153,7 +154,7 @@ def whole_number(value: Any, source: str, field: str, *, minimum: int = 0, maxim
     number = as_whole(value, minimum=minimum, maximum=maximum)
     if number is None:
         raise CorruptCheckpoint(
-            f"{source}: {field} must be a whole number from {minimum} to {maximum}, not {_shown(value)}"
+            f"{source}: {field} must be a whole number from {minimum} to {maximum}, not {shown(value)}"
         )
     return number
 
@@ -166,7 +167,7 @@ def real_number(value: Any, source: str, field: str) -> float:
     """
     number = as_real(value)
     if number is None:
-        raise CorruptCheckpoint(f"{source}: {field} must be a finite number, not {_shown(value)}")
+        raise CorruptCheckpoint(f"{source}: {field} must be a finite number, not {shown(value)}")
     return number
 
 
@@ -199,7 +200,7 @@ def _too_deep(source: str, limit: int) -> CorruptCheckpoint:
     )
 
 
-def _shown(value: Any) -> str:
+def shown(value: Any) -> str:
     """A value for a message, shortened: a hostile field may hold an integer of thousands of digits."""
     if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10**30:
         return f"an integer of about {int(value.bit_length() * math.log10(2)) + 1} digits"

@@ -47,6 +47,7 @@ import resource
 import struct
 import sys
 import threading
+import traceback
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -412,7 +413,7 @@ class _WatchedInput:
     have grown by less than `limit` since the load began.
     """
 
-    __slots__ = ("_buf", "_limit", "_memory", "_pos", "_source", "_start")
+    __slots__ = ("_buf", "_copied", "_limit", "_memory", "_pos", "_source", "_start")
 
     def __init__(self, buf: bytes, limit: int, source: str, memory: _ResidentMemory) -> None:
         self._buf = buf
@@ -421,10 +422,17 @@ class _WatchedInput:
         self._source = source
         self._memory = memory
         self._start = memory.bytes()
+        self._copied = 0
 
     def check(self, more: int = 0) -> None:
-        """Raise `CorruptCheckpoint` once memory has grown (or would grow by `more`) past the limit."""
-        if self._memory.bytes() + more - self._start > self._limit:
+        """Raise `CorruptCheckpoint` once memory has grown (or would grow by `more`) past the limit.
+
+        What the stand-ins copy (`more`) is also counted: resident memory alone undercounts it when the
+        allocator reuses memory an earlier load freed but kept (a second read of a refused file would
+        build its bound again on top of the first's), so the copies are bounded before they are made.
+        """
+        self._copied += more
+        if self._copied > self._limit or self._memory.bytes() + more - self._start > self._limit:
             raise CorruptCheckpoint(
                 f"{self._source}: unpickling took more than {self._limit >> 20} MiB, more than a real "
                 "checkpoint file of its size needs",
@@ -459,15 +467,25 @@ def _as_is(value: Any) -> Any:
 def _unpickle(
     file: _WatchedInput, allowed: Mapping[tuple[str, str], Any], source: str, kind: type[SafeUnpickler]
 ) -> Any:
+    unpickler = kind(file, allowed, source)
     try:
-        return kind(file, allowed, source).load()
-    except CkptctlError:
-        raise
+        return unpickler.load()
+    except CkptctlError as exc:
+        error = exc
     # Bytes from disk can make the unpickler (and the stand-ins' checks) fail in many ways: unpickling
     # errors, EOF, wrong types for NEWOBJ/REDUCE/BUILD, bad memo references, MemoryError. All of them
     # mean the same thing here, a file that is not what it claims to be.
     except Exception as exc:
-        raise CorruptCheckpoint(f"{source}: not a readable pickle ({type(exc).__name__}: {_short(exc)})") from exc
+        error = CorruptCheckpoint(f"{source}: not a readable pickle ({type(exc).__name__}: {_short(exc)})")
+        error.__cause__ = exc
+    # A refused load leaves up to its memory bound built in the unpickler's stack and memo, which the
+    # traceback's frames keep alive: freed here, or a caller that keeps the error (or reads the file again)
+    # holds one bound's worth per refusal (five reads of one hostile file took 700 MiB).
+    traceback.clear_frames(error.__traceback__)
+    if error.__cause__ is not None:
+        traceback.clear_frames(error.__cause__.__traceback__)
+    del unpickler
+    raise error
 
 
 def _on_deep_stack(fn: Callable[[], _T], stack_bytes: int, source: str) -> _T:

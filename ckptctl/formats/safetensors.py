@@ -25,6 +25,7 @@ from ckptctl import io
 from ckptctl.checkpoint import dtype_itemsize
 from ckptctl.errors import CorruptCheckpoint
 from ckptctl.formats.digest import HashingWriter
+from ckptctl.formats.documents import MAX_INT, parse_json, shown
 
 if TYPE_CHECKING:
     import torch
@@ -100,14 +101,15 @@ def parse_header(prefix: bytes, file_size: int, source: str) -> SafetensorsHeade
         )
     if len(prefix) < 8 + header_len:
         raise ValueError("prefix shorter than the header; read more first")
-    try:
-        raw = json.loads(prefix[8 : 8 + header_len].decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-        raise CorruptCheckpoint(f"{source}: header is not valid JSON ({exc})") from exc
+    # parse_json turns every failure of the JSON parser (an integer of 5,000 digits, nesting that exhausts
+    # the stack) into a CorruptCheckpoint naming the file
+    raw = parse_json(prefix[8 : 8 + header_len], source)
     if not isinstance(raw, dict):
         raise CorruptCheckpoint(f"{source}: header is not a JSON object")
     data_start = 8 + header_len
-    metadata = raw.pop("__metadata__", None) or {}
+    metadata = raw.pop("__metadata__", None)
+    if metadata is None:
+        metadata = {}
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
         raise CorruptCheckpoint(f"{source}: __metadata__ must map strings to strings")
     tensors = []
@@ -142,20 +144,23 @@ def _check_coverage(tensors: list[SafetensorsTensor], data_start: int, file_size
 def _validate_record(name: str, rec: Any, data_start: int, file_size: int, source: str) -> SafetensorsTensor:
     if not isinstance(rec, dict):
         raise CorruptCheckpoint(f"{source}: entry {name!r} is not an object")
-    dtype = SAFETENSORS_TO_TORCH.get(rec.get("dtype"))  # type: ignore[arg-type]
+    # a hostile header may put any JSON value in any field (a list where a name belongs is unhashable): every
+    # field's type is checked before it is used, and shown shortened
+    raw_dtype = rec.get("dtype")
+    dtype = SAFETENSORS_TO_TORCH.get(raw_dtype) if isinstance(raw_dtype, str) else None
     if dtype is None:
-        raise CorruptCheckpoint(f"{source}: tensor {name!r} has unknown dtype {rec.get('dtype')!r}")
+        raise CorruptCheckpoint(f"{source}: tensor {name!r} has unknown dtype {shown(raw_dtype)}")
     shape = rec.get("shape")
-    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
-        raise CorruptCheckpoint(f"{source}: tensor {name!r} has an invalid shape {shape!r}")
+    if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
+        raise CorruptCheckpoint(f"{source}: tensor {name!r} has an invalid shape {shown(shape)}")
     offsets = rec.get("data_offsets")
     if (
         not isinstance(offsets, list)
         or len(offsets) != 2
-        or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
-        or not 0 <= offsets[0] <= offsets[1]
+        or not all(map(_is_count, offsets))
+        or offsets[0] > offsets[1]
     ):
-        raise CorruptCheckpoint(f"{source}: tensor {name!r} has invalid data_offsets {offsets!r}")
+        raise CorruptCheckpoint(f"{source}: tensor {name!r} has invalid data_offsets {shown(offsets)}")
     expected = math.prod(shape) * dtype_itemsize(dtype)
     if offsets[1] - offsets[0] != expected:
         raise CorruptCheckpoint(
@@ -167,6 +172,12 @@ def _validate_record(name: str, rec: Any, data_start: int, file_size: int, sourc
             f"{source}: tensor {name!r} ends at byte {end} but the file has {file_size}", "the file is truncated"
         )
     return SafetensorsTensor(name, dtype, tuple(shape), begin, end)
+
+
+def _is_count(value: Any) -> bool:
+    """A dimension or an offset: an int (not a bool) from 0 to 2**63 - 1, as the format's u64/usize fields; a
+    zero-sized tensor may claim a dimension of any size, which must still fit torch's int64 shapes."""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_INT
 
 
 def read_header(url: str, file_size: int | None = None) -> SafetensorsHeader:

@@ -267,7 +267,10 @@ def load_object_archive(blob: bytes | memoryview, source: str) -> Any:
         if kind is DType:
             return getattr(torch, obj)
         if kind is dict:
-            return {key: convert(item, depth + 1) for key, item in obj.items()}
+            # The keys are converted too, under the same depth bound: building the new dict hashes each key
+            # again, and hashing a tuple a million levels deep overflows the C stack (this runs on the
+            # caller's thread, not on the unpickler's deep one).
+            return {convert(key, depth + 1): convert(item, depth + 1) for key, item in obj.items()}
         if kind is list:
             return [convert(item, depth + 1) for item in obj]
         if kind is tuple:

@@ -196,9 +196,16 @@ def _check_bucket(url: str, fs: Any) -> None:
         if key in _BUCKETS_SEEN:
             return
     try:
-        found = call(lambda: fs.exists(key[1]), f"looking up bucket {key[1]}", url)
+        # s3fs's `exists` answers False when its probes fail for any reason, a store that stopped answering
+        # included: a False is checked by listing the bucket, which raises what really happened (the bucket
+        # is missing, or the store does not answer: the StorageError of `call`, never "does not exist")
+        found = call(lambda: fs.exists(key[1]), f"looking up bucket {key[1]}", url) or call(
+            lambda: fs.ls(key[1]) is not None, f"listing bucket {key[1]}", url
+        )
     except CkptctlError:
         raise
+    except FileNotFoundError:
+        found = False
     except Exception as exc:
         mapped = remote_error(url, exc)
         if mapped is not None and not is_transient(exc):

@@ -1,7 +1,9 @@
 """The layout registry: which layouts exist, in which order they are tried, and the run walker.
 
-Layout modules are imported lazily (as fsspec does with its implementations), so that a command that
-needs one layout does not pay for all of them.
+The registry holds dotted names: each framework plugin's reader (its `Layout` subclass) and the capabilities
+it provides (`layouts.capabilities`). Modules are imported on first use (as fsspec does with its
+implementations), and detection imports the readers in registry order only until one recognises the folder,
+so that a command that needs one layout does not pay for all of them.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import importlib.util
 import os
 import threading
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cache
 from typing import Any, TypeVar, cast
@@ -24,6 +26,7 @@ from ckptctl.checkpoint import Checkpoint, CheckpointRef
 from ckptctl.errors import CheckpointNotFound, CkptctlError, UnknownLayout
 from ckptctl.formats.framework_classes import FrameworkClasses
 from ckptctl.layouts.base import Layout
+from ckptctl.layouts.capabilities import CONVERT_SOURCE, Slot
 from ckptctl.layouts.generic import GENERIC, generic_layout, unclaimed
 from ckptctl.quoting import shell
 
@@ -31,7 +34,9 @@ __all__ = [
     "DEFAULT_SCAN_DEPTH",
     "ConvertTarget",
     "Layout",
+    "Plugin",
     "ScanContext",
+    "capability",
     "detect",
     "framework_pickle_classes",
     "get_layout",
@@ -43,6 +48,30 @@ __all__ = [
     "scan_context",
     "scan_run",
 ]
+
+
+@dataclass(frozen=True, slots=True)
+class Plugin:
+    """One registered layout: the reader of a framework plugin and the capabilities it provides, as names
+    (`module:attribute`, the module in the plugin's package) imported on first use (Pillow's
+    `register_open`/`register_save`, fsspec's `known_implementations`).
+
+    Attributes:
+        name: the layout's name (`Layout.name`), as `--layout` takes it.
+        package: the framework's package.
+        reader: its `Layout` subclass.
+        capabilities: each slot it fills (`layouts.capabilities`) -> the object that fills it.
+    """
+
+    name: str
+    package: str
+    reader: str
+    capabilities: Mapping[Slot[Any], str] = field(default_factory=dict)
+
+    def load(self, target: str) -> Any:
+        """The object `target` (`module:attribute` in the package) names, its module imported on first use."""
+        return _load(f"{self.package}.{target}")
+
 
 #: Tried in this order: the more specific layouts first. A native checkpoint also holds safetensors files an
 #: HF reader would accept, and a native multi-rank one holds a DCP folder. AReaL's recover slot is a DCP
@@ -59,23 +88,37 @@ __all__ = [
 #: layouts leave such a folder alone (`parts.zero_tag.names.is_universal`), so it can come last, after the layouts
 #: people know. A verl `global_step_N/` (role folders of per-rank `*_world_size_W_rank_R.pt` files) and its role
 #: folders look like no other layout's, but come early so that nothing generic claims a role folder's files.
-_REGISTRY: tuple[tuple[str, str], ...] = (
-    ("native", "ckptctl.frameworks.native.layout:NativeLayout"),
-    ("verl", "ckptctl.frameworks.verl.layout:VerlLayout"),
-    ("areal", "ckptctl.frameworks.areal.layout:ArealLayout"),
-    ("roll", "ckptctl.frameworks.roll.layout:RollLayout"),
-    ("lightning", "ckptctl.frameworks.lightning.layout:LightningLayout"),
-    ("megatron", "ckptctl.frameworks.megatron.layout:MegatronLayout"),
-    ("torchtitan", "ckptctl.frameworks.torchtitan.layout:TorchtitanLayout"),
-    ("dcp", "ckptctl.frameworks.dcp.layout:DcpLayout"),
-    ("hf_trainer", "ckptctl.frameworks.hf_trainer.layout:HfTrainerLayout"),
-    ("accelerate", "ckptctl.frameworks.accelerate.layout:AccelerateLayout"),
-    ("openrlhf", "ckptctl.frameworks.openrlhf.layout:OpenRlhfLayout"),
-    ("open_instruct", "ckptctl.frameworks.open_instruct.layout:OpenInstructLayout"),
-    ("deepspeed", "ckptctl.frameworks.deepspeed.layout:DeepSpeedLayout"),
-    ("peft", "ckptctl.frameworks.peft.layout:PeftLayout"),
-    ("hf", "ckptctl.frameworks.hf.layout:HfModelLayout"),
-    ("deepspeed_universal", "ckptctl.frameworks.deepspeed.universal:DeepSpeedUniversalLayout"),
+_REGISTRY: tuple[Plugin, ...] = (
+    Plugin("native", "ckptctl.frameworks.native", "layout:NativeLayout", {CONVERT_SOURCE: "convert:SOURCE"}),
+    Plugin("verl", "ckptctl.frameworks.verl", "layout:VerlLayout", {CONVERT_SOURCE: "convert:SOURCE"}),
+    Plugin("areal", "ckptctl.frameworks.areal", "layout:ArealLayout", {CONVERT_SOURCE: "convert:SOURCE"}),
+    Plugin("roll", "ckptctl.frameworks.roll", "layout:RollLayout"),
+    Plugin("lightning", "ckptctl.frameworks.lightning", "layout:LightningLayout", {CONVERT_SOURCE: "convert:SOURCE"}),
+    Plugin("megatron", "ckptctl.frameworks.megatron", "layout:MegatronLayout", {CONVERT_SOURCE: "convert:SOURCE"}),
+    Plugin(
+        "torchtitan", "ckptctl.frameworks.torchtitan", "layout:TorchtitanLayout", {CONVERT_SOURCE: "convert:SOURCE"}
+    ),
+    Plugin("dcp", "ckptctl.frameworks.dcp", "layout:DcpLayout"),
+    Plugin("hf_trainer", "ckptctl.frameworks.hf_trainer", "layout:HfTrainerLayout", {CONVERT_SOURCE: "convert:SOURCE"}),
+    Plugin(
+        "accelerate", "ckptctl.frameworks.accelerate", "layout:AccelerateLayout", {CONVERT_SOURCE: "convert:SOURCE"}
+    ),
+    Plugin("openrlhf", "ckptctl.frameworks.openrlhf", "layout:OpenRlhfLayout", {CONVERT_SOURCE: "convert:SOURCE"}),
+    Plugin(
+        "open_instruct",
+        "ckptctl.frameworks.open_instruct",
+        "layout:OpenInstructLayout",
+        {CONVERT_SOURCE: "convert:SOURCE"},
+    ),
+    Plugin("deepspeed", "ckptctl.frameworks.deepspeed", "layout:DeepSpeedLayout", {CONVERT_SOURCE: "convert:SOURCE"}),
+    Plugin("peft", "ckptctl.frameworks.peft", "layout:PeftLayout", {CONVERT_SOURCE: "convert:SOURCE"}),
+    Plugin("hf", "ckptctl.frameworks.hf", "layout:HfModelLayout", {CONVERT_SOURCE: "convert:SOURCE"}),
+    Plugin(
+        "deepspeed_universal",
+        "ckptctl.frameworks.deepspeed",
+        "universal:DeepSpeedUniversalLayout",
+        {CONVERT_SOURCE: "convert:UNIVERSAL_SOURCE"},
+    ),
 )
 
 
@@ -101,6 +144,7 @@ _SKIP_DIRS = frozenset({"__pycache__", ".git", ".hg", ".svn", "node_modules", ".
 _PEEK_LIMIT = 4096
 _LISTING = "listing"
 T = TypeVar("T")
+C = TypeVar("C")
 
 
 class ScanContext:
@@ -197,8 +241,18 @@ def peek(url: str, derive: Callable[[str, list[io.DirEntry]], T]) -> T | None:
     return (_current_scan.get() or ScanContext()).peek(url, derive)
 
 
+_PLUGINS = {plugin.name: plugin for plugin in _REGISTRY}
+
+
 def layout_names() -> list[str]:
-    return [name for name, _ in _REGISTRY]
+    return [plugin.name for plugin in _REGISTRY]
+
+
+@cache
+def _load(target: str) -> Any:
+    """The object `module:attribute` names (the module's dotted name), its module imported on first use."""
+    module_name, _, attribute = target.partition(":")
+    return getattr(importlib.import_module(module_name), attribute)
 
 
 @cache
@@ -211,24 +265,61 @@ def get_layout(name: str) -> Layout:
     """
     if name == GENERIC:
         return generic_layout()
-    for registered, target in _REGISTRY:
-        if registered == name:
-            module_name, _, class_name = target.partition(":")
-            layout: Layout = getattr(importlib.import_module(module_name), class_name)()
-            return layout
-    raise UnknownLayout(f"no layout named {name!r}", f"known layouts: {', '.join(layout_names())}")
+    plugin = _PLUGINS.get(name)
+    if plugin is None:
+        raise UnknownLayout(f"no layout named {name!r}", f"known layouts: {', '.join(layout_names())}")
+    layout: Layout = plugin.load(plugin.reader)()
+    return layout
 
 
 def all_layouts() -> list[Layout]:
     return [get_layout(name) for name in layout_names()]
 
 
+def _candidates(layout: str | None) -> Iterator[Layout]:
+    """`layout`'s reader, or every reader in registry order, each imported only when the one before it
+    has not recognised what is being identified."""
+    if layout:
+        yield get_layout(layout)
+        return
+    for name in layout_names():
+        yield get_layout(name)
+
+
+def capability(layout: str | Layout, slot: Slot[C]) -> C | None:
+    """The capability of `slot` that the framework of `layout` (a layout or its name) provides, imported on
+    first use; None where it provides none.
+
+    A reader outside the registry that is built on a registered one (a subclass of its `Layout`) has that
+    one's capabilities, as it has its hooks; any other layout outside the registry (a single weights file)
+    has none.
+
+    Example: `capability(checkpoint.layout, CONVERT_SOURCE)` is the layout's `ConvertSource`, or None.
+    """
+    plugin = _PLUGINS.get(layout) if isinstance(layout, str) else _plugin_of(layout)
+    target = None if plugin is None else plugin.capabilities.get(slot)
+    return None if plugin is None or target is None else cast(C, plugin.load(target))
+
+
+def _plugin_of(layout: Layout) -> Plugin | None:
+    """The registry entry of `layout`: the one of its name, else the one of the nearest registered reader
+    its class is built on (read off the class's bases, which imports nothing)."""
+    plugin = _PLUGINS.get(layout.name)
+    if plugin is not None:
+        return plugin
+    readers = {f"{plugin.package}.{plugin.reader}": plugin for plugin in _REGISTRY}
+    return next(
+        (readers[name] for cls in type(layout).__mro__ if (name := f"{cls.__module__}:{cls.__qualname__}") in readers),
+        None,
+    )
+
+
 def framework_pickle_classes() -> list[FrameworkClasses]:
     """The classes each registered framework package lists in its `pickle_classes` module (where it has
     one): what the torch-pickle allowlist reads as inert stand-ins (`formats.framework_classes`)."""
     found = []
-    for _, target in _REGISTRY:
-        module = f"{target.partition(':')[0].rpartition('.')[0]}.pickle_classes"
+    for plugin in _REGISTRY:
+        module = f"{plugin.package}.pickle_classes"
         if importlib.util.find_spec(module) is not None:
             found.append(importlib.import_module(module).CLASSES)
     return found
@@ -243,7 +334,7 @@ def _identify(
     url: str, entries: Sequence[io.DirEntry], layout: str | None = None
 ) -> tuple[Layout, CheckpointRef] | None:
     """The first layout (in registry order, or only `layout`) that recognises the folder, and its ref."""
-    for candidate in [get_layout(layout)] if layout else all_layouts():
+    for candidate in _candidates(layout):
         ref = candidate.identify(url, entries)
         if ref is not None:
             return candidate, ref
@@ -258,7 +349,7 @@ def _pointed(url: str, entries: Sequence[io.DirEntry]) -> set[str]:
 def _identify_file(url: str, entry: io.DirEntry, layout: str | None = None) -> tuple[Layout, CheckpointRef] | None:
     """The first layout (in registry order, or only `layout`) whose checkpoints are files like `entry`, and
     the file's ref when it recognises it."""
-    for candidate in [get_layout(layout)] if layout else all_layouts():
+    for candidate in _candidates(layout):
         if candidate.checkpoint_files and entry.name.endswith(candidate.checkpoint_files):
             ref = candidate.identify_file(url, entry)
             if ref is not None:

@@ -1,6 +1,6 @@
-"""What the layouts' `namespace_stripper` hooks share: the name rules of the storage formats layouts build
-on, and ways a tensor name loses the namespace a save put in front of the model's own name
-(`ckptctl.ops.naming` applies the hook)."""
+"""What the frameworks' namespace strippers (`ConvertSource.namespace_stripper`) share: the name rules of the
+storage formats layouts build on, and ways a tensor name loses the namespace a save put in front of the model's
+own name (`ckptctl.ops.naming` applies them)."""
 
 from __future__ import annotations
 

@@ -14,6 +14,7 @@ from typing import Any
 
 from ckptctl import io
 from ckptctl.checkpoint import Checkpoint, CheckpointRef, CheckpointState, Component
+from ckptctl.errors import CkptctlError
 
 __all__ = [
     "DEFAULT_IMPACT",
@@ -25,6 +26,7 @@ __all__ = [
     "Skipped",
     "WorldSizeCheck",
     "generic_profile",
+    "pickled_rng_keys",
     "recorded_rng_keys",
     "target_ranks",
     "unchecked_world_size",
@@ -177,6 +179,29 @@ def _nothing_along(ctx: PlanContext) -> list[LoadedAlong]:
 
 def _not_converted(url: str) -> str | None:
     return None
+
+
+#: An RNG state's keys name generators (`cuda`, `torch_cuda_rng_state_all`); a longer key names none.
+_MAX_RNG_KEY = 200
+
+
+def pickled_rng_keys(url: str, size: int | None = None, ignore: frozenset[str] = frozenset()) -> frozenset[str] | None:
+    """The generator names among the top-level keys of the torch.save RNG state at `url` (its `data.pkl`
+    only), less `ignore`; None when the file cannot be read or holds no dict.
+
+    Only string keys of at most `_MAX_RNG_KEY` characters are names: a hostile file's other keys (a tuple a
+    million levels deep, whose `str()` recurses that deep; a 16 MiB string) name no generator and are
+    neither converted nor shown.
+    """
+    from ckptctl.formats.torch_pickle import open_torch_pickle
+
+    try:
+        root = open_torch_pickle(url, size).root
+    except CkptctlError:
+        return None
+    if not isinstance(root, dict):
+        return None
+    return frozenset(k for k in root if type(k) is str and len(k) <= _MAX_RNG_KEY) - ignore
 
 
 def recorded_rng_keys(checkpoint: Checkpoint) -> frozenset[str] | None:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptctl.checkpoint import TensorEntry
-from ckptctl.layouts.base import ModelTensors
+from ckptctl.layouts.capabilities import ModelTensors
 
 __all__ = ["WRAPPED_MODEL_RULES", "GivenScaling", "WrappedAdapter", "WrappedModel", "find_wrapped"]
 

@@ -3,7 +3,7 @@
 Tensors of one component (the model by default) are matched by name after the namespace rules that
 `convert` uses (`ops.naming`: `model.` of DCP state dicts, the entry name of a save) and the user's
 renames; against a checkpoint of another layout, a model that its framework names and lays out otherwise
-(Megatron's fused projections) is taken under transformers names (`Layout.hf_model`). Each matched pair is
+(Megatron's fused projections) is taken under transformers names (`ConvertSource.hf_model`). Each matched pair is
 classified as equal, or changed in shape, dtype or values; values are compared element by element after
 upcasting both sides (float64, complex128 for complex tensors, int64 differences for integer ones), in
 cache-sized blocks (`ops.tensor_stats`). Only tensors that are compared are read.
@@ -45,7 +45,8 @@ from ckptctl.checkpoint import Checkpoint, Component, TensorChunk, TensorEntry, 
 from ckptctl.errors import CkptctlError, CorruptCheckpoint
 from ckptctl.formats.documents import read_json
 from ckptctl.formats.manifest import FileRecord, Manifest, read_manifest
-from ckptctl.layouts import get_layout, open_checkpoint
+from ckptctl.layouts import open_checkpoint
+from ckptctl.ops.convert_source import convert_source
 from ckptctl.ops.distributed_work import Ranks, split
 from ckptctl.ops.naming import Renames, normalised_names
 from ckptctl.ops.report import SCHEMA_VERSION, NoProgress, Progress, flatten, jsonable
@@ -375,11 +376,11 @@ def _diff(a: str, b: str, options: DiffOptions, progress: Progress, read: io.Byt
 def _named(checkpoint: Checkpoint, options: DiffOptions, other_layout: str) -> dict[str, TensorEntry]:
     """The tensors of the compared component under the names `diff` matches them by. Against a checkpoint of
     another layout, a model its framework stores under names of its own (Megatron) is taken under transformers
-    names (`Layout.hf_model`), as `convert --to hf` writes it; when that mapping does not apply (no shape
+    names (`ConvertSource.hf_model`), as `convert --to hf` writes it; when that mapping does not apply (no shape
     recorded), the stored names are kept."""
     if options.component is Component.MODEL and other_layout != checkpoint.layout:
         try:
-            hf = get_layout(checkpoint.layout).hf_model(checkpoint, None)
+            hf = convert_source(checkpoint.layout).hf_model(checkpoint, None)
         except CkptctlError:
             hf = None
         if hf is not None:

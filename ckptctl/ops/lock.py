@@ -287,6 +287,7 @@ class RunLock:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
         except FileExistsError:
             if os.path.islink(path):
+                read_lock(self.url)  # a link to a FIFO or a device is refused as what it names is
                 # Whoever planted it could have a takeover rename or remove what it names: touch nothing.
                 raise LockUnusable(
                     f"the lock file {self.url} is a symbolic link (to {os.readlink(path)}): refusing to use it; nothing was changed",

@@ -5,7 +5,7 @@
 two checkpoints, possibly of different layouts) share these rules, so that a sharded training save and
 the model exported from it name every tensor alike. Which namespace a save adds (the key the state was
 saved under, the prefixes of training wrappers) is a fact of the layout that wrote it and of the storage
-format it keeps tensors in: its `namespace_stripper` hook says how to remove it.
+format it keeps tensors in: its `ConvertSource.namespace_stripper` says how to remove it.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from ckptctl.checkpoint import TensorEntry
-from ckptctl.errors import CkptctlError, UnknownLayout
-from ckptctl.layouts import get_layout
-from ckptctl.layouts.naming import format_namespace_stripper, keep_name
+from ckptctl.errors import CkptctlError
+from ckptctl.layouts.naming import keep_name
+from ckptctl.ops.convert_source import convert_source
 
 __all__ = [
     "Renames",
@@ -74,11 +74,7 @@ def namespace_stripper(
         return lambda name: name.removeprefix(explicit)
     if not entries:
         return keep_name
-    try:
-        known = get_layout(layout)
-    except UnknownLayout:  # a layout registered elsewhere: the rule of the format its files are in
-        return format_namespace_stripper(entries)
-    return known.namespace_stripper(entries)
+    return convert_source(layout).namespace_stripper(entries)
 
 
 def normalise_name(name: str, strip: Callable[[str], str], renames: Renames = ()) -> str:

@@ -22,7 +22,17 @@ from tests.hostile.harness import Outcome
 from tests.writers.rl_runs import WrittenFsdpRuns
 from tests.writers.trainer_writer import WrittenTrainerRun
 
-__all__ = ["BIG_INT", "DEEP_JSON", "Source", "json_with", "message_of", "plant", "problems_of"]
+__all__ = [
+    "BIG_INT",
+    "DEEP_JSON",
+    "Source",
+    "demo_state",
+    "json_with",
+    "message_of",
+    "plant",
+    "problems_of",
+    "refresh_manifest",
+]
 
 #: JSON nested 100,000 levels deep: Python's parser gives up with RecursionError.
 DEEP_JSON = "[" * 100_000 + "]" * 100_000
@@ -77,6 +87,31 @@ def json_with(path: Path, keys: tuple[Any, ...], raw: str) -> None:
         node = node[key]
     node[keys[-1]] = _MARK
     path.write_text(json.dumps(doc, indent=1).replace(json.dumps(_MARK), raw))
+
+
+def refresh_manifest(step_dir: Path, *rels: str) -> None:
+    """Make the manifest of a native step record the planted files `rels` (relative to `step_dir`) as they
+    are now, as an attacker sharing the run would: their sizes and digests then check out."""
+    from ckptctl.formats.digest import file_digest
+
+    path = step_dir / "ckptctl-manifest.json"
+    manifest = json.loads(path.read_text())
+    for rel in rels:
+        manifest["files"][rel].update(size=(step_dir / rel).stat().st_size, blake3=file_digest(str(step_dir / rel)))
+    path.write_text(json.dumps(manifest))
+
+
+def demo_state() -> dict[str, Any]:
+    """A fresh model, optimizer and scheduler of `ckptctl demo`'s shapes: what a restore of the demo's runs
+    loads into."""
+    import torch
+
+    from ckptctl.demo import _model
+
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    return {"model": model, "optimizer": optimizer, "scheduler": scheduler}
 
 
 def problems_of(outcome: Outcome | CliResult) -> list[dict[str, Any]]:

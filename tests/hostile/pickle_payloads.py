@@ -65,11 +65,17 @@ def repeated_set() -> bytes:
     return _PROTO + _global("builtins", "set") + _put(0) + items + b"0(" + calls + b"l."
 
 
-def repeated_encode() -> bytes:
+def repeated_encode(size: int = 400_000) -> bytes:
     """`_codecs.encode` of one memoised 400 KB string, called 4,000 times."""
-    text = b"X" + struct.pack("<I", 400_000) + b"a" * 400_000 + _put(1) + _text("latin1") + _put(2)
+    text = b"X" + struct.pack("<I", size) + b"a" * size + _put(1) + _text("latin1") + _put(2)
     calls = b"".join(_get(0) + _get(1) + _get(2) + b"\x86R" for _ in range(4_000))
     return _PROTO + _global("_codecs", "encode") + _put(0) + text + b"0(" + calls + b"l."
+
+
+def repeated_large_encode() -> bytes:
+    """`_codecs.encode` of one memoised 1 MiB string, called 4,000 times: each call copies more than the
+    unpickler reads between two memory checks."""
+    return repeated_encode(1 << 20)
 
 
 def long_key_paths() -> bytes:
@@ -87,6 +93,7 @@ PAYLOADS: dict[str, Callable[[], bytes]] = {
     "object_flood": object_flood,
     "repeated_set": repeated_set,
     "repeated_encode": repeated_encode,
+    "repeated_large_encode": repeated_large_encode,
     "long_key_paths": long_key_paths,
 }
 

@@ -185,3 +185,48 @@ def test_frames_larger_than_picklers_write_are_refused(dcp_checkpoint: WrittenDc
     outcome.assert_refused(2)
     assert "frame" in outcome.stderr
     shutil.rmtree(ckpt)
+
+
+#: The files of `FILES` that `test_a_hostile_pickle_in_a_whole_run` plants in, by name.
+_FILE_NAMES = {"trainer/rng_state.pth": "rng_state.pth", "deepspeed/model_states": "mp_rank_00_model_states.pt"}
+
+
+def _whole_run(file: str, request: pytest.FixtureRequest, work: Path) -> tuple[Path, Path]:
+    """A copy of the whole run holding `file` (its newest checkpoint) and that checkpoint: resume-plan also
+    reads the checkpoints it skips."""
+    if file.startswith("trainer/"):
+        written: WrittenTrainerRun = request.getfixturevalue("trainer_run")
+        run = copy_tree(written.output_dir, work / "run")
+        return run, run / written.checkpoints[-1].name
+    deepspeed: WrittenDeepSpeed = request.getfixturevalue("deepspeed_runs")[2]
+    run = copy_tree(deepspeed.save_dir, work / "run")
+    return run, run / deepspeed.tags[-1]
+
+
+@pytest.mark.parametrize(
+    ("file", "payload"),
+    [
+        ("trainer/rng_state.pth", "deep_tuple_key"),  # resume-plan: RecursionError in str() of the key
+        ("trainer/rng_state.pth", "long_key_paths"),  # resume-plan: the 16 MiB key in its warnings
+        ("deepspeed/model_states", "repeated_large_encode"),  # 747 MiB: five reads of the file, 192 MiB each
+    ],
+)
+def test_a_hostile_pickle_in_a_whole_run(
+    file: str, payload: str, hostile_pickles: dict[str, Path], request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    run, ckpt = _whole_run(file, request, tmp_path)
+    pickled = ckpt / _FILE_NAMES[file]
+    plant(pickled, hostile_pickles[payload].read_bytes())
+    _assert_verify_refuses(ckpt, pickled)
+    inspect = run_ckptctl(["inspect", str(ckpt), "--json"])
+    if FILES[file][2]:
+        inspect.assert_refused(2)
+        assert pickled.name in json.loads(inspect.stdout)["error"]["message"]
+    else:
+        inspect.assert_refused(0)
+    plan = run_ckptctl(["resume-plan", str(run), "--json"])
+    plan.assert_refused(0)  # the step before it resumes; the hostile one is skipped, its file named
+    doc = json.loads(plan.stdout)
+    assert doc["checkpoint"]["url"] != str(ckpt)
+    assert str(ckpt) in [s["url"] for s in doc["skipped"]], doc["skipped"]
+    assert len(plan.stdout) + len(plan.stderr) < 100_000  # no 16 MiB key copied into a warning

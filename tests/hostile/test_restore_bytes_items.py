@@ -23,9 +23,10 @@ import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 from ckptctl.core import CheckpointManager
-from ckptctl.errors import CkptctlError, UnsafePickle
-from ckptctl.formats.digest import file_digest
+from ckptctl.errors import CkptctlError, CorruptCheckpoint, UnsafePickle
+from tests.hostile.conftest import demo_state, refresh_manifest
 from tests.hostile.harness import run_ckptctl
+from tests.hostile.pickle_payloads import PAYLOADS
 
 #: The bytes item replaced in every case: AdamW's learning rate of the first parameter group.
 TARGET_ITEM = "optimizer.param_groups.0.lr"
@@ -116,13 +117,7 @@ def _plant(step_dir: Path, archive: bytes) -> None:
     metadata.storage_data[index] = _StorageInfo(info.relative_path, offset, len(archive))
     with open(dcp_dir / ".metadata", "wb") as f:
         pickle.dump(metadata, f)
-    manifest_path = step_dir / "ckptctl-manifest.json"
-    manifest = json.loads(manifest_path.read_text())
-    for rel in (".metadata", info.relative_path):
-        record = manifest["files"][f"dcp/{rel}"]
-        record["size"] = (dcp_dir / rel).stat().st_size
-        record["blake3"] = file_digest(str(dcp_dir / rel))
-    manifest_path.write_text(json.dumps(manifest))
+    refresh_manifest(step_dir, "dcp/.metadata", f"dcp/{info.relative_path}")
 
 
 @pytest.fixture(scope="session")
@@ -137,15 +132,6 @@ def hostile_runs(demo_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tu
         _plant(run / "step-30", _torch_save_archive_with(data_pkl))
         runs[name] = run
     return runs, marker
-
-
-def _demo_state() -> dict[str, object]:
-    from ckptctl.demo import _model
-
-    model = _model()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
-    return {"model": model, "optimizer": optimizer, "scheduler": scheduler}
 
 
 def test_the_payloads_are_live(tmp_path: Path) -> None:
@@ -168,7 +154,7 @@ PAYLOAD_NAMES = sorted(_payloads(Path("/x")))
 def test_restore_refuses_a_crafted_bytes_item(name: str, hostile_runs: tuple[dict[str, Path], Path]) -> None:
     runs, marker = hostile_runs
     with pytest.raises(CkptctlError) as caught:
-        CheckpointManager(str(runs[name])).restore(_demo_state(), step=30)
+        CheckpointManager(str(runs[name])).restore(demo_state(), step=30)
     assert not marker.exists(), f"the {name} payload ran inside restore()"
     assert isinstance(caught.value, UnsafePickle) or "pickle" in caught.value.message
     assert TARGET_ITEM in caught.value.message
@@ -177,7 +163,7 @@ def test_restore_refuses_a_crafted_bytes_item(name: str, hostile_runs: tuple[dic
 def test_restore_of_the_clean_run_loads_the_saved_values(demo_dir: Path, tmp_path: Path) -> None:
     """The safe reader loads real bytes items with their saved values (not defaults)."""
     run = shutil.copytree(demo_dir / "distributed", tmp_path / "run")
-    state = _demo_state()
+    state = demo_state()
     optimizer: torch.optim.AdamW = state["optimizer"]  # type: ignore[assignment]
     optimizer.param_groups[0]["lr"] = 123.0
     optimizer.param_groups[0]["betas"] = (0.1, 0.2)
@@ -213,3 +199,35 @@ def test_verify_of_the_run_fails_and_resume_plan_skips_the_step(hostile_runs: tu
     chosen = json.loads(plan.stdout)["checkpoint"]
     assert chosen is not None and chosen["step"] == 20
     assert not marker.exists()
+
+
+@pytest.fixture(scope="session")
+def flooded_runs(demo_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], Path]:
+    """(where, payload) -> a copy of the demo's 2-rank run whose newest step holds a hostile pickle of
+    `pickle_payloads` (deep, flooding, copying; no code-running global) as `dcp/.metadata` or as the pickle
+    of TARGET_ITEM's bytes item."""
+    root = tmp_path_factory.mktemp("hostile-dcp-pickles")
+    runs = {}
+    for name, build in PAYLOADS.items():
+        for where in ("metadata", "bytes_item"):
+            run = shutil.copytree(demo_dir / "distributed", root / f"{where}-{name}")
+            step = run / "step-30"
+            if where == "metadata":
+                (step / "dcp" / ".metadata").write_bytes(build())
+                refresh_manifest(step, "dcp/.metadata")
+            else:
+                _plant(step, _torch_save_archive_with(build()))
+            runs[where, name] = run
+    return runs
+
+
+@pytest.mark.parametrize("where", ["metadata", "bytes_item"])
+@pytest.mark.parametrize("name", list(PAYLOADS))
+def test_restore_raises_a_ckptctl_error_for_a_hostile_dcp_pickle(
+    name: str, where: str, flooded_runs: dict[tuple[str, str], Path]
+) -> None:
+    # Before (issue 21.5): torch's CheckpointException for every hostile .metadata (torch swallowed our
+    # refusal and retried per-rank metadata), a SIGSEGV for the deep tuple key as a bytes item.
+    with pytest.raises(CorruptCheckpoint) as caught:  # UnsafePickle is one
+        CheckpointManager(str(flooded_runs[where, name])).restore(demo_state(), step=30)
+    assert (".metadata" if where == "metadata" else TARGET_ITEM) in caught.value.message

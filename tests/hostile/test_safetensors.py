@@ -17,7 +17,8 @@ from typing import Any
 import pytest
 
 from tests.conftest import copy_tree
-from tests.hostile.harness import run_ckptctl
+from tests.hostile.conftest import BIG_INT, demo_state, refresh_manifest
+from tests.hostile.harness import Outcome, run_ckptctl
 from tests.writers.trainer_writer import WrittenTrainerRun
 
 Header = dict[str, Any]
@@ -162,3 +163,65 @@ def test_an_index_total_size_that_is_no_byte_count_is_flagged(
     problems = json.loads(verify.stdout)["problems"]
     assert [p["path"] for p in problems] == [index.name], problems
     assert "total_size" in problems[0]["message"]
+
+
+#: Header fields of a type no writer writes (issue 21.5): a list as the dtype (unhashable: a dict lookup raised
+#: TypeError) and an integer of 5,000 digits (Python's JSON parser raises a plain ValueError on it).
+FIELDS = {"list_dtype": '["F32"]', "huge_int_dtype": BIG_INT}
+
+
+def _with_dtype(path: Path, raw: str) -> None:
+    """Give the first tensor of the safetensors file at `path` the JSON text `raw` as its dtype."""
+    header, data = _split(path)
+    header[_in_offset_order(header)[0]]["dtype"] = "\x00dtype\x00"
+    body = json.dumps(header).replace(json.dumps("\x00dtype\x00"), raw).encode()
+    path.write_bytes(struct.pack("<Q", len(body)) + body + b" " * (-len(body) % 8) + data)
+
+
+def _error_of(outcome: Outcome) -> dict[str, Any]:
+    outcome.assert_refused(2)
+    error: dict[str, Any] = json.loads(outcome.stdout)["error"]
+    return error
+
+
+@pytest.mark.parametrize("field", list(FIELDS))
+def test_a_header_field_of_the_wrong_type_is_a_ckptctl_error_in_every_command(
+    field: str, hf_model_dirs: dict[str, Path], tmp_path: Path
+) -> None:
+    folder = copy_tree(hf_model_dirs["single"], tmp_path / "model")
+    broken = folder / "model.safetensors"
+    _with_dtype(broken, FIELDS[field])
+    for args in (
+        ["inspect", str(folder)],
+        ["convert", str(folder), str(tmp_path / "out"), "--to", "dcp"],
+        ["diff", str(folder), str(hf_model_dirs["single"])],
+    ):
+        error = _error_of(run_ckptctl([*args, "--json"]))
+        assert error["type"] == "CorruptCheckpoint" and str(broken) in error["message"], (args, error)
+        assert error["exit_code"] == 2
+    assert not (tmp_path / "out").exists()
+    for deep in ([], ["--deep"]):
+        verify = run_ckptctl(["verify", str(folder), "--json", *deep])
+        verify.assert_refused(1)  # verify ran and found the problem (DESIGN §4)
+        problems = json.loads(verify.stdout)["problems"]
+        assert [(p["kind"], p["path"]) for p in problems] == [("bad_metadata", broken.name)], problems
+
+
+@pytest.mark.parametrize("field", list(FIELDS))
+def test_a_header_field_of_the_wrong_type_in_a_native_step(field: str, demo_dir: Path, tmp_path: Path) -> None:
+    # The file is planted as an attacker sharing the run would: the manifest's size and digest match it.
+    from ckptctl.core import CheckpointManager
+    from ckptctl.errors import CorruptCheckpoint
+
+    run = copy_tree(demo_dir / "native", tmp_path / "run")
+    broken = run / "step-30" / "model.safetensors"
+    _with_dtype(broken, FIELDS[field])
+    refresh_manifest(broken.parent, broken.name)
+    with pytest.raises(CorruptCheckpoint) as caught:
+        CheckpointManager(str(run)).restore(demo_state(), step=30)
+    assert str(broken) in caught.value.message
+    plan = run_ckptctl(["resume-plan", str(run), "--json"])
+    plan.assert_refused(0)  # the broken step is skipped, with the file named; the step before it resumes
+    doc = json.loads(plan.stdout)
+    assert doc["checkpoint"]["step"] == 20
+    assert [(s["step"], broken.name in s["reason"]) for s in doc["skipped"]] == [(30, True)], doc["skipped"]

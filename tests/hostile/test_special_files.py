@@ -65,6 +65,12 @@ TARGETS = {
         "step-30/.metadata",
         ((("inspect", "{ckpt}"), 2, True), (("verify", "{ckpt}", "--json"), 1, True)),
     ),
+    # A side file that convert copies beside the model (issue 21.5: MemoryError before): nothing is written.
+    "tokenizer": Target(
+        "dcp",
+        "tokenizer.json",
+        ((("convert", "{ckpt}", "{run}/out", "--to", "hf", "--json"), 2, True),),
+    ),
 }
 
 
@@ -101,6 +107,9 @@ def test_a_special_file_ends_the_command_at_once(
     if named:
         message = message_of(outcome)
         assert Path(target.file).name in message and SAID[kind] in message, message
+    if args[0] == "convert":
+        assert json.loads(outcome.stdout)["error"]["type"] == "CorruptCheckpoint"
+        assert not (folder / "out").exists()
     if name == "latest" and args[0] == "list":
         assert not any(c["latest"] for c in json.loads(outcome.stdout)["checkpoints"])
 

@@ -9,7 +9,11 @@ state and the Trainer's seeding out of the test process). Prints the retention r
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
+from pathlib import Path
+from typing import Any
 
 STEPS = 5
 KEEP_LAST = 2
@@ -21,7 +25,7 @@ def main(output_dir: str) -> None:
 
     from ckptctl.core import RetentionPolicy
     from ckptctl.integrations.transformers import CkptctlCallback
-    from tests.conftest import tiny_llama
+    from tests.writers.models import tiny_llama
 
     generator = torch.Generator().manual_seed(0)
     dataset = []
@@ -53,6 +57,23 @@ def main(output_dir: str) -> None:
     ).train()
     assert callback.last_prune is not None
     print(json.dumps(callback.last_prune.to_json()), flush=True)
+
+
+def write_run(root: Path) -> tuple[Path, dict[str, Any]]:
+    """Run `main` in a subprocess into `root/out`: the output folder and the last retention report."""
+    output_dir = root / "out"
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(repo), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.integrations._trainer_worker", str(output_dir)],
+        cwd=repo,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    return output_dir, json.loads(done.stdout.strip().splitlines()[-1])
 
 
 if __name__ == "__main__":

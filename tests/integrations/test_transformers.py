@@ -4,9 +4,6 @@ step's metrics) that `ckptctl verify` checks, and retention keeps the newest `ke
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -14,30 +11,20 @@ from typing import Any
 import pytest
 
 from ckptctl.formats.manifest import DIGESTS_NAME
-from tests.conftest import CliResult
-from tests.integrations._trainer_worker import KEEP_LAST, STEPS
+from tests.conftest import CliResult, build_once
+from tests.integrations._trainer_worker import KEEP_LAST, STEPS, write_run
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 Cli = Callable[..., CliResult]
-REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def trainer_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
-    output_dir = tmp_path_factory.mktemp("trainer") / "out"
-    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
-    done = subprocess.run(
-        [sys.executable, "-m", "tests.integrations._trainer_worker", str(output_dir)],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    return output_dir, json.loads(done.stdout.strip().splitlines()[-1])
+    """The Trainer run with the callback, and its last retention report (slow: a subprocess; cached between
+    runs while the worker, the ckptctl code it reaches and the frameworks stay the same)."""
+    return build_once(tmp_path_factory, "trainer-callback", write_run)
 
 
 def _best(output_dir: Path) -> str:

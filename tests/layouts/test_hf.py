@@ -92,8 +92,32 @@ def test_index_naming_a_file_that_does_not_exist(hf_model_dirs: dict[str, Path],
                 "b": {"dtype": "F32", "shape": [4], "data_offsets": [8, 24]},
             }
         ).encode(),
+        # every field of a type no writer writes (issue 21.5): each was a foreign exception before
+        b'{"w": {"dtype": ["F32"], "shape": [4], "data_offsets": [0, 16]}}',
+        b'{"w": {"dtype": {"F32": 1}, "shape": [4], "data_offsets": [0, 16]}}',
+        b'{"w": {"dtype": ' + b"9" * 5000 + b', "shape": [4], "data_offsets": [0, 16]}}',
+        b'{"w": {"dtype": "F32", "shape": [0, 18446744073709551616], "data_offsets": [0, 0]}}',
+        b'{"w": {"dtype": "F32", "shape": [4], "data_offsets": ["0", 16]}}',
+        b'{"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}, "__metadata__": []}',
+        b'{"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}, "__metadata__": {"a": 1}}',
+        b"[" * 100_000 + b"]" * 100_000,
     ],
-    ids=["garbage", "offset-past-end", "length-disagrees", "unknown-dtype", "negative-shape", "overlap"],
+    ids=[
+        "garbage",
+        "offset-past-end",
+        "length-disagrees",
+        "unknown-dtype",
+        "negative-shape",
+        "overlap",
+        "list-dtype",
+        "object-dtype",
+        "huge-int-dtype",
+        "dimension-past-int64",
+        "string-offset",
+        "list-metadata",
+        "int-metadata-value",
+        "deep-nesting",
+    ],
 )
 def test_lying_headers_are_refused(tmp_path: Path, header: bytes) -> None:
     path = tmp_path / "model.safetensors"

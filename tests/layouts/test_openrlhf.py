@@ -106,15 +106,17 @@ def test_sft_tags_beside_their_export_are_openrlhf_and_plain_deepspeed_stays_dee
 
 
 def test_a_tag_keeps_fp32_master_weights_and_the_export_none(openrlhf_run: Path) -> None:
-    """The layout inherits DeepSpeed's `master_weights`: `convert` writes a tag's fp32 masters by default."""
+    """The layout's convert source reads DeepSpeed's `master_weights`: `convert` writes a tag's fp32 masters by
+    default."""
     from ckptctl.layouts import get_layout
+    from ckptctl.ops.convert_source import convert_source
 
-    layout = get_layout("openrlhf")
+    layout, source = get_layout("openrlhf"), convert_source("openrlhf")
     notes: list[str] = []
     tag = layout.open(str(openrlhf_run / "_actor" / "global_step4"))
-    masters = layout.master_weights(tag, required=True, notes=notes)
+    masters = source.master_weights(tag, required=True, notes=notes)
     assert masters is not None and notes == []
     trainable = [e for e in masters.entries if e.dtype == "float32" and e.name not in masters.upcast]
     assert trainable and all(c.file.endswith("_optim_states.pt") for e in trainable for c in e.chunks)
     export = layout.open(str(openrlhf_run / "global_step4_hf"))
-    assert layout.master_weights(export, required=False, notes=notes) is None and notes == []
+    assert source.master_weights(export, required=False, notes=notes) is None and notes == []

@@ -44,6 +44,29 @@ def test_a_missing_bucket_names_the_bucket(run_cli: Cli, s3_server: S3Server) ->
         assert_clean_failure(result, "bucket 'ckptctl-no-such-bucket' does not exist", "check the bucket name")
 
 
+def test_a_store_that_stops_answering_is_not_a_missing_bucket(
+    s3_server: S3Server, bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A path was not found, and the store died before its bucket was looked up: s3fs's `exists` answers
+    False for a bucket it cannot probe, which ckptctl reported as "bucket ... does not exist" (issue 21.5)."""
+    import socket
+
+    import s3fs
+
+    monkeypatch.setattr(io, "RETRY", io.RetryPolicy(attempts=2, base_delay=0.001, max_delay=0.001, timeout=5.0))
+    with socket.create_server(("127.0.0.1", 0)) as closed:
+        dead = f"http://127.0.0.1:{closed.getsockname()[1]}"  # nothing listens there once closed
+    store = s3fs.S3FileSystem(skip_instance_cache=True, endpoint_url=dead, config_kwargs={"connect_timeout": 1})
+    down = f"{bucket}-down"  # a store is marked unreachable by bucket: the live checks below use others
+    assert store.exists(down.removeprefix("s3://")) is False  # what s3fs says of a store that is down
+    with pytest.raises(StorageError, match="did not answer"):
+        io_remote._check_bucket(f"{down}/run/step-1", store)
+    live = s3_server.filesystem()
+    io_remote._check_bucket(f"{bucket}/run/step-1", live)  # the bucket is there: nothing to say
+    with pytest.raises(CheckpointNotFound, match="does not exist"):
+        io_remote._check_bucket("s3://ckptctl-no-such-bucket/run", live)
+
+
 def test_missing_credentials(run_cli: Cli, bucket: str, monkeypatch: pytest.MonkeyPatch, fresh_clients: None) -> None:
     monkeypatch.delenv("AWS_ACCESS_KEY_ID")
     monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")

@@ -2,7 +2,7 @@
 
 `write_accelerate_runs` runs one subprocess (accelerate's process-wide state and the seeds it sets stay
 out of the test process; torch, transformers, accelerate and DeepSpeed are imported once for all three
-runs) that trains the tiny Llama of `tests.conftest` under `Accelerator.accumulate` and saves:
+runs) that trains the tiny Llama of `tests.writers.models` under `Accelerator.accumulate` and saves:
 
 1. `plain/`: no plugin (`Accelerator(cpu=True)`), `ProjectConfiguration(automatic_checkpoint_naming=True)`,
    `save_state()` every 2 of 6 steps: `plain/checkpoints/checkpoint_{0,1,2}/` with `model.safetensors`,
@@ -108,7 +108,7 @@ def _train(accelerator: Any, steps: int, save: Any, resume: bool = False) -> Any
     (with `resume`, after `accelerator.load_state()` of the newest automatic checkpoint)."""
     import torch
 
-    from tests.conftest import tiny_llama
+    from tests.writers.models import tiny_llama
 
     model = tiny_llama()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -210,7 +210,7 @@ def _fsdp(root: Path) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from tests.conftest import tiny_llama
+    from tests.writers.models import tiny_llama
 
     state = PartialState(cpu=True)
     model = tiny_llama()
@@ -282,7 +282,7 @@ def _main(root: Path) -> None:
 
 def write_accelerate_runs(root: Path) -> WrittenAccelerate:
     """Run the three accelerate runs in one subprocess (a few seconds of CPU) and describe what they wrote."""
-    from tests.conftest import tiny_llama
+    from tests.writers.models import tiny_llama
 
     repo = Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONPATH": str(repo), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}

@@ -1,7 +1,7 @@
 """Real DeepSpeed ZeRO checkpoints for tests, written by DeepSpeed itself on CPU.
 
 `write_deepspeed_sets` spawns 2 ranks (torch.multiprocessing, gloo through `deepspeed.init_distributed`,
-`DS_ACCELERATOR=cpu`) that train the tiny Llama of `tests.conftest` for 4 steps with bf16 under each
+`DS_ACCELERATOR=cpu`) that train the tiny Llama of `tests.writers.models` for 4 steps with bf16 under each
 requested ZeRO stage, 0 (no ZeRO) included (one `deepspeed.initialize` per stage, in the same processes
 to pay the imports once) and `engine.save_checkpoint` at steps 2 and 4, so that each save folder holds `latest`,
 `global_step2/` and `global_step4/`. bf16 works on DeepSpeed's CPU accelerator, so the optim files carry
@@ -98,7 +98,7 @@ def _client_state(step: int) -> dict[str, int]:
 
 
 def _model(tie_embeddings: bool) -> Any:
-    from tests.conftest import tiny_llama
+    from tests.writers.models import tiny_llama
 
     model = tiny_llama()
     if tie_embeddings:

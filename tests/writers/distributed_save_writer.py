@@ -1,6 +1,6 @@
 """Per-rank saves without a global index, written by transformers 5.24 and torch 2.13 themselves on 2 CPU ranks.
 
-`write_distributed_saves` saves the tiny Llama of `tests.conftest` (`src/`, whose `model.safetensors` is the
+`write_distributed_saves` saves the tiny Llama of `tests.writers.models` (`src/`, whose `model.safetensors` is the
 reference), then spawns 2 ranks (torch.multiprocessing, gloo) that load it with
 `from_pretrained(..., distributed_config=DistributedConfig(fsdp_size=2))` (transformers' own FSDP2 sharding,
 on a CPU mesh) and save it twice:
@@ -91,7 +91,7 @@ def write_distributed_saves(root: Path) -> WrittenDistributedSaves:
     torch and transformers); use it from a session fixture."""
     import torch.multiprocessing as mp
 
-    from tests.conftest import tiny_llama
+    from tests.writers.models import tiny_llama
 
     model = tiny_llama()
     model.save_pretrained(root / "src")

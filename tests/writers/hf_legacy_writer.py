@@ -13,7 +13,7 @@ class, by `config.save_pretrained`. Unlike the
 safetensors path, that branch keeps tied weights: `lm_head.weight` is pickled as the same storage as
 `model.embed_tokens.weight`.
 
-- `single`: the untied tiny Llama of `tests.conftest.tiny_llama`, one `pytorch_model.bin`.
+- `single`: the untied tiny Llama of `tests.writers.models.tiny_llama`, one `pytorch_model.bin`.
 - `sharded`: the same Llama with `tie_word_embeddings=True`, `max_shard_size="20KB"` (several shards).
 - `tied`: that tied Llama saved by transformers 5's own `save_pretrained` (safetensors; the tied
   `lm_head.weight` left out, as transformers does).
@@ -71,7 +71,7 @@ def _save_reference(model: torch.nn.Module, folder: Path) -> None:
 
 def write_legacy_models(root: Path) -> WrittenLegacy:
     """Write the three folders under `root` (about a second: tiny models, no processes)."""
-    from tests.conftest import tiny_llama
+    from tests.writers.models import tiny_llama
 
     untied = tiny_llama()
     _save_legacy(untied, root / "single", "50GB")

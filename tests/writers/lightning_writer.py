@@ -1,7 +1,7 @@
 """Lightning checkpoints written by lightning 2.6.6 itself: `ModelCheckpoint` files of a 2-rank CPU run.
 
 `Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=4)` trains a tiny LightningModule
-wrapping the tiny Llama of `tests.conftest` (built from a config dict it saves as its hyperparameters, as
+wrapping the tiny Llama of `tests.writers.models` (built from a config dict it saves as its hyperparameters, as
 `AutoConfig.from_pretrained(...).to_dict()` gives one) with AdamW and a StepLR scheduler, logging `train_loss`.
 Two `ModelCheckpoint` callbacks watch it:
 
@@ -85,7 +85,7 @@ class WrittenLightning:
 
 def model_config() -> dict[str, Any]:
     """The tiny Llama's config as a dict (what the module saves as a hyperparameter)."""
-    from tests.conftest import tiny_llama
+    from tests.writers.models import tiny_llama
 
     config: dict[str, Any] = tiny_llama().config.to_dict()
     config["architectures"] = ["LlamaForCausalLM"]
@@ -180,7 +180,7 @@ def _train_deepspeed(root: Path) -> None:
 
 def write_lightning_run(root: Path) -> WrittenLightning:
     """Run the 2-rank training and the DeepSpeed one in a subprocess; describe what they wrote."""
-    from tests.conftest import tiny_llama
+    from tests.writers.models import tiny_llama
 
     repo = Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONPATH": str(repo), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}

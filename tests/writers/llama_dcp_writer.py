@@ -1,6 +1,6 @@
 """A real FSDP2 DCP checkpoint of a tiny transformers Llama, written by torch itself on 2 gloo ranks.
 
-Each rank builds the model with `tests.conftest.tiny_llama()` (same seed, same weights), shards every
+Each rank builds the model with `tests.writers.models.tiny_llama()` (same seed, same weights), shards every
 decoder layer and the root with `fully_shard`, takes one AdamW step, and saves `{"model": ..., "optim":
 ...}` from `get_state_dict` with `dcp.save`, as torchtitan-style trainers do. Rank 0 also gathers the full
 model state dict (`full_state_dict=True, cpu_offload=True`) into a safetensors reference (written by the
@@ -57,7 +57,7 @@ def _worker(
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from tests.conftest import tiny_llama
+    from tests.writers.models import tiny_llama
 
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)

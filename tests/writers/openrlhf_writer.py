@@ -120,7 +120,7 @@ def _write_pretrain(folder: Path) -> None:
     from tokenizers.pre_tokenizers import Whitespace
     from transformers import PreTrainedTokenizerFast
 
-    from tests.conftest import tiny_llama
+    from tests.writers.models import tiny_llama
 
     tiny_llama().save_pretrained(folder)
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, VOCAB)}}

@@ -1,6 +1,6 @@
 """PEFT adapters written by peft 0.21.2 itself, and the merged models PEFT makes of them.
 
-`get_peft_model(<the tiny Llama of tests.conftest.tiny_llama, loaded from its save_pretrained folder>,
+`get_peft_model(<the tiny Llama of tests.writers.models.tiny_llama, loaded from its save_pretrained folder>,
 LoraConfig(...))`, every LoRA factor drawn at random (PEFT initialises lora_B to zero, which would make
 every merge a no-op), then `PeftModel.save_pretrained(folder)` and, as the reference a merge must equal,
 `merge_and_unload().state_dict()` beside it as `<folder>.merged.pt`. Variants:
@@ -89,7 +89,7 @@ def _save_merged(model: Any, path: Path) -> None:
 
 def write_peft_adapters(root: Path) -> WrittenPeft:
     """Write the base, the adapters and the wrapped run under `root` (a few seconds: no processes)."""
-    from tests.conftest import tiny_llama
+    from tests.writers.models import tiny_llama
 
     base = root / "base"
     tiny_llama().save_pretrained(base)

@@ -125,7 +125,7 @@ def _areal_save(rank: int, trial: Path, step: int, model: Any, optimizer: Any, f
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    from tests.conftest import tiny_llama
+    from tests.writers.models import tiny_llama
 
     if rank == 0:  # Saver.save: the HF export (0-based counters, one epoch here)
         tiny_llama().save_pretrained(
@@ -176,7 +176,7 @@ def _roll_save(
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
-    from tests.conftest import tiny_llama
+    from tests.writers.models import tiny_llama
 
     checkpoint = launch / f"checkpoint-{step}"
     for role in [checkpoint] + ([checkpoint / "critic"] if critic else []):
@@ -205,7 +205,7 @@ def _fsdp_worker(rank: int, rendezvous: str, areal_trial: str, roll_launch: str)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from tests.conftest import tiny_llama
+    from tests.writers.models import tiny_llama
 
     warnings.filterwarnings("ignore")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -241,7 +241,7 @@ def write_fsdp_runs(root: Path) -> WrittenFsdpRuns:
     """
     import torch.multiprocessing as mp
 
-    from tests.conftest import tiny_llama
+    from tests.writers.models import tiny_llama
 
     written = WrittenFsdpRuns(root / "areal", root / "roll", sum(p.numel() for p in tiny_llama().parameters()))
     written.areal_trial.mkdir(parents=True)
@@ -327,7 +327,7 @@ def arrange_open_instruct(state_dir: Path, output_dir: Path, source: WrittenDeep
     optimizer steps per training step), with the reference policy, and its HF snapshots in `output_dir`."""
     import numpy as np
 
-    from tests.conftest import tiny_llama
+    from tests.writers.models import tiny_llama
 
     _save_dir_files(source, state_dir)
     for tag in source.tags:
@@ -366,7 +366,7 @@ def arrange_roll_megatron(checkpoint: Path, step: int, legacy: bool = False) -> 
     `model_optim_rng.pt` per tensor-parallel rank), `torch.save` for the scheduler and per-rank RNG files."""
     import torch.distributed.checkpoint as dcp
 
-    from tests.conftest import tiny_llama
+    from tests.writers.models import tiny_llama
 
     model = tiny_llama()
     tp = 2 if legacy else 1

@@ -59,7 +59,7 @@ def write_dcp_run(path: Path) -> NestedRun:
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from tests.conftest import tiny_llama
+    from tests.writers.models import tiny_llama
 
     model = tiny_llama()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -80,7 +80,7 @@ def write_dcp_run(path: Path) -> NestedRun:
 
 def arrange_deepspeed_run(written: WrittenDeepSpeed, path: Path) -> NestedRun:
     """A copy of a DeepSpeed save folder with its exported fp32 model and config beside the tags."""
-    from tests.conftest import tiny_llama
+    from tests.writers.models import tiny_llama
 
     shutil.copytree(written.save_dir, path, symlinks=True)
     shutil.copyfile(written.reference, path / "model.safetensors")

@@ -1,6 +1,6 @@
 """Real Hugging Face Trainer checkpoints for tests, written by `transformers.Trainer` itself on CPU.
 
-`write_trainer_run` trains the tiny Llama of `tests.conftest` for 4 steps on a hand-made tokenized
+`write_trainer_run` trains the tiny Llama of `tests.writers.models` for 4 steps on a hand-made tokenized
 dataset (no hub access) with `save_steps=2`, so that `checkpoint-2/` and `checkpoint-4/` exist with every
 file the Trainer writes: model.safetensors + config, optimizer.pt, scheduler.pt, rng_state.pth,
 training_args.bin and trainer_state.json. It runs in a subprocess, so that accelerate's process-wide
@@ -78,7 +78,7 @@ def _train(output_dir: Path) -> None:
     from safetensors.torch import save_file
     from transformers import Trainer, TrainingArguments
 
-    from tests.conftest import tiny_llama
+    from tests.writers.models import tiny_llama
 
     model = tiny_llama()
     generator = torch.Generator().manual_seed(0)
@@ -115,7 +115,7 @@ def _train_peft(root: Path, dataset: list[dict[str, Any]]) -> None:
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
-    from tests.conftest import tiny_llama
+    from tests.writers.models import tiny_llama
 
     tiny_llama().save_pretrained(root / "peft-base")
     config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
@@ -148,7 +148,7 @@ def _saved_run_path(output_dir: Path) -> Path:
 
 def write_trainer_run(output_dir: Path) -> WrittenTrainerRun:
     """Run the Trainer in a subprocess (about 6 s) and describe what it wrote."""
-    from tests.conftest import tiny_llama
+    from tests.writers.models import tiny_llama
 
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONPATH": str(root), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}

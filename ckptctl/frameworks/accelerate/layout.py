@@ -61,7 +61,6 @@ from ckptctl.io import DirEntry
 from ckptctl.layouts.base import (
     LISTED_ABSENT,
     Layout,
-    MasterWeights,
     Protections,
     absent_numbers,
     default_torch_archives,
@@ -72,12 +71,9 @@ from ckptctl.layouts.base import (
     step_from_name,
     timestamp,
 )
-from ckptctl.layouts.naming import NameStripper, format_namespace_stripper, keep_name
 from ckptctl.layouts.parts.hf_folder import safetensors_index, verify_model_files
 from ckptctl.layouts.parts.in_progress import recently_written
-from ckptctl.layouts.parts.zero_tag.master_weights import checkpoint_master_weights
 from ckptctl.layouts.parts.zero_tag.names import LATEST_NAME, latest_problem
-from ckptctl.layouts.parts.zero_tag.naming import wrapper_prefix
 from ckptctl.layouts.parts.zero_tag.tag import DeepSpeedTag, read_tag
 from ckptctl.layouts.parts.zero_tag.tensor_index import tag_index
 from ckptctl.layouts.parts.zero_tag.verify import verify_tag
@@ -407,31 +403,6 @@ class AccelerateLayout(Layout):
                     "rotation deletes the lowest numbers first",
                 )
         return Protections(reasons=reasons, notes=notes)
-
-    def master_weights(self, checkpoint: Checkpoint, *, required: bool, notes: list[str]) -> MasterWeights | None:
-        """The fp32 master weights of the DeepSpeed tag (`pytorch_model/`), when the plugin was DeepSpeed."""
-        tag = _Parts.of(io.list_dir(checkpoint.url)).ds_tags.get(0)
-        prefix = None if tag is None else f"{tag}/"
-        return checkpoint_master_weights(checkpoint, prefix, required=required, notes=notes)
-
-    def config_folders(self, checkpoint: Checkpoint) -> Sequence[str]:
-        """The folder, its parent, and for `checkpoints/checkpoint_N` the project folder above (where a
-        script's `save_pretrained` usually writes the model's config)."""
-        url = checkpoint.url
-        parent = io.parent_of(url)
-        return (url, parent, io.parent_of(parent)) if _is_auto(url) else (url, parent)
-
-    def namespace_stripper(self, entries: Sequence[TensorEntry]) -> NameStripper:
-        """The storage format's rule (DCP's `model.`, DeepSpeed's wrappers), else the prefix of the wrappers
-        the model was prepared in: under DDP save_state saves the wrapped model's state dict (`module.`;
-        `_orig_mod.` after torch.compile)."""
-        rule = format_namespace_stripper(entries)
-        if rule is not keep_name:
-            return rule
-        prefix = wrapper_prefix([e.name for e in entries])
-        if not prefix:
-            return keep_name
-        return lambda name: name.removeprefix(prefix)
 
     def resume_profile(self) -> ResumeProfile:
         """See `frameworks.accelerate.resume`."""

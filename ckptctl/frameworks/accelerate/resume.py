@@ -22,7 +22,7 @@ from ckptctl.frameworks.accelerate.files import (
 )
 from ckptctl.layouts.parts.dcp_resume import overwrite_warnings, reshards
 from ckptctl.layouts.parts.zero_tag import resume as zero_resume
-from ckptctl.layouts.resume import RESUMABLE, PlanContext, ResumeProfile, WorldSizeCheck, target_ranks
+from ckptctl.layouts.resume import RESUMABLE, PlanContext, ResumeProfile, WorldSizeCheck, pickled_rng_keys, target_ranks
 from ckptctl.quoting import Code, comment, python_call
 
 __all__ = ["PROFILE"]
@@ -180,14 +180,8 @@ def _rng_keys(checkpoint: Checkpoint) -> frozenset[str] | None:
     ranks = rng_ranks([name for name in checkpoint.files if "/" not in name])
     if not ranks:
         return None
-    from ckptctl.formats.torch_pickle import open_torch_pickle
-
     name = f"random_states_{ranks[0]}.pkl"
-    try:
-        root = open_torch_pickle(io.join(checkpoint.url, name), checkpoint.files.get(name)).root
-    except CkptctlError:
-        return None
-    return frozenset(str(k) for k in root if k != "step") if isinstance(root, dict) else None
+    return pickled_rng_keys(io.join(checkpoint.url, name), checkpoint.files.get(name), frozenset({"step"}))
 
 
 PROFILE = ResumeProfile(

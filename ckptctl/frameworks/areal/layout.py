@@ -440,23 +440,6 @@ class ArealLayout(Layout):
         problems += _info_problems(info, meta, checkpoint.world_size)
         return problems
 
-    def config_folders(self, checkpoint: Checkpoint) -> Sequence[str]:
-        """The slot: the Saver's exports beside it in the model folder (`epoch{E}epochstep{S}globalstep{G}/`,
-        each written with the model's config and tokenizer), the one of the slot's step first, then the
-        others newest first; the slot keeps neither. An export: its own folder."""
-        url = checkpoint.ref.url
-        if _EXPORT.match(io.name_of(url)):
-            return super().config_folders(checkpoint)
-        model_folder = io.parent_of(url)
-        exports = [
-            (int(m.group(3)), e.name)
-            for e in peek_dir(model_folder) or []
-            if e.is_dir and (m := _EXPORT.match(e.name)) and not m.group(4)
-        ]
-        step = checkpoint.ref.step
-        exports.sort(key=lambda export: (export[0] != step, -export[0]))
-        return (*(io.join(model_folder, name) for _, name in exports), *super().config_folders(checkpoint))
-
     def completion_markers(self, files: Mapping[str, int]) -> tuple[str, ...]:
         """The slot: DCP's `.metadata` and Megatron's `metadata.json`; an export: the model folder's."""
         top = {name: size for name, size in files.items() if "/" not in name}

@@ -22,9 +22,8 @@ from collections.abc import Mapping, Sequence
 from ckptctl import io
 from ckptctl.checkpoint import Checkpoint, CheckpointRef, Problem
 from ckptctl.io import DirEntry
-from ckptctl.layouts.base import Layout, MasterWeights, every_child_folder
+from ckptctl.layouts.base import Layout, every_child_folder
 from ckptctl.layouts.parts.zero_tag.folder import open_tag, tag_ref
-from ckptctl.layouts.parts.zero_tag.master_weights import checkpoint_master_weights
 from ckptctl.layouts.parts.zero_tag.names import LATEST_NAME, latest_problem, read_latest, tag_markers
 from ckptctl.layouts.parts.zero_tag.verify import verify_tag
 from ckptctl.layouts.resume import ResumeProfile
@@ -66,10 +65,6 @@ class DeepSpeedLayout(Layout):
         """The rank-0 model states (`tag_markers`): DeepSpeed writes no marker, but without them the tag
         reads broken."""
         return tag_markers(files)
-
-    def master_weights(self, checkpoint: Checkpoint, *, required: bool, notes: list[str]) -> MasterWeights | None:
-        """The fp32 master weights DeepSpeed's `zero_to_fp32.py` reconstructs (`checkpoint_master_weights`)."""
-        return checkpoint_master_weights(checkpoint, "", required=required, notes=notes)
 
     def resume_profile(self) -> ResumeProfile:
         """See `frameworks.deepspeed.resume`."""

@@ -49,16 +49,13 @@ from ckptctl.layouts import detect, get_layout, peek, peek_dir
 from ckptctl.layouts.base import (
     LISTED_ABSENT,
     Layout,
-    MasterWeights,
     every_child_folder,
     folder_size,
     list_files,
     newest_mtime,
     timestamp,
 )
-from ckptctl.layouts.naming import NameStripper, keep_name
 from ckptctl.layouts.parts.in_progress import unfinished_state
-from ckptctl.layouts.parts.zero_tag.master_weights import assemble_master_weights
 from ckptctl.layouts.parts.zero_tag.names import (
     MODEL_STATES,
     UNIVERSAL_LATEST_NAME,
@@ -69,7 +66,6 @@ from ckptctl.layouts.parts.zero_tag.names import (
     tag_files,
     tag_markers,
 )
-from ckptctl.layouts.parts.zero_tag.naming import wrapper_prefix
 from ckptctl.layouts.parts.zero_tag.tag import DeepSpeedTag, base_state, read_tag
 from ckptctl.layouts.resume import ResumeProfile
 
@@ -321,32 +317,6 @@ class DeepSpeedUniversalLayout(Layout):
         parameter's states, in this order."""
         top = {name: size for name, size in files.items() if "/" not in name}
         return (*((OPTIMIZER_STATE,) if OPTIMIZER_STATE in files else ()), *tag_markers(top))
-
-    def master_weights(self, checkpoint: Checkpoint, *, required: bool, notes: list[str]) -> MasterWeights | None:
-        """The fp32 weights of every parameter's `fp32.pt`, with the frozen parameters and buffers of the
-        model states: what zero_to_fp32 makes of the tag it was converted from.
-
-        Raises:
-            CkptctlError: several model-parallel ranks (as for a tag: their frozen parameters and buffers
-                are shards).
-        """
-        tag = read_tag(checkpoint.url)
-        if tag.mp_world_size > 1:
-            raise CkptctlError(
-                f"{checkpoint.url} holds {tag.mp_world_size} model-parallel ranks, whose model states hold shards",
-                "convert with the training framework's own tool",
-            )
-        return assemble_master_weights(tag, checkpoint.tensor_index(), zero3=tag.zero_stage == 3)
-
-    def config_folders(self, checkpoint: Checkpoint) -> Sequence[str]:
-        """Where the framework that wrote the tag keeps the model's config (`host_layout`)."""
-        return get_layout(host_layout(checkpoint.url)).config_folders(checkpoint)
-
-    def namespace_stripper(self, entries: Sequence[TensorEntry]) -> NameStripper:
-        """The wrappers' prefixes of the module's names (`module.`, ...), as for a tag: the states are named
-        after the module's parameters, whatever file they lie in."""
-        prefix = wrapper_prefix([e.name for e in entries])
-        return (lambda name: name.removeprefix(prefix)) if prefix else keep_name
 
     def resume_profile(self) -> ResumeProfile:
         """See `frameworks.deepspeed.resume`."""

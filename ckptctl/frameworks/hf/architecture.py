@@ -28,7 +28,7 @@ from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from ckptctl.errors import CkptctlError, ModelMismatch
-from ckptctl.layouts.base import ModelSpec
+from ckptctl.layouts.capabilities import ModelSpec
 
 if TYPE_CHECKING:
     import torch

@@ -12,7 +12,7 @@ checkpoint-N/
 ```
 
 A Trainer training a PEFT model saves the adapter alone (transformers 5.24 `Trainer._save`: a `PeftModel`
-is saved with its own `save_pretrained`); the checkpoint's model is then that adapter (`Layout.adapter`),
+is saved with its own `save_pretrained`); the checkpoint's model is then that adapter (`ConvertSource.adapter`),
 which `convert` merges into the base model the adapter names or `--merge-adapter BASE`.
 
 The `.pt`/`.pth`/`.bin` files are torch.save pickles; they are read with `formats.torch_pickle` (their
@@ -54,9 +54,7 @@ from ckptctl.frameworks.hf_trainer.files import CHECKPOINT_DIR, RNG_FILE, TRAINE
 from ckptctl.io import DirEntry
 from ckptctl.layouts import peek_dir
 from ckptctl.layouts.base import (
-    Adapter,
     Layout,
-    MasterWeights,
     Protections,
     absent_numbers,
     every_child_folder,
@@ -76,9 +74,8 @@ from ckptctl.layouts.parts.hf_folder import (
     weight_files,
 )
 from ckptctl.layouts.parts.in_progress import recently_written
-from ckptctl.layouts.parts.lora.adapter import ADAPTER_WEIGHTS, adapter_metadata, adapter_problems, lora_adapter
+from ckptctl.layouts.parts.lora.adapter import ADAPTER_WEIGHTS, adapter_metadata, adapter_problems
 from ckptctl.layouts.parts.lora.settings import ADAPTER_CONFIG
-from ckptctl.layouts.parts.zero_tag.master_weights import checkpoint_master_weights
 from ckptctl.layouts.parts.zero_tag.names import LATEST_NAME, latest_problem, missing_note, read_latest, tag_files
 from ckptctl.layouts.parts.zero_tag.tag import DeepSpeedTag, missing_rank_files, read_tag
 from ckptctl.layouts.parts.zero_tag.tensor_index import tag_index
@@ -371,18 +368,6 @@ class HfTrainerLayout(Layout):
         if ADAPTER_CONFIG in top and any(name in top for name in ADAPTER_WEIGHTS):
             found = (*found, ADAPTER_CONFIG)
         return (*found, TRAINER_STATE_NAME) if TRAINER_STATE_NAME in top else found
-
-    def adapter(self, checkpoint: Checkpoint) -> Adapter | None:
-        """The PEFT adapter the Trainer saved instead of the model, when it trained a PEFT model."""
-        if not any(name in checkpoint.files for name in ADAPTER_WEIGHTS):
-            return None
-        return lora_adapter(checkpoint.url, partial(_model_tensors, checkpoint.tensor_index))
-
-    def master_weights(self, checkpoint: Checkpoint, *, required: bool, notes: list[str]) -> MasterWeights | None:
-        """The fp32 master weights of the DeepSpeed tag inside (`global_stepN/`), when there is one."""
-        tag = _Parts.of(checkpoint.url, io.list_dir(checkpoint.url)).ds_tag
-        prefix = None if tag is None else f"{tag}/"
-        return checkpoint_master_weights(checkpoint, prefix, required=required, notes=notes)
 
     def protections(self, series: Sequence[CheckpointRef]) -> Protections:
         """The `best_model_checkpoint` that the newest complete checkpoint's trainer_state.json names

@@ -12,7 +12,7 @@ from ckptctl.errors import CkptctlError
 from ckptctl.frameworks.hf_trainer.files import CHECKPOINT_DIR, RNG_FILE
 from ckptctl.layouts.parts.dcp_resume import overwrite_warnings, reshards
 from ckptctl.layouts.parts.zero_tag import resume as zero_resume
-from ckptctl.layouts.resume import PlanContext, ResumeProfile, WorldSizeCheck, target_ranks
+from ckptctl.layouts.resume import PlanContext, ResumeProfile, WorldSizeCheck, pickled_rng_keys, target_ranks
 from ckptctl.quoting import python_call
 
 __all__ = ["PROFILE"]
@@ -87,13 +87,7 @@ def _rng_keys(checkpoint: Checkpoint) -> frozenset[str] | None:
     name = next((f for f in sorted(checkpoint.files) if RNG_FILE.match(f)), None)
     if name is None:
         return None
-    from ckptctl.formats.torch_pickle import open_torch_pickle
-
-    try:
-        root = open_torch_pickle(io.join(checkpoint.url, name), checkpoint.files[name]).root
-    except CkptctlError:
-        return None
-    return frozenset(map(str, root)) if isinstance(root, dict) else None
+    return pickled_rng_keys(io.join(checkpoint.url, name), checkpoint.files[name])
 
 
 PROFILE = ResumeProfile(

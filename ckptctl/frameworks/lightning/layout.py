@@ -44,7 +44,6 @@ from ckptctl.checkpoint import (
     Checkpoint,
     CheckpointRef,
     CheckpointState,
-    ChunkEncoding,
     Component,
     Problem,
     ProblemKind,
@@ -62,7 +61,6 @@ from ckptctl.io import DirEntry
 from ckptctl.layouts import peek_dir
 from ckptctl.layouts.base import (
     Layout,
-    MasterWeights,
     Protections,
     default_torch_archives,
     every_child_folder,
@@ -71,10 +69,8 @@ from ckptctl.layouts.base import (
     newest_mtime,
     timestamp,
 )
-from ckptctl.layouts.naming import NameStripper, keep_name, strip_segments
 from ckptctl.layouts.parts.dcp_folder import DISTCP_RE, dcp_tensor_index, verify_dcp, world_size_of
 from ckptctl.layouts.parts.hf_folder import torch_file_entries
-from ckptctl.layouts.parts.zero_tag.master_weights import checkpoint_master_weights
 from ckptctl.layouts.parts.zero_tag.names import LATEST_NAME, TagFiles, missing_note, read_latest, tag_files
 from ckptctl.layouts.parts.zero_tag.tag import ENGINE_KEYS, missing_rank_files, read_tag
 from ckptctl.layouts.parts.zero_tag.tensor_index import tag_index
@@ -435,30 +431,6 @@ class LightningLayout(Layout):
         names = (METADATA_NAME, META, LATEST_NAME)
         return tuple(name for name in names if name in files)
 
-    def master_weights(self, checkpoint: Checkpoint, *, required: bool, notes: list[str]) -> MasterWeights | None:
-        """A DeepSpeed folder's fp32 master weights (ZeRO's partitions, as `zero_to_fp32.py` rebuilds them)."""
-        prefix = f"{DEEPSPEED_TAG}/" if DEEPSPEED_TAG in _top_folders(checkpoint) else None
-        return checkpoint_master_weights(checkpoint, prefix, required=required, notes=notes)
-
-    def namespace_stripper(self, entries: Sequence[TensorEntry]) -> NameStripper:
-        """`state_dict.` (a file's key) or `model.` (a sharded folder's DCP key), then the LightningModule's
-        attribute that holds the model (`model.`) when every tensor is under one."""
-        names = [e.name for e in entries]
-        if not names:
-            return keep_name
-        if all(c.file.startswith(f"{DEEPSPEED_TAG}/") for e in entries for c in e.chunks):
-            # A DeepSpeed folder holds the LightningModule's own state dict: only its attribute is in front.
-            heads = {name.partition(".")[0] for name in names}
-            return strip_segments(1) if len(heads) == 1 and all("." in name for name in names) else keep_name
-        sharded = all(c.encoding is ChunkEncoding.TORCH_SAVE for e in entries for c in e.chunks)
-        outer = "model" if sharded else "state_dict"
-        if not all(name.startswith(f"{outer}.") for name in names):
-            return keep_name
-        inner = {name.split(".", 2)[1] for name in names if name.count(".") >= 2}
-        if len(inner) == 1 and all(name.count(".") >= 2 for name in names):
-            return strip_segments(2)
-        return strip_segments(1)
-
     def protections(self, series: Sequence[CheckpointRef]) -> Protections:
         """`last.ckpt` (what `ckpt_path="last"` resumes from) and the `best_model_path` that ModelCheckpoint's
         state in the newest checkpoint names (`trainer.test(ckpt_path="best")` loads it)."""
@@ -493,35 +465,6 @@ class LightningLayout(Layout):
                 notes = (f"ModelCheckpoint's best_model_path {name!r} is not in {io.parent_of(newest.url)}",)
         return Protections(reasons, notes)
 
-    def config_folders(self, checkpoint: Checkpoint) -> Sequence[str]:
-        """The checkpoint's folder (ModelCheckpoint's `dirpath`) and the one above it."""
-        folder = io.parent_of(checkpoint.url)
-        return (folder, io.parent_of(folder))
-
-    def model_config(self, checkpoint: Checkpoint) -> Mapping[str, Any] | None:
-        """A transformers config the module kept among its hyperparameters (`save_hyperparameters()` of a
-        module built from `config.to_dict()`): a dict naming its `model_type` and `architectures`."""
-        url = checkpoint.url
-        try:
-            root = _open(io.join(url, _lightning_dict(url)) if io.is_dir(url) else url, None).root
-        except CkptctlError:
-            return None
-        hparams = root.get("hyper_parameters") if isinstance(root, dict) else None
-        if isinstance(hparams, StandIn):
-            hparams = state_fields(hparams, "hyper_parameters")
-        if not isinstance(hparams, dict):
-            return None
-        for value in (hparams, *hparams.values()):
-            if isinstance(value, StandIn):
-                value = state_fields(value, "hyper_parameters")
-            if isinstance(value, dict) and isinstance(value.get("model_type"), str) and value.get("architectures"):
-                try:
-                    json.dumps(value)
-                except (TypeError, ValueError):
-                    continue
-                return value
-        return None
-
     def resume_profile(self) -> ResumeProfile:
         """See `frameworks.lightning.resume`."""
         from ckptctl.frameworks.lightning.resume import PROFILE
@@ -554,10 +497,6 @@ def _lightning_dict(folder: str) -> str:
         rank0 = files.rank0_model() if files is not None else None
         return f"{DEEPSPEED_TAG}/{rank0 or TagFiles.model_name_0(0)}"
     return META
-
-
-def _top_folders(checkpoint: Checkpoint) -> set[str]:
-    return {name.partition("/")[0] for name in checkpoint.files if "/" in name}
 
 
 def _counters(root: Any) -> dict[str, Any]:

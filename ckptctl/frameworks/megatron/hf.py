@@ -42,7 +42,7 @@ from ckptctl.checkpoint import Checkpoint, Component, TensorEntry
 from ckptctl.errors import CkptctlError
 from ckptctl.formats.raw_chunks import ChunkLocator, row_slice
 from ckptctl.frameworks.megatron.files import COMMON, read_common
-from ckptctl.layouts.base import HfModel
+from ckptctl.layouts.capabilities import HfModel
 
 __all__ = ["GptShape", "hf_config", "hf_model", "shape_from_args", "shape_from_config"]
 

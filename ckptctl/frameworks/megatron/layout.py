@@ -46,7 +46,7 @@ from ckptctl.formats.documents import read_json
 from ckptctl.formats.safe_pickle import FrameworkObject
 from ckptctl.frameworks.megatron.files import COMMON, RELEASE, TRACKER, iteration_of, read_common, read_tracker
 from ckptctl.io import DirEntry
-from ckptctl.layouts.base import HfModel, Layout, every_child_folder, list_files, newest_mtime, timestamp
+from ckptctl.layouts.base import Layout, every_child_folder, list_files, newest_mtime, timestamp
 from ckptctl.layouts.parts.dcp_folder import (
     DISTCP_RE,
     component_classifier,
@@ -360,16 +360,3 @@ class MegatronLayout(Layout):
         return PROFILE
 
     # ----------------------------------------------------------------------------------------- convert
-
-    def config_folders(self, checkpoint: Checkpoint) -> Sequence[str]:
-        """The tokenizer Megatron-LM saved inside the iteration folder (`save_tokenizer_assets`), verl's
-        `model/huggingface/` beside its `model/dist_ckpt/` (verl `utils/megatron_utils.py`
-        `get_hf_model_checkpoint_path`), then the default places."""
-        beside = io.join(io.parent_of(checkpoint.url), VERL_HF_FOLDER)
-        return (io.join(checkpoint.url, TOKENIZER_FOLDER), beside, *super().config_folders(checkpoint))
-
-    def hf_model(self, checkpoint: Checkpoint, config: Mapping[str, Any] | None) -> HfModel:
-        """The GPT model (Llama/Qwen family) under transformers names: see `frameworks.megatron.hf`."""
-        from ckptctl.frameworks.megatron.hf import hf_model
-
-        return hf_model(checkpoint, config)

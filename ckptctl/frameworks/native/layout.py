@@ -52,7 +52,6 @@ from ckptctl.layouts.base import (
     step_from_name,
     timestamp,
 )
-from ckptctl.layouts.naming import NameStripper, keep_name, shared_first_segment, strip_segments
 from ckptctl.layouts.parts.dcp_folder import dcp_tensor_index, verify_dcp
 from ckptctl.layouts.resume import ResumeProfile
 
@@ -255,11 +254,6 @@ class NativeLayout(Layout):
     def resume_profile(self) -> ResumeProfile:
         """See `frameworks.native.resume`."""
         return PROFILE
-
-    def namespace_stripper(self, entries: Sequence[TensorEntry]) -> NameStripper:
-        """`<entry>.<key>` names lose the entry name (the key of the saved state, `model` for `state["model"]`)
-        when every tensor of the component carries the same one."""
-        return keep_name if shared_first_segment(entries) is None else strip_segments(1)
 
 
 def _parse_time(text: str) -> datetime | None:

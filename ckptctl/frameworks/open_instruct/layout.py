@@ -35,11 +35,10 @@ from ckptctl.errors import CkptctlError, UnknownLayout
 from ckptctl.formats.torch_pickle import open_torch_pickle, storage_problems
 from ckptctl.io import DirEntry
 from ckptctl.layouts import peek, peek_dir
-from ckptctl.layouts.base import Layout, MasterWeights, every_child_folder, folder_size, newest_mtime, timestamp
+from ckptctl.layouts.base import Layout, every_child_folder, folder_size, newest_mtime, timestamp
 from ckptctl.layouts.parts.hf_folder import HfFolderLayout, has_weights, model_markers, verify_model_files
 from ckptctl.layouts.parts.in_progress import recently_written
 from ckptctl.layouts.parts.zero_tag.folder import open_tag
-from ckptctl.layouts.parts.zero_tag.master_weights import checkpoint_master_weights, tag_prefix
 from ckptctl.layouts.parts.zero_tag.names import (
     LATEST_NAME,
     latest_problem,
@@ -62,9 +61,6 @@ _TAG = re.compile(r"^global_step(\d+)$")
 _SNAPSHOT = re.compile(r"^step_(\d+)$")
 #: The suffix of the folder open-instruct writes its HF snapshots to (`{output_dir}/{run_name}_checkpoints/`).
 _SNAPSHOTS_SUFFIX = "_checkpoints"
-_RUN_TIME = re.compile(r"__(\d+)_checkpoints$")
-#: How many sibling folders of a checkpoint state folder `config_folders` looks into for snapshot folders.
-_MAX_SIBLINGS = 64
 _COUNTERS = ("training_step", "episode", "num_total_tokens")
 _RNG_KEY = "rng_states"
 _DATALOADER_KEYS = ("dataloader_state", "data_prep_actor_state")
@@ -190,24 +186,6 @@ def _listing(url: str) -> list[DirEntry]:
         return []
 
 
-def _snapshot_folders(base: str, state_dir: str) -> list[str]:
-    """The `*_checkpoints` folders in `base` and in its child folders other than `state_dir` (the first
-    `_MAX_SIBLINGS` of them)."""
-    children = [e.name for e in _listing(base) if e.is_dir]
-    found = [io.join(base, name) for name in children if name.endswith(_SNAPSHOTS_SUFFIX)]
-    siblings = [n for n in children if not n.endswith(_SNAPSHOTS_SUFFIX) and io.join(base, n) != state_dir]
-    for name in siblings[:_MAX_SIBLINGS]:
-        folder = io.join(base, name)
-        found += [io.join(folder, e.name) for e in _listing(folder) if e.is_dir and e.name.endswith(_SNAPSHOTS_SUFFIX)]
-    return found
-
-
-def _run_time(folder_name: str) -> int:
-    """The Unix time a run's snapshot folder name ends with (`{exp_name}__{seed}__{time}_checkpoints`)."""
-    m = _RUN_TIME.search(folder_name)
-    return int(m.group(1)) if m else 0
-
-
 class OpenInstructLayout(Layout):
     """An open-instruct DeepSpeed tag (`global_stepN` beside `ref_policy/`, or holding `driver_state.pt`),
     or one of its HF snapshots (`*_checkpoints/step_N`)."""
@@ -284,35 +262,6 @@ class OpenInstructLayout(Layout):
         if _SNAPSHOT.match(io.name_of(url)):
             return frozenset()
         return every_child_folder(entries)
-
-    def master_weights(self, checkpoint: Checkpoint, *, required: bool, notes: list[str]) -> MasterWeights | None:
-        """A tag's fp32 master weights, as DeepSpeed's zero_to_fp32 rebuilds them; a snapshot has none."""
-        prefix = tag_prefix(checkpoint)
-        return checkpoint_master_weights(checkpoint, prefix, required=required, notes=notes)
-
-    def config_folders(self, checkpoint: Checkpoint) -> Sequence[str]:
-        """A tag: open-instruct's HF snapshots (`{output_dir}/{run_name}_checkpoints/step_{training_step}/`, each
-        saved with the model's config and tokenizer), the one of the tag's training step first, then the
-        others newest first; a tag keeps neither. A snapshot: its own folder.
-
-        Nothing on disk ties `--checkpoint_state_dir` to `--output_dir`, so the snapshots are looked for where
-        people put them: in `*_checkpoints` folders beside the checkpoint state folder, or one folder below
-        its siblings (`run/state/` beside `run/output/{run_name}_checkpoints/`)."""
-        url = checkpoint.ref.url
-        if _SNAPSHOT.match(io.name_of(url)):
-            return super().config_folders(checkpoint)
-        state_dir = io.parent_of(url)
-        snapshots: list[tuple[int, str, str]] = []
-        for folder in _snapshot_folders(io.parent_of(state_dir), state_dir):
-            snapshots += [
-                (int(m.group(1)), io.name_of(folder), io.join(folder, e.name))
-                for e in _listing(folder)
-                if e.is_dir and (m := _SNAPSHOT.match(e.name))
-            ]
-        step = checkpoint.ref.step
-        # Same step first; then by step, newest first; between runs, the newest (run names end in a Unix time).
-        snapshots.sort(key=lambda s: (s[0] != step, -s[0], -_run_time(s[1])))
-        return (*(path for _, _, path in snapshots), *super().config_folders(checkpoint))
 
     def completion_markers(self, files: Mapping[str, int]) -> tuple[str, ...]:
         """A tag: DeepSpeed's markers; a snapshot: the model folder's, then `.checkpoint_complete`, which

@@ -36,7 +36,6 @@ from ckptctl.io import DirEntry
 from ckptctl.layouts import peek, peek_dir
 from ckptctl.layouts.base import (
     Layout,
-    MasterWeights,
     Protections,
     every_child_folder,
     folder_size,
@@ -45,7 +44,6 @@ from ckptctl.layouts.base import (
 )
 from ckptctl.layouts.parts.hf_folder import HfFolderLayout, has_weights, model_markers, verify_model_files
 from ckptctl.layouts.parts.zero_tag.folder import open_tag
-from ckptctl.layouts.parts.zero_tag.master_weights import checkpoint_master_weights, tag_prefix
 from ckptctl.layouts.parts.zero_tag.names import (
     LATEST_NAME,
     latest_problem,
@@ -222,11 +220,6 @@ class OpenRlhfLayout(Layout):
             )
         return problems
 
-    def master_weights(self, checkpoint: Checkpoint, *, required: bool, notes: list[str]) -> MasterWeights | None:
-        """A tag's fp32 master weights, as DeepSpeed's zero_to_fp32 rebuilds them; an export has none."""
-        prefix = tag_prefix(checkpoint)
-        return checkpoint_master_weights(checkpoint, prefix, required=required, notes=notes)
-
     def completion_markers(self, files: Mapping[str, int]) -> tuple[str, ...]:
         """A tag: DeepSpeed's markers, then `metric.json`, which OpenRLHF writes after the DeepSpeed save; an
         export: the model folder's."""
@@ -243,43 +236,11 @@ class OpenRlhfLayout(Layout):
             reasons=dict.fromkeys(best, ("a best checkpoint (best* folders are kept, as OpenRLHF does)",))
         )
 
-    def config_folders(self, checkpoint: Checkpoint) -> Sequence[str]:
-        """Where OpenRLHF wrote the model's config for a tag: its HF exports.
-
-        An actor tag (or an SFT/DPO/RM tag): the `{tag}_hf` exports in `--ckpt.path`
-        (`PolicyModelActor.save_checkpoint` with `--ckpt.save_hf`), the one of the same tag first, then the
-        others of the same step, then the newest; then the folders of the default, and the folder above
-        `--ckpt.path`, where `save_model` writes the final model (`--ckpt.output_dir`, formerly
-        `--save_path`, defaults to it). A critic tag: none of the actor's folders (another model), but
-        `{output_dir}_critic`, where `CriticModelActor.save_model` writes the critic. An export holds its own.
-        """
-        url = checkpoint.url
-        if _EXPORT.match(io.name_of(url)):
-            return super().config_folders(checkpoint)
-        save_dir = io.parent_of(url)
-        role = _role(url)
-        ckpt_path = io.parent_of(save_dir) if role is not None else save_dir
-        output_dir = io.parent_of(ckpt_path)
-        if role == "critic":
-            return (url, save_dir, f"{output_dir.rstrip('/')}_critic")
-        defaults = (url, save_dir, ckpt_path, output_dir)
-        exports = peek(ckpt_path, _exports) or []
-        tag = _TAG.match(io.name_of(url))
-        step = int(tag.group(2)) if tag is not None else checkpoint.ref.step
-        own = f"{io.name_of(url)}_hf"
-        ordered = sorted(exports, key=lambda e: (e[0] != own, e[1] != step, -e[1], -e[2]))
-        return (*(io.join(ckpt_path, name) for name, _, _ in ordered), *dict.fromkeys(defaults))
-
     def resume_profile(self) -> ResumeProfile:
         """See `frameworks.openrlhf.resume`."""
         from ckptctl.frameworks.openrlhf.resume import PROFILE
 
         return PROFILE
-
-
-def _exports(ckpt_path: str, entries: Sequence[DirEntry]) -> list[tuple[str, int, float]]:
-    """The `{tag}_hf` exports of a `--ckpt.path`: (name, step, mtime)."""
-    return [(e.name, int(m.group(2)), e.mtime or 0.0) for e in entries if e.is_dir and (m := _EXPORT.match(e.name))]
 
 
 def _tags_with_metric(url: str) -> list[str]:

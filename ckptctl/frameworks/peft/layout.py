@@ -12,7 +12,7 @@ an adapter other than `default` goes into `ADAPTER/<adapter_name>/` (a folder of
 The tensors are named `base_model.model.<module>.lora_A.weight` and so on (`layouts.parts.lora.factors`).
 
 An adapter is not a model: `convert --merge-adapter BASE` writes the model that PEFT's
-`PeftModel.from_pretrained(BASE, ADAPTER).merge_and_unload()` gives (`Layout.adapter`). What an adapter
+`PeftModel.from_pretrained(BASE, ADAPTER).merge_and_unload()` gives (`ConvertSource.adapter`). What an adapter
 folder holds is read with the LoRA part (`layouts.parts.lora.adapter`), which the Trainer's layout shares
 for the adapter inside a `checkpoint-N/`.
 """
@@ -38,14 +38,13 @@ from ckptctl.formats.safetensors import read_header
 from ckptctl.formats.torch_pickle import open_torch_pickle, storage_problems
 from ckptctl.io import DirEntry
 from ckptctl.layouts.base import (
-    Adapter,
     Layout,
     newest_mtime,
     step_from_name,
     timestamp,
 )
 from ckptctl.layouts.parts.hf_folder import has_weights, legacy_index, model_components, safetensors_index
-from ckptctl.layouts.parts.lora.adapter import ADAPTER_WEIGHTS, adapter_metadata, adapter_problems, lora_adapter
+from ckptctl.layouts.parts.lora.adapter import ADAPTER_WEIGHTS, adapter_metadata, adapter_problems
 from ckptctl.layouts.parts.lora.settings import ADAPTER_CONFIG
 from ckptctl.layouts.resume import ResumeProfile
 
@@ -142,7 +141,3 @@ class PeftLayout(Layout):
         from ckptctl.frameworks.peft.resume import PROFILE
 
         return PROFILE
-
-    def adapter(self, checkpoint: Checkpoint) -> Adapter | None:
-        """A LoRA adapter, merged as PEFT's `merge_and_unload` merges it (see `_merge`)."""
-        return lora_adapter(checkpoint.url, checkpoint.tensor_index)

@@ -19,7 +19,7 @@ Plain DCP folders that happen to be named `step-N` stay DCP: a folder is torchti
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -29,7 +29,6 @@ from ckptctl.errors import CkptctlError
 from ckptctl.formats.dcp_metadata import METADATA_NAME, DcpMetadata
 from ckptctl.formats.torch_save import read_object_archive
 from ckptctl.io import DirEntry
-from ckptctl.layouts.base import NameMap
 from ckptctl.layouts.parts.dcp_folder import DcpFolderLayout
 from ckptctl.layouts.parts.dcp_folder_metadata import load_dcp_metadata
 from ckptctl.layouts.resume import ResumeProfile
@@ -110,27 +109,6 @@ class TorchtitanLayout(DcpFolderLayout):
             info["data_parallel_ranks"] = ranks
         export = model_only and checkpoint.ref.step not in (None, 0)
         return replace(checkpoint, progress=progress, metadata=info, role=Role.EXPORT if export else Role.TRAINING)
-
-    def hf_name_map(
-        self,
-        tensors: Mapping[str, tuple[int, ...]],
-        config: Mapping[str, Any] | None,
-        requested: str | None,
-        notes: list[str],
-    ) -> NameMap | None:
-        """torchtitan's names to transformers' (`frameworks.torchtitan.names`), with Llama's q/k rows."""
-        from ckptctl.frameworks.torchtitan.names import hf_name_map
-
-        found = hf_name_map(tensors, config, requested)
-        if found is not None:
-            reordered = (
-                f"; q/k rows of {len(found.rows)} tensors reordered for transformers' RoPE" if found.rows else ""
-            )
-            notes.append(
-                f"tensor names mapped from torchtitan's to transformers' ({found.mapping}, as torchtitan's "
-                f"StateDictAdapter.to_hf){reordered}"
-            )
-        return found
 
     def resume_profile(self) -> ResumeProfile:
         """See `frameworks.torchtitan.resume`."""

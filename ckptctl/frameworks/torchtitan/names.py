@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ckptctl.errors import CkptctlError
-from ckptctl.layouts.base import NO_NAME_MAP, NameMap
+from ckptctl.layouts.capabilities import NO_NAME_MAP, NameMap
 
 __all__ = ["MAPPINGS", "hf_name_map", "rope_rows"]
 

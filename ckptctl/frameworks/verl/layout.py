@@ -421,15 +421,6 @@ class VerlLayout(Layout):
         markers = sorted(n for n in files if n == MARKER or (n.count("/") == 1 and n.endswith(f"/{MARKER}")))
         return (*markers, *((DATALOADER,) if DATALOADER in files else ()))
 
-    def config_folders(self, checkpoint: Checkpoint) -> Sequence[str]:
-        """The `huggingface/` folder verl writes beside the rank files (config and tokenizer): the converted
-        role's own first."""
-        url = checkpoint.url
-        if STEP_RE.match(io.name_of(url)):
-            role = checkpoint.metadata.get("tensors_of")
-            return (io.join(url, str(role), HF_FOLDER), *super().config_folders(checkpoint))
-        return (io.join(url, HF_FOLDER), *super().config_folders(checkpoint))
-
     def resume_profile(self) -> ResumeProfile:
         """See `frameworks.verl.resume`."""
         from ckptctl.frameworks.verl.resume import PROFILE

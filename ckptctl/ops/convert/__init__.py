@@ -9,7 +9,7 @@ tensors, names, dtypes and weights), `side_files` (config and tokenizer files), 
 against the model the config names: tied weights, missing, reshaped and leftover tensors), `to_hf` /
 `to_dcp` (the writers), `commit` (staging, digests and the move or upload into DST).
 
-An adapter (`Layout.adapter`: a PEFT LoRA folder) is not a model: it converts merged into its base model
+An adapter (`ConvertSource.adapter`: a PEFT LoRA folder) is not a model: it converts merged into its base model
 (`merge_adapter`), whose tensors, config and tokenizer the output takes, the adapted weights computed.
 The adapters a model carries around its layers (`layouts.wrapped`) convert merged into it, or alone as an
 adapter folder (`lora=adapter`: its weights file and settings file, no model check).
@@ -30,7 +30,7 @@ from ckptctl.checkpoint import Checkpoint, CheckpointRef, CheckpointState, Compo
 from ckptctl.errors import CheckpointInProgress, CheckpointNotFound, CkptctlError, CorruptCheckpoint
 from ckptctl.formats.documents import read_json
 from ckptctl.layouts import Layout, get_layout, resolve
-from ckptctl.layouts.base import HfModel, ModelSpec
+from ckptctl.layouts.capabilities import HfModel, ModelSpec
 from ckptctl.layouts.wrapped import WrappedAdapter
 from ckptctl.ops.convert.commit import Staging, UploadStaging, check_destination, write_digests, write_small
 from ckptctl.ops.convert.model_check import apply_ties, check_plan, compare_logits, model_spec, read_config
@@ -55,6 +55,7 @@ from ckptctl.ops.convert.side_files import (
 )
 from ckptctl.ops.convert.to_dcp import DCP_NAMESPACE, write_dcp
 from ckptctl.ops.convert.to_hf import INDEX_NAME, write_hf
+from ckptctl.ops.convert_source import convert_source
 from ckptctl.ops.distributed_work import Ranks
 from ckptctl.ops.report import NoProgress, Progress
 from ckptctl.quoting import shell
@@ -109,7 +110,7 @@ def _hf_model(checkpoint: Checkpoint, layout: Layout, options: ConvertOptions) -
             )
         found = read_json(path)
         config = found if isinstance(found, dict) else None
-    return layout.hf_model(checkpoint, config)
+    return convert_source(layout).hf_model(checkpoint, config)
 
 
 def _convert(src: str, dst: str, options: ConvertOptions, progress: Progress, read: io.ByteCounter) -> ConvertResult:
@@ -225,7 +226,7 @@ def _prepare(src: str, dst: str, options: ConvertOptions) -> _Prepared:
     checkpoint = _open_verified(layout, ref)
     notes: list[str] = []
     if options.lora is LoraMode.ADAPTER:
-        if layout.adapter(checkpoint) is not None:
+        if convert_source(layout).adapter(checkpoint) is not None:
             raise CkptctlError(
                 f"{checkpoint.url} ({layout.name}) holds an adapter already: --lora adapter takes a model saved with "
                 "adapters around its layers",
@@ -242,12 +243,13 @@ def _prepare(src: str, dst: str, options: ConvertOptions) -> _Prepared:
         )
     # The output's stored tensors and its config come from the base model when an adapter is merged into it.
     source, source_layout = (base, get_layout(base.layout)) if base is not None else (checkpoint, layout)
+    source_reads = convert_source(source_layout)
     hf = _hf_model(checkpoint, layout, options) if base is None else None
     made_config = hf.config if hf is not None and options.config_dir is None else None
-    folders = source_layout.config_folders(source)
+    folders = source_reads.config_folders(source)
     side_files, side_notes = find_side_files(source.url, options, folders, config_made=made_config is not None)
     if made_config is None and options.config_dir is None and "config.json" not in side_files:
-        made_config = source_layout.model_config(source)
+        made_config = source_reads.model_config(source)
         if made_config is not None:
             side_files, side_notes = find_side_files(source.url, options, folders, config_made=True)
             side_notes.append(
@@ -313,7 +315,10 @@ def _prepare_adapter(
         lambda names: find_adapter_settings(names, options, checkpoint, layout, notes),
     )
     side_files, side_notes = find_side_files(
-        checkpoint.url, options, layout.config_folders(checkpoint), config_made=options.config_dir is None
+        checkpoint.url,
+        options,
+        convert_source(layout).config_folders(checkpoint),
+        config_made=options.config_dir is None,
     )
     side_files.pop("config.json", None)
     notes += [n for n in side_notes if "config.json" not in n]
@@ -364,14 +369,14 @@ def _open_verified(layout: Layout, ref: CheckpointRef) -> Checkpoint:
 def _base_model(
     checkpoint: Checkpoint, layout: Layout, dst: str, options: ConvertOptions, notes: list[str]
 ) -> Checkpoint | None:
-    """The base model to merge the adapter `checkpoint` holds into (`Layout.adapter`), opened and verified:
+    """The base model to merge the adapter `checkpoint` holds into (`ConvertSource.adapter`), opened and verified:
     `merge_adapter`, else the local folder the adapter names as its base; None when it holds a model.
 
     Raises:
         CkptctlError: `merge_adapter` given for a model, an adapter without a base to merge it into, a base
             that is itself an adapter, incomplete or broken, or that DST would overwrite.
     """
-    adapter = layout.adapter(checkpoint)
+    adapter = convert_source(layout).adapter(checkpoint)
     wanted = options.merge_adapter
     if adapter is None:
         if wanted is not None:
@@ -396,7 +401,7 @@ def _base_model(
     check_destination(wanted, dst, options.force)
     base_layout, base_ref = resolve(wanted)
     base = _open_verified(base_layout, base_ref)
-    if base_layout.adapter(base) is not None:
+    if convert_source(base_layout).adapter(base) is not None:
         raise CkptctlError(f"{base.url} is an adapter too: --merge-adapter takes the base model's folder")
     return base
 

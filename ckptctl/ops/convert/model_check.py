@@ -3,7 +3,7 @@
 Bytes copied exactly can still make a model that does not load, or loads wrong: a tensor left behind (an
 expert, a bias), one of another shape (a (1,) buffer turned into (8,)), a tied `lm_head.weight` missing
 where `dcp.load` wants it. When the output carries a config that names an architecture, the HF layout
-builds that model with transformers on the meta device (`Layout.model_spec`: no memory, no weights) and
+builds that model with transformers on the meta device (`ConvertSource.model_spec`: no memory, no weights) and
 the plan is held against it:
 
 - tied copies: an HF output leaves them out as transformers' `save_pretrained` does (after checking they
@@ -30,10 +30,10 @@ from ckptctl import io
 from ckptctl.checkpoint import Checkpoint
 from ckptctl.errors import CkptctlError, ModelMismatch
 from ckptctl.formats.documents import parse_json
-from ckptctl.layouts import get_layout
-from ckptctl.layouts.base import ModelSpec
+from ckptctl.layouts.capabilities import ModelSpec
 from ckptctl.ops.convert.options import Target
 from ckptctl.ops.convert.plan import Planned, float_dtype, read_planned
+from ckptctl.ops.convert_source import convert_source
 
 #: Names of each kind listed in a mismatch message; the rest are counted.
 _LISTED = 5
@@ -64,7 +64,7 @@ _MAX_CONFIG = 16 << 20
 
 
 def model_spec(config: Mapping[str, Any], plan: Sequence[Planned], notes: list[str]) -> ModelSpec | None:
-    """The model the output's `config` describes (`Layout.model_spec` of the HF layout: config.json is a
+    """The model the output's `config` describes (`ConvertSource.model_spec` of the HF layout: config.json is a
     transformers config whatever the target), or None with a note.
 
     Raises:
@@ -78,7 +78,7 @@ def model_spec(config: Mapping[str, Any], plan: Sequence[Planned], notes: list[s
                 f"config.json says {key}={value}, more than the {len(plan)} tensors of the checkpoint can make up",
                 f"pass the config of this model with --config, or {_NO_CHECK_HINT}",
             )
-    return get_layout(Target.HF).model_spec(config, notes)
+    return convert_source(Target.HF).model_spec(config, notes)
 
 
 def _counts(config: Mapping[str, Any], depth: int = 0) -> list[tuple[str, int]]:
@@ -186,10 +186,10 @@ def compare_logits(checkpoint: Checkpoint, plan: Sequence[Planned], out: str, co
         ModelMismatch: either model loads with tensors missing or left over, or the logits differ by more
             than the dtype of the weights explains.
     """
-    layout = get_layout(Target.HF)
-    got = layout.model_logits(out, config, None)
+    hf = convert_source(Target.HF)
+    got = hf.model_logits(out, config, None)
     source = {planned.name: read_planned(checkpoint.url, planned) for planned in plan}
-    want = layout.model_logits(out, config, source)
+    want = hf.model_logits(out, config, source)
     source.clear()
     if got.shape != want.shape:
         raise ModelMismatch(f"the output's logits have shape {list(got.shape)}, the source's {list(want.shape)}")

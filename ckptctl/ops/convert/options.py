@@ -22,7 +22,7 @@ Target = ConvertTarget
 
 
 class Weights(enum.StrEnum):
-    """Which weights make the model of a checkpoint that holds two copies (`Layout.master_weights`)."""
+    """Which weights make the model of a checkpoint that holds two copies (`ConvertSource.master_weights`)."""
 
     #: The fp32 master weights where the checkpoint has them, else the stored model weights.
     AUTO = "auto"
@@ -85,7 +85,7 @@ class ConvertOptions:
         renames: `(pattern, replacement)` regex substitutions applied in order after the prefix is removed
             (and after the name map).
         mapping: the source framework's map of its model's names to transformers' (`--to hf`;
-            `Layout.hf_name_map`): None picks one from the config, `"none"` keeps the names.
+            `ConvertSource.hf_name_map`): None picks one from the config, `"none"` keeps the names.
         config_dir: where `config.json`/`generation_config.json` come from (default: beside the source).
         tokenizer_dir: where tokenizer files come from (default: beside the source).
         dcp_file_size: most tensor bytes per data file of a `--to dcp` output (`max_shard_size` is the HF

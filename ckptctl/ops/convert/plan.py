@@ -2,18 +2,18 @@
 
 A checkpoint that keeps a full-precision copy of its model apart from its model weights (the fp32 master
 weights of mixed-precision training, in optimizer partitions) is converted from that copy by default,
-as the layout finds it (`Layout.master_weights`: index entries of the partitions, so this is the same
+as the layout finds it (`ConvertSource.master_weights`: index entries of the partitions, so this is the same
 byte copy); `weights=stored` writes the model weights as stored instead.
 
 Names are the model's own, by the rules `diff` matches tensors with (`ops.naming`): the namespace a save
 adds (`model.` of a DCP state dict, the entry name of a save, the wrappers a training loop put around a
 model) is removed, then `renames` apply. For an HF output, a framework whose models are its own code maps
-its names to transformers' before the renames (`Layout.hf_name_map`), and may reorder a tensor's rows; a
+its names to transformers' before the renames (`ConvertSource.hf_name_map`), and may reorder a tensor's rows; a
 framework that also fuses and lays out tensors otherwise (Megatron) supplies the whole model under
-transformers names instead (`Layout.hf_model`).
+transformers names instead (`ConvertSource.hf_model`).
 
 Some output tensors are computed rather than copied (`DerivedTensor`):
-- an adapter (`Layout.adapter`: a PEFT LoRA folder) merged into a base model (`base`): the plan is the
+- an adapter (`ConvertSource.adapter`: a PEFT LoRA folder) merged into a base model (`base`): the plan is the
   base model's, its stored tensors read from the base checkpoint, the merged ones derived;
 - a model whose state dict carries adapters around its layers (`layouts.wrapped`: a PEFT-wrapped model
   saved whole): written under the base model's names with the adapter merged in (`lora=merge`).
@@ -33,9 +33,10 @@ from ckptctl.errors import CkptctlError, CorruptCheckpoint
 from ckptctl.formats.manifest import FileRecord
 from ckptctl.formats.safetensors import TORCH_TO_SAFETENSORS
 from ckptctl.layouts import Layout
-from ckptctl.layouts.base import NO_NAME_MAP, DerivedTensor, HfModel, MasterWeights, ModelTensors, NameMap
+from ckptctl.layouts.capabilities import NO_NAME_MAP, DerivedTensor, HfModel, MasterWeights, ModelTensors, NameMap
 from ckptctl.layouts.wrapped import WrappedAdapter, find_wrapped
 from ckptctl.ops.convert.options import ConvertOptions, LoraMode, Target, Weights
+from ckptctl.ops.convert_source import convert_source
 from ckptctl.ops.naming import Renames, apply_renames, compile_renames, namespace_stripper, normalised_names
 
 #: `dtype` casts these; integer, bool and float8 tensors (ids, masks, quantised weights) keep their type,
@@ -100,9 +101,9 @@ def plan_tensors(
 
     Args:
         config: the parsed config.json the output gets (the name map of an HF output may need it).
-        hf: the model under transformers names (`Layout.hf_model`), which `--to hf` writes when the
+        hf: the model under transformers names (`ConvertSource.hf_model`), which `--to hf` writes when the
             checkpoint keeps no fp32 master weights; its names are kept as they are.
-        base: the base model to merge the adapter `checkpoint` holds into (`Layout.adapter`); the plan's
+        base: the base model to merge the adapter `checkpoint` holds into (`ConvertSource.adapter`); the plan's
             stored entries are then the base's.
         adapter_settings: where a model whose layers carry adapters finds what it needs to merge them.
 
@@ -112,7 +113,7 @@ def plan_tensors(
     """
     renames = compile_renames(options.renames)
     if base is not None:
-        adapter = layout.adapter(checkpoint)
+        adapter = convert_source(layout).adapter(checkpoint)
         if adapter is None:
             raise CkptctlError(f"{checkpoint.url} ({checkpoint.layout}) holds a model, not an adapter to merge")
         base_named = normalised_names(
@@ -251,19 +252,21 @@ def _name_map(
     config: Mapping[str, Any] | None,
     notes: list[str],
 ) -> tuple[NameMap | None, dict[str, tuple[int, ...]]]:
-    """The source framework's map of its model's names to transformers' (`Layout.hf_name_map`), for the
+    """The source framework's map of its model's names to transformers' (`ConvertSource.hf_name_map`), for the
     model of an HF output (other outputs keep the framework's names), and the rows it reorders by stored
     tensor name.
 
     Raises:
-        CkptctlError: `--mapping` for an output that keeps the names, or as `Layout.hf_name_map`.
+        CkptctlError: `--mapping` for an output that keeps the names, or as `ConvertSource.hf_name_map`.
     """
     if options.to is not Target.HF or options.component is not Component.MODEL:
         if options.mapping not in (None, NO_NAME_MAP):
             raise CkptctlError("--mapping names the tensors of a model converted --to hf (--component model)")
         return None, {}
     strip = namespace_stripper(checkpoint.layout, entries, options.strip_prefix)
-    found = layout.hf_name_map({strip(e.name): e.shape for e in entries}, config, options.mapping, notes)
+    found = convert_source(layout).hf_name_map(
+        {strip(e.name): e.shape for e in entries}, config, options.mapping, notes
+    )
     if found is None:
         return None, {}
     rows = {}
@@ -306,7 +309,7 @@ def read_planned(checkpoint_url: str, planned: Planned) -> Any:
 def _master_weights(
     checkpoint: Checkpoint, layout: Layout, options: ConvertOptions, notes: list[str]
 ) -> MasterWeights | None:
-    """The fp32 master weights of the source (`Layout.master_weights`) when they are wanted and present.
+    """The fp32 master weights of the source (`ConvertSource.master_weights`) when they are wanted and present.
 
     Raises:
         CkptctlError: `weights=master` on a source without fp32 master weights.
@@ -314,7 +317,7 @@ def _master_weights(
     if options.weights is Weights.STORED:
         return None
     required = options.weights is Weights.MASTER
-    found = layout.master_weights(checkpoint, required=required, notes=notes)
+    found = convert_source(layout).master_weights(checkpoint, required=required, notes=notes)
     if found is None:
         if required:
             raise CkptctlError(

@@ -15,6 +15,7 @@ from ckptctl.formats.documents import parse_json, read_json
 from ckptctl.layouts import Layout
 from ckptctl.ops.convert.commit import write_small
 from ckptctl.ops.convert.options import ConvertOptions
+from ckptctl.ops.convert_source import convert_source
 
 CONFIG_FILES = ("config.json", "generation_config.json")
 TOKENIZER_FILES = (
@@ -94,7 +95,11 @@ def find_adapter_settings(
     folders = (
         [explicit]
         if explicit is not None
-        else [checkpoint.url, *([options.config_dir] if options.config_dir else []), *layout.config_folders(checkpoint)]
+        else [
+            checkpoint.url,
+            *([options.config_dir] if options.config_dir else []),
+            *convert_source(layout).config_folders(checkpoint),
+        ]
     )
     for folder in folders:
         present = _present(folder, names)

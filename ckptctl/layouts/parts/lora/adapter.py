@@ -1,5 +1,5 @@
 """A LoRA adapter as PEFT saves it in a folder (`adapter_config.json` beside the adapter's weights): what
-`inspect` shows of it, what `verify` checks, and its merge into a base model (`Layout.adapter`). The PEFT
+`inspect` shows of it, what `verify` checks, and its merge into a base model (`ConvertSource.adapter`). The PEFT
 adapter folder layout and the Trainer's `checkpoint-N/` of a PEFT model read their adapters with it.
 """
 
@@ -13,7 +13,7 @@ from ckptctl import io
 from ckptctl.checkpoint import Problem, ProblemKind, TensorEntry
 from ckptctl.errors import CkptctlError
 from ckptctl.formats.documents import read_json
-from ckptctl.layouts.base import Adapter, DerivedTensor, ModelTensors
+from ckptctl.layouts.capabilities import Adapter, DerivedTensor, ModelTensors
 from ckptctl.layouts.parts.lora.factors import adapter_factors, factor_problems, merged_weight, read_from
 from ckptctl.layouts.parts.lora.settings import ADAPTER_CONFIG, LoraSettings, parse_settings
 from ckptctl.quoting import shell

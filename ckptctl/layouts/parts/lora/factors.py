@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 from ckptctl.checkpoint import Problem, ProblemKind, TensorEntry
 from ckptctl.errors import CkptctlError
-from ckptctl.layouts.base import DerivedTensor
+from ckptctl.layouts.capabilities import DerivedTensor
 from ckptctl.layouts.parts.lora.settings import LoraSettings
 
 if TYPE_CHECKING:

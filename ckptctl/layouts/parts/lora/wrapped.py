@@ -27,7 +27,7 @@ from typing import Any
 
 from ckptctl.checkpoint import TensorEntry
 from ckptctl.errors import CkptctlError
-from ckptctl.layouts.base import DerivedTensor, ModelTensors
+from ckptctl.layouts.capabilities import DerivedTensor, ModelTensors
 from ckptctl.layouts.parts.lora.adapter import ADAPTER_WEIGHTS
 from ckptctl.layouts.parts.lora.factors import PEFT_PREFIX, Factors, factor_problems, merged_weight, read_from
 from ckptctl.layouts.parts.lora.settings import ADAPTER_CONFIG, LORA_TRAIN_META, LoraSettings, parse_settings

@@ -9,7 +9,7 @@ from ckptctl import io
 from ckptctl.checkpoint import Checkpoint, Component, TensorEntry
 from ckptctl.errors import CkptctlError, CorruptCheckpoint
 from ckptctl.formats.torch_pickle_classes import TensorRef
-from ckptctl.layouts.base import MasterWeights
+from ckptctl.layouts.capabilities import MasterWeights
 from ckptctl.layouts.parts.zero_tag.names import is_rank_file
 from ckptctl.layouts.parts.zero_tag.tag import DeepSpeedTag, read_tag
 from ckptctl.layouts.parts.zero_tag.tensor_index import IndexBuilder, param_groups, tag_index
@@ -142,7 +142,7 @@ def tag_prefix(checkpoint: Checkpoint) -> str | None:
 def checkpoint_master_weights(
     checkpoint: Checkpoint, prefix: str | None, *, required: bool, notes: list[str]
 ) -> MasterWeights | None:
-    """`Layout.master_weights` of a checkpoint holding a DeepSpeed tag at `prefix` (relative to it, `""`: it
+    """`ConvertSource.master_weights` of a checkpoint holding a DeepSpeed tag at `prefix` (relative to it, `""`: it
     is the tag; None: it holds none): the fp32 master weights of ZeRO 1-3 (`master_weights`).
 
     Without ZeRO (stage 0) a tag keeps no optimizer partitions, hence no masters: None, and a note (an

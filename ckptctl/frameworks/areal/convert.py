@@ -1,0 +1,35 @@
+"""What `convert` reads from AReaL's checkpoints beyond their tensor index (`ConvertSource`): the Saver's
+exports, which hold the config and tokenizer its recover slot lacks."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ckptctl import io
+from ckptctl.checkpoint import Checkpoint
+from ckptctl.frameworks.areal.layout import _EXPORT
+from ckptctl.layouts import peek_dir
+from ckptctl.layouts.capabilities import ConvertSource, default_config_folders
+
+__all__ = ["SOURCE"]
+
+
+def _config_folders(checkpoint: Checkpoint) -> Sequence[str]:
+    """The slot: the Saver's exports beside it in the model folder (`epoch{E}epochstep{S}globalstep{G}/`,
+    each written with the model's config and tokenizer), the one of the slot's step first, then the
+    others newest first; the slot keeps neither. An export: its own folder."""
+    url = checkpoint.ref.url
+    if _EXPORT.match(io.name_of(url)):
+        return default_config_folders(checkpoint)
+    model_folder = io.parent_of(url)
+    exports = [
+        (int(m.group(3)), e.name)
+        for e in peek_dir(model_folder) or []
+        if e.is_dir and (m := _EXPORT.match(e.name)) and not m.group(4)
+    ]
+    step = checkpoint.ref.step
+    exports.sort(key=lambda export: (export[0] != step, -export[0]))
+    return (*(io.join(model_folder, name) for _, name in exports), *default_config_folders(checkpoint))
+
+
+SOURCE = ConvertSource(config_folders=_config_folders)

@@ -1,0 +1,26 @@
+"""What `convert` reads from verl's checkpoints beyond their tensor index (`ConvertSource`): where verl keeps
+the model's config and tokenizer."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ckptctl import io
+from ckptctl.checkpoint import Checkpoint
+from ckptctl.frameworks.verl.layout import HF_FOLDER, STEP_RE
+from ckptctl.layouts.capabilities import ConvertSource, default_config_folders
+
+__all__ = ["SOURCE"]
+
+
+def _config_folders(checkpoint: Checkpoint) -> Sequence[str]:
+    """The `huggingface/` folder verl writes beside the rank files (config and tokenizer): the converted
+    role's own first."""
+    url = checkpoint.url
+    if STEP_RE.match(io.name_of(url)):
+        role = checkpoint.metadata.get("tensors_of")
+        return (io.join(url, str(role), HF_FOLDER), *default_config_folders(checkpoint))
+    return (io.join(url, HF_FOLDER), *default_config_folders(checkpoint))
+
+
+SOURCE = ConvertSource(config_folders=_config_folders)

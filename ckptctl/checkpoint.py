@@ -26,6 +26,8 @@ class CheckpointState(enum.StrEnum):
       deleted by the next save of the run or by `prune`.
     - `superseded`: committed and whole, but off the run's branch: the run went back to an older step and
       saved again, so a resume no longer picks it.
+    - `unknown`: checkpoint-like files (torch.save zips, safetensors, DCP data) of a layout ckptctl does not
+      know (`layouts.generic`): never "nothing here", never a fresh start, never deleted by `prune`.
     """
 
     COMPLETE = "complete"
@@ -33,6 +35,7 @@ class CheckpointState(enum.StrEnum):
     BROKEN = "broken"
     ABANDONED = "abandoned"
     SUPERSEDED = "superseded"
+    UNKNOWN = "unknown"
 
 
 class Component(enum.StrEnum):
@@ -270,6 +273,9 @@ class ProblemKind(enum.StrEnum):
     IN_PROGRESS = "in_progress"
     ABANDONED = "abandoned"
     UNEXPECTED_FILE = "unexpected_file"
+    #: Checkpoint-like files of a layout ckptctl does not know: whether they make a whole checkpoint cannot be
+    #: told (verify exits 2).
+    UNKNOWN_LAYOUT = "unknown_layout"
 
 
 _ITEMSIZE = {

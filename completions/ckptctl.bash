@@ -10,7 +10,7 @@ _ckptctl() {
     fi
     case "$prev" in
         --sort) COMPREPLY=($(compgen -W "step created size url" -- "$cur")); return;;
-        --state) COMPREPLY=($(compgen -W "complete in_progress broken abandoned superseded" -- "$cur")); return;;
+        --state) COMPREPLY=($(compgen -W "complete in_progress broken abandoned superseded unknown" -- "$cur")); return;;
         --layout) COMPREPLY=($(compgen -W "native verl areal roll lightning megatron torchtitan dcp hf_trainer accelerate openrlhf open_instruct deepspeed peft hf deepspeed_universal" -- "$cur")); return;;
         --layout-a) COMPREPLY=($(compgen -W "native verl areal roll lightning megatron torchtitan dcp hf_trainer accelerate openrlhf open_instruct deepspeed peft hf deepspeed_universal" -- "$cur")); return;;
         --layout-b) COMPREPLY=($(compgen -W "native verl areal roll lightning megatron torchtitan dcp hf_trainer accelerate openrlhf open_instruct deepspeed peft hf deepspeed_universal" -- "$cur")); return;;

@@ -18,6 +18,8 @@ HELP = """List every checkpoint of a run folder: step, epoch, layout, state, siz
 
 Reads directory listings and small markers only, so it stays fast on thousands of checkpoints. Nested runs (several jobs under one folder) are found too.
 
+States: complete, in_progress (being written), abandoned (a killed save's leftovers), superseded (left behind by a rollback), broken, slim (training-only state dropped), unknown (checkpoint-like files - torch.save zips, safetensors, DCP data, large *.pt/*.bin/*.ckpt - that no layout claims: layout `unknown`, the files named in the note, a step from the name where the naming rules give one). A folder of such files is never "no checkpoints found".
+
 In a terminal the table fits its width (the path column is never shortened); in a pipe or a log every row is printed whole on one line, with `-` for an empty cell, and the count goes to stderr."""
 
 EXAMPLES = """\
@@ -53,7 +55,8 @@ def list_checkpoints(
             "--state",
             metavar="STATE",
             help="Only checkpoints in this state: complete, in_progress, broken, abandoned (a save that "
-            "stopped) or superseded (off the run's branch after a rollback); repeatable.",
+            "stopped), superseded (off the run's branch after a rollback) or unknown (checkpoint-like files "
+            "of a layout ckptctl does not know); repeatable.",
         ),
     ] = None,
     layout: RunLayoutOpt = None,
@@ -118,3 +121,9 @@ def list_checkpoints(
         # A pipe gets the rows only, as `docker ps` prints them; the count is for the person watching.
         out.table(columns, rows)
         out.note(f"{count} in {run}")
+    unknown = sum(ref.state is CheckpointState.UNKNOWN for ref in report.checkpoints)
+    if unknown:
+        out.note(
+            f"{unknown} checkpoint(s) of a layout ckptctl does not know (state unknown): `verify` cannot pass them "
+            "(exit code 2), `prune` never deletes them, a resume gate does not take the run for a fresh start"
+        )

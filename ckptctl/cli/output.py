@@ -280,4 +280,5 @@ STATE_STYLE = {
     "abandoned": "magenta",
     "superseded": "dim",
     "broken": "red",
+    "unknown": "cyan",
 }

@@ -9,6 +9,7 @@ import typer
 from ckptctl.cli.command import add_command
 from ckptctl.cli.options import JsonOpt, QuietOpt, RunLayoutOpt
 from ckptctl.cli.output import Cell, Output, human_bytes, styled
+from ckptctl.ops.report import display_path
 
 if TYPE_CHECKING:
     from ckptctl.ops.resume_plan import ResumePlan
@@ -19,7 +20,7 @@ Checkpoints are tried newest first; one still being written, broken, or failing 
 
 What the framework loads along with it is verified too (OpenRLHF's critic, from `_critic/latest`): one that does not load blocks the resume, and the plan says what to write first.
 
-Exit code 0 with a plan that loads as asked, 1 when nothing is resumable, the checkpoint cannot load on --world-size ranks as it is, or what loads along with it does not load, 2 when the folder cannot be read."""
+Exit code 0 with a plan that loads as asked, 1 when nothing is resumable, the checkpoint cannot load on --world-size ranks as it is, or what loads along with it does not load, 2 when the folder cannot be read or holds only checkpoints of a layout ckptctl does not know (state `unknown` in `ckptctl list`: "unknown layout", never "nothing resumable")."""
 
 EXAMPLES = """\
 ckptctl resume-plan runs/llama-sft
@@ -78,14 +79,25 @@ def resume_plan(
     if not quiet:
         for warning in plan.warnings:
             out.warn(warning)
+    if not plan.resumable and plan.unknown_layout:
+        raise typer.Exit(2)
     if not plan.resumable or plan.blockers or (plan.world_size is not None and plan.world_size.ok is False):
         raise typer.Exit(1)
+
+
+def _unknown(plan: ResumePlan) -> str:
+    """The checkpoints of a layout ckptctl does not know, when they are all the run holds to resume from."""
+    names = ", ".join(display_path(s.url, plan.run) for s in plan.unknown_layout[:4])
+    more = f" and {len(plan.unknown_layout) - 4} more" if len(plan.unknown_layout) > 4 else ""
+    return f"{plan.run} holds checkpoints ckptctl cannot read as a training state ({names}{more})"
 
 
 def _render(out: Output, plan: ResumePlan) -> None:
     facts: list[tuple[str, Cell]] = []
     chosen = plan.checkpoint
-    if chosen is None:
+    if chosen is None and plan.unknown_layout:
+        facts.append(("resume from", styled("unknown layout", "red") + styled(f": {_unknown(plan)}", "")))
+    elif chosen is None:
         facts.append(("resume from", styled("nothing resumable", "red") + styled(f" in {plan.run}", "")))
     else:
         step = "" if chosen.step is None else f", step {chosen.step}"

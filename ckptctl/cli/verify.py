@@ -27,7 +27,9 @@ Problem kinds (`kind` in --json; `path` is the file or tensor, and a damaged zip
 
 Each process reads with one thread per core (4 to 8, shared by the ranks on a host). Launched by torchrun (or with --workers N on this host), the ranks share the hashing, the CRC-32s and the reading by bytes; rank 0 prints the one report and every rank exits with its code.
 
-Exit code 0 when everything verifies, 1 when a problem was found (with --latest: no checkpoint a resume could load), 2 when the path cannot be read."""
+A checkpoint of a layout ckptctl does not know (state `unknown` in `ckptctl list`: checkpoint-like files no plugin claims) is never ok: each of its files is read as a single file, and it fails with `unknown_layout` and exit code 2. With --latest, a run holding such checkpoints and none ckptctl can resume from is no fresh start: exit code 2.
+
+Exit code 0 when everything verifies, 1 when a problem was found (with --latest: no checkpoint a resume could load), 2 when the path cannot be read or holds checkpoints of a layout ckptctl does not know."""
 
 EXAMPLES = """\
 ckptctl verify runs/llama-sft --latest -q && torchrun train.py --resume
@@ -94,6 +96,8 @@ def verify(
             report = verify_path(path, options, progress)
     if prints(ranks):
         _report(out, path, report, json_output)
+    if report.unknown_layout:
+        raise typer.Exit(2)
     if not report.ok:
         raise typer.Exit(1)
 

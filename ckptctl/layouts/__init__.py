@@ -27,6 +27,7 @@ from ckptctl.errors import CheckpointNotFound, CkptctlError, UnknownLayout
 from ckptctl.formats.framework_classes import FrameworkClasses
 from ckptctl.layouts.base import Layout
 from ckptctl.layouts.capabilities import CONVERT_SOURCE, Slot
+from ckptctl.layouts.generic import GENERIC, generic_layout, unclaimed
 from ckptctl.quoting import shell
 
 __all__ = [
@@ -259,8 +260,11 @@ def get_layout(name: str) -> Layout:
     """The layout registered under `name`.
 
     One instance per name for the whole process: layouts hold no state of their own (what a scan learns
-    lives in its `ScanContext`), so every operation can share them.
+    lives in its `ScanContext`), so every operation can share them. `GENERIC` (`"unknown"`) names the generic
+    reader of what no plugin claims (`layouts.generic`), which is asked after every plugin.
     """
+    if name == GENERIC:
+        return generic_layout()
     plugin = _PLUGINS.get(name)
     if plugin is None:
         raise UnknownLayout(f"no layout named {name!r}", f"known layouts: {', '.join(layout_names())}")
@@ -380,10 +384,16 @@ def detect(url: str, layout: str | None = None, *, explain: bool = True) -> tupl
         return _detect_file(url, layout)
     with scan_context():
         entries = io.list_dir(url)
-        hit = _identify(url, entries, layout)
+        hit = _identify(url, entries, layout) or _unknown(url, entries, layout)
         if hit is not None:
             return hit
         raise _not_a_checkpoint(url, entries, layout, explain)
+
+
+def _unknown(url: str, entries: Sequence[io.DirEntry], layout: str | None) -> tuple[Layout, CheckpointRef] | None:
+    """The generic reader's ref of a folder no plugin recognised, when no layout was asked for."""
+    ref = generic_layout().identify(url, entries) if layout is None else None
+    return None if ref is None else (generic_layout(), ref)
 
 
 def _detect_file(url: str, layout: str | None) -> tuple[Layout, CheckpointRef]:
@@ -453,6 +463,9 @@ def resolve(url: str, layout: str | None = None) -> tuple[Layout, CheckpointRef]
         if len(named) > 1:  # a DeepSpeed save folder's `latest` and `latest_universal`
             names = ", ".join(f"{io.name_of(ref.url)} ({found.name})" for found, ref in named)
             raise UnknownLayout(f"{url} is not a checkpoint; pointers in it name {names}", "pass one of them")
+        unknown = _unknown(url, entries, layout)
+        if unknown is not None:
+            return unknown
         raise _not_a_checkpoint(url, entries, layout, explain=True)
 
 
@@ -475,7 +488,9 @@ def scan_run(url: str, max_depth: int = DEFAULT_SCAN_DEPTH) -> list[CheckpointRe
     recognised as a checkpoint is recorded, and its child folders that are not part of it (the layout's
     `members`) are walked on; the ref names those that hold checkpoints in `CheckpointRef.holds`, and
     comes before them. In a folder that is no checkpoint, files a layout takes for whole checkpoints
-    (`Layout.identify_file`: Lightning's `epoch=0-step=100.ckpt`) are listed too. Hidden folders are only
+    (`Layout.identify_file`: Lightning's `epoch=0-step=100.ckpt`) are listed too, and after every plugin the
+    generic reader (`layouts.generic.unclaimed`) lists checkpoint-like files none of them claims, as state
+    `unknown`: a step-named file on its own, the others as their folder. Hidden folders are only
     checked themselves (a layout may recognise its own staging folders) and never descended into. Folders that a layout names as parts of its checkpoints
     kept beside them (its `companions(url, entries)`: open-instruct's shared `ref_policy/`, AReaL's
     `recover_info/`) are neither listed nor descended into. A checkpoint that a `latest`-style pointer in
@@ -546,6 +561,12 @@ def _walk(
 
     def enter(url: str, entries: Sequence[io.DirEntry], depth: int, parallel: bool, out: list[CheckpointRef]) -> None:
         hit = _identify(url, entries)
+        files: list[CheckpointRef] = []
+        if hit is None:  # its whole-checkpoint files, then what only the generic reader finds (after every plugin)
+            files = _file_checkpoints(url, entries)
+            folder, loose = unclaimed(url, entries, frozenset(io.name_of(ref.url) for ref in files))
+            files += loose
+            hit = None if folder is None else (generic_layout(), folder)
         folders: list[io.DirEntry] = []
         if depth < max_depth:
             skip = _SKIP_DIRS | (hit[0].members(url, entries) if hit is not None else frozenset())
@@ -553,9 +574,7 @@ def _walk(
             if folders:
                 parts = _companions(url, entries)
                 folders = [e for e in folders if e.name not in parts]
-        level = _Level(url, entries, depth, out, hit[1] if hit is not None else None, parallel)
-        if hit is None:
-            level.files = _file_checkpoints(url, entries)
+        level = _Level(url, entries, depth, out, hit[1] if hit is not None else None, parallel, files)
         if parallel and len(folders) > 1:
             visited = io.parallel_map(lambda e: _walk_child(url, e, depth, max_depth), folders)
             level.children = [(e.name, refs) for e, refs in zip(folders, visited, strict=True)]

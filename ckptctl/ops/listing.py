@@ -50,7 +50,8 @@ def list_run(
 
     Args:
         run: run folder (local path or fsspec URL).
-        sort: one of `SORT_KEYS`; `step` groups checkpoints by their folder, those without a step first.
+        sort: one of `SORT_KEYS`; `step` groups checkpoints by their folder, those without a step first, equal
+            steps by epoch, then by time.
         reverse: newest/largest first.
         states: keep only these states.
         layout: keep only this layout.
@@ -78,8 +79,11 @@ def list_run(
             return (ref.size_bytes, ref.url)
         if sort == "url":
             return (ref.url,)
-        # Grouped by the folder holding them, so the checkpoints of one run stay together.
-        return (io.parent_of(ref.url), ref.step is not None, ref.step or 0, ref.url)
+        # Grouped by the folder holding them, so the checkpoints of one run stay together; equal steps (an epoch
+        # folder has none) by epoch, then by time (the naming rules of `layouts.generic`), then by name.
+        ordered = ref.step is not None or ref.epoch is not None
+        created = ref.created.timestamp() if ordered and ref.created else 0.0
+        return (io.parent_of(ref.url), ref.step is not None, ref.step or 0, ref.epoch or 0.0, created, ref.url)
 
     refs.sort(key=key, reverse=reverse)
     total = len(refs)

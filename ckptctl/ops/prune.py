@@ -22,7 +22,9 @@ Never deleted, whatever the rules say (each kept checkpoint carries its reasons)
   or that nobody wrote to within `grace` and behind which a step was committed), which is deleted whatever
   the rules;
 - anything whose real path lies outside the run, and symlinks: a checkpoint reached through a symlink is
-  listed as kept and never followed, so neither the link nor what it points to is deleted.
+  listed as kept and never followed, so neither the link nor what it points to is deleted;
+- a checkpoint of a layout ckptctl does not know (state `unknown`, `layouts.generic`): whether it is whole,
+  in progress or what a resume needs cannot be told.
 """
 
 from __future__ import annotations
@@ -372,6 +374,9 @@ def plan_prune(
     return PrunePlan(run, policy, tuple(items), grace, now, trash, tuple(notes))
 
 
+#: Why `prune` keeps a checkpoint of a layout ckptctl does not know.
+UNKNOWN_KEPT = "unknown layout: ckptctl cannot tell whether it is whole or what a resume needs, so it never deletes it"
+
 #: States whose note says why the checkpoint goes (a broken one just goes as broken).
 _OFF_BRANCH = (CheckpointState.ABANDONED, CheckpointState.SUPERSEDED)
 
@@ -463,6 +468,8 @@ def _protect(found: list[_Found], run: str) -> list[str]:
             series.setdefault(io.parent_of(f.ref.url), []).append(f)
             if f.ref.latest:
                 f.protected.append("named by the run's latest pointer")
+            if f.ref.state is CheckpointState.UNKNOWN:
+                f.protected.append(UNKNOWN_KEPT)
     layouts = all_layouts()
     for members in series.values():
         by_url = {f.ref.url: f for f in members}

@@ -95,6 +95,11 @@ class ResumePlan:
     def resumable(self) -> bool:
         return self.checkpoint is not None
 
+    @property
+    def unknown_layout(self) -> tuple[Skipped, ...]:
+        """Checkpoints skipped because ckptctl does not know their layout (state `unknown`)."""
+        return tuple(s for s in self.skipped if s.state is CheckpointState.UNKNOWN)
+
     def to_json(self) -> dict[str, Any]:
         chosen = self.checkpoint
         return {
@@ -121,6 +126,7 @@ class ResumePlan:
             "continues_from": jsonable(dict(self.continues_from)),
             "warnings": list(self.warnings),
             "blockers": [b.to_json() for b in self.blockers],
+            "unknown_layout": [s.url for s in self.unknown_layout],
         }
 
 
@@ -288,6 +294,8 @@ def _judge(
 ) -> tuple[str | None, Checkpoint | None, list[str]]:
     """Why `ref` must not be resumed from (None when it can), the opened checkpoint, and run-level problems
     its verify reported (a `latest` pointer naming a missing tag concerns the run, not this checkpoint)."""
+    if ref.state is CheckpointState.UNKNOWN:
+        return ref.note or "not a layout ckptctl knows", None, []
     if ref.state is CheckpointState.IN_PROGRESS:
         return f"in progress: {ref.note or 'still being written'}", None, []
     if ref.state is CheckpointState.ABANDONED:

@@ -19,9 +19,10 @@ from typing import Any
 
 from ckptctl import io
 from ckptctl.checkpoint import CheckpointRef, CheckpointState, Problem, ProblemKind
-from ckptctl.errors import CheckpointNotFound, CkptctlError, UnsafePickle
+from ckptctl.errors import CheckpointNotFound, CkptctlError, UnknownLayout, UnsafePickle
 from ckptctl.formats.manifest import DIGESTS_NAME, read_manifest
 from ckptctl.layouts import detect, scan_context, scan_run
+from ckptctl.layouts.generic import read_as_files
 from ckptctl.ops.content import ContentChecks, check_content
 from ckptctl.ops.digests import save_digests
 from ckptctl.ops.distributed_work import Ranks
@@ -46,6 +47,11 @@ class VerifyResult:
     @property
     def ok(self) -> bool:
         return not any(p.severity == "error" for p in self.problems)
+
+    @property
+    def unknown_layout(self) -> bool:
+        """The checkpoint is of a layout ckptctl does not know: it cannot be judged (exit code 2)."""
+        return any(p.kind == ProblemKind.UNKNOWN_LAYOUT for p in self.problems)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -82,6 +88,11 @@ class RunVerifyReport:
     @property
     def ok(self) -> bool:
         return all(r.ok for r in self.results)
+
+    @property
+    def unknown_layout(self) -> bool:
+        """A checkpoint of the run is of a layout ckptctl does not know (exit code 2)."""
+        return any(r.unknown_layout for r in self.results)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -154,7 +165,9 @@ def verify_run(
     With `only_resume_target`, a run that has no checkpoint yet (no folder, or only saves still being
     written) is a fresh start: the report is ok with `fresh_start` set, so that a gate such as
     `ckptctl verify RUN --latest -q && torchrun train.py --resume` lets the first launch through. A run
-    whose checkpoints are all broken raises `NothingResumable` (exit code 1).
+    whose checkpoints are all broken raises `NothingResumable` (exit code 1). A run holding checkpoints of a
+    layout ckptctl does not know (state `unknown`) and none it can resume from is no fresh start: it raises
+    `UnknownLayout` (exit code 2), since a resume would have something to load.
     """
     options = options or VerifyOptions()
     with scan_context():  # the scan's peeks serve the checkpoints' verification too
@@ -162,6 +175,13 @@ def verify_run(
             if not io.exists(run) or all(r.state in _UNFINISHED for r in scan_run(run)):
                 return RunVerifyReport(run, (), fresh_start=True)
             plan = plan_resume(run)
+            if plan.checkpoint is None and plan.unknown_layout:
+                names = ", ".join(io.relative_to(s.url, run) or "." for s in plan.unknown_layout[:4])
+                raise UnknownLayout(
+                    f"{run} holds checkpoints of a layout ckptctl does not know ({names}): not a fresh start, "
+                    f"and nothing ckptctl can verify ({plan.unknown_layout[0].reason})",
+                    "run `ckptctl list` on it; check what a resume would load with the framework that wrote it",
+                )
             if plan.checkpoint is None:
                 raise NothingResumable(
                     f"{run} holds no checkpoint a resume could load", "run `ckptctl resume-plan` to see why"
@@ -208,6 +228,8 @@ def verify_checkpoint(url: str, options: VerifyOptions | None = None, progress: 
 
 def _verify_checkpoint(url: str, options: VerifyOptions, progress: Progress, read: io.ByteCounter) -> VerifyResult:
     layout, ref = detect(url, options.layout)
+    if ref.state is CheckpointState.UNKNOWN:
+        return VerifyResult(url, layout.name, ref.step, tuple(read_as_files(ref)), 0, 0, read.bytes_read)
     if ref.state is CheckpointState.IN_PROGRESS:
         problem = Problem(
             ProblemKind.IN_PROGRESS, "", ref.note or "the checkpoint is still being written (no completion marker)"

@@ -89,7 +89,7 @@ class TorchtitanLayout(DcpFolderLayout):
             return None
         if not _is_torchtitan(metadata):
             return None
-        ref = super().identify(url, entries)
+        ref = self._listed(url, entries)  # the metadata is parsed whole above
         return replace(ref, layout=self.name, step=int(match.group(1))) if ref is not None else None
 
     def open(self, url: str) -> Checkpoint:

@@ -18,10 +18,13 @@ the metadata itself (cached) is `dcp_folder_metadata`.
 
 from __future__ import annotations
 
+import pickletools
 import re
+import struct
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import replace
-from functools import cache
+from functools import cache, lru_cache
+from io import BytesIO
 
 from ckptctl import io
 from ckptctl.checkpoint import (
@@ -36,7 +39,14 @@ from ckptctl.checkpoint import (
     TensorEntry,
     dtype_itemsize,
 )
-from ckptctl.errors import CheckpointInProgress, CheckpointNotFound, CorruptCheckpoint, UnknownLayout, UnsafePickle
+from ckptctl.errors import (
+    CheckpointInProgress,
+    CheckpointNotFound,
+    CkptctlError,
+    CorruptCheckpoint,
+    UnknownLayout,
+    UnsafePickle,
+)
 from ckptctl.formats.chunks import tiling_problem
 from ckptctl.formats.dcp_metadata import METADATA_NAME, RANK_METADATA, DcpMetadata, DcpTensor, merge_rank_metadata
 from ckptctl.formats.safe_pickle import gc_paused
@@ -481,6 +491,47 @@ def data_newer_than_metadata(entries: Sequence[DirEntry]) -> list[str]:
     )
 
 
+#: The class a torch DCP `.metadata` pickles first (its top-level object).
+_DCP_METADATA_CLASS = ("torch.distributed.checkpoint.metadata", "Metadata")
+#: Enough of a `.metadata` to hold its first global (a protocol-4 frame header, then module and class names).
+_METADATA_HEAD = 512
+_STRING_OPS = frozenset({"SHORT_BINUNICODE", "BINUNICODE", "UNICODE", "BINUNICODE8"})
+
+
+def _foreign_metadata(module: str, name: str) -> bool:
+    """Whether a pickled class is another checkpointing library's metadata (`bytecheckpoint.checkpointer.
+    meta_type.Metadata`), as opposed to anything else a `.metadata` may hold (a damaged or hostile pickle,
+    which verify reports as such)."""
+    return name.endswith("Metadata") and module.partition(".")[0] not in ("torch", "builtins", "__builtin__")
+
+
+@lru_cache(maxsize=4096)
+def _metadata_class(url: str, size: int, mtime: float) -> tuple[str, str] | None:
+    """The (module, class) a `.metadata` pickles first, from its first bytes (None: not a pickle, or unreadable).
+
+    `list` tells a torch DCP folder from another library's folder of `.distcp` files (ByteCheckpoint pickles a
+    class of its own) and from a `.metadata` that cannot be read, without parsing the whole file; cached by
+    size and time, as the walk may ask twice.
+    """
+    try:
+        head = io.read_bytes(url, 0, min(size, _METADATA_HEAD))
+    except CkptctlError:
+        return None
+    strings: list[str] = []
+    try:
+        for op, arg, _ in pickletools.genops(BytesIO(head)):
+            if op.name in _STRING_OPS and isinstance(arg, str):
+                strings.append(arg)
+            elif op.name == "STACK_GLOBAL":
+                return (strings[-2], strings[-1]) if len(strings) >= 2 else None
+            elif op.name == "GLOBAL" and isinstance(arg, str):
+                module, _, name = arg.partition(" ")
+                return module, name
+    except (ValueError, EOFError, struct.error):  # a truncated head, or no pickle at all
+        return None
+    return None
+
+
 class DcpFolderLayout(Layout):
     """The reader of a torch DCP checkpoint folder written by `torch.distributed.checkpoint.save`
     (FileSystemWriter): the DCP plugin's layout and torchtitan's (a DCP folder with torchtitan's keys)
@@ -493,8 +544,26 @@ class DcpFolderLayout(Layout):
     name = "dcp"
 
     def identify(self, url: str, entries: Sequence[DirEntry]) -> CheckpointRef | None:
-        """A DCP ref when the folder holds `.metadata` (or per-rank `__R.metadata`) or `__R_N.distcp` files
-        (listing only)."""
+        """A DCP ref when the folder holds `.metadata` (or per-rank `__R.metadata`) or `__R_N.distcp` files.
+
+        Judged from the listing, and on local disks from the first bytes of `.metadata` too: one that pickles
+        another library's metadata class (ByteCheckpoint's) makes no DCP folder (the generic reader lists it
+        `unknown`), and one that is no pickle of DCP metadata is `broken`. On object stores that read would
+        cost a request per folder, so a folder there is judged from the listing alone (verify reads it).
+        """
+        ref = self._listed(url, entries)
+        if ref is None or ref.state is not CheckpointState.COMPLETE or not io.is_local(url):
+            return ref
+        meta = next(e for e in entries if e.name == METADATA_NAME and not e.is_dir)
+        found = _metadata_class(io.join(url, METADATA_NAME), meta.size, meta.mtime)
+        if found == _DCP_METADATA_CLASS:
+            return ref
+        if found is not None and _foreign_metadata(*found):
+            return None
+        return replace(ref, state=CheckpointState.BROKEN, note=f"{METADATA_NAME} is not a pickle of DCP metadata")
+
+    def _listed(self, url: str, entries: Sequence[DirEntry]) -> CheckpointRef | None:
+        """`identify` from the listing alone (`open` reads the whole `.metadata` anyway)."""
         meta = tmp = None
         has_data = False
         size = 0
@@ -546,7 +615,7 @@ class DcpFolderLayout(Layout):
         tensor index then raises the reason (CheckpointInProgress, UnsafePickle or CorruptCheckpoint).
         """
         entries = io.list_dir(url)
-        ref = self.identify(url, entries)
+        ref = self._listed(url, entries)
         if ref is None:
             raise UnknownLayout(f"{url} is not a DCP checkpoint (no {METADATA_NAME} and no .distcp files)")
         files = {e.name: e.size for e in entries if not e.is_dir}

@@ -16,10 +16,11 @@ import shlex
 
 __all__ = ["Code", "comment", "has_control", "printable", "python_call", "shell", "yaml_value"]
 
-#: What `printable` escapes: the C0 controls, DEL and the C1 controls (Unicode's category Cc).
+#: What `printable` escapes: the C0 controls, DEL and the C1 controls (Unicode's category Cc), and the Unicode
+#: line and paragraph separators, which YAML and many editors take as line breaks (a comment would end there).
 #: And the surrogates: a file name that is not UTF-8 holds its bytes as U+DC80..U+DCFF (`os.fsdecode`), which
 #: a stream writing with `surrogateescape` turns back into raw bytes: 0x9b is a C1 CSI.
-_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\ud800-\udfff]")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029\ud800-\udfff]")
 _NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
 
 

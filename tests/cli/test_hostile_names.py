@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from ckptctl import io
@@ -367,6 +367,8 @@ def test_json_round_trips_every_sequence(run_cli: Cli, hostile_run: Path) -> Non
 
 
 @given(st.text())
+@example("\u20280\u2028")  # YAML ends a line (and a comment) at U+2028
+@example("\x85x\u2029")
 def test_quoting_gives_back_any_text(text: str) -> None:
     """The helpers every suggestion is built with, on any text: one shell word, one Python string, one YAML
     value, a comment that no character ends, and nothing a terminal would act on."""

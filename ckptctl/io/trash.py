@@ -336,7 +336,13 @@ def _opened_trash(trash: str, *, create: bool) -> Iterator[int | None]:
         UnsafePath: a link (or anything but a folder) is in its place.
     """
     parent, name = os.path.split(trash)
-    parent_fd = os.open(parent, _DIR_FLAGS)
+    try:
+        parent_fd = os.open(parent, _DIR_FLAGS)
+    except FileNotFoundError:
+        if create:
+            raise
+        yield None  # the folder that would hold it is gone (removed under us): no trash either
+        return
     try:
         fd = None
         for attempt in range(_RENAME_TRIES):

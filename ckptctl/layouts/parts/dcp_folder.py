@@ -554,7 +554,9 @@ class DcpFolderLayout(Layout):
         ref = self._listed(url, entries)
         if ref is None or ref.state is not CheckpointState.COMPLETE or not io.is_local(url):
             return ref
-        meta = next(e for e in entries if e.name == METADATA_NAME and not e.is_dir)
+        meta = next((e for e in entries if e.name == METADATA_NAME and not e.is_dir), None)
+        if meta is None:  # saved without collectives: per-rank `__R.metadata` files, judged from the listing
+            return ref
         found = _metadata_class(io.join(url, METADATA_NAME), meta.size, meta.mtime)
         if found == _DCP_METADATA_CLASS:
             return ref

@@ -39,10 +39,13 @@ __all__ = [
     "ModelSpec",
     "ModelTensors",
     "NameMap",
+    "NotCarried",
     "PointerWriter",
+    "ReshardRequest",
     "Slimmer",
     "Slot",
     "TrainingStateWriter",
+    "WrittenState",
     "default_config_folders",
 ]
 
@@ -61,10 +64,83 @@ class Slot(Generic[C]):
     name: str
 
 
+@dataclass(frozen=True, slots=True)
+class NotCarried:
+    """A part of a training state that `reshard` could not carry to the target, and why (DESIGN §4
+    `not_carried`): a data-loader position, an RNG stream, a scheduler whose state depends on the world size.
+
+    Attributes:
+        what: the part, as the source names it (`extra_state.rng`, `data.pt`, `lr_scheduler`).
+        why: one sentence a person acts on (what the target gets instead, what to pass to the framework).
+    """
+
+    what: str
+    why: str
+
+
+@dataclass(frozen=True, slots=True)
+class ReshardRequest:
+    """One `reshard` job, as `ops.reshard` hands it to a `TrainingStateWriter`.
+
+    Attributes:
+        source: the opened source checkpoint (any layout the writer `accepts`).
+        staging: an empty local folder the writer fills with exactly what the target framework is pointed at
+            (DESIGN §4 `reshard`: a DeepSpeed save folder, a verl run folder, a DCP folder); `ops.reshard`
+            commits it to DST afterwards with the commit protocol, so the writer never renames or deletes.
+        world_size: the number of ranks the target loads on; None keeps the source's where that means something.
+        workers: processes/threads the writer may use for reading and writing.
+    """
+
+    source: Checkpoint
+    staging: str
+    world_size: int | None
+    workers: int = 1
+
+
+@dataclass(frozen=True, slots=True)
+class WrittenState:
+    """What a `TrainingStateWriter` wrote (`ReshardResult` in `ops.reshard` adds the paths).
+
+    Attributes:
+        tensors: tensors written (each shard of one tensor counted once per tensor).
+        bytes: tensor bytes written.
+        files: the files written, relative to the staging folder, in the order a commit may publish them
+            (markers, trackers and pointers last).
+        world_size: the world size the written state loads on (None: any).
+        not_carried: what the target did not get, and why.
+        resume_hint: the setting to pass to the target framework to resume from DST, or None.
+    """
+
+    tensors: int
+    bytes: int
+    files: tuple[str, ...]
+    world_size: int | None
+    not_carried: tuple[NotCarried, ...] = ()
+    resume_hint: str | None = None
+
+
 class TrainingStateWriter(Protocol):
     """`reshard`: writes this framework's resumable training state (model, optimizer, schedulers, counters,
-    RNG where it carries) for another world size, streamed from a checkpoint's raw bytes, in the shape the
-    framework's own load code takes. A slot that `reshard` fills: no framework provides it yet."""
+    RNG where it carries) for a world size, streamed from a checkpoint's raw bytes, in the shape the
+    framework's own load code takes (DESIGN §4 `reshard`).
+
+    Attributes:
+        target: the name `reshard --to` takes for this writer (`deepspeed-universal`, `dcp`, `verl`); when
+            `--to` is left out, the writer of the source's own framework is used.
+    """
+
+    target: str
+
+    def refusal(self, source: Checkpoint, world_size: int | None) -> str | None:
+        """Why this writer cannot write `source` for `world_size` (a layout it does not read, a torn source
+        naming the missing file, a tensor the target sharding cannot cut), or None when it can. Called before
+        anything is written; reads metadata only."""
+        ...
+
+    def write(self, request: ReshardRequest, advance: Callable[[int], None]) -> WrittenState:
+        """Writes the state into `request.staging`, one parameter at a time, calling `advance(n)` after each
+        `n` bytes written. Raises `CkptctlError` on a source it finds torn while reading."""
+        ...
 
 
 class PointerWriter(Protocol):

@@ -11,9 +11,9 @@ _ckptctl() {
     case "$prev" in
         --sort) COMPREPLY=($(compgen -W "step created size url" -- "$cur")); return;;
         --state) COMPREPLY=($(compgen -W "complete in_progress broken abandoned superseded unknown" -- "$cur")); return;;
-        --layout) COMPREPLY=($(compgen -W "native verl areal roll lightning megatron torchtitan dcp hf_trainer accelerate openrlhf open_instruct deepspeed peft hf deepspeed_universal" -- "$cur")); return;;
-        --layout-a) COMPREPLY=($(compgen -W "native verl areal roll lightning megatron torchtitan dcp hf_trainer accelerate openrlhf open_instruct deepspeed peft hf deepspeed_universal" -- "$cur")); return;;
-        --layout-b) COMPREPLY=($(compgen -W "native verl areal roll lightning megatron torchtitan dcp hf_trainer accelerate openrlhf open_instruct deepspeed peft hf deepspeed_universal" -- "$cur")); return;;
+        --layout) COMPREPLY=($(compgen -W "native verl bytecheckpoint areal roll lightning megatron torchtitan dcp hf_trainer accelerate openrlhf open_instruct deepspeed peft hf deepspeed_universal" -- "$cur")); return;;
+        --layout-a) COMPREPLY=($(compgen -W "native verl bytecheckpoint areal roll lightning megatron torchtitan dcp hf_trainer accelerate openrlhf open_instruct deepspeed peft hf deepspeed_universal" -- "$cur")); return;;
+        --layout-b) COMPREPLY=($(compgen -W "native verl bytecheckpoint areal roll lightning megatron torchtitan dcp hf_trainer accelerate openrlhf open_instruct deepspeed peft hf deepspeed_universal" -- "$cur")); return;;
         --component) COMPREPLY=($(compgen -W "model optimizer scheduler rng dataloader trainer_state config tokenizer extra" -- "$cur")); return;;
         --to) COMPREPLY=($(compgen -W "hf dcp" -- "$cur")); return;;
         --dtype) COMPREPLY=($(compgen -W "bf16 bfloat16 fp16 float16 fp32 float32" -- "$cur")); return;;

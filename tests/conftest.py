@@ -60,6 +60,7 @@ SLOW_FIXTURES = frozenset(
         "fsdp_runs",
         "areal_run",
         "verl_run",
+        "bytecheckpoint_run",
         "fsdp_run",
         "big_dcp",
         "interrupted_saves",

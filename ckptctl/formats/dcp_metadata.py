@@ -33,6 +33,7 @@ __all__ = [
     "DcpTensor",
     "StorageKey",
     "StorageRecord",
+    "dcp_metadata_from",
     "merge_rank_metadata",
     "parse_dcp_metadata",
 ]
@@ -242,6 +243,23 @@ def parse_dcp_metadata(data: bytes, source: str) -> DcpMetadata:
     # objects about to go anyway (a quarter second on 100k keys).
     with gc_paused():
         return parse_pickle(data, DCP_METADATA_GLOBALS, source, _Parser(source, len(data)).checked_metadata)
+
+
+def dcp_metadata_from(root: Any, source: str, size: int) -> DcpMetadata:
+    """Validate an unpickled stand-in tree (`root`: a `DCP_STAND_INS["Metadata"]`) as `parse_dcp_metadata` does,
+    for a checkpointing library whose `.metadata` pickles DCP's classes under a top-level class of its own
+    (ByteCheckpoint's), unpickled with an allowlist that maps that class to DCP's stand-in. Call it from the
+    `parse` of `safe_pickle.parse_pickle`, which provides the deep stack its caches need.
+
+    Args:
+        root: the unpickled object.
+        source: the file's path or URL, for messages.
+        size: the file's size in bytes (bounds the chunks it may describe).
+
+    Raises:
+        CorruptCheckpoint: it is not DCP metadata, or a value in it is invalid.
+    """
+    return _Parser(source, size).checked_metadata(root)
 
 
 class _Parser:

@@ -88,9 +88,12 @@ class Plugin:
 #: layouts leave such a folder alone (`parts.zero_tag.names.is_universal`), so it can come last, after the layouts
 #: people know. A verl `global_step_N/` (role folders of per-rank `*_world_size_W_rank_R.pt` files) and its role
 #: folders look like no other layout's, but come early so that nothing generic claims a role folder's files.
+#: A ByteCheckpoint `global_step_N/` holds `model/` and `optimizer/` folders shaped like DCP folders (their
+#: `.metadata` pickles ByteCheckpoint's own class, which the DCP reader leaves alone): it comes early too.
 _REGISTRY: tuple[Plugin, ...] = (
     Plugin("native", "ckptctl.frameworks.native", "layout:NativeLayout", {CONVERT_SOURCE: "convert:SOURCE"}),
     Plugin("verl", "ckptctl.frameworks.verl", "layout:VerlLayout", {CONVERT_SOURCE: "convert:SOURCE"}),
+    Plugin("bytecheckpoint", "ckptctl.frameworks.bytecheckpoint", "layout:BytecheckpointLayout"),
     Plugin("areal", "ckptctl.frameworks.areal", "layout:ArealLayout", {CONVERT_SOURCE: "convert:SOURCE"}),
     Plugin("roll", "ckptctl.frameworks.roll", "layout:RollLayout"),
     Plugin("lightning", "ckptctl.frameworks.lightning", "layout:LightningLayout", {CONVERT_SOURCE: "convert:SOURCE"}),

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import build_once
+from tests.writers.bytecheckpoint_writer import WrittenBytecheckpoint, write_bytecheckpoint_run
 from tests.writers.dcp_writer import WrittenDcp, write_fsdp_dcp
 from tests.writers.deepspeed_writer import WrittenDeepSpeed
 from tests.writers.distributed_save_writer import WrittenDistributedSaves, write_distributed_saves
@@ -67,3 +68,10 @@ def distributed_saves(tmp_path_factory: pytest.TempPathFactory) -> WrittenDistri
     """transformers' `save_pretrained(distributed_checkpoint=True)` and torch's `dcp.save(use_collectives=False)`
     of an FSDP2 model on 2 CPU ranks: per-rank files, no global index (slow: spawns)."""
     return build_once(tmp_path_factory, "distributed-saves", write_distributed_saves)
+
+
+@pytest.fixture(scope="session")
+def bytecheckpoint_run(tmp_path_factory: pytest.TempPathFactory) -> WrittenBytecheckpoint:
+    """ByteCheckpoint 0.0.2's own `bcp.save` on 2 ranks (FSDP2): global steps 1 and 2 with the tracker, a
+    step folder of two roles, the full state at step 2 and ByteCheckpoint's own merge of its model."""
+    return build_once(tmp_path_factory, "bytecheckpoint", write_bytecheckpoint_run)

@@ -24,6 +24,7 @@ from ckptctl.ops.verification import RunVerifyReport, verify_checkpoint, verify_
 from tests.conftest import CliResult, copy_tree, torch_zip_records
 from tests.writers.accelerate_writer import WrittenAccelerate
 from tests.writers.areal_writer import WrittenAreal
+from tests.writers.bytecheckpoint_writer import WrittenBytecheckpoint
 from tests.writers.deepspeed_writer import WrittenDeepSpeed
 from tests.writers.distributed_save_writer import WrittenDistributedSaves
 from tests.writers.lightning_writer import WrittenLightning
@@ -465,6 +466,18 @@ class TestVerlStep(LayoutContract):
     @pytest.fixture
     def source(self, verl_run: WrittenVerl) -> tuple[Path, int]:
         return verl_run.step(2), verl_run.actor_parameters
+
+
+class TestBytecheckpointStep(LayoutContract):
+    """A `global_step_N/` ByteCheckpoint's own `bcp.save` wrote (FSDP2 on 2 ranks: model, optimizer, extra state)."""
+
+    layout = "bytecheckpoint"
+    marker = "model/.metadata"
+    data_glob = "*/__*_*.distcp"
+
+    @pytest.fixture
+    def source(self, bytecheckpoint_run: WrittenBytecheckpoint) -> tuple[Path, int]:
+        return bytecheckpoint_run.step(2), bytecheckpoint_run.model_parameters
 
 
 class TestRollFsdp2(LayoutContract):

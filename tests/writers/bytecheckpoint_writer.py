@@ -143,6 +143,7 @@ def write_bytecheckpoint_run(root: Path) -> WrittenBytecheckpoint:
 
     root.mkdir(parents=True, exist_ok=True)
     model = tiny_llama()
+    model.config.architectures = ["LlamaForCausalLM"]  # what save_pretrained records
     model.config.save_pretrained(root / "config")
     rendezvous = root / ".rendezvous"
     mp.spawn(_rank, args=(str(rendezvous), str(root)), nprocs=WORLD_SIZE)

@@ -67,7 +67,9 @@ __all__ = [
     "data_newer_than_metadata",
     "dcp_tensor_index",
     "index_from_metadata",
+    "pickled_class",
     "verify_dcp",
+    "verify_dcp_metadata",
     "world_size_of",
 ]
 
@@ -199,11 +201,14 @@ def dcp_tensor_index(
 
 
 def index_from_metadata(
-    metadata: DcpMetadata, component_of: Callable[[str], Component], path_prefix: str = ""
+    metadata: DcpMetadata,
+    component_of: Callable[[str], Component],
+    path_prefix: str = "",
+    encoding: ChunkEncoding = ChunkEncoding.TORCH_SAVE,
 ) -> tuple[TensorEntry, ...]:
-    """`dcp_tensor_index` for metadata already parsed."""
+    """`dcp_tensor_index` for metadata already parsed; `encoding` is how the records store their chunks (a
+    library that writes DCP's metadata over raw element bytes, ByteCheckpoint, passes RAW)."""
     storage = metadata.storage.get
-    encoding = ChunkEncoding.TORCH_SAVE
     files: dict[str, str] = {}
     entries: list[TensorEntry] = []
     append = entries.append
@@ -268,7 +273,7 @@ def verify_dcp(url: str, path_prefix: str = "") -> list[Problem]:
         return [Problem(ProblemKind.UNSAFE_PICKLE, meta_path, exc.message)]
     except CorruptCheckpoint as exc:
         return [Problem(ProblemKind.BAD_METADATA, meta_path, exc.message)]
-    return _verify_metadata(url, metadata, by_name, path_prefix)
+    return verify_dcp_metadata(url, metadata, by_name, path_prefix)
 
 
 def _verify_rank_metadata(
@@ -311,11 +316,14 @@ def _verify_rank_metadata(
         metadata = merge_rank_metadata(parts)
     except CorruptCheckpoint as exc:
         return [*problems, Problem(ProblemKind.BAD_METADATA, path_prefix + per_rank[0].name, exc.message)]
-    return problems + _verify_metadata(url, metadata, by_name, path_prefix)
+    return problems + verify_dcp_metadata(url, metadata, by_name, path_prefix)
 
 
-def _verify_metadata(url: str, metadata: DcpMetadata, by_name: dict[str, DirEntry], path_prefix: str) -> list[Problem]:
-    """The rules `verify_dcp` checks on parsed metadata: storage files, coverage, bytes items, stale files."""
+def verify_dcp_metadata(
+    url: str, metadata: DcpMetadata, by_name: dict[str, DirEntry], path_prefix: str
+) -> list[Problem]:
+    """The rules `verify_dcp` checks on parsed metadata (`by_name`: the folder's files by name): storage files,
+    coverage, bytes items, stale files. Also for a library that writes DCP's metadata classes under its own."""
     problems: list[Problem] = []
     if _TMP_METADATA in by_name:
         problems.append(
@@ -506,7 +514,7 @@ def _foreign_metadata(module: str, name: str) -> bool:
 
 
 @lru_cache(maxsize=4096)
-def _metadata_class(url: str, size: int, mtime: float) -> tuple[str, str] | None:
+def pickled_class(url: str, size: int, mtime: float) -> tuple[str, str] | None:
     """The (module, class) a `.metadata` pickles first, from its first bytes (None: not a pickle, or unreadable).
 
     `list` tells a torch DCP folder from another library's folder of `.distcp` files (ByteCheckpoint pickles a
@@ -557,7 +565,7 @@ class DcpFolderLayout(Layout):
         meta = next((e for e in entries if e.name == METADATA_NAME and not e.is_dir), None)
         if meta is None:  # saved without collectives: per-rank `__R.metadata` files, judged from the listing
             return ref
-        found = _metadata_class(io.join(url, METADATA_NAME), meta.size, meta.mtime)
+        found = pickled_class(io.join(url, METADATA_NAME), meta.size, meta.mtime)
         if found == _DCP_METADATA_CLASS:
             return ref
         if found is not None and _foreign_metadata(*found):

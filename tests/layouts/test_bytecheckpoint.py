@@ -16,7 +16,6 @@ from safetensors.torch import load_file
 
 from ckptctl import io
 from ckptctl.checkpoint import CheckpointState, Component
-from ckptctl.errors import CkptctlError
 from ckptctl.formats.chunks import read_tensor
 from ckptctl.layouts import detect, open_checkpoint, scan_run
 from tests.conftest import CliResult, copy_tree
@@ -53,16 +52,18 @@ def test_list_shows_the_steps_and_the_trackers_step_as_latest(
     ]
 
 
-def test_its_model_and_optimizer_folders_are_no_dcp_checkpoints(bytecheckpoint_run: WrittenBytecheckpoint) -> None:
+def test_its_model_and_optimizer_folders_are_no_dcp_checkpoints(
+    bytecheckpoint_run: WrittenBytecheckpoint, run_cli: Cli
+) -> None:
     """They are shaped like DCP folders, but their `.metadata` pickles ByteCheckpoint's class: the DCP reader
-    leaves them alone, so nothing lists them on their own."""
-    assert all(ref.layout == "bytecheckpoint" for ref in scan_run(str(bytecheckpoint_run.run)))
-    for folder in ("model", "optimizer"):
-        try:
-            layout, _ = detect(str(bytecheckpoint_run.step(2) / folder))
-        except CkptctlError:  # not a checkpoint at all is fine too
-            continue
-        assert layout.name != "dcp"
+    leaves them alone, so nothing lists them on their own; given directly, each is that part of the save."""
+    assert [ref.layout for ref in scan_run(str(bytecheckpoint_run.run))] == ["bytecheckpoint"] * 2
+    for folder, component in (("model", Component.MODEL), ("optimizer", Component.OPTIMIZER)):
+        url = bytecheckpoint_run.step(2) / folder
+        layout, ref = detect(str(url))
+        assert (layout.name, ref.step, ref.state) == ("bytecheckpoint", 2, CheckpointState.COMPLETE)
+        assert {t.component for t in open_checkpoint(str(url)).tensors()} == {component}
+        assert run_cli("verify", url).exit_code == 0
 
 
 def test_a_step_of_several_roles_is_one_checkpoint_naming_them(
@@ -77,6 +78,7 @@ def test_a_step_of_several_roles_is_one_checkpoint_naming_them(
     assert ckpt.metadata["tensors_of"] == "actor"
     assert sum(t.numel for t in ckpt.tensors(Component.MODEL)) == bytecheckpoint_run.model_parameters
     assert {c.file.partition("/")[0] for t in ckpt.tensors() for c in t.chunks} == {"actor"}
+    assert run_cli("verify", bytecheckpoint_run.roles).exit_code == 0
 
 
 def test_inspect_names_components_world_size_and_parameters(bytecheckpoint_run: WrittenBytecheckpoint) -> None:

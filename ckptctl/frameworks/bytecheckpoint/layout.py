@@ -95,15 +95,26 @@ class _Save:
         role: the role folder's name ("" for the checkpoint folder itself).
         listings: each component folder present (`model`, `optimizer`, `extra_state`) -> its listing.
         newest: the newest mtime of its files.
+        alone: the component the checkpoint folder itself is (a `model/` folder given on its own), or "".
     """
 
     role: str
     listings: Mapping[str, Sequence[DirEntry]]
     newest: float | None
+    alone: str = ""
 
     @property
     def prefix(self) -> str:
         return f"{self.role}/" if self.role else ""
+
+    def label(self, component: str) -> str:
+        """What the paths of a component folder's files start with, relative to the checkpoint."""
+        return "" if component == self.alone else f"{self.prefix}{component}/"
+
+    def folder(self, url: str, component: str) -> str:
+        """The component folder of the checkpoint at `url`."""
+        label = self.label(component)
+        return io.join(url, label.rstrip("/")) if label else url
 
     def data_ranks(self, component: str) -> set[int]:
         return {
@@ -120,21 +131,21 @@ class _Save:
     @property
     def world_size(self) -> int | None:
         """Every rank writes its extra state; without one, the ranks that wrote model data."""
-        ranks = self.extra_ranks() or self.data_ranks(MODEL)
+        ranks = self.extra_ranks() or self.data_ranks(MODEL) or self.data_ranks(OPTIMIZER)
         return max(ranks) + 1 if ranks else None
 
     def problems(self) -> list[str]:
         """What its listings show missing (empty when they show a whole save)."""
-        found = []
+        found = [] if MODEL in self.listings or self.alone else [f"{self.prefix}{MODEL}/ missing"]
         for component in COMPONENT_FOLDERS:
             listing = self.listings.get(component)
             if listing is None:
                 continue
             names = {e.name for e in listing if not e.is_dir}
             if _TMP_METADATA in names:
-                found.append(f"{self.prefix}{component}/{_TMP_METADATA} present: being written")
+                found.append(f"{self.label(component)}{_TMP_METADATA} present: being written")
             elif METADATA_NAME not in names:
-                found.append(f"{self.prefix}{component}/ has no {METADATA_NAME} yet")
+                found.append(f"{self.label(component) or 'the folder'} has no {METADATA_NAME} yet")
         if MODEL in self.listings and OPTIMIZER in self.listings:
             model, optimizer = self.data_ranks(MODEL), self.data_ranks(OPTIMIZER)
             for component, missing in ((OPTIMIZER, model - optimizer), (MODEL, optimizer - model)):
@@ -155,11 +166,12 @@ def _is_bcp_folder(url: str, listing: Sequence[DirEntry]) -> bool:
 
 
 def _save(url: str, entries: Sequence[DirEntry], role: str, step_folder: bool) -> _Save | None:
-    """The save folder at `url`, or None when it is none: a `model/` folder (ByteCheckpoint saves no checkpoint
-    without a model) beside whose component folders one holds ByteCheckpoint's `.metadata`; or, in a step folder,
-    a `model/` that has none yet beside the other folders `bcp.save` creates with it (a save under way)."""
+    """The save folder at `url`, or None when it is none: a `model/` or `optimizer/` folder of which one holds
+    ByteCheckpoint's `.metadata` (ByteCheckpoint saves no checkpoint without a model: one without is broken); or,
+    in a step folder, a `model/` that has none yet beside the other folders `bcp.save` creates with it (a save
+    under way)."""
     folders = {e.name for e in entries if e.is_dir}
-    if MODEL not in folders:
+    if MODEL not in folders and OPTIMIZER not in folders:
         return None
     listings = {
         name: listing
@@ -183,6 +195,9 @@ def _saves(url: str, entries: Sequence[DirEntry]) -> list[_Save]:
     own = _save(url, entries, "", step_folder)
     if own is not None:
         return [own]
+    name = io.name_of(url)
+    if name in COMPONENT_FOLDERS and _is_bcp_folder(url, entries):
+        return [_Save("", {name: entries}, newest_mtime(entries), alone=name)]
     if not step_folder:
         return []
     roles = [
@@ -252,7 +267,7 @@ def _index(url: str, save: _Save) -> tuple[TensorEntry, ...]:
         listing = save.listings.get(component)
         if listing is None:
             continue
-        folder = io.join(url, save.prefix + component)
+        folder = save.folder(url, component)
         metadata = _metadata(folder, listing)
         if component == MODEL and metadata.flat_parameters:
             raise CorruptCheckpoint(
@@ -260,7 +275,7 @@ def _index(url: str, save: _Save) -> tuple[TensorEntry, ...]:
                 "unflatten",
                 "merge it with ByteCheckpoint's scripts/merge_bcp.py --fsdp_save_decomposed_model",
             )
-        for entry in index_from_metadata(metadata.dcp, _all_of(kind), f"{save.prefix}{component}/", ChunkEncoding.RAW):
+        for entry in index_from_metadata(metadata.dcp, _all_of(kind), save.label(component), ChunkEncoding.RAW):
             itemsize = dtype_itemsize(entry.dtype)
             for chunk in entry.chunks:
                 if chunk.byte_length != chunk.numel * itemsize:
@@ -319,13 +334,14 @@ def _extra_components(state: Mapping[Any, Any]) -> tuple[set[Component], dict[st
 
 class BytecheckpointLayout(Layout):
     """A ByteCheckpoint save folder (`global_step_N/`, or the folder `bcp.save` was given without
-    `global_steps`), or a step folder holding one such folder per role."""
+    `global_steps`), a step folder holding one such folder per role, or one `model/` or `optimizer/` folder
+    given on its own (the walk never lists those: they are members of their save)."""
 
     name = "bytecheckpoint"
 
     def identify(self, url: str, entries: Sequence[DirEntry]) -> CheckpointRef | None:
         """A folder with a `model/` folder of ByteCheckpoint's (its `.metadata` pickles ByteCheckpoint's class),
-        or a `global_step_N` folder holding role folders that are."""
+        a `global_step_N` folder holding role folders that are, or such a component folder itself."""
         saves = _saves(url, entries)
         if not saves:
             return None
@@ -333,7 +349,9 @@ class BytecheckpointLayout(Layout):
         roles = [s.role for s in saves if s.role]
         if roles:
             note = "; ".join(filter(None, [f"roles: {', '.join(roles)}", note]))
-        m = STEP_RE.match(io.name_of(url))
+        m = STEP_RE.match(io.name_of(io.parent_of(url) if saves[0].alone else url))
+        if saves[0].alone:
+            note = "; ".join(filter(None, [f"the {saves[0].alone} of a ByteCheckpoint save alone", note]))
         return CheckpointRef(
             url=url,
             layout=self.name,
@@ -380,9 +398,7 @@ class BytecheckpointLayout(Layout):
             "framework": "not recorded (bcp.save's framework: fsdp, fsdp2 or ddp)",
         }
         try:
-            info["bytecheckpoint_version"] = _metadata(
-                io.join(url, main.prefix + MODEL), main.listings.get(MODEL, ())
-            ).version
+            info["bytecheckpoint_version"] = _metadata(main.folder(url, MODEL), main.listings.get(MODEL, ())).version
         except CkptctlError as exc:
             info["error"] = exc.message
             if ref.state is CheckpointState.COMPLETE:
@@ -417,7 +433,7 @@ class BytecheckpointLayout(Layout):
         saves = _saves(url, entries)
         problems: list[Problem] = []
         for save in saves:
-            problems += _save_problems(io.join(url, save.role) if save.role else url, save)
+            problems += _save_problems(url, save)
         m = STEP_RE.match(io.name_of(url))
         if m is not None and len(saves) == 1 and not saves[0].role:
             tracker = _tracker(url)
@@ -452,13 +468,13 @@ class BytecheckpointLayout(Layout):
                 if listing is None:
                     continue
                 try:
-                    metadata = _metadata(io.join(checkpoint.url, save.prefix + component), listing).dcp
+                    metadata = _metadata(save.folder(checkpoint.url, component), listing).dcp
                 except CkptctlError:
                     continue
                 for key in metadata.bytes_keys:
                     record = metadata.storage.get((key, None))
                     if record is not None:
-                        file = f"{save.prefix}{component}/{record.relative_path}"
+                        file = f"{save.label(component)}{record.relative_path}"
                         archives.append(TorchArchive(file, record.offset, record.length, key))
         return archives
 
@@ -475,14 +491,14 @@ class BytecheckpointLayout(Layout):
 
 
 def _save_problems(url: str, save: _Save) -> list[Problem]:
-    """`verify` of one save folder (its problem paths relative to the checkpoint: `save.prefix` in front)."""
+    """`verify` of one save folder of the checkpoint at `url` (problem paths relative to the checkpoint)."""
     problems: list[Problem] = []
-    if MODEL not in save.listings:
+    if MODEL not in save.listings and not save.alone:
         problems.append(Problem(ProblemKind.MISSING_FILE, f"{save.prefix}{MODEL}/", "no model folder"))
     for component in COMPONENT_FOLDERS:
         listing = save.listings.get(component)
         if listing is not None:
-            problems += _component_problems(io.join(url, component), listing, f"{save.prefix}{component}/")
+            problems += _component_problems(save.folder(url, component), listing, save.label(component))
     world = save.world_size
     extra = save.extra_ranks()
     if EXTRA_STATE in save.listings and world is not None:
@@ -499,7 +515,7 @@ def _save_problems(url: str, save: _Save) -> list[Problem]:
             )
     for entry in save.listings.get(EXTRA_STATE, ()):
         if not entry.is_dir and EXTRA_STATE_RE.match(entry.name):
-            problems += _extra_state_problems(io.join(url, EXTRA_STATE, entry.name), entry, save.prefix)
+            problems += _extra_state_problems(io.join(url, save.prefix + EXTRA_STATE, entry.name), entry, save.prefix)
     return problems
 
 

@@ -199,3 +199,15 @@ def test_a_metadata_that_runs_code_is_refused(
     result = run_cli("verify", step, "--json")
     assert result.exit_code == 1
     assert ("unsafe_pickle", "model/.metadata") in {(p["kind"], p["path"]) for p in result.json["problems"]}
+
+
+def test_a_save_that_has_written_data_but_no_metadata_yet_is_in_progress(
+    bytecheckpoint_run: WrittenBytecheckpoint, run_cli: Cli, tmp_path: Path
+) -> None:
+    """What a step folder holds before the coordinator writes `.metadata`: ByteCheckpoint's folders and data
+    files, nothing that names the class; it is still ByteCheckpoint's, and not complete."""
+    run = copy_tree(bytecheckpoint_run.run, tmp_path / "run")
+    for folder in ("model", "optimizer"):
+        (run / "global_step_2" / folder / ".metadata").unlink()
+    (run / TRACKER).write_text("1")
+    assert _listed(run_cli("list", run, "--json"))[1] == ("global_step_2", "bytecheckpoint", 2, "in_progress", False)

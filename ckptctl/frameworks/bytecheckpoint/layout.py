@@ -180,8 +180,12 @@ def _save(url: str, entries: Sequence[DirEntry], role: str, step_folder: bool) -
     }
     ours = any(_is_bcp_folder(io.join(url, name), listings.get(name, ())) for name in COMPONENT_FOLDERS)
     if not ours:
-        model = listings.get(MODEL, ())
-        started = not any(e.name == METADATA_NAME for e in model) and (OPTIMIZER in folders or EXTRA_STATE in folders)
+        model = listings.get(MODEL)
+        started = (
+            model is not None
+            and not any(e.name == METADATA_NAME for e in model)
+            and (OPTIMIZER in folders or EXTRA_STATE in folders)
+        )
         if not (step_folder and started):
             return None
     newest = max((t for listing in listings.values() if (t := newest_mtime(listing))), default=None)

@@ -12,7 +12,8 @@ tracker is a save under way, or one that died (`parts.in_progress`), never compl
 
 A multi-role trainer (an actor and a critic) saves each role into a folder of its own inside the step folder
 (`global_step_N/{actor,critic}/{model,optimizer}/`): the step is the checkpoint, its roles are listed, and its
-tensors are the actor's (the model people convert), as for verl.
+tensors are the actor's (the model people convert), as for verl. A `model/` or `optimizer/` folder given on
+its own is that part of its save (the walk never lists it: it is a member of its step folder).
 
 Tensors are read from the byte ranges the storage records give (RAW chunks), the model's under the names its
 `state_dict()` has, the optimizer's under `optimizer.`; verify checks each record's pickled tensor header

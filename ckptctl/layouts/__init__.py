@@ -26,7 +26,7 @@ from ckptctl.checkpoint import Checkpoint, CheckpointRef
 from ckptctl.errors import CheckpointNotFound, CkptctlError, UnknownLayout
 from ckptctl.formats.framework_classes import FrameworkClasses
 from ckptctl.layouts.base import Layout
-from ckptctl.layouts.capabilities import CONVERT_SOURCE, Slot
+from ckptctl.layouts.capabilities import CONVERT_SOURCE, POINTER_WRITER, Slot
 from ckptctl.layouts.generic import GENERIC, generic_layout, unclaimed
 from ckptctl.quoting import shell
 
@@ -89,28 +89,66 @@ class Plugin:
 #: people know. A verl `global_step_N/` (role folders of per-rank `*_world_size_W_rank_R.pt` files) and its role
 #: folders look like no other layout's, but come early so that nothing generic claims a role folder's files.
 _REGISTRY: tuple[Plugin, ...] = (
-    Plugin("native", "ckptctl.frameworks.native", "layout:NativeLayout", {CONVERT_SOURCE: "convert:SOURCE"}),
-    Plugin("verl", "ckptctl.frameworks.verl", "layout:VerlLayout", {CONVERT_SOURCE: "convert:SOURCE"}),
-    Plugin("areal", "ckptctl.frameworks.areal", "layout:ArealLayout", {CONVERT_SOURCE: "convert:SOURCE"}),
+    Plugin(
+        "native",
+        "ckptctl.frameworks.native",
+        "layout:NativeLayout",
+        {CONVERT_SOURCE: "convert:SOURCE", POINTER_WRITER: "repair:POINTER_WRITER"},
+    ),
+    Plugin(
+        "verl",
+        "ckptctl.frameworks.verl",
+        "layout:VerlLayout",
+        {CONVERT_SOURCE: "convert:SOURCE", POINTER_WRITER: "repair:POINTER_WRITER"},
+    ),
+    Plugin(
+        "areal",
+        "ckptctl.frameworks.areal",
+        "layout:ArealLayout",
+        {CONVERT_SOURCE: "convert:SOURCE", POINTER_WRITER: "repair:POINTER_WRITER"},
+    ),
     Plugin("roll", "ckptctl.frameworks.roll", "layout:RollLayout"),
     Plugin("lightning", "ckptctl.frameworks.lightning", "layout:LightningLayout", {CONVERT_SOURCE: "convert:SOURCE"}),
-    Plugin("megatron", "ckptctl.frameworks.megatron", "layout:MegatronLayout", {CONVERT_SOURCE: "convert:SOURCE"}),
     Plugin(
-        "torchtitan", "ckptctl.frameworks.torchtitan", "layout:TorchtitanLayout", {CONVERT_SOURCE: "convert:SOURCE"}
+        "megatron",
+        "ckptctl.frameworks.megatron",
+        "layout:MegatronLayout",
+        {CONVERT_SOURCE: "convert:SOURCE", POINTER_WRITER: "repair:POINTER_WRITER"},
+    ),
+    Plugin(
+        "torchtitan",
+        "ckptctl.frameworks.torchtitan",
+        "layout:TorchtitanLayout",
+        {CONVERT_SOURCE: "convert:SOURCE", POINTER_WRITER: "repair:POINTER_WRITER"},
     ),
     Plugin("dcp", "ckptctl.frameworks.dcp", "layout:DcpLayout"),
-    Plugin("hf_trainer", "ckptctl.frameworks.hf_trainer", "layout:HfTrainerLayout", {CONVERT_SOURCE: "convert:SOURCE"}),
+    Plugin(
+        "hf_trainer",
+        "ckptctl.frameworks.hf_trainer",
+        "layout:HfTrainerLayout",
+        {CONVERT_SOURCE: "convert:SOURCE", POINTER_WRITER: "repair:POINTER_WRITER"},
+    ),
     Plugin(
         "accelerate", "ckptctl.frameworks.accelerate", "layout:AccelerateLayout", {CONVERT_SOURCE: "convert:SOURCE"}
     ),
-    Plugin("openrlhf", "ckptctl.frameworks.openrlhf", "layout:OpenRlhfLayout", {CONVERT_SOURCE: "convert:SOURCE"}),
+    Plugin(
+        "openrlhf",
+        "ckptctl.frameworks.openrlhf",
+        "layout:OpenRlhfLayout",
+        {CONVERT_SOURCE: "convert:SOURCE", POINTER_WRITER: "repair:POINTER_WRITER"},
+    ),
     Plugin(
         "open_instruct",
         "ckptctl.frameworks.open_instruct",
         "layout:OpenInstructLayout",
-        {CONVERT_SOURCE: "convert:SOURCE"},
+        {CONVERT_SOURCE: "convert:SOURCE", POINTER_WRITER: "repair:POINTER_WRITER"},
     ),
-    Plugin("deepspeed", "ckptctl.frameworks.deepspeed", "layout:DeepSpeedLayout", {CONVERT_SOURCE: "convert:SOURCE"}),
+    Plugin(
+        "deepspeed",
+        "ckptctl.frameworks.deepspeed",
+        "layout:DeepSpeedLayout",
+        {CONVERT_SOURCE: "convert:SOURCE", POINTER_WRITER: "repair:POINTER_WRITER"},
+    ),
     Plugin("peft", "ckptctl.frameworks.peft", "layout:PeftLayout", {CONVERT_SOURCE: "convert:SOURCE"}),
     Plugin("hf", "ckptctl.frameworks.hf", "layout:HfModelLayout", {CONVERT_SOURCE: "convert:SOURCE"}),
     Plugin(

@@ -16,11 +16,11 @@ if TYPE_CHECKING:
 
 HELP = """Make the framework's own resume land on the newest checkpoint of the run whose every role verifies.
 
-The target is the checkpoint `resume-plan` picks (newer ones that are in progress, broken or fail structural verify are skipped), stepping back further while another role the framework loads with it does not verify (OpenRLHF's critic, verl's role folders, AReaL's critic slot). The change is the smallest one the framework's loader honours: its pointer rewritten (DeepSpeed's `latest`, each OpenRLHF role's, open-instruct's, Megatron's and verl's `latest_checkpointed_iteration.txt`, ckptctl's own `latest`), or, where the loader picks the highest step by name (the Trainer's `checkpoint-N`, torchtitan's `step-N`), the newer checkpoints moved into the run's quarantine (`RUN/.ckptctl-trash/quarantine/`, with a record of where each came from), which prune and trash clean-up never empty: `repair --undo -y` moves them back, byte for byte. Nothing is deleted. AReaL keeps a single recover dump: a torn one cannot be repaired, and the plan says what to do.
+The target is the checkpoint `resume-plan` picks (newer ones that are in progress, broken or fail structural verify are skipped), stepping back further while another role the framework loads with it does not verify (OpenRLHF's critic, verl's role folders, AReaL's critic slot). The change is the smallest one the framework's loader honours: its pointer rewritten (DeepSpeed's `latest`, each OpenRLHF role's, open-instruct's, Megatron's and verl's `latest_checkpointed_iteration.txt`, ckptctl's own `latest`, Lightning's `last.ckpt` when it is a link), or, where the loader picks the highest step by name (the Trainer's `checkpoint-N`, torchtitan's `step-N`), the newer checkpoints moved into the run's quarantine (`RUN/.ckptctl-trash/quarantine/`, with a record of where each came from), which prune and trash clean-up never empty: `repair --undo -y` moves them back, byte for byte. Nothing is deleted. AReaL keeps a single recover dump: a torn one cannot be repaired, and the plan says what to do.
 
 By default (and with --dry-run) the plan is printed and nothing changes; -y applies it. Pointers are written atomically (temporary file, fsync, rename, fsync of the folder) and never through a link; a run being saved to, or locked by a prune or another repair, is refused.
 
-Exit code 0 when no repair is needed (or, with -y, it was made), 1 when a repair is needed (a resume gate: `ckptctl repair RUN && train ...`), nothing in the run can be resumed, a save is being written or the run is locked; 2 when the run cannot be read, is of a layout ckptctl does not know or cannot redirect, is not writable, or a link is where a pointer should be (nothing changed)."""
+Exit code 0 when no repair is needed (or, with -y, it was made), 1 when a repair is needed (a resume gate: `ckptctl repair RUN && train ...`), nothing in the run can be resumed or no change can redirect the resume (a `last.ckpt` copy: the plan says what to pass instead), a save is being written or the run is locked; 2 when the run cannot be read, is of a layout ckptctl does not know or cannot redirect, is not writable, or a link is where a pointer should be (nothing changed)."""
 
 EXAMPLES = """\
 ckptctl repair runs/llama-sft
@@ -68,7 +68,7 @@ def repair(
         out.warn(note)
     if plan.undo:
         raise typer.Exit(1 if plan.notes or (plan.dry_run and plan.actions) else 0)
-    if plan.target is None or (plan.dry_run and plan.needed):
+    if plan.target is None or plan.refusal is not None or (plan.dry_run and plan.needed):
         raise typer.Exit(1)
 
 
@@ -83,11 +83,11 @@ def _render(out: Output, plan: RepairPlan) -> None:
         for skipped in plan.skipped:
             step = "" if skipped.step is None else f" (step {skipped.step})"
             facts.append(("skipped", f"{skipped.url}{step}: {skipped.reason}"))
-    verb = {"pointer": "rewrite", "quarantine": "quarantine", "restore": "move back"}
-    done = {"pointer": "rewrote", "quarantine": "quarantined", "restore": "moved back"}
+    verb = {"pointer": "rewrite", "link": "relink", "quarantine": "quarantine", "restore": "move back"}
+    done = {"pointer": "rewrote", "link": "relinked", "quarantine": "quarantined", "restore": "moved back"}
     for action in plan.actions:
         what = (done if not plan.dry_run else verb)[action.kind]
-        if action.kind == "pointer":
+        if action.kind in ("pointer", "link"):
             facts.append((what, f"{action.path}: {_shown(action.before)} -> {_shown(action.after)}"))
         else:
             facts.append((what, f"{action.path} -> {action.after}"))

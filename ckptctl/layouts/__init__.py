@@ -108,7 +108,12 @@ _REGISTRY: tuple[Plugin, ...] = (
         {CONVERT_SOURCE: "convert:SOURCE", POINTER_WRITER: "repair:POINTER_WRITER"},
     ),
     Plugin("roll", "ckptctl.frameworks.roll", "layout:RollLayout"),
-    Plugin("lightning", "ckptctl.frameworks.lightning", "layout:LightningLayout", {CONVERT_SOURCE: "convert:SOURCE"}),
+    Plugin(
+        "lightning",
+        "ckptctl.frameworks.lightning",
+        "layout:LightningLayout",
+        {CONVERT_SOURCE: "convert:SOURCE", POINTER_WRITER: "repair:POINTER_WRITER"},
+    ),
     Plugin(
         "megatron",
         "ckptctl.frameworks.megatron",

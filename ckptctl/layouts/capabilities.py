@@ -151,11 +151,15 @@ class Pointer:
 
     Attributes:
         path: the pointer file (DeepSpeed's `latest`, Megatron's and verl's tracker).
-        content: its whole content, as the framework itself writes it (`global_step2`, `2`).
+        content: its whole content, as the framework itself writes it (`global_step2`, `2`); for a link, its
+            target, as the framework makes it (a name in the same folder).
+        link: the pointer is a symbolic link the framework itself makes (Lightning's `last.ckpt` with
+            `save_last="link"`), rewritten as a link; a file where a link is expected is refused.
     """
 
     path: str
     content: str
+    link: bool = False
 
 
 class PointerWriter(Protocol):

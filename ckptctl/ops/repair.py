@@ -43,10 +43,11 @@ from ckptctl.ops.resume_plan import plan_resume
 from ckptctl.ops.verification import verify_checkpoint
 from ckptctl.quoting import shell
 
-__all__ = ["POINTER", "QUARANTINE", "RESTORE", "RepairAction", "RepairPlan", "RunBusy", "plan_repair", "repair"]
+__all__ = ["LINK", "POINTER", "QUARANTINE", "RESTORE", "RepairAction", "RepairPlan", "RunBusy", "plan_repair", "repair"]
 
-#: The kinds of `RepairAction`.
+#: The kinds of `RepairAction` (`link`: a pointer that is a symbolic link; JSON calls it a pointer too).
 POINTER = "pointer"
+LINK = "link"
 QUARANTINE = "quarantine"
 RESTORE = "restore"
 
@@ -66,7 +67,8 @@ class RepairAction:
     """One change of a repair.
 
     Attributes:
-        kind: `pointer` (a pointer file rewritten), `quarantine` (an entry moved into the run's
+        kind: `pointer` (a pointer file rewritten), `link` (a pointer that is a symbolic link, pointed
+            anew), `quarantine` (an entry moved into the run's
             quarantine) or `restore` (`--undo`: a quarantined entry moved back).
         path: the pointer file, or the entry moved.
         before: the pointer's content (None: no pointer yet), or where the entry is.
@@ -79,7 +81,8 @@ class RepairAction:
     after: str | None
 
     def to_json(self) -> dict[str, Any]:
-        return {"kind": self.kind, "path": self.path, "before": self.before, "after": self.after}
+        kind = POINTER if self.kind == LINK else self.kind
+        return {"kind": kind, "path": self.path, "before": self.before, "after": self.after, "link": self.kind == LINK}
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +97,8 @@ class RepairPlan:
         actions: the changes, in the order they are made.
         skipped: the newer checkpoints a resume must not load, with the reason.
         notes: what a person should know (why nothing can be changed, what to do instead).
+        refusal: why no change of the framework's files makes its resume land on `target` (the resume as it
+            stands loads something else), with what to do instead; None when the actions do.
         dry_run: nothing was changed.
         undo: the plan moves quarantined entries back.
     """
@@ -106,12 +111,13 @@ class RepairPlan:
     notes: tuple[str, ...] = ()
     dry_run: bool = True
     undo: bool = False
+    refusal: str | None = None
 
     @property
     def needed(self) -> bool:
         """Whether the run needs changes before a resume lands on a good checkpoint (or, for `--undo`,
         anything is quarantined): also when no change can get it there (no target)."""
-        return bool(self.actions) or (self.target is None and not self.undo)
+        return bool(self.actions) or self.refusal is not None or (self.target is None and not self.undo)
 
     def to_json(self) -> dict[str, Any]:
         target = self.target
@@ -126,6 +132,7 @@ class RepairPlan:
             "actions": [a.to_json() for a in self.actions],
             "skipped": [s.to_json() for s in self.skipped],
             "notes": list(self.notes),
+            "refusal": self.refusal,
         }
 
 
@@ -173,7 +180,7 @@ def plan_repair(run: str) -> RepairPlan:
     notes = [refusal] if refusal else []
     busy = [s for s in resume.skipped if s.state is CheckpointState.IN_PROGRESS]
     notes += [f"{s.url} is being written ({s.reason}): repair refuses to change the run until it is done" for s in busy]
-    return RepairPlan(run, chosen, resume.framework, tuple(actions), resume.skipped, tuple(notes))
+    return RepairPlan(run, chosen, resume.framework, tuple(actions), resume.skipped, tuple(notes), refusal=refusal)
 
 
 def _nothing_resumable(run: str, skipped: Sequence[Skipped]) -> str:
@@ -209,10 +216,24 @@ def _actions(run: str, writer: PointerWriter, target: str) -> list[RepairAction]
         for path in writer.picked_over(target)
     ]
     for pointer in writer.pointers(target):
-        before = read_pointer(pointer.path)
+        before = read_link(pointer.path) if pointer.link else read_pointer(pointer.path)
         if before is None or before.strip() != pointer.content.strip():
-            found.append(RepairAction(POINTER, pointer.path, before, pointer.content))
+            found.append(RepairAction(LINK if pointer.link else POINTER, pointer.path, before, pointer.content))
     return found
+
+
+def read_link(path: str) -> str | None:
+    """The target of a pointer that is a symbolic link (None when there is none).
+
+    Raises:
+        UnsafePath: something else than a link is where it should be.
+    """
+    local = io.local_path(path)
+    if not os.path.lexists(local):
+        return None
+    if not os.path.islink(local):
+        raise UnsafePath(f"{path} is not a symbolic link where the framework keeps one: refusing to replace it")
+    return os.readlink(local)
 
 
 def read_pointer(path: str) -> str | None:
@@ -308,8 +329,8 @@ def _check_writable(folder: str) -> None:
 
 
 def _apply(run: str, action: RepairAction, plan: RepairPlan) -> RepairAction:
-    if action.kind == POINTER:
-        write_pointer(Pointer(action.path, action.after or ""))
+    if action.kind in (POINTER, LINK):
+        write_pointer(Pointer(action.path, action.after or "", link=action.kind == LINK))
         return action
     if action.kind == QUARANTINE:
         record = {
@@ -335,8 +356,17 @@ def _apply(run: str, action: RepairAction, plan: RepairPlan) -> RepairAction:
 def write_pointer(pointer: Pointer) -> None:
     """Write a pointer file atomically (temporary file, fsync, rename, fsync of the folder), refusing a link
     (or anything but a file) in its place."""
-    read_pointer(pointer.path)  # refuses a link or a folder before anything is written
-    io.write_bytes_atomic(pointer.path, pointer.content.encode())
+    if not pointer.link:
+        read_pointer(pointer.path)  # refuses a link or a folder before anything is written
+        io.write_bytes_atomic(pointer.path, pointer.content.encode())
+        return
+    read_link(pointer.path)  # refuses a file or a folder where the link is
+    local = io.local_path(pointer.path)
+    folder = os.path.dirname(os.path.abspath(local))
+    temporary = os.path.join(folder, f".{os.path.basename(local)}.tmp-{os.getpid()}")
+    os.symlink(pointer.content, temporary)
+    os.replace(temporary, local)
+    io.fsync_dir(folder)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -41,7 +41,13 @@ def test_plan_exits_1_then_yes_repairs(
         assert doc["dry_run"] is True and doc["needed"] is True
         assert doc["target"] == {"url": str(save_dir / "global_step2"), "step": 2, "layout": "deepspeed"}
         assert doc["actions"] == [
-            {"kind": "pointer", "path": str(save_dir / "latest"), "before": "global_step4", "after": "global_step2"}
+            {
+                "kind": "pointer",
+                "path": str(save_dir / "latest"),
+                "before": "global_step4",
+                "after": "global_step2",
+                "link": False,
+            }
         ]
         assert (save_dir / "latest").read_text() == "global_step4"
     human = run_cli("repair", save_dir)

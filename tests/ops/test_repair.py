@@ -10,7 +10,9 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, cast
 
 import pytest
 
@@ -21,6 +23,7 @@ from ckptctl.ops.repair import POINTER, QUARANTINE, RunBusy, plan_repair, plan_u
 from tests.conftest import copy_tree
 from tests.writers.areal_writer import WrittenAreal
 from tests.writers.deepspeed_writer import WrittenDeepSpeed
+from tests.writers.lightning_writer import WrittenLightning
 from tests.writers.megatron_writer import WrittenMegatron
 from tests.writers.rl_runs import arrange_openrlhf
 from tests.writers.stand_ins import StandIns
@@ -28,7 +31,6 @@ from tests.writers.torchtitan_writer import _STOOD_IN as TORCHTITAN_STOOD_IN
 from tests.writers.torchtitan_writer import WrittenTorchtitan
 from tests.writers.torchtitan_writer import _stand_in as torchtitan_stand_in
 from tests.writers.trainer_writer import WrittenTrainerRun
-from tests.writers.verl_writer import _STOOD_IN as VERL_STOOD_IN
 from tests.writers.verl_writer import WrittenVerl
 
 
@@ -125,9 +127,29 @@ def test_openrlhf_rewrites_both_roles_to_a_step_whose_actor_and_critic_verify(
     assert (ckpt / "_actor" / "latest").read_text() == (ckpt / "_critic" / "latest").read_text() == "global_step4"
 
 
+def _verl_find_latest_ckpt_path() -> Callable[[str], str | None]:
+    """verl's own `find_latest_ckpt_path` and `get_checkpoint_tracker_filename`, their source taken from the
+    installed verl/utils/checkpoint/checkpoint_manager.py and run as they are: importing the module imports
+    verl's trainer stack (ray, omegaconf, transformers: seconds), which these two functions never use."""
+    import ast
+    import importlib.util
+
+    import torch
+
+    spec = importlib.util.find_spec("verl")
+    assert spec is not None and spec.origin is not None
+    source = Path(spec.origin).parent / "utils" / "checkpoint" / "checkpoint_manager.py"
+    tree = ast.parse(source.read_text())
+    wanted = {"find_latest_ckpt_path", "get_checkpoint_tracker_filename"}
+    module = ast.Module([n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name in wanted], [])
+    assert len(module.body) == 2
+    namespace: dict[str, Any] = {"os": os, "torch": torch}
+    exec(compile(module, str(source), "exec"), namespace)
+    return cast(Callable[[str], "str | None"], namespace["find_latest_ckpt_path"])
+
+
 def test_verl_tracker_is_rewritten_and_verl_finds_the_step(verl_run: WrittenVerl, tmp_path: Path) -> None:
-    with StandIns("verl", VERL_STOOD_IN).serving():
-        from verl.utils.checkpoint.checkpoint_manager import find_latest_ckpt_path
+    find_latest_ckpt_path = _verl_find_latest_ckpt_path()
 
     run = copy_tree(verl_run.run, tmp_path / "verl")
     newest, older = (f"global_step_{s}" for s in sorted(verl_run.steps, reverse=True)[:2])
@@ -154,6 +176,44 @@ def test_megatron_tracker_is_rewritten(megatron_runs: WrittenMegatron, tmp_path:
     # `get_checkpoint_name` joins iter_{:07d}; megatron-core alone does not ship it, so parse it as it does.
     iteration = int((save / "latest_checkpointed_iteration.txt").read_text().strip())
     assert (save / f"iter_{iteration:07d}").is_dir() and iteration == older
+
+
+def _truncate(path: Path) -> None:
+    with path.open("r+b") as f:
+        f.truncate(path.stat().st_size // 2)
+
+
+def test_lightning_last_link_is_pointed_at_the_good_file(lightning_run: WrittenLightning, tmp_path: Path) -> None:
+    linked = copy_tree(lightning_run.linked, tmp_path / "linked")
+    newest = os.readlink(linked / "last.ckpt")
+    _truncate(linked / newest)
+    _age(linked)
+    plan = repair(str(linked))
+    (action,) = plan.actions
+    assert action.to_json() == {
+        "kind": "pointer",
+        "path": str(linked / "last.ckpt"),
+        "before": newest,
+        "after": "epoch=0-step=2.ckpt",
+        "link": True,
+    }
+    assert (linked / "last.ckpt").is_symlink() and os.readlink(linked / "last.ckpt") == "epoch=0-step=2.ckpt"
+    # `ckpt_path="last"` opens last.ckpt through the OS: it now reads the step-2 file's bytes.
+    assert (linked / "last.ckpt").read_bytes() == (lightning_run.linked / "epoch=0-step=2.ckpt").read_bytes()
+
+
+def test_lightning_last_copy_is_reported_not_changed(lightning_run: WrittenLightning, tmp_path: Path) -> None:
+    folder = copy_tree(lightning_run.checkpoints, tmp_path / "checkpoints")
+    for name in ("epoch=0-step=4.ckpt", "last.ckpt"):
+        _truncate(folder / name)
+    _age(folder)
+    before = _tree_digest(folder)
+    plan = plan_repair(str(folder))
+    assert plan.needed and plan.target is not None and plan.target.step == 2 and not plan.actions
+    assert plan.refusal is not None and plan.notes == (plan.refusal,)
+    assert "is a copy (save_last=True)" in plan.refusal and "ckpt_path=" in plan.refusal
+    repair(str(folder))
+    _unchanged(folder, before)
 
 
 # --- quarantine ----------------------------------------------------------------------------------
@@ -212,7 +272,7 @@ def test_torchtitan_newer_steps_are_quarantined(torchtitan_run: WrittenTorchtita
 
 def test_pruning_keeps_the_quarantine(demo_dir: Path, tmp_path: Path) -> None:
     from ckptctl.core.retention import RetentionPolicy
-    from ckptctl.ops.prune import prune
+    from ckptctl.ops.prune import plan_prune, prune
 
     run = copy_tree(demo_dir / "native", tmp_path / "native")
     box = run / trash.TRASH_NAME / trash.QUARANTINE_NAME
@@ -221,6 +281,8 @@ def test_pruning_keeps_the_quarantine(demo_dir: Path, tmp_path: Path) -> None:
     (box / "step-99" / "x.bin").write_bytes(b"kept")
     (box / "step-99.origin.json").write_text('{"origin": "step-99"}')
     (run / trash.TRASH_NAME / "leftover.1234").mkdir()  # an interrupted deletion's: emptied
+    (run / trash.TRASH_NAME / "leftover.1234" / "y.bin").write_bytes(b"12345")
+    assert plan_prune(str(run), RetentionPolicy(keep_last=1)).trash_bytes == 5  # the quarantine frees nothing
     prune(str(run), RetentionPolicy(keep_last=1))
     assert (box / "step-99" / "x.bin").read_bytes() == b"kept"
     assert not (run / trash.TRASH_NAME / "leftover.1234").exists()

@@ -211,9 +211,16 @@ def _torn_role(writer: PointerWriter, url: str) -> str | None:
 def _actions(run: str, writer: PointerWriter, target: str) -> list[RepairAction]:
     """Quarantines first (a name-picking loader then finds the target), then pointers (each already holding
     what it should is left alone)."""
+    picked = writer.picked_over(target)
+    if picked and not io.is_local(run):
+        raise CkptctlError(
+            f"repair would move {io.name_of(picked[0])} into quarantine, which it does only in local runs "
+            "(an object store has no rename)",
+            f"resume from {target} explicitly, or move the newer checkpoints away with your storage's tools",
+        )
     found = [
         RepairAction(QUARANTINE, path, path, io.join(run, trash.TRASH_NAME, trash.QUARANTINE_NAME, io.name_of(path)))
-        for path in writer.picked_over(target)
+        for path in picked
     ]
     for pointer in writer.pointers(target):
         before = read_link(pointer.path) if pointer.link else read_pointer(pointer.path)

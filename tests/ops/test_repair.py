@@ -25,7 +25,7 @@ from tests.writers.areal_writer import WrittenAreal
 from tests.writers.deepspeed_writer import WrittenDeepSpeed
 from tests.writers.lightning_writer import WrittenLightning
 from tests.writers.megatron_writer import WrittenMegatron
-from tests.writers.rl_runs import arrange_openrlhf
+from tests.writers.rl_runs import arrange_open_instruct, arrange_openrlhf
 from tests.writers.stand_ins import StandIns
 from tests.writers.torchtitan_writer import _STOOD_IN as TORCHTITAN_STOOD_IN
 from tests.writers.torchtitan_writer import WrittenTorchtitan
@@ -146,6 +146,20 @@ def _verl_find_latest_ckpt_path() -> Callable[[str], str | None]:
     namespace: dict[str, Any] = {"os": os, "torch": torch}
     exec(compile(module, str(source), "exec"), namespace)
     return cast(Callable[[str], "str | None"], namespace["find_latest_ckpt_path"])
+
+
+def test_open_instruct_latest_is_rewritten(
+    zero2: WrittenDeepSpeed, hf_model_dirs: dict[str, Path], tmp_path: Path
+) -> None:
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    state = arrange_open_instruct(tmp_path / "state", tmp_path / "out", zero2, hf_model_dirs["single"])
+    (state / "global_step4" / "driver_state.pt").unlink()
+    _age(state / "global_step4")
+    (action,) = repair(str(state)).actions
+    assert (action.before, action.after) == ("global_step4", "global_step2")
+    # `--checkpoint_state_dir` loads through DeepSpeed's `latest`: its reader now opens global_step2.
+    assert get_fp32_state_dict_from_zero_checkpoint(str(state), tag=None)
 
 
 def test_verl_tracker_is_rewritten_and_verl_finds_the_step(verl_run: WrittenVerl, tmp_path: Path) -> None:
@@ -383,3 +397,23 @@ def test_sigkill_after_the_first_change_leaves_before_or_after(
     with pytest.warns(RuntimeWarning, match="stale|took over|taking over|lock"):
         repair(str(ckpt))
     assert (ckpt / "_critic" / "latest").read_text() == "global_step4"
+
+
+def test_sigkill_between_quarantines_leaves_each_checkpoint_whole_and_undo_restores_it(
+    torchtitan_run: WrittenTorchtitan, tmp_path: Path
+) -> None:
+    dump = copy_tree(torchtitan_run.dump_folder, tmp_path / "dump")
+    folder = dump / "checkpoint"
+    next((folder / "step-2").glob("*.distcp")).unlink()
+    originals = {p.name: _tree_digest(p) for p in folder.glob("step-*")}
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    killed = subprocess.run([sys.executable, "-c", _KILLED_REPAIR, str(dump)], env=env, timeout=300, check=False)
+    assert killed.returncode == -signal.SIGKILL
+    box = dump / trash.TRASH_NAME / trash.QUARANTINE_NAME
+    # One checkpoint went whole into quarantine with its record; the others are where they were, whole.
+    (moved,) = [p for p in box.iterdir() if p.is_dir()]
+    assert _tree_digest(moved) == originals[moved.name] and (box / f"{moved.name}.origin.json").is_file()
+    assert all(_tree_digest(folder / n) == d for n, d in originals.items() if n != moved.name)
+    with pytest.warns(RuntimeWarning):  # the killed repair's lock is taken over
+        repair(str(dump), undo=True)
+    assert {p.name: _tree_digest(p) for p in folder.glob("step-*")} == originals

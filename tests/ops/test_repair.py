@@ -284,7 +284,10 @@ def test_torchtitan_newer_steps_are_quarantined(torchtitan_run: WrittenTorchtita
     assert find_load_step() == 1
 
 
-def test_pruning_keeps_the_quarantine(demo_dir: Path, tmp_path: Path) -> None:
+def test_prune_and_the_managers_retention_keep_the_quarantine(demo_dir: Path, tmp_path: Path) -> None:
+    import torch
+
+    from ckptctl.core.manager import CheckpointManager
     from ckptctl.core.retention import RetentionPolicy
     from ckptctl.ops.prune import plan_prune, prune
 
@@ -300,6 +303,14 @@ def test_pruning_keeps_the_quarantine(demo_dir: Path, tmp_path: Path) -> None:
     prune(str(run), RetentionPolicy(keep_last=1))
     assert (box / "step-99" / "x.bin").read_bytes() == b"kept"
     assert not (run / trash.TRASH_NAME / "leftover.1234").exists()
+
+    # The manager's retention empties the trash's leftovers after a save: never the quarantine.
+    (run / trash.TRASH_NAME / "leftover.5678").mkdir()
+    manager = CheckpointManager(str(run), policy=RetentionPolicy(keep_last=1))
+    manager.save(40, {"model": torch.nn.Linear(2, 2)})
+    manager.close()
+    assert (box / "step-99" / "x.bin").read_bytes() == b"kept"
+    assert not (run / trash.TRASH_NAME / "leftover.5678").exists()
 
 
 # --- what must change nothing --------------------------------------------------------------------

@@ -44,6 +44,7 @@ from ckptctl import io
 from ckptctl.errors import CheckpointNotFound, UnsafePath
 
 __all__ = [
+    "QUARANTINE_NAME",
     "TRASH_NAME",
     "Markers",
     "Retired",
@@ -55,13 +56,22 @@ __all__ = [
     "empty",
     "no_markers",
     "purge",
+    "quarantine",
+    "quarantined",
     "remove_entry",
     "retire",
     "trash_of",
+    "unquarantine",
 ]
 
 #: The folder beside a checkpoint that it is renamed into before it is deleted (every scan skips it).
 TRASH_NAME = ".ckptctl-trash"
+
+#: The folder of the trash that `repair` moves torn checkpoints into, to be moved back by `repair --undo`: what
+#: it holds is never deleted here (`empty` leaves it), only by a purge the user asks for.
+QUARANTINE_NAME = "quarantine"
+#: Beside each quarantined entry, `<name>` + this: a small JSON record of where it came from.
+RECORD_SUFFIX = ".origin.json"
 
 #: Files deleted before the others, tier by tier (relative paths with `/`; each tier in one batch).
 Tiers = Sequence[Collection[str]]
@@ -233,6 +243,8 @@ def empty(trash: str) -> int:
             if trash_fd is None:
                 return 0
             for name in os.listdir(trash_fd):
+                if name == QUARANTINE_NAME:  # `repair`'s, kept until `repair --undo` moves it back
+                    continue
                 freed += _entry_size(trash_fd, name)
                 remove_entry(trash_fd, name)
         remove_if_empty(trash)
@@ -243,6 +255,8 @@ def empty(trash: str) -> int:
         return 0
     freed = 0
     for entry in entries:
+        if entry.name == QUARANTINE_NAME:
+            continue
         child = io.join(trash, entry.name)
         if entry.is_dir:
             freed += _tree_size(child)
@@ -251,6 +265,110 @@ def empty(trash: str) -> int:
             freed += entry.size
             io.delete_file(child)
     return freed
+
+
+def quarantine(path: str, run: str, record: bytes) -> str:
+    """Move the local entry `path` (a folder or file inside the run folder `run`) into the run's quarantine,
+    `run/.ckptctl-trash/quarantine/<name>` (a free name), and return where it went.
+
+    Its record (`<name>.origin.json`: where it came from) is written and fsynced first, so that a kill at any
+    moment leaves the entry where it was or quarantined with its record; then one rename moves it (a link
+    is moved itself, never what it names), and both folders are fsynced. Nothing is opened through a link.
+
+    Raises:
+        UnsafePath: the trash or the quarantine folder is a link or not a folder (nothing was moved).
+        OSError: writing the record or the rename failed.
+    """
+    parent, entry = os.path.split(os.path.abspath(path))
+    bin_ = os.path.join(os.path.abspath(io.local_path(run)), TRASH_NAME)
+    with _opened_trash(bin_, create=True) as trash_fd:
+        assert trash_fd is not None  # created
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(QUARANTINE_NAME, dir_fd=trash_fd)
+        where = os.path.join(bin_, QUARANTINE_NAME)
+        with _opened_dir(QUARANTINE_NAME, dir_fd=trash_fd, what=where) as box_fd:
+            name = _free_name(box_fd, entry)
+            _write_file(box_fd, name + RECORD_SUFFIX, record)
+            with _opened_dir(parent, follow=True) as parent_fd:
+                os.rename(entry, name, src_dir_fd=parent_fd, dst_dir_fd=box_fd)
+                os.fsync(parent_fd)
+            os.fsync(box_fd)
+    return os.path.join(where, name)
+
+
+def quarantined(run: str) -> list[tuple[str, bytes]]:
+    """Each entry of the run's quarantine that has its record, with the record, by name; a record whose entry
+    is missing (a quarantine killed before its rename) is left out.
+
+    Raises:
+        UnsafePath: the trash or the quarantine folder is a link or not a folder.
+    """
+    bin_ = os.path.join(os.path.abspath(io.local_path(run)), TRASH_NAME)
+    found = []
+    with _opened_trash(bin_, create=False) as trash_fd:
+        if trash_fd is None or not os.path.lexists(os.path.join(bin_, QUARANTINE_NAME)):
+            return []
+        with _opened_dir(QUARANTINE_NAME, dir_fd=trash_fd, what=os.path.join(bin_, QUARANTINE_NAME)) as box_fd:
+            names = set(os.listdir(box_fd))
+            for name in sorted(names):
+                if name.endswith(RECORD_SUFFIX) or name + RECORD_SUFFIX not in names:
+                    continue
+                fd = os.open(name + RECORD_SUFFIX, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=box_fd)
+                with os.fdopen(fd, "rb") as f:
+                    found.append((name, f.read(io.MAX_MARKER_BYTES)))
+    return found
+
+
+def unquarantine(run: str, name: str, origin: str) -> None:
+    """Move the quarantined entry `name` of the run back to `origin` (a path that must not exist), then delete
+    its record: a kill in between leaves a record without an entry, which `quarantined` ignores.
+
+    Raises:
+        FileExistsError: something is at `origin` now (nothing was moved).
+        UnsafePath: the trash or the quarantine folder is a link or not a folder.
+    """
+    bin_ = os.path.join(os.path.abspath(io.local_path(run)), TRASH_NAME)
+    parent, entry = os.path.split(os.path.abspath(origin))
+    with _opened_trash(bin_, create=False) as trash_fd:
+        if trash_fd is None:
+            raise FileNotFoundError(errno.ENOENT, "no quarantine", bin_)
+        with (
+            _opened_dir(QUARANTINE_NAME, dir_fd=trash_fd, what=os.path.join(bin_, QUARANTINE_NAME)) as box_fd,
+            _opened_dir(parent, follow=True) as parent_fd,
+        ):
+            if os.path.lexists(origin):
+                raise FileExistsError(errno.EEXIST, "in the way", origin)
+            os.rename(name, entry, src_dir_fd=box_fd, dst_dir_fd=parent_fd)
+            os.fsync(parent_fd)
+            os.unlink(name + RECORD_SUFFIX, dir_fd=box_fd)
+            os.fsync(box_fd)
+
+
+def _free_name(dir_fd: int, name: str) -> str:
+    """`name`, or `name.N` with the lowest N, for an entry and its record that the folder does not hold."""
+    candidate, n = name, 1
+    while any(_exists_at(dir_fd, c) for c in (candidate, candidate + RECORD_SUFFIX)):
+        candidate, n = f"{name}.{n}", n + 1
+    return candidate
+
+
+def _exists_at(dir_fd: int, name: str) -> bool:
+    try:
+        os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def _write_file(dir_fd: int, name: str, data: bytes) -> None:
+    """Create the file `name` in the folder open as `dir_fd` (not through a link), write and fsync it."""
+    fd = os.open(
+        name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o644, dir_fd=dir_fd
+    )
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def remove_if_empty(folder: str) -> None:

@@ -19,14 +19,14 @@ from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cache
-from typing import Any, TypeVar, cast
+from typing import Any, Final, TypeVar, cast
 
 from ckptctl import io
 from ckptctl.checkpoint import Checkpoint, CheckpointRef
 from ckptctl.errors import CheckpointNotFound, CkptctlError, UnknownLayout
 from ckptctl.formats.framework_classes import FrameworkClasses
 from ckptctl.layouts.base import Layout
-from ckptctl.layouts.capabilities import CONVERT_SOURCE, Slot
+from ckptctl.layouts.capabilities import CONVERT_SOURCE, POINTER_WRITER, Slot
 from ckptctl.layouts.generic import GENERIC, generic_layout, unclaimed
 from ckptctl.quoting import shell
 
@@ -90,32 +90,28 @@ class Plugin:
 #: folders look like no other layout's, but come early so that nothing generic claims a role folder's files.
 #: A ByteCheckpoint `global_step_N/` holds `model/` and `optimizer/` folders shaped like DCP folders (their
 #: `.metadata` pickles ByteCheckpoint's own class, which the DCP reader leaves alone): it comes early too.
+#: The capabilities a plugin declares, each under the module name every plugin gives it (`convert.py`'s
+#: `SOURCE`, `repair.py`'s `POINTER_WRITER`, ...), joined with `|` on its registry line.
+CONVERT: Final[dict[Slot[Any], str]] = {CONVERT_SOURCE: "convert:SOURCE"}
+REPAIR: Final[dict[Slot[Any], str]] = {POINTER_WRITER: "repair:POINTER_WRITER"}
+
 _REGISTRY: tuple[Plugin, ...] = (
-    Plugin("native", "ckptctl.frameworks.native", "layout:NativeLayout", {CONVERT_SOURCE: "convert:SOURCE"}),
-    Plugin("verl", "ckptctl.frameworks.verl", "layout:VerlLayout", {CONVERT_SOURCE: "convert:SOURCE"}),
+    Plugin("native", "ckptctl.frameworks.native", "layout:NativeLayout", CONVERT | REPAIR),
+    Plugin("verl", "ckptctl.frameworks.verl", "layout:VerlLayout", CONVERT | REPAIR),
     Plugin("bytecheckpoint", "ckptctl.frameworks.bytecheckpoint", "layout:BytecheckpointLayout"),
-    Plugin("areal", "ckptctl.frameworks.areal", "layout:ArealLayout", {CONVERT_SOURCE: "convert:SOURCE"}),
+    Plugin("areal", "ckptctl.frameworks.areal", "layout:ArealLayout", CONVERT | REPAIR),
     Plugin("roll", "ckptctl.frameworks.roll", "layout:RollLayout"),
-    Plugin("lightning", "ckptctl.frameworks.lightning", "layout:LightningLayout", {CONVERT_SOURCE: "convert:SOURCE"}),
-    Plugin("megatron", "ckptctl.frameworks.megatron", "layout:MegatronLayout", {CONVERT_SOURCE: "convert:SOURCE"}),
-    Plugin(
-        "torchtitan", "ckptctl.frameworks.torchtitan", "layout:TorchtitanLayout", {CONVERT_SOURCE: "convert:SOURCE"}
-    ),
+    Plugin("lightning", "ckptctl.frameworks.lightning", "layout:LightningLayout", CONVERT | REPAIR),
+    Plugin("megatron", "ckptctl.frameworks.megatron", "layout:MegatronLayout", CONVERT | REPAIR),
+    Plugin("torchtitan", "ckptctl.frameworks.torchtitan", "layout:TorchtitanLayout", CONVERT | REPAIR),
     Plugin("dcp", "ckptctl.frameworks.dcp", "layout:DcpLayout"),
-    Plugin("hf_trainer", "ckptctl.frameworks.hf_trainer", "layout:HfTrainerLayout", {CONVERT_SOURCE: "convert:SOURCE"}),
-    Plugin(
-        "accelerate", "ckptctl.frameworks.accelerate", "layout:AccelerateLayout", {CONVERT_SOURCE: "convert:SOURCE"}
-    ),
-    Plugin("openrlhf", "ckptctl.frameworks.openrlhf", "layout:OpenRlhfLayout", {CONVERT_SOURCE: "convert:SOURCE"}),
-    Plugin(
-        "open_instruct",
-        "ckptctl.frameworks.open_instruct",
-        "layout:OpenInstructLayout",
-        {CONVERT_SOURCE: "convert:SOURCE"},
-    ),
-    Plugin("deepspeed", "ckptctl.frameworks.deepspeed", "layout:DeepSpeedLayout", {CONVERT_SOURCE: "convert:SOURCE"}),
-    Plugin("peft", "ckptctl.frameworks.peft", "layout:PeftLayout", {CONVERT_SOURCE: "convert:SOURCE"}),
-    Plugin("hf", "ckptctl.frameworks.hf", "layout:HfModelLayout", {CONVERT_SOURCE: "convert:SOURCE"}),
+    Plugin("hf_trainer", "ckptctl.frameworks.hf_trainer", "layout:HfTrainerLayout", CONVERT | REPAIR),
+    Plugin("accelerate", "ckptctl.frameworks.accelerate", "layout:AccelerateLayout", CONVERT),
+    Plugin("openrlhf", "ckptctl.frameworks.openrlhf", "layout:OpenRlhfLayout", CONVERT | REPAIR),
+    Plugin("open_instruct", "ckptctl.frameworks.open_instruct", "layout:OpenInstructLayout", CONVERT | REPAIR),
+    Plugin("deepspeed", "ckptctl.frameworks.deepspeed", "layout:DeepSpeedLayout", CONVERT | REPAIR),
+    Plugin("peft", "ckptctl.frameworks.peft", "layout:PeftLayout", CONVERT),
+    Plugin("hf", "ckptctl.frameworks.hf", "layout:HfModelLayout", CONVERT),
     Plugin(
         "deepspeed_universal",
         "ckptctl.frameworks.deepspeed",

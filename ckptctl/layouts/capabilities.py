@@ -40,6 +40,7 @@ __all__ = [
     "ModelTensors",
     "NameMap",
     "NotCarried",
+    "Pointer",
     "PointerWriter",
     "ReshardRequest",
     "Slimmer",
@@ -143,9 +144,52 @@ class TrainingStateWriter(Protocol):
         ...
 
 
+@dataclass(frozen=True, slots=True)
+class Pointer:
+    """A file the framework's loader reads to choose what it resumes from, and what it must hold for the
+    loader to resume from one checkpoint (`PointerWriter.pointers`).
+
+    Attributes:
+        path: the pointer file (DeepSpeed's `latest`, Megatron's and verl's tracker).
+        content: its whole content, as the framework itself writes it (`global_step2`, `2`); for a link, its
+            target, as the framework makes it (a name in the same folder).
+        link: the pointer is a symbolic link the framework itself makes (Lightning's `last.ckpt` with
+            `save_last="link"`), rewritten as a link; a file where a link is expected is refused.
+    """
+
+    path: str
+    content: str
+    link: bool = False
+
+
 class PointerWriter(Protocol):
     """`repair`: the smallest change this framework's own loader honours that makes it resume from a given
-    checkpoint (rewriting its `latest`-style pointer). A slot that `repair` fills: no framework provides it yet."""
+    checkpoint of its run (DESIGN §4 `repair`): the pointers it reads rewritten, or, where it picks by name
+    (the highest `checkpoint-N`), the newer entries it would pick out of its way. `ops.repair` plans, checks
+    and applies the change (atomic pointer writes, quarantine inside the run); the writer only says what.
+    """
+
+    def roles(self, checkpoint: str) -> tuple[str, ...]:
+        """Every checkpoint a resume from the checkpoint folder `checkpoint` loads, itself first: the other roles
+        the framework saves at the same step (OpenRLHF's critic tag beside the actor's). A resume lands on a
+        step only when every one of them verifies."""
+        ...
+
+    def pointers(self, checkpoint: str) -> tuple[Pointer, ...]:
+        """The pointers to write, and what each must hold, for the loader to resume from `checkpoint` (every
+        role's); () for a framework that keeps none."""
+        ...
+
+    def picked_over(self, checkpoint: str) -> tuple[str, ...]:
+        """Entries (folders or files) that the loader, picking by name, would take instead of `checkpoint`:
+        `repair` moves them into quarantine; () for a framework that follows its pointers."""
+        ...
+
+    def refusal(self, checkpoint: str) -> str | None:
+        """Why no change of this framework's files makes its loader resume from `checkpoint`, with what to do
+        instead (AReaL's `recover_info/` describing a dump that is gone; a copied `last.ckpt`); None when the
+        writer's change does."""
+        ...
 
 
 class Slimmer(Protocol):

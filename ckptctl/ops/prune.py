@@ -46,6 +46,7 @@ from ckptctl.errors import CheckpointNotFound, CkptctlError
 from ckptctl.formats.documents import read_toml
 from ckptctl.formats.manifest import DIGESTS_NAME
 from ckptctl.io import trash
+from ckptctl.io.trash import QUARANTINE_NAME
 from ckptctl.layouts import DEFAULT_SCAN_DEPTH, all_layouts, detect, get_layout, scan_run
 from ckptctl.ops.lock import LOCK_NAME, STALE_AFTER, LockUnusable, RunLock, read_lock, stale_reason
 from ckptctl.ops.report import SCHEMA_VERSION, NoProgress, Progress, display_path, flatten, iso
@@ -370,7 +371,8 @@ def plan_prune(
     ]
     items += [PruneItem(f.ref, True, (f.link,), 0) for f in found if f.link]
     items.sort(key=lambda i: (io.parent_of(i.url), i.ref.step is not None, i.ref.step or 0, i.url))
-    trash = sum(_tree_size(t) for t in _trash_folders(run, items))
+    # `repair`'s quarantine is no leftover: it is never emptied here, so it frees nothing.
+    trash = sum(_tree_size(t) - _tree_size(io.join(t, QUARANTINE_NAME)) for t in _trash_folders(run, items))
     return PrunePlan(run, policy, tuple(items), grace, now, trash, tuple(notes))
 
 

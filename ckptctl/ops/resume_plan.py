@@ -151,6 +151,7 @@ def plan_resume(
     digests: bool = False,
     progress: Progress | None = None,
     cuda: bool | None = None,
+    rejected: Mapping[str, str] | None = None,
 ) -> ResumePlan:
     """Plan the resume of the run at `run` (see the module docstring).
 
@@ -163,6 +164,8 @@ def plan_resume(
         progress: where digest hashing reports progress.
         cuda: whether the resumed run uses CUDA (a checkpoint without CUDA generator states is only worth a
             warning then); None: whether torch sees a CUDA device here, asked only when it matters.
+        rejected: checkpoints the caller rules out, with the reason (`repair`: a step whose other role fails
+            verify); they are skipped as the plan's own verdicts are.
 
     Raises:
         CheckpointNotFound: the run folder does not exist.
@@ -183,6 +186,9 @@ def plan_resume(
     chosen: Checkpoint | None = None
     run_warnings: list[str] = []
     for ref in ordered:
+        if rejected and ref.url in rejected:
+            skipped.append(Skipped(ref.url, ref.step, rejected[ref.url], ref.layout, ref.state))
+            continue
         profile = profile_for(ref.layout)
         reason, checkpoint, pointer_problems = _judge(ref, profile, pointer_named, digests, progress or NoProgress())
         run_warnings += [p for p in pointer_problems if p not in run_warnings]

@@ -1,0 +1,419 @@
+"""`repair`: make the framework's own resume logic land on the newest checkpoint of a run whose every role
+verifies (DESIGN §4 `repair`).
+
+The target is what `resume-plan` picks (newest first, skipping what is in progress, broken or failing
+structural verify), stepping further back while another role the framework loads with it (OpenRLHF's
+critic tag of the same step, verl's role folders, AReaL's critic slot) does not verify. The change is the
+smallest one the framework's loader honours, as its pointer writer (`layouts.capabilities.PointerWriter`)
+says: its pointer files rewritten to name the target, or, where it picks by name, what it would pick over
+the target moved into the run's quarantine (`RUN/.ckptctl-trash/quarantine/`, `io.trash.quarantine`), from
+where `repair --undo` moves it back, byte for byte. Nothing is ever deleted.
+
+Planning changes nothing. Applying takes the run's lock (the one `prune` takes), plans again under it, and
+refuses while a save is being written; each pointer is written atomically (temporary file, fsync, rename,
+fsync of the folder), never through a link, and each quarantine is one rename after its record is on disk,
+so a process killed at any moment leaves every pointer and every checkpoint as it was or as planned; a
+second `repair` finishes what a killed one began.
+
+Nothing here names a framework: the target comes from `ops.resume_plan`, the change from the layout's
+pointer writer.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import stat
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from datetime import UTC, datetime
+from typing import Any
+
+from ckptctl import io
+from ckptctl.checkpoint import CheckpointRef, CheckpointState
+from ckptctl.errors import CheckpointNotFound, CkptctlError, UnknownLayout, UnsafePath
+from ckptctl.io import trash
+from ckptctl.layouts import capability
+from ckptctl.layouts.capabilities import POINTER_WRITER, Pointer, PointerWriter
+from ckptctl.layouts.resume import Skipped
+from ckptctl.ops.lock import RunLock
+from ckptctl.ops.report import SCHEMA_VERSION
+from ckptctl.ops.resume_plan import plan_resume
+from ckptctl.ops.verification import verify_checkpoint
+from ckptctl.quoting import shell
+
+__all__ = ["LINK", "POINTER", "QUARANTINE", "RESTORE", "RepairAction", "RepairPlan", "RunBusy", "plan_repair", "repair"]
+
+#: The kinds of `RepairAction` (`link`: a pointer that is a symbolic link; JSON calls it a pointer too).
+POINTER = "pointer"
+LINK = "link"
+QUARANTINE = "quarantine"
+RESTORE = "restore"
+
+#: A pointer file is a tag name or a number; anything longer is not one.
+_MAX_POINTER_BYTES = 4096
+
+
+class RunBusy(CkptctlError):
+    """A save of the run is being written: repairing now could point a resume away from it or move it
+    (exit code 1: the command could not do its work now, as a held lock)."""
+
+    exit_code = 1
+
+
+@dataclass(frozen=True, slots=True)
+class RepairAction:
+    """One change of a repair.
+
+    Attributes:
+        kind: `pointer` (a pointer file rewritten), `link` (a pointer that is a symbolic link, pointed
+            anew), `quarantine` (an entry moved into the run's
+            quarantine) or `restore` (`--undo`: a quarantined entry moved back).
+        path: the pointer file, or the entry moved.
+        before: the pointer's content (None: no pointer yet), or where the entry is.
+        after: what the pointer will hold, or where the entry goes.
+    """
+
+    kind: str
+    path: str
+    before: str | None
+    after: str | None
+
+    def to_json(self) -> dict[str, Any]:
+        kind = POINTER if self.kind == LINK else self.kind
+        return {"kind": kind, "path": self.path, "before": self.before, "after": self.after, "link": self.kind == LINK}
+
+
+@dataclass(frozen=True, slots=True)
+class RepairPlan:
+    """What `repair` changes (or changed) so that the framework's resume lands on `target`.
+
+    Attributes:
+        run: the run folder.
+        target: the checkpoint the resume lands on afterwards; None when nothing of the run can be resumed
+            (or, for `--undo`, nothing is quarantined).
+        framework: who reads it back.
+        actions: the changes, in the order they are made.
+        skipped: the newer checkpoints a resume must not load, with the reason.
+        notes: what a person should know (why nothing can be changed, what to do instead).
+        refusal: why no change of the framework's files makes its resume land on `target` (the resume as it
+            stands loads something else), with what to do instead; None when the actions do.
+        dry_run: nothing was changed.
+        undo: the plan moves quarantined entries back.
+    """
+
+    run: str
+    target: CheckpointRef | None
+    framework: str | None
+    actions: tuple[RepairAction, ...]
+    skipped: tuple[Skipped, ...] = ()
+    notes: tuple[str, ...] = ()
+    dry_run: bool = True
+    undo: bool = False
+    refusal: str | None = None
+
+    @property
+    def needed(self) -> bool:
+        """Whether the run needs changes before a resume lands on a good checkpoint (or, for `--undo`,
+        anything is quarantined): also when no change can get it there (no target)."""
+        return bool(self.actions) or self.refusal is not None or (self.target is None and not self.undo)
+
+    def to_json(self) -> dict[str, Any]:
+        target = self.target
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "run": self.run,
+            "dry_run": self.dry_run,
+            "undo": self.undo,
+            "needed": self.needed,
+            "target": None if target is None else {"url": target.url, "step": target.step, "layout": target.layout},
+            "framework": self.framework,
+            "actions": [a.to_json() for a in self.actions],
+            "skipped": [s.to_json() for s in self.skipped],
+            "notes": list(self.notes),
+            "refusal": self.refusal,
+        }
+
+
+# --------------------------------------------------------------------------------------------------
+# Planning.
+# --------------------------------------------------------------------------------------------------
+
+
+def plan_repair(run: str) -> RepairPlan:
+    """What `repair` would change in the run at `run` (see the module docstring); changes nothing.
+
+    Raises:
+        CheckpointNotFound: `run` is not a folder.
+        UnknownLayout: the run holds only checkpoints of a layout ckptctl does not know, or the layout of its
+            target keeps a resume ckptctl cannot redirect while newer checkpoints would be loaded instead.
+        UnsafePath: a link is where a pointer file is (nothing is followed or changed).
+    """
+    rejected: dict[str, str] = {}
+    while True:
+        resume = plan_resume(run, rejected=rejected, cuda=False)
+        chosen = resume.checkpoint
+        if chosen is None:
+            if resume.unknown_layout:
+                names = ", ".join(io.name_of(s.url) for s in resume.unknown_layout[:4])
+                raise UnknownLayout(
+                    f"{run} holds checkpoints of a layout ckptctl does not know ({names}): nothing can be repaired",
+                    f"see `{shell('ckptctl', 'list', run)}`",
+                )
+            return RepairPlan(run, None, None, (), resume.skipped, (_nothing_resumable(run, resume.skipped),))
+        writer = capability(chosen.layout, POINTER_WRITER)
+        if writer is None:
+            if not resume.skipped:  # the newest checkpoint is good: whatever the loader picks, nothing to do
+                return RepairPlan(run, chosen, resume.framework, ())
+            raise UnknownLayout(
+                f"repair does not know how {resume.framework} ({chosen.layout}) chooses what it resumes from, "
+                f"so it cannot make it skip {io.name_of(resume.skipped[0].url)}",
+                f"resume from {chosen.url} explicitly: {resume.resume_hint}",
+            )
+        torn = _torn_role(writer, chosen.url)
+        if torn is None:
+            break
+        rejected[chosen.url] = torn
+    refusal = writer.refusal(chosen.url)
+    actions = [] if refusal else _actions(run, writer, chosen.url)
+    notes = [refusal] if refusal else []
+    busy = [s for s in resume.skipped if s.state is CheckpointState.IN_PROGRESS]
+    notes += [f"{s.url} is being written ({s.reason}): repair refuses to change the run until it is done" for s in busy]
+    return RepairPlan(run, chosen, resume.framework, tuple(actions), resume.skipped, tuple(notes), refusal=refusal)
+
+
+def _nothing_resumable(run: str, skipped: Sequence[Skipped]) -> str:
+    if not skipped:
+        return f"{run} holds no checkpoint to resume from"
+    return (
+        f"no checkpoint of {run} verifies in every role: nothing to point a resume at; start the run afresh, or "
+        "restore a good copy of a checkpoint from elsewhere (see `ckptctl resume-plan` for why each was skipped)"
+    )
+
+
+def _torn_role(writer: PointerWriter, url: str) -> str | None:
+    """Why a resume from `url` fails because another checkpoint the framework loads with it does not
+    verify, or None when every role does."""
+    for role in writer.roles(url)[1:]:
+        try:
+            result = verify_checkpoint(role)
+        except CheckpointNotFound:
+            return f"its role {io.name_of(io.parent_of(role))}/{io.name_of(role)} does not exist"
+        except CkptctlError as exc:
+            return f"its role {role} cannot be read: {exc.message}"
+        errors = [p for p in result.problems if p.severity == "error" and not p.path.startswith("../")]
+        if errors:
+            return f"its role {role} fails verify: {errors[0].path}: {errors[0].message}"
+    return None
+
+
+def _actions(run: str, writer: PointerWriter, target: str) -> list[RepairAction]:
+    """Quarantines first (a name-picking loader then finds the target), then pointers (each already holding
+    what it should is left alone)."""
+    picked = writer.picked_over(target)
+    if picked and not io.is_local(run):
+        raise CkptctlError(
+            f"repair would move {io.name_of(picked[0])} into quarantine, which it does only in local runs "
+            "(an object store has no rename)",
+            f"resume from {target} explicitly, or move the newer checkpoints away with your storage's tools",
+        )
+    found = [
+        RepairAction(QUARANTINE, path, path, io.join(run, trash.TRASH_NAME, trash.QUARANTINE_NAME, io.name_of(path)))
+        for path in picked
+    ]
+    for pointer in writer.pointers(target):
+        before = read_link(pointer.path) if pointer.link else read_pointer(pointer.path)
+        if before is None or before.strip() != pointer.content.strip():
+            found.append(RepairAction(LINK if pointer.link else POINTER, pointer.path, before, pointer.content))
+    return found
+
+
+def read_link(path: str) -> str | None:
+    """The target of a pointer that is a symbolic link (None when there is none).
+
+    Raises:
+        UnsafePath: something else than a link is where it should be.
+    """
+    local = io.local_path(path)
+    if not os.path.lexists(local):
+        return None
+    if not os.path.islink(local):
+        raise UnsafePath(f"{path} is not a symbolic link where the framework keeps one: refusing to replace it")
+    return os.readlink(local)
+
+
+def read_pointer(path: str) -> str | None:
+    """The content of a pointer file (None when there is none), read without following a link.
+
+    Raises:
+        UnsafePath: a link (or a folder) is where the pointer is.
+    """
+    if not io.is_local(path):
+        try:
+            return io.read_bytes(path, max_size=_MAX_POINTER_BYTES).decode("utf-8", "replace")
+        except CheckpointNotFound:
+            return None
+    local = io.local_path(path)
+    try:
+        fd = os.open(local, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        if exc.errno != errno.ELOOP:
+            raise CkptctlError(f"cannot read {path}: {exc.strerror}") from exc
+        raise _link_refused(path) from exc
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise UnsafePath(f"{path} is not a file: refusing to rewrite it; nothing was changed")
+        return f.read(_MAX_POINTER_BYTES).decode("utf-8", "replace")
+
+
+def _link_refused(path: str) -> UnsafePath:
+    return UnsafePath(
+        f"{path} is a symbolic link where a pointer file should be: refusing to rewrite it; nothing was changed",
+        "replace it with a file holding the name it should (or remove it) after checking who put it there",
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# Applying.
+# --------------------------------------------------------------------------------------------------
+
+
+def _no_hook(action: RepairAction) -> None:
+    return None
+
+
+#: Called after each change is made (tests stop the process there).
+after_action: Callable[[RepairAction], None] = _no_hook
+
+
+def repair(
+    run: str, *, confirm: Callable[[RepairPlan], bool] | None = None, wait: float = 30.0, undo: bool = False
+) -> RepairPlan:
+    """Plan under the run's lock and make the changes (`undo`: move the quarantined entries back).
+
+    Args:
+        run: the run folder.
+        confirm: called with the plan when it changes something; False cancels (the plan is returned as a
+            dry run). None changes unasked.
+        wait: seconds to wait for a prune or another repair of the run to finish.
+        undo: see `plan_undo`.
+
+    Raises:
+        RunBusy: a save of the run is being written (nothing was changed).
+        RunLocked: another prune or repair holds the run's lock.
+        UnsafePath: a link is where a pointer, the trash or the quarantine should be (nothing was changed).
+        CkptctlError: a folder to change is not writable (nothing was changed), or a change failed.
+    """
+    if not io.is_dir(run):
+        raise CheckpointNotFound(f"no such run folder: {run}")
+    _check_writable(run)
+    with RunLock(run, wait=wait, command="ckptctl repair" + (" --undo" if undo else "")) as lock:
+        plan = plan_undo(run) if undo else plan_repair(run)
+        busy = [s for s in plan.skipped if s.state is CheckpointState.IN_PROGRESS]
+        if busy and plan.actions:
+            raise RunBusy(
+                f"{busy[0].url} is being written ({busy[0].reason}): refusing to repair the run now; nothing was changed",
+                "run repair again once the save has finished or stopped",
+            )
+        if not plan.actions or (confirm is not None and not confirm(plan)):
+            return plan
+        for action in plan.actions:
+            _check_writable(io.parent_of(action.path) if action.kind != RESTORE else io.parent_of(action.after or ""))
+        done = []
+        for action in plan.actions:
+            lock.check()
+            done.append(_apply(run, action, plan))
+            after_action(done[-1])
+        return replace(plan, actions=tuple(done), dry_run=False)
+
+
+def _check_writable(folder: str) -> None:
+    if io.is_local(folder) and not os.access(io.local_path(folder), os.W_OK | os.X_OK):
+        raise CkptctlError(f"{folder} is not writable: repair cannot change it; nothing was changed")
+
+
+def _apply(run: str, action: RepairAction, plan: RepairPlan) -> RepairAction:
+    if action.kind in (POINTER, LINK):
+        write_pointer(Pointer(action.path, action.after or "", link=action.kind == LINK))
+        return action
+    if action.kind == QUARANTINE:
+        record = {
+            "schema_version": SCHEMA_VERSION,
+            "origin": io.relative_to(action.path, run),
+            "quarantined": datetime.now(UTC).isoformat(timespec="seconds"),
+            "by": "ckptctl repair",
+            "resume_target": None if plan.target is None else plan.target.url,
+        }
+        where = trash.quarantine(io.local_path(action.path), run, json.dumps(record, indent=1).encode())
+        return replace(action, after=where)
+    assert action.after is not None
+    try:
+        trash.unquarantine(run, io.name_of(action.path), io.local_path(action.after))
+    except FileExistsError as exc:
+        raise CkptctlError(
+            f"{action.after} exists again: cannot move {action.path} back; it stays quarantined",
+            "move what is there now away first, then run `repair --undo` again",
+        ) from exc
+    return action
+
+
+def write_pointer(pointer: Pointer) -> None:
+    """Write a pointer file atomically (temporary file, fsync, rename, fsync of the folder), refusing a link
+    (or anything but a file) in its place."""
+    if not pointer.link:
+        read_pointer(pointer.path)  # refuses a link or a folder before anything is written
+        io.write_bytes_atomic(pointer.path, pointer.content.encode())
+        return
+    read_link(pointer.path)  # refuses a file or a folder where the link is
+    local = io.local_path(pointer.path)
+    folder = os.path.dirname(os.path.abspath(local))
+    temporary = os.path.join(folder, f".{os.path.basename(local)}.tmp-{os.getpid()}")
+    os.symlink(pointer.content, temporary)
+    os.replace(temporary, local)
+    io.fsync_dir(folder)
+
+
+# --------------------------------------------------------------------------------------------------
+# Undo.
+# --------------------------------------------------------------------------------------------------
+
+
+def plan_undo(run: str) -> RepairPlan:
+    """Moving each entry of the run's quarantine back where its record says it came from.
+
+    Raises:
+        CheckpointNotFound: `run` is not a folder.
+        UnsafePath: the trash or the quarantine is a link.
+    """
+    if not io.is_dir(run):
+        raise CheckpointNotFound(f"no such run folder: {run}")
+    if not io.is_local(run):
+        return RepairPlan(run, None, None, (), undo=True, notes=("repair quarantines only in local runs",))
+    box = io.join(run, trash.TRASH_NAME, trash.QUARANTINE_NAME)
+    actions, notes = [], []
+    for name, data in trash.quarantined(io.local_path(run)):
+        origin = _origin(data)
+        if origin is None:
+            notes.append(f"{io.join(box, name)}: its record does not say where it came from; left in quarantine")
+            continue
+        destination = io.join(run, origin)
+        if os.path.lexists(io.local_path(destination)):
+            notes.append(f"{io.join(box, name)}: {destination} exists again; left in quarantine")
+            continue
+        actions.append(RepairAction(RESTORE, io.join(box, name), io.join(box, name), destination))
+    return RepairPlan(run, None, None, tuple(actions), notes=tuple(notes), undo=True)
+
+
+def _origin(record: bytes) -> str | None:
+    """The path inside the run a quarantine record names, or None when it names none (or one outside)."""
+    try:
+        origin = json.loads(record).get("origin")
+    except (ValueError, AttributeError):
+        return None
+    if not isinstance(origin, str) or not origin or os.path.isabs(origin):
+        return None
+    parts = origin.split("/")
+    return None if ".." in parts or "" in parts or parts[0] == trash.TRASH_NAME else origin

@@ -26,7 +26,7 @@ from ckptctl.checkpoint import Checkpoint, CheckpointRef
 from ckptctl.errors import CheckpointNotFound, CkptctlError, UnknownLayout
 from ckptctl.formats.framework_classes import FrameworkClasses
 from ckptctl.layouts.base import Layout
-from ckptctl.layouts.capabilities import CONVERT_SOURCE, Slot
+from ckptctl.layouts.capabilities import CONVERT_SOURCE, TRAINING_STATE_WRITER, Slot
 from ckptctl.layouts.generic import GENERIC, generic_layout, unclaimed
 from ckptctl.quoting import shell
 
@@ -90,7 +90,12 @@ class Plugin:
 #: folders look like no other layout's, but come early so that nothing generic claims a role folder's files.
 _REGISTRY: tuple[Plugin, ...] = (
     Plugin("native", "ckptctl.frameworks.native", "layout:NativeLayout", {CONVERT_SOURCE: "convert:SOURCE"}),
-    Plugin("verl", "ckptctl.frameworks.verl", "layout:VerlLayout", {CONVERT_SOURCE: "convert:SOURCE"}),
+    Plugin(
+        "verl",
+        "ckptctl.frameworks.verl",
+        "layout:VerlLayout",
+        {CONVERT_SOURCE: "convert:SOURCE", TRAINING_STATE_WRITER: "reshard:WRITER"},
+    ),
     Plugin("areal", "ckptctl.frameworks.areal", "layout:ArealLayout", {CONVERT_SOURCE: "convert:SOURCE"}),
     Plugin("roll", "ckptctl.frameworks.roll", "layout:RollLayout"),
     Plugin("lightning", "ckptctl.frameworks.lightning", "layout:LightningLayout", {CONVERT_SOURCE: "convert:SOURCE"}),

@@ -60,6 +60,9 @@ _MAX_CONFIG = 1 << 16
 #: The placements a verl FSDP2 mesh dimension of each name may hold: FSDP shards over `fsdp` and replicates
 #: over HSDP's `ddp`.
 _MESH_NAMES = {("fsdp",), ("ddp", "fsdp")}
+#: The name of the default process group (`torch.distributed.distributed_c10d`: the first group made), which a
+#: mesh dimension over the whole world uses.
+_DEFAULT_GROUP = "0"
 
 
 def _rank_file(kind: str, world: int, rank: int) -> str:
@@ -128,14 +131,18 @@ class _Target:
 
     facts: DTensorFacts
     device_type: str
+    group_names: tuple[str, ...]
 
 
-def _target(facts: DTensorFacts, device_type: str, world: int, name: str) -> _Target:
+def _target(facts: DTensorFacts, mesh: _SourceMesh, world: int, name: str) -> _Target:
     """Where verl's mesh for `world` ranks puts a DTensor saved on `facts`' mesh (the module docstring's rule).
 
     Raises:
-        CkptctlError: a mesh verl's FSDP workers do not build, a placement FSDP does not make, or a dimension
-            the new mesh cuts into empty pieces.
+        CkptctlError: a mesh verl's FSDP workers do not build, a placement FSDP does not make, or an HSDP
+            fsdp_size that does not divide the new world size.
+
+    A dimension shorter than the ranks that cut it is not refused: FSDP2 gives the last ranks empty pieces
+    (a critic's (1, hidden) value head on 2 ranks), verl saves and loads them so, and so are they written.
     """
     names, shape, placements = facts.mesh_dim_names, facts.mesh_shape, facts.placements
     if names not in _MESH_NAMES:
@@ -154,33 +161,42 @@ def _target(facts: DTensorFacts, device_type: str, world: int, name: str) -> _Ta
                     "create_device_mesh needs (world // fsdp_size, fsdp_size) to cover every rank"
                 )
             target = replace(facts, mesh_shape=(world // fsdp_size, fsdp_size))
-        else:
-            target = replace(facts, mesh_shape=(world,), mesh_dim_names=("fsdp",), placements=placements[1:])
-    else:
-        target = replace(facts, mesh_shape=(world,))
-    parts: dict[int, int] = {}
-    for placement, n in zip(target.placements, target.mesh_shape, strict=True):
-        if placement.kind == "shard":
-            assert placement.dim is not None
-            parts[placement.dim] = parts.get(placement.dim, 1) * n
-    for dim, n in parts.items():
-        if facts.shape[dim] < n:
-            raise CkptctlError(
-                f"{name}: dimension {dim} holds {facts.shape[dim]} but {world} ranks cut it into {n} "
-                "torch.chunk pieces: some ranks would hold none of it",
-                f"reshard to at most {facts.shape[dim]} ranks",
-            )
-    return _Target(target, device_type)
+            return _Target(target, mesh.device_type, mesh.group_names)
+        # A 1-D mesh over the whole world: its group is the default one, as the source's whole-world ddp's.
+        target = replace(facts, mesh_shape=(world,), mesh_dim_names=("fsdp",), placements=placements[1:])
+        whole = [g for g, n in zip(mesh.group_names, shape, strict=True) if n == math.prod(shape)]
+        return _Target(target, mesh.device_type, (whole[0] if whole else _DEFAULT_GROUP,))
+    return _Target(replace(facts, mesh_shape=(world,)), mesh.device_type, mesh.group_names)
 
 
-def _device_type(ref: DTensorRef, source: str) -> str:
-    """The device type of a DTensor's mesh (`cuda` for a GPU save): verl's mesh equals only a mesh of its own
-    device type."""
+@dataclass(frozen=True)
+class _SourceMesh:
+    """What a source DTensor's pickled mesh records beyond its shape: its device type (`cuda` for a GPU save:
+    verl's mesh equals only a mesh of its own device type) and the names of its dimensions' process groups."""
+
+    device_type: str
+    group_names: tuple[str, ...]
+
+
+def _source_mesh(ref: DTensorRef, ndim: int, source: str) -> _SourceMesh:
+    """The mesh facts of a pickled DTensor (`_SourceMesh`).
+
+    The group names matter: the resuming rank's optimizer keeps the loaded DTensors (moved to its device) as
+    its state, and a collective on one (gathering a full state dict, DCP) resolves its mesh's groups by these
+    names. verl builds its meshes in the same order whatever the world size, so the target's are the source's.
+    """
     mesh = state_fields(state_fields(ref.spec, source)["mesh"], source)
     device = mesh.get("_device_type", mesh.get("device_type"))
     if type(device) is not str or not device.isidentifier():
         raise CorruptCheckpoint(f"{source}: a device mesh without a device type")
-    return device
+    names: Any = mesh.get("_dim_group_names")
+    if (
+        not isinstance(names, list | tuple)
+        or len(names) != ndim
+        or not all(type(n) is str and len(n) < 256 for n in names)
+    ):
+        raise CorruptCheckpoint(f"{source}: a device mesh without the names of its process groups")
+    return _SourceMesh(device, tuple(names))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -224,9 +240,9 @@ def _plan_file(role: _SourceRole, kind: str, index: Mapping[str, TensorEntry], w
         target = None
         if type(value) is DTensorRef:
             where = f"{source}: {path}"
-            target = _target(
-                dtensor_facts(value, where), _device_type(value, where), world, f"{role.out or '.'}/{path}"
-            )
+            facts = dtensor_facts(value, where)
+            mesh = _source_mesh(value, len(facts.mesh_shape), where)
+            target = _target(facts, mesh, world, f"{role.out or '.'}/{path}")
         tensors[id(value)] = _Tensor(entry, target)
     return _RankFile(kind, opened.root, tensors)
 
@@ -285,19 +301,23 @@ class _Meshes:
     `init_device_mesh` mesh equals."""
 
     def __init__(self) -> None:
-        self._made: dict[tuple[str, tuple[int, ...], tuple[str, ...], int], Any] = {}
+        self._made: dict[tuple[str, tuple[int, ...], tuple[str, ...], tuple[str, ...], int], Any] = {}
 
     def get(self, target: _Target, rank: int) -> Any:
         import torch
         from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.distributed_c10d import GroupName
 
         facts = target.facts
-        key = (target.device_type, facts.mesh_shape, facts.mesh_dim_names, rank)
+        key = (target.device_type, facts.mesh_shape, facts.mesh_dim_names, target.group_names, rank)
         if key not in self._made:
             ranks = torch.arange(math.prod(facts.mesh_shape), dtype=torch.int).reshape(facts.mesh_shape)
-            self._made[key] = DeviceMesh(
+            mesh = DeviceMesh(
                 target.device_type, ranks, mesh_dim_names=facts.mesh_dim_names, _init_backend=False, _rank=rank
             )
+            # What `_init_process_groups` sets, and torch pickles, on a mesh made with its groups.
+            mesh._dim_group_names = [GroupName(n) for n in target.group_names]
+            self._made[key] = mesh
         return self._made[key]
 
 
@@ -355,22 +375,27 @@ def _write_text(path: str, text: str) -> None:
         f.write(text)
 
 
+def _ranks(first: int, last: int) -> str:
+    return f"rank {first}" if first == last else f"ranks {first}..{last}"
+
+
 def _rng_not_carried(role: _SourceRole, world: int) -> Iterator[NotCarried]:
     """What becomes of the ranks' RNG states (the module docstring's rule) when the rank count changes."""
     source = role.world
     what = f"{role.out or '.'}/extra_state.rng"
     if world > source:
+        new = _ranks(source, world - 1)
         yield NotCarried(
             what,
-            f"ranks {source}..{world - 1} have no RNG state of their own in the source: each gets rank 0's (verl "
-            "seeds every rank with the same seed on a fresh start, so ranks sharing a stream is what verl does "
-            "itself); ranks 0..{0} keep their own".format(source - 1),
+            f"{new} {'has' if world - source == 1 else 'have'} no RNG state of its own in the source and "
+            f"{'gets' if world - source == 1 else 'get'} rank 0's (verl seeds every rank with the same seed on a "
+            f"fresh start, so ranks sharing a stream is what verl does itself); {_ranks(0, source - 1)} keep their own",
         )
     elif world < source:
         yield NotCarried(
             what,
-            f"the RNG states of source ranks {world}..{source - 1} are dropped: only {world} ranks resume, each "
-            "with the state of the source rank of its number",
+            f"the RNG state of source {_ranks(world, source - 1)} is dropped: {_ranks(0, world - 1)} resume with "
+            "the state of the source rank of the same number",
         )
 
 
@@ -385,7 +410,7 @@ class VerlStateWriter:
 
     def refusal(self, source: Checkpoint, world_size: int | None) -> str | None:
         """A checkpoint of another layout, a torn role (naming the missing file), an FSDP1 save, a mesh verl
-        does not build, or a tensor the new world size cuts into empty pieces."""
+        does not build (naming the tensor), or an HSDP fsdp_size the new world size is not a multiple of."""
         if source.ref.layout != "verl":
             return f"{source.url} is a {source.ref.layout} checkpoint: reshard writes verl state only from verl's"
         if world_size is not None and world_size < 1:
@@ -481,7 +506,7 @@ class VerlStateWriter:
             _write_text(_staging_path(request.staging, tracker_name), step.group(1))
             files.append(tracker_name)
             hint = (
-                f"trainer.resume_mode=auto trainer.default_local_dir=<DST> on {world} ranks "
+                f"trainer.resume_mode=auto trainer.default_local_dir=<DST> on {world} rank{'s' if world > 1 else ''} "
                 "(trainer.nnodes x trainer.n_gpus_per_node)"
             )
         hint = _mesh_hint(roles, world, hint)

@@ -13,7 +13,10 @@ What is written, per role (`actor`, `critic`, ...):
   allowlisting reader, never `torch.load`), on the mesh verl's `create_device_mesh(W', fsdp_size)` builds for the
   source's `fsdp_size`: `("fsdp",)` of W' for a 1-D mesh (`fsdp_size` -1 or >= W); for HSDP
   `("ddp", "fsdp")` of (D, F), (W'/F, F) when F < W', else `("fsdp",)` of W'. Plain tensors (an optimizer's
-  `step`, a buffer FSDP leaves whole) are rank 0's, on every rank; `param_groups` as saved.
+  `step`, a buffer FSDP leaves whole) are rank 0's, on every rank; `param_groups` as saved. Each mesh is made
+  without a process group and keeps the source's device type and group names (`_source_mesh`); the resuming
+  run's fsdp_size for each role is named in the `resume_hint`. A dimension shorter than the ranks cutting it
+  leaves the last ranks empty pieces, as FSDP2 itself does.
 - extra_state: the file of source rank r, byte for byte (its LR scheduler is the same on every rank; its RNG
   is rank r's own), rank 0's for ranks r >= W: verl seeds every rank with the same seed on a fresh start
   (`enable_full_determinism(seed)`), so ranks sharing one stream is what verl itself does.

@@ -26,7 +26,7 @@ from ckptctl.checkpoint import Checkpoint, CheckpointRef
 from ckptctl.errors import CheckpointNotFound, CkptctlError, UnknownLayout
 from ckptctl.formats.framework_classes import FrameworkClasses
 from ckptctl.layouts.base import Layout
-from ckptctl.layouts.capabilities import CONVERT_SOURCE, POINTER_WRITER, Slot
+from ckptctl.layouts.capabilities import CONVERT_SOURCE, POINTER_WRITER, TRAINING_STATE_WRITER, Slot
 from ckptctl.layouts.generic import GENERIC, generic_layout, unclaimed
 from ckptctl.quoting import shell
 
@@ -94,10 +94,11 @@ class Plugin:
 #: `SOURCE`, `repair.py`'s `POINTER_WRITER`, ...), joined with `|` on its registry line.
 CONVERT: Final[dict[Slot[Any], str]] = {CONVERT_SOURCE: "convert:SOURCE"}
 REPAIR: Final[dict[Slot[Any], str]] = {POINTER_WRITER: "repair:POINTER_WRITER"}
+RESHARD: Final[dict[Slot[Any], str]] = {TRAINING_STATE_WRITER: "reshard:WRITER"}
 
 _REGISTRY: tuple[Plugin, ...] = (
     Plugin("native", "ckptctl.frameworks.native", "layout:NativeLayout", CONVERT | REPAIR),
-    Plugin("verl", "ckptctl.frameworks.verl", "layout:VerlLayout", CONVERT | REPAIR),
+    Plugin("verl", "ckptctl.frameworks.verl", "layout:VerlLayout", CONVERT | REPAIR | RESHARD),
     Plugin("bytecheckpoint", "ckptctl.frameworks.bytecheckpoint", "layout:BytecheckpointLayout"),
     Plugin("areal", "ckptctl.frameworks.areal", "layout:ArealLayout", CONVERT | REPAIR),
     Plugin("roll", "ckptctl.frameworks.roll", "layout:RollLayout"),

@@ -276,6 +276,8 @@ class ProblemKind(enum.StrEnum):
     #: Checkpoint-like files of a layout ckptctl does not know: whether they make a whole checkpoint cannot be
     #: told (verify exits 2).
     UNKNOWN_LAYOUT = "unknown_layout"
+    #: A pickled object of a class ckptctl was not taught (a known library's), read as an opaque value (a warning).
+    UNSUPPORTED_CLASS = "unsupported_class"
 
 
 _ITEMSIZE = {

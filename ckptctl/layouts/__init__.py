@@ -317,7 +317,9 @@ def _plugin_of(layout: Layout) -> Plugin | None:
 def framework_pickle_classes() -> list[FrameworkClasses]:
     """The classes each registered framework package lists in its `pickle_classes` module (where it has
     one): what the torch-pickle allowlist reads as inert stand-ins (`formats.framework_classes`)."""
-    found = []
+    from ckptctl.layouts.training_state import LONG_TAIL_LIBRARIES
+
+    found = [LONG_TAIL_LIBRARIES]  # the generic reader's: libraries no framework package speaks for
     for plugin in _REGISTRY:
         module = f"{plugin.package}.pickle_classes"
         if importlib.util.find_spec(module) is not None:

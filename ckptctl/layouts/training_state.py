@@ -117,13 +117,16 @@ class TrainingState:
 def read_training_state(root: Any) -> TrainingState:
     """The training state a saved object is, by its top-level keys (empty for anything else)."""
     prefix = ""
+    outer: dict[Any, Any] = {}
     if isinstance(root, dict) and len(root) <= 4:
         inner = next((root[k] for k in _WRAPPERS if isinstance(root.get(k), dict)), None)
         if inner is not None and any(k in TOP_LEVEL_KEYS for k in inner):
-            prefix, root = "state.", inner
+            # Composer: `{"state": {...}, "rng": [...]}`: the wrapper's keys, and the others beside it.
+            prefix, outer, root = "state.", {k: v for k, v in root.items() if k not in _WRAPPERS}, inner
     if not isinstance(root, dict):
         return TrainingState()
     components = {key: TOP_LEVEL_KEYS[key] for key in root if type(key) is str and key in TOP_LEVEL_KEYS}
+    components |= {key: TOP_LEVEL_KEYS[key] for key in outer if type(key) is str and key in TOP_LEVEL_KEYS}
     counters: dict[str, int | float] = {}
     for key in COUNTER_KEYS:
         value = _scalar(root.get(key))

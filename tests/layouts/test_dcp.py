@@ -125,7 +125,9 @@ def test_every_fsdp_chunk_is_a_plain_byte_range(fsdp_dcp: WrittenDcp) -> None:
 
 def test_raw_single_process_save(raw_dcp: WrittenDcp) -> None:
     checkpoint = LAYOUT.open(str(raw_dcp.path))
-    assert checkpoint.components == {Component.MODEL}  # no recognised prefix at all: a raw model save
+    # No recognised prefix at all: a raw model save, and its top-level `step` item a counter (issue 23).
+    assert checkpoint.components == {Component.MODEL, Component.TRAINER_STATE}
+    assert checkpoint.progress == {"step": 7} and checkpoint.ref.step == 7
     assert checkpoint.world_size == 1
     reference = raw_dcp.reference_tensors()
     for entry in checkpoint.tensor_index():

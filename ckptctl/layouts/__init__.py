@@ -350,7 +350,8 @@ def _pointed(url: str, entries: Sequence[io.DirEntry]) -> set[str]:
     """The children of `url` that a `latest`-style pointer in it names (any layout's; the generic reader's
     links and tracker files where no layout's pointer names one)."""
     found = {io.join(url, name) for layout in all_layouts() if (name := layout.latest_pointer(url, entries))}
-    if not found and (name := generic_layout().latest_pointer(url, entries)):
+    present = {io.join(url, e.name) for e in entries}
+    if not found & present and (name := generic_layout().latest_pointer(url, entries)):
         found.add(io.join(url, name))
     return found
 

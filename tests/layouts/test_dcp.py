@@ -69,7 +69,9 @@ def test_open_index_and_verify_read_only_metadata_and_need_no_torch(fsdp_dcp: Wr
     bytes_items = {k for k, v in metadata.state_dict_metadata.items() if isinstance(v, BytesStorageMetadata)}
     item_bytes = sum(info.length for index, info in metadata.storage_data.items() if index.fqn in bytes_items)
     assert bytes_items and item_bytes < 100_000
-    assert bytes_read == (fsdp_dcp.path / ".metadata").stat().st_size + item_bytes
+    # `open` reads the loop's counters (`trainer_state.step`) for resume-plan, verify every item again.
+    counters = sum(info.length for index, info in metadata.storage_data.items() if index.fqn == "trainer_state.step")
+    assert bytes_read == (fsdp_dcp.path / ".metadata").stat().st_size + item_bytes + counters
     assert entries == len(fsdp_dcp.reference_tensors()) and problems == 0
 
 

@@ -637,6 +637,11 @@ def _walk_child(url: str, entry: io.DirEntry, depth: int, max_depth: int) -> lis
     return _walk(child_url, child_entries, depth + 1, max_depth)
 
 
+def _model_only(ref: CheckpointRef) -> bool:
+    """Whether `ref`'s layout holds model weights only (nothing a resume restores besides the model)."""
+    return not get_layout(ref.layout).resume_profile().resumable
+
+
 def _finish(level: _Level) -> None:
     """Hand a walked folder's checkpoints to its parent: its own ref first (naming the children that hold
     checkpoints), then theirs, marking those a `latest` pointer in the folder names."""
@@ -644,7 +649,7 @@ def _finish(level: _Level) -> None:
     if level.hit is None or level.hit.layout == GENERIC:
         # A run-level state file beside model folders goes with the newest of them; alone, it is unknown.
         names = run_state_files(level.entries)
-        attached = attach_run_state(level.url, names, children) if names else None
+        attached = attach_run_state(level.url, names, children, _model_only) if names else None
         if attached is not None:
             children = attached
         elif names:

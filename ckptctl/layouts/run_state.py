@@ -11,7 +11,7 @@ opens the two together (`with_run_state`): the model from the folder, everything
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -36,11 +36,17 @@ def run_state_files(entries: Sequence[DirEntry]) -> list[str]:
     return sorted(e.name for e in entries if not e.is_dir and RUN_STATE_NAMES.match(e.name))
 
 
-def attach_run_state(url: str, names: Sequence[str], children: Sequence[CheckpointRef]) -> list[CheckpointRef] | None:
+def attach_run_state(
+    url: str, names: Sequence[str], children: Sequence[CheckpointRef], model_only: Callable[[CheckpointRef], bool]
+) -> list[CheckpointRef] | None:
     """`children` (the checkpoints found below the folder `url`) with the run state file `names[0]` attached to
-    the newest complete checkpoint directly inside `url` (by step, then epoch, then time); None when there is
-    none (the caller lists the file as unknown then)."""
+    the newest complete model folder (`model_only`: a layout that holds model weights only) directly inside
+    `url` (by step, then epoch, then time); None when there is none (the caller lists the file as unknown then).
+    A folder of training checkpoints (an HF Trainer `output_dir` with its `trainer_state.json`) is left as it is:
+    its checkpoints resume by their own rules."""
     direct = [ref for ref in children if io.parent_of(ref.url) == url and ref.state is CheckpointState.COMPLETE]
+    if not direct or not all(model_only(ref) for ref in direct):
+        return None
     if not names or not direct:
         return None
     newest = max(direct, key=_position)

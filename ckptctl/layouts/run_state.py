@@ -16,12 +16,20 @@ from dataclasses import replace
 from typing import Any
 
 from ckptctl import io
-from ckptctl.checkpoint import Checkpoint, CheckpointRef, CheckpointState, Component, Role
+from ckptctl.checkpoint import Checkpoint, CheckpointRef, CheckpointState, Component, Problem, Role
+from ckptctl.errors import CkptctlError
 from ckptctl.formats.documents import as_real, as_whole, read_json
 from ckptctl.io import DirEntry
 from ckptctl.layouts.resume import ResumeProfile, generic_profile
 
-__all__ = ["RUN_STATE_NAMES", "attach_run_state", "run_state_files", "run_state_profile", "with_run_state"]
+__all__ = [
+    "RUN_STATE_NAMES",
+    "attach_run_state",
+    "run_state_files",
+    "run_state_problems",
+    "run_state_profile",
+    "with_run_state",
+]
 
 #: Names of run-level state files: torchtune's `recipe_state.pt` (and `recipe_state_{epoch}.pt` of older
 #: releases), transformers-style `trainer_state.json`, and the `training_state.pt` some loops write beside
@@ -95,6 +103,23 @@ def with_run_state(checkpoint: Checkpoint) -> Checkpoint:
         progress={**checkpoint.progress, **counters},
         role=Role.TRAINING,
     )
+
+
+def run_state_problems(url: str) -> list[Problem]:
+    """What is wrong with a run state file, each problem naming it: a torch.save file verified whole (its pickle
+    through the allowlist, every storage inside the file), a JSON file parsed."""
+    name = io.name_of(url)
+    try:
+        if url.endswith(".json"):
+            read_json(url)
+            return []
+        from ckptctl.layouts.single_file import TorchFile
+
+        layout = TorchFile()
+        found = layout.verify(layout.open(url))
+    except CkptctlError as exc:
+        found = [Problem.from_error(exc, "")]
+    return [replace(p, path=name, message=f"{name}: {p.message}") for p in found]
 
 
 def _torch_state(url: str) -> tuple[frozenset[Component], dict[str, int | float]]:

@@ -39,7 +39,7 @@ from ckptctl.layouts.resume import (
     WorldSizeCheck,
     generic_profile,
 )
-from ckptctl.layouts.run_state import run_state_profile, with_run_state
+from ckptctl.layouts.run_state import run_state_problems, run_state_profile, with_run_state
 from ckptctl.ops.digests import check_digests
 from ckptctl.ops.report import SCHEMA_VERSION, NoProgress, Progress, iso, jsonable
 
@@ -332,7 +332,8 @@ def _judge(
     try:
         checkpoint = layout.open(ref.url)
         problems = list(layout.verify(checkpoint))
-        if ref.run_state:
+        if ref.run_state:  # what a resume loads with the model folder is verified with it
+            problems += run_state_problems(ref.run_state)
             checkpoint = with_run_state(replace(checkpoint, ref=replace(checkpoint.ref, run_state=ref.run_state)))
     except CkptctlError as exc:
         return f"fails verify: {exc.message}", None, []

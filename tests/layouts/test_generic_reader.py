@@ -260,3 +260,14 @@ def test_a_tracker_file_names_the_latest_folder(run_cli: Cli, tmp_path: Path) ->
         ("step-00000010", True),
         ("step-00000020", False),
     ]
+
+
+def test_a_damaged_recipe_state_is_no_resume_point(run_cli: Cli, tmp_path: Path) -> None:
+    run = _torchtune_run(tmp_path / "run")
+    state = run / "recipe_state.pt"
+    state.write_bytes(state.read_bytes()[: state.stat().st_size // 2])
+    plan = run_cli("resume-plan", run, "--json")
+    assert plan.exit_code == 1, plan.stdout
+    skipped = json.loads(plan.stdout)["skipped"]
+    assert skipped[0]["url"] == str(run / "epoch_1") and "recipe_state.pt" in skipped[0]["reason"]
+    assert run_cli("verify", run, "--latest").exit_code == 1

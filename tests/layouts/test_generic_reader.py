@@ -219,6 +219,8 @@ def test_torchtune_epoch_folders_with_their_recipe_state(run_cli: Cli, tmp_path:
         ("epoch_0", None, 0.0, "hf", "complete", False),
         ("epoch_1", None, 1.0, "hf", "complete", False),
     ]
+    listed = json.loads(run_cli("list", run, "--json").stdout)["checkpoints"]
+    assert [c["run_state"] for c in listed] == [None, str(run / "recipe_state.pt")]
     plan = run_cli("resume-plan", run, "--json")
     assert plan.exit_code == 0, plan.stdout
     assert "nothing resumable" not in run_cli("resume-plan", run).stdout

@@ -143,6 +143,9 @@ class CheckpointRef:
         holds: the child folders that hold checkpoints of their own, as the run scan found them (an HF
             Trainer `output_dir` holding the final model and `checkpoint-N/`): they are not part of this
             checkpoint, and deleting it leaves them alone. Empty outside a scan.
+        run_state: a run-level state file beside it that a resume loads with it (torchtune's `recipe_state.pt`
+            beside `epoch_N/` model folders; `layouts.run_state`), or "". Set on the newest model folder by the
+            run scan.
     """
 
     url: str
@@ -155,6 +158,7 @@ class CheckpointRef:
     latest: bool = False
     note: str = ""
     holds: tuple[str, ...] = ()
+    run_state: str = ""
 
 
 class Role(enum.StrEnum):
@@ -276,6 +280,8 @@ class ProblemKind(enum.StrEnum):
     #: Checkpoint-like files of a layout ckptctl does not know: whether they make a whole checkpoint cannot be
     #: told (verify exits 2).
     UNKNOWN_LAYOUT = "unknown_layout"
+    #: A pickled object of a class ckptctl was not taught (a known library's), read as an opaque value (a warning).
+    UNSUPPORTED_CLASS = "unsupported_class"
 
 
 _ITEMSIZE = {

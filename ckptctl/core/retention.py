@@ -9,7 +9,7 @@ How a plan is made, per series (the checkpoints of one folder, e.g. `_actor/` an
 
 1. Protections keep a checkpoint whatever the rules say: the newest complete checkpoint, pinned steps, the
    reasons the caller found (a `latest` pointer names it, it is being written, ...), checkpoints without a
-   step (they cannot be ordered) and, with `older_than`, those not older than that.
+   step or an epoch (they cannot be ordered; epoch folders such as `epoch_3/` are ordered by epoch) and, with `older_than`, those not older than that.
 2. Rules, composed with "any": `keep_last` (the newest N complete checkpoints), `keep_every` (complete
    checkpoints whose step is a multiple of K), `keep_best` (the complete checkpoint with the best value of
    a metric). Broken and superseded checkpoints are kept by no rule: a rule keeps checkpoints a resume
@@ -53,7 +53,8 @@ class Candidate:
     """What retention knows about one checkpoint. Facts only: the caller reads the disk, the policy decides.
 
     Attributes:
-        step: the global step, or None when nothing says (such a checkpoint is never deleted).
+        step: the global step, or None when nothing says (such a checkpoint is never deleted unless it has an
+            epoch).
         url: identifies the checkpoint in the decisions (a path or URL; any unique string).
         series: checkpoints with the same series are ordered against each other (their folder).
         created: when the checkpoint was written (for `older_than` and for "oldest first").
@@ -66,6 +67,7 @@ class Candidate:
         note: why it is not complete (superseded by a rollback, an abandoned save), given as the reason it
             goes; "" says it is broken.
         abandoned: what a save left when its writer stopped: no rule keeps it (see the module docstring).
+        epoch: the epoch, which orders checkpoints that have no step (`epoch_0/`, `epoch_1/` model folders).
     """
 
     step: int | None
@@ -79,6 +81,12 @@ class Candidate:
     busy: str = ""
     note: str = ""
     abandoned: bool = False
+    epoch: float | None = None
+
+    @property
+    def ordered(self) -> bool:
+        """Whether it has a place in its series: a step, or an epoch."""
+        return self.step is not None or self.epoch is not None
 
 
 @dataclass(frozen=True, slots=True)
@@ -309,7 +317,7 @@ class RetentionPolicy:
         reasons = list(c.protected)
         if c.busy:
             reasons.append(c.busy)
-        if c.step is None:
+        if not c.ordered:
             reasons.append(NO_STEP)
         elif c.step in self.pin:
             reasons.append(PINNED)
@@ -321,7 +329,7 @@ class RetentionPolicy:
         return reasons
 
     def _apply_rules(self, series: list[Candidate], hard: dict[str, list[str]], soft: dict[str, list[str]]) -> None:
-        usable = [c for c in series if c.complete and c.step is not None]
+        usable = [c for c in series if c.complete and c.ordered]
         if usable:
             hard[usable[-1].url].insert(0, NEWEST)
         if self.keep_last is not None:
@@ -370,7 +378,7 @@ class RetentionPolicy:
 
 
 def _order(c: Candidate) -> tuple[Any, ...]:
-    return (c.series, c.step is not None, c.step or 0, *_age_key(c), c.url)
+    return (c.series, c.ordered, c.step is not None, c.step or 0, c.epoch or 0.0, *_age_key(c), c.url)
 
 
 def _age_key(c: Candidate) -> tuple[float, int]:

@@ -58,19 +58,23 @@ from ckptctl.errors import CkptctlError, CorruptCheckpoint, UnsafePickle
 from ckptctl.formats import framework_classes
 
 __all__ = [
+    "CODE_RUNNING_MODULES",
     "MAX_DIMS",
     "MAX_GROWTH_PER_BYTE",
     "MAX_NESTING",
     "Allowlist",
     "FrameworkMapping",
     "FrameworkObject",
+    "OpaqueObject",
     "SafeUnpickler",
     "StandIn",
     "check_growth",
     "check_nesting",
     "check_opcodes",
     "gc_paused",
+    "opaque_values",
     "parse_pickle",
+    "runs_code",
     "safe_loads",
     "stand_in_class",
     "state_fields",
@@ -188,12 +192,82 @@ def _framework_class(qualified_name: str) -> type[FrameworkObject]:
     return type("FrameworkObject", (FrameworkObject,), {"__slots__": (), "stands_for": qualified_name})
 
 
+class OpaqueObject(StandIn):
+    """An object of a class no allowlist holds, from a known ML library or the standard library, read where the
+    reader can skip it (`Allowlist.opaque_unknown`): whatever REDUCE or NEWOBJ hands it (`args`) and BUILD
+    gives it (`state`) is stored, nothing is called. `stands_for` names the class, `package` its library, for
+    the "unsupported class X (from P)" notes of `opaque_values`."""
+
+    __slots__ = ("args", "items")
+    package: ClassVar[str] = ""
+    args: tuple[Any, ...]
+    items: list[Any]
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> OpaqueObject:
+        obj = object.__new__(cls)
+        obj.args = args
+        obj.state = None
+        obj.items = []
+        return obj
+
+    def __setstate__(self, state: Any) -> None:
+        self.state = state
+
+    # A dict or list subclass is filled by SETITEMS/APPENDS: its items are kept, nothing else happens.
+    def __setitem__(self, key: Any, value: Any) -> None:
+        check_growth(64)
+        self.items.append((key, value))
+
+    def append(self, value: Any) -> None:
+        check_growth(64)
+        self.items.append(value)
+
+    def extend(self, values: Any) -> None:
+        for value in values:
+            self.append(value)
+
+    def __repr__(self) -> str:
+        return f"<unsupported {self.stands_for}>"
+
+
+def _opaque_class(qualified_name: str, package: str) -> type[OpaqueObject]:
+    # A fresh class per name and load (bounded by `_MAX_GLOBALS`), like pattern-matched framework classes.
+    return type("OpaqueObject", (OpaqueObject,), {"__slots__": (), "stands_for": qualified_name, "package": package})
+
+
+def opaque_values(root: Any, limit: int = 64) -> list[str]:
+    """ "unsupported class X (from P)" for each distinct opaque class in `root` (dicts, lists, tuples and stand-ins
+    walked iteratively, each container once), at most `limit`."""
+    found: dict[str, str] = {}
+    seen: set[int] = set()
+    todo = [root]
+    while todo and len(found) < limit:
+        value = todo.pop()
+        if id(value) in seen:
+            continue
+        seen.add(id(value))
+        if isinstance(value, OpaqueObject):
+            found.setdefault(value.stands_for, f"unsupported class {value.stands_for} (from {value.package})")
+            continue
+        if isinstance(value, StandIn):
+            todo.append(getattr(value, "state", None))
+        elif isinstance(value, dict):
+            todo.extend(value.values())
+        elif type(value) in (list, tuple):
+            todo.extend(value)
+    return [found[name] for name in sorted(found)]
+
+
 class Allowlist(Mapping[tuple[str, str], Any]):
     """Exact (module, name) entries, plus the framework classes the framework packages register
     (`formats.framework_classes`: exact names and module prefixes), which become `FrameworkObject`s."""
 
-    def __init__(self, exact: Mapping[tuple[str, str], Any]) -> None:
+    def __init__(self, exact: Mapping[tuple[str, str], Any], *, opaque_unknown: bool = False) -> None:
         self._exact = dict(exact)
+        #: Whether a class of a known ML library (or of the standard library) outside the entries is read as
+        #: an `OpaqueObject` instead of refusing the file: the generic reader's choice, for files of
+        #: frameworks ckptctl was never taught (a layout that knows its files refuses what it does not know).
+        self.opaque_unknown = opaque_unknown
 
     def __getitem__(self, key: tuple[str, str]) -> Any:
         found = self._exact.get(key)
@@ -221,8 +295,42 @@ class Allowlist(Mapping[tuple[str, str], Any]):
 
 #: The packages whose file formats ckptctl reads (torch.save, DCP, numpy values in them): a global of theirs
 #: outside the allowlists is refused as an unsupported class, not as a forgery; framework packages add
-#: their own (`FrameworkClasses.packages`).
+#: their own, and the generic reader the ML libraries of the long tail (`FrameworkClasses.packages`).
 _FORMAT_PACKAGES = frozenset({"torch", "numpy"})
+
+#: Modules whose globals run code, open files or processes, or import anything when called (the tools of a
+#: pickle exploit): naming one is the sign of a forged file. A module matches itself and its submodules.
+CODE_RUNNING_MODULES = frozenset(
+    {"os", "posix", "nt", "subprocess", "_posixsubprocess", "sys", "importlib", "runpy", "shutil", "pickle"}
+    | {"_pickle", "marshal", "ctypes", "_ctypes", "code", "codeop", "pty", "socket", "multiprocessing", "webbrowser"}
+    | {"pdb", "bdb", "timeit", "cProfile", "profile", "trace", "threading", "_thread", "signal", "asyncio"}
+    | {"tempfile", "io", "_io", "codecs", "functools", "operator", "_operator", "types", "builtins", "copyreg"}
+    | {"pydoc", "zipimport", "pkgutil", "site", "sysconfig", "compileall", "py_compile", "gc", "atexit"}
+    | {"commands", "popen2", "platform", "glob", "fileinput", "linecache", "tarfile", "zipfile", "sqlite3"}
+    | {"urllib", "http.client", "http.server", "ftplib", "smtplib", "telnetlib", "xmlrpc", "ensurepip", "venv"}
+    | {"__builtin__", "exceptions", "inspect", "ast", "dis", "tkinter", "turtle", "_winapi", "msvcrt", "winreg"}
+)
+
+#: The classes of standard-library enums and plain values the allowlists read as data are named in
+#: `formats.stdlib_classes`; every other standard-library global is unknown (or code-running, above).
+_STDLIB_MODULES = frozenset(sys.stdlib_module_names)
+
+
+#: Builtins that are plain value types (a `defaultdict(list)` names `builtins.list` as its factory): unknown,
+#: not code-running. Every other builtin (eval, exec, getattr, __import__, open, ...) is.
+_BUILTIN_VALUE_TYPES = frozenset(
+    {"list", "dict", "int", "float", "str", "bytes", "bool", "tuple", "complex", "bytearray", "slice", "range"}
+)
+
+
+def runs_code(module: str, name: str) -> bool:
+    """Whether the global `module.name` is a tool of a pickle exploit (see `CODE_RUNNING_MODULES`): every global
+    of such a module (none is a plain value class a file needs), but the builtins' plain value types."""
+    if module in ("builtins", "__builtin__") and name in _BUILTIN_VALUE_TYPES:
+        return False
+    parts = module.split(".")
+    return any(".".join(parts[:n]) in CODE_RUNNING_MODULES for n in range(1, len(parts) + 1))
+
 
 # Real torch dtypes the data model has no itemsize for: refused as unsupported rather than as unsafe.
 _UNSUPPORTED_DTYPES = frozenset(
@@ -275,19 +383,30 @@ class SafeUnpickler(pickle.Unpickler):
         if module == "torch" and name in _UNSUPPORTED_DTYPES:
             raise CorruptCheckpoint(f"{self._source}: tensor dtype torch.{name} is not supported by ckptctl")
         qualified = f"{_printable(module)}.{_printable(name)}"
-        package = module.partition(".")[0]
-        if package in _FORMAT_PACKAGES or package in framework_classes.registered().packages:
-            # A genuine file of a newer framework version can name a class ckptctl has not been taught: it
-            # is refused all the same, without calling the file a forgery.
+        package = _printable(module.partition(".")[0])
+        if runs_code(module, name):
             raise UnsafePickle(
-                f"{self._source}: unsupported class {qualified} (from {package}): ckptctl reads only the {package} "
-                "classes it knows; nothing in the pickle was executed",
-                f"a {package} version newer than ckptctl knows may pickle this class: please report it with the "
-                f"{package} version; load the file with torch.load(weights_only=False) only if you trust its origin",
+                f"{self._source}: the pickle asks for {qualified}, which is not allowed; nothing in it was executed",
+                "this file is not what it claims to be: do not load it with pickle or torch.load(weights_only=False)",
             )
+        known = package in _FORMAT_PACKAGES or package in framework_classes.registered().packages
+        if known or package in _STDLIB_MODULES:
+            opaque = getattr(self._allowed, "opaque_unknown", False) and len(module) + len(name) <= 200
+            if opaque:
+                return _opaque_class(f"{module}.{name}", package)
+        # A genuine file of a newer framework version (or of a library ckptctl was never taught) can name a
+        # class ckptctl does not know: it is refused all the same, without calling the file a forgery.
+        what = f"ckptctl reads only the {package} classes it knows" if known else f"ckptctl does not know {package}"
         raise UnsafePickle(
-            f"{self._source}: the pickle asks for {qualified}, which is not allowed; nothing in it was executed",
-            "this file is not what it claims to be: do not load it with pickle or torch.load(weights_only=False)",
+            f"{self._source}: unsupported class {qualified} (from {package}): {what}; nothing in the pickle was "
+            "executed",
+            (
+                f"a {package} version newer than ckptctl knows may pickle this class: please report it with the "
+                f"{package} version; "
+                if known
+                else ""
+            )
+            + "load the file with torch.load(weights_only=False) only if you trust its origin",
         )
 
     def persistent_load(self, pid: Any) -> Any:

@@ -16,6 +16,7 @@ from typing import Any
 
 from ckptctl.checkpoint import dtype_itemsize
 from ckptctl.formats.safe_pickle import MAX_DIMS, Allowlist, check_growth, gc_paused, safe_loads
+from ckptctl.formats.stdlib_classes import STDLIB_DATA_GLOBALS
 from ckptctl.formats.torch_save_classes import (
     NDARRAY,
     NUMPY_GLOBALS,
@@ -30,6 +31,7 @@ from ckptctl.formats.torch_save_classes import (
 )
 
 __all__ = [
+    "OPAQUE_PICKLE_GLOBALS",
     "TORCH_PICKLE_EXACT",
     "TORCH_PICKLE_GLOBALS",
     "OrderedDictStandIn",
@@ -195,8 +197,14 @@ TORCH_PICKLE_EXACT: Mapping[tuple[str, str], Any] = {
     ("numpy", "dtype"): NumpyDType,
     ("numpy", "ndarray"): NDARRAY,
     **NUMPY_GLOBALS,
+    **STDLIB_DATA_GLOBALS,
 }
 TORCH_PICKLE_GLOBALS: Mapping[tuple[str, str], Any] = Allowlist(TORCH_PICKLE_EXACT)
+#: The same, for the generic reader of files no framework package claims (`layouts.single_file`): an unknown
+#: class of a known ML library or of the standard library is read as an `OpaqueObject` (reported as
+#: "unsupported class X (from P)"), so that one such value does not make the whole file unreadable; a
+#: code-running global is refused as everywhere.
+OPAQUE_PICKLE_GLOBALS: Mapping[tuple[str, str], Any] = Allowlist(TORCH_PICKLE_EXACT, opaque_unknown=True)
 
 
 def load_torch_pickle(

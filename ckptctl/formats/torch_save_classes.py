@@ -16,6 +16,7 @@ from typing import Any
 from ckptctl.checkpoint import known_dtypes
 from ckptctl.errors import CorruptCheckpoint
 from ckptctl.formats.safe_pickle import MAX_DIMS, SafeUnpickler, StandIn, check_growth, safe_loads
+from ckptctl.formats.stdlib_classes import STDLIB_DATA_GLOBALS
 
 __all__ = [
     "NDARRAY",
@@ -267,6 +268,7 @@ OBJECT_READ_GLOBALS: Mapping[tuple[str, str], Any] = {
     ("numpy", "ndarray"): NDARRAY,
     ("_codecs", "encode"): codecs_encode,
     **NUMPY_GLOBALS,
+    **STDLIB_DATA_GLOBALS,
 }
 
 

@@ -27,7 +27,8 @@ from ckptctl.errors import CheckpointNotFound, CkptctlError, UnknownLayout
 from ckptctl.formats.framework_classes import FrameworkClasses
 from ckptctl.layouts.base import Layout
 from ckptctl.layouts.capabilities import CONVERT_SOURCE, POINTER_WRITER, TRAINING_STATE_WRITER, Slot
-from ckptctl.layouts.generic import GENERIC, generic_layout, unclaimed
+from ckptctl.layouts.generic import GENERIC, TRAINING_STATE, generic_layout, training_state_layout, unclaimed
+from ckptctl.layouts.run_state import attach_run_state, run_state_files
 from ckptctl.quoting import shell
 
 __all__ = [
@@ -265,6 +266,8 @@ def get_layout(name: str) -> Layout:
     """
     if name == GENERIC:
         return generic_layout()
+    if name == TRAINING_STATE:
+        return training_state_layout()
     plugin = _PLUGINS.get(name)
     if plugin is None:
         raise UnknownLayout(f"no layout named {name!r}", f"known layouts: {', '.join(layout_names())}")
@@ -317,7 +320,9 @@ def _plugin_of(layout: Layout) -> Plugin | None:
 def framework_pickle_classes() -> list[FrameworkClasses]:
     """The classes each registered framework package lists in its `pickle_classes` module (where it has
     one): what the torch-pickle allowlist reads as inert stand-ins (`formats.framework_classes`)."""
-    found = []
+    from ckptctl.layouts.training_state import LONG_TAIL_LIBRARIES
+
+    found = [LONG_TAIL_LIBRARIES]  # the generic reader's: libraries no framework package speaks for
     for plugin in _REGISTRY:
         module = f"{plugin.package}.pickle_classes"
         if importlib.util.find_spec(module) is not None:
@@ -342,8 +347,13 @@ def _identify(
 
 
 def _pointed(url: str, entries: Sequence[io.DirEntry]) -> set[str]:
-    """The children of `url` that a `latest`-style pointer in it names (any layout's)."""
-    return {io.join(url, name) for layout in all_layouts() if (name := layout.latest_pointer(url, entries))}
+    """The children of `url` that a `latest`-style pointer in it names (any layout's; the generic reader's
+    links and tracker files where no layout's pointer names one)."""
+    found = {io.join(url, name) for layout in all_layouts() if (name := layout.latest_pointer(url, entries))}
+    present = {io.join(url, e.name) for e in entries}
+    if not found & present and (name := generic_layout().latest_pointer(url, entries)):
+        found.add(io.join(url, name))
+    return found
 
 
 def _identify_file(url: str, entry: io.DirEntry, layout: str | None = None) -> tuple[Layout, CheckpointRef] | None:
@@ -393,7 +403,7 @@ def detect(url: str, layout: str | None = None, *, explain: bool = True) -> tupl
 def _unknown(url: str, entries: Sequence[io.DirEntry], layout: str | None) -> tuple[Layout, CheckpointRef] | None:
     """The generic reader's ref of a folder no plugin recognised, when no layout was asked for."""
     ref = generic_layout().identify(url, entries) if layout is None else None
-    return None if ref is None else (generic_layout(), ref)
+    return None if ref is None else (get_layout(ref.layout), ref)
 
 
 def _detect_file(url: str, layout: str | None) -> tuple[Layout, CheckpointRef]:
@@ -566,7 +576,7 @@ def _walk(
             files = _file_checkpoints(url, entries)
             folder, loose = unclaimed(url, entries, frozenset(io.name_of(ref.url) for ref in files))
             files += loose
-            hit = None if folder is None else (generic_layout(), folder)
+            hit = None if folder is None else (get_layout(folder.layout), folder)
         folders: list[io.DirEntry] = []
         if depth < max_depth:
             skip = _SKIP_DIRS | (hit[0].members(url, entries) if hit is not None else frozenset())
@@ -627,12 +637,25 @@ def _walk_child(url: str, entry: io.DirEntry, depth: int, max_depth: int) -> lis
     return _walk(child_url, child_entries, depth + 1, max_depth)
 
 
+def _model_only(ref: CheckpointRef) -> bool:
+    """Whether `ref`'s layout holds model weights only (nothing a resume restores besides the model)."""
+    return not get_layout(ref.layout).resume_profile().resumable
+
+
 def _finish(level: _Level) -> None:
     """Hand a walked folder's checkpoints to its parent: its own ref first (naming the children that hold
     checkpoints), then theirs, marking those a `latest` pointer in the folder names."""
+    children = level.files + [ref for _, refs in level.children for ref in refs]
+    if level.hit is None or level.hit.layout == GENERIC:
+        # A run-level state file beside model folders goes with the newest of them; alone, it is unknown.
+        names = run_state_files(level.entries)
+        attached = attach_run_state(level.url, names, children, _model_only) if names else None
+        if attached is not None:
+            children = attached
+        elif names:
+            level.hit = unclaimed(level.url, level.entries, run_state=True)[0] or level.hit
     if level.hit is not None:
         holds = tuple(name for name, refs in level.children if refs)
         level.out.append(replace(level.hit, holds=holds) if holds else level.hit)
-    children = level.files + [ref for _, refs in level.children for ref in refs]
     pointed = _pointed(level.url, level.entries) if children else set()
     level.out.extend(replace(ref, latest=True) if ref.url in pointed else ref for ref in children)

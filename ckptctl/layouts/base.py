@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -22,6 +21,7 @@ from ckptctl.formats.torch_zip import TorchArchive
 from ckptctl.io import DirEntry
 from ckptctl.layouts.parts.dcp_folder_metadata import dcp_item_archives
 from ckptctl.layouts.resume import ResumeProfile, generic_profile
+from ckptctl.layouts.step_names import step_from_name  # noqa: F401  (re-exported: the layouts use one rule set)
 
 
 class Layout:
@@ -200,12 +200,6 @@ class Protections:
     notes: tuple[str, ...] = ()
 
 
-_STEP_PATTERNS = (
-    re.compile(r"^(?:step|global_step|globalstep|checkpoint|ckpt|iter|iteration|steps?)[-_]?(\d+)$", re.IGNORECASE),
-    re.compile(r"^(\d+)$"),
-)
-
-
 #: How many absent ranks or shards a layout names one by one (`absent_numbers`); the rest are counted.
 LISTED_ABSENT = 20
 
@@ -220,15 +214,6 @@ def absent_numbers(present: Iterable[int], count: int, limit: int = LISTED_ABSEN
     have = {n for n in present if 0 <= n < count}
     listed = list(itertools.islice((n for n in range(count) if n not in have), limit))
     return listed, max(0, count) - len(have)
-
-
-def step_from_name(name: str) -> int | None:
-    """The step a folder name encodes (`step-100`, `step_100`, `global_step100`, `checkpoint-100`, `100`)."""
-    for pattern in _STEP_PATTERNS:
-        m = pattern.match(name)
-        if m:
-            return int(m.group(1))
-    return None
 
 
 def timestamp(mtime: float | None) -> datetime | None:

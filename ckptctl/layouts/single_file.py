@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from functools import cache
 
 from ckptctl import io
@@ -27,13 +28,16 @@ from ckptctl.checkpoint import (
     TensorEntry,
 )
 from ckptctl.errors import CkptctlError, UnknownLayout, UnsafePickle
+from ckptctl.formats.safe_pickle import opaque_values
 from ckptctl.formats.safetensors import read_header
 from ckptctl.formats.torch_pickle import TorchPickle, open_torch_pickle, storage_problems
+from ckptctl.formats.torch_pickle_classes import OPAQUE_PICKLE_GLOBALS
 from ckptctl.formats.torch_zip import TorchArchive
 from ckptctl.io import DirEntry
 from ckptctl.layouts.base import Layout, timestamp
 from ckptctl.layouts.parts.dcp_folder import component_classifier
 from ckptctl.layouts.parts.hf_folder import safetensors_index, torch_file_entries
+from ckptctl.layouts.training_state import TrainingState, model_name, read_training_state
 
 #: The chunk file name of a single-file checkpoint: the checkpoint itself.
 SELF = ""
@@ -83,11 +87,33 @@ class TorchFile(_FileLayout):
 
     def open(self, url: str) -> Checkpoint:
         ref = file_ref(url, self.name)
-        opened = open_torch_pickle(url, ref.size_bytes)
-        entries = _tensor_entries(opened)
-        metadata = {"format": "torch.save zip (read without unpickling code)", "tensors": len(entries)}
-        components = frozenset(e.component for e in entries) or frozenset({Component.EXTRA})
-        return Checkpoint(ref, components, None, metadata, lambda: entries, {SELF: ref.size_bytes})
+        opened = open_torch_pickle(url, ref.size_bytes, OPAQUE_PICKLE_GLOBALS)
+        state = read_training_state(opened.root)
+        entries = _tensor_entries(opened, state)
+        metadata: dict[str, object] = {
+            "format": "torch.save zip (read without unpickling code)",
+            "tensors": len(entries),
+        }
+        components = {e.component for e in entries}
+        if state.recognised:
+            # A training state: what its top-level keys hold, also where they hold no tensor (a scheduler's
+            # state is numbers only) and the counters a resume continues from.
+            components |= set(state.components.values())
+            metadata["training state keys"] = ", ".join(k for k in state.components if not k.startswith("("))
+            metadata.update({f"counter {key}": value for key, value in state.counters.items()})
+            ref = replace(ref, step=state.step, epoch=state.epoch)
+        opaque = opaque_values(opened.root)
+        if opaque:
+            metadata["opaque values"] = "; ".join(opaque)
+        return Checkpoint(
+            ref,
+            frozenset(components) or frozenset({Component.EXTRA}),
+            None,
+            metadata,
+            lambda: entries,
+            {SELF: ref.size_bytes},
+            progress=dict(state.counters),
+        )
 
     def torch_archives(self, checkpoint: Checkpoint) -> Sequence[TorchArchive]:
         """The file itself."""
@@ -96,22 +122,35 @@ class TorchFile(_FileLayout):
     def verify(self, checkpoint: Checkpoint) -> list[Problem]:
         """`data.pkl` loads with the allowlist and every storage it names lies whole inside the file."""
         try:
-            opened = open_torch_pickle(checkpoint.url, checkpoint.ref.size_bytes)
+            opened = open_torch_pickle(checkpoint.url, checkpoint.ref.size_bytes, OPAQUE_PICKLE_GLOBALS)
         except UnsafePickle as exc:
             return [Problem(ProblemKind.UNSAFE_PICKLE, SELF, exc.message)]
         except CkptctlError as exc:
             return [Problem.from_error(exc, SELF)]
-        return [Problem(ProblemKind.TRUNCATED, SELF, message) for message in storage_problems(opened)]
+        problems = [Problem(ProblemKind.TRUNCATED, SELF, message) for message in storage_problems(opened)]
+        # A class of a known library ckptctl was not taught is read as an opaque value: said, not failed.
+        problems += [
+            Problem(ProblemKind.UNSUPPORTED_CLASS, SELF, f"{note}: read as an opaque value", severity="warning")
+            for note in opaque_values(opened.root)
+        ]
+        return problems
 
 
-def _tensor_entries(opened: TorchPickle) -> tuple[TensorEntry, ...]:
-    """Every tensor of the file, as RAW chunks into it (see `torch_file_entries`)."""
+def _tensor_entries(opened: TorchPickle, state: TrainingState) -> tuple[TensorEntry, ...]:
+    """Every tensor of the file, as RAW chunks into it (see `torch_file_entries`); a training state's model
+    tensors under the model's own names (`model_name`), unless that would give two tensors one name."""
     classify: Callable[[str], Component]
-    if io.name_of(opened.url).startswith("optim"):  # optimizer.pt, optim_states.pt: keys are `state.0.*`
+    if state.components:
+        classify = state.component_of
+    elif io.name_of(opened.url).startswith("optim"):  # optimizer.pt, optim_states.pt: keys are `state.0.*`
         classify = _optimizer
     else:
         classify = component_classifier([name for name, _ in opened.tensors()])
-    return tuple(torch_file_entries(opened, SELF, classify))
+    entries = torch_file_entries(opened, SELF, classify)
+    if not state.components:
+        return tuple(entries)
+    renamed = [replace(e, name=model_name(e.name, state)) if e.component == Component.MODEL else e for e in entries]
+    return tuple(renamed if len({e.name for e in renamed}) == len(renamed) else entries)
 
 
 def _optimizer(_name: str) -> Component:

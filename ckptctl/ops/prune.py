@@ -360,6 +360,7 @@ def plan_prune(
             busy=f.busy,
             note=f.ref.note if f.ref.state in _OFF_BRANCH else "",
             abandoned=f.ref.state is CheckpointState.ABANDONED,
+            epoch=f.ref.epoch,
         )
         for f in found
         if not f.link
@@ -370,7 +371,7 @@ def plan_prune(
         for d in policy.plan(candidates, now=now)
     ]
     items += [PruneItem(f.ref, True, (f.link,), 0) for f in found if f.link]
-    items.sort(key=lambda i: (io.parent_of(i.url), i.ref.step is not None, i.ref.step or 0, i.url))
+    items.sort(key=lambda i: (io.parent_of(i.url), i.ref.step is not None, i.ref.step or 0, i.ref.epoch or 0, i.url))
     # `repair`'s quarantine is no leftover: it is never emptied here, so it frees nothing.
     trash = sum(_tree_size(t) - _tree_size(io.join(t, QUARANTINE_NAME)) for t in _trash_folders(run, items))
     return PrunePlan(run, policy, tuple(items), grace, now, trash, tuple(notes))

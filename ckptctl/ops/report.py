@@ -97,6 +97,8 @@ def ref_json(ref: CheckpointRef) -> dict[str, Any]:
         "latest": ref.latest,
         "created": iso(ref.created),
         "note": ref.note,
+        # A run-level state file a resume loads with this model folder (torchtune's `recipe_state.pt`), or null.
+        "run_state": ref.run_state or None,
     }
 
 

@@ -39,6 +39,7 @@ from ckptctl.layouts.resume import (
     WorldSizeCheck,
     generic_profile,
 )
+from ckptctl.layouts.run_state import run_state_problems, run_state_profile, with_run_state
 from ckptctl.ops.digests import check_digests
 from ckptctl.ops.report import SCHEMA_VERSION, NoProgress, Progress, iso, jsonable
 
@@ -189,7 +190,7 @@ def plan_resume(
         if rejected and ref.url in rejected:
             skipped.append(Skipped(ref.url, ref.step, rejected[ref.url], ref.layout, ref.state))
             continue
-        profile = profile_for(ref.layout)
+        profile = _profile(ref)
         reason, checkpoint, pointer_problems = _judge(ref, profile, pointer_named, digests, progress or NoProgress())
         run_warnings += [p for p in pointer_problems if p not in run_warnings]
         if reason is None and checkpoint is not None:
@@ -200,7 +201,7 @@ def plan_resume(
         return ResumePlan(
             run=run, checkpoint=None, framework=None, skipped=tuple(skipped), warnings=tuple(run_warnings)
         )
-    profile = profile_for(chosen.layout)
+    profile = _profile(chosen.ref)
     ctx = PlanContext(run, chosen, tuple(refs), tuple(skipped), world_size)
     ctx = replace(ctx, world=profile.world_size(ctx))
     if ctx.world is not None and ctx.world.ok is False:
@@ -256,13 +257,22 @@ def _one_run(run: str, refs: list[CheckpointRef]) -> list[CheckpointRef]:
     return groups[resumable[0]] if resumable else refs
 
 
+def _profile(ref: CheckpointRef) -> ResumeProfile:
+    """The resume profile of `ref`'s layout, or of it and the run-level state file the scan attached to it."""
+    profile = profile_for(ref.layout)
+    return run_state_profile(profile, ref) if ref.run_state else profile
+
+
 def _newest_first(refs: Sequence[CheckpointRef]) -> list[CheckpointRef]:
-    def key(ref: CheckpointRef) -> tuple[bool, int, bool, bool, float]:
+    def key(ref: CheckpointRef) -> tuple[bool, int, float, bool, bool, float]:
         created = ref.created.timestamp() if ref.created else 0.0
         # At equal steps, a checkpoint before its conversions (which a plan takes when it does not load on the
         # target ranks), and what a `latest` pointer names first (a best-so-far copy saved beside the step's own).
+        # Without steps, epochs order them (`epoch_0/`, `epoch_1/` model folders).
         original = profile_for(ref.layout).converted_from(ref.url) is None
-        return (ref.step is not None, ref.step if ref.step is not None else -1, original, ref.latest, created)
+        step = ref.step if ref.step is not None else -1
+        epoch = ref.epoch if ref.epoch is not None else -1.0
+        return (ref.step is not None, step, epoch, original, ref.latest, created)
 
     return sorted(refs, key=key, reverse=True)
 
@@ -328,6 +338,9 @@ def _judge(
     try:
         checkpoint = layout.open(ref.url)
         problems = list(layout.verify(checkpoint))
+        if ref.run_state:  # what a resume loads with the model folder is verified with it
+            problems += run_state_problems(ref.run_state)
+            checkpoint = with_run_state(replace(checkpoint, ref=replace(checkpoint.ref, run_state=ref.run_state)))
     except CkptctlError as exc:
         return f"fails verify: {exc.message}", None, []
     if digests:

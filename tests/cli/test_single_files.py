@@ -57,13 +57,36 @@ def test_verify_a_truncated_file_fails(run_cli: Cli, files: dict[str, Path], tmp
     assert result.json["ok"] is False and result.json["problems"][0]["kind"] in ("truncated", "bad_metadata")
 
 
-def test_a_pickle_with_a_foreign_global_is_refused_not_run(run_cli: Cli, tmp_path: Path) -> None:
+class _Touch:
+    """Pickles as a call of `subprocess.Popen` that would create a file."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[object, ...]:
+        import subprocess
+
+        return subprocess.Popen, (["touch", str(self.marker)],)
+
+
+def test_a_pickle_with_a_code_running_global_is_refused_not_run(run_cli: Cli, tmp_path: Path) -> None:
     evil = tmp_path / "model.pt"
-    torch.save({"weight": torch.ones(2), "args": Path("/etc")}, evil)  # PosixPath: outside the allowlist
+    marker = tmp_path / "pwned"
+    torch.save({"weight": torch.ones(2), "args": _Touch(marker)}, evil)
     verified = run_cli("verify", evil, "--json")
     assert verified.exit_code == 1 and verified.json["problems"][0]["kind"] == "unsafe_pickle"
+    assert "subprocess.Popen" in verified.json["problems"][0]["message"]
     inspected = run_cli("inspect", evil)
     assert inspected.exit_code == 2 and "Traceback" not in inspected.stderr
+    assert "not what it claims to be" in inspected.stderr
+    assert not marker.exists()
+
+
+def test_a_path_in_a_pickle_is_read_as_its_string(run_cli: Cli, tmp_path: Path) -> None:
+    saved = tmp_path / "model.pt"
+    torch.save({"weight": torch.ones(2), "args": Path("/etc")}, saved)  # PosixPath: a plain value
+    verified = run_cli("verify", saved, "--json")
+    assert verified.exit_code == 0 and verified.json["problems"] == [], verified.stdout
 
 
 def test_diff_a_file_against_a_file_and_a_folder(

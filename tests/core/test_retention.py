@@ -440,3 +440,16 @@ def test_an_abandoned_save_is_kept_by_no_rule_and_a_superseded_step_goes_with_it
     assert gone.reasons == ("superseded by step-20: a rollback",)
     pinned = RetentionPolicy(pin=frozenset({20})).plan(candidates)
     assert next(d for d in pinned if d.url == leftover.url).keep  # protections still hold
+
+
+def test_checkpoints_without_steps_are_ordered_by_epoch() -> None:
+    """`epoch_0/`, `epoch_2/`, `epoch_10/` model folders (torchtune): ordered by epoch, not kept as unorderable."""
+    policy = RetentionPolicy(keep_last=1)
+    epochs = [Candidate(None, url=f"epoch_{e}", epoch=float(e)) for e in (10, 0, 2)]
+    decisions = {d.url: (d.keep, d.reasons) for d in policy.plan([*epochs, Candidate(None, url="notes")])}
+    assert decisions == {
+        "notes": (True, ("no step (cannot be ordered)",)),
+        "epoch_0": (False, ("no rule keeps it",)),
+        "epoch_2": (False, ("no rule keeps it",)),
+        "epoch_10": (True, ("newest complete", "keep_last=1")),
+    }

@@ -69,7 +69,9 @@ def test_open_index_and_verify_read_only_metadata_and_need_no_torch(fsdp_dcp: Wr
     bytes_items = {k for k, v in metadata.state_dict_metadata.items() if isinstance(v, BytesStorageMetadata)}
     item_bytes = sum(info.length for index, info in metadata.storage_data.items() if index.fqn in bytes_items)
     assert bytes_items and item_bytes < 100_000
-    assert bytes_read == (fsdp_dcp.path / ".metadata").stat().st_size + item_bytes
+    # `open` reads the loop's counters (`trainer_state.step`) for resume-plan, verify every item again.
+    counters = sum(info.length for index, info in metadata.storage_data.items() if index.fqn == "trainer_state.step")
+    assert bytes_read == (fsdp_dcp.path / ".metadata").stat().st_size + item_bytes + counters
     assert entries == len(fsdp_dcp.reference_tensors()) and problems == 0
 
 
@@ -125,7 +127,9 @@ def test_every_fsdp_chunk_is_a_plain_byte_range(fsdp_dcp: WrittenDcp) -> None:
 
 def test_raw_single_process_save(raw_dcp: WrittenDcp) -> None:
     checkpoint = LAYOUT.open(str(raw_dcp.path))
-    assert checkpoint.components == {Component.MODEL}  # no recognised prefix at all: a raw model save
+    # No recognised prefix at all: a raw model save, and its top-level `step` item a counter (issue 23).
+    assert checkpoint.components == {Component.MODEL, Component.TRAINER_STATE}
+    assert checkpoint.progress == {"step": 7} and checkpoint.ref.step == 7
     assert checkpoint.world_size == 1
     reference = raw_dcp.reference_tensors()
     for entry in checkpoint.tensor_index():

@@ -47,6 +47,7 @@ from ckptctl.layouts.parts.hf_folder import has_weights, legacy_index, model_com
 from ckptctl.layouts.parts.lora.adapter import ADAPTER_WEIGHTS, adapter_metadata, adapter_problems
 from ckptctl.layouts.parts.lora.settings import ADAPTER_CONFIG
 from ckptctl.layouts.resume import ResumeProfile
+from ckptctl.layouts.step_names import epoch_from_name
 
 __all__ = ["PeftLayout"]
 
@@ -76,7 +77,7 @@ class PeftLayout(Layout):
             url=url,
             layout=self.name,
             step=step_from_name(io.name_of(url)),
-            epoch=None,
+            epoch=epoch_from_name(io.name_of(url)),
             created=timestamp(newest_mtime(entries)),
             state=CheckpointState.COMPLETE if complete else CheckpointState.BROKEN,
             size_bytes=sum(e.size for e in entries if not e.is_dir),

@@ -55,6 +55,8 @@ from ckptctl.io import DirEntry
 from ckptctl.layouts.base import LISTED_ABSENT, Layout, newest_mtime, step_from_name, timestamp
 from ckptctl.layouts.parts.dcp_folder_metadata import in_progress_error, load_dcp_metadata, parse_cached, rank_metadata
 from ckptctl.layouts.parts.hf_folder import model_components
+from ckptctl.layouts.step_names import epoch_from_name
+from ckptctl.layouts.training_state import COUNTER_KEYS, TrainingState
 
 __all__ = [
     "DISTCP_RE",
@@ -384,6 +386,39 @@ _BYTES_SPAN_READ = 64 << 20
 _MAX_BYTES_ITEM = 16 << 20
 
 
+#: Counter items read at most (each one small read), and the most bytes one may claim.
+_MAX_COUNTER_ITEMS = 32
+_MAX_COUNTER_BYTES = 1 << 16
+
+
+def bytes_counters(url: str, metadata: DcpMetadata) -> dict[str, int | float]:
+    """The loop counters a DCP save holds as non-tensor items (`epochs_run`, `step`, `steps_run`, `global_step`,
+    ..., `layouts.training_state.COUNTER_KEYS`) at its top level or under a trainer-state namespace
+    (`trainer_state.step`), read through the allowlisting reader; an item that cannot be read is left out
+    (verify reports it)."""
+    found: dict[str, int | float] = {}
+    wanted = [key for key in metadata.bytes_keys if _counter_name(key) is not None][:_MAX_COUNTER_ITEMS]
+    for key in wanted:
+        record = metadata.storage.get((key, None))
+        if record is None or record.transforms or record.length > _MAX_COUNTER_BYTES:
+            continue
+        try:
+            blob = io.read_bytes(io.join(url, record.relative_path), record.offset, record.length)
+            value = read_object_archive(blob, f"{record.relative_path}: item {key!r}")
+        except CkptctlError:
+            continue
+        if type(value) in (int, float):
+            found[key] = value
+    return found
+
+
+def _counter_name(key: str) -> str | None:
+    head, _, name = key.rpartition(".")
+    if name not in COUNTER_KEYS or head.count(".") > 0:
+        return None
+    return name if not head or component_for_prefix(head) in (None, Component.TRAINER_STATE) else None
+
+
 def _bytes_item_problems(
     url: str, metadata: DcpMetadata, readable: Callable[[str], bool], prefix: str
 ) -> list[Problem]:
@@ -607,7 +642,7 @@ class DcpFolderLayout(Layout):
             url=url,
             layout=self.name,
             step=step_from_name(io.name_of(url)),
-            epoch=None,
+            epoch=epoch_from_name(io.name_of(url)),
             created=timestamp(meta.mtime if meta is not None else newest_mtime(entries)),
             state=state,
             size_bytes=size,
@@ -655,7 +690,7 @@ class DcpFolderLayout(Layout):
         components = classify.components | (model_components(set(files)) & _BESIDE)
         bytes_keys = metadata.bytes_keys
         referenced = metadata.referenced_files()
-        info = {
+        info: dict[str, object] = {
             "format": "torch.distributed.checkpoint",
             "dcp_version": metadata.version,
             "keys": len(metadata.entries),
@@ -668,6 +703,18 @@ class DcpFolderLayout(Layout):
             info["save_id"] = None  # each rank draws its own
             info[RANK_METADATA_KEY] = len(per_rank)
 
+        counters = bytes_counters(url, metadata)
+        if counters:
+            # The loop's counters saved beside the model (`{"model", "optim", "epochs_run"}`): its trainer state.
+            components |= {Component.TRAINER_STATE}
+            info.update({f"counter {key}": value for key, value in counters.items()})
+            facts = TrainingState(counters=counters)
+            ref = replace(
+                ref,
+                step=ref.step if ref.step is not None else facts.step,
+                epoch=ref.epoch if ref.epoch is not None else facts.epoch,
+            )
+
         @cache
         def tensor_index() -> tuple[TensorEntry, ...]:
             return index_from_metadata(metadata, classify)
@@ -679,6 +726,7 @@ class DcpFolderLayout(Layout):
             metadata=info,
             tensor_index=tensor_index,
             files=files,
+            progress=counters,
         )
 
     def verify(self, checkpoint: Checkpoint) -> list[Problem]:

@@ -46,6 +46,7 @@ from ckptctl.formats.torch_pickle import TorchPickle, open_torch_pickle, storage
 from ckptctl.io import DirEntry
 from ckptctl.layouts.base import Layout, absent_numbers, newest_mtime, step_from_name, timestamp
 from ckptctl.layouts.parts.hf_rank_shards import SHARD_FILE, is_distributed, rank_files, shards_index, shards_problems
+from ckptctl.layouts.step_names import epoch_from_name
 
 INDEX_NAMES = ("model.safetensors.index.json", "adapter_model.safetensors.index.json")
 _SHARD = re.compile(r"^(?P<stem>.+)-(?P<i>\d{5})-of-(?P<n>\d{5})\.(?P<ext>safetensors|bin)$")
@@ -134,7 +135,7 @@ class HfFolderLayout(Layout):
             url=url,
             layout=self.name,
             step=step_from_name(io.name_of(url)),
-            epoch=None,
+            epoch=epoch_from_name(io.name_of(url)),
             created=timestamp(newest_mtime(entries)),
             state=state,
             size_bytes=sum(e.size for e in entries if not e.is_dir),

@@ -245,10 +245,10 @@ def test_convert_the_actor_equals_verls_own_merger(verl_run: WrittenVerl, tmp_pa
 def test_replicated_shards_are_taken_once(verl_run: WrittenVerl, tmp_path: Path, run_cli: Cli) -> None:
     """The critic was sharded on verl's HSDP mesh ("ddp", "fsdp") of shape (2, 1): every parameter is
     `(Replicate(), Shard(0))` and both rank files hold it whole. Each keeps its shape (never concatenated
-    across the replicas, verl PR#7610) and equals verl's merger's output. verl saves the critic's config as
-    the base model's (a causal LM), so the model check is left out."""
+    across the replicas, verl PR#7610) and equals verl's merger's output (checked against the model verl's critic
+    is: tests/ops/test_convert_value_heads.py)."""
     critic = verl_run.step(2) / "critic"
-    result = run_cli("convert", critic, tmp_path / "critic", "--to", "hf", "--no-check-model", "--json")
+    result = run_cli("convert", critic, tmp_path / "critic", "--to", "hf", "--json")
     assert result.exit_code == 0, result.stderr
     ours = _assert_equal_to_merger(tmp_path / "critic", verl_run.merged_critic)
     assert ours["score.bias"].shape == (1,)

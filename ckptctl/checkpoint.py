@@ -143,6 +143,8 @@ class CheckpointRef:
         holds: the child folders that hold checkpoints of their own, as the run scan found them (an HF
             Trainer `output_dir` holding the final model and `checkpoint-N/`): they are not part of this
             checkpoint, and deleting it leaves them alone. Empty outside a scan.
+        roles: the models of an RL run the checkpoint holds, each in a folder of its own (verl's `actor` and
+            `critic`), as its framework names them; empty for a checkpoint of one model.
     """
 
     url: str
@@ -155,6 +157,7 @@ class CheckpointRef:
     latest: bool = False
     note: str = ""
     holds: tuple[str, ...] = ()
+    roles: tuple[str, ...] = ()
 
 
 class Role(enum.StrEnum):

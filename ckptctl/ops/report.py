@@ -97,6 +97,7 @@ def ref_json(ref: CheckpointRef) -> dict[str, Any]:
         "latest": ref.latest,
         "created": iso(ref.created),
         "note": ref.note,
+        "roles": list(ref.roles),
     }
 
 

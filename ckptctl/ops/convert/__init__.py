@@ -30,7 +30,7 @@ from ckptctl.checkpoint import Checkpoint, CheckpointRef, CheckpointState, Compo
 from ckptctl.errors import CheckpointInProgress, CheckpointNotFound, CkptctlError, CorruptCheckpoint
 from ckptctl.formats.documents import read_json
 from ckptctl.layouts import Layout, get_layout, resolve
-from ckptctl.layouts.capabilities import HfModel, ModelSpec
+from ckptctl.layouts.capabilities import NO_NAME_MAP, HfModel, ModelSpec
 from ckptctl.layouts.parts.value_head import find_value_head
 from ckptctl.layouts.wrapped import WrappedAdapter
 from ckptctl.ops.convert.commit import Staging, UploadStaging, check_destination, write_digests, write_small
@@ -98,10 +98,11 @@ def convert(
 
 
 def _hf_model(checkpoint: Checkpoint, layout: Layout, options: ConvertOptions) -> HfModel | None:
-    """The model under transformers names when the layout has it and `--to hf` converts the model (the
-    `--config` given is read for what the checkpoint does not record)."""
-    if options.to is not Target.HF or options.component is not Component.MODEL:
-        return None
+    """The model under transformers names when the layout has it and `--to hf` converts the model, unless
+    `--mapping none` keeps the stored names (the `--config` given is read for what the checkpoint does not
+    record)."""
+    if options.to is not Target.HF or options.component is not Component.MODEL or options.mapping == NO_NAME_MAP:
+        return None  # `--mapping none`: the names (and the merged shapes) the checkpoint stores
     config = None
     if options.config_dir is not None:
         path = io.join(options.config_dir, "config.json")

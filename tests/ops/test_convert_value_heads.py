@@ -54,7 +54,7 @@ def test_areal_critic_export_and_slot_convert_to_token_classification(
     `Qwen3ForTokenClassification` with one label, and computes the critic's own values (its module, on the same
     ids) exactly, from the recover slot and from the Saver's export."""
     theirs = load_file(str(areal_critic.values))["values"]
-    slot = _convert(run_cli, areal_critic.slot, tmp_path / "slot", "--check-logits")
+    slot = _convert(run_cli, areal_critic.slot, tmp_path / "slot")
     assert slot["model_check"]["architecture"] == "Qwen3ForTokenClassification"
     assert any("value head" in w and "Qwen3ForCausalLM" in w for w in slot["warnings"])
     config = json.loads((tmp_path / "slot" / "config.json").read_text())
@@ -77,7 +77,7 @@ def test_verl_critic_converts_to_token_classification(verl_run: WrittenVerl, tmp
     critic = verl_run.step(2) / "critic"
     result = _convert(run_cli, critic, tmp_path / "critic", "--check-logits")
     assert result["model_check"]["architecture"] == "Qwen2ForTokenClassification"
-    assert result["model_check"]["logits_max_abs_diff"] == 0.0
+    assert result["model_check"]["logits_max_abs_diff"] == 0.0  # the values of the source tensors, exactly
     config = json.loads((verl_run.merged_critic / "config.json").read_text())
     config["architectures"] = ["Qwen2ForTokenClassification"]  # verl's merger keeps the causal LM's name
     merged = copy_tree(verl_run.merged_critic, tmp_path / "merged")
@@ -90,6 +90,10 @@ def test_verl_critic_converts_to_token_classification(verl_run: WrittenVerl, tmp
     with torch.no_grad():
         got = ours.eval().float()(input_ids=torch.tensor([TOKEN_IDS])).logits
     assert torch.equal(got, want)
+    # The merger's own folder (an HF model folder: no framework says what it is) converts alike, its head's bias
+    # being transformers' token classification head.
+    merged_converted = _convert(run_cli, verl_run.merged_critic, tmp_path / "merged-hf")
+    assert merged_converted["model_check"]["architecture"] == "Qwen2ForTokenClassification"
 
 
 def _openrlhf_values(folder: Path, ids: torch.Tensor) -> torch.Tensor:
@@ -114,7 +118,7 @@ def test_openrlhf_critic_tag_and_folder_convert_to_token_classification(
     transformers builds exactly its tensors; the final folder's values are OpenRLHF's, and the ZeRO-2 tag's
     (its fp32 master weights, config from `{output_dir}_critic`) pass the model check."""
     ids = torch.tensor([TOKEN_IDS])
-    folder = _convert(run_cli, openrlhf_ppo.critic_output_dir, tmp_path / "final", "--check-logits")
+    folder = _convert(run_cli, openrlhf_ppo.critic_output_dir, tmp_path / "final")
     assert folder["model_check"]["architecture"] == "LlamaForTokenClassification"
     config = json.loads((tmp_path / "final" / "config.json").read_text())
     assert config["token_classification_bias"] is False and config["architectures"] == ["LlamaForTokenClassification"]
@@ -146,7 +150,7 @@ def test_a_reward_model_converts_to_sequence_classification(reward_model: Path, 
     `score`; transformers' reward is OpenRLHF's value at the last token."""
     from transformers import AutoModelForSequenceClassification
 
-    result = _convert(run_cli, reward_model, tmp_path / "hf", "--check-logits")
+    result = _convert(run_cli, reward_model, tmp_path / "hf")
     assert result["model_check"]["architecture"] == "LlamaForSequenceClassification"
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert config["value_head_prefix"] == "score"  # OpenRLHF's loader finds the renamed head
@@ -172,3 +176,8 @@ def test_the_head_without_a_task_is_left_alone_with_a_note() -> None:
     assert find_value_head({"score.weight": (1, 5)}, config, HeadTask.TOKEN, []) is None  # not the hidden size
     head = find_value_head({"score.weight": (1, 4), "score.bias": (1,)}, config, None, [])
     assert head is not None and head.architecture == "LlamaForTokenClassification"
+    normalized: list[str] = []
+    openrlhf = {**config, "architectures": ["RewardModel"], "normalize_reward": True, "mean": 0.5, "std": 2.0}
+    head = find_value_head({"value_head.weight": (1, 4)}, openrlhf, None, normalized)
+    assert head is not None and head.architecture == "LlamaForSequenceClassification"
+    assert head.names == {"value_head.weight": "score.weight"} and "normalizes" in normalized[0]

@@ -123,6 +123,11 @@ def find_value_head(
         made["token_classification_bias"] = False
     if "value_head_prefix" in made:  # OpenRLHF's loader takes the head's name from the config
         made["value_head_prefix"] = _HF_HEAD
+    if config.get("normalize_reward") is True:
+        notes.append(
+            "OpenRLHF normalizes this model's values ((value - mean) / std, from config.json); transformers' "
+            f"{architecture} returns them as the head computes them"
+        )
     names = {f"{prefix}.{part}": f"{_HF_HEAD}.{part}" for part in ("weight", "bias") if f"{prefix}.{part}" in tensors}
     return ValueHead(task, architecture, names, made, made != dict(config))
 

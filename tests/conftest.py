@@ -39,6 +39,7 @@ from tests.writers.run_folders import NestedRun, arrange_deepspeed_run, trainer_
 from tests.writers.torchtitan_writer import WrittenTorchtitan, write_torchtitan_run
 from tests.writers.trainer_writer import WrittenTrainerRun, write_trainer_run
 from tests.writers.universal_writer import WrittenUniversal, write_universal_runs
+from tests.writers.verl_critic_writer import WrittenVerlCritic, write_verl_critic
 from tests.writers.verl_writer import WrittenVerl, write_verl_run
 
 if TYPE_CHECKING:
@@ -62,6 +63,7 @@ SLOW_FIXTURES = frozenset(
         "areal_run",
         "areal_critic",
         "verl_run",
+        "verl_critic",
         "fsdp_run",
         "big_dcp",
         "interrupted_saves",
@@ -323,6 +325,13 @@ def areal_run(tmp_path_factory: pytest.TempPathFactory) -> WrittenAreal:
     """AReaL's own FSDPLMEngine, Saver and RecoverHandler on one CPU rank, two SFT steps of a tiny Qwen3: a trial
     with the exports of global steps 0 and 1, the recover slot and recover_info/ (slow: spawns)."""
     return build_once(tmp_path_factory, "areal", write_areal_run)
+
+
+@pytest.fixture(scope="session")
+def verl_critic(tmp_path_factory: pytest.TempPathFactory) -> WrittenVerlCritic:
+    """verl 0.9.1's own FSDPCheckpointManager saving an FSDP1 critic (a tiny Qwen2 as `...ForTokenClassification`
+    with one label) on 2 CPU ranks, and the values it computes on fixed ids (slow: spawns)."""
+    return build_once(tmp_path_factory, "verl-critic", write_verl_critic)
 
 
 @pytest.fixture(scope="session")

@@ -3,7 +3,8 @@ class that computes the framework's values (`layouts.parts.value_head`), checked
 and the output loaded by transformers' Auto classes computes what the framework's model computes on the same ids.
 
 Sources: AReaL's own critic (`tests.writers.areal_critic_writer`: its Saver export and recover slot), verl's own
-critic save (`tests.writers.verl_writer`: HSDP, `global_step_2/critic`), OpenRLHF's own PPO critic
+critic saves (`tests.writers.verl_critic_writer`: FSDP1; `tests.writers.verl_writer`: FSDP2 on an HSDP mesh),
+OpenRLHF's own PPO critic
 (`tests.writers.openrlhf_writer`: its ZeRO-2 tag and `save_model` folder), and, for a reward model, OpenRLHF's
 critic folder saved as OpenRLHF saves a `RewardModel` (the same module but for its class name, also with the
 head under its former name `value_head`).
@@ -23,6 +24,7 @@ from ckptctl.layouts.parts.value_head import HeadTask, find_value_head
 from tests.conftest import CliResult, copy_tree
 from tests.writers.areal_critic_writer import TOKEN_IDS, WrittenArealCritic
 from tests.writers.openrlhf_writer import WrittenOpenRlhf
+from tests.writers.verl_critic_writer import WrittenVerlCritic
 from tests.writers.verl_writer import WrittenVerl
 
 Cli = Callable[..., CliResult]
@@ -94,6 +96,19 @@ def test_verl_critic_converts_to_token_classification(verl_run: WrittenVerl, tmp
     # being transformers' token classification head.
     merged_converted = _convert(run_cli, verl_run.merged_critic, tmp_path / "merged-hf")
     assert merged_converted["model_check"]["architecture"] == "Qwen2ForTokenClassification"
+
+
+def test_verl_fsdp1_critic_converts_to_what_verl_computes(
+    verl_critic: WrittenVerlCritic, tmp_path: Path, run_cli: Cli
+) -> None:
+    """verl's FSDP1 critic: listed with its role, verified, and converted (the model check on) to
+    `Qwen2ForTokenClassification`, whose values on the same ids are those the FSDP1-wrapped critic computed."""
+    (row,) = run_cli("list", verl_critic.critic, "--json").json["checkpoints"]
+    assert (row["layout"], row["state"], row["roles"]) == ("verl", "complete", ["critic"])
+    assert run_cli("verify", verl_critic.critic).exit_code == 0
+    result = _convert(run_cli, verl_critic.critic, tmp_path / "hf")
+    assert result["model_check"]["architecture"] == "Qwen2ForTokenClassification"
+    assert torch.equal(_token_values(tmp_path / "hf"), load_file(str(verl_critic.values))["values"])
 
 
 def _openrlhf_values(folder: Path, ids: torch.Tensor) -> torch.Tensor:

@@ -67,6 +67,10 @@ def test_areal_critic_export_and_slot_convert_to_token_classification(
 
     export = _convert(run_cli, areal_critic.export, tmp_path / "export")
     assert export["model_check"]["architecture"] == "Qwen3ForTokenClassification"
+    # Without the model check too: never a causal LM's config with a random lm_head.
+    _convert(run_cli, areal_critic.export, tmp_path / "unchecked", "--no-check-model")
+    unchecked = json.loads((tmp_path / "unchecked" / "config.json").read_text())
+    assert unchecked["architectures"] == ["Qwen3ForTokenClassification"]
     assert torch.equal(_token_values(tmp_path / "export"), theirs)
 
 

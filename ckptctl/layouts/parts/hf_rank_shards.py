@@ -15,7 +15,7 @@ Each file holds this rank's piece of each tensor under the tensor's own name, wi
 tensor in `DCP_SHARDING_INFO`. Nothing records the full shapes: torch's `HuggingFaceStorageReader` takes
 where the pieces end, so a folder that lost the last rank's files would read as a smaller model that still
 tiles. Here the full shapes are also held against what `config.json` gives (the embeddings and `lm_head` are
-`[vocab_size, hidden_size]`, the norms `[hidden_size]`) and against each other (a norm is as long as the
+`[vocab_size, hidden_size]`, the language model's norms `[hidden_size]`) and against each other (a norm is as long as the
 embeddings are wide): a tensor whose pieces end short of that has the config's shape, its pieces do not
 cover it, and the ranks whose files would hold the rest (from the size of the first rank's piece) are named
 as missing files. Files of a rank between others missing show up by their numbering (ranks `1..P`).
@@ -70,11 +70,16 @@ class _Piece:
 
 
 #: Tensors whose full shape config.json gives, by name: the config keys of their dimensions.
+#: Only the language model's own names (a vision tower's norms are of another width).
+_TEXT_MODEL = r"^(?:model\.)?(?:language_model\.)?(?:model\.)?"
+_EMBEDDING = re.compile(_TEXT_MODEL + r"embed_tokens\.weight$")
 _CONFIG_SHAPES = (
-    (re.compile(r"(^|\.)(embed_tokens|lm_head|wte|word_embeddings)\.weight$"), ("vocab_size", "hidden_size")),
-    (re.compile(r"(^|\.)(norm|input_layernorm|post_attention_layernorm|ln_f)\.weight$"), ("hidden_size",)),
+    (re.compile(_TEXT_MODEL + r"embed_tokens\.weight$|^lm_head\.weight$"), ("vocab_size", "hidden_size")),
+    (
+        re.compile(_TEXT_MODEL + r"(?:norm|layers\.\d+\.(?:input_layernorm|post_attention_layernorm))\.weight$"),
+        ("hidden_size",),
+    ),
 )
-_EMBEDDING = re.compile(r"(^|\.)(embed_tokens|wte|word_embeddings)\.weight$")
 #: The largest config.json read (real ones are a few KiB).
 _MAX_CONFIG = 1 << 20
 

@@ -146,6 +146,8 @@ class CheckpointRef:
         run_state: a run-level state file beside it that a resume loads with it (torchtune's `recipe_state.pt`
             beside `epoch_N/` model folders; `layouts.run_state`), or "". Set on the newest model folder by the
             run scan.
+        roles: the models of an RL run the checkpoint holds, each in a folder of its own (verl's `actor` and
+            `critic`), as its framework names them; empty for a checkpoint of one model.
     """
 
     url: str
@@ -159,6 +161,7 @@ class CheckpointRef:
     note: str = ""
     holds: tuple[str, ...] = ()
     run_state: str = ""
+    roles: tuple[str, ...] = ()
 
 
 class Role(enum.StrEnum):

@@ -24,6 +24,7 @@ from filelock import FileLock
 from tests import writer_cache
 from tests.writers import openrlhf_writer
 from tests.writers.accelerate_writer import WrittenAccelerate, write_accelerate_runs
+from tests.writers.areal_critic_writer import WrittenArealCritic, write_areal_critic
 from tests.writers.areal_writer import WrittenAreal, write_areal_run
 from tests.writers.dcp_writer import WrittenDcp, write_single_process_dcp
 from tests.writers.deepspeed_writer import CONVERTER_RUNS, DeepSpeedRuns, WrittenDeepSpeed, write_deepspeed_sets
@@ -38,6 +39,7 @@ from tests.writers.run_folders import NestedRun, arrange_deepspeed_run, trainer_
 from tests.writers.torchtitan_writer import WrittenTorchtitan, write_torchtitan_run
 from tests.writers.trainer_writer import WrittenTrainerRun, write_trainer_run
 from tests.writers.universal_writer import WrittenUniversal, write_universal_runs
+from tests.writers.verl_critic_writer import WrittenVerlCritic, write_verl_critic
 from tests.writers.verl_writer import WrittenVerl, write_verl_run
 
 if TYPE_CHECKING:
@@ -59,8 +61,10 @@ SLOW_FIXTURES = frozenset(
         "fsdp_dcp",
         "fsdp_runs",
         "areal_run",
+        "areal_critic",
         "verl_run",
         "bytecheckpoint_run",
+        "verl_critic",
         "fsdp_run",
         "big_dcp",
         "interrupted_saves",
@@ -322,6 +326,20 @@ def areal_run(tmp_path_factory: pytest.TempPathFactory) -> WrittenAreal:
     """AReaL's own FSDPLMEngine, Saver and RecoverHandler on one CPU rank, two SFT steps of a tiny Qwen3: a trial
     with the exports of global steps 0 and 1, the recover slot and recover_info/ (slow: spawns)."""
     return build_once(tmp_path_factory, "areal", write_areal_run)
+
+
+@pytest.fixture(scope="session")
+def verl_critic(tmp_path_factory: pytest.TempPathFactory) -> WrittenVerlCritic:
+    """verl 0.9.1's own FSDPCheckpointManager saving an FSDP1 critic (a tiny Qwen2 as `...ForTokenClassification`
+    with one label) on 2 CPU ranks, and the values it computes on fixed ids (slow: spawns)."""
+    return build_once(tmp_path_factory, "verl-critic", write_verl_critic)
+
+
+@pytest.fixture(scope="session")
+def areal_critic(tmp_path_factory: pytest.TempPathFactory) -> WrittenArealCritic:
+    """AReaL's own PPO critic (`FSDPPPOCritic`, a tiny Qwen3 as `...ForTokenClassification` with one label) on one
+    CPU rank: its Saver export and recover slot, and the values it computes on fixed ids (slow: spawns)."""
+    return build_once(tmp_path_factory, "areal-critic", write_areal_critic)
 
 
 @pytest.fixture(scope="session")

@@ -20,6 +20,8 @@ Reads directory listings and small markers only, so it stays fast on thousands o
 
 States: complete, in_progress (being written), abandoned (a killed save's leftovers), superseded (left behind by a rollback), broken, slim (training-only state dropped), unknown (checkpoint-like files - torch.save zips, safetensors, DCP data, large *.pt/*.bin/*.ckpt - that no layout claims: layout `unknown`, the files named in the note, a step from the name where the naming rules give one). A folder of such files is never "no checkpoints found".
 
+A roles column (and `roles` in --json) names the models of an RL run a checkpoint holds in folders of their own (verl's `actor,critic`).
+
 In a terminal the table fits its width (the path column is never shortened); in a pipe or a log every row is printed whole on one line, with `-` for an empty cell, and the count goes to stderr."""
 
 EXAMPLES = """\
@@ -89,12 +91,14 @@ def list_checkpoints(
     count = f"{shown} checkpoint(s)" if shown == report.total else f"{shown} of {report.total} checkpoint(s)"
     with_epoch = any(ref.epoch is not None for ref in report.checkpoints)
     with_notes = any(ref.note for ref in report.checkpoints)
+    with_roles = any(ref.roles for ref in report.checkpoints)
     columns = [
         Column("path"),
         Column("step", "right"),
         *([Column("epoch", "right", drop=3)] if with_epoch else []),
         Column("state"),
         Column("layout", drop=2),
+        *([Column("roles", drop=5)] if with_roles else []),
         Column("size", "right", drop=4),
         Column("created", drop=1),
         Column("latest"),
@@ -108,6 +112,7 @@ def list_checkpoints(
         row += [
             styled(ref.state.value, STATE_STYLE.get(ref.state.value, "")),
             ref.layout,
+            *([",".join(ref.roles) or "-"] if with_roles else []),
             human_bytes(ref.size_bytes),
             when(ref.created),
             "*" if ref.latest else "",

@@ -23,6 +23,7 @@ from typing import Any, Generic, Protocol, TypeVar
 from ckptctl import io
 from ckptctl.checkpoint import Checkpoint, TensorEntry
 from ckptctl.layouts.naming import NameStripper
+from ckptctl.layouts.parts.value_head import HeadTask
 
 __all__ = [
     "CONVERT_SOURCE",
@@ -272,6 +273,10 @@ class ConvertSource:
             tensor), of the architecture `config` describes holding them instead (`convert --check-logits`
             compares the two). Raises `ModelMismatch` when the loader reports tensors missing, left over or of
             another shape. Without it, this framework's models cannot be run.
+        value_head_task: `(checkpoint) -> HeadTask | None`: what the framework's own code builds from a model
+            whose value head (`layouts.parts.value_head`: a critic's, a reward model's) sits beside a config that
+            names the base causal LM (as AReaL and verl save their critics): the transformers model `convert
+            --to hf` writes it as. Without it, the config must name the task (or the head's bias tells it).
     """
 
     namespace_stripper: Callable[[Sequence[TensorEntry]], NameStripper] | None = None
@@ -286,6 +291,7 @@ class ConvertSource:
     model_config: Callable[[Checkpoint], Mapping[str, Any] | None] | None = None
     model_spec: Callable[[Mapping[str, Any], list[str]], ModelSpec | None] | None = None
     model_logits: Callable[[str, Mapping[str, Any], Mapping[str, Any] | None], Any] | None = None
+    value_head_task: Callable[[Checkpoint], HeadTask | None] | None = None
 
 
 #: The capabilities a plugin may provide, by slot.

@@ -27,6 +27,7 @@ from ckptctl.layouts.capabilities import (
     default_config_folders,
 )
 from ckptctl.layouts.naming import NameStripper, format_namespace_stripper
+from ckptctl.layouts.parts.value_head import HeadTask
 
 __all__ = ["Source", "convert_source"]
 
@@ -100,6 +101,11 @@ class Source:
         """Default: None, the framework cannot tell."""
         found = self.capability.model_spec
         return None if found is None else found(config, notes)
+
+    def value_head_task(self, checkpoint: Checkpoint) -> HeadTask | None:
+        """Default: None, the config names what a value head converts to."""
+        found = self.capability.value_head_task
+        return None if found is None else found(checkpoint)
 
     def model_logits(self, folder: str, config: Mapping[str, Any], tensors: Mapping[str, Any] | None) -> Any:
         """The logits of the model in `folder`, as the framework's own loader computes them.

@@ -99,6 +99,7 @@ def ref_json(ref: CheckpointRef) -> dict[str, Any]:
         "note": ref.note,
         # A run-level state file a resume loads with this model folder (torchtune's `recipe_state.pt`), or null.
         "run_state": ref.run_state or None,
+        "roles": list(ref.roles),
     }
 
 

@@ -261,5 +261,11 @@ def test_convert_of_a_critic_takes_the_critics_final_model(openrlhf_ppo: Written
     )
     dtype_key = "dtype" if "dtype" in exported else "torch_dtype"  # bf16 export, fp32 masters converted
     assert exported[dtype_key] == "bfloat16" and written.pop(dtype_key) == "float32"
-    assert written == {k: v for k, v in exported.items() if k != dtype_key}
+    # OpenRLHF names its own CriticModel: the output names transformers' class computing its values
+    # (tests/ops/test_convert_value_heads.py).
+    assert written.pop("architectures") == ["LlamaForTokenClassification"] and exported.pop("architectures") == [
+        "CriticModel"
+    ]
+    made = {"id2label": {"0": "LABEL_0"}, "label2id": {"LABEL_0": 0}, "token_classification_bias": False}
+    assert written == {k: v for k, v in exported.items() if k != dtype_key} | made
     assert "score.weight" in load_file(str(tmp_path / "hf" / "model.safetensors"))

@@ -65,8 +65,38 @@ def test_a_lost_rank_of_the_hf_shards_fails_verify(
     result = run_cli("verify", folder, "--json")
     assert result.exit_code == 1
     kinds = {(p["kind"], p["path"]) for p in result.json["problems"]}
-    assert ("missing_file", "shard-00001-*") in kinds
+    assert ("missing_file", "shard-00001-model-00001-of-00001.safetensors") in kinds
     assert any(kind == "coverage" for kind, _ in kinds)  # rank 2's pieces start half-way
+
+
+def test_a_lost_last_rank_is_a_missing_file_and_never_half_a_model(
+    distributed_saves: WrittenDistributedSaves, run_cli: Cli, tmp_path: Path
+) -> None:
+    """Rank 1's pieces alone tile a model of half the rows; config.json (vocab_size, hidden_size) and the
+    embeddings' width against the norms' length show what is missing: list says broken and names the file,
+    verify names it (exit 1), inspect gives the whole shapes, and convert refuses."""
+    folder = copy_tree(distributed_saves.hf, tmp_path / "hf")
+    lost = "shard-00002-model-00001-of-00001.safetensors"
+    (folder / lost).unlink()
+    (row,) = run_cli("list", folder, "--json").json["checkpoints"]
+    assert row["state"] == "broken" and lost in row["note"]
+
+    result = run_cli("verify", folder, "--json")
+    assert result.exit_code == 1
+    problems = {(p["kind"], p["path"]): p["message"] for p in result.json["problems"]}
+    assert problems[("missing_file", lost)] == f"{lost} is missing: the pieces of rank plan 2"
+    assert "lm_head.weight [128, 32] (config.json's shape" in problems[("coverage", "lm_head.weight")]
+
+    doc = run_cli("inspect", folder, "--json").json
+    shapes = {t["name"]: tuple(t["shape"]) for t in doc["tensors"]}
+    assert shapes["lm_head.weight"] == (128, 32) and shapes["model.norm.weight"] == (32,)
+    refused = run_cli("convert", folder, tmp_path / "out")
+    assert refused.exit_code == 2 and lost in refused.stderr and not (tmp_path / "out").exists()
+
+    # Without config.json the norms are held against the embeddings' width.
+    (folder / "config.json").unlink()
+    (row,) = run_cli("list", folder, "--json").json["checkpoints"]
+    assert row["state"] == "broken" and lost in row["note"]
 
 
 def test_a_rank_without_its_metadata_is_an_unfinished_dcp_save(

@@ -38,12 +38,25 @@ def test_list_shows_the_steps_and_the_trackers_step_as_latest(verl_run: WrittenV
     result = run_cli("list", verl_run.run, "--json")
     assert result.exit_code == 0, result.stderr
     found = [
-        (io.name_of(c["url"]), c["layout"], c["step"], c["state"], c["latest"]) for c in result.json["checkpoints"]
+        (io.name_of(c["url"]), c["layout"], c["step"], c["state"], c["latest"], c["roles"])
+        for c in result.json["checkpoints"]
     ]
     assert found == [
-        ("global_step_1", "verl", 1, "complete", False),
-        ("global_step_2", "verl", 2, "complete", True),
+        ("global_step_1", "verl", 1, "complete", False, ["actor", "critic"]),
+        ("global_step_2", "verl", 2, "complete", True, ["actor", "critic"]),
     ]
+    human = run_cli("list", verl_run.run)
+    assert human.stdout.split("\n")[0].split() == [
+        "path",
+        "step",
+        "state",
+        "layout",
+        "roles",
+        "size",
+        "created",
+        "latest",
+    ]
+    assert human.stdout.split("\n")[2].split()[:5] == ["global_step_2", "2", "complete", "verl", "actor,critic"]
 
 
 def test_inspect_names_roles_world_size_and_components(verl_run: WrittenVerl) -> None:
@@ -129,9 +142,31 @@ def test_a_missing_rank_file_breaks_the_step_and_verify_names_it(verl_run: Writt
         os.utime(path, (path.stat().st_mtime - 3600,) * 2)
     refs = {io.name_of(r.url): r for r in scan_run(str(run))}
     assert refs["global_step_2"].state is CheckpointState.BROKEN
-    assert "critic: 1 of 2 optim rank files missing" in refs["global_step_2"].note
+    assert "critic/optim_world_size_2_rank_1.pt missing (1 of 2 optim rank files)" in refs["global_step_2"].note
     problems = verify_checkpoint(str(run / "global_step_2")).problems
     assert [(p.kind, p.path) for p in problems] == [(ProblemKind.MISSING_FILE, "critic/optim_world_size_2_rank_1.pt")]
+
+
+def test_verify_of_a_role_names_its_missing_rank_file(verl_run: WrittenVerl, tmp_path: Path, run_cli: Cli) -> None:
+    """A role given directly, its rank 1 model file deleted: verify names the file by its name (exit 1), as list
+    does in its note."""
+    critic = copy_tree(verl_run.step(2) / "critic", tmp_path / "global_step_2" / "critic")
+    (critic / "model_world_size_2_rank_1.pt").unlink()
+    result = run_cli("verify", critic)  # fresh files: a save may still be writing it
+    assert result.exit_code == 1
+    assert "in_progress critic/model_world_size_2_rank_1.pt missing (1 of 2 model rank files)" in result.stdout
+    for path in critic.rglob("*"):  # a save that stopped an hour ago
+        os.utime(path, (path.stat().st_mtime - 3600,) * 2)
+    result = run_cli("verify", critic, "--json")
+    assert result.exit_code == 1
+    assert [(p["kind"], p["path"], p["message"]) for p in result.json["problems"]] == [
+        (
+            "missing_file",
+            "model_world_size_2_rank_1.pt",
+            "model_world_size_2_rank_1.pt is missing (rank 1 of 2 wrote no model file): verl cannot load this role "
+            "on any rank",
+        )
+    ]
 
 
 def test_a_rank_file_copied_over_another_leaves_half_of_each_tensor_missing(
@@ -245,10 +280,10 @@ def test_convert_the_actor_equals_verls_own_merger(verl_run: WrittenVerl, tmp_pa
 def test_replicated_shards_are_taken_once(verl_run: WrittenVerl, tmp_path: Path, run_cli: Cli) -> None:
     """The critic was sharded on verl's HSDP mesh ("ddp", "fsdp") of shape (2, 1): every parameter is
     `(Replicate(), Shard(0))` and both rank files hold it whole. Each keeps its shape (never concatenated
-    across the replicas, verl PR#7610) and equals verl's merger's output. verl saves the critic's config as
-    the base model's (a causal LM), so the model check is left out."""
+    across the replicas, verl PR#7610) and equals verl's merger's output (checked against the model verl's critic
+    is: tests/ops/test_convert_value_heads.py)."""
     critic = verl_run.step(2) / "critic"
-    result = run_cli("convert", critic, tmp_path / "critic", "--to", "hf", "--no-check-model", "--json")
+    result = run_cli("convert", critic, tmp_path / "critic", "--to", "hf", "--json")
     assert result.exit_code == 0, result.stderr
     ours = _assert_equal_to_merger(tmp_path / "critic", verl_run.merged_critic)
     assert ours["score.bias"].shape == (1,)

@@ -116,3 +116,26 @@ def test_a_cast_follows_into_the_made_config(megatron_runs: WrittenMegatron, run
     want = load_file(megatron_runs.source / "model.safetensors")
     got = load_file(out / "model.safetensors")
     assert all(torch.equal(got[k], want[k].to(torch.bfloat16)) for k in want)
+
+
+def test_mapping_none_keeps_megatron_cores_names_and_merges_the_parts(
+    megatron_runs: WrittenMegatron, run_cli: Cli, tmp_path: Path
+) -> None:
+    """megatron-core alone records no Megatron-LM arguments in `common.pt` (the fused tensors cannot be split
+    without a config); `--mapping none` still converts it, as for torchtitan: the stored names, each tensor
+    whole (its tensor-parallel parts merged, the layers stacked as stored), equal to the stored values."""
+    from ckptctl.checkpoint import Component
+    from ckptctl.formats.chunks import read_tensor
+    from ckptctl.layouts import open_checkpoint
+
+    result = _convert(run_cli, megatron_runs.tied, tmp_path / "hf", "--mapping", "none")
+    assert "model_check" not in result or result["model_check"] is None
+    got = load_file(tmp_path / "hf" / "model.safetensors")
+    index = {e.name: e for e in open_checkpoint(str(megatron_runs.tied)).tensors(Component.MODEL)}
+    assert sorted(got) == sorted(index)
+    for name, entry in index.items():
+        assert torch.equal(got[name], read_tensor(str(megatron_runs.tied), entry)), name
+    # The fused QKV of both ranks' query groups, for the 2 stacked layers: (4 heads + 2 x 2 groups) x 16 rows.
+    assert got["decoder.layers.self_attention.linear_qkv.weight"].shape == (2, 128, 64)
+    embeddings = load_file(megatron_runs.tied_source / "model.safetensors")["model.embed_tokens.weight"]
+    assert torch.equal(got["embedding.word_embeddings.weight"], embeddings)

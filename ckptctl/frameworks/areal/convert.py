@@ -10,6 +10,7 @@ from ckptctl.checkpoint import Checkpoint
 from ckptctl.frameworks.areal.layout import _EXPORT
 from ckptctl.layouts import peek_dir
 from ckptctl.layouts.capabilities import ConvertSource, default_config_folders
+from ckptctl.layouts.parts.value_head import HeadTask
 
 __all__ = ["SOURCE"]
 
@@ -32,4 +33,11 @@ def _config_folders(checkpoint: Checkpoint) -> Sequence[str]:
     return (*(io.join(model_folder, name) for _, name in exports), *default_config_folders(checkpoint))
 
 
-SOURCE = ConvertSource(config_folders=_config_folders)
+def _value_head_task(checkpoint: Checkpoint) -> HeadTask:
+    """A critic (`actor.is_critic`): AReaL builds it as `AutoModelForTokenClassification` with `num_labels=1`
+    (areal/engine/fsdp_engine.py, `FSDPEngine._create_llm_actor_or_critic`), and its exports carry the base causal
+    LM's config (`_save_model_to_hf` saves `model_config` over the model's own)."""
+    return HeadTask.TOKEN
+
+
+SOURCE = ConvertSource(config_folders=_config_folders, value_head_task=_value_head_task)

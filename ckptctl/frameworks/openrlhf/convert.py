@@ -11,6 +11,7 @@ from ckptctl.frameworks.openrlhf.layout import _EXPORT, _TAG, _role
 from ckptctl.io import DirEntry
 from ckptctl.layouts import peek
 from ckptctl.layouts.capabilities import ConvertSource, MasterWeights, default_config_folders
+from ckptctl.layouts.parts.value_head import HeadTask
 from ckptctl.layouts.parts.zero_tag.master_weights import checkpoint_master_weights, tag_prefix
 
 __all__ = ["SOURCE"]
@@ -55,4 +56,11 @@ def _exports(ckpt_path: str, entries: Sequence[DirEntry]) -> list[tuple[str, int
     return [(e.name, int(m.group(2)), e.mtime or 0.0) for e in entries if e.is_dir and (m := _EXPORT.match(e.name))]
 
 
-SOURCE = ConvertSource(master_weights=_master_weights, config_folders=_config_folders)
+def _value_head_task(checkpoint: Checkpoint) -> HeadTask:
+    """OpenRLHF's `get_llm_for_sequence_regression` (openrlhf/models/model.py) builds a `CriticModel` (a value per
+    token: a critic tag, `_critic/`) or a `RewardModel` (a value at each sequence's last token: the tags of
+    `train_rm`); its config names which when it was saved with the model (`save_model`)."""
+    return HeadTask.TOKEN if _role(checkpoint.url) == "critic" else HeadTask.SEQUENCE
+
+
+SOURCE = ConvertSource(master_weights=_master_weights, config_folders=_config_folders, value_head_task=_value_head_task)

@@ -9,6 +9,7 @@ from ckptctl import io
 from ckptctl.checkpoint import Checkpoint
 from ckptctl.frameworks.verl.layout import HF_FOLDER, STEP_RE
 from ckptctl.layouts.capabilities import ConvertSource, default_config_folders
+from ckptctl.layouts.parts.value_head import HeadTask
 
 __all__ = ["SOURCE"]
 
@@ -23,4 +24,11 @@ def _config_folders(checkpoint: Checkpoint) -> Sequence[str]:
     return (io.join(url, HF_FOLDER), *default_config_folders(checkpoint))
 
 
-SOURCE = ConvertSource(config_folders=_config_folders)
+def _value_head_task(checkpoint: Checkpoint) -> HeadTask:
+    """A critic: verl builds it as `AutoModelForTokenClassification` with `num_labels=1` (verl/utils/model.py,
+    `load_valuehead_model`, from verl/workers/engine/fsdp/transformer_impl.py for a `value_model`), and saves the
+    config it was loaded with, which names the base causal LM, in `huggingface/`."""
+    return HeadTask.TOKEN
+
+
+SOURCE = ConvertSource(config_folders=_config_folders, value_head_task=_value_head_task)

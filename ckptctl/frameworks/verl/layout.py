@@ -112,7 +112,9 @@ class _Role:
         absent = next(self.absent_ranks(), None)
         if absent is not None:
             kind, world, missing, count = absent
-            return f"{self.name}: {count} of {world} {kind} rank files missing (rank {missing[0]} first)"
+            files = ", ".join(f"{self.name}/{_rank_file(kind, world, rank)}" for rank in missing)
+            more = f" and {count - len(missing)} more" if count > len(missing) else ""
+            return f"{files}{more} missing ({count} of {world} {kind} rank files)"
         if not self.has_marker:
             return f"{self.name}: no {MARKER}: the save has not finished"
         return ""
@@ -128,6 +130,11 @@ class _Role:
             missing, count = absent_numbers(self.ranks.get(kind, set()), world)
             if count:
                 yield kind, world, missing, count
+
+
+def _rank_file(kind: str, world: int, rank: int) -> str:
+    """The name of a rank's file of one kind (`model_world_size_2_rank_1.pt`)."""
+    return f"{kind}_world_size_{world}_rank_{rank}.pt"
 
 
 def _role(name: str, entries: Sequence[DirEntry]) -> _Role | None:
@@ -224,7 +231,7 @@ def _role_index(role_url: str, role: _Role, prefix: str) -> tuple[TensorEntry, .
         name_prefix = "" if kind == "model" else "optimizer."
         built: dict[str, tuple[str, tuple[int, ...], list[TensorChunk]]] = {}
         for rank in range(world):
-            file = f"{kind}_world_size_{world}_rank_{rank}.pt"
+            file = _rank_file(kind, world, rank)
             if file not in role.files:
                 raise CorruptCheckpoint(f"{role_url}: {file} is missing", "the save did not finish on every rank")
             opened = _open_rank_file(io.join(role_url, file), role.files[file])
@@ -305,6 +312,7 @@ class VerlLayout(Layout):
                 state=_state("; ".join(notes), newest),
                 size_bytes=folder_size(url, entries),
                 note="; ".join(notes),
+                roles=tuple(r.name for r in roles),
             )
         role = _role(name, entries)
         if role is None:
@@ -320,6 +328,7 @@ class VerlLayout(Layout):
             state=_state(note, role.newest),
             size_bytes=folder_size(url, entries),
             note=note,
+            roles=(role.name,),
         )
 
     def latest_pointer(self, url: str, entries: Sequence[DirEntry]) -> str | None:
@@ -453,13 +462,14 @@ def _role_problems(prefix: str, role_url: str, role: _Role | None) -> list[Probl
     if len(role.world_sizes) > 1:
         return [Problem(ProblemKind.UNEXPECTED_FILE, prefix, role.problem())]
     world = role.world_size
-    for kind, _, missing, count in role.absent_ranks():
+    for kind, world, missing, count in role.absent_ranks():
         for rank in missing:
             problems.append(
                 Problem(
                     ProblemKind.MISSING_FILE,
-                    f"{prefix}{kind}_world_size_{world}_rank_{rank}.pt",
-                    f"rank {rank} of {world} wrote no {kind} file: verl cannot load this role on any rank",
+                    f"{prefix}{_rank_file(kind, world, rank)}",
+                    f"{_rank_file(kind, world, rank)} is missing (rank {rank} of {world} wrote no {kind} file): verl "
+                    "cannot load this role on any rank",
                 )
             )
         if count > len(missing):

@@ -45,7 +45,14 @@ from ckptctl.formats.safetensors import read_header
 from ckptctl.formats.torch_pickle import TorchPickle, open_torch_pickle, storage_problems
 from ckptctl.io import DirEntry
 from ckptctl.layouts.base import Layout, absent_numbers, newest_mtime, step_from_name, timestamp
-from ckptctl.layouts.parts.hf_rank_shards import SHARD_FILE, is_distributed, rank_files, shards_index, shards_problems
+from ckptctl.layouts.parts.hf_rank_shards import (
+    SHARD_FILE,
+    is_distributed,
+    missing_rank_files,
+    rank_files,
+    shards_index,
+    shards_problems,
+)
 from ckptctl.layouts.step_names import epoch_from_name
 
 INDEX_NAMES = ("model.safetensors.index.json", "adapter_model.safetensors.index.json")
@@ -121,6 +128,9 @@ class HfFolderLayout(Layout):
         if not has_weights(names):
             return None
         missing, missing_count = _shards_missing(names)
+        if is_distributed(names):  # reads the pieces' headers: their offsets show a rank's files missing
+            absent = missing_rank_files(url, {e.name: e.size for e in entries if not e.is_dir})
+            missing, missing_count = missing + absent, missing_count + len(absent)
         index_without_shards = (
             any(n in names for n in INDEX_NAMES) and not any(n.endswith(".safetensors") for n in names)
         ) or (LEGACY_INDEX in names and not any(_is_legacy_weight(n) for n in names))

@@ -12,9 +12,13 @@ DIR/shard-{p:05d}-model-{i:05d}-of-{n:05d}.safetensors
 ```
 
 Each file holds this rank's piece of each tensor under the tensor's own name, with its offsets in the full
-tensor in `DCP_SHARDING_INFO`. Nothing records the full shapes: like torch's `HuggingFaceStorageReader`,
-the full shape is where the pieces end, so a folder that lost the last rank's files reads as a smaller
-model that still tiles; files of the other ranks missing show up (ranks `1..P` are numbered).
+tensor in `DCP_SHARDING_INFO`. Nothing records the full shapes: torch's `HuggingFaceStorageReader` takes
+where the pieces end, so a folder that lost the last rank's files would read as a smaller model that still
+tiles. Here the full shapes are also held against what `config.json` gives (the embeddings and `lm_head` are
+`[vocab_size, hidden_size]`, the language model's norms `[hidden_size]`) and against each other (a norm is as long as the
+embeddings are wide): a tensor whose pieces end short of that has the config's shape, its pieces do not
+cover it, and the ranks whose files would hold the rest (from the size of the first rank's piece) are named
+as missing files. Files of a rank between others missing show up by their numbering (ranks `1..P`).
 Replicated tensors are written once (torch's planner deduplicates them across ranks).
 """
 
@@ -28,11 +32,11 @@ from ckptctl import io
 from ckptctl.checkpoint import ChunkEncoding, Component, Problem, ProblemKind, TensorChunk, TensorEntry
 from ckptctl.errors import CkptctlError, CorruptCheckpoint
 from ckptctl.formats.chunks import tiling_problem
-from ckptctl.formats.documents import parse_json
+from ckptctl.formats.documents import parse_json, read_json
 from ckptctl.formats.safetensors import SafetensorsHeader, read_header
 from ckptctl.layouts.base import absent_numbers
 
-__all__ = ["SHARD_FILE", "is_distributed", "rank_files", "shards_index", "shards_problems"]
+__all__ = ["SHARD_FILE", "is_distributed", "missing_rank_files", "rank_files", "shards_index", "shards_problems"]
 
 SHARD_FILE = re.compile(r"^shard-(?P<rank>\d{5})-model-(?P<i>\d{5})-of-(?P<n>\d{5})\.safetensors$")
 _SHARDING_INFO = "DCP_SHARDING_INFO"
@@ -63,6 +67,103 @@ class _Piece:
     sizes: tuple[int, ...]
     begin: int
     end: int
+
+
+#: Tensors whose full shape config.json gives, by name: the config keys of their dimensions.
+#: Only the language model's own names (a vision tower's norms are of another width).
+_TEXT_MODEL = r"^(?:model\.)?(?:language_model\.)?(?:model\.)?"
+_EMBEDDING = re.compile(_TEXT_MODEL + r"embed_tokens\.weight$")
+_CONFIG_SHAPES = (
+    (re.compile(_TEXT_MODEL + r"embed_tokens\.weight$|^lm_head\.weight$"), ("vocab_size", "hidden_size")),
+    (
+        re.compile(_TEXT_MODEL + r"(?:norm|layers\.\d+\.(?:input_layernorm|post_attention_layernorm))\.weight$"),
+        ("hidden_size",),
+    ),
+)
+#: The largest config.json read (real ones are a few KiB).
+_MAX_CONFIG = 1 << 20
+
+
+def _config_sizes(url: str) -> dict[str, int]:
+    """`vocab_size` and `hidden_size` from the folder's `config.json` (or its `text_config`), those it gives as
+    integers; none without one."""
+    try:
+        config = read_json(io.join(url, "config.json"), max_bytes=_MAX_CONFIG)
+    except CkptctlError:
+        return {}  # verify names a config that does not parse
+    if not isinstance(config, dict):
+        return {}
+    text = config.get("text_config")
+    sizes = {}
+    for key in ("vocab_size", "hidden_size"):
+        value = config.get(key, text.get(key) if isinstance(text, dict) else None)
+        if type(value) is int and value > 0:
+            sizes[key] = value
+    return sizes
+
+
+def _whole_shapes(url: str, pieces: Mapping[str, list[_Piece]]) -> dict[str, tuple[int, ...]]:
+    """Each tensor's full shape: where its pieces end, or larger where config.json or the embeddings' width
+    say so (see the module docstring)."""
+    sizes = _config_sizes(url)
+    if "hidden_size" not in sizes:  # the embeddings' width, which a dim-0 sharding never cuts
+        for name, parts in pieces.items():
+            if _EMBEDDING.search(name) and len(parts[0].sizes) == 2:
+                sizes["hidden_size"] = _full_shape(parts)[1]
+                break
+    shapes = {}
+    for name, parts in pieces.items():
+        shape = _full_shape(parts)
+        keys = next((keys for pattern, keys in _CONFIG_SHAPES if pattern.search(name)), None)
+        if keys is not None and len(keys) == len(shape) and all(k in sizes for k in keys):
+            want = tuple(sizes[k] for k in keys)
+            if all(w >= s for w, s in zip(want, shape, strict=True)):
+                shape = want
+        shapes[name] = shape
+    return shapes
+
+
+def _read_pieces(url: str, files: Mapping[str, int], problems: list[Problem] | None) -> dict[str, list[_Piece]]:
+    """The pieces of every tensor in the shard files among `files`, by tensor name.
+
+    Raises:
+        CorruptCheckpoint: a header or its sharding info does not parse (unless `problems` takes it).
+    """
+    pieces: dict[str, list[_Piece]] = {}
+    for file in sorted(f for f in files if SHARD_FILE.match(f)):
+        try:
+            found = _pieces(read_header(io.join(url, file), files[file]), file)
+        except CkptctlError as exc:
+            if problems is None:
+                raise
+            problems.append(Problem.from_error(exc, file))
+            continue
+        for name, piece in found:
+            pieces.setdefault(name, []).append(piece)
+    return pieces
+
+
+def missing_rank_files(url: str, files: Mapping[str, int]) -> list[str]:
+    """The shard files of the ranks a folder lacks: those between present ranks, and those after the last one
+    that tensors cut short of their full shape (`_whole_shapes`) need, counted from the first rank's piece."""
+    by_rank = rank_files(files)
+    if not by_rank:
+        return []
+    try:
+        pieces = _read_pieces(url, files, None)
+    except CkptctlError:
+        pieces = {}  # verify names the unreadable file; the names alone still show gaps
+    needed = max(by_rank)
+    for name, whole in _whole_shapes(url, pieces).items():
+        parts = pieces[name]
+        ends = _full_shape(parts)
+        for dim, (end, size) in enumerate(zip(ends, whole, strict=True)):
+            first = next((p.sizes[dim] for p in parts if p.offsets[dim] == 0 and p.sizes[dim]), 0)
+            if end < size and first:
+                needed = max(needed, -(-size // first))
+    suffixes = sorted({f.partition("-model-")[2] for names in by_rank.values() for f in names})
+    listed, _ = absent_numbers([r - 1 for r in by_rank], needed)
+    return [f"shard-{r + 1:05d}-model-{suffix}" for r in listed for suffix in suffixes]
 
 
 def _pieces(header: SafetensorsHeader, file: str) -> list[tuple[str, _Piece]]:
@@ -100,16 +201,14 @@ def shards_index(url: str, files: Mapping[str, int]) -> tuple[TensorEntry, ...]:
         CorruptCheckpoint: a header or its sharding info does not parse, or the pieces of a tensor disagree
             on its dtype.
     """
-    pieces: dict[str, list[_Piece]] = {}
-    for file in sorted(f for f in files if SHARD_FILE.match(f)):
-        for name, piece in _pieces(read_header(io.join(url, file), files[file]), file):
-            pieces.setdefault(name, []).append(piece)
+    pieces = _read_pieces(url, files, None)
+    for name, parts in pieces.items():
+        if len({p.dtype for p in parts}) > 1 or len({len(p.sizes) for p in parts}) > 1:
+            raise CorruptCheckpoint(f"the pieces of {name!r} differ in dtype or dimensions")
+    shapes = _whole_shapes(url, pieces)
     entries = []
     for name, parts in pieces.items():
-        dtypes = {p.dtype for p in parts}
-        if len(dtypes) > 1 or len({len(p.sizes) for p in parts}) > 1:
-            raise CorruptCheckpoint(f"the pieces of {name!r} differ in dtype or dimensions")
-        shape = _full_shape(parts)
+        shape = shapes[name]
         chunks = tuple(
             TensorChunk(p.file, p.begin, p.end - p.begin, p.offsets, p.sizes, ChunkEncoding.RAW) for p in parts
         )
@@ -126,23 +225,22 @@ def shards_problems(url: str, files: Mapping[str, int]) -> list[Problem]:
     """Files of every rank `1..P` present, each header and its sharding info valid, and the pieces of each
     tensor tiling it."""
     by_rank = rank_files(files)
-    problems = []
+    problems: list[Problem] = []
     listed, absent = absent_numbers([r - 1 for r in by_rank], max(by_rank))
+    missing = missing_rank_files(url, files)
     problems += [
-        Problem(ProblemKind.MISSING_FILE, f"shard-{r + 1:05d}-*", f"no shard files of rank plan {r + 1}")
-        for r in listed
+        Problem(ProblemKind.MISSING_FILE, name, f"{name} is missing: the pieces of rank plan {name[6:11].lstrip('0')}")
+        for name in missing
     ]
     if absent > len(listed):
         problems.append(Problem(ProblemKind.MISSING_FILE, "", f"{absent - len(listed)} more ranks have no shard files"))
-    pieces: dict[str, list[_Piece]] = {}
-    for file in sorted(f for fs in by_rank.values() for f in fs):
-        try:
-            found = _pieces(read_header(io.join(url, file), files[file]), file)
-        except CkptctlError as exc:
-            problems.append(Problem.from_error(exc, file))
-            continue
-        for name, piece in found:
-            pieces.setdefault(name, []).append(piece)
+    pieces = _read_pieces(url, {f: files[f] for fs in by_rank.values() for f in fs}, problems)
+    consistent = {
+        name: parts
+        for name, parts in pieces.items()
+        if len({p.dtype for p in parts}) == 1 and len({len(p.sizes) for p in parts}) == 1
+    }
+    shapes = _whole_shapes(url, consistent)
     for name, parts in sorted(pieces.items()):
         if len({p.dtype for p in parts}) > 1:
             problems.append(Problem(ProblemKind.BAD_METADATA, parts[0].file, f"the pieces of {name!r} differ in dtype"))
@@ -152,7 +250,9 @@ def shards_problems(url: str, files: Mapping[str, int]) -> list[Problem]:
                 Problem(ProblemKind.BAD_METADATA, parts[0].file, f"the pieces of {name!r} differ in dimensions")
             )
             continue
-        why = tiling_problem(_full_shape(parts), [(p.offsets, p.sizes) for p in parts])
+        whole = shapes[name]
+        why = tiling_problem(whole, [(p.offsets, p.sizes) for p in parts])
         if why is not None:
-            problems.append(Problem(ProblemKind.COVERAGE, name, f"{name}: {why}"))
+            short = " (config.json's shape: some rank's pieces are missing)" if whole != _full_shape(parts) else ""
+            problems.append(Problem(ProblemKind.COVERAGE, name, f"{name} {list(whole)}{short}: {why}"))
     return problems

@@ -22,7 +22,7 @@ import json
 import os
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 from ckptctl import io
@@ -30,7 +30,8 @@ from ckptctl.checkpoint import Checkpoint, CheckpointRef, CheckpointState, Compo
 from ckptctl.errors import CheckpointInProgress, CheckpointNotFound, CkptctlError, CorruptCheckpoint
 from ckptctl.formats.documents import read_json
 from ckptctl.layouts import Layout, get_layout, resolve
-from ckptctl.layouts.capabilities import HfModel, ModelSpec
+from ckptctl.layouts.capabilities import NO_NAME_MAP, HfModel, ModelSpec
+from ckptctl.layouts.parts.value_head import find_value_head
 from ckptctl.layouts.wrapped import WrappedAdapter
 from ckptctl.ops.convert.commit import Staging, UploadStaging, check_destination, write_digests, write_small
 from ckptctl.ops.convert.model_check import apply_ties, check_plan, compare_logits, model_spec, read_config
@@ -97,10 +98,11 @@ def convert(
 
 
 def _hf_model(checkpoint: Checkpoint, layout: Layout, options: ConvertOptions) -> HfModel | None:
-    """The model under transformers names when the layout has it and `--to hf` converts the model (the
-    `--config` given is read for what the checkpoint does not record)."""
-    if options.to is not Target.HF or options.component is not Component.MODEL:
-        return None
+    """The model under transformers names when the layout has it and `--to hf` converts the model, unless
+    `--mapping none` keeps the stored names (the `--config` given is read for what the checkpoint does not
+    record)."""
+    if options.to is not Target.HF or options.component is not Component.MODEL or options.mapping == NO_NAME_MAP:
+        return None  # `--mapping none`: the names (and the merged shapes) the checkpoint stores
     config = None
     if options.config_dir is not None:
         path = io.join(options.config_dir, "config.json")
@@ -275,6 +277,8 @@ def _prepare(src: str, dst: str, options: ConvertOptions) -> _Prepared:
         adapter_settings=lambda names: find_adapter_settings(names, options, checkpoint, layout, notes),
     )
     notes += side_notes
+    if base is None and options.to is Target.HF and options.component is Component.MODEL and config is not None:
+        plan, config, made_config = _value_head(source, source_layout, plan, config, made_config, side_files, notes)
     why_not: list[str] = []
     spec = None
     if config is not None and checks and options.component is Component.MODEL:
@@ -293,6 +297,34 @@ def _prepare(src: str, dst: str, options: ConvertOptions) -> _Prepared:
     return _Prepared(
         src, dst, url, layout.name, source, base, plan, weights, side_files, made_config, config, spec, tied, notes
     )
+
+
+def _value_head(
+    checkpoint: Checkpoint,
+    layout: Layout,
+    plan: list[Planned],
+    config: dict[str, Any],
+    made_config: Mapping[str, Any] | None,
+    side_files: dict[str, str],
+    notes: list[str],
+) -> tuple[list[Planned], dict[str, Any], Mapping[str, Any] | None]:
+    """The plan, config and config to write of a critic or reward model (`layouts.parts.value_head`): its head
+    named as transformers names it, and a config naming the transformers class that computes its values (the
+    copied config.json is then written as that config); unchanged for a model without a value head."""
+    head = find_value_head(
+        {p.name: p.shape for p in plan}, config, convert_source(layout).value_head_task(checkpoint), notes
+    )
+    if head is None:
+        return plan, config, made_config
+    plan = [replace(p, name=head.names.get(p.name, p.name)) for p in plan]
+    if not head.changed:
+        return plan, config, made_config
+    side_files.pop("config.json", None)
+    notes.append(
+        f"a value head: config.json written for {head.architecture} with one label, what computes its values "
+        f"(the source's config names {', '.join(config.get('architectures') or ['no class'])})"
+    )
+    return plan, dict(head.config), head.config
 
 
 def _prepare_adapter(

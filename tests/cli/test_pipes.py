@@ -14,13 +14,14 @@ from pathlib import Path
 import pytest
 
 from ckptctl.cli.app import app
+from ckptctl.layouts import layout_names
 from tests.conftest import CliResult, copy_tree
 from tests.ops.test_prune import write_run
 from tests.writers.trainer_writer import WrittenTrainerRun
 
 Cli = Callable[..., CliResult]
 REPO = Path(__file__).resolve().parents[2]
-COMMANDS = ("list", "inspect", "verify", "convert", "diff", "resume-plan", "prune", "demo")
+COMMANDS = ("list", "inspect", "verify", "convert", "diff", "resume-plan", "prune", "repair", "demo")
 
 
 def ckptctl(*args: object, columns: int = 80, stdin: str | None = None, **env: str) -> subprocess.CompletedProcess[str]:
@@ -193,10 +194,7 @@ def test_the_layout_and_sort_options_name_their_choices() -> None:
     # wide enough for the whole list of layouts on one line of the options table
     text = " ".join(ckptctl("list", "--help", columns=260).stdout.split())
     assert "Sort by step, created, size or url" in text
-    assert (
-        "native, verl, areal, roll, lightning, megatron, torchtitan, dcp, hf_trainer, accelerate, openrlhf, open_instruct, deepspeed, peft, hf"
-        in text
-    )
+    assert ", ".join(layout_names()) in text
 
 
 # --- errors: one style, and JSON with --json ---------------------------------------------------------
@@ -234,7 +232,7 @@ def test_every_usage_error_reads_the_same(run_cli: Cli, native_run: Path, args: 
 
 def test_list_layout_nosuch_names_the_known_layouts(run_cli: Cli, native_run: Path) -> None:
     result = run_cli("list", native_run, "--layout", "nosuch")
-    assert result.exit_code == 2 and "known layouts: native, verl, areal" in result.stderr
+    assert result.exit_code == 2 and f"known layouts: {', '.join(layout_names())}" in result.stderr
     assert "no checkpoints found" not in result.stderr
 
 

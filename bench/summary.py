@@ -29,14 +29,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 #: Bench -> its arguments at `make bench` size, and the seconds after which it is stopped: 600 in all.
 BENCHES: dict[str, tuple[list[str], int]] = {
-    "verify_throughput": (["--gb", "0.75", "--repeat", "3", "--core"], 150),
-    "diff": (["--size-gib", "0.4", "--repeat", "3"], 120),
-    "save_peers": (["--gb", "0.25", "--rounds", "3", "--ranks", "2"], 150),
-    "save": (["--gb", "0.2", "--rounds", "3", "--ranks", "0"], 45),
-    "convert": (["--layers", "2", "--width", "4096"], 40),
-    "convert_zero": (["--stages", "2", "--layers", "2", "--hidden", "512", "--vocab", "8000"], 50),
-    "list_inspect": (["--checkpoints", "100", "--tensors", "10000", "--repeat", "1", "--no-deepspeed"], 20),
-    "scale": (["--layers", "2", "--width", "1024", "--ranks", "1", "2"], 25),
+    "verify_throughput": (["--gb", "0.75", "--repeat", "3", "--core"], 140),
+    "diff": (["--size-gib", "0.4", "--repeat", "3"], 100),
+    "save_peers": (["--gb", "0.25", "--rounds", "4", "--ranks", "2"], 130),
+    "save": (["--gb", "0.2", "--rounds", "3", "--ranks", "0"], 30),
+    "convert": (["--layers", "2", "--width", "2048"], 60),
+    "convert_zero": (["--stages", "2", "--layers", "2", "--hidden", "512", "--vocab", "8000"], 60),
+    "list_inspect": (["--checkpoints", "100", "--tensors", "10000", "--repeat", "1", "--no-deepspeed"], 25),
+    "scale": (["--layers", "2", "--width", "1024", "--ranks", "1", "2"], 55),
 }
 
 
@@ -112,7 +112,7 @@ def main() -> int:
         rows.extend(ratios)
     print(f"\n===== summary: {start_machine}; Python {platform.python_version()}")
     print("medians of interleaved runs; x floor = ours / floor, x peer = ours / best peer (lower is better)")
-    head = f"{'what':<52}{'ours s':>8}{'floor':>24}{'x floor':>8}{'best peer':>34}{'x peer':>8}  target"
+    head = f"{'what':<52}{'ours s':>8}{'floor':>20}{'x floor':>8}  {'best peer':<38}{'x peer':>7}  target"
     print(head)
     for r in rows:
         floor = f"{r['floor']} {r['floor_s']:.3f}"
@@ -120,8 +120,8 @@ def main() -> int:
         x_floor = r.get("ratio_floor", r["ours_s"] / r["floor_s"])
         x_peer = r.get("ratio_peer", r["ours_s"] / r["peer_s"]) if r.get("peer") else float("nan")
         print(
-            f"{r['bench'] + ': ' + r['what']:<52}{r['ours_s']:>8.3f}{floor:>24}{x_floor:>8.2f}{peer:>34}"
-            f"{x_peer:>8.2f}  {r['target']}"
+            f"{r['bench'] + ': ' + r['what']:<52}{r['ours_s']:>8.3f}{floor:>20}{x_floor:>8.2f}  {peer:<38}"
+            f"{x_peer:>7.2f}  {r['target']}"
         )
     print("benches: " + ", ".join(f"{n} ({e})" for n, e in ended.items()))
     return 0

@@ -45,9 +45,10 @@ lint: $(VENV)/.dev
 	$(BIN)/mypy
 	$(BIN)/python -m scripts.check_imports
 
+# Every bench in bench/ at a size that finishes in about 10 minutes on 2 cores, then one table of ratios
+# (ours / floor, ours / best peer) of the verify, diff and save benches (bench/summary.py: BENCHES).
 bench: $(VENV)/.dev
-	$(BIN)/python bench/verify_throughput.py
-	$(BIN)/python bench/save.py
+	$(BIN)/python bench/summary.py
 
 # Shell completions (completions/) and the command reference (docs/cli.md), both generated from the CLI.
 completions: $(VENV)/.base

@@ -13,11 +13,15 @@ Each pair is then measured, on a warm page cache (every file is read once first)
   (d) `ckptctl diff` (the command line, in a fresh process: interpreter start and imports included),
   (n) a naive script: safetensors `safe_open` + `get_tensor` of each tensor from both sides, `torch.equal`
       when the dtypes agree, else the largest `|a - b|` after upcasting both to fp32 (torch import included),
+  (k) the `diff()` call alone, in a child that imported ckptctl first (what a library user pays, and the
+      figure against the read floor: interpreter start and imports are fixed costs, not reading),
   (c) `cat` of both checkpoints' files to /dev/null (the read floor),
 
-interleaved (d, n, c, d, n, c, ...) `--repeat` times so that the machine's load hits all three alike; the
-median wall time of each is reported with the peak RSS of that child (`os.wait4`, that child alone). The
-target (issue 14): (d) / (n) <= 0.5, with memory bounded by the largest tensor pair.
+interleaved (d, k, n, c, d, k, n, c, ...) `--repeat` times so that the machine's load hits all alike; the
+median wall time of each is reported with the peak RSS of that child (`os.wait4`, that child alone), and
+the medians of the pairwise ratios. Targets: (d) / (n) <= 0.5 (issue 14), with memory bounded by the
+largest tensor pair; (k) / (c) <= 1.5 for the identical and near-identical pairs, <= 2.5 across dtypes
+(issue 26).
 
 The checkpoints are written by a child process so that this one stays small, free disk space is checked
 first, and everything is deleted at the end unless `--keep`.
@@ -152,6 +156,17 @@ print(json.dumps({"seconds": time.perf_counter() - start, "identical": identical
 """
 
 
+def diff_call(a: str, b: str, options: list[str]) -> None:
+    """A child that imports diff, then times the call alone and prints `{"seconds": ...}`."""
+    from ckptctl.ops.diff import DiffOptions, diff
+
+    rtol = float(options[options.index("--rtol") + 1]) if "--rtol" in options else 0.0
+    diff_options = DiffOptions(rtol=rtol, ignore_dtype="--ignore-dtype" in options)
+    start = time.perf_counter()
+    diff(a, b, diff_options)
+    print(json.dumps({"seconds": time.perf_counter() - start}))
+
+
 @dataclass(frozen=True)
 class Run:
     wall: float
@@ -190,7 +205,11 @@ def main() -> int:
     parser.add_argument("--keep", action="store_true", help="keep the checkpoints")
     parser.add_argument("--generate", type=Path, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--layers", type=int, default=None, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    parser.add_argument("--diff-call", nargs=2, default=None, help=argparse.SUPPRESS)
+    args, rest = parser.parse_known_args()
+    if args.diff_call is not None:
+        diff_call(*args.diff_call, rest)
+        return 0
     if args.generate is not None:
         _generate(args.generate, args.layers)
         return 0
@@ -230,21 +249,23 @@ def main() -> int:
             read_bytes = sum(os.path.getsize(f) for f in files)
             subprocess.run(["cat", *files], stdout=subprocess.DEVNULL, check=True)  # warm the page cache
             ours: list[Run] = []
+            call: list[Run] = []
             naive: list[Run] = []
             cat: list[Run] = []
             for _ in range(args.repeat):
                 ours.append(
                     measure([python, "-m", "ckptctl", "diff", str(a), str(b), "--json", "-q", *options], (0, 1))
                 )
+                call.append(measure([python, __file__, "--diff-call", str(a), str(b), *options]))
                 naive.append(measure([python, "-c", NAIVE, str(a), str(b)]))
                 cat.append(measure(["cat", *files], discard=True))
             doc = json.loads(ours[-1].stdout)
             check = _check(label, doc, changed_name)
             naive_doc = json.loads(naive[-1].stdout)
-            rows.append((label, read_bytes, ours, naive, cat, check, naive_doc))
+            rows.append((label, read_bytes, ours, naive, cat, check, naive_doc, call))
         print(f"load average after:  {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
         print(f"\n{'pair':44}{'read':>9}{'method':>8}{'wall s':>9}{'MB/s':>8}{'peak RSS':>12}")
-        for label, read_bytes, ours, naive, cat, check, _naive_doc in rows:
+        for label, read_bytes, ours, naive, cat, check, _naive_doc, _call in rows:
             for method, runs in (("diff", ours), ("naive", naive), ("cat", cat)):
                 wall = statistics.median(r.wall for r in runs)
                 rss = max(r.peak_rss for r in runs)
@@ -256,14 +277,29 @@ def main() -> int:
             print(f"{'':44}  result: {check}")
         print(f"\nlargest tensor pair: {largest * 2 / MIB:.0f} MiB (fp32 + fp32)")
         target_met = True
-        for label, _read, ours, naive, cat, _check_text, _doc in rows:
+        for label, _read, ours, naive, cat, _check_text, _doc, call in rows:
             d, n, c = (statistics.median(r.wall for r in runs) for runs in (ours, naive, cat))
+            k = statistics.median(json.loads(r.stdout)["seconds"] for r in call)
+            # Pair by pair (each round ran the methods back to back), then the median: drift cancels.
+            d_n = statistics.median(x.wall / y.wall for x, y in zip(ours, naive, strict=True))
+            d_c = statistics.median(x.wall / y.wall for x, y in zip(ours, cat, strict=True))
+            k_c = statistics.median(json.loads(x.stdout)["seconds"] / y.wall for x, y in zip(call, cat, strict=True))
+            k_n = statistics.median(json.loads(x.stdout)["seconds"] / y.wall for x, y in zip(call, naive, strict=True))
             peak = max(r.peak_rss for r in ours)
-            target_met &= d / n <= 0.5
+            floor_target = 2.5 if label.startswith("fp32") else 1.5
+            target_met &= d_n <= 0.5 and k_c <= floor_target
             print(
-                f"{label:44} diff/naive {d / n:5.2f} (target <= 0.5)   diff/cat {d / c:6.1f}   "
-                f"peak RSS diff/naive {peak / max(r.peak_rss for r in naive):.2f}"
+                f"{label:44} diff/naive {d_n:5.2f} (target <= 0.5)   diff/cat {d_c:5.1f}   call {k:5.2f} s, "
+                f"call/cat {k_c:4.2f} (target <= {floor_target})   peak RSS diff/naive "
+                f"{peak / max(r.peak_rss for r in naive):.2f}"
             )
+            what = f"diff {label.split(' (')[0]}"
+            line = {"bench": "diff", "what": what + " (call)", "ours_s": k, "floor": "cat both", "floor_s": c}
+            line |= {"peer": "naive safetensors+torch", "peer_s": n, "target": f"<= {floor_target}x cat"}
+            print("RATIO " + json.dumps(line | {"ratio_floor": k_c, "ratio_peer": k_n}))
+            line = {"bench": "diff", "what": what + " (command)", "ours_s": d, "floor": "cat both", "floor_s": c}
+            line |= {"peer": "naive safetensors+torch", "peer_s": n, "target": "<= 0.5x naive"}
+            print("RATIO " + json.dumps(line | {"ratio_floor": d_c, "ratio_peer": d_n}))
         return 0 if target_met else 1
     finally:
         if not args.keep:

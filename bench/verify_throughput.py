@@ -2,7 +2,8 @@
 
 Builds a torch DCP checkpoint with `dcp.save` (FileSystemWriter, 2 writer threads: 2 `.distcp` files, as
 2 ranks write) of `--gb` GB of fp32 tensors (64 MiB each, plus 256 small ones, as a model's norms and biases
-are), then runs each mode as a `ckptctl verify` child process and reports, best of `--repeat`:
+are), then runs each mode as a `ckptctl verify` child process and reports the median of `--repeat` runs,
+all modes in turn round after round (interleaved, so a noisy machine's drift falls on every mode alike):
 
 - `cat FILES > /dev/null`: the read floor (the peer every ratio is against);
 - `sha256sum FILES`: the tool people reach for (DESIGN §5: digest verify >= 8x faster);
@@ -29,6 +30,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -95,19 +97,30 @@ def drop_cache(files: Sequence[Path]) -> None:
             os.close(fd)
 
 
-def best(argv: Sequence[str], repeat: int, cold: bool, files: Sequence[Path], before: Sequence[Path] = ()) -> Measure:
-    """The best of `repeat` runs, the cache dropped (cold) or filled (warm) before each; `before` is deleted."""
-    runs = []
-    for _ in range(repeat):
-        for path in before:
-            path.unlink(missing_ok=True)
-        if cold:
-            drop_cache(files)
-        else:
-            subprocess.run(["cat", *map(str, files)], stdout=subprocess.DEVNULL, check=True)
-        runs.append(run_child(argv))
+def ratio(what: str, ours: float, floor: float, peer: float, peer_name: str, target: str) -> None:
+    """A line bench/summary.py collects into `make bench`'s table (medians)."""
+    line = {"bench": "verify", "what": what, "ours_s": ours, "floor": "cat", "floor_s": floor}
+    print("RATIO " + json.dumps(line | {"peer": peer_name, "peer_s": peer, "target": target}))
+
+
+def prepare(cold: bool, files: Sequence[Path], before: Sequence[Path] = ()) -> None:
+    """Before a run: `before` deleted, then the cache dropped (cold) or filled (warm)."""
+    for path in before:
+        path.unlink(missing_ok=True)
+    if cold:
+        drop_cache(files)
+    else:
+        subprocess.run(["cat", *map(str, files)], stdout=subprocess.DEVNULL, check=True)
+
+
+def median(runs: Sequence[Measure]) -> Measure:
+    """The median run's time (and work), the largest peak: the figure to quote on a noisy machine."""
     works = [r.work for r in runs if r.work is not None]
-    return Measure(min(r.seconds for r in runs), max(r.peak_mib for r in runs), min(works) if works else None)
+    return Measure(
+        statistics.median(r.seconds for r in runs),
+        max(r.peak_mib for r in runs),
+        statistics.median(works) if works else None,
+    )
 
 
 def verify_in_process(folder: str, flags: Sequence[str]) -> None:
@@ -147,19 +160,37 @@ MODES: dict[str, tuple[str, ...] | None] = {
     "verify --deep with manifest": ("--deep",),
 }
 WRITE = "verify --write-manifest (blake3 + CRC-32s)"
+#: The modes `--core` keeps: the floor, the peer, and the modes of the closing table.
+CORE_MODES = (
+    "cat > /dev/null (the read floor)",
+    "sha256sum",
+    "verify, no manifest (CRC-32s)",
+    "verify --deep (CRC-32s, tensors)",
+    "verify with manifest (digests)",
+)
 WITH_MANIFEST = ("verify with manifest (digests)", "verify --deep with manifest")
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gb", type=float, default=1.0, help="checkpoint size in GB (>= 4 for the acceptance run)")
-    parser.add_argument("--repeat", type=int, default=3, help="runs per mode and cache state (best shown)")
+    parser.add_argument(
+        "--repeat", type=int, default=3, help="interleaved runs per mode and cache state (medians shown)"
+    )
     parser.add_argument("--dir", type=Path, default=None, help="where to build the checkpoint (default: a temp dir)")
     parser.add_argument("--no-cold", action="store_true", help="skip the cold-cache runs")
+    parser.add_argument(
+        "--core",
+        action="store_true",
+        help="only cat, sha256sum, plain verify, --deep and verify with a manifest (make bench's size)",
+    )
     parser.add_argument("--build-into", type=Path, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--verify-in-process", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--verify-flags", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.core:
+        for label in [label for label in MODES if label not in CORE_MODES]:
+            del MODES[label]
     if args.build_into is not None:  # the child that writes the checkpoint (see below)
         build_checkpoint(args.build_into, args.gb)
         return 0
@@ -192,31 +223,35 @@ def main() -> int:
             "cat > /dev/null (the read floor)": ["sh", "-c", 'cat "$@" > /dev/null', "cat", *map(str, files)],
             "sha256sum": ["sha256sum", *map(str, files)],
         }
-        results: dict[tuple[str, str], tuple[Measure, Measure | None]] = {}
+        # Every run of every mode in turn, round after round (A B C ... A B C ...): a drift of the machine's
+        # speed (other processes on a shared machine) falls on every mode alike, and medians are quoted.
+        # Runs without a manifest delete it first; the manifest is written before the runs that use it.
+        jobs: list[tuple[str, str, str, list[str], tuple[Path, ...]]] = []  # label, state, kind, argv, delete
         for label, flags in MODES.items():
-            if label == WRITE:
-                continue
-            if label in WITH_MANIFEST and not digests.exists():
-                run_child([*cli, "--write-manifest"])
             for state in states:
-                cold = state == "cold"
                 if flags is None:
-                    results[(label, state)] = (best(peers[label], args.repeat, cold, files), None)
+                    jobs.append((label, state, "command", peers[label], ()))
                     continue
                 gone = (digests,) if label not in WITH_MANIFEST else ()
-                command = best([*cli, *flags], args.repeat, cold, files, gone)
-                # The ranks are processes of their own: only the command is timed.
-                call = None if "--workers" in flags else best([*lib, _flags(flags)], args.repeat, cold, files, gone)
-                results[(label, state)] = (command, call)
-            if label == "verify --deep --check-finite":  # then the manifest is written, and timed
-                for state in states:
-                    command = best([*cli, "--write-manifest"], args.repeat, state == "cold", files, (digests,))
-                    call = best([*lib, _flags(("--write-manifest",))], args.repeat, state == "cold", files, (digests,))
-                    results[(WRITE, state)] = (command, call)
+                jobs.append((label, state, "command", [*cli, *flags], gone))
+                if "--workers" not in flags:  # the ranks are processes of their own: only the command is timed
+                    jobs.append((label, state, "call", [*lib, _flags(flags)], gone))
+        runs: dict[tuple[str, str, str], list[Measure]] = {}
+        for _ in range(args.repeat):
+            for label, state, kind, argv, gone in jobs:
+                if label in WITH_MANIFEST and not digests.exists():
+                    run_child([*cli, "--write-manifest"])
+                prepare(state == "cold", files, gone)
+                runs.setdefault((label, state, kind), []).append(run_child(argv))
+        results: dict[tuple[str, str], tuple[Measure, Measure | None]] = {}
+        for label in MODES:
+            for state in states:
+                call = runs.get((label, state, "call"))
+                results[(label, state)] = (median(runs[(label, state, "command")]), median(call) if call else None)
 
         print(
             f"checkpoint: {total / 1e9:.2f} GB in {len(files)} files (torch DCP: "
-            f"{sum(1 for f in files if f.suffix == '.distcp')} .distcp and .metadata), best of {args.repeat}.\n"
+            f"{sum(1 for f in files if f.suffix == '.distcp')} .distcp and .metadata), medians of {args.repeat} interleaved runs.\n"
             "command: `ckptctl verify` end to end (process start and imports included); call: the verify call "
             "alone in a child that imported ckptctl first; x cat: seconds / seconds of cat in the same cache state; "
             "MiB: the child's peak RSS"
@@ -245,6 +280,19 @@ def main() -> int:
         )
         structural = json.loads(quick.stdout)["bytes_read"]
         print(f"verify --quick read {structural} bytes = {100 * structural / total:.4f}% of the checkpoint")
+        for label, short in (
+            ("verify, no manifest (CRC-32s)", "verify (CRC-32s)"),
+            ("verify --deep (CRC-32s, tensors)", "verify --deep"),
+            ("verify with manifest (digests)", "verify with manifest"),
+        ):
+            for s in states:
+                command, call = results[(label, s)]
+                sha = results[("sha256sum", s)][0].seconds
+                target = "<= 1.5x cat" if s == "warm" else "<= 1.2x cat"
+                if call is not None and call.work is not None:
+                    ratio(f"{short}, {s} (call)", call.work, floor[s], sha, "sha256sum", target)
+                if s == "warm":  # the command adds the interpreter's start and imports: a fixed cost
+                    ratio(f"{short}, {s} (command)", command.seconds, floor[s], sha, "sha256sum", "-")
         print(f"load average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     finally:
         shutil.rmtree(root, ignore_errors=True)

@@ -268,11 +268,13 @@ class CheckpointManager:
             with storage_errors(f"saving step {step} into {self.root}"):
                 self._storage.begin(staging)
                 for entry in taken.entries:
-                    written = write_tree(staging, entry.name, entry.encoded, entry.extra, files)
+                    written = write_tree(staging, entry.name, entry.encoded, entry.extra, files, fsync=False)
                     components[entry.name] = ComponentRecord(entry.kind, "safetensors", written)
                 components["rng"] = ComponentRecord(
-                    "rng", "safetensors", write_tree(staging, "rng", taken.rng, {}, files)
+                    "rng", "safetensors", write_tree(staging, "rng", taken.rng, {}, files, fsync=False)
                 )
+                # Every file durable before the manifest that names them is written (the commit protocol).
+                snapshot.fsync_files(staging, list(files))
                 self._commit(step, staging, files, components, metrics, world_size=1)
         finally:
             shutil.rmtree(staging, ignore_errors=True)  # a failed save's files; committed ones moved away

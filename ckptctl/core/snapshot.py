@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ckptctl import io
 from ckptctl.core import distributed as dist_
 from ckptctl.core import rng
 from ckptctl.core.entries import check_name, kind_of, state_of
@@ -217,14 +218,36 @@ def _stage_dcp(value: Any, stager: Stager, slot: str) -> Any:
 
 
 def write_tree(
-    folder: str, stem: str, encoded: EncodedTree, extra: Mapping[str, Any], files: dict[str, FileRecord]
+    folder: str,
+    stem: str,
+    encoded: EncodedTree,
+    extra: Mapping[str, Any],
+    files: dict[str, FileRecord],
+    *,
+    fsync: bool = True,
 ) -> tuple[str, ...]:
     """Write one encoded tree as `stem.safetensors`/`stem.json` into `folder`, recording each file in
-    `files`; returns their names."""
-    written = state_tree.write_files(folder, stem, encoded, extra)
+    `files`; returns their names. Not `fsync`: the caller must `fsync_files` them before it commits."""
+    written = state_tree.write_files(folder, stem, encoded, extra, fsync=fsync)
     for name, w in written.items():
         files[name] = FileRecord(w.size, w.blake3)
     return tuple(written)
+
+
+def fsync_files(folder: str, names: list[str]) -> None:
+    """fsync files of `folder` written without it, all at once: the first makes the file system commit
+    the metadata of all of them, the others only wait for their data, whose writeback started while they
+    were written (`formats.digest.HashingWriter`). One fsync per file as it was closed would wait for a
+    journal commit each, one after the other."""
+
+    def sync(name: str) -> None:
+        fd = os.open(os.path.join(folder, name), os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    io.parallel_map(sync, names, max_workers=8)
 
 
 def plain_metrics(metrics: Mapping[str, Any] | None) -> dict[str, Any]:

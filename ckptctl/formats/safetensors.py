@@ -237,9 +237,10 @@ def build_header(
 
 
 def write_file(
-    path: str, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None
+    path: str, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None, *, fsync: bool = True
 ) -> WrittenFile:
-    """Write a local safetensors file, hashing while writing, and fsync it.
+    """Write a local safetensors file, hashing while writing, and fsync it (unless not `fsync`: then the
+    caller fsyncs it, with the other files of the same commit).
 
     Tensors may share storage (tied weights): each is written in full under its own name, which is
     what the format requires. Returns the size and digest so that the manifest needs no second read.
@@ -254,7 +255,8 @@ def write_file(
             if len(data):
                 out.write(data)
         raw.flush()
-        os.fsync(raw.fileno())
+        if fsync:
+            os.fsync(raw.fileno())
     return WrittenFile(out.size, out.hexdigest())
 
 

@@ -277,7 +277,7 @@ def _iter_tensor_refs(node: Any) -> Iterator[str]:
 
 
 def write_files(
-    folder: str, stem: str, encoded: EncodedTree, extra: Mapping[str, Any] | None = None
+    folder: str, stem: str, encoded: EncodedTree, extra: Mapping[str, Any] | None = None, *, fsync: bool = True
 ) -> dict[str, st.WrittenFile]:
     """Write `{stem}.json` and, when there are tensors, `{stem}.safetensors` into a local folder.
 
@@ -289,6 +289,8 @@ def write_files(
         stem: the file name stem (the state entry name, `rng`, `rng.rank-3`).
         encoded: what `encode` returned.
         extra: more top-level fields of the JSON document (e.g. a module state_dict's `_metadata`).
+        fsync: fsync each file; False leaves it to the caller, who fsyncs every file of a commit at once
+            (one journal commit rather than one per file).
 
     Returns:
         file name (relative to `folder`) -> size and blake3 digest.
@@ -296,14 +298,15 @@ def write_files(
     written: dict[str, st.WrittenFile] = {}
     if encoded.tensors:
         name = f"{stem}.safetensors"
-        written[name] = st.write_file(os.path.join(folder, name), encoded.tensors)
+        written[name] = st.write_file(os.path.join(folder, name), encoded.tensors, fsync=fsync)
     doc = {"tree": encoded.tree, **(extra or {})}
     name = f"{stem}.json"
     with open(os.path.join(folder, name), "wb") as raw:
         out = HashingWriter(raw)
         out.write(json.dumps(doc, allow_nan=True, separators=(",", ":")).encode("utf-8"))
         raw.flush()
-        os.fsync(raw.fileno())
+        if fsync:
+            os.fsync(raw.fileno())
     written[name] = st.WrittenFile(out.size, out.hexdigest())
     return written
 

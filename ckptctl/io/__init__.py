@@ -26,7 +26,7 @@ from ckptctl.errors import CorruptCheckpoint, StorageError
 from ckptctl.io.backend import Backend
 from ckptctl.io.counting import READ_STATS, ByteCounter, ReadStats, count_read, count_read_elsewhere, counting
 from ckptctl.io.failures import RetryPolicy, check_size, policy_from_env, translate_errors
-from ckptctl.io.local import LOCAL, exchange, fsync_dir, refuse_to_replace_precious
+from ckptctl.io.local import LOCAL, exchange, fsync_dir, refuse_to_replace_precious, start_writeback
 from ckptctl.io.parallel import ContextThreadPool, parallel_map, workers
 from ckptctl.io.paths import DirEntry, is_local, join, local_path, name_of, parent_of, relative_to
 from ckptctl.io.remote import FSSPEC
@@ -69,6 +69,7 @@ __all__ = [
     "read_text",
     "refuse_to_replace_precious",
     "relative_to",
+    "start_writeback",
     "upload_file",
     "workers",
     "write_bytes_atomic",

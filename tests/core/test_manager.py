@@ -25,6 +25,35 @@ def fresh_state(seed: int = 9) -> dict[str, Any]:
     return _workers.build_training_state(seed=seed)
 
 
+def test_every_data_file_is_fsynced_before_the_manifest_is_written(
+    run_dir: Path, trained_state: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The files are fsynced together after all are written (one journal commit), still before the
+    manifest that names them: a crash never leaves a manifest naming bytes that are not on the disk."""
+    events: list[str] = []
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        events.append("fsync " + os.path.basename(os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    real_open = open
+
+    def tracking_open(file: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
+        if "w" in mode and os.path.basename(str(file)).startswith(MANIFEST_NAME):
+            events.append("write manifest")
+        return real_open(file, mode, *args, **kwargs)
+
+    if not os.path.isdir("/proc/self/fd"):
+        pytest.skip("needs /proc to name an fd")
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr("builtins.open", tracking_open)
+    CheckpointManager(run_dir).save(3, trained_state)
+    data = {p.name for p in (run_dir / "step-3").iterdir()} - {MANIFEST_NAME}
+    manifest_at = events.index("write manifest")
+    assert {f"fsync {name}" for name in data} <= set(events[:manifest_at])
+
+
 def test_save_writes_the_documented_layout(run_dir: Path, trained_state: dict[str, Any]) -> None:
     trained_state["trainer"] = {"tokens": 10}
     CheckpointManager(run_dir).save(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import sys
 import warnings
 import zipfile
 import zlib
@@ -15,13 +16,25 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ckptctl.errors import CorruptCheckpoint
+from ckptctl.formats import torch_zip
 from ckptctl.formats.torch_pickle import open_torch_pickle
-from ckptctl.formats.torch_zip import archive_members, check_zip_crcs, crc32_combine
+from ckptctl.formats.torch_zip import archive_members, check_zip_crcs, crc32, crc32_combine
 
 
 @given(st.binary(max_size=3000), st.binary(max_size=3000))
 def test_crc32_combine_is_zlibs(a: bytes, b: bytes) -> None:
     assert crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
+
+
+def test_crc32_is_zlib_ngs_and_zlibs_without_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    # zlib-ng is a dependency: the default CRC-32 is its own, with zlib's values.
+    data = bytes(range(256)) * 4099
+    assert crc32.__module__.startswith("zlib_ng")
+    assert crc32(data, 0) == zlib.crc32(data)
+    assert crc32(data[100:], crc32(data[:100], 0)) == zlib.crc32(data)
+    # Where it does not import (no wheel for the platform), stdlib zlib's is used.
+    monkeypatch.setitem(sys.modules, "zlib_ng", None)
+    assert torch_zip._crc32() is zlib.crc32
 
 
 @pytest.fixture

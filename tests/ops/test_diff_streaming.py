@@ -227,6 +227,36 @@ def test_nan_and_infinities_in_large_tensors(
     same_document(report, whole_report(monkeypatch, a, b, DiffOptions(keep_equal=True)))
 
 
+def test_signed_zeros_and_bf16_nans_are_equal_values_not_identical_bytes(
+    hf_model_dirs: dict[str, Path], tmp_path: Path, streamed: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The byte comparison comes first, so bytes that differ while values do not decide only `identical`:
+    -0.0 against 0.0, and bf16 NaNs of different payloads, are equal values (no mismatch, no difference,
+    rel L2 0) in a tensor that is not bit-identical; a block that differs in nothing else adds nothing."""
+    single = hf_model_dirs["single"]
+    # The same NaN bytes on both sides: only the payload of the one at MIDDLE differs.
+    bf16_nan = torch.tensor([0x7FC0, 0x7FC1], dtype=torch.int16).view(torch.bfloat16)
+
+    def zeros(negative: bool) -> Any:
+        def change(tensors: dict[str, torch.Tensor]) -> None:
+            tensors[EMBED][MIDDLE] = -0.0 if negative else 0.0
+            bf16 = tensors["lm_head.weight"].to(torch.bfloat16)
+            bf16[5, 5] = bf16_nan[1 if negative else 0]
+            tensors["lm_head.weight"] = bf16
+
+        return change
+
+    a = write_changed(single, tmp_path / "a", zeros(False))
+    b = write_changed(single, tmp_path / "b", zeros(True))
+    report = diff(str(a), str(b), DiffOptions(keep_equal=True))
+    assert report.equal and not report.changed
+    for name in (EMBED, "lm_head.weight"):
+        found = next(d for d in report.equal_tensors if d.name == name)
+        assert not found.identical, name
+        assert (found.mismatched, found.nonfinite_mismatched, found.max_abs_diff, found.rel_l2) == (0, 0, 0.0, 0.0)
+    same_document(report, whole_report(monkeypatch, a, b, DiffOptions(keep_equal=True)))
+
+
 # --- the engine against the former torch implementation -----------------------------------------------------
 
 

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Annotated, TypeVar
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from ckptctl.cli.command import add_command
-from ckptctl.cli.options import JsonOpt, QuietOpt, bad_value
+from ckptctl.cli.options import JsonOpt, QuietOpt, bad_value, confirmed, parsed
 from ckptctl.cli.output import Cell, Column, Output, human_bytes, styled
 from ckptctl.errors import CkptctlError
 from ckptctl.layouts import DEFAULT_SCAN_DEPTH
@@ -18,8 +16,6 @@ from ckptctl.ops.report import display_path
 if TYPE_CHECKING:
     from ckptctl.core.retention import RetentionPolicy
     from ckptctl.ops.prune import PrunePlan, PruneReport
-
-T = TypeVar("T")
 
 HELP = """Delete the checkpoints of a run that the retention rules do not keep, safely.
 
@@ -34,10 +30,6 @@ ckptctl prune runs/llama-sft --keep-last 3 --keep-every 1000 --dry-run
 ckptctl prune runs/llama-sft --keep-last 2 --keep-best eval_loss:min --max-total-size 2TB -y
 ckptctl prune runs/llama-sft --older-than 7d --pin 5000 --json -y   # cron; rules may live in ckptctl.toml
 """
-
-
-class ConfirmationRequired(CkptctlError):
-    """Deleting needs --yes when there is no terminal to ask on."""
 
 
 def register(app: typer.Typer) -> None:
@@ -108,9 +100,9 @@ def prune(
         best = tuple(KeepBest.parse(b) for b in keep_best or ())
     except ValueError as exc:
         raise bad_value("--keep-best", str(exc)) from exc
-    size = _parse(parse_size, max_total_size, "--max-total-size")
-    age = _parse(parse_age, older_than, "--older-than")
-    grace_age = _parse(parse_age, grace, "--grace")
+    size = parsed(parse_size, max_total_size, "--max-total-size")
+    age = parsed(parse_age, older_than, "--older-than")
+    grace_age = parsed(parse_age, grace, "--grace")
 
     policy: RetentionPolicy
     if keep_last is not None or keep_every is not None or best or size is not None or age is not None:
@@ -137,28 +129,18 @@ def prune(
     shown = False
 
     def confirm(plan: PrunePlan) -> bool:
-        nonlocal shown
-        if yes:
-            return True
-        # --json and --quiet are for scripts and do not show the plan: asking to confirm a plan nobody saw
-        # is no confirmation, and a script must behave the same with or without a terminal attached.
-        if json_output or quiet:
-            raise ConfirmationRequired(
-                f"refusing to delete {len(plan.delete)} checkpoint(s) without confirmation: "
-                f"{'--json' if json_output else '--quiet'} does not show the plan or prompt",
-                "pass --yes to delete (or --dry-run to see the plan)",
-            )
-        if not sys.stdin.isatty():
-            raise ConfirmationRequired(
-                f"refusing to delete {len(plan.delete)} checkpoint(s) without confirmation: stdin is not a terminal",
-                "pass --yes (or --dry-run to see the plan)",
-            )
-        _render_plan(out, plan)
-        shown = True
-        return typer.confirm(
+        def show() -> None:
+            nonlocal shown
+            _render_plan(out, plan)
+            shown = True
+
+        return confirmed(
+            f"delete {len(plan.delete)} checkpoint(s)",
             f"Delete {len(plan.delete)} checkpoint(s), freeing {human_bytes(plan.freed_bytes)}?",
-            default=False,
-            err=True,
+            yes=yes,
+            json_output=json_output,
+            quiet=quiet,
+            show=show,
         )
 
     report = run_prune(
@@ -190,15 +172,6 @@ def prune(
     # cron job must see 1 as long as the run stays over its budget or keeps what the rules would delete.
     if report.failed or report.cancelled or unmet:
         raise typer.Exit(1)
-
-
-def _parse(parser: Callable[[str], T], text: str | None, option: str) -> T | None:
-    if text is None:
-        return None
-    try:
-        return parser(text)
-    except ValueError as exc:
-        raise bad_value(option, str(exc)) from exc
 
 
 def _render_plan(out: Output, plan: PrunePlan) -> None:

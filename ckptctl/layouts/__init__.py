@@ -22,11 +22,12 @@ from functools import cache
 from typing import Any, TypeVar, cast
 
 from ckptctl import io
-from ckptctl.checkpoint import Checkpoint, CheckpointRef
+from ckptctl.checkpoint import Checkpoint, CheckpointRef, CheckpointState
 from ckptctl.errors import CheckpointNotFound, CkptctlError, UnknownLayout
 from ckptctl.formats.framework_classes import FrameworkClasses
+from ckptctl.formats.slim_marker import SLIM_MARKER, SLIM_NOTE
 from ckptctl.layouts.base import Layout
-from ckptctl.layouts.capabilities import CONVERT_SOURCE, Slot
+from ckptctl.layouts.capabilities import CONVERT_SOURCE, SLIMMER, Slot
 from ckptctl.layouts.generic import GENERIC, generic_layout, unclaimed
 from ckptctl.quoting import shell
 
@@ -89,7 +90,12 @@ class Plugin:
 #: people know. A verl `global_step_N/` (role folders of per-rank `*_world_size_W_rank_R.pt` files) and its role
 #: folders look like no other layout's, but come early so that nothing generic claims a role folder's files.
 _REGISTRY: tuple[Plugin, ...] = (
-    Plugin("native", "ckptctl.frameworks.native", "layout:NativeLayout", {CONVERT_SOURCE: "convert:SOURCE"}),
+    Plugin(
+        "native",
+        "ckptctl.frameworks.native",
+        "layout:NativeLayout",
+        {CONVERT_SOURCE: "convert:SOURCE", SLIMMER: "slim:SLIMMER"},
+    ),
     Plugin("verl", "ckptctl.frameworks.verl", "layout:VerlLayout", {CONVERT_SOURCE: "convert:SOURCE"}),
     Plugin("areal", "ckptctl.frameworks.areal", "layout:ArealLayout", {CONVERT_SOURCE: "convert:SOURCE"}),
     Plugin("roll", "ckptctl.frameworks.roll", "layout:RollLayout"),
@@ -99,7 +105,12 @@ _REGISTRY: tuple[Plugin, ...] = (
         "torchtitan", "ckptctl.frameworks.torchtitan", "layout:TorchtitanLayout", {CONVERT_SOURCE: "convert:SOURCE"}
     ),
     Plugin("dcp", "ckptctl.frameworks.dcp", "layout:DcpLayout"),
-    Plugin("hf_trainer", "ckptctl.frameworks.hf_trainer", "layout:HfTrainerLayout", {CONVERT_SOURCE: "convert:SOURCE"}),
+    Plugin(
+        "hf_trainer",
+        "ckptctl.frameworks.hf_trainer",
+        "layout:HfTrainerLayout",
+        {CONVERT_SOURCE: "convert:SOURCE", SLIMMER: "slim:SLIMMER"},
+    ),
     Plugin(
         "accelerate", "ckptctl.frameworks.accelerate", "layout:AccelerateLayout", {CONVERT_SOURCE: "convert:SOURCE"}
     ),
@@ -337,8 +348,20 @@ def _identify(
     for candidate in _candidates(layout):
         ref = candidate.identify(url, entries)
         if ref is not None:
-            return candidate, ref
+            return candidate, _slim_state(ref, entries)
     return None
+
+
+#: States a slim marker overrides: the layout may take a checkpoint without its optimizer for a broken one.
+_SLIMMABLE_STATES = frozenset({CheckpointState.COMPLETE, CheckpointState.BROKEN})
+
+
+def _slim_state(ref: CheckpointRef, entries: Sequence[io.DirEntry]) -> CheckpointRef:
+    """`ref` as state `slim` when its folder holds the marker `ckptctl slim` writes last (whatever layout it
+    is: the marker is the same for all), so that every command reads it as slim."""
+    if ref.state in _SLIMMABLE_STATES and any(e.name == SLIM_MARKER and not e.is_dir for e in entries):
+        return replace(ref, state=CheckpointState.SLIM, note=SLIM_NOTE)
+    return ref
 
 
 def _pointed(url: str, entries: Sequence[io.DirEntry]) -> set[str]:

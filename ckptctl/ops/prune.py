@@ -57,6 +57,7 @@ __all__ = [
     "PrunePlan",
     "PruneReport",
     "Skipped",
+    "changed_since_plan",
     "checkpoint_metrics",
     "load_policy_file",
     "plan_prune",
@@ -335,7 +336,7 @@ def plan_prune(
     metrics: dict[str, Mapping[str, Any]] = {}
     if policy.keep_best:
         for f in found:
-            if not f.link and f.ref.state is CheckpointState.COMPLETE:
+            if not f.link and f.ref.state in _WHOLE:
                 metrics[f.ref.url] = checkpoint_metrics(f.ref)
         for best in policy.keep_best:
             if not any(best.value(m) is not None for m in metrics.values()):
@@ -353,7 +354,7 @@ def plan_prune(
             series=io.parent_of(f.ref.url),
             created=f.ref.created,
             size_bytes=f.size,
-            complete=f.ref.state is CheckpointState.COMPLETE,
+            complete=f.ref.state in _WHOLE,
             metrics=metrics.get(f.ref.url, {}),
             protected=tuple(f.protected),
             busy=f.busy,
@@ -373,6 +374,9 @@ def plan_prune(
     trash = sum(_tree_size(t) for t in _trash_folders(run, items))
     return PrunePlan(run, policy, tuple(items), grace, now, trash, tuple(notes))
 
+
+#: States the rules count as checkpoints to keep: a slim one holds its model as a complete one does.
+_WHOLE = (CheckpointState.COMPLETE, CheckpointState.SLIM)
 
 #: Why `prune` keeps a checkpoint of a layout ckptctl does not know.
 UNKNOWN_KEPT = "unknown layout: ckptctl cannot tell whether it is whole or what a resume needs, so it never deletes it"
@@ -636,7 +640,7 @@ def _execute(plan: PrunePlan, lock: RunLock, progress: Progress) -> tuple[list[P
     try:
         for item in doomed:
             lock.refresh()
-            why = _still_deletable(item, plan)
+            why = changed_since_plan(item.ref, plan.grace)
             if why:
                 skipped.append(Skipped(item, why))
                 continue
@@ -652,9 +656,10 @@ def _execute(plan: PrunePlan, lock: RunLock, progress: Progress) -> tuple[list[P
     return deleted, skipped
 
 
-def _still_deletable(item: PruneItem, plan: PrunePlan) -> str:
-    """Why a planned deletion must not happen now (the run changed since the plan), or ""."""
-    url = item.url
+def changed_since_plan(planned: CheckpointRef, grace: timedelta) -> str:
+    """Why a planned change of a checkpoint (`prune`'s deletion, `slim`'s swap) must not happen now: the run
+    changed since the plan (a pointer names it now, it is being written or was rewritten); or ""."""
+    url = planned.url
     if io.is_local(url):
         path = io.local_path(url)
         if not os.path.lexists(path):
@@ -665,18 +670,20 @@ def _still_deletable(item: PruneItem, plan: PrunePlan) -> str:
     try:
         entries = io.list_dir(parent)
         _, ref = detect(url)
-        ref = _judged(ref, plan.grace)
+        ref = _judged(ref, grace)
     except CkptctlError as exc:
         return f"it cannot be read now ({exc.message})"
     name = io.name_of(url)
     if any(layout.latest_pointer(parent, entries) == name for layout in all_layouts()):
         return "a latest pointer names it now"
-    if ref.state is CheckpointState.COMPLETE and item.ref.state is not CheckpointState.COMPLETE:
+    if ref.state is CheckpointState.COMPLETE and planned.state is not CheckpointState.COMPLETE:
         return "it has been completed since the plan"
-    busy = _busy(ref, datetime.now(UTC), plan.grace, _own_tree(item.ref)[1])
+    if ref.state is not planned.state:
+        return f"it is {ref.state.value} now"
+    busy = _busy(ref, datetime.now(UTC), grace, _own_tree(planned)[1])
     if busy:
         return busy
-    if ref.created != item.ref.created:
+    if ref.created != planned.created:
         return "it has been rewritten since the plan"
     return ""
 

@@ -1,7 +1,7 @@
 """`resume-plan`: which checkpoint of a run a resume should load, what it brings back, and how to ask for it.
 
 The checkpoints of the run are tried newest first: one still being written, abandoned, superseded (off
-the run's branch after a rollback), broken, or failing the layout's structural verify is skipped with its
+the run's branch after a rollback), slim (`ckptctl slim` dropped its training-only state), broken, or failing the layout's structural verify is skipped with its
 reason, and the first that passes is the plan. Frameworks that follow a `latest` pointer load the tag it
 names, so newer tags are skipped as unfinished saves. A checkpoint that does not load on the target number
 of ranks gives way to a conversion of it that does (`ResumeProfile.converted_from`). The plan then says
@@ -27,6 +27,7 @@ from ckptctl import io
 from ckptctl.checkpoint import Checkpoint, CheckpointRef, CheckpointState, Component, Problem, Role
 from ckptctl.errors import CheckpointNotFound, CkptctlError, UnknownLayout
 from ckptctl.formats.manifest import read_manifest
+from ckptctl.formats.slim_marker import SLIM_NOTE
 from ckptctl.layouts import detect, get_layout, scan_run
 from ckptctl.layouts.resume import (
     DEFAULT_IMPACT,
@@ -304,6 +305,8 @@ def _judge(
         return ref.note or "superseded", None, []
     if ref.state is CheckpointState.BROKEN:
         return f"broken: {ref.note or 'incomplete'}", None, []
+    if ref.state is CheckpointState.SLIM:  # `ckptctl slim` kept its model only
+        return SLIM_NOTE, None, []
     if not profile.resumable:
         return "model weights only (an export): a resume needs training state", None, []
     if (

@@ -1,0 +1,534 @@
+"""`slim`: drop the training-only state of old checkpoints and keep each one's model (DESIGN §4 `slim`).
+
+Scan → plan → confirm → execute, as `prune` does, and on the same plan: `plan_slim` asks `plan_prune` with a
+`RetentionPolicy` of `keep_last=keep_full` (and `older_than`), so that what prune would never delete (the
+newest complete checkpoint, what a `latest` pointer names, what a framework protects such as the best
+checkpoint, anything in progress, links, unknown layouts) is never slimmed either. On top of that a slim
+plan keeps:
+
+- what a resume would load (`plan_resume`, per folder of checkpoints), whatever the rules say;
+- checkpoints that are not complete (broken, superseded, abandoned: nothing to keep a model of), already slim,
+  or whose folder holds other checkpoints;
+- checkpoints of a layout without a slimmer (`capability(layout, SLIMMER)`), or whose slimmer refuses them,
+  with the reason.
+
+Executing, per checkpoint, holding the run's lock (the one `prune` takes): the slim version is built in a
+folder inside the run's trash (which every scan skips), the kept files hard-linked from the original, the
+slimmer's new files written and fsynced, and the marker (`formats.slim_marker`) written last; then
+`io.commit.install` swaps it in atomically (renameat2) and the original goes to the trash and is deleted. A
+kill at any moment leaves the whole original (plus a leftover in the trash that the next deletion empties) or
+the whole slim checkpoint.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import signal
+import stat
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from ckptctl import io
+from ckptctl.checkpoint import CheckpointRef, CheckpointState, Problem, ProblemKind
+from ckptctl.core.retention import RetentionPolicy
+from ckptctl.errors import CheckpointNotFound, CkptctlError, UnsafePath
+from ckptctl.formats.manifest import now_iso
+from ckptctl.formats.slim_marker import SLIM_MARKER, SlimMarker, read_slim_marker
+from ckptctl.io import commit, trash
+from ckptctl.layouts import DEFAULT_SCAN_DEPTH, capability, get_layout, scan_run
+from ckptctl.layouts.capabilities import SLIMMER, Slimmer, SlimRecipe
+from ckptctl.ops.lock import RunLock
+from ckptctl.ops.prune import DEFAULT_GRACE, PruneItem, changed_since_plan, plan_prune
+from ckptctl.ops.report import SCHEMA_VERSION, NoProgress, Progress, iso
+from ckptctl.ops.resume_plan import plan_resume
+
+__all__ = [
+    "DEFAULT_KEEP_FULL",
+    "SlimItem",
+    "SlimPlan",
+    "SlimReport",
+    "SlimSkipped",
+    "dropped_files",
+    "plan_slim",
+    "slim",
+    "slim_problems",
+]
+
+#: How many of the newest complete checkpoints of each folder stay whole by default.
+DEFAULT_KEEP_FULL = 1
+#: A test hook: `slim` kills its own process (SIGKILL) when it reaches the point this names (`staged`,
+#: `marked`, `installed`), so that tests prove what a kill at that moment leaves.
+KILL_AT_ENV = "CKPTCTL_TEST_SLIM_KILL_AT"
+
+RESUME_TARGET = "a resume would load it"
+ALREADY_SLIM = "already slim"
+
+
+# ------------------------------------------------------------------------------------------ results
+
+
+@dataclass(frozen=True, slots=True)
+class SlimItem:
+    """One checkpoint of the plan.
+
+    Attributes:
+        ref: the checkpoint as `list` sees it.
+        slim: slimmed (or to be), else kept whole.
+        reasons: why it is kept whole (empty when slimmed).
+        size_bytes: its bytes now.
+        freed_bytes: bytes slimming it frees (planned: the dropped files; after the swap: measured).
+        dropped: what the dropped files held (`optimizer`, `scheduler`, `rng`).
+        drop_files: the files dropped, relative to the checkpoint.
+    """
+
+    ref: CheckpointRef
+    slim: bool
+    reasons: tuple[str, ...] = ()
+    size_bytes: int = 0
+    freed_bytes: int = 0
+    dropped: tuple[str, ...] = ()
+    drop_files: tuple[str, ...] = ()
+
+    @property
+    def url(self) -> str:
+        return self.ref.url
+
+    def to_json(self) -> dict[str, Any]:
+        doc: dict[str, Any] = {
+            "url": self.ref.url,
+            "step": self.ref.step,
+            "layout": self.ref.layout,
+            "state": self.ref.state.value,
+            "size_bytes": self.size_bytes,
+        }
+        if self.slim:
+            doc.update(freed_bytes=self.freed_bytes, dropped=list(self.dropped), dropped_files=list(self.drop_files))
+        else:
+            doc["reasons"] = list(self.reasons)
+        return doc
+
+
+@dataclass(frozen=True, slots=True)
+class SlimPlan:
+    """What a slim would do, and why.
+
+    Attributes:
+        run: the run folder (the folder holding CKPT when one checkpoint was named).
+        keep_full: the newest N complete checkpoints of each folder stay whole.
+        older_than: only checkpoints older than this are slimmed.
+        items: every checkpoint considered, ordered by folder and step.
+        now: when the plan was made.
+        grace: files modified this recently mark a checkpoint as still written.
+        notes: remarks for a person.
+    """
+
+    run: str
+    keep_full: int
+    older_than: timedelta | None
+    items: tuple[SlimItem, ...]
+    now: datetime
+    grace: timedelta = DEFAULT_GRACE
+    notes: tuple[str, ...] = ()
+
+    @property
+    def slim(self) -> tuple[SlimItem, ...]:
+        return tuple(i for i in self.items if i.slim)
+
+    @property
+    def keep(self) -> tuple[SlimItem, ...]:
+        return tuple(i for i in self.items if not i.slim)
+
+    @property
+    def freed_bytes(self) -> int:
+        return sum(i.freed_bytes for i in self.slim)
+
+
+@dataclass(frozen=True, slots=True)
+class SlimSkipped:
+    """A planned slim left undone, and why (the checkpoint changed since the plan, or slimming it failed:
+    `error`)."""
+
+    item: SlimItem
+    reason: str
+    error: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class SlimReport:
+    """What a slim did (with `dry_run`: would do).
+
+    Attributes:
+        plan: the plan it executed.
+        dry_run: nothing was changed.
+        slimmed: checkpoints slimmed (with `dry_run`: those the plan slims), with the bytes freed.
+        skipped: planned ones left whole, and why.
+        cancelled: the confirmation was declined; nothing was changed.
+    """
+
+    plan: SlimPlan
+    dry_run: bool
+    slimmed: tuple[SlimItem, ...]
+    skipped: tuple[SlimSkipped, ...] = ()
+    cancelled: bool = False
+
+    @property
+    def freed_bytes(self) -> int:
+        return sum(i.freed_bytes for i in self.slimmed)
+
+    @property
+    def failed(self) -> bool:
+        return any(s.error for s in self.skipped)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "run": self.plan.run,
+            "dry_run": self.dry_run,
+            "cancelled": self.cancelled,
+            "keep_full": self.plan.keep_full,
+            "older_than_seconds": None if self.plan.older_than is None else self.plan.older_than.total_seconds(),
+            "slim": [i.to_json() for i in self.slimmed],
+            "keep": [i.to_json() for i in self.plan.keep],
+            "skipped": [
+                {"url": s.item.url, "step": s.item.ref.step, "reason": s.reason, "error": s.error} for s in self.skipped
+            ],
+            "freed_bytes": self.freed_bytes,
+            "created": iso(self.plan.now),
+            "notes": list(self.plan.notes),
+        }
+
+
+# ------------------------------------------------------------------------------------------ planning
+
+
+def plan_slim(
+    target: str,
+    *,
+    keep_full: int = DEFAULT_KEEP_FULL,
+    older_than: timedelta | None = None,
+    grace: timedelta = DEFAULT_GRACE,
+    now: datetime | None = None,
+    max_depth: int = DEFAULT_SCAN_DEPTH,
+) -> SlimPlan:
+    """Plan a slim of a run, or of one checkpoint of it: read-only (listings, markers, structural verify of
+    the resume candidates, the slimmers' metadata reads).
+
+    Args:
+        target: a run folder, or one checkpoint folder (then its folder is the run and only it is considered).
+        keep_full: the newest N complete checkpoints of each folder stay whole (at least 1).
+        older_than: only checkpoints older than this are slimmed.
+        grace: a checkpoint with a file modified within this is taken to be still written.
+        now: the current time (tests fix it).
+        max_depth: how deep to look for checkpoints.
+
+    Raises:
+        CheckpointNotFound: `target` is not a folder.
+        ValueError: `keep_full` < 1.
+    """
+    now = now or datetime.now(UTC)
+    run, only = _run_of(target, max_depth)
+    policy = RetentionPolicy(keep_last=keep_full, older_than=older_than)
+    pruning = plan_prune(run, policy, grace=grace, now=now, max_depth=max_depth)
+    considered = [i for i in pruning.items if only is None or i.url == only]
+    resumed = _resume_targets(run, [i.ref for i in considered])
+    items = tuple(_decide(item, resumed, keep_full) for item in considered)
+    notes = list(pruning.notes)
+    if only is not None and not considered:
+        notes.append(f"{target} is not a checkpoint the run's scan finds")
+    return SlimPlan(run, keep_full, older_than, items, now, grace, tuple(notes))
+
+
+def _run_of(target: str, max_depth: int) -> tuple[str, str | None]:
+    """(the run folder, the one checkpoint asked for or None): a folder that is one checkpoint holding no
+    others is a checkpoint of the folder above it."""
+    refs = scan_run(target, max_depth=max_depth)
+    if len(refs) == 1 and refs[0].url == target and not refs[0].holds:
+        return io.parent_of(target), target
+    return target, None
+
+
+def _resume_targets(run: str, refs: list[CheckpointRef]) -> dict[str, str]:
+    """url -> why it stays whole, for what a resume of each folder of checkpoints would load; where that
+    cannot be told, every checkpoint of the folder stays whole."""
+    protected: dict[str, str] = {}
+    folders = sorted({io.parent_of(r.url) for r in refs})
+    for folder in [run, *folders]:
+        try:
+            plan = plan_resume(folder)
+        except CkptctlError as exc:
+            if folder == run:  # several runs below it: each folder of checkpoints below says
+                continue
+            for ref in refs:
+                if io.parent_of(ref.url) == folder:
+                    protected.setdefault(ref.url, f"what a resume would load cannot be told ({exc.message})")
+            continue
+        if plan.checkpoint is not None:
+            protected.setdefault(plan.checkpoint.url, RESUME_TARGET)
+    return protected
+
+
+def _decide(item: PruneItem, resumed: Mapping[str, str], keep_full: int) -> SlimItem:
+    ref = item.ref
+    whole = SlimItem(ref, slim=False, size_bytes=item.size_bytes)
+    if ref.state is CheckpointState.SLIM:
+        return replace(whole, reasons=(ALREADY_SLIM,))
+    if ref.url in resumed:
+        return replace(whole, reasons=(resumed[ref.url], *(item.reasons if item.keep else ())))
+    if item.keep:
+        return replace(whole, reasons=tuple(r.replace("keep_last=", "keep_full=") for r in item.reasons))
+    if ref.state is not CheckpointState.COMPLETE:
+        return replace(whole, reasons=(f"{ref.state.value}: only complete checkpoints are slimmed",))
+    found = _refusal(ref)
+    if isinstance(found, str):
+        return replace(whole, reasons=(found,))
+    return SlimItem(
+        ref,
+        slim=True,
+        size_bytes=item.size_bytes,
+        freed_bytes=sum(found.drop_sizes.values()),
+        dropped=found.recipe.dropped,
+        drop_files=found.recipe.drop,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class _Slimmable:
+    """A checkpoint its slimmer takes: the slimmer, its recipe, and the sizes of the files it drops."""
+
+    slimmer: Slimmer
+    recipe: SlimRecipe
+    drop_sizes: Mapping[str, int] = field(default_factory=dict)
+
+
+def _refusal(ref: CheckpointRef) -> str | _Slimmable:
+    """Why `ref` cannot be slimmed, or what slimming it takes."""
+    if not io.is_local(ref.url):
+        return "slim works on local folders only (yet)"
+    if ref.holds:
+        return f"its folder holds other checkpoints ({', '.join(ref.holds)})"
+    if not io.is_dir(ref.url):
+        return "a checkpoint that is one file: nothing to drop beside its model"
+    slimmer = capability(ref.layout, SLIMMER)
+    if slimmer is None:
+        return f"{ref.layout} checkpoints cannot be slimmed safely yet (no slimmer for this layout)"
+    try:
+        checkpoint = get_layout(ref.layout).open(ref.url)
+        refused = slimmer.refusal(checkpoint)
+        if refused:
+            return f"cannot be slimmed safely: {refused}"
+        recipe = slimmer.recipe(checkpoint)
+    except CkptctlError as exc:
+        return f"cannot be read: {exc.message}"
+    files = {rel: entry.size for rel, entry in io.list_tree(ref.url).items()}
+    missing = [rel for rel in recipe.drop if rel not in files]
+    if missing:
+        return f"cannot be slimmed safely: {', '.join(missing)} to drop is not there"
+    return _Slimmable(slimmer, recipe, {rel: files[rel] for rel in recipe.drop})
+
+
+# ------------------------------------------------------------------------------------------ executing
+
+
+def slim(
+    target: str,
+    *,
+    keep_full: int = DEFAULT_KEEP_FULL,
+    older_than: timedelta | None = None,
+    grace: timedelta = DEFAULT_GRACE,
+    dry_run: bool = False,
+    confirm: Callable[[SlimPlan], bool] | None = None,
+    wait: float = 30.0,
+    max_depth: int = DEFAULT_SCAN_DEPTH,
+    progress: Progress | None = None,
+    warn: Callable[[str], None] | None = None,
+) -> SlimReport:
+    """Plan and (unless `dry_run`) slim, holding the run's lock (see the module docstring).
+
+    Args:
+        target, keep_full, older_than, grace, max_depth: see `plan_slim`.
+        dry_run: plan only; nothing is locked or changed.
+        confirm: called with the plan when it slims something; False cancels. None slims unasked.
+        wait: seconds to wait for another prune or slim of the run to finish.
+        progress: where progress goes (checkpoints).
+        warn: where a stale lock's takeover is reported.
+
+    Raises:
+        RunLocked: another prune or slim holds the run's lock.
+        CheckpointNotFound: `target` is not a folder.
+        UnsafePath: the run's trash, where slim versions are built, is a link.
+    """
+    options = {"keep_full": keep_full, "older_than": older_than, "grace": grace, "max_depth": max_depth}
+    if dry_run:
+        plan = plan_slim(target, **options)  # type: ignore[arg-type]
+        return SlimReport(plan, dry_run=True, slimmed=plan.slim)
+    if not io.is_dir(target):
+        raise CheckpointNotFound(f"no such run or checkpoint folder: {target}")
+    run, _ = _run_of(target, max_depth)
+    with RunLock(run, wait=wait, command=f"ckptctl slim (keep_full={keep_full})", warn=warn) as lock:
+        plan = plan_slim(target, **options)  # type: ignore[arg-type]
+        if plan.slim and confirm is not None and not confirm(plan):
+            declined = tuple(SlimSkipped(i, "not confirmed") for i in plan.slim)
+            return SlimReport(plan, dry_run=False, slimmed=(), skipped=declined, cancelled=True)
+        for item in plan.slim:  # refuse a link where any slim version would be built, before changing anything
+            trash.check_trash(trash.trash_of(item.url))
+        done: list[SlimItem] = []
+        skipped: list[SlimSkipped] = []
+        sink = progress or NoProgress()
+        sink.start(f"slimming {len(plan.slim)} checkpoint(s)", len(plan.slim) or None)
+        try:
+            for item in plan.slim:
+                lock.refresh()
+                why = changed_since_plan(item.ref, plan.grace)
+                if why:
+                    skipped.append(SlimSkipped(item, why))
+                    continue
+                try:
+                    done.append(_slim_one(item))
+                except UnsafePath:
+                    raise
+                except (OSError, CkptctlError) as exc:
+                    skipped.append(SlimSkipped(item, f"slimming failed: {exc}", error=True))
+                sink.advance(1)
+        finally:
+            sink.finish()
+        return SlimReport(plan, False, tuple(done), tuple(skipped))
+
+
+def _slim_one(item: SlimItem) -> SlimItem:
+    """Build the slim version of one checkpoint beside it and swap it in (see the module docstring)."""
+    found = _refusal(item.ref)
+    if isinstance(found, str):
+        raise CkptctlError(found)
+    recipe = found.recipe
+    path = os.path.abspath(io.local_path(item.url))
+    bin_ = trash.trash_of(path)
+    staging = trash.workspace(bin_, f"slim-{os.path.basename(path)}")
+    try:
+        before = _tree_bytes(path)
+        written = {r.path for r in recipe.rewrites}
+        _link_kept(path, staging, skip=set(recipe.drop) | written | {SLIM_MARKER})
+        for rewrite in recipe.rewrites:
+            target = os.path.join(staging, *rewrite.path.split("/"))
+            if os.path.lexists(target):
+                os.unlink(target)
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            rewrite.write(target)
+            _fsync_file(target)
+        kept = _tree_files(staging)
+        _kill_point("staged")
+        freed = before - sum(kept.values())
+        marker = SlimMarker(
+            dropped_files=recipe.drop,
+            dropped=recipe.dropped,
+            kept_files=kept,
+            written=tuple(sorted(written)),
+            freed_bytes=freed,
+            created=now_iso(),
+        )
+        for folder, _dirs, _files in os.walk(staging, topdown=False):
+            io.fsync_dir(folder)
+        commit.write_marker(staging, SLIM_MARKER, marker.to_json())
+        _kill_point("marked")
+        retired = commit.install(staging, path)
+    except BaseException:
+        if os.path.lexists(staging):
+            trash.purge(trash.Retired(staging, bin_))
+        raise
+    _kill_point("installed")
+    if retired is not None:
+        trash.purge(retired)
+    marker_size = os.path.getsize(os.path.join(path, SLIM_MARKER))
+    return replace(item, freed_bytes=freed - marker_size)
+
+
+def _link_kept(src: str, dst: str, skip: set[str]) -> None:
+    """Hard-link every file of `src` but `skip` (relative paths) into `dst`, folders made as they are; a
+    file that cannot be linked (another filesystem below) is copied and fsynced."""
+    for root, dirs, files in os.walk(src):
+        rel_root = os.path.relpath(root, src)
+        for name in dirs:
+            if os.path.islink(os.path.join(root, name)):
+                raise UnsafePath(f"{os.path.join(root, name)} is a symbolic link inside the checkpoint: not slimmed")
+            os.makedirs(os.path.join(dst, rel_root, name), exist_ok=True)
+        for name in files:
+            rel = os.path.normpath(os.path.join(rel_root, name)).replace(os.sep, "/")
+            if rel in skip:
+                continue
+            source = os.path.join(root, name)
+            st = os.lstat(source)
+            if not stat.S_ISREG(st.st_mode):
+                raise UnsafePath(f"{source} is not a regular file (a link?): the checkpoint is not slimmed")
+            target = os.path.join(dst, rel_root, name)
+            try:
+                os.link(source, target, follow_symlinks=False)
+            except OSError as exc:
+                if exc.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP):
+                    raise
+                shutil.copy2(source, target, follow_symlinks=False)
+                _fsync_file(target)
+
+
+def _tree_files(path: str) -> dict[str, int]:
+    """Relative path -> size of every regular file below `path` (links not followed)."""
+    found = {}
+    for root, _dirs, files in os.walk(path):
+        for name in files:
+            full = os.path.join(root, name)
+            st = os.lstat(full)
+            if stat.S_ISREG(st.st_mode):
+                found[os.path.relpath(full, path).replace(os.sep, "/")] = st.st_size
+    return found
+
+
+def _tree_bytes(path: str) -> int:
+    return sum(_tree_files(path).values())
+
+
+def _fsync_file(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _kill_point(point: str) -> None:
+    if os.environ.get(KILL_AT_ENV) == point:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+# ------------------------------------------------------------------------------------------ verify
+
+
+def slim_problems(url: str, problems: list[Problem]) -> list[Problem]:
+    """`verify` of a slim checkpoint: what its layout reports about the files `slim` dropped is expected and
+    left out; the files the marker records as kept must be there with their sizes."""
+    try:
+        marker = read_slim_marker(url)
+    except CkptctlError as exc:
+        return [*problems, Problem(ProblemKind.BAD_METADATA, SLIM_MARKER, exc.message)]
+    if marker is None:
+        return problems
+    dropped = set(marker.dropped_files)
+    kept = [p for p in problems if p.path not in dropped and not (p.path == SLIM_MARKER and p.severity != "error")]
+    files = {rel: e.size for rel, e in io.list_tree(url).items()}
+    for rel, size in sorted(marker.kept_files.items()):
+        if rel not in files:
+            kept.append(Problem(ProblemKind.MISSING_FILE, rel, f"{rel} is missing (the slim marker records it kept)"))
+        elif files[rel] != size:
+            kind = ProblemKind.TRUNCATED if files[rel] < size else ProblemKind.SIZE_MISMATCH
+            kept.append(Problem(kind, rel, f"{rel} has {files[rel]} bytes, the slim marker recorded {size}"))
+    return kept
+
+
+def dropped_files(url: str) -> frozenset[str]:
+    """The files `slim` dropped from the checkpoint at `url` (none when it is not slim or its marker is bad)."""
+    try:
+        marker = read_slim_marker(url)
+    except CkptctlError:
+        return frozenset()
+    return frozenset() if marker is None else frozenset(marker.dropped_files)

@@ -96,7 +96,12 @@ _REGISTRY: tuple[Plugin, ...] = (
         "layout:NativeLayout",
         {CONVERT_SOURCE: "convert:SOURCE", SLIMMER: "slim:SLIMMER"},
     ),
-    Plugin("verl", "ckptctl.frameworks.verl", "layout:VerlLayout", {CONVERT_SOURCE: "convert:SOURCE"}),
+    Plugin(
+        "verl",
+        "ckptctl.frameworks.verl",
+        "layout:VerlLayout",
+        {CONVERT_SOURCE: "convert:SOURCE", SLIMMER: "slim:SLIMMER"},
+    ),
     Plugin("areal", "ckptctl.frameworks.areal", "layout:ArealLayout", {CONVERT_SOURCE: "convert:SOURCE"}),
     Plugin("roll", "ckptctl.frameworks.roll", "layout:RollLayout"),
     Plugin("lightning", "ckptctl.frameworks.lightning", "layout:LightningLayout", {CONVERT_SOURCE: "convert:SOURCE"}),
@@ -114,14 +119,24 @@ _REGISTRY: tuple[Plugin, ...] = (
     Plugin(
         "accelerate", "ckptctl.frameworks.accelerate", "layout:AccelerateLayout", {CONVERT_SOURCE: "convert:SOURCE"}
     ),
-    Plugin("openrlhf", "ckptctl.frameworks.openrlhf", "layout:OpenRlhfLayout", {CONVERT_SOURCE: "convert:SOURCE"}),
+    Plugin(
+        "openrlhf",
+        "ckptctl.frameworks.openrlhf",
+        "layout:OpenRlhfLayout",
+        {CONVERT_SOURCE: "convert:SOURCE", SLIMMER: "slim:SLIMMER"},
+    ),
     Plugin(
         "open_instruct",
         "ckptctl.frameworks.open_instruct",
         "layout:OpenInstructLayout",
-        {CONVERT_SOURCE: "convert:SOURCE"},
+        {CONVERT_SOURCE: "convert:SOURCE", SLIMMER: "slim:SLIMMER"},
     ),
-    Plugin("deepspeed", "ckptctl.frameworks.deepspeed", "layout:DeepSpeedLayout", {CONVERT_SOURCE: "convert:SOURCE"}),
+    Plugin(
+        "deepspeed",
+        "ckptctl.frameworks.deepspeed",
+        "layout:DeepSpeedLayout",
+        {CONVERT_SOURCE: "convert:SOURCE", SLIMMER: "slim:SLIMMER"},
+    ),
     Plugin("peft", "ckptctl.frameworks.peft", "layout:PeftLayout", {CONVERT_SOURCE: "convert:SOURCE"}),
     Plugin("hf", "ckptctl.frameworks.hf", "layout:HfModelLayout", {CONVERT_SOURCE: "convert:SOURCE"}),
     Plugin(

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
 
 from ckptctl import io
-from ckptctl.checkpoint import Checkpoint, TensorEntry
+from ckptctl.checkpoint import Checkpoint, Problem, TensorEntry
 from ckptctl.layouts.naming import NameStripper
 
 __all__ = [
@@ -195,6 +195,12 @@ class Slimmer(Protocol):
 
     def recipe(self, checkpoint: Checkpoint) -> SlimRecipe:
         """What to drop and write. Reads metadata only; the rewrites read tensor data when they run."""
+        ...
+
+    def expected(self, problem: Problem) -> bool:
+        """Whether a problem this framework's reader reports about a slim checkpoint is what the drop explains,
+        beyond problems naming a dropped file (those `verify` leaves out anyway): a rank file it expects
+        under a name other than the one dropped."""
         ...
 
 

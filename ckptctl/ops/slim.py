@@ -33,7 +33,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from ckptctl import io
-from ckptctl.checkpoint import CheckpointRef, CheckpointState, Problem, ProblemKind
+from ckptctl.checkpoint import CheckpointRef, CheckpointState, Problem, ProblemKind, Role
 from ckptctl.core.retention import RetentionPolicy
 from ckptctl.errors import CheckpointNotFound, CkptctlError, UnsafePath
 from ckptctl.formats.manifest import now_iso
@@ -276,10 +276,11 @@ def _decide(item: PruneItem, resumed: Mapping[str, str], keep_full: int) -> Slim
     whole = SlimItem(ref, slim=False, size_bytes=item.size_bytes)
     if ref.state is CheckpointState.SLIM:
         return replace(whole, reasons=(ALREADY_SLIM,))
+    rules = tuple(r.replace("keep_last=", "keep_full=") for r in item.reasons) if item.keep else ()
     if ref.url in resumed:
-        return replace(whole, reasons=(resumed[ref.url], *(item.reasons if item.keep else ())))
+        return replace(whole, reasons=(resumed[ref.url], *rules))
     if item.keep:
-        return replace(whole, reasons=tuple(r.replace("keep_last=", "keep_full=") for r in item.reasons))
+        return replace(whole, reasons=rules)
     if ref.state is not CheckpointState.COMPLETE:
         return replace(whole, reasons=(f"{ref.state.value}: only complete checkpoints are slimmed",))
     found = _refusal(ref)
@@ -317,6 +318,8 @@ def _refusal(ref: CheckpointRef) -> str | _Slimmable:
         return f"{ref.layout} checkpoints cannot be slimmed safely yet (no slimmer for this layout)"
     try:
         checkpoint = get_layout(ref.layout).open(ref.url)
+        if checkpoint.role is Role.EXPORT:
+            return "model weights only (an export): nothing to drop"
         refused = slimmer.refusal(checkpoint)
         if refused:
             return f"cannot be slimmed safely: {refused}"
@@ -504,9 +507,10 @@ def _kill_point(point: str) -> None:
 # ------------------------------------------------------------------------------------------ verify
 
 
-def slim_problems(url: str, problems: list[Problem]) -> list[Problem]:
-    """`verify` of a slim checkpoint: what its layout reports about the files `slim` dropped is expected and
-    left out; the files the marker records as kept must be there with their sizes."""
+def slim_problems(layout: str, url: str, problems: list[Problem]) -> list[Problem]:
+    """`verify` of a slim checkpoint of `layout`: what its reader reports about the files `slim` dropped (and
+    what its slimmer says the drop explains) is left out; the files the marker records as kept must be there
+    with their sizes."""
     try:
         marker = read_slim_marker(url)
     except CkptctlError as exc:
@@ -514,7 +518,14 @@ def slim_problems(url: str, problems: list[Problem]) -> list[Problem]:
     if marker is None:
         return problems
     dropped = set(marker.dropped_files)
-    kept = [p for p in problems if p.path not in dropped and not (p.path == SLIM_MARKER and p.severity != "error")]
+    slimmer = capability(layout, SLIMMER)
+
+    def expected(problem: Problem) -> bool:
+        if problem.path in dropped or (problem.path == SLIM_MARKER and problem.severity != "error"):
+            return True
+        return slimmer is not None and slimmer.expected(problem)
+
+    kept = [p for p in problems if not expected(p)]
     files = {rel: e.size for rel, e in io.list_tree(url).items()}
     for rel, size in sorted(marker.kept_files.items()):
         if rel not in files:

@@ -243,7 +243,7 @@ def _verify_checkpoint(url: str, options: VerifyOptions, progress: Progress, rea
         checkpoint = layout.open(url)
         problems = list(layout.verify(checkpoint))
         if ref.state is CheckpointState.SLIM:
-            problems = slim_problems(url, problems)
+            problems = slim_problems(layout.name, url, problems)
     except CkptctlError as exc:
         kind = ProblemKind.UNSAFE_PICKLE if isinstance(exc, UnsafePickle) else ProblemKind.BAD_METADATA
         problem = Problem(kind, "", exc.message)

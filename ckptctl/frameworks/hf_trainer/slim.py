@@ -5,7 +5,7 @@ the files only `Trainer.train(resume_from_checkpoint=...)` reads go: `optimizer.
 
 from __future__ import annotations
 
-from ckptctl.checkpoint import Checkpoint
+from ckptctl.checkpoint import Checkpoint, Problem
 from ckptctl.frameworks.hf_trainer.files import RNG_FILE
 from ckptctl.layouts.capabilities import SlimRecipe
 
@@ -33,6 +33,9 @@ class HfTrainerSlimmer:
         drop = sorted(rel for rel in checkpoint.files if rel in _TRAINING_ONLY or RNG_FILE.match(rel))
         dropped = sorted({_TRAINING_ONLY.get(rel, "rng") for rel in drop})
         return SlimRecipe(drop=tuple(drop), dropped=tuple(dropped))
+
+    def expected(self, problem: Problem) -> bool:
+        return False
 
 
 SLIMMER = HfTrainerSlimmer()

@@ -359,7 +359,7 @@ def _open_verified(layout: Layout, ref: CheckpointRef) -> Checkpoint:
     checkpoint = layout.open(url)
     problems = list(layout.verify(checkpoint))
     slim = ref.state is CheckpointState.SLIM  # its layout may take the dropped optimizer for damage
-    problems = [p for p in (slim_problems(url, problems) if slim else problems) if p.severity == "error"]
+    problems = [p for p in (slim_problems(layout.name, url, problems) if slim else problems) if p.severity == "error"]
     if problems or (checkpoint.ref.state is CheckpointState.BROKEN and not slim):
         first = problems[0].message if problems else checkpoint.ref.note
         raise CorruptCheckpoint(

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import replace
 
 from ckptctl import io
-from ckptctl.checkpoint import Checkpoint, Component, TensorEntry
+from ckptctl.checkpoint import Checkpoint, Component, TensorChunk, TensorEntry
 from ckptctl.errors import CkptctlError, CorruptCheckpoint
+from ckptctl.formats.safetensors import read_header
 from ckptctl.formats.torch_pickle_classes import TensorRef
 from ckptctl.layouts.capabilities import MasterWeights
 from ckptctl.layouts.parts.zero_tag.names import is_rank_file
@@ -17,6 +19,12 @@ from ckptctl.layouts.parts.zero_tag.tensor_index import IndexBuilder, param_grou
 #: Dtypes whose buffers zero_to_fp32 returns as float32 (`v.float() if v.is_floating_point()`).
 _FLOATING = frozenset({"float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"})
 _FP32_PREFIX = "optimizer.fp32."
+#: What `slim` keeps of a tag's optimizer partitions: the master weights, as a safetensors file in the tag
+#: folder (`parts.zero_tag.slim`), with the names `master_weights` gives them, in its order.
+KEPT_MASTERS = "ckptctl-master-weights.safetensors"
+#: Its metadata keys: the names of the buffers `convert` upcasts, and the notes (JSON lists).
+UPCAST_KEY = "ckptctl.upcast"
+NOTES_KEY = "ckptctl.notes"
 
 
 def master_weights(tag: DeepSpeedTag, path_prefix: str = "") -> MasterWeights:
@@ -150,7 +158,10 @@ def checkpoint_master_weights(
     """
     if prefix is None:
         return None
-    tag = read_tag(io.join(checkpoint.url, prefix.rstrip("/")) if prefix else checkpoint.url)
+    tag_url = io.join(checkpoint.url, prefix.rstrip("/")) if prefix else checkpoint.url
+    if io.exists(io.join(tag_url, KEPT_MASTERS)):
+        return kept_master_weights(checkpoint.url, prefix)
+    tag = read_tag(tag_url)
     if not tag.files.optim or tag.optim_kind is None:
         if required:
             raise CkptctlError(
@@ -163,3 +174,34 @@ def checkpoint_master_weights(
         )
         return None
     return master_weights(tag, prefix)
+
+
+def kept_master_weights(checkpoint_url: str, prefix: str) -> MasterWeights:
+    """The master weights `slim` kept of a tag (`KEPT_MASTERS` at `prefix` in the checkpoint), as
+    `master_weights` gave them before: the same names, order, dtypes and upcast buffers.
+
+    Raises:
+        CorruptCheckpoint: the file is not a safetensors file, or its metadata is not what slim writes.
+    """
+    rel = f"{prefix}{KEPT_MASTERS}"
+    url = io.join(checkpoint_url, rel)
+    header = read_header(url)
+    metadata = header.metadata or {}
+    try:
+        upcast = json.loads(metadata.get(UPCAST_KEY, "[]"))
+        notes = json.loads(metadata.get(NOTES_KEY, "[]"))
+    except ValueError as exc:
+        raise CorruptCheckpoint(f"{url}: bad metadata ({exc})") from exc
+    if not all(isinstance(x, str) for x in [*upcast, *notes]):
+        raise CorruptCheckpoint(f"{url}: bad metadata (lists of names and notes expected)")
+    entries = tuple(
+        TensorEntry(
+            t.name,
+            Component.MODEL,
+            t.dtype,
+            t.shape,
+            (TensorChunk(rel, t.begin, t.end - t.begin, (0,) * len(t.shape), t.shape),),
+        )
+        for t in sorted(header.tensors, key=lambda t: t.begin)
+    )
+    return MasterWeights(entries, frozenset(upcast), tuple(notes))

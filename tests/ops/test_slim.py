@@ -20,6 +20,7 @@ from ckptctl.errors import UnsafePath
 from ckptctl.formats.slim_marker import SLIM_MARKER, read_slim_marker
 from ckptctl.io.trash import TRASH_NAME
 from ckptctl.layouts import scan_run
+from ckptctl.layouts.parts.zero_tag.master_weights import KEPT_MASTERS
 from ckptctl.ops.convert import convert
 from ckptctl.ops.prune import prune
 from ckptctl.ops.resume_plan import plan_resume
@@ -27,7 +28,10 @@ from ckptctl.ops.slim import KILL_AT_ENV, RESUME_TARGET, plan_slim, slim
 from ckptctl.ops.verification import verify_checkpoint, verify_path
 from tests.conftest import copy_tree
 from tests.ops.test_prune import tree
+from tests.writers.deepspeed_writer import WrittenDeepSpeed
+from tests.writers.openrlhf_writer import WrittenOpenRlhf
 from tests.writers.trainer_writer import WrittenTrainerRun
+from tests.writers.verl_writer import WrittenVerl
 
 NO_GRACE = timedelta(0)
 REPO = Path(__file__).resolve().parents[2]
@@ -227,3 +231,59 @@ def test_a_kill_leaves_the_whole_original_or_the_whole_slim_checkpoint(
     assert not done.skipped
     prune(str(run), RetentionPolicy(keep_last=3), grace=NO_GRACE)
     assert not (run / TRASH_NAME).exists()
+
+
+def _slim_and_compare(run: Path, original: Path, tmp_path: Path, expected: list[str]) -> None:
+    """Slim `run` (a copy of `original`); the checkpoints slimmed are `expected` (relative paths), each is
+    `slim`, verifies, and converts to the same files as its original."""
+    report = slim(str(run), grace=NO_GRACE)
+    assert [os.path.relpath(i.url, run) for i in report.slimmed] == expected and not report.skipped
+    assert all(i.freed_bytes > 0 for i in report.slimmed)
+    assert verify_path(str(run)).ok
+    listed = {os.path.relpath(r.url, run): r.state for r in scan_run(str(run))}
+    for rel in expected:
+        assert listed[rel] is CheckpointState.SLIM
+        assert converted(run / rel, tmp_path / f"{rel}-slim") == converted(original / rel, tmp_path / f"{rel}-full")
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_zero_tag_keeps_its_fp32_masters_as_a_model_file_and_converts_the_same(
+    deepspeed_runs: dict[int, WrittenDeepSpeed], tmp_path: Path, stage: int
+) -> None:
+    original = deepspeed_runs[stage].save_dir
+    run = copy_tree(original, tmp_path / "run")
+    _slim_and_compare(run, original, tmp_path, ["global_step2"])
+    tag = run / "global_step2"
+    assert not list(tag.glob("*optim_states.pt")) and list(tag.glob("*model_states.pt"))
+    assert (tag / KEPT_MASTERS).exists()
+    assert Path(plan_resume(str(run)).checkpoint.url).name == "global_step4"  # type: ignore[union-attr]
+
+
+def test_zero_0_keeps_its_optimizer_inside_the_model_states_and_is_kept(
+    deepspeed_runs: dict[int, WrittenDeepSpeed], tmp_path: Path
+) -> None:
+    run = copy_tree(deepspeed_runs[0].save_dir, tmp_path / "run")
+    before = tree(run)
+    report = slim(str(run), grace=NO_GRACE)
+    assert not report.slimmed
+    assert "keeps the optimizer inside the model-states file" in report.plan.items[0].reasons[0]
+    assert tree(run) == before
+
+
+def test_openrlhf_actor_and_critic_tags_slim_and_best_stays(openrlhf_ppo: WrittenOpenRlhf, tmp_path: Path) -> None:
+    original = openrlhf_ppo.ckpt_path
+    # The critic's config lies beside the actor's output folder: copy both, so convert finds it in each.
+    top = openrlhf_ppo.output_dir.parent
+    run = copy_tree(top, tmp_path / "top") / original.relative_to(top)
+    _slim_and_compare(run, original, tmp_path, ["_actor/global_step2", "_critic/global_step2"])
+    reasons = {os.path.relpath(i.url, run): i.reasons for i in slim(str(run), grace=NO_GRACE).plan.keep}
+    assert reasons["_actor/best_global_step2"][0].startswith("a best checkpoint")
+
+
+def test_verl_step_drops_optimizer_extra_state_and_dataloader(verl_run: WrittenVerl, tmp_path: Path) -> None:
+    run = copy_tree(verl_run.run, tmp_path / "run")
+    first = f"global_step_{verl_run.steps[0]}"
+    _slim_and_compare(run, verl_run.run, tmp_path, [first])
+    left = sorted(p.name for p in (run / first / "actor").iterdir())
+    assert not [n for n in left if n.startswith(("optim_", "extra_state_"))] and not (run / first / "data.pt").exists()
+    assert [n for n in left if n.startswith("model_world_size_")]

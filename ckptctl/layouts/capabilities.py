@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
 from ckptctl import io
 from ckptctl.checkpoint import Checkpoint, Problem, TensorEntry
@@ -181,6 +181,7 @@ class SlimRecipe:
     rewrites: tuple[SlimRewrite, ...] = ()
 
 
+@runtime_checkable
 class Slimmer(Protocol):
     """`slim`: what of this framework's checkpoints is training-only state (optimizer moments and partitions,
     schedulers, RNG: what only a resume needs), keeping the model where the framework keeps it so that

@@ -255,10 +255,11 @@ def _resume_targets(run: str, refs: list[CheckpointRef]) -> dict[str, str]:
     """url -> why it stays whole, for what a resume of each folder of checkpoints would load; where that
     cannot be told, every checkpoint of the folder stays whole."""
     protected: dict[str, str] = {}
-    folders = sorted({io.parent_of(r.url) for r in refs})
+    folders = sorted({io.parent_of(r.url) for r in refs} - {run})
     for folder in [run, *folders]:
         try:
-            plan = plan_resume(folder)
+            # Only the checkpoint matters here, not the warnings (whether CUDA is there would import torch).
+            plan = plan_resume(folder, cuda=False)
         except CkptctlError as exc:
             if folder == run:  # several runs below it: each folder of checkpoints below says
                 continue

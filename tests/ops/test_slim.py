@@ -16,7 +16,7 @@ import torch
 from ckptctl import CheckpointManager
 from ckptctl.checkpoint import CheckpointState
 from ckptctl.core.retention import RetentionPolicy
-from ckptctl.errors import UnsafePath
+from ckptctl.errors import CkptctlError, UnsafePath
 from ckptctl.formats.slim_marker import SLIM_MARKER, read_slim_marker
 from ckptctl.io.trash import TRASH_NAME
 from ckptctl.layouts import scan_run
@@ -287,3 +287,22 @@ def test_verl_step_drops_optimizer_extra_state_and_dataloader(verl_run: WrittenV
     left = sorted(p.name for p in (run / first / "actor").iterdir())
     assert not [n for n in left if n.startswith(("optim_", "extra_state_"))] and not (run / first / "data.pt").exists()
     assert [n for n in left if n.startswith("model_world_size_")]
+
+
+def test_the_manager_keeps_older_steps_slim_with_keep_full_last(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(16, 16)
+    optimizer = torch.optim.AdamW(model.parameters())
+    manager = CheckpointManager(tmp_path / "run", policy=RetentionPolicy(keep_last=3, keep_full_last=1))
+    for step in (1, 2, 3, 4):
+        model(torch.randn(2, 16)).sum().backward()
+        optimizer.step()
+        manager.save(step, {"model": model, "optimizer": optimizer})
+    manager.wait()
+    assert states(tmp_path / "run") == {"step-2": "slim", "step-3": "slim", "step-4": "complete"}
+    assert manager.latest_step() == 4
+    (tmp_path / "run" / "step-4" / "model.safetensors").write_bytes(b"torn")
+    assert manager.latest_step() is None  # slim steps are never resumed from
+    with pytest.raises(CkptctlError, match="slim"):
+        manager.restore({"model": model}, step=2)
+    assert verify_path(str(tmp_path / "run" / "step-2")).ok

@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+from ckptctl import io
 from ckptctl.cli.command import add_command
 from ckptctl.cli.options import JsonOpt, QuietOpt, confirmed, parsed
 from ckptctl.cli.output import Cell, Column, Output, human_bytes, styled
@@ -13,11 +14,13 @@ from ckptctl.layouts import DEFAULT_SCAN_DEPTH
 from ckptctl.ops.report import display_path
 
 if TYPE_CHECKING:
+    from datetime import timedelta
+
     from ckptctl.ops.slim import SlimPlan, SlimReport
 
 HELP = """Drop the training-only state of old checkpoints (optimizer moments and partitions, schedulers, RNG: what only a resume reads) and keep each one's model, step, metrics and small files, so that `ckptctl convert` of a slimmed checkpoint writes exactly what it wrote before.
 
-RUN is a run folder (every folder of checkpoints below it: the newest --keep-full complete ones of each stay whole) or one checkpoint folder. Never slimmed: what a resume would load (as `ckptctl resume-plan` finds it), what prune never deletes (the newest complete checkpoint, what a `latest` pointer names, the Trainer's best_model_checkpoint, anything in progress, links, anything outside RUN), checkpoints that are not complete, and layouts that cannot be slimmed safely (each says why: unknown layouts, multi-rank DCP folders, ZeRO-3 tags, ...). Slimmed so far: ckptctl's own checkpoints (entries dropped, manifest rewritten) and HF Trainer checkpoint-N folders (optimizer.pt, scheduler.pt, scaler.pt, rng_state*.pth).
+Without --keep-full and --older-than, the \\[slim] table of RUN/ckptctl.toml gives them (keep_full, older_than), for cron. RUN is a run folder (every folder of checkpoints below it: the newest --keep-full complete ones of each stay whole) or one checkpoint folder. Never slimmed: what a resume would load (as `ckptctl resume-plan` finds it), what prune never deletes (the newest complete checkpoint, what a `latest` pointer names, the Trainer's best_model_checkpoint, anything in progress, links, anything outside RUN), checkpoints that are not complete, and layouts that cannot be slimmed safely (each says why: unknown layouts, multi-rank DCP folders, ZeRO-3 tags, ...). Slimmed so far: ckptctl's own checkpoints (entries dropped, manifest rewritten) and HF Trainer checkpoint-N folders (optimizer.pt, scheduler.pt, scaler.pt, rng_state*.pth).
 
 Each checkpoint is rebuilt beside itself (kept files hard-linked) with a .ckptctl-slim.json marker written last and swapped in atomically, so a kill at any moment leaves the whole original or the whole slim checkpoint. `list` shows it as `slim`, `verify` checks it as slim, `resume-plan` never picks it. One prune or slim per run at a time.
 
@@ -42,11 +45,14 @@ def slim(
         ),
     ],
     keep_full: Annotated[
-        int,
+        int | None,
         typer.Option(
-            "--keep-full", metavar="N", help="The newest N complete checkpoints of each folder stay whole.", min=1
+            "--keep-full",
+            metavar="N",
+            help="The newest N complete checkpoints of each folder stay whole (default 1).",
+            min=1,
         ),
-    ] = 1,
+    ] = None,
     older_than: Annotated[
         str | None,
         typer.Option(
@@ -76,12 +82,19 @@ def slim(
     quiet: QuietOpt = False,
 ) -> None:
     from ckptctl.ops.prune import DEFAULT_GRACE
+    from ckptctl.ops.slim import DEFAULT_KEEP_FULL, load_slim_settings
     from ckptctl.ops.slim import slim as run_slim
     from ckptctl.units import parse_age
 
     out = Output(json_mode=json_output, quiet=quiet)
     age = parsed(parse_age, older_than, "--older-than")
     grace_age = parsed(parse_age, grace, "--grace")
+    if keep_full is None and age is None and io.is_dir(target):
+        keep_full, age = load_slim_settings(target)
+        if keep_full is not None or age is not None:
+            out.note(
+                f"rules from ckptctl.toml [slim]: keep_full={keep_full or DEFAULT_KEEP_FULL}, older_than={_older_than_text(age)}"
+            )
     shown = False
 
     def confirm(plan: SlimPlan) -> bool:
@@ -101,7 +114,7 @@ def slim(
 
     report = run_slim(
         target,
-        keep_full=keep_full,
+        keep_full=keep_full or DEFAULT_KEEP_FULL,
         older_than=age,
         grace=grace_age if grace_age is not None else DEFAULT_GRACE,
         dry_run=dry_run,
@@ -163,3 +176,9 @@ def _render_summary(out: Output, report: SlimReport) -> None:
         out.print("cancelled: nothing slimmed")
     else:
         out.print(f"slimmed {len(report.slimmed)} checkpoint(s), freed {human_bytes(report.freed_bytes)}")
+
+
+def _older_than_text(age: timedelta | None) -> str:
+    from ckptctl.units import format_age
+
+    return "-" if age is None else format_age(age)

@@ -47,8 +47,10 @@ from ckptctl.formats.documents import read_toml
 from ckptctl.formats.manifest import DIGESTS_NAME
 from ckptctl.io import trash
 from ckptctl.layouts import DEFAULT_SCAN_DEPTH, all_layouts, detect, get_layout, scan_run
+from ckptctl.layouts.slimming import slim_checkpoint, slimmable
 from ckptctl.ops.lock import LOCK_NAME, STALE_AFTER, LockUnusable, RunLock, read_lock, stale_reason
 from ckptctl.ops.report import SCHEMA_VERSION, NoProgress, Progress, display_path, flatten, iso
+from ckptctl.ops.resume_plan import resume_targets
 from ckptctl.units import format_age, format_size, parse_age
 
 __all__ = [
@@ -87,6 +89,8 @@ class PruneItem:
         reasons: what keeps it, or why it goes.
         size_bytes: bytes deleting it frees (symbolic links count 0; they are never followed).
         blocked: no rule keeps it; only a protection found on disk does (a pointer names it, ...).
+        slim: kept without its training-only state (`keep_full_last`, `--slim`): the prune slims it.
+        slim_bytes: bytes slimming it frees (planned: the files its slimmer drops; after: measured).
     """
 
     ref: CheckpointRef
@@ -94,6 +98,8 @@ class PruneItem:
     reasons: tuple[str, ...]
     size_bytes: int
     blocked: bool = False
+    slim: bool = False
+    slim_bytes: int = 0
 
     @property
     def url(self) -> str:
@@ -106,6 +112,7 @@ class PruneItem:
             "size_bytes": self.size_bytes,
             "reasons": list(self.reasons),
             "blocked": self.blocked,
+            "slim": self.slim,
             "layout": self.ref.layout,
             "state": self.ref.state.value,
             "created": iso(self.ref.created),
@@ -143,12 +150,17 @@ class PrunePlan:
         return tuple(i for i in self.items if not i.keep)
 
     @property
+    def slim(self) -> tuple[PruneItem, ...]:
+        """Kept checkpoints the prune slims (`keep_full_last`, `--slim`)."""
+        return tuple(i for i in self.items if i.keep and i.slim)
+
+    @property
     def total_bytes(self) -> int:
         return sum(i.size_bytes for i in self.items)
 
     @property
     def freed_bytes(self) -> int:
-        return sum(i.size_bytes for i in self.delete)
+        return sum(i.size_bytes for i in self.delete) + sum(i.slim_bytes for i in self.slim)
 
     @property
     def over_budget_bytes(self) -> int:
@@ -200,6 +212,7 @@ class PruneReport:
         skipped: planned deletions left in place, and why.
         trash_freed_bytes: leftover trash of an interrupted deletion emptied before starting.
         cancelled: the confirmation was declined; nothing was changed (the plan's deletions are `skipped`).
+        slimmed: checkpoints slimmed (with `dry_run`: those the plan slims), with the bytes freed.
     """
 
     plan: PrunePlan
@@ -208,10 +221,11 @@ class PruneReport:
     skipped: tuple[Skipped, ...] = ()
     trash_freed_bytes: int = 0
     cancelled: bool = False
+    slimmed: tuple[PruneItem, ...] = ()
 
     @property
     def freed_bytes(self) -> int:
-        return sum(i.size_bytes for i in self.deleted)
+        return sum(i.size_bytes for i in self.deleted) + sum(i.slim_bytes for i in self.slimmed)
 
     @property
     def failed(self) -> bool:
@@ -233,6 +247,7 @@ class PruneReport:
             "grace_seconds": self.plan.grace.total_seconds(),
             "keep": [i.to_json() for i in self.plan.keep],
             "delete": [i.to_json() for i in self.deleted],
+            "slim": [{**i.to_json(), "freed_bytes": i.slim_bytes} for i in self.slimmed],
             "skipped": [
                 {"url": s.item.url, "step": s.item.ref.step, "reason": s.reason, "error": s.error} for s in self.skipped
             ],
@@ -253,7 +268,8 @@ class UnknownMetric(CkptctlError):
 
 
 def load_policy_file(run: str) -> tuple[RetentionPolicy, timedelta | None] | None:
-    """The `[retention]` table of `RUN/ckptctl.toml` as a policy (and its `grace`, if it sets one).
+    """The `[retention]` table of `RUN/ckptctl.toml` as a policy (and its `grace`, if it sets one); a `[slim]`
+    table's `keep_full` is its `keep_full_last`.
 
     Returns None when the run has no policy file.
 
@@ -269,6 +285,9 @@ def load_policy_file(run: str) -> tuple[RetentionPolicy, timedelta | None] | Non
         raise CkptctlError(f"{url} has no [retention] table", "write the rules under [retention], e.g. keep_last = 3")
     rules = dict(table)
     grace = rules.pop("grace", None)
+    slim = doc.get("slim")
+    if isinstance(slim, dict) and "keep_full" in slim:  # the [slim] table's rule, for the manager and cron
+        rules.setdefault("keep_full_last", slim["keep_full"])
     try:
         policy = RetentionPolicy.from_mapping(rules)
         grace_age = None if grace is None else parse_age(str(grace))
@@ -312,6 +331,7 @@ def plan_prune(
     now: datetime | None = None,
     max_depth: int = DEFAULT_SCAN_DEPTH,
     require_metrics: bool = False,
+    slim_instead: bool = False,
 ) -> PrunePlan:
     """Plan a prune of `run`: read-only (directory listings, markers, metrics when `keep_best` asks).
 
@@ -324,6 +344,8 @@ def plan_prune(
         max_depth: how deep to look for checkpoints.
         require_metrics: a `keep_best` metric that no complete checkpoint records is an error rather than a
             note (a typo on the command line would otherwise keep nothing by it).
+        slim_instead: complete checkpoints the rules delete are slimmed instead (`prune --slim`): each keeps
+            its model; one that cannot be slimmed stays whole, with why. Broken and abandoned ones still go.
 
     Raises:
         CheckpointNotFound: `run` is not a folder.
@@ -360,19 +382,49 @@ def plan_prune(
             busy=f.busy,
             note=f.ref.note if f.ref.state in _OFF_BRANCH else "",
             abandoned=f.ref.state is CheckpointState.ABANDONED,
+            slim=f.ref.state is CheckpointState.SLIM,
         )
         for f in found
         if not f.link
     ]
     by_url = {f.ref.url: f for f in found}
     items = [
-        PruneItem(by_url[d.url].ref, d.keep, d.reasons, by_url[d.url].size, d.blocked)
+        PruneItem(by_url[d.url].ref, d.keep, d.reasons, by_url[d.url].size, d.blocked, d.slim)
         for d in policy.plan(candidates, now=now)
     ]
+    if slim_instead:
+        items = [_slim_instead(i) for i in items]
+    items = _slim_plans(run, items)
     items += [PruneItem(f.ref, True, (f.link,), 0) for f in found if f.link]
     items.sort(key=lambda i: (io.parent_of(i.url), i.ref.step is not None, i.ref.step or 0, i.url))
     trash = sum(_tree_size(t) for t in _trash_folders(run, items))
     return PrunePlan(run, policy, tuple(items), grace, now, trash, tuple(notes))
+
+
+def _slim_instead(item: PruneItem) -> PruneItem:
+    """A planned deletion of a complete checkpoint turned into a slim (`--slim`)."""
+    if item.keep or item.ref.state is not CheckpointState.COMPLETE:
+        return item
+    return replace(item, keep=True, slim=True, reasons=(*item.reasons, "slimmed instead of deleted (--slim)"))
+
+
+def _slim_plans(run: str, items: list[PruneItem]) -> list[PruneItem]:
+    """The planned slims with the bytes each frees; one that a resume would load or whose layout cannot slim
+    it stays whole, saying why."""
+    planned = [i for i in items if i.slim]
+    if not planned:
+        return items
+    resumed = resume_targets(run, [i.ref for i in planned])
+    out = []
+    for item in items:
+        if item.slim:
+            found = slimmable(item.ref) if item.ref.url not in resumed else resumed[item.ref.url]
+            if isinstance(found, str):
+                item = replace(item, slim=False, reasons=(*item.reasons, f"stays whole: {found}"))
+            else:
+                item = replace(item, slim_bytes=sum(found.drop_sizes.values()))
+        out.append(item)
+    return out
 
 
 #: States the rules count as checkpoints to keep: a slim one holds its model as a complete one does.
@@ -597,8 +649,10 @@ def prune(
     progress: Progress | None = None,
     warn: Callable[[str], None] | None = None,
     require_metrics: bool = False,
+    slim_instead: bool = False,
 ) -> PruneReport:
-    """Plan and (unless `dry_run`) delete what the policy does not keep, holding the run's lock.
+    """Plan and (unless `dry_run`) delete what the policy does not keep (and slim what it keeps slim),
+    holding the run's lock.
 
     Args:
         run: the run folder (local path or fsspec URL).
@@ -610,26 +664,33 @@ def prune(
         max_depth: how deep to look for checkpoints.
         progress: where deletion progress goes (bytes).
         warn: where a stale lock's takeover is reported.
-        require_metrics: see `plan_prune`.
+        require_metrics, slim_instead: see `plan_prune`.
 
     Raises:
         RunLocked: another prune holds the run's lock (or took it over from us).
         CheckpointNotFound: `run` is not a folder.
     """
     if dry_run:
-        plan = plan_prune(run, policy, grace=grace, max_depth=max_depth, require_metrics=require_metrics)
-        return PruneReport(plan, dry_run=True, deleted=plan.delete)
+        plan = plan_prune(
+            run, policy, grace=grace, max_depth=max_depth, require_metrics=require_metrics, slim_instead=slim_instead
+        )
+        return PruneReport(plan, dry_run=True, deleted=plan.delete, slimmed=plan.slim)
     if not io.is_dir(run):
         raise CheckpointNotFound(f"no such run folder: {run}")
     with RunLock(run, wait=wait, command=f"ckptctl prune ({policy.describe()})", warn=warn) as lock:
-        plan = plan_prune(run, policy, grace=grace, max_depth=max_depth, require_metrics=require_metrics)
-        if plan.delete and confirm is not None and not confirm(plan):
-            declined = tuple(Skipped(i, "not confirmed") for i in plan.delete)
+        plan = plan_prune(
+            run, policy, grace=grace, max_depth=max_depth, require_metrics=require_metrics, slim_instead=slim_instead
+        )
+        if (plan.delete or plan.slim) and confirm is not None and not confirm(plan):
+            declined = tuple(Skipped(i, "not confirmed") for i in plan.delete + plan.slim)
             return PruneReport(plan, dry_run=False, deleted=(), skipped=declined, cancelled=True)
         lock.refresh()
         trash_freed = _empty_trash(_trash_folders(run, plan.items))
         deleted, skipped = _execute(plan, lock, progress or NoProgress())
-        return PruneReport(plan, False, tuple(deleted), tuple(skipped), trash_freed)
+        slimmed, not_slimmed = _execute_slims(plan, lock)
+        return PruneReport(
+            plan, False, tuple(deleted), tuple(skipped + not_slimmed), trash_freed, slimmed=tuple(slimmed)
+        )
 
 
 def _execute(plan: PrunePlan, lock: RunLock, progress: Progress) -> tuple[list[PruneItem], list[Skipped]]:
@@ -654,6 +715,22 @@ def _execute(plan: PrunePlan, lock: RunLock, progress: Progress) -> tuple[list[P
     finally:
         progress.finish()
     return deleted, skipped
+
+
+def _execute_slims(plan: PrunePlan, lock: RunLock) -> tuple[list[PruneItem], list[Skipped]]:
+    slimmed: list[PruneItem] = []
+    skipped: list[Skipped] = []
+    for item in plan.slim:
+        lock.refresh()
+        why = changed_since_plan(item.ref, plan.grace)
+        if why:
+            skipped.append(Skipped(item, why))
+            continue
+        try:
+            slimmed.append(replace(item, slim_bytes=slim_checkpoint(item.ref)))
+        except (OSError, CkptctlError) as exc:
+            skipped.append(Skipped(item, f"slimming failed: {exc}", error=True))
+    return slimmed, skipped
 
 
 def changed_since_plan(planned: CheckpointRef, grace: timedelta) -> str:

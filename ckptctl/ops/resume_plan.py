@@ -44,14 +44,19 @@ from ckptctl.ops.digests import check_digests
 from ckptctl.ops.report import SCHEMA_VERSION, NoProgress, Progress, iso, jsonable
 
 __all__ = [
+    "RESUME_TARGET",
     "Blocker",
     "ResumePlan",
     "Skipped",
     "WorldSizeCheck",
     "plan_resume",
     "profile_for",
+    "resume_targets",
     "rng_keys",
 ]
+
+#: Why `resume_targets` names a checkpoint.
+RESUME_TARGET = "a resume would load it"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -231,6 +236,28 @@ def plan_resume(
         warnings=tuple(warnings),
         blockers=blockers,
     )
+
+
+def resume_targets(run: str, refs: Sequence[CheckpointRef]) -> dict[str, str]:
+    """url -> why it must be left as it is, for what a resume of each folder of `refs` (checkpoints of `run`)
+    would load: the run's own plan, and each folder's; where that cannot be told, every checkpoint of the
+    folder, with why. What `slim` (and `prune --slim`) never touch."""
+    protected: dict[str, str] = {}
+    folders = sorted({io.parent_of(r.url) for r in refs} - {run})
+    for folder in [run, *folders]:
+        try:
+            # Only the checkpoint matters here, not the warnings (whether CUDA is there would import torch).
+            plan = plan_resume(folder, cuda=False)
+        except CkptctlError as exc:
+            if folder == run:  # several runs below it: each folder of checkpoints below says
+                continue
+            for ref in refs:
+                if io.parent_of(ref.url) == folder:
+                    protected.setdefault(ref.url, f"what a resume would load cannot be told ({exc.message})")
+            continue
+        if plan.checkpoint is not None:
+            protected.setdefault(plan.checkpoint.url, RESUME_TARGET)
+    return protected
 
 
 def _one_run(run: str, refs: list[CheckpointRef]) -> list[CheckpointRef]:

@@ -29,23 +29,27 @@ from ckptctl import io
 from ckptctl.checkpoint import CheckpointRef, CheckpointState, Problem, ProblemKind
 from ckptctl.core.retention import RetentionPolicy
 from ckptctl.errors import CheckpointNotFound, CkptctlError, UnsafePath
+from ckptctl.formats.documents import read_toml
 from ckptctl.formats.slim_marker import SLIM_MARKER, read_slim_marker
 from ckptctl.io import trash
 from ckptctl.layouts import DEFAULT_SCAN_DEPTH, capability, scan_run
 from ckptctl.layouts.capabilities import SLIMMER
 from ckptctl.layouts.slimming import slim_checkpoint, slimmable
 from ckptctl.ops.lock import RunLock
-from ckptctl.ops.prune import DEFAULT_GRACE, PruneItem, changed_since_plan, plan_prune
+from ckptctl.ops.prune import DEFAULT_GRACE, POLICY_FILE, PruneItem, changed_since_plan, plan_prune
 from ckptctl.ops.report import SCHEMA_VERSION, NoProgress, Progress, iso
-from ckptctl.ops.resume_plan import plan_resume
+from ckptctl.ops.resume_plan import RESUME_TARGET, resume_targets
+from ckptctl.units import parse_age
 
 __all__ = [
     "DEFAULT_KEEP_FULL",
+    "RESUME_TARGET",
     "SlimItem",
     "SlimPlan",
     "SlimReport",
     "SlimSkipped",
     "dropped_files",
+    "load_slim_settings",
     "plan_slim",
     "slim",
     "slim_problems",
@@ -57,7 +61,6 @@ DEFAULT_KEEP_FULL = 1
 #: `marked`, `installed`), so that tests prove what a kill at that moment leaves.
 KILL_AT_ENV = "CKPTCTL_TEST_SLIM_KILL_AT"
 
-RESUME_TARGET = "a resume would load it"
 ALREADY_SLIM = "already slim"
 
 
@@ -195,6 +198,34 @@ class SlimReport:
         }
 
 
+# ------------------------------------------------------------------------------------------ settings
+
+
+def load_slim_settings(run: str) -> tuple[int | None, timedelta | None]:
+    """`keep_full` and `older_than` of the `[slim]` table of `RUN/ckptctl.toml` (None for each it does not
+    set, or without the file or table), for cron: `ckptctl slim RUN` uses them when given no option.
+
+    Raises:
+        CkptctlError: the file is not TOML, or the table holds an unknown key or a bad value.
+    """
+    url = io.join(run, POLICY_FILE)
+    if not io.exists(url):
+        return None, None
+    table = read_toml(url).get("slim")
+    if table is None:
+        return None, None
+    if not isinstance(table, dict) or set(table) - {"keep_full", "older_than"}:
+        raise CkptctlError(f"{url}: [slim] takes keep_full and older_than only")
+    keep_full, older_than = table.get("keep_full"), table.get("older_than")
+    if keep_full is not None and (isinstance(keep_full, bool) or not isinstance(keep_full, int) or keep_full < 1):
+        raise CkptctlError(f"{url}: [slim] keep_full must be a positive integer, not {keep_full!r}")
+    try:
+        age = None if older_than is None else parse_age(str(older_than))
+    except ValueError as exc:
+        raise CkptctlError(f"{url}: [slim] older_than: {exc}") from exc
+    return keep_full, age
+
+
 # ------------------------------------------------------------------------------------------ planning
 
 
@@ -227,7 +258,7 @@ def plan_slim(
     policy = RetentionPolicy(keep_last=keep_full, older_than=older_than)
     pruning = plan_prune(run, policy, grace=grace, now=now, max_depth=max_depth)
     considered = [i for i in pruning.items if only is None or i.url == only]
-    resumed = _resume_targets(run, [i.ref for i in considered])
+    resumed = resume_targets(run, [i.ref for i in considered])
     items = tuple(_decide(item, resumed, keep_full) for item in considered)
     notes = list(pruning.notes)
     if only is not None and not considered:
@@ -242,27 +273,6 @@ def _run_of(target: str, max_depth: int) -> tuple[str, str | None]:
     if len(refs) == 1 and refs[0].url == target and not refs[0].holds:
         return io.parent_of(target), target
     return target, None
-
-
-def _resume_targets(run: str, refs: list[CheckpointRef]) -> dict[str, str]:
-    """url -> why it stays whole, for what a resume of each folder of checkpoints would load; where that
-    cannot be told, every checkpoint of the folder stays whole."""
-    protected: dict[str, str] = {}
-    folders = sorted({io.parent_of(r.url) for r in refs} - {run})
-    for folder in [run, *folders]:
-        try:
-            # Only the checkpoint matters here, not the warnings (whether CUDA is there would import torch).
-            plan = plan_resume(folder, cuda=False)
-        except CkptctlError as exc:
-            if folder == run:  # several runs below it: each folder of checkpoints below says
-                continue
-            for ref in refs:
-                if io.parent_of(ref.url) == folder:
-                    protected.setdefault(ref.url, f"what a resume would load cannot be told ({exc.message})")
-            continue
-        if plan.checkpoint is not None:
-            protected.setdefault(plan.checkpoint.url, RESUME_TARGET)
-    return protected
 
 
 def _decide(item: PruneItem, resumed: Mapping[str, str], keep_full: int) -> SlimItem:

@@ -83,3 +83,32 @@ def test_bad_usage_exits_2(run_cli: Cli, run: Path, tmp_path: Path) -> None:
     assert run_cli("slim", run, "--keep-full", "0").exit_code == 2
     missing = run_cli("slim", tmp_path / "nope", "-y")
     assert missing.exit_code == 2 and "no such" in missing.stderr
+
+
+def test_the_slim_table_of_the_policy_file_gives_the_rules(run_cli: Cli, run: Path) -> None:
+    (run / "ckptctl.toml").write_text("[slim]\nkeep_full = 2\n")
+    result = run_cli("slim", run, "--grace", "0", "-y", "--json")
+    assert result.exit_code == 0, result.stderr
+    assert "keep_full=2" in result.stderr and [s["step"] for s in result.json["slim"]] == [10]
+    (run / "ckptctl.toml").write_text("[slim]\nkeep_fll = 2\n")
+    assert run_cli("slim", run, "--grace", "0", "-y").exit_code == 2
+
+
+def test_prune_slims_instead_of_deleting(run_cli: Cli, run: Path) -> None:
+    result = run_cli("prune", run, "--keep-last", "1", "--grace", "0", "--slim", "-y", "--json")
+    assert result.exit_code == 0, result.stderr
+    assert not result.json["delete"] and [s["step"] for s in result.json["slim"]] == [10, 20]
+    assert result.json["freed_bytes"] == sum(s["freed_bytes"] for s in result.json["slim"]) > 0
+    listed = run_cli("list", run, "--json").json["checkpoints"]
+    assert [c["state"] for c in listed] == ["slim", "slim", "complete"]
+    again = run_cli("prune", run, "--keep-last", "1", "--grace", "0", "-y", "--json")
+    assert [d["step"] for d in again.json["delete"]] == [10, 20]  # slim ones go by the rules like any other
+
+
+def test_prune_keeps_older_checkpoints_slim_with_keep_full_last(run_cli: Cli, run: Path) -> None:
+    (run / "ckptctl.toml").write_text('[retention]\nkeep_last = 3\nkeep_full_last = 1\ngrace = "0"\n')
+    dry = run_cli("prune", run, "--dry-run")
+    assert dry.exit_code == 0 and "would delete 0 checkpoint(s) and slim 2" in dry.stdout
+    result = run_cli("prune", run, "-y", "--json")
+    assert result.exit_code == 0, result.stderr
+    assert [s["step"] for s in result.json["slim"]] == [10, 20] and not result.json["delete"]

@@ -37,7 +37,7 @@ import stat
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 from ckptctl import io
 from ckptctl.checkpoint import CheckpointRef, CheckpointState
@@ -59,12 +59,15 @@ __all__ = [
     "PrunePlan",
     "PruneReport",
     "Skipped",
+    "apply_planned",
     "changed_since_plan",
     "checkpoint_metrics",
     "load_policy_file",
     "plan_prune",
     "prune",
 ]
+
+Item = TypeVar("Item")
 
 #: Checkpoints with a file modified more recently than this are taken to be still written.
 DEFAULT_GRACE = timedelta(minutes=10)
@@ -694,43 +697,56 @@ def prune(
 
 
 def _execute(plan: PrunePlan, lock: RunLock, progress: Progress) -> tuple[list[PruneItem], list[Skipped]]:
-    deleted: list[PruneItem] = []
-    skipped: list[Skipped] = []
     doomed = plan.delete
     progress.start(f"deleting {len(doomed)} checkpoint(s)", sum(i.size_bytes for i in doomed) or None)
     try:
-        for item in doomed:
-            lock.refresh()
-            why = changed_since_plan(item.ref, plan.grace)
-            if why:
-                skipped.append(Skipped(item, why))
-                continue
-            try:
-                _delete(item.ref)
-            except (OSError, CkptctlError) as exc:
-                skipped.append(Skipped(item, f"deleting failed: {exc}", error=True))
-                continue
-            deleted.append(item)
+
+        def delete(item: PruneItem) -> PruneItem:
+            _delete(item.ref)
             progress.advance(item.size_bytes)
+            return item
+
+        deleted, left = apply_planned(doomed, lambda i: i.ref, delete, lock, plan.grace, "deleting")
     finally:
         progress.finish()
-    return deleted, skipped
+    return deleted, [Skipped(item, why, error) for item, why, error in left]
 
 
 def _execute_slims(plan: PrunePlan, lock: RunLock) -> tuple[list[PruneItem], list[Skipped]]:
-    slimmed: list[PruneItem] = []
-    skipped: list[Skipped] = []
-    for item in plan.slim:
+    def slim(item: PruneItem) -> PruneItem:
+        return replace(item, slim_bytes=slim_checkpoint(item.ref))
+
+    slimmed, left = apply_planned(plan.slim, lambda i: i.ref, slim, lock, plan.grace, "slimming")
+    return slimmed, [Skipped(item, why, error) for item, why, error in left]
+
+
+def apply_planned(
+    items: Sequence[Item],
+    ref_of: Callable[[Item], CheckpointRef],
+    act: Callable[[Item], Item],
+    lock: RunLock,
+    grace: timedelta,
+    doing: str,
+    fatal: tuple[type[BaseException], ...] = (),
+) -> tuple[list[Item], list[tuple[Item, str, bool]]]:
+    """Run a planned change (`act`) on each item whose checkpoint did not change since the plan
+    (`changed_since_plan`), refreshing the run's lock before each: (what `act` returned for the items done,
+    (item, why it was left, whether `act` failed) for the others). `fatal` errors stop everything."""
+    done: list[Item] = []
+    left: list[tuple[Item, str, bool]] = []
+    for item in items:
         lock.refresh()
-        why = changed_since_plan(item.ref, plan.grace)
+        why = changed_since_plan(ref_of(item), grace)
         if why:
-            skipped.append(Skipped(item, why))
+            left.append((item, why, False))
             continue
         try:
-            slimmed.append(replace(item, slim_bytes=slim_checkpoint(item.ref)))
+            done.append(act(item))
+        except fatal:
+            raise
         except (OSError, CkptctlError) as exc:
-            skipped.append(Skipped(item, f"slimming failed: {exc}", error=True))
-    return slimmed, skipped
+            left.append((item, f"{doing} failed: {exc}", True))
+    return done, left
 
 
 def changed_since_plan(planned: CheckpointRef, grace: timedelta) -> str:

@@ -36,7 +36,7 @@ from ckptctl.layouts import DEFAULT_SCAN_DEPTH, capability, scan_run
 from ckptctl.layouts.capabilities import SLIMMER
 from ckptctl.layouts.slimming import slim_checkpoint, slimmable
 from ckptctl.ops.lock import RunLock
-from ckptctl.ops.prune import DEFAULT_GRACE, POLICY_FILE, PruneItem, changed_since_plan, plan_prune
+from ckptctl.ops.prune import DEFAULT_GRACE, POLICY_FILE, PruneItem, apply_planned, plan_prune
 from ckptctl.ops.report import SCHEMA_VERSION, NoProgress, Progress, iso
 from ckptctl.ops.resume_plan import RESUME_TARGET, resume_targets
 from ckptctl.units import parse_age
@@ -345,26 +345,21 @@ def slim(
             return SlimReport(plan, dry_run=False, slimmed=(), skipped=declined, cancelled=True)
         for item in plan.slim:  # refuse a link where any slim version would be built, before changing anything
             trash.check_trash(trash.trash_of(item.url))
-        done: list[SlimItem] = []
-        skipped: list[SlimSkipped] = []
         sink = progress or NoProgress()
         sink.start(f"slimming {len(plan.slim)} checkpoint(s)", len(plan.slim) or None)
         try:
-            for item in plan.slim:
-                lock.refresh()
-                why = changed_since_plan(item.ref, plan.grace)
-                if why:
-                    skipped.append(SlimSkipped(item, why))
-                    continue
-                try:
-                    done.append(_slim_one(item))
-                except UnsafePath:
-                    raise
-                except (OSError, CkptctlError) as exc:
-                    skipped.append(SlimSkipped(item, f"slimming failed: {exc}", error=True))
+
+            def slim_one(item: SlimItem) -> SlimItem:
+                done = _slim_one(item)
                 sink.advance(1)
+                return done
+
+            done, left = apply_planned(
+                plan.slim, lambda i: i.ref, slim_one, lock, plan.grace, "slimming", (UnsafePath,)
+            )
         finally:
             sink.finish()
+        skipped = [SlimSkipped(item, why, error) for item, why, error in left]
         return SlimReport(plan, False, tuple(done), tuple(skipped))
 
 

@@ -508,9 +508,12 @@ def resolve(url: str, layout: str | None = None) -> tuple[Layout, CheckpointRef]
 
 
 def open_checkpoint(url: str, layout: str | None = None) -> Checkpoint:
-    """Open the checkpoint `resolve(url, layout)` names."""
+    """Open the checkpoint `resolve(url, layout)` names (state `slim` when `ckptctl slim` made it so)."""
     found, ref = resolve(url, layout)
-    return found.open(ref.url)
+    checkpoint = found.open(ref.url)
+    if ref.state is CheckpointState.SLIM and checkpoint.ref.state is not CheckpointState.SLIM:
+        checkpoint = replace(checkpoint, ref=replace(checkpoint.ref, state=ref.state, note=ref.note))
+    return checkpoint
 
 
 # --------------------------------------------------------------------------------------------------

@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import replace
 
 from ckptctl import io
-from ckptctl.checkpoint import Checkpoint, Component, TensorChunk, TensorEntry
+from ckptctl.checkpoint import Checkpoint, Component, TensorEntry
 from ckptctl.errors import CkptctlError, CorruptCheckpoint
-from ckptctl.formats.safetensors import read_header
 from ckptctl.formats.torch_pickle_classes import TensorRef
 from ckptctl.layouts.capabilities import MasterWeights
+from ckptctl.layouts.parts.zero_tag.kept_masters import KEPT_MASTERS, kept_master_weights
 from ckptctl.layouts.parts.zero_tag.names import is_rank_file
 from ckptctl.layouts.parts.zero_tag.tag import DeepSpeedTag, read_tag
 from ckptctl.layouts.parts.zero_tag.tensor_index import IndexBuilder, param_groups, tag_index
@@ -19,12 +18,6 @@ from ckptctl.layouts.parts.zero_tag.tensor_index import IndexBuilder, param_grou
 #: Dtypes whose buffers zero_to_fp32 returns as float32 (`v.float() if v.is_floating_point()`).
 _FLOATING = frozenset({"float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"})
 _FP32_PREFIX = "optimizer.fp32."
-#: What `slim` keeps of a tag's optimizer partitions: the master weights, as a safetensors file in the tag
-#: folder (`parts.zero_tag.slim`), with the names `master_weights` gives them, in its order.
-KEPT_MASTERS = "ckptctl-master-weights.safetensors"
-#: Its metadata keys: the names of the buffers `convert` upcasts, and the notes (JSON lists).
-UPCAST_KEY = "ckptctl.upcast"
-NOTES_KEY = "ckptctl.notes"
 
 
 def master_weights(tag: DeepSpeedTag, path_prefix: str = "") -> MasterWeights:
@@ -174,34 +167,3 @@ def checkpoint_master_weights(
         )
         return None
     return master_weights(tag, prefix)
-
-
-def kept_master_weights(checkpoint_url: str, prefix: str) -> MasterWeights:
-    """The master weights `slim` kept of a tag (`KEPT_MASTERS` at `prefix` in the checkpoint), as
-    `master_weights` gave them before: the same names, order, dtypes and upcast buffers.
-
-    Raises:
-        CorruptCheckpoint: the file is not a safetensors file, or its metadata is not what slim writes.
-    """
-    rel = f"{prefix}{KEPT_MASTERS}"
-    url = io.join(checkpoint_url, rel)
-    header = read_header(url)
-    metadata = header.metadata or {}
-    try:
-        upcast = json.loads(metadata.get(UPCAST_KEY, "[]"))
-        notes = json.loads(metadata.get(NOTES_KEY, "[]"))
-    except ValueError as exc:
-        raise CorruptCheckpoint(f"{url}: bad metadata ({exc})") from exc
-    if not all(isinstance(x, str) for x in [*upcast, *notes]):
-        raise CorruptCheckpoint(f"{url}: bad metadata (lists of names and notes expected)")
-    entries = tuple(
-        TensorEntry(
-            t.name,
-            Component.MODEL,
-            t.dtype,
-            t.shape,
-            (TensorChunk(rel, t.begin, t.end - t.begin, (0,) * len(t.shape), t.shape),),
-        )
-        for t in sorted(header.tensors, key=lambda t: t.begin)
-    )
-    return MasterWeights(entries, frozenset(upcast), tuple(notes))

@@ -17,7 +17,8 @@ from ckptctl.errors import CkptctlError
 from ckptctl.formats.chunks import read_tensor
 from ckptctl.formats.safetensors import build_header, tensor_bytes
 from ckptctl.layouts.capabilities import MasterWeights, SlimRecipe, SlimRewrite
-from ckptctl.layouts.parts.zero_tag.master_weights import KEPT_MASTERS, NOTES_KEY, UPCAST_KEY, master_weights
+from ckptctl.layouts.parts.zero_tag.kept_masters import KEPT_MASTERS, NOTES_KEY, UPCAST_KEY
+from ckptctl.layouts.parts.zero_tag.master_weights import master_weights
 from ckptctl.layouts.parts.zero_tag.names import OPTIM_STATES
 from ckptctl.layouts.parts.zero_tag.tag import read_tag
 

@@ -105,11 +105,19 @@ _REGISTRY: tuple[Plugin, ...] = (
     Plugin("areal", "ckptctl.frameworks.areal", "layout:ArealLayout", {CONVERT_SOURCE: "convert:SOURCE"}),
     Plugin("roll", "ckptctl.frameworks.roll", "layout:RollLayout"),
     Plugin("lightning", "ckptctl.frameworks.lightning", "layout:LightningLayout", {CONVERT_SOURCE: "convert:SOURCE"}),
-    Plugin("megatron", "ckptctl.frameworks.megatron", "layout:MegatronLayout", {CONVERT_SOURCE: "convert:SOURCE"}),
     Plugin(
-        "torchtitan", "ckptctl.frameworks.torchtitan", "layout:TorchtitanLayout", {CONVERT_SOURCE: "convert:SOURCE"}
+        "megatron",
+        "ckptctl.frameworks.megatron",
+        "layout:MegatronLayout",
+        {CONVERT_SOURCE: "convert:SOURCE", SLIMMER: "slim:SLIMMER"},
     ),
-    Plugin("dcp", "ckptctl.frameworks.dcp", "layout:DcpLayout"),
+    Plugin(
+        "torchtitan",
+        "ckptctl.frameworks.torchtitan",
+        "layout:TorchtitanLayout",
+        {CONVERT_SOURCE: "convert:SOURCE", SLIMMER: "slim:SLIMMER"},
+    ),
+    Plugin("dcp", "ckptctl.frameworks.dcp", "layout:DcpLayout", {SLIMMER: "slim:SLIMMER"}),
     Plugin(
         "hf_trainer",
         "ckptctl.frameworks.hf_trainer",

@@ -20,6 +20,7 @@ from ckptctl.errors import CkptctlError, UnsafePath
 from ckptctl.formats.slim_marker import SLIM_MARKER, read_slim_marker
 from ckptctl.io.trash import TRASH_NAME
 from ckptctl.layouts import open_checkpoint, scan_run
+from ckptctl.layouts.parts.dcp_slim import DCP_REFUSAL
 from ckptctl.layouts.parts.zero_tag.kept_masters import KEPT_MASTERS
 from ckptctl.ops.convert import convert
 from ckptctl.ops.prune import prune
@@ -308,3 +309,11 @@ def test_the_manager_keeps_older_steps_slim_with_keep_full_last(tmp_path: Path) 
     with pytest.raises(CkptctlError, match="slim"):
         manager.restore({"model": model}, step=2)
     assert verify_path(str(tmp_path / "run" / "step-2")).ok
+
+
+def test_dcp_checkpoints_are_kept_whole_saying_why(demo_dir: Path, tmp_path: Path) -> None:
+    run = copy_tree(demo_dir / "dcp", tmp_path / "dcp")
+    before = tree(run)
+    report = slim(str(run), grace=NO_GRACE)
+    assert not report.slimmed and tree(run) == before
+    assert report.plan.items[0].reasons == (f"cannot be slimmed safely: {DCP_REFUSAL}",)

@@ -26,7 +26,7 @@ Slimmed: ckptctl's own checkpoints (optimizer, scheduler, RNG and data-loader en
 
 Each checkpoint is rebuilt beside itself (kept files hard-linked) with a .ckptctl-slim.json marker written last and swapped in atomically, so a kill at any moment leaves the whole original or the whole slim checkpoint. `list` shows it as `slim`, `verify` checks it as slim, `resume-plan` never picks it. One prune or slim per run at a time.
 
---json: {"run", "dry_run", "slim": [{"url", "step", "freed_bytes", "dropped", "dropped_files"}], "keep": [{"url", "step", "reasons"}], "skipped", "freed_bytes"}.
+--json gives run, dry_run, slim (per checkpoint: url, step, freed_bytes, dropped, dropped_files), keep (url, step, reasons), skipped and freed_bytes.
 
 Exit code 0 when done (or nothing to do), 1 when a planned slim failed or was left undone, the prompt was declined, or another prune/slim holds the run's lock; 2 on bad usage (applying without --yes where nothing can prompt, a link where the slim version would be built)."""
 

@@ -259,7 +259,7 @@ def plan_slim(
     pruning = plan_prune(run, policy, grace=grace, now=now, max_depth=max_depth)
     considered = [i for i in pruning.items if only is None or i.url == only]
     resumed = resume_targets(run, [i.ref for i in considered])
-    items = tuple(_decide(item, resumed, keep_full) for item in considered)
+    items = tuple(_decide(item, resumed) for item in considered)
     notes = list(pruning.notes)
     if only is not None and not considered:
         notes.append(f"{target} is not a checkpoint the run's scan finds")
@@ -275,7 +275,7 @@ def _run_of(target: str, max_depth: int) -> tuple[str, str | None]:
     return target, None
 
 
-def _decide(item: PruneItem, resumed: Mapping[str, str], keep_full: int) -> SlimItem:
+def _decide(item: PruneItem, resumed: Mapping[str, str]) -> SlimItem:
     ref = item.ref
     whole = SlimItem(ref, slim=False, size_bytes=item.size_bytes)
     if ref.state is CheckpointState.SLIM:

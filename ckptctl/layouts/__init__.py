@@ -125,7 +125,10 @@ _REGISTRY: tuple[Plugin, ...] = (
         {CONVERT_SOURCE: "convert:SOURCE", SLIMMER: "slim:SLIMMER"},
     ),
     Plugin(
-        "accelerate", "ckptctl.frameworks.accelerate", "layout:AccelerateLayout", {CONVERT_SOURCE: "convert:SOURCE"}
+        "accelerate",
+        "ckptctl.frameworks.accelerate",
+        "layout:AccelerateLayout",
+        {CONVERT_SOURCE: "convert:SOURCE", SLIMMER: "slim:SLIMMER"},
     ),
     Plugin(
         "openrlhf",

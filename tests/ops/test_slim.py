@@ -19,9 +19,10 @@ from ckptctl.core.retention import RetentionPolicy
 from ckptctl.errors import CkptctlError, UnsafePath
 from ckptctl.formats.slim_marker import SLIM_MARKER, read_slim_marker
 from ckptctl.io.trash import TRASH_NAME
-from ckptctl.layouts import open_checkpoint, scan_run
+from ckptctl.layouts import detect, open_checkpoint, scan_run
 from ckptctl.layouts.parts.dcp_slim import DCP_REFUSAL
 from ckptctl.layouts.parts.zero_tag.kept_masters import KEPT_MASTERS
+from ckptctl.layouts.slimming import slim_checkpoint
 from ckptctl.ops.convert import convert
 from ckptctl.ops.prune import prune
 from ckptctl.ops.resume_plan import plan_resume
@@ -29,6 +30,7 @@ from ckptctl.ops.slim import KILL_AT_ENV, RESUME_TARGET, plan_slim, slim
 from ckptctl.ops.verification import VerifyOptions, verify_checkpoint, verify_path
 from tests.conftest import copy_tree
 from tests.ops.test_prune import tree
+from tests.writers.accelerate_writer import WrittenAccelerate
 from tests.writers.deepspeed_writer import WrittenDeepSpeed
 from tests.writers.openrlhf_writer import WrittenOpenRlhf
 from tests.writers.trainer_writer import WrittenTrainerRun
@@ -317,3 +319,22 @@ def test_dcp_checkpoints_are_kept_whole_saying_why(demo_dir: Path, tmp_path: Pat
     report = slim(str(run), grace=NO_GRACE)
     assert not report.slimmed and tree(run) == before
     assert report.plan.items[0].reasons == (f"cannot be slimmed safely: {DCP_REFUSAL}",)
+
+
+def test_accelerate_saves_drop_optimizer_and_scheduler_and_convert_the_same(
+    accelerate_runs: WrittenAccelerate, tmp_path: Path
+) -> None:
+    plain = accelerate_runs.plain
+    run = copy_tree(plain, tmp_path / "plain")
+    _slim_and_compare(run, plain, tmp_path, ["checkpoints/checkpoint_0", "checkpoints/checkpoint_1"])
+    assert (run / "checkpoints/checkpoint_0/random_states_0.pkl").exists()  # what marks the save finished
+    # The DeepSpeed plugin's tag: its partitions go and its masters stay as a model file. (Both of that run's
+    # saves are protected: one slimmed directly, as the manager's retention does.)
+    ds = copy_tree(accelerate_runs.deepspeed, tmp_path / "ds")
+    _, ref = detect(str(ds / "checkpoints/checkpoint_1"))
+    assert slim_checkpoint(ref) > 0
+    tag = ds / "checkpoints/checkpoint_1/pytorch_model"
+    assert (tag / KEPT_MASTERS).exists() and not list(tag.glob("*optim_states.pt"))
+    assert verify_path(str(ds), VerifyOptions(deep=True)).ok
+    rel = "checkpoints/checkpoint_1"
+    assert converted(ds / rel, tmp_path / "ds-slim") == converted(accelerate_runs.deepspeed / rel, tmp_path / "ds-full")

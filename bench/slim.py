@@ -6,7 +6,7 @@ Runs:
     non-newest checkpoint freed (an fp32 AdamW checkpoint is about 3x its model);
   - the test suite's real runs, when its writer cache holds them (`--suite-cache`, default the cache
     `tests/writer_cache.py` uses): the HF Trainer's `output_dir`, DeepSpeed ZeRO-2 and ZeRO-3 save folders,
-    OpenRLHF's save folder and verl's run folder. They are tiny (KiBs): their times say little; their
+    OpenRLHF's save folder, verl's run folder and accelerate's plain project folder. They are tiny (KiBs): their times say little; their
     fractions say what each framework's slim drops.
 
 Each run is copied first (`cp -r`), then `ckptctl slim RUN -y --grace 0 --json` runs in a fresh process
@@ -62,6 +62,7 @@ def suite_runs(cache: Path) -> dict[str, Path]:
         "deepspeed zero3": "deepspeed-*/out/suite/zero3",
         "openrlhf": "deepspeed-*/out/openrlhf-ppo/ckpt/checkpoints_ppo_ray",
         "verl": "verl-*/out/run",
+        "accelerate": "accelerate-*/out/plain",
     }
     found = {}
     for name, pattern in patterns.items():

@@ -28,6 +28,8 @@ class CheckpointState(enum.StrEnum):
       saved again, so a resume no longer picks it.
     - `unknown`: checkpoint-like files (torch.save zips, safetensors, DCP data) of a layout ckptctl does not
       know (`layouts.generic`): never "nothing here", never a fresh start, never deleted by `prune`.
+    - `slim`: committed and whole as a model: `ckptctl slim` dropped its training-only state (optimizer,
+      scheduler, RNG; `formats.slim_marker`), so it converts as before and a resume never picks it.
     """
 
     COMPLETE = "complete"
@@ -36,6 +38,7 @@ class CheckpointState(enum.StrEnum):
     ABANDONED = "abandoned"
     SUPERSEDED = "superseded"
     UNKNOWN = "unknown"
+    SLIM = "slim"
 
 
 class Component(enum.StrEnum):

@@ -6,11 +6,11 @@ _ckptctl() {
     prev="${COMP_WORDS[COMP_CWORD-1]}"
     cmd="${COMP_WORDS[1]}"
     if [[ $COMP_CWORD -eq 1 ]]; then
-        COMPREPLY=($(compgen -W "convert demo diff inspect list prune repair resume-plan verify --help --version" -- "$cur")); return
+        COMPREPLY=($(compgen -W "convert demo diff inspect list prune repair resume-plan slim verify --help --version" -- "$cur")); return
     fi
     case "$prev" in
         --sort) COMPREPLY=($(compgen -W "step created size url" -- "$cur")); return;;
-        --state) COMPREPLY=($(compgen -W "complete in_progress broken abandoned superseded unknown" -- "$cur")); return;;
+        --state) COMPREPLY=($(compgen -W "complete in_progress broken abandoned superseded unknown slim" -- "$cur")); return;;
         --layout) COMPREPLY=($(compgen -W "native verl bytecheckpoint areal roll lightning megatron torchtitan dcp hf_trainer accelerate openrlhf open_instruct deepspeed peft hf deepspeed_universal" -- "$cur")); return;;
         --layout-a) COMPREPLY=($(compgen -W "native verl bytecheckpoint areal roll lightning megatron torchtitan dcp hf_trainer accelerate openrlhf open_instruct deepspeed peft hf deepspeed_universal" -- "$cur")); return;;
         --layout-b) COMPREPLY=($(compgen -W "native verl bytecheckpoint areal roll lightning megatron torchtitan dcp hf_trainer accelerate openrlhf open_instruct deepspeed peft hf deepspeed_universal" -- "$cur")); return;;
@@ -25,9 +25,10 @@ _ckptctl() {
         diff) local opts="--component --atol --rtol --strip-prefix --rename --ignore-dtype --all --top --read-all --layout-a --layout-b --workers --json --quiet -q --help -h";;
         inspect) local opts="--filter -f --component --limit --layout --json --quiet -q --help -h";;
         list) local opts="--sort --reverse -r --state --layout --limit --depth --json --quiet -q --help -h";;
-        prune) local opts="--keep-last --keep-every --keep-best --max-total-size --older-than --pin --grace --dry-run --yes -y --wait --depth --json --quiet -q --help -h";;
+        prune) local opts="--keep-last --keep-every --keep-best --max-total-size --older-than --pin --grace --slim --dry-run --yes -y --wait --depth --json --quiet -q --help -h";;
         repair) local opts="--yes -y --dry-run --undo --wait --json --quiet -q --help -h";;
         resume-plan) local opts="--world-size --digests --cuda --no-cuda --layout --json --quiet -q --help -h";;
+        slim) local opts="--keep-full --older-than --grace --dry-run --yes -y --wait --depth --json --quiet -q --help -h";;
         verify) local opts="--latest --quick --deep --check-finite --write-manifest --workers --layout --json --quiet -q --help -h";;
         *) local opts='';;
     esac

@@ -57,7 +57,8 @@ def list_checkpoints(
             "--state",
             metavar="STATE",
             help="Only checkpoints in this state: complete, in_progress, broken, abandoned (a save that "
-            "stopped), superseded (off the run's branch after a rollback) or unknown (checkpoint-like files "
+            "stopped), superseded (off the run's branch after a rollback), slim (training-only state dropped by "
+            "`ckptctl slim`) or unknown (checkpoint-like files "
             "of a layout ckptctl does not know); repeatable.",
         ),
     ] = None,

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Annotated, TypeVar
+from dataclasses import replace
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from ckptctl.cli.command import add_command
-from ckptctl.cli.options import JsonOpt, QuietOpt, bad_value
+from ckptctl.cli.options import JsonOpt, QuietOpt, bad_value, confirmed, parsed
 from ckptctl.cli.output import Cell, Column, Output, human_bytes, styled
 from ckptctl.errors import CkptctlError
 from ckptctl.layouts import DEFAULT_SCAN_DEPTH
@@ -19,11 +18,9 @@ if TYPE_CHECKING:
     from ckptctl.core.retention import RetentionPolicy
     from ckptctl.ops.prune import PrunePlan, PruneReport
 
-T = TypeVar("T")
-
 HELP = """Delete the checkpoints of a run that the retention rules do not keep, safely.
 
-Rules compose with "any": a checkpoint is kept when one of --keep-last, --keep-every or --keep-best keeps it; --max-total-size then deletes the oldest ones only rules keep until the run fits; --older-than limits deletion to older checkpoints. Without rule options, the \\[retention] table of RUN/ckptctl.toml is used (same names: keep_last, keep_every, keep_best, max_total_size, older_than, pin, grace).
+Rules compose with "any": a checkpoint is kept when one of --keep-last, --keep-every or --keep-best keeps it; --max-total-size then deletes the oldest ones only rules keep until the run fits; --older-than limits deletion to older checkpoints. Without rule options, the \\[retention] table of RUN/ckptctl.toml is used (same names: keep_last, keep_every, keep_best, max_total_size, older_than, pin, grace; and keep_full_last = N: of the checkpoints kept, only the newest N complete ones stay whole, the others are slimmed as `ckptctl slim` does; `keep_full` in a \\[slim] table means the same). With --slim, the complete checkpoints the rules delete are slimmed instead: each keeps its model.
 
 Never deleted: the newest complete checkpoint; what a `latest` pointer names (ckptctl's, DeepSpeed's), the Trainer's best_model_checkpoint, OpenRLHF best* folders; anything in progress (no completion marker, staging names, a writer's lock, files modified within --grace); pinned steps; symbolic links and anything outside RUN. Deleted whatever the rules: abandoned saves (a ckptctl staging folder whose writer is gone, or that nobody wrote to within --grace and behind which a step was committed). Superseded steps (left behind by a rollback) count as no rule's to keep. Each checkpoint is moved into a .ckptctl-trash folder beside it and deleted there, so an interrupted prune never leaves a half-deleted checkpoint that looks complete. One prune per run at a time.
 
@@ -34,10 +31,6 @@ ckptctl prune runs/llama-sft --keep-last 3 --keep-every 1000 --dry-run
 ckptctl prune runs/llama-sft --keep-last 2 --keep-best eval_loss:min --max-total-size 2TB -y
 ckptctl prune runs/llama-sft --older-than 7d --pin 5000 --json -y   # cron; rules may live in ckptctl.toml
 """
-
-
-class ConfirmationRequired(CkptctlError):
-    """Deleting needs --yes when there is no terminal to ask on."""
 
 
 def register(app: typer.Typer) -> None:
@@ -84,6 +77,14 @@ def prune(
             "--grace", metavar="AGE", help="Checkpoints modified this recently count as being written (default 10m)."
         ),
     ] = None,
+    slim: Annotated[
+        bool,
+        typer.Option(
+            "--slim",
+            help="Slim the complete checkpoints the rules delete instead (keep each model, drop the training-only "
+            "state: see `ckptctl slim`).",
+        ),
+    ] = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan; change nothing.")] = False,
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Delete without asking for confirmation.")] = False,
     wait: Annotated[
@@ -108,9 +109,9 @@ def prune(
         best = tuple(KeepBest.parse(b) for b in keep_best or ())
     except ValueError as exc:
         raise bad_value("--keep-best", str(exc)) from exc
-    size = _parse(parse_size, max_total_size, "--max-total-size")
-    age = _parse(parse_age, older_than, "--older-than")
-    grace_age = _parse(parse_age, grace, "--grace")
+    size = parsed(parse_size, max_total_size, "--max-total-size")
+    age = parsed(parse_age, older_than, "--older-than")
+    grace_age = parsed(parse_age, grace, "--grace")
 
     policy: RetentionPolicy
     if keep_last is not None or keep_every is not None or best or size is not None or age is not None:
@@ -123,42 +124,26 @@ def prune(
                 f"pass --keep-last, --keep-every, --keep-best, --max-total-size or --older-than, or write a [retention] table into {POLICY_FILE} in the run folder",
             )
         policy, file_grace = from_file
-        policy = RetentionPolicy(
-            policy.keep_last,
-            policy.keep_every,
-            policy.keep_best,
-            policy.max_total_size,
-            policy.older_than,
-            policy.pin | frozenset(pin or ()),
-        )
+        policy = replace(policy, pin=policy.pin | frozenset(pin or ()))
         grace_age = grace_age if grace_age is not None else file_grace
         out.note(f"rules from {POLICY_FILE}: {policy.describe()}")
 
     shown = False
 
     def confirm(plan: PrunePlan) -> bool:
-        nonlocal shown
-        if yes:
-            return True
-        # --json and --quiet are for scripts and do not show the plan: asking to confirm a plan nobody saw
-        # is no confirmation, and a script must behave the same with or without a terminal attached.
-        if json_output or quiet:
-            raise ConfirmationRequired(
-                f"refusing to delete {len(plan.delete)} checkpoint(s) without confirmation: "
-                f"{'--json' if json_output else '--quiet'} does not show the plan or prompt",
-                "pass --yes to delete (or --dry-run to see the plan)",
-            )
-        if not sys.stdin.isatty():
-            raise ConfirmationRequired(
-                f"refusing to delete {len(plan.delete)} checkpoint(s) without confirmation: stdin is not a terminal",
-                "pass --yes (or --dry-run to see the plan)",
-            )
-        _render_plan(out, plan)
-        shown = True
-        return typer.confirm(
-            f"Delete {len(plan.delete)} checkpoint(s), freeing {human_bytes(plan.freed_bytes)}?",
-            default=False,
-            err=True,
+        def show() -> None:
+            nonlocal shown
+            _render_plan(out, plan)
+            shown = True
+
+        what = f"delete {len(plan.delete)} checkpoint(s)" + (f" and slim {len(plan.slim)}" if plan.slim else "")
+        return confirmed(
+            what,
+            f"{what.capitalize()}, freeing {human_bytes(plan.freed_bytes)}?",
+            yes=yes,
+            json_output=json_output,
+            quiet=quiet,
+            show=show,
         )
 
     report = run_prune(
@@ -172,6 +157,7 @@ def prune(
         progress=out.progress(),
         warn=out.warn,
         require_metrics=bool(best),
+        slim_instead=slim,
     )
     if json_output:
         out.json(report.to_json())
@@ -192,15 +178,6 @@ def prune(
         raise typer.Exit(1)
 
 
-def _parse(parser: Callable[[str], T], text: str | None, option: str) -> T | None:
-    if text is None:
-        return None
-    try:
-        return parser(text)
-    except ValueError as exc:
-        raise bad_value(option, str(exc)) from exc
-
-
 def _render_plan(out: Output, plan: PrunePlan) -> None:
     if not plan.items:
         out.note(f"no checkpoints found below {plan.run}")
@@ -217,6 +194,8 @@ def _render_plan(out: Output, plan: PrunePlan) -> None:
     for item in plan.items:
         if not item.keep:
             action = styled("delete", "red")
+        elif item.slim:
+            action = styled("slim", "yellow")
         elif item.blocked:
             action = styled("protected", "yellow")
         else:
@@ -238,14 +217,18 @@ def _render_summary(out: Output, report: PruneReport) -> None:
     plan = report.plan
     left = len(plan.items) - len(report.deleted)
     kept = f"keeping {left} ({human_bytes(plan.total_bytes - report.freed_bytes)})"
+    slims = f" and slim {len(plan.slim)}" if plan.slim else ""
     if report.dry_run:
         out.print(
-            f"dry run: would delete {len(plan.delete)} checkpoint(s), freeing {human_bytes(plan.freed_bytes)}; {kept}"
+            f"dry run: would delete {len(plan.delete)} checkpoint(s){slims}, freeing {human_bytes(plan.freed_bytes)}; "
+            f"{kept}"
         )
     elif report.cancelled:
         out.print("cancelled: nothing deleted")
     else:
         trash = f" (and {human_bytes(report.trash_freed_bytes)} of leftover trash)" if report.trash_freed_bytes else ""
+        slimmed = f", slimmed {len(report.slimmed)}" if report.slimmed else ""
         out.print(
-            f"deleted {len(report.deleted)} checkpoint(s), freed {human_bytes(report.freed_bytes)}{trash}; {kept}"
+            f"deleted {len(report.deleted)} checkpoint(s){slimmed}, freed {human_bytes(report.freed_bytes)}{trash}; "
+            f"{kept}"
         )

@@ -64,6 +64,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Mapping, MutableMapping
+from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -83,6 +84,7 @@ from ckptctl.errors import CheckpointNotFound, CkptctlError, CorruptCheckpoint, 
 from ckptctl.formats.digest import file_digest
 from ckptctl.formats.manifest import MANIFEST_NAME, ComponentRecord, FileRecord, Manifest, load_manifest, now_iso
 from ckptctl.formats.native import ABANDON_GRACE, POINTER_NAME, StepNaming, staging_token, superseded_note
+from ckptctl.formats.slim_marker import SLIM_NOTE
 from ckptctl.io import trash
 from ckptctl.io.trash import TRASH_NAME, Retired
 from ckptctl.layouts.base import folder_size
@@ -163,11 +165,12 @@ class CheckpointManager:
         """The newest committed step whose manifest parses and whose files are all there at their size, and
         that a rollback did not supersede.
 
-        This is the step `restore(state)` picks; None when the run has no usable checkpoint.
+        This is the step `restore(state)` picks; None when the run has no usable checkpoint. A slim step
+        (`ckptctl slim`, `keep_full_last`: its model only) is never picked.
         """
-        superseded = self._storage.superseded()
+        unusable = self._storage.superseded() | self._storage.slimmed()
         for step in reversed(self.all_steps()):
-            if step not in superseded and self._problem(step, verify=False) is None:
+            if step not in unusable and self._problem(step, verify=False) is None:
                 return step
         return None
 
@@ -505,7 +508,7 @@ class CheckpointManager:
     # ------------------------------------------------------------------ retention
 
     def _apply_retention(self) -> None:
-        if self.policy is None or self.policy.keeps_everything:
+        if self.policy is None or (self.policy.keeps_everything and self.policy.keep_full_last is None):
             return
         try:
             leftovers = self._storage.leftovers()  # of a deletion that was interrupted (a crash, a killed prune)
@@ -516,12 +519,17 @@ class CheckpointManager:
             # (a person may want to look at the branch the run left). A re-save of their step on the new
             # branch replaces them; `ckptctl prune` deletes the others.
             superseded = self._storage.superseded()
+            slimmed = self._storage.slimmed()
             candidates = [
-                self._retention_candidate(step, pointer, datetime.fromtimestamp(mtime, tz=UTC))
+                replace(
+                    self._retention_candidate(step, pointer, datetime.fromtimestamp(mtime, tz=UTC)),
+                    slim=step in slimmed,
+                )
                 for step, mtime in sorted(self._storage.committed().items())
                 if step not in superseded
             ]
-            doomed = [d.step for d in self.policy.plan(candidates, now=datetime.now(UTC)) if not d.keep]
+            decisions = self.policy.plan(candidates, now=datetime.now(UTC))
+            doomed = [d.step for d in decisions if not d.keep]
             # Every doomed step is out of sight before this returns; a crash mid-deletion leaves a
             # half-deleted folder in the trash (or a prefix without a manifest), never a step folder that
             # looks complete and is not.
@@ -530,8 +538,24 @@ class CheckpointManager:
                 self._purge_later(self._storage.retire(step))
             if doomed:
                 log.info("retention deleted steps %s", doomed)
+            # Steps kept without their training-only state (`keep_full_last`), slimmed off the training loop's
+            # path, after the deletions queued before them; on an object store they stay whole.
+            for decision in decisions:
+                if decision.slim and decision.step is not None and io.is_local(self.root):
+                    self._deleter.submit(functools.partial(self._slim, decision.step))
         except (OSError, CkptctlError) as exc:
             warnings.warn(f"retention in {self.root} failed: {exc}", CheckpointWarning, stacklevel=2)
+
+    def _slim(self, step: int) -> None:
+        """Drop the training-only state of a committed step (`layouts.slimming`: built beside it, swapped in)."""
+        from ckptctl.layouts import detect
+        from ckptctl.layouts.slimming import slim_checkpoint
+
+        if step in self._storage.slimmed() or step not in self._storage.committed():
+            return  # slimmed by an earlier retention's job, or deleted since
+        _, ref = detect(self.step_dir(step), "native")
+        freed = slim_checkpoint(ref)
+        log.info("retention slimmed %s, freeing %d bytes", self.naming.folder(step), freed)
 
     def _purge_later(self, retired: Retired) -> None:
         self._deleter.submit(functools.partial(trash.purge, retired))
@@ -660,6 +684,12 @@ class CheckpointManager:
 
     def _choose(self, step: int | None, verify: bool, skip: Mapping[int, str]) -> int:
         superseded = self._storage.superseded()
+        slimmed = self._storage.slimmed()
+        if step is not None and step in slimmed:
+            raise CkptctlError(
+                f"{self.step_dir(step)} is {SLIM_NOTE}: it holds the model only, no state to resume from",
+                "restore another step, or load its model with ckptctl convert",
+            )
         if step is not None:
             problem = self._problem(step, verify)
             if problem is None:
@@ -680,6 +710,9 @@ class CheckpointManager:
         for candidate in reversed(self.all_steps()):
             if candidate in superseded:  # off the run's branch: not worth a warning, it is how rollbacks work
                 log.debug("skipping %s: superseded", self.naming.folder(candidate))
+                continue
+            if candidate in slimmed:  # the model only, kept on purpose
+                skipped.append((self.naming.folder(candidate), SLIM_NOTE))
                 continue
             problem = skip.get(candidate) or self._problem(candidate, verify)
             if problem is None:

@@ -18,6 +18,11 @@ How a plan is made, per series (the checkpoints of one folder, e.g. `_actor/` an
 3. `max_total_size`, over the whole run: while the run is larger, checkpoints that only rules keep are
    deleted, oldest first (those `keep_best` keeps last of all). Protected ones never go.
 
+4. `keep_full_last` (slim instead of delete): of the checkpoints kept, only the newest N complete ones of each
+   series stay whole, with every protected one; the others are kept slim (`Decision.slim`: the caller drops
+   their training-only state, `ckptctl slim`), so a run keeps each model it keeps and pays for the optimizer
+   state of the newest N only.
+
 A policy with no rule at all keeps everything. With `older_than` and no other rule, every unprotected
 checkpoint older than the age is deleted; with only `max_total_size`, checkpoints go only to fit the budget.
 
@@ -68,6 +73,8 @@ class Candidate:
             goes; "" says it is broken.
         abandoned: what a save left when its writer stopped: no rule keeps it (see the module docstring).
         epoch: the epoch, which orders checkpoints that have no step (`epoch_0/`, `epoch_1/` model folders).
+        slim: its training-only state was dropped already (`ckptctl slim`): it counts as complete for the
+            rules, and is never slimmed again nor counted among the `keep_full_last` whole ones.
     """
 
     step: int | None
@@ -88,6 +95,8 @@ class Candidate:
         """Whether it has a place in its series: a step, or an epoch."""
         return self.step is not None or self.epoch is not None
 
+    slim: bool = False
+
 
 @dataclass(frozen=True, slots=True)
 class Decision:
@@ -101,6 +110,7 @@ class Decision:
         url: the candidate's url.
         blocked: no rule keeps it, only a protection the caller found (a pointer names it, ...): the
             policy wanted it deleted and could not.
+        slim: kept, without its training-only state (`keep_full_last`): the caller slims it.
     """
 
     step: int | None
@@ -108,6 +118,7 @@ class Decision:
     reasons: tuple[str, ...]
     url: str = ""
     blocked: bool = False
+    slim: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,6 +172,8 @@ class RetentionPolicy:
             many bytes.
         older_than: only checkpoints older than this may be deleted.
         pin: steps never deleted.
+        keep_full_last: of the checkpoints kept, the newest N complete ones of each series (and the protected
+            ones) stay whole; the others are kept slim (`Decision.slim`). None keeps every kept one whole.
 
     A policy with no rule keeps everything.
 
@@ -176,9 +189,10 @@ class RetentionPolicy:
     max_total_size: int | None = None
     older_than: timedelta | None = None
     pin: frozenset[int] = frozenset()
+    keep_full_last: int | None = None
 
     def __post_init__(self) -> None:
-        for rule in ("keep_last", "keep_every"):
+        for rule in ("keep_last", "keep_every", "keep_full_last"):
             value = getattr(self, rule)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{rule} must be a positive integer or None, not {value!r}")
@@ -204,19 +218,19 @@ class RetentionPolicy:
     def from_mapping(cls, rules: Mapping[str, Any]) -> RetentionPolicy:
         """A policy from plain values, as a `ckptctl.toml` `[retention]` table holds them.
 
-        Keys: `keep_last`, `keep_every` (integers), `keep_best` (`"eval_loss:min"` or a list of those),
+        Keys: `keep_last`, `keep_every`, `keep_full_last` (integers), `keep_best` (`"eval_loss:min"` or a list of those),
         `max_total_size` (`"500GB"`, `"2TiB"` or bytes), `older_than` (`"7d"`, `"12h"`, `"30m"`), `pin` (a
         list of steps).
 
         Raises:
             ValueError: an unknown key or a value of the wrong kind (the message names the key).
         """
-        known = ("keep_last", "keep_every", "keep_best", "max_total_size", "older_than", "pin")
+        known = ("keep_last", "keep_every", "keep_best", "max_total_size", "older_than", "pin", "keep_full_last")
         unknown = sorted(set(rules) - set(known))
         if unknown:
             raise ValueError(f"unknown retention rule(s) {', '.join(unknown)} (known: {', '.join(known)})")
         values: dict[str, Any] = {}
-        for key in ("keep_last", "keep_every"):
+        for key in ("keep_last", "keep_every", "keep_full_last"):
             if key in rules:
                 values[key] = _integer(rules[key], key)
         if "keep_best" in rules:
@@ -263,6 +277,8 @@ class RetentionPolicy:
             parts.append(f"older_than={format_age(self.older_than)}")
         if self.pin:
             parts.append(f"pin={','.join(map(str, sorted(self.pin)))}")
+        if self.keep_full_last is not None:
+            parts.append(f"keep_full_last={self.keep_full_last}")
         return ", ".join(parts) or "no rule (keeps everything)"
 
     def to_json(self) -> dict[str, Any]:
@@ -273,6 +289,7 @@ class RetentionPolicy:
             "max_total_size": self.max_total_size,
             "older_than_seconds": None if self.older_than is None else self.older_than.total_seconds(),
             "pin": sorted(self.pin),
+            "keep_full_last": self.keep_full_last,
         }
 
     def plan(self, checkpoints: Iterable[Candidate | int], *, now: datetime | None = None) -> list[Decision]:
@@ -301,6 +318,7 @@ class RetentionPolicy:
             self._apply_rules(series, hard, soft)
         evicted = self._fit_budget(ordered, hard, soft)
 
+        whole = self._whole(ordered, hard, soft, evicted)
         decisions = []
         for c in ordered:
             reasons = hard[c.url] + soft[c.url]
@@ -308,10 +326,33 @@ class RetentionPolicy:
                 decisions.append(Decision(c.step, False, (evicted[c.url],), c.url))
             elif reasons:
                 blocked = not soft[c.url] and not c.busy and set(hard[c.url]) <= set(c.protected)
-                decisions.append(Decision(c.step, True, tuple(reasons), c.url, blocked))
+                slim = self.keep_full_last is not None and c.complete and not c.slim and c.url not in whole
+                if slim:
+                    reasons = [*reasons, f"slim (keep_full_last={self.keep_full_last})"]
+                decisions.append(Decision(c.step, True, tuple(reasons), c.url, blocked, slim))
             else:
                 decisions.append(Decision(c.step, False, (NO_RULE if c.complete else c.note or BROKEN,), c.url))
         return decisions
+
+    def _whole(
+        self,
+        ordered: list[Candidate],
+        hard: dict[str, list[str]],
+        soft: dict[str, list[str]],
+        evicted: dict[str, str],
+    ) -> set[str]:
+        """The kept checkpoints `keep_full_last` leaves whole: the newest N complete (not slim) ones of each
+        series, and every one a protection keeps (the newest complete, what a pointer names, one being
+        written, pinned steps, ...)."""
+        if self.keep_full_last is None:
+            return set()
+        whole = {c.url for c in ordered if hard[c.url]}
+        for series in _series(ordered):
+            kept = [
+                c for c in series if c.complete and not c.slim and c.url not in evicted and (hard[c.url] or soft[c.url])
+            ]
+            whole |= {c.url for c in kept[-self.keep_full_last :]}
+        return whole
 
     def _protections(self, c: Candidate, now: datetime | None) -> list[str]:
         reasons = list(c.protected)

@@ -39,6 +39,7 @@ from ckptctl.formats.native import (
     is_rng_file,
     superseded_marker,
 )
+from ckptctl.formats.slim_marker import SLIM_MARKER
 from ckptctl.io import trash
 from ckptctl.io.commit import ObjectStoreUpload, install, write_marker
 from ckptctl.io.process import ProcessRecord
@@ -135,6 +136,10 @@ class RunStorage(abc.ABC):
     def superseded(self) -> set[int]:
         """The committed steps marked superseded (`SUPERSEDED_NAME`)."""
         return {step for step in self.committed() if io.exists(io.join(self.step_dir(step), SUPERSEDED_NAME))}
+
+    def slimmed(self) -> set[int]:
+        """The committed steps `slim` dropped the training-only state of (`SLIM_MARKER`)."""
+        return {step for step in self.committed() if io.exists(io.join(self.step_dir(step), SLIM_MARKER))}
 
     def supersede(self, step: int, by: int) -> None:
         """Mark the committed `step` superseded by a save of `by` (one atomic write, or one PUT)."""

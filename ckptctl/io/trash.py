@@ -62,6 +62,7 @@ __all__ = [
     "retire",
     "trash_of",
     "unquarantine",
+    "workspace",
 ]
 
 #: The folder beside a checkpoint that it is renamed into before it is deleted (every scan skips it).
@@ -164,6 +165,20 @@ def check_trash(trash: str) -> None:
     callers that must know before they change anything (a swap that would otherwise stop halfway)."""
     with _opened_trash(trash, create=False):
         pass
+
+
+def workspace(trash: str, name: str) -> str:
+    """A new empty folder `name.<random>` inside the local trash folder `trash` (made if missing), where a
+    replacement of a checkpoint is built before `commit.install` swaps it in: every scan skips the trash, so
+    what a killed build leaves there is never read as a checkpoint, and the next deletion empties it.
+
+    Raises:
+        UnsafePath: `trash` is a symbolic link or not a folder (nothing was made).
+    """
+    with _opened_trash(trash, create=True) as trash_fd:
+        target = f"{name}.{secrets.token_hex(4)}"
+        os.mkdir(target, dir_fd=trash_fd)
+    return os.path.join(trash, target)
 
 
 def purge(retired: Retired) -> None:

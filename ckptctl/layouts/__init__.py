@@ -22,11 +22,12 @@ from functools import cache
 from typing import Any, Final, TypeVar, cast
 
 from ckptctl import io
-from ckptctl.checkpoint import Checkpoint, CheckpointRef
+from ckptctl.checkpoint import Checkpoint, CheckpointRef, CheckpointState
 from ckptctl.errors import CheckpointNotFound, CkptctlError, UnknownLayout
 from ckptctl.formats.framework_classes import FrameworkClasses
+from ckptctl.formats.slim_marker import SLIM_MARKER, SLIM_NOTE
 from ckptctl.layouts.base import Layout
-from ckptctl.layouts.capabilities import CONVERT_SOURCE, POINTER_WRITER, TRAINING_STATE_WRITER, Slot
+from ckptctl.layouts.capabilities import CONVERT_SOURCE, POINTER_WRITER, SLIMMER, TRAINING_STATE_WRITER, Slot
 from ckptctl.layouts.generic import GENERIC, TRAINING_STATE, generic_layout, training_state_layout, unclaimed
 from ckptctl.layouts.run_state import attach_run_state, run_state_files
 from ckptctl.quoting import shell
@@ -96,22 +97,23 @@ class Plugin:
 CONVERT: Final[dict[Slot[Any], str]] = {CONVERT_SOURCE: "convert:SOURCE"}
 REPAIR: Final[dict[Slot[Any], str]] = {POINTER_WRITER: "repair:POINTER_WRITER"}
 RESHARD: Final[dict[Slot[Any], str]] = {TRAINING_STATE_WRITER: "reshard:WRITER"}
+SLIM: Final[dict[Slot[Any], str]] = {SLIMMER: "slim:SLIMMER"}
 
 _REGISTRY: tuple[Plugin, ...] = (
-    Plugin("native", "ckptctl.frameworks.native", "layout:NativeLayout", CONVERT | REPAIR),
-    Plugin("verl", "ckptctl.frameworks.verl", "layout:VerlLayout", CONVERT | REPAIR | RESHARD),
+    Plugin("native", "ckptctl.frameworks.native", "layout:NativeLayout", CONVERT | REPAIR | SLIM),
+    Plugin("verl", "ckptctl.frameworks.verl", "layout:VerlLayout", CONVERT | REPAIR | RESHARD | SLIM),
     Plugin("bytecheckpoint", "ckptctl.frameworks.bytecheckpoint", "layout:BytecheckpointLayout"),
     Plugin("areal", "ckptctl.frameworks.areal", "layout:ArealLayout", CONVERT | REPAIR),
     Plugin("roll", "ckptctl.frameworks.roll", "layout:RollLayout"),
     Plugin("lightning", "ckptctl.frameworks.lightning", "layout:LightningLayout", CONVERT | REPAIR),
-    Plugin("megatron", "ckptctl.frameworks.megatron", "layout:MegatronLayout", CONVERT | REPAIR),
-    Plugin("torchtitan", "ckptctl.frameworks.torchtitan", "layout:TorchtitanLayout", CONVERT | REPAIR),
-    Plugin("dcp", "ckptctl.frameworks.dcp", "layout:DcpLayout"),
-    Plugin("hf_trainer", "ckptctl.frameworks.hf_trainer", "layout:HfTrainerLayout", CONVERT | REPAIR),
-    Plugin("accelerate", "ckptctl.frameworks.accelerate", "layout:AccelerateLayout", CONVERT),
-    Plugin("openrlhf", "ckptctl.frameworks.openrlhf", "layout:OpenRlhfLayout", CONVERT | REPAIR),
-    Plugin("open_instruct", "ckptctl.frameworks.open_instruct", "layout:OpenInstructLayout", CONVERT | REPAIR),
-    Plugin("deepspeed", "ckptctl.frameworks.deepspeed", "layout:DeepSpeedLayout", CONVERT | REPAIR),
+    Plugin("megatron", "ckptctl.frameworks.megatron", "layout:MegatronLayout", CONVERT | REPAIR | SLIM),
+    Plugin("torchtitan", "ckptctl.frameworks.torchtitan", "layout:TorchtitanLayout", CONVERT | REPAIR | SLIM),
+    Plugin("dcp", "ckptctl.frameworks.dcp", "layout:DcpLayout", SLIM),
+    Plugin("hf_trainer", "ckptctl.frameworks.hf_trainer", "layout:HfTrainerLayout", CONVERT | REPAIR | SLIM),
+    Plugin("accelerate", "ckptctl.frameworks.accelerate", "layout:AccelerateLayout", CONVERT | SLIM),
+    Plugin("openrlhf", "ckptctl.frameworks.openrlhf", "layout:OpenRlhfLayout", CONVERT | REPAIR | SLIM),
+    Plugin("open_instruct", "ckptctl.frameworks.open_instruct", "layout:OpenInstructLayout", CONVERT | REPAIR | SLIM),
+    Plugin("deepspeed", "ckptctl.frameworks.deepspeed", "layout:DeepSpeedLayout", CONVERT | REPAIR | SLIM),
     Plugin("peft", "ckptctl.frameworks.peft", "layout:PeftLayout", CONVERT),
     Plugin("hf", "ckptctl.frameworks.hf", "layout:HfModelLayout", CONVERT),
     Plugin(
@@ -342,8 +344,20 @@ def _identify(
     for candidate in _candidates(layout):
         ref = candidate.identify(url, entries)
         if ref is not None:
-            return candidate, ref
+            return candidate, _slim_state(ref, entries)
     return None
+
+
+#: States a slim marker overrides: the layout may take a checkpoint without its optimizer for a broken one.
+_SLIMMABLE_STATES = frozenset({CheckpointState.COMPLETE, CheckpointState.BROKEN})
+
+
+def _slim_state(ref: CheckpointRef, entries: Sequence[io.DirEntry]) -> CheckpointRef:
+    """`ref` as state `slim` when its folder holds the marker `ckptctl slim` writes last (whatever layout it
+    is: the marker is the same for all), so that every command reads it as slim."""
+    if ref.state in _SLIMMABLE_STATES and any(e.name == SLIM_MARKER and not e.is_dir for e in entries):
+        return replace(ref, state=CheckpointState.SLIM, note=SLIM_NOTE)
+    return ref
 
 
 def _pointed(url: str, entries: Sequence[io.DirEntry]) -> set[str]:
@@ -480,9 +494,12 @@ def resolve(url: str, layout: str | None = None) -> tuple[Layout, CheckpointRef]
 
 
 def open_checkpoint(url: str, layout: str | None = None) -> Checkpoint:
-    """Open the checkpoint `resolve(url, layout)` names."""
+    """Open the checkpoint `resolve(url, layout)` names (state `slim` when `ckptctl slim` made it so)."""
     found, ref = resolve(url, layout)
-    return found.open(ref.url)
+    checkpoint = found.open(ref.url)
+    if ref.state is CheckpointState.SLIM and checkpoint.ref.state is not CheckpointState.SLIM:
+        checkpoint = replace(checkpoint, ref=replace(checkpoint.ref, state=ref.state, note=ref.note))
+    return checkpoint
 
 
 # --------------------------------------------------------------------------------------------------

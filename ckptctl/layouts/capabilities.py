@@ -8,7 +8,8 @@ implementations. `ops/` asks `capability(layout, SLOT)` and never names a framew
 
 - `CONVERT_SOURCE` (`ConvertSource`): the model `convert` (and `diff`) read from a framework's checkpoints
   beyond their tensor index: master weights, name maps, the model spec, config;
-- `TRAINING_STATE_WRITER`, `POINTER_WRITER`, `SLIMMER`: the slots `reshard`, `repair` and `slim` fill.
+- `SLIMMER` (`Slimmer`): what of its checkpoints `slim` drops (training-only state) and writes instead;
+- `TRAINING_STATE_WRITER`, `POINTER_WRITER`: the slots `reshard` and `repair` fill.
 
 A capability is typed by its slot: `capability(layout, CONVERT_SOURCE)` is a `ConvertSource` or None.
 """
@@ -18,10 +19,10 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
 from ckptctl import io
-from ckptctl.checkpoint import Checkpoint, TensorEntry
+from ckptctl.checkpoint import Checkpoint, Problem, TensorEntry
 from ckptctl.layouts.naming import NameStripper
 from ckptctl.layouts.parts.value_head import HeadTask
 
@@ -44,6 +45,8 @@ __all__ = [
     "Pointer",
     "PointerWriter",
     "ReshardRequest",
+    "SlimRecipe",
+    "SlimRewrite",
     "Slimmer",
     "Slot",
     "TrainingStateWriter",
@@ -193,9 +196,58 @@ class PointerWriter(Protocol):
         ...
 
 
+@dataclass(frozen=True, slots=True)
+class SlimRewrite:
+    """A file the slim version of a checkpoint gets anew (a manifest without the dropped entries, the model
+    that lived in the dropped files written as a model file).
+
+    Attributes:
+        path: where, relative to the checkpoint folder (`/` separated); it may replace a file of the same name.
+        write: `write(local_path)` writes it there (the folder exists; `slim` fsyncs it afterwards).
+    """
+
+    path: str
+    write: Callable[[str], None] = field(repr=False, compare=False)
+
+
+@dataclass(frozen=True, slots=True)
+class SlimRecipe:
+    """What a `Slimmer` drops from one checkpoint and what it writes instead; every other file is kept as is
+    (hard-linked into the slim version).
+
+    Attributes:
+        drop: files dropped, relative to the checkpoint folder (`/` separated).
+        dropped: what they held, for people and the JSON report (`optimizer`, `scheduler`, `rng`).
+        rewrites: files written anew.
+    """
+
+    drop: tuple[str, ...]
+    dropped: tuple[str, ...]
+    rewrites: tuple[SlimRewrite, ...] = ()
+
+
+@runtime_checkable
 class Slimmer(Protocol):
-    """`slim`: what of this framework's checkpoints is training-only state and how to drop it atomically,
-    keeping the model `convert` reads. A slot that `slim` fills: no framework provides it yet."""
+    """`slim`: what of this framework's checkpoints is training-only state (optimizer moments and partitions,
+    schedulers, RNG: what only a resume needs), keeping the model where the framework keeps it so that
+    `convert` of the slim checkpoint writes what it wrote before (DESIGN §4 `slim`). `ops.slim` builds the
+    slim version beside the checkpoint and swaps it in; the slimmer only decides and writes new files."""
+
+    def refusal(self, checkpoint: Checkpoint) -> str | None:
+        """Why this checkpoint cannot be slimmed safely (a part the slimmer does not know how to cut, a model
+        that lives in the training state and cannot be written apart yet), or None when it can. Reads
+        metadata only."""
+        ...
+
+    def recipe(self, checkpoint: Checkpoint) -> SlimRecipe:
+        """What to drop and write. Reads metadata only; the rewrites read tensor data when they run."""
+        ...
+
+    def expected(self, problem: Problem) -> bool:
+        """Whether a problem this framework's reader reports about a slim checkpoint is what the drop explains,
+        beyond problems naming a dropped file (those `verify` leaves out anyway): a rank file it expects
+        under a name other than the one dropped."""
+        ...
 
 
 class MasterWeightsReader(Protocol):

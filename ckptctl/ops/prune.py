@@ -37,7 +37,7 @@ import stat
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 from ckptctl import io
 from ckptctl.checkpoint import CheckpointRef, CheckpointState
@@ -48,8 +48,10 @@ from ckptctl.formats.manifest import DIGESTS_NAME
 from ckptctl.io import trash
 from ckptctl.io.trash import QUARANTINE_NAME
 from ckptctl.layouts import DEFAULT_SCAN_DEPTH, all_layouts, detect, get_layout, scan_run
+from ckptctl.layouts.slimming import slim_checkpoint, slimmable
 from ckptctl.ops.lock import LOCK_NAME, STALE_AFTER, LockUnusable, RunLock, read_lock, stale_reason
 from ckptctl.ops.report import SCHEMA_VERSION, NoProgress, Progress, display_path, flatten, iso
+from ckptctl.ops.resume_plan import resume_targets
 from ckptctl.units import format_age, format_size, parse_age
 
 __all__ = [
@@ -58,11 +60,15 @@ __all__ = [
     "PrunePlan",
     "PruneReport",
     "Skipped",
+    "apply_planned",
+    "changed_since_plan",
     "checkpoint_metrics",
     "load_policy_file",
     "plan_prune",
     "prune",
 ]
+
+Item = TypeVar("Item")
 
 #: Checkpoints with a file modified more recently than this are taken to be still written.
 DEFAULT_GRACE = timedelta(minutes=10)
@@ -87,6 +93,8 @@ class PruneItem:
         reasons: what keeps it, or why it goes.
         size_bytes: bytes deleting it frees (symbolic links count 0; they are never followed).
         blocked: no rule keeps it; only a protection found on disk does (a pointer names it, ...).
+        slim: kept without its training-only state (`keep_full_last`, `--slim`): the prune slims it.
+        slim_bytes: bytes slimming it frees (planned: the files its slimmer drops; after: measured).
     """
 
     ref: CheckpointRef
@@ -94,6 +102,8 @@ class PruneItem:
     reasons: tuple[str, ...]
     size_bytes: int
     blocked: bool = False
+    slim: bool = False
+    slim_bytes: int = 0
 
     @property
     def url(self) -> str:
@@ -106,6 +116,7 @@ class PruneItem:
             "size_bytes": self.size_bytes,
             "reasons": list(self.reasons),
             "blocked": self.blocked,
+            "slim": self.slim,
             "layout": self.ref.layout,
             "state": self.ref.state.value,
             "created": iso(self.ref.created),
@@ -143,12 +154,17 @@ class PrunePlan:
         return tuple(i for i in self.items if not i.keep)
 
     @property
+    def slim(self) -> tuple[PruneItem, ...]:
+        """Kept checkpoints the prune slims (`keep_full_last`, `--slim`)."""
+        return tuple(i for i in self.items if i.keep and i.slim)
+
+    @property
     def total_bytes(self) -> int:
         return sum(i.size_bytes for i in self.items)
 
     @property
     def freed_bytes(self) -> int:
-        return sum(i.size_bytes for i in self.delete)
+        return sum(i.size_bytes for i in self.delete) + sum(i.slim_bytes for i in self.slim)
 
     @property
     def over_budget_bytes(self) -> int:
@@ -200,6 +216,7 @@ class PruneReport:
         skipped: planned deletions left in place, and why.
         trash_freed_bytes: leftover trash of an interrupted deletion emptied before starting.
         cancelled: the confirmation was declined; nothing was changed (the plan's deletions are `skipped`).
+        slimmed: checkpoints slimmed (with `dry_run`: those the plan slims), with the bytes freed.
     """
 
     plan: PrunePlan
@@ -208,10 +225,11 @@ class PruneReport:
     skipped: tuple[Skipped, ...] = ()
     trash_freed_bytes: int = 0
     cancelled: bool = False
+    slimmed: tuple[PruneItem, ...] = ()
 
     @property
     def freed_bytes(self) -> int:
-        return sum(i.size_bytes for i in self.deleted)
+        return sum(i.size_bytes for i in self.deleted) + sum(i.slim_bytes for i in self.slimmed)
 
     @property
     def failed(self) -> bool:
@@ -233,6 +251,7 @@ class PruneReport:
             "grace_seconds": self.plan.grace.total_seconds(),
             "keep": [i.to_json() for i in self.plan.keep],
             "delete": [i.to_json() for i in self.deleted],
+            "slim": [{**i.to_json(), "freed_bytes": i.slim_bytes} for i in self.slimmed],
             "skipped": [
                 {"url": s.item.url, "step": s.item.ref.step, "reason": s.reason, "error": s.error} for s in self.skipped
             ],
@@ -253,7 +272,8 @@ class UnknownMetric(CkptctlError):
 
 
 def load_policy_file(run: str) -> tuple[RetentionPolicy, timedelta | None] | None:
-    """The `[retention]` table of `RUN/ckptctl.toml` as a policy (and its `grace`, if it sets one).
+    """The `[retention]` table of `RUN/ckptctl.toml` as a policy (and its `grace`, if it sets one); a `[slim]`
+    table's `keep_full` is its `keep_full_last`.
 
     Returns None when the run has no policy file.
 
@@ -269,6 +289,9 @@ def load_policy_file(run: str) -> tuple[RetentionPolicy, timedelta | None] | Non
         raise CkptctlError(f"{url} has no [retention] table", "write the rules under [retention], e.g. keep_last = 3")
     rules = dict(table)
     grace = rules.pop("grace", None)
+    slim = doc.get("slim")
+    if isinstance(slim, dict) and "keep_full" in slim:  # the [slim] table's rule, for the manager and cron
+        rules.setdefault("keep_full_last", slim["keep_full"])
     try:
         policy = RetentionPolicy.from_mapping(rules)
         grace_age = None if grace is None else parse_age(str(grace))
@@ -312,6 +335,7 @@ def plan_prune(
     now: datetime | None = None,
     max_depth: int = DEFAULT_SCAN_DEPTH,
     require_metrics: bool = False,
+    slim_instead: bool = False,
 ) -> PrunePlan:
     """Plan a prune of `run`: read-only (directory listings, markers, metrics when `keep_best` asks).
 
@@ -324,6 +348,8 @@ def plan_prune(
         max_depth: how deep to look for checkpoints.
         require_metrics: a `keep_best` metric that no complete checkpoint records is an error rather than a
             note (a typo on the command line would otherwise keep nothing by it).
+        slim_instead: complete checkpoints the rules delete are slimmed instead (`prune --slim`): each keeps
+            its model; one that cannot be slimmed stays whole, with why. Broken and abandoned ones still go.
 
     Raises:
         CheckpointNotFound: `run` is not a folder.
@@ -336,7 +362,7 @@ def plan_prune(
     metrics: dict[str, Mapping[str, Any]] = {}
     if policy.keep_best:
         for f in found:
-            if not f.link and f.ref.state is CheckpointState.COMPLETE:
+            if not f.link and f.ref.state in _WHOLE:
                 metrics[f.ref.url] = checkpoint_metrics(f.ref)
         for best in policy.keep_best:
             if not any(best.value(m) is not None for m in metrics.values()):
@@ -354,28 +380,61 @@ def plan_prune(
             series=io.parent_of(f.ref.url),
             created=f.ref.created,
             size_bytes=f.size,
-            complete=f.ref.state is CheckpointState.COMPLETE,
+            complete=f.ref.state in _WHOLE,
             metrics=metrics.get(f.ref.url, {}),
             protected=tuple(f.protected),
             busy=f.busy,
             note=f.ref.note if f.ref.state in _OFF_BRANCH else "",
             abandoned=f.ref.state is CheckpointState.ABANDONED,
             epoch=f.ref.epoch,
+            slim=f.ref.state is CheckpointState.SLIM,
         )
         for f in found
         if not f.link
     ]
     by_url = {f.ref.url: f for f in found}
     items = [
-        PruneItem(by_url[d.url].ref, d.keep, d.reasons, by_url[d.url].size, d.blocked)
+        PruneItem(by_url[d.url].ref, d.keep, d.reasons, by_url[d.url].size, d.blocked, d.slim)
         for d in policy.plan(candidates, now=now)
     ]
+    if slim_instead:
+        items = [_slim_instead(i) for i in items]
+    items = _slim_plans(run, items)
     items += [PruneItem(f.ref, True, (f.link,), 0) for f in found if f.link]
     items.sort(key=lambda i: (io.parent_of(i.url), i.ref.step is not None, i.ref.step or 0, i.ref.epoch or 0, i.url))
     # `repair`'s quarantine is no leftover: it is never emptied here, so it frees nothing.
     trash = sum(_tree_size(t) - _tree_size(io.join(t, QUARANTINE_NAME)) for t in _trash_folders(run, items))
     return PrunePlan(run, policy, tuple(items), grace, now, trash, tuple(notes))
 
+
+def _slim_instead(item: PruneItem) -> PruneItem:
+    """A planned deletion of a complete checkpoint turned into a slim (`--slim`)."""
+    if item.keep or item.ref.state is not CheckpointState.COMPLETE:
+        return item
+    return replace(item, keep=True, slim=True, reasons=(*item.reasons, "slimmed instead of deleted (--slim)"))
+
+
+def _slim_plans(run: str, items: list[PruneItem]) -> list[PruneItem]:
+    """The planned slims with the bytes each frees; one that a resume would load or whose layout cannot slim
+    it stays whole, saying why."""
+    planned = [i for i in items if i.slim]
+    if not planned:
+        return items
+    resumed = resume_targets(run, [i.ref for i in planned])
+    out = []
+    for item in items:
+        if item.slim:
+            found = slimmable(item.ref) if item.ref.url not in resumed else resumed[item.ref.url]
+            if isinstance(found, str):
+                item = replace(item, slim=False, reasons=(*item.reasons, f"stays whole: {found}"))
+            else:
+                item = replace(item, slim_bytes=sum(found.drop_sizes.values()))
+        out.append(item)
+    return out
+
+
+#: States the rules count as checkpoints to keep: a slim one holds its model as a complete one does.
+_WHOLE = (CheckpointState.COMPLETE, CheckpointState.SLIM)
 
 #: Why `prune` keeps a checkpoint of a layout ckptctl does not know.
 UNKNOWN_KEPT = "unknown layout: ckptctl cannot tell whether it is whole or what a resume needs, so it never deletes it"
@@ -596,8 +655,10 @@ def prune(
     progress: Progress | None = None,
     warn: Callable[[str], None] | None = None,
     require_metrics: bool = False,
+    slim_instead: bool = False,
 ) -> PruneReport:
-    """Plan and (unless `dry_run`) delete what the policy does not keep, holding the run's lock.
+    """Plan and (unless `dry_run`) delete what the policy does not keep (and slim what it keeps slim),
+    holding the run's lock.
 
     Args:
         run: the run folder (local path or fsspec URL).
@@ -609,55 +670,92 @@ def prune(
         max_depth: how deep to look for checkpoints.
         progress: where deletion progress goes (bytes).
         warn: where a stale lock's takeover is reported.
-        require_metrics: see `plan_prune`.
+        require_metrics, slim_instead: see `plan_prune`.
 
     Raises:
         RunLocked: another prune holds the run's lock (or took it over from us).
         CheckpointNotFound: `run` is not a folder.
     """
     if dry_run:
-        plan = plan_prune(run, policy, grace=grace, max_depth=max_depth, require_metrics=require_metrics)
-        return PruneReport(plan, dry_run=True, deleted=plan.delete)
+        plan = plan_prune(
+            run, policy, grace=grace, max_depth=max_depth, require_metrics=require_metrics, slim_instead=slim_instead
+        )
+        return PruneReport(plan, dry_run=True, deleted=plan.delete, slimmed=plan.slim)
     if not io.is_dir(run):
         raise CheckpointNotFound(f"no such run folder: {run}")
     with RunLock(run, wait=wait, command=f"ckptctl prune ({policy.describe()})", warn=warn) as lock:
-        plan = plan_prune(run, policy, grace=grace, max_depth=max_depth, require_metrics=require_metrics)
-        if plan.delete and confirm is not None and not confirm(plan):
-            declined = tuple(Skipped(i, "not confirmed") for i in plan.delete)
+        plan = plan_prune(
+            run, policy, grace=grace, max_depth=max_depth, require_metrics=require_metrics, slim_instead=slim_instead
+        )
+        if (plan.delete or plan.slim) and confirm is not None and not confirm(plan):
+            declined = tuple(Skipped(i, "not confirmed") for i in plan.delete + plan.slim)
             return PruneReport(plan, dry_run=False, deleted=(), skipped=declined, cancelled=True)
         lock.refresh()
         trash_freed = _empty_trash(_trash_folders(run, plan.items))
         deleted, skipped = _execute(plan, lock, progress or NoProgress())
-        return PruneReport(plan, False, tuple(deleted), tuple(skipped), trash_freed)
+        slimmed, not_slimmed = _execute_slims(plan, lock)
+        return PruneReport(
+            plan, False, tuple(deleted), tuple(skipped + not_slimmed), trash_freed, slimmed=tuple(slimmed)
+        )
 
 
 def _execute(plan: PrunePlan, lock: RunLock, progress: Progress) -> tuple[list[PruneItem], list[Skipped]]:
-    deleted: list[PruneItem] = []
-    skipped: list[Skipped] = []
     doomed = plan.delete
     progress.start(f"deleting {len(doomed)} checkpoint(s)", sum(i.size_bytes for i in doomed) or None)
     try:
-        for item in doomed:
-            lock.refresh()
-            why = _still_deletable(item, plan)
-            if why:
-                skipped.append(Skipped(item, why))
-                continue
-            try:
-                _delete(item.ref)
-            except (OSError, CkptctlError) as exc:
-                skipped.append(Skipped(item, f"deleting failed: {exc}", error=True))
-                continue
-            deleted.append(item)
+
+        def delete(item: PruneItem) -> PruneItem:
+            _delete(item.ref)
             progress.advance(item.size_bytes)
+            return item
+
+        deleted, left = apply_planned(doomed, lambda i: i.ref, delete, lock, plan.grace, "deleting")
     finally:
         progress.finish()
-    return deleted, skipped
+    return deleted, [Skipped(item, why, error) for item, why, error in left]
 
 
-def _still_deletable(item: PruneItem, plan: PrunePlan) -> str:
-    """Why a planned deletion must not happen now (the run changed since the plan), or ""."""
-    url = item.url
+def _execute_slims(plan: PrunePlan, lock: RunLock) -> tuple[list[PruneItem], list[Skipped]]:
+    def slim(item: PruneItem) -> PruneItem:
+        return replace(item, slim_bytes=slim_checkpoint(item.ref))
+
+    slimmed, left = apply_planned(plan.slim, lambda i: i.ref, slim, lock, plan.grace, "slimming")
+    return slimmed, [Skipped(item, why, error) for item, why, error in left]
+
+
+def apply_planned(
+    items: Sequence[Item],
+    ref_of: Callable[[Item], CheckpointRef],
+    act: Callable[[Item], Item],
+    lock: RunLock,
+    grace: timedelta,
+    doing: str,
+    fatal: tuple[type[BaseException], ...] = (),
+) -> tuple[list[Item], list[tuple[Item, str, bool]]]:
+    """Run a planned change (`act`) on each item whose checkpoint did not change since the plan
+    (`changed_since_plan`), refreshing the run's lock before each: (what `act` returned for the items done,
+    (item, why it was left, whether `act` failed) for the others). `fatal` errors stop everything."""
+    done: list[Item] = []
+    left: list[tuple[Item, str, bool]] = []
+    for item in items:
+        lock.refresh()
+        why = changed_since_plan(ref_of(item), grace)
+        if why:
+            left.append((item, why, False))
+            continue
+        try:
+            done.append(act(item))
+        except fatal:
+            raise
+        except (OSError, CkptctlError) as exc:
+            left.append((item, f"{doing} failed: {exc}", True))
+    return done, left
+
+
+def changed_since_plan(planned: CheckpointRef, grace: timedelta) -> str:
+    """Why a planned change of a checkpoint (`prune`'s deletion, `slim`'s swap) must not happen now: the run
+    changed since the plan (a pointer names it now, it is being written or was rewritten); or ""."""
+    url = planned.url
     if io.is_local(url):
         path = io.local_path(url)
         if not os.path.lexists(path):
@@ -668,18 +766,20 @@ def _still_deletable(item: PruneItem, plan: PrunePlan) -> str:
     try:
         entries = io.list_dir(parent)
         _, ref = detect(url)
-        ref = _judged(ref, plan.grace)
+        ref = _judged(ref, grace)
     except CkptctlError as exc:
         return f"it cannot be read now ({exc.message})"
     name = io.name_of(url)
     if any(layout.latest_pointer(parent, entries) == name for layout in all_layouts()):
         return "a latest pointer names it now"
-    if ref.state is CheckpointState.COMPLETE and item.ref.state is not CheckpointState.COMPLETE:
+    if ref.state is CheckpointState.COMPLETE and planned.state is not CheckpointState.COMPLETE:
         return "it has been completed since the plan"
-    busy = _busy(ref, datetime.now(UTC), plan.grace, _own_tree(item.ref)[1])
+    if ref.state is not planned.state:
+        return f"it is {ref.state.value} now"
+    busy = _busy(ref, datetime.now(UTC), grace, _own_tree(planned)[1])
     if busy:
         return busy
-    if ref.created != item.ref.created:
+    if ref.created != planned.created:
         return "it has been rewritten since the plan"
     return ""
 

@@ -1,7 +1,7 @@
 """`resume-plan`: which checkpoint of a run a resume should load, what it brings back, and how to ask for it.
 
 The checkpoints of the run are tried newest first: one still being written, abandoned, superseded (off
-the run's branch after a rollback), broken, or failing the layout's structural verify is skipped with its
+the run's branch after a rollback), slim (`ckptctl slim` dropped its training-only state), broken, or failing the layout's structural verify is skipped with its
 reason, and the first that passes is the plan. Frameworks that follow a `latest` pointer load the tag it
 names, so newer tags are skipped as unfinished saves. A checkpoint that does not load on the target number
 of ranks gives way to a conversion of it that does (`ResumeProfile.converted_from`). The plan then says
@@ -27,6 +27,7 @@ from ckptctl import io
 from ckptctl.checkpoint import Checkpoint, CheckpointRef, CheckpointState, Component, Problem, Role
 from ckptctl.errors import CheckpointNotFound, CkptctlError, UnknownLayout
 from ckptctl.formats.manifest import read_manifest
+from ckptctl.formats.slim_marker import SLIM_NOTE
 from ckptctl.layouts import detect, get_layout, scan_run
 from ckptctl.layouts.resume import (
     DEFAULT_IMPACT,
@@ -44,14 +45,19 @@ from ckptctl.ops.digests import check_digests
 from ckptctl.ops.report import SCHEMA_VERSION, NoProgress, Progress, iso, jsonable
 
 __all__ = [
+    "RESUME_TARGET",
     "Blocker",
     "ResumePlan",
     "Skipped",
     "WorldSizeCheck",
     "plan_resume",
     "profile_for",
+    "resume_targets",
     "rng_keys",
 ]
+
+#: Why `resume_targets` names a checkpoint.
+RESUME_TARGET = "a resume would load it"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -239,6 +245,28 @@ def plan_resume(
     )
 
 
+def resume_targets(run: str, refs: Sequence[CheckpointRef]) -> dict[str, str]:
+    """url -> why it must be left as it is, for what a resume of each folder of `refs` (checkpoints of `run`)
+    would load: the run's own plan, and each folder's; where that cannot be told, every checkpoint of the
+    folder, with why. What `slim` (and `prune --slim`) never touch."""
+    protected: dict[str, str] = {}
+    folders = sorted({io.parent_of(r.url) for r in refs} - {run})
+    for folder in [run, *folders]:
+        try:
+            # Only the checkpoint matters here, not the warnings (whether CUDA is there would import torch).
+            plan = plan_resume(folder, cuda=False)
+        except CkptctlError as exc:
+            if folder == run:  # several runs below it: each folder of checkpoints below says
+                continue
+            for ref in refs:
+                if io.parent_of(ref.url) == folder:
+                    protected.setdefault(ref.url, f"what a resume would load cannot be told ({exc.message})")
+            continue
+        if plan.checkpoint is not None:
+            protected.setdefault(plan.checkpoint.url, RESUME_TARGET)
+    return protected
+
+
 def _one_run(run: str, refs: list[CheckpointRef]) -> list[CheckpointRef]:
     """The checkpoints of the one run below `run` (grouped by each profile's `run_of`).
 
@@ -320,6 +348,8 @@ def _judge(
         return ref.note or "superseded", None, []
     if ref.state is CheckpointState.BROKEN:
         return f"broken: {ref.note or 'incomplete'}", None, []
+    if ref.state is CheckpointState.SLIM:  # `ckptctl slim` kept its model only
+        return SLIM_NOTE, None, []
     if not profile.resumable:
         return "model weights only (an export): a resume needs training state", None, []
     if (

@@ -28,6 +28,7 @@ from ckptctl.ops.digests import save_digests
 from ckptctl.ops.distributed_work import Ranks
 from ckptctl.ops.report import SCHEMA_VERSION, NoProgress, Progress, problem_json
 from ckptctl.ops.resume_plan import plan_resume
+from ckptctl.ops.slim import dropped_files, slim_problems
 
 
 @dataclass(frozen=True, slots=True)
@@ -241,6 +242,8 @@ def _verify_checkpoint(url: str, options: VerifyOptions, progress: Progress, rea
     try:
         checkpoint = layout.open(url)
         problems = list(layout.verify(checkpoint))
+        if ref.state is CheckpointState.SLIM:
+            problems = slim_problems(layout.name, url, problems)
     except CkptctlError as exc:
         kind = ProblemKind.UNSAFE_PICKLE if isinstance(exc, UnsafePickle) else ProblemKind.BAD_METADATA
         problem = Problem(kind, "", exc.message)
@@ -270,7 +273,9 @@ def _verify_checkpoint(url: str, options: VerifyOptions, progress: Progress, rea
     broken = frozenset(p.path for p in problems if p.severity == "error")
     content = check_content(checkpoint, archives, checks, progress, broken)
     said = {p.message for p in problems}  # a truncated file fails the structure and the read alike
-    problems.extend(p for p in content.problems if p.message not in said)
+    # Digests recorded before a slim name the files it dropped too.
+    dropped = dropped_files(url) if ref.state is CheckpointState.SLIM else frozenset()
+    problems.extend(p for p in content.problems if p.message not in said and p.path not in dropped)
     wrote = False
     if record:
         if any(p.severity == "error" for p in problems):

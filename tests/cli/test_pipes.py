@@ -21,7 +21,7 @@ from tests.writers.trainer_writer import WrittenTrainerRun
 
 Cli = Callable[..., CliResult]
 REPO = Path(__file__).resolve().parents[2]
-COMMANDS = ("list", "inspect", "verify", "convert", "diff", "resume-plan", "prune", "repair", "demo")
+COMMANDS = ("list", "inspect", "verify", "convert", "diff", "resume-plan", "slim", "prune", "repair", "demo")
 
 
 def ckptctl(*args: object, columns: int = 80, stdin: str | None = None, **env: str) -> subprocess.CompletedProcess[str]:
@@ -176,7 +176,14 @@ def test_help_reads_at_80_columns(command: str) -> None:
     for metavar in ("<str>", "<bool>", "<list[", "<int range>", "{"):
         assert metavar not in text.replace("{print", ""), (metavar, text)
     usage = next(line for line in text.splitlines() if "Usage:" in line)
-    argument = {"convert": "SRC DST", "diff": "A B", "demo": "DIR", "inspect": "CKPT", "verify": "PATH"}
+    argument = {
+        "convert": "SRC DST",
+        "diff": "A B",
+        "demo": "DIR",
+        "inspect": "CKPT",
+        "verify": "PATH",
+        "slim": "RUN|CKPT",
+    }
     assert usage.split("[OPTIONS]")[1].strip() == argument.get(command, "RUN")
 
 

@@ -11,7 +11,7 @@ import torch
 
 from ckptctl import CheckpointManager
 from ckptctl.layouts import _REGISTRY, capability
-from ckptctl.layouts.capabilities import CONVERT_SOURCE, ConvertSource
+from ckptctl.layouts.capabilities import CONVERT_SOURCE, SLIMMER, ConvertSource, Slimmer
 
 
 def test_every_declared_capability_is_what_its_slot_says() -> None:
@@ -22,6 +22,8 @@ def test_every_declared_capability_is_what_its_slot_says() -> None:
         assert found is not None, target
         if slot is CONVERT_SOURCE:
             assert isinstance(found, ConvertSource), target
+        if slot is SLIMMER:
+            assert isinstance(found, Slimmer), target
 
 
 def test_a_layout_outside_the_registry_has_no_capability() -> None:

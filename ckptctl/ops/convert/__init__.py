@@ -59,6 +59,7 @@ from ckptctl.ops.convert.to_hf import INDEX_NAME, write_hf
 from ckptctl.ops.convert_source import convert_source
 from ckptctl.ops.distributed_work import Ranks
 from ckptctl.ops.report import NoProgress, Progress
+from ckptctl.ops.slim import slim_problems
 from ckptctl.quoting import shell
 
 __all__ = [
@@ -388,8 +389,10 @@ def _open_verified(layout: Layout, ref: CheckpointRef) -> Checkpoint:
     if ref.state is CheckpointState.ABANDONED:
         raise CorruptCheckpoint(f"{url} is {ref.note}", "convert a committed checkpoint instead")
     checkpoint = layout.open(url)
-    problems = [p for p in layout.verify(checkpoint) if p.severity == "error"]
-    if problems or checkpoint.ref.state is CheckpointState.BROKEN:
+    problems = list(layout.verify(checkpoint))
+    slim = ref.state is CheckpointState.SLIM  # its layout may take the dropped optimizer for damage
+    problems = [p for p in (slim_problems(layout.name, url, problems) if slim else problems) if p.severity == "error"]
+    if problems or (checkpoint.ref.state is CheckpointState.BROKEN and not slim):
         first = problems[0].message if problems else checkpoint.ref.note
         raise CorruptCheckpoint(
             f"{url} fails structural verification: {first}",

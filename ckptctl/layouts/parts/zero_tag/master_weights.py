@@ -10,6 +10,7 @@ from ckptctl.checkpoint import Checkpoint, Component, TensorEntry
 from ckptctl.errors import CkptctlError, CorruptCheckpoint
 from ckptctl.formats.torch_pickle_classes import TensorRef
 from ckptctl.layouts.capabilities import MasterWeights
+from ckptctl.layouts.parts.zero_tag.kept_masters import KEPT_MASTERS, kept_master_weights
 from ckptctl.layouts.parts.zero_tag.names import is_rank_file
 from ckptctl.layouts.parts.zero_tag.tag import DeepSpeedTag, read_tag
 from ckptctl.layouts.parts.zero_tag.tensor_index import IndexBuilder, param_groups, tag_index
@@ -150,7 +151,10 @@ def checkpoint_master_weights(
     """
     if prefix is None:
         return None
-    tag = read_tag(io.join(checkpoint.url, prefix.rstrip("/")) if prefix else checkpoint.url)
+    tag_url = io.join(checkpoint.url, prefix.rstrip("/")) if prefix else checkpoint.url
+    if io.exists(io.join(tag_url, KEPT_MASTERS)):
+        return kept_master_weights(checkpoint.url, prefix)
+    tag = read_tag(tag_url)
     if not tag.files.optim or tag.optim_kind is None:
         if required:
             raise CkptctlError(

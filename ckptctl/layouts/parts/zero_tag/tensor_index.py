@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 from ckptctl.checkpoint import ChunkEncoding, Component, TensorChunk, TensorEntry, dtype_itemsize
@@ -20,6 +21,7 @@ from ckptctl.errors import CorruptCheckpoint
 from ckptctl.formats.chunks import flat_range_boxes
 from ckptctl.formats.torch_pickle import TorchPickle, tensor_refs
 from ckptctl.formats.torch_pickle_classes import TensorRef
+from ckptctl.layouts.parts.zero_tag.kept_masters import KEPT_MASTERS, kept_master_weights
 from ckptctl.layouts.parts.zero_tag.tag import DeepSpeedTag, base_state, optimizer_state_dict
 
 #: A parameter's piece on one rank: (DP rank, group, first element in the rank's flat group tensor,
@@ -42,7 +44,26 @@ def tag_index(tag: DeepSpeedTag, path_prefix: str = "") -> tuple[TensorEntry, ..
     for mp in range(tag.mp_world_size):
         name_prefix = f"mp_rank_{mp:02d}." if tag.mp_world_size > 1 else ""
         entries += IndexBuilder(tag, mp, path_prefix, name_prefix).build()
+    if KEPT_MASTERS in tag.files.sizes:
+        return _with_kept_masters(tag, entries, path_prefix)
     return tuple(entries)
+
+
+def _with_kept_masters(tag: DeepSpeedTag, entries: list[TensorEntry], path_prefix: str) -> tuple[TensorEntry, ...]:
+    """The index of a slim tag (`KEPT_MASTERS`): model entries whose bytes lay in the dropped partitions (the
+    fp32 parameters of ZeRO-3) are the kept master weights."""
+    kept = {
+        e.name: replace(e, chunks=tuple(replace(c, file=f"{path_prefix}{c.file}") for c in e.chunks))
+        for e in kept_master_weights(tag.url, "").entries
+    }
+    present = {f"{path_prefix}{name}" for name in tag.files.sizes}
+    out = []
+    for entry in entries:
+        torn = not entry.chunks or any(c.file not in present for c in entry.chunks)
+        if torn and entry.component is Component.MODEL and entry.name in kept:
+            entry = kept[entry.name]
+        out.append(entry)
+    return tuple(out)
 
 
 class IndexBuilder:

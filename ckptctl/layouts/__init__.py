@@ -26,7 +26,7 @@ from ckptctl.checkpoint import Checkpoint, CheckpointRef
 from ckptctl.errors import CheckpointNotFound, CkptctlError, UnknownLayout
 from ckptctl.formats.framework_classes import FrameworkClasses
 from ckptctl.layouts.base import Layout
-from ckptctl.layouts.capabilities import CONVERT_SOURCE, Slot
+from ckptctl.layouts.capabilities import CONVERT_SOURCE, TRAINING_STATE_WRITER, Slot, TrainingStateWriter
 from ckptctl.layouts.generic import GENERIC, generic_layout, unclaimed
 from ckptctl.quoting import shell
 
@@ -47,6 +47,8 @@ __all__ = [
     "resolve",
     "scan_context",
     "scan_run",
+    "training_state_writer",
+    "training_state_writers",
 ]
 
 
@@ -110,7 +112,12 @@ _REGISTRY: tuple[Plugin, ...] = (
         "layout:OpenInstructLayout",
         {CONVERT_SOURCE: "convert:SOURCE"},
     ),
-    Plugin("deepspeed", "ckptctl.frameworks.deepspeed", "layout:DeepSpeedLayout", {CONVERT_SOURCE: "convert:SOURCE"}),
+    Plugin(
+        "deepspeed",
+        "ckptctl.frameworks.deepspeed",
+        "layout:DeepSpeedLayout",
+        {CONVERT_SOURCE: "convert:SOURCE", TRAINING_STATE_WRITER: "reshard:WRITER"},
+    ),
     Plugin("peft", "ckptctl.frameworks.peft", "layout:PeftLayout", {CONVERT_SOURCE: "convert:SOURCE"}),
     Plugin("hf", "ckptctl.frameworks.hf", "layout:HfModelLayout", {CONVERT_SOURCE: "convert:SOURCE"}),
     Plugin(
@@ -299,6 +306,30 @@ def capability(layout: str | Layout, slot: Slot[C]) -> C | None:
     plugin = _PLUGINS.get(layout) if isinstance(layout, str) else _plugin_of(layout)
     target = None if plugin is None else plugin.capabilities.get(slot)
     return None if plugin is None or target is None else cast(C, plugin.load(target))
+
+
+def training_state_writers() -> list[TrainingStateWriter]:
+    """Every registered framework's training-state writer (`reshard`), each once, imported on first use."""
+    names = dict.fromkeys(
+        f"{plugin.package}.{target}"
+        for plugin in _REGISTRY
+        if (target := plugin.capabilities.get(TRAINING_STATE_WRITER)) is not None
+    )
+    return [cast(TrainingStateWriter, _load(name)) for name in names]
+
+
+def training_state_writer(target: str) -> TrainingStateWriter:
+    """The training-state writer whose `target` is `target` (`reshard --to`).
+
+    Raises:
+        CkptctlError: no registered framework writes that target (the message names those that exist).
+    """
+    writers = training_state_writers()
+    found = next((writer for writer in writers if writer.target == target), None)
+    if found is None:
+        known = ", ".join(sorted(writer.target for writer in writers)) or "none"
+        raise CkptctlError(f"no framework writes a training state as {target!r}", f"--to takes: {known}")
+    return found
 
 
 def _plugin_of(layout: Layout) -> Plugin | None:

@@ -25,7 +25,6 @@ _PurePickler: Any = pickle._Pickler
 
 
 class _Pickler(_PurePickler):
-
     def _save_framework_object(self, obj: FrameworkObject) -> None:
         module, _, name = obj.stands_for.rpartition(".")
         if not module or not name.isidentifier():

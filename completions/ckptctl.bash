@@ -6,7 +6,7 @@ _ckptctl() {
     prev="${COMP_WORDS[COMP_CWORD-1]}"
     cmd="${COMP_WORDS[1]}"
     if [[ $COMP_CWORD -eq 1 ]]; then
-        COMPREPLY=($(compgen -W "convert demo diff inspect list prune resume-plan verify --help --version" -- "$cur")); return
+        COMPREPLY=($(compgen -W "convert demo diff inspect list prune reshard resume-plan verify --help --version" -- "$cur")); return
     fi
     case "$prev" in
         --sort) COMPREPLY=($(compgen -W "step created size url" -- "$cur")); return;;
@@ -26,6 +26,7 @@ _ckptctl() {
         inspect) local opts="--filter -f --component --limit --layout --json --quiet -q --help -h";;
         list) local opts="--sort --reverse -r --state --layout --limit --depth --json --quiet -q --help -h";;
         prune) local opts="--keep-last --keep-every --keep-best --max-total-size --older-than --pin --grace --dry-run --yes -y --wait --depth --json --quiet -q --help -h";;
+        reshard) local opts="--to --world-size --workers --force --layout --json --quiet -q --help -h";;
         resume-plan) local opts="--world-size --digests --cuda --no-cuda --layout --json --quiet -q --help -h";;
         verify) local opts="--latest --quick --deep --check-finite --write-manifest --workers --layout --json --quiet -q --help -h";;
         *) local opts='';;

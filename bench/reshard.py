@@ -7,6 +7,7 @@ moments in the partitions). Then, each in a fresh process, on a warm page cache,
 
   (r) `ckptctl reshard SAVE_DIR OUT --to deepspeed-universal` (streams one parameter at a time from the
       partitions' raw bytes; writes the digests file too),
+  (r2) the same with `--workers 2` (two threads reading and writing parameters; for information),
   (u) `ds_to_universal.py --input_folder TAG --output_folder OUT/TAG --inject_missing_state` (DeepSpeed 0.19,
       run in-process after DeepSpeed is imported, with `--num_extract_workers 1 --num_merge_workers 1` so
       that its whole work is in the process measured: its worker pools would hold their memory in
@@ -125,7 +126,7 @@ def main() -> int:
             files = sorted(tag.iterdir())
             total = sum(f.stat().st_size for f in files)
             subprocess.run(["cat", *map(str, files)], stdout=subprocess.DEVNULL, check=True)
-            outs = {key: root / f"out-zero{stage}-{key}" for key in ("r", "u", "c")}
+            outs = {key: root / f"out-zero{stage}-{key}" for key in ("r", "r2", "u", "c")}
             for out in outs.values():
                 shutil.rmtree(out, ignore_errors=True)
             os.sync()
@@ -145,6 +146,24 @@ def main() -> int:
                 ],
             )
             os.sync()
+            r2 = measure(
+                "ckptctl reshard ... --workers 2",
+                [
+                    python,
+                    "-m",
+                    "ckptctl",
+                    "reshard",
+                    str(save_dir),
+                    str(outs["r2"]),
+                    "--to",
+                    "deepspeed-universal",
+                    "-q",
+                    "--json",
+                    "--workers",
+                    "2",
+                ],
+            )
+            os.sync()
             outs["u"].mkdir()
             u = measure(
                 "ds_to_universal.py --inject_missing_state",
@@ -154,10 +173,11 @@ def main() -> int:
             c = measure_cp(tag, outs["c"])
             print(f"\nZeRO-{stage}: {tag.name}, {total / 2**20:.0f} MiB in {len(files)} files")
             print(f"{'':5}{'method':44}{'wall s':>9}{'work s':>9}{'peak RSS':>12}")
-            for key, m in (("r", r), ("u", u), ("c", c)):
-                print(f"({key})  {m.label:44}{m.wall:9.2f}{m.work:9.2f}{m.peak_rss / MIB:9.0f} MiB")
+            for key, m in (("r", r), ("r2", r2), ("u", u), ("c", c)):
+                print(f"({key}){' ' * (4 - len(key))}{m.label:44}{m.wall:9.2f}{m.work:9.2f}{m.peak_rss / MIB:9.0f} MiB")
             print(
                 f"(r)/(u): wall {r.wall / u.wall:.2f}, work {r.work / u.work:.2f}, peak RSS {r.peak_rss / u.peak_rss:.2f}"
+                f";  (r2)/(u): wall {r2.wall / u.wall:.2f}, work {r2.work / u.work:.2f}"
                 f";  (r)/(c): wall {r.wall / c.wall:.2f}, peak RSS {r.peak_rss / c.peak_rss:.2f}"
             )
             table.append((stage, tag, outs))

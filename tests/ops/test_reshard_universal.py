@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -37,6 +38,8 @@ def _assert_same(a: Any, b: Any, where: str) -> None:
     if isinstance(a, torch.Tensor):
         assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, where
         assert torch.equal(a, b), where
+    elif isinstance(a, np.ndarray):  # open-instruct's client state keeps numpy's RNG state
+        assert isinstance(b, np.ndarray) and a.dtype == b.dtype and np.array_equal(a, b), where
     elif isinstance(a, dict):
         assert isinstance(b, dict) and list(a) == list(b), (
             f"{where}: {list(a)} != {list(b) if isinstance(b, dict) else b}"
@@ -148,3 +151,31 @@ def test_interrupted_reshard_leaves_nothing(
     with pytest.raises(KeyboardInterrupt):
         reshard(str(deepspeed_runs[3].save_dir), str(tmp_path / "out"), TO)
     assert len(written) == 5 and os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize(
+    ("where", "layout"),
+    [("openrlhf/_actor", "openrlhf"), ("openrlhf/_critic", "openrlhf"), ("open-instruct/state", "open_instruct")],
+)
+def test_frameworks_built_on_deepspeed(
+    where: str, layout: str, deepspeed_universal: WrittenUniversal, tmp_path: Path
+) -> None:
+    """The tag `latest` names in OpenRLHF's `_actor/` (ZeRO-2) and `_critic/` (ZeRO-3) and in open-instruct's
+    state folder, against the conversion each framework runs (`ds_to_universal`, as `universal_writer` says)."""
+    base = deepspeed_universal.openrlhf.parent
+    folder = base / where
+    tag = (folder / "latest").read_text().strip()
+    reference = folder / (f"ds_universal_{tag}" if layout == "open_instruct" else f"{tag}_uni")
+    result = reshard(str(folder / tag), str(tmp_path / "out"), TO)
+    assert result.layout == layout
+    ours = tmp_path / "out" / tag
+    assert _files(ours) == _files(reference)
+    for rel in _files(reference):
+        expected = torch.load(reference / rel, weights_only=False)
+        got = torch.load(ours / rel, weights_only=False)
+        if rel == "zero/optimizer_state.pt" and "fp32_flat_groups" in expected:
+            expected.pop("fp32_flat_groups")
+            expected["optimizer_state_dict"]["state"] = {
+                g: {"step": s["step"]} for g, s in expected["optimizer_state_dict"]["state"].items()
+            }
+        _assert_same(expected, got, rel)

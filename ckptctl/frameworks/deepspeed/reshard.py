@@ -279,19 +279,23 @@ def _model_state_files(tag: DeepSpeedTag) -> Iterator[str]:
 
 
 def _not_carried(tag: DeepSpeedTag, zero3: bool) -> tuple[NotCarried, ...]:
+    client = sorted(k for k in tag.client_state() if isinstance(k, str))
+    kept = f" (client_state keys {', '.join(client[:6])}{', ...' if len(client) > 6 else ''})" if client else ""
     found = [
         NotCarried(
             "rng",
-            "DeepSpeed's engine saves no RNG state (neither does ds_to_universal): seed the resumed run; its "
-            "streams differ from the ones the source run would have drawn",
+            "DeepSpeed's engine saves no RNG state (neither does ds_to_universal): seed the resumed run. RNG the "
+            f"training code put in client_state is carried as saved{kept}, in rank 0's model states: one stream "
+            "for every rank of the new world size",
         )
     ]
     if Component.DATALOADER not in tag.components():
         found.append(
             NotCarried(
                 "data loader position",
-                "the tag records none (DeepSpeed saves a data sampler only when it built the loader): resume the "
-                "data order from global_steps/global_samples, which the model states carry",
+                "the tag records no data sampler (DeepSpeed saves one only for its own loader): the model states "
+                "carry global_steps/global_samples and client_state as saved; a position counted in samples per "
+                "rank of the old world size must be translated by the training code",
             )
         )
     if zero3:

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 
 HELP = """Write a whole resumable training state (model, optimizer, schedulers, counters) for another number of ranks or another framework, offline and on CPU, streamed one parameter at a time from the checkpoint's raw bytes.
 
---to names the target (deepspeed-universal: a DeepSpeed ZeRO 1-3 tag as the universal checkpoint DeepSpeed's ds_to_universal.py --inject_missing_state writes, which DeepSpeed loads on any number of ranks with "checkpoint": {"load_universal": true}); without --to, the source framework's own writer is used. SRC may be a tag folder, a save folder holding `latest`, or a checkpoint of a framework built on DeepSpeed (OpenRLHF, open-instruct, accelerate, the HF Trainer, Lightning).
+--to names the target (deepspeed-universal: a DeepSpeed ZeRO 1-3 tag as the universal checkpoint DeepSpeed's ds_to_universal.py --inject_missing_state writes, which DeepSpeed loads on any number of ranks with load_universal set to true in the checkpoint section of its config); without --to, the source framework's own writer is used. SRC may be a tag folder, a save folder holding `latest`, or a checkpoint of a framework built on DeepSpeed (OpenRLHF, open-instruct, accelerate, the HF Trainer, Lightning).
 
 DST must be empty (or absent): it becomes what the target framework is pointed at (for deepspeed-universal: DST/<tag>/ and DST/latest_universal). The output is written to a hidden staging folder next to DST and renamed into place: an interrupted or failed reshard leaves nothing at DST. A source the writer cannot carry (a torn tag, named by its missing file) is refused before anything is written. What the target cannot carry (RNG streams, a data-loader position) is listed as not carried, with why.
 

@@ -20,7 +20,7 @@ from tests.writers.trainer_writer import WrittenTrainerRun
 
 Cli = Callable[..., CliResult]
 REPO = Path(__file__).resolve().parents[2]
-COMMANDS = ("list", "inspect", "verify", "convert", "diff", "resume-plan", "prune", "demo")
+COMMANDS = ("list", "inspect", "verify", "convert", "reshard", "diff", "resume-plan", "prune", "demo")
 
 
 def ckptctl(*args: object, columns: int = 80, stdin: str | None = None, **env: str) -> subprocess.CompletedProcess[str]:
@@ -175,7 +175,14 @@ def test_help_reads_at_80_columns(command: str) -> None:
     for metavar in ("<str>", "<bool>", "<list[", "<int range>", "{"):
         assert metavar not in text.replace("{print", ""), (metavar, text)
     usage = next(line for line in text.splitlines() if "Usage:" in line)
-    argument = {"convert": "SRC DST", "diff": "A B", "demo": "DIR", "inspect": "CKPT", "verify": "PATH"}
+    argument = {
+        "convert": "SRC DST",
+        "reshard": "SRC DST",
+        "diff": "A B",
+        "demo": "DIR",
+        "inspect": "CKPT",
+        "verify": "PATH",
+    }
     assert usage.split("[OPTIONS]")[1].strip() == argument.get(command, "RUN")
 
 

@@ -22,6 +22,7 @@ from ckptctl.errors import CkptctlError
 from ckptctl.ops.reshard import ReshardOptions, reshard
 from tests.conftest import CliResult, copy_tree
 from tests.writers.deepspeed_writer import WrittenDeepSpeed
+from tests.writers.lightning_writer import WrittenLightning
 from tests.writers.universal_writer import WrittenUniversal
 
 Cli = Callable[..., CliResult]
@@ -179,3 +180,17 @@ def test_frameworks_built_on_deepspeed(
                 g: {"step": s["step"]} for g, s in expected["optimizer_state_dict"]["state"].items()
             }
         _assert_same(expected, got, rel)
+
+
+def test_lightning_deepspeed_checkpoint(lightning_run: WrittenLightning, tmp_path: Path) -> None:
+    """A Lightning DeepSpeed `.ckpt/` folder (the tag is its `checkpoint/`): the masters in `zero/<param>/fp32.pt`
+    are the weights DeepSpeed's own zero_to_fp32 rebuilt for the writer (`deepspeed_reference`)."""
+    src = lightning_run.deepspeed / "epoch=0-step=2.ckpt"
+    result = reshard(str(src), str(tmp_path / "out"), TO)
+    assert result.layout == "lightning"
+    assert (tmp_path / "out" / "latest_universal").read_text() == "checkpoint"
+    reference = torch.load(lightning_run.deepspeed_reference, weights_only=True)
+    zero = tmp_path / "out" / "checkpoint" / "zero"
+    for name, tensor in reference.items():
+        got = torch.load(zero / name / "fp32.pt", weights_only=True)["param"]
+        assert got.dtype == torch.float32 and torch.equal(got, tensor.float()), name

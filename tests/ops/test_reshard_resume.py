@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from ckptctl.frameworks.deepspeed import reshard as universal_writer
 from ckptctl.ops.reshard import ReshardOptions, reshard
 from tests.conftest import build_once
 from tests.writers.deepspeed_writer import WrittenDeepSpeed
@@ -26,6 +27,8 @@ RTOL = 1e-4
 
 
 def _reshard_universal(src: Path, dst: Path) -> None:
+    # Named here, not only through the registry's dotted name, so that the writer cache's key covers the writer.
+    assert universal_writer.WRITER.target == "deepspeed-universal"
     reshard(str(src), str(dst), ReshardOptions(to="deepspeed-universal"))
 
 

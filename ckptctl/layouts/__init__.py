@@ -27,7 +27,14 @@ from ckptctl.errors import CheckpointNotFound, CkptctlError, UnknownLayout
 from ckptctl.formats.framework_classes import FrameworkClasses
 from ckptctl.formats.slim_marker import SLIM_MARKER, SLIM_NOTE
 from ckptctl.layouts.base import Layout
-from ckptctl.layouts.capabilities import CONVERT_SOURCE, POINTER_WRITER, SLIMMER, TRAINING_STATE_WRITER, Slot
+from ckptctl.layouts.capabilities import (
+    CONVERT_SOURCE,
+    POINTER_WRITER,
+    SLIMMER,
+    TRAINING_STATE_WRITER,
+    Slot,
+    TrainingStateWriter,
+)
 from ckptctl.layouts.generic import GENERIC, TRAINING_STATE, generic_layout, training_state_layout, unclaimed
 from ckptctl.layouts.run_state import attach_run_state, run_state_files
 from ckptctl.quoting import shell
@@ -49,6 +56,8 @@ __all__ = [
     "resolve",
     "scan_context",
     "scan_run",
+    "training_state_writer",
+    "training_state_writers",
 ]
 
 
@@ -113,7 +122,7 @@ _REGISTRY: tuple[Plugin, ...] = (
     Plugin("accelerate", "ckptctl.frameworks.accelerate", "layout:AccelerateLayout", CONVERT | SLIM),
     Plugin("openrlhf", "ckptctl.frameworks.openrlhf", "layout:OpenRlhfLayout", CONVERT | REPAIR | SLIM),
     Plugin("open_instruct", "ckptctl.frameworks.open_instruct", "layout:OpenInstructLayout", CONVERT | REPAIR | SLIM),
-    Plugin("deepspeed", "ckptctl.frameworks.deepspeed", "layout:DeepSpeedLayout", CONVERT | REPAIR | SLIM),
+    Plugin("deepspeed", "ckptctl.frameworks.deepspeed", "layout:DeepSpeedLayout", CONVERT | REPAIR | RESHARD | SLIM),
     Plugin("peft", "ckptctl.frameworks.peft", "layout:PeftLayout", CONVERT),
     Plugin("hf", "ckptctl.frameworks.hf", "layout:HfModelLayout", CONVERT),
     Plugin(
@@ -304,6 +313,30 @@ def capability(layout: str | Layout, slot: Slot[C]) -> C | None:
     plugin = _PLUGINS.get(layout) if isinstance(layout, str) else _plugin_of(layout)
     target = None if plugin is None else plugin.capabilities.get(slot)
     return None if plugin is None or target is None else cast(C, plugin.load(target))
+
+
+def training_state_writers() -> list[TrainingStateWriter]:
+    """Every registered framework's training-state writer (`reshard`), each once, imported on first use."""
+    names = dict.fromkeys(
+        f"{plugin.package}.{target}"
+        for plugin in _REGISTRY
+        if (target := plugin.capabilities.get(TRAINING_STATE_WRITER)) is not None
+    )
+    return [cast(TrainingStateWriter, _load(name)) for name in names]
+
+
+def training_state_writer(target: str) -> TrainingStateWriter:
+    """The training-state writer whose `target` is `target` (`reshard --to`).
+
+    Raises:
+        CkptctlError: no registered framework writes that target (the message names those that exist).
+    """
+    writers = training_state_writers()
+    found = next((writer for writer in writers if writer.target == target), None)
+    if found is None:
+        known = ", ".join(sorted(writer.target for writer in writers)) or "none"
+        raise CkptctlError(f"no framework writes a training state as {target!r}", f"--to takes: {known}")
+    return found
 
 
 def _plugin_of(layout: Layout) -> Plugin | None:

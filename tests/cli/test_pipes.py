@@ -21,7 +21,7 @@ from tests.writers.trainer_writer import WrittenTrainerRun
 
 Cli = Callable[..., CliResult]
 REPO = Path(__file__).resolve().parents[2]
-COMMANDS = ("list", "inspect", "verify", "convert", "diff", "resume-plan", "slim", "prune", "repair", "demo")
+COMMANDS = ("list", "inspect", "verify", "convert", "reshard", "diff", "resume-plan", "slim", "prune", "repair", "demo")
 
 
 def ckptctl(*args: object, columns: int = 80, stdin: str | None = None, **env: str) -> subprocess.CompletedProcess[str]:
@@ -178,6 +178,7 @@ def test_help_reads_at_80_columns(command: str) -> None:
     usage = next(line for line in text.splitlines() if "Usage:" in line)
     argument = {
         "convert": "SRC DST",
+        "reshard": "SRC DST",
         "diff": "A B",
         "demo": "DIR",
         "inspect": "CKPT",

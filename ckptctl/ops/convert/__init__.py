@@ -226,7 +226,7 @@ def _prepare(src: str, dst: str, options: ConvertOptions) -> _Prepared:
     dst = check_destination(src, dst, options.force)
     layout, ref = resolve(src, options.layout)
     url = ref.url
-    checkpoint = _open_verified(layout, ref)
+    checkpoint = open_verified(layout, ref)
     notes: list[str] = []
     if options.lora is LoraMode.ADAPTER:
         if convert_source(layout).adapter(checkpoint) is not None:
@@ -374,7 +374,7 @@ def _prepare_adapter(
     )
 
 
-def _open_verified(layout: Layout, ref: CheckpointRef) -> Checkpoint:
+def open_verified(layout: Layout, ref: CheckpointRef) -> Checkpoint:
     """The checkpoint of `ref`, opened by `layout`.
 
     Raises:
@@ -387,7 +387,7 @@ def _open_verified(layout: Layout, ref: CheckpointRef) -> Checkpoint:
             f"{url} is still being written ({ref.note or 'no completion marker'})", "wait for the save to finish"
         )
     if ref.state is CheckpointState.ABANDONED:
-        raise CorruptCheckpoint(f"{url} is {ref.note}", "convert a committed checkpoint instead")
+        raise CorruptCheckpoint(f"{url} is {ref.note}", "use a committed checkpoint instead")
     checkpoint = layout.open(url)
     problems = list(layout.verify(checkpoint))
     slim = ref.state is CheckpointState.SLIM  # its layout may take the dropped optimizer for damage
@@ -435,7 +435,7 @@ def _base_model(
         notes.append(f"merging into {hint}, the base model the adapter names")
     check_destination(wanted, dst, options.force)
     base_layout, base_ref = resolve(wanted)
-    base = _open_verified(base_layout, base_ref)
+    base = open_verified(base_layout, base_ref)
     if convert_source(base_layout).adapter(base) is not None:
         raise CkptctlError(f"{base.url} is an adapter too: --merge-adapter takes the base model's folder")
     return base

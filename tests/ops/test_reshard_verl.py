@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,9 +22,11 @@ from ckptctl.frameworks.verl.layout import VerlLayout
 from ckptctl.frameworks.verl.reshard import WRITER
 from ckptctl.layouts import capability, open_checkpoint
 from ckptctl.layouts.capabilities import TRAINING_STATE_WRITER
-from tests.conftest import build_once
+from tests.conftest import CliResult, build_once
 from tests.writers.verl_reshard_proof import ROLES, VerlReshardProof, prove_verl_reshard
 from tests.writers.verl_writer import WrittenVerl
+
+Cli = Callable[..., CliResult]
 
 pytestmark = pytest.mark.slow
 
@@ -162,3 +165,23 @@ def test_a_dimension_shorter_than_the_ranks_is_cut_as_fsdp2_cuts_it(verl_reshard
 
 def test_a_world_size_below_one_is_refused(verl_run: WrittenVerl) -> None:
     assert WRITER.refusal(open_checkpoint(str(verl_run.step(2))), 0) == "world size 0: a verl run has at least one rank"
+
+
+def test_the_command_reshards_a_verl_step_and_the_result_lists_and_verifies(
+    run_cli: Cli, verl_run: WrittenVerl, tmp_path: Path
+) -> None:
+    dst = tmp_path / "resharded"
+    result = run_cli("reshard", verl_run.step(2), dst, "--world-size", "1", "--json")
+    assert result.exit_code == 0, result.stderr
+    assert result.json["to"] == "verl" and result.json["world_size"] == 1
+    assert {c["what"] for c in result.json["not_carried"]} == {f"global_step_2/{r}/extra_state.rng" for r in ROLES}
+    assert sorted(p.name for p in (dst / "global_step_2" / "actor").glob("*_world_size_*")) == [
+        "extra_state_world_size_1_rank_0.pt",
+        "model_world_size_1_rank_0.pt",
+        "optim_world_size_1_rank_0.pt",
+    ]
+    listed = run_cli("list", dst, "--json").json["checkpoints"]
+    assert [(c["step"], c["state"], c["roles"]) for c in listed] == [(2, "complete", ["actor", "critic"])]
+    assert run_cli("verify", dst).exit_code == 0
+    again = run_cli("reshard", verl_run.step(2), dst, "--world-size", "1")
+    assert again.exit_code == 2  # DST is not empty

@@ -75,7 +75,8 @@ _PART = 16 << 20
 @functools.cache
 def _hash_pool() -> ThreadPoolExecutor:
     # Shared by every writer: each waits for its own part before the next, so its updates stay in order.
-    return ThreadPoolExecutor(max_workers=4, thread_name_prefix="ckptctl-hash")
+    # A context pool also hashes in the caller once the interpreter is exiting (an `atexit` save).
+    return io.ContextThreadPool(max_workers=4, thread_name_prefix="ckptctl-hash")
 
 
 class HashingWriter:

@@ -28,10 +28,34 @@ def workers() -> int:
 
 
 class ContextThreadPool(ThreadPoolExecutor):
-    """A `ThreadPoolExecutor` whose tasks run in a copy of the context they were submitted from (`map` too)."""
+    """A `ThreadPoolExecutor` whose tasks run in a copy of the context they were submitted from (`map` too).
+
+    Once the interpreter has begun to shut down, a thread pool takes no new task (`RuntimeError`), yet work
+    still runs then: a training loop's last save from an `atexit` hook, the background commit of an async
+    save that `threading` joins at exit. Such a task runs in the calling thread instead, and its `Future` is
+    returned done, so the save completes rather than failing.
+    """
 
     def submit(self, fn: Callable[..., R], /, *args: Any, **kwargs: Any) -> Future[R]:
-        return super().submit(contextvars.copy_context().run, fn, *args, **kwargs)
+        try:
+            return super().submit(contextvars.copy_context().run, fn, *args, **kwargs)
+        except RuntimeError:
+            if not _shutting_down():
+                raise
+        done: Future[R] = Future()
+        try:
+            done.set_result(fn(*args, **kwargs))
+        except BaseException as error:
+            done.set_exception(error)
+        return done
+
+
+def _shutting_down() -> bool:
+    """Whether `concurrent.futures` refuses new tasks because the interpreter is exiting (it sets this flag
+    from `threading`'s exit hook, before `atexit` callbacks run)."""
+    from concurrent.futures import thread
+
+    return bool(getattr(thread, "_shutdown", False))
 
 
 def parallel_map(fn: Callable[[T], R], items: Sequence[T], max_workers: int | None = None) -> list[R]:

@@ -754,8 +754,15 @@ def _by_frequency(item: tuple[int, list[int]]) -> tuple[int, int]:
     return ({1: 0, 4: 1, 2: 2}.get(item[0], 3), item[0])
 
 
+#: Below this many bytes a pickle is walked with a small regex (no short-string alternatives, one unit per
+#: repetition), which compiles in well under a millisecond; the large one takes tens of milliseconds to
+#: compile, which only pays off on pickles big enough to walk for longer than that (a first `verify` or
+#: `list` of a small checkpoint would otherwise spend most of its time compiling it).
+_SMALL_PICKLE = 256 << 10
+
+
 @cache
-def _opcode_tables() -> _OpcodeTables:
+def _opcode_tables(large: bool = True) -> _OpcodeTables:
     fixed: dict[int, list[int]] = {}
     newline_ops, len1_ops, len4_ops, len8_ops = set(), set(), set(), set()
     for op in pickletools.opcodes:
@@ -787,9 +794,11 @@ def _opcode_tables() -> _OpcodeTables:
     runs = one_of(fixed.pop(0, [])) + b"*+"
     by_length = b"|".join(re.escape(bytes([n])) + (b".{%d}" % n if n else b"") for n in range(256))
     with_argument = [one_of(codes) + b".{%d}" % n for n, codes in sorted(fixed.items(), key=_by_frequency)]
-    with_argument.append(one_of(len1_ops) + b"(?:" + by_length + b")")
+    if large:  # short strings by their one-byte length: otherwise the Python loop below takes them
+        with_argument.append(one_of(len1_ops) + b"(?:" + by_length + b")")
     unit = runs + b"(?:" + b"|".join(with_argument) + b")"
-    fast = re.compile(b"(?:" + unit * 8 + b")*+(?:" + unit + b")*+" + runs, re.DOTALL)
+    repeated = b"(?:" + unit * 8 + b")*+" if large else b""
+    fast = re.compile(repeated + b"(?:" + unit + b")*+" + runs, re.DOTALL)
     return _OpcodeTables(fast, frozenset(newline_ops), frozenset(len1_ops), frozenset(len4_ops), frozenset(len8_ops))
 
 
@@ -807,8 +816,8 @@ def check_opcodes(data: bytes | memoryview, source: str) -> None:
         CorruptCheckpoint: an unknown opcode, a truncated stream, or one of the above.
     """
     buf = bytes(data) if isinstance(data, memoryview) else data
-    tables = _opcode_tables()
     n = len(buf)
+    tables = _opcode_tables(n >= _SMALL_PICKLE)
     pos = 0
     fast = tables.fast_run.match
     unpack_from = struct.unpack_from

@@ -118,7 +118,8 @@ def _plan(checkpoint: Checkpoint) -> str | _Plan:
             "rank by rank, so its items are not rewritten"
         )
     metadata = load_dcp_metadata(checkpoint.url)
-    if metadata.raw_planner_data is not None and not metadata.planner_data:
+    raw = metadata.raw_planner_data
+    if raw is not None and not (type(raw) is dict and len(metadata.planner_data) == len(raw)):
         return "its .metadata holds a custom planner's data, which could describe the items slim would drop"
     what = {key: training_only(key) for key in metadata.entries}
     dropped = tuple(sorted({w for w in what.values() if w is not None}))

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import subprocess
 import sys
@@ -14,6 +15,7 @@ import pytest
 import torch
 
 from ckptctl.checkpoint import CheckpointState
+from ckptctl.errors import CkptctlError
 from ckptctl.formats.dcp_metadata import METADATA_NAME, parse_dcp_metadata
 from ckptctl.formats.slim_marker import SLIM_MARKER, read_slim_marker
 from ckptctl.layouts import detect
@@ -166,3 +168,26 @@ def test_a_kill_leaves_the_whole_original_or_the_whole_slim_dcp_folder(
         assert tree(run / "step-10") == tree(demo_dir / "dcp" / "step-10")
     else:
         assert_slimmed_like(run / "step-10", demo_dir / "dcp" / "step-10", tmp_path)
+
+
+def test_a_copy_outside_the_kernel_slims_the_same_and_a_truncated_data_file_leaves_the_original(
+    demo_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import ckptctl.layouts.parts.dcp_slim as dcp_slim
+
+    def refused(*args: object) -> int:
+        raise OSError(errno.EXDEV, "not across filesystems")
+
+    monkeypatch.setattr(dcp_slim.os, "copy_file_range", refused)
+    original = demo_dir / "dcp" / "step-10"
+    copied = copy_tree(original, tmp_path / "copied" / "step-10")
+    assert slim_checkpoint(detect(str(copied))[1]) > 0
+    assert_slimmed_like(copied, original, tmp_path)
+
+    cut = copy_tree(original, tmp_path / "cut" / "step-10")
+    data = cut / "__1_0.distcp"
+    os.truncate(data, 100)  # inside its first item, a model one
+    before = tree(cut)
+    with pytest.raises(CkptctlError, match="truncated"):
+        slim_checkpoint(detect(str(cut))[1])
+    assert tree(cut) == before and detect(str(cut))[1].state is not CheckpointState.SLIM

@@ -154,19 +154,32 @@ def _plan(checkpoint: Checkpoint) -> str | _Plan:
 
 
 def _copier(source: str, ranges: list[tuple[int, int]]) -> Callable[[str], None]:
-    """A `SlimRewrite.write` that copies `ranges` of `source` one after another into its target."""
+    """A `SlimRewrite.write` that copies `ranges` of `source` one after another into its target: in the kernel
+    (`copy_file_range`, which a filesystem may serve by sharing extents) where it can, else block by block."""
 
     def write(target: str) -> None:
-        with open(source, "rb") as src, open(target, "xb") as dst:
+        # Unbuffered: the kernel's copy and the writes here move one file position.
+        with open(source, "rb") as src, open(target, "xb", buffering=0) as dst:
+            in_kernel = hasattr(os, "copy_file_range")
             for offset, length in ranges:
-                src.seek(offset)
-                left = length
-                while left:
-                    block = src.read(min(left, _COPY_BLOCK))
-                    if not block:
+                done = 0
+                while done < length:
+                    n = 0
+                    if in_kernel:
+                        try:
+                            n = os.copy_file_range(
+                                src.fileno(), dst.fileno(), min(length - done, _COPY_BLOCK), offset + done
+                            )
+                        except OSError:  # not across these filesystems, or not in this kernel: copy it here
+                            in_kernel = False
+                            continue
+                    else:
+                        src.seek(offset + done)
+                        block = src.read(min(length - done, _COPY_BLOCK))
+                        n = (dst.write(block) or 0) if block else 0
+                    if n == 0:
                         raise CkptctlError(f"{source} ends inside an item it should hold: the file is truncated")
-                    dst.write(block)
-                    left -= len(block)
+                    done += n
             io.count_read(sum(length for _, length in ranges))
 
     return write

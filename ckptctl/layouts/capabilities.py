@@ -219,11 +219,14 @@ class SlimRecipe:
         drop: files dropped, relative to the checkpoint folder (`/` separated).
         dropped: what they held, for people and the JSON report (`optimizer`, `scheduler`, `rng`).
         rewrites: files written anew.
+        shed_bytes: how much smaller the rewritten files are than the files of the same names they replace
+            (a DCP data file keeping only its model items), for the plan's bytes freed.
     """
 
     drop: tuple[str, ...]
     dropped: tuple[str, ...]
     rewrites: tuple[SlimRewrite, ...] = ()
+    shed_bytes: int = 0
 
 
 @runtime_checkable

@@ -294,7 +294,7 @@ def _decide(item: PruneItem, resumed: Mapping[str, str]) -> SlimItem:
         ref,
         slim=True,
         size_bytes=item.size_bytes,
-        freed_bytes=sum(found.drop_sizes.values()),
+        freed_bytes=sum(found.drop_sizes.values()) + found.recipe.shed_bytes,
         dropped=found.recipe.dropped,
         drop_files=found.recipe.drop,
     )

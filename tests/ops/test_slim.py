@@ -20,10 +20,9 @@ from ckptctl.errors import CkptctlError, UnsafePath
 from ckptctl.formats.slim_marker import SLIM_MARKER, read_slim_marker
 from ckptctl.io.trash import TRASH_NAME
 from ckptctl.layouts import detect, open_checkpoint, scan_run
-from ckptctl.layouts.parts.dcp_slim import DCP_REFUSAL
 from ckptctl.layouts.parts.zero_tag.kept_masters import KEPT_MASTERS
 from ckptctl.layouts.slimming import slim_checkpoint
-from ckptctl.ops.convert import convert
+from ckptctl.ops.convert import ConvertOptions, convert
 from ckptctl.ops.prune import prune
 from ckptctl.ops.resume_plan import plan_resume
 from ckptctl.ops.slim import KILL_AT_ENV, RESUME_TARGET, plan_slim, slim
@@ -67,9 +66,9 @@ def states(run: Path) -> dict[str, CheckpointState]:
     return {Path(r.url).name: r.state for r in scan_run(str(run))}
 
 
-def converted(src: Path, dst: Path) -> dict[str, bytes]:
+def converted(src: Path, dst: Path, options: ConvertOptions | None = None) -> dict[str, bytes]:
     """The files `convert --to hf` writes for `src`, by name (the digests' time of writing left out)."""
-    convert(str(src), str(dst))
+    convert(str(src), str(dst), options)
     files = {p.name: p.read_bytes() for p in dst.iterdir()}
     if "ckptctl-digests.json" in files:
         doc = json.loads(files["ckptctl-digests.json"])
@@ -311,14 +310,6 @@ def test_the_manager_keeps_older_steps_slim_with_keep_full_last(tmp_path: Path) 
     with pytest.raises(CkptctlError, match="slim"):
         manager.restore({"model": model}, step=2)
     assert verify_path(str(tmp_path / "run" / "step-2")).ok
-
-
-def test_dcp_checkpoints_are_kept_whole_saying_why(demo_dir: Path, tmp_path: Path) -> None:
-    run = copy_tree(demo_dir / "dcp", tmp_path / "dcp")
-    before = tree(run)
-    report = slim(str(run), grace=NO_GRACE)
-    assert not report.slimmed and tree(run) == before
-    assert report.plan.items[0].reasons == (f"cannot be slimmed safely: {DCP_REFUSAL}",)
 
 
 def test_accelerate_saves_drop_optimizer_and_scheduler_and_convert_the_same(

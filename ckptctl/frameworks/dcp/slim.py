@@ -1,4 +1,5 @@
-"""torch DCP's slimmer (`SLIMMER`): not yet; it says why (`layouts.parts.dcp_slim`)."""
+"""torch DCP's slimmer (`SLIMMER`): the model items kept, rewritten into new data files and a
+new `.metadata` (`layouts.parts.dcp_slim`)."""
 
 from __future__ import annotations
 

@@ -12,12 +12,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from ckptctl.errors import CkptctlError
 from ckptctl.frameworks.dcp.reshard import WRITER
 from ckptctl.layouts import capability, open_checkpoint
 from ckptctl.layouts.capabilities import TRAINING_STATE_SOURCE, TRAINING_STATE_WRITER
 from tests.conftest import build_once
 from tests.ops.same_state import assert_same_state as _assert_same
-from tests.writers.reshard_dcp_proof import DcpReshardProof, prove_dcp_reshard
+from tests.writers.reshard_dcp_proof import DcpReshardProof, VerlToDcpProof, prove_dcp_reshard, prove_verl_to_dcp
+from tests.writers.verl_writer import WrittenVerl
 
 pytestmark = pytest.mark.slow
 
@@ -27,11 +29,18 @@ def dcp_reshard(tmp_path_factory: pytest.TempPathFactory) -> DcpReshardProof:
     return build_once(tmp_path_factory, "dcp-reshard", prove_dcp_reshard)
 
 
+@pytest.fixture(scope="session")
+def verl_to_dcp(tmp_path_factory: pytest.TempPathFactory, verl_run: WrittenVerl) -> VerlToDcpProof:
+    actor = verl_run.step(2) / "actor"
+    return build_once(tmp_path_factory, "verl-to-dcp", lambda root: prove_verl_to_dcp(root, verl_run.base_model, actor))
+
+
 def test_the_dcp_writer_is_registered_with_sources_for_dcp_and_native() -> None:
     assert capability("dcp", TRAINING_STATE_WRITER) is WRITER
     assert WRITER.target == "dcp"
     assert capability("dcp", TRAINING_STATE_SOURCE) is not None
     assert capability("native", TRAINING_STATE_SOURCE) is not None
+    assert capability("verl", TRAINING_STATE_SOURCE) is not None
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
@@ -118,3 +127,55 @@ def test_a_layout_without_a_source_is_refused(tmp_path: Path) -> None:
     checkpoint = open_checkpoint(str(tmp_path / "hf"))
     reason = WRITER.refusal(checkpoint, None)
     assert reason is not None and checkpoint.layout in reason
+
+
+def test_verls_actor_resharded_to_dcp_resumes_on_1_and_2_ranks_as_verl_resumes_it(verl_to_dcp: VerlToDcpProof) -> None:
+    # verl's own load of its 2-rank save, on 2 ranks, is the reference; the DCP output loaded on 2 ranks and on 1
+    # holds the same full state, and one step gives the same losses to the bit (each rank's batch is the same, and
+    # FSDP2's halved gradients of 2 ranks sum to the 1-rank gradient exactly).
+    want = verl_to_dcp.results(2)["verl"]
+    assert want["optim"]["state"] and len(want["optim"]["param_groups"]) == 1
+    for world_size in (1, 2):
+        got = verl_to_dcp.results(world_size)["dcp"]
+        _assert_same(got["model"], want["model"], f"model@{world_size}")
+        _assert_same(got["optim"], want["optim"], f"optim@{world_size}")
+        assert got["losses"] == want["losses"]
+    assert {what for what, _ in verl_to_dcp.written["not_carried"]} == {
+        "extra_state.lr_scheduler",
+        "extra_state.rng",
+        "huggingface/",
+        "data.pt",
+    }
+
+
+def test_a_verl_step_folder_is_refused_naming_its_roles(verl_run: WrittenVerl) -> None:
+    reason = WRITER.refusal(open_checkpoint(str(verl_run.step(2))), None)
+    assert reason is not None and "actor, critic" in reason
+
+
+def test_a_torn_verl_role_is_refused_naming_the_file(verl_run: WrittenVerl, tmp_path: Path) -> None:
+    torn = tmp_path / "actor"
+    shutil.copytree(verl_run.step(2) / "actor", torn)
+    (torn / "optim_world_size_2_rank_1.pt").unlink()
+    reason = WRITER.refusal(open_checkpoint(str(torn)), None)
+    assert reason is not None and str(torn / "optim_world_size_2_rank_1.pt") in reason
+
+
+def test_a_verl_optimizer_that_cannot_be_matched_to_the_model_by_order_is_refused(tmp_path: Path) -> None:
+    from ckptctl.layouts.capabilities import StateTensor
+    from ckptctl.layouts.parts.param_state import name_indexed_state
+
+    def tensor(*shape: int) -> StateTensor:
+        return StateTensor("float32", shape, lambda: None)
+
+    model = [("a.weight", tensor(2, 3)), ("b.weight", tensor(3, 2))]
+    group = {"lr": 1.0, "params": [0, 1]}
+    swapped = {0: {"exp_avg": tensor(3, 2)}, 1: {"exp_avg": tensor(2, 3)}}
+    with pytest.raises(CkptctlError, match="not the model's"):
+        name_indexed_state(model, swapped, [group], "optim.pt", "built")
+    with pytest.raises(CkptctlError, match="2 parameter groups"):
+        name_indexed_state(model, {}, [{"params": [0]}, {"params": [1]}], "optim.pt", "built")
+    with pytest.raises(CkptctlError, match="buffers or tied copies"):
+        name_indexed_state([*model, ("c", tensor(1))], {}, [group], "optim.pt", "built")
+    named, groups = name_indexed_state(model, {0: {"exp_avg": tensor(2, 3), "step": 3}}, [group], "optim.pt", "built")
+    assert list(named) == ["a.weight"] and groups == ({"lr": 1.0, "params": ["a.weight", "b.weight"]},)

@@ -22,7 +22,7 @@ import torch
 
 from tests.writers.dcp_writer import sharded_tiny_net
 
-__all__ = ["CASES", "DcpReshardProof", "prove_dcp_reshard"]
+__all__ = ["CASES", "DcpReshardProof", "VerlToDcpProof", "prove_dcp_reshard", "prove_verl_to_dcp"]
 
 #: Each loaded case: (its name, the folder it loads from, how).
 CASES = (
@@ -92,8 +92,6 @@ def _train_worker(rank: int, world_size: int, rendezvous: str, root: str) -> Non
 
 def _load_worker(rank: int, world_size: int, rendezvous: str, root: str) -> None:
     import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
     from ckptctl import CheckpointManager
 
@@ -107,19 +105,47 @@ def _load_worker(rank: int, world_size: int, rendezvous: str, root: str) -> None
             if how == "native":
                 CheckpointManager(f"{root}/{folder}").restore({"model": model, "optimizer": optimizer}, step=2)
             else:
-                model_sd, optim_sd = get_state_dict(model, optimizer)
-                state = {"model": model_sd, "optim": optim_sd}
-                dcp.load(state, checkpoint_id=f"{root}/{folder}")
-                set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-            full = StateDictOptions(full_state_dict=True, cpu_offload=True)
-            model_sd, optim_sd = get_state_dict(model, optimizer, options=full)
+                _dcp_resume(model, optimizer, f"{root}/{folder}")
+            model_sd, optim_sd = _full_state(model, optimizer)
             losses = _step(model, optimizer, seed=3)
-            results[name] = {"model": dict(model_sd), "optim": optim_sd, "losses": losses}
+            results[name] = {"model": model_sd, "optim": optim_sd, "losses": losses}
         if rank == 0:
             torch.save(results, f"{root}/results-{world_size}.pt")
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def _dcp_resume(model: Any, optimizer: Any, folder: str) -> None:
+    """What an FSDP2 trainer resumes from a DCP folder with: `dcp.load` into `get_state_dict`, `set_state_dict`."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=folder)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+def _full_state(model: Any, optimizer: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The full (gathered) model and optimizer state, copied."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=full)
+    return _copy(model_sd), _copy(optim_sd)
+
+
+def _copy(tree: Any) -> Any:
+    """A full state dict with its tensors copied: on 1 rank `get_state_dict(full_state_dict=True)` hands out the
+    live tensors, which the next step changes."""
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().clone()
+    if isinstance(tree, dict):
+        return {key: _copy(value) for key, value in tree.items()}
+    if isinstance(tree, list):
+        return [_copy(value) for value in tree]
+    return tree
 
 
 def _spawn(worker: Any, root: Path, world_size: int) -> None:
@@ -150,3 +176,85 @@ def prove_dcp_reshard(root: Path) -> DcpReshardProof:
     for world_size in (1, 2):
         _spawn(_load_worker, root, world_size)
     return DcpReshardProof(root, written)
+
+
+# --------------------------------------------------------------------------------------------------
+# verl -> DCP: verl 0.9.1's 2-rank FSDP2 save of the actor, resumed by verl on 2 ranks and, resharded, by
+# dcp.load + set_state_dict on 1 and 2 ranks.
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class VerlToDcpProof:
+    root: Path
+    written: dict[str, Any]
+
+    def results(self, world_size: int) -> dict[str, Any]:
+        return torch.load(self.root / f"verl-results-{world_size}.pt", weights_only=True)  # written by the proof
+
+
+def _actor(base: str, world_size: int) -> tuple[Any, Any, Any]:
+    """The actor as `tests.writers.verl_reshard_proof` builds it, with verl's checkpoint manager."""
+    from tests.writers.verl_reshard_proof import _models
+
+    model, optimizer, _, manager = _models(base, world_size, {"actor": -1, "critic": -1})["actor"]
+    return model, optimizer, manager
+
+
+def _verl_step(model: Any, optimizer: Any) -> tuple[float, float]:
+    ids = torch.randint(3, 128, (2, 8), generator=torch.Generator().manual_seed(99))
+    loss = model(input_ids=ids).logits.float().pow(2).mean()
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    with torch.no_grad():
+        after = model(input_ids=ids).logits.float().pow(2).mean()
+    return float(loss), float(after)
+
+
+def _verl_worker(rank: int, world_size: int, port: int, base: str, source: str, root: str) -> None:
+    import torch.distributed as dist
+
+    from tests.writers.verl_reshard_proof import join_verl_ranks
+
+    join_verl_ranks(rank, world_size, port)
+    try:
+        results: dict[str, Any] = {}
+        for name in ("verl", "dcp") if world_size == 2 else ("dcp",):
+            torch.manual_seed(0)
+            model, optimizer, manager = _actor(base, world_size)
+            if name == "verl":
+                manager.load_checkpoint(source)
+            else:
+                _dcp_resume(model, optimizer, f"{root}/verl-out")
+            model_sd, optim_sd = _full_state(model, optimizer)
+            results[name] = {"model": model_sd, "optim": optim_sd, "losses": _verl_step(model, optimizer)}
+        if rank == 0:
+            torch.save(results, f"{root}/verl-results-{world_size}.pt")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def prove_verl_to_dcp(root: Path, base_model: Path, actor: Path) -> VerlToDcpProof:
+    """Reshard verl's actor folder `actor` into `root/verl-out`, then resume it (the section comment)."""
+    import torch.multiprocessing as mp
+
+    from ckptctl.frameworks.dcp.reshard import WRITER
+    from ckptctl.layouts import open_checkpoint
+    from ckptctl.layouts.capabilities import ReshardRequest
+    from tests.writers.verl_reshard_proof import _free_port
+
+    checkpoint = open_checkpoint(str(actor))
+    assert WRITER.refusal(checkpoint, None) is None
+    os.makedirs(root / "verl-out")
+    state = WRITER.write(ReshardRequest(checkpoint, str(root / "verl-out"), None), lambda _n: None)
+    written = {
+        "files": state.files,
+        "tensors": state.tensors,
+        "not_carried": [(n.what, n.why) for n in state.not_carried],
+    }
+    for world_size in (2, 1):
+        args = (world_size, _free_port(), str(base_model), str(actor), str(root))
+        mp.spawn(_verl_worker, args=args, nprocs=world_size)
+    return VerlToDcpProof(root, written)

@@ -14,14 +14,14 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ckptctl import io
-from ckptctl.checkpoint import Checkpoint, Component, TensorEntry
+from ckptctl.checkpoint import Checkpoint, Component
 from ckptctl.errors import CkptctlError, CorruptCheckpoint
-from ckptctl.formats.chunks import read_tensor
 from ckptctl.formats.dcp_metadata import DcpBytesItem, DcpMetadata
 from ckptctl.formats.torch_save import read_object_archive
 from ckptctl.layouts.capabilities import NotCarried, ParamState, StateTensor
 from ckptctl.layouts.parts.dcp_folder import index_from_metadata
 from ckptctl.layouts.parts.dcp_folder_metadata import load_dcp_metadata
+from ckptctl.layouts.parts.param_state import stored_tensor
 
 __all__ = ["dcp_param_state"]
 
@@ -81,11 +81,11 @@ def dcp_param_state(
         if path is None or path[0] not in (model_key, optimizer_key):
             continue
         if path[0] == model_key and len(path) == 2 and key in entries:
-            model.append((str(path[1]), _lazy(checkpoint.url, entries[key])))
+            model.append((str(path[1]), stored_tensor(checkpoint.url, entries[key])))
         elif path[0] == model_key:
             skipped.append(key)
         elif len(path) == 4 and path[1] == "state" and isinstance(path[2], str) and isinstance(path[3], str):
-            value = _lazy(checkpoint.url, entries[key]) if key in entries else _number(url, metadata, key)
+            value = stored_tensor(checkpoint.url, entries[key]) if key in entries else _number(url, metadata, key)
             optimizer.setdefault(path[2], {})[path[3]] = value
         elif len(path) == 4 and path[1] == "param_groups" and isinstance(path[2], int) and isinstance(path[3], str):
             groups.setdefault(path[2], {})[path[3]] = _item(url, metadata, key)
@@ -119,13 +119,6 @@ def dcp_param_state(
 
 
 _KEYED_HINT = "only optimizers saved by get_optimizer_state_dict (keyed by parameter name) are read"
-
-
-def _lazy(checkpoint_url: str, entry: TensorEntry) -> StateTensor:
-    def read() -> Any:
-        return read_tensor(checkpoint_url, entry)
-
-    return StateTensor(entry.dtype, entry.shape, read)
 
 
 def _item(url: str, metadata: DcpMetadata, key: str) -> Any:

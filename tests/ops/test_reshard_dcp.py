@@ -179,3 +179,34 @@ def test_a_verl_optimizer_that_cannot_be_matched_to_the_model_by_order_is_refuse
         name_indexed_state([*model, ("c", tensor(1))], {}, [group], "optim.pt", "built")
     named, groups = name_indexed_state(model, {0: {"exp_avg": tensor(2, 3), "step": 3}}, [group], "optim.pt", "built")
     assert list(named) == ["a.weight"] and groups == ({"lr": 1.0, "params": ["a.weight", "b.weight"]},)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_rows_split_over_files_load_the_same(
+    dcp_reshard: DcpReshardProof, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # One parameter row (the parameter, its moments and step) per data file: memory holds one row at a time, and
+    # dcp.load reads the same state as from the one-file output.
+    import torch.distributed.checkpoint as dcp
+
+    from ckptctl.frameworks.dcp import reshard
+    from ckptctl.layouts.capabilities import ReshardRequest
+
+    monkeypatch.setattr(reshard, "FILE_BYTES", 1)
+    advanced: list[int] = []
+    state = WRITER.write(
+        ReshardRequest(open_checkpoint(str(dcp_reshard.root / "dcp")), str(tmp_path), None), advanced.append
+    )
+    model_rows = 9  # TinyNet's 8 parameters and its buffer
+    assert state.files == (*(f"__0_{k}.distcp" for k in range(model_rows)), ".metadata")
+    assert sum(advanced) == state.bytes and len(advanced) == model_rows
+    reader = dcp.FileSystemReader(str(dcp_reshard.root / "out-dcp"))
+    want = {
+        key: torch.zeros(item.size, dtype=item.properties.dtype)
+        for key, item in reader.read_metadata().state_dict_metadata.items()
+        if hasattr(item, "size")
+    }
+    got = {key: torch.zeros_like(value) for key, value in want.items()}
+    dcp.load(want, checkpoint_id=str(dcp_reshard.root / "out-dcp"), no_dist=True)
+    dcp.load(got, checkpoint_id=str(tmp_path), no_dist=True)
+    _assert_same(got, want, "state")

@@ -30,7 +30,7 @@ from ckptctl.layouts.capabilities import (
 __all__ = ["WRITER", "DcpStateWriter"]
 
 #: The tensor bytes one data file holds at most, unless one parameter's row alone is larger.
-FILE_BYTES = 256 << 20
+FILE_BYTES = 64 << 20
 _MODEL, _OPTIM = "model", "optim"
 _RESUME_HINT = (
     'msd, osd = get_state_dict(model, optimizer); state = {"model": msd, "optim": osd}; '

@@ -31,6 +31,7 @@ from ckptctl.layouts.capabilities import (
     CONVERT_SOURCE,
     POINTER_WRITER,
     SLIMMER,
+    TRAINING_STATE_SOURCE,
     TRAINING_STATE_WRITER,
     Slot,
     TrainingStateWriter,
@@ -107,17 +108,18 @@ CONVERT: Final[dict[Slot[Any], str]] = {CONVERT_SOURCE: "convert:SOURCE"}
 REPAIR: Final[dict[Slot[Any], str]] = {POINTER_WRITER: "repair:POINTER_WRITER"}
 RESHARD: Final[dict[Slot[Any], str]] = {TRAINING_STATE_WRITER: "reshard:WRITER"}
 SLIM: Final[dict[Slot[Any], str]] = {SLIMMER: "slim:SLIMMER"}
+STATE: Final[dict[Slot[Any], str]] = {TRAINING_STATE_SOURCE: "state:SOURCE"}
 
 _REGISTRY: tuple[Plugin, ...] = (
-    Plugin("native", "ckptctl.frameworks.native", "layout:NativeLayout", CONVERT | REPAIR | SLIM),
-    Plugin("verl", "ckptctl.frameworks.verl", "layout:VerlLayout", CONVERT | REPAIR | RESHARD | SLIM),
+    Plugin("native", "ckptctl.frameworks.native", "layout:NativeLayout", CONVERT | REPAIR | SLIM | STATE),
+    Plugin("verl", "ckptctl.frameworks.verl", "layout:VerlLayout", CONVERT | REPAIR | RESHARD | SLIM | STATE),
     Plugin("bytecheckpoint", "ckptctl.frameworks.bytecheckpoint", "layout:BytecheckpointLayout"),
     Plugin("areal", "ckptctl.frameworks.areal", "layout:ArealLayout", CONVERT | REPAIR),
     Plugin("roll", "ckptctl.frameworks.roll", "layout:RollLayout"),
     Plugin("lightning", "ckptctl.frameworks.lightning", "layout:LightningLayout", CONVERT | REPAIR),
     Plugin("megatron", "ckptctl.frameworks.megatron", "layout:MegatronLayout", CONVERT | REPAIR | SLIM),
     Plugin("torchtitan", "ckptctl.frameworks.torchtitan", "layout:TorchtitanLayout", CONVERT | REPAIR | SLIM),
-    Plugin("dcp", "ckptctl.frameworks.dcp", "layout:DcpLayout", SLIM),
+    Plugin("dcp", "ckptctl.frameworks.dcp", "layout:DcpLayout", RESHARD | SLIM | STATE),
     Plugin("hf_trainer", "ckptctl.frameworks.hf_trainer", "layout:HfTrainerLayout", CONVERT | REPAIR | SLIM),
     Plugin("accelerate", "ckptctl.frameworks.accelerate", "layout:AccelerateLayout", CONVERT | SLIM),
     Plugin("openrlhf", "ckptctl.frameworks.openrlhf", "layout:OpenRlhfLayout", CONVERT | REPAIR | SLIM),

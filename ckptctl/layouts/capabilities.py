@@ -9,7 +9,10 @@ implementations. `ops/` asks `capability(layout, SLOT)` and never names a framew
 - `CONVERT_SOURCE` (`ConvertSource`): the model `convert` (and `diff`) read from a framework's checkpoints
   beyond their tensor index: master weights, name maps, the model spec, config;
 - `SLIMMER` (`Slimmer`): what of its checkpoints `slim` drops (training-only state) and writes instead;
-- `TRAINING_STATE_WRITER`, `POINTER_WRITER`: the slots `reshard` and `repair` fill.
+- `TRAINING_STATE_WRITER`, `POINTER_WRITER`: the slots `reshard` and `repair` fill;
+- `TRAINING_STATE_SOURCE` (`TrainingStateSource`): a framework's training state parameter by parameter, which a
+  writer of another framework's state reads (`reshard --to dcp` of a native or DeepSpeed state): plugins never
+  import each other, so the writer asks `capability(source.layout, TRAINING_STATE_SOURCE)`.
 
 A capability is typed by its slot: `capability(layout, CONVERT_SOURCE)` is a `ConvertSource` or None.
 """
@@ -22,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
 from ckptctl import io
-from ckptctl.checkpoint import Checkpoint, Problem, TensorEntry
+from ckptctl.checkpoint import Checkpoint, Problem, TensorEntry, dtype_itemsize
 from ckptctl.layouts.naming import NameStripper
 from ckptctl.layouts.parts.value_head import HeadTask
 
@@ -31,6 +34,7 @@ __all__ = [
     "NO_NAME_MAP",
     "POINTER_WRITER",
     "SLIMMER",
+    "TRAINING_STATE_SOURCE",
     "TRAINING_STATE_WRITER",
     "Adapter",
     "ConvertSource",
@@ -42,6 +46,7 @@ __all__ = [
     "ModelTensors",
     "NameMap",
     "NotCarried",
+    "ParamState",
     "Pointer",
     "PointerWriter",
     "ReshardRequest",
@@ -49,6 +54,8 @@ __all__ = [
     "SlimRewrite",
     "Slimmer",
     "Slot",
+    "StateTensor",
+    "TrainingStateSource",
     "TrainingStateWriter",
     "WrittenState",
     "default_config_folders",
@@ -145,6 +152,65 @@ class TrainingStateWriter(Protocol):
     def write(self, request: ReshardRequest, advance: Callable[[int], None]) -> WrittenState:
         """Writes the state into `request.staging`, one parameter at a time, calling `advance(n)` after each
         `n` bytes written. Raises `CkptctlError` on a source it finds torn while reading."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class StateTensor:
+    """One full tensor of a training state, read when asked (`ParamState`).
+
+    Attributes:
+        dtype: torch-style dtype name of what `read` returns.
+        shape: its full (unsharded) shape.
+        read: returns the full tensor (a CPU torch tensor), assembled from the checkpoint's bytes.
+    """
+
+    dtype: str
+    shape: tuple[int, ...]
+    read: Callable[[], Any] = field(repr=False, compare=False)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * dtype_itemsize(self.dtype)
+
+
+@dataclass(frozen=True, slots=True)
+class ParamState:
+    """A framework's resumable training state, as a writer of another framework's state reads it
+    (`TrainingStateSource`), no tensor read until asked.
+
+    Attributes:
+        model: the model's state dict in its order (parameters and persistent buffers), named as the model's
+            own `state_dict()` names them (the framework's namespace and wrappers removed); a parameter is
+            the full-precision master where the framework keeps one, else the model weight.
+        optimizer: parameter name -> that parameter's optimizer state as torch's optimizer holds it
+            (`exp_avg`, `exp_avg_sq`, `step` for Adam/AdamW): a tensor, or a plain number.
+        param_groups: the optimizer's parameter groups in order: their hyperparameters as saved, `params` the
+            names of their parameters (as `get_optimizer_state_dict` gives them).
+        not_carried: what of the source this state leaves out (RNG, data-loader position, scheduler), and why.
+    """
+
+    model: tuple[tuple[str, StateTensor], ...]
+    optimizer: Mapping[str, Mapping[str, StateTensor | int | float]]
+    param_groups: tuple[Mapping[str, Any], ...]
+    not_carried: tuple[NotCarried, ...] = ()
+
+
+class TrainingStateSource(Protocol):
+    """A framework's training state, parameter by parameter, for a writer of another framework's state
+    (`reshard --to dcp`)."""
+
+    def __call__(self, checkpoint: Checkpoint) -> ParamState:
+        """The state of `checkpoint` (a checkpoint of this framework's layout). Reads metadata only.
+
+        Raises:
+            CkptctlError: the checkpoint holds no state this source can name parameter by parameter (with why:
+                an optimizer keyed by index that no record maps to names), or it is torn (naming the file).
+        """
         ...
 
 
@@ -352,6 +418,7 @@ class ConvertSource:
 #: The capabilities a plugin may provide, by slot.
 CONVERT_SOURCE: Slot[ConvertSource] = Slot("convert source")
 TRAINING_STATE_WRITER: Slot[TrainingStateWriter] = Slot("training-state writer")
+TRAINING_STATE_SOURCE: Slot[TrainingStateSource] = Slot("training-state source")
 POINTER_WRITER: Slot[PointerWriter] = Slot("pointer writer")
 SLIMMER: Slot[Slimmer] = Slot("slimmer")
 

@@ -23,6 +23,7 @@ from ckptctl.frameworks.verl.reshard import WRITER
 from ckptctl.layouts import capability, open_checkpoint
 from ckptctl.layouts.capabilities import TRAINING_STATE_WRITER
 from tests.conftest import CliResult, build_once
+from tests.ops.same_state import assert_same_state as _assert_same
 from tests.writers.verl_reshard_proof import ROLES, VerlReshardProof, prove_verl_reshard
 from tests.writers.verl_writer import WrittenVerl
 
@@ -38,21 +39,6 @@ def verl_reshard(tmp_path_factory: pytest.TempPathFactory, verl_run: WrittenVerl
 
 def _load(path: Path) -> Any:
     return torch.load(path, weights_only=False)  # written by the proof's own ranks, not a user file
-
-
-def _assert_same(got: Any, want: Any, where: str) -> None:
-    if isinstance(want, torch.Tensor):
-        assert isinstance(got, torch.Tensor) and got.dtype == want.dtype and torch.equal(got, want), where
-    elif isinstance(want, dict):
-        assert isinstance(got, dict) and list(got) == list(want), where
-        for key in want:
-            _assert_same(got[key], want[key], f"{where}.{key}")
-    elif isinstance(want, list | tuple):
-        assert type(got) is type(want) and len(got) == len(want), where
-        for i, (g, w) in enumerate(zip(got, want, strict=True)):
-            _assert_same(g, w, f"{where}[{i}]")
-    else:
-        assert got == want, where
 
 
 @pytest.mark.parametrize(("loaded", "source"), [("loaded_1", "source_2"), ("loaded_2", "source_1")])

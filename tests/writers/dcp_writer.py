@@ -23,7 +23,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["WrittenDcp", "flatten", "sample_state_dict", "write_fsdp_dcp", "write_single_process_dcp"]
+__all__ = [
+    "WrittenDcp",
+    "flatten",
+    "sample_state_dict",
+    "sharded_tiny_net",
+    "write_fsdp_dcp",
+    "write_single_process_dcp",
+]
 
 
 @dataclass(frozen=True)
@@ -68,6 +75,21 @@ class TinyNet(torch.nn.Module):
         return self.head(h) * torch.sigmoid(self.gate(h))
 
 
+def sharded_tiny_net(world_size: int) -> TinyNet:
+    """A `TinyNet` (seeded) sharded with FSDP2 over `world_size` CPU ranks, each linear layer and the embedding a
+    unit of its own (the process group is up)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = TinyNet()
+    mesh = init_device_mesh("cpu", (world_size,))
+    for module in (model.embed, model.l1, model.head, model.gate):
+        fully_shard(module, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
 def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     """Flatten nested dicts (and lists of dicts) into dotted keys, as DCP's default planner does."""
     out: dict[str, Any] = {}
@@ -94,19 +116,12 @@ def _fsdp_worker(rank: int, world_size: int, rendezvous: str, path: str, referen
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world_size)
     try:
-        torch.manual_seed(0)
-        model = TinyNet()
-        mesh = init_device_mesh("cpu", (world_size,))
-        for module in (model.embed, model.l1, model.head, model.gate):
-            fully_shard(module, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+        model = sharded_tiny_net(world_size)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
         torch.manual_seed(1 + rank)
         model(torch.randint(0, 11, (4, 3))).sum().backward()

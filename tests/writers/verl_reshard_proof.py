@@ -31,7 +31,7 @@ from ckptctl.layouts import open_checkpoint
 from ckptctl.layouts.capabilities import ReshardRequest, WrittenState
 from tests.writers.verl_writer import STEPS, WrittenVerl, _import_verl
 
-__all__ = ["FSDP_SIZES", "VerlReshardProof", "prove_verl_reshard"]
+__all__ = ["FSDP_SIZES", "VerlReshardProof", "join_verl_ranks", "prove_verl_reshard"]
 
 ROLES = ("actor", "critic")
 #: The fsdp_size of each role on the loading side, by its world size and where its files come from: the
@@ -117,9 +117,12 @@ def _record(models: dict[str, tuple[Any, Any, Any, Any]], out: Path, label: str,
     torch.save(torch.get_rng_state(), out / f"{label}_rng_rank{rank}.pt")
 
 
-def _rank(rank: int, world: int, port: int, base: str, out: str, jobs: list[tuple[str, str, str]]) -> None:
-    """Each job: (label, what, folder): `train` trains and saves a real verl run into folder; `load` loads the
-    step folder's roles with verl; either records the full state under label."""
+def join_verl_ranks(rank: int, world: int, port: int) -> None:
+    """This spawned process joins a gloo group of `world` CPU ranks as verl's workers do (torchrun's variables),
+    with verl imported."""
+    import torch
+    import torch.distributed as dist
+
     os.environ.update(
         RANK=str(rank),
         LOCAL_RANK=str(rank),
@@ -130,12 +133,18 @@ def _rank(rank: int, world: int, port: int, base: str, out: str, jobs: list[tupl
         VERL_LOGGING_LEVEL="WARNING",
     )
     warnings.filterwarnings("ignore")
-    import torch
-    import torch.distributed as dist
-
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     _import_verl()
+
+
+def _rank(rank: int, world: int, port: int, base: str, out: str, jobs: list[tuple[str, str, str]]) -> None:
+    """Each job: (label, what, folder): `train` trains and saves a real verl run into folder; `load` loads the
+    step folder's roles with verl; either records the full state under label."""
+    import torch
+    import torch.distributed as dist
+
+    join_verl_ranks(rank, world, port)
     for label, what, folder in jobs:
         torch.manual_seed(0)
         if what == "train":  # tests.writers.verl_writer's steps, saved by verl at the last one

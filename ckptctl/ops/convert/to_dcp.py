@@ -15,13 +15,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-import queue
 from collections.abc import Mapping
 from typing import Any
 
 from ckptctl import io
 from ckptctl.checkpoint import ProblemKind
 from ckptctl.errors import CorruptCheckpoint
+from ckptctl.formats.dcp_writer import data_file_writer
 from ckptctl.formats.digest import file_digest
 from ckptctl.formats.manifest import FileRecord
 from ckptctl.formats.safetensors_stream import plan_shards
@@ -91,7 +91,7 @@ def write_dcp(
             ]
             for name, (results, _, _) in zip(names, found, strict=True)
         ]
-        _data_file_writer(out, "").finish(metadata, records)
+        data_file_writer(out, "").finish(metadata, records)
         # Files absent here were written by other ranks into staging folders of their own (an upload).
         elsewhere = {
             name: record.size
@@ -124,34 +124,9 @@ def _write_file(
         planner = DefaultSavePlanner()
         planner.set_up_planner({DCP_NAMESPACE: state}, None, True)
         file_plan = SavePlan([items[f"{DCP_NAMESPACE}.{p.name}"] for p in members])
-        results = _data_file_writer(out, name).write_data(file_plan, planner).value()
+        results = data_file_writer(out, name).write_data(file_plan, planner).value()
         state.clear()
     return results, assembled
-
-
-def _data_file_writer(path: str, name: str) -> Any:
-    """torch's `FileSystemWriter` of the DCP folder `path` that writes a plan into the data file `name`."""
-    from torch.distributed.checkpoint.filesystem import FileSystemWriter
-
-    class DataFileWriter(FileSystemWriter):
-        """torch's writer of a DCP folder, writing the items of a plan into the one data file `name`
-        (torch names a rank's files `__{rank}_{n}` from 0 on each call), and a `.metadata` without the
-        save's random id and staging path (`storage_meta`, which no loader needs), so that the same
-        conversion gives the same bytes."""
-
-        def __init__(self, path: str, name: str) -> None:
-            super().__init__(path, single_file_per_rank=True, sync_files=True, thread_count=1)
-            self.name = name
-
-        def write_data(self, plan: Any, planner: Any) -> Any:
-            files: queue.Queue[tuple[Any, str, list[Any]]] = queue.Queue()
-            files.put((self.fs.concat_path(self.path, self.name), self.name, plan.items))
-            return self._write_data(planner, files)
-
-        def storage_meta(self) -> None:
-            return None
-
-    return DataFileWriter(path, name)
 
 
 def _mapped_tensor(checkpoint_url: str, planned: Planned, maps: dict[str, Any], stack: contextlib.ExitStack) -> Any:

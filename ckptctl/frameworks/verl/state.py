@@ -1,0 +1,97 @@
+"""The training state of a verl role folder (`actor/`, `critic/` of a `global_step_N`), parameter by parameter
+(`TrainingStateSource`): what `reshard --to dcp` reads.
+
+verl 0.9.1 saves, per rank, `model.state_dict()` (DTensors, named as the model names its tensors) and
+`optimizer.state_dict()`: torch's own, keyed by parameter index, of an optimizer `build_optimizer` makes from
+`module.parameters()` in one group (verl/workers/config/optimizer.py), so the index order is the model's
+parameter order; `layouts.parts.indexed_optimizer` takes it only where the checkpoint proves it. The full
+tensors come from the role's tensor index (every rank's shard placed by its DTensor placements).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ckptctl import io
+from ckptctl.checkpoint import Checkpoint, TensorEntry
+from ckptctl.errors import CkptctlError, CorruptCheckpoint
+from ckptctl.formats.dtensor import state_tensors
+from ckptctl.formats.dtensor_classes import DTENSOR_PICKLE_GLOBALS, DTensorRef
+from ckptctl.formats.torch_pickle import open_torch_pickle
+from ckptctl.formats.torch_pickle_classes import TensorRef
+from ckptctl.frameworks.verl.reshard import _fsdp_config, _rank_file, _source_roles, _torn
+from ckptctl.layouts.capabilities import NotCarried, ParamState, StateTensor
+from ckptctl.layouts.parts.param_state import name_indexed_state, stored_tensor
+
+__all__ = ["SOURCE"]
+
+_BUILT = "verl builds its optimizer from module.parameters()"
+
+
+def SOURCE(checkpoint: Checkpoint) -> ParamState:
+    _, roles = _source_roles(checkpoint)
+    if len(roles) != 1:
+        names = ", ".join(role.facts.name for role in roles) or "none"
+        raise CkptctlError(
+            f"{checkpoint.url}: a verl step folder holds {len(roles)} roles ({names}); a DCP state holds one model",
+            "reshard one role folder of it (its actor/ folder)",
+        )
+    role = roles[0]
+    torn = _torn(role)
+    if torn is not None:
+        raise CorruptCheckpoint(torn, "reshard a whole save")
+    if _fsdp_config(role).get("FSDP_version") != 2:
+        raise CkptctlError(f"{role.url}: only verl's FSDP2 saves are read (fsdp_config.json FSDP_version 2)")
+    index = {entry.name: entry for entry in checkpoint.tensor_index()}
+    model_file = io.join(role.url, _rank_file("model", role.world, 0))
+    model_root = open_torch_pickle(model_file, role.facts.files.get(io.name_of(model_file)), DTENSOR_PICKLE_GLOBALS)
+    model = [
+        (path, stored_tensor(checkpoint.url, _entry(index, path, model_file)))
+        for path, _ in state_tensors(model_root.root)
+    ]
+    optim_file = io.join(role.url, _rank_file("optim", role.world, 0))
+    root = open_torch_pickle(optim_file, role.facts.files.get(io.name_of(optim_file)), DTENSOR_PICKLE_GLOBALS).root
+    if (
+        not isinstance(root, dict)
+        or not isinstance(root.get("state"), dict)
+        or not isinstance(root.get("param_groups"), list)
+    ):
+        raise CkptctlError(f"{optim_file}: not a torch optimizer's state_dict ({{state, param_groups}})")
+    state: dict[int, dict[str, StateTensor | int | float]] = {}
+    for number, per_param in root["state"].items():
+        if type(number) is not int or not isinstance(per_param, dict):
+            raise CkptctlError(f"{optim_file}: optimizer state keyed by {number!r}, not by parameter index")
+        state[number] = {
+            str(key): _value(checkpoint.url, index, f"optimizer.state.{number}.{key}", value, optim_file)
+            for key, value in per_param.items()
+        }
+    groups = [group for group in root["param_groups"] if isinstance(group, dict)]
+    optimizer, param_groups = name_indexed_state(model, state, groups, optim_file, _BUILT)
+    extra = io.join(role.url, _rank_file("extra_state", role.world, 0))
+    not_carried = (
+        NotCarried(
+            "extra_state.lr_scheduler",
+            f"verl's LR scheduler state is no part of get_state_dict's: load it from the source's {io.name_of(extra)}",
+        ),
+        NotCarried("extra_state.rng", "RNG streams of the source's ranks; the resuming run seeds its own"),
+        NotCarried("huggingface/", "the model's config and tokenizer: copy the folder beside the output"),
+        NotCarried("data.pt", "verl's data-loader position, in the step folder beside the roles: load it from there"),
+    )
+    return ParamState(tuple(model), optimizer, param_groups, not_carried)
+
+
+def _entry(index: dict[str, TensorEntry], name: str, where: str) -> TensorEntry:
+    entry = index.get(name)
+    if entry is None:
+        raise CorruptCheckpoint(f"{where}: {name} is not in the role's tensor index")
+    return entry
+
+
+def _value(
+    checkpoint_url: str, index: dict[str, TensorEntry], name: str, value: Any, where: str
+) -> StateTensor | int | float:
+    if isinstance(value, TensorRef | DTensorRef):
+        return stored_tensor(checkpoint_url, _entry(index, name, where))
+    if type(value) in (int, float):
+        return value
+    raise CkptctlError(f"{where}: optimizer state {name} is a {type(value).__name__}, not a tensor or a number")

@@ -1,0 +1,260 @@
+"""The proof of `reshard --to dcp` (`ckptctl.frameworks.dcp.reshard.WRITER`), on gloo CPU ranks.
+
+1. 2 ranks train an FSDP2 model with AdamW (two parameter groups: decay and no decay, as trainers build them)
+   for two steps and save, each by its own framework's code: `dcp.save` of `get_state_dict` (`dcp/`, with a
+   `trainer_state` beside it) and ckptctl's `CheckpointManager` (`native/step-2`, with an LR scheduler).
+2. This process reshards both into DCP folders (`out-dcp/`, `out-native/`) with the writer.
+3. On 1 and on 2 ranks, fresh models load each source by its own resume (`dcp.load` + `set_state_dict`;
+   `CheckpointManager.restore`) and each output by `dcp.load` + `set_state_dict`, gather their full state
+   (`full_state_dict=True`) and take one training step on the same batch: `results-{W}.pt` holds, per case,
+   the state and the step's losses (before and after the step).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tests.writers.dcp_writer import sharded_tiny_net
+
+__all__ = ["CASES", "DcpReshardProof", "VerlToDcpProof", "prove_dcp_reshard", "prove_verl_to_dcp"]
+
+#: Each loaded case: (its name, the folder it loads from, how).
+CASES = (
+    ("source-dcp", "dcp", "dcp"),
+    ("resharded-dcp", "out-dcp", "dcp"),
+    ("source-native", "native", "native"),
+    ("resharded-native", "out-native", "dcp"),
+)
+
+
+@dataclass(frozen=True)
+class DcpReshardProof:
+    root: Path
+    written: dict[str, Any]
+
+    def results(self, world_size: int) -> dict[str, Any]:
+        return torch.load(self.root / f"results-{world_size}.pt", weights_only=True)  # written by the proof
+
+
+def _model_and_optimizer(world_size: int) -> tuple[Any, Any]:
+    model = sharded_tiny_net(world_size)
+    decay = [p for n, p in model.named_parameters() if n.endswith("weight") and "norm" not in n]
+    rest = [p for n, p in model.named_parameters() if not (n.endswith("weight") and "norm" not in n)]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}], lr=1e-2, betas=(0.8, 0.95)
+    )
+    return model, optimizer
+
+
+def _step(model: Any, optimizer: Any, seed: int) -> tuple[float, float]:
+    """One training step on a batch fixed by `seed` (the same on every rank): the loss before and after it."""
+    generator = torch.Generator().manual_seed(seed)
+    batch = torch.randint(0, 11, (4, 3), generator=generator)
+    loss = model(batch).square().mean()
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    with torch.no_grad():
+        after = model(batch).square().mean()
+    return float(loss), float(after)
+
+
+def _train_worker(rank: int, world_size: int, rendezvous: str, root: str) -> None:
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from ckptctl import CheckpointManager
+
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world_size)
+    try:
+        model, optimizer = _model_and_optimizer(world_size)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+        for seed in (1, 2):
+            _step(model, optimizer, seed)
+            scheduler.step()
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        dcp.save({"model": model_sd, "optim": optim_sd, "trainer_state": {"step": 2}}, checkpoint_id=f"{root}/dcp")
+        manager = CheckpointManager(f"{root}/native")
+        manager.save(2, {"model": model, "optimizer": optimizer, "scheduler": scheduler})
+        manager.close()
+    finally:
+        dist.destroy_process_group()
+
+
+def _load_worker(rank: int, world_size: int, rendezvous: str, root: str) -> None:
+    import torch.distributed as dist
+
+    from ckptctl import CheckpointManager
+
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world_size)
+    try:
+        results: dict[str, Any] = {}
+        for name, folder, how in CASES:
+            model, optimizer = _model_and_optimizer(world_size)
+            if how == "native":
+                CheckpointManager(f"{root}/{folder}").restore({"model": model, "optimizer": optimizer}, step=2)
+            else:
+                _dcp_resume(model, optimizer, f"{root}/{folder}")
+            model_sd, optim_sd = _full_state(model, optimizer)
+            losses = _step(model, optimizer, seed=3)
+            results[name] = {"model": model_sd, "optim": optim_sd, "losses": losses}
+        if rank == 0:
+            torch.save(results, f"{root}/results-{world_size}.pt")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _dcp_resume(model: Any, optimizer: Any, folder: str) -> None:
+    """What an FSDP2 trainer resumes from a DCP folder with: `dcp.load` into `get_state_dict`, `set_state_dict`."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=folder)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+def _full_state(model: Any, optimizer: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The full (gathered) model and optimizer state, copied."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=full)
+    return _copy(model_sd), _copy(optim_sd)
+
+
+def _copy(tree: Any) -> Any:
+    """A full state dict with its tensors copied: on 1 rank `get_state_dict(full_state_dict=True)` hands out the
+    live tensors, which the next step changes."""
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().clone()
+    if isinstance(tree, dict):
+        return {key: _copy(value) for key, value in tree.items()}
+    if isinstance(tree, list):
+        return [_copy(value) for value in tree]
+    return tree
+
+
+def _spawn(worker: Any, root: Path, world_size: int) -> None:
+    import torch.multiprocessing as mp
+
+    rendezvous = root / f".rendezvous-{worker.__name__}-{world_size}"
+    rendezvous.unlink(missing_ok=True)
+    mp.spawn(worker, args=(world_size, str(rendezvous), str(root)), nprocs=world_size)
+
+
+def prove_dcp_reshard(root: Path) -> DcpReshardProof:
+    from ckptctl.frameworks.dcp.reshard import WRITER
+    from ckptctl.layouts import open_checkpoint
+    from ckptctl.layouts.capabilities import ReshardRequest
+
+    _spawn(_train_worker, root, 2)
+    written: dict[str, Any] = {}
+    for source, out in (("dcp", "out-dcp"), ("native/step-2", "out-native")):
+        checkpoint = open_checkpoint(str(root / source))
+        assert WRITER.refusal(checkpoint, None) is None
+        os.makedirs(root / out)
+        state = WRITER.write(ReshardRequest(checkpoint, str(root / out), None), lambda _n: None)
+        written[source] = {
+            "files": state.files,
+            "tensors": state.tensors,
+            "not_carried": [(n.what, n.why) for n in state.not_carried],
+        }
+    for world_size in (1, 2):
+        _spawn(_load_worker, root, world_size)
+    return DcpReshardProof(root, written)
+
+
+# --------------------------------------------------------------------------------------------------
+# verl -> DCP: verl 0.9.1's 2-rank FSDP2 save of the actor, resumed by verl on 2 ranks and, resharded, by
+# dcp.load + set_state_dict on 1 and 2 ranks.
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class VerlToDcpProof:
+    root: Path
+    written: dict[str, Any]
+
+    def results(self, world_size: int) -> dict[str, Any]:
+        return torch.load(self.root / f"verl-results-{world_size}.pt", weights_only=True)  # written by the proof
+
+
+def _actor(base: str, world_size: int) -> tuple[Any, Any, Any]:
+    """The actor as `tests.writers.verl_reshard_proof` builds it, with verl's checkpoint manager."""
+    from tests.writers.verl_reshard_proof import _models
+
+    model, optimizer, _, manager = _models(base, world_size, {"actor": -1, "critic": -1})["actor"]
+    return model, optimizer, manager
+
+
+def _verl_step(model: Any, optimizer: Any) -> tuple[float, float]:
+    ids = torch.randint(3, 128, (2, 8), generator=torch.Generator().manual_seed(99))
+    loss = model(input_ids=ids).logits.float().pow(2).mean()
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    with torch.no_grad():
+        after = model(input_ids=ids).logits.float().pow(2).mean()
+    return float(loss), float(after)
+
+
+def _verl_worker(rank: int, world_size: int, port: int, base: str, source: str, root: str) -> None:
+    import torch.distributed as dist
+
+    from tests.writers.verl_reshard_proof import join_verl_ranks
+
+    join_verl_ranks(rank, world_size, port)
+    try:
+        results: dict[str, Any] = {}
+        for name in ("verl", "dcp") if world_size == 2 else ("dcp",):
+            torch.manual_seed(0)
+            model, optimizer, manager = _actor(base, world_size)
+            if name == "verl":
+                manager.load_checkpoint(source)
+            else:
+                _dcp_resume(model, optimizer, f"{root}/verl-out")
+            model_sd, optim_sd = _full_state(model, optimizer)
+            results[name] = {"model": model_sd, "optim": optim_sd, "losses": _verl_step(model, optimizer)}
+        if rank == 0:
+            torch.save(results, f"{root}/verl-results-{world_size}.pt")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def prove_verl_to_dcp(root: Path, base_model: Path, actor: Path) -> VerlToDcpProof:
+    """Reshard verl's actor folder `actor` into `root/verl-out`, then resume it (the section comment)."""
+    import torch.multiprocessing as mp
+
+    from ckptctl.frameworks.dcp.reshard import WRITER
+    from ckptctl.layouts import open_checkpoint
+    from ckptctl.layouts.capabilities import ReshardRequest
+    from tests.writers.verl_reshard_proof import _free_port
+
+    checkpoint = open_checkpoint(str(actor))
+    assert WRITER.refusal(checkpoint, None) is None
+    os.makedirs(root / "verl-out")
+    state = WRITER.write(ReshardRequest(checkpoint, str(root / "verl-out"), None), lambda _n: None)
+    written = {
+        "files": state.files,
+        "tensors": state.tensors,
+        "not_carried": [(n.what, n.why) for n in state.not_carried],
+    }
+    for world_size in (2, 1):
+        args = (world_size, _free_port(), str(base_model), str(actor), str(root))
+        mp.spawn(_verl_worker, args=args, nprocs=world_size)
+    return VerlToDcpProof(root, written)

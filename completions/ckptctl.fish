@@ -94,7 +94,7 @@ complete -c ckptctl -n '__fish_seen_subcommand_from repair' -l json -d 'Print on
 complete -c ckptctl -n '__fish_seen_subcommand_from repair' -l quiet -s q -d 'Print nothing but errors; the exit code tells the result.'
 complete -c ckptctl -n '__fish_seen_subcommand_from repair' -l help -s h -d 'Show help and exit.'
 complete -c ckptctl -n 'not __fish_seen_subcommand_from convert demo diff inspect list prune repair reshard resume-plan slim verify' -a reshard -d 'Write a whole resumable training state (model, optimizer, schedulers, counters) for another number of ranks or another framework, offline and on CPU, streamed one parameter at a time from the checkpoint\'s raw bytes.'
-complete -c ckptctl -n '__fish_seen_subcommand_from reshard' -l to -x -a 'hf dcp' -d 'What to write: deepspeed-universal or verl (default: the source framework\'s own training state).'
+complete -c ckptctl -n '__fish_seen_subcommand_from reshard' -l to -x -a 'hf dcp' -d 'What to write: deepspeed-universal, verl or dcp (default: the source framework\'s own training state).'
 complete -c ckptctl -n '__fish_seen_subcommand_from reshard' -l world-size -r -d 'Ranks the target resumes on (default: the source\'s; a universal checkpoint loads on any).'
 complete -c ckptctl -n '__fish_seen_subcommand_from reshard' -l workers -r -d 'Threads reading and writing parameters.'
 complete -c ckptctl -n '__fish_seen_subcommand_from reshard' -l force -d 'Replace DST when it holds an earlier reshard or convert output.'

@@ -7,6 +7,7 @@ whose optimizer is keyed by index are refused before anything is written."""
 from __future__ import annotations
 
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -16,12 +17,15 @@ from ckptctl.errors import CkptctlError
 from ckptctl.frameworks.dcp.reshard import WRITER
 from ckptctl.layouts import capability, open_checkpoint
 from ckptctl.layouts.capabilities import TRAINING_STATE_SOURCE, TRAINING_STATE_WRITER
-from tests.conftest import build_once
+from tests.conftest import CliResult, build_once
 from tests.ops.same_state import assert_same_state as _assert_same
 from tests.writers.reshard_dcp_proof import DcpReshardProof, VerlToDcpProof, prove_dcp_reshard, prove_verl_to_dcp
 from tests.writers.verl_writer import WrittenVerl
 
 pytestmark = pytest.mark.slow
+
+
+Cli = Callable[..., CliResult]
 
 
 @pytest.fixture(scope="session")
@@ -210,3 +214,19 @@ def test_rows_split_over_files_load_the_same(
     dcp.load(want, checkpoint_id=str(dcp_reshard.root / "out-dcp"), no_dist=True)
     dcp.load(got, checkpoint_id=str(tmp_path), no_dist=True)
     _assert_same(got, want, "state")
+
+
+def test_the_command_writes_dcp_from_a_verl_role_and_says_what_it_did_not_carry(
+    run_cli: Cli, verl_run: WrittenVerl, tmp_path: Path
+) -> None:
+    dst = tmp_path / "actor-dcp"
+    result = run_cli("reshard", verl_run.step(2) / "actor", dst, "--to", "dcp", "--json")
+    assert result.exit_code == 0, result.stderr
+    assert result.json["to"] == "dcp" and result.json["world_size"] is None
+    assert {"extra_state.rng", "data.pt"} <= {c["what"] for c in result.json["not_carried"]}
+    assert (dst / ".metadata").is_file()
+    listed = run_cli("list", dst, "--json").json["checkpoints"]
+    assert [(c["layout"], c["state"]) for c in listed] == [("dcp", "complete")]
+    assert run_cli("verify", dst, "--deep").exit_code == 0
+    refused = run_cli("reshard", verl_run.step(2), tmp_path / "other", "--to", "dcp")
+    assert refused.exit_code == 2 and "actor" in refused.stderr and not (tmp_path / "other").exists()

@@ -84,13 +84,37 @@ SLOW_FIXTURES = frozenset(
 PER_RUN_FIXTURES = frozenset({"interrupted_saves"})
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+@pytest.hookimpl(wrapper=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> Iterator[None]:
     for item in items:
         fixtures = set(getattr(item, "fixturenames", ()))
         if SLOW_FIXTURES & fixtures:
             item.add_marker(pytest.mark.slow)
         for name in sorted(PER_RUN_FIXTURES & fixtures):
             item.add_marker(pytest.mark.xdist_group(name))
+    yield
+    _group_for_xdist(config, items)
+
+
+def _group_for_xdist(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Give each item marked `xdist_group(NAME)` the node id `ID@NAME` that `--dist loadgroup` schedules by.
+
+    pytest-xdist's worker does this in a hook of its own by setting `item._nodeid`, which pytest 9 no longer
+    reads (a node's id is `item._id`): without this every group was spread over the workers, and each worker
+    built `interrupted_saves` for itself (~10 s of CPU each)."""
+    if not config.getoption("loadgroup", False):  # set on xdist workers under --dist loadgroup
+        return
+    try:
+        from _pytest.nodeid import NodeId
+    except ImportError:  # an older pytest, where xdist's own hook works
+        return
+    for item in items:
+        marks = item.iter_markers("xdist_group")
+        groups = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default")) for m in marks})
+        if groups and "@" not in item.nodeid and hasattr(item, "_id"):
+            grouped = f"{item.nodeid}@{'_'.join(groups)}"
+            item._id = NodeId.parse(grouped)
+            assert item.nodeid == grouped, (item.nodeid, grouped)
 
 
 def build_once(tmp_path_factory: pytest.TempPathFactory, name: str, build: Callable[[Path], T]) -> T:

@@ -134,15 +134,15 @@ def test_two_prunes_started_at_once(tmp_path: Path) -> None:
 # ------------------------------------------------------------------------------------------ a live writer
 
 WRITER = """
-import sys, time
+import os, sys, time
 import torch
 from ckptctl.core import CheckpointManager
 manager = CheckpointManager(sys.argv[1])
 model = torch.nn.Linear(16, 16)
 state = {"model": model, "optimizer": torch.optim.SGD(model.parameters(), lr=0.1)}
-end = time.monotonic() + float(sys.argv[2])
+stop, end = sys.argv[2], time.monotonic() + float(sys.argv[3])
 step = 0
-while time.monotonic() < end:
+while not os.path.exists(stop) and time.monotonic() < end:
     step += 1
     model.weight.data.add_(1.0)
     manager.save(step, state, metrics={"loss": 1.0 / step})
@@ -153,10 +153,10 @@ while time.monotonic() < end:
 
 @pytest.mark.slow
 def test_pruning_while_a_writer_saves(run_cli: Cli, tmp_path: Path) -> None:
-    run = tmp_path / "run"
+    run, stop = tmp_path / "run", tmp_path / "stop"
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     writer = subprocess.Popen(
-        [sys.executable, "-c", WRITER, str(run), "9"],
+        [sys.executable, "-c", WRITER, str(run), str(stop), "60"],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -166,8 +166,9 @@ def test_pruning_while_a_writer_saves(run_cli: Cli, tmp_path: Path) -> None:
     assert writer.stdout.readline().strip() == "1", writer.stderr.read() if writer.stderr else ""
     deleted: list[tuple[str, str]] = []
     prunes = 0
-    end = time.monotonic() + 8
-    while time.monotonic() < end:
+    # Prune while the writer saves, until enough has happened rather than for a fixed time: 7 deletions with 2
+    # steps kept mean the writer committed at least 9 saves meanwhile. (It stops by itself after 60 s.)
+    while not (prunes > 10 and len(deleted) > 6) and writer.poll() is None:
         result = run_cli("prune", run, "--keep-last", "2", "-y", "--grace", "0", "--json")
         assert result.exit_code == 0, result
         doc = result.json
@@ -175,6 +176,7 @@ def test_pruning_while_a_writer_saves(run_cli: Cli, tmp_path: Path) -> None:
         assert not doc["skipped"] or all(not s["error"] for s in doc["skipped"]), doc["skipped"]
         prunes += 1
         time.sleep(0.05)
+    stop.touch()
     out, err = writer.communicate(timeout=60)
     assert writer.returncode == 0, err  # every save committed: nothing in progress was touched
     last = int(out.split()[-1])

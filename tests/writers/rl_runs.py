@@ -261,17 +261,18 @@ def write_fsdp_runs(root: Path) -> WrittenFsdpRuns:
 # --------------------------------------------------------------------------------------------------
 
 
-def _copy_tag(source: Path, target: Path, client_state: dict[str, Any] | None) -> None:
+def _copy_tag(written: WrittenDeepSpeed, tag: str, target: Path, client_state: dict[str, Any] | None) -> None:
     """Copy a DeepSpeed tag folder; replace the client state in every model-states file (DeepSpeed saves
     `client_state` as top-level keys of each one) with what the framework passes to `save_checkpoint`."""
-    from ckptctl.layouts.parts.zero_tag.tag import ENGINE_KEYS
-
-    shutil.copytree(source, target)
+    # The keys the DeepSpeed writer passed, rather than ckptctl's list of DeepSpeed's own keys: importing
+    # ckptctl here would put all of it in the writer cache's key of every run arranged here (each ckptctl
+    # change would rebuild them).
+    shutil.copytree(written.save_dir / tag, target)
     if client_state is None:
         return
     for path in sorted(target.glob("*model_states.pt")):
         states = torch.load(path, map_location="cpu", weights_only=False)
-        states = {k: v for k, v in states.items() if k in ENGINE_KEYS}
+        states = {k: v for k, v in states.items() if k not in written.client_state}
         states.update(client_state)
         torch.save(states, path)
 
@@ -308,14 +309,14 @@ def arrange_openrlhf(ckpt_path: Path, actor: WrittenDeepSpeed, critic: WrittenDe
         _save_dir_files(source, save_dir)
         for step, tag in tags:
             client = _ppo_client_state(step) if role == "_actor" else {}  # the critic saves no client state
-            _copy_tag(source.save_dir / tag, save_dir / tag, client)
+            _copy_tag(source, tag, save_dir / tag, client)
             (save_dir / "latest").write_text(tag)
             evaluated = step == tags[-1][0]  # no evaluation before the last step: metric_value null
             _write_metric(save_dir / tag, "eval_gsm8k_pass1" if evaluated else None, 0.5 if evaluated else None)
         best_step, best_tag = tags[-1]
         best = f"best_{best_tag}"
         client = {**_ppo_client_state(best_step), "best_eval_metric_key": "eval_gsm8k_pass1"}
-        _copy_tag(source.save_dir / best_tag, save_dir / best, client if role == "_actor" else {})
+        _copy_tag(source, best_tag, save_dir / best, client if role == "_actor" else {})
         (save_dir / "latest").write_text(best)
         _write_metric(save_dir / best, "eval_gsm8k_pass1", 0.5)
     shutil.copytree(hf_model, ckpt_path / f"{tags[-1][1]}_hf")
@@ -344,7 +345,7 @@ def arrange_open_instruct(state_dir: Path, output_dir: Path, source: WrittenDeep
             "rank": 0,
             "ref_policy_saved": True,
         }
-        _copy_tag(source.save_dir / tag, state_dir / tag, client)
+        _copy_tag(source, tag, state_dir / tag, client)
         driver = {
             "dataloader_state": {"epoch": 0, "index": 16 * training_step},
             "data_prep_actor_state": {"step": training_step},

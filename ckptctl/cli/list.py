@@ -9,7 +9,7 @@ import typer
 
 from ckptctl.checkpoint import CheckpointState
 from ckptctl.cli.command import add_command
-from ckptctl.cli.options import JsonOpt, QuietOpt, RunLayoutOpt
+from ckptctl.cli.options import DepthOpt, JsonOpt, QuietOpt, RunLayoutOpt
 from ckptctl.cli.output import STATE_STYLE, Cell, Column, Output, human_bytes, styled, when
 from ckptctl.layouts import DEFAULT_SCAN_DEPTH
 from ckptctl.ops.report import display_path
@@ -64,9 +64,7 @@ def list_checkpoints(
     ] = None,
     layout: RunLayoutOpt = None,
     limit: Annotated[int | None, typer.Option("--limit", metavar="N", help="Show at most N.", min=1)] = None,
-    depth: Annotated[
-        int, typer.Option("--depth", metavar="N", help="How deep to look for nested runs.", min=0)
-    ] = DEFAULT_SCAN_DEPTH,
+    depth: DepthOpt = DEFAULT_SCAN_DEPTH,
     json_output: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:

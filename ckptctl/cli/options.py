@@ -44,6 +44,18 @@ ComponentOpt = Annotated[
     ),
 ]
 
+# prune, slim and repair take the same run lock (`ops.lock`), so each waits for any of the three.
+WaitOpt = Annotated[
+    float,
+    typer.Option(
+        "--wait",
+        metavar="SECONDS",
+        help="Seconds to wait for another prune, slim or repair of the run (the run's lock) to finish.",
+        min=0,
+    ),
+]
+DepthOpt = Annotated[int, typer.Option("--depth", metavar="N", help="How deep to look for nested runs.", min=0)]
+
 
 def bad_value(option: str, message: str) -> typer.BadParameter:
     """The usage error for a value an option's type accepted but the command cannot use (exit code 2)."""

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from ckptctl.cli.command import add_command
-from ckptctl.cli.options import JsonOpt, QuietOpt, bad_value, confirmed, parsed
+from ckptctl.cli.options import DepthOpt, JsonOpt, QuietOpt, WaitOpt, bad_value, confirmed, parsed
 from ckptctl.cli.output import Cell, Column, Output, human_bytes, styled
 from ckptctl.errors import CkptctlError
 from ckptctl.layouts import DEFAULT_SCAN_DEPTH
@@ -87,15 +87,8 @@ def prune(
     ] = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan; change nothing.")] = False,
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Delete without asking for confirmation.")] = False,
-    wait: Annotated[
-        float,
-        typer.Option(
-            "--wait", metavar="SECONDS", help="Seconds to wait for another prune of the run to finish.", min=0
-        ),
-    ] = 30.0,
-    depth: Annotated[
-        int, typer.Option("--depth", metavar="N", help="How deep to look for nested runs.", min=0)
-    ] = DEFAULT_SCAN_DEPTH,
+    wait: WaitOpt = 30.0,
+    depth: DepthOpt = DEFAULT_SCAN_DEPTH,
     json_output: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from ckptctl.cli.command import add_command
-from ckptctl.cli.options import JsonOpt, QuietOpt
+from ckptctl.cli.options import JsonOpt, QuietOpt, WaitOpt
 from ckptctl.cli.output import Cell, Output, styled
 from ckptctl.quoting import shell
 
@@ -43,12 +43,7 @@ def repair(
     undo: Annotated[
         bool, typer.Option("--undo", help="Move the checkpoints an earlier repair quarantined back where they were.")
     ] = False,
-    wait: Annotated[
-        float,
-        typer.Option(
-            "--wait", metavar="SECONDS", help="How long to wait for a prune or repair holding the run's lock."
-        ),
-    ] = 30.0,
+    wait: WaitOpt = 30.0,
     json_output: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:

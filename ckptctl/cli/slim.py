@@ -8,7 +8,7 @@ import typer
 
 from ckptctl import io
 from ckptctl.cli.command import add_command
-from ckptctl.cli.options import JsonOpt, QuietOpt, confirmed, parsed
+from ckptctl.cli.options import DepthOpt, JsonOpt, QuietOpt, WaitOpt, confirmed, parsed
 from ckptctl.cli.output import Cell, Column, Output, human_bytes, styled
 from ckptctl.layouts import DEFAULT_SCAN_DEPTH
 from ckptctl.ops.report import display_path
@@ -73,15 +73,8 @@ def slim(
         bool, typer.Option("--dry-run", help="Print the plan with the bytes each slim frees; change nothing.")
     ] = False,
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Slim without asking for confirmation.")] = False,
-    wait: Annotated[
-        float,
-        typer.Option(
-            "--wait", metavar="SECONDS", help="Seconds to wait for another prune or slim of the run to finish.", min=0
-        ),
-    ] = 30.0,
-    depth: Annotated[
-        int, typer.Option("--depth", metavar="N", help="How deep to look for nested runs.", min=0)
-    ] = DEFAULT_SCAN_DEPTH,
+    wait: WaitOpt = 30.0,
+    depth: DepthOpt = DEFAULT_SCAN_DEPTH,
     json_output: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:

@@ -215,7 +215,7 @@ def _verl_step(model: Any, optimizer: Any) -> tuple[float, float]:
 def _verl_worker(rank: int, world_size: int, port: int, base: str, source: str, root: str) -> None:
     import torch.distributed as dist
 
-    from tests.writers.verl_reshard_proof import join_verl_ranks
+    from tests.writers.verl_ranks import join_verl_ranks
 
     join_verl_ranks(rank, world_size, port)
     try:

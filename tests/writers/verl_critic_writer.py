@@ -15,11 +15,11 @@ installed are stood in for as in `tests.writers.verl_writer`.
 from __future__ import annotations
 
 import os
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.writers.verl_writer import _base_model, _free_port, _import_verl
+from tests.writers.verl_ranks import join_verl_ranks
+from tests.writers.verl_writer import _base_model, _free_port
 
 __all__ = ["TOKEN_IDS", "WORLD_SIZE", "WrittenVerlCritic", "write_verl_critic"]
 
@@ -46,26 +46,13 @@ class WrittenVerlCritic:
 
 
 def _rank(rank: int, port: int, root: str, base: str) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(WORLD_SIZE),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        TRANSFORMERS_VERBOSITY="error",
-        VERL_LOGGING_LEVEL="WARNING",
-    )
-    warnings.filterwarnings("ignore")
+    join_verl_ranks(rank, WORLD_SIZE, port)
     import torch
     import torch.distributed as dist
     from safetensors.torch import save_file
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FullyShardedDataParallel
     from transformers import AutoModelForTokenClassification, AutoTokenizer
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE)
-    _import_verl()
     from verl.utils.checkpoint.fsdp_checkpoint_manager import FSDPCheckpointManager
 
     tokenizer = AutoTokenizer.from_pretrained(base)

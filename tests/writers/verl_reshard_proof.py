@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import os
 import socket
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,7 +28,8 @@ from typing import Any
 from ckptctl.frameworks.verl.reshard import WRITER
 from ckptctl.layouts import open_checkpoint
 from ckptctl.layouts.capabilities import ReshardRequest, WrittenState
-from tests.writers.verl_writer import STEPS, WrittenVerl, _import_verl
+from tests.writers.verl_ranks import join_verl_ranks
+from tests.writers.verl_writer import STEPS, WrittenVerl
 
 __all__ = ["FSDP_SIZES", "VerlReshardProof", "join_verl_ranks", "prove_verl_reshard"]
 
@@ -115,27 +115,6 @@ def _record(models: dict[str, tuple[Any, Any, Any, Any]], out: Path, label: str,
     if rank == 0:
         torch.save(states, out / f"{label}.pt")
     torch.save(torch.get_rng_state(), out / f"{label}_rng_rank{rank}.pt")
-
-
-def join_verl_ranks(rank: int, world: int, port: int) -> None:
-    """This spawned process joins a gloo group of `world` CPU ranks as verl's workers do (torchrun's variables),
-    with verl imported."""
-    import torch
-    import torch.distributed as dist
-
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        TRANSFORMERS_VERBOSITY="error",
-        VERL_LOGGING_LEVEL="WARNING",
-    )
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    _import_verl()
 
 
 def _rank(rank: int, world: int, port: int, base: str, out: str, jobs: list[tuple[str, str, str]]) -> None:

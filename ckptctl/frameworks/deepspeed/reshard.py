@@ -43,6 +43,7 @@ from ckptctl.formats.chunks import read_tensor
 from ckptctl.formats.torch_pickle import load_tensor
 from ckptctl.formats.torch_pickle_classes import TensorRef
 from ckptctl.formats.torch_save_writer import save_torch
+from ckptctl.frameworks.deepspeed import universal_from_state
 from ckptctl.layouts.capabilities import NotCarried, ReshardRequest, WrittenState
 from ckptctl.layouts.parts.zero_tag.master_weights import tag_prefix
 from ckptctl.layouts.parts.zero_tag.names import UNIVERSAL_LATEST_NAME, UNIVERSAL_STATES_DIR, tag_files
@@ -88,11 +89,14 @@ class _Plan:
 
 class UniversalWriter:
     """The training-state writer of DeepSpeed (`TrainingStateWriter`): a ZeRO 1-3 tag of any layout that holds
-    one (DeepSpeed, OpenRLHF, open-instruct, accelerate, the HF Trainer, Lightning) to a universal checkpoint."""
+    one (DeepSpeed, OpenRLHF, open-instruct, accelerate, the HF Trainer, Lightning) to a universal checkpoint;
+    a state other frameworks name parameter by parameter (FSDP2's DCP save) by `universal_from_state`."""
 
     target = TARGET
 
     def refusal(self, source: Checkpoint, world_size: int | None) -> str | None:
+        if _from_state(source):
+            return universal_from_state.refusal(source, world_size)
         try:
             _plan(source)
         except CkptctlError as exc:
@@ -102,6 +106,8 @@ class UniversalWriter:
         return None
 
     def write(self, request: ReshardRequest, advance: Callable[[int], None]) -> WrittenState:
+        if _from_state(request.source):
+            return universal_from_state.write(request, advance)
         plan = _plan(request.source)
         tag = plan.tag
         out_tag = io.name_of(tag.url)
@@ -138,6 +144,12 @@ class UniversalWriter:
 
 
 WRITER = UniversalWriter()
+
+
+def _from_state(source: Checkpoint) -> bool:
+    """Whether `source` is written from its training state named parameter by parameter (`universal_from_state`):
+    it holds no ZeRO tag, and its framework names its state so."""
+    return tag_prefix(source) is None and universal_from_state.reads(source)
 
 
 def _plan(source: Checkpoint) -> _Plan:

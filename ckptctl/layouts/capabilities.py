@@ -202,7 +202,7 @@ class ParamState:
 
 class TrainingStateSource(Protocol):
     """A framework's training state, parameter by parameter, for a writer of another framework's state
-    (`reshard --to dcp`)."""
+    (`reshard --to dcp`, `reshard --to deepspeed-universal`)."""
 
     def __call__(self, checkpoint: Checkpoint) -> ParamState:
         """The state of `checkpoint` (a checkpoint of this framework's layout). Reads metadata only.

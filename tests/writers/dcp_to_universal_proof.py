@@ -15,6 +15,7 @@ results hold the full state FSDP2 resumes from each and the losses of its next s
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,11 +27,24 @@ from tests.writers.deepspeed_ranks import join_deepspeed_ranks
 from tests.writers.deepspeed_writer import _free_port
 from tests.writers.reshard_dcp_proof import NEXT_STEP_SEED, adamw, batch
 
-__all__ = ["SOURCES", "STAGES", "prove_dcp_to_universal"]
+__all__ = ["SOURCES", "STAGES", "DcpToUniversalProof", "prove_dcp_to_universal"]
 
 #: Each resharded source: (the output folder, the source folder in the DCP proof's root).
 SOURCES = (("uni-dcp", "dcp"), ("uni-native", "native/step-2"))
 STAGES = (1, 2)
+
+
+@dataclass(frozen=True)
+class DcpToUniversalProof:
+    """The outputs (`root/uni-dcp`, `root/uni-native`), what the reshard reported per source (`files`,
+    `not_carried` as (what, why) pairs, `resume_hint`), and DeepSpeed's loads."""
+
+    root: Path
+    written: dict[str, Any]
+
+    def results(self, world_size: int) -> dict[tuple[str, int], Any]:
+        """(output folder, ZeRO stage) -> what the engines on `world_size` ranks loaded and the losses of their step."""
+        return torch.load(self.root / f"ds-results-{world_size}.pt", weights_only=True)  # written by the proof
 
 
 def _load_and_step(folder: str, stage: int, world: int) -> dict[str, Any]:
@@ -88,9 +102,8 @@ def _rank(rank: int, world: int, port: int, root: str) -> None:
     deepspeed.comm.barrier()
 
 
-def prove_dcp_to_universal(root: Path, source_root: Path) -> dict[str, Any]:
-    """Reshard the DCP proof's sources in `source_root` into `root` and load them with DeepSpeed (the module):
-    `{"written": {source: {"files", "not_carried", "resume_hint"}}, "results": {world: {(out, stage): ...}}}`."""
+def prove_dcp_to_universal(root: Path, source_root: Path) -> DcpToUniversalProof:
+    """Reshard the DCP proof's sources in `source_root` into `root` and load them with DeepSpeed (the module)."""
     import torch.multiprocessing as mp
 
     from ckptctl.ops.reshard import ReshardOptions, reshard
@@ -106,5 +119,4 @@ def prove_dcp_to_universal(root: Path, source_root: Path) -> dict[str, Any]:
         }
     for world in (1, 2):
         mp.spawn(_rank, args=(world, _free_port(), str(root)), nprocs=world)
-    results = {world: torch.load(root / f"ds-results-{world}.pt", weights_only=True) for world in (1, 2)}
-    return {"written": written, "results": results}
+    return DcpToUniversalProof(root, written)

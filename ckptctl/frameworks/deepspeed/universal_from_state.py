@@ -9,12 +9,13 @@ What DeepSpeed 0.19.8 reads on that load, and so what is written (nothing more, 
 - `DST/latest_universal` names the tag (`engine.load_checkpoint`: it raises without it). The tag is
   `global_step<N>`, N the optimizer's step.
 - `DST/<tag>/mp_rank_00_model_states.pt` (`_get_all_ckpt_names` globs `mp_rank_*_model_states.pt`;
-  `_load_checkpoint` reads it): `dp_world_size`, `mp_world_size`, `global_steps`, `skipped_steps` (required),
+  `_load_checkpoint` reads it): `dp_world_size`, `mp_world_size` (which `SDLoaderBase.check_ckpt_list` checks
+  against the number of such files), `global_steps`, `skipped_steps` (required),
   `lr_scheduler` (read when the engine has a scheduler: None, as DeepSpeed itself saves it without one).
   `module` is not read under `load_universal` (the weights come from `zero/`), so none is written;
   `global_samples` is left out and DeepSpeed counts it as `global_steps * train_batch_size`. `param_shapes`
-  (the parameters per group, as DeepSpeed saves them) is written for ckptctl's own `verify`/`inspect` of the
-  output; DeepSpeed does not read it.
+  (the parameters per group, as DeepSpeed saves them) and `ds_version` are written for ckptctl's own
+  `verify`/`inspect` of the output; DeepSpeed does not read them there.
 - `DST/<tag>/zero/<param>/{fp32,exp_avg,exp_avg_sq}.pt`, each `{"cat_dim": 0, "param": full tensor}`, and
   `step.pt`, the parameter's Adam step as a 0-dim tensor (`load_hp_checkpoint_state`: every `*.pt` of the
   folder; `step` becomes the group's step, the others the flat partitions' states), the layout
@@ -24,11 +25,13 @@ What DeepSpeed 0.19.8 reads on that load, and so what is written (nothing more, 
   engine's optimizer group of the same index; `params` holds the group's parameter names, which DeepSpeed
   skips. No `loss_scaler` or `clip_grad`: the engine keeps its own configuration's.
 
-Target: ZeRO stages 1 and 2. DeepSpeed's ZeRO-3 universal load (`stage3.
-load_hp_checkpoint_state_from_checkpoint_dir_stage3`) gives every group group 0's settings and one step tensor
-shared by all its sub-groups (which each step advances once per sub-group), so a state with several groups
-cannot be carried to it exactly; it also reads other files (`zero_pp_rank_0_mp_rank_00_model_states.pt`,
-`optimizer_state_dict`), which are not written, so a ZeRO-3 engine fails to load rather than load wrongly.
+Target: ZeRO stages 1 and 2 (proved on 1 and 2 gloo ranks: tests/ops/test_reshard_dcp_to_universal.py). Not
+ZeRO-3: its universal load (`stage3.load_hp_checkpoint_state_from_checkpoint_dir_stage3`) sets every group's
+settings to group 0's, and gives every sub-group of every group the one step tensor of
+`optimizer_state_dict.state[0]`, which torch's Adam then advances in place once per sub-group, so a state with
+decay and no-decay groups cannot be carried to it exactly. It reads files this output leaves out
+(`zero_pp_rank_0_mp_rank_00_model_states.pt`, `optimizer_state.pt`'s `optimizer_state_dict`): a ZeRO-3 engine
+fails to load it rather than load it wrongly.
 
 `--world-size`: the output loads on any number of data-parallel ranks; it is the same for any value.
 
@@ -105,7 +108,8 @@ def reads(source: Checkpoint) -> bool:
 
 
 def refusal(source: Checkpoint, world_size: int | None) -> str | None:
-    """Why `source` cannot be written as a universal checkpoint (reads metadata only), or None."""
+    """Why `source` cannot be written as a universal checkpoint, or None. Reads metadata, and each parameter's
+    step (one number each: DeepSpeed keeps one per group)."""
     try:
         _plan(source)
     except CkptctlError as exc:

@@ -124,6 +124,9 @@ def test_the_command_writes_it_and_list_and_verify_read_it(
         ("deepspeed_universal", 2, "complete", True)
     ]
     assert run_cli("verify", dst, "--deep").exit_code == 0
+    plan = run_cli("resume-plan", dst, "--world-size", "1", "--json").json
+    assert plan["checkpoint"]["layout"] == "deepspeed_universal" and plan["world_size_ok"] is True
+    assert "load_universal" in plan["resume_hint"]
 
 
 def _dcp_state(

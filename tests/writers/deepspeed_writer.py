@@ -23,10 +23,7 @@ buffer and an integer one, so that `buffer_names` is exercised).
 from __future__ import annotations
 
 import json
-import logging
-import os
 import socket
-import warnings
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -164,28 +161,11 @@ def _train(
 
 
 def _worker(rank: int, port: int, jobs: Sequence[_Job], then: Sequence[_Then]) -> None:
-    os.environ.update(
-        DS_ACCELERATOR="cpu",
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(WORLD_SIZE),
-        LOCAL_WORLD_SIZE=str(WORLD_SIZE),
-    )
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)
-    import importlib
-
     import deepspeed
-    from deepspeed.utils import logger
 
-    logger.setLevel(logging.ERROR)
-    # The CPU backend JIT-compiles a shared-memory allreduce on first use (a minute on a fresh machine);
-    # plain gloo collectives are all these tiny runs need. (`deepspeed.comm.torch` as an attribute is the
-    # torch package itself, hence the lookup by module name.)
-    setattr(importlib.import_module("deepspeed.comm.torch"), "build_shm_op", lambda: None)  # noqa: B010
-    deepspeed.init_distributed(dist_backend="gloo")
+    from tests.writers.deepspeed_ranks import join_deepspeed_ranks
+
+    join_deepspeed_ranks(rank, WORLD_SIZE, port)
     for out, stages, tie_embeddings, frozen, wrap in jobs:
         for stage in stages:
             save_dir = Path(out) / f"zero{stage}"

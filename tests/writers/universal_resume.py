@@ -17,9 +17,6 @@ state `to_1` stepped from).
 from __future__ import annotations
 
 import json
-import logging
-import os
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -35,27 +32,12 @@ GLOBAL_BATCH = 4
 
 
 def _rank(rank: int, world: int, port: int, jobs: list[tuple[int, str, bool, str | None, str]]) -> None:
-    os.environ.update(
-        DS_ACCELERATOR="cpu",
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_WORLD_SIZE=str(world),
-    )
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)
-    import importlib
-
     import deepspeed
-    from deepspeed.utils import logger
 
+    from tests.writers.deepspeed_ranks import join_deepspeed_ranks
     from tests.writers.models import tiny_llama
 
-    logger.setLevel(logging.ERROR)
-    setattr(importlib.import_module("deepspeed.comm.torch"), "build_shm_op", lambda: None)  # noqa: B010
-    deepspeed.init_distributed(dist_backend="gloo")
+    join_deepspeed_ranks(rank, world, port)
     for stage, load_dir, universal, save_to, out in jobs:
         model = tiny_llama()
         if stage == 3:

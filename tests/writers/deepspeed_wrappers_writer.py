@@ -8,7 +8,7 @@ steps, twice:
 1. `trainer/`: `transformers.Trainer` with `TrainingArguments(deepspeed=ZERO2)` (a ZeRO-2 config dict with the
    batch sizes left "auto"), `save_steps=2`: `checkpoint-2/` and `checkpoint-4/`, each with `global_stepN/`
    and `latest` beside the Trainer's files (`model.safetensors`, `scheduler.pt`, `rng_state_{0,1}.pth`,
-   `training_args.bin`, `trainer_state.json`). The model trains in fp32: transformers 5.24 refuses
+   `training_args.bin`, `trainer_state.json`), on `trainer_writer`'s data set. The model trains in fp32: transformers 5.24 refuses
    `bf16=True` without a GPU unless `use_cpu=True`, and `use_cpu=True` turns DeepSpeed off.
 2. `accelerate/`: `Accelerator(deepspeed_plugin=DeepSpeedPlugin(zero_stage=2))` with automatic checkpoint
    naming, `save_state()` every 2 steps: `checkpoints/checkpoint_{0,1}/`, each with the DeepSpeed tag

@@ -17,6 +17,7 @@ from ckptctl.checkpoint import CheckpointState
 from ckptctl.errors import StorageError
 from ckptctl.formats.manifest import DIGESTS_NAME
 from ckptctl.layouts import scan_run
+from ckptctl.ops.convert.commit import published_last
 from ckptctl.ops.reshard import ReshardOptions, reshard
 from tests.conftest import CliResult
 from tests.s3.test_convert import assert_same_output, objects
@@ -167,3 +168,34 @@ def test_an_interrupt_through_the_command_says_what_was_removed(
     assert result.exit_code == 130
     assert f"the staging folder and the objects uploaded so far to {dst} were removed" in result.stderr
     assert io.list_tree(dst) == {}
+
+
+@pytest.mark.parametrize(
+    ("files", "last"),
+    [
+        # --to dcp: the data files, `.metadata` last (`frameworks/dcp/reshard.py`).
+        (["__0_0.distcp", "__1_0.distcp", ".metadata"], [".metadata"]),
+        # verl: each role's rank files, its fsdp_config.json and copied files, then data.pt and the tracker
+        # (`frameworks/verl/reshard.py`): the roles' configs, data.pt and the tracker go up last, in this order.
+        (
+            [
+                "global_step_2/actor/model_world_size_1_rank_0.pt",
+                "global_step_2/actor/optim_world_size_1_rank_0.pt",
+                "global_step_2/actor/fsdp_config.json",
+                "global_step_2/actor/huggingface/config.json",
+                "global_step_2/critic/model_world_size_1_rank_0.pt",
+                "global_step_2/critic/fsdp_config.json",
+                "global_step_2/data.pt",
+                "latest_checkpointed_iteration.txt",
+            ],
+            [
+                "global_step_2/actor/fsdp_config.json",
+                "global_step_2/critic/fsdp_config.json",
+                "global_step_2/data.pt",
+                "latest_checkpointed_iteration.txt",
+            ],
+        ),
+    ],
+)
+def test_what_each_writer_lists_last_goes_up_last(files: list[str], last: list[str]) -> None:
+    assert list(published_last(files)) == last

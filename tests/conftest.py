@@ -27,6 +27,7 @@ from tests.writers.accelerate_writer import WrittenAccelerate, write_accelerate_
 from tests.writers.areal_critic_writer import WrittenArealCritic, write_areal_critic
 from tests.writers.areal_writer import WrittenAreal, write_areal_run
 from tests.writers.dcp_writer import WrittenDcp, write_single_process_dcp
+from tests.writers.deepspeed_wrappers_writer import WrittenWrapperRuns, write_wrapper_runs
 from tests.writers.deepspeed_writer import CONVERTER_RUNS, DeepSpeedRuns, WrittenDeepSpeed, write_deepspeed_sets
 from tests.writers.hf_legacy_writer import WrittenLegacy, write_legacy_models
 from tests.writers.lightning_writer import WrittenLightning, write_lightning_run
@@ -71,6 +72,7 @@ SLOW_FIXTURES = frozenset(
         "openrlhf_ppo",
         "megatron_runs",
         "accelerate_runs",
+        "deepspeed_wrappers",
         "distributed_saves",
         "torchtitan_run",
         "peft_adapters",
@@ -386,6 +388,13 @@ def accelerate_runs(tmp_path_factory: pytest.TempPathFactory) -> WrittenAccelera
     """accelerate 1.15 `save_state` on CPU: a plain run with automatic checkpoint naming (checkpoint_0..2), a
     user-named `.bin` save, a resumed copy, a DeepSpeed ZeRO-2 run and an FSDP2 save (slow: a subprocess)."""
     return build_once(tmp_path_factory, "accelerate", write_accelerate_runs)
+
+
+@pytest.fixture(scope="session")
+def deepspeed_wrappers(tmp_path_factory: pytest.TempPathFactory) -> WrittenWrapperRuns:
+    """The HF Trainer and accelerate with DeepSpeed ZeRO-2 on 2 CPU ranks, and `ds_to_universal` of each one's
+    latest tag (slow: spawns)."""
+    return build_once(tmp_path_factory, "deepspeed-wrappers", write_wrapper_runs)
 
 
 @pytest.fixture(scope="session")

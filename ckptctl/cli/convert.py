@@ -11,7 +11,7 @@ import typer
 from ckptctl.checkpoint import Component
 from ckptctl.cli.command import add_command
 from ckptctl.cli.options import ComponentOpt, JsonOpt, LayoutOpt, QuietOpt, bad_value
-from ckptctl.cli.output import Output, human_bytes, styled
+from ckptctl.cli.output import Output, human_bytes, interrupted_write, styled
 from ckptctl.cli.ranks import WorkersOpt, job_ranks, prints
 
 if TYPE_CHECKING:
@@ -304,10 +304,7 @@ def _convert(src: str, dst: str, options: ConvertOptions, json_output: bool, qui
     try:
         result = run_convert(src, dst, options, out.progress())
     except KeyboardInterrupt:
-        if "://" in dst and not dst.startswith("file://"):
-            out.note(f"interrupted: the staging folder and the objects uploaded so far to {dst} were removed")
-        else:
-            out.note(f"interrupted: the staging folder was removed and nothing was written to {dst}")
+        out.note(interrupted_write(dst))
         raise
     if not show:
         return

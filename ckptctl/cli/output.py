@@ -256,6 +256,14 @@ def when(value: datetime | None, *, now: datetime | None = None) -> str:
     return local.strftime("%m-%d %H:%M:%S" if local.year == current.year else "%Y-%m-%d %H:%M:%S")
 
 
+def interrupted_write(dst: str) -> str:
+    """What an interrupted `convert` or `reshard` left at DST: nothing (its staging folder removed, and on an
+    object store, the objects it had uploaded)."""
+    if "://" in dst and not dst.startswith("file://"):
+        return f"interrupted: the staging folder and the objects uploaded so far to {dst} were removed"
+    return f"interrupted: the staging folder was removed and nothing was written to {dst}"
+
+
 def human_bytes(n: int | None) -> str:
     if n is None:
         return "-"

@@ -8,7 +8,7 @@ import typer
 
 from ckptctl.cli.command import add_command
 from ckptctl.cli.options import JsonOpt, LayoutOpt, QuietOpt
-from ckptctl.cli.output import Output, human_bytes, styled
+from ckptctl.cli.output import Output, human_bytes, interrupted_write, styled
 
 if TYPE_CHECKING:
     from ckptctl.ops.reshard import ReshardResult
@@ -17,7 +17,7 @@ HELP = """Write a whole resumable training state (model, optimizer, schedulers, 
 
 --to names the target: deepspeed-universal (a DeepSpeed ZeRO 1-3 tag as the universal checkpoint DeepSpeed's ds_to_universal.py --inject_missing_state writes, which DeepSpeed loads on any number of ranks with load_universal set to true in the checkpoint section of its config; SRC may be a tag folder, a save folder holding `latest`, or a checkpoint of a framework built on DeepSpeed: OpenRLHF, open-instruct, accelerate, the HF Trainer, Lightning; or an Adam/AdamW training state as torch's get_state_dict lays it out, from a DCP folder such as an FSDP2 run's or a multi-rank ckptctl checkpoint, which DeepSpeed ZeRO-1 or 2 loads the same way) or verl (a verl `global_step_N/` with every role's model, optimizer and extra-state rank files cut for --world-size ranks, which verl's own checkpoint manager loads there) or dcp (model and optimizer as torch's get_state_dict lays them out, `model.<fqn>`, `optim.state.<fqn>.exp_avg`, ..., which an FSDP2 or torchtitan trainer on any number of ranks loads with dcp.load + set_state_dict; from a DCP folder, a multi-rank ckptctl checkpoint or a verl role folder). Without --to, the source framework's own writer is used.
 
-DST must be empty (or absent): it becomes what the target framework is pointed at (for deepspeed-universal: DST/<tag>/ and DST/latest_universal; for verl: DST/global_step_N/ and the tracker, so trainer.default_local_dir=DST resumes). The output is written to a hidden staging folder next to DST and renamed into place: an interrupted or failed reshard leaves nothing at DST. A source the writer cannot carry (a torn tag, named by its missing file) is refused before anything is written. What the target cannot carry (RNG streams, a data-loader position) is listed as not carried, with why.
+DST must be empty (or absent): it becomes what the target framework is pointed at (for deepspeed-universal: DST/<tag>/ and DST/latest_universal; for verl: DST/global_step_N/ and the tracker, so trainer.default_local_dir=DST resumes). The output is written to a hidden staging folder next to DST and renamed into place: an interrupted or failed reshard leaves nothing at DST. DST may be an object store URL (s3://bucket/prefix, any fsspec URL): the output is staged in TMPDIR, then uploaded as convert uploads, in parallel but for the files that complete it (markers, then trackers and pointers such as latest_universal), which go up one after another, and ckptctl-digests.json last; a failed or interrupted upload deletes what it put. A non-empty prefix is refused unless --force, which deletes the old objects first. A source the writer cannot carry (a torn tag, named by its missing file) is refused before anything is written. What the target cannot carry (RNG streams, a data-loader position) is listed as not carried, with why.
 
 Exit code 0 when written, 2 on bad input, 130 when interrupted."""
 
@@ -28,6 +28,7 @@ ckptctl reshard openrlhf-ckpt/_actor actor-universal/ --to deepspeed-universal -
 ckptctl reshard fsdp2-run/step-400 on-deepspeed/ --to deepspeed-universal
 ckptctl reshard verl-run/global_step_400 verl-on-16/ --world-size 16
 ckptctl reshard verl-run/global_step_400/actor actor-dcp/ --to dcp
+ckptctl reshard ckpts/ s3://bucket/universal --to deepspeed-universal
 """
 
 
@@ -43,7 +44,10 @@ def reshard_state(
         ),
     ],
     dst: Annotated[
-        str, typer.Argument(metavar="DST", help="Empty local folder to write the state into.", show_default=False)
+        str,
+        typer.Argument(
+            metavar="DST", help="Empty folder to write the state into (local path or fsspec URL).", show_default=False
+        ),
     ],
     to: Annotated[
         str | None,
@@ -79,7 +83,7 @@ def reshard_state(
     try:
         result = reshard(src, dst, options, out.progress())
     except KeyboardInterrupt:
-        out.note(f"interrupted: the staging folder was removed and nothing was written to {dst}")
+        out.note(interrupted_write(dst))
         raise
     if json_output:
         out.json(result.to_json())
@@ -94,6 +98,8 @@ def _render(out: Output, result: ReshardResult) -> None:
         f"{result.tensors} tensors ({human_bytes(result.bytes)}) from {result.checkpoint} ({result.layout}) to "
         f"{result.dst} ({result.to}, loads on {ranks}) in {result.seconds:.1f} s, {len(result.files)} files",
     )
+    if result.uploaded:
+        out.print(f"  uploaded {human_bytes(result.uploaded)} to {result.dst}")
     if result.resume_hint:
         out.print(f"  resume with: {result.resume_hint}")
     for item in result.not_carried:

@@ -6,6 +6,11 @@ shares, as `convert` does (and with its code, `ops.convert.commit`): the source 
 refused when it is not empty, the writer's refusal asked before anything is written, the output staged
 in a hidden folder next to DST, digested (`ckptctl-digests.json`, so that `ckptctl verify DST` checks every
 byte later), and renamed into place; an interrupted or failed reshard leaves nothing at DST.
+
+DST on an object store (any fsspec URL) is staged in the local temporary folder and uploaded as `convert`
+uploads (`UploadStaging`): every file in parallel but those the writer lists last (`WrittenState.files`:
+markers, trackers and pointers), which go up one after another in its order (`published_last`), then the
+digests; a failed or interrupted upload deletes what it put.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from ckptctl.errors import CkptctlError
 from ckptctl.layouts import capability, resolve, training_state_writer, training_state_writers
 from ckptctl.layouts.capabilities import TRAINING_STATE_WRITER, NotCarried, ReshardRequest, TrainingStateWriter
 from ckptctl.ops.convert import open_verified
-from ckptctl.ops.convert.commit import Staging, check_destination, write_digests
+from ckptctl.ops.convert.commit import Staging, UploadStaging, check_destination, published_last, write_digests
 from ckptctl.ops.report import SCHEMA_VERSION, NoProgress, Progress
 
 __all__ = ["ReshardOptions", "ReshardResult", "reshard"]
@@ -61,6 +66,7 @@ class ReshardResult:
         not_carried: what the output does not carry, and why.
         resume_hint: the setting that makes the target framework resume from DST.
         seconds: wall time.
+        uploaded: bytes uploaded to an object store DST (every file of the output; 0 for a local DST).
     """
 
     src: str
@@ -75,6 +81,7 @@ class ReshardResult:
     not_carried: tuple[NotCarried, ...]
     resume_hint: str | None
     seconds: float
+    uploaded: int = 0
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -91,6 +98,7 @@ class ReshardResult:
             "not_carried": [{"what": n.what, "why": n.why} for n in self.not_carried],
             "resume_hint": self.resume_hint,
             "seconds": round(self.seconds, 3),
+            "bytes_uploaded": self.uploaded,
         }
 
 
@@ -100,15 +108,13 @@ def reshard(
     """Write the resumable training state of `src` into `dst` with the chosen writer.
 
     Raises:
-        CkptctlError: DST not empty (without `force`) or remote, no writer for the source or `to`, the
+        CkptctlError: DST not empty (without `force`), no writer for the source or `to`, the
             writer refuses the source (a torn one, naming the missing file; a world size it cannot honour),
             or the source does not read.
     """
     options = options or ReshardOptions()
     progress = progress or NoProgress()
     started = time.monotonic()
-    if not io.is_local(dst):
-        raise CkptctlError(f"{dst}: reshard writes to a local folder", "reshard locally, then upload the folder")
     if options.world_size is not None and options.world_size < 1:
         raise CkptctlError(f"--world-size {options.world_size}: a world size is at least 1")
     target = check_destination(src, dst, options.force)
@@ -118,13 +124,15 @@ def reshard(
     refusal = writer.refusal(checkpoint, options.world_size)
     if refusal is not None:
         raise CkptctlError(f"cannot reshard {checkpoint.url} to {writer.target}: {refusal}")
-    with Staging(target) as staging:
+    with Staging(target) if io.is_local(target) else UploadStaging(target) as staging:
+        # The output holds about what the source does (the same states, in other files).
+        staging.check_space(sum(checkpoint.files.values()))
         progress.start(f"resharding to {writer.target}", None)
         request = ReshardRequest(checkpoint, staging.out, options.world_size, max(1, options.workers))
         written = writer.write(request, progress.advance)
         progress.finish()
         write_digests(staging.out, {})
-        staging.commit(options.force, progress)
+        uploaded = staging.commit(options.force, progress, published_last(written.files))
     return ReshardResult(
         src=src,
         checkpoint=checkpoint.url,
@@ -138,6 +146,7 @@ def reshard(
         not_carried=written.not_carried,
         resume_hint=written.resume_hint,
         seconds=time.monotonic() - started,
+        uploaded=uploaded,
     )
 
 

@@ -14,48 +14,20 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 
 from ckptctl.errors import CkptctlError
 from ckptctl.ops.reshard import ReshardOptions, reshard
 from tests.conftest import CliResult, copy_tree
+from tests.ops.universal_same import assert_same_value as _assert_same
+from tests.ops.universal_same import files as _files
 from tests.writers.deepspeed_writer import WrittenDeepSpeed
 from tests.writers.lightning_writer import WrittenLightning
 from tests.writers.universal_writer import WrittenUniversal
 
 Cli = Callable[..., CliResult]
 TO = ReshardOptions(to="deepspeed-universal")
-
-
-def _files(root: Path) -> list[str]:
-    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
-
-
-def _assert_same(a: Any, b: Any, where: str) -> None:
-    """Equal values: tensors of the same dtype, shape and elements (bit for bit), dicts with the same keys in
-    the same order, DeepSpeed's objects by their fields."""
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, where
-        assert torch.equal(a, b), where
-    elif isinstance(a, np.ndarray):  # open-instruct's client state keeps numpy's RNG state
-        assert isinstance(b, np.ndarray) and a.dtype == b.dtype and np.array_equal(a, b), where
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and list(a) == list(b), (
-            f"{where}: {list(a)} != {list(b) if isinstance(b, dict) else b}"
-        )
-        for key in a:
-            _assert_same(a[key], b[key], f"{where}/{key}")
-    elif isinstance(a, list | tuple):
-        assert type(a) is type(b) and len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            _assert_same(x, y, f"{where}[{i}]")
-    elif hasattr(a, "__dict__") and not isinstance(a, type):
-        assert type(a) is type(b), where
-        _assert_same(vars(a), vars(b), where)
-    else:
-        assert type(a) is type(b) and a == b, f"{where}: {a!r} != {b!r}"
 
 
 @pytest.mark.parametrize("stage", [2, 3])

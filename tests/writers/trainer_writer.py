@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["WrittenTrainerRun", "write_trainer_run"]
+__all__ = ["WrittenTrainerRun", "token_dataset", "write_trainer_run"]
 
 STEPS = 4
 SAVE_STEPS = 2
@@ -73,19 +73,26 @@ class WrittenTrainerRun:
         return self.output_dir.parent / "peft-out.merged.safetensors"
 
 
-def _train(output_dir: Path) -> None:
+def token_dataset() -> list[dict[str, Any]]:
+    """What the Trainer runs train on: 16 samples of 16 token ids from a fixed seed, each its own labels."""
     import torch
+
+    generator = torch.Generator().manual_seed(0)
+    dataset = []
+    for _ in range(16):
+        ids = torch.randint(0, 128, (16,), generator=generator)
+        dataset.append({"input_ids": ids, "labels": ids})
+    return dataset
+
+
+def _train(output_dir: Path) -> None:
     from safetensors.torch import save_file
     from transformers import Trainer, TrainingArguments
 
     from tests.writers.models import tiny_llama
 
     model = tiny_llama()
-    generator = torch.Generator().manual_seed(0)
-    dataset = []
-    for _ in range(16):
-        ids = torch.randint(0, 128, (16,), generator=generator)
-        dataset.append({"input_ids": ids, "labels": ids})
+    dataset = token_dataset()
     args = TrainingArguments(
         output_dir=str(output_dir),
         max_steps=STEPS,

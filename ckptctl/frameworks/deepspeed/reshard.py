@@ -46,7 +46,7 @@ from ckptctl.formats.torch_save_writer import save_torch
 from ckptctl.frameworks.deepspeed import universal_from_state
 from ckptctl.layouts.capabilities import NotCarried, ReshardRequest, WrittenState
 from ckptctl.layouts.parts.zero_tag.master_weights import tag_prefix
-from ckptctl.layouts.parts.zero_tag.names import UNIVERSAL_LATEST_NAME, UNIVERSAL_STATES_DIR, tag_files
+from ckptctl.layouts.parts.zero_tag.names import LATEST_NAME, UNIVERSAL_LATEST_NAME, UNIVERSAL_STATES_DIR, tag_files
 from ckptctl.layouts.parts.zero_tag.tag import (
     DeepSpeedTag,
     base_state,
@@ -138,7 +138,7 @@ class UniversalWriter:
             bytes=written_bytes,
             files=tuple(files),
             world_size=request.world_size,
-            not_carried=_not_carried(tag, plan.zero3),
+            not_carried=_not_carried(tag, plan.zero3) + _beside_tag(request.source, tag),
             resume_hint=RESUME_HINT,
         )
 
@@ -319,3 +319,28 @@ def _not_carried(tag: DeepSpeedTag, zero3: bool) -> tuple[NotCarried, ...]:
             )
         )
     return tuple(found)
+
+
+#: What DeepSpeed's `save_checkpoint` writes beside a tag: the pointer (`latest_universal` replaces it) and its
+#: scripts that rebuild the weights.
+_DEEPSPEED_BESIDE_TAG = frozenset({LATEST_NAME, "zero_to_fp32.py", "zero_to_torch.py"})
+
+
+def _beside_tag(source: Checkpoint, tag: DeepSpeedTag) -> tuple[NotCarried, ...]:
+    """The files of a framework wrapping DeepSpeed beside its tag (the HF Trainer's `scheduler.pt`,
+    `rng_state_N.pth`, `trainer_state.json`; accelerate's `scheduler.bin`, `random_states_N.pkl`): written by
+    that framework, read by its own resume, not by DeepSpeed's, and not in DST."""
+    if tag.url == source.url:
+        return ()
+    inside = f"{io.relative_to(tag.url, source.url)}/"
+    beside = sorted(f for f in source.files if not f.startswith(inside) and f not in _DEEPSPEED_BESIDE_TAG)
+    if not beside:
+        return ()
+    shown = ", ".join(beside[:8]) + (", ..." if len(beside) > 8 else "")
+    return (
+        NotCarried(
+            f"{source.layout} files beside the DeepSpeed tag",
+            f"{shown}: the {source.layout} checkpoint's own files (its LR scheduler, RNG and counters, where it "
+            "keeps them there), which its own resume code reads rather than DeepSpeed's engine; not copied into DST",
+        ),
+    )

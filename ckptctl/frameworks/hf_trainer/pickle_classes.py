@@ -24,6 +24,10 @@ CLASSES = FrameworkClasses(
             ),
             ("transformers.trainer_pt_utils", "AcceleratorConfig"),
             ("transformers.debug_utils", "DebugOption"),
+            # `TrainingArguments(deepspeed=...)`: its DeepSpeed config (a dict and a few fields) held by the
+            # `DeepSpeedPlugin` (`hf_ds_config`) and its `dschf` (transformers 5.24, a real ZeRO-2 save).
+            ("transformers.integrations.deepspeed", "HfTrainerDeepSpeedConfig"),
+            ("transformers.integrations.deepspeed", "HfDeepSpeedConfig"),
             ("accelerate.state", "PartialState"),
             ("accelerate.state", "AcceleratorState"),
         }

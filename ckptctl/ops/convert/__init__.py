@@ -167,7 +167,7 @@ def _convert(src: str, dst: str, options: ConvertOptions, progress: Progress, re
                 progress.finish()  # a bar left running on an error would hide the terminal's cursor
         sealed = _on_leader(ranks, lambda: _seal(state["prepared"], state["staging"].out, written, options))
         if sharing is not None and work.upload:
-            uploaded = state["staging"].commit(options.force, progress, sharing)
+            uploaded = state["staging"].commit(options.force, progress, ranks=sharing)
         else:
             uploaded = _on_leader(ranks, lambda: state["staging"].commit(options.force, progress))
         return _on_leader(

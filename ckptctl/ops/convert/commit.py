@@ -216,13 +216,14 @@ class Staging:
             finally:
                 os.close(fd)
 
-    def commit(self, force: bool, progress: Progress) -> int:
+    def commit(self, force: bool, progress: Progress, last: Sequence[str] | None = None) -> int:
         """Move `out/` to DST (`io.commit.install`: a plain rename, or an atomic exchange with a non-empty DST
-        under `force`, whose old content is then deleted). Returns the bytes uploaded: none."""
+        under `force`, whose old content is then deleted). Returns the bytes uploaded: none. (`last` is for
+        an upload: one rename publishes every file at once.)"""
         io.fsync_dir(self.out)
         dst = self.dst
         if os.path.isdir(dst) and os.listdir(dst) and not force:
-            raise CkptctlError(f"{dst} was filled while converting", "pass --force to replace it")
+            raise CkptctlError(f"{dst} was filled while the output was being written", "pass --force to replace it")
         try:
             replaced = install(self.out, dst)
         except OSError as exc:
@@ -240,10 +241,10 @@ class UploadStaging(Staging):
     refused, and one that was killed has its staging folder removed by the next.
     """
 
-    def __init__(self, dst: str, layout: Layout, rank: int = 0) -> None:
-        """`layout`: what the output is, whose completion markers go up last; `rank`: the rank of a job
-        that stages its share of the output here (the other ranks' folders are not its competitors, even
-        on the same host)."""
+    def __init__(self, dst: str, layout: Layout | None = None, rank: int = 0) -> None:
+        """`layout`: what the output is, whose completion markers go up last (None: the output says at the
+        commit, `last`); `rank`: the rank of a job that stages its share of the output here (the other
+        ranks' folders are not its competitors, even on the same host)."""
         digest = hashlib.sha256(dst.encode()).hexdigest()[:16]
         suffix = f"-rank{rank}" if rank else ""
         super().__init__(dst, tempfile.gettempdir(), f".ckptctl-upload-{digest}{suffix}")
@@ -263,11 +264,14 @@ class UploadStaging(Staging):
                 "point TMPDIR at a folder on a disk with room for the output (it is uploaded from there)",
             )
 
-    def commit(self, force: bool, progress: Progress, ranks: Ranks | None = None) -> int:
+    def commit(
+        self, force: bool, progress: Progress, last: Sequence[str] | None = None, ranks: Ranks | None = None
+    ) -> int:
         """Upload `out/` to DST in `_upload_order`, then, once a listing shows every object with its size,
-        the digests; returns the bytes uploaded.
+        the digests; returns the bytes uploaded. What goes up last, one file after another, is `last` when
+        given (`published_last`), else the completion markers of the output's layout.
 
-        Objects that appeared below DST while converting are refused without `force` and deleted first
+        Objects that appeared below DST while the output was written are refused without `force` and deleted first
         with it. A failed upload deletes what it uploaded (the old objects, under `force`, are gone).
 
         Over a job's `ranks` (all of them call this), each rank holds its share of the output in its own
@@ -291,7 +295,9 @@ class UploadStaging(Staging):
         _everyone(ranks, lambda: None, lambda: self._clear(upload, force))
         progress.start("uploading", sum(shares[rank].values()))
         try:
-            for batch in _upload_order(sizes, self.layout.completion_markers(sizes)):
+            if last is None:
+                last = self.layout.completion_markers(sizes) if self.layout is not None else ()
+            for batch in _upload_order(sizes, last):
                 mine = [rel for rel in batch if owner[rel] == rank]
                 _everyone(ranks, functools.partial(upload.upload, [mine]))
             _everyone(ranks, lambda: None, finish)
@@ -314,11 +320,13 @@ class UploadStaging(Staging):
         }
 
     def _clear(self, upload: ObjectStoreUpload, force: bool) -> None:
-        """Refuse objects that appeared below DST while converting, or delete them under `force`."""
+        """Refuse objects that appeared below DST while the output was written, or delete them under `force`."""
         existing = io.list_tree(self.dst)
         if existing:
             if not force:
-                raise CkptctlError(f"{self.dst} was filled while converting", "pass --force to replace it")
+                raise CkptctlError(
+                    f"{self.dst} was filled while the output was being written", "pass --force to replace it"
+                )
             upload.clear({rel: entry.size for rel, entry in existing.items()})
 
     def _check_uploaded(self, sizes: Mapping[str, int]) -> None:
@@ -329,7 +337,7 @@ class UploadStaging(Staging):
             raise StorageError(
                 f"the object store lists {wrong[0]} below {self.dst} "
                 + ("as missing" if wrong[0] not in listed else f"with {listed[wrong[0]]} bytes, not {sizes[wrong[0]]}"),
-                "another writer may be using the same prefix; convert again with --force",
+                "another writer may be using the same prefix; run again with --force",
             )
 
 
@@ -351,6 +359,17 @@ def _upload_order(sizes: Mapping[str, int], markers: Sequence[str]) -> list[list
         (rel for rel in sizes if rel not in markers and rel != DIGESTS_NAME), key=lambda rel: (-sizes[rel], rel)
     )
     return [batch for batch in (rest, *([marker] for marker in markers)) if batch]
+
+
+def published_last(files: Sequence[str]) -> tuple[str, ...]:
+    """What of an output whose writer lists its `files` in an order a commit may publish them (markers, trackers
+    and pointers last: `layouts.capabilities.WrittenState.files`) goes up last, one after another, in that
+    order: every completion marker that a layout names among them (of any folder, `_any_markers`: an output may
+    hold several checkpoints, a run folder's steps or a save folder's tag) and every file after the last of
+    those (the pointers and trackers). Everything before goes up first, in parallel."""
+    markers = _any_markers(files)
+    after = max((i for i, rel in enumerate(files) if rel in markers), default=-1) + 1
+    return (*(rel for rel in files[:after] if rel in markers), *files[after:])
 
 
 def _markers(files: Mapping[str, int]) -> Tiers:

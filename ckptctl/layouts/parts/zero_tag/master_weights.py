@@ -129,15 +129,20 @@ def assemble_master_weights(
 
 
 def tag_prefix(checkpoint: Checkpoint) -> str | None:
-    """Where the DeepSpeed tag folder holding a checkpoint's model is, relative to it (`""`: the checkpoint
-    is the tag), judged from where its model tensors' chunks lie: in DeepSpeed rank files of one folder.
-    None when they lie elsewhere (an HF export of an RL framework)."""
-    files = {chunk.file for e in checkpoint.tensor_index() if e.component is Component.MODEL for chunk in e.chunks}
-    folders = {file.rpartition("/")[0] for file in files if is_rank_file(file)}
-    if len(folders) != 1:
-        return None
-    folder = folders.pop()
-    return f"{folder}/" if folder else ""
+    """Where the DeepSpeed tag folder holding a checkpoint's training state is, relative to it (`""`: the
+    checkpoint is the tag), judged from where its tensors' chunks lie: in DeepSpeed rank files of one folder.
+    The model's chunks decide; where the model lies elsewhere, the optimizer's (the HF Trainer saves the model
+    as `model.safetensors` beside its `global_stepN/` under ZeRO 1-2). None when neither lies in one tag (an
+    HF export of an RL framework)."""
+    for component in (Component.MODEL, Component.OPTIMIZER):
+        files = {chunk.file for e in checkpoint.tensor_index() if e.component is component for chunk in e.chunks}
+        folders = {file.rpartition("/")[0] for file in files if is_rank_file(file)}
+        if len(folders) == 1:
+            folder = folders.pop()
+            return f"{folder}/" if folder else ""
+        if folders:
+            return None
+    return None
 
 
 def checkpoint_master_weights(

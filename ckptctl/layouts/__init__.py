@@ -120,7 +120,7 @@ _REGISTRY: tuple[Plugin, ...] = (
     Plugin("megatron", "ckptctl.frameworks.megatron", "layout:MegatronLayout", CONVERT | REPAIR | SLIM),
     Plugin("torchtitan", "ckptctl.frameworks.torchtitan", "layout:TorchtitanLayout", CONVERT | REPAIR | SLIM),
     Plugin("dcp", "ckptctl.frameworks.dcp", "layout:DcpLayout", RESHARD | SLIM | STATE),
-    Plugin("hf_trainer", "ckptctl.frameworks.hf_trainer", "layout:HfTrainerLayout", CONVERT | REPAIR | SLIM),
+    Plugin("hf_trainer", "ckptctl.frameworks.hf_trainer", "layout:HfTrainerLayout", CONVERT | REPAIR | SLIM | STATE),
     Plugin("accelerate", "ckptctl.frameworks.accelerate", "layout:AccelerateLayout", CONVERT | SLIM),
     Plugin("openrlhf", "ckptctl.frameworks.openrlhf", "layout:OpenRlhfLayout", CONVERT | REPAIR | SLIM),
     Plugin("open_instruct", "ckptctl.frameworks.open_instruct", "layout:OpenInstructLayout", CONVERT | REPAIR | SLIM),

@@ -117,7 +117,7 @@ _REGISTRY: tuple[Plugin, ...] = (
     Plugin("areal", "ckptctl.frameworks.areal", "layout:ArealLayout", CONVERT | REPAIR),
     Plugin("roll", "ckptctl.frameworks.roll", "layout:RollLayout"),
     Plugin("lightning", "ckptctl.frameworks.lightning", "layout:LightningLayout", CONVERT | REPAIR),
-    Plugin("megatron", "ckptctl.frameworks.megatron", "layout:MegatronLayout", CONVERT | REPAIR | SLIM),
+    Plugin("megatron", "ckptctl.frameworks.megatron", "layout:MegatronLayout", CONVERT | REPAIR | SLIM | STATE),
     Plugin("torchtitan", "ckptctl.frameworks.torchtitan", "layout:TorchtitanLayout", CONVERT | REPAIR | SLIM),
     Plugin("dcp", "ckptctl.frameworks.dcp", "layout:DcpLayout", RESHARD | SLIM | STATE),
     Plugin("hf_trainer", "ckptctl.frameworks.hf_trainer", "layout:HfTrainerLayout", CONVERT | REPAIR | SLIM | STATE),

@@ -23,6 +23,7 @@ from ckptctl.layouts.capabilities import TRAINING_STATE_SOURCE, StateTensor
 from ckptctl.layouts.parts.param_state import grouped_state
 from tests.conftest import CliResult, build_once, copy_tree
 from tests.ops.same_state import assert_same_state
+from tests.writers.megatron_writer import WrittenMegatron
 from tests.writers.reshard_dcp_proof import TrainerToDcpProof, prove_trainer_to_dcp
 from tests.writers.trainer_resume_writer import WEIGHT_DECAY, WrittenTrainerResume, write_trainer_resume
 
@@ -177,3 +178,16 @@ def test_grouped_state_names_each_groups_indices_in_order_and_refuses_what_does_
         grouped_state(members, params, state, [groups[0], {"params": [3]}], "optimizer.pt", "built", "hint")
     with pytest.raises(CkptctlError, match="state of parameter 3"):
         grouped_state(members, params, {**state, 3: {}}, groups, "optimizer.pt", "built", "hint")
+
+
+@pytest.mark.slow
+def test_a_megatron_dist_ckpt_is_refused_saying_why_with_nothing_written(
+    run_cli: Cli, megatron_runs: WrittenMegatron, tmp_path: Path
+) -> None:
+    # megatron-core saves its param_groups without their parameters: group membership is not in the checkpoint.
+    refused = run_cli("reshard", megatron_runs.iteration(2), tmp_path / "out", "--to", "dcp")
+    assert refused.exit_code == 2
+    assert "param_groups without their parameters" in refused.stderr and "--to dcp" in refused.stderr
+    assert not (tmp_path / "out").exists()
+    reason = WRITER.refusal(open_checkpoint(str(megatron_runs.tied)), None)
+    assert reason is not None and "without optimizer state" in reason

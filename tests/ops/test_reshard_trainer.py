@@ -25,23 +25,33 @@ from tests.conftest import CliResult, build_once, copy_tree
 from tests.ops.same_state import assert_same_state
 from tests.writers.megatron_writer import WrittenMegatron
 from tests.writers.reshard_dcp_proof import TrainerToDcpProof, prove_trainer_to_dcp
-from tests.writers.trainer_resume_writer import WEIGHT_DECAY, WrittenTrainerResume, write_trainer_resume
+from tests.writers.trainer_resume_writer import (
+    WEIGHT_DECAY,
+    WrittenTrainerResume,
+    WrittenTrainerResumes,
+    write_trainer_resume,
+)
 
 Cli = Callable[..., CliResult]
 
 
 @pytest.fixture(scope="session")
-def trainer_resume(tmp_path_factory: pytest.TempPathFactory) -> WrittenTrainerResume:
+def trainer_runs(tmp_path_factory: pytest.TempPathFactory) -> WrittenTrainerResumes:
     return build_once(tmp_path_factory, "trainer-resume", write_trainer_resume)
 
 
 @pytest.fixture(scope="session")
-def trainer_to_dcp(tmp_path_factory: pytest.TempPathFactory, trainer_resume: WrittenTrainerResume) -> TrainerToDcpProof:
-    return build_once(
-        tmp_path_factory,
-        "trainer-to-dcp",
-        lambda root: prove_trainer_to_dcp(root, trainer_resume.checkpoint, trainer_resume.record),
-    )
+def trainer_resume(trainer_runs: WrittenTrainerResumes) -> WrittenTrainerResume:
+    return trainer_runs.untied
+
+
+@pytest.fixture(scope="session")
+def trainer_to_dcp(tmp_path_factory: pytest.TempPathFactory, trainer_runs: WrittenTrainerResumes) -> TrainerToDcpProof:
+    runs = {
+        name: (run.checkpoint, run.record)
+        for name, run in (("untied", trainer_runs.untied), ("tied", trainer_runs.tied))
+    }
+    return build_once(tmp_path_factory, "trainer-to-dcp", lambda root: prove_trainer_to_dcp(root, runs))
 
 
 def _record(trainer_resume: WrittenTrainerResume) -> dict[str, Any]:
@@ -54,26 +64,30 @@ def test_the_trainer_source_is_registered() -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize(("case", "decay_group"), [("untied", 16), ("tied", 15)])
 def test_fsdp2_resumes_the_resharded_trainer_state_as_the_trainer_resumes_it(
-    trainer_to_dcp: TrainerToDcpProof, trainer_resume: WrittenTrainerResume, world_size: int
+    trainer_to_dcp: TrainerToDcpProof, trainer_runs: WrittenTrainerResumes, world_size: int, case: str, decay_group: int
 ) -> None:
     from safetensors.torch import load_file
 
-    got = trainer_to_dcp.results(world_size)
-    record = _record(trainer_resume)
-    # Both groups in use and different: a parameter put in the wrong group would step differently.
+    run: WrittenTrainerResume = getattr(trainer_runs, case)
+    got = trainer_to_dcp.results(case, world_size)
+    record = _record(run)
+    # Both groups in use and different: a parameter put in the wrong group would step differently. Tied, the
+    # embedding and the output layer are one parameter, numbered once.
     groups = record["optim"]["param_groups"]
-    assert [(g["weight_decay"], len(g["params"])) for g in groups] == [(WEIGHT_DECAY, 16), (0.0, 5)]
-    # The model: the Trainer's saved weights, and what its resume holds, exactly.
-    saved = load_file(str(trainer_resume.checkpoint / "model.safetensors"))
-    assert sorted(got["model"]) == sorted(saved)
+    assert [(g["weight_decay"], len(g["params"])) for g in groups] == [(WEIGHT_DECAY, decay_group), (0.0, 5)]
+    # The model: the Trainer's saved weights (tied, save_pretrained leaves lm_head.weight out), and what its resume
+    # holds (lm_head.weight too), exactly.
+    saved = load_file(str(run.checkpoint / "model.safetensors"))
+    assert sorted(set(got["model"]) - set(saved)) == (["lm_head.weight"] if case == "tied" else [])
     for name, tensor in saved.items():
         assert torch.equal(got["model"][name], tensor), name
     assert_same_state(got["model"], record["model"], "model")
     # The optimizer: the Trainer's resumed optimizer named by torch (by parameter identity), exactly.
     assert_same_state(got["optim"], record["optim"], "optim")
     # ... and optimizer.pt read independently, its indices named by the live Trainer's optimizer.
-    optimizer_pt = torch.load(trainer_resume.checkpoint / "optimizer.pt", weights_only=True)
+    optimizer_pt = torch.load(run.checkpoint / "optimizer.pt", weights_only=True)
     names = record["names_by_index"]
     assert {names[index] for index in optimizer_pt["state"]} == set(got["optim"]["state"])
     for index, state in optimizer_pt["state"].items():
@@ -97,7 +111,7 @@ def test_fsdp2_resumes_the_resharded_trainer_state_as_the_trainer_resumes_it(
 
 @pytest.mark.slow
 def test_not_carried_names_what_a_trainer_resume_restores_and_dcp_does_not(trainer_to_dcp: TrainerToDcpProof) -> None:
-    not_carried = dict(trainer_to_dcp.written["not_carried"])
+    not_carried = dict(trainer_to_dcp.written["untied"]["not_carried"])
     assert set(not_carried) == {
         "scheduler.pt",
         "rng_state.pth",
@@ -109,7 +123,7 @@ def test_not_carried_names_what_a_trainer_resume_restores_and_dcp_does_not(train
     }
     assert "global_step 2" in not_carried["trainer_state.json"]
     assert "gradient_accumulation_steps=1" in not_carried["gradient accumulation"]
-    assert trainer_to_dcp.written["files"] == ("__0_0.distcp", ".metadata")
+    assert trainer_to_dcp.written["untied"]["files"] == ("__0_0.distcp", ".metadata")
 
 
 @pytest.mark.slow

@@ -271,11 +271,13 @@ def prove_verl_to_dcp(root: Path, base_model: Path, actor: Path) -> VerlToDcpPro
 
 @dataclass(frozen=True)
 class TrainerToDcpProof:
-    root: Path
-    written: dict[str, Any]
+    """Per case (`untied`, `tied`), what the writer reported and what the FSDP2 ranks loaded and computed."""
 
-    def results(self, world_size: int) -> dict[str, Any]:
-        return torch.load(self.root / f"trainer-results-{world_size}.pt", weights_only=True)  # written by the proof
+    root: Path
+    written: dict[str, dict[str, Any]]
+
+    def results(self, case: str, world_size: int) -> dict[str, Any]:
+        return torch.load(self.root / f"{case}-results-{world_size}.pt", weights_only=True)  # written by the proof
 
 
 def _trainer_model_and_optimizer(checkpoint: str, world_size: int) -> tuple[Any, Any, Any]:
@@ -319,29 +321,33 @@ def _trainer_steps(model: Any, optimizer: Any, scheduler: Any, steps: list[dict[
     return taken
 
 
-def _trainer_worker(rank: int, world_size: int, rendezvous: str, root: str, checkpoint: str, record: str) -> None:
+def _trainer_worker(rank: int, world_size: int, rendezvous: str, root: str, *cases: str) -> None:
+    """For each case (`name`, `checkpoint`, `record` in turn): resume the output, gather, take the recorded steps."""
     import torch.distributed as dist
 
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world_size)
     try:
-        model, optimizer, scheduler = _trainer_model_and_optimizer(checkpoint, world_size)
-        _dcp_resume(model, optimizer, f"{root}/trainer-out")
-        scheduler.load_state_dict(torch.load(f"{checkpoint}/scheduler.pt", weights_only=True))
-        model_sd, optim_sd = _full_state(model, optimizer)
-        taken = _trainer_steps(model, optimizer, scheduler, torch.load(record, weights_only=True)["steps"])
-        if rank == 0:
-            results = {"model": model_sd, "optim": optim_sd, "steps": taken}
-            torch.save(results, f"{root}/trainer-results-{world_size}.pt")
+        for name, checkpoint, record in zip(cases[::3], cases[1::3], cases[2::3], strict=True):
+            model, optimizer, scheduler = _trainer_model_and_optimizer(checkpoint, world_size)
+            _dcp_resume(model, optimizer, f"{root}/{name}-out")
+            scheduler.load_state_dict(torch.load(f"{checkpoint}/scheduler.pt", weights_only=True))
+            model_sd, optim_sd = _full_state(model, optimizer)
+            taken = _trainer_steps(model, optimizer, scheduler, torch.load(record, weights_only=True)["steps"])
+            if rank == 0:
+                results = {"model": model_sd, "optim": optim_sd, "steps": taken}
+                torch.save(results, f"{root}/{name}-results-{world_size}.pt")
         dist.barrier()
     finally:
         dist.destroy_process_group()
 
 
-def prove_trainer_to_dcp(root: Path, checkpoint: Path, record: Path) -> TrainerToDcpProof:
-    """Reshard the Trainer's `checkpoint` into `root/trainer-out`, then resume it (the section comment)."""
-    written = _write_dcp(checkpoint, root / "trainer-out")
+def prove_trainer_to_dcp(root: Path, runs: dict[str, tuple[Path, Path]]) -> TrainerToDcpProof:
+    """Reshard each case's Trainer checkpoint (`runs`: name -> its checkpoint and the Trainer's resume record) into
+    `root/<name>-out`, then resume them (the section comment)."""
+    written = {name: _write_dcp(checkpoint, root / f"{name}-out") for name, (checkpoint, _) in runs.items()}
+    cases = [str(value) for name, (checkpoint, record) in runs.items() for value in (name, checkpoint, record)]
     for world_size in (1, 2):
-        _spawn(_trainer_worker, root, world_size, str(checkpoint), str(record))
+        _spawn(_trainer_worker, root, world_size, *cases)
     return TrainerToDcpProof(root, written)

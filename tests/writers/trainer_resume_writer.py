@@ -13,7 +13,8 @@ members, for 4 steps saving `checkpoint-2/` and `checkpoint-4/`. Then a fresh Tr
 - `steps`: for steps 3 and 4, the batch it trained on, `num_items_in_batch`, the loss it computed and each group's
   learning rate.
 
-It runs in a subprocess (accelerate's process-wide state and the Trainer's seeds stay out of the test process).
+The same runs again with tied input and output embeddings (`tie_word_embeddings=True`), into `tied/` beside
+`untied/`. It runs in a subprocess (accelerate's process-wide state and the Trainer's seeds stay out of the test process).
 Run directly: `python -m tests.writers.trainer_resume_writer OUT_DIR`.
 """
 
@@ -27,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["STEPS", "WEIGHT_DECAY", "WrittenTrainerResume", "write_trainer_resume"]
+__all__ = ["STEPS", "WEIGHT_DECAY", "WrittenTrainerResume", "WrittenTrainerResumes", "write_trainer_resume"]
 
 WEIGHT_DECAY = 0.1
 STEPS = 4
@@ -71,7 +72,7 @@ def _arguments(output_dir: Path, **overrides: Any) -> Any:
     )
 
 
-def _train(root: Path) -> None:
+def _train(root: Path, tied: bool) -> None:
     import torch
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
     from transformers import Trainer
@@ -83,7 +84,11 @@ def _train(root: Path) -> None:
     for _ in range(16):
         ids = torch.randint(0, 128, (16,), generator=generator)
         dataset.append({"input_ids": ids, "labels": ids})
-    Trainer(model=tiny_llama(), args=_arguments(root / "out", save_strategy="steps"), train_dataset=dataset).train()
+    Trainer(
+        model=tiny_llama(tie_word_embeddings=tied),
+        args=_arguments(root / "out", save_strategy="steps"),
+        train_dataset=dataset,
+    ).train()
 
     record: dict[str, Any] = {"steps": []}
 
@@ -109,14 +114,26 @@ def _train(root: Path) -> None:
             return loss
 
     resumed = RecordingTrainer(
-        model=tiny_llama(), args=_arguments(root / "resumed", save_strategy="no"), train_dataset=dataset
+        model=tiny_llama(tie_word_embeddings=tied),
+        args=_arguments(root / "resumed", save_strategy="no"),
+        train_dataset=dataset,
     )
     resumed.train(resume_from_checkpoint=str(root / "out" / f"checkpoint-{_SAVE_STEPS}"))
     torch.save(record, root / "resume-record.pt")
 
 
-def write_trainer_resume(root: Path) -> WrittenTrainerResume:
-    """Run the Trainer and its resume in a subprocess and describe what they wrote."""
+@dataclass(frozen=True)
+class WrittenTrainerResumes:
+    """The run of the tiny Llama (`untied`) and of the same with tied input and output embeddings (`tied`,
+    `tie_word_embeddings=True`: save_pretrained leaves `lm_head.weight` out, and the optimizer numbers the shared
+    parameter once)."""
+
+    untied: WrittenTrainerResume
+    tied: WrittenTrainerResume
+
+
+def write_trainer_resume(root: Path) -> WrittenTrainerResumes:
+    """Run the Trainer and its resume, untied and tied, in a subprocess and describe what they wrote."""
     repo = Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONPATH": str(repo), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
     subprocess.run(
@@ -126,8 +143,11 @@ def write_trainer_resume(root: Path) -> WrittenTrainerResume:
         env=env,
         capture_output=True,
     )
-    return WrittenTrainerResume(root / "out", root / "resume-record.pt")
+    return WrittenTrainerResumes(
+        *(WrittenTrainerResume(root / name / "out", root / name / "resume-record.pt") for name in ("untied", "tied"))
+    )
 
 
 if __name__ == "__main__":
-    _train(Path(sys.argv[1]))
+    _train(Path(sys.argv[1]) / "untied", tied=False)
+    _train(Path(sys.argv[1]) / "tied", tied=True)

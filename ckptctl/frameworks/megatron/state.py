@@ -36,5 +36,6 @@ def SOURCE(checkpoint: Checkpoint) -> ParamState:
         f"{checkpoint.url}: megatron-core saves its optimizer's param_groups without their parameters (it rebuilds "
         "them from its own code and the run's arguments at load), so which parameter has which weight decay and "
         "learning-rate multiplier is not in the checkpoint; and its fused linear_qkv / linear_fc1 tensors and their "
-        f"Adam moments are not proved to map onto a model an FSDP2 trainer builds: {instead}, or resume with Megatron"
+        "Adam moments are not proved to map onto the parameters of a model another framework builds (an FSDP2 "
+        f"trainer's transformers model): {instead}, or resume with Megatron"
     )

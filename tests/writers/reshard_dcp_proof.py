@@ -21,15 +21,18 @@ from typing import Any
 import torch
 
 from tests.writers.dcp_writer import sharded_tiny_net
+from tests.writers.trainer_resume_writer import STEPS, WEIGHT_DECAY
 
 __all__ = [
     "CASES",
     "NEXT_STEP_SEED",
     "DcpReshardProof",
+    "TrainerToDcpProof",
     "VerlToDcpProof",
     "adamw",
     "batch",
     "prove_dcp_reshard",
+    "prove_trainer_to_dcp",
     "prove_verl_to_dcp",
 ]
 
@@ -167,31 +170,33 @@ def _copy(tree: Any) -> Any:
     return tree
 
 
-def _spawn(worker: Any, root: Path, world_size: int) -> None:
+def _spawn(worker: Any, root: Path, world_size: int, *extra: str) -> None:
     import torch.multiprocessing as mp
 
     rendezvous = root / f".rendezvous-{worker.__name__}-{world_size}"
     rendezvous.unlink(missing_ok=True)
-    mp.spawn(worker, args=(world_size, str(rendezvous), str(root)), nprocs=world_size)
+    mp.spawn(worker, args=(world_size, str(rendezvous), str(root), *extra), nprocs=world_size)
 
 
-def prove_dcp_reshard(root: Path) -> DcpReshardProof:
+def _write_dcp(source: Path, out: Path) -> dict[str, Any]:
+    """Reshard `source` into the new folder `out` with the writer (which must not refuse it): what it reports."""
     from ckptctl.frameworks.dcp.reshard import WRITER
     from ckptctl.layouts import open_checkpoint
     from ckptctl.layouts.capabilities import ReshardRequest
 
+    checkpoint = open_checkpoint(str(source))
+    assert WRITER.refusal(checkpoint, None) is None
+    os.makedirs(out)
+    state = WRITER.write(ReshardRequest(checkpoint, str(out), None), lambda _n: None)
+    return {"files": state.files, "tensors": state.tensors, "not_carried": [(n.what, n.why) for n in state.not_carried]}
+
+
+def prove_dcp_reshard(root: Path) -> DcpReshardProof:
     _spawn(_train_worker, root, 2)
-    written: dict[str, Any] = {}
-    for source, out in (("dcp", "out-dcp"), ("native/step-2", "out-native")):
-        checkpoint = open_checkpoint(str(root / source))
-        assert WRITER.refusal(checkpoint, None) is None
-        os.makedirs(root / out)
-        state = WRITER.write(ReshardRequest(checkpoint, str(root / out), None), lambda _n: None)
-        written[source] = {
-            "files": state.files,
-            "tensors": state.tensors,
-            "not_carried": [(n.what, n.why) for n in state.not_carried],
-        }
+    written = {
+        source: _write_dcp(root / source, root / out)
+        for source, out in (("dcp", "out-dcp"), ("native/step-2", "out-native"))
+    }
     for world_size in (1, 2):
         _spawn(_load_worker, root, world_size)
     return DcpReshardProof(root, written)
@@ -259,21 +264,103 @@ def prove_verl_to_dcp(root: Path, base_model: Path, actor: Path) -> VerlToDcpPro
     """Reshard verl's actor folder `actor` into `root/verl-out`, then resume it (the section comment)."""
     import torch.multiprocessing as mp
 
-    from ckptctl.frameworks.dcp.reshard import WRITER
-    from ckptctl.layouts import open_checkpoint
-    from ckptctl.layouts.capabilities import ReshardRequest
     from tests.writers.verl_reshard_proof import _free_port
 
-    checkpoint = open_checkpoint(str(actor))
-    assert WRITER.refusal(checkpoint, None) is None
-    os.makedirs(root / "verl-out")
-    state = WRITER.write(ReshardRequest(checkpoint, str(root / "verl-out"), None), lambda _n: None)
-    written = {
-        "files": state.files,
-        "tensors": state.tensors,
-        "not_carried": [(n.what, n.why) for n in state.not_carried],
-    }
+    written = _write_dcp(actor, root / "verl-out")
     for world_size in (2, 1):
         args = (world_size, _free_port(), str(base_model), str(actor), str(root))
         mp.spawn(_verl_worker, args=args, nprocs=world_size)
     return VerlToDcpProof(root, written)
+
+
+# --------------------------------------------------------------------------------------------------
+# HF Trainer -> DCP: a Trainer `checkpoint-N` resharded, then loaded on 1 and 2 ranks by an FSDP2 model of the same
+# transformers class with torch AdamW in the Trainer's groups (dcp.load + set_state_dict), which takes the steps the
+# Trainer's own resume took (`tests.writers.trainer_resume_writer`): the same batches, loss as the Trainer computes
+# it, gradients clipped to the Trainer's max_grad_norm (1.0), the learning rate the loaded groups hold, the LR
+# scheduler (not carried) loaded from the checkpoint's scheduler.pt as the output's not_carried says.
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TrainerToDcpProof:
+    """Per case (`untied`, `tied`), what the writer reported and what the FSDP2 ranks loaded and computed."""
+
+    root: Path
+    written: dict[str, dict[str, Any]]
+
+    def results(self, case: str, world_size: int) -> dict[str, Any]:
+        return torch.load(self.root / f"{case}-results-{world_size}.pt", weights_only=True)  # written by the proof
+
+
+def _trainer_model_and_optimizer(checkpoint: str, world_size: int) -> tuple[Any, Any, Any]:
+    """The model class the checkpoint's config.json names, sharded with FSDP2 (each decoder layer a unit), torch AdamW
+    over the groups `Trainer.create_optimizer` makes (transformers' own decay names; the settings are the
+    checkpoint's once loaded) and the Trainer's linear LR schedule. The scheduler is built before the load, as a
+    trainer builds its objects and then loads: it sets each group's `initial_lr`, which the load then fills (DCP
+    loads the settings the optimizer has, and `initial_lr` is the scheduler's)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoConfig, AutoModelForCausalLM, Trainer, get_linear_schedule_with_warmup
+
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(checkpoint))
+    mesh = init_device_mesh("cpu", (world_size,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    decay = Trainer.__new__(Trainer).get_decay_parameter_names(model)
+    groups = [
+        {"params": [p for n, p in model.named_parameters() if n in decay], "weight_decay": WEIGHT_DECAY},
+        {"params": [p for n, p in model.named_parameters() if n not in decay], "weight_decay": 0.0},
+    ]
+    optimizer = torch.optim.AdamW(groups)
+    return model, optimizer, get_linear_schedule_with_warmup(optimizer, 0, STEPS)
+
+
+def _trainer_steps(model: Any, optimizer: Any, scheduler: Any, steps: list[dict[str, Any]]) -> list[Any]:
+    """The loss and the groups' learning rates of each recorded step, taking each as the Trainer does (the last
+    step's update is not needed)."""
+    taken = []
+    model.train()
+    for k, step in enumerate(steps):
+        loss = model(**step["inputs"], num_items_in_batch=step["num_items_in_batch"]).loss
+        taken.append((float(loss), [group["lr"] for group in optimizer.param_groups]))
+        if k + 1 < len(steps):
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+    return taken
+
+
+def _trainer_worker(rank: int, world_size: int, rendezvous: str, root: str, *cases: str) -> None:
+    """For each case (`name`, `checkpoint`, `record` in turn): resume the output, gather, take the recorded steps."""
+    import torch.distributed as dist
+
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world_size)
+    try:
+        for name, checkpoint, record in zip(cases[::3], cases[1::3], cases[2::3], strict=True):
+            model, optimizer, scheduler = _trainer_model_and_optimizer(checkpoint, world_size)
+            _dcp_resume(model, optimizer, f"{root}/{name}-out")
+            scheduler.load_state_dict(torch.load(f"{checkpoint}/scheduler.pt", weights_only=True))
+            model_sd, optim_sd = _full_state(model, optimizer)
+            taken = _trainer_steps(model, optimizer, scheduler, torch.load(record, weights_only=True)["steps"])
+            if rank == 0:
+                results = {"model": model_sd, "optim": optim_sd, "steps": taken}
+                torch.save(results, f"{root}/{name}-results-{world_size}.pt")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def prove_trainer_to_dcp(root: Path, runs: dict[str, tuple[Path, Path]]) -> TrainerToDcpProof:
+    """Reshard each case's Trainer checkpoint (`runs`: name -> its checkpoint and the Trainer's resume record) into
+    `root/<name>-out`, then resume them (the section comment)."""
+    written = {name: _write_dcp(checkpoint, root / f"{name}-out") for name, (checkpoint, _) in runs.items()}
+    cases = [str(value) for name, (checkpoint, record) in runs.items() for value in (name, checkpoint, record)]
+    for world_size in (1, 2):
+        _spawn(_trainer_worker, root, world_size, *cases)
+    return TrainerToDcpProof(root, written)

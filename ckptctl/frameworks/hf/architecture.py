@@ -20,15 +20,13 @@ transformers is optional: without it (or before 5, which lacks these steps) ther
 
 from __future__ import annotations
 
-import contextlib
-import importlib.util
 import re
-import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from ckptctl.errors import CkptctlError, ModelMismatch
 from ckptctl.layouts.capabilities import ModelSpec
+from ckptctl.layouts.parts.hf_model_class import build_on_meta, model_class, quiet
 
 if TYPE_CHECKING:
     import torch
@@ -46,7 +44,7 @@ def model_spec(config: Mapping[str, Any], notes: list[str]) -> ModelSpec | None:
     Raises:
         ModelMismatch: transformers refuses to build the model from this config (the output would not load).
     """
-    found = _model_class(config, notes)
+    found = model_class(config, notes)
     if found is None:
         return None
     name, cls = found
@@ -55,8 +53,8 @@ def model_spec(config: Mapping[str, Any], notes: list[str]) -> ModelSpec | None:
     from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
     try:
-        with _quiet(), torch.device("meta"), torch.no_grad():
-            model = cls._from_config(cls.config_class.from_dict(dict(config)))
+        with quiet(), torch.device("meta"), torch.no_grad():
+            model = build_on_meta(cls, config)
             state = model.state_dict(keep_vars=True)
             kept = dict(state)
             for key in model._keys_to_ignore_on_save or ():
@@ -96,13 +94,13 @@ def model_logits(folder: str, config: Mapping[str, Any], tensors: Mapping[str, t
         CkptctlError: transformers is not importable or has no class for the config.
     """
     notes: list[str] = []
-    found = _model_class(config, notes)
+    found = model_class(config, notes)
     if found is None:
         raise CkptctlError(f"cannot compare logits: {notes[0]}")
     name, cls = found
     import torch
 
-    with _quiet():
+    with quiet():
         if tensors is None:
             model, info = cls.from_pretrained(folder, output_loading_info=True)
         else:
@@ -132,55 +130,9 @@ def model_logits(folder: str, config: Mapping[str, Any], tensors: Mapping[str, t
     return logits.float()
 
 
-def _model_class(config: Mapping[str, Any], notes: list[str]) -> tuple[str, Any] | None:
-    """`(name, class)` of the transformers model `config["architectures"][0]` names, or None with a note."""
-    architectures = config.get("architectures")
-    if not (isinstance(architectures, list) and architectures and isinstance(architectures[0], str)):
-        notes.append("config.json names no architecture: the tensors were not checked against a model")
-        return None
-    name = architectures[0]
-    if not _has_transformers_5():
-        notes.append(f"transformers 5 or later is not importable: the tensors were not checked against {name}")
-        return None
-    import transformers
-
-    cls = getattr(transformers, name, None) if name.isidentifier() else None
-    if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)):
-        notes.append(f"transformers has no model class {name} (custom code?): the tensors were not checked against it")
-        return None
-    return name, cls
-
-
-def _has_transformers_5() -> bool:
-    """Whether transformers 5 or later is importable (`model_spec` reverts its weight conversions, in
-    `core_model_loading`, which 4.x has not)."""
-    return importlib.util.find_spec("transformers") is not None and bool(
-        importlib.util.find_spec("transformers.core_model_loading")
-    )
-
-
 def _same_tensor(state: Mapping[str, Any], alias: str, kept: Mapping[str, Any]) -> str | None:
     """The name `kept` holds the tied copy `alias` under (the same parameter object on the meta device)."""
     return next((name for name, value in kept.items() if value is state[alias]), None)
-
-
-@contextlib.contextmanager
-def _quiet() -> Iterator[None]:
-    """transformers' warnings, log lines and progress bars off while it builds or loads, restored after."""
-    from transformers.utils import logging as hf_logging
-
-    verbosity = hf_logging.get_verbosity()
-    bars = hf_logging.is_progress_bar_enabled()
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            yield
-    finally:
-        hf_logging.set_verbosity(verbosity)
-        if bars:
-            hf_logging.enable_progress_bar()
 
 
 def _first_line(exc: BaseException) -> str:

@@ -10,8 +10,6 @@ tensors come from the role's tensor index (every rank's shard placed by its DTen
 
 from __future__ import annotations
 
-from typing import Any
-
 from ckptctl import io
 from ckptctl.checkpoint import Checkpoint, TensorEntry
 from ckptctl.errors import CkptctlError, CorruptCheckpoint
@@ -20,12 +18,13 @@ from ckptctl.formats.dtensor_classes import DTENSOR_PICKLE_GLOBALS, DTensorRef
 from ckptctl.formats.torch_pickle import open_torch_pickle
 from ckptctl.formats.torch_pickle_classes import TensorRef
 from ckptctl.frameworks.verl.reshard import _fsdp_config, _rank_file, _source_roles, _torn
-from ckptctl.layouts.capabilities import NotCarried, ParamState, StateTensor
-from ckptctl.layouts.parts.param_state import name_indexed_state, stored_tensor
+from ckptctl.layouts.capabilities import NotCarried, ParamState
+from ckptctl.layouts.parts.param_state import indexed_optimizer, name_indexed_state, stored_tensor
 
 __all__ = ["SOURCE"]
 
 _BUILT = "verl builds its optimizer from module.parameters()"
+_TENSORS = (TensorRef, DTensorRef)
 
 
 def SOURCE(checkpoint: Checkpoint) -> ParamState:
@@ -51,21 +50,9 @@ def SOURCE(checkpoint: Checkpoint) -> ParamState:
     ]
     optim_file = io.join(role.url, _rank_file("optim", role.world, 0))
     root = open_torch_pickle(optim_file, role.facts.files.get(io.name_of(optim_file)), DTENSOR_PICKLE_GLOBALS).root
-    if (
-        not isinstance(root, dict)
-        or not isinstance(root.get("state"), dict)
-        or not isinstance(root.get("param_groups"), list)
-    ):
-        raise CkptctlError(f"{optim_file}: not a torch optimizer's state_dict ({{state, param_groups}})")
-    state: dict[int, dict[str, StateTensor | int | float]] = {}
-    for number, per_param in root["state"].items():
-        if type(number) is not int or not isinstance(per_param, dict):
-            raise CkptctlError(f"{optim_file}: optimizer state keyed by {number!r}, not by parameter index")
-        state[number] = {
-            str(key): _value(checkpoint.url, index, f"optimizer.state.{number}.{key}", value, optim_file)
-            for key, value in per_param.items()
-        }
-    groups = [group for group in root["param_groups"] if isinstance(group, dict)]
+    state, groups = indexed_optimizer(
+        root, optim_file, lambda name: stored_tensor(checkpoint.url, _entry(index, name, optim_file)), _TENSORS
+    )
     optimizer, param_groups = name_indexed_state(model, state, groups, optim_file, _BUILT)
     extra = io.join(role.url, _rank_file("extra_state", role.world, 0))
     not_carried = (
@@ -85,13 +72,3 @@ def _entry(index: dict[str, TensorEntry], name: str, where: str) -> TensorEntry:
     if entry is None:
         raise CorruptCheckpoint(f"{where}: {name} is not in the role's tensor index")
     return entry
-
-
-def _value(
-    checkpoint_url: str, index: dict[str, TensorEntry], name: str, value: Any, where: str
-) -> StateTensor | int | float:
-    if isinstance(value, TensorRef | DTensorRef):
-        return stored_tensor(checkpoint_url, _entry(index, name, where))
-    if type(value) in (int, float):
-        return value
-    raise CkptctlError(f"{where}: optimizer state {name} is a {type(value).__name__}, not a tensor or a number")

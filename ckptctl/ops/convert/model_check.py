@@ -31,15 +31,13 @@ from ckptctl.checkpoint import Checkpoint
 from ckptctl.errors import CkptctlError, ModelMismatch
 from ckptctl.formats.documents import parse_json
 from ckptctl.layouts.capabilities import ModelSpec
+from ckptctl.layouts.parts.hf_model_class import excess_layers
 from ckptctl.ops.convert.options import Target
 from ckptctl.ops.convert.plan import Planned, float_dtype, read_planned
 from ckptctl.ops.convert_source import convert_source
 
 #: Names of each kind listed in a mismatch message; the rest are counted.
 _LISTED = 5
-#: A config may ask for up to this many layers or experts (or as many as the checkpoint has tensors): more
-#: would only make transformers build a meta model for minutes that cannot match the checkpoint anyway.
-_MIN_BUILD_BOUND = 1024
 #: Relative tolerance of the logits comparison by the dtype the weights are held in: the same weights in
 #: the same dtype give the same logits; this only absorbs kernels that reduce in another order.
 _LOGITS_RTOL = {"float64": 1e-9, "float32": 1e-5, "bfloat16": 2e-2, "float16": 2e-3}
@@ -71,25 +69,13 @@ def model_spec(config: Mapping[str, Any], plan: Sequence[Planned], notes: list[s
         ModelMismatch: the config asks for more layers or experts than the checkpoint could hold, or
             transformers cannot build a model from it.
     """
-    bound = max(len(plan), _MIN_BUILD_BOUND)
-    for key, value in _counts(config):
-        if value > bound:
-            raise ModelMismatch(
-                f"config.json says {key}={value}, more than the {len(plan)} tensors of the checkpoint can make up",
-                f"pass the config of this model with --config, or {_NO_CHECK_HINT}",
-            )
+    excess = excess_layers(config, len(plan))
+    if excess is not None:
+        raise ModelMismatch(
+            f"config.json says {excess}, more than the {len(plan)} tensors of the checkpoint can make up",
+            f"pass the config of this model with --config, or {_NO_CHECK_HINT}",
+        )
     return convert_source(Target.HF).model_spec(config, notes)
-
-
-def _counts(config: Mapping[str, Any], depth: int = 0) -> list[tuple[str, int]]:
-    """Every integer of `config` (and its sub-configs) whose key counts layers or experts."""
-    found = []
-    for key, value in config.items():
-        if isinstance(value, dict) and depth < 8:
-            found += _counts(value, depth + 1)
-        elif type(value) is int and ("layers" in key or "experts" in key):
-            found.append((key, value))
-    return found
 
 
 def apply_ties(

@@ -8,8 +8,11 @@ files this suite wrote, and `optimizer_state.pt` holds DeepSpeed's `LossScaler`.
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -58,20 +61,11 @@ def _assert_same(a: Any, b: Any, where: str) -> None:
         assert type(a) is type(b) and a == b, f"{where}: {a!r} != {b!r}"
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_every_tensor_equals_ds_to_universal(stage: int, deepspeed_universal: WrittenUniversal, tmp_path: Path) -> None:
-    """The save folder (holding `latest`) in, DeepSpeed's own conversion of the tag `latest` names as the
-    reference: the same files, and in each the same tensors bit for bit and the same other values. One
-    departure, by design: under ZeRO-3, DeepSpeed keeps DP rank 0's own flat partitions in
-    `optimizer_state.pt` (which its universal load does not read); ckptctl leaves them out."""
-    save_dir = deepspeed_universal.runs[stage].save_dir  # `latest` and the tags, without the conversion
-    dst = tmp_path / "universal"
-    result = reshard(str(save_dir), str(dst), TO)
-    reference = deepspeed_universal.universal(stage)
-    ours = dst / "global_step4"
-    assert (dst / "latest_universal").read_text() == "global_step4"
+def _assert_same_as_reference(ours: Path, reference: Path, stage: int) -> None:
+    """Every file of DeepSpeed's conversion `reference` has the same values in `ours`; one departure, by design:
+    under ZeRO-3, DeepSpeed keeps DP rank 0's own flat partitions in `optimizer_state.pt` (which its universal
+    load does not read); ckptctl leaves them out."""
     assert _files(ours) == _files(reference)
-    assert sorted(result.files) == sorted(f for f in _files(dst) if f != "ckptctl-digests.json")
     for rel in _files(reference):
         expected = torch.load(reference / rel, weights_only=False)
         got = torch.load(ours / rel, weights_only=False)
@@ -81,9 +75,52 @@ def test_every_tensor_equals_ds_to_universal(stage: int, deepspeed_universal: Wr
                 g: {"step": s["step"]} for g, s in expected["optimizer_state_dict"]["state"].items()
             }
         _assert_same(expected, got, rel)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_every_tensor_equals_ds_to_universal(stage: int, deepspeed_universal: WrittenUniversal, tmp_path: Path) -> None:
+    """The save folder (holding `latest`) in, DeepSpeed's own conversion of the tag `latest` names as the
+    reference: the same files, and in each the same tensors bit for bit and the same other values."""
+    save_dir = deepspeed_universal.runs[stage].save_dir  # `latest` and the tags, without the conversion
+    dst = tmp_path / "universal"
+    result = reshard(str(save_dir), str(dst), TO)
+    reference = deepspeed_universal.universal(stage)
+    ours = dst / "global_step4"
+    assert (dst / "latest_universal").read_text() == "global_step4"
+    assert _files(ours) == _files(reference)
+    assert sorted(result.files) == sorted(f for f in _files(dst) if f != "ckptctl-digests.json")
+    _assert_same_as_reference(ours, reference, stage)
     assert result.to == "deepspeed-universal" and result.world_size is None
     assert result.tensors == sum(1 for f in _files(ours) if f.endswith(("fp32.pt", "exp_avg.pt", "exp_avg_sq.pt")))
     assert {n.what for n in result.not_carried} >= {"rng"}
+
+
+#: Runs the command in a fresh interpreter, then says which heavy modules it imported.
+_COMMAND_IMPORTS = """
+import json, runpy, sys
+sys.argv = ["ckptctl", *sys.argv[1:]]
+try:
+    runpy.run_module("ckptctl", run_name="__main__")
+except SystemExit as exc:
+    code = exc.code
+heavy = sorted({m.split(".")[0] for m in sys.modules} & {"torch", "numpy", "ml_dtypes", "deepspeed"})
+print(json.dumps({"code": code, "heavy": heavy}), file=sys.stderr)
+"""
+
+
+def test_command_imports_neither_torch_nor_numpy(deepspeed_universal: WrittenUniversal, tmp_path: Path) -> None:
+    """`ckptctl reshard SAVE_DIR DST --to deepspeed-universal` streams every tensor from the partitions' bytes
+    into archives written by hand: the whole command (source verification included) runs without torch,
+    numpy or DeepSpeed imported (torch alone costs ~220 MiB of resident memory). ZeRO-2: `step.pt` and
+    DeepSpeed's classes in `optimizer_state.pt` too; the values are those of the tests above (same code)."""
+    save_dir = deepspeed_universal.runs[2].save_dir
+    dst = tmp_path / "universal"
+    argv = ["reshard", str(save_dir), str(dst), "--to", "deepspeed-universal", "--json", "-q", "--workers", "2"]
+    done = subprocess.run([sys.executable, "-c", _COMMAND_IMPORTS, *argv], capture_output=True, text=True, check=False)
+    report = json.loads(done.stderr.strip().splitlines()[-1])
+    assert report == {"code": 0, "heavy": []}, done.stderr[-2000:]
+    assert json.loads(done.stdout)["tensors"] > 0
+    assert _files(dst / "global_step4") == _files(deepspeed_universal.universal(2))
 
 
 def test_json_verify_and_resume_plan(run_cli: Cli, deepspeed_runs: dict[int, WrittenDeepSpeed], tmp_path: Path) -> None:
@@ -140,15 +177,15 @@ def test_interrupted_reshard_leaves_nothing(
     from ckptctl.frameworks.deepspeed import reshard as writer
 
     written = []
-    real = writer.save_torch
+    real = writer.write_torch_file
 
-    def interrupted(obj: Any, path: str) -> None:
+    def interrupted(obj: Any, path: str) -> int:
         if len(written) == 5:
             raise KeyboardInterrupt
         written.append(path)
-        real(obj, path)
+        return real(obj, path)
 
-    monkeypatch.setattr(writer, "save_torch", interrupted)
+    monkeypatch.setattr(writer, "write_torch_file", interrupted)
     with pytest.raises(KeyboardInterrupt):
         reshard(str(deepspeed_runs[3].save_dir), str(tmp_path / "out"), TO)
     assert len(written) == 5 and os.listdir(tmp_path) == []

@@ -231,3 +231,24 @@ def test_lightning_deepspeed_checkpoint(lightning_run: WrittenLightning, tmp_pat
     for name, tensor in reference.items():
         got = torch.load(zero / name / "fp32.pt", weights_only=True)["param"]
         assert got.dtype == torch.float32 and torch.equal(got, tensor.float()), name
+
+
+def test_strided_module_tensor_written_through_torch(tmp_path: Path) -> None:
+    """A module tensor saved as a strided view (DeepSpeed saves none, but a state dict may hold one) is not one
+    byte range: it is read with torch, then written like the others (cast to float32 as ds_to_universal's
+    `.float()`)."""
+    from types import SimpleNamespace
+
+    from ckptctl.formats.torch_pickle import open_torch_pickle
+    from ckptctl.formats.torch_save_writer import write_torch_file
+    from ckptctl.frameworks.deepspeed.reshard import _raw_tensor
+
+    weight = torch.randn(6, 4).bfloat16()
+    torch.save({"module": {"w": weight.t()}}, tmp_path / "model_states.pt")
+    opened = open_torch_pickle(str(tmp_path / "model_states.pt"))
+    ref = opened.root["module"]["w"]
+    assert opened.byte_range(ref) is None
+    tag = SimpleNamespace(url=str(tmp_path), open_file=lambda name: opened)
+    write_torch_file({"param": _raw_tensor(ref, tag, "model_states.pt", "float32")}, str(tmp_path / "fp32.pt"))  # type: ignore[arg-type]
+    got = torch.load(tmp_path / "fp32.pt", weights_only=True)["param"]
+    assert got.dtype == torch.float32 and torch.equal(got, weight.t().float())

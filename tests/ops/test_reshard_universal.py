@@ -61,11 +61,20 @@ def _assert_same(a: Any, b: Any, where: str) -> None:
         assert type(a) is type(b) and a == b, f"{where}: {a!r} != {b!r}"
 
 
-def _assert_same_as_reference(ours: Path, reference: Path, stage: int) -> None:
-    """Every file of DeepSpeed's conversion `reference` has the same values in `ours`; one departure, by design:
-    under ZeRO-3, DeepSpeed keeps DP rank 0's own flat partitions in `optimizer_state.pt` (which its universal
-    load does not read); ckptctl leaves them out."""
+@pytest.mark.parametrize("stage", [2, 3])
+def test_every_tensor_equals_ds_to_universal(stage: int, deepspeed_universal: WrittenUniversal, tmp_path: Path) -> None:
+    """The save folder (holding `latest`) in, DeepSpeed's own conversion of the tag `latest` names as the
+    reference: the same files, and in each the same tensors bit for bit and the same other values. One
+    departure, by design: under ZeRO-3, DeepSpeed keeps DP rank 0's own flat partitions in
+    `optimizer_state.pt` (which its universal load does not read); ckptctl leaves them out."""
+    save_dir = deepspeed_universal.runs[stage].save_dir  # `latest` and the tags, without the conversion
+    dst = tmp_path / "universal"
+    result = reshard(str(save_dir), str(dst), TO)
+    reference = deepspeed_universal.universal(stage)
+    ours = dst / "global_step4"
+    assert (dst / "latest_universal").read_text() == "global_step4"
     assert _files(ours) == _files(reference)
+    assert sorted(result.files) == sorted(f for f in _files(dst) if f != "ckptctl-digests.json")
     for rel in _files(reference):
         expected = torch.load(reference / rel, weights_only=False)
         got = torch.load(ours / rel, weights_only=False)
@@ -75,21 +84,6 @@ def _assert_same_as_reference(ours: Path, reference: Path, stage: int) -> None:
                 g: {"step": s["step"]} for g, s in expected["optimizer_state_dict"]["state"].items()
             }
         _assert_same(expected, got, rel)
-
-
-@pytest.mark.parametrize("stage", [2, 3])
-def test_every_tensor_equals_ds_to_universal(stage: int, deepspeed_universal: WrittenUniversal, tmp_path: Path) -> None:
-    """The save folder (holding `latest`) in, DeepSpeed's own conversion of the tag `latest` names as the
-    reference: the same files, and in each the same tensors bit for bit and the same other values."""
-    save_dir = deepspeed_universal.runs[stage].save_dir  # `latest` and the tags, without the conversion
-    dst = tmp_path / "universal"
-    result = reshard(str(save_dir), str(dst), TO)
-    reference = deepspeed_universal.universal(stage)
-    ours = dst / "global_step4"
-    assert (dst / "latest_universal").read_text() == "global_step4"
-    assert _files(ours) == _files(reference)
-    assert sorted(result.files) == sorted(f for f in _files(dst) if f != "ckptctl-digests.json")
-    _assert_same_as_reference(ours, reference, stage)
     assert result.to == "deepspeed-universal" and result.world_size is None
     assert result.tensors == sum(1 for f in _files(ours) if f.endswith(("fp32.pt", "exp_avg.pt", "exp_avg_sq.pt")))
     assert {n.what for n in result.not_carried} >= {"rng"}

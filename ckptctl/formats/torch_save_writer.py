@@ -32,7 +32,6 @@ import math
 import os
 import pickle
 import struct
-import sys
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -227,7 +226,7 @@ def write_torch_file(obj: Any, path: str) -> int:
         out.record("data.pkl", buffer.getvalue())
         out.record(".format_version", b"1")
         out.record(".storage_alignment", str(_ALIGNMENT).encode())
-        out.record("byteorder", sys.byteorder.encode())
+        out.record("byteorder", b"little")  # what `RawTensor` bytes are, whatever this host's order
         for storage in pickler.storages:
             out.tensor_record(f"data/{storage.key}", storage.tensor)
         out.record("version", _FORMAT_VERSION)
@@ -436,8 +435,9 @@ def _cast_blocks(blocks: Iterator[memoryview], tensor: RawTensor) -> Iterator[me
 def cast_elements(raw: memoryview, dtype: str, out: memoryview, out_dtype: str, count: int) -> None:
     """Cast `count` elements of `dtype` in `raw` into `out` as `out_dtype`: bfloat16 -> float32 by placing the
     16 bits (exact, no import), any other pair through numpy (`safetensors_stream`'s cast)."""
-    if dtype == "bfloat16" and out_dtype == "float32" and sys.byteorder == "little":
-        # A float32 whose low half is zero is the bfloat16 of its high half: exactly torch's `.float()`.
+    if dtype == "bfloat16" and out_dtype == "float32":
+        # A float32 whose low half is zero is the bfloat16 of its high half: exactly torch's `.float()`
+        # (little-endian in and out, so the high half is the last two bytes of each element).
         out[0::4] = out[1::4] = b"\0" * count
         out[2::4] = raw[0::2]
         out[3::4] = raw[1::2]

@@ -5,8 +5,9 @@ per ZeRO stage (default 2 and 3) of a Llama built from a local config (`bench/co
 default here: hidden 768, 6 layers, vocab 32000: ~100M parameters, each with an fp32 master and two fp32
 moments in the partitions). Then, each in a fresh process, on a warm page cache, per stage:
 
-  (r) `ckptctl reshard SAVE_DIR OUT --to deepspeed-universal` (streams one parameter at a time from the
-      partitions' raw bytes; writes the digests file too),
+  (r) `ckptctl reshard SAVE_DIR OUT --to deepspeed-universal` (streams every tensor from the partitions' raw
+      bytes into torch.save archives written by hand, through a buffer of a few MiB, without importing torch
+      or numpy; writes the digests file too),
   (r2) the same with `--workers 2` (two threads reading and writing parameters; for information),
   (u) `ds_to_universal.py --input_folder TAG --output_folder OUT/TAG --inject_missing_state` (DeepSpeed 0.19,
       run in-process after DeepSpeed is imported, with `--num_extract_workers 1 --num_merge_workers 1` so
@@ -19,6 +20,10 @@ Reported for each: wall time of the whole process, the work time as the process 
 `seconds`; ds_to_universal's `main` after imports; cp: its wall), and peak RSS (`os.wait4`, that child only).
 Ratios (r)/(u) and (r)/(c). Afterwards the outputs of (r) and (u) are compared tensor by tensor (every
 `zero/<param>/*.pt`; `optimizer_state.pt` apart from ZeRO-3's rank-0 flat partitions, which ckptctl leaves out).
+
+Run it with bytecode caching on, as `bench/summary.py` runs its children (`PYTHONDONTWRITEBYTECODE` unset,
+`PYTHONPYCACHEPREFIX` set, `python -m compileall ckptctl` first): an installed ckptctl has its `.pyc` files, as
+torch and DeepSpeed in the virtualenv have theirs.
 
 Usage: python bench/reshard.py [--stages 2,3] [--layers 6] [--hidden 768] [--vocab 32000] [--dir DIR] [--keep]
                                [--reuse]

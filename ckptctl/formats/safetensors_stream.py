@@ -45,6 +45,7 @@ __all__ = [
     "BufferSource",
     "RangeSource",
     "StreamCopier",
+    "cast_block",
     "plan_shards",
     "shard_file_names",
 ]
@@ -400,10 +401,10 @@ class StreamCopier:
             self._read_into(source.url, source.offset + p0 * itemsize, raw)
             lo, hi = p0 * out_itemsize, (p0 + count) * out_itemsize  # this piece's bytes of the output
             if first <= lo and hi <= end:
-                _convert(raw, source.dtype, target[lo - first : hi - first], source.out_dtype, count)
+                cast_block(raw, source.dtype, target[lo - first : hi - first], source.out_dtype, count)
                 continue
             converted = slot.scratch("converted", count * out_itemsize)
-            _convert(raw, source.dtype, converted, source.out_dtype, count)
+            cast_block(raw, source.dtype, converted, source.out_dtype, count)
             a, b = max(lo, first), min(hi, end)
             target[a - first : b - first] = converted[a - lo : b - lo]
 
@@ -445,7 +446,8 @@ def _numpy_types() -> dict[str, Any]:
     return {"float32": np.float32, "float16": np.float16, "float64": np.float64, "bfloat16": ml_dtypes.bfloat16}
 
 
-def _convert(raw: memoryview, dtype: str, out: memoryview, out_dtype: str, count: int) -> None:
+def cast_block(raw: memoryview, dtype: str, out: memoryview, out_dtype: str, count: int) -> None:
+    """Cast `count` elements of `dtype` in `raw` into `out` as `out_dtype` (numpy + ml_dtypes; torch for float8)."""
     types = _numpy_types()
     if dtype in types and out_dtype in types:
         import numpy as np

@@ -1,30 +1,141 @@
-"""Writing torch.save files whose objects were read with the safe unpickler.
+"""Writing torch.save files: whose objects were read with the safe unpickler, and whose tensors are byte ranges.
 
-`reshard` writes files a framework's own loader `torch.load`s (DeepSpeed's `optimizer_state.pt`), built from
-values ckptctl read without running anything: plain Python values, torch tensors it made, and the stand-ins
-the safe unpickler handed back for the framework's own classes (`safe_pickle.FrameworkObject`: a
-`LossScaler`, a `ZeroStageEnum` member). A stand-in is written back as the class it stands for, by name,
+`reshard` writes files a framework's own loader `torch.load`s (DeepSpeed's `zero/<param>/fp32.pt`,
+`optimizer_state.pt`), built from values ckptctl read without running anything: plain Python values, tensors,
+and the stand-ins the safe unpickler handed back for the framework's own classes (`safe_pickle.FrameworkObject`:
+a `LossScaler`, a `ZeroStageEnum` member). A stand-in is written back as the class it stands for, by name,
 the way pickle wrote it: an enum member as `Class(value)` (GLOBAL + REDUCE), any other object as
 `Class.__new__(Class)` given its stored state (GLOBAL + NEWOBJ + BUILD), so that the framework's loader
 gets the object it saved. Nothing is imported to write a class name, and no file is ever loaded here.
+
+Two ways in:
+
+- `write_torch_file(obj, path)` writes the archive by hand, without importing torch: the tensors of `obj`
+  are `RawTensor`s (a dtype, a shape, and where the row-major bytes are: in memory, or byte ranges of other
+  files, streamed through a buffer of a few MiB and cast block by block when stored in another dtype). The
+  archive is the one torch >= 1.6 writes (`torch/serialization.py` `_save`, `caffe2/serialize/
+  inline_container.cc` `PyTorchStreamWriter`): records `<archive>/data.pkl` (pickle protocol 2, each tensor
+  `torch._utils._rebuild_tensor_v2` of a persistent id `("storage", torch.<Type>Storage, key, "cpu", numel)`),
+  `.format_version`, `.storage_alignment`, `byteorder`, `data/<key>` per storage, `version` and
+  `.data/serialization_id`, each stored uncompressed with its data aligned to 64 bytes (an `FB` extra
+  field of `Z`s, as torch pads), CRC-32 computed while streaming, zip64 fields where a size or offset
+  needs them. `torch.load(weights_only=True)` reads it (when it holds no stand-ins).
+- `save_torch(obj, path)` is `torch.save` with the stand-ins written as their classes, for objects that hold
+  torch tensors.
 """
 
 from __future__ import annotations
 
+import collections
+import io as pyio
+import math
+import os
 import pickle
+import struct
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from ckptctl.errors import StorageError
+from ckptctl import io
+from ckptctl.checkpoint import dtype_itemsize
+from ckptctl.errors import CorruptCheckpoint, StorageError
+from ckptctl.formats.raw_chunks import ByteRange
 from ckptctl.formats.safe_pickle import FrameworkObject
+from ckptctl.formats.torch_zip import crc32
+from ckptctl.io.sweep import open_ranges
 
-__all__ = ["save_torch"]
+__all__ = ["ByteRange", "RawTensor", "save_torch", "write_torch_file"]
+
+
+@dataclass(frozen=True, slots=True)
+class RawTensor:
+    """A tensor to write, without torch: its dtype, its shape, and its row-major little-endian bytes.
+
+    Attributes:
+        dtype: the written tensor's dtype, torch-style (`float32`, `bfloat16`, ...).
+        shape: its shape (`()` for a 0-dim tensor).
+        data: its bytes in memory, or the byte ranges of other files that hold them, in order.
+        stored_as: the dtype of the bytes in `data` when it is not `dtype`: they are cast while written.
+    """
+
+    dtype: str
+    shape: tuple[int, ...]
+    data: bytes | tuple[ByteRange, ...] = b""
+    stored_as: str | None = None
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+#: torch's storage class of each dtype (`torch.storage._dtype_to_storage_type_map`), as data.pkl names it.
+_STORAGE_TYPES = {
+    "float64": "DoubleStorage",
+    "float32": "FloatStorage",
+    "float16": "HalfStorage",
+    "bfloat16": "BFloat16Storage",
+    "int64": "LongStorage",
+    "int32": "IntStorage",
+    "int16": "ShortStorage",
+    "int8": "CharStorage",
+    "uint8": "ByteStorage",
+    "bool": "BoolStorage",
+    "complex64": "ComplexFloatStorage",
+    "complex128": "ComplexDoubleStorage",
+}
+#: Bytes read (and, for a cast, produced) per step while streaming a tensor: memory stays this flat.
+BLOCK = 4 << 20
+#: torch aligns every record's data to this many bytes (`kFieldAlignment`), so that it can be memory-mapped.
+_ALIGNMENT = 64
+#: Sizes and offsets from this one on go in zip64 extra fields (a module value so that tests can lower it).
+_ZIP64_LIMIT = 0xFFFFFFFF
+#: `version` record: the file format version torch >= 2.0 writes (`kProducedFileFormatVersion`).
+_FORMAT_VERSION = b"3\n"
 
 
 #: The pure-Python pickler (typeshed does not describe it), whose `save` a subclass can take over.
 _PurePickler: Any = pickle._Pickler
 
 
+@dataclass(frozen=True, slots=True)
+class _Global:
+    """A class or function that data.pkl names (GLOBAL `module name`) and that is never imported here."""
+
+    module: str
+    name: str
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class _StorageRef:
+    """The storage of a `RawTensor`: pickled as its persistent id, as torch pickles a storage."""
+
+    key: str
+    tensor: RawTensor
+
+
+_REBUILD_TENSOR = _Global("torch._utils", "_rebuild_tensor_v2")
+
+
 class _Pickler(_PurePickler):
+    def __init__(self, file: Any, protocol: int | None = None) -> None:
+        super().__init__(file, protocol)
+        self.storages: list[_StorageRef] = []
+        self._globals: dict[str, _Global] = {}
+
+    def persistent_id(self, obj: Any) -> Any:
+        if type(obj) is _StorageRef:
+            storage_type = self._storage_global(obj.tensor.dtype)
+            return ("storage", storage_type, obj.key, "cpu", obj.tensor.numel)
+        return None
+
+    def _storage_global(self, dtype: str) -> _Global:
+        name = _STORAGE_TYPES.get(dtype)
+        if name is None:
+            raise StorageError(f"cannot write a {dtype} tensor without torch")
+        # One object per class, so that pickle's memo names it once and refers back to it after.
+        return self._globals.setdefault(name, _Global("torch", name))
+
     def _save_framework_object(self, obj: FrameworkObject) -> None:
         module, _, name = obj.stands_for.rpartition(".")
         if not module or not name.isidentifier():
@@ -42,9 +153,30 @@ class _Pickler(_PurePickler):
             self.save(state)
             self.write(pickle.BUILD)
 
+    def _save_raw_tensor(self, tensor: RawTensor) -> None:
+        """As `torch.Tensor.__reduce_ex__` pickles a contiguous CPU tensor with a storage of its own."""
+        storage = _StorageRef(str(len(self.storages)), tensor)
+        self.storages.append(storage)
+        stride = tuple(math.prod(tensor.shape[i + 1 :]) for i in range(len(tensor.shape)))
+        self.save(_REBUILD_TENSOR)
+        self.save((storage, 0, tensor.shape, stride, False, collections.OrderedDict()))
+        self.write(pickle.REDUCE)
+        self.memoize(tensor)
+
     def save(self, obj: Any, save_persistent_id: bool = True) -> None:
-        if isinstance(obj, FrameworkObject):  # stand-in classes are made per name: no exact-type dispatch
-            self._save_framework_object(obj)
+        # Stand-in classes are made per name, so no exact-type dispatch table can hold them.
+        kind = type(obj)
+        if kind is RawTensor or kind is _Global or isinstance(obj, FrameworkObject):
+            memo = self.memo.get(id(obj))
+            if memo is not None:
+                self.write(self.get(memo[0]))
+            elif kind is RawTensor:
+                self._save_raw_tensor(obj)
+            elif kind is _Global:
+                self.write(pickle.GLOBAL + obj.module.encode() + b"\n" + obj.name.encode() + b"\n")
+                self.memoize(obj)
+            else:
+                self._save_framework_object(obj)
             return
         super().save(obj, save_persistent_id)
 
@@ -58,7 +190,7 @@ class _PickleModule:
 
 def save_torch(obj: Any, path: str) -> None:
     """`torch.save(obj, path)` (the zip format torch 1.6+ writes), with safe-unpickler stand-ins of framework
-    classes written as those classes.
+    classes written as those classes. For objects holding torch tensors; `write_torch_file` needs no torch.
 
     Raises:
         StorageError: the file cannot be written.
@@ -69,3 +201,247 @@ def save_torch(obj: Any, path: str) -> None:
         torch.save(obj, path, pickle_module=_PickleModule)
     except OSError as exc:
         raise StorageError(f"cannot write {path}: {exc.strerror or exc}") from exc
+
+
+def write_torch_file(obj: Any, path: str) -> int:
+    """Write `obj` as torch.save would, without torch: `RawTensor`s in it are written as tensors (their bytes
+    streamed from where they are), stand-ins as their classes, anything else as pickle writes it. Returns
+    the size of the file written.
+
+    Raises:
+        StorageError: the file cannot be written, or a tensor has a dtype torch.save has no storage class for.
+        CorruptCheckpoint: a source range is not there whole (a truncated file), or does not hold the
+            tensor's bytes.
+    """
+    buffer = pyio.BytesIO()
+    pickler = _Pickler(buffer, protocol=2)
+    pickler.dump(obj)
+    archive = os.path.basename(path).split(".", 1)[0] or "archive"
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
+    except OSError as exc:
+        raise StorageError(f"cannot write {path}: {exc.strerror or exc}") from exc
+    try:
+        out = _ZipOut(fd, archive + "/", path)
+        out.record("data.pkl", buffer.getvalue())
+        out.record(".format_version", b"1")
+        out.record(".storage_alignment", str(_ALIGNMENT).encode())
+        out.record("byteorder", b"little")  # what `RawTensor` bytes are, whatever this host's order
+        for storage in pickler.storages:
+            out.tensor_record(f"data/{storage.key}", storage.tensor)
+        out.record("version", _FORMAT_VERSION)
+        out.record(".data/serialization_id", _serialization_id())
+        return out.finish()
+    except OSError as exc:
+        raise StorageError(f"cannot write {path}: {exc.strerror or exc}") from exc
+    finally:
+        os.close(fd)
+
+
+def _serialization_id() -> bytes:
+    # torch writes 40 decimal digits that identify one save; any unique value does.
+    return str(int.from_bytes(os.urandom(16), "little")).zfill(40)[:40].encode()
+
+
+@dataclass(frozen=True, slots=True)
+class _Entry:
+    name: bytes
+    offset: int
+    size: int
+    crc: int
+
+
+class _ZipOut:
+    """The records of one archive, written in order through an fd: headers and small records gathered and
+    written at once, tensor bytes streamed; each local header's CRC-32 filled in once its data is written."""
+
+    def __init__(self, fd: int, prefix: str, path: str) -> None:
+        self.fd = fd
+        self.prefix = prefix
+        self.path = path
+        self.position = 0
+        self.pending = bytearray()
+        self.entries: list[_Entry] = []
+
+    def _flush(self) -> None:
+        _write_all(self.fd, memoryview(self.pending))
+        self.position += len(self.pending)
+        self.pending.clear()
+
+    def _header(self, name: bytes, size: int, crc: int) -> int:
+        """Append a local header whose data starts aligned; the header's offset in the file."""
+        offset = self.position + len(self.pending)
+        zip64 = b""
+        if size >= _ZIP64_LIMIT:
+            zip64 = struct.pack("<HHQQ", 1, 16, size, size)
+        start = offset + 30 + len(name) + len(zip64) + 4
+        padding = -start % _ALIGNMENT
+        extra = zip64 + b"FB" + struct.pack("<H", padding) + b"Z" * padding
+        stored = 0xFFFFFFFF if zip64 else size
+        version = 45 if zip64 else 20
+        self.pending += struct.pack(
+            "<IHHHHHIIIHH", 0x04034B50, version, 0x0800, 0, 0, 0x21, crc, stored, stored, len(name), len(extra)
+        )
+        self.pending += name + extra
+        return offset
+
+    def record(self, name: str, data: bytes) -> None:
+        encoded = (self.prefix + name).encode()
+        crc = crc32(data, 0)
+        offset = self._header(encoded, len(data), crc)
+        self.pending += data
+        self.entries.append(_Entry(encoded, offset, len(data), crc))
+
+    def tensor_record(self, name: str, tensor: RawTensor) -> None:
+        encoded = (self.prefix + name).encode()
+        size = tensor.numel * dtype_itemsize(tensor.dtype)
+        offset = self._header(encoded, size, 0)
+        if isinstance(tensor.data, bytes):
+            if len(tensor.data) != size and tensor.stored_as is None:
+                raise CorruptCheckpoint(f"{self.path}: {name} holds {len(tensor.data)} bytes but needs {size}")
+            blocks: Iterator[memoryview] = _cast_blocks(iter([memoryview(tensor.data)]), tensor)
+        else:
+            blocks = _cast_blocks(_read_ranges(tensor.data), tensor)
+        self._flush()
+        crc = 0
+        written = 0
+        for block in blocks:
+            crc = crc32(block, crc)
+            _write_all(self.fd, block)
+            written += len(block)
+        if written != size:
+            raise CorruptCheckpoint(f"{self.path}: {name}: its sources hold {written} bytes of its {size}")
+        self.position += written
+        if crc:
+            os.pwrite(self.fd, struct.pack("<I", crc), offset + 14)
+        self.entries.append(_Entry(encoded, offset, size, crc))
+
+    def finish(self) -> int:
+        directory_start = self.position + len(self.pending)
+        for entry in self.entries:
+            fields = []
+            if entry.size >= _ZIP64_LIMIT:
+                fields += [entry.size, entry.size]
+            if entry.offset >= _ZIP64_LIMIT:
+                fields.append(entry.offset)
+            extra = struct.pack(f"<HH{len(fields)}Q", 1, 8 * len(fields), *fields) if fields else b""
+            stored = 0xFFFFFFFF if entry.size >= _ZIP64_LIMIT else entry.size
+            self.pending += struct.pack(
+                "<IHHHHHHIIIHHHHHII",
+                0x02014B50,
+                (3 << 8) | 45,  # made by: unix, zip 4.5
+                45 if fields else 20,
+                0x0800,
+                0,
+                0,
+                0x21,
+                entry.crc,
+                stored,
+                stored,
+                len(entry.name),
+                len(extra),
+                0,
+                0,
+                0,
+                0o100644 << 16,
+                0xFFFFFFFF if entry.offset >= _ZIP64_LIMIT else entry.offset,
+            )
+            self.pending += entry.name + extra
+        directory_end = self.position + len(self.pending)
+        count = len(self.entries)
+        size = directory_end - directory_start
+        # zip64 end records always, as torch writes them; the classic one holds what fits.
+        self.pending += struct.pack(
+            "<IQHHIIQQQQ", 0x06064B50, 44, (3 << 8) | 45, 45, 0, 0, count, count, size, directory_start
+        )
+        self.pending += struct.pack("<IIQI", 0x07064B50, 0, directory_end, 1)
+        self.pending += struct.pack(
+            "<IHHHHIIH",
+            0x06054B50,
+            0,
+            0,
+            min(count, 0xFFFF),
+            min(count, 0xFFFF),
+            min(size, 0xFFFFFFFF),
+            min(directory_start, 0xFFFFFFFF),
+            0,
+        )
+        self._flush()
+        return self.position
+
+
+def _write_all(fd: int, data: memoryview) -> None:
+    done = 0
+    while done < len(data):
+        done += os.write(fd, data[done:])
+
+
+_buffers = threading.local()
+
+
+def _buffer(slot: str, size: int) -> memoryview:
+    """A buffer of `size` bytes kept per thread and reused for every tensor the thread writes."""
+    found = getattr(_buffers, slot, None)
+    if found is None or len(found) < size:
+        found = memoryview(bytearray(size))
+        setattr(_buffers, slot, found)
+    return found[:size]
+
+
+def _read_ranges(ranges: Sequence[ByteRange]) -> Iterator[memoryview]:
+    """The bytes of `ranges` in order, in blocks of at most `BLOCK` read into one reused buffer (each block
+    is valid until the next is asked for)."""
+    buf = _buffer("read", BLOCK)
+    for byte_range in ranges:
+        if byte_range.length <= 0:
+            continue
+        with open_ranges(byte_range.url) as read_into:
+            done = 0
+            while done < byte_range.length:
+                want = min(BLOCK, byte_range.length - done)
+                got = read_into(buf[:want], byte_range.offset + done)
+                io.count_read(got)
+                if got != want:
+                    raise CorruptCheckpoint(
+                        f"{byte_range.url}: ends before byte {byte_range.offset + byte_range.length} "
+                        f"(read {got} of {want} bytes at {byte_range.offset + done})",
+                        "the file is truncated",
+                    )
+                yield buf[:got]
+                done += got
+
+
+def _cast_blocks(blocks: Iterator[memoryview], tensor: RawTensor) -> Iterator[memoryview]:
+    """`blocks` of `tensor.stored_as` elements as `tensor.dtype` elements (unchanged when they are the same)."""
+    source = tensor.stored_as
+    if source is None or source == tensor.dtype:
+        yield from blocks
+        return
+    in_size, out_size = dtype_itemsize(source), dtype_itemsize(tensor.dtype)
+    carry = b""  # an element cut by a block boundary (a range of a file need not end on one)
+    for block in blocks:
+        data = memoryview(carry + bytes(block)) if carry else block
+        whole = len(data) - len(data) % in_size
+        carry = bytes(data[whole:])
+        count = whole // in_size
+        if count:
+            out = _buffer("cast", count * out_size)
+            cast_elements(data[:whole], source, out, tensor.dtype, count)
+            yield out
+    if carry:
+        raise CorruptCheckpoint(f"a {source} tensor's bytes end inside an element")
+
+
+def cast_elements(raw: memoryview, dtype: str, out: memoryview, out_dtype: str, count: int) -> None:
+    """Cast `count` elements of `dtype` in `raw` into `out` as `out_dtype`: bfloat16 -> float32 by placing the
+    16 bits (exact, no import), any other pair through numpy (`safetensors_stream`'s cast)."""
+    if dtype == "bfloat16" and out_dtype == "float32":
+        # A float32 whose low half is zero is the bfloat16 of its high half: exactly torch's `.float()`
+        # (little-endian in and out, so the high half is the last two bytes of each element).
+        out[0::4] = out[1::4] = b"\0" * count
+        out[2::4] = raw[0::2]
+        out[3::4] = raw[1::2]
+        return
+    from ckptctl.formats.safetensors_stream import cast_block
+
+    cast_block(raw, dtype, out, out_dtype, count)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ckptctl.formats.safetensors_stream import _convert
+from ckptctl.formats.safetensors_stream import cast_block
 
 PAIRS = [
     ("float32", "bfloat16"),
@@ -35,7 +35,7 @@ def test_a_block_cast_equals_torchs_cast(source: str, target: str) -> None:
     values = _every_kind_of_value(getattr(torch, source))
     expected = values.to(getattr(torch, target))
     out = torch.empty_like(expected)
-    _convert(
+    cast_block(
         memoryview(values.view(torch.uint8).numpy()),
         source,
         memoryview(out.view(torch.uint8).numpy()),

@@ -17,19 +17,22 @@ into `DST/<tag>/` beside `DST/latest_universal` (which names `<tag>`), so that `
   no folder (their fragments stay in the model states). `zero/optimizer_state.pt`: DP rank 0's optimizer
   state dict with the wrapped optimizer's `param_groups`. Every `*_model_states.pt` is copied.
 
-One departure, to keep memory at one parameter's row: under ZeRO-3, `ds_to_universal` keeps DP rank 0's own
+One departure, to keep memory flat: under ZeRO-3, `ds_to_universal` keeps DP rank 0's own
 flat partitions in `optimizer_state.pt` (`fp32_flat_groups` and the moments in its `state`), which
 DeepSpeed's universal load does not read (`stage3.load_hp_checkpoint_state_from_checkpoint_dir_stage3` reads
 each group's `step` and `param_groups`); they are left out, and `not_carried` says so.
 
-Every tensor is read from the raw bytes of the partitions (`zero_tag.tensor_index`, which lays the flat
-partitions out per parameter exactly as `zero_to_fp32` does) one parameter at a time, and no user file is
-unpickled with code execution: the non-tensor values of `optimizer_state.pt` come from the safe unpickler and
-are written back with `formats.torch_save_writer`.
+Every tensor is streamed from the raw bytes of the partitions (`zero_tag.tensor_index`, which lays the flat
+partitions out per parameter exactly as `zero_to_fp32` does) into its file, through a buffer of a few MiB:
+`formats.torch_save_writer.write_torch_file` writes torch.save's archive by hand, so the whole path imports
+neither torch nor numpy (importing torch alone would cost ~220 MiB of resident memory, and torch.save's
+record writer half the time). No user file is unpickled with code execution: the non-tensor values of
+`optimizer_state.pt` come from the safe unpickler and are written back as DeepSpeed's classes.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -37,12 +40,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptctl import io
-from ckptctl.checkpoint import Checkpoint, Component, TensorEntry
+from ckptctl.checkpoint import Checkpoint, ChunkEncoding, Component, TensorEntry, dtype_itemsize
 from ckptctl.errors import CkptctlError, CorruptCheckpoint
-from ckptctl.formats.chunks import read_tensor
+from ckptctl.formats.chunks import entry_tiling_problem
 from ckptctl.formats.torch_pickle import load_tensor
 from ckptctl.formats.torch_pickle_classes import TensorRef
-from ckptctl.formats.torch_save_writer import save_torch
+from ckptctl.formats.torch_save_writer import ByteRange, RawTensor, write_torch_file
 from ckptctl.frameworks.deepspeed import universal_from_state
 from ckptctl.layouts.capabilities import NotCarried, ReshardRequest, WrittenState
 from ckptctl.layouts.parts.zero_tag.master_weights import tag_prefix
@@ -124,7 +127,7 @@ class UniversalWriter:
                 files += names
                 written_bytes += nbytes
                 advance(nbytes)
-        save_torch(_optimizer_state(tag, plan.zero3), os.path.join(root, _OPTIMIZER_STATE))
+        write_torch_file(_optimizer_state(tag, plan.zero3), os.path.join(root, _OPTIMIZER_STATE))
         files.append(f"{out_tag}/{_OPTIMIZER_STATE}")
         for name in sorted(_model_state_files(tag)):
             size = io.download_file(io.join(tag.url, name), os.path.join(root, name))
@@ -214,30 +217,70 @@ def _write_param(tag: DeepSpeedTag, param: _ParamStates, root: str, out_tag: str
     names = [f"{out_tag}/{UNIVERSAL_STATES_DIR}/{param.name}/fp32.pt"]
     if param.module_ref is not None:
         model_file = tag.files.rank0_model() or ""
-        tensor = _own(_materialize(param.module_ref, tag, model_file).float())
-        save_torch({"param": tensor}, os.path.join(folder, "fp32.pt"))
-        return names, tensor.nbytes
+        tensor = _raw_tensor(param.module_ref, tag, model_file, as_dtype="float32")
+        write_torch_file({"param": tensor}, os.path.join(folder, "fp32.pt"))
+        return names, tensor.numel * dtype_itemsize(tensor.dtype)
     names.clear()
     nbytes = 0
     for state, entry in param.states:
-        tensor = _own(read_tensor(tag.url, entry))
-        value: Any = {"cat_dim": 0, "param": tensor} if param.wrapped else tensor.reshape(-1)
-        save_torch(value, os.path.join(folder, f"{state}.pt"))
+        ranges = _flat_ranges(tag.url, entry)
+        shape = entry.shape if param.wrapped else (entry.numel,)
+        tensor = RawTensor(entry.dtype, shape, ranges)
+        value: Any = {"cat_dim": 0, "param": tensor} if param.wrapped else tensor
+        write_torch_file(value, os.path.join(folder, f"{state}.pt"))
         names.append(f"{out_tag}/{UNIVERSAL_STATES_DIR}/{param.name}/{state}.pt")
-        nbytes += tensor.nbytes
-        del tensor, value
+        nbytes += entry.nbytes
     if param.wrapped:
         step = _group_step(tag, param.group)
         if step is not None:
-            save_torch(step, os.path.join(folder, "step.pt"))
+            write_torch_file(step, os.path.join(folder, "step.pt"))
             names.append(f"{out_tag}/{UNIVERSAL_STATES_DIR}/{param.name}/step.pt")
     return names, nbytes
 
 
-def _own(tensor: Any) -> Any:
-    """`tensor` with a storage of its own size: torch.save writes a view's whole storage."""
-    tensor = tensor.contiguous()
-    return tensor if tensor.untyped_storage().nbytes() == tensor.nbytes else tensor.clone()
+def _flat_ranges(url: str, entry: TensorEntry) -> tuple[ByteRange, ...]:
+    """The byte ranges of the partitions that hold `entry`'s elements, in row-major order.
+
+    The tensor index cuts every ZeRO parameter into chunks that are each one contiguous run of its row-major
+    elements (`flat_range_boxes`), so the parameter is those runs, ordered by their first element.
+
+    Raises:
+        CorruptCheckpoint: the chunks do not tile the tensor, or one is not a contiguous raw run.
+    """
+    problem = entry_tiling_problem(entry)
+    if problem is not None:
+        raise CorruptCheckpoint(f"{entry.name}: {problem}")
+    itemsize = dtype_itemsize(entry.dtype)
+    strides = [math.prod(entry.shape[d + 1 :]) for d in range(len(entry.shape))]
+    runs = []
+    for chunk in entry.chunks:
+        if not chunk.numel:
+            continue
+        lead = next((d for d, size in enumerate(chunk.sizes) if size != 1), len(chunk.sizes))
+        contiguous = all(
+            chunk.offsets[d] == 0 and chunk.sizes[d] == entry.shape[d] for d in range(lead + 1, len(entry.shape))
+        )
+        if chunk.encoding != ChunkEncoding.RAW or not contiguous or chunk.byte_length != chunk.numel * itemsize:
+            raise CorruptCheckpoint(f"{entry.name}: a piece in {chunk.file} is not a contiguous run of its elements")
+        first = sum(o * s for o, s in zip(chunk.offsets, strides, strict=True))
+        runs.append((first, ByteRange(io.join(url, chunk.file), chunk.byte_offset, chunk.byte_length)))
+    runs.sort(key=lambda run: run[0])
+    return tuple(byte_range for _, byte_range in runs)
+
+
+def _raw_tensor(ref: TensorRef, tag: DeepSpeedTag, file: str, as_dtype: str | None = None) -> RawTensor:
+    """The tensor `ref` of a rank file as a `RawTensor` to write (cast to `as_dtype` while written)."""
+    opened = tag.open_file(file)
+    dtype = as_dtype or ref.dtype
+    found = opened.byte_range(ref) if ref.numel else (0, 0)
+    if found is None:  # a strided view, which DeepSpeed does not save: read with torch, only then
+        import torch
+
+        tensor = load_tensor(io.join(tag.url, file), ref, opened)
+        data = tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        return RawTensor(dtype, ref.shape, data, stored_as=ref.dtype)
+    ranges = (ByteRange(io.join(tag.url, file), found[0], found[1] - found[0]),) if ref.numel else ()
+    return RawTensor(dtype, ref.shape, ranges, stored_as=ref.dtype)
 
 
 def _rank0_optim(tag: DeepSpeedTag) -> tuple[str, dict[str, Any]]:
@@ -255,9 +298,9 @@ def _group_step(tag: DeepSpeedTag, group: int) -> Any:
 
 
 def _materialize(value: Any, tag: DeepSpeedTag, file: str) -> Any:
-    """`value` with the tensors the safe unpickler described (`TensorRef`) read from `file`."""
+    """`value` with the tensors the safe unpickler described (`TensorRef`) as `RawTensor`s of `file`'s bytes."""
     if type(value) is TensorRef:
-        return _own(load_tensor(io.join(tag.url, file), value, tag.open_file(file)))
+        return _raw_tensor(value, tag, file)
     if type(value) is dict:
         return {k: _materialize(v, tag, file) for k, v in value.items()}
     if type(value) in (list, tuple):

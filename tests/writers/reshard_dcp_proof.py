@@ -42,10 +42,20 @@ class DcpReshardProof:
         return torch.load(self.root / f"results-{world_size}.pt", weights_only=True)  # written by the proof
 
 
+def decays(name: str) -> bool:
+    """Whether a `TinyNet` parameter is in the weight-decay group (the weights but the norm's), as trainers group them."""
+    return name.endswith("weight") and "norm" not in name
+
+
+def batch(seed: int) -> torch.Tensor:
+    """The batch of a training step, fixed by `seed` (the same on every rank)."""
+    return torch.randint(0, 11, (4, 3), generator=torch.Generator().manual_seed(seed))
+
+
 def _model_and_optimizer(world_size: int) -> tuple[Any, Any]:
     model = sharded_tiny_net(world_size)
-    decay = [p for n, p in model.named_parameters() if n.endswith("weight") and "norm" not in n]
-    rest = [p for n, p in model.named_parameters() if not (n.endswith("weight") and "norm" not in n)]
+    decay = [p for n, p in model.named_parameters() if decays(n)]
+    rest = [p for n, p in model.named_parameters() if not decays(n)]
     optimizer = torch.optim.AdamW(
         [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}], lr=1e-2, betas=(0.8, 0.95)
     )
@@ -54,14 +64,13 @@ def _model_and_optimizer(world_size: int) -> tuple[Any, Any]:
 
 def _step(model: Any, optimizer: Any, seed: int) -> tuple[float, float]:
     """One training step on a batch fixed by `seed` (the same on every rank): the loss before and after it."""
-    generator = torch.Generator().manual_seed(seed)
-    batch = torch.randint(0, 11, (4, 3), generator=generator)
-    loss = model(batch).square().mean()
+    inputs = batch(seed)
+    loss = model(inputs).square().mean()
     loss.backward()
     optimizer.step()
     optimizer.zero_grad()
     with torch.no_grad():
-        after = model(batch).square().mean()
+        after = model(inputs).square().mean()
     return float(loss), float(after)
 
 
@@ -90,7 +99,15 @@ def _train_worker(rank: int, world_size: int, rendezvous: str, root: str) -> Non
         dist.destroy_process_group()
 
 
-def _load_worker(rank: int, world_size: int, rendezvous: str, root: str) -> None:
+def _load_worker(
+    rank: int,
+    world_size: int,
+    rendezvous: str,
+    root: str,
+    cases: tuple[tuple[str, str, str], ...] = CASES,
+    results_name: str = "results",
+) -> None:
+    """Loads each of `cases` (as `CASES`) on its own fresh model; rank 0 saves `results_name-{W}.pt`."""
     import torch.distributed as dist
 
     from ckptctl import CheckpointManager
@@ -100,7 +117,7 @@ def _load_worker(rank: int, world_size: int, rendezvous: str, root: str) -> None
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world_size)
     try:
         results: dict[str, Any] = {}
-        for name, folder, how in CASES:
+        for name, folder, how in cases:
             model, optimizer = _model_and_optimizer(world_size)
             if how == "native":
                 CheckpointManager(f"{root}/{folder}").restore({"model": model, "optimizer": optimizer}, step=2)
@@ -110,7 +127,7 @@ def _load_worker(rank: int, world_size: int, rendezvous: str, root: str) -> None
             losses = _step(model, optimizer, seed=3)
             results[name] = {"model": model_sd, "optim": optim_sd, "losses": losses}
         if rank == 0:
-            torch.save(results, f"{root}/results-{world_size}.pt")
+            torch.save(results, f"{root}/{results_name}-{world_size}.pt")
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -148,12 +165,12 @@ def _copy(tree: Any) -> Any:
     return tree
 
 
-def _spawn(worker: Any, root: Path, world_size: int) -> None:
+def _spawn(worker: Any, root: Path, world_size: int, *args: Any) -> None:
     import torch.multiprocessing as mp
 
     rendezvous = root / f".rendezvous-{worker.__name__}-{world_size}"
     rendezvous.unlink(missing_ok=True)
-    mp.spawn(worker, args=(world_size, str(rendezvous), str(root)), nprocs=world_size)
+    mp.spawn(worker, args=(world_size, str(rendezvous), str(root), *args), nprocs=world_size)
 
 
 def prove_dcp_reshard(root: Path) -> DcpReshardProof:

@@ -33,8 +33,9 @@ from ckptctl.formats.safe_pickle import StandIn, state_fields
 from ckptctl.formats.torch_pickle_classes import TensorRef
 from ckptctl.layouts.capabilities import NotCarried, ParamState, StateTensor
 from ckptctl.layouts.parts.param_state import stored_tensor
+from ckptctl.layouts.parts.zero_tag.kept_masters import KEPT_MASTERS
 from ckptctl.layouts.parts.zero_tag.master_weights import assemble_master_weights, tag_prefix
-from ckptctl.layouts.parts.zero_tag.names import tag_files
+from ckptctl.layouts.parts.zero_tag.names import is_rank_file, tag_files
 from ckptctl.layouts.parts.zero_tag.tag import (
     DeepSpeedTag,
     base_state,
@@ -257,5 +258,10 @@ def _not_carried(tag: DeepSpeedTag, osd: Mapping[str, Any]) -> tuple[NotCarried,
             else "the tag records no data sampler (DeepSpeed saves one only for its own loader): the position is "
             "the training code's, counted from global_samples",
         )
+    )
+    found.extend(
+        NotCarried(name, "saved in the tag folder beside DeepSpeed's rank files: load it from the source")
+        for name in sorted(tag.files.sizes)
+        if not is_rank_file(name) and name != KEPT_MASTERS
     )
     return tuple(found)

@@ -211,3 +211,17 @@ def test_openrlhfs_actor_reshards_to_zero_to_fp32s_masters(
     for name, tensor in reference.items():
         assert torch.equal(loaded[f"model.{name}"], tensor), name
     shutil.rmtree(dst)
+
+
+def test_the_universal_writer_unflattens_moments_saved_with_their_group_padding(
+    zero_fp32: WrittenZeroFp32, tmp_path: Path
+) -> None:
+    # ZeRO-2 saves rank 1's fp32 partition of the no-decay group without the 3 elements padding it (17 of 20) and
+    # its moments with them (20): `--to deepspeed-universal` reads these moments too, as DeepSpeed's engine does.
+    from ckptctl.ops.reshard import ReshardOptions, reshard
+
+    reshard(str(zero_fp32.save_dir(2)), str(tmp_path / "out"), ReshardOptions(to="deepspeed-universal"))
+    zero = tmp_path / "out" / "global_step2" / "zero"
+    for name, moments in zero_fp32.deepspeed_view(2)["moments"].items():
+        for key, tensor in moments.items():
+            assert torch.equal(torch.load(zero / name / f"{key}.pt", weights_only=True)["param"], tensor), name

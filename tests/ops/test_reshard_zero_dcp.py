@@ -22,6 +22,7 @@ from ckptctl.layouts.parts.zero_tag.state import zero_tag_state
 from tests.conftest import CliResult, build_once, copy_tree
 from tests.writers.deepspeed_writer import WrittenDeepSpeed
 from tests.writers.openrlhf_writer import WrittenOpenRlhf
+from tests.writers.universal_writer import WrittenUniversal
 from tests.writers.zero_dcp_proof import (
     STAGES,
     WrittenZeroFp32,
@@ -113,7 +114,8 @@ def test_not_carried_names_what_a_dcp_resume_does_not_get(zero_to_dcp: ZeroToDcp
     assert written["layout"] == "deepspeed"
     why = dict(written["not_carried"])
     assert list(why) == NOT_CARRIED
-    assert "last_epoch 2" in why["lr_scheduler"] and "global_steps 2" in why["global_steps/global_samples"]
+    assert "last_epoch 2" in why["lr_scheduler"] and "mp_rank_00_model_states.pt" in why["lr_scheduler"]
+    assert "global_steps 2" in why["global_steps/global_samples"]
     assert "consumed_samples, epoch" in why["client_state"] and "static loss scale (1.0)" in why["loss_scaler"]
 
 
@@ -225,3 +227,22 @@ def test_the_universal_writer_unflattens_moments_saved_with_their_group_padding(
     for name, moments in zero_fp32.deepspeed_view(2)["moments"].items():
         for key, tensor in moments.items():
             assert torch.equal(torch.load(zero / name / f"{key}.pt", weights_only=True)["param"], tensor), name
+
+
+@pytest.mark.parametrize(
+    ("where", "layout"), [("open-instruct/state", "open_instruct"), ("openrlhf/_critic", "openrlhf")]
+)
+def test_open_instruct_and_openrlhfs_critic_reshard_naming_what_they_keep_beside_the_tag(
+    run_cli: Cli, deepspeed_universal: WrittenUniversal, tmp_path: Path, where: str, layout: str
+) -> None:
+    # open-instruct's tag (ZeRO-2) holds its data-loader position in driver_state.pt and its RNG in the client
+    # state; OpenRLHF's critic tag is ZeRO-3. Both masters are DeepSpeed's own zero_to_fp32 weights of their run.
+    folder = deepspeed_universal.openrlhf.parent / where
+    tag = (folder / "latest").read_text().strip()
+    result = run_cli("reshard", folder / tag, tmp_path / "dcp", "--to", "dcp", "--json")
+    assert result.exit_code == 0, result.stderr
+    assert result.json["layout"] == layout
+    why = {c["what"]: c["why"] for c in result.json["not_carried"]}
+    if layout == "open_instruct":
+        assert "driver_state.pt" in why and "rng_states" in why["client_state"]
+    assert run_cli("verify", tmp_path / "dcp", "--json").json["ok"] is True

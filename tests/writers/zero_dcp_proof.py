@@ -173,12 +173,16 @@ _CASES = tuple((str(stage), f"out-zero{stage}", "dcp") for stage in STAGES)
 def prove_zero_to_dcp(root: Path, source: WrittenZeroFp32) -> ZeroToDcpProof:
     """Reshard each save folder of `source` into `root/out-zero{stage}`, then resume it (the module docstring, 2.)."""
     from ckptctl.frameworks.dcp.reshard import WRITER
-    from ckptctl.layouts import open_checkpoint
-    from ckptctl.layouts.capabilities import ReshardRequest
+    from ckptctl.layouts import capability, open_checkpoint
+    from ckptctl.layouts.capabilities import TRAINING_STATE_SOURCE, ReshardRequest
+
+    # Imported by name (the registry names it relatively, `state:SOURCE`), so that the writer cache's key follows it.
+    from ckptctl.layouts.parts.zero_tag.state import zero_tag_state
 
     written: dict[int, dict[str, Any]] = {}
     for stage in STAGES:
         checkpoint = open_checkpoint(str(source.save_dir(stage)))
+        assert capability(checkpoint.layout, TRAINING_STATE_SOURCE) is zero_tag_state
         assert WRITER.refusal(checkpoint, None) is None
         out = root / f"out-zero{stage}"
         os.makedirs(out)

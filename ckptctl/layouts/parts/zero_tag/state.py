@@ -212,9 +212,9 @@ def _not_carried(tag: DeepSpeedTag, osd: Mapping[str, Any]) -> tuple[NotCarried,
         found.append(
             NotCarried(
                 "lr_scheduler",
-                f"DeepSpeed's LR scheduler state{at}, in the model states: the output's param groups carry the lr "
-                "it had set; build the same scheduler and load the source's lr_scheduler state dict into it (or "
-                "step it to global_steps)",
+                f"DeepSpeed's LR scheduler state{at}, the lr_scheduler entry of {tag.files.rank0_model()}: the "
+                "output's param groups carry the lr it had set; build the same scheduler before dcp.load and load "
+                "that state dict into it (or step it to global_steps)",
             )
         )
     counters = [f"{key} {states[key]}" for key in ("global_steps", "global_samples", "skipped_steps") if key in states]

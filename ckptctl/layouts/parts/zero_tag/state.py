@@ -198,7 +198,8 @@ def _step(
             return torch.tensor(count, dtype=torch.float32)
 
         return StateTensor("float32", (), read)
-    raise CkptctlError(f"{where}: the step of flat tensor {k} is a {type(value).__name__}, not a count")
+    what = f"a tensor of shape {list(value.shape)}" if type(value) is TensorRef else f"a {type(value).__name__}"
+    raise CkptctlError(f"{where}: the step of flat tensor {k} is {what}, not a count")
 
 
 def _not_carried(tag: DeepSpeedTag, osd: Mapping[str, Any]) -> tuple[NotCarried, ...]:

@@ -1,5 +1,6 @@
 """`reshard --to dcp` from a DeepSpeed ZeRO tag (`ckptctl.layouts.parts.zero_tag.state`, the `STATE` of deepspeed,
-openrlhf and open_instruct): DeepSpeed's fp32 ZeRO-2 and ZeRO-3 saves of AdamW in two groups, resharded, load into
+openrlhf and open_instruct): DeepSpeed's fp32 ZeRO-2 and ZeRO-3 saves of AdamW in two groups (and ZeRO-3 with the
+groups cut into sub-groups), resharded, load into
 FSDP2 + AdamW on 1 and on 2 gloo ranks (`dcp.load` + `set_state_dict`) holding exactly the weights DeepSpeed's
 `zero_to_fp32` rebuilds and the moments, steps and group settings DeepSpeed's own loaded engine holds, and one step
 from them gives DeepSpeed's next losses (`tests.writers.zero_dcp_proof`); bf16 saves and OpenRLHF's give
@@ -24,7 +25,7 @@ from tests.writers.deepspeed_writer import WrittenDeepSpeed
 from tests.writers.openrlhf_writer import WrittenOpenRlhf
 from tests.writers.universal_writer import WrittenUniversal
 from tests.writers.zero_dcp_proof import (
-    STAGES,
+    RUNS,
     WrittenZeroFp32,
     ZeroToDcpProof,
     prove_zero_to_dcp,
@@ -61,12 +62,12 @@ def test_deepspeed_and_the_frameworks_holding_its_tags_declare_the_tag_source() 
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
-@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("run", RUNS)
 def test_fsdp2_resumes_the_resharded_tag_holding_deepspeeds_own_state(
-    zero_fp32: WrittenZeroFp32, zero_to_dcp: ZeroToDcpProof, stage: int, world_size: int
+    zero_fp32: WrittenZeroFp32, zero_to_dcp: ZeroToDcpProof, run: str, world_size: int
 ) -> None:
-    deepspeed = zero_fp32.deepspeed_view(stage)
-    got = zero_to_dcp.results(world_size)[stage]
+    deepspeed = zero_fp32.deepspeed_view(run)
+    got = zero_to_dcp.results(world_size)[run]
     # The model: zero_to_fp32's fp32 weights (and the int64 buffer), exactly.
     assert sorted(got["model"]) == sorted(deepspeed["weights"])
     for name, tensor in deepspeed["weights"].items():
@@ -76,6 +77,8 @@ def test_fsdp2_resumes_the_resharded_tag_holding_deepspeeds_own_state(
     # settings as DeepSpeed's wrapped AdamW holds them (the FSDP2 side was built with other settings).
     state = got["optim"]["state"]
     assert sorted(state) == sorted(deepspeed["moments"])
+    # One step per flat partition: ZeRO-3's sub_group_size cut the decay group's parameters into two of them.
+    assert len(deepspeed["steps"]) == (3 if run == "zero3-subgroups" else 2)
     (step,) = {float(s) for s in deepspeed["steps"]}
     for name, moments in deepspeed["moments"].items():
         for key, tensor in moments.items():
@@ -105,12 +108,12 @@ def test_the_output_holds_torchs_keys_and_every_saved_setting(zero_to_dcp: ZeroT
     keys = set(FileSystemReader(str(zero_to_dcp.root / "out-zero2")).read_metadata().state_dict_metadata)
     assert {"model.embed.weight", "model.counter", "optim.state.embed.weight.exp_avg"} <= keys
     assert {"optim.state.norm.bias.step", "optim.param_groups.0.initial_lr", "optim.param_groups.1.params"} <= keys
-    assert zero_to_dcp.written[2]["files"] == ("__0_0.distcp", ".metadata")
+    assert zero_to_dcp.written["zero2"]["files"] == ("__0_0.distcp", ".metadata")
 
 
-@pytest.mark.parametrize("stage", STAGES)
-def test_not_carried_names_what_a_dcp_resume_does_not_get(zero_to_dcp: ZeroToDcpProof, stage: int) -> None:
-    written = zero_to_dcp.written[stage]
+@pytest.mark.parametrize("run", RUNS)
+def test_not_carried_names_what_a_dcp_resume_does_not_get(zero_to_dcp: ZeroToDcpProof, run: str) -> None:
+    written = zero_to_dcp.written[run]
     assert written["layout"] == "deepspeed"
     why = dict(written["not_carried"])
     assert list(why) == NOT_CARRIED
@@ -123,7 +126,7 @@ def test_the_command_reshards_a_tag_folder_and_its_output_verifies(
     run_cli: Cli, zero_fp32: WrittenZeroFp32, tmp_path: Path
 ) -> None:
     dst = tmp_path / "dcp"
-    result = run_cli("reshard", zero_fp32.tag(3), dst, "--to", "dcp", "--json")
+    result = run_cli("reshard", zero_fp32.tag("zero3"), dst, "--to", "dcp", "--json")
     assert result.exit_code == 0, result.stderr
     assert result.json["to"] == "dcp" and result.json["world_size"] is None
     assert [c["what"] for c in result.json["not_carried"]] == NOT_CARRIED
@@ -135,7 +138,7 @@ def test_the_command_reshards_a_tag_folder_and_its_output_verifies(
 def test_a_torn_tag_is_refused_naming_the_file_and_nothing_is_written(
     run_cli: Cli, zero_fp32: WrittenZeroFp32, tmp_path: Path
 ) -> None:
-    tag = copy_tree(zero_fp32.tag(2), tmp_path / "global_step2")
+    tag = copy_tree(zero_fp32.tag("zero2"), tmp_path / "global_step2")
     (tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
     refused = run_cli("reshard", tag, tmp_path / "out", "--to", "dcp")
     assert refused.exit_code == 2 and "zero_pp_rank_1_mp_rank_00_optim_states.pt" in refused.stderr
@@ -157,19 +160,19 @@ def test_an_optimizer_other_than_adam_is_refused_naming_its_state(zero_fp32: Wri
     def amsgrad(base: dict[str, Any]) -> None:
         base["state"][0]["max_exp_avg_sq"] = base["state"][0]["exp_avg_sq"].clone()
 
-    reason = WRITER.refusal(open_checkpoint(str(_with_state(zero_fp32.tag(2), tmp_path / "a", amsgrad))), None)
+    reason = WRITER.refusal(open_checkpoint(str(_with_state(zero_fp32.tag("zero2"), tmp_path / "a", amsgrad))), None)
     assert reason is not None and "max_exp_avg_sq" in reason and "Adam" in reason
 
     def no_state(base: dict[str, Any]) -> None:
         base["state"].clear()
 
-    reason = WRITER.refusal(open_checkpoint(str(_with_state(zero_fp32.tag(2), tmp_path / "b", no_state))), None)
+    reason = WRITER.refusal(open_checkpoint(str(_with_state(zero_fp32.tag("zero2"), tmp_path / "b", no_state))), None)
     assert reason is not None and "no state" in reason
 
     def ungrouped(base: dict[str, Any]) -> None:
         base["param_groups"][1]["params"] = []
 
-    reason = WRITER.refusal(open_checkpoint(str(_with_state(zero_fp32.tag(2), tmp_path / "c", ungrouped))), None)
+    reason = WRITER.refusal(open_checkpoint(str(_with_state(zero_fp32.tag("zero2"), tmp_path / "c", ungrouped))), None)
     assert reason is not None and "cannot be proved" in reason
 
 
@@ -222,9 +225,9 @@ def test_the_universal_writer_unflattens_moments_saved_with_their_group_padding(
     # its moments with them (20): `--to deepspeed-universal` reads these moments too, as DeepSpeed's engine does.
     from ckptctl.ops.reshard import ReshardOptions, reshard
 
-    reshard(str(zero_fp32.save_dir(2)), str(tmp_path / "out"), ReshardOptions(to="deepspeed-universal"))
+    reshard(str(zero_fp32.save_dir("zero2")), str(tmp_path / "out"), ReshardOptions(to="deepspeed-universal"))
     zero = tmp_path / "out" / "global_step2" / "zero"
-    for name, moments in zero_fp32.deepspeed_view(2)["moments"].items():
+    for name, moments in zero_fp32.deepspeed_view("zero2")["moments"].items():
         for key, tensor in moments.items():
             assert torch.equal(torch.load(zero / name / f"{key}.pt", weights_only=True)["param"], tensor), name
 

@@ -4,13 +4,14 @@ CPU ranks.
 1. `write_zero_fp32` (a writer of its own, cached apart from the proof): DeepSpeed 0.19 on 2 ranks trains
    `TinyNet` in fp32 with torch's AdamW in two groups (decay and no decay, by `reshard_dcp_proof.decays`, with
    settings other than that proof's optimizer has, so that a resumed optimizer can only have them from the
-   checkpoint) and a StepLR, under ZeRO-2 and under ZeRO-3, for two steps, and saves (`zero{stage}/global_step2`,
-   `latest`, a client state). Then a fresh engine of each stage loads the save with DeepSpeed's own
-   `load_checkpoint` and rank 0 records DeepSpeed's own view of the state (`deepspeed-{stage}.pt`): the weights
+   checkpoint) and a StepLR, under each of `RUNS` (ZeRO-2; ZeRO-3; ZeRO-3 with a `sub_group_size` that cuts the
+   groups into several flat partitions each) for two steps, and saves (`{run}/global_step2`, `latest`, a client
+   state). Then a fresh engine of each run loads the save with DeepSpeed's own `load_checkpoint` and rank 0
+   records DeepSpeed's own view of the state (`deepspeed-{run}.pt`): the weights
    as `zero_to_fp32`'s `get_fp32_state_dict_from_zero_checkpoint` rebuilds them from the files, each parameter's
    moments as the loaded engine assembles them (`safe_get_full_optimizer_state`), the wrapped optimizer's
    steps and param groups, and the losses of DeepSpeed's next step (before and after it) on the batch of seed 3.
-2. `prove_zero_to_dcp`: this process reshards both save folders with the DCP writer (`out-zero{stage}/`), then
+2. `prove_zero_to_dcp`: this process reshards every save folder with the DCP writer (`out-{run}/`), then
    FSDP2 + AdamW on 1 and on 2 ranks load each output by `dcp.load` + `set_state_dict`, gather the full state and
    take the same step (`reshard_dcp_proof._load_worker`, its optimizer built with its own settings:
    `zero-results-{W}.pt`).
@@ -29,9 +30,15 @@ from tests.writers.dcp_writer import TinyNet
 from tests.writers.deepspeed_writer import write_deepspeed_sets
 from tests.writers.reshard_dcp_proof import _load_worker, _spawn, batch, decays
 
-__all__ = ["STAGES", "WrittenZeroFp32", "ZeroToDcpProof", "prove_zero_to_dcp", "write_zero_fp32"]
+__all__ = ["RUNS", "WrittenZeroFp32", "ZeroToDcpProof", "prove_zero_to_dcp", "write_zero_fp32"]
 
-STAGES = (2, 3)
+#: Each run's name -> its DeepSpeed `zero_optimization` section. A `sub_group_size` of 64 elements per rank cuts
+#: the decay group into 2 flat partitions (embed + l1, head + gate) and leaves the no-decay group 1.
+RUNS: dict[str, dict[str, int]] = {
+    "zero2": {"stage": 2},
+    "zero3": {"stage": 3},
+    "zero3-subgroups": {"stage": 3, "sub_group_size": 64},
+}
 #: The step DeepSpeed saves at, and the seed of the batch of the step after it (`reshard_dcp_proof`'s loaders' step).
 SAVED_STEP = 2
 NEXT_SEED = 3
@@ -48,22 +55,22 @@ class WrittenZeroFp32:
     """DeepSpeed's fp32 ZeRO-2 and ZeRO-3 saves of `TinyNet`, and DeepSpeed's own view of each.
 
     Attributes:
-        root: holds `zero{stage}/` (a save folder: `latest`, `global_step2/`) and `deepspeed-{stage}.pt`.
+        root: holds `{run}/` (a save folder: `latest`, `global_step2/`) and `deepspeed-{run}.pt` per run of `RUNS`.
     """
 
     root: Path
 
-    def save_dir(self, stage: int) -> Path:
-        return self.root / f"zero{stage}"
+    def save_dir(self, run: str) -> Path:
+        return self.root / run
 
-    def tag(self, stage: int) -> Path:
-        return self.save_dir(stage) / f"global_step{SAVED_STEP}"
+    def tag(self, run: str) -> Path:
+        return self.save_dir(run) / f"global_step{SAVED_STEP}"
 
-    def deepspeed_view(self, stage: int) -> dict[str, Any]:
-        return torch.load(self.root / f"deepspeed-{stage}.pt", weights_only=True)  # written by the writer
+    def deepspeed_view(self, run: str) -> dict[str, Any]:
+        return torch.load(self.root / f"deepspeed-{run}.pt", weights_only=True)  # written by the writer
 
 
-def _engine(stage: int) -> Any:
+def _engine(zero: dict[str, int]) -> Any:
     import deepspeed
 
     torch.manual_seed(0)
@@ -77,7 +84,7 @@ def _engine(stage: int) -> Any:
     config = {
         "train_micro_batch_size_per_gpu": 4,
         "gradient_accumulation_steps": 1,
-        "zero_optimization": {"stage": stage},
+        "zero_optimization": zero,
         # A torch optimizer rather than DeepSpeed's FusedAdam, which would compile an op first.
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 10_000,
@@ -133,19 +140,19 @@ def _deepspeed_rank(rank: int, root: str) -> None:
     """One of DeepSpeed's 2 ranks (`write_deepspeed_sets` set up the process group): train, save, load, record."""
     import deepspeed
 
-    for stage in STAGES:
-        save_dir = Path(root) / f"zero{stage}"
-        engine = _engine(stage)
+    for run, zero in RUNS.items():
+        save_dir = Path(root) / run
+        engine = _engine(zero)
         for seed in range(1, SAVED_STEP + 1):
             _deepspeed_step(engine, seed)
         engine.save_checkpoint(str(save_dir), client_state=CLIENT_STATE)
         deepspeed.comm.barrier()
-        loaded = _engine(stage)
+        loaded = _engine(zero)
         loaded.load_checkpoint(str(save_dir))
         view = _deepspeed_view(loaded, save_dir)
         view["losses"] = _deepspeed_step(loaded, NEXT_SEED)
         if rank == 0:
-            torch.save(view, Path(root) / f"deepspeed-{stage}.pt")
+            torch.save(view, Path(root) / f"deepspeed-{run}.pt")
         deepspeed.comm.barrier()
 
 
@@ -158,20 +165,19 @@ def write_zero_fp32(root: Path) -> WrittenZeroFp32:
 @dataclass(frozen=True)
 class ZeroToDcpProof:
     root: Path
-    written: dict[int, dict[str, Any]]
+    written: dict[str, dict[str, Any]]
 
-    def results(self, world_size: int) -> dict[int, Any]:
-        """Stage -> the full model and optimizer state FSDP2 loaded on `world_size` ranks, and its step's losses."""
-        loaded = torch.load(self.root / f"zero-results-{world_size}.pt", weights_only=True)  # written by the proof
-        return {int(stage): result for stage, result in loaded.items()}
+    def results(self, world_size: int) -> dict[str, Any]:
+        """Run -> the full model and optimizer state FSDP2 loaded on `world_size` ranks, and its step's losses."""
+        return torch.load(self.root / f"zero-results-{world_size}.pt", weights_only=True)  # written by the proof
 
 
-#: The outputs FSDP2 loads (as `reshard_dcp_proof.CASES`): one per stage, named by the stage.
-_CASES = tuple((str(stage), f"out-zero{stage}", "dcp") for stage in STAGES)
+#: The outputs FSDP2 loads (as `reshard_dcp_proof.CASES`): one per run, named by the run.
+_CASES = tuple((run, f"out-{run}", "dcp") for run in RUNS)
 
 
 def prove_zero_to_dcp(root: Path, source: WrittenZeroFp32) -> ZeroToDcpProof:
-    """Reshard each save folder of `source` into `root/out-zero{stage}`, then resume it (the module docstring, 2.)."""
+    """Reshard each save folder of `source` into `root/out-{run}`, then resume it (the module docstring, 2.)."""
     from ckptctl.frameworks.dcp.reshard import WRITER
     from ckptctl.layouts import capability, open_checkpoint
     from ckptctl.layouts.capabilities import TRAINING_STATE_SOURCE, ReshardRequest
@@ -179,15 +185,15 @@ def prove_zero_to_dcp(root: Path, source: WrittenZeroFp32) -> ZeroToDcpProof:
     # Imported by name (the registry names it relatively, `state:SOURCE`), so that the writer cache's key follows it.
     from ckptctl.layouts.parts.zero_tag.state import zero_tag_state
 
-    written: dict[int, dict[str, Any]] = {}
-    for stage in STAGES:
-        checkpoint = open_checkpoint(str(source.save_dir(stage)))
+    written: dict[str, dict[str, Any]] = {}
+    for run in RUNS:
+        checkpoint = open_checkpoint(str(source.save_dir(run)))
         assert capability(checkpoint.layout, TRAINING_STATE_SOURCE) is zero_tag_state
         assert WRITER.refusal(checkpoint, None) is None
-        out = root / f"out-zero{stage}"
+        out = root / f"out-{run}"
         os.makedirs(out)
         state = WRITER.write(ReshardRequest(checkpoint, str(out), None), lambda _n: None)
-        written[stage] = {
+        written[run] = {
             "layout": checkpoint.layout,
             "files": state.files,
             "tensors": state.tensors,

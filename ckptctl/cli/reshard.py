@@ -15,19 +15,21 @@ if TYPE_CHECKING:
 
 HELP = """Write a whole resumable training state (model, optimizer, schedulers, counters) for another number of ranks or another framework, offline and on CPU, streamed one parameter at a time from the checkpoint's raw bytes.
 
---to names the target: deepspeed-universal (a DeepSpeed ZeRO 1-3 tag as the universal checkpoint DeepSpeed's ds_to_universal.py --inject_missing_state writes, which DeepSpeed loads on any number of ranks with load_universal set to true in the checkpoint section of its config; SRC may be a tag folder, a save folder holding `latest`, or a checkpoint of a framework built on DeepSpeed: OpenRLHF, open-instruct, accelerate, the HF Trainer, Lightning) or verl (a verl `global_step_N/` with every role's model, optimizer and extra-state rank files cut for --world-size ranks, which verl's own checkpoint manager loads there) or dcp (model and optimizer as torch's get_state_dict lays them out, `model.<fqn>`, `optim.state.<fqn>.exp_avg`, ..., which an FSDP2 or torchtitan trainer on any number of ranks loads with dcp.load + set_state_dict; from a DCP folder, a multi-rank ckptctl checkpoint, a verl role folder or a DeepSpeed ZeRO 1-3 tag: its fp32 masters and Adam moments, each group's settings and step, also inside OpenRLHF and open-instruct). Without --to, the source framework's own writer is used.
+--to names the target: deepspeed-universal (a DeepSpeed ZeRO 1-3 tag as the universal checkpoint DeepSpeed's ds_to_universal.py --inject_missing_state writes, which DeepSpeed loads on any number of ranks with load_universal set to true in the checkpoint section of its config; SRC may be a tag folder, a save folder holding `latest`, or a checkpoint of a framework built on DeepSpeed: OpenRLHF, open-instruct, accelerate, the HF Trainer, Lightning) or verl (a verl `global_step_N/` with every role's model, optimizer and extra-state rank files cut for --world-size ranks, which verl's own checkpoint manager loads there) or dcp (model and optimizer as torch's get_state_dict lays them out, `model.<fqn>`, `optim.state.<fqn>.exp_avg`, ..., which an FSDP2 or torchtitan trainer on any number of ranks loads with dcp.load + set_state_dict; from a DCP folder, a multi-rank ckptctl checkpoint or a verl role folder). Without --to, the source framework's own writer is used.
 
 DST must be empty (or absent): it becomes what the target framework is pointed at (for deepspeed-universal: DST/<tag>/ and DST/latest_universal; for verl: DST/global_step_N/ and the tracker, so trainer.default_local_dir=DST resumes). The output is written to a hidden staging folder next to DST and renamed into place: an interrupted or failed reshard leaves nothing at DST. A source the writer cannot carry (a torn tag, named by its missing file) is refused before anything is written. What the target cannot carry (RNG streams, a data-loader position) is listed as not carried, with why.
+
+A DeepSpeed ZeRO 1-3 tag (a tag folder, a save folder holding `latest`, or the tag of an OpenRLHF or open-instruct checkpoint) is also a source for --to dcp: its fp32 masters, each parameter's Adam moments and its group's step, the groups' settings and parameter names (proved from DeepSpeed's param_shapes); an optimizer other than Adam/AdamW is refused, naming its state.
 
 Exit code 0 when written, 2 on bad input, 130 when interrupted."""
 
 EXAMPLES = """\
+ckptctl reshard ckpts/global_step400 fsdp-dcp/ --to dcp --json
 ckptctl reshard ckpts/ universal/ --to deepspeed-universal
 ckptctl reshard ckpts/global_step400 universal/ --to deepspeed-universal --workers 4
 ckptctl reshard openrlhf-ckpt/_actor actor-universal/ --to deepspeed-universal --json
 ckptctl reshard verl-run/global_step_400 verl-on-16/ --world-size 16
 ckptctl reshard verl-run/global_step_400/actor actor-dcp/ --to dcp
-ckptctl reshard ckpts/global_step400 fsdp-dcp/ --to dcp --json
 """
 
 

@@ -22,8 +22,19 @@ import torch
 
 from tests.writers.dcp_writer import sharded_tiny_net
 
-__all__ = ["CASES", "DcpReshardProof", "VerlToDcpProof", "prove_dcp_reshard", "prove_verl_to_dcp"]
+__all__ = [
+    "CASES",
+    "NEXT_STEP_SEED",
+    "DcpReshardProof",
+    "VerlToDcpProof",
+    "adamw",
+    "batch",
+    "prove_dcp_reshard",
+    "prove_verl_to_dcp",
+]
 
+#: The batch of the step each resumed case takes.
+NEXT_STEP_SEED = 3
 #: Each loaded case: (its name, the folder it loads from, how).
 CASES = (
     ("source-dcp", "dcp", "dcp"),
@@ -42,9 +53,18 @@ class DcpReshardProof:
         return torch.load(self.root / f"results-{world_size}.pt", weights_only=True)  # written by the proof
 
 
-def decays(name: str) -> bool:
-    """Whether a `TinyNet` parameter is in the weight-decay group (the weights but the norm's), as trainers group them."""
-    return name.endswith("weight") and "norm" not in name
+def _model_and_optimizer(world_size: int) -> tuple[Any, Any]:
+    model = sharded_tiny_net(world_size)
+    return model, adamw(model)
+
+
+def adamw(model: torch.nn.Module) -> torch.optim.AdamW:
+    """The run's AdamW over `model` (sharded or not): two groups, decay (weights but norms') and no decay."""
+    decay = [p for n, p in model.named_parameters() if n.endswith("weight") and "norm" not in n]
+    rest = [p for n, p in model.named_parameters() if not (n.endswith("weight") and "norm" not in n)]
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}], lr=1e-2, betas=(0.8, 0.95)
+    )
 
 
 def batch(seed: int) -> torch.Tensor:
@@ -52,25 +72,15 @@ def batch(seed: int) -> torch.Tensor:
     return torch.randint(0, 11, (4, 3), generator=torch.Generator().manual_seed(seed))
 
 
-def _model_and_optimizer(world_size: int) -> tuple[Any, Any]:
-    model = sharded_tiny_net(world_size)
-    decay = [p for n, p in model.named_parameters() if decays(n)]
-    rest = [p for n, p in model.named_parameters() if not decays(n)]
-    optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}], lr=1e-2, betas=(0.8, 0.95)
-    )
-    return model, optimizer
-
-
 def _step(model: Any, optimizer: Any, seed: int) -> tuple[float, float]:
     """One training step on a batch fixed by `seed` (the same on every rank): the loss before and after it."""
-    inputs = batch(seed)
-    loss = model(inputs).square().mean()
+    ids = batch(seed)
+    loss = model(ids).square().mean()
     loss.backward()
     optimizer.step()
     optimizer.zero_grad()
     with torch.no_grad():
-        after = model(inputs).square().mean()
+        after = model(ids).square().mean()
     return float(loss), float(after)
 
 
@@ -124,7 +134,7 @@ def _load_worker(
             else:
                 _dcp_resume(model, optimizer, f"{root}/{folder}")
             model_sd, optim_sd = _full_state(model, optimizer)
-            losses = _step(model, optimizer, seed=3)
+            losses = _step(model, optimizer, NEXT_STEP_SEED)
             results[name] = {"model": model_sd, "optim": optim_sd, "losses": losses}
         if rank == 0:
             torch.save(results, f"{root}/{results_name}-{world_size}.pt")

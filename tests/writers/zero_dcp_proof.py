@@ -2,8 +2,8 @@
 CPU ranks.
 
 1. `write_zero_fp32` (a writer of its own, cached apart from the proof): DeepSpeed 0.19 on 2 ranks trains
-   `TinyNet` in fp32 with torch's AdamW in two groups (decay and no decay, by `reshard_dcp_proof.decays`, with
-   settings other than that proof's optimizer has, so that a resumed optimizer can only have them from the
+   `TinyNet` in fp32 with torch's AdamW in two groups (decay and no decay: `reshard_dcp_proof.adamw`, given other
+   settings than that proof's optimizer has, so that a resumed optimizer can only have them from the
    checkpoint) and a StepLR, under each of `RUNS` (ZeRO-2; ZeRO-3; ZeRO-3 with a `sub_group_size` that cuts the
    groups into several flat partitions each) for two steps, and saves (`{run}/global_step2`, `latest`, a client
    state). Then a fresh engine of each run loads the save with DeepSpeed's own `load_checkpoint` and rank 0
@@ -28,7 +28,7 @@ import torch
 
 from tests.writers.dcp_writer import TinyNet
 from tests.writers.deepspeed_writer import write_deepspeed_sets
-from tests.writers.reshard_dcp_proof import _load_worker, _spawn, batch, decays
+from tests.writers.reshard_dcp_proof import NEXT_STEP_SEED, _load_worker, _spawn, adamw, batch
 
 __all__ = ["RUNS", "WrittenZeroFp32", "ZeroToDcpProof", "prove_zero_to_dcp", "write_zero_fp32"]
 
@@ -39,9 +39,8 @@ RUNS: dict[str, dict[str, int]] = {
     "zero3": {"stage": 3},
     "zero3-subgroups": {"stage": 3, "sub_group_size": 64},
 }
-#: The step DeepSpeed saves at, and the seed of the batch of the step after it (`reshard_dcp_proof`'s loaders' step).
+#: The step DeepSpeed saves at.
 SAVED_STEP = 2
-NEXT_SEED = 3
 #: The settings DeepSpeed's AdamW is built with (the FSDP2 side is built with others).
 LR = 3e-3
 BETAS = (0.85, 0.99)
@@ -70,16 +69,17 @@ class WrittenZeroFp32:
         return torch.load(self.root / f"deepspeed-{run}.pt", weights_only=True)  # written by the writer
 
 
-def _engine(zero: dict[str, int]) -> Any:
+def _engine(zero: dict[str, int]) -> tuple[Any, list[list[str]]]:
+    """A DeepSpeed engine of `TinyNet`, and the names of each of its optimizer's groups."""
     import deepspeed
 
     torch.manual_seed(0)
     model = TinyNet()
-    groups = [
-        {"params": [p for n, p in model.named_parameters() if decays(n)], "weight_decay": DECAY},
-        {"params": [p for n, p in model.named_parameters() if not decays(n)], "weight_decay": 0.0},
-    ]
-    optimizer = torch.optim.AdamW(groups, lr=LR, betas=BETAS, eps=EPS)
+    optimizer = adamw(model)
+    for group, decay in zip(optimizer.param_groups, (DECAY, 0.0), strict=True):
+        group.update(lr=LR, betas=BETAS, eps=EPS, weight_decay=decay)
+    name_of = {id(p): n for n, p in model.named_parameters()}
+    names = [[name_of[id(p)] for p in group["params"]] for group in optimizer.param_groups]
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
     config = {
         "train_micro_batch_size_per_gpu": 4,
@@ -90,7 +90,7 @@ def _engine(zero: dict[str, int]) -> Any:
         "steps_per_print": 10_000,
     }
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config)
-    return engine
+    return engine, names
 
 
 def _deepspeed_step(engine: Any, seed: int) -> tuple[float, float]:
@@ -104,7 +104,7 @@ def _deepspeed_step(engine: Any, seed: int) -> tuple[float, float]:
     return float(loss), float(after)
 
 
-def _deepspeed_view(engine: Any, save_dir: Path) -> dict[str, Any]:
+def _deepspeed_view(engine: Any, save_dir: Path, group_names: list[list[str]]) -> dict[str, Any]:
     """The loaded engine's state as DeepSpeed assembles it (collectives: every rank calls it)."""
     import contextlib
     import io
@@ -129,10 +129,7 @@ def _deepspeed_view(engine: Any, save_dir: Path) -> dict[str, Any]:
         "moments": moments,
         "steps": [state["step"].clone() for state in wrapped.state.values()],
         "param_groups": [{k: v for k, v in group.items() if k != "params"} for group in wrapped.param_groups],
-        "group_names": [
-            [n for n, _ in engine.module.named_parameters() if decays(n)],
-            [n for n, _ in engine.module.named_parameters() if not decays(n)],
-        ],
+        "group_names": group_names,
     }
 
 
@@ -142,15 +139,15 @@ def _deepspeed_rank(rank: int, root: str) -> None:
 
     for run, zero in RUNS.items():
         save_dir = Path(root) / run
-        engine = _engine(zero)
+        engine, _ = _engine(zero)
         for seed in range(1, SAVED_STEP + 1):
             _deepspeed_step(engine, seed)
         engine.save_checkpoint(str(save_dir), client_state=CLIENT_STATE)
         deepspeed.comm.barrier()
-        loaded = _engine(zero)
+        loaded, group_names = _engine(zero)
         loaded.load_checkpoint(str(save_dir))
-        view = _deepspeed_view(loaded, save_dir)
-        view["losses"] = _deepspeed_step(loaded, NEXT_SEED)
+        view = _deepspeed_view(loaded, save_dir, group_names)
+        view["losses"] = _deepspeed_step(loaded, NEXT_STEP_SEED)
         if rank == 0:
             torch.save(view, Path(root) / f"deepspeed-{run}.pt")
         deepspeed.comm.barrier()

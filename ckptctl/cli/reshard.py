@@ -19,9 +19,12 @@ HELP = """Write a whole resumable training state (model, optimizer, schedulers, 
 
 DST must be empty (or absent): it becomes what the target framework is pointed at (for deepspeed-universal: DST/<tag>/ and DST/latest_universal; for verl: DST/global_step_N/ and the tracker, so trainer.default_local_dir=DST resumes). The output is written to a hidden staging folder next to DST and renamed into place: an interrupted or failed reshard leaves nothing at DST. DST may be an object store URL (s3://bucket/prefix, any fsspec URL): the output is staged in TMPDIR, then uploaded as convert uploads, in parallel but for the files that complete it (markers, then trackers and pointers such as latest_universal), which go up one after another, and ckptctl-digests.json last; a failed or interrupted upload deletes what it put. A non-empty prefix is refused unless --force, which deletes the old objects first. A source the writer cannot carry (a torn tag, named by its missing file) is refused before anything is written. What the target cannot carry (RNG streams, a data-loader position) is listed as not carried, with why.
 
+A DeepSpeed ZeRO 1-3 tag (a tag folder, a save folder holding `latest`, or the tag of an OpenRLHF or open-instruct checkpoint) is also a source for --to dcp: its fp32 masters, each parameter's Adam moments and its group's step, the groups' settings and parameter names (proved from DeepSpeed's param_shapes); an optimizer other than Adam/AdamW is refused, naming its state.
+
 Exit code 0 when written, 2 on bad input, 130 when interrupted."""
 
 EXAMPLES = """\
+ckptctl reshard ckpts/global_step400 fsdp-dcp/ --to dcp --json
 ckptctl reshard ckpts/ universal/ --to deepspeed-universal
 ckptctl reshard ckpts/global_step400 universal/ --to deepspeed-universal --workers 4
 ckptctl reshard openrlhf-ckpt/_actor actor-universal/ --to deepspeed-universal --json

@@ -122,9 +122,16 @@ _REGISTRY: tuple[Plugin, ...] = (
     Plugin("dcp", "ckptctl.frameworks.dcp", "layout:DcpLayout", RESHARD | SLIM | STATE),
     Plugin("hf_trainer", "ckptctl.frameworks.hf_trainer", "layout:HfTrainerLayout", CONVERT | REPAIR | SLIM | STATE),
     Plugin("accelerate", "ckptctl.frameworks.accelerate", "layout:AccelerateLayout", CONVERT | SLIM),
-    Plugin("openrlhf", "ckptctl.frameworks.openrlhf", "layout:OpenRlhfLayout", CONVERT | REPAIR | SLIM),
-    Plugin("open_instruct", "ckptctl.frameworks.open_instruct", "layout:OpenInstructLayout", CONVERT | REPAIR | SLIM),
-    Plugin("deepspeed", "ckptctl.frameworks.deepspeed", "layout:DeepSpeedLayout", CONVERT | REPAIR | RESHARD | SLIM),
+    Plugin("openrlhf", "ckptctl.frameworks.openrlhf", "layout:OpenRlhfLayout", CONVERT | REPAIR | SLIM | STATE),
+    Plugin(
+        "open_instruct",
+        "ckptctl.frameworks.open_instruct",
+        "layout:OpenInstructLayout",
+        CONVERT | REPAIR | SLIM | STATE,
+    ),
+    Plugin(
+        "deepspeed", "ckptctl.frameworks.deepspeed", "layout:DeepSpeedLayout", CONVERT | REPAIR | RESHARD | SLIM | STATE
+    ),
     Plugin("peft", "ckptctl.frameworks.peft", "layout:PeftLayout", CONVERT),
     Plugin("hf", "ckptctl.frameworks.hf", "layout:HfModelLayout", CONVERT),
     Plugin(

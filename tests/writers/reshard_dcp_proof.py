@@ -112,7 +112,15 @@ def _train_worker(rank: int, world_size: int, rendezvous: str, root: str) -> Non
         dist.destroy_process_group()
 
 
-def _load_worker(rank: int, world_size: int, rendezvous: str, root: str) -> None:
+def _load_worker(
+    rank: int,
+    world_size: int,
+    rendezvous: str,
+    root: str,
+    cases: tuple[tuple[str, str, str], ...] = CASES,
+    results_name: str = "results",
+) -> None:
+    """Loads each of `cases` (as `CASES`) on its own fresh model; rank 0 saves `results_name-{W}.pt`."""
     import torch.distributed as dist
 
     from ckptctl import CheckpointManager
@@ -122,7 +130,7 @@ def _load_worker(rank: int, world_size: int, rendezvous: str, root: str) -> None
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world_size)
     try:
         results: dict[str, Any] = {}
-        for name, folder, how in CASES:
+        for name, folder, how in cases:
             model, optimizer = _model_and_optimizer(world_size)
             if how == "native":
                 CheckpointManager(f"{root}/{folder}").restore({"model": model, "optimizer": optimizer}, step=2)
@@ -132,7 +140,7 @@ def _load_worker(rank: int, world_size: int, rendezvous: str, root: str) -> None
             losses = _step(model, optimizer, NEXT_STEP_SEED)
             results[name] = {"model": model_sd, "optim": optim_sd, "losses": losses}
         if rank == 0:
-            torch.save(results, f"{root}/results-{world_size}.pt")
+            torch.save(results, f"{root}/{results_name}-{world_size}.pt")
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -170,12 +178,12 @@ def _copy(tree: Any) -> Any:
     return tree
 
 
-def _spawn(worker: Any, root: Path, world_size: int, *extra: str) -> None:
+def _spawn(worker: Any, root: Path, world_size: int, *args: Any) -> None:
     import torch.multiprocessing as mp
 
     rendezvous = root / f".rendezvous-{worker.__name__}-{world_size}"
     rendezvous.unlink(missing_ok=True)
-    mp.spawn(worker, args=(world_size, str(rendezvous), str(root), *extra), nprocs=world_size)
+    mp.spawn(worker, args=(world_size, str(rendezvous), str(root), *args), nprocs=world_size)
 
 
 def _write_dcp(source: Path, out: Path) -> dict[str, Any]:

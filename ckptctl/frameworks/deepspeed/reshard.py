@@ -49,13 +49,12 @@ from ckptctl.formats.torch_save_writer import ByteRange, RawTensor, write_torch_
 from ckptctl.frameworks.deepspeed import universal_from_state
 from ckptctl.layouts.capabilities import NotCarried, ReshardRequest, WrittenState
 from ckptctl.layouts.parts.zero_tag.master_weights import tag_prefix
-from ckptctl.layouts.parts.zero_tag.names import LATEST_NAME, UNIVERSAL_LATEST_NAME, UNIVERSAL_STATES_DIR, tag_files
+from ckptctl.layouts.parts.zero_tag.names import LATEST_NAME, UNIVERSAL_LATEST_NAME, UNIVERSAL_STATES_DIR
+from ckptctl.layouts.parts.zero_tag.state import partitioned_tag
 from ckptctl.layouts.parts.zero_tag.tag import (
     DeepSpeedTag,
     base_state,
-    missing_rank_files,
     optimizer_state_dict,
-    read_tag,
 )
 from ckptctl.layouts.parts.zero_tag.tensor_index import param_groups, tag_index
 
@@ -162,28 +161,8 @@ def _plan(source: Checkpoint) -> _Plan:
         CkptctlError: no ZeRO tag, a torn one (naming the missing file), several model-parallel ranks, or
             parameter names that are no folder names.
     """
-    prefix = tag_prefix(source)
-    if prefix is None:
-        raise CkptctlError(f"{source.url} holds no DeepSpeed ZeRO tag folder (model and optim states)")
-    url = io.join(source.url, prefix.rstrip("/")) if prefix else source.url
-    files = tag_files(io.list_dir(url))
-    if files is None:
-        raise CkptctlError(f"{url} holds no DeepSpeed model or optim states")
-    missing = missing_rank_files(url, files)
-    if missing:
-        raise CorruptCheckpoint(f"{url} is torn: {', '.join(missing)} missing", "reshard a complete tag")
-    tag = read_tag(url, files)
-    if not tag.files.optim or tag.optim_kind is None:
-        raise CkptctlError(
-            f"{url} holds no ZeRO optimizer partitions (ZeRO stage {tag.zero_stage}): DeepSpeed loads it at any "
-            "world size as it is"
-        )
-    if tag.mp_world_size > 1:
-        raise CkptctlError(
-            f"{url} holds {tag.mp_world_size} model-parallel ranks; merging tensor-parallel slices needs the "
-            "model's universal_checkpoint_info patterns",
-            "use DeepSpeed's ds_to_universal.py",
-        )
+    tag, _ = partitioned_tag(source)
+    url = tag.url
     index = {e.name: e for e in tag_index(tag)}
     zero3 = tag.optim_kind == "zero3"
     params: list[_ParamStates] = []

@@ -230,12 +230,21 @@ class IndexBuilder:
         files: Sequence[str | None],
     ) -> list[TensorEntry]:
         """Flat state tensors (exp_avg, ...) laid out like the fp32 partitions, unflattened per parameter;
-        other state tensors (a group's `step`) from DP rank 0 as they are."""
+        other state tensors (a group's `step`) from DP rank 0 as they are.
+
+        ZeRO 1-2 saves each rank's fp32 partitions without the padding that aligns a group's partitions
+        (`_get_groups_without_padding`, padding recorded as `group_paddings`), and the wrapped optimizer's state
+        with it (`optimizer.state_dict()`): a state tensor that is its partition plus that padding, at the end,
+        is laid out as the partition too."""
         per_rank: list[dict[int, dict[str, Any]]] = []
+        paddings: list[list[Any]] = []
         for file in files:
-            state = base_state(optimizer_state_dict(self.tag.open_file(file or ""))).get("state")
+            osd = optimizer_state_dict(self.tag.open_file(file or ""))
+            state = base_state(osd).get("state")
             state = state if isinstance(state, dict) else {}
             per_rank.append({g: v for g, v in state.items() if type(g) is int and isinstance(v, dict)})
+            padding = osd.get("group_paddings")
+            paddings.append(padding if isinstance(padding, list) else [])
         keys = list(dict.fromkeys(k for g in per_rank[0].values() for k, v in g.items() if type(v) is TensorRef))
         shapes = {name: shape for group in groups for name, shape in group.items()}
         out: list[TensorEntry] = []
@@ -243,7 +252,12 @@ class IndexBuilder:
             layout: list[list[TensorRef]] = []
             for rank, states in enumerate(per_rank):
                 row = [states.get(g, {}).get(key) for g in range(len(flat[rank]))]
-                if not all(type(t) is TensorRef and t.numel == f.numel for t, f in zip(row, flat[rank], strict=True)):
+                padded = [p if type(p) is int else 0 for p in paddings[rank]]
+                padded += [0] * (len(row) - len(padded))
+                if not all(
+                    type(t) is TensorRef and t.numel in (f.numel, f.numel + pad)
+                    for t, f, pad in zip(row, flat[rank], padded, strict=False)
+                ):
                     break
                 layout.append([t for t in row if type(t) is TensorRef])
             if len(layout) == len(per_rank):

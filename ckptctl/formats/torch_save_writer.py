@@ -27,6 +27,7 @@ Two ways in:
 from __future__ import annotations
 
 import collections
+import hashlib
 import io as pyio
 import math
 import os
@@ -230,7 +231,7 @@ def write_torch_file(obj: Any, path: str) -> int:
         for storage in pickler.storages:
             out.tensor_record(f"data/{storage.key}", storage.tensor)
         out.record("version", _FORMAT_VERSION)
-        out.record(".data/serialization_id", _serialization_id())
+        out.record(".data/serialization_id", _serialization_id(out.entries))
         return out.finish()
     except OSError as exc:
         raise StorageError(f"cannot write {path}: {exc.strerror or exc}") from exc
@@ -238,9 +239,17 @@ def write_torch_file(obj: Any, path: str) -> int:
         os.close(fd)
 
 
-def _serialization_id() -> bytes:
-    # torch writes 40 decimal digits that identify one save; any unique value does.
-    return str(int.from_bytes(os.urandom(16), "little")).zfill(40)[:40].encode()
+def _serialization_id(entries: list[_Entry]) -> bytes:
+    """40 decimal digits naming this save's content, as torch makes them (`PyTorchStreamWriter::
+    writeSerializationId`): 20 from the records' CRC-32s, 20 from their names. Derived from the content, so the
+    same state written twice gives the same bytes (and the same digests), as torch.save's files do."""
+    crcs = hashlib.blake2b(digest_size=8)
+    names = hashlib.blake2b(digest_size=8)
+    for entry in entries:
+        crcs.update(entry.crc.to_bytes(4, "little"))
+        names.update(entry.name + b"\0")
+    as_digits = [int.from_bytes(h.digest(), "little") % 10**20 for h in (crcs, names)]
+    return "".join(f"{value:020d}" for value in as_digits).encode()
 
 
 @dataclass(frozen=True, slots=True)

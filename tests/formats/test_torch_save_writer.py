@@ -186,3 +186,21 @@ def test_writing_imports_no_torch(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "[]"
     _assert_equal(torch.load(tmp_path / "out.pt", weights_only=True)["param"], torch.arange(10).float())
+
+
+def test_same_state_gives_same_bytes(tmp_path: Path) -> None:
+    """Digests of a reshard are reproducible: the archive (its serialization id too) depends on the content
+    only, and a different value changes the id as torch's does."""
+    values = _values()
+    first, again, other = tmp_path / "a" / "x.pt", tmp_path / "b" / "x.pt", tmp_path / "c" / "x.pt"
+    for path, tensors in ((first, values), (again, _values()), (other, {**values, "large": values["large"] + 1})):
+        path.parent.mkdir()
+        write_torch_file({k: _raw(v) for k, v in tensors.items()}, str(path))
+    assert first.read_bytes() == again.read_bytes()
+
+    def serialization_id(path: Path) -> bytes:
+        with zipfile.ZipFile(path) as archive:
+            return archive.read("x/.data/serialization_id")
+
+    assert len(serialization_id(first)) == 40
+    assert serialization_id(first) != serialization_id(other)

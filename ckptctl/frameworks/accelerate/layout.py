@@ -31,7 +31,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from functools import cache
+from functools import cache, partial
 from typing import Any
 
 from ckptctl import io
@@ -47,7 +47,7 @@ from ckptctl.checkpoint import (
     TensorEntry,
 )
 from ckptctl.errors import CkptctlError, UnknownLayout
-from ckptctl.formats.torch_pickle import TorchPickle, open_torch_pickle, storage_problems
+from ckptctl.formats.torch_pickle import TorchPickle, open_torch_pickle
 from ckptctl.formats.torch_zip import TorchArchive
 from ckptctl.frameworks.accelerate.files import (
     AUTO_FOLDER,
@@ -73,6 +73,7 @@ from ckptctl.layouts.base import (
 )
 from ckptctl.layouts.parts.hf_folder import safetensors_index, verify_model_files
 from ckptctl.layouts.parts.in_progress import recently_written
+from ckptctl.layouts.parts.torch_file import torch_file_problems
 from ckptctl.layouts.parts.zero_tag.names import LATEST_NAME, latest_problem
 from ckptctl.layouts.parts.zero_tag.tag import DeepSpeedTag, read_tag
 from ckptctl.layouts.parts.zero_tag.tensor_index import tag_index
@@ -463,11 +464,9 @@ def _read_rng(url: str, name: str, files: Mapping[str, int]) -> Any:
 def _pickle_problems(url: str, name: str, size: int) -> list[Problem]:
     """A torch.save file that does not parse with the allowlist or lacks a storage; a random_states file
     without the RNG states load_state restores."""
-    try:
-        opened = open_torch_pickle(io.join(url, name), size)
-    except CkptctlError as exc:
-        return [Problem.from_error(exc, name)]
-    problems = [Problem(ProblemKind.TRUNCATED, name, message) for message in storage_problems(opened)]
+    opened, problems = torch_file_problems(name, partial(open_torch_pickle, io.join(url, name), size))
+    if opened is None:
+        return problems
     if RNG_FILE.match(name):
         root = opened.root
         lacking = [k for k in _RNG_KEYS if not isinstance(root, dict) or k not in root]

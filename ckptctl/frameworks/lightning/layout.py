@@ -36,7 +36,7 @@ import os
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
-from functools import cache
+from functools import cache, partial
 from typing import Any
 
 from ckptctl import io
@@ -53,7 +53,7 @@ from ckptctl.errors import CkptctlError, UnknownLayout, UnsafePickle
 from ckptctl.formats.dcp_metadata import METADATA_NAME
 from ckptctl.formats.documents import as_real, as_whole
 from ckptctl.formats.safe_pickle import FrameworkObject, StandIn, state_fields
-from ckptctl.formats.torch_pickle import TorchPickle, open_torch_pickle, storage_problems
+from ckptctl.formats.torch_pickle import TorchPickle, open_torch_pickle
 from ckptctl.formats.torch_pickle_classes import TensorRef
 from ckptctl.formats.torch_zip import TorchArchive
 from ckptctl.frameworks.lightning.files import DEEPSPEED_TAG, LAST, META, SUFFIX
@@ -71,6 +71,7 @@ from ckptctl.layouts.base import (
 )
 from ckptctl.layouts.parts.dcp_folder import DISTCP_RE, dcp_tensor_index, verify_dcp, world_size_of
 from ckptctl.layouts.parts.hf_folder import torch_file_entries
+from ckptctl.layouts.parts.torch_file import torch_file_problems
 from ckptctl.layouts.parts.zero_tag.names import LATEST_NAME, TagFiles, missing_note, read_latest, tag_files
 from ckptctl.layouts.parts.zero_tag.tag import ENGINE_KEYS, missing_rank_files, read_tag
 from ckptctl.layouts.parts.zero_tag.tensor_index import tag_index
@@ -373,13 +374,9 @@ class LightningLayout(Layout):
             return self._verify_deepspeed(url)
         if io.is_dir(url):
             return self._verify_sharded(url)
-        try:
-            opened = _open(url, checkpoint.ref.size_bytes)
-        except UnsafePickle as exc:
-            return [Problem(ProblemKind.UNSAFE_PICKLE, "", exc.message)]
-        except CkptctlError as exc:
-            return [Problem.from_error(exc, "")]
-        problems = [Problem(ProblemKind.TRUNCATED, "", message) for message in storage_problems(opened)]
+        opened, problems = torch_file_problems("", partial(_open, url, checkpoint.ref.size_bytes))
+        if opened is None:
+            return problems
         return problems + _content_problems(opened.root, "", require_state_dict=True)
 
     def _verify_deepspeed(self, url: str) -> list[Problem]:
@@ -416,14 +413,10 @@ class LightningLayout(Layout):
                 )
             )
             return problems
-        try:
-            opened = _open(io.join(url, META), None)
-        except UnsafePickle as exc:
-            return [*problems, Problem(ProblemKind.UNSAFE_PICKLE, META, exc.message)]
-        except CkptctlError as exc:
-            return [*problems, Problem.from_error(exc, META)]
-        problems += [Problem(ProblemKind.TRUNCATED, META, message) for message in storage_problems(opened)]
-        return problems + _content_problems(opened.root, META, require_state_dict=False)
+        opened, found = torch_file_problems(META, partial(_open, io.join(url, META), None))
+        if opened is None:
+            return problems + found
+        return problems + found + _content_problems(opened.root, META, require_state_dict=False)
 
     def completion_markers(self, files: Mapping[str, int]) -> tuple[str, ...]:
         """A sharded folder's `.metadata` (DCP writes it after the data) and `meta.pt` (Lightning's, last); a

@@ -27,17 +27,19 @@ import threading
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any
 
 from ckptctl import io
 from ckptctl.checkpoint import Checkpoint, CheckpointRef, CheckpointState, Component, Problem, ProblemKind, Role
 from ckptctl.errors import CkptctlError, UnknownLayout
-from ckptctl.formats.torch_pickle import open_torch_pickle, storage_problems
+from ckptctl.formats.torch_pickle import open_torch_pickle
 from ckptctl.io import DirEntry
 from ckptctl.layouts import peek, peek_dir
 from ckptctl.layouts.base import Layout, every_child_folder, folder_size, newest_mtime, timestamp
 from ckptctl.layouts.parts.hf_folder import HfFolderLayout, has_weights, model_markers, verify_model_files
 from ckptctl.layouts.parts.in_progress import recently_written
+from ckptctl.layouts.parts.torch_file import torch_file_problems
 from ckptctl.layouts.parts.zero_tag.folder import open_tag
 from ckptctl.layouts.parts.zero_tag.names import (
     LATEST_NAME,
@@ -400,8 +402,5 @@ def _worse(a: CheckpointRef, b: CheckpointRef) -> CheckpointState:
 
 
 def _pickle_problems(url: str, path: str) -> list[Problem]:
-    try:
-        opened = open_torch_pickle(url)
-    except CkptctlError as exc:
-        return [Problem.from_error(exc, path)]
-    return [Problem(ProblemKind.TRUNCATED, path, message) for message in storage_problems(opened)]
+    _, problems = torch_file_problems(path, partial(open_torch_pickle, url))
+    return problems

@@ -35,7 +35,7 @@ import math
 import re
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, partial
 from typing import Any
 
 from ckptctl import io
@@ -49,7 +49,7 @@ from ckptctl.checkpoint import (
     TensorChunk,
     TensorEntry,
 )
-from ckptctl.errors import CkptctlError, CorruptCheckpoint, UnknownLayout, UnsafePickle
+from ckptctl.errors import CkptctlError, CorruptCheckpoint, UnknownLayout
 from ckptctl.formats.chunks import tiling_problem
 from ckptctl.formats.documents import read_json
 from ckptctl.formats.dtensor import dtensor_facts, state_tensors
@@ -69,6 +69,7 @@ from ckptctl.layouts.base import (
     timestamp,
 )
 from ckptctl.layouts.parts.in_progress import unfinished_state
+from ckptctl.layouts.parts.torch_file import torch_file_problems
 from ckptctl.layouts.resume import ResumeProfile
 
 __all__ = ["HF_FOLDER", "MARKER", "VerlLayout"]
@@ -509,15 +510,13 @@ def _role_problems(prefix: str, role_url: str, role: _Role | None) -> list[Probl
     for file, size in sorted(role.files.items()):
         if not _RANK_FILE.match(file):
             continue
-        try:
-            opened = _open_rank_file(io.join(role_url, file), size)
-        except UnsafePickle as exc:
-            problems.append(Problem(ProblemKind.UNSAFE_PICKLE, prefix + file, exc.message))
-            continue
-        except CkptctlError as exc:
-            problems.append(Problem(ProblemKind.UNREADABLE, prefix + file, exc.message))
-            continue
-        problems += [Problem(ProblemKind.TRUNCATED, prefix + file, message) for message in _storage_problems(opened)]
+        _, found = torch_file_problems(
+            prefix + file,
+            partial(_open_rank_file, io.join(role_url, file), size),
+            unreadable=ProblemKind.UNREADABLE,
+            storages=_storage_problems,
+        )
+        problems += found
     if not any(p.severity == "error" for p in problems):
         try:
             _role_index(role_url, role, prefix)
@@ -528,13 +527,13 @@ def _role_problems(prefix: str, role_url: str, role: _Role | None) -> list[Probl
 
 def _state_file(url: str, name: str, size: int) -> list[Problem]:
     """A step's plain torch.save state (`data.pt`, SkyRL's `trainer_state.pt`) read through the allowlist."""
-    try:
-        opened = open_torch_pickle(io.join(url, name), size)
-    except UnsafePickle as exc:
-        return [Problem(ProblemKind.UNSAFE_PICKLE, name, exc.message)]
-    except CkptctlError as exc:
-        return [Problem(ProblemKind.UNREADABLE, name, exc.message)]
-    return [Problem(ProblemKind.TRUNCATED, name, message) for message in _storage_problems(opened)]
+    _, problems = torch_file_problems(
+        name,
+        partial(open_torch_pickle, io.join(url, name), size),
+        unreadable=ProblemKind.UNREADABLE,
+        storages=_storage_problems,
+    )
+    return problems
 
 
 def _storage_problems(opened: TorchPickle) -> list[str]:

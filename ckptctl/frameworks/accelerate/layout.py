@@ -80,7 +80,7 @@ from ckptctl.layouts.parts.zero_tag.tensor_index import tag_index
 from ckptctl.layouts.parts.zero_tag.verify import verify_tag
 from ckptctl.layouts.resume import ResumeProfile
 
-__all__ = ["AccelerateLayout"]
+__all__ = ["AccelerateLayout", "SaveStateParts", "auto_checkpoint_match"]
 
 #: The folder names accelerate's own examples pass to save_state (`step_{N}`, `epoch_{E}`).
 _EPOCH_FOLDER = re.compile(r"^epoch_(\d+)$")
@@ -104,7 +104,7 @@ def _index(match: re.Match[str]) -> int:
 
 
 @dataclass(frozen=True, slots=True)
-class _Parts:
+class SaveStateParts:
     """What a save_state folder holds, from its listing (no file is read)."""
 
     files: frozenset[str]
@@ -118,7 +118,7 @@ class _Parts:
     fsdp_files: tuple[str, ...]
 
     @classmethod
-    def of(cls, entries: Sequence[DirEntry]) -> _Parts:
+    def of(cls, entries: Sequence[DirEntry]) -> SaveStateParts:
         files = frozenset(e.name for e in entries if not e.is_dir)
         dirs = [e.name for e in entries if e.is_dir]
         models: dict[int, str] = {}
@@ -187,7 +187,7 @@ def _fsdp_kind(name: str) -> str:
     return "optimizer" if m is not None and m.group("kind") == "optimizer" else "model"
 
 
-def _is_auto(url: str) -> re.Match[str] | None:
+def auto_checkpoint_match(url: str) -> re.Match[str] | None:
     """The `checkpoint_{N}` match when the folder is one of automatic checkpoint naming's."""
     m = AUTO_FOLDER.match(io.name_of(url))
     return m if m is not None and io.name_of(io.parent_of(url)) == AUTO_PARENT else None
@@ -202,8 +202,8 @@ class AccelerateLayout(Layout):
         """A folder holding `random_states_{i}.pkl` (what every save_state writes, last), or what save_state
         writes before it (an unfinished save): files only accelerate names so (`optimizer.bin`, `scheduler.bin`,
         `pytorch_model_fsdp_0/`), or anything of it in an automatic `checkpoints/checkpoint_N`."""
-        parts = _Parts.of(entries)
-        auto = _is_auto(url)
+        parts = SaveStateParts.of(entries)
+        auto = auto_checkpoint_match(url)
         if not (parts.own_files() or (auto and parts.holds_state())):
             return None
         name = io.name_of(url)
@@ -250,9 +250,9 @@ class AccelerateLayout(Layout):
         ref = self.identify(url, entries)
         if ref is None:
             raise UnknownLayout(f"{url} is not an accelerate save_state folder (no random_states_N.pkl)")
-        parts = _Parts.of(entries)
+        parts = SaveStateParts.of(entries)
         files = list_files(url)
-        auto = _is_auto(url)
+        auto = auto_checkpoint_match(url)
         metadata: dict[str, Any] = {
             "format": "accelerate",
             "plugin": parts.plugin,
@@ -314,7 +314,7 @@ class AccelerateLayout(Layout):
         `latest`, and the DCP folders, pass their frameworks' rules."""
         url = checkpoint.url
         files = checkpoint.files
-        parts = _Parts.of(io.list_dir(url))
+        parts = SaveStateParts.of(io.list_dir(url))
         problems: list[Problem] = []
         if not parts.rng:
             problems.append(
@@ -379,7 +379,9 @@ class AccelerateLayout(Layout):
         alone); and the newest save when the numbering restarted below older saves (a resume that did not
         set `project_configuration.iteration`, accelerate#3306), which that rotation would delete first."""
         auto = [
-            (int(m.group(1)), ref) for ref in series if ref.layout == self.name and (m := _is_auto(ref.url)) is not None
+            (int(m.group(1)), ref)
+            for ref in series
+            if ref.layout == self.name and (m := auto_checkpoint_match(ref.url)) is not None
         ]
         complete = [(n, ref) for n, ref in auto if ref.state is CheckpointState.COMPLETE]
         if not complete:
@@ -412,7 +414,7 @@ class AccelerateLayout(Layout):
         return PROFILE
 
 
-def _components(parts: _Parts) -> set[Component]:
+def _components(parts: SaveStateParts) -> set[Component]:
     found: set[Component] = set()
     if parts.has_model:
         found.add(Component.MODEL)
@@ -435,7 +437,7 @@ _RANK_FILES_NOTE = (
 )
 
 
-def _rank_file_problems(parts: _Parts) -> list[Problem]:
+def _rank_file_problems(parts: SaveStateParts) -> list[Problem]:
     """Each per-process FSDP file (`{prefix}_rank{R}.bin`) for every process that saved RNG states: every
     process writes its own, and load_state needs each process's."""
     ranks: dict[str, set[int]] = {}
@@ -482,7 +484,7 @@ def _pickle_problems(url: str, name: str, size: int) -> list[Problem]:
 
 
 def _tensor_index(
-    url: str, parts: _Parts, files: Mapping[str, int], tag: DeepSpeedTag | None
+    url: str, parts: SaveStateParts, files: Mapping[str, int], tag: DeepSpeedTag | None
 ) -> tuple[TensorEntry, ...]:
     entries: list[TensorEntry] = []
     for index, name in sorted(parts.models.items()):

@@ -78,7 +78,7 @@ from ckptctl.layouts.parts.zero_tag.tensor_index import tag_index
 from ckptctl.layouts.parts.zero_tag.verify import verify_tag
 from ckptctl.layouts.resume import ResumeProfile
 
-__all__ = ["LightningLayout", "name_fields"]
+__all__ = ["LightningLayout", "lightning_dict_file", "name_fields", "open_lightning_file"]
 
 _LAST = re.compile(r"^last(?:-v\d+)?\.ckpt$")
 #: `key=value` parts of a ModelCheckpoint file name (`epoch=3-step=1200-val_loss=0.42`).
@@ -133,7 +133,7 @@ class LightningLayout(Layout):
         state, note = CheckpointState.COMPLETE, ""
         if _LAST.match(name) and step is None:
             try:
-                root = _open(url, entry.size).root
+                root = open_lightning_file(url, entry.size).root
             except CkptctlError as exc:
                 state, note = CheckpointState.BROKEN, exc.message
             else:
@@ -232,7 +232,7 @@ class LightningLayout(Layout):
         ref = self.identify_file(url, entry) if entry is not None else None
         if ref is None or entry is None:
             raise UnknownLayout(f"{url} is not a Lightning checkpoint file (*.ckpt)")
-        opened = _open(url, entry.size)
+        opened = open_lightning_file(url, entry.size)
         root = opened.root if isinstance(opened.root, dict) else {}
         counters = _counters(root)
         ref = replace(
@@ -254,7 +254,7 @@ class LightningLayout(Layout):
         error = ""
         if META in files:
             try:
-                opened = _open(io.join(url, META), files[META]).root
+                opened = open_lightning_file(io.join(url, META), files[META]).root
                 root = opened if isinstance(opened, dict) else {}
             except CkptctlError as exc:
                 error = f"{META}: {exc.message}"
@@ -374,7 +374,7 @@ class LightningLayout(Layout):
             return self._verify_deepspeed(url)
         if io.is_dir(url):
             return self._verify_sharded(url)
-        opened, problems = torch_file_problems("", partial(_open, url, checkpoint.ref.size_bytes))
+        opened, problems = torch_file_problems("", partial(open_lightning_file, url, checkpoint.ref.size_bytes))
         if opened is None:
             return problems
         return problems + _content_problems(opened.root, "", require_state_dict=True)
@@ -393,9 +393,9 @@ class LightningLayout(Layout):
             )
         if any(p.severity == "error" for p in problems):
             return problems
-        path = _lightning_dict(url)
+        path = lightning_dict_file(url)
         try:
-            opened = _open(io.join(url, path), None)
+            opened = open_lightning_file(io.join(url, path), None)
         except CkptctlError as exc:
             return [*problems, Problem.from_error(exc, path)]
         client = {k: v for k, v in opened.root.items() if k not in ENGINE_KEYS}
@@ -413,7 +413,7 @@ class LightningLayout(Layout):
                 )
             )
             return problems
-        opened, found = torch_file_problems(META, partial(_open, io.join(url, META), None))
+        opened, found = torch_file_problems(META, partial(open_lightning_file, io.join(url, META), None))
         if opened is None:
             return problems + found
         return problems + found + _content_problems(opened.root, META, require_state_dict=False)
@@ -440,9 +440,9 @@ class LightningLayout(Layout):
         newest = max(complete, key=lambda r: (r.step or 0, bool(_LAST.match(io.name_of(r.url)))))
         try:
             root = (
-                _open(newest.url, None).root
+                open_lightning_file(newest.url, None).root
                 if not io.is_dir(newest.url)
-                else _open(io.join(newest.url, _lightning_dict(newest.url)), None).root
+                else open_lightning_file(io.join(newest.url, lightning_dict_file(newest.url)), None).root
             )
         except CkptctlError:
             return Protections(reasons)
@@ -468,7 +468,7 @@ class LightningLayout(Layout):
 # --------------------------------------------------------------------------------------------------
 
 
-def _open(url: str, size: int | None) -> TorchPickle:
+def open_lightning_file(url: str, size: int | None) -> TorchPickle:
     """The torch.save file at `url` opened through the allowlist (zip directory and `data.pkl` only).
 
     Raises:
@@ -481,7 +481,7 @@ def _open(url: str, size: int | None) -> TorchPickle:
         raise UnsafePickle(exc.message + _UNSAFE, _UNSAFE_HINT) from exc
 
 
-def _lightning_dict(folder: str) -> str:
+def lightning_dict_file(folder: str) -> str:
     """The file of a `.ckpt` folder that holds Lightning's checkpoint dict (counters, callbacks,
     hyperparameters): a DeepSpeed folder's rank-0 model states (its client state), else `meta.pt`."""
     tag = io.join(folder, DEEPSPEED_TAG)

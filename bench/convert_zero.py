@@ -196,7 +196,8 @@ class Measured:
 
 
 def measure(label: str, argv: list[str]) -> Measured:
-    """Run `argv` in a fresh process; wall time, the work time it prints (JSON), and its own peak RSS."""
+    """Run `argv` in a fresh process; wall time, the work time it prints (JSON), and its own peak RSS (shared
+    by the convert and reshard benches; DeepSpeed, where a child imports it, on its CPU accelerator)."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "DS_ACCELERATOR": "cpu"}
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         start = time.perf_counter()

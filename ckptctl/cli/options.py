@@ -56,6 +56,13 @@ WaitOpt = Annotated[
         min=0,
     ),
 ]
+# prune and slim judge alike whether a checkpoint is still being written (`ops.prune.DEFAULT_GRACE`).
+GraceOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--grace", metavar="AGE", help="Checkpoints modified this recently count as being written (default 10m)."
+    ),
+]
 DepthOpt = Annotated[int, typer.Option("--depth", metavar="N", help="How deep to look for nested runs.", min=0)]
 
 

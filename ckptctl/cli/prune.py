@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from ckptctl.cli.command import add_command
-from ckptctl.cli.options import DepthOpt, JsonOpt, PlanPrompt, QuietOpt, WaitOpt, bad_value, parsed
+from ckptctl.cli.options import DepthOpt, GraceOpt, JsonOpt, PlanPrompt, QuietOpt, WaitOpt, bad_value, parsed
 from ckptctl.cli.output import Cell, Column, Output, human_bytes, styled
 from ckptctl.errors import CkptctlError
 from ckptctl.layouts import DEFAULT_SCAN_DEPTH
@@ -71,12 +71,7 @@ def prune(
     pin: Annotated[
         list[int] | None, typer.Option("--pin", metavar="STEP", help="Never delete this step; repeatable.", min=0)
     ] = None,
-    grace: Annotated[
-        str | None,
-        typer.Option(
-            "--grace", metavar="AGE", help="Checkpoints modified this recently count as being written (default 10m)."
-        ),
-    ] = None,
+    grace: GraceOpt = None,
     slim: Annotated[
         bool,
         typer.Option(

@@ -8,7 +8,7 @@ import typer
 
 from ckptctl import io
 from ckptctl.cli.command import add_command
-from ckptctl.cli.options import DepthOpt, JsonOpt, PlanPrompt, QuietOpt, WaitOpt, parsed
+from ckptctl.cli.options import DepthOpt, GraceOpt, JsonOpt, PlanPrompt, QuietOpt, WaitOpt, parsed
 from ckptctl.cli.output import Cell, Column, Output, human_bytes, styled
 from ckptctl.layouts import DEFAULT_SCAN_DEPTH
 from ckptctl.ops.report import display_path
@@ -63,12 +63,7 @@ def slim(
             "--older-than", metavar="AGE", help="Only checkpoints older than this are slimmed (7d, 12h, 30m)."
         ),
     ] = None,
-    grace: Annotated[
-        str | None,
-        typer.Option(
-            "--grace", metavar="AGE", help="Checkpoints modified this recently count as being written (default 10m)."
-        ),
-    ] = None,
+    grace: GraceOpt = None,
     dry_run: Annotated[
         bool, typer.Option("--dry-run", help="Print the plan with the bytes each slim frees; change nothing.")
     ] = False,

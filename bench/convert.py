@@ -28,7 +28,6 @@ Usage: python bench/convert.py [--layers 4] [--width 8192] [--dir DIR] [--keep] 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import resource
 import shutil
@@ -37,11 +36,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-MIB = 1 << 20
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from convert_zero import MIB, REPO, Measured, measure  # a sibling script: one way to measure a process
 
 
 def _writer(rank: int, world_size: int, rendezvous: str, path: str, layers: int, width: int) -> None:
@@ -126,33 +124,6 @@ _load_state_dict(state, storage_reader=FileSystemReader(ckpt), planner=_EmptySta
 save_file({k: v.contiguous() for k, v in state["model"].items()}, out + "/model.safetensors", metadata={"format": "pt"})
 print(json.dumps({"seconds": time.perf_counter() - start}))
 """
-
-
-@dataclass(frozen=True)
-class Measured:
-    label: str
-    wall: float
-    work: float
-    peak_rss: int
-
-
-def measure(label: str, argv: list[str]) -> Measured:
-    """Run `argv` in a fresh process; wall time, the work time it prints (JSON), and its own peak RSS."""
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        start = time.perf_counter()
-        proc = subprocess.Popen(argv, stdout=out, stderr=err, env=env, cwd=REPO)
-        _, status, usage = os.wait4(proc.pid, 0)  # that child's own rusage, unlike RUSAGE_CHILDREN
-        wall = time.perf_counter() - start
-        proc.returncode = os.waitstatus_to_exitcode(status)
-        out.seek(0)
-        err.seek(0)
-        stdout, stderr = out.read(), err.read()
-    if proc.returncode != 0:
-        sys.stderr.write(stderr.decode())
-        raise SystemExit(f"{label} failed with exit code {proc.returncode}")
-    doc = json.loads(stdout.decode())
-    return Measured(label, wall, float(doc["seconds"]), usage.ru_maxrss * 1024)
 
 
 def same_tensors(a: Path, b: Path) -> bool:

@@ -133,6 +133,36 @@ def build_checkpoints(root: Path, stages: tuple[int, ...], layers: int, hidden: 
     )
 
 
+def add_checkpoint_options(parser: argparse.ArgumentParser, stages: str, hidden: int) -> None:
+    """The options of the save folders `build_checkpoints` writes and of the work folder (`--stages`,
+    `--layers`, `--hidden`, `--vocab`, `--dir`, `--keep`, `--reuse`), with this bench's defaults."""
+    parser.add_argument("--stages", default=stages, help=f"ZeRO stages to write and convert (default {stages})")
+    parser.add_argument("--layers", type=int, default=6, help="decoder layers (default 6)")
+    parser.add_argument("--hidden", type=int, default=hidden, help=f"hidden size (default {hidden})")
+    parser.add_argument("--vocab", type=int, default=32000, help="vocabulary (default 32000)")
+    parser.add_argument("--dir", type=Path, default=None, help="work folder (default: a temp dir beside the repo)")
+    parser.add_argument("--keep", action="store_true", help="keep the checkpoints and outputs")
+    parser.add_argument("--reuse", action="store_true", help="reuse checkpoints a --keep run left in --dir")
+
+
+def ensure_checkpoints(root: Path, stages: tuple[int, ...], args: argparse.Namespace) -> None:
+    """The save folder `zero{stage}` of each stage in `root`: written anew, unless `--reuse` finds them all."""
+    if args.reuse and all((root / f"zero{s}" / "latest").exists() for s in stages):
+        return
+    for s in stages:
+        shutil.rmtree(root / f"zero{s}", ignore_errors=True)
+    build_checkpoints(root, stages, args.layers, args.hidden, args.vocab)
+
+
+def warm_tag(save_dir: Path) -> tuple[Path, list[Path], int]:
+    """The tag `latest` names in `save_dir`, its files and their bytes, each file read once so that every
+    measurement starts on a warm page cache."""
+    tag = save_dir / (save_dir / "latest").read_text().strip()
+    files = sorted(tag.iterdir())
+    subprocess.run(["cat", *map(str, files)], stdout=subprocess.DEVNULL, check=True)
+    return tag, files, sum(f.stat().st_size for f in files)
+
+
 def _generate(root: Path, stages: tuple[int, ...], layers: int, hidden: int, vocab: int) -> None:
     import torch.multiprocessing as mp
 
@@ -166,7 +196,8 @@ class Measured:
 
 
 def measure(label: str, argv: list[str]) -> Measured:
-    """Run `argv` in a fresh process; wall time, the work time it prints (JSON), and its own peak RSS."""
+    """Run `argv` in a fresh process; wall time, the work time it prints (JSON), and its own peak RSS (shared
+    by the convert and reshard benches; DeepSpeed, where a child imports it, on its CPU accelerator)."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "DS_ACCELERATOR": "cpu"}
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         start = time.perf_counter()
@@ -209,13 +240,7 @@ def same_tensors(a: Path, b: Path) -> tuple[bool, int]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--stages", default="3,2", help="ZeRO stages to write and convert (default 3,2)")
-    parser.add_argument("--layers", type=int, default=6, help="decoder layers (default 6)")
-    parser.add_argument("--hidden", type=int, default=1024, help="hidden size (default 1024)")
-    parser.add_argument("--vocab", type=int, default=32000, help="vocabulary (default 32000)")
-    parser.add_argument("--dir", type=Path, default=None, help="work folder (default: a temp dir beside the repo)")
-    parser.add_argument("--keep", action="store_true", help="keep the checkpoints and outputs")
-    parser.add_argument("--reuse", action="store_true", help="reuse checkpoints a --keep run left in --dir")
+    add_checkpoint_options(parser, stages="3,2", hidden=1024)
     parser.add_argument("--generate", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     stages = tuple(int(s) for s in args.stages.split(","))
@@ -228,19 +253,13 @@ def main() -> int:
     ok = True
     try:
         started = time.perf_counter()
-        if not (args.reuse and all((root / f"zero{s}" / "latest").exists() for s in stages)):
-            for s in stages:
-                shutil.rmtree(root / f"zero{s}", ignore_errors=True)
-            build_checkpoints(root, stages, args.layers, args.hidden, args.vocab)
+        ensure_checkpoints(root, stages, args)
         print(f"checkpoints written by DeepSpeed (2 CPU ranks, bf16) in {time.perf_counter() - started:.0f} s")
         python = sys.executable
         summary = []
         for stage in stages:
             save_dir = root / f"zero{stage}"
-            tag = save_dir / (save_dir / "latest").read_text().strip()
-            files = sorted(tag.iterdir())
-            total = sum(f.stat().st_size for f in files)
-            subprocess.run(["cat", *map(str, files)], stdout=subprocess.DEVNULL, check=True)
+            tag, files, total = warm_tag(save_dir)
             runs = {
                 "a": (
                     "ckptctl convert --to hf",

@@ -42,7 +42,15 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from convert_zero import MIB, REPO, Measured, build_checkpoints, measure  # a sibling script
+from convert_zero import (  # a sibling script
+    MIB,
+    REPO,
+    Measured,
+    add_checkpoint_options,
+    ensure_checkpoints,
+    measure,
+    warm_tag,
+)
 
 #: ds_to_universal's `main`, after DeepSpeed and torch were imported (so that "work" is the conversion).
 DS_TO_UNIVERSAL = """
@@ -106,31 +114,19 @@ def same_universal(ours: Path, theirs: Path, stage: int) -> tuple[bool, int]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--stages", default="2,3", help="ZeRO stages to write and convert (default 2,3)")
-    parser.add_argument("--layers", type=int, default=6, help="decoder layers (default 6)")
-    parser.add_argument("--hidden", type=int, default=768, help="hidden size (default 768)")
-    parser.add_argument("--vocab", type=int, default=32000, help="vocabulary (default 32000)")
-    parser.add_argument("--dir", type=Path, default=None, help="work folder (default: a temp dir beside the repo)")
-    parser.add_argument("--keep", action="store_true", help="keep the checkpoints and outputs")
-    parser.add_argument("--reuse", action="store_true", help="reuse checkpoints a --keep run left in --dir")
+    add_checkpoint_options(parser, stages="2,3", hidden=768)
     args = parser.parse_args()
     stages = tuple(int(s) for s in args.stages.split(","))
     root = args.dir or Path(tempfile.mkdtemp(prefix="ckptctl-bench-reshard-", dir=REPO.parent))
     root.mkdir(parents=True, exist_ok=True)
     ok = True
     try:
-        if not (args.reuse and all((root / f"zero{s}" / "latest").exists() for s in stages)):
-            for s in stages:
-                shutil.rmtree(root / f"zero{s}", ignore_errors=True)
-            build_checkpoints(root, stages, args.layers, args.hidden, args.vocab)
+        ensure_checkpoints(root, stages, args)
         python = sys.executable
         table = []
         for stage in stages:
             save_dir = root / f"zero{stage}"
-            tag = save_dir / (save_dir / "latest").read_text().strip()
-            files = sorted(tag.iterdir())
-            total = sum(f.stat().st_size for f in files)
-            subprocess.run(["cat", *map(str, files)], stdout=subprocess.DEVNULL, check=True)
+            tag, files, total = warm_tag(save_dir)
             outs = {key: root / f"out-zero{stage}-{key}" for key in ("r", "r2", "u", "c")}
             for out in outs.values():
                 shutil.rmtree(out, ignore_errors=True)

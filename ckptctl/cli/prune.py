@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from ckptctl.cli.command import add_command
-from ckptctl.cli.options import DepthOpt, JsonOpt, QuietOpt, WaitOpt, bad_value, confirmed, parsed
+from ckptctl.cli.options import DepthOpt, GraceOpt, JsonOpt, PlanPrompt, QuietOpt, WaitOpt, bad_value, parsed
 from ckptctl.cli.output import Cell, Column, Output, human_bytes, styled
 from ckptctl.errors import CkptctlError
 from ckptctl.layouts import DEFAULT_SCAN_DEPTH
@@ -71,12 +71,7 @@ def prune(
     pin: Annotated[
         list[int] | None, typer.Option("--pin", metavar="STEP", help="Never delete this step; repeatable.", min=0)
     ] = None,
-    grace: Annotated[
-        str | None,
-        typer.Option(
-            "--grace", metavar="AGE", help="Checkpoints modified this recently count as being written (default 10m)."
-        ),
-    ] = None,
+    grace: GraceOpt = None,
     slim: Annotated[
         bool,
         typer.Option(
@@ -121,23 +116,11 @@ def prune(
         grace_age = grace_age if grace_age is not None else file_grace
         out.note(f"rules from {POLICY_FILE}: {policy.describe()}")
 
-    shown = False
+    prompt = PlanPrompt(out, _render_plan, _render_summary, yes=yes, json_output=json_output, quiet=quiet)
 
     def confirm(plan: PrunePlan) -> bool:
-        def show() -> None:
-            nonlocal shown
-            _render_plan(out, plan)
-            shown = True
-
         what = f"delete {len(plan.delete)} checkpoint(s)" + (f" and slim {len(plan.slim)}" if plan.slim else "")
-        return confirmed(
-            what,
-            f"{what.capitalize()}, freeing {human_bytes(plan.freed_bytes)}?",
-            yes=yes,
-            json_output=json_output,
-            quiet=quiet,
-            show=show,
-        )
+        return prompt.confirmed(plan, what, f"{what.capitalize()}, freeing {human_bytes(plan.freed_bytes)}?")
 
     report = run_prune(
         run,
@@ -152,14 +135,7 @@ def prune(
         require_metrics=bool(best),
         slim_instead=slim,
     )
-    if json_output:
-        out.json(report.to_json())
-    else:
-        if not shown:
-            _render_plan(out, report.plan)
-        _render_summary(out, report)
-    for note in report.plan.notes:
-        out.note(f"note: {note}")
+    prompt.show(report)
     # A declined prompt leaves every planned deletion in place: one line says so, not one per checkpoint.
     unmet = report.plan.unmet if report.cancelled else report.unmet
     if not quiet:

@@ -8,7 +8,7 @@ import typer
 
 from ckptctl import io
 from ckptctl.cli.command import add_command
-from ckptctl.cli.options import DepthOpt, JsonOpt, QuietOpt, WaitOpt, confirmed, parsed
+from ckptctl.cli.options import DepthOpt, GraceOpt, JsonOpt, PlanPrompt, QuietOpt, WaitOpt, parsed
 from ckptctl.cli.output import Cell, Column, Output, human_bytes, styled
 from ckptctl.layouts import DEFAULT_SCAN_DEPTH
 from ckptctl.ops.report import display_path
@@ -63,12 +63,7 @@ def slim(
             "--older-than", metavar="AGE", help="Only checkpoints older than this are slimmed (7d, 12h, 30m)."
         ),
     ] = None,
-    grace: Annotated[
-        str | None,
-        typer.Option(
-            "--grace", metavar="AGE", help="Checkpoints modified this recently count as being written (default 10m)."
-        ),
-    ] = None,
+    grace: GraceOpt = None,
     dry_run: Annotated[
         bool, typer.Option("--dry-run", help="Print the plan with the bytes each slim frees; change nothing.")
     ] = False,
@@ -92,22 +87,11 @@ def slim(
             out.note(
                 f"rules from ckptctl.toml [slim]: keep_full={keep_full or DEFAULT_KEEP_FULL}, older_than={_older_than_text(age)}"
             )
-    shown = False
+    prompt = PlanPrompt(out, _render_plan, _render_summary, yes=yes, json_output=json_output, quiet=quiet)
 
     def confirm(plan: SlimPlan) -> bool:
-        def show() -> None:
-            nonlocal shown
-            _render_plan(out, plan)
-            shown = True
-
-        return confirmed(
-            f"slim {len(plan.slim)} checkpoint(s)",
-            f"Slim {len(plan.slim)} checkpoint(s), freeing about {human_bytes(plan.freed_bytes)}?",
-            yes=yes,
-            json_output=json_output,
-            quiet=quiet,
-            show=show,
-        )
+        what = f"slim {len(plan.slim)} checkpoint(s)"
+        return prompt.confirmed(plan, what, f"{what.capitalize()}, freeing about {human_bytes(plan.freed_bytes)}?")
 
     report = run_slim(
         target,
@@ -121,14 +105,7 @@ def slim(
         progress=out.progress(),
         warn=out.warn,
     )
-    if json_output:
-        out.json(report.to_json())
-    else:
-        if not shown:
-            _render_plan(out, report.plan)
-        _render_summary(out, report)
-    for note in report.plan.notes:
-        out.note(f"note: {note}")
+    prompt.show(report)
     if not quiet and not report.cancelled:
         for skipped in report.skipped:
             out.warn(f"{display_path(skipped.item.url, report.plan.run)} was not slimmed: {skipped.reason}")

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import replace
-from functools import cache
+from functools import cache, partial
 
 from ckptctl import io
 from ckptctl.checkpoint import (
@@ -27,16 +27,17 @@ from ckptctl.checkpoint import (
     ProblemKind,
     TensorEntry,
 )
-from ckptctl.errors import CkptctlError, UnknownLayout, UnsafePickle
+from ckptctl.errors import CkptctlError, UnknownLayout
 from ckptctl.formats.safe_pickle import opaque_values
 from ckptctl.formats.safetensors import read_header
-from ckptctl.formats.torch_pickle import TorchPickle, open_torch_pickle, storage_problems
+from ckptctl.formats.torch_pickle import TorchPickle, open_torch_pickle
 from ckptctl.formats.torch_pickle_classes import OPAQUE_PICKLE_GLOBALS
 from ckptctl.formats.torch_zip import TorchArchive
 from ckptctl.io import DirEntry
 from ckptctl.layouts.base import Layout, timestamp
 from ckptctl.layouts.parts.dcp_folder import component_classifier
 from ckptctl.layouts.parts.hf_folder import safetensors_index, torch_file_entries
+from ckptctl.layouts.parts.torch_file import torch_file_problems
 from ckptctl.layouts.training_state import TrainingState, model_name, read_training_state
 
 #: The chunk file name of a single-file checkpoint: the checkpoint itself.
@@ -121,13 +122,11 @@ class TorchFile(_FileLayout):
 
     def verify(self, checkpoint: Checkpoint) -> list[Problem]:
         """`data.pkl` loads with the allowlist and every storage it names lies whole inside the file."""
-        try:
-            opened = open_torch_pickle(checkpoint.url, checkpoint.ref.size_bytes, OPAQUE_PICKLE_GLOBALS)
-        except UnsafePickle as exc:
-            return [Problem(ProblemKind.UNSAFE_PICKLE, SELF, exc.message)]
-        except CkptctlError as exc:
-            return [Problem.from_error(exc, SELF)]
-        problems = [Problem(ProblemKind.TRUNCATED, SELF, message) for message in storage_problems(opened)]
+        opened, problems = torch_file_problems(
+            SELF, partial(open_torch_pickle, checkpoint.url, checkpoint.ref.size_bytes, OPAQUE_PICKLE_GLOBALS)
+        )
+        if opened is None:
+            return problems
         # A class of a known library ckptctl was not taught is read as an opaque value: said, not failed.
         problems += [
             Problem(ProblemKind.UNSUPPORTED_CLASS, SELF, f"{note}: read as an opaque value", severity="warning")

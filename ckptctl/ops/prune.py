@@ -37,7 +37,7 @@ import stat
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
-from typing import Any, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 from ckptctl import io
 from ckptctl.checkpoint import CheckpointRef, CheckpointState
@@ -57,6 +57,7 @@ from ckptctl.units import format_age, format_size, parse_age
 __all__ = [
     "DEFAULT_GRACE",
     "POLICY_FILE",
+    "Planned",
     "PrunePlan",
     "PruneReport",
     "Skipped",
@@ -67,8 +68,6 @@ __all__ = [
     "plan_prune",
     "prune",
 ]
-
-Item = TypeVar("Item")
 
 #: Checkpoints with a file modified more recently than this are taken to be still written.
 DEFAULT_GRACE = timedelta(minutes=10)
@@ -190,19 +189,33 @@ class PrunePlan:
         return tuple(out)
 
 
+class Planned(Protocol):
+    """An item of a plan that names its checkpoint (`PruneItem`, `SlimItem`)."""
+
+    @property
+    def ref(self) -> CheckpointRef: ...
+
+
+Item = TypeVar("Item", bound=Planned)
+
+
 @dataclass(frozen=True, slots=True)
-class Skipped:
-    """A checkpoint the plan deleted that was left in place when its turn came.
+class Skipped(Generic[Item]):
+    """A planned change (`prune`'s deletion or slim, `slim`'s slim) left undone when its turn came.
 
     Attributes:
-        item: the planned deletion.
-        reason: why it was left (it changed since the plan, or deleting it failed).
-        error: True when deleting it failed (as opposed to a protection found at the last moment).
+        item: the planned change.
+        reason: why it was left (the prompt was declined, the checkpoint changed since the plan, or the change
+            failed).
+        error: True when the change failed (as opposed to a protection found at the last moment).
     """
 
-    item: PruneItem
+    item: Item
     reason: str
     error: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        return {"url": self.item.ref.url, "step": self.item.ref.step, "reason": self.reason, "error": self.error}
 
 
 @dataclass(frozen=True, slots=True)
@@ -222,7 +235,7 @@ class PruneReport:
     plan: PrunePlan
     dry_run: bool
     deleted: tuple[PruneItem, ...]
-    skipped: tuple[Skipped, ...] = ()
+    skipped: tuple[Skipped[PruneItem], ...] = ()
     trash_freed_bytes: int = 0
     cancelled: bool = False
     slimmed: tuple[PruneItem, ...] = ()
@@ -252,9 +265,7 @@ class PruneReport:
             "keep": [i.to_json() for i in self.plan.keep],
             "delete": [i.to_json() for i in self.deleted],
             "slim": [{**i.to_json(), "freed_bytes": i.slim_bytes} for i in self.slimmed],
-            "skipped": [
-                {"url": s.item.url, "step": s.item.ref.step, "reason": s.reason, "error": s.error} for s in self.skipped
-            ],
+            "skipped": [s.to_json() for s in self.skipped],
             "freed_bytes": self.freed_bytes,
             "total_bytes": self.plan.total_bytes,
             "remaining_bytes": self.plan.total_bytes - self.freed_bytes,
@@ -692,63 +703,64 @@ def prune(
             return PruneReport(plan, dry_run=False, deleted=(), skipped=declined, cancelled=True)
         lock.refresh()
         trash_freed = _empty_trash(_trash_folders(run, plan.items))
-        deleted, skipped = _execute(plan, lock, progress or NoProgress())
-        slimmed, not_slimmed = _execute_slims(plan, lock)
+        deleted, skipped = apply_planned(
+            plan.delete, _delete, lock, plan.grace, "deleting", progress=progress, weight=lambda i: i.size_bytes
+        )
+        slimmed, not_slimmed = apply_planned(plan.slim, _slim, lock, plan.grace, "slimming")
         return PruneReport(
             plan, False, tuple(deleted), tuple(skipped + not_slimmed), trash_freed, slimmed=tuple(slimmed)
         )
 
 
-def _execute(plan: PrunePlan, lock: RunLock, progress: Progress) -> tuple[list[PruneItem], list[Skipped]]:
-    doomed = plan.delete
-    progress.start(f"deleting {len(doomed)} checkpoint(s)", sum(i.size_bytes for i in doomed) or None)
-    try:
-
-        def delete(item: PruneItem) -> PruneItem:
-            _delete(item.ref)
-            progress.advance(item.size_bytes)
-            return item
-
-        deleted, left = apply_planned(doomed, lambda i: i.ref, delete, lock, plan.grace, "deleting")
-    finally:
-        progress.finish()
-    return deleted, [Skipped(item, why, error) for item, why, error in left]
-
-
-def _execute_slims(plan: PrunePlan, lock: RunLock) -> tuple[list[PruneItem], list[Skipped]]:
-    def slim(item: PruneItem) -> PruneItem:
-        return replace(item, slim_bytes=slim_checkpoint(item.ref))
-
-    slimmed, left = apply_planned(plan.slim, lambda i: i.ref, slim, lock, plan.grace, "slimming")
-    return slimmed, [Skipped(item, why, error) for item, why, error in left]
+def _slim(item: PruneItem) -> PruneItem:
+    return replace(item, slim_bytes=slim_checkpoint(item.ref))
 
 
 def apply_planned(
     items: Sequence[Item],
-    ref_of: Callable[[Item], CheckpointRef],
     act: Callable[[Item], Item],
     lock: RunLock,
     grace: timedelta,
     doing: str,
+    *,
     fatal: tuple[type[BaseException], ...] = (),
-) -> tuple[list[Item], list[tuple[Item, str, bool]]]:
+    progress: Progress | None = None,
+    weight: Callable[[Item], int] = lambda _: 1,
+) -> tuple[list[Item], list[Skipped[Item]]]:
     """Run a planned change (`act`) on each item whose checkpoint did not change since the plan
-    (`changed_since_plan`), refreshing the run's lock before each: (what `act` returned for the items done,
-    (item, why it was left, whether `act` failed) for the others). `fatal` errors stop everything."""
+    (`changed_since_plan`), refreshing the run's lock before each.
+
+    Args:
+        items, act: the plan's items, and the change (it returns the item as done, with what it measured).
+        lock, grace: the run's lock held, and the plan's grace (see `changed_since_plan`).
+        doing: the change, for progress and failures (`deleting`).
+        fatal: errors of `act` that stop everything; other OSErrors and CkptctlErrors leave the item undone.
+        progress: where `{doing} N checkpoint(s)` goes, advanced by each done item's `weight`.
+
+    Returns:
+        What `act` returned for the items done, and the items left undone with why.
+    """
     done: list[Item] = []
-    left: list[tuple[Item, str, bool]] = []
-    for item in items:
-        lock.refresh()
-        why = changed_since_plan(ref_of(item), grace)
-        if why:
-            left.append((item, why, False))
-            continue
-        try:
-            done.append(act(item))
-        except fatal:
-            raise
-        except (OSError, CkptctlError) as exc:
-            left.append((item, f"{doing} failed: {exc}", True))
+    left: list[Skipped[Item]] = []
+    sink = progress or NoProgress()
+    sink.start(f"{doing} {len(items)} checkpoint(s)", sum(weight(i) for i in items) or None)
+    try:
+        for item in items:
+            lock.refresh()
+            why = changed_since_plan(item.ref, grace)
+            if why:
+                left.append(Skipped(item, why))
+                continue
+            try:
+                done.append(act(item))
+            except fatal:
+                raise
+            except (OSError, CkptctlError) as exc:
+                left.append(Skipped(item, f"{doing} failed: {exc}", error=True))
+                continue
+            sink.advance(weight(item))
+    finally:
+        sink.finish()
     return done, left
 
 
@@ -784,14 +796,16 @@ def changed_since_plan(planned: CheckpointRef, grace: timedelta) -> str:
     return ""
 
 
-def _delete(ref: CheckpointRef) -> None:
+def _delete(item: PruneItem) -> PruneItem:
     """Delete one checkpoint folder so that no moment shows it half-deleted and complete (`io.trash`); of a
     folder that holds checkpoints of its own, only what is the checkpoint's (`_own_parts`)."""
+    ref = item.ref
     parts = _own_parts(ref)
     if parts is None:
         trash.delete(ref.url, functools.partial(_markers_to_delete, ref))
     else:
         trash.delete_parts(ref.url, _parts_in_order(ref, parts))
+    return item
 
 
 def _parts_in_order(ref: CheckpointRef, parts: Sequence[io.DirEntry]) -> list[io.DirEntry]:

@@ -36,8 +36,8 @@ from ckptctl.layouts import DEFAULT_SCAN_DEPTH, capability, scan_run
 from ckptctl.layouts.capabilities import SLIMMER
 from ckptctl.layouts.slimming import slim_checkpoint, slimmable
 from ckptctl.ops.lock import RunLock
-from ckptctl.ops.prune import DEFAULT_GRACE, POLICY_FILE, PruneItem, apply_planned, plan_prune
-from ckptctl.ops.report import SCHEMA_VERSION, NoProgress, Progress, iso
+from ckptctl.ops.prune import DEFAULT_GRACE, POLICY_FILE, PruneItem, Skipped, apply_planned, plan_prune
+from ckptctl.ops.report import SCHEMA_VERSION, Progress, iso
 from ckptctl.ops.resume_plan import RESUME_TARGET, resume_targets
 from ckptctl.units import parse_age
 
@@ -47,7 +47,6 @@ __all__ = [
     "SlimItem",
     "SlimPlan",
     "SlimReport",
-    "SlimSkipped",
     "dropped_files",
     "load_slim_settings",
     "plan_slim",
@@ -144,16 +143,6 @@ class SlimPlan:
 
 
 @dataclass(frozen=True, slots=True)
-class SlimSkipped:
-    """A planned slim left undone, and why (the checkpoint changed since the plan, or slimming it failed:
-    `error`)."""
-
-    item: SlimItem
-    reason: str
-    error: bool = False
-
-
-@dataclass(frozen=True, slots=True)
 class SlimReport:
     """What a slim did (with `dry_run`: would do).
 
@@ -168,7 +157,7 @@ class SlimReport:
     plan: SlimPlan
     dry_run: bool
     slimmed: tuple[SlimItem, ...]
-    skipped: tuple[SlimSkipped, ...] = ()
+    skipped: tuple[Skipped[SlimItem], ...] = ()
     cancelled: bool = False
 
     @property
@@ -189,9 +178,7 @@ class SlimReport:
             "older_than_seconds": None if self.plan.older_than is None else self.plan.older_than.total_seconds(),
             "slim": [i.to_json() for i in self.slimmed],
             "keep": [i.to_json() for i in self.plan.keep],
-            "skipped": [
-                {"url": s.item.url, "step": s.item.ref.step, "reason": s.reason, "error": s.error} for s in self.skipped
-            ],
+            "skipped": [s.to_json() for s in self.skipped],
             "freed_bytes": self.freed_bytes,
             "created": iso(self.plan.now),
             "notes": list(self.plan.notes),
@@ -341,26 +328,14 @@ def slim(
     with RunLock(run, wait=wait, command=f"ckptctl slim (keep_full={keep_full})", warn=warn) as lock:
         plan = plan_slim(target, **options)  # type: ignore[arg-type]
         if plan.slim and confirm is not None and not confirm(plan):
-            declined = tuple(SlimSkipped(i, "not confirmed") for i in plan.slim)
+            declined = tuple(Skipped(i, "not confirmed") for i in plan.slim)
             return SlimReport(plan, dry_run=False, slimmed=(), skipped=declined, cancelled=True)
         for item in plan.slim:  # refuse a link where any slim version would be built, before changing anything
             trash.check_trash(trash.trash_of(item.url))
-        sink = progress or NoProgress()
-        sink.start(f"slimming {len(plan.slim)} checkpoint(s)", len(plan.slim) or None)
-        try:
-
-            def slim_one(item: SlimItem) -> SlimItem:
-                done = _slim_one(item)
-                sink.advance(1)
-                return done
-
-            done, left = apply_planned(
-                plan.slim, lambda i: i.ref, slim_one, lock, plan.grace, "slimming", (UnsafePath,)
-            )
-        finally:
-            sink.finish()
-        skipped = [SlimSkipped(item, why, error) for item, why, error in left]
-        return SlimReport(plan, False, tuple(done), tuple(skipped))
+        done, left = apply_planned(
+            plan.slim, _slim_one, lock, plan.grace, "slimming", fatal=(UnsafePath,), progress=progress
+        )
+        return SlimReport(plan, False, tuple(done), tuple(left))
 
 
 def _slim_one(item: SlimItem) -> SlimItem:

@@ -1,18 +1,41 @@
-"""A spawned process joining a gloo group of CPU ranks as verl's workers do, shared by the verl writers that
-run verl's own code on several ranks (the critic save, the reshard proofs). Kept apart from those writers so
-that each one's cache key (tests/writer_cache.py) covers only what it runs."""
+"""A spawned process joining a gloo group of CPU ranks as verl's workers do, with verl's modules imported, shared
+by every writer that runs verl's own code on several ranks (the run writer, the critic save, the reshard proofs).
+Kept apart from those writers so that each one's cache key (tests/writer_cache.py) covers only what it runs."""
 
 from __future__ import annotations
 
 import os
 import warnings
 
-from tests.writers.verl_writer import _import_verl
+from tests.writers.stand_ins import StandIns
+
+#: Top-level modules verl's checkpoint manager and merger import on the way (module level) without using them
+#: on a save: cluster (`ray`), data protocol (`tensordict`, `pandas`, `datasets`, `PIL`), timing and profiling
+#: (`codetiming`, `nvtx`), config (`omegaconf`: its `DictConfig` only appears in annotations and isinstance
+#: checks here), serialization (`orjson`) and the optional engines' packages.
+_STOOD_IN = frozenset(
+    {
+        "ray",
+        "tensordict",
+        "codetiming",
+        "omegaconf",
+        "orjson",
+        "pandas",
+        "datasets",
+        "PIL",
+        "nvtx",
+        "transfer_queue",
+        "hdfs_io",
+        "veomni",
+        "nemo_automodel",
+    }
+)
 
 
 def join_verl_ranks(rank: int, world: int, port: int) -> None:
     """This spawned process joins a gloo group of `world` CPU ranks as verl's workers do (torchrun's variables),
-    with verl imported."""
+    with verl's checkpoint manager and merger imported (modules they import that are not installed here and
+    that their save paths never call are stood in for, `tests.writers.stand_ins`)."""
     import torch
     import torch.distributed as dist
 
@@ -28,4 +51,6 @@ def join_verl_ranks(rank: int, world: int, port: int) -> None:
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    _import_verl()
+    with StandIns("verl", _STOOD_IN).serving():
+        import verl.model_merger.fsdp_model_merger
+        import verl.utils.checkpoint.fsdp_checkpoint_manager  # noqa: F401

@@ -22,7 +22,7 @@ actor and critic saves: its output folders are the references conversions are co
 What is not verl's own, and why:
 - Stand-in modules for imports verl's modules make that are not installed here and that these save paths never
   call (`ray`, `tensordict`, `codetiming`, `omegaconf`, ...: cluster, data-protocol and config libraries),
-  served only to imports made by verl's own modules (`tests.writers.stand_ins`).
+  served only to imports made by verl's own modules (`tests.writers.verl_ranks`, with verl's rank setup).
 - The data loader state: verl saves `StatefulDataLoader.state_dict()` (torchdata, not installed); it is
   written here in that method's shape for a single-process loader (pytorch/data
   `torchdata/stateful_dataloader/stateful_dataloader.py`, `_StatefulSingleProcessDataLoaderIter.state_dict`).
@@ -33,12 +33,11 @@ from __future__ import annotations
 import json
 import os
 import socket
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tests.writers.stand_ins import StandIns
+from tests.writers.verl_ranks import join_verl_ranks
 
 __all__ = ["STEPS", "WORLD_SIZE", "WrittenVerl", "write_verl_run"]
 
@@ -76,39 +75,6 @@ class WrittenVerl:
 
 
 # --------------------------------------------------------------------------------------------------
-# Stand-ins for modules verl imports that are not installed and that the save path never calls.
-# --------------------------------------------------------------------------------------------------
-
-#: Top-level modules verl's checkpoint manager and merger import on the way (module level) without using them
-#: on a save: cluster (`ray`), data protocol (`tensordict`, `pandas`, `datasets`, `PIL`), timing and profiling
-#: (`codetiming`, `nvtx`), config (`omegaconf`: its `DictConfig` only appears in annotations and isinstance
-#: checks here), serialization (`orjson`) and the optional engines' packages.
-_STOOD_IN = frozenset(
-    {
-        "ray",
-        "tensordict",
-        "codetiming",
-        "omegaconf",
-        "orjson",
-        "pandas",
-        "datasets",
-        "PIL",
-        "nvtx",
-        "transfer_queue",
-        "hdfs_io",
-        "veomni",
-        "nemo_automodel",
-    }
-)
-
-
-def _import_verl() -> None:
-    with StandIns("verl", _STOOD_IN).serving():
-        import verl.model_merger.fsdp_model_merger
-        import verl.utils.checkpoint.fsdp_checkpoint_manager  # noqa: F401
-
-
-# --------------------------------------------------------------------------------------------------
 # One rank.
 # --------------------------------------------------------------------------------------------------
 
@@ -129,25 +95,12 @@ def _dataloader_state(step: int) -> dict[str, Any]:
 
 
 def _rank(rank: int, port: int, root: str, base: str) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(WORLD_SIZE),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        TRANSFORMERS_VERBOSITY="error",
-        VERL_LOGGING_LEVEL="WARNING",
-    )
-    warnings.filterwarnings("ignore")
+    join_verl_ranks(rank, WORLD_SIZE, port)
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE)
-    _import_verl()
     from verl.utils.checkpoint.fsdp_checkpoint_manager import FSDPCheckpointManager
 
     tokenizer = AutoTokenizer.from_pretrained(base)

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from ckptctl import io
 from ckptctl.checkpoint import Checkpoint, TensorEntry
-from ckptctl.frameworks.accelerate.layout import _is_auto, _Parts
+from ckptctl.frameworks.accelerate.layout import SaveStateParts, auto_checkpoint_match
 from ckptctl.layouts.capabilities import ConvertSource, MasterWeights
 from ckptctl.layouts.naming import NameStripper, format_namespace_stripper, keep_name
 from ckptctl.layouts.parts.zero_tag.master_weights import checkpoint_master_weights
@@ -18,7 +18,7 @@ __all__ = ["SOURCE"]
 
 def _master_weights(checkpoint: Checkpoint, *, required: bool, notes: list[str]) -> MasterWeights | None:
     """The fp32 master weights of the DeepSpeed tag (`pytorch_model/`), when the plugin was DeepSpeed."""
-    tag = _Parts.of(io.list_dir(checkpoint.url)).ds_tags.get(0)
+    tag = SaveStateParts.of(io.list_dir(checkpoint.url)).ds_tags.get(0)
     prefix = None if tag is None else f"{tag}/"
     return checkpoint_master_weights(checkpoint, prefix, required=required, notes=notes)
 
@@ -28,7 +28,7 @@ def _config_folders(checkpoint: Checkpoint) -> Sequence[str]:
     script's `save_pretrained` usually writes the model's config)."""
     url = checkpoint.url
     parent = io.parent_of(url)
-    return (url, parent, io.parent_of(parent)) if _is_auto(url) else (url, parent)
+    return (url, parent, io.parent_of(parent)) if auto_checkpoint_match(url) else (url, parent)
 
 
 def _namespace_stripper(entries: Sequence[TensorEntry]) -> NameStripper:

@@ -31,7 +31,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from functools import cache
+from functools import cache, partial
 from typing import Any
 
 from ckptctl import io
@@ -47,7 +47,7 @@ from ckptctl.checkpoint import (
     TensorEntry,
 )
 from ckptctl.errors import CkptctlError, UnknownLayout
-from ckptctl.formats.torch_pickle import TorchPickle, open_torch_pickle, storage_problems
+from ckptctl.formats.torch_pickle import TorchPickle, open_torch_pickle
 from ckptctl.formats.torch_zip import TorchArchive
 from ckptctl.frameworks.accelerate.files import (
     AUTO_FOLDER,
@@ -73,13 +73,14 @@ from ckptctl.layouts.base import (
 )
 from ckptctl.layouts.parts.hf_folder import safetensors_index, verify_model_files
 from ckptctl.layouts.parts.in_progress import recently_written
+from ckptctl.layouts.parts.torch_file import torch_file_problems
 from ckptctl.layouts.parts.zero_tag.names import LATEST_NAME, latest_problem
 from ckptctl.layouts.parts.zero_tag.tag import DeepSpeedTag, read_tag
 from ckptctl.layouts.parts.zero_tag.tensor_index import tag_index
 from ckptctl.layouts.parts.zero_tag.verify import verify_tag
 from ckptctl.layouts.resume import ResumeProfile
 
-__all__ = ["AccelerateLayout"]
+__all__ = ["AccelerateLayout", "SaveStateParts", "auto_checkpoint_match"]
 
 #: The folder names accelerate's own examples pass to save_state (`step_{N}`, `epoch_{E}`).
 _EPOCH_FOLDER = re.compile(r"^epoch_(\d+)$")
@@ -103,7 +104,7 @@ def _index(match: re.Match[str]) -> int:
 
 
 @dataclass(frozen=True, slots=True)
-class _Parts:
+class SaveStateParts:
     """What a save_state folder holds, from its listing (no file is read)."""
 
     files: frozenset[str]
@@ -117,7 +118,7 @@ class _Parts:
     fsdp_files: tuple[str, ...]
 
     @classmethod
-    def of(cls, entries: Sequence[DirEntry]) -> _Parts:
+    def of(cls, entries: Sequence[DirEntry]) -> SaveStateParts:
         files = frozenset(e.name for e in entries if not e.is_dir)
         dirs = [e.name for e in entries if e.is_dir]
         models: dict[int, str] = {}
@@ -186,7 +187,7 @@ def _fsdp_kind(name: str) -> str:
     return "optimizer" if m is not None and m.group("kind") == "optimizer" else "model"
 
 
-def _is_auto(url: str) -> re.Match[str] | None:
+def auto_checkpoint_match(url: str) -> re.Match[str] | None:
     """The `checkpoint_{N}` match when the folder is one of automatic checkpoint naming's."""
     m = AUTO_FOLDER.match(io.name_of(url))
     return m if m is not None and io.name_of(io.parent_of(url)) == AUTO_PARENT else None
@@ -201,8 +202,8 @@ class AccelerateLayout(Layout):
         """A folder holding `random_states_{i}.pkl` (what every save_state writes, last), or what save_state
         writes before it (an unfinished save): files only accelerate names so (`optimizer.bin`, `scheduler.bin`,
         `pytorch_model_fsdp_0/`), or anything of it in an automatic `checkpoints/checkpoint_N`."""
-        parts = _Parts.of(entries)
-        auto = _is_auto(url)
+        parts = SaveStateParts.of(entries)
+        auto = auto_checkpoint_match(url)
         if not (parts.own_files() or (auto and parts.holds_state())):
             return None
         name = io.name_of(url)
@@ -249,9 +250,9 @@ class AccelerateLayout(Layout):
         ref = self.identify(url, entries)
         if ref is None:
             raise UnknownLayout(f"{url} is not an accelerate save_state folder (no random_states_N.pkl)")
-        parts = _Parts.of(entries)
+        parts = SaveStateParts.of(entries)
         files = list_files(url)
-        auto = _is_auto(url)
+        auto = auto_checkpoint_match(url)
         metadata: dict[str, Any] = {
             "format": "accelerate",
             "plugin": parts.plugin,
@@ -313,7 +314,7 @@ class AccelerateLayout(Layout):
         `latest`, and the DCP folders, pass their frameworks' rules."""
         url = checkpoint.url
         files = checkpoint.files
-        parts = _Parts.of(io.list_dir(url))
+        parts = SaveStateParts.of(io.list_dir(url))
         problems: list[Problem] = []
         if not parts.rng:
             problems.append(
@@ -378,7 +379,9 @@ class AccelerateLayout(Layout):
         alone); and the newest save when the numbering restarted below older saves (a resume that did not
         set `project_configuration.iteration`, accelerate#3306), which that rotation would delete first."""
         auto = [
-            (int(m.group(1)), ref) for ref in series if ref.layout == self.name and (m := _is_auto(ref.url)) is not None
+            (int(m.group(1)), ref)
+            for ref in series
+            if ref.layout == self.name and (m := auto_checkpoint_match(ref.url)) is not None
         ]
         complete = [(n, ref) for n, ref in auto if ref.state is CheckpointState.COMPLETE]
         if not complete:
@@ -411,7 +414,7 @@ class AccelerateLayout(Layout):
         return PROFILE
 
 
-def _components(parts: _Parts) -> set[Component]:
+def _components(parts: SaveStateParts) -> set[Component]:
     found: set[Component] = set()
     if parts.has_model:
         found.add(Component.MODEL)
@@ -434,7 +437,7 @@ _RANK_FILES_NOTE = (
 )
 
 
-def _rank_file_problems(parts: _Parts) -> list[Problem]:
+def _rank_file_problems(parts: SaveStateParts) -> list[Problem]:
     """Each per-process FSDP file (`{prefix}_rank{R}.bin`) for every process that saved RNG states: every
     process writes its own, and load_state needs each process's."""
     ranks: dict[str, set[int]] = {}
@@ -463,11 +466,9 @@ def _read_rng(url: str, name: str, files: Mapping[str, int]) -> Any:
 def _pickle_problems(url: str, name: str, size: int) -> list[Problem]:
     """A torch.save file that does not parse with the allowlist or lacks a storage; a random_states file
     without the RNG states load_state restores."""
-    try:
-        opened = open_torch_pickle(io.join(url, name), size)
-    except CkptctlError as exc:
-        return [Problem.from_error(exc, name)]
-    problems = [Problem(ProblemKind.TRUNCATED, name, message) for message in storage_problems(opened)]
+    opened, problems = torch_file_problems(name, partial(open_torch_pickle, io.join(url, name), size))
+    if opened is None:
+        return problems
     if RNG_FILE.match(name):
         root = opened.root
         lacking = [k for k in _RNG_KEYS if not isinstance(root, dict) or k not in root]
@@ -483,7 +484,7 @@ def _pickle_problems(url: str, name: str, size: int) -> list[Problem]:
 
 
 def _tensor_index(
-    url: str, parts: _Parts, files: Mapping[str, int], tag: DeepSpeedTag | None
+    url: str, parts: SaveStateParts, files: Mapping[str, int], tag: DeepSpeedTag | None
 ) -> tuple[TensorEntry, ...]:
     entries: list[TensorEntry] = []
     for index, name in sorted(parts.models.items()):

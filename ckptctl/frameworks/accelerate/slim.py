@@ -12,7 +12,7 @@ from ckptctl import io
 from ckptctl.checkpoint import Checkpoint, Problem
 from ckptctl.errors import CkptctlError
 from ckptctl.frameworks.accelerate.files import FSDP_RANK_FILE
-from ckptctl.frameworks.accelerate.layout import _Parts
+from ckptctl.frameworks.accelerate.layout import SaveStateParts
 from ckptctl.layouts.capabilities import SlimRecipe
 from ckptctl.layouts.parts.zero_tag.slim import expected_tag_problem, tag_slim
 
@@ -39,7 +39,7 @@ class AccelerateSlimmer:
 
     def _recipe(self, checkpoint: Checkpoint) -> SlimRecipe | str:
         names = {rel for rel in checkpoint.files if "/" not in rel}
-        tag = _Parts.of(io.list_dir(checkpoint.url)).ds_tags.get(0)
+        tag = SaveStateParts.of(io.list_dir(checkpoint.url)).ds_tags.get(0)
         folders = sorted({rel.split("/", 1)[0] for rel in checkpoint.files if "/" in rel} - {tag})
         if folders or any(FSDP_RANK_FILE.match(name) for name in names):
             return "an FSDP save (DCP folders or per-process files): slim cuts plain and DeepSpeed saves only yet"

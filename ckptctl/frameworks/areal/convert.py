@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from ckptctl import io
 from ckptctl.checkpoint import Checkpoint
-from ckptctl.frameworks.areal.layout import _EXPORT
+from ckptctl.frameworks.areal.layout import EXPORT_RE
 from ckptctl.layouts import peek_dir
 from ckptctl.layouts.capabilities import ConvertSource, default_config_folders
 from ckptctl.layouts.parts.value_head import HeadTask
@@ -20,13 +20,13 @@ def _config_folders(checkpoint: Checkpoint) -> Sequence[str]:
     each written with the model's config and tokenizer), the one of the slot's step first, then the
     others newest first; the slot keeps neither. An export: its own folder."""
     url = checkpoint.ref.url
-    if _EXPORT.match(io.name_of(url)):
+    if EXPORT_RE.match(io.name_of(url)):
         return default_config_folders(checkpoint)
     model_folder = io.parent_of(url)
     exports = [
         (int(m.group(3)), e.name)
         for e in peek_dir(model_folder) or []
-        if e.is_dir and (m := _EXPORT.match(e.name)) and not m.group(4)
+        if e.is_dir and (m := EXPORT_RE.match(e.name)) and not m.group(4)
     ]
     step = checkpoint.ref.step
     exports.sort(key=lambda export: (export[0] != step, -export[0]))

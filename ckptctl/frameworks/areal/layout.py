@@ -79,9 +79,10 @@ from ckptctl.layouts.parts.hf_folder import HfFolderLayout, model_markers, verif
 from ckptctl.layouts.parts.in_progress import unfinished_state
 from ckptctl.layouts.resume import ResumeProfile
 
-__all__ = ["ArealLayout", "read_dataloader_info"]
+__all__ = ["EXPORT_RE", "ArealLayout", "read_dataloader_info"]
 
-_EXPORT = re.compile(r"^epoch(\d+)epochstep(\d+)globalstep(\d+)(\.tmp)?$")
+#: An HF export of a save (`epoch{E}epochstep{S}globalstep{G}`; Archon's ends in `.tmp` until renamed).
+EXPORT_RE = re.compile(r"^epoch(\d+)epochstep(\d+)globalstep(\d+)(\.tmp)?$")
 _STEP_FIELDS = ("epoch", "epoch_step", "global_step", "steps_per_epoch")
 _MEGATRON_FILES = frozenset({"metadata.json", "common.pt"})
 _MAX_INFO_BYTES = 64 << 20
@@ -267,7 +268,7 @@ class ArealLayout(Layout):
     def identify(self, url: str, entries: Sequence[DirEntry]) -> CheckpointRef | None:
         """The slot by its name and DCP files (reads `recover_info/step_info.json`); an export by its name."""
         name = io.name_of(url)
-        if m := _EXPORT.match(name):
+        if m := EXPORT_RE.match(name):
             return self._export(url, entries, m)
         if name != RECOVER_SLOT or io.name_of(io.parent_of(url)) == RECOVER_INFO:
             return None
@@ -330,7 +331,7 @@ class ArealLayout(Layout):
             raise UnknownLayout(
                 f"{url} is not an AReaL checkpoint (recover_checkpoint/ or epoch*epochstep*globalstep*/)"
             )
-        if _EXPORT.match(io.name_of(url)):
+        if EXPORT_RE.match(io.name_of(url)):
             return self._open_export(url, ref)
         info = _recover_info(url)
         files = {e.name: e.size for e in entries if not e.is_dir}
@@ -402,7 +403,7 @@ class ArealLayout(Layout):
         return summary
 
     def _open_export(self, url: str, ref: CheckpointRef) -> Checkpoint:
-        m = _EXPORT.match(io.name_of(url))
+        m = EXPORT_RE.match(io.name_of(url))
         assert m is not None
         progress = {"epoch": int(m.group(1)), "epoch_step": int(m.group(2)), "global_step": int(m.group(3))}
         metadata = {"format": "areal", "kind": "hf_export", "progress": progress}
@@ -417,7 +418,7 @@ class ArealLayout(Layout):
         file present and parsing (`dataloader_info.pkl` safely, one state per rank). An export: the HF
         model rules."""
         url = checkpoint.url
-        if _EXPORT.match(io.name_of(url)):
+        if EXPORT_RE.match(io.name_of(url)):
             if io.name_of(url).endswith(".tmp"):
                 return [Problem(ProblemKind.IN_PROGRESS, "", "the export has not been renamed into place")]
             return verify_model_files(url, checkpoint.files)

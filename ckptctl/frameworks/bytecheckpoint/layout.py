@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from functools import cache
+from functools import cache, partial
 from typing import Any
 
 from ckptctl import io
@@ -41,7 +41,7 @@ from ckptctl.checkpoint import (
 )
 from ckptctl.errors import CkptctlError, CorruptCheckpoint, UnknownLayout, UnsafePickle
 from ckptctl.formats.dcp_metadata import METADATA_NAME
-from ckptctl.formats.torch_pickle import open_torch_pickle, storage_problems
+from ckptctl.formats.torch_pickle import open_torch_pickle
 from ckptctl.formats.torch_zip import TorchArchive
 from ckptctl.frameworks.bytecheckpoint.files import (
     COMPONENT_FOLDERS,
@@ -70,6 +70,7 @@ from ckptctl.layouts.parts.dcp_folder import (
     verify_dcp_metadata,
 )
 from ckptctl.layouts.parts.in_progress import unfinished_state
+from ckptctl.layouts.parts.torch_file import torch_file_problems
 from ckptctl.layouts.resume import ResumeProfile
 
 __all__ = ["BytecheckpointLayout"]
@@ -558,10 +559,7 @@ def _component_problems(url: str, listing: Sequence[DirEntry], prefix: str) -> l
 
 def _extra_state_problems(url: str, entry: DirEntry, prefix: str) -> list[Problem]:
     path = f"{prefix}{EXTRA_STATE}/{entry.name}"
-    try:
-        opened = open_torch_pickle(url, entry.size)
-    except UnsafePickle as exc:
-        return [Problem(ProblemKind.UNSAFE_PICKLE, path, exc.message)]
-    except CkptctlError as exc:
-        return [Problem(ProblemKind.UNREADABLE, path, exc.message)]
-    return [Problem(ProblemKind.TRUNCATED, path, message) for message in storage_problems(opened)]
+    _, problems = torch_file_problems(
+        path, partial(open_torch_pickle, url, entry.size), unreadable=ProblemKind.UNREADABLE
+    )
+    return problems

@@ -27,14 +27,13 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from functools import cache
+from functools import cache, partial
 from typing import Any
 
 from ckptctl import io
 from ckptctl.checkpoint import Checkpoint, CheckpointRef, CheckpointState, Component, Problem, ProblemKind, TensorEntry
 from ckptctl.errors import CkptctlError, CorruptCheckpoint, UnknownLayout
 from ckptctl.formats.safe_pickle import StandIn, state_fields
-from ckptctl.formats.torch_pickle import storage_problems
 from ckptctl.frameworks.deepspeed.layout import DeepSpeedLayout
 from ckptctl.frameworks.deepspeed.universal_states import (
     MOMENTS,
@@ -56,6 +55,7 @@ from ckptctl.layouts.base import (
     timestamp,
 )
 from ckptctl.layouts.parts.in_progress import unfinished_state
+from ckptctl.layouts.parts.torch_file import torch_file_problems
 from ckptctl.layouts.parts.zero_tag.names import (
     MODEL_STATES,
     UNIVERSAL_LATEST_NAME,
@@ -408,10 +408,6 @@ def _model_state_problems(url: str, entries: Sequence[DirEntry]) -> list[Problem
         for name in sorted(expected - set(files.sizes) - reported)[:LISTED_ABSENT]
     ]
     for name in sorted(expected & set(files.sizes)):
-        try:
-            opened = tag.open_file(name)
-        except CkptctlError as exc:
-            problems.append(Problem.from_error(exc, name))
-            continue
-        problems += [Problem(ProblemKind.TRUNCATED, name, message) for message in storage_problems(opened)]
+        _, found = torch_file_problems(name, partial(tag.open_file, name))
+        problems += found
     return problems

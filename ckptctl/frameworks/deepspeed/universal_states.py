@@ -27,15 +27,17 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any
 
 from ckptctl import io
 from ckptctl.checkpoint import ChunkEncoding, Component, Problem, ProblemKind, TensorChunk, TensorEntry
 from ckptctl.errors import CkptctlError
 from ckptctl.formats.chunks import coverage_problems
-from ckptctl.formats.torch_pickle import TorchPickle, open_torch_pickle, storage_problems
+from ckptctl.formats.torch_pickle import TorchPickle, open_torch_pickle
 from ckptctl.formats.torch_pickle_classes import TensorRef
 from ckptctl.layouts.base import LISTED_ABSENT
+from ckptctl.layouts.parts.torch_file import torch_file_problems
 from ckptctl.layouts.parts.zero_tag.names import UNIVERSAL_STATES_DIR
 from ckptctl.layouts.parts.zero_tag.tag import DeepSpeedTag, base_state
 from ckptctl.layouts.parts.zero_tag.tensor_index import IndexBuilder, param_groups
@@ -337,8 +339,5 @@ def _param_problems(
 
 
 def _file_problems(states: UniversalStates, rel: str) -> list[Problem]:
-    try:
-        opened = states.open(rel)
-    except CkptctlError as exc:
-        return [Problem.from_error(exc, rel)]
-    return [Problem(ProblemKind.TRUNCATED, rel, message) for message in storage_problems(opened)]
+    _, problems = torch_file_problems(rel, partial(states.open, rel))
+    return problems

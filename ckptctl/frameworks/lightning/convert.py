@@ -11,7 +11,7 @@ from ckptctl import io
 from ckptctl.checkpoint import Checkpoint, ChunkEncoding, TensorEntry
 from ckptctl.errors import CkptctlError
 from ckptctl.formats.safe_pickle import StandIn, state_fields
-from ckptctl.frameworks.lightning.layout import DEEPSPEED_TAG, _lightning_dict, _open
+from ckptctl.frameworks.lightning.layout import DEEPSPEED_TAG, lightning_dict_file, open_lightning_file
 from ckptctl.layouts.capabilities import ConvertSource, MasterWeights
 from ckptctl.layouts.naming import NameStripper, keep_name, strip_segments
 from ckptctl.layouts.parts.zero_tag.master_weights import checkpoint_master_weights
@@ -56,7 +56,7 @@ def _model_config(checkpoint: Checkpoint) -> Mapping[str, Any] | None:
     module built from `config.to_dict()`): a dict naming its `model_type` and `architectures`."""
     url = checkpoint.url
     try:
-        root = _open(io.join(url, _lightning_dict(url)) if io.is_dir(url) else url, None).root
+        root = open_lightning_file(io.join(url, lightning_dict_file(url)) if io.is_dir(url) else url, None).root
     except CkptctlError:
         return None
     hparams = root.get("hyper_parameters") if isinstance(root, dict) else None

@@ -36,7 +36,7 @@ import os
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
-from functools import cache
+from functools import cache, partial
 from typing import Any
 
 from ckptctl import io
@@ -53,7 +53,7 @@ from ckptctl.errors import CkptctlError, UnknownLayout, UnsafePickle
 from ckptctl.formats.dcp_metadata import METADATA_NAME
 from ckptctl.formats.documents import as_real, as_whole
 from ckptctl.formats.safe_pickle import FrameworkObject, StandIn, state_fields
-from ckptctl.formats.torch_pickle import TorchPickle, open_torch_pickle, storage_problems
+from ckptctl.formats.torch_pickle import TorchPickle, open_torch_pickle
 from ckptctl.formats.torch_pickle_classes import TensorRef
 from ckptctl.formats.torch_zip import TorchArchive
 from ckptctl.frameworks.lightning.files import DEEPSPEED_TAG, LAST, META, SUFFIX
@@ -71,13 +71,14 @@ from ckptctl.layouts.base import (
 )
 from ckptctl.layouts.parts.dcp_folder import DISTCP_RE, dcp_tensor_index, verify_dcp, world_size_of
 from ckptctl.layouts.parts.hf_folder import torch_file_entries
+from ckptctl.layouts.parts.torch_file import torch_file_problems
 from ckptctl.layouts.parts.zero_tag.names import LATEST_NAME, TagFiles, missing_note, read_latest, tag_files
 from ckptctl.layouts.parts.zero_tag.tag import ENGINE_KEYS, missing_rank_files, read_tag
 from ckptctl.layouts.parts.zero_tag.tensor_index import tag_index
 from ckptctl.layouts.parts.zero_tag.verify import verify_tag
 from ckptctl.layouts.resume import ResumeProfile
 
-__all__ = ["LightningLayout", "name_fields"]
+__all__ = ["LightningLayout", "lightning_dict_file", "name_fields", "open_lightning_file"]
 
 _LAST = re.compile(r"^last(?:-v\d+)?\.ckpt$")
 #: `key=value` parts of a ModelCheckpoint file name (`epoch=3-step=1200-val_loss=0.42`).
@@ -132,7 +133,7 @@ class LightningLayout(Layout):
         state, note = CheckpointState.COMPLETE, ""
         if _LAST.match(name) and step is None:
             try:
-                root = _open(url, entry.size).root
+                root = open_lightning_file(url, entry.size).root
             except CkptctlError as exc:
                 state, note = CheckpointState.BROKEN, exc.message
             else:
@@ -231,7 +232,7 @@ class LightningLayout(Layout):
         ref = self.identify_file(url, entry) if entry is not None else None
         if ref is None or entry is None:
             raise UnknownLayout(f"{url} is not a Lightning checkpoint file (*.ckpt)")
-        opened = _open(url, entry.size)
+        opened = open_lightning_file(url, entry.size)
         root = opened.root if isinstance(opened.root, dict) else {}
         counters = _counters(root)
         ref = replace(
@@ -253,7 +254,7 @@ class LightningLayout(Layout):
         error = ""
         if META in files:
             try:
-                opened = _open(io.join(url, META), files[META]).root
+                opened = open_lightning_file(io.join(url, META), files[META]).root
                 root = opened if isinstance(opened, dict) else {}
             except CkptctlError as exc:
                 error = f"{META}: {exc.message}"
@@ -373,13 +374,9 @@ class LightningLayout(Layout):
             return self._verify_deepspeed(url)
         if io.is_dir(url):
             return self._verify_sharded(url)
-        try:
-            opened = _open(url, checkpoint.ref.size_bytes)
-        except UnsafePickle as exc:
-            return [Problem(ProblemKind.UNSAFE_PICKLE, "", exc.message)]
-        except CkptctlError as exc:
-            return [Problem.from_error(exc, "")]
-        problems = [Problem(ProblemKind.TRUNCATED, "", message) for message in storage_problems(opened)]
+        opened, problems = torch_file_problems("", partial(open_lightning_file, url, checkpoint.ref.size_bytes))
+        if opened is None:
+            return problems
         return problems + _content_problems(opened.root, "", require_state_dict=True)
 
     def _verify_deepspeed(self, url: str) -> list[Problem]:
@@ -396,9 +393,9 @@ class LightningLayout(Layout):
             )
         if any(p.severity == "error" for p in problems):
             return problems
-        path = _lightning_dict(url)
+        path = lightning_dict_file(url)
         try:
-            opened = _open(io.join(url, path), None)
+            opened = open_lightning_file(io.join(url, path), None)
         except CkptctlError as exc:
             return [*problems, Problem.from_error(exc, path)]
         client = {k: v for k, v in opened.root.items() if k not in ENGINE_KEYS}
@@ -416,14 +413,10 @@ class LightningLayout(Layout):
                 )
             )
             return problems
-        try:
-            opened = _open(io.join(url, META), None)
-        except UnsafePickle as exc:
-            return [*problems, Problem(ProblemKind.UNSAFE_PICKLE, META, exc.message)]
-        except CkptctlError as exc:
-            return [*problems, Problem.from_error(exc, META)]
-        problems += [Problem(ProblemKind.TRUNCATED, META, message) for message in storage_problems(opened)]
-        return problems + _content_problems(opened.root, META, require_state_dict=False)
+        opened, found = torch_file_problems(META, partial(open_lightning_file, io.join(url, META), None))
+        if opened is None:
+            return problems + found
+        return problems + found + _content_problems(opened.root, META, require_state_dict=False)
 
     def completion_markers(self, files: Mapping[str, int]) -> tuple[str, ...]:
         """A sharded folder's `.metadata` (DCP writes it after the data) and `meta.pt` (Lightning's, last); a
@@ -447,9 +440,9 @@ class LightningLayout(Layout):
         newest = max(complete, key=lambda r: (r.step or 0, bool(_LAST.match(io.name_of(r.url)))))
         try:
             root = (
-                _open(newest.url, None).root
+                open_lightning_file(newest.url, None).root
                 if not io.is_dir(newest.url)
-                else _open(io.join(newest.url, _lightning_dict(newest.url)), None).root
+                else open_lightning_file(io.join(newest.url, lightning_dict_file(newest.url)), None).root
             )
         except CkptctlError:
             return Protections(reasons)
@@ -475,7 +468,7 @@ class LightningLayout(Layout):
 # --------------------------------------------------------------------------------------------------
 
 
-def _open(url: str, size: int | None) -> TorchPickle:
+def open_lightning_file(url: str, size: int | None) -> TorchPickle:
     """The torch.save file at `url` opened through the allowlist (zip directory and `data.pkl` only).
 
     Raises:
@@ -488,7 +481,7 @@ def _open(url: str, size: int | None) -> TorchPickle:
         raise UnsafePickle(exc.message + _UNSAFE, _UNSAFE_HINT) from exc
 
 
-def _lightning_dict(folder: str) -> str:
+def lightning_dict_file(folder: str) -> str:
     """The file of a `.ckpt` folder that holds Lightning's checkpoint dict (counters, callbacks,
     hyperparameters): a DeepSpeed folder's rank-0 model states (its client state), else `meta.pt`."""
     tag = io.join(folder, DEEPSPEED_TAG)

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 from ckptctl import io
 from ckptctl.checkpoint import Checkpoint
-from ckptctl.frameworks.open_instruct.layout import _SNAPSHOT, _SNAPSHOTS_SUFFIX, _listing
+from ckptctl.frameworks.open_instruct.layout import SNAPSHOT_RE, SNAPSHOTS_SUFFIX, listing_or_empty
 from ckptctl.layouts.capabilities import ConvertSource, MasterWeights, default_config_folders
 from ckptctl.layouts.parts.zero_tag.master_weights import checkpoint_master_weights, tag_prefix
 
@@ -34,15 +34,15 @@ def _config_folders(checkpoint: Checkpoint) -> Sequence[str]:
     people put them: in `*_checkpoints` folders beside the checkpoint state folder, or one folder below
     its siblings (`run/state/` beside `run/output/{run_name}_checkpoints/`)."""
     url = checkpoint.ref.url
-    if _SNAPSHOT.match(io.name_of(url)):
+    if SNAPSHOT_RE.match(io.name_of(url)):
         return default_config_folders(checkpoint)
     state_dir = io.parent_of(url)
     snapshots: list[tuple[int, str, str]] = []
     for folder in _snapshot_folders(io.parent_of(state_dir), state_dir):
         snapshots += [
             (int(m.group(1)), io.name_of(folder), io.join(folder, e.name))
-            for e in _listing(folder)
-            if e.is_dir and (m := _SNAPSHOT.match(e.name))
+            for e in listing_or_empty(folder)
+            if e.is_dir and (m := SNAPSHOT_RE.match(e.name))
         ]
     step = checkpoint.ref.step
     # Same step first; then by step, newest first; between runs, the newest (run names end in a Unix time).
@@ -53,12 +53,14 @@ def _config_folders(checkpoint: Checkpoint) -> Sequence[str]:
 def _snapshot_folders(base: str, state_dir: str) -> list[str]:
     """The `*_checkpoints` folders in `base` and in its child folders other than `state_dir` (the first
     `_MAX_SIBLINGS` of them)."""
-    children = [e.name for e in _listing(base) if e.is_dir]
-    found = [io.join(base, name) for name in children if name.endswith(_SNAPSHOTS_SUFFIX)]
-    siblings = [n for n in children if not n.endswith(_SNAPSHOTS_SUFFIX) and io.join(base, n) != state_dir]
+    children = [e.name for e in listing_or_empty(base) if e.is_dir]
+    found = [io.join(base, name) for name in children if name.endswith(SNAPSHOTS_SUFFIX)]
+    siblings = [n for n in children if not n.endswith(SNAPSHOTS_SUFFIX) and io.join(base, n) != state_dir]
     for name in siblings[:_MAX_SIBLINGS]:
         folder = io.join(base, name)
-        found += [io.join(folder, e.name) for e in _listing(folder) if e.is_dir and e.name.endswith(_SNAPSHOTS_SUFFIX)]
+        found += [
+            io.join(folder, e.name) for e in listing_or_empty(folder) if e.is_dir and e.name.endswith(SNAPSHOTS_SUFFIX)
+        ]
     return found
 
 

@@ -27,17 +27,19 @@ import threading
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any
 
 from ckptctl import io
 from ckptctl.checkpoint import Checkpoint, CheckpointRef, CheckpointState, Component, Problem, ProblemKind, Role
 from ckptctl.errors import CkptctlError, UnknownLayout
-from ckptctl.formats.torch_pickle import open_torch_pickle, storage_problems
+from ckptctl.formats.torch_pickle import open_torch_pickle
 from ckptctl.io import DirEntry
 from ckptctl.layouts import peek, peek_dir
 from ckptctl.layouts.base import Layout, every_child_folder, folder_size, newest_mtime, timestamp
 from ckptctl.layouts.parts.hf_folder import HfFolderLayout, has_weights, model_markers, verify_model_files
 from ckptctl.layouts.parts.in_progress import recently_written
+from ckptctl.layouts.parts.torch_file import torch_file_problems
 from ckptctl.layouts.parts.zero_tag.folder import open_tag
 from ckptctl.layouts.parts.zero_tag.names import (
     LATEST_NAME,
@@ -52,15 +54,24 @@ from ckptctl.layouts.parts.zero_tag.verify import verify_tag
 from ckptctl.layouts.resume import ResumeProfile
 from ckptctl.quoting import comment, shell
 
-__all__ = ["COMPLETE_MARKER", "DRIVER_STATE_NAME", "REF_POLICY", "OpenInstructLayout"]
+__all__ = [
+    "COMPLETE_MARKER",
+    "DRIVER_STATE_NAME",
+    "REF_POLICY",
+    "SNAPSHOTS_SUFFIX",
+    "SNAPSHOT_RE",
+    "OpenInstructLayout",
+    "listing_or_empty",
+]
 
 DRIVER_STATE_NAME = "driver_state.pt"
 REF_POLICY = "ref_policy/pytorch_model.bin"
 COMPLETE_MARKER = ".checkpoint_complete"
 _TAG = re.compile(r"^global_step(\d+)$")
-_SNAPSHOT = re.compile(r"^step_(\d+)$")
+#: An HF snapshot folder (`{run_name}_checkpoints/step_{N}/`).
+SNAPSHOT_RE = re.compile(r"^step_(\d+)$")
 #: The suffix of the folder open-instruct writes its HF snapshots to (`{output_dir}/{run_name}_checkpoints/`).
-_SNAPSHOTS_SUFFIX = "_checkpoints"
+SNAPSHOTS_SUFFIX = "_checkpoints"
 _COUNTERS = ("training_step", "episode", "num_total_tokens")
 _RNG_KEY = "rng_states"
 _DATALOADER_KEYS = ("dataloader_state", "data_prep_actor_state")
@@ -179,7 +190,8 @@ def _unfinished(entries: Sequence[DirEntry], note: str) -> tuple[CheckpointState
     return CheckpointState.BROKEN, note
 
 
-def _listing(url: str) -> list[DirEntry]:
+def listing_or_empty(url: str) -> list[DirEntry]:
+    """The folder's entries; none when it cannot be listed (missing, not a folder, unreadable)."""
     try:
         return io.list_dir(url)
     except CkptctlError:
@@ -197,7 +209,7 @@ class OpenInstructLayout(Layout):
         snapshot folder with model weights or the completion marker."""
         name = io.name_of(url)
         names = {e.name for e in entries if not e.is_dir}
-        if m := _SNAPSHOT.match(name):
+        if m := SNAPSHOT_RE.match(name):
             return self._snapshot(url, entries, names, int(m.group(1)))
         m = _TAG.match(name)
         if m is None:
@@ -259,7 +271,7 @@ class OpenInstructLayout(Layout):
 
     def members(self, url: str, entries: Sequence[DirEntry]) -> frozenset[str]:
         """A tag: every child folder, as DeepSpeed's; a snapshot: none, as an HF model folder's."""
-        if _SNAPSHOT.match(io.name_of(url)):
+        if SNAPSHOT_RE.match(io.name_of(url)):
             return frozenset()
         return every_child_folder(entries)
 
@@ -285,7 +297,7 @@ class OpenInstructLayout(Layout):
         ref = self.identify(url, entries)
         if ref is None:
             raise UnknownLayout(f"{url} is not an open-instruct checkpoint (a DeepSpeed tag beside ref_policy/)")
-        if _SNAPSHOT.match(io.name_of(url)):
+        if SNAPSHOT_RE.match(io.name_of(url)):
             model = HfFolderLayout().open(url)
             snapshot = {"format": "open_instruct", "kind": "hf_snapshot", **model.metadata}
             return replace(model, ref=ref, metadata=snapshot, role=Role.EXPORT)
@@ -340,7 +352,7 @@ class OpenInstructLayout(Layout):
         safely (the latter present when the client state says it was saved), and no fewer entries than the
         fullest `global_step*` folder beside it. A snapshot: the HF model rules and its completion marker."""
         url = checkpoint.url
-        if _SNAPSHOT.match(io.name_of(url)):
+        if SNAPSHOT_RE.match(io.name_of(url)):
             problems = verify_model_files(url, checkpoint.files)
             if COMPLETE_MARKER not in checkpoint.files:
                 problems.append(
@@ -400,8 +412,5 @@ def _worse(a: CheckpointRef, b: CheckpointRef) -> CheckpointState:
 
 
 def _pickle_problems(url: str, path: str) -> list[Problem]:
-    try:
-        opened = open_torch_pickle(url)
-    except CkptctlError as exc:
-        return [Problem.from_error(exc, path)]
-    return [Problem(ProblemKind.TRUNCATED, path, message) for message in storage_problems(opened)]
+    _, problems = torch_file_problems(path, partial(open_torch_pickle, url))
+    return problems

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from ckptctl import io
 from ckptctl.checkpoint import Checkpoint
-from ckptctl.frameworks.openrlhf.layout import _EXPORT, _TAG, _role
+from ckptctl.frameworks.openrlhf.layout import EXPORT_RE, TAG_RE, role_of
 from ckptctl.io import DirEntry
 from ckptctl.layouts import peek
 from ckptctl.layouts.capabilities import ConvertSource, MasterWeights, default_config_folders
@@ -34,17 +34,17 @@ def _config_folders(checkpoint: Checkpoint) -> Sequence[str]:
     `{output_dir}_critic`, where `CriticModelActor.save_model` writes the critic. An export holds its own.
     """
     url = checkpoint.url
-    if _EXPORT.match(io.name_of(url)):
+    if EXPORT_RE.match(io.name_of(url)):
         return default_config_folders(checkpoint)
     save_dir = io.parent_of(url)
-    role = _role(url)
+    role = role_of(url)
     ckpt_path = io.parent_of(save_dir) if role is not None else save_dir
     output_dir = io.parent_of(ckpt_path)
     if role == "critic":
         return (url, save_dir, f"{output_dir.rstrip('/')}_critic")
     defaults = (url, save_dir, ckpt_path, output_dir)
     exports = peek(ckpt_path, _exports) or []
-    tag = _TAG.match(io.name_of(url))
+    tag = TAG_RE.match(io.name_of(url))
     step = int(tag.group(2)) if tag is not None else checkpoint.ref.step
     own = f"{io.name_of(url)}_hf"
     ordered = sorted(exports, key=lambda e: (e[0] != own, e[1] != step, -e[1], -e[2]))
@@ -53,14 +53,14 @@ def _config_folders(checkpoint: Checkpoint) -> Sequence[str]:
 
 def _exports(ckpt_path: str, entries: Sequence[DirEntry]) -> list[tuple[str, int, float]]:
     """The `{tag}_hf` exports of a `--ckpt.path`: (name, step, mtime)."""
-    return [(e.name, int(m.group(2)), e.mtime or 0.0) for e in entries if e.is_dir and (m := _EXPORT.match(e.name))]
+    return [(e.name, int(m.group(2)), e.mtime or 0.0) for e in entries if e.is_dir and (m := EXPORT_RE.match(e.name))]
 
 
 def _value_head_task(checkpoint: Checkpoint) -> HeadTask:
     """OpenRLHF's `get_llm_for_sequence_regression` (openrlhf/models/model.py) builds a `CriticModel` (a value per
     token: a critic tag, `_critic/`) or a `RewardModel` (a value at each sequence's last token: the tags of
     `train_rm`); its config names which when it was saved with the model (`save_model`)."""
-    return HeadTask.TOKEN if _role(checkpoint.url) == "critic" else HeadTask.SEQUENCE
+    return HeadTask.TOKEN if role_of(checkpoint.url) == "critic" else HeadTask.SEQUENCE
 
 
 SOURCE = ConvertSource(master_weights=_master_weights, config_folders=_config_folders, value_head_task=_value_head_task)

@@ -56,11 +56,12 @@ from ckptctl.layouts.parts.zero_tag.tag import missing_rank_files
 from ckptctl.layouts.parts.zero_tag.verify import verify_tag
 from ckptctl.layouts.resume import ResumeProfile
 
-__all__ = ["METRIC_NAME", "OpenRlhfLayout"]
+__all__ = ["EXPORT_RE", "METRIC_NAME", "TAG_RE", "OpenRlhfLayout", "role_of"]
 
 METRIC_NAME = "metric.json"
-_TAG = re.compile(r"^(best_)?global_step(\d+)$")
-_EXPORT = re.compile(r"^(best_)?global_step(\d+)_hf$")
+#: A DeepSpeed tag of OpenRLHF's (`global_step{N}`, `best_` for the best metric's), and its HF export.
+TAG_RE = re.compile(r"^(best_)?global_step(\d+)$")
+EXPORT_RE = re.compile(r"^(best_)?global_step(\d+)_hf$")
 _ROLES = {"_actor": "actor", "_critic": "critic"}
 #: Client-state counters OpenRLHF saves (PPO >= v0.9.5; older PPO and SFT/DPO/RM: consumed_samples).
 _COUNTERS = ("global_step", "episode", "total_consumed_prompts", "consumed_samples")
@@ -79,10 +80,11 @@ def _is_tag_evidence(url: str, names: set[str]) -> bool:
 
 def _holds_openrlhf_folders(url: str, entries: Sequence[DirEntry]) -> bool:
     """Whether a save folder holds `best_global_step*` tags or `*_hf` exports beside its tags."""
-    return any(e.is_dir and (e.name.startswith("best_global_step") or _EXPORT.match(e.name)) for e in entries)
+    return any(e.is_dir and (e.name.startswith("best_global_step") or EXPORT_RE.match(e.name)) for e in entries)
 
 
-def _role(url: str) -> str | None:
+def role_of(url: str) -> str | None:
+    """`actor` or `critic` for a tag inside `_actor/` or `_critic/` (PPO's save folders), else None."""
     return _ROLES.get(io.name_of(io.parent_of(url)))
 
 
@@ -115,12 +117,12 @@ class OpenRlhfLayout(Layout):
         """A tag folder with OpenRLHF evidence around it, or an `*_hf` export holding model weights."""
         name = io.name_of(url)
         names = {e.name for e in entries if not e.is_dir}
-        if m := _EXPORT.match(name):
+        if m := EXPORT_RE.match(name):
             if not has_weights(names):
                 return None
             ref = HfFolderLayout().identify(url, entries)
             return None if ref is None else replace(ref, layout=self.name, step=int(m.group(2)))
-        m = _TAG.match(name)
+        m = TAG_RE.match(name)
         if m is None:
             return None
         files = tag_files(entries)
@@ -144,7 +146,7 @@ class OpenRlhfLayout(Layout):
 
     def members(self, url: str, entries: Sequence[DirEntry]) -> frozenset[str]:
         """A tag: every child folder, as DeepSpeed's; an `*_hf` export: none, as an HF model folder's."""
-        return frozenset() if _EXPORT.match(io.name_of(url)) else every_child_folder(entries)
+        return frozenset() if EXPORT_RE.match(io.name_of(url)) else every_child_folder(entries)
 
     def open(self, url: str) -> Checkpoint:
         """A tag: DeepSpeed's reading, with OpenRLHF's step, role, counters and metric; an export: the
@@ -153,7 +155,7 @@ class OpenRlhfLayout(Layout):
         ref = self.identify(url, entries)
         if ref is None:
             raise UnknownLayout(f"{url} is not an OpenRLHF checkpoint (a DeepSpeed tag or *_hf export of OpenRLHF)")
-        if _EXPORT.match(io.name_of(url)):
+        if EXPORT_RE.match(io.name_of(url)):
             model = HfFolderLayout().open(url)
             export = {"format": "openrlhf", "kind": "hf_export", **model.metadata}
             return replace(model, ref=replace(ref, created=model.ref.created), metadata=export, role=Role.EXPORT)
@@ -167,7 +169,7 @@ class OpenRlhfLayout(Layout):
             **inner.metadata,
             "format": "openrlhf",
             "kind": "best" if io.name_of(url).startswith("best_") else "tag",
-            "role": _role(url),
+            "role": role_of(url),
             "progress": counters,
             "optimizer_steps": progress.get("global_steps"),
         }
@@ -199,7 +201,7 @@ class OpenRlhfLayout(Layout):
         DeepSpeed finished and before OpenRLHF wrote the metric, which retention then evicts first).
         An export: the HF model rules."""
         url = checkpoint.url
-        if _EXPORT.match(io.name_of(url)):
+        if EXPORT_RE.match(io.name_of(url)):
             return verify_model_files(url, checkpoint.files)
         problems = verify_tag(url)
         pointer = latest_problem(io.parent_of(url), f"../{LATEST_NAME}")
@@ -252,7 +254,7 @@ def _tags_with_metric(url: str) -> list[str]:
 def _metric_tags(save_dir: str, entries: Sequence[DirEntry]) -> list[str]:
     found = []
     for entry in entries:
-        if entry.is_dir and _TAG.match(entry.name):
+        if entry.is_dir and TAG_RE.match(entry.name):
             listing = peek_dir(io.join(save_dir, entry.name)) or []
             if any(e.name == METRIC_NAME for e in listing):
                 found.append(entry.name)

@@ -35,7 +35,7 @@ import math
 import re
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, partial
 from typing import Any
 
 from ckptctl import io
@@ -49,7 +49,7 @@ from ckptctl.checkpoint import (
     TensorChunk,
     TensorEntry,
 )
-from ckptctl.errors import CkptctlError, CorruptCheckpoint, UnknownLayout, UnsafePickle
+from ckptctl.errors import CkptctlError, CorruptCheckpoint, UnknownLayout
 from ckptctl.formats.chunks import tiling_problem
 from ckptctl.formats.documents import read_json
 from ckptctl.formats.dtensor import dtensor_facts, state_tensors
@@ -69,9 +69,19 @@ from ckptctl.layouts.base import (
     timestamp,
 )
 from ckptctl.layouts.parts.in_progress import unfinished_state
+from ckptctl.layouts.parts.torch_file import torch_file_problems
 from ckptctl.layouts.resume import ResumeProfile
 
-__all__ = ["HF_FOLDER", "MARKER", "VerlLayout"]
+__all__ = [
+    "HF_FOLDER",
+    "MARKER",
+    "RoleFacts",
+    "VerlLayout",
+    "mesh_coordinate",
+    "role_facts",
+    "role_index",
+    "step_roles",
+]
 
 _RANK_FILE = re.compile(r"^(model|optim|extra_state)_world_size_(\d+)_rank_(\d+)\.pt$")
 MARKER = "fsdp_config.json"
@@ -90,7 +100,7 @@ _MAX_SMALL = 1 << 16
 
 
 @dataclass(frozen=True)
-class _Role:
+class RoleFacts:
     """A role folder as its listing tells: its rank files by kind, its world size and what is missing."""
 
     name: str
@@ -137,7 +147,7 @@ def _rank_file(kind: str, world: int, rank: int) -> str:
     return f"{kind}_world_size_{world}_rank_{rank}.pt"
 
 
-def _role(name: str, entries: Sequence[DirEntry]) -> _Role | None:
+def role_facts(name: str, entries: Sequence[DirEntry]) -> RoleFacts | None:
     """The role folder's facts, or None when it holds no rank file."""
     ranks: dict[str, set[int]] = {}
     worlds = set()
@@ -152,7 +162,7 @@ def _role(name: str, entries: Sequence[DirEntry]) -> _Role | None:
                 ranks.setdefault(m.group(1), set()).add(rank)
     if not worlds:
         return None
-    return _Role(
+    return RoleFacts(
         name,
         {e.name: e.size for e in entries if not e.is_dir},
         ranks,
@@ -163,18 +173,18 @@ def _role(name: str, entries: Sequence[DirEntry]) -> _Role | None:
     )
 
 
-def _roles(url: str, entries: Sequence[DirEntry]) -> list[_Role]:
+def step_roles(url: str, entries: Sequence[DirEntry]) -> list[RoleFacts]:
     """The role folders of a step folder, policy first."""
     found = []
     for entry in entries:
         if entry.is_dir and not entry.name.startswith("."):
-            role = _role(entry.name, peek_dir(io.join(url, entry.name)) or [])
+            role = role_facts(entry.name, peek_dir(io.join(url, entry.name)) or [])
             if role is not None:
                 found.append(role)
     return sorted(found, key=_role_order)
 
 
-def _role_order(role: _Role) -> tuple[int, str]:
+def _role_order(role: RoleFacts) -> tuple[int, str]:
     """The policy (actor) first: its model is what a step converts to."""
     return (_POLICY_ROLES.index(role.name) if role.name in _POLICY_ROLES else len(_POLICY_ROLES), role.name)
 
@@ -194,7 +204,7 @@ def _open_rank_file(url: str, size: int | None) -> TorchPickle:
     return open_torch_pickle(url, size, DTENSOR_PICKLE_GLOBALS)
 
 
-def _rank_of(recorded: tuple[int, ...] | None, rank: int, mesh_shape: tuple[int, ...]) -> tuple[int, ...]:
+def mesh_coordinate(recorded: tuple[int, ...] | None, rank: int, mesh_shape: tuple[int, ...]) -> tuple[int, ...]:
     """The rank's coordinate in the mesh: what its pickle records, else its rank unravelled in mesh order
     (DeviceMesh's default rank map)."""
     if recorded is not None:
@@ -206,7 +216,7 @@ def _rank_of(recorded: tuple[int, ...] | None, rank: int, mesh_shape: tuple[int,
     return tuple(reversed(coordinate))
 
 
-def _role_index(role_url: str, role: _Role, prefix: str) -> tuple[TensorEntry, ...]:
+def role_index(role_url: str, role: RoleFacts, prefix: str) -> tuple[TensorEntry, ...]:
     """The global tensors of a role's model and optimizer rank files, each with one chunk per distinct shard.
 
     Args:
@@ -265,7 +275,7 @@ def _chunk(opened: TorchPickle, value: TensorRef | DTensorRef, rank: int, file: 
     else:
         assert type(value) is DTensorRef
         facts = dtensor_facts(value, source)
-        coordinate = _rank_of(facts.coordinate, rank, facts.mesh_shape)
+        coordinate = mesh_coordinate(facts.coordinate, rank, facts.mesh_shape)
         if not facts.is_primary(coordinate):
             return None
         offsets, sizes = facts.local_box(coordinate)
@@ -298,7 +308,7 @@ class VerlLayout(Layout):
         name = io.name_of(url)
         m = STEP_RE.match(name)
         if m is not None:
-            roles = _roles(url, entries)
+            roles = step_roles(url, entries)
             if not roles:
                 return None
             notes = [p for r in roles if (p := r.problem())]
@@ -314,7 +324,7 @@ class VerlLayout(Layout):
                 note="; ".join(notes),
                 roles=tuple(r.name for r in roles),
             )
-        role = _role(name, entries)
+        role = role_facts(name, entries)
         if role is None:
             return None
         step = STEP_RE.match(io.name_of(io.parent_of(url)))
@@ -350,7 +360,7 @@ class VerlLayout(Layout):
         if ref is None:
             raise UnknownLayout(f"{url} is not a verl checkpoint (global_step_N/ with actor/ or critic/ rank files)")
         is_step = STEP_RE.match(io.name_of(url)) is not None
-        roles = _roles(url, entries) if is_step else [r for r in [_role(io.name_of(url), entries)] if r]
+        roles = step_roles(url, entries) if is_step else [r for r in [role_facts(io.name_of(url), entries)] if r]
         main = roles[0]
         main_url = io.join(url, main.name) if is_step else url
         prefix = f"{main.name}/" if is_step else ""
@@ -380,7 +390,7 @@ class VerlLayout(Layout):
 
         @cache
         def tensor_index() -> tuple[TensorEntry, ...]:
-            return _role_index(main_url, main, prefix)
+            return role_index(main_url, main, prefix)
 
         return Checkpoint(
             ref=ref,
@@ -401,7 +411,7 @@ class VerlLayout(Layout):
         is_step = STEP_RE.match(io.name_of(url)) is not None
         problems: list[Problem] = []
         if is_step:
-            roles = [(f"{r.name}/", io.join(url, r.name), r) for r in _roles(url, entries)]
+            roles = [(f"{r.name}/", io.join(url, r.name), r) for r in step_roles(url, entries)]
             if not any(e.name == DATALOADER for e in entries):
                 problems.append(
                     Problem(
@@ -419,7 +429,7 @@ class VerlLayout(Layout):
                 for p in _state_file(url, name, names[name])
             ]
         else:
-            role = _role(io.name_of(url), entries)
+            role = role_facts(io.name_of(url), entries)
             roles = [("", url, role)] if role is not None else []
         for prefix, role_url, role in roles:
             problems += _role_problems(prefix, role_url, role)
@@ -437,7 +447,7 @@ class VerlLayout(Layout):
         return PROFILE
 
 
-def _role_components(role: _Role) -> set[Component]:
+def _role_components(role: RoleFacts) -> set[Component]:
     found = {Component.MODEL} if "model" in role.ranks else set()
     if "optim" in role.ranks:
         found.add(Component.OPTIMIZER)
@@ -455,7 +465,7 @@ def _read_small_json(url: str) -> Any:
         return None
 
 
-def _role_problems(prefix: str, role_url: str, role: _Role | None) -> list[Problem]:
+def _role_problems(prefix: str, role_url: str, role: RoleFacts | None) -> list[Problem]:
     if role is None:
         return []
     problems: list[Problem] = []
@@ -509,18 +519,16 @@ def _role_problems(prefix: str, role_url: str, role: _Role | None) -> list[Probl
     for file, size in sorted(role.files.items()):
         if not _RANK_FILE.match(file):
             continue
-        try:
-            opened = _open_rank_file(io.join(role_url, file), size)
-        except UnsafePickle as exc:
-            problems.append(Problem(ProblemKind.UNSAFE_PICKLE, prefix + file, exc.message))
-            continue
-        except CkptctlError as exc:
-            problems.append(Problem(ProblemKind.UNREADABLE, prefix + file, exc.message))
-            continue
-        problems += [Problem(ProblemKind.TRUNCATED, prefix + file, message) for message in _storage_problems(opened)]
+        _, found = torch_file_problems(
+            prefix + file,
+            partial(_open_rank_file, io.join(role_url, file), size),
+            unreadable=ProblemKind.UNREADABLE,
+            storages=_storage_problems,
+        )
+        problems += found
     if not any(p.severity == "error" for p in problems):
         try:
-            _role_index(role_url, role, prefix)
+            role_index(role_url, role, prefix)
         except CkptctlError as exc:
             problems.append(Problem(ProblemKind.COVERAGE, prefix, exc.message))
     return problems
@@ -528,13 +536,13 @@ def _role_problems(prefix: str, role_url: str, role: _Role | None) -> list[Probl
 
 def _state_file(url: str, name: str, size: int) -> list[Problem]:
     """A step's plain torch.save state (`data.pt`, SkyRL's `trainer_state.pt`) read through the allowlist."""
-    try:
-        opened = open_torch_pickle(io.join(url, name), size)
-    except UnsafePickle as exc:
-        return [Problem(ProblemKind.UNSAFE_PICKLE, name, exc.message)]
-    except CkptctlError as exc:
-        return [Problem(ProblemKind.UNREADABLE, name, exc.message)]
-    return [Problem(ProblemKind.TRUNCATED, name, message) for message in _storage_problems(opened)]
+    _, problems = torch_file_problems(
+        name,
+        partial(open_torch_pickle, io.join(url, name), size),
+        unreadable=ProblemKind.UNREADABLE,
+        storages=_storage_problems,
+    )
+    return problems
 
 
 def _storage_problems(opened: TorchPickle) -> list[str]:

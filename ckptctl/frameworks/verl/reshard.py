@@ -50,7 +50,7 @@ from ckptctl.formats.safe_pickle import state_fields
 from ckptctl.formats.torch_pickle import open_torch_pickle
 from ckptctl.formats.torch_pickle_classes import OrderedDictStandIn, TensorRef
 from ckptctl.frameworks.verl.files import STEP_RE, TRACKERS, tracker_of
-from ckptctl.frameworks.verl.layout import MARKER, _rank_of, _Role, _role, _role_index, _roles
+from ckptctl.frameworks.verl.layout import MARKER, RoleFacts, mesh_coordinate, role_facts, role_index, step_roles
 from ckptctl.layouts.capabilities import NotCarried, ReshardRequest, WrittenState
 
 if TYPE_CHECKING:
@@ -82,7 +82,7 @@ class _SourceRole:
     """A role folder of the source: where it lies, its listing's facts, and where it goes in the staging folder."""
 
     url: str
-    facts: _Role
+    facts: RoleFacts
     out: str
 
     @property
@@ -97,8 +97,10 @@ def _source_roles(source: Checkpoint) -> tuple[str, list[_SourceRole]]:
     url = source.url
     name = io.name_of(url)
     if STEP_RE.match(name):
-        return name, [_SourceRole(io.join(url, r.name), r, f"{name}/{r.name}") for r in _roles(url, io.list_dir(url))]
-    facts = _role(name, io.list_dir(url))
+        return name, [
+            _SourceRole(io.join(url, r.name), r, f"{name}/{r.name}") for r in step_roles(url, io.list_dir(url))
+        ]
+    facts = role_facts(name, io.list_dir(url))
     return "", [] if facts is None else [_SourceRole(url, facts, "")]
 
 
@@ -353,7 +355,7 @@ def _rank_state(role: _SourceRole, planned: _RankFile, rank: int, meshes: _Meshe
             written += local.nbytes
             return local
         mesh = meshes.get(target, rank)
-        offsets, sizes = target.facts.local_box(_rank_of(None, rank, target.facts.mesh_shape))
+        offsets, sizes = target.facts.local_box(mesh_coordinate(None, rank, target.facts.mesh_shape))
         local = _read_box(role.url, entry, offsets, sizes)
         written += local.nbytes
         return _dtensor(local, target, mesh)
@@ -433,7 +435,7 @@ class VerlStateWriter:
                         f"{io.join(role.url, MARKER)} says FSDP_version {version}: reshard writes FSDP2 saves only "
                         "(verl's FSDP1 optimizer state is flattened per module, and no FSDP1 load has proved a rewrite)"
                     )
-                index = {e.name: e for e in _role_index(role.url, role.facts, "")}
+                index = {e.name: e for e in role_index(role.url, role.facts, "")}
                 for kind in ("model", "optim"):
                     _plan_file(role, kind, index, world_size or role.world)
         except CkptctlError as exc:
@@ -456,7 +458,7 @@ class VerlStateWriter:
         written = 0
         not_carried: list[NotCarried] = []
         for role in roles:
-            index = {e.name: e for e in _role_index(role.url, role.facts, "")}
+            index = {e.name: e for e in role_index(role.url, role.facts, "")}
             planned = [_plan_file(role, kind, index, world) for kind in ("model", "optim")]
             tensors += sum(len(p.tensors) for p in planned)
             out = role.out

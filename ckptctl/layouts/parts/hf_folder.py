@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from functools import cache
+from functools import cache, partial
 from typing import Any
 
 from ckptctl import io
@@ -42,7 +42,7 @@ from ckptctl.checkpoint import (
 from ckptctl.errors import CkptctlError, CorruptCheckpoint
 from ckptctl.formats.documents import read_json
 from ckptctl.formats.safetensors import read_header
-from ckptctl.formats.torch_pickle import TorchPickle, open_torch_pickle, storage_problems
+from ckptctl.formats.torch_pickle import TorchPickle, open_torch_pickle
 from ckptctl.io import DirEntry
 from ckptctl.layouts.base import Layout, absent_numbers, newest_mtime, step_from_name, timestamp
 from ckptctl.layouts.parts.hf_rank_shards import (
@@ -53,6 +53,7 @@ from ckptctl.layouts.parts.hf_rank_shards import (
     shards_index,
     shards_problems,
 )
+from ckptctl.layouts.parts.torch_file import torch_file_problems
 from ckptctl.layouts.step_names import epoch_from_name
 
 INDEX_NAMES = ("model.safetensors.index.json", "adapter_model.safetensors.index.json")
@@ -299,12 +300,10 @@ def verify_model_files(url: str, files: Mapping[str, int]) -> list[Problem]:
     problems += _placement_problems(weight_map, located, files)
     located = {}
     for rel in legacy:
-        try:
-            opened = open_torch_pickle(io.join(url, rel), files[rel])
-        except CkptctlError as exc:
-            problems.append(Problem.from_error(exc, rel))
+        opened, found = torch_file_problems(rel, partial(open_torch_pickle, io.join(url, rel), files[rel]))
+        problems += found
+        if opened is None:
             continue
-        problems += [Problem(ProblemKind.TRUNCATED, rel, message) for message in storage_problems(opened)]
         problems += _locate(located, rel, (name for name, _ in opened.tensors()))
     problems += _placement_problems(legacy_map, located, files)
     return problems

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 from ckptctl import io
 from ckptctl.checkpoint import Problem, ProblemKind
 from ckptctl.errors import CkptctlError, CorruptCheckpoint
 from ckptctl.formats.chunks import coverage_problems
-from ckptctl.formats.torch_pickle import TorchPickle, storage_problems
+from ckptctl.formats.torch_pickle import TorchPickle
 from ckptctl.layouts.base import LISTED_ABSENT
+from ckptctl.layouts.parts.torch_file import torch_file_problems
 from ckptctl.layouts.parts.zero_tag.names import expected_rank_files, tag_files
 from ckptctl.layouts.parts.zero_tag.tag import (
     DeepSpeedTag,
@@ -42,7 +45,7 @@ def verify_tag(url: str, path_prefix: str = "") -> list[Problem]:
     try:
         tag = read_tag(url, files)
     except CkptctlError as exc:
-        return [*problems, _problem(exc, path_prefix + (files.rank0_model() or files.model_name(0, 0)))]
+        return [*problems, Problem.from_error(exc, path_prefix + (files.rank0_model() or files.model_name(0, 0)))]
     expected_model, expected_optim = expected_rank_files(files, tag.dp_world_size, tag.mp_world_size, tag.zero_stage)
     reported = {p.path for p in problems}
     absent = [
@@ -84,14 +87,11 @@ def verify_tag(url: str, path_prefix: str = "") -> list[Problem]:
         )
     broken = False
     for name in sorted((expected_model | expected_optim) & set(files.sizes)):
-        try:
-            opened = tag.open_file(name)
-        except CkptctlError as exc:
-            problems.append(_problem(exc, path_prefix + name))
+        opened, found = torch_file_problems(path_prefix + name, partial(tag.open_file, name))
+        problems += found
+        if opened is None:
             broken = True
-            continue
-        problems += [Problem(ProblemKind.TRUNCATED, path_prefix + name, m) for m in storage_problems(opened)]
-        if name in expected_optim:
+        elif name in expected_optim:
             problems += _optim_file_problems(tag, opened, path_prefix + name)
     if broken or any(p.severity == "error" for p in problems):
         return problems
@@ -121,7 +121,3 @@ def _optim_file_problems(tag: DeepSpeedTag, opened: TorchPickle, path: str) -> l
             )
         )
     return problems
-
-
-def _problem(exc: CkptctlError, path: str) -> Problem:
-    return Problem.from_error(exc, path)

@@ -7,7 +7,7 @@ from functools import partial
 
 from ckptctl import io
 from ckptctl.checkpoint import Checkpoint
-from ckptctl.frameworks.hf_trainer.layout import _model_tensors, _Parts
+from ckptctl.frameworks.hf_trainer.layout import TrainerParts, model_tensors
 from ckptctl.layouts.capabilities import Adapter, ConvertSource, MasterWeights
 from ckptctl.layouts.parts.lora.adapter import ADAPTER_WEIGHTS, lora_adapter
 from ckptctl.layouts.parts.zero_tag.master_weights import checkpoint_master_weights
@@ -19,12 +19,12 @@ def _adapter(checkpoint: Checkpoint) -> Adapter | None:
     """The PEFT adapter the Trainer saved instead of the model, when it trained a PEFT model."""
     if not any(name in checkpoint.files for name in ADAPTER_WEIGHTS):
         return None
-    return lora_adapter(checkpoint.url, partial(_model_tensors, checkpoint.tensor_index))
+    return lora_adapter(checkpoint.url, partial(model_tensors, checkpoint.tensor_index))
 
 
 def _master_weights(checkpoint: Checkpoint, *, required: bool, notes: list[str]) -> MasterWeights | None:
     """The fp32 master weights of the DeepSpeed tag inside (`global_stepN/`), when there is one."""
-    tag = _Parts.of(checkpoint.url, io.list_dir(checkpoint.url)).ds_tag
+    tag = TrainerParts.of(checkpoint.url, io.list_dir(checkpoint.url)).ds_tag
     prefix = None if tag is None else f"{tag}/"
     return checkpoint_master_weights(checkpoint, prefix, required=required, notes=notes)
 

@@ -82,7 +82,7 @@ from ckptctl.layouts.parts.zero_tag.tensor_index import tag_index
 from ckptctl.layouts.parts.zero_tag.verify import verify_tag
 from ckptctl.layouts.resume import ResumeProfile
 
-__all__ = ["HfTrainerLayout"]
+__all__ = ["HfTrainerLayout", "TrainerParts", "model_tensors", "training_args_fields"]
 
 _PICKLE_FILES = ("optimizer.pt", "scheduler.pt", "scaler.pt", "training_args.bin")
 _TRAINER_FILES = frozenset({TRAINER_STATE_NAME, *_PICKLE_FILES})
@@ -122,7 +122,7 @@ def _rng_ranks(names: Sequence[str]) -> list[int]:
 
 
 @dataclass(frozen=True, slots=True)
-class _Parts:
+class TrainerParts:
     """What a checkpoint folder holds, from its listing."""
 
     names: set[str]
@@ -130,7 +130,7 @@ class _Parts:
     dcp_folders: dict[str, Component]
 
     @classmethod
-    def of(cls, url: str, entries: Sequence[DirEntry]) -> _Parts:
+    def of(cls, url: str, entries: Sequence[DirEntry]) -> TrainerParts:
         names = {e.name for e in entries if not e.is_dir}
         dirs = [e.name for e in entries if e.is_dir]
         tag = read_latest(url, entries) if LATEST_NAME in names else None
@@ -176,7 +176,7 @@ class HfTrainerLayout(Layout):
         m = CHECKPOINT_DIR.match(io.name_of(url))
         if m is None:
             return None
-        parts = _Parts.of(url, entries)
+        parts = TrainerParts.of(url, entries)
         if not parts.is_trainer_checkpoint():
             return None
         step: int | None = int(m.group(1))
@@ -229,7 +229,7 @@ class HfTrainerLayout(Layout):
         ref = self.identify(url, entries)
         if ref is None:
             raise UnknownLayout(f"{url} is not a Hugging Face Trainer checkpoint (checkpoint-N with Trainer files)")
-        parts = _Parts.of(url, entries)
+        parts = TrainerParts.of(url, entries)
         files = list_files(url)
         top = parts.names
         weights = weight_files(url, top) if has_weights(top) else []
@@ -280,7 +280,7 @@ class HfTrainerLayout(Layout):
 
         if parts.adapter_weights is not None:
             metadata["model"] = "a PEFT adapter (the Trainer trained a PEFT model): convert merges it into its base"
-            metadata.update(adapter_metadata(url, ADAPTER_CONFIG in top, partial(_model_tensors, tensor_index)))
+            metadata.update(adapter_metadata(url, ADAPTER_CONFIG in top, partial(model_tensors, tensor_index)))
         return Checkpoint(
             ref=ref,
             components=frozenset(components),
@@ -296,7 +296,7 @@ class HfTrainerLayout(Layout):
         holds its storages; rng files cover ranks 0..n-1; DeepSpeed and DCP folders inside pass their rules."""
         url = checkpoint.url
         files = checkpoint.files
-        parts = _Parts.of(url, io.list_dir(url))
+        parts = TrainerParts.of(url, io.list_dir(url))
         problems: list[Problem] = []
         if TRAINER_STATE_NAME not in files:
             problems.append(
@@ -326,7 +326,7 @@ class HfTrainerLayout(Layout):
             problems += verify_model_files(url, {n: s for n, s in files.items() if "/" not in n})
             if parts.adapter_weights is not None and not any(p.severity == "error" for p in problems):
                 problems += adapter_problems(
-                    url, ADAPTER_CONFIG in files, _model_tensors(checkpoint.tensor_index), parts.adapter_weights
+                    url, ADAPTER_CONFIG in files, model_tensors(checkpoint.tensor_index), parts.adapter_weights
                 )
         elif parts.ds_tag is None and Component.MODEL not in parts.dcp_folders.values():
             problems.append(
@@ -450,7 +450,7 @@ def _state_summary(state: Mapping[str, Any]) -> dict[str, Any]:
 
 def _args_summary(url: str, size: int) -> dict[str, Any] | str:
     """The TrainingArguments fields worth showing, from training_args.bin (its `data.pkl` only)."""
-    fields = _training_args(url, size)
+    fields = training_args_fields(url, size)
     if fields is None:
         return "unreadable (verify says why)"
     summary = {}
@@ -465,7 +465,7 @@ def _args_summary(url: str, size: int) -> dict[str, Any] | str:
     return summary
 
 
-def _training_args(url: str, size: int) -> dict[str, Any] | None:
+def training_args_fields(url: str, size: int) -> dict[str, Any] | None:
     """The fields of training_args.bin, or None when it is unreadable."""
     try:
         args = open_torch_pickle(io.join(url, "training_args.bin"), size).root
@@ -474,9 +474,9 @@ def _training_args(url: str, size: int) -> dict[str, Any] | None:
         return None
 
 
-def _missing_state_files(url: str, files: Mapping[str, int], parts: _Parts) -> list[Problem]:
+def _missing_state_files(url: str, files: Mapping[str, int], parts: TrainerParts) -> list[Problem]:
     """The optimizer and RNG files a resume needs, unless training_args say `save_only_model`."""
-    args = _training_args(url, files["training_args.bin"]) if "training_args.bin" in files else None
+    args = training_args_fields(url, files["training_args.bin"]) if "training_args.bin" in files else None
     if args is None or args.get("save_only_model") is not False:
         return []
     problems = []
@@ -509,7 +509,7 @@ def _tensor_index(
     weights: Sequence[str],
     files: Mapping[str, int],
     tag: DeepSpeedTag | None,
-    parts: _Parts,
+    parts: TrainerParts,
 ) -> tuple[TensorEntry, ...]:
     entries = list(safetensors_index(url, weights, files)) if weights else []
     if "optimizer.pt" in files:
@@ -527,7 +527,7 @@ def _tensor_index(
     return tuple(entries)
 
 
-def _model_tensors(index: Callable[[], Sequence[TensorEntry]]) -> list[TensorEntry]:
+def model_tensors(index: Callable[[], Sequence[TensorEntry]]) -> list[TensorEntry]:
     """The model's tensors of a checkpoint's index (an adapter's, beside the optimizer's)."""
     return [entry for entry in index() if entry.component is Component.MODEL]
 

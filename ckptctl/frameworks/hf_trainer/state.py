@@ -28,7 +28,7 @@ from ckptctl.formats.safe_pickle import FrameworkObject
 from ckptctl.formats.torch_pickle import open_torch_pickle
 from ckptctl.formats.torch_pickle_classes import TensorRef
 from ckptctl.frameworks.hf_trainer.files import RNG_FILE, TRAINER_STATE_NAME
-from ckptctl.frameworks.hf_trainer.layout import _Parts, _training_args
+from ckptctl.frameworks.hf_trainer.layout import TrainerParts, training_args_fields
 from ckptctl.layouts.capabilities import NotCarried, ParamState, StateTensor
 from ckptctl.layouts.parts.hf_model_class import build_on_meta, excess_layers, has_transformers_5, model_class
 from ckptctl.layouts.parts.param_state import grouped_state, indexed_optimizer, stored_tensor
@@ -50,9 +50,9 @@ _HINT = (
 def SOURCE(checkpoint: Checkpoint) -> ParamState:
     url = checkpoint.url
     files = checkpoint.files
-    parts = _Parts.of(url, io.list_dir(url))
+    parts = TrainerParts.of(url, io.list_dir(url))
     _refuse_other_saves(url, parts, files)
-    args = _training_args(url, files[_ARGS]) if _ARGS in files else None
+    args = training_args_fields(url, files[_ARGS]) if _ARGS in files else None
     if args is None:
         raise CkptctlError(
             f"{io.join(url, _ARGS)} is missing or unreadable: the optimizer's settings cannot be checked"
@@ -81,7 +81,7 @@ def SOURCE(checkpoint: Checkpoint) -> ParamState:
     return ParamState(tuple(model), optimizer, param_groups, _not_carried(checkpoint, args))
 
 
-def _refuse_other_saves(url: str, parts: _Parts, files: Mapping[str, int]) -> None:
+def _refuse_other_saves(url: str, parts: TrainerParts, files: Mapping[str, int]) -> None:
     """Refuse the checkpoints whose optimizer state is not a plain optimizer.pt of the whole model."""
     if parts.adapter_weights is not None:
         raise CkptctlError(

@@ -78,6 +78,7 @@ __all__ = [
     "RoleFacts",
     "VerlLayout",
     "mesh_coordinate",
+    "rank_file_name",
     "role_facts",
     "role_index",
     "step_roles",
@@ -122,7 +123,7 @@ class RoleFacts:
         absent = next(self.absent_ranks(), None)
         if absent is not None:
             kind, world, missing, count = absent
-            files = ", ".join(f"{self.name}/{_rank_file(kind, world, rank)}" for rank in missing)
+            files = ", ".join(f"{self.name}/{rank_file_name(kind, world, rank)}" for rank in missing)
             more = f" and {count - len(missing)} more" if count > len(missing) else ""
             return f"{files}{more} missing ({count} of {world} {kind} rank files)"
         if not self.has_marker:
@@ -142,7 +143,7 @@ class RoleFacts:
                 yield kind, world, missing, count
 
 
-def _rank_file(kind: str, world: int, rank: int) -> str:
+def rank_file_name(kind: str, world: int, rank: int) -> str:
     """The name of a rank's file of one kind (`model_world_size_2_rank_1.pt`)."""
     return f"{kind}_world_size_{world}_rank_{rank}.pt"
 
@@ -241,7 +242,7 @@ def role_index(role_url: str, role: RoleFacts, prefix: str) -> tuple[TensorEntry
         name_prefix = "" if kind == "model" else "optimizer."
         built: dict[str, tuple[str, tuple[int, ...], list[TensorChunk]]] = {}
         for rank in range(world):
-            file = _rank_file(kind, world, rank)
+            file = rank_file_name(kind, world, rank)
             if file not in role.files:
                 raise CorruptCheckpoint(f"{role_url}: {file} is missing", "the save did not finish on every rank")
             opened = _open_rank_file(io.join(role_url, file), role.files[file])
@@ -477,8 +478,8 @@ def _role_problems(prefix: str, role_url: str, role: RoleFacts | None) -> list[P
             problems.append(
                 Problem(
                     ProblemKind.MISSING_FILE,
-                    f"{prefix}{_rank_file(kind, world, rank)}",
-                    f"{_rank_file(kind, world, rank)} is missing (rank {rank} of {world} wrote no {kind} file): verl "
+                    f"{prefix}{rank_file_name(kind, world, rank)}",
+                    f"{rank_file_name(kind, world, rank)} is missing (rank {rank} of {world} wrote no {kind} file): verl "
                     "cannot load this role on any rank",
                 )
             )

@@ -50,13 +50,21 @@ from ckptctl.formats.safe_pickle import state_fields
 from ckptctl.formats.torch_pickle import open_torch_pickle
 from ckptctl.formats.torch_pickle_classes import OrderedDictStandIn, TensorRef
 from ckptctl.frameworks.verl.files import STEP_RE, TRACKERS, tracker_of
-from ckptctl.frameworks.verl.layout import MARKER, RoleFacts, mesh_coordinate, role_facts, role_index, step_roles
+from ckptctl.frameworks.verl.layout import (
+    MARKER,
+    RoleFacts,
+    mesh_coordinate,
+    rank_file_name,
+    role_facts,
+    role_index,
+    step_roles,
+)
 from ckptctl.layouts.capabilities import NotCarried, ReshardRequest, WrittenState
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["WRITER", "VerlStateWriter"]
+__all__ = ["WRITER", "VerlStateWriter", "role_fsdp_config", "source_roles", "torn_file"]
 
 _KINDS = ("model", "optim", "extra_state")
 _MAX_CONFIG = 1 << 16
@@ -66,10 +74,6 @@ _MESH_NAMES = {("fsdp",), ("ddp", "fsdp")}
 #: The name of the default process group (`torch.distributed.distributed_c10d`: the first group made), which a
 #: mesh dimension over the whole world uses.
 _DEFAULT_GROUP = "0"
-
-
-def _rank_file(kind: str, world: int, rank: int) -> str:
-    return f"{kind}_world_size_{world}_rank_{rank}.pt"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -92,7 +96,7 @@ class _SourceRole:
         return world
 
 
-def _source_roles(source: Checkpoint) -> tuple[str, list[_SourceRole]]:
+def source_roles(source: Checkpoint) -> tuple[str, list[_SourceRole]]:
     """(the staging subfolder of the step, or "" for a role folder; the roles) of a verl checkpoint."""
     url = source.url
     name = io.name_of(url)
@@ -104,21 +108,21 @@ def _source_roles(source: Checkpoint) -> tuple[str, list[_SourceRole]]:
     return "", [] if facts is None else [_SourceRole(url, facts, "")]
 
 
-def _torn(role: _SourceRole) -> str | None:
+def torn_file(role: _SourceRole) -> str | None:
     """Why a role is not a whole save, naming the file it lacks."""
     facts = role.facts
     if facts.world_size is None:
         return f"{role.url}: rank files of several world sizes ({', '.join(map(str, sorted(facts.world_sizes)))})"
     for kind in _KINDS:
         for rank in range(facts.world_size):
-            if _rank_file(kind, facts.world_size, rank) not in facts.files:
-                return f"{io.join(role.url, _rank_file(kind, facts.world_size, rank))} is missing: the save is torn"
+            if rank_file_name(kind, facts.world_size, rank) not in facts.files:
+                return f"{io.join(role.url, rank_file_name(kind, facts.world_size, rank))} is missing: the save is torn"
     if not facts.has_marker:
         return f"{io.join(role.url, MARKER)} is missing: rank 0 writes it after the rank files, the save did not finish"
     return None
 
 
-def _fsdp_config(role: _SourceRole) -> dict[str, Any]:
+def role_fsdp_config(role: _SourceRole) -> dict[str, Any]:
     config = read_json(io.join(role.url, MARKER), max_bytes=_MAX_CONFIG)
     if not isinstance(config, dict) or config.get("world_size") != role.world:
         raise CorruptCheckpoint(f"{io.join(role.url, MARKER)} does not say world_size {role.world}")
@@ -233,7 +237,7 @@ def _plan_file(role: _SourceRole, kind: str, index: Mapping[str, TensorEntry], w
     Raises:
         CkptctlError: a tensor the index lacks or the target cannot cut, a mesh verl does not build.
     """
-    file = _rank_file(kind, role.world, 0)
+    file = rank_file_name(kind, role.world, 0)
     source = io.join(role.url, file)
     opened = open_torch_pickle(source, role.facts.files.get(file), DTENSOR_PICKLE_GLOBALS)
     prefix = "" if kind == "model" else "optimizer."
@@ -360,7 +364,7 @@ def _rank_state(role: _SourceRole, planned: _RankFile, rank: int, meshes: _Meshe
         written += local.nbytes
         return _dtensor(local, target, mesh)
 
-    state = _realize(planned.root, tensor, f"{role.url}/{_rank_file(planned.kind, role.world, 0)}")
+    state = _realize(planned.root, tensor, f"{role.url}/{rank_file_name(planned.kind, role.world, 0)}")
     return state, written
 
 
@@ -421,15 +425,15 @@ class VerlStateWriter:
         if world_size is not None and world_size < 1:
             return f"world size {world_size}: a verl run has at least one rank"
         try:
-            _, roles = _source_roles(source)
+            _, roles = source_roles(source)
             if not roles:
                 return f"{source.url} holds no verl role folder"
             for role in roles:
-                torn = _torn(role)
+                torn = torn_file(role)
                 if torn is not None:
                     return torn
             for role in roles:
-                version = _fsdp_config(role).get("FSDP_version")
+                version = role_fsdp_config(role).get("FSDP_version")
                 if version != 2:
                     return (
                         f"{io.join(role.url, MARKER)} says FSDP_version {version}: reshard writes FSDP2 saves only "
@@ -450,7 +454,7 @@ class VerlStateWriter:
         refused = self.refusal(source, request.world_size)
         if refused is not None:
             raise CkptctlError(refused)
-        step_folder, roles = _source_roles(source)
+        step_folder, roles = source_roles(source)
         world = request.world_size or roles[0].world
         meshes = _Meshes()
         files: list[str] = []
@@ -465,7 +469,7 @@ class VerlStateWriter:
             for rank in range(world):
                 for plan in planned:
                     state, size = _rank_state(role, plan, rank, meshes)
-                    relative = "/".join(p for p in (out, _rank_file(plan.kind, world, rank)) if p)
+                    relative = "/".join(p for p in (out, rank_file_name(plan.kind, world, rank)) if p)
                     path = _staging_path(request.staging, relative)
                     os.makedirs(os.path.dirname(path), exist_ok=True)
                     torch.save(state, path)
@@ -474,11 +478,11 @@ class VerlStateWriter:
                     written += size
                     advance(size)
                 # The extra state of the source rank of the same number, else rank 0's (the module docstring).
-                origin = _rank_file("extra_state", role.world, rank if rank < role.world else 0)
+                origin = rank_file_name("extra_state", role.world, rank if rank < role.world else 0)
                 # Read through the allowlist first: the copy is never unpickled here, but it is not passed on
                 # unless ckptctl's reader takes it.
                 open_torch_pickle(io.join(role.url, origin), role.facts.files.get(origin), DTENSOR_PICKLE_GLOBALS)
-                relative = "/".join(p for p in (out, _rank_file("extra_state", world, rank)) if p)
+                relative = "/".join(p for p in (out, rank_file_name("extra_state", world, rank)) if p)
                 _copy(io.join(role.url, origin), _staging_path(request.staging, relative))
                 files.append(relative)
             not_carried += _rng_not_carried(role, world)
@@ -491,7 +495,7 @@ class VerlStateWriter:
                 relative = "/".join(p for p in (out, name) if p)
                 _copy(io.join(role.url, name), _staging_path(request.staging, relative))
                 files.append(relative)
-            config = {**_fsdp_config(role), "world_size": world}
+            config = {**role_fsdp_config(role), "world_size": world}
             relative = "/".join(p for p in (out, MARKER) if p)
             _write_text(_staging_path(request.staging, relative), json.dumps(config, indent=4))
             files.append(relative)
@@ -530,7 +534,7 @@ def _mesh_hint(roles: list[_SourceRole], world: int, hint: str | None) -> str | 
     kept = []
     for role in roles:
         facts = role.facts
-        file = _rank_file("model", role.world, 0)
+        file = rank_file_name("model", role.world, 0)
         opened = open_torch_pickle(io.join(role.url, file), facts.files.get(file), DTENSOR_PICKLE_GLOBALS)
         first = next((v for _, v in state_tensors(opened.root) if type(v) is DTensorRef), None)
         if first is None:

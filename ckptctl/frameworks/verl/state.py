@@ -17,7 +17,7 @@ from ckptctl.formats.dtensor import state_tensors
 from ckptctl.formats.dtensor_classes import DTENSOR_PICKLE_GLOBALS, DTensorRef
 from ckptctl.formats.torch_pickle import open_torch_pickle
 from ckptctl.formats.torch_pickle_classes import TensorRef
-from ckptctl.frameworks.verl.reshard import _fsdp_config, _rank_file, _source_roles, _torn
+from ckptctl.frameworks.verl.reshard import rank_file_name, role_fsdp_config, source_roles, torn_file
 from ckptctl.layouts.capabilities import NotCarried, ParamState
 from ckptctl.layouts.parts.param_state import indexed_optimizer, name_indexed_state, stored_tensor
 
@@ -28,7 +28,7 @@ _TENSORS = (TensorRef, DTensorRef)
 
 
 def SOURCE(checkpoint: Checkpoint) -> ParamState:
-    _, roles = _source_roles(checkpoint)
+    _, roles = source_roles(checkpoint)
     if len(roles) != 1:
         names = ", ".join(role.facts.name for role in roles) or "none"
         raise CkptctlError(
@@ -36,25 +36,25 @@ def SOURCE(checkpoint: Checkpoint) -> ParamState:
             "reshard one role folder of it (its actor/ folder)",
         )
     role = roles[0]
-    torn = _torn(role)
+    torn = torn_file(role)
     if torn is not None:
         raise CorruptCheckpoint(torn, "reshard a whole save")
-    if _fsdp_config(role).get("FSDP_version") != 2:
+    if role_fsdp_config(role).get("FSDP_version") != 2:
         raise CkptctlError(f"{role.url}: only verl's FSDP2 saves are read (fsdp_config.json FSDP_version 2)")
     index = {entry.name: entry for entry in checkpoint.tensor_index()}
-    model_file = io.join(role.url, _rank_file("model", role.world, 0))
+    model_file = io.join(role.url, rank_file_name("model", role.world, 0))
     model_root = open_torch_pickle(model_file, role.facts.files.get(io.name_of(model_file)), DTENSOR_PICKLE_GLOBALS)
     model = [
         (path, stored_tensor(checkpoint.url, _entry(index, path, model_file)))
         for path, _ in state_tensors(model_root.root)
     ]
-    optim_file = io.join(role.url, _rank_file("optim", role.world, 0))
+    optim_file = io.join(role.url, rank_file_name("optim", role.world, 0))
     root = open_torch_pickle(optim_file, role.facts.files.get(io.name_of(optim_file)), DTENSOR_PICKLE_GLOBALS).root
     state, groups = indexed_optimizer(
         root, optim_file, lambda name: stored_tensor(checkpoint.url, _entry(index, name, optim_file)), _TENSORS
     )
     optimizer, param_groups = name_indexed_state(model, state, groups, optim_file, _BUILT)
-    extra = io.join(role.url, _rank_file("extra_state", role.world, 0))
+    extra = io.join(role.url, rank_file_name("extra_state", role.world, 0))
     not_carried = (
         NotCarried(
             "extra_state.lr_scheduler",

@@ -292,6 +292,10 @@ def test_the_universal_output_names_what_deepspeed_does_not_take_and_how_tied_we
     assert "global_step2/zero/model.embed_tokens.weight/fp32.pt" in tied["files"]
     assert [what for what, _ in tied["not_carried"]] == list(not_carried)
     assert "Tied weights (lm_head.weight is model.embed_tokens.weight)" in tied["resume_hint"]
+    assert "finds no zero/lm_head.weight/ and its load fails" in tied["resume_hint"]
+    # ... as it does: DeepSpeed's model with untied embeddings looks for the output layer's folder.
+    raised = (trainer_to_universal.root / "untied-model-load.txt").read_text()
+    assert raised.startswith("FileNotFoundError") and raised.endswith("global_step2/zero/lm_head.weight'")
 
 
 @pytest.mark.slow

@@ -15,6 +15,8 @@ hold the state the Trainer's own resume from `checkpoint-2` holds and the batche
    batch) and compute step 4's loss on its batch: `<case>-results-{W}.pt`. No LR scheduler: step 3 uses the learning
    rate the loaded groups hold, which is the Trainer's for that step; step 4's update is not taken, so the
    schedule's next value is never needed.
+3. On 1 rank, a ZeRO-2 engine over the same class with untied embeddings loads the tied output: what it raises is
+   `untied-model-load.txt` (the resume hint says such a load fails).
 """
 
 from __future__ import annotations
@@ -50,13 +52,14 @@ class TrainerToUniversalProof:
         return torch.load(self.root / f"{case}-results-{world_size}.pt", weights_only=True)  # written by the proof
 
 
-def _engine(checkpoint: str, stage: int) -> Any:
-    """A DeepSpeed engine over the model class config.json names, with torch AdamW in the Trainer's groups."""
+def _engine(checkpoint: str, stage: int, **config_overrides: Any) -> Any:
+    """A DeepSpeed engine over the model class config.json names (with `config_overrides`), with torch AdamW in the
+    Trainer's groups."""
     import deepspeed
     from transformers import AutoConfig, AutoModelForCausalLM, Trainer
 
     torch.manual_seed(1)  # other initial weights than the Trainer's: what is loaded must replace them all
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(checkpoint))
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(checkpoint, **config_overrides))
     decay = Trainer.__new__(Trainer).get_decay_parameter_names(model)
     groups = [
         {"params": [p for n, p in model.named_parameters() if n in decay], "weight_decay": WEIGHT_DECAY},
@@ -122,6 +125,14 @@ def _rank(rank: int, world: int, port: int, root: str, *cases: str) -> None:
         results = {stage: _load_and_step(checkpoint, f"{root}/{name}-out", record, stage) for stage in STAGES}
         if rank == 0:
             torch.save(results, f"{root}/{name}-results-{world}.pt")
+        if name == "tied" and world == 1:
+            untied = _engine(checkpoint, 2, tie_word_embeddings=False)
+            try:
+                untied.load_checkpoint(f"{root}/{name}-out", load_lr_scheduler_states=False)
+                raised = "nothing"
+            except Exception as exc:  # what DeepSpeed raises is the finding
+                raised = f"{type(exc).__name__}: {exc}"
+            Path(f"{root}/untied-model-load.txt").write_text(raised)
     deepspeed.comm.barrier()
 
 

@@ -276,9 +276,12 @@ def _resume_hint(plan: _Plan) -> str:
     if not plan.tied:
         return RESUME_HINT
     ties = ", ".join(f"{name} is {parameter}" for name, parameter in plan.tied)
+    first = plan.tied[0][0]
+    # Observed with DeepSpeed 0.19.8: an untied model's load raises FileNotFoundError on the missing folder.
     return (
         f"{RESUME_HINT}. Tied weights ({ties}): carried as the parameter (zero/<parameter>/), so the model must tie "
-        "them as the source did (one parameter for both, as named_parameters() gives it)"
+        f"them as the source did (one parameter for both); a model that does not finds no zero/{first}/ and its "
+        "load fails"
     )
 
 

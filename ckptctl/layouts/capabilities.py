@@ -192,12 +192,16 @@ class ParamState:
         param_groups: the optimizer's parameter groups in order: their hyperparameters as saved, `params` the
             names of their parameters (as `get_optimizer_state_dict` gives them).
         not_carried: what of the source this state leaves out (RNG, data-loader position, scheduler), and why.
+        tied: (name, parameter) for each tensor of `model` that is another of its parameters, as the source
+            knows it (tied weights: `lm_head.weight` is `model.embed_tokens.weight`; the optimizer holds the
+            parameter once, under the name `named_parameters()` gives it). Empty where the source records none.
     """
 
     model: tuple[tuple[str, StateTensor], ...]
     optimizer: Mapping[str, Mapping[str, StateTensor | int | float]]
     param_groups: tuple[Mapping[str, Any], ...]
     not_carried: tuple[NotCarried, ...] = ()
+    tied: tuple[tuple[str, str], ...] = ()
 
 
 class TrainingStateSource(Protocol):

@@ -3,7 +3,14 @@ Trainer's optimizer.pt, keyed by parameter index over its decay / no-decay group
 own code says the groups hold. An FSDP2 model of the same class with torch AdamW in the Trainer's groups loads the
 output on 1 and on 2 gloo ranks (`dcp.load` + `set_state_dict`) into exactly the state the Trainer's own resume
 holds, and takes the Trainer's next steps with the Trainer's losses (`tests.writers.reshard_dcp_proof`); what
-cannot be proved is refused before anything is written."""
+cannot be proved is refused before anything is written.
+
+`reshard --to deepspeed-universal` from the same checkpoints (`frameworks/deepspeed/universal_from_state`): DeepSpeed
+0.19.8 (ZeRO-1 and ZeRO-2, fp32, torch AdamW in the Trainer's groups, gradient clipping at the Trainer's
+max_grad_norm) loads the output with `"load_universal": true` on 1 and on 2 gloo ranks into exactly the state the
+Trainer's own resume holds, and takes the Trainer's step 3 with its losses (`tests.writers.trainer_to_universal_proof`).
+Tied embeddings: the output holds the one parameter (`zero/model.embed_tokens.weight/`), which DeepSpeed's model of
+the same config also holds once."""
 
 from __future__ import annotations
 
@@ -31,8 +38,23 @@ from tests.writers.trainer_resume_writer import (
     WrittenTrainerResumes,
     write_trainer_resume,
 )
+from tests.writers.trainer_to_universal_proof import (
+    STAGES,
+    TrainerToUniversalProof,
+    prove_trainer_to_universal,
+)
 
 Cli = Callable[..., CliResult]
+#: What the Trainer's resume restores from checkpoint-2 besides the model and optimizer: every target lists it.
+TRAINER_NOT_CARRIED = (
+    "scheduler.pt",
+    "rng_state.pth",
+    "trainer_state.json",
+    "data loader position",
+    "gradient accumulation",
+    "training_args.bin",
+    "config.json",
+)
 
 
 @pytest.fixture(scope="session")
@@ -52,6 +74,17 @@ def trainer_to_dcp(tmp_path_factory: pytest.TempPathFactory, trainer_runs: Writt
         for name, run in (("untied", trainer_runs.untied), ("tied", trainer_runs.tied))
     }
     return build_once(tmp_path_factory, "trainer-to-dcp", lambda root: prove_trainer_to_dcp(root, runs))
+
+
+@pytest.fixture(scope="session")
+def trainer_to_universal(
+    tmp_path_factory: pytest.TempPathFactory, trainer_runs: WrittenTrainerResumes
+) -> TrainerToUniversalProof:
+    runs = {
+        name: (run.checkpoint, run.record)
+        for name, run in (("untied", trainer_runs.untied), ("tied", trainer_runs.tied))
+    }
+    return build_once(tmp_path_factory, "trainer-to-universal", lambda root: prove_trainer_to_universal(root, runs))
 
 
 def _record(trainer_resume: WrittenTrainerResume) -> dict[str, Any]:
@@ -112,15 +145,7 @@ def test_fsdp2_resumes_the_resharded_trainer_state_as_the_trainer_resumes_it(
 @pytest.mark.slow
 def test_not_carried_names_what_a_trainer_resume_restores_and_dcp_does_not(trainer_to_dcp: TrainerToDcpProof) -> None:
     not_carried = dict(trainer_to_dcp.written["untied"]["not_carried"])
-    assert set(not_carried) == {
-        "scheduler.pt",
-        "rng_state.pth",
-        "trainer_state.json",
-        "data loader position",
-        "gradient accumulation",
-        "training_args.bin",
-        "config.json",
-    }
+    assert list(not_carried) == list(TRAINER_NOT_CARRIED)
     assert "global_step 2" in not_carried["trainer_state.json"]
     assert "gradient_accumulation_steps=1" in not_carried["gradient accumulation"]
     assert trainer_to_dcp.written["untied"]["files"] == ("__0_0.distcp", ".metadata")
@@ -205,3 +230,87 @@ def test_a_megatron_dist_ckpt_is_refused_saying_why_with_nothing_written(
     assert not (tmp_path / "out").exists()
     reason = WRITER.refusal(open_checkpoint(str(megatron_runs.tied)), None)
     assert reason is not None and "without optimizer state" in reason
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("case", ["untied", "tied"])
+def test_deepspeed_resumes_the_resharded_trainer_state_as_the_trainer_resumes_it(
+    trainer_to_universal: TrainerToUniversalProof,
+    trainer_runs: WrittenTrainerResumes,
+    world_size: int,
+    stage: int,
+    case: str,
+) -> None:
+    record = _record(getattr(trainer_runs, case))
+    got = trainer_to_universal.results(case, world_size)[stage]
+    optim = record["optim"]
+    # Every parameter the Trainer optimizes, once. Tied, DeepSpeed's model holds the embedding and the output layer
+    # as one parameter (named_parameters gives its first name), as the Trainer's does.
+    assert sorted(got["state"]) == sorted(optim["state"])
+    assert sorted(set(record["model"]) - set(got["state"])) == (["lm_head.weight"] if case == "tied" else [])
+    assert got["tied"] is (case == "tied")
+    for name, loaded in got["state"].items():
+        assert_same_state(loaded["fp32"], record["model"][name], f"{name}.fp32")
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert_same_state(loaded[key], optim["state"][name][key], f"{name}.{key}")
+    if case == "tied":
+        assert_same_state(got["state"]["model.embed_tokens.weight"]["fp32"], record["model"]["lm_head.weight"], "tie")
+    # Each group's settings (lr, weight_decay, betas, eps, and the rest AdamW keeps, initial_lr from the Trainer's
+    # scheduler) and step, exactly: the decay group first, as the Trainer builds them.
+    assert len(got["groups"]) == len(optim["param_groups"]) == 2
+    for loaded, resumed in zip(got["groups"], optim["param_groups"], strict=True):
+        assert loaded["settings"] == {k: v for k, v in resumed.items() if k != "params"}
+        assert_same_state(loaded["step"], optim["state"][resumed["params"][0]]["step"], "step")
+    assert [g["settings"]["weight_decay"] for g in got["groups"]] == [WEIGHT_DECAY, 0.0]
+    assert got["global_steps"] == 3  # the Trainer's 2 optimizer steps, and the one taken
+    # Step 3's loss comes from the loaded weights alone: the same fp32 forward on the same batch, to the bit. Step
+    # 4's follows one AdamW step with the gradients clipped to norm 1 (the Trainer's grad norm is ~1.55 there, so
+    # the clip acts); DeepSpeed divides by (norm + 1e-6) / 1 where torch multiplies by 1 / (norm + 1e-6), and a
+    # norm summed over 2 ranks' partitions may round differently, hence rel 1e-6 (observed: the same to the bit on
+    # 1 and 2 ranks, ZeRO-1 and ZeRO-2).
+    want = [float(step["loss"]) for step in record["steps"]]
+    assert got["losses"][0] == want[0]
+    assert got["losses"][1] == pytest.approx(want[1], rel=1e-6, abs=0)
+
+
+@pytest.mark.slow
+def test_the_universal_output_names_what_deepspeed_does_not_take_and_how_tied_weights_go(
+    trainer_to_universal: TrainerToUniversalProof,
+) -> None:
+    untied = trainer_to_universal.written["untied"]
+    not_carried = dict(untied["not_carried"])
+    assert list(not_carried) == [*TRAINER_NOT_CARRIED, "lr_scheduler", "rng"]  # DeepSpeed's own two after the Trainer's
+    assert "skips the batches of the first 2" in not_carried["data loader position"]
+    assert "global_steps is 2" in not_carried["data loader position"]
+    assert "global_step2/zero/lm_head.weight/fp32.pt" in untied["files"]
+    assert "Tied" not in untied["resume_hint"]
+    tied = trainer_to_universal.written["tied"]
+    # lm_head.weight is the embedding: no folder of its own, and not listed as something the load leaves out.
+    assert not any("lm_head" in f for f in tied["files"])
+    assert "global_step2/zero/model.embed_tokens.weight/fp32.pt" in tied["files"]
+    assert [what for what, _ in tied["not_carried"]] == list(not_carried)
+    assert "Tied weights (lm_head.weight is model.embed_tokens.weight)" in tied["resume_hint"]
+    assert "finds no zero/lm_head.weight/ and its load fails" in tied["resume_hint"]
+    # ... as it does: DeepSpeed's model with untied embeddings looks for the output layer's folder.
+    raised = (trainer_to_universal.root / "untied-model-load.txt").read_text()
+    assert raised.startswith("FileNotFoundError") and raised.endswith("global_step2/zero/lm_head.weight'")
+
+
+@pytest.mark.slow
+def test_the_command_writes_deepspeed_universal_from_a_trainer_checkpoint(
+    run_cli: Cli, trainer_resume: WrittenTrainerResume, tmp_path: Path
+) -> None:
+    dst = tmp_path / "ds"
+    result = run_cli("reshard", trainer_resume.checkpoint, dst, "--to", "deepspeed-universal", "--json")
+    assert result.exit_code == 0, result.stderr
+    assert result.json["to"] == "deepspeed-universal" and result.json["layout"] == "hf_trainer"
+    assert result.json["tensors"] == 63  # 21 parameters: master, exp_avg, exp_avg_sq
+    assert {"scheduler.pt", "rng_state.pth", "trainer_state.json", "lr_scheduler"} <= {
+        c["what"] for c in result.json["not_carried"]
+    }
+    assert (dst / "latest_universal").read_text() == "global_step2"
+    listed = run_cli("list", dst, "--json").json["checkpoints"]
+    assert [(c["layout"], c["step"], c["state"]) for c in listed] == [("deepspeed_universal", 2, "complete")]
+    assert run_cli("verify", dst, "--deep").exit_code == 0

@@ -43,7 +43,9 @@ name a folder.
 
 Not carried (`not_carried`): what the source lists, the LR scheduler, RNG, the data-loader position, and the
 model's tensors no optimizer group holds (buffers, frozen parameters): DeepSpeed's universal load restores
-the optimized parameters only.
+the optimized parameters only. A tensor the source says is an optimized parameter (`ParamState.tied`: an HF
+Trainer's `lm_head.weight` with tied embeddings) is carried as that parameter, which a DeepSpeed model that ties
+them as the source did holds once (proved: tests/ops/test_reshard_trainer.py); the resume hint says so.
 """
 
 from __future__ import annotations
@@ -100,6 +102,8 @@ class _Plan:
     step: int
     #: model tensors no optimizer group holds (buffers, frozen parameters)
     outside: tuple[str, ...]
+    #: (name, parameter) for each model tensor that is an optimized parameter (tied weights): carried as it
+    tied: tuple[tuple[str, str], ...]
 
 
 def reads(source: Checkpoint) -> bool:
@@ -149,7 +153,7 @@ def write(request: ReshardRequest, advance: Callable[[int], None]) -> WrittenSta
         files=tuple(files),
         world_size=request.world_size,
         not_carried=_not_carried(plan),
-        resume_hint=RESUME_HINT,
+        resume_hint=_resume_hint(plan),
     )
 
 
@@ -196,8 +200,10 @@ def _plan(source: Checkpoint) -> _Plan:
         groups.append(names)
     if not params:
         raise CkptctlError(f"{where}: the optimizer holds no parameters")
-    outside = tuple(name for name, _ in state.model if name not in seen)
-    return _Plan(state, tuple(params), tuple(groups), max(steps), outside)
+    tied = tuple((name, parameter) for name, parameter in state.tied if parameter in seen and name not in seen)
+    copies = {name for name, _ in tied}
+    outside = tuple(name for name, _ in state.model if name not in seen and name not in copies)
+    return _Plan(state, tuple(params), tuple(groups), max(steps), outside, tied)
 
 
 def _param(where: str, name: str, master: StateTensor | None, held: Mapping[str, StateTensor | int | float]) -> _Param:
@@ -266,6 +272,19 @@ def _own(tensor: Any) -> Any:
     return tensor if tensor.untyped_storage().nbytes() == tensor.nbytes else tensor.clone()
 
 
+def _resume_hint(plan: _Plan) -> str:
+    if not plan.tied:
+        return RESUME_HINT
+    ties = ", ".join(f"{name} is {parameter}" for name, parameter in plan.tied)
+    first = plan.tied[0][0]
+    # Observed with DeepSpeed 0.19.8: an untied model's load raises FileNotFoundError on the missing folder.
+    return (
+        f"{RESUME_HINT}. Tied weights ({ties}): carried as the parameter (zero/<parameter>/), so the model must tie "
+        f"them as the source did (one parameter for both); a model that does not finds no zero/{first}/ and its "
+        "load fails"
+    )
+
+
 def _optimizer_state(plan: _Plan) -> dict[str, Any]:
     groups = [
         {**{k: v for k, v in group.items() if k != "params"}, "params": list(names)}
@@ -301,13 +320,18 @@ def _not_carried(plan: _Plan) -> tuple[NotCarried, ...]:
     )
     if "rng" not in listed:
         found.append(NotCarried("rng", "DeepSpeed's engine restores no RNG state: seed the resumed run"))
-    found.append(
-        NotCarried(
-            "data loader position",
-            f"no data sampler is recorded: global_steps is {plan.step} (the optimizer's step) and DeepSpeed counts "
-            "global_samples as global_steps x train_batch_size; the training code resumes its loader",
-        )
+    position = (
+        f"global_steps is {plan.step} (the optimizer's step) and DeepSpeed counts global_samples as "
+        "global_steps x train_batch_size"
     )
+    if "data loader position" in listed:  # the source's own reason says where its data stood: one entry, both
+        found = [NotCarried(n.what, f"{n.why}; {position}") if n.what == "data loader position" else n for n in found]
+    else:
+        found.append(
+            NotCarried(
+                "data loader position", f"no data sampler is recorded: {position}; the training code resumes its loader"
+            )
+        )
     if plan.outside:
         names = ", ".join(plan.outside[:6]) + (", ..." if len(plan.outside) > 6 else "")
         found.append(

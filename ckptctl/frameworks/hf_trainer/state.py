@@ -78,7 +78,7 @@ def SOURCE(checkpoint: Checkpoint) -> ParamState:
     )
     _check_group_settings(groups, args, optimizer_url)
     optimizer, param_groups = grouped_state(members, dict(model), state, groups, optimizer_url, _BUILT, _HINT)
-    return ParamState(tuple(model), optimizer, param_groups, _not_carried(checkpoint, args))
+    return ParamState(tuple(model), optimizer, param_groups, _not_carried(checkpoint, args), tuple(tied.items()))
 
 
 def _refuse_other_saves(url: str, parts: TrainerParts, files: Mapping[str, int]) -> None:
@@ -225,9 +225,9 @@ def _not_carried(checkpoint: Checkpoint, args: Mapping[str, Any]) -> tuple[NotCa
         out.append(
             NotCarried(
                 "scheduler.pt",
-                "the LR scheduler's state is no part of get_state_dict's model and optimizer: build the Trainer's "
-                "schedule before dcp.load (it gives each group the initial_lr the load fills) and load scheduler.pt "
-                f"into it after (it has stepped {step} times); the groups hold the next step's learning rate",
+                "the LR scheduler's state is no part of the model and optimizer state: build the Trainer's schedule "
+                "before loading (it gives each group the initial_lr a dcp.load fills) and load scheduler.pt into it "
+                f"after (it has stepped {step} times); the groups hold the next step's learning rate",
             )
         )
     if "scaler.pt" in files:

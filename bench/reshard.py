@@ -25,8 +25,9 @@ Reported for each: wall time of the whole process, the work time as the process 
 `seconds`; ds_to_universal's `main` after imports; cp: its wall), and peak RSS (`os.wait4`, that child only).
 Ratios (r)/(u), (r)/(c), (d)/(c). The peak RSS of (d) and (d2) is set against issue 24's bound for a
 streaming reshard: the largest parameter's full optimizer row (fp32 param + exp_avg + exp_avg_sq, read from
-(d)'s `.metadata` after every measurement) + 300 MiB. Afterwards the outputs of (r) and (u) are compared tensor by tensor (every
-`zero/<param>/*.pt`; `optimizer_state.pt` apart from ZeRO-3's rank-0 flat partitions, which ckptctl leaves out).
+(d)'s `.metadata` after every measurement) + 300 MiB. Afterwards the outputs of (r) and (u) are compared
+tensor by tensor (every `zero/<param>/*.pt`; `optimizer_state.pt` apart from ZeRO-3's rank-0 flat partitions,
+which ckptctl leaves out).
 
 Run it with bytecode caching on, as `bench/summary.py` runs its children (`PYTHONDONTWRITEBYTECODE` unset,
 `PYTHONPYCACHEPREFIX` set, `python -m compileall ckptctl` first): an installed ckptctl has its `.pyc` files, as

@@ -1,4 +1,5 @@
-"""reshard ZeRO -> DeepSpeed universal against DeepSpeed's own `ds_to_universal.py` and against `cp -r`.
+"""reshard ZeRO -> DeepSpeed universal against DeepSpeed's own `ds_to_universal.py` and against `cp -r`; and
+ZeRO -> DCP (`--to dcp`), then that DCP folder -> DCP, against `cp -r` and the streaming bound.
 
 Writes, with real DeepSpeed on 2 CPU ranks (gloo, bf16, a torch AdamW, one training step), a save folder
 per ZeRO stage (default 2 and 3) of a Llama built from a local config (`bench/convert_zero.py`'s writer;
@@ -14,19 +15,26 @@ moments in the partitions). Then, each in a fresh process, on a warm page cache,
       that its whole work is in the process measured: its worker pools would hold their memory in
       children `wait4` does not count; it loads each optim file whole and writes every fragment to a
       temporary folder before merging),
-  (c) `cp -r TAG OUT`: the floor (the same bytes read and written once, in one process).
+  (c) `cp -r TAG OUT`: the floor (the same bytes read and written once, in one process),
+  (d) `ckptctl reshard SAVE_DIR OUT --to dcp` (the state as `get_state_dict` gives it, written by torch's own
+      DCP writer a tensor at a time, each read from the partitions when its write item comes up),
+  (d2) `ckptctl reshard OUT(d) OUT --to dcp` (DCP -> DCP),
+  (i) `import torch, ckptctl.cli.app` alone: what (d) and (d2) hold before any work.
 
 Reported for each: wall time of the whole process, the work time as the process measured it (ckptctl's JSON
 `seconds`; ds_to_universal's `main` after imports; cp: its wall), and peak RSS (`os.wait4`, that child only).
-Ratios (r)/(u) and (r)/(c). Afterwards the outputs of (r) and (u) are compared tensor by tensor (every
-`zero/<param>/*.pt`; `optimizer_state.pt` apart from ZeRO-3's rank-0 flat partitions, which ckptctl leaves out).
+Ratios (r)/(u), (r)/(c), (d)/(c). The peak RSS of (d) and (d2) is set against issue 24's bound for a
+streaming reshard: the largest parameter's full optimizer row (fp32 param + exp_avg + exp_avg_sq, read from
+(d)'s `.metadata` after every measurement) + 300 MiB. Afterwards the outputs of (r) and (u) are compared
+tensor by tensor (every `zero/<param>/*.pt`; `optimizer_state.pt` apart from ZeRO-3's rank-0 flat partitions,
+which ckptctl leaves out).
 
 Run it with bytecode caching on, as `bench/summary.py` runs its children (`PYTHONDONTWRITEBYTECODE` unset,
 `PYTHONPYCACHEPREFIX` set, `python -m compileall ckptctl` first): an installed ckptctl has its `.pyc` files, as
 torch and DeepSpeed in the virtualenv have theirs.
 
 Usage: python bench/reshard.py [--stages 2,3] [--layers 6] [--hidden 768] [--vocab 32000] [--dir DIR] [--keep]
-                               [--reuse]
+                               [--reuse] [--targets universal,dcp]
 """
 
 from __future__ import annotations
@@ -79,6 +87,36 @@ def measure_cp(source: Path, out: Path) -> Measured:
     return Measured("cp -r TAG", wall, wall, usage.ru_maxrss * 1024)
 
 
+#: Issue 24's allowance beyond the largest optimizer row for a streaming `reshard`.
+ROW_ALLOWANCE = 300 * MIB
+IMPORTS = "import json, torch, ckptctl.cli.app; print(json.dumps({'seconds': 0}))"
+
+
+def reshard_argv(source: Path, out: Path, target: str) -> list[str]:
+    return [sys.executable, "-m", "ckptctl", "reshard", str(source), str(out), "--to", target, "-q", "--json"]
+
+
+def largest_row(dcp_folder: Path) -> tuple[str, int]:
+    """The parameter of a `get_state_dict` DCP folder whose tensors (the parameter and its optimizer state)
+    hold the most bytes, and those bytes."""
+    import torch
+    from torch.distributed.checkpoint import FileSystemReader
+
+    metadata = FileSystemReader(str(dcp_folder)).read_metadata()
+    paths = metadata.planner_data or {}
+    rows: dict[str, int] = {}
+    for key, meta in metadata.state_dict_metadata.items():
+        path = paths.get(key, ())
+        size = getattr(meta, "size", None)
+        if size is None or len(path) < 2:
+            continue
+        name = path[1] if path[0] == "model" else path[2] if path[:2] == ("optim", "state") else None
+        if name is not None:
+            rows[name] = rows.get(name, 0) + size.numel() * torch.empty((), dtype=meta.properties.dtype).element_size()
+    name = max(rows, key=lambda n: rows[n])
+    return name, rows[name]
+
+
 def _same(a: Any, b: Any) -> bool:
     import torch
 
@@ -112,10 +150,36 @@ def same_universal(ours: Path, theirs: Path, stage: int) -> tuple[bool, int]:
     return True, len(files)
 
 
+def measure_to_dcp(save_dir: Path, tag: Path, total: int, outs: dict[str, Path]) -> tuple[Measured, Measured]:
+    """(d), (d2), (i) and `cp -r` of the tag and of (d)'s output, printed as a table; (d) and (d2) returned."""
+    os.sync()
+    d = measure("ckptctl reshard --to dcp", reshard_argv(save_dir, outs["d"], "dcp"))
+    os.sync()
+    d2 = measure("ckptctl reshard DCP --to dcp", reshard_argv(outs["d"], outs["d2"], "dcp"))
+    imports = measure("import torch, ckptctl.cli.app", [sys.executable, "-c", IMPORTS])
+    os.sync()
+    c = measure_cp(tag, outs["c"])
+    shutil.rmtree(outs["c"])
+    os.sync()
+    cd = measure_cp(outs["d"], outs["cd"])
+    dcp_bytes = sum(f.stat().st_size for f in outs["d"].iterdir())
+    print(f"\n{tag.name} ({total / 2**20:.0f} MiB) --to dcp: {dcp_bytes / 2**20:.0f} MiB of DCP files")
+    print(f"{'':5}{'method':44}{'wall s':>9}{'work s':>9}{'peak RSS':>12}")
+    for key, m in (("d", d), ("d2", d2), ("i", imports), ("c", c), ("cd", cd)):
+        label = "cp -r DCP(d)" if key == "cd" else m.label
+        print(f"({key}){' ' * (4 - len(key))}{label:44}{m.wall:9.2f}{m.work:9.2f}{m.peak_rss / MIB:9.0f} MiB")
+    print(f"(d)/(c): wall {d.wall / c.wall:.2f};  (d2)/(cd): wall {d2.wall / cd.wall:.2f}")
+    return d, d2
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_checkpoint_options(parser, stages="2,3", hidden=768)
+    parser.add_argument(
+        "--targets", default="universal,dcp", help="what to reshard to: universal, dcp or both (default both)"
+    )
     args = parser.parse_args()
+    targets = set(args.targets.split(","))
     stages = tuple(int(s) for s in args.stages.split(","))
     root = args.dir or Path(tempfile.mkdtemp(prefix="ckptctl-bench-reshard-", dir=REPO.parent))
     root.mkdir(parents=True, exist_ok=True)
@@ -124,12 +188,17 @@ def main() -> int:
         ensure_checkpoints(root, stages, args)
         python = sys.executable
         table = []
+        to_dcp = []
         for stage in stages:
             save_dir = root / f"zero{stage}"
             tag, files, total = warm_tag(save_dir)
-            outs = {key: root / f"out-zero{stage}-{key}" for key in ("r", "r2", "u", "c")}
+            outs = {key: root / f"out-zero{stage}-{key}" for key in ("r", "r2", "u", "c", "d", "d2", "cd")}
             for out in outs.values():
                 shutil.rmtree(out, ignore_errors=True)
+            if "dcp" in targets:
+                to_dcp.append((stage, outs["d"], measure_to_dcp(save_dir, tag, total, outs)))
+            if "universal" not in targets:
+                continue
             os.sync()
             r = measure(
                 "ckptctl reshard --to deepspeed-universal",
@@ -186,6 +255,16 @@ def main() -> int:
             identical, count = same_universal(outs["r"] / tag.name, outs["u"] / tag.name, stage)
             ok = ok and identical
             print(f"ZeRO-{stage}: (r) and (u) hold the same values in {count} files: {identical}")
+        for stage, dcp_out, (d, d2) in to_dcp:
+            name, row = largest_row(dcp_out)
+            bound = row + ROW_ALLOWANCE
+            within = d.peak_rss <= bound and d2.peak_rss <= bound
+            ok = ok and within
+            print(
+                f"ZeRO-{stage} --to dcp: peak RSS (d) {d.peak_rss / MIB:.0f} MiB, (d2) {d2.peak_rss / MIB:.0f} MiB; "
+                f"largest row {name} {row / MIB:.0f} MiB + 300 MiB = {bound / MIB:.0f} MiB: "
+                f"{'within' if within else 'OVER'}"
+            )
     finally:
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)

@@ -1,9 +1,9 @@
 """torch's own DCP writer, writing one data file per call: what `convert --to dcp` and `reshard --to dcp` write
-a DCP folder with, a bounded group of tensors at a time, and `.metadata` last."""
+a DCP folder with, one tensor at a time, and `.metadata` last."""
 
 from __future__ import annotations
 
-import queue
+import os
 from typing import Any
 
 __all__ = ["data_file_writer"]
@@ -11,22 +11,52 @@ __all__ = ["data_file_writer"]
 
 def data_file_writer(path: str, name: str) -> Any:
     """torch's `FileSystemWriter` of the DCP folder `path` that writes a plan into the data file `name`."""
-    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+    from io import UnsupportedOperation
+
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter, _write_item
+    from torch.distributed.checkpoint.planner import WriteItemType
+    from torch.futures import Future
 
     class DataFileWriter(FileSystemWriter):
         """torch's writer of a DCP folder, writing the items of a plan into the one data file `name`
         (torch names a rank's files `__{rank}_{n}` from 0 on each call), and a `.metadata` without the
         save's random id and staging path (`storage_meta`, which no loader needs), so that the same
-        conversion gives the same bytes."""
+        conversion gives the same bytes.
+
+        `write_data` writes each item with torch's own `_write_item`, in torch's order (byte items, then
+        tensors in plan order), as torch's single-threaded CPU writer does, but resolves each tensor only when
+        its item comes up and lets it go once written: torch's loop keeps every tensor of the file alive until
+        the file is closed (for its safetensors format), which would hold a whole parameter row and its
+        moments at once."""
 
         def __init__(self, path: str, name: str) -> None:
             super().__init__(path, single_file_per_rank=True, sync_files=True, thread_count=1)
             self.name = name
 
         def write_data(self, plan: Any, planner: Any) -> Any:
-            files: queue.Queue[tuple[Any, str, list[Any]]] = queue.Queue()
-            files.put((self.fs.concat_path(self.path, self.name), self.name, plan.items))
-            return self._write_data(planner, files)
+            items = [item for item in plan.items if item.type == WriteItemType.BYTE_IO]
+            items += [item for item in plan.items if item.type != WriteItemType.BYTE_IO]
+            results = []
+            with self.fs.create_stream(self.fs.concat_path(self.path, self.name), "wb") as stream:
+                for item in items:
+                    data = planner.resolve_data(item)
+                    if item.type != WriteItemType.BYTE_IO:
+                        data = data.detach().cpu()
+                        if data.untyped_storage().size() != data.nbytes:
+                            # As torch's loader: a view is saved with its own storage, not its base's.
+                            data = data.clone()
+                    results.append(
+                        _write_item(self.transforms, stream, data, item, self.name, self.serialization_format)
+                    )
+                    del data
+                if self.sync_files:
+                    try:
+                        os.fsync(stream.fileno())
+                    except (AttributeError, UnsupportedOperation):
+                        os.sync()
+            done: Future[list[Any]] = Future()
+            done.set_result(results)
+            return done
 
         def storage_meta(self) -> None:
             return None

@@ -6,8 +6,9 @@ ranks resumes with `dcp.load({"model": msd, "optim": osd})` + `set_state_dict`, 
 
 The global plan and `.metadata` are made by torch's own `DefaultSavePlanner` from stand-ins of the tensors'
 shapes (so the keys and their nested paths are exactly torch's); the data files are written by torch's
-`FileSystemWriter`, one bounded group of parameters at a time (a parameter, its moments and step together),
-so memory holds one group, not the state. `.metadata` is written last: it completes the folder.
+`FileSystemWriter`, a bounded group of parameters a file (a parameter, its moments and step together), each
+tensor read from the source when its write item comes up and let go once written, so memory holds one tensor
+(and what reading it takes), not a file's group nor the state. `.metadata` is written last: it completes the folder.
 """
 
 from __future__ import annotations
@@ -73,8 +74,8 @@ class DcpStateWriter:
             values: dict[str, Any] = {}
             for key in keys:
                 path = planner.mappings[key]
-                values[key] = tensors[path][0].read() if path in tensors else _plain(state, path)
-            file_planner = DefaultSavePlanner(flatten_state_dict=False)
+                values[key] = tensors[path][0] if path in tensors else _plain(state, path)
+            file_planner = _reading_planner()
             file_planner.set_up_planner(values, None, True)
             records.append(
                 data_file_writer(request.staging, name)
@@ -82,7 +83,6 @@ class DcpStateWriter:
                 .value()
             )
             group_bytes = sum(tensors[planner.mappings[key]][0].nbytes for key in group)
-            values.clear()
             names.append(name)
             written += group_bytes
             advance(group_bytes)
@@ -95,6 +95,23 @@ class DcpStateWriter:
             not_carried=state.not_carried,
             resume_hint=_RESUME_HINT,
         )
+
+
+def _reading_planner() -> Any:
+    """torch's planner of one data file, given the file's values with each tensor as its `StateTensor`: the
+    tensor is read when its write item comes up, so that (with `data_file_writer`, which lets each go once
+    written) memory holds one tensor of the state, not a file's group of rows."""
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+    from torch.distributed.checkpoint.utils import find_state_dict_object
+
+    class ReadingPlanner(DefaultSavePlanner):
+        def lookup_object(self, index: Any) -> Any:
+            value = self.state_dict[index.fqn]
+            if isinstance(value, StateTensor):
+                return find_state_dict_object({index.fqn: value.read()}, index)
+            return super().lookup_object(index)
+
+    return ReadingPlanner(flatten_state_dict=False)
 
 
 def _state_of(source: Checkpoint) -> ParamState:

@@ -241,6 +241,8 @@ def test_deepspeed_on_another_world_size_needs_a_universal_checkpoint(zero2: Wri
         f"python -m deepspeed.checkpoint.ds_to_universal --input_folder {tag} --output_folder {tag}_universal"
     )
     assert '"load_universal": true' in check.fix
+    # the same files without DeepSpeed: ckptctl's own reshard, into a folder of their own
+    assert f"ckptctl reshard {tag} NEW_DIR --to deepspeed-universal, then load_checkpoint(NEW_DIR)" in check.fix
     assert plan.resume_hint is not None and "tag='global_step4_universal'" in plan.resume_hint
     doc = plan.to_json()
     assert doc["world_size_ok"] is False and doc["world_size"]["fix"] == check.fix

@@ -190,7 +190,15 @@ def _deepspeed_fix(ctx: PlanContext, tag_url: str, conversion: Conversion | None
         f"then set {LOAD_UNIVERSAL} in the DeepSpeed config (load_checkpoint then follows "
         f"{io.join(io.parent_of(universal), 'latest_universal')})"
     )
-    return _convert_command(tag_url, universal) + comment(first, then)
+    # ckptctl writes the same files without DeepSpeed installed, into a folder of their own (DST must be empty,
+    # so not beside the tag the way ds_to_universal writes them): offered second, since a wrapper's resume (the
+    # HF Trainer's resume_from_checkpoint) looks for latest_universal in the folder it already loads.
+    without = (
+        "or, without DeepSpeed and the same files: "
+        + shell("ckptctl", "reshard", tag_url, "NEW_DIR", "--to", "deepspeed-universal")
+        + ", then load_checkpoint(NEW_DIR)"
+    )
+    return _convert_command(tag_url, universal) + comment(first, then, without)
 
 
 #: Without ZeRO any multiple of the model-parallel size loads the tag; with ZeRO only the saved data-parallel

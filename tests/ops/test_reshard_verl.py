@@ -157,6 +157,9 @@ def test_the_command_reshards_a_verl_step_and_the_result_lists_and_verifies(
     run_cli: Cli, verl_run: WrittenVerl, tmp_path: Path
 ) -> None:
     dst = tmp_path / "resharded"
+    before = run_cli("resume-plan", verl_run.step(2), "--world-size", "1", "--json").json
+    assert before["world_size_ok"] is False
+    assert before["world_size"]["fix"].startswith(f"ckptctl reshard {verl_run.step(2)} NEW_RUN_DIR --world-size 1")
     result = run_cli("reshard", verl_run.step(2), dst, "--world-size", "1", "--json")
     assert result.exit_code == 0, result.stderr
     assert result.json["to"] == "verl" and result.json["world_size"] == 1
@@ -169,5 +172,7 @@ def test_the_command_reshards_a_verl_step_and_the_result_lists_and_verifies(
     listed = run_cli("list", dst, "--json").json["checkpoints"]
     assert [(c["step"], c["state"], c["roles"]) for c in listed] == [(2, "complete", ["actor", "critic"])]
     assert run_cli("verify", dst).exit_code == 0
+    after = run_cli("resume-plan", dst, "--world-size", "1", "--json").json
+    assert after["checkpoint"]["step"] == 2 and after["world_size_ok"] is True
     again = run_cli("reshard", verl_run.step(2), dst, "--world-size", "1")
     assert again.exit_code == 2  # DST is not empty

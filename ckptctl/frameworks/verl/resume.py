@@ -58,10 +58,18 @@ def _world_size(ctx: PlanContext) -> WorldSizeCheck:
         ok,
         "verl loads model_/optim_/extra_state_world_size_{W}_rank_{R}.pt of its own world size: only the world "
         "size the checkpoint was saved with finds its files",
-        fix=""
-        if ok is not False
-        else f"resume on {saved} ranks (trainer.nnodes x trainer.n_gpus_per_node), or `ckptctl convert --to hf` "
-        "the actor and start a new run from it (optimizer, scheduler and data order start over)",
+        fix="" if ok is not False or target is None else _reshard(ctx, saved, target),
+    )
+
+
+def _reshard(ctx: PlanContext, saved: int | None, target: int) -> str:
+    """ckptctl's reshard of the step to `target` ranks (a new run folder holding the step and the tracker),
+    which verl's own checkpoint manager loads there."""
+    new_run = "NEW_RUN_DIR"
+    command = shell("ckptctl", "reshard", _step_folder(ctx.url), new_run, "--world-size", str(target))
+    return command + comment(
+        f"then trainer.resume_mode=auto trainer.default_local_dir={new_run} on {target} ranks (FSDP2 saves; "
+        f"or resume on the {saved} saved ranks)"
     )
 
 

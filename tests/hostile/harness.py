@@ -48,6 +48,8 @@ class Outcome:
     stderr: str
     peak_rss_bytes: int
     wall_s: float
+    #: The command's own user + system CPU time (what the suite's time budget counts).
+    cpu_s: float
 
     def assert_refused(self, *codes: int) -> None:
         """Exit code in `codes` (default 1 or 2), a ckptctl message (no traceback, no "internal error"), and
@@ -62,7 +64,7 @@ class Outcome:
 
 #: The server, run by a fresh interpreter with its end of a socket pair as the first argument. Each request is
 #: one message: JSON [working folder, environment, arguments] with the child's stdin, stdout and stderr as
-#: file descriptors; the answers are "PID" once the child is forked and "EXIT_CODE PEAK_RSS_KIB" once it ended.
+#: file descriptors; the answers are "PID" once the child is forked and "EXIT_CODE PEAK_RSS_KIB CPU_S" once it ended.
 #: The child leaves `serve()` by returning, so that `main`'s SystemExit ends it as it ends `python -m ckptctl`
 #: (atexit hooks, flushed streams).
 _SERVER = """
@@ -117,7 +119,8 @@ def serve():
             os.close(fd)
         channel.send(str(pid).encode())
         _, status, usage = os.wait4(pid, 0)
-        channel.send(f"{os.waitstatus_to_exitcode(status)} {usage.ru_maxrss}".encode())
+        cpu = usage.ru_utime + usage.ru_stime
+        channel.send(f"{os.waitstatus_to_exitcode(status)} {usage.ru_maxrss} {cpu}".encode())
 
 
 request, fds = serve()
@@ -215,9 +218,10 @@ class _Forkserver:
             self.log.seek(0)
             said = self.log.read().decode(errors="replace")
             raise AssertionError(f"the server forking ckptctl {' '.join(args)} failed\n{said[-2000:]}\n{err[-2000:]}")
-        returncode, max_rss_kib = map(int, answer.split())
+        returncode, max_rss_kib, cpu_s = answer.split()
         # ru_maxrss is in KiB on Linux
-        return Outcome(tuple(args), returncode, out, err, max_rss_kib * 1024, time.monotonic() - start)
+        wall_s = time.monotonic() - start
+        return Outcome(tuple(args), int(returncode), out, err, int(max_rss_kib) * 1024, wall_s, float(cpu_s))
 
     def close(self) -> None:
         self.channel.close()  # the server reads the end of its requests and exits

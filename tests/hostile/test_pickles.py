@@ -145,8 +145,20 @@ def test_a_deep_tuple_key_with_a_payload_is_refused_in_every_pickle(
     assert not hostile_pickles["marker"].exists()
 
 
-@pytest.mark.parametrize("payload", [p for p in PAYLOADS if p != "deep_tuple_key"])
-@pytest.mark.parametrize("file", ["dcp/.metadata", "trainer/optimizer.pt", "areal/dataloader_info.pkl"])
+#: Files of `FILES` each payload is planted in: a reader of its own each (DCP metadata, a torch.save zip, a
+#: bare pickle), whose parse sees what the unpickler built. The object flood is refused by the unpickler's
+#: memory check as it reads, before any reader's parse (the same "unpickling took more than" message from
+#: every reader): one file, the one where it peaks highest, proves it.
+_PAYLOAD_FILES = ["dcp/.metadata", "trainer/optimizer.pt", "areal/dataloader_info.pkl"]
+_EACH_PAYLOAD = [
+    (file, payload)
+    for payload in PAYLOADS
+    if payload != "deep_tuple_key"
+    for file in (_PAYLOAD_FILES[:1] if payload == "object_flood" else _PAYLOAD_FILES)
+]
+
+
+@pytest.mark.parametrize(("file", "payload"), _EACH_PAYLOAD)
 def test_each_hostile_pickle_is_refused_in_bounded_memory(
     file: str, payload: str, hostile_pickles: dict[str, Path], request: pytest.FixtureRequest, tmp_path: Path
 ) -> None:
@@ -156,7 +168,8 @@ def test_each_hostile_pickle_is_refused_in_bounded_memory(
         run_ckptctl(["verify", "--json", str(ckpt)]).assert_refused(0, 1)
     else:
         _assert_verify_refuses(ckpt, pickled)
-    _assert_inspect_refuses(ckpt, inspect_reads)
+    if inspect_reads:  # (an inspect that never opens the file is run once, in the deep tuple key's test)
+        _assert_inspect_refuses(ckpt, inspect_reads)
 
 
 def test_the_plain_deep_tuple_key_is_refused_where_tensors_are_listed(

@@ -13,3 +13,11 @@ import sys
 
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)  # the processes the suite starts
 sys.dont_write_bytecode = False  # this one: pytest keeps the test modules it rewrote
+
+try:  # no test may fail for being slow on a loaded machine: speed is bench/'s to measure, never asserted
+    from hypothesis import settings
+
+    settings.register_profile("ckptctl", deadline=None)
+    settings.load_profile("ckptctl")
+except ImportError:  # pragma: no cover - hypothesis is a test dependency
+    pass

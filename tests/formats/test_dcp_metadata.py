@@ -5,7 +5,6 @@ from __future__ import annotations
 import pickle
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -186,15 +185,14 @@ def test_transform_descriptors_are_kept() -> None:
     assert parsed.storage[("w", (0,))].transforms == ("zstd",)
 
 
-def test_twenty_thousand_tensors_parse_quickly() -> None:
+def test_twenty_thousand_tensors_parse_whole() -> None:
+    # How fast is bench/list_inspect.py's to say (no timed assertions here); this says every entry is read.
     n = 20_000
     entries = {
         f"model.layers.{i}.w": _tensor(torch.float32, (64, 32), [((0, 0), (32, 32)), ((32, 0), (32, 32))])
         for i in range(n)
     }
-    data = _metadata(entries)
-    start = time.perf_counter()
-    parsed = parse_dcp_metadata(data, "m")
-    elapsed = time.perf_counter() - start
+    parsed = parse_dcp_metadata(_metadata(entries), "m")
     assert len(parsed.storage) == 2 * n
-    assert elapsed < 2.0, f"{elapsed:.2f}s for {n} tensors"
+    assert {key for key, _ in parsed.storage} == set(entries)
+    assert {offsets for _, offsets in parsed.storage} == {(0, 0), (32, 0)}

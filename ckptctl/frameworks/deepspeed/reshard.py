@@ -97,14 +97,15 @@ class UniversalWriter:
     target = TARGET
 
     def refusal(self, source: Checkpoint, world_size: int | None) -> str | None:
-        if _from_state(source):
-            return universal_from_state.refusal(source, world_size)
-        try:
-            _plan(source)
-        except CkptctlError as exc:
-            return exc.message
         if world_size is not None and world_size < 1:
             return f"a world size of {world_size} ranks"
+        try:
+            if _from_state(source):
+                universal_from_state.check(source)
+            else:
+                _plan(source)
+        except CkptctlError as exc:
+            return exc.message
         return None
 
     def write(self, request: ReshardRequest, advance: Callable[[int], None]) -> WrittenState:

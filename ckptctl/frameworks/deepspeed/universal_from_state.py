@@ -70,7 +70,7 @@ from ckptctl.layouts.capabilities import (
 )
 from ckptctl.layouts.parts.zero_tag.names import UNIVERSAL_LATEST_NAME, UNIVERSAL_STATES_DIR
 
-__all__ = ["RESUME_HINT", "reads", "refusal", "write"]
+__all__ = ["RESUME_HINT", "check", "reads", "write"]
 
 RESUME_HINT = (
     'ZeRO stage 1 or 2 with "checkpoint": {"load_universal": true} in the DeepSpeed config and a torch Adam/AdamW '
@@ -111,16 +111,14 @@ def reads(source: Checkpoint) -> bool:
     return capability(source.layout, TRAINING_STATE_SOURCE) is not None
 
 
-def refusal(source: Checkpoint, world_size: int | None) -> str | None:
-    """Why `source` cannot be written as a universal checkpoint, or None. Reads metadata, and each parameter's
-    step (one number each: DeepSpeed keeps one per group)."""
-    try:
-        _plan(source)
-    except CkptctlError as exc:
-        return exc.message
-    if world_size is not None and world_size < 1:
-        return f"a world size of {world_size} ranks"
-    return None
+def check(source: Checkpoint) -> None:
+    """Refuse what cannot be written as a universal checkpoint. Reads metadata, and each parameter's step (one
+    number each: DeepSpeed keeps one per group).
+
+    Raises:
+        CkptctlError: why.
+    """
+    _plan(source)
 
 
 def write(request: ReshardRequest, advance: Callable[[int], None]) -> WrittenState:

@@ -70,6 +70,9 @@ def _wait_for_tracker(run: str, step: int) -> None:
 
 def _rank(rank: int, rendezvous: str, root: str) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD_SIZE), MASTER_ADDR="127.0.0.1")
+    # The merge reads the shard files in 16 worker processes by default (~40 s of CPU for a few KiB): one
+    # worker takes its own in-process path, which merges the same shards with the same code.
+    os.environ["BYTECHECKPOINT_MERGE_NUM_IO_WORKER"] = "1"
     warnings.filterwarnings("ignore")
     import torch
     import torch.distributed as dist

@@ -1,6 +1,6 @@
 """DeepSpeed itself resuming from `ckptctl reshard --to deepspeed-universal` on another number of gloo CPU ranks.
 
-`resume_losses` runs three spawns of DeepSpeed 0.19.8 engines (the tiny Llama, AdamW + StepLR, bf16, the
+`resume_losses` runs three resumes of DeepSpeed 0.19.8 engines (the tiny Llama, AdamW + StepLR, bf16, the
 suite's ZeRO-2 and ZeRO-3 configs, `tests.writers.deepspeed_writer`), each taking `STEPS` training steps on
 the same fixed global batches (each rank its equal slice, so that the data-parallel mean gradient is the
 full batch's whatever the number of ranks) and recording the global mean loss of each step:
@@ -9,6 +9,8 @@ full batch's whatever the number of ranks) and recording the global mean loss of
 2. `to_1`: 1 rank loads ckptctl's universal conversion of that tag (`"load_universal": true`); right after
    loading, it saves a ZeRO tag of its own (1 rank) before stepping.
 3. `to_2`: ckptctl converts that 1-rank tag, and 2 ranks load the conversion (`"load_universal": true`).
+
+`to_1` runs first, in a 1-rank spawn; `original` and `to_2` then run in one 2-rank spawn, one engine each.
 
 `to_1` must step as `original` does (2 -> 1) and `to_2` as `to_1` does (1 -> 2: the 1-rank save holds the
 state `to_1` stepped from).
@@ -88,7 +90,6 @@ def resume_losses(root: Path, tags: dict[int, Path], reshard: Callable[[Path, Pa
     stages = sorted(tags)
     for stage in stages:
         reshard(tags[stage], root / f"uni2-zero{stage}")
-    _spawn(2, [(s, str(tags[s].parent), False, None, str(root / f"original-{s}.json")) for s in stages])
     _spawn(
         1,
         [
@@ -98,7 +99,12 @@ def resume_losses(root: Path, tags: dict[int, Path], reshard: Callable[[Path, Pa
     )
     for stage in stages:
         reshard(root / f"save1-zero{stage}", root / f"uni1-zero{stage}")
-    _spawn(2, [(s, str(root / f"uni1-zero{s}"), True, None, str(root / f"to_2-{s}.json")) for s in stages])
+    # `original` needs nothing `to_1` wrote: its jobs ride in `to_2`'s 2-rank spawn (each job builds its own engine),
+    # which saves two processes that import torch and DeepSpeed.
+    original = [(s, str(tags[s].parent), False, None, str(root / f"original-{s}.json")) for s in stages]
+    _spawn(
+        2, [*original, *((s, str(root / f"uni1-zero{s}"), True, None, str(root / f"to_2-{s}.json")) for s in stages)]
+    )
     return {
         run: {stage: json.loads((root / f"{run}-{stage}.json").read_text()) for stage in stages}
         for run in ("original", "to_1", "to_2")

@@ -111,11 +111,11 @@ def _assert_same_output(
 
 @dataclass(frozen=True)
 class TwoRankJob:
-    """What the commands of one torchrun job (`two_rank_job`) did, by name: exit codes, streams, outputs."""
+    """What the commands of one torchrun job (`run_two_rank_job`) did, by name: exit codes, streams, outputs."""
 
     folder: Path
     #: The record `verify_flipped` finds changed: (file in the checkpoint, record name).
-    flipped: tuple[str, str]
+    flipped: tuple[str, str] = ("", "")
 
     def code(self, name: str) -> int:
         """The command's exit code, the same on every rank (each rank exits with the report's code)."""
@@ -131,39 +131,24 @@ class TwoRankJob:
         assert (self.folder / f"{name}.1.out").read_text() == ""
         return _document((self.folder / f"{name}.0.out").read_text())
 
+    def args(self, name: str) -> list[str]:
+        """The command's arguments (after `ckptctl`)."""
+        args: list[str] = json.loads((self.folder / "spec.json").read_text())[name]
+        return args
+
     def path(self, name: str) -> Path:
-        """A command's DST, or the checkpoint it verified."""
+        """A command's DST, or the checkpoint it verified: a folder named as the command."""
         return self.folder / name
 
 
-@pytest.fixture(scope="module")
-def two_rank_job(
-    demo_dir: Path, deepspeed_runs: dict[int, WrittenDeepSpeed], tmp_path_factory: pytest.TempPathFactory
-) -> TwoRankJob:
-    """One `torchrun --nproc-per-node 2` job running each command the tests below compare with one process.
-
-    Its inputs are made first: `verify_clean` and `verify_flipped` verify copies of the demo's 2-rank FSDP2
-    DCP save, the second with one byte of its largest CRC-checked record flipped. Run once more, in a fresh
-    folder, when gloo aborted a rank."""
-    base = tmp_path_factory.mktemp("two-rank-job")
+def run_two_rank_job(base: Path, spec: Callable[[Path], dict[str, list[Any]]]) -> Path:
+    """Run the commands `spec(FOLDER)` names in one `torchrun --nproc-per-node 2` job (their outputs go to
+    FOLDER, in `base`) and return FOLDER; once more, with a fresh FOLDER, when gloo aborted a rank."""
     for attempt in range(2):
-        folder = base / str(attempt)
+        folder = base / f"job-{attempt}"
         folder.mkdir()
-        copy_tree(demo_dir / "dcp" / "step-30", folder / "verify_clean")
-        flipped = copy_tree(demo_dir / "dcp" / "step-30", folder / "verify_flipped")
-        file, member = max(torch_zip_records(flipped, get_layout("dcp")), key=lambda r: (r[1].size, r[0]))
-        data = bytearray((flipped / file).read_bytes())
-        data[member.start + member.size // 2] ^= 0xFF
-        (flipped / file).write_bytes(bytes(data))
-        spec = {
-            "convert_dcp": ["convert", demo_dir / "dcp" / "step-30", folder / "convert_dcp", *SHARDS, "--json"],
-            "convert_zero": ["convert", deepspeed_runs[3].save_dir, folder / "convert_zero", *SHARDS, "--json"],
-            "convert_to_dcp": ["convert", demo_dir / "hf", folder / "convert_to_dcp", *TO_DCP],
-            "verify_clean": ["verify", folder / "verify_clean", "--json"],
-            "verify_flipped": ["verify", flipped, "--json"],
-            "diff": ["diff", demo_dir / "dcp" / "step-20", demo_dir / "dcp" / "step-30", "--all", "--json"],
-        }
-        (folder / "spec.json").write_text(json.dumps({k: [str(a) for a in v] for k, v in spec.items()}))
+        commands = {name: [str(a) for a in args] for name, args in spec(folder).items()}
+        (folder / "spec.json").write_text(json.dumps(commands))
         done = subprocess.run(
             [*TORCHRUN, "-m", "tests.ops._commands_in_ranks", str(folder / "spec.json"), str(folder)],
             capture_output=True,
@@ -175,7 +160,38 @@ def two_rank_job(
         if not _aborted(done):
             break
     assert done.returncode == 0, done.stderr[-4000:]
-    return TwoRankJob(folder, (file, member.name))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def two_rank_job(
+    demo_dir: Path, deepspeed_runs: dict[int, WrittenDeepSpeed], tmp_path_factory: pytest.TempPathFactory
+) -> TwoRankJob:
+    """One `torchrun --nproc-per-node 2` job running each command the tests below compare with one process.
+
+    Its inputs are made first: `verify_clean` and `verify_flipped` verify copies of the demo's 2-rank FSDP2
+    DCP save, the second with one byte of its largest CRC-checked record flipped."""
+    flipped_records: list[tuple[str, str]] = []
+
+    def spec(folder: Path) -> dict[str, list[Any]]:
+        copy_tree(demo_dir / "dcp" / "step-30", folder / "verify_clean")
+        flipped = copy_tree(demo_dir / "dcp" / "step-30", folder / "verify_flipped")
+        file, member = max(torch_zip_records(flipped, get_layout("dcp")), key=lambda r: (r[1].size, r[0]))
+        data = bytearray((flipped / file).read_bytes())
+        data[member.start + member.size // 2] ^= 0xFF
+        (flipped / file).write_bytes(bytes(data))
+        flipped_records.append((file, member.name))
+        return {
+            "convert_dcp": ["convert", demo_dir / "dcp" / "step-30", folder / "convert_dcp", *SHARDS, "--json"],
+            "convert_zero": ["convert", deepspeed_runs[3].save_dir, folder / "convert_zero", *SHARDS, "--json"],
+            "convert_to_dcp": ["convert", demo_dir / "hf", folder / "convert_to_dcp", *TO_DCP],
+            "verify_clean": ["verify", folder / "verify_clean", "--json"],
+            "verify_flipped": ["verify", flipped, "--json"],
+            "diff": ["diff", demo_dir / "dcp" / "step-20", demo_dir / "dcp" / "step-30", "--all", "--json"],
+        }
+
+    folder = run_two_rank_job(tmp_path_factory.mktemp("two-rank-job"), spec)
+    return TwoRankJob(folder, flipped_records[-1])
 
 
 #: `convert --to dcp` in small data files, so that the ranks share several.

@@ -9,7 +9,7 @@ import os
 import re
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import datetime
 from pathlib import Path
 
@@ -18,7 +18,7 @@ import pytest
 from ckptctl.cli.app import app
 from ckptctl.layouts import layout_names
 from tests.conftest import CliResult, copy_tree
-from tests.hostile.harness import Outcome, run_in_environment
+from tests.hostile.harness import Outcome, close_servers_by_environment, run_in_environment
 from tests.ops.test_prune import write_run
 from tests.writers.trainer_writer import WrittenTrainerRun
 
@@ -39,6 +39,13 @@ def _environment(columns: int) -> dict[str, str]:
     environment = {k: v for k, v in os.environ.items() if k not in ("FORCE_COLOR", "TTY_COMPATIBLE")}
     environment.update(COLUMNS=str(columns), PYTHONPATH=str(REPO))
     return environment
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _servers() -> Iterator[None]:
+    """The servers `ckptctl` started (one per width) live as long as this module's tests."""
+    yield
+    close_servers_by_environment()
 
 
 @pytest.fixture

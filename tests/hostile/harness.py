@@ -166,13 +166,24 @@ class _Forkserver:
 
         return self.process.poll() is None and same(env) == same(self.env)
 
-    def run(self, args: Sequence[str], env: dict[str, str], timeout: float) -> Outcome:
-        """`ckptctl ARGS` in a forked child; one killed after `timeout` seconds fails the test."""
+    def run(
+        self,
+        args: Sequence[str],
+        env: dict[str, str],
+        timeout: float,
+        cwd: str | None = None,
+        reader_gone: bool = False,
+    ) -> Outcome:
+        """`ckptctl ARGS` in a forked child, in `cwd` (default this process's); one killed after `timeout`
+        seconds fails the test. `reader_gone`: stdout's reader has closed its end before the child starts, so
+        that every write to stdout meets a closed pipe (the stdout returned is empty)."""
         start = time.monotonic()
         out_read, out_write = os.pipe()
+        if reader_gone:
+            os.close(out_read)
         err_read, err_write = os.pipe()
         stdin = os.open(os.devnull, os.O_RDONLY)
-        request = json.dumps([os.getcwd(), env, list(args)]).encode()
+        request = json.dumps([cwd or os.getcwd(), env, list(args)]).encode()
         try:
             socket.send_fds(self.channel, [request], [stdin, out_write, err_write])
         finally:
@@ -184,7 +195,8 @@ class _Forkserver:
             with os.fdopen(fd, "rb") as stream:
                 chunks[fd] = stream.read()
 
-        readers = [threading.Thread(target=drain, args=(fd,), daemon=True) for fd in (out_read, err_read)]
+        drained = (err_read,) if reader_gone else (out_read, err_read)
+        readers = [threading.Thread(target=drain, args=(fd,), daemon=True) for fd in drained]
         for reader in readers:
             reader.start()
         answer = self.channel.recv(64)
@@ -237,9 +249,23 @@ _server: _Forkserver | None = None
 _lock = threading.Lock()
 
 
+#: Servers for `run_in_environment`, one per environment (less `_PER_TEST_VARIABLES`), kept for the process's life.
+_servers_by_environment: dict[frozenset[tuple[str, str]], _Forkserver] = {}
+
+
 def _close_server() -> None:
     if _server is not None:
         _server.close()
+
+
+def close_servers_by_environment() -> None:
+    """Stop the servers `run_in_environment` started (each holds ~100 MiB: a test module closes them when done)."""
+    for server in _servers_by_environment.values():
+        server.close()
+    _servers_by_environment.clear()
+
+
+atexit.register(close_servers_by_environment)
 
 
 atexit.register(_close_server)
@@ -262,3 +288,23 @@ def run_ckptctl(args: Sequence[str], timeout: float = DEFAULT_TIMEOUT_S, env: di
             _close_server()
             _server = _Forkserver(full_env)
         return _server.run(args, full_env, timeout)
+
+
+def run_in_environment(
+    args: Sequence[str],
+    env: dict[str, str],
+    cwd: str | os.PathLike[str] | None = None,
+    timeout: float = DEFAULT_TIMEOUT_S,
+    reader_gone: bool = False,
+) -> Outcome:
+    """`python -m ckptctl ARGS` under exactly `env` (the whole environment, not additions to this process's), in
+    `cwd`: forked by a server started under `env` and kept for later commands under the same environment, so
+    that what Typer and rich read from the environment as they import (`COLUMNS`, `NO_COLOR`, `FORCE_COLOR`)
+    is what a fresh interpreter under `env` would read. For tests that run a command at several widths or
+    colour settings without paying for a fresh interpreter each time. `reader_gone`: see `_Forkserver.run`."""
+    key = frozenset((k, v) for k, v in env.items() if k not in _PER_TEST_VARIABLES)
+    with _lock:
+        server = _servers_by_environment.get(key)
+        if server is None or server.process.poll() is not None:
+            server = _servers_by_environment[key] = _Forkserver(dict(env))
+        return server.run(args, dict(env), timeout, None if cwd is None else os.fspath(cwd), reader_gone)

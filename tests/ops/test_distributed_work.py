@@ -2,7 +2,10 @@
 (`python -m torch.distributed.run`, what the `torchrun` script runs) or by `--workers 2`, on real multi-rank
 checkpoints (the demo's 2-rank FSDP2 DCP run, DeepSpeed ZeRO-3), against the single-process result.
 
-Each launch starts two processes that import torch and join a gloo group: few launches, one per behaviour.
+Each launch starts two processes that import torch and join a gloo group: few launches. The commands that
+succeed or report a problem run in one torchrun job (`two_rank_job`: its ranks run them one after another,
+tests/ops/_commands_in_ranks.py); `--workers 2` launches the verify of a run, and a job whose rank is killed
+is a job of its own.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,14 +35,23 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--np
 SHARDS = ["--max-shard-size", "20KB"]
 
 
-def _run(command: list[str]) -> subprocess.CompletedProcess[str]:
-    """`command` with this checkout first on the path and no rank variables of an outer job; once more when
-    gloo aborted a rank at start-up or teardown (SIGABRT on a loaded machine, see conftest._build_retrying)."""
+def _environment() -> dict[str, str]:
+    """This process's environment with this checkout first on the path and no rank variables of an outer job."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", CKPTCTL_DEBUG="0")
+    return env
+
+
+def _aborted(done: subprocess.CompletedProcess[str]) -> bool:
+    """Whether gloo aborted a rank at start-up or teardown (SIGABRT on a loaded machine, see conftest._build_retrying)."""
+    return any(s in done.stderr for s in ("exitcode: -6", "Signal 6", "killed by SIGABRT"))
+
+
+def _run(command: list[str]) -> subprocess.CompletedProcess[str]:
+    """`command` under `_environment()`; once more when gloo aborted a rank."""
     for _ in range(2):
-        done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
-        if not any(s in done.stderr for s in ("exitcode: -6", "Signal 6", "killed by SIGABRT")):
+        done = subprocess.run(command, capture_output=True, text=True, env=_environment(), cwd=REPO, timeout=300)
+        if not _aborted(done):
             break
     return done
 
@@ -96,6 +109,97 @@ def _assert_same_output(
     assert doc_one == doc_two
 
 
+@dataclass(frozen=True)
+class TwoRankJob:
+    """What the commands of one torchrun job (`run_two_rank_job`) did, by name: exit codes, streams, outputs."""
+
+    folder: Path
+    #: The record `verify_flipped` finds changed: (file in the checkpoint, record name).
+    flipped: tuple[str, str] = ("", "")
+
+    def code(self, name: str) -> int:
+        """The command's exit code, the same on every rank (each rank exits with the report's code)."""
+        codes = [json.loads((self.folder / f"codes.{rank}.json").read_text())[name] for rank in (0, 1)]
+        assert codes[0] == codes[1], (name, codes, self.stderr(name))
+        return int(codes[0])
+
+    def stderr(self, name: str) -> str:
+        return "".join((self.folder / f"{name}.{rank}.err").read_text() for rank in (0, 1))
+
+    def document(self, name: str) -> dict[str, Any]:
+        """The one JSON document rank 0 printed (the other ranks print none)."""
+        assert (self.folder / f"{name}.1.out").read_text() == ""
+        return _document((self.folder / f"{name}.0.out").read_text())
+
+    def args(self, name: str) -> list[str]:
+        """The command's arguments (after `ckptctl`)."""
+        args: list[str] = json.loads((self.folder / "spec.json").read_text())[name]
+        return args
+
+    def path(self, name: str) -> Path:
+        """A command's DST, or the checkpoint it verified: a folder named as the command."""
+        return self.folder / name
+
+
+def run_two_rank_job(base: Path, spec: Callable[[Path], dict[str, list[Any]]]) -> Path:
+    """Run the commands `spec(FOLDER)` names in one `torchrun --nproc-per-node 2` job (their outputs go to
+    FOLDER, in `base`) and return FOLDER; once more, with a fresh FOLDER, when gloo aborted a rank."""
+    for attempt in range(2):
+        folder = base / f"job-{attempt}"
+        folder.mkdir()
+        commands = {name: [str(a) for a in args] for name, args in spec(folder).items()}
+        (folder / "spec.json").write_text(json.dumps(commands))
+        done = subprocess.run(
+            [*TORCHRUN, "-m", "tests.ops._commands_in_ranks", str(folder / "spec.json"), str(folder)],
+            capture_output=True,
+            text=True,
+            env=_environment(),
+            cwd=REPO,
+            timeout=600,
+        )
+        if not _aborted(done):
+            break
+    assert done.returncode == 0, done.stderr[-4000:]
+    return folder
+
+
+@pytest.fixture(scope="module")
+def two_rank_job(
+    demo_dir: Path, deepspeed_runs: dict[int, WrittenDeepSpeed], tmp_path_factory: pytest.TempPathFactory
+) -> TwoRankJob:
+    """One `torchrun --nproc-per-node 2` job running each command the tests below compare with one process.
+
+    Its inputs are made first: `verify_clean` and `verify_flipped` verify copies of the demo's 2-rank FSDP2
+    DCP save, the second with one byte of its largest CRC-checked record flipped."""
+    flipped_records: list[tuple[str, str]] = []
+
+    def spec(folder: Path) -> dict[str, list[Any]]:
+        copy_tree(demo_dir / "dcp" / "step-30", folder / "verify_clean")
+        flipped = copy_tree(demo_dir / "dcp" / "step-30", folder / "verify_flipped")
+        file, member = max(torch_zip_records(flipped, get_layout("dcp")), key=lambda r: (r[1].size, r[0]))
+        data = bytearray((flipped / file).read_bytes())
+        data[member.start + member.size // 2] ^= 0xFF
+        (flipped / file).write_bytes(bytes(data))
+        flipped_records.append((file, member.name))
+        return {
+            "convert_dcp": ["convert", demo_dir / "dcp" / "step-30", folder / "convert_dcp", *SHARDS, "--json"],
+            "convert_zero": ["convert", deepspeed_runs[3].save_dir, folder / "convert_zero", *SHARDS, "--json"],
+            "convert_to_dcp": ["convert", demo_dir / "hf", folder / "convert_to_dcp", *TO_DCP],
+            "verify_clean": ["verify", folder / "verify_clean", "--json"],
+            "verify_flipped": ["verify", flipped, "--json"],
+            "diff": ["diff", demo_dir / "dcp" / "step-20", demo_dir / "dcp" / "step-30", "--all", "--json"],
+        }
+
+    folder = run_two_rank_job(tmp_path_factory.mktemp("two-rank-job"), spec)
+    return TwoRankJob(folder, flipped_records[-1])
+
+
+#: `convert --to dcp` in small data files, so that the ranks share several.
+TO_DCP = ["--to", "dcp", "--dcp-file-size", "100KB", "--json"]
+#: The tests sharing `two_rank_job` run on one xdist worker: the job runs once.
+shares_the_job = pytest.mark.xdist_group("two_rank_job")
+
+
 def test_balance_shares_items_by_bytes() -> None:
     # Largest first to the least loaded rank: 50 | 40, 30 | 20 (70 = 70: rank 0) | 10 | 0.
     assert balance([50, 10, 40, 30, 20, 0], 2) == [[0, 1, 4], [2, 3, 5]]
@@ -105,45 +209,50 @@ def test_balance_shares_items_by_bytes() -> None:
     assert balance([5], 3) == [[0], [], []]
 
 
+@shares_the_job
 def test_torchrun_convert_of_a_two_rank_dcp_checkpoint_is_byte_identical(
-    run_cli: Cli, demo_dir: Path, tmp_path: Path
+    run_cli: Cli, demo_dir: Path, two_rank_job: TwoRankJob, tmp_path: Path
 ) -> None:
     src = demo_dir / "dcp" / "step-30"  # 2-rank FSDP2 save
     single = run_cli("convert", src, tmp_path / "one", *SHARDS, "--json")
     assert single.exit_code == 0, single.stderr
-    two = _torchrun("convert", src, tmp_path / "two", *SHARDS, "--json")
-    assert two.returncode == 0, two.stderr
-    _assert_same_output(tmp_path / "one", tmp_path / "two", single.json, _document(two.stdout))
+    assert two_rank_job.code("convert_dcp") == 0, two_rank_job.stderr("convert_dcp")
+    two = two_rank_job.path("convert_dcp")
+    _assert_same_output(tmp_path / "one", two, single.json, two_rank_job.document("convert_dcp"))
 
 
-def test_workers_convert_of_a_zero_checkpoint_is_byte_identical(
-    run_cli: Cli, deepspeed_runs: dict[int, WrittenDeepSpeed], tmp_path: Path
+@shares_the_job
+def test_two_rank_convert_of_a_zero_checkpoint_is_byte_identical(
+    run_cli: Cli, deepspeed_runs: dict[int, WrittenDeepSpeed], two_rank_job: TwoRankJob, tmp_path: Path
 ) -> None:
     src = deepspeed_runs[3].save_dir  # fp32 master weights rebuilt from the ZeRO-3 partitions of 2 ranks
     single = run_cli("convert", src, tmp_path / "one", *SHARDS, "--json")
     assert single.exit_code == 0, single.stderr
-    two = _ckptctl("convert", src, tmp_path / "two", *SHARDS, "--json")
-    assert two.returncode == 0, two.stderr
-    _assert_same_output(tmp_path / "one", tmp_path / "two", single.json, _document(two.stdout))
+    assert two_rank_job.code("convert_zero") == 0, two_rank_job.stderr("convert_zero")
+    two = two_rank_job.path("convert_zero")
+    _assert_same_output(tmp_path / "one", two, single.json, two_rank_job.document("convert_zero"))
 
 
+@shares_the_job
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # dcp.load in this one process
-def test_workers_convert_to_dcp_is_byte_identical_and_loads(run_cli: Cli, demo_dir: Path, tmp_path: Path) -> None:
+def test_two_rank_convert_to_dcp_is_byte_identical_and_loads(
+    run_cli: Cli, demo_dir: Path, two_rank_job: TwoRankJob, tmp_path: Path
+) -> None:
     """`--to dcp`: the ranks share the data files (`--dcp-file-size`), rank 0 writes `.metadata`, which is
     byte-identical too (no random save id), and `dcp.load` reads the tensors of the HF source."""
     import torch
     import torch.distributed.checkpoint as dcp
     from safetensors.torch import load_file
 
-    src, args = demo_dir / "hf", ["--to", "dcp", "--dcp-file-size", "100KB", "--json"]
-    single = run_cli("convert", src, tmp_path / "one", *args)
+    src = demo_dir / "hf"
+    single = run_cli("convert", src, tmp_path / "one", *TO_DCP)
     assert single.exit_code == 0, single.stderr
-    two = _ckptctl("convert", src, tmp_path / "two", *args)
-    assert two.returncode == 0, two.stderr
-    _assert_same_output(tmp_path / "one", tmp_path / "two", single.json, _document(two.stdout), data=".distcp")
+    assert two_rank_job.code("convert_to_dcp") == 0, two_rank_job.stderr("convert_to_dcp")
+    two = two_rank_job.path("convert_to_dcp")
+    _assert_same_output(tmp_path / "one", two, single.json, two_rank_job.document("convert_to_dcp"), data=".distcp")
     want = {k: v for path in src.glob("*.safetensors") for k, v in load_file(path).items()}
     state = {"model": {k: torch.zeros_like(v) for k, v in want.items()}}
-    dcp.load(state, checkpoint_id=str(tmp_path / "two"), no_dist=True)
+    dcp.load(state, checkpoint_id=str(two), no_dist=True)
     assert want and all(torch.equal(state["model"][k], v) for k, v in want.items())
 
 
@@ -186,37 +295,35 @@ def test_verify_over_two_ranks_gives_the_single_process_report(run_cli: Cli, dem
     assert not single.json["ok"] and any(r["problems"] for r in single.json["results"])
 
 
-def test_workers_verify_checks_the_crc_32s_of_a_two_rank_dcp_checkpoint(
-    run_cli: Cli, demo_dir: Path, tmp_path: Path
+@shares_the_job
+def test_two_rank_verify_checks_the_crc_32s_of_a_two_rank_dcp_checkpoint(
+    run_cli: Cli, two_rank_job: TwoRankJob
 ) -> None:
     """No manifest: the ranks share the CRC-32 checks of the DCP items by bytes; a clean save passes with
     every record checked, and a flipped byte is named by its record, as in one process."""
-    checkpoint = copy_tree(demo_dir / "dcp" / "step-30", tmp_path / "step-30")  # 2-rank FSDP2 save
-    clean = _ckptctl("verify", checkpoint, "--json")
-    assert clean.returncode == 0, clean.stderr
-    _same_report(run_cli("verify", checkpoint, "--json").json, _document(clean.stdout))
-    assert _document(clean.stdout)["crc_records_checked"] > 0
-    file, member = max(torch_zip_records(checkpoint, get_layout("dcp")), key=lambda r: (r[1].size, r[0]))
-    data = bytearray((checkpoint / file).read_bytes())
-    data[member.start + member.size // 2] ^= 0xFF
-    (checkpoint / file).write_bytes(bytes(data))
+    assert two_rank_job.code("verify_clean") == 0, two_rank_job.stderr("verify_clean")
+    clean = two_rank_job.document("verify_clean")
+    _same_report(run_cli("verify", two_rank_job.path("verify_clean"), "--json").json, clean)
+    assert clean["crc_records_checked"] > 0
+    checkpoint, (file, record) = two_rank_job.path("verify_flipped"), two_rank_job.flipped
     single = run_cli("verify", checkpoint, "--json")
     assert single.exit_code == 1, single.stdout
-    two = _ckptctl("verify", checkpoint, "--json")
-    assert two.returncode == 1, two.stderr
-    _same_report(single.json, _document(two.stdout))
+    assert two_rank_job.code("verify_flipped") == 1, two_rank_job.stderr("verify_flipped")
+    _same_report(single.json, two_rank_job.document("verify_flipped"))
     assert [(p["kind"], p["path"], p.get("record")) for p in single.json["problems"]] == [
-        ("crc_mismatch", file, member.name)
+        ("crc_mismatch", file, record)
     ]
 
 
-def test_diff_over_two_ranks_gives_the_single_process_report(run_cli: Cli, demo_dir: Path) -> None:
+@shares_the_job
+def test_diff_over_two_ranks_gives_the_single_process_report(
+    run_cli: Cli, demo_dir: Path, two_rank_job: TwoRankJob
+) -> None:
     a, b = demo_dir / "dcp" / "step-20", demo_dir / "dcp" / "step-30"
     single = run_cli("diff", a, b, "--all", "--json")
     assert single.exit_code == 1, single.stderr
-    two = _ckptctl("diff", a, b, "--all", "--json")  # (torchrun itself is launched by the convert tests)
-    assert two.returncode == 1, two.stderr
-    _same_report(single.json, _document(two.stdout))
+    assert two_rank_job.code("diff") == 1, two_rank_job.stderr("diff")
+    _same_report(single.json, two_rank_job.document("diff"))
     assert single.json["changed"] and single.json["bytes_read"] > 0
 
 

@@ -5,6 +5,7 @@ moment of an upload, however it ends, leaves something that `list` calls complet
 from __future__ import annotations
 
 import json
+import secrets
 import shutil
 import signal
 import subprocess
@@ -25,8 +26,8 @@ from ckptctl.layouts import scan_run
 from ckptctl.ops.convert import INDEX_NAME, ConvertOptions, Target, convert
 from tests.conftest import CliResult
 from tests.core.util import REPO, worker_env
-from tests.ops.test_distributed_work import _ckptctl, _document, _torchrun
-from tests.s3.server import copy_to_store
+from tests.ops.test_distributed_work import TwoRankJob, _torchrun, run_two_rank_job
+from tests.s3.server import S3Server, copy_to_store
 
 Cli = Callable[..., CliResult]
 DiskUsage = type(shutil.disk_usage("/"))
@@ -264,21 +265,42 @@ def test_staging_goes_to_tmpdir_and_its_free_space_is_checked(
     assert io.list_tree(f"{bucket}/no-room") == {}
 
 
+@pytest.fixture(scope="module")
+def two_rank_uploads(s3_server: S3Server, demo_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> TwoRankJob:
+    """`convert` of the demo's 2-rank DCP save to HF (`to_hf`) and of its HF export to DCP (`to_dcp`), each
+    to a prefix of its own in a new bucket, by the two ranks of one torchrun job."""
+    bucket = f"s3://ckpt-{secrets.token_hex(4)}"
+    s3_server.filesystem().mkdir(bucket[len("s3://") :])
+
+    def spec(folder: Path) -> dict[str, list[Any]]:
+        return {
+            "to_hf": ["convert", demo_dir / "dcp" / "step-30", f"{bucket}/{folder.name}-hf", *TO_HF, "--json"],
+            "to_dcp": ["convert", demo_dir / "hf", f"{bucket}/{folder.name}-dcp", *TO_DCP, "--json"],
+        }
+
+    return TwoRankJob(run_two_rank_job(tmp_path_factory.mktemp("two-rank-uploads"), spec))
+
+
+TO_HF = ["--max-shard-size", SHARD]
+TO_DCP = ["--to", "dcp", "--dcp-file-size", SHARD]
+
+
+@pytest.mark.xdist_group("s3_two_rank_uploads")  # the tests sharing `two_rank_uploads` run it once
 @pytest.mark.parametrize("to", ["hf", "dcp"])
 def test_a_conversion_over_two_ranks_uploads_what_one_process_uploads(
-    run_cli: Cli, demo_dir: Path, local_export: Path, bucket: str, tmp_path: Path, to: str
+    run_cli: Cli, demo_dir: Path, local_export: Path, two_rank_uploads: TwoRankJob, tmp_path: Path, to: str
 ) -> None:
-    """`--workers 2`: each rank stages and uploads its own data files, rank 0 the index (or `.metadata`),
+    """Two ranks: each rank stages and uploads its own data files, rank 0 the index (or `.metadata`),
     config and digests."""
-    dst = f"{bucket}/two-ranks-{to}"
+    name = f"to_{to}"
+    dst = two_rank_uploads.args(name)[2]
     if to == "hf":
-        src, args, reference = demo_dir / "dcp" / "step-30", ["--max-shard-size", SHARD], local_export
+        reference = local_export
     else:
-        src, args, reference = demo_dir / "hf", ["--to", "dcp", "--dcp-file-size", SHARD], tmp_path / "dcp"
-        convert_json(run_cli, src, reference, *args)
-    done = _ckptctl("convert", src, dst, *args, "--json")
-    assert done.returncode == 0, done.stderr
-    doc = _document(done.stdout)
+        reference = tmp_path / "dcp"
+        convert_json(run_cli, demo_dir / "hf", reference, *TO_DCP)
+    assert two_rank_uploads.code(name) == 0, two_rank_uploads.stderr(name)
+    doc = two_rank_uploads.document(name)
     uploaded = objects(dst)
     assert len([n for n in uploaded if n.endswith((".safetensors", ".distcp"))]) > 2
     assert_same_output(uploaded, files(reference))  # a DCP output's `.metadata` too

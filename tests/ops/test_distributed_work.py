@@ -256,6 +256,16 @@ def test_two_rank_convert_to_dcp_is_byte_identical_and_loads(
     assert want and all(torch.equal(state["model"][k], v) for k, v in want.items())
 
 
+def test_workers_convert_spawns_its_ranks_and_is_byte_identical(run_cli: Cli, demo_dir: Path, tmp_path: Path) -> None:
+    """`--workers 2` (ckptctl starts the ranks itself, no launcher) writes what one process writes."""
+    src = demo_dir / "dcp" / "step-30"
+    single = run_cli("convert", src, tmp_path / "one", *SHARDS, "--json")
+    assert single.exit_code == 0, single.stderr
+    two = _ckptctl("convert", src, tmp_path / "two", *SHARDS, "--json")
+    assert two.returncode == 0, two.stderr
+    _assert_same_output(tmp_path / "one", tmp_path / "two", single.json, _document(two.stdout))
+
+
 @pytest.mark.parametrize("source", ["dcp", "zero"])
 def test_a_rank_killed_mid_conversion_leaves_nothing_at_dst(
     run_cli: Cli, demo_dir: Path, deepspeed_runs: dict[int, WrittenDeepSpeed], tmp_path: Path, source: str

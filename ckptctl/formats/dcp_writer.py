@@ -3,6 +3,7 @@ a DCP folder with, one tensor at a time, and `.metadata` last."""
 
 from __future__ import annotations
 
+import inspect
 import os
 from typing import Any
 
@@ -16,6 +17,10 @@ def data_file_writer(path: str, name: str) -> Any:
     from torch.distributed.checkpoint.filesystem import FileSystemWriter, _write_item
     from torch.distributed.checkpoint.planner import WriteItemType
     from torch.futures import Future
+
+    # `_write_item` is private: its signature is torch 2.13's (transforms, stream, data, item, storage_key,
+    # serialization_format) on the torch the suite runs; older releases took (stream, data, item, storage_key).
+    streams_items = list(inspect.signature(_write_item).parameters)[:1] == ["transforms"]
 
     class DataFileWriter(FileSystemWriter):
         """torch's writer of a DCP folder, writing the items of a plan into the one data file `name`
@@ -34,6 +39,10 @@ def data_file_writer(path: str, name: str) -> Any:
             self.name = name
 
         def write_data(self, plan: Any, planner: Any) -> Any:
+            if not (
+                streams_items and hasattr(self, "serialization_format")
+            ):  # a torch whose private `_write_item` differs: its own loop (more memory)
+                return super().write_data(plan, planner)
             items = [item for item in plan.items if item.type == WriteItemType.BYTE_IO]
             items += [item for item in plan.items if item.type != WriteItemType.BYTE_IO]
             results = []

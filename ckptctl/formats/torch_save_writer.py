@@ -219,7 +219,9 @@ def write_torch_file(obj: Any, path: str) -> int:
     pickler.dump(obj)
     archive = os.path.basename(path).split(".", 1)[0] or "archive"
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
+        # A new file in a staging folder ckptctl made: never through a link, never over something there.
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+        fd = os.open(path, flags, 0o644)
     except OSError as exc:
         raise StorageError(f"cannot write {path}: {exc.strerror or exc}") from exc
     try:
@@ -232,7 +234,9 @@ def write_torch_file(obj: Any, path: str) -> int:
             out.tensor_record(f"data/{storage.key}", storage.tensor)
         out.record("version", _FORMAT_VERSION)
         out.record(".data/serialization_id", _serialization_id(out.entries))
-        return out.finish()
+        size = out.finish()
+        io.start_writeback(fd, 0, size)  # the commit's fsync (ops.convert.commit.write_digests) then waits less
+        return size
     except OSError as exc:
         raise StorageError(f"cannot write {path}: {exc.strerror or exc}") from exc
     finally:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptctl import io
-from ckptctl.errors import CkptctlError
+from ckptctl.errors import CkptctlError, StorageError
 from ckptctl.layouts import capability, resolve, training_state_writer, training_state_writers
 from ckptctl.layouts.capabilities import TRAINING_STATE_WRITER, NotCarried, ReshardRequest, TrainingStateWriter
 from ckptctl.ops.convert import open_verified
@@ -129,7 +129,10 @@ def reshard(
         staging.check_space(sum(checkpoint.files.values()))
         progress.start(f"resharding to {writer.target}", None)
         request = ReshardRequest(checkpoint, staging.out, options.world_size, max(1, options.workers))
-        written = writer.write(request, progress.advance)
+        try:
+            written = writer.write(request, progress.advance)
+        except OSError as exc:  # a full disk, a name too long: the writer's own files, in staging
+            raise StorageError(f"cannot write the output: {exc.strerror or exc}") from exc
         progress.finish()
         write_digests(staging.out, {})
         uploaded = staging.commit(options.force, progress, published_last(written.files))

@@ -24,8 +24,8 @@ each group's `step` and `param_groups`); they are left out, and `not_carried` sa
 
 Every tensor is streamed from the raw bytes of the partitions (`zero_tag.tensor_index`, which lays the flat
 partitions out per parameter exactly as `zero_to_fp32` does) into its file, through a buffer of a few MiB:
-`formats.torch_save_writer.write_torch_file` writes torch.save's archive by hand, so the whole path imports
-neither torch nor numpy (importing torch alone would cost ~220 MiB of resident memory, and torch.save's
+`formats.torch_save_writer.write_torch_file` writes torch.save's archive by hand, so the path imports neither
+torch nor numpy (but to cast float16 module tensors, numpy, and for a strided view no DeepSpeed save holds, torch; importing torch alone would cost ~220 MiB of resident memory, and torch.save's
 record writer half the time). No user file is unpickled with code execution: the non-tensor values of
 `optimizer_state.pt` come from the safe unpickler and are written back as DeepSpeed's classes.
 """

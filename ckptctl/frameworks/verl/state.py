@@ -17,7 +17,8 @@ from ckptctl.formats.dtensor import state_tensors
 from ckptctl.formats.dtensor_classes import DTENSOR_PICKLE_GLOBALS, DTensorRef
 from ckptctl.formats.torch_pickle import open_torch_pickle
 from ckptctl.formats.torch_pickle_classes import TensorRef
-from ckptctl.frameworks.verl.reshard import rank_file_name, role_fsdp_config, source_roles, torn_file
+from ckptctl.frameworks.verl.layout import rank_file_name
+from ckptctl.frameworks.verl.reshard import role_fsdp_config, source_roles, torn_file
 from ckptctl.layouts.capabilities import NotCarried, ParamState
 from ckptctl.layouts.parts.param_state import indexed_optimizer, name_indexed_state, stored_tensor
 

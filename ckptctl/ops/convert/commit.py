@@ -75,10 +75,29 @@ def write_digests(out: str, known: dict[str, FileRecord]) -> None:
     for rel, path in files.items():
         if rel not in records:
             records[rel] = FileRecord(os.path.getsize(path), file_digest(path))
+            # Writers that do not sync what they write (copied files, torch.save archives) are made durable
+            # here, before the commit's rename makes the output visible: a power cut after it must not leave
+            # a complete-looking DST holding short files.
+            _fsync_file(path)
+    for root, _dirs, _names in os.walk(out, topdown=False):
+        io.fsync_dir(root)
     write_small(
         os.path.join(out, DIGESTS_NAME), Manifest(files=dict(sorted(records.items())), created=now_iso()).to_json()
     )
     io.fsync_dir(out)
+
+
+def _fsync_file(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    except OSError as exc:
+        raise StorageError(f"cannot sync {path}: {exc.strerror or exc}") from exc
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        raise StorageError(f"cannot sync {path}: {exc.strerror or exc}") from exc
+    finally:
+        os.close(fd)
 
 
 def check_destination(src: str, dst: str, force: bool) -> str:
@@ -297,6 +316,7 @@ class UploadStaging(Staging):
         try:
             if last is None:
                 last = self.layout.completion_markers(sizes) if self.layout is not None else ()
+            last = [rel for rel in last if rel in sizes]  # a listed file no rank staged has nothing to upload
             for batch in _upload_order(sizes, last):
                 mine = [rel for rel in batch if owner[rel] == rank]
                 _everyone(ranks, functools.partial(upload.upload, [mine]))

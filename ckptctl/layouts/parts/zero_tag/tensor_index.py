@@ -252,7 +252,7 @@ class IndexBuilder:
             layout: list[list[TensorRef]] = []
             for rank, states in enumerate(per_rank):
                 row = [states.get(g, {}).get(key) for g in range(len(flat[rank]))]
-                padded = [p if type(p) is int else 0 for p in paddings[rank]]
+                padded = [p if type(p) is int and p >= 0 else 0 for p in paddings[rank]]  # a hostile -1: no padding
                 padded += [0] * (len(row) - len(padded))
                 if not all(
                     type(t) is TensorRef and t.numel in (f.numel, f.numel + pad)

@@ -102,8 +102,25 @@ class TensorChunk:
         return math.prod(self.sizes)
 
 
+class SizedTensor:
+    """`numel` and `nbytes` of a tensor described by a `dtype` name and a `shape` (a base of the frozen
+    dataclasses that describe one: `TensorEntry`, `capabilities.StateTensor`)."""
+
+    __slots__ = ()
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * dtype_itemsize(self.dtype)
+
+
 @dataclass(frozen=True, slots=True)
-class TensorEntry:
+class TensorEntry(SizedTensor):
     """A logical (full, unsharded) tensor of a checkpoint and where its chunks live.
 
     Attributes:
@@ -119,14 +136,6 @@ class TensorEntry:
     dtype: str
     shape: tuple[int, ...]
     chunks: tuple[TensorChunk, ...]
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * dtype_itemsize(self.dtype)
 
 
 @dataclass(frozen=True, slots=True)

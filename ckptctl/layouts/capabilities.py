@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
 from ckptctl import io
-from ckptctl.checkpoint import Checkpoint, Problem, TensorEntry, dtype_itemsize
+from ckptctl.checkpoint import Checkpoint, Problem, SizedTensor, TensorEntry
 from ckptctl.layouts.naming import NameStripper
 from ckptctl.layouts.parts.value_head import HeadTask
 
@@ -156,7 +156,7 @@ class TrainingStateWriter(Protocol):
 
 
 @dataclass(frozen=True, slots=True)
-class StateTensor:
+class StateTensor(SizedTensor):
     """One full tensor of a training state, read when asked (`ParamState`).
 
     Attributes:
@@ -168,14 +168,6 @@ class StateTensor:
     dtype: str
     shape: tuple[int, ...]
     read: Callable[[], Any] = field(repr=False, compare=False)
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * dtype_itemsize(self.dtype)
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,8 +23,8 @@ import torch
 from ckptctl.errors import CkptctlError
 from ckptctl.ops.reshard import ReshardOptions, reshard
 from tests.conftest import CliResult, copy_tree
-from tests.ops.universal_same import assert_same_value as _assert_same
-from tests.ops.universal_same import files as _files
+from tests.ops.same_state import assert_same_state as _assert_same
+from tests.ops.same_state import files as _files
 from tests.writers.deepspeed_writer import WrittenDeepSpeed
 from tests.writers.lightning_writer import WrittenLightning
 from tests.writers.universal_writer import WrittenUniversal

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tests.conftest import CliResult
-from tests.ops.universal_same import assert_same_value, files
+from tests.ops.same_state import assert_same_state, files
 from tests.writers.deepspeed_wrappers_writer import WrittenWrapperRuns
 
 Cli = Callable[..., CliResult]
@@ -53,7 +53,7 @@ def test_equals_ds_to_universal_and_resume_plan_names_it(
     assert files(ours) == files(reference)
     assert any(f.endswith("exp_avg_sq.pt") for f in files(ours))
     for rel in files(reference):
-        assert_same_value(
+        assert_same_state(
             torch.load(reference / rel, weights_only=False), torch.load(ours / rel, weights_only=False), rel
         )
 

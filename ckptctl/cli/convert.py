@@ -110,7 +110,8 @@ def convert(
             "--dtype",
             metavar="DTYPE",
             help="Cast floating-point tensors to bf16, fp16 or fp32 (or bfloat16, float16, float32); default: "
-            "keep the stored dtypes.",
+            "keep the stored dtypes. Each value is rounded once to nearest even, float64 sources too (torch's CPU "
+            "cast may round float64 -> bf16 through float32 and differ in the last bit).",
         ),
     ] = None,
     max_shard_size: Annotated[

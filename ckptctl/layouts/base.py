@@ -19,6 +19,7 @@ from ckptctl.errors import CkptctlError
 from ckptctl.formats.dcp_metadata import METADATA_NAME, RANK_METADATA
 from ckptctl.formats.torch_zip import TorchArchive
 from ckptctl.io import DirEntry
+from ckptctl.layouts.load_set import LoadMember
 from ckptctl.layouts.parts.dcp_folder_metadata import dcp_item_archives
 from ckptctl.layouts.resume import ResumeProfile, generic_profile
 from ckptctl.layouts.step_names import step_from_name  # noqa: F401  (re-exported: the layouts use one rule set)
@@ -71,6 +72,17 @@ class Layout:
     def verify(self, checkpoint: Checkpoint) -> list[Problem]:
         """Structural problems: missing or short files, metadata that does not parse or cover its data."""
         raise NotImplementedError
+
+    def load_set(self, checkpoint: Checkpoint) -> Sequence[LoadMember]:
+        """The files the framework's own load reads of this checkpoint (`layouts.load_set`), decided from the
+        checkpoint's own facts (world size, roles, what its writer was asked to save), each with the
+        framework's code that reads it and whether the load fails, loses state or only warns without it.
+
+        `verify` checks every member is present and whole after the layout's own rules (`verify`), so that
+        exit 0 means the framework's load succeeds. The default is empty: a layout whose `verify` already
+        requires every file its framework reads need not repeat them.
+        """
+        return ()
 
     def torch_archives(self, checkpoint: Checkpoint) -> Sequence[TorchArchive]:
         """The torch.save zip archives of a checkpoint, whose recorded CRC-32s `verify` checks.

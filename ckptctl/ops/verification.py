@@ -23,6 +23,7 @@ from ckptctl.errors import CheckpointNotFound, CkptctlError, UnknownLayout, Unsa
 from ckptctl.formats.manifest import DIGESTS_NAME, read_manifest
 from ckptctl.layouts import detect, scan_context, scan_run
 from ckptctl.layouts.generic import read_as_files
+from ckptctl.layouts.load_set import check_load_set
 from ckptctl.ops.content import ContentChecks, check_content
 from ckptctl.ops.digests import save_digests
 from ckptctl.ops.distributed_work import Ranks
@@ -242,6 +243,7 @@ def _verify_checkpoint(url: str, options: VerifyOptions, progress: Progress, rea
     try:
         checkpoint = layout.open(url)
         problems = list(layout.verify(checkpoint))
+        problems += check_load_set(url, layout.load_set(checkpoint), checkpoint.files, problems)
         if ref.state is CheckpointState.SLIM:
             problems = slim_problems(layout.name, url, problems)
     except CkptctlError as exc:

@@ -45,6 +45,7 @@ from ckptctl.formats.safetensors import read_header
 from ckptctl.formats.torch_pickle import TorchPickle, open_torch_pickle
 from ckptctl.io import DirEntry
 from ckptctl.layouts.base import Layout, absent_numbers, newest_mtime, step_from_name, timestamp
+from ckptctl.layouts.load_set import LoadMember, MemberKind, check_load_set
 from ckptctl.layouts.parts.hf_rank_shards import (
     SHARD_FILE,
     is_distributed,
@@ -273,6 +274,7 @@ def verify_model_files(url: str, files: Mapping[str, int]) -> list[Problem]:
             problems.append(
                 Problem(ProblemKind.BAD_METADATA, "config.json", f"config.json does not parse: {exc.message}")
             )
+    problems += check_load_set(url, model_load_set(files), files, problems)
     safetensors = sorted(n for n in files if n.endswith(".safetensors") and not SHARD_FILE.match(n))
     legacy = sorted(n for n in files if _is_legacy_weight(n))
     weight_map, indexed = _index_problems(url, files, INDEX_NAMES, problems)
@@ -307,6 +309,48 @@ def verify_model_files(url: str, files: Mapping[str, int]) -> list[Problem]:
         problems += _locate(located, rel, (name for name, _ in opened.tensors()))
     problems += _placement_problems(legacy_map, located, files)
     return problems
+
+
+#: JSON side files of a model folder and what reads them: a truncated one fails the load that reads it.
+_JSON_SIDE_FILES = {
+    "config.json": "transformers PretrainedConfig.from_pretrained",
+    "generation_config.json": "transformers GenerationConfig.from_pretrained (from_pretrained of a generative model)",
+    "tokenizer.json": "tokenizers Tokenizer.from_file (AutoTokenizer.from_pretrained)",
+    "tokenizer_config.json": "transformers PreTrainedTokenizerBase.from_pretrained (AutoTokenizer)",
+    "special_tokens_map.json": "transformers PreTrainedTokenizerBase.from_pretrained (AutoTokenizer)",
+    "added_tokens.json": "transformers PreTrainedTokenizerBase.from_pretrained (AutoTokenizer)",
+    "vocab.json": "the tokenizer's own from_pretrained (AutoTokenizer)",
+    "chat_template.json": "transformers PreTrainedTokenizerBase.from_pretrained (AutoTokenizer, AutoProcessor)",
+    "preprocessor_config.json": "transformers AutoProcessor.from_pretrained",
+    "adapter_config.json": "peft PeftConfig.from_pretrained",
+}
+#: Files only `save_pretrained` (of a model or its tokenizer) writes: a folder holding one of them beside its
+#: weights is a model folder meant for `from_pretrained`, which reads config.json first.
+_SAVE_PRETRAINED_FILES = (_TOKENIZER_FILES | {"generation_config.json", *INDEX_NAMES, LEGACY_INDEX}) - {"vocab.txt"}
+
+
+def model_load_set(files: Mapping[str, int]) -> list[LoadMember]:
+    """What `from_pretrained` (and `AutoTokenizer.from_pretrained`) read of a model folder beyond its weights.
+
+    Every JSON side file present must parse (transformers `configuration_utils.PretrainedConfig.
+    _dict_from_json_file`, `tokenization_utils_base.PreTrainedTokenizerBase._from_pretrained` and tokenizers'
+    `Tokenizer.from_file` raise on a truncated one). config.json must be there: `AutoModel*.from_pretrained`
+    and `AutoConfig.from_pretrained` raise without it (`configuration_utils.PretrainedConfig.
+    _get_config_dict`: "does not appear to have a file named config.json"). A folder that also holds files only
+    `save_pretrained` writes (tokenizer files, generation config, a shard index) is a model folder that lost
+    it: an error. A folder of bare weights may be meant for `safetensors.load_file` (accelerate's model file,
+    a `save_file` output): nothing is required of it. A PEFT adapter folder has adapter_config.json instead.
+    """
+    members = [
+        LoadMember(name, MemberKind.JSON, name, read_by)
+        for name, read_by in _JSON_SIDE_FILES.items()
+        if name in files and name != "config.json"
+    ]
+    if "adapter_config.json" not in files and has_weights(files) and any(n in files for n in _SAVE_PRETRAINED_FILES):
+        members.append(
+            LoadMember("config.json", MemberKind.JSON, "the model's config.json", _JSON_SIDE_FILES["config.json"])
+        )
+    return members
 
 
 def _index_problems(

@@ -3,7 +3,6 @@ present, every JSON side file parsing (issue 31). Judged by transformers' own lo
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from pathlib import Path
 

@@ -273,3 +273,57 @@ def test_a_damaged_recipe_state_is_no_resume_point(run_cli: Cli, tmp_path: Path)
     skipped = json.loads(plan.stdout)["skipped"]
     assert skipped[0]["url"] == str(run / "epoch_1") and "recipe_state.pt" in skipped[0]["reason"]
     assert run_cli("verify", run, "--latest").exit_code == 1
+
+
+def _adam_after_one_step() -> tuple[Any, Any]:
+    import torch
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.ones(2, 8)).sum().backward()
+    optimizer.step()
+    return model, optimizer
+
+
+def _fsdp_style_optimizer_state(model: Any, optimizer: Any) -> dict[str, Any]:
+    """`{state, param_groups}` keyed by parameter names, as FSDP's full optimizer state dict keys it."""
+    names = [name for name, _ in model.named_parameters()]
+    saved = optimizer.state_dict()
+    return {
+        "state": {names[i]: value for i, value in saved["state"].items()},
+        "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in saved["param_groups"]],
+    }
+
+
+@pytest.mark.parametrize("shape", ["by_index", "by_name", "moments_only", "under_a_key_of_its_own"])
+def test_optimizer_state_alone_is_never_read_as_a_model(run_cli: Cli, tmp_path: Path, shape: str) -> None:
+    """The generic reader claims `model` only with evidence: Adam's moments are not published as weights."""
+    import torch
+
+    model, optimizer = _adam_after_one_step()
+    saved = {
+        "by_index": optimizer.state_dict,
+        "by_name": lambda: _fsdp_style_optimizer_state(model, optimizer),
+        "moments_only": lambda: {f"{n}.exp_avg": optimizer.state[p]["exp_avg"] for n, p in model.named_parameters()},
+        "under_a_key_of_its_own": lambda: {"osd": optimizer.state_dict()},
+    }[shape]()
+    path = tmp_path / "opt.pt"
+    torch.save(saved, path)
+    inspected = run_cli("inspect", path, "--json")
+    assert inspected.exit_code == 0, inspected.stderr
+    assert "model" not in inspected.json["components"]
+    assert inspected.json["totals"]["parameters"] == 0
+    converted = run_cli("convert", path, tmp_path / "out", "--to", "hf")
+    assert converted.exit_code == 2
+    assert "no model tensors" in converted.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_model_state_dict_is_still_a_model(run_cli: Cli, tmp_path: Path) -> None:
+    import torch
+
+    model, _ = _adam_after_one_step()
+    torch.save(model.state_dict(), tmp_path / "weights.pt")
+    inspected = run_cli("inspect", tmp_path / "weights.pt", "--json")
+    assert inspected.json["components"] == ["model"]
+    assert inspected.json["totals"]["parameters"] == sum(p.numel() for p in model.parameters())

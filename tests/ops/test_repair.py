@@ -428,3 +428,127 @@ def test_sigkill_between_quarantines_leaves_each_checkpoint_whole_and_undo_resto
     with pytest.warns(RuntimeWarning):  # the killed repair's lock is taken over
         repair(str(dump), undo=True)
     assert {p.name: _tree_digest(p) for p in folder.glob("step-*")} == originals
+
+
+# --- undo: the run as it was, pointers too --------------------------------------------------------
+
+
+def _tree(root: Path) -> dict[str, str]:
+    """Every path below `root` (folders too, ckptctl's own bookkeeping included) -> its sha256, `dir` or its
+    link target: equal before a repair and after its undo means byte-identical, with nothing left behind."""
+    found = {}
+    for path in sorted(root.rglob("*")):
+        rel = str(path.relative_to(root))
+        if path.is_symlink():
+            found[rel] = "link:" + os.readlink(path)
+        elif path.is_dir():
+            found[rel] = "dir"
+        else:
+            found[rel] = hashlib.sha256(path.read_bytes()).hexdigest()
+    return found
+
+
+def _deepspeed_latest(save_dir: Path) -> str:
+    """The tag folder DeepSpeed's own reader of `latest` (zero_to_fp32's `get_fp32_state_dict_from_zero_checkpoint`,
+    the same read as `engine.load_checkpoint(dir, tag=None)`) opens; its loading of that tag stubbed out."""
+    from deepspeed.utils import zero_to_fp32
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(zero_to_fp32, "_get_fp32_state_dict_from_zero_checkpoint", lambda folder, *_: folder)
+        return cast(str, zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(str(save_dir), lazy_mode=True))
+
+
+def _undo_native(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[Path, Callable[[], object]]:
+    from ckptctl.core.manager import CheckpointManager
+
+    run = copy_tree(request.getfixturevalue("demo_dir") / "native", tmp_path / "native")
+    (run / "step-30" / "model.safetensors").unlink()
+    return run, lambda: CheckpointManager(str(run)).pointer()
+
+
+def _undo_deepspeed(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[Path, Callable[[], object]]:
+    save_dir = copy_tree(request.getfixturevalue("deepspeed_runs")[2].save_dir, tmp_path / "ds")
+    next((save_dir / "global_step4").glob("*zero_pp_rank_1_*optim_states.pt")).unlink()
+    return save_dir, lambda: _deepspeed_latest(save_dir)
+
+
+def _undo_openrlhf(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[Path, Callable[[], object]]:
+    zero2 = request.getfixturevalue("deepspeed_runs")[2]
+    ckpt = arrange_openrlhf(tmp_path / "ckpt", zero2, zero2, request.getfixturevalue("hf_model_dirs")["single"])
+    next((ckpt / "_critic" / "best_global_step4").glob("*zero_pp_rank_0_*optim_states.pt")).unlink()
+    # `--load_checkpoint` loads each role through DeepSpeed's `load_checkpoint(save_dir)`: its `latest`.
+    return ckpt, lambda: (_deepspeed_latest(ckpt / "_actor"), _deepspeed_latest(ckpt / "_critic"))
+
+
+def _undo_open_instruct(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[Path, Callable[[], object]]:
+    zero2 = request.getfixturevalue("deepspeed_runs")[2]
+    hf_model = request.getfixturevalue("hf_model_dirs")["single"]
+    state = arrange_open_instruct(tmp_path / "state", tmp_path / "out", zero2, hf_model)
+    (state / "global_step4" / "driver_state.pt").unlink()
+    _age(state / "global_step4")
+    return state, lambda: _deepspeed_latest(state)
+
+
+def _undo_verl(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[Path, Callable[[], object]]:
+    written: WrittenVerl = request.getfixturevalue("verl_run")
+    run = copy_tree(written.run, tmp_path / "verl")
+    newest = run / f"global_step_{max(written.steps)}"
+    role = newest / "critic" if (newest / "critic").is_dir() else newest / "actor"
+    next(role.glob("optim_world_size_*_rank_1.pt")).unlink()
+    _age(newest)
+    find_latest_ckpt_path = _verl_find_latest_ckpt_path()
+    return run, lambda: find_latest_ckpt_path(str(run))
+
+
+def _undo_megatron(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[Path, Callable[[], object]]:
+    written: WrittenMegatron = request.getfixturevalue("megatron_runs")
+    save = copy_tree(written.save, tmp_path / "megatron")
+    next((save / f"iter_{max(written.iterations):07d}").glob("*.distcp")).unlink()
+
+    def iteration() -> int:  # Megatron-LM's `read_metadata`, as test_megatron_tracker_is_rewritten reads it
+        return int((save / "latest_checkpointed_iteration.txt").read_text().strip())
+
+    return save, iteration
+
+
+def _undo_lightning(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[Path, Callable[[], object]]:
+    linked = copy_tree(request.getfixturevalue("lightning_run").linked, tmp_path / "linked")
+    _truncate(linked / os.readlink(linked / "last.ckpt"))
+    _age(linked)
+    # `ckpt_path="last"` opens last.ckpt through the OS: the file it reaches.
+    return linked, lambda: os.path.realpath(linked / "last.ckpt")
+
+
+def _undo_trainer(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[Path, Callable[[], object]]:
+    from transformers.trainer_utils import get_last_checkpoint
+
+    out = copy_tree(request.getfixturevalue("trainer_run").output_dir, tmp_path / "out")
+    _truncate(out / "checkpoint-4" / "model.safetensors")
+    return out, lambda: get_last_checkpoint(str(out))
+
+
+UNDO_CASES = {
+    "native": _undo_native,
+    "deepspeed": _undo_deepspeed,
+    "openrlhf": _undo_openrlhf,
+    "open_instruct": _undo_open_instruct,
+    "verl": _undo_verl,
+    "megatron": _undo_megatron,
+    "lightning": _undo_lightning,
+    "hf_trainer": _undo_trainer,
+}
+
+
+@pytest.mark.parametrize("framework", sorted(UNDO_CASES))
+def test_undo_restores_the_run_byte_for_byte_and_the_framework_resumes_where_it_did(
+    framework: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    run, find_latest = UNDO_CASES[framework](request, tmp_path)
+    before, picked = _tree(run), find_latest()
+    done = repair(str(run))
+    assert done.actions and find_latest() != picked  # the repair redirected the framework's resume
+    undone = repair(str(run), undo=True)
+    assert not undone.dry_run and not undone.notes
+    assert _tree(run) == before
+    assert find_latest() == picked
+    assert not plan_undo(str(run)).actions  # nothing left to undo

@@ -80,6 +80,8 @@ RECORD_SUFFIX = ".origin.json"
 #: In the quarantine, `<repair id>` + this: a JSON record of the pointers one repair rewrote and what they held,
 #: which `repair --undo` puts back (a repair that only rewrites pointers quarantines nothing else).
 POINTERS_SUFFIX = ".pointers.json"
+#: What is read of a pointer record: a few pointers of at most 4 KiB each, in base64 and as escaped text.
+_MAX_POINTER_RECORD_BYTES = 1 << 20
 
 #: Files deleted before the others, tier by tier (relative paths with `/`; each tier in one batch).
 Tiers = Sequence[Collection[str]]
@@ -408,7 +410,7 @@ def pointer_records(run: str) -> list[tuple[str, bytes]]:
             return []
         names = sorted(e.name for e in entries if not e.is_dir and e.name.endswith(POINTERS_SUFFIX))
         return [
-            (n.removesuffix(POINTERS_SUFFIX), io.read_bytes(io.join(box, n), max_size=io.MAX_MARKER_BYTES))
+            (n.removesuffix(POINTERS_SUFFIX), io.read_bytes(io.join(box, n), max_size=_MAX_POINTER_RECORD_BYTES))
             for n in names
         ]
     bin_ = os.path.join(os.path.abspath(io.local_path(run)), TRASH_NAME)
@@ -422,7 +424,7 @@ def pointer_records(run: str) -> list[tuple[str, bytes]]:
                 with os.fdopen(fd, "rb") as f:
                     if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
                         continue
-                    found.append((name.removesuffix(POINTERS_SUFFIX), f.read(io.MAX_MARKER_BYTES)))
+                    found.append((name.removesuffix(POINTERS_SUFFIX), f.read(_MAX_POINTER_RECORD_BYTES)))
     return found
 
 

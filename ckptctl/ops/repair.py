@@ -56,10 +56,8 @@ LINK = "link"
 QUARANTINE = "quarantine"
 RESTORE = "restore"
 
-#: A pointer file is a tag name or a number; anything longer is not one.
+#: A pointer file is a tag name or a number; anything longer is not one (nor kept in a repair's record: refused).
 _MAX_POINTER_BYTES = 4096
-#: The most of a pointer file's bytes a repair keeps in its record to put back (a longer file is refused).
-_MAX_RECORDED_BYTES = io.MAX_MARKER_BYTES
 
 
 class RunBusy(CkptctlError):
@@ -307,10 +305,10 @@ def _held(path: str, link: bool) -> bytes | None:
     if link:
         target = read_link(path)
         return None if target is None else os.fsencode(target)
-    data = pointer_bytes(path, _MAX_RECORDED_BYTES + 1)
-    if data is not None and len(data) > _MAX_RECORDED_BYTES:
+    data = pointer_bytes(path, _MAX_POINTER_BYTES + 1)
+    if data is not None and len(data) > _MAX_POINTER_BYTES:
         raise CkptctlError(
-            f"{path} holds over {_MAX_RECORDED_BYTES} bytes: not a pointer file whose content repair can keep "
+            f"{path} holds over {_MAX_POINTER_BYTES} bytes: not a pointer file whose content repair can keep "
             "to put back; nothing was changed",
             "move it away (keep it if you need it), then run repair again",
         )
@@ -536,7 +534,9 @@ def plan_undo(run: str) -> RepairPlan:
             "repair rewrote: moved back, and any pointer is left as it is now; "
             f"see `{shell('ckptctl', 'resume-plan', run)}` for where a resume lands"
         )
-    pointers, records, now = [], [], {}
+    pointers: list[RepairAction] = []
+    records: list[str] = []
+    now: dict[str, bytes | None] = {}
     for name, data in reversed(trash.pointer_records(run)):
         recorded = _recorded_pointers(_parsed(data))
         if recorded is None:

@@ -85,6 +85,8 @@ def _render(out: Output, plan: RepairPlan) -> None:
     done = {"pointer": "rewrote", "link": "relinked", "quarantine": "quarantined", "restore": "moved back"}
     for action in plan.actions:
         what = (done if not plan.dry_run else verb)[action.kind]
+        if plan.undo and action.kind in ("pointer", "link"):  # an undo writes back what the pointer held
+            what = "restored" if not plan.dry_run else "restore"
         if action.kind in ("pointer", "link"):
             facts.append((what, f"{action.path}: {_shown(action.before)} -> {_shown(action.after)}"))
         else:

@@ -88,7 +88,7 @@ complete -c ckptctl -n '__fish_seen_subcommand_from prune' -l help -s h -d 'Show
 complete -c ckptctl -n 'not __fish_seen_subcommand_from convert demo diff inspect list prune repair reshard resume-plan slim verify' -a repair -d 'Make the framework\'s own resume land on the newest checkpoint of the run whose every role verifies.'
 complete -c ckptctl -n '__fish_seen_subcommand_from repair' -l yes -s y -d 'Apply the plan (the default only prints it).'
 complete -c ckptctl -n '__fish_seen_subcommand_from repair' -l dry-run -d 'Print the plan; change nothing (the default).'
-complete -c ckptctl -n '__fish_seen_subcommand_from repair' -l undo -d 'Move the checkpoints an earlier repair quarantined back where they were.'
+complete -c ckptctl -n '__fish_seen_subcommand_from repair' -l undo -d 'Undo earlier repairs: move quarantined checkpoints back, put rewritten pointers back.'
 complete -c ckptctl -n '__fish_seen_subcommand_from repair' -l wait -r -d 'Seconds to wait for another prune, slim or repair of the run (the run\'s lock) to finish.'
 complete -c ckptctl -n '__fish_seen_subcommand_from repair' -l json -d 'Print one JSON document on stdout (schema_version 1).'
 complete -c ckptctl -n '__fish_seen_subcommand_from repair' -l quiet -s q -d 'Print nothing but errors; the exit code tells the result.'

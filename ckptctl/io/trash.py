@@ -53,11 +53,15 @@ __all__ = [
     "delete",
     "delete_objects",
     "delete_parts",
+    "drop_pointer_record",
     "empty",
     "no_markers",
+    "pointer_records",
     "purge",
     "quarantine",
     "quarantined",
+    "record_pointers",
+    "remove_empty_quarantine",
     "remove_entry",
     "retire",
     "trash_of",
@@ -73,6 +77,11 @@ TRASH_NAME = ".ckptctl-trash"
 QUARANTINE_NAME = "quarantine"
 #: Beside each quarantined entry, `<name>` + this: a small JSON record of where it came from.
 RECORD_SUFFIX = ".origin.json"
+#: In the quarantine, `<repair id>` + this: a JSON record of the pointers one repair rewrote and what they held,
+#: which `repair --undo` puts back (a repair that only rewrites pointers quarantines nothing else).
+POINTERS_SUFFIX = ".pointers.json"
+#: What is read of a pointer record: a few pointers of at most 4 KiB each, in base64 and as escaped text.
+_MAX_POINTER_RECORD_BYTES = 1 << 20
 
 #: Files deleted before the others, tier by tier (relative paths with `/`; each tier in one batch).
 Tiers = Sequence[Collection[str]]
@@ -357,6 +366,97 @@ def unquarantine(run: str, name: str, origin: str) -> None:
             os.fsync(parent_fd)
             os.unlink(name + RECORD_SUFFIX, dir_fd=box_fd)
             os.fsync(box_fd)
+
+
+def record_pointers(run: str, name: str, record: bytes) -> str:
+    """Write the pointer record `name` + `POINTERS_SUFFIX` into the run's quarantine (made if missing) and fsync
+    it and the folder, before the repair changes any pointer; return its path. Locally nothing is opened through
+    a link; on an object store it is one PUT.
+
+    Raises:
+        UnsafePath: the trash or the quarantine folder is a link or not a folder (nothing was written).
+        FileExistsError: a record of that name exists (names are unique per repair).
+        OSError: writing failed.
+    """
+    if not io.is_local(run):
+        url = io.join(run, TRASH_NAME, QUARANTINE_NAME, name + POINTERS_SUFFIX)
+        io.write_bytes_atomic(url, record)
+        return url
+    bin_ = os.path.join(os.path.abspath(io.local_path(run)), TRASH_NAME)
+    with _opened_trash(bin_, create=True) as trash_fd:
+        assert trash_fd is not None  # created
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(QUARANTINE_NAME, dir_fd=trash_fd)
+        where = os.path.join(bin_, QUARANTINE_NAME)
+        with _opened_dir(QUARANTINE_NAME, dir_fd=trash_fd, what=where) as box_fd:
+            _write_file(box_fd, name + POINTERS_SUFFIX, record)
+            os.fsync(box_fd)
+        os.fsync(trash_fd)
+    return os.path.join(where, name + POINTERS_SUFFIX)
+
+
+def pointer_records(run: str) -> list[tuple[str, bytes]]:
+    """Each pointer record of the run's quarantine (`record_pointers`), by name (without the suffix), with its
+    content, oldest first (names start with the repair's UTC time).
+
+    Raises:
+        UnsafePath: the trash or the quarantine folder is a link or not a folder.
+    """
+    if not io.is_local(run):
+        box = io.join(run, TRASH_NAME, QUARANTINE_NAME)
+        try:
+            entries = io.list_dir(box)
+        except CheckpointNotFound:
+            return []
+        names = sorted(e.name for e in entries if not e.is_dir and e.name.endswith(POINTERS_SUFFIX))
+        return [
+            (n.removesuffix(POINTERS_SUFFIX), io.read_bytes(io.join(box, n), max_size=_MAX_POINTER_RECORD_BYTES))
+            for n in names
+        ]
+    bin_ = os.path.join(os.path.abspath(io.local_path(run)), TRASH_NAME)
+    found = []
+    with _opened_trash(bin_, create=False) as trash_fd:
+        if trash_fd is None or not os.path.lexists(os.path.join(bin_, QUARANTINE_NAME)):
+            return []
+        with _opened_dir(QUARANTINE_NAME, dir_fd=trash_fd, what=os.path.join(bin_, QUARANTINE_NAME)) as box_fd:
+            for name in sorted(n for n in os.listdir(box_fd) if n.endswith(POINTERS_SUFFIX)):
+                fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), dir_fd=box_fd)
+                with os.fdopen(fd, "rb") as f:
+                    if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                        continue
+                    found.append((name.removesuffix(POINTERS_SUFFIX), f.read(_MAX_POINTER_RECORD_BYTES)))
+    return found
+
+
+def drop_pointer_record(run: str, name: str) -> None:
+    """Delete the pointer record `name` once `repair --undo` has put its pointers back (gone already is fine)."""
+    if not io.is_local(run):
+        io.delete_file(io.join(run, TRASH_NAME, QUARANTINE_NAME, name + POINTERS_SUFFIX))
+        return
+    bin_ = os.path.join(os.path.abspath(io.local_path(run)), TRASH_NAME)
+    with _opened_trash(bin_, create=False) as trash_fd:
+        if trash_fd is None:
+            return
+        with _opened_dir(QUARANTINE_NAME, dir_fd=trash_fd, what=os.path.join(bin_, QUARANTINE_NAME)) as box_fd:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(name + POINTERS_SUFFIX, dir_fd=box_fd)
+            os.fsync(box_fd)
+
+
+def remove_empty_quarantine(run: str) -> None:
+    """Remove the run's quarantine folder, then its trash folder, where each is empty (`repair --undo` leaves
+    nothing of ckptctl's behind); one that holds something, or a link, stays."""
+    if not io.is_local(run):
+        return
+    bin_ = os.path.join(os.path.abspath(io.local_path(run)), TRASH_NAME)
+    with _opened_trash(bin_, create=False) as trash_fd:
+        if trash_fd is None:
+            return
+        with contextlib.suppress(OSError):  # not empty, or not a folder: kept
+            if stat.S_ISDIR(os.lstat(QUARANTINE_NAME, dir_fd=trash_fd).st_mode):
+                os.rmdir(QUARANTINE_NAME, dir_fd=trash_fd)
+                os.fsync(trash_fd)
+    remove_if_empty(bin_)
 
 
 def _free_name(dir_fd: int, name: str) -> str:

@@ -6,8 +6,11 @@ structural verify), stepping further back while another role the framework loads
 critic tag of the same step, verl's role folders, AReaL's critic slot) does not verify. The change is the
 smallest one the framework's loader honours, as its pointer writer (`layouts.capabilities.PointerWriter`)
 says: its pointer files rewritten to name the target, or, where it picks by name, what it would pick over
-the target moved into the run's quarantine (`RUN/.ckptctl-trash/quarantine/`, `io.trash.quarantine`), from
-where `repair --undo` moves it back, byte for byte. Nothing is ever deleted.
+the target moved into the run's quarantine (`RUN/.ckptctl-trash/quarantine/`, `io.trash.quarantine`). Before
+the first change, what each pointer held (byte for byte, or that there was none) is recorded in the quarantine
+too (`io.trash.record_pointers`). `repair --undo` moves the quarantined entries back and puts each pointer back
+as it was, so that the run is byte-identical to what it was before the repair and the framework resumes where it
+did; then it removes its records (and the quarantine, when empty). Nothing is ever deleted.
 
 Planning changes nothing. Applying takes the run's lock (the one `prune` takes), plans again under it, and
 refuses while a save is being written; each pointer is written atomically (temporary file, fsync, rename,
@@ -21,9 +24,11 @@ pointer writer.
 
 from __future__ import annotations
 
+import base64
 import errno
 import json
 import os
+import secrets
 import stat
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -51,7 +56,7 @@ LINK = "link"
 QUARANTINE = "quarantine"
 RESTORE = "restore"
 
-#: A pointer file is a tag name or a number; anything longer is not one.
+#: A pointer file is a tag name or a number; anything longer is not one (nor kept in a repair's record: refused).
 _MAX_POINTER_BYTES = 4096
 
 
@@ -72,13 +77,17 @@ class RepairAction:
             quarantine) or `restore` (`--undo`: a quarantined entry moved back).
         path: the pointer file, or the entry moved.
         before: the pointer's content (None: no pointer yet), or where the entry is.
-        after: what the pointer will hold, or where the entry goes.
+        after: what the pointer will hold (None, in an undo: the pointer is removed, as there was none before
+            the repair), or where the entry goes.
+        data: the exact bytes `after` stands for where they may not be text (an undo puts a pointer back byte
+            for byte); None: `after` encoded.
     """
 
     kind: str
     path: str
     before: str | None
     after: str | None
+    data: bytes | None = None
 
     def to_json(self) -> dict[str, Any]:
         kind = POINTER if self.kind == LINK else self.kind
@@ -100,7 +109,11 @@ class RepairPlan:
         refusal: why no change of the framework's files makes its resume land on `target` (the resume as it
             stands loads something else), with what to do instead; None when the actions do.
         dry_run: nothing was changed.
-        undo: the plan moves quarantined entries back.
+        undo: the plan moves quarantined entries back and puts rewritten pointers back.
+        left: (undo) what stays as it is, and why (an entry whose place is taken, a pointer written anew since
+            the repair): the undo is not whole.
+        records: (undo) the pointer records (`io.trash.pointer_records` names) the undo puts back and then
+            removes.
     """
 
     run: str
@@ -112,6 +125,8 @@ class RepairPlan:
     dry_run: bool = True
     undo: bool = False
     refusal: str | None = None
+    left: tuple[str, ...] = ()
+    records: tuple[str, ...] = ()
 
     @property
     def needed(self) -> bool:
@@ -132,6 +147,7 @@ class RepairPlan:
             "actions": [a.to_json() for a in self.actions],
             "skipped": [s.to_json() for s in self.skipped],
             "notes": list(self.notes),
+            "left": list(self.left),
             "refusal": self.refusal,
         }
 
@@ -249,9 +265,19 @@ def read_pointer(path: str) -> str | None:
     Raises:
         UnsafePath: a link (or a folder) is where the pointer is.
     """
+    data = pointer_bytes(path, _MAX_POINTER_BYTES)
+    return None if data is None else data.decode("utf-8", "replace")
+
+
+def pointer_bytes(path: str, cap: int) -> bytes | None:
+    """Up to `cap` bytes of a pointer file (None when there is none), read without following a link.
+
+    Raises:
+        UnsafePath: a link (or a folder) is where the pointer is.
+    """
     if not io.is_local(path):
         try:
-            return io.read_bytes(path, max_size=_MAX_POINTER_BYTES).decode("utf-8", "replace")
+            return io.read_bytes(path, max_size=cap)
         except CheckpointNotFound:
             return None
     local = io.local_path(path)
@@ -266,7 +292,27 @@ def read_pointer(path: str) -> str | None:
     with os.fdopen(fd, "rb") as f:
         if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
             raise UnsafePath(f"{path} is not a file: refusing to rewrite it; nothing was changed")
-        return f.read(_MAX_POINTER_BYTES).decode("utf-8", "replace")
+        return f.read(cap)
+
+
+def _held(path: str, link: bool) -> bytes | None:
+    """Exactly what the pointer at `path` holds now (a link: its target), None when there is none.
+
+    Raises:
+        UnsafePath: a link where a file should be, or the other way round.
+        CkptctlError: it is longer than a repair keeps a copy of.
+    """
+    if link:
+        target = read_link(path)
+        return None if target is None else os.fsencode(target)
+    data = pointer_bytes(path, _MAX_POINTER_BYTES + 1)
+    if data is not None and len(data) > _MAX_POINTER_BYTES:
+        raise CkptctlError(
+            f"{path} holds over {_MAX_POINTER_BYTES} bytes: not a pointer file whose content repair can keep "
+            "to put back; nothing was changed",
+            "move it away (keep it if you need it), then run repair again",
+        )
+    return data
 
 
 def _link_refused(path: str) -> UnsafePath:
@@ -318,15 +364,23 @@ def repair(
                 f"{busy[0].url} is being written ({busy[0].reason}): refusing to repair the run now; nothing was changed",
                 "run repair again once the save has finished or stopped",
             )
+        if not plan.actions and plan.records:  # pointers a killed repair never changed: nothing to put back
+            _forget(run, plan.records)
+            return replace(plan, dry_run=False)
         if not plan.actions or (confirm is not None and not confirm(plan)):
             return plan
         for action in plan.actions:
             _check_writable(io.parent_of(action.path) if action.kind != RESTORE else io.parent_of(action.after or ""))
+        record = f"repair-{datetime.now(UTC):%Y%m%dT%H%M%S%fZ}-{secrets.token_hex(4)}"  # sorts by time
+        if not undo and any(a.kind in (POINTER, LINK) for a in plan.actions):
+            trash.record_pointers(run, record, _pointer_record(run, plan))
         done = []
         for action in plan.actions:
             lock.check()
-            done.append(_apply(run, action, plan))
+            done.append(_apply(run, action, plan, record))
             after_action(done[-1])
+        if undo:
+            _forget(run, plan.records)
         return replace(plan, actions=tuple(done), dry_run=False)
 
 
@@ -335,9 +389,44 @@ def _check_writable(folder: str) -> None:
         raise CkptctlError(f"{folder} is not writable: repair cannot change it; nothing was changed")
 
 
-def _apply(run: str, action: RepairAction, plan: RepairPlan) -> RepairAction:
+def _pointer_record(run: str, plan: RepairPlan) -> bytes:
+    """The record of what each pointer the plan rewrites holds now, byte for byte (`existed` false: there is
+    none), and what the repair writes, for `repair --undo` to put back."""
+    pointers = []
+    for action in plan.actions:
+        if action.kind not in (POINTER, LINK):
+            continue
+        held = _held(action.path, action.kind == LINK)
+        pointers.append(
+            {
+                "path": io.relative_to(action.path, run),
+                "link": action.kind == LINK,
+                "existed": held is not None,
+                "before": None if held is None else held.decode("utf-8", "replace"),  # for a person reading it
+                "before_base64": None if held is None else base64.b64encode(held).decode(),
+                "after": action.after,
+            }
+        )
+    return json.dumps(
+        {
+            "schema_version": SCHEMA_VERSION,
+            "by": "ckptctl repair",
+            "repaired": datetime.now(UTC).isoformat(timespec="seconds"),
+            "resume_target": None if plan.target is None else plan.target.url,
+            "pointers": pointers,
+        },
+        indent=1,
+    ).encode()
+
+
+def _apply(run: str, action: RepairAction, plan: RepairPlan, repair_id: str) -> RepairAction:
     if action.kind in (POINTER, LINK):
-        write_pointer(Pointer(action.path, action.after or "", link=action.kind == LINK))
+        if action.after is None:  # an undo: there was no pointer before the repair
+            _remove_pointer(action.path, link=action.kind == LINK)
+        elif action.data is not None:
+            _put_back(action.path, action.data, link=action.kind == LINK)
+        else:
+            write_pointer(Pointer(action.path, action.after, link=action.kind == LINK))
         return action
     if action.kind == QUARANTINE:
         record = {
@@ -345,6 +434,7 @@ def _apply(run: str, action: RepairAction, plan: RepairPlan) -> RepairAction:
             "origin": io.relative_to(action.path, run),
             "quarantined": datetime.now(UTC).isoformat(timespec="seconds"),
             "by": "ckptctl repair",
+            "repair": repair_id,  # its pointers, if it rewrote any, are in `<repair>.pointers.json`
             "resume_target": None if plan.target is None else plan.target.url,
         }
         where = trash.quarantine(io.local_path(action.path), run, json.dumps(record, indent=1).encode())
@@ -368,12 +458,41 @@ def write_pointer(pointer: Pointer) -> None:
         io.write_bytes_atomic(pointer.path, pointer.content.encode())
         return
     read_link(pointer.path)  # refuses a file or a folder where the link is
-    local = io.local_path(pointer.path)
+    _symlink_atomic(pointer.path, pointer.content)
+
+
+def _symlink_atomic(path: str, target: str) -> None:
+    local = io.local_path(path)
     folder = os.path.dirname(os.path.abspath(local))
     temporary = os.path.join(folder, f".{os.path.basename(local)}.tmp-{os.getpid()}")
-    os.symlink(pointer.content, temporary)
+    os.symlink(target, temporary)
     os.replace(temporary, local)
     io.fsync_dir(folder)
+
+
+def _put_back(path: str, data: bytes, *, link: bool) -> None:
+    """Write a pointer's old bytes back as `write_pointer` writes (atomically, refusing a link where a file
+    was, or the other way round)."""
+    if link:
+        read_link(path)
+        _symlink_atomic(path, os.fsdecode(data))
+        return
+    read_pointer(path)
+    io.write_bytes_atomic(path, data)
+
+
+def _remove_pointer(path: str, *, link: bool) -> None:
+    """Remove a pointer the repair created (none was there before), never what a link names."""
+    if link:
+        if read_link(path) is not None:
+            os.unlink(io.local_path(path))
+            io.fsync_dir(os.path.dirname(os.path.abspath(io.local_path(path))))
+        return
+    if read_pointer(path) is None:  # refuses a link or a folder
+        return
+    io.delete_file(path)
+    if io.is_local(path):
+        io.fsync_dir(os.path.dirname(os.path.abspath(io.local_path(path))))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -382,38 +501,115 @@ def write_pointer(pointer: Pointer) -> None:
 
 
 def plan_undo(run: str) -> RepairPlan:
-    """Moving each entry of the run's quarantine back where its record says it came from.
+    """Moving each entry of the run's quarantine back where its record says it came from, then putting each
+    pointer a repair rewrote back as it was (the newest repair's first, so that the oldest one's `before`
+    is what is left), where it still holds what the repair wrote.
 
     Raises:
         CheckpointNotFound: `run` is not a folder.
-        UnsafePath: the trash or the quarantine is a link.
+        UnsafePath: the trash or the quarantine is a link, or a link is where a pointer file was (or the other
+            way round).
     """
     if not io.is_dir(run):
         raise CheckpointNotFound(f"no such run folder: {run}")
-    if not io.is_local(run):
-        return RepairPlan(run, None, None, (), undo=True, notes=("repair quarantines only in local runs",))
     box = io.join(run, trash.TRASH_NAME, trash.QUARANTINE_NAME)
-    actions, notes = [], []
-    for name, data in trash.quarantined(io.local_path(run)):
-        origin = _origin(data)
+    actions, notes, left = [], [], []
+    unrecorded = []
+    for name, data in trash.quarantined(io.local_path(run)) if io.is_local(run) else ():
+        record = _parsed(data)
+        origin = _inside(record.get("origin"))
         if origin is None:
-            notes.append(f"{io.join(box, name)}: its record does not say where it came from; left in quarantine")
+            left.append(f"{io.join(box, name)}: its record does not say where it came from; left in quarantine")
             continue
         destination = io.join(run, origin)
         if os.path.lexists(io.local_path(destination)):
-            notes.append(f"{io.join(box, name)}: {destination} exists again; left in quarantine")
+            left.append(f"{io.join(box, name)}: {destination} exists again; left in quarantine")
             continue
         actions.append(RepairAction(RESTORE, io.join(box, name), io.join(box, name), destination))
-    return RepairPlan(run, None, None, tuple(actions), notes=tuple(notes), undo=True)
+        if "repair" not in record:
+            unrecorded.append(name)
+    if unrecorded:
+        notes.append(
+            f"{', '.join(unrecorded)}: quarantined by an older ckptctl, which kept no record of the pointers a "
+            "repair rewrote: moved back, and any pointer is left as it is now; "
+            f"see `{shell('ckptctl', 'resume-plan', run)}` for where a resume lands"
+        )
+    pointers: list[RepairAction] = []
+    records: list[str] = []
+    now: dict[str, bytes | None] = {}
+    for name, data in reversed(trash.pointer_records(run)):
+        recorded = _recorded_pointers(_parsed(data))
+        if recorded is None:
+            left.append(f"{io.join(box, name + trash.POINTERS_SUFFIX)}: not a record ckptctl can read; left as it is")
+            continue
+        records.append(name)
+        for rel, link, before, after in reversed(recorded):
+            path = io.join(run, rel)
+            held = now[path] if path in now else _held(path, link)
+            if held == before:  # a killed repair never got to it, or a newer record's undo put it back
+                continue
+            if held != after:
+                was = "none" if before is None else repr(_text(before))
+                left.append(
+                    f"{path} holds {_text(held)!r} now, not {_text(after)!r} as the repair left it: written anew "
+                    f"since, so left as it is (before the repair: {was})"
+                )
+                now[path] = held
+                continue
+            kind = LINK if link else POINTER
+            pointers.append(RepairAction(kind, path, _text(held), None if before is None else _text(before), before))
+            now[path] = before
+    return RepairPlan(
+        run, None, None, (*actions, *pointers), notes=tuple(notes), undo=True, left=tuple(left), records=tuple(records)
+    )
 
 
-def _origin(record: bytes) -> str | None:
-    """The path inside the run a quarantine record names, or None when it names none (or one outside)."""
+def _forget(run: str, records: Sequence[str]) -> None:
+    """Remove the pointer records an undo has put back, then the quarantine and the trash where empty."""
+    for name in records:
+        trash.drop_pointer_record(run, name)
+    trash.remove_empty_quarantine(run)
+
+
+def _text(data: bytes | None) -> str:
+    return "" if data is None else data.decode("utf-8", "replace")
+
+
+def _parsed(record: bytes) -> dict[str, Any]:
     try:
-        origin = json.loads(record).get("origin")
-    except (ValueError, AttributeError):
-        return None
-    if not isinstance(origin, str) or not origin or os.path.isabs(origin):
+        parsed = json.loads(record)
+    except ValueError:
+        return {}
+    return parsed if isinstance(parsed, dict) else {}
+
+
+def _recorded_pointers(record: dict[str, Any]) -> list[tuple[str, bool, bytes | None, bytes]] | None:
+    """(path inside the run, link, bytes before the repair or None when there was none, bytes it wrote) of each
+    pointer of a pointer record, or None when the record is not one ckptctl wrote whole."""
+    found = []
+    for item in record.get("pointers") or ():
+        if not isinstance(item, dict):
+            return None
+        rel, link, existed = _inside(item.get("path")), item.get("link"), item.get("existed")
+        before, after = item.get("before_base64"), item.get("after")
+        if (
+            rel is None
+            or not isinstance(link, bool)
+            or not isinstance(after, str)
+            or existed is not (before is not None)
+        ):
+            return None
+        try:
+            old = None if before is None else base64.b64decode(before, validate=True)
+        except (ValueError, TypeError):
+            return None
+        found.append((rel, link, old, os.fsencode(after) if link else after.encode()))
+    return found if found else None
+
+
+def _inside(origin: object) -> str | None:
+    """A path inside the run a record names, or None when it names none (or one outside, or in the trash)."""
+    if not isinstance(origin, str) or not origin or os.path.isabs(origin) or "://" in origin:
         return None
     parts = origin.split("/")
-    return None if ".." in parts or "" in parts or parts[0] == trash.TRASH_NAME else origin
+    return None if ".." in parts or "" in parts or "." in parts or parts[0] == trash.TRASH_NAME else origin

@@ -57,6 +57,15 @@ def test_plan_exits_1_then_yes_repairs(
     assert done.json["dry_run"] is False and (save_dir / "latest").read_text() == "global_step2"
     assert run_cli("repair", save_dir).exit_code == 0
 
+    undo = {"kind": "pointer", "path": str(save_dir / "latest"), "before": "global_step2", "after": "global_step4"}
+    plan = run_cli("repair", save_dir, "--undo", "--json")
+    assert plan.exit_code == 1 and plan.json["actions"] == [{**undo, "link": False}] and plan.json["left"] == []
+    undone = run_cli("repair", save_dir, "--undo", "-y", "--json")
+    assert undone.exit_code == 0, undone.stderr
+    assert undone.json["dry_run"] is False and undone.json["actions"] == plan.json["actions"]
+    assert (save_dir / "latest").read_text() == "global_step4" and not (save_dir / ".ckptctl-trash").exists()
+    assert run_cli("repair", save_dir, "--undo").exit_code == 0  # nothing left to undo
+
 
 def test_quarantine_and_undo(run_cli: Cli, trainer_run: WrittenTrainerRun, tmp_path: Path) -> None:
     out = copy_tree(trainer_run.output_dir, tmp_path / "out")
@@ -74,7 +83,18 @@ def test_quarantine_and_undo(run_cli: Cli, trainer_run: WrittenTrainerRun, tmp_p
     undone = run_cli("repair", out, "--undo", "-y")
     assert undone.exit_code == 0, undone.stderr
     assert (out / "checkpoint-4" / "optimizer.pt").read_bytes() == original
+    assert not (out / ".ckptctl-trash").exists()  # nothing of ckptctl's is left behind
     assert run_cli("repair", out, "--undo").exit_code == 0  # nothing left to undo
+
+
+def test_undo_exits_1_when_a_pointer_was_written_anew(run_cli: Cli, demo_dir: Path, tmp_path: Path) -> None:
+    run = copy_tree(demo_dir / "native", tmp_path / "native")
+    (run / "step-30" / "model.safetensors").unlink()
+    assert run_cli("repair", run, "-y").exit_code == 0
+    (run / "latest").write_text("step-10\n")
+    result = run_cli("repair", run, "--undo", "-y", "--json")
+    assert result.exit_code == 1 and result.json["actions"] == [] and len(result.json["left"]) == 1
+    assert "written anew" in result.stderr and (run / "latest").read_text() == "step-10\n"
 
 
 def test_bad_input_exits_2(run_cli: Cli, tmp_path: Path) -> None:

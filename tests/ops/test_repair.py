@@ -408,6 +408,10 @@ def test_sigkill_after_the_first_change_leaves_before_or_after(
     with pytest.warns(RuntimeWarning, match="stale|took over|taking over|lock"):
         repair(str(ckpt))
     assert (ckpt / "_critic" / "latest").read_text() == "global_step4"
+    # The killed repair's record and the second one's together put both pointers back.
+    repair(str(ckpt), undo=True)
+    assert (ckpt / "_actor" / "latest").read_text() == (ckpt / "_critic" / "latest").read_text() == "best_global_step4"
+    assert not (ckpt / trash.TRASH_NAME).exists()
 
 
 def test_sigkill_between_quarantines_leaves_each_checkpoint_whole_and_undo_restores_it(
@@ -428,3 +432,248 @@ def test_sigkill_between_quarantines_leaves_each_checkpoint_whole_and_undo_resto
     with pytest.warns(RuntimeWarning):  # the killed repair's lock is taken over
         repair(str(dump), undo=True)
     assert {p.name: _tree_digest(p) for p in folder.glob("step-*")} == originals
+
+
+# --- undo: the run as it was, pointers too --------------------------------------------------------
+
+
+def _tree(root: Path) -> dict[str, str]:
+    """Every path below `root` (folders too, ckptctl's own bookkeeping included) -> its sha256, `dir` or its
+    link target: equal before a repair and after its undo means byte-identical, with nothing left behind."""
+    found = {}
+    for path in sorted(root.rglob("*")):
+        rel = str(path.relative_to(root))
+        if path.is_symlink():
+            found[rel] = "link:" + os.readlink(path)
+        elif path.is_dir():
+            found[rel] = "dir"
+        else:
+            found[rel] = hashlib.sha256(path.read_bytes()).hexdigest()
+    return found
+
+
+def _deepspeed_latest(save_dir: Path) -> str:
+    """The tag folder DeepSpeed's own reader of `latest` (zero_to_fp32's `get_fp32_state_dict_from_zero_checkpoint`,
+    the same read as `engine.load_checkpoint(dir, tag=None)`) opens; its loading of that tag stubbed out."""
+    from deepspeed.utils import zero_to_fp32
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(zero_to_fp32, "_get_fp32_state_dict_from_zero_checkpoint", lambda folder, *_: folder)
+        return cast(str, zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(str(save_dir), lazy_mode=True))
+
+
+def _undo_native(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[Path, Callable[[], object]]:
+    from ckptctl.core.manager import CheckpointManager
+
+    run = copy_tree(request.getfixturevalue("demo_dir") / "native", tmp_path / "native")
+    (run / "step-30" / "model.safetensors").unlink()
+    return run, lambda: CheckpointManager(str(run)).pointer()
+
+
+def _undo_deepspeed(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[Path, Callable[[], object]]:
+    save_dir = copy_tree(request.getfixturevalue("deepspeed_runs")[2].save_dir, tmp_path / "ds")
+    next((save_dir / "global_step4").glob("*zero_pp_rank_1_*optim_states.pt")).unlink()
+    return save_dir, lambda: _deepspeed_latest(save_dir)
+
+
+def _undo_openrlhf(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[Path, Callable[[], object]]:
+    zero2 = request.getfixturevalue("deepspeed_runs")[2]
+    ckpt = arrange_openrlhf(tmp_path / "ckpt", zero2, zero2, request.getfixturevalue("hf_model_dirs")["single"])
+    next((ckpt / "_critic" / "best_global_step4").glob("*zero_pp_rank_0_*optim_states.pt")).unlink()
+    # `--load_checkpoint` loads each role through DeepSpeed's `load_checkpoint(save_dir)`: its `latest`.
+    return ckpt, lambda: (_deepspeed_latest(ckpt / "_actor"), _deepspeed_latest(ckpt / "_critic"))
+
+
+def _undo_open_instruct(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[Path, Callable[[], object]]:
+    zero2 = request.getfixturevalue("deepspeed_runs")[2]
+    hf_model = request.getfixturevalue("hf_model_dirs")["single"]
+    state = arrange_open_instruct(tmp_path / "state", tmp_path / "out", zero2, hf_model)
+    (state / "global_step4" / "driver_state.pt").unlink()
+    _age(state / "global_step4")
+    return state, lambda: _deepspeed_latest(state)
+
+
+def _undo_verl(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[Path, Callable[[], object]]:
+    written: WrittenVerl = request.getfixturevalue("verl_run")
+    run = copy_tree(written.run, tmp_path / "verl")
+    newest = run / f"global_step_{max(written.steps)}"
+    role = newest / "critic" if (newest / "critic").is_dir() else newest / "actor"
+    next(role.glob("optim_world_size_*_rank_1.pt")).unlink()
+    _age(newest)
+    find_latest_ckpt_path = _verl_find_latest_ckpt_path()
+    return run, lambda: find_latest_ckpt_path(str(run))
+
+
+def _undo_megatron(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[Path, Callable[[], object]]:
+    written: WrittenMegatron = request.getfixturevalue("megatron_runs")
+    save = copy_tree(written.save, tmp_path / "megatron")
+    next((save / f"iter_{max(written.iterations):07d}").glob("*.distcp")).unlink()
+
+    def iteration() -> int:  # Megatron-LM's `read_metadata`, as test_megatron_tracker_is_rewritten reads it
+        return int((save / "latest_checkpointed_iteration.txt").read_text().strip())
+
+    return save, iteration
+
+
+def _undo_lightning(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[Path, Callable[[], object]]:
+    linked = copy_tree(request.getfixturevalue("lightning_run").linked, tmp_path / "linked")
+    _truncate(linked / os.readlink(linked / "last.ckpt"))
+    _age(linked)
+    # `ckpt_path="last"` opens last.ckpt through the OS: the file it reaches.
+    return linked, lambda: os.path.realpath(linked / "last.ckpt")
+
+
+def _undo_trainer(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[Path, Callable[[], object]]:
+    from transformers.trainer_utils import get_last_checkpoint
+
+    out = copy_tree(request.getfixturevalue("trainer_run").output_dir, tmp_path / "out")
+    _truncate(out / "checkpoint-4" / "model.safetensors")
+    return out, lambda: get_last_checkpoint(str(out))
+
+
+UNDO_CASES = {
+    "native": _undo_native,
+    "deepspeed": _undo_deepspeed,
+    "openrlhf": _undo_openrlhf,
+    "open_instruct": _undo_open_instruct,
+    "verl": _undo_verl,
+    "megatron": _undo_megatron,
+    "lightning": _undo_lightning,
+    "hf_trainer": _undo_trainer,
+}
+
+
+@pytest.mark.parametrize("framework", sorted(UNDO_CASES))
+def test_undo_restores_the_run_byte_for_byte_and_the_framework_resumes_where_it_did(
+    framework: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    run, find_latest = UNDO_CASES[framework](request, tmp_path)
+    before, picked = _tree(run), find_latest()
+    done = repair(str(run))
+    assert done.actions and find_latest() != picked  # the repair redirected the framework's resume
+    undone = repair(str(run), undo=True)
+    assert not undone.dry_run and not undone.notes
+    assert _tree(run) == before
+    assert find_latest() == picked
+    assert not plan_undo(str(run)).actions  # nothing left to undo
+
+
+def test_undo_of_stacked_repairs_ends_where_the_first_began(demo_dir: Path, tmp_path: Path) -> None:
+    run = copy_tree(demo_dir / "native", tmp_path / "native")
+    (run / "step-30" / "model.safetensors").unlink()
+    before = _tree(run)
+    repair(str(run))
+    (run / "step-20" / "model.safetensors").unlink()
+    between = _tree(run)
+    repair(str(run))
+    assert (run / "latest").read_text() == "step-10\n"
+    plan = plan_undo(str(run))
+    assert [(a.kind, a.before, a.after) for a in plan.actions] == [
+        (POINTER, "step-10\n", "step-20\n"),
+        (POINTER, "step-20\n", "step-30\n"),
+    ]
+    assert plan.to_json()["actions"][0] == {
+        "kind": "pointer",
+        "path": str(run / "latest"),
+        "before": "step-10\n",
+        "after": "step-20\n",
+        "link": False,
+    }
+    repair(str(run), undo=True)
+    assert _tree(run) == {k: v for k, v in before.items() if k in between}  # step-20's file stays deleted
+
+
+def test_undo_removes_a_pointer_the_repair_created(zero2: WrittenDeepSpeed, tmp_path: Path) -> None:
+    save_dir = copy_tree(zero2.save_dir, tmp_path / "ds")
+    next((save_dir / "global_step4").glob("*zero_pp_rank_1_*optim_states.pt")).unlink()
+    (save_dir / "latest").unlink()
+    before = _tree(save_dir)
+    (action,) = repair(str(save_dir)).actions
+    assert action.before is None and (save_dir / "latest").read_text() == "global_step2"
+    record = json.loads(next((save_dir / trash.TRASH_NAME / trash.QUARANTINE_NAME).glob("*.pointers.json")).read_text())
+    assert record["pointers"] == [
+        {
+            "path": "latest",
+            "link": False,
+            "existed": False,
+            "before": None,
+            "before_base64": None,
+            "after": "global_step2",
+        }
+    ]
+    (undo,) = repair(str(save_dir), undo=True).actions
+    assert (undo.kind, undo.before, undo.after) == (POINTER, "global_step2", None)
+    assert _tree(save_dir) == before
+
+
+def test_undo_puts_back_bytes_that_are_not_text(demo_dir: Path, tmp_path: Path) -> None:
+    run = copy_tree(demo_dir / "native", tmp_path / "native")
+    (run / "step-30" / "model.safetensors").unlink()
+    (run / "latest").write_bytes(b"step-30\xff\x00\n")  # a pointer torn by a crash: garbage bytes
+    before = _tree(run)
+    repair(str(run))
+    assert (run / "latest").read_text() == "step-20\n"
+    repair(str(run), undo=True)
+    assert _tree(run) == before
+
+
+def test_undo_leaves_a_pointer_written_anew_since_the_repair(demo_dir: Path, tmp_path: Path) -> None:
+    run = copy_tree(demo_dir / "native", tmp_path / "native")
+    (run / "step-30" / "model.safetensors").unlink()
+    repair(str(run))
+    (run / "latest").write_text("step-10\n")  # the training went on (or a person chose) since the repair
+    plan = repair(str(run), undo=True)
+    assert not plan.actions and len(plan.left) == 1
+    assert "'step-10\\n' now, not 'step-20\\n'" in plan.left[0] and "'step-30\\n'" in plan.left[0]
+    assert (run / "latest").read_text() == "step-10\n" and not (run / trash.TRASH_NAME).exists()
+
+
+def test_undo_refuses_a_link_where_the_pointer_was(zero2: WrittenDeepSpeed, tmp_path: Path) -> None:
+    save_dir = copy_tree(zero2.save_dir, tmp_path / "ds")
+    next((save_dir / "global_step4").glob("*zero_pp_rank_1_*optim_states.pt")).unlink()
+    repair(str(save_dir))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.write_text("global_step2")
+    (save_dir / "latest").unlink()
+    (save_dir / "latest").symlink_to(elsewhere)
+    before = _tree(save_dir)
+    with pytest.raises(UnsafePath, match="symbolic link"):
+        repair(str(save_dir), undo=True)
+    assert _tree(save_dir) == before and elsewhere.read_text() == "global_step2"
+
+
+def test_an_old_quarantine_record_without_pointers_still_undoes_with_a_note(
+    trainer_run: WrittenTrainerRun, tmp_path: Path
+) -> None:
+    out = copy_tree(trainer_run.output_dir, tmp_path / "out")
+    before = _tree(out)
+    box = out / trash.TRASH_NAME / trash.QUARANTINE_NAME
+    box.mkdir(parents=True)
+    (out / "checkpoint-4").rename(box / "checkpoint-4")
+    # What ckptctl wrote before it recorded pointers: no `repair` key.
+    (box / "checkpoint-4.origin.json").write_text('{"schema_version": 1, "origin": "checkpoint-4"}')
+    plan = repair(str(out), undo=True)
+    assert [a.after for a in plan.actions] == [str(out / "checkpoint-4")] and not plan.left
+    (note,) = plan.notes
+    assert "older ckptctl" in note and "resume-plan" in note
+    assert _tree(out) == before
+
+
+def test_undo_puts_pointers_back_on_an_object_store(demo_dir: Path) -> None:
+    import fsspec
+
+    fs = fsspec.filesystem("memory")
+    root = "/repair-undo-native"
+    for path in (demo_dir / "native").rglob("*"):
+        if path.is_file() and not (path.parent.name == "step-30" and path.name == "model.safetensors"):
+            fs.pipe_file(f"{root}/{path.relative_to(demo_dir / 'native')}", path.read_bytes())
+    run = f"memory://{root}"
+    try:
+        before = {p: fs.cat_file(p) for p in fs.find(root)}
+        repair(run)
+        assert fs.cat_file(f"{root}/latest") == b"step-20\n"
+        (action,) = repair(run, undo=True).actions
+        assert (action.before, action.after) == ("step-20\n", "step-30\n")
+        assert {p: fs.cat_file(p) for p in fs.find(root)} == before
+    finally:
+        fs.rm(root, recursive=True)

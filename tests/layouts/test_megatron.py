@@ -91,6 +91,7 @@ def test_inspect_reads_args_parallelism_and_counters(megatron_runs: WrittenMegat
     assert meta["parallelism"]["tensor_model_parallel_size"] == 2
     assert meta["parallelism"]["pipeline_model_parallel_size"] == 1
     assert meta["model"]["num_query_groups"] == 2 and meta["model"]["params_dtype"] == "float32"
+    assert meta["model"]["transformer_impl"] == "local"  # the spec whose names `convert --mapping none` writes
     assert meta["progress"] == {
         "iteration": 2,
         "consumed_train_samples": 8,

@@ -96,8 +96,8 @@ def spec_keys(args: Mapping[str, Any] | None, notes: list[str]) -> Mapping[str, 
             f"{COMMON} records no Megatron-LM arguments: layer names as megatron-core's Transformer Engine spec "
             "has them (Megatron-LM's default, and verl's, NeMo's); a model of the local spec names "
             "the norms input_layernorm and pre_mlp_layernorm: add --rename "
-            "'linear_qkv\\.layer_norm_=input_layernorm.' (the pattern matches the middle of a name) and "
-            "--rename 'mlp\\.linear_fc1\\.layer_norm_=pre_mlp_layernorm.'"
+            "'self_attention\\.linear_qkv\\.layer_norm_=input_layernorm.' --rename "
+            "'mlp\\.linear_fc1\\.layer_norm_=pre_mlp_layernorm.'"
         )
         return {}
     custom = args.get("spec")

@@ -127,7 +127,8 @@ def test_mapping_none_writes_what_megatron_cores_own_load_gives_the_model(
     (cut out of the stacked tensors as byte ranges), its local spec's norms under their module names. The tied
     save records no arguments: its names are the Transformer Engine spec's, and the renames the note gives make
     them the local model's. `diff` matches a checkpoint with each export under the export's names."""
-    from tests.writers.megatron_load_proof import megatron_loaded
+    from ckptctl.frameworks.megatron.names import LOCAL_SPEC_KEYS
+    from tests.writers.megatron_load_proof import SPEC_KEYS, megatron_loaded
 
     trained = _convert(run_cli, megatron_runs.iteration(1), tmp_path / "trained", "--mapping", "none")
     assert (trained["tensors"], trained["streamed_tensors"]) == (15, 13)  # linear_proj's TP columns: 32 floats
@@ -146,6 +147,7 @@ def test_mapping_none_writes_what_megatron_cores_own_load_gives_the_model(
         assert sorted(got) == sorted(want)
         assert [n for n in want if got[n].dtype != want[n].dtype or not torch.equal(got[n], want[n])] == []
     assert "decoder.layers.1.input_layernorm.weight" in want_trained
+    assert json.loads((tmp_path / "load" / SPEC_KEYS).read_text()) == {"dense": LOCAL_SPEC_KEYS, "mla": {}}
     te_names = sorted(load_file(tmp_path / "tied" / "model.safetensors"))
     assert "decoder.layers.1.self_attention.linear_qkv.layer_norm_weight" in te_names
     assert len(te_names) == len(want_tied)

@@ -154,8 +154,9 @@ def convert(
             "--mapping",
             metavar="MAP",
             help="--to hf from a framework whose models are its own code (torchtitan): the map of its tensor names "
-            "to transformers' (llama3, qwen3; default: from config.json's model_type; 'none' keeps the names, "
-            "also Megatron's, whose fused tensors are then written whole as stored, tensor-parallel parts merged).",
+            "to transformers' (llama3, qwen3; default: from config.json's model_type; 'none' keeps the framework's "
+            "own names: Megatron's as megatron-core's load gives them to the model, one tensor per layer, fused "
+            "tensors whole, tensor-parallel parts merged).",
         ),
     ] = None,
     config: Annotated[

@@ -45,6 +45,7 @@ __all__ = [
     "ModelSpec",
     "ModelTensors",
     "NameMap",
+    "NativeModel",
     "NotCarried",
     "ParamState",
     "Pointer",
@@ -367,6 +368,13 @@ class ConvertSource:
             `config.json` the user gave (`--config`), for what the checkpoint does not record. Raises
             `CkptctlError` when the model cannot be mapped (an architecture without a mapping, an unknown
             shape). Without it, the stored names and shapes are the model's own.
+        native_model: `(checkpoint) -> NativeModel`: the model's tensors under the names and shapes the
+            framework's own load hands to the model (its `state_dict()`), for a framework whose checkpoint
+            stores them otherwise (Megatron's layers stacked on a leading axis, under the keys its layer spec
+            maps the model's names to): what `convert --to hf --mapping none` writes, and what `diff` compares
+            when the other side names the model so. Made from the tensor index without reading tensor data.
+            Raises `CkptctlError` when the stored bytes cannot be cut so. Without it, the stored names and
+            shapes are the model's own.
         master_weights: the full-precision copy of the model the checkpoint keeps apart from its model
             weights (`MasterWeightsReader`). Without it, checkpoints keep none.
         adapter: `(checkpoint) -> Adapter | None`: the adapter a checkpoint holds instead of a model (a PEFT
@@ -402,6 +410,7 @@ class ConvertSource:
         | None
     ) = None
     hf_model: Callable[[Checkpoint, Mapping[str, Any] | None], HfModel] | None = None
+    native_model: Callable[[Checkpoint], NativeModel] | None = None
     master_weights: MasterWeightsReader | None = None
     adapter: Callable[[Checkpoint], Adapter | None] | None = None
     config_folders: Callable[[Checkpoint], Sequence[str]] | None = None
@@ -460,6 +469,20 @@ class HfModel:
 
     entries: tuple[TensorEntry, ...]
     config: Mapping[str, Any] | None = None
+    notes: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class NativeModel:
+    """A checkpoint's model under the names and shapes its framework's own load gives the model
+    (`ConvertSource.native_model`); no tensor data is read.
+
+    Attributes:
+        entries: in the model's state-dict order, each one's chunks pointing at the stored bytes it is.
+        notes: what the user should know about the names (where they rest on a guess).
+    """
+
+    entries: tuple[TensorEntry, ...]
     notes: tuple[str, ...] = ()
 
 

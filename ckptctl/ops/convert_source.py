@@ -24,6 +24,7 @@ from ckptctl.layouts.capabilities import (
     MasterWeights,
     ModelSpec,
     NameMap,
+    NativeModel,
     default_config_folders,
 )
 from ckptctl.layouts.naming import NameStripper, format_namespace_stripper
@@ -76,6 +77,11 @@ class Source:
         """Default: None, the stored names and shapes are the model's own."""
         found = self.capability.hf_model
         return None if found is None else found(checkpoint, config)
+
+    def native_model(self, checkpoint: Checkpoint) -> NativeModel | None:
+        """Default: None, the stored names and shapes are the ones the framework's load gives the model."""
+        found = self.capability.native_model
+        return None if found is None else found(checkpoint)
 
     def master_weights(self, checkpoint: Checkpoint, *, required: bool, notes: list[str]) -> MasterWeights | None:
         """Default: None, the checkpoint keeps no full-precision copy apart from its model."""

@@ -2,8 +2,9 @@
 
 Tensors of one component (the model by default) are matched by name after the namespace rules that
 `convert` uses (`ops.naming`: `model.` of DCP state dicts, the entry name of a save) and the user's
-renames; against a checkpoint of another layout, a model that its framework names and lays out otherwise
-(Megatron's fused projections) is taken under transformers names (`ConvertSource.hf_model`). Each matched pair is
+renames; a model that its framework names and lays out otherwise (Megatron's fused projections and stacked
+layers) is taken under transformers names (`ConvertSource.hf_model`) or under the names its own load gives the
+model (`ConvertSource.native_model`), whichever matches the other side's names best. Each matched pair is
 classified as equal, or changed in shape, dtype or values; values are compared element by element after
 upcasting both sides (float64, complex128 for complex tensors, int64 differences for integer ones), in
 cache-sized blocks (`ops.tensor_stats`). Only tensors that are compared are read.
@@ -46,6 +47,7 @@ from ckptctl.errors import CkptctlError, CorruptCheckpoint
 from ckptctl.formats.documents import read_json
 from ckptctl.formats.manifest import FileRecord, Manifest, read_manifest
 from ckptctl.layouts import open_checkpoint
+from ckptctl.layouts.capabilities import HfModel, NativeModel
 from ckptctl.ops.convert_source import convert_source
 from ckptctl.ops.distributed_work import Ranks, split
 from ckptctl.ops.naming import Renames, normalised_names
@@ -64,6 +66,9 @@ if TYPE_CHECKING:
     import torch
 
     from ckptctl.formats.raw_chunks import FlatRange
+
+#: One side's tensors by the names they are matched by.
+Named = dict[str, TensorEntry]
 
 __all__ = [
     "ChangeKind",
@@ -316,8 +321,7 @@ def diff(a: str, b: str, options: DiffOptions | None = None, progress: Progress 
 def _diff(a: str, b: str, options: DiffOptions, progress: Progress, read: io.ByteCounter) -> DiffReport:
     left = open_checkpoint(a, options.layout_a)
     right = open_checkpoint(b, options.layout_b)
-    names_a = _named(left, options, right.layout)
-    names_b = _named(right, options, left.layout)
+    names_a, names_b = _matched(left, right, options)
     common = [name for name in names_a if name in names_b]
     digests = _Digests(left, right, enabled=not options.read_all)
     results: dict[str, TensorDiff] = {}
@@ -373,18 +377,37 @@ def _diff(a: str, b: str, options: DiffOptions, progress: Progress, read: io.Byt
     )
 
 
-def _named(checkpoint: Checkpoint, options: DiffOptions, other_layout: str) -> dict[str, TensorEntry]:
-    """The tensors of the compared component under the names `diff` matches them by. Against a checkpoint of
-    another layout, a model its framework stores under names of its own (Megatron) is taken under transformers
-    names (`ConvertSource.hf_model`), as `convert --to hf` writes it; when that mapping does not apply (no shape
-    recorded), the stored names are kept."""
-    if options.component is Component.MODEL and other_layout != checkpoint.layout:
-        try:
-            hf = convert_source(checkpoint.layout).hf_model(checkpoint, None)
-        except CkptctlError:
-            hf = None
-        if hf is not None:
-            return normalised_names(checkpoint.layout, hf.entries, options.strip_prefix or "", options.renames)
+def _matched(left: Checkpoint, right: Checkpoint, options: DiffOptions) -> tuple[Named, Named]:
+    """The tensors of the compared component of each side under the names `diff` matches them by: of the ways
+    each side can name them (`_namings`), the pair with the most names in common, the preferred ways on a tie."""
+    namings_a = _namings(left, options, right.layout)
+    namings_b = _namings(right, options, left.layout)
+    pairs = [(i, j) for i in range(len(namings_a)) for j in range(len(namings_b))]
+    i, j = max(pairs, key=lambda ij: (len(namings_a[ij[0]].keys() & namings_b[ij[1]].keys()), -ij[0] - ij[1]))
+    return namings_a[i], namings_b[j]
+
+
+def _namings(checkpoint: Checkpoint, options: DiffOptions, other_layout: str) -> list[Named]:
+    """The ways to name the tensors of the compared component, preferred first. A model its framework stores
+    under names and shapes of its own (Megatron's fused projections and stacked layers) is taken, against a
+    checkpoint of another layout, under transformers names (`ConvertSource.hf_model`), as `convert --to hf`
+    writes it; then, against any checkpoint, under the names its framework's own load gives the model
+    (`ConvertSource.native_model`), as `convert --mapping none` writes it; a mapping that does not apply (no
+    shape recorded, bytes that cannot be sliced) is left out. Last, the stored names (`ops.naming`)."""
+    found: list[Named] = []
+    if options.component is Component.MODEL:
+        source = convert_source(checkpoint.layout)
+        makers: list[Callable[[], HfModel | NativeModel | None]] = [lambda: source.native_model(checkpoint)]
+        if other_layout != checkpoint.layout:
+            makers.insert(0, lambda: source.hf_model(checkpoint, None))
+        for make in makers:
+            try:
+                model = make()
+            except CkptctlError:
+                model = None
+            if model is not None:
+                prefix = options.strip_prefix or ""
+                found.append(normalised_names(checkpoint.layout, model.entries, prefix, options.renames))
     entries = list(checkpoint.tensors(options.component))
     if not entries:
         present = sorted({e.component.value for e in checkpoint.tensor_index()})
@@ -392,7 +415,8 @@ def _named(checkpoint: Checkpoint, options: DiffOptions, other_layout: str) -> d
             f"{checkpoint.url} holds no {options.component.value} tensors",
             f"components with tensors: {', '.join(present) or 'none'}; choose one with --component",
         )
-    return normalised_names(checkpoint.layout, entries, options.strip_prefix, options.renames)
+    found.append(normalised_names(checkpoint.layout, entries, options.strip_prefix, options.renames))
+    return found
 
 
 @dataclass(frozen=True, slots=True, eq=False)

@@ -22,6 +22,7 @@ from ckptctl.errors import CkptctlError
 from ckptctl.formats.dcp_metadata_classes import DCP_METADATA_GLOBALS
 from ckptctl.formats.safe_pickle import SafeUnpickler
 from ckptctl.frameworks.megatron.hf import hf_config, shape_from_args, shape_from_config
+from ckptctl.frameworks.megatron.names import LOCAL_SPEC_KEYS, spec_keys
 from ckptctl.layouts import detect, open_checkpoint
 from tests.conftest import CliResult, copy_tree
 from tests.writers.megatron_writer import TRACKER, WrittenMegatron
@@ -91,6 +92,7 @@ def test_inspect_reads_args_parallelism_and_counters(megatron_runs: WrittenMegat
     assert meta["parallelism"]["tensor_model_parallel_size"] == 2
     assert meta["parallelism"]["pipeline_model_parallel_size"] == 1
     assert meta["model"]["num_query_groups"] == 2 and meta["model"]["params_dtype"] == "float32"
+    assert meta["model"]["transformer_impl"] == "local"  # the spec whose names `convert --mapping none` writes
     assert meta["progress"] == {
         "iteration": 2,
         "consumed_train_samples": 8,
@@ -280,3 +282,21 @@ def test_the_fused_qkv_rows_follow_the_query_groups() -> None:
     assert shape is not None
     q, k, v = shape.qkv_rows()
     assert (q, k, v) == (((0, 32), (64, 96)), ((32, 48), (96, 112)), ((48, 64), (112, 128)))
+
+
+@pytest.mark.parametrize(
+    ("args", "local_names"),
+    [
+        ({"transformer_impl": "local"}, True),
+        ({"transformer_impl": "local", "multi_latent_attention": True}, False),
+        ({"transformer_impl": "transformer_engine"}, False),
+        ({}, False),  # Megatron-LM's default: Transformer Engine
+        ({"transformer_impl": "local", "spec": ["my_specs", "layer_spec"]}, False),
+    ],
+)
+def test_the_saved_args_name_the_layer_specs_key_map(args: dict[str, Any], local_names: bool) -> None:
+    """Megatron-LM's `gpt_builder` picks the spec; only the local one (without MLA) saves under other names
+    (the map is megatron-core's own: `tests/ops/test_convert_megatron.py` compares it with the spec's)."""
+    notes: list[str] = []
+    assert spec_keys(args, notes) == (LOCAL_SPEC_KEYS if local_names else {})
+    assert bool(notes) == ("spec" in args)

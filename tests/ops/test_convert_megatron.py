@@ -6,7 +6,8 @@
 and the folder must load with `from_pretrained` with no missing or unexpected keys: the fused QKV split per
 query group, the SwiGLU `linear_fc1` split into gate and up, the norms, embeddings and output layer named as
 transformers names them, the tensor-parallel parts merged. Before the megatron layout, `convert` refused
-these folders (their `.metadata` was called a forgery).
+these folders (their `.metadata` was called a forgery). `--mapping none` is proven against megatron-core's own
+load of the same folders: the model's `state_dict()` names, one tensor per layer.
 """
 
 from __future__ import annotations
@@ -118,24 +119,42 @@ def test_a_cast_follows_into_the_made_config(megatron_runs: WrittenMegatron, run
     assert all(torch.equal(got[k], want[k].to(torch.bfloat16)) for k in want)
 
 
-def test_mapping_none_keeps_megatron_cores_names_and_merges_the_parts(
+def test_mapping_none_writes_what_megatron_cores_own_load_gives_the_model(
     megatron_runs: WrittenMegatron, run_cli: Cli, tmp_path: Path
 ) -> None:
-    """megatron-core alone records no Megatron-LM arguments in `common.pt` (the fused tensors cannot be split
-    without a config); `--mapping none` still converts it, as for torchtitan: the stored names, each tensor
-    whole (its tensor-parallel parts merged, the layers stacked as stored), equal to the stored values."""
-    from ckptctl.checkpoint import Component
-    from ckptctl.formats.chunks import read_tensor
-    from ckptctl.layouts import open_checkpoint
+    """`--mapping none` writes the model's own names and shapes: what megatron-core's `dist_checkpointing.load`
+    hands to a fresh `GPTModel` (`tests.writers.megatron_load_proof`, resharding TP 2 to 1), one tensor per layer
+    (cut out of the stacked tensors as byte ranges), its local spec's norms under their module names. The tied
+    save records no arguments: its names are the Transformer Engine spec's, and the renames the note gives make
+    them the local model's. `diff` matches a checkpoint with each export under the export's names."""
+    from ckptctl.frameworks.megatron.names import LOCAL_SPEC_KEYS
+    from tests.writers.megatron_load_proof import SPEC_KEYS, megatron_loaded
 
-    result = _convert(run_cli, megatron_runs.tied, tmp_path / "hf", "--mapping", "none")
-    assert "model_check" not in result or result["model_check"] is None
-    got = load_file(tmp_path / "hf" / "model.safetensors")
-    index = {e.name: e for e in open_checkpoint(str(megatron_runs.tied)).tensors(Component.MODEL)}
-    assert sorted(got) == sorted(index)
-    for name, entry in index.items():
-        assert torch.equal(got[name], read_tensor(str(megatron_runs.tied), entry)), name
-    # The fused QKV of both ranks' query groups, for the 2 stacked layers: (4 heads + 2 x 2 groups) x 16 rows.
-    assert got["decoder.layers.self_attention.linear_qkv.weight"].shape == (2, 128, 64)
-    embeddings = load_file(megatron_runs.tied_source / "model.safetensors")["model.embed_tokens.weight"]
-    assert torch.equal(got["embedding.word_embeddings.weight"], embeddings)
+    trained = _convert(run_cli, megatron_runs.iteration(1), tmp_path / "trained", "--mapping", "none")
+    assert (trained["tensors"], trained["streamed_tensors"]) == (15, 13)  # linear_proj's TP columns: 32 floats
+    tied = _convert(run_cli, megatron_runs.tied, tmp_path / "tied", "--mapping", "none")
+    note = next(w for w in tied["warnings"] if "records no Megatron-LM arguments" in w)
+    renames = [arg for part in note.split("--rename ")[1:] for arg in ("--rename", part.split("'")[1])]
+    assert len(renames) == 4
+    _convert(run_cli, megatron_runs.tied, tmp_path / "tied-local", "--mapping", "none", *renames)
+
+    want_trained, want_tied = (
+        load_file(f)
+        for f in megatron_loaded([(megatron_runs.iteration(1), False), (megatron_runs.tied, True)], tmp_path / "load")
+    )
+    for out, want in ((tmp_path / "trained", want_trained), (tmp_path / "tied-local", want_tied)):
+        got = load_file(out / "model.safetensors")
+        assert sorted(got) == sorted(want)
+        assert [n for n in want if got[n].dtype != want[n].dtype or not torch.equal(got[n], want[n])] == []
+    assert "decoder.layers.1.input_layernorm.weight" in want_trained
+    assert json.loads((tmp_path / "load" / SPEC_KEYS).read_text()) == {"dense": LOCAL_SPEC_KEYS, "mla": {}}
+    te_names = sorted(load_file(tmp_path / "tied" / "model.safetensors"))
+    assert "decoder.layers.1.self_attention.linear_qkv.layer_norm_weight" in te_names
+    assert len(te_names) == len(want_tied)
+
+    for export, count in ((tmp_path / "trained", 15), (megatron_runs.source, 21)):
+        same = run_cli("diff", "--json", megatron_runs.iteration(1), export)
+        assert (same.exit_code, same.json["equal"], same.json["compared"]) == (0, True, count), same.stdout
+    steps = run_cli("diff", "--json", megatron_runs.iteration(1), megatron_runs.iteration(2))
+    assert steps.exit_code == 1 and steps.json["compared"] == 15
+    assert "decoder.layers.0.mlp.linear_fc1.weight" in {c["name"] for c in steps.json["changed"]}

@@ -49,7 +49,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["TRACKER", "WrittenMegatron", "write_megatron_runs"]
+__all__ = ["TRACKER", "WrittenMegatron", "gpt_model", "write_megatron_runs"]
 
 #: Megatron-LM's tracker file (`get_checkpoint_tracker_filename`).
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -131,7 +131,7 @@ def _source_llama(tied: bool) -> Any:
     return model.eval()
 
 
-def _transformer_config() -> Any:
+def _transformer_config(tensor_parallel: int = _TP) -> Any:
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     return TransformerConfig(
@@ -146,7 +146,7 @@ def _transformer_config() -> Any:
         normalization="RMSNorm",
         layernorm_epsilon=_EPS,
         add_bias_linear=False,
-        tensor_model_parallel_size=_TP,
+        tensor_model_parallel_size=tensor_parallel,
         params_dtype=torch.float32,
         use_cpu_initialization=True,
         hidden_dropout=0.0,
@@ -154,12 +154,14 @@ def _transformer_config() -> Any:
     )
 
 
-def _gpt_model(tied: bool) -> Any:
+def gpt_model(tied: bool, tensor_parallel: int = _TP) -> Any:
+    """The saved model: megatron-core's `GPTModel` of the local layer spec (also what a load builds, with the
+    tensor-parallel size it loads with)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     return GPTModel(
-        _transformer_config(),
+        _transformer_config(tensor_parallel),
         transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
         vocab_size=_VOCAB,
         max_sequence_length=_SEQ,
@@ -368,7 +370,7 @@ def _worker(rank: int, world_size: int, rendezvous: str, root: str) -> None:
         _cpu_rng_tracker()
         base = Path(root)
         sources = torch.load(base / _SOURCES, weights_only=True)
-        model = _gpt_model(tied=False)
+        model = gpt_model(tied=False)
         _load(model, sources["untied"]["state"], tied=False, rank=rank)
         _check_logits(model, sources["untied"]["logits"], rank)
         loaded = {k: v.detach().clone() for k, v in model.state_dict().items() if v is not None}
@@ -424,7 +426,7 @@ def _worker(rank: int, world_size: int, rendezvous: str, root: str) -> None:
             )
 
         # megatron-core alone, as the libraries built on it call it: the model's sharded state dict only.
-        tied = _gpt_model(tied=True)
+        tied = gpt_model(tied=True)
         _load(tied, sources["tied"]["state"], tied=True, rank=rank)
         _check_logits(tied, sources["tied"]["logits"], rank)
         (base / _TIED).mkdir(parents=True, exist_ok=True)

@@ -1,5 +1,6 @@
 """What `convert` and `diff` read from Megatron's checkpoints beyond their tensor index (`ConvertSource`): the
-model under transformers names (`frameworks.megatron.hf`) and where its config and tokenizer lie."""
+model under transformers names (`frameworks.megatron.hf`), under its own names as megatron-core's load gives it
+to the model (`frameworks.megatron.names`), and where its config and tokenizer lie."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from ckptctl import io
 from ckptctl.checkpoint import Checkpoint
 from ckptctl.frameworks.megatron.hf import hf_model
 from ckptctl.frameworks.megatron.layout import TOKENIZER_FOLDER, VERL_HF_FOLDER
+from ckptctl.frameworks.megatron.names import native_model
 from ckptctl.layouts.capabilities import ConvertSource, default_config_folders
 
 __all__ = ["SOURCE"]
@@ -22,4 +24,4 @@ def _config_folders(checkpoint: Checkpoint) -> Sequence[str]:
     return (io.join(checkpoint.url, TOKENIZER_FOLDER), beside, *default_config_folders(checkpoint))
 
 
-SOURCE = ConvertSource(hf_model=hf_model, config_folders=_config_folders)
+SOURCE = ConvertSource(hf_model=hf_model, native_model=native_model, config_folders=_config_folders)

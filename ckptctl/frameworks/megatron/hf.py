@@ -33,21 +33,18 @@ user gives (`--config`); the config written beside the weights is made from the 
 
 from __future__ import annotations
 
-import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from ckptctl.checkpoint import Checkpoint, Component, TensorEntry
 from ckptctl.errors import CkptctlError
-from ckptctl.formats.raw_chunks import ChunkLocator, row_slice
-from ckptctl.frameworks.megatron.files import COMMON, read_common
+from ckptctl.frameworks.megatron.files import COMMON
+from ckptctl.frameworks.megatron.names import LAYERS, PER_LAYER, Part, Rows, cut, saved_args
 from ckptctl.layouts.capabilities import HfModel
 
 __all__ = ["GptShape", "hf_config", "hf_model", "shape_from_args", "shape_from_config"]
 
-_LAYER = "decoder.layers."
-_PER_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
 #: Per-layer megatron-core names with one transformers counterpart taken whole.
 _WHOLE = {
@@ -84,8 +81,6 @@ _LAYER_ORDER = (
     "input_layernorm.weight",
     "post_attention_layernorm.weight",
 )
-
-Rows = tuple[tuple[int, int], ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -239,9 +234,7 @@ def hf_model(checkpoint: Checkpoint, config: Mapping[str, Any] | None) -> HfMode
         CkptctlError: no shape known, shapes that disagree, a tensor without a transformers counterpart, or
             bytes that cannot be sliced (chunks stored non-contiguously, or on an object store).
     """
-    common = read_common(checkpoint.url) if COMMON in checkpoint.files else {}
-    recorded = common.get("args")
-    args: Mapping[str, Any] | None = recorded if isinstance(recorded, dict) else None
+    args = saved_args(checkpoint)
     model = {e.name: e for e in checkpoint.tensors(Component.MODEL)}
     notes: list[str] = []
     generated = None
@@ -249,7 +242,7 @@ def hf_model(checkpoint: Checkpoint, config: Mapping[str, Any] | None) -> HfMode
         generated = hf_config(args, next(iter(model.values())).dtype if model else "float32")
         notes.append(f"config.json made from the Megatron-LM arguments in {COMMON} ({generated['architectures'][0]})")
     shape = _shape(checkpoint.url, args, config)
-    entries = list(_mapped(checkpoint, model, shape, notes))
+    entries = list(cut(checkpoint.url, _parts(model, shape, notes)))
     return HfModel(tuple(entries), generated, tuple(notes))
 
 
@@ -272,51 +265,25 @@ def _shape(url: str, args: Mapping[str, Any] | None, config: Mapping[str, Any] |
     return shape
 
 
-@dataclass(frozen=True, slots=True)
-class _Part:
-    """One transformers tensor: rows of one layer (or of a whole tensor) of a stored megatron tensor."""
-
-    name: str
-    source: TensorEntry
-    layer: int | None
-    rows: Rows | None
-
-
-def _mapped(
-    checkpoint: Checkpoint, model: Mapping[str, TensorEntry], shape: GptShape, notes: list[str]
-) -> Iterator[TensorEntry]:
-    parts = _parts(model, shape, notes)
-    with ChunkLocator(checkpoint.url) as locator:
-        for part in parts:
-            prefix = () if part.layer is None else (part.layer,)
-            try:
-                yield row_slice(part.source, part.name, prefix, part.rows, locator)
-            except ValueError as exc:
-                raise CkptctlError(
-                    f"{checkpoint.url}: cannot take {part.name} out of {part.source.name}: {exc}",
-                    "convert from a local copy of the checkpoint",
-                ) from exc
-
-
-def _parts(model: Mapping[str, TensorEntry], shape: GptShape, notes: list[str]) -> list[_Part]:
-    layers: dict[int, dict[str, _Part]] = {}
-    top: dict[str, _Part] = {}
+def _parts(model: Mapping[str, TensorEntry], shape: GptShape, notes: list[str]) -> list[Part]:
+    layers: dict[int, dict[str, Part]] = {}
+    top: dict[str, Part] = {}
     unmapped = []
     for name, entry in model.items():
         if name in _TOP:
             if name == "output_layer.weight" and shape.tied:
                 notes.append("output_layer.weight left out: the embeddings are tied (transformers ties lm_head)")
                 continue
-            top[_TOP[name]] = _Part(_TOP[name], entry, None, None)
+            top[_TOP[name]] = Part(_TOP[name], entry, None, None)
             continue
-        per_layer = _PER_LAYER.match(name)
+        per_layer = PER_LAYER.match(name)
         found: list[tuple[int, str, int | None]]
         if per_layer is not None:
             found = [(int(per_layer.group(1)), per_layer.group(2), None)]
-        elif name.startswith(_LAYER):
+        elif name.startswith(LAYERS):
             if len(entry.shape) < 1 or entry.shape[0] != shape.layers:
                 raise CkptctlError(f"{name} stacks {entry.shape[:1]} layers, but the model has {shape.layers}")
-            found = [(i, name[len(_LAYER) :], i) for i in range(shape.layers)]
+            found = [(i, name[len(LAYERS) :], i) for i in range(shape.layers)]
         else:
             unmapped.append(name)
             continue
@@ -346,12 +313,12 @@ def _parts(model: Mapping[str, TensorEntry], shape: GptShape, notes: list[str]) 
     return ordered
 
 
-def _layer_parts(layer: int, suffix: str, entry: TensorEntry, index: int | None, shape: GptShape) -> list[_Part] | None:
+def _layer_parts(layer: int, suffix: str, entry: TensorEntry, index: int | None, shape: GptShape) -> list[Part] | None:
     """The transformers tensors one layer's megatron tensor makes (None: it has no counterpart)."""
     prefix = f"model.layers.{layer}."
     rows_dim = 1 if index is not None else 0
     if suffix in _WHOLE:
-        return [_Part(prefix + _WHOLE[suffix], entry, index, None)]
+        return [Part(prefix + _WHOLE[suffix], entry, index, None)]
     if suffix in (_QKV + "weight", _QKV + "bias"):
         kind = suffix.rpartition(".")[2]
         q, k, v = shape.qkv_rows()
@@ -359,7 +326,7 @@ def _layer_parts(layer: int, suffix: str, entry: TensorEntry, index: int | None,
         if len(entry.shape) <= rows_dim or entry.shape[rows_dim] != expected:
             raise CkptctlError(f"{entry.name} has {entry.shape} but {shape} makes {expected} fused QKV rows")
         return [
-            _Part(f"{prefix}self_attn.{proj}_proj.{kind}", entry, index, rows)
+            Part(f"{prefix}self_attn.{proj}_proj.{kind}", entry, index, rows)
             for proj, rows in (("q", q), ("k", k), ("v", v))
         ]
     if suffix == _FC1:
@@ -370,7 +337,7 @@ def _layer_parts(layer: int, suffix: str, entry: TensorEntry, index: int | None,
                 f"{entry.name} has {entry.shape} but a SwiGLU MLP of {shape.ffn} makes {2 * shape.ffn} rows"
             )
         return [
-            _Part(prefix + "mlp.gate_proj.weight", entry, index, ((0, shape.ffn),)),
-            _Part(prefix + "mlp.up_proj.weight", entry, index, ((shape.ffn, 2 * shape.ffn),)),
+            Part(prefix + "mlp.gate_proj.weight", entry, index, ((0, shape.ffn),)),
+            Part(prefix + "mlp.up_proj.weight", entry, index, ((shape.ffn, 2 * shape.ffn),)),
         ]
     return None

@@ -20,7 +20,9 @@ same folders appear under other names inside other frameworks' runs (verl's `dis
 
 Keys are megatron-core's, with the layers of a block stacked on a leading axis
 (`decoder.layers.self_attention.linear_qkv.weight` of shape [layers, rows, hidden]) and the tensor-parallel
-parts as chunks of the full tensor; `hf.py` maps them to transformers names for `convert --to hf`.
+parts as chunks of the full tensor; `inspect` lists them so, as `.metadata` holds them and megatron-core's
+load matches them. `names.py` gives the model's own names (one tensor per layer, what that load hands to the
+model) for `convert --mapping none` and `diff`; `hf.py` maps them to transformers names for `convert --to hf`.
 """
 
 from __future__ import annotations
@@ -96,6 +98,8 @@ _MODEL_ARGS = (
     "untie_embeddings_and_output_weights",
     "num_experts",
     "params_dtype",
+    # The layer spec: the local one saves its norms under Transformer Engine's names (`names.py`).
+    "transformer_impl",
 )
 #: Counters `common.pt` keeps that a resume continues from (in `args` or at the top).
 _PROGRESS_KEYS = ("consumed_train_samples", "consumed_valid_samples", "num_floating_point_operations_so_far")

@@ -30,7 +30,7 @@ from ckptctl.checkpoint import Checkpoint, CheckpointRef, CheckpointState, Compo
 from ckptctl.errors import CheckpointInProgress, CheckpointNotFound, CkptctlError, CorruptCheckpoint
 from ckptctl.formats.documents import read_json
 from ckptctl.layouts import Layout, get_layout, resolve
-from ckptctl.layouts.capabilities import NO_NAME_MAP, HfModel, ModelSpec
+from ckptctl.layouts.capabilities import NO_NAME_MAP, HfModel, ModelSpec, NativeModel
 from ckptctl.layouts.parts.value_head import find_value_head
 from ckptctl.layouts.wrapped import WrappedAdapter
 from ckptctl.ops.convert.commit import Staging, UploadStaging, check_destination, write_digests, write_small
@@ -98,12 +98,15 @@ def convert(
         return _convert(src, dst, options or ConvertOptions(), progress or NoProgress(), read)
 
 
-def _hf_model(checkpoint: Checkpoint, layout: Layout, options: ConvertOptions) -> HfModel | None:
-    """The model under transformers names when the layout has it and `--to hf` converts the model, unless
-    `--mapping none` keeps the stored names (the `--config` given is read for what the checkpoint does not
-    record)."""
-    if options.to is not Target.HF or options.component is not Component.MODEL or options.mapping == NO_NAME_MAP:
-        return None  # `--mapping none`: the names (and the merged shapes) the checkpoint stores
+def _hf_model(checkpoint: Checkpoint, layout: Layout, options: ConvertOptions) -> HfModel | NativeModel | None:
+    """The model under transformers names when the layout has it and `--to hf` converts the model; with
+    `--mapping none`, under the names and shapes the framework's own load gives the model when the layout
+    stores them otherwise (Megatron's stacked layers); None: the stored ones (the `--config` given is read for
+    what the checkpoint does not record)."""
+    if options.to is not Target.HF or options.component is not Component.MODEL:
+        return None
+    if options.mapping == NO_NAME_MAP:
+        return convert_source(layout).native_model(checkpoint)
     config = None
     if options.config_dir is not None:
         path = io.join(options.config_dir, "config.json")
@@ -248,7 +251,7 @@ def _prepare(src: str, dst: str, options: ConvertOptions) -> _Prepared:
     source, source_layout = (base, get_layout(base.layout)) if base is not None else (checkpoint, layout)
     source_reads = convert_source(source_layout)
     hf = _hf_model(checkpoint, layout, options) if base is None else None
-    made_config = hf.config if hf is not None and options.config_dir is None else None
+    made_config = hf.config if isinstance(hf, HfModel) and options.config_dir is None else None
     folders = source_reads.config_folders(source)
     side_files, side_notes = find_side_files(source.url, options, folders, config_made=made_config is not None)
     if made_config is None and options.config_dir is None and "config.json" not in side_files:

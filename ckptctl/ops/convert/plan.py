@@ -10,7 +10,8 @@ adds (`model.` of a DCP state dict, the entry name of a save, the wrappers a tra
 model) is removed, then `renames` apply. For an HF output, a framework whose models are its own code maps
 its names to transformers' before the renames (`ConvertSource.hf_name_map`), and may reorder a tensor's rows; a
 framework that also fuses and lays out tensors otherwise (Megatron) supplies the whole model under
-transformers names instead (`ConvertSource.hf_model`).
+transformers names instead (`ConvertSource.hf_model`), and with `--mapping none` under the names and shapes its
+own load gives the model (`ConvertSource.native_model`: one tensor per layer of Megatron's stacked layers).
 
 Some output tensors are computed rather than copied (`DerivedTensor`):
 - an adapter (`ConvertSource.adapter`: a PEFT LoRA folder) merged into a base model (`base`): the plan is the
@@ -33,7 +34,15 @@ from ckptctl.errors import CkptctlError, CorruptCheckpoint
 from ckptctl.formats.manifest import FileRecord
 from ckptctl.formats.safetensors import TORCH_TO_SAFETENSORS
 from ckptctl.layouts import Layout
-from ckptctl.layouts.capabilities import NO_NAME_MAP, DerivedTensor, HfModel, MasterWeights, ModelTensors, NameMap
+from ckptctl.layouts.capabilities import (
+    NO_NAME_MAP,
+    DerivedTensor,
+    HfModel,
+    MasterWeights,
+    ModelTensors,
+    NameMap,
+    NativeModel,
+)
 from ckptctl.layouts.wrapped import WrappedAdapter, find_wrapped
 from ckptctl.ops.convert.options import ConvertOptions, LoraMode, Target, Weights
 from ckptctl.ops.convert_source import convert_source
@@ -91,7 +100,7 @@ def plan_tensors(
     options: ConvertOptions,
     notes: list[str],
     config: Mapping[str, Any] | None = None,
-    hf: HfModel | None = None,
+    hf: HfModel | NativeModel | None = None,
     *,
     base: Checkpoint | None = None,
     adapter_settings: SettingsFinder | None = None,
@@ -101,8 +110,9 @@ def plan_tensors(
 
     Args:
         config: the parsed config.json the output gets (the name map of an HF output may need it).
-        hf: the model under transformers names (`ConvertSource.hf_model`), which `--to hf` writes when the
-            checkpoint keeps no fp32 master weights; its names are kept as they are.
+        hf: the model under transformers names (`ConvertSource.hf_model`), or under the names the framework's
+            own load gives it (`ConvertSource.native_model`, `--mapping none`), which `--to hf` writes when the
+            checkpoint keeps no fp32 master weights; its names are kept as they are (before the renames).
         base: the base model to merge the adapter `checkpoint` holds into (`ConvertSource.adapter`); the plan's
             stored entries are then the base's.
         adapter_settings: where a model whose layers carry adapters finds what it needs to merge them.

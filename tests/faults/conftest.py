@@ -1,0 +1,36 @@
+"""One checkpoint per real writer, and its framework's verdict on every cell of the fault matrix.
+
+The verdicts are cached per machine like the writers' outputs (`build_once`, keyed by the loader's code, the
+frameworks' versions and the checkpoint's path, which names the writer's cache entry): a warm run only
+verifies the damaged copies, a cold one runs each framework's loader process once.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import build_once
+from tests.faults.loaders import native
+
+
+@dataclass(frozen=True)
+class Faults:
+    """A checkpoint and its framework's verdict by cell id (`tests.faults.cells.Cell.id`)."""
+
+    checkpoint: Path
+    verdicts: dict[str, str]
+
+
+def _faults(tmp_path_factory: pytest.TempPathFactory, name: str, build: object, checkpoint: Path) -> Faults:
+    verdicts = build_once(tmp_path_factory, f"faults-{name}", functools.partial(build, checkpoint))  # type: ignore[call-overload]
+    return Faults(checkpoint, verdicts)
+
+
+@pytest.fixture(scope="session")
+def native_faults(tmp_path_factory: pytest.TempPathFactory, demo_dir: Path) -> Faults:
+    """The demo's single-process native `step-30`, judged by `CheckpointManager.restore`."""
+    return _faults(tmp_path_factory, "native", native.build, demo_dir / "native" / "step-30")

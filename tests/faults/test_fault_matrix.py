@@ -1,0 +1,15 @@
+"""THE RULE of the fault matrix, per framework: whenever the framework's own load of a damaged checkpoint fails
+or loses state, `ckptctl verify` exits non-zero naming the damaged file; whenever verify exits 0, the load
+restored every tensor equal to the undamaged copy's. Flips no checksum can see are caught once a manifest is
+written; the cells listed in known_gaps.txt are asserted to still be gaps (see `tests.faults.harness`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tests.faults.conftest import Faults
+from tests.faults.harness import assert_rule
+
+
+def test_native(native_faults: Faults, tmp_path: Path) -> None:
+    assert_rule("native", native_faults.checkpoint, native_faults.verdicts, tmp_path)

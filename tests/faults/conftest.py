@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import build_once
-from tests.faults.loaders import native
+from tests.faults.loaders import dcp, native
+from tests.writers.dcp_writer import WrittenDcp
 
 
 @dataclass(frozen=True)
@@ -34,3 +35,15 @@ def _faults(tmp_path_factory: pytest.TempPathFactory, name: str, build: object, 
 def native_faults(tmp_path_factory: pytest.TempPathFactory, demo_dir: Path) -> Faults:
     """The demo's single-process native `step-30`, judged by `CheckpointManager.restore`."""
     return _faults(tmp_path_factory, "native", native.build, demo_dir / "native" / "step-30")
+
+
+@pytest.fixture(scope="session")
+def dcp_single_faults(tmp_path_factory: pytest.TempPathFactory, raw_dcp: WrittenDcp) -> Faults:
+    """A single-process `dcp.save` of the writer's sample state dict, judged by `dcp.load` in one process."""
+    return _faults(tmp_path_factory, "dcp-single", dcp.build_single, raw_dcp.path)
+
+
+@pytest.fixture(scope="session")
+def dcp_fsdp_faults(tmp_path_factory: pytest.TempPathFactory, demo_dir: Path) -> Faults:
+    """The demo's 2-rank FSDP2 `dcp.save` of `get_state_dict`, judged by `dcp.load` + `set_state_dict` on 2 ranks."""
+    return _faults(tmp_path_factory, "dcp-fsdp", dcp.build_fsdp, demo_dir / "dcp" / "step-30")

@@ -13,3 +13,11 @@ from tests.faults.harness import assert_rule
 
 def test_native(native_faults: Faults, tmp_path: Path) -> None:
     assert_rule("native", native_faults.checkpoint, native_faults.verdicts, tmp_path)
+
+
+def test_dcp_single(dcp_single_faults: Faults, tmp_path: Path) -> None:
+    assert_rule("dcp-single", dcp_single_faults.checkpoint, dcp_single_faults.verdicts, tmp_path)
+
+
+def test_dcp_fsdp2(dcp_fsdp_faults: Faults, tmp_path: Path) -> None:
+    assert_rule("dcp-fsdp2", dcp_fsdp_faults.checkpoint, dcp_fsdp_faults.verdicts, tmp_path)

@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["flatten", "judge", "run"]
+__all__ = ["flatten", "judge", "load_capturing", "run", "without_path"]
 
 Load = Callable[[str, Mapping[str, Any]], Any]
 
@@ -80,7 +80,7 @@ class _Records(logging.Handler):
         self.messages.append(f"{record.name}: {record.getMessage()}")
 
 
-def _load_capturing(load: Load, path: str, options: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
+def load_capturing(load: Load, path: str, options: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
     """`load(path)` flattened, and the warnings (python's and WARNING log records) it gave."""
     records = _Records()
     loggers = [logging.getLogger(), *(logging.getLogger(n) for n in options.get("loggers", ()))]
@@ -99,14 +99,14 @@ def _load_capturing(load: Load, path: str, options: Mapping[str, Any]) -> tuple[
 def judge(load: Load, path: str, options: Mapping[str, Any], reference: Mapping[str, Any], known: set[str]) -> str:
     """The verdict on the copy at `path` against the reference state (see the module's doc)."""
     try:
-        state, said = _load_capturing(load, path, options)
+        state, said = load_capturing(load, path, options)
     except BaseException as exc:  # whatever the framework raises (SystemExit included) is a failed load
         if isinstance(exc, KeyboardInterrupt):
             raise
-        line = _without_path((str(exc).strip().splitlines() or [""])[0], path)
+        line = without_path((str(exc).strip().splitlines() or [""])[0], path)
         return f"failed: {type(exc).__name__}: {line[:200]}"
     lost = differences(reference, state)
-    new = [_without_path(m, path) for m in said if _without_path(m, path) not in known]
+    new = [without_path(m, path) for m in said if without_path(m, path) not in known]
     if lost:
         return f"lost: {len(lost)} of {len(reference)} entries ({'; '.join(lost[:3])})"
     if new:
@@ -114,7 +114,7 @@ def judge(load: Load, path: str, options: Mapping[str, Any], reference: Mapping[
     return "ok"
 
 
-def _without_path(message: str, path: str) -> str:
+def without_path(message: str, path: str) -> str:
     """A warning's text without the copy's own folder (the reference's names another folder)."""
     return message.replace(path, "<ckpt>").replace(str(Path(path).parent), "<parent>")
 
@@ -123,8 +123,8 @@ def run(load: Load) -> None:
     """The loader process: `python -m tests.faults.loaders.NAME SPEC.json` (see `tests.faults.cells`)."""
     spec = json.loads(Path(sys.argv[1]).read_text())
     options = spec["options"]
-    reference, said = _load_capturing(load, spec["reference"], options)
-    known = {_without_path(m, spec["reference"]) for m in said}
+    reference, said = load_capturing(load, spec["reference"], options)
+    known = {without_path(m, spec["reference"]) for m in said}
     verdicts = {"reference": "ok"}
     for cell in spec["cells"]:
         verdicts[cell["id"]] = judge(load, cell["path"], options, reference, known)

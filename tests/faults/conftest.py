@@ -8,14 +8,16 @@ verifies the damaged copies, a cold one runs each framework's loader process onc
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import build_once
-from tests.faults.loaders import dcp, native
+from tests.faults.loaders import dcp, native, trainer
 from tests.writers.dcp_writer import WrittenDcp
+from tests.writers.trainer_writer import WrittenTrainerRun
 
 
 @dataclass(frozen=True)
@@ -26,8 +28,10 @@ class Faults:
     verdicts: dict[str, str]
 
 
-def _faults(tmp_path_factory: pytest.TempPathFactory, name: str, build: object, checkpoint: Path) -> Faults:
-    verdicts = build_once(tmp_path_factory, f"faults-{name}", functools.partial(build, checkpoint))  # type: ignore[call-overload]
+def _faults(
+    tmp_path_factory: pytest.TempPathFactory, name: str, build: Callable[[Path, Path], dict[str, str]], checkpoint: Path
+) -> Faults:
+    verdicts = build_once(tmp_path_factory, f"faults-{name}", functools.partial(build, checkpoint))
     return Faults(checkpoint, verdicts)
 
 
@@ -47,3 +51,15 @@ def dcp_single_faults(tmp_path_factory: pytest.TempPathFactory, raw_dcp: Written
 def dcp_fsdp_faults(tmp_path_factory: pytest.TempPathFactory, demo_dir: Path) -> Faults:
     """The demo's 2-rank FSDP2 `dcp.save` of `get_state_dict`, judged by `dcp.load` + `set_state_dict` on 2 ranks."""
     return _faults(tmp_path_factory, "dcp-fsdp", dcp.build_fsdp, demo_dir / "dcp" / "step-30")
+
+
+@pytest.fixture(scope="session")
+def trainer_faults(tmp_path_factory: pytest.TempPathFactory, trainer_run: WrittenTrainerRun) -> Faults:
+    """The Trainer's `checkpoint-4` of the tiny Llama, judged by the Trainer's own resume path."""
+    return _faults(tmp_path_factory, "trainer", trainer.build_plain, trainer_run.checkpoints[-1])
+
+
+@pytest.fixture(scope="session")
+def trainer_peft_faults(tmp_path_factory: pytest.TempPathFactory, trainer_run: WrittenTrainerRun) -> Faults:
+    """The Trainer's `checkpoint-2` of the LoRA run (an adapter with the Trainer's files), judged likewise."""
+    return _faults(tmp_path_factory, "trainer-peft", trainer.build_peft, trainer_run.peft_run / "checkpoint-2")

@@ -50,7 +50,9 @@ class VerifyOutcome:
     def names(self, file: str) -> bool:
         """An error problem names `file` of the checkpoint in its path, else in its message (some problems
         about a checkpoint's metadata carry no path); on exit 2 without problems, the error message does."""
-        texts = [text for _, path, severity, message in self.problems if severity == "error" for text in (path, message)]
+        texts = [
+            text for _, path, severity, message in self.problems if severity == "error" for text in (path, message)
+        ]
         if self.exit_code == 2 and not self.problems:
             texts.append(self.stderr)
         return any(_names(text, file) for text in texts)
@@ -75,7 +77,7 @@ def verify(path: Path, *extra: str) -> VerifyOutcome:
             code = 0
         except SystemExit as exc:
             code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
-    problems: list[tuple[str, str, str]] = []
+    problems: list[tuple[str, str, str, str]] = []
     with contextlib.suppress(json.JSONDecodeError):
         doc = json.loads(out.getvalue())
         for result in doc.get("results", [doc]):
@@ -191,6 +193,10 @@ def assert_rule(framework: str, checkpoint: Path, verdicts: Mapping[str, str], t
         if row.judgement == "undetectable without digests":
             proof = digest_proof(checkpoint, row.cell, tmp / f"proof-{row.cell.fault}")
             shutil.rmtree(tmp / f"proof-{row.cell.fault}")
-            kinds = {kind for kind, path, _, message in proof.problems if _names(path, row.cell.file) or _names(message, row.cell.file)}
+            kinds = {
+                kind
+                for kind, path, _, message in proof.problems
+                if _names(path, row.cell.file) or _names(message, row.cell.file)
+            }
             assert proof.exit_code == 1 and "digest_mismatch" in kinds, (row.cell, proof)
     return rows

@@ -29,7 +29,9 @@ def table(rows: list[dict[str, object]]) -> str:
     for row in rows:
         counts[(str(row["framework"]), str(row["fault"]))][str(row["judgement"])] += 1
         if row["judgement"] == "gap":
-            gaps.append(f"- {row['framework']} `{row['file']}` {row['fault']}: load {row['loader']}; verify exit {row['verify_exit']}")
+            gaps.append(
+                f"- {row['framework']} `{row['file']}` {row['fault']}: load {row['loader']}; verify exit {row['verify_exit']}"
+            )
     lines = [
         "| framework | fault | caught / tried | undetectable without digests | harmless (verify flags) | gaps |",
         "|---|---|---|---|---|---|",
@@ -46,7 +48,7 @@ def table(rows: list[dict[str, object]]) -> str:
                 f"| {framework} | {fault} | {c['caught']} / {tried} | {c['undetectable without digests']} "
                 f"| {harmless} ({c['false alarm']}) | {c['gap']} |"
             )
-    return "\n".join(lines + ([""] + gaps if gaps else []))
+    return "\n".join(lines + (["", *gaps] if gaps else []))
 
 
 def main(argv: list[str]) -> int:

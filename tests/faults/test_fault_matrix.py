@@ -21,3 +21,11 @@ def test_dcp_single(dcp_single_faults: Faults, tmp_path: Path) -> None:
 
 def test_dcp_fsdp2(dcp_fsdp_faults: Faults, tmp_path: Path) -> None:
     assert_rule("dcp-fsdp2", dcp_fsdp_faults.checkpoint, dcp_fsdp_faults.verdicts, tmp_path)
+
+
+def test_hf_trainer(trainer_faults: Faults, tmp_path: Path) -> None:
+    assert_rule("hf-trainer", trainer_faults.checkpoint, trainer_faults.verdicts, tmp_path)
+
+
+def test_hf_trainer_peft(trainer_peft_faults: Faults, tmp_path: Path) -> None:
+    assert_rule("hf-trainer-peft", trainer_peft_faults.checkpoint, trainer_peft_faults.verdicts, tmp_path)

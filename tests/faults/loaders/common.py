@@ -56,7 +56,9 @@ def _equal(a: Any, b: Any) -> bool:
         if a.dtype != b.dtype or a.shape != b.shape:
             return False
         # Bit for bit: NaN equals NaN where the reference had the same bits.
-        return bool(torch.equal(a.reshape(-1).contiguous().view(torch.uint8), b.reshape(-1).contiguous().view(torch.uint8)))
+        return bool(
+            torch.equal(a.reshape(-1).contiguous().view(torch.uint8), b.reshape(-1).contiguous().view(torch.uint8))
+        )
     try:
         return bool(a == b)
     except Exception:  # values whose == is not a bool (arrays in tuples): compare their text

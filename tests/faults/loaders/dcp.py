@@ -52,7 +52,7 @@ def load_fsdp(path: str, options: Mapping[str, Any]) -> Any:
     fully_shard(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optim": optim_sd}
+    state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=path)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     model_sd, optim_sd = get_state_dict(model, optimizer)

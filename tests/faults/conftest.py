@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import build_once
-from tests.faults.loaders import dcp, native, trainer
+from tests.faults.loaders import dcp, hf_model, native, trainer
 from tests.writers.dcp_writer import WrittenDcp
 from tests.writers.trainer_writer import WrittenTrainerRun
 
@@ -63,3 +63,9 @@ def trainer_faults(tmp_path_factory: pytest.TempPathFactory, trainer_run: Writte
 def trainer_peft_faults(tmp_path_factory: pytest.TempPathFactory, trainer_run: WrittenTrainerRun) -> Faults:
     """The Trainer's `checkpoint-2` of the LoRA run (an adapter with the Trainer's files), judged likewise."""
     return _faults(tmp_path_factory, "trainer-peft", trainer.build_peft, trainer_run.peft_run / "checkpoint-2")
+
+
+@pytest.fixture(scope="session")
+def hf_model_faults(tmp_path_factory: pytest.TempPathFactory, hf_model_dirs: dict[str, Path]) -> Faults:
+    """transformers' `save_pretrained` of the tiny Llama in shards with their index, judged by `from_pretrained`."""
+    return _faults(tmp_path_factory, "hf-model", hf_model.build, hf_model_dirs["sharded"])

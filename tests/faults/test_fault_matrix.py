@@ -29,3 +29,7 @@ def test_hf_trainer(trainer_faults: Faults, tmp_path: Path) -> None:
 
 def test_hf_trainer_peft(trainer_peft_faults: Faults, tmp_path: Path) -> None:
     assert_rule("hf-trainer-peft", trainer_peft_faults.checkpoint, trainer_peft_faults.verdicts, tmp_path)
+
+
+def test_hf_model_folder(hf_model_faults: Faults, tmp_path: Path) -> None:
+    assert_rule("hf-model", hf_model_faults.checkpoint, hf_model_faults.verdicts, tmp_path)

@@ -23,11 +23,10 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["FAULTS", "FLIP_MIN_BYTES", "Cell", "cells", "damaged_copy", "loader_verdicts"]
+__all__ = ["FAULTS", "FLIP_MIN_BYTES", "Cell", "cells", "damaged_copy", "loader_verdicts", "write_damaged"]
 
 FAULTS = ("delete", "truncate", "flip")
 FLIP_MIN_BYTES = 4096
@@ -72,7 +71,7 @@ def damaged_copy(checkpoint: Path, parent: Path, cell: Cell | None) -> Path:
         dst.parent.mkdir(parents=True, exist_ok=True)
         rel = src.relative_to(checkpoint).as_posix()
         if cell is not None and rel == cell.file:
-            _write_damaged(src, dst, cell.fault)
+            write_damaged(src, dst, cell.fault)
         elif src.is_symlink():
             os.symlink(os.readlink(src), dst)
         else:
@@ -84,7 +83,7 @@ def damaged_copy(checkpoint: Path, parent: Path, cell: Cell | None) -> Path:
     return target
 
 
-def _write_damaged(src: Path, dst: Path, fault: str) -> None:
+def write_damaged(src: Path, dst: Path, fault: str) -> None:
     if fault == "delete":
         return
     data = bytearray(src.read_bytes())
@@ -110,16 +109,6 @@ def make_copies(checkpoint: Path, root: Path, selected: list[Cell]) -> CellCopie
     reference = damaged_copy(checkpoint, root / "reference", None)
     copies = {cell: damaged_copy(checkpoint, root / f"cell-{i:03d}", cell) for i, cell in enumerate(selected)}
     return CellCopies(reference, copies)
-
-
-def iter_copies(checkpoint: Path, root: Path) -> Iterator[tuple[Cell, Path]]:
-    """Each cell of `checkpoint` with its damaged copy, made one at a time under `root` and removed after."""
-    for i, cell in enumerate(cells(checkpoint)):
-        parent = root / f"cell-{i:03d}"
-        try:
-            yield cell, damaged_copy(checkpoint, parent, cell)
-        finally:
-            shutil.rmtree(parent, ignore_errors=True)
 
 
 def loader_verdicts(loader: str, checkpoint: Path, **options: object) -> dict[str, str]:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tests.faults.cells import FAULTS, Cell, _write_damaged, cells, damaged_copy
+from tests.faults.cells import FAULTS, Cell, write_damaged, cells, damaged_copy
 
 __all__ = ["KNOWN_GAPS", "Row", "VerifyOutcome", "known_gaps", "matrix_rows", "verify", "write_rows"]
 
@@ -152,7 +152,7 @@ def digest_proof(checkpoint: Path, cell: Cell, tmp: Path) -> VerifyOutcome:
     original = tmp / "original"
     shutil.copyfile(target, original)
     target.unlink()  # a hard link to the writer's file: the damage goes into a new file
-    _write_damaged(original, target, cell.fault)
+    write_damaged(original, target, cell.fault)
     return verify(copy)
 
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tests.faults.cells import FAULTS, Cell, write_damaged, cells, damaged_copy
+from tests.faults.cells import FAULTS, Cell, cells, damaged_copy, write_damaged
 
 __all__ = ["KNOWN_GAPS", "Row", "VerifyOutcome", "known_gaps", "matrix_rows", "verify", "write_rows"]
 

@@ -1,0 +1,202 @@
+"""The fault matrix's verify side and its rule, judged against the loaders' cached verdicts.
+
+For each cell (`tests.faults.cells`) of one real writer's checkpoint, `ckptctl verify --json` runs in this
+process (through `ckptctl.cli.app.main`, the real error boundary: exit code, JSON problems) on a damaged copy,
+and the cell is judged against the framework's own verdict on the same damage:
+
+- `caught`: the load failed or lost state, and verify exited non-zero with an error problem naming the file;
+- `gap`: the load failed or lost state, and verify exited 0 or named another file (THE RULE broken);
+- `undetectable without digests`: a flipped byte the load takes in silently, in a file with no checksum of its
+  own (safetensors data, JSON, raw DCP bytes; not a torch.save zip, whose records carry CRC-32s), in a
+  checkpoint without a ckptctl manifest; allowed, and proved caught (`digest_mismatch`) once
+  `verify --write-manifest` has run on the undamaged checkpoint;
+- `harmless`: the load restored everything, and verify exited 0;
+- `false alarm`: the load restored everything, and verify still exited non-zero (not against the rule: a
+  damaged file the load does not read is still damage; counted so that the matrix shows it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import re
+import shutil
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tests.faults.cells import FAULTS, Cell, cells, damaged_copy, write_damaged
+
+__all__ = ["KNOWN_GAPS", "Row", "VerifyOutcome", "known_gaps", "matrix_rows", "verify", "write_rows"]
+
+KNOWN_GAPS = Path(__file__).with_name("known_gaps.txt")
+MANIFEST = "ckptctl-manifest.json"
+#: Where `python -m tests.faults.matrix` asks the tests to write their rows (one JSON document per line).
+ROWS_ENV = "CKPTCTL_FAULT_MATRIX_ROWS"
+
+
+@dataclass(frozen=True)
+class VerifyOutcome:
+    """What `ckptctl verify --json` said: its exit code, its problems (kind, path, severity, message) and
+    stderr."""
+
+    exit_code: int
+    problems: tuple[tuple[str, str, str, str], ...]
+    stderr: str
+
+    def names(self, file: str) -> bool:
+        """An error problem names `file` of the checkpoint in its path, else in its message (some problems
+        about a checkpoint's metadata carry no path); on exit 2 without problems, the error message does."""
+        texts = [
+            text for _, path, severity, message in self.problems if severity == "error" for text in (path, message)
+        ]
+        if self.exit_code == 2 and not self.problems:
+            texts.append(self.stderr)
+        return any(_names(text, file) for text in texts)
+
+
+def _names(text: str, file: str) -> bool:
+    """`text` is `file` (a path relative to the checkpoint) or names it after a slash, or alone as a word."""
+    text = text.replace(os.sep, "/")
+    if text == file or text.endswith("/" + file):
+        return True
+    return re.search(rf"(^|[/\s'\"`(]){re.escape(file)}($|[\s'\"`):,;])", text) is not None
+
+
+def verify(path: Path, *extra: str) -> VerifyOutcome:
+    """`ckptctl verify --json [EXTRA...] PATH` in this process."""
+    from ckptctl.cli.app import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            main(["verify", "--json", *extra, str(path)])
+            code = 0
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
+    problems: list[tuple[str, str, str, str]] = []
+    with contextlib.suppress(json.JSONDecodeError):
+        doc = json.loads(out.getvalue())
+        for result in doc.get("results", [doc]):
+            problems += [
+                (p["kind"], p["path"] or "", p.get("severity", "error"), p.get("message", ""))
+                for p in result.get("problems", [])
+            ]
+    return VerifyOutcome(code, tuple(problems), err.getvalue())
+
+
+@dataclass(frozen=True)
+class Row:
+    """One cell of one framework's matrix: the framework's verdict, verify's, and the judgement."""
+
+    framework: str
+    cell: Cell
+    loader: str
+    verify: VerifyOutcome
+    judgement: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "framework": self.framework,
+            "file": self.cell.file,
+            "fault": self.cell.fault,
+            "loader": self.loader,
+            "verify_exit": self.verify.exit_code,
+            "verify_problems": [list(p) for p in self.verify.problems],
+            "judgement": self.judgement,
+        }
+
+
+def _is_zip(path: Path) -> bool:
+    with path.open("rb") as f:
+        return f.read(4) == b"PK\x03\x04"
+
+
+def judge(checkpoint: Path, cell: Cell, loader: str, outcome: VerifyOutcome) -> str:
+    """The cell's judgement (see the module's doc)."""
+    harmful = loader != "ok"
+    if not harmful:
+        return "harmless" if outcome.exit_code == 0 else "false alarm"
+    if outcome.exit_code != 0 and outcome.names(cell.file):
+        return "caught"
+    silent_flip = cell.fault == "flip" and loader.startswith("lost") and outcome.exit_code == 0
+    if silent_flip and not (checkpoint / MANIFEST).exists() and not _is_zip(checkpoint / cell.file):
+        return "undetectable without digests"
+    return "gap"
+
+
+def matrix_rows(framework: str, checkpoint: Path, verdicts: Mapping[str, str], tmp: Path) -> list[Row]:
+    """Verify a damaged copy of `checkpoint` per cell (under `tmp`) and judge it against `verdicts`."""
+    if verdicts.get("reference") != "ok":
+        raise AssertionError(f"{framework}: the framework's load of the undamaged copy: {verdicts.get('reference')}")
+    rows = []
+    for i, cell in enumerate(cells(checkpoint)):
+        parent = tmp / f"cell-{i:03d}"
+        copy = damaged_copy(checkpoint, parent, cell)
+        outcome = verify(copy)
+        shutil.rmtree(parent)
+        loader = verdicts[cell.id]
+        rows.append(Row(framework, cell, loader, outcome, judge(checkpoint, cell, loader, outcome)))
+    return rows
+
+
+def digest_proof(checkpoint: Path, cell: Cell, tmp: Path) -> VerifyOutcome:
+    """verify on the undamaged checkpoint with `--write-manifest`, then the cell's damage, then verify."""
+    copy = damaged_copy(checkpoint, tmp / "digests", None)
+    written = verify(copy, "--write-manifest")
+    assert written.exit_code == 0, written
+    target = copy / cell.file
+    original = tmp / "original"
+    shutil.copyfile(target, original)
+    target.unlink()  # a hard link to the writer's file: the damage goes into a new file
+    write_damaged(original, target, cell.fault)
+    return verify(copy)
+
+
+def known_gaps(framework: str) -> set[tuple[str, str]]:
+    """The (file, fault) cells of `framework` listed in `known_gaps.txt` (`framework file fault` a line)."""
+    found = set()
+    for line in KNOWN_GAPS.read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            name, file, fault = line.split()
+            assert fault in FAULTS, line
+            if name == framework:
+                found.add((file, fault))
+    return found
+
+
+def write_rows(rows: list[Row]) -> None:
+    """Append the rows to the file `python -m tests.faults.matrix` named (nothing when it named none)."""
+    target = os.environ.get(ROWS_ENV)
+    if target:
+        with open(target, "a") as f:
+            f.writelines(json.dumps(row.to_json()) + "\n" for row in rows)
+
+
+def assert_rule(framework: str, checkpoint: Path, verdicts: Mapping[str, str], tmp: Path) -> list[Row]:
+    """THE RULE on every cell of `checkpoint`, the known gaps as a ratchet, and the digest proof of every
+    flip no checksum can see; returns the rows."""
+    rows = matrix_rows(framework, checkpoint, verdicts, tmp)
+    write_rows(rows)
+    gaps = {(r.cell.file, r.cell.fault): r for r in rows if r.judgement == "gap"}
+    known = known_gaps(framework)
+    new = {k: f"framework: {r.loader}; verify exit {r.verify.exit_code} {r.verify.problems}" for k, r in gaps.items()}
+    new = {k: v for k, v in new.items() if k not in known}
+    fixed = known - gaps.keys()
+    assert not new, f"{framework}: verify misses damage the framework's load suffers from: {new}"
+    assert not fixed, f"{framework}: known gaps now caught (remove their lines from {KNOWN_GAPS.name}): {fixed}"
+    for row in rows:
+        if row.judgement == "undetectable without digests":
+            proof = digest_proof(checkpoint, row.cell, tmp / f"proof-{row.cell.fault}")
+            shutil.rmtree(tmp / f"proof-{row.cell.fault}")
+            kinds = {
+                kind
+                for kind, path, _, message in proof.problems
+                if _names(path, row.cell.file) or _names(message, row.cell.file)
+            }
+            assert proof.exit_code == 1 and "digest_mismatch" in kinds, (row.cell, proof)
+    return rows

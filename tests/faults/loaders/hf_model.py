@@ -1,0 +1,38 @@
+"""A Hugging Face model folder, loaded by transformers itself: `AutoModelForCausalLM.from_pretrained`
+(transformers/modeling_utils.py: PreTrainedModel.from_pretrained: config.json, the weights or the shard index
+and its shards, generation_config.json), and `AutoTokenizer.from_pretrained` where the folder holds tokenizer
+files. The model's state dict and its generation config are the state compared."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from tests.faults.cells import loader_verdicts
+from tests.faults.loaders.common import run
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def load(path: str, options: Mapping[str, Any]) -> Any:
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    transformers.utils.logging.set_verbosity_warning()
+    model = AutoModelForCausalLM.from_pretrained(path)
+    state: dict[str, Any] = {"model": model.state_dict(), "generation": model.generation_config.to_dict()}
+    if options["tokenizer"]:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        state["tokenizer"] = {"vocab": tokenizer.get_vocab(), "specials": tokenizer.all_special_tokens}
+    return state
+
+
+def build(checkpoint: Path, _out: Path) -> dict[str, str]:
+    """transformers' verdict on each cell of a model folder (`save_pretrained`'s output)."""
+    tokenizer = any((checkpoint / name).exists() for name in _TOKENIZER_FILES)
+    return loader_verdicts(__name__, checkpoint, tokenizer=tokenizer, loggers=["transformers"])
+
+
+if __name__ == "__main__":
+    run(load)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from ckptctl.errors import CkptctlError, UnsafePickle
+from ckptctl.errors import CkptctlError, UnsafePickle, UnsupportedClass
 
 
 class CheckpointState(enum.StrEnum):
@@ -263,10 +263,22 @@ class Problem:
     entry: str = ""
 
     @classmethod
+    def of_unreadable(cls, exc: CkptctlError, path: str, otherwise: str) -> Problem:
+        """The problem of a file whose pickle or metadata did not read: a forgery's global (`unsafe_pickle`), a
+        class ckptctl was not taught (`unsupported_class`), else `otherwise`."""
+        if isinstance(exc, UnsafePickle):
+            return cls(ProblemKind.UNSAFE_PICKLE, path, exc.message)
+        if isinstance(exc, UnsupportedClass):
+            return cls(ProblemKind.UNSUPPORTED_CLASS, path, exc.message)
+        return cls(otherwise, path, exc.message)
+
+    @classmethod
     def from_error(cls, exc: CkptctlError, path: str) -> Problem:
         """The problem a file that failed to read has: a refused pickle, a truncated file, or bad metadata."""
         if isinstance(exc, UnsafePickle):
             return cls(ProblemKind.UNSAFE_PICKLE, path, exc.message)
+        if isinstance(exc, UnsupportedClass):
+            return cls(ProblemKind.UNSUPPORTED_CLASS, path, exc.message)
         kind = ProblemKind.TRUNCATED if "truncated" in str(exc) else ProblemKind.BAD_METADATA
         return cls(kind, path, exc.message)
 

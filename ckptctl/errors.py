@@ -41,7 +41,14 @@ class CorruptCheckpoint(CkptctlError):
 
 
 class UnsafePickle(CorruptCheckpoint):
-    """A pickle asks for a global outside the allowlist; nothing of it was executed."""
+    """A pickle asks for a global that runs code (`formats.safe_pickle.CODE_RUNNING_MODULES`): the file is not
+    what it claims to be; nothing of it was executed."""
+
+
+class UnsupportedClass(CorruptCheckpoint):
+    """A pickle names a class ckptctl was not taught that runs no code (a newer framework's, a library's of its
+    own): the file is not accused, and a reader that can skip the value reads it as opaque; one that needs it
+    refuses the file with this. Nothing of the pickle was executed."""
 
 
 class StorageError(CkptctlError):

@@ -21,7 +21,15 @@ from typing import Any, NamedTuple
 from ckptctl.checkpoint import dtype_itemsize, known_dtypes
 from ckptctl.errors import CorruptCheckpoint
 from ckptctl.formats.dcp_metadata_classes import DCP_METADATA_GLOBALS, DCP_STAND_INS
-from ckptctl.formats.safe_pickle import MAX_DIMS, StandIn, gc_paused, parse_pickle, state_fields
+from ckptctl.formats.safe_pickle import (
+    MAX_DIMS,
+    Allowlist,
+    OpaqueObject,
+    StandIn,
+    gc_paused,
+    parse_pickle,
+    state_fields,
+)
 from ckptctl.formats.torch_save_classes import DType
 
 __all__ = [
@@ -226,6 +234,11 @@ _DTYPE_NAMES = {name: name for name in known_dtypes()}
 _STRIDED = "torch.strided"
 
 
+#: What `parse_dcp_metadata` resolves: DCP's classes, and any other class that runs no code as an opaque value
+#: (a storage writer of another library pickles its own `_StorageInfo` subclass: `_storage_info_fields`).
+_READ_GLOBALS = Allowlist(DCP_METADATA_GLOBALS, opaque_unknown=True)
+
+
 def parse_dcp_metadata(data: bytes, source: str) -> DcpMetadata:
     """Parse and validate the bytes of a DCP `.metadata` file; runs nothing the file names.
 
@@ -234,7 +247,7 @@ def parse_dcp_metadata(data: bytes, source: str) -> DcpMetadata:
         source: its path or URL, for messages.
 
     Raises:
-        UnsafePickle: the pickle names a global outside `DCP_METADATA_GLOBALS`.
+        UnsafePickle: the pickle names a global that runs code (any other unknown class is read as opaque).
         CorruptCheckpoint: it is not a DCP metadata pickle, or a value in it is invalid.
     """
     # The parser keys its caches by raw values from the file, so it runs where the unpickler does: on a
@@ -242,7 +255,7 @@ def parse_dcp_metadata(data: bytes, source: str) -> DcpMetadata:
     # collection is still paused: otherwise the first collection after the pause walks millions of
     # objects about to go anyway (a quarter second on 100k keys).
     with gc_paused():
-        return parse_pickle(data, DCP_METADATA_GLOBALS, source, _Parser(source, len(data)).checked_metadata)
+        return parse_pickle(data, _READ_GLOBALS, source, _Parser(source, len(data)).checked_metadata)
 
 
 def dcp_metadata_from(root: Any, source: str, size: int) -> DcpMetadata:
@@ -488,7 +501,8 @@ class _Parser:
         return out
 
     def record_checked(self, index: Any, info: Any, paths: dict[Any, str]) -> tuple[StorageKey, StorageRecord]:
-        if type(index) is not DCP_STAND_INS["MetadataIndex"] or type(info) is not DCP_STAND_INS["_StorageInfo"]:
+        rec = self.storage_info_fields(info)
+        if type(index) is not DCP_STAND_INS["MetadataIndex"] or rec is None:
             raise self.fail("a storage_data entry is not a MetadataIndex → _StorageInfo pair")
         idx = state_fields(index, self.source)
         fqn = idx.get("fqn")
@@ -496,7 +510,6 @@ class _Parser:
             raise self.fail("a storage record has no key name")
         offset = idx.get("offset")
         key: StorageKey = (fqn, None if offset is None else self.shape(fqn, offset, "storage offset"))
-        rec = state_fields(info, self.source)
         path = rec.get("relative_path")
         if type(path) is not str:
             raise self.fail(f"{fqn!r}: storage record has no file name")
@@ -512,6 +525,19 @@ class _Parser:
         return key, StorageRecord(
             checked, start, length, () if transforms is None else self.transforms(fqn, transforms)
         )
+
+    def storage_info_fields(self, info: Any) -> dict[str, Any] | None:
+        """The fields of a storage record: DCP's `_StorageInfo`, or a class of another library (a storage
+        writer's own subclass, read as opaque) whose state holds `_StorageInfo`'s fields, which is how
+        `FileSystemReader` uses it (`relative_path`, `offset`, `length`); None for anything else."""
+        if type(info) is DCP_STAND_INS["_StorageInfo"]:
+            return state_fields(info, self.source)
+        if not isinstance(info, OpaqueObject) or type(info.state) is not dict:
+            return None
+        fields = info.state
+        if type(fields.get("relative_path")) is str and type(fields.get("offset")) is int:
+            return fields if type(fields.get("length")) is int else None
+        return None
 
     def relative_path(self, fqn: str, path: str) -> str:
         # The file names come from the file: one that pointed outside the folder would make ckptctl read

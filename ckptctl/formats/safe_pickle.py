@@ -54,7 +54,7 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Any, ClassVar, TypeVar
 
-from ckptctl.errors import CkptctlError, CorruptCheckpoint, UnsafePickle
+from ckptctl.errors import CkptctlError, CorruptCheckpoint, UnsafePickle, UnsupportedClass
 from ckptctl.formats import framework_classes
 
 __all__ = [
@@ -390,14 +390,15 @@ class SafeUnpickler(pickle.Unpickler):
                 "this file is not what it claims to be: do not load it with pickle or torch.load(weights_only=False)",
             )
         known = package in _FORMAT_PACKAGES or package in framework_classes.registered().packages
-        if known or package in _STDLIB_MODULES:
-            opaque = getattr(self._allowed, "opaque_unknown", False) and len(module) + len(name) <= 200
-            if opaque:
-                return _opaque_class(f"{module}.{name}", package)
+        # Only the globals above run code. Any other class (of a known library, the standard library, or a
+        # library ckptctl was never taught) is inert in this unpickler: a reader that can skip the value
+        # reads it as opaque, "unsupported class X (from P)".
+        if getattr(self._allowed, "opaque_unknown", False) and len(module) + len(name) <= 200:
+            return _opaque_class(f"{module}.{name}", package)
         # A genuine file of a newer framework version (or of a library ckptctl was never taught) can name a
         # class ckptctl does not know: it is refused all the same, without calling the file a forgery.
         what = f"ckptctl reads only the {package} classes it knows" if known else f"ckptctl does not know {package}"
-        raise UnsafePickle(
+        raise UnsupportedClass(
             f"{self._source}: unsupported class {qualified} (from {package}): {what}; nothing in the pickle was "
             "executed",
             (

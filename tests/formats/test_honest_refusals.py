@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from ckptctl.errors import UnsafePickle
+from ckptctl.errors import UnsafePickle, UnsupportedClass
 from ckptctl.formats.safe_pickle import opaque_values, safe_loads
 from ckptctl.formats.torch_pickle_classes import OPAQUE_PICKLE_GLOBALS, TORCH_PICKLE_GLOBALS
 from tests.conftest import CliResult
@@ -98,7 +98,7 @@ def test_an_unknown_class_of_a_known_library_is_unsupported_not_a_forgery() -> N
 
     data = pickle.dumps({"generation": _generation_config(), "step": 3}, protocol=2)
     qualified = "transformers.generation.configuration_utils.GenerationConfig"
-    with pytest.raises(UnsafePickle) as info:
+    with pytest.raises(UnsupportedClass) as info:
         safe_loads(data, TORCH_PICKLE_GLOBALS, "state.pt")
     assert f"unsupported class {qualified} (from transformers)" in info.value.message
     assert "not what it claims" not in f"{info.value.message} {info.value.hint}"

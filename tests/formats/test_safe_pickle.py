@@ -17,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ckptctl.errors import CorruptCheckpoint, UnsafePickle
+from ckptctl.errors import CorruptCheckpoint, UnsafePickle, UnsupportedClass
 from ckptctl.formats.dcp_metadata import parse_dcp_metadata
 from ckptctl.formats.dcp_metadata_classes import DCP_METADATA_GLOBALS
 from ckptctl.formats.safe_pickle import check_opcodes, safe_loads
@@ -72,7 +72,7 @@ def test_hostile_globals_are_refused_and_nothing_runs(name: str, protocol: int, 
 
 def test_named_modules_are_never_imported() -> None:
     assert "this" not in sys.modules
-    with pytest.raises(UnsafePickle, match=r"this\.s"):
+    with pytest.raises(UnsupportedClass, match=r"this\.s"):  # refused, not accused: `this` runs no code
         safe_loads(b"cthis\ns\n.", DCP_METADATA_GLOBALS, "x")
     assert "this" not in sys.modules  # importing `this` prints the Zen of Python: nothing was imported
 
@@ -228,7 +228,7 @@ def test_an_unknown_class_of_a_known_framework_is_unsupported_not_a_forgery(
 ) -> None:
     import ckptctl  # noqa: F401  (registers the framework packages' classes)
 
-    with pytest.raises(UnsafePickle) as info:
+    with pytest.raises(UnsupportedClass) as info:
         safe_loads(pickled, DCP_METADATA_GLOBALS, "iter_0000100/.metadata")
     assert f"unsupported class {qualified} (from {package})" in info.value.message
     assert "not what it claims" not in f"{info.value.message} {info.value.hint}"

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from ckptctl import io
-from ckptctl.errors import CorruptCheckpoint, UnsafePickle
+from ckptctl.errors import CorruptCheckpoint, UnsafePickle, UnsupportedClass
 from ckptctl.formats.safe_pickle import FrameworkObject, state_fields
 from ckptctl.formats.torch_pickle import load_tensor, open_torch_pickle, read_pickled_structure, tensor_refs
 from ckptctl.formats.torch_pickle_classes import OrderedDictStandIn, TensorRef
@@ -195,7 +195,7 @@ def test_allowed_names_cannot_be_abused(tmp_path: Path, pickled: bytes) -> None:
 
 def test_unknown_framework_classes_are_refused(tmp_path: Path) -> None:
     pickled = b"\x80\x02cdeepspeed.runtime.engine\nDeepSpeedEngine\n)\x81."
-    with pytest.raises(UnsafePickle, match=r"deepspeed\.runtime\.engine\.DeepSpeedEngine"):
+    with pytest.raises(UnsupportedClass, match=r"deepspeed\.runtime\.engine\.DeepSpeedEngine"):
         read_pickled_structure(str(_archive(tmp_path / "x.pt", pickled)))
 
 

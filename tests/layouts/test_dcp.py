@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -317,3 +318,56 @@ def test_works_through_fsspec_urls(fsdp_dcp: WrittenDcp) -> None:
         assert torch.equal(read_tensor(url, entry), reference[entry.name])
     finally:
         fs.rm(root, recursive=True)
+
+
+class _AcmeStorageInfo:
+    """Stands for another library's `_StorageInfo` subclass: the test gives it a module of its own below."""
+
+
+def _save_with_a_foreign_storage_info(folder: Path, state: dict[str, torch.Tensor]) -> None:
+    """`dcp.save` through a FileSystemWriter whose storage records are a subclass of DCP's `_StorageInfo` from a
+    library ckptctl was never taught (`acme_storage`), as some storage writers pickle their own."""
+    import types
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.storage import WriteResult
+
+    module = types.ModuleType("acme_storage")
+    info_class = type("AcmeStorageInfo", (_StorageInfo,), {"__module__": "acme_storage"})
+    module.AcmeStorageInfo = info_class  # type: ignore[attr-defined]
+    sys.modules["acme_storage"] = module
+
+    class AcmeWriter(dcp.FileSystemWriter):
+        def finish(self, metadata: Any, results: list[list[WriteResult]]) -> None:
+            foreign = [
+                [WriteResult(r.index, r.size_in_bytes, info_class(**vars(r.storage_data))) for r in rank_results]
+                for rank_results in results
+            ]
+            super().finish(metadata, foreign)
+
+    dcp.save(state, storage_writer=AcmeWriter(str(folder)))
+
+
+def test_a_foreign_storage_info_subclass_is_read_as_dcp(tmp_path: Path) -> None:
+    """Only globals that run code make a pickle unsafe: another library's `_StorageInfo` subclass with DCP's
+    fields is read as DCP and its files checked; torch's own `dcp.load` reads the same folder."""
+    import torch.distributed.checkpoint as dcp
+
+    state = {"w": torch.arange(12.0).reshape(3, 4), "b": torch.ones(5)}
+    folder = tmp_path / "ckpt"
+    try:
+        _save_with_a_foreign_storage_info(folder, state)
+        assert b"acme_storage" in (folder / ".metadata").read_bytes()
+        loaded = {k: torch.zeros_like(v) for k, v in state.items()}
+        dcp.load(loaded, checkpoint_id=str(folder))
+        assert all(torch.equal(loaded[k], state[k]) for k in state)
+    finally:
+        sys.modules.pop("acme_storage", None)
+    layout, _ = detect(str(folder))
+    assert verify_dcp(str(folder)) == []
+    assert {e.name for e in layout.open(str(folder)).tensors()} == {"w", "b"}
+    for data in folder.glob("*.distcp"):
+        data.unlink()
+    problems = verify_dcp(str(folder))
+    assert problems and all(p.kind == ProblemKind.MISSING_FILE for p in problems)

@@ -50,7 +50,7 @@ from ckptctl.checkpoint import (
     Role,
     TensorEntry,
 )
-from ckptctl.errors import CkptctlError, CorruptCheckpoint, UnknownLayout, UnsafePickle
+from ckptctl.errors import CkptctlError, CorruptCheckpoint, UnknownLayout
 from ckptctl.formats.dcp_metadata import METADATA_NAME
 from ckptctl.formats.documents import MAX_INT, read_json
 from ckptctl.formats.safe_pickle import MAX_DIMS, check_nesting, safe_loads
@@ -494,10 +494,8 @@ def _info_problems(info: _RecoverInfo, meta: DirEntry | None, world_size: int | 
 def _dataloader_problems(url: str, path: str, world_size: int | None) -> list[Problem]:
     try:
         states = read_dataloader_info(url)
-    except UnsafePickle as exc:
-        return [Problem(ProblemKind.UNSAFE_PICKLE, path, exc.message)]
     except CkptctlError as exc:
-        return [Problem(ProblemKind.BAD_METADATA, path, exc.message)]
+        return [Problem.of_unreadable(exc, path, ProblemKind.BAD_METADATA)]
     if isinstance(states, list) and world_size is not None and len(states) != world_size:
         return [
             Problem(

@@ -39,7 +39,7 @@ from ckptctl.checkpoint import (
     TensorEntry,
     dtype_itemsize,
 )
-from ckptctl.errors import CkptctlError, CorruptCheckpoint, UnknownLayout, UnsafePickle
+from ckptctl.errors import CkptctlError, CorruptCheckpoint, UnknownLayout
 from ckptctl.formats.dcp_metadata import METADATA_NAME
 from ckptctl.formats.torch_pickle import open_torch_pickle
 from ckptctl.formats.torch_zip import TorchArchive
@@ -540,10 +540,8 @@ def _component_problems(url: str, listing: Sequence[DirEntry], prefix: str) -> l
         ]
     try:
         metadata = load_bcp_metadata(io.join(url, METADATA_NAME), by_name[METADATA_NAME])
-    except UnsafePickle as exc:
-        return [Problem(ProblemKind.UNSAFE_PICKLE, prefix + METADATA_NAME, exc.message)]
     except CorruptCheckpoint as exc:
-        return [Problem(ProblemKind.BAD_METADATA, prefix + METADATA_NAME, exc.message)]
+        return [Problem.of_unreadable(exc, prefix + METADATA_NAME, ProblemKind.BAD_METADATA)]
     problems = verify_dcp_metadata(url, metadata.dcp, by_name, prefix)
     for key, tensor in metadata.dcp.tensors():
         for chunk in tensor.chunks:

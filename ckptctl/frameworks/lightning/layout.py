@@ -49,7 +49,7 @@ from ckptctl.checkpoint import (
     ProblemKind,
     TensorEntry,
 )
-from ckptctl.errors import CkptctlError, UnknownLayout, UnsafePickle
+from ckptctl.errors import CkptctlError, UnknownLayout, UnsafePickle, UnsupportedClass
 from ckptctl.formats.dcp_metadata import METADATA_NAME
 from ckptctl.formats.documents import as_real, as_whole
 from ckptctl.formats.safe_pickle import FrameworkObject, StandIn, state_fields
@@ -479,6 +479,8 @@ def open_lightning_file(url: str, size: int | None) -> TorchPickle:
         return open_torch_pickle(url, size)
     except UnsafePickle as exc:
         raise UnsafePickle(exc.message + _UNSAFE, _UNSAFE_HINT) from exc
+    except UnsupportedClass as exc:
+        raise UnsupportedClass(exc.message + _UNSAFE, _UNSAFE_HINT) from exc
 
 
 def lightning_dict_file(folder: str) -> str:

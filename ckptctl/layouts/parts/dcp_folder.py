@@ -45,7 +45,6 @@ from ckptctl.errors import (
     CkptctlError,
     CorruptCheckpoint,
     UnknownLayout,
-    UnsafePickle,
 )
 from ckptctl.formats.chunks import tiling_problem
 from ckptctl.formats.dcp_metadata import METADATA_NAME, RANK_METADATA, DcpMetadata, DcpTensor, merge_rank_metadata
@@ -271,10 +270,8 @@ def verify_dcp(url: str, path_prefix: str = "") -> list[Problem]:
         return [Problem(ProblemKind.IN_PROGRESS if pending else ProblemKind.MISSING_FILE, meta_path, message)]
     try:
         metadata = load_dcp_metadata(url, meta_entry)
-    except UnsafePickle as exc:
-        return [Problem(ProblemKind.UNSAFE_PICKLE, meta_path, exc.message)]
     except CorruptCheckpoint as exc:
-        return [Problem(ProblemKind.BAD_METADATA, meta_path, exc.message)]
+        return [Problem.of_unreadable(exc, meta_path, ProblemKind.BAD_METADATA)]
     return verify_dcp_metadata(url, metadata, by_name, path_prefix)
 
 
@@ -308,10 +305,8 @@ def _verify_rank_metadata(
         path = path_prefix + entry.name
         try:
             parts.append((entry.name, parse_cached(io.join(url, entry.name), entry)))
-        except UnsafePickle as exc:
-            problems.append(Problem(ProblemKind.UNSAFE_PICKLE, path, exc.message))
         except CorruptCheckpoint as exc:
-            problems.append(Problem(ProblemKind.BAD_METADATA, path, exc.message))
+            problems.append(Problem.of_unreadable(exc, path, ProblemKind.BAD_METADATA))
     if len(parts) < len(per_rank):
         return problems
     try:
@@ -463,10 +458,8 @@ def _bytes_item_problems(
             blob = span[offset - lo : offset - lo + length] if span is not None else io.read_bytes(path, offset, length)
             try:
                 read_object_archive(blob, f"{prefix}{name}: item {key!r}")
-            except UnsafePickle as exc:
-                problems.append(Problem(ProblemKind.UNSAFE_PICKLE, prefix + name, exc.message))
             except CorruptCheckpoint as exc:
-                problems.append(Problem(ProblemKind.UNREADABLE, prefix + name, exc.message))
+                problems.append(Problem.of_unreadable(exc, prefix + name, ProblemKind.UNREADABLE))
     return problems
 
 

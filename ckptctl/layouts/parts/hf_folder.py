@@ -274,7 +274,7 @@ def verify_model_files(url: str, files: Mapping[str, int]) -> list[Problem]:
             problems.append(
                 Problem(ProblemKind.BAD_METADATA, "config.json", f"config.json does not parse: {exc.message}")
             )
-    problems += check_load_set(url, model_load_set(files), files, problems)
+    problems += check_load_set(url, model_load_set(url, files), files, problems)
     safetensors = sorted(n for n in files if n.endswith(".safetensors") and not SHARD_FILE.match(n))
     legacy = sorted(n for n in files if _is_legacy_weight(n))
     weight_map, indexed = _index_problems(url, files, INDEX_NAMES, problems)
@@ -329,28 +329,72 @@ _JSON_SIDE_FILES = {
 _SAVE_PRETRAINED_FILES = (_TOKENIZER_FILES | {"generation_config.json", *INDEX_NAMES, LEGACY_INDEX}) - {"vocab.txt"}
 
 
-def model_load_set(files: Mapping[str, int]) -> list[LoadMember]:
+def model_load_set(url: str, files: Mapping[str, int]) -> list[LoadMember]:
     """What `from_pretrained` (and `AutoTokenizer.from_pretrained`) read of a model folder beyond its weights.
 
-    Every JSON side file present must parse (transformers `configuration_utils.PretrainedConfig.
-    _dict_from_json_file`, `tokenization_utils_base.PreTrainedTokenizerBase._from_pretrained` and tokenizers'
-    `Tokenizer.from_file` raise on a truncated one). config.json must be there: `AutoModel*.from_pretrained`
-    and `AutoConfig.from_pretrained` raise without it (`configuration_utils.PretrainedConfig.
-    _get_config_dict`: "does not appear to have a file named config.json"). A folder that also holds files only
-    `save_pretrained` writes (tokenizer files, generation config, a shard index) is a model folder that lost
-    it: an error. A folder of bare weights may be meant for `safetensors.load_file` (accelerate's model file,
-    a `save_file` output): nothing is required of it. A PEFT adapter folder has adapter_config.json instead.
+    - Every JSON side file present must parse (transformers `configuration_utils.PretrainedConfig.
+      _dict_from_json_file`, `tokenization_utils_base.PreTrainedTokenizerBase._from_pretrained` and tokenizers'
+      `Tokenizer.from_file` raise on a truncated one).
+    - config.json: `AutoModel*.from_pretrained` and `AutoConfig.from_pretrained` raise without it
+      (`configuration_utils.PretrainedConfig._get_config_dict`). A folder that also holds files only
+      `save_pretrained` writes (tokenizer files, generation config, a shard index) is a model folder that lost
+      it: an error. A folder of bare weights may be meant for `safetensors.load_file` (accelerate's model file,
+      a `save_file` output): nothing is required of it. A PEFT adapter folder has adapter_config.json instead.
+    - The shard index of `-0000i-of-0000N` shards: `modeling_utils._get_resolved_checkpoint_files` looks for
+      `model.safetensors` or the index, and raises with shards alone.
+    - generation_config.json of a generative model that transformers >= 4.26 saved (`save_pretrained` writes
+      it whenever `can_generate()`): without it, or unreadable, `from_pretrained` catches the error and builds
+      one from the model config (`modeling_utils.PreTrainedModel.from_pretrained`), so the saved generation
+      settings are silently lost.
     """
     members = [
         LoadMember(name, MemberKind.JSON, name, read_by)
         for name, read_by in _JSON_SIDE_FILES.items()
         if name in files and name != "config.json"
     ]
-    if "adapter_config.json" not in files and has_weights(files) and any(n in files for n in _SAVE_PRETRAINED_FILES):
+    if "adapter_config.json" in files or not has_weights(files):
+        return members
+    if any(n in files for n in _SAVE_PRETRAINED_FILES):
         members.append(
             LoadMember("config.json", MemberKind.JSON, "the model's config.json", _JSON_SIDE_FILES["config.json"])
         )
+    for stem, index in (("model", INDEX_NAMES[0]), ("pytorch_model", LEGACY_INDEX)):
+        if any((m := _SHARD.match(n)) and m.group("stem") == stem and m.group("n") != "00001" for n in files):
+            members.append(
+                LoadMember(
+                    index, MemberKind.JSON, f"the shard index {index}", "transformers _get_resolved_checkpoint_files"
+                )
+            )
+    if "config.json" in files and _saves_generation_config(url):
+        members.append(
+            LoadMember(
+                "generation_config.json",
+                MemberKind.JSON,
+                "the saved generation config",
+                "transformers PreTrainedModel.from_pretrained (GenerationConfig.from_pretrained)",
+            )
+        )
     return members
+
+
+#: Architectures whose models generate (`can_generate()`), by the ends of their class names.
+_GENERATIVE = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")
+
+
+def _saves_generation_config(url: str) -> bool:
+    """Whether config.json says transformers >= 4.26 saved a generative model (and so generation_config.json)."""
+    try:
+        config = read_json(io.join(url, "config.json"))
+    except CkptctlError:
+        return False  # reported as config.json's own problem
+    if not isinstance(config, dict):
+        return False
+    architectures = config.get("architectures")
+    version = config.get("transformers_version")
+    if not isinstance(architectures, list) or not isinstance(version, str):
+        return False
+    release = tuple(int(part) for part in re.findall(r"\d+", version)[:2])
+    return release >= (4, 26) and any(isinstance(a, str) and a.endswith(_GENERATIVE) for a in architectures)
 
 
 def _index_problems(

@@ -68,6 +68,7 @@ from ckptctl.layouts.base import (
     newest_mtime,
     timestamp,
 )
+from ckptctl.layouts.load_set import LoadMember, MemberKind
 from ckptctl.layouts.parts.in_progress import unfinished_state
 from ckptctl.layouts.parts.torch_file import torch_file_problems
 from ckptctl.layouts.resume import ResumeProfile
@@ -406,22 +407,13 @@ class VerlLayout(Layout):
     def verify(self, checkpoint: Checkpoint) -> list[Problem]:
         """Every role: all rank files of its world size, `fsdp_config.json` present and agreeing, each rank
         file's pickle safe and its storages inside the file, the shards covering every tensor; a step: its
-        data loader state (and SkyRL's trainer state) present and safe."""
+        data loader state (and SkyRL's trainer state) safe where present (`load_set` requires `data.pt`)."""
         url = checkpoint.url
         entries = io.list_dir(url)
         is_step = STEP_RE.match(io.name_of(url)) is not None
         problems: list[Problem] = []
         if is_step:
             roles = [(f"{r.name}/", io.join(url, r.name), r) for r in step_roles(url, entries)]
-            if not any(e.name == DATALOADER for e in entries):
-                problems.append(
-                    Problem(
-                        ProblemKind.MISSING_FILE,
-                        DATALOADER,
-                        f"no {DATALOADER}: verl resumes with a warning and its data loader starts the epoch over",
-                        severity="warning",
-                    )
-                )
             names = {e.name: e.size for e in entries if not e.is_dir}
             problems += [
                 p
@@ -435,6 +427,25 @@ class VerlLayout(Layout):
         for prefix, role_url, role in roles:
             problems += _role_problems(prefix, role_url, role)
         return problems
+
+    def load_set(self, checkpoint: Checkpoint) -> Sequence[LoadMember]:
+        """A step's `data.pt` (each role's rank files of its world size and kinds, which verl's
+        `FSDPCheckpointManager.load_checkpoint` reads, are the layout's own rules).
+
+        verl 0.9.1 `RayPPOTrainer._load_checkpoint` (verl/trainer/ppo/ray_trainer.py) loads the roles, then
+        `data.pt` into the train data loader; without it, it prints "No dataloader state found ... will start from
+        scratch" and the resumed run sees the epoch's samples again: state it saved, lost. An error.
+        """
+        if STEP_RE.match(io.name_of(checkpoint.url)) is None:
+            return ()
+        return (
+            LoadMember(
+                DATALOADER,
+                MemberKind.TORCH_SAVE,
+                "the data loader state",
+                "verl RayPPOTrainer._load_checkpoint (else the data loader starts the epoch over)",
+            ),
+        )
 
     def completion_markers(self, files: Mapping[str, int]) -> tuple[str, ...]:
         """Each role's `fsdp_config.json` (rank 0 writes it after its files), then the step's `data.pt`."""

@@ -226,7 +226,7 @@ class OpenInstructLayout(Layout):
         if DRIVER_STATE_NAME not in names and peek(io.parent_of(url), _has_ref_policy) is not True:
             # A tag that lost `driver_state.pt` and sits alone is still open-instruct's: its client state says so.
             client = _client_state(url, entries)
-            if not _CLIENT_EVIDENCE <= client.keys:
+            if not client.keys >= _CLIENT_EVIDENCE:
                 return None
         state, note = CheckpointState.COMPLETE, ""
         missing = files.missing_from_names()

@@ -58,6 +58,7 @@ from ckptctl.layouts.base import (
     newest_mtime,
     timestamp,
 )
+from ckptctl.layouts.load_set import LoadMember, MemberKind
 from ckptctl.layouts.parts.dcp_folder import (
     DISTCP_RE,
     component_for_prefix,
@@ -76,7 +77,6 @@ from ckptctl.layouts.parts.hf_folder import (
     verify_model_files,
     weight_files,
 )
-from ckptctl.layouts.load_set import LoadMember, MemberKind
 from ckptctl.layouts.parts.in_progress import unfinished_state
 from ckptctl.layouts.resume import ResumeProfile
 from ckptctl.quoting import yaml_value

@@ -54,6 +54,7 @@ from ckptctl.formats.chunks import tiling_problem
 from ckptctl.formats.documents import read_json
 from ckptctl.formats.dtensor import dtensor_facts, state_tensors
 from ckptctl.formats.dtensor_classes import DTENSOR_PICKLE_GLOBALS, DTensorRef
+from ckptctl.formats.slim_marker import SLIM_MARKER
 from ckptctl.formats.torch_pickle import TorchPickle, open_torch_pickle
 from ckptctl.formats.torch_pickle_classes import TensorRef
 from ckptctl.frameworks.verl.files import STEP_RE, read_tracker
@@ -314,6 +315,11 @@ class VerlLayout(Layout):
             if not roles:
                 return None
             notes = [p for r in roles if (p := r.problem())]
+            names = {e.name for e in entries if not e.is_dir}
+            if not names & {DATALOADER, SKYRL_TRAINER_STATE, SLIM_MARKER}:
+                # The trainer writes it after every role's files and before the tracker: without it the save
+                # did not finish (or lost it since); `slim` drops it on purpose.
+                notes.append(f"no {DATALOADER}")
             newest = max((t for t in [newest_mtime(entries), *(r.newest for r in roles)] if t), default=None)
             return CheckpointRef(
                 url=url,
@@ -436,8 +442,8 @@ class VerlLayout(Layout):
         `data.pt` into the train data loader; without it, it prints "No dataloader state found ... will start from
         scratch" and the resumed run sees the epoch's samples again: state it saved, lost. An error.
         """
-        if STEP_RE.match(io.name_of(checkpoint.url)) is None:
-            return ()
+        if STEP_RE.match(io.name_of(checkpoint.url)) is None or SKYRL_TRAINER_STATE in checkpoint.files:
+            return ()  # SkyRL's trainer keeps its data loader in `trainer_state.pt` (read by the layout's rules)
         return (
             LoadMember(
                 DATALOADER,

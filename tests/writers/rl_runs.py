@@ -365,6 +365,7 @@ def arrange_roll_megatron(checkpoint: Path, step: int, legacy: bool = False) -> 
     """A ROLL `checkpoint-N` of the Megatron strategy (mcore_adapter's names), from real pieces: DCP folders
     written by `dcp.save` for Megatron's dist-ckpt `dist_model/`/`dist_optimizer/` (or, `legacy`, one
     `model_optim_rng.pt` per tensor-parallel rank), `torch.save` for the scheduler and per-rank RNG files."""
+    import numpy as np
     import torch.distributed.checkpoint as dcp
 
     from tests.writers.models import tiny_llama
@@ -417,4 +418,7 @@ def arrange_roll_megatron(checkpoint: Path, step: int, legacy: bool = False) -> 
     (pipeline / "worker_state_pipeline.json").write_text(
         json.dumps(_roll_worker_state(step), indent=2, sort_keys=True) + "\n"
     )
+    # `BasePipeline.do_checkpoint` saves the driver's RNG beside its state whatever the strategy.
+    rng = {"python": random.getstate(), "numpy": np.random.get_state(), "cpu": torch.random.get_rng_state()}
+    torch.save(rng, pipeline / "rng_state_pipeline.pth")
     return checkpoint

@@ -61,7 +61,16 @@ from ckptctl.frameworks.bytecheckpoint.metadata import (
 )
 from ckptctl.io import DirEntry
 from ckptctl.layouts import peek_dir
-from ckptctl.layouts.base import Layout, every_child_folder, folder_size, list_files, newest_mtime, timestamp
+from ckptctl.layouts.base import (
+    Layout,
+    absent_numbers,
+    every_child_folder,
+    folder_size,
+    list_files,
+    newest_mtime,
+    timestamp,
+)
+from ckptctl.layouts.load_set import LoadMember, MemberKind
 from ckptctl.layouts.parts.dcp_folder import (
     DISTCP_RE,
     component_for_prefix,
@@ -132,8 +141,9 @@ class _Save:
 
     @property
     def world_size(self) -> int | None:
-        """Every rank writes its extra state; without one, the ranks that wrote model data."""
-        ranks = self.extra_ranks() or self.data_ranks(MODEL) or self.data_ranks(OPTIMIZER)
+        """The highest rank any file names, plus one: every rank writes its extra state and a data file of each
+        component (DCP's one `__{rank}_0.distcp` per rank), so a file one rank lost leaves the others to tell."""
+        ranks = self.extra_ranks() | self.data_ranks(MODEL) | self.data_ranks(OPTIMIZER)
         return max(ranks) + 1 if ranks else None
 
     def problems(self) -> list[str]:
@@ -463,6 +473,33 @@ class BytecheckpointLayout(Layout):
                 )
         return problems
 
+    def load_set(self, checkpoint: Checkpoint) -> Sequence[LoadMember]:
+        """Each rank's `extra_state/extra_state_rank_{R}.pt` of a save that wrote extra state (the model and
+        optimizer folders are the layout's own rules). The ranks present are read by `verify`; the members
+        named here are the absent ones of the save's world size (the first `LISTED_ABSENT`).
+
+        bcp 0.0.2 `FSDPCheckpointer.load` (and the FSDP2 and DDP checkpointers', `checkpointer/fsdp_checkpointer.py`)
+        reads `extra_state_rank_{dist.get_rank()}.pt` and, when that file does not exist, rank 0's in its place
+        without a word: the rank resumes with rank 0's RNG and sampler state, its own silently lost. So a missing
+        rank's file is an error, not a warning.
+        """
+        members: list[LoadMember] = []
+        for save in _saves(checkpoint.url, io.list_dir(checkpoint.url)):
+            world = save.world_size
+            if EXTRA_STATE not in save.listings or world is None:
+                continue
+            missing, _ = absent_numbers(save.extra_ranks(), world)
+            members += [
+                LoadMember(
+                    f"{save.prefix}{EXTRA_STATE}/extra_state_rank_{rank}.pt",
+                    MemberKind.TORCH_SAVE,
+                    f"rank {rank}'s extra state (of {world} ranks)",
+                    "bcp.load (FSDPCheckpointer.load, which loads rank 0's file in its place)",
+                )
+                for rank in missing
+            ]
+        return members
+
     def torch_archives(self, checkpoint: Checkpoint) -> Sequence[TorchArchive]:
         """Each rank's extra state and the non-tensor items (`param_groups`), torch.save archives; tensor data
         is raw bytes, with no CRC-32 to check."""
@@ -505,20 +542,6 @@ def _save_problems(url: str, save: _Save) -> list[Problem]:
         listing = save.listings.get(component)
         if listing is not None:
             problems += _component_problems(save.folder(url, component), listing, save.label(component))
-    world = save.world_size
-    extra = save.extra_ranks()
-    if EXTRA_STATE in save.listings and world is not None:
-        for rank in sorted(set(range(world)) - extra)[:20]:
-            problems.append(
-                Problem(
-                    ProblemKind.MISSING_FILE,
-                    f"{save.prefix}{EXTRA_STATE}/extra_state_rank_{rank}.pt",
-                    "missing: ByteCheckpoint loads rank 0's extra state on a rank without its own"
-                    if rank
-                    else "missing: every rank's load falls back to this file",
-                    severity="warning" if rank else "error",
-                )
-            )
     for entry in save.listings.get(EXTRA_STATE, ()):
         if not entry.is_dir and EXTRA_STATE_RE.match(entry.name):
             problems += _extra_state_problems(io.join(url, save.prefix + EXTRA_STATE, entry.name), entry, save.prefix)

@@ -10,8 +10,9 @@ CHECKPOINT_STATE_DIR/                  (--checkpoint_state_dir)
 OUTPUT_DIR/{exp}__{seed}__{time}_checkpoints/step_{training_step}/   HF snapshots + .checkpoint_complete
 ```
 
-A tag is read with `layouts.parts.zero_tag`; it is open-instruct's when it holds `driver_state.pt` or when
-`ref_policy/` lies beside it. Its step is the `training_step` of the client state (or of
+A tag is read with `layouts.parts.zero_tag`; it is open-instruct's when it holds `driver_state.pt`, when
+`ref_policy/` lies beside it, or when its client state holds open-instruct's own keys (a tag that lost
+`driver_state.pt` stays a torn open-instruct tag, never a whole DeepSpeed one). Its step is the `training_step` of the client state (or of
 `driver_state.pt`), not the N of its name, which counts optimizer steps; so `identify` reads the rank-0
 `data.pkl` (small: references, no weights) and keeps what it found for `open`.
 
@@ -37,6 +38,7 @@ from ckptctl.formats.torch_pickle import open_torch_pickle
 from ckptctl.io import DirEntry
 from ckptctl.layouts import peek, peek_dir
 from ckptctl.layouts.base import Layout, every_child_folder, folder_size, newest_mtime, timestamp
+from ckptctl.layouts.load_set import LoadMember, MemberKind
 from ckptctl.layouts.parts.hf_folder import HfFolderLayout, has_weights, model_markers, verify_model_files
 from ckptctl.layouts.parts.in_progress import recently_written
 from ckptctl.layouts.parts.torch_file import torch_file_problems
@@ -75,6 +77,9 @@ SNAPSHOTS_SUFFIX = "_checkpoints"
 _COUNTERS = ("training_step", "episode", "num_total_tokens")
 _RNG_KEY = "rng_states"
 _DATALOADER_KEYS = ("dataloader_state", "data_prep_actor_state")
+#: Client-state keys only open-instruct's `grpo_fast.py` passes to `save_checkpoint` (beside `rng_states`, `rank`):
+#: evidence of an open-instruct tag that survives losing `driver_state.pt`.
+_CLIENT_EVIDENCE = frozenset({"training_step", "num_total_tokens", "ref_policy_saved"})
 
 
 @dataclass(frozen=True)
@@ -217,11 +222,15 @@ class OpenInstructLayout(Layout):
         files = tag_files(entries)
         if files is None:
             return None
+        client = None
         if DRIVER_STATE_NAME not in names and peek(io.parent_of(url), _has_ref_policy) is not True:
-            return None
+            # A tag that lost `driver_state.pt` and sits alone is still open-instruct's: its client state says so.
+            client = _client_state(url, entries)
+            if not client.keys >= _CLIENT_EVIDENCE:
+                return None
         state, note = CheckpointState.COMPLETE, ""
         missing = files.missing_from_names()
-        client = _client_state(url, entries)
+        client = client or _client_state(url, entries)
         if missing:
             state, note = CheckpointState.BROKEN, missing_note(missing)
         elif client.error:
@@ -234,6 +243,8 @@ class OpenInstructLayout(Layout):
             )
         elif missing := missing_rank_files(url, files):  # the highest rank's: no sibling is fuller
             state, note = _unfinished(entries, missing_note(missing))
+        elif DRIVER_STATE_NAME not in names and not any(k in client.keys for k in _DATALOADER_KEYS):
+            state, note = _unfinished(entries, f"no {DRIVER_STATE_NAME}: the data loader state is nowhere")
         step = client.training_step
         return CheckpointRef(
             url=url,
@@ -398,6 +409,30 @@ class OpenInstructLayout(Layout):
                 )
             )
         return problems
+
+    def load_set(self, checkpoint: Checkpoint) -> Sequence[LoadMember]:
+        """A tag's `driver_state.pt` where the client state carries no data state of its own (the DeepSpeed
+        files are `verify_tag`'s rules).
+
+        Since open-instruct PR #1647, `grpo_fast.py` saves the data loader's and the data-prep actor's state
+        (`dataloader_state`, `data_prep_actor_state`) in rank 0's `driver_state.pt` and no longer in the client
+        state, and its resume from `--checkpoint_state_dir` restores them from there: without the file the
+        resumed run draws its prompts from the start of the data again, state it saved lost. An error. (Read
+        from open-instruct's source: it does not install here.)
+        """
+        if SNAPSHOT_RE.match(io.name_of(checkpoint.url)):
+            return ()
+        client = _client_state(checkpoint.url, io.list_dir(checkpoint.url))
+        if any(k in client.keys for k in _DATALOADER_KEYS):
+            return ()
+        return (
+            LoadMember(
+                DRIVER_STATE_NAME,
+                MemberKind.TORCH_SAVE,
+                "the data loader and data-prep state (rank 0's driver state)",
+                "open-instruct grpo_fast.py's resume (else the data starts over)",
+            ),
+        )
 
     def resume_profile(self) -> ResumeProfile:
         """See `frameworks.open_instruct.resume`."""

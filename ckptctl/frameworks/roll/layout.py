@@ -58,6 +58,7 @@ from ckptctl.layouts.base import (
     newest_mtime,
     timestamp,
 )
+from ckptctl.layouts.load_set import LoadMember, MemberKind
 from ckptctl.layouts.parts.dcp_folder import (
     DISTCP_RE,
     component_for_prefix,
@@ -254,8 +255,10 @@ class RollLayout(Layout):
             return None
         problems = []
         pipeline = io.list_dir(io.join(url, "pipeline")) if any(e.name == "pipeline" for e in entries) else []
-        if not any(e.name == PIPELINE_STATE.rpartition("/")[2] for e in pipeline):
-            problems.append(f"no {PIPELINE_STATE}")
+        names = {e.name for e in pipeline}
+        # `BasePipeline.do_checkpoint` writes both pipeline files before any upload: a folder without either
+        # did not finish (or lost it since).
+        problems += [f"no {rel}" for rel in (PIPELINE_STATE, PIPELINE_RNG) if rel.rpartition("/")[2] not in names]
         for role in _roles(url, entries):
             problems += role.listing_problems()
         state = CheckpointState.COMPLETE
@@ -401,6 +404,24 @@ class RollLayout(Layout):
         for role in _roles(url, entries):
             problems += _role_problems(role, checkpoint.files)
         return problems
+
+    def load_set(self, checkpoint: Checkpoint) -> Sequence[LoadMember]:
+        """The driver's RNG state (the pipeline state and each role's files are the layout's own rules).
+
+        ROLL's pipelines restore it on resume through `WorkerState.load_rng_state(<checkpoint>/pipeline,
+        "pipeline")` (roll/utils/worker_state.py; `BasePipeline.__init__`, roll/pipeline/base_pipeline.py, reads
+        the pipeline state beside it). Without the file that function logs at info level and returns: the
+        driver's python, numpy, CPU and device RNG streams restart from the seed, silently. An error. (Read from
+        ROLL's source: ROLL does not install here.)
+        """
+        return (
+            LoadMember(
+                PIPELINE_RNG,
+                MemberKind.TORCH_SAVE,
+                "the pipeline driver's RNG state",
+                "ROLL WorkerState.load_rng_state (else the driver's RNG restarts from the seed)",
+            ),
+        )
 
     def completion_markers(self, files: Mapping[str, int]) -> tuple[str, ...]:
         """ROLL writes no marker, but `list` reads a folder as not complete without any of these: per role

@@ -54,6 +54,7 @@ from ckptctl.formats.chunks import tiling_problem
 from ckptctl.formats.documents import read_json
 from ckptctl.formats.dtensor import dtensor_facts, state_tensors
 from ckptctl.formats.dtensor_classes import DTENSOR_PICKLE_GLOBALS, DTensorRef
+from ckptctl.formats.slim_marker import SLIM_MARKER
 from ckptctl.formats.torch_pickle import TorchPickle, open_torch_pickle
 from ckptctl.formats.torch_pickle_classes import TensorRef
 from ckptctl.frameworks.verl.files import STEP_RE, read_tracker
@@ -68,6 +69,7 @@ from ckptctl.layouts.base import (
     newest_mtime,
     timestamp,
 )
+from ckptctl.layouts.load_set import LoadMember, MemberKind
 from ckptctl.layouts.parts.in_progress import unfinished_state
 from ckptctl.layouts.parts.torch_file import torch_file_problems
 from ckptctl.layouts.resume import ResumeProfile
@@ -313,6 +315,11 @@ class VerlLayout(Layout):
             if not roles:
                 return None
             notes = [p for r in roles if (p := r.problem())]
+            names = {e.name for e in entries if not e.is_dir}
+            if not names & {DATALOADER, SKYRL_TRAINER_STATE, SLIM_MARKER}:
+                # The trainer writes it after every role's files and before the tracker: without it the save
+                # did not finish (or lost it since); `slim` drops it on purpose.
+                notes.append(f"no {DATALOADER}")
             newest = max((t for t in [newest_mtime(entries), *(r.newest for r in roles)] if t), default=None)
             return CheckpointRef(
                 url=url,
@@ -406,22 +413,13 @@ class VerlLayout(Layout):
     def verify(self, checkpoint: Checkpoint) -> list[Problem]:
         """Every role: all rank files of its world size, `fsdp_config.json` present and agreeing, each rank
         file's pickle safe and its storages inside the file, the shards covering every tensor; a step: its
-        data loader state (and SkyRL's trainer state) present and safe."""
+        data loader state (and SkyRL's trainer state) safe where present (`load_set` requires `data.pt`)."""
         url = checkpoint.url
         entries = io.list_dir(url)
         is_step = STEP_RE.match(io.name_of(url)) is not None
         problems: list[Problem] = []
         if is_step:
             roles = [(f"{r.name}/", io.join(url, r.name), r) for r in step_roles(url, entries)]
-            if not any(e.name == DATALOADER for e in entries):
-                problems.append(
-                    Problem(
-                        ProblemKind.MISSING_FILE,
-                        DATALOADER,
-                        f"no {DATALOADER}: verl resumes with a warning and its data loader starts the epoch over",
-                        severity="warning",
-                    )
-                )
             names = {e.name: e.size for e in entries if not e.is_dir}
             problems += [
                 p
@@ -435,6 +433,25 @@ class VerlLayout(Layout):
         for prefix, role_url, role in roles:
             problems += _role_problems(prefix, role_url, role)
         return problems
+
+    def load_set(self, checkpoint: Checkpoint) -> Sequence[LoadMember]:
+        """A step's `data.pt` (each role's rank files of its world size and kinds, which verl's
+        `FSDPCheckpointManager.load_checkpoint` reads, are the layout's own rules).
+
+        verl 0.9.1 `RayPPOTrainer._load_checkpoint` (verl/trainer/ppo/ray_trainer.py) loads the roles, then
+        `data.pt` into the train data loader; without it, it prints "No dataloader state found ... will start from
+        scratch" and the resumed run sees the epoch's samples again: state it saved, lost. An error.
+        """
+        if STEP_RE.match(io.name_of(checkpoint.url)) is None or SKYRL_TRAINER_STATE in checkpoint.files:
+            return ()  # SkyRL's trainer keeps its data loader in `trainer_state.pt` (read by the layout's rules)
+        return (
+            LoadMember(
+                DATALOADER,
+                MemberKind.TORCH_SAVE,
+                "the data loader state",
+                "verl RayPPOTrainer._load_checkpoint (else the data loader starts the epoch over)",
+            ),
+        )
 
     def completion_markers(self, files: Mapping[str, int]) -> tuple[str, ...]:
         """Each role's `fsdp_config.json` (rank 0 writes it after its files), then the step's `data.pt`."""

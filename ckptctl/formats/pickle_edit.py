@@ -56,7 +56,9 @@ def drop_dict_keys(data: bytes, keys: Collection[str]) -> bytes:
         CorruptCheckpoint: `data` does not parse as a pickle.
     """
     try:
-        ops = [(op, arg, pos) for op, arg, pos in pickletools.genops(data)]
+        ops: list[tuple[pickletools.OpcodeInfo, object, int]] = [
+            (op, arg, pos or 0) for op, arg, pos in pickletools.genops(data)
+        ]
     except Exception as exc:  # genops raises ValueError and others on damaged input
         raise CorruptCheckpoint(f"the pickle does not parse: {exc}") from exc
     ends = [pos for _, _, pos in ops[1:]] + [len(data)]

@@ -207,3 +207,15 @@ def test_a_kill_leaves_the_whole_lightning_file_or_the_slim_one(
         assert (run / name).read_bytes() == (lightning_run.linked / name).read_bytes()
     assert [Path(r.url).name for r in scan_run(str(run))] == [name, "epoch=0-step=4.ckpt"]
     assert verify_path(str(run)).ok
+
+
+def test_lightning_deepspeed_folder_keeps_its_masters_as_a_model_file(
+    lightning_run: WrittenLightning, tmp_path: Path
+) -> None:
+    run = copy_tree(lightning_run.deepspeed, tmp_path / "deepspeed")
+    name = "epoch=0-step=1.ckpt"
+    report = slim(str(run), grace=NO_GRACE)
+    assert [Path(i.url).name for i in report.slimmed] == [name] and report.slimmed[0].dropped == ("optimizer",)
+    assert not list((run / name / "checkpoint").glob("*optim_states.pt"))
+    assert verify_path(str(run), VerifyOptions(deep=True)).ok
+    assert converted(run / name, tmp_path / "slim") == converted(lightning_run.deepspeed / name, tmp_path / "full")

@@ -148,8 +148,11 @@ def _slim_file(path: str, recipe: SlimRecipe, kill_at: str | None) -> int:
     staging = trash.workspace(bin_, f"slim-{os.path.basename(path)}")
     target = os.path.join(staging, os.path.basename(path))
     try:
-        before = os.lstat(path).st_size
+        original = os.lstat(path)
+        before = original.st_size
         recipe.rewrites[0].write(target)
+        # Dated as the save it is (ModelCheckpoint's files are listed and aged by their times), not as the slim.
+        os.utime(target, ns=(original.st_atime_ns, original.st_mtime_ns), follow_symlinks=False)
         _fsync_file(target)
         io.fsync_dir(staging)
         _kill_point("staged", kill_at)

@@ -65,6 +65,7 @@ def test_lightning_file_drops_optimizer_and_schedulers_and_loads_the_same(
     freed = original.stat().st_size - slimmed.stat().st_size
     assert report.slimmed[0].freed_bytes == freed > 0.6 * original.stat().st_size  # AdamW: two moments a weight
     assert is_slim_file(str(slimmed)) and not is_slim_file(str(original))
+    assert slimmed.stat().st_mtime_ns == original.stat().st_mtime_ns  # still dated as the save
     # What Lightning's own loaders read: the whole dict but the two entries, the weights to the byte.
     full = torch.load(original, weights_only=False)
     cut = torch.load(slimmed, weights_only=False)

@@ -5,6 +5,11 @@ lost its optimizer.
 `.ckptctl-slim.json` holds what was dropped (files and, for people, the components), the bytes freed, and
 the files kept with their sizes, which `verify` checks the slim checkpoint against. Being written last into
 the slim version before it is swapped in, its presence means the whole slim version is there.
+
+A checkpoint that is one torch.save file (a Lightning `.ckpt`) is slimmed by writing the file anew, so its
+marker goes inside it: the same JSON as a record `<archive>/.ckptctl-slim.json` of its zip, and the zip's
+comment `SLIM_COMMENT`, which `is_slim_file` reads from the file's last bytes (one small read, so that `list`
+tells a slim file from a whole one at no cost). torch.load reads neither.
 """
 
 from __future__ import annotations
@@ -15,16 +20,22 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptctl import io
-from ckptctl.errors import CorruptCheckpoint
+from ckptctl.errors import CkptctlError, CorruptCheckpoint
 from ckptctl.formats.documents import MAX_JSON_BYTES, parse_json, whole_number
 
-__all__ = ["SLIM_MARKER", "SLIM_NOTE", "SlimMarker", "read_slim_marker"]
+__all__ = ["SLIM_COMMENT", "SLIM_MARKER", "SLIM_NOTE", "SlimMarker", "is_slim_file", "read_slim_marker"]
 
 #: The marker's name, in the checkpoint folder.
 SLIM_MARKER = ".ckptctl-slim.json"
 #: Why a slim checkpoint is no resume candidate (resume-plan's reason, list's note).
 SLIM_NOTE = "slim: training-only state dropped"
 _FORMAT = "ckptctl-slim"
+#: The zip comment of a slim torch.save file (see the module docstring).
+SLIM_COMMENT = b"ckptctl-slim/1"
+#: The end of a zip whose comment is `SLIM_COMMENT`: the end-of-central-directory record's signature, its
+#: fields (18 bytes, the last being the comment's length), then the comment.
+_EOCD_SIGNATURE = b"PK\x05\x06"
+_TAIL = 22 + len(SLIM_COMMENT)
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +96,23 @@ def read_slim_marker(checkpoint_url: str) -> SlimMarker | None:
         written=_strings(doc.get("written", []), url, "written"),
         freed_bytes=whole_number(doc.get("freed_bytes", 0), url, "freed_bytes"),
         created=str(doc.get("created", "")),
+    )
+
+
+def is_slim_file(url: str, size: int | None = None) -> bool:
+    """Whether the file at `url` is a torch.save zip that `slim` wrote (its comment is `SLIM_COMMENT`); reads its
+    last few bytes. False for anything shorter or unreadable."""
+    try:
+        size = io.file_size(url) if size is None else size
+        if size < _TAIL:
+            return False
+        tail = io.read_bytes(url, size - _TAIL, _TAIL)
+    except (CkptctlError, OSError):
+        return False
+    return (
+        tail[:4] == _EOCD_SIGNATURE
+        and tail[20:22] == len(SLIM_COMMENT).to_bytes(2, "little")
+        and tail[22:] == SLIM_COMMENT
     )
 
 

@@ -104,6 +104,22 @@ class TorchPickle:
                 self._starts[key] = found[record.name]
         return self._starts
 
+    def data_starts_of(self, records: Iterable[ZipRecord]) -> dict[str, int]:
+        """Where the data of each of `records` starts in the file, by record name (reads only local headers).
+
+        Raises:
+            CorruptCheckpoint: a header is damaged, or a record runs past the end of the file (truncated).
+        """
+        return self._directory.data_starts(records)
+
+    def read_record(self, record: ZipRecord, limit: int = MAX_DATA_PKL) -> bytes:
+        """The bytes of one small record (`data.pkl`, `version`).
+
+        Raises:
+            CorruptCheckpoint: see `ZipDirectory.read_record`.
+        """
+        return self._directory.read_record(record, limit)
+
     def little_endian(self) -> bool:
         """Whether the storages are little-endian (the `byteorder` record; absent means little)."""
         if self._little is None:

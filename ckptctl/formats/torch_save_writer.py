@@ -34,7 +34,7 @@ import os
 import pickle
 import struct
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,10 +43,11 @@ from ckptctl.checkpoint import dtype_itemsize
 from ckptctl.errors import CorruptCheckpoint, StorageError
 from ckptctl.formats.raw_chunks import ByteRange
 from ckptctl.formats.safe_pickle import FrameworkObject
+from ckptctl.formats.torch_pickle import TorchPickle
 from ckptctl.formats.torch_zip import crc32
 from ckptctl.io.sweep import open_ranges
 
-__all__ = ["ByteRange", "RawTensor", "save_torch", "write_torch_file"]
+__all__ = ["ByteRange", "RawTensor", "copy_torch_file", "save_torch", "write_torch_file"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -218,12 +219,7 @@ def write_torch_file(obj: Any, path: str) -> int:
     pickler = _Pickler(buffer, protocol=2)
     pickler.dump(obj)
     archive = os.path.basename(path).split(".", 1)[0] or "archive"
-    try:
-        # A new file in a staging folder ckptctl made: never through a link, never over something there.
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
-        fd = os.open(path, flags, 0o644)
-    except OSError as exc:
-        raise StorageError(f"cannot write {path}: {exc.strerror or exc}") from exc
+    fd = _create(path)
     try:
         out = _ZipOut(fd, archive + "/", path)
         out.record("data.pkl", buffer.getvalue())
@@ -241,6 +237,64 @@ def write_torch_file(obj: Any, path: str) -> int:
         raise StorageError(f"cannot write {path}: {exc.strerror or exc}") from exc
     finally:
         os.close(fd)
+
+
+def copy_torch_file(
+    source: TorchPickle,
+    path: str,
+    data_pkl: bytes,
+    keep_storages: Collection[str],
+    extra: Mapping[str, bytes] | None = None,
+    comment: bytes = b"",
+) -> int:
+    """Write the torch.save file `source` anew at `path` with `data_pkl` as its pickle, only the storages
+    `keep_storages` (keys) of its own, each copied byte for byte (streamed), its other records as they are,
+    `extra` records after them (name under the archive's folder -> bytes) and `comment` as the zip's comment.
+    Returns the size written.
+
+    Raises:
+        StorageError: the file cannot be written.
+        CorruptCheckpoint: a record of `source` is not there whole.
+    """
+    records = sorted(source.records.values(), key=lambda r: r.header_offset)
+    prefix = source.prefix
+    kept = [r for r in records if r.name.startswith(f"{prefix}data/") and r.name[len(prefix) + 5 :] in keep_storages]
+    starts = source.data_starts_of(kept)
+    fd = _create(path)
+    try:
+        out = _ZipOut(fd, prefix, path)
+        for record in records:
+            name = record.name[len(prefix) :]
+            if name == "data.pkl":
+                out.record(name, data_pkl)
+            elif name == ".data/serialization_id":
+                continue  # derived from the records written: made anew below
+            elif name.startswith("data/"):
+                if name[len("data/") :] in keep_storages:
+                    raw = RawTensor("uint8", (record.size,), (ByteRange(source.url, starts[record.name], record.size),))
+                    out.tensor_record(name, raw)
+            else:
+                out.record(name, source.read_record(record))
+        for name, data in (extra or {}).items():
+            out.record(name, data)
+        if f"{prefix}.data/serialization_id" in source.records:
+            out.record(".data/serialization_id", _serialization_id(out.entries))
+        size = out.finish(comment)
+        io.start_writeback(fd, 0, size)
+        return size
+    except OSError as exc:
+        raise StorageError(f"cannot write {path}: {exc.strerror or exc}") from exc
+    finally:
+        os.close(fd)
+
+
+def _create(path: str) -> int:
+    """A new file in a staging folder ckptctl made: never through a link, never over something there."""
+    try:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+        return os.open(path, flags, 0o644)
+    except OSError as exc:
+        raise StorageError(f"cannot write {path}: {exc.strerror or exc}") from exc
 
 
 def _serialization_id(entries: list[_Entry]) -> bytes:
@@ -329,7 +383,7 @@ class _ZipOut:
             os.pwrite(self.fd, struct.pack("<I", crc), offset + 14)
         self.entries.append(_Entry(encoded, offset, size, crc))
 
-    def finish(self) -> int:
+    def finish(self, comment: bytes = b"") -> int:
         directory_start = self.position + len(self.pending)
         for entry in self.entries:
             fields = []
@@ -377,8 +431,9 @@ class _ZipOut:
             min(count, 0xFFFF),
             min(size, 0xFFFFFFFF),
             min(directory_start, 0xFFFFFFFF),
-            0,
+            len(comment),
         )
+        self.pending += comment
         self._flush()
         return self.position
 

@@ -25,7 +25,7 @@ from ckptctl import io
 from ckptctl.checkpoint import Checkpoint, CheckpointRef, CheckpointState
 from ckptctl.errors import CheckpointNotFound, CkptctlError, UnknownLayout
 from ckptctl.formats.framework_classes import FrameworkClasses
-from ckptctl.formats.slim_marker import SLIM_MARKER, SLIM_NOTE
+from ckptctl.formats.slim_marker import SLIM_MARKER, SLIM_NOTE, is_slim_file
 from ckptctl.layouts.base import Layout
 from ckptctl.layouts.capabilities import (
     CONVERT_SOURCE,
@@ -114,9 +114,9 @@ _REGISTRY: tuple[Plugin, ...] = (
     Plugin("native", "ckptctl.frameworks.native", "layout:NativeLayout", CONVERT | REPAIR | SLIM | STATE),
     Plugin("verl", "ckptctl.frameworks.verl", "layout:VerlLayout", CONVERT | REPAIR | RESHARD | SLIM | STATE),
     Plugin("bytecheckpoint", "ckptctl.frameworks.bytecheckpoint", "layout:BytecheckpointLayout"),
-    Plugin("areal", "ckptctl.frameworks.areal", "layout:ArealLayout", CONVERT | REPAIR),
-    Plugin("roll", "ckptctl.frameworks.roll", "layout:RollLayout"),
-    Plugin("lightning", "ckptctl.frameworks.lightning", "layout:LightningLayout", CONVERT | REPAIR),
+    Plugin("areal", "ckptctl.frameworks.areal", "layout:ArealLayout", CONVERT | REPAIR | SLIM),
+    Plugin("roll", "ckptctl.frameworks.roll", "layout:RollLayout", SLIM),
+    Plugin("lightning", "ckptctl.frameworks.lightning", "layout:LightningLayout", CONVERT | REPAIR | SLIM),
     Plugin("megatron", "ckptctl.frameworks.megatron", "layout:MegatronLayout", CONVERT | REPAIR | SLIM | STATE),
     Plugin("torchtitan", "ckptctl.frameworks.torchtitan", "layout:TorchtitanLayout", CONVERT | REPAIR | SLIM),
     Plugin("dcp", "ckptctl.frameworks.dcp", "layout:DcpLayout", RESHARD | SLIM | STATE),
@@ -402,6 +402,14 @@ def _slim_state(ref: CheckpointRef, entries: Sequence[io.DirEntry]) -> Checkpoin
     return ref
 
 
+def _slim_file_state(ref: CheckpointRef, entry: io.DirEntry) -> CheckpointRef:
+    """`ref` as state `slim` when the one-file checkpoint is one `ckptctl slim` wrote (the marker is inside it:
+    `formats.slim_marker.is_slim_file`, a read of its last bytes)."""
+    if ref.state in _SLIMMABLE_STATES and is_slim_file(ref.url, entry.size):
+        return replace(ref, state=CheckpointState.SLIM, note=SLIM_NOTE)
+    return ref
+
+
 def _pointed(url: str, entries: Sequence[io.DirEntry]) -> set[str]:
     """The children of `url` that a `latest`-style pointer in it names (any layout's; the generic reader's
     links and tracker files where no layout's pointer names one)."""
@@ -419,7 +427,7 @@ def _identify_file(url: str, entry: io.DirEntry, layout: str | None = None) -> t
         if candidate.checkpoint_files and entry.name.endswith(candidate.checkpoint_files):
             ref = candidate.identify_file(url, entry)
             if ref is not None:
-                return candidate, ref
+                return candidate, _slim_file_state(ref, entry)
     return None
 
 

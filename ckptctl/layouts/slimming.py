@@ -7,6 +7,10 @@ skips the trash), the kept files hard-linked from the original, the slimmer's ne
 and the marker (`formats.slim_marker`) written last; then `io.commit.install` swaps it in atomically
 (renameat2) and the original goes to the trash and is deleted. A kill at any moment leaves the whole
 original (and a leftover in the trash that the next deletion empties) or the whole slim checkpoint.
+
+A checkpoint that is one file (a Lightning `.ckpt`) is written anew by its slimmer's one rewrite (path ""),
+which puts the marker inside it (`formats.slim_marker`), in a workspace of the same trash, and swapped in the
+same way.
 """
 
 from __future__ import annotations
@@ -30,6 +34,9 @@ from ckptctl.layouts.capabilities import SLIMMER, Slimmer, SlimRecipe
 
 __all__ = ["Slimmable", "slim_checkpoint", "slimmable"]
 
+#: The path of a `SlimRewrite` that writes a one-file checkpoint anew.
+_WHOLE_FILE = ""
+
 
 @dataclass(frozen=True, slots=True)
 class Slimmable:
@@ -47,10 +54,11 @@ def slimmable(ref: CheckpointRef) -> str | Slimmable:
         return "slim works on local folders only (yet)"
     if ref.holds:
         return f"its folder holds other checkpoints ({', '.join(ref.holds)})"
-    if not io.is_dir(ref.url):
-        return "a checkpoint that is one file: nothing to drop beside its model"
+    one_file = not io.is_dir(ref.url)
     slimmer = capability(ref.layout, SLIMMER)
     if slimmer is None:
+        if one_file:
+            return "a checkpoint that is one file: nothing to drop beside its model"
         return f"{ref.layout} checkpoints cannot be slimmed safely yet (no slimmer for this layout)"
     try:
         checkpoint = get_layout(ref.layout).open(ref.url)
@@ -62,6 +70,10 @@ def slimmable(ref: CheckpointRef) -> str | Slimmable:
         recipe = slimmer.recipe(checkpoint)
     except CkptctlError as exc:
         return f"cannot be read: {exc.message}"
+    if one_file:
+        if recipe.drop or [r.path for r in recipe.rewrites] != [_WHOLE_FILE]:
+            return "cannot be slimmed safely: its slimmer does not write the file anew"
+        return Slimmable(slimmer, recipe)
     files = {rel: entry.size for rel, entry in io.list_tree(ref.url).items()}
     missing = [rel for rel in recipe.drop if rel not in files]
     if missing:
@@ -87,6 +99,8 @@ def slim_checkpoint(ref: CheckpointRef, *, kill_at: str | None = None) -> int:
         raise CkptctlError(found)
     recipe = found.recipe
     path = os.path.abspath(io.local_path(ref.url))
+    if not os.path.isdir(path):
+        return _slim_file(path, recipe, kill_at)
     bin_ = trash.trash_of(path)
     staging = trash.workspace(bin_, f"slim-{os.path.basename(path)}")
     try:
@@ -125,6 +139,31 @@ def slim_checkpoint(ref: CheckpointRef, *, kill_at: str | None = None) -> int:
         trash.purge(retired)
     marker_size = os.path.getsize(os.path.join(path, SLIM_MARKER))
     return freed - marker_size
+
+
+def _slim_file(path: str, recipe: SlimRecipe, kill_at: str | None) -> int:
+    """`slim_checkpoint` of a checkpoint that is one file: its slimmer writes it anew (with the marker inside)
+    in a workspace of the trash beside it, which is swapped in as a folder is."""
+    bin_ = trash.trash_of(path)
+    staging = trash.workspace(bin_, f"slim-{os.path.basename(path)}")
+    target = os.path.join(staging, os.path.basename(path))
+    try:
+        original = os.lstat(path)
+        before = original.st_size
+        recipe.rewrites[0].write(target)
+        # Dated as the save it is (ModelCheckpoint's files are listed and aged by their times), not as the slim.
+        os.utime(target, ns=(original.st_atime_ns, original.st_mtime_ns), follow_symlinks=False)
+        _fsync_file(target)
+        io.fsync_dir(staging)
+        _kill_point("staged", kill_at)
+        freed = before - os.lstat(target).st_size
+        retired = commit.install(target, path)
+    finally:
+        trash.purge(trash.Retired(staging, bin_))
+    _kill_point("installed", kill_at)
+    if retired is not None:
+        trash.purge(retired)
+    return freed
 
 
 def _link_kept(src: str, dst: str, skip: set[str]) -> None:

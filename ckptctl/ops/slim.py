@@ -255,7 +255,9 @@ def plan_slim(
 
 def _run_of(target: str, max_depth: int) -> tuple[str, str | None]:
     """(the run folder, the one checkpoint asked for or None): a folder that is one checkpoint holding no
-    others is a checkpoint of the folder above it."""
+    others, or a file (a Lightning `.ckpt`), is a checkpoint of the folder above it."""
+    if io.exists(target) and not io.is_dir(target):
+        return io.parent_of(target), target
     refs = scan_run(target, max_depth=max_depth)
     if len(refs) == 1 and refs[0].url == target and not refs[0].holds:
         return io.parent_of(target), target
@@ -322,7 +324,7 @@ def slim(
     if dry_run:
         plan = plan_slim(target, **options)  # type: ignore[arg-type]
         return SlimReport(plan, dry_run=True, slimmed=plan.slim)
-    if not io.is_dir(target):
+    if not io.exists(target):
         raise CheckpointNotFound(f"no such run or checkpoint folder: {target}")
     run, _ = _run_of(target, max_depth)
     with RunLock(run, wait=wait, command=f"ckptctl slim (keep_full={keep_full})", warn=warn) as lock:

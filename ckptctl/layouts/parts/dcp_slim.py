@@ -39,7 +39,7 @@ from ckptctl.formats.dcp_metadata_write import write_dcp_metadata
 from ckptctl.layouts.capabilities import SlimRecipe, SlimRewrite
 from ckptctl.layouts.parts.dcp_folder_metadata import load_dcp_metadata
 
-__all__ = ["TRAINING_ONLY", "DcpSlimmer", "training_only"]
+__all__ = ["TRAINING_ONLY", "DcpSlimmer", "slim_dcp_folder", "training_only"]
 
 #: A key's first segment (up to `.` or `/`) -> what the items under it are: the state only a resume needs.
 TRAINING_ONLY: Mapping[str, str] = {
@@ -80,48 +80,76 @@ class _Plan:
 
 
 class DcpSlimmer:
-    """The `Slimmer` of the DCP-based layouts (see the module): the checkpoint folder is the DCP folder."""
+    """The `Slimmer` of the DCP-based layouts (see the module): the checkpoint folder is the DCP folder.
+
+    Args:
+        classify: what an item holds when it is training-only state, else None (`training_only` by default;
+            AReaL's slot wraps every key in `dcp.`, Lightning's sharded folder names its optimizers
+            `optimizer_0`, ...).
+    """
+
+    def __init__(self, classify: Callable[[str], str | None] = training_only) -> None:
+        self._classify = classify
 
     def refusal(self, checkpoint: Checkpoint) -> str | None:
-        found = _plan(checkpoint)
+        found = slim_dcp_folder(checkpoint.url, checkpoint.files, self._classify)
         return found if isinstance(found, str) else None
 
     def recipe(self, checkpoint: Checkpoint) -> SlimRecipe:
-        found = _plan(checkpoint)
+        found = slim_dcp_folder(checkpoint.url, checkpoint.files, self._classify)
         if isinstance(found, str):
             raise CkptctlError(f"{checkpoint.url} cannot be slimmed: {found}")
-        source = io.local_path(checkpoint.url)
-        rewrites = [
-            SlimRewrite(name, _copier(os.path.join(source, *name.split("/")), ranges))
-            for name, ranges in found.copies.items()
-        ]
-        planner_data = found.metadata.planner_data
-        kept_paths = {k: v for k, v in planner_data.items() if k in found.entries} or None
-
-        def write_metadata(target: str) -> None:
-            write_dcp_metadata(
-                target, found.metadata, entries=found.entries, storage=found.storage, planner_data=kept_paths
-            )
-
-        rewrites.append(SlimRewrite(METADATA_NAME, write_metadata))
-        return SlimRecipe(found.drop_files, found.dropped, tuple(rewrites), shed_bytes=found.shed_bytes)
+        return found
 
     def expected(self, problem: Problem) -> bool:
         return False
 
 
-def _plan(checkpoint: Checkpoint) -> str | _Plan:
-    """The slim version of `checkpoint`'s DCP folder, or why it is kept whole. Reads `.metadata` only."""
-    if METADATA_NAME not in checkpoint.files:
+def slim_dcp_folder(
+    url: str, files: Mapping[str, int], classify: Callable[[str], str | None] = training_only, prefix: str = ""
+) -> str | SlimRecipe:
+    """The recipe that slims the DCP folder at `url` (see the module), or why it is kept whole.
+
+    Args:
+        url: the DCP folder (local).
+        files: the checkpoint's files by path relative to the checkpoint folder, with sizes.
+        classify: what an item holds when it is training-only state (`training_only`), else None.
+        prefix: where the DCP folder lies inside the checkpoint (`dcp/`, `critic/dcp/`; "" when it is the
+            checkpoint): the recipe's paths are relative to the checkpoint.
+    """
+    found = _plan(url, files, classify, prefix)
+    if isinstance(found, str):
+        return found
+    source = io.local_path(url)
+    rewrites = [
+        SlimRewrite(prefix + name, _copier(os.path.join(source, *name.split("/")), ranges))
+        for name, ranges in found.copies.items()
+    ]
+    planner_data = found.metadata.planner_data
+    kept_paths = {k: v for k, v in planner_data.items() if k in found.entries} or None
+
+    def write_metadata(target: str) -> None:
+        write_dcp_metadata(
+            target, found.metadata, entries=found.entries, storage=found.storage, planner_data=kept_paths
+        )
+
+    rewrites.append(SlimRewrite(prefix + METADATA_NAME, write_metadata))
+    drop = tuple(prefix + name for name in found.drop_files)
+    return SlimRecipe(drop, found.dropped, tuple(rewrites), shed_bytes=found.shed_bytes)
+
+
+def _plan(url: str, files: Mapping[str, int], classify: Callable[[str], str | None], prefix: str) -> str | _Plan:
+    """The slim version of the DCP folder `url`, or why it is kept whole. Reads `.metadata` only."""
+    if prefix + METADATA_NAME not in files:
         return (
             "a save without collectives (per-rank .metadata files) or without a .metadata: torch loads it "
             "rank by rank, so its items are not rewritten"
         )
-    metadata = load_dcp_metadata(checkpoint.url)
+    metadata = load_dcp_metadata(url)
     raw = metadata.raw_planner_data
     if raw is not None and not (type(raw) is dict and len(metadata.planner_data) == len(raw)):
         return "its .metadata holds a custom planner's data, which could describe the items slim would drop"
-    what = {key: training_only(key) for key in metadata.entries}
+    what = {key: classify(key) for key in metadata.entries}
     dropped = tuple(sorted({w for w in what.values() if w is not None}))
     if not dropped:
         return "it holds no training-only state (a model-only save): nothing to slim"
@@ -148,7 +176,7 @@ def _plan(checkpoint: Checkpoint) -> str | _Plan:
     storage = {key: storage[key] for key in metadata.storage if key in storage}
     referenced = metadata.referenced_files()
     drop_files = tuple(sorted(name for name in referenced if name not in copies))
-    sizes = {name: checkpoint.files.get(name, 0) for name in referenced}
+    sizes = {name: files.get(prefix + name, 0) for name in referenced}
     shed = sum(sizes[name] - ends[name] for name in copies)
     return _Plan(metadata, entries, storage, copies, drop_files, dropped, max(shed, 0))
 

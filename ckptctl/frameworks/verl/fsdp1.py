@@ -224,17 +224,19 @@ def plan_flat_optimizer(
     """
     opened = [open_torch_pickle(io.join(url, n), files.get(n), DTENSOR_PICKLE_GLOBALS) for n in names]
     ranks = [dict(state_tensors(o.root)) for o in opened]
-    first = ranks[0]
-    for name, rank in zip(names, ranks, strict=True):
-        if list(rank) != list(first):
+    for name, held_states in zip(names, ranks, strict=True):
+        if list(held_states) != list(ranks[0]):
             raise CorruptCheckpoint(f"{io.join(url, name)} holds other optimizer states than {names[0]}")
+        for path, ref in held_states.items():
+            if type(ref) is not TensorRef:
+                raise CkptctlError(f"{io.join(url, name)}: {path} is a DTensor: FSDP1's optimizer holds plain tensors")
+    plain = [{path: ref for path, ref in held.items() if type(ref) is TensorRef} for held in ranks]
+    first = plain[0]
     shards: dict[int, int] = {}
     for path, ref in first.items():
         where = f"{io.join(url, names[0])}: {path}"
-        if type(ref) is not TensorRef:
-            raise CkptctlError(f"{where} is a DTensor: an FSDP1 optimizer state holds plain tensors")
-        shapes = {tuple(r[path].shape) for r in ranks}
-        if len(shapes) != 1 or {r[path].dtype for r in ranks} != {ref.dtype}:
+        shapes = {tuple(r[path].shape) for r in plain}
+        if len(shapes) != 1 or {r[path].dtype for r in plain} != {ref.dtype}:
             raise CkptctlError(
                 f"{where}: ranks hold pieces of different shapes or dtypes, as FSDP1 with use_orig_params does "
                 "(one piece per original parameter); ckptctl reshards verl's FSDP1 default, use_orig_params=False"
@@ -257,7 +259,7 @@ def plan_flat_optimizer(
                 held = max(0, min(numel, (rank + 1) * size) - rank * size)
                 if held:
                     # The first `held` elements: the rest of the piece is FSDP1's padding.
-                    start = _start(opened_rank, ranks[rank][path], f"{url}/{file}: {path}")
+                    start = _start(opened_rank, plain[rank][path], f"{url}/{file}: {path}")
                     length = held * (ref.nbytes // size)
                     chunks.append(TensorChunk(file, start, length, (rank * size,), (held,)))
             flat[id(ref)] = (index, TensorEntry(name, Component.OPTIMIZER, ref.dtype, (numel,), tuple(chunks)))

@@ -66,7 +66,8 @@ def test_the_sources_are_verls_fsdp1_saves_and_the_outputs_fsdp1_rank_files(verl
             # holding ceil(N / W) elements of each.
             optim = _load(folder / LAST / role / f"optim_world_size_{world}_rank_{world - 1}.pt")
             assert sorted(optim["state"]) == [0, 1, 2]
-            root = 128 * 32 + 32 + (128 * 32 if role == "actor" else 32)
+            # embed_tokens, norm, then lm_head (actor) or the value head's weight and bias (critic).
+            root = 128 * 32 + 32 + (128 * 32 if role == "actor" else 32 + 1)
             assert optim["state"][0]["exp_avg"].shape == (-(-root // world),)
         written = verl_fsdp1.written.get(world)
         if written is not None:
@@ -87,23 +88,21 @@ def test_fsdp1_padding_is_zeros_after_the_flat_parameters_end(verl_fsdp1: VerlFs
         assert torch.equal(piece[-2:], torch.zeros(2))
 
 
+def _toy(embed: int) -> list[tuple[str, int]]:
+    layer = [("w", 4), ("b", 1)]
+    return [("embed.weight", embed), *((f"layers.{i}.{n}", k) for i in (0, 1) for n, k in layer), ("head.w", embed)]
+
+
 def test_the_flat_parameters_lengths_are_told_by_the_names_or_refused() -> None:
-    params = [
-        ("embed.weight", 6),
-        ("layers.0.w", 4),
-        ("layers.0.b", 1),
-        ("layers.1.w", 4),
-        ("layers.1.b", 1),
-        ("head.w", 6),
-    ]
-    # Root (embed + head) and one unit per layer: 12, 5, 5 elements; on 2 ranks 6, 3, 3 per rank.
-    assert flat_numels(params, [6, 3, 3], 2) == (12, 5, 5)
-    assert flat_numels(params, [12, 5, 5], 1) == (12, 5, 5)
+    # Root (embed + head) and one unit per layer: 16, 5, 5 elements; on 2 ranks 8, 3, 3 per rank.
+    assert flat_numels(_toy(8), [8, 3, 3], 2) == (16, 5, 5)
+    assert flat_numels(_toy(8), [16, 5, 5], 1) == (16, 5, 5)
     with pytest.raises(CkptctlError, match="no FSDP wrapping"):
-        flat_numels(params, [6, 4, 3], 2)
-    # Two layers of one element each under a root of none: on 2 ranks both wrappings give 1 per rank.
-    with pytest.raises(CkptctlError, match="different"):
-        flat_numels([("a.x", 1), ("b.x", 2)], [1, 1], 2)
+        flat_numels(_toy(8), [8, 4, 3], 2)
+    # With 6-element embeddings, (12, 5, 5) (a unit per layer) and (11, 6, 5) (units of the embeddings and the
+    # first layer) both give 6, 3, 3 per rank: which elements are padding is not known, so it is refused.
+    with pytest.raises(CkptctlError, match="different lengths"):
+        flat_numels(_toy(6), [6, 3, 3], 2)
 
 
 def test_fsdp1_with_use_orig_params_is_refused_by_name(verl_critic: WrittenVerlCritic, tmp_path: Path) -> None:

@@ -22,9 +22,10 @@ as verl: no `sync_module_states` (it needs a GPU; every rank loads the same weig
 5. three ranks that load (4) and record `loaded_3`.
 
 A load finds its step as `RayPPOTrainer._load_checkpoint` does for `trainer.resume_mode=auto`: verl's own
-`find_latest_ckpt_path` on the run folder (its tracker). A "full state" is what torch's own
-`get_model_state_dict`/`get_optimizer_state_dict(full_state_dict=True)` gather on rank 0 (the model by name, the
-optimizer by parameter name), the LR scheduler's `state_dict()`, and each rank's CPU RNG state after the load.
+`find_latest_ckpt_path` on the run folder (its tracker). A "full state" is what FSDP1's own `FULL_STATE_DICT`
+gathers (`model.state_dict()` by name, `FSDP.optim_state_dict` by parameter name: torch's `get_model_state_dict`
+fails on FSDP1 over CPU ranks, unsharding a freed FlatParameter), the LR scheduler's `state_dict()`, and each
+rank's CPU RNG state after the load.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.writers.verl_ranks import join_verl_ranks
-from tests.writers.verl_reshard_proof import ROLES, _free_port, _record, _reshard
+from tests.writers.verl_reshard_proof import ROLES, _free_port, _reshard
 from tests.writers.verl_writer import STEPS, TRACKER, _base_model, _dataloader_state
 
 __all__ = ["ROLES", "VerlFsdp1Proof", "prove_verl_fsdp1_reshard"]
@@ -99,6 +100,27 @@ def _models(base: str, world: int) -> dict[str, tuple[Any, Any, Any, Any]]:
         )
         built[role] = (model, optimizer, scheduler, manager)
     return built
+
+
+def _record(models: dict[str, tuple[Any, Any, Any, Any]], out: Path, label: str, rank: int) -> None:
+    """The full state of each role (the module docstring) on rank 0, and this rank's RNG state, into `out`."""
+    import torch
+    from torch.distributed.fsdp import FullOptimStateDictConfig, FullStateDictConfig, StateDictType
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    states = {}
+    for role, (model, optimizer, scheduler, _) in models.items():
+        model_config = FullStateDictConfig(rank0_only=False)
+        optim_config = FullOptimStateDictConfig(rank0_only=False)
+        with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, model_config, optim_config):
+            states[role] = {
+                "model": model.state_dict(),
+                "optim": FSDP.optim_state_dict(model, optimizer),
+                "lr_scheduler": scheduler.state_dict(),
+            }
+    if rank == 0:
+        torch.save(states, out / f"{label}.pt")
+    torch.save(torch.get_rng_state(), out / f"{label}_rng_rank{rank}.pt")
 
 
 def _rank(rank: int, world: int, port: int, base: str, out: str, jobs: list[tuple[str, str, str]]) -> None:

@@ -25,8 +25,13 @@ What is written, per role (`actor`, `critic`, ...):
 A step folder also gets its other files (`data.pt`, the single data loader on verl's driver, whatever the world
 size) copied, and the run's tracker naming the step, written last.
 
-Only FSDP2 saves are written (`fsdp_config.json` `FSDP_version` 2): FSDP1's sharded optimizer state is keyed and
-flattened otherwise, and no FSDP1 load has proved a rewrite.
+FSDP1 saves (`FSDP_version` 1, verl's `strategy=fsdp`: `use_orig_params=False` on a 1-D mesh) are written as
+FSDP1 loads them (`frameworks.verl.fsdp1`): on W' >= 2 ranks each model parameter a DTensor `Shard(0)` on a
+`("fsdp",)` mesh of W' (buffers whole), on one rank (`NO_SHARD`) every model entry whole; the optimizer's
+FlatParameter states re-cut as FSDP1 cuts them for W' ranks (ceil(N / W') elements each, zeros after the end),
+its other states (`step`) whole. A one-rank source records no mesh: its device type is the one whose RNG state
+its extra_state holds (verl's `get_rng_state` saves the accelerator's under its name). FSDP1's HSDP
+(`HYBRID_SHARD` on a 2-D mesh) and `use_orig_params=True` saves are refused.
 """
 
 from __future__ import annotations
@@ -44,12 +49,13 @@ from ckptctl.checkpoint import Checkpoint, TensorEntry
 from ckptctl.errors import CkptctlError, CorruptCheckpoint
 from ckptctl.formats.chunks import read_chunk
 from ckptctl.formats.documents import read_json
-from ckptctl.formats.dtensor import DTensorFacts, dtensor_facts, state_tensors
+from ckptctl.formats.dtensor import DTensorFacts, Placement, dtensor_facts, state_tensors
 from ckptctl.formats.dtensor_classes import DTENSOR_PICKLE_GLOBALS, DTensorRef
 from ckptctl.formats.safe_pickle import state_fields
 from ckptctl.formats.torch_pickle import open_torch_pickle
 from ckptctl.formats.torch_pickle_classes import OrderedDictStandIn, TensorRef
 from ckptctl.frameworks.verl.files import STEP_RE, TRACKERS, tracker_of
+from ckptctl.frameworks.verl.fsdp1 import FlatOptimizer, is_param, param_numels, plan_flat_optimizer
 from ckptctl.frameworks.verl.layout import (
     MARKER,
     RoleFacts,
@@ -129,6 +135,25 @@ def role_fsdp_config(role: _SourceRole) -> dict[str, Any]:
     return config
 
 
+def _fsdp_version(role: _SourceRole) -> int:
+    version = role_fsdp_config(role).get("FSDP_version")
+    if version not in (1, 2):
+        raise CkptctlError(f"{io.join(role.url, MARKER)} says FSDP_version {version}: verl saves FSDP 1 or 2")
+    return int(version)
+
+
+def _accelerator(role: _SourceRole) -> str:
+    """The device type of a one-rank FSDP1 save (which records no mesh): the accelerator whose RNG state its
+    extra_state holds beside the CPU's (verl/utils/checkpoint/checkpoint_manager.py `get_rng_state`), else cpu."""
+    file = rank_file_name("extra_state", role.world, 0)
+    root = open_torch_pickle(io.join(role.url, file), role.facts.files.get(file), DTENSOR_PICKLE_GLOBALS).root
+    rng = root.get("rng") if type(root) is dict else None
+    devices = [k for k in rng if k not in ("cpu", "numpy", "random")] if type(rng) is dict else []
+    if len(devices) > 1 or not all(type(d) is str and d.isidentifier() for d in devices):
+        raise CorruptCheckpoint(f"{io.join(role.url, file)}: RNG states of several devices {devices}")
+    return devices[0] if devices else "cpu"
+
+
 # --------------------------------------------------------------------------------------------------
 # Where each DTensor goes on W' ranks.
 # --------------------------------------------------------------------------------------------------
@@ -176,6 +201,23 @@ def _target(facts: DTensorFacts, mesh: _SourceMesh, world: int, name: str) -> _T
         whole = [g for g, n in zip(mesh.group_names, shape, strict=True) if n == math.prod(shape)]
         return _Target(target, mesh.device_type, (whole[0] if whole else _DEFAULT_GROUP,))
     return _Target(replace(facts, mesh_shape=(world,)), mesh.device_type, mesh.group_names)
+
+
+def _fsdp1_target(value: Any, source_world: int, world: int, device: str, where: str) -> _Target | None:
+    """Where FSDP1 on `world` ranks takes a model entry (the module docstring): None for a whole tensor."""
+    if world == 1 or not is_param(value, source_world):
+        return None
+    if type(value) is DTensorRef:
+        facts = dtensor_facts(value, where)
+        if facts.mesh_dim_names != ("fsdp",) or facts.placements != (Placement("shard", 0),):
+            raise CkptctlError(
+                f"{where} is {', '.join(map(str, facts.placements))} on a {list(facts.mesh_dim_names)} mesh: "
+                "ckptctl reshards FSDP1 saves of verl's 1-D (fsdp,) mesh, not its HSDP (HYBRID_SHARD) ones"
+            )
+        mesh = _source_mesh(value, 1, where)
+        return _Target(replace(facts, mesh_shape=(world,)), mesh.device_type, mesh.group_names)
+    facts = DTensorFacts(value.dtype, value.shape, value, (Placement("shard", 0),), (world,), ("fsdp",), None)
+    return _Target(facts, device, (_DEFAULT_GROUP,))
 
 
 @dataclass(frozen=True)
@@ -231,8 +273,11 @@ class _RankFile:
     tensors: Mapping[int, _Tensor]
 
 
-def _plan_file(role: _SourceRole, kind: str, index: Mapping[str, TensorEntry], world: int) -> _RankFile:
-    """The structure of a role's `kind` rank file and each tensor's target sharding, from rank 0's file.
+def _plan_file(
+    role: _SourceRole, kind: str, index: Mapping[str, TensorEntry], world: int, fsdp1_device: str | None = None
+) -> _RankFile:
+    """The structure of a role's `kind` rank file and each tensor's target sharding, from rank 0's file
+    (`fsdp1_device`: an FSDP1 model file, and the device type of its meshes where it records none).
 
     Raises:
         CkptctlError: a tensor the index lacks or the target cannot cut, a mesh verl does not build.
@@ -247,7 +292,9 @@ def _plan_file(role: _SourceRole, kind: str, index: Mapping[str, TensorEntry], w
         if entry is None:
             raise CorruptCheckpoint(f"{source}: {path} is not in the role's tensor index")
         target = None
-        if type(value) is DTensorRef:
+        if fsdp1_device is not None:
+            target = _fsdp1_target(value, role.world, world, fsdp1_device, f"{source}: {path}")
+        elif type(value) is DTensorRef:
             where = f"{source}: {path}"
             facts = dtensor_facts(value, where)
             mesh = _source_mesh(value, len(facts.mesh_shape), where)
@@ -368,6 +415,65 @@ def _rank_state(role: _SourceRole, planned: _RankFile, rank: int, meshes: _Meshe
     return state, written
 
 
+def _flat_rank_state(role: _SourceRole, flat: FlatOptimizer, rank: int, world: int) -> tuple[Any, int]:
+    """(the FSDP1 optimizer state dict of target rank `rank`, its tensor bytes): each FlatParameter state's
+    piece for the rank, zeros after the FlatParameter's end as FSDP1 pads it."""
+    import torch
+
+    written = 0
+
+    def tensor(ref: Any) -> Any:
+        nonlocal written
+        entry, start, held, padding = flat.shard(ref, rank, world)
+        if not entry.shape:
+            local = _read_box(role.url, entry, (), ())
+        else:
+            local = _read_box(role.url, entry, (start,), (held,))
+            if padding:
+                local = torch.cat([local, local.new_zeros(padding)])
+        written += local.nbytes
+        return local
+
+    return _realize(flat.root, tensor, f"{role.url}/{rank_file_name('optim', role.world, 0)}"), written
+
+
+@dataclass(frozen=True)
+class _RolePlan:
+    """What a role's model and optimizer rank files become: FSDP2's DTensor files, or an FSDP1 model file and
+    its FlatParameter optimizer."""
+
+    files: tuple[_RankFile, ...]
+    flat: FlatOptimizer | None
+
+    @property
+    def tensors(self) -> int:
+        flat = 0 if self.flat is None else len(self.flat.flat) + len(self.flat.whole)
+        return sum(len(p.tensors) for p in self.files) + flat
+
+    def rank_files(self, role: _SourceRole, rank: int, world: int, meshes: _Meshes) -> Iterator[tuple[str, Any, int]]:
+        """(kind, state dict, tensor bytes) of each model and optimizer file of target rank `rank`, one at a time."""
+        for planned in self.files:
+            yield (planned.kind, *_rank_state(role, planned, rank, meshes))
+        if self.flat is not None:
+            yield ("optim", *_flat_rank_state(role, self.flat, rank, world))
+
+
+def _plan_role(role: _SourceRole, world: int) -> _RolePlan:
+    """The role's plan for `world` ranks (the module docstring).
+
+    Raises:
+        CkptctlError: what `_plan_file` and `fsdp1.plan_flat_optimizer` refuse.
+    """
+    index = {e.name: e for e in role_index(role.url, role.facts, "")}
+    if _fsdp_version(role) == 2:
+        return _RolePlan(tuple(_plan_file(role, kind, index, world) for kind in ("model", "optim")), None)
+    device = _accelerator(role) if role.world == 1 else "cpu"
+    model = _plan_file(role, "model", index, world, device)
+    names = [rank_file_name("optim", role.world, r) for r in range(role.world)]
+    params = param_numels(model.root, role.world)
+    return _RolePlan((model,), plan_flat_optimizer(role.url, role.facts.files, names, params, role.world))
+
+
 # --------------------------------------------------------------------------------------------------
 # The writer.
 # --------------------------------------------------------------------------------------------------
@@ -418,8 +524,9 @@ class VerlStateWriter:
     target = "verl"
 
     def refusal(self, source: Checkpoint, world_size: int | None) -> str | None:
-        """A checkpoint of another layout, a torn role (naming the missing file), an FSDP1 save, a mesh verl
-        does not build (naming the tensor), or an HSDP fsdp_size the new world size is not a multiple of."""
+        """A checkpoint of another layout, a torn role (naming the missing file), a mesh verl does not build
+        (naming the tensor), an HSDP fsdp_size the new world size is not a multiple of, or an FSDP1 save other
+        than verl's default (HSDP, use_orig_params, a wrapping its shard sizes do not tell)."""
         if source.ref.layout != "verl":
             return f"{source.url} is a {source.ref.layout} checkpoint: reshard writes verl state only from verl's"
         if world_size is not None and world_size < 1:
@@ -433,15 +540,7 @@ class VerlStateWriter:
                 if torn is not None:
                     return torn
             for role in roles:
-                version = role_fsdp_config(role).get("FSDP_version")
-                if version != 2:
-                    return (
-                        f"{io.join(role.url, MARKER)} says FSDP_version {version}: reshard writes FSDP2 saves only "
-                        "(verl's FSDP1 optimizer state is flattened per module, and no FSDP1 load has proved a rewrite)"
-                    )
-                index = {e.name: e for e in role_index(role.url, role.facts, "")}
-                for kind in ("model", "optim"):
-                    _plan_file(role, kind, index, world_size or role.world)
+                _plan_role(role, world_size or role.world)
         except CkptctlError as exc:
             return exc.message
         return None
@@ -462,14 +561,12 @@ class VerlStateWriter:
         written = 0
         not_carried: list[NotCarried] = []
         for role in roles:
-            index = {e.name: e for e in role_index(role.url, role.facts, "")}
-            planned = [_plan_file(role, kind, index, world) for kind in ("model", "optim")]
-            tensors += sum(len(p.tensors) for p in planned)
+            plan = _plan_role(role, world)
+            tensors += plan.tensors
             out = role.out
             for rank in range(world):
-                for plan in planned:
-                    state, size = _rank_state(role, plan, rank, meshes)
-                    relative = "/".join(p for p in (out, rank_file_name(plan.kind, world, rank)) if p)
+                for kind, state, size in plan.rank_files(role, rank, world, meshes):
+                    relative = "/".join(p for p in (out, rank_file_name(kind, world, rank)) if p)
                     path = _staging_path(request.staging, relative)
                     os.makedirs(os.path.dirname(path), exist_ok=True)
                     torch.save(state, path)

@@ -309,6 +309,9 @@ class ProblemKind(enum.StrEnum):
     UNKNOWN_LAYOUT = "unknown_layout"
     #: A pickled object of a class ckptctl was not taught (a known library's), read as an opaque value (a warning).
     UNSUPPORTED_CLASS = "unsupported_class"
+    #: `verify --latest`: what the framework's own latest-finder picks (the Trainer's highest `checkpoint-N`, what a
+    #: `latest` pointer names) does not load; the message names the checkpoint to resume from instead.
+    LATEST_NOT_LOADABLE = "latest_not_loadable"
 
 
 _ITEMSIZE = {

@@ -20,6 +20,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ckptctl import io
 from ckptctl.checkpoint import Problem, ProblemKind
@@ -28,7 +29,11 @@ from ckptctl.formats.documents import read_json
 from ckptctl.formats.safetensors import read_header
 from ckptctl.formats.torch_zip import ReadAt, archive_members, is_zip
 
-__all__ = ["LoadMember", "MemberKind", "Need", "check_load_set", "members_of"]
+if TYPE_CHECKING:
+    from ckptctl.checkpoint import Checkpoint
+    from ckptctl.layouts.base import Layout
+
+__all__ = ["LoadMember", "MemberKind", "Need", "check_load_set", "checkpoint_problems", "members_of"]
 
 
 class MemberKind(enum.StrEnum):
@@ -63,6 +68,9 @@ class LoadMember:
         what: what it holds, for a person ("the optimizer state").
         read_by: the framework's code that reads it, for a person ("transformers Trainer._load_optimizer_and_scheduler").
         need: what happens without it.
+        missing: what its absence means, said instead of the default ("... reads it, and fails or resumes with
+            this state lost") where that does not fit: a file the writer always writes before its completion
+            marker, whose absence shows the folder is not what it wrote (the Trainer's `training_args.bin`).
     """
 
     path: str
@@ -70,6 +78,7 @@ class LoadMember:
     what: str
     read_by: str
     need: Need = Need.REQUIRED
+    missing: str = ""
 
 
 def check_load_set(
@@ -100,7 +109,17 @@ def check_load_set(
     return problems
 
 
+def checkpoint_problems(layout: Layout, checkpoint: Checkpoint) -> list[Problem]:
+    """The structural problems of an opened checkpoint: its layout's rules (`Layout.verify`), then its load set
+    (`Layout.load_set`). What `verify` and `resume-plan` judge a checkpoint by, so that both say the same."""
+    problems = list(layout.verify(checkpoint))
+    return problems + check_load_set(checkpoint.url, layout.load_set(checkpoint), checkpoint.files, problems)
+
+
 def _missing(member: LoadMember) -> Problem:
+    severity = "warning" if member.need is Need.WARNS else "error"
+    if member.missing:
+        return Problem(ProblemKind.MISSING_FILE, member.path, f"{member.what} is missing: {member.missing}", severity)
     if member.need is Need.WARNS:
         consequence = f"{member.read_by} goes on without it with a warning"
         return Problem(ProblemKind.MISSING_FILE, member.path, f"{member.what} is missing: {consequence}", "warning")

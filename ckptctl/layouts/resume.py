@@ -8,7 +8,7 @@ frameworks share are here.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +20,7 @@ __all__ = [
     "DEFAULT_IMPACT",
     "RESUMABLE",
     "Blocker",
+    "LatestPick",
     "LoadedAlong",
     "PlanContext",
     "ResumeProfile",
@@ -85,6 +86,23 @@ class LoadedAlong:
     url: str
     what: str
     fix: str
+
+
+@dataclass(frozen=True, slots=True)
+class LatestPick:
+    """What a framework's own latest-finder loads when a resume lets it choose (`resume_from_checkpoint=True`, a
+    `latest` pointer, a tracker): `verify --latest` judges this one, whatever ckptctl would pick instead.
+
+    Attributes:
+        url: the folder (or file) it loads; it may be no checkpoint at all (an empty `checkpoint-N`).
+        finder: the framework's code that picks it, for people ("transformers get_last_checkpoint: ...").
+    """
+
+    url: str
+    finder: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"url": self.url, "finder": self.finder}
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,6 +199,10 @@ def _not_converted(url: str) -> str | None:
     return None
 
 
+def _no_pick(refs: Sequence[CheckpointRef]) -> LatestPick | None:
+    return None
+
+
 #: An RNG state's keys name generators (`cuda`, `torch_cuda_rng_state_all`); a longer key names none.
 _MAX_RNG_KEY = 200
 
@@ -233,6 +255,9 @@ class ResumeProfile:
             tell (a DCP folder overwritten in place, a folder the framework would pick instead); listed first.
         notes: other framework-specific warnings, listed last.
         extras: framework-specific "not restored" lines beyond components (AReaL's critic).
+        latest_pick: what the framework's own latest-finder loads among the run's checkpoints (`refs`, newest first,
+            one folder's), when a resume lets it choose; None where it has none of its own or it would find
+            nothing. A profile that `follows_pointer` without one picks what the run's pointer names.
         converted_from: the checkpoint of the run a checkpoint of this layout was converted from, holding the
             same training state in a form the framework loads on fewer world sizes (the ZeRO tag of a DeepSpeed
             universal checkpoint), or None. At equal steps the original is tried first, and a plan whose
@@ -255,6 +280,7 @@ class ResumeProfile:
     notes: Callable[[PlanContext], list[str]] = _no_notes
     extras: Callable[[PlanContext], dict[str, str]] = _no_extras
     converted_from: Callable[[str], str | None] = _not_converted
+    latest_pick: Callable[[Sequence[CheckpointRef]], LatestPick | None] = _no_pick
 
 
 def target_ranks(ctx: PlanContext, saved: int | None) -> int | None:

@@ -29,10 +29,12 @@ from ckptctl.errors import CheckpointNotFound, CkptctlError, UnknownLayout
 from ckptctl.formats.manifest import read_manifest
 from ckptctl.formats.slim_marker import SLIM_NOTE
 from ckptctl.layouts import detect, get_layout, scan_run
+from ckptctl.layouts.load_set import checkpoint_problems
 from ckptctl.layouts.resume import (
     DEFAULT_IMPACT,
     RESUMABLE,
     Blocker,
+    LatestPick,
     LoadedAlong,
     PlanContext,
     ResumeProfile,
@@ -83,6 +85,9 @@ class ResumePlan:
         warnings: traps worth knowing before resuming.
         blockers: checkpoints the framework loads along with the chosen one that do not load (the resume
             fails until each one's `fix` is done).
+        latest_pick: what the framework's own latest-finder loads when the resume lets it choose (the Trainer's
+            highest `checkpoint-N`, the checkpoint a `latest` pointer names), which may be a skipped one; None
+            where it has no finder of its own.
     """
 
     run: str
@@ -97,6 +102,7 @@ class ResumePlan:
     resume_hint: str | None = None
     warnings: tuple[str, ...] = ()
     blockers: tuple[Blocker, ...] = ()
+    latest_pick: LatestPick | None = None
 
     @property
     def resumable(self) -> bool:
@@ -134,6 +140,7 @@ class ResumePlan:
             "warnings": list(self.warnings),
             "blockers": [b.to_json() for b in self.blockers],
             "unknown_layout": [s.url for s in self.unknown_layout],
+            "latest_pick": None if self.latest_pick is None else self.latest_pick.to_json(),
         }
 
 
@@ -189,6 +196,7 @@ def plan_resume(
     # else (`resume-plan RUN/_critic` plans the critic's resume).
     ordered = [r for r in newest if not profile_for(r.layout).companion(r)] or newest
     pointer_named = _pointer_target(ordered)
+    picked = _latest_pick(ordered, pointer_named)
     skipped: list[Skipped] = []
     chosen: Checkpoint | None = None
     run_warnings: list[str] = []
@@ -205,7 +213,12 @@ def plan_resume(
         skipped.append(Skipped(ref.url, ref.step, reason or "cannot be opened", ref.layout, ref.state))
     if chosen is None:
         return ResumePlan(
-            run=run, checkpoint=None, framework=None, skipped=tuple(skipped), warnings=tuple(run_warnings)
+            run=run,
+            checkpoint=None,
+            framework=None,
+            skipped=tuple(skipped),
+            warnings=tuple(run_warnings),
+            latest_pick=picked,
         )
     profile = _profile(chosen.ref)
     ctx = PlanContext(run, chosen, tuple(refs), tuple(skipped), world_size)
@@ -242,6 +255,7 @@ def plan_resume(
         resume_hint=profile.hint(ctx),
         warnings=tuple(warnings),
         blockers=blockers,
+        latest_pick=picked,
     )
 
 
@@ -329,6 +343,18 @@ def _pointer_target(ordered: Sequence[CheckpointRef]) -> CheckpointRef | None:
     return next((r for r in ordered if r.latest and profile_for(r.layout).follows_pointer), None)
 
 
+def _latest_pick(ordered: Sequence[CheckpointRef], pointer_named: CheckpointRef | None) -> LatestPick | None:
+    """What the framework of the run's newest resumable checkpoint picks when a resume lets it choose: its
+    profile's own finder, else the checkpoint the run's pointer names when it follows one."""
+    profile = next((p for ref in ordered if (p := _profile(ref)).resumable), None)
+    if profile is None:
+        return None
+    picked = profile.latest_pick(ordered)
+    if picked is None and profile.follows_pointer and pointer_named is not None:
+        picked = LatestPick(pointer_named.url, f"{profile.framework} follows the run's pointer")
+    return picked
+
+
 def _judge(
     ref: CheckpointRef,
     profile: ResumeProfile,
@@ -367,7 +393,7 @@ def _judge(
     layout = get_layout(ref.layout)
     try:
         checkpoint = layout.open(ref.url)
-        problems = list(layout.verify(checkpoint))
+        problems = checkpoint_problems(layout, checkpoint)
         if ref.run_state:  # what a resume loads with the model folder is verified with it
             problems += run_state_problems(ref.run_state)
             checkpoint = with_run_state(replace(checkpoint, ref=replace(checkpoint.ref, run_state=ref.run_state)))
@@ -401,7 +427,7 @@ def _blocker(
             reason = f"is {ref.state.value}" + (f" ({ref.note})" if ref.note else "")
         else:
             checkpoint = layout.open(along.url)
-            problems = list(layout.verify(checkpoint))
+            problems = checkpoint_problems(layout, checkpoint)
             if digests:
                 problems += _digest_problems(checkpoint, progress)
             errors = [p for p in problems if p.severity == "error" and not p.path.startswith("../")]

@@ -23,13 +23,14 @@ from ckptctl.errors import CheckpointNotFound, CkptctlError, UnknownLayout, Unsa
 from ckptctl.formats.manifest import DIGESTS_NAME, read_manifest
 from ckptctl.layouts import detect, scan_context, scan_run
 from ckptctl.layouts.generic import read_as_files
-from ckptctl.layouts.load_set import check_load_set
+from ckptctl.layouts.load_set import checkpoint_problems
 from ckptctl.ops.content import ContentChecks, check_content
 from ckptctl.ops.digests import save_digests
 from ckptctl.ops.distributed_work import Ranks
 from ckptctl.ops.report import SCHEMA_VERSION, NoProgress, Progress, problem_json
-from ckptctl.ops.resume_plan import plan_resume
+from ckptctl.ops.resume_plan import ResumePlan, plan_resume
 from ckptctl.ops.slim import dropped_files, slim_problems
+from ckptctl.quoting import shell
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,10 +189,41 @@ def verify_run(
                 raise NothingResumable(
                     f"{run} holds no checkpoint a resume could load", "run `ckptctl resume-plan` to see why"
                 )
+            picked = plan.latest_pick
+            if picked is not None and picked.url != plan.checkpoint.url:
+                return RunVerifyReport(run, (_verify_pick(run, plan, options, progress),))
             refs = [plan.checkpoint]
         else:
             refs = scan_run(run)
         return _verify_refs(run, refs, options, progress)
+
+
+def _verify_pick(run: str, plan: ResumePlan, options: VerifyOptions, progress: Progress | None) -> VerifyResult:
+    """The verdict on what the framework's own latest-finder picks (`plan.latest_pick`), which is not the checkpoint
+    ckptctl would resume from: its own problems, and, when it was skipped or fails, an error naming it and the
+    checkpoint to pass instead."""
+    assert plan.latest_pick is not None and plan.checkpoint is not None
+    url = plan.latest_pick.url
+    skipped = next((s for s in plan.skipped if s.url == url), None)
+    try:
+        if skipped is not None and skipped.state in _UNFINISHED:
+            result = VerifyResult(url, skipped.layout, skipped.step, (), 0, 0, 0)
+        else:
+            result = verify_checkpoint(url, replace(options, layout=skipped.layout if skipped else None), progress)
+    except CkptctlError as exc:  # no checkpoint at all (an empty `checkpoint-N`)
+        result = VerifyResult(url, None, None, (Problem(ProblemKind.MISSING_FILE, "", exc.message),), 0, 0, 0)
+    if skipped is None and result.ok:
+        return result
+    why = skipped.reason if skipped is not None else next(p.message for p in result.problems if p.severity == "error")
+    good = plan.checkpoint.url
+    headline = Problem(
+        ProblemKind.LATEST_NOT_LOADABLE,
+        "",
+        f"{plan.latest_pick.finder}: it picks {io.relative_to(url, run) or url}, which does not load ({why}); "
+        f"resume from {io.relative_to(good, run) or good} instead ({plan.resume_hint}), or run "
+        f"`{shell('ckptctl', 'repair', run)}` so that the framework's own pick is a checkpoint that loads",
+    )
+    return replace(result, problems=(headline, *result.problems))
 
 
 def _verify_refs(
@@ -242,8 +274,7 @@ def _verify_checkpoint(url: str, options: VerifyOptions, progress: Progress, rea
         return VerifyResult(url, layout.name, ref.step, (problem,), 0, 0, read.bytes_read)
     try:
         checkpoint = layout.open(url)
-        problems = list(layout.verify(checkpoint))
-        problems += check_load_set(url, layout.load_set(checkpoint), checkpoint.files, problems)
+        problems = checkpoint_problems(layout, checkpoint)
         if ref.state is CheckpointState.SLIM:
             problems = slim_problems(layout.name, url, problems)
     except CkptctlError as exc:

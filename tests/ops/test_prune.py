@@ -253,6 +253,7 @@ def test_hf_trainer_run(tmp_path: Path) -> None:
         folder.mkdir(parents=True)
         save_file({"w": torch.zeros(4)}, str(folder / "model.safetensors"))
         (folder / "config.json").write_text('{"model_type": "llama"}')
+        torch.save({}, folder / "training_args.bin")  # Trainer._save writes it with every checkpoint
         history = [{"step": s, "loss": 1.0, "epoch": s / 400} for s in evals if s <= step]
         history += [{"step": s, "eval_loss": evals[s]} for s in evals if s <= step]
         best = f"{out}/checkpoint-{100 if step == 100 else 200}"
@@ -304,7 +305,8 @@ def test_object_stores_delete_each_layouts_markers_first(tmp_path: Path, monkeyp
         folder = out / f"checkpoint-{step}"
         folder.mkdir(parents=True)
         save_file({"w": torch.zeros(4)}, str(folder / "model.safetensors"))
-        (folder / "optimizer.pt").write_bytes(b"o" * 64)
+        for name in ("optimizer.pt", "scheduler.pt", "rng_state.pth", "training_args.bin"):  # what the Trainer writes
+            (folder / name).write_bytes(b"o" * 64)
         (folder / "trainer_state.json").write_text(json.dumps({"global_step": step, "log_history": []}))
     fs = fsspec.filesystem("memory")
     root = "/prune-trainer-run"

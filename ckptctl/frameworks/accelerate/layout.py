@@ -57,6 +57,7 @@ from ckptctl.frameworks.accelerate.files import (
     per_process_files,
     rng_ranks,
 )
+from ckptctl.frameworks.accelerate.load_set import save_state_members, torn_note
 from ckptctl.io import DirEntry
 from ckptctl.layouts.base import (
     LISTED_ABSENT,
@@ -71,6 +72,7 @@ from ckptctl.layouts.base import (
     step_from_name,
     timestamp,
 )
+from ckptctl.layouts.load_set import LoadMember
 from ckptctl.layouts.parts.hf_folder import safetensors_index, verify_model_files
 from ckptctl.layouts.parts.in_progress import recently_written
 from ckptctl.layouts.parts.torch_file import torch_file_problems
@@ -218,6 +220,8 @@ class AccelerateLayout(Layout):
             created = timestamp(marker.mtime)
             if auto:
                 note = "step = N of checkpoint_N: it counts saves, not training steps"
+            if torn := torn_note(url, parts.files):
+                state, note = CheckpointState.BROKEN, torn
         else:
             newest = newest_mtime(entries)
             created = timestamp(newest)
@@ -359,6 +363,11 @@ class AccelerateLayout(Layout):
         for folder in sorted({*parts.dcp_models.values(), *parts.dcp_optimizers.values()}):
             problems += verify_dcp(io.join(url, folder), f"{folder}/")
         return problems
+
+    def load_set(self, checkpoint: Checkpoint) -> Sequence[LoadMember]:
+        """The numbered files `load_state` reads (`frameworks.accelerate.load_set`): those here, those a gap in
+        their numbering or the run's other saves say are missing."""
+        return save_state_members(checkpoint.url, checkpoint.files)
 
     def torch_archives(self, checkpoint: Checkpoint) -> Sequence[TorchArchive]:
         """The default's, and the `.pkl` files accelerate writes with torch.save too (`random_states_{i}.pkl`,

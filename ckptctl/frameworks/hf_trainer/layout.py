@@ -51,12 +51,18 @@ from ckptctl.formats.documents import as_real, as_whole, read_json
 from ckptctl.formats.safe_pickle import FrameworkObject, StandIn, state_fields
 from ckptctl.formats.torch_pickle import TorchPickle, open_torch_pickle, storage_problems
 from ckptctl.frameworks.hf_trainer.files import CHECKPOINT_DIR, RNG_FILE, TRAINER_STATE_NAME
+from ckptctl.frameworks.hf_trainer.load_set import (
+    TRAINING_ARGS,
+    TrainerFacts,
+    state_evidence,
+    torn_note,
+    trainer_members,
+)
 from ckptctl.io import DirEntry
-from ckptctl.layouts import peek_dir
+from ckptctl.layouts import peek, peek_dir
 from ckptctl.layouts.base import (
     Layout,
     Protections,
-    absent_numbers,
     every_child_folder,
     folder_size,
     list_files,
@@ -64,6 +70,7 @@ from ckptctl.layouts.base import (
     step_from_name,
     timestamp,
 )
+from ckptctl.layouts.load_set import LoadMember
 from ckptctl.layouts.parts.hf_folder import (
     has_weights,
     model_components,
@@ -86,6 +93,7 @@ __all__ = ["HfTrainerLayout", "TrainerParts", "model_tensors", "training_args_fi
 
 _PICKLE_FILES = ("optimizer.pt", "scheduler.pt", "scaler.pt", "training_args.bin")
 _TRAINER_FILES = frozenset({TRAINER_STATE_NAME, *_PICKLE_FILES})
+_STATE_FILES = frozenset({"optimizer.pt", "scheduler.pt", "scaler.pt"})
 #: trainer_state.json is written with sorted keys and indent=2, so `epoch` and `global_step` come before
 #: the (possibly huge) `log_history`: `identify` reads only this much of it.
 _STATE_HEAD = 4096
@@ -155,6 +163,10 @@ class TrainerParts:
             self.names & _TRAINER_FILES or _rng_ranks(list(self.names)) or self.ds_tag is not None or self.dcp_folders
         )
 
+    def holds_training_state(self) -> bool:
+        """Whether files only `Trainer._save_checkpoint`'s training state names so are here."""
+        return bool(self.names & _STATE_FILES or _rng_ranks(list(self.names)))
+
 
 def _missing_tag_files(url: str, ds_tag: str | None) -> list[str]:
     """The rank files the DeepSpeed tag inside a checkpoint lacks (none without one): the Trainer's resume
@@ -171,15 +183,26 @@ class HfTrainerLayout(Layout):
     name = "hf_trainer"
 
     def identify(self, url: str, entries: Sequence[DirEntry]) -> CheckpointRef | None:
-        """A ref for a `checkpoint-N` folder holding Trainer files; reads at most the head of
-        trainer_state.json (for step and epoch)."""
+        """A ref for a `checkpoint-N` folder holding Trainer files, or holding only what a save writes first (the
+        model) beside sibling Trainer checkpoints; or a folder of another name holding trainer_state.json and the
+        training state (a renamed copy). Reads at most the head of trainer_state.json (for step and epoch), and
+        training_args.bin's pickle only when no state file says whether the save wrote the training state.
+
+        A checkpoint missing a file its load set requires (`load_set.trainer_members`) is broken, naming it:
+        detection keys on what survives a partial write (the name, trainer_state.json, any Trainer-only file),
+        so a torn Trainer checkpoint of a PEFT model is never a whole PEFT adapter."""
         m = CHECKPOINT_DIR.match(io.name_of(url))
-        if m is None:
-            return None
         parts = TrainerParts.of(url, entries)
-        if not parts.is_trainer_checkpoint():
-            return None
-        step: int | None = int(m.group(1))
+        if m is None:
+            if not (TRAINER_STATE_NAME in parts.names and parts.holds_training_state()):
+                return None
+        elif not parts.is_trainer_checkpoint():
+            # Only what a save writes first (the model) beside the run's Trainer checkpoints: a torn one of theirs. An
+            # empty checkpoint-N tells nothing yet (not even when it was made).
+            in_run: bool | None = peek(io.parent_of(url), _trainer_run) if parts.names else False
+            if not in_run:
+                return None
+        step: int | None = int(m.group(1)) if m is not None else None
         epoch = None
         marker = next((e for e in entries if e.name == TRAINER_STATE_NAME and not e.is_dir), None)
         note = ""
@@ -192,6 +215,8 @@ class HfTrainerLayout(Layout):
             created = timestamp(marker.mtime)
             if missing := _missing_tag_files(url, parts.ds_tag):
                 state, note = CheckpointState.BROKEN, f"{parts.ds_tag}/: {missing_note(missing)}"
+            elif torn := torn_note(_facts(url, parts, entries)):
+                state, note = CheckpointState.BROKEN, torn
         else:
             newest = newest_mtime(entries)
             created = timestamp(newest)
@@ -334,21 +359,6 @@ class HfTrainerLayout(Layout):
             )
         for name in sorted(n for n in parts.names if n in _PICKLE_FILES or RNG_FILE.match(n)):
             problems += _pickle_problems(url, name, files[name])
-        problems += _missing_state_files(url, files, parts)
-        rng = _rng_ranks(list(parts.names))
-        if rng and rng != list(range(len(rng))) and rng != [0]:
-            listed, absent = absent_numbers(rng, max(rng) + 1)
-            problems += [
-                Problem(ProblemKind.MISSING_FILE, f"rng_state_{i}.pth", f"rng_state_{i}.pth is missing") for i in listed
-            ]
-            if absent > len(listed):
-                problems.append(
-                    Problem(
-                        ProblemKind.MISSING_FILE,
-                        "",
-                        f"{absent - len(listed)} more rng_state_N.pth files below rank {max(rng)} are missing",
-                    )
-                )
         if parts.ds_tag is not None:
             problems += verify_tag(io.join(url, parts.ds_tag), f"{parts.ds_tag}/")
             pointer = latest_problem(url, LATEST_NAME)
@@ -359,6 +369,28 @@ class HfTrainerLayout(Layout):
         for folder in sorted(parts.dcp_folders):
             problems += verify_dcp(io.join(url, folder), f"{folder}/")
         return problems
+
+    def load_set(self, checkpoint: Checkpoint) -> Sequence[LoadMember]:
+        """What the Trainer's resume reads of it (`frameworks.hf_trainer.load_set`), from its facts: whether its
+        save wrote the training state, training_args (fp16, DeepSpeed), the DeepSpeed tag's scheduler and ranks."""
+        url = checkpoint.url
+        entries = io.list_dir(url)
+        parts = TrainerParts.of(url, entries)
+        facts = _facts(url, parts, entries)
+        if parts.ds_tag is not None:
+            try:
+                tag = read_tag(io.join(url, parts.ds_tag))
+            except CkptctlError:
+                pass  # verify_tag reports why
+            else:
+                facts = replace(
+                    facts,
+                    ds_scheduler=tag.states.get("lr_scheduler") is not None,
+                    ds_world=tag.dp_world_size * tag.mp_world_size,
+                )
+        if facts.args is None and TRAINING_ARGS in checkpoint.files:
+            facts = replace(facts, args=training_args_fields(url, checkpoint.files[TRAINING_ARGS]))
+        return trainer_members(facts)
 
     def completion_markers(self, files: Mapping[str, int]) -> tuple[str, ...]:
         """The model folder's markers (an adapter's config, which PEFT writes after its weights), then
@@ -395,6 +427,36 @@ class HfTrainerLayout(Layout):
         from ckptctl.frameworks.hf_trainer.resume import PROFILE
 
         return PROFILE
+
+
+def _facts(url: str, parts: TrainerParts, entries: Sequence[DirEntry]) -> TrainerFacts:
+    """The facts of a checkpoint's load set its listing gives (training_args.bin read only when needed)."""
+    sizes = {e.name: e.size for e in entries if not e.is_dir}
+
+    def args() -> Mapping[str, Any] | None:
+        return training_args_fields(url, sizes[TRAINING_ARGS]) if TRAINING_ARGS in sizes else None
+
+    names = frozenset(parts.names)
+    why, fields = state_evidence(url, names, parts.ds_tag, parts.dcp_folders, args)
+    return TrainerFacts(
+        names=names,
+        ds_tag=parts.ds_tag,
+        fsdp_optimizer=Component.OPTIMIZER in parts.dcp_folders.values(),
+        fsdp_model=Component.MODEL in parts.dcp_folders.values(),
+        state_saved=why,
+        args=fields,
+    )
+
+
+def _trainer_run(url: str, entries: Sequence[DirEntry]) -> bool:
+    """Whether the folder `url` is a Trainer output_dir: one of its `checkpoint-N` holds trainer_state.json. Its
+    other `checkpoint-N` folders are then the Trainer's too, whatever a torn save left in them."""
+    for entry in entries:
+        if entry.is_dir and CHECKPOINT_DIR.match(entry.name):
+            listing = peek_dir(io.join(url, entry.name)) or []
+            if any(e.name == TRAINER_STATE_NAME and not e.is_dir for e in listing):
+                return True
+    return False
 
 
 def _step_metrics(state: Mapping[str, Any]) -> dict[str, Any]:
@@ -472,28 +534,6 @@ def training_args_fields(url: str, size: int) -> dict[str, Any] | None:
         return state_fields(args, "training_args.bin") if isinstance(args, StandIn) else None
     except CkptctlError:
         return None
-
-
-def _missing_state_files(url: str, files: Mapping[str, int], parts: TrainerParts) -> list[Problem]:
-    """The optimizer and RNG files a resume needs, unless training_args say `save_only_model`."""
-    args = training_args_fields(url, files["training_args.bin"]) if "training_args.bin" in files else None
-    if args is None or args.get("save_only_model") is not False:
-        return []
-    problems = []
-    has_optimizer = (
-        "optimizer.pt" in files or parts.ds_tag is not None or Component.OPTIMIZER in parts.dcp_folders.values()
-    )
-    if not has_optimizer:
-        problems.append(
-            Problem(
-                ProblemKind.MISSING_FILE,
-                "optimizer.pt",
-                "optimizer.pt is missing (training_args say save_only_model=False): a resume would lose the optimizer state",
-            )
-        )
-    if not _rng_ranks(list(parts.names)):
-        problems.append(Problem(ProblemKind.MISSING_FILE, "rng_state.pth", "no rng_state*.pth file"))
-    return problems
 
 
 def _pickle_problems(url: str, name: str, size: int) -> list[Problem]:

@@ -4,15 +4,23 @@ highest `checkpoint-N` without looking inside (transformers#35782)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from ckptctl import io
-from ckptctl.checkpoint import Checkpoint, Component
+from ckptctl.checkpoint import Checkpoint, CheckpointRef, Component
 from ckptctl.errors import CkptctlError
 from ckptctl.frameworks.hf_trainer.files import CHECKPOINT_DIR, RNG_FILE
+from ckptctl.layouts import peek_dir
 from ckptctl.layouts.parts.dcp_resume import overwrite_warnings, reshards
 from ckptctl.layouts.parts.zero_tag import resume as zero_resume
-from ckptctl.layouts.resume import PlanContext, ResumeProfile, WorldSizeCheck, pickled_rng_keys, target_ranks
+from ckptctl.layouts.resume import (
+    LatestPick,
+    PlanContext,
+    ResumeProfile,
+    WorldSizeCheck,
+    pickled_rng_keys,
+    target_ranks,
+)
 from ckptctl.quoting import python_call
 
 __all__ = ["PROFILE"]
@@ -90,6 +98,28 @@ def _rng_keys(checkpoint: Checkpoint) -> frozenset[str] | None:
     return pickled_rng_keys(io.join(checkpoint.url, name), checkpoint.files[name])
 
 
+def _latest_pick(refs: Sequence[CheckpointRef]) -> LatestPick | None:
+    """transformers 5.24 `trainer_utils.get_last_checkpoint`, which `Trainer.train(resume_from_checkpoint=True)`
+    calls: the `checkpoint-N` folder of the output_dir with the highest N, whatever it holds."""
+    folders = {
+        io.parent_of(r.url) for r in refs if r.layout == "hf_trainer" and CHECKPOINT_DIR.match(io.name_of(r.url))
+    }
+    if len(folders) != 1:
+        return None
+    output_dir = folders.pop()
+    numbered = [
+        (int(m.group(1)), e.name)
+        for e in peek_dir(output_dir) or ()
+        if e.is_dir and (m := CHECKPOINT_DIR.match(e.name))
+    ]
+    if not numbered:
+        return None
+    return LatestPick(
+        io.join(output_dir, max(numbered)[1]),
+        "transformers get_last_checkpoint (resume_from_checkpoint=True) takes the highest checkpoint-N",
+    )
+
+
 PROFILE = ResumeProfile(
     framework=_FRAMEWORK,
     hint=_hint,
@@ -97,4 +127,5 @@ PROFILE = ResumeProfile(
     impacts=_IMPACTS,
     rng_keys=_rng_keys,
     traps=_traps,
+    latest_pick=_latest_pick,
 )

@@ -8,14 +8,14 @@ reshards; a DeepSpeed folder follows DeepSpeed's rules (`DeepSpeedStrategy.load_
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from ckptctl import io
-from ckptctl.checkpoint import Component
+from ckptctl.checkpoint import CheckpointRef, Component
 from ckptctl.frameworks.lightning.files import LAST
 from ckptctl.layouts.parts.dcp_resume import overwrite_warnings, reshards
 from ckptctl.layouts.parts.zero_tag import resume as zero_resume
-from ckptctl.layouts.resume import PlanContext, ResumeProfile, WorldSizeCheck, target_ranks
+from ckptctl.layouts.resume import LatestPick, PlanContext, ResumeProfile, WorldSizeCheck, target_ranks
 from ckptctl.quoting import Code, comment, python_call
 
 __all__ = ["PROFILE"]
@@ -57,6 +57,14 @@ def _traps(ctx: PlanContext) -> list[str]:
     return overwrite_warnings(ctx) if io.is_dir(ctx.url) and not zero_resume.zero_facts(ctx.checkpoint) else []
 
 
+def _latest_pick(refs: Sequence[CheckpointRef]) -> LatestPick | None:
+    """`ckpt_path="last"` (`_parse_ckpt_path`): the `last.ckpt` of the ModelCheckpoint's dirpath, the run's pointer."""
+    last = next((r for r in refs if r.latest and r.layout == "lightning"), None)
+    if last is None:
+        return None
+    return LatestPick(last.url, 'Lightning\'s trainer.fit(ckpt_path="last") takes last.ckpt')
+
+
 PROFILE = ResumeProfile(
     framework=_FRAMEWORK,
     hint=_hint,
@@ -66,4 +74,5 @@ PROFILE = ResumeProfile(
     ),
     impacts=_IMPACTS,
     traps=_traps,
+    latest_pick=_latest_pick,
 )

@@ -13,10 +13,14 @@
 
 from __future__ import annotations
 
+import re
+from collections.abc import Sequence
+
 from ckptctl import io
-from ckptctl.checkpoint import CheckpointState, Component
+from ckptctl.checkpoint import CheckpointRef, CheckpointState, Component
+from ckptctl.layouts import peek_dir
 from ckptctl.layouts.parts.dcp_resume import overwrite_warnings
-from ckptctl.layouts.resume import PlanContext, ResumeProfile, WorldSizeCheck, target_ranks
+from ckptctl.layouts.resume import LatestPick, PlanContext, ResumeProfile, WorldSizeCheck, target_ranks
 from ckptctl.quoting import comment, shell
 
 __all__ = ["PROFILE"]
@@ -85,6 +89,30 @@ def _traps(ctx: PlanContext) -> list[str]:
     return found
 
 
+_STEP_SEARCH = re.compile(r"step-(\d+)")
+
+
+def _latest_pick(refs: Sequence[CheckpointRef]) -> LatestPick | None:
+    """torchtitan 0.3.0 `CheckpointManager._find_load_step` (`checkpointer/dcp.py`): the highest `step-N` folder of
+    the checkpoint folder holding `.metadata` or `model.safetensors.index.json`, whatever else it holds."""
+    folders = {io.parent_of(r.url) for r in refs if r.layout == "torchtitan"}
+    if len(folders) != 1:
+        return None
+    folder = folders.pop()
+    steps = []
+    for entry in peek_dir(folder) or []:
+        if entry.is_dir and (m := _STEP_SEARCH.search(entry.name)):
+            names = {e.name for e in peek_dir(io.join(folder, entry.name)) or () if not e.is_dir}
+            if names & {".metadata", "model.safetensors.index.json"}:
+                steps.append((int(m.group(1)), entry.name))
+    if not steps:
+        return None
+    return LatestPick(
+        io.join(folder, max(steps)[1]),
+        "torchtitan's CheckpointManager._find_load_step (load_step -1) takes the highest step-N holding .metadata",
+    )
+
+
 PROFILE = ResumeProfile(
     framework="torchtitan",
     hint=_hint,
@@ -98,4 +126,5 @@ PROFILE = ResumeProfile(
     },
     export_name="torchtitan's model-only last save (last_save_model_only)",
     traps=_traps,
+    latest_pick=_latest_pick,
 )

@@ -19,7 +19,7 @@ from typing import Any
 
 from ckptctl import io
 from ckptctl.checkpoint import CheckpointRef, CheckpointState, Problem, ProblemKind
-from ckptctl.errors import CheckpointNotFound, CkptctlError, UnknownLayout, UnsafePickle, UnsupportedClass
+from ckptctl.errors import CheckpointNotFound, CkptctlError, UnknownLayout
 from ckptctl.formats.manifest import DIGESTS_NAME, read_manifest
 from ckptctl.layouts import detect, scan_context, scan_run
 from ckptctl.layouts.generic import read_as_files
@@ -278,12 +278,7 @@ def _verify_checkpoint(url: str, options: VerifyOptions, progress: Progress, rea
         if ref.state is CheckpointState.SLIM:
             problems = slim_problems(layout.name, url, problems)
     except CkptctlError as exc:
-        kind = ProblemKind.BAD_METADATA
-        if isinstance(exc, UnsafePickle):
-            kind = ProblemKind.UNSAFE_PICKLE
-        elif isinstance(exc, UnsupportedClass):
-            kind = ProblemKind.UNSUPPORTED_CLASS
-        problem = Problem(kind, "", exc.message)
+        problem = Problem.of_unreadable(exc, "", ProblemKind.BAD_METADATA)
         return VerifyResult(url, layout.name, ref.step, (problem,), 0, 0, read.bytes_read)
 
     if options.quick:

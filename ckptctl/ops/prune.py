@@ -41,6 +41,7 @@ from typing import Any, Generic, Protocol, TypeVar
 
 from ckptctl import io
 from ckptctl.checkpoint import CheckpointRef, CheckpointState
+from ckptctl.core.lock import LOCK_NAME, STALE_AFTER, LockUnusable, RunLock, read_lock, stale_reason
 from ckptctl.core.retention import Candidate, RetentionPolicy
 from ckptctl.errors import CheckpointNotFound, CkptctlError
 from ckptctl.formats.documents import read_toml
@@ -49,7 +50,6 @@ from ckptctl.io import trash
 from ckptctl.io.trash import QUARANTINE_NAME
 from ckptctl.layouts import DEFAULT_SCAN_DEPTH, all_layouts, detect, get_layout, scan_run
 from ckptctl.layouts.slimming import slim_checkpoint, slimmable
-from ckptctl.ops.lock import LOCK_NAME, STALE_AFTER, LockUnusable, RunLock, read_lock, stale_reason
 from ckptctl.ops.report import SCHEMA_VERSION, NoProgress, Progress, display_path, flatten, iso
 from ckptctl.ops.resume_plan import resume_targets
 from ckptctl.units import format_age, format_size, parse_age

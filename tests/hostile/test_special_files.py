@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from ckptctl.ops.lock import LOCK_NAME
+from ckptctl.core.lock import LOCK_NAME
 from tests.hostile.conftest import Source, message_of, plant
 from tests.hostile.harness import run_ckptctl
 

@@ -16,10 +16,10 @@ import torch
 
 from ckptctl import io
 from ckptctl.core import CheckpointManager, KeepBest, RetentionPolicy
+from ckptctl.core.lock import LOCK_NAME
 from ckptctl.errors import CkptctlError
 from ckptctl.io import trash
 from ckptctl.layouts import scan_run
-from ckptctl.ops.lock import LOCK_NAME
 from ckptctl.ops.prune import PrunePlan, load_policy_file, plan_prune, prune
 from ckptctl.ops.verification import verify_checkpoint
 from tests.conftest import copy_tree

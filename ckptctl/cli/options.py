@@ -46,7 +46,7 @@ ComponentOpt = Annotated[
     ),
 ]
 
-# prune, slim and repair take the same run lock (`ops.lock`), so each waits for any of the three.
+# prune, slim and repair take the same run lock (`core.lock`), so each waits for any of the three.
 WaitOpt = Annotated[
     float,
     typer.Option(

@@ -24,7 +24,7 @@ Rules compose with "any": a checkpoint is kept when one of --keep-last, --keep-e
 
 Never deleted: the newest complete checkpoint; what a `latest` pointer names (ckptctl's, DeepSpeed's), the Trainer's best_model_checkpoint, OpenRLHF best* folders; anything in progress (no completion marker, staging names, a writer's lock, files modified within --grace); pinned steps; symbolic links and anything outside RUN. Deleted whatever the rules: abandoned saves (a ckptctl staging folder whose writer is gone, or that nobody wrote to within --grace and behind which a step was committed). Superseded steps (left behind by a rollback) count as no rule's to keep. Each checkpoint is moved into a .ckptctl-trash folder beside it and deleted there, so an interrupted prune never leaves a half-deleted checkpoint that looks complete. One prune per run at a time.
 
-Exit code 0 when the run meets the rules (nothing left to do), 1 when it does not, also in a dry run: the rules want a deletion that cannot happen (a protected checkpoint, a run still over --max-total-size), a deletion failed, another prune holds the lock, or the prompt was declined. 2 on bad usage: a --keep-best metric that no checkpoint records, or deleting without --yes when stdin is not a terminal or with --json or --quiet (which never prompt)."""
+Exit code 0 when the run meets the rules (nothing left to do), also when a protection above keeps a complete checkpoint that no rule keeps (a note says so: that is the convention of the framework that wrote the run, not a problem); 1 when it does not, also in a dry run: the rules want a deletion that cannot happen (a pointer names a checkpoint that is not complete, an unknown layout, a run still over --max-total-size), a deletion failed, another prune holds the lock, or the prompt was declined. 2 on bad usage: a --keep-best metric that no checkpoint records, or deleting without --yes when stdin is not a terminal or with --json or --quiet (which never prompt)."""
 
 EXAMPLES = """\
 ckptctl prune runs/llama-sft --keep-last 3 --keep-every 1000 --dry-run
@@ -136,13 +136,16 @@ def prune(
         slim_instead=slim,
     )
     prompt.show(report)
+    for note in () if quiet else report.plan.protected_notes:
+        out.note(f"note: {note}")
     # A declined prompt leaves every planned deletion in place: one line says so, not one per checkpoint.
     unmet = report.plan.unmet if report.cancelled else report.unmet
     if not quiet:
         for problem in unmet:
             out.warn(problem)
     # The rules are met or not, whatever this run managed to delete (and whether it was a dry run): a
-    # cron job must see 1 as long as the run stays over its budget or keeps what the rules would delete.
+    # cron job must see 1 as long as the run stays over its budget or keeps what it cannot judge; what a
+    # framework's convention keeps is no failure (a note above).
     if report.failed or report.cancelled or unmet:
         raise typer.Exit(1)
 

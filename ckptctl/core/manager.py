@@ -40,8 +40,10 @@ machine's writer left an hour or more before a later step was committed
 
 Rollback. A run that goes back to an older step (`restore(state, step=10)`) and saves again (`save(20)`)
 has left the newer steps (30) on a branch it abandoned: a later resume must follow the new branch, not
-the highest step. Saving a step below committed newer ones therefore marks those, and the old save of
-the same step, superseded (`ckptctl-superseded.json` in each) before the new save commits. Resumes,
+the highest step. Saving a step below the steps that were newer than the one this manager restored
+therefore marks those, and the old save of the same step, superseded (`ckptctl-superseded.json` in each)
+before the new save commits; so does a save below the manager's own newer saves. A save below newer steps
+that another writer committed is no rollback (see "Concurrent writers" below). Resumes,
 `latest_step()`, `ckptctl resume-plan` and `verify --latest` skip superseded steps, `list` shows them as
 `superseded`, retention leaves them alone and `ckptctl prune` deletes them by its rules. The state lives in the step folders rather than in the `latest` pointer because the pointer is written after
 the commit: a crash between the two leaves a newest step the pointer does not name, which must still be
@@ -50,6 +52,15 @@ mark, the run resumes where it was before the rollback; after the mark of the ol
 before the newer ones', also (the newest step is unmarked); after all marks but before the commit, from
 the newest unmarked step below, the rollback's base in the usual case (an old save between the base and
 the new step stays unmarked); after the commit, from the new save.
+
+Concurrent writers. Several managers (processes) may save disjoint steps into one run, and `ckptctl prune`,
+`slim` and `repair` may run beside them. Each update of `latest`, each retention and each slim of a step
+holds the run's lock (`core.lock`, the one those commands hold for their whole work): `latest` never moves
+from a complete newer step to an older one (the slower writer's commit of step 19 after step 20 leaves it
+at step-20), retention plans and retires while nobody else changes the run, and emptying the trash never
+deletes a replacement `ckptctl slim` is building there. A save that cannot get the lock within `lock_wait`
+is still committed (`restore()` walks the folders, newest first); it leaves `latest` or retention to the
+next save, with a `CheckpointWarning`.
 """
 
 from __future__ import annotations
@@ -63,7 +74,7 @@ import shutil
 import threading
 import time
 import warnings
-from collections.abc import Callable, Mapping, MutableMapping
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
@@ -77,6 +88,7 @@ from ckptctl.core import distributed as dist_
 from ckptctl.core import loading, snapshot
 from ckptctl.core.deleter import BackgroundDeleter
 from ckptctl.core.entries import CheckpointWarning
+from ckptctl.core.lock import RunLock
 from ckptctl.core.retention import Candidate, RetentionPolicy
 from ckptctl.core.snapshot import Snapshot, write_tree
 from ckptctl.core.storage import open_run, storage_errors
@@ -92,6 +104,10 @@ from ckptctl.layouts.base import folder_size
 __all__ = ["POINTER_NAME", "TRASH_NAME", "CheckpointManager", "StepNaming"]
 
 log = logging.getLogger("ckptctl.core")
+
+#: Default `lock_wait`: far longer than another manager holds the run lock, short enough that a training loop
+#: does not stall behind a `ckptctl prune` waiting at its prompt.
+LOCK_WAIT = 10.0
 
 
 class CheckpointManager:
@@ -117,6 +133,9 @@ class CheckpointManager:
         staging_dir: for a remote `root`, the local folder where a save is written before it is uploaded
             and a restore is downloaded before it is loaded (default: the system temp folder); it needs
             room for one checkpoint.
+        lock_wait: seconds a save waits for the run's lock (see "Concurrent writers" in the module docstring)
+            before it leaves `latest` or retention to the next save, with a `CheckpointWarning`. Another
+            manager holds it for milliseconds; `ckptctl prune`, `slim` and `repair` for their whole run.
 
     Example:
         >>> manager = CheckpointManager("runs/exp1", policy=RetentionPolicy(keep_last=3))
@@ -135,9 +154,11 @@ class CheckpointManager:
         async_save: bool = False,
         *,
         staging_dir: str | os.PathLike[str] | None = None,
+        lock_wait: float = LOCK_WAIT,
     ) -> None:
         self.policy = policy
         self.async_save = async_save
+        self.lock_wait = lock_wait
         self.naming = StepNaming()
         self.staging_dir = None if staging_dir is None else os.fspath(staging_dir)
         self._storage = open_run(os.fspath(root), self.naming, self.staging_dir)
@@ -147,6 +168,13 @@ class CheckpointManager:
         self._stager = snapshot.Stager()
         self._group: tuple[Any, Any] | None = None  # (the default group it was made for, the background group)
         self._deleter = BackgroundDeleter(f"ckptctl-delete-{self.naming.prefix}")
+        # The steps on this manager's own way through the run: those it committed, and those newer than the
+        # step it restored last (as they were then). A save below some of them goes back (a rollback); steps
+        # that another writer commits meanwhile are never among them.
+        self._own_steps: set[int] = set()
+        # This manager's threads (the training loop's, the deleter's) take turns at the run's lock here rather
+        # than fail on each other's lock file within `lock_wait`.
+        self._lock_turn = threading.Lock()
 
     # ------------------------------------------------------------------ queries
 
@@ -192,11 +220,14 @@ class CheckpointManager:
         (created by the first such save), so the training loop's collectives never wait for them; a
         failure on any rank is raised by the next `save`/`wait`/`restore` on every rank.
 
-        Saving a step below the run's newest committed step (after `restore(state, step=...)` of an older
-        one) goes back in the run: the newer steps, and an earlier save of this step, are marked
-        superseded before this one commits, with a `CheckpointWarning`. They stay on disk (`all_steps()`
-        lists them; retention neither counts nor deletes them) but resumes follow the new branch, whose
-        saves replace them as they reach their steps; `ckptctl prune` deletes the others.
+        Saving a step below the steps that were newer than the one this manager restored (after
+        `restore(state, step=...)` of an older one), or below its own newer saves, goes back in the run: those
+        newer steps, and an earlier save of this step, are marked superseded before this one commits, with a
+        `CheckpointWarning`. They
+        stay on disk (`all_steps()` lists them; retention neither counts nor deletes them) but resumes follow
+        the new branch, whose saves replace them as they reach their steps; `ckptctl prune` deletes the
+        others. Newer steps that another writer committed are left as they are, and so is `latest` when it
+        names one of them (see "Concurrent writers" in the module docstring).
 
         Args:
             step: the global step (a non-negative integer).
@@ -466,19 +497,62 @@ class CheckpointManager:
         )
         self._supersede_newer(step)
         replaced = self._storage.commit(step, staging, manifest)
-        io.write_bytes_atomic(io.join(self.root, POINTER_NAME), f"{self.naming.folder(step)}\n".encode())
+        self._own_steps.add(step)
+        self._point_to(step)
         if replaced is not None:
             self._purge_later(replaced)
 
+    def _point_to(self, step: int) -> None:
+        """Make `latest` name the step just committed, unless it names a newer step a resume would load: with
+        two writers in one run, the slower one's commit of an older step must not move it back. Compared and
+        written under the run's lock, which `ckptctl repair` holds while it rewrites the pointer too."""
+        try:
+            with self._run_lock(f"latest <- {self.naming.folder(step)}"):
+                named = self.pointer()
+                newer = None if named is None else self.naming.step_of(named)
+                if newer is not None and newer > step and self._resumable(newer):
+                    log.info("latest stays %s, newer than the %s just committed", named, self.naming.folder(step))
+                    return
+                io.write_bytes_atomic(io.join(self.root, POINTER_NAME), f"{self.naming.folder(step)}\n".encode())
+        except CkptctlError as exc:  # committed all the same: `latest_step()` and `restore` walk the folders
+            warnings.warn(
+                f"{self.naming.folder(step)} is committed, but {POINTER_NAME} was not updated: {exc}",
+                CheckpointWarning,
+                stacklevel=2,
+            )
+
+    def _resumable(self, step: int) -> bool:
+        """Whether `step` is one `restore()` could pick: committed whole, neither superseded nor slim."""
+        if step in self._storage.superseded() or step in self._storage.slimmed():
+            return False
+        return step in self._storage.committed() and self._problem(step, verify=False) is None
+
+    @contextlib.contextmanager
+    def _run_lock(self, doing: str) -> Iterator[None]:
+        """The run's lock (`core.lock`: the one `ckptctl prune`, `slim` and `repair` take), waiting `lock_wait`.
+
+        Raises:
+            RunLocked: another process held it for longer than `lock_wait`.
+            LockUnusable: the lock file cannot be created.
+        """
+        # Taking over a dead holder's lock is routine (a job killed mid-save, restarted): a log line, no warning.
+        with (
+            self._lock_turn,
+            RunLock(self.root, wait=self.lock_wait, command=f"CheckpointManager: {doing}", warn=log.warning),
+        ):
+            yield
+
     def _supersede_newer(self, step: int) -> None:
-        """Before `step` commits: if the run holds newer committed steps that are not superseded yet, the run
-        went back; mark them and an earlier save of `step` superseded, the lowest first (see the module
-        docstring for why this order and why before the commit)."""
+        """Before `step` commits: if committed steps on this manager's own way (`_own_steps`: saved by it, or
+        newer than the step it restored) are newer than `step`, the run went back; mark them and an earlier
+        save of `step` superseded, the lowest first (see the module docstring for why this order and why before
+        the commit). Newer steps that another writer committed are that writer's progress, not a branch left
+        behind."""
         committed = self._storage.committed()
-        if not any(s > step for s in committed):
-            return  # the usual save: nothing newer
+        if not any(s > step for s in committed if s in self._own_steps):
+            return  # the usual save: nothing newer, or only other writers' newer steps
         marked = self._storage.superseded()
-        doomed = sorted(s for s in committed if s >= step and s not in marked)
+        doomed = sorted(s for s in committed if s >= step and s not in marked and s in self._own_steps)
         if not any(s > step for s in doomed):
             return  # a save on a branch already taken: the newer steps are marked
         for old in doomed:
@@ -511,51 +585,68 @@ class CheckpointManager:
         if self.policy is None or (self.policy.keeps_everything and self.policy.keep_full_last is None):
             return
         try:
-            leftovers = self._storage.leftovers()  # of a deletion that was interrupted (a crash, a killed prune)
-            if leftovers is not None:
-                self._deleter.submit(functools.partial(trash.empty, leftovers))
-            pointer = self.pointer()
-            # Superseded steps are off the run's branch: not counted by the rules, and not deleted either
-            # (a person may want to look at the branch the run left). A re-save of their step on the new
-            # branch replaces them; `ckptctl prune` deletes the others.
-            superseded = self._storage.superseded()
-            slimmed = self._storage.slimmed()
-            candidates = [
-                replace(
-                    self._retention_candidate(step, pointer, datetime.fromtimestamp(mtime, tz=UTC)),
-                    slim=step in slimmed,
-                )
-                for step, mtime in sorted(self._storage.committed().items())
-                if step not in superseded
-            ]
-            decisions = self.policy.plan(candidates, now=datetime.now(UTC))
-            doomed = [d.step for d in decisions if not d.keep]
-            # Every doomed step is out of sight before this returns; a crash mid-deletion leaves a
-            # half-deleted folder in the trash (or a prefix without a manifest), never a step folder that
-            # looks complete and is not.
-            for step in doomed:
-                assert step is not None  # every candidate has one
-                self._purge_later(self._storage.retire(step))
-            if doomed:
-                log.info("retention deleted steps %s", doomed)
-            # Steps kept without their training-only state (`keep_full_last`), slimmed off the training loop's
-            # path, after the deletions queued before them; on an object store they stay whole.
-            for decision in decisions:
-                if decision.slim and decision.step is not None and io.is_local(self.root):
-                    self._deleter.submit(functools.partial(self._slim, decision.step))
+            # Under the run's lock, as `ckptctl prune` and `slim` work: a plan made while one of them changes the
+            # run would retire what it just slimmed, or act on a pointer `repair` is rewriting.
+            with self._run_lock("retention"):
+                self._retain(self.policy)
         except (OSError, CkptctlError) as exc:
             warnings.warn(f"retention in {self.root} failed: {exc}", CheckpointWarning, stacklevel=2)
 
+    def _retain(self, policy: RetentionPolicy) -> None:
+        """Apply `policy` to the committed steps (the run's lock held): retire the doomed ones now, queue their
+        deletion and the slims it decides."""
+        leftovers = self._storage.leftovers()  # of a deletion that was interrupted (a crash, a killed prune)
+        if leftovers is not None:
+            self._deleter.submit(functools.partial(self._empty_trash, leftovers))
+        pointer = self.pointer()
+        # Superseded steps are off the run's branch: not counted by the rules, and not deleted either
+        # (a person may want to look at the branch the run left). A re-save of their step on the new
+        # branch replaces them; `ckptctl prune` deletes the others.
+        superseded = self._storage.superseded()
+        slimmed = self._storage.slimmed()
+        candidates = [
+            replace(
+                self._retention_candidate(step, pointer, datetime.fromtimestamp(mtime, tz=UTC)),
+                slim=step in slimmed,
+            )
+            for step, mtime in sorted(self._storage.committed().items())
+            if step not in superseded
+        ]
+        decisions = policy.plan(candidates, now=datetime.now(UTC))
+        doomed = [d.step for d in decisions if not d.keep]
+        # Every doomed step is out of sight before this returns; a crash mid-deletion leaves a
+        # half-deleted folder in the trash (or a prefix without a manifest), never a step folder that
+        # looks complete and is not.
+        for step in doomed:
+            assert step is not None  # every candidate has one
+            self._purge_later(self._storage.retire(step))
+        if doomed:
+            log.info("retention deleted steps %s", doomed)
+        # Steps kept without their training-only state (`keep_full_last`), slimmed off the training loop's
+        # path, after the deletions queued before them; on an object store they stay whole.
+        for decision in decisions:
+            if decision.slim and decision.step is not None and io.is_local(self.root):
+                self._deleter.submit(functools.partial(self._slim, decision.step))
+
     def _slim(self, step: int) -> None:
-        """Drop the training-only state of a committed step (`layouts.slimming`: built beside it, swapped in)."""
+        """Drop the training-only state of a committed step (`layouts.slimming`: built beside it, swapped in),
+        on the deleter's thread, under the run's lock (a `ckptctl slim` or `prune` may have started since the
+        retention that queued it)."""
         from ckptctl.layouts import detect
         from ckptctl.layouts.slimming import slim_checkpoint
 
-        if step in self._storage.slimmed() or step not in self._storage.committed():
-            return  # slimmed by an earlier retention's job, or deleted since
-        _, ref = detect(self.step_dir(step), "native")
-        freed = slim_checkpoint(ref)
+        with self._run_lock(f"slimming {self.naming.folder(step)}"):
+            if step in self._storage.slimmed() or step not in self._storage.committed():
+                return  # slimmed by an earlier retention's job or by `ckptctl slim`, or deleted since
+            _, ref = detect(self.step_dir(step), "native")
+            freed = slim_checkpoint(ref)
         log.info("retention slimmed %s, freeing %d bytes", self.naming.folder(step), freed)
+
+    def _empty_trash(self, leftovers: str) -> None:
+        """Empty what interrupted deletions left in the run's trash, on the deleter's thread, under the run's
+        lock: the trash is also where a running `ckptctl slim` builds its replacements (`trash.workspace`)."""
+        with self._run_lock("emptying the trash"):
+            trash.empty(leftovers)
 
     def _purge_later(self, retired: Retired) -> None:
         self._deleter.submit(functools.partial(trash.purge, retired))
@@ -639,6 +730,9 @@ class CheckpointManager:
         with self._storage.fetcher() as fetch:
             chosen, folder = self._fetch_valid(fetch, step, verify, world)
             loading.load(state, folder, world, self.step_dir(chosen))
+        if world.rank == 0:  # the rank that commits, and so marks what a rollback leaves
+            marked = self._storage.superseded()
+            self._own_steps = {s for s in self._storage.committed() if s > chosen and s not in marked}
         log.info("restored step %d from %s", chosen, self.step_dir(chosen))
         return chosen
 

@@ -24,7 +24,15 @@ from ckptctl.io.counting import count_read
 from ckptctl.io.failures import check_size
 from ckptctl.io.paths import DirEntry, local_path
 
-__all__ = ["LOCAL", "LocalBackend", "exchange", "fsync_dir", "refuse_to_replace_precious", "start_writeback"]
+__all__ = [
+    "LOCAL",
+    "LocalBackend",
+    "exchange",
+    "fsync_dir",
+    "read_at_most",
+    "refuse_to_replace_precious",
+    "start_writeback",
+]
 
 
 class LocalBackend(Backend):
@@ -67,11 +75,12 @@ class LocalBackend(Backend):
     def read(self, url: str, start: int, length: int | None, cap: int | None) -> bytes:
         want = length if length is not None else (None if cap is None else cap + 1)  # one byte over: too large
         with _open_regular(url) as f:
+            present = os.fstat(f.fileno()).st_size - start
             if cap is not None:
-                check_size(url, os.fstat(f.fileno()).st_size - start, cap)
+                check_size(url, present, cap)
             if start:
                 f.seek(start)
-            data = f.read(-1 if want is None else want)
+            data = f.read() if want is None else read_at_most(f, want, present)
         count_read(len(data))
         return data
 
@@ -158,6 +167,31 @@ def _open_regular(url: str) -> Iterator[IO[bytes]]:
         raise
     with f:
         yield f
+
+
+#: What each read after the first asks for in `read_at_most`.
+_PIECE = 1 << 20
+
+
+def read_at_most(f: IO[bytes], limit: int, present: int) -> bytes:
+    """Up to `limit` bytes of `f` from where it stands, allocating about what is there rather than `limit`.
+
+    `f.read(n)` allocates n bytes before it reads (CPython's buffered reader), so that a read bounded by a
+    1 GiB cap took 1 GiB of address space for a 100-byte file: a MemoryError under `ulimit -v` (issue 33).
+    The first read asks for what the file's size says is there (`present`: a bound the caller trusts, from
+    `fstat`); the rest, if any (a file that grew since, or one whose size says nothing, as procfs files), comes
+    in pieces of `_PIECE` until `limit` or the end.
+    """
+    first = f.read(min(limit, max(present, 0)))
+    pieces = [first]
+    got = len(first)
+    while got < limit:
+        piece = f.read(min(_PIECE, limit - got))
+        if not piece:
+            break
+        pieces.append(piece)
+        got += len(piece)
+    return first if len(pieces) == 1 else b"".join(pieces)
 
 
 def fsync_dir(path: str) -> None:

@@ -1,6 +1,6 @@
 """Which process wrote a file, and whether that process is provably gone.
 
-Lock files (`ops.lock`) and the manager's staging folders record who made them (a staging folder in its
+Lock files (`core.lock`) and the manager's staging folders record who made them (a staging folder in its
 name too, `machine_tag`), so that a later process can tell a holder or a writer that died from one still at
 work. From another machine nothing can be proved: a process is gone only when it ran on this machine, in
 this process namespace, and its pid is dead (or now belongs to a process started at another time).

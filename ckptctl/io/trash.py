@@ -42,6 +42,7 @@ from typing import Any
 
 from ckptctl import io
 from ckptctl.errors import CheckpointNotFound, UnsafePath
+from ckptctl.io.local import read_at_most
 
 __all__ = [
     "QUARANTINE_NAME",
@@ -337,10 +338,19 @@ def quarantined(run: str) -> list[tuple[str, bytes]]:
             for name in sorted(names):
                 if name.endswith(RECORD_SUFFIX) or name + RECORD_SUFFIX not in names:
                     continue
-                fd = os.open(name + RECORD_SUFFIX, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=box_fd)
-                with os.fdopen(fd, "rb") as f:
-                    found.append((name, f.read(io.MAX_MARKER_BYTES)))
+                found.append((name, _read_record(name + RECORD_SUFFIX, box_fd)))
     return found
+
+
+def _read_record(name: str, dir_fd: int) -> bytes:
+    """A quarantine record (at most `io.MAX_MARKER_BYTES` of it); b"" for anything but a regular file (a FIFO
+    would block the read, a device never end it): no record `unquarantine` can use."""
+    fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dir_fd)
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            return b""
+        return read_at_most(f, io.MAX_MARKER_BYTES, st.st_size)
 
 
 def unquarantine(run: str, name: str, origin: str) -> None:

@@ -41,6 +41,7 @@ from typing import Any, Generic, Protocol, TypeVar
 
 from ckptctl import io
 from ckptctl.checkpoint import CheckpointRef, CheckpointState
+from ckptctl.core.lock import LOCK_NAME, STALE_AFTER, LockUnusable, RunLock, read_lock, stale_reason
 from ckptctl.core.retention import Candidate, RetentionPolicy
 from ckptctl.errors import CheckpointNotFound, CkptctlError
 from ckptctl.formats.documents import read_toml
@@ -49,7 +50,6 @@ from ckptctl.io import trash
 from ckptctl.io.trash import QUARANTINE_NAME
 from ckptctl.layouts import DEFAULT_SCAN_DEPTH, all_layouts, detect, get_layout, scan_run
 from ckptctl.layouts.slimming import slim_checkpoint, slimmable
-from ckptctl.ops.lock import LOCK_NAME, STALE_AFTER, LockUnusable, RunLock, read_lock, stale_reason
 from ckptctl.ops.report import SCHEMA_VERSION, NoProgress, Progress, display_path, flatten, iso
 from ckptctl.ops.resume_plan import resume_targets
 from ckptctl.units import format_age, format_size, parse_age
@@ -175,18 +175,30 @@ class PrunePlan:
 
     @property
     def unmet(self) -> tuple[str, ...]:
-        """What the policy wanted and cannot do, for a person."""
-        out = [
-            f"{display_path(i.url, self.run)} is protected ({'; '.join(i.reasons)}) although no rule keeps it"
-            for i in self.items
-            if i.blocked
-        ]
+        """What the policy wanted and cannot do, for a person: problems (exit code 1 of `prune`).
+
+        A whole checkpoint that only a protection keeps is none of them (see `protected_notes`): that is the
+        convention of the framework that wrote the run (OpenRLHF's best* tags, the Trainer's best model, a
+        `latest` pointer), and a nightly prune of a healthy run must not fail for it. A protected checkpoint
+        that is not whole is one: a pointer naming a broken checkpoint (a resume would load it), or a layout
+        ckptctl cannot judge.
+        """
+        out = [_protected_text(i, self.run) for i in self.items if i.blocked and i.ref.state not in _WHOLE]
         if self.over_budget_bytes:
             out.append(
                 f"the run stays {format_size(self.over_budget_bytes)} over max_total_size="
                 f"{format_size(self.policy.max_total_size or 0)}: only protected checkpoints are left"
             )
         return tuple(out)
+
+    @property
+    def protected_notes(self) -> tuple[str, ...]:
+        """Whole checkpoints kept only by a protection (a framework's convention, a pointer, a link): notes."""
+        return tuple(_protected_text(i, self.run) for i in self.items if i.blocked and i.ref.state in _WHOLE)
+
+
+def _protected_text(item: PruneItem, run: str) -> str:
+    return f"{display_path(item.url, run)} is protected ({'; '.join(item.reasons)}) although no rule keeps it"
 
 
 class Planned(Protocol):
@@ -271,7 +283,7 @@ class PruneReport:
             "remaining_bytes": self.plan.total_bytes - self.freed_bytes,
             "trash_freed_bytes": self.trash_freed_bytes,
             "unmet": list(self.unmet),
-            "notes": list(self.plan.notes),
+            "notes": [*self.plan.notes, *self.plan.protected_notes],
         }
 
 

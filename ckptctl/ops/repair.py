@@ -37,12 +37,12 @@ from typing import Any
 
 from ckptctl import io
 from ckptctl.checkpoint import CheckpointRef, CheckpointState
+from ckptctl.core.lock import RunLock
 from ckptctl.errors import CheckpointNotFound, CkptctlError, UnknownLayout, UnsafePath
 from ckptctl.io import trash
 from ckptctl.layouts import capability
 from ckptctl.layouts.capabilities import POINTER_WRITER, Pointer, PointerWriter
 from ckptctl.layouts.resume import Skipped
-from ckptctl.ops.lock import RunLock
 from ckptctl.ops.report import SCHEMA_VERSION
 from ckptctl.ops.resume_plan import plan_resume
 from ckptctl.ops.verification import verify_checkpoint

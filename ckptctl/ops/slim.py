@@ -27,6 +27,7 @@ from typing import Any
 
 from ckptctl import io
 from ckptctl.checkpoint import CheckpointRef, CheckpointState, Problem, ProblemKind
+from ckptctl.core.lock import RunLock
 from ckptctl.core.retention import RetentionPolicy
 from ckptctl.errors import CheckpointNotFound, CkptctlError, UnsafePath
 from ckptctl.formats.documents import read_toml
@@ -35,7 +36,6 @@ from ckptctl.io import trash
 from ckptctl.layouts import DEFAULT_SCAN_DEPTH, capability, scan_run
 from ckptctl.layouts.capabilities import SLIMMER
 from ckptctl.layouts.slimming import slim_checkpoint, slimmable
-from ckptctl.ops.lock import RunLock
 from ckptctl.ops.prune import DEFAULT_GRACE, POLICY_FILE, PruneItem, Skipped, apply_planned, plan_prune
 from ckptctl.ops.report import SCHEMA_VERSION, Progress, iso
 from ckptctl.ops.resume_plan import RESUME_TARGET, resume_targets

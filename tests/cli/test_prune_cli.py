@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from ckptctl.formats.manifest import MANIFEST_NAME
 from tests.conftest import CliResult
 from tests.ops.test_prune import tree, write_run
 
@@ -68,16 +69,20 @@ def test_no_terminal_and_no_yes_exits_2_and_deletes_nothing(run_cli: Cli, run: P
     assert tree(run) == before
 
 
-def test_exit_1_when_the_rules_want_what_is_protected(run_cli: Cli, run: Path) -> None:
+def test_a_protected_checkpoint_is_a_note_and_a_broken_one_or_the_budget_exit_1(run_cli: Cli, run: Path) -> None:
     (run / "latest").write_text("step-10\n")
     first = run_cli("prune", run, *RULES, "-y", "--json")
-    # It deleted what it could, but the rules are not met (issue 11: 1 whenever they are not, not only on
-    # the next run).
-    assert first.exit_code == 1 and len(first.json["delete"]) == 3
-    assert first.json["unmet"] == ["step-10 is protected (named by the run's latest pointer) although no rule keeps it"]
+    # A pointer keeps a complete checkpoint no rule keeps: the run is as its writer wants it (issue 33), so 0
+    # with a note, not a failure mail from cron every night.
+    assert first.exit_code == 0 and len(first.json["delete"]) == 3, first.stderr
+    protected = "step-10 is protected (named by the run's latest pointer) although no rule keeps it"
+    assert first.json["unmet"] == [] and first.json["notes"] == [protected]
     again = run_cli("prune", run, *RULES, "-y")
-    assert again.exit_code == 1
-    assert "step-10 is protected" in again.stderr
+    assert again.exit_code == 0 and f"note: {protected}" in again.stderr and "warning" not in again.stderr
+    # The same pointer naming a checkpoint that is no longer whole is a problem: a resume would load it.
+    (run / "step-10" / MANIFEST_NAME).write_text("{")
+    torn = run_cli("prune", run, *RULES, "-y", "--json")
+    assert torn.exit_code == 1 and torn.json["unmet"] == [protected] and (run / "step-10").is_dir()
     budget = run_cli("prune", run, "--max-total-size", "1", "--grace", "0", "-y", "--json")
     assert budget.exit_code == 1 and len(budget.json["delete"]) == 1  # step-50 (only rules kept it); still over
     over = run_cli("prune", run, "--max-total-size", "1", "--grace", "0", "-y", "--json")

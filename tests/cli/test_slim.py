@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from ckptctl.core.lock import RunLock
 from ckptctl.io.trash import TRASH_NAME
-from ckptctl.ops.lock import RunLock
 from tests.conftest import CliResult, copy_tree
 from tests.ops.test_prune import tree
 from tests.ops.test_slim import adamw_run  # noqa: F401 (the module fixture)

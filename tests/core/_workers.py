@@ -10,6 +10,7 @@
 - `fresh SPEC.json`: what a restarted job does first, in a process that never saw the run: save, restore.
 - `kill-saves SPEC.json`: save loops (sync or async) of a small state in forked children, each SIGKILLed at
   a random moment.
+- `second-writer DIR`: another process's manager saving into the same run, step by step as stdin says.
 
 Expected and observed values are written with `torch.save` (test artifacts, read back with weights_only).
 """
@@ -688,6 +689,33 @@ def autosave(root: str, ending: str) -> None:
         raise RuntimeError("the loop crashed after step 6")
 
 
+def second_writer(root: str) -> None:
+    """A second manager (retention keep_last 3) saving into `root` what stdin says, one line at a time:
+    `save N` saves step N (every number of it N); `hold N` saves step N but stops once its manifest is written,
+    before the rename that commits it, says `at rename` and waits for the next line. Prints `saved N` after
+    each save."""
+    import builtins
+
+    manager = CheckpointManager(root, policy=RetentionPolicy(keep_last=3))
+    real_rename = os.rename
+    held: list[bool] = [False]
+
+    def rename(src: Any, dst: Any, *args: Any, **kwargs: Any) -> None:
+        if held[0] and ".staging-" in str(src):
+            held[0] = False
+            print("at rename", flush=True)
+            builtins.input()  # the other writer commits its newer step meanwhile
+        real_rename(src, dst, *args, **kwargs)
+
+    os.rename = rename
+    for line in sys.stdin:
+        command, step = line.split()
+        held[0] = command == "hold"
+        manager.save(int(step), small_state(float(step)))
+        print(f"saved {step}", flush=True)
+    manager.close()
+
+
 COMMANDS: dict[str, Callable[..., None]] = {
     "roundtrip-save": roundtrip_save,
     "roundtrip-restore": roundtrip_restore,
@@ -697,6 +725,7 @@ COMMANDS: dict[str, Callable[..., None]] = {
     "interrupt": interrupt,
     "fresh": fresh,
     "kill-saves": kill_saves,
+    "second-writer": second_writer,
 }
 
 if __name__ == "__main__":

@@ -69,6 +69,9 @@ class Outcome:
 #: (atexit hooks, flushed streams).
 _SERVER = """
 import json, os, socket, sys
+if len(sys.argv) > 2:  # an address-space limit (RLIMIT_AS), set before the imports: every child inherits it
+    import resource
+    resource.setrlimit(resource.RLIMIT_AS, (int(sys.argv[2]), int(sys.argv[2])))
 channel = socket.socket(fileno=int(sys.argv[1]))
 import gc, importlib, importlib.util, pkgutil
 import ckptctl
@@ -144,15 +147,22 @@ _PER_TEST_VARIABLES = frozenset({"PYTEST_CURRENT_TEST"})
 
 
 class _Forkserver:
-    """A `_SERVER` process started under `env`, forking one `ckptctl` child per `run`."""
+    """A `_SERVER` process started under `env`, forking one `ckptctl` child per `run`; with `address_space`, the
+    server's RLIMIT_AS (which it sets first thing; every child it forks inherits it)."""
 
-    def __init__(self, env: dict[str, str]) -> None:
+    def __init__(self, env: dict[str, str], address_space: int | None = None) -> None:
         self.env = env
         self.channel, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.log = tempfile.TemporaryFile()  # noqa: SIM115 (closed by close())
         with theirs:
             self.process = subprocess.Popen(
-                [sys.executable, "-c", _SERVER, str(theirs.fileno())],
+                [
+                    sys.executable,
+                    "-c",
+                    _SERVER,
+                    str(theirs.fileno()),
+                    *([] if address_space is None else [str(address_space)]),
+                ],
                 stdin=subprocess.DEVNULL,
                 stdout=self.log,
                 stderr=self.log,
@@ -259,10 +269,12 @@ def _close_server() -> None:
 
 
 def close_servers_by_environment() -> None:
-    """Stop the servers `run_in_environment` started (each holds ~100 MiB: a test module closes them when done)."""
-    for server in _servers_by_environment.values():
+    """Stop the servers `run_in_environment` and `run_with_address_space` started (each holds ~100 MiB: a test
+    module closes them when done)."""
+    for server in (*_servers_by_environment.values(), *_servers_by_limit.values()):
         server.close()
     _servers_by_environment.clear()
+    _servers_by_limit.clear()
 
 
 atexit.register(close_servers_by_environment)
@@ -288,6 +300,23 @@ def run_ckptctl(args: Sequence[str], timeout: float = DEFAULT_TIMEOUT_S, env: di
             _close_server()
             _server = _Forkserver(full_env)
         return _server.run(args, full_env, timeout)
+
+
+#: Servers for `run_with_address_space`, one per limit.
+_servers_by_limit: dict[int, _Forkserver] = {}
+
+
+def run_with_address_space(args: Sequence[str], limit: int, timeout: float = DEFAULT_TIMEOUT_S) -> Outcome:
+    """`python -m ckptctl ARGS` with at most `limit` bytes of address space (RLIMIT_AS, what `ulimit -v` and some
+    schedulers set): forked by a server started under that limit, kept for later commands under the same one."""
+    env = {**os.environ, "COLUMNS": "200"}
+    with _lock:
+        server = _servers_by_limit.get(limit)
+        if server is None or not server.serves(env):
+            if server is not None:
+                server.close()
+            server = _servers_by_limit[limit] = _Forkserver(env, limit)
+        return server.run(args, env, timeout)
 
 
 def run_in_environment(

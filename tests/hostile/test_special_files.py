@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from ckptctl.ops.lock import LOCK_NAME
+from ckptctl.core.lock import LOCK_NAME
 from tests.hostile.conftest import Source, message_of, plant
-from tests.hostile.harness import run_ckptctl
+from tests.hostile.harness import run_ckptctl, run_with_address_space
 
 
 #: How each kind of special file is put in place of the real one.
@@ -112,6 +112,43 @@ def test_a_special_file_ends_the_command_at_once(
         assert not (folder / "out").exists()
     if name == "latest" and args[0] == "list":
         assert not any(c["latest"] for c in json.loads(outcome.stdout)["checkpoints"])
+
+
+#: The address space some schedulers grant a job (`ulimit -v`, RLIMIT_AS). Conversions import torch, whose import
+#: alone needs 0.6 to 0.8 GiB of address space on the suite's machines (below ~0.6 GiB it aborts: "cannot allocate
+#: memory for thread-local data"), so 1 GiB is the figure of the issue and still leaves room for the work.
+ADDRESS_SPACE = 1 << 30
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_special_side_file_is_refused_under_an_address_space_limit(
+    special: dict[tuple[str, str], Path], sources: dict[str, Source], kind: str
+) -> None:
+    """Issue 33: bounded reads allocated their whole cap first (`f.read(cap + 1)`: 1 GiB for DCP's `.metadata`),
+    so under RLIMIT_AS = 1 GiB convert died with `internal error: MemoryError` before it reached the side file."""
+    folder = special["tokenizer", kind]
+    out = folder / "out-limited"
+    args = ["convert", str(folder / sources["dcp"].checkpoint), str(out), "--to", "hf", "--json"]
+    outcome = run_with_address_space(args, ADDRESS_SPACE, timeout=30)
+    outcome.assert_refused(2)
+    message = message_of(outcome)
+    assert "tokenizer.json" in message and SAID[kind] in message, message
+    assert not out.exists()
+
+
+def test_conversions_and_their_verify_run_under_an_address_space_limit(
+    sources: dict[str, Source], tmp_path: Path
+) -> None:
+    """The same conversions, of whole checkpoints (an HF model folder to DCP, a DCP step to HF), and `verify` of
+    what they wrote, all under RLIMIT_AS = 1 GiB."""
+    for source, to in (("hf", "dcp"), ("dcp", "hf")):
+        out = tmp_path / f"{source}-to-{to}"
+        src = sources[source].run / sources[source].checkpoint
+        converted = run_with_address_space(["convert", str(src), str(out), "--to", to, "--json"], ADDRESS_SPACE)
+        assert converted.returncode == 0, converted.stderr
+        assert json.loads(converted.stdout)["tensors"] > 0
+        verified = run_with_address_space(["verify", str(out), "--json"], ADDRESS_SPACE)
+        assert verified.returncode == 0 and json.loads(verified.stdout)["ok"], verified.stdout + verified.stderr
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -20,8 +20,8 @@ from typing import Any
 
 import pytest
 
-from ckptctl.ops import lock
-from ckptctl.ops.lock import LOCK_NAME, LockUnusable, RunLock
+from ckptctl.core import lock
+from ckptctl.core.lock import LOCK_NAME, LockUnusable, RunLock
 from tests.hostile.conftest import Source
 from tests.hostile.harness import run_ckptctl
 

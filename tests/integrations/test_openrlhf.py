@@ -137,6 +137,44 @@ def test_a_tag_missing_a_rank_file_is_never_complete(
         assert rank_file in ref.note
 
 
+# --- prune and slim: OpenRLHF's best tags are its convention, not a problem ---------------------------------
+
+
+def test_prune_keeps_the_best_tags_with_a_note_and_exits_0_and_1_only_for_a_broken_one(
+    openrlhf_ppo: WrittenOpenRlhf, tmp_path: Path, run_cli: Run
+) -> None:
+    """OpenRLHF's own retention never rotates `best*` tags (`DeepspeedStrategy.save_ckpt`, openrlhf
+    utils/deepspeed/deepspeed.py: best tags do not count toward `max_num`, a new best replaces the old one), so
+    prune keeps them whatever the rules: a note, exit 0 (issue 33: cron mailed a failure every night). A best tag
+    that is torn is a problem (exit 1): a protection keeps a checkpoint no resume can load."""
+    run = copy_tree(openrlhf_ppo.ckpt_path, tmp_path / "ckpt")
+    best = ("best_global_step2_hf", "_actor/best_global_step2", "_critic/best_global_step2")
+    # slim first (the same mistake was possible there): the older tags slim, the best ones stay whole, exit 0.
+    slimmed = run_cli("slim", run, "--grace", "0", "-y", "--json")
+    assert slimmed.exit_code == 0 and slimmed.json["skipped"] == [], slimmed.stderr
+    assert sorted(io.relative_to(i["url"], str(run)) for i in slimmed.json["slim"]) == [
+        "_actor/global_step2",
+        "_critic/global_step2",
+    ]
+    kept = {io.relative_to(k["url"], str(run)): k["reasons"] for k in slimmed.json["keep"]}
+    assert all(kept[b][0].startswith("a best checkpoint") for b in best)
+    result = run_cli("prune", run, "--keep-last", "1", "--grace", "0", "-y", "--json")
+    assert result.exit_code == 0, result.stderr
+    why = "(a best checkpoint (best* folders are kept, as OpenRLHF does)) although no rule keeps it"
+    assert (result.json["unmet"], result.json["notes"]) == ([], [f"{b} is protected {why}" for b in best])
+    assert "warning" not in result.stderr and f"note: {best[1]} is protected" in result.stderr
+    assert sorted(io.relative_to(d["url"], str(run)) for d in result.json["delete"]) == [
+        "_actor/global_step2",
+        "_critic/global_step2",
+        *openrlhf_ppo.exports[:2],  # global_step1_hf and global_step2_hf: rules keep only the newest
+    ]
+    assert all((run / b).is_dir() for b in best)
+    (run / best[1] / RANK1_OPTIM).unlink()
+    torn = run_cli("prune", run, "--keep-last", "1", "--grace", "0", "-y", "--json")
+    assert torn.exit_code == 1 and torn.json["unmet"] == [f"{best[1]} is protected {why}"]
+    assert (run / best[1]).is_dir()
+
+
 # --- resume-plan: the critic's `latest` tag loads along with the actor --------------------------------------
 
 

@@ -178,3 +178,16 @@ def test_parts_of_a_folder_go_in_order_and_the_rest_stays(tmp_path: Path, monkey
     monkeypatch.undo()
     assert moved == ["config.json", "model.safetensors"]
     assert sorted(os.listdir(run)) == ["latest", "step-1"] and verify_checkpoint(str(run / "step-1")).ok
+
+
+def test_quarantine_records_are_read_and_a_fifo_in_place_of_one_is_no_record(tmp_path: Path) -> None:
+    """A FIFO planted as a quarantine record used to block `repair --undo` in its open (issue 33): it reads as no
+    record (left in quarantine, `repair --undo` says so), and a real record is read whole."""
+    run = tmp_path / "run"
+    for name in ("kept", "planted"):
+        (run / name).mkdir(parents=True)
+        trash.quarantine(str(run / name), str(run), b'{"origin": "%s"}' % name.encode())
+    record = run / trash.TRASH_NAME / trash.QUARANTINE_NAME / f"planted{trash.RECORD_SUFFIX}"
+    record.unlink()
+    os.mkfifo(record)
+    assert trash.quarantined(str(run)) == [("kept", b'{"origin": "kept"}'), ("planted", b"")]

@@ -171,8 +171,8 @@ def test_prune_keeps_last_ckpt_and_the_best_model_path(
     )
     best = os.path.basename(state["best_model_path"])
     result = run_cli("prune", folder, "--keep-last", "1", "--grace", "0s", "--yes", "--json")
-    # exit 1: the rules would delete the best checkpoint, which Lightning's state protects
-    assert result.exit_code == 1 and f"{best} is protected" in result.stderr, result.stderr
+    # exit 0: the rules would delete the best checkpoint, which Lightning's state protects (a note, issue 33)
+    assert result.exit_code == 0 and f"note: {best} is protected" in result.stderr, result.stderr
     keep = {os.path.basename(k["url"]): k["reasons"] for k in result.json["keep"]}
     assert any("last.ckpt" in reason for reason in keep["last.ckpt"])
     assert any("best_model_path" in reason for reason in keep[best])

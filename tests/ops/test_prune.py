@@ -16,10 +16,10 @@ import torch
 
 from ckptctl import io
 from ckptctl.core import CheckpointManager, KeepBest, RetentionPolicy
+from ckptctl.core.lock import LOCK_NAME
 from ckptctl.errors import CkptctlError
 from ckptctl.io import trash
 from ckptctl.layouts import scan_run
-from ckptctl.ops.lock import LOCK_NAME
 from ckptctl.ops.prune import PrunePlan, load_policy_file, plan_prune, prune
 from ckptctl.ops.verification import verify_checkpoint
 from tests.conftest import copy_tree
@@ -102,10 +102,14 @@ def test_a_rewound_latest_pointer_is_protected_and_reported(run: Path) -> None:
     plan = plan_prune(str(run), RetentionPolicy(keep_last=1), grace=NO_GRACE)
     item = next(i for i in plan.items if i.url.endswith("step-20"))
     assert item.keep and item.blocked and item.reasons == ("named by the run's latest pointer",)
-    assert plan.unmet == ("step-20 is protected (named by the run's latest pointer) although no rule keeps it",)
+    # A pointer naming a whole checkpoint is the run's own choice: a note, not a problem.
+    assert plan.protected_notes == (
+        "step-20 is protected (named by the run's latest pointer) although no rule keeps it",
+    )
+    assert plan.unmet == ()
     report = prune(str(run), RetentionPolicy(keep_last=1), grace=NO_GRACE)
     assert sorted(os.listdir(run)) == ["latest", "step-20", "step-60"]
-    assert report.unmet == plan.unmet
+    assert report.unmet == () and report.to_json()["notes"] == list(plan.protected_notes)
 
 
 def test_pins_and_the_trainers_best_and_best_folders(run: Path) -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from ckptctl.core import CheckpointManager, RetentionPolicy
-from ckptctl.ops.lock import LOCK_NAME, RunLock, RunLocked
+from ckptctl.core.lock import LOCK_NAME, RunLock, RunLocked
 from ckptctl.ops.prune import prune
 from ckptctl.ops.verification import verify_checkpoint
 from tests.conftest import CliResult

@@ -16,9 +16,9 @@ from typing import Any, cast
 
 import pytest
 
+from ckptctl.core.lock import RunLock, RunLocked
 from ckptctl.errors import CkptctlError, UnknownLayout, UnsafePath
 from ckptctl.io import trash
-from ckptctl.ops.lock import RunLock, RunLocked
 from ckptctl.ops.repair import POINTER, QUARANTINE, RunBusy, plan_repair, plan_undo, repair
 from tests.conftest import copy_tree
 from tests.writers.areal_writer import WrittenAreal

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from ckptctl import io
-from ckptctl.ops.lock import LOCK_NAME
+from ckptctl.core.lock import LOCK_NAME
 from tests.conftest import CliResult
 from tests.s3.server import copy_to_store
 

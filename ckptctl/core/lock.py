@@ -1,4 +1,6 @@
-"""A lock file that lets one process at a time act on a run folder (`prune` takes it).
+"""A lock file that lets one process at a time act on a run folder: `prune`, `slim` and `repair` hold it for
+their whole work, `CheckpointManager` for each update of `latest`, each retention and each slim of a step. It
+lives in the core because the manager takes it and the core imports nothing above it; `ops` imports it from here.
 
 The lock is a small JSON file (`host`, `pid`, process start time, a random token) created with `O_EXCL`,
 so that two processes cannot both create it. Its holder refreshes its mtime as it works. A lock is stale,

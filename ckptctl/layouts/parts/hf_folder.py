@@ -325,8 +325,9 @@ _JSON_SIDE_FILES = {
     "adapter_config.json": "peft PeftConfig.from_pretrained",
 }
 #: Files only `save_pretrained` (of a model or its tokenizer) writes: a folder holding one of them beside its
-#: weights is a model folder meant for `from_pretrained`, which reads config.json first.
-_SAVE_PRETRAINED_FILES = (_TOKENIZER_FILES | {"generation_config.json", *INDEX_NAMES, LEGACY_INDEX}) - {"vocab.txt"}
+#: weights is a model folder meant for `from_pretrained`, which reads config.json first. Not a shard index:
+#: `convert` without a config, accelerate's `save_model` and `save_torch_state_dict` write one too.
+_SAVE_PRETRAINED_FILES = (_TOKENIZER_FILES | {"generation_config.json"}) - {"vocab.txt"}
 
 
 def model_load_set(url: str, files: Mapping[str, int]) -> list[LoadMember]:
@@ -337,9 +338,9 @@ def model_load_set(url: str, files: Mapping[str, int]) -> list[LoadMember]:
       `Tokenizer.from_file` raise on a truncated one).
     - config.json: `AutoModel*.from_pretrained` and `AutoConfig.from_pretrained` raise without it
       (`configuration_utils.PretrainedConfig._get_config_dict`). A folder that also holds files only
-      `save_pretrained` writes (tokenizer files, generation config, a shard index) is a model folder that lost
-      it: an error. A folder of bare weights may be meant for `safetensors.load_file` (accelerate's model file,
-      a `save_file` output): nothing is required of it. A PEFT adapter folder has adapter_config.json instead.
+      `save_pretrained` writes (tokenizer files, a generation config) is a model folder that lost
+      it: an error. A folder of bare weights (with a shard index or not) may be meant for `safetensors.load_file`
+      (accelerate's model file, a `save_file` output, `convert` without a config): nothing is required of it. A PEFT adapter folder has adapter_config.json instead.
     - The shard index of `-0000i-of-0000N` shards: `modeling_utils._get_resolved_checkpoint_files` looks for
       `model.safetensors` or the index, and raises with shards alone.
     - generation_config.json of a generative model that transformers >= 4.26 saved (`save_pretrained` writes

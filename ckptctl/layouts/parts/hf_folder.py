@@ -338,9 +338,10 @@ def model_load_set(url: str, files: Mapping[str, int]) -> list[LoadMember]:
       `Tokenizer.from_file` raise on a truncated one).
     - config.json: `AutoModel*.from_pretrained` and `AutoConfig.from_pretrained` raise without it
       (`configuration_utils.PretrainedConfig._get_config_dict`). A folder that also holds files only
-      `save_pretrained` writes (tokenizer files, a generation config) is a model folder that lost
-      it: an error. A folder of bare weights (with a shard index or not) may be meant for `safetensors.load_file`
-      (accelerate's model file, a `save_file` output, `convert` without a config): nothing is required of it. A PEFT adapter folder has adapter_config.json instead.
+      `save_pretrained` writes (tokenizer files, a generation config) is a model folder that lost it: an
+      error. A folder of bare weights (with a shard index or not) may be meant for `safetensors.load_file`
+      (accelerate's model file, a `save_file` output, `convert` without a config): nothing is required of it.
+      A PEFT adapter folder has adapter_config.json instead.
     - The shard index of `-0000i-of-0000N` shards: `modeling_utils._get_resolved_checkpoint_files` looks for
       `model.safetensors` or the index, and raises with shards alone.
     - generation_config.json of a generative model that transformers >= 4.26 saved (`save_pretrained` writes

@@ -26,6 +26,7 @@ from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
 from ckptctl import io
 from ckptctl.checkpoint import Checkpoint, Problem, SizedTensor, TensorEntry
+from ckptctl.errors import CkptctlError
 from ckptctl.layouts.naming import NameStripper
 from ckptctl.layouts.parts.value_head import HeadTask
 
@@ -314,6 +315,29 @@ class Slimmer(Protocol):
         beyond problems naming a dropped file (those `verify` leaves out anyway): a rank file it expects
         under a name other than the one dropped."""
         ...
+
+
+class OneLookSlimmer:
+    """A `Slimmer` whose refusal and recipe come from one look at the checkpoint: `decide` gives the recipe or
+    why there is none. Subclasses override `decide`, and `expected` where their reader reports what the drop
+    explains."""
+
+    def decide(self, checkpoint: Checkpoint) -> SlimRecipe | str:
+        """The recipe for this checkpoint, or why it cannot be slimmed safely (reads metadata only)."""
+        raise NotImplementedError
+
+    def refusal(self, checkpoint: Checkpoint) -> str | None:
+        found = self.decide(checkpoint)
+        return found if isinstance(found, str) else None
+
+    def recipe(self, checkpoint: Checkpoint) -> SlimRecipe:
+        found = self.decide(checkpoint)
+        if isinstance(found, str):
+            raise CkptctlError(f"{checkpoint.url} cannot be slimmed: {found}")
+        return found
+
+    def expected(self, problem: Problem) -> bool:
+        return False
 
 
 class MasterWeightsReader(Protocol):

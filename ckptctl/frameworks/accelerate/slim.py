@@ -10,10 +10,9 @@ import re
 
 from ckptctl import io
 from ckptctl.checkpoint import Checkpoint, Problem
-from ckptctl.errors import CkptctlError
 from ckptctl.frameworks.accelerate.files import FSDP_RANK_FILE
 from ckptctl.frameworks.accelerate.layout import SaveStateParts
-from ckptctl.layouts.capabilities import SlimRecipe
+from ckptctl.layouts.capabilities import OneLookSlimmer, SlimRecipe
 from ckptctl.layouts.parts.zero_tag.slim import expected_tag_problem, tag_slim
 
 __all__ = ["SLIMMER", "AccelerateSlimmer"]
@@ -21,23 +20,13 @@ __all__ = ["SLIMMER", "AccelerateSlimmer"]
 _TRAINING_ONLY = re.compile(r"^(optimizer|scheduler)(?:_\d+)?\.bin$")
 
 
-class AccelerateSlimmer:
+class AccelerateSlimmer(OneLookSlimmer):
     """See the module docstring."""
-
-    def refusal(self, checkpoint: Checkpoint) -> str | None:
-        found = self._recipe(checkpoint)
-        return found if isinstance(found, str) else None
-
-    def recipe(self, checkpoint: Checkpoint) -> SlimRecipe:
-        found = self._recipe(checkpoint)
-        if isinstance(found, str):
-            raise CkptctlError(f"{checkpoint.url} cannot be slimmed: {found}")
-        return found
 
     def expected(self, problem: Problem) -> bool:
         return expected_tag_problem(problem)
 
-    def _recipe(self, checkpoint: Checkpoint) -> SlimRecipe | str:
+    def decide(self, checkpoint: Checkpoint) -> SlimRecipe | str:
         names = {rel for rel in checkpoint.files if "/" not in rel}
         tag = SaveStateParts.of(io.list_dir(checkpoint.url)).ds_tags.get(0)
         folders = sorted({rel.split("/", 1)[0] for rel in checkpoint.files if "/" in rel} - {tag})

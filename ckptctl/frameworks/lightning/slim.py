@@ -35,7 +35,7 @@ from ckptctl.formats.torch_pickle_classes import TORCH_PICKLE_GLOBALS, load_torc
 from ckptctl.formats.torch_save_writer import copy_torch_file
 from ckptctl.frameworks.lightning.files import DEEPSPEED_TAG
 from ckptctl.frameworks.lightning.layout import open_lightning_file
-from ckptctl.layouts.capabilities import SlimRecipe, SlimRewrite
+from ckptctl.layouts.capabilities import OneLookSlimmer, SlimRecipe, SlimRewrite
 from ckptctl.layouts.parts.dcp_slim import slim_dcp_folder
 from ckptctl.layouts.parts.zero_tag.slim import expected_tag_problem, tag_slim
 
@@ -51,23 +51,13 @@ def sharded_training_only(key: str) -> str | None:
     return "optimizer" if _SHARDED_OPTIMIZER.match(key) else None
 
 
-class LightningSlimmer:
+class LightningSlimmer(OneLookSlimmer):
     """See the module docstring."""
-
-    def refusal(self, checkpoint: Checkpoint) -> str | None:
-        found = self._recipe(checkpoint)
-        return found if isinstance(found, str) else None
-
-    def recipe(self, checkpoint: Checkpoint) -> SlimRecipe:
-        found = self._recipe(checkpoint)
-        if isinstance(found, str):
-            raise CkptctlError(f"{checkpoint.url} cannot be slimmed: {found}")
-        return found
 
     def expected(self, problem: Problem) -> bool:
         return expected_tag_problem(problem)
 
-    def _recipe(self, checkpoint: Checkpoint) -> SlimRecipe | str:
+    def decide(self, checkpoint: Checkpoint) -> SlimRecipe | str:
         url = checkpoint.url
         if "" not in checkpoint.files:
             if io.is_dir(io.join(url, DEEPSPEED_TAG)):

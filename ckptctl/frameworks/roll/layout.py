@@ -46,6 +46,7 @@ from ckptctl.checkpoint import (
 from ckptctl.errors import CkptctlError, UnknownLayout
 from ckptctl.formats.dcp_metadata import METADATA_NAME
 from ckptctl.formats.documents import read_json
+from ckptctl.formats.slim_marker import SLIM_MARKER
 from ckptctl.formats.torch_pickle import open_torch_pickle
 from ckptctl.frameworks.roll.files import CRITIC, DCP_FOLDER, MCA_CONFIG, PIPELINE_RNG, PIPELINE_STATE, RNG_DIR, TRACKER
 from ckptctl.io import DirEntry
@@ -257,8 +258,9 @@ class RollLayout(Layout):
         pipeline = io.list_dir(io.join(url, "pipeline")) if any(e.name == "pipeline" for e in entries) else []
         names = {e.name for e in pipeline}
         # `BasePipeline.do_checkpoint` writes both pipeline files before any upload: a folder without either
-        # did not finish (or lost it since).
-        problems += [f"no {rel}" for rel in (PIPELINE_STATE, PIPELINE_RNG) if rel.rpartition("/")[2] not in names]
+        # did not finish (or lost it since); `slim` drops the RNG state on purpose (and says so in its marker).
+        expected = (PIPELINE_STATE,) if any(e.name == SLIM_MARKER for e in entries) else (PIPELINE_STATE, PIPELINE_RNG)
+        problems += [f"no {rel}" for rel in expected if rel.rpartition("/")[2] not in names]
         for role in _roles(url, entries):
             problems += role.listing_problems()
         state = CheckpointState.COMPLETE

@@ -13,10 +13,9 @@ import os
 
 from ckptctl import io
 from ckptctl.checkpoint import Checkpoint, Problem, ProblemKind
-from ckptctl.errors import CkptctlError
 from ckptctl.formats.chunks import read_tensor
 from ckptctl.formats.safetensors import build_header, tensor_bytes
-from ckptctl.layouts.capabilities import MasterWeights, SlimRecipe, SlimRewrite
+from ckptctl.layouts.capabilities import MasterWeights, OneLookSlimmer, SlimRecipe, SlimRewrite
 from ckptctl.layouts.parts.zero_tag.kept_masters import KEPT_MASTERS, NOTES_KEY, UPCAST_KEY
 from ckptctl.layouts.parts.zero_tag.master_weights import master_weights
 from ckptctl.layouts.parts.zero_tag.names import OPTIM_STATES
@@ -69,18 +68,11 @@ def expected_tag_problem(problem: Problem) -> bool:
     return problem.kind == ProblemKind.MISSING_FILE and OPTIM_STATES.match(problem.path.rpartition("/")[2]) is not None
 
 
-class TagSlimmer:
+class TagSlimmer(OneLookSlimmer):
     """The `Slimmer` of a framework whose checkpoints are ZeRO tag folders (DeepSpeed, OpenRLHF, open-instruct)."""
 
-    def refusal(self, checkpoint: Checkpoint) -> str | None:
-        found = tag_slim(checkpoint)
-        return found if isinstance(found, str) else None
-
-    def recipe(self, checkpoint: Checkpoint) -> SlimRecipe:
-        found = tag_slim(checkpoint)
-        if isinstance(found, str):
-            raise CkptctlError(f"{checkpoint.url} cannot be slimmed: {found}")
-        return found
+    def decide(self, checkpoint: Checkpoint) -> SlimRecipe | str:
+        return tag_slim(checkpoint)
 
     def expected(self, problem: Problem) -> bool:
         return expected_tag_problem(problem)

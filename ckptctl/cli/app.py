@@ -55,7 +55,18 @@ def _root(
 
 
 for module in (
-    list_command, inspect_command, verify, convert, reshard, diff, resume_plan, slim, repair, prune, report, demo
+    list_command,
+    inspect_command,
+    verify,
+    convert,
+    reshard,
+    diff,
+    resume_plan,
+    slim,
+    repair,
+    prune,
+    report,
+    demo,
 ):
     module.register(app)
 

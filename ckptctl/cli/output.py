@@ -24,7 +24,7 @@ from rich.text import Span, Text
 
 from ckptctl.ops.report import finite_json
 from ckptctl.quoting import has_control, printable
-from ckptctl.units import human_bytes
+from ckptctl.units import human_bytes  # noqa: F401  (re-exported: the commands print sizes through this module)
 
 #: Between two columns of a table.
 _GAP = "  "

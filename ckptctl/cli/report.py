@@ -17,7 +17,7 @@ HELP = f"""Write one self-contained HTML page about a run: its checkpoints, wher
 
 The page shows every checkpoint by step with its state, size (model / optimizer / other), the one a latest pointer names and the one a resume would load; what prune and slim would free under the run's ckptctl.toml (or an example policy); the metrics the checkpoints record (the Trainer's log_history where it is kept); and the per-layer relative L2 change between consecutive whole checkpoints of each folder (the newest {DEFAULT_LAST} pairs unless --last says otherwise), read tensor by tensor as `diff` does. The file needs no network to view: inline SVG, no script. --json prints the data the page is drawn from.
 
-Docs: docs/cli.md#report"""
+Docs: docs/cli.md#ckptctl-report"""
 
 EXAMPLES = """\
 ckptctl report runs/llama-sft -o report.html

@@ -23,7 +23,7 @@ from ckptctl.checkpoint import CheckpointState
 from ckptctl.ops.diff import DiffReport
 from ckptctl.ops.report_page import CheckpointRow, Curve, Drift, LayerChange, RunReport
 from ckptctl.quoting import printable
-from ckptctl.units import human_bytes as format_size
+from ckptctl.units import human_bytes
 
 __all__ = ["render_diff", "render_run"]
 
@@ -73,10 +73,10 @@ def _number(value: float) -> str:
 def _page(title: str, body: Iterable[str]) -> str:
     return "".join(
         [
-            "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">",
+            '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">',
             # No resource of any kind may load: the page is a file, viewed offline.
             "<meta http-equiv=\"Content-Security-Policy\" content=\"default-src 'none'; style-src 'unsafe-inline'\">",
-            "<meta name=\"viewport\" content=\"width=device-width,initial-scale=1\">",
+            '<meta name="viewport" content="width=device-width,initial-scale=1">',
             f"<title>{_text(title)}</title><style>{_STYLE}</style></head><body>\n",
             *body,
             "</body></html>\n",
@@ -135,11 +135,11 @@ def render_run(report: RunReport) -> str:
         f'<div class="muted"><code>{_text(report.run)}</code> · made {_text(report.created.isoformat(timespec="seconds"))}</div>',
         '<div class="cards">',
         _card(str(len(rows)), "checkpoints: " + _text(", ".join(f"{n} {s}" for s, n in sorted(states.items())))),
-        _card(_text(format_size(report.total_bytes)), "on disk"),
+        _card(_text(human_bytes(report.total_bytes)), "on disk"),
         _card(_text(", ".join(latest) or "none"), "named by a latest pointer"),
         _card(_text(", ".join(resume) or "nothing resumable"), "a resume would load"),
-        _card(_text(format_size(report.prune_frees)), "prune would free"),
-        _card(_text(format_size(report.slim_frees)), "slim would free"),
+        _card(_text(human_bytes(report.prune_frees)), "prune would free"),
+        _card(_text(human_bytes(report.slim_frees)), "slim would free"),
         "</div>",
         "<h2>Checkpoints</h2>",
         _checkpoint_chart(rows),
@@ -152,7 +152,9 @@ def render_run(report: RunReport) -> str:
         _drift_section(report),
     ]
     if report.notes:
-        body.append('<h2>Notes</h2><ul class="notes">' + "".join(f"<li>{_text(n)}</li>" for n in report.notes) + "</ul>")
+        body.append(
+            '<h2>Notes</h2><ul class="notes">' + "".join(f"<li>{_text(n)}</li>" for n in report.notes) + "</ul>"
+        )
     return _page(f"ckptctl report: {report.run}", body)
 
 
@@ -168,7 +170,7 @@ def _checkpoint_chart(rows: Sequence[CheckpointRow]) -> str:
     label_every = max(1, math.ceil(len(rows) / 40))
     parts = [
         f'<svg class="ckpt-chart" viewBox="0 0 {_WIDTH} {height}" width="100%" role="img" aria-label="checkpoints by step">',
-        f'<text x="4" y="{top + 8}" font-size="11" fill="#757575">{_text(format_size(largest))}</text>',
+        f'<text x="4" y="{top + 8}" font-size="11" fill="#757575">{_text(human_bytes(largest))}</text>',
         f'<line x1="56" y1="{base}" x2="{_WIDTH}" y2="{base}" stroke="#bdbdbd"/>',
     ]
     folder = None
@@ -182,7 +184,7 @@ def _checkpoint_chart(rows: Sequence[CheckpointRow]) -> str:
                 f'<line x1="{edge:.1f}" y1="{top}" x2="{edge:.1f}" y2="{base}" stroke="#bdbdbd" stroke-dasharray="3 3"/>'
                 f'<text x="{edge + 3:.1f}" y="{top - 6}" font-size="10" fill="#757575">{_text(_short(folder, max(4, int(slot / 6))))}</text>'
             )
-        title = f"{row.path} · step {row.ref.step if row.ref.step is not None else '-'} · {state} · {format_size(row.ref.size_bytes)}"
+        title = f"{row.path} · step {row.ref.step if row.ref.step is not None else '-'} · {state} · {human_bytes(row.ref.size_bytes)}"
         if row.ref.latest:
             title += " · named by latest"
         if row.resume:
@@ -198,28 +200,51 @@ def _checkpoint_chart(rows: Sequence[CheckpointRow]) -> str:
                 continue
             h = (base - top) * n / largest
             y -= h
-            parts.append(f'<rect x="{x:.1f}" y="{y:.1f}" width="{bar:.1f}" height="{h:.1f}" fill="{PART_COLOURS[part]}"/>')
+            parts.append(
+                f'<rect x="{x:.1f}" y="{y:.1f}" width="{bar:.1f}" height="{h:.1f}" fill="{PART_COLOURS[part]}"/>'
+            )
         colour = STATE_COLOURS.get(state, "#616161")
         parts.append(f'<rect x="{x:.1f}" y="{base + 4}" width="{bar:.1f}" height="8" fill="{colour}"/>')
         centre = x + bar / 2
         if i % label_every == 0:
             label = str(row.ref.step) if row.ref.step is not None else "-"
-            parts.append(f'<text x="{centre:.1f}" y="{base + 25}" font-size="10" text-anchor="middle" fill="#616161">{label}</text>')
+            parts.append(
+                f'<text x="{centre:.1f}" y="{base + 25}" font-size="10" text-anchor="middle" fill="#616161">{label}</text>'
+            )
         if row.ref.latest:
-            parts.append(f'<text x="{centre:.1f}" y="{base + 42}" font-size="13" text-anchor="middle" fill="#f57f17">★</text>')
+            parts.append(
+                f'<text x="{centre:.1f}" y="{base + 42}" font-size="13" text-anchor="middle" fill="#f57f17">★</text>'
+            )
         if row.resume:
-            parts.append(f'<text x="{centre:.1f}" y="{base + 58}" font-size="12" text-anchor="middle" fill="#1b5e20">▲</text>')
+            parts.append(
+                f'<text x="{centre:.1f}" y="{base + 58}" font-size="12" text-anchor="middle" fill="#1b5e20">▲</text>'
+            )
         parts.append("</g>")
     parts.append("</svg>")
-    legend = _legend(
-        [*((p, PART_COLOURS[p]) for p in ("model", "optimizer", "other")), *sorted(STATE_COLOURS.items())]
+    legend = _legend([*((p, PART_COLOURS[p]) for p in ("model", "optimizer", "other")), *sorted(STATE_COLOURS.items())])
+    return (
+        "".join(parts)
+        + legend
+        + '<p class="muted">★ named by a latest pointer · ▲ what a resume would load · x: step</p>'
     )
-    return "".join(parts) + legend + '<p class="muted">★ named by a latest pointer · ▲ what a resume would load · x: step</p>'
 
 
 def _checkpoint_table(rows: Sequence[CheckpointRow]) -> str:
     verified = any(r.verified is not None for r in rows)
-    head = ["path", "step", "state", "layout", "size", "model", "optimizer", "other", "latest", "resume", "prune", "slim frees"]
+    head = [
+        "path",
+        "step",
+        "state",
+        "layout",
+        "size",
+        "model",
+        "optimizer",
+        "other",
+        "latest",
+        "resume",
+        "prune",
+        "slim frees",
+    ]
     if verified:
         head.append("verify")
     head.append("note")
@@ -232,25 +257,23 @@ def _checkpoint_table(rows: Sequence[CheckpointRow]) -> str:
             f'<td class="n">{"-" if ref.step is None else ref.step}</td>',
             f"<td>{_badge(ref.state.value)}</td>",
             f"<td>{_text(ref.layout)}</td>",
-            f'<td class="n">{_text(format_size(ref.size_bytes))}</td>',
+            f'<td class="n">{_text(human_bytes(ref.size_bytes))}</td>',
             *(
-                f'<td class="n">{_text(format_size(parts[p])) if p in parts else "-"}</td>'
+                f'<td class="n">{_text(human_bytes(parts[p])) if p in parts else "-"}</td>'
                 for p in ("model", "optimizer", "other")
             ),
             f"<td>{'★' if ref.latest else ''}</td>",
             f"<td>{'▲' if row.resume else ''}</td>",
             f'<td title="{_text("; ".join(row.prune_reasons))}">{_text(row.prune or "-")}'
-            + (f" ({_text(format_size(row.prune_frees))})" if row.prune_frees else "")
+            + (f" ({_text(human_bytes(row.prune_frees))})" if row.prune_frees else "")
             + "</td>",
-            f'<td class="n">{_text(format_size(row.slim_frees)) if row.slim_frees else "-"}</td>',
+            f'<td class="n">{_text(human_bytes(row.slim_frees)) if row.slim_frees else "-"}</td>',
         ]
         if verified:
             if row.verified is None:
                 cells.append("<td>-</td>")
             else:
-                cells.append(
-                    f'<td title="{_text("; ".join(row.problems))}">{"ok" if row.verified else "FAILED"}</td>'
-                )
+                cells.append(f'<td title="{_text("; ".join(row.problems))}">{"ok" if row.verified else "FAILED"}</td>')
         cells.append(f"<td>{_text(row.error or row.ref.note)}</td>")
         out.append(f'<tr class="ckpt-row" data-path="{_text(row.path)}" data-state="{_text(ref.state.value)}">')
         out.extend(cells)
@@ -271,22 +294,22 @@ def _bytes_section(report: RunReport) -> str:
         w = _WIDTH * n / whole
         parts.append(
             f'<rect class="bytes-part" data-part="{part}" x="{x:.1f}" y="0" width="{w:.1f}" height="28" fill="{PART_COLOURS[part]}">'
-            f"<title>{part}: {_text(format_size(n))} ({100 * n / whole:.1f}%)</title></rect>"
+            f"<title>{part}: {_text(human_bytes(n))} ({100 * n / whole:.1f}%)</title></rect>"
         )
         x += w
     parts.append("</svg>")
-    shown = ", ".join(f"{p} {format_size(n)}" for p, n in totals.items() if n)
+    shown = ", ".join(f"{p} {human_bytes(n)}" for p, n in totals.items() if n)
     deleted = sum(1 for r in report.checkpoints if r.prune == "delete")
     slimmed = sum(1 for r in report.checkpoints if r.prune == "slim")
     parts.append(_legend((p, PART_COLOURS[p]) for p in totals if totals[p]))
     parts.append(f"<p>Over all checkpoints: {_text(shown or 'nothing')}.</p><ul>")
     parts.append(
         f"<li><b>prune</b> under <code>{_text(report.policy)}</code> would delete {deleted} and slim {slimmed} "
-        f"checkpoint(s), freeing <b>{_text(format_size(report.prune_frees))}</b>.</li>"
+        f"checkpoint(s), freeing <b>{_text(human_bytes(report.prune_frees))}</b>.</li>"
     )
     parts.append(
         f"<li><b>slim</b> under <code>{_text(report.slim_policy)}</code> would free "
-        f"<b>{_text(format_size(report.slim_frees))}</b>.</li></ul>"
+        f"<b>{_text(human_bytes(report.slim_frees))}</b>.</li></ul>"
     )
     return "".join(parts)
 
@@ -377,7 +400,11 @@ def _drift_section(report: RunReport) -> str:
         out.append(_heatmap(drift, low, high))
         errors = [p for p in drift.pairs if p.error]
         if errors:
-            out.append("<ul class=\"notes\">" + "".join(f"<li>{_text(p.a)} → {_text(p.b)}: {_text(p.error)}</li>" for p in errors) + "</ul>")
+            out.append(
+                '<ul class="notes">'
+                + "".join(f"<li>{_text(p.a)} → {_text(p.b)}: {_text(p.error)}</li>" for p in errors)
+                + "</ul>"
+            )
     return "".join(out)
 
 
@@ -443,7 +470,9 @@ def render_diff(report: DiffReport, layers: Sequence[LayerChange]) -> str:
     top = max((c.rel_l2 for c in layers), default=0.0)
     label_w, bar_h = 260, 18
     height = 10 + bar_h * len(layers)
-    chart = [f'<svg class="diff-chart" viewBox="0 0 {_WIDTH} {height}" width="100%" role="img" aria-label="relative L2 difference per layer">']
+    chart = [
+        f'<svg class="diff-chart" viewBox="0 0 {_WIDTH} {height}" width="100%" role="img" aria-label="relative L2 difference per layer">'
+    ]
     for i, change in enumerate(layers):
         y = 5 + i * bar_h
         width = 0.0 if top <= 0 else (_WIDTH - label_w - 90) * change.rel_l2 / top
@@ -465,7 +494,10 @@ def render_diff(report: DiffReport, layers: Sequence[LayerChange]) -> str:
             f"{report.compared} {report.component.value} tensor(s): {report.equal_count} equal, "
             f"{len(report.changed)} changed, {len(report.only_in_a)} only in A, {len(report.only_in_b)} only in B",
         ),
-        ("tolerance", "exact" if report.atol == 0 and report.rtol == 0 else f"atol={report.atol:g}, rtol={report.rtol:g}"),
+        (
+            "tolerance",
+            "exact" if report.atol == 0 and report.rtol == 0 else f"atol={report.atol:g}, rtol={report.rtol:g}",
+        ),
     ]
     table = "<table>" + "".join(f"<tr><th>{k}</th><td><code>{_text(v)}</code></td></tr>" for k, v in facts) + "</table>"
     body = [

@@ -21,6 +21,7 @@ what `diff` can give without a second pass (it keeps no norms of the tensors it 
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 from collections import defaultdict
@@ -332,10 +333,7 @@ def layer_changes(report: DiffReport) -> tuple[LayerChange, ...]:
         pairs = groups[layer]
         numel = sum(p.numel for p in pairs)
         rels = [p.rel_l2 or 0.0 for p in pairs]
-        if numel:
-            mean_square = sum(p.numel * r * r for p, r in zip(pairs, rels, strict=True)) / numel
-        else:
-            mean_square = 0.0
+        mean_square = sum(p.numel * r * r for p, r in zip(pairs, rels, strict=True)) / numel if numel else 0.0
         out.append(LayerChange(layer, math.sqrt(mean_square), max(rels), len(pairs), numel))
     return tuple(out)
 
@@ -475,7 +473,9 @@ def _slim_plan(run: str, notes: list[str]) -> tuple[str, dict[str, int]]:
 # --------------------------------------------------------------------------------------------------
 
 
-def _curves(run: str, refs: list[CheckpointRef], opened: Mapping[str, Checkpoint], notes: list[str]) -> tuple[Curve, ...]:
+def _curves(
+    run: str, refs: list[CheckpointRef], opened: Mapping[str, Checkpoint], notes: list[str]
+) -> tuple[Curve, ...]:
     """Per folder: the log kept in its newest whole checkpoint that keeps one, else its checkpoints' metrics."""
     by_folder: dict[str, list[Checkpoint]] = defaultdict(list)
     for ref in refs:
@@ -502,7 +502,9 @@ def _curves(run: str, refs: list[CheckpointRef], opened: Mapping[str, Checkpoint
                     series[name][checkpoint.ref.step] = value
         names = sorted(series, key=lambda n: ("loss" not in n.lower(), n))
         if len(names) > MAX_CURVES:
-            notes.append(f"curves of {shown}: {len(names) - MAX_CURVES} more metrics not drawn: {', '.join(names[MAX_CURVES:])}")
+            notes.append(
+                f"curves of {shown}: {len(names) - MAX_CURVES} more metrics not drawn: {', '.join(names[MAX_CURVES:])}"
+            )
         for name in names[:MAX_CURVES]:
             points = sorted(series[name].items())
             if len(points) >= 1:
@@ -550,7 +552,7 @@ def _drift(run: str, refs: list[CheckpointRef], options: ReportOptions, progress
     planned: list[tuple[str, list[tuple[CheckpointRef, CheckpointRef]], int]] = []
     for folder in sorted(by_folder):
         members = sorted(by_folder[folder], key=lambda r: (r.step or 0, r.url))
-        pairs = list(zip(members, members[1:], strict=False))
+        pairs = list(itertools.pairwise(members))
         keep = len(pairs) if options.last is None else min(len(pairs), options.last)
         if keep:
             planned.append((folder, pairs[len(pairs) - keep :], len(pairs) - keep))

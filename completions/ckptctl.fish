@@ -97,7 +97,7 @@ complete -c ckptctl -n '__fish_seen_subcommand_from repair' -l help -s h -d 'Sho
 complete -c ckptctl -n 'not __fish_seen_subcommand_from convert demo diff inspect list prune repair report reshard resume-plan slim verify' -a report -d 'Write one self-contained HTML page about a run: its checkpoints, where the bytes are, its curves and how far each layer\'s weights moved.'
 complete -c ckptctl -n '__fish_seen_subcommand_from report' -l output -s o -r -d 'Where to write the page (required unless --json).'
 complete -c ckptctl -n '__fish_seen_subcommand_from report' -l drift -l no-drift -d 'Compute the per-layer weight drift (reads the models).'
-complete -c ckptctl -n '__fish_seen_subcommand_from report' -l last -r -d 'Drift over the newest K pairs of each folder of checkpoints.'
+complete -c ckptctl -n '__fish_seen_subcommand_from report' -l last -r -d 'Drift over the newest K pairs of each folder.'
 complete -c ckptctl -n '__fish_seen_subcommand_from report' -l verify -d 'Also verify each checkpoint and show the verdict.'
 complete -c ckptctl -n '__fish_seen_subcommand_from report' -l depth -r -d 'How deep to look for nested runs.'
 complete -c ckptctl -n '__fish_seen_subcommand_from report' -l json -d 'Print one JSON document on stdout (schema_version 1).'

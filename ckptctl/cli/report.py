@@ -15,7 +15,7 @@ from ckptctl.ops.report_page import DEFAULT_LAST
 
 HELP = f"""Write one self-contained HTML page about a run: its checkpoints, where the bytes are, its curves and how far each layer's weights moved.
 
-The page shows every checkpoint by step with its state, size (model / optimizer / other), the one a latest pointer names and the one a resume would load; what prune and slim would free under the run's ckptctl.toml (or an example policy); the metrics the checkpoints record (the Trainer's log_history where it is kept); and the per-layer relative L2 change between consecutive whole checkpoints of each folder (the newest {DEFAULT_LAST} pairs unless --last says otherwise), read tensor by tensor as `diff` does. The file needs no network to view: inline SVG, no script. --json prints the data the page is drawn from.
+Every checkpoint by step with its state and size (model / optimizer / other), the one `latest` names and the one a resume would load; what prune and slim would free under the run's ckptctl.toml; the metrics the checkpoints record; the per-layer relative L2 change between consecutive whole checkpoints (the newest {DEFAULT_LAST} pairs per folder), read as `diff` reads. Inline SVG, no script, no network. --json prints the page's data.
 
 Docs: docs/cli.md#ckptctl-report"""
 
@@ -44,7 +44,7 @@ def report(
     ] = True,
     last: Annotated[
         int,
-        typer.Option("--last", metavar="K", help="Drift over the newest K pairs of each folder of checkpoints.", min=1),
+        typer.Option("--last", metavar="K", help="Drift over the newest K pairs of each folder.", min=1),
     ] = DEFAULT_LAST,
     verify: Annotated[bool, typer.Option("--verify", help="Also verify each checkpoint and show the verdict.")] = False,
     depth: DepthOpt = DEFAULT_SCAN_DEPTH,

@@ -453,7 +453,7 @@ def _heatmap(drift: Drift, low: float, high: float) -> str:
             x = label_w + j * cell_w
             out.append(
                 f'<rect x="{x:.1f}" y="{y}" width="{cell_w - 1:.1f}" height="{cell_h - 1}" fill="{colour}">'
-                f"<title>{_text(layer)}: {_text(pair.a)} → {_text(pair.b)}: {shown}</title></rect>"
+                f"<title>{_text(layer)}: step {pair.a_step} → {pair.b_step}: {shown}</title></rect>"
             )
         out.append("</g>")
     out.append("</svg>")

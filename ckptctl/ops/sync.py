@@ -422,6 +422,9 @@ def _check(unit: _Unit, transfer: _Transfer, records: Mapping[str, FileRecord], 
     if own is None:
         return
     recorded = load_manifest(io.join(transfer.src, unit.path(own))).files
+    absent = sorted(set(recorded) - set(records) - {own})
+    if absent:
+        raise _Mismatch(f"{absent[0]} is listed in its {own} but missing")
     for rel, record in sorted(records.items()):
         expected = recorded.get(rel)
         if expected is not None and (expected.size, expected.blake3) != (record.size, record.blake3):

@@ -43,6 +43,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Any
@@ -332,9 +333,11 @@ class _Transfer:
         if io.is_local(target):
             record = self._to_local(source, io.local_path(target))
         elif io.is_local(source):
-            digest = file_digest(source)
-            io.upload_file(io.local_path(source), target)
-            record = FileRecord(os.path.getsize(io.local_path(source)), digest)
+            # Hashed while it is sent (the second read comes from the page cache), not before.
+            with ThreadPoolExecutor(max_workers=1) as hashing:
+                digest = hashing.submit(file_digest, source)
+                io.upload_file(io.local_path(source), target)
+                record = FileRecord(os.path.getsize(io.local_path(source)), digest.result())
         else:
             with tempfile.TemporaryDirectory(prefix="ckptctl-sync-") as scratch:
                 local = os.path.join(scratch, "file")

@@ -124,7 +124,7 @@ complete -c ckptctl -n '__fish_seen_subcommand_from slim' -l help -s h -d 'Show 
 complete -c ckptctl -n 'not __fish_seen_subcommand_from convert demo diff inspect list prune repair reshard resume-plan slim sync verify' -a sync -d 'Mirror a run between a local folder and an object store (either way), checkpoint by checkpoint.'
 complete -c ckptctl -n '__fish_seen_subcommand_from sync' -l watch -d 'Keep following SRC until interrupted.'
 complete -c ckptctl -n '__fish_seen_subcommand_from sync' -l interval -r -d 'Seconds between passes of --watch.'
-complete -c ckptctl -n '__fish_seen_subcommand_from sync' -l passes -r -d 'Stop --watch after N passes.'
+complete -c ckptctl -n '__fish_seen_subcommand_from sync' -l passes -r -d 'Stop --watch after N passes (default: until interrupted).'
 complete -c ckptctl -n '__fish_seen_subcommand_from sync' -l keep-local -r -d 'Then keep the N newest local checkpoints; delete older ones once whole at DST.'
 complete -c ckptctl -n '__fish_seen_subcommand_from sync' -l latest -d 'Copy only what a resume of SRC would load, and the pointers.'
 complete -c ckptctl -n '__fish_seen_subcommand_from sync' -l workers -r -d 'Parallel transfers (default 8).'

@@ -45,7 +45,8 @@ def sync(
         float, typer.Option("--interval", metavar="SECONDS", help="Seconds between passes of --watch.", min=0)
     ] = 30.0,
     passes: Annotated[
-        int | None, typer.Option("--passes", metavar="N", help="Stop --watch after N passes.", min=1, hidden=True)
+        int | None,
+        typer.Option("--passes", metavar="N", help="Stop --watch after N passes (default: until interrupted).", min=1),
     ] = None,
     keep_local: Annotated[
         int | None,
@@ -121,8 +122,8 @@ def _stopped_by_signals(stop: threading.Event) -> Iterator[None]:
     try:
         yield
     finally:
-        for signum, previous in handlers.items():
-            signal.signal(signum, previous)
+        for number, previous in handlers.items():
+            signal.signal(number, previous)
 
 
 def _render(out: Output, report: SyncReport) -> None:

@@ -6,7 +6,7 @@ _ckptctl() {
     prev="${COMP_WORDS[COMP_CWORD-1]}"
     cmd="${COMP_WORDS[1]}"
     if [[ $COMP_CWORD -eq 1 ]]; then
-        COMPREPLY=($(compgen -W "convert demo diff inspect list prune repair report reshard resume-plan slim verify --help --version" -- "$cur")); return
+        COMPREPLY=($(compgen -W "convert demo diff inspect list prune repair report reshard resume-plan slim sync verify --help --version" -- "$cur")); return
     fi
     case "$prev" in
         --sort) COMPREPLY=($(compgen -W "step created size url" -- "$cur")); return;;
@@ -31,6 +31,7 @@ _ckptctl() {
         reshard) local opts="--to --world-size --workers --force --layout --json --quiet -q --help -h";;
         resume-plan) local opts="--world-size --digests --cuda --no-cuda --layout --json --quiet -q --help -h";;
         slim) local opts="--keep-full --older-than --grace --dry-run --yes -y --wait --depth --json --quiet -q --help -h";;
+        sync) local opts="--watch --interval --passes --keep-local --latest --workers --dry-run --grace --wait --json --quiet -q --help -h";;
         verify) local opts="--latest --quick --deep --check-finite --write-manifest --workers --layout --json --quiet -q --help -h";;
         *) local opts='';;
     esac

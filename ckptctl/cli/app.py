@@ -17,7 +17,7 @@ from typing import Any, TextIO
 import typer
 
 from ckptctl import __version__
-from ckptctl.cli import convert, demo, diff, prune, ranks, repair, report, reshard, resume_plan, slim, verify
+from ckptctl.cli import convert, demo, diff, prune, ranks, repair, report, reshard, resume_plan, slim, sync, verify
 from ckptctl.cli import inspect as inspect_command
 from ckptctl.cli import list as list_command
 from ckptctl.cli.command import Group
@@ -66,6 +66,7 @@ for module in (
     repair,
     prune,
     report,
+    sync,
     demo,
 ):
     module.register(app)

@@ -11,7 +11,7 @@ from ckptctl.cli.command import add_command
 from ckptctl.cli.options import DepthOpt, JsonOpt, QuietOpt, bad_value
 from ckptctl.cli.output import Output, human_bytes
 from ckptctl.layouts import DEFAULT_SCAN_DEPTH
-from ckptctl.ops.report_page import DEFAULT_LAST
+from ckptctl.ops.report import DEFAULT_LAST
 
 HELP = f"""Write one self-contained HTML page about a run: its checkpoints, where the bytes are, its curves and how far each layer's weights moved.
 

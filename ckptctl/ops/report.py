@@ -13,6 +13,10 @@ from ckptctl.checkpoint import CheckpointRef, Problem
 
 SCHEMA_VERSION = 1
 
+#: `ckptctl report`: Pairs of consecutive checkpoints per folder whose drift is computed by default (the newest ones): each pair
+#: reads both models, so a run of hundreds of checkpoints is not read twice over unless asked (`last=None`).
+DEFAULT_LAST = 10
+
 
 class Progress(Protocol):
     """Where long operations report progress; the CLI renders it on stderr, the library passes None."""

@@ -37,7 +37,17 @@ from ckptctl.errors import CkptctlError
 from ckptctl.layouts import DEFAULT_SCAN_DEPTH, get_layout, scan_run
 from ckptctl.ops.diff import DiffOptions, DiffReport, TensorDiff, diff
 from ckptctl.ops.prune import DEFAULT_GRACE, POLICY_FILE, load_policy_file, plan_prune
-from ckptctl.ops.report import SCHEMA_VERSION, NoProgress, Progress, display_path, finite_json, flatten, iso, ref_json
+from ckptctl.ops.report import (
+    DEFAULT_LAST,
+    SCHEMA_VERSION,
+    NoProgress,
+    Progress,
+    display_path,
+    finite_json,
+    flatten,
+    iso,
+    ref_json,
+)
 from ckptctl.ops.resume_plan import RESUME_TARGET, resume_targets
 from ckptctl.ops.slim import DEFAULT_KEEP_FULL, load_slim_settings, plan_slim
 
@@ -58,9 +68,6 @@ __all__ = [
 
 #: The prune rules the page shows when the run has no `ckptctl.toml`: an example a person can compare against.
 DEFAULT_POLICY = RetentionPolicy(keep_last=3)
-#: Pairs of consecutive checkpoints per folder whose drift is computed by default (the newest ones): each pair
-#: reads both models, so a run of hundreds of checkpoints is not read twice over unless asked (`last=None`).
-DEFAULT_LAST = 10
 #: Points per curve kept on the page (evenly thinned beyond, first and last kept): a smooth line at any width.
 MAX_POINTS = 1000
 #: Curves per folder on the page (the rest are named in the notes).

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from ckptctl.core import CheckpointManager, RetentionPolicy, StepNaming
+from ckptctl.core.lock import LOCK_NAME
 from ckptctl.formats.digest import file_digest
 from ckptctl.formats.manifest import MANIFEST_NAME, read_manifest
 from tests.core import _workers
@@ -56,7 +57,9 @@ def check_after_kill(root: Path, case: Case) -> None:
     for name in os.listdir(root):
         if NAMING.step_of(name) is not None:  # a step folder is always complete: no half-written ones
             assert (root / name / MANIFEST_NAME).exists(), f"{name} has no manifest"
-        elif name not in ("latest", ".ckptctl-trash"):  # anything partial is recognisably so
+        # the run lock the manager's pointer update takes (a killed holder's is stale, and taken over) and
+        # anything partial, recognisably so
+        elif name not in ("latest", ".ckptctl-trash", LOCK_NAME):
             assert NAMING.staging_step(name) is not None or name.startswith(".latest.tmp-"), name
 
     for step in committed:  # every committed checkpoint is intact, byte for byte

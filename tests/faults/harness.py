@@ -10,6 +10,9 @@ and the cell is judged against the framework's own verdict on the same damage:
   own (safetensors data, JSON, raw DCP bytes; not a torch.save zip, whose records carry CRC-32s), in a
   checkpoint without a ckptctl manifest; allowed, and proved caught (`digest_mismatch`) once
   `verify --write-manifest` has run on the undamaged checkpoint;
+- `warned`: the load went on without a deleted file, with a note of its own, losing what it held (the
+  Trainer's `rng_state.pth`: `Trainer._load_rng_state` logs that it found none), and verify exited 0 with a
+  warning naming the file: DESIGN §4, "what the framework loads with only a warning is a warning";
 - `harmless`: the load restored everything, and verify exited 0;
 - `false alarm`: the load restored everything, and verify still exited non-zero (not against the rule: a
   damaged file the load does not read is still damage; counted so that the matrix shows it).
@@ -56,6 +59,13 @@ class VerifyOutcome:
         if self.exit_code == 2 and not self.problems:
             texts.append(self.stderr)
         return any(_names(text, file) for text in texts)
+
+    def warns(self, file: str) -> bool:
+        """A warning names `file` as missing (the framework's load goes on without it, and says so)."""
+        return any(
+            kind == "missing_file" and severity == "warning" and _names(path, file)
+            for kind, path, severity, _ in self.problems
+        )
 
 
 def _names(text: str, file: str) -> bool:
@@ -122,6 +132,8 @@ def judge(checkpoint: Path, cell: Cell, loader: str, outcome: VerifyOutcome) -> 
         return "harmless" if outcome.exit_code == 0 else "false alarm"
     if outcome.exit_code != 0 and outcome.names(cell.file):
         return "caught"
+    if cell.fault == "delete" and loader.startswith("lost") and outcome.exit_code == 0 and outcome.warns(cell.file):
+        return "warned"
     silent_flip = cell.fault == "flip" and loader.startswith("lost") and outcome.exit_code == 0
     if silent_flip and not (checkpoint / MANIFEST).exists() and not _is_zip(checkpoint / cell.file):
         return "undetectable without digests"

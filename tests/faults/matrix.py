@@ -33,8 +33,9 @@ def table(rows: list[dict[str, object]]) -> str:
                 f"- {row['framework']} `{row['file']}` {row['fault']}: load {row['loader']}; verify exit {row['verify_exit']}"
             )
     lines = [
-        "| framework | fault | caught / tried | undetectable without digests | harmless (verify flags) | gaps |",
-        "|---|---|---|---|---|---|",
+        "| framework | fault | caught / tried | warned (the load warns too) | undetectable without digests "
+        "| harmless (verify flags) | gaps |",
+        "|---|---|---|---|---|---|---|",
     ]
     frameworks = list(dict.fromkeys(str(r["framework"]) for r in rows))
     for framework in frameworks:
@@ -42,10 +43,10 @@ def table(rows: list[dict[str, object]]) -> str:
             c = counts.get((framework, fault))
             if not c:
                 continue
-            tried = c["caught"] + c["gap"] + c["undetectable without digests"]
+            tried = c["caught"] + c["gap"] + c["warned"] + c["undetectable without digests"]
             harmless = c["harmless"] + c["false alarm"]
             lines.append(
-                f"| {framework} | {fault} | {c['caught']} / {tried} | {c['undetectable without digests']} "
+                f"| {framework} | {fault} | {c['caught']} / {tried} | {c['warned']} | {c['undetectable without digests']} "
                 f"| {harmless} ({c['false alarm']}) | {c['gap']} |"
             )
     return "\n".join(lines + (["", *gaps] if gaps else []))

@@ -88,10 +88,11 @@ def stray_ranks(tmp_path_factory: pytest.TempPathFactory, sources: dict[str, Sou
 
 def test_a_stray_rank_file_name_does_not_enumerate_every_rank(stray_ranks: dict[str, Path]) -> None:
     verified = run_ckptctl(["verify", str(stray_ranks["trainer"]), "--json"])
-    verified.assert_refused(1)
+    # The Trainer resumes without a rank's RNG state, with a warning of its own (`_load_rng_state`): so are they here.
+    verified.assert_refused(0)
     problems = problems_of(verified)
-    assert len(problems) < FEW
-    assert any("more rng_state_N.pth files" in p["message"] for p in problems), problems
+    assert 0 < len(problems) < FEW
+    assert all(p["severity"] == "warning" and p["path"].startswith("rng_state_") for p in problems), problems
     listed = run_ckptctl(["list", str(stray_ranks["roll"]), "--json"])
     listed.assert_refused(0)
     notes = " ".join(c["note"] for c in json.loads(listed.stdout)["checkpoints"])

@@ -9,9 +9,9 @@ filename_pattern="pytorch_model{suffix}.bin", max_shard_size=...)`, each shard
 `{name: state_dict[name].contiguous()}` written by `save_function=torch.save`, and, when sharded,
 `pytorch_model.bin.index.json` (`{"metadata": split.metadata, "weight_map": split.tensor_to_filename}`,
 `json.dumps(index, indent=2, sort_keys=True) + "\\n"`); the config, its `architectures` set to the model's
-class, by `config.save_pretrained`. Unlike the
-safetensors path, that branch keeps tied weights: `lm_head.weight` is pickled as the same storage as
-`model.embed_tokens.weight`.
+class, by `config.save_pretrained`, and the generation config by `generation_config.save_pretrained`.
+Unlike the safetensors path, that branch keeps tied weights: `lm_head.weight` is pickled as the same storage
+as `model.embed_tokens.weight`.
 
 - `single`: the untied tiny Llama of `tests.writers.models.tiny_llama`, one `pytorch_model.bin`.
 - `sharded`: the same Llama with `tie_word_embeddings=True`, `max_shard_size="20KB"` (several shards).
@@ -63,6 +63,10 @@ def _save_legacy(model: torch.nn.Module, folder: Path, max_shard_size: str) -> N
     # save_pretrained names the class in the config before saving it (`config.architectures = [...]`)
     model.config.architectures = [type(model).__name__]  # type: ignore[union-attr]
     model.config.save_pretrained(folder)  # type: ignore[operator]
+    # and, for a model that can generate, its generation config beside it (`if self.can_generate():
+    # model_to_save.generation_config.save_pretrained(save_directory)`)
+    if model.can_generate():  # type: ignore[operator]
+        model.generation_config.save_pretrained(folder)  # type: ignore[union-attr]
 
 
 def _save_reference(model: torch.nn.Module, folder: Path) -> None:

@@ -354,8 +354,16 @@ class HfTrainerLayout(Layout):
                     url, ADAPTER_CONFIG in files, model_tensors(checkpoint.tensor_index), parts.adapter_weights
                 )
         elif parts.ds_tag is None and Component.MODEL not in parts.dcp_folders.values():
+            # Named as the Trainer names them by default (`Trainer._save`: `save_pretrained` with safetensors),
+            # so that a script matching on the path finds the file a resume cannot do without.
+            weights = "adapter_model.safetensors" if ADAPTER_CONFIG in parts.names else "model.safetensors"
             problems.append(
-                Problem(ProblemKind.MISSING_FILE, "", "no model weights (no safetensors, DeepSpeed or FSDP)")
+                Problem(
+                    ProblemKind.MISSING_FILE,
+                    weights,
+                    f"no model weights ({weights} is missing; no DeepSpeed or FSDP save either): "
+                    "Trainer._load_from_checkpoint raises without them",
+                )
             )
         for name in sorted(n for n in parts.names if n in _PICKLE_FILES or RNG_FILE.match(n)):
             problems += _pickle_problems(url, name, files[name])

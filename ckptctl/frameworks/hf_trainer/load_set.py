@@ -18,9 +18,9 @@ Read from transformers 5.24 (`trainer.py`): `Trainer._save_checkpoint` writes th
   adapter is read by `PeftModel.load_adapter` (its `adapter_config.json` and weights); `config.json`, when there,
   is parsed (`PreTrainedConfig.from_json_file`). Under DeepSpeed, `deepspeed_load_checkpoint` has the engine
   read `latest` and the tag it names, and raises when that finds nothing.
-- `training_args.bin`: the resume does not read it (the run's arguments are the caller's), but `_save` writes it
-  with every checkpoint before `trainer_state.json`: a checkpoint without it is not what the Trainer wrote, and
-  whether it saved its optimizer (`save_only_model`) cannot be read from it.
+- `training_args.bin`: the resume does not read it (the run's arguments are the caller's), so it goes on without
+  it: a warning. But `_save` writes it with every checkpoint before `trainer_state.json`: a checkpoint without it
+  lost a file, and whether it saved its optimizer (`save_only_model`) cannot be read from it.
 
 Whether the save wrote the training state at all is the checkpoint's own fact: any of its state files, else
 `training_args.bin`'s `save_only_model`, else (with `training_args.bin` gone too) the sibling checkpoints of
@@ -130,8 +130,10 @@ def trainer_members(facts: TrainerFacts) -> list[LoadMember]:
             MemberKind.TORCH_SAVE,
             "the training arguments",
             "transformers Trainer._save",
+            Need.WARNS,
             missing="the Trainer writes it with every checkpoint before trainer_state.json (Trainer._save), so this "
-            "folder is not what it wrote, and whether it saved its optimizer (save_only_model) cannot be read",
+            "folder lost a file; the resume does not read it, but whether the save kept its optimizer "
+            "(save_only_model) can no longer be read from it",
         ),
     ]
     if ADAPTER_CONFIG in names or any(w in names for w in ADAPTER_WEIGHTS):

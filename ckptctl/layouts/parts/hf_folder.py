@@ -45,7 +45,7 @@ from ckptctl.formats.safetensors import read_header
 from ckptctl.formats.torch_pickle import TorchPickle, open_torch_pickle
 from ckptctl.io import DirEntry
 from ckptctl.layouts.base import Layout, absent_numbers, newest_mtime, step_from_name, timestamp
-from ckptctl.layouts.load_set import LoadMember, MemberKind, check_load_set
+from ckptctl.layouts.load_set import LoadMember, MemberKind, Need, check_load_set
 from ckptctl.layouts.parts.hf_rank_shards import (
     SHARD_FILE,
     is_distributed,
@@ -345,9 +345,11 @@ def model_load_set(url: str, files: Mapping[str, int]) -> list[LoadMember]:
     - The shard index of `-0000i-of-0000N` shards: `modeling_utils._get_resolved_checkpoint_files` looks for
       `model.safetensors` or the index, and raises with shards alone.
     - generation_config.json of a generative model that transformers >= 4.26 saved (`save_pretrained` writes
-      it whenever `can_generate()`): without it, or unreadable, `from_pretrained` catches the error and builds
-      one from the model config (`modeling_utils.PreTrainedModel.from_pretrained`), so the saved generation
-      settings are silently lost.
+      it whenever `can_generate()`): without it `from_pretrained` catches the error and builds one from the
+      model config (`modeling_utils.PreTrainedModel.from_pretrained`). That loses nothing when the file was
+      itself made from the model config (`_from_model_config`, most saves), and the settings of its own when
+      it had any (sampling defaults, stop ids): which one cannot be told once it is gone, so its absence is a
+      warning. One that is there but does not parse is damage: an error, like every JSON side file.
     """
     members = [
         LoadMember(name, MemberKind.JSON, name, read_by)
@@ -374,6 +376,7 @@ def model_load_set(url: str, files: Mapping[str, int]) -> list[LoadMember]:
                 MemberKind.JSON,
                 "the saved generation config",
                 "transformers PreTrainedModel.from_pretrained (GenerationConfig.from_pretrained)",
+                Need.WARNS,
             )
         )
     return members

@@ -21,7 +21,15 @@ def load(path: str, options: Mapping[str, Any]) -> Any:
 
     transformers.utils.logging.set_verbosity_warning()
     model = AutoModelForCausalLM.from_pretrained(path)
-    state: dict[str, Any] = {"model": model.state_dict(), "generation": model.generation_config.to_dict()}
+    # The generation settings that differ from GenerationConfig's defaults (what the saved file says beyond
+    # them), without the version and provenance fields a rebuilt config sets otherwise, and without flags off
+    # either way (False in a saved file, None in a rebuilt one: generate reads both as off).
+    generation = {
+        key: value
+        for key, value in model.generation_config.to_diff_dict().items()
+        if key not in ("transformers_version", "_from_model_config") and value is not None and value is not False
+    }
+    state: dict[str, Any] = {"model": model.state_dict(), "generation": generation}
     if options["tokenizer"]:
         tokenizer = AutoTokenizer.from_pretrained(path)
         state["tokenizer"] = {"vocab": tokenizer.get_vocab(), "specials": tokenizer.all_special_tokens}

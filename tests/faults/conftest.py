@@ -17,8 +17,8 @@ import pytest
 from tests.conftest import build_once
 from tests.faults.loaders import accelerate, dcp, deepspeed, hf_model, native, peft, trainer
 from tests.writers.accelerate_writer import WrittenAccelerate
-from tests.writers.deepspeed_writer import WrittenDeepSpeed
 from tests.writers.dcp_writer import WrittenDcp
+from tests.writers.deepspeed_writer import WrittenDeepSpeed
 from tests.writers.openrlhf_writer import WrittenOpenRlhf
 from tests.writers.peft_writer import WrittenPeft
 from tests.writers.trainer_writer import WrittenTrainerRun

@@ -99,10 +99,12 @@ class PeftLayout(Layout):
         )
 
     def _without_weights(self, url: str, entries: Sequence[DirEntry], names: set[str]) -> CheckpointRef | None:
-        """A folder whose `adapter_config.json` names a PEFT type but that holds no weights is a torn adapter
-        (its weights lost), never nothing: `PeftModel.from_pretrained` (peft/peft_model.py, `load_adapter`)
+        """A folder of files only, whose `adapter_config.json` names a PEFT type but that holds no weights (nor a
+        model's `config.json`) is a torn adapter (its weights lost), never nothing: `PeftModel.from_pretrained` (peft/peft_model.py, `load_adapter`)
         fails on it."""
-        if ADAPTER_CONFIG not in names or not _names_peft_type(io.join(url, ADAPTER_CONFIG)):
+        if ADAPTER_CONFIG not in names or any(e.is_dir for e in entries) or "config.json" in names:
+            return None  # a folder of other things that keeps a run's adapter settings (a wrapped model's save)
+        if not _names_peft_type(io.join(url, ADAPTER_CONFIG)):
             return None
         return CheckpointRef(
             url=url,

@@ -183,7 +183,8 @@ def load(path: str, options: Mapping[str, Any]) -> Any:
     said: list[Any] = [None, None]
     deepspeed.comm.all_gather_object(said, failed)
     if any(said):
-        raise RuntimeError(f"rank {[i for i, s in enumerate(said) if s][0]}: {next(s for s in said if s)}")
+        rank, why = next((i, s) for i, s in enumerate(said) if s)
+        raise RuntimeError(f"rank {rank}: {why}")
     if kind == "zero":
         _, client = engine.load_checkpoint(str(folder.parent), tag=folder.name)
         return {**_engine_state(engine), "client": _plain(client)}
@@ -276,7 +277,9 @@ def _rank(rank: int, spec_path: str, port: int) -> None:
     join_deepspeed_ranks(rank, 2, port)
     spec = json.loads(Path(spec_path).read_text())
     # OpenRLHF's stand-ins and CPU patches stay in the process: its job runs last.
-    results = {job["framework"]: _run_job(job, rank) for job in sorted(spec["jobs"], key=lambda j: j["kind"] == "openrlhf")}
+    results = {
+        job["framework"]: _run_job(job, rank) for job in sorted(spec["jobs"], key=lambda j: j["kind"] == "openrlhf")
+    }
     if rank == 0:
         Path(spec["out"]).write_text(json.dumps(results, indent=1))
     dist.barrier()
@@ -304,7 +307,13 @@ def build(checkpoints: Mapping[str, Mapping[str, Any]], _out: Path) -> dict[str,
         (Path(tmp) / "spec.json").write_text(json.dumps(spec))
         # A rank left waiting on the other (a hang the first-read check did not foresee) fails the build in 2
         # minutes rather than DeepSpeed's default 10 (deepspeed/constants.py: default_pg_timeout).
-        env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "DEEPSPEED_TIMEOUT": "2"}
+        env = {
+            **os.environ,
+            "PYTHONPATH": str(REPO),
+            "HF_HUB_OFFLINE": "1",
+            "OMP_NUM_THREADS": "1",
+            "DEEPSPEED_TIMEOUT": "2",
+        }
         done = subprocess.run(
             [sys.executable, "-m", __name__, str(Path(tmp) / "spec.json")],
             cwd=REPO,

@@ -15,9 +15,14 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import build_once
-from tests.faults.loaders import dcp, hf_model, native, trainer
+from tests.faults.loaders import accelerate, dcp, deepspeed, hf_model, native, peft, trainer
+from tests.writers.accelerate_writer import WrittenAccelerate
 from tests.writers.dcp_writer import WrittenDcp
+from tests.writers.deepspeed_writer import WrittenDeepSpeed
+from tests.writers.openrlhf_writer import WrittenOpenRlhf
+from tests.writers.peft_writer import WrittenPeft
 from tests.writers.trainer_writer import WrittenTrainerRun
+from tests.writers.universal_writer import WrittenUniversal
 
 
 @dataclass(frozen=True)
@@ -69,3 +74,61 @@ def trainer_peft_faults(tmp_path_factory: pytest.TempPathFactory, trainer_run: W
 def hf_model_faults(tmp_path_factory: pytest.TempPathFactory, hf_model_dirs: dict[str, Path]) -> Faults:
     """transformers' `save_pretrained` of the tiny Llama in shards with their index, judged by `from_pretrained`."""
     return _faults(tmp_path_factory, "hf-model", hf_model.build, hf_model_dirs["sharded"])
+
+
+@pytest.fixture(scope="session")
+def deepspeed_faults(
+    tmp_path_factory: pytest.TempPathFactory,
+    deepspeed_runs: dict[int, WrittenDeepSpeed],
+    deepspeed_universal: WrittenUniversal,
+    openrlhf_ppo: WrittenOpenRlhf,
+) -> dict[str, Faults]:
+    """The DeepSpeed-based checkpoints by framework, judged in one 2-rank spawn (`loaders.deepspeed`), each
+    after its run's older tag: the ZeRO-2 and ZeRO-3 `global_step4` by `engine.load_checkpoint`, the ZeRO-2
+    run's universal conversion with `load_universal`, OpenRLHF's actor tag by its strategy's `load_ckpt`,
+    open-instruct's tag by its resume."""
+    zero = {stage: {"kind": "zero", "stage": stage, "universal": False} for stage in (2, 3)}
+    jobs: dict[str, dict[str, object]] = {
+        f"deepspeed-zero{stage}": {
+            **zero[stage],
+            "checkpoint": deepspeed_runs[stage].latest,
+            "prior": deepspeed_runs[stage].save_dir / deepspeed_runs[stage].tags[0],
+        }
+        for stage in (2, 3)
+    }
+    jobs["deepspeed-universal"] = {
+        **zero[2],
+        "universal": True,
+        "checkpoint": deepspeed_universal.universal(2),
+        "prior": deepspeed_universal.save_dirs[2] / "global_step2",
+    }
+    jobs["open-instruct"] = {
+        **zero[2],
+        "kind": "open_instruct",
+        "checkpoint": deepspeed_universal.open_instruct / "global_step4",
+        "prior": deepspeed_universal.open_instruct / "global_step2",
+    }
+    jobs["openrlhf"] = {
+        "kind": "openrlhf",
+        "checkpoint": openrlhf_ppo.actor / openrlhf_ppo.latest,
+        "prior": openrlhf_ppo.actor / "global_step2",
+        "pretrain": openrlhf_ppo.output_dir.parent / "pretrain",
+    }
+    verdicts = build_once(tmp_path_factory, "faults-deepspeed", functools.partial(deepspeed.build, jobs))
+    return {name: Faults(Path(str(job["checkpoint"])), verdicts[name]) for name, job in jobs.items()}
+
+
+@pytest.fixture(scope="session")
+def accelerate_faults(tmp_path_factory: pytest.TempPathFactory, accelerate_runs: WrittenAccelerate) -> Faults:
+    """The plain accelerate run's newest `checkpoint_N`, judged by `Accelerator.load_state` after its older one."""
+    *_, prior, checkpoint = accelerate_runs.plain_checkpoints()
+    verdicts = build_once(tmp_path_factory, "faults-accelerate", functools.partial(accelerate.build, checkpoint, prior))
+    return Faults(checkpoint, verdicts)
+
+
+@pytest.fixture(scope="session")
+def peft_faults(tmp_path_factory: pytest.TempPathFactory, peft_adapters: WrittenPeft) -> Faults:
+    """PEFT's `plain` LoRA adapter folder, judged by `PeftModel.from_pretrained` on its base model."""
+    adapter = peft_adapters.adapters["plain"]
+    verdicts = build_once(tmp_path_factory, "faults-peft", functools.partial(peft.build, adapter, peft_adapters.base))
+    return Faults(adapter, verdicts)

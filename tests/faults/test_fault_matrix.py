@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from tests.faults.conftest import Faults
 from tests.faults.harness import assert_rule
 
@@ -33,3 +35,19 @@ def test_hf_trainer_peft(trainer_peft_faults: Faults, tmp_path: Path) -> None:
 
 def test_hf_model_folder(hf_model_faults: Faults, tmp_path: Path) -> None:
     assert_rule("hf-model", hf_model_faults.checkpoint, hf_model_faults.verdicts, tmp_path)
+
+
+@pytest.mark.parametrize(
+    "framework", ["deepspeed-zero2", "deepspeed-zero3", "deepspeed-universal", "openrlhf", "open-instruct"]
+)
+def test_deepspeed_based(deepspeed_faults: dict[str, Faults], framework: str, tmp_path: Path) -> None:
+    faults = deepspeed_faults[framework]
+    assert_rule(framework, faults.checkpoint, faults.verdicts, tmp_path)
+
+
+def test_accelerate(accelerate_faults: Faults, tmp_path: Path) -> None:
+    assert_rule("accelerate", accelerate_faults.checkpoint, accelerate_faults.verdicts, tmp_path)
+
+
+def test_peft_adapter(peft_faults: Faults, tmp_path: Path) -> None:
+    assert_rule("peft", peft_faults.checkpoint, peft_faults.verdicts, tmp_path)

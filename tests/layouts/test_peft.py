@@ -155,3 +155,15 @@ def test_inspect_says_a_model_is_lora_wrapped(run_cli: Cli, peft_adapters: Writt
     assert "wrapped model" in human.stdout and "--lora merge" in human.stdout
     plain = run_cli("inspect", peft_adapters.base, "--json")
     assert plain.json["wrapped_model"] is None
+
+
+def test_an_adapter_that_lost_its_weights_is_a_torn_adapter(
+    peft_adapters: WrittenPeft, tmp_path: Path, run_cli: Cli
+) -> None:
+    folder = copy_tree(peft_adapters.adapters["plain"], tmp_path / "plain")
+    (folder / "adapter_model.safetensors").unlink()  # PeftModel.from_pretrained fails on it (tests/faults)
+    verified = run_cli("verify", folder, "--json")
+    assert verified.exit_code == 1 and verified.json["layout"] == "peft"
+    assert [(p["path"], p["severity"]) for p in verified.json["problems"]] == [("adapter_model.safetensors", "error")]
+    [listed] = run_cli("list", tmp_path, "--json").json["checkpoints"]
+    assert (listed["layout"], listed["state"]) == ("peft", "broken")

@@ -57,7 +57,7 @@ from ckptctl.frameworks.accelerate.files import (
     per_process_files,
     rng_ranks,
 )
-from ckptctl.frameworks.accelerate.load_set import save_state_members, torn_note
+from ckptctl.frameworks.accelerate.load_set import expected_files, save_state_members, torn_note
 from ckptctl.io import DirEntry
 from ckptctl.layouts.base import (
     LISTED_ABSENT,
@@ -341,9 +341,18 @@ class AccelerateLayout(Layout):
                         ProblemKind.MISSING_FILE, "", f"{absent - len(listed)} more random_states_N.pkl are missing"
                     )
                 )
-        if not parts.has_model:
+        model_files = {"model.safetensors", "pytorch_model.bin"}
+        if not parts.has_model and not model_files & expected_files(url, parts.files).keys():
+            # (Where the run's other saves name the lost model file, the load set says so, with that evidence.)
             problems.append(
-                Problem(ProblemKind.MISSING_FILE, "", "no model weights (no model file, DeepSpeed tag or FSDP folder)")
+                # Named as load_accelerator_state reads it first (then pytorch_model.bin, which its
+                # FileNotFoundError names): the file a torn save lost.
+                Problem(
+                    ProblemKind.MISSING_FILE,
+                    "model.safetensors",
+                    "no model weights: model.safetensors is missing (nor pytorch_model.bin, a DeepSpeed tag or an "
+                    "FSDP folder): accelerate load_accelerator_state raises without them",
+                )
             )
         problems += _rank_file_problems(parts)
         safetensors = {n: files[n] for n in parts.files if n.endswith(".safetensors")}

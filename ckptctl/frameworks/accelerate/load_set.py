@@ -15,8 +15,9 @@ completion marker), and DeepSpeed tags and FSDP folders their own readers'.
 What was saved is the folder's facts: each kind's files are numbered from 0, so a gap names a missing file; a kind
 missing entirely is told by the run's other saves (the sibling folders beside it that `save_state` completed), and
 the message says that is where the evidence comes from. A folder alone cannot tell that a whole kind is missing,
-except the scheduler: torch's LR schedulers write `initial_lr` into the optimizer's parameter groups, so an
-optimizer state holding it without any `scheduler.bin` is a warning.
+except the scheduler and the optimizer: torch's LR schedulers write `initial_lr` into the optimizer's parameter
+groups, so an optimizer state holding it without any `scheduler.bin` fails, and a `scheduler.bin` without any
+`optimizer.bin` fails (a scheduler steps an optimizer the run prepared).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from ckptctl.formats.torch_pickle import open_torch_pickle
 from ckptctl.io import DirEntry
 from ckptctl.layouts import peek, peek_dir
 from ckptctl.layouts.base import absent_numbers
-from ckptctl.layouts.load_set import LoadMember, MemberKind, Need
+from ckptctl.layouts.load_set import LoadMember, MemberKind
 
 __all__ = ["expected_files", "save_state_members", "torn_note"]
 
@@ -132,7 +133,8 @@ def torn_note(url: str, names: frozenset[str]) -> str:
 
 def save_state_members(url: str, files: Mapping[str, int]) -> list[LoadMember]:
     """The numbered files `load_state` reads of the folder: those present, those its own numbering or its run's
-    other saves say it lacks, and (a warning) `scheduler.bin` when the optimizer's state shows a scheduler."""
+    other saves say it lacks, `scheduler.bin` when the optimizer's state shows a scheduler, and `optimizer.bin`
+    when a scheduler's state is here."""
     top = frozenset(name for name in files if "/" not in name)
     members = []
     for name in sorted(n for n in top if _kind_of(n) is not None):
@@ -150,17 +152,37 @@ def save_state_members(url: str, files: Mapping[str, int]) -> list[LoadMember]:
                 "order without a word)",
             )
         )
-    if not any(_KINDS[3][0].match(n) for n in top) and _has_initial_lr(url, files):
+    listed = {m.path for m in members}
+    if "scheduler.bin" not in listed and not any(_KINDS[3][0].match(n) for n in top) and _has_initial_lr(url, files):
+        # An error, not a warning: the fault matrix (tests/faults) proves `load_state` raising FileNotFoundError on
+        # the run's own prepared objects, and a scheduler built on an optimizer accelerate prepares is the way
+        # accelerate's examples and `get_scheduler` users run.
         members.append(
             LoadMember(
                 "scheduler.bin",
                 MemberKind.TORCH_SAVE,
                 _KINDS[3][3],
                 _READ_BY,
-                Need.WARNS,
-                missing="optimizer.bin's parameter groups hold `initial_lr`, which a torch LR scheduler writes: if the "
-                "run prepared one with accelerate, load_state raises without it (no other save of the run says "
-                "either way)",
+                missing="optimizer.bin's parameter groups hold `initial_lr`, which a torch LR scheduler writes: "
+                f"{_READ_BY} raises without it when the run prepared that scheduler with accelerate (a run that "
+                "never gave it to `prepare` loads without it)",
+            )
+        )
+    plain = any((_kind_of(n) or (-1, 0))[0] in (0, 1) for n in top)  # a model file: no DeepSpeed, no FSDP
+    optimizers = any(n.startswith("optimizer") for n in files)
+    if plain and not optimizers and any(_KINDS[3][0].match(n) for n in top):
+        # A prepared LR scheduler steps an optimizer accelerate prepared too (accelerate/accelerator.py:
+        # prepare_scheduler pairs it with one of `self._optimizers`); without DeepSpeed or FSDP (whose optimizer
+        # state lives in their own files) load_accelerator_state then reads optimizer.bin for it and raises
+        # FileNotFoundError without it.
+        members.append(
+            LoadMember(
+                "optimizer.bin",
+                MemberKind.TORCH_SAVE,
+                _KINDS[2][3],
+                _READ_BY,
+                missing=f"scheduler.bin is here, so the run prepared an optimizer for its scheduler to step: {_READ_BY} "
+                "raises without its state",
             )
         )
     return members

@@ -175,7 +175,12 @@ def _missing_model_states(files: TagFiles) -> list[str]:
 def _unfinished(files: TagFiles | None, zero: Sequence[DirEntry]) -> str:
     """Why the listings show a conversion that did not finish ("" when they do not)."""
     if files is None:
-        return "no model states: ds_to_universal copies them from the tag last (the conversion did not finish)"
+        # Named as DeepSpeed's `load_checkpoint` asks for them (deepspeed/runtime/engine.py: _get_all_ckpt_names;
+        # it fails on a folder without them): the files a torn conversion lost.
+        return (
+            "no model states (mp_rank_00_model_states.pt, or zero_pp_rank_0_mp_rank_00_model_states.pt under ZeRO-3): "
+            "ds_to_universal copies them from the tag last (the conversion did not finish)"
+        )
     missing = _missing_model_states(files)
     if missing:
         return f"missing {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}"
@@ -391,7 +396,7 @@ def _model_state_problems(url: str, entries: Sequence[DirEntry]) -> list[Problem
     safely, holding every storage they name."""
     files = tag_files(entries)
     if files is None:
-        return [Problem(ProblemKind.MISSING_FILE, "", _unfinished(None, ()))]
+        return [Problem(ProblemKind.MISSING_FILE, "mp_rank_00_model_states.pt", _unfinished(None, ()))]
     problems = [Problem(ProblemKind.MISSING_FILE, name, f"{name} is missing") for name in _missing_model_states(files)]
     try:
         tag = read_tag(url, files)

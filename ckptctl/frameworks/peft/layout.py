@@ -34,6 +34,7 @@ from ckptctl.checkpoint import (
     TensorEntry,
 )
 from ckptctl.errors import CkptctlError, CorruptCheckpoint
+from ckptctl.formats.documents import read_json
 from ckptctl.formats.safetensors import read_header
 from ckptctl.formats.torch_pickle import open_torch_pickle, storage_problems
 from ckptctl.io import DirEntry
@@ -50,6 +51,15 @@ from ckptctl.layouts.resume import ResumeProfile
 from ckptctl.layouts.step_names import epoch_from_name
 
 __all__ = ["PeftLayout"]
+
+
+def _names_peft_type(url: str) -> bool:
+    """Whether the JSON file at `url` is a PEFT config (it names a `peft_type`)."""
+    try:
+        config = read_json(url)
+    except CkptctlError:
+        return False
+    return isinstance(config, dict) and isinstance(config.get("peft_type"), str)
 
 
 def _weights(names: set[str]) -> str | None:
@@ -70,8 +80,10 @@ class PeftLayout(Layout):
         them) it is broken: PEFT cannot load it."""
         names = {e.name for e in entries if not e.is_dir}
         weights = _weights(names)
-        if weights is None or has_weights(names - set(ADAPTER_WEIGHTS)):
+        if has_weights(names - set(ADAPTER_WEIGHTS)):
             return None
+        if weights is None:
+            return self._without_weights(url, entries, names)
         complete = ADAPTER_CONFIG in names
         return CheckpointRef(
             url=url,
@@ -86,6 +98,25 @@ class PeftLayout(Layout):
             else f"no {ADAPTER_CONFIG}: PEFT writes it after the weights, and cannot load without it",
         )
 
+    def _without_weights(self, url: str, entries: Sequence[DirEntry], names: set[str]) -> CheckpointRef | None:
+        """A folder of files only, whose `adapter_config.json` names a PEFT type but that holds no weights (nor a
+        model's `config.json`) is a torn adapter (its weights lost), never nothing: `PeftModel.from_pretrained` (peft/peft_model.py, `load_adapter`)
+        fails on it."""
+        if ADAPTER_CONFIG not in names or any(e.is_dir for e in entries) or "config.json" in names:
+            return None  # a folder of other things that keeps a run's adapter settings (a wrapped model's save)
+        if not _names_peft_type(io.join(url, ADAPTER_CONFIG)):
+            return None
+        return CheckpointRef(
+            url=url,
+            layout=self.name,
+            step=step_from_name(io.name_of(url)),
+            epoch=epoch_from_name(io.name_of(url)),
+            created=timestamp(newest_mtime(entries)),
+            state=CheckpointState.BROKEN,
+            size_bytes=sum(e.size for e in entries if not e.is_dir),
+            note=f"no {ADAPTER_WEIGHTS[0]}: the adapter's weights are missing",
+        )
+
     def open(self, url: str) -> Checkpoint:
         """The adapter's settings (adapter_config.json) and its tensor index (the weights file's header)."""
         entries = io.list_dir(url)
@@ -94,10 +125,11 @@ class PeftLayout(Layout):
             raise CorruptCheckpoint(f"{url} holds no adapter_model.safetensors or adapter_model.bin")
         files = {e.name: e.size for e in entries if not e.is_dir}
         weights = _weights(set(files))
-        assert weights is not None  # identify found it
 
         @cache
         def tensor_index() -> tuple[TensorEntry, ...]:
+            if weights is None:  # a torn adapter (`_without_weights`)
+                return ()
             if weights.endswith(".bin"):
                 return legacy_index(url, [weights], files)
             return safetensors_index(url, [weights], files)
@@ -119,7 +151,15 @@ class PeftLayout(Layout):
         warning: such an adapter loads and does nothing."""
         url, files = checkpoint.url, checkpoint.files
         weights = _weights(set(files))
-        assert weights is not None
+        if weights is None:
+            return [
+                Problem(
+                    ProblemKind.MISSING_FILE,
+                    ADAPTER_WEIGHTS[0],
+                    f"the adapter's weights are missing ({' or '.join(ADAPTER_WEIGHTS)}): PeftModel.from_pretrained "
+                    "cannot load it",
+                )
+            ]
         problems: list[Problem] = []
         try:
             if weights.endswith(".bin"):

@@ -17,7 +17,7 @@ from typing import Any, TextIO
 import typer
 
 from ckptctl import __version__
-from ckptctl.cli import convert, demo, diff, prune, ranks, repair, reshard, resume_plan, slim, verify
+from ckptctl.cli import average, convert, demo, diff, prune, ranks, repair, reshard, resume_plan, slim, verify
 from ckptctl.cli import inspect as inspect_command
 from ckptctl.cli import list as list_command
 from ckptctl.cli.command import Group
@@ -54,7 +54,20 @@ def _root(
     """Checkpoints of large-model training runs: list, inspect and verify them before you resume."""
 
 
-for module in (list_command, inspect_command, verify, convert, reshard, diff, resume_plan, slim, repair, prune, demo):
+for module in (
+    list_command,
+    inspect_command,
+    verify,
+    convert,
+    average,
+    reshard,
+    diff,
+    resume_plan,
+    slim,
+    repair,
+    prune,
+    demo,
+):
     module.register(app)
 
 

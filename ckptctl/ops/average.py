@@ -296,12 +296,14 @@ def _plan(inputs: Sequence[str], dst: str, options: AverageOptions, convert_opti
             raise CkptctlError(f"the EMA decay must be at least 0 and below 1, not {options.ema}")
         urls = _by_step(urls)
     weights = _weights(len(urls), options)
-    # The last input gives the output its config, tokenizer and tied weights; the others are read with its
-    # config, so that every input gets the same name map and model check.
+    # The last input gives the output its config, tokenizer and tied weights, and is checked against the
+    # model (`convert`'s check). The others are read with its config (the same name map) and matched with it
+    # by name, shape and kind, which names the first difference, rather than each checked against the model.
     last = prepare(urls[-1], dst, convert_options)
     config = last.side_files.get("config.json")
     if config is not None and options.config_dir is None:
         convert_options = replace(convert_options, config_dir=io.parent_of(config))
+    convert_options = replace(convert_options, check_model=False)
     others = [prepare(url, dst, convert_options) for url in urls[:-1]]
     prepared = [*others, last]
     output = [_averaged(planned, prepared, weights, options.ema) for planned in _matched(prepared)]
@@ -376,6 +378,9 @@ def _matched(prepared: Sequence[Prepared]) -> list[list[Planned]]:
             holds with another shape or another kind of dtype.
     """
     last = prepared[-1]
+    # A tied copy the last input's model check added (a DCP output holds `lm_head.weight`) is, in an input
+    # that does not store it, the tensor it is tied to.
+    tied_to = dict(last.spec.tied) if last.spec is not None else {}
     by_input = [{p.name: p for p in item.plan} for item in prepared]
     for item, named in zip(prepared, by_input, strict=True):
         extra = [n for n in named if n not in by_input[-1] and n not in last.tied]
@@ -389,6 +394,8 @@ def _matched(prepared: Sequence[Prepared]) -> list[list[Planned]]:
         row: list[Planned] = []
         for item, named in zip(prepared, by_input, strict=True):
             got = named.get(want.name)
+            if got is None and want.name in tied_to and tied_to[want.name] in named:
+                got = replace(named[tied_to[want.name]], name=want.name)
             if got is None:
                 raise CkptctlError(
                     f"{want.name!r} is in {last.url} but not in {item.url}: the inputs hold different models",

@@ -26,14 +26,17 @@ the tensor and the output's copy: at most 3x the largest tensor in float64, what
 from __future__ import annotations
 
 import math
+import os
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 from ckptctl import io
-from ckptctl.checkpoint import CheckpointRef, CheckpointState, Component, TensorEntry
+from ckptctl.checkpoint import CheckpointRef, CheckpointState, Component, TensorEntry, dtype_itemsize
 from ckptctl.errors import CkptctlError, CorruptCheckpoint
+from ckptctl.formats.safetensors_stream import cast_block
 from ckptctl.layouts import resolve
 from ckptctl.layouts.capabilities import DerivedTensor
 from ckptctl.ops.convert import (
@@ -56,7 +59,7 @@ __all__ = ["AverageInput", "AverageOptions", "AverageResult", "average", "run_in
 #: How far weights may sum from 1 (decimal weights such as 0.1 are not exact in binary).
 WEIGHT_SUM_TOLERANCE = 1e-9
 #: Elements widened and accumulated at a time: the float64 scratch of one block stays in the CPU's cache.
-_BLOCK = 1 << 18
+_BLOCK = 1 << 16
 _FLOATING = frozenset({"float64", "float32", "float16", "bfloat16"})
 
 
@@ -471,6 +474,12 @@ class _Equal:
 class _Average:
     """Computes one output tensor when the writer reaches it (see the module docstring for the arithmetic).
 
+    numpy does the arithmetic: `np.multiply(x, w, dtype=float64)` widens each element exactly and rounds the
+    product once, `np.add` rounds the sum once, and neither fuses them (torch's `add_(x, alpha=w)` is a fused
+    multiply-add in its vectorised loop and not in its scalar one). A large tensor is cut into blocks that a
+    pool of threads works on (numpy lets the GIL go), while the next input's copy of the tensor is read;
+    the last input's pass rounds each block into the output as soon as it is summed.
+
     A module-level dataclass, not a closure: a plan is sent to the other ranks of a job, which pickles it.
 
     Attributes:
@@ -488,46 +497,99 @@ class _Average:
     shape: tuple[int, ...]
 
     def __call__(self) -> Any:
+        import numpy as np
         import torch
 
+        from ckptctl.formats.safetensors import tensor_bytes
+
         numel = math.prod(self.shape)
-        acc = torch.empty(numel, dtype=torch.float64)
-        scratch = torch.empty(min(numel, _BLOCK), dtype=torch.float64)
-        keep = 1.0 - self.ema if self.ema is not None else 0.0
-        for i, (url, planned) in enumerate(self.sources):
-            flat = read_planned(url, planned).reshape(-1)
-            if flat.numel() != numel:
-                raise CorruptCheckpoint(f"{planned.name}: read {flat.numel()} elements, expected {numel}")
-            for start in range(0, numel, _BLOCK):
-                end = min(start + _BLOCK, numel)
-                piece = acc[start:end]
-                if i == 0:
-                    piece.copy_(flat[start:end])
-                    if self.ema is None:
-                        piece.mul_(self.weights[0])
-                    continue
-                term = scratch[: end - start]
-                term.copy_(flat[start:end])
-                if self.ema is None:
-                    term.mul_(self.weights[i])
-                else:
-                    piece.mul_(self.ema)
-                    term.mul_(keep)
-                piece.add_(term)
-            del flat
-        return _rounded(acc, self.dtype).view(self.shape)
+        out = torch.empty(numel, dtype=getattr(torch, self.dtype))
+        acc = out.numpy() if self.dtype == "float64" else np.empty(numel, dtype=np.float64)
+        written = tensor_bytes(out)
+        itemsize = dtype_itemsize(self.dtype)
+        last = len(self.sources) - 1
+
+        def step(i: int, values: Any, start: int) -> None:
+            end = min(start + _BLOCK, numel)
+            self._step(i, acc[start:end], values[start:end])
+            if i == last and self.dtype != "float64":
+                summed: Any = acc[start:end]
+                cast_block(
+                    memoryview(summed).cast("B"),
+                    "float64",
+                    written[start * itemsize : end * itemsize],
+                    self.dtype,
+                    end - start,
+                )
+
+        blocks = range(0, numel, _BLOCK)
+        if numel <= _BLOCK:  # one block: no threads to start
+            for i, source in enumerate(self.sources):
+                values = _flat_values(*source, numel)
+                for start in blocks:
+                    step(i, values, start)
+            return out.view(self.shape)
+        with io.ContextThreadPool(max_workers=1) as reader, io.ContextThreadPool(max_workers=_workers()) as pool:
+            pending = reader.submit(_flat_values, *self.sources[0], numel)
+            for i in range(len(self.sources)):
+                values = pending.result()
+                if i < last:  # read the next input's copy while this one is summed
+                    pending = reader.submit(_flat_values, *self.sources[i + 1], numel)
+                for _ in pool.map(lambda start, i=i, values=values: step(i, values, start), blocks):
+                    pass
+                del values
+        return out.view(self.shape)
+
+    def _step(self, i: int, acc: Any, values: Any) -> None:
+        """One block of input `i` into the accumulator (float64 numpy arrays of the block's elements)."""
+        import numpy as np
+
+        if i == 0:
+            if self.ema is None:
+                np.multiply(values, self.weights[0], out=acc, dtype=np.float64)
+            else:
+                np.copyto(acc, values, casting="unsafe")  # widening: exact
+            return
+        term = _scratch(len(acc))
+        if self.ema is None:
+            np.multiply(values, self.weights[i], out=term, dtype=np.float64)
+        else:
+            np.multiply(acc, self.ema, out=acc)
+            np.multiply(values, 1.0 - self.ema, out=term, dtype=np.float64)
+        np.add(acc, term, out=acc)
 
 
-def _rounded(values: Any, dtype: str) -> Any:
-    """float64 `values` rounded once, to nearest even, to `dtype` (`cast_block`: never through float32)."""
+_local = threading.local()
+
+
+def _scratch(count: int) -> Any:
+    """A float64 block of this thread's own, reused: a fresh one per block would be mapped and faulted in anew."""
+    import numpy as np
+
+    buffer = getattr(_local, "scratch", None)
+    if buffer is None or len(buffer) < count:
+        buffer = _local.scratch = np.empty(max(count, _BLOCK), dtype=np.float64)
+    return buffer[:count]
+
+
+def _workers() -> int:
+    return max(1, min(8, os.cpu_count() or 1))
+
+
+def _flat_values(url: str, planned: Planned, numel: int) -> Any:
+    """The tensor of `planned` as stored (`read_planned`), flat, as a numpy array that widens exactly to float64.
+
+    Raises:
+        CorruptCheckpoint: it does not hold `numel` elements.
+    """
+    import ml_dtypes
     import torch
 
-    from ckptctl.formats.safetensors import tensor_bytes
-    from ckptctl.formats.safetensors_stream import cast_block
-
-    if dtype == "float64":
-        return values
-    out = torch.empty(values.numel(), dtype=getattr(torch, dtype))
-    if values.numel():  # the bytes of both are the tensors' own (contiguous): the cast writes into `out`
-        cast_block(tensor_bytes(values), "float64", tensor_bytes(out), dtype, values.numel())
-    return out
+    tensor = read_planned(url, planned).reshape(-1)
+    if tensor.numel() != numel:
+        raise CorruptCheckpoint(f"{planned.name}: read {tensor.numel()} elements, expected {numel}")
+    if tensor.dtype == torch.bfloat16:
+        return tensor.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    if tensor.dtype in (torch.float64, torch.float32, torch.float16):
+        return tensor.numpy()
+    return tensor.to(torch.float64).numpy()  # float8: numpy has no type, the widening is exact

@@ -105,6 +105,16 @@ def demo_inputs(demo_dir: Path) -> tuple[list[Path], list[Tensors]]:
     return paths, tensors
 
 
+@pytest.fixture(params=["one block", "blocks"])
+def blocks(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The demo's tensors fit in one block; cut into many (odd-sized, on threads) they must sum the same."""
+    if request.param == "blocks":
+        from ckptctl.ops import average as module
+
+        monkeypatch.setattr(module, "_BLOCK", 97)
+
+
+@pytest.mark.usefixtures("blocks")
 def test_weighted_average_of_three_layouts_is_bit_exact(
     demo_inputs: tuple[list[Path], list[Tensors]], tmp_path: Path
 ) -> None:
@@ -122,6 +132,7 @@ def test_weighted_average_of_three_layouts_is_bit_exact(
     assert (result.method, result.tensors) == ("weighted", len(want))
 
 
+@pytest.mark.usefixtures("blocks")
 def test_ema_follows_the_recurrence_over_steps_and_writes_dcp(
     demo_inputs: tuple[list[Path], list[Tensors]], tmp_path: Path
 ) -> None:

@@ -78,7 +78,7 @@ def _write_hf_inputs(root: Path, count: int, layers: int, hidden: int, vocab: in
     """`count` HF folders of one Llama shape, random weights of another seed each, in `dtype`."""
     import torch
     from safetensors.torch import save_file
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
         vocab_size=vocab,
@@ -99,6 +99,7 @@ def _write_hf_inputs(root: Path, count: int, layers: int, hidden: int, vocab: in
         folder = root / f"{dtype}-{i}"
         folder.mkdir(parents=True)
         config.save_pretrained(str(folder))
+        GenerationConfig.from_model_config(config).save_pretrained(str(folder))  # as save_pretrained writes it
         generator = torch.Generator().manual_seed(i)
         state = {
             name: (torch.randn(shape, generator=generator) * 0.02).to(getattr(torch, dtype))

@@ -170,7 +170,11 @@ def main() -> None:
     parser.add_argument("--dir", type=Path, default=None, help="work folder (default: a temp dir beside the repo)")
     parser.add_argument("--keep", action="store_true", help="keep the checkpoints and outputs")
     parser.add_argument("--generate-hf", type=Path, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--compare", type=Path, nargs=2, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.compare is not None:
+        print(json.dumps(_compare(*args.compare)))
+        return
     if args.generate_hf is not None:
         _generate_hf(args.generate_hf, args)
         return
@@ -196,7 +200,15 @@ def main() -> None:
             ours = measure("ckptctl average", [*ckptctl, *map(str, folders), str(ours_dir), "--json", "--quiet"])
             subprocess.run(["sync"], check=True)
             naive = measure("naive", [python, "-c", NAIVE_HF, *map(str, folders), str(naive_dir)])
-            largest, differ, total = _compare(ours_dir, naive_dir)
+            # In a child: a child's ru_maxrss starts from its parent's at fork, so this process loads no tensor.
+            compared = subprocess.run(
+                [python, __file__, "--compare", str(ours_dir), str(naive_dir)],
+                check=True,
+                cwd=REPO,
+                capture_output=True,
+                text=True,
+            )
+            largest, differ, total = json.loads(compared.stdout)
             print(f" {dtype}: {args.inputs} x {size / args.inputs / MIB:.0f} MiB")
             print(_row("ckptctl average (float64, one rounding)", ours))
             print(_row("naive torch: load all, fp32 sum / N", naive))

@@ -6,7 +6,7 @@ _ckptctl() {
     prev="${COMP_WORDS[COMP_CWORD-1]}"
     cmd="${COMP_WORDS[1]}"
     if [[ $COMP_CWORD -eq 1 ]]; then
-        COMPREPLY=($(compgen -W "convert demo diff inspect list prune repair report reshard resume-plan slim sync verify --help --version" -- "$cur")); return
+        COMPREPLY=($(compgen -W "average convert demo diff inspect list prune repair report reshard resume-plan slim sync verify --help --version" -- "$cur")); return
     fi
     case "$prev" in
         --sort) COMPREPLY=($(compgen -W "step created size url" -- "$cur")); return;;
@@ -20,6 +20,7 @@ _ckptctl() {
         --weights) COMPREPLY=($(compgen -W "auto master stored" -- "$cur")); return;;
     esac
     case "$cmd" in
+        average) local opts="--last --steps --weights --no-normalize --ema --to --dtype --max-shard-size --dcp-file-size --model-weights --config --tokenizer --force --reread --workers --no-check-model --json --quiet -q --help -h";;
         convert) local opts="--to --dtype --max-shard-size --dcp-file-size --component --strip-prefix --rename --mapping --config --tokenizer --force --reread --workers --weights --no-check-model --check-logits --merge-adapter --lora --adapter-config --lora-alpha --lora-r --lora-rslora --layout --json --quiet -q --help -h";;
         demo) local opts="--steps --distributed --no-distributed --force --json --quiet -q --help -h";;
         diff) local opts="--component --atol --rtol --strip-prefix --rename --ignore-dtype --all --top --read-all --layout-a --layout-b --html --workers --json --quiet -q --help -h";;

@@ -17,7 +17,21 @@ from typing import Any, TextIO
 import typer
 
 from ckptctl import __version__
-from ckptctl.cli import convert, demo, diff, prune, ranks, repair, report, reshard, resume_plan, slim, sync, verify
+from ckptctl.cli import (
+    average,
+    convert,
+    demo,
+    diff,
+    prune,
+    ranks,
+    repair,
+    report,
+    reshard,
+    resume_plan,
+    slim,
+    sync,
+    verify,
+)
 from ckptctl.cli import inspect as inspect_command
 from ckptctl.cli import list as list_command
 from ckptctl.cli.command import Group
@@ -59,6 +73,7 @@ for module in (
     inspect_command,
     verify,
     convert,
+    average,
     reshard,
     diff,
     resume_plan,

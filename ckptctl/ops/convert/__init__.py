@@ -73,10 +73,13 @@ __all__ = [
     "ConvertResult",
     "LoraMode",
     "ModelCheck",
+    "Prepared",
     "Target",
     "Weights",
     "convert",
     "parse_dtype",
+    "prepare",
+    "write_prepared",
 ]
 
 T = TypeVar("T")
@@ -94,8 +97,9 @@ def convert(
         CorruptCheckpoint: source bytes that disagree with their metadata (nothing is left at DST).
         StorageError: the output cannot be written or uploaded.
     """
+    options = options or ConvertOptions()
     with io.counting() as read:
-        return _convert(src, dst, options or ConvertOptions(), progress or NoProgress(), read)
+        return write_prepared(lambda: prepare(src, dst, options), options, progress or NoProgress(), read)
 
 
 def _hf_model(checkpoint: Checkpoint, layout: Layout, options: ConvertOptions) -> HfModel | NativeModel | None:
@@ -119,8 +123,11 @@ def _hf_model(checkpoint: Checkpoint, layout: Layout, options: ConvertOptions) -
     return convert_source(layout).hf_model(checkpoint, config)
 
 
-def _convert(src: str, dst: str, options: ConvertOptions, progress: Progress, read: io.ByteCounter) -> ConvertResult:
-    """The conversion, in this process or over `options.ranks`, whose every rank runs it.
+def write_prepared(
+    make: Callable[[], Prepared], options: ConvertOptions, progress: Progress, read: io.ByteCounter
+) -> ConvertResult:
+    """The output `make()` prepares (on rank 0: `prepare`, or `average`'s plan of computed tensors), written
+    in this process or over `options.ranks`, whose every rank runs it; `read` counts the bytes read.
 
     Over several ranks, rank 0 plans and opens the staging folder, each rank writes its share of the
     output's data files (`write_hf`, `write_dcp`) into it, and rank 0 adds the side files and the digests
@@ -134,7 +141,7 @@ def _convert(src: str, dst: str, options: ConvertOptions, progress: Progress, re
         state: dict[str, Any] = {}
 
         def begin() -> _Work:
-            prepared = state["prepared"] = _prepare(src, dst, options)
+            prepared = state["prepared"] = make()
             staging = (
                 Staging(prepared.dst)
                 if io.is_local(prepared.dst)
@@ -195,7 +202,7 @@ class _Work:
 
 
 @dataclass(frozen=True, slots=True)
-class _Prepared:
+class Prepared:
     """The checked source and what to make of it: `checkpoint` is where the output's stored tensors are read
     (the base model an adapter is merged into, else the source itself), `url` the source converted,
     `adapter` the adapter folder written instead of a model (`lora=adapter`)."""
@@ -221,7 +228,12 @@ def _on_leader(ranks: Ranks | None, work: Callable[[], T]) -> T:
     return work() if ranks is None else ranks.lead(work)
 
 
-def _prepare(src: str, dst: str, options: ConvertOptions) -> _Prepared:
+def prepare(src: str, dst: str, options: ConvertOptions) -> Prepared:
+    """The checked source `src` and the plan of its output at `dst` (nothing is written).
+
+    Raises:
+        CkptctlError: as `convert`, before anything is written.
+    """
     if options.max_shard_size <= 0 or options.dcp_file_size <= 0:
         raise CkptctlError("the maximum shard and file sizes must be positive")
     if options.check_logits and (options.to is not Target.HF or options.component is not Component.MODEL):
@@ -298,7 +310,7 @@ def _prepare(src: str, dst: str, options: ConvertOptions) -> _Prepared:
             f"cannot compare logits: {why_not[0] if why_not else 'the output gets no config.json'}",
             "pass the folder of the model's config.json with --config (transformers 5 must be installed)",
         )
-    return _Prepared(
+    return Prepared(
         src, dst, url, layout.name, source, base, plan, weights, side_files, made_config, config, spec, tied, notes
     )
 
@@ -333,7 +345,7 @@ def _value_head(
 
 def _prepare_adapter(
     src: str, dst: str, layout: Layout, checkpoint: Checkpoint, options: ConvertOptions, notes: list[str]
-) -> _Prepared:
+) -> Prepared:
     """The adapter folder of the adapters the checkpoint's model carries (`lora=adapter`), with the
     tokenizer found beside it; no config.json (the base model's is where the adapter is loaded onto).
 
@@ -358,7 +370,7 @@ def _prepare_adapter(
     )
     side_files.pop("config.json", None)
     notes += [n for n in side_notes if "config.json" not in n]
-    return _Prepared(
+    return Prepared(
         src=src,
         dst=dst,
         url=checkpoint.url,
@@ -453,7 +465,7 @@ class _Sealed:
     files: tuple[str, ...]
 
 
-def _seal(prepared: _Prepared, out: str, written: Written | None, options: ConvertOptions) -> _Sealed:
+def _seal(prepared: Prepared, out: str, written: Written | None, options: ConvertOptions) -> _Sealed:
     """Side files, the logits check and the digests, into the staged output `out` (rank 0)."""
     assert written is not None  # rank 0 always writes
     plan, checkpoint, config = prepared.plan, prepared.checkpoint, prepared.config
@@ -476,7 +488,7 @@ def _seal(prepared: _Prepared, out: str, written: Written | None, options: Conve
 
 
 def _result(
-    prepared: _Prepared,
+    prepared: Prepared,
     written: Written | None,
     sealed: _Sealed,
     uploaded: int,

@@ -107,21 +107,38 @@ def _write_file(
     checkpoint_url: str, members: list[Planned], items: dict[str, Any], out: str, name: str
 ) -> tuple[list[Any], int]:
     """One data file of `members` (torch's writer: what `dcp.save` writes, tensor by tensor); its write
-    results and the number of tensors read and assembled rather than mapped."""
+    results and the number of tensors read and assembled rather than mapped.
+
+    A tensor that is not mapped is read (or computed) only when the writer reaches its item, and let go once
+    written (`data_file_writer`): the file holds one such tensor in memory at a time, not all of them."""
+    import torch
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
     from torch.distributed.checkpoint.planner import SavePlan
+
+    class LazyPlanner(DefaultSavePlanner):
+        """Resolves the tensors of `produce` (flattened key -> planned tensor) when their item is written."""
+
+        def __init__(self, produce: dict[str, Planned]) -> None:
+            super().__init__()
+            self.produce = produce
+
+        def lookup_object(self, index: Any) -> Any:
+            planned = self.produce.get(index.fqn)
+            return super().lookup_object(index) if planned is None else read_planned(checkpoint_url, planned)
 
     assembled = 0
     with contextlib.ExitStack() as stack:
         state: dict[str, Any] = {}
         maps: dict[str, Any] = {}
+        produce: dict[str, Planned] = {}
         for planned in members:
             tensor = _mapped_tensor(checkpoint_url, planned, maps, stack)
             if tensor is None:
-                tensor = read_planned(checkpoint_url, planned)
+                tensor = torch.empty(planned.shape, dtype=getattr(torch, planned.dtype), device="meta")
+                produce[f"{DCP_NAMESPACE}.{planned.name}"] = planned
                 assembled += 1
             state[planned.name] = tensor
-        planner = DefaultSavePlanner()
+        planner = LazyPlanner(produce)
         planner.set_up_planner({DCP_NAMESPACE: state}, None, True)
         file_plan = SavePlan([items[f"{DCP_NAMESPACE}.{p.name}"] for p in members])
         results = data_file_writer(out, name).write_data(file_plan, planner).value()

@@ -9,7 +9,8 @@ and turns what that storage raises into typed ckptctl errors with a hint (`failu
 
 - `local`: local paths, straight os calls; also fsync of folders and an atomic exchange of two paths;
 - `remote`: any fsspec URL (`s3://` through s3fs and botocore, so the standard AWS settings apply), each
-  call retried with backoff on transient failures and bounded in time (`RETRY`);
+  call retried with backoff on transient failures and bounded in time (`failures.RETRY`, which tests and
+  embedding applications may replace);
 - `snapshot`: inside `listing_snapshot(url)`, the answers of one recursive listing of a remote folder.
 
 Transfers of many files or ranges run on a bounded pool of `workers()` threads (`parallel`). The commit
@@ -25,7 +26,7 @@ from typing import IO
 from ckptctl.errors import CorruptCheckpoint, StorageError
 from ckptctl.io.backend import Backend
 from ckptctl.io.counting import READ_STATS, ByteCounter, ReadStats, count_read, count_read_elsewhere, counting
-from ckptctl.io.failures import RetryPolicy, check_size, policy_from_env, translate_errors
+from ckptctl.io.failures import RetryPolicy, check_size, translate_errors
 from ckptctl.io.local import LOCAL, exchange, fsync_dir, refuse_to_replace_precious, start_writeback
 from ckptctl.io.parallel import ContextThreadPool, parallel_map, workers
 from ckptctl.io.paths import DirEntry, is_local, join, local_path, name_of, parent_of, relative_to
@@ -36,7 +37,6 @@ __all__ = [
     "MAX_MARKER_BYTES",
     "READ_STATS",
     "REMOTE_BLOCK",
-    "RETRY",
     "ByteCounter",
     "ContextThreadPool",
     "DirEntry",
@@ -79,9 +79,6 @@ __all__ = [
 REMOTE_BLOCK = 8 << 20
 #: The largest marker or pointer file read (a `latest` naming a folder, a tracker holding a step number).
 MAX_MARKER_BYTES = 64 << 10
-#: The retry policy of every remote call, from `CKPTCTL_IO_RETRIES` and `CKPTCTL_IO_TIMEOUT` (tests and
-#: embedding applications may replace it).
-RETRY = policy_from_env()
 
 
 def _backend(url: str) -> Backend:

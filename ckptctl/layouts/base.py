@@ -19,7 +19,7 @@ from ckptctl.errors import CkptctlError
 from ckptctl.formats.dcp_metadata import METADATA_NAME, RANK_METADATA
 from ckptctl.formats.torch_zip import TorchArchive
 from ckptctl.io import DirEntry
-from ckptctl.layouts.load_set import LoadMember
+from ckptctl.layouts.load_set import LoadMember, check_load_set
 from ckptctl.layouts.parts.dcp_folder_metadata import dcp_item_archives
 from ckptctl.layouts.resume import ResumeProfile, generic_profile
 from ckptctl.layouts.step_names import step_from_name  # noqa: F401  (re-exported: the layouts use one rule set)
@@ -169,6 +169,14 @@ class Layout:
 
 #: Suffixes of the files torch.save writes as frameworks name them.
 TORCH_SAVE_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
+
+
+def checkpoint_problems(layout: Layout, checkpoint: Checkpoint) -> list[Problem]:
+    """The structural problems of an opened checkpoint: its layout's rules (`Layout.verify`), then its load set
+    (`Layout.load_set`, checked by `load_set.check_load_set`). What `verify` and `resume-plan` judge a
+    checkpoint by, so that both say the same."""
+    problems = list(layout.verify(checkpoint))
+    return problems + check_load_set(checkpoint.url, layout.load_set(checkpoint), checkpoint.files, problems)
 
 
 def default_torch_archives(checkpoint: Checkpoint) -> tuple[TorchArchive, ...]:

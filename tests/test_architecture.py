@@ -12,6 +12,12 @@ from scripts.check_imports import PACKAGE, check, cycles, import_graph
 README = Path(__file__).resolve().parents[1] / "README.md"
 
 
+def _plant(package: Path, files: dict[str, str]) -> None:
+    for rel, text in files.items():
+        (package / rel).parent.mkdir(parents=True, exist_ok=True)
+        (package / rel).write_text(text)
+
+
 def test_the_package_keeps_its_import_contract() -> None:
     assert [str(v) for v in check()] == []
 
@@ -27,9 +33,7 @@ def test_the_contract_catches_each_kind_of_break(tmp_path: Path) -> None:
         "formats/dcp.py": "from ckptctl import ops\n",
         "ops/listing.py": "from ckptctl.layouts import scan_run\nfrom ckptctl.formats import dcp\n",
     }
-    for rel, text in files.items():
-        (package / rel).parent.mkdir(parents=True, exist_ok=True)
-        (package / rel).write_text(text)
+    _plant(package, files)
 
     found = {(v.module, v.imported) for v in check(package)}
 
@@ -58,9 +62,7 @@ def test_the_contract_finds_every_import_cycle_also_those_a_function_or_type_che
         "core/rng.py": "from ckptctl.core.entries import kind_of\n",
         "core/entries.py": "",
     }
-    for rel, text in files.items():
-        (package / rel).parent.mkdir(parents=True, exist_ok=True)
-        (package / rel).write_text(text)
+    _plant(package, files)
 
     found = [v.rule for v in check(package)]
 

@@ -23,7 +23,8 @@ import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from typing import IO
 
-from ckptctl.errors import CorruptCheckpoint, StorageError
+from ckptctl.errors import CkptctlError, CorruptCheckpoint, StorageError
+from ckptctl.io import local
 from ckptctl.io.backend import Backend
 from ckptctl.io.counting import READ_STATS, ByteCounter, ReadStats, count_read, count_read_elsewhere, counting
 from ckptctl.io.failures import RetryPolicy, check_size, translate_errors
@@ -70,6 +71,7 @@ __all__ = [
     "refuse_to_replace_precious",
     "relative_to",
     "start_writeback",
+    "tree_usage",
     "upload_file",
     "workers",
     "write_bytes_atomic",
@@ -164,6 +166,22 @@ def read_text(url: str, *, max_size: int | None = None) -> str:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise CorruptCheckpoint(f"{url} is not UTF-8 text") from exc
+
+
+def tree_usage(url: str) -> tuple[int, float | None]:
+    """Bytes of the files below `url` and the newest modification time there (a file: its own); links are
+    not followed, and a folder that cannot be listed counts nothing (what a size or an "is it still being
+    written" answer can do without)."""
+    if is_local(url):
+        return local.tree_usage(local_path(url))
+    size, newest = 0, None
+    with contextlib.suppress(CkptctlError):
+        for entry in list_dir(url):
+            part_size, part_newest = tree_usage(join(url, entry.name)) if entry.is_dir else (entry.size, entry.mtime)
+            size += part_size
+            if part_newest:
+                newest = part_newest if newest is None else max(newest, part_newest)
+    return size, newest
 
 
 @contextlib.contextmanager

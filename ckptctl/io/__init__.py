@@ -20,6 +20,7 @@ protocol (`io.commit`) and the delete routine (`io.trash`) are built on these fu
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import IO
 
@@ -55,6 +56,7 @@ __all__ = [
     "file_size",
     "fsync_dir",
     "is_dir",
+    "is_link",
     "is_local",
     "join",
     "list_dir",
@@ -115,6 +117,11 @@ def exists(url: str) -> bool:
 def is_dir(url: str) -> bool:
     with translate_errors(url):
         return _backend(url).is_dir(url)
+
+
+def is_link(url: str) -> bool:
+    """Whether `url` is a symbolic link (on object stores nothing is: they have none)."""
+    return is_local(url) and os.path.islink(local_path(url))
 
 
 def file_size(url: str) -> int:

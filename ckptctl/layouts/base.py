@@ -8,7 +8,6 @@ shared contract test in `tests/layouts/test_contract.py` runs against every regi
 from __future__ import annotations
 
 import itertools
-import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -246,15 +245,6 @@ def folder_size(url: str, entries: Sequence[DirEntry] | None = None) -> int:
 
     `entries`, the folder's listing when the caller has it, saves a request when it holds no folder.
     """
-    if io.is_local(url):
-        total = 0
-        for root, _dirs, files in os.walk(io.local_path(url)):
-            for f in files:
-                try:
-                    total += os.stat(os.path.join(root, f)).st_size
-                except FileNotFoundError:
-                    continue
-        return total
     if entries is not None and not any(e.is_dir for e in entries):
         return sum(e.size for e in entries)
     return sum(e.size for e in io.list_tree(url).values())
@@ -268,15 +258,4 @@ def newest_mtime(entries: Sequence[DirEntry]) -> float | None:
 
 def list_files(url: str) -> dict[str, int]:
     """Every file below a folder: relative path (with `/`) -> size in bytes (one listing on object stores)."""
-    if io.is_local(url):
-        files: dict[str, int] = {}
-        base = io.local_path(url)
-        for root, _dirs, names in os.walk(base):
-            for n in names:
-                full = os.path.join(root, n)
-                try:
-                    files[os.path.relpath(full, base).replace(os.sep, "/")] = os.stat(full).st_size
-                except FileNotFoundError:
-                    continue
-        return files
     return {rel: entry.size for rel, entry in sorted(io.list_tree(url).items())}

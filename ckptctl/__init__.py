@@ -9,8 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ckptctl.formats import framework_classes as _framework_classes
-
-__version__ = "0.1.0"
+from ckptctl.version import __version__
 
 __all__ = ["AutoSaver", "CheckpointManager", "RetentionPolicy", "__version__"]
 

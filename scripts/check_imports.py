@@ -11,10 +11,15 @@ Layers, from the top; a module imports from its own layer and those below it, ne
                                      registry names plugins by dotted strings and imports them lazily)
     formats                          file formats, no layout knowledge
     io                               every file access
-    errors, units, checkpoint        the vocabulary every layer uses
+    errors, units, checkpoint,       the vocabulary every layer uses
+    quoting, version
 
-Only static imports count (`import x`, `from x import y`, also inside functions): importing a plugin by its
-dotted name through `importlib` is how the registry is meant to reach the frameworks.
+And no module reaches itself through others (no import cycle, also inside a layer): a cycle that a
+function-level import hides at run time is still one knot that cannot be read, tested or moved in parts.
+
+Only static imports count (`import x`, `from x import y`, also inside functions and under `TYPE_CHECKING`):
+importing a plugin by its dotted name through `importlib` is how the registry is meant to reach the
+frameworks.
 
 Usage: `python -m scripts.check_imports` (exit 1 and one line per broken rule).
 """
@@ -23,7 +28,7 @@ from __future__ import annotations
 
 import ast
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,6 +39,8 @@ LAYERS = {
     "errors": 0,
     "units": 0,
     "checkpoint": 0,
+    "quoting": 0,
+    "version": 0,
     "io": 1,
     "formats": 2,
     "layouts": 3,
@@ -112,6 +119,101 @@ def check(package: Path = PACKAGE) -> list[Violation]:
                 found.append(
                     Violation(module, imported, line, "plugins never import each other (share a part in layouts)")
                 )
+    return found + cycle_violations(package)
+
+
+def import_graph(package: Path = PACKAGE) -> dict[str, dict[str, int]]:
+    """Module -> the ckptctl modules it imports, each with the line of its first import.
+
+    An import names the module whose names it takes: `from ckptctl.io import DirEntry` the package
+    `ckptctl.io`, `from ckptctl.core import rng` the module `ckptctl.core.rng`. That importing `a.b` first
+    runs `a/__init__.py` does not count: otherwise a package that imports its own modules would be a cycle
+    with every one of them that imports a sibling.
+    """
+    paths = {module_name(path, package): path for path in sorted(package.rglob("*.py"))}
+    graph: dict[str, dict[str, int]] = {}
+    for module, path in paths.items():
+        edges = graph.setdefault(module, {})
+        for imported, line in imports(path, package):
+            target = imported
+            while target and target not in paths:
+                target = target.rpartition(".")[0]
+            if target and target != module:
+                edges[target] = min(edges.get(target, line), line)
+    return graph
+
+
+def cycles(graph: Mapping[str, Mapping[str, int]]) -> list[list[str]]:
+    """One shortest cycle through the first module (by name) of each group of modules that import each other
+    (a strongly connected component of more than one module), as the modules along it."""
+    found = []
+    for component in _components(graph):
+        start = min(component)
+        paths = {start: [start]}
+        queue = [start]
+        while queue:  # breadth first, inside the component: the first way back to `start` is a shortest one
+            module = queue.pop(0)
+            for target in sorted(graph[module]):
+                if target == start:
+                    found.append(paths[module])
+                    queue = []
+                    break
+                if target in component and target not in paths:
+                    paths[target] = [*paths[module], target]
+                    queue.append(target)
+    return sorted(found)
+
+
+def _components(graph: Mapping[str, Mapping[str, int]]) -> list[set[str]]:
+    """Tarjan's strongly connected components of more than one module, without recursion."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            module, targets = work[-1]
+            target = next(targets, None)
+            if target is not None:
+                if target not in index:
+                    index[target] = low[target] = len(index)
+                    stack.append(target)
+                    on_stack.add(target)
+                    work.append((target, iter(sorted(graph.get(target, {})))))
+                elif target in on_stack:
+                    low[module] = min(low[module], index[target])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[module])
+            if low[module] == index[module]:
+                component = set()
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.add(member)
+                    if member == module:
+                        break
+                if len(component) > 1:
+                    found.append(component)
+    return found
+
+
+def cycle_violations(package: Path = PACKAGE) -> list[Violation]:
+    """One violation per import cycle, at the import that closes it back to the first module."""
+    graph = import_graph(package)
+    found = []
+    for cycle in cycles(graph):
+        closing = graph[cycle[-1]][cycle[0]]
+        loop = " -> ".join([*cycle, cycle[0]])
+        found.append(Violation(cycle[-1], cycle[0], closing, f"import cycle: {loop}"))
     return found
 
 

@@ -12,6 +12,12 @@ from scripts.check_imports import PACKAGE, check
 README = Path(__file__).resolve().parents[1] / "README.md"
 
 
+def _plant(package: Path, files: dict[str, str]) -> None:
+    for rel, text in files.items():
+        (package / rel).parent.mkdir(parents=True, exist_ok=True)
+        (package / rel).write_text(text)
+
+
 def test_the_package_keeps_its_import_contract() -> None:
     assert [str(v) for v in check()] == []
 
@@ -27,9 +33,7 @@ def test_the_contract_catches_each_kind_of_break(tmp_path: Path) -> None:
         "formats/dcp.py": "from ckptctl import ops\n",
         "ops/listing.py": "from ckptctl.layouts import scan_run\nfrom ckptctl.formats import dcp\n",
     }
-    for rel, text in files.items():
-        (package / rel).parent.mkdir(parents=True, exist_ok=True)
-        (package / rel).write_text(text)
+    _plant(package, files)
 
     found = {(v.module, v.imported) for v in check(package)}
 
@@ -39,6 +43,35 @@ def test_the_contract_catches_each_kind_of_break(tmp_path: Path) -> None:
         ("ckptctl.layouts.base", "ckptctl.frameworks.a.layout"),
         ("ckptctl.formats.dcp", "ckptctl.ops"),
     }
+
+
+def test_the_contract_finds_every_import_cycle_also_those_a_function_or_type_check_hides(tmp_path: Path) -> None:
+    """A cycle through a package's face, one a function-level import hides at run time and one of type hints
+    are found, each once; a package importing its modules, which import each other, is none."""
+    package = tmp_path / "ckptctl"
+    files = {
+        "io/__init__.py": "from ckptctl.io.failures import call\nRETRY = 1\n",
+        "io/failures.py": "from ckptctl import io as _package\n",
+        "frameworks/a/layout.py": "def profile():\n    from ckptctl.frameworks.a.resume import PROFILE\n",
+        "frameworks/a/resume.py": "from ckptctl.frameworks.a.universal import host\n",
+        "frameworks/a/universal.py": "from ckptctl.frameworks.a import layout\n",
+        "layouts/base.py": "from ckptctl.layouts.load_set import LoadMember\n",
+        "layouts/load_set.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ckptctl.layouts.base import Layout\n",
+        "core/__init__.py": "from ckptctl.core.loading import restore\n",
+        "core/loading.py": "from ckptctl.core import rng\nfrom ckptctl.core.entries import kind_of\n",
+        "core/rng.py": "from ckptctl.core.entries import kind_of\n",
+        "core/entries.py": "",
+    }
+    _plant(package, files)
+
+    found = [v.rule for v in check(package)]
+
+    assert found == [
+        "import cycle: ckptctl.frameworks.a.layout -> ckptctl.frameworks.a.resume -> ckptctl.frameworks.a.universal"
+        " -> ckptctl.frameworks.a.layout",
+        "import cycle: ckptctl.io -> ckptctl.io.failures -> ckptctl.io",
+        "import cycle: ckptctl.layouts.base -> ckptctl.layouts.load_set -> ckptctl.layouts.base",
+    ]
 
 
 def test_the_real_package_is_what_the_contract_reads() -> None:

@@ -56,7 +56,7 @@ WaitOpt = Annotated[
         min=0,
     ),
 ]
-# prune and slim judge alike whether a checkpoint is still being written (`ops.prune.DEFAULT_GRACE`).
+# prune and slim judge alike whether a checkpoint is still being written (`ops.planned.DEFAULT_GRACE`).
 GraceOpt = Annotated[
     str | None,
     typer.Option(

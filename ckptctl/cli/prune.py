@@ -88,7 +88,8 @@ def prune(
     quiet: QuietOpt = False,
 ) -> None:
     from ckptctl.core.retention import KeepBest, RetentionPolicy
-    from ckptctl.ops.prune import DEFAULT_GRACE, POLICY_FILE, load_policy_file
+    from ckptctl.ops.planned import DEFAULT_GRACE
+    from ckptctl.ops.prune import POLICY_FILE, load_policy_file
     from ckptctl.ops.prune import prune as run_prune
     from ckptctl.units import parse_age, parse_size
 

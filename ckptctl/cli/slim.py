@@ -73,7 +73,7 @@ def slim(
     json_output: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
-    from ckptctl.ops.prune import DEFAULT_GRACE
+    from ckptctl.ops.planned import DEFAULT_GRACE
     from ckptctl.ops.slim import DEFAULT_KEEP_FULL, load_slim_settings
     from ckptctl.ops.slim import slim as run_slim
     from ckptctl.units import parse_age

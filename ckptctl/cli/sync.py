@@ -69,7 +69,7 @@ def sync(
     json_output: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
-    from ckptctl.ops.prune import DEFAULT_GRACE
+    from ckptctl.ops.planned import DEFAULT_GRACE
     from ckptctl.ops.sync import watch as run_watch
     from ckptctl.units import parse_age
 

@@ -82,7 +82,6 @@ from typing import Any
 import numpy as np
 import torch
 
-import ckptctl
 from ckptctl import io
 from ckptctl.core import distributed as dist_
 from ckptctl.core import loading, snapshot
@@ -100,6 +99,7 @@ from ckptctl.formats.slim_marker import SLIM_NOTE
 from ckptctl.io import trash
 from ckptctl.io.trash import TRASH_NAME, Retired
 from ckptctl.layouts.base import folder_size
+from ckptctl.version import __version__
 
 __all__ = ["POINTER_NAME", "TRASH_NAME", "CheckpointManager", "StepNaming"]
 
@@ -870,7 +870,7 @@ def _steps_hint(steps: list[int]) -> str:
 @functools.cache
 def _versions() -> dict[str, str]:
     return {
-        "ckptctl": ckptctl.__version__,
+        "ckptctl": __version__,
         "torch": torch.__version__,
         "python": platform.python_version(),
         "numpy": np.__version__,

@@ -231,7 +231,7 @@ def write_torch_file(obj: Any, path: str) -> int:
         out.record("version", _FORMAT_VERSION)
         out.record(".data/serialization_id", _serialization_id(out.entries))
         size = out.finish()
-        io.start_writeback(fd, 0, size)  # the commit's fsync (ops.convert.commit.write_digests) then waits less
+        io.start_writeback(fd, 0, size)  # the commit's fsync (ops.commit.write_digests) then waits less
         return size
     except OSError as exc:
         raise StorageError(f"cannot write {path}: {exc.strerror or exc}") from exc

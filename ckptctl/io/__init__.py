@@ -9,7 +9,8 @@ and turns what that storage raises into typed ckptctl errors with a hint (`failu
 
 - `local`: local paths, straight os calls; also fsync of folders and an atomic exchange of two paths;
 - `remote`: any fsspec URL (`s3://` through s3fs and botocore, so the standard AWS settings apply), each
-  call retried with backoff on transient failures and bounded in time (`RETRY`);
+  call retried with backoff on transient failures and bounded in time (`failures.RETRY`, which tests and
+  embedding applications may replace);
 - `snapshot`: inside `listing_snapshot(url)`, the answers of one recursive listing of a remote folder.
 
 Transfers of many files or ranges run on a bounded pool of `workers()` threads (`parallel`). The commit
@@ -19,13 +20,15 @@ protocol (`io.commit`) and the delete routine (`io.trash`) are built on these fu
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import IO
 
-from ckptctl.errors import CorruptCheckpoint, StorageError
+from ckptctl.errors import CkptctlError, CorruptCheckpoint, StorageError
+from ckptctl.io import local
 from ckptctl.io.backend import Backend
 from ckptctl.io.counting import READ_STATS, ByteCounter, ReadStats, count_read, count_read_elsewhere, counting
-from ckptctl.io.failures import RetryPolicy, check_size, policy_from_env, translate_errors
+from ckptctl.io.failures import RetryPolicy, check_size, translate_errors
 from ckptctl.io.local import LOCAL, exchange, fsync_dir, refuse_to_replace_precious, start_writeback
 from ckptctl.io.parallel import ContextThreadPool, parallel_map, workers
 from ckptctl.io.paths import DirEntry, is_local, join, local_path, name_of, parent_of, relative_to
@@ -36,7 +39,6 @@ __all__ = [
     "MAX_MARKER_BYTES",
     "READ_STATS",
     "REMOTE_BLOCK",
-    "RETRY",
     "ByteCounter",
     "ContextThreadPool",
     "DirEntry",
@@ -54,6 +56,7 @@ __all__ = [
     "file_size",
     "fsync_dir",
     "is_dir",
+    "is_link",
     "is_local",
     "join",
     "list_dir",
@@ -70,6 +73,7 @@ __all__ = [
     "refuse_to_replace_precious",
     "relative_to",
     "start_writeback",
+    "tree_usage",
     "upload_file",
     "workers",
     "write_bytes_atomic",
@@ -79,9 +83,6 @@ __all__ = [
 REMOTE_BLOCK = 8 << 20
 #: The largest marker or pointer file read (a `latest` naming a folder, a tracker holding a step number).
 MAX_MARKER_BYTES = 64 << 10
-#: The retry policy of every remote call, from `CKPTCTL_IO_RETRIES` and `CKPTCTL_IO_TIMEOUT` (tests and
-#: embedding applications may replace it).
-RETRY = policy_from_env()
 
 
 def _backend(url: str) -> Backend:
@@ -116,6 +117,11 @@ def exists(url: str) -> bool:
 def is_dir(url: str) -> bool:
     with translate_errors(url):
         return _backend(url).is_dir(url)
+
+
+def is_link(url: str) -> bool:
+    """Whether `url` is a symbolic link (on object stores nothing is: they have none)."""
+    return is_local(url) and os.path.islink(local_path(url))
 
 
 def file_size(url: str) -> int:
@@ -167,6 +173,22 @@ def read_text(url: str, *, max_size: int | None = None) -> str:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise CorruptCheckpoint(f"{url} is not UTF-8 text") from exc
+
+
+def tree_usage(url: str) -> tuple[int, float | None]:
+    """Bytes of the files below `url` and the newest modification time there (a file: its own); links are
+    not followed, and a folder that cannot be listed counts nothing (what a size or an "is it still being
+    written" answer can do without)."""
+    if is_local(url):
+        return local.tree_usage(local_path(url))
+    size, newest = 0, None
+    with contextlib.suppress(CkptctlError):
+        for entry in list_dir(url):
+            part_size, part_newest = tree_usage(join(url, entry.name)) if entry.is_dir else (entry.size, entry.mtime)
+            size += part_size
+            if part_newest:
+                newest = part_newest if newest is None else max(newest, part_newest)
+    return size, newest
 
 
 @contextlib.contextmanager

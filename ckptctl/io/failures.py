@@ -2,9 +2,10 @@
 errors with a hint for everything that retrying cannot fix.
 
 Remote calls are retried with exponential backoff on transient failures (throttling, timeouts, dropped
-connections) within the `io.RETRY` policy; failures that retrying cannot fix (missing credentials, a
-missing bucket, access denied) become a `StorageError` or `CheckpointNotFound` with a hint. The policy is
-read from the `ckptctl.io` package on every call, so that replacing `io.RETRY` takes effect at once.
+connections) within the `RETRY` policy; failures that retrying cannot fix (missing credentials, a missing
+bucket, access denied) become a `StorageError` or `CheckpointNotFound` with a hint. The policy is read from
+this module on every call, so that replacing `failures.RETRY` (tests, embedding applications) takes effect
+at once; it lives here, where it is read, so that `io` and its backends do not import each other.
 """
 
 from __future__ import annotations
@@ -20,12 +21,12 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TypeVar
 
-from ckptctl import io as _package
 from ckptctl.errors import CheckpointNotFound, CkptctlError, CorruptCheckpoint, StorageError
 from ckptctl.io.paths import bucket_of, is_local, scheme_of
 from ckptctl.units import format_size
 
 __all__ = [
+    "RETRY",
     "RetryPolicy",
     "call",
     "check_size",
@@ -82,6 +83,11 @@ def policy_from_env() -> RetryPolicy:
     if not 1.0 <= timeout <= 86400.0:  # also refuses nan
         timeout = 60.0
     return RetryPolicy(attempts=max(1, attempts), timeout=timeout)
+
+
+#: The retry policy of every remote call, from `CKPTCTL_IO_RETRIES` and `CKPTCTL_IO_TIMEOUT` (tests and
+#: embedding applications may replace it: `monkeypatch.setattr(io.failures, "RETRY", ...)`).
+RETRY = policy_from_env()
 
 
 # ------------------------------------------------------------------------------------ error mapping
@@ -175,7 +181,7 @@ def call(fn: Callable[[], T], what: str, url: str) -> T:
         StorageError: the store kept failing (or stopped answering) until the attempts or the time ran out,
             or it stopped answering a moment ago (then nothing is tried).
     """
-    policy = _package.RETRY
+    policy = RETRY
     store = _store_of(url)
     _refuse_if_unreachable(store, url)
     start = time.monotonic()
@@ -248,7 +254,7 @@ def _store_of(url: str) -> str:
 
 def _mark_unreachable(store: str, error: StorageError) -> None:
     with _UNREACHABLE_LOCK:
-        _UNREACHABLE[store] = (time.monotonic() + _package.RETRY.timeout, error)
+        _UNREACHABLE[store] = (time.monotonic() + RETRY.timeout, error)
 
 
 def _refuse_if_unreachable(store: str, url: str) -> None:
@@ -309,7 +315,7 @@ def remote_error(url: str, exc: BaseException) -> CkptctlError | None:
         )
     if is_transient(exc):
         return StorageError(
-            f"the object store kept failing for {url} after {_package.RETRY.attempts} tries: {exc}",
+            f"the object store kept failing for {url} after {RETRY.attempts} tries: {exc}",
             "try again later, or raise CKPTCTL_IO_RETRIES",
         )
     return None

@@ -136,6 +136,31 @@ _FILE_KINDS = (
 )
 
 
+def tree_usage(path: str) -> tuple[int, float | None]:
+    """Bytes of the regular files below `path` and the newest mtime of anything there (folders too: a
+    deletion inside one is a change); links below it are not followed. A regular file is its own size and
+    mtime; any other file (a link to one, a FIFO) counts no bytes; nothing there counts nothing."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return 0, None
+    if stat.S_ISREG(st.st_mode):
+        return st.st_size, st.st_mtime
+    if not stat.S_ISDIR(st.st_mode) and not os.path.isdir(path):
+        return 0, st.st_mtime
+    size, newest = 0, None
+    for root, _dirs, files in os.walk(path):
+        for name in (root, *(os.path.join(root, n) for n in files)):
+            try:
+                st = os.lstat(name)
+            except FileNotFoundError:
+                continue
+            newest = st.st_mtime if newest is None else max(newest, st.st_mtime)
+            if stat.S_ISREG(st.st_mode):
+                size += st.st_size
+    return size, newest
+
+
 def _require_regular(url: str, mode: int) -> None:
     if stat.S_ISREG(mode):
         return

@@ -15,8 +15,8 @@ import threading
 from collections.abc import Iterator, Sequence
 from typing import IO, Any
 
-from ckptctl import io as _package
 from ckptctl.errors import CheckpointNotFound, CkptctlError, StorageError
+from ckptctl.io import failures
 from ckptctl.io.backend import Backend
 from ckptctl.io.counting import count_read
 from ckptctl.io.failures import call, is_transient, remote_error
@@ -161,14 +161,14 @@ _S3FS_TRIES = 2
 def _bound_s3(fs: Any, configured: dict[str, Any]) -> None:
     """Bound how long a request of the s3fs instance `fs` may wait on a store that stopped answering.
 
-    Each request gets `RETRY.request_timeout` to connect and to read, and botocore does not retry: its own
+    Each request gets `failures.RETRY.request_timeout` to connect and to read, and botocore does not retry: its own
     tries (5), within each of s3fs's tries (5), each waiting up to a minute, are how a frozen store used to
     hang a command for many minutes. s3fs tries each request `_S3FS_TRIES` times, and `failures.call` retries the
     whole call within `RETRY.timeout`. What fsspec's own configuration sets (`FSSPEC_S3_*`,
     ~/.config/fsspec: `config_kwargs`, `retries`) wins. The settings are s3fs's attributes, read when the
     instance makes its client, so that fsspec's cache still hands out one instance per set of options.
     """
-    timeout = _package.RETRY.request_timeout
+    timeout = failures.RETRY.request_timeout
     if fs.__dict__.get("_ckptctl_timeout") == timeout:
         return
     fs.connect_timeout = fs.read_timeout = timeout  # unless config_kwargs name them

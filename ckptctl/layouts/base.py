@@ -8,7 +8,6 @@ shared contract test in `tests/layouts/test_contract.py` runs against every regi
 from __future__ import annotations
 
 import itertools
-import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -19,7 +18,7 @@ from ckptctl.errors import CkptctlError
 from ckptctl.formats.dcp_metadata import METADATA_NAME, RANK_METADATA
 from ckptctl.formats.torch_zip import TorchArchive
 from ckptctl.io import DirEntry
-from ckptctl.layouts.load_set import LoadMember
+from ckptctl.layouts.load_set import LoadMember, check_load_set
 from ckptctl.layouts.parts.dcp_folder_metadata import dcp_item_archives
 from ckptctl.layouts.resume import ResumeProfile, generic_profile
 from ckptctl.layouts.step_names import step_from_name  # noqa: F401  (re-exported: the layouts use one rule set)
@@ -180,6 +179,14 @@ class Layout:
 TORCH_SAVE_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
 
 
+def checkpoint_problems(layout: Layout, checkpoint: Checkpoint) -> list[Problem]:
+    """The structural problems of an opened checkpoint: its layout's rules (`Layout.verify`), then its load set
+    (`Layout.load_set`, checked by `load_set.check_load_set`). What `verify` and `resume-plan` judge a
+    checkpoint by, so that both say the same."""
+    problems = list(layout.verify(checkpoint))
+    return problems + check_load_set(checkpoint.url, layout.load_set(checkpoint), checkpoint.files, problems)
+
+
 def default_torch_archives(checkpoint: Checkpoint) -> tuple[TorchArchive, ...]:
     """`Layout.torch_archives`' default: torch.save files by name, and the items of DCP folders (a
     `.metadata`, or the per-rank `__{rank}.metadata` of a save without collectives).
@@ -247,15 +254,6 @@ def folder_size(url: str, entries: Sequence[DirEntry] | None = None) -> int:
 
     `entries`, the folder's listing when the caller has it, saves a request when it holds no folder.
     """
-    if io.is_local(url):
-        total = 0
-        for root, _dirs, files in os.walk(io.local_path(url)):
-            for f in files:
-                try:
-                    total += os.stat(os.path.join(root, f)).st_size
-                except FileNotFoundError:
-                    continue
-        return total
     if entries is not None and not any(e.is_dir for e in entries):
         return sum(e.size for e in entries)
     return sum(e.size for e in io.list_tree(url).values())
@@ -269,15 +267,4 @@ def newest_mtime(entries: Sequence[DirEntry]) -> float | None:
 
 def list_files(url: str) -> dict[str, int]:
     """Every file below a folder: relative path (with `/`) -> size in bytes (one listing on object stores)."""
-    if io.is_local(url):
-        files: dict[str, int] = {}
-        base = io.local_path(url)
-        for root, _dirs, names in os.walk(base):
-            for n in names:
-                full = os.path.join(root, n)
-                try:
-                    files[os.path.relpath(full, base).replace(os.sep, "/")] = os.stat(full).st_size
-                except FileNotFoundError:
-                    continue
-        return files
     return {rel: entry.size for rel, entry in sorted(io.list_tree(url).items())}

@@ -89,7 +89,7 @@ def checkpoint_like(url: str, entry: DirEntry) -> str | None:
         return None
     if name.endswith(".distcp"):
         return "DCP data"
-    if not name.endswith(CHECKPOINT_SUFFIXES) or _is_link(url):
+    if not name.endswith(CHECKPOINT_SUFFIXES) or io.is_link(url):
         return None
     return _content(url, entry.size, entry.mtime)
 
@@ -134,10 +134,6 @@ def training_state_of(url: str, entry: DirEntry) -> TrainingState | None:
     return _training_state(url, entry.size, entry.mtime or 0.0)
 
 
-def _is_link(url: str) -> bool:
-    return io.is_local(url) and os.path.islink(io.local_path(url))
-
-
 def _pointed_files(url: str, entries: Sequence[DirEntry]) -> set[str]:
     """The names of the entries beside them that `latest`-style symbolic links (Composer's `latest-rank0.pt`,
     a `latest` link to a folder) or tracker files (`latest`, `latest_checkpointed_iteration.txt`: a name or a
@@ -148,7 +144,7 @@ def _pointed_files(url: str, entries: Sequence[DirEntry]) -> set[str]:
         if not _POINTER_LINK.match(entry.name):
             continue
         path = io.join(url, entry.name)
-        if _is_link(path):
+        if io.is_link(path):
             with contextlib.suppress(OSError):  # removed while we look
                 target = os.readlink(io.local_path(path)).rstrip("/")
                 if "/" not in target and target in names:

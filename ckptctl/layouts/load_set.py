@@ -20,7 +20,6 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from ckptctl import io
 from ckptctl.checkpoint import Problem, ProblemKind
@@ -29,11 +28,7 @@ from ckptctl.formats.documents import read_json
 from ckptctl.formats.safetensors import read_header
 from ckptctl.formats.torch_zip import ReadAt, archive_members, is_zip
 
-if TYPE_CHECKING:
-    from ckptctl.checkpoint import Checkpoint
-    from ckptctl.layouts.base import Layout
-
-__all__ = ["LoadMember", "MemberKind", "Need", "check_load_set", "checkpoint_problems", "members_of"]
+__all__ = ["LoadMember", "MemberKind", "Need", "check_load_set", "members_of"]
 
 
 class MemberKind(enum.StrEnum):
@@ -107,13 +102,6 @@ def check_load_set(
         if problem is not None:
             problems.append(problem)
     return problems
-
-
-def checkpoint_problems(layout: Layout, checkpoint: Checkpoint) -> list[Problem]:
-    """The structural problems of an opened checkpoint: its layout's rules (`Layout.verify`), then its load set
-    (`Layout.load_set`). What `verify` and `resume-plan` judge a checkpoint by, so that both say the same."""
-    problems = list(layout.verify(checkpoint))
-    return problems + check_load_set(checkpoint.url, layout.load_set(checkpoint), checkpoint.files, problems)
 
 
 def _missing(member: LoadMember) -> Problem:

@@ -4,7 +4,8 @@ Scan → plan → confirm → execute, as `hf cache prune` does:
 
 - `plan_prune` (read-only) finds every checkpoint of the run, turns each into a retention `Candidate`
   with the protections found on disk, and lets `RetentionPolicy.plan` decide. A dry run stops here.
-- `prune` takes the run's lock, plans, asks `confirm`, and deletes through `io.trash`: each checkpoint is
+- `prune` takes the run's lock, plans, asks `confirm`, and deletes (`ops.planned.apply_planned`: each
+  checkpoint that did not change since the plan, as `slim` slims) through `io.trash`: each checkpoint is
   renamed into the `.ckptctl-trash` folder beside it (same filesystem, atomic) and then deleted there, so
   a crash leaves either the whole checkpoint or a folder in the trash, never a half-deleted checkpoint
   that lists as complete; the next prune empties leftover trash, and an emptied trash folder goes too.
@@ -32,37 +33,31 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-import re
-import stat
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any
 
 from ckptctl import io
 from ckptctl.checkpoint import CheckpointRef, CheckpointState
-from ckptctl.core.lock import LOCK_NAME, STALE_AFTER, LockUnusable, RunLock, read_lock, stale_reason
+from ckptctl.core.lock import RunLock
 from ckptctl.core.retention import Candidate, RetentionPolicy
 from ckptctl.errors import CheckpointNotFound, CkptctlError
 from ckptctl.formats.documents import read_toml
 from ckptctl.formats.manifest import DIGESTS_NAME
 from ckptctl.io import trash
 from ckptctl.io.trash import QUARANTINE_NAME
-from ckptctl.layouts import DEFAULT_SCAN_DEPTH, all_layouts, detect, get_layout, scan_run
+from ckptctl.layouts import DEFAULT_SCAN_DEPTH, all_layouts, get_layout, scan_run
 from ckptctl.layouts.slimming import slim_checkpoint, slimmable
-from ckptctl.ops.report import SCHEMA_VERSION, NoProgress, Progress, display_path, flatten, iso
+from ckptctl.ops.planned import DEFAULT_GRACE, Skipped, apply_planned, busy, judged, own_parts, own_tree
+from ckptctl.ops.report import SCHEMA_VERSION, Progress, display_path, flatten, iso
 from ckptctl.ops.resume_plan import resume_targets
-from ckptctl.units import format_age, format_size, parse_age
+from ckptctl.units import format_size, parse_age
 
 __all__ = [
-    "DEFAULT_GRACE",
     "POLICY_FILE",
-    "Planned",
     "PrunePlan",
     "PruneReport",
-    "Skipped",
-    "apply_planned",
-    "changed_since_plan",
     "checkpoint_metrics",
     "delete_planned",
     "load_policy_file",
@@ -70,14 +65,8 @@ __all__ = [
     "prune",
 ]
 
-#: Checkpoints with a file modified more recently than this are taken to be still written.
-DEFAULT_GRACE = timedelta(minutes=10)
 #: The policy file `prune` reads from the run folder when no rule is given on the command line.
 POLICY_FILE = "ckptctl.toml"
-_STAGING_NAME = re.compile(
-    r"(?:^|[._-])(?:tmp|temp|staging|partial|incomplete|in[_-]?progress|writing)(?:$|[._-])", re.IGNORECASE
-)
-_LOCK_FILE = re.compile(r"^(?:\.?lock|LOCK|.+\.lock)$")
 
 
 # ------------------------------------------------------------------------------------------ report
@@ -200,35 +189,6 @@ class PrunePlan:
 
 def _protected_text(item: PruneItem, run: str) -> str:
     return f"{display_path(item.url, run)} is protected ({'; '.join(item.reasons)}) although no rule keeps it"
-
-
-class Planned(Protocol):
-    """An item of a plan that names its checkpoint (`PruneItem`, `SlimItem`)."""
-
-    @property
-    def ref(self) -> CheckpointRef: ...
-
-
-Item = TypeVar("Item", bound=Planned)
-
-
-@dataclass(frozen=True, slots=True)
-class Skipped(Generic[Item]):
-    """A planned change (`prune`'s deletion or slim, `slim`'s slim) left undone when its turn came.
-
-    Attributes:
-        item: the planned change.
-        reason: why it was left (the prompt was declined, the checkpoint changed since the plan, or the change
-            failed).
-        error: True when the change failed (as opposed to a protection found at the last moment).
-    """
-
-    item: Item
-    reason: str
-    error: bool = False
-
-    def to_json(self) -> dict[str, Any]:
-        return {"url": self.item.ref.url, "step": self.item.ref.step, "reason": self.reason, "error": self.error}
 
 
 @dataclass(frozen=True, slots=True)
@@ -427,7 +387,7 @@ def plan_prune(
     items += [PruneItem(f.ref, True, (f.link,), 0) for f in found if f.link]
     items.sort(key=lambda i: (io.parent_of(i.url), i.ref.step is not None, i.ref.step or 0, i.ref.epoch or 0, i.url))
     # `repair`'s quarantine is no leftover: it is never emptied here, so it frees nothing.
-    trash = sum(_tree_size(t) - _tree_size(io.join(t, QUARANTINE_NAME)) for t in _trash_folders(run, items))
+    trash = sum(io.tree_usage(t)[0] - io.tree_usage(io.join(t, QUARANTINE_NAME))[0] for t in _trash_folders(run, items))
     return PrunePlan(run, policy, tuple(items), grace, now, trash, tuple(notes))
 
 
@@ -467,23 +427,10 @@ UNKNOWN_KEPT = "unknown layout: ckptctl cannot tell whether it is whole or what 
 _OFF_BRANCH = (CheckpointState.ABANDONED, CheckpointState.SUPERSEDED)
 
 
-def _judged(ref: CheckpointRef, grace: timedelta) -> CheckpointRef:
-    """`ref` in progress or abandoned as its layout judges it under this prune's `grace` (the scan judged
-    it under the layout's own)."""
-    if ref.state not in (CheckpointState.IN_PROGRESS, CheckpointState.ABANDONED):
-        return ref
-    why = get_layout(ref.layout).abandoned(ref, grace)
-    if why:
-        return replace(ref, state=CheckpointState.ABANDONED, note=f"an interrupted save: {why}")
-    if ref.state is CheckpointState.ABANDONED:
-        return replace(ref, state=CheckpointState.IN_PROGRESS, note=f"may still be written (grace {format_age(grace)})")
-    return ref
-
-
 def _examine(ref: CheckpointRef, run: str, now: datetime, grace: timedelta) -> _Found:
-    ref = _judged(ref, grace)
+    ref = judged(ref, grace)
     if not io.is_local(ref.url):
-        return _Found(ref, ref.size_bytes, busy=_busy(ref, now, grace, _own_tree(ref)[1]))
+        return _Found(ref, ref.size_bytes, busy=busy(ref, now, grace, own_tree(ref)[1]))
     path = os.path.abspath(io.local_path(ref.url))
     run_real = os.path.realpath(io.local_path(run))
     real = os.path.realpath(path)
@@ -492,52 +439,11 @@ def _examine(ref: CheckpointRef, run: str, now: datetime, grace: timedelta) -> _
         inside = real == run_real or real.startswith(run_real + os.sep)
         why = f"symbolic link to {real}, never followed" if inside else f"outside the run (symbolic link to {real})"
         return _Found(ref, 0, link=why, real=real)
-    size, newest = _own_tree(ref)
-    found = _Found(ref, size, real=real, busy=_busy(ref, now, grace, newest))
+    size, newest = own_tree(ref)
+    found = _Found(ref, size, real=real, busy=busy(ref, now, grace, newest))
     if os.path.normpath(path) == os.path.normpath(os.path.abspath(io.local_path(run))):
         found.protected.append("the run folder itself")
     return found
-
-
-def _busy(ref: CheckpointRef, now: datetime, grace: timedelta, newest: float | None) -> str:
-    """Why the checkpoint is being written right now, or "" (`ref` as `_judged`)."""
-    name = io.name_of(ref.url)
-    if ref.state is CheckpointState.ABANDONED:  # its layout proved it: a staging name says nothing more
-        return ""
-    if ref.state is CheckpointState.IN_PROGRESS:
-        return f"in progress: {ref.note}" if ref.note else "in progress"
-    if name.startswith(".") or _STAGING_NAME.search(name):
-        return f"in progress (staging name {name!r})"
-    lock = _live_writer_lock(ref.url)
-    if lock:
-        return f"in progress (locked by {lock})"
-    if newest is not None and grace.total_seconds() > 0:
-        age = now.timestamp() - newest
-        if age < grace.total_seconds():
-            return f"modified {format_age(timedelta(seconds=max(0, age)))} ago (within grace {format_age(grace)})"
-    return ""
-
-
-def _live_writer_lock(url: str) -> str:
-    """A live lock file inside the checkpoint folder or beside it (`NAME.lock`), described; or ""."""
-    candidates = [io.join(io.parent_of(url), f"{io.name_of(url)}.lock")]
-    with contextlib.suppress(CkptctlError):
-        candidates += [
-            io.join(url, e.name)
-            for e in io.list_dir(url)
-            if not e.is_dir and _LOCK_FILE.match(e.name) and e.name != LOCK_NAME
-        ]
-    for lock_url in candidates:
-        try:
-            found = read_lock(lock_url)
-        except LockUnusable:  # a FIFO or device where a writer's lock goes: keep the checkpoint to be safe
-            return f"{io.name_of(lock_url)}, which is not a regular file"
-        if found is None:
-            continue
-        info, mtime = found
-        if stale_reason(info, mtime, stale_after=STALE_AFTER) is None:
-            return info.describe() if info else io.name_of(lock_url)
-    return ""
 
 
 def _protect(found: list[_Found], run: str) -> list[str]:
@@ -567,82 +473,6 @@ def _protect(found: list[_Found], run: str) -> list[str]:
                     by_url[url].protected.extend(reasons)
             notes.extend(kept.notes)
     return notes
-
-
-def _own_parts(ref: CheckpointRef) -> list[io.DirEntry] | None:
-    """What deleting `ref` removes when its folder holds checkpoints of its own (`ref.holds`), which stay:
-    its files and its layout's member folders. None when the checkpoint is its whole folder."""
-    if not ref.holds:
-        return None
-    entries = io.list_dir(ref.url)
-    members = get_layout(ref.layout).members(ref.url, entries)
-    return [e for e in entries if not e.is_dir or e.name in members]
-
-
-def _own_tree(ref: CheckpointRef) -> tuple[int, float | None]:
-    """Bytes (on object stores: the ref's) and newest mtime of what deleting `ref` removes; links are not
-    followed."""
-    parts = _own_parts(ref)
-    if not io.is_local(ref.url):
-        if parts is None:
-            return ref.size_bytes, _remote_newest(ref.url)
-        times = [_remote_newest(io.join(ref.url, e.name)) if e.is_dir else e.mtime for e in parts]
-        return ref.size_bytes, max((t for t in times if t), default=None)
-    if parts is None:
-        return _local_tree(io.local_path(ref.url))
-    size, newest = 0, None
-    for entry in parts:
-        path = os.path.join(io.local_path(ref.url), entry.name)
-        if entry.is_dir:
-            part_size, part_newest = _local_tree(path)
-        else:
-            try:
-                st = os.lstat(path)
-            except FileNotFoundError:
-                continue
-            part_size, part_newest = (st.st_size if stat.S_ISREG(st.st_mode) else 0), st.st_mtime
-        size += part_size
-        if part_newest is not None:
-            newest = part_newest if newest is None else max(newest, part_newest)
-    return size, newest
-
-
-def _local_tree(path: str) -> tuple[int, float | None]:
-    """Bytes of the files below `path` and the newest mtime of anything there; links are not followed. A
-    checkpoint that is one file (a Lightning `.ckpt`) is its own size and mtime."""
-    with contextlib.suppress(OSError):
-        st = os.lstat(path)
-        if stat.S_ISREG(st.st_mode):
-            return st.st_size, st.st_mtime
-    size, newest = 0, None
-    for root, _dirs, files in os.walk(path):
-        for name in (root, *(os.path.join(root, n) for n in files)):
-            try:
-                st = os.lstat(name)
-            except FileNotFoundError:
-                continue
-            newest = st.st_mtime if newest is None else max(newest, st.st_mtime)
-            if stat.S_ISREG(st.st_mode):
-                size += st.st_size
-    return size, newest
-
-
-def _remote_newest(url: str) -> float | None:
-    newest = None
-    with contextlib.suppress(CkptctlError):
-        for entry in io.list_dir(url):
-            mtime = _remote_newest(io.join(url, entry.name)) if entry.is_dir else entry.mtime
-            if mtime:
-                newest = mtime if newest is None else max(newest, mtime)
-    return newest
-
-
-def _tree_size(url: str) -> int:
-    if io.is_local(url):
-        return _local_tree(io.local_path(url))[0] if os.path.isdir(io.local_path(url)) else 0
-    with contextlib.suppress(CkptctlError):
-        return sum(e.size if not e.is_dir else _tree_size(io.join(url, e.name)) for e in io.list_dir(url))
-    return 0
 
 
 def _trash_folders(run: str, items: Iterable[PruneItem]) -> list[str]:
@@ -729,92 +559,12 @@ def _slim(item: PruneItem) -> PruneItem:
     return replace(item, slim_bytes=slim_checkpoint(item.ref))
 
 
-def apply_planned(
-    items: Sequence[Item],
-    act: Callable[[Item], Item],
-    lock: RunLock,
-    grace: timedelta,
-    doing: str,
-    *,
-    fatal: tuple[type[BaseException], ...] = (),
-    progress: Progress | None = None,
-    weight: Callable[[Item], int] = lambda _: 1,
-) -> tuple[list[Item], list[Skipped[Item]]]:
-    """Run a planned change (`act`) on each item whose checkpoint did not change since the plan
-    (`changed_since_plan`), refreshing the run's lock before each.
-
-    Args:
-        items, act: the plan's items, and the change (it returns the item as done, with what it measured).
-        lock, grace: the run's lock held, and the plan's grace (see `changed_since_plan`).
-        doing: the change, for progress and failures (`deleting`).
-        fatal: errors of `act` that stop everything; other OSErrors and CkptctlErrors leave the item undone.
-        progress: where `{doing} N checkpoint(s)` goes, advanced by each done item's `weight`.
-
-    Returns:
-        What `act` returned for the items done, and the items left undone with why.
-    """
-    done: list[Item] = []
-    left: list[Skipped[Item]] = []
-    sink = progress or NoProgress()
-    sink.start(f"{doing} {len(items)} checkpoint(s)", sum(weight(i) for i in items) or None)
-    try:
-        for item in items:
-            lock.refresh()
-            why = changed_since_plan(item.ref, grace)
-            if why:
-                left.append(Skipped(item, why))
-                continue
-            try:
-                done.append(act(item))
-            except fatal:
-                raise
-            except (OSError, CkptctlError) as exc:
-                left.append(Skipped(item, f"{doing} failed: {exc}", error=True))
-                continue
-            sink.advance(weight(item))
-    finally:
-        sink.finish()
-    return done, left
-
-
-def changed_since_plan(planned: CheckpointRef, grace: timedelta) -> str:
-    """Why a planned change of a checkpoint (`prune`'s deletion, `slim`'s swap) must not happen now: the run
-    changed since the plan (a pointer names it now, it is being written or was rewritten); or ""."""
-    url = planned.url
-    if io.is_local(url):
-        path = io.local_path(url)
-        if not os.path.lexists(path):
-            return "it is gone already"
-        if os.path.islink(path):
-            return "it is a symbolic link now"
-    parent = io.parent_of(url)
-    try:
-        entries = io.list_dir(parent)
-        _, ref = detect(url)
-        ref = _judged(ref, grace)
-    except CkptctlError as exc:
-        return f"it cannot be read now ({exc.message})"
-    name = io.name_of(url)
-    if any(layout.latest_pointer(parent, entries) == name for layout in all_layouts()):
-        return "a latest pointer names it now"
-    if ref.state is CheckpointState.COMPLETE and planned.state is not CheckpointState.COMPLETE:
-        return "it has been completed since the plan"
-    if ref.state is not planned.state:
-        return f"it is {ref.state.value} now"
-    busy = _busy(ref, datetime.now(UTC), grace, _own_tree(planned)[1])
-    if busy:
-        return busy
-    if ref.created != planned.created:
-        return "it has been rewritten since the plan"
-    return ""
-
-
 def delete_planned(item: PruneItem) -> PruneItem:
     """Delete one planned checkpoint folder (`prune`, `sync --keep-local`) so that no moment shows it
     half-deleted and complete (`io.trash`); of a folder that holds checkpoints of its own, only what is the
-    checkpoint's (`_own_parts`)."""
+    checkpoint's (`own_parts`)."""
     ref = item.ref
-    parts = _own_parts(ref)
+    parts = own_parts(ref)
     if parts is None:
         trash.delete(ref.url, functools.partial(_markers_to_delete, ref))
     else:

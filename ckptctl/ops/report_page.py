@@ -36,7 +36,8 @@ from ckptctl.core.retention import RetentionPolicy
 from ckptctl.errors import CkptctlError
 from ckptctl.layouts import DEFAULT_SCAN_DEPTH, get_layout, scan_run
 from ckptctl.ops.diff import DiffOptions, DiffReport, TensorDiff, diff
-from ckptctl.ops.prune import DEFAULT_GRACE, POLICY_FILE, load_policy_file, plan_prune
+from ckptctl.ops.planned import DEFAULT_GRACE
+from ckptctl.ops.prune import POLICY_FILE, load_policy_file, plan_prune
 from ckptctl.ops.report import (
     DEFAULT_LAST,
     SCHEMA_VERSION,

@@ -2,7 +2,7 @@
 
 The writing is a framework's: the training-state writer (`layouts.capabilities.TrainingStateWriter`) that
 `--to` names, or without `--to` the one of the source's own framework. This module owns what every writer
-shares, as `convert` does (and with its code, `ops.convert.commit`): the source opened and verified, DST
+shares, as `convert` does (and with the same code, `ops.commit`): the source opened and verified, DST
 refused when it is not empty, the writer's refusal asked before anything is written, the output staged
 in a hidden folder next to DST, digested (`ckptctl-digests.json`, so that `ckptctl verify DST` checks every
 byte later), and renamed into place; an interrupted or failed reshard leaves nothing at DST.
@@ -19,12 +19,11 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from ckptctl import io
 from ckptctl.errors import CkptctlError, StorageError
 from ckptctl.layouts import capability, resolve, training_state_writer, training_state_writers
 from ckptctl.layouts.capabilities import TRAINING_STATE_WRITER, NotCarried, ReshardRequest, TrainingStateWriter
+from ckptctl.ops.commit import check_destination, published_last, staging_for, write_digests
 from ckptctl.ops.convert import open_verified
-from ckptctl.ops.convert.commit import Staging, UploadStaging, check_destination, published_last, write_digests
 from ckptctl.ops.report import SCHEMA_VERSION, NoProgress, Progress
 
 __all__ = ["ReshardOptions", "ReshardResult", "reshard"]
@@ -124,7 +123,7 @@ def reshard(
     refusal = writer.refusal(checkpoint, options.world_size)
     if refusal is not None:
         raise CkptctlError(f"cannot reshard {checkpoint.url} to {writer.target}: {refusal}")
-    with Staging(target) if io.is_local(target) else UploadStaging(target) as staging:
+    with staging_for(target) as staging:
         # The output holds about what the source does (the same states, in other files).
         staging.check_space(sum(checkpoint.files.values()))
         progress.start(f"resharding to {writer.target}", None)

@@ -29,7 +29,7 @@ from ckptctl.errors import CheckpointNotFound, CkptctlError, UnknownLayout
 from ckptctl.formats.manifest import read_manifest
 from ckptctl.formats.slim_marker import SLIM_NOTE
 from ckptctl.layouts import detect, get_layout, scan_run
-from ckptctl.layouts.load_set import checkpoint_problems
+from ckptctl.layouts.base import checkpoint_problems
 from ckptctl.layouts.resume import (
     DEFAULT_IMPACT,
     RESUMABLE,

@@ -36,7 +36,8 @@ from ckptctl.io import trash
 from ckptctl.layouts import DEFAULT_SCAN_DEPTH, capability, scan_run
 from ckptctl.layouts.capabilities import SLIMMER
 from ckptctl.layouts.slimming import slim_checkpoint, slimmable
-from ckptctl.ops.prune import DEFAULT_GRACE, POLICY_FILE, PruneItem, Skipped, apply_planned, plan_prune
+from ckptctl.ops.planned import DEFAULT_GRACE, Skipped, apply_planned
+from ckptctl.ops.prune import POLICY_FILE, PruneItem, plan_prune
 from ckptctl.ops.report import SCHEMA_VERSION, Progress, iso
 from ckptctl.ops.resume_plan import RESUME_TARGET, resume_targets
 from ckptctl.units import parse_age

@@ -29,7 +29,7 @@ How one checkpoint goes (`io.commit`'s object-store protocol, used on a local DS
 
 A sync killed at any moment leaves a copy without its last marker: `list` at DST calls it in progress or
 broken, never complete, and the next sync replaces it. One sync per DST at a time (a lock file in DST,
-`ops.lock`). `keep_local`: after the pass, the local run is pruned with `prune`'s plan, lock and trash under
+`core.lock`). `keep_local`: after the pass, the local run is pruned with `prune`'s plan, lock and trash under
 `RetentionPolicy(keep_last=N)`, and of what that plan deletes only checkpoints whole at DST go.
 """
 
@@ -52,14 +52,15 @@ import blake3
 
 from ckptctl import io
 from ckptctl.checkpoint import CheckpointRef, CheckpointState
+from ckptctl.core.lock import RunLock, RunLocked
 from ckptctl.core.retention import RetentionPolicy
 from ckptctl.errors import CheckpointNotFound, CkptctlError, StorageError
 from ckptctl.formats.digest import file_digest
 from ckptctl.formats.manifest import DIGESTS_NAME, MANIFEST_NAME, FileRecord, Manifest, load_manifest, now_iso
 from ckptctl.io import trash
 from ckptctl.layouts import all_layouts, get_layout, pointed_children, scan_run
-from ckptctl.ops.lock import RunLock, RunLocked
-from ckptctl.ops.prune import DEFAULT_GRACE, PruneItem, Skipped, apply_planned, delete_planned, plan_prune
+from ckptctl.ops.planned import DEFAULT_GRACE, Skipped, apply_planned
+from ckptctl.ops.prune import PruneItem, delete_planned, plan_prune
 from ckptctl.ops.report import SCHEMA_VERSION, NoProgress, Progress
 
 __all__ = ["SYNC_LOCK", "Action", "RunFile", "SyncItem", "SyncReport", "sync", "watch"]

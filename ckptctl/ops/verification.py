@@ -22,8 +22,8 @@ from ckptctl.checkpoint import CheckpointRef, CheckpointState, Problem, ProblemK
 from ckptctl.errors import CheckpointNotFound, CkptctlError, UnknownLayout
 from ckptctl.formats.manifest import DIGESTS_NAME, read_manifest
 from ckptctl.layouts import detect, scan_context, scan_run
+from ckptctl.layouts.base import checkpoint_problems
 from ckptctl.layouts.generic import read_as_files
-from ckptctl.layouts.load_set import checkpoint_problems
 from ckptctl.ops.content import ContentChecks, check_content
 from ckptctl.ops.digests import save_digests
 from ckptctl.ops.distributed_work import Ranks

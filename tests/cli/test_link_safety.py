@@ -18,7 +18,7 @@ import torch
 from ckptctl import CheckpointManager, RetentionPolicy
 from ckptctl.errors import UnsafePath
 from ckptctl.io import trash
-from ckptctl.ops.convert.commit import Staging
+from ckptctl.ops.commit import Staging
 from tests.conftest import CliResult
 from tests.ops.test_prune import tree, write_run
 

@@ -195,7 +195,7 @@ def test_prune_ends_when_the_store_goes_away_mid_operation(
     server, url = store
     for name, value in server.env.items():
         monkeypatch.setenv(name, value)
-    monkeypatch.setattr(io, "RETRY", io.RetryPolicy(timeout=4.0))
+    monkeypatch.setattr(io.failures, "RETRY", io.RetryPolicy(timeout=4.0))
     reset_s3fs()
     planned: list[int] = []
     outcome: list[BaseException | None] = []

@@ -21,7 +21,7 @@ from ckptctl.formats.chunks import read_tensor
 from ckptctl.frameworks.deepspeed.layout import DeepSpeedLayout
 from ckptctl.frameworks.hf_trainer.layout import HfTrainerLayout
 from ckptctl.layouts import detect, scan_run
-from ckptctl.layouts.load_set import checkpoint_problems
+from ckptctl.layouts.base import checkpoint_problems
 from ckptctl.layouts.parts.in_progress import IN_PROGRESS_WINDOW_S
 from ckptctl.ops.verification import verify_checkpoint
 from tests.conftest import CliResult, copy_tree

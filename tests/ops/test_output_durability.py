@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from ckptctl.ops.convert import commit
-from ckptctl.ops.convert.commit import write_digests
+from ckptctl.ops import commit
+from ckptctl.ops.commit import write_digests
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="names an fd through /proc")
 

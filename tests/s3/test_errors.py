@@ -53,7 +53,9 @@ def test_a_store_that_stops_answering_is_not_a_missing_bucket(
 
     import s3fs
 
-    monkeypatch.setattr(io, "RETRY", io.RetryPolicy(attempts=2, base_delay=0.001, max_delay=0.001, timeout=5.0))
+    monkeypatch.setattr(
+        io.failures, "RETRY", io.RetryPolicy(attempts=2, base_delay=0.001, max_delay=0.001, timeout=5.0)
+    )
     with socket.create_server(("127.0.0.1", 0)) as closed:
         dead = f"http://127.0.0.1:{closed.getsockname()[1]}"  # nothing listens there once closed
     store = s3fs.S3FileSystem(
@@ -189,7 +191,7 @@ def no_such_key() -> Exception:
 
 @pytest.fixture
 def flaky(monkeypatch: pytest.MonkeyPatch) -> Callable[..., FlakyStore]:
-    monkeypatch.setattr(io, "RETRY", io.RetryPolicy(attempts=4, base_delay=0.001, max_delay=0.001))
+    monkeypatch.setattr(io.failures, "RETRY", io.RetryPolicy(attempts=4, base_delay=0.001, max_delay=0.001))
     real_fs = io_remote._fs
 
     def install(method: str, failures: int, error: Callable[[], Exception]) -> FlakyStore:

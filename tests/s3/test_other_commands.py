@@ -47,7 +47,9 @@ def test_a_store_that_dies_during_prune_is_reported_unreachable(
     from tests.s3.server import reset_s3fs
 
     remote = copy_to_store(demo_dir / "native", f"{bucket}/native")
-    monkeypatch.setattr(io, "RETRY", io.RetryPolicy(attempts=2, base_delay=0.001, max_delay=0.001, timeout=5.0))
+    monkeypatch.setattr(
+        io.failures, "RETRY", io.RetryPolicy(attempts=2, base_delay=0.001, max_delay=0.001, timeout=5.0)
+    )
     with socket.create_server(("127.0.0.1", 0)) as dead:  # a port that accepts nothing once closed
         dead_endpoint = f"http://127.0.0.1:{dead.getsockname()[1]}"
     real_delete = prune_op._delete

@@ -17,7 +17,7 @@ from ckptctl.checkpoint import CheckpointState
 from ckptctl.errors import StorageError
 from ckptctl.formats.manifest import DIGESTS_NAME
 from ckptctl.layouts import scan_run
-from ckptctl.ops.convert.commit import published_last
+from ckptctl.ops.commit import published_last
 from ckptctl.ops.reshard import ReshardOptions, reshard
 from tests.conftest import CliResult
 from tests.s3.test_convert import assert_same_output, objects

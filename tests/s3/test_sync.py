@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 
 from ckptctl import io
+from ckptctl.core.lock import RunLock
 from ckptctl.errors import StorageError
 from ckptctl.ops import sync as sync_module
-from ckptctl.ops.lock import RunLock
 from ckptctl.ops.sync import SYNC_LOCK, watch
 from tests.conftest import CliResult
 from tests.core.util import REPO, worker_env

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from ckptctl.checkpoint import Checkpoint, TensorEntry
 from ckptctl.errors import CkptctlError
-from ckptctl.frameworks.deepspeed.universal import host_layout
+from ckptctl.frameworks.deepspeed.universal_host import host_layout
 from ckptctl.layouts import capability
 from ckptctl.layouts.capabilities import CONVERT_SOURCE, ConvertSource, MasterWeights, default_config_folders
 from ckptctl.layouts.naming import NameStripper, keep_name

@@ -21,6 +21,7 @@ from collections.abc import Mapping, Sequence
 
 from ckptctl import io
 from ckptctl.checkpoint import Checkpoint, CheckpointRef, Problem
+from ckptctl.frameworks.deepspeed.resume import PROFILE
 from ckptctl.io import DirEntry
 from ckptctl.layouts.base import Layout, every_child_folder
 from ckptctl.layouts.parts.zero_tag.folder import open_tag, tag_ref
@@ -68,6 +69,4 @@ class DeepSpeedLayout(Layout):
 
     def resume_profile(self) -> ResumeProfile:
         """See `frameworks.deepspeed.resume`."""
-        from ckptctl.frameworks.deepspeed.resume import PROFILE
-
         return PROFILE

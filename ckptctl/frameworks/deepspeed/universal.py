@@ -19,14 +19,14 @@ It holds the training state of the tag it was converted from. When that tag lies
 name its own contains, with the same model-states files: ds_to_universal copies them), its step, epoch,
 counters and components are the tag's as the tag's own layout reads them (an open-instruct tag's step is its
 training step, not DeepSpeed's count), and `resume-plan` resumes the framework that wrote the tag
-(`host_layout`). Without it, the step is DeepSpeed's `global_steps`.
+(`universal_host`). Without it, the step is DeepSpeed's `global_steps`.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from functools import cache, partial
 from typing import Any
 
@@ -34,7 +34,7 @@ from ckptctl import io
 from ckptctl.checkpoint import Checkpoint, CheckpointRef, CheckpointState, Component, Problem, ProblemKind, TensorEntry
 from ckptctl.errors import CkptctlError, CorruptCheckpoint, UnknownLayout
 from ckptctl.formats.safe_pickle import StandIn, state_fields
-from ckptctl.frameworks.deepspeed.layout import DeepSpeedLayout
+from ckptctl.frameworks.deepspeed.universal_host import UNIVERSAL_PROFILE, Source, source_of
 from ckptctl.frameworks.deepspeed.universal_states import (
     MOMENTS,
     OPTIMIZER_STATE,
@@ -44,7 +44,7 @@ from ckptctl.frameworks.deepspeed.universal_states import (
     verify_states,
 )
 from ckptctl.io import DirEntry
-from ckptctl.layouts import detect, get_layout, peek, peek_dir
+from ckptctl.layouts import get_layout, peek_dir
 from ckptctl.layouts.base import (
     LISTED_ABSENT,
     Layout,
@@ -69,94 +69,13 @@ from ckptctl.layouts.parts.zero_tag.names import (
 from ckptctl.layouts.parts.zero_tag.tag import DeepSpeedTag, base_state, read_tag
 from ckptctl.layouts.resume import ResumeProfile
 
-__all__ = ["DeepSpeedUniversalLayout", "Source", "conversion_source", "host_layout"]
+__all__ = ["DeepSpeedUniversalLayout"]
 
 #: The per-rank fragments ds_to_universal gathers before merging them into `zero/`.
 _TEMP_DIR = "tmp"
 #: DeepSpeed's default tag, `global_step{N}`, inside the name of a conversion of it.
 _TAG_STEP = re.compile(r"global_step(\d+)")
 _OPTIMIZER_STATE_NAME = OPTIMIZER_STATE.rpartition("/")[2]
-
-
-@dataclass(frozen=True, slots=True)
-class Source:
-    """The tag a universal checkpoint was converted from, as its own layout identifies it.
-
-    Attributes:
-        url: the tag folder.
-        layout: the layout that identified it (whose framework resumes from the conversion).
-        ref: its ref (its step as that framework counts).
-    """
-
-    url: str
-    layout: str
-    ref: CheckpointRef
-
-
-def _name_contains(name: str, part: str) -> bool:
-    """Whether `part` occurs in `name` between non-alphanumeric characters (`global_step4` in
-    `ds_universal_global_step4` and in `global_step4_universal`, not in `global_step40_universal`)."""
-    start = name.find(part)
-    while start >= 0:
-        before, after = name[start - 1 : start], name[start + len(part) : start + len(part) + 1]
-        if not before.isalnum() and not after.isalnum():
-            return True
-        start = name.find(part, start + 1)
-    return False
-
-
-def conversion_source(url: str, entries: Sequence[DirEntry]) -> Source | None:
-    """The tag beside the universal checkpoint at `url` that it was converted from: a folder whose name its
-    own contains (the longest such) holding optim-states files and the same model-states files, of the same
-    sizes (ds_to_universal copies them). Reads the listings of the folders around it (once per scan)."""
-    files = tag_files(entries)
-    if files is None:
-        return None
-    name, parent = io.name_of(url), io.parent_of(url)
-    own = {file: files.sizes[file] for file in files.model.values()}
-    siblings = [e.name for e in peek_dir(parent) or [] if e.is_dir and e.name != name and _name_contains(name, e.name)]
-    for sibling in sorted(siblings, key=len, reverse=True):
-        tag_url = io.join(parent, sibling)
-        theirs = tag_files(peek_dir(tag_url) or [])
-        if theirs is None or not theirs.optim or any(theirs.sizes.get(f) != size for f, size in own.items()):
-            continue
-        try:
-            layout, ref = detect(tag_url, explain=False)
-        except CkptctlError:
-            continue
-        return Source(tag_url, layout.name, ref)
-    return None
-
-
-def source_of(url: str) -> Source | None:
-    """`conversion_source` of the folder at `url` (listed once per scan context)."""
-    return peek(url, conversion_source)
-
-
-def host_layout(url: str) -> str:
-    """The layout whose framework resumes from the universal checkpoint at `url`: that of the tag it was
-    converted from, else of the ZeRO tag its save folder's `latest` names, else of another ZeRO tag beside
-    it; `deepspeed` when the folder holds none."""
-    source = source_of(url)
-    if source is not None:
-        return source.layout
-    return peek(io.parent_of(url), _tags_layout) or DeepSpeedLayout.name
-
-
-def _tags_layout(save_dir: str, entries: Sequence[DirEntry]) -> str | None:
-    named = read_latest(save_dir, entries)
-    for name in [*([named] if named else []), *sorted(e.name for e in entries if e.is_dir)]:
-        url = io.join(save_dir, name)
-        files = tag_files(peek_dir(url) or [])
-        if files is None or not files.optim:
-            continue
-        try:
-            layout, _ = detect(url, explain=False)
-        except CkptctlError:
-            continue
-        if layout.name != UNIVERSAL_LAYOUT:
-            return layout.name
-    return None
 
 
 def _holds_states(url: str, zero: Sequence[DirEntry]) -> bool:
@@ -324,9 +243,7 @@ class DeepSpeedUniversalLayout(Layout):
         return (*((OPTIMIZER_STATE,) if OPTIMIZER_STATE in files else ()), *tag_markers(top))
 
     def resume_profile(self) -> ResumeProfile:
-        """See `frameworks.deepspeed.resume`."""
-        from ckptctl.frameworks.deepspeed.resume import UNIVERSAL_PROFILE
-
+        """See `frameworks.deepspeed.universal_host`."""
         return UNIVERSAL_PROFILE
 
 

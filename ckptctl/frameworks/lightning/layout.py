@@ -110,10 +110,6 @@ def name_fields(name: str) -> dict[str, float | int]:
     return found
 
 
-def _is_link(url: str) -> bool:
-    return io.is_local(url) and os.path.islink(io.local_path(url))
-
-
 class LightningLayout(Layout):
     """Lightning `ModelCheckpoint` files and sharded FSDP `.ckpt` folders."""
 
@@ -126,7 +122,7 @@ class LightningLayout(Layout):
         """A `.ckpt` file: step and epoch from its name; `last.ckpt` (whose name says neither) from its pickle.
         A `last.ckpt` that is a symbolic link is a pointer (`latest_pointer`), not a checkpoint of its own."""
         name = entry.name
-        if not name.endswith(SUFFIX) or (_LAST.match(name) and _is_link(url)):
+        if not name.endswith(SUFFIX) or (_LAST.match(name) and io.is_link(url)):
             return None
         fields = name_fields(name)
         step, epoch = as_whole(fields.get("step")), as_real(fields.get("epoch"))
@@ -212,7 +208,7 @@ class LightningLayout(Layout):
         if last is None:
             return None
         path = io.join(url, LAST)
-        if not _is_link(path):
+        if not io.is_link(path):
             return LAST
         target = os.path.realpath(io.local_path(path))
         here = os.path.realpath(io.local_path(url))

@@ -33,7 +33,7 @@ from ckptctl.layouts import Layout, get_layout, resolve
 from ckptctl.layouts.capabilities import NO_NAME_MAP, HfModel, ModelSpec, NativeModel
 from ckptctl.layouts.parts.value_head import find_value_head
 from ckptctl.layouts.wrapped import WrappedAdapter
-from ckptctl.ops.convert.commit import Staging, UploadStaging, check_destination, write_digests, write_small
+from ckptctl.ops.commit import UploadStaging, check_destination, staging_for, write_digests, write_small
 from ckptctl.ops.convert.model_check import apply_ties, check_plan, compare_logits, model_spec, read_config
 from ckptctl.ops.convert.options import (
     DEFAULT_MAX_SHARD_SIZE,
@@ -142,11 +142,7 @@ def write_prepared(
 
         def begin() -> _Work:
             prepared = state["prepared"] = make()
-            staging = (
-                Staging(prepared.dst)
-                if io.is_local(prepared.dst)
-                else UploadStaging(prepared.dst, get_layout(options.to))
-            )
+            staging = staging_for(prepared.dst, get_layout(options.to))
             state["staging"] = stack.enter_context(staging)
             staging.check_space(sum(p.nbytes for p in prepared.plan))
             upload = isinstance(staging, UploadStaging)

@@ -13,7 +13,7 @@ from ckptctl.checkpoint import Checkpoint
 from ckptctl.errors import CheckpointNotFound, CkptctlError, CorruptCheckpoint
 from ckptctl.formats.documents import parse_json, read_json
 from ckptctl.layouts import Layout
-from ckptctl.ops.convert.commit import write_small
+from ckptctl.ops.commit import write_small
 from ckptctl.ops.convert.options import ConvertOptions
 from ckptctl.ops.convert_source import convert_source
 

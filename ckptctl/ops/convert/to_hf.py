@@ -23,7 +23,7 @@ from ckptctl.formats.raw_chunks import ChunkLocator, flat_ranges
 from ckptctl.formats.safetensors import WrittenFile, build_header, read_header, tensor_bytes
 from ckptctl.formats.safetensors_stream import BufferSource, RangeSource, Source, StreamCopier, plan_shards
 from ckptctl.formats.safetensors_stream import shard_file_names as _shard_names
-from ckptctl.ops.convert.commit import write_small
+from ckptctl.ops.commit import write_small
 from ckptctl.ops.convert.options import ConvertOptions
 from ckptctl.ops.convert.plan import Planned, Written, read_planned
 from ckptctl.ops.distributed_work import Ranks, split

@@ -1,4 +1,4 @@
-"""Digests, staging, commit: how the output reaches DST whole or not at all.
+"""Digests, staging, commit: how the output of `convert` and `reshard` reaches DST whole or not at all.
 
 Safety: everything is written into a hidden staging folder next to DST (`.<name>.ckptctl-convert-<pid>/`,
 holding the output one level down so that no layout reader mistakes it for a checkpoint), checked against
@@ -250,6 +250,13 @@ class Staging:
         if replaced is not None:
             trash.purge(replaced)
         return 0
+
+
+def staging_for(dst: str, layout: Layout | None = None) -> Staging:
+    """Where an output for `dst` (as `check_destination` returned it) is written and how it is committed: a
+    local DST is staged beside it and renamed into place, any other is staged in `TMPDIR` and uploaded
+    (`layout`: see `UploadStaging`). The one place a command's output path branches on the storage."""
+    return Staging(dst) if io.is_local(dst) else UploadStaging(dst, layout)
 
 
 class UploadStaging(Staging):

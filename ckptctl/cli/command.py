@@ -83,6 +83,9 @@ class _Coercion:
         return param.get_runtime_param().coerce(value, param=param, ctx=ctx)
 
 
+_COERCION = _Coercion()
+
+
 def _is_enum(annotation: Any) -> bool:
     return isinstance(annotation, type) and issubclass(annotation, enum.Enum)
 
@@ -91,9 +94,11 @@ def _light_coercion(params: list[Any]) -> list[Any]:
     """`params` with `_Coercion` in place of Typer's own; asked for where the command parses (`get_params`),
     which also sees the help option and the completion options Typer adds after building the command."""
     for param in params:
-        if getattr(param, "_runtime_param", False) is None and hasattr(param, "type_descriptor"):
-            if param.type_descriptor.parameter_info.parser is None:  # a parser runs on every value
-                param._runtime_param = _Coercion()
+        descriptor = getattr(param, "type_descriptor", None)
+        unset = getattr(param, "_runtime_param", False) is None
+        # A parameter with a parser of its own has it run on every value, as Typer does.
+        if unset and descriptor is not None and descriptor.parameter_info.parser is None:
+            param._runtime_param = _COERCION
     return params
 
 

@@ -28,6 +28,7 @@ demo: $(VENV)/.base
 	$(BIN)/ckptctl verify $(DEMO)
 	$(BIN)/ckptctl inspect $(DEMO)/native/step-30 --limit 12
 	$(BIN)/ckptctl inspect $(DEMO)/dcp/step-30 --limit 12
+	$(BIN)/ckptctl report $(DEMO) -o $(DEMO)/report.html
 
 # Two workers share each slow writer's output (tests/conftest.py: build_once), so the suite is not slower on
 # 2 cores than one process, and faster on more; TESTFLAGS adds pytest options (TESTFLAGS="-k prune").

@@ -72,6 +72,18 @@ def format_size(n: int) -> str:
     return f"{n}B"
 
 
+def human_bytes(n: int | None) -> str:
+    """A byte count as a person reads it (`1.2 MiB`), `-` for None."""
+    if n is None:
+        return "-"
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{n} B"
+
+
 def parse_age(text: str) -> timedelta:
     """A duration from `7d`, `12h`, `30m`, `45s`, `2w`, combinations such as `1d12h`, or `0`.
 

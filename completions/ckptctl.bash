@@ -6,7 +6,7 @@ _ckptctl() {
     prev="${COMP_WORDS[COMP_CWORD-1]}"
     cmd="${COMP_WORDS[1]}"
     if [[ $COMP_CWORD -eq 1 ]]; then
-        COMPREPLY=($(compgen -W "convert demo diff inspect list prune repair reshard resume-plan slim verify --help --version" -- "$cur")); return
+        COMPREPLY=($(compgen -W "convert demo diff inspect list prune repair report reshard resume-plan slim sync verify --help --version" -- "$cur")); return
     fi
     case "$prev" in
         --sort) COMPREPLY=($(compgen -W "step created size url" -- "$cur")); return;;
@@ -22,14 +22,16 @@ _ckptctl() {
     case "$cmd" in
         convert) local opts="--to --dtype --max-shard-size --dcp-file-size --component --strip-prefix --rename --mapping --config --tokenizer --force --reread --workers --weights --no-check-model --check-logits --merge-adapter --lora --adapter-config --lora-alpha --lora-r --lora-rslora --layout --json --quiet -q --help -h";;
         demo) local opts="--steps --distributed --no-distributed --force --json --quiet -q --help -h";;
-        diff) local opts="--component --atol --rtol --strip-prefix --rename --ignore-dtype --all --top --read-all --layout-a --layout-b --workers --json --quiet -q --help -h";;
+        diff) local opts="--component --atol --rtol --strip-prefix --rename --ignore-dtype --all --top --read-all --layout-a --layout-b --html --workers --json --quiet -q --help -h";;
         inspect) local opts="--filter -f --component --limit --layout --json --quiet -q --help -h";;
         list) local opts="--sort --reverse -r --state --layout --limit --depth --json --quiet -q --help -h";;
         prune) local opts="--keep-last --keep-every --keep-best --max-total-size --older-than --pin --grace --slim --dry-run --yes -y --wait --depth --json --quiet -q --help -h";;
         repair) local opts="--yes -y --dry-run --undo --wait --json --quiet -q --help -h";;
+        report) local opts="--output -o --drift --no-drift --last --verify --depth --json --quiet -q --help -h";;
         reshard) local opts="--to --world-size --workers --force --layout --json --quiet -q --help -h";;
         resume-plan) local opts="--world-size --digests --cuda --no-cuda --layout --json --quiet -q --help -h";;
         slim) local opts="--keep-full --older-than --grace --dry-run --yes -y --wait --depth --json --quiet -q --help -h";;
+        sync) local opts="--watch --interval --passes --keep-local --latest --workers --dry-run --grace --wait --json --quiet -q --help -h";;
         verify) local opts="--latest --quick --deep --check-finite --write-manifest --workers --layout --json --quiet -q --help -h";;
         *) local opts='';;
     esac

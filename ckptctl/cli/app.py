@@ -43,6 +43,8 @@ COMMANDS: dict[str, str] = {
     "slim": "ckptctl.cli.slim",
     "repair": "ckptctl.cli.repair",
     "prune": "ckptctl.cli.prune",
+    "report": "ckptctl.cli.report",
+    "sync": "ckptctl.cli.sync",
     "demo": "ckptctl.cli.demo",
 }
 

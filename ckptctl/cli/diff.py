@@ -31,6 +31,7 @@ ckptctl diff runs/llama/step-1000 hf-export/
 ckptctl diff runs/llama/step-900 runs/llama/step-1000 --top 10
 ckptctl diff hf-export/model.safetensors other-export/model.safetensors
 ckptctl diff train-fp32/ export-bf16/ --ignore-dtype --rtol 1e-2 --atol 1e-3
+ckptctl diff runs/llama/step-900 runs/llama/step-1000 --html drift.html
 """
 
 
@@ -96,6 +97,10 @@ def diff_checkpoints(
         str | None,
         typer.Option("--layout-b", metavar="LAYOUT", help="Read B as this layout instead of detecting it."),
     ] = None,
+    html: Annotated[
+        str | None,
+        typer.Option("--html", metavar="FILE", help="Also write a page drawing the relative difference per layer."),
+    ] = None,
     workers: WorkersOpt = None,
     json_output: JsonOpt = False,
     quiet: QuietOpt = False,
@@ -114,7 +119,7 @@ def diff_checkpoints(
         strip_prefix=strip_prefix,
         renames=renames,
         ignore_dtype=ignore_dtype,
-        keep_equal=show_all,
+        keep_equal=show_all or html is not None,  # the page draws every layer, the unchanged ones too
         read_all=read_all,
         layout_a=layout_a,
         layout_b=layout_b,
@@ -124,12 +129,26 @@ def diff_checkpoints(
         out = Output(json_mode=json_output, quiet=quiet or not prints(ranks))
         report = diff(a, b, replace(options, ranks=ranks), out.progress())
     if prints(ranks):
+        if html is not None:
+            _write_page(out, html, report)
+            report = replace(report, equal_tensors=report.equal_tensors if show_all else ())
         if json_output:
             out.json(report.to_json())
         else:
             _render(out, report)
     if not report.equal:
         raise typer.Exit(1)
+
+
+def _write_page(out: Output, path: str, report: DiffReport) -> None:
+    from ckptctl import io
+    from ckptctl.ops.report_html import render_diff
+    from ckptctl.ops.report_page import layer_changes
+
+    layers = layer_changes(report)
+    page = render_diff(report, layers).encode()
+    io.write_bytes_atomic(path, page)
+    out.note(f"wrote {path} ({human_bytes(len(page))}): {len(layers)} layer(s)")
 
 
 def _render(out: Output, report: DiffReport) -> None:

@@ -22,6 +22,7 @@ from rich.text import Span, Text
 
 from ckptctl.ops.report import finite_json
 from ckptctl.quoting import has_control, printable
+from ckptctl.units import human_bytes  # noqa: F401  (re-exported: the commands print sizes through this module)
 
 if TYPE_CHECKING:  # rich's progress bars and grids are imported where drawn: a command's fixed cost (DESIGN §5)
     from rich.progress import Progress
@@ -274,17 +275,6 @@ def interrupted_write(dst: str) -> str:
     if "://" in dst and not dst.startswith("file://"):
         return f"interrupted: the staging folder and the objects uploaded so far to {dst} were removed"
     return f"interrupted: the staging folder was removed and nothing was written to {dst}"
-
-
-def human_bytes(n: int | None) -> str:
-    if n is None:
-        return "-"
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{n} B"
 
 
 def human_count(n: int) -> str:

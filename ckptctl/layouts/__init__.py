@@ -54,6 +54,7 @@ __all__ = [
     "open_checkpoint",
     "peek",
     "peek_dir",
+    "pointed_children",
     "resolve",
     "scan_context",
     "scan_run",
@@ -419,7 +420,7 @@ def _slim_file_state(ref: CheckpointRef, entry: io.DirEntry) -> CheckpointRef:
     return ref
 
 
-def _pointed(url: str, entries: Sequence[io.DirEntry]) -> set[str]:
+def pointed_children(url: str, entries: Sequence[io.DirEntry]) -> set[str]:
     """The children of `url` that a `latest`-style pointer in it names (any layout's; the generic reader's
     links and tracker files where no layout's pointer names one)."""
     found = {io.join(url, name) for layout in all_layouts() if (name := layout.latest_pointer(url, entries))}
@@ -533,7 +534,7 @@ def resolve(url: str, layout: str | None = None) -> tuple[Layout, CheckpointRef]
             return hit
         folders = {io.join(url, e.name) for e in entries if e.is_dir}
         files = {io.join(url, e.name): e for e in entries if not e.is_dir}
-        pointed = _pointed(url, entries)
+        pointed = pointed_children(url, entries)
         named = [
             found
             for child in sorted(pointed & folders)
@@ -734,5 +735,5 @@ def _finish(level: _Level) -> None:
     if level.hit is not None:
         holds = tuple(name for name, refs in level.children if refs)
         level.out.append(replace(level.hit, holds=holds) if holds else level.hit)
-    pointed = _pointed(level.url, level.entries) if children else set()
+    pointed = pointed_children(level.url, level.entries) if children else set()
     level.out.extend(replace(ref, latest=True) if ref.url in pointed else ref for ref in children)

@@ -159,6 +159,15 @@ class Layout:
         """
         return Protections()
 
+    # ---------------------------------------------------------------------------------------- metrics
+
+    def metric_history(self, checkpoint: Checkpoint) -> tuple[Mapping[str, object], ...]:
+        """The metrics the training logged up to this checkpoint, one mapping per logged step (each with an
+        integer `step`), where the framework keeps such a log in its checkpoints (the Trainer's
+        `log_history`); `report` draws the run's curves from it. The default: none, so the curves are the
+        checkpoints' own `metrics`."""
+        return ()
+
     # ---------------------------------------------------------------------------------------- resume
 
     def resume_profile(self) -> ResumeProfile:

@@ -64,6 +64,7 @@ __all__ = [
     "apply_planned",
     "changed_since_plan",
     "checkpoint_metrics",
+    "delete_planned",
     "load_policy_file",
     "plan_prune",
     "prune",
@@ -716,7 +717,7 @@ def prune(
         lock.refresh()
         trash_freed = _empty_trash(_trash_folders(run, plan.items))
         deleted, skipped = apply_planned(
-            plan.delete, _delete, lock, plan.grace, "deleting", progress=progress, weight=lambda i: i.size_bytes
+            plan.delete, delete_planned, lock, plan.grace, "deleting", progress=progress, weight=lambda i: i.size_bytes
         )
         slimmed, not_slimmed = apply_planned(plan.slim, _slim, lock, plan.grace, "slimming")
         return PruneReport(
@@ -808,9 +809,10 @@ def changed_since_plan(planned: CheckpointRef, grace: timedelta) -> str:
     return ""
 
 
-def _delete(item: PruneItem) -> PruneItem:
-    """Delete one checkpoint folder so that no moment shows it half-deleted and complete (`io.trash`); of a
-    folder that holds checkpoints of its own, only what is the checkpoint's (`_own_parts`)."""
+def delete_planned(item: PruneItem) -> PruneItem:
+    """Delete one planned checkpoint folder (`prune`, `sync --keep-local`) so that no moment shows it
+    half-deleted and complete (`io.trash`); of a folder that holds checkpoints of its own, only what is the
+    checkpoint's (`_own_parts`)."""
     ref = item.ref
     parts = _own_parts(ref)
     if parts is None:

@@ -15,6 +15,8 @@ from safetensors.numpy import save_file
 
 from ckptctl.cli.app import COMMANDS, build_app
 from ckptctl.cli.command import _Coercion
+from ckptctl.cli.report import DEFAULT_LAST
+from ckptctl.ops import report_page
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -23,26 +25,34 @@ ROOT = Path(__file__).resolve().parents[2]
 HEAVY = ("torch", "numpy", "transformers", "safetensors", "accelerate", "deepspeed", "fsspec", "pydantic")
 
 
-def test_verify_of_a_file_imports_only_what_it_runs(tmp_path: Path) -> None:
-    weights = tmp_path / "model.safetensors"
-    save_file({"weight": np.arange(6, dtype=np.float32).reshape(2, 3)}, str(weights))
+def _imported(*args: str) -> tuple[int, str, set[str]]:
+    """Exit code, stdout and the modules loaded at the end of `ckptctl ARGS`, run in a fresh interpreter."""
     script = (
         "import json, sys\n"
         "from ckptctl.cli.app import main\n"
         "try:\n"
-        "    main(['verify', sys.argv[1], '--json'])\n"
+        "    main(sys.argv[1:])\n"
         "except SystemExit as exit:\n"
         "    print(json.dumps({'code': exit.code, 'modules': sorted(sys.modules)}))\n"
     )
-    proc = subprocess.run(
-        [sys.executable, "-c", script, str(weights)], capture_output=True, text=True, check=True, cwd=ROOT
-    )
-    report, _, last = proc.stdout.rpartition("\n{")
+    proc = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, check=True, cwd=ROOT)
+    stdout, _, last = proc.stdout.rpartition("\n{")
     outcome = json.loads("{" + last)
-    modules = set(outcome["modules"])
+    return outcome["code"], stdout, set(outcome["modules"])
 
-    assert outcome["code"] == 0 and json.loads(report)["ok"] is True, proc.stderr
-    assert sorted(m for m in modules if m.split(".")[0] in HEAVY) == []
+
+def _heavy(modules: set[str]) -> list[str]:
+    return sorted(m for m in modules if m.split(".")[0] in HEAVY)
+
+
+def test_verify_of_a_file_imports_only_what_it_runs(tmp_path: Path) -> None:
+    weights = tmp_path / "model.safetensors"
+    save_file({"weight": np.arange(6, dtype=np.float32).reshape(2, 3)}, str(weights))
+
+    code, stdout, modules = _imported("verify", str(weights), "--json")
+
+    assert code == 0 and json.loads(stdout)["ok"] is True
+    assert _heavy(modules) == []
     # Only the command's own module of the command-line modules, and no framework's reader: a safetensors
     # file is no framework's checkpoint file (`Plugin.checkpoint_files`).
     assert {m for m in modules if m.startswith("ckptctl.cli.")} <= {
@@ -57,6 +67,16 @@ def test_verify_of_a_file_imports_only_what_it_runs(tmp_path: Path) -> None:
     # The other commands' library code: slim (with prune and the run lock) and resume-plan are for --latest
     # and slimmed checkpoints alone.
     assert {"ckptctl.ops.slim", "ckptctl.ops.prune", "ckptctl.ops.resume_plan", "ckptctl.core.lock"} & modules == set()
+
+
+def test_help_imports_every_command_and_nothing_heavy() -> None:
+    """`ckptctl --help` imports every command's module: none imports heavy code at module level."""
+    code, stdout, modules = _imported("--help")
+
+    assert code == 0 and "verify" in stdout
+    assert set(COMMANDS.values()) <= modules
+    assert _heavy(modules) == []
+    assert DEFAULT_LAST == report_page.DEFAULT_LAST  # the copy that spares `cli.report` that module
 
 
 def test_the_light_coercion_returns_what_typer_returns() -> None:

@@ -422,6 +422,15 @@ class HfTrainerLayout(Layout):
             )
         return Protections(reasons=dict.fromkeys(named, ("the Trainer's best_model_checkpoint",)))
 
+    def metric_history(self, checkpoint: Checkpoint) -> tuple[Mapping[str, object], ...]:
+        """trainer_state.json's `log_history`: every `logging_steps` entry (loss, grad_norm, learning_rate, eval
+        metrics) up to this checkpoint, as `Trainer._save_checkpoint` writes it (`TrainerState.save_to_json`)."""
+        state = _read_trainer_state(checkpoint.url) if TRAINER_STATE_NAME in checkpoint.files else None
+        history = state.get("log_history") if isinstance(state, dict) else None
+        if not isinstance(history, list):
+            return ()
+        return tuple(h for h in history if isinstance(h, dict) and isinstance(h.get("step"), int))
+
     def resume_profile(self) -> ResumeProfile:
         """See `frameworks.hf_trainer.resume`."""
         from ckptctl.frameworks.hf_trainer.resume import PROFILE

@@ -1,0 +1,225 @@
+"""`sync` between a local run and the local S3 server, both ways: real writers' runs arrive whole (every
+checkpoint listed complete at DST verifies there), a second sync reads nothing again, what is not complete at
+SRC stays behind with why, pointers only ever name what is whole at DST, a killed sync leaves nothing torn
+that lists as complete, and `--keep-local` deletes only what is whole at DST."""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ckptctl import io
+from ckptctl.errors import StorageError
+from ckptctl.ops import sync as sync_module
+from ckptctl.ops.lock import RunLock
+from ckptctl.ops.sync import SYNC_LOCK, watch
+from tests.conftest import CliResult
+from tests.core.util import REPO, worker_env
+
+Cli = Callable[..., CliResult]
+
+
+def sync_json(run_cli: Cli, *args: str | Path, code: int = 0) -> Any:
+    result = run_cli("sync", *args, "--json")
+    assert result.exit_code == code, result.stderr
+    assert "Traceback" not in result.stderr
+    return result.json
+
+
+def actions(doc: Any) -> dict[str, tuple[str, str | None]]:
+    return {Path(c["url"]).name: (c["action"], c["reason"]) for c in doc["checkpoints"]}
+
+
+def listed(run_cli: Cli, url: str | Path) -> dict[str, str]:
+    result = run_cli("list", url, "--json")
+    assert result.exit_code == 0, result.stderr
+    return {io.relative_to(c["url"], str(url)): c["state"] for c in result.json["checkpoints"]}
+
+
+def assert_whole_at(run_cli: Cli, src: Path, dst: str) -> None:
+    """DST lists what SRC lists as complete, complete, and verifies (digests included)."""
+    want = {rel: state for rel, state in listed(run_cli, src).items() if state == "complete"}
+    got = listed(run_cli, dst)
+    assert {rel: got.get(rel) for rel in want} == want
+    verified = run_cli("verify", dst, "--json")
+    assert verified.exit_code == 0, verified.stdout
+
+
+def test_a_demo_run_goes_up_whole_and_a_second_sync_reads_nothing(
+    run_cli: Cli, demo_dir: Path, bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    dst = f"{bucket}/demo"
+    doc = sync_json(run_cli, demo_dir, dst)
+    assert doc["schema_version"] == 1 and doc["src"] == str(demo_dir) and doc["dst"] == dst
+    assert {action for action, _ in actions(doc).values()} == {"copied"}
+    assert all(c["bytes"] > 0 and c["seconds"] >= 0 for c in doc["checkpoints"])
+    assert {f["path"] for f in doc["run_files"]} >= {"native/latest", "distributed/latest"}
+    assert_whole_at(run_cli, demo_dir, dst)
+
+    def no_reads(*args: object) -> None:
+        raise AssertionError(f"read again: {args}")
+
+    monkeypatch.setattr(sync_module, "file_digest", no_reads)
+    monkeypatch.setattr(io, "upload_file", no_reads)
+    again = sync_json(run_cli, demo_dir, dst)
+    assert {v for v in actions(again).values()} == {("skipped", "already whole at DST")}
+    assert again["run_files"] == [] and again["bytes"] == 0
+
+
+def test_what_is_not_complete_stays_behind_and_the_pointer_waits(
+    run_cli: Cli, demo_dir: Path, bucket: str, tmp_path: Path
+) -> None:
+    run = shutil.copytree(demo_dir / "native", tmp_path / "native")
+    # The save `latest` names lost its manifest (the native writer renames a save into place with it, so this is
+    # broken rather than in progress), and an old one lost a file.
+    (run / "step-30" / "ckptctl-manifest.json").unlink()
+    (run / "step-10" / "model.safetensors").unlink()
+    dst = f"{bucket}/native"
+    doc = sync_json(run_cli, run, dst, code=1)
+    got = actions(doc)
+    assert got["step-20"] == ("copied", None)
+    for name in ("step-10", "step-30"):
+        assert got[name][0] == "skipped" and got[name][1].startswith("broken at SRC")
+    assert {Path(c["url"]).name for c in doc["checkpoints"] if c["problem"]} == {"step-10", "step-30"}
+    held = {f["path"]: f for f in doc["run_files"]}
+    assert held["latest"]["action"] == "skipped" and "step-30" in held["latest"]["reason"]
+    assert not io.exists(f"{dst}/latest") and listed(run_cli, dst) == {"step-20": "complete"}
+
+    shutil.copy(demo_dir / "native" / "step-30" / "ckptctl-manifest.json", run / "step-30")
+    doc = sync_json(run_cli, run, dst, code=1)
+    assert actions(doc)["step-30"] == ("copied", None)
+    assert io.read_bytes(f"{dst}/latest") == (run / "latest").read_bytes()
+
+
+def test_a_sync_killed_mid_upload_leaves_nothing_torn_complete_and_the_next_finishes(
+    run_cli: Cli, demo_dir: Path, bucket: str
+) -> None:
+    """The DCP run's steps are 3 files each (2 shards, then `.metadata`): killed after 5 uploads, step-20 has
+    its shards and no `.metadata`."""
+    dst = f"{bucket}/killed"
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "tests.s3._sync_kill_worker", str(demo_dir / "dcp"), dst, "5"],
+        cwd=REPO,
+        env={**worker_env(), "CKPTCTL_IO_WORKERS": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert worker.stdout is not None
+        line = worker.stdout.readline().strip()
+        assert line == "uploaded 5", (line, worker.stderr.read() if worker.stderr else "")
+    finally:
+        worker.send_signal(signal.SIGKILL)
+        worker.wait(timeout=30)
+    states = listed(run_cli, dst)
+    assert states.get("step-20") != "complete" and "step-30" not in states
+    complete = [rel for rel, state in states.items() if state == "complete"]
+    for rel in complete:
+        assert run_cli("verify", f"{dst}/{rel}").exit_code == 0
+    doc = sync_json(run_cli, demo_dir / "dcp", dst)
+    assert actions(doc)["step-20"] == ("copied", None)
+    assert_whole_at(run_cli, demo_dir / "dcp", dst)
+
+
+def test_latest_pulls_what_a_resume_loads_and_the_manager_restores_it(
+    run_cli: Cli, demo_dir: Path, bucket: str, tmp_path: Path
+) -> None:
+    from ckptctl.core import CheckpointManager
+
+    remote = f"{bucket}/up"
+    sync_json(run_cli, demo_dir / "native", remote)
+    local = tmp_path / "fresh"
+    doc = sync_json(run_cli, remote, local, "--latest")
+    assert {name: action for name, (action, _) in actions(doc).items()} == {
+        "step-10": "skipped",
+        "step-20": "skipped",
+        "step-30": "copied",
+    }
+    assert sorted(p.name for p in local.iterdir() if not p.name.startswith(".")) == ["latest", "step-30"]
+    assert CheckpointManager(str(local)).latest_step() == 30  # the manager's own latest-finder
+    assert run_cli("verify", local, "--latest").exit_code == 0
+    same = run_cli("diff", local / "step-30", demo_dir / "native" / "step-30", "--json")
+    assert same.exit_code == 0 and same.json["equal"] is True
+
+
+def test_real_writers_runs_go_up_whole_and_come_back_for_their_latest_finders(
+    run_cli: Cli, trainer_run: Any, deepspeed_runs: Any, bucket: str, tmp_path: Path
+) -> None:
+    from transformers.trainer_utils import get_last_checkpoint
+
+    trainer, ds = trainer_run.saved_run, deepspeed_runs[2].save_dir
+    for name, run in (("trainer", trainer), ("deepspeed", ds)):
+        sync_json(run_cli, run, f"{bucket}/{name}")
+        assert_whole_at(run_cli, run, f"{bucket}/{name}")
+    back = tmp_path / "trainer"
+    sync_json(run_cli, f"{bucket}/trainer", back)
+    assert Path(get_last_checkpoint(str(back))).name == Path(get_last_checkpoint(str(trainer))).name
+    ds_back = tmp_path / "ds"
+    sync_json(run_cli, f"{bucket}/deepspeed", ds_back, "--latest")
+    # DeepSpeed's load_checkpoint reads the tag its `latest` file names (deepspeed/runtime/engine.py:
+    # DeepSpeedEngine.load_checkpoint, `tag is None` branch): the pulled copy names the same, present tag.
+    tag = (ds_back / "latest").read_text().strip()
+    assert tag == (ds / "latest").read_text().strip() and (ds_back / tag).is_dir()
+
+
+def test_watch_copies_a_checkpoint_once_it_is_complete(demo_dir: Path, bucket: str, tmp_path: Path) -> None:
+    run = shutil.copytree(demo_dir / "native", tmp_path / "native")
+    manifest = run / "step-30" / "ckptctl-manifest.json"
+    saved = manifest.read_bytes()
+    manifest.unlink()
+    dst = f"{bucket}/watched"
+    seen = []
+    for report in watch(str(run), dst, interval=0, passes=3):
+        seen.append({Path(i.url).name: i.action.value for i in report.checkpoints})
+        if len(seen) == 1:
+            manifest.write_bytes(saved)  # the writer commits between two passes
+    assert [s["step-30"] for s in seen] == ["skipped", "copied", "skipped"]
+    assert [s["step-20"] for s in seen] == ["copied", "skipped", "skipped"]
+
+
+def test_keep_local_deletes_only_what_is_whole_at_dst(
+    run_cli: Cli, demo_dir: Path, bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run = shutil.copytree(demo_dir / "native", tmp_path / "native")
+    dst = f"{bucket}/kept"
+    real_upload = io.upload_file
+
+    def the_store_dies_at_step_20(path: str, url: str) -> None:
+        if "/step-20/" in url:
+            raise StorageError(f"cannot access {url}: connection reset")
+        real_upload(path, url)
+
+    monkeypatch.setattr(io, "upload_file", the_store_dies_at_step_20)
+    failed = run_cli("sync", run, dst, "--keep-local", "1", "--grace", "0s", "--json")
+    assert failed.exit_code == 2 and "connection reset" in failed.stderr
+    assert sorted(p.name for p in run.glob("step-*")) == ["step-10", "step-20", "step-30"]
+
+    monkeypatch.setattr(io, "upload_file", real_upload)
+    doc = sync_json(run_cli, run, dst, "--keep-local", "1", "--grace", "0s")
+    deleted = sorted(Path(c["url"]).name for c in doc["checkpoints"] if c["action"] == "deleted_local")
+    assert deleted == ["step-10", "step-20"]
+    assert sorted(p.name for p in run.glob("step-*")) == ["step-30"]
+    assert listed(run_cli, dst) == {f"step-{n}": "complete" for n in (10, 20, 30)}
+
+
+def test_a_second_sync_into_the_same_dst_exits_2(run_cli: Cli, demo_dir: Path, bucket: str) -> None:
+    dst = f"{bucket}/busy"
+    with RunLock(dst, name=SYNC_LOCK):
+        result = run_cli("sync", demo_dir / "native", dst, "--json")
+    assert result.exit_code == 2 and result.json["error"]["exit_code"] == 2
+    assert io.list_tree(dst).keys() <= {SYNC_LOCK}
+
+
+def test_dry_run_writes_nothing(run_cli: Cli, demo_dir: Path, bucket: str) -> None:
+    dst = f"{bucket}/dry"
+    doc = sync_json(run_cli, demo_dir / "native", dst, "--dry-run")
+    assert doc["dry_run"] is True and {a for a, _ in actions(doc).values()} == {"copied"}
+    assert io.list_tree(dst) == {}

@@ -8,32 +8,18 @@ JSON document on stdout, so that a script reading stdout always gets one documen
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from functools import cache
 from typing import Any, TextIO
 
 import typer
 
 from ckptctl import __version__
-from ckptctl.cli import (
-    average,
-    convert,
-    demo,
-    diff,
-    prune,
-    ranks,
-    repair,
-    report,
-    reshard,
-    resume_plan,
-    slim,
-    sync,
-    verify,
-)
-from ckptctl.cli import inspect as inspect_command
-from ckptctl.cli import list as list_command
+from ckptctl.cli import ranks
 from ckptctl.cli.command import Group
 from ckptctl.errors import CkptctlError
 from ckptctl.ops.distributed_work import launched
@@ -42,15 +28,26 @@ from ckptctl.quoting import printable
 #: The exit code of an interrupted command (128 + SIGINT, as shells report it).
 INTERRUPTED = 130
 
-app = typer.Typer(
-    name="ckptctl",
-    help="Checkpoints of large-model training runs: list, inspect and verify them before you resume.",
-    cls=Group,
-    no_args_is_help=True,
-    pretty_exceptions_enable=False,
-    rich_markup_mode="rich",
-    context_settings={"help_option_names": ["-h", "--help"]},
-)
+#: Every command, in the order `ckptctl --help` lists them: its name -> the module that defines it and registers
+#: it (`register(app)`). A run imports only the module of the command it runs (`build_app`), so that what
+#: one command needs at import (its options, its library code) costs no other command anything (DESIGN §5:
+#: a command's fixed cost); `--help`, the completions and the reference import them all.
+COMMANDS: dict[str, str] = {
+    "list": "ckptctl.cli.list",
+    "inspect": "ckptctl.cli.inspect",
+    "verify": "ckptctl.cli.verify",
+    "convert": "ckptctl.cli.convert",
+    "average": "ckptctl.cli.average",
+    "reshard": "ckptctl.cli.reshard",
+    "diff": "ckptctl.cli.diff",
+    "resume-plan": "ckptctl.cli.resume_plan",
+    "slim": "ckptctl.cli.slim",
+    "repair": "ckptctl.cli.repair",
+    "prune": "ckptctl.cli.prune",
+    "report": "ckptctl.cli.report",
+    "sync": "ckptctl.cli.sync",
+    "demo": "ckptctl.cli.demo",
+}
 
 
 def _version(value: bool) -> None:
@@ -59,7 +56,6 @@ def _version(value: bool) -> None:
         raise typer.Exit()
 
 
-@app.callback()
 def _root(
     version: bool = typer.Option(
         False, "--version", callback=_version, is_eager=True, help="Show the version and exit."
@@ -68,23 +64,42 @@ def _root(
     """Checkpoints of large-model training runs: list, inspect and verify them before you resume."""
 
 
-for module in (
-    list_command,
-    inspect_command,
-    verify,
-    convert,
-    average,
-    reshard,
-    diff,
-    resume_plan,
-    slim,
-    repair,
-    prune,
-    report,
-    sync,
-    demo,
-):
-    module.register(app)
+def build_app(names: Iterable[str] = COMMANDS) -> typer.Typer:
+    """The `ckptctl` app with the commands `names` (keys of `COMMANDS`) registered, each module imported now."""
+    app = typer.Typer(
+        name="ckptctl",
+        help="Checkpoints of large-model training runs: list, inspect and verify them before you resume.",
+        cls=Group,
+        no_args_is_help=True,
+        pretty_exceptions_enable=False,
+        rich_markup_mode="rich",
+        context_settings={"help_option_names": ["-h", "--help"]},
+    )
+    app.callback()(_root)
+    for name in names:
+        importlib.import_module(COMMANDS[name]).register(app)
+    return app
+
+
+@cache
+def _whole_app() -> typer.Typer:
+    return build_app()
+
+
+def __getattr__(name: str) -> Any:
+    """`app`: the app with every command, for what reads the whole command line (the completions, the
+    reference, tests); built on first use, since `main` builds only the command it runs."""
+    if name == "app":
+        return _whole_app()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _app_for(args: Sequence[str]) -> typer.Typer:
+    """The app that runs `args`: only the named command's when they start with one (no root option comes
+    before it); else every command, for the root help, a usage error that lists them, or a shell's completion."""
+    if args and args[0] in COMMANDS:
+        return build_app([args[0]])
+    return _whole_app()
 
 
 class _OutputClosed(BaseException):
@@ -140,7 +155,7 @@ def _run(args: list[str]) -> int:
         json_mode = False  # rank 0 prints the job's JSON document; the other ranks say their errors on stderr
     ranks.ARGS.set(tuple(args))
     try:
-        result = app(args=args, prog_name="ckptctl", standalone_mode=False)
+        result = _app_for(args)(args=args, prog_name="ckptctl", standalone_mode=False)
     except CkptctlError as exc:
         if debug:
             raise

@@ -5,10 +5,16 @@ it would also wrap an example in the middle of a command. Examples are therefore
 command's epilog, and printed after the options exactly as written: one command per line, never wrapped
 (the terminal soft-wraps a long one, so a copy-paste still gets it whole). The usage line names the
 arguments as the reference does (`SRC DST`, not `{src} {dst}`).
+
+Typer checks every value it parses (a default or a path argument included) with a pydantic `TypeAdapter`,
+and importing pydantic costs a command more than the rest of its start (DESIGN §5: a command's fixed cost
+<= 0.2 s over Python's start-up). A value that already has its parameter's type needs no check (see
+`_Coercion`), so that a command given only strings and flags never imports it.
 """
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable
 from typing import Any
 
@@ -22,7 +28,7 @@ class Group(TyperGroup):
     """The `ckptctl` group: its own flags show no `<bool>` either."""
 
     def get_params(self, ctx: Any) -> list[Any]:
-        return _typeless_flags(super().get_params(ctx))
+        return _light_coercion(_typeless_flags(super().get_params(ctx)))
 
 
 class Command(TyperCommand):
@@ -36,7 +42,7 @@ class Command(TyperCommand):
                 param.display_type_rich = _no_type  # type: ignore[method-assign]
 
     def get_params(self, ctx: Any) -> list[Any]:
-        return _typeless_flags(super().get_params(ctx))
+        return _light_coercion(_typeless_flags(super().get_params(ctx)))
 
     def collect_usage_pieces(self, ctx: Any) -> list[str]:
         pieces = [self.options_metavar] if self.options_metavar else []
@@ -54,6 +60,46 @@ class Command(TyperCommand):
             self.epilog = examples
         if examples:
             print_examples(examples)
+
+
+class _Coercion:
+    """What Typer's coercion of a parameter returns, without building it where the value already has the
+    parameter's type: None (no value given), a string for a `str` parameter (every path argument), a number
+    or enum member for one of that type (only the command's own defaults are not strings: Typer's parser gives
+    strings). Any other value gets Typer's own coercion, built then, with its checks and its error messages.
+
+    It stands in the parameter's `_runtime_param`, the slot where Typer (0.29, pinned) keeps that coercion once
+    built (`typer.core._TyperParameter.get_runtime_param`); where a later Typer has no such slot it is not set,
+    and every value gets Typer's own coercion (as fast as Typer is, and as correct).
+    """
+
+    def coerce(self, value: Any, param: Any, ctx: Any) -> Any:
+        annotation = param.type_descriptor.annotation
+        if value is None:  # what Typer's `RuntimeParam.coerce` returns for no value, before any check
+            return () if param.multiple or param.nargs == -1 else None
+        if type(value) is annotation or (_is_enum(annotation) and isinstance(value, annotation)):
+            return value
+        param._runtime_param = None
+        return param.get_runtime_param().coerce(value, param=param, ctx=ctx)
+
+
+_COERCION = _Coercion()
+
+
+def _is_enum(annotation: Any) -> bool:
+    return isinstance(annotation, type) and issubclass(annotation, enum.Enum)
+
+
+def _light_coercion(params: list[Any]) -> list[Any]:
+    """`params` with `_Coercion` in place of Typer's own; asked for where the command parses (`get_params`),
+    which also sees the help option and the completion options Typer adds after building the command."""
+    for param in params:
+        descriptor = getattr(param, "type_descriptor", None)
+        unset = getattr(param, "_runtime_param", False) is None
+        # A parameter with a parser of its own has it run on every value, as Typer does.
+        if unset and descriptor is not None and descriptor.parameter_info.parser is None:
+            param._runtime_param = _COERCION
+    return params
 
 
 def _no_type(ctx: Any) -> None:

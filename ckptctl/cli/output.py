@@ -14,17 +14,18 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from rich.cells import cell_len
 from rich.console import Console
-from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
-from rich.table import Table
 from rich.text import Span, Text
 
 from ckptctl.ops.report import finite_json
 from ckptctl.quoting import has_control, printable
 from ckptctl.units import human_bytes  # noqa: F401  (re-exported: the commands print sizes through this module)
+
+if TYPE_CHECKING:  # rich's progress bars and grids are imported where drawn: a command's fixed cost (DESIGN §5)
+    from rich.progress import Progress
 
 #: Between two columns of a table.
 _GAP = "  "
@@ -123,6 +124,8 @@ class Output:
         if self.json_mode or self.quiet:
             return
         if self.is_terminal:
+            from rich.table import Table
+
             grid = Table.grid(padding=(0, 2))
             grid.add_column(style="bold", no_wrap=True)
             grid.add_column()
@@ -165,6 +168,15 @@ class RichProgress:
         if not self._enabled:
             return
         self.finish()
+        from rich.progress import (
+            BarColumn,
+            DownloadColumn,
+            Progress,
+            TextColumn,
+            TimeRemainingColumn,
+            TransferSpeedColumn,
+        )
+
         self._bar = Progress(
             TextColumn("{task.description}", markup=False),
             BarColumn(),

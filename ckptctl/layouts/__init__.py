@@ -74,12 +74,15 @@ class Plugin:
         package: the framework's package.
         reader: its `Layout` subclass.
         capabilities: each slot it fills (`layouts.capabilities`) -> the object that fills it.
+        checkpoint_files: its reader's `checkpoint_files` (a test holds them equal), known without importing
+            the reader, so that a file given as a checkpoint imports only the readers that may take it.
     """
 
     name: str
     package: str
     reader: str
     capabilities: Mapping[Slot[Any], str] = field(default_factory=dict)
+    checkpoint_files: tuple[str, ...] = ()
 
     def load(self, target: str) -> Any:
         """The object `target` (`module:attribute` in the package) names, its module imported on first use."""
@@ -117,7 +120,13 @@ _REGISTRY: tuple[Plugin, ...] = (
     Plugin("bytecheckpoint", "ckptctl.frameworks.bytecheckpoint", "layout:BytecheckpointLayout"),
     Plugin("areal", "ckptctl.frameworks.areal", "layout:ArealLayout", CONVERT | REPAIR | SLIM),
     Plugin("roll", "ckptctl.frameworks.roll", "layout:RollLayout", SLIM),
-    Plugin("lightning", "ckptctl.frameworks.lightning", "layout:LightningLayout", CONVERT | REPAIR | SLIM),
+    Plugin(
+        "lightning",
+        "ckptctl.frameworks.lightning",
+        "layout:LightningLayout",
+        CONVERT | REPAIR | SLIM,
+        checkpoint_files=(".ckpt",),
+    ),
     Plugin("megatron", "ckptctl.frameworks.megatron", "layout:MegatronLayout", CONVERT | REPAIR | SLIM | STATE),
     Plugin("torchtitan", "ckptctl.frameworks.torchtitan", "layout:TorchtitanLayout", CONVERT | REPAIR | SLIM),
     Plugin("dcp", "ckptctl.frameworks.dcp", "layout:DcpLayout", RESHARD | SLIM | STATE),
@@ -424,7 +433,8 @@ def pointed_children(url: str, entries: Sequence[io.DirEntry]) -> set[str]:
 def _identify_file(url: str, entry: io.DirEntry, layout: str | None = None) -> tuple[Layout, CheckpointRef] | None:
     """The first layout (in registry order, or only `layout`) whose checkpoints are files like `entry`, and
     the file's ref when it recognises it."""
-    for candidate in _candidates(layout):
+    names = [layout] if layout else [p.name for p in _REGISTRY if entry.name.endswith(p.checkpoint_files)]
+    for candidate in map(get_layout, names):
         if candidate.checkpoint_files and entry.name.endswith(candidate.checkpoint_files):
             ref = candidate.identify_file(url, entry)
             if ref is not None:

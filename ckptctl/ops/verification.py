@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckptctl import io
 from ckptctl.checkpoint import CheckpointRef, CheckpointState, Problem, ProblemKind
@@ -28,9 +28,10 @@ from ckptctl.ops.content import ContentChecks, check_content
 from ckptctl.ops.digests import save_digests
 from ckptctl.ops.distributed_work import Ranks
 from ckptctl.ops.report import SCHEMA_VERSION, NoProgress, Progress, problem_json
-from ckptctl.ops.resume_plan import ResumePlan, plan_resume
-from ckptctl.ops.slim import dropped_files, slim_problems
 from ckptctl.quoting import shell
+
+if TYPE_CHECKING:
+    from ckptctl.ops.resume_plan import ResumePlan
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,6 +178,9 @@ def verify_run(
         if only_resume_target:
             if not io.exists(run) or all(r.state in _UNFINISHED for r in scan_run(run)):
                 return RunVerifyReport(run, (), fresh_start=True)
+            # Imported here: only --latest plans a resume, and `verify FILE` starts faster without it (DESIGN §5).
+            from ckptctl.ops.resume_plan import plan_resume
+
             plan = plan_resume(run)
             if plan.checkpoint is None and plan.unknown_layout:
                 names = ", ".join(io.relative_to(s.url, run) or "." for s in plan.unknown_layout[:4])
@@ -276,6 +280,9 @@ def _verify_checkpoint(url: str, options: VerifyOptions, progress: Progress, rea
         checkpoint = layout.open(url)
         problems = checkpoint_problems(layout, checkpoint)
         if ref.state is CheckpointState.SLIM:
+            # Imported here: `slim` (its lock, retention and plans) is for slimmed checkpoints alone (DESIGN §5).
+            from ckptctl.ops.slim import slim_problems
+
             problems = slim_problems(layout.name, url, problems)
     except CkptctlError as exc:
         problem = Problem.of_unreadable(exc, "", ProblemKind.BAD_METADATA)
@@ -306,7 +313,11 @@ def _verify_checkpoint(url: str, options: VerifyOptions, progress: Progress, rea
     content = check_content(checkpoint, archives, checks, progress, broken)
     said = {p.message for p in problems}  # a truncated file fails the structure and the read alike
     # Digests recorded before a slim name the files it dropped too.
-    dropped = dropped_files(url) if ref.state is CheckpointState.SLIM else frozenset()
+    dropped: frozenset[str] = frozenset()
+    if ref.state is CheckpointState.SLIM:
+        from ckptctl.ops.slim import dropped_files
+
+        dropped = dropped_files(url)
     problems.extend(p for p in content.problems if p.message not in said and p.path not in dropped)
     wrote = False
     if record:

@@ -5,6 +5,7 @@ interpreter where a shell pipeline is the point (the awk example, `| head -1`)."
 
 from __future__ import annotations
 
+import importlib
 import os
 import re
 import subprocess
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from ckptctl.cli.app import app
+from ckptctl.cli.app import COMMANDS, app
 from ckptctl.layouts import layout_names
 from tests.conftest import CliResult, copy_tree
 from tests.hostile.harness import Outcome, close_servers_by_environment, run_in_environment
@@ -24,7 +25,6 @@ from tests.writers.trainer_writer import WrittenTrainerRun
 
 Cli = Callable[..., CliResult]
 REPO = Path(__file__).resolve().parents[2]
-COMMANDS = ("list", "inspect", "verify", "convert", "reshard", "diff", "resume-plan", "slim", "prune", "repair", "demo")
 
 
 def ckptctl(*args: object, columns: int = 80) -> Outcome:
@@ -175,8 +175,7 @@ def test_help_reads_at_80_columns(command: str) -> None:
     proc = ckptctl(command, "--help", columns=80)
     assert proc.returncode == 0, proc.stderr
     text = proc.stdout
-    module = {"list": "list", "resume-plan": "resume_plan"}.get(command, command)
-    examples = __import__(f"ckptctl.cli.{module}", fromlist=["EXAMPLES"]).EXAMPLES.strip().splitlines()
+    examples = importlib.import_module(COMMANDS[command]).EXAMPLES.strip().splitlines()
     out_lines = [line.strip() for line in text.splitlines()]
     for example in examples:  # every example whole, on its own line, however long
         assert example in out_lines, (example, text)
@@ -188,6 +187,8 @@ def test_help_reads_at_80_columns(command: str) -> None:
     argument = {
         "convert": "SRC DST",
         "reshard": "SRC DST",
+        "sync": "SRC DST",
+        "average": "CKPT... DST",
         "diff": "A B",
         "demo": "DIR",
         "inspect": "CKPT",

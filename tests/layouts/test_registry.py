@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from ckptctl import CheckpointManager
-from ckptctl.layouts import _REGISTRY, capability
+from ckptctl.layouts import _REGISTRY, capability, get_layout
 from ckptctl.layouts.capabilities import CONVERT_SOURCE, SLIMMER, ConvertSource, Slimmer
 
 
@@ -24,6 +24,13 @@ def test_every_declared_capability_is_what_its_slot_says() -> None:
             assert isinstance(found, ConvertSource), target
         if slot is SLIMMER:
             assert isinstance(found, Slimmer), target
+
+
+def test_every_plugin_names_its_readers_checkpoint_files() -> None:
+    """The registry's copy, which spares a file given as a checkpoint the import of every reader."""
+    declared = {plugin.name: plugin.checkpoint_files for plugin in _REGISTRY}
+    assert declared == {name: get_layout(name).checkpoint_files for name in declared}
+    assert any(declared.values())
 
 
 def test_a_layout_outside_the_registry_has_no_capability() -> None:

@@ -24,9 +24,7 @@ def _errors(result: CliResult) -> list[str]:
     return [p["path"] for p in problems if p["severity"] == "error"]
 
 
-@pytest.mark.parametrize(
-    "victim", ["optimizer.pt", "scheduler.pt", "training_args.bin", "adapter_config.json", "adapter_model.safetensors"]
-)
+@pytest.mark.parametrize("victim", ["optimizer.pt", "scheduler.pt", "adapter_config.json", "adapter_model.safetensors"])
 def test_a_torn_peft_trainer_checkpoint_given_directly_is_a_broken_trainer_checkpoint_in_every_command(
     trainer_run: WrittenTrainerRun, tmp_path: Path, run_cli: Cli, victim: str
 ) -> None:
@@ -126,6 +124,18 @@ def test_save_only_model_decides_whether_the_training_state_must_be_there(
     assert verify.exit_code == 0 and verify.json["problems"] == []
 
 
+def test_a_peft_trainer_checkpoint_without_its_training_args_warns_and_stays_a_trainer_checkpoint(
+    trainer_run: WrittenTrainerRun, tmp_path: Path, run_cli: Cli
+) -> None:
+    """The resume never reads training_args.bin (the arguments are the caller's): a warning, and the folder is
+    still read as the Trainer checkpoint it is, never as a bare PEFT adapter."""
+    ckpt = copy_tree(trainer_run.peft_run / "checkpoint-2", tmp_path / "out" / "checkpoint-2")
+    (ckpt / "training_args.bin").unlink()
+    verify = run_cli("verify", ckpt, "--json")
+    assert verify.exit_code == 0 and verify.json["layout"] == "hf_trainer"
+    assert [(p["path"], p["severity"]) for p in verify.json["problems"]] == [("training_args.bin", "warning")]
+
+
 def test_without_training_args_the_run_s_other_checkpoints_say_what_was_saved(
     trainer_run: WrittenTrainerRun, tmp_path: Path, run_cli: Cli
 ) -> None:
@@ -134,7 +144,9 @@ def test_without_training_args_the_run_s_other_checkpoints_say_what_was_saved(
         (out / "checkpoint-4" / name).unlink()
     verify = run_cli("verify", out / "checkpoint-4", "--json")
     assert verify.exit_code == 1
-    assert sorted(_errors(verify)) == ["optimizer.pt", "scheduler.pt", "training_args.bin"]
+    assert sorted(_errors(verify)) == ["optimizer.pt", "scheduler.pt"]
+    warned = {p["path"] for p in verify.json["problems"] if p["severity"] == "warning"}
+    assert {"training_args.bin", "rng_state.pth"} <= warned  # the resume reads neither (a warning each)
     optimizer = next(p for p in verify.json["problems"] if p["path"] == "optimizer.pt")
     assert "checkpoint-2 of the same output_dir holds it" in optimizer["message"]
 

@@ -52,14 +52,14 @@ def test_a_store_that_dies_during_prune_is_reported_unreachable(
     )
     with socket.create_server(("127.0.0.1", 0)) as dead:  # a port that accepts nothing once closed
         dead_endpoint = f"http://127.0.0.1:{dead.getsockname()[1]}"
-    real_delete = prune_op._delete
+    real_delete = prune_op.delete_planned
 
     def delete_after_the_store_died(ref: Any) -> None:
         monkeypatch.setenv("AWS_ENDPOINT_URL", dead_endpoint)
         reset_s3fs()
         real_delete(ref)
 
-    monkeypatch.setattr(prune_op, "_delete", delete_after_the_store_died)
+    monkeypatch.setattr(prune_op, "delete_planned", delete_after_the_store_died)
     try:
         done = run_cli("prune", remote, "--yes", "--keep-last", "1", "--grace", "0s", "--json")
     finally:  # the cached client points at the dead store: the next test on this worker must not get it

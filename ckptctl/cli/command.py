@@ -73,7 +73,7 @@ class Command(TyperCommand):
 
     def format_help(self, ctx: Any, formatter: Any) -> None:
         examples, self.epilog = self.epilog, None
-        left_out = [p for p in self.params if p.opts[0] in self.more and not getattr(p, "hidden", False)]
+        left_out: list[Any] = [p for p in self.params if p.opts[0] in self.more and not getattr(p, "hidden", False)]
         for param in left_out:
             param.hidden = True  # for this rendering only: the option still parses and completes
         try:

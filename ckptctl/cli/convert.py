@@ -94,7 +94,7 @@ with DeepSpeed inside) gives the fp32 master weights exactly as DeepSpeed's `zer
 (trainable parameters from the optimizer's flat fp32 partitions, frozen ones and buffers from the model
 states, tied ones from `shared_params`), without DeepSpeed installed: each parameter's pieces are byte
 ranges of the partitions, copied like FSDP shards. Wrapper prefixes (`module.`, `_orig_mod.`, OpenRLHF's
-`Actor` `model.`) are removed; `--weights stored` writes the 16-bit module weights instead (ZeRO 0–2; ZeRO-0
+`Actor` `model.`) are removed; `--model-weights stored` writes the 16-bit module weights instead (ZeRO 0–2; ZeRO-0
 has nothing else, and zero_to_fp32 cannot read it). On ZeRO-2/3 saves of a 150M-parameter Llama (2 ranks):
 0.2–0.25× the wall time of `zero_to_fp32.py --safe_serialization`, peak RSS 105 MiB against its 1.3 GiB,
 identical tensors (`bench/convert_zero.py`).

@@ -37,7 +37,7 @@ ckptctl report runs/llama-sft -o report.html --verify
 ckptctl diff runs/llama-sft/step-900 runs/llama-sft/step-1000 --html drift.html
 ```
 
-![the demo run's report](docs/report.png)
+![the demo run's report](report.png)
 """
 
 

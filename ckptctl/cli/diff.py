@@ -16,7 +16,7 @@ from ckptctl.cli.ranks import job_ranks, prints
 if TYPE_CHECKING:
     from ckptctl.ops.diff import DiffReport, TensorDiff
 
-HELP = """Compare two checkpoints tensor by tensor, also across layouts (a DCP step against its HF export): names only on one side, shape and dtype changes, and per tensor the largest absolute and the relative L2 difference. Exit code 0 when equal (within --atol/--rtol), 1 when they differ, 2 on errors."""
+HELP = """Compare two checkpoints tensor by tensor, also across layouts (a DCP step against its HF export): names on one side only, shape and dtype changes, max-abs and relative-L2 difference per tensor. Exit code 0 when equal, 1 when they differ, 2 on errors."""
 
 EXAMPLES = """\
 ckptctl diff runs/llama/step-1000 hf-export/
@@ -72,7 +72,9 @@ Launched by torchrun (or with --workers N on this host), the ranks share the pai
 
 
 def register(app: typer.Typer) -> None:
-    add_command(app, "diff", diff_checkpoints, HELP, EXAMPLES, more=("--read-all", "--layout-a", "--layout-b"))
+    add_command(
+        app, "diff", diff_checkpoints, HELP, EXAMPLES, more=("--strip-prefix", "--read-all", "--layout-a", "--layout-b")
+    )
 
 
 def diff_checkpoints(

@@ -18,6 +18,7 @@ import typer
 from ckptctl.checkpoint import Component
 from ckptctl.cli.output import Output
 from ckptctl.errors import CkptctlError
+from ckptctl.layouts import layout_names
 
 T = TypeVar("T")
 
@@ -28,16 +29,28 @@ QuietOpt = Annotated[
 ]
 # Layout names are plain strings checked by the library (`layouts.get_layout`), whose error lists the known
 # layouts for library and command-line users alike.
-# The names are listed by the reference and completed by the shells (`scripts/gen_completions.py: CHOICES`).
-_LAYOUT = typer.Option(
-    "--layout",
-    metavar="LAYOUT",
-    help="Read as this layout (a run: only its checkpoints).",
+# `--layout` is two options: a checkpoint command reads its checkpoint as that layout, a run command (list,
+# resume-plan) filters the run's checkpoints by it (verify of a run folder given --layout reads it as one
+# checkpoint). Both list the names, which the reference and the completions list too.
+LayoutOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--layout",
+        metavar="LAYOUT",
+        help=f"Skip detection and read the checkpoint as this layout: {', '.join(layout_names())}.",
+    ),
+]
+RunLayoutOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--layout", metavar="LAYOUT", help=f"Consider only checkpoints of this layout: {', '.join(layout_names())}."
+    ),
+]
+_COMPONENT = typer.Option(
+    "--component",
+    metavar="COMPONENT",
+    help=f"Read only the tensors of this component: {', '.join(c.value for c in Component)}.",
 )
-LayoutOpt = Annotated[str | None, _LAYOUT]
-#: `--layout` of the commands that read a run (list, resume-plan): the same option.
-RunLayoutOpt = LayoutOpt
-_COMPONENT = typer.Option("--component", metavar="COMPONENT", help="Read only the tensors of this component.")
 ComponentOpt = Annotated[Component, _COMPONENT]
 ComponentFilterOpt = Annotated[Component | None, _COMPONENT]
 

@@ -70,9 +70,12 @@ def test_an_option_shared_by_several_commands_has_one_help_text() -> None:
         for param in command.params:
             if param.param_type_name == "option" and not param.hidden:
                 helps[param.opts[0]].add(param.help or "")
-    # `--to` names what is written: hf|dcp where a model is written (convert, average), a framework's training
-    # state in reshard; `--steps` picks checkpoints in average and counts training steps in demo.
-    assert {name: texts for name, texts in helps.items() if len(texts) > 1 and name not in {"--to", "--steps"}} == {}
+    # Left as they are (renaming them would break command lines): `--to` names what is written, hf|dcp where a
+    # model is written (convert, average), a framework's training state in reshard; `--steps` picks checkpoints
+    # in average and counts training steps in demo; `--layout` reads a checkpoint as a layout, or filters a run's
+    # checkpoints by it in list and resume-plan (see `cli.options.RunLayoutOpt`).
+    exempt = {"--to", "--steps", "--layout"}
+    assert {name: texts for name, texts in helps.items() if len(texts) > 1 and name not in exempt} == {}
     assert "processes" in " ".join(helps["--workers"]).lower()
 
 

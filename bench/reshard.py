@@ -9,7 +9,7 @@ moments in the partitions). Then, each in a fresh process, on a warm page cache,
   (r) `ckptctl reshard SAVE_DIR OUT --to deepspeed-universal` (streams every tensor from the partitions' raw
       bytes into torch.save archives written by hand, through a buffer of a few MiB, without importing torch
       or numpy; writes the digests file too),
-  (r2) the same with `--workers 2` (two threads reading and writing parameters; for information),
+  (r2) the same with `--threads 2` (two threads reading and writing parameters; for information),
   (u) `ds_to_universal.py --input_folder TAG --output_folder OUT/TAG --inject_missing_state` (DeepSpeed 0.19,
       run in-process after DeepSpeed is imported, with `--num_extract_workers 1 --num_merge_workers 1` so
       that its whole work is in the process measured: its worker pools would hold their memory in
@@ -217,7 +217,7 @@ def main() -> int:
             )
             os.sync()
             r2 = measure(
-                "ckptctl reshard ... --workers 2",
+                "ckptctl reshard ... --threads 2",
                 [
                     python,
                     "-m",
@@ -229,7 +229,7 @@ def main() -> int:
                     "deepspeed-universal",
                     "-q",
                     "--json",
-                    "--workers",
+                    "--threads",
                     "2",
                 ],
             )

@@ -17,11 +17,11 @@ _ckptctl() {
         --component) COMPREPLY=($(compgen -W "model optimizer scheduler rng dataloader trainer_state config tokenizer extra" -- "$cur")); return;;
         --to) COMPREPLY=($(compgen -W "hf dcp" -- "$cur")); return;;
         --dtype) COMPREPLY=($(compgen -W "bf16 bfloat16 fp16 float16 fp32 float32" -- "$cur")); return;;
-        --weights) COMPREPLY=($(compgen -W "auto master stored" -- "$cur")); return;;
+        --model-weights) COMPREPLY=($(compgen -W "auto master stored" -- "$cur")); return;;
     esac
     case "$cmd" in
         average) local opts="--last --steps --weights --no-normalize --ema --to --dtype --max-shard-size --dcp-file-size --model-weights --config --tokenizer --force --reread --workers --no-check-model --json --quiet -q --help -h";;
-        convert) local opts="--to --dtype --max-shard-size --dcp-file-size --component --strip-prefix --rename --mapping --config --tokenizer --force --reread --workers --weights --no-check-model --check-logits --merge-adapter --lora --adapter-config --lora-alpha --lora-r --lora-rslora --layout --json --quiet -q --help -h";;
+        convert) local opts="--to --dtype --max-shard-size --dcp-file-size --component --strip-prefix --rename --mapping --config --tokenizer --force --reread --workers --model-weights --no-check-model --check-logits --merge-adapter --lora --adapter-config --lora-alpha --lora-r --lora-rslora --layout --json --quiet -q --help -h";;
         demo) local opts="--steps --distributed --no-distributed --force --json --quiet -q --help -h";;
         diff) local opts="--component --atol --rtol --strip-prefix --rename --ignore-dtype --all --top --read-all --layout-a --layout-b --html --workers --json --quiet -q --help -h";;
         inspect) local opts="--filter -f --component --limit --layout --json --quiet -q --help -h";;
@@ -29,10 +29,10 @@ _ckptctl() {
         prune) local opts="--keep-last --keep-every --keep-best --max-total-size --older-than --pin --grace --slim --dry-run --yes -y --wait --depth --json --quiet -q --help -h";;
         repair) local opts="--yes -y --dry-run --undo --wait --json --quiet -q --help -h";;
         report) local opts="--output -o --drift --no-drift --last --verify --depth --json --quiet -q --help -h";;
-        reshard) local opts="--to --world-size --workers --force --layout --json --quiet -q --help -h";;
+        reshard) local opts="--to --world-size --threads --force --layout --json --quiet -q --help -h";;
         resume-plan) local opts="--world-size --digests --cuda --no-cuda --layout --json --quiet -q --help -h";;
         slim) local opts="--keep-full --older-than --grace --dry-run --yes -y --wait --depth --json --quiet -q --help -h";;
-        sync) local opts="--watch --interval --passes --keep-local --latest --workers --dry-run --grace --wait --json --quiet -q --help -h";;
+        sync) local opts="--watch --interval --passes --keep-local --latest --transfers --dry-run --grace --wait --json --quiet -q --help -h";;
         verify) local opts="--latest --quick --deep --check-finite --write-manifest --workers --layout --json --quiet -q --help -h";;
         *) local opts='';;
     esac

@@ -1,5 +1,6 @@
-"""Generate the command reference `docs/cli.md` from the Typer app: every command, its help and examples,
-its arguments and options with their types and defaults.
+"""Generate the command reference `docs/cli.md` from the Typer app: every command, its help, its reference
+(the `REFERENCE` text of its module in `ckptctl/cli/`: the rules and guarantees its short `--help` leaves out),
+its examples, its arguments and options with their types and defaults.
 
 The reference lists exactly the commands and options of this version; `tests/docs/test_cli_reference.py`
 fails when it is stale. Run: `python -m scripts.gen_cli_reference` (or `make completions`, which also
@@ -9,6 +10,7 @@ regenerates the shell completions).
 from __future__ import annotations
 
 import enum
+import importlib
 import re
 import sys
 import types
@@ -19,7 +21,7 @@ from typing import Any
 
 import typer.main
 
-from ckptctl.cli.app import app
+from ckptctl.cli.app import COMMANDS, app
 from scripts.gen_completions import CHOICES
 
 OUT = Path(__file__).resolve().parent.parent / "docs" / "cli.md"
@@ -89,7 +91,7 @@ def _markdown(help_text: str, examples: str) -> str:
     """Typer help (rich markup, one paragraph per line) and a command's examples (its epilog, one command per
     line) as Markdown: the examples become a code block."""
     out = [_MARKUP.sub(lambda m: "**", paragraph) for paragraph in help_text.strip().split("\n\n")]
-    out = [paragraph.replace("\\[", "[") for paragraph in out]
+    out = [paragraph.replace("\\[", "[") for paragraph in out if paragraph]
     if examples.strip():
         out.append("**Examples**")
         out.append("```bash\n" + examples.strip("\n") + "\n```")
@@ -103,7 +105,7 @@ def _params(command: Any, annotations: dict[str, Any]) -> list[Param]:
             continue
         is_flag = bool(getattr(p, "is_flag", False))
         if p.param_type_name == "argument":
-            names = f"`{p.name.upper()}`"
+            names = f"`{p.metavar or p.name.upper()}`"
             default = "required" if p.required else _default(p.default, False)
         else:
             names = ", ".join(f"`{n}`" for n in (*p.opts, *p.secondary_opts))
@@ -116,8 +118,21 @@ def _params(command: Any, annotations: dict[str, Any]) -> list[Param]:
 
 def _usage(name: str, command: Any) -> str:
     arguments = [p for p in command.params if p.param_type_name == "argument"]
-    pieces = [a.name.upper() if a.required else f"[{a.name.upper()}]" for a in arguments]
+    names = [a.metavar or a.name.upper() for a in arguments]
+    pieces = [n if a.required else f"[{n}]" for a, n in zip(arguments, names, strict=True)]
     return " ".join(["ckptctl", name, "[OPTIONS]", *pieces])
+
+
+def reference(name: str) -> str:
+    """The reference text of `ckptctl NAME` (Markdown), from its module."""
+    return str(importlib.import_module(COMMANDS[name]).REFERENCE).strip()
+
+
+def _summary(help_text: str) -> str:
+    """A command's help up to the end of its first sentence."""
+    first = help_text.strip().splitlines()[0]
+    match = re.match(r"(.+?[.])(\s|$)", first)
+    return match.group(1) if match else first
 
 
 def render() -> str:
@@ -127,7 +142,7 @@ def render() -> str:
     parts = [
         HEADER,
         "## Commands\n",
-        *(f"- [`{n}`](#ckptctl-{n}): {(c.help or '').strip().splitlines()[0]}" for n, c in commands),
+        *(f"- [`{n}`](#ckptctl-{n}): {_summary(c.help or '')}" for n, c in commands),
     ]
     parts.append(
         "\nOptions of `ckptctl` itself: `--version`, `--install-completion` (installs completion for the current shell), `--show-completion`, `--help`. Static completion scripts for bash, zsh and fish are in `completions/`."
@@ -135,7 +150,9 @@ def render() -> str:
     for name, command in commands:
         parts.append(f"\n## `ckptctl {name}`\n")
         parts.append(f"```\n{_usage(name, command)}\n```\n")
-        parts.append(_markdown(command.help or "", command.epilog or ""))
+        parts.append(_markdown(command.help or "", ""))
+        parts.append("\n" + reference(name) + "\n")
+        parts.append(_markdown("", command.epilog or ""))
         parts.append("\n| Argument or option | Type | Default | Description |\n|---|---|---|---|")
         for p in _params(command, _annotations(name)):
             parts.append(f"| {p.names} | {p.kind} | {p.default} | {p.help} |")

@@ -15,7 +15,7 @@ import typer.main
 
 from ckptctl.checkpoint import CheckpointState, Component
 from ckptctl.cli.app import app
-from ckptctl.cli.convert import DtypeChoice, TargetChoice, WeightsChoice
+from ckptctl.cli.options import DtypeChoice, TargetChoice, WeightsChoice
 from ckptctl.layouts import layout_names
 from ckptctl.ops.listing import SORT_KEYS
 
@@ -31,7 +31,7 @@ CHOICES = {
     "--component": tuple(c.value for c in Component),
     "--to": tuple(t.value for t in TargetChoice),
     "--dtype": tuple(d.value for d in DtypeChoice),
-    "--weights": tuple(w.value for w in WeightsChoice),
+    "--model-weights": tuple(w.value for w in WeightsChoice),
 }
 
 
@@ -58,7 +58,7 @@ def commands() -> list[Cmd]:
                 tuple(p.opts) + tuple(p.secondary_opts), not getattr(p, "is_flag", False), (p.help or "").split("\n")[0]
             )
             for p in command.params
-            if p.param_type_name == "option"
+            if p.param_type_name == "option" and not p.hidden  # a renamed option's old spelling is not offered
         ]
         options.append(Opt(("--help", "-h"), False, "Show help and exit."))
         out.append(Cmd(name, (command.help or "").strip().split("\n")[0], tuple(options)))

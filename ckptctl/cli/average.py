@@ -9,39 +9,80 @@ from typing import TYPE_CHECKING, Annotated, TypeVar
 import typer
 
 from ckptctl.cli.command import add_command
-from ckptctl.cli.convert import DtypeChoice, TargetChoice, WeightsChoice
-from ckptctl.cli.options import JsonOpt, QuietOpt, bad_value
+from ckptctl.cli.options import (
+    ConfigOpt,
+    DcpFileSizeOpt,
+    DtypeOpt,
+    ForceOpt,
+    JsonOpt,
+    LastOpt,
+    MaxShardSizeOpt,
+    ModelWeightsOpt,
+    NoCheckModelOpt,
+    QuietOpt,
+    RereadOpt,
+    TargetChoice,
+    TokenizerOpt,
+    ToOpt,
+    WeightsChoice,
+    WorkersOpt,
+    bad_value,
+)
 from ckptctl.cli.output import Output, human_bytes, interrupted_write, styled
-from ckptctl.cli.ranks import WorkersOpt, job_ranks, prints
+from ckptctl.cli.ranks import job_ranks, prints
 
 if TYPE_CHECKING:
     from ckptctl.ops.average import AverageOptions, AverageResult
 
-HELP = """Average checkpoints of the same model, of any layouts, into a Hugging Face folder (or a torch DCP checkpoint): uniformly, with --weights, or as an exponential moving average (--ema).
-
-The inputs are read as `convert` reads them (torch DCP of any number of ranks, DeepSpeed ZeRO tags from their fp32 master weights, universal checkpoints, Megatron, verl, ByteCheckpoint, Lightning, ckptctl's own, HF folders, single weights files) and paired by the tensor names `diff` matches (a DCP step with its HF export). Every input must hold the same tensors with the same shapes and kinds of dtype: the first that does not is named and nothing is written (exit code 2). Integer and bool tensors must be equal in every input and are kept as they are.
-
-Arithmetic, element by element in float64 and in the inputs' order: acc = w1·x1, then acc = acc + wi·xi (uniform: wi = 1/N); with --ema D the inputs are ordered by step and acc = x_oldest, then acc = D·acc + (1 - D)·x for each newer input. Each product and sum is rounded once, then the result is rounded once, to nearest even, to the output dtype (the last input's, its fp32 master weights where it keeps them, or --dtype). Identical inputs average to themselves bit for bit.
-
-RUN DST --last K averages the K newest complete checkpoints of a run (oldest first, as `ckptctl list` orders them); --steps picks them by step. Config and tokenizer files come from the last input (the newest with --last, --steps and --ema), or from --config/--tokenizer; with a config naming an architecture, every input is checked against the model transformers builds on the meta device, as `convert` does.
-
-Each tensor is read once from each input and accumulated, so memory stays near three float64 copies of the largest tensor whatever the number of inputs or the model size. The output is staged, checked, digested and renamed into place like `convert`'s (an interrupted average leaves nothing at DST); DST may be an object store URL, and torchrun or --workers share the writing."""
+HELP = """Average checkpoints of one model, of any layouts, into a Hugging Face folder (or a torch DCP checkpoint): uniformly, with --weights, or as an EMA (--ema). float64 accumulation and one rounding; inputs that do not match are refused before anything is written."""
 
 EXAMPLES = """\
 ckptctl average runs/llama/step-1000 runs/llama/step-2000 runs/llama/step-3000 averaged/
 ckptctl average runs/llama averaged/ --last 5 --dtype bf16
 ckptctl average runs/llama averaged/ --steps 8000,9000,10000 --weights 0.2,0.3,0.5
 ckptctl average runs/llama ema/ --last 10 --ema 0.9
-ckptctl average ds-run/global_step500 hf-export-step1000/ merged/ --config base-model/
 ckptctl average runs/llama averaged-dcp/ --last 3 --to dcp
+"""
+
+#: The reference of the command (docs/cli.md, by scripts/gen_cli_reference.py): what the help leaves out.
+REFERENCE = r"""The uniform, weighted (`--weights 0.2,0.3,0.5`) or exponential moving average (`--ema DECAY`) of checkpoints
+of the same model, of any layouts `convert` reads (a 2-rank FSDP2 DCP step, a DeepSpeed ZeRO tag's fp32
+master weights, an HF export, a single weights file, ... mixed), paired by `diff`'s name rules, written
+`--to hf` (default) or `--to dcp`, staged, digested and committed like `convert`. `--last K` takes the K
+newest complete checkpoints of a run, `--steps` picks them by step. Arithmetic, element by element in
+float64 in the inputs' order: `acc = w1·x1`, then `acc = acc + wi·xi` (uniform: `wi = 1/N`); `--ema D`
+orders the inputs by step and computes `acc = x_oldest`, then `acc = D·acc + (1 - D)·x`. Each product and
+sum is rounded once (no fused multiply-add), the result once, to nearest even, to the output dtype (the last
+input's, or `--dtype`; float64 -> bf16 straight, not through float32): identical inputs average to themselves
+bit for bit, and the suite checks every output bit for bit against torch computing that formula. Inputs
+whose tensors differ in name, shape or kind of dtype are refused before anything is written (exit 2, the
+first such tensor named), as are weights that do not sum to 1 (unless `--no-normalize`); integer and bool
+tensors must be equal everywhere. Each tensor is read once from each input; memory stays near three float64
+copies of the largest tensor whatever N.
+
+```bash
+ckptctl average runs/llama averaged/ --last 5 --dtype bf16
+ckptctl average runs/llama ema/ --last 10 --ema 0.9
+ckptctl average dcp-run/step-9000 ds-run/global_step10000 hf-export/ merged/ --weights 0.2,0.3,0.5
+```
+
+RUN DST --last K averages the K newest complete checkpoints of a run (oldest first, as `ckptctl list` orders them); --steps picks them by step. Config and tokenizer files come from the last input (the newest with --last, --steps and --ema), or from --config/--tokenizer; with a config naming an architecture, every input is checked against the model transformers builds on the meta device, as `convert` does.
+
+Each tensor is read once from each input and accumulated, so memory stays near three float64 copies of the largest tensor whatever the number of inputs or the model size. The output is staged, checked, digested and renamed into place like `convert`'s (an interrupted average leaves nothing at DST); DST may be an object store URL, and torchrun or --workers share the writing.
+
+Options in detail: `--weights` gives one weight per input in the order given (oldest first with `--last`/`--steps`); they must sum to 1 unless `--no-normalize`. `--ema DECAY` (0 <= DECAY < 1) orders the inputs by step. `--dtype` rounds once from the float64 average; by default the output has the last input's dtypes. `--model-weights` picks, for inputs that keep two copies of the model (DeepSpeed ZeRO), the fp32 master weights (`auto`, `master`) or the 16-bit module weights (`stored`), as `convert --model-weights`.
 """
 
 
 T = TypeVar("T")
 
 
+#: Options of a rarer need, left to the reference (`cli.command.Command.more`).
+MORE = ("--no-normalize", "--dcp-file-size", "--model-weights", "--reread", "--no-check-model")
+
+
 def register(app: typer.Typer) -> None:
-    add_command(app, "average", average, HELP, EXAMPLES)
+    add_command(app, "average", average, HELP, EXAMPLES, more=MORE)
 
 
 def average(
@@ -49,25 +90,21 @@ def average(
         list[str],
         typer.Argument(
             metavar="CKPT... DST",
-            help="The checkpoints to average, then the output folder; with --last or --steps: RUN DST.",
+            help="Checkpoints, then the output (RUN DST with --last, --steps).",
             show_default=False,
         ),
     ],
-    last: Annotated[
-        int | None,
-        typer.Option("--last", metavar="K", help="Average the K newest complete checkpoints of RUN.", min=1),
-    ] = None,
+    last: LastOpt = None,
     steps: Annotated[
         str | None,
-        typer.Option("--steps", metavar="S1,S2,...", help="Average the complete checkpoints of RUN of these steps."),
+        typer.Option("--steps", metavar="S1,S2,...", help="The checkpoints of RUN of these steps."),
     ] = None,
     weights: Annotated[
         str | None,
         typer.Option(
             "--weights",
             metavar="W1,W2,...",
-            help="One weight per input, in the order given (oldest first with --last/--steps); they must sum to "
-            "1 unless --no-normalize. Default: uniform, 1/N each.",
+            help="One weight per input, summing to 1 (default: 1/N each).",
         ),
     ] = None,
     no_normalize: Annotated[
@@ -78,64 +115,20 @@ def average(
         typer.Option(
             "--ema",
             metavar="DECAY",
-            help="Exponential moving average over the inputs ordered by step: avg = x_oldest, then "
-            "avg = DECAY·avg + (1 - DECAY)·x for each newer input (0 <= DECAY < 1).",
+            help="Exponential moving average with this decay (0 <= D < 1).",
         ),
     ] = None,
-    to: Annotated[TargetChoice, typer.Option("--to", metavar="FORMAT", help="Output format: hf or dcp.")] = (
-        TargetChoice.hf
-    ),
-    dtype: Annotated[
-        DtypeChoice | None,
-        typer.Option(
-            "--dtype",
-            metavar="DTYPE",
-            help="Write floating-point tensors as bf16, fp16 or fp32 (or bfloat16, float16, float32), rounded once "
-            "from the float64 average; default: the last input's dtypes.",
-        ),
-    ] = None,
-    max_shard_size: Annotated[
-        str,
-        typer.Option("--max-shard-size", metavar="SIZE", help="Most tensor bytes per safetensors shard (--to hf)."),
-    ] = "5GB",
-    dcp_file_size: Annotated[
-        str,
-        typer.Option("--dcp-file-size", metavar="SIZE", help="Most tensor bytes per data file (--to dcp)."),
-    ] = "5GB",
-    model_weights: Annotated[
-        WeightsChoice,
-        typer.Option(
-            "--model-weights",
-            metavar="WHICH",
-            help="For inputs that keep two copies of the model (DeepSpeed ZeRO): the fp32 master weights (auto, "
-            "master) or the 16-bit module weights (stored), as convert --weights.",
-        ),
-    ] = WeightsChoice.auto,
-    config: Annotated[
-        str | None,
-        typer.Option("--config", metavar="DIR", help="Folder holding config.json (default: beside the last input)."),
-    ] = None,
-    tokenizer: Annotated[
-        str | None,
-        typer.Option(
-            "--tokenizer", metavar="DIR", help="Folder holding tokenizer files (default: beside the last input)."
-        ),
-    ] = None,
-    force: Annotated[
-        bool, typer.Option("--force", help="Replace DST if it is not empty (on an object store: delete its objects).")
-    ] = False,
-    reread: Annotated[
-        bool,
-        typer.Option("--reread", help="Read every written file back from disk and check its digest (doubles the I/O)."),
-    ] = False,
+    to: ToOpt = TargetChoice.hf,
+    dtype: DtypeOpt = None,
+    max_shard_size: MaxShardSizeOpt = "5GB",
+    dcp_file_size: DcpFileSizeOpt = "5GB",
+    model_weights: ModelWeightsOpt = WeightsChoice.auto,
+    config: ConfigOpt = None,
+    tokenizer: TokenizerOpt = None,
+    force: ForceOpt = False,
+    reread: RereadOpt = False,
     workers: WorkersOpt = None,
-    no_check_model: Annotated[
-        bool,
-        typer.Option(
-            "--no-check-model",
-            help="Do not check the inputs against the architecture config.json names (tied weights unresolved).",
-        ),
-    ] = False,
+    no_check_model: NoCheckModelOpt = False,
     json_output: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:

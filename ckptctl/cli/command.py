@@ -6,6 +6,12 @@ command's epilog, and printed after the options exactly as written: one command 
 (the terminal soft-wraps a long one, so a copy-paste still gets it whole). The usage line names the
 arguments as the reference does (`SRC DST`, not `{src} {dst}`).
 
+A command's help is short (what it does, its common options, examples: it fits 40 lines at 100 columns, as
+`tests/cli/test_help.py` checks) and ends with where its reference is (`docs_anchor`): the rules and
+guarantees live in the module's `REFERENCE`, which `scripts/gen_cli_reference.py` puts in docs/cli.md. Options
+a command names in `more` are left out of its help (listed by name on one line) but parse, complete and appear
+in the reference like any other: git's and cargo's help show the common options and leave the rest to the manual.
+
 Typer checks every value it parses (a default or a path argument included) with a pydantic `TypeAdapter`,
 and importing pydantic costs a command more than the rest of its start (DESIGN §5: a command's fixed cost
 <= 0.2 s over Python's start-up). A value that already has its parameter's type needs no check (see
@@ -31,8 +37,21 @@ class Group(TyperGroup):
         return _light_coercion(_typeless_flags(super().get_params(ctx)))
 
 
+#: Where the reference of every command lives, relative to the repository root.
+DOCS = "docs/cli.md"
+
+
+def docs_anchor(name: str) -> str:
+    r"""The reference of `ckptctl NAME`: its heading's anchor in docs/cli.md (`## \`ckptctl NAME\``)."""
+    return f"{DOCS}#ckptctl-{name}"
+
+
 class Command(TyperCommand):
-    """A Typer command with an unwrapped examples section and upper-case argument names."""
+    """A Typer command with an unwrapped examples section, upper-case argument names, the options of `more` left
+    out of its help, and the line naming its reference last."""
+
+    #: Options (their first name) the help leaves to the reference; set per command by `add_command`.
+    more: tuple[str, ...] = ()
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -54,12 +73,16 @@ class Command(TyperCommand):
 
     def format_help(self, ctx: Any, formatter: Any) -> None:
         examples, self.epilog = self.epilog, None
+        left_out: list[Any] = [p for p in self.params if p.opts[0] in self.more and not getattr(p, "hidden", False)]
+        for param in left_out:
+            param.hidden = True  # for this rendering only: the option still parses and completes
         try:
             super().format_help(ctx, formatter)
         finally:
             self.epilog = examples
-        if examples:
-            print_examples(examples)
+            for param in left_out:
+                param.hidden = False
+        print_examples(examples or "", [p.opts[0] for p in left_out], docs_anchor(self.name or ""))
 
 
 class _Coercion:
@@ -114,17 +137,32 @@ def _typeless_flags(params: list[Any]) -> list[Any]:
     return params
 
 
-def print_examples(examples: str) -> None:
-    """The examples section of a command's help, each line as written (never wrapped or cropped)."""
+def print_examples(examples: str, more: list[str], docs: str) -> None:
+    """The end of a command's help: its examples, each line as written (never wrapped or cropped), the options
+    left to the reference, and where the reference is."""
     console = Console(highlight=False, soft_wrap=True)
+    if examples.strip():
+        console.print()
+        console.print(Text(" Examples", style="bold"))
+        console.print()
+        for line in examples.strip("\n").splitlines():
+            console.print(Text(f"   {line}" if line else ""))
     console.print()
-    console.print(Text(" Examples", style="bold"))
-    console.print()
-    for line in examples.strip("\n").splitlines():
-        console.print(Text(f"   {line}" if line else ""))
-    console.print()
+    if more:  # wrapped at the terminal's width, as the options are
+        Console(highlight=False).print(Text(f" More options, in the reference: {', '.join(more)}"))
+    console.print(Text(f" Docs: {docs}"))
 
 
-def add_command(app: typer.Typer, name: str, function: Callable[..., Any], help: str, examples: str) -> None:
-    """Register `function` as `ckptctl NAME`, with its help text and examples."""
-    app.command(name, help=help, epilog=examples, cls=Command)(function)
+def add_command(
+    app: typer.Typer,
+    name: str,
+    function: Callable[..., Any],
+    help: str,
+    examples: str,
+    *,
+    more: tuple[str, ...] = (),
+) -> None:
+    """Register `function` as `ckptctl NAME`, with its help text, examples and the options its help leaves to the
+    reference (`more`: their first names)."""
+    command = type(f"{Command.__name__}_{name.replace('-', '_')}", (Command,), {"more": more})
+    app.command(name, help=help, epilog=examples, cls=command)(function)

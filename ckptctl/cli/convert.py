@@ -10,59 +10,157 @@ import typer
 
 from ckptctl.checkpoint import Component
 from ckptctl.cli.command import add_command
-from ckptctl.cli.options import ComponentOpt, JsonOpt, LayoutOpt, QuietOpt, bad_value
+from ckptctl.cli.options import (
+    ComponentOpt,
+    ConfigOpt,
+    DcpFileSizeOpt,
+    DtypeOpt,
+    ForceOpt,
+    JsonOpt,
+    LayoutOpt,
+    MaxShardSizeOpt,
+    ModelWeightsOpt,
+    NoCheckModelOpt,
+    QuietOpt,
+    RenameOpt,
+    RereadOpt,
+    StripPrefixOpt,
+    TargetChoice,
+    TokenizerOpt,
+    ToOpt,
+    WeightsChoice,
+    WorkersOpt,
+    bad_value,
+    renamed,
+)
 from ckptctl.cli.output import Output, human_bytes, interrupted_write, styled
-from ckptctl.cli.ranks import WorkersOpt, job_ranks, prints
+from ckptctl.cli.ranks import job_ranks, prints
 
 if TYPE_CHECKING:
     from ckptctl.ops.convert import ConvertOptions, ConvertResult
 
-HELP = """Convert a checkpoint's model into a Hugging Face folder (or an HF model into a torch DCP checkpoint).
-
---to hf reads torch DCP (any number of ranks, FSDP/FSDP2 sharding), DeepSpeed ZeRO, ckptctl's own checkpoints and HF folders, and writes model.safetensors, or model-0000i-of-0000N.safetensors shards with model.safetensors.index.json. Tensors stream one at a time from the source's raw bytes into the output, so memory stays near the largest tensor whatever the model size. The state-dict prefix (model.) is removed so names match transformers; config and tokenizer files are taken from --config/--tokenizer or found beside the source.
-
-DeepSpeed ZeRO 1-3 (a global_stepN tag folder, the save folder holding `latest`, or a Trainer checkpoint-N with DeepSpeed inside) gives the fp32 master weights, exactly as DeepSpeed's zero_to_fp32.py rebuilds them from the optimizer partitions, without DeepSpeed installed and without loading a partition whole; --weights stored writes the 16-bit module weights instead (ZeRO 0-2; ZeRO-3 keeps none, its model is the partitions).
-
-Lightning checkpoints (an `epoch=E-step=S.ckpt` file, `last.ckpt`, the ModelCheckpoint folder holding it, a sharded FSDP `.ckpt/` folder, or a DeepSpeedStrategy `.ckpt/` folder, read as DeepSpeed's) give the LightningModule's state_dict under the model's own names (the `model.` attribute removed); config.json is taken from the module's hyper_parameters when they hold a transformers config, else give --config.
-
-SRC may also be a single weights file: a `*.safetensors` file, or a torch.save zip such as `pytorch_model.bin` (read with the allowlisting unpickler: nothing in it runs).
-
-An adapter (a PEFT folder: adapter_config.json + adapter_model.safetensors, or a Trainer checkpoint-N of a PEFT model, which holds one instead of the model) converts merged into its base model: --merge-adapter BASE writes BASE with every adapted weight W replaced by W + (lora_alpha/r)·B@A (rsLoRA: lora_alpha/sqrt(r); rank_pattern and alpha_pattern per module; fan_in_fan_out), and the adapter's modules_to_save tensors in place of BASE's: what PEFT's merge_and_unload() gives. DoRA and other PEFT types are refused. A model saved whole while wrapped by PEFT (q_proj.base_layer.weight beside q_proj.lora_A.default.weight, as FSDP, DeepSpeed, DCP and verl saves hold it) is written under the model's own names with the LoRA merged in; its lora_alpha comes from the run's adapter_config.json or verl's lora_train_meta.json (--adapter-config), or from --lora-alpha (with --lora-r, --lora-rslora) when the run kept neither; without any, convert refuses rather than guess. --lora adapter writes that model's adapter alone instead, as PEFT's save_pretrained does (adapter_model.safetensors + adapter_config.json), for PeftModel.from_pretrained(BASE, DST).
-
---to dcp writes a torch.distributed.checkpoint save with keys model.<name>, which dcp.load reads into a model of any world size (data files of --dcp-file-size each, one up to 5GB).
-
-When config.json names an architecture and transformers is installed, the model is built on the meta device (no memory) and the output must hold every tensor it expects, with its shape, and nothing else: otherwise convert fails with exit code 1 and writes nothing (--no-check-model skips it). Tied weights follow transformers: an HF output leaves lm_head.weight out when tie_word_embeddings ties it, a DCP output holds it so that dcp.load(model.state_dict()) finds every key. --check-logits also compares the output's logits with the source's. config.json's dtype is made to say what the output holds.
-
-The output is written to a hidden staging folder next to DST, checked, digested into ckptctl-digests.json (so `ckptctl verify DST` checks every byte later) and renamed into place: an interrupted conversion leaves nothing at DST.
-
-DST may be an object store URL (s3://bucket/prefix, any fsspec URL): the output is staged in TMPDIR, then uploaded in parallel, weight files first and ckptctl-digests.json last, in an order that never lets a partial upload list as a complete checkpoint. A non-empty prefix is refused unless --force, which deletes the old objects first.
-
-Launched by torchrun (any number of hosts on a shared filesystem), the ranks share the work: rank 0 plans, each rank writes its share of the shard files (balanced by bytes) into the staging folder, rank 0 writes the index (or DCP's .metadata) and digests and renames; the output is the same byte for byte, and a failed or killed rank leaves nothing at DST. For an object-store DST each rank stages and uploads its own files and rank 0 uploads what completes the output last. --workers N does the same with N processes on this host. With --check-logits, rank 0 writes an object-store output alone."""
+HELP = """Convert a checkpoint's model into a Hugging Face folder (or an HF model into a torch DCP checkpoint), tensor by tensor from the raw bytes, in flat memory. Reads every layout ckptctl knows and single weights files; the output is checked against the model and committed atomically."""
 
 EXAMPLES = """\
-ckptctl convert runs/llama/step-1000 hf-export --to hf --config runs/llama --dtype bf16
-ckptctl convert runs/llama/step-1000 hf-export --max-shard-size 2GB --rename '^lm_head=output'
+ckptctl convert runs/llama/step-1000 hf-export --config runs/llama --dtype bf16
 ckptctl convert ds-run/ hf-export --config base-model/ --dtype bf16   # a DeepSpeed save folder
 ckptctl convert meta-llama-3-8b/ init-dcp --to dcp
-ckptctl convert old-model/pytorch_model.bin old-model-safetensors/
 ckptctl convert lora-adapter/ merged-model/ --merge-adapter Llama-3.1-8B/
-ckptctl convert lora-run/step-500 merged-model/ --adapter-config lora-run/adapter_config.json
-ckptctl convert lora-run/step-500 lora-adapter/ --lora adapter --lora-alpha 32
-ckptctl convert s3://ckpts/llama/step-1000 s3://exports/llama-1000 --dtype bf16
-torchrun --nnodes 4 --nproc-per-node 8 -m ckptctl convert /lustre/run/step-1000 /lustre/export --max-shard-size 2GB
 ckptctl convert runs/llama/step-1000 hf-export --dtype bf16 --workers 4
 """
 
+#: The reference of the command (docs/cli.md, by scripts/gen_cli_reference.py): what the help leaves out.
+REFERENCE = r"""A checkpoint's model as a Hugging Face folder: from torch DCP (any number of ranks, FSDP/FSDP2
+sharding), ckptctl's own checkpoints (single-process safetensors and multi-rank `dcp/` storage) or an HF
+folder (to reshard or cast). Writes `model.safetensors`, or `model-0000i-of-0000N.safetensors` +
+`model.safetensors.index.json` past `--max-shard-size` (default `5GB`; `500MB`, `20KB`, `2GiB` or bytes).
+The state-dict prefix DCP saves carry (`model.`; the entry name for native checkpoints) is removed so that
+names match transformers (`--strip-prefix` overrides it, `--rename PATTERN=REPL` maps the rest);
+`--dtype bf16|fp16|fp32` casts floating-point tensors (and config.json's dtype), `--component` picks
+another component. `config.json`, `generation_config.json` and tokenizer files come from `--config DIR` /
+`--tokenizer DIR`, or are found beside the source (its folder or the run folder above it), or where its
+framework exported the model (OpenRLHF: the tag's `{tag}_hf/` export in `--ckpt.path`, else the newest
+one, else the final model in `--ckpt.output_dir`; a critic's `{output_dir}_critic`); a note says which
+folder was used.
 
-class TargetChoice(enum.StrEnum):
-    hf = "hf"
-    dcp = "dcp"
+verl (and SkyRL) `global_step_N/` folders convert their actor (`policy/`; a role folder given directly, that
+role) from the per-rank `model_world_size_W_rank_R.pt` files, with the config and tokenizer of the role's
+`huggingface/`. Each rank's DTensor shard is a byte range of its file placed where its placements put it
+(`Shard(d)`: DTensor's own `torch.chunk` split, in mesh order); a shard replicated over mesh dimensions (HSDP's
+`ddp`) is read from one rank only, and a tensor every rank holds whole from rank 0 only, so no tensor
+changes its shape (verl's own merger once concatenated such buffers, verl PR#7610). On verl 0.9.1's own
+saves the output equals `python -m verl.model_merger merge --backend fsdp`'s, which writes bfloat16 where
+ckptctl keeps the stored dtype (`--dtype bf16` matches it). `_StridedShard`, `Partial` and shard orders other
+than mesh order are refused with a message.
 
+Critics and reward models (a language model's body with a value head `score.weight` [1, H], OpenRLHF's
+`value_head`, in place of `lm_head`) convert to the transformers class that computes their values from the
+same tensors, whatever class the saved config names (AReaL and verl save their critics with the base causal
+LM's): `...ForTokenClassification` with one label for AReaL's, verl's and OpenRLHF's critics (what AReaL's
+`is_critic` and verl's `load_valuehead_model` build; `token_classification_bias: false` for OpenRLHF's head,
+which has no bias), `...ForSequenceClassification` with one label for reward models (OpenRLHF's
+`RewardModel`), the head named `score`; the model check holds the output against that class.
 
-class WeightsChoice(enum.StrEnum):
-    auto = "auto"
-    master = "master"
-    stored = "stored"
+Tensors stream one at a time: the output's safetensors headers are computed from the metadata first, then
+each FSDP dim-0 shard, a contiguous byte range of its tensor, is copied from the raw record inside its DCP
+item straight to its offset in the output (cast block by block with `--dtype`), written with O_DIRECT
+where the filesystem allows it. Tensor-parallel column shards are copied row run by row run; only strided
+views and very fragmented shards are assembled in memory, one tensor at a time. On a 3 GiB 2-rank FSDP2
+checkpoint (1 GiB of weights): 0.1–0.3× the time of torch's model-only DCP load + `safetensors.save_file`,
+peak RSS ~100 MiB against its 1.4 GiB (`bench/convert.py`).
+
+DeepSpeed ZeRO 1–3 (a `global_stepN` tag, the save folder holding `latest`, or a Trainer `checkpoint-N`
+with DeepSpeed inside) gives the fp32 master weights exactly as DeepSpeed's `zero_to_fp32.py` rebuilds them
+(trainable parameters from the optimizer's flat fp32 partitions, frozen ones and buffers from the model
+states, tied ones from `shared_params`), without DeepSpeed installed: each parameter's pieces are byte
+ranges of the partitions, copied like FSDP shards. Wrapper prefixes (`module.`, `_orig_mod.`, OpenRLHF's
+`Actor` `model.`) are removed; `--model-weights stored` writes the 16-bit module weights instead (ZeRO 0–2; ZeRO-0
+has nothing else, and zero_to_fp32 cannot read it). On ZeRO-2/3 saves of a 150M-parameter Llama (2 ranks):
+0.2–0.25× the wall time of `zero_to_fp32.py --safe_serialization`, peak RSS 105 MiB against its 1.3 GiB,
+identical tensors (`bench/convert_zero.py`).
+
+Safe to interrupt: the output is built in a hidden `.DST.ckptctl-convert-PID/` folder next to DST, checked
+against the plan (headers read back: names, dtypes, shapes; `--reread` also reads every byte back against
+the digest computed while writing it), recorded in `ckptctl-digests.json` (so `ckptctl verify DST` checks
+every byte later), fsynced and renamed into place. Ctrl-C or a kill leaves DST untouched; the next
+conversion into DST removes the leftover. A non-empty DST is refused without `--force`.
+
+Megatron dist-ckpt GPT models of the Llama/Qwen family (an `iter_NNNNNNN/` folder, or the `--save` folder,
+whose tracker names one) convert to transformers names: tensor-parallel parts are chunks of the full
+tensors, the fused `linear_qkv` is split per query group into `q_proj`/`k_proj`/`v_proj`, the SwiGLU
+`linear_fc1` into `gate_proj`/`up_proj`, each layer taken out of the stacked layers, all as byte copies.
+`config.json` is made from the Megatron-LM arguments in `common.pt` (Llama, Qwen2 with QKV biases, Qwen3
+with query/key norms); a save without them (megatron-core alone) needs `--config`.
+
+`--to dcp` turns an HF model into a single-process DCP checkpoint with keys `model.<name>`, which
+`dcp.load({"model": model.state_dict()}, ...)` reads on any number of ranks: resume training from a
+published model (data files of at most `--dcp-file-size` bytes, 5 GB by default, which the ranks of a split
+conversion share). Tied weights load that way too: the state dict of a model with `tie_word_embeddings`
+(Llama-3.2-1B) holds `lm_head.weight`, which its HF folder leaves out, so the DCP output holds it as a
+key of its own; converting back to HF leaves it out again (after checking that it equals the embedding),
+so HF → DCP → HF gives the same bytes.
+
+The output is proven as a model, not only as bytes: when its `config.json` names an architecture and
+transformers (5 or later) is installed, the model is built on the meta device (no memory) and the output
+must hold every tensor it expects (for `--to hf`, what `save_pretrained` would write: MoE experts one by
+one; for `--to dcp`, the model's state dict), each with its shape, and nothing transformers would not
+load. Otherwise convert fails with exit code 1 and writes nothing (`--no-check-model` skips the check and
+the tied-weight handling). `--check-logits` also loads the output with `from_pretrained` and compares its
+logits on a few token ids with those of the source tensors in the same architecture (two copies of the
+model in memory). `config.json`'s `dtype` (or `torch_dtype`) is made to say what the files hold: a config
+taken from a bf16 export over fp32 master weights says `float32`, or what `--dtype` cast to.
+
+Legacy `pytorch_model.bin` folders convert the same way, byte ranges copied out of the torch zips.
+
+A PEFT LoRA adapter converts merged into its base model: `--merge-adapter BASE` (default: the adapter's
+`base_model_name_or_path` when it is a local folder) writes BASE with each adapted weight replaced by
+`W + (lora_alpha/r)·B@A` (rsLoRA: `lora_alpha/sqrt(r)`; `rank_pattern`/`alpha_pattern` per module,
+`fan_in_fan_out`, Embedding LoRA) and the adapter's `modules_to_save` tensors in place of BASE's, computed
+as PEFT's `merge_and_unload()` computes them (bit for bit on the suite's adapters); config and tokenizer
+come from BASE. DoRA and other PEFT types are refused. A model saved whole while PEFT wrapped it
+(`q_proj.base_layer.weight` beside `q_proj.lora_A.default.weight`: FSDP, DeepSpeed, DCP saves) is written
+under the model's own names with the LoRA merged in, its alpha taken from the run's `adapter_config.json`
+or verl's `lora_train_meta.json` (`--adapter-config`); `--lora keep` writes the tensors as stored.
+
+```bash
+ckptctl convert runs/llama/step-1000 hf-export --dtype bf16 --max-shard-size 5GB
+python -c "from transformers import AutoModelForCausalLM as M; M.from_pretrained('hf-export')"
+ckptctl convert models/Llama-3.2-1B init-dcp --to dcp   # a local HF folder
+ckptctl convert ds-out/ hf-export --config models/Llama-3.2-1B   # DeepSpeed: the tag `latest` names
+ckptctl convert old-model/ old-model-safetensors/ --check-logits   # pytorch_model*.bin -> safetensors
+ckptctl convert lora-adapter/ merged/ --merge-adapter models/Llama-3.2-1B   # PEFT LoRA -> merged model
+```
+
+Lightning checkpoints (an `epoch=E-step=S.ckpt` file, `last.ckpt`, the ModelCheckpoint folder holding it, a sharded FSDP `.ckpt/` folder, or a DeepSpeedStrategy `.ckpt/` folder, read as DeepSpeed's) give the LightningModule's state_dict under the model's own names (the `model.` attribute removed); config.json is taken from the module's hyper_parameters when they hold a transformers config, else give --config.
+
+An adapter (a PEFT folder: adapter_config.json + adapter_model.safetensors, or a Trainer checkpoint-N of a PEFT model, which holds one instead of the model) converts merged into its base model: --merge-adapter BASE writes BASE with every adapted weight W replaced by W + (lora_alpha/r)·B@A (rsLoRA: lora_alpha/sqrt(r); rank_pattern and alpha_pattern per module; fan_in_fan_out), and the adapter's modules_to_save tensors in place of BASE's: what PEFT's merge_and_unload() gives. DoRA and other PEFT types are refused. A model saved whole while wrapped by PEFT (q_proj.base_layer.weight beside q_proj.lora_A.default.weight, as FSDP, DeepSpeed, DCP and verl saves hold it) is written under the model's own names with the LoRA merged in; its lora_alpha comes from the run's adapter_config.json or verl's lora_train_meta.json (--adapter-config), or from --lora-alpha (with --lora-r, --lora-rslora) when the run kept neither; without any, convert refuses rather than guess. --lora adapter writes that model's adapter alone instead, as PEFT's save_pretrained does (adapter_model.safetensors + adapter_config.json), for PeftModel.from_pretrained(BASE, DST).
+
+DST may be an object store URL (s3://bucket/prefix, any fsspec URL): the output is staged in TMPDIR, then uploaded in parallel, weight files first and ckptctl-digests.json last, in an order that never lets a partial upload list as a complete checkpoint. A non-empty prefix is refused unless --force, which deletes the old objects first.
+
+Launched by torchrun (any number of hosts on a shared filesystem), the ranks share the work: rank 0 plans, each rank writes its share of the shard files (balanced by bytes) into the staging folder, rank 0 writes the index (or DCP's .metadata) and digests and renames; the output is the same byte for byte, and a failed or killed rank leaves nothing at DST. For an object-store DST each rank stages and uploads its own files and rank 0 uploads what completes the output last. --workers N does the same with N processes on this host. With --check-logits, rank 0 writes an object-store output alone.
+
+Options in detail: `--dtype` rounds each value once to nearest even, float64 sources too (torch's CPU cast may round float64 -> bf16 through float32 and differ in the last bit). `--strip-prefix ''` keeps the names as stored. `--model-weights` (formerly `--weights`, still accepted with a warning: in `average`, `--weights` is the weight of each input) picks DeepSpeed ZeRO's fp32 master weights from the optimizer partitions (`auto`, `master`) or the 16-bit module weights the model states hold (`stored`; ZeRO-3 keeps none: its model is the partitions). `--merge-adapter` defaults to the adapter's `base_model_name_or_path` when that is a local folder; config and tokenizer then come from BASE. `--lora` decides what becomes of a model saved with LoRA adapters around its layers (`base_layer.weight` + `lora_A.default.weight`): `merge` them into the weights under the model's own names, write the `adapter` alone as a PEFT adapter folder, or `keep` the tensors as stored. `--no-check-model` also leaves tied weights unresolved (a `--to dcp` output may then lack `lm_head.weight`). `--force` replaces a non-empty DST (on an object store: deletes its objects first), never a folder holding sub-folders and no `ckptctl-digests.json`.
+"""
 
 
 class LoraChoice(enum.StrEnum):
@@ -71,17 +169,27 @@ class LoraChoice(enum.StrEnum):
     keep = "keep"
 
 
-class DtypeChoice(enum.StrEnum):
-    bf16 = "bf16"
-    bfloat16 = "bfloat16"
-    fp16 = "fp16"
-    float16 = "float16"
-    fp32 = "fp32"
-    float32 = "float32"
+#: Options of a rarer need, left to the reference (`cli.command.Command.more`).
+MORE = (
+    "--dcp-file-size",
+    "--strip-prefix",
+    "--tokenizer",
+    "--component",
+    "--mapping",
+    "--reread",
+    "--no-check-model",
+    "--check-logits",
+    "--lora",
+    "--adapter-config",
+    "--lora-alpha",
+    "--lora-r",
+    "--lora-rslora",
+    "--layout",
+)
 
 
 def register(app: typer.Typer) -> None:
-    add_command(app, "convert", convert, HELP, EXAMPLES)
+    add_command(app, "convert", convert, HELP, EXAMPLES, more=MORE)
 
 
 def convert(
@@ -89,7 +197,7 @@ def convert(
         str,
         typer.Argument(
             metavar="SRC",
-            help="Checkpoint folder or weights file to convert (local path or fsspec URL).",
+            help="Checkpoint folder or weights file (path or URL).",
             show_default=False,
         ),
     ],
@@ -97,57 +205,17 @@ def convert(
         str,
         typer.Argument(
             metavar="DST",
-            help="Output folder, local or an object store URL (must be empty or absent).",
+            help="Output folder (path or URL), empty or absent.",
             show_default=False,
         ),
     ],
-    to: Annotated[TargetChoice, typer.Option("--to", metavar="FORMAT", help="Output format: hf or dcp.")] = (
-        TargetChoice.hf
-    ),
-    dtype: Annotated[
-        DtypeChoice | None,
-        typer.Option(
-            "--dtype",
-            metavar="DTYPE",
-            help="Cast floating-point tensors to bf16, fp16 or fp32 (or bfloat16, float16, float32); default: "
-            "keep the stored dtypes. Each value is rounded once to nearest even, float64 sources too (torch's CPU "
-            "cast may round float64 -> bf16 through float32 and differ in the last bit).",
-        ),
-    ] = None,
-    max_shard_size: Annotated[
-        str,
-        typer.Option(
-            "--max-shard-size",
-            metavar="SIZE",
-            help="Most tensor bytes per safetensors shard of a --to hf output: 5GB, 500MB, 20KB or bytes.",
-        ),
-    ] = "5GB",
-    dcp_file_size: Annotated[
-        str,
-        typer.Option(
-            "--dcp-file-size",
-            metavar="SIZE",
-            help="Most tensor bytes per data file of a --to dcp output (the unit the ranks of a split "
-            "conversion share; one file up to that).",
-        ),
-    ] = "5GB",
+    to: ToOpt = TargetChoice.hf,
+    dtype: DtypeOpt = None,
+    max_shard_size: MaxShardSizeOpt = "5GB",
+    dcp_file_size: DcpFileSizeOpt = "5GB",
     component: ComponentOpt = Component.MODEL,
-    strip_prefix: Annotated[
-        str | None,
-        typer.Option(
-            "--strip-prefix",
-            metavar="PREFIX",
-            help="Prefix removed from tensor names (default: detected, e.g. 'model.'; '' keeps names as stored).",
-        ),
-    ] = None,
-    rename: Annotated[
-        list[str] | None,
-        typer.Option(
-            "--rename",
-            metavar="PATTERN=REPL",
-            help="PATTERN=REPL regex substitution on tensor names (repeatable, in order).",
-        ),
-    ] = None,
+    strip_prefix: StripPrefixOpt = None,
+    rename: RenameOpt = None,
     mapping: Annotated[
         str | None,
         typer.Option(
@@ -159,39 +227,14 @@ def convert(
             "tensors whole, tensor-parallel parts merged).",
         ),
     ] = None,
-    config: Annotated[
-        str | None,
-        typer.Option("--config", metavar="DIR", help="Folder holding config.json (default: beside the source)."),
-    ] = None,
-    tokenizer: Annotated[
-        str | None,
-        typer.Option("--tokenizer", metavar="DIR", help="Folder holding tokenizer files (default: beside the source)."),
-    ] = None,
-    force: Annotated[
-        bool, typer.Option("--force", help="Replace DST if it is not empty (on an object store: delete its objects).")
-    ] = False,
-    reread: Annotated[
-        bool,
-        typer.Option("--reread", help="Read every written file back from disk and check its digest (doubles the I/O)."),
-    ] = False,
+    config: ConfigOpt = None,
+    tokenizer: TokenizerOpt = None,
+    force: ForceOpt = False,
+    reread: RereadOpt = False,
     workers: WorkersOpt = None,
-    weights: Annotated[
-        WeightsChoice,
-        typer.Option(
-            "--weights",
-            metavar="WHICH",
-            help="DeepSpeed ZeRO: the fp32 master weights from the optimizer partitions (auto, master) or the "
-            "16-bit module weights the model states hold (stored; ZeRO-3 keeps none: its model is the partitions).",
-        ),
-    ] = WeightsChoice.auto,
-    no_check_model: Annotated[
-        bool,
-        typer.Option(
-            "--no-check-model",
-            help="Do not build the architecture config.json names with transformers: no check of the output's "
-            "tensors against it, and tied weights are not resolved (a --to dcp output may then lack lm_head.weight).",
-        ),
-    ] = False,
+    model_weights: ModelWeightsOpt = WeightsChoice.auto,
+    old_weights: Annotated[WeightsChoice | None, typer.Option("--weights", hidden=True)] = None,
+    no_check_model: NoCheckModelOpt = False,
     check_logits: Annotated[
         bool,
         typer.Option(
@@ -205,9 +248,7 @@ def convert(
         typer.Option(
             "--merge-adapter",
             metavar="BASE",
-            help="SRC is an adapter (a PEFT LoRA folder): write the base model BASE (an HF model folder) with the "
-            "adapter merged in, as PEFT's merge_and_unload() does; config and tokenizer come from BASE. Default: "
-            "the adapter's base_model_name_or_path when that is a local folder.",
+            help="SRC is a PEFT adapter: merge it into this HF model.",
         ),
     ] = None,
     lora: Annotated[
@@ -215,9 +256,7 @@ def convert(
         typer.Option(
             "--lora",
             metavar="MODE",
-            help="A model saved with LoRA adapters around its layers (base_layer.weight + lora_A.default.weight): "
-            "merge them into the weights under the model's own names (merge), write the adapter alone as a PEFT "
-            "adapter folder (adapter), or write the tensors as stored (keep).",
+            help="LoRA layers: merge, adapter (alone) or keep.",
         ),
     ] = LoraChoice.merge,
     adapter_config: Annotated[
@@ -259,6 +298,10 @@ def convert(
     from ckptctl.ops.naming import parse_rename
     from ckptctl.units import parse_size
 
+    # `--weights` was this option's name; in `average` it is the weight of each input.
+    model_weights = renamed(
+        Output(json_mode=json_output, quiet=quiet), "--weights", "--model-weights", old_weights, model_weights
+    )
     try:
         shard_bytes = parse_size(max_shard_size, minimum=1)
     except ValueError as exc:
@@ -285,7 +328,7 @@ def convert(
         force=force,
         layout=layout,
         reread=reread,
-        weights=Weights(weights.value),
+        weights=Weights(model_weights.value),
         check_model=not no_check_model,
         check_logits=check_logits,
         merge_adapter=merge_adapter,

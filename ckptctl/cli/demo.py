@@ -7,17 +7,19 @@ from typing import Annotated
 import typer
 
 from ckptctl.cli.command import add_command
-from ckptctl.cli.options import JsonOpt, QuietOpt
+from ckptctl.cli.options import ForceOpt, JsonOpt, QuietOpt
 from ckptctl.cli.output import Output
 from ckptctl.quoting import shell
 
-HELP = """Train a tiny model for a few steps and write real checkpoints to try every command on.
-
-Writes DIR/native (single process, ckptctl's own format), DIR/distributed (2 ranks, FSDP2, sharded through torch DCP), DIR/dcp (plain torch DCP folders) and DIR/hf (a Hugging Face style export). Progress goes to stderr. --force replaces DIR only when an earlier demo wrote it (it holds a .ckptctl-demo marker)."""
+HELP = """Train a tiny model for a few steps and write real checkpoints to try every command on: DIR/native, DIR/distributed (2 ranks, FSDP2), DIR/dcp and DIR/hf."""
 
 EXAMPLES = """\
 ckptctl demo /tmp/ckptctl-demo && ckptctl list /tmp/ckptctl-demo
 ckptctl demo /tmp/ckptctl-demo --force --no-distributed
+"""
+
+#: The reference of the command (docs/cli.md, by scripts/gen_cli_reference.py): what the help leaves out.
+REFERENCE = r"""Writes `DIR/native` (single process, ckptctl's own format), `DIR/distributed` (2 gloo ranks, FSDP2, sharded through torch DCP), `DIR/dcp` (plain `torch.distributed.checkpoint.save` folders) and `DIR/hf` (a Hugging Face style export), so that every command has real work. Each stage and save is reported on stderr as it happens. `--force` replaces DIR only when an earlier demo wrote it (it holds a `.ckptctl-demo` marker), never any other folder.
 """
 
 
@@ -36,9 +38,7 @@ def demo(
     distributed: Annotated[
         bool, typer.Option("--distributed/--no-distributed", help="Also run the 2-rank (gloo, FSDP2) part.")
     ] = True,
-    force: Annotated[
-        bool, typer.Option("--force", help="Replace the folder if an earlier demo wrote it (never any other folder).")
-    ] = False,
+    force: ForceOpt = False,
     json_output: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:

@@ -9,22 +9,14 @@ import typer
 
 from ckptctl.checkpoint import Component
 from ckptctl.cli.command import add_command
-from ckptctl.cli.options import ComponentOpt, JsonOpt, QuietOpt, bad_value
+from ckptctl.cli.options import ComponentOpt, JsonOpt, QuietOpt, RenameOpt, StripPrefixOpt, WorkersOpt, bad_value
 from ckptctl.cli.output import Cell, Column, Output, human_bytes, human_count, styled
-from ckptctl.cli.ranks import WorkersOpt, job_ranks, prints
+from ckptctl.cli.ranks import job_ranks, prints
 
 if TYPE_CHECKING:
     from ckptctl.ops.diff import DiffReport, TensorDiff
 
-HELP = """Compare two checkpoints tensor by tensor, also across layouts (a DCP step against its HF export).
-
-A and B are checkpoint folders of any known layout, or single weights files (`*.safetensors`, or a torch.save zip: `*.pt`, `*.pth`, `*.bin`, read without running anything in it).
-
-Tensors are matched by name after the same namespace rules convert uses (the model. prefix of DCP state dicts, the entry name of ckptctl's own checkpoints); --rename handles the rest. Reported: names only in A or only in B, shape and dtype changes, and per tensor the largest absolute difference and the relative L2 difference ||a-b|| / max(||a||, ||b||), most changed first. Values are compared after upcasting both sides to float64, block by block on all cores, at about the speed the bytes are read: blocks both sides hold byte for byte are not decoded, and memory stays at a few blocks per core; equal tensors are counted, not listed (--all lists them). Pairs whose bytes the recorded digests (ckptctl-digests.json, native manifests) prove identical are not read (--read-all reads them anyway). Metadata differences (step, config fields, counters) are shown but do not count as differences.
-
-Launched by torchrun (or with --workers N on this host), the ranks share the pairs to read by bytes; rank 0 prints the one report and every rank exits with its code.
-
-Exit code 0 when the tensors are equal (within --atol/--rtol), 1 when they differ, 2 on errors."""
+HELP = """Compare two checkpoints tensor by tensor, also across layouts (a DCP step against its HF export): names on one side only, shape and dtype changes, max-abs and relative-L2 difference per tensor. Exit code 0 when equal, 1 when they differ, 2 on errors."""
 
 EXAMPLES = """\
 ckptctl diff runs/llama/step-1000 hf-export/
@@ -34,60 +26,89 @@ ckptctl diff train-fp32/ export-bf16/ --ignore-dtype --rtol 1e-2 --atol 1e-3
 ckptctl diff runs/llama/step-900 runs/llama/step-1000 --html drift.html
 """
 
+#: The reference of the command (docs/cli.md, by scripts/gen_cli_reference.py): what the help leaves out.
+REFERENCE = r"""What differs between two checkpoints, of one layout or two (a DCP step against its HF export, DeepSpeed
+against HF, two steps of a run). Tensors of one component (`--component`, default `model`) are matched
+by name after the namespace rules `convert` uses (the `model.` of DCP state dicts, the entry name of
+ckptctl's own checkpoints; `--strip-prefix` overrides them, `--rename PATTERN=REPL` maps the rest).
+Reported: names only in A or only in B, shape and dtype changes, and per tensor the largest absolute
+difference and the relative L2 difference `||a-b|| / max(||a||, ||b||)`, most changed first (`--top N`).
+Values are compared after upcasting both sides (float64; int64 for integers; NaN equals NaN) in
+cache-sized blocks, streamed from the raw bytes on all cores: blocks that both sides hold byte for byte
+are compared as bytes and never decoded, and memory stays at a few blocks per core whatever the tensor
+sizes (`bench/diff.py` measures it against a naive torch script and `cat`). Equal means every element
+satisfies `|b - a| <= atol + rtol * |a|` (`--atol`, `--rtol`; exact by default); equal tensors are
+counted, not listed (`--all`). `--ignore-dtype` compares an fp32 checkpoint with its bf16 export by value.
+A pair is not read at all when both sides provably hold the same bytes: the same file, or files whose
+recorded blake3 digests (native manifests, `ckptctl-digests.json`) are equal at the same byte range and
+whose sizes still match the record (this trusts the records as `verify` checks them; `--read-all` reads
+every pair). Metadata differences (step, epoch, config fields, counters, metrics) are shown but do not
+count. Exit 0 when equal, 1 when different, 2 on errors.
+
+```console
+$ ckptctl diff demo-out/native/step-20 demo-out/native/step-30 --top 3
+A         demo-out/native/step-20 (native)
+B         demo-out/native/step-30 (native)
+compared  16 model tensor(s), exact: 0 equal (0 bit-identical), 16 changed; read 1.0 MiB
+
+changed (3 of 16, most changed first)
+name             change  max |a-b|  rel L2  mismatched  A → B
+norm.bias        values     0.0158   0.635    64 of 64  float32[64]
+blocks.0.0.bias  values      0.016   0.502    64 of 64  float32[64]
+blocks.1.0.bias  values     0.0177   0.433    64 of 64  float32[64]
+
+metadata
+field         A                  B
+step          20                 30
+metrics.loss  5.676208019256592  5.675955295562744
+different
+$ ckptctl diff demo-out/dcp/step-30 hf-export/ -q && echo "the export holds the training weights"
+```
+
+Launched by torchrun (or with --workers N on this host), the ranks share the pairs to read by bytes; rank 0 prints the one report and every rank exits with its code.
+
+`--atol` and `--rtol` are 0 by default: equal means bit for bit after the upcast.
+"""
+
 
 def register(app: typer.Typer) -> None:
-    add_command(app, "diff", diff_checkpoints, HELP, EXAMPLES)
+    add_command(
+        app, "diff", diff_checkpoints, HELP, EXAMPLES, more=("--strip-prefix", "--read-all", "--layout-a", "--layout-b")
+    )
 
 
 def diff_checkpoints(
     a: Annotated[
         str,
-        typer.Argument(
-            metavar="A", help="First checkpoint folder or weights file (local path or fsspec URL).", show_default=False
-        ),
+        typer.Argument(metavar="A", help="First checkpoint folder or weights file (path or URL).", show_default=False),
     ],
     b: Annotated[
         str,
-        typer.Argument(
-            metavar="B", help="Second checkpoint folder or weights file (local path or fsspec URL).", show_default=False
-        ),
+        typer.Argument(metavar="B", help="Second checkpoint folder or weights file (path or URL).", show_default=False),
     ],
     component: ComponentOpt = Component.MODEL,
     atol: Annotated[
         float,
-        typer.Option("--atol", metavar="X", help="Absolute tolerance: |b - a| <= atol + rtol * |a|.", min=0),
+        typer.Option("--atol", metavar="X", help="Absolute tolerance (default 0: exact).", min=0, show_default=False),
     ] = 0.0,
     rtol: Annotated[
-        float, typer.Option("--rtol", metavar="X", help="Relative tolerance (relative to A).", min=0)
+        float,
+        typer.Option(
+            "--rtol", metavar="X", help="Relative tolerance, to A (default 0: exact).", min=0, show_default=False
+        ),
     ] = 0.0,
-    strip_prefix: Annotated[
-        str | None,
-        typer.Option(
-            "--strip-prefix",
-            metavar="PREFIX",
-            help="Prefix removed from the names of both sides (default: detected per side; '' keeps names as stored).",
-        ),
-    ] = None,
-    rename: Annotated[
-        list[str] | None,
-        typer.Option(
-            "--rename",
-            metavar="PATTERN=REPL",
-            help="PATTERN=REPL regex substitution on the names of both sides (repeatable, in order).",
-        ),
-    ] = None,
+    strip_prefix: StripPrefixOpt = None,
+    rename: RenameOpt = None,
     ignore_dtype: Annotated[
         bool,
-        typer.Option(
-            "--ignore-dtype", help="A dtype change whose values agree within the tolerance is not a difference."
-        ),
+        typer.Option("--ignore-dtype", help="Compare values across dtypes, within the tolerance."),
     ] = False,
     show_all: Annotated[bool, typer.Option("--all", help="Also list the equal tensors.")] = False,
     top: Annotated[
         int | None, typer.Option("--top", metavar="N", help="List only the N most changed tensors.", min=0)
     ] = None,
     read_all: Annotated[
-        bool, typer.Option("--read-all", help="Read every pair, even those recorded digests prove identical.")
+        bool, typer.Option("--read-all", help="Also read pairs that recorded digests prove identical.")
     ] = False,
     layout_a: Annotated[
         str | None,
@@ -99,7 +120,7 @@ def diff_checkpoints(
     ] = None,
     html: Annotated[
         str | None,
-        typer.Option("--html", metavar="FILE", help="Also write a page drawing the relative difference per layer."),
+        typer.Option("--html", metavar="FILE", help="Also write a page of the per-layer difference."),
     ] = None,
     workers: WorkersOpt = None,
     json_output: JsonOpt = False,

@@ -6,25 +6,50 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from ckptctl.checkpoint import Component
 from ckptctl.cli.command import add_command
-from ckptctl.cli.options import JsonOpt, LayoutOpt, QuietOpt
+from ckptctl.cli.options import ComponentFilterOpt, JsonOpt, LayoutOpt, QuietOpt, RowsOpt
 from ckptctl.cli.output import STATE_STYLE, Cell, Column, Output, human_bytes, human_count, styled
 
 if TYPE_CHECKING:
     from ckptctl.ops.inspection import InspectReport
 
-HELP = """Show what a checkpoint holds: layout, step, components present and missing, world size, tensors.
-
-Reads headers and metadata only (never tensor data, never unpickles with code execution), so it is fast on checkpoints of any size and works without torch installed.
-
-CKPT is a checkpoint folder of any known layout, a Lightning checkpoint file (`epoch=0-step=100.ckpt`, `last.ckpt`), or a single weights file: `*.safetensors`, or a torch.save zip (`*.pt`, `*.pth`, `*.bin`) read with the same allowlisting reader (nothing in it runs)."""
+HELP = """Show what a checkpoint holds: layout, step, components present and missing, world size, parameter count and the tensor table. Reads headers and metadata only (nothing in a pickle runs); CKPT may also be a single weights file."""
 
 EXAMPLES = """\
 ckptctl inspect runs/llama-sft/step-1000
 ckptctl inspect runs/llama-sft/step-1000 --filter '*layers.0.*' --component model
 ckptctl inspect hf-export/model-00001-of-00004.safetensors
 ckptctl inspect hf-export/ --json | jq .totals
+"""
+
+#: The reference of the command (docs/cli.md, by scripts/gen_cli_reference.py): what the help leaves out.
+REFERENCE = r"""Layout, step, components present and missing (model, optimizer, scheduler, rng, dataloader,
+trainer_state, config, tokenizer), world size, config summary, the tensor table (`--filter '*attn*'`,
+`--component optimizer`, `--limit`), parameter count and bytes by dtype. Headers only. `CKPT` may also be
+a single weights file: a `*.safetensors` file, or a torch.save zip (`*.pt`, `*.pth`, `*.bin`) read with the
+same allowlisting unpickler (nothing in it runs); `verify` and `diff` take them too. Legacy model folders
+(`pytorch_model.bin`, or `pytorch_model-0000i-of-0000N.bin` shards with their index) are read the same way;
+a tensor pickled under two names (a tied `lm_head.weight`) is listed and counted once.
+
+```console
+$ ckptctl inspect demo-out/native/step-30 --limit 0
+checkpoint    demo-out/native/step-30
+layout        native
+step          30
+state         complete
+world size    1
+components    model, optimizer, rng, scheduler, trainer_state
+missing       dataloader, config, tokenizer
+size on disk  1.2 MiB
+parameters    99.33K (99,328)
+tensor bytes  float32 1.1 MiB, uint8 4.9 KiB, uint32 2.4 KiB
+metrics       loss=5.675955295562744
+versions      ckptctl=0.1.0, torch=2.13.0+cpu, python=3.11.7, numpy=2.4.6
+entries       model=module in safetensors, optimizer=optimizer in safetensors, scheduler=scheduler in safetensors, rng=rng in safetensors
+$ ckptctl inspect hf-export/model-00001-of-00004.safetensors --json | jq .totals.parameters
+```
+
+CKPT is a checkpoint folder of any known layout, a Lightning checkpoint file (`epoch=0-step=100.ckpt`, `last.ckpt`), or a single weights file: `*.safetensors`, or a torch.save zip (`*.pt`, `*.pth`, `*.bin`) read with the same allowlisting reader (nothing in it runs).
 """
 
 
@@ -47,17 +72,8 @@ def inspect_checkpoint(
             "--filter", "-f", metavar="GLOB", help="Only tensors whose name matches this glob (or contains it)."
         ),
     ] = None,
-    component: Annotated[
-        Component | None,
-        typer.Option(
-            "--component",
-            metavar="COMPONENT",
-            help=f"Only tensors of this component: {', '.join(c.value for c in Component)}.",
-        ),
-    ] = None,
-    limit: Annotated[
-        int, typer.Option("--limit", metavar="N", help="Rows of the tensor table to print (JSON has them all).", min=0)
-    ] = 40,
+    component: ComponentFilterOpt = None,
+    limit: RowsOpt = 40,
     layout: LayoutOpt = None,
     json_output: JsonOpt = False,
     quiet: QuietOpt = False,

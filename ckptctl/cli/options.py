@@ -1,8 +1,14 @@
 """Options shared by several commands, defined once, the one way a command rejects an option's value, and the
-prompt of the commands that plan changes to a run before making them."""
+prompt of the commands that plan changes to a run before making them.
+
+Every option that more than one command takes is declared here, with one help text, so that a name means one
+thing everywhere (`tests/cli/test_help.py` checks it). Where two commands need different Python types for one
+option (a default of None in one, a number in the other), both aliases share one `typer.Option`.
+"""
 
 from __future__ import annotations
 
+import enum
 import sys
 from collections.abc import Callable
 from typing import Annotated, Any, Generic, Protocol, TypeVar
@@ -16,13 +22,16 @@ from ckptctl.layouts import layout_names
 
 T = TypeVar("T")
 
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout (schema_version 1).")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document (schema_version 1).")]
 QuietOpt = Annotated[
     bool,
-    typer.Option("--quiet", "-q", help="Print nothing but errors; the exit code tells the result."),
+    typer.Option("--quiet", "-q", help="Print only errors; the exit code tells the result."),
 ]
 # Layout names are plain strings checked by the library (`layouts.get_layout`), whose error lists the known
 # layouts for library and command-line users alike.
+# `--layout` is two options: a checkpoint command reads its checkpoint as that layout, a run command (list,
+# resume-plan) filters the run's checkpoints by it (verify of a run folder given --layout reads it as one
+# checkpoint). Both list the names, which the reference and the completions list too.
 LayoutOpt = Annotated[
     str | None,
     typer.Option(
@@ -37,14 +46,133 @@ RunLayoutOpt = Annotated[
         "--layout", metavar="LAYOUT", help=f"Consider only checkpoints of this layout: {', '.join(layout_names())}."
     ),
 ]
-ComponentOpt = Annotated[
-    Component,
+_COMPONENT = typer.Option(
+    "--component",
+    metavar="COMPONENT",
+    help=f"Read only the tensors of this component: {', '.join(c.value for c in Component)}.",
+)
+ComponentOpt = Annotated[Component, _COMPONENT]
+ComponentFilterOpt = Annotated[Component | None, _COMPONENT]
+
+YesOpt = Annotated[
+    bool,
     typer.Option(
-        "--component",
-        metavar="COMPONENT",
-        help=f"The component whose tensors are read: {', '.join(c.value for c in Component)}.",
+        "--yes",
+        "-y",
+        help="Go ahead without asking (repair: apply the plan).",
     ),
 ]
+DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Print the plan; change nothing.")]
+ForceOpt = Annotated[
+    bool,
+    typer.Option(
+        "--force",
+        help="Replace an output folder that ckptctl wrote before.",
+    ),
+]
+_LIMIT = typer.Option("--limit", metavar="N", help="Show at most N rows.", min=0)
+LimitOpt = Annotated[int | None, _LIMIT]
+RowsOpt = Annotated[int, _LIMIT]
+OlderThanOpt = Annotated[
+    str | None,
+    typer.Option("--older-than", metavar="AGE", help="Leave checkpoints younger than this alone (7d, 12h)."),
+]
+WorldSizeOpt = Annotated[
+    int | None,
+    # The upper bound keeps per-rank bookkeeping finite; no job has a million ranks.
+    typer.Option("--world-size", metavar="N", help="Ranks of the resumed run (default: as saved).", min=1, max=1 << 20),
+]
+LatestOpt = Annotated[bool, typer.Option("--latest", help="Only the checkpoint a resume would load.")]
+_LAST = typer.Option("--last", metavar="K", help="Only the newest K checkpoints (report: pairs).", min=1)
+LastOpt = Annotated[int | None, _LAST]
+LastPairsOpt = Annotated[int, _LAST]
+StripPrefixOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--strip-prefix",
+        metavar="PREFIX",
+        help="Prefix cut from tensor names (default: detected).",
+    ),
+]
+RenameOpt = Annotated[
+    list[str] | None,
+    typer.Option("--rename", metavar="PATTERN=REPL", help="Regex substitution on tensor names; repeatable."),
+]
+WorkersOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--workers",
+        metavar="N",
+        help="Processes sharing the work, as torchrun ranks do.",
+        min=1,
+    ),
+]
+
+
+class TargetChoice(enum.StrEnum):
+    hf = "hf"
+    dcp = "dcp"
+
+
+class DtypeChoice(enum.StrEnum):
+    bf16 = "bf16"
+    bfloat16 = "bfloat16"
+    fp16 = "fp16"
+    float16 = "float16"
+    fp32 = "fp32"
+    float32 = "float32"
+
+
+class WeightsChoice(enum.StrEnum):
+    auto = "auto"
+    master = "master"
+    stored = "stored"
+
+
+# The options of the commands that write a model (convert, average).
+ToOpt = Annotated[TargetChoice, typer.Option("--to", metavar="FORMAT", help="Output format: hf or dcp.")]
+DtypeOpt = Annotated[
+    DtypeChoice | None,
+    typer.Option(
+        "--dtype",
+        metavar="DTYPE",
+        help="Write floats as bf16, fp16 or fp32 (default: kept).",
+    ),
+]
+MaxShardSizeOpt = Annotated[
+    str, typer.Option("--max-shard-size", metavar="SIZE", help="Most bytes per shard file (--to hf).")
+]
+DcpFileSizeOpt = Annotated[
+    str, typer.Option("--dcp-file-size", metavar="SIZE", help="Most bytes per data file (--to dcp).")
+]
+ConfigOpt = Annotated[
+    str | None, typer.Option("--config", metavar="DIR", help="Folder of config.json (default: found beside).")
+]
+TokenizerOpt = Annotated[
+    str | None,
+    typer.Option("--tokenizer", metavar="DIR", help="Folder of tokenizer files (default: found beside)."),
+]
+RereadOpt = Annotated[bool, typer.Option("--reread", help="Read the output back and check its digests.")]
+NoCheckModelOpt = Annotated[
+    bool, typer.Option("--no-check-model", help="Skip the check against the model config.json names.")
+]
+ModelWeightsOpt = Annotated[
+    WeightsChoice,
+    typer.Option(
+        "--model-weights",
+        metavar="WHICH",
+        help="Which ZeRO weights: master or stored.",
+    ),
+]
+
+
+def renamed(out: Output, old: str, new: str, old_value: T | None, value: T) -> T:
+    """The value of an option renamed from `old` to `new`: `old` still works (a hidden option), with a warning."""
+    if old_value is None:
+        return value
+    out.warn(f"{old} is deprecated here: use {new}")
+    return old_value
+
 
 # prune, slim and repair take the same run lock (`core.lock`), so each waits for any of the three.
 WaitOpt = Annotated[
@@ -52,16 +180,14 @@ WaitOpt = Annotated[
     typer.Option(
         "--wait",
         metavar="SECONDS",
-        help="Seconds to wait for another prune, slim or repair of the run (the run's lock) to finish.",
+        help="Seconds to wait for the run's lock.",
         min=0,
     ),
 ]
 # prune and slim judge alike whether a checkpoint is still being written (`ops.planned.DEFAULT_GRACE`).
 GraceOpt = Annotated[
     str | None,
-    typer.Option(
-        "--grace", metavar="AGE", help="Checkpoints modified this recently count as being written (default 10m)."
-    ),
+    typer.Option("--grace", metavar="AGE", help="Age of a save still being written (default 10m)."),
 ]
 DepthOpt = Annotated[int, typer.Option("--depth", metavar="N", help="How deep to look for nested runs.", min=0)]
 

@@ -8,7 +8,19 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from ckptctl.cli.command import add_command
-from ckptctl.cli.options import DepthOpt, GraceOpt, JsonOpt, PlanPrompt, QuietOpt, WaitOpt, bad_value, parsed
+from ckptctl.cli.options import (
+    DepthOpt,
+    DryRunOpt,
+    GraceOpt,
+    JsonOpt,
+    OlderThanOpt,
+    PlanPrompt,
+    QuietOpt,
+    WaitOpt,
+    YesOpt,
+    bad_value,
+    parsed,
+)
 from ckptctl.cli.output import Cell, Column, Output, human_bytes, styled
 from ckptctl.errors import CkptctlError
 from ckptctl.layouts import DEFAULT_SCAN_DEPTH
@@ -18,18 +30,59 @@ if TYPE_CHECKING:
     from ckptctl.core.retention import RetentionPolicy
     from ckptctl.ops.prune import PrunePlan, PruneReport
 
-HELP = """Delete the checkpoints of a run that the retention rules do not keep, safely.
-
-Rules compose with "any": a checkpoint is kept when one of --keep-last, --keep-every or --keep-best keeps it; --max-total-size then deletes the oldest ones only rules keep until the run fits; --older-than limits deletion to older checkpoints. Without rule options, the \\[retention] table of RUN/ckptctl.toml is used (same names: keep_last, keep_every, keep_best, max_total_size, older_than, pin, grace; and keep_full_last = N: of the checkpoints kept, only the newest N complete ones stay whole, the others are slimmed as `ckptctl slim` does; `keep_full` in a \\[slim] table means the same). With --slim, the complete checkpoints the rules delete are slimmed instead: each keeps its model.
-
-Never deleted: the newest complete checkpoint; what a `latest` pointer names (ckptctl's, DeepSpeed's), the Trainer's best_model_checkpoint, OpenRLHF best* folders; anything in progress (no completion marker, staging names, a writer's lock, files modified within --grace); pinned steps; symbolic links and anything outside RUN. Deleted whatever the rules: abandoned saves (a ckptctl staging folder whose writer is gone, or that nobody wrote to within --grace and behind which a step was committed). Superseded steps (left behind by a rollback) count as no rule's to keep. Each checkpoint is moved into a .ckptctl-trash folder beside it and deleted there, so an interrupted prune never leaves a half-deleted checkpoint that looks complete. One prune per run at a time.
-
-Exit code 0 when the run meets the rules (nothing left to do), also when a protection above keeps a complete checkpoint that no rule keeps (a note says so: that is the convention of the framework that wrote the run, not a problem); 1 when it does not, also in a dry run: the rules want a deletion that cannot happen (a pointer names a checkpoint that is not complete, an unknown layout, a run still over --max-total-size), a deletion failed, another prune holds the lock, or the prompt was declined. 2 on bad usage: a --keep-best metric that no checkpoint records, or deleting without --yes when stdin is not a terminal or with --json or --quiet (which never prompt)."""
+HELP = """Delete the checkpoints of a run that the retention rules (--keep-last, --keep-every, --keep-best, --max-total-size, or RUN/ckptctl.toml) do not keep, safely. Never the newest complete one, what a pointer names, anything in progress or pinned; plans, then asks unless --yes."""
 
 EXAMPLES = """\
 ckptctl prune runs/llama-sft --keep-last 3 --keep-every 1000 --dry-run
 ckptctl prune runs/llama-sft --keep-last 2 --keep-best eval_loss:min --max-total-size 2TB -y
 ckptctl prune runs/llama-sft --older-than 7d --pin 5000 --json -y   # cron; rules may live in ckptctl.toml
+"""
+
+#: The reference of the command (docs/cli.md, by scripts/gen_cli_reference.py): what the help leaves out.
+REFERENCE = r"""Deletes the checkpoints a retention policy does not keep: scan → plan → confirm → delete, as `hf cache
+prune`. Rules compose with "any": `--keep-last N` (complete checkpoints), `--keep-every K` (steps),
+`--keep-best METRIC[:min|max]` (metrics from ckptctl manifests and the Trainer's `trainer_state.json`;
+`*loss` defaults to min), then `--max-total-size 2TB` deletes the oldest checkpoints only rules keep until
+the run fits; `--older-than 7d` leaves younger ones alone; `--pin STEP` (repeatable). Nested runs
+(`_actor/`, `_critic/`) are planned folder by folder. Without rule options the `[retention]` table of
+`RUN_DIR/ckptctl.toml` is used, for cron:
+
+```toml
+[retention]
+keep_last = 3
+keep_every = 5000
+keep_best = "eval_loss:min"
+max_total_size = "2TB"
+grace = "30m"
+```
+
+Never deleted, and each kept checkpoint says why: the newest complete one; what a `latest` pointer names
+(ckptctl's, DeepSpeed's), the Trainer's `best_model_checkpoint`, OpenRLHF `best*` folders, the highest
+accelerate `checkpoint_N` (what `load_state()` without a path loads) and its newest save when the numbering
+restarted; anything in
+progress (no completion marker, staging names such as `.step-N.staging-*` or `*.tmp`, a live writer's
+lock file, a file modified within `--grace`, default 10 minutes); pinned steps; symbolic links (kept and
+never followed: neither the link nor what it points to is deleted, and a link inside a deleted checkpoint
+is removed as a link).
+
+`--dry-run` prints the plan (`--json` for scripts) and changes nothing; otherwise it asks before deleting,
+unless `--yes` (without a terminal and without `--yes` it exits 2 and deletes nothing). Each checkpoint is
+renamed into the `.ckptctl-trash` folder beside it and deleted there, so an interrupted prune never
+leaves a half-deleted checkpoint that lists as complete (the next prune empties the trash, and an empty
+trash folder is removed); on object stores the completion markers go first. The trash is opened and
+emptied through directory descriptors without following links: a symbolic link (or anything but a folder)
+where `.ckptctl-trash` or the lock should be is refused with exit 2 naming it, before anything is moved,
+`--dry-run` included, so a link planted in a shared run folder cannot aim a cron prune at other files. One prune per run at a time (`.ckptctl-prune.lock` with host and
+pid; a dead holder's lock is taken over with a warning; `--wait` seconds for a live one). Exit 0 when
+the run meets the rules, 1 whenever it does not, dry runs included (a protected checkpoint no rule keeps,
+still over budget after deleting what it could, locked, failed, a declined prompt), 2 bad usage (a
+`--keep-best` metric that no checkpoint records, so a typo never keeps nothing). The same
+`RetentionPolicy` runs in `CheckpointManager(policy=...)` after each save.
+
+```bash
+ckptctl prune runs/llama-sft --keep-last 3 --keep-every 5000 --dry-run
+ckptctl prune runs/llama-sft --keep-last 2 --keep-best eval_loss --max-total-size 2TB -y --json
+```
 """
 
 
@@ -53,7 +106,7 @@ def prune(
         typer.Option(
             "--keep-best",
             metavar="METRIC[:min|max]",
-            help="Keep the best checkpoint by a recorded metric, METRIC[:min|max] (default min for *loss); repeatable.",
+            help="Keep the best by a recorded metric (*loss: min); repeatable.",
         ),
     ] = None,
     max_total_size: Annotated[
@@ -61,13 +114,10 @@ def prune(
         typer.Option(
             "--max-total-size",
             metavar="SIZE",
-            help="Delete the oldest unprotected checkpoints until the run fits (500GB, 2TiB).",
+            help="Then delete the oldest until the run fits (2TB).",
         ),
     ] = None,
-    older_than: Annotated[
-        str | None,
-        typer.Option("--older-than", metavar="AGE", help="Only checkpoints older than this may go (7d, 12h, 30m)."),
-    ] = None,
+    older_than: OlderThanOpt = None,
     pin: Annotated[
         list[int] | None, typer.Option("--pin", metavar="STEP", help="Never delete this step; repeatable.", min=0)
     ] = None,
@@ -76,12 +126,11 @@ def prune(
         bool,
         typer.Option(
             "--slim",
-            help="Slim the complete checkpoints the rules delete instead (keep each model, drop the training-only "
-            "state: see `ckptctl slim`).",
+            help="Slim what the rules delete instead (keep the models).",
         ),
     ] = False,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan; change nothing.")] = False,
-    yes: Annotated[bool, typer.Option("--yes", "-y", help="Delete without asking for confirmation.")] = False,
+    dry_run: DryRunOpt = False,
+    yes: YesOpt = False,
     wait: WaitOpt = 30.0,
     depth: DepthOpt = DEFAULT_SCAN_DEPTH,
     json_output: JsonOpt = False,

@@ -1,5 +1,5 @@
 """`convert`, `verify` and `diff` over several processes: the ranks of the torchrun job that started this
-process, or `--workers N` ranks this process starts on its host (`ops.distributed_work`).
+process, or `--workers N` (`cli.options.WorkersOpt`) ranks this process starts on its host (`ops.distributed_work`).
 
 Every rank runs the same command and gets the same result; rank 0 alone prints it, and every rank exits
 with the same code. A rank that fails makes every rank fail (each says which rank failed and why).
@@ -11,22 +11,11 @@ import contextlib
 import contextvars
 import signal
 from collections.abc import Iterator
-from typing import Annotated, Any
+from typing import Any
 
 import typer
 
 from ckptctl.ops.distributed_work import Ranks, join, launched, leave, run_workers
-
-WorkersOpt = Annotated[
-    int | None,
-    typer.Option(
-        "--workers",
-        metavar="N",
-        help="Processes on this host that share the work by bytes, as the ranks of a torchrun job do (useful "
-        "where one process is CPU-bound: casts, digests, diff). Under torchrun the job's ranks share it.",
-        min=1,
-    ),
-]
 
 #: The command line being run (without the program name), set by `cli.app`: `--workers` runs it again
 #: in each rank it starts.

@@ -8,22 +8,36 @@ from typing import Annotated
 import typer
 
 from ckptctl.cli.command import add_command
-from ckptctl.cli.options import DepthOpt, JsonOpt, QuietOpt, bad_value
+from ckptctl.cli.options import DepthOpt, JsonOpt, LastPairsOpt, QuietOpt, bad_value
 from ckptctl.cli.output import Output, human_bytes
 from ckptctl.layouts import DEFAULT_SCAN_DEPTH
 from ckptctl.ops.report import DEFAULT_LAST
 
-HELP = f"""Write one self-contained HTML page about a run: its checkpoints, where the bytes are, its curves and how far each layer's weights moved.
-
-Every checkpoint by step with its state and size (model / optimizer / other), the one `latest` names and the one a resume would load; what prune and slim would free under the run's ckptctl.toml; the metrics the checkpoints record; the per-layer relative L2 change between consecutive whole checkpoints (the newest {DEFAULT_LAST} pairs per folder), read as `diff` reads. Inline SVG, no script, no network. --json prints the page's data.
-
-Docs: docs/cli.md#ckptctl-report"""
+HELP = """Write one self-contained HTML page about a run: its checkpoints by step, where the bytes are, its recorded curves and how far each layer's weights moved (inline SVG, no script, no network). --json prints the page's data."""
 
 EXAMPLES = """\
 ckptctl report runs/llama-sft -o report.html
 ckptctl report runs/llama-sft -o report.html --last 50 --verify
 ckptctl report runs/llama-sft -o report.html --no-drift   # metadata only: fast on any size
 ckptctl report runs/llama-sft --json | jq '.drift[0].pairs[-1].layers'
+"""
+
+#: The reference of the command (docs/cli.md, by scripts/gen_cli_reference.py): what the help leaves out.
+REFERENCE = r"""One self-contained HTML file about a run, to look at rather than read: every checkpoint by step with its
+state, size (model / optimizer / other), the one `latest` names and the one a resume would load; what
+`prune` and `slim` would free under the run's `ckptctl.toml`; the curves the checkpoints record (the
+Trainer's `log_history` where it is kept); and a layers x steps heatmap of how far each layer's weights
+moved between consecutive checkpoints (diff's relative L2, streamed; `--last K` pairs per folder, 10 by
+default; `--no-drift` skips it). Inline SVG, no script, nothing fetched: it opens offline, and names from
+checkpoints are escaped. `--json` prints the data the page is drawn from; `diff A B --html FILE` draws one
+comparison per layer.
+
+```bash
+ckptctl report runs/llama-sft -o report.html --verify
+ckptctl diff runs/llama-sft/step-900 runs/llama-sft/step-1000 --html drift.html
+```
+
+![the demo run's report](report.png)
 """
 
 
@@ -42,10 +56,7 @@ def report(
     drift: Annotated[
         bool, typer.Option("--drift/--no-drift", help="Compute the per-layer weight drift (reads the models).")
     ] = True,
-    last: Annotated[
-        int,
-        typer.Option("--last", metavar="K", help="Drift over the newest K pairs of each folder.", min=1),
-    ] = DEFAULT_LAST,
+    last: LastPairsOpt = DEFAULT_LAST,
     verify: Annotated[bool, typer.Option("--verify", help="Also verify each checkpoint and show the verdict.")] = False,
     depth: DepthOpt = DEFAULT_SCAN_DEPTH,
     json_output: JsonOpt = False,

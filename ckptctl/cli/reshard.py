@@ -7,31 +7,59 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from ckptctl.cli.command import add_command
-from ckptctl.cli.options import JsonOpt, LayoutOpt, QuietOpt
+from ckptctl.cli.options import ForceOpt, JsonOpt, LayoutOpt, QuietOpt, WorldSizeOpt, renamed
 from ckptctl.cli.output import Output, human_bytes, interrupted_write, styled
 
 if TYPE_CHECKING:
     from ckptctl.ops.reshard import ReshardResult
 
-HELP = """Write a whole resumable training state (model, optimizer, schedulers, counters) for another number of ranks or another framework, offline and on CPU, streamed one parameter at a time from the checkpoint's raw bytes.
+HELP = """Write a whole resumable training state (model, optimizer, schedulers, counters) for another number of ranks or another framework, offline and on CPU, one parameter at a time. --to deepspeed-universal, verl or dcp names the target; what it cannot carry is listed as not carried."""
 
---to names the target: deepspeed-universal (a DeepSpeed ZeRO 1-3 tag as the universal checkpoint DeepSpeed's ds_to_universal.py --inject_missing_state writes, which DeepSpeed loads on any number of ranks with load_universal set to true in the checkpoint section of its config; SRC may be a tag folder, a save folder holding `latest`, or a checkpoint of a framework built on DeepSpeed: OpenRLHF, open-instruct, accelerate, the HF Trainer, Lightning; or an Adam/AdamW training state as torch's get_state_dict lays it out, from a DCP folder such as an FSDP2 run's, a multi-rank ckptctl checkpoint or an HF Trainer `checkpoint-N`, which DeepSpeed ZeRO-1 or 2 loads the same way) or verl (a verl `global_step_N/` with every role's model, optimizer and extra-state rank files cut for --world-size ranks, which verl's own checkpoint manager loads there) or dcp (model and optimizer as torch's get_state_dict lays them out, `model.<fqn>`, `optim.state.<fqn>.exp_avg`, ..., which an FSDP2 or torchtitan trainer on any number of ranks loads with dcp.load + set_state_dict; from a DCP folder, a multi-rank ckptctl checkpoint, a verl role folder or an HF Trainer `checkpoint-N`, whose optimizer groups are named by transformers' own Trainer code, which must be installed). Without --to, the source framework's own writer is used.
+EXAMPLES = """\
+ckptctl reshard ckpts/ universal/ --to deepspeed-universal
+ckptctl reshard ckpts/global_step400 fsdp-dcp/ --to dcp --json
+ckptctl reshard fsdp2-run/step-400 on-deepspeed/ --to deepspeed-universal --threads 4
+ckptctl reshard verl-run/global_step_400 verl-on-16/ --world-size 16
+ckptctl reshard ckpts/ s3://bucket/universal --to deepspeed-universal
+"""
+
+#: The reference of the command (docs/cli.md, by scripts/gen_cli_reference.py): what the help leaves out.
+REFERENCE = r"""The whole resumable training state (model, optimizer, schedulers, counters) for another number of ranks
+or another framework, offline, on CPU, without the source framework installed, streamed one parameter at a
+time from the checkpoint's raw bytes. Every path below is proved in the test suite by the target framework's
+own load code on gloo CPU ranks: the loaded state equals the source's exactly and the next training step's
+loss is the source's own (bit-identical in every case run).
+
+| SRC | `--to` | DST, and what loads it |
+|---|---|---|
+| DeepSpeed ZeRO 1-3 tag (the tag, the save folder holding `latest`, or the tag inside an OpenRLHF, open-instruct, accelerate, HF Trainer or Lightning checkpoint) | `deepspeed-universal` | `DST/<tag>/zero/<param>/{fp32,exp_avg,exp_avg_sq,step}.pt` + `DST/latest_universal`, file for file what `ds_to_universal.py --inject_missing_state` writes; DeepSpeed with `"checkpoint": {"load_universal": true}` (2 -> 1 and 1 -> 2 ranks, ZeRO-2 and ZeRO-3). No torch import: ~0.25x `ds_to_universal`'s time, ~0.07x its memory (`bench/reshard.py`) |
+| FSDP2 DCP state (`get_state_dict` layout), multi-rank ckptctl checkpoint, HF Trainer `checkpoint-N` | `deepspeed-universal` | the same, loaded by DeepSpeed ZeRO-1/2 on 1 and 2 ranks |
+| verl `global_step_N/` (every role) | (default) `--world-size N` | verl rank files for N ranks + tracker; verl's own `FSDPCheckpointManager` (2 -> 1, 1 -> 2) |
+| DeepSpeed ZeRO 1-3, DCP, multi-rank ckptctl, verl role, HF Trainer `checkpoint-N` | `dcp` | `model.<fqn>`, `optim.state.<fqn>.*`, `optim.param_groups.*`; FSDP2 `dcp.load` + `set_state_dict` on 1 and 2 ranks |
+
+Parameter groups are named only where the checkpoint proves them (DeepSpeed's `param_shapes`, verl's single
+group, the HF Trainer's decay/no-decay groups from transformers' own `get_decay_parameter_names`); anything
+else (an optimizer other than Adam/AdamW, a Megatron dist-ckpt, groups that cannot be proved) is refused with
+why, before anything is written. What the target cannot carry (RNG streams, the LR scheduler's state, a
+data-loader position, the framework's files beside the state) is listed as `not_carried` with what to do;
+`resume-plan DST` shows the new world size and the setting to pass. Staged and committed like `convert`:
+DST must be empty, a torn source is refused naming the missing file, an interrupted reshard leaves nothing
+at DST; DST may be an object-store URL (staged locally, uploaded with the completing files last).
+
+```bash
+ckptctl reshard ckpts/ universal/ --to deepspeed-universal          # the tag `latest` names
+ckptctl reshard openrlhf-ckpt/_actor actor-universal/ --to deepspeed-universal --json
+ckptctl reshard fsdp2-run/step-400 on-deepspeed/ --to deepspeed-universal   # FSDP2 (DCP) -> DeepSpeed
+ckptctl reshard verl-run/global_step_200 verl-8gpu/ --world-size 8          # verl 4 -> 8 ranks
+ckptctl reshard ckpts/global_step400 fsdp-dcp/ --to dcp --json              # DeepSpeed -> FSDP2
+ckptctl reshard out/checkpoint-500 s3://bucket/run/dcp --to dcp             # HF Trainer -> DCP on a store
+```
 
 DST must be empty (or absent): it becomes what the target framework is pointed at (for deepspeed-universal: DST/<tag>/ and DST/latest_universal; for verl: DST/global_step_N/ and the tracker, so trainer.default_local_dir=DST resumes). The output is written to a hidden staging folder next to DST and renamed into place: an interrupted or failed reshard leaves nothing at DST. DST may be an object store URL (s3://bucket/prefix, any fsspec URL): the output is staged in TMPDIR, then uploaded as convert uploads, in parallel but for the files that complete it (markers, then trackers and pointers such as latest_universal), which go up one after another, and ckptctl-digests.json last; a failed or interrupted upload deletes what it put. A non-empty prefix is refused unless --force, which deletes the old objects first. A source the writer cannot carry (a torn tag, named by its missing file) is refused before anything is written. What the target cannot carry (RNG streams, a data-loader position) is listed as not carried, with why.
 
-A DeepSpeed ZeRO 1-3 tag (a tag folder, a save folder holding `latest`, or the tag of an OpenRLHF or open-instruct checkpoint) is also a source for --to dcp: its fp32 masters, each parameter's Adam moments and its group's step, the groups' settings and parameter names (proved from DeepSpeed's param_shapes); an optimizer other than Adam/AdamW is refused, naming its state.
+Exit code 0 when written, 2 on bad input, 130 when interrupted.
 
-Exit code 0 when written, 2 on bad input, 130 when interrupted."""
-
-EXAMPLES = """\
-ckptctl reshard ckpts/global_step400 fsdp-dcp/ --to dcp --json
-ckptctl reshard ckpts/ universal/ --to deepspeed-universal
-ckptctl reshard ckpts/global_step400 universal/ --to deepspeed-universal --workers 4
-ckptctl reshard openrlhf-ckpt/_actor actor-universal/ --to deepspeed-universal --json
-ckptctl reshard fsdp2-run/step-400 on-deepspeed/ --to deepspeed-universal
-ckptctl reshard verl-run/global_step_400 verl-on-16/ --world-size 16
-ckptctl reshard verl-run/global_step_400/actor actor-dcp/ --to dcp
-ckptctl reshard ckpts/ s3://bucket/universal --to deepspeed-universal
+`--threads N` (formerly `--workers`, still accepted with a warning: everywhere else `--workers` counts processes) reads and writes parameters on N threads. `--world-size` defaults to the source's; a universal checkpoint loads on any. `--force` replaces DST only when it holds an earlier reshard or convert output.
 """
 
 
@@ -60,21 +88,18 @@ def reshard_state(
             help="What to write: deepspeed-universal, verl or dcp (default: the source framework's own training state).",
         ),
     ] = None,
-    world_size: Annotated[
-        int | None,
+    world_size: WorldSizeOpt = None,
+    threads: Annotated[
+        int,
         typer.Option(
-            "--world-size",
+            "--threads",
             metavar="N",
             min=1,
-            help="Ranks the target resumes on (default: the source's; a universal checkpoint loads on any).",
+            help="Threads reading and writing (formerly --workers).",
         ),
-    ] = None,
-    workers: Annotated[
-        int, typer.Option("--workers", metavar="N", min=1, help="Threads reading and writing parameters.")
     ] = 1,
-    force: Annotated[
-        bool, typer.Option("--force", help="Replace DST when it holds an earlier reshard or convert output.")
-    ] = False,
+    old_workers: Annotated[int | None, typer.Option("--workers", hidden=True, min=1)] = None,
+    force: ForceOpt = False,
     layout: LayoutOpt = None,
     json_output: JsonOpt = False,
     quiet: QuietOpt = False,
@@ -82,7 +107,8 @@ def reshard_state(
     from ckptctl.ops.reshard import ReshardOptions, reshard
 
     out = Output(json_mode=json_output, quiet=quiet)
-    options = ReshardOptions(to=to, world_size=world_size, workers=workers, force=force, layout=layout)
+    threads = renamed(out, "--workers", "--threads", old_workers, threads)
+    options = ReshardOptions(to=to, world_size=world_size, workers=threads, force=force, layout=layout)
     try:
         result = reshard(src, dst, options, out.progress())
     except KeyboardInterrupt:

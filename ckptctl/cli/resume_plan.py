@@ -7,25 +7,70 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from ckptctl.cli.command import add_command
-from ckptctl.cli.options import JsonOpt, QuietOpt, RunLayoutOpt
+from ckptctl.cli.options import JsonOpt, QuietOpt, RunLayoutOpt, WorldSizeOpt
 from ckptctl.cli.output import Cell, Output, human_bytes, styled
 from ckptctl.ops.report import display_path
 
 if TYPE_CHECKING:
     from ckptctl.ops.resume_plan import ResumePlan
 
-HELP = """Say which checkpoint a resume of the run would load, what it restores, and how to ask for it.
-
-Checkpoints are tried newest first; one still being written, broken, or failing structural verify is skipped with the reason (frameworks that follow a `latest` pointer load the tag it names). For the one chosen: the step, epoch and counters it continues from; the components the framework restores and those it does not, with what that means for the run; whether it loads on --world-size ranks (torch DCP reshards, DeepSpeed ZeRO needs the same data-parallel size or a universal checkpoint) and what each rank reads; the exact setting for the framework that wrote it; and warnings about each framework's traps (a DCP folder overwritten in place, a `latest` naming a broken tag, the Trainer picking the highest checkpoint-N without checking it, ...).
-
-What the framework loads along with it is verified too (OpenRLHF's critic, from `_critic/latest`): one that does not load blocks the resume, and the plan says what to write first.
-
-Exit code 0 with a plan that loads as asked, 1 when nothing is resumable, the checkpoint cannot load on --world-size ranks as it is, or what loads along with it does not load, 2 when the folder cannot be read or holds only checkpoints of a layout ckptctl does not know (state `unknown` in `ckptctl list`: "unknown layout", never "nothing resumable")."""
+HELP = """Say which checkpoint a resume of the run would load, why newer ones are skipped, what it restores, whether it loads on --world-size ranks, and the exact setting to pass the framework that wrote it. Exit code 0 with a plan that loads as asked, 1 when nothing is resumable, 2 when the run cannot be read."""
 
 EXAMPLES = """\
 ckptctl resume-plan runs/llama-sft
 ckptctl resume-plan runs/llama-sft --world-size 16 --json | jq -r .resume_hint
 ckptctl resume-plan out/ds-run --layout deepspeed --digests
+"""
+
+#: The reference of the command (docs/cli.md, by scripts/gen_cli_reference.py): what the help leaves out.
+REFERENCE = r"""Which checkpoint a resume of the run would load, and how to ask for it. Checkpoints are tried newest
+first: one still being written, broken, or failing structural verify (`--digests` also checks recorded
+digests) is skipped with the reason; DeepSpeed, OpenRLHF and open-instruct load what `latest` names, so
+tags newer than it are skipped as unfinished saves. For the one chosen: the step, epoch and counters it
+continues from (consumed samples, episodes, training steps where the framework records them); the
+components the framework restores and those it does not, each with what that means for the run (no
+optimizer state, no RNG, no sampler state, AReaL's critic, ...); whether it loads on `--world-size N`
+ranks (torch DCP reshards; DeepSpeed ZeRO needs the same data-parallel size, otherwise the plan gives the
+`ds_to_universal` command to run first; AReaL and verl need the same parallelism; ckptctl's single-process saves
+load anywhere) and roughly how many bytes each rank reads; and the exact setting for the framework that
+wrote it (`CheckpointManager(root).restore(state[, step=N])`, `dcp.load(state, checkpoint_id=...)`,
+`trainer.train(resume_from_checkpoint=...)`, `accelerator.load_state(dir)`, `engine.load_checkpoint(dir, tag=...)`, `--load_checkpoint
+--ckpt_path`, `--checkpoint_state_dir`, `recover.mode=on` with the same experiment and trial names,
+`resume_from_checkpoint: <path>`, verl's `trainer.resume_mode=auto` when its tracker names the step, else
+`trainer.resume_mode=resume_path trainer.resume_from_path=<global_step_N>`). Paths in these settings and in
+the commands to run first are quoted (`shlex.quote` for shell words, Python literals for code, a comment
+for what follows), so that pasting one runs exactly that call on exactly that path; human output shows
+the control characters of any name from a checkpoint as escapes (`\x1b`), `--json` keeps names exact. Warnings cover each framework's traps: a DCP folder overwritten in place
+whose `.metadata` is older than its data, AReaL info files older than its weights, a `latest` naming a tag
+with missing rank files, open-instruct's start-up deleting folders with fewer files, RNG keys an older
+checkpoint lacks, CUDA generators a CPU save lacks (only when the resume uses CUDA: `--cuda`, or a CUDA
+device on the machine that plans), and the Trainer resuming from the highest `checkpoint-N` without
+checking it. What the framework loads along with the chosen checkpoint is verified as well: OpenRLHF's
+`--load_checkpoint` also loads the tag `_critic/latest` names, and one that does not load (a rank file
+missing, a file cut short, a tag that is not there) is a blocker (`blockers` in `--json`) with what to
+write into the `latest` files first. `resume-plan RUN/_critic` plans the critic's folder alone. Exit 0 with
+a plan that loads as asked, 1 when nothing is resumable, it cannot load on `--world-size` ranks as it is
+(the plan then says what to run first) or a blocker stands, 2 on errors.
+
+```console
+$ ckptctl resume-plan dcp-run --world-size 4
+resume from     dcp-run/step-20 (torch.distributed.checkpoint, step 20)
+skipped         dcp-run/step-30 (step 30): in progress: no .metadata yet
+continues from  step 20
+restores        model, optimizer
+not restored    scheduler: no LR scheduler state: the schedule restarts from its first step unless the
+                training code sets it from the step
+not restored    rng: no RNG state: dropout, sampling and shuffling draw other numbers than an
+                uninterrupted run
+not restored    dataloader: no data loader/sampler state: the data order restarts, so samples seen before
+                the save are seen again unless the code skips them
+not restored    trainer_state: no step/epoch counters: the loop counts from 0 unless it is told the step
+                (schedules, logging and saves shift)
+ranks           4 (saved on 2): ok; torch DCP reshards at load: 4 rank(s) each read their part
+reads per rank  ~291.0 KiB
+setting         dcp.load(state, checkpoint_id='dcp-run/step-20')
+$ ckptctl resume-plan out/ds-run --world-size 16 --json | jq -r '.resume_hint, .world_size.fix'
+```
 """
 
 
@@ -37,13 +82,7 @@ def resume_plan(
     run: Annotated[
         str, typer.Argument(metavar="RUN", help="Run folder (local path or fsspec URL).", show_default=False)
     ],
-    world_size: Annotated[
-        int | None,
-        # The upper bound keeps per-rank bookkeeping finite; no job has a million ranks.
-        typer.Option(
-            "--world-size", metavar="N", help="Ranks of the resumed run (default: as saved).", min=1, max=1 << 20
-        ),
-    ] = None,
+    world_size: WorldSizeOpt = None,
     digests: Annotated[
         bool,
         typer.Option("--digests", help="Also check every file of each candidate against its recorded digests."),

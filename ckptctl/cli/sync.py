@@ -11,25 +11,43 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from ckptctl.cli.command import add_command
-from ckptctl.cli.options import GraceOpt, JsonOpt, QuietOpt, WaitOpt, parsed
+from ckptctl.cli.options import DryRunOpt, GraceOpt, JsonOpt, LatestOpt, QuietOpt, WaitOpt, parsed, renamed
 from ckptctl.cli.output import Cell, Column, Output, human_bytes, styled
 from ckptctl.ops.report import display_path
 
 if TYPE_CHECKING:
     from ckptctl.ops.sync import SyncReport
 
-HELP = """Mirror a run between a local folder and an object store (either way), checkpoint by checkpoint.
-
-Copies every checkpoint that is complete at SRC and not already whole at DST, keeping the run's layout (nested runs, role folders, trackers). Each checkpoint's files go up in parallel, and the files that complete it (.metadata, trainer_state.json, ckptctl-manifest.json, ...) after all the others, then a ckptctl-digests.json with the digests read at SRC: DST never lists a partial checkpoint as complete, and `ckptctl verify` checks every byte there. Pointers and trackers (latest, latest_checkpointed_iteration.txt) go last, and only while what they name is whole at DST. A checkpoint already whole at DST (same files and sizes, its digest record no older than SRC) is skipped without reading it. In-progress, abandoned, broken and unknown checkpoints are not copied; each is listed with why. Files of the run outside any checkpoint are copied beside them (hidden ones are not); nothing at DST is ever deleted.
-
---watch syncs again every --interval seconds, copying each checkpoint once it is complete; Ctrl-C or SIGTERM stops it after the files in flight. --keep-local N (local SRC, remote DST) then keeps the N newest local checkpoints and deletes older ones that are whole at DST, with prune's plan, lock and trash (never the newest, what a pointer names, or what prune would keep). --latest copies only the checkpoint a resume would load (see `ckptctl resume-plan`) and the pointers, to start a fresh node.
-
-Exit code 0 when every complete checkpoint is whole at DST; 1 when a checkpoint was skipped as broken at SRC (or --latest finds nothing to resume); 2 when a store fails, SRC cannot be read or another sync into DST is running; 130 when stopped."""
+HELP = """Mirror a run between a local folder and an object store (either way), checkpoint by checkpoint: complete checkpoints only, each one's completing files and the run's pointers last, already-whole ones skipped. --watch follows a training run; --keep-local N then frees the local disk."""
 
 EXAMPLES = """\
 ckptctl sync runs/llama-sft s3://bucket/runs/llama-sft
 ckptctl sync runs/llama-sft s3://bucket/runs/llama-sft --watch --interval 60 --keep-local 2
 ckptctl sync s3://bucket/runs/llama-sft /nvme/llama-sft --latest   # a fresh node, then resume
+"""
+
+#: The reference of the command (docs/cli.md, by scripts/gen_cli_reference.py): what the help leaves out.
+REFERENCE = r"""Mirrors a run between a local folder and an object store, either way, checkpoint-aware: copies every
+checkpoint complete at SRC that is not already whole at DST, keeping the run's layout. Each checkpoint's files
+go up in parallel and the files that complete it (`.metadata`, `trainer_state.json`, `ckptctl-manifest.json`,
+...) after all the others, then a `ckptctl-digests.json` holding the digests read at SRC, so DST never lists a
+partial checkpoint as complete and `verify` there checks every byte; a killed sync leaves a copy that lists as
+in progress or broken, and the next sync replaces it. Pointers and trackers (`latest`,
+`latest_checkpointed_iteration.txt`) go last, and only while what they name is whole at DST. A checkpoint
+already whole at DST is skipped from the two listings, without reading it. In-progress, abandoned, broken and
+unknown checkpoints stay behind, listed with why (exit 1 when one is broken). `--watch` follows a training run
+(`--interval`, Ctrl-C/SIGTERM stop it after the files in flight, exit 130); `--keep-local N` then deletes older
+local checkpoints once they are whole at DST, through prune's plan, lock and trash; `--latest` pulls only what
+a resume would load, plus its pointers. One sync per DST at a time (`.ckptctl-sync.lock`; a second exits 2).
+
+```bash
+ckptctl sync runs/llama-sft s3://bucket/runs/llama-sft --watch --keep-local 2
+ckptctl sync s3://bucket/runs/llama-sft /nvme/llama-sft --latest --json
+```
+
+Exit code 0 when every complete checkpoint is whole at DST; 1 when a checkpoint was skipped as broken at SRC (or --latest finds nothing to resume); 2 when a store fails, SRC cannot be read or another sync into DST is running; 130 when stopped.
+
+`--transfers N` (formerly `--workers`, still accepted with a warning: everywhere else `--workers` counts processes) copies N files at once (default 8, `CKPTCTL_IO_WORKERS`).
 """
 
 
@@ -38,8 +56,8 @@ def register(app: typer.Typer) -> None:
 
 
 def sync(
-    src: Annotated[str, typer.Argument(metavar="SRC", help="Run folder to copy from (local path or fsspec URL).")],
-    dst: Annotated[str, typer.Argument(metavar="DST", help="Run folder to copy into (local path or fsspec URL).")],
+    src: Annotated[str, typer.Argument(metavar="SRC", help="Run folder to copy from (path or URL).")],
+    dst: Annotated[str, typer.Argument(metavar="DST", help="Run folder to copy into (path or URL).")],
     watch: Annotated[bool, typer.Option("--watch", help="Keep following SRC until interrupted.")] = False,
     interval: Annotated[
         float, typer.Option("--interval", metavar="SECONDS", help="Seconds between passes of --watch.", min=0)
@@ -53,17 +71,22 @@ def sync(
         typer.Option(
             "--keep-local",
             metavar="N",
-            help="Then keep the N newest local checkpoints; delete older ones once whole at DST.",
+            help="Then keep N local checkpoints, delete older synced ones.",
             min=1,
         ),
     ] = None,
-    latest: Annotated[
-        bool, typer.Option("--latest", help="Copy only what a resume of SRC would load, and the pointers.")
-    ] = False,
-    workers: Annotated[
-        int | None, typer.Option("--workers", metavar="N", help="Parallel transfers (default 8).", min=1)
+    latest: LatestOpt = False,
+    transfers: Annotated[
+        int | None,
+        typer.Option(
+            "--transfers",
+            metavar="N",
+            help="Files copied at once (default 8; formerly --workers).",
+            min=1,
+        ),
     ] = None,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print what would be copied and deleted.")] = False,
+    old_workers: Annotated[int | None, typer.Option("--workers", hidden=True, min=1)] = None,
+    dry_run: DryRunOpt = False,
     grace: GraceOpt = None,
     wait: WaitOpt = 0.0,
     json_output: JsonOpt = False,
@@ -75,6 +98,7 @@ def sync(
 
     out = Output(json_mode=json_output, quiet=quiet)
     grace_age = parsed(parse_age, grace, "--grace")
+    transfers = renamed(out, "--workers", "--transfers", old_workers, transfers)
     stop = threading.Event()
     problems = False
     with _stopped_by_signals(stop):
@@ -88,7 +112,7 @@ def sync(
             dry_run=dry_run,
             grace=grace_age if grace_age is not None else DEFAULT_GRACE,
             wait=wait,
-            workers=workers,
+            workers=transfers,
             progress=out.progress(),
             stop=stop,
             warn=out.warn,

@@ -76,7 +76,7 @@ class AverageOptions:
             layout keeps them, as `convert`).
         max_shard_size: most tensor bytes per safetensors shard (`--to hf`).
         dcp_file_size: most tensor bytes per data file (`--to dcp`).
-        source_weights: which copy of the model a checkpoint that keeps two gives (`convert --weights`).
+        source_weights: which copy of the model a checkpoint that keeps two gives (`convert --model-weights`).
         config_dir: where config.json comes from (default: found beside the last input, as `convert`).
         tokenizer_dir: where tokenizer files come from (default: as `convert`).
         force: replace a non-empty DST.

@@ -201,7 +201,7 @@ def test_help_reads_at_80_columns(command: str) -> None:
 def test_help_paragraphs_reflow_at_any_width() -> None:
     narrow = ckptctl("diff", "--help", columns=60).stdout
     wide = ckptctl("diff", "--help", columns=200).stdout
-    sentence = "Values are compared after upcasting both sides to float64"
+    sentence = "shape and dtype changes, max-abs and relative-L2 difference per tensor"
     assert sentence in " ".join(wide.split()) and sentence in " ".join(narrow.split())
     assert max(len(line) for line in narrow.splitlines() if "ckptctl diff" not in line) <= 60
     # A paragraph is one line of a wide terminal, not lines broken where the source was broken.

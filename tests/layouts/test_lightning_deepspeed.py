@@ -47,7 +47,9 @@ def test_convert_gives_the_trained_model(
     from transformers import AutoModelForCausalLM
 
     out = tmp_path / "hf"
-    result = run_cli("convert", lightning_run.deepspeed / "epoch=0-step=2.ckpt", out, "--weights", weights, "--json")
+    result = run_cli(
+        "convert", lightning_run.deepspeed / "epoch=0-step=2.ckpt", out, "--model-weights", weights, "--json"
+    )
     assert result.exit_code == 0, result.stderr
     doc = result.json
     assert doc["layout"] == "lightning" and doc["weights"] == ("master" if weights == "auto" else "stored")

@@ -81,7 +81,7 @@ def test_command_imports_neither_torch_nor_numpy(deepspeed_universal: WrittenUni
     DeepSpeed's classes in `optimizer_state.pt` too; the values are those of the tests above (same code)."""
     save_dir = deepspeed_universal.runs[2].save_dir
     dst = tmp_path / "universal"
-    argv = ["reshard", str(save_dir), str(dst), "--to", "deepspeed-universal", "--json", "-q", "--workers", "2"]
+    argv = ["reshard", str(save_dir), str(dst), "--to", "deepspeed-universal", "--json", "-q", "--threads", "2"]
     done = subprocess.run([sys.executable, "-c", _COMMAND_IMPORTS, *argv], capture_output=True, text=True, check=False)
     report = json.loads(done.stderr.strip().splitlines()[-1])
     assert report == {"code": 0, "heavy": []}, done.stderr[-2000:]
@@ -97,7 +97,7 @@ def test_json_verify_and_resume_plan(run_cli: Cli, deepspeed_runs: dict[int, Wri
         dst,
         "--to",
         "deepspeed-universal",
-        "--workers",
+        "--threads",
         "2",
         "--json",
     )

@@ -332,7 +332,7 @@ def _master_weights(
         if required:
             raise CkptctlError(
                 f"{checkpoint.url} ({checkpoint.layout}) holds no fp32 master weights apart from its model",
-                "it keeps one copy of the model: drop --weights master",
+                "it keeps one copy of the model: drop --model-weights master",
             )
         return None
     notes.extend(found.notes)

@@ -164,7 +164,7 @@ def checkpoint_master_weights(
         if required:
             raise CkptctlError(
                 f"{tag.url} holds no fp32 master weights (ZeRO stage {tag.zero_stage} saves no optimizer partitions)",
-                "convert the module's own weights: drop --weights master",
+                "convert the module's own weights: drop --model-weights master",
             )
         notes.append(
             f"DeepSpeed without ZeRO (stage {tag.zero_stage}) saves no optimizer partitions: writing the module's "

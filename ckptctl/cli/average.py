@@ -27,8 +27,9 @@ from ckptctl.cli.options import (
     WeightsChoice,
     WorkersOpt,
     bad_value,
+    positive_size,
 )
-from ckptctl.cli.output import Output, human_bytes, interrupted_write, styled
+from ckptctl.cli.output import Output, human_bytes, show_write, styled
 from ckptctl.cli.ranks import job_ranks, prints
 
 if TYPE_CHECKING:
@@ -134,21 +135,14 @@ def average(
 ) -> None:
     from ckptctl.ops.average import AverageOptions, run_inputs
     from ckptctl.ops.convert import Target, Weights, parse_dtype
-    from ckptctl.units import parse_size
 
     from_run = last is not None or steps is not None
     if from_run and len(paths) != 2:
         raise bad_value("--last" if last is not None else "--steps", "takes RUN DST: the run folder and the output")
     if not from_run and len(paths) < 3:
         raise typer.BadParameter("give at least two checkpoints and DST (or RUN DST with --last K or --steps)")
-    try:
-        shard_bytes = parse_size(max_shard_size, minimum=1)
-    except ValueError as exc:
-        raise bad_value("--max-shard-size", str(exc)) from exc
-    try:
-        dcp_file_bytes = parse_size(dcp_file_size, minimum=1)
-    except ValueError as exc:
-        raise bad_value("--dcp-file-size", str(exc)) from exc
+    shard_bytes = positive_size(max_shard_size, "--max-shard-size")
+    dcp_file_bytes = positive_size(dcp_file_size, "--dcp-file-size")
     options = AverageOptions(
         weights=_numbers(weights, float, "--weights") if weights is not None else None,
         normalize=not no_normalize,
@@ -183,20 +177,7 @@ def _average(sources: list[str], dst: str, options: AverageOptions, json_output:
     from ckptctl.ops.average import average as run_average
 
     out = Output(json_mode=json_output, quiet=quiet)
-    try:
-        result = run_average(sources, dst, options, out.progress())
-    except KeyboardInterrupt:
-        out.note(interrupted_write(dst))
-        raise
-    if not show:
-        return
-    if not quiet:
-        for note in result.warnings:
-            out.warn(note)
-    if json_output:
-        out.json(result.to_json())
-        return
-    _render(out, result)
+    show_write(out, dst, lambda progress: run_average(sources, dst, options, progress), _render, show=show)
 
 
 def _render(out: Output, result: AverageResult) -> None:

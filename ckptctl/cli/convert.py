@@ -31,9 +31,10 @@ from ckptctl.cli.options import (
     WeightsChoice,
     WorkersOpt,
     bad_value,
+    positive_size,
     renamed,
 )
-from ckptctl.cli.output import Output, human_bytes, interrupted_write, styled
+from ckptctl.cli.output import Output, human_bytes, show_write, styled
 from ckptctl.cli.ranks import job_ranks, prints
 
 if TYPE_CHECKING:
@@ -296,20 +297,13 @@ def convert(
 ) -> None:
     from ckptctl.ops.convert import ConvertOptions, LoraMode, Target, Weights, parse_dtype
     from ckptctl.ops.naming import parse_rename
-    from ckptctl.units import parse_size
 
     # `--weights` was this option's name; in `average` it is the weight of each input.
     model_weights = renamed(
         Output(json_mode=json_output, quiet=quiet), "--weights", "--model-weights", old_weights, model_weights
     )
-    try:
-        shard_bytes = parse_size(max_shard_size, minimum=1)
-    except ValueError as exc:
-        raise bad_value("--max-shard-size", str(exc)) from exc
-    try:
-        dcp_file_bytes = parse_size(dcp_file_size, minimum=1)
-    except ValueError as exc:
-        raise bad_value("--dcp-file-size", str(exc)) from exc
+    shard_bytes = positive_size(max_shard_size, "--max-shard-size")
+    dcp_file_bytes = positive_size(dcp_file_size, "--dcp-file-size")
     try:
         renames = tuple(parse_rename(r) for r in rename or ())
     except ValueError as exc:
@@ -346,20 +340,7 @@ def _convert(src: str, dst: str, options: ConvertOptions, json_output: bool, qui
     from ckptctl.ops.convert import convert as run_convert
 
     out = Output(json_mode=json_output, quiet=quiet)
-    try:
-        result = run_convert(src, dst, options, out.progress())
-    except KeyboardInterrupt:
-        out.note(interrupted_write(dst))
-        raise
-    if not show:
-        return
-    if not quiet:
-        for note in result.warnings:
-            out.warn(note)
-    if json_output:
-        out.json(result.to_json())
-        return
-    _render(out, result)
+    show_write(out, dst, lambda progress: run_convert(src, dst, options, progress), _render, show=show)
 
 
 def _render(out: Output, result: ConvertResult) -> None:

@@ -197,6 +197,17 @@ def bad_value(option: str, message: str) -> typer.BadParameter:
     return typer.BadParameter(message, param_hint=f"'{option}'")
 
 
+def positive_size(text: str, option: str) -> int:
+    """A size of at least one byte (`5GB`, `500MB`, `20KB`, bytes) given to `option` (`--max-shard-size`,
+    `--dcp-file-size`), a bad one turned into the option's usage error."""
+    from ckptctl.units import parse_size
+
+    try:
+        return parse_size(text, minimum=1)
+    except ValueError as exc:
+        raise bad_value(option, str(exc)) from exc
+
+
 def parsed(parser: Callable[[str], T], text: str | None, option: str) -> T | None:
     """`parser(text)` (None for None), a ValueError turned into the usage error of `option`."""
     if text is None:

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
 
 from rich.cells import cell_len
 from rich.console import Console
@@ -267,6 +267,40 @@ def when(value: datetime | None, *, now: datetime | None = None) -> str:
     local = value.astimezone()
     current = (now or datetime.now()).astimezone()
     return local.strftime("%m-%d %H:%M:%S" if local.year == current.year else "%Y-%m-%d %H:%M:%S")
+
+
+class WriteResult(Protocol):
+    """What `show_write` needs of a writing command's result (`ConvertResult`, `AverageResult`)."""
+
+    @property
+    def warnings(self) -> Sequence[str]: ...
+
+    def to_json(self) -> dict[str, Any]: ...
+
+
+R = TypeVar("R", bound=WriteResult)
+
+
+def show_write(
+    out: Output, dst: str, run: Callable[[RichProgress], R], render: Callable[[Output, R], None], *, show: bool = True
+) -> None:
+    """Run a command that writes DST (`convert`, `average`) with a progress bar, and show its result: its warnings,
+    then its JSON document or `render`. An interrupt says what was left at DST (`interrupted_write`). `show` False:
+    a rank of a job that is not the one that prints."""
+    try:
+        result = run(out.progress())
+    except KeyboardInterrupt:
+        out.note(interrupted_write(dst))
+        raise
+    if not show:
+        return
+    if not out.quiet:
+        for note in result.warnings:
+            out.warn(note)
+    if out.json_mode:
+        out.json(result.to_json())
+        return
+    render(out, result)
 
 
 def interrupted_write(dst: str) -> str:

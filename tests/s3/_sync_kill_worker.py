@@ -7,28 +7,13 @@ Run: `python -m tests.s3._sync_kill_worker SRC DST COUNT` (with the S3 server's 
 from __future__ import annotations
 
 import sys
-import threading
-import time
 
-from ckptctl import io
 from ckptctl.ops.sync import sync
+from tests.s3._upload_kill import hang_after_uploads
 
 
 def main(src: str, dst: str, count: int) -> None:
-    real_upload = io.upload_file
-    uploaded: list[str] = []
-    lock = threading.Lock()
-
-    def upload_then_hang(path: str, url: str) -> None:
-        real_upload(path, url)
-        with lock:
-            uploaded.append(url)
-            done = len(uploaded)
-        if done >= count:
-            print(f"uploaded {done}", flush=True)
-            time.sleep(600)  # the test kills us here
-
-    io.upload_file = upload_then_hang
+    hang_after_uploads(count)
     sync(src, dst)
 
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tests.faults.cells import FAULTS, Cell, cells, damaged_copy, write_damaged
+from tests.faults.cells import FAULTS, Cell, cells, damaged_copy, file_of, write_damaged
 
 __all__ = ["KNOWN_GAPS", "Row", "VerifyOutcome", "known_gaps", "matrix_rows", "verify", "write_rows"]
 
@@ -123,7 +123,7 @@ def judge(checkpoint: Path, cell: Cell, loader: str, outcome: VerifyOutcome) -> 
     if outcome.exit_code != 0 and outcome.names(cell.file):
         return "caught"
     silent_flip = cell.fault == "flip" and loader.startswith("lost") and outcome.exit_code == 0
-    if silent_flip and not (checkpoint / MANIFEST).exists() and not _is_zip(checkpoint / cell.file):
+    if silent_flip and not (checkpoint / MANIFEST).exists() and not _is_zip(file_of(checkpoint, cell.file)):
         return "undetectable without digests"
     return "gap"
 
@@ -148,7 +148,7 @@ def digest_proof(checkpoint: Path, cell: Cell, tmp: Path) -> VerifyOutcome:
     copy = damaged_copy(checkpoint, tmp / "digests", None)
     written = verify(copy, "--write-manifest")
     assert written.exit_code == 0, written
-    target = copy / cell.file
+    target = file_of(copy, cell.file)
     original = tmp / "original"
     shutil.copyfile(target, original)
     target.unlink()  # a hard link to the writer's file: the damage goes into a new file

@@ -106,7 +106,13 @@ def load(path: str, options: Mapping[str, Any]) -> Any:
     }
     loaded = dist_checkpointing.load(sharded, path)
     model.load_state_dict(loaded["model"], strict=True)
-    optimizer.load_state_dict(loaded["optimizer"])
+    # `FP32Optimizer.load_state_dict`, less its `_filter_and_reorder_param_groups`, which matches param groups by
+    # the keys Megatron's own `_get_param_groups` gives them (`wd_mult`, ...): the writer's optimizer has plain
+    # torch param groups, as saved.
+    optim_state = loaded["optimizer"]
+    if "common_step" in optim_state["state"]:
+        optimizer._restore_common_per_param_step(optim_state, optim_state["state"].pop("common_step"))
+    optimizer.optimizer.load_state_dict(optim_state)
     scheduler.load_state_dict(loaded["opt_param_scheduler"])
     return {
         "model": {k: v for k, v in model.state_dict().items() if torch.is_tensor(v)},

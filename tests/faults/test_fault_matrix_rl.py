@@ -64,11 +64,13 @@ def lightning_sharded_faults(tmp_path_factory: pytest.TempPathFactory, lightning
     return _faults(tmp_path_factory, "lightning-sharded", lightning.build_sharded, lightning_run.sharded)
 
 
+@pytest.mark.timeout(600)  # a cold build loads 55 cells on 2 ranks
 def test_verl(verl_faults: Faults, tmp_path: Path) -> None:
     assert_rule("verl", verl_faults.checkpoint, verl_faults.verdicts, tmp_path)
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # a cold build restarts its ranks after each load that leaves a peer stuck
 def test_bytecheckpoint(bytecheckpoint_faults: Faults, tmp_path: Path) -> None:
     assert_rule("bytecheckpoint", bytecheckpoint_faults.checkpoint, bytecheckpoint_faults.verdicts, tmp_path)
 

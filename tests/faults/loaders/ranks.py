@@ -32,7 +32,7 @@ __all__ = ["GRACE", "TIMEOUT", "run_ranks"]
 
 TIMEOUT = timedelta(seconds=120)
 #: How long a rank whose load failed waits for its peers' verdicts before it takes them to be stuck.
-GRACE = timedelta(seconds=10)
+GRACE = timedelta(seconds=20)
 _PEER_GONE = ("Connection closed", "pair closure", "Connection reset")
 _ABANDONED = 3
 
@@ -74,10 +74,11 @@ def _rank(rank: int, module_name: str, world: int, ports: tuple[int, int], spec_
             if hasattr(module, "regroup"):
                 module.regroup()
     faulthandler.cancel_dump_traceback_later()
-    store.set(f"done/rank{rank}", "1")
-    for r in range(world):
-        store.get(f"done/rank{r}")
     dist.destroy_process_group()
+    store.set(f"done/rank{rank}", "1")
+    if rank == 0:  # the store's server: it stays until every rank has said it is done with it
+        for r in range(world):
+            store.get(f"done/rank{r}")
 
 
 def _free_port() -> int:

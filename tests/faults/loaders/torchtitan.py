@@ -55,7 +55,9 @@ def load(path: str, options: Mapping[str, Any]) -> Any:
     optimizers = default_adamw(lr=1e-2).build(model_parts=[model])
     schedulers = LRSchedulersContainer.Config(warmup_steps=1).build(optimizers=optimizers, training_steps=writer.STEPS)
     tokens = torch.arange(writer.STEPS * 9).reshape(writer.STEPS, 9) % writer.VOCAB
-    dataloader = ParallelAwareDataloader(torch.utils.data.TensorDataset(tokens), dp_rank=0, dp_world_size=1, batch_size=1)
+    dataloader = ParallelAwareDataloader(
+        torch.utils.data.TensorDataset(tokens), dp_rank=0, dp_world_size=1, batch_size=1
+    )
     train_state = writer._TrainState()
     folder = Path(path)
     checkpointer = CheckpointManager(

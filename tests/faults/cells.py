@@ -26,7 +26,17 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["FAULTS", "FLIP_MIN_BYTES", "Cell", "cells", "damaged_copy", "loader_verdicts", "write_damaged"]
+__all__ = [
+    "FAULTS",
+    "FLIP_MIN_BYTES",
+    "Cell",
+    "cells",
+    "damaged_copy",
+    "file_of",
+    "loader_verdicts",
+    "member",
+    "write_damaged",
+]
 
 FAULTS = ("delete", "truncate", "flip")
 FLIP_MIN_BYTES = 4096
@@ -49,8 +59,12 @@ def cells(checkpoint: Path) -> list[Cell]:
     """Every cell of the checkpoint folder: each regular file (links are left alone) deleted, truncated to
     half (when it has bytes) and flipped (when it has `FLIP_MIN_BYTES` or more)."""
     found = []
-    for path in sorted(p for p in checkpoint.rglob("*") if p.is_file() and not p.is_symlink()):
-        rel = path.relative_to(checkpoint).as_posix()
+    if checkpoint.is_file():  # a one-file checkpoint (Lightning's `.ckpt`): its cells are named by its name
+        paths = [checkpoint]
+    else:
+        paths = sorted(p for p in checkpoint.rglob("*") if p.is_file() and not p.is_symlink())
+    for path in paths:
+        rel = member(checkpoint, path)
         size = path.stat().st_size
         found.append(Cell(rel, "delete"))
         if size:
@@ -63,6 +77,13 @@ def cells(checkpoint: Path) -> list[Cell]:
 def damaged_copy(checkpoint: Path, parent: Path, cell: Cell | None) -> Path:
     """`parent/<checkpoint's name>`: the checkpoint with `cell`'s damage (none for the reference copy)."""
     target = parent / checkpoint.name
+    if checkpoint.is_file():
+        parent.mkdir(parents=True, exist_ok=True)
+        if cell is not None:
+            write_damaged(checkpoint, target, cell.fault)
+        else:
+            _link(checkpoint, target)
+        return target
     for src in sorted(checkpoint.rglob("*")):
         dst = target / src.relative_to(checkpoint)
         if src.is_dir() and not src.is_symlink():
@@ -75,12 +96,27 @@ def damaged_copy(checkpoint: Path, parent: Path, cell: Cell | None) -> Path:
         elif src.is_symlink():
             os.symlink(os.readlink(src), dst)
         else:
-            try:
-                os.link(src, dst)
-            except OSError:  # another file system
-                shutil.copy2(src, dst)
+            _link(src, dst)
     target.mkdir(parents=True, exist_ok=True)
     return target
+
+
+def member(checkpoint: Path, path: Path) -> str:
+    """The name of the checkpoint's file `path` in a cell: relative to the checkpoint folder, or the one-file
+    checkpoint's own name."""
+    return checkpoint.name if path == checkpoint else path.relative_to(checkpoint).as_posix()
+
+
+def file_of(checkpoint: Path, file: str) -> Path:
+    """The checkpoint's file a cell names (`member`'s inverse)."""
+    return checkpoint if checkpoint.is_file() else checkpoint / file
+
+
+def _link(src: Path, dst: Path) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:  # another file system
+        shutil.copy2(src, dst)
 
 
 def write_damaged(src: Path, dst: Path, fault: str) -> None:

@@ -88,7 +88,7 @@ def test_a_folder_holding_only_some_ranks_files(fsdp_runs: WrittenFsdpRuns, tmp_
     _set_age(launch / "checkpoint-2", 0)
     refs = _refs(launch)
     assert refs["checkpoint-2"].state is CheckpointState.IN_PROGRESS
-    assert "no critic/dcp/ data files of rank(s) 0" in refs["checkpoint-2"].note
+    assert "no critic/dcp/__0_0.distcp (no critic/dcp/ data files of rank(s) 0)" in refs["checkpoint-2"].note
     _set_age(launch / "checkpoint-2", 3600)
     assert _refs(launch)["checkpoint-2"].state is CheckpointState.BROKEN
     for name, missing in (("checkpoint-2", "critic/dcp/__0_0.distcp"), ("checkpoint-1", "dcp/__1_0.distcp")):

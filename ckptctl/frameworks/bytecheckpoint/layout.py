@@ -157,12 +157,13 @@ class _Save:
             if _TMP_METADATA in names:
                 found.append(f"{self.label(component)}{_TMP_METADATA} present: being written")
             elif METADATA_NAME not in names:
-                found.append(f"{self.label(component) or 'the folder'} has no {METADATA_NAME} yet")
+                found.append(f"no {self.label(component)}{METADATA_NAME} yet")
         if MODEL in self.listings and OPTIMIZER in self.listings:
             model, optimizer = self.data_ranks(MODEL), self.data_ranks(OPTIMIZER)
             for component, missing in ((OPTIMIZER, model - optimizer), (MODEL, optimizer - model)):
-                if missing:
-                    found.append(f"{self.prefix}{component}/ has no data file of rank {min(missing)}")
+                if missing:  # named as the file the rank writes first (see `world_size`): verify names it
+                    rank = min(missing)
+                    found.append(f"no {self.prefix}{component}/__{rank}_0.distcp (the data file of rank {rank})")
         world = self.world_size
         extra = self.extra_ranks()
         if extra and world is not None and len(extra) < world:

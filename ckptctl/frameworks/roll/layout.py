@@ -198,7 +198,11 @@ def _dcp_listing_problems(entries: Sequence[DirEntry], where: str) -> list[str]:
         problems.append(f"no {where}{METADATA_NAME}")
     gaps = absent_numbers(ranks, max(ranks) + 1, 8)[0] if ranks else []
     if gaps:
-        problems.append(f"no {where} data files of rank(s) {', '.join(map(str, gaps))}")
+        # Each rank writes at least its first file, `__{rank}_0.distcp` (torch's `FileSystemWriter`,
+        # torch/distributed/checkpoint/filesystem.py: `_split_by_size_and_type` numbers a rank's files from 0):
+        # naming it tells a person, and `verify` of a save still in progress, which file has not arrived.
+        files = ", ".join(f"{where}__{rank}_0.distcp" for rank in gaps)
+        problems.append(f"no {files} (no {where} data files of rank(s) {', '.join(map(str, gaps))})")
     return problems
 
 

@@ -1,0 +1,84 @@
+"""ByteCheckpoint 0.0.2's own `bcp.load` of a `global_step_N/` folder, on the 2 gloo CPU ranks it was saved on.
+
+What a training loop with ByteCheckpoint does on resume (`bytecheckpoint/api/load.py: load` ->
+`bytecheckpoint/checkpointer/fsdp2_checkpointer.py: FSDP2Checkpointer.load`): the tiny Llama under FSDP2 as
+`tests.writers.bytecheckpoint_writer` builds it, AdamW, and `bcp.load(path, {"model": model, "optimizer":
+optimizer, "extra_state": {}}, framework="fsdp2")`: `model/` and `optimizer/` (DCP folders) into the model and
+optimizer, `extra_state/extra_state_rank_R.pt` into the dict (rank 0's file when the rank's own is missing:
+`FSDP2Checkpointer.load`, "does not guarantee extra_state reshard correctness"). Each rank compares its own
+shards, its optimizer state and its extra state.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from tests.faults.cells import loader_verdicts
+from tests.faults.loaders.ranks import run_ranks
+
+WORLD = 2
+
+
+def join(rank: int, world: int, port: int) -> None:
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1")
+    os.environ["MASTER_PORT"] = str(port)
+    # ByteCheckpoint 0.0.2 reads extra_state files with a bare `torch.load(file_path)`
+    # (bytecheckpoint/engine/load_engine.py: load_loader_extra_state), which torch >= 2.6 runs with
+    # weights_only=True and which then refuses the file its own save wrote (pickle protocol 4's FRAME opcode):
+    # torch's documented switch back to the old default is what a ByteCheckpoint user sets.
+    os.environ["TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"] = "1"
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
+    import bytecheckpoint  # noqa: F401
+
+
+def _local(tree: Any) -> Any:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(tree, Mapping):
+        return {k: _local(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_local(v) for v in tree]
+    return tree.to_local() if isinstance(tree, DTensor) else tree
+
+
+def load(path: str, options: Mapping[str, Any]) -> Any:
+    import bytecheckpoint as bcp
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from tests.writers.models import tiny_llama
+
+    mesh = init_device_mesh("cpu", (WORLD,))  # per load: the group may be new (tests.faults.loaders.ranks)
+    model = tiny_llama()
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    state: dict[str, Any] = {"model": model, "optimizer": optimizer, "extra_state": {}}
+    bcp.load(path, state, framework="fsdp2")
+    return {
+        "model": _local(model.state_dict()),
+        "optimizer": _local(optimizer.state_dict()),
+        "extra_state": state["extra_state"],
+    }
+
+
+def build(checkpoint: Path, _out: Path) -> dict[str, str]:
+    """ByteCheckpoint's verdict on each cell of a `global_step_N/` of the 2-rank run."""
+    return loader_verdicts(__name__, checkpoint, loggers=["bytecheckpoint"])
+
+
+if __name__ == "__main__":
+    run_ranks("tests.faults.loaders.bytecheckpoint", WORLD)

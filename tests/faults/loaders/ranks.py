@@ -1,0 +1,121 @@
+"""A loader process whose framework loads on several gloo CPU ranks (the world size the checkpoint was saved on).
+
+`run_ranks(module, world)` spawns `world` ranks; each calls `module.join(rank, world, port)` (it joins the
+process group as the framework's workers do, and imports what it needs), then judges the cells with
+`module.load` (`tests.faults.loaders.common.judge`) against its own load of the reference copy: each rank
+compares the state it holds (its shards). A cell's verdict is the first rank's that is not `ok`, preferring one
+that names the damage over a peer's closed connection.
+
+A damaged file can fail the load on one rank while its peers go on into a collective that rank never enters
+(ByteCheckpoint's closing barrier after a rank's missing extra state). After each cell the ranks tell each other
+their verdicts through a store of their own (a `TCPStore` beside the group's); when one failed they all join a
+new group before the next cell (then `module.regroup()`, where the framework keeps groups of its own). A rank
+whose load failed and whose peers do not answer within `GRACE` seconds (they wait in such a collective) records
+the cell and exits; the ranks are then started again from the next cell.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import importlib
+import json
+import os
+import socket
+import sys
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from tests.faults.loaders.common import judge, load_capturing, without_path
+
+__all__ = ["GRACE", "TIMEOUT", "run_ranks"]
+
+TIMEOUT = timedelta(seconds=120)
+#: How long a rank whose load failed waits for its peers' verdicts before it takes them to be stuck.
+GRACE = timedelta(seconds=20)
+_PEER_GONE = ("Connection closed", "pair closure", "Connection reset")
+_ABANDONED = 3
+
+
+def _rank(rank: int, module_name: str, world: int, ports: tuple[int, int], spec_path: str, start: int) -> None:
+    import torch.distributed as dist
+
+    module = importlib.import_module(module_name)
+    store = dist.TCPStore("127.0.0.1", ports[1], world, is_master=rank == 0, timeout=TIMEOUT * 2)
+    module.join(rank, world, ports[0])
+    spec = json.loads(Path(spec_path).read_text())
+    options = spec["options"]
+    mine = Path(f"{spec['out']}.rank{rank}")
+    reference, said = load_capturing(module.load, spec["reference"], options)
+    known = {without_path(m, spec["reference"]) for m in said}
+    for i, cell in enumerate(spec["cells"][start:], start):
+        # A rank stuck past this ends the run, with every thread's stack on stderr, rather than the suite.
+        faulthandler.dump_traceback_later(TIMEOUT.total_seconds() * 2, exit=True)
+        verdict = judge(module.load, cell["path"], options, reference, known)
+        with mine.open("a") as f:
+            f.write(json.dumps({"id": cell["id"], "verdict": verdict}) + "\n")
+        store.set(f"cell{i}/rank{rank}", verdict)
+        failed = verdict.startswith("failed")
+        if failed:
+            store.set_timeout(GRACE)
+        try:
+            verdicts = [store.get(f"cell{i}/rank{r}").decode() for r in range(world)]
+        except dist.DistStoreError:
+            if not failed:
+                raise
+            Path(f"{spec['out']}.abandoned").write_text(str(i))
+            os._exit(_ABANDONED)  # closes this rank's connections: the spawn ends, and starts again after i
+        store.set_timeout(TIMEOUT * 2)
+        if any(v.startswith("failed") for v in verdicts):
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            prefixed = dist.PrefixStore(f"group{i}", store)
+            dist.init_process_group("gloo", store=prefixed, rank=rank, world_size=world, timeout=TIMEOUT)
+            if hasattr(module, "regroup"):
+                module.regroup()
+    faulthandler.cancel_dump_traceback_later()
+    dist.destroy_process_group()
+    store.set(f"done/rank{rank}", "1")
+    if rank == 0:  # the store's server: it stays until every rank has said it is done with it
+        for r in range(world):
+            store.get(f"done/rank{r}")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _merge(spec: dict[str, Any], world: int) -> dict[str, str]:
+    said: dict[str, list[str]] = {}
+    for rank in range(world):
+        lines = Path(f"{spec['out']}.rank{rank}").read_text().splitlines()
+        for record in map(json.loads, lines):
+            said.setdefault(record["id"], []).append(record["verdict"])
+    verdicts = {"reference": "ok"}
+    for cell in spec["cells"]:
+        bad = [v for v in said[cell["id"]] if v != "ok"]
+        named = [v for v in bad if not any(s in v for s in _PEER_GONE)]
+        verdicts[cell["id"]] = (named or bad or ["ok"])[0]
+    return verdicts
+
+
+def run_ranks(module_name: str, world: int) -> None:
+    """The loader process's main (`python -m MODULE SPEC.json`): `world` spawned ranks (see the module's doc)."""
+    import torch.multiprocessing as mp
+
+    spec = json.loads(Path(sys.argv[1]).read_text())
+    abandoned = Path(f"{spec['out']}.abandoned")
+    start = 0
+    while True:
+        ports = (_free_port(), _free_port())
+        try:
+            mp.spawn(_rank, args=(module_name, world, ports, sys.argv[1], start), nprocs=world, join=True)
+            break
+        except (mp.ProcessExitedException, mp.ProcessRaisedException):  # a peer may fail on the closed store
+            if not abandoned.exists():
+                raise
+            start = int(abandoned.read_text()) + 1
+            abandoned.unlink()
+    Path(spec["out"]).write_text(json.dumps(_merge(spec, world), indent=1))

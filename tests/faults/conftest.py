@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import build_once
+from tests.faults.harness import assert_rule
 from tests.faults.loaders import accelerate, dcp, deepspeed, hf_model, native, peft, trainer
 from tests.writers.accelerate_writer import WrittenAccelerate
 from tests.writers.dcp_writer import WrittenDcp
@@ -27,17 +28,23 @@ from tests.writers.universal_writer import WrittenUniversal
 
 @dataclass(frozen=True)
 class Faults:
-    """A checkpoint and its framework's verdict by cell id (`tests.faults.cells.Cell.id`)."""
+    """A checkpoint, the matrix's name of its framework, and the framework's verdict by cell id
+    (`tests.faults.cells.Cell.id`)."""
 
+    framework: str
     checkpoint: Path
     verdicts: dict[str, str]
+
+    def assert_rule(self, tmp: Path) -> None:
+        """THE RULE on every cell (`tests.faults.harness.assert_rule`)."""
+        assert_rule(self.framework, self.checkpoint, self.verdicts, tmp)
 
 
 def _faults(
     tmp_path_factory: pytest.TempPathFactory, name: str, build: Callable[[Path, Path], dict[str, str]], checkpoint: Path
 ) -> Faults:
     verdicts = build_once(tmp_path_factory, f"faults-{name}", functools.partial(build, checkpoint))
-    return Faults(checkpoint, verdicts)
+    return Faults(name, checkpoint, verdicts)
 
 
 @pytest.fixture(scope="session")
@@ -115,7 +122,7 @@ def deepspeed_faults(
         "pretrain": openrlhf_ppo.output_dir.parent / "pretrain",
     }
     verdicts = build_once(tmp_path_factory, "faults-deepspeed", functools.partial(deepspeed.build, jobs))
-    return {name: Faults(Path(str(job["checkpoint"])), verdicts[name]) for name, job in jobs.items()}
+    return {name: Faults(name, Path(str(job["checkpoint"])), verdicts[name]) for name, job in jobs.items()}
 
 
 @pytest.fixture(scope="session")
@@ -123,7 +130,7 @@ def accelerate_faults(tmp_path_factory: pytest.TempPathFactory, accelerate_runs:
     """The plain accelerate run's newest `checkpoint_N`, judged by `Accelerator.load_state` after its older one."""
     *_, prior, checkpoint = accelerate_runs.plain_checkpoints()
     verdicts = build_once(tmp_path_factory, "faults-accelerate", functools.partial(accelerate.build, checkpoint, prior))
-    return Faults(checkpoint, verdicts)
+    return Faults("accelerate", checkpoint, verdicts)
 
 
 @pytest.fixture(scope="session")
@@ -131,4 +138,4 @@ def peft_faults(tmp_path_factory: pytest.TempPathFactory, peft_adapters: Written
     """PEFT's `plain` LoRA adapter folder, judged by `PeftModel.from_pretrained` on its base model."""
     adapter = peft_adapters.adapters["plain"]
     verdicts = build_once(tmp_path_factory, "faults-peft", functools.partial(peft.build, adapter, peft_adapters.base))
-    return Faults(adapter, verdicts)
+    return Faults("peft", adapter, verdicts)

@@ -11,7 +11,6 @@ import pytest
 
 from tests.conftest import build_once
 from tests.faults.conftest import Faults, _faults
-from tests.faults.harness import assert_rule
 from tests.faults.loaders import bytecheckpoint, lightning, megatron, roll, torchtitan
 from tests.writers.bytecheckpoint_writer import WrittenBytecheckpoint, write_bytecheckpoint_run
 from tests.writers.lightning_writer import WrittenLightning
@@ -60,24 +59,24 @@ def lightning_sharded_faults(tmp_path_factory: pytest.TempPathFactory, lightning
 @pytest.mark.slow
 @pytest.mark.timeout(600)  # a cold build restarts its ranks after each load that leaves a peer stuck
 def test_bytecheckpoint(bytecheckpoint_faults: Faults, tmp_path: Path) -> None:
-    assert_rule("bytecheckpoint", bytecheckpoint_faults.checkpoint, bytecheckpoint_faults.verdicts, tmp_path)
+    bytecheckpoint_faults.assert_rule(tmp_path)
 
 
 def test_torchtitan(torchtitan_faults: Faults, tmp_path: Path) -> None:
-    assert_rule("torchtitan", torchtitan_faults.checkpoint, torchtitan_faults.verdicts, tmp_path)
+    torchtitan_faults.assert_rule(tmp_path)
 
 
 def test_megatron(megatron_faults: Faults, tmp_path: Path) -> None:
-    assert_rule("megatron", megatron_faults.checkpoint, megatron_faults.verdicts, tmp_path)
+    megatron_faults.assert_rule(tmp_path)
 
 
 def test_roll(roll_faults: Faults, tmp_path: Path) -> None:
-    assert_rule("roll", roll_faults.checkpoint, roll_faults.verdicts, tmp_path)
+    roll_faults.assert_rule(tmp_path)
 
 
 def test_lightning_file(lightning_file_faults: Faults, tmp_path: Path) -> None:
-    assert_rule("lightning-file", lightning_file_faults.checkpoint, lightning_file_faults.verdicts, tmp_path)
+    lightning_file_faults.assert_rule(tmp_path)
 
 
 def test_lightning_sharded(lightning_sharded_faults: Faults, tmp_path: Path) -> None:
-    assert_rule("lightning-sharded", lightning_sharded_faults.checkpoint, lightning_sharded_faults.verdicts, tmp_path)
+    lightning_sharded_faults.assert_rule(tmp_path)

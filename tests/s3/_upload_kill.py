@@ -25,3 +25,29 @@ def hang_after_uploads(count: int) -> None:
             time.sleep(600)  # the test kills us here
 
     io.upload_file = upload_then_hang
+
+
+def killed_after_uploads(worker: str, src: str, dst: str, count: int) -> None:
+    """The test's side: run `python -m WORKER SRC DST COUNT` (one upload at a time), wait until it says COUNT files
+    are up, and SIGKILL it there."""
+    import signal
+    import subprocess
+    import sys
+
+    from tests.core.util import REPO, worker_env
+
+    process = subprocess.Popen(
+        [sys.executable, "-m", worker, src, dst, str(count)],
+        cwd=REPO,
+        env={**worker_env(), "CKPTCTL_IO_WORKERS": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert process.stdout is not None
+        line = process.stdout.readline().strip()
+        assert line == f"uploaded {count}", (line, process.stderr.read() if process.stderr else "")
+    finally:
+        process.send_signal(signal.SIGKILL)
+        process.wait(timeout=30)

@@ -7,9 +7,6 @@ from __future__ import annotations
 import json
 import secrets
 import shutil
-import signal
-import subprocess
-import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -25,8 +22,8 @@ from ckptctl.formats.manifest import DIGESTS_NAME
 from ckptctl.layouts import scan_run
 from ckptctl.ops.convert import INDEX_NAME, ConvertOptions, Target, convert
 from tests.conftest import CliResult
-from tests.core.util import REPO, worker_env
 from tests.ops.test_distributed_work import TwoRankJob, _torchrun, run_two_rank_job
+from tests.s3._upload_kill import killed_after_uploads
 from tests.s3.server import S3Server, copy_to_store
 
 Cli = Callable[..., CliResult]
@@ -196,21 +193,7 @@ def test_an_upload_killed_midway_is_not_complete_and_force_replaces_it(
     run_cli: Cli, demo_dir: Path, bucket: str
 ) -> None:
     dst = f"{bucket}/killed"
-    worker = subprocess.Popen(
-        [sys.executable, "-m", "tests.s3._convert_kill_worker", str(demo_dir / "dcp" / "step-30"), dst, "3"],
-        cwd=REPO,
-        env={**worker_env(), "CKPTCTL_IO_WORKERS": "1"},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert worker.stdout is not None
-        line = worker.stdout.readline().strip()
-        assert line == "uploaded 3", (line, worker.stderr.read() if worker.stderr else "")
-    finally:
-        worker.send_signal(signal.SIGKILL)
-        worker.wait(timeout=30)
+    killed_after_uploads("tests.s3._convert_kill_worker", str(demo_dir / "dcp" / "step-30"), dst, 3)
 
     assert len(io.list_tree(dst)) == 3
     listed = run_cli("list", dst, "--json").json["checkpoints"]

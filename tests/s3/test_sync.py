@@ -6,9 +6,6 @@ that lists as complete, and `--keep-local` deletes only what is whole at DST."""
 from __future__ import annotations
 
 import shutil
-import signal
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,7 +18,7 @@ from ckptctl.errors import StorageError
 from ckptctl.ops import sync as sync_module
 from ckptctl.ops.sync import SYNC_LOCK, watch
 from tests.conftest import CliResult
-from tests.core.util import REPO, worker_env
+from tests.s3._upload_kill import killed_after_uploads
 
 Cli = Callable[..., CliResult]
 
@@ -104,21 +101,7 @@ def test_a_sync_killed_mid_upload_leaves_nothing_torn_complete_and_the_next_fini
     """The DCP run's steps are 3 files each (2 shards, then `.metadata`): killed after 5 uploads, step-20 has
     its shards and no `.metadata`."""
     dst = f"{bucket}/killed"
-    worker = subprocess.Popen(
-        [sys.executable, "-m", "tests.s3._sync_kill_worker", str(demo_dir / "dcp"), dst, "5"],
-        cwd=REPO,
-        env={**worker_env(), "CKPTCTL_IO_WORKERS": "1"},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert worker.stdout is not None
-        line = worker.stdout.readline().strip()
-        assert line == "uploaded 5", (line, worker.stderr.read() if worker.stderr else "")
-    finally:
-        worker.send_signal(signal.SIGKILL)
-        worker.wait(timeout=30)
+    killed_after_uploads("tests.s3._sync_kill_worker", str(demo_dir / "dcp"), dst, 5)
     states = listed(run_cli, dst)
     assert states.get("step-20") != "complete" and "step-30" not in states
     complete = [rel for rel, state in states.items() if state == "complete"]

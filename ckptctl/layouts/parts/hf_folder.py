@@ -267,14 +267,15 @@ def verify_model_files(url: str, files: Mapping[str, int]) -> list[Problem]:
             another model, and its tensors would read as duplicates of this one's.
     """
     problems: list[Problem] = []
+    config = None
     if "config.json" in files:
         try:
-            read_json(io.join(url, "config.json"))
+            config = read_json(io.join(url, "config.json"))
         except CorruptCheckpoint as exc:
             problems.append(
                 Problem(ProblemKind.BAD_METADATA, "config.json", f"config.json does not parse: {exc.message}")
             )
-    problems += check_load_set(url, model_load_set(url, files), files, problems)
+    problems += check_load_set(url, model_load_set(files, config), files, problems)
     safetensors = sorted(n for n in files if n.endswith(".safetensors") and not SHARD_FILE.match(n))
     legacy = sorted(n for n in files if _is_legacy_weight(n))
     weight_map, indexed = _index_problems(url, files, INDEX_NAMES, problems)
@@ -330,8 +331,9 @@ _JSON_SIDE_FILES = {
 _SAVE_PRETRAINED_FILES = (_TOKENIZER_FILES | {"generation_config.json"}) - {"vocab.txt"}
 
 
-def model_load_set(url: str, files: Mapping[str, int]) -> list[LoadMember]:
-    """What `from_pretrained` (and `AutoTokenizer.from_pretrained`) read of a model folder beyond its weights.
+def model_load_set(files: Mapping[str, int], config: Any) -> list[LoadMember]:
+    """What `from_pretrained` (and `AutoTokenizer.from_pretrained`) read of a model folder beyond its weights, given
+    its files and its parsed config.json (None when it has none, or one that does not parse).
 
     - Every JSON side file present must parse (transformers `configuration_utils.PretrainedConfig.
       _dict_from_json_file`, `tokenization_utils_base.PreTrainedTokenizerBase._from_pretrained` and tokenizers'
@@ -369,7 +371,7 @@ def model_load_set(url: str, files: Mapping[str, int]) -> list[LoadMember]:
                     index, MemberKind.JSON, f"the shard index {index}", "transformers _get_resolved_checkpoint_files"
                 )
             )
-    if "config.json" in files and _saves_generation_config(url):
+    if _saves_generation_config(config):
         members.append(
             LoadMember(
                 "generation_config.json",
@@ -386,12 +388,8 @@ def model_load_set(url: str, files: Mapping[str, int]) -> list[LoadMember]:
 _GENERATIVE = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")
 
 
-def _saves_generation_config(url: str) -> bool:
+def _saves_generation_config(config: Any) -> bool:
     """Whether config.json says transformers >= 4.26 saved a generative model (and so generation_config.json)."""
-    try:
-        config = read_json(io.join(url, "config.json"))
-    except CkptctlError:
-        return False  # reported as config.json's own problem
     if not isinstance(config, dict):
         return False
     architectures = config.get("architectures")

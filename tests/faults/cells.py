@@ -25,6 +25,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 __all__ = [
     "FAULTS",
@@ -35,6 +36,7 @@ __all__ = [
     "file_of",
     "loader_verdicts",
     "member",
+    "run_loader",
     "write_damaged",
 ]
 
@@ -159,25 +161,33 @@ def loader_verdicts(loader: str, checkpoint: Path, **options: object) -> dict[st
             "options": options,
             "out": str(Path(tmp) / "verdicts.json"),
         }
-        (Path(tmp) / "spec.json").write_text(json.dumps(spec))
-        env = {
-            **os.environ,
-            "PYTHONPATH": str(REPO),
-            "HF_HUB_OFFLINE": "1",
-            "TRANSFORMERS_VERBOSITY": "error",
-            "TOKENIZERS_PARALLELISM": "false",
-            "OMP_NUM_THREADS": "1",
-        }
-        done = subprocess.run(
-            [sys.executable, "-m", loader, str(Path(tmp) / "spec.json")],
-            cwd=REPO,
-            env=env,
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-        out = Path(spec["out"])  # type: ignore[arg-type]
-        if done.returncode or not out.exists():
-            raise RuntimeError(f"{loader} exited {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}")
-        verdicts: dict[str, str] = json.loads(out.read_text())
+        verdicts: dict[str, str] = run_loader(loader, spec, Path(tmp))
     return verdicts
+
+
+def run_loader(loader: str, spec: dict[str, Any], tmp: Path, **environment: str) -> Any:
+    """Run `python -m LOADER SPEC_FILE` (a fresh interpreter: the framework's imports and state are its own) on
+    `spec` written into `tmp`, with `environment` beside the loaders' common settings; what it wrote to
+    `spec["out"]`, parsed."""
+    (tmp / "spec.json").write_text(json.dumps(spec))
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_VERBOSITY": "error",
+        "TOKENIZERS_PARALLELISM": "false",
+        "OMP_NUM_THREADS": "1",
+        **environment,
+    }
+    done = subprocess.run(
+        [sys.executable, "-m", loader, str(tmp / "spec.json")],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    out = Path(spec["out"])
+    if done.returncode or not out.exists():
+        raise RuntimeError(f"{loader} exited {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}")
+    return json.loads(out.read_text())

@@ -38,14 +38,13 @@ import json
 import os
 import random
 import socket
-import subprocess
 import sys
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from tests.faults.cells import REPO, cells, make_copies
+from tests.faults.cells import cells, make_copies, run_loader
 from tests.faults.loaders.common import judge, load_capturing, without_path
 
 #: What a rank keeps between the cells of a job: the engine and what the job's load needs.
@@ -304,28 +303,9 @@ def build(checkpoints: Mapping[str, Mapping[str, Any]], _out: Path) -> dict[str,
                 }
             )
         spec = {"jobs": jobs, "out": str(Path(tmp) / "verdicts.json")}
-        (Path(tmp) / "spec.json").write_text(json.dumps(spec))
         # A rank left waiting on the other (a hang the first-read check did not foresee) fails the build in 2
         # minutes rather than DeepSpeed's default 10 (deepspeed/constants.py: default_pg_timeout).
-        env = {
-            **os.environ,
-            "PYTHONPATH": str(REPO),
-            "HF_HUB_OFFLINE": "1",
-            "OMP_NUM_THREADS": "1",
-            "DEEPSPEED_TIMEOUT": "2",
-        }
-        done = subprocess.run(
-            [sys.executable, "-m", __name__, str(Path(tmp) / "spec.json")],
-            cwd=REPO,
-            env=env,
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-        out = Path(spec["out"])
-        if done.returncode or not out.exists():
-            raise RuntimeError(f"{__name__} exited {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}")
-        verdicts: dict[str, dict[str, str]] = json.loads(out.read_text())
+        verdicts: dict[str, dict[str, str]] = run_loader(__name__, spec, Path(tmp), DEEPSPEED_TIMEOUT="2")
     return verdicts
 
 

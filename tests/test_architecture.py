@@ -27,9 +27,9 @@ def test_the_contract_catches_each_kind_of_break(tmp_path: Path) -> None:
     package = tmp_path / "ckptctl"
     files = {
         "frameworks/a/layout.py": "from ckptctl.frameworks.b import layout\nfrom ckptctl.frameworks.a import x\n",
-        "frameworks/b/layout.py": "from ckptctl.layouts import parts\n",
+        "frameworks/b/layout.py": "from ckptctl import families\n",
         "core/manager.py": "def f():\n    from ckptctl.frameworks.a.layout import X\n",
-        "layouts/base.py": "import ckptctl.frameworks.a.layout\n",
+        "contract/base.py": "import ckptctl.frameworks.a.layout\n",
         "formats/dcp.py": "from ckptctl import ops\n",
         "ops/listing.py": "from ckptctl.layouts import scan_run\nfrom ckptctl.formats import dcp\n",
     }
@@ -40,7 +40,7 @@ def test_the_contract_catches_each_kind_of_break(tmp_path: Path) -> None:
     assert found == {
         ("ckptctl.frameworks.a.layout", "ckptctl.frameworks.b.layout"),
         ("ckptctl.core.manager", "ckptctl.frameworks.a.layout.X"),
-        ("ckptctl.layouts.base", "ckptctl.frameworks.a.layout"),
+        ("ckptctl.contract.base", "ckptctl.frameworks.a.layout"),
         ("ckptctl.formats.dcp", "ckptctl.ops"),
     }
 
@@ -55,8 +55,8 @@ def test_the_contract_finds_every_import_cycle_also_those_a_function_or_type_che
         "frameworks/a/layout.py": "def profile():\n    from ckptctl.frameworks.a.resume import PROFILE\n",
         "frameworks/a/resume.py": "from ckptctl.frameworks.a.universal import host\n",
         "frameworks/a/universal.py": "from ckptctl.frameworks.a import layout\n",
-        "layouts/base.py": "from ckptctl.layouts.load_set import LoadMember\n",
-        "layouts/load_set.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ckptctl.layouts.base import Layout\n",
+        "contract/base.py": "from ckptctl.contract.load_set import LoadMember\n",
+        "contract/load_set.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ckptctl.contract.base import Layout\n",
         "core/__init__.py": "from ckptctl.core.loading import restore\n",
         "core/loading.py": "from ckptctl.core import rng\nfrom ckptctl.core.entries import kind_of\n",
         "core/rng.py": "from ckptctl.core.entries import kind_of\n",
@@ -70,7 +70,7 @@ def test_the_contract_finds_every_import_cycle_also_those_a_function_or_type_che
         "import cycle: ckptctl.frameworks.a.layout -> ckptctl.frameworks.a.resume -> ckptctl.frameworks.a.universal"
         " -> ckptctl.frameworks.a.layout",
         "import cycle: ckptctl.io -> ckptctl.io.failures -> ckptctl.io",
-        "import cycle: ckptctl.layouts.base -> ckptctl.layouts.load_set -> ckptctl.layouts.base",
+        "import cycle: ckptctl.contract.base -> ckptctl.contract.load_set -> ckptctl.contract.base",
     ]
 
 

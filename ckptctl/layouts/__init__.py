@@ -1,7 +1,7 @@
 """The layout registry: which layouts exist, in which order they are tried, and the run walker.
 
 The registry holds dotted names: each framework plugin's reader (its `Layout` subclass) and the capabilities
-it provides (`layouts.capabilities`). Modules are imported on first use (as fsspec does with its
+it provides (`contract.capabilities`). Modules are imported on first use (as fsspec does with its
 implementations), and detection imports the readers in registry order only until one recognises the folder,
 so that a command that needs one layout does not pay for all of them.
 """
@@ -23,11 +23,8 @@ from typing import Any, Final, TypeVar, cast
 
 from ckptctl import io
 from ckptctl.checkpoint import Checkpoint, CheckpointRef, CheckpointState
-from ckptctl.errors import CheckpointNotFound, CkptctlError, UnknownLayout
-from ckptctl.formats.framework_classes import FrameworkClasses
-from ckptctl.formats.slim_marker import SLIM_MARKER, SLIM_NOTE, is_slim_file
-from ckptctl.layouts.base import Layout
-from ckptctl.layouts.capabilities import (
+from ckptctl.contract.base import Layout
+from ckptctl.contract.capabilities import (
     CONVERT_SOURCE,
     POINTER_WRITER,
     SLIMMER,
@@ -36,6 +33,9 @@ from ckptctl.layouts.capabilities import (
     Slot,
     TrainingStateWriter,
 )
+from ckptctl.errors import CheckpointNotFound, CkptctlError, UnknownLayout
+from ckptctl.formats.framework_classes import FrameworkClasses
+from ckptctl.formats.slim_marker import SLIM_MARKER, SLIM_NOTE, is_slim_file
 from ckptctl.layouts.generic import GENERIC, TRAINING_STATE, generic_layout, training_state_layout, unclaimed
 from ckptctl.layouts.run_state import attach_run_state, run_state_files
 from ckptctl.quoting import shell
@@ -73,7 +73,7 @@ class Plugin:
         name: the layout's name (`Layout.name`), as `--layout` takes it.
         package: the framework's package.
         reader: its `Layout` subclass.
-        capabilities: each slot it fills (`layouts.capabilities`) -> the object that fills it.
+        capabilities: each slot it fills (`contract.capabilities`) -> the object that fills it.
         checkpoint_files: its reader's `checkpoint_files` (a test holds them equal), known without importing
             the reader, so that a file given as a checkpoint imports only the readers that may take it.
     """
@@ -374,7 +374,7 @@ def _plugin_of(layout: Layout) -> Plugin | None:
 def framework_pickle_classes() -> list[FrameworkClasses]:
     """The classes each registered framework package lists in its `pickle_classes` module (where it has
     one): what the torch-pickle allowlist reads as inert stand-ins (`formats.framework_classes`)."""
-    from ckptctl.layouts.training_state import LONG_TAIL_LIBRARIES
+    from ckptctl.contract.training_state import LONG_TAIL_LIBRARIES
 
     found = [LONG_TAIL_LIBRARIES]  # the generic reader's: libraries no framework package speaks for
     for plugin in _REGISTRY:

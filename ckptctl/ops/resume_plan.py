@@ -25,12 +25,8 @@ from typing import Any
 
 from ckptctl import io
 from ckptctl.checkpoint import Checkpoint, CheckpointRef, CheckpointState, Component, Problem, Role
-from ckptctl.errors import CheckpointNotFound, CkptctlError, UnknownLayout
-from ckptctl.formats.manifest import read_manifest
-from ckptctl.formats.slim_marker import SLIM_NOTE
-from ckptctl.layouts import detect, get_layout, scan_run
-from ckptctl.layouts.base import checkpoint_problems
-from ckptctl.layouts.resume import (
+from ckptctl.contract.base import checkpoint_problems
+from ckptctl.contract.resume import (
     DEFAULT_IMPACT,
     RESUMABLE,
     Blocker,
@@ -42,6 +38,10 @@ from ckptctl.layouts.resume import (
     WorldSizeCheck,
     generic_profile,
 )
+from ckptctl.errors import CheckpointNotFound, CkptctlError, UnknownLayout
+from ckptctl.formats.manifest import read_manifest
+from ckptctl.formats.slim_marker import SLIM_NOTE
+from ckptctl.layouts import detect, get_layout, scan_run
 from ckptctl.layouts.run_state import run_state_problems, run_state_profile, with_run_state
 from ckptctl.ops.digests import check_digests
 from ckptctl.ops.report import SCHEMA_VERSION, NoProgress, Progress, iso, jsonable

@@ -26,8 +26,8 @@ from hypothesis import strategies as st
 
 from ckptctl import io
 from ckptctl.checkpoint import Checkpoint, CheckpointRef, CheckpointState, Component
+from ckptctl.contract.resume import PlanContext
 from ckptctl.layouts import layout_names
-from ckptctl.layouts.resume import PlanContext
 from ckptctl.ops.resume_plan import profile_for
 from ckptctl.quoting import printable
 from tests.conftest import CliResult, copy_tree

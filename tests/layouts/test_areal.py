@@ -15,9 +15,9 @@ from safetensors.torch import load_file
 
 from ckptctl import io
 from ckptctl.checkpoint import CheckpointState, Component, ProblemKind
+from ckptctl.contract.resume import PlanContext
 from ckptctl.formats.chunks import read_tensor
 from ckptctl.layouts import open_checkpoint, scan_run
-from ckptctl.layouts.resume import PlanContext
 from ckptctl.ops.resume_plan import plan_resume, profile_for
 from ckptctl.ops.verification import verify_checkpoint, verify_run
 from tests.conftest import CliResult, copy_tree

@@ -10,8 +10,8 @@ from pathlib import Path
 import torch
 
 from ckptctl import CheckpointManager
+from ckptctl.contract.capabilities import CONVERT_SOURCE, SLIMMER, ConvertSource, Slimmer
 from ckptctl.layouts import _REGISTRY, capability, get_layout
-from ckptctl.layouts.capabilities import CONVERT_SOURCE, SLIMMER, ConvertSource, Slimmer
 
 
 def test_every_declared_capability_is_what_its_slot_says() -> None:

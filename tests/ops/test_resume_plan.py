@@ -13,10 +13,10 @@ import torch
 
 from ckptctl import io
 from ckptctl.checkpoint import Checkpoint, CheckpointRef, CheckpointState, Component
+from ckptctl.contract.base import Layout
+from ckptctl.contract.resume import PlanContext
 from ckptctl.errors import CheckpointNotFound, CkptctlError, UnknownLayout
 from ckptctl.layouts import get_layout, layout_names
-from ckptctl.layouts.base import Layout
-from ckptctl.layouts.resume import PlanContext
 from ckptctl.ops.resume_plan import plan_resume, profile_for
 from tests.conftest import copy_tree
 from tests.writers.deepspeed_writer import WrittenDeepSpeed

@@ -22,13 +22,13 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
 from ckptctl import io
 from ckptctl.checkpoint import Checkpoint, Problem, SizedTensor, TensorEntry
 from ckptctl.contract.naming import NameStripper
 from ckptctl.errors import CkptctlError
-from ckptctl.families.value_head import HeadTask
 
 __all__ = [
     "CONVERT_SOURCE",
@@ -40,6 +40,7 @@ __all__ = [
     "Adapter",
     "ConvertSource",
     "DerivedTensor",
+    "HeadTask",
     "HfModel",
     "MasterWeights",
     "MasterWeightsReader",
@@ -64,6 +65,16 @@ __all__ = [
 ]
 
 C = TypeVar("C")
+
+
+class HeadTask(Enum):
+    """The transformers model a value head converts to, by the suffix of its class name (`ConvertSource.value_head_task`;
+    `families.value_head` finds the head)."""
+
+    TOKEN = "ForTokenClassification"
+    """One value per token (a critic): `AutoModelForTokenClassification`."""
+    SEQUENCE = "ForSequenceClassification"
+    """One value per sequence, at its last token (a reward model): `AutoModelForSequenceClassification`."""
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -373,7 +384,7 @@ class ConvertSource:
     Attributes:
         namespace_stripper: `(entries) -> strip`: how to remove the namespace this framework's saves put in
             front of the model's own tensor names, for the tensors of one component. Without it, the rule of
-            the storage format the tensors lie in applies (`contract.naming.format_namespace_stripper`: the key
+            the storage format the tensors lie in applies (`layouts.format_rules.format_namespace_stripper`: the key
             a DCP state dict was saved under, a DeepSpeed module's wrappers) and other names are kept.
         hf_name_map: `(tensors, config, requested, notes) -> NameMap | None`: how the model's tensors, as this
             framework names and lays them out (`tensors`: names, namespace removed, -> shapes), become those

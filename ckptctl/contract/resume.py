@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from ckptctl import io
-from ckptctl.checkpoint import Checkpoint, CheckpointRef, CheckpointState, Component
+from ckptctl.checkpoint import Checkpoint, CheckpointRef, CheckpointState, Component, Problem
 from ckptctl.errors import CkptctlError
 
 __all__ = [
@@ -23,6 +23,7 @@ __all__ = [
     "LatestPick",
     "LoadedAlong",
     "PlanContext",
+    "PlannedLayout",
     "ResumeProfile",
     "Skipped",
     "WorldSizeCheck",
@@ -149,6 +150,17 @@ class WorldSizeCheck:
         return {"saved": self.saved, "target": self.target, "ok": self.ok, "note": self.note, "fix": self.fix}
 
 
+class PlannedLayout(Protocol):
+    """What a profile's rules may ask of the layout of another checkpoint of the run (`PlanContext.layout_of`):
+    the `Layout` hooks they use, named here so that the contract needs no registry."""
+
+    def open(self, url: str) -> Checkpoint: ...
+
+    def verify(self, checkpoint: Checkpoint) -> list[Problem]: ...
+
+    def resume_profile(self) -> ResumeProfile: ...
+
+
 @dataclass(frozen=True, slots=True)
 class PlanContext:
     """What a profile's functions get: the chosen checkpoint, the run's checkpoints and the target ranks.
@@ -160,6 +172,9 @@ class PlanContext:
         skipped: the newer checkpoints that were skipped.
         target: the number of ranks asked for, or None.
         world: the profile's world-size verdict, once known (hints depend on it).
+        layout_of: the layout registered under a name (the registry's `get_layout`), for rules that look at
+            other checkpoints of the run (a ZeRO tag's universal conversion beside it). Given by the planner,
+            which knows the registry; the shared readers do not import it.
     """
 
     run: str
@@ -168,6 +183,7 @@ class PlanContext:
     skipped: tuple[Skipped, ...]
     target: int | None
     world: WorldSizeCheck | None = None
+    layout_of: Callable[[str], PlannedLayout] = field(kw_only=True)
 
     @property
     def url(self) -> str:

@@ -3,25 +3,20 @@
 A PEFT-wrapped model saved whole (by FSDP, DeepSpeed, torch DCP, verl) keeps each adapted layer's own
 weight as `<module>.base_layer.weight` beside its LoRA factors `<module>.lora_A.default.weight`: a
 transformers model loads none of it. Which framework wraps a model this way is a fact of tensor names, not
-of the layout the tensors lie in, so the rules live in the framework packages and are listed here
-("module:function", imported on first use, tried in order) as `FORMAT_NAME_RULES` are: `inspect` says
-what it found and `convert` writes the model under its own names with the adapter merged in.
+of the layout the tensors lie in, so the rules live in the format-family readers (`families.lora.wrapped`) and
+are listed in `layouts.format_rules.WRAPPED_MODEL_RULES`: `inspect` says what it found and `convert` writes
+the model under its own names with the adapter merged in. Here are the types those rules return.
 """
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptctl.checkpoint import TensorEntry
 from ckptctl.contract.capabilities import ModelTensors
 
-__all__ = ["WRAPPED_MODEL_RULES", "GivenScaling", "WrappedAdapter", "WrappedModel", "find_wrapped"]
-
-#: Each rule takes a component's tensors by name and returns a `WrappedModel`, or None when it finds none.
-WRAPPED_MODEL_RULES = ("ckptctl.families.lora.wrapped:lora_wrapped",)
+__all__ = ["GivenScaling", "WrappedAdapter", "WrappedModel"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,7 +55,7 @@ class WrappedAdapter:
 
 @dataclass(frozen=True, slots=True)
 class WrappedModel:
-    """A model state dict whose layers carry adapters (`find_wrapped`).
+    """A model state dict whose layers carry adapters (`layouts.format_rules.find_wrapped`).
 
     Attributes:
         kind: what it is, for people (`LoRA-wrapped model (PEFT)`).
@@ -81,16 +76,3 @@ class WrappedModel:
     settings_files: tuple[str, ...]
     merge: Callable[[str, Mapping[str, Any], list[str], GivenScaling | None], ModelTensors] = field(repr=False)
     adapter: Callable[[str, Mapping[str, Any], list[str], GivenScaling | None], WrappedAdapter] = field(repr=False)
-
-
-def find_wrapped(tensors: Mapping[str, TensorEntry]) -> WrappedModel | None:
-    """The adapters wrapped around the model whose tensors are `tensors` (name -> entry), or None."""
-    for spec in WRAPPED_MODEL_RULES:
-        module, _, name = spec.partition(":")
-        rule: Callable[[Mapping[str, TensorEntry]], WrappedModel | None] = getattr(
-            importlib.import_module(module), name
-        )
-        found = rule(tensors)
-        if found is not None:
-            return found
-    return None

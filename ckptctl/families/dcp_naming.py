@@ -5,7 +5,7 @@ wrapper key, AReaL's `dcp.model.`): that namespace is removed when every tensor 
 it. A raw `dcp.save(model.state_dict())` of a model whose keys merely happen to start with `model.` (a
 `...ForCausalLM` also holds `lm_head.weight`) keeps its names. A tied-embedding HF model saved without
 `lm_head.weight` has every key under `model.`, which is why this rule applies to DCP items only. Every
-layout whose tensors are DCP items gets it by default (`ckptctl.contract.naming.FORMAT_NAME_RULES`).
+layout whose tensors are DCP items gets it by default (`ckptctl.layouts.format_rules.FORMAT_NAME_RULES`).
 """
 
 from __future__ import annotations

@@ -26,19 +26,11 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from enum import Enum
 from typing import Any
 
+from ckptctl.contract.capabilities import HeadTask
+
 __all__ = ["HeadTask", "ValueHead", "find_value_head"]
-
-
-class HeadTask(Enum):
-    """The transformers model a value head converts to, by the suffix of its class name."""
-
-    TOKEN = "ForTokenClassification"
-    """One value per token (a critic): `AutoModelForTokenClassification`."""
-    SEQUENCE = "ForSequenceClassification"
-    """One value per sequence, at its last token (a reward model): `AutoModelForSequenceClassification`."""
 
 
 #: The names frameworks give the head (OpenRLHF's `value_head_prefix`: `score`, formerly `value_head`).

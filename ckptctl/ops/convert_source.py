@@ -25,10 +25,11 @@ from ckptctl.contract.capabilities import (
     NativeModel,
     default_config_folders,
 )
-from ckptctl.contract.naming import NameStripper, format_namespace_stripper
+from ckptctl.contract.naming import NameStripper
 from ckptctl.errors import CkptctlError
 from ckptctl.families.value_head import HeadTask
 from ckptctl.layouts import Layout, capability
+from ckptctl.layouts.format_rules import format_namespace_stripper
 
 __all__ = ["Source", "convert_source"]
 

@@ -11,8 +11,9 @@ from typing import Any
 
 from ckptctl import io
 from ckptctl.checkpoint import Checkpoint, Component, TensorEntry, dtype_itemsize
-from ckptctl.contract.wrapped import WrappedModel, find_wrapped
+from ckptctl.contract.wrapped import WrappedModel
 from ckptctl.layouts import open_checkpoint
+from ckptctl.layouts.format_rules import find_wrapped
 from ckptctl.ops.naming import namespace_stripper
 from ckptctl.ops.report import SCHEMA_VERSION, jsonable, ref_json
 

@@ -221,7 +221,7 @@ def plan_resume(
             latest_pick=picked,
         )
     profile = _profile(chosen.ref)
-    ctx = PlanContext(run, chosen, tuple(refs), tuple(skipped), world_size)
+    ctx = PlanContext(run, chosen, tuple(refs), tuple(skipped), world_size, layout_of=get_layout)
     ctx = replace(ctx, world=profile.world_size(ctx))
     if ctx.world is not None and ctx.world.ok is False:
         found = _conversion_that_loads(ctx, ordered, digests, progress or NoProgress())
@@ -234,7 +234,7 @@ def plan_resume(
             skipped.append(Skipped(chosen.url, chosen.ref.step, reason, chosen.layout, chosen.ref.state))
             run_warnings += [p for p in conversion_problems if p not in run_warnings]
             chosen = conversion
-            ctx = PlanContext(run, chosen, tuple(refs), tuple(skipped), world_size, world)
+            ctx = PlanContext(run, chosen, tuple(refs), tuple(skipped), world_size, world, layout_of=get_layout)
     restores, missing, impacts = _components(ctx, profile)
     warnings = run_warnings + _warnings(ctx, profile, pointer_named, cuda)
     blockers = tuple(

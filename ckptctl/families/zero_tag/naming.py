@@ -4,7 +4,7 @@ DeepSpeed modules carry the prefixes of the wrappers the model was trained in: `
 `_orig_mod.` (torch.compile), ..., and OpenRLHF's `Actor`, which holds the HF model as `self.model`
 (every name then starts `model.`, and some `model.model.` or `model.lm_head.`): those are removed. Every
 layout whose model lies in DeepSpeed rank files gets `wrapper_stripper` by default
-(`ckptctl.contract.naming.FORMAT_NAME_RULES`).
+(`ckptctl.layouts.format_rules.FORMAT_NAME_RULES`).
 """
 
 from __future__ import annotations

@@ -25,7 +25,6 @@ from ckptctl.families.zero_tag.names import (
     UNIVERSAL_LAYOUT,
     read_latest,
 )
-from ckptctl.layouts import get_layout
 from ckptctl.quoting import comment, shell
 
 __all__ = [
@@ -88,20 +87,21 @@ def _conversion_refs(ctx: PlanContext) -> list[CheckpointRef]:
     return [
         ref
         for ref in ctx.refs
-        if ref.layout == UNIVERSAL_LAYOUT and get_layout(ref.layout).resume_profile().converted_from(ref.url) == tag_url
+        if ref.layout == UNIVERSAL_LAYOUT
+        and ctx.layout_of(ref.layout).resume_profile().converted_from(ref.url) == tag_url
     ]
 
 
 def universal_conversion(ctx: PlanContext) -> Conversion | None:
     """The universal conversion of the chosen tag beside it, verified (one that loads first), or None."""
-    found = [Conversion(ref.url, _why_unusable(ref)) for ref in _conversion_refs(ctx)]
+    found = [Conversion(ref.url, _why_unusable(ctx, ref)) for ref in _conversion_refs(ctx)]
     return next((c for c in found if not c.problem), found[0] if found else None)
 
 
-def _why_unusable(ref: CheckpointRef) -> str:
+def _why_unusable(ctx: PlanContext, ref: CheckpointRef) -> str:
     if ref.state is not CheckpointState.COMPLETE:
         return f"{ref.state.value}: {ref.note}"
-    layout = get_layout(ref.layout)
+    layout = ctx.layout_of(ref.layout)
     try:
         problems = [p for p in layout.verify(layout.open(ref.url)) if p.severity == "error"]
     except CkptctlError as exc:

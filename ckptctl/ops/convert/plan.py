@@ -39,11 +39,12 @@ from ckptctl.contract.capabilities import (
     NameMap,
     NativeModel,
 )
-from ckptctl.contract.wrapped import WrappedAdapter, find_wrapped
+from ckptctl.contract.wrapped import WrappedAdapter
 from ckptctl.errors import CkptctlError, CorruptCheckpoint
 from ckptctl.formats.manifest import FileRecord
 from ckptctl.formats.safetensors import TORCH_TO_SAFETENSORS
 from ckptctl.layouts import Layout
+from ckptctl.layouts.format_rules import find_wrapped
 from ckptctl.ops.convert.options import ConvertOptions, LoraMode, Target, Weights
 from ckptctl.ops.convert_source import convert_source
 from ckptctl.ops.naming import Renames, apply_renames, compile_renames, namespace_stripper, normalised_names

@@ -30,7 +30,7 @@ from ckptctl.errors import CkptctlError, UnsafePath
 from ckptctl.formats.manifest import now_iso
 from ckptctl.formats.slim_marker import SLIM_MARKER, SlimMarker
 from ckptctl.io import commit, trash
-from ckptctl.layouts import capability, get_layout
+from ckptctl.layouts.registry import capability, get_layout
 
 __all__ = ["Slimmable", "slim_checkpoint", "slimmable"]
 

@@ -11,7 +11,8 @@ import torch
 
 from ckptctl import CheckpointManager
 from ckptctl.contract.capabilities import CONVERT_SOURCE, SLIMMER, ConvertSource, Slimmer
-from ckptctl.layouts import _REGISTRY, capability, get_layout
+from ckptctl.layouts import capability, get_layout
+from ckptctl.layouts.registry import _REGISTRY
 
 
 def test_every_declared_capability_is_what_its_slot_says() -> None:

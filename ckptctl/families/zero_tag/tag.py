@@ -13,12 +13,12 @@ from typing import Any
 from ckptctl import io
 from ckptctl.checkpoint import Component
 from ckptctl.contract.base import LISTED_ABSENT, step_from_name
+from ckptctl.contract.scan_context import peek, peek_dir
 from ckptctl.errors import CkptctlError, CorruptCheckpoint, UnknownLayout
 from ckptctl.families.zero_tag.names import TagFiles, expected_rank_files, read_latest, tag_files
 from ckptctl.formats.safe_pickle import FrameworkObject, StandIn, state_fields
 from ckptctl.formats.torch_pickle import TorchPickle, open_torch_pickle
 from ckptctl.io import DirEntry
-from ckptctl.layouts import peek, peek_dir
 
 #: Top-level keys of model_states that DeepSpeed itself writes; every other key is client state.
 _ENGINE_KEYS = frozenset(

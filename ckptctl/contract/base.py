@@ -28,7 +28,7 @@ class Layout:
     """One on-disk checkpoint layout: everything ckptctl knows about the checkpoints one framework writes.
 
     A framework package (`ckptctl/frameworks/<name>/`) subclasses this and registers it in
-    `ckptctl.layouts._REGISTRY`. The three methods without a default are the reader; every other hook has a
+    `ckptctl.layouts.registry._REGISTRY`. The three methods without a default are the reader; every other hook has a
     default that suits a layout without that feature, so a new framework overrides only what it has. What
     a framework does beyond reading (the model `convert` takes from its checkpoints, ...) is a capability
     of its own (`ckptctl.contract.capabilities`), not a hook. Commands (`ckptctl.ops`) ask these hooks and

@@ -2,9 +2,9 @@
 a save without collectives, parsed once (a small cache keyed by each file's version), and the torch.save
 archives it places (every item of the folder, for the CRC check).
 
-Apart from the rest of the DCP folder reader (`dcp_folder`) because `Layout.torch_archives`' default
-(`contract.base`) reads the items of any DCP folder a checkpoint holds: this module needs nothing of the
-layouts, so the protocol can use it.
+Here rather than beside the DCP folder reader (`families.dcp_folder`) because the contract's
+`Layout.torch_archives` default (`contract.base`) reads the items of any DCP folder a checkpoint holds, and the
+contract sits below the shared readers: this module needs nothing of the layouts, only `formats` and `io`.
 """
 
 from __future__ import annotations

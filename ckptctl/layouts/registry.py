@@ -85,7 +85,7 @@ class Plugin:
 #: would take for a model: `peft` comes before `hf`. A sharded Lightning `.ckpt/` folder is a DCP save with
 #: Lightning's `meta.pt`: `lightning` comes before the DCP-based layouts. A DeepSpeed universal checkpoint
 #: holds model-states files as a tag does, beside a `zero/` folder and without optim-states files: the tag
-#: layouts leave such a folder alone (`parts.zero_tag.names.is_universal`), so it can come last, after the layouts
+#: layouts leave such a folder alone (`families.zero_tag.names.is_universal`), so it can come last, after the layouts
 #: people know. A verl `global_step_N/` (role folders of per-rank `*_world_size_W_rank_R.pt` files) and its role
 #: folders look like no other layout's, but come early so that nothing generic claims a role folder's files.
 #: A ByteCheckpoint `global_step_N/` holds `model/` and `optimizer/` folders shaped like DCP folders (their

@@ -36,9 +36,9 @@ def scan_run(url: str, max_depth: int = DEFAULT_SCAN_DEPTH) -> list[CheckpointRe
     (`Layout.identify_file`: Lightning's `epoch=0-step=100.ckpt`) are listed too, and after every plugin the
     generic reader (`layouts.generic.unclaimed`) lists checkpoint-like files none of them claims, as state
     `unknown`: a step-named file on its own, the others as their folder. Hidden folders are only
-    checked themselves (a layout may recognise its own staging folders) and never descended into. Folders that a layout names as parts of its checkpoints
-    kept beside them (its `companions(url, entries)`: open-instruct's shared `ref_policy/`, AReaL's
-    `recover_info/`) are neither listed nor descended into. A checkpoint that a `latest`-style pointer in
+    checked themselves (a layout may recognise its own staging folders) and never descended into. Folders
+    that a layout names as parts of its checkpoints kept beside them (its `companions(url, entries)`:
+    open-instruct's shared `ref_policy/`, AReaL's `recover_info/`) are neither listed nor descended into. A checkpoint that a `latest`-style pointer in
     its parent folder names has `latest` set.
 
     On object stores the run is listed once, recursively (`io.listing_snapshot`), every folder's entries

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import base64
 import errno
+import functools
 import json
 import os
 import secrets
@@ -43,6 +44,7 @@ from ckptctl.io import trash
 from ckptctl.layouts import capability
 from ckptctl.layouts.capabilities import POINTER_WRITER, Pointer, PointerWriter
 from ckptctl.layouts.resume import Skipped
+from ckptctl.ops.planned import run_planned
 from ckptctl.ops.report import SCHEMA_VERSION
 from ckptctl.ops.resume_plan import plan_resume
 from ckptctl.ops.verification import verify_checkpoint
@@ -356,7 +358,8 @@ def repair(
     if not io.is_dir(run):
         raise CheckpointNotFound(f"no such run folder: {run}")
     _check_writable(run)
-    with RunLock(run, wait=wait, command="ckptctl repair" + (" --undo" if undo else "")) as lock:
+
+    def checked_plan() -> RepairPlan:
         plan = plan_undo(run) if undo else plan_repair(run)
         busy = [s for s in plan.skipped if s.state is CheckpointState.IN_PROGRESS]
         if busy and plan.actions:
@@ -364,24 +367,40 @@ def repair(
                 f"{busy[0].url} is being written ({busy[0].reason}): refusing to repair the run now; nothing was changed",
                 "run repair again once the save has finished or stopped",
             )
-        if not plan.actions and plan.records:  # pointers a killed repair never changed: nothing to put back
+        return plan
+
+    return run_planned(
+        run,
+        checked_plan,
+        functools.partial(_execute, run, undo=undo),
+        lambda plan: plan,  # declined: the plan, as a dry run
+        changes=lambda plan: bool(plan.actions),
+        confirm=confirm,
+        command="ckptctl repair" + (" --undo" if undo else ""),
+        wait=wait,
+    )
+
+
+def _execute(run: str, plan: RepairPlan, lock: RunLock, *, undo: bool) -> RepairPlan:
+    """Make the plan's changes, holding the run's lock (`repair`)."""
+    if not plan.actions:
+        if plan.records:  # pointers a killed repair never changed: nothing to put back
             _forget(run, plan.records)
             return replace(plan, dry_run=False)
-        if not plan.actions or (confirm is not None and not confirm(plan)):
-            return plan
-        for action in plan.actions:
-            _check_writable(io.parent_of(action.path) if action.kind != RESTORE else io.parent_of(action.after or ""))
-        record = f"repair-{datetime.now(UTC):%Y%m%dT%H%M%S%fZ}-{secrets.token_hex(4)}"  # sorts by time
-        if not undo and any(a.kind in (POINTER, LINK) for a in plan.actions):
-            trash.record_pointers(run, record, _pointer_record(run, plan))
-        done = []
-        for action in plan.actions:
-            lock.check()
-            done.append(_apply(run, action, plan, record))
-            after_action(done[-1])
-        if undo:
-            _forget(run, plan.records)
-        return replace(plan, actions=tuple(done), dry_run=False)
+        return plan
+    for action in plan.actions:
+        _check_writable(io.parent_of(action.path) if action.kind != RESTORE else io.parent_of(action.after or ""))
+    record = f"repair-{datetime.now(UTC):%Y%m%dT%H%M%S%fZ}-{secrets.token_hex(4)}"  # sorts by time
+    if not undo and any(a.kind in (POINTER, LINK) for a in plan.actions):
+        trash.record_pointers(run, record, _pointer_record(run, plan))
+    done = []
+    for action in plan.actions:
+        lock.check()
+        done.append(_apply(run, action, plan, record))
+        after_action(done[-1])
+    if undo:
+        _forget(run, plan.records)
+    return replace(plan, actions=tuple(done), dry_run=False)
 
 
 def _check_writable(folder: str) -> None:

@@ -338,7 +338,7 @@ def open_run(root: str, naming: StepNaming, staging_dir: str | None = None) -> R
         StorageError: the folder cannot be created, or the object store cannot be reached.
         CheckpointNotFound: the bucket does not exist.
     """
-    if io.is_local(root):
+    if io.is_local(root):  # the one choice of the run's protocol: staged beside and renamed, or uploaded
         return LocalRun(root, naming)
     return RemoteRun(root, naming, staging_dir)
 

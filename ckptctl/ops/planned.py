@@ -169,7 +169,7 @@ def changed_since_plan(planned: CheckpointRef, grace: timedelta) -> str:
     """Why a planned change of a checkpoint (`prune`'s deletion, `slim`'s swap) must not happen now: the run
     changed since the plan (a pointer names it now, it is being written or was rewritten); or ""."""
     url = planned.url
-    if io.is_local(url):
+    if io.is_local(url):  # gone, or a link now: what only a local folder can become under us
         path = io.local_path(url)
         if not os.path.lexists(path):
             return "it is gone already"

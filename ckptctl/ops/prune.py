@@ -438,7 +438,7 @@ _OFF_BRANCH = (CheckpointState.ABANDONED, CheckpointState.SUPERSEDED)
 
 def _examine(ref: CheckpointRef, run: str, now: datetime, grace: timedelta) -> _Found:
     ref = judged(ref, grace)
-    if not io.is_local(ref.url):
+    if not io.is_local(ref.url):  # an object store has no links: nothing to resolve, and its listing sized it
         return _Found(ref, ref.size_bytes, busy=busy(ref, now, grace, own_tree(ref)[1]))
     path = os.path.abspath(io.local_path(ref.url))
     run_real = os.path.realpath(io.local_path(run))
@@ -494,11 +494,7 @@ def _trash_folders(run: str, items: Iterable[PruneItem]) -> list[str]:
     found = []
     for folder in sorted(folders):
         bin_ = io.join(folder, trash.TRASH_NAME)
-        if io.is_local(bin_):
-            if os.path.lexists(io.local_path(bin_)):
-                trash.check_trash(io.local_path(bin_))
-                found.append(bin_)
-        elif io.is_dir(bin_):
+        if trash.present(bin_):
             found.append(bin_)
     return found
 

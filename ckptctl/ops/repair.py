@@ -230,7 +230,7 @@ def _actions(run: str, writer: PointerWriter, target: str) -> list[RepairAction]
     """Quarantines first (a name-picking loader then finds the target), then pointers (each already holding
     what it should is left alone)."""
     picked = writer.picked_over(target)
-    if picked and not io.is_local(run):
+    if picked and not io.is_local(run):  # a quarantine is one rename, which an object store does not have
         raise CkptctlError(
             f"repair would move {io.name_of(picked[0])} into quarantine, which it does only in local runs "
             "(an object store has no rename)",
@@ -277,7 +277,7 @@ def pointer_bytes(path: str, cap: int) -> bytes | None:
     Raises:
         UnsafePath: a link (or a folder) is where the pointer is.
     """
-    if not io.is_local(path):
+    if not io.is_local(path):  # an object store has no links: a plain read is one that follows none
         try:
             return io.read_bytes(path, max_size=cap)
         except CheckpointNotFound:
@@ -404,7 +404,7 @@ def _execute(run: str, plan: RepairPlan, lock: RunLock, *, undo: bool) -> Repair
 
 
 def _check_writable(folder: str) -> None:
-    if io.is_local(folder) and not os.access(io.local_path(folder), os.W_OK | os.X_OK):
+    if not io.writable(folder):
         raise CkptctlError(f"{folder} is not writable: repair cannot change it; nothing was changed")
 
 
@@ -510,8 +510,7 @@ def _remove_pointer(path: str, *, link: bool) -> None:
     if read_pointer(path) is None:  # refuses a link or a folder
         return
     io.delete_file(path)
-    if io.is_local(path):
-        io.fsync_dir(os.path.dirname(os.path.abspath(io.local_path(path))))
+    io.fsync_dir(io.parent_of(path))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -534,14 +533,14 @@ def plan_undo(run: str) -> RepairPlan:
     box = io.join(run, trash.TRASH_NAME, trash.QUARANTINE_NAME)
     actions, notes, left = [], [], []
     unrecorded = []
-    for name, data in trash.quarantined(io.local_path(run)) if io.is_local(run) else ():
+    for name, data in trash.quarantined(run):
         record = _parsed(data)
         origin = _inside(record.get("origin"))
         if origin is None:
             left.append(f"{io.join(box, name)}: its record does not say where it came from; left in quarantine")
             continue
         destination = io.join(run, origin)
-        if os.path.lexists(io.local_path(destination)):
+        if io.lexists(destination):
             left.append(f"{io.join(box, name)}: {destination} exists again; left in quarantine")
             continue
         actions.append(RepairAction(RESTORE, io.join(box, name), io.join(box, name), destination))

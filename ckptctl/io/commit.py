@@ -107,6 +107,14 @@ class Publish(abc.ABC):
         self.url = url
         self.markers = markers
         self._on_file = on_file
+        self._uploaded: list[str] = []
+        self._lock = threading.Lock()
+
+    @property
+    def uploaded(self) -> tuple[str, ...]:
+        """The files this commit has put so far, one by one (none for a rename, which moves them all at once)."""
+        with self._lock:
+            return tuple(self._uploaded)
 
     @abc.abstractmethod
     def clear(self, files: Mapping[str, int] | None = None) -> None:
@@ -151,23 +159,6 @@ class RenameInstall(Publish):
 
 class ObjectStoreUpload(Publish):
     """The commit of a local staging folder into a folder of an object store (see the module docstring)."""
-
-    def __init__(
-        self,
-        staging: str,
-        url: str,
-        markers: Markers = trash.no_markers,
-        on_file: Callable[[str], object] | None = None,
-    ) -> None:
-        super().__init__(staging, url, markers, on_file)
-        self._uploaded: list[str] = []
-        self._lock = threading.Lock()
-
-    @property
-    def uploaded(self) -> tuple[str, ...]:
-        """The files this upload has put so far."""
-        with self._lock:
-            return tuple(self._uploaded)
 
     def clear(self, files: Mapping[str, int] | None = None) -> None:
         if files is None:

@@ -160,9 +160,9 @@ MappingOpt = Annotated[
         metavar="MAP",
         help="--to hf: the map of the source framework's tensor names to transformers' (torchtitan: llama3, qwen3; "
         "default: from config.json's model_type), or 'none' to keep the names its own load gives the model "
-        "(Megatron's: one tensor per layer, fused tensors whole, tensor-parallel parts merged): the only way to "
-        "write a source with no config.json to check the output against, which is then not proved to load with "
-        "from_pretrained.",
+        "(Megatron's: one tensor per layer, fused tensors whole, tensor-parallel parts merged); with no config.json "
+        "to check the output against, --to hf is refused unless 'none' is given, and such an output is not proved "
+        "to load with from_pretrained.",
     ),
 ]
 NoCheckModelOpt = Annotated[

@@ -316,7 +316,7 @@ def prepare(src: str, dst: str, options: ConvertOptions) -> Prepared:
         if spec is None:
             notes.append(
                 f"--mapping {NO_NAME_MAP}: the tensors keep the names (and row orders) the {source_layout.name} checkpoint "
-                f"stores, and no model check ran, so {dst} is not proved to load with transformers' from_pretrained"
+                "stores, and no model check ran, so the output is not proved to load with transformers' from_pretrained"
             )
     return Prepared(
         src,

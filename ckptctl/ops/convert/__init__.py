@@ -9,6 +9,10 @@ tensors, names, dtypes and weights), `side_files` (config and tokenizer files), 
 against the model the config names: tied weights, missing, reshaped and leftover tensors), `to_hf` /
 `to_dcp` (the writers), `commit` (staging, digests and the move or upload into DST).
 
+An HF model output is proved a transformers model by the model check, or not written: with no config.json (none
+found, given or recorded by the checkpoint) nothing tells the framework's own names and rotary row orders from
+transformers', so it is refused (`UnprovedModel`) unless the stored names are asked for (`mapping="none"`).
+
 An adapter (`ConvertSource.adapter`: a PEFT LoRA folder) is not a model: it converts merged into its base model
 (`merge_adapter`), whose tensors, config and tokenizer the output takes, the adapted weights computed.
 The adapters a model carries around its layers (`layouts.wrapped`) convert merged into it, or alone as an

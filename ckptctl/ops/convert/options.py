@@ -215,8 +215,9 @@ class ConvertResult:
         base: the base model an adapter was merged into ("" when the source is a model).
         derived: tensors computed rather than copied (the weights an adapter was merged into).
         mapping: how an HF model's names were made transformers': the name of the framework's tensor name map
-            applied (`llama3`), `none` when the tensors keep their own names as asked (`--mapping none`: no
-            config proves the output loads), None when the stored names are the model's own.
+            applied (`llama3`), `none` when the tensors keep their stored names as asked (`--mapping none`; with
+            no config, nothing proves the output loads), None otherwise (names as stored, checked by the config,
+            or a layout's own transformers model: Megatron's).
     """
 
     src: str

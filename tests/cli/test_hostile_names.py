@@ -72,7 +72,7 @@ def _commands(run: Path, out: Path) -> dict[str, tuple[str | Path, ...]]:
         "diff": ("diff", run / "step-20", step),
         "resume-plan": ("resume-plan", run),
         "prune": ("prune", run, "--keep-last", "1", "--grace", "0s", "--dry-run"),
-        "convert": ("convert", step, out),
+        "convert": ("convert", step, out, "--mapping", "none"),  # the demo's toy model has no config
     }
 
 

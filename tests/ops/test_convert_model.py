@@ -246,7 +246,7 @@ def test_logits_that_differ_from_the_source_are_caught(hf_model_dirs: dict[str, 
     tensors["model.layers.0.mlp.down_proj.weight"] *= 3
     save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
     source = open_checkpoint(str(hf_model_dirs["single"]))
-    plan, _ = plan_tensors(source, get_layout("hf"), ConvertOptions(), [])
+    plan, _, _ = plan_tensors(source, get_layout("hf"), ConvertOptions(), [])
     config = json.loads((dst / "config.json").read_text())
     with pytest.raises(ModelMismatch, match="logits differ from the source's"):
         compare_logits(source, plan, str(dst), config)

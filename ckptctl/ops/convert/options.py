@@ -214,6 +214,10 @@ class ConvertResult:
             was none (no config, no architecture named, transformers not importable, `check_model` off).
         base: the base model an adapter was merged into ("" when the source is a model).
         derived: tensors computed rather than copied (the weights an adapter was merged into).
+        mapping: how an HF model's names were made transformers': the name of the framework's tensor name map
+            applied (`llama3`), `none` when the tensors keep their stored names as asked (`--mapping none`; with
+            no config, nothing proves the output loads), None otherwise (names as stored, checked by the config,
+            or a layout's own transformers model: Megatron's).
     """
 
     src: str
@@ -236,6 +240,7 @@ class ConvertResult:
     model: ModelCheck | None = None
     base: str = ""
     derived: int = 0
+    mapping: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -261,4 +266,5 @@ class ConvertResult:
             "model_check": self.model.to_json() if self.model is not None else None,
             "base": self.base or None,
             "derived_tensors": self.derived,
+            "mapping": self.mapping,
         }

@@ -105,9 +105,10 @@ def plan_tensors(
     *,
     base: Checkpoint | None = None,
     adapter_settings: SettingsFinder | None = None,
-) -> tuple[list[Planned], Weights]:
-    """The output tensors of `checkpoint` (opened by `layout`), and which weights they are; appends what
-    the user should know to `notes`.
+) -> tuple[list[Planned], Weights, str | None]:
+    """The output tensors of `checkpoint` (opened by `layout`), which weights they are, and the name of the
+    framework's tensor name map applied (`NameMap.mapping`; None: none was); appends what the user should know
+    to `notes`.
 
     Args:
         config: the parsed config.json the output gets (the name map of an HF output may need it).
@@ -133,7 +134,7 @@ def plan_tensors(
         if not base_named:
             raise CkptctlError(f"the base model {base.url} holds no model tensors")
         merged = adapter.merge(base.url, base_named, notes)
-        return _planned(_renamed(merged, renames), frozenset(), options), Weights.STORED
+        return _planned(_renamed(merged, renames), frozenset(), options), Weights.STORED, None
     index = checkpoint.tensor_index()
     masters = _master_weights(checkpoint, layout, options, notes) if options.component is Component.MODEL else None
     strip_prefix = options.strip_prefix
@@ -159,7 +160,7 @@ def plan_tensors(
         if wrapped is not None:
             found = adapter_settings(wrapped.settings_files) if adapter_settings is not None else {}
             model = wrapped.merge(checkpoint.url, found, notes, given)
-            return _planned(_renamed(model, renames), upcast, options), weights
+            return _planned(_renamed(model, renames), upcast, options), weights, None
         if given is not None:
             raise CkptctlError(
                 f"--lora-alpha scales LoRA adapters, and the model of {checkpoint.url} carries none around its layers",
@@ -189,7 +190,7 @@ def plan_tensors(
                 "is the config (--config) this model's?",
             )
         plan.append(Planned(entry, name, dtype, order))
-    return plan, weights
+    return plan, weights, name_map.mapping if name_map is not None else None
 
 
 def plan_adapter(

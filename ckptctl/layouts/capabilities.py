@@ -22,13 +22,15 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar, runtime_checkable
 
 from ckptctl import io
 from ckptctl.checkpoint import Checkpoint, Problem, SizedTensor, TensorEntry
 from ckptctl.errors import CkptctlError
 from ckptctl.layouts.naming import NameStripper
-from ckptctl.layouts.parts.value_head import HeadTask
+
+if TYPE_CHECKING:
+    from ckptctl.layouts.parts.value_head import HeadTask
 
 __all__ = [
     "CONVERT_SOURCE",

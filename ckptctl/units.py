@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import re
 from datetime import timedelta
-from fractions import Fraction
 
 __all__ = ["MAX_AGE", "MAX_SIZE", "format_age", "format_size", "parse_age", "parse_size"]
 
@@ -55,6 +54,8 @@ def parse_size(text: str, *, minimum: int = 0) -> int:
         raise ValueError(f"{_shown(text)} is not a size (examples: 500GB, 2TiB, 800MB, 20KB, 1000000)")
     if len(m.group(1)) > _MAX_DIGITS:
         raise ValueError(f"{_shown(text)}: the size must be at most 8EiB")
+    from fractions import Fraction  # imported here: it pulls in decimal, a cost to every command at start-up
+
     value = int(Fraction(m.group(1)) * _SIZE_UNITS[unit])
     if value < minimum:
         raise ValueError(f"{_shown(text)}: the size must be at least {format_size(minimum)}")

@@ -11,17 +11,18 @@ import itertools
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
+from typing import TYPE_CHECKING
 
 from ckptctl import io
 from ckptctl.checkpoint import Checkpoint, CheckpointRef, Problem
 from ckptctl.contract.load_set import LoadMember, check_load_set
-from ckptctl.contract.resume import ResumeProfile, generic_profile
 from ckptctl.contract.step_names import step_from_name  # noqa: F401  (re-exported: the layouts use one rule set)
 from ckptctl.errors import CkptctlError
-from ckptctl.formats.dcp_folder_metadata import dcp_item_archives
-from ckptctl.formats.dcp_metadata import METADATA_NAME, RANK_METADATA
 from ckptctl.formats.torch_zip import TorchArchive
 from ckptctl.io import DirEntry
+
+if TYPE_CHECKING:
+    from ckptctl.contract.resume import ResumeProfile
 
 
 class Layout:
@@ -172,6 +173,8 @@ class Layout:
     def resume_profile(self) -> ResumeProfile:
         """How the framework that wrote this layout's checkpoints resumes from them (`resume-plan`): its
         setting, world-size rules, what it restores and its traps. The default is a generic plan."""
+        from ckptctl.contract.resume import generic_profile
+
         return generic_profile(self.name)
 
 
@@ -195,7 +198,12 @@ def default_torch_archives(checkpoint: Checkpoint) -> tuple[TorchArchive, ...]:
     """
     archives: list[TorchArchive] = []
     folders = set()
-    for rel in checkpoint.files:
+    # Both metadata names end so; the DCP readers are imported only where such a file is (a command's fixed cost).
+    named = [rel for rel in checkpoint.files if rel.endswith(".metadata")]
+    if named:
+        from ckptctl.formats.dcp_folder_metadata import dcp_item_archives
+        from ckptctl.formats.dcp_metadata import METADATA_NAME, RANK_METADATA
+    for rel in named:
         folder, _, name = rel.rpartition("/")
         if name == METADATA_NAME or RANK_METADATA.match(name):
             folders.add(folder)

@@ -25,7 +25,7 @@ import math
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from functools import cache, partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckptctl import io
 from ckptctl.checkpoint import (
@@ -51,11 +51,12 @@ from ckptctl.families.hf_rank_shards import (
     shards_index,
     shards_problems,
 )
-from ckptctl.families.torch_file import torch_file_problems
 from ckptctl.formats.documents import read_json
 from ckptctl.formats.safetensors import read_header
-from ckptctl.formats.torch_pickle import TorchPickle, open_torch_pickle
 from ckptctl.io import DirEntry
+
+if TYPE_CHECKING:
+    from ckptctl.formats.torch_pickle import TorchPickle
 
 INDEX_NAMES = ("model.safetensors.index.json", "adapter_model.safetensors.index.json")
 _SHARD = re.compile(r"^(?P<stem>.+)-(?P<i>\d{5})-of-(?P<n>\d{5})\.(?P<ext>safetensors|bin)$")
@@ -302,6 +303,9 @@ def verify_model_files(url: str, files: Mapping[str, int]) -> list[Problem]:
         problems += _locate(located, rel, (rec.name for rec in header.tensors))
     problems += _placement_problems(weight_map, located, files)
     located = {}
+    if legacy:  # the pickle readers cost every command their import: only torch.save weights need them
+        from ckptctl.families.torch_file import torch_file_problems
+        from ckptctl.formats.torch_pickle import open_torch_pickle
     for rel in legacy:
         opened, found = torch_file_problems(rel, partial(open_torch_pickle, io.join(url, rel), files[rel]))
         problems += found
@@ -568,6 +572,8 @@ def legacy_weight_files(url: str, names: set[str]) -> list[str]:
 def legacy_index(url: str, weights: Sequence[str], files: Mapping[str, int]) -> tuple[TensorEntry, ...]:
     """The tensors of the torch.save files `weights` (relative to `url`), from their zip directories and
     `data.pkl` (read with the allowlist), all of the model. See `torch_file_entries` for tied weights."""
+    from ckptctl.formats.torch_pickle import open_torch_pickle
+
     entries: list[TensorEntry] = []
     for rel in weights:
         opened = open_torch_pickle(io.join(url, rel), files.get(rel))

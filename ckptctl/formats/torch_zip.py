@@ -26,15 +26,17 @@ from __future__ import annotations
 import contextlib
 import io
 import struct
-import zipfile
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckptctl import io as ckpt_io
 from ckptctl.errors import CorruptCheckpoint
 from ckptctl.io.sweep import Feed, ReadInto, Span, Sweep, open_ranges
+
+if TYPE_CHECKING:
+    import zipfile
 
 __all__ = [
     "SMALL_ARCHIVE",
@@ -266,6 +268,8 @@ def archive_members(read_at: ReadAt, length: int, base: int, where: str) -> Arch
         CorruptCheckpoint: no zip directory (truncated, or not a zip), a damaged directory or local header,
             a record outside the archive, or a compressed or encrypted record (torch writes neither).
     """
+    import zipfile  # imported here: every command imports this module, only torch.save archives need zipfile
+
     reader = RangeReader(read_at, length)
     try:
         with zipfile.ZipFile(reader) as archive:

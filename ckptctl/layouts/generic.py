@@ -27,20 +27,22 @@ import struct
 from collections.abc import Sequence
 from dataclasses import replace
 from functools import cache, lru_cache
+from typing import TYPE_CHECKING
 
 from ckptctl import io
 from ckptctl.checkpoint import Checkpoint, CheckpointRef, CheckpointState, Component, Problem, ProblemKind
 from ckptctl.contract.base import Layout, timestamp
-from ckptctl.contract.resume import PlanContext, ResumeProfile, generic_profile
 from ckptctl.contract.step_names import CHECKPOINT_SUFFIXES, NameFacts, name_facts
-from ckptctl.contract.training_state import TrainingState, read_training_state
 from ckptctl.errors import CkptctlError, UnknownLayout
 from ckptctl.formats.safetensors import read_header
-from ckptctl.formats.torch_pickle_classes import OPAQUE_PICKLE_GLOBALS
 from ckptctl.formats.torch_zip import TorchArchive
 from ckptctl.io import DirEntry
 from ckptctl.layouts.run_state import run_state_files
 from ckptctl.quoting import shell
+
+if TYPE_CHECKING:
+    from ckptctl.contract.resume import PlanContext, ResumeProfile
+    from ckptctl.contract.training_state import TrainingState
 
 __all__ = [
     "GENERIC",
@@ -117,7 +119,10 @@ def _content(url: str, size: int, mtime: float) -> str | None:
 def _training_state(url: str, size: int, mtime: float) -> TrainingState | None:
     """What a torch.save file holds when its top-level keys make it a training state with a model (the pickle
     read through the allowlist, cached by size and time: the walk asks once per file); else None."""
+    # Imported here: the pickle readers cost every command their import, and only torch.save files need them.
+    from ckptctl.contract.training_state import read_training_state
     from ckptctl.formats.torch_pickle import open_torch_pickle
+    from ckptctl.formats.torch_pickle_classes import OPAQUE_PICKLE_GLOBALS
 
     try:
         root = open_torch_pickle(url, size, OPAQUE_PICKLE_GLOBALS).root
@@ -292,6 +297,8 @@ class GenericLayout(Layout):
 
     def resume_profile(self) -> ResumeProfile:
         """Nothing a resume can be judged by."""
+        from ckptctl.contract.resume import ResumeProfile, generic_profile
+
         profile = generic_profile(GENERIC)
         return ResumeProfile(
             framework=profile.framework, hint=profile.hint, world_size=profile.world_size, resumable=False
@@ -365,6 +372,8 @@ class TrainingStateLayout(Layout):
 
     def resume_profile(self) -> ResumeProfile:
         """What its keys hold is what a resume restores; the framework that wrote it is not known."""
+        from ckptctl.contract.resume import generic_profile
+
         return replace(generic_profile(TRAINING_STATE), hint=_training_state_hint)
 
     def _ref_and_file(self, url: str) -> tuple[CheckpointRef, str]:

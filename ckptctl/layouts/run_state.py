@@ -13,14 +13,16 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckptctl import io
 from ckptctl.checkpoint import Checkpoint, CheckpointRef, CheckpointState, Component, Problem, Role
-from ckptctl.contract.resume import ResumeProfile, generic_profile
 from ckptctl.errors import CkptctlError
 from ckptctl.formats.documents import as_real, as_whole, read_json
 from ckptctl.io import DirEntry
+
+if TYPE_CHECKING:
+    from ckptctl.contract.resume import ResumeProfile
 
 __all__ = [
     "RUN_STATE_NAMES",
@@ -69,6 +71,8 @@ def _position(ref: CheckpointRef) -> tuple[int, float, float]:
 
 def run_state_profile(profile: ResumeProfile, ref: CheckpointRef) -> ResumeProfile:
     """How a model folder resumes with the run state beside it: restored from both (no framework rules known)."""
+    from ckptctl.contract.resume import generic_profile
+
     framework = f"{profile.framework} + {io.name_of(ref.run_state)}"
     return replace(generic_profile(framework), world_size=profile.world_size)
 

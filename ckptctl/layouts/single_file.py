@@ -17,6 +17,7 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from functools import cache, partial
+from typing import TYPE_CHECKING
 
 from ckptctl import io
 from ckptctl.checkpoint import (
@@ -29,17 +30,15 @@ from ckptctl.checkpoint import (
     TensorEntry,
 )
 from ckptctl.contract.base import Layout, timestamp
-from ckptctl.contract.training_state import TrainingState, model_name, read_training_state
 from ckptctl.errors import CkptctlError, UnknownLayout
-from ckptctl.families.dcp_folder import component_classifier
 from ckptctl.families.hf_folder import safetensors_index, torch_file_entries
-from ckptctl.families.torch_file import torch_file_problems
-from ckptctl.formats.safe_pickle import opaque_values
 from ckptctl.formats.safetensors import read_header
-from ckptctl.formats.torch_pickle import TorchPickle, open_torch_pickle
-from ckptctl.formats.torch_pickle_classes import OPAQUE_PICKLE_GLOBALS
 from ckptctl.formats.torch_zip import TorchArchive
 from ckptctl.io import DirEntry
+
+if TYPE_CHECKING:
+    from ckptctl.contract.training_state import TrainingState
+    from ckptctl.formats.torch_pickle import TorchPickle
 
 #: The chunk file name of a single-file checkpoint: the checkpoint itself.
 SELF = ""
@@ -88,6 +87,12 @@ class TorchFile(_FileLayout):
     name = "torch"
 
     def open(self, url: str) -> Checkpoint:
+        # Imported here: the pickle readers cost every command their import, and only torch.save files need them.
+        from ckptctl.contract.training_state import read_training_state
+        from ckptctl.formats.safe_pickle import opaque_values
+        from ckptctl.formats.torch_pickle import open_torch_pickle
+        from ckptctl.formats.torch_pickle_classes import OPAQUE_PICKLE_GLOBALS
+
         ref = file_ref(url, self.name)
         opened = open_torch_pickle(url, ref.size_bytes, OPAQUE_PICKLE_GLOBALS)
         state = read_training_state(opened.root)
@@ -123,6 +128,11 @@ class TorchFile(_FileLayout):
 
     def verify(self, checkpoint: Checkpoint) -> list[Problem]:
         """`data.pkl` loads with the allowlist and every storage it names lies whole inside the file."""
+        from ckptctl.families.torch_file import torch_file_problems
+        from ckptctl.formats.safe_pickle import opaque_values
+        from ckptctl.formats.torch_pickle import open_torch_pickle
+        from ckptctl.formats.torch_pickle_classes import OPAQUE_PICKLE_GLOBALS
+
         opened, problems = torch_file_problems(
             SELF, partial(open_torch_pickle, checkpoint.url, checkpoint.ref.size_bytes, OPAQUE_PICKLE_GLOBALS)
         )
@@ -139,6 +149,8 @@ class TorchFile(_FileLayout):
 def _tensor_entries(opened: TorchPickle, state: TrainingState) -> tuple[TensorEntry, ...]:
     """Every tensor of the file, as RAW chunks into it (see `torch_file_entries`); a training state's model
     tensors under the model's own names (`model_name`), unless that would give two tensors one name."""
+    from ckptctl.contract.training_state import model_name
+
     classify: Callable[[str], Component]
     if state.components:
         classify = state.component_of
@@ -178,6 +190,8 @@ def _classifier_with_evidence(names: list[str]) -> Callable[[str], Component]:
     rest is model weights only when one of them is named as parameters are (`*.weight`, `*.bias`); otherwise
     it is `extra`, which `convert` refuses to publish as a model, rather than writing Adam moments into
     model.safetensors."""
+    from ckptctl.families.dcp_folder import component_classifier
+
     keys = component_classifier(names)
     optimizer = {name for name in names if not _OPTIMIZER_STATE_NAMES.isdisjoint(name.split("."))}
     evidence = any(_PARAMETER_NAMES.search(name) for name in names if name not in optimizer)

@@ -24,14 +24,13 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckptctl import io
 from ckptctl.checkpoint import Checkpoint, Problem, ProblemKind, TensorChunk, TensorEntry, dtype_itemsize
 from ckptctl.errors import CkptctlError, CorruptCheckpoint
 from ckptctl.formats.chunks import entry_tiling_problem, read_chunk
 from ckptctl.formats.manifest import FileRecord, Manifest
-from ckptctl.formats.raw_chunks import ChunkLocator
 from ckptctl.formats.torch_zip import (
     SMALL_ARCHIVE,
     ArchiveReader,
@@ -48,6 +47,9 @@ from ckptctl.ops.digests import DigestPlan
 from ckptctl.ops.distributed_work import Ranks
 from ckptctl.ops.report import Progress
 from ckptctl.ops.sweeping import sweep_jobs, threads_for
+
+if TYPE_CHECKING:
+    from ckptctl.formats.raw_chunks import ChunkLocator
 
 __all__ = ["ContentChecks", "ContentReport", "check_content"]
 
@@ -550,6 +552,8 @@ class _DeepPlan:
             index = ()
         self.count = len(index)
         progress.start("locating tensors", len(index))
+        from ckptctl.formats.raw_chunks import ChunkLocator  # torch.save's readers: for reading tensors alone
+
         with ChunkLocator(checkpoint.url) as locator:
             for entry in index:
                 self._states.append(self._plan(checkpoint.url, locator, entry, check_finite))

@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -324,6 +323,8 @@ def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
 
 
 def _free_port() -> int:
+    import socket  # imported here: only a launch needs it, and every command imports this module
+
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])

@@ -25,6 +25,19 @@ ROOT = Path(__file__).resolve().parents[2]
 HEAVY = ("torch", "numpy", "transformers", "safetensors", "accelerate", "deepspeed", "fsspec", "pydantic")
 
 
+#: Readers a safetensors file never needs: torch.save's zip and pickle, DCP's metadata, resume plans.
+_OTHER_FORMATS = {
+    "ckptctl.formats.dcp_metadata",
+    "ckptctl.formats.safe_pickle",
+    "ckptctl.formats.torch_pickle",
+    "ckptctl.formats.torch_save",
+    "ckptctl.formats.raw_chunks",
+    "ckptctl.families.dcp_folder",
+    "ckptctl.contract.resume",
+    "ckptctl.contract.training_state",
+}
+
+
 def _imported(*args: str) -> tuple[int, str, set[str]]:
     """Exit code, stdout and the modules loaded at the end of `ckptctl ARGS`, run in a fresh interpreter."""
     script = (
@@ -67,6 +80,8 @@ def test_verify_of_a_file_imports_only_what_it_runs(tmp_path: Path) -> None:
     # The other commands' library code: slim (with prune and the run lock) and resume-plan are for --latest
     # and slimmed checkpoints alone.
     assert {"ckptctl.ops.slim", "ckptctl.ops.prune", "ckptctl.ops.resume_plan", "ckptctl.core.lock"} & modules == set()
+    # Nor the readers of other formats: torch.save pickles and DCP metadata (their import is most of the rest).
+    assert {m for m in modules if m in _OTHER_FORMATS} == set()
 
 
 def test_help_imports_every_command_and_nothing_heavy() -> None:

@@ -189,6 +189,9 @@ def test_fp32_against_its_bf16_cast_within_and_over_the_tolerance(
         x, y = fp32[found.name].double(), bf16[found.name].double()
         assert found.mismatched == int(((x - y).abs() > 2**-10 * x.abs()).sum())
         assert found.max_abs_diff == float((x - y).abs().max())
+        # The L2 sums are float64 too, in another order: equal to the last few bits.
+        norm = math.sqrt(max(float((x * x).sum()), float((y * y).sum())))
+        assert found.rel_l2 == pytest.approx(math.sqrt(float(((x - y) ** 2).sum())) / norm, rel=1e-12)
     same_document(tight, whole_report(monkeypatch, single, cast, options))
 
 

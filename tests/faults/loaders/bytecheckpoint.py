@@ -55,12 +55,11 @@ def _local(tree: Any) -> Any:
 def load(path: str, options: Mapping[str, Any]) -> Any:
     import bytecheckpoint as bcp
     import torch
+    from bytecheckpoint.engine import _load_engine
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     from tests.writers.models import tiny_llama
-
-    from bytecheckpoint.engine import _load_engine
 
     # A training process loads once; this one loads every cell with the same ByteCheckpoint load engine, which
     # would re-raise the failed read of the previous cell in its next load (bytecheckpoint/engine/

@@ -76,7 +76,9 @@ def test_help_imports_every_command_and_nothing_heavy() -> None:
     assert code == 0 and "verify" in stdout
     assert set(COMMANDS.values()) <= modules
     assert _heavy(modules) == []
-    assert DEFAULT_LAST == report_page.DEFAULT_LAST  # one value (`ops.report`), which `cli.report` takes without that module
+    assert (
+        DEFAULT_LAST == report_page.DEFAULT_LAST
+    )  # one value (`ops.report`), which `cli.report` takes without that module
 
 
 def test_the_light_coercion_returns_what_typer_returns() -> None:

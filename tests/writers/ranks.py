@@ -41,16 +41,17 @@ PRELOAD = (
 )
 
 
-def run_ranks(fn: Callable[..., None], args: tuple[Any, ...] = (), nprocs: int = 1) -> None:
+def run_ranks(fn: Callable[..., None], args: tuple[Any, ...] = (), nprocs: int = 1, join: bool = True) -> Any:
     """`fn(rank, *args)` in `nprocs` processes forked from the pre-imported server, joined; raises as
-    `torch.multiprocessing.spawn` does (`ProcessRaisedException`, `ProcessExitedException`).
+    `torch.multiprocessing.spawn` does (`ProcessRaisedException`, `ProcessExitedException`). With `join=False`
+    returns `spawn`'s `ProcessContext` unjoined (its `processes`, their exit codes).
 
     `fn` and `args` travel by pickle, as with `spawn`: `fn` is a module-level function."""
     import torch.multiprocessing as torch_mp
 
     _preload_once()
-    torch_mp.start_processes(
-        _rank, args=(fn, dict(os.environ), args), nprocs=nprocs, join=True, start_method="forkserver"
+    return torch_mp.start_processes(
+        _rank, args=(fn, dict(os.environ), args), nprocs=nprocs, join=join, start_method="forkserver"
     )
 
 

@@ -6,8 +6,9 @@ copy is the checkpoint's folder under its own name in a folder of its own, every
 to the original (a cheap copy; neither the loaders nor `verify` write to them, and the session's check of the
 cache would fail if one did).
 
-`loader_verdicts` runs one framework's loader (`python -m tests.faults.loaders.NAME`, which imports the
-framework once and loads the undamaged copy, then every damaged one) and returns its verdict per cell:
+`loader_verdicts` runs one framework's loader (the module `tests.faults.loaders.NAME` as `python -m` runs it, in a
+process of its own forked from the writers' server that has imported torch: `tests.writers.ranks`; it imports
+the framework once and loads the undamaged copy, then every damaged one) and returns its verdict per cell:
 `ok` (every tensor and value the reference load restored is restored equal), `failed: <exception>` or
 `lost: <what>` (it loaded, but some saved state is missing or different, or it warned about it).
 
@@ -20,11 +21,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+
+from tests.writers.ranks import run_ranks
 
 __all__ = ["FAULTS", "FLIP_MIN_BYTES", "Cell", "cells", "damaged_copy", "loader_verdicts", "write_damaged"]
 
@@ -124,24 +126,29 @@ def loader_verdicts(loader: str, checkpoint: Path, **options: object) -> dict[st
             "out": str(Path(tmp) / "verdicts.json"),
         }
         (Path(tmp) / "spec.json").write_text(json.dumps(spec))
-        env = {
-            **os.environ,
-            "PYTHONPATH": str(REPO),
-            "HF_HUB_OFFLINE": "1",
-            "TRANSFORMERS_VERBOSITY": "error",
-            "TOKENIZERS_PARALLELISM": "false",
-            "OMP_NUM_THREADS": "1",
-        }
-        done = subprocess.run(
-            [sys.executable, "-m", loader, str(Path(tmp) / "spec.json")],
-            cwd=REPO,
-            env=env,
-            capture_output=True,
-            text=True,
-            check=False,
-        )
+        environment = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error", "TOKENIZERS_PARALLELISM": "false"}
+        run_ranks(_loader_process, (loader, str(Path(tmp) / "spec.json")), 1, environment=environment)
         out = Path(spec["out"])  # type: ignore[arg-type]
-        if done.returncode or not out.exists():
-            raise RuntimeError(f"{loader} exited {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}")
+        if not out.exists():
+            raise RuntimeError(f"{loader} wrote no verdicts")
         verdicts: dict[str, str] = json.loads(out.read_text())
     return verdicts
+
+
+def _loader_process(_rank: int, loader: str, spec: str) -> None:
+    """The loader process: `python -m LOADER SPEC` (its `main()`, else `run(load)`), forked from the writers'
+    pre-imported server (`tests.writers.ranks`) rather than a fresh interpreter importing torch again."""
+    import importlib
+
+    import torch
+
+    from tests.faults.loaders.common import run
+
+    torch.set_num_threads(1)  # OMP_NUM_THREADS=1, as the loaders ran before: tiny loads, no thread pool
+    sys.argv = [loader, spec]
+    module = importlib.import_module(loader)
+    main = getattr(module, "main", None)
+    if main is not None:
+        main()
+    else:
+        run(module.load)

@@ -21,7 +21,7 @@ import multiprocessing
 import multiprocessing.forkserver
 import os
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 __all__ = ["PRELOAD", "free_port", "run_ranks"]
@@ -41,17 +41,25 @@ PRELOAD = (
 )
 
 
-def run_ranks(fn: Callable[..., None], args: tuple[Any, ...] = (), nprocs: int = 1, join: bool = True) -> Any:
+def run_ranks(
+    fn: Callable[..., None],
+    args: tuple[Any, ...] = (),
+    nprocs: int = 1,
+    join: bool = True,
+    environment: Mapping[str, str] | None = None,
+) -> Any:
     """`fn(rank, *args)` in `nprocs` processes forked from the pre-imported server, joined; raises as
     `torch.multiprocessing.spawn` does (`ProcessRaisedException`, `ProcessExitedException`). With `join=False`
-    returns `spawn`'s `ProcessContext` unjoined (its `processes`, their exit codes).
+    returns `spawn`'s `ProcessContext` unjoined (its `processes`, their exit codes). The ranks' environment is
+    this process's with `environment` added.
 
     `fn` and `args` travel by pickle, as with `spawn`: `fn` is a module-level function."""
     import torch.multiprocessing as torch_mp
 
     _preload_once()
+    ranks_environment = {**os.environ, **(environment or {})}
     return torch_mp.start_processes(
-        _rank, args=(fn, dict(os.environ), args), nprocs=nprocs, join=join, start_method="forkserver"
+        _rank, args=(fn, ranks_environment, args), nprocs=nprocs, join=join, start_method="forkserver"
     )
 
 

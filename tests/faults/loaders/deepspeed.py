@@ -1,5 +1,6 @@
 """DeepSpeed engines loading their own tags, and the frameworks that resume through them, on 2 gloo CPU ranks
-(`DS_ACCELERATOR=cpu`): one spawn for every DeepSpeed-based checkpoint of the matrix, one engine per job.
+(`DS_ACCELERATOR=cpu`): one pair of ranks (forked by `tests.writers.ranks`) for every DeepSpeed-based
+checkpoint of the matrix, one engine per job.
 
 - `deepspeed-zero2` / `deepspeed-zero3`: the suite's `global_step4` (`tests.writers.deepspeed_writer`), loaded
   with `engine.load_checkpoint(save_dir, tag)` (deepspeed/runtime/engine.py: DeepSpeedEngine.load_checkpoint)
@@ -37,16 +38,15 @@ from __future__ import annotations
 import json
 import os
 import random
-import socket
-import subprocess
 import sys
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from tests.faults.cells import REPO, cells, make_copies
+from tests.faults.cells import cells, make_copies
 from tests.faults.loaders.common import judge, load_capturing, without_path
+from tests.writers.ranks import free_port, run_ranks
 
 #: What a rank keeps between the cells of a job: the engine and what the job's load needs.
 _job: dict[str, Any] = {}
@@ -307,36 +307,10 @@ def build(checkpoints: Mapping[str, Mapping[str, Any]], _out: Path) -> dict[str,
         (Path(tmp) / "spec.json").write_text(json.dumps(spec))
         # A rank left waiting on the other (a hang the first-read check did not foresee) fails the build in 2
         # minutes rather than DeepSpeed's default 10 (deepspeed/constants.py: default_pg_timeout).
-        env = {
-            **os.environ,
-            "PYTHONPATH": str(REPO),
-            "HF_HUB_OFFLINE": "1",
-            "OMP_NUM_THREADS": "1",
-            "DEEPSPEED_TIMEOUT": "2",
-        }
-        done = subprocess.run(
-            [sys.executable, "-m", __name__, str(Path(tmp) / "spec.json")],
-            cwd=REPO,
-            env=env,
-            capture_output=True,
-            text=True,
-            check=False,
-        )
+        environment = {"HF_HUB_OFFLINE": "1", "DEEPSPEED_TIMEOUT": "2"}
+        run_ranks(_rank, (str(Path(tmp) / "spec.json"), free_port()), 2, environment=environment)
         out = Path(spec["out"])
-        if done.returncode or not out.exists():
-            raise RuntimeError(f"{__name__} exited {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}")
+        if not out.exists():
+            raise RuntimeError(f"{__name__} wrote no verdicts")
         verdicts: dict[str, dict[str, str]] = json.loads(out.read_text())
     return verdicts
-
-
-def main() -> None:
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_rank, args=(sys.argv[1], port), nprocs=2, join=True)
-
-
-if __name__ == "__main__":
-    main()

@@ -27,6 +27,8 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+from tests.writers.ranks import run_ranks
+
 __all__ = ["STEPS", "WORLD_SIZE", "WrittenBytecheckpoint", "write_bytecheckpoint_run"]
 
 WORLD_SIZE = 2
@@ -140,8 +142,6 @@ def _rank(rank: int, rendezvous: str, root: str) -> None:
 
 def write_bytecheckpoint_run(root: Path) -> WrittenBytecheckpoint:
     """Run ByteCheckpoint's saves on `WORLD_SIZE` spawned CPU ranks into `root` (see the module docstring)."""
-    import torch.multiprocessing as mp
-
     from tests.writers.models import tiny_llama
 
     root.mkdir(parents=True, exist_ok=True)
@@ -149,7 +149,7 @@ def write_bytecheckpoint_run(root: Path) -> WrittenBytecheckpoint:
     model.config.architectures = ["LlamaForCausalLM"]  # what save_pretrained records
     model.config.save_pretrained(root / "config")
     rendezvous = root / ".rendezvous"
-    mp.spawn(_rank, args=(str(rendezvous), str(root)), nprocs=WORLD_SIZE)
+    run_ranks(_rank, (str(rendezvous), str(root)), WORLD_SIZE)
     rendezvous.unlink(missing_ok=True)
     parameters = sum(p.numel() for p in model.parameters())
     (root / "written.json").write_text(json.dumps({"parameters": parameters}))

@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from tests.writers.ranks import run_ranks
+
 __all__ = [
     "WrittenDcp",
     "flatten",
@@ -146,13 +148,11 @@ def write_fsdp_dcp(root: Path, name: str = "step-1", world_size: int = 2) -> Wri
 
     Takes a few seconds (each rank imports torch); use it from a session-scoped fixture.
     """
-    import torch.multiprocessing as mp
-
     root.mkdir(parents=True, exist_ok=True)
     path = root / name
     reference = root / f"{name}.reference.safetensors"
     rendezvous = root / f".{name}.rendezvous"
-    mp.spawn(_fsdp_worker, args=(world_size, str(rendezvous), str(path), str(reference)), nprocs=world_size)
+    run_ranks(_fsdp_worker, (world_size, str(rendezvous), str(path), str(reference)), world_size)
     rendezvous.unlink(missing_ok=True)
     info = json.loads(reference.with_suffix(".json").read_text())
     return WrittenDcp(path, reference, info["params"], world_size, tuple(info["non_tensor_keys"]))

@@ -49,6 +49,8 @@ from typing import Any
 
 import torch
 
+from tests.writers.ranks import run_ranks
+
 __all__ = ["TRACKER", "WrittenMegatron", "gpt_model", "write_megatron_runs"]
 
 #: Megatron-LM's tracker file (`get_checkpoint_tracker_filename`).
@@ -458,12 +460,10 @@ def write_megatron_runs(root: Path) -> WrittenMegatron:
     they wrote."""
     from importlib.metadata import version
 
-    import torch.multiprocessing as mp
-
     root.mkdir(parents=True, exist_ok=True)
     counts = _sources(root)
     rendezvous = root / ".rendezvous"
-    mp.spawn(_worker, args=(_TP, str(rendezvous), str(root)), nprocs=_TP)
+    run_ranks(_worker, (_TP, str(rendezvous), str(root)), _TP)
     rendezvous.unlink(missing_ok=True)
     (root / _SOURCES).unlink()
     return WrittenMegatron(

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tests.writers.ranks import run_ranks
 from tests.writers.stand_ins import InertModule, StandIns
 
 __all__ = ["HF_CONFIG", "TOKENS", "WrittenTorchtitan", "model_parameters", "write_torchtitan_run"]
@@ -263,8 +264,6 @@ def _worker(rank: int, rendezvous: str, dump_folder: str, reference: str) -> Non
 
 def write_torchtitan_run(root: Path) -> WrittenTorchtitan:
     """Run torchtitan's checkpointing in a spawned CPU rank into `root/outputs/` (see the module docstring)."""
-    import torch.multiprocessing as torch_mp
-
     dump_folder = root / "outputs"
     assets = root / "assets"
     assets.mkdir(parents=True)
@@ -276,7 +275,7 @@ def write_torchtitan_run(root: Path) -> WrittenTorchtitan:
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
-        torch_mp.spawn(_worker, args=(str(rendezvous), str(dump_folder), str(reference)), nprocs=1, join=True)
+        run_ranks(_worker, (str(rendezvous), str(dump_folder), str(reference)), 1)
     finally:
         for k, v in old.items():
             if v is None:

@@ -12,6 +12,7 @@ shards, its optimizer state and its extra state.
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Mapping
 from datetime import timedelta
 from pathlib import Path
@@ -86,4 +87,4 @@ def build(checkpoint: Path, _out: Path) -> dict[str, str]:
 
 
 if __name__ == "__main__":
-    run_ranks("tests.faults.loaders.bytecheckpoint", WORLD)
+    run_ranks("tests.faults.loaders.bytecheckpoint", WORLD, sys.argv[1])

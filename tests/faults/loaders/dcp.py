@@ -119,7 +119,9 @@ def main() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_rank, args=(sys.argv[1], port), nprocs=2, join=True)
+    # Forked: this process has only imported modules and read the spec (no thread, no tensor op yet), so its
+    # ranks start with torch imported rather than importing it again each.
+    mp.start_processes(_rank, args=(sys.argv[1], port), nprocs=2, join=True, start_method="fork")
 
 
 if __name__ == "__main__":

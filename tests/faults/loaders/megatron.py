@@ -15,6 +15,7 @@ megatron-core): its steps around the load are the ones cited. Each rank compares
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Mapping
 from datetime import timedelta
 from pathlib import Path
@@ -132,4 +133,4 @@ def build(checkpoint: Path, _out: Path) -> dict[str, str]:
 
 
 if __name__ == "__main__":
-    run_ranks("tests.faults.loaders.megatron", WORLD)
+    run_ranks("tests.faults.loaders.megatron", WORLD, sys.argv[1])

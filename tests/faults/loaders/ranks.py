@@ -1,6 +1,7 @@
 """A loader process whose framework loads on several gloo CPU ranks (the world size the checkpoint was saved on).
 
-`run_ranks(module, world)` spawns `world` ranks; each calls `module.join(rank, world, port)` (it joins the
+`run_ranks(module, world, spec)` starts `world` ranks (forked from the writers' pre-imported server,
+`tests.writers.ranks`); each calls `module.join(rank, world, port)` (it joins the
 process group as the framework's workers do, and imports what it needs), then judges the cells with
 `module.load` (`tests.faults.loaders.common.judge`) against its own load of the reference copy: each rank
 compares the state it holds (its shards). A cell's verdict is the first rank's that is not `ok`, preferring one
@@ -22,13 +23,14 @@ import importlib
 import json
 import os
 import signal
-import socket
-import sys
+from collections.abc import Mapping
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 from tests.faults.loaders.common import judge, load_capturing, without_path
+from tests.writers.ranks import free_port
+from tests.writers.ranks import run_ranks as fork_ranks
 
 __all__ = ["GRACE", "TIMEOUT", "run_ranks"]
 
@@ -104,12 +106,6 @@ def _verdicts(store: Any, i: int, world: int, failed: bool) -> list[str] | None:
         store.set_timeout(TIMEOUT * 2)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _merge(spec: dict[str, Any], world: int) -> dict[str, str]:
     said: dict[str, list[str]] = {}
     for rank in range(world):
@@ -124,17 +120,18 @@ def _merge(spec: dict[str, Any], world: int) -> dict[str, str]:
     return verdicts
 
 
-def run_ranks(module_name: str, world: int) -> None:
-    """The loader process's main (`python -m MODULE SPEC.json`): `world` spawned ranks (see the module's doc)."""
+def run_ranks(module_name: str, world: int, spec_path: str, environment: Mapping[str, str] | None = None) -> None:
+    """`world` ranks of the loader `module_name` on the spec at `spec_path` (see the module's doc), with
+    `environment` added to this process's; the merged verdicts written to the spec's `out`."""
     import torch.multiprocessing as mp
 
-    spec = json.loads(Path(sys.argv[1]).read_text())
+    spec = json.loads(Path(spec_path).read_text())
     abandoned = Path(f"{spec['out']}.abandoned")
     start = 0
     while True:
-        ports = (_free_port(), _free_port())
+        ports = (free_port(), free_port())
         try:
-            mp.spawn(_rank, args=(module_name, world, ports, sys.argv[1], start), nprocs=world, join=True)
+            fork_ranks(_rank, (module_name, world, ports, spec_path, start), world, environment=environment)
             break
         except (mp.ProcessExitedException, mp.ProcessRaisedException):  # a peer may fail on the closed store
             if not abandoned.exists():

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from collections.abc import Mapping
 from datetime import timedelta
 from pathlib import Path
@@ -106,4 +107,4 @@ def build(checkpoint: Path, _out: Path) -> dict[str, str]:
 
 
 if __name__ == "__main__":
-    run_ranks("tests.faults.loaders.roll", WORLD)
+    run_ranks("tests.faults.loaders.roll", WORLD, sys.argv[1])

@@ -20,6 +20,8 @@ from typing import Any
 from tests.faults.cells import loader_verdicts
 from tests.faults.loaders.ranks import run_ranks
 
+WORLD = 1
+
 
 def join(rank: int, world: int, port: int) -> None:
     import warnings
@@ -91,4 +93,4 @@ def build(checkpoint: Path, _out: Path) -> dict[str, str]:
 
 
 if __name__ == "__main__":
-    run_ranks("tests.faults.loaders.torchtitan", 1)
+    run_ranks("tests.faults.loaders.torchtitan", WORLD, sys.argv[1])

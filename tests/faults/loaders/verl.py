@@ -16,6 +16,7 @@ the data loader state.
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -91,4 +92,4 @@ def build(checkpoint: Path, _out: Path) -> dict[str, str]:
 
 
 if __name__ == "__main__":
-    run_ranks("tests.faults.loaders.verl", WORLD)
+    run_ranks("tests.faults.loaders.verl", WORLD, sys.argv[1])

@@ -27,7 +27,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.writers.ranks import run_ranks
+from tests.writers.ranks import join_gloo, run_ranks
 
 __all__ = ["STEPS", "WORLD_SIZE", "WrittenBytecheckpoint", "write_bytecheckpoint_run"]
 
@@ -90,8 +90,7 @@ def _rank(rank: int, rendezvous: str, root: str) -> None:
     from tests.writers.dcp_writer import flatten
     from tests.writers.models import tiny_llama
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=WORLD_SIZE)
+    join_gloo(rank, WORLD_SIZE, rendezvous=rendezvous)
     import bytecheckpoint as bcp
 
     run = os.path.join(root, "run")

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from tests.writers.ranks import run_ranks
+from tests.writers.ranks import join_gloo, run_ranks
 
 __all__ = [
     "WrittenDcp",
@@ -119,9 +119,7 @@ def _fsdp_worker(rank: int, world_size: int, rendezvous: str, path: str, referen
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world_size)
+    join_gloo(rank, world_size, rendezvous=rendezvous)
     try:
         model = sharded_tiny_net(world_size)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)

@@ -22,9 +22,10 @@ import multiprocessing.forkserver
 import os
 import socket
 from collections.abc import Callable, Mapping
+from datetime import timedelta
 from typing import Any
 
-__all__ = ["PRELOAD", "free_port", "run_ranks"]
+__all__ = ["PRELOAD", "free_port", "join_gloo", "run_ranks", "torchrun_variables"]
 
 #: What the server imports once (what every rank imports first; most of a fresh rank's start-up).
 PRELOAD = (
@@ -97,3 +98,36 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def torchrun_variables(rank: int, world: int, port: int) -> None:
+    """Set what torchrun sets for a rank of `world` on this machine (RANK, LOCAL_RANK, WORLD_SIZE,
+    LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), for frameworks that read them rather than take a group."""
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+
+
+def join_gloo(
+    rank: int, world: int, *, rendezvous: str | None = None, port: int | None = None, timeout: timedelta | None = None
+) -> None:
+    """This rank joins a gloo group of `world` CPU ranks, at the file `rendezvous` or at 127.0.0.1:`port`
+    (MASTER_ADDR and MASTER_PORT set, which some frameworks read again), with warnings off and one intra-op
+    thread (the suite's ranks share 2 cores); `timeout` is torch's default where not given."""
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    if port is not None:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    init_method = f"file://{rendezvous}" if rendezvous is not None else None
+    options = {"timeout": timeout} if timeout is not None else {}
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world, **options)

@@ -51,7 +51,7 @@ from typing import Any
 import torch
 
 from tests.writers.deepspeed_writer import WrittenDeepSpeed
-from tests.writers.ranks import run_ranks
+from tests.writers.ranks import join_gloo, run_ranks
 
 __all__ = [
     "AREAL_EXPERIMENT",
@@ -208,10 +208,8 @@ def _fsdp_worker(rank: int, rendezvous: str, areal_trial: str, roll_launch: str)
 
     from tests.writers.models import tiny_llama
 
-    warnings.filterwarnings("ignore")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=WORLD_SIZE)
+    join_gloo(rank, WORLD_SIZE, rendezvous=rendezvous)
     try:
         model = tiny_llama()
         mesh = init_device_mesh("cpu", (WORLD_SIZE,))

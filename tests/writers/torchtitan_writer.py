@@ -27,12 +27,11 @@ import json
 import os
 import sys
 import types
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tests.writers.ranks import run_ranks
+from tests.writers.ranks import join_gloo, run_ranks
 from tests.writers.stand_ins import InertModule, StandIns
 
 __all__ = ["HF_CONFIG", "TOKENS", "WrittenTorchtitan", "model_parameters", "write_torchtitan_run"]
@@ -203,16 +202,14 @@ def _worker(rank: int, rendezvous: str, dump_folder: str, reference: str) -> Non
     import torch
     import torch.distributed as dist
 
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)
     sys.meta_path.append(StandIns("torchtitan", _STOOD_IN, _stand_in))
+    join_gloo(rank, 1, rendezvous=rendezvous)
     from safetensors.torch import save_file
     from torchtitan.components.checkpoint import CheckpointManager
     from torchtitan.components.dataloader import ParallelAwareDataloader
     from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
     from torchtitan.models.llama3 import Llama3StateDictAdapter
 
-    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=1)
     try:
         config = _model_config()
         torch.manual_seed(0)

@@ -14,32 +14,24 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Mapping
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 from tests.faults.cells import loader_verdicts
-from tests.faults.loaders.ranks import run_ranks
+from tests.faults.loaders.ranks import TIMEOUT, run_ranks
+from tests.writers.ranks import join_gloo, torchrun_variables
 
 WORLD = 2
 
 
 def join(rank: int, world: int, port: int) -> None:
-    import warnings
-
-    import torch
-    import torch.distributed as dist
-
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1")
-    os.environ["MASTER_PORT"] = str(port)
+    torchrun_variables(rank, world, port)
     # ByteCheckpoint 0.0.2 reads extra_state files with a bare `torch.load(file_path)`
     # (bytecheckpoint/engine/load_engine.py: load_loader_extra_state), which torch >= 2.6 runs with
     # weights_only=True and which then refuses the file its own save wrote (pickle protocol 4's FRAME opcode):
     # torch's documented switch back to the old default is what a ByteCheckpoint user sets.
     os.environ["TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"] = "1"
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
+    join_gloo(rank, world, port=port, timeout=TIMEOUT)
     import bytecheckpoint  # noqa: F401
 
 

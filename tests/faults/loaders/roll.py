@@ -25,26 +25,18 @@ import json
 import os
 import sys
 from collections.abc import Mapping
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 from tests.faults.cells import loader_verdicts
-from tests.faults.loaders.ranks import run_ranks
+from tests.faults.loaders.ranks import TIMEOUT, run_ranks
+from tests.writers.ranks import join_gloo
 
 WORLD = 2
 
 
 def join(rank: int, world: int, port: int) -> None:
-    import warnings
-
-    import torch
-    import torch.distributed as dist
-
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
+    join_gloo(rank, world, port=port, timeout=TIMEOUT)
 
 
 def _local(tree: Any) -> Any:

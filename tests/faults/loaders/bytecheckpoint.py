@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.faults.cells import loader_verdicts
+from tests.faults.loaders.common import local_shards
 from tests.faults.loaders.ranks import TIMEOUT, run_ranks
 from tests.writers.ranks import join_gloo, torchrun_variables
 
@@ -33,16 +34,6 @@ def join(rank: int, world: int, port: int) -> None:
     os.environ["TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"] = "1"
     join_gloo(rank, world, port=port, timeout=TIMEOUT)
     import bytecheckpoint  # noqa: F401
-
-
-def _local(tree: Any) -> Any:
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(tree, Mapping):
-        return {k: _local(v) for k, v in tree.items()}
-    if isinstance(tree, list):
-        return [_local(v) for v in tree]
-    return tree.to_local() if isinstance(tree, DTensor) else tree
 
 
 def load(path: str, options: Mapping[str, Any]) -> Any:
@@ -67,8 +58,8 @@ def load(path: str, options: Mapping[str, Any]) -> Any:
     state: dict[str, Any] = {"model": model, "optimizer": optimizer, "extra_state": {}}
     bcp.load(path, state, framework="fsdp2")
     return {
-        "model": _local(model.state_dict()),
-        "optimizer": _local(optimizer.state_dict()),
+        "model": local_shards(model.state_dict()),
+        "optimizer": local_shards(optimizer.state_dict()),
         "extra_state": state["extra_state"],
     }
 

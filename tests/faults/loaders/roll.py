@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.faults.cells import loader_verdicts
+from tests.faults.loaders.common import local_shards
 from tests.faults.loaders.ranks import TIMEOUT, run_ranks
 from tests.writers.ranks import join_gloo
 
@@ -37,16 +38,6 @@ WORLD = 2
 
 def join(rank: int, world: int, port: int) -> None:
     join_gloo(rank, world, port=port, timeout=TIMEOUT)
-
-
-def _local(tree: Any) -> Any:
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(tree, Mapping):
-        return {k: _local(v) for k, v in tree.items()}
-    if isinstance(tree, list):
-        return [_local(v) for v in tree]
-    return tree.to_local() if isinstance(tree, DTensor) else tree
 
 
 def _strategy_load(load_dir: str, mesh: Any) -> dict[str, Any]:
@@ -75,8 +66,8 @@ def _strategy_load(load_dir: str, mesh: Any) -> dict[str, Any]:
         if info.missing_keys:
             logging.getLogger("roll").warning(f"Missing keys: {info.missing_keys}")
     return {
-        "model": _local(model.state_dict()),
-        "optimizer": _local(optimizer.state_dict()),
+        "model": local_shards(model.state_dict()),
+        "optimizer": local_shards(optimizer.state_dict()),
         "scheduler": scheduler.state_dict(),
     }
 

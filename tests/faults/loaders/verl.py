@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.faults.cells import loader_verdicts
+from tests.faults.loaders.common import local_shards
 from tests.faults.loaders.ranks import run_ranks
 
 WORLD = 2
@@ -31,16 +32,6 @@ def join(rank: int, world: int, port: int) -> None:
     from tests.writers.verl_ranks import join_verl_ranks
 
     join_verl_ranks(rank, world, port)
-
-
-def _local(tree: Any) -> Any:
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(tree, Mapping):
-        return {k: _local(v) for k, v in tree.items()}
-    if isinstance(tree, list):
-        return [_local(v) for v in tree]
-    return tree.to_local() if isinstance(tree, DTensor) else tree
 
 
 def load(path: str, options: Mapping[str, Any]) -> Any:
@@ -74,8 +65,8 @@ def load(path: str, options: Mapping[str, Any]) -> Any:
         )
         manager.load_checkpoint(os.path.join(path, role))
         state[role] = {
-            "model": _local(model.state_dict()),
-            "optimizer": _local(optimizer.state_dict()),
+            "model": local_shards(model.state_dict()),
+            "optimizer": local_shards(optimizer.state_dict()),
             "scheduler": {k: v for k, v in scheduler.state_dict().items() if k != "lr_lambdas"},
         }
     state["rng"] = torch.get_rng_state()

@@ -4,7 +4,8 @@ Writes a 2-rank FSDP2 DCP checkpoint (gloo, CPU) of a few big Linear layers plus
 exp_avg_sq): with the defaults 1 GiB of fp32 weights and 2 GiB of optimizer state. Then, each in a fresh
 process, on a warm page cache (every source file is read once before the first measurement):
 
-  (a) `ckptctl convert CKPT OUT --to hf` (streams raw bytes; fsyncs and re-reads its output to verify it),
+  (a) `ckptctl convert CKPT OUT --to hf --mapping none` (a stack of Linear layers has no transformers config:
+      its names are written as stored; streams raw bytes; fsyncs and re-reads its output to verify it),
   (a') the same with `--dtype bf16` (cast block by block while streaming): after the table, (a) and (a')
       run alternately `--cast-repeats` more times and the medians give the cast's cost (target <= 1.2x
       the plain conversion, peak RSS < 200 MiB); its output equals torch's `.to(torch.bfloat16)` of (a)'s,
@@ -189,7 +190,11 @@ def main() -> int:
         runs = {
             "a": (
                 "ckptctl convert --to hf",
-                lambda out: [python, "-m", "ckptctl", "convert", str(ckpt), str(out), "--json", "-q"],
+                # A stack of Linear layers is no transformers model: its names are written as stored.
+                lambda out: [
+                    *(python, "-m", "ckptctl", "convert", str(ckpt), str(out)),
+                    *("--mapping", "none", "--json", "-q"),
+                ],
             ),
             "a'": (
                 "ckptctl convert --to hf --dtype bf16",
@@ -200,6 +205,8 @@ def main() -> int:
                     "convert",
                     str(ckpt),
                     str(out),
+                    "--mapping",
+                    "none",
                     "--json",
                     "-q",
                     "--dtype",

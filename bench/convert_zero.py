@@ -6,7 +6,8 @@ vocab 32000, untied embeddings: ~150M parameters, 0.57 GB of fp32 master weights
 holds AdamW's two moments). Then, each in a fresh process, on a warm page cache (every source file read
 once before the first measurement), per stage:
 
-  (a)  `ckptctl convert SAVE_DIR OUT --to hf` (fp32 masters; streams byte ranges of the partitions,
+  (a)  `ckptctl convert SAVE_DIR OUT --to hf --mapping none` (fp32 masters under their stored names, as
+       zero_to_fp32.py writes them; streams byte ranges of the partitions,
        fsyncs and checks its output),
   (a') the same with `--dtype bf16` (cast block by block while streaming; for information),
   (z)  `python SAVE_DIR/zero_to_fp32.py SAVE_DIR OUT --safe_serialization`, the script DeepSpeed copies
@@ -263,13 +264,17 @@ def main() -> int:
             runs = {
                 "a": (
                     "ckptctl convert --to hf",
-                    lambda out, d=save_dir: [python, "-m", "ckptctl", "convert", str(d), str(out), "--json", "-q"],
+                    # Raw names, no model check: the same work as zero_to_fp32.py, which writes no config either.
+                    lambda out, d=save_dir: [
+                        *(python, "-m", "ckptctl", "convert", str(d), str(out)),
+                        *("--mapping", "none", "--json", "-q"),
+                    ],
                 ),
                 "a'": (
                     "ckptctl convert --to hf --dtype bf16",
                     lambda out, d=save_dir: [
                         *(python, "-m", "ckptctl", "convert", str(d), str(out)),
-                        *("--json", "-q", "--dtype", "bf16"),
+                        *("--mapping", "none", "--json", "-q", "--dtype", "bf16"),
                     ],
                 ),
                 "z": (

@@ -4,8 +4,8 @@ Writes the 2-rank FSDP2 DCP checkpoint of bench/convert.py (model + AdamW state;
 512 MiB model in a 1.5 GiB checkpoint), checks that the disk holds it and the outputs, reads it once
 (warm page cache), then for each rank count N:
 
-  convert: `ckptctl convert CKPT OUT --max-shard-size <one layer> --workers N` (one output file per layer,
-           shared between the ranks by bytes); the output must be byte-identical to the 1-rank output,
+  convert: `ckptctl convert CKPT OUT --max-shard-size <one layer> --mapping none --workers N` (one output
+           file per layer, shared between the ranks by bytes); the output must be byte-identical to the 1-rank output,
   verify:  `ckptctl verify OUT --workers N` (blake3 of every file against ckptctl-digests.json, the files
            shared between the ranks).
 
@@ -106,7 +106,10 @@ def main() -> int:
                 shutil.rmtree(out, ignore_errors=True)
                 subprocess.run(["sync"], check=False)
                 wall, doc = _run(
-                    _ckptctl("convert", str(ckpt), str(out), "--max-shard-size", str(layer_bytes), ranks=ranks)
+                    _ckptctl(
+                        *("convert", str(ckpt), str(out), "--max-shard-size", str(layer_bytes), "--mapping", "none"),
+                        ranks=ranks,
+                    )
                 )
                 walls.append(wall)
                 works.append(float(doc["seconds"]))  # type: ignore[arg-type]

@@ -75,6 +75,13 @@ class ModelMismatch(CkptctlError):
     exit_code = 1
 
 
+class UnprovedModel(CkptctlError):
+    """A Hugging Face model folder was asked for, and nothing can prove the output would be one: there is no
+    config.json to build the model from and hold the tensors against, so they may keep a framework's own
+    names and row orders. Refused before anything is written (exit 2); asking for the raw names is the way
+    to write them anyway."""
+
+
 class StateMismatch(CkptctlError):
     """The training state does not fit the checkpoint being restored into it (a module with other parameter
     names or shapes, an optimizer over other parameters): a different model, not a damaged checkpoint."""

@@ -20,7 +20,7 @@ _ckptctl() {
         --model-weights) COMPREPLY=($(compgen -W "auto master stored" -- "$cur")); return;;
     esac
     case "$cmd" in
-        average) local opts="--last --steps --weights --no-normalize --ema --to --dtype --max-shard-size --dcp-file-size --model-weights --config --tokenizer --force --reread --workers --no-check-model --json --quiet -q --help -h";;
+        average) local opts="--last --steps --weights --no-normalize --ema --to --dtype --max-shard-size --dcp-file-size --model-weights --config --mapping --tokenizer --force --reread --workers --no-check-model --json --quiet -q --help -h";;
         convert) local opts="--to --dtype --max-shard-size --dcp-file-size --component --strip-prefix --rename --mapping --config --tokenizer --force --reread --workers --model-weights --no-check-model --check-logits --merge-adapter --lora --adapter-config --lora-alpha --lora-r --lora-rslora --layout --json --quiet -q --help -h";;
         demo) local opts="--steps --distributed --no-distributed --force --json --quiet -q --help -h";;
         diff) local opts="--component --atol --rtol --strip-prefix --rename --ignore-dtype --all --top --read-all --layout-a --layout-b --html --workers --json --quiet -q --help -h";;

@@ -16,6 +16,7 @@ from ckptctl.cli.options import (
     ForceOpt,
     JsonOpt,
     LastOpt,
+    MappingOpt,
     MaxShardSizeOpt,
     ModelWeightsOpt,
     NoCheckModelOpt,
@@ -67,7 +68,7 @@ ckptctl average runs/llama ema/ --last 10 --ema 0.9
 ckptctl average dcp-run/step-9000 ds-run/global_step10000 hf-export/ merged/ --weights 0.2,0.3,0.5
 ```
 
-RUN DST --last K averages the K newest complete checkpoints of a run (oldest first, as `ckptctl list` orders them); --steps picks them by step. Config and tokenizer files come from the last input (the newest with --last, --steps and --ema), or from --config/--tokenizer; with a config naming an architecture, every input is checked against the model transformers builds on the meta device, as `convert` does.
+RUN DST --last K averages the K newest complete checkpoints of a run (oldest first, as `ckptctl list` orders them); --steps picks them by step. Config and tokenizer files come from the last input (the newest with --last, --steps and --ema), or from --config/--tokenizer; with a config naming an architecture, every input is checked against the model transformers builds on the meta device, as `convert` does. An `--to hf` average with no config to check the output against is refused before anything is written (exit 2), as `convert` refuses it: pass `--config PATH`, or `--mapping none` to write the inputs' own names, which the output then says (a warning, `"mapping": "none"` in its JSON) and no model check proves loadable by from_pretrained.
 
 Each tensor is read once from each input and accumulated, so memory stays near three float64 copies of the largest tensor whatever the number of inputs or the model size. The output is staged, checked, digested and renamed into place like `convert`'s (an interrupted average leaves nothing at DST); DST may be an object store URL, and torchrun or --workers share the writing.
 
@@ -79,7 +80,7 @@ T = TypeVar("T")
 
 
 #: Options of a rarer need, left to the reference (`cli.command.Command.more`).
-MORE = ("--no-normalize", "--dcp-file-size", "--model-weights", "--reread", "--no-check-model")
+MORE = ("--no-normalize", "--dcp-file-size", "--model-weights", "--mapping", "--reread", "--no-check-model")
 
 
 def register(app: typer.Typer) -> None:
@@ -125,6 +126,7 @@ def average(
     dcp_file_size: DcpFileSizeOpt = "5GB",
     model_weights: ModelWeightsOpt = WeightsChoice.auto,
     config: ConfigOpt = None,
+    mapping: MappingOpt = None,
     tokenizer: TokenizerOpt = None,
     force: ForceOpt = False,
     reread: RereadOpt = False,
@@ -153,6 +155,7 @@ def average(
         dcp_file_size=dcp_file_bytes,
         source_weights=Weights(model_weights.value),
         config_dir=config,
+        mapping=mapping,
         tokenizer_dir=tokenizer,
         force=force,
         check_model=not no_check_model,
@@ -196,3 +199,6 @@ def _render(out: Output, result: AverageResult) -> None:
     if result.model is not None:
         tied = f"; tied: {', '.join(result.model.tied)}" if result.model.tied else ""
         out.print(f"  model: {result.model.tensors} tensors as {result.model.architecture} expects them{tied}")
+    if result.mapping == "none":
+        unproved = "" if result.model is not None else ", not proved to load with from_pretrained"
+        out.print(f"  names: the inputs' own (--mapping none){unproved}")

@@ -18,6 +18,7 @@ from ckptctl.cli.options import (
     ForceOpt,
     JsonOpt,
     LayoutOpt,
+    MappingOpt,
     MaxShardSizeOpt,
     ModelWeightsOpt,
     NoCheckModelOpt,
@@ -131,6 +132,15 @@ logits on a few token ids with those of the source tensors in the same architect
 model in memory). `config.json`'s `dtype` (or `torch_dtype`) is made to say what the files hold: a config
 taken from a bf16 export over fp32 master weights says `float32`, or what `--dtype` cast to.
 
+Without a config (none beside the source or where its framework exported the model, none given with
+`--config`, none the checkpoint records), nothing proves the output is a transformers model: its tensor
+names may be the framework's own (`layers.0.attention.wq.weight`, a plain module's `0.weight`) and its q/k
+rows in another rotary order, and `from_pretrained` would find no config. `--to hf` of the model then
+refuses with exit code 2 before writing anything, saying what to pass: `--config PATH` (with `--mapping MAP`
+where the framework's names need a map), or `--mapping none` to write the tensors under the names its own
+load gives them; such an output says so (a warning that it is not proved to load with `from_pretrained`,
+and `"mapping": "none"` in the JSON document). `average --to hf` refuses and takes `--mapping none` alike.
+
 Legacy `pytorch_model.bin` folders convert the same way, byte ranges copied out of the torch zips.
 
 A PEFT LoRA adapter converts merged into its base model: `--merge-adapter BASE` (default: the adapter's
@@ -217,17 +227,7 @@ def convert(
     component: ComponentOpt = Component.MODEL,
     strip_prefix: StripPrefixOpt = None,
     rename: RenameOpt = None,
-    mapping: Annotated[
-        str | None,
-        typer.Option(
-            "--mapping",
-            metavar="MAP",
-            help="--to hf from a framework whose models are its own code (torchtitan): the map of its tensor names "
-            "to transformers' (llama3, qwen3; default: from config.json's model_type; 'none' keeps the framework's "
-            "own names: Megatron's as megatron-core's load gives them to the model, one tensor per layer, fused "
-            "tensors whole, tensor-parallel parts merged).",
-        ),
-    ] = None,
+    mapping: MappingOpt = None,
     config: ConfigOpt = None,
     tokenizer: TokenizerOpt = None,
     force: ForceOpt = False,
@@ -360,6 +360,11 @@ def _render(out: Output, result: ConvertResult) -> None:
         out.print(f"  copied: {', '.join(result.copied)}")
     if result.base:
         out.print(f"  merged the adapter into {result.base}: {result.derived} tensor(s) computed")
+    if result.mapping == "none":
+        unproved = "" if result.model is not None else ", not proved to load with from_pretrained"
+        out.print(f"  names: the source's own (--mapping none){unproved}")
+    elif result.mapping:
+        out.print(f"  names: mapped to transformers' by the {result.mapping} map")
     if result.uploaded:
         out.print(f"  uploaded {human_bytes(result.uploaded)} to {result.dst}")
     if result.model is not None:

@@ -153,6 +153,18 @@ TokenizerOpt = Annotated[
     typer.Option("--tokenizer", metavar="DIR", help="Folder of tokenizer files (default: found beside)."),
 ]
 RereadOpt = Annotated[bool, typer.Option("--reread", help="Read the output back and check its digests.")]
+MappingOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--mapping",
+        metavar="MAP",
+        help="--to hf: the map of the source framework's tensor names to transformers' (torchtitan: llama3, qwen3; "
+        "default: from config.json's model_type), or 'none' to keep the names its own load gives the model "
+        "(Megatron's: one tensor per layer, fused tensors whole, tensor-parallel parts merged); with no config.json "
+        "to check the output against, --to hf is refused unless 'none' is given, and such an output is not proved "
+        "to load with from_pretrained.",
+    ),
+]
 NoCheckModelOpt = Annotated[
     bool, typer.Option("--no-check-model", help="Skip the check against the model config.json names.")
 ]

@@ -35,10 +35,10 @@ from typing import Any
 
 from ckptctl import io
 from ckptctl.checkpoint import CheckpointRef, CheckpointState, Component, TensorEntry, dtype_itemsize
+from ckptctl.contract.capabilities import DerivedTensor
 from ckptctl.errors import CkptctlError, CorruptCheckpoint
 from ckptctl.formats.safetensors_stream import cast_block
 from ckptctl.layouts import resolve
-from ckptctl.layouts.capabilities import DerivedTensor
 from ckptctl.ops.convert import (
     DEFAULT_MAX_SHARD_SIZE,
     ConvertOptions,
@@ -79,6 +79,8 @@ class AverageOptions:
         source_weights: which copy of the model a checkpoint that keeps two gives (`convert --model-weights`).
         config_dir: where config.json comes from (default: found beside the last input, as `convert`).
         tokenizer_dir: where tokenizer files come from (default: as `convert`).
+        mapping: the inputs' map of tensor names to transformers' (`convert --mapping`): `none` writes an HF
+            output under the inputs' own names, the only way to write one with no config to check it.
         force: replace a non-empty DST.
         check_model: build the config's architecture on the meta device and check every input's tensors
             against it (and resolve tied weights), as `convert`.
@@ -97,6 +99,7 @@ class AverageOptions:
     source_weights: Weights = Weights.AUTO
     config_dir: str | None = None
     tokenizer_dir: str | None = None
+    mapping: str | None = None
     force: bool = False
     check_model: bool = True
     reread: bool = False
@@ -111,6 +114,7 @@ class AverageOptions:
             dcp_file_size=self.dcp_file_size,
             config_dir=self.config_dir,
             tokenizer_dir=self.tokenizer_dir,
+            mapping=self.mapping,
             force=self.force,
             reread=self.reread,
             workers=self.workers,
@@ -154,6 +158,7 @@ class AverageResult:
         copied: config and tokenizer files copied into the output.
         model: what the model check found for the output, or None when there was none.
         warnings: what a person should know.
+        mapping: how the output's names were made transformers' (`ConvertResult.mapping`).
     """
 
     inputs: tuple[AverageInput, ...]
@@ -170,6 +175,7 @@ class AverageResult:
     copied: tuple[str, ...] = ()
     model: ModelCheck | None = None
     warnings: tuple[str, ...] = ()
+    mapping: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -188,6 +194,7 @@ class AverageResult:
             "copied": list(self.copied),
             "model_check": self.model.to_json() if self.model is not None else None,
             "warnings": list(self.warnings),
+            "mapping": self.mapping,
         }
 
 
@@ -276,6 +283,7 @@ def average(
         copied=written.copied,
         model=written.model,
         warnings=written.warnings,
+        mapping=written.mapping,
     )
 
 

@@ -331,6 +331,8 @@ class _Transfer:
         if self.stop is not None and self.stop.is_set():
             raise SyncStopped("stopped by a signal", "run the same sync again to finish what was left")
         source, target = io.join(self.src, rel), io.join(self.dst, rel)
+        # Which side is local decides how a file travels (a download beside its target, an upload hashed as
+        # it is sent, or a local scratch copy between two stores): the direction is the command's own.
         if io.is_local(target):
             record = self._to_local(source, io.local_path(target))
         elif io.is_local(source):
@@ -400,9 +402,8 @@ def _copy(unit: _Unit, transfer: _Transfer, dst_tree: Mapping[str, io.DirEntry])
     if unit.own_record is None:
         manifest = Manifest(files=dict(sorted(records.items())), created=now_iso())
         io.write_bytes_atomic(io.join(dst_base, DIGESTS_NAME), manifest.to_json())
-    if io.is_local(dst_base):
-        for folder in sorted({posixpath.dirname(unit.path(rel)) for rel in records}, reverse=True):
-            io.fsync_dir(io.local_path(io.join(transfer.dst, folder) if folder else transfer.dst))
+    for folder in sorted({posixpath.dirname(unit.path(rel)) for rel in records}, reverse=True):
+        io.fsync_dir(io.join(transfer.dst, folder) if folder else transfer.dst)
     return _item(
         unit, transfer.dst, Action.COPIED, "", sum(r.size for r in records.values()), time.monotonic() - started
     )
@@ -511,17 +512,12 @@ def _pointed(url: str, src: str) -> set[str]:
 def _check_pair(src: str, dst: str, keep_local: int | None) -> None:
     if src == dst or dst.startswith(src.rstrip("/") + "/") or src.startswith(dst.rstrip("/") + "/"):
         raise CkptctlError(f"{src} and {dst} overlap", "sync between two separate folders")
+    # `--keep-local` means "local copies" of a remote run: which side is local is what the option is about.
     if keep_local is not None and not (io.is_local(src) and not io.is_local(dst)):
         raise CkptctlError(
             "--keep-local deletes local copies once they are whole in an object store",
             "use it with a local SRC and a remote DST (s3://...)",
         )
-
-
-def _normal(url: str) -> str:
-    if io.is_local(url):
-        return os.path.abspath(io.local_path(url))
-    return url.rstrip("/")
 
 
 def _dst_tree(dst: str) -> dict[str, io.DirEntry]:
@@ -533,11 +529,7 @@ def _dst_tree(dst: str) -> dict[str, io.DirEntry]:
 
 @contextlib.contextmanager
 def _dst_lock(dst: str, wait: float, warn: Callable[[str], None] | None) -> Any:
-    if io.is_local(dst):
-        try:
-            os.makedirs(io.local_path(dst), exist_ok=True)
-        except OSError as exc:
-            raise StorageError(f"cannot create {dst}: {exc.strerror or exc}") from exc
+    io.make_folder(dst)
     try:
         lock = RunLock(dst, name=SYNC_LOCK, wait=wait, command="ckptctl sync", warn=warn)
         lock.acquire()
@@ -573,6 +565,7 @@ def _pass(
     refs = scan_run(src)
     units, loose = _assign(src, refs, io.list_tree(src))
     dst_tree = _dst_tree(dst)
+    # Only a download into a local DST goes through a temporary file (`_PART`); an object store's PUT is atomic.
     if io.is_local(dst) and not dry_run:
         for rel in [rel for rel in dst_tree if rel.endswith(_PART)]:
             io.delete_file(io.join(dst, rel))  # a killed sync's temporary file (the DST lock is ours)
@@ -725,7 +718,7 @@ def _passes(
     stop: threading.Event | None = None,
     warn: Callable[[str], None] | None = None,
 ) -> Iterable[SyncReport]:
-    src, dst = _normal(src), _normal(dst)
+    src, dst = io.absolute(src), io.absolute(dst)
     _check_pair(src, dst, keep_local)
     sink = progress or NoProgress()
     lock_or_none = contextlib.nullcontext(None) if dry_run else _dst_lock(dst, wait, warn)

@@ -40,7 +40,7 @@ def test_folder_names_that_look_like_markup_print_verbatim(
         "verify": ("verify", run),
         "resume-plan": ("resume-plan", run),
         "diff": ("diff", step, step),
-        "convert": ("convert", step, tmp_path / name / "hf"),
+        "convert": ("convert", step, tmp_path / name / "hf", "--mapping", "none"),  # a toy model: no config
     }
     for command, args in commands.items():
         result = run_cli(*args)

@@ -23,9 +23,14 @@ Cli = Callable[..., CliResult]
 REPO = Path(__file__).resolve().parents[2]
 
 
+#: The demo's toy model is no transformers model and its runs carry no config: its tensors are written under their
+#: stored names, as asked (`test_no_config_is_refused_unless_the_stored_names_are_asked_for`).
+RAW = ("--mapping", "none")
+
+
 def test_json_document_and_verifiable_output(run_cli: Cli, demo_dir: Path, tmp_path: Path) -> None:
     dst = tmp_path / "hf"
-    result = run_cli("convert", demo_dir / "dcp" / "step-30", dst, "--json", "--max-shard-size", "100KB")
+    result = run_cli("convert", demo_dir / "dcp" / "step-30", dst, "--json", "--max-shard-size", "100KB", *RAW)
     assert result.exit_code == 0, result.stderr
     doc = result.json
     assert doc["schema_version"] == 1
@@ -41,9 +46,10 @@ def test_json_document_and_verifiable_output(run_cli: Cli, demo_dir: Path, tmp_p
 
 
 def test_human_output_and_dtype(run_cli: Cli, demo_dir: Path, tmp_path: Path) -> None:
-    result = run_cli("convert", demo_dir / "native" / "step-30", tmp_path / "hf", "--dtype", "bf16")
+    result = run_cli("convert", demo_dir / "native" / "step-30", tmp_path / "hf", "--dtype", "bf16", *RAW)
     assert result.exit_code == 0, result.stderr
     assert "converted 16 tensors" in result.stdout and "bfloat16" in result.stdout
+    assert "names: the source's own (--mapping none), not proved to load with from_pretrained" in result.stdout
     tensors = load_file(str(tmp_path / "hf" / "model.safetensors"))
     assert {t.dtype for t in tensors.values()} == {torch.bfloat16}
 
@@ -55,21 +61,21 @@ def test_non_empty_destination_is_refused_untouched_and_replaced_with_force(
     dst.mkdir()
     (dst / "keep.txt").write_text("precious")
     before = (dst / "keep.txt").stat().st_mtime_ns
-    refused = run_cli("convert", demo_dir / "dcp" / "step-30", dst, "--json")
+    refused = run_cli("convert", demo_dir / "dcp" / "step-30", dst, "--json", *RAW)
     assert refused.exit_code == 2
     assert "not empty" in refused.json["error"]["message"]
     assert "not empty" in refused.stderr and "--force" in refused.stderr and "Traceback" not in refused.stderr
     assert os.listdir(dst) == ["keep.txt"] and (dst / "keep.txt").stat().st_mtime_ns == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # no staging left behind
 
-    forced = run_cli("convert", demo_dir / "dcp" / "step-30", dst, "--force", "--json")
+    forced = run_cli("convert", demo_dir / "dcp" / "step-30", dst, "--force", "--json", *RAW)
     assert forced.exit_code == 0, forced.stderr
     assert "keep.txt" not in os.listdir(dst) and "model.safetensors" in os.listdir(dst)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
 
     empty = tmp_path / "empty"
     empty.mkdir()
-    assert run_cli("convert", demo_dir / "dcp" / "step-30", empty, "-q").exit_code == 0
+    assert run_cli("convert", demo_dir / "dcp" / "step-30", empty, "-q", *RAW).exit_code == 0
     assert "model.safetensors" in os.listdir(empty)
 
 
@@ -98,6 +104,32 @@ def test_input_errors_exit_2(run_cli: Cli, demo_dir: Path, tmp_path: Path) -> No
     onto_source = run_cli("convert", demo_dir / "hf", demo_dir / "hf", "--force")
     assert onto_source.exit_code == 2 and "source" in onto_source.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_no_config_is_refused_unless_the_stored_names_are_asked_for(
+    run_cli: Cli, demo_dir: Path, tmp_path: Path
+) -> None:
+    """With no config.json nothing proves an HF output is a transformers model (its names may be the framework's
+    own): `convert` and `average` refuse before writing anything (exit 2) and say what to pass; `--mapping none`
+    writes the stored names (less DCP's `model.` namespace) and says the output is not proved loadable."""
+    src = demo_dir / "dcp" / "step-30"
+    dst = tmp_path / "hf"
+    for command in (("convert", src), ("average", demo_dir / "native" / "step-10", demo_dir / "native" / "step-20")):
+        refused = run_cli(*command, dst, "--json")
+        assert refused.exit_code == 2, refused.stderr
+        error = refused.json["error"]
+        assert error["type"] == "UnprovedModel" and "no config.json" in error["message"], error
+        assert all(flag in error["hint"] for flag in ("--config PATH", "--mapping MAP", "--mapping none")), error
+        assert "no config.json" in refused.stderr and "Traceback" not in refused.stderr
+        assert list(tmp_path.iterdir()) == []  # nothing at DST, no staging folder left
+
+    raw = run_cli("convert", src, dst, "--json", *RAW)
+    assert raw.exit_code == 0, raw.stderr
+    assert raw.json["mapping"] == "none" and raw.json["model_check"] is None
+    assert "--mapping none" in raw.stderr and "not proved to load with transformers' from_pretrained" in raw.stderr
+    stored = run_cli("inspect", src, "--json").json["tensors"]
+    model = {t["name"].removeprefix("model.") for t in stored if t["component"] == "model"}
+    assert model and set(load_file(str(dst / "model.safetensors"))) == model
 
 
 def test_hf_to_dcp(run_cli: Cli, hf_model_dirs: dict[str, Path], tmp_path: Path) -> None:
@@ -141,7 +173,7 @@ def _start_and_interrupt(src: Path, dst: Path, sig: int) -> subprocess.Completed
 def _try_interrupt(src: Path, dst: Path, sig: int) -> subprocess.CompletedProcess[str] | None:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "ckptctl", "convert", str(src), str(dst), "--json"],
+        [sys.executable, "-m", "ckptctl", "convert", str(src), str(dst), "--json", *RAW],
         cwd=REPO,
         env=env,
         stdout=subprocess.PIPE,
@@ -177,7 +209,7 @@ def test_sigkill_leaves_no_destination_and_the_next_run_cleans_up(run_cli: Cli, 
     listed = run_cli("list", tmp_path, "--json")
     assert listed.exit_code == 0 and listed.json["checkpoints"] == []
 
-    rerun = run_cli("convert", big_dcp, dst, "--json")
+    rerun = run_cli("convert", big_dcp, dst, "--json", *RAW)
     assert rerun.exit_code == 0, rerun.stderr
     assert [p.name for p in tmp_path.iterdir()] == ["hf"]
     tensors = load_file(str(dst / "model.safetensors"))

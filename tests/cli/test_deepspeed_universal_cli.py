@@ -68,13 +68,15 @@ def test_inspect_shows_the_parameters_and_the_optimizer_state(
 
 @STAGES
 def test_convert_to_hf_is_zero_to_fp32_bit_for_bit(
-    run_cli: Cli, deepspeed_universal: WrittenUniversal, stage: int, tmp_path: Path
+    run_cli: Cli, deepspeed_universal: WrittenUniversal, hf_model_dirs: dict[str, Path], stage: int, tmp_path: Path
 ) -> None:
     from safetensors.torch import load_file
 
     out = tmp_path / "hf"
-    result = run_cli("convert", deepspeed_universal.universal(stage), out, "--to", "hf", "--json")
+    config = hf_model_dirs["single"]  # the tiny Llama's: a DeepSpeed save keeps no config.json
+    result = run_cli("convert", deepspeed_universal.universal(stage), out, "--to", "hf", "--config", config, "--json")
     assert result.exit_code == 0, result.stderr
+    assert result.json["model_check"]["architecture"] == "LlamaForCausalLM"
     assert result.json["layout"] == "deepspeed_universal" and result.json["weights"] == "master"
     written = {k: v for f in sorted(out.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
     # DeepSpeed's own get_fp32_state_dict_from_zero_checkpoint on the tag the universal checkpoint was made from.

@@ -85,17 +85,18 @@ def test_convert_force_never_replaces_a_run_folder_or_the_working_folder(
     run_cli: Cli, demo_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     source = demo_dir / "dcp" / "step-30"
+    raw = ("--mapping", "none")  # the demo's toy model has no config: its stored names, as asked
     run = copy_tree(demo_dir / "native", tmp_path / "native")  # holds sub-folders, no ckptctl-digests.json
     before = sorted(p.name for p in run.iterdir())
-    refused = run_cli("convert", source, run, "--force")
+    refused = run_cli("convert", source, run, "--force", *raw)
     assert refused.exit_code == 2
     assert "not an earlier export" in refused.stderr
     assert sorted(p.name for p in run.iterdir()) == before
 
     monkeypatch.chdir(run / "step-30")
-    assert run_cli("convert", source, run, "--force").exit_code == 2  # a parent of the working folder
+    assert run_cli("convert", source, run, "--force", *raw).exit_code == 2  # a parent of the working folder
 
     export = tmp_path / "export"
-    assert run_cli("convert", source, export).exit_code == 0
-    again = run_cli("convert", source, export, "--force", "--json")
+    assert run_cli("convert", source, export, *raw).exit_code == 0
+    again = run_cli("convert", source, export, "--force", "--json", *raw)
     assert again.exit_code == 0, again.stderr

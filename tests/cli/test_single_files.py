@@ -112,8 +112,11 @@ def test_diff_finds_a_changed_tensor_in_a_torch_file(run_cli: Cli, files: dict[s
 
 
 def test_convert_a_torch_file_to_safetensors(run_cli: Cli, files: dict[str, Path], tmp_path: Path) -> None:
-    result = run_cli("convert", files["bin"], tmp_path / "export", "--json")
+    # A lone file has no config beside it: the model's, given, proves the output is the Llama.
+    config = files["safetensors"].parent
+    result = run_cli("convert", files["bin"], tmp_path / "export", "--config", config, "--json")
     assert result.exit_code == 0, result.stderr
+    assert result.json["model_check"]["architecture"] == "LlamaForCausalLM"
     converted = load_file(tmp_path / "export" / "model.safetensors")
     reference = torch.load(files["bin"], weights_only=True)
     assert sorted(converted) == sorted(reference)  # transformers' own names (model.layers.*, lm_head.*)

@@ -241,8 +241,9 @@ def test_convert_without_a_config_asks_for_one(run_cli: Cli, lightning_run: Writ
     (tmp_path / "run").mkdir()
     torch.save(checkpoint, tmp_path / "run" / "epoch=0-step=2.ckpt")
     result = run_cli("convert", tmp_path / "run" / "epoch=0-step=2.ckpt", tmp_path / "out", "--json")
-    assert result.exit_code == 0, result.stderr
-    assert any("no config.json found" in w and "--config" in w for w in result.json["warnings"])
+    assert result.exit_code == 2, result.stderr  # nothing proves the module's names are a transformers model's
+    assert result.json["error"]["type"] == "UnprovedModel" and "--config PATH" in result.json["error"]["hint"]
+    assert not (tmp_path / "out").exists()
     config = tmp_path / "config"
     config.mkdir()
     (config / "config.json").write_text(json.dumps(model_config()))

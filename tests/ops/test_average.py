@@ -120,7 +120,8 @@ def test_weighted_average_of_three_layouts_is_bit_exact(
 ) -> None:
     paths, tensors = demo_inputs
     weights = (0.2, 0.3, 0.5)
-    result = average([str(p) for p in paths], str(tmp_path / "out"), AverageOptions(weights=weights))
+    # The demo's toy model has no config: its stored names, as asked.
+    result = average([str(p) for p in paths], str(tmp_path / "out"), AverageOptions(weights=weights, mapping="none"))
 
     want = {n: _rounded(v, tensors[-1][n].dtype) for n, v in _weighted(tensors, weights).items()}
     _assert_bits(_safetensors(tmp_path / "out"), want)
@@ -129,7 +130,7 @@ def test_weighted_average_of_three_layouts_is_bit_exact(
         ("dcp", 20, 0.3),
         ("native", 30, 0.5),
     ]
-    assert (result.method, result.tensors) == ("weighted", len(want))
+    assert (result.method, result.tensors, result.mapping) == ("weighted", len(want), "none")
 
 
 @pytest.mark.usefixtures("blocks")
@@ -240,7 +241,7 @@ def test_mismatched_inputs_and_bad_weights_exit_2_writing_nothing(
     name = sorted(tensors)[0]
     tensors[name] = tensors[name][:1].clone()
     save_file(tensors, str(reshaped / "model.safetensors"))
-    shape = _refused(run_cli, dst, native / "step-20", reshaped, dst)
+    shape = _refused(run_cli, dst, native / "step-20", reshaped, dst, "--mapping", "none")
     assert f"{name!r} has shape" in shape.stderr
 
     assert "sum to 1.1" in _refused(run_cli, dst, native, dst, "--last", "2", "--weights", "0.5,0.6").stderr
@@ -251,7 +252,8 @@ def test_mismatched_inputs_and_bad_weights_exit_2_writing_nothing(
 
 def test_no_normalize_takes_weights_as_given(demo_dir: Path, tmp_path: Path) -> None:
     step = demo_dir / "native" / "step-30"
-    average([str(step), str(step)], str(tmp_path / "twice"), AverageOptions(weights=(1.0, 1.0), normalize=False))
+    options = AverageOptions(weights=(1.0, 1.0), normalize=False, mapping="none")
+    average([str(step), str(step)], str(tmp_path / "twice"), options)
     tensors = load_file(str(step / "model.safetensors"))
     _assert_bits(_safetensors(tmp_path / "twice"), {n: (2 * t.double()).to(t.dtype) for n, t in tensors.items()})
 
@@ -272,7 +274,9 @@ def test_an_interrupted_average_leaves_nothing(demo_dir: Path, tmp_path: Path, m
     (tmp_path / "out").mkdir()
     with pytest.raises(KeyboardInterrupt):
         average(
-            [str(demo_dir / "native" / "step-10"), str(demo_dir / "native" / "step-20")], str(tmp_path / "out" / "a")
+            [str(demo_dir / "native" / "step-10"), str(demo_dir / "native" / "step-20")],
+            str(tmp_path / "out" / "a"),
+            AverageOptions(mapping="none"),
         )
     assert list((tmp_path / "out").iterdir()) == []
 
@@ -282,7 +286,7 @@ def test_an_interrupted_average_leaves_nothing(demo_dir: Path, tmp_path: Path, m
 
 def test_cli_last_k_of_a_run_with_json(run_cli: Cli, demo_dir: Path, tmp_path: Path) -> None:
     run = demo_dir / "native"
-    result = run_cli("average", run, tmp_path / "avg", "--last", "2", "--json")
+    result = run_cli("average", run, tmp_path / "avg", "--last", "2", "--mapping", "none", "--json")
     assert result.exit_code == 0, result.stderr
     doc = json.loads(result.stdout)
     assert doc["schema_version"] == 1
@@ -290,7 +294,7 @@ def test_cli_last_k_of_a_run_with_json(run_cli: Cli, demo_dir: Path, tmp_path: P
         (str(run / "step-20"), 20, 0.5),
         (str(run / "step-30"), 30, 0.5),
     ]
-    assert (doc["dst"], doc["to"], doc["method"]) == (str(tmp_path / "avg"), "hf", "uniform")
+    assert (doc["dst"], doc["to"], doc["method"], doc["mapping"]) == (str(tmp_path / "avg"), "hf", "uniform", "none")
     assert doc["tensors"] == len(_safetensors(tmp_path / "avg"))
     assert doc["bytes_written"] == sum(t.nbytes for t in _safetensors(tmp_path / "avg").values())
     assert doc["seconds"] >= 0

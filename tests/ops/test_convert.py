@@ -9,6 +9,7 @@ import os
 import shutil
 import tempfile
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,9 +37,14 @@ from ckptctl.ops.convert import ConvertOptions, Target, convert, parse_dtype
 from ckptctl.ops.naming import parse_rename
 from ckptctl.ops.verification import verify_checkpoint
 from ckptctl.units import parse_size
-from tests.conftest import build_once, tiny_llama
+from tests.conftest import CliResult, build_once, tiny_llama
 from tests.writers.dcp_writer import write_single_process_dcp
 from tests.writers.llama_dcp_writer import WrittenLlamaDcp, write_llama_fsdp_dcp
+
+Cli = Callable[..., CliResult]
+#: For sources that are no transformers model and carry no config (the demo's toy model, raw DCP saves): the
+#: tensors are written under their stored names, as asked (without it such an HF output is refused).
+RAW_NAMES = ConvertOptions(mapping="none")
 
 
 @pytest.fixture(scope="session")
@@ -95,6 +101,30 @@ def test_fsdp2_dcp_to_hf_loads_in_transformers_and_equals_the_full_state_dict(
 
     verified = verify_checkpoint(str(dst))
     assert verified.ok and verified.digests_checked == len(result.files) - 1, verified
+
+
+def test_a_step_without_its_config_is_refused_and_converts_with_config_given(
+    llama_dcp: WrittenLlamaDcp, hf_model_dirs: dict[str, Path], tmp_path: Path, run_cli: Cli
+) -> None:
+    """The Llama step copied away from its run folder has no config.json beside it: nothing proves its names are
+    transformers', so `--to hf` is refused before writing (exit 2, naming --config and --mapping); given the
+    model's config with `--config` (save_pretrained's, which names the architecture), the output is checked
+    against LlamaForCausalLM and from_pretrained loads it whole."""
+    alone = tmp_path / "copied" / "step-1"
+    shutil.copytree(llama_dcp.path, alone)
+    dst = tmp_path / "hf"
+    refused = run_cli("convert", alone, dst, "--json")
+    assert refused.exit_code == 2, refused.stderr
+    assert refused.json["error"]["type"] == "UnprovedModel"
+    assert "--config PATH" in refused.json["error"]["hint"] and "--mapping none" in refused.json["error"]["hint"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["copied"]  # nothing at DST, no staging folder
+
+    done = run_cli("convert", alone, dst, "--config", hf_model_dirs["single"], "--json")
+    assert done.exit_code == 0, done.stderr
+    assert done.json["model_check"]["architecture"] == "LlamaForCausalLM" and done.json["mapping"] is None
+    reference = llama_dcp.reference_tensors()
+    model = _load_pretrained(dst)
+    _assert_equal_tensors({k: v.detach() for k, v in model.state_dict().items()}, reference)
 
 
 def test_fsdp2_dcp_to_hf_in_bfloat16(llama_dcp: WrittenLlamaDcp, tmp_path: Path) -> None:
@@ -162,12 +192,12 @@ def test_other_components_and_renames(llama_dcp: WrittenLlamaDcp, tmp_path: Path
 def test_native_to_hf_equals_the_model_entry(demo_dir: Path, tmp_path: Path, run: str) -> None:
     src = demo_dir / run / "step-30"
     dst = tmp_path / "hf"
-    result = convert(str(src), str(dst))
+    result = convert(str(src), str(dst), RAW_NAMES)
     checkpoint = open_checkpoint(str(src))
     want = {
         entry.name.removeprefix("model."): read_tensor(str(src), entry) for entry in checkpoint.tensors(Component.MODEL)
     }
-    assert result.layout == "native" and result.streamed == len(want)
+    assert result.layout == "native" and result.streamed == len(want) and result.mapping == "none"
     _assert_equal_tensors(_hf_tensors(dst), want)
     assert verify_checkpoint(str(dst)).ok
 
@@ -176,7 +206,7 @@ def test_a_run_folder_converts_the_checkpoint_its_latest_pointer_names(demo_dir:
     """A folder no layout recognises, where a layout's `latest`-style pointer names a checkpoint inside it
     (ckptctl's own run here, as a DeepSpeed save folder's `latest`), converts that checkpoint."""
     run = demo_dir / "native"
-    result = convert(str(run), str(tmp_path / "hf"))
+    result = convert(str(run), str(tmp_path / "hf"), RAW_NAMES)
     assert (result.checkpoint, result.layout) == (str(run / (run / "latest").read_text().strip()), "native")
     assert verify_checkpoint(str(tmp_path / "hf")).ok
 
@@ -221,12 +251,12 @@ def test_single_process_dcp_with_odd_tensors(tmp_path: Path) -> None:
     written = write_single_process_dcp(tmp_path / "raw")
     reference = written.reference_tensors()
     dst = tmp_path / "hf"
-    result = convert(str(written.path), str(dst))
+    result = convert(str(written.path), str(dst), RAW_NAMES)
     _assert_equal_tensors(_hf_tensors(dst), reference)  # raw keys: nothing stripped
     assert result.assembled >= 1  # the transposed view is not row-major in its archive
 
     cast = tmp_path / "hf-fp16"
-    convert(str(written.path), str(cast), ConvertOptions(dtype=parse_dtype("fp16")))
+    convert(str(written.path), str(cast), ConvertOptions(dtype=parse_dtype("fp16"), mapping="none"))
     got = _hf_tensors(cast)
     for name, tensor in reference.items():
         expected = (
@@ -257,7 +287,7 @@ def test_stale_staging_is_cleaned_and_a_live_one_is_respected(demo_dir: Path, tm
     (stale / "out").mkdir(parents=True)
     (stale / "lock").touch()
     (stale / "out" / "model.safetensors").write_bytes(b"half")
-    convert(src, str(tmp_path / "hf"))
+    convert(src, str(tmp_path / "hf"), RAW_NAMES)
     assert not stale.exists()
 
     live = tmp_path / ".other.ckptctl-convert-1"
@@ -267,7 +297,7 @@ def test_stale_staging_is_cleaned_and_a_live_one_is_respected(demo_dir: Path, tm
     fcntl.flock(fd, fcntl.LOCK_EX)
     try:
         with pytest.raises(CkptctlError, match="another conversion"):
-            convert(src, str(tmp_path / "other"))
+            convert(src, str(tmp_path / "other"), RAW_NAMES)
     finally:
         os.close(fd)
     assert live.exists() and not (tmp_path / "other").exists()
@@ -330,7 +360,7 @@ def test_tensor_parallel_column_shards_stream_and_scattered_ones_are_assembled(
     from safetensors.torch import load_file as load_reference
 
     dst = tmp_path / "hf"
-    result = convert(str(llama_dcp.tp_path), str(dst), ConvertOptions(dtype="bfloat16"))
+    result = convert(str(llama_dcp.tp_path), str(dst), ConvertOptions(dtype="bfloat16", mapping="none"))
     reference = load_reference(str(llama_dcp.tp_reference))
     _assert_equal_tensors(_hf_tensors(dst), {k: v.to(torch.bfloat16) for k, v in reference.items()})
     assert (result.streamed, result.assembled) == (2, 1)  # "last" has 20-byte runs: assembled

@@ -29,8 +29,11 @@ def test_raw_causal_lm_save_converts_to_a_loadable_model(tmp_path: Path) -> None
     ckpt = open_checkpoint(str(tmp_path / "raw"))
     assert {t.name for t in ckpt.tensors(Component.MODEL)} == set(reference)
 
-    convert(str(tmp_path / "raw"), str(tmp_path / "hf"), ConvertOptions())
-    model.config.save_pretrained(tmp_path / "hf")
+    # A raw save keeps no config: the model's, given, proves the output is that model before it is written.
+    model.config.architectures = ["LlamaForCausalLM"]
+    model.config.save_pretrained(tmp_path / "config")
+    result = convert(str(tmp_path / "raw"), str(tmp_path / "hf"), ConvertOptions(config_dir=str(tmp_path / "config")))
+    assert result.model is not None and result.model.architecture == "LlamaForCausalLM"
     loaded, info = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"]
     for name, tensor in loaded.state_dict().items():

@@ -21,8 +21,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ckptctl.errors import CkptctlError
-from ckptctl.layouts.parts.zero_tag.master_weights import tag_prefix as _deepspeed_prefix
-from ckptctl.layouts.parts.zero_tag.naming import wrapper_prefix
+from ckptctl.families.zero_tag.master_weights import tag_prefix as _deepspeed_prefix
+from ckptctl.families.zero_tag.naming import wrapper_prefix
 from ckptctl.ops.convert import ConvertOptions, Target, Weights, convert
 from ckptctl.ops.convert.plan import plan_tensors as _plan
 from ckptctl.ops.verification import verify_checkpoint
@@ -119,7 +119,7 @@ def test_zero1_wrapped_model_with_buffers_and_a_frozen_parameter(
     assert not info["missing_keys"] and set(info["unexpected_keys"]) == set(WRAPPED_BUFFERS)
 
     kept = tmp_path / "kept"
-    convert(str(run.latest), str(kept), ConvertOptions(strip_prefix=""))
+    convert(str(run.latest), str(kept), ConvertOptions(strip_prefix="", mapping="none"))  # as stored, unchecked
     assert "model.model.embed_tokens.weight" in _tensors(kept)
 
 
@@ -141,23 +141,25 @@ def test_dtype_stored_weights_and_dcp(zero_runs: dict[int, WrittenDeepSpeed], tm
     run = zero_runs[2]
     reference = run.reference_tensors()
 
-    bf16 = convert(str(run.save_dir), str(tmp_path / "bf16"), ConvertOptions(dtype="bfloat16", max_shard_size=20_000))
+    # Stored names, as zero_to_fp32 writes them (the model check is test_zero_to_hf_equals_zero_to_fp32...'s).
+    raw = ConvertOptions(mapping="none")
+    bf16 = convert(str(run.save_dir), str(tmp_path / "bf16"), replace(raw, dtype="bfloat16", max_shard_size=20_000))
     assert bf16.streamed == bf16.tensors  # cast block by block while copying
     assert sum(f.endswith(".safetensors") for f in bf16.files) >= 3
     _assert_equal_tensors(_tensors(tmp_path / "bf16"), {k: v.to(torch.bfloat16) for k, v in reference.items()})
 
     # --dtype fp32 is what the zero_to_fp32.py script writes (it casts the frozen bf16 weights too).
-    convert(str(run.save_dir), str(tmp_path / "fp32"), ConvertOptions(dtype="float32"))
+    convert(str(run.save_dir), str(tmp_path / "fp32"), replace(raw, dtype="float32"))
     _assert_equal_tensors(_tensors(tmp_path / "fp32"), {k: v.float() for k, v in reference.items()})
 
-    stored = convert(str(run.save_dir), str(tmp_path / "stored"), ConvertOptions(weights=Weights.STORED))
+    stored = convert(str(run.save_dir), str(tmp_path / "stored"), replace(raw, weights=Weights.STORED))
     module = _module_weights(run)
     got = _tensors(tmp_path / "stored")
     assert stored.weights == "stored" and {t.dtype for t in got.values()} == {torch.bfloat16}
     _assert_equal_tensors(got, {k: module[k] for k in got})
 
     with pytest.raises(CkptctlError, match="no fp32 master weights"):  # an HF folder has one copy
-        convert(str(tmp_path / "stored"), str(tmp_path / "none"), ConvertOptions(weights=Weights.MASTER))
+        convert(str(tmp_path / "stored"), str(tmp_path / "none"), replace(raw, weights=Weights.MASTER))
 
     import torch.distributed.checkpoint as dcp
 
@@ -216,7 +218,7 @@ def test_cli_convert_a_save_folder(zero_runs: dict[int, WrittenDeepSpeed], tmp_p
 
 
 def test_layouts_built_on_the_deepspeed_one_are_recognised(zero_runs: dict[int, WrittenDeepSpeed]) -> None:
-    """An RL framework's layout that indexes a tag with `layouts.parts.zero_tag` (its own name, its own metadata)
+    """An RL framework's layout that indexes a tag with `families.zero_tag` (its own name, its own metadata)
     gets the fp32 masters too: the model's chunks lie in DeepSpeed rank files."""
     from ckptctl.frameworks.deepspeed.layout import DeepSpeedLayout
 
@@ -227,7 +229,7 @@ def test_layouts_built_on_the_deepspeed_one_are_recognised(zero_runs: dict[int, 
     other = replace(opened, ref=replace(opened.ref, layout="some_rl_framework"), metadata={"format": "rl"})
     assert _deepspeed_prefix(other) == ""
     notes: list[str] = []
-    plan, weights = _plan(other, SomeRlLayout(), ConvertOptions(), notes)
+    plan, weights, _ = _plan(other, SomeRlLayout(), ConvertOptions(), notes)
     assert weights is Weights.MASTER and {p.entry.dtype for p in plan} == {"float32", "bfloat16"}
     assert sorted(p.name for p in plan) == sorted(zero_runs[2].reference_tensors())
 

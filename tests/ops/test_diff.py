@@ -27,7 +27,7 @@ from tests.conftest import copy_tree
 def dcp_export(demo_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The demo's 2-rank DCP step-30 converted to a sharded HF folder by `convert`."""
     out = tmp_path_factory.mktemp("export") / "hf"
-    convert(str(demo_dir / "dcp" / "step-30"), str(out), ConvertOptions(max_shard_size=200_000))
+    convert(str(demo_dir / "dcp" / "step-30"), str(out), ConvertOptions(max_shard_size=200_000, mapping="none"))
     return out
 
 

@@ -17,10 +17,10 @@ from ckptctl import CheckpointManager
 from ckptctl.checkpoint import CheckpointState
 from ckptctl.core.retention import RetentionPolicy
 from ckptctl.errors import CkptctlError, UnsafePath
+from ckptctl.families.zero_tag.kept_masters import KEPT_MASTERS
 from ckptctl.formats.slim_marker import SLIM_MARKER, read_slim_marker
 from ckptctl.io.trash import TRASH_NAME
 from ckptctl.layouts import detect, open_checkpoint, scan_run
-from ckptctl.layouts.parts.zero_tag.kept_masters import KEPT_MASTERS
 from ckptctl.layouts.slimming import slim_checkpoint
 from ckptctl.ops.convert import ConvertOptions, convert
 from ckptctl.ops.prune import prune
@@ -67,8 +67,9 @@ def states(run: Path) -> dict[str, CheckpointState]:
 
 
 def converted(src: Path, dst: Path, options: ConvertOptions | None = None) -> dict[str, bytes]:
-    """The files `convert --to hf` writes for `src`, by name (the digests' time of writing left out)."""
-    convert(str(src), str(dst), options)
+    """The files `convert --to hf` writes for `src`, by name (the digests' time of writing left out); by default
+    under the stored names (`--mapping none`), as most of these sources carry no config to check them with."""
+    convert(str(src), str(dst), options or ConvertOptions(mapping="none"))
     files = {p.name: p.read_bytes() for p in dst.iterdir()}
     if "ckptctl-digests.json" in files:
         doc = json.loads(files["ckptctl-digests.json"])

@@ -14,7 +14,7 @@ from tests.s3._upload_kill import hang_after_uploads
 
 def main(src: str, dst: str, count: int) -> None:
     hang_after_uploads(count)
-    convert(src, dst, ConvertOptions(max_shard_size=100_000))
+    convert(src, dst, ConvertOptions(max_shard_size=100_000, mapping="none"))  # the demo's toy model: no config
 
 
 if __name__ == "__main__":

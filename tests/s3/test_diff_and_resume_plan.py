@@ -41,7 +41,7 @@ def comparable(document: Any, roots: dict[str, str]) -> Any:
 def hf_export(demo_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The demo's 2-rank DCP step-30 converted to a sharded HF folder on the local disk."""
     out = tmp_path_factory.mktemp("export") / "hf"
-    convert(str(demo_dir / "dcp" / "step-30"), str(out), ConvertOptions(max_shard_size=100_000))
+    convert(str(demo_dir / "dcp" / "step-30"), str(out), ConvertOptions(max_shard_size=100_000, mapping="none"))
     return out
 
 

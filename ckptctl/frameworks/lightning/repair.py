@@ -8,8 +8,8 @@ from __future__ import annotations
 import os
 
 from ckptctl import io
+from ckptctl.contract.capabilities import Pointer
 from ckptctl.frameworks.lightning.files import LAST
-from ckptctl.layouts.capabilities import Pointer
 
 
 def _last(checkpoint: str) -> str:
@@ -17,6 +17,7 @@ def _last(checkpoint: str) -> str:
 
 
 def _is_copy(path: str) -> bool:
+    # A copy and a link can be told apart only on a local disk (an object store has no links).
     return io.is_local(path) and os.path.lexists(io.local_path(path)) and not os.path.islink(io.local_path(path))
 
 

@@ -26,7 +26,18 @@ from ckptctl.checkpoint import (
     TensorChunk,
     TensorEntry,
 )
+from ckptctl.contract.base import (
+    Layout,
+    every_child_folder,
+    folder_size,
+    list_files,
+    newest_mtime,
+    step_from_name,
+    timestamp,
+)
+from ckptctl.contract.resume import ResumeProfile
 from ckptctl.errors import CkptctlError, CorruptCheckpoint
+from ckptctl.families.dcp_folder import dcp_tensor_index, verify_dcp
 from ckptctl.formats.manifest import DIGESTS_NAME, MANIFEST_NAME, Manifest
 from ckptctl.formats.native import (
     ABANDON_GRACE,
@@ -43,17 +54,6 @@ from ckptctl.formats.native import (
 from ckptctl.formats.safetensors import read_header
 from ckptctl.frameworks.native.resume import PROFILE
 from ckptctl.io import DirEntry
-from ckptctl.layouts.base import (
-    Layout,
-    every_child_folder,
-    folder_size,
-    list_files,
-    newest_mtime,
-    step_from_name,
-    timestamp,
-)
-from ckptctl.layouts.parts.dcp_folder import dcp_tensor_index, verify_dcp
-from ckptctl.layouts.resume import ResumeProfile
 
 __all__ = ["COMPONENT_OF_KIND", "REMOTE_UPLOAD_WINDOW", "NativeLayout"]
 
@@ -133,7 +133,7 @@ class NativeLayout(Layout):
             return None
         if not any(is_rng_file(e.name) for e in entries):
             return None
-        if not io.is_local(url):
+        if not io.is_local(url):  # a local save is staged under another name; an upload fills the step's own prefix
             return self._unfinished_upload(url, step)
         return CheckpointRef(
             url=url,

@@ -25,13 +25,13 @@ from typing import Any
 
 from ckptctl import io
 from ckptctl.checkpoint import Checkpoint, CheckpointRef, Role
+from ckptctl.contract.resume import ResumeProfile
 from ckptctl.errors import CkptctlError
+from ckptctl.families.dcp_folder import DcpFolderLayout
+from ckptctl.formats.dcp_folder_metadata import load_dcp_metadata
 from ckptctl.formats.dcp_metadata import METADATA_NAME, DcpMetadata
 from ckptctl.formats.torch_save import read_object_archive
 from ckptctl.io import DirEntry
-from ckptctl.layouts.parts.dcp_folder import DcpFolderLayout
-from ckptctl.layouts.parts.dcp_folder_metadata import load_dcp_metadata
-from ckptctl.layouts.resume import ResumeProfile
 
 __all__ = ["TorchtitanLayout", "data_ranks"]
 
@@ -78,6 +78,7 @@ class TorchtitanLayout(DcpFolderLayout):
         match = STEP_RE.match(io.name_of(url))
         if match is None:
             return None
+        # Remote: reading every step's metadata costs a request per folder, so only torchtitan's folder name pays.
         if not io.is_local(url) and io.name_of(io.parent_of(url)) != CHECKPOINT_FOLDER:
             return None
         meta = next((e for e in entries if e.name == METADATA_NAME and not e.is_dir), None)

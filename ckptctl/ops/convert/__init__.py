@@ -9,9 +9,13 @@ tensors, names, dtypes and weights), `side_files` (config and tokenizer files), 
 against the model the config names: tied weights, missing, reshaped and leftover tensors), `to_hf` /
 `to_dcp` (the writers), `commit` (staging, digests and the move or upload into DST).
 
+An HF model output is proved a transformers model by the model check, or not written: with no config.json (none
+found, given or recorded by the checkpoint) nothing tells the framework's own names and rotary row orders from
+transformers', so it is refused (`UnprovedModel`) unless the stored names are asked for (`mapping="none"`).
+
 An adapter (`ConvertSource.adapter`: a PEFT LoRA folder) is not a model: it converts merged into its base model
 (`merge_adapter`), whose tensors, config and tokenizer the output takes, the adapted weights computed.
-The adapters a model carries around its layers (`layouts.wrapped`) convert merged into it, or alone as an
+The adapters a model carries around its layers (`contract.wrapped`) convert merged into it, or alone as an
 adapter folder (`lora=adapter`: its weights file and settings file, no model check).
 """
 
@@ -27,12 +31,12 @@ from typing import Any, TypeVar
 
 from ckptctl import io
 from ckptctl.checkpoint import Checkpoint, CheckpointRef, CheckpointState, Component
-from ckptctl.errors import CheckpointInProgress, CheckpointNotFound, CkptctlError, CorruptCheckpoint
+from ckptctl.contract.capabilities import NO_NAME_MAP, HfModel, ModelSpec, NativeModel
+from ckptctl.contract.wrapped import WrappedAdapter
+from ckptctl.errors import CheckpointInProgress, CheckpointNotFound, CkptctlError, CorruptCheckpoint, UnprovedModel
+from ckptctl.families.value_head import find_value_head
 from ckptctl.formats.documents import read_json
 from ckptctl.layouts import Layout, get_layout, resolve
-from ckptctl.layouts.capabilities import NO_NAME_MAP, HfModel, ModelSpec, NativeModel
-from ckptctl.layouts.parts.value_head import find_value_head
-from ckptctl.layouts.wrapped import WrappedAdapter
 from ckptctl.ops.commit import UploadStaging, check_destination, staging_for, write_digests, write_small
 from ckptctl.ops.convert.model_check import apply_ties, check_plan, compare_logits, model_spec, read_config
 from ckptctl.ops.convert.options import (
@@ -94,6 +98,8 @@ def convert(
     Raises:
         CkptctlError: bad options, DST not empty (without `force`) or overlapping the source, a source
             that is incomplete, broken or lacks the component, names that collide after renaming.
+        UnprovedModel: an HF model with no config.json to check it against, and no `mapping="none"`
+            (nothing is written).
         CorruptCheckpoint: source bytes that disagree with their metadata (nothing is left at DST).
         StorageError: the output cannot be written or uploaded.
     """
@@ -218,6 +224,7 @@ class Prepared:
     tied: tuple[str, ...]
     notes: list[str]
     adapter: WrappedAdapter | None = None
+    mapping: str | None = None
 
 
 def _on_leader(ranks: Ranks | None, work: Callable[[], T]) -> T:
@@ -278,7 +285,7 @@ def prepare(src: str, dst: str, options: ConvertOptions) -> Prepared:
             config = read_config(side_files, notes)
         elif made_config is not None:
             config = dict(made_config)
-    plan, weights = plan_tensors(
+    plan, weights, mapping = plan_tensors(
         checkpoint,
         layout,
         options,
@@ -289,6 +296,8 @@ def prepare(src: str, dst: str, options: ConvertOptions) -> Prepared:
         adapter_settings=lambda names: find_adapter_settings(names, options, checkpoint, layout, notes),
     )
     notes += side_notes
+    if config is None:  # after planning, which names a source without model tensors, or a bad --mapping
+        _refuse_unproved(source, source_layout, side_files, options)
     if base is None and options.to is Target.HF and options.component is Component.MODEL and config is not None:
         plan, config, made_config = _value_head(source, source_layout, plan, config, made_config, side_files, notes)
     why_not: list[str] = []
@@ -306,8 +315,65 @@ def prepare(src: str, dst: str, options: ConvertOptions) -> Prepared:
             f"cannot compare logits: {why_not[0] if why_not else 'the output gets no config.json'}",
             "pass the folder of the model's config.json with --config (transformers 5 must be installed)",
         )
+    if options.mapping == NO_NAME_MAP and _writes_hf_model(options):
+        mapping = NO_NAME_MAP
+        if spec is None:
+            notes.append(
+                f"--mapping {NO_NAME_MAP}: the tensors keep the names (and row orders) the {source_layout.name} checkpoint "
+                "stores, and no model check ran, so the output is not proved to load with transformers' from_pretrained"
+            )
     return Prepared(
-        src, dst, url, layout.name, source, base, plan, weights, side_files, made_config, config, spec, tied, notes
+        src,
+        dst,
+        url,
+        layout.name,
+        source,
+        base,
+        plan,
+        weights,
+        side_files,
+        made_config,
+        config,
+        spec,
+        tied,
+        notes,
+        mapping=mapping,
+    )
+
+
+def _writes_hf_model(options: ConvertOptions) -> bool:
+    """Whether the output is meant as a Hugging Face model folder (the model, `--to hf`): what `from_pretrained`
+    loads, so what the model check proves."""
+    return options.to is Target.HF and options.component is Component.MODEL
+
+
+def _refuse_unproved(
+    checkpoint: Checkpoint, layout: Layout, side_files: Mapping[str, str], options: ConvertOptions
+) -> None:
+    """Refuse an HF model output that no config can prove (`model_check`) unless the raw names were asked for.
+
+    Without a config.json nothing tells whether the stored names are transformers' or the framework's own
+    (torchtitan's `layers.0.attention.wq.weight`, a plain module's `0.weight`), nor whether q/k rows are in
+    transformers' rotary order: the folder would look like an HF model and load as none, or load wrong.
+
+    Raises:
+        UnprovedModel: an HF model output without a config, and no `--mapping none`.
+    """
+    if not _writes_hf_model(options) or options.mapping == NO_NAME_MAP:
+        return
+    found = side_files.get("config.json")
+    why = (
+        f"the config.json found ({found}) does not parse as a JSON object"
+        if found is not None
+        else "none beside it, none given with --config"
+    )
+    raise UnprovedModel(
+        f"no config.json proves that {checkpoint.url} ({layout.name}) converts to a Hugging Face model ({why}): "
+        "nothing checks that the tensor names, shapes and rotary q/k row orders are transformers' rather than the "
+        "checkpoint's own, and from_pretrained would find no config",
+        "pass the folder of the model's config.json with --config PATH (and --mapping MAP where its framework's "
+        f"names need a map), or --mapping {NO_NAME_MAP} to write the tensors under their own names, not proved "
+        "loadable by from_pretrained",
     )
 
 
@@ -320,7 +386,7 @@ def _value_head(
     side_files: dict[str, str],
     notes: list[str],
 ) -> tuple[list[Planned], dict[str, Any], Mapping[str, Any] | None]:
-    """The plan, config and config to write of a critic or reward model (`layouts.parts.value_head`): its head
+    """The plan, config and config to write of a critic or reward model (`families.value_head`): its head
     named as transformers names it, and a config naming the transformers class that computes its values (the
     copied config.json is then written as that config); unchanged for a model without a value head."""
     head = find_value_head(
@@ -518,4 +584,5 @@ def _result(
         model=ModelCheck(spec.architecture, len(plan), prepared.tied, sealed.logits) if spec is not None else None,
         base=prepared.base.url if prepared.base is not None else "",
         derived=derived,
+        mapping=prepared.mapping,
     )

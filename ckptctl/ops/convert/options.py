@@ -8,10 +8,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ckptctl.checkpoint import Component
+from ckptctl.contract.wrapped import GivenScaling
 from ckptctl.errors import CkptctlError
 from ckptctl.formats.manifest import DIGESTS_NAME
 from ckptctl.layouts import ConvertTarget
-from ckptctl.layouts.wrapped import GivenScaling
 from ckptctl.ops.report import SCHEMA_VERSION
 
 if TYPE_CHECKING:
@@ -33,7 +33,7 @@ class Weights(enum.StrEnum):
 
 
 class LoraMode(enum.StrEnum):
-    """What `convert` does with adapters a model's state dict carries around its layers (`layouts.wrapped`)."""
+    """What `convert` does with adapters a model's state dict carries around its layers (`contract.wrapped`)."""
 
     #: Merge them into the base weights and write the model under its own names (what transformers loads).
     MERGE = "merge"
@@ -214,6 +214,10 @@ class ConvertResult:
             was none (no config, no architecture named, transformers not importable, `check_model` off).
         base: the base model an adapter was merged into ("" when the source is a model).
         derived: tensors computed rather than copied (the weights an adapter was merged into).
+        mapping: how an HF model's names were made transformers': the name of the framework's tensor name map
+            applied (`llama3`), `none` when the tensors keep their stored names as asked (`--mapping none`; with
+            no config, nothing proves the output loads), None otherwise (names as stored, checked by the config,
+            or a layout's own transformers model: Megatron's).
     """
 
     src: str
@@ -236,6 +240,7 @@ class ConvertResult:
     model: ModelCheck | None = None
     base: str = ""
     derived: int = 0
+    mapping: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -261,4 +266,5 @@ class ConvertResult:
             "model_check": self.model.to_json() if self.model is not None else None,
             "base": self.base or None,
             "derived_tensors": self.derived,
+            "mapping": self.mapping,
         }

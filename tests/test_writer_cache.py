@@ -4,6 +4,7 @@ the files' times."""
 from __future__ import annotations
 
 import os
+import pickle
 import subprocess
 import sys
 import textwrap
@@ -32,7 +33,7 @@ def _write_other(folder: Path) -> dict[str, Path]:
     return {"weights": folder / "weights.bin"}
 
 
-def _from(source: Path) -> Callable[[Path], dict[str, Path]]:
+def _from(source: object) -> Callable[[Path], dict[str, Path]]:
     return lambda root: {**_write(root), "source": source}
 
 
@@ -59,6 +60,13 @@ def test_the_key_holds_the_writer_source_and_what_it_is_given() -> None:
     # The same lambda given another entry's folder (a fixture built from another one's output).
     assert writer_cache.key_of("fixture", _from(Path("/x/a"))) == writer_cache.key_of("fixture", _from(Path("/x/a")))
     assert writer_cache.key_of("fixture", _from(Path("/x/a"))) != writer_cache.key_of("fixture", _from(Path("/x/b")))
+    # Another entry's value as its build returned it, and as a later run reads it back from the record: pickle
+    # writes the parts the paths share once in the first, and the same key stands for both.
+    root = Path("/x/run")
+    built = {"single": root / "single", "sharded": root / "sharded"}
+    read_back = pickle.loads(pickle.dumps(built))
+    assert pickle.dumps(read_back, protocol=4) != pickle.dumps(built, protocol=4)
+    assert writer_cache.key_of("fixture", _from(read_back)) == writer_cache.key_of("fixture", _from(built))
 
 
 def test_the_key_follows_imports_and_modules_run_by_name(tmp_path: Path) -> None:

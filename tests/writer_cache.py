@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import dataclasses
 import dis
 import functools
 import hashlib
@@ -47,7 +48,7 @@ import types
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import Any, TypeVar
 
 from filelock import FileLock, Timeout
@@ -246,10 +247,36 @@ def key_of(name: str, build: Callable[..., Any]) -> str:
         feed("dist", dist, version)
     for value in reach.data:
         try:
-            feed("data", hashlib.sha256(pickle.dumps(value, protocol=4)).hexdigest())
+            feed("data", hashlib.sha256(_canonical(value)).hexdigest())
         except Exception as exc:  # whatever pickle raises: no key stands for this value
             raise Unkeyable(f"{name!r} is built from a value pickle cannot write ({exc}): built per run") from exc
     return digest.hexdigest()[:20]
+
+
+def _canonical(value: Any) -> bytes:
+    """Bytes standing for `value`, the same for equal values however they were made. Not pickle's own: it
+    writes an object met twice once, so a fixture's value as built in this process (paths sharing their
+    parent's parts) and the same value read back from a record give other bytes, and the entries built from
+    it were built again by the next run. Paths, dataclasses and containers by what they hold; anything else
+    by its pickle."""
+    return repr(_plain(value)).encode()
+
+
+def _plain(value: Any) -> Any:
+    if value is None or isinstance(value, str | bytes | bool | int | float):
+        return value
+    if isinstance(value, PurePath):
+        return (type(value).__name__, str(value))
+    if isinstance(value, list | tuple):
+        return (type(value).__name__, *map(_plain, value))
+    if isinstance(value, dict):
+        return ("dict", *((_plain(k), _plain(v)) for k, v in value.items()))
+    if isinstance(value, set | frozenset):
+        return (type(value).__name__, *sorted(map(repr, map(_plain, value))))
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        kind = f"{type(value).__module__}.{type(value).__qualname__}"
+        return (kind, *((f.name, _plain(getattr(value, f.name))) for f in dataclasses.fields(value)))
+    return ("pickle", hashlib.sha256(pickle.dumps(value, protocol=4)).hexdigest())
 
 
 class Unkeyable(Exception):

@@ -656,9 +656,9 @@ def _fsdp_restore_rank(rank: int, world: int, root: str) -> None:
 def fsdp(root: str) -> None:
     """Save with 2 ranks; in this (single) process restore it and save it again as a single-process
     checkpoint (run `single`); then restore both runs in 2 fresh ranks."""
-    import torch.multiprocessing as mp
+    from tests.writers.ranks import run_ranks
 
-    context = mp.spawn(_fsdp_save_rank, args=(2, root), nprocs=2, join=False)
+    context = run_ranks(_fsdp_save_rank, (2, root), 2, join=False)
     for process in context.processes:  # not `join()`: it stops rank 0 as soon as rank 1 is SIGKILLed
         process.join()
     codes = [p.exitcode for p in context.processes]
@@ -672,7 +672,7 @@ def fsdp(root: str) -> None:
     state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "sampler": ResumableSampler(16, 5)}
     CheckpointManager(os.path.join(root, "run")).restore(state)
     CheckpointManager(os.path.join(root, "single")).save(3, state)
-    mp.spawn(_fsdp_restore_rank, args=(2, root), nprocs=2)
+    run_ranks(_fsdp_restore_rank, (2, root), 2)
 
 
 def autosave(root: str, ending: str) -> None:

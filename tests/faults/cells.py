@@ -6,8 +6,10 @@ copy is the checkpoint's folder under its own name in a folder of its own, every
 to the original (a cheap copy; neither the loaders nor `verify` write to them, and the session's check of the
 cache would fail if one did).
 
-`loader_verdicts` runs one framework's loader (`python -m tests.faults.loaders.NAME`, which imports the
-framework once and loads the undamaged copy, then every damaged one) and returns its verdict per cell:
+`loader_verdicts` runs one framework's loader (the module `tests.faults.loaders.NAME` as `python -m` runs it, in a
+process of its own forked from the writers' server that has imported torch: `tests.writers.ranks`; a framework
+that loads on several ranks has them forked likewise by `tests.faults.loaders.ranks`; it imports the framework
+once and loads the undamaged copy, then every damaged one) and returns its verdict per cell:
 `ok` (every tensor and value the reference load restored is restored equal), `failed: <exception>` or
 `lost: <what>` (it loaded, but some saved state is missing or different, or it warned about it).
 
@@ -17,19 +19,24 @@ This module does not import ckptctl: the loaders' verdicts are cached per machin
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tests.faults.loaders import ranks
+from tests.writers.ranks import run_ranks
+
 __all__ = [
     "FAULTS",
     "FLIP_MIN_BYTES",
+    "LOADER_ENVIRONMENT",
     "Cell",
     "cells",
     "damaged_copy",
@@ -42,7 +49,6 @@ __all__ = [
 
 FAULTS = ("delete", "truncate", "flip")
 FLIP_MIN_BYTES = 4096
-REPO = Path(__file__).resolve().parents[2]
 
 
 @dataclass(frozen=True, order=True)
@@ -161,33 +167,54 @@ def loader_verdicts(loader: str, checkpoint: Path, **options: object) -> dict[st
             "options": options,
             "out": str(Path(tmp) / "verdicts.json"),
         }
-        verdicts: dict[str, str] = run_loader(loader, spec, Path(tmp))
+        module = importlib.import_module(loader)
+        if hasattr(module, "join"):  # its framework loads on several ranks: `tests.faults.loaders.ranks`
+            spec_path = Path(tmp) / "spec.json"
+            spec_path.write_text(json.dumps(spec))
+            ranks.run_ranks(loader, module.WORLD, str(spec_path), LOADER_ENVIRONMENT)
+            verdicts: dict[str, str] = json.loads(Path(spec["out"]).read_text())  # type: ignore[arg-type]
+        else:
+            verdicts = run_loader(_loader_process, (loader,), 1, spec, Path(tmp))
     return verdicts
 
 
-def run_loader(loader: str, spec: dict[str, Any], tmp: Path, **environment: str) -> Any:
-    """Run `python -m LOADER SPEC_FILE` (a fresh interpreter: the framework's imports and state are its own) on
-    `spec` written into `tmp`, with `environment` beside the loaders' common settings; what it wrote to
-    `spec["out"]`, parsed."""
-    (tmp / "spec.json").write_text(json.dumps(spec))
-    env = {
-        **os.environ,
-        "PYTHONPATH": str(REPO),
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_VERBOSITY": "error",
-        "TOKENIZERS_PARALLELISM": "false",
-        "OMP_NUM_THREADS": "1",
-        **environment,
-    }
-    done = subprocess.run(
-        [sys.executable, "-m", loader, str(tmp / "spec.json")],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+#: The loaders' settings beside the test process's environment: offline, quiet, one thread per rank.
+LOADER_ENVIRONMENT = {
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_VERBOSITY": "error",
+    "TOKENIZERS_PARALLELISM": "false",
+    "OMP_NUM_THREADS": "1",
+}
+
+
+def run_loader(
+    fn: Callable[..., None], args: tuple[Any, ...], nprocs: int, spec: dict[str, Any], tmp: Path, **environment: str
+) -> Any:
+    """`fn(rank, SPEC_FILE, *args)` on `nprocs` ranks forked from the writers' pre-imported server
+    (`tests.writers.ranks.run_ranks`: each imports its framework itself, as a fresh interpreter would) on `spec`
+    written into `tmp`, with `LOADER_ENVIRONMENT` and `environment` added to this process's environment; what
+    the ranks wrote to `spec["out"]`, parsed."""
+    spec_path = tmp / "spec.json"
+    spec_path.write_text(json.dumps(spec))
+    run_ranks(fn, (str(spec_path), *args), nprocs, environment={**LOADER_ENVIRONMENT, **environment})
     out = Path(spec["out"])
-    if done.returncode or not out.exists():
-        raise RuntimeError(f"{loader} exited {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}")
+    if not out.exists():
+        raise RuntimeError(f"{fn.__module__} wrote no verdicts")
     return json.loads(out.read_text())
+
+
+def _loader_process(_rank: int, spec: str, loader: str) -> None:
+    """A single-process loader (`python -m LOADER SPEC`: its `main()`, else `run(load)`) forked from the writers'
+    pre-imported server rather than a fresh interpreter importing torch again."""
+    import torch
+
+    from tests.faults.loaders.common import run
+
+    torch.set_num_threads(1)  # OMP_NUM_THREADS=1 is read when torch starts: the server has started it
+    sys.argv = [loader, spec]
+    module = importlib.import_module(loader)
+    main = getattr(module, "main", None)
+    if main is not None:
+        main()
+    else:
+        run(module.load)

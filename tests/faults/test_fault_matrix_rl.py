@@ -1,5 +1,5 @@
 """THE RULE of the fault matrix (`tests.faults.test_fault_matrix`) for the RL and large-scale trainers' writers:
-ByteCheckpoint, torchtitan, Megatron dist-ckpt, ROLL and Lightning (a `.ckpt` file and a sharded `.ckpt/`
+verl, ByteCheckpoint, torchtitan, Megatron dist-ckpt, ROLL and Lightning (a `.ckpt` file and a sharded `.ckpt/`
 folder). One checkpoint per writer, from the suite's cached writer outputs; each framework's verdicts come from
 one loader process (`tests.faults.loaders.NAME`) and are cached like the writers' outputs."""
 
@@ -11,12 +11,19 @@ import pytest
 
 from tests.conftest import build_once
 from tests.faults.conftest import Faults, _faults
-from tests.faults.loaders import bytecheckpoint, lightning, megatron, roll, torchtitan
+from tests.faults.loaders import bytecheckpoint, lightning, megatron, roll, torchtitan, verl
 from tests.writers.bytecheckpoint_writer import WrittenBytecheckpoint, write_bytecheckpoint_run
 from tests.writers.lightning_writer import WrittenLightning
 from tests.writers.megatron_writer import WrittenMegatron
 from tests.writers.rl_runs import WrittenFsdpRuns
 from tests.writers.torchtitan_writer import WrittenTorchtitan
+from tests.writers.verl_writer import WrittenVerl
+
+
+@pytest.fixture(scope="session")
+def verl_faults(tmp_path_factory: pytest.TempPathFactory, verl_run: WrittenVerl) -> Faults:
+    """verl's `global_step_2/` (FSDP2 actor and critic, data.pt), judged by verl's own resume on 2 ranks."""
+    return _faults(tmp_path_factory, "verl", verl.build, verl_run.step(verl_run.steps[-1]))
 
 
 @pytest.fixture(scope="session")
@@ -56,8 +63,13 @@ def lightning_sharded_faults(tmp_path_factory: pytest.TempPathFactory, lightning
     return _faults(tmp_path_factory, "lightning-sharded", lightning.build_sharded, lightning_run.sharded)
 
 
+@pytest.mark.timeout(600)  # a cold build loads 55 cells on 2 ranks
+def test_verl(verl_faults: Faults, tmp_path: Path) -> None:
+    verl_faults.assert_rule(tmp_path)
+
+
 @pytest.mark.slow
-@pytest.mark.timeout(600)  # a cold build restarts its ranks after each load that leaves a peer stuck
+@pytest.mark.timeout(600)  # a cold build loads 23 cells on 2 ranks
 def test_bytecheckpoint(bytecheckpoint_faults: Faults, tmp_path: Path) -> None:
     bytecheckpoint_faults.assert_rule(tmp_path)
 

@@ -2,18 +2,19 @@
 `CkptctlCallback(RetentionPolicy(keep_last=2))`. The best checkpoint is the one with the *highest*
 eval loss (`greater_is_better=True`), so that it is an old one that only its protection keeps.
 
-Run: `python -m tests.integrations._trainer_worker OUT_DIR` (a subprocess keeps accelerate's process-wide
-state and the Trainer's seeding out of the test process). Prints the retention report's JSON.
+`write_run` runs it in a process of its own (keeping accelerate's process-wide state and the Trainer's seeding
+out of the test process), or `python -m tests.integrations._trainer_worker OUT_DIR`; the last retention
+report's JSON goes beside OUT_DIR (`last-prune.json`).
 """
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+
+from tests.writers.ranks import run_ranks
 
 STEPS = 5
 KEEP_LAST = 2
@@ -56,24 +57,22 @@ def main(output_dir: str) -> None:
         model=tiny_llama(), args=args, train_dataset=dataset, eval_dataset=dataset[:8], callbacks=[callback]
     ).train()
     assert callback.last_prune is not None
-    print(json.dumps(callback.last_prune.to_json()), flush=True)
+    Path(output_dir).with_name("last-prune.json").write_text(json.dumps(callback.last_prune.to_json()))
+
+
+def _main_process(_rank: int, output_dir: str) -> None:
+    main(output_dir)
 
 
 def write_run(root: Path) -> tuple[Path, dict[str, Any]]:
-    """Run `main` in a subprocess into `root/out`: the output folder and the last retention report."""
+    """Run `main` into `root/out` in a process of its own (forked from the writers' pre-imported server,
+    `tests.writers.ranks`: the Trainer's process-wide state stays there): the output folder and the last
+    retention report."""
     output_dir = root / "out"
-    repo = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "PYTHONPATH": str(repo), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
-    done = subprocess.run(
-        [sys.executable, "-m", "tests.integrations._trainer_worker", str(output_dir)],
-        cwd=repo,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
+    run_ranks(
+        _main_process, (str(output_dir),), 1, environment={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
     )
-    assert done.returncode == 0, done.stderr[-4000:]
-    return output_dir, json.loads(done.stdout.strip().splitlines()[-1])
+    return output_dir, json.loads((root / "last-prune.json").read_text())
 
 
 if __name__ == "__main__":

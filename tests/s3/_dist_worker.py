@@ -1,7 +1,9 @@
 """Two gloo ranks (FSDP2 on CPU) save to a remote run, then restore it into freshly built state; then one
 process restores it too. Writes `expected.pt`, `restored-2-ranks.pt` and `restored-1-process.pt` into LOCAL.
 
-Run: `python -m tests.s3._dist_worker s3://bucket/run LOCAL` (with the S3 server's AWS_* variables set).
+`main(ROOT, LOCAL)` in the test's process (the ranks are forked from the writers' pre-imported server,
+`tests.writers.ranks`; the test process restores as the one process), or
+`python -m tests.s3._dist_worker s3://bucket/run LOCAL` (with the S3 server's AWS_* variables set).
 """
 
 from __future__ import annotations
@@ -48,10 +50,10 @@ def _rank(rank: int, world: int, root: str, local: str) -> None:
 
 
 def main(root: str, local: str) -> None:
-    import torch.multiprocessing as mp
+    from tests.writers.ranks import run_ranks
 
     os.makedirs(os.path.join(local, "staging"), exist_ok=True)
-    mp.spawn(_rank, args=(2, root, local), nprocs=2)
+    run_ranks(_rank, (2, root, local), 2, environment={"OMP_NUM_THREADS": "1"})
     model = _fsdp_model(seed=5)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))

@@ -35,11 +35,12 @@ Run directly: `python -m tests.writers.accelerate_writer OUT_DIR`.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from tests.writers.ranks import run_ranks
 
 __all__ = ["WrittenAccelerate", "write_accelerate_runs"]
 
@@ -280,22 +281,17 @@ def _main(root: Path) -> None:
     torch.distributed.destroy_process_group()
 
 
+def _main_process(_rank: int, root: str) -> None:
+    _main(Path(root))
+
+
 def write_accelerate_runs(root: Path) -> WrittenAccelerate:
-    """Run the three accelerate runs in one subprocess (a few seconds of CPU) and describe what they wrote."""
+    """Run the accelerate runs in one process of their own (forked from the writers' pre-imported server,
+    `tests.writers.ranks`: accelerate's process-wide state stays there) and describe what they wrote."""
     from tests.writers.models import tiny_llama
 
-    repo = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "PYTHONPATH": str(repo), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
     root.mkdir(parents=True, exist_ok=True)
-    done = subprocess.run(
-        [sys.executable, "-m", "tests.writers.accelerate_writer", str(root)],
-        cwd=repo,
-        env=env,
-        capture_output=True,
-        text=True,
-    )
-    if done.returncode != 0:
-        raise RuntimeError(f"the accelerate writer failed:\n{done.stderr[-4000:]}")
+    run_ranks(_main_process, (str(root),), 1, environment={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"})
     model = tiny_llama()
     config_dir = root / "config"
     model.config.save_pretrained(str(config_dir))

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tests.writers.areal_writer import _STOOD_IN, _WORKING, EXPERIMENT, TRIAL, _base_model
+from tests.writers.ranks import run_ranks
 from tests.writers.stand_ins import InertModule, StandIns
 
 __all__ = ["TOKEN_IDS", "WrittenArealCritic", "write_areal_critic"]
@@ -133,8 +134,6 @@ def _rank(rank: int, rendezvous: str, fileroot: str, base_model: str, values: st
 
 def write_areal_critic(root: Path) -> WrittenArealCritic:
     """Build and save AReaL's critic in one spawned CPU rank into `root` (see the module docstring)."""
-    import torch.multiprocessing as mp
-
     root.mkdir(parents=True, exist_ok=True)
     _base_model(root / "base")
     fileroot = root / "fileroot"
@@ -142,6 +141,6 @@ def write_areal_critic(root: Path) -> WrittenArealCritic:
         trial=fileroot / "checkpoints" / getpass.getuser() / EXPERIMENT / TRIAL, values=root / "values.safetensors"
     )
     rendezvous = root / ".rendezvous"
-    mp.spawn(_rank, args=(str(rendezvous), str(fileroot), str(root / "base"), str(written.values)), nprocs=1)
+    run_ranks(_rank, (str(rendezvous), str(fileroot), str(root / "base"), str(written.values)), 1)
     rendezvous.unlink(missing_ok=True)
     return written

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tests.writers.ranks import run_ranks
 from tests.writers.stand_ins import InertModule, StandIns
 
 __all__ = ["EXPERIMENT", "TRIAL", "WrittenAreal", "write_areal_run"]
@@ -364,8 +365,6 @@ def write_areal_run(root: Path) -> WrittenAreal:
 
     Takes tens of seconds (each rank imports AReaL, torch and transformers); use it from a session fixture.
     """
-    import torch.multiprocessing as mp
-
     written = WrittenAreal(
         fileroot=root / "fileroot",
         trial=root / "fileroot" / "checkpoints" / getpass.getuser() / EXPERIMENT / TRIAL,  # Saver.get_save_root
@@ -373,6 +372,6 @@ def write_areal_run(root: Path) -> WrittenAreal:
         model_parameters=_base_model(root / "base"),
     )
     rendezvous = root / ".rendezvous"
-    mp.spawn(_rank, args=(str(rendezvous), str(written.fileroot), str(written.base_model)), nprocs=WORLD_SIZE)
+    run_ranks(_rank, (str(rendezvous), str(written.fileroot), str(written.base_model)), WORLD_SIZE)
     rendezvous.unlink(missing_ok=True)
     return written

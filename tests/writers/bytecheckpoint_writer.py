@@ -27,6 +27,8 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+from tests.writers.ranks import join_gloo, run_ranks
+
 __all__ = ["STEPS", "WORLD_SIZE", "WrittenBytecheckpoint", "write_bytecheckpoint_run"]
 
 WORLD_SIZE = 2
@@ -88,8 +90,7 @@ def _rank(rank: int, rendezvous: str, root: str) -> None:
     from tests.writers.dcp_writer import flatten
     from tests.writers.models import tiny_llama
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=WORLD_SIZE)
+    join_gloo(rank, WORLD_SIZE, rendezvous=rendezvous)
     import bytecheckpoint as bcp
 
     run = os.path.join(root, "run")
@@ -140,8 +141,6 @@ def _rank(rank: int, rendezvous: str, root: str) -> None:
 
 def write_bytecheckpoint_run(root: Path) -> WrittenBytecheckpoint:
     """Run ByteCheckpoint's saves on `WORLD_SIZE` spawned CPU ranks into `root` (see the module docstring)."""
-    import torch.multiprocessing as mp
-
     from tests.writers.models import tiny_llama
 
     root.mkdir(parents=True, exist_ok=True)
@@ -149,7 +148,7 @@ def write_bytecheckpoint_run(root: Path) -> WrittenBytecheckpoint:
     model.config.architectures = ["LlamaForCausalLM"]  # what save_pretrained records
     model.config.save_pretrained(root / "config")
     rendezvous = root / ".rendezvous"
-    mp.spawn(_rank, args=(str(rendezvous), str(root)), nprocs=WORLD_SIZE)
+    run_ranks(_rank, (str(rendezvous), str(root)), WORLD_SIZE)
     rendezvous.unlink(missing_ok=True)
     parameters = sum(p.numel() for p in model.parameters())
     (root / "written.json").write_text(json.dumps({"parameters": parameters}))

@@ -25,6 +25,7 @@ from ckptctl.frameworks.deepspeed import universal_from_state
 from tests.writers.dcp_writer import TinyNet
 from tests.writers.deepspeed_ranks import join_deepspeed_ranks
 from tests.writers.deepspeed_writer import _free_port
+from tests.writers.ranks import run_ranks
 from tests.writers.reshard_dcp_proof import NEXT_STEP_SEED, adamw, batch
 
 __all__ = ["SOURCES", "STAGES", "DcpToUniversalProof", "prove_dcp_to_universal"]
@@ -104,8 +105,6 @@ def _rank(rank: int, world: int, port: int, root: str) -> None:
 
 def prove_dcp_to_universal(root: Path, source_root: Path) -> DcpToUniversalProof:
     """Reshard the DCP proof's sources in `source_root` into `root` and load them with DeepSpeed (the module)."""
-    import torch.multiprocessing as mp
-
     from ckptctl.ops.reshard import ReshardOptions, reshard
 
     assert universal_from_state.DS_VERSION == "0.19.8"  # named so that the writer cache's key covers the writer
@@ -118,5 +117,5 @@ def prove_dcp_to_universal(root: Path, source_root: Path) -> DcpToUniversalProof
             "resume_hint": result.resume_hint,
         }
     for world in (1, 2):
-        mp.spawn(_rank, args=(world, _free_port(), str(root)), nprocs=world)
+        run_ranks(_rank, (world, _free_port(), str(root)), world)
     return DcpToUniversalProof(root, written)

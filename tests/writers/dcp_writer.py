@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from tests.writers.ranks import join_gloo, run_ranks
+
 __all__ = [
     "WrittenDcp",
     "flatten",
@@ -117,9 +119,7 @@ def _fsdp_worker(rank: int, world_size: int, rendezvous: str, path: str, referen
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world_size)
+    join_gloo(rank, world_size, rendezvous=rendezvous)
     try:
         model = sharded_tiny_net(world_size)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -146,13 +146,11 @@ def write_fsdp_dcp(root: Path, name: str = "step-1", world_size: int = 2) -> Wri
 
     Takes a few seconds (each rank imports torch); use it from a session-scoped fixture.
     """
-    import torch.multiprocessing as mp
-
     root.mkdir(parents=True, exist_ok=True)
     path = root / name
     reference = root / f"{name}.reference.safetensors"
     rendezvous = root / f".{name}.rendezvous"
-    mp.spawn(_fsdp_worker, args=(world_size, str(rendezvous), str(path), str(reference)), nprocs=world_size)
+    run_ranks(_fsdp_worker, (world_size, str(rendezvous), str(path), str(reference)), world_size)
     rendezvous.unlink(missing_ok=True)
     info = json.loads(reference.with_suffix(".json").read_text())
     return WrittenDcp(path, reference, info["params"], world_size, tuple(info["non_tensor_keys"]))

@@ -9,21 +9,16 @@ import logging
 import os
 import warnings
 
+from tests.writers.ranks import torchrun_variables
+
 
 def join_deepspeed_ranks(rank: int, world: int, port: int) -> None:
     """This spawned process joins a gloo group of `world` CPU ranks through `deepspeed.init_distributed`, with
     DeepSpeed's CPU accelerator and its logging quiet."""
     import torch
 
-    os.environ.update(
-        DS_ACCELERATOR="cpu",
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_WORLD_SIZE=str(world),
-    )
+    torchrun_variables(rank, world, port)
+    os.environ["DS_ACCELERATOR"] = "cpu"
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     import deepspeed

@@ -39,6 +39,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tests.writers.ranks import run_ranks
+
 __all__ = ["WrittenWrapperRuns", "write_wrapper_runs"]
 
 WORLD_SIZE = 2
@@ -180,10 +182,8 @@ def _written(root: Path) -> WrittenWrapperRuns:
 def write_wrapper_runs(root: Path) -> WrittenWrapperRuns:
     """Train and save both runs in 2 spawned ranks and convert their latest tags (about 20 s on 2 cores); use it
     from a session-scoped fixture."""
-    import torch.multiprocessing as mp
-
     from tests.writers.deepspeed_writer import _free_port
 
     root.mkdir(parents=True, exist_ok=True)
-    mp.spawn(_worker, args=(_free_port(), str(root)), nprocs=WORLD_SIZE)
+    run_ranks(_worker, (_free_port(), str(root)), WORLD_SIZE)
     return _written(root)

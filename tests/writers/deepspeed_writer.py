@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from tests.writers.deepspeed_ranks import join_deepspeed_ranks
+from tests.writers.ranks import run_ranks
 
 __all__ = [
     "CONVERTER_FROZEN",
@@ -249,8 +250,6 @@ def write_deepspeed_sets(
     Takes tens of seconds (2 spawned ranks importing DeepSpeed and transformers); use it from a session-scoped
     fixture.
     """
-    import torch.multiprocessing as mp
-
     jobs: list[_Job] = []
     for root, runs in sets.items():
         root.mkdir(parents=True, exist_ok=True)
@@ -261,7 +260,7 @@ def write_deepspeed_sets(
             else {s: tuple(WRAPPER_PREFIX + n if s in wrap else n for n in names) for s, names in runs.frozen.items()}
         )
         jobs.append((str(root), runs.stages, runs.tie_embeddings, prefixed, wrap))
-    mp.spawn(_worker, args=(_free_port(), jobs, then), nprocs=WORLD_SIZE)
+    run_ranks(_worker, (_free_port(), jobs, then), WORLD_SIZE)
     return {root: _written(root, runs) for root, runs in sets.items()}
 
 

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tests.writers.ranks import run_ranks
+
 __all__ = ["WORLD_SIZE", "WrittenDistributedSaves", "write_distributed_saves"]
 
 WORLD_SIZE = 2
@@ -89,8 +91,6 @@ def _worker(rank: int, port: int, root: str) -> None:
 def write_distributed_saves(root: Path) -> WrittenDistributedSaves:
     """Save the tiny Llama, then spawn the 2 ranks that save it per rank (several seconds: each rank imports
     torch and transformers); use it from a session fixture."""
-    import torch.multiprocessing as mp
-
     from tests.writers.models import tiny_llama
 
     model = tiny_llama()
@@ -98,7 +98,7 @@ def write_distributed_saves(root: Path) -> WrittenDistributedSaves:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_worker, args=(port, str(root)), nprocs=WORLD_SIZE)
+    run_ranks(_worker, (port, str(root)), WORLD_SIZE)
     return WrittenDistributedSaves(
         root / "hf-distributed",
         root / "dcp-no-collectives",

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from tests.writers.ranks import run_ranks
+
 __all__ = ["WrittenLlamaDcp", "write_llama_fsdp_dcp"]
 
 
@@ -97,8 +99,6 @@ def write_llama_fsdp_dcp(root: Path, world_size: int = 2) -> WrittenLlamaDcp:
 
     Takes a few seconds (each rank imports torch and transformers); use it from a session-scoped fixture.
     """
-    import torch.multiprocessing as mp
-
     run = root / "run"
     run.mkdir(parents=True, exist_ok=True)
     path = run / "step-1"
@@ -107,6 +107,6 @@ def write_llama_fsdp_dcp(root: Path, world_size: int = 2) -> WrittenLlamaDcp:
     tp_reference = root / "tp-reference.safetensors"
     rendezvous = root / ".rendezvous"
     args = (world_size, str(rendezvous), str(run), str(path), str(reference), str(tp_path), str(tp_reference))
-    mp.spawn(_worker, args=args, nprocs=world_size)
+    run_ranks(_worker, args, world_size)
     rendezvous.unlink(missing_ok=True)
     return WrittenLlamaDcp(run, path, reference, tp_path, tp_reference)

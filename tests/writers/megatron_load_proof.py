@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from tests.writers.megatron_writer import gpt_model
+from tests.writers.ranks import run_ranks
 
 __all__ = ["SPEC_KEYS", "megatron_loaded"]
 
@@ -60,10 +61,8 @@ def _worker(rank: int, rendezvous: str, cases: list[tuple[str, bool, str]], out:
 def megatron_loaded(cases: list[tuple[Path, bool]], out: Path) -> list[Path]:
     """Load each `(folder, tied)` into a fresh `GPTModel` by megatron-core's own code in one spawned process;
     returns the safetensors file of each one's `state_dict()`, in order (and writes `out / SPEC_KEYS`)."""
-    import torch.multiprocessing as mp
-
     out.mkdir(parents=True, exist_ok=True)
     files = [out / f"loaded-{i}.safetensors" for i in range(len(cases))]
     jobs = [(str(folder), tied, str(f)) for (folder, tied), f in zip(cases, files, strict=True)]
-    mp.spawn(_worker, args=(str(out / ".rendezvous"), jobs, str(out)), nprocs=1)
+    run_ranks(_worker, (str(out / ".rendezvous"), jobs, str(out)), 1)
     return files

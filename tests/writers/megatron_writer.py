@@ -42,12 +42,13 @@ module is needed: megatron-core's local layer spec (`get_gpt_layer_local_spec`) 
 from __future__ import annotations
 
 import argparse
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from tests.writers.ranks import join_gloo, run_ranks
 
 __all__ = ["TRACKER", "WrittenMegatron", "gpt_model", "write_megatron_runs"]
 
@@ -357,11 +358,9 @@ def _train_step(model: Any, optimizer: Any, scheduler: Any, rank: int, step: int
 def _worker(rank: int, world_size: int, rendezvous: str, root: str) -> None:
     import torch.distributed as dist
 
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)
     torch.cuda.synchronize = lambda *args, **kwargs: None
     torch.cuda.current_device = lambda: "cpu"
-    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world_size)
+    join_gloo(rank, world_size, rendezvous=rendezvous)
     from megatron.core import dist_checkpointing, parallel_state
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
@@ -458,12 +457,10 @@ def write_megatron_runs(root: Path) -> WrittenMegatron:
     they wrote."""
     from importlib.metadata import version
 
-    import torch.multiprocessing as mp
-
     root.mkdir(parents=True, exist_ok=True)
     counts = _sources(root)
     rendezvous = root / ".rendezvous"
-    mp.spawn(_worker, args=(_TP, str(rendezvous), str(root)), nprocs=_TP)
+    run_ranks(_worker, (_TP, str(rendezvous), str(root)), _TP)
     rendezvous.unlink(missing_ok=True)
     (root / _SOURCES).unlink()
     return WrittenMegatron(

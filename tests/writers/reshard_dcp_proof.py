@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from tests.writers.dcp_writer import sharded_tiny_net
+from tests.writers.ranks import run_ranks
 from tests.writers.trainer_resume_writer import STEPS, WEIGHT_DECAY
 
 __all__ = [
@@ -179,11 +180,9 @@ def _copy(tree: Any) -> Any:
 
 
 def _spawn(worker: Any, root: Path, world_size: int, *args: Any) -> None:
-    import torch.multiprocessing as mp
-
     rendezvous = root / f".rendezvous-{worker.__name__}-{world_size}"
     rendezvous.unlink(missing_ok=True)
-    mp.spawn(worker, args=(world_size, str(rendezvous), str(root), *args), nprocs=world_size)
+    run_ranks(worker, (world_size, str(rendezvous), str(root), *args), world_size)
 
 
 def _write_dcp(source: Path, out: Path) -> dict[str, Any]:
@@ -270,14 +269,12 @@ def _verl_worker(rank: int, world_size: int, port: int, base: str, source: str, 
 
 def prove_verl_to_dcp(root: Path, base_model: Path, actor: Path) -> VerlToDcpProof:
     """Reshard verl's actor folder `actor` into `root/verl-out`, then resume it (the section comment)."""
-    import torch.multiprocessing as mp
-
     from tests.writers.verl_reshard_proof import _free_port
 
     written = _write_dcp(actor, root / "verl-out")
     for world_size in (2, 1):
         args = (world_size, _free_port(), str(base_model), str(actor), str(root))
-        mp.spawn(_verl_worker, args=args, nprocs=world_size)
+        run_ranks(_verl_worker, args, world_size)
     return VerlToDcpProof(root, written)
 
 

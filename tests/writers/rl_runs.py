@@ -51,6 +51,7 @@ from typing import Any
 import torch
 
 from tests.writers.deepspeed_writer import WrittenDeepSpeed
+from tests.writers.ranks import join_gloo, run_ranks
 
 __all__ = [
     "AREAL_EXPERIMENT",
@@ -207,10 +208,8 @@ def _fsdp_worker(rank: int, rendezvous: str, areal_trial: str, roll_launch: str)
 
     from tests.writers.models import tiny_llama
 
-    warnings.filterwarnings("ignore")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=WORLD_SIZE)
+    join_gloo(rank, WORLD_SIZE, rendezvous=rendezvous)
     try:
         model = tiny_llama()
         mesh = init_device_mesh("cpu", (WORLD_SIZE,))
@@ -239,19 +238,13 @@ def write_fsdp_runs(root: Path) -> WrittenFsdpRuns:
 
     Takes several seconds (each rank imports torch and transformers); use it from a session fixture.
     """
-    import torch.multiprocessing as mp
-
     from tests.writers.models import tiny_llama
 
     written = WrittenFsdpRuns(root / "areal", root / "roll", sum(p.numel() for p in tiny_llama().parameters()))
     written.areal_trial.mkdir(parents=True)
     written.roll_launch.mkdir(parents=True)
     rendezvous = root / ".rendezvous"
-    mp.spawn(
-        _fsdp_worker,
-        args=(str(rendezvous), str(written.areal_trial), str(written.roll_launch)),
-        nprocs=WORLD_SIZE,
-    )
+    run_ranks(_fsdp_worker, (str(rendezvous), str(written.areal_trial), str(written.roll_launch)), WORLD_SIZE)
     rendezvous.unlink(missing_ok=True)
     return written
 

@@ -27,11 +27,11 @@ import json
 import os
 import sys
 import types
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tests.writers.ranks import join_gloo, run_ranks
 from tests.writers.stand_ins import InertModule, StandIns
 
 __all__ = ["HF_CONFIG", "TOKENS", "WrittenTorchtitan", "model_parameters", "write_torchtitan_run"]
@@ -202,16 +202,14 @@ def _worker(rank: int, rendezvous: str, dump_folder: str, reference: str) -> Non
     import torch
     import torch.distributed as dist
 
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)
     sys.meta_path.append(StandIns("torchtitan", _STOOD_IN, _stand_in))
+    join_gloo(rank, 1, rendezvous=rendezvous)
     from safetensors.torch import save_file
     from torchtitan.components.checkpoint import CheckpointManager
     from torchtitan.components.dataloader import ParallelAwareDataloader
     from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
     from torchtitan.models.llama3 import Llama3StateDictAdapter
 
-    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=1)
     try:
         config = _model_config()
         torch.manual_seed(0)
@@ -263,8 +261,6 @@ def _worker(rank: int, rendezvous: str, dump_folder: str, reference: str) -> Non
 
 def write_torchtitan_run(root: Path) -> WrittenTorchtitan:
     """Run torchtitan's checkpointing in a spawned CPU rank into `root/outputs/` (see the module docstring)."""
-    import torch.multiprocessing as torch_mp
-
     dump_folder = root / "outputs"
     assets = root / "assets"
     assets.mkdir(parents=True)
@@ -276,7 +272,7 @@ def write_torchtitan_run(root: Path) -> WrittenTorchtitan:
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
-        torch_mp.spawn(_worker, args=(str(rendezvous), str(dump_folder), str(reference)), nprocs=1, join=True)
+        run_ranks(_worker, (str(rendezvous), str(dump_folder), str(reference)), 1)
     finally:
         for k, v in old.items():
             if v is None:

@@ -21,12 +21,12 @@ Run directly: `python -m tests.writers.trainer_resume_writer OUT_DIR`.
 from __future__ import annotations
 
 import copy
-import os
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from tests.writers.ranks import run_ranks
 
 __all__ = ["STEPS", "WEIGHT_DECAY", "WrittenTrainerResume", "WrittenTrainerResumes", "write_trainer_resume"]
 
@@ -132,22 +132,19 @@ class WrittenTrainerResumes:
     tied: WrittenTrainerResume
 
 
+def _train_both(_rank: int, root: str) -> None:
+    _train(Path(root) / "untied", tied=False)
+    _train(Path(root) / "tied", tied=True)
+
+
 def write_trainer_resume(root: Path) -> WrittenTrainerResumes:
-    """Run the Trainer and its resume, untied and tied, in a subprocess and describe what they wrote."""
-    repo = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "PYTHONPATH": str(repo), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
-    subprocess.run(
-        [sys.executable, "-m", "tests.writers.trainer_resume_writer", str(root)],
-        check=True,
-        cwd=repo,
-        env=env,
-        capture_output=True,
-    )
+    """Run the Trainer and its resume, untied and tied, in a process of its own (forked from the writers'
+    pre-imported server, `tests.writers.ranks`) and describe what they wrote."""
+    run_ranks(_train_both, (str(root),), 1, environment={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"})
     return WrittenTrainerResumes(
         *(WrittenTrainerResume(root / name / "out", root / name / "resume-record.pt") for name in ("untied", "tied"))
     )
 
 
 if __name__ == "__main__":
-    _train(Path(sys.argv[1]) / "untied", tied=False)
-    _train(Path(sys.argv[1]) / "tied", tied=True)
+    _train_both(0, sys.argv[1])

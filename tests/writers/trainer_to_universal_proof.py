@@ -30,6 +30,7 @@ import torch
 from ckptctl.frameworks.deepspeed import universal_from_state
 from tests.writers.deepspeed_ranks import join_deepspeed_ranks
 from tests.writers.deepspeed_writer import _free_port
+from tests.writers.ranks import run_ranks
 from tests.writers.trainer_resume_writer import WEIGHT_DECAY
 
 __all__ = ["STAGES", "TrainerToUniversalProof", "prove_trainer_to_universal"]
@@ -139,8 +140,6 @@ def _rank(rank: int, world: int, port: int, root: str, *cases: str) -> None:
 def prove_trainer_to_universal(root: Path, runs: dict[str, tuple[Path, Path]]) -> TrainerToUniversalProof:
     """Reshard each case's Trainer checkpoint (`runs`: name -> its checkpoint and the Trainer's resume record) into
     `root/<name>-out` and load them with DeepSpeed (the module)."""
-    import torch.multiprocessing as mp
-
     from ckptctl.ops.reshard import ReshardOptions, reshard
 
     assert universal_from_state.DS_VERSION == "0.19.8"  # named so that the writer cache's key covers the writer
@@ -154,5 +153,5 @@ def prove_trainer_to_universal(root: Path, runs: dict[str, tuple[Path, Path]]) -
         }
     cases = [str(value) for name, (checkpoint, record) in runs.items() for value in (name, checkpoint, record)]
     for world in (1, 2):
-        mp.spawn(_rank, args=(world, _free_port(), str(root), *cases), nprocs=world)
+        run_ranks(_rank, (world, _free_port(), str(root), *cases), world)
     return TrainerToUniversalProof(root, written)

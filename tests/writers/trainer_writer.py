@@ -23,13 +23,13 @@ Run directly: `python -m tests.writers.trainer_writer OUT_DIR`.
 
 from __future__ import annotations
 
-import os
 import shutil
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from tests.writers.ranks import run_ranks
 
 __all__ = ["WrittenTrainerRun", "token_dataset", "write_trainer_run"]
 
@@ -153,18 +153,18 @@ def _saved_run_path(output_dir: Path) -> Path:
     return output_dir.parent / f"{output_dir.name}-saved"
 
 
+def _train_process(_rank: int, output_dir: str) -> None:
+    _train(Path(output_dir))
+
+
 def write_trainer_run(output_dir: Path) -> WrittenTrainerRun:
-    """Run the Trainer in a subprocess (about 6 s) and describe what it wrote."""
+    """Run the Trainer in a process of its own (forked from the writers' pre-imported server,
+    `tests.writers.ranks`: the Trainer's and accelerate's process-wide state stays there) and describe what it
+    wrote."""
     from tests.writers.models import tiny_llama
 
-    root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "PYTHONPATH": str(root), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
-    subprocess.run(
-        [sys.executable, "-m", "tests.writers.trainer_writer", str(output_dir)],
-        check=True,
-        cwd=root,
-        env=env,
-        capture_output=True,
+    run_ranks(
+        _train_process, (str(output_dir),), 1, environment={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
     )
     parameters = sum(p.numel() for p in tiny_llama().parameters())
     return WrittenTrainerRun(output_dir, _reference_path(output_dir), parameters, _saved_run_path(output_dir))

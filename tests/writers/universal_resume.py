@@ -27,6 +27,7 @@ import torch
 
 from tests.writers.deepspeed_ranks import join_deepspeed_ranks
 from tests.writers.deepspeed_writer import FROZEN_UNDER_ZERO3, _free_port
+from tests.writers.ranks import run_ranks
 
 __all__ = ["STEPS", "resume_losses"]
 
@@ -78,9 +79,7 @@ def _rank(rank: int, world: int, port: int, jobs: list[tuple[int, str, bool, str
 
 
 def _spawn(world: int, jobs: list[tuple[int, str, bool, str | None, str]]) -> None:
-    import torch.multiprocessing as mp
-
-    mp.spawn(_rank, args=(world, _free_port(), jobs), nprocs=world)
+    run_ranks(_rank, (world, _free_port(), jobs), world)
 
 
 def resume_losses(root: Path, tags: dict[int, Path], reshard: Callable[[Path, Path], None]) -> dict[str, Any]:

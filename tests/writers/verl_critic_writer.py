@@ -18,6 +18,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from tests.writers.ranks import run_ranks
 from tests.writers.verl_ranks import join_verl_ranks
 from tests.writers.verl_writer import _base_model, _free_port
 
@@ -80,9 +81,7 @@ def _rank(rank: int, port: int, root: str, base: str) -> None:
 
 def write_verl_critic(root: Path) -> WrittenVerlCritic:
     """Run verl's FSDP1 critic save on `WORLD_SIZE` spawned CPU ranks into `root` (see the module docstring)."""
-    import torch.multiprocessing as mp
-
     root.mkdir(parents=True, exist_ok=True)
     _base_model(root / "base")
-    mp.spawn(_rank, args=(_free_port(), str(root), str(root / "base")), nprocs=WORLD_SIZE)
+    run_ranks(_rank, (_free_port(), str(root), str(root / "base")), WORLD_SIZE)
     return WrittenVerlCritic(run=root / "run", values=root / "values.safetensors")

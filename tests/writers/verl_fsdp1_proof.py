@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tests.writers.ranks import run_ranks
 from tests.writers.verl_ranks import join_verl_ranks
 from tests.writers.verl_reshard_proof import ROLES, _free_port, _reshard
 from tests.writers.verl_writer import STEPS, TRACKER, _base_model, _dataloader_state
@@ -160,9 +161,7 @@ def _rank(rank: int, world: int, port: int, base: str, out: str, jobs: list[tupl
 
 
 def _spawn(world: int, base: Path, out: Path, jobs: list[tuple[str, str, str]]) -> None:
-    import torch.multiprocessing as mp
-
-    mp.spawn(_rank, args=(world, _free_port(), str(base), str(out), jobs), nprocs=world)
+    run_ranks(_rank, (world, _free_port(), str(base), str(out), jobs), world)
 
 
 def prove_verl_fsdp1_reshard(root: Path) -> VerlFsdp1Proof:

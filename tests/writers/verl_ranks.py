@@ -5,8 +5,8 @@ Kept apart from those writers so that each one's cache key (tests/writer_cache.p
 from __future__ import annotations
 
 import os
-import warnings
 
+from tests.writers.ranks import join_gloo, torchrun_variables
 from tests.writers.stand_ins import StandIns
 
 #: Top-level modules verl's checkpoint manager and merger import on the way (module level) without using them
@@ -36,21 +36,9 @@ def join_verl_ranks(rank: int, world: int, port: int) -> None:
     """This spawned process joins a gloo group of `world` CPU ranks as verl's workers do (torchrun's variables),
     with verl's checkpoint manager and merger imported (modules they import that are not installed here and
     that their save paths never call are stood in for, `tests.writers.stand_ins`)."""
-    import torch
-    import torch.distributed as dist
-
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        TRANSFORMERS_VERBOSITY="error",
-        VERL_LOGGING_LEVEL="WARNING",
-    )
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torchrun_variables(rank, world, port)
+    os.environ.update(TRANSFORMERS_VERBOSITY="error", VERL_LOGGING_LEVEL="WARNING")
+    join_gloo(rank, world, port=port)
     with StandIns("verl", _STOOD_IN).serving():
         import verl.model_merger.fsdp_model_merger
         import verl.utils.checkpoint.fsdp_checkpoint_manager  # noqa: F401

@@ -28,6 +28,7 @@ from typing import Any
 from ckptctl.contract.capabilities import ReshardRequest, WrittenState
 from ckptctl.frameworks.verl.reshard import WRITER
 from ckptctl.layouts import open_checkpoint
+from tests.writers.ranks import run_ranks
 from tests.writers.verl_ranks import join_verl_ranks
 from tests.writers.verl_writer import STEPS, WrittenVerl
 
@@ -156,9 +157,7 @@ def _free_port() -> int:
 
 
 def _spawn(world: int, base: Path, out: Path, jobs: list[tuple[str, str, str]]) -> None:
-    import torch.multiprocessing as mp
-
-    mp.spawn(_rank, args=(world, _free_port(), str(base), str(out), jobs), nprocs=world)
+    run_ranks(_rank, (world, _free_port(), str(base), str(out), jobs), world)
 
 
 def _reshard(step: Path, staging: Path, world: int) -> WrittenState:

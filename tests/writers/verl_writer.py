@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tests.writers.ranks import run_ranks
 from tests.writers.verl_ranks import join_verl_ranks
 
 __all__ = ["STEPS", "WORLD_SIZE", "WrittenVerl", "write_verl_run"]
@@ -197,11 +198,9 @@ def _free_port() -> int:
 
 def write_verl_run(root: Path) -> WrittenVerl:
     """Run verl's saves for `STEPS` on `WORLD_SIZE` spawned CPU ranks into `root` (see the module docstring)."""
-    import torch.multiprocessing as mp
-
     root.mkdir(parents=True, exist_ok=True)
     parameters = _base_model(root / "base")
-    mp.spawn(_rank, args=(_free_port(), str(root), str(root / "base")), nprocs=WORLD_SIZE)
+    run_ranks(_rank, (_free_port(), str(root), str(root / "base")), WORLD_SIZE)
     written = WrittenVerl(
         run=root / "run",
         base_model=root / "base",

@@ -12,54 +12,43 @@ shards, its optimizer state and its extra state.
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Mapping
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 from tests.faults.cells import loader_verdicts
-from tests.faults.loaders.ranks import run_ranks
+from tests.faults.loaders.common import local_shards
+from tests.faults.loaders.ranks import TIMEOUT, run_ranks
+from tests.writers.ranks import join_gloo, torchrun_variables
 
 WORLD = 2
 
 
 def join(rank: int, world: int, port: int) -> None:
-    import warnings
-
-    import torch
-    import torch.distributed as dist
-
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1")
-    os.environ["MASTER_PORT"] = str(port)
+    torchrun_variables(rank, world, port)
     # ByteCheckpoint 0.0.2 reads extra_state files with a bare `torch.load(file_path)`
     # (bytecheckpoint/engine/load_engine.py: load_loader_extra_state), which torch >= 2.6 runs with
     # weights_only=True and which then refuses the file its own save wrote (pickle protocol 4's FRAME opcode):
     # torch's documented switch back to the old default is what a ByteCheckpoint user sets.
     os.environ["TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"] = "1"
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
+    join_gloo(rank, world, port=port, timeout=TIMEOUT)
     import bytecheckpoint  # noqa: F401
-
-
-def _local(tree: Any) -> Any:
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(tree, Mapping):
-        return {k: _local(v) for k, v in tree.items()}
-    if isinstance(tree, list):
-        return [_local(v) for v in tree]
-    return tree.to_local() if isinstance(tree, DTensor) else tree
 
 
 def load(path: str, options: Mapping[str, Any]) -> Any:
     import bytecheckpoint as bcp
     import torch
+    from bytecheckpoint.engine import _load_engine
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     from tests.writers.models import tiny_llama
 
+    # A training process loads once; this one loads every cell with the same ByteCheckpoint load engine, which
+    # would re-raise the failed read of the previous cell in its next load (bytecheckpoint/engine/
+    # base_engine.py: `sync_io_futures` waits for "the last load event"): each load starts without one.
+    _load_engine._io_futures = dict.fromkeys(_load_engine._io_futures)
     mesh = init_device_mesh("cpu", (WORLD,))  # per load: the group may be new (tests.faults.loaders.ranks)
     model = tiny_llama()
     for layer in model.model.layers:
@@ -69,8 +58,8 @@ def load(path: str, options: Mapping[str, Any]) -> Any:
     state: dict[str, Any] = {"model": model, "optimizer": optimizer, "extra_state": {}}
     bcp.load(path, state, framework="fsdp2")
     return {
-        "model": _local(model.state_dict()),
-        "optimizer": _local(optimizer.state_dict()),
+        "model": local_shards(model.state_dict()),
+        "optimizer": local_shards(optimizer.state_dict()),
         "extra_state": state["extra_state"],
     }
 
@@ -81,4 +70,4 @@ def build(checkpoint: Path, _out: Path) -> dict[str, str]:
 
 
 if __name__ == "__main__":
-    run_ranks("tests.faults.loaders.bytecheckpoint", WORLD)
+    run_ranks("tests.faults.loaders.bytecheckpoint", WORLD, sys.argv[1])

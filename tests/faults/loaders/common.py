@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["flatten", "judge", "load_capturing", "run", "without_path"]
+__all__ = ["flatten", "judge", "load_capturing", "local_shards", "run", "without_path"]
 
 Load = Callable[[str, Mapping[str, Any]], Any]
 
@@ -131,3 +131,15 @@ def run(load: Load) -> None:
     for cell in spec["cells"]:
         verdicts[cell["id"]] = judge(load, cell["path"], options, reference, known)
     Path(spec["out"]).write_text(json.dumps(verdicts, indent=1))
+
+
+def local_shards(tree: Any) -> Any:
+    """`tree` (dicts and lists) with each DTensor as its local shard: what this rank holds, for the ranks that
+    compare their own state."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(tree, Mapping):
+        return {k: local_shards(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [local_shards(v) for v in tree]
+    return tree.to_local() if isinstance(tree, DTensor) else tree

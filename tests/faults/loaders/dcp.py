@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.faults.cells import loader_verdicts
-from tests.faults.loaders.common import Load, judge, load_capturing, without_path
+from tests.faults.loaders.common import Load, judge, load_capturing, local_shards, without_path
 
 
 def load_single(path: str, options: Mapping[str, Any]) -> Any:
@@ -56,18 +56,7 @@ def load_fsdp(path: str, options: Mapping[str, Any]) -> Any:
     dcp.load(state, checkpoint_id=path)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    return {"model": _local(model_sd), "optim": _local(optim_sd)}
-
-
-def _local(tree: Any) -> Any:
-    """DTensors as their local shard (what this rank holds)."""
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(tree, Mapping):
-        return {k: _local(v) for k, v in tree.items()}
-    if isinstance(tree, list):
-        return [_local(v) for v in tree]
-    return tree.to_local() if isinstance(tree, DTensor) else tree
+    return {"model": local_shards(model_sd), "optim": local_shards(optim_sd)}
 
 
 def _rank(rank: int, spec_path: str, port: int) -> None:
@@ -119,7 +108,9 @@ def main() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_rank, args=(sys.argv[1], port), nprocs=2, join=True)
+    # Forked: this process has only imported modules and read the spec (no thread, no tensor op yet), so its
+    # ranks start with torch imported rather than importing it again each.
+    mp.start_processes(_rank, args=(sys.argv[1], port), nprocs=2, join=True, start_method="fork")
 
 
 if __name__ == "__main__":

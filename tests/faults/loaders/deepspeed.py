@@ -1,5 +1,6 @@
 """DeepSpeed engines loading their own tags, and the frameworks that resume through them, on 2 gloo CPU ranks
-(`DS_ACCELERATOR=cpu`): one spawn for every DeepSpeed-based checkpoint of the matrix, one engine per job.
+(`DS_ACCELERATOR=cpu`): one pair of ranks (forked by `tests.writers.ranks`) for every DeepSpeed-based
+checkpoint of the matrix, one engine per job.
 
 - `deepspeed-zero2` / `deepspeed-zero3`: the suite's `global_step4` (`tests.writers.deepspeed_writer`), loaded
   with `engine.load_checkpoint(save_dir, tag)` (deepspeed/runtime/engine.py: DeepSpeedEngine.load_checkpoint)
@@ -37,7 +38,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import socket
 import sys
 import tempfile
 from collections.abc import Mapping
@@ -46,6 +46,7 @@ from typing import Any
 
 from tests.faults.cells import cells, make_copies, run_loader
 from tests.faults.loaders.common import judge, load_capturing, without_path
+from tests.writers.ranks import free_port
 
 #: What a rank keeps between the cells of a job: the engine and what the job's load needs.
 _job: dict[str, Any] = {}
@@ -305,18 +306,7 @@ def build(checkpoints: Mapping[str, Mapping[str, Any]], _out: Path) -> dict[str,
         spec = {"jobs": jobs, "out": str(Path(tmp) / "verdicts.json")}
         # A rank left waiting on the other (a hang the first-read check did not foresee) fails the build in 2
         # minutes rather than DeepSpeed's default 10 (deepspeed/constants.py: default_pg_timeout).
-        verdicts: dict[str, dict[str, str]] = run_loader(__name__, spec, Path(tmp), DEEPSPEED_TIMEOUT="2")
+        verdicts: dict[str, dict[str, str]] = run_loader(
+            _rank, (free_port(),), 2, spec, Path(tmp), DEEPSPEED_TIMEOUT="2"
+        )
     return verdicts
-
-
-def main() -> None:
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_rank, args=(sys.argv[1], port), nprocs=2, join=True)
-
-
-if __name__ == "__main__":
-    main()

@@ -14,33 +14,27 @@ megatron-core): its steps around the load are the ones cited. Each rank compares
 
 from __future__ import annotations
 
-import os
+import sys
 from collections.abc import Mapping
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 from tests.faults.cells import loader_verdicts
-from tests.faults.loaders.ranks import run_ranks
+from tests.faults.loaders.ranks import TIMEOUT, run_ranks
+from tests.writers.ranks import join_gloo
 
 WORLD = 2
 
 
 def join(rank: int, world: int, port: int) -> None:
-    import warnings
-
     import torch
-    import torch.distributed as dist
 
     from tests.writers.megatron_writer import _cpu_rng_tracker
 
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)
     # megatron-core's load strategies wait for devices and put their flags on the current one (see the writer).
     torch.cuda.synchronize = lambda *args, **kwargs: None
     torch.cuda.current_device = lambda: "cpu"
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
+    join_gloo(rank, world, port=port, timeout=TIMEOUT)
     regroup()
     _cpu_rng_tracker()
 
@@ -132,4 +126,4 @@ def build(checkpoint: Path, _out: Path) -> dict[str, str]:
 
 
 if __name__ == "__main__":
-    run_ranks("tests.faults.loaders.megatron", WORLD)
+    run_ranks("tests.faults.loaders.megatron", WORLD, sys.argv[1])

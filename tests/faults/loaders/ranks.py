@@ -1,6 +1,7 @@
 """A loader process whose framework loads on several gloo CPU ranks (the world size the checkpoint was saved on).
 
-`run_ranks(module, world)` spawns `world` ranks; each calls `module.join(rank, world, port)` (it joins the
+`run_ranks(module, world, spec)` starts `world` ranks (forked from the writers' pre-imported server,
+`tests.writers.ranks`); each calls `module.join(rank, world, port)` (it joins the
 process group as the framework's workers do, and imports what it needs), then judges the cells with
 `module.load` (`tests.faults.loaders.common.judge`) against its own load of the reference copy: each rank
 compares the state it holds (its shards). A cell's verdict is the first rank's that is not `ok`, preferring one
@@ -10,8 +11,9 @@ A damaged file can fail the load on one rank while its peers go on into a collec
 (ByteCheckpoint's closing barrier after a rank's missing extra state). After each cell the ranks tell each other
 their verdicts through a store of their own (a `TCPStore` beside the group's); when one failed they all join a
 new group before the next cell (then `module.regroup()`, where the framework keeps groups of its own). A rank
-whose load failed and whose peers do not answer within `GRACE` seconds (they wait in such a collective) records
-the cell and exits; the ranks are then started again from the next cell.
+whose load failed and whose peers do not answer within `GRACE` seconds meets them in barriers (`_verdicts`):
+verl's and ByteCheckpoint's loads end with one. When that fails too (they wait in another collective, and the
+group's timeout ends it), it records the cell and exits, and the ranks are started again from the next cell.
 """
 
 from __future__ import annotations
@@ -20,26 +22,30 @@ import faulthandler
 import importlib
 import json
 import os
-import socket
-import sys
+import signal
+from collections.abc import Mapping
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 from tests.faults.loaders.common import judge, load_capturing, without_path
+from tests.writers.ranks import free_port
+from tests.writers.ranks import run_ranks as fork_ranks
 
 __all__ = ["GRACE", "TIMEOUT", "run_ranks"]
 
 TIMEOUT = timedelta(seconds=120)
-#: How long a rank whose load failed waits for its peers' verdicts before it takes them to be stuck.
-GRACE = timedelta(seconds=20)
+#: How long a rank whose load failed waits for its peers' verdicts before it takes them to wait in a collective.
+GRACE = timedelta(seconds=5)
 _PEER_GONE = ("Connection closed", "pair closure", "Connection reset")
 _ABANDONED = 3
+_MAX_BARRIERS = 8
 
 
 def _rank(rank: int, module_name: str, world: int, ports: tuple[int, int], spec_path: str, start: int) -> None:
     import torch.distributed as dist
 
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID`: where a rank is
     module = importlib.import_module(module_name)
     store = dist.TCPStore("127.0.0.1", ports[1], world, is_master=rank == 0, timeout=TIMEOUT * 2)
     module.join(rank, world, ports[0])
@@ -55,17 +61,10 @@ def _rank(rank: int, module_name: str, world: int, ports: tuple[int, int], spec_
         with mine.open("a") as f:
             f.write(json.dumps({"id": cell["id"], "verdict": verdict}) + "\n")
         store.set(f"cell{i}/rank{rank}", verdict)
-        failed = verdict.startswith("failed")
-        if failed:
-            store.set_timeout(GRACE)
-        try:
-            verdicts = [store.get(f"cell{i}/rank{r}").decode() for r in range(world)]
-        except dist.DistStoreError:
-            if not failed:
-                raise
+        verdicts = _verdicts(store, i, world, failed=verdict.startswith("failed"))
+        if verdicts is None:
             Path(f"{spec['out']}.abandoned").write_text(str(i))
             os._exit(_ABANDONED)  # closes this rank's connections: the spawn ends, and starts again after i
-        store.set_timeout(TIMEOUT * 2)
         if any(v.startswith("failed") for v in verdicts):
             if dist.is_initialized():
                 dist.destroy_process_group()
@@ -81,10 +80,30 @@ def _rank(rank: int, module_name: str, world: int, ports: tuple[int, int], spec_
             store.get(f"done/rank{r}")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def _verdicts(store: Any, i: int, world: int, failed: bool) -> list[str] | None:
+    """Every rank's verdict on cell `i`; None when this rank's load failed and its peers are stuck in a
+    collective it left.
+
+    Such a rank meets its peers in barriers while they do not answer within `GRACE`: verl's
+    `FSDPCheckpointManager.load_checkpoint` and ByteCheckpoint's `FSDP2Checkpointer.load` end with one (verl's
+    once per role loaded). A barrier the group's timeout ends means they wait in another collective."""
+    import torch.distributed as dist
+
+    store.set_timeout(GRACE if failed else TIMEOUT * 2)
+    try:
+        for _ in range(_MAX_BARRIERS):
+            try:
+                return [store.get(f"cell{i}/rank{r}").decode() for r in range(world)]
+            except dist.DistStoreError:
+                if not failed:
+                    raise
+                try:
+                    dist.barrier()
+                except RuntimeError:
+                    return None
+        return None
+    finally:
+        store.set_timeout(TIMEOUT * 2)
 
 
 def _merge(spec: dict[str, Any], world: int) -> dict[str, str]:
@@ -101,17 +120,18 @@ def _merge(spec: dict[str, Any], world: int) -> dict[str, str]:
     return verdicts
 
 
-def run_ranks(module_name: str, world: int) -> None:
-    """The loader process's main (`python -m MODULE SPEC.json`): `world` spawned ranks (see the module's doc)."""
+def run_ranks(module_name: str, world: int, spec_path: str, environment: Mapping[str, str] | None = None) -> None:
+    """`world` ranks of the loader `module_name` on the spec at `spec_path` (see the module's doc), with
+    `environment` added to this process's; the merged verdicts written to the spec's `out`."""
     import torch.multiprocessing as mp
 
-    spec = json.loads(Path(sys.argv[1]).read_text())
+    spec = json.loads(Path(spec_path).read_text())
     abandoned = Path(f"{spec['out']}.abandoned")
     start = 0
     while True:
-        ports = (_free_port(), _free_port())
+        ports = (free_port(), free_port())
         try:
-            mp.spawn(_rank, args=(module_name, world, ports, sys.argv[1], start), nprocs=world, join=True)
+            fork_ranks(_rank, (module_name, world, ports, spec_path, start), world, environment=environment)
             break
         except (mp.ProcessExitedException, mp.ProcessRaisedException):  # a peer may fail on the closed store
             if not abandoned.exists():

@@ -23,37 +23,21 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from collections.abc import Mapping
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 from tests.faults.cells import loader_verdicts
-from tests.faults.loaders.ranks import run_ranks
+from tests.faults.loaders.common import local_shards
+from tests.faults.loaders.ranks import TIMEOUT, run_ranks
+from tests.writers.ranks import join_gloo
 
 WORLD = 2
 
 
 def join(rank: int, world: int, port: int) -> None:
-    import warnings
-
-    import torch
-    import torch.distributed as dist
-
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
-
-
-def _local(tree: Any) -> Any:
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(tree, Mapping):
-        return {k: _local(v) for k, v in tree.items()}
-    if isinstance(tree, list):
-        return [_local(v) for v in tree]
-    return tree.to_local() if isinstance(tree, DTensor) else tree
+    join_gloo(rank, world, port=port, timeout=TIMEOUT)
 
 
 def _strategy_load(load_dir: str, mesh: Any) -> dict[str, Any]:
@@ -82,8 +66,8 @@ def _strategy_load(load_dir: str, mesh: Any) -> dict[str, Any]:
         if info.missing_keys:
             logging.getLogger("roll").warning(f"Missing keys: {info.missing_keys}")
     return {
-        "model": _local(model.state_dict()),
-        "optimizer": _local(optimizer.state_dict()),
+        "model": local_shards(model.state_dict()),
+        "optimizer": local_shards(optimizer.state_dict()),
         "scheduler": scheduler.state_dict(),
     }
 
@@ -106,4 +90,4 @@ def build(checkpoint: Path, _out: Path) -> dict[str, str]:
 
 
 if __name__ == "__main__":
-    run_ranks("tests.faults.loaders.roll", WORLD)
+    run_ranks("tests.faults.loaders.roll", WORLD, sys.argv[1])

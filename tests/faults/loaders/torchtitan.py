@@ -10,31 +10,24 @@ each container's `state_dict()`.
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Mapping
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 from tests.faults.cells import loader_verdicts
-from tests.faults.loaders.ranks import run_ranks
+from tests.faults.loaders.ranks import TIMEOUT, run_ranks
+from tests.writers.ranks import join_gloo
+
+WORLD = 1
 
 
 def join(rank: int, world: int, port: int) -> None:
-    import warnings
-
-    import torch
-    import torch.distributed as dist
-
     from tests.writers import torchtitan_writer as writer
     from tests.writers.stand_ins import StandIns
 
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)
     sys.meta_path.append(StandIns("torchtitan", writer._STOOD_IN, writer._stand_in))
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
+    join_gloo(rank, world, port=port, timeout=TIMEOUT)
 
 
 def load(path: str, options: Mapping[str, Any]) -> Any:
@@ -91,4 +84,4 @@ def build(checkpoint: Path, _out: Path) -> dict[str, str]:
 
 
 if __name__ == "__main__":
-    run_ranks("tests.faults.loaders.torchtitan", 1)
+    run_ranks("tests.faults.loaders.torchtitan", WORLD, sys.argv[1])

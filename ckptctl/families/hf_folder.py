@@ -51,7 +51,7 @@ from ckptctl.families.hf_rank_shards import (
     shards_index,
     shards_problems,
 )
-from ckptctl.families.torch_file import torch_file_problems
+from ckptctl.families.torch_file import raw_chunks, torch_file_problems
 from ckptctl.formats.documents import read_json
 from ckptctl.formats.safetensors import read_header
 from ckptctl.formats.torch_pickle import TorchPickle, open_torch_pickle
@@ -590,13 +590,7 @@ def torch_file_entries(opened: TorchPickle, rel: str, classify: Callable[[str], 
         if ref.numel and same in seen:
             continue
         seen.add(same)
-        found = opened.byte_range(ref)
-        chunks = (
-            (TensorChunk(rel, found[0], found[1] - found[0], (0,) * len(ref.shape), ref.shape, ChunkEncoding.RAW),)
-            if found is not None
-            else ()
-        )
-        entries.append(TensorEntry(name, classify(name), ref.dtype, ref.shape, chunks))
+        entries.append(TensorEntry(name, classify(name), ref.dtype, ref.shape, raw_chunks(opened, ref, rel)))
     return entries
 
 

@@ -29,7 +29,7 @@ fresh, broken once older: `families.in_progress`).
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import cache, partial
 from typing import Any
@@ -39,11 +39,9 @@ from ckptctl.checkpoint import (
     Checkpoint,
     CheckpointRef,
     CheckpointState,
-    ChunkEncoding,
     Component,
     Problem,
     ProblemKind,
-    TensorChunk,
     TensorEntry,
 )
 from ckptctl.contract.base import (
@@ -64,12 +62,12 @@ from ckptctl.contract.resume import ResumeProfile
 from ckptctl.errors import CkptctlError, UnknownLayout
 from ckptctl.families.hf_folder import safetensors_index, verify_model_files
 from ckptctl.families.in_progress import recently_written
-from ckptctl.families.torch_file import torch_file_problems
+from ckptctl.families.torch_file import pickle_entries, torch_file_problems
 from ckptctl.families.zero_tag.names import LATEST_NAME, latest_problem
 from ckptctl.families.zero_tag.tag import DeepSpeedTag, read_tag
 from ckptctl.families.zero_tag.tensor_index import tag_index
 from ckptctl.families.zero_tag.verify import verify_tag
-from ckptctl.formats.torch_pickle import TorchPickle, open_torch_pickle
+from ckptctl.formats.torch_pickle import open_torch_pickle
 from ckptctl.formats.torch_zip import TorchArchive
 from ckptctl.frameworks.accelerate.files import (
     AUTO_FOLDER,
@@ -511,42 +509,22 @@ def _tensor_index(
             found = safetensors_index(url, [name], files)
             entries += [replace(e, name=prefix + e.name, component=component) for e in found]
         else:
-            entries += _pickle_tensors(open_torch_pickle(io.join(url, name), files[name]), prefix, component)
+            entries += pickle_entries(open_torch_pickle(io.join(url, name), files[name]), prefix, component)
     for index, name in sorted(parts.optimizers.items()):
         prefix = "optimizer." if index == 0 else f"optimizer_{index}."
-        entries += _pickle_tensors(open_torch_pickle(io.join(url, name), files[name]), prefix, Component.OPTIMIZER)
+        entries += pickle_entries(open_torch_pickle(io.join(url, name), files[name]), prefix, Component.OPTIMIZER)
     if tag is not None:
         folder = parts.ds_tags[0]
         inner = tag_index(tag, f"{folder}/")
         entries += [e for e in inner if not (parts.models and e.component is Component.MODEL)]
     if parts.dcp_models or parts.dcp_optimizers:
-        from ckptctl.families.dcp_folder import dcp_tensor_index
+        from ckptctl.families.dcp_folder import dcp_tensor_index, one_component
 
         # The first model's folder only: every model's DCP keys start `model.`, so the others' tensors would
         # read as duplicates of its own (they are verified, not indexed).
         if 0 in parts.dcp_models and not parts.models:
             folder = parts.dcp_models[0]
-            entries += dcp_tensor_index(io.join(url, folder), _constant(Component.MODEL), f"{folder}/")
+            entries += dcp_tensor_index(io.join(url, folder), one_component(Component.MODEL), f"{folder}/")
         for _, folder in sorted(parts.dcp_optimizers.items()):
-            entries += dcp_tensor_index(io.join(url, folder), _constant(Component.OPTIMIZER), f"{folder}/")
+            entries += dcp_tensor_index(io.join(url, folder), one_component(Component.OPTIMIZER), f"{folder}/")
     return tuple(entries)
-
-
-def _constant(component: Component) -> Callable[[str], Component]:
-    return lambda _key: component
-
-
-def _pickle_tensors(opened: TorchPickle, prefix: str, component: Component) -> list[TensorEntry]:
-    """The tensors of a torch.save file as `<prefix><path>` entries with RAW chunks into the file (none for
-    a tensor that is not one contiguous range of it)."""
-    file = io.name_of(opened.url)
-    out = []
-    for path, ref in opened.tensors():
-        found = opened.byte_range(ref)
-        chunks = (
-            (TensorChunk(file, found[0], found[1] - found[0], (0,) * len(ref.shape), ref.shape, ChunkEncoding.RAW),)
-            if found is not None
-            else ()
-        )
-        out.append(TensorEntry(prefix + path, component, ref.dtype, ref.shape, chunks))
-    return out

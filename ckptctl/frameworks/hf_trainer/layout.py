@@ -39,11 +39,9 @@ from ckptctl.checkpoint import (
     Checkpoint,
     CheckpointRef,
     CheckpointState,
-    ChunkEncoding,
     Component,
     Problem,
     ProblemKind,
-    TensorChunk,
     TensorEntry,
 )
 from ckptctl.contract.base import (
@@ -71,13 +69,14 @@ from ckptctl.families.hf_folder import (
 from ckptctl.families.in_progress import recently_written
 from ckptctl.families.lora.adapter import ADAPTER_WEIGHTS, adapter_metadata, adapter_problems
 from ckptctl.families.lora.settings import ADAPTER_CONFIG
+from ckptctl.families.torch_file import pickle_entries
 from ckptctl.families.zero_tag.names import LATEST_NAME, latest_problem, missing_note, read_latest, tag_files
 from ckptctl.families.zero_tag.tag import DeepSpeedTag, missing_rank_files, read_tag
 from ckptctl.families.zero_tag.tensor_index import tag_index
 from ckptctl.families.zero_tag.verify import verify_tag
 from ckptctl.formats.documents import as_real, as_whole, read_json
 from ckptctl.formats.safe_pickle import FrameworkObject, StandIn, state_fields
-from ckptctl.formats.torch_pickle import TorchPickle, open_torch_pickle, storage_problems
+from ckptctl.formats.torch_pickle import open_torch_pickle, storage_problems
 from ckptctl.frameworks.hf_trainer.files import CHECKPOINT_DIR, RNG_FILE, TRAINER_STATE_NAME
 from ckptctl.frameworks.hf_trainer.load_set import (
     TRAINING_ARGS,
@@ -570,39 +569,22 @@ def _tensor_index(
 ) -> tuple[TensorEntry, ...]:
     entries = list(safetensors_index(url, weights, files)) if weights else []
     if "optimizer.pt" in files:
-        entries += _pickle_tensors(open_torch_pickle(io.join(url, "optimizer.pt"), files["optimizer.pt"]), "optimizer")
+        entries += pickle_entries(
+            open_torch_pickle(io.join(url, "optimizer.pt"), files["optimizer.pt"]), "optimizer.", Component.OPTIMIZER
+        )
     if tag is not None and parts.ds_tag is not None:
         inner = tag_index(tag, f"{parts.ds_tag}/")
         entries += [e for e in inner if not (weights and e.component is Component.MODEL)]
     if parts.dcp_folders:
-        from ckptctl.families.dcp_folder import dcp_tensor_index
+        from ckptctl.families.dcp_folder import dcp_tensor_index, one_component
 
         for folder, component in sorted(parts.dcp_folders.items()):
             if weights and component is Component.MODEL:
                 continue
-            entries += dcp_tensor_index(io.join(url, folder), _constant(component), f"{folder}/")
+            entries += dcp_tensor_index(io.join(url, folder), one_component(component), f"{folder}/")
     return tuple(entries)
 
 
 def model_tensors(index: Callable[[], Sequence[TensorEntry]]) -> list[TensorEntry]:
     """The model's tensors of a checkpoint's index (an adapter's, beside the optimizer's)."""
     return [entry for entry in index() if entry.component is Component.MODEL]
-
-
-def _constant(component: Component) -> Callable[[str], Component]:
-    return lambda _key: component
-
-
-def _pickle_tensors(opened: TorchPickle, name: str) -> list[TensorEntry]:
-    """The tensors of a torch.save file as `<name>.<path>` entries with RAW chunks into the file."""
-    file = io.name_of(opened.url)
-    out = []
-    for path, ref in opened.tensors():
-        found = opened.byte_range(ref)
-        chunks = (
-            (TensorChunk(file, found[0], found[1] - found[0], (0,) * len(ref.shape), ref.shape, ChunkEncoding.RAW),)
-            if found is not None
-            else ()
-        )
-        out.append(TensorEntry(f"{name}.{path}", Component.OPTIMIZER, ref.dtype, ref.shape, chunks))
-    return out

@@ -9,7 +9,7 @@ from ckptctl.checkpoint import Problem, ProblemKind
 from ckptctl.contract.base import LISTED_ABSENT
 from ckptctl.errors import CkptctlError, CorruptCheckpoint
 from ckptctl.families.torch_file import torch_file_problems
-from ckptctl.families.zero_tag.names import expected_rank_files, tag_files
+from ckptctl.families.zero_tag.names import LATEST_NAME, expected_rank_files, latest_problem, tag_files
 from ckptctl.families.zero_tag.tag import (
     DeepSpeedTag,
     enum_value,
@@ -22,7 +22,7 @@ from ckptctl.formats.chunks import coverage_problems
 from ckptctl.formats.torch_pickle import TorchPickle
 
 
-def verify_tag(url: str, path_prefix: str = "") -> list[Problem]:
+def verify_tag(url: str, path_prefix: str = "", *, latest: bool = False) -> list[Problem]:
     """Structural problems of a tag folder (reads every rank file's `data.pkl` and zip directory).
 
     Checks: every model-states file for the MP size (and, under ZeRO-3, every DP rank) and exactly one
@@ -30,7 +30,22 @@ def verify_tag(url: str, path_prefix: str = "") -> list[Problem]:
     warnings); each parses and is safe (BAD_METADATA, UNSAFE_PICKLE) and holds every storage it names
     (TRUNCATED); the optim files agree with `dp_world_size` and `partition_count`; the fp32 partitions
     hold what `param_shapes` needs and every tensor's chunks tile it (COVERAGE).
+
+    Args:
+        url: the tag folder.
+        path_prefix: the tag's folder inside the checkpoint (`<tag>/`), or "" when the checkpoint is the tag.
+        latest: also the `latest` beside the tag, which `engine.save_checkpoint` rewrites: it names an existing
+            tag (`latest_problem`; the problem is named `latest`, or `../latest` when the checkpoint is the tag).
     """
+    problems = _tag_problems(url, path_prefix)
+    if latest:
+        pointer = latest_problem(io.parent_of(url), LATEST_NAME if path_prefix else f"../{LATEST_NAME}")
+        if pointer is not None:
+            problems.append(pointer)
+    return problems
+
+
+def _tag_problems(url: str, path_prefix: str) -> list[Problem]:
     try:
         entries = io.list_dir(url)
     except CkptctlError:

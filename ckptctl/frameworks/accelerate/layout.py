@@ -63,7 +63,6 @@ from ckptctl.errors import CkptctlError, UnknownLayout
 from ckptctl.families.hf_folder import safetensors_index, verify_model_files
 from ckptctl.families.in_progress import recently_written
 from ckptctl.families.torch_file import pickle_entries, torch_file_problems
-from ckptctl.families.zero_tag.names import LATEST_NAME, latest_problem
 from ckptctl.families.zero_tag.tag import DeepSpeedTag, read_tag
 from ckptctl.families.zero_tag.tensor_index import tag_index
 from ckptctl.families.zero_tag.verify import verify_tag
@@ -359,12 +358,8 @@ class AccelerateLayout(Layout):
         for name in parts.pickles():
             problems += _pickle_problems(url, name, files[name])
         for index, tag in sorted(parts.ds_tags.items()):
-            problems += verify_tag(io.join(url, tag), f"{tag}/")
-            if index == max(parts.ds_tags):
-                # Every model's save_checkpoint rewrites `latest` with its own tag: the last model's stays.
-                pointer = latest_problem(url, LATEST_NAME)
-                if pointer is not None:
-                    problems.append(pointer)
+            # Every model's save_checkpoint rewrites `latest` with its own tag: the last model's stays.
+            problems += verify_tag(io.join(url, tag), f"{tag}/", latest=index == max(parts.ds_tags))
         from ckptctl.families.dcp_folder import verify_dcp
 
         for folder in sorted({*parts.dcp_models.values(), *parts.dcp_optimizers.values()}):

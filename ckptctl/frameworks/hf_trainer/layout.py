@@ -70,7 +70,7 @@ from ckptctl.families.in_progress import recently_written
 from ckptctl.families.lora.adapter import ADAPTER_WEIGHTS, adapter_metadata, adapter_problems
 from ckptctl.families.lora.settings import ADAPTER_CONFIG
 from ckptctl.families.torch_file import pickle_entries
-from ckptctl.families.zero_tag.names import LATEST_NAME, latest_problem, missing_note, read_latest, tag_files
+from ckptctl.families.zero_tag.names import LATEST_NAME, missing_note, read_latest, tag_files
 from ckptctl.families.zero_tag.tag import DeepSpeedTag, missing_rank_files, read_tag
 from ckptctl.families.zero_tag.tensor_index import tag_index
 from ckptctl.families.zero_tag.verify import verify_tag
@@ -367,10 +367,7 @@ class HfTrainerLayout(Layout):
         for name in sorted(n for n in parts.names if n in _PICKLE_FILES or RNG_FILE.match(n)):
             problems += _pickle_problems(url, name, files[name])
         if parts.ds_tag is not None:
-            problems += verify_tag(io.join(url, parts.ds_tag), f"{parts.ds_tag}/")
-            pointer = latest_problem(url, LATEST_NAME)
-            if pointer is not None:
-                problems.append(pointer)
+            problems += verify_tag(io.join(url, parts.ds_tag), f"{parts.ds_tag}/", latest=True)
         from ckptctl.families.dcp_folder import verify_dcp
 
         for folder in sorted(parts.dcp_folders):

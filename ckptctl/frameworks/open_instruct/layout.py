@@ -40,8 +40,6 @@ from ckptctl.families.in_progress import recently_written
 from ckptctl.families.torch_file import torch_file_problems
 from ckptctl.families.zero_tag.folder import open_tag
 from ckptctl.families.zero_tag.names import (
-    LATEST_NAME,
-    latest_problem,
     missing_note,
     read_latest,
     tag_files,
@@ -363,10 +361,7 @@ class OpenInstructLayout(Layout):
                     )
                 )
             return problems
-        problems = verify_tag(url)
-        pointer = latest_problem(io.parent_of(url), f"../{LATEST_NAME}")
-        if pointer is not None:
-            problems.append(pointer)
+        problems = verify_tag(url, latest=True)
         if DRIVER_STATE_NAME in checkpoint.files:
             problems += _pickle_problems(io.join(url, DRIVER_STATE_NAME), DRIVER_STATE_NAME)
         ref_policy = io.join(io.parent_of(url), *REF_POLICY.split("/"))

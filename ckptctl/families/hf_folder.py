@@ -108,6 +108,25 @@ def _shards_missing(names: set[str]) -> tuple[list[str], int]:
     return sorted(listed), total
 
 
+def files_ref(
+    layout: str, url: str, entries: Sequence[DirEntry], state: CheckpointState, note: str = ""
+) -> CheckpointRef:
+    """The ref of a checkpoint that is the files at the top of the folder `url` (`entries`: its listing), as
+    `save_pretrained` writes them: step and epoch from the folder's name, created when its newest entry was
+    written, sized by its files (a model folder's child folders are walked, not counted)."""
+    name = io.name_of(url)
+    return CheckpointRef(
+        url=url,
+        layout=layout,
+        step=step_from_name(name),
+        epoch=epoch_from_name(name),
+        created=timestamp(newest_mtime(entries)),
+        state=state,
+        size_bytes=sum(e.size for e in entries if not e.is_dir),
+        note=note,
+    )
+
+
 def _is_legacy_weight(name: str) -> bool:
     """`pytorch_model.bin` or one of its `-0000i-of-0000N` shards (not `training_args.bin` beside them)."""
     return name == _LEGACY_WEIGHTS[0] or (name.startswith("pytorch_model") and bool(_SHARD.match(name)))
@@ -143,16 +162,7 @@ class HfFolderLayout(Layout):
             if missing
             else ("index names no present file" if index_without_shards else "")
         )
-        return CheckpointRef(
-            url=url,
-            layout=self.name,
-            step=step_from_name(io.name_of(url)),
-            epoch=epoch_from_name(io.name_of(url)),
-            created=timestamp(newest_mtime(entries)),
-            state=state,
-            size_bytes=sum(e.size for e in entries if not e.is_dir),
-            note=note,
-        )
+        return files_ref(self.name, url, entries, state, note)
 
     def open(self, url: str) -> Checkpoint:
         entries = io.list_dir(url)

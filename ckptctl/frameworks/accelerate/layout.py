@@ -61,7 +61,7 @@ from ckptctl.contract.load_set import LoadMember
 from ckptctl.contract.resume import ResumeProfile
 from ckptctl.errors import CkptctlError, UnknownLayout
 from ckptctl.families.hf_folder import safetensors_index, verify_model_files
-from ckptctl.families.in_progress import recently_written
+from ckptctl.families.in_progress import missing_marker
 from ckptctl.families.torch_file import pickle_entries, torch_file_problems
 from ckptctl.families.zero_tag.tag import DeepSpeedTag, read_tag
 from ckptctl.families.zero_tag.tensor_index import tag_index
@@ -222,12 +222,9 @@ class AccelerateLayout(Layout):
         else:
             newest = newest_mtime(entries)
             created = timestamp(newest)
-            if recently_written(newest):
-                state = CheckpointState.IN_PROGRESS
-                note = "no random_states_0.pkl yet: being written"
-            else:
-                state = CheckpointState.BROKEN
-                note = "no random_states_0.pkl: save_state writes it last, so the save was interrupted"
+            state, note = missing_marker(
+                newest, "random_states_0.pkl", "save_state writes it last, so the save was interrupted"
+            )
         return CheckpointRef(
             url=url,
             layout=self.name,

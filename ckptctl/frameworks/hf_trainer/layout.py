@@ -66,7 +66,7 @@ from ckptctl.families.hf_folder import (
     verify_model_files,
     weight_files,
 )
-from ckptctl.families.in_progress import recently_written
+from ckptctl.families.in_progress import missing_marker
 from ckptctl.families.lora.adapter import ADAPTER_WEIGHTS, adapter_metadata, adapter_problems
 from ckptctl.families.lora.settings import ADAPTER_CONFIG
 from ckptctl.families.torch_file import pickle_entries
@@ -219,12 +219,9 @@ class HfTrainerLayout(Layout):
         else:
             newest = newest_mtime(entries)
             created = timestamp(newest)
-            if recently_written(newest):
-                state = CheckpointState.IN_PROGRESS
-                note = f"no {TRAINER_STATE_NAME} yet: being written"
-            else:
-                state = CheckpointState.BROKEN
-                note = f"no {TRAINER_STATE_NAME}: the save was interrupted (a resume that picks this folder fails)"
+            state, note = missing_marker(
+                newest, TRAINER_STATE_NAME, "the save was interrupted (a resume that picks this folder fails)"
+            )
         return CheckpointRef(
             url=url,
             layout=self.name,

@@ -73,6 +73,7 @@ from ckptctl.frameworks.accelerate.files import (
     AUTO_PARENT,
     FSDP_RANK_FILE,
     RNG_FILE,
+    numbered,
     per_process_files,
     rng_ranks,
 )
@@ -83,17 +84,17 @@ __all__ = ["AccelerateLayout", "SaveStateParts", "auto_checkpoint_match"]
 
 #: The folder names accelerate's own examples pass to save_state (`step_{N}`, `epoch_{E}`).
 _EPOCH_FOLDER = re.compile(r"^epoch_(\d+)$")
-_MODEL_SAFE = re.compile(r"^model(?:_(\d+))?\.safetensors$")
-_MODEL_BIN = re.compile(r"^pytorch_model(?:_(\d+))?\.bin$")
-_OPTIMIZER = re.compile(r"^optimizer(?:_(\d+))?\.bin$")
-_SCHEDULER = re.compile(r"^scheduler(?:_(\d+))?\.bin$")
+_MODEL_SAFE = numbered("model", ".safetensors")
+_MODEL_BIN = numbered("pytorch_model", ".bin")
+_OPTIMIZER = numbered("optimizer", ".bin")
+_SCHEDULER = numbered("scheduler", ".bin")
 _SAMPLER = re.compile(r"^(?:sampler|dl_state_dict)(?:_(\d+))?\.bin$")
 _SCALER = "scaler.pt"
 _CUSTOM = re.compile(r"^custom_checkpoint_(\d+)\.pkl$")
 _DS_TAG = re.compile(r"^pytorch_model(?:_(\d+))?$")
 _FSDP_MODEL_DIR = re.compile(r"^pytorch_model_fsdp_(\d+)$")
 _FSDP_OPTIM_DIR = re.compile(r"^optimizer_(\d+)$")
-_FSDP_FULL = re.compile(r"^pytorch_model_fsdp(?:_(\d+))?\.bin$")
+_FSDP_FULL = numbered("pytorch_model_fsdp", ".bin")
 #: RNG keys every random_states file holds (`save_accelerator_state`); device generators are added per device.
 _RNG_KEYS = ("random_state", "numpy_random_seed", "torch_manual_seed")
 

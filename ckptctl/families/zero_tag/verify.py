@@ -18,7 +18,7 @@ from ckptctl.families.zero_tag.tag import (
     read_tag,
 )
 from ckptctl.families.zero_tag.tensor_index import tag_index
-from ckptctl.formats.chunks import coverage_problems
+from ckptctl.formats.chunks import index_coverage_problems
 from ckptctl.formats.torch_pickle import TorchPickle
 
 
@@ -110,11 +110,7 @@ def _tag_problems(url: str, path_prefix: str) -> list[Problem]:
             problems += _optim_file_problems(tag, opened, path_prefix + name)
     if broken or any(p.severity == "error" for p in problems):
         return problems
-    try:
-        index = tag_index(tag, path_prefix)
-    except CkptctlError as exc:
-        return [*problems, Problem(ProblemKind.COVERAGE, path_prefix, exc.message)]
-    return problems + coverage_problems(index)
+    return problems + index_coverage_problems(partial(tag_index, tag, path_prefix), path_prefix)
 
 
 def _optim_file_problems(tag: DeepSpeedTag, opened: TorchPickle, path: str) -> list[Problem]:

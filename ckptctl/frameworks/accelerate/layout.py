@@ -278,12 +278,9 @@ class AccelerateLayout(Layout):
                 metadata["deepspeed_error"] = exc.message
             else:
                 components |= tag.components() - {Component.TRAINER_STATE, Component.EXTRA}
-                info = tag.metadata()
-                metadata["deepspeed"] = {
-                    k: info[k] for k in ("tag", "zero_stage", "dp_world_size", "partition_count", "precision")
-                }
-                progress.update(info["progress"])
-                world_size = world_size or tag.dp_world_size * tag.mp_world_size
+                metadata["deepspeed"] = tag.summary()
+                progress.update(tag.metadata()["progress"])
+                world_size = world_size or tag.world_size
                 if ref.step is None and tag.global_steps is not None:
                     ref = replace(ref, step=tag.global_steps)
         models = len(set(parts.models) | set(parts.ds_tags) | set(parts.dcp_models))

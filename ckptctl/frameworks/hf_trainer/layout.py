@@ -288,11 +288,8 @@ class HfTrainerLayout(Layout):
                 metadata["deepspeed_error"] = exc.message
             else:
                 components |= tag.components() - {Component.TRAINER_STATE, Component.EXTRA}
-                ds_info = tag.metadata()
-                metadata["deepspeed"] = {
-                    k: ds_info[k] for k in ("tag", "zero_stage", "dp_world_size", "partition_count", "precision")
-                }
-                world_size = world_size or tag.dp_world_size * tag.mp_world_size
+                metadata["deepspeed"] = tag.summary()
+                world_size = world_size or tag.world_size
         components |= set(parts.dcp_folders.values())
 
         @cache
@@ -387,7 +384,7 @@ class HfTrainerLayout(Layout):
                 facts = replace(
                     facts,
                     ds_scheduler=tag.states.get("lr_scheduler") is not None,
-                    ds_world=tag.dp_world_size * tag.mp_world_size,
+                    ds_world=tag.world_size,
                 )
         if facts.args is None and TRAINING_ARGS in checkpoint.files:
             facts = replace(facts, args=training_args_fields(url, checkpoint.files[TRAINING_ARGS]))

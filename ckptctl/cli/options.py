@@ -10,15 +10,16 @@ from __future__ import annotations
 
 import enum
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Annotated, Any, Generic, Protocol, TypeVar
 
 import typer
 
-from ckptctl.checkpoint import Component
-from ckptctl.cli.output import Output
+from ckptctl.checkpoint import CheckpointRef, Component
+from ckptctl.cli.output import Cell, Column, Output
 from ckptctl.errors import CkptctlError
 from ckptctl.layouts import layout_names
+from ckptctl.ops.report import display_path
 
 T = TypeVar("T")
 
@@ -312,3 +313,34 @@ class PlanPrompt(Generic[ReportT]):
             self._render_summary(self._out, report)
         for note in report.plan.notes:
             self._out.note(f"note: {note}")
+
+
+class _Planned(Protocol):
+    @property
+    def ref(self) -> CheckpointRef: ...
+
+
+ItemT = TypeVar("ItemT", bound=_Planned)
+
+
+def plan_table(
+    out: Output,
+    run: str,
+    items: Sequence[ItemT],
+    row: Callable[[ItemT], Sequence[Cell]],
+    columns: Sequence[Column],
+    *,
+    title: str,
+) -> None:
+    """The table of a plan over the checkpoints below `run` (`prune`, `slim`): per checkpoint, what is done to it
+    (the first cell of `row(item)`), its path relative to the run and its step, then the rest of its cells under
+    `columns`."""
+    if not items:
+        out.note(f"no checkpoints found below {run}")
+        return
+    rows: list[list[Cell]] = []
+    for item in items:
+        action, *rest = row(item)
+        step = "-" if item.ref.step is None else str(item.ref.step)
+        rows.append([action, display_path(item.ref.url, run), step, *rest])
+    out.table([Column("action"), Column("path"), Column("step", "right"), *columns], rows, title=title)

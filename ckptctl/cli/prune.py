@@ -20,15 +20,15 @@ from ckptctl.cli.options import (
     YesOpt,
     bad_value,
     parsed,
+    plan_table,
 )
 from ckptctl.cli.output import Cell, Column, Output, human_bytes, styled
 from ckptctl.errors import CkptctlError
 from ckptctl.layouts import DEFAULT_SCAN_DEPTH
-from ckptctl.ops.report import display_path
 
 if TYPE_CHECKING:
     from ckptctl.core.retention import RetentionPolicy
-    from ckptctl.ops.prune import PrunePlan, PruneReport
+    from ckptctl.ops.prune import PruneItem, PrunePlan, PruneReport
 
 HELP = """Delete the checkpoints of a run that the retention rules (--keep-last, --keep-every, --keep-best, --max-total-size, or RUN/ckptctl.toml) do not keep, safely. Never the newest complete one, what a pointer names, anything in progress or pinned; plans, then asks unless --yes."""
 
@@ -201,38 +201,20 @@ def prune(
 
 
 def _render_plan(out: Output, plan: PrunePlan) -> None:
-    if not plan.items:
-        out.note(f"no checkpoints found below {plan.run}")
-        return
-    columns = [
-        Column("action"),
-        Column("path"),
-        Column("step", "right"),
-        Column("state", drop=2),
-        Column("size", "right", drop=1),
-        Column("why", flexible=True),
-    ]
-    rows: list[list[Cell]] = []
-    for item in plan.items:
-        if not item.keep:
-            action = styled("delete", "red")
-        elif item.slim:
-            action = styled("slim", "yellow")
-        elif item.blocked:
-            action = styled("protected", "yellow")
-        else:
-            action = styled("keep", "green")
-        rows.append(
-            [
-                action,
-                display_path(item.url, plan.run),
-                "-" if item.ref.step is None else str(item.ref.step),
-                item.ref.state.value,
-                human_bytes(item.size_bytes),
-                "; ".join(item.reasons),
-            ]
-        )
-    out.table(columns, rows, title=f"{plan.run}: {plan.policy.describe()}")
+    columns = [Column("state", drop=2), Column("size", "right", drop=1), Column("why", flexible=True)]
+    plan_table(out, plan.run, plan.items, _plan_row, columns, title=f"{plan.run}: {plan.policy.describe()}")
+
+
+def _plan_row(item: PruneItem) -> list[Cell]:
+    if not item.keep:
+        action = styled("delete", "red")
+    elif item.slim:
+        action = styled("slim", "yellow")
+    elif item.blocked:
+        action = styled("protected", "yellow")
+    else:
+        action = styled("keep", "green")
+    return [action, item.ref.state.value, human_bytes(item.size_bytes), "; ".join(item.reasons)]
 
 
 def _render_summary(out: Output, report: PruneReport) -> None:

@@ -19,6 +19,7 @@ from ckptctl.cli.options import (
     WaitOpt,
     YesOpt,
     parsed,
+    plan_table,
 )
 from ckptctl.cli.output import Cell, Column, Output, human_bytes, styled
 from ckptctl.layouts import DEFAULT_SCAN_DEPTH
@@ -27,7 +28,7 @@ from ckptctl.ops.report import display_path
 if TYPE_CHECKING:
     from datetime import timedelta
 
-    from ckptctl.ops.slim import SlimPlan, SlimReport
+    from ckptctl.ops.slim import SlimItem, SlimPlan, SlimReport
 
 HELP = """Drop the training-only state of old checkpoints (optimizer moments, schedulers, RNG) and keep each one's model, so that `ckptctl convert` of a slimmed checkpoint writes what it wrote before. Never what a resume would load or prune protects; atomic per checkpoint; plans, then asks unless --yes."""
 
@@ -169,32 +170,23 @@ def slim(
 
 
 def _render_plan(out: Output, plan: SlimPlan) -> None:
-    if not plan.items:
-        out.note(f"no checkpoints found below {plan.run}")
-        return
     columns = [
-        Column("action"),
-        Column("path"),
-        Column("step", "right"),
         Column("layout", drop=2),
         Column("size", "right", drop=1),
         Column("frees", "right"),
         Column("why", flexible=True),
     ]
-    rows: list[list[Cell]] = []
-    for item in plan.items:
-        rows.append(
-            [
-                styled("slim", "yellow") if item.slim else styled("keep", "green"),
-                display_path(item.url, plan.run),
-                "-" if item.ref.step is None else str(item.ref.step),
-                item.ref.layout,
-                human_bytes(item.size_bytes),
-                human_bytes(item.freed_bytes) if item.slim else "-",
-                f"drops {', '.join(item.dropped)}" if item.slim else "; ".join(item.reasons),
-            ]
-        )
-    out.table(columns, rows, title=f"{plan.run}: keep_full={plan.keep_full}")
+    plan_table(out, plan.run, plan.items, _plan_row, columns, title=f"{plan.run}: keep_full={plan.keep_full}")
+
+
+def _plan_row(item: SlimItem) -> list[Cell]:
+    return [
+        styled("slim", "yellow") if item.slim else styled("keep", "green"),
+        item.ref.layout,
+        human_bytes(item.size_bytes),
+        human_bytes(item.freed_bytes) if item.slim else "-",
+        f"drops {', '.join(item.dropped)}" if item.slim else "; ".join(item.reasons),
+    ]
 
 
 def _render_summary(out: Output, report: SlimReport) -> None:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from ckptctl import io
-from ckptctl.checkpoint import Checkpoint, CheckpointRef, CheckpointState, Component, Problem
+from ckptctl.checkpoint import EXPECTED_COMPONENTS, Checkpoint, CheckpointRef, CheckpointState, Component, Problem
 from ckptctl.errors import CkptctlError
 
 __all__ = [
@@ -34,14 +34,10 @@ __all__ = [
     "unchecked_world_size",
 ]
 
-#: What a training resume restores, in the order plans list them.
-RESUMABLE: tuple[Component, ...] = (
-    Component.MODEL,
-    Component.OPTIMIZER,
-    Component.SCHEDULER,
-    Component.RNG,
-    Component.DATALOADER,
-    Component.TRAINER_STATE,
+#: What a training resume restores, in the order plans list them: what a checkpoint is expected to hold but
+#: the config and tokenizer, which the resumed run builds its model from, not its state.
+RESUMABLE: tuple[Component, ...] = tuple(
+    c for c in EXPECTED_COMPONENTS if c not in (Component.CONFIG, Component.TOKENIZER)
 )
 
 #: What a missing component means for the resumed run (a layout's profile may say it better).

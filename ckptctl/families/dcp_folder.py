@@ -68,6 +68,7 @@ __all__ = [
     "data_newer_than_metadata",
     "dcp_tensor_index",
     "index_from_metadata",
+    "one_component",
     "pickled_class",
     "verify_dcp",
     "verify_dcp_metadata",
@@ -178,6 +179,12 @@ def world_size_of(entries: Sequence[DirEntry], referenced: Mapping[str, int] | N
     names = [e.name for e in entries if referenced is None or e.name in referenced or e.size == 0]
     ranks = {int(m.group(1)) for name in (*names, *(referenced or ())) if (m := DISTCP_RE.match(name))}
     return max(ranks) + 1 if ranks else None
+
+
+def one_component(component: Component) -> Callable[[str], Component]:
+    """A `component_of` that puts every key in `component`: a folder that holds one kind of state only (a
+    framework's separate model and optimizer folders)."""
+    return lambda _key: component
 
 
 def dcp_tensor_index(

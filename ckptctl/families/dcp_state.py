@@ -17,7 +17,7 @@ from ckptctl import io
 from ckptctl.checkpoint import Checkpoint, Component
 from ckptctl.contract.capabilities import NotCarried, ParamState, StateTensor
 from ckptctl.errors import CkptctlError, CorruptCheckpoint
-from ckptctl.families.dcp_folder import index_from_metadata
+from ckptctl.families.dcp_folder import index_from_metadata, one_component
 from ckptctl.families.param_state import stored_tensor
 from ckptctl.formats.dcp_folder_metadata import load_dcp_metadata
 from ckptctl.formats.dcp_metadata import DcpBytesItem, DcpMetadata
@@ -71,7 +71,7 @@ def dcp_param_state(
             "only states saved as get_state_dict gives them ({'model': ..., 'optim': ...}) are read",
         )
     prefix = f"{folder}/" if folder else ""
-    entries = {e.name: e for e in index_from_metadata(metadata, lambda _key: Component.MODEL, prefix)}
+    entries = {e.name: e for e in index_from_metadata(metadata, one_component(Component.MODEL), prefix)}
     model: list[tuple[str, StateTensor]] = []
     optimizer: dict[str, dict[str, StateTensor | int | float]] = {}
     groups: dict[int, dict[str, Any]] = {}

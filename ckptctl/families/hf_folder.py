@@ -109,6 +109,25 @@ def _shards_missing(names: set[str]) -> tuple[list[str], int]:
     return sorted(listed), total
 
 
+def files_ref(
+    layout: str, url: str, entries: Sequence[DirEntry], state: CheckpointState, note: str = ""
+) -> CheckpointRef:
+    """The ref of a checkpoint that is the files at the top of the folder `url` (`entries`: its listing), as
+    `save_pretrained` writes them: step and epoch from the folder's name, created when its newest entry was
+    written, sized by its files (a model folder's child folders are walked, not counted)."""
+    name = io.name_of(url)
+    return CheckpointRef(
+        url=url,
+        layout=layout,
+        step=step_from_name(name),
+        epoch=epoch_from_name(name),
+        created=timestamp(newest_mtime(entries)),
+        state=state,
+        size_bytes=sum(e.size for e in entries if not e.is_dir),
+        note=note,
+    )
+
+
 def _is_legacy_weight(name: str) -> bool:
     """`pytorch_model.bin` or one of its `-0000i-of-0000N` shards (not `training_args.bin` beside them)."""
     return name == _LEGACY_WEIGHTS[0] or (name.startswith("pytorch_model") and bool(_SHARD.match(name)))
@@ -144,16 +163,7 @@ class HfFolderLayout(Layout):
             if missing
             else ("index names no present file" if index_without_shards else "")
         )
-        return CheckpointRef(
-            url=url,
-            layout=self.name,
-            step=step_from_name(io.name_of(url)),
-            epoch=epoch_from_name(io.name_of(url)),
-            created=timestamp(newest_mtime(entries)),
-            state=state,
-            size_bytes=sum(e.size for e in entries if not e.is_dir),
-            note=note,
-        )
+        return files_ref(self.name, url, entries, state, note)
 
     def open(self, url: str) -> Checkpoint:
         entries = io.list_dir(url)
@@ -589,6 +599,8 @@ def torch_file_entries(opened: TorchPickle, rel: str, classify: Callable[[str], 
     `model.embed_tokens.weight`): the later names of the same elements are left out, as transformers leaves
     them out of a safetensors save, so that they count once and convert to what transformers writes.
     """
+    from ckptctl.families.torch_file import raw_chunks  # with the pickle readers: only torch.save files need them
+
     entries = []
     seen: set[tuple[str, int, str, tuple[int, ...], tuple[int, ...]]] = set()
     for name, ref in opened.tensors():
@@ -596,13 +608,7 @@ def torch_file_entries(opened: TorchPickle, rel: str, classify: Callable[[str], 
         if ref.numel and same in seen:
             continue
         seen.add(same)
-        found = opened.byte_range(ref)
-        chunks = (
-            (TensorChunk(rel, found[0], found[1] - found[0], (0,) * len(ref.shape), ref.shape, ChunkEncoding.RAW),)
-            if found is not None
-            else ()
-        )
-        entries.append(TensorEntry(name, classify(name), ref.dtype, ref.shape, chunks))
+        entries.append(TensorEntry(name, classify(name), ref.dtype, ref.shape, raw_chunks(opened, ref, rel)))
     return entries
 
 

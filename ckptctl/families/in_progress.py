@@ -12,7 +12,7 @@ import time
 
 from ckptctl.checkpoint import CheckpointState
 
-__all__ = ["IN_PROGRESS_WINDOW_S", "recently_written", "unfinished_state"]
+__all__ = ["IN_PROGRESS_WINDOW_S", "missing_marker", "recently_written", "unfinished_state"]
 
 #: An unfinished checkpoint whose newest file is younger than this (seconds) is still being written; older,
 #: the save was interrupted.
@@ -28,3 +28,11 @@ def recently_written(newest: float | None) -> bool:
 def unfinished_state(newest: float | None) -> CheckpointState:
     """IN_PROGRESS while an unfinished checkpoint is `recently_written`, else BROKEN."""
     return CheckpointState.IN_PROGRESS if recently_written(newest) else CheckpointState.BROKEN
+
+
+def missing_marker(newest: float | None, marker: str, interrupted: str) -> tuple[CheckpointState, str]:
+    """The state and note of a checkpoint without `marker`, the file its framework writes last: being written
+    while its newest file (modified at `newest`) is `recently_written`, else broken, `interrupted` saying why."""
+    if recently_written(newest):
+        return CheckpointState.IN_PROGRESS, f"no {marker} yet: being written"
+    return CheckpointState.BROKEN, f"no {marker}: {interrupted}"

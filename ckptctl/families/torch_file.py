@@ -1,17 +1,19 @@
 """A torch.save file as a verify sees it: opened through the allowlist, then each storage it names checked to
 lie whole inside it. Every reader reports the same three things of such a file (a refused pickle, a file that
-does not read, a truncated storage) under the same problem kinds, so they are mapped here once.
+does not read, a truncated storage) under the same problem kinds, so they are mapped here once. And its
+tensors as an index sees them: each one RAW chunk of the file where its bytes lie in one contiguous range.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from ckptctl.checkpoint import Problem, ProblemKind
+from ckptctl import io
+from ckptctl.checkpoint import ChunkEncoding, Component, Problem, ProblemKind, TensorChunk, TensorEntry
 from ckptctl.errors import CkptctlError, UnsafePickle
-from ckptctl.formats.torch_pickle import TorchPickle, storage_problems
+from ckptctl.formats.torch_pickle import TensorRef, TorchPickle, storage_problems
 
-__all__ = ["torch_file_problems"]
+__all__ = ["pickle_entries", "raw_chunks", "torch_file_problems"]
 
 
 def torch_file_problems(
@@ -44,3 +46,22 @@ def torch_file_problems(
             Problem(unreadable, path, exc.message) if unreadable is not None else Problem.from_error(exc, path)
         ]
     return opened, [Problem(ProblemKind.TRUNCATED, path, message) for message in storages(opened)]
+
+
+def raw_chunks(opened: TorchPickle, ref: TensorRef, rel: str) -> tuple[TensorChunk, ...]:
+    """The tensor `ref` of the opened torch.save file `rel` (relative to the checkpoint) as one RAW chunk of
+    it, or none where its bytes are not one contiguous range of the file (a strided view)."""
+    found = opened.byte_range(ref)
+    if found is None:
+        return ()
+    return (TensorChunk(rel, found[0], found[1] - found[0], (0,) * len(ref.shape), ref.shape, ChunkEncoding.RAW),)
+
+
+def pickle_entries(opened: TorchPickle, prefix: str, component: Component) -> list[TensorEntry]:
+    """Every tensor of an opened torch.save file at the checkpoint's top, as `<prefix><path>` entries of
+    `component` (`raw_chunks`)."""
+    file = io.name_of(opened.url)
+    return [
+        TensorEntry(prefix + path, component, ref.dtype, ref.shape, raw_chunks(opened, ref, file))
+        for path, ref in opened.tensors()
+    ]

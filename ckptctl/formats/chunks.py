@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from ckptctl import io
 from ckptctl.checkpoint import ChunkEncoding, Problem, ProblemKind, TensorChunk, TensorEntry, dtype_itemsize
-from ckptctl.errors import CorruptCheckpoint
+from ckptctl.errors import CkptctlError, CorruptCheckpoint
 
 if TYPE_CHECKING:
     import torch
@@ -24,6 +24,7 @@ __all__ = [
     "coverage_problems",
     "entry_tiling_problem",
     "flat_range_boxes",
+    "index_coverage_problems",
     "read_chunk",
     "read_tensor",
     "tiling_problem",
@@ -80,6 +81,16 @@ def coverage_problems(index: Iterable[TensorEntry]) -> list[Problem]:
     """A `coverage` problem for each tensor whose chunks do not tile it exactly."""
     found = ((entry.name, entry_tiling_problem(entry)) for entry in index)
     return [Problem(ProblemKind.COVERAGE, name, problem) for name, problem in found if problem is not None]
+
+
+def index_coverage_problems(index: Callable[[], Iterable[TensorEntry]], path: str) -> list[Problem]:
+    """`coverage_problems` of the tensor index `index()` builds from files that passed their own checks, or
+    one `coverage` problem at `path` saying why it cannot be built (the files do not describe whole tensors)."""
+    try:
+        entries = index()
+    except CkptctlError as exc:
+        return [Problem(ProblemKind.COVERAGE, path, exc.message)]
+    return coverage_problems(entries)
 
 
 def _overlap(shape: tuple[int, ...], boxes: list[Box]) -> str | None:

@@ -9,8 +9,6 @@ contract sits below the shared readers: this module needs nothing of the layouts
 
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
 from collections.abc import Sequence
 
 from ckptctl import io
@@ -23,18 +21,14 @@ from ckptctl.formats.dcp_metadata import (
     merge_rank_metadata,
     parse_dcp_metadata,
 )
+from ckptctl.formats.parse_cache import ParseCache
 from ckptctl.formats.torch_zip import TorchArchive
 from ckptctl.io import DirEntry
 
 __all__ = ["dcp_item_archives", "in_progress_error", "load_dcp_metadata", "parse_cached", "rank_metadata"]
 
-#: A parse cache owned by this module for the whole process, not by a scan (`layouts.ScanContext`): it is
-#: keyed by the file's version (URL, size, mtime), so it serves only the bytes it parsed, whichever operation
-#: asks. A store that reports no mtime is not cached. Object stores report whole seconds, so a `.metadata`
-#: rewritten in place with the same size within one second of an earlier read could be served stale.
-_CACHE_SIZE = 2
-_cache: OrderedDict[tuple[str, int, float], DcpMetadata] = OrderedDict()
-_cache_lock = threading.Lock()
+#: Parsed `.metadata` files (`formats.parse_cache`: keyed by each file's version, whichever operation asks).
+_cache: ParseCache[DcpMetadata] = ParseCache(2)
 
 
 def load_dcp_metadata(url: str, entry: DirEntry | None = None) -> DcpMetadata:
@@ -69,19 +63,7 @@ def rank_metadata(entries: Sequence[DirEntry]) -> list[DirEntry]:
 
 def parse_cached(path: str, entry: DirEntry) -> DcpMetadata:
     """The parsed metadata file at `path` (`entry` its listing entry), from the cache when its version is there."""
-    key = (path, entry.size, entry.mtime)
-    with _cache_lock:
-        cached = _cache.get(key)
-        if cached is not None:
-            _cache.move_to_end(key)
-            return cached
-    parsed = parse_dcp_metadata(io.read_bytes(path, max_size=MAX_METADATA_BYTES), path)
-    if entry.mtime:  # a store that reports no mtime could not tell a rewritten file from the cached one
-        with _cache_lock:
-            _cache[key] = parsed
-            while len(_cache) > _CACHE_SIZE:
-                _cache.popitem(last=False)
-    return parsed
+    return _cache.get(path, entry, lambda: parse_dcp_metadata(io.read_bytes(path, max_size=MAX_METADATA_BYTES), path))
 
 
 def in_progress_error(url: str) -> CheckpointInProgress:

@@ -86,7 +86,7 @@ def open_tag(url: str, layout: str) -> Checkpoint:
     return Checkpoint(
         ref=ref,
         components=tag.components(),
-        world_size=tag.dp_world_size * tag.mp_world_size,
+        world_size=tag.world_size,
         metadata=metadata,
         tensor_index=tensor_index,
         files=all_files,

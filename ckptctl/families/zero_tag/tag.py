@@ -101,6 +101,17 @@ class DeepSpeedTag:
             found.add(Component.EXTRA)
         return frozenset(found)
 
+    @property
+    def world_size(self) -> int:
+        """The ranks that saved it: data-parallel times model-parallel."""
+        return self.dp_world_size * self.mp_world_size
+
+    def summary(self) -> dict[str, Any]:
+        """What a checkpoint holding the tag among its own files (the Trainer's, accelerate's, Lightning's)
+        shows of it under `deepspeed`: the tag's name, ZeRO stage, ranks, partitions and precision."""
+        info = self.metadata()
+        return {k: info[k] for k in ("tag", "zero_stage", "dp_world_size", "partition_count", "precision")}
+
     def client_state(self) -> dict[str, Any]:
         """The keys `save_checkpoint(client_state=...)` added to the model states."""
         return {k: v for k, v in self.states.items() if isinstance(k, str) and k not in _ENGINE_KEYS}

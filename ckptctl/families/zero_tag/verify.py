@@ -9,7 +9,7 @@ from ckptctl.checkpoint import Problem, ProblemKind
 from ckptctl.contract.base import LISTED_ABSENT
 from ckptctl.errors import CkptctlError, CorruptCheckpoint
 from ckptctl.families.torch_file import torch_file_problems
-from ckptctl.families.zero_tag.names import expected_rank_files, tag_files
+from ckptctl.families.zero_tag.names import LATEST_NAME, expected_rank_files, latest_problem, tag_files
 from ckptctl.families.zero_tag.tag import (
     DeepSpeedTag,
     enum_value,
@@ -18,11 +18,11 @@ from ckptctl.families.zero_tag.tag import (
     read_tag,
 )
 from ckptctl.families.zero_tag.tensor_index import tag_index
-from ckptctl.formats.chunks import coverage_problems
+from ckptctl.formats.chunks import index_coverage_problems
 from ckptctl.formats.torch_pickle import TorchPickle
 
 
-def verify_tag(url: str, path_prefix: str = "") -> list[Problem]:
+def verify_tag(url: str, path_prefix: str = "", *, latest: bool = False) -> list[Problem]:
     """Structural problems of a tag folder (reads every rank file's `data.pkl` and zip directory).
 
     Checks: every model-states file for the MP size (and, under ZeRO-3, every DP rank) and exactly one
@@ -30,7 +30,22 @@ def verify_tag(url: str, path_prefix: str = "") -> list[Problem]:
     warnings); each parses and is safe (BAD_METADATA, UNSAFE_PICKLE) and holds every storage it names
     (TRUNCATED); the optim files agree with `dp_world_size` and `partition_count`; the fp32 partitions
     hold what `param_shapes` needs and every tensor's chunks tile it (COVERAGE).
+
+    Args:
+        url: the tag folder.
+        path_prefix: the tag's folder inside the checkpoint (`<tag>/`), or "" when the checkpoint is the tag.
+        latest: also the `latest` beside the tag, which `engine.save_checkpoint` rewrites: it names an existing
+            tag (`latest_problem`; the problem is named `latest`, or `../latest` when the checkpoint is the tag).
     """
+    problems = _tag_problems(url, path_prefix)
+    if latest:
+        pointer = latest_problem(io.parent_of(url), LATEST_NAME if path_prefix else f"../{LATEST_NAME}")
+        if pointer is not None:
+            problems.append(pointer)
+    return problems
+
+
+def _tag_problems(url: str, path_prefix: str) -> list[Problem]:
     try:
         entries = io.list_dir(url)
     except CkptctlError:
@@ -95,11 +110,7 @@ def verify_tag(url: str, path_prefix: str = "") -> list[Problem]:
             problems += _optim_file_problems(tag, opened, path_prefix + name)
     if broken or any(p.severity == "error" for p in problems):
         return problems
-    try:
-        index = tag_index(tag, path_prefix)
-    except CkptctlError as exc:
-        return [*problems, Problem(ProblemKind.COVERAGE, path_prefix, exc.message)]
-    return problems + coverage_problems(index)
+    return problems + index_coverage_problems(partial(tag_index, tag, path_prefix), path_prefix)
 
 
 def _optim_file_problems(tag: DeepSpeedTag, opened: TorchPickle, path: str) -> list[Problem]:

@@ -11,6 +11,7 @@ __all__ = [
     "AUTO_PARENT",
     "FSDP_RANK_FILE",
     "RNG_FILE",
+    "numbered",
     "per_process_files",
     "rng_ranks",
     "without_dcp",
@@ -24,6 +25,12 @@ RNG_FILE = re.compile(r"^random_states_(\d+)\.pkl$")
 #: with `use_dcp=False` (`pytorch_model_fsdp_{i}_rank{R}.bin`, `optimizer_{i}_rank{R}.bin`).
 FSDP_RANK_FILE = re.compile(r"^(?P<kind>pytorch_model_fsdp|optimizer)(?:_\d+)?_rank(?P<rank>\d+)\.bin$")
 _WITHOUT_DCP = re.compile(r"^(?:pytorch_model_fsdp_0|optimizer_\d+)_rank\d+\.bin$")
+
+
+def numbered(stem: str, ext: str) -> re.Pattern[str]:
+    """The names `save_accelerator_state` gives the objects of one kind, numbered in the order they were
+    prepared: `{stem}{ext}` for the first, `{stem}_{i}{ext}` after (`i` as group 1, None for the first)."""
+    return re.compile(rf"^{re.escape(stem)}(?:_(\d+))?{re.escape(ext)}$")
 
 
 def rng_ranks(names: Sequence[str]) -> list[int]:

@@ -29,7 +29,7 @@ fresh, broken once older: `families.in_progress`).
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import cache, partial
 from typing import Any
@@ -39,11 +39,9 @@ from ckptctl.checkpoint import (
     Checkpoint,
     CheckpointRef,
     CheckpointState,
-    ChunkEncoding,
     Component,
     Problem,
     ProblemKind,
-    TensorChunk,
     TensorEntry,
 )
 from ckptctl.contract.base import (
@@ -63,19 +61,19 @@ from ckptctl.contract.load_set import LoadMember
 from ckptctl.contract.resume import ResumeProfile
 from ckptctl.errors import CkptctlError, UnknownLayout
 from ckptctl.families.hf_folder import safetensors_index, verify_model_files
-from ckptctl.families.in_progress import recently_written
-from ckptctl.families.torch_file import torch_file_problems
-from ckptctl.families.zero_tag.names import LATEST_NAME, latest_problem
+from ckptctl.families.in_progress import missing_marker
+from ckptctl.families.torch_file import pickle_entries, torch_file_problems
 from ckptctl.families.zero_tag.tag import DeepSpeedTag, read_tag
 from ckptctl.families.zero_tag.tensor_index import tag_index
 from ckptctl.families.zero_tag.verify import verify_tag
-from ckptctl.formats.torch_pickle import TorchPickle, open_torch_pickle
+from ckptctl.formats.torch_pickle import open_torch_pickle
 from ckptctl.formats.torch_zip import TorchArchive
 from ckptctl.frameworks.accelerate.files import (
     AUTO_FOLDER,
     AUTO_PARENT,
     FSDP_RANK_FILE,
     RNG_FILE,
+    numbered,
     per_process_files,
     rng_ranks,
 )
@@ -86,17 +84,17 @@ __all__ = ["AccelerateLayout", "SaveStateParts", "auto_checkpoint_match"]
 
 #: The folder names accelerate's own examples pass to save_state (`step_{N}`, `epoch_{E}`).
 _EPOCH_FOLDER = re.compile(r"^epoch_(\d+)$")
-_MODEL_SAFE = re.compile(r"^model(?:_(\d+))?\.safetensors$")
-_MODEL_BIN = re.compile(r"^pytorch_model(?:_(\d+))?\.bin$")
-_OPTIMIZER = re.compile(r"^optimizer(?:_(\d+))?\.bin$")
-_SCHEDULER = re.compile(r"^scheduler(?:_(\d+))?\.bin$")
+_MODEL_SAFE = numbered("model", ".safetensors")
+_MODEL_BIN = numbered("pytorch_model", ".bin")
+_OPTIMIZER = numbered("optimizer", ".bin")
+_SCHEDULER = numbered("scheduler", ".bin")
 _SAMPLER = re.compile(r"^(?:sampler|dl_state_dict)(?:_(\d+))?\.bin$")
 _SCALER = "scaler.pt"
 _CUSTOM = re.compile(r"^custom_checkpoint_(\d+)\.pkl$")
 _DS_TAG = re.compile(r"^pytorch_model(?:_(\d+))?$")
 _FSDP_MODEL_DIR = re.compile(r"^pytorch_model_fsdp_(\d+)$")
 _FSDP_OPTIM_DIR = re.compile(r"^optimizer_(\d+)$")
-_FSDP_FULL = re.compile(r"^pytorch_model_fsdp(?:_(\d+))?\.bin$")
+_FSDP_FULL = numbered("pytorch_model_fsdp", ".bin")
 #: RNG keys every random_states file holds (`save_accelerator_state`); device generators are added per device.
 _RNG_KEYS = ("random_state", "numpy_random_seed", "torch_manual_seed")
 
@@ -225,12 +223,9 @@ class AccelerateLayout(Layout):
         else:
             newest = newest_mtime(entries)
             created = timestamp(newest)
-            if recently_written(newest):
-                state = CheckpointState.IN_PROGRESS
-                note = "no random_states_0.pkl yet: being written"
-            else:
-                state = CheckpointState.BROKEN
-                note = "no random_states_0.pkl: save_state writes it last, so the save was interrupted"
+            state, note = missing_marker(
+                newest, "random_states_0.pkl", "save_state writes it last, so the save was interrupted"
+            )
         return CheckpointRef(
             url=url,
             layout=self.name,
@@ -283,12 +278,9 @@ class AccelerateLayout(Layout):
                 metadata["deepspeed_error"] = exc.message
             else:
                 components |= tag.components() - {Component.TRAINER_STATE, Component.EXTRA}
-                info = tag.metadata()
-                metadata["deepspeed"] = {
-                    k: info[k] for k in ("tag", "zero_stage", "dp_world_size", "partition_count", "precision")
-                }
-                progress.update(info["progress"])
-                world_size = world_size or tag.dp_world_size * tag.mp_world_size
+                metadata["deepspeed"] = tag.summary()
+                progress.update(tag.metadata()["progress"])
+                world_size = world_size or tag.world_size
                 if ref.step is None and tag.global_steps is not None:
                     ref = replace(ref, step=tag.global_steps)
         models = len(set(parts.models) | set(parts.ds_tags) | set(parts.dcp_models))
@@ -361,12 +353,8 @@ class AccelerateLayout(Layout):
         for name in parts.pickles():
             problems += _pickle_problems(url, name, files[name])
         for index, tag in sorted(parts.ds_tags.items()):
-            problems += verify_tag(io.join(url, tag), f"{tag}/")
-            if index == max(parts.ds_tags):
-                # Every model's save_checkpoint rewrites `latest` with its own tag: the last model's stays.
-                pointer = latest_problem(url, LATEST_NAME)
-                if pointer is not None:
-                    problems.append(pointer)
+            # Every model's save_checkpoint rewrites `latest` with its own tag: the last model's stays.
+            problems += verify_tag(io.join(url, tag), f"{tag}/", latest=index == max(parts.ds_tags))
         from ckptctl.families.dcp_folder import verify_dcp
 
         for folder in sorted({*parts.dcp_models.values(), *parts.dcp_optimizers.values()}):
@@ -511,42 +499,22 @@ def _tensor_index(
             found = safetensors_index(url, [name], files)
             entries += [replace(e, name=prefix + e.name, component=component) for e in found]
         else:
-            entries += _pickle_tensors(open_torch_pickle(io.join(url, name), files[name]), prefix, component)
+            entries += pickle_entries(open_torch_pickle(io.join(url, name), files[name]), prefix, component)
     for index, name in sorted(parts.optimizers.items()):
         prefix = "optimizer." if index == 0 else f"optimizer_{index}."
-        entries += _pickle_tensors(open_torch_pickle(io.join(url, name), files[name]), prefix, Component.OPTIMIZER)
+        entries += pickle_entries(open_torch_pickle(io.join(url, name), files[name]), prefix, Component.OPTIMIZER)
     if tag is not None:
         folder = parts.ds_tags[0]
         inner = tag_index(tag, f"{folder}/")
         entries += [e for e in inner if not (parts.models and e.component is Component.MODEL)]
     if parts.dcp_models or parts.dcp_optimizers:
-        from ckptctl.families.dcp_folder import dcp_tensor_index
+        from ckptctl.families.dcp_folder import dcp_tensor_index, one_component
 
         # The first model's folder only: every model's DCP keys start `model.`, so the others' tensors would
         # read as duplicates of its own (they are verified, not indexed).
         if 0 in parts.dcp_models and not parts.models:
             folder = parts.dcp_models[0]
-            entries += dcp_tensor_index(io.join(url, folder), _constant(Component.MODEL), f"{folder}/")
+            entries += dcp_tensor_index(io.join(url, folder), one_component(Component.MODEL), f"{folder}/")
         for _, folder in sorted(parts.dcp_optimizers.items()):
-            entries += dcp_tensor_index(io.join(url, folder), _constant(Component.OPTIMIZER), f"{folder}/")
+            entries += dcp_tensor_index(io.join(url, folder), one_component(Component.OPTIMIZER), f"{folder}/")
     return tuple(entries)
-
-
-def _constant(component: Component) -> Callable[[str], Component]:
-    return lambda _key: component
-
-
-def _pickle_tensors(opened: TorchPickle, prefix: str, component: Component) -> list[TensorEntry]:
-    """The tensors of a torch.save file as `<prefix><path>` entries with RAW chunks into the file (none for
-    a tensor that is not one contiguous range of it)."""
-    file = io.name_of(opened.url)
-    out = []
-    for path, ref in opened.tensors():
-        found = opened.byte_range(ref)
-        chunks = (
-            (TensorChunk(file, found[0], found[1] - found[0], (0,) * len(ref.shape), ref.shape, ChunkEncoding.RAW),)
-            if found is not None
-            else ()
-        )
-        out.append(TensorEntry(prefix + path, component, ref.dtype, ref.shape, chunks))
-    return out

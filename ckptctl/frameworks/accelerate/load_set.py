@@ -30,36 +30,29 @@ from ckptctl.contract.base import absent_numbers
 from ckptctl.contract.load_set import LoadMember, MemberKind
 from ckptctl.errors import CkptctlError
 from ckptctl.formats.torch_pickle import open_torch_pickle
+from ckptctl.frameworks.accelerate.files import numbered
 from ckptctl.io import DirEntry
 from ckptctl.layouts import peek, peek_dir
 
 __all__ = ["expected_files", "save_state_members", "torn_note"]
 
 _READ_BY = "accelerate load_accelerator_state"
+
+
+def _first_unnumbered(stem: str, ext: str) -> tuple[re.Pattern[str], str, str]:
+    """A kind's pattern, first name and other names (`files.numbered`: no index on the first)."""
+    return numbered(stem, ext), f"{stem}{ext}", f"{stem}_{{i}}{ext}"
+
+
 #: Each kind of file save_state numbers: (pattern with the index as group 1 and None for 0, first name, other
 #: names with `{i}`, what it holds). A model is `model.safetensors` or `pytorch_model.bin`, as the run saved it.
 _KINDS: tuple[tuple[re.Pattern[str], str, str, str], ...] = (
-    (
-        re.compile(r"^model(?:_(\d+))?\.safetensors$"),
-        "model.safetensors",
-        "model_{i}.safetensors",
-        "the weights of a model",
-    ),
-    (
-        re.compile(r"^pytorch_model(?:_(\d+))?\.bin$"),
-        "pytorch_model.bin",
-        "pytorch_model_{i}.bin",
-        "the weights of a model",
-    ),
-    (re.compile(r"^optimizer(?:_(\d+))?\.bin$"), "optimizer.bin", "optimizer_{i}.bin", "the state of an optimizer"),
-    (re.compile(r"^scheduler(?:_(\d+))?\.bin$"), "scheduler.bin", "scheduler_{i}.bin", "the state of an LR scheduler"),
-    (re.compile(r"^sampler(?:_(\d+))?\.bin$"), "sampler.bin", "sampler_{i}.bin", "the sampler state of a data loader"),
-    (
-        re.compile(r"^dl_state_dict(?:_(\d+))?\.bin$"),
-        "dl_state_dict.bin",
-        "dl_state_dict_{i}.bin",
-        "the state of a stateful data loader",
-    ),
+    (*_first_unnumbered("model", ".safetensors"), "the weights of a model"),
+    (*_first_unnumbered("pytorch_model", ".bin"), "the weights of a model"),
+    (*_first_unnumbered("optimizer", ".bin"), "the state of an optimizer"),
+    (*_first_unnumbered("scheduler", ".bin"), "the state of an LR scheduler"),
+    (*_first_unnumbered("sampler", ".bin"), "the sampler state of a data loader"),
+    (*_first_unnumbered("dl_state_dict", ".bin"), "the state of a stateful data loader"),
     (
         re.compile(r"^custom_checkpoint_(\d+)\.pkl$"),
         "custom_checkpoint_0.pkl",

@@ -13,8 +13,6 @@ nothing else; the headers are unpickled with the torch-pickle allowlist into `Te
 from __future__ import annotations
 
 import math
-import threading
-from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,6 +22,7 @@ from ckptctl.checkpoint import dtype_itemsize
 from ckptctl.errors import CkptctlError
 from ckptctl.formats.dcp_metadata import MAX_METADATA_BYTES, DcpMetadata, DcpTensor, StorageKey, dcp_metadata_from
 from ckptctl.formats.dcp_metadata_classes import DCP_METADATA_GLOBALS, DCP_STAND_INS
+from ckptctl.formats.parse_cache import ParseCache
 from ckptctl.formats.safe_pickle import parse_pickle, state_fields
 from ckptctl.formats.torch_pickle_classes import TensorRef, load_torch_pickle
 from ckptctl.io import DirEntry
@@ -105,9 +104,8 @@ def _parse(root: Any, source: str, size: int) -> BcpMetadata:
     )
 
 
-_CACHE_SIZE = 4
-_cache: OrderedDict[tuple[str, int, float], BcpMetadata] = OrderedDict()
-_cache_lock = threading.Lock()
+#: Parsed `.metadata` files (`formats.parse_cache`: keyed by each file's version).
+_cache: ParseCache[BcpMetadata] = ParseCache(4)
 
 
 def load_bcp_metadata(path: str, entry: DirEntry) -> BcpMetadata:
@@ -117,19 +115,12 @@ def load_bcp_metadata(path: str, entry: DirEntry) -> BcpMetadata:
         UnsafePickle: it names a global outside `BCP_METADATA_GLOBALS`.
         CorruptCheckpoint: it does not parse or validate.
     """
-    key = (path, entry.size, entry.mtime)
-    with _cache_lock:
-        cached = _cache.get(key)
-        if cached is not None:
-            return cached
-    data = io.read_bytes(path, max_size=MAX_METADATA_BYTES)
-    parsed = parse_pickle(data, BCP_METADATA_GLOBALS, path, lambda root: _parse(root, path, len(data)))
-    if entry.mtime:
-        with _cache_lock:
-            _cache[key] = parsed
-            while len(_cache) > _CACHE_SIZE:
-                _cache.popitem(last=False)
-    return parsed
+
+    def parse() -> BcpMetadata:
+        data = io.read_bytes(path, max_size=MAX_METADATA_BYTES)
+        return parse_pickle(data, BCP_METADATA_GLOBALS, path, lambda root: _parse(root, path, len(data)))
+
+    return _cache.get(path, entry, parse)
 
 
 def header_problem(metadata: BcpMetadata, key: StorageKey, tensor: DcpTensor, sizes: tuple[int, ...]) -> str | None:

@@ -19,12 +19,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from ckptctl import io
 from ckptctl.checkpoint import Checkpoint, CheckpointRef, Problem
 from ckptctl.contract.base import Layout, every_child_folder
 from ckptctl.contract.resume import ResumeProfile
 from ckptctl.families.zero_tag.folder import open_tag, tag_ref
-from ckptctl.families.zero_tag.names import LATEST_NAME, latest_problem, read_latest, tag_markers
+from ckptctl.families.zero_tag.names import read_latest, tag_markers
 from ckptctl.families.zero_tag.verify import verify_tag
 from ckptctl.frameworks.deepspeed.resume import PROFILE
 from ckptctl.io import DirEntry
@@ -56,11 +55,7 @@ class DeepSpeedLayout(Layout):
 
     def verify(self, checkpoint: Checkpoint) -> list[Problem]:
         """`verify_tag`, plus the save folder's `latest` pointer naming an existing tag."""
-        problems = verify_tag(checkpoint.url)
-        pointer = latest_problem(io.parent_of(checkpoint.url), f"../{LATEST_NAME}")
-        if pointer is not None:
-            problems.append(pointer)
-        return problems
+        return verify_tag(checkpoint.url, latest=True)
 
     def completion_markers(self, files: Mapping[str, int]) -> tuple[str, ...]:
         """The rank-0 model states (`tag_markers`): DeepSpeed writes no marker, but without them the tag

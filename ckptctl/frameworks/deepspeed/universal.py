@@ -203,7 +203,7 @@ class DeepSpeedUniversalLayout(Layout):
         return Checkpoint(
             ref=ref,
             components=frozenset(components),
-            world_size=tag.dp_world_size * tag.mp_world_size,
+            world_size=tag.world_size,
             metadata=metadata,
             tensor_index=tensor_index,
             files=files,

@@ -33,12 +33,11 @@ from typing import Any
 from ckptctl import io
 from ckptctl.checkpoint import ChunkEncoding, Component, Problem, ProblemKind, TensorChunk, TensorEntry
 from ckptctl.contract.base import LISTED_ABSENT
-from ckptctl.errors import CkptctlError
 from ckptctl.families.torch_file import torch_file_problems
 from ckptctl.families.zero_tag.names import UNIVERSAL_STATES_DIR
 from ckptctl.families.zero_tag.tag import DeepSpeedTag, base_state
 from ckptctl.families.zero_tag.tensor_index import IndexBuilder, param_groups
-from ckptctl.formats.chunks import coverage_problems
+from ckptctl.formats.chunks import index_coverage_problems
 from ckptctl.formats.torch_pickle import TorchPickle, open_torch_pickle
 from ckptctl.formats.torch_pickle_classes import TensorRef
 
@@ -289,11 +288,7 @@ def verify_states(tag: DeepSpeedTag, states: UniversalStates) -> list[Problem]:
         problems += _param_problems(states, name, shapes.get(name), tag.mp_world_size)
     if any(p.severity == "error" for p in problems):
         return problems
-    try:
-        index = universal_index(tag, states)
-    except CkptctlError as exc:
-        return [*problems, Problem(ProblemKind.COVERAGE, ZERO_DIR, exc.message)]
-    return problems + coverage_problems(index)
+    return problems + index_coverage_problems(partial(universal_index, tag, states), ZERO_DIR)
 
 
 def _param_problems(

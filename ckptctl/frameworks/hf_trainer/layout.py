@@ -39,11 +39,9 @@ from ckptctl.checkpoint import (
     Checkpoint,
     CheckpointRef,
     CheckpointState,
-    ChunkEncoding,
     Component,
     Problem,
     ProblemKind,
-    TensorChunk,
     TensorEntry,
 )
 from ckptctl.contract.base import (
@@ -68,16 +66,17 @@ from ckptctl.families.hf_folder import (
     verify_model_files,
     weight_files,
 )
-from ckptctl.families.in_progress import recently_written
+from ckptctl.families.in_progress import missing_marker
 from ckptctl.families.lora.adapter import ADAPTER_WEIGHTS, adapter_metadata, adapter_problems
 from ckptctl.families.lora.settings import ADAPTER_CONFIG
-from ckptctl.families.zero_tag.names import LATEST_NAME, latest_problem, missing_note, read_latest, tag_files
+from ckptctl.families.torch_file import pickle_entries
+from ckptctl.families.zero_tag.names import LATEST_NAME, missing_note, read_latest, tag_files
 from ckptctl.families.zero_tag.tag import DeepSpeedTag, missing_rank_files, read_tag
 from ckptctl.families.zero_tag.tensor_index import tag_index
 from ckptctl.families.zero_tag.verify import verify_tag
 from ckptctl.formats.documents import as_real, as_whole, read_json
 from ckptctl.formats.safe_pickle import FrameworkObject, StandIn, state_fields
-from ckptctl.formats.torch_pickle import TorchPickle, open_torch_pickle, storage_problems
+from ckptctl.formats.torch_pickle import open_torch_pickle, storage_problems
 from ckptctl.frameworks.hf_trainer.files import CHECKPOINT_DIR, RNG_FILE, TRAINER_STATE_NAME
 from ckptctl.frameworks.hf_trainer.load_set import (
     TRAINING_ARGS,
@@ -220,12 +219,9 @@ class HfTrainerLayout(Layout):
         else:
             newest = newest_mtime(entries)
             created = timestamp(newest)
-            if recently_written(newest):
-                state = CheckpointState.IN_PROGRESS
-                note = f"no {TRAINER_STATE_NAME} yet: being written"
-            else:
-                state = CheckpointState.BROKEN
-                note = f"no {TRAINER_STATE_NAME}: the save was interrupted (a resume that picks this folder fails)"
+            state, note = missing_marker(
+                newest, TRAINER_STATE_NAME, "the save was interrupted (a resume that picks this folder fails)"
+            )
         return CheckpointRef(
             url=url,
             layout=self.name,
@@ -292,11 +288,8 @@ class HfTrainerLayout(Layout):
                 metadata["deepspeed_error"] = exc.message
             else:
                 components |= tag.components() - {Component.TRAINER_STATE, Component.EXTRA}
-                ds_info = tag.metadata()
-                metadata["deepspeed"] = {
-                    k: ds_info[k] for k in ("tag", "zero_stage", "dp_world_size", "partition_count", "precision")
-                }
-                world_size = world_size or tag.dp_world_size * tag.mp_world_size
+                metadata["deepspeed"] = tag.summary()
+                world_size = world_size or tag.world_size
         components |= set(parts.dcp_folders.values())
 
         @cache
@@ -368,10 +361,7 @@ class HfTrainerLayout(Layout):
         for name in sorted(n for n in parts.names if n in _PICKLE_FILES or RNG_FILE.match(n)):
             problems += _pickle_problems(url, name, files[name])
         if parts.ds_tag is not None:
-            problems += verify_tag(io.join(url, parts.ds_tag), f"{parts.ds_tag}/")
-            pointer = latest_problem(url, LATEST_NAME)
-            if pointer is not None:
-                problems.append(pointer)
+            problems += verify_tag(io.join(url, parts.ds_tag), f"{parts.ds_tag}/", latest=True)
         from ckptctl.families.dcp_folder import verify_dcp
 
         for folder in sorted(parts.dcp_folders):
@@ -394,7 +384,7 @@ class HfTrainerLayout(Layout):
                 facts = replace(
                     facts,
                     ds_scheduler=tag.states.get("lr_scheduler") is not None,
-                    ds_world=tag.dp_world_size * tag.mp_world_size,
+                    ds_world=tag.world_size,
                 )
         if facts.args is None and TRAINING_ARGS in checkpoint.files:
             facts = replace(facts, args=training_args_fields(url, checkpoint.files[TRAINING_ARGS]))
@@ -570,39 +560,22 @@ def _tensor_index(
 ) -> tuple[TensorEntry, ...]:
     entries = list(safetensors_index(url, weights, files)) if weights else []
     if "optimizer.pt" in files:
-        entries += _pickle_tensors(open_torch_pickle(io.join(url, "optimizer.pt"), files["optimizer.pt"]), "optimizer")
+        entries += pickle_entries(
+            open_torch_pickle(io.join(url, "optimizer.pt"), files["optimizer.pt"]), "optimizer.", Component.OPTIMIZER
+        )
     if tag is not None and parts.ds_tag is not None:
         inner = tag_index(tag, f"{parts.ds_tag}/")
         entries += [e for e in inner if not (weights and e.component is Component.MODEL)]
     if parts.dcp_folders:
-        from ckptctl.families.dcp_folder import dcp_tensor_index
+        from ckptctl.families.dcp_folder import dcp_tensor_index, one_component
 
         for folder, component in sorted(parts.dcp_folders.items()):
             if weights and component is Component.MODEL:
                 continue
-            entries += dcp_tensor_index(io.join(url, folder), _constant(component), f"{folder}/")
+            entries += dcp_tensor_index(io.join(url, folder), one_component(component), f"{folder}/")
     return tuple(entries)
 
 
 def model_tensors(index: Callable[[], Sequence[TensorEntry]]) -> list[TensorEntry]:
     """The model's tensors of a checkpoint's index (an adapter's, beside the optimizer's)."""
     return [entry for entry in index() if entry.component is Component.MODEL]
-
-
-def _constant(component: Component) -> Callable[[str], Component]:
-    return lambda _key: component
-
-
-def _pickle_tensors(opened: TorchPickle, name: str) -> list[TensorEntry]:
-    """The tensors of a torch.save file as `<name>.<path>` entries with RAW chunks into the file."""
-    file = io.name_of(opened.url)
-    out = []
-    for path, ref in opened.tensors():
-        found = opened.byte_range(ref)
-        chunks = (
-            (TensorChunk(file, found[0], found[1] - found[0], (0,) * len(ref.shape), ref.shape, ChunkEncoding.RAW),)
-            if found is not None
-            else ()
-        )
-        out.append(TensorEntry(f"{name}.{path}", Component.OPTIMIZER, ref.dtype, ref.shape, chunks))
-    return out

@@ -296,12 +296,8 @@ class LightningLayout(Layout):
 
         components = set(tag.components())
         checkpoint = self._checkpoint(ref, root, components, tensor_index, files, "DeepSpeed save folder")
-        info = tag.metadata()
-        ds = {k: info[k] for k in ("tag", "zero_stage", "dp_world_size", "partition_count", "precision")}
         return replace(
-            checkpoint,
-            world_size=tag.dp_world_size * tag.mp_world_size,
-            metadata={**checkpoint.metadata, "deepspeed": ds},
+            checkpoint, world_size=tag.world_size, metadata={**checkpoint.metadata, "deepspeed": tag.summary()}
         )
 
     def _checkpoint(

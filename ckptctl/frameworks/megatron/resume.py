@@ -15,7 +15,6 @@ from collections.abc import Mapping
 from typing import Any
 
 from ckptctl import io
-from ckptctl.checkpoint import Component
 from ckptctl.contract.resume import PlanContext, ResumeProfile, WorldSizeCheck, target_ranks
 from ckptctl.families.dcp_resume import overwrite_warnings
 from ckptctl.frameworks.megatron.files import RELEASE, iteration_of, read_tracker
@@ -90,16 +89,6 @@ PROFILE = ResumeProfile(
     framework="Megatron-LM",
     hint=_hint,
     world_size=_world_size,
-    restored=frozenset(
-        {
-            Component.MODEL,
-            Component.OPTIMIZER,
-            Component.SCHEDULER,
-            Component.RNG,
-            Component.DATALOADER,
-            Component.TRAINER_STATE,
-        }
-    ),
     follows_pointer=True,
     traps=overwrite_warnings,
     notes=_notes,

@@ -24,8 +24,6 @@ is fresh) and fails verify, naming the entries it lacks.
 from __future__ import annotations
 
 import re
-import threading
-from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -42,8 +40,6 @@ from ckptctl.families.in_progress import recently_written
 from ckptctl.families.torch_file import torch_file_problems
 from ckptctl.families.zero_tag.folder import open_tag
 from ckptctl.families.zero_tag.names import (
-    LATEST_NAME,
-    latest_problem,
     missing_note,
     read_latest,
     tag_files,
@@ -51,6 +47,7 @@ from ckptctl.families.zero_tag.names import (
 )
 from ckptctl.families.zero_tag.tag import ENGINE_KEYS, missing_rank_files
 from ckptctl.families.zero_tag.verify import verify_tag
+from ckptctl.formats.parse_cache import ParseCache
 from ckptctl.formats.torch_pickle import open_torch_pickle
 from ckptctl.io import DirEntry
 from ckptctl.layouts import peek, peek_dir
@@ -98,12 +95,9 @@ class _ClientState:
         return value if type(value) is int else None
 
 
-#: A parse cache owned by this module for the whole process, not by a scan (`layouts.ScanContext`): keyed
-#: by the file's version (URL, size, mtime), so it serves only the bytes it parsed (`identify` reads the
-#: rank-0 states for the training step, `open` needs them again). Files without an mtime are not cached.
-_CACHE_SIZE = 64
-_cache: OrderedDict[tuple[str, int, float], dict[str, Any]] = OrderedDict()
-_cache_lock = threading.Lock()
+#: The top-level dicts read (`formats.parse_cache`: keyed by the file's version, so that `identify`, which reads
+#: the rank-0 states for the training step, and `open`, which needs them again, parse them once).
+_cache: ParseCache[dict[str, Any]] = ParseCache(64)
 
 
 def _read_dict(url: str, entry: DirEntry) -> dict[str, Any]:
@@ -112,19 +106,12 @@ def _read_dict(url: str, entry: DirEntry) -> dict[str, Any]:
     Raises:
         UnsafePickle, CorruptCheckpoint: the file does not parse safely.
     """
-    key = (url, entry.size, entry.mtime)
-    with _cache_lock:
-        if key in _cache:
-            _cache.move_to_end(key)
-            return _cache[key]
-    root = open_torch_pickle(url, entry.size).root
-    found = dict(root) if isinstance(root, dict) else {}
-    if entry.mtime:
-        with _cache_lock:
-            _cache[key] = found
-            while len(_cache) > _CACHE_SIZE:
-                _cache.popitem(last=False)
-    return found
+
+    def parse() -> dict[str, Any]:
+        root = open_torch_pickle(url, entry.size).root
+        return dict(root) if isinstance(root, dict) else {}
+
+    return _cache.get(url, entry, parse)
 
 
 def _client_state(url: str, entries: Sequence[DirEntry]) -> _ClientState:
@@ -374,10 +361,7 @@ class OpenInstructLayout(Layout):
                     )
                 )
             return problems
-        problems = verify_tag(url)
-        pointer = latest_problem(io.parent_of(url), f"../{LATEST_NAME}")
-        if pointer is not None:
-            problems.append(pointer)
+        problems = verify_tag(url, latest=True)
         if DRIVER_STATE_NAME in checkpoint.files:
             problems += _pickle_problems(io.join(url, DRIVER_STATE_NAME), DRIVER_STATE_NAME)
         ref_policy = io.join(io.parent_of(url), *REF_POLICY.split("/"))

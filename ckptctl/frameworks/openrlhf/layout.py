@@ -43,8 +43,6 @@ from ckptctl.errors import CkptctlError, UnknownLayout
 from ckptctl.families.hf_folder import HfFolderLayout, has_weights, model_markers, verify_model_files
 from ckptctl.families.zero_tag.folder import open_tag
 from ckptctl.families.zero_tag.names import (
-    LATEST_NAME,
-    latest_problem,
     missing_note,
     read_latest,
     tag_files,
@@ -203,10 +201,7 @@ class OpenRlhfLayout(Layout):
         url = checkpoint.url
         if EXPORT_RE.match(io.name_of(url)):
             return verify_model_files(url, checkpoint.files)
-        problems = verify_tag(url)
-        pointer = latest_problem(io.parent_of(url), f"../{LATEST_NAME}")
-        if pointer is not None:
-            problems.append(pointer)
+        problems = verify_tag(url, latest=True)
         if METRIC_NAME in checkpoint.files:
             if _read_metric(url) is None:
                 problems.append(Problem(ProblemKind.BAD_METADATA, METRIC_NAME, f"{METRIC_NAME} is not a JSON object"))

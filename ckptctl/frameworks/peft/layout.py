@@ -35,14 +35,10 @@ from ckptctl.checkpoint import (
 )
 from ckptctl.contract.base import (
     Layout,
-    newest_mtime,
-    step_from_name,
-    timestamp,
 )
 from ckptctl.contract.resume import ResumeProfile
-from ckptctl.contract.step_names import epoch_from_name
 from ckptctl.errors import CkptctlError, CorruptCheckpoint
-from ckptctl.families.hf_folder import has_weights, legacy_index, model_components, safetensors_index
+from ckptctl.families.hf_folder import files_ref, has_weights, legacy_index, model_components, safetensors_index
 from ckptctl.families.lora.adapter import ADAPTER_WEIGHTS, adapter_metadata, adapter_problems
 from ckptctl.families.lora.settings import ADAPTER_CONFIG
 from ckptctl.formats.documents import read_json
@@ -84,19 +80,10 @@ class PeftLayout(Layout):
             return None
         if weights is None:
             return self._without_weights(url, entries, names)
-        complete = ADAPTER_CONFIG in names
-        return CheckpointRef(
-            url=url,
-            layout=self.name,
-            step=step_from_name(io.name_of(url)),
-            epoch=epoch_from_name(io.name_of(url)),
-            created=timestamp(newest_mtime(entries)),
-            state=CheckpointState.COMPLETE if complete else CheckpointState.BROKEN,
-            size_bytes=sum(e.size for e in entries if not e.is_dir),
-            note=""
-            if complete
-            else f"no {ADAPTER_CONFIG}: PEFT writes it after the weights, and cannot load without it",
-        )
+        if ADAPTER_CONFIG in names:
+            return files_ref(self.name, url, entries, CheckpointState.COMPLETE)
+        note = f"no {ADAPTER_CONFIG}: PEFT writes it after the weights, and cannot load without it"
+        return files_ref(self.name, url, entries, CheckpointState.BROKEN, note)
 
     def _without_weights(self, url: str, entries: Sequence[DirEntry], names: set[str]) -> CheckpointRef | None:
         """A folder of files only, whose `adapter_config.json` names a PEFT type but that holds no weights (nor a
@@ -106,15 +93,12 @@ class PeftLayout(Layout):
             return None  # a folder of other things that keeps a run's adapter settings (a wrapped model's save)
         if not _names_peft_type(io.join(url, ADAPTER_CONFIG)):
             return None
-        return CheckpointRef(
-            url=url,
-            layout=self.name,
-            step=step_from_name(io.name_of(url)),
-            epoch=epoch_from_name(io.name_of(url)),
-            created=timestamp(newest_mtime(entries)),
-            state=CheckpointState.BROKEN,
-            size_bytes=sum(e.size for e in entries if not e.is_dir),
-            note=f"no {ADAPTER_WEIGHTS[0]}: the adapter's weights are missing",
+        return files_ref(
+            self.name,
+            url,
+            entries,
+            CheckpointState.BROKEN,
+            f"no {ADAPTER_WEIGHTS[0]}: the adapter's weights are missing",
         )
 
     def open(self, url: str) -> Checkpoint:

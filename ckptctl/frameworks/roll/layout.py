@@ -28,7 +28,7 @@ so the explicit path is what resumes.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import cache
 from typing import Any
@@ -59,6 +59,7 @@ from ckptctl.families.dcp_folder import (
     DISTCP_RE,
     component_for_prefix,
     dcp_tensor_index,
+    one_component,
     verify_dcp,
     world_size_of,
 )
@@ -556,13 +557,9 @@ def _role_index(role: _Role, files: Mapping[str, int]) -> list[TensorEntry]:
                 if component is Component.MODEL and weights:
                     continue
                 if io.exists(io.join(url, METADATA_NAME)):
-                    inner = dcp_tensor_index(url, _constant(component), f"{prefix}{iteration}/{folder}/")
+                    inner = dcp_tensor_index(url, one_component(component), f"{prefix}{iteration}/{folder}/")
                     entries += _prefixed(inner, "", name_prefix)
     return entries
-
-
-def _constant(component: Component) -> Callable[[str], Component]:
-    return lambda _key: component
 
 
 def _prefixed(entries: Sequence[TensorEntry], file_prefix: str, name_prefix: str) -> list[TensorEntry]:

@@ -369,24 +369,23 @@ class CheckpointManager:
         try:
             gathered = dist_.all_gather((staging, None if error is None else str(error), _describe(local)), group)
         except Exception as exc:
-            if staging is not None and error is None:
+            if staging is not None:
                 self._discard(world, staging)
             if dist_.is_lost_peer(exc):
                 raise _lost(step, exc) from exc
             raise
-        staging = gathered[0][0]
+        staging, not_created = gathered[0][0], gathered[0][1]
         assert staging is not None
         failures = [f"rank {r}: {m}" for r, (_, _, m) in enumerate(gathered) if m]
-        if gathered[0][1] is None and not failures:
+        if not_created is None and not failures:
             return staging
-        if gathered[0][1] is None:
-            self._discard(world, staging)
+        self._discard(world, staging)  # whatever rank 0 had created of it
         if local is not None:
             raise local
         if error is not None:
             raise error
-        if gathered[0][1] is not None:
-            raise StorageError(gathered[0][1])
+        if not_created is not None:
+            raise StorageError(not_created)
         raise SerializationError(f"preparing the state failed on another rank: {'; '.join(failures)}")
 
     def _background_group(self) -> Any:

@@ -432,11 +432,11 @@ class CheckpointManager:
         try:
             with storage_errors(f"saving step {step} into {self.root}"):
                 os.makedirs(staging, exist_ok=True)  # a rank's own staging folder on an object store's run
-                rng_files = write_tree(staging, f"rng.rank-{world.rank}", taken.rng, {}, files)
+                rng_files = write_tree(staging, f"rng.rank-{world.rank}", taken.rng, {}, files, fsync=False)
                 for entry in taken.entries:
-                    components[entry.name] = ComponentRecord(
-                        entry.kind, "safetensors", write_tree(staging, entry.name, entry.encoded, entry.extra, files)
-                    )
+                    written_tree = write_tree(staging, entry.name, entry.encoded, entry.extra, files, fsync=False)
+                    components[entry.name] = ComponentRecord(entry.kind, "safetensors", written_tree)
+                snapshot.fsync_files(staging, list(files))  # all at once, as a one-process save does
                 files.update((f"dcp/{name}", record) for name, record in written.items())  # hashed as written
             self._storage.share(step, staging, list(files))
         except BaseException as exc:

@@ -26,9 +26,17 @@ Each row gives ours or the peer's median, x floor and x the best peer of its kin
 `bench/summary.py`. Targets (issue 26): async blocked <= 1.5x the copy floor on CPU (<= 1.2x the D2H
 floor on a GPU), sync save <= 1.0x torch.save+fsync, restore <= 0.5x the torch.load path.
 
-Usage: python bench/save_peers.py [--gb 0.5] [--rounds 5] [--ranks 2] [--device cpu|cuda] [--dir PATH]
-(`--ranks 0` or 1 skips the multi-rank part; the default folder is next to the repo, on the disk a run's
-checkpoints would use.)
+Targets for 2 FSDP2 ranks on CPU (issue 36): sync save <= 1.0x `dcp.save` + fsync, restore <= 1.0x `dcp.load` +
+`set_state_dict`, async blocked <= 1.2x the copy floor.
+
+`--device cuda`: the state on the GPU; the copy floor is then the D2H copy into pinned buffers. On one GPU the
+one-process part runs in a process group of one, so that ByteCheckpoint (as "ddp") runs beside
+`dcp.async_save` with pinned staging and ours; the FSDP2 part runs one rank per GPU, so it needs as many
+GPUs as `--ranks`. Without CUDA it prints why it is skipped and exits 0.
+
+Usage: python bench/save_peers.py [--gb 0.5] [--rounds 5] [--ranks 2] [--device cpu|cuda] [--only single|ranks]
+[--dir PATH] (`--ranks 0` or 1 skips the multi-rank part; the default folder is next to the repo, on the disk a
+run's checkpoints would use.)
 """
 
 from __future__ import annotations
@@ -59,6 +67,7 @@ WIDTH = 2048
 #: Method name -> its kind, for "x best peer": peers of the same kind are compared.
 SAVE, ASYNC, RESTORE, FLOOR = "save", "async", "restore", "floor"
 OURS = {"CheckpointManager.save (sync)", "CheckpointManager.save (async)", "CheckpointManager.restore"}
+DCP_SAVE, DCP_LOAD = "dcp.save + fsync", "dcp.load + set_state_dict"
 
 
 def build(gigabytes: float, device: str, world: int) -> tuple[nn.Sequential, torch.optim.Optimizer]:
@@ -110,15 +119,19 @@ def fsync_tree(folder: str) -> None:
 class Methods:
     """Every method of one process (one rank), each a callable of a round returning (blocked, commit)."""
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, work: str, device: str, world: int):
+    def __init__(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, work: str, device: str, world: int, grouped: bool
+    ):
+        """`grouped`: a process group is initialised (always on ranks; on one GPU a group of one, which
+        ByteCheckpoint needs); `world` > 1: the state is FSDP2-sharded over it."""
         import torch.distributed as dist
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
         self.model, self.optimizer, self.work, self.device, self.world = model, optimizer, work, device, world
-        self.rank = dist.get_rank() if world > 1 else 0
+        self.rank = dist.get_rank() if grouped else 0
         self.dcp = dcp
-        self.no_dist = world <= 1
+        self.no_dist = not grouped
         self.tensors = local_tensors(model, optimizer)
         self.reference = [t.detach().to("cpu", copy=True) for t in self.tensors]
         self.nbytes = sum(t.numel() * t.element_size() for t in self.tensors)
@@ -133,7 +146,7 @@ class Methods:
         self.sync_manager = CheckpointManager(os.path.join(work, "ours-sync"))
         self.async_manager = CheckpointManager(os.path.join(work, "ours-async"), async_save=True)
         self.bcp = None
-        if world > 1:
+        if grouped:  # ByteCheckpoint saves through the default group: FSDP2 shards, or a plain model as "ddp"
             try:
                 import bytecheckpoint
 
@@ -270,7 +283,8 @@ class Methods:
         root = os.path.join(self.work, "bcp")
         state = {"model": self.model, "optimizer": self.optimizer, "extra_state": {"round": i}}
         start = time.perf_counter()
-        self.bcp.save(root, state, framework="fsdp2", fast_saving=True, global_steps=i)  # type: ignore[union-attr]
+        framework = "fsdp2" if self.world > 1 else "ddp"
+        self.bcp.save(root, state, framework=framework, fast_saving=True, global_steps=i)  # type: ignore[union-attr]
         blocked = time.perf_counter() - start
         tracker = Path(root, "latest_checkpointed_iteration.txt")  # rank 0 writes it once all ranks wrote
         if self.rank == 0:
@@ -300,7 +314,7 @@ class Methods:
     # ------------------------------------------------------------------ restores (from one save each)
 
     def prepare_restores(self) -> None:
-        if self.world <= 1:
+        if "torch.load + load_state_dict" in self.restores:
             with open(self.path("torch", "restore"), "wb") as f:
                 torch.save({"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}, f)
         self.dcp.save(self.dcp_state(), checkpoint_id=self.path("dcp", "restore"), no_dist=self.no_dist)
@@ -404,7 +418,7 @@ class Methods:
         return max(t[0] for t in everyone), max(t[1] for t in everyone)
 
 
-def report(title: str, result: dict[str, Any], rounds: int) -> None:
+def report(title: str, result: dict[str, Any], rounds: int, device: str) -> None:
     """The table of one part, and its RATIO lines."""
     kinds = result["kinds"]
     med: dict[str, tuple[float, float]] = {}
@@ -413,6 +427,11 @@ def report(title: str, result: dict[str, Any], rounds: int) -> None:
     for name, runs in result["restores"].items():
         med[name] = (statistics.median(runs), statistics.median(runs))
     copy_floor = med["floor: copy into preallocated host buffers"][0]
+    # Targets: DESIGN.md section 5 (a D2H copy into pinned buffers on a GPU), issue 36 for 2 ranks on CPU.
+    sharded = "torch.save + fsync" not in med
+    async_target = (
+        "<= 1.2x D2H floor (GPU)" if device == "cuda" else "<= 1.2x copy" if sharded else "<= 1.5x copy (CPU)"
+    )
     write_floor = med["floor: write those bytes + fsync"][0]
     read_floor = med["floor: read the bytes back into the tensors"][0]
 
@@ -436,6 +455,8 @@ def report(title: str, result: dict[str, Any], rounds: int) -> None:
                 target = "-"
                 if "torch.load + load_state_dict" in med:  # the target's reference, whether or not the best
                     peer, peer_s, target = "torch.load + load_state_dict", med[peer][1], "<= 0.5x torch.load"
+                else:  # ranks (issue 36)
+                    peer, peer_s, target = "dcp.load + set_state_dict", med[DCP_LOAD][1], "<= 1.0x dcp.load"
                 lines.append((f"{title}: restore", commit, "read floor", read_floor, peer, peer_s, target))
             continue
         # Blocked against the copy floor and the best peer's blocked; commit against the write floor and
@@ -459,20 +480,22 @@ def report(title: str, result: dict[str, Any], rounds: int) -> None:
                     copy_floor,
                     peer_b,
                     peer_b_s,
-                    "<= 1.5x copy (CPU)",
+                    async_target,
                 )
             )
             lines.append(
                 (f"{title}: async save to commit", commit, "write floor", write_floor, peer_c, peer_c_s, "none")
             )
         elif name == "CheckpointManager.save (sync)":
-            target = "-"
-            if "torch.save + fsync" in med:  # the target's reference, whether or not the best
+            # the target's reference, whether or not the best: torch.save in one process, dcp.save on ranks
+            if "torch.save + fsync" in med:
                 peer_c, peer_c_s, target = (
                     "torch.save + fsync",
                     med["torch.save + fsync"][1],
                     "<= 1.0x torch.save+fsync",
                 )
+            else:
+                peer_c, peer_c_s, target = DCP_SAVE, med[DCP_SAVE][1], "<= 1.0x dcp.save+fsync"
             lines.append((f"{title}: sync save", commit, "write floor", write_floor, peer_c, peer_c_s, target))
     print("x floor: blocked / the copy floor, commit / the write floor, a restore / the read floor; x best: / the")
     print("best peer of the same kind (async: blocked against async peers, commit against every peer's durable save)")
@@ -485,14 +508,28 @@ def report(title: str, result: dict[str, Any], rounds: int) -> None:
     if "torch.load + load_state_dict" in med:
         ratio = med["CheckpointManager.restore"][1] / med["torch.load + load_state_dict"][1]
         print(f"restore / torch.load path: {ratio:.2f}x (target <= 0.5x)")
+    if sharded:
+        ratio = med["CheckpointManager.save (sync)"][1] / med[DCP_SAVE][1]
+        print(f"sync save / dcp.save+fsync: {ratio:.2f}x (target <= 1.0x)")
+        ratio = med["CheckpointManager.restore"][1] / med[DCP_LOAD][1]
+        print(f"restore / dcp.load+set_state_dict: {ratio:.2f}x (target <= 1.0x)")
+    ratio = med["CheckpointManager.save (async)"][0] / copy_floor
+    print(f"async blocked / {'D2H' if device == 'cuda' else 'copy'} floor: {ratio:.2f}x (target {async_target})")
 
 
 def single_process(args: argparse.Namespace, work: str) -> None:
+    if args.device == "cuda":  # in a process group of one, so that ByteCheckpoint runs beside the others
+        import torch.multiprocessing as mp
+
+        mp.spawn(_rank, args=(1, work, args.gb, args.rounds, args.device), nprocs=1)
+        result = json.loads(Path(work, "results.json").read_text())
+        report("one process on cuda (a process group of one)", result, args.rounds, args.device)
+        return
     model, optimizer = build(args.gb, args.device, 1)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        result = Methods(model, optimizer, work, args.device, 1).run(args.rounds)
-    report(f"one process on {args.device}", result, args.rounds)
+        result = Methods(model, optimizer, work, args.device, 1, grouped=False).run(args.rounds)
+    report(f"one process on {args.device}", result, args.rounds, args.device)
 
 
 def _rank(rank: int, world: int, work: str, gigabytes: float, rounds: int, device: str) -> None:
@@ -500,10 +537,14 @@ def _rank(rank: int, world: int, work: str, gigabytes: float, rounds: int, devic
 
     warnings.simplefilter("ignore")
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1")
-    dist.init_process_group("gloo", init_method=f"file://{work}/store", rank=rank, world_size=world)
+    # On GPUs FSDP2's collectives need NCCL; DCP's and this bench's object collectives run on either.
+    backend = "cpu:gloo,cuda:nccl" if device == "cuda" else "gloo"
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"file://{work}/store", rank=rank, world_size=world)
     try:
         model, optimizer = build(gigabytes, device, world)
-        result = Methods(model, optimizer, work, device, world).run(rounds)
+        result = Methods(model, optimizer, work, device, world, grouped=True).run(rounds)
         if rank == 0:
             Path(work, "results.json").write_text(json.dumps(result))
         dist.barrier()
@@ -511,25 +552,45 @@ def _rank(rank: int, world: int, work: str, gigabytes: float, rounds: int, devic
         dist.destroy_process_group()
 
 
+def ranks_of(args: argparse.Namespace) -> int:
+    """How many ranks the FSDP2 part runs (0: skipped): `--ranks`, and on GPUs one rank per GPU."""
+    ranks = args.ranks if args.device == "cpu" else min(args.ranks, torch.cuda.device_count())
+    return ranks if ranks > 1 else 0
+
+
 def multi_rank(args: argparse.Namespace, work: str) -> None:
     import torch.multiprocessing as mp
 
-    mp.spawn(_rank, args=(args.ranks, work, args.gb, args.rounds, args.device), nprocs=args.ranks)
+    world = ranks_of(args)
+    mp.spawn(_rank, args=(world, work, args.gb, args.rounds, args.device), nprocs=world)
     result = json.loads(Path(work, "results.json").read_text())
-    report(f"{args.ranks} FSDP2 ranks (gloo) on {args.device}", result, args.rounds)
+    backend = "nccl" if args.device == "cuda" else "gloo"
+    report(f"{world} FSDP2 ranks ({backend}) on {args.device}", result, args.rounds, args.device)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gb", type=float, default=0.5, help="size of the state in GB (all ranks together)")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (medians shown)")
-    parser.add_argument("--ranks", type=int, default=2, help="gloo ranks of the multi-rank part (0 or 1: skip it)")
+    parser.add_argument(
+        "--ranks", type=int, default=2, help="ranks of the process-group part (0 skips it; on CPU 1 does too)"
+    )
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the state lives")
+    parser.add_argument("--only", choices=("single", "ranks"), help="run one part only")
     parser.add_argument("--dir", default=str(Path(__file__).resolve().parent.parent / "bench-out"))
     args = parser.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        why = f"torch {torch.__version__} is a CPU-only build" if torch.version.cuda is None else "no GPU is visible"
+        print(f"bench/save_peers.py --device cuda: skipped, CUDA is not available ({why}); run it on a GPU machine")
+        return
     os.makedirs(args.dir, exist_ok=True)
     print(f"torch {torch.__version__}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.2f}, device {args.device}")
-    for part, enabled in ((single_process, True), (multi_rank, args.ranks > 1)):
+    if args.device == "cuda":
+        print(f"GPU: {torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}")
+        if args.ranks > 1 and ranks_of(args) == 0 and args.only != "single":
+            print(f"the {args.ranks}-rank FSDP2 part needs a GPU per rank: skipped on this single GPU")
+    parts = ((single_process, args.only != "ranks"), (multi_rank, args.only != "single" and ranks_of(args) > 0))
+    for part, enabled in parts:
         if not enabled:
             continue
         work = tempfile.mkdtemp(prefix="save-peers-", dir=args.dir)

@@ -12,14 +12,16 @@ training never needs it.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
+import io as pyio
 import os
-import re
+import threading
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import IO, Any
 
 import torch
 import torch.distributed as dist
@@ -28,6 +30,8 @@ from ckptctl import io
 from ckptctl.errors import CkptctlError, CorruptCheckpoint, SerializationError
 from ckptctl.formats.dcp_metadata import MAX_METADATA_BYTES, parse_dcp_metadata
 from ckptctl.formats.dcp_metadata_classes import DCP_METADATA_GLOBALS
+from ckptctl.formats.digest import HashingWriter
+from ckptctl.formats.manifest import FileRecord
 from ckptctl.formats.safe_pickle import safe_loads
 from ckptctl.formats.torch_save import load_object_archive
 
@@ -37,7 +41,6 @@ __all__ = [
     "background_group",
     "broadcast",
     "current_world",
-    "dcp_files_of_rank",
     "dcp_state",
     "default_group",
     "is_lost_peer",
@@ -46,9 +49,6 @@ __all__ = [
     "load_full_optimizer",
     "save_dcp",
 ]
-
-#: DCP's per-rank data files (`__{rank}_{n}.distcp`); every other file of `dcp/` is written by rank 0.
-_DISTCP = re.compile(r"__(\d+)_\d+\.distcp")
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,8 +148,10 @@ def dcp_state(entries: Mapping[str, tuple[str, Any]], modules: Mapping[str, torc
     return state
 
 
-def save_dcp(path: str, state: Mapping[str, Any], group: Any = None) -> None:
-    """Save a `dcp_state` into `path` (a collective over `group`: every rank calls it).
+def save_dcp(path: str, state: Mapping[str, Any], group: Any = None) -> dict[str, FileRecord]:
+    """Save a `dcp_state` into `path` (a collective over `group`: every rank calls it); return the size and
+    blake3 digest of every file this rank wrote, keyed by name in `path` (its `__{rank}_*.distcp`, plus
+    `.metadata` on the coordinator), hashed as they were written: no byte is read back.
 
     Args:
         path: the `dcp/` folder of the staging checkpoint (the same path on every rank).
@@ -160,7 +162,93 @@ def save_dcp(path: str, state: Mapping[str, Any], group: Any = None) -> None:
 
     # fsync every file: the commit protocol depends on the data being durable before the manifest
     writer = dcp.FileSystemWriter(path, sync_files=True)
+    hashing = _hashing_file_system()
+    writer.fs = hashing  # every stream torch opens, for data and `.metadata` alike, goes through it
     dcp.save(dict(state), storage_writer=writer, process_group=group, no_dist=not current_world().multi)
+    io.fsync_dir(path)  # the new entries of `dcp/`, torch's rename of `.metadata` among them
+    return hashing.records
+
+
+def _hashing_file_system() -> Any:
+    """torch's local `FileSystem` whose write streams hash and count every byte written (`HashingWriter`).
+
+    torch's `FileSystemWriter` opens every file it writes through `self.fs.create_stream(path, "wb")`
+    (torch/distributed/checkpoint/filesystem.py: `_write_files_from_queue` for the data files,
+    `_FileSystemWriter.finish` for `.metadata`, written as `.metadata.tmp` and renamed through
+    `self.fs.rename`), so this one seam sees every byte of the save.
+    """
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    class HashingFileSystem(FileSystem):
+        def __init__(self) -> None:
+            super().__init__()
+            self.records: dict[str, FileRecord] = {}
+            self._lock = threading.Lock()  # torch writes files from `thread_count` threads
+
+        @contextlib.contextmanager
+        def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[Any]:
+            if mode != "wb":
+                with super().create_stream(path, mode) as stream:
+                    yield stream
+                return
+            with open(path, "wb") as raw:
+                stream = _HashingStream(raw)
+                yield stream
+                stream.flush()
+            with self._lock:
+                self.records[os.path.basename(path)] = FileRecord(stream.size, stream.hexdigest())
+
+        def rename(self, path: str | os.PathLike[str], new_path: str | os.PathLike[str]) -> None:
+            super().rename(path, new_path)
+            with self._lock:
+                record = self.records.pop(os.path.basename(path), None)
+                if record is not None:
+                    self.records[os.path.basename(new_path)] = record
+
+    return HashingFileSystem()
+
+
+class _HashingStream(pyio.IOBase):
+    """The stream torch's DCP writer writes one file through: bytes hashed as they go (`HashingWriter`).
+
+    `tell()` is the byte count (the file starts empty; torch records each item's offset with it), and
+    `fileno()` flushes Python's buffer first: torch fsyncs `stream.fileno()` without flushing, which would
+    leave the buffered tail of each file (a torch.save archive's end records, most of `.metadata`) out of
+    the fsync that the commit protocol counts on.
+    """
+
+    def __init__(self, raw: IO[bytes]) -> None:
+        super().__init__()
+        self._raw = raw
+        self._writer = HashingWriter(raw)
+
+    @property
+    def size(self) -> int:
+        return self._writer.size
+
+    def hexdigest(self) -> str:
+        return self._writer.hexdigest()
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        return self._writer.write(data)
+
+    def tell(self) -> int:
+        return self._writer.size
+
+    def flush(self) -> None:
+        if not self._raw.closed:
+            self._raw.flush()
+
+    def fileno(self) -> int:
+        self.flush()
+        return self._raw.fileno()
+
+    def close(self) -> None:
+        self.flush()
+        super().close()  # the file itself is closed by `create_stream`, after the digest is taken
 
 
 def load_dcp(path: str, entries: Mapping[str, tuple[str, Any]], modules: Mapping[str, torch.nn.Module]) -> None:
@@ -297,14 +385,3 @@ def load_full_optimizer(owner: torch.nn.Module, optimizer: torch.optim.Optimizer
     # the way Optimizer.load_state_dict does.
     for live, saved in zip(optimizer.param_groups, state["param_groups"], strict=True):
         live.update({k: v for k, v in saved.items() if k != "params"})
-
-
-def dcp_files_of_rank(path: str, world: World) -> list[str]:
-    """The files of a DCP folder that this rank wrote and must hash: its own `__{rank}_*.distcp`, plus
-    every other file (`.metadata`) on rank 0."""
-    mine = []
-    for name in sorted(os.listdir(path)):
-        m = _DISTCP.fullmatch(name)
-        if (int(m.group(1)) == world.rank) if m else world.rank == 0:
-            mine.append(name)
-    return mine

@@ -93,7 +93,6 @@ from ckptctl.core.retention import Candidate, RetentionPolicy
 from ckptctl.core.snapshot import Snapshot, write_tree
 from ckptctl.core.storage import open_run, storage_errors
 from ckptctl.errors import CheckpointNotFound, CkptctlError, CorruptCheckpoint, SerializationError, StorageError
-from ckptctl.formats.digest import file_digest
 from ckptctl.formats.manifest import MANIFEST_NAME, ComponentRecord, FileRecord, Manifest, load_manifest, now_iso
 from ckptctl.formats.native import ABANDON_GRACE, POINTER_NAME, StepNaming, staging_token, superseded_note
 from ckptctl.formats.slim_marker import SLIM_NOTE
@@ -321,9 +320,43 @@ class CheckpointManager:
     def _save_multi_rank(
         self, step: int, state: Mapping[str, Any], metrics: dict[str, Any], world: dist_.World
     ) -> None:
-        # Every rank reaches every collective below, whatever fails locally: a rank that raised early
+        # Every rank reaches every collective of the save, whatever fails locally: a rank that raised early
         # would leave the others waiting forever. Local failures travel with the gathered results.
         group = self._background_group() if self.async_save else None
+        local: BaseException | None = None
+        taken = None
+        try:
+            taken = snapshot.take(state, world, self._stager if self.async_save else None)
+        except Exception as exc:  # any failure (a torch error too) must reach `_open_multi_rank`'s collective
+            local = exc
+        if group is None or local is not None:
+            # A sync save; or this rank cannot save: it agrees so with the others' save threads over their
+            # group now (the training thread has none of its own running) and raises here.
+            staging = self._open_multi_rank(step, world, local, group)
+            assert taken is not None
+            self._write_multi_rank(step, staging, taken, metrics, world, group)
+            return
+        # Each rank writes its part and rank 0 commits on a thread of their own, which talk over a group
+        # of their own (`dist_.background_group`). The loop is blocked for the host copy only: the staging
+        # folder, its writer record and the ranks' agreement are the thread's work too. torch's
+        # `dcp.async_save` would stage and write the DCP part alone: the commit protocol needs more after it
+        # on every rank (the rank's RNG and rank 0's unsharded files, uploading them to an object store) and
+        # one outcome agreed by all ranks before rank 0 commits, its staging cache differs between torch
+        # releases, and this way sync and async saves run the same code. The host copy `snapshot.take` made
+        # is what this thread writes; DCP sees it as it would the live state (same DTensor specs).
+        self._thread = threading.Thread(
+            target=self._background_multi_rank,
+            args=(step, taken, metrics, world, group),
+            name=f"ckptctl-save-{step}",
+        )
+        self._thread.start()
+
+    def _open_multi_rank(self, step: int, world: dist_.World, local: BaseException | None, group: Any) -> str:
+        """Create the staging folder of a multi-rank save on rank 0 (with its writer record) and agree, in one
+        collective over `group`, on its path and on whether every rank is ready to write; return the path.
+
+        Raises, on every rank, when any rank failed to take its state or rank 0 to create the folder.
+        """
         staging, error = None, None
         if world.rank == 0:
             staging = self._storage.staging(step, staging_token())
@@ -332,39 +365,28 @@ class CheckpointManager:
                 with storage_errors(f"saving step {step} into {self.root}"):
                     self._storage.begin(staging)
             except CkptctlError as exc:
-                error = str(exc)
-        staging, error = dist_.broadcast((staging, error))
-        if error:
-            raise StorageError(error)
-        assert staging is not None
-
-        local: BaseException | None = None
-        taken = None
+                error = exc
         try:
-            os.makedirs(os.path.join(staging, "dcp"), exist_ok=True)
-            taken = snapshot.take(state, world, self._stager if self.async_save else None)
-        except OSError as exc:
-            local = StorageError(f"cannot create {staging}: {exc.strerror or exc}")
-        except Exception as exc:  # any failure (a torch error too) must reach `_agree`, or the others wait there
-            local = exc
-        self._agree(world, staging, local, "preparing the state")
-        assert taken is not None
-        if group is None:
-            self._write_multi_rank(step, staging, taken, metrics, world, None)
-            return
-        # Each rank writes its part and rank 0 commits on a thread of their own, which talk over a group
-        # of their own (`dist_.background_group`). torch's `dcp.async_save` would stage and write the DCP
-        # part alone: the commit protocol needs more after it on every rank (the rank's RNG and rank 0's
-        # unsharded files, hashing what the rank wrote, uploading it to an object store) and one outcome
-        # agreed by all ranks before rank 0 commits, its staging cache differs between torch releases,
-        # and this way sync and async saves run the same code. The host copy `snapshot.take` made is
-        # what this thread writes; DCP sees it as it would the live state (same DTensor specs).
-        self._thread = threading.Thread(
-            target=self._background_multi_rank,
-            args=(step, staging, taken, metrics, world, group),
-            name=f"ckptctl-save-{step}",
-        )
-        self._thread.start()
+            gathered = dist_.all_gather((staging, None if error is None else str(error), _describe(local)), group)
+        except Exception as exc:
+            if staging is not None:
+                self._discard(world, staging)
+            if dist_.is_lost_peer(exc):
+                raise _lost(step, exc) from exc
+            raise
+        staging, not_created = gathered[0][0], gathered[0][1]
+        assert staging is not None
+        failures = [f"rank {r}: {m}" for r, (_, _, m) in enumerate(gathered) if m]
+        if not_created is None and not failures:
+            return staging
+        self._discard(world, staging)  # whatever rank 0 had created of it
+        if local is not None:
+            raise local
+        if error is not None:
+            raise error
+        if not_created is not None:
+            raise StorageError(not_created)
+        raise SerializationError(f"preparing the state failed on another rank: {'; '.join(failures)}")
 
     def _background_group(self) -> Any:
         """The process group of this manager's background saves, created by the first multi-rank async
@@ -375,9 +397,10 @@ class CheckpointManager:
         return self._group[1]
 
     def _background_multi_rank(
-        self, step: int, staging: str, taken: Snapshot, metrics: dict[str, Any], world: dist_.World, group: Any
+        self, step: int, taken: Snapshot, metrics: dict[str, Any], world: dist_.World, group: Any
     ) -> None:
         try:
+            staging = self._open_multi_rank(step, world, None, group)
             self._write_multi_rank(step, staging, taken, metrics, world, group)
         except BaseException as exc:  # handed to the training thread on its next call, on every rank
             self._error = exc
@@ -392,9 +415,10 @@ class CheckpointManager:
         committed: the previous checkpoint stays the one a restore takes).
         """
         dcp_dir = os.path.join(staging, "dcp")
+        written: dict[str, FileRecord] = {}
         try:
             if taken.dcp:
-                dist_.save_dcp(dcp_dir, taken.dcp, group)
+                written = dist_.save_dcp(dcp_dir, taken.dcp, group)
         except BaseException as exc:
             self._discard(world, staging)
             if dist_.is_lost_peer(exc):
@@ -407,14 +431,13 @@ class CheckpointManager:
         local: BaseException | None = None
         try:
             with storage_errors(f"saving step {step} into {self.root}"):
-                rng_files = write_tree(staging, f"rng.rank-{world.rank}", taken.rng, {}, files)
+                os.makedirs(staging, exist_ok=True)  # a rank's own staging folder on an object store's run
+                rng_files = write_tree(staging, f"rng.rank-{world.rank}", taken.rng, {}, files, fsync=False)
                 for entry in taken.entries:
-                    components[entry.name] = ComponentRecord(
-                        entry.kind, "safetensors", write_tree(staging, entry.name, entry.encoded, entry.extra, files)
-                    )
-                for name in dist_.dcp_files_of_rank(dcp_dir, world):
-                    path = os.path.join(dcp_dir, name)
-                    files[f"dcp/{name}"] = FileRecord(os.path.getsize(path), file_digest(path))
+                    written_tree = write_tree(staging, entry.name, entry.encoded, entry.extra, files, fsync=False)
+                    components[entry.name] = ComponentRecord(entry.kind, "safetensors", written_tree)
+                snapshot.fsync_files(staging, list(files))  # all at once, as a one-process save does
+                files.update((f"dcp/{name}", record) for name, record in written.items())  # hashed as written
             self._storage.share(step, staging, list(files))
         except BaseException as exc:
             local = exc
@@ -457,17 +480,6 @@ class CheckpointManager:
             raise local
         if status:
             raise StorageError(f"saving step {step} failed: {status}")
-
-    def _agree(self, world: dist_.World, staging: str, local: BaseException | None, what: str) -> None:
-        """Raise on every rank if any rank failed at `what` (a collective)."""
-        messages = dist_.all_gather(_describe(local))
-        failures = [f"rank {r}: {m}" for r, m in enumerate(messages) if m]
-        if not failures:
-            return
-        self._discard(world, staging)
-        if local is not None:
-            raise local
-        raise SerializationError(f"{what} failed on another rank: {'; '.join(failures)}")
 
     def _discard(self, world: dist_.World, staging: str) -> None:
         """Remove a multi-rank save's staging folder: rank 0 removes a shared one, every rank its own."""

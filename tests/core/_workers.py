@@ -592,9 +592,9 @@ def _async_saves(rank: int, root: str, state: dict[str, Any]) -> None:
     opened = threading.Event()
     real_save_dcp = dist_.save_dcp
 
-    def gated(*args: Any, **kwargs: Any) -> None:
+    def gated(*args: Any, **kwargs: Any) -> Any:
         assert opened.wait(timeout=120), "the loop never let the background write go on"
-        real_save_dcp(*args, **kwargs)
+        return real_save_dcp(*args, **kwargs)
 
     dist_.save_dcp = gated  # type: ignore[assignment]
     manager.save(3, state, metrics={"loss": 0.25})

@@ -11,8 +11,9 @@ import torch
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
 from ckptctl.core import CheckpointManager, CheckpointWarning
+from ckptctl.core import distributed as dist_
 from ckptctl.formats.digest import file_digest
-from ckptctl.formats.manifest import read_manifest
+from ckptctl.formats.manifest import FileRecord, read_manifest
 from tests.core import _workers
 from tests.core.util import assert_same
 
@@ -83,3 +84,14 @@ def test_ranks_draw_different_numbers(fsdp_run: Path) -> None:
 def test_rank_files_are_plain_json(fsdp_run: Path) -> None:
     doc = json.loads((fsdp_run / "run" / "step-3" / "rng.rank-1.json").read_text())
     assert set(doc["tree"]) == {"python", "numpy", "torch"}
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+def test_save_dcp_records_every_file_it_writes_as_written(tmp_path: Path) -> None:
+    # In one process (no group): the records are taken from the bytes torch wrote, no file is read back.
+    folder = tmp_path / "dcp"
+    state = {"model": {"weight": torch.arange(6.0).reshape(2, 3), "bias": torch.ones(3)}, "counter": 7}
+    records = dist_.save_dcp(str(folder), state)
+    assert set(records) == {p.name for p in folder.iterdir()} == {"__0_0.distcp", ".metadata"}
+    for name, record in records.items():
+        assert record == FileRecord((folder / name).stat().st_size, file_digest(str(folder / name))), name

@@ -47,7 +47,7 @@ BENCHES: dict[str, tuple[list[str], int]] = {
 
 
 #: Growth: the benches run again at each of `--sizes` GB (each argument list given the size), and seconds per GB
-#: after which one is stopped (at least 60). Their RATIO lines give x floor and ours' peak RSS per size.
+#: after which one is stopped (at least 240: building the inputs is most of a small run). Their RATIO lines give x floor and ours' peak RSS per size.
 GROWTH: dict[str, tuple[list[str], str, int]] = {
     "convert": (["--layers", "4", "--cast-repeats", "0"], "--gb", 150),
     "verify_throughput": (["--repeat", "1", "--core", "--no-cold"], "--gb", 120),
@@ -139,7 +139,7 @@ def main() -> int:
         for name in grown:
             argv, size_option, per_gb = GROWTH[name]
             ratios, ended[f"{name} {size:g} GB"] = run(
-                name, [*argv, size_option, f"{size:g}"], max(60, int(per_gb * size)), env
+                name, [*argv, size_option, f"{size:g}"], max(240, int(per_gb * size)), env
             )
             growth.setdefault(size, []).extend(ratios)
     print(f"\n===== summary: {start_machine}; Python {platform.python_version()}")

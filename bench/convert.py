@@ -29,6 +29,7 @@ Usage: python bench/convert.py [--layers 4] [--width 8192] [--dir DIR] [--keep] 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import resource
 import shutil
@@ -162,7 +163,12 @@ def main() -> int:
         "--cast-repeats", type=int, default=4, help="extra alternating runs of (a) and (a') (default 4)"
     )
     parser.add_argument("--generate", type=Path, default=None, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--gb", type=float, default=None, help="model size in GB: sets --width for --layers tensors (bench/summary.py)"
+    )
     args = parser.parse_args()
+    if args.gb is not None:  # width x width fp32 per layer, a multiple of 64
+        args.width = max(64, round((args.gb * 1e9 / 4 / args.layers) ** 0.5 / 64) * 64)
     if args.generate is not None:
         _generate(args.generate, args.layers, args.width)
         return 0
@@ -267,6 +273,9 @@ def main() -> int:
         )
         print(f"wall (a) / (c):      {a.wall / c.wall:.2f}  (work only: {a.work / c.work:.2f}; target <= 1, aim 0.25)")
         print(f"wall (a) / (b):      {a.wall / b.wall:.2f}  (work only: {a.work / b.work:.2f})")
+        line = {"bench": "convert", "what": "convert --to hf", "ours_s": a.wall, "floor": "DCP load+save_file"}
+        line |= {"floor_s": c.wall, "peer": "dcp_to_torch_save+save_file", "peer_s": b.wall, "target": "<= 1x floor"}
+        print("RATIO " + json.dumps(line | {"ours_rss": a.peak_rss}))
         return 0 if identical and cast_identical else 1
     finally:
         if not args.keep:

@@ -296,10 +296,10 @@ def main() -> int:
             what = f"diff {label.split(' (')[0]}"
             line = {"bench": "diff", "what": what + " (call)", "ours_s": k, "floor": "cat both", "floor_s": c}
             line |= {"peer": "naive safetensors+torch", "peer_s": n, "target": f"<= {floor_target}x cat"}
-            print("RATIO " + json.dumps(line | {"ratio_floor": k_c, "ratio_peer": k_n}))
+            print("RATIO " + json.dumps(line | {"ratio_floor": k_c, "ratio_peer": k_n, "ours_rss": peak}))
             line = {"bench": "diff", "what": what + " (command)", "ours_s": d, "floor": "cat both", "floor_s": c}
             line |= {"peer": "naive safetensors+torch", "peer_s": n, "target": "<= 0.5x naive"}
-            print("RATIO " + json.dumps(line | {"ratio_floor": d_c, "ratio_peer": d_n}))
+            print("RATIO " + json.dumps(line | {"ratio_floor": d_c, "ratio_peer": d_n, "ours_rss": peak}))
         return 0 if target_met else 1
     finally:
         if not args.keep:

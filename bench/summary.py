@@ -9,7 +9,11 @@ The children run with bytecode caching on (`PYTHONDONTWRITEBYTECODE` unset, the 
 `--pycache`): an installed ckptctl has its `.pyc` files, and compiling every module in every child would
 be counted against ckptctl's commands and not against the peers' (torch ships compiled).
 
-Usage: python bench/summary.py [--only verify,diff,save_peers] [--dir PATH] [--pycache PATH]
+Then growth (issue 36): convert, verify, diff and the 2-rank save again at each of `--sizes` GB (default
+0.25, 1 and 4), and a table of x floor and ours' peak RSS per size. Disk: the diff bench at S GB holds about
+1.5 S GB, the others about 2 S GB, each removed before the next.
+
+Usage: python bench/summary.py [--only verify,diff,save_peers] [--dir PATH] [--pycache PATH] [--sizes 0.25,1,4]
 """
 
 from __future__ import annotations
@@ -40,6 +44,17 @@ BENCHES: dict[str, tuple[list[str], int]] = {
     "average": (["--inputs", "5", "--layers", "1", "--hidden", "512", "--vocab", "8000", "--dcp-width", "1024"], 90),
     "startup": (["--repeat", "10"], 45),
 }
+
+
+#: Growth: the benches run again at each of `--sizes` GB (each argument list given the size), and seconds per GB
+#: after which one is stopped (at least 240: building the inputs is most of a small run). Their RATIO lines give x floor and ours' peak RSS per size.
+GROWTH: dict[str, tuple[list[str], str, int]] = {
+    "convert": (["--layers", "4", "--cast-repeats", "0"], "--gb", 150),
+    "verify_throughput": (["--repeat", "1", "--core", "--no-cold"], "--gb", 120),
+    "diff": (["--repeat", "1"], "--size-gib", 150),
+    "save_peers": (["--rounds", "2", "--ranks", "2"], "--gb", 300),
+}
+DEFAULT_SIZES = "0.25,1,4"
 
 
 def machine() -> str:
@@ -99,8 +114,15 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", default="", help="comma-separated bench names (default: all)")
     parser.add_argument("--pycache", default=os.path.join(tempfile.gettempdir(), "ckptctl-bench-pycache"))
+    parser.add_argument(
+        "--sizes",
+        default=DEFAULT_SIZES,
+        help=f"GB sizes of the growth runs of {', '.join(GROWTH)} (default {DEFAULT_SIZES}; '' skips them)",
+    )
     args = parser.parse_args()
     chosen = [n for n in BENCHES if not args.only or n in args.only.split(",")]
+    sizes = [float(x) for x in args.sizes.split(",") if x]
+    grown = [n for n in GROWTH if not args.only or n in args.only.split(",")]
     env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
     env["PYTHONPYCACHEPREFIX"] = args.pycache
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
@@ -112,6 +134,14 @@ def main() -> int:
         argv, limit = BENCHES[name]
         ratios, ended[name] = run(name, argv, limit, env)
         rows.extend(ratios)
+    growth: dict[float, list[dict]] = {}
+    for size in sizes:
+        for name in grown:
+            argv, size_option, per_gb = GROWTH[name]
+            ratios, ended[f"{name} {size:g} GB"] = run(
+                name, [*argv, size_option, f"{size:g}"], max(240, int(per_gb * size)), env
+            )
+            growth.setdefault(size, []).extend(ratios)
     print(f"\n===== summary: {start_machine}; Python {platform.python_version()}")
     print("medians of interleaved runs; x floor = ours / floor, x peer = ours / best peer (lower is better)")
     head = f"{'what':<52}{'ours s':>8}{'floor':>20}{'x floor':>8}  {'best peer':<38}{'x peer':>7}  target"
@@ -125,8 +155,26 @@ def main() -> int:
             f"{r['bench'] + ': ' + r['what']:<52}{r['ours_s']:>8.3f}{floor:>20}{x_floor:>8.2f}  {peer:<38}"
             f"{x_peer:>7.2f}  {r['target']}"
         )
+    if growth:
+        print_growth(growth)
     print("benches: " + ", ".join(f"{n} ({e})" for n, e in ended.items()))
     return 0
+
+
+def print_growth(growth: dict[float, list[dict]]) -> None:
+    """One row per measured thing: x floor and ours' peak RSS at each size (flat is the aim)."""
+    sizes = sorted(growth)
+    cells: dict[str, dict[float, str]] = {}
+    for size in sizes:
+        for r in growth[size]:
+            x_floor = r.get("ratio_floor", r["ours_s"] / r["floor_s"])
+            rss = f"{r['ours_rss'] / 2**20:.0f} MiB" if r.get("ours_rss") else "-"
+            cells.setdefault(f"{r['bench']}: {r['what']}", {})[size] = f"{x_floor:.2f}x {rss}"
+    print("\ngrowth: x floor and ours' peak RSS at each size (the floor of each row as in the table above;")
+    print("'-': the bench does not measure that process's RSS: the save ranks are spawned by torch.multiprocessing)")
+    print(f"{'what':<52}" + "".join(f"{f'{size:g} GB':>18}" for size in sizes))
+    for what, by_size in cells.items():
+        print(f"{what:<52}" + "".join(f"{by_size.get(size, 'not run'):>18}" for size in sizes))
 
 
 if __name__ == "__main__":

@@ -97,9 +97,16 @@ def drop_cache(files: Sequence[Path]) -> None:
             os.close(fd)
 
 
-def ratio(what: str, ours: float, floor: float, peer: float, peer_name: str, target: str) -> None:
-    """A line bench/summary.py collects into `make bench`'s table (medians)."""
-    line = {"bench": "verify", "what": what, "ours_s": ours, "floor": "cat", "floor_s": floor}
+def ratio(what: str, ours: float, floor: float, peer: float, peer_name: str, target: str, peak_mib: float) -> None:
+    """A line bench/summary.py collects into `make bench`'s table (medians; `ours_rss`: the command's peak RSS)."""
+    line = {
+        "bench": "verify",
+        "what": what,
+        "ours_s": ours,
+        "floor": "cat",
+        "floor_s": floor,
+        "ours_rss": peak_mib * 2**20,
+    }
     print("RATIO " + json.dumps(line | {"peer": peer_name, "peer_s": peer, "target": target}))
 
 
@@ -290,9 +297,9 @@ def main() -> int:
                 sha = results[("sha256sum", s)][0].seconds
                 target = "<= 1.5x cat" if s == "warm" else "<= 1.2x cat"
                 if call is not None and call.work is not None:
-                    ratio(f"{short}, {s} (call)", call.work, floor[s], sha, "sha256sum", target)
+                    ratio(f"{short}, {s} (call)", call.work, floor[s], sha, "sha256sum", target, call.peak_mib)
                 if s == "warm":  # the command adds the interpreter's start and imports: a fixed cost
-                    ratio(f"{short}, {s} (command)", command.seconds, floor[s], sha, "sha256sum", "-")
+                    ratio(f"{short}, {s} (command)", command.seconds, floor[s], sha, "sha256sum", "-", command.peak_mib)
         print(f"load average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     finally:
         shutil.rmtree(root, ignore_errors=True)

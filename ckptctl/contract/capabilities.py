@@ -23,12 +23,15 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar, runtime_checkable
 
 from ckptctl import io
 from ckptctl.checkpoint import Checkpoint, Problem, SizedTensor, TensorEntry
 from ckptctl.contract.naming import NameStripper
 from ckptctl.errors import CkptctlError
+
+if TYPE_CHECKING:
+    from ckptctl.formats.torch_save_writer import RawTensor
 
 __all__ = [
     "CONVERT_SOURCE",
@@ -176,11 +179,15 @@ class StateTensor(SizedTensor):
         dtype: torch-style dtype name of what `read` returns.
         shape: its full (unsharded) shape.
         read: returns the full tensor (a CPU torch tensor), assembled from the checkpoint's bytes.
+        raw: where its row-major bytes are, found when asked (`torch_save_writer.RawTensor`: byte ranges of the
+            checkpoint's files, or bytes), for a writer that copies them without importing torch; None, or a
+            call that returns None: the tensor must be read (its chunks are not stored raw and in order).
     """
 
     dtype: str
     shape: tuple[int, ...]
     read: Callable[[], Any] = field(repr=False, compare=False)
+    raw: Callable[[], RawTensor | None] | None = field(default=None, repr=False, compare=False)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,5 +1,5 @@
 """What the training-state sources of frameworks share (`TrainingStateSource`): a stored tensor read when asked
-(`stored_tensor`), and a torch optimizer's own `state_dict()` (state keyed by the index of each parameter, in the order the optimizer
+(`stored_tensor`, with where its raw bytes are), and a torch optimizer's own `state_dict()` (state keyed by the index of each parameter, in the order the optimizer
 was given them), named by the model's parameters where that order is provably the model's: shared by the
 training-state sources of frameworks that save it so (verl, ...).
 
@@ -18,10 +18,12 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from ckptctl.checkpoint import TensorEntry
+from ckptctl.checkpoint import TensorEntry, dtype_itemsize
 from ckptctl.contract.capabilities import StateTensor
 from ckptctl.errors import CkptctlError
 from ckptctl.formats.chunks import read_tensor
+from ckptctl.formats.raw_chunks import ByteRange, ChunkLocator, flat_ranges
+from ckptctl.formats.torch_save_writer import RawTensor
 
 __all__ = ["grouped_state", "indexed_optimizer", "name_indexed_state", "stored_tensor"]
 
@@ -32,7 +34,17 @@ def stored_tensor(checkpoint_url: str, entry: TensorEntry) -> StateTensor:
     def read() -> Any:
         return read_tensor(checkpoint_url, entry)
 
-    return StateTensor(entry.dtype, entry.shape, read)
+    def raw() -> RawTensor | None:
+        with ChunkLocator(checkpoint_url) as locator:
+            ranges = flat_ranges(entry, locator)
+        if ranges is None:
+            return None
+        itemsize = dtype_itemsize(entry.dtype)
+        return RawTensor(
+            entry.dtype, entry.shape, tuple(ByteRange(r.url, r.offset, r.count * itemsize) for r in ranges)
+        )
+
+    return StateTensor(entry.dtype, entry.shape, read, raw)
 
 
 def indexed_optimizer(

@@ -1,13 +1,60 @@
-"""torch's own DCP writer, writing one data file per call: what `convert --to dcp` and `reshard --to dcp` write
-a DCP folder with, one tensor at a time, and `.metadata` last."""
+"""Writing a DCP folder's data files one tensor at a time, and `.metadata` last: with torch's own writer
+(`data_file_writer`: `convert --to dcp`), or without torch (`write_data_file`: `reshard --to dcp`, whose
+tensors are byte ranges of the source's files).
+
+A data file torch's `FileSystemWriter` writes (torch 2.13, `filesystem._write_item`, the default TORCH_SAVE
+serialization) is its items one after another, each a whole `torch.save` archive written into the open file:
+a tensor as `torch.save(tensor)`, any other value as the bytes `DefaultSavePlanner.transform_object` made with
+`torch.save(value)`; the storage record of an item is the archive's offset and length. `torch.save` into a
+stream names the archive's folder `archive` and counts its zip offsets from the archive's first byte.
+"""
 
 from __future__ import annotations
 
 import inspect
 import os
+from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["data_file_writer"]
+from ckptctl import io
+from ckptctl.errors import StorageError
+from ckptctl.formats.torch_save_writer import write_torch_archive
+
+__all__ = ["data_file_writer", "write_data_file"]
+
+#: The archive folder `torch.save` names when it writes into a stream (`PyTorchStreamWriter`'s default).
+_STREAM_ARCHIVE = "archive"
+
+
+def write_data_file(path: str, items: Sequence[tuple[str, Callable[[], Any]]]) -> list[tuple[str, int, int]]:
+    """Write the DCP data file `path` (a new file) without torch: each item's value, asked for when its turn comes
+    and let go once written, as the `torch.save` archive torch's writer writes for it (a
+    `torch_save_writer.RawTensor` as a tensor, streamed from where its bytes are; anything else as a plain
+    value). Returns (key, offset, length) of each item, in order.
+
+    Raises:
+        StorageError: the file cannot be written; CorruptCheckpoint: a tensor's source bytes are not there whole.
+    """
+    records: list[tuple[str, int, int]] = []
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags, 0o644)
+    except OSError as exc:
+        raise StorageError(f"cannot write {path}: {exc.strerror or exc}") from exc
+    try:
+        offset = 0
+        for key, value_of in items:
+            value = value_of()
+            length = write_torch_archive(fd, value, _STREAM_ARCHIVE, path, offset)
+            del value
+            records.append((key, offset, length))
+            offset += length
+        io.start_writeback(fd, 0, offset)  # the commit's fsync then waits less
+    except OSError as exc:
+        raise StorageError(f"cannot write {path}: {exc.strerror or exc}") from exc
+    finally:
+        os.close(fd)
+    return records
 
 
 def data_file_writer(path: str, name: str) -> Any:

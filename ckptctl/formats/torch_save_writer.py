@@ -47,7 +47,7 @@ from ckptctl.formats.torch_pickle import TorchPickle
 from ckptctl.formats.torch_zip import crc32
 from ckptctl.io.sweep import open_ranges
 
-__all__ = ["ByteRange", "RawTensor", "copy_torch_file", "save_torch", "write_torch_file"]
+__all__ = ["ByteRange", "RawTensor", "copy_torch_file", "save_torch", "write_torch_archive", "write_torch_file"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,13 +57,13 @@ class RawTensor:
     Attributes:
         dtype: the written tensor's dtype, torch-style (`float32`, `bfloat16`, ...).
         shape: its shape (`()` for a 0-dim tensor).
-        data: its bytes in memory, or the byte ranges of other files that hold them, in order.
+        data: its bytes in memory (a flat byte view), or the byte ranges of other files that hold them, in order.
         stored_as: the dtype of the bytes in `data` when it is not `dtype`: they are cast while written.
     """
 
     dtype: str
     shape: tuple[int, ...]
-    data: bytes | tuple[ByteRange, ...] = b""
+    data: bytes | memoryview | tuple[ByteRange, ...] = b""
     stored_as: str | None = None
 
     @property
@@ -215,28 +215,40 @@ def write_torch_file(obj: Any, path: str) -> int:
         CorruptCheckpoint: a source range is not there whole (a truncated file), or does not hold the
             tensor's bytes.
     """
-    buffer = pyio.BytesIO()
-    pickler = _Pickler(buffer, protocol=2)
-    pickler.dump(obj)
     archive = os.path.basename(path).split(".", 1)[0] or "archive"
     fd = _create(path)
     try:
-        out = _ZipOut(fd, archive + "/", path)
-        out.record("data.pkl", buffer.getvalue())
-        out.record(".format_version", b"1")
-        out.record(".storage_alignment", str(_ALIGNMENT).encode())
-        out.record("byteorder", b"little")  # what `RawTensor` bytes are, whatever this host's order
-        for storage in pickler.storages:
-            out.tensor_record(f"data/{storage.key}", storage.tensor)
-        out.record("version", _FORMAT_VERSION)
-        out.record(".data/serialization_id", _serialization_id(out.entries))
-        size = out.finish()
+        size = write_torch_archive(fd, obj, archive, path)
         io.start_writeback(fd, 0, size)  # the commit's fsync (ops.commit.write_digests) then waits less
         return size
     except OSError as exc:
         raise StorageError(f"cannot write {path}: {exc.strerror or exc}") from exc
     finally:
         os.close(fd)
+
+
+def write_torch_archive(fd: int, obj: Any, archive: str, path: str, base: int = 0) -> int:
+    """Write `obj` as `write_torch_file` does, through `fd` from its current position `base` on (offsets in the
+    archive count from there, as `torch.save` into an open stream counts them: a DCP data file holds one such
+    archive per tensor); `archive` names the archive's folder (`torch.save` into a stream names it `archive`),
+    `path` the file, for messages. Returns the archive's size.
+
+    Raises:
+        OSError: the file cannot be written; StorageError, CorruptCheckpoint: as `write_torch_file`.
+    """
+    buffer = pyio.BytesIO()
+    pickler = _Pickler(buffer, protocol=2)
+    pickler.dump(obj)
+    out = _ZipOut(fd, archive + "/", path, base)
+    out.record("data.pkl", buffer.getvalue())
+    out.record(".format_version", b"1")
+    out.record(".storage_alignment", str(_ALIGNMENT).encode())
+    out.record("byteorder", b"little")  # what `RawTensor` bytes are, whatever this host's order
+    for storage in pickler.storages:
+        out.tensor_record(f"data/{storage.key}", storage.tensor)
+    out.record("version", _FORMAT_VERSION)
+    out.record(".data/serialization_id", _serialization_id(out.entries))
+    return out.finish()
 
 
 def copy_torch_file(
@@ -322,8 +334,9 @@ class _ZipOut:
     """The records of one archive, written in order through an fd: headers and small records gathered and
     written at once, tensor bytes streamed; each local header's CRC-32 filled in once its data is written."""
 
-    def __init__(self, fd: int, prefix: str, path: str) -> None:
+    def __init__(self, fd: int, prefix: str, path: str, base: int = 0) -> None:
         self.fd = fd
+        self.base = base  # where the archive starts in the file: its offsets count from there
         self.prefix = prefix
         self.path = path
         self.position = 0
@@ -363,7 +376,7 @@ class _ZipOut:
         encoded = (self.prefix + name).encode()
         size = tensor.numel * dtype_itemsize(tensor.dtype)
         offset = self._header(encoded, size, 0)
-        if isinstance(tensor.data, bytes):
+        if not isinstance(tensor.data, tuple):
             if len(tensor.data) != size and tensor.stored_as is None:
                 raise CorruptCheckpoint(f"{self.path}: {name} holds {len(tensor.data)} bytes but needs {size}")
             blocks: Iterator[memoryview] = _cast_blocks(iter([memoryview(tensor.data)]), tensor)
@@ -380,7 +393,7 @@ class _ZipOut:
             raise CorruptCheckpoint(f"{self.path}: {name}: its sources hold {written} bytes of its {size}")
         self.position += written
         if crc:
-            os.pwrite(self.fd, struct.pack("<I", crc), offset + 14)
+            os.pwrite(self.fd, struct.pack("<I", crc), self.base + offset + 14)
         self.entries.append(_Entry(encoded, offset, size, crc))
 
     def finish(self, comment: bytes = b"") -> int:

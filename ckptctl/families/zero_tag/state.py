@@ -23,6 +23,7 @@ step), and `param_groups` that do not number exactly the flat tensors `param_sha
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Mapping
 from typing import Any
 
@@ -44,6 +45,7 @@ from ckptctl.families.zero_tag.tag import (
 from ckptctl.families.zero_tag.tensor_index import param_groups, tag_index
 from ckptctl.formats.safe_pickle import StandIn, state_fields
 from ckptctl.formats.torch_pickle_classes import TensorRef
+from ckptctl.formats.torch_save_writer import RawTensor
 
 __all__ = ["ADAM_STATE", "partitioned_tag", "zero_tag_state"]
 
@@ -197,7 +199,10 @@ def _step(
 
             return torch.tensor(count, dtype=torch.float32)
 
-        return StateTensor("float32", (), read)
+        def raw() -> RawTensor:
+            return RawTensor("float32", (), struct.pack("<f", count))
+
+        return StateTensor("float32", (), read, raw)
     what = f"a tensor of shape {list(value.shape)}" if type(value) is TensorRef else f"a {type(value).__name__}"
     raise CkptctlError(f"{where}: the step of flat tensor {k} is {what}, not a count")
 

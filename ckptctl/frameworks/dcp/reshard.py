@@ -4,16 +4,22 @@ optimizer, saved by `dcp.save` (`TrainingStateWriter`): keys `model.<name>`, `op
 `optim.param_groups.<i>.<setting>` (and `.params`, the group's parameter names). A trainer on any number of
 ranks resumes with `dcp.load({"model": msd, "optim": osd})` + `set_state_dict`, which reshards as it loads.
 
-The global plan and `.metadata` are made by torch's own `DefaultSavePlanner` from stand-ins of the tensors'
-shapes (so the keys and their nested paths are exactly torch's); the data files are written by torch's
-`FileSystemWriter`, a bounded group of parameters a file (a parameter, its moments and step together), each
-tensor read from the source when its write item comes up and let go once written, so memory holds one tensor
-(and what reading it takes), not a file's group nor the state. `.metadata` is written last: it completes the folder.
+The folder is what torch's `dcp.save` writes for that state on one rank, written without importing torch
+where the source stores its tensors raw (a ZeRO tag's flat partitions, a DCP folder's items, safetensors): the
+keys and nested paths as torch's `flatten_state_dict` makes them (`_flatten`), each data file a sequence of
+`torch.save` archives written by hand (`formats.dcp_writer.write_data_file`), a bounded group of parameters a
+file (a parameter, its moments and step together), each tensor's bytes streamed from the source's files through
+a buffer of a few MiB when its item comes up; a tensor stored otherwise (a view, a remote file) is read with
+torch when its turn comes and let go once written, so memory holds one tensor, not a file's group nor the
+state. `.metadata` (`formats.dcp_metadata_write`, torch's classes pickled by name) is written last: it
+completes the folder. Measured (bench/reshard.py, ZeRO-2/3 of ~100M parameters): importing torch alone cost
+more than the copy, and torch's writer another pass over every tensor.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from ckptctl.checkpoint import Checkpoint
@@ -24,14 +30,26 @@ from ckptctl.contract.capabilities import (
     StateTensor,
     WrittenState,
 )
-from ckptctl.errors import CkptctlError
-from ckptctl.formats.dcp_writer import data_file_writer
+from ckptctl.errors import CkptctlError, CorruptCheckpoint
+from ckptctl.formats.dcp_metadata import (
+    METADATA_NAME,
+    DcpBytesItem,
+    DcpChunk,
+    DcpTensor,
+    StorageKey,
+    StorageRecord,
+)
+from ckptctl.formats.dcp_metadata_write import dcp_metadata_bytes
+from ckptctl.formats.dcp_writer import write_data_file
+from ckptctl.formats.torch_save_writer import RawTensor
 from ckptctl.layouts import capability
 
 __all__ = ["WRITER", "DcpStateWriter"]
 
 #: The tensor bytes one data file holds at most, unless one parameter's row alone is larger.
 FILE_BYTES = 64 << 20
+#: The DCP format version torch 2.13's writer records (`filesystem.CURRENT_DCP_VERSION`).
+DCP_VERSION = "1.0.0"
 _MODEL, _OPTIM = "model", "optim"
 _RESUME_HINT = (
     'msd, osd = get_state_dict(model, optimizer); state = {"model": msd, "optim": osd}; '
@@ -51,67 +69,112 @@ class DcpStateWriter:
         return None
 
     def write(self, request: ReshardRequest, advance: Callable[[int], None]) -> WrittenState:
-        import torch
-        from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-        from torch.distributed.checkpoint.planner import SavePlan
-
         state = _state_of(request.source)
         tensors = dict(_stand_in_rows(state))
-        planner = DefaultSavePlanner()
-        planner.set_up_planner(_nested(state, {key: _meta(t, torch) for key, (t, _) in tensors.items()}), None, True)
-        plans, metadata = planner.create_global_plan([planner.create_local_plan()])
-        items = {item.index.fqn: item for item in planner.finish_plan(plans[0]).items}
-        flat_of = {path: key for key, path in planner.mappings.items()}
+        flat = _flatten(_nested(state, {path: tensor for path, (tensor, _) in tensors.items()}))
+        flat_of = {path: key for key, (path, _) in flat.items()}
         groups = _file_groups(state, flat_of)
+        grouped = {key for group in groups for key in group}
         # Non-tensor items (settings, parameter names, plain step counters) go in the first file.
-        loose = [key for key in items if key not in {k for group in groups for k in group}]
+        loose = [key for key in flat if key not in grouped]
+        storage: dict[StorageKey, StorageRecord] = {}
         names: list[str] = []
-        records: list[Any] = []
         written = 0
         for k, group in enumerate(groups or [[]]):
-            keys = group + loose if k == 0 else group
+            keys = loose + group if k == 0 else group  # torch's order: byte items first
             name = f"__0_{k}.distcp"
-            values: dict[str, Any] = {}
-            for key in keys:
-                path = planner.mappings[key]
-                values[key] = tensors[path][0] if path in tensors else _plain(state, path)
-            file_planner = _reading_planner()
-            file_planner.set_up_planner(values, None, True)
-            records.append(
-                data_file_writer(request.staging, name)
-                .write_data(SavePlan([items[k] for k in keys]), file_planner)
-                .value()
-            )
-            group_bytes = sum(tensors[planner.mappings[key]][0].nbytes for key in group)
+            items = [(key, _value_of(key, flat[key][1])) for key in keys]
+            for key, offset, length in write_data_file(os.path.join(request.staging, name), items):
+                value = flat[key][1]
+                where = tuple(0 for _ in value.shape) if isinstance(value, StateTensor) else None
+                storage[(key, where)] = StorageRecord(name, offset, length, ())
+            group_bytes = sum(flat[key][1].nbytes for key in group)
             names.append(name)
             written += group_bytes
             advance(group_bytes)
-        data_file_writer(request.staging, "").finish(metadata, records)
+        entries = {key: _entry(value) for key, (_, value) in flat.items()}
+        planner_data = {key: path for key, (path, _) in flat.items()}
+        data = dcp_metadata_bytes(entries, storage, version=DCP_VERSION, planner_data=planner_data)
+        with open(os.path.join(request.staging, METADATA_NAME), "xb") as f:
+            f.write(data)
         return WrittenState(
             tensors=len(tensors),
             bytes=written,
-            files=(*names, ".metadata"),
+            files=(*names, METADATA_NAME),
             world_size=None,
             not_carried=state.not_carried,
             resume_hint=_RESUME_HINT,
         )
 
 
-def _reading_planner() -> Any:
-    """torch's planner of one data file, given the file's values with each tensor as its `StateTensor`: the
-    tensor is read when its write item comes up, so that (with `data_file_writer`, which lets each go once
-    written) memory holds one tensor of the state, not a file's group of rows."""
-    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-    from torch.distributed.checkpoint.utils import find_state_dict_object
+def _value_of(key: str, value: Any) -> Callable[[], Any]:
+    """What `write_data_file` writes for the item `key`: a tensor as its raw bytes where the source stores them
+    so, else read (with torch, then only) and handed over as its bytes; any other value as it is."""
+    if not isinstance(value, StateTensor):
+        return lambda: value
 
-    class ReadingPlanner(DefaultSavePlanner):
-        def lookup_object(self, index: Any) -> Any:
-            value = self.state_dict[index.fqn]
-            if isinstance(value, StateTensor):
-                return find_state_dict_object({index.fqn: value.read()}, index)
-            return super().lookup_object(index)
+    def raw() -> RawTensor:
+        found = value.raw() if value.raw is not None else None
+        return found if found is not None else _read_raw(key, value)
 
-    return ReadingPlanner(flatten_state_dict=False)
+    return raw
+
+
+def _read_raw(key: str, tensor: StateTensor) -> RawTensor:
+    import torch
+
+    value = tensor.read().detach().contiguous()
+    if str(value.dtype).removeprefix("torch.") != tensor.dtype or tuple(value.shape) != tensor.shape:
+        raise CorruptCheckpoint(
+            f"{key}: read as {value.dtype}{list(value.shape)}, but the source says {tensor.dtype}{list(tensor.shape)}"
+        )
+    return RawTensor(tensor.dtype, tensor.shape, memoryview(value.reshape(-1).view(torch.uint8).numpy()))
+
+
+def _entry(value: Any) -> DcpTensor | DcpBytesItem:
+    """The `.metadata` entry of an item: a tensor stored whole as one chunk, or a bytes item."""
+    if not isinstance(value, StateTensor):
+        return DcpBytesItem()
+    return DcpTensor(value.dtype, value.shape, (DcpChunk(tuple(0 for _ in value.shape), value.shape),))
+
+
+def _flatten(nested: Mapping[str, Any]) -> dict[str, tuple[tuple[Any, ...], Any]]:
+    """flat key -> (nested path, value), as torch's `flatten_state_dict` flattens a state dict for
+    `DefaultSavePlanner` (`_traverse.traverse_state_dict`, `_nested_dict.flatten_state_dict`): mappings are
+    walked with their keys as strings, lists and tuples by index only where they hold a tensor or a mapping
+    (or a list that does), anything else is one item; the key is the path joined by dots.
+
+    Raises:
+        CkptctlError: two paths join to the same key (torch refuses the save with ValueError).
+    """
+    flat: dict[str, tuple[tuple[Any, ...], Any]] = {}
+
+    def terminal(value: Any) -> bool:
+        if isinstance(value, Mapping):
+            return False
+        if not isinstance(value, list):
+            return True
+        return not any(
+            (isinstance(entry, Mapping | list) and not terminal(entry)) or isinstance(entry, StateTensor)
+            for entry in value
+        )
+
+    def walk(path: tuple[Any, ...], value: Any) -> None:
+        if isinstance(value, Mapping):
+            for k, v in value.items():
+                walk((*path, str(k)), v)
+        elif terminal(value):
+            key = ".".join(map(str, path))
+            if key in flat:
+                raise CkptctlError(f"two entries of the state flatten to the key {key!r}")
+            flat[key] = (path, value)
+        elif isinstance(value, list | tuple):
+            for i, v in enumerate(value):
+                walk((*path, i), v)
+
+    for key, value in nested.items():
+        walk((str(key),), value)
+    return flat
 
 
 def _state_of(source: Checkpoint) -> ParamState:
@@ -132,10 +195,6 @@ def _stand_in_rows(state: ParamState) -> list[tuple[tuple[Any, ...], tuple[State
             if isinstance(value, StateTensor):
                 rows.append(((_OPTIM, "state", name, key), (value, name)))
     return rows
-
-
-def _meta(tensor: StateTensor, torch: Any) -> Any:
-    return torch.empty(tensor.shape, dtype=getattr(torch, tensor.dtype), device="meta")
 
 
 def _nested(state: ParamState, tensors: dict[tuple[Any, ...], Any]) -> dict[str, Any]:
@@ -169,14 +228,6 @@ def _file_groups(state: ParamState, flat_of: dict[tuple[Any, ...], str]) -> list
     if current:
         groups.append(current)
     return groups
-
-
-def _plain(state: ParamState, path: tuple[Any, ...]) -> Any:
-    """A non-tensor value by its nested path: a group's setting or parameter names, a plain step counter."""
-    if path[1] == "param_groups":
-        value = state.param_groups[path[2]][path[3]]
-        return list(value) if path[3] == "params" else value
-    return state.optimizer[path[2]][path[3]]
 
 
 WRITER = DcpStateWriter()

@@ -5,7 +5,7 @@
     defaults about 1 GB of fp32 weights each. Each in a fresh process, on a warm page cache:
     - `ckptctl average CKPT... DST` (uniform; float64 accumulation, one rounding; fsyncs its output);
     - mergekit's linear merge through its own CLI (`mergekit-yaml`, mergekit 0.1.5, `make bench` installs it:
-      pyproject's `bench` extra), the same inputs, weight 1.0 each (its default `normalize: true` divides by
+      bench/peers-nodeps.txt), the same inputs, weight 1.0 each (its default `normalize: true` divides by
       their sum, 5: the uniform average), `dtype` the inputs' own, no tokenizer or model card to write;
     - the naive torch script people write: `safetensors.torch.load_file` of every input (all in memory at
       once), `sum(x.float() for x in inputs) / N` per tensor (fp32 arithmetic), cast back to the stored
@@ -223,7 +223,7 @@ def main() -> None:
 
     if not Path(MERGEKIT_YAML).exists():
         raise SystemExit(
-            f"{MERGEKIT_YAML} is missing: install the peer with `pip install -e '.[bench]'` (make bench does)"
+            f"{MERGEKIT_YAML} is missing: install the peer with `pip install --no-deps -r bench/peers-nodeps.txt` (make bench does)"
         )
     root = args.dir or Path(tempfile.mkdtemp(prefix="bench-average-", dir=REPO.parent))
     root.mkdir(parents=True, exist_ok=True)

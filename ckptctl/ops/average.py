@@ -687,9 +687,9 @@ class _StreamedInputs:
         Raises:
             CorruptCheckpoint: the file ends before the range.
         """
-        from ckptctl.formats.safetensors_stream import pread_into
-
         import numpy as np
+
+        from ckptctl.formats.safetensors_stream import pread_into
 
         dtype = self.dtypes[i]
         itemsize = np.dtype(dtype).itemsize

@@ -19,8 +19,11 @@ input bit for bit, whatever N, for every dtype narrower than float64.
 The output is written as `convert` writes it (`ops.convert.write_prepared`): one tensor at a time, staged,
 checked, digested and renamed into DST (or uploaded), over a job's ranks when asked, the config and
 tokenizer files taken as `convert` finds them for the last input (the newest with `--last`, `--steps`,
-`--ema`). Each tensor of each input is read once; memory holds the float64 accumulator, one input's copy of
-the tensor and the output's copy: at most 3x the largest tensor in float64, whatever N and the model size.
+`--ema`). Each tensor of each input is read once. Local inputs whose tensors are stored raw (safetensors, the
+records of DCP's torch.save items) are read block by block straight from their files (`_StreamedInputs`):
+memory holds the output's copy of the tensor and a few float64 blocks per thread. Otherwise (a remote input,
+float8, reordered rows) each input's copy is read whole: at most 3x the largest tensor in float64. Either way,
+whatever N and the model size.
 """
 
 from __future__ import annotations

@@ -436,12 +436,16 @@ def _averaged(
         (p.checkpoint.url, replace(planned, dtype=planned.entry.dtype))
         for p, planned in zip(prepared, row, strict=True)
     )
+    compute_bytes: Callable[[], memoryview] | None = None
     if _kind(want.entry.dtype) == "floating point":
-        compute: Callable[[], Any] = _Average(sources, weights, ema, want.dtype, want.shape)
+        averaged = _Average(sources, weights, ema, want.dtype, want.shape)
+        compute: Callable[[], Any] = averaged
+        compute_bytes = averaged.raw
     else:
         compute = _Equal.check(sources, want.dtype)
     entry = TensorEntry(want.name, Component.MODEL, want.dtype, want.shape, ())
-    return Planned(entry, want.name, want.dtype, derived=DerivedTensor(want.name, want.dtype, want.shape, compute))
+    derived = DerivedTensor(want.name, want.dtype, want.shape, compute, compute_bytes)
+    return Planned(entry, want.name, want.dtype, derived=derived)
 
 
 @dataclass(frozen=True, slots=True)
@@ -503,6 +507,36 @@ class _Average:
     shape: tuple[int, ...]
 
     def __call__(self) -> Any:
+        import torch
+
+        data = self._streamed_bytes()
+        if data is not None:
+            return torch.frombuffer(data, dtype=getattr(torch, self.dtype)).view(self.shape)
+        return self._whole()
+
+    def raw(self) -> memoryview:
+        """The result as raw bytes (`DerivedTensor.compute_bytes`): without torch where the inputs are streamed."""
+        from ckptctl.formats.safetensors import tensor_bytes
+
+        data = self._streamed_bytes()
+        return data if data is not None else tensor_bytes(self._whole())
+
+    def _streamed_bytes(self) -> memoryview | None:
+        """The result's bytes computed from the inputs' files block by block, or None where an input's copy must
+        be read whole (`_StreamedInputs.open`)."""
+        import numpy as np
+
+        numel = math.prod(self.shape)
+        streamed = _StreamedInputs.open(self.sources, numel) if numel else None
+        if streamed is None:
+            return None
+        out = np.empty(numel * dtype_itemsize(self.dtype), dtype=np.uint8)
+        with streamed:
+            self._streamed(streamed, out.view(np.float64) if self.dtype == "float64" else None, memoryview(out))
+        return memoryview(out)
+
+    def _whole(self) -> Any:
+        """The result computed from each input's copy of the tensor read whole (a torch tensor)."""
         import numpy as np
         import torch
 
@@ -510,11 +544,6 @@ class _Average:
 
         numel = math.prod(self.shape)
         out = torch.empty(numel, dtype=getattr(torch, self.dtype))
-        streamed = _StreamedInputs.open(self.sources, numel)
-        if streamed is not None:
-            with streamed:
-                self._streamed(streamed, out.numpy() if self.dtype == "float64" else None, tensor_bytes(out))
-            return out.view(self.shape)
         acc = out.numpy() if self.dtype == "float64" else np.empty(numel, dtype=np.float64)
         written = tensor_bytes(out)
         itemsize = dtype_itemsize(self.dtype)

@@ -530,10 +530,11 @@ class _Average:
         streamed = _StreamedInputs.open(self.sources, numel) if numel else None
         if streamed is None:
             return None
-        out = np.empty(numel * dtype_itemsize(self.dtype), dtype=np.uint8)
+        out: Any = np.empty(numel * dtype_itemsize(self.dtype), dtype=np.uint8)
+        written = memoryview(out)
         with streamed:
-            self._streamed(streamed, out.view(np.float64) if self.dtype == "float64" else None, memoryview(out))
-        return memoryview(out)
+            self._streamed(streamed, out.view(np.float64) if self.dtype == "float64" else None, written)
+        return written
 
     def _whole(self) -> Any:
         """The result computed from each input's copy of the tensor read whole (a torch tensor)."""

@@ -292,6 +292,8 @@ def main() -> None:
                     build_checkpoint(path, args.dcp_layers, args.dcp_width)
             size, floor = _warm(dcp_inputs)
             ours_dir, naive_dir = root / "ours-dcp", root / "naive-dcp"
+            for d in (ours_dir, naive_dir):  # a kept folder (--dir, --keep) from an earlier run
+                shutil.rmtree(d, ignore_errors=True)
             naive_dir.mkdir()
             subprocess.run(["sync"], check=True)
             ours = measure("ckptctl average", [*ckptctl, *map(str, dcp_inputs), str(ours_dir), "--json", "--quiet"])

@@ -49,6 +49,7 @@ lint: $(VENV)/.dev
 # Every bench in bench/ at a size that finishes in about 10 minutes on 2 cores, then one table of ratios
 # (ours / floor, ours / best peer) of the verify, diff and save benches (bench/summary.py: BENCHES).
 bench: $(VENV)/.dev
+	$(BIN)/python -m pip install -q --no-deps -r bench/peers-nodeps.txt
 	$(BIN)/python bench/summary.py
 
 # Shell completions (completions/) and the command reference (docs/cli.md), both generated from the CLI.

@@ -4,16 +4,18 @@
     model.safetensors, random weights of another seed each), once in fp32 and once in bf16; with the
     defaults about 1 GB of fp32 weights each. Each in a fresh process, on a warm page cache:
     - `ckptctl average CKPT... DST` (uniform; float64 accumulation, one rounding; fsyncs its output);
+    - mergekit's linear merge through its own CLI (`mergekit-yaml`, mergekit 0.1.5, `make bench` installs it:
+      bench/peers-nodeps.txt), the same inputs, weight 1.0 each (its default `normalize: true` divides by
+      their sum, 5: the uniform average), `dtype` the inputs' own, no tokenizer or model card to write;
     - the naive torch script people write: `safetensors.torch.load_file` of every input (all in memory at
       once), `sum(x.float() for x in inputs) / N` per tensor (fp32 arithmetic), cast back to the stored
       dtype, `save_file`.
-    mergekit is not installed on the machines this runs on (no network), so its linear merge is not in the
-    table; the naive script stands in for it as the peer. mergekit's linear merge (mergekit/merge_methods/
-    linear.py) computes `(stack(tensors) * weights).sum(0) / weights.sum()` in the dtype it loads them in
-    (its `dtype` option, float32 unless set), per tensor with its lazy loader: the same arithmetic as the
-    naive script for fp32 and for bf16 upcast to fp32, and a memory between ours and the naive script's.
-    The outputs are compared: identical fp32 outputs are not expected (fp32 sums round N times, ours once),
-    so the table gives the largest difference in units in the last place of the output dtype.
+    mergekit's arithmetic (mergekit/merge_methods/linear.py: `linear_merge`): a float32 accumulator (float64
+    only for float64 inputs), `result.addcmul_(x, w)` for each input in order (torch's vectorised CPU loop
+    fuses that multiply-add), then `result.div_(sum of weights)` and a cast to the loaded dtype. So its fp32
+    output rounds at each of the N adds and at the division, and its bf16 output rounds to fp32 first and to
+    bf16 after; ours rounds once from float64. The outputs are compared (elements that differ and the
+    largest difference): identical outputs are not expected, differences of an fp32 or a bf16 unit are.
 (b) N FSDP2 DCP checkpoints of 2 ranks (Linear layers + AdamW state, as `bench/convert.py` writes them):
     `ckptctl average --to hf` in one pass against `dcp_to_torch_save` of each + `torch.load` + the average
     + `save_file` (what torch offers without ckptctl).
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -72,6 +75,33 @@ averaged = {name: (sum(m[name].float() for m in models) / len(models)).to(t.dtyp
 save_file({k: v.contiguous() for k, v in averaged.items()}, out + "/model.safetensors", metadata={"format": "pt"})
 print(json.dumps({"seconds": time.perf_counter() - start}))
 """
+
+
+MERGEKIT_YAML = str(Path(sys.executable).with_name("mergekit-yaml"))
+
+
+def _mergekit_config(folders: list[Path], dtype: str, path: Path) -> None:
+    """mergekit's linear merge of `folders`, weight 1.0 each (normalised by their sum), in `dtype` (JSON is YAML)."""
+    models = [{"model": str(folder), "parameters": {"weight": 1.0}} for folder in folders]
+    path.write_text(json.dumps({"merge_method": "linear", "dtype": dtype, "models": models}, indent=1))
+
+
+def _measure_plain(label: str, argv: list[str]) -> Measured:
+    """`measure` for a command that prints no work time (mergekit-yaml): its work time is its wall time."""
+    with tempfile.TemporaryFile() as err:
+        start = time.perf_counter()
+        proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=err, cwd=REPO)
+        _, status, usage = os.wait4(proc.pid, 0)  # that child's own rusage, unlike RUSAGE_CHILDREN
+        wall = time.perf_counter() - start
+        if os.waitstatus_to_exitcode(status) != 0:
+            err.seek(0)
+            sys.stderr.write(err.read().decode()[-4000:])
+            raise SystemExit(f"{label} failed with exit code {os.waitstatus_to_exitcode(status)}")
+    return Measured(label, wall, wall, usage.ru_maxrss * 1024, usage.ru_utime + usage.ru_stime)
+
+
+#: mergekit-yaml's options: CPU, the defaults otherwise; the inputs carry no tokenizer, and a model card is text.
+MERGEKIT_OPTIONS = ["--no-copy-tokenizer", "--no-write-model-card", "--quiet"]
 
 
 def _write_hf_inputs(root: Path, count: int, layers: int, hidden: int, vocab: int, dtype: str) -> list[Path]:
@@ -131,11 +161,23 @@ def _compare(ours: Path, theirs: Path) -> tuple[float, int, int]:
     """(largest absolute difference, elements that differ, elements) between two HF outputs."""
     from safetensors import safe_open
 
+    def files(folder: Path) -> dict[str, Path]:  # tensor name -> its shard
+        found = {}
+        for path in sorted(folder.glob("*.safetensors")):
+            with safe_open(str(path), "pt") as f:
+                found.update(dict.fromkeys(f.keys(), path))
+        return found
+
+    mine, other = files(ours), files(theirs)
+    if sorted(mine) != sorted(other):
+        raise SystemExit(f"{ours} and {theirs} hold other tensor names")
     largest, differ, total = 0.0, 0, 0
-    with safe_open(str(ours / "model.safetensors"), "pt") as a, safe_open(str(theirs / "model.safetensors"), "pt") as b:
-        for name in a.keys():  # noqa: SIM118 (safe_open is no mapping)
-            x, y = a.get_tensor(name).double(), b.get_tensor(name).double()
-            gap = (x - y).abs()
+    for name, path in mine.items():
+        with safe_open(str(path), "pt") as a, safe_open(str(other[name]), "pt") as b:
+            x, y = a.get_tensor(name), b.get_tensor(name)
+            if x.dtype != y.dtype:
+                raise SystemExit(f"{name}: {x.dtype} in {ours}, {y.dtype} in {theirs}")
+            gap = (x.double() - y.double()).abs()
             largest = max(largest, float(gap.max()))
             differ += int((gap != 0).sum())
             total += x.numel()
@@ -143,7 +185,7 @@ def _compare(ours: Path, theirs: Path) -> tuple[float, int, int]:
 
 
 def _row(label: str, m: Measured) -> str:
-    return f"  {label:<44} {m.wall:7.2f} s  (work {m.work:6.2f} s)  peak RSS {m.peak_rss / MIB:8.0f} MiB"
+    return f"  {label:<46} {m.wall:7.2f} s  (work {m.work:6.2f} s, CPU {m.cpu:6.2f} s)  peak RSS {m.peak_rss / MIB:6.0f} MiB"
 
 
 def _ratio(label: str, ours: Measured, peer: Measured, time_target: float | None, rss_target: float | None) -> str:
@@ -153,7 +195,7 @@ def _ratio(label: str, ours: Measured, peer: Measured, time_target: float | None
         targets.append(f"time target <= {time_target}x: {'met' if t <= time_target else 'NOT met'}")
     if rss_target is not None:
         targets.append(f"RSS target <= {rss_target}x: {'met' if r <= rss_target else 'NOT met'}")
-    return f"  {label:<44} time {t:5.2f}x  peak RSS {r:5.2f}x   " + "; ".join(targets)
+    return f"  {label:<46} time {t:5.2f}x  peak RSS {r:5.2f}x   " + "; ".join(targets)
 
 
 def main() -> None:
@@ -179,6 +221,10 @@ def main() -> None:
         _generate_hf(args.generate_hf, args)
         return
 
+    if not Path(MERGEKIT_YAML).exists():
+        raise SystemExit(
+            f"{MERGEKIT_YAML} is missing: install the peer with `pip install --no-deps -r bench/peers-nodeps.txt` (make bench does)"
+        )
     root = args.dir or Path(tempfile.mkdtemp(prefix="bench-average-", dir=REPO.parent))
     root.mkdir(parents=True, exist_ok=True)
     python = sys.executable
@@ -189,36 +235,55 @@ def main() -> None:
         subprocess.run([python, __file__, "--generate-hf", str(inputs), *_shape_args(args)], check=True, cwd=REPO)
         print(f"(a) {args.inputs} HF checkpoints, Llama {args.layers} layers x {args.hidden}, vocab {args.vocab}")
         table = []
+        colds = []
+        spec_cache = root / "spec-cache"
+        os.environ["CKPTCTL_CACHE_DIR"] = str(spec_cache)  # the children's, not the user's
         for dtype in ("float32", "bfloat16"):
             folders = [inputs / f"{dtype}-{i}" for i in range(args.inputs)]
             size, floor = _warm(folders)
-            ours_dir, naive_dir = root / f"ours-{dtype}", root / f"naive-{dtype}"
-            for d in (ours_dir, naive_dir):
+            outs = {name: root / f"{name}-{dtype}" for name in ("ours", "mergekit", "naive")}
+            for d in outs.values():
                 shutil.rmtree(d, ignore_errors=True)
-            naive_dir.mkdir()
+            outs["naive"].mkdir()
+            config = root / f"mergekit-{dtype}.yaml"
+            _mergekit_config(folders, dtype, config)
+            mergekit_argv = [MERGEKIT_YAML, str(config), str(outs["mergekit"]), *MERGEKIT_OPTIONS]
+            # The model check's spec of this config: built by the first run (transformers imported), read back
+            # by the second (`frameworks/hf/spec_cache.py`), as every later average or convert of the model does.
+            shutil.rmtree(spec_cache, ignore_errors=True)
+            average_argv = [*ckptctl, *map(str, folders), str(outs["ours"]), "--json", "--quiet"]
             subprocess.run(["sync"], check=True)
-            ours = measure("ckptctl average", [*ckptctl, *map(str, folders), str(ours_dir), "--json", "--quiet"])
+            cold = measure("ckptctl average (cold)", average_argv)
+            shutil.rmtree(outs["ours"])
             subprocess.run(["sync"], check=True)
-            naive = measure("naive", [python, "-c", NAIVE_HF, *map(str, folders), str(naive_dir)])
-            # In a child: a child's ru_maxrss starts from its parent's at fork, so this process loads no tensor.
-            compared = subprocess.run(
-                [python, __file__, "--compare", str(ours_dir), str(naive_dir)],
-                check=True,
-                cwd=REPO,
-                capture_output=True,
-                text=True,
-            )
-            largest, differ, total = json.loads(compared.stdout)
+            ours = measure("ckptctl average", average_argv)
+            subprocess.run(["sync"], check=True)
+            merged = _measure_plain("mergekit-yaml", mergekit_argv)
+            subprocess.run(["sync"], check=True)
+            naive = measure("naive", [python, "-c", NAIVE_HF, *map(str, folders), str(outs["naive"])])
             print(f" {dtype}: {args.inputs} x {size / args.inputs / MIB:.0f} MiB")
+            print(_row("ckptctl average, first check of this model", cold))
             print(_row("ckptctl average (float64, one rounding)", ours))
+            print(_row("mergekit-yaml linear (fp32 addcmul, / 5)", merged))
             print(_row("naive torch: load all, fp32 sum / N", naive))
-            print(
-                f"  outputs: {differ} of {total} elements differ (the naive fp32 sum rounds "
-                f"at each add, ours once), largest difference {largest:.3g}"
-            )
-            table.append((dtype, ours, naive, floor))
-            shutil.rmtree(ours_dir, ignore_errors=True)
-            shutil.rmtree(naive_dir, ignore_errors=True)
+            for peer in ("mergekit", "naive"):
+                # In a child: a child's ru_maxrss starts from its parent's at fork, so this process loads no tensor.
+                compared = subprocess.run(
+                    [python, __file__, "--compare", str(outs["ours"]), str(outs[peer])],
+                    check=True,
+                    cwd=REPO,
+                    capture_output=True,
+                    text=True,
+                )
+                largest, differ, total = json.loads(compared.stdout)
+                print(
+                    f"  outputs vs {peer}: {differ} of {total} elements differ (its fp32 arithmetic rounds at each "
+                    f"add, ours once from float64), largest difference {largest:.3g}"
+                )
+            table.append((dtype, ours, merged, naive, floor))
+            colds.append((dtype, cold, merged))
+            for d in outs.values():
+                shutil.rmtree(d, ignore_errors=True)
         if not args.skip_dcp:
             dcp_inputs = [root / "dcp" / f"step-{i}" for i in range(args.inputs)]
             for path in dcp_inputs:
@@ -227,6 +292,8 @@ def main() -> None:
                     build_checkpoint(path, args.dcp_layers, args.dcp_width)
             size, floor = _warm(dcp_inputs)
             ours_dir, naive_dir = root / "ours-dcp", root / "naive-dcp"
+            for d in (ours_dir, naive_dir):  # a kept folder (--dir, --keep) from an earlier run
+                shutil.rmtree(d, ignore_errors=True)
             naive_dir.mkdir()
             subprocess.run(["sync"], check=True)
             ours = measure("ckptctl average", [*ckptctl, *map(str, dcp_inputs), str(ours_dir), "--json", "--quiet"])
@@ -238,20 +305,24 @@ def main() -> None:
             )
             print(_row("ckptctl average --to hf (one pass)", ours))
             print(_row("dcp_to_torch_save each + torch average", naive))
-            table.append(("dcp", ours, naive, floor))
-        print("\nratios, ckptctl / peer (same run, same machine):")
-        for label, ours, naive, _ in table:
+            table.append(("dcp", ours, naive, naive, floor))
+        print("\nratios, ckptctl / peer (same run, same machine, under the load of whatever else runs):")
+        for label, ours, merged, naive, _ in table:
             if label == "dcp":
                 print(_ratio("(b) DCP: vs dcp_to_torch_save + average", ours, naive, 0.35, None))
             else:
-                print(_ratio(f"(a) HF {label}: vs naive torch script", ours, naive, 0.5, 0.2))
-        for label, ours, naive, floor in table:  # for bench/summary.py's table (process wall times)
-            peer = "dcp_to_torch_save + average" if label == "dcp" else "naive safetensors+torch"
-            target = "<= 0.35x peer" if label == "dcp" else "<= 0.5x mergekit"
+                print(_ratio(f"(a) HF {label}: vs mergekit-yaml linear", ours, merged, 0.5, 0.2))
+                print(_ratio(f"(a) HF {label}: vs naive torch script", ours, naive, None, None))
+        for label, cold, merged in colds:
+            print(_ratio(f"(a) HF {label}, first check: vs mergekit-yaml", cold, merged, 0.5, 0.2))
+        for label, ours, merged, naive, floor in table:  # for bench/summary.py's table (process wall times)
+            if label == "dcp":
+                peer, peer_s, target = "dcp_to_torch_save + average", naive.wall, "<= 0.35x peer"
+            else:
+                peer, peer_s, target = "mergekit-yaml linear", merged.wall, "<= 0.5x mergekit"
             what = f"average {args.inputs} {'DCP' if label == 'dcp' else 'HF ' + label} (command)"
             line = {"bench": "average", "what": what, "ours_s": ours.wall, "floor": "cat inputs", "floor_s": floor}
-            print("RATIO " + json.dumps(line | {"peer": peer, "peer_s": naive.wall, "target": target}))
-        print("(the issue's (a) targets are against mergekit, not installed here: the naive script stands in)")
+            print("RATIO " + json.dumps(line | {"peer": peer, "peer_s": peer_s, "target": target}))
     finally:
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)

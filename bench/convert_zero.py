@@ -194,6 +194,7 @@ class Measured:
     wall: float
     work: float
     peak_rss: int
+    cpu: float = 0.0  # user + system seconds of that child: what a loaded machine's wall times hide
 
 
 def measure(label: str, argv: list[str]) -> Measured:
@@ -213,7 +214,7 @@ def measure(label: str, argv: list[str]) -> Measured:
         sys.stderr.write(stderr.decode()[-4000:])
         raise SystemExit(f"{label} failed with exit code {proc.returncode}")
     doc = json.loads(stdout.decode())
-    return Measured(label, wall, float(doc["seconds"]), usage.ru_maxrss * 1024)
+    return Measured(label, wall, float(doc["seconds"]), usage.ru_maxrss * 1024, usage.ru_utime + usage.ru_stime)
 
 
 def same_tensors(a: Path, b: Path) -> tuple[bool, int]:

@@ -13,6 +13,7 @@ import json
 import os
 import pickle
 import shutil
+import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -199,6 +200,9 @@ def _build_retrying(build: Callable[[Path], T], folder: Path) -> T:
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# convert's model check keeps the specs it builds in the user's cache (frameworks/hf/spec_cache.py): a test run
+# keeps its own, so it neither writes into ~/.cache nor reads back a spec an earlier run left there.
+os.environ.setdefault("CKPTCTL_CACHE_DIR", tempfile.mkdtemp(prefix="ckptctl-user-cache-"))
 
 
 def _hf_models(root: Path) -> dict[str, Path]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import os
 import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -21,8 +22,15 @@ __all__ = ["build_on_meta", "excess_layers", "has_transformers_5", "model_class"
 def has_transformers_5() -> bool:
     """Whether transformers 5 or later is importable (`model_spec` reverts its weight conversions, in
     `core_model_loading`, which 4.x has not)."""
-    return importlib.util.find_spec("transformers") is not None and bool(
-        importlib.util.find_spec("transformers.core_model_loading")
+    # The submodule is looked for as a file of the package: `find_spec` of a submodule imports the package,
+    # which costs transformers' whole import (about a second) where only the answer is wanted.
+    found = importlib.util.find_spec("transformers")
+    if found is None:
+        return False
+    return any(
+        os.path.exists(os.path.join(folder, name))
+        for folder in found.submodule_search_locations or ()
+        for name in ("core_model_loading.py", "core_model_loading")
     )
 
 

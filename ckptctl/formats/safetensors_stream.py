@@ -46,7 +46,9 @@ __all__ = [
     "RangeSource",
     "StreamCopier",
     "cast_block",
+    "numpy_type",
     "plan_shards",
+    "pread_into",
     "shard_file_names",
 ]
 
@@ -415,7 +417,7 @@ class StreamCopier:
                 raise CorruptCheckpoint(f"{url}: expected {len(view)} bytes at {offset}, read {len(data)}")
             view[:] = data
             return
-        _pread_into(self._source_fd(url), view, offset, url)
+        pread_into(self._source_fd(url), view, offset, url)
         io.count_read(len(view))
 
     def _source_fd(self, url: str) -> int:
@@ -446,6 +448,11 @@ def _numpy_types() -> dict[str, Any]:
     return {"float32": np.float32, "float16": np.float16, "float64": np.float64, "bfloat16": ml_dtypes.bfloat16}
 
 
+def numpy_type(dtype: str) -> Any | None:
+    """The numpy element type of the torch-style `dtype` (ml_dtypes' for bfloat16), or None (float8 variants)."""
+    return _numpy_types().get(dtype)
+
+
 def cast_block(raw: memoryview, dtype: str, out: memoryview, out_dtype: str, count: int) -> None:
     """Cast `count` elements of `dtype` in `raw` into `out` as `out_dtype` (numpy + ml_dtypes; torch for float8)."""
     types = _numpy_types()
@@ -463,7 +470,12 @@ def cast_block(raw: memoryview, dtype: str, out: memoryview, out_dtype: str, cou
     target.copy_(source)
 
 
-def _pread_into(fd: int, view: memoryview, offset: int, name: str) -> None:
+def pread_into(fd: int, view: memoryview, offset: int, name: str) -> None:
+    """Fill `view` from `offset` of the open file `fd` (`name` for the message).
+
+    Raises:
+        CorruptCheckpoint: the file ends first.
+    """
     done = 0
     while done < len(view):
         n = os.preadv(fd, [view[done:]], offset + done)

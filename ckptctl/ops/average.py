@@ -19,8 +19,11 @@ input bit for bit, whatever N, for every dtype narrower than float64.
 The output is written as `convert` writes it (`ops.convert.write_prepared`): one tensor at a time, staged,
 checked, digested and renamed into DST (or uploaded), over a job's ranks when asked, the config and
 tokenizer files taken as `convert` finds them for the last input (the newest with `--last`, `--steps`,
-`--ema`). Each tensor of each input is read once; memory holds the float64 accumulator, one input's copy of
-the tensor and the output's copy: at most 3x the largest tensor in float64, whatever N and the model size.
+`--ema`). Each tensor of each input is read once. Local inputs whose tensors are stored raw (safetensors, the
+records of DCP's torch.save items) are read block by block straight from their files (`_StreamedInputs`):
+memory holds the output's copy of the tensor and a few float64 blocks per thread. Otherwise (a remote input,
+float8, reordered rows) each input's copy is read whole: at most 3x the largest tensor in float64. Either way,
+whatever N and the model size.
 """
 
 from __future__ import annotations
@@ -60,6 +63,9 @@ __all__ = ["AverageInput", "AverageOptions", "AverageResult", "average", "run_in
 WEIGHT_SUM_TOLERANCE = 1e-9
 #: Elements widened and accumulated at a time: the float64 scratch of one block stays in the CPU's cache.
 _BLOCK = 1 << 16
+#: Elements of a block read from every input and summed by one thread (`_StreamedInputs`): the float64
+#: accumulator and term (4 MiB) stay near the core, and the Python work per block is small beside its reads.
+_STREAM_BLOCK = 1 << 18
 _FLOATING = frozenset({"float64", "float32", "float16", "bfloat16"})
 
 
@@ -438,12 +444,16 @@ def _averaged(
         (p.checkpoint.url, replace(planned, dtype=planned.entry.dtype))
         for p, planned in zip(prepared, row, strict=True)
     )
+    compute_bytes: Callable[[], memoryview] | None = None
     if _kind(want.entry.dtype) == "floating point":
-        compute: Callable[[], Any] = _Average(sources, weights, ema, want.dtype, want.shape)
+        averaged = _Average(sources, weights, ema, want.dtype, want.shape)
+        compute: Callable[[], Any] = averaged
+        compute_bytes = averaged.raw
     else:
         compute = _Equal.check(sources, want.dtype)
     entry = TensorEntry(want.name, Component.MODEL, want.dtype, want.shape, ())
-    return Planned(entry, want.name, want.dtype, derived=DerivedTensor(want.name, want.dtype, want.shape, compute))
+    derived = DerivedTensor(want.name, want.dtype, want.shape, compute, compute_bytes)
+    return Planned(entry, want.name, want.dtype, derived=derived)
 
 
 @dataclass(frozen=True, slots=True)
@@ -505,6 +515,37 @@ class _Average:
     shape: tuple[int, ...]
 
     def __call__(self) -> Any:
+        import torch
+
+        data = self._streamed_bytes()
+        if data is not None:
+            return torch.frombuffer(data, dtype=getattr(torch, self.dtype)).view(self.shape)
+        return self._whole()
+
+    def raw(self) -> memoryview:
+        """The result as raw bytes (`DerivedTensor.compute_bytes`): without torch where the inputs are streamed."""
+        from ckptctl.formats.safetensors import tensor_bytes
+
+        data = self._streamed_bytes()
+        return data if data is not None else tensor_bytes(self._whole())
+
+    def _streamed_bytes(self) -> memoryview | None:
+        """The result's bytes computed from the inputs' files block by block, or None where an input's copy must
+        be read whole (`_StreamedInputs.open`)."""
+        import numpy as np
+
+        numel = math.prod(self.shape)
+        streamed = _StreamedInputs.open(self.sources, numel) if numel else None
+        if streamed is None:
+            return None
+        out: Any = np.empty(numel * dtype_itemsize(self.dtype), dtype=np.uint8)
+        written = memoryview(out)
+        with streamed:
+            self._streamed(streamed, out.view(np.float64) if self.dtype == "float64" else None, written)
+        return written
+
+    def _whole(self) -> Any:
+        """The result computed from each input's copy of the tensor read whole (a torch tensor)."""
         import numpy as np
         import torch
 
@@ -548,6 +589,36 @@ class _Average:
                 del values
         return out.view(self.shape)
 
+    def _streamed(self, inputs: _StreamedInputs, out64: Any, written: memoryview) -> None:
+        """The tensor computed block by block straight from the inputs' files: each thread reads one block of
+        every input into its own buffer (pread, the GIL let go) and sums it in a float64 block that stays in
+        the CPU's cache, then rounds it into the output. No copy of a whole input tensor is ever made."""
+        itemsize = dtype_itemsize(self.dtype)
+
+        def block(start: int) -> None:
+            end = min(start + _STREAM_BLOCK, numel)
+            acc = out64[start:end] if out64 is not None else _scratch(end - start, "acc")
+            for i in range(len(self.sources)):
+                self._step(i, acc, inputs.read(i, start, end))
+            if out64 is None:
+                cast_block(
+                    memoryview(acc).cast("B"),
+                    "float64",
+                    written[start * itemsize : end * itemsize],
+                    self.dtype,
+                    end - start,
+                )
+
+        numel = inputs.numel
+        starts = range(0, numel, _STREAM_BLOCK)
+        if len(starts) <= 1:
+            for start in starts:
+                block(start)
+            return
+        with io.ContextThreadPool(max_workers=_workers()) as pool:
+            for _ in pool.map(block, starts):
+                pass
+
     def _step(self, i: int, acc: Any, values: Any) -> None:
         """One block of input `i` into the accumulator (float64 numpy arrays of the block's elements)."""
         import numpy as np
@@ -558,7 +629,7 @@ class _Average:
             else:
                 np.copyto(acc, values, casting="unsafe")  # widening: exact
             return
-        term = _scratch(len(acc))
+        term = _scratch(len(acc), "term")
         if self.ema is None:
             np.multiply(values, self.weights[i], out=term, dtype=np.float64)
         else:
@@ -570,14 +641,109 @@ class _Average:
 _local = threading.local()
 
 
-def _scratch(count: int) -> Any:
-    """A float64 block of this thread's own, reused: a fresh one per block would be mapped and faulted in anew."""
+def _scratch(count: int, name: str, dtype: Any = None) -> Any:
+    """A block of this thread's own (float64 unless `dtype`), reused: a fresh one per block would be mapped and
+    faulted in anew. `name` tells a thread's buffers apart."""
     import numpy as np
 
-    buffer = getattr(_local, "scratch", None)
+    dtype = np.dtype(np.float64 if dtype is None else dtype)
+    buffers = _local.__dict__.setdefault("scratch", {})
+    buffer = buffers.get((name, dtype))
     if buffer is None or len(buffer) < count:
-        buffer = _local.scratch = np.empty(max(count, _BLOCK), dtype=np.float64)
+        buffer = buffers[(name, dtype)] = np.empty(max(count, _BLOCK), dtype=dtype)
     return buffer[:count]
+
+
+@dataclass(slots=True)
+class _StreamedInputs:
+    """Every input's copy of one tensor as raw byte ranges of local files, read a block at a time.
+
+    The ranges are those `convert` copies bytes from (`formats.raw_chunks.flat_ranges`: a safetensors
+    tensor, or the tensor records inside a DCP rank file's torch.save items, checked against their file's
+    size and the metadata): reading block [a, b) of an input is one pread per range it overlaps, straight
+    into a buffer numpy reads the elements from.
+
+    Attributes:
+        numel: elements of the tensor.
+        ranges: per input, its flat ranges (row-major, in order, covering the tensor).
+        dtypes: per input, the numpy type of its stored elements.
+        fds: open files by path.
+    """
+
+    numel: int
+    ranges: list[list[Any]]
+    dtypes: list[Any]
+    fds: dict[str, int]
+
+    @classmethod
+    def open(cls, sources: Sequence[tuple[str, Planned]], numel: int) -> _StreamedInputs | None:
+        """The inputs' ranges, or None where one must be read whole (`read_planned`): rows reordered, a
+        computed tensor, a remote file, a dtype numpy has no type for (float8), records not stored raw.
+
+        Raises:
+            CorruptCheckpoint: a record lies outside its file or disagrees with the metadata.
+        """
+        from ckptctl.formats.raw_chunks import ChunkLocator, flat_ranges
+        from ckptctl.formats.safetensors_stream import numpy_type
+
+        ranges, dtypes = [], []
+        for url, planned in sources:
+            entry = planned.entry
+            dtype = numpy_type(entry.dtype)
+            if planned.rows is not None or planned.derived is not None or dtype is None or not io.is_local(url):
+                return None
+            if entry.numel != numel:
+                raise CorruptCheckpoint(f"{planned.name}: {entry.numel} elements, expected {numel}")
+            with ChunkLocator(url) as locator:
+                found = flat_ranges(entry, locator)
+            if found is None:
+                return None
+            ranges.append(found)
+            dtypes.append(dtype)
+        streamed = cls(numel, ranges, dtypes, {})
+        try:
+            for found in ranges:
+                for r in found:
+                    if r.url not in streamed.fds:
+                        streamed.fds[r.url] = os.open(io.local_path(r.url), os.O_RDONLY)
+        except BaseException:
+            streamed.close()
+            raise
+        return streamed
+
+    def __enter__(self) -> _StreamedInputs:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds.clear()
+
+    def read(self, i: int, start: int, end: int) -> Any:
+        """Elements [start, end) of input `i`, in this thread's buffer of its dtype (valid until its next read).
+
+        Raises:
+            CorruptCheckpoint: the file ends before the range.
+        """
+        import numpy as np
+
+        from ckptctl.formats.safetensors_stream import pread_into
+
+        dtype = self.dtypes[i]
+        itemsize = np.dtype(dtype).itemsize
+        raw = _scratch((end - start) * itemsize, "read", np.uint8)  # bytes: ml_dtypes' bfloat16 has no buffer
+        view = memoryview(raw)
+        for r in self.ranges[i]:
+            lo, hi = max(start, r.start), min(end, r.start + r.count)
+            if lo >= hi:
+                continue
+            target = view[(lo - start) * itemsize : (hi - start) * itemsize]
+            pread_into(self.fds[r.url], target, r.offset + (lo - r.start) * itemsize, r.url)
+            io.count_read(len(target))
+        return raw.view(dtype)
 
 
 def _workers() -> int:

@@ -24,6 +24,7 @@ from ckptctl.ops.average import AverageOptions, average
 from ckptctl.ops.convert import Target
 from tests.conftest import CliResult
 from tests.formats.test_cast import _correctly_rounded_bfloat16
+from tests.writers.dcp_load_ranks import dcp_load_on_ranks
 from tests.writers.deepspeed_writer import WrittenDeepSpeed
 from tests.writers.trainer_writer import WrittenTrainerRun
 
@@ -105,12 +106,17 @@ def demo_inputs(demo_dir: Path) -> tuple[list[Path], list[Tensors]]:
     return paths, tensors
 
 
-@pytest.fixture(params=["one block", "blocks"])
+@pytest.fixture(params=["one block", "blocks", "whole reads"])
 def blocks(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The demo's tensors fit in one block; cut into many (odd-sized, on threads) they must sum the same."""
-    if request.param == "blocks":
-        from ckptctl.ops import average as module
+    """The demo's tensors fit in one block; cut into many (odd-sized, on threads, across the chunks of a DCP
+    tensor) they must sum the same, read block by block from the files' raw ranges or, as where there are
+    none, read whole first."""
+    from ckptctl.ops import average as module
 
+    if request.param == "blocks":
+        monkeypatch.setattr(module, "_STREAM_BLOCK", 89)
+    if request.param == "whole reads":
+        monkeypatch.setattr(module._StreamedInputs, "open", classmethod(lambda cls, sources, numel: None))
         monkeypatch.setattr(module, "_BLOCK", 97)
 
 
@@ -212,6 +218,23 @@ def test_zero_tag_and_its_export_average_to_dcp_that_dcp_load_reads(
     _assert_bits({n: loaded[n] for n in want}, want)
 
 
+def test_a_dcp_output_loads_into_the_model_on_2_fsdp2_ranks(
+    deepspeed_runs: dict[int, WrittenDeepSpeed], hf_model_dirs: dict[str, Path], tmp_path: Path
+) -> None:
+    """What a job resuming from the average does: `dcp.load` of the folder into its sharded model, every key."""
+    run = deepspeed_runs[2]
+    initial = hf_model_dirs["single"]
+    tensors = [_safetensors(initial), run.reference_tensors()]
+    weights = (0.25, 0.75)
+    average(
+        [str(initial), str(run.latest)],
+        str(tmp_path / "dcp"),
+        AverageOptions(weights=weights, to=Target.DCP, config_dir=str(run.config_dir)),
+    )
+    want = {n: _rounded(v, torch.float32) for n, v in _weighted(tensors, weights).items()}
+    _assert_bits(dcp_load_on_ranks(tmp_path / "dcp", tmp_path / "ranks"), want)
+
+
 # --- refusals: nothing is written ------------------------------------------------------------------------------
 
 
@@ -262,7 +285,7 @@ def test_an_interrupted_average_leaves_nothing(demo_dir: Path, tmp_path: Path, m
     from ckptctl.ops import average as module
 
     done = []
-    real = module._Average.__call__
+    real = module._Average.raw  # what the HF writer asks each averaged tensor for
 
     def interrupted(self: Any) -> Any:
         if len(done) == 2:
@@ -270,7 +293,7 @@ def test_an_interrupted_average_leaves_nothing(demo_dir: Path, tmp_path: Path, m
         done.append(self)
         return real(self)
 
-    monkeypatch.setattr(module._Average, "__call__", interrupted)
+    monkeypatch.setattr(module._Average, "raw", interrupted)
     (tmp_path / "out").mkdir()
     with pytest.raises(KeyboardInterrupt):
         average(
@@ -278,6 +301,7 @@ def test_an_interrupted_average_leaves_nothing(demo_dir: Path, tmp_path: Path, m
             str(tmp_path / "out" / "a"),
             AverageOptions(mapping="none"),
         )
+    assert len(done) == 2
     assert list((tmp_path / "out").iterdir()) == []
 
 

@@ -286,3 +286,34 @@ def test_a_config_asking_for_a_million_layers_is_refused_before_building(
     (config_dir / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 1_000_000}))
     with pytest.raises(ModelMismatch, match="num_hidden_layers=1000000"):
         convert(str(hf_model_dirs["single"]), str(tmp_path / "hf"), ConvertOptions(config_dir=str(config_dir)))
+
+
+def test_a_model_spec_is_kept_and_read_back_without_building(
+    hf_model_dirs: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The spec transformers built is read back for the same config and versions; a spec file that does not
+    parse, or another config, is built again."""
+    from ckptctl.frameworks.hf import architecture, spec_cache
+
+    monkeypatch.setenv("CKPTCTL_CACHE_DIR", str(tmp_path))
+    config = json.loads((hf_model_dirs["single"] / "config.json").read_text())
+    built = architecture.model_spec(config, [])
+    assert built is not None
+    (kept,) = (tmp_path / "model-specs").glob("*.json")
+    build = architecture._built_spec
+    builds: list[dict[str, Any]] = []
+
+    def counted(config: dict[str, Any], notes: list[str]) -> Any:
+        builds.append(config)
+        return build(config, notes)
+
+    monkeypatch.setattr(architecture, "_built_spec", counted)
+    assert architecture.model_spec(config, []) == built
+    assert builds == []
+    kept.write_text('{"key": "')  # torn
+    assert architecture.model_spec(config, []) == built
+    assert len(builds) == 1
+    wider = {**config, "intermediate_size": config["intermediate_size"] * 2}
+    assert spec_cache.cache_key(wider) != spec_cache.cache_key(config)
+    assert architecture.model_spec(wider, []) != built
+    assert len(builds) == 2

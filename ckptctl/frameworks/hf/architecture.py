@@ -15,7 +15,9 @@ what transformers' own code would save and load:
 architecture its config names holding given tensors (loaded by `from_pretrained(state_dict=...)`, so that
 transformers applies the same renaming, conversions and ties).
 
-transformers is optional: without it (or before 5, which lacks these steps) there is no spec.
+transformers is optional: without it (or before 5, which lacks these steps) there is no spec. A spec built
+once is kept on disk under its config and the installed versions (`spec_cache`): a later check of the same
+model reads it back without importing transformers.
 """
 
 from __future__ import annotations
@@ -26,7 +28,9 @@ from typing import TYPE_CHECKING, Any
 
 from ckptctl.contract.capabilities import ModelSpec
 from ckptctl.errors import CkptctlError, ModelMismatch
+from ckptctl.families import hf_model_class
 from ckptctl.families.hf_model_class import build_on_meta, model_class, quiet
+from ckptctl.frameworks.hf import spec_cache
 
 if TYPE_CHECKING:
     import torch
@@ -44,6 +48,22 @@ def model_spec(config: Mapping[str, Any], notes: list[str]) -> ModelSpec | None:
     Raises:
         ModelMismatch: transformers refuses to build the model from this config (the output would not load).
     """
+    # Looked up only where the build would run (transformers 5 installed, a class named): the key holds the
+    # versions, so a spec is never read back under other code than the one that built it.
+    named = isinstance(config.get("architectures"), list) and bool(config["architectures"])
+    key = spec_cache.cache_key(config) if named and hf_model_class.has_transformers_5() else None
+    if key is not None:
+        kept = spec_cache.load(key)
+        if kept is not None:
+            return kept
+    spec = _built_spec(config, notes)
+    if spec is not None and key is not None:
+        spec_cache.store(key, spec)
+    return spec
+
+
+def _built_spec(config: Mapping[str, Any], notes: list[str]) -> ModelSpec | None:
+    """`model_spec`, built by transformers."""
     found = model_class(config, notes)
     if found is None:
         return None

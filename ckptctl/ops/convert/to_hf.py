@@ -120,6 +120,16 @@ def _sources(planned: Planned, locator: ChunkLocator) -> list[Source] | None:
 
 def _assembled_source(checkpoint_url: str, planned: Planned) -> BufferSource:
     def produce() -> memoryview:
+        derived = planned.derived
+        as_computed = derived is not None and planned.rows is None and planned.dtype == derived.dtype
+        if as_computed and derived is not None and derived.compute_bytes is not None:
+            data = derived.compute_bytes()
+            if len(data) != planned.nbytes:
+                raise CorruptCheckpoint(
+                    f"{planned.name}: computed {len(data)} bytes where {planned.nbytes} were planned",
+                    "this is a bug in ckptctl",
+                )
+            return data
         return tensor_bytes(read_planned(checkpoint_url, planned))
 
     return BufferSource(produce, planned.nbytes)

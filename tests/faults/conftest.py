@@ -29,15 +29,17 @@ from tests.writers.universal_writer import WrittenUniversal
 @dataclass(frozen=True)
 class Faults:
     """A checkpoint, the matrix's name of its framework, and the framework's verdict by cell id
-    (`tests.faults.cells.Cell.id`)."""
+    (`tests.faults.cells.Cell.id`). `targets`: what `ckptctl verify` is given, relative to the checkpoint ("":
+    the checkpoint itself; AReaL's trial: its recover slot and its export, the checkpoints a user verifies)."""
 
     framework: str
     checkpoint: Path
     verdicts: dict[str, str]
+    targets: tuple[str, ...] = ("",)
 
     def assert_rule(self, tmp: Path) -> None:
         """THE RULE on every cell (`tests.faults.harness.assert_rule`)."""
-        assert_rule(self.framework, self.checkpoint, self.verdicts, tmp)
+        assert_rule(self.framework, self.checkpoint, self.verdicts, tmp, self.targets)
 
 
 def _faults(

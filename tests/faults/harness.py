@@ -24,16 +24,17 @@ import contextlib
 import io
 import json
 import os
+import posixpath
 import re
 import shutil
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from tests.faults.cells import FAULTS, Cell, cells, damaged_copy, file_of, write_damaged
 
-__all__ = ["KNOWN_GAPS", "Row", "VerifyOutcome", "known_gaps", "matrix_rows", "verify", "write_rows"]
+__all__ = ["KNOWN_GAPS", "Row", "VerifyOutcome", "known_gaps", "matrix_rows", "verify", "verify_each", "write_rows"]
 
 KNOWN_GAPS = Path(__file__).with_name("known_gaps.txt")
 MANIFEST = "ckptctl-manifest.json"
@@ -44,21 +45,24 @@ ROWS_ENV = "CKPTCTL_FAULT_MATRIX_ROWS"
 @dataclass(frozen=True)
 class VerifyOutcome:
     """What `ckptctl verify --json` said: its exit code, its problems (kind, path, severity, message) and
-    stderr."""
+    stderr; `bases`, where `verify_each` verified checkpoints inside the one of the matrix, the folder each
+    problem's checkpoint is in it (its message names files relative to that folder)."""
 
     exit_code: int
     problems: tuple[tuple[str, str, str, str], ...]
     stderr: str
+    bases: tuple[str, ...] = ()
 
     def names(self, file: str) -> bool:
         """An error problem names `file` of the checkpoint in its path, else in its message (some problems
-        about a checkpoint's metadata carry no path); on exit 2 without problems, the error message does."""
-        texts = [
-            text for _, path, severity, message in self.problems if severity == "error" for text in (path, message)
-        ]
-        if self.exit_code == 2 and not self.problems:
-            texts.append(self.stderr)
-        return any(_names(text, file) for text in texts)
+        about a checkpoint's metadata carry no path; a message may name it relative to its problem's base);
+        on exit 2 without problems, the error message does."""
+        bases = self.bases or ("",) * len(self.problems)
+        for (_, path, severity, message), base in zip(self.problems, bases, strict=True):
+            local = file.removeprefix(base + "/") if base else file
+            if severity == "error" and (_names(path, file) or _names(message, file) or _names(message, local)):
+                return True
+        return self.exit_code == 2 and not self.problems and _names(self.stderr, file)
 
     def warns(self, file: str) -> bool:
         """A warning names `file` as missing (the framework's load goes on without it, and says so)."""
@@ -96,6 +100,21 @@ def verify(path: Path, *extra: str) -> VerifyOutcome:
                 for p in result.get("problems", [])
             ]
     return VerifyOutcome(code, tuple(problems), err.getvalue())
+
+
+def verify_each(copy: Path, targets: Sequence[str], *extra: str) -> VerifyOutcome:
+    """`verify` of each checkpoint `targets` names inside `copy` (relative paths; "" is the copy itself), as one
+    outcome: the first non-zero exit (else 0), every problem with its path made relative to `copy` (AReaL's slot
+    names `../../recover_info/step_info.json`: `recover_info/step_info.json` of the trial), stderr joined."""
+    outcomes = [(target, verify(copy / target if target else copy, *extra)) for target in targets]
+    problems = tuple(
+        (kind, posixpath.normpath(posixpath.join(target, path)) if target and path else path, severity, message)
+        for target, outcome in outcomes
+        for kind, path, severity, message in outcome.problems
+    )
+    bases = tuple(target for target, outcome in outcomes for _ in outcome.problems)
+    exit_code = next((o.exit_code for _, o in outcomes if o.exit_code != 0), 0)
+    return VerifyOutcome(exit_code, problems, "".join(o.stderr for _, o in outcomes), bases)
 
 
 @dataclass(frozen=True)
@@ -145,32 +164,35 @@ def judge(checkpoint: Path, cell: Cell, loader: str, outcome: VerifyOutcome) -> 
     return "gap"
 
 
-def matrix_rows(framework: str, checkpoint: Path, verdicts: Mapping[str, str], tmp: Path) -> list[Row]:
-    """Verify a damaged copy of `checkpoint` per cell (under `tmp`) and judge it against `verdicts`."""
+def matrix_rows(
+    framework: str, checkpoint: Path, verdicts: Mapping[str, str], tmp: Path, targets: Sequence[str] = ("",)
+) -> list[Row]:
+    """Verify a damaged copy of `checkpoint` per cell (under `tmp`; the checkpoints `targets` names in it,
+    `verify_each`) and judge it against `verdicts`."""
     if verdicts.get("reference") != "ok":
         raise AssertionError(f"{framework}: the framework's load of the undamaged copy: {verdicts.get('reference')}")
     rows = []
     for i, cell in enumerate(cells(checkpoint)):
         parent = tmp / f"cell-{i:03d}"
         copy = damaged_copy(checkpoint, parent, cell)
-        outcome = verify(copy)
+        outcome = verify_each(copy, targets)
         shutil.rmtree(parent)
         loader = verdicts[cell.id]
         rows.append(Row(framework, cell, loader, outcome, judge(checkpoint, cell, loader, outcome)))
     return rows
 
 
-def digest_proof(checkpoint: Path, cell: Cell, tmp: Path) -> VerifyOutcome:
+def digest_proof(checkpoint: Path, cell: Cell, tmp: Path, targets: Sequence[str] = ("",)) -> VerifyOutcome:
     """verify on the undamaged checkpoint with `--write-manifest`, then the cell's damage, then verify."""
     copy = damaged_copy(checkpoint, tmp / "digests", None)
-    written = verify(copy, "--write-manifest")
+    written = verify_each(copy, targets, "--write-manifest")
     assert written.exit_code == 0, written
     target = file_of(copy, cell.file)
     original = tmp / "original"
     shutil.copyfile(target, original)
     target.unlink()  # a hard link to the writer's file: the damage goes into a new file
     write_damaged(original, target, cell.fault)
-    return verify(copy)
+    return verify_each(copy, targets)
 
 
 def known_gaps(framework: str) -> set[tuple[str, str]]:
@@ -194,10 +216,12 @@ def write_rows(rows: list[Row]) -> None:
             f.writelines(json.dumps(row.to_json()) + "\n" for row in rows)
 
 
-def assert_rule(framework: str, checkpoint: Path, verdicts: Mapping[str, str], tmp: Path) -> list[Row]:
-    """THE RULE on every cell of `checkpoint`, the known gaps as a ratchet, and the digest proof of every
-    flip no checksum can see; returns the rows."""
-    rows = matrix_rows(framework, checkpoint, verdicts, tmp)
+def assert_rule(
+    framework: str, checkpoint: Path, verdicts: Mapping[str, str], tmp: Path, targets: Sequence[str] = ("",)
+) -> list[Row]:
+    """THE RULE on every cell of `checkpoint` (verified as the checkpoints `targets` names in it), the known
+    gaps as a ratchet, and the digest proof of every flip no checksum can see; returns the rows."""
+    rows = matrix_rows(framework, checkpoint, verdicts, tmp, targets)
     write_rows(rows)
     gaps = {(r.cell.file, r.cell.fault): r for r in rows if r.judgement == "gap"}
     known = known_gaps(framework)
@@ -208,7 +232,7 @@ def assert_rule(framework: str, checkpoint: Path, verdicts: Mapping[str, str], t
     assert not fixed, f"{framework}: known gaps now caught (remove their lines from {KNOWN_GAPS.name}): {fixed}"
     for row in rows:
         if row.judgement == "undetectable without digests":
-            proof = digest_proof(checkpoint, row.cell, tmp / f"proof-{row.cell.fault}")
+            proof = digest_proof(checkpoint, row.cell, tmp / f"proof-{row.cell.fault}", targets)
             shutil.rmtree(tmp / f"proof-{row.cell.fault}")
             kinds = {
                 kind

@@ -1,17 +1,20 @@
 """THE RULE of the fault matrix (`tests.faults.test_fault_matrix`) for the RL and large-scale trainers' writers:
-verl, ByteCheckpoint, torchtitan, Megatron dist-ckpt, ROLL and Lightning (a `.ckpt` file and a sharded `.ckpt/`
+verl, ByteCheckpoint, torchtitan, Megatron dist-ckpt, ROLL, AReaL and Lightning (a `.ckpt` file and a sharded `.ckpt/`
 folder). One checkpoint per writer, from the suite's cached writer outputs; each framework's verdicts come from
 one loader process (`tests.faults.loaders.NAME`) and are cached like the writers' outputs."""
 
 from __future__ import annotations
 
+import functools
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import build_once
 from tests.faults.conftest import Faults, _faults
-from tests.faults.loaders import bytecheckpoint, lightning, megatron, roll, torchtitan, verl
+from tests.faults.loaders import areal, bytecheckpoint, lightning, megatron, roll, torchtitan, verl
+from tests.writers.areal_writer import WrittenAreal
 from tests.writers.bytecheckpoint_writer import WrittenBytecheckpoint, write_bytecheckpoint_run
 from tests.writers.lightning_writer import WrittenLightning
 from tests.writers.megatron_writer import WrittenMegatron
@@ -52,6 +55,16 @@ def roll_faults(tmp_path_factory: pytest.TempPathFactory, fsdp_runs: WrittenFsdp
 
 
 @pytest.fixture(scope="session")
+def areal_faults(tmp_path_factory: pytest.TempPathFactory, areal_run: WrittenAreal) -> Faults:
+    """AReaL's trial at its last step (`recover_info/`, `default/recover_checkpoint/` and the step's HF export),
+    judged by its `RecoverHandler.load` into a fresh FSDP engine and by `from_pretrained` of the export;
+    `ckptctl verify` of the slot (which reads `recover_info/` as its own) and of the export."""
+    trial: Path = build_once(tmp_path_factory, "areal-step", functools.partial(areal.step_view, areal_run.trial))
+    faults = _faults(tmp_path_factory, "areal", functools.partial(areal.build, base=areal_run.base_model), trial)
+    return replace(faults, targets=(areal.SLOT, areal.EXPORT))
+
+
+@pytest.fixture(scope="session")
 def lightning_file_faults(tmp_path_factory: pytest.TempPathFactory, lightning_run: WrittenLightning) -> Faults:
     """Lightning's `epoch=0-step=4.ckpt` file, judged by `Trainer.fit(ckpt_path=...)`."""
     return _faults(tmp_path_factory, "lightning-file", lightning.build_file, lightning_run.step(4))
@@ -84,6 +97,10 @@ def test_megatron(megatron_faults: Faults, tmp_path: Path) -> None:
 
 def test_roll(roll_faults: Faults, tmp_path: Path) -> None:
     roll_faults.assert_rule(tmp_path)
+
+
+def test_areal(areal_faults: Faults, tmp_path: Path) -> None:
+    areal_faults.assert_rule(tmp_path)
 
 
 def test_lightning_file(lightning_file_faults: Faults, tmp_path: Path) -> None:

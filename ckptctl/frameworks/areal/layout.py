@@ -51,6 +51,7 @@ from ckptctl.checkpoint import (
     TensorEntry,
 )
 from ckptctl.contract.base import Layout, newest_mtime, timestamp
+from ckptctl.contract.load_set import LoadMember, MemberKind
 from ckptctl.contract.resume import ResumeProfile
 from ckptctl.errors import CkptctlError, CorruptCheckpoint, UnknownLayout
 from ckptctl.families.dcp_folder import (
@@ -61,7 +62,7 @@ from ckptctl.families.dcp_folder import (
     verify_dcp,
     world_size_of,
 )
-from ckptctl.families.hf_folder import HfFolderLayout, model_markers, verify_model_files
+from ckptctl.families.hf_folder import HfFolderLayout, has_weights, model_markers, verify_model_files
 from ckptctl.families.in_progress import unfinished_state
 from ckptctl.formats.dcp_folder_metadata import load_dcp_metadata
 from ckptctl.formats.dcp_metadata import METADATA_NAME
@@ -87,6 +88,12 @@ _STEP_FIELDS = ("epoch", "epoch_step", "global_step", "steps_per_epoch")
 _MEGATRON_FILES = frozenset({"metadata.json", "common.pt"})
 _MAX_INFO_BYTES = 64 << 20
 _INFO_PREFIX = f"../../{RECOVER_INFO}/"
+#: What an export's tokenizer is saved as (`ArealLayout.load_set`).
+_EXPORT_TOKENIZER = frozenset({"tokenizer.json", "tokenizer_config.json"})
+_NO_WEIGHTS = (
+    "the export holds no model weights (model.safetensors, or its shards and index): transformers from_pretrained "
+    "fails on it"
+)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -280,13 +287,18 @@ class ArealLayout(Layout):
         info = _recover_info(url)
         note = _slot_problem(entries, info)
         meta = next((e for e in entries if e.name == METADATA_NAME and not e.is_dir), None)
+        state = _unfinished(entries, info) if note else CheckpointState.COMPLETE
+        if note and meta is not None and (unreadable := _unreadable_metadata(url)):
+            # Read only when the times already say unfinished: they cannot tell a save under way from a damaged
+            # `.metadata`, its contents can.
+            state, note = CheckpointState.BROKEN, unreadable
         return CheckpointRef(
             url=url,
             layout=self.name,
             step=info.global_step,
             epoch=info.epoch,
             created=timestamp(meta.mtime if meta is not None else newest_mtime(entries)),
-            state=_unfinished(entries, info) if note else CheckpointState.COMPLETE,
+            state=state,
             size_bytes=sum(e.size for e in entries if not e.is_dir),
             note=note,
         )
@@ -305,7 +317,21 @@ class ArealLayout(Layout):
                 note="an export still named *.tmp: not renamed into place yet",
             )
         ref = HfFolderLayout().identify(url, entries)
-        return None if ref is None else replace(ref, layout=self.name, step=global_step, epoch=float(epoch))
+        if ref is None:
+            # Named as the Saver's export but without weights: a torn export, never nothing (`FSDPEngine.
+            # _save_model_to_hf` writes into this folder itself, under no staging name).
+            newest = newest_mtime(entries)
+            return CheckpointRef(
+                url,
+                self.name,
+                global_step,
+                float(epoch),
+                timestamp(newest),
+                unfinished_state(newest),
+                sum(e.size for e in entries if not e.is_dir),
+                note=_NO_WEIGHTS,
+            )
+        return replace(ref, layout=self.name, step=global_step, epoch=float(epoch))
 
     def latest_pointer(self, url: str, entries: Sequence[DirEntry]) -> str | None:
         """`recover_checkpoint` in a model folder whose trial has `recover_info/step_info.json`: the slot is
@@ -407,8 +433,8 @@ class ArealLayout(Layout):
         assert m is not None
         progress = {"epoch": int(m.group(1)), "epoch_step": int(m.group(2)), "global_step": int(m.group(3))}
         metadata = {"format": "areal", "kind": "hf_export", "progress": progress}
-        if m.group(4):  # not renamed into place yet: nothing to index
-            files = {e.name: e.size for e in io.list_dir(url) if not e.is_dir}
+        files = {e.name: e.size for e in io.list_dir(url) if not e.is_dir}
+        if m.group(4) or not has_weights(files):  # not renamed into place yet, or torn: nothing to index
             return Checkpoint(ref, frozenset(), None, metadata, tuple, files, role=Role.EXPORT, progress=progress)
         model = HfFolderLayout().open(url)
         return replace(model, ref=ref, metadata={**metadata, **model.metadata}, role=Role.EXPORT, progress=progress)
@@ -421,6 +447,8 @@ class ArealLayout(Layout):
         if EXPORT_RE.match(io.name_of(url)):
             if io.name_of(url).endswith(".tmp"):
                 return [Problem(ProblemKind.IN_PROGRESS, "", "the export has not been renamed into place")]
+            if not has_weights(checkpoint.files):
+                return [Problem(ProblemKind.MISSING_FILE, "model.safetensors", _NO_WEIGHTS)]
             return verify_model_files(url, checkpoint.files)
         entries = io.list_dir(url)
         problems = verify_dcp(url)
@@ -441,6 +469,20 @@ class ArealLayout(Layout):
         problems += _info_problems(info, meta, checkpoint.world_size)
         return problems
 
+    def load_set(self, checkpoint: Checkpoint) -> Sequence[LoadMember]:
+        """An export's tokenizer, when it has one: AReaL's tokenizer is a fast one (areal/utils/hf_utils.py:
+        `load_hf_tokenizer`, `AutoTokenizer.from_pretrained`), which `FSDPEngine._save_model_to_hf`
+        (areal/engine/fsdp_engine.py) saves beside the weights (`tokenizer.save_pretrained`) as tokenizer.json
+        and tokenizer_config.json. `AutoTokenizer.from_pretrained` fails without tokenizer.json (the config
+        names a fast-only class), and without tokenizer_config.json loads it with the special tokens lost.
+        The slot's files are `verify`'s own rules (DCP's and `recover_info/`'s)."""
+        if checkpoint.role is not Role.EXPORT or not checkpoint.files.keys() & _EXPORT_TOKENIZER:
+            return ()
+        return [
+            LoadMember(name, MemberKind.JSON, f"the tokenizer's {name}", "transformers AutoTokenizer.from_pretrained")
+            for name in sorted(_EXPORT_TOKENIZER)
+        ]
+
     def completion_markers(self, files: Mapping[str, int]) -> tuple[str, ...]:
         """The slot: DCP's `.metadata` and Megatron's `metadata.json`; an export: the model folder's."""
         top = {name: size for name, size in files.items() if "/" not in name}
@@ -452,6 +494,17 @@ class ArealLayout(Layout):
         from ckptctl.frameworks.areal.resume import PROFILE
 
         return PROFILE
+
+
+def _unreadable_metadata(url: str) -> str:
+    """Why the slot's `.metadata` does not parse ("" when it does). torch DCP writes it under `.metadata.tmp`
+    and renames it into place (torch/distributed/checkpoint/filesystem.py: `_FileSystemWriter.finish`), so one
+    that does not parse is damage, never a save under way."""
+    try:
+        load_dcp_metadata(url)
+    except CkptctlError as exc:
+        return f"{METADATA_NAME} does not parse: {exc.message}"
+    return ""
 
 
 def _info_problems(info: _RecoverInfo, meta: DirEntry | None, world_size: int | None) -> list[Problem]:

@@ -19,11 +19,13 @@ How one checkpoint goes (`io.commit`'s object-store protocol, used on a local DS
 
 1. What DST holds of it already (an older or torn copy) loses its digest record and completion markers
    first, so that it never passes for complete with mixed content.
-2. Every file but the completion markers (of any layout: `_markers`) goes up in parallel on `io`'s pool, the
-   largest first, hashed (blake3) as it is read. Each file appears whole or not at all: an object PUT
-   (multipart for large files), or a hidden temporary file renamed into place on a local DST.
-3. The markers go one after another in their layout's order. Before the last: the listing at DST must show
-   every file with its size, and the digests must equal SRC's own record where it has one.
+2. Every file but the completion markers (of any layout: `_markers`) goes up in parallel on one pool of
+   `workers` threads shared by all the checkpoints of the pass (so the next checkpoint's files are sent
+   while this one's markers go), the largest first, hashed (blake3) as it is read. Each file appears whole
+   or not at all: an object PUT (a multipart upload with parts in parallel for large files, `io.remote`),
+   or a hidden temporary file renamed into place on a local DST.
+3. The markers go one after another in their layout's order, once every other file of the checkpoint is
+   up. Before the last: the digests must equal SRC's own record where it has one.
 4. Last, the digest record `ckptctl-digests.json`, where SRC has none, so that `verify` at DST checks every
    byte and the next sync skips the checkpoint.
 
@@ -43,7 +45,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Any
@@ -71,6 +73,10 @@ SYNC_LOCK = ".ckptctl-sync.lock"
 _PART = ".ckptctl-sync-part"
 #: Object stores keep times in whole seconds: a copy is as new as its source within this.
 _SLACK = 1.0
+#: Files up to this size are hashed before they are sent, in the sending thread (a thread of its own costs more).
+_HASH_INLINE = 1 << 20
+#: Seconds between two refreshes of the DST lock (it goes stale after `core.lock.STALE_AFTER`, an hour).
+_REFRESH_EVERY = 60.0
 #: States whose checkpoints are whole at SRC and copied.
 _COPIED = frozenset({CheckpointState.COMPLETE, CheckpointState.SUPERSEDED, CheckpointState.SLIM})
 _WHY_NOT = {
@@ -333,6 +339,9 @@ class _Transfer:
         source, target = io.join(self.src, rel), io.join(self.dst, rel)
         if io.is_local(target):
             record = self._to_local(source, io.local_path(target))
+        elif io.is_local(source) and os.path.getsize(io.local_path(source)) <= _HASH_INLINE:
+            record = FileRecord(os.path.getsize(io.local_path(source)), file_digest(source))
+            io.upload_file(io.local_path(source), target)
         elif io.is_local(source):
             # Hashed while it is sent (the second read comes from the page cache), not before.
             with ThreadPoolExecutor(max_workers=1) as hashing:
@@ -377,7 +386,20 @@ class _Mismatch(Exception):
     """The bytes read of a checkpoint differ from its own record at SRC."""
 
 
-def _copy(unit: _Unit, transfer: _Transfer, dst_tree: Mapping[str, io.DirEntry]) -> SyncItem:
+@dataclass(slots=True)
+class _Started:
+    """A checkpoint whose files other than its markers are on their way up (`_start`)."""
+
+    unit: _Unit
+    dst_base: str
+    last: list[str]
+    sending: dict[str, Future[FileRecord]]
+    started: float
+
+
+def _start(unit: _Unit, transfer: _Transfer, dst_tree: Mapping[str, io.DirEntry], pool: ThreadPoolExecutor) -> _Started:
+    """Steps 1 and 2 of the module docstring: what DST holds of it loses its record and markers, then its
+    other files are queued on `pool`, the largest first."""
     started = time.monotonic()
     dst_base = io.join(transfer.dst, unit.base) if unit.base else transfer.dst
     last = _markers(unit)
@@ -386,12 +408,19 @@ def _copy(unit: _Unit, transfer: _Transfer, dst_tree: Mapping[str, io.DirEntry])
         first = [{DIGESTS_NAME}, *({m} for m in reversed(last))]
         trash.delete_objects(dst_base, [rel for rel in present if rel in {DIGESTS_NAME, *last}], first)
     rest = sorted((rel for rel in unit.files if rel not in last), key=lambda rel: (-unit.files[rel].size, rel))
-    done = transfer.parallel([unit.path(rel) for rel in rest])
-    records = {rel: done[unit.path(rel)] for rel in rest}
+    sending = {rel: pool.submit(transfer.put, unit.path(rel)) for rel in rest}
+    return _Started(unit, dst_base, last, sending, started)
+
+
+def _finish(job: _Started, transfer: _Transfer) -> SyncItem:
+    """Steps 2 to 4: once its other files are up, its markers one by one (checked against SRC's own record
+    before the last), then the digest record."""
+    unit, dst_base, last = job.unit, job.dst_base, job.last
+    records = {rel: future.result() for rel, future in job.sending.items()}
     try:
         for rel in last[:-1]:
             records[rel] = transfer.put(unit.path(rel))
-        _check(unit, transfer, records, dst_base)
+        _check(unit, transfer, records)
         for rel in last[-1:]:
             records[rel] = transfer.put(unit.path(rel))
     except _Mismatch as exc:
@@ -404,26 +433,16 @@ def _copy(unit: _Unit, transfer: _Transfer, dst_tree: Mapping[str, io.DirEntry])
         for folder in sorted({posixpath.dirname(unit.path(rel)) for rel in records}, reverse=True):
             io.fsync_dir(io.local_path(io.join(transfer.dst, folder) if folder else transfer.dst))
     return _item(
-        unit, transfer.dst, Action.COPIED, "", sum(r.size for r in records.values()), time.monotonic() - started
+        unit, transfer.dst, Action.COPIED, "", sum(r.size for r in records.values()), time.monotonic() - job.started
     )
 
 
-def _check(unit: _Unit, transfer: _Transfer, records: Mapping[str, FileRecord], dst_base: str) -> None:
-    """Before the last marker: every file sent is listed at DST with its size, and what was read equals SRC's
-    own record of it, where it has one (a native manifest, a digests file)."""
-    if unit.is_file:
-        return
-    listed = {rel: entry.size for rel, entry in io.list_tree(dst_base).items()}
-    for rel, record in records.items():
-        if listed.get(rel) != record.size:
-            raise StorageError(
-                f"{io.join(dst_base, rel)} is listed "
-                + ("as missing" if rel not in listed else f"with {listed[rel]} bytes, not {record.size}")
-                + " after its upload",
-                "another writer may be using the same prefix; run the sync again",
-            )
+def _check(unit: _Unit, transfer: _Transfer, records: Mapping[str, FileRecord]) -> None:
+    """Before the last marker: what was read equals SRC's own record of it, where it has one (a native
+    manifest, a digests file). That each file is at DST needs no listing: its PUT (or its rename, locally)
+    returned, and S3 and the stores like it list an object as soon as its PUT has returned."""
     own = unit.own_record
-    if own is None:
+    if unit.is_file or own is None:
         return
     recorded = load_manifest(io.join(transfer.src, unit.path(own))).files
     absent = sorted(set(recorded) - set(records) - {own})
@@ -567,9 +586,11 @@ def _pass(
     progress: Progress,
     stop: threading.Event | None,
     workers: int | None,
-    lock: RunLock | None,
+    keeper: _LockKeeper | None,
 ) -> SyncReport:
     started = time.monotonic()
+    if keeper is not None:
+        keeper.tick()
     refs = scan_run(src)
     units, loose = _assign(src, refs, io.list_tree(src))
     dst_tree = _dst_tree(dst)
@@ -598,27 +619,69 @@ def _pass(
             items.append(_item(unit, dst, Action.COPIED, "", unit.size))
     progress.start("copying", sum(unit.size for unit in todo) or None)
     try:
-        for unit in todo:
-            if dry_run:
-                whole.add(unit.key)
-                continue
-            if lock is not None:
-                lock.refresh()
-            try:
-                done = _copy(unit, transfer, dst_tree)
-            except SyncStopped:
-                raise
-            except CkptctlError:
-                if not _vanished(unit):
-                    raise
-                done = _item(unit, dst, Action.SKIPPED, "deleted at SRC while it was copied", unit.size)
-            if done.action is Action.COPIED:
-                whole.add(unit.key)
-            items[next(i for i, item in enumerate(items) if item.url == unit.ref.url)] = done
+        if dry_run:
+            whole.update(unit.key for unit in todo)
+        else:
+            whole.update(_copy_all(todo, transfer, dst_tree, items, keeper))
         run_files = _run_files(loose, whole, transfer, dst_tree, dry_run)
     finally:
         progress.finish()
     return SyncReport(src, dst, dry_run, tuple(items), tuple(run_files), time.monotonic() - started)
+
+
+def _copy_all(
+    todo: Sequence[_Unit],
+    transfer: _Transfer,
+    dst_tree: Mapping[str, io.DirEntry],
+    items: list[SyncItem],
+    keeper: _LockKeeper | None,
+) -> set[str]:
+    """Copy the checkpoints `todo`, replacing their entries in `items`; the keys of those now whole at DST.
+
+    The files of every checkpoint (markers aside) are queued at once on one pool of `workers` threads, in
+    checkpoint order, so that the link stays busy across checkpoints; each checkpoint's markers follow as
+    soon as its own files are up, from this thread, while the pool sends the next checkpoints' files. On an
+    error (or a stop) nothing more is started, and what is running ends before the error is raised.
+    """
+    whole: set[str] = set()
+    with io.ContextThreadPool(max_workers=transfer.workers or io.workers()) as pool:
+        jobs = [_start(unit, transfer, dst_tree, pool) for unit in todo]
+        try:
+            for job in jobs:
+                if keeper is not None:
+                    keeper.tick()
+                unit = job.unit
+                try:
+                    done = _finish(job, transfer)
+                except SyncStopped:
+                    raise
+                except CkptctlError:
+                    if not _vanished(unit):
+                        raise
+                    done = _item(unit, transfer.dst, Action.SKIPPED, "deleted at SRC while it was copied", unit.size)
+                if done.action is Action.COPIED:
+                    whole.add(unit.key)
+                items[next(i for i, item in enumerate(items) if item.url == unit.ref.url)] = done
+        except BaseException:
+            for job in jobs:
+                for future in job.sending.values():
+                    future.cancel()
+            raise
+    return whole
+
+
+class _LockKeeper:
+    """Refreshes the DST lock (`RunLock.refresh`: a read and a write) at most every `_REFRESH_EVERY` seconds,
+    rather than before each checkpoint: far more often than it goes stale (`STALE_AFTER`), few requests."""
+
+    def __init__(self, lock: RunLock) -> None:
+        self.lock = lock
+        self.refreshed = time.monotonic()
+
+    def tick(self) -> None:
+        if time.monotonic() - self.refreshed >= _REFRESH_EVERY:
+            self.lock.refresh()
+            self.refreshed = time.monotonic()
 
 
 def _keep_local(
@@ -730,10 +793,11 @@ def _passes(
     sink = progress or NoProgress()
     lock_or_none = contextlib.nullcontext(None) if dry_run else _dst_lock(dst, wait, warn)
     with lock_or_none as lock:
+        keeper = None if lock is None else _LockKeeper(lock)
         count = 0
         while True:
             report = _pass(
-                src, dst, latest=latest, dry_run=dry_run, progress=sink, stop=stop, workers=workers, lock=lock
+                src, dst, latest=latest, dry_run=dry_run, progress=sink, stop=stop, workers=workers, keeper=keeper
             )
             if keep_local is not None:
                 report = _keep_local(report, keep_local, grace=grace, wait=wait, warn=warn)

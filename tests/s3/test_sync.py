@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 
 from ckptctl import io
+from ckptctl.core import mirror as mirror_module
 from ckptctl.core.lock import RunLock
 from ckptctl.errors import StorageError
-from ckptctl.ops import sync as sync_module
 from ckptctl.ops.sync import SYNC_LOCK, watch
 from tests.conftest import CliResult
 from tests.s3._upload_kill import killed_after_uploads
@@ -63,7 +63,7 @@ def test_a_demo_run_goes_up_whole_and_a_second_sync_reads_nothing(
     def no_reads(*args: object) -> None:
         raise AssertionError(f"read again: {args}")
 
-    monkeypatch.setattr(sync_module, "file_digest", no_reads)
+    monkeypatch.setattr(mirror_module, "file_digest", no_reads)
     monkeypatch.setattr(io, "upload_file", no_reads)
     again = sync_json(run_cli, demo_dir, dst)
     assert {v for v in actions(again).values()} == {("skipped", "already whole at DST")}

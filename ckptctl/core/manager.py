@@ -297,8 +297,10 @@ class CheckpointManager:
         checkpoints they were deleting are out of sight already, and the next retention retries."""
         for exc in self._deleter.take_errors():
             warnings.warn(f"retention in {self.root} failed: {exc}", CheckpointWarning, stacklevel=stacklevel)
-        for exc in self._mirror.take_errors() if self._mirror is not None else ():
-            warnings.warn(f"mirroring to {self._mirror.url} failed: {exc}", CheckpointWarning, stacklevel=stacklevel)
+        if self._mirror is not None:
+            for exc in self._mirror.take_errors():
+                message = f"mirroring to {self._mirror.url} failed: {exc}"
+                warnings.warn(message, CheckpointWarning, stacklevel=stacklevel)
 
     def _background(self, step: int, taken: Snapshot, metrics: dict[str, Any]) -> None:
         try:

@@ -177,7 +177,7 @@ def main() -> int:
         inspected = inspect_checkpoint(str(root / "dcp"))  # the first call: the metadata cache is cold
         inspect_read = inspected.bytes_read
         assert inspected.totals.tensors == args.tensors
-        from ckptctl.layouts.parts import dcp_folder_metadata
+        from ckptctl.formats import dcp_folder_metadata
 
         def cold_inspect() -> None:
             dcp_folder_metadata._cache.clear()  # measure the parse, not the in-process cache

@@ -5,10 +5,14 @@ Layers, from the top; a module imports from its own layer and those below it, ne
     cli, demo, integrations          what people and training loops run
     ops                              the logic of each command (names no framework)
     core                             what a training loop imports (imports no framework package)
-    frameworks                       one plugin per framework: imports `layouts` (the registry and the shared
-                                     parts), never another framework package
-    layouts                          registry, run walker, shared parts (imports no framework package: the
-                                     registry names plugins by dotted strings and imports them lazily)
+    frameworks                       one plugin per framework: imports `layouts`, `families` and `contract`,
+                                     never another framework package
+    layouts                          registry, run scan and walker, generic reader (imports no framework
+                                     package: the registry names plugins by dotted strings, imports them lazily)
+    families                         the format-family readers plugins share (DCP folder, HF folder, ZeRO tag,
+                                     LoRA): never the registry, never a plugin
+    contract                         what a reader is and may provide (`Layout`, capabilities, load set,
+                                     resume profile, naming), which the readers above subclass and fill
     formats                          file formats, no layout knowledge
     io                               every file access
     errors, units, checkpoint,       the vocabulary every layer uses
@@ -43,14 +47,16 @@ LAYERS = {
     "version": 0,
     "io": 1,
     "formats": 2,
-    "layouts": 3,
-    "frameworks": 4,
-    "core": 5,
-    "ops": 6,
-    "cli": 7,
-    "demo": 7,
-    "integrations": 7,
-    "__main__": 8,
+    "contract": 3,
+    "families": 4,
+    "layouts": 5,
+    "frameworks": 6,
+    "core": 7,
+    "ops": 8,
+    "cli": 9,
+    "demo": 9,
+    "integrations": 9,
+    "__main__": 10,
 }
 
 #: Parts that must not import the plugins although they sit above them (they reach them through the registry).
@@ -113,11 +119,11 @@ def check(package: Path = PACKAGE) -> list[Violation]:
             target = _part(imported)
             if LAYERS[target] > LAYERS[part]:
                 found.append(Violation(module, imported, line, f"{part} is below {target}"))
-            elif target == "frameworks" and part in (*NO_FRAMEWORKS, "layouts"):
+            elif target == "frameworks" and part in (*NO_FRAMEWORKS, "layouts", "families", "contract"):
                 found.append(Violation(module, imported, line, f"{part} reaches plugins only through the registry"))
             elif _plugin(module) and _plugin(imported) and _plugin(module) != _plugin(imported):
                 found.append(
-                    Violation(module, imported, line, "plugins never import each other (share a part in layouts)")
+                    Violation(module, imported, line, "plugins never import each other (share a reader in families)")
                 )
     return found + cycle_violations(package)
 

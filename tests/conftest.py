@@ -44,8 +44,8 @@ from tests.writers.verl_critic_writer import WrittenVerlCritic, write_verl_criti
 from tests.writers.verl_writer import WrittenVerl, write_verl_run
 
 if TYPE_CHECKING:
+    from ckptctl.contract.base import Layout
     from ckptctl.formats.torch_zip import ZipMember
-    from ckptctl.layouts.base import Layout
 
 T = TypeVar("T")
 

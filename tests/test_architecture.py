@@ -27,11 +27,14 @@ def test_the_contract_catches_each_kind_of_break(tmp_path: Path) -> None:
     package = tmp_path / "ckptctl"
     files = {
         "frameworks/a/layout.py": "from ckptctl.frameworks.b import layout\nfrom ckptctl.frameworks.a import x\n",
-        "frameworks/b/layout.py": "from ckptctl.layouts import parts\n",
+        "frameworks/b/layout.py": "from ckptctl import families\n",
         "core/manager.py": "def f():\n    from ckptctl.frameworks.a.layout import X\n",
-        "layouts/base.py": "import ckptctl.frameworks.a.layout\n",
+        "contract/base.py": "import ckptctl.frameworks.a.layout\n",
         "formats/dcp.py": "from ckptctl import ops\n",
         "ops/listing.py": "from ckptctl.layouts import scan_run\nfrom ckptctl.formats import dcp\n",
+        "families/zero_tag.py": "from ckptctl.contract.base import Layout\nfrom ckptctl.layouts import get_layout\n",
+        "families/dcp_folder.py": "def f():\n    from ckptctl.frameworks.dcp import layout\n",
+        "contract/capabilities.py": "from ckptctl.families.value_head import HeadTask\n",
     }
     _plant(package, files)
 
@@ -40,8 +43,11 @@ def test_the_contract_catches_each_kind_of_break(tmp_path: Path) -> None:
     assert found == {
         ("ckptctl.frameworks.a.layout", "ckptctl.frameworks.b.layout"),
         ("ckptctl.core.manager", "ckptctl.frameworks.a.layout.X"),
-        ("ckptctl.layouts.base", "ckptctl.frameworks.a.layout"),
+        ("ckptctl.contract.base", "ckptctl.frameworks.a.layout"),
         ("ckptctl.formats.dcp", "ckptctl.ops"),
+        ("ckptctl.families.zero_tag", "ckptctl.layouts.get_layout"),
+        ("ckptctl.families.dcp_folder", "ckptctl.frameworks.dcp.layout"),
+        ("ckptctl.contract.capabilities", "ckptctl.families.value_head.HeadTask"),
     }
 
 
@@ -55,8 +61,8 @@ def test_the_contract_finds_every_import_cycle_also_those_a_function_or_type_che
         "frameworks/a/layout.py": "def profile():\n    from ckptctl.frameworks.a.resume import PROFILE\n",
         "frameworks/a/resume.py": "from ckptctl.frameworks.a.universal import host\n",
         "frameworks/a/universal.py": "from ckptctl.frameworks.a import layout\n",
-        "layouts/base.py": "from ckptctl.layouts.load_set import LoadMember\n",
-        "layouts/load_set.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ckptctl.layouts.base import Layout\n",
+        "contract/base.py": "from ckptctl.contract.load_set import LoadMember\n",
+        "contract/load_set.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ckptctl.contract.base import Layout\n",
         "core/__init__.py": "from ckptctl.core.loading import restore\n",
         "core/loading.py": "from ckptctl.core import rng\nfrom ckptctl.core.entries import kind_of\n",
         "core/rng.py": "from ckptctl.core.entries import kind_of\n",
@@ -67,10 +73,10 @@ def test_the_contract_finds_every_import_cycle_also_those_a_function_or_type_che
     found = [v.rule for v in check(package)]
 
     assert found == [
+        "import cycle: ckptctl.contract.base -> ckptctl.contract.load_set -> ckptctl.contract.base",
         "import cycle: ckptctl.frameworks.a.layout -> ckptctl.frameworks.a.resume -> ckptctl.frameworks.a.universal"
         " -> ckptctl.frameworks.a.layout",
         "import cycle: ckptctl.io -> ckptctl.io.failures -> ckptctl.io",
-        "import cycle: ckptctl.layouts.base -> ckptctl.layouts.load_set -> ckptctl.layouts.base",
     ]
 
 

@@ -83,6 +83,7 @@ import numpy as np
 import torch
 
 from ckptctl import io
+from ckptctl.contract.base import folder_size
 from ckptctl.core import distributed as dist_
 from ckptctl.core import loading, snapshot
 from ckptctl.core.deleter import BackgroundDeleter
@@ -99,7 +100,6 @@ from ckptctl.formats.native import ABANDON_GRACE, POINTER_NAME, StepNaming, stag
 from ckptctl.formats.slim_marker import SLIM_NOTE
 from ckptctl.io import trash
 from ckptctl.io.trash import TRASH_NAME, Retired
-from ckptctl.layouts.base import folder_size
 from ckptctl.version import __version__
 
 __all__ = ["POINTER_NAME", "TRASH_NAME", "CheckpointManager", "StepNaming"]

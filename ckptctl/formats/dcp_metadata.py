@@ -5,7 +5,7 @@ ckptctl unpickles it with `dcp_metadata_classes.DCP_METADATA_GLOBALS` (inert sta
 classes it names) and turns the result into the frozen dataclasses below, checking every type and value
 on the way: a file that parses here has string keys, known dtypes, non-negative sizes and offsets whose
 dimensions agree, and storage paths that stay inside the checkpoint folder. Whether the chunks tile
-their tensors and the storage records fit their files is `verify`'s business (`layouts.parts.dcp_folder`), so that it
+their tensors and the storage records fit their files is `verify`'s business (`families.dcp_folder`), so that it
 can report each problem instead of stopping at the first.
 """
 

@@ -2,5 +2,5 @@
 
 Each package holds its layout (detection, index, structural rules, pointers) and the facts the commands
 need from it (resume profile, prune protections, convert specifics), behind the hooks of
-`ckptctl.layouts.base.Layout`; `ckptctl.layouts` registers them. See docs/architecture.md.
+`ckptctl.contract.base.Layout`; `ckptctl.layouts` registers them. See docs/architecture.md.
 """

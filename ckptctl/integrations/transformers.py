@@ -28,9 +28,9 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ckptctl import io
+from ckptctl.contract.base import list_files
 from ckptctl.core.retention import RetentionPolicy
 from ckptctl.formats.manifest import DIGESTS_NAME
-from ckptctl.layouts.base import list_files
 from ckptctl.ops.digests import write_digests
 from ckptctl.ops.prune import PruneReport, prune
 from ckptctl.ops.report import NoProgress

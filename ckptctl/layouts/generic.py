@@ -11,7 +11,7 @@ never by their name alone:
 - any `*.pt`/`*.pth`/`*.bin`/`*.ckpt`/`*.safetensors` of at least `MEANINGFUL_BYTES` (a legacy pickle, a
   format of its own).
 
-Such a file whose name gives a step or an epoch (the naming rules of `layouts.step_names`: `ep0-ba10-rank0.pt`) is a
+Such a file whose name gives a step or an epoch (the naming rules of `contract.step_names`: `ep0-ba10-rank0.pt`) is a
 checkpoint of its own; the other ones make the folder holding them one checkpoint (`step-00000010/` with its
 `train.pth`). Either is listed with layout and state `unknown` and a note naming the files that made it so:
 `verify` reads them as generic files and exits 2, a `verify --latest` is no fresh start, `prune` keeps them
@@ -30,16 +30,16 @@ from functools import cache, lru_cache
 
 from ckptctl import io
 from ckptctl.checkpoint import Checkpoint, CheckpointRef, CheckpointState, Component, Problem, ProblemKind
+from ckptctl.contract.base import Layout, timestamp
+from ckptctl.contract.resume import PlanContext, ResumeProfile, generic_profile
+from ckptctl.contract.step_names import CHECKPOINT_SUFFIXES, NameFacts, name_facts
+from ckptctl.contract.training_state import TrainingState, read_training_state
 from ckptctl.errors import CkptctlError, UnknownLayout
 from ckptctl.formats.safetensors import read_header
 from ckptctl.formats.torch_pickle_classes import OPAQUE_PICKLE_GLOBALS
 from ckptctl.formats.torch_zip import TorchArchive
 from ckptctl.io import DirEntry
-from ckptctl.layouts.base import Layout, timestamp
-from ckptctl.layouts.resume import PlanContext, ResumeProfile, generic_profile
 from ckptctl.layouts.run_state import run_state_files
-from ckptctl.layouts.step_names import CHECKPOINT_SUFFIXES, NameFacts, name_facts
-from ckptctl.layouts.training_state import TrainingState, read_training_state
 from ckptctl.quoting import shell
 
 __all__ = [
@@ -310,7 +310,7 @@ class GenericLayout(Layout):
 
 
 class TrainingStateLayout(Layout):
-    """A training state the generic reader recognises by its top-level keys (`layouts.training_state`): a
+    """A training state the generic reader recognises by its top-level keys (`contract.training_state`): a
     torch.save file whose name gives a step (Composer's `ep0-ba10-rank0.pt`), or a folder holding one such file
     and nothing else checkpoint-like (LitGPT's `step-00000010/lit_model.pth`). Read as a single torch file
     (`layouts.single_file.TorchFile`): its model, optimizer, scheduler, RNG and counters, as its keys say. Not in

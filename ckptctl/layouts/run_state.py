@@ -17,10 +17,10 @@ from typing import Any
 
 from ckptctl import io
 from ckptctl.checkpoint import Checkpoint, CheckpointRef, CheckpointState, Component, Problem, Role
+from ckptctl.contract.resume import ResumeProfile, generic_profile
 from ckptctl.errors import CkptctlError
 from ckptctl.formats.documents import as_real, as_whole, read_json
 from ckptctl.io import DirEntry
-from ckptctl.layouts.resume import ResumeProfile, generic_profile
 
 __all__ = [
     "RUN_STATE_NAMES",
@@ -85,7 +85,7 @@ def with_run_state(checkpoint: Checkpoint) -> Checkpoint:
         components, counters = _json_state(url)
     else:
         components, counters = _torch_state(url)
-    from ckptctl.layouts.training_state import TrainingState
+    from ckptctl.contract.training_state import TrainingState
 
     facts = TrainingState(counters=counters)
     ref = replace(

@@ -28,18 +28,18 @@ from ckptctl.checkpoint import (
     ProblemKind,
     TensorEntry,
 )
+from ckptctl.contract.base import Layout, timestamp
+from ckptctl.contract.training_state import TrainingState, model_name, read_training_state
 from ckptctl.errors import CkptctlError, UnknownLayout
+from ckptctl.families.dcp_folder import component_classifier
+from ckptctl.families.hf_folder import safetensors_index, torch_file_entries
+from ckptctl.families.torch_file import torch_file_problems
 from ckptctl.formats.safe_pickle import opaque_values
 from ckptctl.formats.safetensors import read_header
 from ckptctl.formats.torch_pickle import TorchPickle, open_torch_pickle
 from ckptctl.formats.torch_pickle_classes import OPAQUE_PICKLE_GLOBALS
 from ckptctl.formats.torch_zip import TorchArchive
 from ckptctl.io import DirEntry
-from ckptctl.layouts.base import Layout, timestamp
-from ckptctl.layouts.parts.dcp_folder import component_classifier
-from ckptctl.layouts.parts.hf_folder import safetensors_index, torch_file_entries
-from ckptctl.layouts.parts.torch_file import torch_file_problems
-from ckptctl.layouts.training_state import TrainingState, model_name, read_training_state
 
 #: The chunk file name of a single-file checkpoint: the checkpoint itself.
 SELF = ""

@@ -25,12 +25,12 @@ from dataclasses import dataclass, field
 
 from ckptctl import io
 from ckptctl.checkpoint import CheckpointRef, Role
+from ckptctl.contract.capabilities import SLIMMER, Slimmer, SlimRecipe
 from ckptctl.errors import CkptctlError, UnsafePath
 from ckptctl.formats.manifest import now_iso
 from ckptctl.formats.slim_marker import SLIM_MARKER, SlimMarker
 from ckptctl.io import commit, trash
-from ckptctl.layouts import capability, get_layout
-from ckptctl.layouts.capabilities import SLIMMER, Slimmer, SlimRecipe
+from ckptctl.layouts.registry import capability, get_layout
 
 __all__ = ["Slimmable", "slim_checkpoint", "slimmable"]
 

@@ -35,10 +35,10 @@ from typing import Any
 
 from ckptctl import io
 from ckptctl.checkpoint import CheckpointRef, CheckpointState, Component, TensorEntry, dtype_itemsize
+from ckptctl.contract.capabilities import DerivedTensor
 from ckptctl.errors import CkptctlError, CorruptCheckpoint
 from ckptctl.formats.safetensors_stream import cast_block
 from ckptctl.layouts import resolve
-from ckptctl.layouts.capabilities import DerivedTensor
 from ckptctl.ops.convert import (
     DEFAULT_MAX_SHARD_SIZE,
     ConvertOptions,

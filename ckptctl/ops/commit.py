@@ -390,7 +390,7 @@ def _upload_order(sizes: Mapping[str, int], markers: Sequence[str]) -> list[list
 
 def published_last(files: Sequence[str]) -> tuple[str, ...]:
     """What of an output whose writer lists its `files` in an order a commit may publish them (markers, trackers
-    and pointers last: `layouts.capabilities.WrittenState.files`) goes up last, one after another, in that
+    and pointers last: `contract.capabilities.WrittenState.files`) goes up last, one after another, in that
     order: every completion marker that a layout names among them (of any folder, `_any_markers`: an output may
     hold several checkpoints, a run folder's steps or a save folder's tag) and every file after the last of
     those (the pointers and trackers). Everything before goes up first, in parallel."""

@@ -1,5 +1,5 @@
 """A checkpoint's layout as `convert` and `diff` read a model from it: the `ConvertSource` capability of its
-framework (`layouts.capabilities`), and what suits a framework that lacks a part of it.
+framework (`contract.capabilities`), and what suits a framework that lacks a part of it.
 
 The defaults live here, with the commands that use them, not with the layouts: a framework provides only
 what it has, and `convert_source(layout)` answers every question for every layout, also one outside the
@@ -13,9 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptctl.checkpoint import Checkpoint, TensorEntry
-from ckptctl.errors import CkptctlError
-from ckptctl.layouts import Layout, capability
-from ckptctl.layouts.capabilities import (
+from ckptctl.contract.capabilities import (
     CONVERT_SOURCE,
     NO_NAME_MAP,
     Adapter,
@@ -27,8 +25,11 @@ from ckptctl.layouts.capabilities import (
     NativeModel,
     default_config_folders,
 )
-from ckptctl.layouts.naming import NameStripper, format_namespace_stripper
-from ckptctl.layouts.parts.value_head import HeadTask
+from ckptctl.contract.naming import NameStripper
+from ckptctl.errors import CkptctlError
+from ckptctl.families.value_head import HeadTask
+from ckptctl.layouts import Layout, capability
+from ckptctl.layouts.format_rules import format_namespace_stripper
 
 __all__ = ["Source", "convert_source"]
 

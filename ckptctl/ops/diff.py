@@ -43,11 +43,11 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ckptctl import io
 from ckptctl.checkpoint import Checkpoint, Component, TensorChunk, TensorEntry, dtype_itemsize
+from ckptctl.contract.capabilities import HfModel, NativeModel
 from ckptctl.errors import CkptctlError, CorruptCheckpoint
 from ckptctl.formats.documents import read_json
 from ckptctl.formats.manifest import FileRecord, Manifest, read_manifest
 from ckptctl.layouts import open_checkpoint
-from ckptctl.layouts.capabilities import HfModel, NativeModel
 from ckptctl.ops.convert_source import convert_source
 from ckptctl.ops.distributed_work import Ranks, split
 from ckptctl.ops.naming import Renames, normalised_names

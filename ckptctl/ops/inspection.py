@@ -1,5 +1,5 @@
 """`inspect`: what a checkpoint holds, from headers and metadata only; and whether its model carries adapters
-around its layers (`layouts.wrapped`: a PEFT-wrapped model saved whole), which `convert` merges."""
+around its layers (`contract.wrapped`: a PEFT-wrapped model saved whole), which `convert` merges."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ from typing import Any
 
 from ckptctl import io
 from ckptctl.checkpoint import Checkpoint, Component, TensorEntry, dtype_itemsize
+from ckptctl.contract.wrapped import WrappedModel
 from ckptctl.layouts import open_checkpoint
-from ckptctl.layouts.wrapped import WrappedModel, find_wrapped
+from ckptctl.layouts.format_rules import find_wrapped
 from ckptctl.ops.naming import namespace_stripper
 from ckptctl.ops.report import SCHEMA_VERSION, jsonable, ref_json
 

@@ -14,8 +14,8 @@ import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from ckptctl.checkpoint import TensorEntry
+from ckptctl.contract.naming import keep_name
 from ckptctl.errors import CkptctlError
-from ckptctl.layouts.naming import keep_name
 from ckptctl.ops.convert_source import convert_source
 
 __all__ = [

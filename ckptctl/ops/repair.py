@@ -4,7 +4,7 @@ verifies (DESIGN §4 `repair`).
 The target is what `resume-plan` picks (newest first, skipping what is in progress, broken or failing
 structural verify), stepping further back while another role the framework loads with it (OpenRLHF's
 critic tag of the same step, verl's role folders, AReaL's critic slot) does not verify. The change is the
-smallest one the framework's loader honours, as its pointer writer (`layouts.capabilities.PointerWriter`)
+smallest one the framework's loader honours, as its pointer writer (`contract.capabilities.PointerWriter`)
 says: its pointer files rewritten to name the target, or, where it picks by name, what it would pick over
 the target moved into the run's quarantine (`RUN/.ckptctl-trash/quarantine/`, `io.trash.quarantine`). Before
 the first change, what each pointer held (byte for byte, or that there was none) is recorded in the quarantine
@@ -37,12 +37,12 @@ from typing import Any
 
 from ckptctl import io
 from ckptctl.checkpoint import CheckpointRef, CheckpointState
+from ckptctl.contract.capabilities import POINTER_WRITER, Pointer, PointerWriter
+from ckptctl.contract.resume import Skipped
 from ckptctl.core.lock import RunLock
 from ckptctl.errors import CheckpointNotFound, CkptctlError, UnknownLayout, UnsafePath
 from ckptctl.io import trash
 from ckptctl.layouts import capability
-from ckptctl.layouts.capabilities import POINTER_WRITER, Pointer, PointerWriter
-from ckptctl.layouts.resume import Skipped
 from ckptctl.ops.report import SCHEMA_VERSION
 from ckptctl.ops.resume_plan import plan_resume
 from ckptctl.ops.verification import verify_checkpoint

@@ -1,6 +1,6 @@
 """`reshard SRC DST`: a whole resumable training state for another number of ranks or another framework.
 
-The writing is a framework's: the training-state writer (`layouts.capabilities.TrainingStateWriter`) that
+The writing is a framework's: the training-state writer (`contract.capabilities.TrainingStateWriter`) that
 `--to` names, or without `--to` the one of the source's own framework. This module owns what every writer
 shares, as `convert` does (and with the same code, `ops.commit`): the source opened and verified, DST
 refused when it is not empty, the writer's refusal asked before anything is written, the output staged
@@ -19,9 +19,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from ckptctl.contract.capabilities import TRAINING_STATE_WRITER, NotCarried, ReshardRequest, TrainingStateWriter
 from ckptctl.errors import CkptctlError, StorageError
 from ckptctl.layouts import capability, resolve, training_state_writer, training_state_writers
-from ckptctl.layouts.capabilities import TRAINING_STATE_WRITER, NotCarried, ReshardRequest, TrainingStateWriter
 from ckptctl.ops.commit import check_destination, published_last, staging_for, write_digests
 from ckptctl.ops.convert import open_verified
 from ckptctl.ops.report import SCHEMA_VERSION, NoProgress, Progress

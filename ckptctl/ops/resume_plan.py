@@ -25,12 +25,8 @@ from typing import Any
 
 from ckptctl import io
 from ckptctl.checkpoint import Checkpoint, CheckpointRef, CheckpointState, Component, Problem, Role
-from ckptctl.errors import CheckpointNotFound, CkptctlError, UnknownLayout
-from ckptctl.formats.manifest import read_manifest
-from ckptctl.formats.slim_marker import SLIM_NOTE
-from ckptctl.layouts import detect, get_layout, scan_run
-from ckptctl.layouts.base import checkpoint_problems
-from ckptctl.layouts.resume import (
+from ckptctl.contract.base import checkpoint_problems
+from ckptctl.contract.resume import (
     DEFAULT_IMPACT,
     RESUMABLE,
     Blocker,
@@ -42,6 +38,10 @@ from ckptctl.layouts.resume import (
     WorldSizeCheck,
     generic_profile,
 )
+from ckptctl.errors import CheckpointNotFound, CkptctlError, UnknownLayout
+from ckptctl.formats.manifest import read_manifest
+from ckptctl.formats.slim_marker import SLIM_NOTE
+from ckptctl.layouts import detect, get_layout, scan_run
 from ckptctl.layouts.run_state import run_state_problems, run_state_profile, with_run_state
 from ckptctl.ops.digests import check_digests
 from ckptctl.ops.report import SCHEMA_VERSION, NoProgress, Progress, iso, jsonable
@@ -221,7 +221,7 @@ def plan_resume(
             latest_pick=picked,
         )
     profile = _profile(chosen.ref)
-    ctx = PlanContext(run, chosen, tuple(refs), tuple(skipped), world_size)
+    ctx = PlanContext(run, chosen, tuple(refs), tuple(skipped), world_size, layout_of=get_layout)
     ctx = replace(ctx, world=profile.world_size(ctx))
     if ctx.world is not None and ctx.world.ok is False:
         found = _conversion_that_loads(ctx, ordered, digests, progress or NoProgress())
@@ -234,7 +234,7 @@ def plan_resume(
             skipped.append(Skipped(chosen.url, chosen.ref.step, reason, chosen.layout, chosen.ref.state))
             run_warnings += [p for p in conversion_problems if p not in run_warnings]
             chosen = conversion
-            ctx = PlanContext(run, chosen, tuple(refs), tuple(skipped), world_size, world)
+            ctx = PlanContext(run, chosen, tuple(refs), tuple(skipped), world_size, world, layout_of=get_layout)
     restores, missing, impacts = _components(ctx, profile)
     warnings = run_warnings + _warnings(ctx, profile, pointer_named, cuda)
     blockers = tuple(

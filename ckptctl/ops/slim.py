@@ -27,6 +27,7 @@ from typing import Any
 
 from ckptctl import io
 from ckptctl.checkpoint import CheckpointRef, CheckpointState, Problem, ProblemKind
+from ckptctl.contract.capabilities import SLIMMER
 from ckptctl.core.lock import RunLock
 from ckptctl.core.retention import RetentionPolicy
 from ckptctl.errors import CheckpointNotFound, CkptctlError, UnsafePath
@@ -34,7 +35,6 @@ from ckptctl.formats.documents import read_toml
 from ckptctl.formats.slim_marker import SLIM_MARKER, read_slim_marker
 from ckptctl.io import trash
 from ckptctl.layouts import DEFAULT_SCAN_DEPTH, capability, scan_run
-from ckptctl.layouts.capabilities import SLIMMER
 from ckptctl.layouts.slimming import slim_checkpoint, slimmable
 from ckptctl.ops.planned import DEFAULT_GRACE, Skipped, apply_planned
 from ckptctl.ops.prune import POLICY_FILE, PruneItem, plan_prune

@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING, Any
 
 from ckptctl import io
 from ckptctl.checkpoint import CheckpointRef, CheckpointState, Problem, ProblemKind
+from ckptctl.contract.base import checkpoint_problems
 from ckptctl.errors import CheckpointNotFound, CkptctlError, UnknownLayout
 from ckptctl.formats.manifest import DIGESTS_NAME, read_manifest
 from ckptctl.layouts import detect, scan_context, scan_run
-from ckptctl.layouts.base import checkpoint_problems
 from ckptctl.layouts.generic import read_as_files
 from ckptctl.ops.content import ContentChecks, check_content
 from ckptctl.ops.digests import save_digests

@@ -26,8 +26,8 @@ from hypothesis import strategies as st
 
 from ckptctl import io
 from ckptctl.checkpoint import Checkpoint, CheckpointRef, CheckpointState, Component
-from ckptctl.layouts import layout_names
-from ckptctl.layouts.resume import PlanContext
+from ckptctl.contract.resume import PlanContext
+from ckptctl.layouts import get_layout, layout_names
 from ckptctl.ops.resume_plan import profile_for
 from ckptctl.quoting import printable
 from tests.conftest import CliResult, copy_tree
@@ -288,7 +288,7 @@ def _hostile_context(tmp_path: Path, layout: str, target: int | None = None, **m
     url.mkdir(parents=True, exist_ok=True)
     ref = CheckpointRef(str(url), layout, 4, None, None, CheckpointState.COMPLETE, 0)
     checkpoint = Checkpoint(ref, frozenset({Component.MODEL, Component.OPTIMIZER}), 2, metadata, tensor_index=tuple)
-    return PlanContext(str(io.parent_of(str(url))), checkpoint, (ref,), (), target)
+    return PlanContext(str(io.parent_of(str(url))), checkpoint, (ref,), (), target, layout_of=get_layout)
 
 
 #: Hints that are Python lines, shell words (flags for the framework's launcher), or a YAML line.

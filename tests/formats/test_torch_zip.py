@@ -83,7 +83,7 @@ def test_a_damaged_directory_is_an_error(saved: Path) -> None:
 
 
 def _dcp_items(folder: Path) -> Iterator[tuple[str, bytes]]:
-    from ckptctl.layouts.parts.dcp_folder_metadata import load_dcp_metadata
+    from ckptctl.formats.dcp_folder_metadata import load_dcp_metadata
 
     metadata = load_dcp_metadata(str(folder))
     for (key, _), record in metadata.storage.items():

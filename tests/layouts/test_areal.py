@@ -15,9 +15,9 @@ from safetensors.torch import load_file
 
 from ckptctl import io
 from ckptctl.checkpoint import CheckpointState, Component, ProblemKind
+from ckptctl.contract.resume import PlanContext
 from ckptctl.formats.chunks import read_tensor
-from ckptctl.layouts import open_checkpoint, scan_run
-from ckptctl.layouts.resume import PlanContext
+from ckptctl.layouts import get_layout, open_checkpoint, scan_run
 from ckptctl.ops.resume_plan import plan_resume, profile_for
 from ckptctl.ops.verification import verify_checkpoint, verify_run
 from tests.conftest import CliResult, copy_tree
@@ -186,7 +186,7 @@ def test_resume_plan_skips_a_torn_save_by_the_layouts_rule(fsdp_runs: WrittenFsd
     assert "the save was torn between the slot and its info files" in reasons[str(slot)]
     # The profile's warning applies the same rule to the same files.
     checkpoint = open_checkpoint(str(slot))
-    ctx = PlanContext(str(trial), checkpoint, (checkpoint.ref,), (), None)
+    ctx = PlanContext(str(trial), checkpoint, (checkpoint.ref,), (), None, layout_of=get_layout)
     (note,) = profile_for("areal").notes(ctx)
     assert "step_info.json" in note and "older than the recover checkpoint's .metadata" in note
 

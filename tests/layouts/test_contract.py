@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 
 from ckptctl.checkpoint import CheckpointState, Component, Role
+from ckptctl.contract.base import list_files
 from ckptctl.errors import UnknownLayout
 from ckptctl.layouts import detect, get_layout, open_checkpoint, scan_run
-from ckptctl.layouts.base import list_files
 from ckptctl.ops.verification import RunVerifyReport, verify_checkpoint, verify_path
 from tests.conftest import CliResult, copy_tree, torch_zip_records
 from tests.writers.accelerate_writer import WrittenAccelerate

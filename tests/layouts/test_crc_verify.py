@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
+from ckptctl.formats.dcp_folder_metadata import load_dcp_metadata
 from ckptctl.formats.torch_pickle import open_torch_pickle
 from ckptctl.formats.torch_save import inspect_archive
 from ckptctl.formats.torch_zip import archive_members
 from ckptctl.layouts import get_layout
-from ckptctl.layouts.parts.dcp_folder_metadata import load_dcp_metadata
 from tests.conftest import CliResult, copy_tree, torch_zip_records
 from tests.writers.dcp_writer import WrittenDcp
 from tests.writers.deepspeed_writer import WrittenDeepSpeed

@@ -16,11 +16,11 @@ import torch
 from ckptctl import io
 from ckptctl.checkpoint import CheckpointState, Component, ProblemKind
 from ckptctl.errors import CheckpointInProgress, CorruptCheckpoint, UnsafePickle
+from ckptctl.families.dcp_folder import component_classifier, dcp_tensor_index, verify_dcp
 from ckptctl.formats.chunks import read_tensor
 from ckptctl.formats.torch_save import raw_record
 from ckptctl.frameworks.dcp.layout import DcpLayout
 from ckptctl.layouts import detect
-from ckptctl.layouts.parts.dcp_folder import component_classifier, dcp_tensor_index, verify_dcp
 from tests.writers.dcp_writer import WrittenDcp
 
 LAYOUT = DcpLayout()

@@ -14,12 +14,12 @@ import torch
 
 from ckptctl import io
 from ckptctl.checkpoint import CheckpointState, Component, ProblemKind
+from ckptctl.families.zero_tag.names import tag_files
 from ckptctl.formats.chunks import read_tensor
 from ckptctl.formats.safe_pickle import state_fields
 from ckptctl.formats.torch_pickle import open_torch_pickle
 from ckptctl.frameworks.deepspeed.layout import DeepSpeedLayout
 from ckptctl.layouts import detect, scan_run
-from ckptctl.layouts.parts.zero_tag.names import tag_files
 from ckptctl.ops.verification import verify_checkpoint, verify_run
 from tests.conftest import CliResult, copy_tree
 from tests.writers.deepspeed_writer import WrittenDeepSpeed

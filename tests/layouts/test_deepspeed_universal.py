@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from ckptctl.checkpoint import CheckpointState, ProblemKind
+from ckptctl.contract.base import list_files
 from ckptctl.errors import UnknownLayout
 from ckptctl.layouts import detect, get_layout, open_checkpoint, resolve, scan_run
-from ckptctl.layouts.base import list_files
 from ckptctl.ops.verification import verify_checkpoint
 from tests.conftest import CliResult, copy_tree
 from tests.writers.universal_writer import UNIVERSAL_TAG, WrittenUniversal

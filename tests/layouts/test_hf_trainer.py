@@ -17,12 +17,12 @@ from safetensors.torch import load_file
 
 from ckptctl import io
 from ckptctl.checkpoint import CheckpointState, Component, ProblemKind
+from ckptctl.contract.base import checkpoint_problems
+from ckptctl.families.in_progress import IN_PROGRESS_WINDOW_S
 from ckptctl.formats.chunks import read_tensor
 from ckptctl.frameworks.deepspeed.layout import DeepSpeedLayout
 from ckptctl.frameworks.hf_trainer.layout import HfTrainerLayout
 from ckptctl.layouts import detect, scan_run
-from ckptctl.layouts.base import checkpoint_problems
-from ckptctl.layouts.parts.in_progress import IN_PROGRESS_WINDOW_S
 from ckptctl.ops.verification import verify_checkpoint
 from tests.conftest import CliResult, copy_tree
 from tests.writers.dcp_writer import write_single_process_dcp

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import save_file
 
 from ckptctl.checkpoint import ProblemKind
-from ckptctl.layouts.load_set import LoadMember, MemberKind, Need, check_load_set
+from ckptctl.contract.load_set import LoadMember, MemberKind, Need, check_load_set
 
 
 def _members() -> list[LoadMember]:

@@ -10,8 +10,9 @@ from pathlib import Path
 import torch
 
 from ckptctl import CheckpointManager
-from ckptctl.layouts import _REGISTRY, capability, get_layout
-from ckptctl.layouts.capabilities import CONVERT_SOURCE, SLIMMER, ConvertSource, Slimmer
+from ckptctl.contract.capabilities import CONVERT_SOURCE, SLIMMER, ConvertSource, Slimmer
+from ckptctl.layouts import capability, get_layout
+from ckptctl.layouts.registry import _REGISTRY
 
 
 def test_every_declared_capability_is_what_its_slot_says() -> None:

@@ -271,7 +271,7 @@ def test_configs_without_an_architecture_are_not_checked(hf_model_dirs: dict[str
 def test_without_transformers_the_check_is_skipped_with_a_note(
     hf_model_dirs: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("ckptctl.layouts.parts.hf_model_class.has_transformers_5", lambda: False)
+    monkeypatch.setattr("ckptctl.families.hf_model_class.has_transformers_5", lambda: False)
     result = convert(str(hf_model_dirs["single"]), str(tmp_path / "hf"))
     assert result.model is None
     assert any("transformers 5 or later is not importable" in note for note in result.warnings), result.warnings

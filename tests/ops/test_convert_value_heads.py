@@ -1,5 +1,5 @@
 """`convert --to hf` of critics and reward models: the value head is written with the config of the transformers
-class that computes the framework's values (`layouts.parts.value_head`), checked against the meta-device model,
+class that computes the framework's values (`families.value_head`), checked against the meta-device model,
 and the output loaded by transformers' Auto classes computes what the framework's model computes on the same ids.
 
 Sources: AReaL's own critic (`tests.writers.areal_critic_writer`: its Saver export and recover slot), verl's own
@@ -20,7 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from ckptctl.layouts.parts.value_head import HeadTask, find_value_head
+from ckptctl.families.value_head import HeadTask, find_value_head
 from tests.conftest import CliResult, copy_tree
 from tests.writers.areal_critic_writer import TOKEN_IDS, WrittenArealCritic
 from tests.writers.openrlhf_writer import WrittenOpenRlhf

@@ -21,8 +21,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ckptctl.errors import CkptctlError
-from ckptctl.layouts.parts.zero_tag.master_weights import tag_prefix as _deepspeed_prefix
-from ckptctl.layouts.parts.zero_tag.naming import wrapper_prefix
+from ckptctl.families.zero_tag.master_weights import tag_prefix as _deepspeed_prefix
+from ckptctl.families.zero_tag.naming import wrapper_prefix
 from ckptctl.ops.convert import ConvertOptions, Target, Weights, convert
 from ckptctl.ops.convert.plan import plan_tensors as _plan
 from ckptctl.ops.verification import verify_checkpoint
@@ -216,7 +216,7 @@ def test_cli_convert_a_save_folder(zero_runs: dict[int, WrittenDeepSpeed], tmp_p
 
 
 def test_layouts_built_on_the_deepspeed_one_are_recognised(zero_runs: dict[int, WrittenDeepSpeed]) -> None:
-    """An RL framework's layout that indexes a tag with `layouts.parts.zero_tag` (its own name, its own metadata)
+    """An RL framework's layout that indexes a tag with `families.zero_tag` (its own name, its own metadata)
     gets the fp32 masters too: the model's chunks lie in DeepSpeed rank files."""
     from ckptctl.frameworks.deepspeed.layout import DeepSpeedLayout
 

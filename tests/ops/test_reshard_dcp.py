@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from ckptctl.contract.capabilities import TRAINING_STATE_SOURCE, TRAINING_STATE_WRITER
 from ckptctl.errors import CkptctlError
 from ckptctl.frameworks.dcp.reshard import WRITER
 from ckptctl.layouts import capability, open_checkpoint
-from ckptctl.layouts.capabilities import TRAINING_STATE_SOURCE, TRAINING_STATE_WRITER
 from tests.conftest import CliResult, build_once
 from tests.ops.same_state import assert_same_state as _assert_same
 from tests.writers.reshard_dcp_proof import DcpReshardProof, VerlToDcpProof, prove_dcp_reshard, prove_verl_to_dcp
@@ -166,8 +166,8 @@ def test_a_torn_verl_role_is_refused_naming_the_file(verl_run: WrittenVerl, tmp_
 
 
 def test_a_verl_optimizer_that_cannot_be_matched_to_the_model_by_order_is_refused(tmp_path: Path) -> None:
-    from ckptctl.layouts.capabilities import StateTensor
-    from ckptctl.layouts.parts.param_state import name_indexed_state
+    from ckptctl.contract.capabilities import StateTensor
+    from ckptctl.families.param_state import name_indexed_state
 
     def tensor(*shape: int) -> StateTensor:
         return StateTensor("float32", shape, lambda: None)
@@ -193,8 +193,8 @@ def test_rows_split_over_files_load_the_same(
     # dcp.load reads the same state as from the one-file output.
     import torch.distributed.checkpoint as dcp
 
+    from ckptctl.contract.capabilities import ReshardRequest
     from ckptctl.frameworks.dcp import reshard
-    from ckptctl.layouts.capabilities import ReshardRequest
 
     monkeypatch.setattr(reshard, "FILE_BYTES", 1)
     advanced: list[int] = []

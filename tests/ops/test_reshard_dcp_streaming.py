@@ -13,8 +13,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+from ckptctl.contract.capabilities import ParamState, ReshardRequest, StateTensor
 from ckptctl.frameworks.dcp import reshard as dcp_reshard
-from ckptctl.layouts.capabilities import ParamState, ReshardRequest, StateTensor
 
 SHAPES = {"embed.weight": (64, 8), "layer.weight": (8, 8), "layer.bias": (8,), "head.weight": (64, 8)}
 

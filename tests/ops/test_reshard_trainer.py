@@ -22,12 +22,12 @@ from typing import Any
 import pytest
 import torch
 
+from ckptctl.contract.capabilities import TRAINING_STATE_SOURCE, StateTensor
 from ckptctl.errors import CkptctlError
+from ckptctl.families.param_state import grouped_state
 from ckptctl.frameworks.dcp.reshard import WRITER
 from ckptctl.frameworks.hf_trainer.state import SOURCE
 from ckptctl.layouts import capability, open_checkpoint
-from ckptctl.layouts.capabilities import TRAINING_STATE_SOURCE, StateTensor
-from ckptctl.layouts.parts.param_state import grouped_state
 from tests.conftest import CliResult, build_once, copy_tree
 from tests.ops.same_state import assert_same_state
 from tests.writers.megatron_writer import WrittenMegatron

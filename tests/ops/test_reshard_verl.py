@@ -15,13 +15,13 @@ import pytest
 import torch
 
 from ckptctl.checkpoint import Checkpoint
+from ckptctl.contract.capabilities import TRAINING_STATE_WRITER
 from ckptctl.formats.dtensor import state_tensors
 from ckptctl.formats.dtensor_classes import DTENSOR_PICKLE_GLOBALS, DTensorRef
 from ckptctl.formats.torch_pickle import open_torch_pickle
 from ckptctl.frameworks.verl.layout import VerlLayout
 from ckptctl.frameworks.verl.reshard import WRITER
 from ckptctl.layouts import capability, open_checkpoint
-from ckptctl.layouts.capabilities import TRAINING_STATE_WRITER
 from tests.conftest import CliResult, build_once
 from tests.ops.same_state import assert_same_state as _assert_same
 from tests.writers.verl_reshard_proof import ROLES, VerlReshardProof, prove_verl_reshard

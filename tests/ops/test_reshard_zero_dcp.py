@@ -1,4 +1,4 @@
-"""`reshard --to dcp` from a DeepSpeed ZeRO tag (`ckptctl.layouts.parts.zero_tag.state`, the `STATE` of deepspeed,
+"""`reshard --to dcp` from a DeepSpeed ZeRO tag (`ckptctl.families.zero_tag.state`, the `STATE` of deepspeed,
 openrlhf and open_instruct): DeepSpeed's fp32 ZeRO-2 and ZeRO-3 saves of AdamW in two groups (and ZeRO-3 with the
 groups cut into sub-groups), resharded, load into
 FSDP2 + AdamW on 1 and on 2 gloo ranks (`dcp.load` + `set_state_dict`) holding exactly the weights DeepSpeed's
@@ -16,10 +16,10 @@ from typing import Any
 import pytest
 import torch
 
+from ckptctl.contract.capabilities import TRAINING_STATE_SOURCE
+from ckptctl.families.zero_tag.state import zero_tag_state
 from ckptctl.frameworks.dcp.reshard import WRITER
 from ckptctl.layouts import capability, open_checkpoint
-from ckptctl.layouts.capabilities import TRAINING_STATE_SOURCE
-from ckptctl.layouts.parts.zero_tag.state import zero_tag_state
 from tests.conftest import CliResult, build_once, copy_tree
 from tests.writers.deepspeed_writer import WrittenDeepSpeed
 from tests.writers.openrlhf_writer import WrittenOpenRlhf

@@ -13,10 +13,10 @@ import torch
 
 from ckptctl import io
 from ckptctl.checkpoint import Checkpoint, CheckpointRef, CheckpointState, Component
+from ckptctl.contract.base import Layout
+from ckptctl.contract.resume import PlanContext
 from ckptctl.errors import CheckpointNotFound, CkptctlError, UnknownLayout
 from ckptctl.layouts import get_layout, layout_names
-from ckptctl.layouts.base import Layout
-from ckptctl.layouts.resume import PlanContext
 from ckptctl.ops.resume_plan import plan_resume, profile_for
 from tests.conftest import copy_tree
 from tests.writers.deepspeed_writer import WrittenDeepSpeed
@@ -334,7 +334,9 @@ def _checkpoint(url: Path, layout: str, step: int = 4, **metadata: object) -> Ch
 
 
 def _context(checkpoint: Checkpoint, target: int | None = None) -> PlanContext:
-    return PlanContext(str(io.parent_of(checkpoint.url)), checkpoint, (checkpoint.ref,), (), target)
+    return PlanContext(
+        str(io.parent_of(checkpoint.url)), checkpoint, (checkpoint.ref,), (), target, layout_of=get_layout
+    )
 
 
 def test_every_registered_layout_has_a_profile() -> None:
@@ -370,7 +372,7 @@ def test_openrlhf_profile(tmp_path: Path) -> None:
     )
     assert profile.companion(critic) and not profile.companion(_checkpoint(actor, "openrlhf").ref)
     checkpoint = _checkpoint(actor, "openrlhf")
-    ctx = PlanContext(str(tmp_path / "ckpt"), checkpoint, (checkpoint.ref, critic), (), None)
+    ctx = PlanContext(str(tmp_path / "ckpt"), checkpoint, (checkpoint.ref, critic), (), None, layout_of=get_layout)
     (note,) = profile.notes(ctx)
     assert "the critic resumes from global_step2 (step 2) and the actor from global_step4 (step 4)" in note
 

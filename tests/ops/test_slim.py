@@ -17,10 +17,10 @@ from ckptctl import CheckpointManager
 from ckptctl.checkpoint import CheckpointState
 from ckptctl.core.retention import RetentionPolicy
 from ckptctl.errors import CkptctlError, UnsafePath
+from ckptctl.families.zero_tag.kept_masters import KEPT_MASTERS
 from ckptctl.formats.slim_marker import SLIM_MARKER, read_slim_marker
 from ckptctl.io.trash import TRASH_NAME
 from ckptctl.layouts import detect, open_checkpoint, scan_run
-from ckptctl.layouts.parts.zero_tag.kept_masters import KEPT_MASTERS
 from ckptctl.layouts.slimming import slim_checkpoint
 from ckptctl.ops.convert import ConvertOptions, convert
 from ckptctl.ops.prune import prune

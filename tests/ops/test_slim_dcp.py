@@ -16,10 +16,10 @@ import torch
 
 from ckptctl.checkpoint import CheckpointState
 from ckptctl.errors import CkptctlError
+from ckptctl.families.dcp_slim import training_only
 from ckptctl.formats.dcp_metadata import METADATA_NAME, parse_dcp_metadata
 from ckptctl.formats.slim_marker import SLIM_MARKER, read_slim_marker
 from ckptctl.layouts import detect
-from ckptctl.layouts.parts.dcp_slim import training_only
 from ckptctl.layouts.slimming import slim_checkpoint, slimmable
 from ckptctl.ops.convert import ConvertOptions
 from ckptctl.ops.resume_plan import plan_resume
@@ -173,7 +173,7 @@ def test_a_kill_leaves_the_whole_original_or_the_whole_slim_dcp_folder(
 def test_a_copy_outside_the_kernel_slims_the_same_and_a_truncated_data_file_leaves_the_original(
     demo_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import ckptctl.layouts.parts.dcp_slim as dcp_slim
+    import ckptctl.families.dcp_slim as dcp_slim
 
     def refused(*args: object) -> int:
         raise OSError(errno.EXDEV, "not across filesystems")

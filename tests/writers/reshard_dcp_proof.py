@@ -188,9 +188,9 @@ def _spawn(worker: Any, root: Path, world_size: int, *args: Any) -> None:
 
 def _write_dcp(source: Path, out: Path) -> dict[str, Any]:
     """Reshard `source` into the new folder `out` with the writer (which must not refuse it): what it reports."""
+    from ckptctl.contract.capabilities import ReshardRequest
     from ckptctl.frameworks.dcp.reshard import WRITER
     from ckptctl.layouts import open_checkpoint
-    from ckptctl.layouts.capabilities import ReshardRequest
 
     checkpoint = open_checkpoint(str(source))
     assert WRITER.refusal(checkpoint, None) is None

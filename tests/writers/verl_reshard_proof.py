@@ -25,9 +25,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ckptctl.contract.capabilities import ReshardRequest, WrittenState
 from ckptctl.frameworks.verl.reshard import WRITER
 from ckptctl.layouts import open_checkpoint
-from ckptctl.layouts.capabilities import ReshardRequest, WrittenState
 from tests.writers.verl_ranks import join_verl_ranks
 from tests.writers.verl_writer import STEPS, WrittenVerl
 

@@ -1,4 +1,4 @@
-"""The proof of `reshard --to dcp` from a DeepSpeed ZeRO tag (`ckptctl.layouts.parts.zero_tag.state`), on gloo
+"""The proof of `reshard --to dcp` from a DeepSpeed ZeRO tag (`ckptctl.families.zero_tag.state`), on gloo
 CPU ranks.
 
 1. `write_zero_fp32` (a writer of its own, cached apart from the proof): DeepSpeed 0.19 on 2 ranks trains
@@ -175,12 +175,12 @@ _CASES = tuple((run, f"out-{run}", "dcp") for run in RUNS)
 
 def prove_zero_to_dcp(root: Path, source: WrittenZeroFp32) -> ZeroToDcpProof:
     """Reshard each save folder of `source` into `root/out-{run}`, then resume it (the module docstring, 2.)."""
-    from ckptctl.frameworks.dcp.reshard import WRITER
-    from ckptctl.layouts import capability, open_checkpoint
-    from ckptctl.layouts.capabilities import TRAINING_STATE_SOURCE, ReshardRequest
+    from ckptctl.contract.capabilities import TRAINING_STATE_SOURCE, ReshardRequest
 
     # Imported by name (the registry names it relatively, `state:SOURCE`), so that the writer cache's key follows it.
-    from ckptctl.layouts.parts.zero_tag.state import zero_tag_state
+    from ckptctl.families.zero_tag.state import zero_tag_state
+    from ckptctl.frameworks.dcp.reshard import WRITER
+    from ckptctl.layouts import capability, open_checkpoint
 
     written: dict[str, dict[str, Any]] = {}
     for run in RUNS:

@@ -7,11 +7,12 @@ from collections.abc import Sequence
 
 from ckptctl import io
 from ckptctl.checkpoint import Checkpoint, TensorEntry
+from ckptctl.contract.capabilities import ConvertSource, MasterWeights
+from ckptctl.contract.naming import NameStripper, keep_name
+from ckptctl.families.zero_tag.master_weights import checkpoint_master_weights
+from ckptctl.families.zero_tag.naming import wrapper_prefix
 from ckptctl.frameworks.accelerate.layout import SaveStateParts, auto_checkpoint_match
-from ckptctl.layouts.capabilities import ConvertSource, MasterWeights
-from ckptctl.layouts.naming import NameStripper, format_namespace_stripper, keep_name
-from ckptctl.layouts.parts.zero_tag.master_weights import checkpoint_master_weights
-from ckptctl.layouts.parts.zero_tag.naming import wrapper_prefix
+from ckptctl.layouts.format_rules import format_namespace_stripper
 
 __all__ = ["SOURCE"]
 

@@ -23,7 +23,7 @@ own frameworks' readers, as members of this checkpoint (the run walker does not 
 
 `random_states_{i}.pkl` is written by every process after the model, optimizer, scheduler and sampler
 files: a folder without `random_states_0.pkl` did not finish its save (in progress while its files are
-fresh, broken once older: `layouts.parts.in_progress`).
+fresh, broken once older: `families.in_progress`).
 """
 
 from __future__ import annotations
@@ -46,20 +46,7 @@ from ckptctl.checkpoint import (
     TensorChunk,
     TensorEntry,
 )
-from ckptctl.errors import CkptctlError, UnknownLayout
-from ckptctl.formats.torch_pickle import TorchPickle, open_torch_pickle
-from ckptctl.formats.torch_zip import TorchArchive
-from ckptctl.frameworks.accelerate.files import (
-    AUTO_FOLDER,
-    AUTO_PARENT,
-    FSDP_RANK_FILE,
-    RNG_FILE,
-    per_process_files,
-    rng_ranks,
-)
-from ckptctl.frameworks.accelerate.load_set import expected_files, save_state_members, torn_note
-from ckptctl.io import DirEntry
-from ckptctl.layouts.base import (
+from ckptctl.contract.base import (
     LISTED_ABSENT,
     Layout,
     Protections,
@@ -72,15 +59,28 @@ from ckptctl.layouts.base import (
     step_from_name,
     timestamp,
 )
-from ckptctl.layouts.load_set import LoadMember
-from ckptctl.layouts.parts.hf_folder import safetensors_index, verify_model_files
-from ckptctl.layouts.parts.in_progress import recently_written
-from ckptctl.layouts.parts.torch_file import torch_file_problems
-from ckptctl.layouts.parts.zero_tag.names import LATEST_NAME, latest_problem
-from ckptctl.layouts.parts.zero_tag.tag import DeepSpeedTag, read_tag
-from ckptctl.layouts.parts.zero_tag.tensor_index import tag_index
-from ckptctl.layouts.parts.zero_tag.verify import verify_tag
-from ckptctl.layouts.resume import ResumeProfile
+from ckptctl.contract.load_set import LoadMember
+from ckptctl.contract.resume import ResumeProfile
+from ckptctl.errors import CkptctlError, UnknownLayout
+from ckptctl.families.hf_folder import safetensors_index, verify_model_files
+from ckptctl.families.in_progress import recently_written
+from ckptctl.families.torch_file import torch_file_problems
+from ckptctl.families.zero_tag.names import LATEST_NAME, latest_problem
+from ckptctl.families.zero_tag.tag import DeepSpeedTag, read_tag
+from ckptctl.families.zero_tag.tensor_index import tag_index
+from ckptctl.families.zero_tag.verify import verify_tag
+from ckptctl.formats.torch_pickle import TorchPickle, open_torch_pickle
+from ckptctl.formats.torch_zip import TorchArchive
+from ckptctl.frameworks.accelerate.files import (
+    AUTO_FOLDER,
+    AUTO_PARENT,
+    FSDP_RANK_FILE,
+    RNG_FILE,
+    per_process_files,
+    rng_ranks,
+)
+from ckptctl.frameworks.accelerate.load_set import expected_files, save_state_members, torn_note
+from ckptctl.io import DirEntry
 
 __all__ = ["AccelerateLayout", "SaveStateParts", "auto_checkpoint_match"]
 
@@ -367,7 +367,7 @@ class AccelerateLayout(Layout):
                 pointer = latest_problem(url, LATEST_NAME)
                 if pointer is not None:
                     problems.append(pointer)
-        from ckptctl.layouts.parts.dcp_folder import verify_dcp
+        from ckptctl.families.dcp_folder import verify_dcp
 
         for folder in sorted({*parts.dcp_models.values(), *parts.dcp_optimizers.values()}):
             problems += verify_dcp(io.join(url, folder), f"{folder}/")
@@ -520,7 +520,7 @@ def _tensor_index(
         inner = tag_index(tag, f"{folder}/")
         entries += [e for e in inner if not (parts.models and e.component is Component.MODEL)]
     if parts.dcp_models or parts.dcp_optimizers:
-        from ckptctl.layouts.parts.dcp_folder import dcp_tensor_index
+        from ckptctl.families.dcp_folder import dcp_tensor_index
 
         # The first model's folder only: every model's DCP keys start `model.`, so the others' tensors would
         # read as duplicates of its own (they are verified, not indexed).

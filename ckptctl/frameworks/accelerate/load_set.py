@@ -1,4 +1,4 @@
-"""What `Accelerator.load_state(DIR)` reads of a `save_state` folder: its load set (`layouts.load_set`), decided
+"""What `Accelerator.load_state(DIR)` reads of a `save_state` folder: its load set (`contract.load_set`), decided
 from the folder's own facts.
 
 Read from accelerate 1.16: `Accelerator.load_state` (`accelerator.py`) hands the prepared objects to
@@ -26,12 +26,12 @@ import re
 from collections.abc import Mapping, Sequence
 
 from ckptctl import io
+from ckptctl.contract.base import absent_numbers
+from ckptctl.contract.load_set import LoadMember, MemberKind
 from ckptctl.errors import CkptctlError
 from ckptctl.formats.torch_pickle import open_torch_pickle
 from ckptctl.io import DirEntry
 from ckptctl.layouts import peek, peek_dir
-from ckptctl.layouts.base import absent_numbers
-from ckptctl.layouts.load_set import LoadMember, MemberKind
 
 __all__ = ["expected_files", "save_state_members", "torn_note"]
 

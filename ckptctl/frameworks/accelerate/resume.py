@@ -11,7 +11,17 @@ from collections.abc import Mapping
 
 from ckptctl import io
 from ckptctl.checkpoint import Checkpoint, CheckpointState, Component
+from ckptctl.contract.resume import (
+    RESUMABLE,
+    PlanContext,
+    ResumeProfile,
+    WorldSizeCheck,
+    pickled_rng_keys,
+    target_ranks,
+)
 from ckptctl.errors import CkptctlError
+from ckptctl.families.dcp_resume import overwrite_warnings, reshards
+from ckptctl.families.zero_tag import resume as zero_resume
 from ckptctl.frameworks.accelerate.files import (
     AUTO_FOLDER,
     AUTO_PARENT,
@@ -20,9 +30,6 @@ from ckptctl.frameworks.accelerate.files import (
     rng_ranks,
     without_dcp,
 )
-from ckptctl.layouts.parts.dcp_resume import overwrite_warnings, reshards
-from ckptctl.layouts.parts.zero_tag import resume as zero_resume
-from ckptctl.layouts.resume import RESUMABLE, PlanContext, ResumeProfile, WorldSizeCheck, pickled_rng_keys, target_ranks
 from ckptctl.quoting import Code, comment, python_call
 
 __all__ = ["PROFILE"]

@@ -1,5 +1,5 @@
 """accelerate's slimmer (`SLIMMER`): a `save_state` folder keeps its model (the model file, or the DeepSpeed
-tag's model states with its fp32 master weights kept as a model file: `layouts.parts.zero_tag.slim`), its
+tag's model states with its fp32 master weights kept as a model file: `families.zero_tag.slim`), its
 `random_states_{i}.pkl` (the files written last, which tell a finished save: tiny) and its sampler state;
 the optimizer's and schedulers' files go (`optimizer[_i].bin`, `scheduler[_i].bin`, the tag's partitions).
 FSDP saves (DCP folders, per-process files) are kept whole, saying why."""
@@ -10,10 +10,10 @@ import re
 
 from ckptctl import io
 from ckptctl.checkpoint import Checkpoint, Problem
+from ckptctl.contract.capabilities import OneLookSlimmer, SlimRecipe
+from ckptctl.families.zero_tag.slim import expected_tag_problem, tag_slim
 from ckptctl.frameworks.accelerate.files import FSDP_RANK_FILE
 from ckptctl.frameworks.accelerate.layout import SaveStateParts
-from ckptctl.layouts.capabilities import OneLookSlimmer, SlimRecipe
-from ckptctl.layouts.parts.zero_tag.slim import expected_tag_problem, tag_slim
 
 __all__ = ["SLIMMER", "AccelerateSlimmer"]
 

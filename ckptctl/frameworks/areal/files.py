@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from ckptctl.families.dcp_folder import MTIME_SLACK_S
 from ckptctl.io import DirEntry
-from ckptctl.layouts.parts.dcp_folder import MTIME_SLACK_S
 
 __all__ = ["DATALOADER_INFO", "INFO_FILES", "RECOVER_INFO", "RECOVER_SLOT", "STEP_INFO", "torn_info_files"]
 

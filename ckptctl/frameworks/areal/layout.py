@@ -50,7 +50,20 @@ from ckptctl.checkpoint import (
     Role,
     TensorEntry,
 )
+from ckptctl.contract.base import Layout, newest_mtime, timestamp
+from ckptctl.contract.resume import ResumeProfile
 from ckptctl.errors import CkptctlError, CorruptCheckpoint, UnknownLayout
+from ckptctl.families.dcp_folder import (
+    DISTCP_RE,
+    component_classifier,
+    data_newer_than_metadata,
+    index_from_metadata,
+    verify_dcp,
+    world_size_of,
+)
+from ckptctl.families.hf_folder import HfFolderLayout, model_markers, verify_model_files
+from ckptctl.families.in_progress import unfinished_state
+from ckptctl.formats.dcp_folder_metadata import load_dcp_metadata
 from ckptctl.formats.dcp_metadata import METADATA_NAME
 from ckptctl.formats.documents import MAX_INT, read_json
 from ckptctl.formats.safe_pickle import MAX_DIMS, check_nesting, safe_loads
@@ -65,19 +78,6 @@ from ckptctl.frameworks.areal.files import (
 )
 from ckptctl.io import DirEntry
 from ckptctl.layouts import peek_dir
-from ckptctl.layouts.base import Layout, newest_mtime, timestamp
-from ckptctl.layouts.parts.dcp_folder import (
-    DISTCP_RE,
-    component_classifier,
-    data_newer_than_metadata,
-    index_from_metadata,
-    verify_dcp,
-    world_size_of,
-)
-from ckptctl.layouts.parts.dcp_folder_metadata import load_dcp_metadata
-from ckptctl.layouts.parts.hf_folder import HfFolderLayout, model_markers, verify_model_files
-from ckptctl.layouts.parts.in_progress import unfinished_state
-from ckptctl.layouts.resume import ResumeProfile
 
 __all__ = ["EXPORT_RE", "ArealLayout", "read_dataloader_info"]
 

@@ -5,8 +5,8 @@ older dump to point at, so nothing is written: the slots of every model (`defaul
 from __future__ import annotations
 
 from ckptctl import io
+from ckptctl.contract.capabilities import Pointer
 from ckptctl.frameworks.areal.files import RECOVER_SLOT
-from ckptctl.layouts.capabilities import Pointer
 
 
 class _RecoverSlot:

@@ -7,11 +7,11 @@ from collections.abc import Mapping
 
 from ckptctl import io
 from ckptctl.checkpoint import CheckpointRef, Component
+from ckptctl.contract.resume import PlanContext, ResumeProfile, WorldSizeCheck, target_ranks
 from ckptctl.errors import CkptctlError
+from ckptctl.families.dcp_resume import overwrite_warnings
 from ckptctl.formats.dcp_metadata import METADATA_NAME
 from ckptctl.frameworks.areal.files import RECOVER_INFO, torn_info_files
-from ckptctl.layouts.parts.dcp_resume import overwrite_warnings
-from ckptctl.layouts.resume import PlanContext, ResumeProfile, WorldSizeCheck, target_ranks
 from ckptctl.quoting import comment, shell
 
 __all__ = ["PROFILE"]

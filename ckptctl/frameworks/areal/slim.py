@@ -3,7 +3,7 @@
 The slot is one DCP save of `{"dcp": DCPState(model, optimizer)}` (areal 1.0.4 `engine/fsdp_engine.py`
 `FSDPEngine._save_to_dcp`; `engine/fsdp_utils/checkpoint.py` `DCPState.state_dict` gives `{"model": ...,
 "optim": ...}`), so every key starts with `dcp.`: `dcp.model.<fqn>` is the model, `dcp.optim.*` the
-optimizer, dropped as `layouts.parts.dcp_slim` drops a plain DCP save's. AReaL's Megatron slot
+optimizer, dropped as `families.dcp_slim` drops a plain DCP save's. AReaL's Megatron slot
 (dist-checkpointing, `metadata.json` + `common.pt`) names its items as Megatron does (`optimizer.*`).
 
 AReaL tells a finished save by file times (`frameworks.areal.files.torn_info_files`: `recover_info/` newer than
@@ -21,9 +21,9 @@ from collections.abc import Callable
 
 from ckptctl import io
 from ckptctl.checkpoint import Checkpoint, Problem
+from ckptctl.contract.capabilities import SlimRecipe, SlimRewrite
 from ckptctl.errors import CkptctlError
-from ckptctl.layouts.capabilities import SlimRecipe, SlimRewrite
-from ckptctl.layouts.parts.dcp_slim import slim_dcp_folder, training_only
+from ckptctl.families.dcp_slim import slim_dcp_folder, training_only
 
 __all__ = ["SLIMMER", "ArealSlimmer"]
 

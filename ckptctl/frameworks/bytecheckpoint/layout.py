@@ -39,7 +39,27 @@ from ckptctl.checkpoint import (
     TensorEntry,
     dtype_itemsize,
 )
+from ckptctl.contract.base import (
+    Layout,
+    absent_numbers,
+    every_child_folder,
+    folder_size,
+    list_files,
+    newest_mtime,
+    timestamp,
+)
+from ckptctl.contract.load_set import LoadMember, MemberKind
+from ckptctl.contract.resume import ResumeProfile
 from ckptctl.errors import CkptctlError, CorruptCheckpoint, UnknownLayout
+from ckptctl.families.dcp_folder import (
+    DISTCP_RE,
+    component_for_prefix,
+    index_from_metadata,
+    pickled_class,
+    verify_dcp_metadata,
+)
+from ckptctl.families.in_progress import unfinished_state
+from ckptctl.families.torch_file import torch_file_problems
 from ckptctl.formats.dcp_metadata import METADATA_NAME
 from ckptctl.formats.torch_pickle import open_torch_pickle
 from ckptctl.formats.torch_zip import TorchArchive
@@ -61,26 +81,6 @@ from ckptctl.frameworks.bytecheckpoint.metadata import (
 )
 from ckptctl.io import DirEntry
 from ckptctl.layouts import peek_dir
-from ckptctl.layouts.base import (
-    Layout,
-    absent_numbers,
-    every_child_folder,
-    folder_size,
-    list_files,
-    newest_mtime,
-    timestamp,
-)
-from ckptctl.layouts.load_set import LoadMember, MemberKind
-from ckptctl.layouts.parts.dcp_folder import (
-    DISTCP_RE,
-    component_for_prefix,
-    index_from_metadata,
-    pickled_class,
-    verify_dcp_metadata,
-)
-from ckptctl.layouts.parts.in_progress import unfinished_state
-from ckptctl.layouts.parts.torch_file import torch_file_problems
-from ckptctl.layouts.resume import ResumeProfile
 
 __all__ = ["BytecheckpointLayout"]
 

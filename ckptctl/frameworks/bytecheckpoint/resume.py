@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from ckptctl import io
 from ckptctl.checkpoint import Component
+from ckptctl.contract.resume import PlanContext, ResumeProfile, WorldSizeCheck, target_ranks
 from ckptctl.frameworks.bytecheckpoint.files import EXTRA_STATE, STEP_RE, TRACKER, tracker_of
-from ckptctl.layouts.resume import PlanContext, ResumeProfile, WorldSizeCheck, target_ranks
 from ckptctl.quoting import Code, comment, python_call
 
 __all__ = ["PROFILE"]

@@ -1,14 +1,14 @@
 """torch.distributed.checkpoint (DCP) folders: `.metadata` + `__{rank}_{n}.distcp` (LAYOUTS.md, DCP).
 
-The folder reader and verifier are a shared part (`layouts.parts.dcp_folder`: other plugins keep DCP
+The folder reader and verifier are a shared part (`families.dcp_folder`: other plugins keep DCP
 folders too); the plugin adds how `dcp.load` resumes (`frameworks.dcp.resume`).
 """
 
 from __future__ import annotations
 
+from ckptctl.contract.resume import ResumeProfile
+from ckptctl.families.dcp_folder import DcpFolderLayout
 from ckptctl.frameworks.dcp.resume import PROFILE
-from ckptctl.layouts.parts.dcp_folder import DcpFolderLayout
-from ckptctl.layouts.resume import ResumeProfile
 
 __all__ = ["DcpLayout"]
 

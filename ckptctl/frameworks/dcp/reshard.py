@@ -17,16 +17,16 @@ from collections.abc import Callable
 from typing import Any
 
 from ckptctl.checkpoint import Checkpoint
-from ckptctl.errors import CkptctlError
-from ckptctl.formats.dcp_writer import data_file_writer
-from ckptctl.layouts import capability
-from ckptctl.layouts.capabilities import (
+from ckptctl.contract.capabilities import (
     TRAINING_STATE_SOURCE,
     ParamState,
     ReshardRequest,
     StateTensor,
     WrittenState,
 )
+from ckptctl.errors import CkptctlError
+from ckptctl.formats.dcp_writer import data_file_writer
+from ckptctl.layouts import capability
 
 __all__ = ["WRITER", "DcpStateWriter"]
 

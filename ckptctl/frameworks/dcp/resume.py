@@ -1,12 +1,12 @@
 """How a torch DCP checkpoint resumes (`dcp.load`): it reshards onto any number of ranks, and a folder
-overwritten in place can hold new data under its old `.metadata` (`layouts.parts.dcp_resume`, which the
+overwritten in place can hold new data under its old `.metadata` (`families.dcp_resume`, which the
 plugins that keep DCP folders inside their checkpoints share).
 """
 
 from __future__ import annotations
 
-from ckptctl.layouts.parts.dcp_resume import overwrite_warnings, reshards
-from ckptctl.layouts.resume import PlanContext, ResumeProfile
+from ckptctl.contract.resume import PlanContext, ResumeProfile
+from ckptctl.families.dcp_resume import overwrite_warnings, reshards
 from ckptctl.quoting import Code, python_call
 
 __all__ = ["PROFILE"]

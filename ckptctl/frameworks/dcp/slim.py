@@ -1,9 +1,9 @@
 """torch DCP's slimmer (`SLIMMER`): the model items kept, rewritten into new data files and a
-new `.metadata` (`layouts.parts.dcp_slim`)."""
+new `.metadata` (`families.dcp_slim`)."""
 
 from __future__ import annotations
 
-from ckptctl.layouts.parts.dcp_slim import DcpSlimmer
+from ckptctl.families.dcp_slim import DcpSlimmer
 
 __all__ = ["SLIMMER"]
 

@@ -4,8 +4,8 @@ parameter by parameter (`TrainingStateSource`): what `reshard --to dcp` re-chunk
 from __future__ import annotations
 
 from ckptctl.checkpoint import Checkpoint
-from ckptctl.layouts.capabilities import ParamState
-from ckptctl.layouts.parts.dcp_state import dcp_param_state
+from ckptctl.contract.capabilities import ParamState
+from ckptctl.families.dcp_state import dcp_param_state
 
 __all__ = ["SOURCE"]
 

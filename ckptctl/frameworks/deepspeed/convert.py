@@ -6,14 +6,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ckptctl.checkpoint import Checkpoint, TensorEntry
+from ckptctl.contract.capabilities import CONVERT_SOURCE, ConvertSource, MasterWeights, default_config_folders
+from ckptctl.contract.naming import NameStripper, keep_name
 from ckptctl.errors import CkptctlError
+from ckptctl.families.zero_tag.master_weights import assemble_master_weights, checkpoint_master_weights
+from ckptctl.families.zero_tag.naming import wrapper_prefix
+from ckptctl.families.zero_tag.tag import read_tag
 from ckptctl.frameworks.deepspeed.universal_host import host_layout
 from ckptctl.layouts import capability
-from ckptctl.layouts.capabilities import CONVERT_SOURCE, ConvertSource, MasterWeights, default_config_folders
-from ckptctl.layouts.naming import NameStripper, keep_name
-from ckptctl.layouts.parts.zero_tag.master_weights import assemble_master_weights, checkpoint_master_weights
-from ckptctl.layouts.parts.zero_tag.naming import wrapper_prefix
-from ckptctl.layouts.parts.zero_tag.tag import read_tag
 
 __all__ = ["SOURCE", "UNIVERSAL_SOURCE"]
 

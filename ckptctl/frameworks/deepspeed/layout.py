@@ -8,7 +8,7 @@ SAVE_DIR/{tag}/                         one checkpoint (a "tag folder")
     [bf16_]zero_pp_rank_{dp}_mp_rank_{mp:02d}_optim_states.pt   one per DP rank: fp32 flat partitions
 ```
 
-A tag is read with the ZeRO tag part (`layouts.parts.zero_tag`: `names` for rank files and `latest` from
+A tag is read with the ZeRO tag part (`families.zero_tag`: `names` for rank files and `latest` from
 listings, `tag` for the rank-0 facts, `tensor_index`, `master_weights` for zero_to_fp32's output, `verify`,
 `folder` for the ref and the checkpoint), which the layouts built on DeepSpeed share. This package holds
 DeepSpeed's own: this layout, its resume profile, the classes its files pickle (`pickle_classes`), and
@@ -21,13 +21,13 @@ from collections.abc import Mapping, Sequence
 
 from ckptctl import io
 from ckptctl.checkpoint import Checkpoint, CheckpointRef, Problem
+from ckptctl.contract.base import Layout, every_child_folder
+from ckptctl.contract.resume import ResumeProfile
+from ckptctl.families.zero_tag.folder import open_tag, tag_ref
+from ckptctl.families.zero_tag.names import LATEST_NAME, latest_problem, read_latest, tag_markers
+from ckptctl.families.zero_tag.verify import verify_tag
 from ckptctl.frameworks.deepspeed.resume import PROFILE
 from ckptctl.io import DirEntry
-from ckptctl.layouts.base import Layout, every_child_folder
-from ckptctl.layouts.parts.zero_tag.folder import open_tag, tag_ref
-from ckptctl.layouts.parts.zero_tag.names import LATEST_NAME, latest_problem, read_latest, tag_markers
-from ckptctl.layouts.parts.zero_tag.verify import verify_tag
-from ckptctl.layouts.resume import ResumeProfile
 
 __all__ = ["DeepSpeedLayout"]
 

@@ -4,9 +4,9 @@
 from __future__ import annotations
 
 from ckptctl import io
-from ckptctl.layouts.capabilities import Pointer
-from ckptctl.layouts.parts.pointers import FollowsPointer
-from ckptctl.layouts.parts.zero_tag.names import LATEST_NAME
+from ckptctl.contract.capabilities import Pointer
+from ckptctl.families.pointers import FollowsPointer
+from ckptctl.families.zero_tag.names import LATEST_NAME
 
 
 def latest_naming(tag: str) -> Pointer:

@@ -41,22 +41,22 @@ from typing import Any
 
 from ckptctl import io
 from ckptctl.checkpoint import Checkpoint, ChunkEncoding, Component, TensorEntry, dtype_itemsize
+from ckptctl.contract.capabilities import NotCarried, ReshardRequest, WrittenState
 from ckptctl.errors import CkptctlError, CorruptCheckpoint
+from ckptctl.families.zero_tag.master_weights import tag_prefix
+from ckptctl.families.zero_tag.names import LATEST_NAME, UNIVERSAL_LATEST_NAME, UNIVERSAL_STATES_DIR
+from ckptctl.families.zero_tag.state import partitioned_tag
+from ckptctl.families.zero_tag.tag import (
+    DeepSpeedTag,
+    base_state,
+    optimizer_state_dict,
+)
+from ckptctl.families.zero_tag.tensor_index import param_groups, tag_index
 from ckptctl.formats.chunks import entry_tiling_problem
 from ckptctl.formats.torch_pickle import load_tensor
 from ckptctl.formats.torch_pickle_classes import TensorRef
 from ckptctl.formats.torch_save_writer import ByteRange, RawTensor, write_torch_file
 from ckptctl.frameworks.deepspeed import universal_from_state
-from ckptctl.layouts.capabilities import NotCarried, ReshardRequest, WrittenState
-from ckptctl.layouts.parts.zero_tag.master_weights import tag_prefix
-from ckptctl.layouts.parts.zero_tag.names import LATEST_NAME, UNIVERSAL_LATEST_NAME, UNIVERSAL_STATES_DIR
-from ckptctl.layouts.parts.zero_tag.state import partitioned_tag
-from ckptctl.layouts.parts.zero_tag.tag import (
-    DeepSpeedTag,
-    base_state,
-    optimizer_state_dict,
-)
-from ckptctl.layouts.parts.zero_tag.tensor_index import param_groups, tag_index
 
 __all__ = ["TARGET", "WRITER", "UniversalWriter"]
 

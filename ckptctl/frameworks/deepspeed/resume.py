@@ -1,13 +1,13 @@
 """How DeepSpeed's own `engine.load_checkpoint` resumes a tag (the rules every framework that saves ZeRO
-tags shares are `layouts.parts.zero_tag.resume`'s). A universal checkpoint's profile is that of the framework
+tags shares are `families.zero_tag.resume`'s). A universal checkpoint's profile is that of the framework
 that wrote its tag (`universal_host.UNIVERSAL_PROFILE`).
 """
 
 from __future__ import annotations
 
 from ckptctl import io
-from ckptctl.layouts.parts.zero_tag.resume import IMPACTS, LOAD_UNIVERSAL, is_universal, world_size
-from ckptctl.layouts.resume import PlanContext, ResumeProfile
+from ckptctl.contract.resume import PlanContext, ResumeProfile
+from ckptctl.families.zero_tag.resume import IMPACTS, LOAD_UNIVERSAL, is_universal, world_size
 from ckptctl.quoting import comment, python_call
 
 __all__ = ["PROFILE"]

@@ -32,7 +32,30 @@ from typing import Any
 
 from ckptctl import io
 from ckptctl.checkpoint import Checkpoint, CheckpointRef, CheckpointState, Component, Problem, ProblemKind, TensorEntry
+from ckptctl.contract.base import (
+    LISTED_ABSENT,
+    Layout,
+    every_child_folder,
+    folder_size,
+    list_files,
+    newest_mtime,
+    timestamp,
+)
+from ckptctl.contract.resume import ResumeProfile
 from ckptctl.errors import CkptctlError, CorruptCheckpoint, UnknownLayout
+from ckptctl.families.in_progress import unfinished_state
+from ckptctl.families.torch_file import torch_file_problems
+from ckptctl.families.zero_tag.names import (
+    MODEL_STATES,
+    UNIVERSAL_LATEST_NAME,
+    UNIVERSAL_LAYOUT,
+    TagFiles,
+    latest_problem,
+    read_latest,
+    tag_files,
+    tag_markers,
+)
+from ckptctl.families.zero_tag.tag import DeepSpeedTag, base_state, read_tag
 from ckptctl.formats.safe_pickle import StandIn, state_fields
 from ckptctl.frameworks.deepspeed.universal_host import UNIVERSAL_PROFILE, Source, source_of
 from ckptctl.frameworks.deepspeed.universal_states import (
@@ -45,29 +68,6 @@ from ckptctl.frameworks.deepspeed.universal_states import (
 )
 from ckptctl.io import DirEntry
 from ckptctl.layouts import get_layout, peek_dir
-from ckptctl.layouts.base import (
-    LISTED_ABSENT,
-    Layout,
-    every_child_folder,
-    folder_size,
-    list_files,
-    newest_mtime,
-    timestamp,
-)
-from ckptctl.layouts.parts.in_progress import unfinished_state
-from ckptctl.layouts.parts.torch_file import torch_file_problems
-from ckptctl.layouts.parts.zero_tag.names import (
-    MODEL_STATES,
-    UNIVERSAL_LATEST_NAME,
-    UNIVERSAL_LAYOUT,
-    TagFiles,
-    latest_problem,
-    read_latest,
-    tag_files,
-    tag_markers,
-)
-from ckptctl.layouts.parts.zero_tag.tag import DeepSpeedTag, base_state, read_tag
-from ckptctl.layouts.resume import ResumeProfile
 
 __all__ = ["DeepSpeedUniversalLayout"]
 

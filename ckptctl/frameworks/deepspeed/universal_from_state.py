@@ -57,10 +57,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptctl.checkpoint import Checkpoint
-from ckptctl.errors import CkptctlError
-from ckptctl.formats.torch_save_writer import save_torch
-from ckptctl.layouts import capability
-from ckptctl.layouts.capabilities import (
+from ckptctl.contract.capabilities import (
     TRAINING_STATE_SOURCE,
     NotCarried,
     ParamState,
@@ -68,7 +65,10 @@ from ckptctl.layouts.capabilities import (
     StateTensor,
     WrittenState,
 )
-from ckptctl.layouts.parts.zero_tag.names import UNIVERSAL_LATEST_NAME, UNIVERSAL_STATES_DIR
+from ckptctl.errors import CkptctlError
+from ckptctl.families.zero_tag.names import UNIVERSAL_LATEST_NAME, UNIVERSAL_STATES_DIR
+from ckptctl.formats.torch_save_writer import save_torch
+from ckptctl.layouts import capability
 
 __all__ = ["RESUME_HINT", "check", "reads", "write"]
 

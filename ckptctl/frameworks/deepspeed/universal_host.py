@@ -14,14 +14,14 @@ from dataclasses import dataclass
 
 from ckptctl import io
 from ckptctl.checkpoint import CheckpointRef
+from ckptctl.contract.resume import PlanContext, ResumeProfile, WorldSizeCheck, target_ranks
 from ckptctl.errors import CkptctlError
+from ckptctl.families.zero_tag.names import MODEL_STATES, UNIVERSAL_LAYOUT, read_latest, tag_files
+from ckptctl.families.zero_tag.resume import IMPACTS, LOAD_UNIVERSAL, zero_facts
 from ckptctl.frameworks.deepspeed.layout import DeepSpeedLayout
 from ckptctl.frameworks.deepspeed.universal_states import OPTIMIZER_STATE, ZERO_DIR
 from ckptctl.io import DirEntry
 from ckptctl.layouts import detect, get_layout, peek, peek_dir
-from ckptctl.layouts.parts.zero_tag.names import MODEL_STATES, UNIVERSAL_LAYOUT, read_latest, tag_files
-from ckptctl.layouts.parts.zero_tag.resume import IMPACTS, LOAD_UNIVERSAL, zero_facts
-from ckptctl.layouts.resume import PlanContext, ResumeProfile, WorldSizeCheck, target_ranks
 
 __all__ = ["UNIVERSAL_PROFILE", "Source", "conversion_source", "host_layout", "source_of"]
 

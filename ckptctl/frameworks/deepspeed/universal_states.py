@@ -18,7 +18,7 @@ without its `fp32.pt` leaves that parameter's master weights unrestored.
 
 Everything is read through `formats.torch_pickle` (each file's `data.pkl` and zip directory, never the
 tensors' bytes, and never an unpickler that runs code). The index is named as a ZeRO tag's is
-(`layouts.parts.zero_tag.tensor_index`): the model under the module's names, ZeRO 1-2's fp32 copies as
+(`families.zero_tag.tensor_index`): the model under the module's names, ZeRO 1-2's fp32 copies as
 `optimizer.fp32.<name>`, the optimizer state as `optimizer.state.<name>.<state>`.
 """
 
@@ -32,15 +32,15 @@ from typing import Any
 
 from ckptctl import io
 from ckptctl.checkpoint import ChunkEncoding, Component, Problem, ProblemKind, TensorChunk, TensorEntry
+from ckptctl.contract.base import LISTED_ABSENT
 from ckptctl.errors import CkptctlError
+from ckptctl.families.torch_file import torch_file_problems
+from ckptctl.families.zero_tag.names import UNIVERSAL_STATES_DIR
+from ckptctl.families.zero_tag.tag import DeepSpeedTag, base_state
+from ckptctl.families.zero_tag.tensor_index import IndexBuilder, param_groups
 from ckptctl.formats.chunks import coverage_problems
 from ckptctl.formats.torch_pickle import TorchPickle, open_torch_pickle
 from ckptctl.formats.torch_pickle_classes import TensorRef
-from ckptctl.layouts.base import LISTED_ABSENT
-from ckptctl.layouts.parts.torch_file import torch_file_problems
-from ckptctl.layouts.parts.zero_tag.names import UNIVERSAL_STATES_DIR
-from ckptctl.layouts.parts.zero_tag.tag import DeepSpeedTag, base_state
-from ckptctl.layouts.parts.zero_tag.tensor_index import IndexBuilder, param_groups
 
 __all__ = [
     "MOMENTS",

@@ -24,9 +24,9 @@ import re
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from ckptctl.contract.capabilities import ModelSpec
 from ckptctl.errors import CkptctlError, ModelMismatch
-from ckptctl.layouts.capabilities import ModelSpec
-from ckptctl.layouts.parts.hf_model_class import build_on_meta, model_class, quiet
+from ckptctl.families.hf_model_class import build_on_meta, model_class, quiet
 
 if TYPE_CHECKING:
     import torch

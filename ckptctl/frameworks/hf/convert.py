@@ -3,8 +3,8 @@ config describes and its logits, from transformers itself (`frameworks.hf.archit
 
 from __future__ import annotations
 
+from ckptctl.contract.capabilities import ConvertSource
 from ckptctl.frameworks.hf.architecture import model_logits, model_spec
-from ckptctl.layouts.capabilities import ConvertSource
 
 __all__ = ["SOURCE"]
 

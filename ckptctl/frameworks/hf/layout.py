@@ -1,15 +1,15 @@
 """Hugging Face model folders as `save_pretrained` writes them.
 
-The folder reader and verifier are a shared part (`layouts.parts.hf_folder`: the checkpoints of other
+The folder reader and verifier are a shared part (`families.hf_folder`: the checkpoints of other
 plugins hold model folders too); the plugin adds what a model folder resumes as (`frameworks.hf.resume`)
 and, as its convert source, the model transformers builds from its config (`frameworks.hf.convert`).
 """
 
 from __future__ import annotations
 
+from ckptctl.contract.resume import ResumeProfile
+from ckptctl.families.hf_folder import HfFolderLayout
 from ckptctl.frameworks.hf.resume import PROFILE
-from ckptctl.layouts.parts.hf_folder import HfFolderLayout
-from ckptctl.layouts.resume import ResumeProfile
 
 __all__ = ["HfModelLayout"]
 

@@ -7,10 +7,10 @@ from functools import partial
 
 from ckptctl import io
 from ckptctl.checkpoint import Checkpoint
+from ckptctl.contract.capabilities import Adapter, ConvertSource, MasterWeights
+from ckptctl.families.lora.adapter import ADAPTER_WEIGHTS, lora_adapter
+from ckptctl.families.zero_tag.master_weights import checkpoint_master_weights
 from ckptctl.frameworks.hf_trainer.layout import TrainerParts, model_tensors
-from ckptctl.layouts.capabilities import Adapter, ConvertSource, MasterWeights
-from ckptctl.layouts.parts.lora.adapter import ADAPTER_WEIGHTS, lora_adapter
-from ckptctl.layouts.parts.zero_tag.master_weights import checkpoint_master_weights
 
 __all__ = ["SOURCE"]
 

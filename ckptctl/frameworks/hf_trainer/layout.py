@@ -2,13 +2,13 @@
 
 ```
 checkpoint-N/
-    model weights and config as an HF model folder (read with `layouts.parts.hf_folder`)
+    model weights and config as an HF model folder (read with `families.hf_folder`)
     optimizer.pt, scheduler.pt, scaler.pt (AMP), rng_state.pth | rng_state_{process}.pth, training_args.bin
     trainer_state.json             written LAST: the completion marker (global_step, epoch, best_metric, ...)
-    [DeepSpeed: latest, global_stepN/ (read with `layouts.parts.zero_tag`)]
-    [FSDP sharded: pytorch_model_fsdp_0/, optimizer_0/ (torch DCP folders, read with `layouts.parts.dcp_folder`)]
+    [DeepSpeed: latest, global_stepN/ (read with `families.zero_tag`)]
+    [FSDP sharded: pytorch_model_fsdp_0/, optimizer_0/ (torch DCP folders, read with `families.dcp_folder`)]
     [a PEFT model: adapter_model.safetensors + adapter_config.json instead of the model (read with
-     `layouts.parts.lora.adapter`)]
+     `families.lora.adapter`)]
 ```
 
 A Trainer training a PEFT model saves the adapter alone (transformers 5.24 `Trainer._save`: a `PeftModel`
@@ -20,7 +20,7 @@ The `.pt`/`.pth`/`.bin` files are torch.save pickles; they are read with `format
 is needed and a hostile pickle is refused before anything runs.
 
 A folder without `trainer_state.json` is a save that has not finished: in progress while its files are
-fresh, broken once they are older (`layouts.parts.in_progress`; transformers' resume picks the highest
+fresh, broken once they are older (`families.in_progress`; transformers' resume picks the highest
 `checkpoint-N` without looking, transformers#35782, and fails on such a folder).
 """
 
@@ -46,7 +46,35 @@ from ckptctl.checkpoint import (
     TensorChunk,
     TensorEntry,
 )
+from ckptctl.contract.base import (
+    Layout,
+    Protections,
+    every_child_folder,
+    folder_size,
+    list_files,
+    newest_mtime,
+    step_from_name,
+    timestamp,
+)
+from ckptctl.contract.load_set import LoadMember
+from ckptctl.contract.resume import ResumeProfile
 from ckptctl.errors import CkptctlError, UnknownLayout
+from ckptctl.families.hf_folder import (
+    has_weights,
+    model_components,
+    model_markers,
+    model_metadata,
+    safetensors_index,
+    verify_model_files,
+    weight_files,
+)
+from ckptctl.families.in_progress import recently_written
+from ckptctl.families.lora.adapter import ADAPTER_WEIGHTS, adapter_metadata, adapter_problems
+from ckptctl.families.lora.settings import ADAPTER_CONFIG
+from ckptctl.families.zero_tag.names import LATEST_NAME, latest_problem, missing_note, read_latest, tag_files
+from ckptctl.families.zero_tag.tag import DeepSpeedTag, missing_rank_files, read_tag
+from ckptctl.families.zero_tag.tensor_index import tag_index
+from ckptctl.families.zero_tag.verify import verify_tag
 from ckptctl.formats.documents import as_real, as_whole, read_json
 from ckptctl.formats.safe_pickle import FrameworkObject, StandIn, state_fields
 from ckptctl.formats.torch_pickle import TorchPickle, open_torch_pickle, storage_problems
@@ -60,34 +88,6 @@ from ckptctl.frameworks.hf_trainer.load_set import (
 )
 from ckptctl.io import DirEntry
 from ckptctl.layouts import peek, peek_dir
-from ckptctl.layouts.base import (
-    Layout,
-    Protections,
-    every_child_folder,
-    folder_size,
-    list_files,
-    newest_mtime,
-    step_from_name,
-    timestamp,
-)
-from ckptctl.layouts.load_set import LoadMember
-from ckptctl.layouts.parts.hf_folder import (
-    has_weights,
-    model_components,
-    model_markers,
-    model_metadata,
-    safetensors_index,
-    verify_model_files,
-    weight_files,
-)
-from ckptctl.layouts.parts.in_progress import recently_written
-from ckptctl.layouts.parts.lora.adapter import ADAPTER_WEIGHTS, adapter_metadata, adapter_problems
-from ckptctl.layouts.parts.lora.settings import ADAPTER_CONFIG
-from ckptctl.layouts.parts.zero_tag.names import LATEST_NAME, latest_problem, missing_note, read_latest, tag_files
-from ckptctl.layouts.parts.zero_tag.tag import DeepSpeedTag, missing_rank_files, read_tag
-from ckptctl.layouts.parts.zero_tag.tensor_index import tag_index
-from ckptctl.layouts.parts.zero_tag.verify import verify_tag
-from ckptctl.layouts.resume import ResumeProfile
 
 __all__ = ["HfTrainerLayout", "TrainerParts", "model_tensors", "training_args_fields"]
 
@@ -372,7 +372,7 @@ class HfTrainerLayout(Layout):
             pointer = latest_problem(url, LATEST_NAME)
             if pointer is not None:
                 problems.append(pointer)
-        from ckptctl.layouts.parts.dcp_folder import verify_dcp
+        from ckptctl.families.dcp_folder import verify_dcp
 
         for folder in sorted(parts.dcp_folders):
             problems += verify_dcp(io.join(url, folder), f"{folder}/")
@@ -575,7 +575,7 @@ def _tensor_index(
         inner = tag_index(tag, f"{parts.ds_tag}/")
         entries += [e for e in inner if not (weights and e.component is Component.MODEL)]
     if parts.dcp_folders:
-        from ckptctl.layouts.parts.dcp_folder import dcp_tensor_index
+        from ckptctl.families.dcp_folder import dcp_tensor_index
 
         for folder, component in sorted(parts.dcp_folders.items()):
             if weights and component is Component.MODEL:

@@ -1,5 +1,5 @@
 """What the Trainer's resume (`trainer.train(resume_from_checkpoint=...)`) reads of a `checkpoint-N`: its load set
-(`layouts.load_set`), decided from the checkpoint's own facts.
+(`contract.load_set`), decided from the checkpoint's own facts.
 
 Read from transformers 5.24 (`trainer.py`): `Trainer._save_checkpoint` writes the model (`save_model`, whose
 `_save` writes `training_args.bin` too), then, unless `save_only_model`, the optimizer and scheduler
@@ -35,13 +35,13 @@ from typing import Any
 
 from ckptctl import io
 from ckptctl.checkpoint import Component
+from ckptctl.contract.base import absent_numbers
+from ckptctl.contract.load_set import LoadMember, MemberKind, Need
+from ckptctl.families.lora.adapter import ADAPTER_WEIGHTS
+from ckptctl.families.lora.settings import ADAPTER_CONFIG
 from ckptctl.frameworks.hf_trainer.files import CHECKPOINT_DIR, RNG_FILE, TRAINER_STATE_NAME
 from ckptctl.io import DirEntry
 from ckptctl.layouts import peek, peek_dir
-from ckptctl.layouts.base import absent_numbers
-from ckptctl.layouts.load_set import LoadMember, MemberKind, Need
-from ckptctl.layouts.parts.lora.adapter import ADAPTER_WEIGHTS
-from ckptctl.layouts.parts.lora.settings import ADAPTER_CONFIG
 
 __all__ = ["TRAINING_ARGS", "TrainerFacts", "trainer_members"]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 
-from ckptctl.layouts.parts.pointers import PicksNewestByName
+from ckptctl.families.pointers import PicksNewestByName
 
 #: transformers' `_re_checkpoint` (`PREFIX_CHECKPOINT_DIR` is "checkpoint").
 POINTER_WRITER = PicksNewestByName(re.compile(r"^checkpoint\-(\d+)$"))

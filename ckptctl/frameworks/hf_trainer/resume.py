@@ -8,12 +8,7 @@ from collections.abc import Mapping, Sequence
 
 from ckptctl import io
 from ckptctl.checkpoint import Checkpoint, CheckpointRef, Component
-from ckptctl.errors import CkptctlError
-from ckptctl.frameworks.hf_trainer.files import CHECKPOINT_DIR, RNG_FILE
-from ckptctl.layouts import peek_dir
-from ckptctl.layouts.parts.dcp_resume import overwrite_warnings, reshards
-from ckptctl.layouts.parts.zero_tag import resume as zero_resume
-from ckptctl.layouts.resume import (
+from ckptctl.contract.resume import (
     LatestPick,
     PlanContext,
     ResumeProfile,
@@ -21,6 +16,11 @@ from ckptctl.layouts.resume import (
     pickled_rng_keys,
     target_ranks,
 )
+from ckptctl.errors import CkptctlError
+from ckptctl.families.dcp_resume import overwrite_warnings, reshards
+from ckptctl.families.zero_tag import resume as zero_resume
+from ckptctl.frameworks.hf_trainer.files import CHECKPOINT_DIR, RNG_FILE
+from ckptctl.layouts import peek_dir
 from ckptctl.quoting import python_call
 
 __all__ = ["PROFILE"]

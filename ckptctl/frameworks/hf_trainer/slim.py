@@ -6,8 +6,8 @@ the files only `Trainer.train(resume_from_checkpoint=...)` reads go: `optimizer.
 from __future__ import annotations
 
 from ckptctl.checkpoint import Checkpoint, Problem
+from ckptctl.contract.capabilities import SlimRecipe
 from ckptctl.frameworks.hf_trainer.files import RNG_FILE
-from ckptctl.layouts.capabilities import SlimRecipe
 
 __all__ = ["SLIMMER", "HfTrainerSlimmer"]
 

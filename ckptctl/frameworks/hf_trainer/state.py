@@ -10,7 +10,7 @@ config.json names is built from that config on the meta device (no weights; noth
 classes transformers itself ships are built, and a config with `auto_map`, code shipped with the model, is refused),
 transformers' `Trainer.get_decay_parameter_names` splits its parameters, and the saved groups must number exactly
 those, in order, with the settings the Trainer gives them and every state tensor of its parameter's shape
-(`layouts.parts.param_state.grouped_state`). Without transformers importable it is refused.
+(`families.param_state.grouped_state`). Without transformers importable it is refused.
 
 optimizer.pt is read with ckptctl's safe unpickler (its `data.pkl`; tensors through the checkpoint's index).
 """
@@ -22,16 +22,16 @@ from typing import Any
 
 from ckptctl import io
 from ckptctl.checkpoint import Checkpoint, Component, TensorEntry
+from ckptctl.contract.capabilities import NotCarried, ParamState, StateTensor
 from ckptctl.errors import CkptctlError
+from ckptctl.families.hf_model_class import build_on_meta, excess_layers, has_transformers_5, model_class
+from ckptctl.families.param_state import grouped_state, indexed_optimizer, stored_tensor
 from ckptctl.formats.documents import read_json
 from ckptctl.formats.safe_pickle import FrameworkObject
 from ckptctl.formats.torch_pickle import open_torch_pickle
 from ckptctl.formats.torch_pickle_classes import TensorRef
 from ckptctl.frameworks.hf_trainer.files import RNG_FILE, TRAINER_STATE_NAME
 from ckptctl.frameworks.hf_trainer.layout import TrainerParts, training_args_fields
-from ckptctl.layouts.capabilities import NotCarried, ParamState, StateTensor
-from ckptctl.layouts.parts.hf_model_class import build_on_meta, excess_layers, has_transformers_5, model_class
-from ckptctl.layouts.parts.param_state import grouped_state, indexed_optimizer, stored_tensor
 
 __all__ = ["SOURCE"]
 

@@ -9,12 +9,12 @@ from typing import Any
 
 from ckptctl import io
 from ckptctl.checkpoint import Checkpoint, ChunkEncoding, TensorEntry
+from ckptctl.contract.capabilities import ConvertSource, MasterWeights
+from ckptctl.contract.naming import NameStripper, keep_name, strip_segments
 from ckptctl.errors import CkptctlError
+from ckptctl.families.zero_tag.master_weights import checkpoint_master_weights
 from ckptctl.formats.safe_pickle import StandIn, state_fields
 from ckptctl.frameworks.lightning.layout import DEEPSPEED_TAG, lightning_dict_file, open_lightning_file
-from ckptctl.layouts.capabilities import ConvertSource, MasterWeights
-from ckptctl.layouts.naming import NameStripper, keep_name, strip_segments
-from ckptctl.layouts.parts.zero_tag.master_weights import checkpoint_master_weights
 
 __all__ = ["SOURCE"]
 

@@ -17,7 +17,7 @@ DIRPATH/                            ModelCheckpoint's dirpath (default: <default
 A DeepSpeed folder (lightning 2.6.6 `pytorch/strategies/deepspeed.py` `DeepSpeedStrategy.save_checkpoint`):
 `deepspeed_engine.save_checkpoint(filepath, client_state=<the checkpoint dict without state_dict and
 optimizer_states>, tag="checkpoint")`; the weights are the LightningModule's own state dict (no `state_dict.`
-key in front), the optimizer its ZeRO partitions. It is read with `layouts.parts.zero_tag`.
+key in front), the optimizer its ZeRO partitions. It is read with `families.zero_tag`.
 
 A file is written at once (`_atomic_save`: a BytesIO, then an fsspec transaction), so it is complete when
 listed. Its keys (`checkpoint_connector.py` `dump_checkpoint`): `epoch`, `global_step`,
@@ -49,17 +49,7 @@ from ckptctl.checkpoint import (
     ProblemKind,
     TensorEntry,
 )
-from ckptctl.errors import CkptctlError, UnknownLayout, UnsafePickle, UnsupportedClass
-from ckptctl.formats.dcp_metadata import METADATA_NAME
-from ckptctl.formats.documents import as_real, as_whole
-from ckptctl.formats.safe_pickle import FrameworkObject, StandIn, state_fields
-from ckptctl.formats.torch_pickle import TorchPickle, open_torch_pickle
-from ckptctl.formats.torch_pickle_classes import TensorRef
-from ckptctl.formats.torch_zip import TorchArchive
-from ckptctl.frameworks.lightning.files import DEEPSPEED_TAG, LAST, META, SUFFIX
-from ckptctl.io import DirEntry
-from ckptctl.layouts import peek_dir
-from ckptctl.layouts.base import (
+from ckptctl.contract.base import (
     Layout,
     Protections,
     default_torch_archives,
@@ -69,14 +59,24 @@ from ckptctl.layouts.base import (
     newest_mtime,
     timestamp,
 )
-from ckptctl.layouts.parts.dcp_folder import DISTCP_RE, dcp_tensor_index, verify_dcp, world_size_of
-from ckptctl.layouts.parts.hf_folder import torch_file_entries
-from ckptctl.layouts.parts.torch_file import torch_file_problems
-from ckptctl.layouts.parts.zero_tag.names import LATEST_NAME, TagFiles, missing_note, read_latest, tag_files
-from ckptctl.layouts.parts.zero_tag.tag import ENGINE_KEYS, missing_rank_files, read_tag
-from ckptctl.layouts.parts.zero_tag.tensor_index import tag_index
-from ckptctl.layouts.parts.zero_tag.verify import verify_tag
-from ckptctl.layouts.resume import ResumeProfile
+from ckptctl.contract.resume import ResumeProfile
+from ckptctl.errors import CkptctlError, UnknownLayout, UnsafePickle, UnsupportedClass
+from ckptctl.families.dcp_folder import DISTCP_RE, dcp_tensor_index, verify_dcp, world_size_of
+from ckptctl.families.hf_folder import torch_file_entries
+from ckptctl.families.torch_file import torch_file_problems
+from ckptctl.families.zero_tag.names import LATEST_NAME, TagFiles, missing_note, read_latest, tag_files
+from ckptctl.families.zero_tag.tag import ENGINE_KEYS, missing_rank_files, read_tag
+from ckptctl.families.zero_tag.tensor_index import tag_index
+from ckptctl.families.zero_tag.verify import verify_tag
+from ckptctl.formats.dcp_metadata import METADATA_NAME
+from ckptctl.formats.documents import as_real, as_whole
+from ckptctl.formats.safe_pickle import FrameworkObject, StandIn, state_fields
+from ckptctl.formats.torch_pickle import TorchPickle, open_torch_pickle
+from ckptctl.formats.torch_pickle_classes import TensorRef
+from ckptctl.formats.torch_zip import TorchArchive
+from ckptctl.frameworks.lightning.files import DEEPSPEED_TAG, LAST, META, SUFFIX
+from ckptctl.io import DirEntry
+from ckptctl.layouts import peek_dir
 
 __all__ = ["LightningLayout", "lightning_dict_file", "name_fields", "open_lightning_file"]
 
@@ -515,7 +515,7 @@ def _classify_sharded(key: str) -> Component:
 
 
 def _dcp_keys(url: str) -> list[str]:
-    from ckptctl.layouts.parts.dcp_folder_metadata import load_dcp_metadata
+    from ckptctl.formats.dcp_folder_metadata import load_dcp_metadata
 
     try:
         return list(load_dcp_metadata(url).entries)

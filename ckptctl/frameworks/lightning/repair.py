@@ -8,8 +8,8 @@ from __future__ import annotations
 import os
 
 from ckptctl import io
+from ckptctl.contract.capabilities import Pointer
 from ckptctl.frameworks.lightning.files import LAST
-from ckptctl.layouts.capabilities import Pointer
 
 
 def _last(checkpoint: str) -> str:

@@ -12,10 +12,10 @@ from collections.abc import Mapping, Sequence
 
 from ckptctl import io
 from ckptctl.checkpoint import CheckpointRef, Component
+from ckptctl.contract.resume import LatestPick, PlanContext, ResumeProfile, WorldSizeCheck, target_ranks
+from ckptctl.families.dcp_resume import overwrite_warnings, reshards
+from ckptctl.families.zero_tag import resume as zero_resume
 from ckptctl.frameworks.lightning.files import LAST
-from ckptctl.layouts.parts.dcp_resume import overwrite_warnings, reshards
-from ckptctl.layouts.parts.zero_tag import resume as zero_resume
-from ckptctl.layouts.resume import LatestPick, PlanContext, ResumeProfile, WorldSizeCheck, target_ranks
 from ckptctl.quoting import Code, comment, python_call
 
 __all__ = ["PROFILE"]

@@ -12,9 +12,9 @@ the checkpoint dict stay (lightning 2.6.6 `pytorch/trainer/connectors/checkpoint
   `hyper_parameters` (`core/saving.py` `_load_from_checkpoint`), so it loads the slim file as the whole one; a
   resume from it stops with Lightning's own "contains only the model" error, as for `save_weights_only`.
 - A sharded `.ckpt/` folder (FSDP `state_dict_type="sharded"`): its DCP items `optimizer_0.*`, ... go
-  (`layouts.parts.dcp_slim`); `meta.pt` (the dict without `state_dict` and `optimizer_states`) stays as it is.
+  (`families.dcp_slim`); `meta.pt` (the dict without `state_dict` and `optimizer_states`) stays as it is.
 - A DeepSpeed `.ckpt/` folder: its tag `checkpoint/` loses its optimizer partitions and keeps its fp32
-  masters as a model file (`layouts.parts.zero_tag.slim`).
+  masters as a model file (`families.zero_tag.slim`).
 """
 
 from __future__ import annotations
@@ -26,7 +26,10 @@ from typing import Any
 
 from ckptctl import io
 from ckptctl.checkpoint import Checkpoint, Problem
+from ckptctl.contract.capabilities import OneLookSlimmer, SlimRecipe, SlimRewrite
 from ckptctl.errors import CkptctlError
+from ckptctl.families.dcp_slim import slim_dcp_folder
+from ckptctl.families.zero_tag.slim import expected_tag_problem, tag_slim
 from ckptctl.formats.manifest import now_iso
 from ckptctl.formats.pickle_edit import drop_dict_keys
 from ckptctl.formats.slim_marker import SLIM_COMMENT, SLIM_MARKER, SlimMarker
@@ -35,9 +38,6 @@ from ckptctl.formats.torch_pickle_classes import TORCH_PICKLE_GLOBALS, load_torc
 from ckptctl.formats.torch_save_writer import copy_torch_file
 from ckptctl.frameworks.lightning.files import DEEPSPEED_TAG
 from ckptctl.frameworks.lightning.layout import open_lightning_file
-from ckptctl.layouts.capabilities import OneLookSlimmer, SlimRecipe, SlimRewrite
-from ckptctl.layouts.parts.dcp_slim import slim_dcp_folder
-from ckptctl.layouts.parts.zero_tag.slim import expected_tag_problem, tag_slim
 
 __all__ = ["SLIMMER", "LightningSlimmer"]
 

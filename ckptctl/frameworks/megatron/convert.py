@@ -8,10 +8,10 @@ from collections.abc import Sequence
 
 from ckptctl import io
 from ckptctl.checkpoint import Checkpoint
+from ckptctl.contract.capabilities import ConvertSource, default_config_folders
 from ckptctl.frameworks.megatron.hf import hf_model
 from ckptctl.frameworks.megatron.layout import TOKENIZER_FOLDER, VERL_HF_FOLDER
 from ckptctl.frameworks.megatron.names import native_model
-from ckptctl.layouts.capabilities import ConvertSource, default_config_folders
 
 __all__ = ["SOURCE"]
 

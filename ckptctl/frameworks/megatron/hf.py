@@ -38,10 +38,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptctl.checkpoint import Checkpoint, Component, TensorEntry
+from ckptctl.contract.capabilities import HfModel
 from ckptctl.errors import CkptctlError
 from ckptctl.frameworks.megatron.files import COMMON
 from ckptctl.frameworks.megatron.names import LAYERS, PER_LAYER, Part, Rows, cut, saved_args
-from ckptctl.layouts.capabilities import HfModel
 
 __all__ = ["GptShape", "hf_config", "hf_model", "shape_from_args", "shape_from_config"]
 

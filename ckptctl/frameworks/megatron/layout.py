@@ -42,22 +42,22 @@ from ckptctl.checkpoint import (
     ProblemKind,
     TensorEntry,
 )
+from ckptctl.contract.base import Layout, every_child_folder, list_files, newest_mtime, timestamp
+from ckptctl.contract.resume import ResumeProfile
 from ckptctl.errors import CheckpointInProgress, CkptctlError, CorruptCheckpoint, UnknownLayout
-from ckptctl.formats.dcp_metadata import METADATA_NAME, DcpMetadata
-from ckptctl.formats.documents import read_json
-from ckptctl.formats.safe_pickle import FrameworkObject
-from ckptctl.frameworks.megatron.files import COMMON, RELEASE, TRACKER, iteration_of, read_common, read_tracker
-from ckptctl.io import DirEntry
-from ckptctl.layouts.base import Layout, every_child_folder, list_files, newest_mtime, timestamp
-from ckptctl.layouts.parts.dcp_folder import (
+from ckptctl.families.dcp_folder import (
     DISTCP_RE,
     component_classifier,
     index_from_metadata,
     verify_dcp,
     world_size_of,
 )
-from ckptctl.layouts.parts.dcp_folder_metadata import load_dcp_metadata
-from ckptctl.layouts.resume import ResumeProfile
+from ckptctl.formats.dcp_folder_metadata import load_dcp_metadata
+from ckptctl.formats.dcp_metadata import METADATA_NAME, DcpMetadata
+from ckptctl.formats.documents import read_json
+from ckptctl.formats.safe_pickle import FrameworkObject
+from ckptctl.frameworks.megatron.files import COMMON, RELEASE, TRACKER, iteration_of, read_common, read_tracker
+from ckptctl.io import DirEntry
 
 __all__ = ["MARKER", "MegatronLayout"]
 

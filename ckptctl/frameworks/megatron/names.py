@@ -30,10 +30,10 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ckptctl.checkpoint import Checkpoint, Component, TensorEntry
+from ckptctl.contract.capabilities import NativeModel
 from ckptctl.errors import CkptctlError
 from ckptctl.formats.raw_chunks import ChunkLocator, row_slice
 from ckptctl.frameworks.megatron.files import COMMON, read_common
-from ckptctl.layouts.capabilities import NativeModel
 
 __all__ = ["LAYERS", "PER_LAYER", "Part", "Rows", "cut", "native_model", "saved_args", "spec_keys"]
 

@@ -5,9 +5,9 @@ beside the `iter_NNNNNNN` folders (megatron/training/checkpointing.py, `read_met
 from __future__ import annotations
 
 from ckptctl import io
+from ckptctl.contract.capabilities import Pointer
+from ckptctl.families.pointers import FollowsPointer
 from ckptctl.frameworks.megatron.files import RELEASE, TRACKER, iteration_of
-from ckptctl.layouts.capabilities import Pointer
-from ckptctl.layouts.parts.pointers import FollowsPointer
 
 
 def _tracker(folder: str) -> tuple[Pointer, ...]:

@@ -16,9 +16,9 @@ from typing import Any
 
 from ckptctl import io
 from ckptctl.checkpoint import Component
+from ckptctl.contract.resume import PlanContext, ResumeProfile, WorldSizeCheck, target_ranks
+from ckptctl.families.dcp_resume import overwrite_warnings
 from ckptctl.frameworks.megatron.files import RELEASE, iteration_of, read_tracker
-from ckptctl.layouts.parts.dcp_resume import overwrite_warnings
-from ckptctl.layouts.resume import PlanContext, ResumeProfile, WorldSizeCheck, target_ranks
 from ckptctl.quoting import shell
 
 __all__ = ["PROFILE"]

@@ -20,8 +20,8 @@ Until a load proves the mapping, the state is refused; the model alone converts 
 from __future__ import annotations
 
 from ckptctl.checkpoint import Checkpoint, Component
+from ckptctl.contract.capabilities import ParamState
 from ckptctl.errors import CkptctlError
-from ckptctl.layouts.capabilities import ParamState
 from ckptctl.quoting import shell
 
 __all__ = ["SOURCE"]

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ckptctl.checkpoint import TensorEntry
-from ckptctl.layouts.capabilities import ConvertSource
-from ckptctl.layouts.naming import NameStripper, keep_name, shared_first_segment, strip_segments
+from ckptctl.contract.capabilities import ConvertSource
+from ckptctl.contract.naming import NameStripper, keep_name, shared_first_segment, strip_segments
 
 __all__ = ["SOURCE"]
 

@@ -26,7 +26,18 @@ from ckptctl.checkpoint import (
     TensorChunk,
     TensorEntry,
 )
+from ckptctl.contract.base import (
+    Layout,
+    every_child_folder,
+    folder_size,
+    list_files,
+    newest_mtime,
+    step_from_name,
+    timestamp,
+)
+from ckptctl.contract.resume import ResumeProfile
 from ckptctl.errors import CkptctlError, CorruptCheckpoint
+from ckptctl.families.dcp_folder import dcp_tensor_index, verify_dcp
 from ckptctl.formats.manifest import DIGESTS_NAME, MANIFEST_NAME, Manifest
 from ckptctl.formats.native import (
     ABANDON_GRACE,
@@ -43,17 +54,6 @@ from ckptctl.formats.native import (
 from ckptctl.formats.safetensors import read_header
 from ckptctl.frameworks.native.resume import PROFILE
 from ckptctl.io import DirEntry
-from ckptctl.layouts.base import (
-    Layout,
-    every_child_folder,
-    folder_size,
-    list_files,
-    newest_mtime,
-    step_from_name,
-    timestamp,
-)
-from ckptctl.layouts.parts.dcp_folder import dcp_tensor_index, verify_dcp
-from ckptctl.layouts.resume import ResumeProfile
 
 __all__ = ["COMPONENT_OF_KIND", "REMOTE_UPLOAD_WINDOW", "NativeLayout"]
 

@@ -4,9 +4,9 @@ names when it verifies (`core.manager`), which the manager writes as the folder 
 from __future__ import annotations
 
 from ckptctl import io
+from ckptctl.contract.capabilities import Pointer
+from ckptctl.families.pointers import FollowsPointer
 from ckptctl.formats.native import POINTER_NAME
-from ckptctl.layouts.capabilities import Pointer
-from ckptctl.layouts.parts.pointers import FollowsPointer
 
 POINTER_WRITER = FollowsPointer(
     lambda step: (Pointer(io.join(io.parent_of(step), POINTER_NAME), f"{io.name_of(step)}\n"),)

@@ -7,12 +7,12 @@ import re
 
 from ckptctl import io
 from ckptctl.checkpoint import Checkpoint, CheckpointState, Component
+from ckptctl.contract.resume import PlanContext, ResumeProfile, WorldSizeCheck, target_ranks
 from ckptctl.errors import CkptctlError
+from ckptctl.families.dcp_resume import overwrite_warnings
 from ckptctl.formats.documents import read_json
 from ckptctl.formats.manifest import MANIFEST_NAME
 from ckptctl.formats.native import DCP_FOLDER, read_native_manifest
-from ckptctl.layouts.parts.dcp_resume import overwrite_warnings
-from ckptctl.layouts.resume import PlanContext, ResumeProfile, WorldSizeCheck, target_ranks
 from ckptctl.quoting import Code, python_call
 
 __all__ = ["PROFILE"]

@@ -8,9 +8,9 @@ import functools
 from dataclasses import replace
 
 from ckptctl.checkpoint import Checkpoint, Problem
+from ckptctl.contract.capabilities import SlimRecipe, SlimRewrite
 from ckptctl.formats.manifest import MANIFEST_NAME, Manifest
 from ckptctl.formats.native import read_native_manifest
-from ckptctl.layouts.capabilities import SlimRecipe, SlimRewrite
 
 __all__ = ["SLIMMER", "NativeSlimmer"]
 

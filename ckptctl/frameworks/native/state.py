@@ -10,10 +10,10 @@ was given them, which nothing in the checkpoint maps to the model's names: it is
 from __future__ import annotations
 
 from ckptctl.checkpoint import Checkpoint
+from ckptctl.contract.capabilities import NotCarried, ParamState
 from ckptctl.errors import CkptctlError
+from ckptctl.families.dcp_state import dcp_param_state
 from ckptctl.formats.native import DCP_FOLDER, read_native_manifest
-from ckptctl.layouts.capabilities import NotCarried, ParamState
-from ckptctl.layouts.parts.dcp_state import dcp_param_state
 
 __all__ = ["SOURCE"]
 

@@ -8,9 +8,9 @@ from collections.abc import Sequence
 
 from ckptctl import io
 from ckptctl.checkpoint import Checkpoint
+from ckptctl.contract.capabilities import ConvertSource, MasterWeights, default_config_folders
+from ckptctl.families.zero_tag.master_weights import checkpoint_master_weights, tag_prefix
 from ckptctl.frameworks.open_instruct.layout import SNAPSHOT_RE, SNAPSHOTS_SUFFIX, listing_or_empty
-from ckptctl.layouts.capabilities import ConvertSource, MasterWeights, default_config_folders
-from ckptctl.layouts.parts.zero_tag.master_weights import checkpoint_master_weights, tag_prefix
 
 __all__ = ["SOURCE"]
 

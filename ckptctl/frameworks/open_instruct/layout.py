@@ -10,7 +10,7 @@ CHECKPOINT_STATE_DIR/                  (--checkpoint_state_dir)
 OUTPUT_DIR/{exp}__{seed}__{time}_checkpoints/step_{training_step}/   HF snapshots + .checkpoint_complete
 ```
 
-A tag is read with `layouts.parts.zero_tag`; it is open-instruct's when it holds `driver_state.pt`, when
+A tag is read with `families.zero_tag`; it is open-instruct's when it holds `driver_state.pt`, when
 `ref_policy/` lies beside it, or when its client state holds open-instruct's own keys (a tag that lost
 `driver_state.pt` stays a torn open-instruct tag, never a whole DeepSpeed one). Its step is the `training_step` of the client state (or of
 `driver_state.pt`), not the N of its name, which counts optimizer steps; so `identify` reads the rank-0
@@ -33,17 +33,15 @@ from typing import Any
 
 from ckptctl import io
 from ckptctl.checkpoint import Checkpoint, CheckpointRef, CheckpointState, Component, Problem, ProblemKind, Role
+from ckptctl.contract.base import Layout, every_child_folder, folder_size, newest_mtime, timestamp
+from ckptctl.contract.load_set import LoadMember, MemberKind
+from ckptctl.contract.resume import ResumeProfile
 from ckptctl.errors import CkptctlError, UnknownLayout
-from ckptctl.formats.torch_pickle import open_torch_pickle
-from ckptctl.io import DirEntry
-from ckptctl.layouts import peek, peek_dir
-from ckptctl.layouts.base import Layout, every_child_folder, folder_size, newest_mtime, timestamp
-from ckptctl.layouts.load_set import LoadMember, MemberKind
-from ckptctl.layouts.parts.hf_folder import HfFolderLayout, has_weights, model_markers, verify_model_files
-from ckptctl.layouts.parts.in_progress import recently_written
-from ckptctl.layouts.parts.torch_file import torch_file_problems
-from ckptctl.layouts.parts.zero_tag.folder import open_tag
-from ckptctl.layouts.parts.zero_tag.names import (
+from ckptctl.families.hf_folder import HfFolderLayout, has_weights, model_markers, verify_model_files
+from ckptctl.families.in_progress import recently_written
+from ckptctl.families.torch_file import torch_file_problems
+from ckptctl.families.zero_tag.folder import open_tag
+from ckptctl.families.zero_tag.names import (
     LATEST_NAME,
     latest_problem,
     missing_note,
@@ -51,9 +49,11 @@ from ckptctl.layouts.parts.zero_tag.names import (
     tag_files,
     tag_markers,
 )
-from ckptctl.layouts.parts.zero_tag.tag import ENGINE_KEYS, missing_rank_files
-from ckptctl.layouts.parts.zero_tag.verify import verify_tag
-from ckptctl.layouts.resume import ResumeProfile
+from ckptctl.families.zero_tag.tag import ENGINE_KEYS, missing_rank_files
+from ckptctl.families.zero_tag.verify import verify_tag
+from ckptctl.formats.torch_pickle import open_torch_pickle
+from ckptctl.io import DirEntry
+from ckptctl.layouts import peek, peek_dir
 from ckptctl.quoting import comment, shell
 
 __all__ = [

@@ -5,8 +5,8 @@ grpo_fast.py, `load_from_checkpoint`)."""
 from __future__ import annotations
 
 from ckptctl import io
-from ckptctl.layouts.capabilities import Pointer
-from ckptctl.layouts.parts.pointers import FollowsPointer
-from ckptctl.layouts.parts.zero_tag.names import LATEST_NAME
+from ckptctl.contract.capabilities import Pointer
+from ckptctl.families.pointers import FollowsPointer
+from ckptctl.families.zero_tag.names import LATEST_NAME
 
 POINTER_WRITER = FollowsPointer(lambda tag: (Pointer(io.join(io.parent_of(tag), LATEST_NAME), io.name_of(tag)),))

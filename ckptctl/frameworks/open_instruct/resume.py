@@ -11,10 +11,10 @@ points `latest_universal` at that folder when it exists, whatever it holds, and 
 from __future__ import annotations
 
 from ckptctl import io
+from ckptctl.contract.resume import PlanContext, ResumeProfile
 from ckptctl.errors import CkptctlError
-from ckptctl.layouts.parts.zero_tag import resume as zero_resume
-from ckptctl.layouts.parts.zero_tag.names import read_latest
-from ckptctl.layouts.resume import PlanContext, ResumeProfile
+from ckptctl.families.zero_tag import resume as zero_resume
+from ckptctl.families.zero_tag.names import read_latest
 from ckptctl.quoting import comment, shell
 
 __all__ = ["PROFILE"]

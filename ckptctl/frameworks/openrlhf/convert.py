@@ -7,12 +7,12 @@ from collections.abc import Sequence
 
 from ckptctl import io
 from ckptctl.checkpoint import Checkpoint
+from ckptctl.contract.capabilities import ConvertSource, MasterWeights, default_config_folders
+from ckptctl.families.value_head import HeadTask
+from ckptctl.families.zero_tag.master_weights import checkpoint_master_weights, tag_prefix
 from ckptctl.frameworks.openrlhf.layout import EXPORT_RE, TAG_RE, role_of
 from ckptctl.io import DirEntry
 from ckptctl.layouts import peek
-from ckptctl.layouts.capabilities import ConvertSource, MasterWeights, default_config_folders
-from ckptctl.layouts.parts.value_head import HeadTask
-from ckptctl.layouts.parts.zero_tag.master_weights import checkpoint_master_weights, tag_prefix
 
 __all__ = ["SOURCE"]
 

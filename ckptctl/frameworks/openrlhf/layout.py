@@ -10,7 +10,7 @@ CKPT_PATH/                          (--ckpt_path; >= v0.10.2 --ckpt.path)
 SFT/DPO/RM: the tags and `{tag}_hf` exports directly in CKPT_PATH.
 ```
 
-A tag is read with `layouts.parts.zero_tag`; what makes it OpenRLHF's is the evidence around it: a `_actor` or
+A tag is read with `families.zero_tag`; what makes it OpenRLHF's is the evidence around it: a `_actor` or
 `_critic` parent, its `metric.json`, a `best_` name, or `best_global_step*`/`*_hf` folders beside it (one
 listing of the save folder per scan, see `peek_dir`). The actor and the critic of one step are two
 checkpoints, as OpenRLHF writes them: two save folders, each with its own `latest` and its own rotation.
@@ -30,11 +30,7 @@ from typing import Any
 
 from ckptctl import io
 from ckptctl.checkpoint import Checkpoint, CheckpointRef, CheckpointState, Component, Problem, ProblemKind, Role
-from ckptctl.errors import CkptctlError, UnknownLayout
-from ckptctl.formats.documents import as_real, read_json
-from ckptctl.io import DirEntry
-from ckptctl.layouts import peek, peek_dir
-from ckptctl.layouts.base import (
+from ckptctl.contract.base import (
     Layout,
     Protections,
     every_child_folder,
@@ -42,9 +38,11 @@ from ckptctl.layouts.base import (
     newest_mtime,
     timestamp,
 )
-from ckptctl.layouts.parts.hf_folder import HfFolderLayout, has_weights, model_markers, verify_model_files
-from ckptctl.layouts.parts.zero_tag.folder import open_tag
-from ckptctl.layouts.parts.zero_tag.names import (
+from ckptctl.contract.resume import ResumeProfile
+from ckptctl.errors import CkptctlError, UnknownLayout
+from ckptctl.families.hf_folder import HfFolderLayout, has_weights, model_markers, verify_model_files
+from ckptctl.families.zero_tag.folder import open_tag
+from ckptctl.families.zero_tag.names import (
     LATEST_NAME,
     latest_problem,
     missing_note,
@@ -52,9 +50,11 @@ from ckptctl.layouts.parts.zero_tag.names import (
     tag_files,
     tag_markers,
 )
-from ckptctl.layouts.parts.zero_tag.tag import missing_rank_files
-from ckptctl.layouts.parts.zero_tag.verify import verify_tag
-from ckptctl.layouts.resume import ResumeProfile
+from ckptctl.families.zero_tag.tag import missing_rank_files
+from ckptctl.families.zero_tag.verify import verify_tag
+from ckptctl.formats.documents import as_real, read_json
+from ckptctl.io import DirEntry
+from ckptctl.layouts import peek, peek_dir
 
 __all__ = ["EXPORT_RE", "METRIC_NAME", "TAG_RE", "OpenRlhfLayout", "role_of"]
 

@@ -6,9 +6,9 @@ load, so both `latest` files are written, naming tags of the same name."""
 from __future__ import annotations
 
 from ckptctl import io
-from ckptctl.layouts.capabilities import Pointer
-from ckptctl.layouts.parts.pointers import FollowsPointer
-from ckptctl.layouts.parts.zero_tag.names import LATEST_NAME
+from ckptctl.contract.capabilities import Pointer
+from ckptctl.families.pointers import FollowsPointer
+from ckptctl.families.zero_tag.names import LATEST_NAME
 
 _OTHER_ROLE = {"_actor": "_critic", "_critic": "_actor"}
 

@@ -17,11 +17,11 @@ from __future__ import annotations
 
 from ckptctl import io
 from ckptctl.checkpoint import CheckpointRef, CheckpointState
+from ckptctl.contract.resume import LoadedAlong, PlanContext, ResumeProfile
 from ckptctl.errors import CkptctlError
+from ckptctl.families.zero_tag import resume as zero_resume
+from ckptctl.families.zero_tag.names import LATEST_NAME, UNIVERSAL_LATEST_NAME, read_latest
 from ckptctl.layouts import detect, peek_dir, scan_run
-from ckptctl.layouts.parts.zero_tag import resume as zero_resume
-from ckptctl.layouts.parts.zero_tag.names import LATEST_NAME, UNIVERSAL_LATEST_NAME, read_latest
-from ckptctl.layouts.resume import LoadedAlong, PlanContext, ResumeProfile
 from ckptctl.quoting import comment, shell
 
 __all__ = ["PROFILE"]

@@ -1,1 +1,1 @@
-"""PEFT adapter folders (`adapter_config.json` + `adapter_model.safetensors`), read with `layouts.parts.lora`."""
+"""PEFT adapter folders (`adapter_config.json` + `adapter_model.safetensors`), read with `families.lora`."""

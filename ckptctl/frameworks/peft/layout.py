@@ -9,11 +9,11 @@ ADAPTER/
 
 peft 0.21.2 `peft_model.py` `PeftModel.save_pretrained`: the weights, then `peft_config.save_pretrained`;
 an adapter other than `default` goes into `ADAPTER/<adapter_name>/` (a folder of its own, walked as such).
-The tensors are named `base_model.model.<module>.lora_A.weight` and so on (`layouts.parts.lora.factors`).
+The tensors are named `base_model.model.<module>.lora_A.weight` and so on (`families.lora.factors`).
 
 An adapter is not a model: `convert --merge-adapter BASE` writes the model that PEFT's
 `PeftModel.from_pretrained(BASE, ADAPTER).merge_and_unload()` gives (`ConvertSource.adapter`). What an adapter
-folder holds is read with the LoRA part (`layouts.parts.lora.adapter`), which the Trainer's layout shares
+folder holds is read with the LoRA part (`families.lora.adapter`), which the Trainer's layout shares
 for the adapter inside a `checkpoint-N/`.
 """
 
@@ -33,22 +33,22 @@ from ckptctl.checkpoint import (
     ProblemKind,
     TensorEntry,
 )
-from ckptctl.errors import CkptctlError, CorruptCheckpoint
-from ckptctl.formats.documents import read_json
-from ckptctl.formats.safetensors import read_header
-from ckptctl.formats.torch_pickle import open_torch_pickle, storage_problems
-from ckptctl.io import DirEntry
-from ckptctl.layouts.base import (
+from ckptctl.contract.base import (
     Layout,
     newest_mtime,
     step_from_name,
     timestamp,
 )
-from ckptctl.layouts.parts.hf_folder import has_weights, legacy_index, model_components, safetensors_index
-from ckptctl.layouts.parts.lora.adapter import ADAPTER_WEIGHTS, adapter_metadata, adapter_problems
-from ckptctl.layouts.parts.lora.settings import ADAPTER_CONFIG
-from ckptctl.layouts.resume import ResumeProfile
-from ckptctl.layouts.step_names import epoch_from_name
+from ckptctl.contract.resume import ResumeProfile
+from ckptctl.contract.step_names import epoch_from_name
+from ckptctl.errors import CkptctlError, CorruptCheckpoint
+from ckptctl.families.hf_folder import has_weights, legacy_index, model_components, safetensors_index
+from ckptctl.families.lora.adapter import ADAPTER_WEIGHTS, adapter_metadata, adapter_problems
+from ckptctl.families.lora.settings import ADAPTER_CONFIG
+from ckptctl.formats.documents import read_json
+from ckptctl.formats.safetensors import read_header
+from ckptctl.formats.torch_pickle import open_torch_pickle, storage_problems
+from ckptctl.io import DirEntry
 
 __all__ = ["PeftLayout"]
 

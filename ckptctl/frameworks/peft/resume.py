@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ckptctl.layouts.resume import PlanContext, ResumeProfile, WorldSizeCheck
+from ckptctl.contract.resume import PlanContext, ResumeProfile, WorldSizeCheck
 from ckptctl.quoting import Code, comment, python_call
 
 __all__ = ["PROFILE"]

@@ -43,14 +43,7 @@ from ckptctl.checkpoint import (
     ProblemKind,
     TensorEntry,
 )
-from ckptctl.errors import CkptctlError, UnknownLayout
-from ckptctl.formats.dcp_metadata import METADATA_NAME
-from ckptctl.formats.documents import read_json
-from ckptctl.formats.slim_marker import SLIM_MARKER
-from ckptctl.formats.torch_pickle import open_torch_pickle
-from ckptctl.frameworks.roll.files import CRITIC, DCP_FOLDER, MCA_CONFIG, PIPELINE_RNG, PIPELINE_STATE, RNG_DIR, TRACKER
-from ckptctl.io import DirEntry
-from ckptctl.layouts.base import (
+from ckptctl.contract.base import (
     Layout,
     absent_numbers,
     every_child_folder,
@@ -59,16 +52,17 @@ from ckptctl.layouts.base import (
     newest_mtime,
     timestamp,
 )
-from ckptctl.layouts.load_set import LoadMember, MemberKind
-from ckptctl.layouts.parts.dcp_folder import (
+from ckptctl.contract.load_set import LoadMember, MemberKind
+from ckptctl.contract.resume import ResumeProfile
+from ckptctl.errors import CkptctlError, UnknownLayout
+from ckptctl.families.dcp_folder import (
     DISTCP_RE,
     component_for_prefix,
     dcp_tensor_index,
     verify_dcp,
     world_size_of,
 )
-from ckptctl.layouts.parts.dcp_folder_metadata import load_dcp_metadata
-from ckptctl.layouts.parts.hf_folder import (
+from ckptctl.families.hf_folder import (
     has_weights,
     missing_shards,
     model_components,
@@ -78,8 +72,14 @@ from ckptctl.layouts.parts.hf_folder import (
     verify_model_files,
     weight_files,
 )
-from ckptctl.layouts.parts.in_progress import unfinished_state
-from ckptctl.layouts.resume import ResumeProfile
+from ckptctl.families.in_progress import unfinished_state
+from ckptctl.formats.dcp_folder_metadata import load_dcp_metadata
+from ckptctl.formats.dcp_metadata import METADATA_NAME
+from ckptctl.formats.documents import read_json
+from ckptctl.formats.slim_marker import SLIM_MARKER
+from ckptctl.formats.torch_pickle import open_torch_pickle
+from ckptctl.frameworks.roll.files import CRITIC, DCP_FOLDER, MCA_CONFIG, PIPELINE_RNG, PIPELINE_STATE, RNG_DIR, TRACKER
+from ckptctl.io import DirEntry
 from ckptctl.quoting import yaml_value
 
 __all__ = ["RollLayout"]

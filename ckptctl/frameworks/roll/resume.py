@@ -9,12 +9,12 @@ from __future__ import annotations
 import re
 
 from ckptctl import io
+from ckptctl.contract.resume import PlanContext, ResumeProfile, WorldSizeCheck, target_ranks, unchecked_world_size
 from ckptctl.errors import CkptctlError
+from ckptctl.families.dcp_resume import overwrite_warnings
+from ckptctl.formats.dcp_folder_metadata import load_dcp_metadata
 from ckptctl.formats.dcp_metadata import METADATA_NAME
 from ckptctl.frameworks.roll.files import DCP_FOLDER
-from ckptctl.layouts.parts.dcp_folder_metadata import load_dcp_metadata
-from ckptctl.layouts.parts.dcp_resume import overwrite_warnings
-from ckptctl.layouts.resume import PlanContext, ResumeProfile, WorldSizeCheck, target_ranks, unchecked_world_size
 from ckptctl.quoting import yaml_value
 
 __all__ = ["PROFILE"]

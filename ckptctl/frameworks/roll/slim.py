@@ -3,7 +3,7 @@ and what only `resume_from_checkpoint` reads goes.
 
 - FSDP2: the role's HF weights stay; its `dcp/` save (`{**model.state_dict(), "optimizer": ..., "scheduler": ...,
   "rng_state": ...}`, roll `distributed/strategy/fsdp2_strategy.py`) keeps its model items and loses the
-  others (`layouts.parts.dcp_slim`).
+  others (`families.dcp_slim`).
 - Megatron (mcore_adapter): the iteration's `dist_optimizer/` Megatron dist-ckpt folder, `scheduler.pt` and the
   per-rank `rng_state/` files go; `dist_model/` stays. A legacy save (`mp_rank_*/model_optim_rng.pt`) keeps
   its optimizer inside the model file and is kept whole.
@@ -17,10 +17,10 @@ import re
 
 from ckptctl import io
 from ckptctl.checkpoint import Checkpoint, Problem
+from ckptctl.contract.capabilities import SlimRecipe, SlimRewrite
 from ckptctl.errors import CkptctlError
+from ckptctl.families.dcp_slim import slim_dcp_folder
 from ckptctl.frameworks.roll.files import CRITIC, DCP_FOLDER, PIPELINE_RNG, RNG_DIR
-from ckptctl.layouts.capabilities import SlimRecipe, SlimRewrite
-from ckptctl.layouts.parts.dcp_slim import slim_dcp_folder
 
 __all__ = ["SLIMMER", "RollSlimmer"]
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from ckptctl.contract.capabilities import ConvertSource, NameMap
 from ckptctl.frameworks.torchtitan import names
-from ckptctl.layouts.capabilities import ConvertSource, NameMap
 
 __all__ = ["SOURCE"]
 

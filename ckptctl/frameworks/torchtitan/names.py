@@ -21,8 +21,8 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ckptctl.contract.capabilities import NO_NAME_MAP, NameMap
 from ckptctl.errors import CkptctlError
-from ckptctl.layouts.capabilities import NO_NAME_MAP, NameMap
 
 __all__ = ["MAPPINGS", "hf_name_map", "rope_rows"]
 

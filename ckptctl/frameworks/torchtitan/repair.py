@@ -6,6 +6,6 @@ from __future__ import annotations
 
 import re
 
-from ckptctl.layouts.parts.pointers import PicksNewestByName
+from ckptctl.families.pointers import PicksNewestByName
 
 POINTER_WRITER = PicksNewestByName(re.compile(r"step-(\d+)"), (".metadata", "model.safetensors.index.json"))

@@ -18,9 +18,9 @@ from collections.abc import Sequence
 
 from ckptctl import io
 from ckptctl.checkpoint import CheckpointRef, CheckpointState, Component
+from ckptctl.contract.resume import LatestPick, PlanContext, ResumeProfile, WorldSizeCheck, target_ranks
+from ckptctl.families.dcp_resume import overwrite_warnings
 from ckptctl.layouts import peek_dir
-from ckptctl.layouts.parts.dcp_resume import overwrite_warnings
-from ckptctl.layouts.resume import LatestPick, PlanContext, ResumeProfile, WorldSizeCheck, target_ranks
 from ckptctl.quoting import comment, shell
 
 __all__ = ["PROFILE"]

@@ -7,9 +7,9 @@ from collections.abc import Sequence
 
 from ckptctl import io
 from ckptctl.checkpoint import Checkpoint
+from ckptctl.contract.capabilities import ConvertSource, default_config_folders
+from ckptctl.families.value_head import HeadTask
 from ckptctl.frameworks.verl.layout import HF_FOLDER, STEP_RE
-from ckptctl.layouts.capabilities import ConvertSource, default_config_folders
-from ckptctl.layouts.parts.value_head import HeadTask
 
 __all__ = ["SOURCE"]
 

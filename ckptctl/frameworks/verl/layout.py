@@ -49,7 +49,20 @@ from ckptctl.checkpoint import (
     TensorChunk,
     TensorEntry,
 )
+from ckptctl.contract.base import (
+    Layout,
+    absent_numbers,
+    every_child_folder,
+    folder_size,
+    list_files,
+    newest_mtime,
+    timestamp,
+)
+from ckptctl.contract.load_set import LoadMember, MemberKind
+from ckptctl.contract.resume import ResumeProfile
 from ckptctl.errors import CkptctlError, CorruptCheckpoint, UnknownLayout
+from ckptctl.families.in_progress import unfinished_state
+from ckptctl.families.torch_file import torch_file_problems
 from ckptctl.formats.chunks import tiling_problem
 from ckptctl.formats.documents import read_json
 from ckptctl.formats.dtensor import dtensor_facts, state_tensors
@@ -60,19 +73,6 @@ from ckptctl.formats.torch_pickle_classes import TensorRef
 from ckptctl.frameworks.verl.files import STEP_RE, read_tracker
 from ckptctl.io import DirEntry
 from ckptctl.layouts import peek_dir
-from ckptctl.layouts.base import (
-    Layout,
-    absent_numbers,
-    every_child_folder,
-    folder_size,
-    list_files,
-    newest_mtime,
-    timestamp,
-)
-from ckptctl.layouts.load_set import LoadMember, MemberKind
-from ckptctl.layouts.parts.in_progress import unfinished_state
-from ckptctl.layouts.parts.torch_file import torch_file_problems
-from ckptctl.layouts.resume import ResumeProfile
 
 __all__ = [
     "HF_FOLDER",

@@ -5,9 +5,9 @@ writes as the bare step (SkyRL's tracker alike). A step is its roles (`actor/`, 
 from __future__ import annotations
 
 from ckptctl import io
+from ckptctl.contract.capabilities import Pointer
+from ckptctl.families.pointers import FollowsPointer
 from ckptctl.frameworks.verl.files import STEP_RE, TRACKERS, read_tracker
-from ckptctl.layouts.capabilities import Pointer
-from ckptctl.layouts.parts.pointers import FollowsPointer
 
 
 def _roles(step: str) -> tuple[str, ...]:

@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckptctl import io
 from ckptctl.checkpoint import Checkpoint, TensorEntry
+from ckptctl.contract.capabilities import NotCarried, ReshardRequest, WrittenState
 from ckptctl.errors import CkptctlError, CorruptCheckpoint
 from ckptctl.formats.chunks import read_chunk
 from ckptctl.formats.documents import read_json
@@ -65,7 +66,6 @@ from ckptctl.frameworks.verl.layout import (
     role_index,
     step_roles,
 )
-from ckptctl.layouts.capabilities import NotCarried, ReshardRequest, WrittenState
 
 if TYPE_CHECKING:
     import torch

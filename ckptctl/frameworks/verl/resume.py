@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from ckptctl import io
 from ckptctl.checkpoint import CheckpointRef, Component
+from ckptctl.contract.resume import PlanContext, ResumeProfile, WorldSizeCheck, target_ranks
 from ckptctl.frameworks.verl.files import STEP_RE, tracker_of
-from ckptctl.layouts.resume import PlanContext, ResumeProfile, WorldSizeCheck, target_ranks
 from ckptctl.quoting import comment, shell
 
 __all__ = ["PROFILE"]

@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 
 from ckptctl.checkpoint import Checkpoint, Problem
-from ckptctl.layouts.capabilities import SlimRecipe
+from ckptctl.contract.capabilities import SlimRecipe
 
 __all__ = ["SLIMMER", "VerlSlimmer"]
 

@@ -4,7 +4,7 @@
 verl 0.9.1 saves, per rank, `model.state_dict()` (DTensors, named as the model names its tensors) and
 `optimizer.state_dict()`: torch's own, keyed by parameter index, of an optimizer `build_optimizer` makes from
 `module.parameters()` in one group (verl/workers/config/optimizer.py), so the index order is the model's
-parameter order; `layouts.parts.indexed_optimizer` takes it only where the checkpoint proves it. The full
+parameter order; `families.indexed_optimizer` takes it only where the checkpoint proves it. The full
 tensors come from the role's tensor index (every rank's shard placed by its DTensor placements).
 """
 
@@ -12,15 +12,15 @@ from __future__ import annotations
 
 from ckptctl import io
 from ckptctl.checkpoint import Checkpoint, TensorEntry
+from ckptctl.contract.capabilities import NotCarried, ParamState
 from ckptctl.errors import CkptctlError, CorruptCheckpoint
+from ckptctl.families.param_state import indexed_optimizer, name_indexed_state, stored_tensor
 from ckptctl.formats.dtensor import state_tensors
 from ckptctl.formats.dtensor_classes import DTENSOR_PICKLE_GLOBALS, DTensorRef
 from ckptctl.formats.torch_pickle import open_torch_pickle
 from ckptctl.formats.torch_pickle_classes import TensorRef
 from ckptctl.frameworks.verl.layout import rank_file_name
 from ckptctl.frameworks.verl.reshard import role_fsdp_config, source_roles, torn_file
-from ckptctl.layouts.capabilities import NotCarried, ParamState
-from ckptctl.layouts.parts.param_state import indexed_optimizer, name_indexed_state, stored_tensor
 
 __all__ = ["SOURCE"]
 

@@ -11,7 +11,7 @@ against the model the config names: tied weights, missing, reshaped and leftover
 
 An adapter (`ConvertSource.adapter`: a PEFT LoRA folder) is not a model: it converts merged into its base model
 (`merge_adapter`), whose tensors, config and tokenizer the output takes, the adapted weights computed.
-The adapters a model carries around its layers (`layouts.wrapped`) convert merged into it, or alone as an
+The adapters a model carries around its layers (`contract.wrapped`) convert merged into it, or alone as an
 adapter folder (`lora=adapter`: its weights file and settings file, no model check).
 """
 
@@ -27,12 +27,12 @@ from typing import Any, TypeVar
 
 from ckptctl import io
 from ckptctl.checkpoint import Checkpoint, CheckpointRef, CheckpointState, Component
+from ckptctl.contract.capabilities import NO_NAME_MAP, HfModel, ModelSpec, NativeModel
+from ckptctl.contract.wrapped import WrappedAdapter
 from ckptctl.errors import CheckpointInProgress, CheckpointNotFound, CkptctlError, CorruptCheckpoint
+from ckptctl.families.value_head import find_value_head
 from ckptctl.formats.documents import read_json
 from ckptctl.layouts import Layout, get_layout, resolve
-from ckptctl.layouts.capabilities import NO_NAME_MAP, HfModel, ModelSpec, NativeModel
-from ckptctl.layouts.parts.value_head import find_value_head
-from ckptctl.layouts.wrapped import WrappedAdapter
 from ckptctl.ops.commit import UploadStaging, check_destination, staging_for, write_digests, write_small
 from ckptctl.ops.convert.model_check import apply_ties, check_plan, compare_logits, model_spec, read_config
 from ckptctl.ops.convert.options import (
@@ -320,7 +320,7 @@ def _value_head(
     side_files: dict[str, str],
     notes: list[str],
 ) -> tuple[list[Planned], dict[str, Any], Mapping[str, Any] | None]:
-    """The plan, config and config to write of a critic or reward model (`layouts.parts.value_head`): its head
+    """The plan, config and config to write of a critic or reward model (`families.value_head`): its head
     named as transformers names it, and a config naming the transformers class that computes its values (the
     copied config.json is then written as that config); unchanged for a model without a value head."""
     head = find_value_head(

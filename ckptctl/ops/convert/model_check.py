@@ -28,10 +28,10 @@ from typing import Any
 
 from ckptctl import io
 from ckptctl.checkpoint import Checkpoint
+from ckptctl.contract.capabilities import ModelSpec
 from ckptctl.errors import CkptctlError, ModelMismatch
+from ckptctl.families.hf_model_class import excess_layers
 from ckptctl.formats.documents import parse_json
-from ckptctl.layouts.capabilities import ModelSpec
-from ckptctl.layouts.parts.hf_model_class import excess_layers
 from ckptctl.ops.convert.options import Target
 from ckptctl.ops.convert.plan import Planned, float_dtype, read_planned
 from ckptctl.ops.convert_source import convert_source

@@ -8,10 +8,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ckptctl.checkpoint import Component
+from ckptctl.contract.wrapped import GivenScaling
 from ckptctl.errors import CkptctlError
 from ckptctl.formats.manifest import DIGESTS_NAME
 from ckptctl.layouts import ConvertTarget
-from ckptctl.layouts.wrapped import GivenScaling
 from ckptctl.ops.report import SCHEMA_VERSION
 
 if TYPE_CHECKING:
@@ -33,7 +33,7 @@ class Weights(enum.StrEnum):
 
 
 class LoraMode(enum.StrEnum):
-    """What `convert` does with adapters a model's state dict carries around its layers (`layouts.wrapped`)."""
+    """What `convert` does with adapters a model's state dict carries around its layers (`contract.wrapped`)."""
 
     #: Merge them into the base weights and write the model under its own names (what transformers loads).
     MERGE = "merge"

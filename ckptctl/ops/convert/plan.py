@@ -16,7 +16,7 @@ own load gives the model (`ConvertSource.native_model`: one tensor per layer of 
 Some output tensors are computed rather than copied (`DerivedTensor`):
 - an adapter (`ConvertSource.adapter`: a PEFT LoRA folder) merged into a base model (`base`): the plan is the
   base model's, its stored tensors read from the base checkpoint, the merged ones derived;
-- a model whose state dict carries adapters around its layers (`layouts.wrapped`: a PEFT-wrapped model
+- a model whose state dict carries adapters around its layers (`contract.wrapped`: a PEFT-wrapped model
   saved whole): written under the base model's names with the adapter merged in (`lora=merge`).
 
 Such a model's adapter can also be written alone (`lora=adapter`, `plan_adapter`): its tensors under the
@@ -30,11 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptctl.checkpoint import Checkpoint, Component, TensorEntry, dtype_itemsize
-from ckptctl.errors import CkptctlError, CorruptCheckpoint
-from ckptctl.formats.manifest import FileRecord
-from ckptctl.formats.safetensors import TORCH_TO_SAFETENSORS
-from ckptctl.layouts import Layout
-from ckptctl.layouts.capabilities import (
+from ckptctl.contract.capabilities import (
     NO_NAME_MAP,
     DerivedTensor,
     HfModel,
@@ -43,7 +39,12 @@ from ckptctl.layouts.capabilities import (
     NameMap,
     NativeModel,
 )
-from ckptctl.layouts.wrapped import WrappedAdapter, find_wrapped
+from ckptctl.contract.wrapped import WrappedAdapter
+from ckptctl.errors import CkptctlError, CorruptCheckpoint
+from ckptctl.formats.manifest import FileRecord
+from ckptctl.formats.safetensors import TORCH_TO_SAFETENSORS
+from ckptctl.layouts import Layout
+from ckptctl.layouts.format_rules import find_wrapped
 from ckptctl.ops.convert.options import ConvertOptions, LoraMode, Target, Weights
 from ckptctl.ops.convert_source import convert_source
 from ckptctl.ops.naming import Renames, apply_renames, compile_renames, namespace_stripper, normalised_names
@@ -194,7 +195,7 @@ def plan_tensors(
 def plan_adapter(
     checkpoint: Checkpoint, options: ConvertOptions, notes: list[str], adapter_settings: SettingsFinder
 ) -> tuple[list[Planned], WrappedAdapter]:
-    """The adapters the model of `checkpoint` carries around its layers (`layouts.wrapped`), as their
+    """The adapters the model of `checkpoint` carries around its layers (`contract.wrapped`), as their
     framework's adapter folder holds them: the plan of its weights file, and what that folder holds.
 
     Raises:

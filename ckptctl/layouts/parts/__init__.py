@@ -1,1 +1,0 @@
-"""Parts that several framework plugins share (DCP folder, HF model folder, ZeRO tag, LoRA, in-progress rule)."""

@@ -103,7 +103,7 @@ def run_demo(
         force: replace a folder an earlier demo wrote.
         on_stage: told what the demo is doing, once the folder is accepted (the run takes tens of seconds).
     """
-    if not io.is_local(root):
+    if not io.is_local(root):  # the demo trains with torch.distributed on this machine, into its disk
         raise CkptctlError("the demo writes to a local folder", "pass a local path")
     root = io.local_path(root)
     _prepare(root, force=force)

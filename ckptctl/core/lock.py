@@ -33,6 +33,7 @@ from types import TracebackType
 from ckptctl import io
 from ckptctl.errors import CkptctlError, CorruptCheckpoint, StorageError
 from ckptctl.formats.documents import as_whole, parse_json
+from ckptctl.io import lockfile
 from ckptctl.io.process import alive, process_start
 
 __all__ = [
@@ -122,21 +123,12 @@ def read_lock(url: str) -> tuple[LockInfo | None, float] | None:
         StorageError: the object store holding it could not be reached.
     """
     try:
-        data = io.read_bytes(url, 0, _MAX_LOCK_BYTES)
-        if io.is_local(url):
-            mtime = os.stat(io.local_path(url)).st_mtime
-        else:
-            entries = {e.name: e for e in io.list_dir(io.parent_of(url))}
-            entry = entries.get(io.name_of(url))
-            mtime = entry.mtime if entry and entry.mtime else time.time()
+        found = lockfile.read(url, _MAX_LOCK_BYTES)
     except CorruptCheckpoint as exc:  # what io says of a file that is not a regular one
         raise LockUnusable(exc.message, f"remove {url} if no prune of the run is running") from exc
-    except StorageError:
-        if not io.is_local(url):  # the store failed us: that says nothing about whether there is a lock
-            raise
+    if found is None:
         return None
-    except (CkptctlError, OSError):
-        return None
+    data, mtime = found
     return LockInfo.parse(data), mtime
 
 
@@ -250,11 +242,7 @@ class RunLock:
     def refresh(self) -> None:
         """Check that the lock is ours and mark it alive (its mtime), so that nobody takes it over."""
         self.check()
-        if io.is_local(self.url):
-            with contextlib.suppress(OSError):
-                os.utime(io.local_path(self.url))
-        else:
-            io.write_bytes_atomic(self.url, self._payload())
+        lockfile.touch(self.url, self._payload())
 
     def release(self) -> None:
         """Remove the lock if it is still ours."""
@@ -268,48 +256,27 @@ class RunLock:
         if found is None or found[0] is None or found[0].token != self.info.token:
             return
         with contextlib.suppress(CkptctlError, OSError):
-            if io.is_local(self.url):
-                os.unlink(io.local_path(self.url))
-            else:
-                io.delete_file(self.url)
+            io.delete_file(self.url)
 
     def _payload(self) -> bytes:
         return json.dumps(asdict(self.info), indent=1).encode()
 
     def _create(self) -> bool:
         """Create the lock file if there is none; True when it is ours."""
-        if not io.is_local(self.url):
-            if io.exists(self.url):
-                return False
-            io.write_bytes_atomic(self.url, self._payload())
-            found = read_lock(self.url)
-            return found is not None and found[0] is not None and found[0].token == self.info.token
-        path = io.local_path(self.url)
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
-        except FileExistsError:
-            if os.path.islink(path):
-                read_lock(self.url)  # a link to a FIFO or a device is refused as what it names is
-                # Whoever planted it could have a takeover rename or remove what it names: touch nothing.
-                raise LockUnusable(
-                    f"the lock file {self.url} is a symbolic link (to {os.readlink(path)}): refusing to use it; nothing was changed",
-                    f"remove the link (rm {shlex.quote(path)}) after checking who put it there",
-                ) from None
-            return False
+            if lockfile.create(self.url, self._payload()):
+                return True
         except OSError as exc:
             raise self._unusable(exc) from exc
-        try:
-            try:
-                os.write(fd, self._payload())
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        except OSError as exc:
-            # An empty lock would hold every later prune off until it goes stale: remove what we created.
-            with contextlib.suppress(OSError):
-                os.unlink(path)
-            raise self._unusable(exc) from exc
-        return True
+        if io.is_link(self.url):
+            read_lock(self.url)  # a link to a FIFO or a device is refused as what it names is
+            # Whoever planted it could have a takeover rename or remove what it names: touch nothing.
+            path = io.local_path(self.url)
+            raise LockUnusable(
+                f"the lock file {self.url} is a symbolic link (to {os.readlink(path)}): refusing to use it; nothing was changed",
+                f"remove the link (rm {shlex.quote(path)}) after checking who put it there",
+            )
+        return False
 
     def _unusable(self, exc: OSError) -> LockUnusable:
         """A clear error for an OS error while creating the lock file."""
@@ -329,25 +296,11 @@ class RunLock:
 
     def _break(self, stale: LockInfo | None, mtime: float) -> bool:
         """Remove the stale lock we judged, and only that one; True when it is gone."""
-        if not io.is_local(self.url):
-            with contextlib.suppress(CkptctlError):
-                io.delete_file(self.url)
-            return True
-        path = io.local_path(self.url)
-        aside = f"{path}.stale-{secrets.token_hex(4)}"
-        try:
-            os.rename(path, aside)
-        except FileNotFoundError:  # somebody else broke it first
-            return False
-        moved = read_lock(aside)
-        same = moved is not None and (
-            moved[0].token == stale.token if (moved[0] is not None and stale is not None) else moved[1] == mtime
-        )
-        if not same:
-            # We moved a lock taken meanwhile by someone else: give it back. If a third process has
-            # created one since, its holder and the one we moved both find out at their next `check`.
-            with contextlib.suppress(OSError):
-                os.link(aside, path)
-        with contextlib.suppress(OSError):
-            os.unlink(aside)
-        return same
+
+        def same(aside: str) -> bool:
+            moved = read_lock(aside)
+            return moved is not None and (
+                moved[0].token == stale.token if (moved[0] is not None and stale is not None) else moved[1] == mtime
+            )
+
+        return lockfile.take_away(self.url, same)

@@ -163,6 +163,8 @@ class Transfer:
         if self.stop is not None and self.stop.is_set():
             raise SyncStopped("stopped by a signal", "run the same sync again to finish what was left")
         source, target = io.join(self.src, rel), io.join(self.dst, rel)
+        # Which side is local decides how a file travels (a download beside its target, an upload hashed as
+        # it is sent, or a local scratch copy between two stores): the direction is the command's own.
         if io.is_local(target):
             record = self._to_local(source, io.local_path(target))
         elif io.is_local(source) and os.path.getsize(io.local_path(source)) <= _HASH_INLINE:
@@ -258,9 +260,8 @@ def finish_copy(job: Started, transfer: Transfer) -> dict[str, FileRecord]:
     if unit.own_record is None:
         manifest = Manifest(files=dict(sorted(records.items())), created=now_iso())
         io.write_bytes_atomic(io.join(dst_base, DIGESTS_NAME), manifest.to_json())
-    if io.is_local(dst_base):
-        for folder in sorted({posixpath.dirname(unit.path(rel)) for rel in records}, reverse=True):
-            io.fsync_dir(io.local_path(io.join(transfer.dst, folder) if folder else transfer.dst))
+    for folder in sorted({posixpath.dirname(unit.path(rel)) for rel in records}, reverse=True):
+        io.fsync_dir(io.join(transfer.dst, folder) if folder else transfer.dst)
     return records
 
 

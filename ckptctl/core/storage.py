@@ -9,6 +9,9 @@ local disk and an object store is here, in two implementations:
   and committed by an upload with the manifest last; a restore downloads the step into a local temporary
   folder, checking every file's size and blake3 digest as it arrives.
 
+The commit itself is written once (`RunStorage.prepare`/`share`/`commit`) over `io.commit.Publish`, which is
+a rename or an upload by the storage of the run.
+
 Both delete through `io.trash` (a rename into the trash, or the manifest first).
 """
 
@@ -41,7 +44,7 @@ from ckptctl.formats.native import (
 )
 from ckptctl.formats.slim_marker import SLIM_MARKER
 from ckptctl.io import trash
-from ckptctl.io.commit import ObjectStoreUpload, install, write_marker
+from ckptctl.io.commit import Publish, publisher
 from ckptctl.io.process import ProcessRecord
 from ckptctl.io.trash import Retired, Tiers
 
@@ -95,18 +98,33 @@ class RunStorage(abc.ABC):
         """
         os.makedirs(staging)
 
-    @abc.abstractmethod
     def prepare(self, step: int) -> None:
-        """Called on rank 0 before the ranks of a multi-rank save write anything."""
+        """Called on rank 0 before the ranks of a multi-rank save write anything: where the commit cannot
+        replace the old step whole (an upload), the old step goes first, its manifest first."""
+        self._publish(step, "").clear()
 
-    @abc.abstractmethod
     def share(self, step: int, staging: str, names: Sequence[str]) -> None:
-        """Make one rank's files `names` of a multi-rank save reachable by rank 0's `commit`."""
+        """Make one rank's files `names` of a multi-rank save reachable by rank 0's `commit` (an upload puts
+        them; a shared local staging folder holds them already). Rank 0 adds DCP's metadata, which names every
+        shard, in `commit`."""
+        self._publish(step, staging).upload(_upload_batches([n for n in names if not _is_dcp_metadata(n)]))
 
-    @abc.abstractmethod
     def commit(self, step: int, staging: str, manifest: Manifest) -> Retired | None:
         """Commit the staged save of `step` with `manifest` last (not the `latest` pointer); return the
-        checkpoint it replaced, retired, for the caller to purge."""
+        checkpoint it replaced, retired, for the caller to purge (`io.commit`: a rename, or an upload)."""
+        # The writer's record goes before the commit: a committed folder holds what its manifest lists.
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(staging, WRITER_NAME))
+        publish = self._publish(step, staging)
+        if manifest.world_size == 1:
+            publish.clear()  # re-saving a step: no file of the old save may survive
+            publish.upload(_upload_batches(list(manifest.files)))
+        else:  # the ranks have shared their files; DCP's metadata names them all, so it goes after
+            publish.upload([[f for f in manifest.files if _is_dcp_metadata(f)]])
+        return publish.finish(MANIFEST_NAME, manifest.to_json())
+
+    def _publish(self, step: int, staging: str) -> Publish:
+        return publisher(staging, self.step_dir(step), markers)
 
     @abc.abstractmethod
     def fetcher(self) -> contextlib.AbstractContextManager[Fetch]:
@@ -205,19 +223,6 @@ class LocalRun(RunStorage):
     def superseded(self) -> set[int]:
         return {step for step in self.committed() if os.path.exists(os.path.join(self.step_dir(step), SUPERSEDED_NAME))}
 
-    def prepare(self, step: int) -> None:
-        pass  # an existing step-N is swapped out by the commit's rename, not before
-
-    def share(self, step: int, staging: str, names: Sequence[str]) -> None:
-        pass  # the ranks write into one staging folder
-
-    def commit(self, step: int, staging: str, manifest: Manifest) -> Retired | None:
-        # The writer's record goes before the commit: a committed folder holds what its manifest lists.
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(os.path.join(staging, WRITER_NAME))
-        write_marker(staging, MANIFEST_NAME, manifest.to_json())
-        return install(staging, self.step_dir(step))
-
     @contextlib.contextmanager
     def fetcher(self) -> Iterator[Fetch]:
         yield self.step_dir
@@ -257,27 +262,6 @@ class RemoteRun(RunStorage):
         # The same name on every rank: ranks on one node share the folder (their files differ).
         base = self.staging_dir or tempfile.gettempdir()
         return os.path.join(base, f"ckptctl-upload-{self.naming.staging(step, token).lstrip('.')}")
-
-    def prepare(self, step: int) -> None:
-        # The ranks upload their files before rank 0 commits: the old step must be gone first.
-        trash.delete(self.step_dir(step), markers)
-
-    def share(self, step: int, staging: str, names: Sequence[str]) -> None:
-        # Rank 0 adds DCP's metadata once all shards are up (in `commit`).
-        self._upload(step, staging).upload(_upload_batches([n for n in names if not _is_dcp_metadata(n)]))
-
-    def commit(self, step: int, staging: str, manifest: Manifest) -> Retired | None:
-        upload = self._upload(step, staging)
-        if manifest.world_size == 1:
-            upload.clear()  # re-saving a step: no file of the old save may survive
-            upload.upload(_upload_batches(list(manifest.files)))
-        else:  # the ranks have uploaded their files; DCP's metadata names them all, so it goes after
-            upload.upload([[f for f in manifest.files if _is_dcp_metadata(f)]])
-        upload.finish(MANIFEST_NAME, manifest.to_json())
-        return None
-
-    def _upload(self, step: int, staging: str) -> ObjectStoreUpload:
-        return ObjectStoreUpload(staging, self.step_dir(step), markers)
 
     @contextlib.contextmanager
     def fetcher(self) -> Iterator[Fetch]:
@@ -338,7 +322,7 @@ def open_run(root: str, naming: StepNaming, staging_dir: str | None = None) -> R
         StorageError: the folder cannot be created, or the object store cannot be reached.
         CheckpointNotFound: the bucket does not exist.
     """
-    if io.is_local(root):
+    if io.is_local(root):  # the one choice of the run's protocol: staged beside and renamed, or uploaded
         return LocalRun(root, naming)
     return RemoteRun(root, naming, staging_dir)
 

@@ -227,7 +227,7 @@ def read_native_manifest(url: str) -> Manifest:
     """
     manifest_url = io.join(url, MANIFEST_NAME)
     key = None
-    if io.is_local(manifest_url):
+    if io.is_local(manifest_url):  # a stat is cheap only here: a remote manifest is read each time
         try:
             st = os.stat(io.local_path(manifest_url))
         except OSError:

@@ -200,6 +200,7 @@ class ChunkLocator:
                     f"{where}: holds {chunk.byte_length} bytes but {entry.dtype}{list(chunk.sizes)} needs {expected}"
                 )
             return ByteRange(url, chunk.byte_offset, chunk.byte_length)
+        # A local archive is opened in place to find its record (a fast path); a remote one is read whole.
         if chunk.encoding != ChunkEncoding.TORCH_SAVE or not io.is_local(url):
             return None  # `chunks.read_tensor` knows every encoding; this only the ones worth a byte copy
         found = self._inspect(url, chunk, where)

@@ -409,7 +409,7 @@ class StreamCopier:
             target[a - first : b - first] = converted[a - lo : b - lo]
 
     def _read_into(self, url: str, offset: int, view: memoryview) -> None:
-        if not io.is_local(url):
+        if not io.is_local(url):  # locally the fast path: `pread` straight into the view, no copy
             data = io.read_bytes(url, offset, len(view))
             if len(data) != len(view):
                 raise CorruptCheckpoint(f"{url}: expected {len(view)} bytes at {offset}, read {len(data)}")

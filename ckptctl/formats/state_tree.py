@@ -326,7 +326,7 @@ def read_files(folder: str, stem: str) -> StoredTree:
     tensors: Mapping[str, torch.Tensor] = {}
     if next(_iter_tensor_refs(tree), None) is not None:
         tensor_url = io.join(folder, f"{stem}.safetensors")
-        if io.is_local(tensor_url):
+        if io.is_local(tensor_url):  # the fast path: mapped in place rather than read into memory
             tensors = _load_local_safetensors(io.local_path(tensor_url))
         else:
             tensors = st.read_tensors(tensor_url)

@@ -29,9 +29,19 @@ from ckptctl.io import local
 from ckptctl.io.backend import Backend
 from ckptctl.io.counting import READ_STATS, ByteCounter, ReadStats, count_read, count_read_elsewhere, counting
 from ckptctl.io.failures import RetryPolicy, check_size, translate_errors
-from ckptctl.io.local import LOCAL, exchange, fsync_dir, refuse_to_replace_precious, start_writeback
+from ckptctl.io.local import LOCAL, exchange, refuse_to_replace_precious, start_writeback
 from ckptctl.io.parallel import ContextThreadPool, parallel_map, workers
-from ckptctl.io.paths import DirEntry, is_local, join, local_path, name_of, parent_of, relative_to
+from ckptctl.io.paths import (
+    DirEntry,
+    absolute,
+    inside,
+    is_local,
+    join,
+    local_path,
+    name_of,
+    parent_of,
+    relative_to,
+)
 from ckptctl.io.remote import FSSPEC
 from ckptctl.io.snapshot import covering, listing_snapshot
 
@@ -44,6 +54,7 @@ __all__ = [
     "DirEntry",
     "ReadStats",
     "RetryPolicy",
+    "absolute",
     "count_read",
     "count_read_elsewhere",
     "counting",
@@ -55,14 +66,17 @@ __all__ = [
     "exists",
     "file_size",
     "fsync_dir",
+    "inside",
     "is_dir",
     "is_link",
     "is_local",
     "join",
+    "lexists",
     "list_dir",
     "list_tree",
     "listing_snapshot",
     "local_path",
+    "make_folder",
     "name_of",
     "open_read",
     "parallel_map",
@@ -72,10 +86,12 @@ __all__ = [
     "read_text",
     "refuse_to_replace_precious",
     "relative_to",
+    "same_file",
     "start_writeback",
     "tree_usage",
     "upload_file",
     "workers",
+    "writable",
     "write_bytes_atomic",
 ]
 
@@ -122,6 +138,32 @@ def is_dir(url: str) -> bool:
 def is_link(url: str) -> bool:
     """Whether `url` is a symbolic link (on object stores nothing is: they have none)."""
     return is_local(url) and os.path.islink(local_path(url))
+
+
+def lexists(url: str) -> bool:
+    """Whether anything is at `url`, a link (even a dangling one) included."""
+    return is_link(url) or exists(url)
+
+
+def writable(url: str) -> bool:
+    """Whether entries of the folder `url` may be created, renamed and removed by this process, as far as can
+    be told without trying: locally its permission bits; on an object store only a write would tell, so yes."""
+    return not is_local(url) or os.access(local_path(url), os.W_OK | os.X_OK)
+
+
+def same_file(url_a: str, url_b: str) -> bool:
+    """Whether two URLs name one file: locally also a hard link, a link or another spelling of it; on object
+    stores only the same URL.
+
+    Raises:
+        CkptctlError: a local file cannot be looked at (gone, permissions).
+    """
+    if url_a == url_b:
+        return True
+    if not (is_local(url_a) and is_local(url_b)):
+        return False
+    with translate_errors(url_a):
+        return os.path.samefile(local_path(url_a), local_path(url_b))
 
 
 def file_size(url: str) -> int:
@@ -236,6 +278,28 @@ def write_bytes_atomic(url: str, data: bytes) -> None:
     """
     with translate_errors(url):
         _backend(url).write_atomic(url, data)
+
+
+def fsync_dir(url: str) -> None:
+    """Make the renames and new entries of a local folder durable (a no-op where the OS cannot); nothing on
+    an object store, where each PUT is durable once it returns and there are no folders."""
+    if is_local(url):
+        local.fsync_dir(url)
+
+
+def make_folder(url: str) -> None:
+    """Create a folder and its parents where missing; nothing on an object store, where a folder is only a
+    prefix of the objects below it.
+
+    Raises:
+        StorageError: a local folder cannot be created.
+    """
+    if not is_local(url):
+        return
+    try:
+        os.makedirs(local_path(url), exist_ok=True)
+    except OSError as exc:
+        raise StorageError(f"cannot create {url}: {exc.strerror or exc}") from exc
 
 
 def upload_file(path: str, url: str) -> None:

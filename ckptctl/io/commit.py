@@ -20,10 +20,16 @@ the uploads is the protocol (`ObjectStoreUpload`):
    its layout;
 3. the marker goes up last;
 4. a failed upload is undone by deleting what it put, markers first.
+
+Both are one protocol, `Publish` (`clear` what the target holds, `upload` the staged files in batches, `finish`
+with the marker, `undo`), with a local implementation (`RenameInstall`: only `finish` has work, the rest is done
+by the rename) and an object store's (`ObjectStoreUpload`); `publisher` picks the one of a target, so that a
+caller writes its commit once.
 """
 
 from __future__ import annotations
 
+import abc
 import os
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -32,7 +38,7 @@ from ckptctl import io
 from ckptctl.io import trash
 from ckptctl.io.trash import Markers, Retired
 
-__all__ = ["ObjectStoreUpload", "install", "write_marker"]
+__all__ = ["ObjectStoreUpload", "Publish", "RenameInstall", "install", "publisher", "write_marker"]
 
 
 def write_marker(folder: str, name: str, data: bytes) -> None:
@@ -79,15 +85,15 @@ def install(staging: str, final: str) -> Retired | None:
     return retired
 
 
-class ObjectStoreUpload:
-    """The commit of a local staging folder into a folder of an object store (see the module docstring).
+class Publish(abc.ABC):
+    """The commit of the local staging folder `staging` as the folder `url` (see the module docstring).
 
     Args:
         staging: the local folder holding the files, by the paths they get below `url`.
         url: the target folder.
         markers: the completion markers of what `url` holds or will hold, deleted first by `clear`/`undo`
             (none by default).
-        on_file: called with each file's relative path once it is up (progress).
+        on_file: called with each file's relative path once it is uploaded (progress).
     """
 
     def __init__(
@@ -106,13 +112,55 @@ class ObjectStoreUpload:
 
     @property
     def uploaded(self) -> tuple[str, ...]:
-        """The files this upload has put so far."""
+        """The files this commit has put so far, one by one (none for a rename, which moves them all at once)."""
         with self._lock:
             return tuple(self._uploaded)
 
+    @abc.abstractmethod
     def clear(self, files: Mapping[str, int] | None = None) -> None:
-        """Delete what the target holds (the objects `files` below it, relative path -> size, or everything),
-        markers first."""
+        """Make room for the new folder: delete what the target holds (the objects `files` below it, relative
+        path -> size, or everything), markers first, where the commit cannot replace it whole."""
+
+    @abc.abstractmethod
+    def upload(self, batches: Iterable[Sequence[str]]) -> None:
+        """Put the staged files (relative paths), batch after batch, where the commit does not move them all
+        at once."""
+
+    @abc.abstractmethod
+    def finish(self, marker: str, data: bytes | None = None) -> Retired | None:
+        """Complete the commit with the marker, last: the staged file `marker`, or `data` as `marker`. Returns
+        the folder it replaced, retired into the trash for the caller to `trash.purge`, where one was."""
+
+    @abc.abstractmethod
+    def undo(self) -> None:
+        """Take back what this commit published (after a failure)."""
+
+
+class RenameInstall(Publish):
+    """The commit into a local folder: the files stay where they were staged (each fsynced by its writer), and
+    `finish` writes the marker into the staging folder and renames it into place (`install`)."""
+
+    def clear(self, files: Mapping[str, int] | None = None) -> None:
+        pass  # the rename swaps the old folder out whole
+
+    def upload(self, batches: Iterable[Sequence[str]]) -> None:
+        pass  # the rename publishes every file at once
+
+    def finish(self, marker: str, data: bytes | None = None) -> Retired | None:
+        if data is None:
+            io.fsync_dir(self.staging)
+        else:
+            write_marker(self.staging, marker, data)
+        return install(self.staging, self.url)
+
+    def undo(self) -> None:
+        pass  # nothing was published before `finish`, which renames at once or not at all
+
+
+class ObjectStoreUpload(Publish):
+    """The commit of a local staging folder into a folder of an object store (see the module docstring)."""
+
+    def clear(self, files: Mapping[str, int] | None = None) -> None:
         if files is None:
             trash.delete(self.url, self.markers)
         else:
@@ -124,7 +172,7 @@ class ObjectStoreUpload:
             ordered = sorted(batch, key=lambda rel: -os.path.getsize(os.path.join(self.staging, rel)))
             io.parallel_map(self._put, ordered)
 
-    def finish(self, marker: str, data: bytes | None = None) -> None:
+    def finish(self, marker: str, data: bytes | None = None) -> Retired | None:
         """Put the completion marker, last: the staged file `marker`, or `data` as `marker` (one atomic PUT)."""
         if data is None:
             self._put(marker)
@@ -132,9 +180,10 @@ class ObjectStoreUpload:
             io.write_bytes_atomic(io.join(self.url, marker), data)
             with self._lock:
                 self._uploaded.append(marker)
+        return None
 
     def undo(self) -> None:
-        """Delete what this upload put, markers first (after a failure)."""
+        """Delete what this upload put, markers first."""
         files = {rel: _size(os.path.join(self.staging, rel)) for rel in self.uploaded}
         trash.delete_objects(self.url, files, self.markers(files))
 
@@ -144,6 +193,13 @@ class ObjectStoreUpload:
             self._uploaded.append(rel)
         if self._on_file is not None:
             self._on_file(rel)
+
+
+def publisher(
+    staging: str, url: str, markers: Markers = trash.no_markers, on_file: Callable[[str], object] | None = None
+) -> Publish:
+    """The commit of `staging` as `url` on the storage of `url` (arguments as `Publish`'s)."""
+    return (RenameInstall if io.is_local(url) else ObjectStoreUpload)(staging, url, markers, on_file)
 
 
 def _size(path: str) -> int:

@@ -42,6 +42,24 @@ def local_path(url: str) -> str:
     return url[len("file://") :] if url.startswith("file://") else url
 
 
+def absolute(url: str) -> str:
+    """One spelling of a folder, to compare and print: a local path made absolute (`file://` stripped), any
+    other URL without a trailing `/`."""
+    return os.path.abspath(local_path(url)) if is_local(url) else url.rstrip("/")
+
+
+def inside(url: str, folder: str) -> bool:
+    """Whether `url` is `folder` or lies below it: locally after resolving links (two spellings of one place
+    are one place), elsewhere by prefix; never across a local path and a URL."""
+    if is_local(url) != is_local(folder):
+        return False
+    if is_local(url):
+        path, top = os.path.realpath(local_path(url)), os.path.realpath(local_path(folder))
+        return path == top or path.startswith(top.rstrip(os.sep) + os.sep)
+    path, top = url.rstrip("/"), folder.rstrip("/")
+    return path == top or path.startswith(top + "/")
+
+
 def join(url: str, *parts: str) -> str:
     """Join path parts with `/`, keeping the URL scheme. Empty parts add nothing: a single-file checkpoint
     names its one data file "" (itself), and `join(file, "")` is that file, not `file/`."""

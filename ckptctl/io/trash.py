@@ -58,6 +58,7 @@ __all__ = [
     "empty",
     "no_markers",
     "pointer_records",
+    "present",
     "purge",
     "quarantine",
     "quarantined",
@@ -175,6 +176,17 @@ def check_trash(trash: str) -> None:
     callers that must know before they change anything (a swap that would otherwise stop halfway)."""
     with _opened_trash(trash, create=False):
         pass
+
+
+def present(trash: str) -> bool:
+    """Whether the trash folder `trash` (a URL) is there, refusing (`UnsafePath`) a local one that is a link or
+    not a folder, before anything is deleted through it."""
+    if not io.is_local(trash):
+        return io.is_dir(trash)
+    if not os.path.lexists(io.local_path(trash)):
+        return False
+    check_trash(io.local_path(trash))
+    return True
 
 
 def workspace(trash: str, name: str) -> str:
@@ -305,40 +317,37 @@ def quarantine(path: str, run: str, record: bytes) -> str:
         OSError: writing the record or the rename failed.
     """
     parent, entry = os.path.split(os.path.abspath(path))
-    bin_ = os.path.join(os.path.abspath(io.local_path(run)), TRASH_NAME)
-    with _opened_trash(bin_, create=True) as trash_fd:
-        assert trash_fd is not None  # created
-        with contextlib.suppress(FileExistsError):
-            os.mkdir(QUARANTINE_NAME, dir_fd=trash_fd)
-        where = os.path.join(bin_, QUARANTINE_NAME)
-        with _opened_dir(QUARANTINE_NAME, dir_fd=trash_fd, what=where) as box_fd:
-            name = _free_name(box_fd, entry)
-            _write_file(box_fd, name + RECORD_SUFFIX, record)
-            with _opened_dir(parent, follow=True) as parent_fd:
-                os.rename(entry, name, src_dir_fd=parent_fd, dst_dir_fd=box_fd)
-                os.fsync(parent_fd)
-            os.fsync(box_fd)
+    with _opened_quarantine(run, create=True) as opened:
+        assert opened is not None  # created
+        _, box_fd, where = opened
+        name = _free_name(box_fd, entry)
+        _write_file(box_fd, name + RECORD_SUFFIX, record)
+        with _opened_dir(parent, follow=True) as parent_fd:
+            os.rename(entry, name, src_dir_fd=parent_fd, dst_dir_fd=box_fd)
+            os.fsync(parent_fd)
+        os.fsync(box_fd)
     return os.path.join(where, name)
 
 
 def quarantined(run: str) -> list[tuple[str, bytes]]:
     """Each entry of the run's quarantine that has its record, with the record, by name; a record whose entry
-    is missing (a quarantine killed before its rename) is left out.
+    is missing (a quarantine killed before its rename) is left out. None on an object store.
 
     Raises:
         UnsafePath: the trash or the quarantine folder is a link or not a folder.
     """
-    bin_ = os.path.join(os.path.abspath(io.local_path(run)), TRASH_NAME)
+    if not io.is_local(run):
+        return []  # nothing is quarantined on an object store (`quarantine` is a rename)
     found = []
-    with _opened_trash(bin_, create=False) as trash_fd:
-        if trash_fd is None or not os.path.lexists(os.path.join(bin_, QUARANTINE_NAME)):
+    with _opened_quarantine(run, create=False) as opened:
+        if opened is None:
             return []
-        with _opened_dir(QUARANTINE_NAME, dir_fd=trash_fd, what=os.path.join(bin_, QUARANTINE_NAME)) as box_fd:
-            names = set(os.listdir(box_fd))
-            for name in sorted(names):
-                if name.endswith(RECORD_SUFFIX) or name + RECORD_SUFFIX not in names:
-                    continue
-                found.append((name, _read_record(name + RECORD_SUFFIX, box_fd)))
+        _, box_fd, _ = opened
+        names = set(os.listdir(box_fd))
+        for name in sorted(names):
+            if name.endswith(RECORD_SUFFIX) or name + RECORD_SUFFIX not in names:
+                continue
+            found.append((name, _read_record(name + RECORD_SUFFIX, box_fd)))
     return found
 
 
@@ -392,15 +401,11 @@ def record_pointers(run: str, name: str, record: bytes) -> str:
         url = io.join(run, TRASH_NAME, QUARANTINE_NAME, name + POINTERS_SUFFIX)
         io.write_bytes_atomic(url, record)
         return url
-    bin_ = os.path.join(os.path.abspath(io.local_path(run)), TRASH_NAME)
-    with _opened_trash(bin_, create=True) as trash_fd:
-        assert trash_fd is not None  # created
-        with contextlib.suppress(FileExistsError):
-            os.mkdir(QUARANTINE_NAME, dir_fd=trash_fd)
-        where = os.path.join(bin_, QUARANTINE_NAME)
-        with _opened_dir(QUARANTINE_NAME, dir_fd=trash_fd, what=where) as box_fd:
-            _write_file(box_fd, name + POINTERS_SUFFIX, record)
-            os.fsync(box_fd)
+    with _opened_quarantine(run, create=True) as opened:
+        assert opened is not None  # created
+        trash_fd, box_fd, where = opened
+        _write_file(box_fd, name + POINTERS_SUFFIX, record)
+        os.fsync(box_fd)
         os.fsync(trash_fd)
     return os.path.join(where, name + POINTERS_SUFFIX)
 
@@ -423,18 +428,17 @@ def pointer_records(run: str) -> list[tuple[str, bytes]]:
             (n.removesuffix(POINTERS_SUFFIX), io.read_bytes(io.join(box, n), max_size=_MAX_POINTER_RECORD_BYTES))
             for n in names
         ]
-    bin_ = os.path.join(os.path.abspath(io.local_path(run)), TRASH_NAME)
     found = []
-    with _opened_trash(bin_, create=False) as trash_fd:
-        if trash_fd is None or not os.path.lexists(os.path.join(bin_, QUARANTINE_NAME)):
+    with _opened_quarantine(run, create=False) as opened:
+        if opened is None:
             return []
-        with _opened_dir(QUARANTINE_NAME, dir_fd=trash_fd, what=os.path.join(bin_, QUARANTINE_NAME)) as box_fd:
-            for name in sorted(n for n in os.listdir(box_fd) if n.endswith(POINTERS_SUFFIX)):
-                fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), dir_fd=box_fd)
-                with os.fdopen(fd, "rb") as f:
-                    if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-                        continue
-                    found.append((name.removesuffix(POINTERS_SUFFIX), f.read(_MAX_POINTER_RECORD_BYTES)))
+        _, box_fd, _ = opened
+        for name in sorted(n for n in os.listdir(box_fd) if n.endswith(POINTERS_SUFFIX)):
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), dir_fd=box_fd)
+            with os.fdopen(fd, "rb") as f:
+                if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                    continue
+                found.append((name.removesuffix(POINTERS_SUFFIX), f.read(_MAX_POINTER_RECORD_BYTES)))
     return found
 
 
@@ -568,6 +572,27 @@ def _opened_dir(
         yield fd
     finally:
         os.close(fd)
+
+
+@contextlib.contextmanager
+def _opened_quarantine(run: str, *, create: bool) -> Iterator[tuple[int, int, str] | None]:
+    """Descriptors of the local run's trash and of the quarantine in it, and the quarantine's path, each
+    opened without following a link (made first when `create`); None when either is missing and not made.
+
+    Raises:
+        UnsafePath: a link (or anything but a folder) is in the place of either.
+    """
+    bin_ = os.path.join(os.path.abspath(io.local_path(run)), TRASH_NAME)
+    where = os.path.join(bin_, QUARANTINE_NAME)
+    with _opened_trash(bin_, create=create) as trash_fd:
+        if trash_fd is None or not (create or os.path.lexists(where)):
+            yield None
+            return
+        if create:
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(QUARANTINE_NAME, dir_fd=trash_fd)
+        with _opened_dir(QUARANTINE_NAME, dir_fd=trash_fd, what=where) as box_fd:
+            yield trash_fd, box_fd, where
 
 
 @contextlib.contextmanager

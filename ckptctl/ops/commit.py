@@ -103,6 +103,8 @@ def _fsync_file(path: str) -> None:
 def check_destination(src: str, dst: str, force: bool) -> str:
     """The absolute local DST (or the object store URL without a trailing `/`), refused when it would
     overwrite something it must not."""
+    # What may be replaced differs: a local folder is swapped out whole (so never a precious one), an object
+    # store's prefix is emptied object by object.
     if not io.is_local(dst):
         return _check_remote_destination(src, dst, force)
     path = os.path.abspath(io.local_path(dst))
@@ -110,13 +112,8 @@ def check_destination(src: str, dst: str, force: bool) -> str:
         raise CkptctlError(f"{path} exists and is not a folder", "choose a folder path for the output")
     if os.path.isdir(path) and os.listdir(path) and not force:
         raise CkptctlError(f"{path} is not empty", "pass --force to replace it, or choose another folder")
-    if io.is_local(src):
-        source = os.path.realpath(io.local_path(src))
-        target = os.path.realpath(path)
-        if source == target or source.startswith(target.rstrip(os.sep) + os.sep):
-            raise CkptctlError(
-                f"{path} contains the source {src}; the output would replace it", "choose another folder"
-            )
+    if io.inside(src, path):
+        raise CkptctlError(f"{path} contains the source {src}; the output would replace it", "choose another folder")
     if force and os.path.isdir(path) and os.listdir(path):
         # --force swaps the whole folder out: never one a typo could name (`~`, `.`), and never one holding
         # sub-folders unless an earlier conversion wrote it (an export is flat; a run folder is not).
@@ -137,10 +134,8 @@ def _check_remote_destination(src: str, dst: str, force: bool) -> str:
     scheme, _, path = url.partition("://")
     if not path.strip("/"):
         raise CkptctlError(f"{dst} names no bucket or folder", f"write into a prefix, e.g. {scheme}://BUCKET/export")
-    if not io.is_local(src):
-        source = src.rstrip("/")
-        if source == url or source.startswith(url + "/"):
-            raise CkptctlError(f"{url} contains the source {src}; the output would replace it", "choose another prefix")
+    if io.inside(src, url):
+        raise CkptctlError(f"{url} contains the source {src}; the output would replace it", "choose another prefix")
     existing = io.list_tree(url)
     if existing and not force:
         raise CkptctlError(
@@ -256,7 +251,7 @@ def staging_for(dst: str, layout: Layout | None = None) -> Staging:
     """Where an output for `dst` (as `check_destination` returned it) is written and how it is committed: a
     local DST is staged beside it and renamed into place, any other is staged in `TMPDIR` and uploaded
     (`layout`: see `UploadStaging`). The one place a command's output path branches on the storage."""
-    return Staging(dst) if io.is_local(dst) else UploadStaging(dst, layout)
+    return Staging(dst) if io.is_local(dst) else UploadStaging(dst, layout)  # rename, or upload in order
 
 
 class UploadStaging(Staging):

@@ -1,7 +1,10 @@
-"""The execute step of scan → plan → confirm → execute that `prune` and `slim` share: a planned change is
-made to each checkpoint of the plan in turn, holding the run's lock (`core.lock.RunLock`), only where the
-checkpoint did not change since the plan (`changed_since_plan`), and each one left undone says why
-(`Skipped`).
+"""Scan → plan → confirm → execute, the skeleton that `prune`, `slim` and `repair` share.
+
+`run_planned` is the whole of it: take the run's lock (`core.lock.RunLock`), plan under it, ask `confirm`
+when the plan changes something, and execute while still holding the lock. `apply_planned` is the execute
+step of `prune` and `slim`: a planned change is made to each checkpoint of the plan in turn, refreshing the
+lock, only where the checkpoint did not change since the plan (`changed_since_plan`), and each one left undone
+says why (`Skipped`). (`repair` executes its own actions, each after checking the lock is still its own.)
 
 Planning and checking again at the last moment ask the same questions of a checkpoint, so they live here too:
 whether it is being written right now (`busy`: in progress as its layout judges it under the plan's grace
@@ -37,6 +40,7 @@ __all__ = [
     "judged",
     "own_parts",
     "own_tree",
+    "run_planned",
 ]
 
 #: Checkpoints with a file modified more recently than this are taken to be still written.
@@ -55,6 +59,8 @@ class Planned(Protocol):
 
 
 Item = TypeVar("Item", bound=Planned)
+Plan = TypeVar("Plan")
+Result = TypeVar("Result")
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +80,41 @@ class Skipped(Generic[Item]):
 
     def to_json(self) -> dict[str, Any]:
         return {"url": self.item.ref.url, "step": self.item.ref.step, "reason": self.reason, "error": self.error}
+
+
+def run_planned(
+    run: str,
+    plan: Callable[[], Plan],
+    execute: Callable[[Plan, RunLock], Result],
+    declined: Callable[[Plan], Result],
+    *,
+    changes: Callable[[Plan], bool],
+    confirm: Callable[[Plan], bool] | None,
+    command: str,
+    wait: float,
+    warn: Callable[[str], None] | None = None,
+) -> Result:
+    """Take the run's lock, plan under it, confirm, and execute under it (the module docstring).
+
+    Args:
+        run: the run folder the lock is taken in.
+        plan: makes the plan (under the lock: what it saw cannot change before `execute`); it may raise to
+            refuse (a save being written).
+        execute: makes the plan's changes, with the lock held (and just refreshed).
+        declined: the result when `confirm` says no; nothing was changed.
+        changes: whether the plan changes anything (only then is `confirm` asked).
+        confirm: asked with the plan; False declines. None executes unasked.
+        command, wait, warn: the lock's (`RunLock`).
+
+    Raises:
+        RunLocked: another process holds the run's lock (or took it over from us).
+    """
+    with RunLock(run, wait=wait, command=command, warn=warn) as lock:
+        planned = plan()
+        if changes(planned) and confirm is not None and not confirm(planned):
+            return declined(planned)
+        lock.refresh()
+        return execute(planned, lock)
 
 
 def apply_planned(
@@ -128,7 +169,7 @@ def changed_since_plan(planned: CheckpointRef, grace: timedelta) -> str:
     """Why a planned change of a checkpoint (`prune`'s deletion, `slim`'s swap) must not happen now: the run
     changed since the plan (a pointer names it now, it is being written or was rewritten); or ""."""
     url = planned.url
-    if io.is_local(url):
+    if io.is_local(url):  # gone, or a link now: what only a local folder can become under us
         path = io.local_path(url)
         if not os.path.lexists(path):
             return "it is gone already"

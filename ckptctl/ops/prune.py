@@ -4,7 +4,7 @@ Scan → plan → confirm → execute, as `hf cache prune` does:
 
 - `plan_prune` (read-only) finds every checkpoint of the run, turns each into a retention `Candidate`
   with the protections found on disk, and lets `RetentionPolicy.plan` decide. A dry run stops here.
-- `prune` takes the run's lock, plans, asks `confirm`, and deletes (`ops.planned.apply_planned`: each
+- `prune` takes the run's lock, plans, asks `confirm`, and deletes (`ops.planned`: each
   checkpoint that did not change since the plan, as `slim` slims) through `io.trash`: each checkpoint is
   renamed into the `.ckptctl-trash` folder beside it (same filesystem, atomic) and then deleted there, so
   a crash leaves either the whole checkpoint or a folder in the trash, never a half-deleted checkpoint
@@ -49,7 +49,16 @@ from ckptctl.io import trash
 from ckptctl.io.trash import QUARANTINE_NAME
 from ckptctl.layouts import DEFAULT_SCAN_DEPTH, all_layouts, get_layout, scan_run
 from ckptctl.layouts.slimming import slim_checkpoint, slimmable
-from ckptctl.ops.planned import DEFAULT_GRACE, Skipped, apply_planned, busy, judged, own_parts, own_tree
+from ckptctl.ops.planned import (
+    DEFAULT_GRACE,
+    Skipped,
+    apply_planned,
+    busy,
+    judged,
+    own_parts,
+    own_tree,
+    run_planned,
+)
 from ckptctl.ops.report import SCHEMA_VERSION, Progress, display_path, flatten, iso
 from ckptctl.ops.resume_plan import resume_targets
 from ckptctl.units import format_size, parse_age
@@ -429,7 +438,7 @@ _OFF_BRANCH = (CheckpointState.ABANDONED, CheckpointState.SUPERSEDED)
 
 def _examine(ref: CheckpointRef, run: str, now: datetime, grace: timedelta) -> _Found:
     ref = judged(ref, grace)
-    if not io.is_local(ref.url):
+    if not io.is_local(ref.url):  # an object store has no links: nothing to resolve, and its listing sized it
         return _Found(ref, ref.size_bytes, busy=busy(ref, now, grace, own_tree(ref)[1]))
     path = os.path.abspath(io.local_path(ref.url))
     run_real = os.path.realpath(io.local_path(run))
@@ -485,11 +494,7 @@ def _trash_folders(run: str, items: Iterable[PruneItem]) -> list[str]:
     found = []
     for folder in sorted(folders):
         bin_ = io.join(folder, trash.TRASH_NAME)
-        if io.is_local(bin_):
-            if os.path.lexists(io.local_path(bin_)):
-                trash.check_trash(io.local_path(bin_))
-                found.append(bin_)
-        elif io.is_dir(bin_):
+        if trash.present(bin_):
             found.append(bin_)
     return found
 
@@ -537,14 +542,8 @@ def prune(
         return PruneReport(plan, dry_run=True, deleted=plan.delete, slimmed=plan.slim)
     if not io.is_dir(run):
         raise CheckpointNotFound(f"no such run folder: {run}")
-    with RunLock(run, wait=wait, command=f"ckptctl prune ({policy.describe()})", warn=warn) as lock:
-        plan = plan_prune(
-            run, policy, grace=grace, max_depth=max_depth, require_metrics=require_metrics, slim_instead=slim_instead
-        )
-        if (plan.delete or plan.slim) and confirm is not None and not confirm(plan):
-            declined = tuple(Skipped(i, "not confirmed") for i in plan.delete + plan.slim)
-            return PruneReport(plan, dry_run=False, deleted=(), skipped=declined, cancelled=True)
-        lock.refresh()
+
+    def execute(plan: PrunePlan, lock: RunLock) -> PruneReport:
         trash_freed = _empty_trash(_trash_folders(run, plan.items))
         deleted, skipped = apply_planned(
             plan.delete, delete_planned, lock, plan.grace, "deleting", progress=progress, weight=lambda i: i.size_bytes
@@ -553,6 +552,24 @@ def prune(
         return PruneReport(
             plan, False, tuple(deleted), tuple(skipped + not_slimmed), trash_freed, slimmed=tuple(slimmed)
         )
+
+    def declined(plan: PrunePlan) -> PruneReport:
+        skipped = tuple(Skipped(i, "not confirmed") for i in plan.delete + plan.slim)
+        return PruneReport(plan, dry_run=False, deleted=(), skipped=skipped, cancelled=True)
+
+    return run_planned(
+        run,
+        lambda: plan_prune(
+            run, policy, grace=grace, max_depth=max_depth, require_metrics=require_metrics, slim_instead=slim_instead
+        ),
+        execute,
+        declined,
+        changes=lambda plan: bool(plan.delete or plan.slim),
+        confirm=confirm,
+        command=f"ckptctl prune ({policy.describe()})",
+        wait=wait,
+        warn=warn,
+    )
 
 
 def _slim(item: PruneItem) -> PruneItem:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import base64
 import errno
+import functools
 import json
 import os
 import secrets
@@ -43,6 +44,7 @@ from ckptctl.core.lock import RunLock
 from ckptctl.errors import CheckpointNotFound, CkptctlError, UnknownLayout, UnsafePath
 from ckptctl.io import trash
 from ckptctl.layouts import capability
+from ckptctl.ops.planned import run_planned
 from ckptctl.ops.report import SCHEMA_VERSION
 from ckptctl.ops.resume_plan import plan_resume
 from ckptctl.ops.verification import verify_checkpoint
@@ -228,7 +230,7 @@ def _actions(run: str, writer: PointerWriter, target: str) -> list[RepairAction]
     """Quarantines first (a name-picking loader then finds the target), then pointers (each already holding
     what it should is left alone)."""
     picked = writer.picked_over(target)
-    if picked and not io.is_local(run):
+    if picked and not io.is_local(run):  # a quarantine is one rename, which an object store does not have
         raise CkptctlError(
             f"repair would move {io.name_of(picked[0])} into quarantine, which it does only in local runs "
             "(an object store has no rename)",
@@ -275,7 +277,7 @@ def pointer_bytes(path: str, cap: int) -> bytes | None:
     Raises:
         UnsafePath: a link (or a folder) is where the pointer is.
     """
-    if not io.is_local(path):
+    if not io.is_local(path):  # an object store has no links: a plain read is one that follows none
         try:
             return io.read_bytes(path, max_size=cap)
         except CheckpointNotFound:
@@ -356,7 +358,8 @@ def repair(
     if not io.is_dir(run):
         raise CheckpointNotFound(f"no such run folder: {run}")
     _check_writable(run)
-    with RunLock(run, wait=wait, command="ckptctl repair" + (" --undo" if undo else "")) as lock:
+
+    def checked_plan() -> RepairPlan:
         plan = plan_undo(run) if undo else plan_repair(run)
         busy = [s for s in plan.skipped if s.state is CheckpointState.IN_PROGRESS]
         if busy and plan.actions:
@@ -364,28 +367,44 @@ def repair(
                 f"{busy[0].url} is being written ({busy[0].reason}): refusing to repair the run now; nothing was changed",
                 "run repair again once the save has finished or stopped",
             )
-        if not plan.actions and plan.records:  # pointers a killed repair never changed: nothing to put back
+        return plan
+
+    return run_planned(
+        run,
+        checked_plan,
+        functools.partial(_execute, run, undo=undo),
+        lambda plan: plan,  # declined: the plan, as a dry run
+        changes=lambda plan: bool(plan.actions),
+        confirm=confirm,
+        command="ckptctl repair" + (" --undo" if undo else ""),
+        wait=wait,
+    )
+
+
+def _execute(run: str, plan: RepairPlan, lock: RunLock, *, undo: bool) -> RepairPlan:
+    """Make the plan's changes, holding the run's lock (`repair`)."""
+    if not plan.actions:
+        if plan.records:  # pointers a killed repair never changed: nothing to put back
             _forget(run, plan.records)
             return replace(plan, dry_run=False)
-        if not plan.actions or (confirm is not None and not confirm(plan)):
-            return plan
-        for action in plan.actions:
-            _check_writable(io.parent_of(action.path) if action.kind != RESTORE else io.parent_of(action.after or ""))
-        record = f"repair-{datetime.now(UTC):%Y%m%dT%H%M%S%fZ}-{secrets.token_hex(4)}"  # sorts by time
-        if not undo and any(a.kind in (POINTER, LINK) for a in plan.actions):
-            trash.record_pointers(run, record, _pointer_record(run, plan))
-        done = []
-        for action in plan.actions:
-            lock.check()
-            done.append(_apply(run, action, plan, record))
-            after_action(done[-1])
-        if undo:
-            _forget(run, plan.records)
-        return replace(plan, actions=tuple(done), dry_run=False)
+        return plan
+    for action in plan.actions:
+        _check_writable(io.parent_of(action.path) if action.kind != RESTORE else io.parent_of(action.after or ""))
+    record = f"repair-{datetime.now(UTC):%Y%m%dT%H%M%S%fZ}-{secrets.token_hex(4)}"  # sorts by time
+    if not undo and any(a.kind in (POINTER, LINK) for a in plan.actions):
+        trash.record_pointers(run, record, _pointer_record(run, plan))
+    done = []
+    for action in plan.actions:
+        lock.check()
+        done.append(_apply(run, action, plan, record))
+        after_action(done[-1])
+    if undo:
+        _forget(run, plan.records)
+    return replace(plan, actions=tuple(done), dry_run=False)
 
 
 def _check_writable(folder: str) -> None:
-    if io.is_local(folder) and not os.access(io.local_path(folder), os.W_OK | os.X_OK):
+    if not io.writable(folder):
         raise CkptctlError(f"{folder} is not writable: repair cannot change it; nothing was changed")
 
 
@@ -491,8 +510,7 @@ def _remove_pointer(path: str, *, link: bool) -> None:
     if read_pointer(path) is None:  # refuses a link or a folder
         return
     io.delete_file(path)
-    if io.is_local(path):
-        io.fsync_dir(os.path.dirname(os.path.abspath(io.local_path(path))))
+    io.fsync_dir(io.parent_of(path))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -515,14 +533,14 @@ def plan_undo(run: str) -> RepairPlan:
     box = io.join(run, trash.TRASH_NAME, trash.QUARANTINE_NAME)
     actions, notes, left = [], [], []
     unrecorded = []
-    for name, data in trash.quarantined(io.local_path(run)) if io.is_local(run) else ():
+    for name, data in trash.quarantined(run):
         record = _parsed(data)
         origin = _inside(record.get("origin"))
         if origin is None:
             left.append(f"{io.join(box, name)}: its record does not say where it came from; left in quarantine")
             continue
         destination = io.join(run, origin)
-        if os.path.lexists(io.local_path(destination)):
+        if io.lexists(destination):
             left.append(f"{io.join(box, name)}: {destination} exists again; left in quarantine")
             continue
         actions.append(RepairAction(RESTORE, io.join(box, name), io.join(box, name), destination))

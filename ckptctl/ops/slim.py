@@ -36,7 +36,7 @@ from ckptctl.formats.slim_marker import SLIM_MARKER, read_slim_marker
 from ckptctl.io import trash
 from ckptctl.layouts import DEFAULT_SCAN_DEPTH, capability, scan_run
 from ckptctl.layouts.slimming import slim_checkpoint, slimmable
-from ckptctl.ops.planned import DEFAULT_GRACE, Skipped, apply_planned
+from ckptctl.ops.planned import DEFAULT_GRACE, Skipped, apply_planned, run_planned
 from ckptctl.ops.prune import POLICY_FILE, PruneItem, plan_prune
 from ckptctl.ops.report import SCHEMA_VERSION, Progress, iso
 from ckptctl.ops.resume_plan import RESUME_TARGET, resume_targets
@@ -328,17 +328,30 @@ def slim(
     if not io.exists(target):
         raise CheckpointNotFound(f"no such run or checkpoint folder: {target}")
     run, _ = _run_of(target, max_depth)
-    with RunLock(run, wait=wait, command=f"ckptctl slim (keep_full={keep_full})", warn=warn) as lock:
-        plan = plan_slim(target, **options)  # type: ignore[arg-type]
-        if plan.slim and confirm is not None and not confirm(plan):
-            declined = tuple(Skipped(i, "not confirmed") for i in plan.slim)
-            return SlimReport(plan, dry_run=False, slimmed=(), skipped=declined, cancelled=True)
+
+    def execute(plan: SlimPlan, lock: RunLock) -> SlimReport:
         for item in plan.slim:  # refuse a link where any slim version would be built, before changing anything
             trash.check_trash(trash.trash_of(item.url))
         done, left = apply_planned(
             plan.slim, _slim_one, lock, plan.grace, "slimming", fatal=(UnsafePath,), progress=progress
         )
         return SlimReport(plan, False, tuple(done), tuple(left))
+
+    def declined(plan: SlimPlan) -> SlimReport:
+        skipped = tuple(Skipped(i, "not confirmed") for i in plan.slim)
+        return SlimReport(plan, dry_run=False, slimmed=(), skipped=skipped, cancelled=True)
+
+    return run_planned(
+        run,
+        lambda: plan_slim(target, **options),  # type: ignore[arg-type]
+        execute,
+        declined,
+        changes=lambda plan: bool(plan.slim),
+        confirm=confirm,
+        command=f"ckptctl slim (keep_full={keep_full})",
+        wait=wait,
+        warn=warn,
+    )
 
 
 def _slim_one(item: SlimItem) -> SlimItem:

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import os
 import posixpath
 import threading
 import time
@@ -55,7 +54,7 @@ from ckptctl.core.mirror import (
     whole_at,
 )
 from ckptctl.core.retention import RetentionPolicy
-from ckptctl.errors import CheckpointNotFound, CkptctlError, StorageError
+from ckptctl.errors import CheckpointNotFound, CkptctlError
 from ckptctl.layouts import pointed_children, scan_run
 from ckptctl.ops.planned import DEFAULT_GRACE, Skipped, apply_planned
 from ckptctl.ops.prune import PruneItem, delete_planned, plan_prune
@@ -313,17 +312,12 @@ def _pointed(url: str, src: str) -> set[str]:
 def _check_pair(src: str, dst: str, keep_local: int | None) -> None:
     if src == dst or dst.startswith(src.rstrip("/") + "/") or src.startswith(dst.rstrip("/") + "/"):
         raise CkptctlError(f"{src} and {dst} overlap", "sync between two separate folders")
+    # `--keep-local` means "local copies" of a remote run: which side is local is what the option is about.
     if keep_local is not None and not (io.is_local(src) and not io.is_local(dst)):
         raise CkptctlError(
             "--keep-local deletes local copies once they are whole in an object store",
             "use it with a local SRC and a remote DST (s3://...)",
         )
-
-
-def _normal(url: str) -> str:
-    if io.is_local(url):
-        return os.path.abspath(io.local_path(url))
-    return url.rstrip("/")
 
 
 def _dst_tree(dst: str) -> dict[str, io.DirEntry]:
@@ -335,11 +329,7 @@ def _dst_tree(dst: str) -> dict[str, io.DirEntry]:
 
 @contextlib.contextmanager
 def _dst_lock(dst: str, wait: float, warn: Callable[[str], None] | None) -> Any:
-    if io.is_local(dst):
-        try:
-            os.makedirs(io.local_path(dst), exist_ok=True)
-        except OSError as exc:
-            raise StorageError(f"cannot create {dst}: {exc.strerror or exc}") from exc
+    io.make_folder(dst)
     try:
         lock = RunLock(dst, name=SYNC_LOCK, wait=wait, command="ckptctl sync", warn=warn)
         lock.acquire()
@@ -377,6 +367,7 @@ def _pass(
     refs = scan_run(src)
     units, loose = _assign(src, refs, io.list_tree(src))
     dst_tree = _dst_tree(dst)
+    # Only a download into a local DST goes through a temporary file (`PART`); an object store's PUT is atomic.
     if io.is_local(dst) and not dry_run:
         for rel in [rel for rel in dst_tree if rel.endswith(PART)]:
             io.delete_file(io.join(dst, rel))  # a killed sync's temporary file (the DST lock is ours)
@@ -576,7 +567,7 @@ def _passes(
     stop: threading.Event | None = None,
     warn: Callable[[str], None] | None = None,
 ) -> Iterable[SyncReport]:
-    src, dst = _normal(src), _normal(dst)
+    src, dst = io.absolute(src), io.absolute(dst)
     _check_pair(src, dst, keep_local)
     sink = progress or NoProgress()
     lock_or_none = contextlib.nullcontext(None) if dry_run else _dst_lock(dst, wait, warn)

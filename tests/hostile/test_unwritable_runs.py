@@ -20,8 +20,8 @@ from typing import Any
 
 import pytest
 
-from ckptctl.core import lock
 from ckptctl.core.lock import LOCK_NAME, LockUnusable, RunLock
+from ckptctl.io import lockfile
 from tests.hostile.conftest import Source
 from tests.hostile.harness import run_ckptctl
 
@@ -112,14 +112,15 @@ def test_prune_in_a_folder_it_may_not_write(immutable: Path) -> None:
 
 
 def _failing_os(monkeypatch: pytest.MonkeyPatch, call: str, code: int) -> None:
-    """Make the lock module's `os.<call>` fail with `code` (the rest of `os` unchanged)."""
+    """Make `os.<call>` of the module that creates lock files (`io.lockfile`) fail with `code` (the rest of `os`
+    unchanged)."""
 
     def fail(*args: Any, **kwargs: Any) -> Any:
         raise OSError(code, os.strerror(code))
 
     proxy = types.SimpleNamespace(**{name: getattr(os, name) for name in dir(os) if not name.startswith("__")})
     setattr(proxy, call, fail)
-    monkeypatch.setattr(lock, "os", proxy)
+    monkeypatch.setattr(lockfile, "os", proxy)
 
 
 @pytest.mark.parametrize(

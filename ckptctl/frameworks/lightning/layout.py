@@ -527,6 +527,7 @@ def _best_model_path(callbacks: Mapping[Any, Any], folder: str) -> str | None:
     """The `best_model_path` of the ModelCheckpoint among a checkpoint's callbacks that saves into `folder`
     (its `dirpath`; a Trainer may run several, each into its own folder), or of the only one there is."""
     states = [s for k, s in callbacks.items() if str(k).startswith("ModelCheckpoint") and isinstance(s, dict)]
+    # Lightning records OS paths: a local folder compares as one, a URL by its text.
     here = os.path.normpath(io.local_path(folder)) if io.is_local(folder) else folder.rstrip("/")
     for state in states:
         best, dirpath = state.get("best_model_path"), state.get("dirpath")

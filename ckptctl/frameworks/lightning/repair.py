@@ -17,6 +17,7 @@ def _last(checkpoint: str) -> str:
 
 
 def _is_copy(path: str) -> bool:
+    # A copy and a link can be told apart only on a local disk (an object store has no links).
     return io.is_local(path) and os.path.lexists(io.local_path(path)) and not os.path.islink(io.local_path(path))
 
 

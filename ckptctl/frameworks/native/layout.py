@@ -133,7 +133,7 @@ class NativeLayout(Layout):
             return None
         if not any(is_rng_file(e.name) for e in entries):
             return None
-        if not io.is_local(url):
+        if not io.is_local(url):  # a local save is staged under another name; an upload fills the step's own prefix
             return self._unfinished_upload(url, step)
         return CheckpointRef(
             url=url,

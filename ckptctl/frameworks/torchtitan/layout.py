@@ -78,6 +78,7 @@ class TorchtitanLayout(DcpFolderLayout):
         match = STEP_RE.match(io.name_of(url))
         if match is None:
             return None
+        # Remote: reading every step's metadata costs a request per folder, so only torchtitan's folder name pays.
         if not io.is_local(url) and io.name_of(io.parent_of(url)) != CHECKPOINT_FOLDER:
             return None
         meta = next((e for e in entries if e.name == METADATA_NAME and not e.is_dir), None)

@@ -160,6 +160,7 @@ def _mapped_tensor(checkpoint_url: str, planned: Planned, maps: dict[str, Any], 
         return None
     chunk = entry.chunks[0]
     url = io.join(checkpoint_url, chunk.file)
+    # The fast path maps the local file (no copy); a remote one is read by the general path.
     if chunk.encoding != ChunkEncoding.RAW or chunk.sizes != entry.shape or not io.is_local(url):
         return None
     mapped = maps.get(url)

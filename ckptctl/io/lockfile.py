@@ -1,0 +1,123 @@
+"""What a lock file needs of the storage that holds it: create it if absent, read it with its age, keep it
+alive, and take a stale one away. `core.lock.RunLock` builds the run's lock on these; what a lock says and
+when one is stale is its business, how each storage does the four is this module's.
+
+Locally a lock is created with `O_EXCL` (two processes cannot both create it) and never through a link, kept
+alive by its mtime, and taken away by a rename aside, so that of two processes breaking the same stale lock
+only the one that moved it wins. An object store has no create-if-absent and no rename: the lock is written
+and read back (best effort: two processes starting within the same instant can both believe they hold it),
+kept alive by writing it again, and taken away by deleting it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import time
+from collections.abc import Callable
+
+from ckptctl import io
+from ckptctl.errors import CkptctlError, CorruptCheckpoint, StorageError
+
+__all__ = ["create", "read", "take_away", "touch"]
+
+
+def read(url: str, cap: int) -> tuple[bytes, float] | None:
+    """The first `cap` bytes of the lock file at `url` and its mtime (POSIX seconds); None when there is
+    none, or locally when it cannot be read.
+
+    Raises:
+        CorruptCheckpoint: it is not a regular file (a FIFO, a device): reading it could block forever.
+        StorageError: the object store holding it could not be reached (which says nothing about whether
+            there is a lock).
+    """
+    try:
+        data = io.read_bytes(url, 0, cap)
+        if io.is_local(url):
+            mtime = os.stat(io.local_path(url)).st_mtime
+        else:
+            entries = {e.name: e for e in io.list_dir(io.parent_of(url))}
+            entry = entries.get(io.name_of(url))
+            mtime = entry.mtime if entry and entry.mtime else time.time()
+    except CorruptCheckpoint:
+        raise
+    except StorageError:
+        if not io.is_local(url):
+            raise
+        return None
+    except (CkptctlError, OSError):
+        return None
+    return data, mtime
+
+
+def create(url: str, data: bytes) -> bool:
+    """Create the lock file `url` holding `data` if there is none; True when it is this caller's.
+
+    Locally `False` also when a link is in its place (never followed: ask `io.is_link`); a lock file whose
+    write failed is removed, so that an empty one holds nobody off.
+
+    Raises:
+        OSError: the local file cannot be created or written (read-only or full file system, permissions).
+        CkptctlError: the object store failed.
+    """
+    if not io.is_local(url):
+        if io.exists(url):
+            return False
+        io.write_bytes_atomic(url, data)
+        found = read(url, len(data) + 1)
+        return found is not None and found[0] == data
+    path = io.local_path(url)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    except FileExistsError:
+        return False
+    try:
+        try:
+            os.write(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        raise
+    return True
+
+
+def touch(url: str, data: bytes) -> None:
+    """Mark the lock file alive: its mtime locally (a failure is ignored: the next touch tries again), a new
+    write of `data` on an object store (whose objects cannot be touched)."""
+    if io.is_local(url):
+        with contextlib.suppress(OSError):
+            os.utime(io.local_path(url))
+    else:
+        io.write_bytes_atomic(url, data)
+
+
+def take_away(url: str, same: Callable[[str], bool]) -> bool:
+    """Remove the stale lock file at `url`, and only the one judged stale; True when it is gone.
+
+    Locally it is renamed aside first and `same(aside)` asked whether what moved is the lock that was
+    judged; if not (another process took the lock meanwhile) it is linked back. On an object store it is
+    deleted.
+    """
+    if not io.is_local(url):
+        with contextlib.suppress(CkptctlError):
+            io.delete_file(url)
+        return True
+    path = io.local_path(url)
+    aside = f"{path}.stale-{secrets.token_hex(4)}"
+    try:
+        os.rename(path, aside)
+    except FileNotFoundError:  # somebody else took it away first
+        return False
+    moved = same(aside)
+    if not moved:
+        # We moved a lock taken meanwhile by someone else: give it back. If a third process has created one
+        # since, its holder and the one we moved both find out at their next check.
+        with contextlib.suppress(OSError):
+            os.link(aside, path)
+    with contextlib.suppress(OSError):
+        os.unlink(aside)
+    return moved

@@ -1,0 +1,91 @@
+"""The storage questions commands ask `io` instead of asking whether a path is local: where a folder is
+(`absolute`, `inside`, `same_file`), what may be done there (`lexists`, `writable`, `make_folder`, `fsync_dir`,
+`trash.present`), and a lock file's four operations (`io.lockfile`), each on a local folder and on an fsspec
+store (`memory://`)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import fsspec
+import pytest
+
+from ckptctl import io
+from ckptctl.errors import UnsafePath
+from ckptctl.io import lockfile, trash
+
+
+@pytest.fixture(params=["local", "fsspec"])
+def folder(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    if request.param == "local":
+        yield str(tmp_path)
+        return
+    base = f"/seam-{os.getpid()}-{id(request)}"
+    yield f"memory://{base}"
+    with contextlib.suppress(FileNotFoundError):
+        fsspec.filesystem("memory").rm(base, recursive=True)
+
+
+def test_where_a_folder_is(tmp_path: Path) -> None:
+    (tmp_path / "run" / "step-1").mkdir(parents=True)
+    (tmp_path / "alias").symlink_to(tmp_path / "run")
+    (tmp_path / "run" / "f").write_bytes(b"x")
+    os.link(tmp_path / "run" / "f", tmp_path / "hard")
+
+    assert io.absolute(f"file://{tmp_path}/run/") == str(tmp_path / "run")
+    assert io.absolute("s3://bucket/run/") == "s3://bucket/run"
+    assert io.inside(str(tmp_path / "alias" / "step-1"), str(tmp_path / "run"))  # one place, two spellings
+    assert io.inside(str(tmp_path / "run"), str(tmp_path / "run"))
+    assert not io.inside(str(tmp_path / "runner"), str(tmp_path / "run"))
+    assert io.inside("s3://b/run/step-1", "s3://b/run/")
+    assert not io.inside("s3://b/runner", "s3://b/run")
+    assert not io.inside(str(tmp_path / "run"), "s3://b" + str(tmp_path))  # never across stores
+    assert io.same_file(str(tmp_path / "hard"), str(tmp_path / "alias" / "f"))
+    assert not io.same_file("memory://a/f", "memory://b/f")
+
+
+def test_what_may_be_done_there(folder: str) -> None:
+    sub = io.join(folder, "a", "b")
+    io.make_folder(sub)
+    io.write_bytes_atomic(io.join(sub, "f"), b"data")
+    io.fsync_dir(sub)  # a no-op on the store, which has no folders
+    assert io.lexists(io.join(sub, "f")) and not io.lexists(io.join(sub, "g"))
+    assert io.writable(sub)
+    bin_ = io.join(folder, trash.TRASH_NAME)
+    assert not trash.present(bin_)
+    io.make_folder(bin_)
+    io.write_bytes_atomic(io.join(bin_, "left-over"), b"")
+    assert trash.present(bin_)
+
+
+def test_a_link_where_the_trash_goes_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / trash.TRASH_NAME).symlink_to(tmp_path / "elsewhere")
+    assert io.lexists(str(tmp_path / trash.TRASH_NAME))
+    with pytest.raises(UnsafePath):
+        trash.present(str(tmp_path / trash.TRASH_NAME))
+
+
+def test_a_lock_file_is_created_once_kept_alive_and_taken_away(folder: str) -> None:
+    url = io.join(folder, "lock")
+    io.make_folder(folder)
+    assert lockfile.read(url, 100) is None
+    assert lockfile.create(url, b"mine")
+    assert not lockfile.create(url, b"theirs")
+    found = lockfile.read(url, 100)
+    assert found is not None and found[0] == b"mine"
+    lockfile.touch(url, b"mine")
+    assert lockfile.read(url, 100) is not None
+    assert lockfile.take_away(url, lambda aside: True)
+    assert lockfile.read(url, 100) is None
+
+
+def test_a_lock_taken_meanwhile_is_given_back(tmp_path: Path) -> None:
+    url = str(tmp_path / "lock")
+    assert lockfile.create(url, b"new holder")
+    assert not lockfile.take_away(url, lambda aside: Path(aside).read_bytes() == b"the stale one")
+    assert Path(url).read_bytes() == b"new holder"
+    assert [p.name for p in tmp_path.iterdir()] == ["lock"]  # nothing left aside

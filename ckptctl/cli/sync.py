@@ -120,7 +120,7 @@ def sync(
         for report in reports:
             # With --watch and --json, one document per pass (JSON lines), as each pass ends.
             if json_output:
-                out.json(report.to_json())
+                out.json(report.to_json(), line=watch)
             elif not quiet:
                 _render(out, report)
             problems = problems or bool(report.problems)

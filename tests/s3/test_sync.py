@@ -252,6 +252,9 @@ def test_syncs_killed_at_random_points_leave_nothing_torn_complete(
     # The kills landed mid-copy: some trials left a checkpoint at DST that lists as anything but complete.
     assert any(set(t["states"].values()) - {"complete"} for t in trials)
     assert any(len(t["local_after_next_sync"]) == 2 for t in trials if t["keep_local"])
+    # `--keep-local 1` deleted nothing whose upload was killed (`gone_locally_not_whole` above), with some kills
+    # landing before every checkpoint was whole at DST.
+    assert any(list(t["states"].values()).count("complete") < len(whole) for t in trials if t["keep_local"])
 
 
 @pytest.mark.slow

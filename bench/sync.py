@@ -11,7 +11,9 @@ fresh process (interpreter start included) into its own prefix:
   full round: ckptctl sends only the new checkpoint (the others are skipped from the listing without being
   read); `aws s3 sync` lists and compares everything (size and time) too, and sends what changed.
 
-Reported: wall seconds (median), bytes sent to and received from the store, and the ratio ckptctl / aws.
+Reported: wall seconds (median of the full rounds), the ratio to the fastest peer, bytes sent to and received
+from the store and the requests it answered, by kind (PART: parts of multipart uploads; MPU: their starts and
+completions), of the last full round and of the incremental one.
 Target (DESIGN §5): <= 1.0x the peer's wall time. `rclone` is used too when it is on PATH.
 
 Usage: python bench/sync.py [--checkpoints 5] [--mib 64] [--repeat 3]
@@ -20,6 +22,7 @@ Usage: python bench/sync.py [--checkpoints 5] [--mib 64] [--repeat 3]
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import socket
@@ -29,17 +32,49 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 SERVER = """
-import sys, time
-from moto.server import ThreadedMotoServer
-s = ThreadedMotoServer(ip_address="127.0.0.1", port=int(sys.argv[1]), verbose=False)
-s.start()
+import collections, json, sys, threading
+from werkzeug.serving import make_server
+from moto.moto_server.werkzeug_app import DomainDispatcherApplication, MotoRequestHandler, create_backend_app
+
+app = DomainDispatcherApplication(create_backend_app)
+counts = collections.Counter()
+lock = threading.Lock()
+
+
+def kind(environ):
+    method, query = environ["REQUEST_METHOD"], environ.get("QUERY_STRING", "")
+    if method == "GET" and ("list-type" in query or environ["PATH_INFO"].strip("/").count("/") == 0):
+        return "LIST"
+    if "partNumber" in query:
+        return "PART"
+    if method == "POST" and ("uploads" in query or "uploadId" in query):
+        return "MPU"
+    return method
+
+
+def counted(environ, start_response):
+    if environ["PATH_INFO"] == "/__counts":
+        with lock:
+            body = json.dumps(counts).encode()
+            counts.clear()
+        start_response("200 OK", [("Content-Type", "application/json")])
+        return [body]
+    with lock:
+        counts[kind(environ)] += 1
+    return app(environ, start_response)
+
+
+server = make_server("127.0.0.1", int(sys.argv[1]), counted, True, request_handler=MotoRequestHandler)
 print("up", flush=True)
-time.sleep(86400)
+server.serve_forever()
 """
+#: The kinds of request the server counts (PART: a part of a multipart upload; MPU: its start and completion).
+KINDS = ("PUT", "PART", "MPU", "GET", "HEAD", "LIST", "DELETE")
 
 
 class Relay:
@@ -106,14 +141,25 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def timed(command: list[str], env: dict[str, str], relay: Relay) -> tuple[float, int, int]:
+Timing = tuple[float, int, int, dict[str, int]]
+
+
+def requests_made(port: int) -> dict[str, int]:
+    """The requests the server answered since the last call, by kind (asked of it directly, not counted)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/__counts") as answer:
+        return dict(json.loads(answer.read()))
+
+
+def timed(command: list[str], env: dict[str, str], relay: Relay, port: int) -> Timing:
+    """Wall seconds, bytes sent and received, and requests by kind of one run of `command`."""
     relay.take()
+    requests_made(port)
     started = time.perf_counter()
     done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
     seconds = time.perf_counter() - started
     if done.returncode != 0:
         raise SystemExit(f"{command[:3]} failed ({done.returncode}): {done.stderr[-2000:]}")
-    return (seconds, *relay.take())
+    return (seconds, *relay.take(), requests_made(port))
 
 
 def main() -> None:
@@ -169,38 +215,39 @@ def main() -> None:
                 }
                 if rclone:
                     remote = (
-                        f":s3,provider=Other,endpoint={relay.endpoint},access_key_id=bench,secret_access_key=bench:"
+                        f":s3,provider=Other,endpoint='{relay.endpoint}',access_key_id=bench,secret_access_key=bench:"
                     )
                     found["rclone"] = [rclone, "copy", str(run), f"{remote}bench/{prefix}/rclone", "--transfers", "8"]
                 return found
 
-            full: dict[str, list[tuple[float, int, int]]] = {}
+            full: dict[str, list[Timing]] = {}
             for round_ in range(args.repeat):
                 names = list(tools(""))
                 for name in names if round_ % 2 == 0 else names[::-1]:
-                    full.setdefault(name, []).append(timed(tools(f"r{round_}")[name], env, relay))
+                    full.setdefault(name, []).append(timed(tools(f"r{round_}")[name], env, relay, port))
             save(run, (args.checkpoints + 1) * 100, args.mib)
             last = f"r{args.repeat - 1}"
-            incremental = {name: timed(command, env, relay) for name, command in tools(last).items()}
+            incremental = {name: timed(command, env, relay, port) for name, command in tools(last).items()}
 
-        def row(label: str, name: str, seconds: float, sent: int, received: int, base: float) -> None:
+        def row(label: str, name: str, timing: Timing, seconds: float, base: float) -> None:
+            _, sent, received, requests = timing
+            kinds = " ".join(f"{k} {requests[k]}" for k in KINDS if requests.get(k))
             print(
-                f"{label:<12} {name:<8} {seconds:8.2f} s  sent {sent / (1 << 20):9.1f} MiB  "
-                f"received {received / (1 << 20):7.2f} MiB  ratio {seconds / base:5.2f}x"
+                f"{label:<12} {name:<8} {seconds:8.2f} s  {seconds / base:5.2f}x  sent {sent / (1 << 20):8.1f} MiB  "
+                f"received {received / (1 << 20):6.2f} MiB  requests {sum(requests.values()):4d} ({kinds})"
             )
 
-        print(f"{'':<12} {'tool':<8} {'wall':>10}")
+        print(f"{'':<12} {'tool':<8} {'wall':>10}  ratio to the fastest peer")
         peers = [n for n in full if n != "ckptctl"]
-        best_full = min(statistics.median(t for t, _, _ in full[n]) for n in peers)
+        median = {name: statistics.median(t[0] for t in runs) for name, runs in full.items()}
+        best_full = min(median[n] for n in peers)
         for name, runs in full.items():
-            seconds = statistics.median(t for t, _, _ in runs)
-            row("full", name, seconds, runs[-1][1], runs[-1][2], best_full)
+            row("full", name, runs[-1], median[name], best_full)
         best_incremental = min(incremental[n][0] for n in peers)
-        for name, (seconds, sent, received) in incremental.items():
-            row("incremental", name, seconds, sent, received, best_incremental)
-        ours = statistics.median(t for t, _, _ in full["ckptctl"])
+        for name, timing in incremental.items():
+            row("incremental", name, timing, timing[0], best_incremental)
         print(
-            f"ratio ckptctl / fastest peer: full {ours / best_full:.2f}x, incremental "
+            f"ratio ckptctl / fastest peer: full {median['ckptctl'] / best_full:.2f}x, incremental "
             f"{incremental['ckptctl'][0] / best_incremental:.2f}x (target <= 1.0x)"
         )
     finally:

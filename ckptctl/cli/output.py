@@ -69,8 +69,11 @@ class Output:
         """Whether stdout is a terminal (tables fit its width) rather than a pipe, a file or a CI log."""
         return self.out.is_terminal
 
-    def json(self, document: dict[str, Any]) -> None:
-        sys.stdout.write(json.dumps(finite_json(document), indent=2, allow_nan=False) + "\n")
+    def json(self, document: dict[str, Any], *, line: bool = False) -> None:
+        """The document on stdout, indented; `line`: on one line, for commands that print one document after
+        another (JSON lines, which `jq -c`, `pandas.read_json(lines=True)` and line-by-line readers take)."""
+        text = json.dumps(finite_json(document), indent=None if line else 2, allow_nan=False)
+        sys.stdout.write(text + "\n")
         sys.stdout.flush()
 
     def print(self, *parts: Cell) -> None:

@@ -39,6 +39,9 @@ unknown checkpoints stay behind, listed with why (exit 1 when one is broken). `-
 (`--interval`, Ctrl-C/SIGTERM stop it after the files in flight, exit 130); `--keep-local N` then deletes older
 local checkpoints once they are whole at DST, through prune's plan, lock and trash; `--latest` pulls only what
 a resume would load, plus its pointers. One sync per DST at a time (`.ckptctl-sync.lock`; a second exits 2).
+With `--watch --json`, each pass is one JSON document on one line. Inside training, `CheckpointManager(root,
+mirror=URL)` does the same copy of each step it commits, in the background (its manifest last, then `latest`),
+and its retention keeps a step until the copy is whole.
 
 ```bash
 ckptctl sync runs/llama-sft s3://bucket/runs/llama-sft --watch --keep-local 2
@@ -120,7 +123,7 @@ def sync(
         for report in reports:
             # With --watch and --json, one document per pass (JSON lines), as each pass ends.
             if json_output:
-                out.json(report.to_json())
+                out.json(report.to_json(), line=watch)
             elif not quiet:
                 _render(out, report)
             problems = problems or bool(report.problems)

@@ -89,6 +89,7 @@ from ckptctl.core import loading, snapshot
 from ckptctl.core.deleter import BackgroundDeleter
 from ckptctl.core.entries import CheckpointWarning
 from ckptctl.core.lock import RunLock
+from ckptctl.core.mirror import Mirror
 from ckptctl.core.retention import Candidate, RetentionPolicy
 from ckptctl.core.snapshot import Snapshot, write_tree
 from ckptctl.core.storage import open_run, storage_errors
@@ -132,6 +133,12 @@ class CheckpointManager:
         staging_dir: for a remote `root`, the local folder where a save is written before it is uploaded
             and a restore is downloaded before it is loaded (default: the system temp folder); it needs
             room for one checkpoint.
+        mirror: a second run folder (`s3://bucket/runs/exp1`, any fsspec URL or a local path) that each
+            committed step is copied to in the background, as `ckptctl sync` copies it (manifest last, then
+            `latest`): `save` does not wait for the upload; `wait()` and `close()` do. A failed copy is a
+            `CheckpointWarning` and is tried again after the next save (`core.mirror.Mirror`). Retention
+            keeps a step until its copy is whole there, and applies to `root` only: the mirror keeps every
+            step it received (`ckptctl prune` it).
         lock_wait: seconds a save waits for the run's lock (see "Concurrent writers" in the module docstring)
             before it leaves `latest` or retention to the next save, with a `CheckpointWarning`. Another
             manager holds it for milliseconds; `ckptctl prune`, `slim` and `repair` for their whole run.
@@ -154,6 +161,7 @@ class CheckpointManager:
         *,
         staging_dir: str | os.PathLike[str] | None = None,
         lock_wait: float = LOCK_WAIT,
+        mirror: str | os.PathLike[str] | None = None,
     ) -> None:
         self.policy = policy
         self.async_save = async_save
@@ -167,6 +175,7 @@ class CheckpointManager:
         self._stager = snapshot.Stager()
         self._group: tuple[Any, Any] | None = None  # (the default group it was made for, the background group)
         self._deleter = BackgroundDeleter(f"ckptctl-delete-{self.naming.prefix}")
+        self._mirror = None if mirror is None else Mirror(self.root, os.fspath(mirror), POINTER_NAME)
         # The steps on this manager's own way through the run: those it committed, and those newer than the
         # step it restored last (as they were then). A save below some of them goes back (a rollback); steps
         # that another writer commits meanwhile are never among them.
@@ -263,6 +272,8 @@ class CheckpointManager:
         the save's error if it failed (a failed deletion is a `CheckpointWarning`)."""
         self._join()
         self._deleter.flush()
+        if self._mirror is not None:
+            self._mirror.flush()
         self._report_deletions(stacklevel=3)
 
     def close(self) -> None:
@@ -285,6 +296,10 @@ class CheckpointManager:
         checkpoints they were deleting are out of sight already, and the next retention retries."""
         for exc in self._deleter.take_errors():
             warnings.warn(f"retention in {self.root} failed: {exc}", CheckpointWarning, stacklevel=stacklevel)
+        if self._mirror is not None:
+            for exc in self._mirror.take_errors():
+                message = f"mirroring to {self._mirror.url} failed: {exc}"
+                warnings.warn(message, CheckpointWarning, stacklevel=stacklevel)
 
     def _background(self, step: int, taken: Snapshot, metrics: dict[str, Any]) -> None:
         try:
@@ -511,6 +526,8 @@ class CheckpointManager:
         replaced = self._storage.commit(step, staging, manifest)
         self._own_steps.add(step)
         self._point_to(step)
+        if self._mirror is not None:
+            self._mirror.submit(self.naming.folder(step))
         if replaced is not None:
             self._purge_later(replaced)
 
@@ -676,7 +693,9 @@ class CheckpointManager:
             size = folder_size(folder)
         name = self.naming.folder(step)
         protected = ("named by the run's latest pointer",) if name == pointer else ()
-        return Candidate(step, name, created=created, size_bytes=size, metrics=metrics, protected=protected)
+        # Kept until its mirror copy is whole, as `ckptctl sync --keep-local` keeps what is not whole at DST.
+        busy = f"not yet copied to {self._mirror.url}" if self._mirror and name in self._mirror.pending() else ""
+        return Candidate(step, name, created=created, size_bytes=size, metrics=metrics, protected=protected, busy=busy)
 
     # ------------------------------------------------------------------ restore
 

@@ -7,7 +7,7 @@ What goes, and when:
 - A checkpoint complete at SRC (also `superseded` and `slim`: whole, as far as they go) is copied unless it
   is whole at DST already: each of its files listed at DST with its SRC size, and a digest record at DST (its
   own manifest or digests file as copied, else the `ckptctl-digests.json` sync wrote) no older than its files
-  at SRC (with `_SLACK`: object stores keep whole seconds). Nothing of such a checkpoint is read again.
+  at SRC (with `SLACK`: object stores keep whole seconds). Nothing of such a checkpoint is read again.
 - In progress, abandoned, broken and unknown checkpoints are not copied; each is listed with why (a broken
   one is a problem: the command exits 1).
 - The run's own files (pointers, trackers, configs; hidden names aside) go after every checkpoint, and a
@@ -15,17 +15,11 @@ What goes, and when:
   folder names (`layouts.pointed_children`, asked before and after reading them) is whole at DST: a pointer
   at DST never names a checkpoint that is not whole there.
 
-How one checkpoint goes (`io.commit`'s object-store protocol, used on a local DST too, file by file):
-
-1. What DST holds of it already (an older or torn copy) loses its digest record and completion markers
-   first, so that it never passes for complete with mixed content.
-2. Every file but the completion markers (of any layout: `_markers`) goes up in parallel on `io`'s pool, the
-   largest first, hashed (blake3) as it is read. Each file appears whole or not at all: an object PUT
-   (multipart for large files), or a hidden temporary file renamed into place on a local DST.
-3. The markers go one after another in their layout's order. Before the last: the listing at DST must show
-   every file with its size, and the digests must equal SRC's own record where it has one.
-4. Last, the digest record `ckptctl-digests.json`, where SRC has none, so that `verify` at DST checks every
-   byte and the next sync skips the checkpoint.
+How one checkpoint goes is `core.mirror`'s (shared with the manager's `mirror` option): what DST holds of it
+loses its record and markers first, its other files go up in parallel (the pass's checkpoints share one pool of
+`workers` threads, so the next checkpoint's files are sent while this one's markers go; large files as
+multipart uploads with parts in parallel), its completion markers one by one after them (checked against SRC's
+own record before the last), and last a `ckptctl-digests.json` where SRC has no record of its own.
 
 A sync killed at any moment leaves a copy without its last marker: `list` at DST calls it in progress or
 broken, never complete, and the next sync replaces it. One sync per DST at a time (a lock file in DST,
@@ -37,28 +31,31 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import os
 import posixpath
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any
-
-import blake3
 
 from ckptctl import io
 from ckptctl.checkpoint import CheckpointRef, CheckpointState
 from ckptctl.core.lock import RunLock, RunLocked
+from ckptctl.core.mirror import (
+    PART,
+    SLACK,
+    CheckpointFiles,
+    Mismatch,
+    SyncStopped,
+    Transfer,
+    finish_copy,
+    start_copy,
+    whole_at,
+)
 from ckptctl.core.retention import RetentionPolicy
-from ckptctl.errors import CheckpointNotFound, CkptctlError, StorageError
-from ckptctl.formats.digest import file_digest
-from ckptctl.formats.manifest import DIGESTS_NAME, MANIFEST_NAME, FileRecord, Manifest, load_manifest, now_iso
-from ckptctl.io import trash
-from ckptctl.layouts import all_layouts, get_layout, pointed_children, scan_run
+from ckptctl.errors import CheckpointNotFound, CkptctlError
+from ckptctl.layouts import pointed_children, scan_run
 from ckptctl.ops.planned import DEFAULT_GRACE, Skipped, apply_planned
 from ckptctl.ops.prune import PruneItem, delete_planned, plan_prune
 from ckptctl.ops.report import SCHEMA_VERSION, NoProgress, Progress
@@ -67,10 +64,8 @@ __all__ = ["SYNC_LOCK", "Action", "RunFile", "SyncItem", "SyncReport", "sync", "
 
 #: The lock file in DST that keeps a second sync into it out.
 SYNC_LOCK = ".ckptctl-sync.lock"
-#: The ending of the hidden temporary file a local DST file is written into before its rename.
-_PART = ".ckptctl-sync-part"
-#: Object stores keep times in whole seconds: a copy is as new as its source within this.
-_SLACK = 1.0
+#: Seconds between two refreshes of the DST lock (it goes stale after `core.lock.STALE_AFTER`, an hour).
+_REFRESH_EVERY = 60.0
 #: States whose checkpoints are whole at SRC and copied.
 _COPIED = frozenset({CheckpointState.COMPLETE, CheckpointState.SUPERSEDED, CheckpointState.SLIM})
 _WHY_NOT = {
@@ -91,12 +86,6 @@ class NothingToResume(CkptctlError):
     """`--latest`: SRC holds nothing a resume would load (exit code 1, as `resume-plan`)."""
 
     exit_code = 1
-
-
-class SyncStopped(CkptctlError):
-    """A signal asked the sync to stop; it did after the files in flight (exit code 130)."""
-
-    exit_code = 130
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,48 +186,6 @@ class SyncReport:
 # ------------------------------------------------------------------------------------------ planning
 
 
-@dataclass(slots=True)
-class _Unit:
-    """A checkpoint of SRC and its own files.
-
-    Attributes:
-        ref: as the scan found it.
-        base: the folder its files are relative to, relative to SRC ("": SRC itself); a file checkpoint's parent.
-        files: its own files, relative to `base`.
-        is_file: a one-file checkpoint (its file is its own record).
-    """
-
-    ref: CheckpointRef
-    base: str
-    files: dict[str, io.DirEntry] = field(default_factory=dict)
-    is_file: bool = False
-
-    def path(self, rel: str) -> str:
-        """`rel` (relative to `base`) relative to the run folder."""
-        return f"{self.base}/{rel}" if self.base else rel
-
-    @property
-    def key(self) -> str:
-        """The checkpoint relative to the run folder, as a pointer names it."""
-        return self.path(next(iter(self.files))) if self.is_file else self.base
-
-    @property
-    def own_record(self) -> str | None:
-        """SRC's own digest record of it (its native manifest, its digests file, or a file checkpoint's file)."""
-        if self.is_file:
-            return next(iter(self.files))
-        return next((name for name in (MANIFEST_NAME, DIGESTS_NAME) if name in self.files), None)
-
-    @property
-    def record(self) -> str:
-        """The record whose time at DST says when it was copied whole."""
-        return self.own_record or DIGESTS_NAME
-
-    @property
-    def size(self) -> int:
-        return sum(e.size for e in self.files.values())
-
-
 def _rel(url: str, root: str) -> str:
     rel = io.relative_to(url, root)
     return "" if rel == "." else rel
@@ -246,23 +193,23 @@ def _rel(url: str, root: str) -> str:
 
 def _ours(rel: str) -> bool:
     """Files ckptctl keeps in a run for itself (locks, trash, a sync's temporary files): never copied."""
-    return rel.endswith(_PART) or any(part.startswith(".ckptctl-") for part in rel.split("/"))
+    return rel.endswith(PART) or any(part.startswith(".ckptctl-") for part in rel.split("/"))
 
 
 def _assign(
     src: str, refs: Sequence[CheckpointRef], tree: Mapping[str, io.DirEntry]
-) -> tuple[list[_Unit], dict[str, io.DirEntry]]:
+) -> tuple[list[CheckpointFiles], dict[str, io.DirEntry]]:
     """The checkpoints of SRC with their own files, and the run's own files (hidden ones left out)."""
-    units: list[_Unit] = []
-    folders: dict[str, _Unit] = {}
-    files: dict[str, _Unit] = {}
+    units: list[CheckpointFiles] = []
+    folders: dict[str, CheckpointFiles] = {}
+    files: dict[str, CheckpointFiles] = {}
     for ref in refs:
         rel = _rel(ref.url, src)
         if rel in tree:
-            unit = _Unit(ref, posixpath.dirname(rel), is_file=True)
+            unit = CheckpointFiles(ref, posixpath.dirname(rel), is_file=True)
             files[rel] = unit
         else:
-            unit = _Unit(ref, rel)
+            unit = CheckpointFiles(ref, rel)
             folders[rel] = unit
         units.append(unit)
     loose: dict[str, io.DirEntry] = {}
@@ -283,161 +230,14 @@ def _assign(
 
 def _newer(src: io.DirEntry, dst: io.DirEntry | None) -> bool:
     """Whether the copy `dst` of `src` is missing or out of date."""
-    return dst is None or dst.size != src.size or src.mtime > dst.mtime + _SLACK
-
-
-def _whole_at_dst(unit: _Unit, dst_tree: Mapping[str, io.DirEntry]) -> bool:
-    """Every file of `unit` at DST with its size, and its record there no older than its files at SRC."""
-    if not unit.files:
-        return False
-    for rel, entry in unit.files.items():
-        there = dst_tree.get(unit.path(rel))
-        if there is None or there.size != entry.size:
-            return False
-    record = dst_tree.get(unit.path(unit.record))
-    newest = max(entry.mtime for entry in unit.files.values())
-    return record is not None and record.mtime + _SLACK >= newest
-
-
-def _markers(unit: _Unit) -> list[str]:
-    """The files of `unit` that go up last, one by one: what any other layout names as a completion marker
-    (a torn copy must not pass for a whole checkpoint of another layout either), then its own layout's in
-    its order, then SRC's own record."""
-    if unit.is_file:
-        return []
-    sizes = {rel: entry.size for rel, entry in unit.files.items()}
-    own = list(get_layout(unit.ref.layout).completion_markers(sizes)) if unit.ref.layout else []
-    others = sorted({m for layout in all_layouts() for m in layout.completion_markers(sizes)} - set(own))
-    record = unit.own_record
-    ordered = [m for m in [*others, *own] if m in unit.files and m != record]
-    return [*dict.fromkeys(ordered), *([record] if record else [])]
+    return dst is None or dst.size != src.size or src.mtime > dst.mtime + SLACK
 
 
 # ------------------------------------------------------------------------------------------ copying
 
 
-@dataclass
-class _Transfer:
-    """Copies files from SRC to DST, hashing them, checking `stop` before each, advancing `progress`."""
-
-    src: str
-    dst: str
-    progress: Progress
-    stop: threading.Event | None
-    workers: int | None
-
-    def put(self, rel: str) -> FileRecord:
-        """Copy the file `rel` (relative to the run) whole or not at all; its size and blake3 digest."""
-        if self.stop is not None and self.stop.is_set():
-            raise SyncStopped("stopped by a signal", "run the same sync again to finish what was left")
-        source, target = io.join(self.src, rel), io.join(self.dst, rel)
-        # Which side is local decides how a file travels (a download beside its target, an upload hashed as
-        # it is sent, or a local scratch copy between two stores): the direction is the command's own.
-        if io.is_local(target):
-            record = self._to_local(source, io.local_path(target))
-        elif io.is_local(source):
-            # Hashed while it is sent (the second read comes from the page cache), not before.
-            with ThreadPoolExecutor(max_workers=1) as hashing:
-                digest = hashing.submit(file_digest, source)
-                io.upload_file(io.local_path(source), target)
-                record = FileRecord(os.path.getsize(io.local_path(source)), digest.result())
-        else:
-            with tempfile.TemporaryDirectory(prefix="ckptctl-sync-") as scratch:
-                local = os.path.join(scratch, "file")
-                record = self._download(source, local)
-                io.upload_file(local, target)
-        self.progress.advance(record.size)
-        return record
-
-    def _to_local(self, source: str, path: str) -> FileRecord:
-        folder = os.path.dirname(os.path.abspath(path))
-        try:
-            os.makedirs(folder, exist_ok=True)
-        except OSError as exc:
-            raise StorageError(f"cannot create {folder}: {exc.strerror or exc}") from exc
-        part = os.path.join(folder, f".{os.path.basename(path)}{_PART}")
-        record = self._download(source, part)
-        with io.translate_errors(path):
-            fd = os.open(part, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.replace(part, path)
-        return record
-
-    def _download(self, source: str, path: str) -> FileRecord:
-        hasher = blake3.blake3(max_threads=blake3.blake3.AUTO)
-        size = io.download_file(source, path, on_block=hasher.update, max_workers=4)
-        return FileRecord(size, hasher.hexdigest())
-
-    def parallel(self, rels: Sequence[str]) -> dict[str, FileRecord]:
-        return dict(zip(rels, io.parallel_map(self.put, rels, self.workers), strict=True))
-
-
-class _Mismatch(Exception):
-    """The bytes read of a checkpoint differ from its own record at SRC."""
-
-
-def _copy(unit: _Unit, transfer: _Transfer, dst_tree: Mapping[str, io.DirEntry]) -> SyncItem:
-    started = time.monotonic()
-    dst_base = io.join(transfer.dst, unit.base) if unit.base else transfer.dst
-    last = _markers(unit)
-    present = [rel for rel in [*unit.files, DIGESTS_NAME] if unit.path(rel) in dst_tree]
-    if present:  # an older or torn copy: never complete-looking while it is replaced
-        first = [{DIGESTS_NAME}, *({m} for m in reversed(last))]
-        trash.delete_objects(dst_base, [rel for rel in present if rel in {DIGESTS_NAME, *last}], first)
-    rest = sorted((rel for rel in unit.files if rel not in last), key=lambda rel: (-unit.files[rel].size, rel))
-    done = transfer.parallel([unit.path(rel) for rel in rest])
-    records = {rel: done[unit.path(rel)] for rel in rest}
-    try:
-        for rel in last[:-1]:
-            records[rel] = transfer.put(unit.path(rel))
-        _check(unit, transfer, records, dst_base)
-        for rel in last[-1:]:
-            records[rel] = transfer.put(unit.path(rel))
-    except _Mismatch as exc:
-        trash.delete_objects(dst_base, list(records))
-        return _item(unit, transfer.dst, Action.SKIPPED, f"broken at SRC: {exc}", unit.size, problem=True)
-    if unit.own_record is None:
-        manifest = Manifest(files=dict(sorted(records.items())), created=now_iso())
-        io.write_bytes_atomic(io.join(dst_base, DIGESTS_NAME), manifest.to_json())
-    for folder in sorted({posixpath.dirname(unit.path(rel)) for rel in records}, reverse=True):
-        io.fsync_dir(io.join(transfer.dst, folder) if folder else transfer.dst)
-    return _item(
-        unit, transfer.dst, Action.COPIED, "", sum(r.size for r in records.values()), time.monotonic() - started
-    )
-
-
-def _check(unit: _Unit, transfer: _Transfer, records: Mapping[str, FileRecord], dst_base: str) -> None:
-    """Before the last marker: every file sent is listed at DST with its size, and what was read equals SRC's
-    own record of it, where it has one (a native manifest, a digests file)."""
-    if unit.is_file:
-        return
-    listed = {rel: entry.size for rel, entry in io.list_tree(dst_base).items()}
-    for rel, record in records.items():
-        if listed.get(rel) != record.size:
-            raise StorageError(
-                f"{io.join(dst_base, rel)} is listed "
-                + ("as missing" if rel not in listed else f"with {listed[rel]} bytes, not {record.size}")
-                + " after its upload",
-                "another writer may be using the same prefix; run the sync again",
-            )
-    own = unit.own_record
-    if own is None:
-        return
-    recorded = load_manifest(io.join(transfer.src, unit.path(own))).files
-    absent = sorted(set(recorded) - set(records) - {own})
-    if absent:
-        raise _Mismatch(f"{absent[0]} is listed in its {own} but missing")
-    for rel, record in sorted(records.items()):
-        expected = recorded.get(rel)
-        if expected is not None and (expected.size, expected.blake3) != (record.size, record.blake3):
-            raise _Mismatch(f"{rel} read from SRC differs from its {own} (run `ckptctl verify` on it)")
-
-
 def _item(
-    unit: _Unit, dst: str, action: Action, reason: str, size: int, seconds: float = 0.0, problem: bool = False
+    unit: CheckpointFiles, dst: str, action: Action, reason: str, size: int, seconds: float = 0.0, problem: bool = False
 ) -> SyncItem:
     ref = unit.ref
     return SyncItem(
@@ -454,7 +254,7 @@ def _item(
     )
 
 
-def _vanished(unit: _Unit) -> bool:
+def _vanished(unit: CheckpointFiles) -> bool:
     """Whether the checkpoint is gone from SRC (its framework's rotation deleted it while it was copied)."""
     try:
         return not io.exists(unit.ref.url)
@@ -465,7 +265,7 @@ def _vanished(unit: _Unit) -> bool:
 def _run_files(
     loose: Mapping[str, io.DirEntry],
     whole: set[str],
-    transfer: _Transfer,
+    transfer: Transfer,
     dst_tree: Mapping[str, io.DirEntry],
     dry_run: bool,
 ) -> list[RunFile]:
@@ -559,21 +359,23 @@ def _pass(
     progress: Progress,
     stop: threading.Event | None,
     workers: int | None,
-    lock: RunLock | None,
+    keeper: _LockKeeper | None,
 ) -> SyncReport:
     started = time.monotonic()
+    if keeper is not None:
+        keeper.tick()
     refs = scan_run(src)
     units, loose = _assign(src, refs, io.list_tree(src))
     dst_tree = _dst_tree(dst)
-    # Only a download into a local DST goes through a temporary file (`_PART`); an object store's PUT is atomic.
+    # Only a download into a local DST goes through a temporary file (`PART`); an object store's PUT is atomic.
     if io.is_local(dst) and not dry_run:
-        for rel in [rel for rel in dst_tree if rel.endswith(_PART)]:
+        for rel in [rel for rel in dst_tree if rel.endswith(PART)]:
             io.delete_file(io.join(dst, rel))  # a killed sync's temporary file (the DST lock is ours)
     pick = _resume_pick(src) if latest else None
-    transfer = _Transfer(src, dst, progress, stop, workers)
+    transfer = Transfer(src, dst, progress.advance, stop, workers)
     items: list[SyncItem] = []
     whole: set[str] = set()
-    todo: list[_Unit] = []
+    todo: list[CheckpointFiles] = []
     for unit in units:
         ref = unit.ref
         if pick is not None and ref.url != pick:
@@ -583,7 +385,7 @@ def _pass(
             items.append(
                 _item(unit, dst, Action.SKIPPED, reason, unit.size, problem=ref.state is CheckpointState.BROKEN)
             )
-        elif _whole_at_dst(unit, dst_tree):
+        elif whole_at(unit, dst_tree):
             whole.add(unit.key)
             items.append(_item(unit, dst, Action.SKIPPED, "already whole at DST", unit.size))
         else:
@@ -591,27 +393,74 @@ def _pass(
             items.append(_item(unit, dst, Action.COPIED, "", unit.size))
     progress.start("copying", sum(unit.size for unit in todo) or None)
     try:
-        for unit in todo:
-            if dry_run:
-                whole.add(unit.key)
-                continue
-            if lock is not None:
-                lock.refresh()
-            try:
-                done = _copy(unit, transfer, dst_tree)
-            except SyncStopped:
-                raise
-            except CkptctlError:
-                if not _vanished(unit):
-                    raise
-                done = _item(unit, dst, Action.SKIPPED, "deleted at SRC while it was copied", unit.size)
-            if done.action is Action.COPIED:
-                whole.add(unit.key)
-            items[next(i for i, item in enumerate(items) if item.url == unit.ref.url)] = done
+        if dry_run:
+            whole.update(unit.key for unit in todo)
+        else:
+            whole.update(_copy_all(todo, transfer, dst_tree, items, keeper))
         run_files = _run_files(loose, whole, transfer, dst_tree, dry_run)
     finally:
         progress.finish()
     return SyncReport(src, dst, dry_run, tuple(items), tuple(run_files), time.monotonic() - started)
+
+
+def _copy_all(
+    todo: Sequence[CheckpointFiles],
+    transfer: Transfer,
+    dst_tree: Mapping[str, io.DirEntry],
+    items: list[SyncItem],
+    keeper: _LockKeeper | None,
+) -> set[str]:
+    """Copy the checkpoints `todo`, replacing their entries in `items`; the keys of those now whole at DST.
+
+    The files of every checkpoint (markers aside) are queued at once on one pool of `workers` threads, in
+    checkpoint order, so that the link stays busy across checkpoints; each checkpoint's markers follow as
+    soon as its own files are up, from this thread, while the pool sends the next checkpoints' files. On an
+    error (or a stop) nothing more is started, and what is running ends before the error is raised.
+    """
+    whole: set[str] = set()
+    with io.ContextThreadPool(max_workers=transfer.workers or io.workers()) as pool:
+        jobs = [start_copy(unit, transfer, dst_tree, pool) for unit in todo]
+        try:
+            for job in jobs:
+                if keeper is not None:
+                    keeper.tick()
+                unit = job.unit
+                try:
+                    records = finish_copy(job, transfer)
+                    seconds = time.monotonic() - job.started
+                    done = _item(unit, transfer.dst, Action.COPIED, "", sum(r.size for r in records.values()), seconds)
+                except Mismatch as exc:
+                    reason = f"broken at SRC: {exc}"
+                    done = _item(unit, transfer.dst, Action.SKIPPED, reason, unit.size, problem=True)
+                except SyncStopped:
+                    raise
+                except CkptctlError:
+                    if not _vanished(unit):
+                        raise
+                    done = _item(unit, transfer.dst, Action.SKIPPED, "deleted at SRC while it was copied", unit.size)
+                if done.action is Action.COPIED:
+                    whole.add(unit.key)
+                items[next(i for i, item in enumerate(items) if item.url == unit.ref.url)] = done
+        except BaseException:
+            for job in jobs:
+                for future in job.sending.values():
+                    future.cancel()
+            raise
+    return whole
+
+
+class _LockKeeper:
+    """Refreshes the DST lock (`RunLock.refresh`: a read and a write) at most every `_REFRESH_EVERY` seconds,
+    rather than before each checkpoint: far more often than it goes stale (`STALE_AFTER`), few requests."""
+
+    def __init__(self, lock: RunLock) -> None:
+        self.lock = lock
+        self.refreshed = time.monotonic()
+
+    def tick(self) -> None:
+        if time.monotonic() - self.refreshed >= _REFRESH_EVERY:
+            self.lock.refresh()
+            self.refreshed = time.monotonic()
 
 
 def _keep_local(
@@ -723,10 +572,11 @@ def _passes(
     sink = progress or NoProgress()
     lock_or_none = contextlib.nullcontext(None) if dry_run else _dst_lock(dst, wait, warn)
     with lock_or_none as lock:
+        keeper = None if lock is None else _LockKeeper(lock)
         count = 0
         while True:
             report = _pass(
-                src, dst, latest=latest, dry_run=dry_run, progress=sink, stop=stop, workers=workers, lock=lock
+                src, dst, latest=latest, dry_run=dry_run, progress=sink, stop=stop, workers=workers, keeper=keeper
             )
             if keep_local is not None:
                 report = _keep_local(report, keep_local, grace=grace, wait=wait, warn=warn)

@@ -5,7 +5,9 @@ that lists as complete, and `--keep-local` deletes only what is whole at DST."""
 
 from __future__ import annotations
 
+import json
 import shutil
+import signal
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -13,9 +15,9 @@ from typing import Any
 import pytest
 
 from ckptctl import io
+from ckptctl.core import mirror as mirror_module
 from ckptctl.core.lock import RunLock
 from ckptctl.errors import StorageError
-from ckptctl.ops import sync as sync_module
 from ckptctl.ops.sync import SYNC_LOCK, watch
 from tests.conftest import CliResult
 from tests.s3._upload_kill import killed_after_uploads
@@ -63,7 +65,7 @@ def test_a_demo_run_goes_up_whole_and_a_second_sync_reads_nothing(
     def no_reads(*args: object) -> None:
         raise AssertionError(f"read again: {args}")
 
-    monkeypatch.setattr(sync_module, "file_digest", no_reads)
+    monkeypatch.setattr(mirror_module, "file_digest", no_reads)
     monkeypatch.setattr(io, "upload_file", no_reads)
     again = sync_json(run_cli, demo_dir, dst)
     assert {v for v in actions(again).values()} == {("skipped", "already whole at DST")}
@@ -206,3 +208,111 @@ def test_dry_run_writes_nothing(run_cli: Cli, demo_dir: Path, bucket: str) -> No
     doc = sync_json(run_cli, demo_dir / "native", dst, "--dry-run")
     assert doc["dry_run"] is True and {a for a, _ in actions(doc).values()} == {"copied"}
     assert io.list_tree(dst) == {}
+
+
+@pytest.mark.slow
+def test_syncs_killed_at_random_points_leave_nothing_torn_complete(
+    run_cli: Cli, demo_dir: Path, bucket: str, tmp_path: Path
+) -> None:
+    """20 syncs of a native and a DCP run (2 steps each), each SIGKILLed before or after a seeded random storage
+    call with other uploads in flight (`tests/s3/_sync_kill_trials.py`, one process forking a child per trial;
+    odd trials with `--keep-local 1`): what DST lists as complete verifies, `latest` there names a whole
+    checkpoint, nothing gone locally is missing at DST, and the next sync completes every checkpoint."""
+    import subprocess
+    import sys
+
+    from tests.core.util import REPO, worker_env
+
+    template = tmp_path / "template"
+    for name in ("native", "dcp"):
+        for step in ("step-20", "step-30"):
+            shutil.copytree(demo_dir / name / step, template / name / step)
+    shutil.copy(demo_dir / "native" / "latest", template / "native" / "latest")
+    (tmp_path / "work").mkdir()
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.s3._sync_kill_trials", template, tmp_path / "work", f"{bucket}/kills", "0", "20"],
+        cwd=REPO,
+        env=worker_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    header, *trials = [json.loads(line) for line in done.stdout.splitlines()]
+    assert len(trials) == 20 and all(n > 0 for n in header["calls"].values())
+    whole = {f"{run}/step-{n}": "complete" for run in ("native", "dcp") for n in (20, 30)}
+    for trial in trials:
+        assert trial["signal"] == signal.SIGKILL, trial
+        assert trial["failed_verify"] == [] and trial["latest_not_whole"] == [], trial
+        assert trial["gone_locally_not_whole"] == [], trial
+        assert trial["after_next_sync"] == whole and trial["after_next_failed_verify"] == [], trial
+        # Retention keeps the newest of each run locally, whatever the kill left.
+        assert {"native/step-30", "dcp/step-30"} <= set(trial["local_after_next_sync"]), trial
+    # The kills landed mid-copy: some trials left a checkpoint at DST that lists as anything but complete.
+    assert any(set(t["states"].values()) - {"complete"} for t in trials)
+    assert any(len(t["local_after_next_sync"]) == 2 for t in trials if t["keep_local"])
+    # `--keep-local 1` deleted nothing whose upload was killed (`gone_locally_not_whole` above), with some kills
+    # landing before every checkpoint was whole at DST.
+    assert any(list(t["states"].values()).count("complete") < len(whole) for t in trials if t["keep_local"])
+
+
+@pytest.mark.slow
+def test_watch_beside_a_writer_copies_each_step_once_and_stops_on_sigterm(
+    run_cli: Cli, bucket: str, tmp_path: Path
+) -> None:
+    """`sync --watch` in a process of its own while a `CheckpointManager` saves a step every 2 seconds: each step
+    is copied once (never while its save is in progress), and SIGTERM stops the watch with exit code 130."""
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    import torch
+
+    from ckptctl.core import CheckpointManager
+    from tests.core.util import REPO, worker_env
+
+    run, dst = tmp_path / "run", f"{bucket}/watch"
+    manager = CheckpointManager(run)
+    model = torch.nn.Linear(16, 16)
+    manager.save(1, {"model": model})  # a run folder to watch from the start
+
+    def train() -> None:
+        for step in (2, 3, 4):
+            time.sleep(2)
+            with torch.no_grad():
+                model.weight.add_(1.0)
+            manager.save(step, {"model": model})
+
+    watcher = subprocess.Popen(
+        [sys.executable, "-m", "ckptctl", "sync", str(run), dst, "--watch", "--interval", "0.5", "--json"],
+        cwd=REPO,
+        env=worker_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    writer = threading.Thread(target=train)
+    writer.start()
+    try:
+        writer.join()
+        deadline = time.monotonic() + 120  # not a timing assertion: how long to wait for the last copy at most
+        while not (io.exists(f"{dst}/latest") and io.read_bytes(f"{dst}/latest") == b"step-4\n"):
+            assert watcher.poll() is None and time.monotonic() < deadline, watcher.stderr
+            time.sleep(0.2)
+        watcher.send_signal(signal.SIGTERM)
+        out, err = watcher.communicate(timeout=60)
+    finally:
+        if watcher.poll() is None:
+            watcher.kill()
+            watcher.wait()
+    assert watcher.returncode == 130, err
+    assert "Traceback" not in err
+    # One line per pass (JSON lines), then the (indented) document saying that the command was interrupted.
+    passes = [json.loads(line) for line in out.splitlines() if line.startswith('{"')]
+    assert json.loads(out[out.rindex("\n{\n") :])["error"]["exit_code"] == 130
+    copied = [Path(c["url"]).name for doc in passes for c in doc["checkpoints"] if c["action"] == "copied"]
+    assert sorted(copied) == ["step-1", "step-2", "step-3", "step-4"]  # each once
+    assert listed(run_cli, dst) == {f"step-{n}": "complete" for n in (1, 2, 3, 4)}
+    assert run_cli("verify", dst).exit_code == 0

@@ -1,0 +1,396 @@
+"""Copying a checkpoint to another run folder so that the copy never passes for complete before it is whole,
+shared by `ckptctl sync` (`ops.sync`, which scans the run and decides what goes) and the manager's background
+mirror (`Mirror`, below: each step it commits).
+
+How one checkpoint goes (`io.commit`'s object-store protocol, used on a local DST too, file by file):
+
+1. What DST holds of it already (an older or torn copy) loses its digest record and completion markers
+   first, so that it never passes for complete with mixed content.
+2. Every file but the completion markers (of any layout: `markers`) goes up in parallel on a pool of
+   `workers` threads (`ops.sync` shares one pool between the checkpoints of a pass, so the next checkpoint's
+   files are sent while this one's markers go), the largest first, hashed (blake3) as it is read. Each file
+   appears whole or not at all: an object PUT (a multipart upload with parts in parallel for large files,
+   `io.remote`), or a hidden temporary file renamed into place on a local DST.
+3. The markers go one after another in their layout's order, once every other file of the checkpoint is
+   up. Before the last: the digests must equal SRC's own record where it has one.
+4. Last, the digest record `ckptctl-digests.json`, where SRC has none, so that `verify` at DST checks every
+   byte and the next sync skips the checkpoint.
+
+A copy killed at any moment lacks its last marker: `list` at DST calls it in progress or broken, never
+complete, and the next copy replaces it.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import posixpath
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import blake3
+
+from ckptctl import io
+from ckptctl.checkpoint import CheckpointRef, CheckpointState
+from ckptctl.errors import CkptctlError, StorageError
+from ckptctl.formats.digest import file_digest
+from ckptctl.formats.manifest import DIGESTS_NAME, MANIFEST_NAME, FileRecord, Manifest, load_manifest, now_iso
+from ckptctl.io import trash
+from ckptctl.layouts import all_layouts, get_layout
+
+__all__ = [
+    "PART",
+    "SLACK",
+    "CheckpointFiles",
+    "Mirror",
+    "Mismatch",
+    "Started",
+    "SyncStopped",
+    "Transfer",
+    "finish_copy",
+    "markers",
+    "start_copy",
+    "whole_at",
+]
+
+log = logging.getLogger("ckptctl.core")
+
+#: The ending of the hidden temporary file a local DST file is written into before its rename.
+PART = ".ckptctl-sync-part"
+#: Object stores keep times in whole seconds: a copy is as new as its source within this.
+SLACK = 1.0
+#: Files up to this size are hashed before they are sent, in the sending thread (a thread of its own costs more).
+_HASH_INLINE = 1 << 20
+
+
+class SyncStopped(CkptctlError):
+    """A signal asked the sync to stop; it did after the files in flight (exit code 130)."""
+
+    exit_code = 130
+
+
+class Mismatch(Exception):
+    """The bytes read of a checkpoint differ from its own record at SRC."""
+
+
+@dataclass(slots=True)
+class CheckpointFiles:
+    """A checkpoint of SRC and its own files (what `ops.sync` found by scanning the run, or a step the manager
+    committed).
+
+    Attributes:
+        ref: as the scan found it.
+        base: the folder its files are relative to, relative to SRC ("": SRC itself); a file checkpoint's parent.
+        files: its own files, relative to `base`.
+        is_file: a one-file checkpoint (its file is its own record).
+    """
+
+    ref: CheckpointRef
+    base: str
+    files: dict[str, io.DirEntry] = field(default_factory=dict)
+    is_file: bool = False
+
+    def path(self, rel: str) -> str:
+        """`rel` (relative to `base`) relative to the run folder."""
+        return f"{self.base}/{rel}" if self.base else rel
+
+    @property
+    def key(self) -> str:
+        """The checkpoint relative to the run folder, as a pointer names it."""
+        return self.path(next(iter(self.files))) if self.is_file else self.base
+
+    @property
+    def own_record(self) -> str | None:
+        """SRC's own digest record of it (its native manifest, its digests file, or a file checkpoint's file)."""
+        if self.is_file:
+            return next(iter(self.files))
+        return next((name for name in (MANIFEST_NAME, DIGESTS_NAME) if name in self.files), None)
+
+    @property
+    def record(self) -> str:
+        """The record whose time at DST says when it was copied whole."""
+        return self.own_record or DIGESTS_NAME
+
+    @property
+    def size(self) -> int:
+        return sum(e.size for e in self.files.values())
+
+
+def whole_at(unit: CheckpointFiles, dst_tree: Mapping[str, io.DirEntry]) -> bool:
+    """Every file of `unit` at DST with its size, and its record there no older than its files at SRC."""
+    if not unit.files:
+        return False
+    for rel, entry in unit.files.items():
+        there = dst_tree.get(unit.path(rel))
+        if there is None or there.size != entry.size:
+            return False
+    record = dst_tree.get(unit.path(unit.record))
+    newest = max(entry.mtime for entry in unit.files.values())
+    return record is not None and record.mtime + SLACK >= newest
+
+
+def markers(unit: CheckpointFiles) -> list[str]:
+    """The files of `unit` that go up last, one by one: what any other layout names as a completion marker
+    (a torn copy must not pass for a whole checkpoint of another layout either), then its own layout's in
+    its order, then SRC's own record."""
+    if unit.is_file:
+        return []
+    sizes = {rel: entry.size for rel, entry in unit.files.items()}
+    own = list(get_layout(unit.ref.layout).completion_markers(sizes)) if unit.ref.layout else []
+    others = sorted({m for layout in all_layouts() for m in layout.completion_markers(sizes)} - set(own))
+    record = unit.own_record
+    ordered = [m for m in [*others, *own] if m in unit.files and m != record]
+    return [*dict.fromkeys(ordered), *([record] if record else [])]
+
+
+@dataclass
+class Transfer:
+    """Copies files from SRC to DST, hashing them, checking `stop` before each, reporting bytes to `on_bytes`."""
+
+    src: str
+    dst: str
+    on_bytes: Callable[[int], None] | None = None
+    stop: threading.Event | None = None
+    workers: int | None = None
+
+    def put(self, rel: str) -> FileRecord:
+        """Copy the file `rel` (relative to the run) whole or not at all; its size and blake3 digest."""
+        if self.stop is not None and self.stop.is_set():
+            raise SyncStopped("stopped by a signal", "run the same sync again to finish what was left")
+        source, target = io.join(self.src, rel), io.join(self.dst, rel)
+        # Which side is local decides how a file travels (a download beside its target, an upload hashed as
+        # it is sent, or a local scratch copy between two stores): the direction is the command's own.
+        if io.is_local(target):
+            record = self._to_local(source, io.local_path(target))
+        elif io.is_local(source) and os.path.getsize(io.local_path(source)) <= _HASH_INLINE:
+            record = FileRecord(os.path.getsize(io.local_path(source)), file_digest(source))
+            io.upload_file(io.local_path(source), target)
+        elif io.is_local(source):
+            # Hashed while it is sent (the second read comes from the page cache), not before.
+            with ThreadPoolExecutor(max_workers=1) as hashing:
+                digest = hashing.submit(file_digest, source)
+                io.upload_file(io.local_path(source), target)
+                record = FileRecord(os.path.getsize(io.local_path(source)), digest.result())
+        else:
+            with tempfile.TemporaryDirectory(prefix="ckptctl-sync-") as scratch:
+                local = os.path.join(scratch, "file")
+                record = self._download(source, local)
+                io.upload_file(local, target)
+        if self.on_bytes is not None:
+            self.on_bytes(record.size)
+        return record
+
+    def _to_local(self, source: str, path: str) -> FileRecord:
+        folder = os.path.dirname(os.path.abspath(path))
+        try:
+            os.makedirs(folder, exist_ok=True)
+        except OSError as exc:
+            raise StorageError(f"cannot create {folder}: {exc.strerror or exc}") from exc
+        part = os.path.join(folder, f".{os.path.basename(path)}{PART}")
+        record = self._download(source, part)
+        with io.translate_errors(path):
+            fd = os.open(part, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(part, path)
+        return record
+
+    def _download(self, source: str, path: str) -> FileRecord:
+        hasher = blake3.blake3(max_threads=blake3.blake3.AUTO)
+        size = io.download_file(source, path, on_block=hasher.update, max_workers=4)
+        return FileRecord(size, hasher.hexdigest())
+
+    def parallel(self, rels: Sequence[str]) -> dict[str, FileRecord]:
+        return dict(zip(rels, io.parallel_map(self.put, rels, self.workers), strict=True))
+
+
+@dataclass(slots=True)
+class Started:
+    """A checkpoint whose files other than its markers are on their way up (`start_copy`)."""
+
+    unit: CheckpointFiles
+    dst_base: str
+    last: list[str]
+    sending: dict[str, Future[FileRecord]]
+    started: float
+
+
+def start_copy(
+    unit: CheckpointFiles, transfer: Transfer, dst_tree: Mapping[str, io.DirEntry], pool: ThreadPoolExecutor
+) -> Started:
+    """Steps 1 and 2 of the module docstring: what DST holds of it loses its record and markers, then its
+    other files are queued on `pool`, the largest first. `dst_tree`: DST's listing (relative to its root)."""
+    started = time.monotonic()
+    dst_base = io.join(transfer.dst, unit.base) if unit.base else transfer.dst
+    last = markers(unit)
+    present = [rel for rel in [*unit.files, DIGESTS_NAME] if unit.path(rel) in dst_tree]
+    if present:  # an older or torn copy: never complete-looking while it is replaced
+        first = [{DIGESTS_NAME}, *({m} for m in reversed(last))]
+        trash.delete_objects(dst_base, [rel for rel in present if rel in {DIGESTS_NAME, *last}], first)
+    rest = sorted((rel for rel in unit.files if rel not in last), key=lambda rel: (-unit.files[rel].size, rel))
+    sending = {rel: pool.submit(transfer.put, unit.path(rel)) for rel in rest}
+    return Started(unit, dst_base, last, sending, started)
+
+
+def finish_copy(job: Started, transfer: Transfer) -> dict[str, FileRecord]:
+    """Steps 2 to 4: once its other files are up, its markers one by one (checked against SRC's own record
+    before the last), then the digest record; the records of what was sent.
+
+    Raises:
+        Mismatch: what was read differs from SRC's own record (what was sent of it is deleted again).
+    """
+    unit, dst_base, last = job.unit, job.dst_base, job.last
+    records = {rel: future.result() for rel, future in job.sending.items()}
+    try:
+        for rel in last[:-1]:
+            records[rel] = transfer.put(unit.path(rel))
+        _check(unit, transfer, records)
+        for rel in last[-1:]:
+            records[rel] = transfer.put(unit.path(rel))
+    except Mismatch:
+        trash.delete_objects(dst_base, list(records))
+        raise
+    if unit.own_record is None:
+        manifest = Manifest(files=dict(sorted(records.items())), created=now_iso())
+        io.write_bytes_atomic(io.join(dst_base, DIGESTS_NAME), manifest.to_json())
+    for folder in sorted({posixpath.dirname(unit.path(rel)) for rel in records}, reverse=True):
+        io.fsync_dir(io.join(transfer.dst, folder) if folder else transfer.dst)
+    return records
+
+
+def _check(unit: CheckpointFiles, transfer: Transfer, records: Mapping[str, FileRecord]) -> None:
+    """Before the last marker: what was read equals SRC's own record of it, where it has one (a native
+    manifest, a digests file). That each file is at DST needs no listing: its PUT (or its rename, locally)
+    returned, and S3 and the stores like it list an object as soon as its PUT has returned."""
+    own = unit.own_record
+    if unit.is_file or own is None:
+        return
+    recorded = load_manifest(io.join(transfer.src, unit.path(own))).files
+    absent = sorted(set(recorded) - set(records) - {own})
+    if absent:
+        raise Mismatch(f"{absent[0]} is listed in its {own} but missing")
+    for rel, record in sorted(records.items()):
+        expected = recorded.get(rel)
+        if expected is not None and (expected.size, expected.blake3) != (record.size, record.blake3):
+            raise Mismatch(f"{rel} read from SRC differs from its {own} (run `ckptctl verify` on it)")
+
+
+class Mirror:
+    """The background mirror of a `CheckpointManager` run (its `mirror` option): each step the manager commits
+    is copied to the same folder name below `url` as `ckptctl sync` copies a checkpoint (`start_copy`,
+    `finish_copy`: its manifest last), then the run's `latest` pointer, when it names a step whole there.
+
+    Copies run one step after another on a thread of their own, started by `submit` and ending when nothing
+    is queued, so that `save` never waits for an upload. It is not a daemon thread: the interpreter waits for
+    the queued copies at exit. A step that failed to copy is tried again with the next submitted step. The
+    manager's retention keeps the steps not yet copied (`pending`); a step deleted locally otherwise is left out (what was sent of it has no manifest, so
+    it lists as in progress there, and the next sync of the run replaces it). Failures are kept for the
+    manager to report on its own thread (`take_errors`).
+
+    Args:
+        root: the manager's run folder.
+        url: the mirror's run folder (any fsspec URL or a local path).
+        pointer: the run's pointer file name (`latest`).
+        workers: parallel transfers per step (default `io.workers()`).
+    """
+
+    def __init__(self, root: str, url: str, pointer: str, workers: int | None = None) -> None:
+        self.root, self.url, self.pointer = root, url.rstrip("/"), pointer
+        self.workers = workers
+        self._queue: collections.deque[str] = collections.deque()
+        self._failed: list[str] = []
+        self._whole: set[str] = set()
+        self._current: str | None = None
+        self._errors: list[BaseException] = []
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def submit(self, folder: str) -> None:
+        """Queue the committed step `folder` (its name in the run), after the steps that failed to copy."""
+        with self._lock:
+            for name in [*self._failed, folder]:
+                if name not in self._queue:
+                    self._queue.append(name)
+            self._failed = []
+            if self._thread is None or not self._thread.is_alive():  # not alive: a forked child's copy
+                self._thread = threading.Thread(target=self._run, name=f"ckptctl-mirror-{folder}")
+                self._thread.start()
+
+    def flush(self) -> None:
+        """Block until every queued step has been copied (or has failed)."""
+        while True:
+            with self._lock:
+                thread = self._thread
+            if thread is None or not thread.is_alive():
+                return
+            thread.join()
+
+    def pending(self) -> set[str]:
+        """The steps not yet copied: queued, being copied, or failed."""
+        with self._lock:
+            return {*self._queue, *self._failed, *([self._current] if self._current else [])}
+
+    def take_errors(self) -> list[BaseException]:
+        """The failures since the last call (without waiting for the copies still queued)."""
+        with self._lock:
+            errors, self._errors = self._errors, []
+        return errors
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                if not self._queue:
+                    self._thread = None
+                    return
+                folder = self._current = self._queue.popleft()
+            try:
+                self._copy(folder)
+            except BaseException as exc:  # handed to the manager's thread by take_errors
+                log.debug("mirroring %s failed: %s", folder, exc)
+                with self._lock:
+                    self._errors.append(exc)
+                    self._failed.append(folder)
+            finally:
+                with self._lock:
+                    self._current = None
+
+    def _copy(self, folder: str) -> None:
+        source = io.join(self.root, folder)
+        try:
+            files = io.list_tree(source)
+        except CkptctlError:
+            files = {}
+        if not files or MANIFEST_NAME not in files:
+            log.info("%s is gone from %s before it was mirrored", folder, self.root)
+            return
+        try:
+            there = {f"{folder}/{rel}": entry for rel, entry in io.list_tree(io.join(self.url, folder)).items()}
+        except CkptctlError:
+            there = {}
+        ref = CheckpointRef(source, "native", None, None, None, CheckpointState.COMPLETE, 0)
+        unit = CheckpointFiles(ref, folder, dict(files))
+        if not whole_at(unit, there):
+            transfer = Transfer(self.root, self.url, workers=self.workers)
+            with io.ContextThreadPool(max_workers=self.workers or io.workers()) as pool:
+                job = start_copy(unit, transfer, there, pool)
+                try:
+                    finish_copy(job, transfer)
+                except CkptctlError:
+                    if io.exists(io.join(source, MANIFEST_NAME)):
+                        raise
+                    log.info("%s was deleted from %s while it was mirrored", folder, self.root)
+                    return
+        self._whole.add(folder)
+        try:
+            named = io.read_bytes(io.join(self.root, self.pointer), 0, 4096)
+        except CkptctlError:
+            return
+        if named.decode(errors="replace").strip() in self._whole:
+            io.write_bytes_atomic(io.join(self.url, self.pointer), named)

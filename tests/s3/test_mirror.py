@@ -1,0 +1,69 @@
+"""The manager's `mirror` option against the local S3 server: each committed step arrives whole (listed
+complete, verified with its digests, `latest` naming it), and a save returns while its upload is held up."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckptctl import io
+from ckptctl.core import CheckpointManager
+from ckptctl.core.retention import RetentionPolicy
+from tests.conftest import CliResult
+
+Cli = Callable[..., CliResult]
+
+
+def states(run_cli: Cli, url: str) -> dict[str, str]:
+    result = run_cli("list", url, "--json")
+    assert result.exit_code == 0, result.stderr
+    return {io.relative_to(c["url"], url): c["state"] for c in result.json["checkpoints"]}
+
+
+def test_each_committed_step_is_mirrored_whole(run_cli: Cli, bucket: str, tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    state = {"model": torch.nn.Linear(8, 8), "optimizer": None}
+    state["optimizer"] = torch.optim.SGD(state["model"].parameters(), lr=0.1)
+    mirror = f"{bucket}/mirror"
+    # keep_last=1: retention deletes each step locally once the next commits; the mirror keeps them all.
+    manager = CheckpointManager(tmp_path / "run", policy=RetentionPolicy(keep_last=1), mirror=mirror)
+    for step in (10, 20, 30):
+        manager.save(step, state)
+    manager.close()
+    assert states(run_cli, mirror) == {f"step-{n}": "complete" for n in (10, 20, 30)}
+    verified = run_cli("verify", mirror, "--json")
+    assert verified.exit_code == 0, verified.stdout
+    assert io.read_bytes(f"{mirror}/latest") == b"step-30\n"
+    model = torch.nn.Linear(8, 8)
+    restored = {"model": model, "optimizer": torch.optim.SGD(model.parameters(), lr=0.1)}
+    assert CheckpointManager(mirror).restore(restored) == 30
+    assert torch.equal(restored["model"].weight, state["model"].weight)
+
+
+def test_a_save_returns_while_its_upload_is_held_up(
+    run_cli: Cli, bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    uploading, gate = threading.Event(), threading.Event()
+    real_upload = io.upload_file
+
+    def held_upload(path: str, url: str) -> None:
+        uploading.set()
+        assert gate.wait(120), "the test never opened the gate"
+        real_upload(path, url)
+
+    monkeypatch.setattr(io, "upload_file", held_upload)
+    mirror = f"{bucket}/held"
+    manager = CheckpointManager(tmp_path / "run", mirror=mirror)
+    try:
+        manager.save(10, {"model": torch.nn.Linear(4, 4)})  # returns with the mirror's upload held at the gate
+        assert manager.all_steps() == [10]
+        assert uploading.wait(60)
+        assert not io.exists(f"{mirror}/step-10/ckptctl-manifest.json")
+    finally:
+        gate.set()
+    manager.wait()
+    assert states(run_cli, mirror) == {"step-10": "complete"}

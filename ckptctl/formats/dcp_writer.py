@@ -14,23 +14,33 @@ from __future__ import annotations
 import inspect
 import os
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from ckptctl import io
 from ckptctl.errors import StorageError
-from ckptctl.formats.torch_save_writer import write_torch_archive
+from ckptctl.formats.digest import HashingWriter
+from ckptctl.formats.manifest import FileRecord
+from ckptctl.formats.torch_save_writer import FdWriter, write_torch_archive
 
-__all__ = ["data_file_writer", "write_data_file"]
+__all__ = ["DataFile", "data_file_writer", "write_data_file"]
 
 #: The archive folder `torch.save` names when it writes into a stream (`PyTorchStreamWriter`'s default).
 _STREAM_ARCHIVE = "archive"
 
 
-def write_data_file(path: str, items: Sequence[tuple[str, Callable[[], Any]]]) -> list[tuple[str, int, int]]:
+class DataFile(NamedTuple):
+    """What `write_data_file` wrote: each item's (key, offset, length) in order, and the file's size and digest."""
+
+    items: list[tuple[str, int, int]]
+    file: FileRecord
+
+
+def write_data_file(path: str, items: Sequence[tuple[str, Callable[[], Any]]]) -> DataFile:
     """Write the DCP data file `path` (a new file) without torch: each item's value, asked for when its turn comes
     and let go once written, as the `torch.save` archive torch's writer writes for it (a
-    `torch_save_writer.RawTensor` as a tensor, streamed from where its bytes are; anything else as a plain
-    value). Returns (key, offset, length) of each item, in order.
+    `torch_save_writer.RawTensor` as a tensor, read from where its bytes are; anything else as a plain value),
+    hashed as it is written (the file is not synced). Returns each item's (key, offset, length), in order, and
+    the file's size and digest.
 
     Raises:
         StorageError: the file cannot be written; CorruptCheckpoint: a tensor's source bytes are not there whole.
@@ -42,19 +52,19 @@ def write_data_file(path: str, items: Sequence[tuple[str, Callable[[], Any]]]) -
     except OSError as exc:
         raise StorageError(f"cannot write {path}: {exc.strerror or exc}") from exc
     try:
-        offset = 0
+        out = HashingWriter(FdWriter(fd))
         for key, value_of in items:
             value = value_of()
-            length = write_torch_archive(fd, value, _STREAM_ARCHIVE, path, offset)
+            offset = out.size
+            length = write_torch_archive(out, value, _STREAM_ARCHIVE, path)
             del value
             records.append((key, offset, length))
-            offset += length
-        io.start_writeback(fd, 0, offset)  # the commit's fsync then waits less
+        io.start_writeback(fd, 0, out.size)  # the commit's fsync then waits less
     except OSError as exc:
         raise StorageError(f"cannot write {path}: {exc.strerror or exc}") from exc
     finally:
         os.close(fd)
-    return records
+    return DataFile(records, FileRecord(out.size, out.hexdigest()))
 
 
 def data_file_writer(path: str, name: str) -> Any:

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import functools
 from concurrent.futures import ThreadPoolExecutor
-from typing import IO
+from typing import Protocol
 
 import blake3
 
 from ckptctl import io
 from ckptctl.errors import CheckpointNotFound, StorageError
+from ckptctl.formats.manifest import FileRecord
 from ckptctl.io.sweep import Feed, Span, Sweep
 
 ALGORITHM = "blake3"
@@ -65,6 +66,19 @@ def file_digest(url: str) -> str:
     return sink.hexdigest()
 
 
+def copy_hashed(url: str, path: str) -> FileRecord:
+    """Copy a file (remote or local) to the new local file `path` (`io.download_file`), hashing each block as it
+    is written: the copy's size and digest, with no second read of it."""
+    hasher = blake3.blake3(max_threads=blake3.blake3.AUTO)
+    size = io.download_file(url, path, hasher.update)
+    return FileRecord(size, hasher.hexdigest())
+
+
+def bytes_digest(data: bytes | bytearray | memoryview) -> str:
+    """Hex blake3 digest of bytes in memory (a small file written whole: the same digest as `file_digest`'s)."""
+    return blake3.blake3(data).hexdigest()
+
+
 #: Writes at least this large are hashed on a helper thread while the calling thread writes them.
 _OVERLAP = 1 << 20
 #: They go in parts of this many bytes: each part's hash and write run at once, and the disk is asked to
@@ -79,6 +93,14 @@ def _hash_pool() -> ThreadPoolExecutor:
     return io.ContextThreadPool(max_workers=4, thread_name_prefix="ckptctl-hash")
 
 
+class RawWriter(Protocol):
+    """What a `HashingWriter` writes through: a binary file (or an fd's writer) that writes all it is given."""
+
+    def write(self, data: bytes | bytearray | memoryview, /) -> int: ...
+
+    def fileno(self) -> int: ...
+
+
 class HashingWriter:
     """Wraps a binary file: every byte written is hashed and counted, so no second read is needed.
 
@@ -88,7 +110,7 @@ class HashingWriter:
     The caller still fsyncs: the head start changes when bytes reach the disk, not what is durable.
     """
 
-    def __init__(self, raw: IO[bytes]) -> None:
+    def __init__(self, raw: RawWriter) -> None:
         self._raw = raw
         self._hasher = blake3.blake3(max_threads=blake3.blake3.AUTO)
         self.size = 0

@@ -41,6 +41,8 @@ from ckptctl.formats.dcp_metadata import (
 )
 from ckptctl.formats.dcp_metadata_write import dcp_metadata_bytes
 from ckptctl.formats.dcp_writer import write_data_file
+from ckptctl.formats.digest import bytes_digest
+from ckptctl.formats.manifest import FileRecord
 from ckptctl.formats.torch_save_writer import RawTensor
 from ckptctl.layouts import capability
 
@@ -78,18 +80,19 @@ class DcpStateWriter:
         # Non-tensor items (settings, parameter names, plain step counters) go in the first file.
         loose = [key for key in flat if key not in grouped]
         storage: dict[StorageKey, StorageRecord] = {}
-        names: list[str] = []
+        digests: dict[str, FileRecord] = {}
         written = 0
         for k, group in enumerate(groups or [[]]):
             keys = loose + group if k == 0 else group  # torch's order: byte items first
             name = f"__0_{k}.distcp"
             items = [(key, _value_of(key, flat[key][1])) for key in keys]
-            for key, offset, length in write_data_file(os.path.join(request.staging, name), items):
+            data_file = write_data_file(os.path.join(request.staging, name), items)
+            for key, offset, length in data_file.items:
                 value = flat[key][1]
                 where = tuple(0 for _ in value.shape) if isinstance(value, StateTensor) else None
                 storage[(key, where)] = StorageRecord(name, offset, length, ())
+            digests[name] = data_file.file
             group_bytes = sum(flat[key][1].nbytes for key in group)
-            names.append(name)
             written += group_bytes
             advance(group_bytes)
         entries = {key: _entry(value) for key, (_, value) in flat.items()}
@@ -97,13 +100,15 @@ class DcpStateWriter:
         data = dcp_metadata_bytes(entries, storage, version=DCP_VERSION, planner_data=planner_data)
         with open(os.path.join(request.staging, METADATA_NAME), "xb") as f:
             f.write(data)
+        digests[METADATA_NAME] = FileRecord(len(data), bytes_digest(data))
         return WrittenState(
             tensors=len(tensors),
             bytes=written,
-            files=(*names, METADATA_NAME),
+            files=(*digests,),
             world_size=None,
             not_carried=state.not_carried,
             resume_hint=_RESUME_HINT,
+            digests=digests,
         )
 
 

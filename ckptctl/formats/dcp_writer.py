@@ -14,11 +14,11 @@ from __future__ import annotations
 import inspect
 import os
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import IO, Any, NamedTuple, cast
 
 from ckptctl import io
 from ckptctl.errors import StorageError
-from ckptctl.formats.digest import HashingWriter
+from ckptctl.formats.digest import HashingStream, HashingWriter
 from ckptctl.formats.manifest import FileRecord
 from ckptctl.formats.torch_save_writer import FdWriter, write_torch_archive
 
@@ -89,11 +89,13 @@ def data_file_writer(path: str, name: str) -> Any:
         tensors in plan order), as torch's single-threaded CPU writer does, but resolves each tensor only when
         its item comes up and lets it go once written: torch's loop keeps every tensor of the file alive until
         the file is closed (for its safetensors format), which would hold a whole parameter row and its
-        moments at once."""
+        moments at once. The file is hashed as it is written (`written`)."""
 
         def __init__(self, path: str, name: str) -> None:
             super().__init__(path, single_file_per_rank=True, sync_files=True, thread_count=1)
             self.name = name
+            #: Size and digest of the data file, hashed while written (None: torch's own loop wrote it).
+            self.written: FileRecord | None = None
 
         def write_data(self, plan: Any, planner: Any) -> Any:
             if not (
@@ -103,7 +105,10 @@ def data_file_writer(path: str, name: str) -> Any:
             items = [item for item in plan.items if item.type == WriteItemType.BYTE_IO]
             items += [item for item in plan.items if item.type != WriteItemType.BYTE_IO]
             results = []
-            with self.fs.create_stream(self.fs.concat_path(self.path, self.name), "wb") as stream:
+            with self.fs.create_stream(self.fs.concat_path(self.path, self.name), "wb") as raw:
+                # Hashed as written, so that the digests file need not read it back (torch types the stream
+                # an `IOBase`: it is the binary file `FileSystem.create_stream` opened).
+                stream = HashingStream(cast("IO[bytes]", raw))
                 for item in items:
                     data = planner.resolve_data(item)
                     if item.type != WriteItemType.BYTE_IO:
@@ -120,6 +125,8 @@ def data_file_writer(path: str, name: str) -> Any:
                         os.fsync(stream.fileno())
                     except (AttributeError, UnsupportedOperation):
                         os.sync()
+                stream.flush()
+            self.written = FileRecord(stream.size, stream.hexdigest())
             done: Future[list[Any]] = Future()
             done.set_result(results)
             return done

@@ -7,8 +7,9 @@ records the algorithm name so that another one can be added without breaking old
 from __future__ import annotations
 
 import functools
+import io as pyio
 from concurrent.futures import ThreadPoolExecutor
-from typing import Protocol
+from typing import IO, Any, Protocol
 
 import blake3
 
@@ -149,3 +150,47 @@ class HashingWriter:
 
     def hexdigest(self) -> str:
         return self._hasher.hexdigest()
+
+
+class HashingStream(pyio.IOBase):
+    """A stream torch's DCP writer writes one file through (`core.distributed.save_dcp`, `dcp_writer.
+    data_file_writer`): bytes hashed as they go (`HashingWriter`).
+
+    `tell()` is the byte count (the file starts empty; torch records each item's offset with it), and
+    `fileno()` flushes Python's buffer first: torch fsyncs `stream.fileno()` without flushing, which would
+    leave the buffered tail of each file (a torch.save archive's end records, most of `.metadata`) out of
+    the fsync that the commit protocol counts on.
+    """
+
+    def __init__(self, raw: IO[bytes]) -> None:
+        super().__init__()
+        self._raw = raw
+        self._writer = HashingWriter(raw)
+
+    @property
+    def size(self) -> int:
+        return self._writer.size
+
+    def hexdigest(self) -> str:
+        return self._writer.hexdigest()
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        return self._writer.write(data)
+
+    def tell(self) -> int:
+        return self._writer.size
+
+    def flush(self) -> None:
+        if not self._raw.closed:
+            self._raw.flush()
+
+    def fileno(self) -> int:
+        self.flush()
+        return self._raw.fileno()
+
+    def close(self) -> None:
+        self.flush()
+        super().close()  # the file itself is closed by `create_stream`, after the digest is taken

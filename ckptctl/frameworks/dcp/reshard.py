@@ -8,12 +8,13 @@ The folder is what torch's `dcp.save` writes for that state on one rank, written
 where the source stores its tensors raw (a ZeRO tag's flat partitions, a DCP folder's items, safetensors): the
 keys and nested paths as torch's `flatten_state_dict` makes them (`_flatten`), each data file a sequence of
 `torch.save` archives written by hand (`formats.dcp_writer.write_data_file`), a bounded group of parameters a
-file (a parameter, its moments and step together), each tensor's bytes streamed from the source's files through
-a buffer of a few MiB when its item comes up; a tensor stored otherwise (a view, a remote file) is read with
-torch when its turn comes and let go once written, so memory holds one tensor, not a file's group nor the
-state. `.metadata` (`formats.dcp_metadata_write`, torch's classes pickled by name) is written last: it
-completes the folder. Measured (bench/reshard.py, ZeRO-2/3 of ~100M parameters): importing torch alone cost
-more than the copy, and torch's writer another pass over every tensor.
+file (a parameter, its moments and step together), each tensor's bytes read from the source's files into a
+reused buffer when its item comes up; a tensor stored otherwise (a view, a remote file) is read with torch when
+its turn comes and let go once written, so memory holds one tensor, not a file's group nor the state. Every
+file is hashed as it is written (`WrittenState.digests`): the digests file reads none of it back.
+`.metadata` (`formats.dcp_metadata_write`, torch's classes pickled by name) is written last: it completes the
+folder. Measured (bench/reshard.py, ZeRO-2/3 of ~100M parameters): importing torch alone cost more than the
+copy, and torch's writer another pass over every tensor.
 """
 
 from __future__ import annotations

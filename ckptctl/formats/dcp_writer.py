@@ -20,7 +20,7 @@ from ckptctl import io
 from ckptctl.errors import StorageError
 from ckptctl.formats.digest import HashingStream, HashingWriter
 from ckptctl.formats.manifest import FileRecord
-from ckptctl.formats.torch_save_writer import FdWriter, write_torch_archive
+from ckptctl.formats.torch_save_writer import HASH_THREADS, FdWriter, write_torch_archive
 
 __all__ = ["DataFile", "data_file_writer", "write_data_file"]
 
@@ -52,7 +52,7 @@ def write_data_file(path: str, items: Sequence[tuple[str, Callable[[], Any]]]) -
     except OSError as exc:
         raise StorageError(f"cannot write {path}: {exc.strerror or exc}") from exc
     try:
-        out = HashingWriter(FdWriter(fd))
+        out = HashingWriter(FdWriter(fd), threads=HASH_THREADS)
         for key, value_of in items:
             value = value_of()
             offset = out.size

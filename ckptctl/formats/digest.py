@@ -109,11 +109,12 @@ class HashingWriter:
     thread; blake3 releases the GIL), its write into the page cache (this thread), and the disk writing
     out the parts before it (`io.start_writeback`), so the caller's final fsync finds little left to do.
     The caller still fsyncs: the head start changes when bytes reach the disk, not what is durable.
+    `threads` is how many threads blake3 hashes each part on (None: as many as it sees fit).
     """
 
-    def __init__(self, raw: RawWriter) -> None:
+    def __init__(self, raw: RawWriter, threads: int | None = None) -> None:
         self._raw = raw
-        self._hasher = blake3.blake3(max_threads=blake3.blake3.AUTO)
+        self._hasher = blake3.blake3(max_threads=blake3.blake3.AUTO if threads is None else threads)
         self.size = 0
         try:
             self._fd: int | None = raw.fileno()

@@ -103,6 +103,10 @@ _STORAGE_TYPES = {
 }
 #: Bytes read (and, for a cast, produced) per step while streaming a tensor: memory stays this flat.
 BLOCK = 4 << 20
+#: blake3 threads per written file: one. Each part is hashed on a helper thread beside its write already (and
+#: `reshard --threads` writes files side by side); blake3's own pool on top cost more than it gave, measured
+#: on 2 cores (`bench/reshard.py` ZeRO-2 --to dcp: 0.3 s of system time of 0.55 s, its idle threads spinning).
+HASH_THREADS = 1
 #: torch aligns every record's data to this many bytes (`kFieldAlignment`), so that it can be memory-mapped.
 _ALIGNMENT = 64
 #: Sizes and offsets from this one on go in zip64 extra fields (a module value so that tests can lower it).
@@ -233,7 +237,7 @@ def write_torch_file(obj: Any, path: str) -> FileRecord:
     archive = os.path.basename(path).split(".", 1)[0] or "archive"
     fd = _create(path)
     try:
-        out = HashingWriter(FdWriter(fd))
+        out = HashingWriter(FdWriter(fd), threads=HASH_THREADS)
         size = write_torch_archive(out, obj, archive, path)
         io.start_writeback(fd, 0, size)  # the commit's fsync (ops.commit.write_digests) then waits less
         return FileRecord(size, out.hexdigest())

@@ -21,10 +21,11 @@ Two ways in:
   field of `Z`s, as torch pads), zip64 fields where a size or offset needs them. `torch.load(weights_only=True)`
   reads it (when it holds no stand-ins). The file is hashed as it is written (`formats.digest.HashingWriter`),
   so that the commit's digests file needs no second read of it: every byte goes out once and in order, so a
-  tensor's CRC-32 (which its local header holds, before its bytes) is taken while its bytes are gathered,
-  before the header is written. Gathering holds one tensor in memory (a per-thread buffer, reused), within
-  `reshard`'s bound of one parameter's optimizer row; each block's CRC is taken as it is read, while it is
-  in the CPU's cache.
+  tensor's CRC-32, which its local header holds before its bytes, is known before the header is written: a
+  tensor of up to `BLOCK` bytes is gathered first; a larger one stored in files is read twice through the
+  block buffer (its CRC, then its bytes, checked against that CRC), the second time from the page cache the
+  first filled. Gathering a large tensor whole instead cost as much (measured on 2 cores, `bench/reshard.py`
+  ZeRO-2 --to dcp) and doubled the peak memory; memory stays one block.
 - `save_torch(obj, path)` is `torch.save` with the stand-ins written as their classes, for objects that hold
   torch tensors.
 """
@@ -370,8 +371,8 @@ class _Entry:
 class _ZipOut:
     """The records of one archive, written in order: headers and small records gathered and written at once.
 
-    Through a `HashingWriter` every byte goes out once, in order: a tensor is gathered first, so that its
-    CRC-32 is in its local header before its bytes follow. With `patch_fd` (a copy no one hashes while writing:
+    Through a `HashingWriter` every byte goes out once, in order: a tensor's CRC-32 is taken first (gathered
+    whole up to a block, else read once for it), so that it is in its local header before its bytes follow. With `patch_fd` (a copy no one hashes while writing:
     `copy_torch_file`), a tensor's bytes are streamed through a buffer of `BLOCK` bytes instead, and its
     header's CRC-32 is written into `patch_fd` once they are, so that memory stays flat whatever its size.
     """
@@ -421,14 +422,28 @@ class _ZipOut:
         if self.patch_fd is not None:
             self._streamed_tensor_record(encoded, name, tensor, size, self.patch_fd)
             return
-        data, crc = _gathered(tensor, size, f"{self.path}: {name}")
-        offset = self._header(encoded, size, crc)
-        if size < BLOCK:  # with its header, in one write (the buffer is reused: `pending` copies it)
-            self.pending += data
-        else:
+        what = f"{self.path}: {name}"
+        data = _gathered(tensor, size, what)
+        if data is None:  # larger than a block: its CRC from a first pass, its bytes from a second
+            crc = _crc_of(_blocks(tensor, size, what), size, what)
+            offset = self._header(encoded, size, crc)
             self._flush()
-            self.out.write(data)
+            again = 0
+            for block in _blocks(tensor, size, what):
+                again = crc32(block, again)
+                self.out.write(block)
+            if again != crc:
+                raise CorruptCheckpoint(f"{what}: its source changed while it was read")
             self.position += size
+        else:
+            crc = crc32(data, 0)
+            offset = self._header(encoded, size, crc)
+            if size <= BLOCK:  # with its header, in one write (`pending` copies it: the buffer is reused)
+                self.pending += data
+            else:  # a large tensor held in memory
+                self._flush()
+                self.out.write(data)
+                self.position += size
         self.entries.append(_Entry(encoded, offset, size, crc))
 
     def _streamed_tensor_record(self, encoded: bytes, name: str, tensor: RawTensor, size: int, fd: int) -> None:
@@ -530,11 +545,10 @@ def _blocks(tensor: RawTensor, size: int, what: str) -> Iterator[memoryview]:
     return _cast_blocks(iter([memoryview(tensor.data)]), tensor)
 
 
-def _gathered(tensor: RawTensor, size: int, what: str) -> tuple[memoryview, int]:
-    """The `size` bytes of `tensor` as written, and their CRC-32: its own bytes where it holds them in memory
-    in its dtype, else read (and cast) into a buffer kept per thread, which the next tensor reuses. Ranges of
-    files in the tensor's dtype are read straight into that buffer; each block's CRC is taken right after it
-    is read, while it is in the CPU's cache.
+def _gathered(tensor: RawTensor, size: int, what: str) -> memoryview | None:
+    """The `size` bytes of `tensor` as written, whole: its own bytes where it holds them in memory in its dtype,
+    else, when they fit in a block, read (and cast) into a buffer kept per thread, which the next tensor reuses.
+    None for a larger tensor, which is streamed instead (memory stays one block).
 
     Raises:
         CorruptCheckpoint: the sources hold more or fewer bytes than the tensor needs.
@@ -543,36 +557,41 @@ def _gathered(tensor: RawTensor, size: int, what: str) -> tuple[memoryview, int]
         view = memoryview(tensor.data).cast("B")
         if len(view) != size:
             raise CorruptCheckpoint(f"{what} holds {len(view)} bytes but needs {size}")
-        return view, crc32(view, 0)
+        return view
+    if size > BLOCK:
+        return None
     out = _buffer("gather", size)
-    ranges = tensor.data if isinstance(tensor.data, tuple) else ()
-    direct = bool(ranges) and tensor.stored_as in (None, tensor.dtype)
-    if direct:
-        held = sum(r.length for r in ranges if r.length > 0)
-        if held != size:
-            raise CorruptCheckpoint(f"{what}: its sources hold {held} bytes of its {size}")
-        blocks: Iterator[memoryview] = _read_ranges(ranges, out)
-    else:
-        blocks = _blocks(tensor, size, what)
+    done = 0
+    for block in _blocks(tensor, size, what):
+        if done + len(block) > size:
+            raise CorruptCheckpoint(f"{what}: its sources hold more than its {size} bytes")
+        out[done : done + len(block)] = block
+        done += len(block)
+    if done != size:
+        raise CorruptCheckpoint(f"{what}: its sources hold {done} bytes of its {size}")
+    return out
+
+
+def _crc_of(blocks: Iterator[memoryview], size: int, what: str) -> int:
+    """The CRC-32 of `blocks`, which must hold `size` bytes.
+
+    Raises:
+        CorruptCheckpoint: they hold more or fewer.
+    """
     crc = 0
     done = 0
     for block in blocks:
-        if not direct:  # cast blocks, made in a buffer of their own
-            if done + len(block) > size:
-                raise CorruptCheckpoint(f"{what}: its sources hold more than its {size} bytes")
-            out[done : done + len(block)] = block
         crc = crc32(block, crc)
         done += len(block)
     if done != size:
         raise CorruptCheckpoint(f"{what}: its sources hold {done} bytes of its {size}")
-    return out, crc
+    return crc
 
 
-def _read_ranges(ranges: Sequence[ByteRange], into: memoryview | None = None) -> Iterator[memoryview]:
-    """The bytes of `ranges` in order, in blocks of at most `BLOCK`: read into one reused buffer (each block
-    is valid until the next is asked for), or one after another into `into`, which holds them all."""
-    buf = _buffer("read", BLOCK) if into is None else into
-    done_all = 0
+def _read_ranges(ranges: Sequence[ByteRange]) -> Iterator[memoryview]:
+    """The bytes of `ranges` in order, in blocks of at most `BLOCK` read into one reused buffer (each block
+    is valid until the next is asked for)."""
+    buf = _buffer("read", BLOCK)
     for byte_range in ranges:
         if byte_range.length <= 0:
             continue
@@ -580,8 +599,7 @@ def _read_ranges(ranges: Sequence[ByteRange], into: memoryview | None = None) ->
             done = 0
             while done < byte_range.length:
                 want = min(BLOCK, byte_range.length - done)
-                start = 0 if into is None else done_all
-                got = read_into(buf[start : start + want], byte_range.offset + done)
+                got = read_into(buf[:want], byte_range.offset + done)
                 io.count_read(got)
                 if got != want:
                     raise CorruptCheckpoint(
@@ -589,9 +607,8 @@ def _read_ranges(ranges: Sequence[ByteRange], into: memoryview | None = None) ->
                         f"(read {got} of {want} bytes at {byte_range.offset + done})",
                         "the file is truncated",
                     )
-                yield buf[start : start + got]
+                yield buf[:got]
                 done += got
-                done_all += got
 
 
 def _cast_blocks(blocks: Iterator[memoryview], tensor: RawTensor) -> Iterator[memoryview]:

@@ -31,6 +31,7 @@ from ckptctl.contract.naming import NameStripper
 from ckptctl.errors import CkptctlError
 
 if TYPE_CHECKING:
+    from ckptctl.formats.manifest import FileRecord
     from ckptctl.formats.torch_save_writer import RawTensor
 
 __all__ = [
@@ -137,6 +138,8 @@ class WrittenState:
         world_size: the world size the written state loads on (None: any).
         not_carried: what the target did not get, and why.
         resume_hint: the setting to pass to the target framework to resume from DST, or None.
+        digests: size and blake3 of the files the writer hashed while writing them (by the same relative
+            path): the commit's digests file takes them as they are, and hashes only the others.
     """
 
     tensors: int
@@ -145,6 +148,7 @@ class WrittenState:
     world_size: int | None
     not_carried: tuple[NotCarried, ...] = ()
     resume_hint: str | None = None
+    digests: Mapping[str, FileRecord] = field(default_factory=dict)
 
 
 class TrainingStateWriter(Protocol):

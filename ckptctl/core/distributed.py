@@ -15,13 +15,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
-import io as pyio
 import os
 import threading
 import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import IO, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -30,7 +29,7 @@ from ckptctl import io
 from ckptctl.errors import CkptctlError, CorruptCheckpoint, SerializationError
 from ckptctl.formats.dcp_metadata import MAX_METADATA_BYTES, parse_dcp_metadata
 from ckptctl.formats.dcp_metadata_classes import DCP_METADATA_GLOBALS
-from ckptctl.formats.digest import HashingWriter
+from ckptctl.formats.digest import HashingStream
 from ckptctl.formats.manifest import FileRecord
 from ckptctl.formats.safe_pickle import safe_loads
 from ckptctl.formats.torch_save import load_object_archive
@@ -170,7 +169,7 @@ def save_dcp(path: str, state: Mapping[str, Any], group: Any = None) -> dict[str
 
 
 def _hashing_file_system() -> Any:
-    """torch's local `FileSystem` whose write streams hash and count every byte written (`HashingWriter`).
+    """torch's local `FileSystem` whose write streams hash and count every byte written (`HashingStream`).
 
     torch's `FileSystemWriter` opens every file it writes through `self.fs.create_stream(path, "wb")`
     (torch/distributed/checkpoint/filesystem.py: `_write_files_from_queue` for the data files,
@@ -192,7 +191,7 @@ def _hashing_file_system() -> Any:
                     yield stream
                 return
             with open(path, "wb") as raw:
-                stream = _HashingStream(raw)
+                stream = HashingStream(raw)
                 yield stream
                 stream.flush()
             with self._lock:
@@ -206,49 +205,6 @@ def _hashing_file_system() -> Any:
                     self.records[os.path.basename(new_path)] = record
 
     return HashingFileSystem()
-
-
-class _HashingStream(pyio.IOBase):
-    """The stream torch's DCP writer writes one file through: bytes hashed as they go (`HashingWriter`).
-
-    `tell()` is the byte count (the file starts empty; torch records each item's offset with it), and
-    `fileno()` flushes Python's buffer first: torch fsyncs `stream.fileno()` without flushing, which would
-    leave the buffered tail of each file (a torch.save archive's end records, most of `.metadata`) out of
-    the fsync that the commit protocol counts on.
-    """
-
-    def __init__(self, raw: IO[bytes]) -> None:
-        super().__init__()
-        self._raw = raw
-        self._writer = HashingWriter(raw)
-
-    @property
-    def size(self) -> int:
-        return self._writer.size
-
-    def hexdigest(self) -> str:
-        return self._writer.hexdigest()
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, data: Any) -> int:
-        return self._writer.write(data)
-
-    def tell(self) -> int:
-        return self._writer.size
-
-    def flush(self) -> None:
-        if not self._raw.closed:
-            self._raw.flush()
-
-    def fileno(self) -> int:
-        self.flush()
-        return self._raw.fileno()
-
-    def close(self) -> None:
-        self.flush()
-        super().close()  # the file itself is closed by `create_stream`, after the digest is taken
 
 
 def load_dcp(path: str, entries: Mapping[str, tuple[str, Any]], modules: Mapping[str, torch.nn.Module]) -> None:

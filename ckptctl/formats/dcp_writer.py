@@ -14,23 +14,33 @@ from __future__ import annotations
 import inspect
 import os
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import IO, Any, NamedTuple, cast
 
 from ckptctl import io
 from ckptctl.errors import StorageError
-from ckptctl.formats.torch_save_writer import write_torch_archive
+from ckptctl.formats.digest import HashingStream, HashingWriter
+from ckptctl.formats.manifest import FileRecord
+from ckptctl.formats.torch_save_writer import HASH_THREADS, FdWriter, write_torch_archive
 
-__all__ = ["data_file_writer", "write_data_file"]
+__all__ = ["DataFile", "data_file_writer", "write_data_file"]
 
 #: The archive folder `torch.save` names when it writes into a stream (`PyTorchStreamWriter`'s default).
 _STREAM_ARCHIVE = "archive"
 
 
-def write_data_file(path: str, items: Sequence[tuple[str, Callable[[], Any]]]) -> list[tuple[str, int, int]]:
+class DataFile(NamedTuple):
+    """What `write_data_file` wrote: each item's (key, offset, length) in order, and the file's size and digest."""
+
+    items: list[tuple[str, int, int]]
+    file: FileRecord
+
+
+def write_data_file(path: str, items: Sequence[tuple[str, Callable[[], Any]]]) -> DataFile:
     """Write the DCP data file `path` (a new file) without torch: each item's value, asked for when its turn comes
     and let go once written, as the `torch.save` archive torch's writer writes for it (a
-    `torch_save_writer.RawTensor` as a tensor, streamed from where its bytes are; anything else as a plain
-    value). Returns (key, offset, length) of each item, in order.
+    `torch_save_writer.RawTensor` as a tensor, read from where its bytes are; anything else as a plain value),
+    hashed as it is written (the file is not synced). Returns each item's (key, offset, length), in order, and
+    the file's size and digest.
 
     Raises:
         StorageError: the file cannot be written; CorruptCheckpoint: a tensor's source bytes are not there whole.
@@ -42,19 +52,19 @@ def write_data_file(path: str, items: Sequence[tuple[str, Callable[[], Any]]]) -
     except OSError as exc:
         raise StorageError(f"cannot write {path}: {exc.strerror or exc}") from exc
     try:
-        offset = 0
+        out = HashingWriter(FdWriter(fd), threads=HASH_THREADS)
         for key, value_of in items:
             value = value_of()
-            length = write_torch_archive(fd, value, _STREAM_ARCHIVE, path, offset)
+            offset = out.size
+            length = write_torch_archive(out, value, _STREAM_ARCHIVE, path)
             del value
             records.append((key, offset, length))
-            offset += length
-        io.start_writeback(fd, 0, offset)  # the commit's fsync then waits less
+        io.start_writeback(fd, 0, out.size)  # the commit's fsync then waits less
     except OSError as exc:
         raise StorageError(f"cannot write {path}: {exc.strerror or exc}") from exc
     finally:
         os.close(fd)
-    return records
+    return DataFile(records, FileRecord(out.size, out.hexdigest()))
 
 
 def data_file_writer(path: str, name: str) -> Any:
@@ -79,11 +89,13 @@ def data_file_writer(path: str, name: str) -> Any:
         tensors in plan order), as torch's single-threaded CPU writer does, but resolves each tensor only when
         its item comes up and lets it go once written: torch's loop keeps every tensor of the file alive until
         the file is closed (for its safetensors format), which would hold a whole parameter row and its
-        moments at once."""
+        moments at once. The file is hashed as it is written (`written`)."""
 
         def __init__(self, path: str, name: str) -> None:
             super().__init__(path, single_file_per_rank=True, sync_files=True, thread_count=1)
             self.name = name
+            #: Size and digest of the data file, hashed while written (None: torch's own loop wrote it).
+            self.written: FileRecord | None = None
 
         def write_data(self, plan: Any, planner: Any) -> Any:
             if not (
@@ -93,7 +105,10 @@ def data_file_writer(path: str, name: str) -> Any:
             items = [item for item in plan.items if item.type == WriteItemType.BYTE_IO]
             items += [item for item in plan.items if item.type != WriteItemType.BYTE_IO]
             results = []
-            with self.fs.create_stream(self.fs.concat_path(self.path, self.name), "wb") as stream:
+            with self.fs.create_stream(self.fs.concat_path(self.path, self.name), "wb") as raw:
+                # Hashed as written, so that the digests file need not read it back (torch types the stream
+                # an `IOBase`: it is the binary file `FileSystem.create_stream` opened).
+                stream = HashingStream(cast("IO[bytes]", raw))
                 for item in items:
                     data = planner.resolve_data(item)
                     if item.type != WriteItemType.BYTE_IO:
@@ -110,6 +125,8 @@ def data_file_writer(path: str, name: str) -> Any:
                         os.fsync(stream.fileno())
                     except (AttributeError, UnsupportedOperation):
                         os.sync()
+                stream.flush()
+            self.written = FileRecord(stream.size, stream.hexdigest())
             done: Future[list[Any]] = Future()
             done.set_result(results)
             return done

@@ -7,13 +7,15 @@ records the algorithm name so that another one can be added without breaking old
 from __future__ import annotations
 
 import functools
+import io as pyio
 from concurrent.futures import ThreadPoolExecutor
-from typing import IO
+from typing import IO, Any, Protocol
 
 import blake3
 
 from ckptctl import io
 from ckptctl.errors import CheckpointNotFound, StorageError
+from ckptctl.formats.manifest import FileRecord
 from ckptctl.io.sweep import Feed, Span, Sweep
 
 ALGORITHM = "blake3"
@@ -65,6 +67,19 @@ def file_digest(url: str) -> str:
     return sink.hexdigest()
 
 
+def copy_hashed(url: str, path: str) -> FileRecord:
+    """Copy a file (remote or local) to the new local file `path` (`io.download_file`), hashing each block as it
+    is written: the copy's size and digest, with no second read of it."""
+    hasher = blake3.blake3(max_threads=blake3.blake3.AUTO)
+    size = io.download_file(url, path, hasher.update)
+    return FileRecord(size, hasher.hexdigest())
+
+
+def bytes_digest(data: bytes | bytearray | memoryview) -> str:
+    """Hex blake3 digest of bytes in memory (a small file written whole: the same digest as `file_digest`'s)."""
+    return blake3.blake3(data).hexdigest()
+
+
 #: Writes at least this large are hashed on a helper thread while the calling thread writes them.
 _OVERLAP = 1 << 20
 #: They go in parts of this many bytes: each part's hash and write run at once, and the disk is asked to
@@ -79,6 +94,14 @@ def _hash_pool() -> ThreadPoolExecutor:
     return io.ContextThreadPool(max_workers=4, thread_name_prefix="ckptctl-hash")
 
 
+class RawWriter(Protocol):
+    """What a `HashingWriter` writes through: a binary file (or an fd's writer) that writes all it is given."""
+
+    def write(self, data: bytes | bytearray | memoryview, /) -> int: ...
+
+    def fileno(self) -> int: ...
+
+
 class HashingWriter:
     """Wraps a binary file: every byte written is hashed and counted, so no second read is needed.
 
@@ -86,11 +109,12 @@ class HashingWriter:
     thread; blake3 releases the GIL), its write into the page cache (this thread), and the disk writing
     out the parts before it (`io.start_writeback`), so the caller's final fsync finds little left to do.
     The caller still fsyncs: the head start changes when bytes reach the disk, not what is durable.
+    `threads` is how many threads blake3 hashes each part on (None: as many as it sees fit).
     """
 
-    def __init__(self, raw: IO[bytes]) -> None:
+    def __init__(self, raw: RawWriter, threads: int | None = None) -> None:
         self._raw = raw
-        self._hasher = blake3.blake3(max_threads=blake3.blake3.AUTO)
+        self._hasher = blake3.blake3(max_threads=blake3.blake3.AUTO if threads is None else threads)
         self.size = 0
         try:
             self._fd: int | None = raw.fileno()
@@ -127,3 +151,47 @@ class HashingWriter:
 
     def hexdigest(self) -> str:
         return self._hasher.hexdigest()
+
+
+class HashingStream(pyio.IOBase):
+    """A stream torch's DCP writer writes one file through (`core.distributed.save_dcp`, `dcp_writer.
+    data_file_writer`): bytes hashed as they go (`HashingWriter`).
+
+    `tell()` is the byte count (the file starts empty; torch records each item's offset with it), and
+    `fileno()` flushes Python's buffer first: torch fsyncs `stream.fileno()` without flushing, which would
+    leave the buffered tail of each file (a torch.save archive's end records, most of `.metadata`) out of
+    the fsync that the commit protocol counts on.
+    """
+
+    def __init__(self, raw: IO[bytes]) -> None:
+        super().__init__()
+        self._raw = raw
+        self._writer = HashingWriter(raw)
+
+    @property
+    def size(self) -> int:
+        return self._writer.size
+
+    def hexdigest(self) -> str:
+        return self._writer.hexdigest()
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        return self._writer.write(data)
+
+    def tell(self) -> int:
+        return self._writer.size
+
+    def flush(self) -> None:
+        if not self._raw.closed:
+            self._raw.flush()
+
+    def fileno(self) -> int:
+        self.flush()
+        return self._raw.fileno()
+
+    def close(self) -> None:
+        self.flush()
+        super().close()  # the file itself is closed by `create_stream`, after the digest is taken

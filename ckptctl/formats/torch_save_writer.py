@@ -18,8 +18,13 @@ Two ways in:
   `torch._utils._rebuild_tensor_v2` of a persistent id `("storage", torch.<Type>Storage, key, "cpu", numel)`),
   `.format_version`, `.storage_alignment`, `byteorder`, `data/<key>` per storage, `version` and
   `.data/serialization_id`, each stored uncompressed with its data aligned to 64 bytes (an `FB` extra
-  field of `Z`s, as torch pads), CRC-32 computed while streaming, zip64 fields where a size or offset
-  needs them. `torch.load(weights_only=True)` reads it (when it holds no stand-ins).
+  field of `Z`s, as torch pads), zip64 fields where a size or offset needs them. `torch.load(weights_only=True)`
+  reads it (when it holds no stand-ins). The file is hashed as it is written (`formats.digest.HashingWriter`),
+  so that the commit's digests file needs no second read of it: every byte goes out once and in order, so a
+  tensor's CRC-32, which its local header holds before its bytes, is known before the header is written: a
+  tensor of up to `BLOCK` bytes is gathered first; a larger one stored in files is read twice through the
+  block buffer (its CRC, then its bytes), the second time from the page cache the first filled. Gathering a large tensor whole instead cost as much (measured on 2 cores, `bench/reshard.py`
+  ZeRO-2 --to dcp) and doubled the peak memory; memory stays one block.
 - `save_torch(obj, path)` is `torch.save` with the stand-ins written as their classes, for objects that hold
   torch tensors.
 """
@@ -41,13 +46,23 @@ from typing import Any
 from ckptctl import io
 from ckptctl.checkpoint import dtype_itemsize
 from ckptctl.errors import CorruptCheckpoint, StorageError
+from ckptctl.formats.digest import HashingWriter
+from ckptctl.formats.manifest import FileRecord
 from ckptctl.formats.raw_chunks import ByteRange
 from ckptctl.formats.safe_pickle import FrameworkObject
 from ckptctl.formats.torch_pickle import TorchPickle
 from ckptctl.formats.torch_zip import crc32
 from ckptctl.io.sweep import open_ranges
 
-__all__ = ["ByteRange", "RawTensor", "copy_torch_file", "save_torch", "write_torch_archive", "write_torch_file"]
+__all__ = [
+    "ByteRange",
+    "FdWriter",
+    "RawTensor",
+    "copy_torch_file",
+    "save_torch",
+    "write_torch_archive",
+    "write_torch_file",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +103,11 @@ _STORAGE_TYPES = {
 }
 #: Bytes read (and, for a cast, produced) per step while streaming a tensor: memory stays this flat.
 BLOCK = 4 << 20
+#: blake3 threads per written file: one. Each part is hashed on a helper thread beside its write already (and
+#: `reshard --threads` writes files side by side); blake3's own pool on top added 0.3-1.3 s of system time
+#: (its idle threads spinning) to a 0.55 s `reshard --to dcp` of the ZeRO-2 save of `bench/reshard.py
+#: --layers 4 --vocab 16000`, measured on 2 loaded cores.
+HASH_THREADS = 1
 #: torch aligns every record's data to this many bytes (`kFieldAlignment`), so that it can be memory-mapped.
 _ALIGNMENT = 64
 #: Sizes and offsets from this one on go in zip64 extra fields (a module value so that tests can lower it).
@@ -205,10 +225,10 @@ def save_torch(obj: Any, path: str) -> None:
         raise StorageError(f"cannot write {path}: {exc.strerror or exc}") from exc
 
 
-def write_torch_file(obj: Any, path: str) -> int:
+def write_torch_file(obj: Any, path: str) -> FileRecord:
     """Write `obj` as torch.save would, without torch: `RawTensor`s in it are written as tensors (their bytes
-    streamed from where they are), stand-ins as their classes, anything else as pickle writes it. Returns
-    the size of the file written.
+    read from where they are), stand-ins as their classes, anything else as pickle writes it. Returns the
+    size and blake3 digest of the file written (hashed while writing; the file is not synced).
 
     Raises:
         StorageError: the file cannot be written, or a tensor has a dtype torch.save has no storage class for.
@@ -218,20 +238,21 @@ def write_torch_file(obj: Any, path: str) -> int:
     archive = os.path.basename(path).split(".", 1)[0] or "archive"
     fd = _create(path)
     try:
-        size = write_torch_archive(fd, obj, archive, path)
+        out = HashingWriter(FdWriter(fd), threads=HASH_THREADS)
+        size = write_torch_archive(out, obj, archive, path)
         io.start_writeback(fd, 0, size)  # the commit's fsync (ops.commit.write_digests) then waits less
-        return size
+        return FileRecord(size, out.hexdigest())
     except OSError as exc:
         raise StorageError(f"cannot write {path}: {exc.strerror or exc}") from exc
     finally:
         os.close(fd)
 
 
-def write_torch_archive(fd: int, obj: Any, archive: str, path: str, base: int = 0) -> int:
-    """Write `obj` as `write_torch_file` does, through `fd` from its current position `base` on (offsets in the
-    archive count from there, as `torch.save` into an open stream counts them: a DCP data file holds one such
-    archive per tensor); `archive` names the archive's folder (`torch.save` into a stream names it `archive`),
-    `path` the file, for messages. Returns the archive's size.
+def write_torch_archive(out: HashingWriter, obj: Any, archive: str, path: str) -> int:
+    """Write `obj` as `write_torch_file` does, through `out` from where it is on (offsets in the archive count
+    from there, as `torch.save` into an open stream counts them: a DCP data file holds one such archive per
+    tensor); `archive` names the archive's folder (`torch.save` into a stream names it `archive`), `path` the
+    file, for messages. Returns the archive's size.
 
     Raises:
         OSError: the file cannot be written; StorageError, CorruptCheckpoint: as `write_torch_file`.
@@ -239,16 +260,16 @@ def write_torch_archive(fd: int, obj: Any, archive: str, path: str, base: int = 
     buffer = pyio.BytesIO()
     pickler = _Pickler(buffer, protocol=2)
     pickler.dump(obj)
-    out = _ZipOut(fd, archive + "/", path, base)
-    out.record("data.pkl", buffer.getvalue())
-    out.record(".format_version", b"1")
-    out.record(".storage_alignment", str(_ALIGNMENT).encode())
-    out.record("byteorder", b"little")  # what `RawTensor` bytes are, whatever this host's order
+    zip_out = _ZipOut(out, archive + "/", path)
+    zip_out.record("data.pkl", buffer.getvalue())
+    zip_out.record(".format_version", b"1")
+    zip_out.record(".storage_alignment", str(_ALIGNMENT).encode())
+    zip_out.record("byteorder", b"little")  # what `RawTensor` bytes are, whatever this host's order
     for storage in pickler.storages:
-        out.tensor_record(f"data/{storage.key}", storage.tensor)
-    out.record("version", _FORMAT_VERSION)
-    out.record(".data/serialization_id", _serialization_id(out.entries))
-    return out.finish()
+        zip_out.tensor_record(f"data/{storage.key}", storage.tensor)
+    zip_out.record("version", _FORMAT_VERSION)
+    zip_out.record(".data/serialization_id", _serialization_id(zip_out.entries))
+    return zip_out.finish()
 
 
 def copy_torch_file(
@@ -274,7 +295,7 @@ def copy_torch_file(
     starts = source.data_starts_of(kept)
     fd = _create(path)
     try:
-        out = _ZipOut(fd, prefix, path)
+        out = _ZipOut(FdWriter(fd), prefix, path, patch_fd=fd)
         for record in records:
             name = record.name[len(prefix) :]
             if name == "data.pkl":
@@ -298,6 +319,23 @@ def copy_torch_file(
         raise StorageError(f"cannot write {path}: {exc.strerror or exc}") from exc
     finally:
         os.close(fd)
+
+
+class FdWriter:
+    """A new file's fd as the binary stream `HashingWriter` (or `_ZipOut`) writes through: every write whole."""
+
+    __slots__ = ("_fd",)
+
+    def __init__(self, fd: int) -> None:
+        self._fd = fd
+
+    def write(self, data: bytes | bytearray | memoryview) -> int:
+        view = memoryview(data).cast("B")
+        _write_all(self._fd, view)
+        return len(view)
+
+    def fileno(self) -> int:
+        return self._fd
 
 
 def _create(path: str) -> int:
@@ -331,12 +369,17 @@ class _Entry:
 
 
 class _ZipOut:
-    """The records of one archive, written in order through an fd: headers and small records gathered and
-    written at once, tensor bytes streamed; each local header's CRC-32 filled in once its data is written."""
+    """The records of one archive, written in order: headers and small records gathered and written at once.
 
-    def __init__(self, fd: int, prefix: str, path: str, base: int = 0) -> None:
-        self.fd = fd
-        self.base = base  # where the archive starts in the file: its offsets count from there
+    Through a `HashingWriter` every byte goes out once, in order: a tensor's CRC-32 is taken first (gathered
+    whole up to a block, else read once for it), so that it is in its local header before its bytes follow. With `patch_fd` (a copy no one hashes while writing:
+    `copy_torch_file`), a tensor's bytes are streamed through a buffer of `BLOCK` bytes instead, and its
+    header's CRC-32 is written into `patch_fd` once they are, so that memory stays flat whatever its size.
+    """
+
+    def __init__(self, out: HashingWriter | FdWriter, prefix: str, path: str, patch_fd: int | None = None) -> None:
+        self.out = out
+        self.patch_fd = patch_fd
         self.prefix = prefix
         self.path = path
         self.position = 0
@@ -344,12 +387,13 @@ class _ZipOut:
         self.entries: list[_Entry] = []
 
     def _flush(self) -> None:
-        _write_all(self.fd, memoryview(self.pending))
+        self.out.write(self.pending)
         self.position += len(self.pending)
-        self.pending.clear()
+        # A new buffer, not `clear()`: a hashing thread may still hold a view of the old one for a moment.
+        self.pending = bytearray()
 
     def _header(self, name: bytes, size: int, crc: int) -> int:
-        """Append a local header whose data starts aligned; the header's offset in the file."""
+        """Append a local header whose data starts aligned; the header's offset in the archive."""
         offset = self.position + len(self.pending)
         zip64 = b""
         if size >= _ZIP64_LIMIT:
@@ -375,25 +419,49 @@ class _ZipOut:
     def tensor_record(self, name: str, tensor: RawTensor) -> None:
         encoded = (self.prefix + name).encode()
         size = tensor.numel * dtype_itemsize(tensor.dtype)
-        offset = self._header(encoded, size, 0)
-        if not isinstance(tensor.data, tuple):
-            if len(tensor.data) != size and tensor.stored_as is None:
-                raise CorruptCheckpoint(f"{self.path}: {name} holds {len(tensor.data)} bytes but needs {size}")
-            blocks: Iterator[memoryview] = _cast_blocks(iter([memoryview(tensor.data)]), tensor)
+        if self.patch_fd is not None:
+            self._streamed_tensor_record(encoded, name, tensor, size, self.patch_fd)
+            return
+        what = f"{self.path}: {name}"
+        data = _gathered(tensor, size, what)
+        if data is None:  # larger than a block: its CRC from a first pass, its bytes from a second
+            crc = _crc_of(_blocks(tensor, size, what), size, what)
+            offset = self._header(encoded, size, crc)
+            self._flush()
+            # Not checked against the CRC again (a third pass over the bytes, measured +0.15 s of 0.6 s of CPU): a
+            # source rewritten between the two reads leaves a record whose CRC `ckptctl verify` of DST refuses.
+            written = 0
+            for block in _blocks(tensor, size, what):
+                self.out.write(block)
+                written += len(block)
+            if written != size:
+                raise CorruptCheckpoint(f"{what}: its source changed while it was read")
+            self.position += size
         else:
-            blocks = _cast_blocks(_read_ranges(tensor.data), tensor)
+            crc = crc32(data, 0)
+            offset = self._header(encoded, size, crc)
+            if size <= BLOCK:  # with its header, in one write (`pending` copies it: the buffer is reused)
+                self.pending += data
+            else:  # a large tensor held in memory
+                self._flush()
+                self.out.write(data)
+                self.position += size
+        self.entries.append(_Entry(encoded, offset, size, crc))
+
+    def _streamed_tensor_record(self, encoded: bytes, name: str, tensor: RawTensor, size: int, fd: int) -> None:
+        offset = self._header(encoded, size, 0)
         self._flush()
         crc = 0
         written = 0
-        for block in blocks:
+        for block in _blocks(tensor, size, f"{self.path}: {name}"):
             crc = crc32(block, crc)
-            _write_all(self.fd, block)
+            self.out.write(block)
             written += len(block)
         if written != size:
             raise CorruptCheckpoint(f"{self.path}: {name}: its sources hold {written} bytes of its {size}")
         self.position += written
         if crc:
-            os.pwrite(self.fd, struct.pack("<I", crc), self.base + offset + 14)
+            os.pwrite(fd, struct.pack("<I", crc), offset + 14)
         self.entries.append(_Entry(encoded, offset, size, crc))
 
     def finish(self, comment: bytes = b"") -> int:
@@ -467,6 +535,59 @@ def _buffer(slot: str, size: int) -> memoryview:
         found = memoryview(bytearray(size))
         setattr(_buffers, slot, found)
     return found[:size]
+
+
+def _blocks(tensor: RawTensor, size: int, what: str) -> Iterator[memoryview]:
+    """The bytes of `tensor` as written (cast where stored in another dtype), in blocks of at most `BLOCK`
+    (each valid until the next is asked for)."""
+    if isinstance(tensor.data, tuple):
+        return _cast_blocks(_read_ranges(tensor.data), tensor)
+    if len(tensor.data) != size and tensor.stored_as is None:
+        raise CorruptCheckpoint(f"{what} holds {len(tensor.data)} bytes but needs {size}")
+    return _cast_blocks(iter([memoryview(tensor.data)]), tensor)
+
+
+def _gathered(tensor: RawTensor, size: int, what: str) -> memoryview | None:
+    """The `size` bytes of `tensor` as written, whole: its own bytes where it holds them in memory in its dtype,
+    else, when they fit in a block, read (and cast) into a buffer kept per thread, which the next tensor reuses.
+    None for a larger tensor, which is streamed instead (memory stays one block).
+
+    Raises:
+        CorruptCheckpoint: the sources hold more or fewer bytes than the tensor needs.
+    """
+    if not isinstance(tensor.data, tuple) and tensor.stored_as in (None, tensor.dtype):
+        view = memoryview(tensor.data).cast("B")
+        if len(view) != size:
+            raise CorruptCheckpoint(f"{what} holds {len(view)} bytes but needs {size}")
+        return view
+    if size > BLOCK:
+        return None
+    out = _buffer("gather", size)
+    done = 0
+    for block in _blocks(tensor, size, what):
+        if done + len(block) > size:
+            raise CorruptCheckpoint(f"{what}: its sources hold more than its {size} bytes")
+        out[done : done + len(block)] = block
+        done += len(block)
+    if done != size:
+        raise CorruptCheckpoint(f"{what}: its sources hold {done} bytes of its {size}")
+    return out
+
+
+def _crc_of(blocks: Iterator[memoryview], size: int, what: str) -> int:
+    """The CRC-32 of `blocks`, which must hold `size` bytes.
+
+    Raises:
+        CorruptCheckpoint: they hold more or fewer.
+    """
+    crc = 0
+    done = 0
+    for block in blocks:
+        crc = crc32(block, crc)
+        done += len(block)
+    if done != size:
+        raise CorruptCheckpoint(f"{what}: its sources hold {done} bytes of its {size}")
+    return crc
 
 
 def _read_ranges(ranges: Sequence[ByteRange]) -> Iterator[memoryview]:

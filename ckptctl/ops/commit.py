@@ -64,7 +64,7 @@ def write_digests(out: str, known: dict[str, FileRecord]) -> None:
 
     `known` holds the digests computed while writing the tensor files: they are not hashed again, and
     they are recorded too where they are not in `out` (written by the other ranks of a job, into their
-    own staging folders).
+    own staging folders). Every file in `out` is synced.
     """
     files = {}
     for root, _dirs, names in os.walk(out):
@@ -75,10 +75,11 @@ def write_digests(out: str, known: dict[str, FileRecord]) -> None:
     for rel, path in files.items():
         if rel not in records:
             records[rel] = FileRecord(os.path.getsize(path), file_digest(path))
-            # Writers that do not sync what they write (copied files, torch.save archives) are made durable
-            # here, before the commit's rename makes the output visible: a power cut after it must not leave
-            # a complete-looking DST holding short files.
-            _fsync_file(path)
+        # Writers that do not sync what they write (copied files, torch.save archives, files hashed while
+        # written) are made durable here, before the commit's rename makes the output visible: a power cut
+        # after it must not leave a complete-looking DST holding short files. A file its writer synced
+        # costs one call.
+        _fsync_file(path)
     for root, _dirs, _names in os.walk(out, topdown=False):
         io.fsync_dir(root)
     write_small(

@@ -133,7 +133,7 @@ def reshard(
         except OSError as exc:  # a full disk, a name too long: the writer's own files, in staging
             raise StorageError(f"cannot write the output: {exc.strerror or exc}") from exc
         progress.finish()
-        write_digests(staging.out, {})
+        write_digests(staging.out, dict(written.digests))  # what the writer hashed is not read back
         uploaded = staging.commit(options.force, progress, published_last(written.files))
     return ReshardResult(
         src=src,

@@ -18,6 +18,8 @@ import torch
 
 from ckptctl.errors import CorruptCheckpoint, StorageError
 from ckptctl.formats import torch_save_writer
+from ckptctl.formats.digest import file_digest
+from ckptctl.formats.manifest import FileRecord
 from ckptctl.formats.safe_pickle import _framework_class
 from ckptctl.formats.torch_pickle import load_tensor, open_torch_pickle
 from ckptctl.formats.torch_save_writer import ByteRange, RawTensor, write_torch_file
@@ -77,8 +79,9 @@ def test_every_dtype_loads_with_weights_only(tmp_path: Path, monkeypatch: pytest
     raw = {name: _raw(t) for name, t in values.items()}
     obj = {"cat_dim": 0, "tensors": raw, "again": raw["torch.float32"], "plain": [1, 2.5, "x", None, (True, b"b")]}
     path = tmp_path / "fp32.pt"
-    size = write_torch_file(obj, str(path))
-    assert size == path.stat().st_size
+    record = write_torch_file(obj, str(path))
+    # Hashed while written: the digest of the bytes on disk, which were not read back to make it.
+    assert record == FileRecord(path.stat().st_size, file_digest(str(path)))
     for mmap in (False, True):
         got = torch.load(path, weights_only=True, mmap=mmap)
         assert list(got) == ["cat_dim", "tensors", "again", "plain"] and got["cat_dim"] == 0

@@ -22,6 +22,7 @@ from safetensors.torch import load_file
 from ckptctl.checkpoint import Component
 from ckptctl.errors import CkptctlError
 from ckptctl.formats.chunks import read_tensor
+from ckptctl.formats.digest import file_digest
 from ckptctl.formats.manifest import DIGESTS_NAME
 from ckptctl.formats.raw_chunks import row_major_runs
 from ckptctl.formats.safetensors import read_header, write_file
@@ -33,7 +34,8 @@ from ckptctl.formats.safetensors_stream import (
     shard_file_names,
 )
 from ckptctl.layouts import open_checkpoint
-from ckptctl.ops.convert import ConvertOptions, Target, convert, parse_dtype
+from ckptctl.ops import commit
+from ckptctl.ops.convert import ConvertOptions, Target, convert, parse_dtype, to_dcp
 from ckptctl.ops.naming import parse_rename
 from ckptctl.ops.verification import verify_checkpoint
 from ckptctl.units import parse_size
@@ -215,14 +217,19 @@ def test_a_run_folder_converts_the_checkpoint_its_latest_pointer_names(demo_dir:
 
 
 def test_hf_to_dcp_loads_into_a_model_and_round_trips_bit_exactly(
-    hf_model_dirs: dict[str, Path], tmp_path: Path
+    hf_model_dirs: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import torch.distributed.checkpoint as dcp
 
+    read_back: list[str] = []
+    for module in (commit, to_dcp):
+        monkeypatch.setattr(module, "file_digest", lambda path: read_back.append(path) or file_digest(path))
     original = _hf_tensors(hf_model_dirs["sharded"])
     dcp_dir = tmp_path / "dcp"
     result = convert(str(hf_model_dirs["sharded"]), str(dcp_dir), ConvertOptions(to=Target.DCP))
     assert result.to == "dcp" and result.tensors == len(original)
+    # The data files were hashed as torch's writer wrote them: only side files (config, .metadata) read back.
+    assert read_back and not [path for path in read_back if path.endswith(".distcp")]
     assert ".metadata" in result.files and "config.json" in result.copied
     assert verify_checkpoint(str(dcp_dir)).ok
 

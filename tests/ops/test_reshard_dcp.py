@@ -15,8 +15,11 @@ import torch
 
 from ckptctl.contract.capabilities import TRAINING_STATE_SOURCE, TRAINING_STATE_WRITER
 from ckptctl.errors import CkptctlError
+from ckptctl.formats.digest import file_digest
+from ckptctl.formats.manifest import FileRecord
 from ckptctl.frameworks.dcp.reshard import WRITER
 from ckptctl.layouts import capability, open_checkpoint
+from ckptctl.ops import commit
 from tests.conftest import CliResult, build_once
 from tests.ops.same_state import assert_same_state as _assert_same
 from tests.writers.reshard_dcp_proof import DcpReshardProof, VerlToDcpProof, prove_dcp_reshard, prove_verl_to_dcp
@@ -203,6 +206,10 @@ def test_rows_split_over_files_load_the_same(
     )
     model_rows = 9  # TinyNet's 8 parameters and its buffer
     assert state.files == (*(f"__0_{k}.distcp" for k in range(model_rows)), ".metadata")
+    # Every file hashed while written, as the bytes on disk are.
+    assert state.digests == {
+        name: FileRecord((tmp_path / name).stat().st_size, file_digest(str(tmp_path / name))) for name in state.files
+    }
     assert sum(advanced) == state.bytes and len(advanced) == model_rows
     reader = dcp.FileSystemReader(str(dcp_reshard.root / "out-dcp"))
     want = {
@@ -217,11 +224,14 @@ def test_rows_split_over_files_load_the_same(
 
 
 def test_the_command_writes_dcp_from_a_verl_role_and_says_what_it_did_not_carry(
-    run_cli: Cli, verl_run: WrittenVerl, tmp_path: Path
+    run_cli: Cli, verl_run: WrittenVerl, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    read_back: list[str] = []
+    monkeypatch.setattr(commit, "file_digest", lambda path: read_back.append(path) or file_digest(path))
     dst = tmp_path / "actor-dcp"
     result = run_cli("reshard", verl_run.step(2) / "actor", dst, "--to", "dcp", "--json")
     assert result.exit_code == 0, result.stderr
+    assert read_back == []  # the digests file took what the writer hashed while writing: no file read back
     assert result.json["to"] == "dcp" and result.json["world_size"] is None
     assert {"extra_state.rng", "data.pt"} <= {c["what"] for c in result.json["not_carried"]}
     assert (dst / ".metadata").is_file()

@@ -21,6 +21,9 @@ import pytest
 import torch
 
 from ckptctl.errors import CkptctlError
+from ckptctl.formats.digest import file_digest
+from ckptctl.formats.manifest import DIGESTS_NAME, FileRecord, load_manifest
+from ckptctl.ops import commit
 from ckptctl.ops.reshard import ReshardOptions, reshard
 from tests.conftest import CliResult, copy_tree
 from tests.ops.same_state import assert_same_state as _assert_same
@@ -89,7 +92,11 @@ def test_command_imports_neither_torch_nor_numpy(deepspeed_universal: WrittenUni
     assert _files(dst / "global_step4") == _files(deepspeed_universal.universal(2))
 
 
-def test_json_verify_and_resume_plan(run_cli: Cli, deepspeed_runs: dict[int, WrittenDeepSpeed], tmp_path: Path) -> None:
+def test_json_verify_and_resume_plan(
+    run_cli: Cli, deepspeed_runs: dict[int, WrittenDeepSpeed], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    read_back: list[str] = []
+    monkeypatch.setattr(commit, "file_digest", lambda path: read_back.append(path) or file_digest(path))
     dst = tmp_path / "out"
     done = run_cli(
         "reshard",
@@ -108,6 +115,12 @@ def test_json_verify_and_resume_plan(run_cli: Cli, deepspeed_runs: dict[int, Wri
     assert doc["schema_version"] == 1 and doc["dst"] == str(dst) and doc["to"] == "deepspeed-universal"
     assert all(set(item) >= {"what", "why"} for item in doc["not_carried"])
     assert doc["files"][-1] == "latest_universal"
+    # Every file was hashed while written (or copied): none read back, and each digest is its bytes'.
+    assert read_back == []
+    manifest = load_manifest(str(dst / DIGESTS_NAME))
+    assert set(manifest.files) == set(doc["files"])
+    for name, record in manifest.files.items():
+        assert record == FileRecord((dst / name).stat().st_size, file_digest(str(dst / name))), name
     assert run_cli("verify", dst, "--json").json["ok"]
     plan = run_cli("resume-plan", dst, "--world-size", "1", "--json").json
     assert plan["checkpoint"]["layout"] == "deepspeed_universal" and plan["world_size_ok"] is True

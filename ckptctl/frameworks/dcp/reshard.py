@@ -8,12 +8,13 @@ The folder is what torch's `dcp.save` writes for that state on one rank, written
 where the source stores its tensors raw (a ZeRO tag's flat partitions, a DCP folder's items, safetensors): the
 keys and nested paths as torch's `flatten_state_dict` makes them (`_flatten`), each data file a sequence of
 `torch.save` archives written by hand (`formats.dcp_writer.write_data_file`), a bounded group of parameters a
-file (a parameter, its moments and step together), each tensor's bytes streamed from the source's files through
-a buffer of a few MiB when its item comes up; a tensor stored otherwise (a view, a remote file) is read with
-torch when its turn comes and let go once written, so memory holds one tensor, not a file's group nor the
-state. `.metadata` (`formats.dcp_metadata_write`, torch's classes pickled by name) is written last: it
-completes the folder. Measured (bench/reshard.py, ZeRO-2/3 of ~100M parameters): importing torch alone cost
-more than the copy, and torch's writer another pass over every tensor.
+file (a parameter, its moments and step together), each tensor's bytes read from the source's files into a
+reused buffer when its item comes up; a tensor stored otherwise (a view, a remote file) is read with torch when
+its turn comes and let go once written, so memory holds one tensor, not a file's group nor the state. Every
+file is hashed as it is written (`WrittenState.digests`): the digests file reads none of it back.
+`.metadata` (`formats.dcp_metadata_write`, torch's classes pickled by name) is written last: it completes the
+folder. Measured (bench/reshard.py, ZeRO-2/3 of ~100M parameters): importing torch alone cost more than the
+copy, and torch's writer another pass over every tensor.
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ from ckptctl.formats.dcp_metadata import (
 )
 from ckptctl.formats.dcp_metadata_write import dcp_metadata_bytes
 from ckptctl.formats.dcp_writer import write_data_file
+from ckptctl.formats.digest import bytes_digest
+from ckptctl.formats.manifest import FileRecord
 from ckptctl.formats.torch_save_writer import RawTensor
 from ckptctl.layouts import capability
 
@@ -78,18 +81,19 @@ class DcpStateWriter:
         # Non-tensor items (settings, parameter names, plain step counters) go in the first file.
         loose = [key for key in flat if key not in grouped]
         storage: dict[StorageKey, StorageRecord] = {}
-        names: list[str] = []
+        digests: dict[str, FileRecord] = {}
         written = 0
         for k, group in enumerate(groups or [[]]):
             keys = loose + group if k == 0 else group  # torch's order: byte items first
             name = f"__0_{k}.distcp"
             items = [(key, _value_of(key, flat[key][1])) for key in keys]
-            for key, offset, length in write_data_file(os.path.join(request.staging, name), items):
+            data_file = write_data_file(os.path.join(request.staging, name), items)
+            for key, offset, length in data_file.items:
                 value = flat[key][1]
                 where = tuple(0 for _ in value.shape) if isinstance(value, StateTensor) else None
                 storage[(key, where)] = StorageRecord(name, offset, length, ())
+            digests[name] = data_file.file
             group_bytes = sum(flat[key][1].nbytes for key in group)
-            names.append(name)
             written += group_bytes
             advance(group_bytes)
         entries = {key: _entry(value) for key, (_, value) in flat.items()}
@@ -97,13 +101,15 @@ class DcpStateWriter:
         data = dcp_metadata_bytes(entries, storage, version=DCP_VERSION, planner_data=planner_data)
         with open(os.path.join(request.staging, METADATA_NAME), "xb") as f:
             f.write(data)
+        digests[METADATA_NAME] = FileRecord(len(data), bytes_digest(data))
         return WrittenState(
             tensors=len(tensors),
             bytes=written,
-            files=(*names, METADATA_NAME),
+            files=(*digests,),
             world_size=None,
             not_carried=state.not_carried,
             resume_hint=_RESUME_HINT,
+            digests=digests,
         )
 
 

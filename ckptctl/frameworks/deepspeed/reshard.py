@@ -53,6 +53,8 @@ from ckptctl.families.zero_tag.tag import (
 )
 from ckptctl.families.zero_tag.tensor_index import param_groups, tag_index
 from ckptctl.formats.chunks import entry_tiling_problem
+from ckptctl.formats.digest import bytes_digest, copy_hashed
+from ckptctl.formats.manifest import FileRecord
 from ckptctl.formats.torch_pickle import load_tensor
 from ckptctl.formats.torch_pickle_classes import TensorRef
 from ckptctl.formats.torch_save_writer import ByteRange, RawTensor, write_torch_file
@@ -116,33 +118,35 @@ class UniversalWriter:
         out_tag = io.name_of(tag.url)
         root = os.path.join(request.staging, out_tag)
         os.makedirs(os.path.join(root, UNIVERSAL_STATES_DIR), exist_ok=True)
-        files: list[str] = []
+        # Every file is hashed as it is written (or copied), so that the digests file reads none back.
+        digests: dict[str, FileRecord] = {}
         written_bytes = 0
 
-        def one(param: _ParamStates) -> tuple[list[str], int]:
+        def one(param: _ParamStates) -> tuple[dict[str, FileRecord], int]:
             return _write_param(tag, param, root, out_tag)
 
         with ThreadPoolExecutor(max(1, request.workers)) as pool:
-            for names, nbytes in pool.map(one, plan.params):
-                files += names
+            for records, nbytes in pool.map(one, plan.params):
+                digests.update(records)
                 written_bytes += nbytes
                 advance(nbytes)
-        write_torch_file(_optimizer_state(tag, plan.zero3), os.path.join(root, _OPTIMIZER_STATE))
-        files.append(f"{out_tag}/{_OPTIMIZER_STATE}")
+        optimizer_state = write_torch_file(_optimizer_state(tag, plan.zero3), os.path.join(root, _OPTIMIZER_STATE))
+        digests[f"{out_tag}/{_OPTIMIZER_STATE}"] = optimizer_state
         for name in sorted(_model_state_files(tag)):
-            size = io.download_file(io.join(tag.url, name), os.path.join(root, name))
-            files.append(f"{out_tag}/{name}")
-            advance(size)
+            copied = copy_hashed(io.join(tag.url, name), os.path.join(root, name))
+            digests[f"{out_tag}/{name}"] = copied
+            advance(copied.size)
         with open(os.path.join(request.staging, UNIVERSAL_LATEST_NAME), "w") as f:
             f.write(out_tag)  # as ds_to_universal writes it: the folder's name, no newline
-        files.append(UNIVERSAL_LATEST_NAME)
+        digests[UNIVERSAL_LATEST_NAME] = FileRecord(len(out_tag.encode()), bytes_digest(out_tag.encode()))
         return WrittenState(
             tensors=sum(max(1, len(p.states)) for p in plan.params),
             bytes=written_bytes,
-            files=tuple(files),
+            files=tuple(digests),
             world_size=request.world_size,
             not_carried=_not_carried(tag, plan.zero3) + _beside_tag(request.source, tag),
             resume_hint=RESUME_HINT,
+            digests=digests,
         )
 
 
@@ -191,31 +195,30 @@ def _plan(source: Checkpoint) -> _Plan:
     return _Plan(tag, tuple(params), zero3)
 
 
-def _write_param(tag: DeepSpeedTag, param: _ParamStates, root: str, out_tag: str) -> tuple[list[str], int]:
+def _write_param(tag: DeepSpeedTag, param: _ParamStates, root: str, out_tag: str) -> tuple[dict[str, FileRecord], int]:
+    """Write the files of one parameter: their size and digest by relative path, and its tensor bytes."""
     folder = os.path.join(root, UNIVERSAL_STATES_DIR, param.name)
     os.makedirs(folder, exist_ok=True)
-    names = [f"{out_tag}/{UNIVERSAL_STATES_DIR}/{param.name}/fp32.pt"]
+    prefix = f"{out_tag}/{UNIVERSAL_STATES_DIR}/{param.name}"
     if param.module_ref is not None:
         model_file = tag.files.rank0_model() or ""
         tensor = _raw_tensor(param.module_ref, tag, model_file, as_dtype="float32")
-        write_torch_file({"param": tensor}, os.path.join(folder, "fp32.pt"))
-        return names, tensor.numel * dtype_itemsize(tensor.dtype)
-    names.clear()
+        record = write_torch_file({"param": tensor}, os.path.join(folder, "fp32.pt"))
+        return {f"{prefix}/fp32.pt": record}, tensor.numel * dtype_itemsize(tensor.dtype)
+    records: dict[str, FileRecord] = {}
     nbytes = 0
     for state, entry in param.states:
         ranges = _flat_ranges(tag.url, entry)
         shape = entry.shape if param.wrapped else (entry.numel,)
         tensor = RawTensor(entry.dtype, shape, ranges)
         value: Any = {"cat_dim": 0, "param": tensor} if param.wrapped else tensor
-        write_torch_file(value, os.path.join(folder, f"{state}.pt"))
-        names.append(f"{out_tag}/{UNIVERSAL_STATES_DIR}/{param.name}/{state}.pt")
+        records[f"{prefix}/{state}.pt"] = write_torch_file(value, os.path.join(folder, f"{state}.pt"))
         nbytes += entry.nbytes
     if param.wrapped:
         step = _group_step(tag, param.group)
         if step is not None:
-            write_torch_file(step, os.path.join(folder, "step.pt"))
-            names.append(f"{out_tag}/{UNIVERSAL_STATES_DIR}/{param.name}/step.pt")
-    return names, nbytes
+            records[f"{prefix}/step.pt"] = write_torch_file(step, os.path.join(folder, "step.pt"))
+    return records, nbytes
 
 
 def _flat_ranges(url: str, entry: TensorEntry) -> tuple[ByteRange, ...]:

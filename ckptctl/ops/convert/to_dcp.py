@@ -69,9 +69,11 @@ def write_dcp(
         done: dict[int, tuple[list[Any], FileRecord, int]] = {}
         progress.start("writing DCP", sum(plan[i].nbytes for k in indices for i in files[k]))
         for k in indices:
-            results, assembled = _write_file(checkpoint_url, [plan[i] for i in files[k]], items, out, names[k])
-            path = os.path.join(out, names[k])
-            done[k] = (results, FileRecord(os.path.getsize(path), file_digest(path)), assembled)
+            results, record, assembled = _write_file(checkpoint_url, [plan[i] for i in files[k]], items, out, names[k])
+            if record is None:  # a torch whose writer loop ckptctl does not drive: hashed after
+                path = os.path.join(out, names[k])
+                record = FileRecord(os.path.getsize(path), file_digest(path))
+            done[k] = (results, record, assembled)
             progress.advance(sum(plan[i].nbytes for i in files[k]))
         progress.finish()
         return done
@@ -105,9 +107,10 @@ def write_dcp(
 
 def _write_file(
     checkpoint_url: str, members: list[Planned], items: dict[str, Any], out: str, name: str
-) -> tuple[list[Any], int]:
+) -> tuple[list[Any], FileRecord | None, int]:
     """One data file of `members` (torch's writer: what `dcp.save` writes, tensor by tensor); its write
-    results and the number of tensors read and assembled rather than mapped.
+    results, its size and digest when it was hashed while written, and the number of tensors read and
+    assembled rather than mapped.
 
     A tensor that is not mapped is read (or computed) only when the writer reaches its item, and let go once
     written (`data_file_writer`): the file holds one such tensor in memory at a time, not all of them."""
@@ -141,9 +144,10 @@ def _write_file(
         planner = LazyPlanner(produce)
         planner.set_up_planner({DCP_NAMESPACE: state}, None, True)
         file_plan = SavePlan([items[f"{DCP_NAMESPACE}.{p.name}"] for p in members])
-        results = data_file_writer(out, name).write_data(file_plan, planner).value()
+        writer = data_file_writer(out, name)
+        results = writer.write_data(file_plan, planner).value()
         state.clear()
-    return results, assembled
+    return results, writer.written, assembled
 
 
 def _mapped_tensor(checkpoint_url: str, planned: Planned, maps: dict[str, Any], stack: contextlib.ExitStack) -> Any:

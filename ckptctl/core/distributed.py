@@ -56,16 +56,27 @@ class World:
 
     rank: int = 0
     size: int = 1
+    #: Whether torch.distributed's default process group is initialised (a group of one included).
+    grouped: bool = False
 
     @property
     def multi(self) -> bool:
-        return self.size > 1
+        """Whether saves and restores take the process-group path: modules and optimizers through DCP, rank 0
+        commits, the ranks agree through collectives.
+
+        A group of one takes it too. Its FSDP2 (`fully_shard`) parameters are DTensors even on one rank:
+        the single-process path saves their full values and restores them with `load_state_dict`, which
+        cannot copy a plain tensor into a DTensor ("mixed torch.Tensor and DTensor"); the group path
+        restores through `set_model_state_dict`/`set_optimizer_state_dict`, as on many ranks. A script
+        then also writes the same layout on one GPU as on eight (DESIGN §3: DCP once torch.distributed is
+        initialised)."""
+        return self.size > 1 or self.grouped
 
 
 def current_world() -> World:
     """The default process group's rank and size, or a world of one when torch.distributed is not initialised."""
     if dist.is_available() and dist.is_initialized():
-        return World(dist.get_rank(), dist.get_world_size())
+        return World(dist.get_rank(), dist.get_world_size(), grouped=True)
     return World()
 
 

@@ -653,6 +653,31 @@ def _fsdp_restore_rank(rank: int, world: int, root: str) -> None:
     _leave_group()
 
 
+def fsdp_one_rank(rank: int, root: str) -> None:
+    """A gloo group of ONE rank training an FSDP2 model (DTensor parameters, as on one GPU): a sync save at
+    step 1 and an async one at step 2 into `root/run`, restored into fresh states (each step's full state,
+    as saved and as restored, in `saved-N.pt`/`restored-N.pt`); then `root/single`, a single-process save,
+    restored into a fresh FSDP2 state (`restored-single.pt`)."""
+    from tests.writers.ranks import join_gloo
+
+    join_gloo(rank, 1, rendezvous=os.path.join(root, "store"))
+    run = os.path.join(root, "run")
+    state = _fsdp_state(seed=0)
+    for step, manager in ((1, CheckpointManager(run)), (2, CheckpointManager(run, async_save=True))):
+        _train_step(state)
+        manager.save(step, state)
+        manager.wait()
+        torch.save(_full_state(state), os.path.join(root, f"saved-{step}.pt"))
+    for step in (1, 2):
+        fresh = _fsdp_state(seed=7)  # other weights, no optimizer state yet
+        assert CheckpointManager(run).restore(fresh, step=step) == step
+        torch.save(_full_state(fresh), os.path.join(root, f"restored-{step}.pt"))
+    fresh = _fsdp_state(seed=7)  # its sampler keeps its state (the save holds none)
+    CheckpointManager(os.path.join(root, "single")).restore(fresh)
+    torch.save(_full_state(fresh), os.path.join(root, "restored-single.pt"))
+    _leave_group()
+
+
 def fsdp(root: str) -> None:
     """Save with 2 ranks; in this (single) process restore it and save it again as a single-process
     checkpoint (run `single`); then restore both runs in 2 fresh ranks."""

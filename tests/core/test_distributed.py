@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -95,3 +96,39 @@ def test_save_dcp_records_every_file_it_writes_as_written(tmp_path: Path) -> Non
     assert set(records) == {p.name for p in folder.iterdir()} == {"__0_0.distcp", ".metadata"}
     for name, record in records.items():
         assert record == FileRecord((folder / name).stat().st_size, file_digest(str(folder / name))), name
+
+
+def test_one_rank_fsdp2_group_saves_and_restores(tmp_path: Path, run_cli: Any) -> None:
+    """FSDP2 on one GPU: a process group of one whose parameters are DTensors. Its saves go through DCP and
+    restore exactly (sync and async), and a single-process save (what ckptctl wrote for one rank before)
+    restores into it; `load_state_dict` of plain tensors into DTensors would fail."""
+    from tests.writers.ranks import run_ranks
+
+    model = _workers._fsdp_model(seed=5)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))  # as `_fsdp_state`'s
+    model(torch.randn(4, 8)).pow(2).mean().backward()
+    optimizer.step()
+    scheduler.step()
+    CheckpointManager(tmp_path / "single").save(1, {"model": model, "optimizer": optimizer, "scheduler": scheduler})
+    run_ranks(_workers.fsdp_one_rank, (str(tmp_path),), 1)
+
+    for step in (1, 2):
+        saved, restored = load(tmp_path / f"saved-{step}.pt"), load(tmp_path / f"restored-{step}.pt")
+        assert saved["optimizer"]["state"], "the optimizer had state to restore"
+        for key in ("model", "optimizer", "scheduler", "sampler"):
+            assert_same(saved[key], restored[key], f"step {step} {key}")
+        step_dir = tmp_path / "run" / f"step-{step}"
+        manifest = read_manifest(str(step_dir))
+        assert manifest is not None and manifest.world_size == 1
+        assert manifest.components["model"].storage == "dcp" and manifest.components["optimizer"].storage == "dcp"
+        verified = run_cli("verify", step_dir, "--deep", "--json")
+        assert verified.exit_code == 0 and verified.json["ok"], verified.stdout
+    assert not torch.equal(
+        load(tmp_path / "saved-1.pt")["model"]["0.weight"], load(tmp_path / "saved-2.pt")["model"]["0.weight"]
+    )
+
+    single = load(tmp_path / "restored-single.pt")
+    assert_same(dict(model.state_dict()), single["model"], "single model")
+    assert_same(get_optimizer_state_dict(model, optimizer), single["optimizer"], "single optimizer")
+    assert_same(scheduler.state_dict(), single["scheduler"], "single scheduler")

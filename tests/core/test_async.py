@@ -176,7 +176,7 @@ def test_a_rank_whose_state_fails_with_any_error_tells_the_others(
 
     def all_gather(obj: Any, group: Any = None) -> list[Any]:
         gathered.append(obj)
-        return [obj, None]
+        return [obj, (None, None, None)]  # rank 1 took its state: no staging (not rank 0), no error
 
     monkeypatch.setattr(dist_, "current_world", lambda: dist_.World(0, 2))
     monkeypatch.setattr(dist_, "broadcast", lambda obj, src=0, group=None: obj)
@@ -191,4 +191,5 @@ def test_a_rank_whose_state_fails_with_any_error_tells_the_others(
 
     with pytest.raises(RuntimeError, match="out of memory"):
         CheckpointManager(run_dir).save(1, {"sampler": Broken()})
-    assert gathered == ["RuntimeError: CUDA error: out of memory"]
+    # one all-gather (rank 0's staging folder, its creation error, this rank's failure), naming the failure
+    assert [failure for _, _, failure in gathered] == ["RuntimeError: CUDA error: out of memory"]

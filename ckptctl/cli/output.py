@@ -17,6 +17,7 @@ import json
 import os
 import sys
 from collections.abc import Callable, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass
 from datetime import datetime
 from functools import cached_property
@@ -30,6 +31,10 @@ if TYPE_CHECKING:  # rich is imported where it draws (the module's docstring)
     from rich.console import Console
     from rich.progress import Progress
     from rich.text import Text
+
+#: Whether the command being run prints JSON lines (`Output(json_lines=True)`: `sync --watch --json`), which
+#: `cli.app`'s error boundary reads, so that the error document ending such a stream is one line too.
+JSON_LINES: ContextVar[bool] = ContextVar("ckptctl_json_lines", default=False)
 
 #: Between two columns of a table.
 _GAP = "  "
@@ -77,11 +82,15 @@ Cell = str | Styled
 
 
 class Output:
-    """Renders reports; `json_mode` prints one JSON document on stdout, `quiet` silences everything but errors."""
+    """Renders reports; `json_mode` prints one JSON document on stdout (`json_lines`: one document per line,
+    for a command that prints one after another), `quiet` silences everything but errors."""
 
-    def __init__(self, *, json_mode: bool = False, quiet: bool = False) -> None:
+    def __init__(self, *, json_mode: bool = False, quiet: bool = False, json_lines: bool = False) -> None:
         self.json_mode = json_mode
         self.quiet = quiet
+        self.json_lines = json_mode and json_lines
+        if self.json_lines:
+            JSON_LINES.set(True)
 
     # Both consoles write to whatever sys.stdout/sys.stderr are at the time (tests swap them). Lines are never
     # wrapped by us (soft wrap): a terminal wraps them itself, and a pipe gets them whole.
@@ -104,10 +113,10 @@ class Output:
         """Whether stdout is a terminal (tables fit its width) rather than a pipe, a file or a CI log."""
         return not _plain(sys.stdout) and self.out.is_terminal
 
-    def json(self, document: dict[str, Any], *, line: bool = False) -> None:
-        """The document on stdout, indented; `line`: on one line, for commands that print one document after
-        another (JSON lines, which `jq -c`, `pandas.read_json(lines=True)` and line-by-line readers take)."""
-        text = json.dumps(finite_json(document), indent=None if line else 2, allow_nan=False)
+    def json(self, document: dict[str, Any]) -> None:
+        """The document on stdout, indented; with `json_lines`, on one line (JSON lines, which `jq -c`,
+        `pandas.read_json(lines=True)` and line-by-line readers take)."""
+        text = json.dumps(finite_json(document), indent=None if self.json_lines else 2, allow_nan=False)
         sys.stdout.write(text + "\n")
         sys.stdout.flush()
 

@@ -27,15 +27,9 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from ckptctl import io
 from ckptctl.checkpoint import Checkpoint, Problem, SizedTensor, TensorEntry
+from ckptctl.contract import slots
 from ckptctl.contract.naming import NameStripper
-from ckptctl.contract.slots import (  # the slots, where plugins and `ops` take them from with what fills them
-    CONVERT_SOURCE,
-    POINTER_WRITER,
-    SLIMMER,
-    TRAINING_STATE_SOURCE,
-    TRAINING_STATE_WRITER,
-    Slot,
-)
+from ckptctl.contract.slots import Slot
 from ckptctl.errors import CkptctlError
 
 if TYPE_CHECKING:
@@ -458,6 +452,14 @@ class ConvertSource:
     model_spec: Callable[[Mapping[str, Any], list[str]], ModelSpec | None] | None = None
     model_logits: Callable[[str, Mapping[str, Any], Mapping[str, Any] | None], Any] | None = None
     value_head_task: Callable[[Checkpoint], HeadTask | None] | None = None
+
+
+#: The capabilities a plugin may provide, by slot: `contract.slots`' objects, typed here by what fills them.
+CONVERT_SOURCE: Slot[ConvertSource] = slots.CONVERT_SOURCE
+TRAINING_STATE_WRITER: Slot[TrainingStateWriter] = slots.TRAINING_STATE_WRITER
+TRAINING_STATE_SOURCE: Slot[TrainingStateSource] = slots.TRAINING_STATE_SOURCE
+POINTER_WRITER: Slot[PointerWriter] = slots.POINTER_WRITER
+SLIMMER: Slot[Slimmer] = slots.SLIMMER
 
 
 def default_config_folders(checkpoint: Checkpoint) -> tuple[str, ...]:

@@ -1,21 +1,15 @@
-"""The slots a framework plugin's capabilities are declared under (`contract.capabilities`), apart from the
-capabilities themselves: the registry names every plugin's slots at import, and a command that uses no
-capability (`verify`, `list`, `inspect`) should not build the capabilities' dataclasses to do so (DESIGN §5:
-a command's fixed cost)."""
+"""The slots a framework plugin's capabilities are declared under, apart from the capabilities themselves: the
+registry names every plugin's slots at import, and a command that uses no capability (`verify`, `list`,
+`inspect`) should not build the capabilities' dataclasses to do so (DESIGN §5: a command's fixed cost).
+
+`contract.capabilities` gives each slot its type (`CONVERT_SOURCE: Slot[ConvertSource]`, the same object);
+plugins and `ops` take them from there.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Generic, TypeVar
-
-if TYPE_CHECKING:
-    from ckptctl.contract.capabilities import (
-        ConvertSource,
-        PointerWriter,
-        Slimmer,
-        TrainingStateSource,
-        TrainingStateWriter,
-    )
+from typing import Any, Generic, TypeVar
 
 __all__ = ["CONVERT_SOURCE", "POINTER_WRITER", "SLIMMER", "TRAINING_STATE_SOURCE", "TRAINING_STATE_WRITER", "Slot"]
 
@@ -34,9 +28,8 @@ class Slot(Generic[C]):
     name: str
 
 
-#: The capabilities a plugin may provide, by slot.
-CONVERT_SOURCE: Slot[ConvertSource] = Slot("convert source")
-TRAINING_STATE_WRITER: Slot[TrainingStateWriter] = Slot("training-state writer")
-TRAINING_STATE_SOURCE: Slot[TrainingStateSource] = Slot("training-state source")
-POINTER_WRITER: Slot[PointerWriter] = Slot("pointer writer")
-SLIMMER: Slot[Slimmer] = Slot("slimmer")
+CONVERT_SOURCE: Slot[Any] = Slot("convert source")
+TRAINING_STATE_WRITER: Slot[Any] = Slot("training-state writer")
+TRAINING_STATE_SOURCE: Slot[Any] = Slot("training-state source")
+POINTER_WRITER: Slot[Any] = Slot("pointer writer")
+SLIMMER: Slot[Any] = Slot("slimmer")

@@ -209,7 +209,11 @@ def main() -> int:
     folder = root / "step-1"
     print(f"load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())} ({os.cpu_count()} cores)")
     crc = subprocess.run(
-        [sys.executable, "-c", "from ckptctl.formats.torch_zip import crc32; print(crc32.__module__)"],
+        [
+            sys.executable,
+            "-c",
+            "from ckptctl.formats.torch_zip import crc32_function; print(crc32_function().__module__)",
+        ],
         capture_output=True,
         text=True,
         env=ENV,

@@ -19,7 +19,7 @@ from typing import Any, TextIO
 import typer
 
 from ckptctl import __version__
-from ckptctl.cli import ranks
+from ckptctl.cli import output, ranks
 from ckptctl.cli.command import Group
 from ckptctl.errors import CkptctlError
 from ckptctl.ops.distributed_work import launched
@@ -154,6 +154,7 @@ def _run(args: list[str]) -> int:
     if launched() and os.environ.get("RANK") != "0":
         json_mode = False  # rank 0 prints the job's JSON document; the other ranks say their errors on stderr
     ranks.ARGS.set(tuple(args))
+    output.JSON_LINES.set(False)  # until the command says it prints JSON lines (`Output(json_lines=True)`)
     try:
         result = _app_for(args)(args=args, prog_name="ckptctl", standalone_mode=False)
     except CkptctlError as exc:
@@ -202,13 +203,15 @@ def _usage_error(exc: Exception) -> tuple[str, str] | None:
 
 
 def _fail(message: str, hint: str, code: int, kind: str, json_mode: bool, *, label: str = "error") -> int:
-    """Report an error on stderr (and as `{"schema_version": 1, "error": {...}}` on stdout with --json).
+    """Report an error on stderr (and as `{"schema_version": 1, "error": {...}}` on stdout with --json: indented,
+    or on one line after the JSON lines of a command that prints them, as `sync --watch --json` does).
 
     Messages quote paths and names from the checkpoint: stderr shows their control characters escaped, the
     JSON document keeps them exact."""
     if json_mode:
         error = {"type": kind, "message": message, "hint": hint or None, "exit_code": code}
-        sys.stdout.write(json.dumps({"schema_version": 1, "error": error}, indent=2) + "\n")
+        indent = None if output.JSON_LINES.get() else 2
+        sys.stdout.write(json.dumps({"schema_version": 1, "error": error}, indent=indent) + "\n")
     sys.stderr.write(f"{label}: {printable(message)}\n")
     if hint:
         sys.stderr.write(f"hint: {printable(hint)}\n")

@@ -25,8 +25,6 @@ from collections.abc import Callable
 from typing import Any
 
 import typer
-from rich.console import Console
-from rich.text import Text
 from typer.core import TyperArgument, TyperCommand, TyperGroup
 
 
@@ -139,7 +137,11 @@ def _typeless_flags(params: list[Any]) -> list[Any]:
 
 def print_examples(examples: str, more: list[str], docs: str) -> None:
     """The end of a command's help: its examples, each line as written (never wrapped or cropped), the options
-    left to the reference, and where the reference is."""
+    left to the reference, and where the reference is. (rich is imported here, where help is drawn, not by a
+    command that runs: DESIGN §5.)"""
+    from rich.console import Console
+    from rich.text import Text
+
     console = Console(highlight=False, soft_wrap=True)
     if examples.strip():
         console.print()

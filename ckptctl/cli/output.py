@@ -5,27 +5,36 @@ checkpoint (folders, files, tensors, the messages that quote them) are never mar
 characters are shown as escapes (`\\x1b`), so that a folder named `ESC[2J` or holding an OSC 52 sequence
 cannot clear the screen, set the title or write the clipboard. JSON output keeps every name exact (JSON
 escapes control characters itself).
+
+rich is imported only where it draws: a terminal, a table, a grid of facts, a progress bar. A command whose
+human output is a few lines printed to a pipe or a file (`ckptctl verify FILE` in a script or CI) writes them
+itself, exactly as rich would (DESIGN §5: a command's fixed cost; rich's import is a tenth of it).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections.abc import Callable, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass
 from datetime import datetime
-from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
-
-from rich.cells import cell_len
-from rich.console import Console
-from rich.text import Span, Text
+from functools import cached_property
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TextIO, TypeVar
 
 from ckptctl.ops.report import finite_json
-from ckptctl.quoting import has_control, printable
+from ckptctl.quoting import printable
 from ckptctl.units import human_bytes  # noqa: F401  (re-exported: the commands print sizes through this module)
 
-if TYPE_CHECKING:  # rich's progress bars and grids are imported where drawn: a command's fixed cost (DESIGN §5)
+if TYPE_CHECKING:  # rich is imported where it draws (the module's docstring)
+    from rich.console import Console
     from rich.progress import Progress
+    from rich.text import Text
+
+#: Whether the command being run prints JSON lines (`Output(json_lines=True)`: `sync --watch --json`), which
+#: `cli.app`'s error boundary reads, so that the error document ending such a stream is one line too.
+JSON_LINES: ContextVar[bool] = ContextVar("ckptctl_json_lines", default=False)
 
 #: Between two columns of a table.
 _GAP = "  "
@@ -50,37 +59,78 @@ class Column:
     drop: int | None = None
 
 
-Cell = str | Text
+@dataclass(frozen=True, slots=True)
+class Styled:
+    """Literal text in styles (`styled`), rich's `Text` once drawn in a terminal; `+` joins (a str is unstyled).
+
+    Attributes:
+        parts: (text, style) pairs, each text with its control characters already escaped (`printable`).
+    """
+
+    parts: tuple[tuple[str, str], ...]
+
+    @property
+    def plain(self) -> str:
+        """The text without its styles."""
+        return "".join(text for text, _ in self.parts)
+
+    def __add__(self, other: Styled | str) -> Styled:
+        return Styled(self.parts + (other.parts if isinstance(other, Styled) else ((printable(other), ""),)))
+
+
+Cell = str | Styled
 
 
 class Output:
-    """Renders reports; `json_mode` prints one JSON document on stdout, `quiet` silences everything but errors."""
+    """Renders reports; `json_mode` prints one JSON document on stdout (`json_lines`: one document per line,
+    for a command that prints one after another), `quiet` silences everything but errors."""
 
-    def __init__(self, *, json_mode: bool = False, quiet: bool = False) -> None:
+    def __init__(self, *, json_mode: bool = False, quiet: bool = False, json_lines: bool = False) -> None:
         self.json_mode = json_mode
         self.quiet = quiet
-        # Both consoles write to whatever sys.stdout/sys.stderr are at the time (tests swap them). Lines are
-        # never wrapped by us (soft wrap): a terminal wraps them itself, and a pipe gets them whole.
-        self.out = Console(highlight=False, soft_wrap=True)
-        self.err = Console(stderr=True, highlight=False, soft_wrap=True)
+        self.json_lines = json_mode and json_lines
+        if self.json_lines:
+            JSON_LINES.set(True)
+
+    # Both consoles write to whatever sys.stdout/sys.stderr are at the time (tests swap them). Lines are never
+    # wrapped by us (soft wrap): a terminal wraps them itself, and a pipe gets them whole.
+    @cached_property
+    def out(self) -> Console:
+        """rich's console on stdout, made on first use."""
+        from rich.console import Console
+
+        return Console(highlight=False, soft_wrap=True)
+
+    @cached_property
+    def err(self) -> Console:
+        """rich's console on stderr, made on first use."""
+        from rich.console import Console
+
+        return Console(stderr=True, highlight=False, soft_wrap=True)
 
     @property
     def is_terminal(self) -> bool:
         """Whether stdout is a terminal (tables fit its width) rather than a pipe, a file or a CI log."""
-        return self.out.is_terminal
+        return not _plain(sys.stdout) and self.out.is_terminal
 
-    def json(self, document: dict[str, Any], *, line: bool = False) -> None:
-        """The document on stdout, indented; `line`: on one line, for commands that print one document after
-        another (JSON lines, which `jq -c`, `pandas.read_json(lines=True)` and line-by-line readers take)."""
-        text = json.dumps(finite_json(document), indent=None if line else 2, allow_nan=False)
+    def json(self, document: dict[str, Any]) -> None:
+        """The document on stdout, indented; with `json_lines`, on one line (JSON lines, which `jq -c`,
+        `pandas.read_json(lines=True)` and line-by-line readers take)."""
+        text = json.dumps(finite_json(document), indent=None if self.json_lines else 2, allow_nan=False)
         sys.stdout.write(text + "\n")
         sys.stdout.flush()
 
     def print(self, *parts: Cell) -> None:
         """One line of human output (stdout), the parts joined by spaces; strings are literal text (colour
         comes from `styled` parts). Nothing in JSON or quiet mode."""
-        if not self.json_mode and not self.quiet:
-            self.out.print(Text(" ").join(_text(part) for part in parts))
+        if self.json_mode or self.quiet:
+            return
+        if _plain(sys.stdout):
+            _write(sys.stdout, " ".join(_plain_text(part) for part in parts))
+            return
+        from rich.text import Text
+
+        self.out.print(Text(" ").join(_text(part) for part in parts))
 
     def table(self, columns: Sequence[Column], rows: Sequence[Sequence[Cell]], *, title: str | None = None) -> None:
         """Rows under a header line, columns aligned, no borders (as `docker ps` and `kubectl get` print).
@@ -92,6 +142,9 @@ class Output:
         """
         if self.json_mode or self.quiet:
             return
+        from rich.cells import cell_len
+        from rich.text import Text
+
         terminal = self.is_terminal
         cells = [[_text(cell) for cell in row] for row in rows]
         if not terminal:
@@ -101,8 +154,8 @@ class Output:
         if terminal:
             shown, widths = _fit(columns, widths, self.out.width)
         if title:
-            self.out.print(styled(title, "bold" if terminal else ""))
-        header = [styled(c.header, "bold" if terminal else "") for c in columns]
+            self.out.print(_text(styled(title, "bold" if terminal else "")))
+        header = [_text(styled(c.header, "bold" if terminal else "")) for c in columns]
         for row in (header, *cells):
             line = Text()
             for i in shown:
@@ -126,6 +179,8 @@ class Output:
         """
         if self.json_mode or self.quiet:
             return
+        from rich.cells import cell_len
+
         if self.is_terminal:
             from rich.table import Table
 
@@ -144,24 +199,34 @@ class Output:
 
     def note(self, message: str) -> None:
         """A remark for a person (stderr), printed as plain text; nothing in quiet mode."""
-        if not self.quiet:
+        if self.quiet:
+            return
+        if _plain(sys.stderr):
+            _write(sys.stderr, printable(message))
+        else:
             self.err.print(_text(message))
 
     def warn(self, message: str) -> None:
         """A warning (stderr), printed as plain text after a coloured label."""
-        self.err.print(styled("warning:", "yellow") + " " + _text(message))
+        line = styled("warning:", "yellow") + " " + message
+        if _plain(sys.stderr):
+            _write(sys.stderr, line.plain)
+        else:
+            self.err.print(_text(line))
 
     def progress(self) -> RichProgress:
         """A progress sink for `ckptctl.ops` that draws on stderr when it is a terminal that can redraw a line
         (not TERM=dumb, where each bar would only leave an empty line behind)."""
+        if self.quiet or _plain(sys.stderr):
+            return RichProgress(None, enabled=False)
         err = self.err
-        return RichProgress(err, enabled=not self.quiet and err.is_terminal and not err.is_dumb_terminal)
+        return RichProgress(err, enabled=err.is_terminal and not err.is_dumb_terminal)
 
 
 class RichProgress:
     """Implements `ckptctl.ops.report.Progress` with a rich progress bar (bytes and rate)."""
 
-    def __init__(self, console: Console, *, enabled: bool) -> None:
+    def __init__(self, console: Console | None, *, enabled: bool) -> None:
         self._enabled = enabled
         self._console = console
         self._bar: Progress | None = None
@@ -202,24 +267,38 @@ class RichProgress:
             self._bar = None
 
 
+def _plain(stream: TextIO) -> bool:
+    """Whether rich would print to `stream` as to a pipe or a file (no styles, nothing wrapped or cropped), so
+    that a line can be written without it: not a terminal, and nothing that makes rich treat it as one or draw
+    otherwise (`TTY_COMPATIBLE`, `FORCE_COLOR`, a notebook). Where unsure, False: rich decides."""
+    if os.environ.get("TTY_COMPATIBLE") or os.environ.get("FORCE_COLOR") is not None or "IPython" in sys.modules:
+        return False
+    try:
+        return not stream.isatty()
+    except (AttributeError, ValueError):  # no isatty, or a closed stream: rich says "not a terminal" too
+        return True
+
+
+def _write(stream: TextIO, line: str) -> None:
+    """`line` as rich prints a text with soft wrap to a pipe: as it is, then a newline."""
+    stream.write(line + "\n")
+
+
+def _plain_text(cell: Cell) -> str:
+    """A cell's text with its control characters escaped (as `_text` draws it, without the styles)."""
+    return printable(cell) if isinstance(cell, str) else cell.plain
+
+
 def _text(cell: Cell) -> Text:
-    """A cell as rich text with its control characters escaped (a `Text`'s styles move along with them)."""
+    """A cell as rich text with its control characters escaped (`Styled` parts were escaped when made)."""
+    from rich.text import Text
+
     if isinstance(cell, str):
         return Text(printable(cell))
-    plain = cell.plain
-    if not has_control(plain):
-        return cell
-    # Where each character of `plain` starts in the escaped text, so that every span keeps its characters.
-    starts, pieces, at = [], [], 0
-    for char in plain:
-        starts.append(at)
-        piece = printable(char)
-        pieces.append(piece)
-        at += len(piece)
-    starts.append(at)
-    escaped = cell.blank_copy("".join(pieces))
-    escaped.spans = [Span(starts[s.start], starts[s.end], s.style) for s in cell.spans]
-    return escaped
+    text = Text()
+    for part, style in cell.parts:
+        text.append(part, style=style or None)
+    return text
 
 
 def _fit(columns: Sequence[Column], widths: list[int], available: int) -> tuple[list[int], list[int]]:
@@ -229,6 +308,8 @@ def _fit(columns: Sequence[Column], widths: list[int], available: int) -> tuple[
     order, then flexible ones shrink to their header. A table that still does not fit is printed as it is
     (the terminal wraps its lines): whole values beat cut ones.
     """
+    from rich.cells import cell_len
+
     widths = list(widths)
     shown = list(range(len(columns)))
 
@@ -251,15 +332,13 @@ def _fit(columns: Sequence[Column], widths: list[int], available: int) -> tuple[
     return shown, widths
 
 
-def styled(text: str, style: str) -> Text:
+def styled(text: str, style: str) -> Styled:
     """`text` (literal, never markup; control characters escaped) in `style` (colours show in a terminal only).
 
-    Strings from a checkpoint become rich text only here and in `Output`: rich's `Text` would silently drop
+    Strings from a checkpoint become rich text only through here and `Output`: rich's `Text` would silently drop
     some control characters (BEL, CR) that `printable` shows. The style is a span, not the text's own style,
     so that `styled(url, "green") + styled(" (DeepSpeed)", "")` colours the url alone."""
-    shown = Text(printable(text))
-    shown.stylize(style)
-    return shown
+    return Styled(((printable(text), style),))
 
 
 def when(value: datetime | None, *, now: datetime | None = None) -> str:

@@ -99,7 +99,7 @@ def sync(
     from ckptctl.ops.sync import watch as run_watch
     from ckptctl.units import parse_age
 
-    out = Output(json_mode=json_output, quiet=quiet)
+    out = Output(json_mode=json_output, quiet=quiet, json_lines=watch)
     grace_age = parsed(parse_age, grace, "--grace")
     transfers = renamed(out, "--workers", "--transfers", old_workers, transfers)
     stop = threading.Event()
@@ -123,7 +123,7 @@ def sync(
         for report in reports:
             # With --watch and --json, one document per pass (JSON lines), as each pass ends.
             if json_output:
-                out.json(report.to_json(), line=watch)
+                out.json(report.to_json())
             elif not quiet:
                 _render(out, report)
             problems = problems or bool(report.problems)

@@ -23,11 +23,13 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from ckptctl import io
 from ckptctl.checkpoint import Checkpoint, Problem, SizedTensor, TensorEntry
+from ckptctl.contract import slots
 from ckptctl.contract.naming import NameStripper
+from ckptctl.contract.slots import Slot
 from ckptctl.errors import CkptctlError
 
 if TYPE_CHECKING:
@@ -68,8 +70,6 @@ __all__ = [
     "default_config_folders",
 ]
 
-C = TypeVar("C")
-
 
 class HeadTask(Enum):
     """The transformers model a value head converts to, by the suffix of its class name (`ConvertSource.value_head_task`;
@@ -79,18 +79,6 @@ class HeadTask(Enum):
     """One value per token (a critic): `AutoModelForTokenClassification`."""
     SEQUENCE = "ForSequenceClassification"
     """One value per sequence, at its last token (a reward model): `AutoModelForSequenceClassification`."""
-
-
-@dataclass(frozen=True, slots=True, eq=False)
-class Slot(Generic[C]):
-    """A kind of capability, the key a registry entry declares one under: `capability(layout, slot)` is a `C`.
-    Each slot is one object, compared by identity.
-
-    Attributes:
-        name: what the capability is for, for people (`convert source`).
-    """
-
-    name: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -466,12 +454,12 @@ class ConvertSource:
     value_head_task: Callable[[Checkpoint], HeadTask | None] | None = None
 
 
-#: The capabilities a plugin may provide, by slot.
-CONVERT_SOURCE: Slot[ConvertSource] = Slot("convert source")
-TRAINING_STATE_WRITER: Slot[TrainingStateWriter] = Slot("training-state writer")
-TRAINING_STATE_SOURCE: Slot[TrainingStateSource] = Slot("training-state source")
-POINTER_WRITER: Slot[PointerWriter] = Slot("pointer writer")
-SLIMMER: Slot[Slimmer] = Slot("slimmer")
+#: The capabilities a plugin may provide, by slot: `contract.slots`' objects, typed here by what fills them.
+CONVERT_SOURCE: Slot[ConvertSource] = slots.CONVERT_SOURCE
+TRAINING_STATE_WRITER: Slot[TrainingStateWriter] = slots.TRAINING_STATE_WRITER
+TRAINING_STATE_SOURCE: Slot[TrainingStateSource] = slots.TRAINING_STATE_SOURCE
+POINTER_WRITER: Slot[PointerWriter] = slots.POINTER_WRITER
+SLIMMER: Slot[Slimmer] = slots.SLIMMER
 
 
 def default_config_folders(checkpoint: Checkpoint) -> tuple[str, ...]:

@@ -20,13 +20,16 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ckptctl import io
 from ckptctl.checkpoint import Problem, ProblemKind
 from ckptctl.errors import CkptctlError
 from ckptctl.formats.documents import read_json
 from ckptctl.formats.safetensors import read_header
-from ckptctl.formats.torch_zip import ReadAt, archive_members, is_zip
+
+if TYPE_CHECKING:
+    from ckptctl.formats.torch_zip import ReadAt
 
 __all__ = ["LoadMember", "MemberKind", "Need", "check_load_set", "members_of"]
 
@@ -123,6 +126,9 @@ def _damage(url: str, member: LoadMember, size: int) -> Problem | None:
         elif member.kind is MemberKind.SAFETENSORS:
             read_header(url, size)
         elif member.kind is MemberKind.TORCH_SAVE:
+            # The zip reader is imported for a torch.save member only: a safetensors checkpoint has none.
+            from ckptctl.formats.torch_zip import archive_members, is_zip
+
             if size == 0:
                 return Problem(ProblemKind.TRUNCATED, member.path, f"{member.what} is empty")
             if is_zip(io.read_bytes(url, 0, min(size, 4))):

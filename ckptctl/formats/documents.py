@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import math
-import tomllib
 from typing import Any
 
 from ckptctl import io
@@ -92,6 +91,8 @@ def parse_toml(text: str, source: str) -> dict[str, Any]:
     Raises:
         CorruptCheckpoint: not TOML, an integer too long to convert, or nested too deeply.
     """
+    import tomllib  # few checkpoints hold TOML: its parser is imported by what reads one (DESIGN §5)
+
     try:
         doc = tomllib.loads(text)
     except RecursionError as exc:

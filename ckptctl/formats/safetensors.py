@@ -24,7 +24,6 @@ from typing import TYPE_CHECKING, Any
 from ckptctl import io
 from ckptctl.checkpoint import dtype_itemsize
 from ckptctl.errors import CorruptCheckpoint
-from ckptctl.formats.digest import HashingWriter
 from ckptctl.formats.documents import MAX_INT, parse_json, shown
 
 if TYPE_CHECKING:
@@ -245,6 +244,8 @@ def write_file(
     Tensors may share storage (tied weights): each is written in full under its own name, which is
     what the format requires. Returns the size and digest so that the manifest needs no second read.
     """
+    from ckptctl.formats.digest import HashingWriter  # blake3 and the sweep: for writers, not readers (DESIGN §5)
+
     names = list(tensors)
     entries = [(n, str(tensors[n].dtype).removeprefix("torch."), tuple(tensors[n].shape)) for n in names]
     with open(path, "wb") as raw:

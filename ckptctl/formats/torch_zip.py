@@ -24,6 +24,7 @@ both release the GIL, so the sweep's threads share the work either way.
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import struct
 import zlib
@@ -52,6 +53,7 @@ __all__ = [
     "check_zip_crcs",
     "crc32",
     "crc32_combine",
+    "crc32_function",
     "is_zip",
     "mismatch",
 ]
@@ -129,7 +131,10 @@ class CrcCheck:
     crc_recorded: bool
 
 
-def _crc32() -> Callable[[Any, int], int]:
+@functools.cache
+def crc32_function() -> Callable[[Any, int], int]:
+    """zlib's CRC-32 by the fastest implementation installed, found on first use: zlib-ng's import costs a few
+    milliseconds that a command reading no torch.save archive should not pay (DESIGN §5: a command's fixed cost)."""
     try:
         from zlib_ng import zlib_ng
     except ImportError:
@@ -137,8 +142,9 @@ def _crc32() -> Callable[[Any, int], int]:
     return zlib_ng.crc32
 
 
-#: `crc32(data, value)`: zlib's CRC-32, by the fastest implementation installed.
-crc32 = _crc32()
+def crc32(data: Any, value: int) -> int:
+    """zlib's CRC-32 of `data` continuing from `value` (`crc32_function`'s)."""
+    return crc32_function()(data, value)
 
 
 def is_zip(head: bytes | bytearray) -> bool:
@@ -166,6 +172,7 @@ def _multmodp(a: int, b: int) -> int:
         b = (b >> 1) ^ _POLY if b & 1 else b >> 1
 
 
+@functools.cache  # built by the first combine, not at import (a command's fixed cost)
 def _x2n_table() -> tuple[int, ...]:
     table = [1 << 30]  # x^1
     for _ in range(31):
@@ -173,17 +180,15 @@ def _x2n_table() -> tuple[int, ...]:
     return tuple(table)
 
 
-_X2N = _x2n_table()
-
-
 def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
     """The CRC-32 of `A + B` from `crc1` of A, `crc2` of B and B's length (as zlib's `crc32_combine`)."""
+    x2n = _x2n_table()
     p = 1 << 31  # x^0
     k = 3  # x^(8 * len2): bytes to bits
     n = len2
     while n:
         if n & 1:
-            p = _multmodp(_X2N[k & 31], p)
+            p = _multmodp(x2n[k & 31], p)
         n >>= 1
         k += 1
     return _multmodp(p, crc1) ^ crc2

@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import logging
 import os
-import random
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -36,7 +34,6 @@ __all__ = [
     "translate_errors",
 ]
 
-log = logging.getLogger("ckptctl.io")
 T = TypeVar("T")
 
 
@@ -61,6 +58,8 @@ class RetryPolicy:
 
     def delay(self, failures: int) -> float:
         """Seconds to wait after `failures` failed tries ("full jitter" backoff)."""
+        import random  # a retry's: not the import of every command (DESIGN §5)
+
         return random.uniform(0, min(self.max_delay, self.base_delay * 2 ** (failures - 1)))
 
     @property
@@ -200,7 +199,11 @@ def call(fn: Callable[[], T], what: str, url: str) -> T:
             # A try that failed slowly (a timeout) will likely fail as slowly again: start one only if it
             # can end within the timeout.
             if failures < policy.attempts and elapsed + delay + (now - tried) < policy.timeout:
-                log.debug("%s failed (%s: %s); retry %d in %.2fs", what, type(exc).__name__, exc, failures, delay)
+                import logging  # on a retry only: not the import of every command (DESIGN §5)
+
+                logging.getLogger("ckptctl.io").debug(
+                    "%s failed (%s: %s); retry %d in %.2fs", what, type(exc).__name__, exc, failures, delay
+                )
                 time.sleep(delay)
                 continue
             if not _is_unreachable(exc):

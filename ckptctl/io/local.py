@@ -7,7 +7,6 @@ atomic exchange of two paths (Linux `renameat2`).
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
 import functools
 import os
@@ -256,6 +255,8 @@ def _linux_libc(name: str, argtypes: list[Any]) -> Any:
     """A function of the C library returning an int, or None off Linux or where the library lacks it."""
     if not sys.platform.startswith("linux"):
         return None
+    import ctypes
+
     try:
         fn = getattr(ctypes.CDLL(None, use_errno=True), name)
     except (OSError, AttributeError):
@@ -267,11 +268,15 @@ def _linux_libc(name: str, argtypes: list[Any]) -> Any:
 
 @functools.cache
 def _renameat2() -> Any:
+    import ctypes  # where a C function is called, not at every command's start (DESIGN §5)
+
     return _linux_libc("renameat2", [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint])
 
 
 @functools.cache
 def _sync_file_range() -> Any:
+    import ctypes
+
     return _linux_libc("sync_file_range", [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint])
 
 
@@ -300,6 +305,8 @@ def exchange(a: str, b: str) -> bool:
     at_fdcwd, rename_exchange = -100, 2
     if fn(at_fdcwd, os.fsencode(local_path(a)), at_fdcwd, os.fsencode(local_path(b)), rename_exchange) == 0:
         return True
+    import ctypes
+
     err = ctypes.get_errno()
     if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EXDEV):
         return False

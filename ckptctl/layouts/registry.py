@@ -14,21 +14,23 @@ import importlib.util
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import cache
-from typing import Any, Final, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Final, TypeVar, cast
 
 from ckptctl.contract.base import Layout
-from ckptctl.contract.capabilities import (
+from ckptctl.contract.slots import (
     CONVERT_SOURCE,
     POINTER_WRITER,
     SLIMMER,
     TRAINING_STATE_SOURCE,
     TRAINING_STATE_WRITER,
     Slot,
-    TrainingStateWriter,
 )
 from ckptctl.errors import CkptctlError, UnknownLayout
 from ckptctl.formats.framework_classes import FrameworkClasses
 from ckptctl.layouts.generic import GENERIC, TRAINING_STATE, generic_layout, training_state_layout
+
+if TYPE_CHECKING:  # the capabilities are built where one is used (`contract.slots`)
+    from ckptctl.contract.capabilities import TrainingStateWriter
 
 __all__ = [
     "ConvertTarget",
@@ -213,7 +215,7 @@ def training_state_writers() -> list[TrainingStateWriter]:
         for plugin in _REGISTRY
         if (target := plugin.capabilities.get(TRAINING_STATE_WRITER)) is not None
     )
-    return [cast(TrainingStateWriter, _load(name)) for name in names]
+    return [cast("TrainingStateWriter", _load(name)) for name in names]
 
 
 def training_state_writer(target: str) -> TrainingStateWriter:

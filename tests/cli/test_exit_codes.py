@@ -194,3 +194,17 @@ def test_json_errors_are_one_document_on_stdout(run_cli: Cli, run: Path, tmp_pat
         assert set(doc) == {"schema_version", "error"} and doc["schema_version"] == 1
         assert set(doc["error"]) == {"type", "message", "hint", "exit_code"}
         assert result.stderr.startswith(f"error: {doc['error']['message']}")
+
+
+# --- the error document -------------------------------------------------------------------------------
+
+
+def test_the_error_document_is_one_line_where_the_command_prints_json_lines(run_cli: Cli, tmp_path: Path) -> None:
+    """`sync --watch --json` prints one document per line: the error that ends it is a line too; elsewhere the
+    error document is indented as every other document is (and the next command's is again)."""
+    args = ("sync", tmp_path / "missing", "memory://error-document/run", "--json")
+    watched = run_cli(*args, "--watch", "--passes", "1")
+    once = run_cli(*args)
+    assert watched.exit_code == once.exit_code == 2
+    assert watched.stdout.count("\n") == 1 and once.stdout.count("\n") > 1
+    assert watched.json == once.json and once.json["error"]["type"] == "CheckpointNotFound"

@@ -38,6 +38,13 @@ _OTHER_FORMATS = {
 }
 
 
+#: Imported where they are used, and a safetensors file's verify uses none: rich where a terminal, a table or a
+#: progress bar is drawn (Typer's rich help with it), the capabilities' dataclasses by a command that asks for
+#: one (the registry holds their slots, `contract.slots`), TOML's parser, zlib-ng for torch.save CRCs, ctypes
+#: for the C calls of writers (`io.local`).
+_WHERE_USED = {"rich", "typer.rich_utils", "ckptctl.contract.capabilities", "tomllib", "zlib_ng", "ctypes"}
+
+
 def _imported(*args: str) -> tuple[int, str, set[str]]:
     """Exit code, stdout and the modules loaded at the end of `ckptctl ARGS`, run in a fresh interpreter."""
     script = (
@@ -63,8 +70,12 @@ def test_verify_of_a_file_imports_only_what_it_runs(tmp_path: Path) -> None:
     save_file({"weight": np.arange(6, dtype=np.float32).reshape(2, 3)}, str(weights))
 
     code, stdout, modules = _imported("verify", str(weights), "--json")
+    # Printed for a person, to a pipe (a script's log): the same lines rich would print, without rich.
+    plain_code, plain_stdout, plain_modules = _imported("verify", str(weights))
 
     assert code == 0 and json.loads(stdout)["ok"] is True
+    assert plain_code == 0 and plain_stdout == f"ok  {weights} (safetensors; structure)"
+    assert {m for m in modules | plain_modules if m in _WHERE_USED or m.split(".")[0] in _WHERE_USED} == set()
     assert _heavy(modules) == []
     # Only the command's own module of the command-line modules, and no framework's reader: a safetensors
     # file is no framework's checkpoint file (`Plugin.checkpoint_files`).

@@ -309,9 +309,9 @@ def test_watch_beside_a_writer_copies_each_step_once_and_stops_on_sigterm(
             watcher.wait()
     assert watcher.returncode == 130, err
     assert "Traceback" not in err
-    # One line per pass (JSON lines), then the (indented) document saying that the command was interrupted.
-    passes = [json.loads(line) for line in out.splitlines() if line.startswith('{"')]
-    assert json.loads(out[out.rindex("\n{\n") :])["error"]["exit_code"] == 130
+    # One line per pass (JSON lines), then one more saying that the command was interrupted: every line a document.
+    *passes, interrupted = [json.loads(line) for line in out.splitlines()]
+    assert interrupted["error"]["exit_code"] == 130 and all("error" not in doc for doc in passes)
     copied = [Path(c["url"]).name for doc in passes for c in doc["checkpoints"] if c["action"] == "copied"]
     assert sorted(copied) == ["step-1", "step-2", "step-3", "step-4"]  # each once
     assert listed(run_cli, dst) == {f"step-{n}": "complete" for n in (1, 2, 3, 4)}

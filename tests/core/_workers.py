@@ -224,12 +224,12 @@ def _install_hang(point: str) -> None:
 
         os.replace = replace
     elif point == "unrecorded":  # committing: the writer's record is removed, the manifest not written yet
-        import ckptctl.core.storage as storage_module
+        import ckptctl.io.commit as commit_module  # the local commit writes its marker there (RenameInstall)
 
         def write_marker(*args: Any, **kwargs: Any) -> None:
             _hang(point)
 
-        storage_module.write_marker = write_marker  # type: ignore[assignment]
+        commit_module.write_marker = write_marker  # type: ignore[assignment]
     elif point == "write":  # mid-write: the staging folder and the first entry's files are there, not the rest
         real_write_tree = manager_module.write_tree
         calls = []

@@ -79,10 +79,17 @@ def test_the_key_follows_imports_and_modules_run_by_name(tmp_path: Path) -> None
     from tests.core.conftest import _fsdp_run
 
     reach = writer_cache._Reach()
-    reach.add(_fsdp_run)  # defined in a conftest: its own source, and `run_worker`'s `-m tests.core._workers`
+    reach.add(_fsdp_run)  # defined in a conftest: its own source, and what it calls (`_workers.fsdp`)
+    files = {p.relative_to(writer_cache.REPO).as_posix() for p in reach.files}
+    assert {"tests/core/_workers.py", "ckptctl/core/__init__.py"} <= files
+    assert "tests/core/conftest.py" not in files and reach.texts[0].startswith("def _fsdp_run(")
+
+    from tests.core.util import run_fresh_worker
+
+    reach = writer_cache._Reach()
+    reach.add(run_fresh_worker)  # `worker_command`'s `-m tests.core._workers`: a module run by name
     files = {p.relative_to(writer_cache.REPO).as_posix() for p in reach.files}
     assert {"tests/core/util.py", "tests/core/_workers.py", "ckptctl/core/__init__.py"} <= files
-    assert "tests/core/conftest.py" not in files and reach.texts[0].startswith("def _fsdp_run(")
 
 
 def test_a_killed_build_leaves_no_entry(cache: Path) -> None:

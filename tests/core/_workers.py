@@ -1,9 +1,12 @@
-"""Programs the core tests run in fresh processes: `python -m tests.core._workers <command> ...`.
+"""Programs the core tests run in processes of their own: `run_worker(<command>, ...)` forks one from the writers'
+pre-imported server (`tests.core.util`), `python -m tests.core._workers <command> ...` starts a fresh interpreter
+where the test needs one (`run_fresh_worker`, `autosave`: atexit hooks run only as an interpreter ends;
+`second-writer`: stdin).
 
 - `roundtrip-save DIR` / `roundtrip-restore DIR`: train a tiny model, save; restore in another process.
 - `crash SPEC.json`: save a ~50 MB state in forked children, SIGKILLed over a save or at a commit phase.
-- `fsdp DIR`: 2-rank gloo FSDP2 training saved through DCP (also asynchronously, with a failing and a killed
-  rank), then restored in 2 fresh ranks.
+- `fsdp(DIR)` (called by the test process, not a command): 2-rank gloo FSDP2 training saved through DCP (also
+  asynchronously, with a failing and a killed rank), then restored in 2 fresh ranks.
 - `autosave DIR`: a loop that leaves the saving at exit to AutoSaver's atexit hook.
 - `interrupt SPEC.json`: saves of a small state in forked children that stop mid-save; SIGKILLed, or left
   running (a live writer) for the test to kill.
@@ -529,6 +532,7 @@ def _full_state(state: dict[str, Any]) -> dict[str, Any]:
 def _init_group(rank: int, world: int, root: str, name: str) -> None:
     import torch.distributed as dist
 
+    torch.set_num_threads(1)  # the suite's ranks share 2 cores
     dist.init_process_group("gloo", init_method=f"file://{os.path.join(root, name)}", rank=rank, world_size=world)
 
 
@@ -679,8 +683,9 @@ def fsdp_one_rank(rank: int, root: str) -> None:
 
 
 def fsdp(root: str) -> None:
-    """Save with 2 ranks; in this (single) process restore it and save it again as a single-process
-    checkpoint (run `single`); then restore both runs in 2 fresh ranks."""
+    """Save with 2 ranks; in a single process restore it and save it again as a single-process checkpoint
+    (run `single`); then restore both runs in 2 fresh ranks. Every process is forked from the writers'
+    pre-imported server (`tests.writers.ranks`): this function runs in the test process."""
     from tests.writers.ranks import run_ranks
 
     context = run_ranks(_fsdp_save_rank, (2, root), 2, join=False)
@@ -691,13 +696,19 @@ def fsdp(root: str) -> None:
         sign = next((c for c in codes if c and c < 0), None)
         # "terminated with signal" lets the fixture build once more (gloo aborts, see tests/core/conftest)
         raise RuntimeError(f"save ranks ended with {codes}" + (f" (terminated with signal {-sign})" if sign else ""))
+    run_ranks(_single_process_resave, (root,), 1)
+    run_ranks(_fsdp_restore_rank, (2, root), 2)
+
+
+def _single_process_resave(rank: int, root: str) -> None:
+    """Restore the 2-rank run in one process (no process group) and save it again as run `single`."""
+    torch.set_num_threads(1)
     model = _fsdp_model(seed=5)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
     state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "sampler": ResumableSampler(16, 5)}
     CheckpointManager(os.path.join(root, "run")).restore(state)
     CheckpointManager(os.path.join(root, "single")).save(3, state)
-    run_ranks(_fsdp_restore_rank, (2, root), 2)
 
 
 def autosave(root: str, ending: str) -> None:
@@ -745,13 +756,30 @@ COMMANDS: dict[str, Callable[..., None]] = {
     "roundtrip-save": roundtrip_save,
     "roundtrip-restore": roundtrip_restore,
     "crash": crash,
-    "fsdp": fsdp,
     "autosave": autosave,
     "interrupt": interrupt,
     "fresh": fresh,
     "kill-saves": kill_saves,
     "second-writer": second_writer,
 }
+
+
+def run_command(rank: int, args: list[str], stdout: str, stderr: str) -> None:
+    """`COMMANDS[args[0]](*args[1:])` in a process forked by `tests.writers.ranks.run_ranks`
+    (`tests.core.util.run_worker`), what it prints going to the files `stdout` and `stderr`."""
+    os.setsid()  # a process group with what it forks, for `run_worker` to end at once on a failure
+    torch.set_num_threads(1)  # as OMP_NUM_THREADS=1 does for a fresh interpreter: workers run side by side
+    sys.stdout.flush()
+    sys.stderr.flush()
+    with open(stdout, "w") as out, open(stderr, "w") as err:
+        os.dup2(out.fileno(), 1)
+        os.dup2(err.fileno(), 2)
+    try:
+        COMMANDS[args[0]](*args[1:])
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+
 
 if __name__ == "__main__":
     COMMANDS[sys.argv[1]](*sys.argv[2:])

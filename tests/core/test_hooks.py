@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from ckptctl.core import AutoSaver, CheckpointManager
-from tests.core.util import REPO, run_worker, worker_command, worker_env
+from tests.core.util import REPO, run_fresh_worker, worker_command, worker_env
 
 
 class FakeClock:
@@ -88,7 +88,7 @@ def test_invalid_intervals_are_refused(run_dir: Path, bad: dict[str, Any]) -> No
 
 
 def test_atexit_saves_the_last_step_in_a_real_process(run_dir: Path) -> None:
-    done = run_worker("autosave", str(run_dir), "clean")
+    done = run_fresh_worker("autosave", str(run_dir), "clean")
     assert json.loads(done.stdout.splitlines()[0]) == []  # importing the core pulled in no CLI library
     manager = CheckpointManager(run_dir)
     assert manager.all_steps() == [0, 4, 6]

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+import signal
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -24,13 +28,51 @@ def worker_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "tests.core._workers", *args]
 
 
-def run_worker(*args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
-    """Run a worker program to completion; fail the test with its output if it fails."""
+def run_fresh_worker(*args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
+    """Run a worker program to completion in a fresh interpreter (`python -m tests.core._workers`), for what only
+    an interpreter of its own shows: atexit hooks at its end, the modules importing the core pulls in. Fail the
+    test with its output if it fails."""
     done = subprocess.run(
         worker_command(*args), cwd=REPO, env=worker_env(), capture_output=True, text=True, timeout=timeout, check=False
     )
     assert done.returncode == 0, f"worker {args} failed ({done.returncode}):\n{done.stdout}\n{done.stderr}"
     return done
+
+
+def run_worker(*args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
+    """Run a worker program (`tests.core._workers.COMMANDS`) to completion in a process forked from the writers'
+    pre-imported server (`tests.writers.ranks.run_ranks`): a process that never saw the test's state, as a fresh
+    interpreter is, without importing torch again (2-3 CPU-seconds a worker). Fail the test with its output if
+    it fails or runs past `timeout` seconds."""
+    from tests.core._workers import run_command
+    from tests.writers.ranks import run_ranks
+
+    with tempfile.TemporaryDirectory() as folder:
+        stdout, stderr = os.path.join(folder, "stdout"), os.path.join(folder, "stderr")
+        context = run_ranks(run_command, (list(args), stdout, stderr), 1, join=False)
+        deadline = time.monotonic() + timeout
+        try:
+            while not context.join(timeout=max(0.0, deadline - time.monotonic())):
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(f"ran past {timeout} s")
+        except Exception as exc:
+            # The worker and what it forked (save loops, a writer left running) end with the test: they are a
+            # process group of their own (`run_command`). A child left running would save on for ever and hold
+            # the pre-imported server open (its exit waits for every process it forked).
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(context.processes[0].pid, signal.SIGKILL)
+            context.processes[0].join()
+            raise AssertionError(f"worker {args} failed ({exc}):\n{_read(stdout)}\n{_read(stderr)}") from exc
+        return subprocess.CompletedProcess(args, 0, _read(stdout), _read(stderr))
+
+
+def _read(path: str) -> str:
+    """What the worker wrote to `path`; nothing when it failed before opening it."""
+    try:
+        with open(path) as f:
+            return f.read()
+    except FileNotFoundError:
+        return ""
 
 
 def assert_same(a: Any, b: Any, where: str = "state") -> None:

@@ -359,6 +359,9 @@ def verify_dcp_metadata(
 
 def _storage_problems(url: str, referenced: dict[str, int], by_name: dict[str, DirEntry], prefix: str) -> list[Problem]:
     problems = []
+    # Each message names the metadata file too (with its folder): a name or an offset in it may be what is
+    # damaged (a flipped byte in a pickled file name), not the data file it points at.
+    metadata = prefix + METADATA_NAME
     for name, end in sorted(referenced.items()):
         entry = by_name.get(name)
         if entry is not None:
@@ -366,16 +369,14 @@ def _storage_problems(url: str, referenced: dict[str, int], by_name: dict[str, D
         elif "/" in name and io.exists(io.join(url, name)):  # a custom writer's sub-folder
             size = io.file_size(io.join(url, name))
         else:
-            problems.append(
-                Problem(ProblemKind.MISSING_FILE, prefix + name, f"referenced by {METADATA_NAME} but missing")
-            )
+            problems.append(Problem(ProblemKind.MISSING_FILE, prefix + name, f"referenced by {metadata} but missing"))
             continue
         if end > size:
             problems.append(
                 Problem(
                     ProblemKind.TRUNCATED,
                     prefix + name,
-                    f"{METADATA_NAME} places data up to byte {end} but the file has {size} bytes",
+                    f"{metadata} places data up to byte {end} but the file has {size} bytes",
                 )
             )
     return problems

@@ -37,6 +37,7 @@ import blake3
 
 from ckptctl import io
 from ckptctl.checkpoint import CheckpointRef, CheckpointState
+from ckptctl.core.deleter import OneBackgroundThread
 from ckptctl.errors import CkptctlError, StorageError
 from ckptctl.formats.digest import file_digest
 from ckptctl.formats.manifest import DIGESTS_NAME, MANIFEST_NAME, FileRecord, Manifest, load_manifest, now_iso
@@ -282,7 +283,7 @@ def _check(unit: CheckpointFiles, transfer: Transfer, records: Mapping[str, File
             raise Mismatch(f"{rel} read from SRC differs from its {own} (run `ckptctl verify` on it)")
 
 
-class Mirror:
+class Mirror(OneBackgroundThread):
     """The background mirror of a `CheckpointManager` run (its `mirror` option): each step the manager commits
     is copied to the same folder name below `url` as `ckptctl sync` copies a checkpoint (`start_copy`,
     `finish_copy`: its manifest last), then the run's `latest` pointer, when it names a step whole there.
@@ -302,15 +303,13 @@ class Mirror:
     """
 
     def __init__(self, root: str, url: str, pointer: str, workers: int | None = None) -> None:
+        super().__init__()
         self.root, self.url, self.pointer = root, url.rstrip("/"), pointer
         self.workers = workers
         self._queue: collections.deque[str] = collections.deque()
         self._failed: list[str] = []
         self._whole: set[str] = set()
         self._current: str | None = None
-        self._errors: list[BaseException] = []
-        self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
 
     def submit(self, folder: str) -> None:
         """Queue the committed step `folder` (its name in the run), after the steps that failed to copy."""
@@ -319,29 +318,12 @@ class Mirror:
                 if name not in self._queue:
                     self._queue.append(name)
             self._failed = []
-            if self._thread is None or not self._thread.is_alive():  # not alive: a forked child's copy
-                self._thread = threading.Thread(target=self._run, name=f"ckptctl-mirror-{folder}")
-                self._thread.start()
-
-    def flush(self) -> None:
-        """Block until every queued step has been copied (or has failed)."""
-        while True:
-            with self._lock:
-                thread = self._thread
-            if thread is None or not thread.is_alive():
-                return
-            thread.join()
+            self._wake(f"ckptctl-mirror-{folder}")
 
     def pending(self) -> set[str]:
         """The steps not yet copied: queued, being copied, or failed."""
         with self._lock:
             return {*self._queue, *self._failed, *([self._current] if self._current else [])}
-
-    def take_errors(self) -> list[BaseException]:
-        """The failures since the last call (without waiting for the copies still queued)."""
-        with self._lock:
-            errors, self._errors = self._errors, []
-        return errors
 
     def _run(self) -> None:
         while True:

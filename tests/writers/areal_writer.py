@@ -224,6 +224,42 @@ def _dataset() -> list[dict[str, list[int]]]:
     return [{"input_ids": row.tolist(), "loss_mask": [0] * 4 + [1] * (SEQ_LEN - 4)} for row in ids]
 
 
+def sft_config(trial: str, fileroot: str, base_model: str, data_parallel: int) -> Any:
+    """The `SFTConfig` of this writer's trial (`EXPERIMENT`/`trial` under `fileroot`, `base_model`'s weights
+    and tokenizer, FSDP over `data_parallel` ranks, a save and a recover checkpoint every step): the writer's,
+    and the fault matrix's loader builds the same to resume it."""
+    from areal.api.cli_args import (
+        EvaluatorConfig,
+        OptimizerConfig,
+        RecoverConfig,
+        SaverConfig,
+        SFTConfig,
+        TrainDatasetConfig,
+        TrainEngineConfig,
+    )
+
+    names = {"experiment_name": EXPERIMENT, "trial_name": trial}
+    timer = {**names, "fileroot": fileroot, "freq_steps": 1}
+    config = SFTConfig(
+        **names,
+        tokenizer_path=base_model,
+        train_dataset=TrainDatasetConfig(path="local", type="sft", batch_size=BATCH_SIZE, shuffle=True),
+        saver=SaverConfig(**timer),
+        recover=RecoverConfig(**timer, mode="on"),
+        evaluator=EvaluatorConfig(**names, fileroot=fileroot),
+        actor=TrainEngineConfig(
+            **names,
+            path=base_model,
+            attn_impl="sdpa",  # flash_attention_2 by default: no GPU here
+            optimizer=OptimizerConfig(lr=1e-3),
+            backend=f"fsdp:d{data_parallel}",
+        ),
+    )
+    config.stats_logger.experiment_name, config.stats_logger.trial_name = EXPERIMENT, trial
+    config.stats_logger.fileroot = fileroot
+    return config
+
+
 def _rank(rank: int, rendezvous: str, fileroot: str, base_model: str) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD_SIZE))
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -235,15 +271,6 @@ def _rank(rank: int, rendezvous: str, fileroot: str, base_model: str) -> None:
     _import_areal()
     from areal.api import FinetuneSpec, StepInfo
     from areal.api.alloc_mode import ParallelStrategy
-    from areal.api.cli_args import (
-        EvaluatorConfig,
-        OptimizerConfig,
-        RecoverConfig,
-        SaverConfig,
-        SFTConfig,
-        TrainDatasetConfig,
-        TrainEngineConfig,
-    )
     from areal.engine.fsdp_engine import FSDPLMEngine
     from areal.infra.platforms import current_platform
     from areal.utils import seeding
@@ -261,25 +288,7 @@ def _rank(rank: int, rendezvous: str, fileroot: str, base_model: str) -> None:
 
     # The launcher's part (torchrun's env:// rendezvous), over a file so that no port is needed.
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=WORLD_SIZE)
-    names = {"experiment_name": EXPERIMENT, "trial_name": TRIAL}
-    timer = {**names, "fileroot": fileroot, "freq_steps": 1}
-    config = SFTConfig(
-        **names,
-        tokenizer_path=base_model,
-        train_dataset=TrainDatasetConfig(path="local", type="sft", batch_size=BATCH_SIZE, shuffle=True),
-        saver=SaverConfig(**timer),
-        recover=RecoverConfig(**timer, mode="on"),
-        evaluator=EvaluatorConfig(**names, fileroot=fileroot),
-        actor=TrainEngineConfig(
-            **names,
-            path=base_model,
-            attn_impl="sdpa",  # flash_attention_2 by default: no GPU here
-            optimizer=OptimizerConfig(lr=1e-3),
-            backend=f"fsdp:d{WORLD_SIZE}",
-        ),
-    )
-    config.stats_logger.experiment_name, config.stats_logger.trial_name = EXPERIMENT, TRIAL
-    config.stats_logger.fileroot = fileroot
+    config = sft_config(TRIAL, fileroot, base_model, WORLD_SIZE)
 
     # SFTTrainer.__init__ (the allocation string's parser, lark, is not installed: its result is given).
     seeding.set_random_seed(config.seed, key=f"trainer{rank}")

@@ -7,7 +7,6 @@ over 2 gloo CPU ranks (torch.multiprocessing spawn, one process group), as a tra
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 
 import torch
@@ -20,20 +19,15 @@ def _load_worker(rank: int, world_size: int, rendezvous: str, folder: str, out: 
     import torch.distributed.checkpoint as dcp
     from safetensors.torch import save_file
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
-    from tests.writers.models import tiny_llama
+    from tests.writers.models import fully_sharded, tiny_llama
+    from tests.writers.ranks import join_gloo
 
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world_size)
+    join_gloo(rank, world_size, rendezvous=rendezvous)
     try:
-        model = tiny_llama()
         mesh = init_device_mesh("cpu", (world_size,))
-        for layer in model.model.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+        model = fully_sharded(tiny_llama(), mesh)
         with torch.no_grad():  # zeros: a tensor the load leaves alone shows up as zeros, not as the seed's values
             for tensor in model.state_dict().values():
                 tensor.zero_()

@@ -13,7 +13,6 @@ shards, whose rows are scattered through the full tensor), with their full value
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,20 +55,15 @@ def _worker(
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from tests.writers.models import tiny_llama
+    from tests.writers.models import fully_sharded, tiny_llama
+    from tests.writers.ranks import join_gloo
 
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world_size)
+    join_gloo(rank, world_size, rendezvous=rendezvous)
     try:
-        model = tiny_llama()
         mesh = init_device_mesh("cpu", (world_size,))
-        for layer in model.model.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+        model = fully_sharded(tiny_llama(), mesh)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
         torch.manual_seed(100 + rank)
         tokens = torch.randint(0, model.config.vocab_size, (2, 16))

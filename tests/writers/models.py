@@ -23,3 +23,14 @@ def tiny_llama(**overrides: Any) -> Any:
         **overrides,
     )
     return LlamaForCausalLM(config)
+
+
+def fully_sharded(model: Any, mesh: Any) -> Any:
+    """`model` (a `tiny_llama`) with FSDP2's `fully_shard` on each decoder layer and on the whole, over the
+    device mesh `mesh`, as the suite's FSDP2 writers and loaders shard it."""
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model

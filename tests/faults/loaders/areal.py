@@ -58,42 +58,19 @@ def _recover(trial: Path, base_model: str) -> dict[str, Any]:
     of `trial`; what they hold."""
     from areal.api import FinetuneSpec
     from areal.api.alloc_mode import ParallelStrategy
-    from areal.api.cli_args import (
-        EvaluatorConfig,
-        OptimizerConfig,
-        RecoverConfig,
-        SaverConfig,
-        SFTConfig,
-        TrainDatasetConfig,
-        TrainEngineConfig,
-    )
     from areal.engine.fsdp_engine import FSDPLMEngine
     from areal.utils.evaluator import Evaluator
     from areal.utils.recover import RecoverHandler
     from areal.utils.saver import Saver
     from areal.utils.stats_logger import StatsLogger
 
-    from tests.writers.areal_writer import BATCH_SIZE, DATASET_SIZE, EXPERIMENT
+    from tests.writers.areal_writer import BATCH_SIZE, DATASET_SIZE, EXPERIMENT, sft_config
 
     with tempfile.TemporaryDirectory(prefix="areal-fileroot-") as fileroot:
         user = Path(fileroot, "checkpoints", getpass.getuser())
         user.mkdir(parents=True)
         (user / EXPERIMENT).symlink_to(trial.parent)  # Saver.get_save_root of (EXPERIMENT, trial.name)
-        names = {"experiment_name": EXPERIMENT, "trial_name": trial.name}
-        timer = {**names, "fileroot": fileroot, "freq_steps": 1}
-        config = SFTConfig(
-            **names,
-            tokenizer_path=base_model,
-            train_dataset=TrainDatasetConfig(path="local", type="sft", batch_size=BATCH_SIZE, shuffle=True),
-            saver=SaverConfig(**timer),
-            recover=RecoverConfig(**timer, mode="on"),
-            evaluator=EvaluatorConfig(**names, fileroot=fileroot),
-            actor=TrainEngineConfig(
-                **names, path=base_model, attn_impl="sdpa", optimizer=OptimizerConfig(lr=1e-3), backend="fsdp:d1"
-            ),
-        )
-        config.stats_logger.experiment_name, config.stats_logger.trial_name = names.values()
-        config.stats_logger.fileroot = fileroot
+        config = sft_config(trial.name, fileroot, base_model, 1)
         ft_spec = FinetuneSpec(
             total_train_epochs=config.total_train_epochs, dataset_size=DATASET_SIZE, train_batch_size=BATCH_SIZE
         )

@@ -33,13 +33,11 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-import blake3
-
 from ckptctl import io
 from ckptctl.checkpoint import CheckpointRef, CheckpointState
 from ckptctl.core.deleter import OneBackgroundThread
 from ckptctl.errors import CkptctlError, StorageError
-from ckptctl.formats.digest import file_digest
+from ckptctl.formats.digest import copy_hashed, file_digest
 from ckptctl.formats.manifest import DIGESTS_NAME, MANIFEST_NAME, FileRecord, Manifest, load_manifest, now_iso
 from ckptctl.io import trash
 from ckptctl.layouts import all_layouts, get_layout
@@ -168,15 +166,19 @@ class Transfer:
         # it is sent, or a local scratch copy between two stores): the direction is the command's own.
         if io.is_local(target):
             record = self._to_local(source, io.local_path(target))
-        elif io.is_local(source) and os.path.getsize(io.local_path(source)) <= _HASH_INLINE:
-            record = FileRecord(os.path.getsize(io.local_path(source)), file_digest(source))
-            io.upload_file(io.local_path(source), target)
         elif io.is_local(source):
-            # Hashed while it is sent (the second read comes from the page cache), not before.
-            with ThreadPoolExecutor(max_workers=1) as hashing:
-                digest = hashing.submit(file_digest, source)
+            with io.translate_errors(source):  # a file deleted at SRC meanwhile: a StorageError, not a crash
+                size = os.path.getsize(io.local_path(source))
+            if size <= _HASH_INLINE:
+                record = FileRecord(size, file_digest(source))
                 io.upload_file(io.local_path(source), target)
-                record = FileRecord(os.path.getsize(io.local_path(source)), digest.result())
+            else:
+                # Hashed while it is sent (the second read comes from the page cache), not before; a pool that
+                # runs the hash inline once the interpreter exits (the manager's mirror copies at exit too).
+                with io.ContextThreadPool(max_workers=1) as hashing:
+                    digest = hashing.submit(file_digest, source)
+                    io.upload_file(io.local_path(source), target)
+                    record = FileRecord(size, digest.result())
         else:
             with tempfile.TemporaryDirectory(prefix="ckptctl-sync-") as scratch:
                 local = os.path.join(scratch, "file")
@@ -204,9 +206,7 @@ class Transfer:
         return record
 
     def _download(self, source: str, path: str) -> FileRecord:
-        hasher = blake3.blake3(max_threads=blake3.blake3.AUTO)
-        size = io.download_file(source, path, on_block=hasher.update, max_workers=4)
-        return FileRecord(size, hasher.hexdigest())
+        return copy_hashed(source, path, max_workers=4)
 
     def parallel(self, rels: Sequence[str]) -> dict[str, FileRecord]:
         return dict(zip(rels, io.parallel_map(self.put, rels, self.workers), strict=True))
@@ -253,6 +253,8 @@ def finish_copy(job: Started, transfer: Transfer) -> dict[str, FileRecord]:
         for rel in last[:-1]:
             records[rel] = transfer.put(unit.path(rel))
         _check(unit, transfer, records)
+        # The folders' entries of everything sent are durable before the marker that makes the copy complete.
+        _fsync_folders(transfer.dst, unit, records)
         for rel in last[-1:]:
             records[rel] = transfer.put(unit.path(rel))
     except Mismatch:
@@ -261,9 +263,14 @@ def finish_copy(job: Started, transfer: Transfer) -> dict[str, FileRecord]:
     if unit.own_record is None:
         manifest = Manifest(files=dict(sorted(records.items())), created=now_iso())
         io.write_bytes_atomic(io.join(dst_base, DIGESTS_NAME), manifest.to_json())
-    for folder in sorted({posixpath.dirname(unit.path(rel)) for rel in records}, reverse=True):
-        io.fsync_dir(io.join(transfer.dst, folder) if folder else transfer.dst)
+    _fsync_folders(transfer.dst, unit, records)
     return records
+
+
+def _fsync_folders(dst: str, unit: CheckpointFiles, sent: Mapping[str, FileRecord]) -> None:
+    """fsync the DST folders holding the files `sent` (deepest first; nothing on object stores)."""
+    for folder in sorted({posixpath.dirname(unit.path(rel)) for rel in sent}, reverse=True):
+        io.fsync_dir(io.join(dst, folder) if folder else dst)
 
 
 def _check(unit: CheckpointFiles, transfer: Transfer, records: Mapping[str, FileRecord]) -> None:
@@ -335,7 +342,7 @@ class Mirror(OneBackgroundThread):
             try:
                 self._copy(folder)
             except BaseException as exc:  # handed to the manager's thread by take_errors
-                log.debug("mirroring %s failed: %s", folder, exc)
+                log.warning("mirroring %s failed: %s", folder, exc)
                 with self._lock:
                     self._errors.append(exc)
                     self._failed.append(folder)
@@ -344,6 +351,8 @@ class Mirror(OneBackgroundThread):
                     self._current = None
 
     def _copy(self, folder: str) -> None:
+        with self._lock:  # a re-saved step is whole at the mirror again only once this copy of it is
+            self._whole.discard(folder)
         source = io.join(self.root, folder)
         try:
             files = io.list_tree(source)

@@ -67,11 +67,12 @@ def file_digest(url: str) -> str:
     return sink.hexdigest()
 
 
-def copy_hashed(url: str, path: str) -> FileRecord:
-    """Copy a file (remote or local) to the new local file `path` (`io.download_file`), hashing each block as it
-    is written: the copy's size and digest, with no second read of it."""
+def copy_hashed(url: str, path: str, max_workers: int = 1) -> FileRecord:
+    """Copy a file (remote or local) to the new local file `path` (`io.download_file`, its ranged reads on
+    `max_workers` threads), hashing each block as it is written: the copy's size and digest, with no second
+    read of it."""
     hasher = blake3.blake3(max_threads=blake3.blake3.AUTO)
-    size = io.download_file(url, path, hasher.update)
+    size = io.download_file(url, path, hasher.update, max_workers=max_workers)
     return FileRecord(size, hasher.hexdigest())
 
 

@@ -47,6 +47,7 @@ from ckptctl.core.mirror import (
     SLACK,
     CheckpointFiles,
     Mismatch,
+    Started,
     SyncStopped,
     Transfer,
     finish_copy,
@@ -419,8 +420,10 @@ def _copy_all(
     """
     whole: set[str] = set()
     with io.ContextThreadPool(max_workers=transfer.workers or io.workers()) as pool:
-        jobs = [start_copy(unit, transfer, dst_tree, pool) for unit in todo]
+        jobs: list[Started] = []
         try:
+            for unit in todo:  # inside the try: a failed start cancels what the ones before it queued
+                jobs.append(start_copy(unit, transfer, dst_tree, pool))
             for job in jobs:
                 if keeper is not None:
                     keeper.tick()

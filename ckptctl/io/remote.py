@@ -10,6 +10,7 @@ retried and bounded in time by `failures.call`.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import posixpath
 import threading
@@ -173,21 +174,40 @@ def _multipart(fs: Any, path: str, remote: str, size: int, url: str) -> None:
 
     try:
         parts = parallel_map(send, range(1, -(-size // part) + 1), max_workers=workers())
-        call(
-            lambda: fs.call_s3(
-                "complete_multipart_upload",
-                Bucket=bucket,
-                Key=key,
-                UploadId=upload_id,
-                MultipartUpload={"Parts": parts},
-            ),
-            f"uploading {url}",
-            url,
-        )
+        try:
+            call(
+                lambda: fs.call_s3(
+                    "complete_multipart_upload",
+                    Bucket=bucket,
+                    Key=key,
+                    UploadId=upload_id,
+                    MultipartUpload={"Parts": parts},
+                ),
+                f"uploading {url}",
+                url,
+            )
+        except Exception:
+            # Completing is not idempotent: when a completion's answer was lost, its retry finds no such
+            # upload although the object is there. The object is ours when its ETag is the one S3 gives an
+            # object completed from exactly these parts.
+            if not _completed_from(fs, bucket, key, parts):
+                raise
     except BaseException:
         with contextlib.suppress(Exception):
             fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id)
         raise
+
+
+def _completed_from(fs: Any, bucket: str, key: str, parts: list[dict[str, Any]]) -> bool:
+    """Whether the object `key` is the completion of the uploaded `parts`: S3's ETag of a multipart object is
+    the MD5 of its parts' MD5s, then `-` and their number."""
+    digests = b"".join(bytes.fromhex(str(p["ETag"]).strip('"')) for p in parts)
+    expected = f"{hashlib.md5(digests, usedforsecurity=False).hexdigest()}-{len(parts)}"
+    try:
+        head = fs.call_s3("head_object", Bucket=bucket, Key=key)
+    except Exception:
+        return False
+    return str(head.get("ETag", "")).strip('"') == expected
 
 
 #: The one fsspec backend.

@@ -164,3 +164,50 @@ def test_a_failed_part_aborts_the_upload_and_leaves_nothing(
     assert io.list_tree(f"{bucket}/up") == {}
     fs = fsspec.filesystem("s3", skip_instance_cache=True)
     assert fs.call_s3("list_multipart_uploads", Bucket=bucket.removeprefix("s3://")).get("Uploads", []) == []
+
+
+def test_a_completion_whose_answer_was_lost_is_not_a_failure(
+    small_parts: Path, bucket: str, s3_server: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The store completes the upload but the answer is lost (a reset connection, retried): the retry finds
+    no such upload, and the object there is proved the completion of these parts by its multipart ETag."""
+    import s3fs
+
+    real = s3fs.S3FileSystem.call_s3
+    completions: list[str] = []
+
+    def answer_lost(self: object, method: str, *args: object, **kwargs: object) -> object:
+        if method != "complete_multipart_upload":
+            return real(self, method, *args, **kwargs)
+        completions.append(method)
+        if len(completions) > 1:  # S3 forgets a completed upload (moto answers a repeat with 200)
+            raise FileNotFoundError("NoSuchUpload: The specified upload does not exist")
+        real(self, method, *args, **kwargs)
+        raise ConnectionResetError("Connection reset by peer")  # completed, but the answer never came
+
+    monkeypatch.setattr(s3fs.S3FileSystem, "call_s3", answer_lost)
+    url = f"{bucket}/up/big.bin"
+    io.upload_file(str(small_parts), url)
+    assert len(completions) == 2  # the lost answer was retried, and the retry refused
+    fs = fsspec.filesystem("s3", skip_instance_cache=True)
+    assert fs.cat_file(url) == small_parts.read_bytes()
+
+
+def test_a_lost_completion_of_other_bytes_is_still_a_failure(
+    small_parts: Path, bucket: str, s3_server: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """When the object at the key is not these parts' completion (another writer's), the failure stands."""
+    import s3fs
+
+    real = s3fs.S3FileSystem.call_s3
+    url = f"{bucket}/up/big.bin"
+
+    def refused(self: object, method: str, *args: object, **kwargs: object) -> object:
+        if method == "complete_multipart_upload":
+            real(self, "put_object", Bucket=kwargs["Bucket"], Key=kwargs["Key"], Body=b"someone else's")
+            raise PermissionError("Access Denied (complete)")
+        return real(self, method, *args, **kwargs)
+
+    monkeypatch.setattr(s3fs.S3FileSystem, "call_s3", refused)
+    with pytest.raises(StorageError, match="access denied"):
+        io.upload_file(str(small_parts), url)

@@ -333,6 +333,26 @@ def _save(state: dict[str, Any], save: Path, iteration: int, *, release: bool = 
             f.write("release" if release else str(iteration))
 
 
+def lr_scheduler(optimizer: Any) -> Any:
+    """The writer's `OptimizerParamScheduler` over `optimizer` (constant LR and weight decay after one warm-up
+    step); the fault matrix's loader builds the same to load the scheduler's state into."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0,
+        max_lr=1e-2,
+        min_lr=0.0,
+        lr_warmup_steps=1,
+        lr_decay_steps=10,
+        lr_decay_style="constant",
+        start_wd=0.01,
+        end_wd=0.01,
+        wd_incr_steps=10,
+        wd_incr_style="constant",
+    )
+
+
 def _optimizer(model: Any) -> Any:
     from megatron.core.optimizer import OptimizerConfig
     from megatron.core.optimizer.optimizer import FP32Optimizer, MegatronOptimizer
@@ -362,7 +382,6 @@ def _worker(rank: int, world_size: int, rendezvous: str, root: str) -> None:
     torch.cuda.current_device = lambda: "cpu"
     join_gloo(rank, world_size, rendezvous=rendezvous)
     from megatron.core import dist_checkpointing, parallel_state
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     try:
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=_TP)
@@ -389,19 +408,7 @@ def _worker(rank: int, world_size: int, rendezvous: str, root: str) -> None:
         )
 
         optimizer = _optimizer(model)
-        scheduler = OptimizerParamScheduler(
-            optimizer,
-            init_lr=0.0,
-            max_lr=1e-2,
-            min_lr=0.0,
-            lr_warmup_steps=1,
-            lr_decay_steps=10,
-            lr_decay_style="constant",
-            start_wd=0.01,
-            end_wd=0.01,
-            wd_incr_steps=10,
-            wd_incr_style="constant",
-        )
+        scheduler = lr_scheduler(optimizer)
         for iteration in (1, 2):
             _train_step(model, optimizer, scheduler, rank, iteration)
             if iteration == 1:  # lr 0 during warmup: the weights are still the loaded ones, bit for bit

@@ -65,9 +65,8 @@ def load(path: str, options: Mapping[str, Any]) -> Any:
     from megatron.core.dist_checkpointing.mapping import ShardedObject
     from megatron.core.optimizer import OptimizerConfig
     from megatron.core.optimizer.optimizer import FP32Optimizer, MegatronOptimizer
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    from tests.writers.megatron_writer import gpt_model
+    from tests.writers.megatron_writer import gpt_model, lr_scheduler
 
     torch.manual_seed(1234)  # other weights than the saved ones: a skipped tensor shows
     model = gpt_model(tied=False)
@@ -77,19 +76,7 @@ def load(path: str, options: Mapping[str, Any]) -> Any:
     MegatronOptimizer.__init__(optimizer, inner, config, _init_adam_state)
     optimizer._scale = torch.tensor([1.0])
     optimizer.is_stub_optimizer = False
-    scheduler = OptimizerParamScheduler(
-        optimizer,
-        init_lr=0.0,
-        max_lr=1e-2,
-        min_lr=0.0,
-        lr_warmup_steps=1,
-        lr_decay_steps=10,
-        lr_decay_style="constant",
-        start_wd=0.01,
-        end_wd=0.01,
-        wd_incr_steps=10,
-        wd_incr_style="constant",
-    )
+    scheduler = lr_scheduler(optimizer)
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     model_state = model.sharded_state_dict()
     sharded = {

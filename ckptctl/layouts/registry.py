@@ -27,7 +27,8 @@ from ckptctl.contract.slots import (
 )
 from ckptctl.errors import CkptctlError, UnknownLayout
 from ckptctl.formats.framework_classes import FrameworkClasses
-from ckptctl.layouts.generic import GENERIC, TRAINING_STATE, generic_layout, training_state_layout
+from ckptctl.layouts.generic import GENERIC, TRAINING_STATE, generic_layout
+from ckptctl.layouts.training_state_layout import training_state_layout
 
 if TYPE_CHECKING:  # the capabilities are built where one is used (`contract.slots`)
     from ckptctl.contract.capabilities import TrainingStateWriter

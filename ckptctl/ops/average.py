@@ -43,17 +43,15 @@ from ckptctl.errors import CkptctlError, CorruptCheckpoint
 from ckptctl.formats.safetensors_stream import cast_block
 from ckptctl.layouts import resolve
 from ckptctl.ops.convert import (
-    DEFAULT_MAX_SHARD_SIZE,
     ConvertOptions,
     ModelCheck,
     Prepared,
-    Target,
     Weights,
     prepare,
     write_prepared,
 )
+from ckptctl.ops.convert.options import OutputOptions
 from ckptctl.ops.convert.plan import Planned, read_planned
-from ckptctl.ops.distributed_work import Ranks
 from ckptctl.ops.listing import list_run
 from ckptctl.ops.report import SCHEMA_VERSION, NoProgress, Progress
 
@@ -70,7 +68,7 @@ _FLOATING = frozenset({"float64", "float32", "float16", "bfloat16"})
 
 
 @dataclass(frozen=True, slots=True)
-class AverageOptions:
+class AverageOptions(OutputOptions):
     """How to average and what to write.
 
     Attributes:
@@ -98,36 +96,10 @@ class AverageOptions:
     weights: tuple[float, ...] | None = None
     normalize: bool = True
     ema: float | None = None
-    to: Target = Target.HF
-    dtype: str | None = None
-    max_shard_size: int = DEFAULT_MAX_SHARD_SIZE
-    dcp_file_size: int = DEFAULT_MAX_SHARD_SIZE
     source_weights: Weights = Weights.AUTO
-    config_dir: str | None = None
-    tokenizer_dir: str | None = None
-    mapping: str | None = None
-    force: bool = False
-    check_model: bool = True
-    reread: bool = False
-    workers: int | None = None
-    ranks: Ranks | None = None
 
     def convert_options(self) -> ConvertOptions:
-        return ConvertOptions(
-            to=self.to,
-            dtype=self.dtype,
-            max_shard_size=self.max_shard_size,
-            dcp_file_size=self.dcp_file_size,
-            config_dir=self.config_dir,
-            tokenizer_dir=self.tokenizer_dir,
-            mapping=self.mapping,
-            force=self.force,
-            reread=self.reread,
-            workers=self.workers,
-            weights=self.source_weights,
-            check_model=self.check_model,
-            ranks=self.ranks,
-        )
+        return ConvertOptions(**self.output_options(), weights=self.source_weights)
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 from ckptctl.checkpoint import Component
@@ -71,7 +71,31 @@ def parse_dtype(text: str) -> str:
 
 
 @dataclass(frozen=True, slots=True)
-class ConvertOptions:
+class OutputOptions:
+    """How a command that writes a model (`convert`, `average`) writes its output: the options the two share
+    (their classes document each one as the command reads it).
+    """
+
+    to: Target = Target.HF
+    dtype: str | None = None
+    max_shard_size: int = DEFAULT_MAX_SHARD_SIZE
+    dcp_file_size: int = DEFAULT_MAX_SHARD_SIZE
+    mapping: str | None = None
+    config_dir: str | None = None
+    tokenizer_dir: str | None = None
+    force: bool = False
+    reread: bool = False
+    workers: int | None = None
+    check_model: bool = True
+    ranks: Ranks | None = None
+
+    def output_options(self) -> dict[str, Any]:
+        """These options by name, as another command's options that write the same output take them."""
+        return {f.name: getattr(self, f.name) for f in fields(OutputOptions)}
+
+
+@dataclass(frozen=True, slots=True)
+class ConvertOptions(OutputOptions):
     """What to convert and how.
 
     Attributes:
@@ -114,22 +138,11 @@ class ConvertOptions:
             writing of the output's data files; None: this process alone. The output is the same byte for byte.
     """
 
-    to: Target = Target.HF
-    dtype: str | None = None
-    max_shard_size: int = DEFAULT_MAX_SHARD_SIZE
-    dcp_file_size: int = DEFAULT_MAX_SHARD_SIZE
     component: Component = Component.MODEL
     strip_prefix: str | None = None
     renames: tuple[tuple[str, str], ...] = ()
-    mapping: str | None = None
-    config_dir: str | None = None
-    tokenizer_dir: str | None = None
-    force: bool = False
     layout: str | None = None
-    reread: bool = False
-    workers: int | None = None
     weights: Weights = Weights.AUTO
-    check_model: bool = True
     check_logits: bool = False
     merge_adapter: str | None = None
     lora: LoraMode = LoraMode.MERGE
@@ -137,7 +150,6 @@ class ConvertOptions:
     lora_alpha: float | None = None
     lora_r: int | None = None
     lora_rslora: bool = False
-    ranks: Ranks | None = None
 
     def given_scaling(self) -> GivenScaling | None:
         """The LoRA scaling given by `lora_alpha` (with `lora_r`, `lora_rslora`), or None.

@@ -15,22 +15,6 @@ from ckptctl import io
 from ckptctl.checkpoint import Checkpoint, TensorEntry
 from ckptctl.contract.naming import NameStripper
 
-__all__ = [
-    "NO_NAME_MAP",
-    "Adapter",
-    "ConvertSource",
-    "DerivedTensor",
-    "HeadTask",
-    "HfModel",
-    "MasterWeights",
-    "MasterWeightsReader",
-    "ModelSpec",
-    "ModelTensors",
-    "NameMap",
-    "NativeModel",
-    "default_config_folders",
-]
-
 
 class HeadTask(Enum):
     """The transformers model a value head converts to, by the suffix of its class name (`ConvertSource.value_head_task`;

@@ -14,16 +14,6 @@ if TYPE_CHECKING:
     from ckptctl.formats.manifest import FileRecord
     from ckptctl.formats.torch_save_writer import RawTensor
 
-__all__ = [
-    "NotCarried",
-    "ParamState",
-    "ReshardRequest",
-    "StateTensor",
-    "TrainingStateSource",
-    "TrainingStateWriter",
-    "WrittenState",
-]
-
 
 @dataclass(frozen=True, slots=True)
 class NotCarried:

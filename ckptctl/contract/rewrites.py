@@ -12,8 +12,6 @@ from typing import Protocol, runtime_checkable
 from ckptctl.checkpoint import Checkpoint, Problem
 from ckptctl.errors import CkptctlError
 
-__all__ = ["OneLookSlimmer", "Pointer", "PointerWriter", "SlimRecipe", "SlimRewrite", "Slimmer"]
-
 
 @dataclass(frozen=True, slots=True)
 class Pointer:

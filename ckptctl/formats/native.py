@@ -19,7 +19,6 @@ import contextlib
 import json
 import os
 import re
-import secrets
 import threading
 import time
 from collections import OrderedDict
@@ -115,7 +114,7 @@ def staging_token() -> str:
     re-save's swap put the replaced step under the name): whatever moment a kill lands on, what it leaves
     says whose it was.
     """
-    return f"{secrets.token_hex(4)}p{os.getpid()}m{machine_tag()}"
+    return f"{os.urandom(4).hex()}p{os.getpid()}m{machine_tag()}"  # secrets.token_hex(4), without importing `random`
 
 
 def abandoned_staging(url: str, grace: timedelta, *, now: float | None = None) -> str | None:

@@ -17,7 +17,6 @@ import enum
 import hashlib
 import json
 import os
-import socket
 import sys
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
@@ -62,7 +61,7 @@ class ProcessRecord:
         """This process."""
         pid = os.getpid()
         return cls(
-            host=socket.gethostname(),
+            host=_host_name(),
             pid=pid,
             pid_start=process_start(pid),
             boot_id=_boot_id(),
@@ -88,7 +87,7 @@ class ProcessRecord:
 
     def liveness(self) -> Liveness:
         """Whether the process still runs, as far as this machine can tell."""
-        if self.host != socket.gethostname():
+        if self.host != _host_name():
             return Liveness.UNKNOWN
         for recorded, here in ((self.boot_id, _boot_id()), (self.pid_namespace, _pid_namespace())):
             if recorded is not None and here is not None and recorded != here:
@@ -102,7 +101,7 @@ class ProcessRecord:
         be told about it from here."""
         if tag != machine_tag() or not 0 < pid <= _MAX_PID:
             return None
-        return cls(host=socket.gethostname(), pid=pid, boot_id=_boot_id(), pid_namespace=_pid_namespace())
+        return cls(host=_host_name(), pid=pid, boot_id=_boot_id(), pid_namespace=_pid_namespace())
 
     def describe(self) -> str:
         return f"pid {self.pid} on {self.host}"
@@ -136,8 +135,14 @@ def machine_tag() -> str:
     """This machine and pid namespace in 12 hex digits: a digest of what `ProcessRecord.liveness` compares
     (host name, boot id, pid namespace), for a name that must say whose it is where no file can be written
     beside it first (`ProcessRecord.tagged`)."""
-    identity = "\n".join((socket.gethostname(), _boot_id() or "", _pid_namespace() or ""))
+    identity = "\n".join((_host_name(), _boot_id() or "", _pid_namespace() or ""))
     return hashlib.blake2b(identity.encode(), digest_size=6).hexdigest()
+
+
+def _host_name() -> str:
+    import socket  # imported here: every reader of a native checkpoint imports this module (a command's fixed cost)
+
+    return socket.gethostname()
 
 
 def process_start(pid: int) -> str | None:

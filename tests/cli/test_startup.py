@@ -17,6 +17,7 @@ from ckptctl.cli.app import COMMANDS, build_app
 from ckptctl.cli.command import _Coercion
 from ckptctl.cli.report import DEFAULT_LAST
 from ckptctl.ops import report_page
+from tests.writers.dcp_writer import WrittenDcp
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -93,6 +94,21 @@ def test_verify_of_a_file_imports_only_what_it_runs(tmp_path: Path) -> None:
     assert {"ckptctl.ops.slim", "ckptctl.ops.prune", "ckptctl.ops.resume_plan", "ckptctl.core.lock"} & modules == set()
     # Nor the readers of other formats: torch.save pickles and DCP metadata (their import is most of the rest).
     assert {m for m in modules if m in _OTHER_FORMATS} == set()
+    # Nor the content checks: a safetensors file without a manifest has no byte to check beyond its header.
+    assert {"ckptctl.ops.content", "ckptctl.ops.digests", "ckptctl.ops.sweeping", "blake3"} & modules == set()
+
+
+def test_verify_of_a_dcp_folder_imports_no_resume_profile_nor_capability(raw_dcp: WrittenDcp) -> None:
+    """Finding which layout a DCP folder is imports the readers tried before `dcp`'s: not what they resume as
+    (`contract.resume`, each plugin's `resume` module) nor the capabilities' dataclasses, nor `secrets` and
+    `socket` (names and records of the native layout's saves, which verify only reads)."""
+    code, stdout, modules = _imported("verify", str(raw_dcp.path), "--json")
+
+    assert code == 0 and json.loads(stdout)["layout"] == "dcp"
+    assert "ckptctl.frameworks.native.layout" in modules  # tried first, so the check below means something
+    assert sorted(m for m in modules if m == "ckptctl.contract.resume" or m.endswith(".resume")) == []
+    assert {"ckptctl.contract.capabilities", "secrets", "socket"} & modules == set()
+    assert _heavy(modules) == []
 
 
 def test_help_imports_every_command_and_nothing_heavy() -> None:

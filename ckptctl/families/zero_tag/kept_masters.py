@@ -6,12 +6,15 @@ are gone."""
 from __future__ import annotations
 
 import json
+from typing import TYPE_CHECKING
 
 from ckptctl import io
 from ckptctl.checkpoint import Component, TensorChunk, TensorEntry
-from ckptctl.contract.capabilities import MasterWeights
 from ckptctl.errors import CorruptCheckpoint
 from ckptctl.formats.safetensors import read_header
+
+if TYPE_CHECKING:  # imported where one is built: the capabilities' dataclasses would cost every reader of a tag
+    from ckptctl.contract.capabilities import MasterWeights
 
 __all__ = ["KEPT_MASTERS", "NOTES_KEY", "UPCAST_KEY", "kept_master_weights"]
 
@@ -30,6 +33,8 @@ def kept_master_weights(checkpoint_url: str, prefix: str) -> MasterWeights:
     Raises:
         CorruptCheckpoint: the file is not a safetensors file, or its metadata is not what slim writes.
     """
+    from ckptctl.contract.capabilities import MasterWeights
+
     rel = f"{prefix}{KEPT_MASTERS}"
     url = io.join(checkpoint_url, rel)
     header = read_header(url)

@@ -32,7 +32,7 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import cache, partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckptctl import io
 from ckptctl.checkpoint import (
@@ -58,7 +58,6 @@ from ckptctl.contract.base import (
     timestamp,
 )
 from ckptctl.contract.load_set import LoadMember
-from ckptctl.contract.resume import ResumeProfile
 from ckptctl.errors import CkptctlError, UnknownLayout
 from ckptctl.families.hf_folder import safetensors_index, verify_model_files
 from ckptctl.families.in_progress import missing_marker
@@ -79,6 +78,9 @@ from ckptctl.frameworks.accelerate.files import (
 )
 from ckptctl.frameworks.accelerate.load_set import expected_files, save_state_members, torn_note
 from ckptctl.io import DirEntry
+
+if TYPE_CHECKING:
+    from ckptctl.contract.resume import ResumeProfile
 
 __all__ = ["AccelerateLayout", "SaveStateParts", "auto_checkpoint_match"]
 

@@ -37,7 +37,7 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import cache
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckptctl import io
 from ckptctl.checkpoint import (
@@ -52,7 +52,6 @@ from ckptctl.checkpoint import (
 )
 from ckptctl.contract.base import Layout, newest_mtime, timestamp
 from ckptctl.contract.load_set import LoadMember, MemberKind
-from ckptctl.contract.resume import ResumeProfile
 from ckptctl.errors import CkptctlError, CorruptCheckpoint, UnknownLayout
 from ckptctl.families.dcp_folder import (
     DISTCP_RE,
@@ -79,6 +78,9 @@ from ckptctl.frameworks.areal.files import (
 )
 from ckptctl.io import DirEntry
 from ckptctl.layouts import peek_dir
+
+if TYPE_CHECKING:
+    from ckptctl.contract.resume import ResumeProfile
 
 __all__ = ["EXPORT_RE", "ArealLayout", "read_dataloader_info"]
 

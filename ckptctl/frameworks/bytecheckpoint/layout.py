@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import cache, partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckptctl import io
 from ckptctl.checkpoint import (
@@ -49,7 +49,6 @@ from ckptctl.contract.base import (
     timestamp,
 )
 from ckptctl.contract.load_set import LoadMember, MemberKind
-from ckptctl.contract.resume import ResumeProfile
 from ckptctl.errors import CkptctlError, CorruptCheckpoint, UnknownLayout
 from ckptctl.families.dcp_folder import (
     DISTCP_RE,
@@ -81,6 +80,9 @@ from ckptctl.frameworks.bytecheckpoint.metadata import (
 )
 from ckptctl.io import DirEntry
 from ckptctl.layouts import peek_dir
+
+if TYPE_CHECKING:
+    from ckptctl.contract.resume import ResumeProfile
 
 __all__ = ["BytecheckpointLayout"]
 

@@ -6,9 +6,12 @@ folders too); the plugin adds how `dcp.load` resumes (`frameworks.dcp.resume`).
 
 from __future__ import annotations
 
-from ckptctl.contract.resume import ResumeProfile
+from typing import TYPE_CHECKING
+
 from ckptctl.families.dcp_folder import DcpFolderLayout
-from ckptctl.frameworks.dcp.resume import PROFILE
+
+if TYPE_CHECKING:
+    from ckptctl.contract.resume import ResumeProfile
 
 __all__ = ["DcpLayout"]
 
@@ -18,4 +21,6 @@ class DcpLayout(DcpFolderLayout):
 
     def resume_profile(self) -> ResumeProfile:
         """See `frameworks.dcp.resume`."""
+        from ckptctl.frameworks.dcp.resume import PROFILE
+
         return PROFILE

@@ -18,15 +18,17 @@ DeepSpeed's own: this layout, its resume profile, the classes its files pickle (
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from ckptctl.checkpoint import Checkpoint, CheckpointRef, Problem
 from ckptctl.contract.base import Layout, every_child_folder
-from ckptctl.contract.resume import ResumeProfile
 from ckptctl.families.zero_tag.folder import open_tag, tag_ref
 from ckptctl.families.zero_tag.names import read_latest, tag_markers
 from ckptctl.families.zero_tag.verify import verify_tag
-from ckptctl.frameworks.deepspeed.resume import PROFILE
 from ckptctl.io import DirEntry
+
+if TYPE_CHECKING:
+    from ckptctl.contract.resume import ResumeProfile
 
 __all__ = ["DeepSpeedLayout"]
 
@@ -64,4 +66,6 @@ class DeepSpeedLayout(Layout):
 
     def resume_profile(self) -> ResumeProfile:
         """See `frameworks.deepspeed.resume`."""
+        from ckptctl.frameworks.deepspeed.resume import PROFILE
+
         return PROFILE

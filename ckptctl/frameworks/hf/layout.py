@@ -7,9 +7,12 @@ and, as its convert source, the model transformers builds from its config (`fram
 
 from __future__ import annotations
 
-from ckptctl.contract.resume import ResumeProfile
+from typing import TYPE_CHECKING
+
 from ckptctl.families.hf_folder import HfFolderLayout
-from ckptctl.frameworks.hf.resume import PROFILE
+
+if TYPE_CHECKING:
+    from ckptctl.contract.resume import ResumeProfile
 
 __all__ = ["HfModelLayout"]
 
@@ -19,4 +22,6 @@ class HfModelLayout(HfFolderLayout):
 
     def resume_profile(self) -> ResumeProfile:
         """See `frameworks.hf.resume`."""
+        from ckptctl.frameworks.hf.resume import PROFILE
+
         return PROFILE

@@ -32,7 +32,7 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import cache, partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckptctl import io
 from ckptctl.checkpoint import (
@@ -55,7 +55,6 @@ from ckptctl.contract.base import (
     timestamp,
 )
 from ckptctl.contract.load_set import LoadMember
-from ckptctl.contract.resume import ResumeProfile
 from ckptctl.errors import CkptctlError, UnknownLayout
 from ckptctl.families.hf_folder import (
     has_weights,
@@ -87,6 +86,9 @@ from ckptctl.frameworks.hf_trainer.load_set import (
 )
 from ckptctl.io import DirEntry
 from ckptctl.layouts import peek, peek_dir
+
+if TYPE_CHECKING:
+    from ckptctl.contract.resume import ResumeProfile
 
 __all__ = ["HfTrainerLayout", "TrainerParts", "model_tensors", "training_args_fields"]
 

@@ -37,7 +37,7 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from functools import cache, partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckptctl import io
 from ckptctl.checkpoint import (
@@ -59,7 +59,6 @@ from ckptctl.contract.base import (
     newest_mtime,
     timestamp,
 )
-from ckptctl.contract.resume import ResumeProfile
 from ckptctl.errors import CkptctlError, UnknownLayout, UnsafePickle, UnsupportedClass
 from ckptctl.families.dcp_folder import DISTCP_RE, dcp_tensor_index, verify_dcp, world_size_of
 from ckptctl.families.hf_folder import torch_file_entries
@@ -77,6 +76,9 @@ from ckptctl.formats.torch_zip import TorchArchive
 from ckptctl.frameworks.lightning.files import DEEPSPEED_TAG, LAST, META, SUFFIX
 from ckptctl.io import DirEntry
 from ckptctl.layouts import peek_dir
+
+if TYPE_CHECKING:
+    from ckptctl.contract.resume import ResumeProfile
 
 __all__ = ["LightningLayout", "lightning_dict_file", "name_fields", "open_lightning_file"]
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from functools import cache
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckptctl import io
 from ckptctl.checkpoint import (
@@ -43,7 +43,6 @@ from ckptctl.checkpoint import (
     TensorEntry,
 )
 from ckptctl.contract.base import Layout, every_child_folder, list_files, newest_mtime, timestamp
-from ckptctl.contract.resume import ResumeProfile
 from ckptctl.errors import CheckpointInProgress, CkptctlError, CorruptCheckpoint, UnknownLayout
 from ckptctl.families.dcp_folder import (
     DISTCP_RE,
@@ -58,6 +57,9 @@ from ckptctl.formats.documents import read_json
 from ckptctl.formats.safe_pickle import FrameworkObject
 from ckptctl.frameworks.megatron.files import COMMON, RELEASE, TRACKER, iteration_of, read_common, read_tracker
 from ckptctl.io import DirEntry
+
+if TYPE_CHECKING:
+    from ckptctl.contract.resume import ResumeProfile
 
 __all__ = ["MARKER", "MegatronLayout"]
 

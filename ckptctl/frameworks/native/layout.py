@@ -13,6 +13,7 @@ import time
 from collections.abc import Mapping, Sequence
 from datetime import datetime, timedelta
 from functools import cache
+from typing import TYPE_CHECKING
 
 from ckptctl import io
 from ckptctl.checkpoint import (
@@ -35,7 +36,6 @@ from ckptctl.contract.base import (
     step_from_name,
     timestamp,
 )
-from ckptctl.contract.resume import ResumeProfile
 from ckptctl.errors import CkptctlError, CorruptCheckpoint
 from ckptctl.families.dcp_folder import dcp_tensor_index, verify_dcp
 from ckptctl.formats.manifest import DIGESTS_NAME, MANIFEST_NAME, Manifest
@@ -52,8 +52,10 @@ from ckptctl.formats.native import (
     superseded_note,
 )
 from ckptctl.formats.safetensors import read_header
-from ckptctl.frameworks.native.resume import PROFILE
 from ckptctl.io import DirEntry
+
+if TYPE_CHECKING:
+    from ckptctl.contract.resume import ResumeProfile
 
 __all__ = ["COMPONENT_OF_KIND", "REMOTE_UPLOAD_WINDOW", "NativeLayout"]
 
@@ -253,6 +255,8 @@ class NativeLayout(Layout):
 
     def resume_profile(self) -> ResumeProfile:
         """See `frameworks.native.resume`."""
+        from ckptctl.frameworks.native.resume import PROFILE
+
         return PROFILE
 
 

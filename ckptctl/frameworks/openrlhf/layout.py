@@ -26,7 +26,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckptctl import io
 from ckptctl.checkpoint import Checkpoint, CheckpointRef, CheckpointState, Component, Problem, ProblemKind, Role
@@ -38,7 +38,6 @@ from ckptctl.contract.base import (
     newest_mtime,
     timestamp,
 )
-from ckptctl.contract.resume import ResumeProfile
 from ckptctl.errors import CkptctlError, UnknownLayout
 from ckptctl.families.hf_folder import HfFolderLayout, has_weights, model_markers, verify_model_files
 from ckptctl.families.zero_tag.folder import open_tag
@@ -53,6 +52,9 @@ from ckptctl.families.zero_tag.verify import verify_tag
 from ckptctl.formats.documents import as_real, read_json
 from ckptctl.io import DirEntry
 from ckptctl.layouts import peek, peek_dir
+
+if TYPE_CHECKING:
+    from ckptctl.contract.resume import ResumeProfile
 
 __all__ = ["EXPORT_RE", "METRIC_NAME", "TAG_RE", "OpenRlhfLayout", "role_of"]
 

@@ -31,7 +31,7 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import cache
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckptctl import io
 from ckptctl.checkpoint import (
@@ -53,7 +53,6 @@ from ckptctl.contract.base import (
     timestamp,
 )
 from ckptctl.contract.load_set import LoadMember, MemberKind
-from ckptctl.contract.resume import ResumeProfile
 from ckptctl.errors import CkptctlError, UnknownLayout
 from ckptctl.families.dcp_folder import (
     DISTCP_RE,
@@ -82,6 +81,9 @@ from ckptctl.formats.torch_pickle import open_torch_pickle
 from ckptctl.frameworks.roll.files import CRITIC, DCP_FOLDER, MCA_CONFIG, PIPELINE_RNG, PIPELINE_STATE, RNG_DIR, TRACKER
 from ckptctl.io import DirEntry
 from ckptctl.quoting import yaml_value
+
+if TYPE_CHECKING:
+    from ckptctl.contract.resume import ResumeProfile
 
 __all__ = ["RollLayout"]
 

@@ -21,17 +21,19 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckptctl import io
 from ckptctl.checkpoint import Checkpoint, CheckpointRef, Role
-from ckptctl.contract.resume import ResumeProfile
 from ckptctl.errors import CkptctlError
 from ckptctl.families.dcp_folder import DcpFolderLayout
 from ckptctl.formats.dcp_folder_metadata import load_dcp_metadata
 from ckptctl.formats.dcp_metadata import METADATA_NAME, DcpMetadata
 from ckptctl.formats.torch_save import read_object_archive
 from ckptctl.io import DirEntry
+
+if TYPE_CHECKING:
+    from ckptctl.contract.resume import ResumeProfile
 
 __all__ = ["TorchtitanLayout", "data_ranks"]
 

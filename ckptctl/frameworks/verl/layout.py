@@ -36,7 +36,7 @@ import re
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cache, partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckptctl import io
 from ckptctl.checkpoint import (
@@ -59,7 +59,6 @@ from ckptctl.contract.base import (
     timestamp,
 )
 from ckptctl.contract.load_set import LoadMember, MemberKind
-from ckptctl.contract.resume import ResumeProfile
 from ckptctl.errors import CkptctlError, CorruptCheckpoint, UnknownLayout
 from ckptctl.families.in_progress import unfinished_state
 from ckptctl.families.torch_file import torch_file_problems
@@ -73,6 +72,9 @@ from ckptctl.formats.torch_pickle_classes import TensorRef
 from ckptctl.frameworks.verl.files import STEP_RE, read_tracker
 from ckptctl.io import DirEntry
 from ckptctl.layouts import peek_dir
+
+if TYPE_CHECKING:
+    from ckptctl.contract.resume import ResumeProfile
 
 __all__ = [
     "HF_FOLDER",

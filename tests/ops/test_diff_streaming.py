@@ -398,14 +398,14 @@ def test_the_statistics_of_any_float_mix_are_those_of_its_float64_values_to_the_
 
 def test_a_streamed_comparison_does_not_import_torch(hf_model_dirs: dict[str, Path], tmp_path: Path) -> None:
     """Reading safetensors raw needs numpy only: a comparison of large tensors starts without torch's
-    second or two of imports."""
+    second or two of imports, nor ml_dtypes' half second (bf16 against fp32 here)."""
     cast = write_changed(hf_model_dirs["single"], tmp_path / "bf16", bf16_cast)
     script = (
         "import json, sys\n"
         "import ckptctl.ops.diff as d\n"
         f"d._BLOCK, d._READ_BLOCK = {BLOCK}, {READ_BLOCK}\n"
         "r = d.diff(sys.argv[1], sys.argv[2], d.DiffOptions(ignore_dtype=True, rtol=2**-8))\n"
-        "print(json.dumps({'equal': r.equal, 'torch': 'torch' in sys.modules}))\n"
+        "print(json.dumps({'equal': r.equal, 'torch': 'torch' in sys.modules, 'ml_dtypes': 'ml_dtypes' in sys.modules}))\n"
     )
     proc = subprocess.run(
         [sys.executable, "-c", script, str(hf_model_dirs["single"]), str(cast)],
@@ -414,4 +414,4 @@ def test_a_streamed_comparison_does_not_import_torch(hf_model_dirs: dict[str, Pa
         check=True,
         cwd=Path(__file__).resolve().parents[2],
     )
-    assert json.loads(proc.stdout) == {"equal": True, "torch": False}
+    assert json.loads(proc.stdout) == {"equal": True, "torch": False, "ml_dtypes": False}

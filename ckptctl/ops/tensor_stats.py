@@ -17,8 +17,9 @@ sides hold bit for bit (it only adds to the norms), and `fold` of the blocks' re
 Whoever computes the blocks (a whole tensor in one thread, or blocks streamed by many) gets the same
 numbers to the last bit, as long as the blocks start at the same elements.
 
-Bytes are decoded without torch for every dtype numpy holds, and for bfloat16 (ml_dtypes' cast, exact, in
-one pass); the float8 formats go through a 256-entry table that torch builds once.
+Bytes are decoded without torch for every dtype numpy holds, and for bfloat16 (the upper half of a
+float32: a shift, exact, and without ml_dtypes, whose import alone costs more than comparing a gigabyte);
+the float8 formats go through a 256-entry table that torch builds once.
 """
 
 from __future__ import annotations
@@ -156,18 +157,17 @@ def decode(raw: np.ndarray, dtype: str, compute: np.dtype) -> np.ndarray:
     """Stored elements of `dtype` (as `raw_from_bytes` returns them) upcast to `compute`, exactly."""
     with np.errstate(invalid="ignore"):  # a signalling NaN stays a NaN
         if dtype == "bfloat16":
-            return raw.view(_bfloat16()).astype(compute)
+            return _bfloat16_as_float32(raw, np.empty(raw.size, dtype=np.uint32)).astype(compute)
         if dtype.startswith("float8"):
             return _float8_values(dtype)[raw].astype(compute, copy=False)
         return raw.astype(compute, copy=False)
 
 
-@functools.cache
-def _bfloat16() -> np.dtype:
-    """numpy's bfloat16 (ml_dtypes): its casts to float32/float64 are exact, NaN stays NaN."""
-    import ml_dtypes
-
-    return np.dtype(ml_dtypes.bfloat16)
+def _bfloat16_as_float32(raw: np.ndarray, words: np.ndarray) -> np.ndarray:
+    """bfloat16 bit patterns as the float32 values they are, exactly (NaN stays NaN): a bfloat16 is the
+    upper half of a float32. `words`: room for them, uint32."""
+    np.left_shift(raw, 16, out=words, dtype=np.uint32)
+    return words.view(np.float32)
 
 
 @functools.cache
@@ -194,8 +194,8 @@ def compare_block(
     scratch = _scratch(n)
     d = scratch.d[:n]
     with np.errstate(all="ignore"):  # signalling NaNs, inf - inf: the masked path handles them
-        x = _decode_float(raw_a, dtype_a, scratch.x[:n])
-        y = _decode_float(raw_b, dtype_b, scratch.y[:n])
+        x = _decode_float(raw_a, dtype_a, scratch.x[:n], scratch)
+        y = _decode_float(raw_b, dtype_b, scratch.y[:n], scratch)
         np.subtract(x, y, out=d)
         np.abs(d, out=d)
         sq_a, sq_b, sq_diff = _sum_squares(x), _sum_squares(y), _sum_squares(d)
@@ -246,7 +246,7 @@ def norms_block(raw: np.ndarray, dtype: str) -> BlockStats:
         if compute == np.float64:
             n = raw.size
             scratch = _scratch(n)
-            x = _decode_float(raw, dtype, scratch.x[:n])
+            x = _decode_float(raw, dtype, scratch.x[:n], scratch)
             sq = _sum_squares(x)
             if not math.isfinite(sq):
                 sq = _sum_squares(_finite_abs(x, np.ones(n, dtype=bool)))
@@ -256,11 +256,10 @@ def norms_block(raw: np.ndarray, dtype: str) -> BlockStats:
     return BlockStats(0.0, 0.0, sq, sq, 0, 0)
 
 
-def _decode_float(raw: np.ndarray, dtype: str, out: np.ndarray) -> np.ndarray:
+def _decode_float(raw: np.ndarray, dtype: str, out: np.ndarray, scratch: _Scratch) -> np.ndarray:
     """`decode(raw, dtype, float64)` into `out`."""
     if dtype == "bfloat16":
-        # ml_dtypes' cast widens in one pass, half the time of widening the bit patterns to float32 first.
-        np.copyto(out, raw.view(_bfloat16()), casting="unsafe")
+        np.copyto(out, _bfloat16_as_float32(raw, scratch.words[: raw.size]), casting="unsafe")
     elif dtype.startswith("float8"):
         np.take(_float8_values(dtype), raw, out=out)
     else:
@@ -305,6 +304,7 @@ class _Scratch:
         self.d = np.empty(size)
         self.limit = np.empty(size)
         self.mask = np.empty(size, dtype=bool)
+        self.words = np.empty(size, dtype=np.uint32)
 
 
 _THREAD = threading.local()

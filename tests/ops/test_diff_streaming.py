@@ -343,19 +343,69 @@ def test_bf16_and_float8_decode_exactly() -> None:
         np.testing.assert_array_equal(decoded, values.double().numpy())
 
 
+FLOATS = ["float64", "float32", "float16", "bfloat16"]
+
+
+def stored(values: np.ndarray, dtype: str) -> np.ndarray:
+    """`values` rounded to `dtype`, as `raw_from_bytes` gives its stored elements (bfloat16 as bit patterns)."""
+    return tensor_stats.raw_from_tensor(torch.from_numpy(values).to(getattr(torch, dtype)))
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    st.integers(0, 2**32 - 1),
+    st.sampled_from([1, 7, 4095, 4096, 4097, 3 * 4096 + 5]),
+    st.sampled_from(FLOATS),
+    st.sampled_from(FLOATS),
+    st.sampled_from([0.02, 1e-30, 2.0**-140, 1e30]),  # subnormal in fp32/bf16 at 2**-140, over fp16 at 1e30
+    st.booleans(),
+    st.lists(st.tuples(st.integers(0, 2**16), st.sampled_from([math.nan, math.inf, -math.inf, -0.0, 0.0])), max_size=4),
+    st.sampled_from([(0.0, 0.0), (1e-3, 0.0), (0.0, 2**-8), (0.5, 0.1)]),
+)
+def test_the_statistics_of_any_float_mix_are_those_of_its_float64_values_to_the_last_bit(
+    seed: int,
+    n: int,
+    dtype_a: str,
+    dtype_b: str,
+    scale: float,
+    gaps: bool,
+    special: list[tuple[int, float]],
+    tol: tuple[float, float],
+) -> None:
+    """Each side is decoded exactly, so a block of bf16 against fp32 (or any other mix) gives the numbers that
+    the same values given as float64 give, bit for bit: NaN, infinities, -0.0, subnormals, exponents far apart
+    (where a difference is not exact even in float64, it is rounded once, the same way), several rows."""
+    rng = np.random.default_rng(seed)
+    a = rng.standard_normal(n) * scale
+    if gaps:
+        a *= 2.0 ** rng.integers(-60, 60, n)
+    b = a + rng.standard_normal(n) * scale * rng.choice([0.0, 2**-9, 1.0])
+    for index, value in special:
+        (a if index % 2 else b)[index % n] = value
+    raw_a, raw_b = stored(a, dtype_a), stored(b, dtype_b)
+    wide_a, wide_b = (
+        torch.from_numpy(values).to(getattr(torch, dtype)).double().numpy()
+        for values, dtype in ((a, dtype_a), (b, dtype_b))
+    )
+    found = tensor_stats.compare_block(raw_a, dtype_a, raw_b, dtype_b, *tol)
+    assert found == tensor_stats.compare_block(wide_a, "float64", wide_b, "float64", *tol)
+    assert tensor_stats.norms_block(raw_b, dtype_b) == tensor_stats.norms_block(wide_b, "float64")
+    assert all(math.isfinite(number) for number in found[:4])
+
+
 # --- what a streamed comparison costs --------------------------------------------------------------------
 
 
 def test_a_streamed_comparison_does_not_import_torch(hf_model_dirs: dict[str, Path], tmp_path: Path) -> None:
     """Reading safetensors raw needs numpy only: a comparison of large tensors starts without torch's
-    second or two of imports."""
+    second or two of imports, nor ml_dtypes' half second (bf16 against fp32 here)."""
     cast = write_changed(hf_model_dirs["single"], tmp_path / "bf16", bf16_cast)
     script = (
         "import json, sys\n"
         "import ckptctl.ops.diff as d\n"
         f"d._BLOCK, d._READ_BLOCK = {BLOCK}, {READ_BLOCK}\n"
         "r = d.diff(sys.argv[1], sys.argv[2], d.DiffOptions(ignore_dtype=True, rtol=2**-8))\n"
-        "print(json.dumps({'equal': r.equal, 'torch': 'torch' in sys.modules}))\n"
+        "print(json.dumps({'equal': r.equal, 'torch': 'torch' in sys.modules, 'ml_dtypes': 'ml_dtypes' in sys.modules}))\n"
     )
     proc = subprocess.run(
         [sys.executable, "-c", script, str(hf_model_dirs["single"]), str(cast)],
@@ -364,4 +414,4 @@ def test_a_streamed_comparison_does_not_import_torch(hf_model_dirs: dict[str, Pa
         check=True,
         cwd=Path(__file__).resolve().parents[2],
     )
-    assert json.loads(proc.stdout) == {"equal": True, "torch": False}
+    assert json.loads(proc.stdout) == {"equal": True, "torch": False, "ml_dtypes": False}

@@ -59,6 +59,8 @@ class ScanContext:
 
     def _slot(self, url: str) -> dict[Any, Any] | None:
         version = 0
+        # A local folder's mtime tells a stale peek from a fresh one for one syscall; on an object store that
+        # would be a request per peek, and the listing itself is the only version there is.
         if io.is_local(url):
             try:
                 version = os.stat(io.local_path(url)).st_mtime_ns

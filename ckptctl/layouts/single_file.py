@@ -207,6 +207,7 @@ def _classifier_with_evidence(names: list[str]) -> Callable[[str], Component]:
 
 def file_ref(url: str, layout: str) -> CheckpointRef:
     """The ref of a single-file checkpoint: complete (nothing cheaper than its header could say otherwise)."""
+    # A local stat gives size and mtime; on an object store the parent's listing gives both (a HEAD the fallback).
     if io.is_local(url):
         st = os.stat(io.local_path(url))
         size, mtime = st.st_size, st.st_mtime or None

@@ -11,9 +11,10 @@ A damaged file can fail the load on one rank while its peers go on into a collec
 (ByteCheckpoint's closing barrier after a rank's missing extra state). After each cell the ranks tell each other
 their verdicts through a store of their own (a `TCPStore` beside the group's); when one failed they all join a
 new group before the next cell (then `module.regroup()`, where the framework keeps groups of its own). A rank
-whose load failed and whose peers do not answer within `GRACE` seconds meets them in barriers (`_verdicts`):
-verl's and ByteCheckpoint's loads end with one. When that fails too (they wait in another collective, and the
-group's timeout ends it), it records the cell and exits, and the ranks are started again from the next cell.
+whose load failed and whose peers do not answer within `GRACE` meets them in barriers (`_verdicts`): verl's and
+ByteCheckpoint's loads end with one; it watches the store while it waits in each. When a barrier fails (they
+wait in another collective, and the group's timeout ends it), or the peers answer while it waits in one, it
+records the cell and exits, and the ranks are started again from the next cell.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import importlib
 import json
 import os
 import signal
+import time
 from collections.abc import Mapping
 from datetime import timedelta
 from pathlib import Path
@@ -35,8 +37,12 @@ from tests.writers.ranks import run_ranks as fork_ranks
 __all__ = ["GRACE", "TIMEOUT", "run_ranks"]
 
 TIMEOUT = timedelta(seconds=120)
-#: How long a rank whose load failed waits for its peers' verdicts before it takes them to wait in a collective.
-GRACE = timedelta(seconds=5)
+#: How long a rank whose load failed waits for its peers' verdicts before it meets them in a barrier: a peer's
+#: load that goes on without it says its verdict well within this, one blocked in a barrier never does (a peer
+#: slower than this costs a restart of the ranks, not a verdict: `_verdicts`).
+GRACE = timedelta(seconds=1)
+#: How often a rank whose load failed looks for its peers' verdicts.
+_POLL = timedelta(seconds=0.02)
 _PEER_GONE = ("Connection closed", "pair closure", "Connection reset")
 _ABANDONED = 3
 _MAX_BARRIERS = 8
@@ -82,28 +88,42 @@ def _rank(rank: int, module_name: str, world: int, ports: tuple[int, int], spec_
 
 def _verdicts(store: Any, i: int, world: int, failed: bool) -> list[str] | None:
     """Every rank's verdict on cell `i`; None when this rank's load failed and its peers are stuck in a
-    collective it left.
+    collective it left, or got on without a barrier it had started.
 
     Such a rank meets its peers in barriers while they do not answer within `GRACE`: verl's
     `FSDPCheckpointManager.load_checkpoint` and ByteCheckpoint's `FSDP2Checkpointer.load` end with one (verl's
-    once per role loaded). A barrier the group's timeout ends means they wait in another collective."""
+    once per role loaded). It watches the store while it waits in each: a barrier left unmet when the peers
+    answer would leave the ranks' next groups out of step (seen: both ranks of the next cell stuck in other
+    collectives), so the rank ends the spawn as after a failed barrier. A barrier the group's timeout ends
+    means they wait in another collective."""
     import torch.distributed as dist
 
-    store.set_timeout(GRACE if failed else TIMEOUT * 2)
-    try:
-        for _ in range(_MAX_BARRIERS):
-            try:
-                return [store.get(f"cell{i}/rank{r}").decode() for r in range(world)]
-            except dist.DistStoreError:
-                if not failed:
-                    raise
-                try:
-                    dist.barrier()
-                except RuntimeError:
-                    return None
-        return None
-    finally:
-        store.set_timeout(TIMEOUT * 2)
+    keys = [f"cell{i}/rank{r}" for r in range(world)]
+    if not failed:
+        return [store.get(key).decode() for key in keys]
+    for _ in range(_MAX_BARRIERS):
+        if _answered(store, keys, GRACE):
+            return [store.get(key).decode() for key in keys]
+        barrier = dist.barrier(async_op=True)
+        while not barrier.is_completed():
+            if store.check(keys):
+                return None
+            time.sleep(_POLL.total_seconds())
+        try:
+            barrier.wait()
+        except RuntimeError:
+            return None
+    return None
+
+
+def _answered(store: Any, keys: list[str], within: timedelta) -> bool:
+    """Whether the store holds every key within `within`."""
+    deadline = time.monotonic() + within.total_seconds()
+    while not store.check(keys):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(_POLL.total_seconds())
+    return True
 
 
 def _merge(spec: dict[str, Any], world: int) -> dict[str, str]:

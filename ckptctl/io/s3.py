@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import os
 import posixpath
+import sys
 import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -43,9 +44,24 @@ def serves(url: str) -> bool:
     """Whether `S3` reaches `url` as s3fs would (see the module docstring)."""
     if scheme_of(url) not in ("s3", "s3a") or "?" in url or ":" in bucket_of(url) or not bucket_of(url):
         return False
+    return not _fsspec_configures_s3()
+
+
+def _fsspec_configures_s3() -> bool:
+    """Whether fsspec's configuration has settings for `s3`, without importing fsspec (a tenth of a second)
+    where it cannot have any: none of its variables (`FSSPEC_S3...`) and no file in its folder (where
+    `fsspec.config` reads them from when it is imported)."""
+    if "fsspec.config" not in sys.modules:
+        folder = os.environ.get("FSSPEC_CONFIG_DIR", os.path.join(os.path.expanduser("~"), ".config/fsspec"))
+        try:
+            files = any(name.endswith((".ini", ".json")) for name in os.listdir(folder))
+        except OSError:
+            files = False
+        if not files and not any(key.upper().startswith("FSSPEC_S3") for key in os.environ):
+            return False
     import fsspec.config
 
-    return not any(fsspec.config.conf.get(name) for name in ("s3", "s3a"))
+    return any(fsspec.config.conf.get(name) for name in ("s3", "s3a"))
 
 
 class S3Backend(FsspecBackend):

@@ -296,10 +296,19 @@ class CheckpointManager:
         checkpoints they were deleting are out of sight already, and the next retention retries."""
         for exc in self._deleter.take_errors():
             warnings.warn(f"retention in {self.root} failed: {exc}", CheckpointWarning, stacklevel=stacklevel)
-        if self._mirror is not None:
-            for exc in self._mirror.take_errors():
-                message = f"mirroring to {self._mirror.url} failed: {exc}"
-                warnings.warn(message, CheckpointWarning, stacklevel=stacklevel)
+        failed = self._mirror.take_errors() if self._mirror is not None else []
+        if self._mirror is not None and failed:
+            # One warning for the copies that failed since the last one, saying what it costs locally: retention
+            # keeps every step not yet copied, so an unreachable mirror fills the local disk step after step.
+            kept = sorted(self._mirror.pending())
+            tries = f" ({len(failed)} copies)" if len(failed) > 1 else ""
+            message = f"mirroring to {self._mirror.url} failed{tries}: {failed[-1]}"
+            if kept:
+                message += (
+                    f"; {len(kept)} step(s) not yet copied there stay in {self.root} whatever the retention policy "
+                    f"says until a copy succeeds (tried again after the next save): {', '.join(kept)}"
+                )
+            warnings.warn(message, CheckpointWarning, stacklevel=stacklevel)
 
     def _background(self, step: int, taken: Snapshot, metrics: dict[str, Any]) -> None:
         try:

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from ckptctl import io
 from ckptctl.checkpoint import CheckpointRef, CheckpointState
 from ckptctl.core.deleter import OneBackgroundThread
+from ckptctl.core.lock import RunLock
 from ckptctl.errors import CkptctlError, StorageError
 from ckptctl.formats.digest import copy_hashed, file_digest
 from ckptctl.formats.manifest import DIGESTS_NAME, MANIFEST_NAME, FileRecord, Manifest, load_manifest, now_iso
@@ -45,6 +46,7 @@ from ckptctl.layouts import all_layouts, get_layout
 __all__ = [
     "PART",
     "SLACK",
+    "SYNC_LOCK",
     "CheckpointFiles",
     "Mirror",
     "Mismatch",
@@ -59,6 +61,12 @@ __all__ = [
 
 log = logging.getLogger("ckptctl.core")
 
+#: The lock file in DST that keeps two copiers into it apart: `ckptctl sync` holds it for its passes, the
+#: manager's mirror for each step it copies.
+SYNC_LOCK = ".ckptctl-sync.lock"
+#: Seconds the manager's mirror waits for a `ckptctl sync` into the same folder before that step's copy fails
+#: (and is tried again after the next save).
+_MIRROR_LOCK_WAIT = 30.0
 #: The ending of the hidden temporary file a local DST file is written into before its rename.
 PART = ".ckptctl-sync-part"
 #: Object stores keep times in whole seconds: a copy is as new as its source within this.
@@ -157,10 +165,13 @@ class Transfer:
     stop: threading.Event | None = None
     workers: int | None = None
 
-    def put(self, rel: str) -> FileRecord:
-        """Copy the file `rel` (relative to the run) whole or not at all; its size and blake3 digest."""
+    def put(self, rel: str, before: Callable[[], None] | None = None) -> FileRecord:
+        """Copy the file `rel` (relative to the run) whole or not at all; its size and blake3 digest. `before`
+        runs first, unless `stop` is set (then nothing runs: `SyncStopped`)."""
         if self.stop is not None and self.stop.is_set():
             raise SyncStopped("stopped by a signal", "run the same sync again to finish what was left")
+        if before is not None:
+            before()
         source, target = io.join(self.src, rel), io.join(self.dst, rel)
         # Which side is local decides how a file travels (a download beside its target, an upload hashed as
         # it is sent, or a local scratch copy between two stores): the direction is the command's own.
@@ -221,23 +232,42 @@ class Started:
     last: list[str]
     sending: dict[str, Future[FileRecord]]
     started: float
+    clear: _Clear
+
+
+class _Clear:
+    """Step 1 of the module docstring, run once, by whichever of the checkpoint's transfers starts first: what
+    DST holds of it loses its record and markers only when its copy is really under way, so that a pass
+    stopped (or killed) before it reaches a checkpoint leaves that checkpoint's older copy as it was."""
+
+    def __init__(self, dst_base: str, stale: list[str], tiers: list[set[str]]) -> None:
+        self.dst_base, self.stale, self.tiers = dst_base, stale, tiers
+        self.lock = threading.Lock()
+
+    def __call__(self) -> None:
+        with self.lock:
+            if self.stale:
+                trash.delete_objects(self.dst_base, self.stale, self.tiers)
+                self.stale = []
 
 
 def start_copy(
     unit: CheckpointFiles, transfer: Transfer, dst_tree: Mapping[str, io.DirEntry], pool: ThreadPoolExecutor
 ) -> Started:
-    """Steps 1 and 2 of the module docstring: what DST holds of it loses its record and markers, then its
-    other files are queued on `pool`, the largest first. `dst_tree`: DST's listing (relative to its root)."""
+    """Steps 1 and 2 of the module docstring: its files other than its markers are queued on `pool`, the
+    largest first, and the first of them to start takes the record and markers away from what DST holds of
+    it. `dst_tree`: DST's listing (relative to its root)."""
     started = time.monotonic()
     dst_base = io.join(transfer.dst, unit.base) if unit.base else transfer.dst
     last = markers(unit)
     present = [rel for rel in [*unit.files, DIGESTS_NAME] if unit.path(rel) in dst_tree]
-    if present:  # an older or torn copy: never complete-looking while it is replaced
-        first = [{DIGESTS_NAME}, *({m} for m in reversed(last))]
-        trash.delete_objects(dst_base, [rel for rel in present if rel in {DIGESTS_NAME, *last}], first)
+    # an older or torn copy: never complete-looking while it is replaced
+    stale = [rel for rel in present if rel in {DIGESTS_NAME, *last}]
+    clear = _Clear(dst_base, stale, [{DIGESTS_NAME}, *({m} for m in reversed(last))])
     rest = sorted((rel for rel in unit.files if rel not in last), key=lambda rel: (-unit.files[rel].size, rel))
-    sending = {rel: pool.submit(transfer.put, unit.path(rel)) for rel in rest}
-    return Started(unit, dst_base, last, sending, started)
+
+    sending = {rel: pool.submit(transfer.put, unit.path(rel), clear) for rel in rest}
+    return Started(unit, dst_base, last, sending, started, clear)
 
 
 def finish_copy(job: Started, transfer: Transfer) -> dict[str, FileRecord]:
@@ -249,6 +279,7 @@ def finish_copy(job: Started, transfer: Transfer) -> dict[str, FileRecord]:
     """
     unit, dst_base, last = job.unit, job.dst_base, job.last
     records = {rel: future.result() for rel, future in job.sending.items()}
+    job.clear()  # done by its first file's transfer, unless it has none but its markers
     try:
         for rel in last[:-1]:
             records[rel] = transfer.put(unit.path(rel))
@@ -297,10 +328,12 @@ class Mirror(OneBackgroundThread):
 
     Copies run one step after another on a thread of their own, started by `submit` and ending when nothing
     is queued, so that `save` never waits for an upload. It is not a daemon thread: the interpreter waits for
-    the queued copies at exit. A step that failed to copy is tried again with the next submitted step. The
-    manager's retention keeps the steps not yet copied (`pending`); a step deleted locally otherwise is left out (what was sent of it has no manifest, so
-    it lists as in progress there, and the next sync of the run replaces it). Failures are kept for the
-    manager to report on its own thread (`take_errors`).
+    the queued copies at exit. Each copy holds the mirror's `SYNC_LOCK` (waiting up to `_MIRROR_LOCK_WAIT`
+    for a `ckptctl sync` into the same folder). A step that failed to copy is tried again with the next
+    submitted step. The manager's retention keeps the steps not yet copied (`pending`); a step deleted
+    locally otherwise is left out (what was sent of it has no manifest, so it lists as in progress there, and
+    the next sync of the run replaces it). Failures are kept for the manager to report on its own thread
+    (`take_errors`).
 
     Args:
         root: the manager's run folder.
@@ -353,6 +386,14 @@ class Mirror(OneBackgroundThread):
     def _copy(self, folder: str) -> None:
         with self._lock:  # a re-saved step is whole at the mirror again only once this copy of it is
             self._whole.discard(folder)
+        io.make_folder(self.url)
+        # Never beside a `ckptctl sync` into the same folder: its pass may be replacing this very step.
+        with RunLock(
+            self.url, name=SYNC_LOCK, wait=_MIRROR_LOCK_WAIT, command=f"mirror of {self.root}", warn=log.warning
+        ):
+            self._copy_locked(folder)
+
+    def _copy_locked(self, folder: str) -> None:
         source = io.join(self.root, folder)
         try:
             files = io.list_tree(source)

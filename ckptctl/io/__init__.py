@@ -11,6 +11,8 @@ and turns what that storage raises into typed ckptctl errors with a hint (`failu
 - `remote`: any fsspec URL (`s3://` through s3fs and botocore, so the standard AWS settings apply), each
   call retried with backoff on transient failures and bounded in time (`failures.RETRY`, which tests and
   embedding applications may replace);
+- `s3`: `s3://` URLs that s3fs would reach with botocore's defaults: listings, small reads, uploads and
+  deletes through botocore's own blocking client (threads stay parallel; a fraction of s3fs's import);
 - `snapshot`: inside `listing_snapshot(url)`, the answers of one recursive listing of a remote folder.
 
 Transfers of many files or ranges run on a bounded pool of `workers()` threads (`parallel`). The commit
@@ -43,6 +45,7 @@ from ckptctl.io.paths import (
     relative_to,
 )
 from ckptctl.io.remote import FSSPEC
+from ckptctl.io.s3 import S3, serves
 from ckptctl.io.snapshot import covering, listing_snapshot
 
 __all__ = [
@@ -104,7 +107,7 @@ MAX_MARKER_BYTES = 64 << 10
 def _backend(url: str) -> Backend:
     if is_local(url):
         return LOCAL
-    return covering(url) or FSSPEC
+    return covering(url) or (S3 if serves(url) else FSSPEC)
 
 
 # ------------------------------------------------------------------------------------ queries

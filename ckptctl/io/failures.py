@@ -28,6 +28,7 @@ __all__ = [
     "RetryPolicy",
     "call",
     "check_size",
+    "error_code",
     "is_transient",
     "policy_from_env",
     "remote_error",
@@ -143,7 +144,7 @@ def _chain(exc: BaseException) -> Iterator[BaseException]:
         current = current.__cause__ or current.__context__
 
 
-def _error_code(exc: BaseException) -> str | None:
+def error_code(exc: BaseException) -> str | None:
     """The object store's error code (`NoSuchBucket`, `AccessDenied`, ...) behind an exception, if any."""
     for e in _chain(exc):
         response = getattr(e, "response", None)
@@ -162,7 +163,7 @@ def is_transient(exc: BaseException) -> bool:
     """Whether repeating the call may succeed: throttling, server errors, timeouts, dropped connections."""
     if isinstance(exc, CkptctlError | FileNotFoundError | PermissionError | IsADirectoryError | NotADirectoryError):
         return False
-    code = _error_code(exc)
+    code = error_code(exc)
     if code is not None:
         return code in _TRANSIENT_CODES
     if _class_names(exc) & (_TRANSIENT_CLASSES | {"EndpointConnectionError"}):
@@ -287,7 +288,7 @@ def _credentials_hint(url: str) -> str:
 
 def remote_error(url: str, exc: BaseException) -> CkptctlError | None:
     """A clear error for a failure of a remote call, or None to let it propagate unchanged."""
-    code = _error_code(exc)
+    code = error_code(exc)
     names = _class_names(exc)
     if code in ("NoSuchBucket", "NoSuchBucketPolicy") or (
         isinstance(exc, FileNotFoundError) and "bucket does not exist" in str(exc).lower()

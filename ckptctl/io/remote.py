@@ -14,7 +14,7 @@ import hashlib
 import os
 import posixpath
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import IO, Any
 
 from ckptctl.errors import CheckpointNotFound, CkptctlError, StorageError
@@ -25,7 +25,15 @@ from ckptctl.io.failures import call, is_transient, remote_error
 from ckptctl.io.parallel import parallel_map, workers
 from ckptctl.io.paths import DirEntry, bucket_of, parent_of, scheme_of
 
-__all__ = ["FSSPEC", "MULTIPART_THRESHOLD", "PART_SIZE", "FsspecBackend", "entry_of"]
+__all__ = [
+    "FSSPEC",
+    "MULTIPART_THRESHOLD",
+    "PART_SIZE",
+    "FsspecBackend",
+    "check_bucket",
+    "entry_of",
+    "multipart_upload",
+]
 
 #: Files at least this large go to S3 as a multipart upload whose parts are sent in parallel; smaller ones as
 #: one PUT, which costs the store less (rclone's `upload_cutoff`, 200 MiB; the suite's S3 server, moto, took
@@ -105,7 +113,8 @@ class FsspecBackend(Backend):
         fs, remote = _fs(url)
         size = os.path.getsize(path)
         if size >= MULTIPART_THRESHOLD and scheme_of(url) in ("s3", "s3a"):
-            _multipart(fs, path, remote, size, url)
+            bucket, key, _ = fs.split_path(remote)
+            multipart_upload(fs.call_s3, bucket, key, path, size, url)
         else:
             call(lambda: fs.put_file(path, remote), f"uploading {url}", url)
 
@@ -140,18 +149,18 @@ def _part_slots() -> threading.BoundedSemaphore:
         return _PART_SLOTS
 
 
-def _multipart(fs: Any, path: str, remote: str, size: int, url: str) -> None:
-    """Upload `path` in parts of `PART_SIZE`, sent in parallel (at most `workers()` parts in flight in the
-    process, whatever the number of files being sent), each retried on its own by `call`; the object appears
-    only when the upload is completed. A failed upload is aborted (a killed one stays invisible, as its parts
-    until the bucket's lifecycle rule for incomplete uploads removes them).
+def multipart_upload(call_s3: Callable[..., Any], bucket: str, key: str, path: str, size: int, url: str) -> None:
+    """Upload `path` to `key` of `bucket` in parts of `PART_SIZE`, sent in parallel (at most `workers()` parts
+    in flight in the process, whatever the number of files being sent), each retried on its own by `call`;
+    the object appears only when the upload is completed. A failed upload is aborted (a killed one stays
+    invisible, as its parts until the bucket's lifecycle rule for incomplete uploads removes them).
+    `call_s3(operation, **arguments)`: one S3 API call (s3fs's `call_s3`, or a botocore client's method).
 
     s3fs's own `put_file` sends parts in parallel only from 100 MiB on, reads them on its event loop's thread,
     and its concurrency is per file (`s3fs/core.py: S3FileSystem._put_file, _upload_file_part_concurrent`).
     """
-    bucket, key, _ = fs.split_path(remote)
     part = max(PART_SIZE, -(-size // 10_000))
-    created = call(lambda: fs.call_s3("create_multipart_upload", Bucket=bucket, Key=key), f"uploading {url}", url)
+    created = call(lambda: call_s3("create_multipart_upload", Bucket=bucket, Key=key), f"uploading {url}", url)
     upload_id = created["UploadId"]
     slots = _part_slots()
 
@@ -164,7 +173,7 @@ def _multipart(fs: Any, path: str, remote: str, size: int, url: str) -> None:
             if len(data) != min(part, size - start):
                 raise StorageError(f"{path} changed while it was uploaded", "upload it again")
             done = call(
-                lambda: fs.call_s3(
+                lambda: call_s3(
                     "upload_part", Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=number, Body=data
                 ),
                 f"uploading part {number} of {url}",
@@ -176,7 +185,7 @@ def _multipart(fs: Any, path: str, remote: str, size: int, url: str) -> None:
         parts = parallel_map(send, range(1, -(-size // part) + 1), max_workers=workers())
         try:
             call(
-                lambda: fs.call_s3(
+                lambda: call_s3(
                     "complete_multipart_upload",
                     Bucket=bucket,
                     Key=key,
@@ -190,21 +199,21 @@ def _multipart(fs: Any, path: str, remote: str, size: int, url: str) -> None:
             # Completing is not idempotent: when a completion's answer was lost, its retry finds no such
             # upload although the object is there. The object is ours when its ETag is the one S3 gives an
             # object completed from exactly these parts.
-            if not _completed_from(fs, bucket, key, parts):
+            if not _completed_from(call_s3, bucket, key, parts):
                 raise
     except BaseException:
         with contextlib.suppress(Exception):
-            fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id)
+            call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id)
         raise
 
 
-def _completed_from(fs: Any, bucket: str, key: str, parts: list[dict[str, Any]]) -> bool:
+def _completed_from(call_s3: Callable[..., Any], bucket: str, key: str, parts: list[dict[str, Any]]) -> bool:
     """Whether the object `key` is the completion of the uploaded `parts`: S3's ETag of a multipart object is
     the MD5 of its parts' MD5s, then `-` and their number."""
     digests = b"".join(bytes.fromhex(str(p["ETag"]).strip('"')) for p in parts)
     expected = f"{hashlib.md5(digests, usedforsecurity=False).hexdigest()}-{len(parts)}"
     try:
-        head = fs.call_s3("head_object", Bucket=bucket, Key=key)
+        head = call_s3("head_object", Bucket=bucket, Key=key)
     except Exception:
         return False
     return str(head.get("ETag", "")).strip('"') == expected
@@ -280,10 +289,25 @@ _BUCKETS_LOCK = threading.Lock()
 
 
 def _check_bucket(url: str, fs: Any) -> None:
+    """`check_bucket` with s3fs's `exists` and `ls` of the bucket."""
+    # s3fs's `exists` answers False when its probes fail for any reason, a store that stopped answering
+    # included: a False is checked by listing the bucket, which raises what really happened (the bucket is
+    # missing, or the store does not answer: the StorageError of `call`, never "does not exist")
+    check_bucket(
+        url,
+        lambda bucket: (
+            call(lambda: fs.exists(bucket), f"looking up bucket {bucket}", url)
+            or call(lambda: fs.ls(bucket) is not None, f"listing bucket {bucket}", url)
+        ),
+    )
+
+
+def check_bucket(url: str, probe: Callable[[str], bool]) -> None:
     """Raise `CheckpointNotFound` naming the bucket when a path is absent because its bucket is.
 
     Called only when a path was not found, so that "no such folder" says when the bucket is what is
-    missing; a bucket seen once is not asked about again.
+    missing; a bucket seen once is not asked about again. `probe(bucket)`: whether the bucket is there
+    (False, or `FileNotFoundError`: it is not), raising what happened when the store cannot tell.
     """
     scheme = scheme_of(url)
     if scheme not in ("s3", "s3a", "gs", "gcs"):
@@ -293,12 +317,7 @@ def _check_bucket(url: str, fs: Any) -> None:
         if key in _BUCKETS_SEEN:
             return
     try:
-        # s3fs's `exists` answers False when its probes fail for any reason, a store that stopped answering
-        # included: a False is checked by listing the bucket, which raises what really happened (the bucket
-        # is missing, or the store does not answer: the StorageError of `call`, never "does not exist")
-        found = call(lambda: fs.exists(key[1]), f"looking up bucket {key[1]}", url) or call(
-            lambda: fs.ls(key[1]) is not None, f"listing bucket {key[1]}", url
-        )
+        found = probe(key[1])
     except CkptctlError:
         raise
     except FileNotFoundError:

@@ -23,8 +23,9 @@ own record before the last), and last a `ckptctl-digests.json` where SRC has no 
 
 A sync killed at any moment leaves a copy without its last marker: `list` at DST calls it in progress or
 broken, never complete, and the next sync replaces it. One sync per DST at a time (a lock file in DST,
-`core.lock`). `keep_local`: after the pass, the local run is pruned with `prune`'s plan, lock and trash under
-`RetentionPolicy(keep_last=N)`, and of what that plan deletes only checkpoints whole at DST go.
+`core.lock`; the manager's mirror takes it for each step it copies). `keep_local`: after the pass, the local
+run is pruned with `prune`'s plan, lock and trash under `RetentionPolicy(keep_last=N)`, and of what that plan
+deletes only checkpoints whole at DST go.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from ckptctl.core.lock import RunLock, RunLocked
 from ckptctl.core.mirror import (
     PART,
     SLACK,
+    SYNC_LOCK,
     CheckpointFiles,
     Mismatch,
     Started,
@@ -63,8 +65,6 @@ from ckptctl.ops.report import SCHEMA_VERSION, NoProgress, Progress
 
 __all__ = ["SYNC_LOCK", "Action", "RunFile", "SyncItem", "SyncReport", "sync", "watch"]
 
-#: The lock file in DST that keeps a second sync into it out.
-SYNC_LOCK = ".ckptctl-sync.lock"
 #: Seconds between two refreshes of the DST lock (it goes stale after `core.lock.STALE_AFTER`, an hour).
 _REFRESH_EVERY = 60.0
 #: States whose checkpoints are whole at SRC and copied.

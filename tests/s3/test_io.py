@@ -15,6 +15,7 @@ import pytest
 from ckptctl import io
 from ckptctl.errors import CheckpointNotFound, StorageError
 from ckptctl.io import remote as io_remote
+from ckptctl.io.s3 import S3Backend
 from tests.s3.server import copy_to_store
 
 
@@ -124,12 +125,10 @@ def small_parts(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
 
 
 def s3_calls(monkeypatch: pytest.MonkeyPatch, fail_part: int | None = None) -> list[str]:
-    """Record the S3 operations ckptctl's multipart upload asks s3fs for; make part `fail_part` fail as a
-    store that refuses it would (access denied: not retried)."""
-    import s3fs
-
+    """Record the S3 operations ckptctl's multipart upload asks botocore for (`io.s3`: s3:// as the suite
+    reaches it); make part `fail_part` fail as a store that refuses it would (access denied: not retried)."""
     calls: list[str] = []
-    real = s3fs.S3FileSystem.call_s3
+    real = S3Backend.call_s3
 
     def recorded(self: object, method: str, *args: object, **kwargs: object) -> object:
         calls.append(method)
@@ -137,7 +136,7 @@ def s3_calls(monkeypatch: pytest.MonkeyPatch, fail_part: int | None = None) -> l
             raise PermissionError(f"Access Denied (part {fail_part})")
         return real(self, method, *args, **kwargs)
 
-    monkeypatch.setattr(s3fs.S3FileSystem, "call_s3", recorded)
+    monkeypatch.setattr(S3Backend, "call_s3", recorded)
     return calls
 
 
@@ -171,9 +170,7 @@ def test_a_completion_whose_answer_was_lost_is_not_a_failure(
 ) -> None:
     """The store completes the upload but the answer is lost (a reset connection, retried): the retry finds
     no such upload, and the object there is proved the completion of these parts by its multipart ETag."""
-    import s3fs
-
-    real = s3fs.S3FileSystem.call_s3
+    real = S3Backend.call_s3
     completions: list[str] = []
 
     def answer_lost(self: object, method: str, *args: object, **kwargs: object) -> object:
@@ -185,7 +182,7 @@ def test_a_completion_whose_answer_was_lost_is_not_a_failure(
         real(self, method, *args, **kwargs)
         raise ConnectionResetError("Connection reset by peer")  # completed, but the answer never came
 
-    monkeypatch.setattr(s3fs.S3FileSystem, "call_s3", answer_lost)
+    monkeypatch.setattr(S3Backend, "call_s3", answer_lost)
     url = f"{bucket}/up/big.bin"
     io.upload_file(str(small_parts), url)
     assert len(completions) == 2  # the lost answer was retried, and the retry refused
@@ -197,9 +194,7 @@ def test_a_lost_completion_of_other_bytes_is_still_a_failure(
     small_parts: Path, bucket: str, s3_server: object, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """When the object at the key is not these parts' completion (another writer's), the failure stands."""
-    import s3fs
-
-    real = s3fs.S3FileSystem.call_s3
+    real = S3Backend.call_s3
     url = f"{bucket}/up/big.bin"
 
     def refused(self: object, method: str, *args: object, **kwargs: object) -> object:
@@ -208,6 +203,6 @@ def test_a_lost_completion_of_other_bytes_is_still_a_failure(
             raise PermissionError("Access Denied (complete)")
         return real(self, method, *args, **kwargs)
 
-    monkeypatch.setattr(s3fs.S3FileSystem, "call_s3", refused)
+    monkeypatch.setattr(S3Backend, "call_s3", refused)
     with pytest.raises(StorageError, match="access denied"):
         io.upload_file(str(small_parts), url)

@@ -67,3 +67,29 @@ def test_a_save_returns_while_its_upload_is_held_up(
         gate.set()
     manager.wait()
     assert states(run_cli, mirror) == {"step-10": "complete"}
+
+
+def test_a_copy_waits_for_a_sync_into_the_same_folder_and_says_what_stays_local(
+    run_cli: Cli, bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`ckptctl sync` holds the mirror folder's lock: the manager's copy waits for it, then fails with a
+    warning that names the lock's holder and the steps kept locally for it; the next save copies both."""
+    from ckptctl.core import mirror as mirror_module
+    from ckptctl.core.entries import CheckpointWarning
+    from ckptctl.core.lock import RunLock
+
+    monkeypatch.setattr(mirror_module, "_MIRROR_LOCK_WAIT", 0.2)
+    mirror = f"{bucket}/shared"
+    state = {"model": torch.nn.Linear(8, 8)}
+    manager = CheckpointManager(tmp_path / "run", policy=RetentionPolicy(keep_last=1), mirror=mirror)
+    with RunLock(mirror, name=mirror_module.SYNC_LOCK, command="ckptctl sync"):
+        manager.save(10, state)
+        warned = (
+            r"mirroring to .*shared failed: .* is locked by .*ckptctl sync.*; 1 step\(s\) not yet copied .*: step-10$"
+        )
+        with pytest.warns(CheckpointWarning, match=warned):
+            manager.wait()
+    assert io.list_tree(mirror) == {}
+    manager.save(20, state)
+    manager.close()
+    assert states(run_cli, mirror) == {"step-10": "complete", "step-20": "complete"}

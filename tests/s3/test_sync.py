@@ -316,3 +316,39 @@ def test_watch_beside_a_writer_copies_each_step_once_and_stops_on_sigterm(
     assert sorted(copied) == ["step-1", "step-2", "step-3", "step-4"]  # each once
     assert listed(run_cli, dst) == {f"step-{n}": "complete" for n in (1, 2, 3, 4)}
     assert run_cli("verify", dst).exit_code == 0
+
+
+def test_a_stopped_pass_leaves_the_old_copies_it_did_not_reach_whole(
+    run_cli: Cli, demo_dir: Path, bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every checkpoint is out of date at DST, and the pass stops after its first upload: only the checkpoint it
+    had begun to replace loses its markers there; the older copies of the others still list complete."""
+    import os
+    import threading
+    import time
+
+    from ckptctl.ops.sync import sync
+
+    run = shutil.copytree(demo_dir / "native", tmp_path / "native")
+    dst = f"{bucket}/stopped"
+    sync_json(run_cli, run, dst)
+    later = time.time() + 3600
+    for path in run.rglob("*"):
+        os.utime(path, (later, later))  # newer than every copy at DST: each is copied again
+    stop = threading.Event()
+    real_upload = io.upload_file
+
+    def upload_then_stop(path: str, url: str) -> None:
+        real_upload(path, url)
+        stop.set()
+
+    monkeypatch.setattr(io, "upload_file", upload_then_stop)
+    with pytest.raises(mirror_module.SyncStopped):
+        sync(str(run), dst, stop=stop, workers=1)
+    assert listed(run_cli, dst) == {"step-10": "in_progress", "step-20": "complete", "step-30": "complete"}
+    monkeypatch.setattr(io, "upload_file", real_upload)
+    doc = sync_json(run_cli, run, dst)
+    assert {name: action for name, (action, _) in actions(doc).items()} == dict.fromkeys(
+        ("step-10", "step-20", "step-30"), "copied"
+    )
+    assert_whole_at(run_cli, run, dst)

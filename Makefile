@@ -48,9 +48,14 @@ lint: $(VENV)/.dev
 
 # Every bench in bench/ at a size that finishes in about 10 minutes on 2 cores, then one table of ratios
 # (ours / floor, ours / best peer) of the verify, diff and save benches (bench/summary.py: BENCHES).
+# bench/sync.py's peers: `aws` (pip awscli, in a venv of its own: its botocore pin is not s3fs's) and `rclone`
+# (the Debian package, where apt-get can install it; without it the sync bench compares with aws alone).
+PEERS  := .venv-peers
 bench: $(VENV)/.dev
 	$(BIN)/python -m pip install -q --no-deps -r bench/peers-nodeps.txt
-	$(BIN)/python bench/summary.py
+	test -x $(PEERS)/bin/aws || ($(PYTHON) -m venv $(PEERS) && $(PEERS)/bin/python -m pip install -q awscli)
+	command -v rclone >/dev/null || apt-get install -y -q rclone >/dev/null 2>&1 || echo "rclone not installed" >&2
+	PATH="$$PATH:$(abspath $(PEERS))/bin" $(BIN)/python bench/summary.py
 
 # Shell completions (completions/) and the command reference (docs/cli.md), both generated from the CLI.
 completions: $(VENV)/.base
@@ -58,4 +63,4 @@ completions: $(VENV)/.base
 	$(BIN)/python -m scripts.gen_cli_reference
 
 clean:
-	rm -rf $(VENV) $(DEMO) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(PEERS) $(DEMO) .pytest_cache .mypy_cache .ruff_cache

@@ -41,6 +41,11 @@ TIMEOUT = timedelta(seconds=120)
 #: load that goes on without it says its verdict well within this, one blocked in a barrier never does (a peer
 #: slower than this costs a restart of the ranks, not a verdict: `_verdicts`).
 GRACE = timedelta(seconds=1)
+#: How long that barrier may stay unmet while the peers say nothing: they wait in another collective, which only
+#: the group's `TIMEOUT` (minutes) would end. The rank ends the spawn instead; its closed connections end the
+#: peers' collective at once (their verdict names the closed connection, which `_merge` passes over for this
+#: rank's, the one that names the damage), and the ranks start again from the next cell.
+STUCK = timedelta(seconds=10)
 #: How often a rank whose load failed looks for its peers' verdicts.
 _POLL = timedelta(seconds=0.02)
 _PEER_GONE = ("Connection closed", "pair closure", "Connection reset")
@@ -88,7 +93,7 @@ def _rank(rank: int, module_name: str, world: int, ports: tuple[int, int], spec_
 
 def _verdicts(store: Any, i: int, world: int, failed: bool) -> list[str] | None:
     """Every rank's verdict on cell `i`; None when this rank's load failed and its peers are stuck in a
-    collective it left, or got on without a barrier it had started.
+    collective it left (a barrier unmet for `STUCK`), or got on without a barrier it had started.
 
     Such a rank meets its peers in barriers while they do not answer within `GRACE`: verl's
     `FSDPCheckpointManager.load_checkpoint` and ByteCheckpoint's `FSDP2Checkpointer.load` end with one (verl's
@@ -105,8 +110,9 @@ def _verdicts(store: Any, i: int, world: int, failed: bool) -> list[str] | None:
         if _answered(store, keys, GRACE):
             return [store.get(key).decode() for key in keys]
         barrier = dist.barrier(async_op=True)
+        stuck = time.monotonic() + STUCK.total_seconds()
         while not barrier.is_completed():
-            if store.check(keys):
+            if store.check(keys) or time.monotonic() > stuck:
                 return None
             time.sleep(_POLL.total_seconds())
         try:

@@ -262,6 +262,19 @@ def test_two_rank_convert_to_dcp_is_byte_identical_and_loads(
     assert want and all(torch.equal(state["model"][k], v) for k, v in want.items())
 
 
+@shares_the_job
+def test_leaving_the_group_stops_its_threads(two_rank_job: TwoRankJob) -> None:
+    """After the job's commands, `convert --to dcp` among them (it imports torch.distributed.checkpoint, which
+    imports torch.distributed.nn.functional), `leave` stops gloo's threads on every rank: a group kept alive
+    by a reference has them free the last exchange's tensors while the interpreter shuts down, taking the GIL
+    then, which aborts the rank (SIGABRT, "terminate called without an active exception") after its work."""
+    for rank in (0, 1):
+        threads = json.loads((two_rank_job.folder / f"threads.{rank}.json").read_text())
+        if threads is None:
+            pytest.skip("no /proc/self/task to list the threads of a rank")
+        assert threads and not [name for name in threads if "gloo" in name], (rank, threads)
+
+
 def test_workers_convert_spawns_its_ranks_and_is_byte_identical(run_cli: Cli, demo_dir: Path, tmp_path: Path) -> None:
     """`--workers 2` (ckptctl starts the ranks itself, no launcher) writes what one process writes."""
     src = demo_dir / "dcp" / "step-30"

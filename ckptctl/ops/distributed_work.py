@@ -87,6 +87,12 @@ def join() -> Ranks | None:
     import torch.distributed as dist
 
     if not dist.is_initialized():
+        # Before the group exists: torch.distributed.nn.functional binds `group.WORLD` as its functions'
+        # default when it is first imported, and torch.distributed.checkpoint (convert --to dcp) imports it.
+        # Imported under a group, it keeps that group alive past `leave`: its gloo threads then free the
+        # last exchange's tensors while the interpreter shuts down, which aborts the process (SIGABRT).
+        import torch.distributed.nn.functional  # noqa: F401
+
         try:
             dist.init_process_group("gloo", timeout=_TIMEOUT)
         except (RuntimeError, ValueError) as exc:

@@ -5,7 +5,8 @@ A job's start-up (a launcher and two ranks, each importing torch: ~5 CPU-s) cost
 test_distributed_work runs in it; one job for several commands checks each the same way for one start-up.
 
 SPEC.json maps a name to a command's arguments. Each rank writes its stdout and stderr of the command NAME to
-OUT/NAME.RANK.out and OUT/NAME.RANK.err and, once every command ended, the exit codes to OUT/codes.RANK.json.
+OUT/NAME.RANK.out and OUT/NAME.RANK.err and, once every command ended, the exit codes to OUT/codes.RANK.json;
+once it left the group, the names of its threads still running to OUT/threads.RANK.json (null without /proc).
 """
 
 from __future__ import annotations
@@ -44,3 +45,6 @@ ranks.leave = lambda: None  # type: ignore[assignment]
 codes = {name: run(args, folder / f"{name}.{rank}.out", folder / f"{name}.{rank}.err") for name, args in spec.items()}
 (folder / f"codes.{rank}.json").write_text(json.dumps(codes))
 leave()
+tasks = Path("/proc/self/task")
+threads = sorted((task / "comm").read_text().strip() for task in tasks.iterdir()) if tasks.is_dir() else None
+(folder / f"threads.{rank}.json").write_text(json.dumps(threads))

@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Mapping
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -24,9 +23,6 @@ from tests.faults.loaders.ranks import TIMEOUT, run_ranks
 from tests.writers.ranks import join_gloo, torchrun_variables
 
 WORLD = 2
-#: A peer whose load goes on meets a failed rank in a barrier without a wait (`FSDP2Checkpointer.load` ends with a barrier): a
-#: failed rank goes into it at once (`tests.faults.loaders.ranks._verdicts`).
-PEER_GRACE = timedelta(0)
 
 
 def join(rank: int, world: int, port: int) -> None:

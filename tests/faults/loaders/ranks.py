@@ -72,7 +72,7 @@ def _rank(rank: int, module_name: str, world: int, ports: tuple[int, int], spec_
         with mine.open("a") as f:
             f.write(json.dumps({"id": cell["id"], "verdict": verdict}) + "\n")
         store.set(f"cell{i}/rank{rank}", verdict)
-        verdicts = _verdicts(store, i, world, verdict.startswith("failed"), getattr(module, "PEER_GRACE", GRACE))
+        verdicts = _verdicts(store, i, world, failed=verdict.startswith("failed"))
         if verdicts is None:
             Path(f"{spec['out']}.abandoned").write_text(str(i))
             os._exit(_ABANDONED)  # closes this rank's connections: the spawn ends, and starts again after i
@@ -91,12 +91,11 @@ def _rank(rank: int, module_name: str, world: int, ports: tuple[int, int], spec_
             store.get(f"done/rank{r}")
 
 
-def _verdicts(store: Any, i: int, world: int, failed: bool, grace: timedelta) -> list[str] | None:
+def _verdicts(store: Any, i: int, world: int, failed: bool) -> list[str] | None:
     """Every rank's verdict on cell `i`; None when this rank's load failed and its peers are stuck in a
     collective it left (a barrier unmet for `STUCK`), or got on without a barrier it had started.
 
-    Such a rank meets its peers in barriers while they do not answer within `grace` (the loader's `PEER_GRACE`,
-    else `GRACE`): verl's
+    Such a rank meets its peers in barriers while they do not answer within `GRACE`: verl's
     `FSDPCheckpointManager.load_checkpoint` and ByteCheckpoint's `FSDP2Checkpointer.load` end with one (verl's
     once per role loaded). It watches the store while it waits in each: a barrier left unmet when the peers
     answer would leave the ranks' next groups out of step (seen: both ranks of the next cell stuck in other
@@ -108,7 +107,7 @@ def _verdicts(store: Any, i: int, world: int, failed: bool, grace: timedelta) ->
     if not failed:
         return [store.get(key).decode() for key in keys]
     for _ in range(_MAX_BARRIERS):
-        if _answered(store, keys, grace):
+        if _answered(store, keys, GRACE):
             return [store.get(key).decode() for key in keys]
         barrier = dist.barrier(async_op=True)
         stuck = time.monotonic() + STUCK.total_seconds()

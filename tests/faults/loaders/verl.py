@@ -18,7 +18,6 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Mapping
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -27,9 +26,6 @@ from tests.faults.loaders.common import local_shards
 from tests.faults.loaders.ranks import run_ranks
 
 WORLD = 2
-#: A peer whose load goes on meets a failed rank in a barrier without a wait (`FSDPCheckpointManager.load_checkpoint` ends with a barrier (once per role)): a
-#: failed rank goes into it at once (`tests.faults.loaders.ranks._verdicts`).
-PEER_GRACE = timedelta(0)
 
 
 def join(rank: int, world: int, port: int) -> None:

@@ -14,6 +14,7 @@ Then growth (issue 36): convert, verify, diff and the 2-rank save again at each 
 1.5 S GB, the others about 2 S GB, each removed before the next.
 
 Usage: python bench/summary.py [--only verify,diff,save_peers] [--dir PATH] [--pycache PATH] [--sizes 0.25,1,4]
+       [--growth-only]
 """
 
 from __future__ import annotations
@@ -120,8 +121,9 @@ def main() -> int:
         default=DEFAULT_SIZES,
         help=f"GB sizes of the growth runs of {', '.join(GROWTH)} (default {DEFAULT_SIZES}; '' skips them)",
     )
+    parser.add_argument("--growth-only", action="store_true", help="only the growth runs, not the table's benches")
     args = parser.parse_args()
-    chosen = [n for n in BENCHES if not args.only or n in args.only.split(",")]
+    chosen = [n for n in BENCHES if (not args.only or n in args.only.split(",")) and not args.growth_only]
     sizes = [float(x) for x in args.sizes.split(",") if x]
     grown = [n for n in GROWTH if not args.only or n in args.only.split(",")]
     env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}

@@ -12,7 +12,8 @@ Two ways in:
 
 - `write_torch_file(obj, path)` writes the archive by hand, without importing torch: the tensors of `obj`
   are `RawTensor`s (a dtype, a shape, and where the row-major bytes are: in memory, or byte ranges of other
-  files, streamed through a buffer of a few MiB and cast block by block when stored in another dtype). The
+  files, streamed a block of a few MiB at a time (mapped, for a local file) and cast block by block when stored
+  in another dtype). The
   archive is the one torch >= 1.6 writes (`torch/serialization.py` `_save`, `caffe2/serialize/
   inline_container.cc` `PyTorchStreamWriter`): records `<archive>/data.pkl` (pickle protocol 2, each tensor
   `torch._utils._rebuild_tensor_v2` of a persistent id `("storage", torch.<Type>Storage, key, "cpu", numel)`),
@@ -22,9 +23,11 @@ Two ways in:
   reads it (when it holds no stand-ins). The file is hashed as it is written (`formats.digest.HashingWriter`),
   so that the commit's digests file needs no second read of it: every byte goes out once and in order, so a
   tensor's CRC-32, which its local header holds before its bytes, is known before the header is written: a
-  tensor of up to `BLOCK` bytes is gathered first; a larger one stored in files is read twice through the
-  block buffer (its CRC, then its bytes), the second time from the page cache the first filled. Gathering a large tensor whole instead cost as much (measured on 2 cores, `bench/reshard.py`
-  ZeRO-2 --to dcp) and doubled the peak memory; memory stays one block.
+  tensor of up to `BLOCK` bytes is gathered first (a single block of a local file: its map, no copy); a
+  larger one stored in files is gone over twice, a block at a time (its CRC, then its bytes), the second time
+  from the page cache the first filled, through maps of a local file (`_block_reader`: no copy of either pass).
+  Gathering a large tensor whole instead cost as much (measured on 2 cores, `bench/reshard.py` ZeRO-2 --to
+  dcp) and doubled the peak memory; memory stays a block or two.
 - `save_torch(obj, path)` is `torch.save` with the stand-ins written as their classes, for objects that hold
   torch tensors.
 """

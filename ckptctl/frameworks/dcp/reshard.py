@@ -8,8 +8,8 @@ The folder is what torch's `dcp.save` writes for that state on one rank, written
 where the source stores its tensors raw (a ZeRO tag's flat partitions, a DCP folder's items, safetensors): the
 keys and nested paths as torch's `flatten_state_dict` makes them (`_flatten`), each data file a sequence of
 `torch.save` archives written by hand (`formats.dcp_writer.write_data_file`), a bounded group of parameters a
-file (a parameter, its moments and step together), each tensor's bytes read from the source's files into a
-reused buffer when its item comes up; a tensor stored otherwise (a view, a remote file) is read with torch when
+file (a parameter, its moments and step together; `--threads` files side by side), each tensor's bytes read
+from the source's files a block at a time (mapped where they are local) when its item comes up; a tensor stored otherwise (a view, a remote file) is read with torch when
 its turn comes and let go once written, so memory holds one tensor, not a file's group nor the state. Every
 file is hashed as it is written (`WrittenState.digests`): the digests file reads none of it back.
 `.metadata` (`formats.dcp_metadata_write`, torch's classes pickled by name) is written last: it completes the

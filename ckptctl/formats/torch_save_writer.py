@@ -652,7 +652,14 @@ def _block_reader(url: str) -> Iterator[Callable[[int, int], memoryview]]:
             if available == 0:
                 return memoryview(b"")
             start = offset - offset % mmap.ALLOCATIONGRANULARITY
-            mapped = mmap.mmap(fd, offset + available - start, access=mmap.ACCESS_READ, offset=start)
+            try:
+                mapped = mmap.mmap(fd, offset + available - start, access=mmap.ACCESS_READ, offset=start)
+            except OSError:  # a file system that cannot map files (some FUSE mounts): read the block
+                buf = _buffer("read", BLOCK)[:available]
+                done = 0
+                while done < available and (n := os.preadv(fd, [buf[done:]], offset + done)):
+                    done += n
+                return buf[:done]
             return memoryview(mapped)[offset - start :]
 
         yield read_block

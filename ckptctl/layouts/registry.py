@@ -211,26 +211,36 @@ def capability(layout: str | Layout, slot: Slot[C]) -> C | None:
 
 def training_state_writers() -> list[TrainingStateWriter]:
     """Every registered framework's training-state writer (`reshard`), each once, imported on first use."""
-    names = dict.fromkeys(
-        f"{plugin.package}.{target}"
-        for plugin in _REGISTRY
-        if (target := plugin.capabilities.get(TRAINING_STATE_WRITER)) is not None
-    )
-    return [cast("TrainingStateWriter", _load(name)) for name in names]
+    return [cast("TrainingStateWriter", _load(name)) for name in _writers()]
 
 
 def training_state_writer(target: str) -> TrainingStateWriter:
     """The training-state writer whose `target` is `target` (`reshard --to`).
 
+    The writers of the frameworks whose name `target` starts with (`dcp`, `verl`, `deepspeed-universal`) are
+    asked first, so that a reshard imports its own writer only, not every framework's.
+
     Raises:
         CkptctlError: no registered framework writes that target (the message names those that exist).
     """
-    writers = training_state_writers()
-    found = next((writer for writer in writers if writer.target == target), None)
-    if found is None:
-        known = ", ".join(sorted(writer.target for writer in writers)) or "none"
-        raise CkptctlError(f"no framework writes a training state as {target!r}", f"--to takes: {known}")
-    return found
+    spelled = target.replace("-", "_")
+    writers = _writers()
+    for name in sorted(writers, key=lambda name: not spelled.startswith(writers[name])):
+        writer = cast("TrainingStateWriter", _load(name))
+        if writer.target == target:
+            return writer
+    known = ", ".join(sorted(writer.target for writer in training_state_writers())) or "none"
+    raise CkptctlError(f"no framework writes a training state as {target!r}", f"--to takes: {known}")
+
+
+def _writers() -> dict[str, str]:
+    """The dotted name of every training-state writer, each once, in registry order -> its framework's name."""
+    writers: dict[str, str] = {}
+    for plugin in _REGISTRY:
+        target = plugin.capabilities.get(TRAINING_STATE_WRITER)
+        if target is not None:
+            writers.setdefault(f"{plugin.package}.{target}", plugin.name)
+    return writers
 
 
 def _plugin_of(layout: Layout) -> Plugin | None:

@@ -23,8 +23,8 @@ from ckptctl.contract.capabilities import TRAINING_STATE_WRITER, NotCarried, Res
 from ckptctl.errors import CkptctlError, StorageError
 from ckptctl.layouts import capability, resolve, training_state_writer, training_state_writers
 from ckptctl.ops.commit import check_destination, published_last, staging_for, write_digests
-from ckptctl.ops.convert import open_verified
 from ckptctl.ops.report import SCHEMA_VERSION, NoProgress, Progress
+from ckptctl.ops.sources import open_verified
 
 __all__ = ["ReshardOptions", "ReshardResult", "reshard"]
 

@@ -8,8 +8,8 @@ The folder is what torch's `dcp.save` writes for that state on one rank, written
 where the source stores its tensors raw (a ZeRO tag's flat partitions, a DCP folder's items, safetensors): the
 keys and nested paths as torch's `flatten_state_dict` makes them (`_flatten`), each data file a sequence of
 `torch.save` archives written by hand (`formats.dcp_writer.write_data_file`), a bounded group of parameters a
-file (a parameter, its moments and step together), each tensor's bytes read from the source's files into a
-reused buffer when its item comes up; a tensor stored otherwise (a view, a remote file) is read with torch when
+file (a parameter, its moments and step together; `--threads` files side by side), each tensor's bytes read
+from the source's files a block at a time (mapped where they are local) when its item comes up; a tensor stored otherwise (a view, a remote file) is read with torch when
 its turn comes and let go once written, so memory holds one tensor, not a file's group nor the state. Every
 file is hashed as it is written (`WrittenState.digests`): the digests file reads none of it back.
 `.metadata` (`formats.dcp_metadata_write`, torch's classes pickled by name) is written last: it completes the
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ckptctl.checkpoint import Checkpoint
@@ -41,7 +42,7 @@ from ckptctl.formats.dcp_metadata import (
     StorageRecord,
 )
 from ckptctl.formats.dcp_metadata_write import dcp_metadata_bytes
-from ckptctl.formats.dcp_writer import write_data_file
+from ckptctl.formats.dcp_writer import DataFile, write_data_file
 from ckptctl.formats.digest import bytes_digest
 from ckptctl.formats.manifest import FileRecord
 from ckptctl.formats.torch_save_writer import RawTensor
@@ -83,19 +84,26 @@ class DcpStateWriter:
         storage: dict[StorageKey, StorageRecord] = {}
         digests: dict[str, FileRecord] = {}
         written = 0
-        for k, group in enumerate(groups or [[]]):
-            keys = loose + group if k == 0 else group  # torch's order: byte items first
+
+        def one(k: int) -> tuple[str, DataFile]:
+            keys = loose + groups[k] if k == 0 else groups[k]  # torch's order: byte items first
             name = f"__0_{k}.distcp"
             items = [(key, _value_of(key, flat[key][1])) for key in keys]
-            data_file = write_data_file(os.path.join(request.staging, name), items)
-            for key, offset, length in data_file.items:
-                value = flat[key][1]
-                where = tuple(0 for _ in value.shape) if isinstance(value, StateTensor) else None
-                storage[(key, where)] = StorageRecord(name, offset, length, ())
-            digests[name] = data_file.file
-            group_bytes = sum(flat[key][1].nbytes for key in group)
-            written += group_bytes
-            advance(group_bytes)
+            return name, write_data_file(os.path.join(request.staging, name), items)
+
+        groups = groups or [[]]
+        # Files side by side on `workers` threads (each holds one tensor's block buffers); the records are
+        # taken in file order whatever thread wrote them, so `.metadata` is the same bytes.
+        with ThreadPoolExecutor(max(1, request.workers)) as pool:
+            for k, (name, data_file) in enumerate(pool.map(one, range(len(groups)))):
+                for key, offset, length in data_file.items:
+                    value = flat[key][1]
+                    where = tuple(0 for _ in value.shape) if isinstance(value, StateTensor) else None
+                    storage[(key, where)] = StorageRecord(name, offset, length, ())
+                digests[name] = data_file.file
+                group_bytes = sum(flat[key][1].nbytes for key in groups[k])
+                written += group_bytes
+                advance(group_bytes)
         entries = {key: _entry(value) for key, (_, value) in flat.items()}
         planner_data = {key: path for key, (path, _) in flat.items()}
         data = dcp_metadata_bytes(entries, storage, version=DCP_VERSION, planner_data=planner_data)

@@ -30,10 +30,10 @@ from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 from ckptctl import io
-from ckptctl.checkpoint import Checkpoint, CheckpointRef, CheckpointState, Component
+from ckptctl.checkpoint import Checkpoint, Component
 from ckptctl.contract.capabilities import NO_NAME_MAP, HfModel, ModelSpec, NativeModel
 from ckptctl.contract.wrapped import WrappedAdapter
-from ckptctl.errors import CheckpointInProgress, CheckpointNotFound, CkptctlError, CorruptCheckpoint, UnprovedModel
+from ckptctl.errors import CheckpointNotFound, CkptctlError, UnprovedModel
 from ckptctl.families.value_head import find_value_head
 from ckptctl.formats.documents import read_json
 from ckptctl.layouts import Layout, get_layout, resolve
@@ -63,8 +63,7 @@ from ckptctl.ops.convert.to_hf import INDEX_NAME, write_hf
 from ckptctl.ops.convert_source import convert_source
 from ckptctl.ops.distributed_work import Ranks
 from ckptctl.ops.report import NoProgress, Progress
-from ckptctl.ops.slim import slim_problems
-from ckptctl.quoting import shell
+from ckptctl.ops.sources import open_verified
 
 __all__ = [
     "CONFIG_FILES",
@@ -449,33 +448,6 @@ def _prepare_adapter(
         notes=notes,
         adapter=adapter,
     )
-
-
-def open_verified(layout: Layout, ref: CheckpointRef) -> Checkpoint:
-    """The checkpoint of `ref`, opened by `layout`.
-
-    Raises:
-        CheckpointInProgress: it is still being written.
-        CorruptCheckpoint: it was abandoned, is broken, or fails its layout's structural verification.
-    """
-    url = ref.url
-    if ref.state is CheckpointState.IN_PROGRESS:
-        raise CheckpointInProgress(
-            f"{url} is still being written ({ref.note or 'no completion marker'})", "wait for the save to finish"
-        )
-    if ref.state is CheckpointState.ABANDONED:
-        raise CorruptCheckpoint(f"{url} is {ref.note}", "use a committed checkpoint instead")
-    checkpoint = layout.open(url)
-    problems = list(layout.verify(checkpoint))
-    slim = ref.state is CheckpointState.SLIM  # its layout may take the dropped optimizer for damage
-    problems = [p for p in (slim_problems(layout.name, url, problems) if slim else problems) if p.severity == "error"]
-    if problems or (checkpoint.ref.state is CheckpointState.BROKEN and not slim):
-        first = problems[0].message if problems else checkpoint.ref.note
-        raise CorruptCheckpoint(
-            f"{url} fails structural verification: {first}",
-            f"run `{shell('ckptctl', 'verify', url)}` for the full report",
-        )
-    return checkpoint
 
 
 def _base_model(

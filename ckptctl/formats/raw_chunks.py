@@ -150,11 +150,17 @@ def row_slice(
     return TensorEntry(name, entry.component, entry.dtype, (position, *shape[k + 1 :]), tuple(chunks))
 
 
+#: Archives up to this size are read whole to be inspected; larger ones are mapped (only their directory
+#: and header pages are then read).
+_READ_WHOLE = 256 << 10
+
+
 class ChunkLocator:
     """Finds the raw bytes of chunks of one checkpoint; a context manager that caches open files.
 
-    Local torch.save archives are inspected through a memory map of the archive alone, so only its zip
-    directory and the small `data.pkl` record are read, never the tensor bytes.
+    Local torch.save archives are inspected in place: a small one read whole (one read costs less than a
+    map), a larger one through a memory map of the archive alone, so that only its zip directory and its
+    small `data.pkl` record are read, never its tensor bytes.
     """
 
     def __init__(self, checkpoint_url: str) -> None:
@@ -231,6 +237,13 @@ class ChunkLocator:
     def _inspect(self, url: str, chunk: TensorChunk, where: str) -> ArchiveTensor:
         if chunk.byte_length == 0:
             raise CorruptCheckpoint(f"{where}: the record is empty, not a torch.save archive")
+        if chunk.byte_length <= _READ_WHOLE:
+            # A DCP save holds hundreds of small items (norms, biases): one read each, no map and unmap.
+            try:
+                blob = os.pread(self._fd(url), chunk.byte_length, chunk.byte_offset)
+            except OSError as exc:
+                raise StorageError(f"cannot read {url}: {exc.strerror or exc}") from exc
+            return inspect_archive(blob, where)
         start = chunk.byte_offset - chunk.byte_offset % mmap.ALLOCATIONGRANULARITY
         mapped = mmap.mmap(
             self._fd(url), chunk.byte_offset + chunk.byte_length - start, access=mmap.ACCESS_READ, offset=start

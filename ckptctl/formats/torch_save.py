@@ -20,6 +20,7 @@ uncompressed and 64-byte aligned by torch's writer).
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import math
 import re
@@ -170,10 +171,39 @@ def inspect_archive(blob: bytes | memoryview, source: str) -> ArchiveTensor:
         CorruptCheckpoint: the archive is damaged or does not hold one plain tensor.
     """
     archive = _open_archive(blob, source, _MAX_DATA_PKL)
-    rebuilt = load_torch_save_pickle(archive.pickled, f"{source} data.pkl")
-    if not isinstance(rebuilt, TensorRebuild):
-        raise CorruptCheckpoint(f"{source}: the archive does not hold a plain tensor")
+    rebuilt = _one_tensor(archive.pickled, source)
     return _locate(archive.view, archive.infos, archive.prefix, rebuilt, archive.little, source)
+
+
+#: A one-tensor `data.pkl` is ~150 bytes; larger ones (crafted, or not one tensor) are not kept.
+_KEPT_PICKLE = 1 << 10
+
+
+@functools.lru_cache(maxsize=512)
+def _tensor_of_pickle(pickled: bytes) -> TensorRebuild | None:
+    rebuilt = load_torch_save_pickle(pickled, "data.pkl")
+    return rebuilt if isinstance(rebuilt, TensorRebuild) else None
+
+
+def _one_tensor(pickled: bytes, source: str) -> TensorRebuild:
+    """The tensor a one-tensor archive's `data.pkl` rebuilds.
+
+    Tensors of the same dtype, shape and strides pickle to the same bytes (storage key and location too): a
+    DCP save holds hundreds of them (every layer's weights alike, each optimizer moment like its parameter),
+    so the facts are kept by those bytes and each distinct pickle is unpickled once. What a pickle rebuilds
+    depends on its bytes alone, and `_locate` only reads the facts. A pickle that fails is not kept: it is
+    unpickled again, the message naming this archive.
+    """
+    try:
+        rebuilt = _tensor_of_pickle(pickled) if len(pickled) <= _KEPT_PICKLE else None
+    except CkptctlError:
+        rebuilt = None
+    if rebuilt is None:
+        found = load_torch_save_pickle(pickled, f"{source} data.pkl")
+        if not isinstance(found, TensorRebuild):
+            raise CorruptCheckpoint(f"{source}: the archive does not hold a plain tensor")
+        rebuilt = found
+    return rebuilt
 
 
 @dataclass(frozen=True, slots=True)

@@ -117,3 +117,18 @@ def test_an_archive_of_something_else_is_not_a_tensor() -> None:
         decode_tensor(blob, "dict")
     with pytest.raises(CorruptCheckpoint, match="plain tensor"):
         inspect_archive(blob, "dict")
+
+
+def test_archives_with_the_same_pickle_each_locate_their_own_bytes_and_name_their_own_failures() -> None:
+    # Tensors of one dtype and shape pickle to the same data.pkl bytes, parsed once and shared.
+    a, b = torch.randn(4, 8), torch.randn(4, 8)
+    for tensor in (a, b, a):
+        blob = _saved(tensor)
+        found = inspect_archive(blob, "same")
+        assert blob[found.start : found.end] == _raw(tensor)
+    # A pickle that fails is not kept: every archive holding it fails, each under its own name.
+    for name in ("first", "second"):
+        with pytest.raises(CorruptCheckpoint, match=f"^{name}: .*plain tensor"):
+            inspect_archive(_saved({"a": torch.ones(2)}), name)
+        with pytest.raises(UnsafePickle, match=f"^{name} data.pkl"):
+            inspect_archive(_saved(Evil(Path(os.devnull))), name)

@@ -31,8 +31,8 @@ from ckptctl.cli.options import (
     ToOpt,
     WeightsChoice,
     WorkersOpt,
-    bad_value,
     output_options,
+    parsed_renames,
     renamed,
 )
 from ckptctl.cli.output import Output, human_bytes, styled
@@ -297,7 +297,6 @@ def convert(
 ) -> None:
     from ckptctl.ops.convert import ConvertOptions, LoraMode, Weights
     from ckptctl.ops.convert import convert as run_convert
-    from ckptctl.ops.naming import parse_rename
 
     # `--weights` was this option's name; in `average` it is the weight of each input.
     model_weights = renamed(
@@ -306,15 +305,11 @@ def convert(
     written = output_options(
         to, dtype, max_shard_size, dcp_file_size, config, mapping, tokenizer, force, reread, no_check_model
     )
-    try:
-        renames = tuple(parse_rename(r) for r in rename or ())
-    except ValueError as exc:
-        raise bad_value("--rename", str(exc)) from exc
     options = ConvertOptions(
         **written,
         component=component,
         strip_prefix=strip_prefix,
-        renames=renames,
+        renames=parsed_renames(rename),
         layout=layout,
         weights=Weights(model_weights.value),
         check_logits=check_logits,

@@ -265,6 +265,17 @@ def parsed(parser: Callable[[str], T], text: str | None, option: str) -> T | Non
         raise bad_value(option, str(exc)) from exc
 
 
+def parsed_renames(rename: list[str] | None) -> tuple[tuple[str, str], ...]:
+    """The `--rename PATTERN=REPL` options (`RenameOpt`) as `(pattern, replacement)` pairs, a bad one the option's
+    usage error."""
+    from ckptctl.ops.naming import parse_rename
+
+    try:
+        return tuple(parse_rename(r) for r in rename or ())
+    except ValueError as exc:
+        raise bad_value("--rename", str(exc)) from exc
+
+
 class ConfirmationRequired(CkptctlError):
     """A destructive command needs --yes when there is no terminal to ask on (exit code 2)."""
 

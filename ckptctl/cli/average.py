@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
+from functools import partial
 from typing import TYPE_CHECKING, Annotated, TypeVar
 
 import typer
@@ -28,13 +28,13 @@ from ckptctl.cli.options import (
     WeightsChoice,
     WorkersOpt,
     bad_value,
-    positive_size,
+    output_options,
 )
-from ckptctl.cli.output import Output, human_bytes, show_write, styled
-from ckptctl.cli.ranks import job_ranks, prints
+from ckptctl.cli.output import Output, human_bytes, styled
+from ckptctl.cli.ranks import write_on_ranks
 
 if TYPE_CHECKING:
-    from ckptctl.ops.average import AverageOptions, AverageResult
+    from ckptctl.ops.average import AverageResult
 
 HELP = """Average checkpoints of one model, of any layouts, into a Hugging Face folder (or a torch DCP checkpoint): uniformly, with --weights, or as an EMA (--ema). float64 accumulation and one rounding; inputs that do not match are refused before anything is written."""
 
@@ -136,37 +136,30 @@ def average(
     quiet: QuietOpt = False,
 ) -> None:
     from ckptctl.ops.average import AverageOptions, run_inputs
-    from ckptctl.ops.convert import Target, Weights, parse_dtype
+    from ckptctl.ops.average import average as run_average
+    from ckptctl.ops.convert import Weights
 
     from_run = last is not None or steps is not None
     if from_run and len(paths) != 2:
         raise bad_value("--last" if last is not None else "--steps", "takes RUN DST: the run folder and the output")
     if not from_run and len(paths) < 3:
         raise typer.BadParameter("give at least two checkpoints and DST (or RUN DST with --last K or --steps)")
-    shard_bytes = positive_size(max_shard_size, "--max-shard-size")
-    dcp_file_bytes = positive_size(dcp_file_size, "--dcp-file-size")
     options = AverageOptions(
+        **output_options(
+            to, dtype, max_shard_size, dcp_file_size, config, mapping, tokenizer, force, reread, no_check_model
+        ),
         weights=_numbers(weights, float, "--weights") if weights is not None else None,
         normalize=not no_normalize,
         ema=ema,
-        to=Target(to.value),
-        dtype=parse_dtype(dtype.value) if dtype else None,
-        max_shard_size=shard_bytes,
-        dcp_file_size=dcp_file_bytes,
         source_weights=Weights(model_weights.value),
-        config_dir=config,
-        mapping=mapping,
-        tokenizer_dir=tokenizer,
-        force=force,
-        check_model=not no_check_model,
-        reread=reread,
     )
     *sources, dst = paths
     if from_run:
         chosen = _numbers(steps, int, "--steps") if steps is not None else None
         sources = run_inputs(sources[0], last=last, steps=chosen)
-    with job_ranks(workers) as ranks:
-        _average(sources, dst, replace(options, ranks=ranks), json_output, quiet or not prints(ranks), prints(ranks))
+    write_on_ranks(
+        workers, options, dst, partial(run_average, sources, dst), _render, json_output=json_output, quiet=quiet
+    )
 
 
 def _numbers(text: str, kind: Callable[[str], T], option: str) -> tuple[T, ...]:
@@ -174,13 +167,6 @@ def _numbers(text: str, kind: Callable[[str], T], option: str) -> tuple[T, ...]:
         return tuple(kind(part) for part in text.split(","))
     except ValueError as exc:
         raise bad_value(option, f"{text!r} is not a comma-separated list of numbers") from exc
-
-
-def _average(sources: list[str], dst: str, options: AverageOptions, json_output: bool, quiet: bool, show: bool) -> None:
-    from ckptctl.ops.average import average as run_average
-
-    out = Output(json_mode=json_output, quiet=quiet)
-    show_write(out, dst, lambda progress: run_average(sources, dst, options, progress), _render, show=show)
 
 
 def _render(out: Output, result: AverageResult) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import replace
+from functools import partial
 from typing import TYPE_CHECKING, Annotated
 
 import typer
@@ -31,15 +31,15 @@ from ckptctl.cli.options import (
     ToOpt,
     WeightsChoice,
     WorkersOpt,
-    bad_value,
-    positive_size,
+    output_options,
+    parsed_renames,
     renamed,
 )
-from ckptctl.cli.output import Output, human_bytes, show_write, styled
-from ckptctl.cli.ranks import job_ranks, prints
+from ckptctl.cli.output import Output, human_bytes, styled
+from ckptctl.cli.ranks import write_on_ranks
 
 if TYPE_CHECKING:
-    from ckptctl.ops.convert import ConvertOptions, ConvertResult
+    from ckptctl.ops.convert import ConvertResult
 
 HELP = """Convert a checkpoint's model into a Hugging Face folder (or an HF model into a torch DCP checkpoint), tensor by tensor from the raw bytes, in flat memory. Reads every layout ckptctl knows and single weights files; the output is checked against the model and committed atomically."""
 
@@ -295,35 +295,23 @@ def convert(
     json_output: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
-    from ckptctl.ops.convert import ConvertOptions, LoraMode, Target, Weights, parse_dtype
-    from ckptctl.ops.naming import parse_rename
+    from ckptctl.ops.convert import ConvertOptions, LoraMode, Weights
+    from ckptctl.ops.convert import convert as run_convert
 
     # `--weights` was this option's name; in `average` it is the weight of each input.
     model_weights = renamed(
         Output(json_mode=json_output, quiet=quiet), "--weights", "--model-weights", old_weights, model_weights
     )
-    shard_bytes = positive_size(max_shard_size, "--max-shard-size")
-    dcp_file_bytes = positive_size(dcp_file_size, "--dcp-file-size")
-    try:
-        renames = tuple(parse_rename(r) for r in rename or ())
-    except ValueError as exc:
-        raise bad_value("--rename", str(exc)) from exc
+    written = output_options(
+        to, dtype, max_shard_size, dcp_file_size, config, mapping, tokenizer, force, reread, no_check_model
+    )
     options = ConvertOptions(
-        to=Target(to.value),
-        dtype=parse_dtype(dtype.value) if dtype else None,
-        max_shard_size=shard_bytes,
-        dcp_file_size=dcp_file_bytes,
+        **written,
         component=component,
         strip_prefix=strip_prefix,
-        renames=renames,
-        mapping=mapping,
-        config_dir=config,
-        tokenizer_dir=tokenizer,
-        force=force,
+        renames=parsed_renames(rename),
         layout=layout,
-        reread=reread,
         weights=Weights(model_weights.value),
-        check_model=not no_check_model,
         check_logits=check_logits,
         merge_adapter=merge_adapter,
         lora=LoraMode(lora.value),
@@ -332,15 +320,7 @@ def convert(
         lora_r=lora_r,
         lora_rslora=lora_rslora,
     )
-    with job_ranks(workers) as ranks:
-        _convert(src, dst, replace(options, ranks=ranks), json_output, quiet or not prints(ranks), prints(ranks))
-
-
-def _convert(src: str, dst: str, options: ConvertOptions, json_output: bool, quiet: bool, show: bool) -> None:
-    from ckptctl.ops.convert import convert as run_convert
-
-    out = Output(json_mode=json_output, quiet=quiet)
-    show_write(out, dst, lambda progress: run_convert(src, dst, options, progress), _render, show=show)
+    write_on_ranks(workers, options, dst, partial(run_convert, src, dst), _render, json_output=json_output, quiet=quiet)
 
 
 def _render(out: Output, result: ConvertResult) -> None:

@@ -9,7 +9,7 @@ import typer
 
 from ckptctl.checkpoint import Component
 from ckptctl.cli.command import add_command
-from ckptctl.cli.options import ComponentOpt, JsonOpt, QuietOpt, RenameOpt, StripPrefixOpt, WorkersOpt, bad_value
+from ckptctl.cli.options import ComponentOpt, JsonOpt, QuietOpt, RenameOpt, StripPrefixOpt, WorkersOpt, parsed_renames
 from ckptctl.cli.output import Cell, Column, Output, human_bytes, human_count, styled
 from ckptctl.cli.ranks import job_ranks, prints
 
@@ -127,12 +127,9 @@ def diff_checkpoints(
     quiet: QuietOpt = False,
 ) -> None:
     from ckptctl.ops.diff import DiffOptions, diff
-    from ckptctl.ops.naming import compile_renames, parse_rename
+    from ckptctl.ops.naming import compile_renames
 
-    try:
-        renames = compile_renames(parse_rename(r) for r in rename or ())
-    except ValueError as exc:
-        raise bad_value("--rename", str(exc)) from exc
+    renames = compile_renames(parsed_renames(rename))
     options = DiffOptions(
         component=component,
         atol=atol,

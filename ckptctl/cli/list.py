@@ -9,7 +9,7 @@ import typer
 
 from ckptctl.checkpoint import CheckpointState
 from ckptctl.cli.command import add_command
-from ckptctl.cli.options import DepthOpt, JsonOpt, LimitOpt, QuietOpt, RunLayoutOpt, bad_value
+from ckptctl.cli.options import DepthOpt, JsonOpt, LimitOpt, QuietOpt, RunArg, RunLayoutOpt, bad_value
 from ckptctl.cli.output import STATE_STYLE, Cell, Column, Output, human_bytes, styled, when
 from ckptctl.layouts import DEFAULT_SCAN_DEPTH
 from ckptctl.ops.report import display_path
@@ -84,9 +84,7 @@ def register(app: typer.Typer) -> None:
 
 
 def list_checkpoints(
-    run: Annotated[
-        str, typer.Argument(metavar="RUN", help="Run folder (local path or fsspec URL).", show_default=False)
-    ],
+    run: RunArg,
     sort: Annotated[
         SortKey, typer.Option("--sort", metavar="KEY", help="Sort by step, created, size or url.")
     ] = SortKey.step,

@@ -23,6 +23,10 @@ from ckptctl.ops.report import display_path
 
 T = TypeVar("T")
 
+#: The run folder of a command about one run (list, prune, repair, resume-plan, report).
+RunArg = Annotated[
+    str, typer.Argument(metavar="RUN", help="Run folder (local path or fsspec URL).", show_default=False)
+]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document (schema_version 1).")]
 QuietOpt = Annotated[
     bool,
@@ -179,6 +183,36 @@ ModelWeightsOpt = Annotated[
 ]
 
 
+def output_options(
+    to: TargetChoice,
+    dtype: DtypeChoice | None,
+    max_shard_size: str,
+    dcp_file_size: str,
+    config: str | None,
+    mapping: str | None,
+    tokenizer: str | None,
+    force: bool,
+    reread: bool,
+    no_check_model: bool,
+) -> dict[str, Any]:
+    """The options above of a command that writes a model (`convert`, `average`) as `ops.convert.OutputOptions`
+    takes them, by field name; a size that is not one is the option's usage error."""
+    from ckptctl.ops.convert import Target, parse_dtype
+
+    return {
+        "to": Target(to.value),
+        "dtype": parse_dtype(dtype.value) if dtype else None,
+        "max_shard_size": positive_size(max_shard_size, "--max-shard-size"),
+        "dcp_file_size": positive_size(dcp_file_size, "--dcp-file-size"),
+        "config_dir": config,
+        "mapping": mapping,
+        "tokenizer_dir": tokenizer,
+        "force": force,
+        "reread": reread,
+        "check_model": not no_check_model,
+    }
+
+
 def renamed(out: Output, old: str, new: str, old_value: T | None, value: T) -> T:
     """The value of an option renamed from `old` to `new`: `old` still works (a hidden option), with a warning."""
     if old_value is None:
@@ -229,6 +263,17 @@ def parsed(parser: Callable[[str], T], text: str | None, option: str) -> T | Non
         return parser(text)
     except ValueError as exc:
         raise bad_value(option, str(exc)) from exc
+
+
+def parsed_renames(rename: list[str] | None) -> tuple[tuple[str, str], ...]:
+    """The `--rename PATTERN=REPL` options (`RenameOpt`) as `(pattern, replacement)` pairs, a bad one the option's
+    usage error."""
+    from ckptctl.ops.naming import parse_rename
+
+    try:
+        return tuple(parse_rename(r) for r in rename or ())
+    except ValueError as exc:
+        raise bad_value("--rename", str(exc)) from exc
 
 
 class ConfirmationRequired(CkptctlError):

@@ -16,6 +16,7 @@ from ckptctl.cli.options import (
     OlderThanOpt,
     PlanPrompt,
     QuietOpt,
+    RunArg,
     WaitOpt,
     YesOpt,
     bad_value,
@@ -91,9 +92,7 @@ def register(app: typer.Typer) -> None:
 
 
 def prune(
-    run: Annotated[
-        str, typer.Argument(metavar="RUN", help="Run folder (local path or fsspec URL).", show_default=False)
-    ],
+    run: RunArg,
     keep_last: Annotated[
         int | None, typer.Option("--keep-last", metavar="N", help="Keep the newest N complete checkpoints.", min=1)
     ] = None,

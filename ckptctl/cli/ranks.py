@@ -10,12 +10,17 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import signal
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import typer
 
+from ckptctl.cli.output import Output, R, RichProgress, show_write
 from ckptctl.ops.distributed_work import Ranks, join, launched, leave, run_workers
+
+if TYPE_CHECKING:
+    from ckptctl.ops.convert.options import OutputOptions
 
 #: The command line being run (without the program name), set by `cli.app`: `--workers` runs it again
 #: in each rank it starts.
@@ -53,6 +58,27 @@ def job_ranks(workers: int | None) -> Iterator[Ranks | None]:
 def prints(ranks: Ranks | None) -> bool:
     """Whether this process prints the command's result: it runs alone, or it is rank 0."""
     return ranks is None or ranks.leader
+
+
+OptionsT = TypeVar("OptionsT", bound="OutputOptions")
+
+
+def write_on_ranks(
+    workers: int | None,
+    options: OptionsT,
+    dst: str,
+    write: Callable[[OptionsT, RichProgress], R],
+    render: Callable[[Output, R], None],
+    *,
+    json_output: bool,
+    quiet: bool,
+) -> None:
+    """Run a command that writes a model into DST (`convert`, `average`) on its ranks (`job_ranks`), each rank
+    writing with `options` given those ranks, and show its result (`show_write`): rank 0 alone prints."""
+    with job_ranks(workers) as ranks:
+        show = prints(ranks)
+        out = Output(json_mode=json_output, quiet=quiet or not show)
+        show_write(out, dst, lambda progress: write(replace(options, ranks=ranks), progress), render, show=show)
 
 
 def _interrupt(signum: int, frame: Any) -> None:

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from ckptctl.cli.command import add_command
-from ckptctl.cli.options import DryRunOpt, JsonOpt, QuietOpt, WaitOpt, YesOpt
+from ckptctl.cli.options import DryRunOpt, JsonOpt, QuietOpt, RunArg, WaitOpt, YesOpt
 from ckptctl.cli.output import Cell, Output, styled
 from ckptctl.quoting import shell
 
@@ -70,9 +70,7 @@ def register(app: typer.Typer) -> None:
 
 
 def repair(
-    run: Annotated[
-        str, typer.Argument(metavar="RUN", help="Run folder (local path or fsspec URL).", show_default=False)
-    ],
+    run: RunArg,
     yes: YesOpt = False,
     dry_run: DryRunOpt = False,
     undo: Annotated[

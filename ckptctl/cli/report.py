@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from ckptctl.cli.command import add_command
-from ckptctl.cli.options import DepthOpt, JsonOpt, LastPairsOpt, QuietOpt, bad_value
+from ckptctl.cli.options import DepthOpt, JsonOpt, LastPairsOpt, QuietOpt, RunArg, bad_value
 from ckptctl.cli.output import Output, human_bytes
 from ckptctl.layouts import DEFAULT_SCAN_DEPTH
 from ckptctl.ops.report import DEFAULT_LAST
@@ -46,9 +46,7 @@ def register(app: typer.Typer) -> None:
 
 
 def report(
-    run: Annotated[
-        str, typer.Argument(metavar="RUN", help="Run folder (local path or fsspec URL).", show_default=False)
-    ],
+    run: RunArg,
     output: Annotated[
         str | None,
         typer.Option("--output", "-o", metavar="FILE", help="Where to write the page (required unless --json)."),

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from ckptctl.cli.command import add_command
-from ckptctl.cli.options import JsonOpt, QuietOpt, RunLayoutOpt, WorldSizeOpt
+from ckptctl.cli.options import JsonOpt, QuietOpt, RunArg, RunLayoutOpt, WorldSizeOpt
 from ckptctl.cli.output import Cell, Output, human_bytes, styled
 from ckptctl.ops.report import display_path
 
@@ -79,9 +79,7 @@ def register(app: typer.Typer) -> None:
 
 
 def resume_plan(
-    run: Annotated[
-        str, typer.Argument(metavar="RUN", help="Run folder (local path or fsspec URL).", show_default=False)
-    ],
+    run: RunArg,
     world_size: WorldSizeOpt = None,
     digests: Annotated[
         bool,

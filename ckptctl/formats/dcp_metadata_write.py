@@ -23,6 +23,7 @@ from typing import Any
 from ckptctl.checkpoint import known_dtypes
 from ckptctl.errors import CkptctlError
 from ckptctl.formats.dcp_metadata import DcpBytesItem, DcpMetadata, DcpTensor, StorageKey, StorageRecord
+from ckptctl.formats.pickle_names import PickledName, PurePickler, global_opcode
 
 __all__ = ["dcp_metadata_bytes", "write_dcp_metadata"]
 
@@ -101,20 +102,12 @@ def dcp_metadata_bytes(
     return buffer.getvalue()
 
 
-@dataclass(frozen=True, slots=True)
-class _Class:
-    """A class or value of torch that the pickle names (GLOBAL `module name`); never imported here."""
-
-    module: str
-    name: str
-
-
 @dataclass(frozen=True, slots=True, eq=False)
 class _New:
     """An object of class `cls` built as pickle builds a dataclass: NEWOBJ, then BUILD with `state`. Compared
     by identity, as pickle's memo and a dict of `MetadataIndex` keys take objects."""
 
-    cls: _Class
+    cls: PickledName
     state: Any
 
 
@@ -122,52 +115,48 @@ class _New:
 class _Call:
     """`func(*args)`, as pickle writes an object whose `__reduce__` gives a callable and its arguments."""
 
-    func: _Class
+    func: PickledName
     args: tuple[Any, ...]
 
 
 _DCP = "torch.distributed.checkpoint.metadata"
-_METADATA = _Class(_DCP, "Metadata")
-_TENSOR_METADATA = _Class(_DCP, "TensorStorageMetadata")
-_BYTES_METADATA = _Class(_DCP, "BytesStorageMetadata")
-_CHUNK_METADATA = _Class(_DCP, "ChunkStorageMetadata")
-_TENSOR_PROPERTIES = _Class(_DCP, "TensorProperties")
-_STORAGE_META = _Class(_DCP, "StorageMeta")
-_METADATA_INDEX = _Class(_DCP, "MetadataIndex")
-_STORAGE_INFO = _Class("torch.distributed.checkpoint.filesystem", "_StorageInfo")
-_TORCH_SIZE = _Class("torch", "Size")
-_STRIDED = _Call(_Class("torch.serialization", "_get_layout"), ("torch.strided",))
-_CONTIGUOUS = _Call(_Class(_DCP, "_MEM_FORMAT_ENCODING"), (0,))
+_METADATA = PickledName(_DCP, "Metadata")
+_TENSOR_METADATA = PickledName(_DCP, "TensorStorageMetadata")
+_BYTES_METADATA = PickledName(_DCP, "BytesStorageMetadata")
+_CHUNK_METADATA = PickledName(_DCP, "ChunkStorageMetadata")
+_TENSOR_PROPERTIES = PickledName(_DCP, "TensorProperties")
+_STORAGE_META = PickledName(_DCP, "StorageMeta")
+_METADATA_INDEX = PickledName(_DCP, "MetadataIndex")
+_STORAGE_INFO = PickledName("torch.distributed.checkpoint.filesystem", "_StorageInfo")
+_TORCH_SIZE = PickledName("torch", "Size")
+_STRIDED = _Call(PickledName("torch.serialization", "_get_layout"), ("torch.strided",))
+_CONTIGUOUS = _Call(PickledName(_DCP, "_MEM_FORMAT_ENCODING"), (0,))
 
 
 @cache
-def _dtype(name: str) -> _Class:
+def _dtype(name: str) -> PickledName:
     """One object per dtype, so that pickle's memo names each once and refers back to it after."""
-    return _Class("torch", name)
+    return PickledName("torch", name)
 
 
 def _size(dims: tuple[int, ...]) -> _Call:
     return _Call(_TORCH_SIZE, (tuple(dims),))
 
 
-#: The pure-Python pickler (typeshed does not describe it), whose `save` a subclass can take over.
-_PurePickler: Any = pickle._Pickler
-
-
-class _Pickler(_PurePickler):
-    """pickle's own pickler, writing `_Class`, `_New` and `_Call` as the torch objects they stand for."""
+class _Pickler(PurePickler):
+    """pickle's own pickler, writing `PickledName`, `_New` and `_Call` as the torch objects they stand for."""
 
     def save(self, obj: Any, save_persistent_id: bool = True) -> None:
         kind = type(obj)
-        if kind is not _Class and kind is not _New and kind is not _Call:
+        if kind is not PickledName and kind is not _New and kind is not _Call:
             super().save(obj, save_persistent_id)
             return
         memo = self.memo.get(id(obj))
         if memo is not None:
             self.write(self.get(memo[0]))
             return
-        if kind is _Class:
-            self.write(pickle.GLOBAL + obj.module.encode() + b"\n" + obj.name.encode() + b"\n")
+        if kind is PickledName:
+            self.write(global_opcode(obj.module, obj.name))
         elif kind is _New:
             self.save(obj.cls)
             self.write(pickle.EMPTY_TUPLE + pickle.NEWOBJ)

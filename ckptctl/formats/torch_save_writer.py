@@ -53,6 +53,7 @@ from ckptctl.checkpoint import dtype_itemsize
 from ckptctl.errors import CorruptCheckpoint, StorageError
 from ckptctl.formats.digest import HashingWriter
 from ckptctl.formats.manifest import FileRecord
+from ckptctl.formats.pickle_names import PickledName, PurePickler, global_opcode
 from ckptctl.formats.raw_chunks import ByteRange
 from ckptctl.formats.safe_pickle import FrameworkObject
 from ckptctl.formats.torch_pickle import TorchPickle
@@ -121,18 +122,6 @@ _ZIP64_LIMIT = 0xFFFFFFFF
 _FORMAT_VERSION = b"3\n"
 
 
-#: The pure-Python pickler (typeshed does not describe it), whose `save` a subclass can take over.
-_PurePickler: Any = pickle._Pickler
-
-
-@dataclass(frozen=True, slots=True)
-class _Global:
-    """A class or function that data.pkl names (GLOBAL `module name`) and that is never imported here."""
-
-    module: str
-    name: str
-
-
 @dataclass(frozen=True, slots=True, eq=False)
 class _StorageRef:
     """The storage of a `RawTensor`: pickled as its persistent id, as torch pickles a storage."""
@@ -141,14 +130,14 @@ class _StorageRef:
     tensor: RawTensor
 
 
-_REBUILD_TENSOR = _Global("torch._utils", "_rebuild_tensor_v2")
+_REBUILD_TENSOR = PickledName("torch._utils", "_rebuild_tensor_v2")
 
 
-class _Pickler(_PurePickler):
+class _Pickler(PurePickler):
     def __init__(self, file: Any, protocol: int | None = None) -> None:
         super().__init__(file, protocol)
         self.storages: list[_StorageRef] = []
-        self._globals: dict[str, _Global] = {}
+        self._globals: dict[str, PickledName] = {}
 
     def persistent_id(self, obj: Any) -> Any:
         if type(obj) is _StorageRef:
@@ -156,18 +145,18 @@ class _Pickler(_PurePickler):
             return ("storage", storage_type, obj.key, "cpu", obj.tensor.numel)
         return None
 
-    def _storage_global(self, dtype: str) -> _Global:
+    def _storage_global(self, dtype: str) -> PickledName:
         name = _STORAGE_TYPES.get(dtype)
         if name is None:
             raise StorageError(f"cannot write a {dtype} tensor without torch")
         # One object per class, so that pickle's memo names it once and refers back to it after.
-        return self._globals.setdefault(name, _Global("torch", name))
+        return self._globals.setdefault(name, PickledName("torch", name))
 
     def _save_framework_object(self, obj: FrameworkObject) -> None:
         module, _, name = obj.stands_for.rpartition(".")
         if not module or not name.isidentifier():
             raise StorageError(f"cannot write an object of {obj.stands_for!r} by name")
-        self.write(pickle.GLOBAL + module.encode("utf-8") + b"\n" + name.encode("utf-8") + b"\n")
+        self.write(global_opcode(module, name))
         if obj.value is not None:  # an enum member: its class called with its value
             self.save((obj.value,))
             self.write(pickle.REDUCE)
@@ -193,14 +182,14 @@ class _Pickler(_PurePickler):
     def save(self, obj: Any, save_persistent_id: bool = True) -> None:
         # Stand-in classes are made per name, so no exact-type dispatch table can hold them.
         kind = type(obj)
-        if kind is RawTensor or kind is _Global or isinstance(obj, FrameworkObject):
+        if kind is RawTensor or kind is PickledName or isinstance(obj, FrameworkObject):
             memo = self.memo.get(id(obj))
             if memo is not None:
                 self.write(self.get(memo[0]))
             elif kind is RawTensor:
                 self._save_raw_tensor(obj)
-            elif kind is _Global:
-                self.write(pickle.GLOBAL + obj.module.encode() + b"\n" + obj.name.encode() + b"\n")
+            elif kind is PickledName:
+                self.write(global_opcode(obj.module, obj.name))
                 self.memoize(obj)
             else:
                 self._save_framework_object(obj)

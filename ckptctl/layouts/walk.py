@@ -54,6 +54,7 @@ def scan_run(url: str, max_depth: int = DEFAULT_SCAN_DEPTH) -> list[CheckpointRe
                     f"{url} is a file, not a run folder", "pass the folder that holds the checkpoints"
                 )
             raise CheckpointNotFound(f"no such run folder: {url}")
+        # A store's listings wait on the network (in parallel they overlap); a local disk's answer at once.
         return _walk(url, io.list_dir(url), 0, max_depth, parallel=not io.is_local(url))
 
 

@@ -86,6 +86,7 @@ __all__ = [
     "parent_of",
     "read_bytes",
     "read_ranges",
+    "read_stamped",
     "read_text",
     "refuse_to_replace_precious",
     "relative_to",
@@ -200,6 +201,13 @@ def read_bytes(url: str, start: int = 0, length: int | None = None, *, max_size:
     if cap is not None:
         check_size(url, len(data), cap)  # a file that grew after it was sized, or a remote one
     return data
+
+
+def read_stamped(url: str, length: int) -> tuple[bytes, float]:
+    """The first `length` bytes of a regular file and its mtime (POSIX seconds), in one request where the
+    storage answers both at once (an object store's GET): what a lock file's reader needs of it."""
+    with translate_errors(url):
+        return _backend(url).read_stamped(url, length)
 
 
 def read_ranges(requests: Sequence[tuple[str, int, int]], max_workers: int | None = None) -> list[bytes]:

@@ -21,6 +21,7 @@ import os
 import posixpath
 import sys
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -158,6 +159,30 @@ class S3Backend(FsspecBackend):
         data = call(get, f"reading {url}", url)
         count_read(len(data))
         return data
+
+    def read_stamped(self, url: str, length: int) -> tuple[bytes, float]:
+        """One ranged GET, whose answer carries the object's time (no listing of its folder)."""
+        if length <= 0:
+            return super().read_stamped(url, length)
+        bucket, key = _split(url)
+
+        def get() -> tuple[bytes, float]:
+            try:
+                answer = self.call_s3("get_object", Bucket=bucket, Key=key, Range=f"bytes=0-{length - 1}")
+            except Exception as exc:
+                code = failures.error_code(exc)
+                if code in _MISSING:
+                    raise FileNotFoundError(url) from exc
+                if code != "InvalidRange":
+                    raise
+                # an empty object: nothing in range, and no time in the answer
+                return b"", _time(self._head(url, bucket, key) or {})
+            with answer["Body"] as body:
+                return bytes(body.read()), _time(answer)
+
+        data, mtime = call(get, f"reading {url}", url)
+        count_read(len(data))
+        return data, mtime or time.time()
 
     # ---- writes and deletes
 

@@ -32,7 +32,7 @@ from ckptctl.io.backend import Backend
 from ckptctl.io.counting import READ_STATS, ByteCounter, ReadStats, count_read, count_read_elsewhere, counting
 from ckptctl.io.failures import RetryPolicy, check_size, translate_errors
 from ckptctl.io.local import LOCAL, exchange, refuse_to_replace_precious, start_writeback
-from ckptctl.io.parallel import ContextThreadPool, parallel_map, workers
+from ckptctl.io.parallel import ContextThreadPool, in_background, parallel_map, workers
 from ckptctl.io.paths import (
     DirEntry,
     absolute,
@@ -69,6 +69,7 @@ __all__ = [
     "exists",
     "file_size",
     "fsync_dir",
+    "in_background",
     "inside",
     "is_dir",
     "is_link",

@@ -318,7 +318,25 @@ def _client() -> Any:
                 # every transfer thread, and the parts in flight of the multipart uploads they send
                 max_pool_connections=max(10, 2 * workers()),
             )
-            client = botocore.session.Session().create_client("s3", config=config)
+            session = botocore.session.Session()
+            session.register_component("data_loader", _s3_loader(session))
+            client = session.create_client("s3", config=config)
             _CLIENTS.clear()
             _CLIENTS[key] = client
         return client
+
+
+def _s3_loader(session: Any) -> Any:
+    """botocore's loader of its data files (the same search path as the session's own: botocore's data, then
+    `~/.aws/models` and `AWS_DATA_PATH`), told that S3 is the one service there is: the loader lists every
+    service folder of every search path (some 400, a stat of each) before loading any model, a quarter of
+    making the client."""
+    import botocore.loaders
+
+    class S3Loader(botocore.loaders.Loader):
+        def list_available_services(self, type_name: str) -> list[str]:
+            return ["s3"]
+
+    loader = botocore.loaders.create_loader(session.get_config_variable("data_path"))
+    s3_loader = S3Loader(extra_search_paths=loader.search_paths, include_default_search_paths=False)
+    return s3_loader

@@ -32,7 +32,7 @@ from ckptctl.io.backend import Backend
 from ckptctl.io.counting import READ_STATS, ByteCounter, ReadStats, count_read, count_read_elsewhere, counting
 from ckptctl.io.failures import RetryPolicy, check_size, translate_errors
 from ckptctl.io.local import LOCAL, exchange, refuse_to_replace_precious, start_writeback
-from ckptctl.io.parallel import ContextThreadPool, parallel_map, workers
+from ckptctl.io.parallel import ContextThreadPool, in_background, parallel_map, workers
 from ckptctl.io.paths import (
     DirEntry,
     absolute,
@@ -69,6 +69,7 @@ __all__ = [
     "exists",
     "file_size",
     "fsync_dir",
+    "in_background",
     "inside",
     "is_dir",
     "is_link",
@@ -86,6 +87,7 @@ __all__ = [
     "parent_of",
     "read_bytes",
     "read_ranges",
+    "read_stamped",
     "read_text",
     "refuse_to_replace_precious",
     "relative_to",
@@ -200,6 +202,13 @@ def read_bytes(url: str, start: int = 0, length: int | None = None, *, max_size:
     if cap is not None:
         check_size(url, len(data), cap)  # a file that grew after it was sized, or a remote one
     return data
+
+
+def read_stamped(url: str, length: int) -> tuple[bytes, float]:
+    """The first `length` bytes of a regular file and its mtime (POSIX seconds), in one request where the
+    storage answers both at once (an object store's GET): what a lock file's reader needs of it."""
+    with translate_errors(url):
+        return _backend(url).read_stamped(url, length)
 
 
 def read_ranges(requests: Sequence[tuple[str, int, int]], max_workers: int | None = None) -> list[bytes]:

@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import time
 from collections.abc import Sequence
 from typing import IO
 
-from ckptctl.io.paths import DirEntry
+from ckptctl.io.paths import DirEntry, name_of, parent_of
 
 __all__ = ["Backend"]
 
@@ -54,6 +55,14 @@ class Backend(abc.ABC):
         """`length` bytes from `start` (to the end when None) of a regular file. With `cap` (a whole-file
         read of a file that may be at most that large), at most `cap + 1` bytes are read, and a file known
         to be larger may be refused before reading (`failures.check_size`)."""
+
+    def read_stamped(self, url: str, length: int) -> tuple[bytes, float]:
+        """The first `length` bytes of a regular file and its mtime (POSIX seconds; now where the storage keeps
+        none): a read and a listing of its folder, unless the storage answers both at once (an object store's
+        GET carries the object's time)."""
+        data = self.read(url, 0, length, None)
+        entry = next((e for e in self.list_dir(parent_of(url)) if e.name == name_of(url)), None)
+        return data, entry.mtime if entry is not None and entry.mtime else time.time()
 
     @abc.abstractmethod
     def open_read(self, url: str) -> contextlib.AbstractContextManager[IO[bytes]]:

@@ -83,6 +83,10 @@ class LocalBackend(Backend):
         count_read(len(data))
         return data
 
+    def read_stamped(self, url: str, length: int) -> tuple[bytes, float]:
+        data = self.read(url, 0, length, None)
+        return data, os.stat(local_path(url)).st_mtime
+
     def open_read(self, url: str) -> contextlib.AbstractContextManager[IO[bytes]]:
         return _open_regular(url)
 

@@ -14,11 +14,10 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
-import time
 from collections.abc import Callable
 
 from ckptctl import io
-from ckptctl.errors import CkptctlError, CorruptCheckpoint, StorageError
+from ckptctl.errors import CheckpointNotFound, CkptctlError, CorruptCheckpoint, StorageError
 
 __all__ = ["create", "read", "take_away", "touch"]
 
@@ -33,13 +32,7 @@ def read(url: str, cap: int) -> tuple[bytes, float] | None:
             there is a lock).
     """
     try:
-        data = io.read_bytes(url, 0, cap)
-        if io.is_local(url):
-            mtime = os.stat(io.local_path(url)).st_mtime
-        else:
-            entries = {e.name: e for e in io.list_dir(io.parent_of(url))}
-            entry = entries.get(io.name_of(url))
-            mtime = entry.mtime if entry and entry.mtime else time.time()
+        return io.read_stamped(url, cap)  # on an object store one GET, whose answer carries the time
     except CorruptCheckpoint:
         raise
     except StorageError:
@@ -48,7 +41,6 @@ def read(url: str, cap: int) -> tuple[bytes, float] | None:
         return None
     except (CkptctlError, OSError):
         return None
-    return data, mtime
 
 
 def create(url: str, data: bytes) -> bool:
@@ -62,7 +54,7 @@ def create(url: str, data: bytes) -> bool:
         CkptctlError: the object store failed.
     """
     if not io.is_local(url):
-        if io.exists(url):
+        if _file_there(url):
             return False
         io.write_bytes_atomic(url, data)
         found = read(url, len(data) + 1)
@@ -82,6 +74,16 @@ def create(url: str, data: bytes) -> bool:
         with contextlib.suppress(OSError):
             os.unlink(path)
         raise
+    return True
+
+
+def _file_there(url: str) -> bool:
+    """Whether an object store holds a file at `url`: one HEAD (what only lists below that name, a "folder",
+    is no lock file, and a missing bucket is for the write that follows to report)."""
+    try:
+        io.file_size(url)
+    except CheckpointNotFound:
+        return False
     return True
 
 

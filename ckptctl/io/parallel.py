@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import contextvars
 import os
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from typing import Any, TypeVar
 
-__all__ = ["ContextThreadPool", "parallel_map", "workers"]
+__all__ = ["ContextThreadPool", "in_background", "parallel_map", "workers"]
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -48,6 +49,25 @@ class ContextThreadPool(ThreadPoolExecutor):
         except BaseException as error:
             done.set_exception(error)
         return done
+
+
+def in_background(fn: Callable[..., R], /, *args: Any) -> Future[R]:
+    """`fn(*args)` started at once on a thread of its own, in a copy of the caller's context; its `Future`.
+
+    A daemon thread: work that only reads, started ahead of what it is for (a command's scan while it takes a
+    lock), which a command that fails meanwhile leaves behind rather than waiting for it at exit.
+    """
+    future: Future[R] = Future()
+    context = contextvars.copy_context()
+
+    def run() -> None:
+        try:
+            future.set_result(context.run(fn, *args))
+        except BaseException as error:
+            future.set_exception(error)
+
+    threading.Thread(target=run, name=f"ckptctl-{getattr(fn, '__name__', 'background')}", daemon=True).start()
+    return future
 
 
 def _shutting_down() -> bool:

@@ -21,6 +21,7 @@ import os
 import posixpath
 import sys
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -159,6 +160,30 @@ class S3Backend(FsspecBackend):
         count_read(len(data))
         return data
 
+    def read_stamped(self, url: str, length: int) -> tuple[bytes, float]:
+        """One ranged GET, whose answer carries the object's time (no listing of its folder)."""
+        if length <= 0:
+            return super().read_stamped(url, length)
+        bucket, key = _split(url)
+
+        def get() -> tuple[bytes, float]:
+            try:
+                answer = self.call_s3("get_object", Bucket=bucket, Key=key, Range=f"bytes=0-{length - 1}")
+            except Exception as exc:
+                code = failures.error_code(exc)
+                if code in _MISSING:
+                    raise FileNotFoundError(url) from exc
+                if code != "InvalidRange":
+                    raise
+                # an empty object: nothing in range, and no time in the answer
+                return b"", _time(self._head(url, bucket, key) or {})
+            with answer["Body"] as body:
+                return bytes(body.read()), _time(answer)
+
+        data, mtime = call(get, f"reading {url}", url)
+        count_read(len(data))
+        return data, mtime or time.time()
+
     # ---- writes and deletes
 
     def write_atomic(self, url: str, data: bytes) -> None:
@@ -293,7 +318,25 @@ def _client() -> Any:
                 # every transfer thread, and the parts in flight of the multipart uploads they send
                 max_pool_connections=max(10, 2 * workers()),
             )
-            client = botocore.session.Session().create_client("s3", config=config)
+            session = botocore.session.Session()
+            session.register_component("data_loader", _s3_loader(session))
+            client = session.create_client("s3", config=config)
             _CLIENTS.clear()
             _CLIENTS[key] = client
         return client
+
+
+def _s3_loader(session: Any) -> Any:
+    """botocore's loader of its data files (the same search path as the session's own: botocore's data, then
+    `~/.aws/models` and `AWS_DATA_PATH`), told that S3 is the one service there is: the loader lists every
+    service folder of every search path (some 400, a stat of each) before loading any model, a quarter of
+    making the client."""
+    import botocore.loaders
+
+    class S3Loader(botocore.loaders.Loader):
+        def list_available_services(self, type_name: str) -> list[str]:
+            return ["s3"]
+
+    loader = botocore.loaders.create_loader(session.get_config_variable("data_path"))
+    s3_loader = S3Loader(extra_search_paths=loader.search_paths, include_default_search_paths=False)
+    return s3_loader

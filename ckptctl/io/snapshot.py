@@ -110,6 +110,9 @@ class Snapshot(Backend):
 
     # ---- to the store
 
+    def read_stamped(self, url: str, length: int) -> tuple[bytes, float]:
+        return self.store.read_stamped(url, length)
+
     def open_read(self, url: str) -> contextlib.AbstractContextManager[IO[bytes]]:
         return self.store.open_read(url)
 

@@ -38,7 +38,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckptctl import io
 from ckptctl.checkpoint import CheckpointRef, CheckpointState
@@ -56,17 +56,21 @@ from ckptctl.core.mirror import (
     start_copy,
     whole_at,
 )
-from ckptctl.core.retention import RetentionPolicy
 from ckptctl.errors import CheckpointNotFound, CkptctlError
 from ckptctl.layouts import pointed_children, scan_run
-from ckptctl.ops.planned import DEFAULT_GRACE, Skipped, apply_planned
-from ckptctl.ops.prune import PruneItem, delete_planned, plan_prune
+from ckptctl.ops.planned import DEFAULT_GRACE, Skipped
 from ckptctl.ops.report import SCHEMA_VERSION, NoProgress, Progress
+
+if TYPE_CHECKING:  # `prune` is imported by `keep_local` alone (a sync without it does not pay for its import)
+    from ckptctl.ops.prune import PruneItem
 
 __all__ = ["SYNC_LOCK", "Action", "RunFile", "SyncItem", "SyncReport", "sync", "watch"]
 
 #: Seconds between two refreshes of the DST lock (it goes stale after `core.lock.STALE_AFTER`, an hour).
 _REFRESH_EVERY = 60.0
+#: Seconds DST's lock may take for the reading of SRC started with it to be used (more: it waited for
+#: another sync, and SRC is read again once the lock is ours).
+_SOURCE_FRESH = 1.0
 #: States whose checkpoints are whole at SRC and copied.
 _COPIED = frozenset({CheckpointState.COMPLETE, CheckpointState.SUPERSEDED, CheckpointState.SLIM})
 _WHY_NOT = {
@@ -351,6 +355,20 @@ def _resume_pick(src: str) -> str:
     return plan.checkpoint.url
 
 
+@dataclass(frozen=True, slots=True)
+class _Source:
+    """What a pass reads of SRC before it copies: its checkpoints, its files, and (`--latest`) what a resume
+    would load."""
+
+    refs: Sequence[CheckpointRef]
+    tree: Mapping[str, io.DirEntry]
+    pick: str | None
+
+    @classmethod
+    def read(cls, src: str, latest: bool) -> _Source:
+        return cls(scan_run(src), io.list_tree(src), _resume_pick(src) if latest else None)
+
+
 def _pass(
     src: str,
     dst: str,
@@ -361,18 +379,21 @@ def _pass(
     stop: threading.Event | None,
     workers: int | None,
     keeper: _LockKeeper | None,
+    source: _Source | None = None,
 ) -> SyncReport:
+    """One pass; `source`: SRC as read while DST's lock was taken (read now when None)."""
     started = time.monotonic()
     if keeper is not None:
         keeper.tick()
-    refs = scan_run(src)
-    units, loose = _assign(src, refs, io.list_tree(src))
+    if source is None:
+        source = _Source.read(src, latest)
+    units, loose = _assign(src, source.refs, source.tree)
     dst_tree = _dst_tree(dst)
     # Only a download into a local DST goes through a temporary file (`PART`); an object store's PUT is atomic.
     if io.is_local(dst) and not dry_run:
         for rel in [rel for rel in dst_tree if rel.endswith(PART)]:
             io.delete_file(io.join(dst, rel))  # a killed sync's temporary file (the DST lock is ours)
-    pick = _resume_pick(src) if latest else None
+    pick = source.pick
     transfer = Transfer(src, dst, progress.advance, stop, workers)
     items: list[SyncItem] = []
     whole: set[str] = set()
@@ -470,6 +491,10 @@ def _keep_local(
     report: SyncReport, keep: int, *, grace: timedelta, wait: float, warn: Callable[[str], None] | None
 ) -> SyncReport:
     """Delete the local checkpoints that `prune --keep-last keep` would, of those whole at DST after `report`."""
+    from ckptctl.core.retention import RetentionPolicy
+    from ckptctl.ops.planned import apply_planned
+    from ckptctl.ops.prune import delete_planned, plan_prune
+
     whole = {i.url for i in report.checkpoints if i.action is Action.COPIED or i.reason == "already whole at DST"}
     extra: list[SyncItem] = []
     if report.dry_run:
@@ -573,14 +598,28 @@ def _passes(
     src, dst = io.absolute(src), io.absolute(dst)
     _check_pair(src, dst, keep_local)
     sink = progress or NoProgress()
+    # SRC is read while DST's lock is taken (the scan is local work, the lock round trips to the store); what
+    # was read is used only if the lock came at once, not after waiting for another sync to finish.
+    reading = io.in_background(_Source.read, src, latest)
+    asked = time.monotonic()
     lock_or_none = contextlib.nullcontext(None) if dry_run else _dst_lock(dst, wait, warn)
     with lock_or_none as lock:
+        source = reading.result() if time.monotonic() - asked < _SOURCE_FRESH else None
         keeper = None if lock is None else _LockKeeper(lock)
         count = 0
         while True:
             report = _pass(
-                src, dst, latest=latest, dry_run=dry_run, progress=sink, stop=stop, workers=workers, keeper=keeper
+                src,
+                dst,
+                latest=latest,
+                dry_run=dry_run,
+                progress=sink,
+                stop=stop,
+                workers=workers,
+                keeper=keeper,
+                source=source,
             )
+            source = None
             if keep_local is not None:
                 report = _keep_local(report, keep_local, grace=grace, wait=wait, warn=warn)
             yield report

@@ -206,3 +206,39 @@ def test_a_lost_completion_of_other_bytes_is_still_a_failure(
     monkeypatch.setattr(S3Backend, "call_s3", refused)
     with pytest.raises(StorageError, match="access denied"):
         io.upload_file(str(small_parts), url)
+
+
+@pytest.mark.parametrize("scheme", ["s3", "memory"])
+def test_a_stamped_read_gives_the_bytes_and_the_time_the_listing_gives(stores: dict[str, str], scheme: str) -> None:
+    url = f"{stores[scheme]}/stamped/{secrets.token_hex(4)}"
+    io.write_bytes_atomic(url, b"0123456789")
+    data, mtime = io.read_stamped(url, 4)
+    assert data == b"0123"
+    listed = {e.name: e for e in io.list_dir(io.parent_of(url))}[io.name_of(url)]
+    assert mtime == listed.mtime
+    with pytest.raises(CheckpointNotFound):
+        io.read_stamped(f"{url}-absent", 4)
+
+
+def test_an_object_store_lock_is_taken_and_released_in_five_calls(bucket: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Taking a lock: is one there (HEAD), write ours (PUT), read it back with its time (GET); releasing
+    it: is it still ours (GET), remove it (DELETE). No listing: each is a round trip a sync waits for."""
+    from ckptctl.core.lock import RunLock, RunLocked
+
+    calls: list[str] = []
+    real = S3Backend.call_s3
+
+    def recorded(self: object, method: str, *args: object, **kwargs: object) -> object:
+        calls.append(method)
+        return real(self, method, *args, **kwargs)
+
+    monkeypatch.setattr(S3Backend, "call_s3", recorded)
+    lock = RunLock(f"{bucket}/run", name=".lock")
+    lock.acquire()
+    assert calls == ["head_object", "put_object", "get_object"]
+    with pytest.raises(RunLocked):  # held: another cannot take it
+        RunLock(f"{bucket}/run", name=".lock").acquire()
+    calls.clear()
+    lock.release()
+    assert calls == ["get_object", "delete_object"]
+    assert not io.exists(f"{bucket}/run/.lock")

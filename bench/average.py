@@ -296,7 +296,9 @@ def main() -> None:
                 shutil.rmtree(d, ignore_errors=True)
             naive_dir.mkdir()
             subprocess.run(["sync"], check=True)
-            ours = measure("ckptctl average", [*ckptctl, *map(str, dcp_inputs), str(ours_dir), "--json", "--quiet"])
+            # The stored names, as the peer writes them: these saves come with no config that proves a model.
+            dcp_argv = [*ckptctl, *map(str, dcp_inputs), str(ours_dir), "--mapping", "none", "--json", "--quiet"]
+            ours = measure("ckptctl average", dcp_argv)
             subprocess.run(["sync"], check=True)
             naive = measure("dcp_to_torch_save", [python, "-c", NAIVE_DCP, *map(str, dcp_inputs), str(naive_dir)])
             print(

@@ -36,7 +36,6 @@ from dataclasses import dataclass, field
 from ckptctl import io
 from ckptctl.checkpoint import CheckpointRef, CheckpointState
 from ckptctl.core.deleter import OneBackgroundThread
-from ckptctl.core.lock import RunLock
 from ckptctl.errors import CkptctlError, StorageError
 from ckptctl.formats.digest import copy_hashed, file_digest
 from ckptctl.formats.manifest import DIGESTS_NAME, MANIFEST_NAME, FileRecord, Manifest, load_manifest, now_iso
@@ -61,12 +60,10 @@ __all__ = [
 
 log = logging.getLogger("ckptctl.core")
 
-#: The lock file in DST that keeps two copiers into it apart: `ckptctl sync` holds it for its passes, the
-#: manager's mirror for each step it copies.
+#: The lock file in DST that keeps two `ckptctl sync`s into it apart (held for their passes). The manager's
+#: mirror takes none: a trainer killed mid-copy would leave it to block every other host's sync and mirror
+#: until it is stale (an hour), and a `sync --watch` holding it would starve the mirror.
 SYNC_LOCK = ".ckptctl-sync.lock"
-#: Seconds the manager's mirror waits for a `ckptctl sync` into the same folder before that step's copy fails
-#: (and is tried again after the next save).
-_MIRROR_LOCK_WAIT = 30.0
 #: The ending of the hidden temporary file a local DST file is written into before its rename.
 PART = ".ckptctl-sync-part"
 #: Object stores keep times in whole seconds: a copy is as new as its source within this.
@@ -328,8 +325,7 @@ class Mirror(OneBackgroundThread):
 
     Copies run one step after another on a thread of their own, started by `submit` and ending when nothing
     is queued, so that `save` never waits for an upload. It is not a daemon thread: the interpreter waits for
-    the queued copies at exit. Each copy holds the mirror's `SYNC_LOCK` (waiting up to `_MIRROR_LOCK_WAIT`
-    for a `ckptctl sync` into the same folder). A step that failed to copy is tried again with the next
+    the queued copies at exit. A step that failed to copy is tried again with the next
     submitted step. The manager's retention keeps the steps not yet copied (`pending`); a step deleted
     locally otherwise is left out (what was sent of it has no manifest, so it lists as in progress there, and
     the next sync of the run replaces it). Failures are kept for the manager to report on its own thread
@@ -387,13 +383,9 @@ class Mirror(OneBackgroundThread):
         with self._lock:  # a re-saved step is whole at the mirror again only once this copy of it is
             self._whole.discard(folder)
         io.make_folder(self.url)
-        # Never beside a `ckptctl sync` into the same folder: its pass may be replacing this very step.
-        with RunLock(
-            self.url, name=SYNC_LOCK, wait=_MIRROR_LOCK_WAIT, command=f"mirror of {self.root}", warn=log.warning
-        ):
-            self._copy_locked(folder)
+        self._send(folder)
 
-    def _copy_locked(self, folder: str) -> None:
+    def _send(self, folder: str) -> None:
         source = io.join(self.root, folder)
         try:
             files = io.list_tree(source)

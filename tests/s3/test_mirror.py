@@ -69,27 +69,34 @@ def test_a_save_returns_while_its_upload_is_held_up(
     assert states(run_cli, mirror) == {"step-10": "complete"}
 
 
-def test_a_copy_waits_for_a_sync_into_the_same_folder_and_says_what_stays_local(
+def test_a_failed_copy_says_what_stays_local_and_the_next_save_copies_it(
     run_cli: Cli, bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """`ckptctl sync` holds the mirror folder's lock: the manager's copy waits for it, then fails with a
-    warning that names the lock's holder and the steps kept locally for it; the next save copies both."""
+    """A copy that fails (here the store refuses the first step's files) is reported once, with the error and
+    the steps kept locally for it whatever the retention policy says; the next save copies both."""
     from ckptctl.core import mirror as mirror_module
     from ckptctl.core.entries import CheckpointWarning
-    from ckptctl.core.lock import RunLock
+    from ckptctl.errors import StorageError
 
-    monkeypatch.setattr(mirror_module, "_MIRROR_LOCK_WAIT", 0.2)
+    send = mirror_module.Mirror._send
+    refused: list[str] = []
+
+    def refuse_once(self: mirror_module.Mirror, folder: str) -> None:
+        if not refused:
+            refused.append(folder)
+            raise StorageError("the store refused the upload", "try again")
+        send(self, folder)
+
+    monkeypatch.setattr(mirror_module.Mirror, "_send", refuse_once)
     mirror = f"{bucket}/shared"
     state = {"model": torch.nn.Linear(8, 8)}
     manager = CheckpointManager(tmp_path / "run", policy=RetentionPolicy(keep_last=1), mirror=mirror)
-    with RunLock(mirror, name=mirror_module.SYNC_LOCK, command="ckptctl sync"):
-        manager.save(10, state)
-        warned = (
-            r"mirroring to .*shared failed: .* is locked by .*ckptctl sync.*; 1 step\(s\) not yet copied .*: step-10$"
-        )
-        with pytest.warns(CheckpointWarning, match=warned):
-            manager.wait()
-    assert io.list_tree(mirror) == {}
+    manager.save(10, state)
+    warned = r"mirroring to .*shared failed: .*the store refused the upload.*; 1 step\(s\) not yet copied .*: step-10$"
+    with pytest.warns(CheckpointWarning, match=warned):
+        manager.wait()
+    assert refused == ["step-10"] and io.list_tree(mirror) == {}
+    assert (tmp_path / "run" / "step-10").is_dir()  # kept locally, keep_last=1 or not
     manager.save(20, state)
     manager.close()
     assert states(run_cli, mirror) == {"step-10": "complete", "step-20": "complete"}

@@ -12,7 +12,7 @@ Two ways in:
 
 - `write_torch_file(obj, path)` writes the archive by hand, without importing torch: the tensors of `obj`
   are `RawTensor`s (a dtype, a shape, and where the row-major bytes are: in memory, or byte ranges of other
-  files, streamed a block of a few MiB at a time (mapped, for a local file) and cast block by block when stored
+  files, streamed a block of a few MiB at a time and cast block by block when stored
   in another dtype). The
   archive is the one torch >= 1.6 writes (`torch/serialization.py` `_save`, `caffe2/serialize/
   inline_container.cc` `PyTorchStreamWriter`): records `<archive>/data.pkl` (pickle protocol 2, each tensor
@@ -35,16 +35,14 @@ Two ways in:
 from __future__ import annotations
 
 import collections
-import contextlib
 import hashlib
 import io as pyio
 import math
-import mmap
 import os
 import pickle
 import struct
 import threading
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -556,18 +554,9 @@ def _gathered(tensor: RawTensor, size: int, what: str) -> memoryview | None:
         return view
     if size > BLOCK:
         return None
-    blocks = _blocks(tensor, size, what)
-    first = next(blocks, memoryview(b""))
-    if len(first) == size:  # the whole tensor in one block (one range, no cast): no copy
-        if next(blocks, None) is not None:
-            raise CorruptCheckpoint(f"{what}: its sources hold more than its {size} bytes")
-        return first
-    if len(first) > size:
-        raise CorruptCheckpoint(f"{what}: its sources hold more than its {size} bytes")
     out = _buffer("gather", size)
-    out[: len(first)] = first
-    done = len(first)
-    for block in blocks:
+    done = 0
+    for block in _blocks(tensor, size, what):
         if done + len(block) > size:
             raise CorruptCheckpoint(f"{what}: its sources hold more than its {size} bytes")
         out[done : done + len(block)] = block
@@ -594,17 +583,17 @@ def _crc_of(blocks: Iterator[memoryview], size: int, what: str) -> int:
 
 
 def _read_ranges(ranges: Sequence[ByteRange]) -> Iterator[memoryview]:
-    """The bytes of `ranges` in order, in blocks of at most `BLOCK` (each valid until the next is asked for):
-    mapped where the file is local, else read into one reused buffer (`_block_reader`)."""
+    """The bytes of `ranges` in order, in blocks of at most `BLOCK` read into one reused buffer (each block
+    is valid until the next is asked for)."""
+    buf = _buffer("read", BLOCK)
     for byte_range in ranges:
         if byte_range.length <= 0:
             continue
-        with _block_reader(byte_range.url) as read_block:
+        with open_ranges(byte_range.url) as read_into:
             done = 0
             while done < byte_range.length:
                 want = min(BLOCK, byte_range.length - done)
-                block = read_block(byte_range.offset + done, want)
-                got = len(block)
+                got = read_into(buf[:want], byte_range.offset + done)
                 io.count_read(got)
                 if got != want:
                     raise CorruptCheckpoint(
@@ -612,46 +601,8 @@ def _read_ranges(ranges: Sequence[ByteRange]) -> Iterator[memoryview]:
                         f"(read {got} of {want} bytes at {byte_range.offset + done})",
                         "the file is truncated",
                     )
-                yield block
+                yield buf[:got]
                 done += got
-
-
-@contextlib.contextmanager
-def _block_reader(url: str) -> Iterator[Callable[[int, int], memoryview]]:
-    """Reads of the file at `url`: (offset, length) -> a view of those bytes (fewer where the file ends).
-
-    A local file's blocks are mapped, one map a block, and handed over with no copy: a tensor larger than a
-    block is gone over twice (its CRC, then its bytes) and read into a buffer each time cost a copy of every
-    byte twice, a fifth of `reshard --to dcp`'s CPU (measured on 2 cores, `bench/reshard.py` ZeRO-2). A map
-    goes when its last view does, so memory stays a block or two; the size is taken when the file is opened,
-    as a read would find it (a file cut short while it is copied is the one case a map does not survive).
-    Any other file's blocks are read into one buffer kept per thread.
-    """
-    if not io.is_local(url):
-        buf = _buffer("read", BLOCK)
-        with open_ranges(url) as read_into:
-            yield lambda offset, length: buf[: read_into(buf[:length], offset)]
-        return
-    with io.translate_errors(url), io.LOCAL.open_read(url) as f:
-        fd = f.fileno()
-        size = os.fstat(fd).st_size
-
-        def read_block(offset: int, length: int) -> memoryview:
-            available = max(0, min(length, size - offset))
-            if available == 0:
-                return memoryview(b"")
-            start = offset - offset % mmap.ALLOCATIONGRANULARITY
-            try:
-                mapped = mmap.mmap(fd, offset + available - start, access=mmap.ACCESS_READ, offset=start)
-            except OSError:  # a file system that cannot map files (some FUSE mounts): read the block
-                buf = _buffer("read", BLOCK)[:available]
-                done = 0
-                while done < available and (n := os.preadv(fd, [buf[done:]], offset + done)):
-                    done += n
-                return buf[:done]
-            return memoryview(mapped)[offset - start :]
-
-        yield read_block
 
 
 def _cast_blocks(blocks: Iterator[memoryview], tensor: RawTensor) -> Iterator[memoryview]:

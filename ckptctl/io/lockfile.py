@@ -12,6 +12,7 @@ kept alive by writing it again, and taken away by deleting it.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import secrets
 from collections.abc import Callable
@@ -60,10 +61,32 @@ def create(url: str, data: bytes) -> bool:
         found = read(url, len(data) + 1)
         return found is not None and found[0] == data
     path = io.local_path(url)
+    # Written whole under a temporary name, then linked into place (a link never replaces what is there): a
+    # process killed between creating the lock and writing it would leave an empty lock, naming no holder,
+    # that holds everyone off until it is stale (an hour). A kill now leaves at most the temporary file.
+    tmp = f"{path}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    _write_new(tmp, data)
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        os.link(tmp, path)
     except FileExistsError:
         return False
+    except OSError as exc:
+        if exc.errno not in _NO_LINKS:
+            raise
+        return _create_in_place(path, data)  # a file system without hard links
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+    return True
+
+
+#: What `link` says on file systems that have no hard links (some FUSE and SMB mounts, exFAT).
+_NO_LINKS = {errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.ENOSYS}
+
+
+def _write_new(path: str, data: bytes) -> None:
+    """A new file at `path` holding `data`, fsynced; removed again when the write fails."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
     try:
         try:
             os.write(fd, data)
@@ -74,6 +97,15 @@ def create(url: str, data: bytes) -> bool:
         with contextlib.suppress(OSError):
             os.unlink(path)
         raise
+
+
+def _create_in_place(path: str, data: bytes) -> bool:
+    """`create` where links cannot be made: the lock created and then written (a kill in between leaves an
+    empty lock, stale only by its age)."""
+    try:
+        _write_new(path, data)
+    except FileExistsError:
+        return False
     return True
 
 

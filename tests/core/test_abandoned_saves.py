@@ -161,8 +161,9 @@ def test_a_writer_that_cannot_be_checked_is_judged_by_age_and_newer_commits(
 #: place yet, or the commit removed it), or holds the step a re-save swapped out (`exchanged`).
 UNRECORDED = ("mkdir", "record", "unrecorded", "rename", "exchanged")
 #: What a run folder may hold after a save that followed killed ones: committed steps, the pointer, and a
-#: temporary file of the pointer that a kill left before its rename (a few bytes, never read).
-NAMES = re.compile(r"step-\d+|latest|\.latest\.tmp-\d+-\d+")
+#: temporary file of the pointer or of the run's lock that a kill left before its rename or link (a few bytes,
+#: never read; never a lock: an empty lock left by a kill held the next save off for an hour).
+NAMES = re.compile(r"step-\d+|latest|\.latest\.tmp-\d+-\d+|\.ckptctl-prune\.lock\.tmp-\d+-[0-9a-f]+")
 
 
 def test_random_sigkills_of_sync_and_async_saves_leave_nothing_after_the_next_save_or_prune(

@@ -6,6 +6,7 @@ store (`memory://`)."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -89,3 +90,28 @@ def test_a_lock_taken_meanwhile_is_given_back(tmp_path: Path) -> None:
     assert not lockfile.take_away(url, lambda aside: Path(aside).read_bytes() == b"the stale one")
     assert Path(url).read_bytes() == b"new holder"
     assert [p.name for p in tmp_path.iterdir()] == ["lock"]  # nothing left aside
+
+
+def test_a_local_lock_is_never_there_empty(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The lock appears with its content or not at all: a process killed at the last moment before the lock
+    is in place (here the link raises, as a kill would stop it) leaves no lock, so the next taker gets it at
+    once; where a file system has no hard links the lock is still created."""
+    url = str(tmp_path / "lock")
+    seen: list[bytes] = []
+
+    def killed(source: str, target: str) -> None:
+        seen.append(Path(source).read_bytes())  # what would have been linked: already whole
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(lockfile.os, "link", killed)
+    with pytest.raises(KeyboardInterrupt):
+        lockfile.create(url, b"mine")
+    assert seen == [b"mine"] and not Path(url).exists()
+
+    def no_links(source: str, target: str) -> None:
+        raise OSError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(lockfile.os, "link", no_links)
+    assert lockfile.create(url, b"theirs") and Path(url).read_bytes() == b"theirs"
+    assert not lockfile.create(url, b"late")
+    assert [p.name for p in tmp_path.iterdir()] == ["lock"]  # no temporary file left

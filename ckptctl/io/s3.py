@@ -90,6 +90,8 @@ class S3Backend(FsspecBackend):
             # Not a folder: a file lists as itself (as s3fs's `ls` answers), nothing at all is not found.
             head = self._head(url, bucket, key)
             if head is None:
+                if self._has_below(url, bucket, key):  # an empty folder: only its `key/` placeholder object
+                    return []
                 raise FileNotFoundError(url)
             return [DirEntry(posixpath.basename(key), False, int(head["ContentLength"]), _time(head))]
         return sorted(out.values(), key=lambda d: d.name)
@@ -213,6 +215,8 @@ class S3Backend(FsspecBackend):
     def delete_files(self, urls: Sequence[str]) -> None:
         """Batched deletes (S3 takes 1,000 keys a request)."""
         bucket = _split(urls[0])[0]
+        if any(_split(url)[0] != bucket for url in urls):  # one request names one bucket
+            raise StorageError(f"cannot delete objects of several buckets at once (s3://{bucket}, ...)")
         keys = [_split(url)[1] for url in urls]
         for start in range(0, len(keys), _DELETE_BATCH):
             batch = [{"Key": key} for key in keys[start : start + _DELETE_BATCH]]
@@ -242,6 +246,8 @@ class S3Backend(FsspecBackend):
             yield page
             if not page.get("IsTruncated"):
                 return
+            if not page.get("NextContinuationToken"):  # a store that says "truncated" and not where to go on
+                raise StorageError(f"listing {url}: the object store cut the listing short and gave no way on")
             token = {"ContinuationToken": page["NextContinuationToken"]}
 
     def _head(self, url: str, bucket: str, key: str) -> dict[str, Any] | None:
@@ -338,5 +344,4 @@ def _s3_loader(session: Any) -> Any:
             return ["s3"]
 
     loader = botocore.loaders.create_loader(session.get_config_variable("data_path"))
-    s3_loader = S3Loader(extra_search_paths=loader.search_paths, include_default_search_paths=False)
-    return s3_loader
+    return S3Loader(extra_search_paths=loader.search_paths, include_default_search_paths=False)

@@ -242,3 +242,15 @@ def test_an_object_store_lock_is_taken_and_released_in_five_calls(bucket: str, m
     lock.release()
     assert calls == ["get_object", "delete_object"]
     assert not io.exists(f"{bucket}/run/.lock")
+
+
+def test_an_empty_folder_lists_empty_as_it_is_a_folder(bucket: str) -> None:
+    """A folder whose only object is its `key/` placeholder (what consoles and other tools create) lists as
+    empty where `is_dir` says it is a folder; a name with nothing at or below it is not found."""
+    from ckptctl.io.s3 import S3
+
+    name = bucket.partition("://")[2]
+    S3.call_s3("put_object", Bucket=name, Key="empty/", Body=b"")
+    assert io.is_dir(f"{bucket}/empty") and io.list_dir(f"{bucket}/empty") == []
+    with pytest.raises(CheckpointNotFound):
+        io.list_dir(f"{bucket}/nothing")

@@ -2,8 +2,8 @@
 alive, and take a stale one away. `core.lock.RunLock` builds the run's lock on these; what a lock says and
 when one is stale is its business, how each storage does the four is this module's.
 
-Locally a lock is created with `O_EXCL` (two processes cannot both create it) and never through a link, kept
-alive by its mtime, and taken away by a rename aside, so that of two processes breaking the same stale lock
+Locally a lock is written whole and then hard-linked into place (a link never replaces what is there, so
+two processes cannot both create it, and a symlink at its name is never followed), kept alive by its mtime, and taken away by a rename aside, so that of two processes breaking the same stale lock
 only the one that moved it wins. An object store has no create-if-absent and no rename: the lock is written
 and read back (best effort: two processes starting within the same instant can both believe they hold it),
 kept alive by writing it again, and taken away by deleting it.
@@ -15,6 +15,7 @@ import contextlib
 import errno
 import os
 import secrets
+import time
 from collections.abc import Callable
 
 from ckptctl import io
@@ -61,23 +62,79 @@ def create(url: str, data: bytes) -> bool:
         found = read(url, len(data) + 1)
         return found is not None and found[0] == data
     path = io.local_path(url)
-    # Written whole under a temporary name, then linked into place (a link never replaces what is there): a
-    # process killed between creating the lock and writing it would leave an empty lock, naming no holder,
-    # that holds everyone off until it is stale (an hour). A kill now leaves at most the temporary file.
-    tmp = f"{path}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    # Written whole first, then linked into place (a link never replaces what is there): a process killed
+    # between creating the lock and writing it would leave an empty lock, naming no holder, that holds
+    # everyone off until it is stale (an hour). Where the file system can, the file is written unnamed
+    # (O_TMPFILE), so that a kill leaves nothing; elsewhere under a temporary name, which a kill can leave
+    # behind and a later `create` sweeps away.
+    anonymous = _write_unnamed(path, data)
+    if anonymous is not None:
+        try:
+            return _link_into_place(f"/proc/self/fd/{anonymous}", path, data)
+        finally:
+            os.close(anonymous)
+    _sweep_leftovers(path)
+    tmp = f"{path}{_TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}"
     _write_new(tmp, data)
     try:
-        os.link(tmp, path)
+        return _link_into_place(tmp, path, data)
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+
+
+def _link_into_place(source: str, path: str, data: bytes) -> bool:
+    """Link the written lock `source` to `path`; False when a lock (or a link) is there already."""
+    try:
+        os.link(source, path)  # follows /proc/self/fd's link to the unnamed file (linkat AT_SYMLINK_FOLLOW)
     except FileExistsError:
         return False
     except OSError as exc:
         if exc.errno not in _NO_LINKS:
             raise
         return _create_in_place(path, data)  # a file system without hard links
-    finally:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
     return True
+
+
+#: Between a lock's name and the pid and random tag of its temporary file.
+_TMP_MARK = ".tmp-"
+#: A temporary lock file lives for the moment between its write and its link; one older than this was left by
+#: a killed process (the margin covers clocks of hosts sharing a network file system).
+_LEFTOVER_AFTER_S = 600.0
+
+
+def _write_unnamed(path: str, data: bytes) -> int | None:
+    """An open descriptor of a new unnamed file beside `path` holding `data`, fsynced; None where the file
+    system (or the platform) has no O_TMPFILE or /proc to link it through."""
+    flag = getattr(os, "O_TMPFILE", 0)
+    if not flag or not os.path.isdir("/proc/self/fd"):
+        return None
+    try:
+        fd = os.open(os.path.dirname(path) or ".", flag | os.O_WRONLY, 0o644)
+    except OSError as exc:
+        if exc.errno in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL, errno.ENOENT, errno.ENOTSUP):
+            return None  # not supported here; a missing folder is for the named write to report
+        raise
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _sweep_leftovers(path: str) -> None:
+    """Remove temporary files of the lock `path` that killed processes left (best effort)."""
+    folder, prefix = os.path.split(path)
+    prefix += _TMP_MARK
+    with contextlib.suppress(OSError), os.scandir(folder or ".") as entries:
+        for entry in entries:
+            if not entry.name.startswith(prefix):
+                continue
+            with contextlib.suppress(OSError):
+                if time.time() - entry.stat(follow_symlinks=False).st_mtime > _LEFTOVER_AFTER_S:
+                    os.unlink(entry.path)
 
 
 #: What `link` says on file systems that have no hard links (some FUSE and SMB mounts, exFAT).

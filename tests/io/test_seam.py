@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -107,6 +108,7 @@ def test_a_local_lock_is_never_there_empty(tmp_path: Path, monkeypatch: pytest.M
     with pytest.raises(KeyboardInterrupt):
         lockfile.create(url, b"mine")
     assert seen == [b"mine"] and not Path(url).exists()
+    assert list(tmp_path.iterdir()) == []  # the unnamed (or removed) temporary file is gone too
 
     def no_links(source: str, target: str) -> None:
         raise OSError(errno.EPERM, "Operation not permitted")
@@ -115,3 +117,23 @@ def test_a_local_lock_is_never_there_empty(tmp_path: Path, monkeypatch: pytest.M
     assert lockfile.create(url, b"theirs") and Path(url).read_bytes() == b"theirs"
     assert not lockfile.create(url, b"late")
     assert [p.name for p in tmp_path.iterdir()] == ["lock"]  # no temporary file left
+
+
+def test_a_temporary_lock_left_by_a_kill_is_swept_by_a_later_create(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the file system has no unnamed files, the lock is written under a temporary name first; a process
+    SIGKILLed between that write and the link leaves it behind, and the next taker of the lock removes it once
+    it is old enough that no live process can still be about to link it."""
+    monkeypatch.setattr(lockfile, "_write_unnamed", lambda path, data: None)
+    url = str(tmp_path / "lock")
+    old = tmp_path / "lock.tmp-4242-0badcafe"
+    fresh = tmp_path / "lock.tmp-4343-00c0ffee"
+    other = tmp_path / "other.tmp-4242-0badcafe"
+    for leftover in (old, fresh, other):
+        leftover.write_bytes(b"pid 4242")
+    long_ago = time.time() - 3600
+    os.utime(old, (long_ago, long_ago))
+    os.utime(other, (long_ago, long_ago))
+    assert lockfile.create(url, b"mine") and Path(url).read_bytes() == b"mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["lock", fresh.name, other.name]

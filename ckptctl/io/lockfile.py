@@ -67,32 +67,46 @@ def create(url: str, data: bytes) -> bool:
     # everyone off until it is stale (an hour). Where the file system can, the file is written unnamed
     # (O_TMPFILE), so that a kill leaves nothing; elsewhere under a temporary name, which a kill can leave
     # behind and a later `create` sweeps away.
-    anonymous = _write_unnamed(path, data)
-    if anonymous is not None:
-        try:
-            return _link_into_place(f"/proc/self/fd/{anonymous}", path, data)
-        finally:
-            os.close(anonymous)
+    linked = _link_unnamed(path, data)
+    if linked is not None:
+        return linked
     _sweep_leftovers(path)
     tmp = f"{path}{_TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}"
     _write_new(tmp, data)
     try:
-        return _link_into_place(tmp, path, data)
-    finally:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-
-
-def _link_into_place(source: str, path: str, data: bytes) -> bool:
-    """Link the written lock `source` to `path`; False when a lock (or a link) is there already."""
-    try:
-        os.link(source, path)  # follows /proc/self/fd's link to the unnamed file (linkat AT_SYMLINK_FOLLOW)
+        os.link(tmp, path)
     except FileExistsError:
         return False
     except OSError as exc:
         if exc.errno not in _NO_LINKS:
             raise
         return _create_in_place(path, data)  # a file system without hard links
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+    return True
+
+
+def _link_unnamed(path: str, data: bytes) -> bool | None:
+    """`create` through an unnamed file: whether the lock is ours, or None where this file system (or the
+    platform) cannot make one or link it."""
+    unnamed = _write_unnamed(path, data)
+    if unnamed is None:
+        return None
+    folder = os.open(os.path.dirname(path) or ".", os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        # linkat(AT_SYMLINK_FOLLOW) through /proc's link to the open file; a plain link(2), which os.link
+        # makes without a dir_fd, would link the /proc link itself (EXDEV). The target is never followed.
+        os.link(f"/proc/self/fd/{unnamed}", os.path.basename(path), dst_dir_fd=folder, follow_symlinks=True)
+    except FileExistsError:
+        return False
+    except OSError as exc:
+        if exc.errno not in _NO_LINKS and exc.errno != errno.ENOENT:
+            raise
+        return None  # no hard links here (or no /proc): the named way decides
+    finally:
+        os.close(folder)
+        os.close(unnamed)
     return True
 
 

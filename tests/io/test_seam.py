@@ -100,9 +100,17 @@ def test_a_local_lock_is_never_there_empty(tmp_path: Path, monkeypatch: pytest.M
     url = str(tmp_path / "lock")
     seen: list[bytes] = []
 
-    def killed(source: str, target: str) -> None:
+    def killed(source: str, target: str, **_: object) -> None:
         seen.append(Path(source).read_bytes())  # what would have been linked: already whole
         raise KeyboardInterrupt
+
+    def in_place(path: str, data: bytes) -> bool:
+        raise AssertionError("created in place (where a kill can leave it empty) on a file system with links")
+
+    with monkeypatch.context() as patch:  # the way for file systems without links is not taken here
+        patch.setattr(lockfile, "_create_in_place", in_place)
+        assert lockfile.create(url, b"first") and Path(url).read_bytes() == b"first"
+    Path(url).unlink()
 
     monkeypatch.setattr(lockfile.os, "link", killed)
     with pytest.raises(KeyboardInterrupt):
@@ -110,7 +118,7 @@ def test_a_local_lock_is_never_there_empty(tmp_path: Path, monkeypatch: pytest.M
     assert seen == [b"mine"] and not Path(url).exists()
     assert list(tmp_path.iterdir()) == []  # the unnamed (or removed) temporary file is gone too
 
-    def no_links(source: str, target: str) -> None:
+    def no_links(source: str, target: str, **_: object) -> None:
         raise OSError(errno.EPERM, "Operation not permitted")
 
     monkeypatch.setattr(lockfile.os, "link", no_links)

@@ -42,7 +42,7 @@ from ckptctl.contract.base import (
     timestamp,
 )
 from ckptctl.contract.resume import ResumeProfile
-from ckptctl.errors import CkptctlError, CorruptCheckpoint, UnknownLayout
+from ckptctl.errors import CkptctlError, CorruptCheckpoint
 from ckptctl.families.in_progress import unfinished_state
 from ckptctl.families.torch_file import torch_file_problems
 from ckptctl.families.zero_tag.names import (
@@ -162,9 +162,7 @@ class DeepSpeedUniversalLayout(Layout):
         with a tensor index that raises the reason.
         """
         entries = io.list_dir(url)
-        ref = self.identify(url, entries)
-        if ref is None:
-            raise UnknownLayout(f"{url} is not a DeepSpeed universal checkpoint (no zero/ folder of parameter states)")
+        ref = self.identified(url, entries, "a DeepSpeed universal checkpoint (no zero/ folder of parameter states)")
         files = list_files(url)
         listing = tag_files(entries)
         try:

@@ -49,6 +49,7 @@ from ckptctl.checkpoint import (
     ProblemKind,
     Role,
     TensorEntry,
+    raising_index,
 )
 from ckptctl.contract.base import Layout, newest_mtime, timestamp
 from ckptctl.contract.load_set import LoadMember, MemberKind
@@ -375,13 +376,8 @@ class ArealLayout(Layout):
         try:
             dcp = load_dcp_metadata(url)
         except CkptctlError as exc:
-            error = exc
             metadata["error"] = exc.message
-
-            def unreadable() -> tuple[TensorEntry, ...]:
-                raise error
-
-            tensor_index = unreadable
+            tensor_index = raising_index(exc)
             if ref.state is CheckpointState.COMPLETE:
                 ref = replace(ref, state=CheckpointState.BROKEN, note=exc.message)
         else:

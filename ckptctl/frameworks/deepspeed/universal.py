@@ -170,7 +170,7 @@ class DeepSpeedUniversalLayout(Layout):
                 raise CorruptCheckpoint(f"{url}: {ref.note}")
             tag = read_tag(url, listing)
         except CorruptCheckpoint as exc:
-            return _unreadable(ref, files, exc)
+            return Checkpoint.unreadable(ref, exc, files, {"format": UNIVERSAL_LAYOUT})
         states = UniversalStates(url, files)
         source = source_of(url)
         tag_ckpt = _open_source(source)
@@ -247,20 +247,6 @@ class DeepSpeedUniversalLayout(Layout):
 
 def _epoch(value: Any) -> float | None:
     return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
-
-
-def _unreadable(ref: CheckpointRef, files: Mapping[str, int], error: CkptctlError) -> Checkpoint:
-    def unreadable() -> tuple[TensorEntry, ...]:
-        raise error
-
-    return Checkpoint(
-        ref=replace(ref, state=CheckpointState.BROKEN, note=error.message),
-        components=frozenset(),
-        world_size=None,
-        metadata={"format": UNIVERSAL_LAYOUT, "error": error.message},
-        tensor_index=unreadable,
-        files=files,
-    )
 
 
 def _open_source(source: Source | None) -> Checkpoint | None:

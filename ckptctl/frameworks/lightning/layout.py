@@ -279,13 +279,7 @@ class LightningLayout(Layout):
         try:
             tag = read_tag(io.join(url, DEEPSPEED_TAG))
         except CkptctlError as exc:
-            error = exc
-
-            def unreadable() -> tuple[TensorEntry, ...]:
-                raise error
-
-            broken = replace(ref, state=CheckpointState.BROKEN, note=exc.message)
-            return Checkpoint(broken, frozenset(), None, {"error": exc.message}, unreadable, files)
+            return Checkpoint.unreadable(ref, exc, files)
         root = tag.client_state()
         counters = _counters(root)
         ref = replace(ref, step=counters.get("global_step", ref.step), epoch=counters.get("epoch", ref.epoch))

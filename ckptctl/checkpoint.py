@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 import math
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any
 
@@ -238,6 +238,34 @@ class Checkpoint:
             if component is None or entry.component == component:
                 yield entry
 
+    @classmethod
+    def unreadable(
+        cls, ref: CheckpointRef, error: CkptctlError, files: Mapping[str, int], facts: Mapping[str, Any] | None = None
+    ) -> Checkpoint:
+        """A checkpoint whose own metadata did not read at open (`error` says why), opened all the same so that
+        `verify` can report it: broken, nothing known of its content, a tensor index that raises `error` again.
+
+        Args:
+            facts: what is known without it, shown before the error in `metadata`.
+        """
+        return cls(
+            ref=replace(ref, state=CheckpointState.BROKEN, note=error.message),
+            components=frozenset(),
+            world_size=None,
+            metadata={**(facts or {}), "error": error.message},
+            tensor_index=raising_index(error),
+            files=files,
+        )
+
+
+def raising_index(error: CkptctlError) -> Callable[[], tuple[TensorEntry, ...]]:
+    """The tensor index of a checkpoint whose metadata did not read at open: asking for it raises why."""
+
+    def index() -> tuple[TensorEntry, ...]:
+        raise error
+
+    return index
+
 
 @dataclass(frozen=True, slots=True)
 class Problem:
@@ -275,12 +303,9 @@ class Problem:
     @classmethod
     def from_error(cls, exc: CkptctlError, path: str) -> Problem:
         """The problem a file that failed to read has: a refused pickle, a truncated file, or bad metadata."""
-        if isinstance(exc, UnsafePickle):
-            return cls(ProblemKind.UNSAFE_PICKLE, path, exc.message)
-        if isinstance(exc, UnsupportedClass):
-            return cls(ProblemKind.UNSUPPORTED_CLASS, path, exc.message)
-        kind = ProblemKind.TRUNCATED if "truncated" in str(exc) else ProblemKind.BAD_METADATA
-        return cls(kind, path, exc.message)
+        return cls.of_unreadable(
+            exc, path, ProblemKind.TRUNCATED if "truncated" in str(exc) else ProblemKind.BAD_METADATA
+        )
 
 
 class ProblemKind(enum.StrEnum):

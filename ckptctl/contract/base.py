@@ -17,7 +17,7 @@ from ckptctl import io
 from ckptctl.checkpoint import Checkpoint, CheckpointRef, Problem
 from ckptctl.contract.load_set import LoadMember, check_load_set
 from ckptctl.contract.step_names import step_from_name  # noqa: F401  (re-exported: the layouts use one rule set)
-from ckptctl.errors import CkptctlError
+from ckptctl.errors import CkptctlError, UnknownLayout
 from ckptctl.formats.torch_zip import TorchArchive
 from ckptctl.io import DirEntry
 
@@ -68,6 +68,20 @@ class Layout:
     def open(self, url: str) -> Checkpoint:
         """Open a checkpoint identified by this layout: components, metadata, lazy tensor index."""
         raise NotImplementedError
+
+    def identified(self, url: str, entries: Sequence[DirEntry], what: str) -> CheckpointRef:
+        """`open`'s first step: the ref `identify` gives the folder `url` (`entries`: its listing).
+
+        Args:
+            what: what a checkpoint of this layout is, for the error (`a verl checkpoint (global_step_N/ ...)`).
+
+        Raises:
+            UnknownLayout: `identify` does not recognise the folder ("{url} is not {what}").
+        """
+        ref = self.identify(url, entries)
+        if ref is None:
+            raise UnknownLayout(f"{url} is not {what}")
+        return ref
 
     def verify(self, checkpoint: Checkpoint) -> list[Problem]:
         """Structural problems: missing or short files, metadata that does not parse or cover its data."""

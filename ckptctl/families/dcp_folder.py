@@ -38,6 +38,7 @@ from ckptctl.checkpoint import (
     TensorChunk,
     TensorEntry,
     dtype_itemsize,
+    raising_index,
 )
 from ckptctl.contract.base import LISTED_ABSENT, Layout, newest_mtime, step_from_name, timestamp
 from ckptctl.contract.step_names import epoch_from_name
@@ -672,19 +673,14 @@ class DcpFolderLayout(Layout):
                 raise in_progress_error(url)
             metadata = load_dcp_metadata(url, meta_entry)
         except (CheckpointInProgress, CorruptCheckpoint) as exc:
-            error = exc
             if not isinstance(exc, CheckpointInProgress) and ref.state == CheckpointState.COMPLETE:
                 ref = replace(ref, state=CheckpointState.BROKEN, note=exc.message)
-
-            def unreadable() -> tuple[TensorEntry, ...]:
-                raise error
-
             return Checkpoint(
                 ref=ref,
                 components=frozenset(),
                 world_size=world_size_of(entries),
                 metadata={"error": exc.message},
-                tensor_index=unreadable,
+                tensor_index=raising_index(exc),
                 files=files,
             )
         classify = component_classifier(metadata.entries)

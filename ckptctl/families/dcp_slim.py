@@ -25,8 +25,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from ckptctl import io
-from ckptctl.checkpoint import Checkpoint, Problem
+from ckptctl.checkpoint import Checkpoint
 from ckptctl.contract.capabilities import SlimRecipe, SlimRewrite
+from ckptctl.contract.rewrites import OneLookSlimmer
 from ckptctl.errors import CkptctlError
 from ckptctl.formats.dcp_folder_metadata import load_dcp_metadata
 from ckptctl.formats.dcp_metadata import (
@@ -79,7 +80,7 @@ class _Plan:
     shed_bytes: int
 
 
-class DcpSlimmer:
+class DcpSlimmer(OneLookSlimmer):
     """The `Slimmer` of the DCP-based layouts (see the module): the checkpoint folder is the DCP folder.
 
     Args:
@@ -91,18 +92,8 @@ class DcpSlimmer:
     def __init__(self, classify: Callable[[str], str | None] = training_only) -> None:
         self._classify = classify
 
-    def refusal(self, checkpoint: Checkpoint) -> str | None:
-        found = slim_dcp_folder(checkpoint.url, checkpoint.files, self._classify)
-        return found if isinstance(found, str) else None
-
-    def recipe(self, checkpoint: Checkpoint) -> SlimRecipe:
-        found = slim_dcp_folder(checkpoint.url, checkpoint.files, self._classify)
-        if isinstance(found, str):
-            raise CkptctlError(f"{checkpoint.url} cannot be slimmed: {found}")
-        return found
-
-    def expected(self, problem: Problem) -> bool:
-        return False
+    def decide(self, checkpoint: Checkpoint) -> SlimRecipe | str:
+        return slim_dcp_folder(checkpoint.url, checkpoint.files, self._classify)
 
 
 def slim_dcp_folder(

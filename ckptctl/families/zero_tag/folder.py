@@ -57,19 +57,7 @@ def open_tag(url: str, layout: str) -> Checkpoint:
     try:
         tag = read_tag(url, files)
     except CorruptCheckpoint as exc:
-        error = exc
-
-        def unreadable() -> tuple[TensorEntry, ...]:
-            raise error
-
-        return Checkpoint(
-            ref=replace(ref, state=CheckpointState.BROKEN, note=exc.message),
-            components=frozenset(),
-            world_size=None,
-            metadata={"error": exc.message},
-            tensor_index=unreadable,
-            files=all_files,
-        )
+        return Checkpoint.unreadable(ref, exc, all_files)
     epoch = tag.client_state().get("epoch")
     ref = replace(
         ref,

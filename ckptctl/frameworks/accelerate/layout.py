@@ -58,7 +58,7 @@ from ckptctl.contract.base import (
     timestamp,
 )
 from ckptctl.contract.load_set import LoadMember
-from ckptctl.errors import CkptctlError, UnknownLayout
+from ckptctl.errors import CkptctlError
 from ckptctl.families.hf_folder import safetensors_index, verify_model_files
 from ckptctl.families.in_progress import missing_marker
 from ckptctl.families.torch_file import pickle_entries, torch_file_problems
@@ -248,9 +248,7 @@ class AccelerateLayout(Layout):
         """The listing, the rank-0 RNG file and, under DeepSpeed, the tag's rank-0 files; the tensor index
         reads safetensors headers, `data.pkl` of the `.bin` files, the tag's files and DCP metadata."""
         entries = io.list_dir(url)
-        ref = self.identify(url, entries)
-        if ref is None:
-            raise UnknownLayout(f"{url} is not an accelerate save_state folder (no random_states_N.pkl)")
+        ref = self.identified(url, entries, "an accelerate save_state folder (no random_states_N.pkl)")
         parts = SaveStateParts.of(entries)
         files = list_files(url)
         auto = auto_checkpoint_match(url)

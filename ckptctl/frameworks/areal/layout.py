@@ -49,10 +49,11 @@ from ckptctl.checkpoint import (
     ProblemKind,
     Role,
     TensorEntry,
+    raising_index,
 )
 from ckptctl.contract.base import Layout, newest_mtime, timestamp
 from ckptctl.contract.load_set import LoadMember, MemberKind
-from ckptctl.errors import CkptctlError, CorruptCheckpoint, UnknownLayout
+from ckptctl.errors import CkptctlError, CorruptCheckpoint
 from ckptctl.families.dcp_folder import (
     DISTCP_RE,
     component_classifier,
@@ -354,11 +355,7 @@ class ArealLayout(Layout):
         """The slot: DCP components and world size, `recover_info/` counters and data loader state, a lazy
         DCP tensor index. An export: the model folder."""
         entries = io.list_dir(url)
-        ref = self.identify(url, entries)
-        if ref is None:
-            raise UnknownLayout(
-                f"{url} is not an AReaL checkpoint (recover_checkpoint/ or epoch*epochstep*globalstep*/)"
-            )
+        ref = self.identified(url, entries, "an AReaL checkpoint (recover_checkpoint/ or epoch*epochstep*globalstep*/)")
         if EXPORT_RE.match(io.name_of(url)):
             return self._open_export(url, ref)
         info = _recover_info(url)
@@ -379,13 +376,8 @@ class ArealLayout(Layout):
         try:
             dcp = load_dcp_metadata(url)
         except CkptctlError as exc:
-            error = exc
             metadata["error"] = exc.message
-
-            def unreadable() -> tuple[TensorEntry, ...]:
-                raise error
-
-            tensor_index = unreadable
+            tensor_index = raising_index(exc)
             if ref.state is CheckpointState.COMPLETE:
                 ref = replace(ref, state=CheckpointState.BROKEN, note=exc.message)
         else:

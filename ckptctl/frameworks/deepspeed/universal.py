@@ -42,7 +42,7 @@ from ckptctl.contract.base import (
     timestamp,
 )
 from ckptctl.contract.resume import ResumeProfile
-from ckptctl.errors import CkptctlError, CorruptCheckpoint, UnknownLayout
+from ckptctl.errors import CkptctlError, CorruptCheckpoint
 from ckptctl.families.in_progress import unfinished_state
 from ckptctl.families.torch_file import torch_file_problems
 from ckptctl.families.zero_tag.names import (
@@ -162,9 +162,7 @@ class DeepSpeedUniversalLayout(Layout):
         with a tensor index that raises the reason.
         """
         entries = io.list_dir(url)
-        ref = self.identify(url, entries)
-        if ref is None:
-            raise UnknownLayout(f"{url} is not a DeepSpeed universal checkpoint (no zero/ folder of parameter states)")
+        ref = self.identified(url, entries, "a DeepSpeed universal checkpoint (no zero/ folder of parameter states)")
         files = list_files(url)
         listing = tag_files(entries)
         try:
@@ -172,7 +170,7 @@ class DeepSpeedUniversalLayout(Layout):
                 raise CorruptCheckpoint(f"{url}: {ref.note}")
             tag = read_tag(url, listing)
         except CorruptCheckpoint as exc:
-            return _unreadable(ref, files, exc)
+            return Checkpoint.unreadable(ref, exc, files, {"format": UNIVERSAL_LAYOUT})
         states = UniversalStates(url, files)
         source = source_of(url)
         tag_ckpt = _open_source(source)
@@ -249,20 +247,6 @@ class DeepSpeedUniversalLayout(Layout):
 
 def _epoch(value: Any) -> float | None:
     return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
-
-
-def _unreadable(ref: CheckpointRef, files: Mapping[str, int], error: CkptctlError) -> Checkpoint:
-    def unreadable() -> tuple[TensorEntry, ...]:
-        raise error
-
-    return Checkpoint(
-        ref=replace(ref, state=CheckpointState.BROKEN, note=error.message),
-        components=frozenset(),
-        world_size=None,
-        metadata={"format": UNIVERSAL_LAYOUT, "error": error.message},
-        tensor_index=unreadable,
-        files=files,
-    )
 
 
 def _open_source(source: Source | None) -> Checkpoint | None:

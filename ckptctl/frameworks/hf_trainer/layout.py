@@ -55,7 +55,7 @@ from ckptctl.contract.base import (
     timestamp,
 )
 from ckptctl.contract.load_set import LoadMember
-from ckptctl.errors import CkptctlError, UnknownLayout
+from ckptctl.errors import CkptctlError
 from ckptctl.families.hf_folder import (
     has_weights,
     model_components,
@@ -249,9 +249,7 @@ class HfTrainerLayout(Layout):
         """Read trainer_state.json, training_args.bin's `data.pkl` and the DeepSpeed rank-0 files if any;
         the tensor index reads safetensors headers and optimizer.pt's `data.pkl`."""
         entries = io.list_dir(url)
-        ref = self.identify(url, entries)
-        if ref is None:
-            raise UnknownLayout(f"{url} is not a Hugging Face Trainer checkpoint (checkpoint-N with Trainer files)")
+        ref = self.identified(url, entries, "a Hugging Face Trainer checkpoint (checkpoint-N with Trainer files)")
         parts = TrainerParts.of(url, entries)
         files = list_files(url)
         top = parts.names

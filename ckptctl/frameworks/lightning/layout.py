@@ -244,9 +244,7 @@ class LightningLayout(Layout):
 
     def _open_sharded(self, url: str) -> Checkpoint:
         entries = io.list_dir(url)
-        ref = self.identify(url, entries)
-        if ref is None:
-            raise UnknownLayout(f"{url} is not a sharded Lightning checkpoint (no DCP files, no {META})")
+        ref = self.identified(url, entries, f"a sharded Lightning checkpoint (no DCP files, no {META})")
         files = list_files(url)
         root: Mapping[str, Any] = {}
         error = ""
@@ -274,20 +272,14 @@ class LightningLayout(Layout):
         return checkpoint
 
     def _open_deepspeed(self, url: str) -> Checkpoint:
-        ref = self.identify(url, io.list_dir(url))
-        if ref is None:
-            raise UnknownLayout(f"{url} is not a Lightning DeepSpeed checkpoint (no DeepSpeed tag {DEEPSPEED_TAG}/)")
+        ref = self.identified(
+            url, io.list_dir(url), f"a Lightning DeepSpeed checkpoint (no DeepSpeed tag {DEEPSPEED_TAG}/)"
+        )
         files = list_files(url)
         try:
             tag = read_tag(io.join(url, DEEPSPEED_TAG))
         except CkptctlError as exc:
-            error = exc
-
-            def unreadable() -> tuple[TensorEntry, ...]:
-                raise error
-
-            broken = replace(ref, state=CheckpointState.BROKEN, note=exc.message)
-            return Checkpoint(broken, frozenset(), None, {"error": exc.message}, unreadable, files)
+            return Checkpoint.unreadable(ref, exc, files)
         root = tag.client_state()
         counters = _counters(root)
         ref = replace(ref, step=counters.get("global_step", ref.step), epoch=counters.get("epoch", ref.epoch))

@@ -43,7 +43,7 @@ from ckptctl.checkpoint import (
     TensorEntry,
 )
 from ckptctl.contract.base import Layout, every_child_folder, list_files, newest_mtime, timestamp
-from ckptctl.errors import CheckpointInProgress, CkptctlError, CorruptCheckpoint, UnknownLayout
+from ckptctl.errors import CheckpointInProgress, CkptctlError, CorruptCheckpoint
 from ckptctl.families.dcp_folder import (
     DISTCP_RE,
     component_classifier,
@@ -186,9 +186,7 @@ class MegatronLayout(Layout):
         A folder whose `.metadata` or `common.pt` cannot be read still opens, so that `verify` says why.
         """
         entries = io.list_dir(url)
-        ref = self.identify(url, entries)
-        if ref is None:
-            raise UnknownLayout(f"{url} is not a Megatron dist-ckpt folder (no {MARKER} beside DCP files)")
+        ref = self.identified(url, entries, f"a Megatron dist-ckpt folder (no {MARKER} beside DCP files)")
         files = list_files(url) if any(e.is_dir for e in entries) else {e.name: e.size for e in entries}
         info: dict[str, Any] = {"format": "megatron dist-ckpt", "release": io.name_of(url) == RELEASE}
         common: dict[str, Any] = {}

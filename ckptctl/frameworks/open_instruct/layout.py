@@ -33,7 +33,7 @@ from ckptctl import io
 from ckptctl.checkpoint import Checkpoint, CheckpointRef, CheckpointState, Component, Problem, ProblemKind, Role
 from ckptctl.contract.base import Layout, every_child_folder, folder_size, newest_mtime, timestamp
 from ckptctl.contract.load_set import LoadMember, MemberKind
-from ckptctl.errors import CkptctlError, UnknownLayout
+from ckptctl.errors import CkptctlError
 from ckptctl.families.hf_folder import HfFolderLayout, has_weights, model_markers, verify_model_files
 from ckptctl.families.in_progress import recently_written
 from ckptctl.families.torch_file import torch_file_problems
@@ -294,9 +294,7 @@ class OpenInstructLayout(Layout):
         """A tag: DeepSpeed's reading with open-instruct's training step, counters, RNG and data state;
         a snapshot: the model folder."""
         entries = io.list_dir(url)
-        ref = self.identify(url, entries)
-        if ref is None:
-            raise UnknownLayout(f"{url} is not an open-instruct checkpoint (a DeepSpeed tag beside ref_policy/)")
+        ref = self.identified(url, entries, "an open-instruct checkpoint (a DeepSpeed tag beside ref_policy/)")
         if SNAPSHOT_RE.match(io.name_of(url)):
             model = HfFolderLayout().open(url)
             snapshot = {"format": "open_instruct", "kind": "hf_snapshot", **model.metadata}

@@ -38,7 +38,7 @@ from ckptctl.contract.base import (
     newest_mtime,
     timestamp,
 )
-from ckptctl.errors import CkptctlError, UnknownLayout
+from ckptctl.errors import CkptctlError
 from ckptctl.families.hf_folder import HfFolderLayout, has_weights, model_markers, verify_model_files
 from ckptctl.families.zero_tag.folder import open_tag
 from ckptctl.families.zero_tag.names import (
@@ -152,9 +152,7 @@ class OpenRlhfLayout(Layout):
         """A tag: DeepSpeed's reading, with OpenRLHF's step, role, counters and metric; an export: the
         model folder."""
         entries = io.list_dir(url)
-        ref = self.identify(url, entries)
-        if ref is None:
-            raise UnknownLayout(f"{url} is not an OpenRLHF checkpoint (a DeepSpeed tag or *_hf export of OpenRLHF)")
+        ref = self.identified(url, entries, "an OpenRLHF checkpoint (a DeepSpeed tag or *_hf export of OpenRLHF)")
         if EXPORT_RE.match(io.name_of(url)):
             model = HfFolderLayout().open(url)
             export = {"format": "openrlhf", "kind": "hf_export", **model.metadata}

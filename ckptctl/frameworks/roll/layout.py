@@ -53,7 +53,7 @@ from ckptctl.contract.base import (
     timestamp,
 )
 from ckptctl.contract.load_set import LoadMember, MemberKind
-from ckptctl.errors import CkptctlError, UnknownLayout
+from ckptctl.errors import CkptctlError
 from ckptctl.families.dcp_folder import (
     DISTCP_RE,
     component_for_prefix,
@@ -298,9 +298,7 @@ class RollLayout(Layout):
         """Pipeline counters and last metrics, each role's strategy, components, world size and parallelism;
         the tensor index reads HF headers and DCP `.metadata` files on first use."""
         entries = io.list_dir(url)
-        ref = self.identify(url, entries)
-        if ref is None:
-            raise UnknownLayout(f"{url} is not a ROLL checkpoint (checkpoint-N with pipeline/, dcp/ or Megatron files)")
+        ref = self.identified(url, entries, "a ROLL checkpoint (checkpoint-N with pipeline/, dcp/ or Megatron files)")
         roles = _roles(url, entries)
         files = list_files(url)
         components: set[Component] = set()

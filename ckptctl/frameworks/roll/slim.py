@@ -16,9 +16,9 @@ from __future__ import annotations
 import re
 
 from ckptctl import io
-from ckptctl.checkpoint import Checkpoint, Problem
+from ckptctl.checkpoint import Checkpoint
 from ckptctl.contract.capabilities import SlimRecipe, SlimRewrite
-from ckptctl.errors import CkptctlError
+from ckptctl.contract.rewrites import OneLookSlimmer
 from ckptctl.families.dcp_slim import slim_dcp_folder
 from ckptctl.frameworks.roll.files import CRITIC, DCP_FOLDER, PIPELINE_RNG, RNG_DIR
 
@@ -27,21 +27,11 @@ __all__ = ["SLIMMER", "RollSlimmer"]
 _ITER_FILE = re.compile(r"^(?:iter_\d{7}|release)/(dist_optimizer|mp_rank_[^/]+)/")
 
 
-class RollSlimmer:
+class RollSlimmer(OneLookSlimmer):
     """See the module docstring."""
 
-    def refusal(self, checkpoint: Checkpoint) -> str | None:
-        found = _recipe(checkpoint)
-        return found if isinstance(found, str) else None
-
-    def recipe(self, checkpoint: Checkpoint) -> SlimRecipe:
-        found = _recipe(checkpoint)
-        if isinstance(found, str):
-            raise CkptctlError(f"{checkpoint.url} cannot be slimmed: {found}")
-        return found
-
-    def expected(self, problem: Problem) -> bool:
-        return False
+    def decide(self, checkpoint: Checkpoint) -> SlimRecipe | str:
+        return _recipe(checkpoint)
 
 
 def _recipe(checkpoint: Checkpoint) -> SlimRecipe | str:

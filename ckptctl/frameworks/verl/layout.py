@@ -59,7 +59,7 @@ from ckptctl.contract.base import (
     timestamp,
 )
 from ckptctl.contract.load_set import LoadMember, MemberKind
-from ckptctl.errors import CkptctlError, CorruptCheckpoint, UnknownLayout
+from ckptctl.errors import CkptctlError, CorruptCheckpoint
 from ckptctl.families.in_progress import unfinished_state
 from ckptctl.families.torch_file import torch_file_problems
 from ckptctl.formats.chunks import tiling_problem
@@ -366,9 +366,7 @@ class VerlLayout(Layout):
     def open(self, url: str) -> Checkpoint:
         """The step (its policy role's tensors) or the role: components, world size, roles, lazy index."""
         entries = io.list_dir(url)
-        ref = self.identify(url, entries)
-        if ref is None:
-            raise UnknownLayout(f"{url} is not a verl checkpoint (global_step_N/ with actor/ or critic/ rank files)")
+        ref = self.identified(url, entries, "a verl checkpoint (global_step_N/ with actor/ or critic/ rank files)")
         is_step = STEP_RE.match(io.name_of(url)) is not None
         roles = step_roles(url, entries) if is_step else [r for r in [role_facts(io.name_of(url), entries)] if r]
         main = roles[0]

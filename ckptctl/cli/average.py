@@ -90,11 +90,7 @@ def register(app: typer.Typer) -> None:
 def average(
     paths: Annotated[
         list[str],
-        typer.Argument(
-            metavar="CKPT... DST",
-            help="Checkpoints, then the output (RUN DST with --last, --steps).",
-            show_default=False,
-        ),
+        typer.Argument(metavar="CKPT... DST", help="Checkpoints, then the output (RUN DST with --last, --steps)."),
     ],
     last: LastOpt = None,
     steps: Annotated[

@@ -204,22 +204,8 @@ def register(app: typer.Typer) -> None:
 
 
 def convert(
-    src: Annotated[
-        str,
-        typer.Argument(
-            metavar="SRC",
-            help="Checkpoint folder or weights file (path or URL).",
-            show_default=False,
-        ),
-    ],
-    dst: Annotated[
-        str,
-        typer.Argument(
-            metavar="DST",
-            help="Output folder (path or URL), empty or absent.",
-            show_default=False,
-        ),
-    ],
+    src: Annotated[str, typer.Argument(metavar="SRC", help="Checkpoint folder or weights file (path or URL).")],
+    dst: Annotated[str, typer.Argument(metavar="DST", help="Output folder (path or URL), empty or absent.")],
     to: ToOpt = TargetChoice.hf,
     dtype: DtypeOpt = None,
     max_shard_size: MaxShardSizeOpt = "5GB",

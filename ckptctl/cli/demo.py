@@ -28,10 +28,7 @@ def register(app: typer.Typer) -> None:
 
 
 def demo(
-    folder: Annotated[
-        str,
-        typer.Argument(metavar="DIR", help="Where to write the demo runs (a local folder).", show_default=False),
-    ],
+    folder: Annotated[str, typer.Argument(metavar="DIR", help="Where to write the demo runs (a local folder).")],
     steps: Annotated[
         int, typer.Option("--steps", metavar="N", help="Training steps (a checkpoint every 10).", min=10)
     ] = 30,

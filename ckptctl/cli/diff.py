@@ -78,14 +78,8 @@ def register(app: typer.Typer) -> None:
 
 
 def diff_checkpoints(
-    a: Annotated[
-        str,
-        typer.Argument(metavar="A", help="First checkpoint folder or weights file (path or URL).", show_default=False),
-    ],
-    b: Annotated[
-        str,
-        typer.Argument(metavar="B", help="Second checkpoint folder or weights file (path or URL).", show_default=False),
-    ],
+    a: Annotated[str, typer.Argument(metavar="A", help="First checkpoint folder or weights file (path or URL).")],
+    b: Annotated[str, typer.Argument(metavar="B", help="Second checkpoint folder or weights file (path or URL).")],
     component: ComponentOpt = Component.MODEL,
     atol: Annotated[
         float,

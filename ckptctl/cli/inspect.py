@@ -59,12 +59,7 @@ def register(app: typer.Typer) -> None:
 
 def inspect_checkpoint(
     checkpoint: Annotated[
-        str,
-        typer.Argument(
-            metavar="CKPT",
-            help="Checkpoint folder or weights file (local path or fsspec URL).",
-            show_default=False,
-        ),
+        str, typer.Argument(metavar="CKPT", help="Checkpoint folder or weights file (local path or fsspec URL).")
     ],
     name_filter: Annotated[
         str | None,

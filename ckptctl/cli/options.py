@@ -24,9 +24,7 @@ from ckptctl.ops.report import display_path
 T = TypeVar("T")
 
 #: The run folder of a command about one run (list, prune, repair, resume-plan, report).
-RunArg = Annotated[
-    str, typer.Argument(metavar="RUN", help="Run folder (local path or fsspec URL).", show_default=False)
-]
+RunArg = Annotated[str, typer.Argument(metavar="RUN", help="Run folder (local path or fsspec URL).")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document (schema_version 1).")]
 QuietOpt = Annotated[
     bool,

@@ -69,16 +69,10 @@ def register(app: typer.Typer) -> None:
 
 def reshard_state(
     src: Annotated[
-        str,
-        typer.Argument(
-            metavar="SRC", help="Checkpoint or save folder to read (local path or fsspec URL).", show_default=False
-        ),
+        str, typer.Argument(metavar="SRC", help="Checkpoint or save folder to read (local path or fsspec URL).")
     ],
     dst: Annotated[
-        str,
-        typer.Argument(
-            metavar="DST", help="Empty folder to write the state into (local path or fsspec URL).", show_default=False
-        ),
+        str, typer.Argument(metavar="DST", help="Empty folder to write the state into (local path or fsspec URL).")
     ],
     to: Annotated[
         str | None,

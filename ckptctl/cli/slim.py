@@ -106,10 +106,7 @@ def register(app: typer.Typer) -> None:
 
 def slim(
     target: Annotated[
-        str,
-        typer.Argument(
-            metavar="RUN|CKPT", help="Run folder, or one checkpoint folder (local path).", show_default=False
-        ),
+        str, typer.Argument(metavar="RUN|CKPT", help="Run folder, or one checkpoint folder (local path).")
     ],
     keep_full: Annotated[
         int | None,

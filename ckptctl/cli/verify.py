@@ -72,14 +72,7 @@ def register(app: typer.Typer) -> None:
 
 
 def verify(
-    path: Annotated[
-        str,
-        typer.Argument(
-            metavar="PATH",
-            help="Checkpoint folder, weights file, or run (path or URL).",
-            show_default=False,
-        ),
-    ],
+    path: Annotated[str, typer.Argument(metavar="PATH", help="Checkpoint folder, weights file, or run (path or URL).")],
     latest: LatestOpt = False,
     quick: Annotated[
         bool,

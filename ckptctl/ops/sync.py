@@ -38,7 +38,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict, Unpack
 
 from ckptctl import io
 from ckptctl.checkpoint import CheckpointRef, CheckpointState
@@ -64,7 +64,7 @@ from ckptctl.ops.report import SCHEMA_VERSION, NoProgress, Progress
 if TYPE_CHECKING:  # `prune` is imported by `keep_local` alone (a sync without it does not pay for its import)
     from ckptctl.ops.prune import PruneItem
 
-__all__ = ["SYNC_LOCK", "Action", "RunFile", "SyncItem", "SyncReport", "sync", "watch"]
+__all__ = ["SYNC_LOCK", "Action", "RunFile", "SyncItem", "SyncOptions", "SyncReport", "sync", "watch"]
 
 #: Seconds between two refreshes of the DST lock (it goes stale after `core.lock.STALE_AFTER`, an hour).
 _REFRESH_EVERY = 60.0
@@ -518,61 +518,50 @@ def _keep_local(
     return replace(report, checkpoints=report.checkpoints + tuple(extra))
 
 
-def sync(
-    src: str,
-    dst: str,
-    *,
-    latest: bool = False,
-    keep_local: int | None = None,
-    dry_run: bool = False,
-    grace: timedelta = DEFAULT_GRACE,
-    wait: float = 0.0,
-    workers: int | None = None,
-    progress: Progress | None = None,
-    stop: threading.Event | None = None,
-    warn: Callable[[str], None] | None = None,
-) -> SyncReport:
-    """Copy every checkpoint complete at `src` and not whole at `dst` (see the module docstring).
+class SyncOptions(TypedDict, total=False):
+    """What `sync` and `watch` take besides SRC and DST, each optional (its default is `_passes`'s).
 
-    Args:
-        src, dst: run folders: local paths or fsspec URLs, either way round.
+    Attributes:
         latest: copy only the checkpoint a resume of SRC would load (`resume-plan`'s pick), and the pointers.
         keep_local: then keep only this many of the local checkpoints (`prune --keep-last`), deleting only
             those whole at DST (SRC local, DST remote).
         dry_run: plan only: nothing is written, locked or deleted.
-        grace: `prune`'s grace for `keep_local`.
-        wait: seconds to wait for another sync into DST (or a prune of SRC) to finish.
+        grace: `prune`'s grace for `keep_local` (default `ops.planned.DEFAULT_GRACE`).
+        wait: seconds to wait for another sync into DST (or a prune of SRC) to finish (default 0).
         workers: parallel transfers (default `io.workers()`).
         progress: where bytes copied are reported.
         stop: set (by a signal handler) to stop after the files in flight (`SyncStopped`).
         warn: where a stale lock's takeover is reported.
+    """
+
+    latest: bool
+    keep_local: int | None
+    dry_run: bool
+    grace: timedelta
+    wait: float
+    workers: int | None
+    progress: Progress | None
+    stop: threading.Event | None
+    warn: Callable[[str], None] | None
+
+
+def sync(src: str, dst: str, **options: Unpack[SyncOptions]) -> SyncReport:
+    """Copy every checkpoint complete at `src` and not whole at `dst` (see the module docstring).
+
+    Args:
+        src, dst: run folders: local paths or fsspec URLs, either way round.
+        options: see `SyncOptions`.
 
     Raises:
         CkptctlError: SRC and DST overlap, another sync holds DST, a store failed (exit code 2);
             `SyncStopped` (130).
     """
-    return next(
-        iter(
-            _passes(
-                src,
-                dst,
-                latest=latest,
-                keep_local=keep_local,
-                dry_run=dry_run,
-                grace=grace,
-                wait=wait,
-                workers=workers,
-                progress=progress,
-                stop=stop,
-                warn=warn,
-                passes=1,
-                interval=0.0,
-            )
-        )
-    )
+    return next(iter(_passes(src, dst, passes=1, interval=0.0, **options)))
 
 
-def watch(src: str, dst: str, *, interval: float, passes: int | None = None, **options: Any) -> Iterable[SyncReport]:
+def watch(
+    src: str, dst: str, *, interval: float, passes: int | None = None, **options: Unpack[SyncOptions]
+) -> Iterable[SyncReport]:
     """`sync` again every `interval` seconds, holding DST's lock throughout, until `options["stop"]` is set
     (or after `passes` passes): each checkpoint is copied once it is complete, never while it is written.
     Yields each pass's report."""

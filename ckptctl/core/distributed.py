@@ -13,6 +13,7 @@ training never needs it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import importlib
 import os
@@ -32,7 +33,7 @@ from ckptctl.formats.dcp_metadata_classes import DCP_METADATA_GLOBALS
 from ckptctl.formats.digest import HashingStream
 from ckptctl.formats.manifest import FileRecord
 from ckptctl.formats.safe_pickle import safe_loads
-from ckptctl.formats.torch_save import load_object_archive
+from ckptctl.formats.torch_save import inspect_archive_at, load_object_archive
 
 __all__ = [
     "World",
@@ -252,14 +253,25 @@ def load_dcp(path: str, entries: Mapping[str, tuple[str, Any]], modules: Mapping
 
 
 def _safe_reader(path: str) -> Any:
-    """A `FileSystemReader` whose `.metadata` goes through the allowlisting unpickler.
+    """A `FileSystemReader` whose `.metadata` goes through the allowlisting unpickler, and which reads the
+    tensors it can straight into the state's own.
 
     torch reads `.metadata` with a plain `pickle.load`. Here the bytes are read once, validated by
     `parse_dcp_metadata` (stand-ins only), then unpickled by `SafeUnpickler` with that same allowlist
     resolved to torch's real classes (plain dataclasses: building them runs no code of the file).
+
+    torch reads each tensor item with `torch.load` into a tensor it allocates, then copies that into the
+    state's tensor: a fresh allocation (page faults) and a second pass over every byte. Where the item is a
+    whole stored chunk whose bytes are one row-major range (`inspect_archive_at`: what DCP's writer writes)
+    and the state's tensor is a contiguous host tensor of its dtype and shape, the range is read into the
+    state's tensor's memory directly; every other item (a resharded part, a device tensor, a transform, a
+    damaged archive) goes through torch's own path, which then reports damage as it always did.
     """
+    from concurrent.futures import Future
+
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import StorageMeta
+    from torch.distributed.checkpoint.planner import LoadItemType
 
     class SafeFileSystemReader(FileSystemReader):
         #: Why `.metadata` was refused: torch catches a failure of `read_metadata`, falls back to per-rank
@@ -283,7 +295,66 @@ def _safe_reader(path: str) -> Any:
             metadata.storage_meta.load_id = self.load_id
             return metadata
 
+        def read_data(self, plan: Any, planner: Any) -> Any:
+            per_file: dict[str, list[Any]] = {}
+            for item in plan.items:
+                if item.type == LoadItemType.TENSOR and not self.storage_data[item.storage_index].transform_descriptors:
+                    per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+            direct: set[int] = set()
+            for relative, items in per_file.items():
+                file = os.path.join(path, relative)
+                with open(file, "rb", buffering=0) as f:
+                    direct.update(id(item) for item in items if _read_into_target(f, file, item, self, planner))
+            rest = [item for item in plan.items if id(item) not in direct]
+            if rest:
+                return super().read_data(dataclasses.replace(plan, items=rest), planner)
+            done: Future[None] = Future()
+            done.set_result(None)
+            return done
+
     return SafeFileSystemReader(path)
+
+
+def _read_into_target(f: Any, file: str, item: Any, reader: Any, planner: Any) -> bool:
+    """Read the tensor item `item` of the open data file `f` straight into the tensor the planner loads it
+    into, when its stored bytes are that tensor's bytes (see `_safe_reader`); False, having committed
+    nothing, when torch's path must read it.
+
+    A target read only in part (a short read: a file cut short) is read again whole by torch's path, which
+    overwrites it or fails."""
+    info = reader.storage_data[item.storage_index]
+    target = planner.resolve_tensor(item).detach()
+    if target.device.type != "cpu" or not target.is_contiguous() or target.is_conj() or target.is_neg():
+        return False
+
+    def read_at(start: int, n: int) -> bytes:
+        return os.pread(f.fileno(), min(n, max(0, info.length - start)), info.offset + start)
+
+    try:
+        found = inspect_archive_at(read_at, info.length, f"{file}: item {item.storage_index.fqn!r}")
+    except (CkptctlError, OSError):
+        return False  # torch's path reads it, and says what is wrong the way it always has
+    shape = tuple(found.shape)
+    if (
+        not found.contiguous
+        or getattr(torch, found.dtype, None) != target.dtype
+        or tuple(target.shape) != shape
+        or tuple(item.lengths) != shape
+        or any(item.storage_offsets)
+    ):
+        return False
+    memory = target.reshape(-1).view(torch.uint8).numpy()
+    if memory.nbytes != found.end - found.start:
+        return False
+    done = 0
+    while done < memory.nbytes:
+        f.seek(info.offset + found.start + done)
+        n = f.readinto(memory[done:])
+        if not n:
+            return False
+        done += n
+    planner.commit_tensor(item, target)
+    return True
 
 
 @functools.cache

@@ -791,7 +791,9 @@ class CheckpointManager:
                 folder = fetch(chosen)
             except CkptctlError as exc:
                 failure = (isinstance(exc, CorruptCheckpoint), str(exc))
-            if world.multi:  # a rank that failed alone must not leave the others in DCP's collectives
+            # A rank that failed alone must not leave the others in DCP's collectives; a local step's fetch
+            # cannot fail (every rank loads it in place), and then the ranks need not agree on it.
+            if world.multi and self._storage.fetch_may_fail:
                 failure = next((f for f in dist_.all_gather(failure) if f is not None), None)
             if failure is None:
                 return chosen, folder

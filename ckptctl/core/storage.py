@@ -69,9 +69,12 @@ class RunStorage(abc.ABC):
         naming: the names of its step folders.
         shared_staging: whether the ranks of a multi-rank save write into one staging folder (rank 0 then
             creates and removes it) or each into its own.
+        fetch_may_fail: whether `fetcher`'s `fetch` can fail on one rank alone (a download), so that the ranks
+            of a restore must agree on its outcome before loading; a local step is loaded in place.
     """
 
     shared_staging: bool
+    fetch_may_fail: bool
 
     def __init__(self, root: str, naming: StepNaming) -> None:
         self.root = root
@@ -172,6 +175,7 @@ class LocalRun(RunStorage):
     """A run folder on a local (or network-mounted) filesystem."""
 
     shared_staging = True
+    fetch_may_fail = False  # `fetch` is `step_dir`
 
     def __init__(self, root: str, naming: StepNaming) -> None:
         super().__init__(os.path.abspath(io.local_path(root)), naming)
@@ -232,6 +236,7 @@ class RemoteRun(RunStorage):
     """A run folder on an object store: no folders, no rename; a PUT is atomic."""
 
     shared_staging = False
+    fetch_may_fail = True  # a download, checked as it arrives
 
     def __init__(self, root: str, naming: StepNaming, staging_dir: str | None = None) -> None:
         super().__init__(root.rstrip("/"), naming)

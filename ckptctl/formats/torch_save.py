@@ -6,7 +6,7 @@ uncompressed and 64-byte aligned by torch's writer).
 
 - `decode_tensor` loads a tensor with torch's own allowlisting unpickler (`weights_only=True`); ckptctl
   never calls `pickle.load` or `weights_only=False` on checkpoint data.
-- `inspect_archive`/`raw_record` find where the tensor's elements are inside the archive without torch:
+- `inspect_archive`/`raw_record` (and `inspect_archive_at`, by range reads) find where the tensor's elements are inside the archive without torch:
   the zip's central directory gives the storage record's position, and `data.pkl` (read with the
   `TORCH_SAVE_GLOBALS` stand-ins) gives dtype, shape, stride and storage offset. When the tensor is a
   row-major view of its storage in little-endian order, its elements are one contiguous byte range that a
@@ -26,7 +26,7 @@ import math
 import re
 import struct
 import zipfile
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -54,6 +54,7 @@ __all__ = [
     "ZipRecord",
     "decode_tensor",
     "inspect_archive",
+    "inspect_archive_at",
     "is_torch_save_archive",
     "load_object_archive",
     "raw_record",
@@ -175,6 +176,51 @@ def inspect_archive(blob: bytes | memoryview, source: str) -> ArchiveTensor:
     return _locate(archive.view, archive.infos, archive.prefix, rebuilt, archive.little, source)
 
 
+def inspect_archive_at(read_at: Callable[[int, int], bytes], length: int, source: str) -> ArchiveTensor:
+    """`inspect_archive` of the one-tensor archive `length` bytes long that `read_at(start, n)` reads (a DCP
+    item inside its data file), reading its first and last few KiB only: `data.pkl`, `byteorder` and the
+    data record's local header lie at its start, the zip directory at its end. Nothing is mapped: a read
+    error is an exception, where a page-in error under a map (NFS, FUSE) kills the process.
+
+    Raises:
+        UnsafePickle: `data.pkl` names a global outside `TORCH_SAVE_GLOBALS`.
+        CorruptCheckpoint: the archive is damaged, cut short, or does not hold one plain tensor.
+    """
+    archive = _open_view(_RangeView(read_at, length), source, _MAX_DATA_PKL)
+    rebuilt = _one_tensor(archive.pickled, source)
+    return _locate(archive.view, archive.infos, archive.prefix, rebuilt, archive.little, source)
+
+
+#: What `_RangeView` reads at each end of an archive: torch puts its small records first (the data record's
+#: header follows within the first KiB) and a one-tensor archive's directory is under 1 KiB.
+_ENDS = 4 << 10
+
+
+class _RangeView:
+    """The bytes of an archive as `inspect_archive` slices them, read by `read_at`: its first and last `_ENDS`
+    bytes once, any other range when asked (fewer bytes past a cut-short end, which the parsers refuse)."""
+
+    def __init__(self, read_at: Callable[[int, int], bytes], length: int) -> None:
+        self._read_at = read_at
+        self._length = length
+        self._head = read_at(0, min(length, _ENDS))
+        self._tail_start = max(len(self._head), length - _ENDS)
+        self._tail = read_at(self._tail_start, length - self._tail_start) if length > self._tail_start else b""
+
+    def __len__(self) -> int:
+        return self._length
+
+    def __getitem__(self, index: slice) -> bytes:
+        start, stop, _ = index.indices(self._length)
+        if stop <= start:
+            return b""
+        if stop <= len(self._head):
+            return self._head[start:stop]
+        if start >= self._tail_start:
+            return self._tail[start - self._tail_start : stop - self._tail_start]
+        return self._read_at(start, stop - start)
+
+
 #: A one-tensor `data.pkl` is ~150 bytes; larger ones (crafted, or not one tensor) are not kept.
 _KEPT_PICKLE = 1 << 10
 
@@ -210,7 +256,7 @@ def _one_tensor(pickled: bytes, source: str) -> TensorRebuild:
 class _OpenedArchive:
     """A torch.save archive in memory: its zip directory, archive prefix, `data.pkl` and byte order."""
 
-    view: memoryview
+    view: memoryview | _RangeView
     infos: dict[str, zipfile.ZipInfo]
     prefix: str
     pickled: bytes
@@ -219,7 +265,11 @@ class _OpenedArchive:
 
 def _open_archive(blob: bytes | memoryview, source: str, max_pickle: int) -> _OpenedArchive:
     view = memoryview(blob).cast("B") if not isinstance(blob, bytes) else memoryview(blob)
-    if not is_torch_save_archive(view):
+    return _open_view(view, source, max_pickle)
+
+
+def _open_view(view: memoryview | _RangeView, source: str, max_pickle: int) -> _OpenedArchive:
+    if bytes(view[:4]) != _ZIP_MAGIC:  # `is_torch_save_archive`, for either kind of view
         raise CorruptCheckpoint(
             f"{source}: not a torch.save archive",
             "the item may have been written with a stream transform or the safetensors serialization "
@@ -334,6 +384,7 @@ def _object_and_tensors(
         if kind is TensorRebuild:
             found = _locate(archive.view, archive.infos, archive.prefix, obj, archive.little, source)
             # `_locate` gives the first element's byte, whatever the strides
+            assert isinstance(archive.view, memoryview)  # `_open_archive`'s, never a `_RangeView`
             located[id(obj)] = _LocatedStorage(archive.view, found.start, archive.little)
         elif kind in (dict, list, tuple):
             if depth >= _MAX_OBJECT_DEPTH:
@@ -347,7 +398,12 @@ def _object_and_tensors(
 
 
 def _locate(
-    view: memoryview, infos: dict[str, zipfile.ZipInfo], prefix: str, t: TensorRebuild, little: bool, source: str
+    view: memoryview | _RangeView,
+    infos: dict[str, zipfile.ZipInfo],
+    prefix: str,
+    t: TensorRebuild,
+    little: bool,
+    source: str,
 ) -> ArchiveTensor:
     try:
         itemsize = dtype_itemsize(t.dtype)
@@ -385,7 +441,7 @@ def _row_major_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-def _data_start(view: memoryview, info: zipfile.ZipInfo, source: str) -> int:
+def _data_start(view: memoryview | _RangeView, info: zipfile.ZipInfo, source: str) -> int:
     offset = info.header_offset
     if offset + _LOCAL_HEADER.size > len(view):
         raise CorruptCheckpoint(f"{source}: a zip record header lies outside the archive")
@@ -405,7 +461,7 @@ def _local_header_length(header: bytes | memoryview, source: str) -> int:
     return int(_LOCAL_HEADER.size + fields[-2] + fields[-1])
 
 
-def _stored_bytes(view: memoryview, info: zipfile.ZipInfo, source: str) -> bytes:
+def _stored_bytes(view: memoryview | _RangeView, info: zipfile.ZipInfo, source: str) -> bytes:
     if info.compress_type != zipfile.ZIP_STORED:
         raise CorruptCheckpoint(f"{source}: record {info.filename} is compressed, torch.save never does that")
     start = _data_start(view, info, source)

@@ -98,6 +98,57 @@ def test_save_dcp_records_every_file_it_writes_as_written(tmp_path: Path) -> Non
         assert record == FileRecord((folder / name).stat().st_size, file_digest(str(folder / name))), name
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+def test_dcp_items_are_read_straight_into_the_state_tensors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A whole stored chunk whose target is a contiguous host tensor of its dtype and shape is read into that
+    # tensor's memory (no torch.load, no second copy); any other target goes through torch's path. Both exact.
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    saved = {
+        "w": torch.randn(64, 32),
+        "half": torch.randn(8, 4).to(torch.bfloat16),
+        "scalar": torch.tensor(3.5),
+        "empty": torch.zeros(0, 3),
+        "t": torch.randn(6, 5),
+        "n": 7,
+    }
+    folder = str(tmp_path / "dcp")
+    dist_.save_dcp(folder, saved)
+    state: dict[str, Any] = {
+        "w": torch.zeros(64, 32),
+        "half": torch.zeros(8, 4, dtype=torch.bfloat16),
+        "scalar": torch.tensor(0.0),
+        "empty": torch.ones(0, 3),
+        "t": torch.zeros(5, 6).t(),  # not contiguous: torch's path
+        "n": 0,
+    }
+    memory = {key: value.data_ptr() for key, value in state.items() if isinstance(value, torch.Tensor)}
+    loads: list[object] = []
+    real_load = torch.load
+
+    def counted_load(*args: Any, **kwargs: Any) -> Any:
+        loads.append(args)
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", counted_load)
+    dcp.load(state, storage_reader=dist_._safe_reader(folder), planner=dist_._safe_planner(folder), no_dist=True)
+    for key, value in saved.items():
+        if isinstance(value, torch.Tensor):
+            assert state[key].dtype == value.dtype and torch.equal(state[key], value), key
+            assert state[key].data_ptr() == memory[key], key  # loaded in place
+    assert state["n"] == 7
+    assert len(loads) == 1  # the transposed target's item only
+
+    # A damaged item (the zip directory at the data file's end: its last item's) is left to torch, which fails.
+    data = Path(folder, "__0_0.distcp")
+    data.write_bytes(data.read_bytes()[:-22] + bytes(22))
+    loads.clear()
+    with pytest.raises(CheckpointException, match="central directory"):  # torch's words (a BaseException)
+        dcp.load(state, storage_reader=dist_._safe_reader(folder), planner=dist_._safe_planner(folder), no_dist=True)
+    assert loads
+
+
 def test_one_rank_fsdp2_group_saves_and_restores(tmp_path: Path, run_cli: Any) -> None:
     """FSDP2 on one GPU: a process group of one whose parameters are DTensors. Its saves go through DCP and
     restore exactly (sync and async), and a single-process save (what ckptctl wrote for one rank before)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ckptctl.errors import CorruptCheckpoint, UnsafePickle
-from ckptctl.formats.torch_save import decode_tensor, inspect_archive, raw_record
+from ckptctl.formats.torch_save import decode_tensor, inspect_archive, inspect_archive_at, raw_record
 
 
 def _saved(value: object) -> bytes:
@@ -74,6 +74,38 @@ def test_memoryviews_of_a_larger_buffer_work_without_copying_the_data() -> None:
     found = raw_record(view)
     assert found is not None
     assert bytes(view[found[0] : found[1]]) == _raw(tensor)
+
+
+def _range_reads(buffer: bytes, base: int, length: int) -> tuple[list[tuple[int, int]], object]:
+    """A `read_at` over `length` bytes of `buffer` from `base` (fewer past the end), logging each read."""
+    reads: list[tuple[int, int]] = []
+
+    def read_at(start: int, n: int) -> bytes:
+        reads.append((start, n))
+        return buffer[base + start : base + min(start + n, length)]
+
+    return reads, read_at
+
+
+@pytest.mark.parametrize("name", [*TENSORS, "large"])
+def test_range_reads_locate_what_the_whole_archive_does_without_reading_the_data(name: str) -> None:
+    # An item inside its DCP data file: `read_at` reads relative to the item.
+    tensor = torch.randn(256, 256) if name == "large" else TENSORS[name]
+    blob = _saved(tensor)
+    reads, read_at = _range_reads(b"x" * 100 + blob + b"y" * 50, 100, len(blob))
+    found = inspect_archive_at(read_at, len(blob), name)  # type: ignore[arg-type]
+    assert found == inspect_archive(blob, name)
+    if name == "large":  # its first and last few KiB, one read each: not the 256 KiB of data in between
+        assert len(reads) == 2 and sum(n for _, n in reads) <= 8 << 10
+
+
+@pytest.mark.parametrize("cut", [40, 300, 1 << 20])
+def test_range_reads_of_a_cut_short_archive_are_corrupt(cut: int) -> None:
+    blob = _saved(torch.randn(256, 256))
+    # The item says it is `len(blob)` long; the file ends `cut` bytes earlier (reads come back short).
+    _, read_at = _range_reads(blob[: max(0, len(blob) - cut)], 0, len(blob))
+    with pytest.raises(CorruptCheckpoint):
+        inspect_archive_at(read_at, len(blob), "cut")  # type: ignore[arg-type]
 
 
 class Evil:

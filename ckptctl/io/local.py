@@ -28,6 +28,7 @@ __all__ = [
     "LocalBackend",
     "exchange",
     "fsync_dir",
+    "maps_safely",
     "read_at_most",
     "refuse_to_replace_precious",
     "start_writeback",
@@ -295,6 +296,49 @@ def start_writeback(fd: int, offset: int, length: int) -> None:
     fn = _sync_file_range()
     if fn is not None and length > 0:
         fn(fd, offset, length, 2)  # SYNC_FILE_RANGE_WRITE; an error only means no head start
+
+
+#: `statfs` `f_type`s of file systems whose pages come from this machine's own disks or memory
+#: (`linux/magic.h`; ZFS's from OpenZFS, which is not in the kernel's header): ext2/3/4, XFS, Btrfs, F2FS,
+#: ZFS, tmpfs, ramfs.
+_LOCAL_FS_TYPES = frozenset({0xEF53, 0x58465342, 0x9123683E, 0xF2F52010, 0x2FC12FC1, 0x01021994, 0x858458F6})
+
+
+@functools.cache
+def _fstatfs() -> Any:
+    import ctypes
+
+    return _linux_libc("fstatfs", [ctypes.c_int, ctypes.c_void_p])
+
+
+def fs_type(fd: int) -> int | None:
+    """The `statfs` `f_type` (magic number) of the file system holding the open file `fd`; None off Linux or
+    where it cannot be told."""
+    fn = _fstatfs()
+    if fn is None:
+        return None
+    import ctypes
+
+    # `struct statfs` starts with `f_type`, a C long on the 64-bit ABIs and i386 (an int on s390x, whose
+    # misread value then matches no local type: read, the safe side). 256 bytes hold the whole struct (120).
+    buf = ctypes.create_string_buffer(256)
+    if fn(fd, buf) != 0:
+        return None
+    return ctypes.c_ulong.from_buffer(buf).value & 0xFFFFFFFF
+
+
+def maps_safely(fd: int) -> bool:
+    """Whether the open file `fd` may be memory-mapped and its pages read without risk of a SIGBUS from the
+    storage: True only on Linux file systems known to be local (`_LOCAL_FS_TYPES`).
+
+    A page that cannot be brought in under a map (a server that went away, an expired lease or credential,
+    a FUSE daemon that died, an RDMA timeout) is a SIGBUS, which kills the process with no message where a
+    read raises an error ckptctl reports: so NFS, Lustre, GPFS, CIFS/SMB, CephFS, FUSE and anything not known
+    are read. So is overlayfs: its `f_type` names neither its layers nor the file system a page comes from,
+    which may be a network one. On a local disk a map still dies of an unreadable sector or of the file cut
+    short by another process while mapped; both are taken as the price of the copies a map saves.
+    """
+    return fs_type(fd) in _LOCAL_FS_TYPES
 
 
 def exchange(a: str, b: str) -> bool:

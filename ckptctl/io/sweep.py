@@ -51,6 +51,7 @@ __all__ = [
     "Sweep",
     "ThreadedSink",
     "job_groups",
+    "local_reader",
     "open_ranges",
 ]
 
@@ -356,23 +357,25 @@ def open_ranges(url: str) -> Iterator[ReadInto]:
     inside the block too, come out as ckptctl errors. Reads are not counted: callers count them."""
     backend = LOCAL if is_local(url) else FSSPEC
     with translate_errors(url), backend.open_read(url) as f:
-        if is_local(url):
-            fd = f.fileno()
-            with contextlib.suppress(AttributeError, OSError):  # a hint: not every system has it
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        yield local_reader(f.fileno()) if is_local(url) else _remote_reader(f)
 
-            def read_into(buf: memoryview, offset: int) -> int:
-                done = 0
-                while done < len(buf):
-                    n = os.preadv(fd, [buf[done:]], offset + done)
-                    if n == 0:
-                        break
-                    done += n
-                return done
 
-            yield read_into
-        else:
-            yield _remote_reader(f)
+def local_reader(fd: int) -> ReadInto:
+    """Range reads of the open local file `fd` with `preadv`, straight into the caller's buffer (the file
+    hinted as read in order)."""
+    with contextlib.suppress(AttributeError, OSError):  # a hint: not every system has it
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+
+    def read_into(buf: memoryview, offset: int) -> int:
+        done = 0
+        while done < len(buf):
+            n = os.preadv(fd, [buf[done:]], offset + done)
+            if n == 0:
+                break
+            done += n
+        return done
+
+    return read_into
 
 
 def _remote_reader(f: IO[bytes]) -> ReadInto:

@@ -23,6 +23,7 @@ from ckptctl.formats.manifest import FileRecord
 from ckptctl.formats.safe_pickle import _framework_class
 from ckptctl.formats.torch_pickle import load_tensor, open_torch_pickle
 from ckptctl.formats.torch_save_writer import ByteRange, RawTensor, write_torch_file
+from ckptctl.io import local
 
 DTYPES = [
     torch.float32,
@@ -147,6 +148,67 @@ def test_streamed_from_ranges_and_cast(tmp_path: Path, monkeypatch: pytest.Monke
     _assert_equal(got["param"], weights)
     _assert_equal(got["frozen"], bf16.float())  # as torch's `.float()`
     _assert_equal(got["half"], half.float())
+
+
+#: `statfs` magic numbers (`linux/magic.h`).
+EXT4, NFS, FUSE, LUSTRE = 0xEF53, 0x6969, 0x65735546, 0x0BD00BD0
+
+
+def test_source_mapped_only_on_a_local_file_system(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A map of a file on NFS/Lustre/FUSE dies of SIGBUS where a read raises: such a file (or one on a file
+    system not known) is read, and both ways write the same bytes."""
+    monkeypatch.setattr(torch_save_writer, "BLOCK", 1024)
+    large = torch.randn(40, 33)  # several blocks: its CRC, then its bytes
+    small = torch.randn(50)  # one block: handed over whole
+    split = torch.randn(90)  # one block, from two ranges
+    bf16 = torch.randn(30).bfloat16()
+    blobs = [b"head", *(t.numpy().tobytes() for t in (large, small, split)), bf16.view(torch.uint8).numpy().tobytes()]
+    source = tmp_path / "partition"
+    source.write_bytes(b"".join(blobs))
+    starts = [sum(len(b) for b in blobs[:i]) for i in range(len(blobs))]
+    url = str(source)
+    half = len(blobs[3]) // 2
+    obj = {
+        "large": RawTensor("float32", (40, 33), (ByteRange(url, starts[1], len(blobs[1])),)),
+        "small": RawTensor("float32", (50,), (ByteRange(url, starts[2], len(blobs[2])),)),
+        "split": RawTensor(
+            "float32", (90,), (ByteRange(url, starts[3], half), ByteRange(url, starts[3] + half, len(blobs[3]) - half))
+        ),
+        "cast": RawTensor("float32", (30,), (ByteRange(url, starts[4], len(blobs[4])),), stored_as="bfloat16"),
+    }
+    maps: list[int] = []
+
+    class CountedMmap(torch_save_writer.mmap.mmap):
+        def __new__(cls, *args: Any, **kwargs: Any) -> CountedMmap:
+            maps.append(args[1])
+            return super().__new__(cls, *args, **kwargs)
+
+    monkeypatch.setattr(torch_save_writer.mmap, "mmap", CountedMmap)
+    written = {}
+    for name, magic in (("ext4", EXT4), ("nfs", NFS), ("fuse", FUSE), ("lustre", LUSTRE), ("unknown", None)):
+        monkeypatch.setattr(local, "fs_type", lambda fd, magic=magic: magic)
+        maps.clear()
+        path = tmp_path / name / "fp32.pt"
+        path.parent.mkdir()
+        record = write_torch_file(obj, str(path))
+        assert record == FileRecord(path.stat().st_size, file_digest(str(path)))
+        assert bool(maps) == (name == "ext4"), name
+        written[name] = path.read_bytes()
+    assert len(set(written.values())) == 1
+    got = torch.load(tmp_path / "nfs" / "fp32.pt", weights_only=True)
+    for name, want in (("large", large), ("small", small), ("split", split), ("cast", bf16.float())):
+        _assert_equal(got[name], want)
+
+
+def test_file_system_probe_of_this_machine(tmp_path: Path) -> None:
+    (tmp_path / "f").write_bytes(b"x")
+    with open(tmp_path / "f", "rb") as f:
+        kind = local.fs_type(f.fileno())
+        assert local.maps_safely(f.fileno()) == (kind in local._LOCAL_FS_TYPES)
+    if sys.platform.startswith("linux"):
+        assert kind is not None
+        with open("/proc/self/status", "rb") as f:  # procfs: not a local disk's
+            assert local.fs_type(f.fileno()) == 0x9FA0 and not local.maps_safely(f.fileno())
 
 
 def test_truncated_source_and_unknown_dtype_refused(tmp_path: Path) -> None:

@@ -9,9 +9,10 @@ where the source stores its tensors raw (a ZeRO tag's flat partitions, a DCP fol
 keys and nested paths as torch's `flatten_state_dict` makes them (`_flatten`), each data file a sequence of
 `torch.save` archives written by hand (`formats.dcp_writer.write_data_file`), a bounded group of parameters a
 file (a parameter, its moments and step together; `--threads` files side by side), each tensor's bytes read
-from the source's files a block at a time (mapped where they are local) when its item comes up; a tensor stored otherwise (a view, a remote file) is read with torch when
-its turn comes and let go once written, so memory holds one tensor, not a file's group nor the state. Every
-file is hashed as it is written (`WrittenState.digests`): the digests file reads none of it back.
+from the source's files a block at a time (mapped where the file system is local) when its item comes up;
+a tensor stored otherwise (a view, a remote file) is read with torch when its turn comes and let go once
+written, so memory holds one tensor, not a file's group nor the state. Every file is hashed as it is written
+(`WrittenState.digests`): the digests file reads none of it back.
 `.metadata` (`formats.dcp_metadata_write`, torch's classes pickled by name) is written last: it completes the
 folder. Measured (bench/reshard.py, ZeRO-2/3 of ~100M parameters): importing torch alone cost more than the
 copy, and torch's writer another pass over every tensor.

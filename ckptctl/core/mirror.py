@@ -154,19 +154,24 @@ def markers(unit: CheckpointFiles) -> list[str]:
 
 @dataclass
 class Transfer:
-    """Copies files from SRC to DST, hashing them, checking `stop` before each, reporting bytes to `on_bytes`."""
+    """Copies files from SRC to DST, hashing them, checking `stop` (and `halted`) before each, reporting bytes
+    to `on_bytes`."""
 
     src: str
     dst: str
     on_bytes: Callable[[int], None] | None = None
     stop: threading.Event | None = None
     workers: int | None = None
+    #: Set when the pass failed: no file starts after it (what is in flight ends).
+    halted: threading.Event = field(default_factory=threading.Event)
 
     def put(self, rel: str, before: Callable[[], None] | None = None) -> FileRecord:
         """Copy the file `rel` (relative to the run) whole or not at all; its size and blake3 digest. `before`
-        runs first, unless `stop` is set (then nothing runs: `SyncStopped`)."""
+        runs first, unless `stop` or `halted` is set (then nothing runs: `SyncStopped`)."""
         if self.stop is not None and self.stop.is_set():
             raise SyncStopped("stopped by a signal", "run the same sync again to finish what was left")
+        if self.halted.is_set():
+            raise SyncStopped("stopped after another file failed", "run the same sync again to finish what was left")
         if before is not None:
             before()
         source, target = io.join(self.src, rel), io.join(self.dst, rel)

@@ -321,8 +321,9 @@ def _client() -> Any:
                 connect_timeout=timeout,
                 read_timeout=timeout,
                 retries={"total_max_attempts": 1},
-                # every transfer thread, and the parts in flight of the multipart uploads they send
-                max_pool_connections=max(10, 2 * workers()),
+                # every transfer thread (a sync's pool of files and its pool of checkpoints' markers), and the
+                # parts in flight of the multipart uploads they send
+                max_pool_connections=max(10, 3 * workers()),
             )
             session = botocore.session.Session()
             session.register_component("data_loader", _s3_loader(session))

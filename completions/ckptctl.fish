@@ -158,7 +158,7 @@ complete -c ckptctl -n '__fish_seen_subcommand_from sync' -l interval -r -d 'Sec
 complete -c ckptctl -n '__fish_seen_subcommand_from sync' -l passes -r -d 'Stop --watch after N passes (default: until interrupted).'
 complete -c ckptctl -n '__fish_seen_subcommand_from sync' -l keep-local -r -d 'Then keep N local checkpoints, delete older synced ones.'
 complete -c ckptctl -n '__fish_seen_subcommand_from sync' -l latest -d 'Only the checkpoint a resume would load.'
-complete -c ckptctl -n '__fish_seen_subcommand_from sync' -l transfers -r -d 'Files copied at once (default 8; formerly --workers).'
+complete -c ckptctl -n '__fish_seen_subcommand_from sync' -l transfers -r -d 'Files copied at once, and the completing files of as many checkpoints besides (default 8; formerly --workers).'
 complete -c ckptctl -n '__fish_seen_subcommand_from sync' -l dry-run -d 'Print the plan; change nothing.'
 complete -c ckptctl -n '__fish_seen_subcommand_from sync' -l grace -r -d 'Age of a save still being written (default 10m).'
 complete -c ckptctl -n '__fish_seen_subcommand_from sync' -l wait -r -d 'Seconds to wait for the run\'s lock.'

@@ -50,7 +50,7 @@ ckptctl sync s3://bucket/runs/llama-sft /nvme/llama-sft --latest --json
 
 Exit code 0 when every complete checkpoint is whole at DST; 1 when a checkpoint was skipped as broken at SRC (or --latest finds nothing to resume); 2 when a store fails, SRC cannot be read or another sync into DST is running; 130 when stopped.
 
-`--transfers N` (formerly `--workers`, still accepted with a warning: everywhere else `--workers` counts processes) copies N files at once (default 8, `CKPTCTL_IO_WORKERS`).
+`--transfers N` (formerly `--workers`, still accepted with a warning: everywhere else `--workers` counts processes) copies N files at once, and the completing files of up to N checkpoints besides (default 8, `CKPTCTL_IO_WORKERS`).
 """
 
 
@@ -84,7 +84,7 @@ def sync(
         typer.Option(
             "--transfers",
             metavar="N",
-            help="Files copied at once (default 8; formerly --workers).",
+            help="Files copied at once, and the completing files of as many checkpoints besides (default 8; formerly --workers).",
             min=1,
         ),
     ] = None,

@@ -237,17 +237,17 @@ class ChunkLocator:
     def _inspect(self, url: str, chunk: TensorChunk, where: str) -> ArchiveTensor:
         if chunk.byte_length == 0:
             raise CorruptCheckpoint(f"{where}: the record is empty, not a torch.save archive")
-        if chunk.byte_length <= _READ_WHOLE:
-            # A DCP save holds hundreds of small items (norms, biases): one read each, no map and unmap.
+        fd = self._fd(url)
+        if chunk.byte_length <= _READ_WHOLE or not io.maps_safely(fd):
+            # A DCP save holds hundreds of small items (norms, biases): one read each, no map and unmap; and
+            # off a known-local file system a page the storage fails to bring in would be a SIGBUS, not an error.
             try:
-                blob = os.pread(self._fd(url), chunk.byte_length, chunk.byte_offset)
+                blob = os.pread(fd, chunk.byte_length, chunk.byte_offset)
             except OSError as exc:
                 raise StorageError(f"cannot read {url}: {exc.strerror or exc}") from exc
             return inspect_archive(blob, where)
         start = chunk.byte_offset - chunk.byte_offset % mmap.ALLOCATIONGRANULARITY
-        mapped = mmap.mmap(
-            self._fd(url), chunk.byte_offset + chunk.byte_length - start, access=mmap.ACCESS_READ, offset=start
-        )
+        mapped = mmap.mmap(fd, chunk.byte_offset + chunk.byte_length - start, access=mmap.ACCESS_READ, offset=start)
         try:
             with memoryview(mapped) as view:
                 return inspect_archive(view[chunk.byte_offset - start :], where)

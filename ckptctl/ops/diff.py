@@ -679,7 +679,8 @@ def _read_range(url: str, offset: int, length: int) -> Buffer:
     A local file's bytes are mapped, not copied: a block is compared (or decoded) once, so the copy a
     read makes was a third of the work on an identical pair and the same again as `cat` of it. Each block
     maps only its own range, unmapped when its last view goes, so memory stays at a few blocks per
-    thread; the file's size is checked first, as a read would find it.
+    thread; the file's size is checked first, as a read would find it. Only on a file system known to be
+    local (`io.maps_safely`): elsewhere a page the storage fails to bring in is a SIGBUS, not an error.
     """
     if not io.is_local(url) or length == 0:
         return io.read_bytes(url, offset, length)
@@ -689,6 +690,8 @@ def _read_range(url: str, offset: int, length: int) -> Buffer:
     except OSError:
         return io.read_bytes(url, offset, length)  # its error, worded as every read's
     try:
+        if not io.maps_safely(fd):
+            return io.read_bytes(url, offset, length)
         available = max(0, min(length, os.fstat(fd).st_size - offset))
         if available == 0:
             return b""

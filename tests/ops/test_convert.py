@@ -17,7 +17,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from ckptctl.checkpoint import Component
 from ckptctl.errors import CkptctlError
@@ -443,3 +443,58 @@ def test_remote_source_through_fsspec(hf_model_dirs: dict[str, Path], tmp_path: 
     assert "config.json" in result.copied
     want = {k: v.to(torch.bfloat16) for k, v in _hf_tensors(hf_model_dirs["sharded"]).items()}
     _assert_equal_tensors(_hf_tensors(tmp_path / "hf"), want)
+
+
+def test_off_a_known_local_file_system_sources_are_read_not_mapped_and_give_the_same_results(
+    hf_model_dirs: dict[str, Path], demo_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On NFS, Lustre or FUSE a page the storage fails to bring in under a map is a SIGBUS that kills the
+    command with no message: there `convert --to dcp`, `diff` and the DCP archive reader read instead, with
+    the same results as the mapped path a local disk takes."""
+    import mmap
+
+    from ckptctl.formats import raw_chunks
+    from ckptctl.io import local
+    from ckptctl.ops import diff as diff_module
+    from ckptctl.ops.diff import DiffOptions, diff
+
+    maps: list[int] = []
+
+    class CountedMmap(mmap.mmap):
+        def __new__(cls, *args: Any, **kwargs: Any) -> CountedMmap:
+            maps.append(args[1])
+            return super().__new__(cls, *args, **kwargs)
+
+    for module in (diff_module, raw_chunks):
+        monkeypatch.setattr(module.mmap, "mmap", CountedMmap)  # the one mmap module, as to_dcp imports it
+    big = tmp_path / "big"  # one tensor above the archive reader's whole-read size, so that it would map
+    big.mkdir()
+    save_file({"w": torch.arange(300_000, dtype=torch.float32)}, str(big / "model.safetensors"))
+    (big / "config.json").write_text("{}")
+
+    def run(name: str) -> tuple[bytes, Any, Any]:
+        out = tmp_path / name
+        convert(str(hf_model_dirs["sharded"]), str(out / "dcp"), ConvertOptions(to=Target.DCP))
+        convert(str(big), str(out / "big-dcp"), ConvertOptions(to=Target.DCP))
+        data = b"".join(p.read_bytes() for p in sorted((out / "dcp").glob("*.distcp")))
+        steps = diff(str(demo_dir / "native" / "step-20"), str(demo_dir / "native" / "step-30"), DiffOptions())
+        archives = diff(str(big), str(out / "big-dcp"), DiffOptions())
+        return data, _values(steps.to_json()), _values(archives.to_json())
+
+    local_disk = run("local")
+    fd = os.open(big / "model.safetensors", os.O_RDONLY)
+    try:
+        assert maps or not local.maps_safely(fd)  # where this disk is known local, the mapped path ran
+    finally:
+        os.close(fd)
+    maps.clear()
+    monkeypatch.setattr(local, "fs_type", lambda fd: 0x6969)  # NFS_SUPER_MAGIC
+    network = run("nfs")
+    assert maps == []
+    assert network == local_disk
+
+
+def _values(report: dict[str, Any]) -> dict[str, Any]:
+    """What a diff found, without the paths it was given and its count of bytes read (a mapped block counts
+    what it covers, a read what the read returned: a few KiB apart over a run's headers)."""
+    return {k: v for k, v in report.items() if k not in ("a", "b", "seconds", "bytes_read")}

@@ -170,6 +170,9 @@ def _mapped_tensor(checkpoint_url: str, planned: Planned, maps: dict[str, Any], 
     mapped = maps.get(url)
     if mapped is None:
         with open(io.local_path(url), "rb") as f:
+            if not io.maps_safely(f.fileno()):
+                # Off a known-local file system a page the storage fails to bring in is a SIGBUS, not an error.
+                return None
             mapped = maps[url] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
         stack.callback(_close_quietly, mapped)
     if chunk.byte_length != entry.nbytes or chunk.byte_offset + chunk.byte_length > len(mapped):

@@ -267,8 +267,6 @@ def _safe_reader(path: str) -> Any:
     state's tensor's memory directly; every other item (a resharded part, a device tensor, a transform, a
     damaged archive) goes through torch's own path, which then reports damage as it always did.
     """
-    from concurrent.futures import Future
-
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import StorageMeta
     from torch.distributed.checkpoint.planner import LoadItemType
@@ -298,8 +296,10 @@ def _safe_reader(path: str) -> Any:
         def read_data(self, plan: Any, planner: Any) -> Any:
             per_file: dict[str, list[Any]] = {}
             for item in plan.items:
-                if item.type == LoadItemType.TENSOR and not self.storage_data[item.storage_index].transform_descriptors:
-                    per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+                # transform_descriptors: items torch transforms on load (torch before 2.8 has no such field)
+                info = self.storage_data[item.storage_index]
+                if item.type == LoadItemType.TENSOR and not getattr(info, "transform_descriptors", None):
+                    per_file.setdefault(info.relative_path, []).append(item)
             direct: set[int] = set()
             for relative, items in per_file.items():
                 file = os.path.join(path, relative)
@@ -308,7 +308,8 @@ def _safe_reader(path: str) -> Any:
             rest = [item for item in plan.items if id(item) not in direct]
             if rest:
                 return super().read_data(dataclasses.replace(plan, items=rest), planner)
-            done: Future[None] = Future()
+            # torch waits on what this returns with `.wait()`: a torch future, not a concurrent.futures one
+            done: torch.futures.Future[None] = torch.futures.Future()
             done.set_result(None)
             return done
 
@@ -324,7 +325,13 @@ def _read_into_target(f: Any, file: str, item: Any, reader: Any, planner: Any) -
     overwrites it or fails."""
     info = reader.storage_data[item.storage_index]
     target = planner.resolve_tensor(item).detach()
-    if target.device.type != "cpu" or not target.is_contiguous() or target.is_conj() or target.is_neg():
+    if (
+        type(target) is not torch.Tensor  # a wrapper subclass (torchao's) has no memory of its own to read into
+        or target.device.type != "cpu"
+        or not target.is_contiguous()
+        or target.is_conj()
+        or target.is_neg()
+    ):
         return False
 
     def read_at(start: int, n: int) -> bytes:
@@ -332,7 +339,7 @@ def _read_into_target(f: Any, file: str, item: Any, reader: Any, planner: Any) -
 
     try:
         found = inspect_archive_at(read_at, info.length, f"{file}: item {item.storage_index.fqn!r}")
-    except (CkptctlError, OSError):
+    except (CkptctlError, OSError, ValueError):
         return False  # torch's path reads it, and says what is wrong the way it always has
     shape = tuple(found.shape)
     if (
@@ -348,11 +355,16 @@ def _read_into_target(f: Any, file: str, item: Any, reader: Any, planner: Any) -
         return False
     done = 0
     while done < memory.nbytes:
-        f.seek(info.offset + found.start + done)
-        n = f.readinto(memory[done:])
+        try:
+            f.seek(info.offset + found.start + done)
+            n = f.readinto(memory[done:])
+        except OSError:
+            return False
         if not n:
             return False
         done += n
+    # As copy_ would: autograd sees the tensor changed in place (a graph holding it cannot silently use it).
+    torch.autograd.graph.increment_version(target)
     planner.commit_tensor(item, target)
     return True
 

@@ -149,6 +149,22 @@ def test_dcp_items_are_read_straight_into_the_state_tensors(tmp_path: Path, monk
     assert loads
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+def test_a_model_whose_every_item_is_read_straight_in_restores_and_autograd_sees_the_change(tmp_path: Path) -> None:
+    # Nothing left for torch's own reader (a model-only state of contiguous host tensors): the load still
+    # completes, exact, and each restored parameter counts as changed in place, as a copy_ would make it.
+    torch.manual_seed(0)
+    saved = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+    folder = str(tmp_path / "dcp")
+    dist_.save_dcp(folder, dist_.dcp_state({"model": ("module", saved)}, {"model": saved}))
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+    versions = [p._version for p in model.parameters()]
+    dist_.load_dcp(folder, {"model": ("module", model)}, {"model": model})
+    for (name, want), got in zip(saved.state_dict().items(), model.state_dict().values(), strict=True):
+        assert torch.equal(got, want), name
+    assert all(p._version > v for p, v in zip(model.parameters(), versions, strict=True))
+
+
 def test_one_rank_fsdp2_group_saves_and_restores(tmp_path: Path, run_cli: Any) -> None:
     """FSDP2 on one GPU: a process group of one whose parameters are DTensors. Its saves go through DCP and
     restore exactly (sync and async), and a single-process save (what ckptctl wrote for one rank before)

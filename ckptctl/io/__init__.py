@@ -61,6 +61,7 @@ __all__ = [
     "count_read",
     "count_read_elsewhere",
     "counting",
+    "create_new",
     "delete_file",
     "delete_files",
     "delete_tree",
@@ -291,6 +292,14 @@ def write_bytes_atomic(url: str, data: bytes) -> None:
     """
     with translate_errors(url):
         _backend(url).write_atomic(url, data)
+
+
+def create_new(url: str, data: bytes) -> bool | None:
+    """Write the small file `url` only if none is there, in one step no other writer can split (an object
+    store's conditional PUT): True when this call created it, False when a file was there, None where the
+    storage has no such write."""
+    with translate_errors(url):
+        return _backend(url).create_new(url, data)
 
 
 def fsync_dir(url: str) -> None:

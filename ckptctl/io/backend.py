@@ -74,6 +74,12 @@ class Backend(abc.ABC):
     def write_atomic(self, url: str, data: bytes) -> None:
         """Write a small file so that readers see either the old content or the new, never a mix."""
 
+    def create_new(self, url: str, data: bytes) -> bool | None:
+        """Write the small file `url` only if none is there, in one step no other writer can split: True when
+        this call created it, False when a file was there; None where the storage has no such write (the
+        caller makes do with a check, a write and a read back)."""
+        return None
+
     @abc.abstractmethod
     def upload(self, path: str, url: str) -> None:
         """Copy the local file `path` to `url`; the file appears only once it is complete."""

@@ -3,10 +3,12 @@ alive, and take a stale one away. `core.lock.RunLock` builds the run's lock on t
 when one is stale is its business, how each storage does the four is this module's.
 
 Locally a lock is written whole and then hard-linked into place (a link never replaces what is there, so
-two processes cannot both create it, and a symlink at its name is never followed), kept alive by its mtime, and taken away by a rename aside, so that of two processes breaking the same stale lock
-only the one that moved it wins. An object store has no create-if-absent and no rename: the lock is written
-and read back (best effort: two processes starting within the same instant can both believe they hold it),
-kept alive by writing it again, and taken away by deleting it.
+two processes cannot both create it, and a symlink at its name is never followed), kept alive by its mtime,
+and taken away by a rename aside, so that of two processes breaking the same stale lock only the one that
+moved it wins. An object store has no rename: the lock is written on condition that no object has its name
+where the store has such a PUT (S3's `If-None-Match: *`), and read back (elsewhere best effort: two
+processes starting within the same instant can both believe they hold it), kept alive by writing it again,
+and taken away by deleting it.
 """
 
 from __future__ import annotations
@@ -58,7 +60,13 @@ def create(url: str, data: bytes) -> bool:
     if not io.is_local(url):
         if _file_there(url):
             return False
-        io.write_bytes_atomic(url, data)
+        # A conditional PUT where the store has one (S3 since 2024): of two writers in the same instant one is
+        # refused. The look before it and the read back after it stay, for stores that ignore the condition.
+        made = io.create_new(url, data)
+        if made is False:
+            return False
+        if made is None:
+            io.write_bytes_atomic(url, data)
         found = read(url, len(data) + 1)
         return found is not None and found[0] == data
     path = io.local_path(url)
@@ -75,7 +83,7 @@ def create(url: str, data: bytes) -> bool:
     _write_new(tmp, data)
     try:
         os.link(tmp, path)
-    except FileExistsError:
+    except (FileExistsError, FileNotFoundError):  # taken; or our temporary file was swept as a leftover
         return False
     except OSError as exc:
         if exc.errno not in _NO_LINKS:
@@ -88,25 +96,38 @@ def create(url: str, data: bytes) -> bool:
 
 
 def _link_unnamed(path: str, data: bytes) -> bool | None:
-    """`create` through an unnamed file: whether the lock is ours, or None where this file system (or the
-    platform) cannot make one or link it."""
-    unnamed = _write_unnamed(path, data)
-    if unnamed is None:
+    """`create` through an unnamed file (O_TMPFILE) linked into place: whether the lock is ours, or None
+    where this file system (or the platform) cannot make one or link it."""
+    flag = getattr(os, "O_TMPFILE", 0)
+    if not flag or not os.path.isdir("/proc/self/fd"):
         return None
-    folder = os.open(os.path.dirname(path) or ".", os.O_RDONLY | os.O_DIRECTORY)
+    try:  # O_PATH: a folder one may write and search but not list still takes the lock
+        folder = os.open(os.path.dirname(path) or ".", getattr(os, "O_PATH", os.O_RDONLY) | os.O_DIRECTORY)
+    except OSError:
+        return None  # the named way says what is wrong with the folder
     try:
-        # linkat(AT_SYMLINK_FOLLOW) through /proc's link to the open file; a plain link(2), which os.link
-        # makes without a dir_fd, would link the /proc link itself (EXDEV). The target is never followed.
-        os.link(f"/proc/self/fd/{unnamed}", os.path.basename(path), dst_dir_fd=folder, follow_symlinks=True)
-    except FileExistsError:
-        return False
-    except OSError as exc:
-        if exc.errno not in _NO_LINKS and exc.errno != errno.ENOENT:
+        try:
+            unnamed = os.open(".", flag | os.O_WRONLY, 0o644, dir_fd=folder)
+        except OSError as exc:
+            if exc.errno in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL, errno.ENOENT, errno.ENOTSUP):
+                return None  # no unnamed files here
             raise
-        return None  # no hard links here (or no /proc): the named way decides
+        try:
+            os.write(unnamed, data)
+            os.fsync(unnamed)
+            # linkat(AT_SYMLINK_FOLLOW) through /proc's link to the open file; a plain link(2), which os.link
+            # makes without a dir_fd, would link the /proc link itself (EXDEV). The target is never followed.
+            os.link(f"/proc/self/fd/{unnamed}", os.path.basename(path), dst_dir_fd=folder, follow_symlinks=True)
+        except FileExistsError:
+            return False
+        except OSError as exc:
+            if exc.errno not in _NO_LINKS and exc.errno != errno.ENOENT:
+                raise
+            return None  # no hard links here (or no /proc): the named way decides
+        finally:
+            os.close(unnamed)
     finally:
         os.close(folder)
-        os.close(unnamed)
     return True
 
 
@@ -115,27 +136,6 @@ _TMP_MARK = ".tmp-"
 #: A temporary lock file lives for the moment between its write and its link; one older than this was left by
 #: a killed process (the margin covers clocks of hosts sharing a network file system).
 _LEFTOVER_AFTER_S = 600.0
-
-
-def _write_unnamed(path: str, data: bytes) -> int | None:
-    """An open descriptor of a new unnamed file beside `path` holding `data`, fsynced; None where the file
-    system (or the platform) has no O_TMPFILE or /proc to link it through."""
-    flag = getattr(os, "O_TMPFILE", 0)
-    if not flag or not os.path.isdir("/proc/self/fd"):
-        return None
-    try:
-        fd = os.open(os.path.dirname(path) or ".", flag | os.O_WRONLY, 0o644)
-    except OSError as exc:
-        if exc.errno in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL, errno.ENOENT, errno.ENOTSUP):
-            return None  # not supported here; a missing folder is for the named write to report
-        raise
-    try:
-        os.write(fd, data)
-        os.fsync(fd)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
 
 
 def _sweep_leftovers(path: str) -> None:

@@ -39,6 +39,10 @@ __all__ = ["S3", "S3Backend", "serves"]
 _DELETE_BATCH = 1000
 #: HTTP status codes and S3 error codes of a missing key.
 _MISSING = frozenset({"404", "NoSuchKey", "NotFound"})
+#: ... of a conditional PUT refused because the key has an object (or a concurrent conditional write).
+_EXISTS = frozenset({"412", "PreconditionFailed", "409", "ConditionalRequestConflict"})
+#: ... of a store that has no conditional PUT.
+_NO_CONDITION = frozenset({"501", "NotImplemented"})
 
 
 def serves(url: str) -> bool:
@@ -192,6 +196,37 @@ class S3Backend(FsspecBackend):
         """A single PUT, which is atomic."""
         bucket, key = _split(url)
         call(lambda: self.call_s3("put_object", Bucket=bucket, Key=key, Body=data), f"writing {url}", url)
+
+    def create_new(self, url: str, data: bytes) -> bool | None:
+        """A PUT on condition that no object has the key (`If-None-Match: *`, which S3 has kept since 2024):
+        False when one has (412), or when another conditional write of it is under way (409). None where the
+        store answers that it has no such condition (501).
+
+        A PUT that succeeded but whose answer was lost is sent again by the retries and refused because of
+        its own object: what is there is read and compared, as `data` (a lock's, naming its writer's token)
+        is this writer's alone.
+        """
+        bucket, key = _split(url)
+
+        def put() -> bool | None:
+            try:
+                self.call_s3("put_object", Bucket=bucket, Key=key, Body=data, IfNoneMatch="*")
+            except Exception as exc:
+                code = failures.error_code(exc)
+                if code in _EXISTS:
+                    return False
+                if code in _NO_CONDITION:
+                    return None
+                raise
+            return True
+
+        made = call(put, f"creating {url}", url)
+        if made is False:
+            try:
+                return self.read(url, 0, len(data) + 1, None) == data
+            except FileNotFoundError:
+                return False
+        return made
 
     def upload(self, path: str, url: str) -> None:
         """A PUT of the file (read by botocore as it is sent), or a multipart upload with parts in parallel

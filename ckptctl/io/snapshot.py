@@ -119,6 +119,9 @@ class Snapshot(Backend):
     def write_atomic(self, url: str, data: bytes) -> None:
         self.store.write_atomic(url, data)
 
+    def create_new(self, url: str, data: bytes) -> bool | None:
+        return self.store.create_new(url, data)
+
     def upload(self, path: str, url: str) -> None:
         self.store.upload(path, url)
 

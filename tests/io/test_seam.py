@@ -133,7 +133,7 @@ def test_a_temporary_lock_left_by_a_kill_is_swept_by_a_later_create(
     """Where the file system has no unnamed files, the lock is written under a temporary name first; a process
     SIGKILLed between that write and the link leaves it behind, and the next taker of the lock removes it once
     it is old enough that no live process can still be about to link it."""
-    monkeypatch.setattr(lockfile, "_write_unnamed", lambda path, data: None)
+    monkeypatch.setattr(lockfile, "_link_unnamed", lambda path, data: None)
     url = str(tmp_path / "lock")
     old = tmp_path / "lock.tmp-4242-0badcafe"
     fresh = tmp_path / "lock.tmp-4343-00c0ffee"

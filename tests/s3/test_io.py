@@ -254,3 +254,42 @@ def test_an_empty_folder_lists_empty_as_it_is_a_folder(bucket: str) -> None:
     assert io.is_dir(f"{bucket}/empty") and io.list_dir(f"{bucket}/empty") == []
     with pytest.raises(CheckpointNotFound):
         io.list_dir(f"{bucket}/nothing")
+
+
+def test_of_two_lock_creators_in_the_same_instant_the_store_refuses_the_second(
+    bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Both looked before either wrote (the look is made to find nothing): the second PUT is conditional on no
+    object having the key, so it is refused and the first writer's lock stays; a PUT sent again after its
+    answer was lost finds its own object and knows it is its own."""
+    from ckptctl.io import lockfile
+
+    url = f"{bucket}/run/.lock"
+    monkeypatch.setattr(lockfile, "_file_there", lambda url: False)
+    assert lockfile.create(url, b"first")
+    assert not lockfile.create(url, b"second")
+    assert io.read_bytes(url) == b"first"
+    assert io.create_new(url, b"first") is True  # the retry of a PUT that went through
+
+
+def test_a_store_without_conditional_puts_still_gets_the_lock_written_and_read_back(
+    bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A store that answers 501 to `If-None-Match` (some S3-compatible stores) is written to as before the
+    condition: one PUT, read back."""
+    from botocore.exceptions import ClientError
+
+    from ckptctl.io import lockfile
+
+    real = S3Backend.call_s3
+
+    def no_condition(self: object, method: str, **kwargs: object) -> object:
+        if kwargs.get("IfNoneMatch"):
+            raise ClientError({"Error": {"Code": "NotImplemented", "Message": "no"}}, method)
+        return real(self, method, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(S3Backend, "call_s3", no_condition)
+    url = f"{bucket}/plain/.lock"
+    assert io.create_new(url, b"mine") is None
+    assert lockfile.create(url, b"mine") and io.read_bytes(url) == b"mine"
+    assert not lockfile.create(url, b"theirs")

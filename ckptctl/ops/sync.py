@@ -36,8 +36,7 @@ import posixpath
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FuturesTimeout
+from concurrent.futures import Future, wait
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypedDict, Unpack
@@ -491,13 +490,14 @@ def _copy_all(
 
 def _result(finished: Future[dict[str, FileRecord]], keeper: _LockKeeper | None) -> dict[str, FileRecord]:
     """The records of a checkpoint's copy once it is done, DST's lock refreshed meanwhile (`keeper`)."""
+    # Waited on with wait(), not result(timeout=): since Python 3.11 the timeout result() raises is the builtin
+    # TimeoutError, which a copy that failed of a timeout of its own (an NFS soft mount's ETIMEDOUT) raises
+    # too; taken for the wait's, it would be waited on again forever, the lock refreshed all along.
     while True:
         if keeper is not None:
             keeper.tick()
-        try:
-            return finished.result(timeout=_REFRESH_EVERY)
-        except FuturesTimeout:
-            continue
+        if wait([finished], timeout=_REFRESH_EVERY).done:
+            return finished.result()
 
 
 class _LockKeeper:

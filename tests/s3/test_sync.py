@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import shutil
 import signal
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -352,3 +353,28 @@ def test_a_stopped_pass_leaves_the_old_copies_it_did_not_reach_whole(
         ("step-10", "step-20", "step-30"), "copied"
     )
     assert_whole_at(run_cli, run, dst)
+
+
+def test_a_checkpoint_copy_that_failed_of_a_timeout_is_an_error_not_an_endless_wait() -> None:
+    """A copy that raised a timeout of its own (an NFS soft mount's ETIMEDOUT is a TimeoutError) is its
+    failure, raised, not taken for the wait for it timing out and waited on again."""
+    import errno
+    from concurrent.futures import Future
+
+    from ckptctl.ops import sync as sync_module
+
+    failed: Future[dict[str, Any]] = Future()
+    failed.set_exception(TimeoutError(errno.ETIMEDOUT, "Connection timed out"))
+    raised: list[BaseException] = []
+
+    def wait_for_it() -> None:
+        try:
+            sync_module._result(failed, None)
+        except BaseException as exc:
+            raised.append(exc)
+
+    waiter = threading.Thread(target=wait_for_it, daemon=True)  # a regression would wait forever: not here
+    waiter.start()
+    waiter.join(timeout=10)
+    assert not waiter.is_alive(), "still waiting on a copy that has failed"
+    assert [type(e) for e in raised] == [TimeoutError]

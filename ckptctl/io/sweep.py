@@ -23,6 +23,7 @@ A large file hashed in order would leave cores idle when there are fewer pieces 
 of 2 big `.distcp` files): such a piece is read through a larger buffer, and its sink is told how many
 threads it may hash on (`ThreadedSink`), the threads the pool would not use, split between those pieces
 and bounded by the cores (at least `MIN_HASH_THREADS` each, or none). The larger buffers together stay under `HASH_BUFFERS`.
+Where the pool's threads are as many as the cores, such sinks are told to hash on their reader's thread alone.
 """
 
 from __future__ import annotations
@@ -266,7 +267,17 @@ class Sweep:
 
     def _spread(self, workers: int) -> None:
         """Give the threads that no piece would use to the large ordered local pieces' sinks, with larger
-        buffers (one per such piece at most: each is read by one thread)."""
+        buffers (one per such piece at most: each is read by one thread); where the pool's threads alone
+        keep every core busy, the ordered sinks hash on their reader's thread alone."""
+        if min(workers, len(self._pieces)) >= (os.cpu_count() or 1):
+            # blake3's own threads (its default takes every core) would contend with the pool's: over the 2
+            # files of the bench's 0.75 GB DCP save on 2 cores, hashing on the reader's thread took 0.180-0.188
+            # CPU-s against 0.190-0.195 (medians of 7 over 3 rounds: 0.182-0.204 against 0.195-0.241).
+            for piece in self._pieces:
+                for span in piece.spans:
+                    if span.ordered and isinstance(span.sink, ThreadedSink):
+                        span.sink.use_threads(1)
+            return
         big = [p for p in self._pieces if p.ordered and not p.large and p.end - p.start >= THREADED_PIECE]
         spare = workers - len(self._pieces)
         if not big or spare < len(big):

@@ -201,3 +201,17 @@ def test_a_large_file_gets_no_threads_where_the_cores_are_too_few(
     Sweep([Span(str(path), 0, len(data), digest, ordered=True)]).run(8)
     assert digest.threads == []
     assert digest.hexdigest() == blake3.blake3(data).hexdigest()
+
+
+def test_files_as_many_as_cores_are_hashed_on_their_readers_threads_alone(
+    large_file: tuple[Path, bytes], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """blake3's default threads would contend with the pool's, which keep every core busy already."""
+    monkeypatch.setattr(sweep.os, "cpu_count", lambda: 2)
+    path, data = large_file
+    other = tmp_path / "other"
+    other.write_bytes(data[::-1])
+    sinks = [ThreadCounting(), ThreadCounting()]
+    Sweep([Span(str(p), 0, len(data), s, ordered=True) for p, s in zip([path, other], sinks, strict=True)]).run(4)
+    assert [s.threads for s in sinks] == [[1], [1]]
+    assert [s.hexdigest() for s in sinks] == [blake3.blake3(data).hexdigest(), blake3.blake3(data[::-1]).hexdigest()]

@@ -55,13 +55,18 @@ def data_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     piece=st.sampled_from([1_000, 50_000, 1 << 20]),
     gap=st.sampled_from([0, 10_000]),
     workers=st.sampled_from([1, 3]),
+    maps=st.sampled_from([None, 4096, 65_536]),
 )
 def test_each_span_gets_its_bytes(
-    data_file: Path, ranges: list[tuple[int, int]], block: int, piece: int, gap: int, workers: int
+    data_file: Path, ranges: list[tuple[int, int]], block: int, piece: int, gap: int, workers: int, maps: int | None
 ) -> None:
+    """Read into buffers of `block` bytes (`maps` None: a file system not known local), or mapped `maps` bytes at
+    a time (one known local)."""
     spans = [Span(str(data_file), start, min(start + n, len(DATA)), Collect()) for start, n in ranges]
-    sweep = Sweep(spans, block=block, large_block=block, piece=piece, gap=gap)
-    sweep.run(workers)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(sweep, "maps_safely", lambda fd: maps is not None)
+        patch.setattr(sweep, "MAP_BLOCK", maps or sweep.MAP_BLOCK)
+        Sweep(spans, block=block, large_block=block, piece=piece, gap=gap).run(workers)
     for span in spans:
         assert isinstance(span.sink, Collect)
         assert span.sink.error is None
@@ -83,11 +88,32 @@ def test_an_ordered_span_is_fed_in_one_part(data_file: Path) -> None:
     assert ordered.joined() == DATA
 
 
-def test_a_short_file_fails_the_spans_past_its_end(data_file: Path) -> None:
+@pytest.mark.parametrize("mapped", [False, True])
+def test_a_short_file_fails_the_spans_past_its_end(
+    data_file: Path, mapped: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(sweep, "maps_safely", lambda fd: mapped)
+    monkeypatch.setattr(sweep, "MAP_BLOCK", 64 << 10)  # the file's end falls inside a map
     inside, past = Collect(), Collect()
     Sweep([Span(str(data_file), 0, 1_000, inside), Span(str(data_file), 299_000, 400_000, past)]).run(1)
     assert inside.error is None and inside.joined() == DATA[:1_000]
     assert past.error is not None and "ends at byte 300000" in past.error
+
+
+def test_a_file_the_file_system_will_not_map_is_read(data_file: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file system said to be local that refuses the map after all: the buffer's reads, the same bytes."""
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise OSError(19, "No such device")
+
+    monkeypatch.setattr(sweep, "maps_safely", lambda fd: True)
+    monkeypatch.setattr(sweep.mmap, "mmap", refuse)
+    spans = [Span(str(data_file), 0, 200_000, Collect()), Span(str(data_file), 150_000, 400_000, Collect())]
+    with io.counting() as read:
+        Sweep(spans, block=4096).run(2)
+    assert read.bytes_read == len(DATA)
+    assert [s.sink.joined() for s in spans] == [DATA[:200_000], DATA[150_000:]]  # type: ignore[attr-defined]
+    assert spans[1].sink.error is not None and "ends at byte 300000" in spans[1].sink.error  # type: ignore[attr-defined]
 
 
 def test_a_missing_file_fails_its_spans(tmp_path: Path) -> None:
@@ -175,3 +201,17 @@ def test_a_large_file_gets_no_threads_where_the_cores_are_too_few(
     Sweep([Span(str(path), 0, len(data), digest, ordered=True)]).run(8)
     assert digest.threads == []
     assert digest.hexdigest() == blake3.blake3(data).hexdigest()
+
+
+def test_files_as_many_as_cores_are_hashed_on_their_readers_threads_alone(
+    large_file: tuple[Path, bytes], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """blake3's default threads would contend with the pool's, which keep every core busy already."""
+    monkeypatch.setattr(sweep.os, "cpu_count", lambda: 2)
+    path, data = large_file
+    other = tmp_path / "other"
+    other.write_bytes(data[::-1])
+    sinks = [ThreadCounting(), ThreadCounting()]
+    Sweep([Span(str(p), 0, len(data), s, ordered=True) for p, s in zip([path, other], sinks, strict=True)]).run(4)
+    assert [s.threads for s in sinks] == [[1], [1]]
+    assert [s.hexdigest() for s in sinks] == [blake3.blake3(data).hexdigest(), blake3.blake3(data[::-1]).hexdigest()]

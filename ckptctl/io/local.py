@@ -14,6 +14,7 @@ import shutil
 import stat
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from typing import IO, Any
 
@@ -338,7 +339,19 @@ def maps_safely(fd: int) -> bool:
     which may be a network one. On a local disk a map still dies of an unreadable sector or of the file cut
     short by another process while mapped; both are taken as the price of the copies a map saves.
     """
-    return fs_type(fd) in _LOCAL_FS_TYPES
+    # Readers ask once a block (diff maps each block of each file on its own): an answer is kept a few seconds
+    # for the file's device. Not longer: the anonymous device number of a tmpfs or btrfs unmounted meanwhile
+    # may be given to an NFS or FUSE mount.
+    device, now = os.fstat(fd).st_dev, time.monotonic()
+    known = _MAPS_SAFELY.get(device)
+    if known is None or now - known[1] > _MAPS_SAFELY_FOR_S:
+        known = _MAPS_SAFELY[device] = (fs_type(fd) in _LOCAL_FS_TYPES, now)
+    return known[0]
+
+
+#: `maps_safely`'s answers by the file's device (`st_dev`), with when each was found.
+_MAPS_SAFELY: dict[int, tuple[bool, float]] = {}
+_MAPS_SAFELY_FOR_S = 5.0
 
 
 def exchange(a: str, b: str) -> bool:

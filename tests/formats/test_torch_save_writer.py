@@ -187,6 +187,7 @@ def test_source_mapped_only_on_a_local_file_system(tmp_path: Path, monkeypatch: 
     written = {}
     for name, magic in (("ext4", EXT4), ("nfs", NFS), ("fuse", FUSE), ("lustre", LUSTRE), ("unknown", None)):
         monkeypatch.setattr(local, "fs_type", lambda fd, magic=magic: magic)
+        monkeypatch.setattr(local, "_MAPS_SAFELY", {})
         maps.clear()
         path = tmp_path / name / "fp32.pt"
         path.parent.mkdir()

@@ -489,6 +489,7 @@ def test_off_a_known_local_file_system_sources_are_read_not_mapped_and_give_the_
         os.close(fd)
     maps.clear()
     monkeypatch.setattr(local, "fs_type", lambda fd: 0x6969)  # NFS_SUPER_MAGIC
+    monkeypatch.setattr(local, "_MAPS_SAFELY", {})
     network = run("nfs")
     assert maps == []
     assert network == local_disk

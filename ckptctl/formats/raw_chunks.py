@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from ckptctl import io
 from ckptctl.checkpoint import ChunkEncoding, TensorChunk, TensorEntry, dtype_itemsize
 from ckptctl.errors import CorruptCheckpoint, StorageError
-from ckptctl.formats.torch_save import ArchiveTensor, inspect_archive
+from ckptctl.formats.torch_save import ArchiveTensor, inspect_archive, inspect_archive_at
 
 __all__ = ["ByteRange", "ChunkLocator", "FlatRange", "flat_ranges", "row_major_runs", "row_slice"]
 
@@ -238,14 +238,20 @@ class ChunkLocator:
         if chunk.byte_length == 0:
             raise CorruptCheckpoint(f"{where}: the record is empty, not a torch.save archive")
         fd = self._fd(url)
-        if chunk.byte_length <= _READ_WHOLE or not io.maps_safely(fd):
-            # A DCP save holds hundreds of small items (norms, biases): one read each, no map and unmap; and
-            # off a known-local file system a page the storage fails to bring in would be a SIGBUS, not an error.
-            try:
-                blob = os.pread(fd, chunk.byte_length, chunk.byte_offset)
-            except OSError as exc:
-                raise StorageError(f"cannot read {url}: {exc.strerror or exc}") from exc
-            return inspect_archive(blob, where)
+        if chunk.byte_length <= _READ_WHOLE:
+            # A DCP save holds hundreds of small items (norms, biases): one read each, no map and unmap.
+            return inspect_archive(self._pread(url, fd, chunk.byte_length, chunk.byte_offset), where)
+        if not io.maps_safely(fd):
+            # Off a known-local file system a page the storage fails to bring in would be a SIGBUS, not an
+            # error: the archive's head and directory are read (a few KiB, not the item: an item of 2 GiB or
+            # more would even come back short from one read).
+            return inspect_archive_at(
+                lambda start, n: self._pread(
+                    url, fd, min(n, max(0, chunk.byte_length - start)), chunk.byte_offset + start
+                ),
+                chunk.byte_length,
+                where,
+            )
         start = chunk.byte_offset - chunk.byte_offset % mmap.ALLOCATIONGRANULARITY
         mapped = mmap.mmap(fd, chunk.byte_offset + chunk.byte_length - start, access=mmap.ACCESS_READ, offset=start)
         try:
@@ -255,6 +261,13 @@ class ChunkLocator:
             # A traceback may still hold a view of the map; then the collector unmaps it later.
             with contextlib.suppress(BufferError):
                 mapped.close()
+
+    @staticmethod
+    def _pread(url: str, fd: int, length: int, offset: int) -> bytes:
+        try:
+            return os.pread(fd, length, offset)
+        except OSError as exc:
+            raise StorageError(f"cannot read {url}: {exc.strerror or exc}") from exc
 
 
 def flat_ranges(entry: TensorEntry, locator: ChunkLocator, min_average_bytes: int = 1) -> list[FlatRange] | None:

@@ -215,3 +215,41 @@ def test_files_as_many_as_cores_are_hashed_on_their_readers_threads_alone(
     Sweep([Span(str(p), 0, len(data), s, ordered=True) for p, s in zip([path, other], sinks, strict=True)]).run(4)
     assert [s.threads for s in sinks] == [[1], [1]]
     assert [s.hexdigest() for s in sinks] == [blake3.blake3(data).hexdigest(), blake3.blake3(data[::-1]).hexdigest()]
+
+
+def test_a_file_cut_short_while_it_is_swept_is_reported_as_short(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another process truncates the file after its first block was fed: the next map would reach past the new
+    end, which is a short file reported on the span (not an exception out of the sweep, nor a SIGBUS)."""
+    monkeypatch.setattr(sweep, "maps_safely", lambda fd: True)
+    monkeypatch.setattr(sweep, "MAP_BLOCK", 1 << 20)
+    path = tmp_path / "shrinking"
+    path.write_bytes(bytes(range(256)) * (12 << 12))  # 12 MiB
+
+    class Truncating(Collect):
+        def piece(self, offset: int) -> Feed:
+            feed = super().piece(offset)
+
+            def cut_then_feed(data: memoryview) -> None:
+                if path.stat().st_size > 1 << 20:
+                    os.truncate(path, 1 << 20)
+                feed(data)
+
+            return cut_then_feed
+
+    sink = Truncating()
+    Sweep([Span(str(path), 0, 12 << 20, sink)], piece=12 << 20).run(1)
+    assert sink.error is not None and "ends at byte 1048576" in sink.error
+
+
+def test_where_the_kernel_cannot_bring_a_maps_pages_in_first_the_block_is_read(
+    data_file: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without MADV_POPULATE_READ (Linux before 5.14; here an advice the kernel refuses) a page the disk cannot
+    read would be a SIGBUS under the map: the block is read instead, the same bytes."""
+    monkeypatch.setattr(sweep, "maps_safely", lambda fd: True)
+    monkeypatch.setattr(sweep, "_MADV_POPULATE_READ", 0x7FFF)  # EINVAL
+    spans = [Span(str(data_file), 0, 200_000, Collect()), Span(str(data_file), 150_000, 300_000, Collect())]
+    Sweep(spans, block=4096).run(2)
+    assert [s.sink.joined() for s in spans] == [DATA[:200_000], DATA[150_000:]]  # type: ignore[attr-defined]

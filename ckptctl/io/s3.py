@@ -39,10 +39,14 @@ __all__ = ["S3", "S3Backend", "serves"]
 _DELETE_BATCH = 1000
 #: HTTP status codes and S3 error codes of a missing key.
 _MISSING = frozenset({"404", "NoSuchKey", "NotFound"})
-#: ... of a conditional PUT refused because the key has an object (or a concurrent conditional write).
-_EXISTS = frozenset({"412", "PreconditionFailed", "409", "ConditionalRequestConflict"})
-#: ... of a store that has no conditional PUT.
-_NO_CONDITION = frozenset({"501", "NotImplemented"})
+#: ... of a conditional PUT refused because the key has an object.
+_EXISTS = frozenset({"412", "PreconditionFailed"})
+#: ... of a conditional PUT that met another one of the same key under way (AWS: try again).
+_CONFLICT = frozenset({"409", "ConditionalRequestConflict"})
+#: Seconds between the tries of a conditional PUT that met another one under way.
+_CONFLICT_WAITS = (0.1, 0.3, 1.0, 3.0)
+#: ... of a store that has no conditional PUT, or refuses the header as a bad request.
+_NO_CONDITION = frozenset({"501", "NotImplemented", "InvalidArgument", "InvalidRequest"})
 
 
 def serves(url: str) -> bool:
@@ -199,8 +203,8 @@ class S3Backend(FsspecBackend):
 
     def create_new(self, url: str, data: bytes) -> bool | None:
         """A PUT on condition that no object has the key (`If-None-Match: *`, which S3 has kept since 2024):
-        False when one has (412), or when another conditional write of it is under way (409). None where the
-        store answers that it has no such condition (501).
+        False when one has (412; a conflict with another conditional write of it under way, 409, is tried
+        again). None where the store (501, or a 400 refusing the header) or this botocore has no such PUT.
 
         A PUT that succeeded but whose answer was lost is sent again by the retries and refused because of
         its own object: what is there is read and compared, as `data` (a lock's, naming its writer's token)
@@ -209,16 +213,23 @@ class S3Backend(FsspecBackend):
         bucket, key = _split(url)
 
         def put() -> bool | None:
-            try:
-                self.call_s3("put_object", Bucket=bucket, Key=key, Body=data, IfNoneMatch="*")
-            except Exception as exc:
-                code = failures.error_code(exc)
-                if code in _EXISTS:
-                    return False
-                if code in _NO_CONDITION:
-                    return None
-                raise
-            return True
+            for wait in _CONFLICT_WAITS:
+                try:
+                    self.call_s3("put_object", Bucket=bucket, Key=key, Body=data, IfNoneMatch="*")
+                except Exception as exc:
+                    code = failures.error_code(exc)
+                    if code in _CONFLICT:
+                        # Another conditional write of the key is under way, perhaps our own earlier try whose
+                        # answer was lost: sent again once it is done, the answer is 412 (and the compare) or 200.
+                        time.sleep(wait)
+                        continue
+                    if code in _EXISTS:
+                        return False
+                    if code in _NO_CONDITION or type(exc).__name__ == "ParamValidationError":
+                        return None  # the store, or this botocore (before 1.35), has no conditional PUT
+                    raise
+                return True
+            return False
 
         made = call(put, f"creating {url}", url)
         if made is False:

@@ -272,12 +272,13 @@ def test_of_two_lock_creators_in_the_same_instant_the_store_refuses_the_second(
     assert io.create_new(url, b"first") is True  # the retry of a PUT that went through
 
 
+@pytest.mark.parametrize("refusal", ["NotImplemented", "InvalidArgument", "ParamValidationError"])
 def test_a_store_without_conditional_puts_still_gets_the_lock_written_and_read_back(
-    bucket: str, monkeypatch: pytest.MonkeyPatch
+    bucket: str, monkeypatch: pytest.MonkeyPatch, refusal: str
 ) -> None:
-    """A store that answers 501 to `If-None-Match` (some S3-compatible stores) is written to as before the
-    condition: one PUT, read back."""
-    from botocore.exceptions import ClientError
+    """A store that answers 501 (or 400) to `If-None-Match` (some S3-compatible stores), or a botocore that
+    does not know the parameter (before 1.35), is written to as before the condition: one PUT, read back."""
+    from botocore.exceptions import ClientError, ParamValidationError
 
     from ckptctl.io import lockfile
 
@@ -285,11 +286,38 @@ def test_a_store_without_conditional_puts_still_gets_the_lock_written_and_read_b
 
     def no_condition(self: object, method: str, **kwargs: object) -> object:
         if kwargs.get("IfNoneMatch"):
-            raise ClientError({"Error": {"Code": "NotImplemented", "Message": "no"}}, method)
+            if refusal == "ParamValidationError":
+                raise ParamValidationError(report="Unknown parameter in input: IfNoneMatch")
+            raise ClientError({"Error": {"Code": refusal, "Message": "no"}}, method)
         return real(self, method, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(S3Backend, "call_s3", no_condition)
-    url = f"{bucket}/plain/.lock"
+    url = f"{bucket}/plain-{refusal}/.lock"
     assert io.create_new(url, b"mine") is None
     assert lockfile.create(url, b"mine") and io.read_bytes(url) == b"mine"
     assert not lockfile.create(url, b"theirs")
+
+
+def test_a_conditional_put_that_meets_another_under_way_is_sent_again(
+    bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """409 ConditionalRequestConflict (another conditional write of the key under way, perhaps this writer's
+    own earlier try whose answer was lost) is tried again rather than taken for a lock held by someone."""
+    from botocore.exceptions import ClientError
+
+    from ckptctl.io import s3
+
+    real = S3Backend.call_s3
+    conflicts = [1]
+
+    def conflict_once(self: object, method: str, **kwargs: object) -> object:
+        if kwargs.get("IfNoneMatch") and conflicts:
+            conflicts.pop()
+            raise ClientError({"Error": {"Code": "ConditionalRequestConflict", "Message": "busy"}}, method)
+        return real(self, method, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(S3Backend, "call_s3", conflict_once)
+    monkeypatch.setattr(s3, "_CONFLICT_WAITS", (0.0, 0.0))
+    url = f"{bucket}/conflict/.lock"
+    assert io.create_new(url, b"mine") is True and not conflicts
+    assert io.read_bytes(url) == b"mine"

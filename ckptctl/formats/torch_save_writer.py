@@ -40,7 +40,6 @@ import contextlib
 import hashlib
 import io as pyio
 import math
-import mmap
 import os
 import pickle
 import struct
@@ -651,12 +650,10 @@ def _block_reader(url: str) -> Iterator[Callable[[int, int], memoryview]]:
             available = max(0, min(length, size - offset))
             if available == 0:
                 return memoryview(b"")
-            start = offset - offset % mmap.ALLOCATIONGRANULARITY
-            try:
-                mapped = mmap.mmap(fd, offset + available - start, access=mmap.ACCESS_READ, offset=start)
-            except OSError:  # a file the file system will not map after all: read the block
+            mapped = io.map_block(fd, offset, available, populate=False)
+            if mapped is None:  # will not map after all, or shorter now: read, which says why
                 return buf[: read_into(buf[:available], offset)]
-            return memoryview(mapped)[offset - start :]
+            return mapped
 
         yield read_block
 

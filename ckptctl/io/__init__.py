@@ -31,7 +31,7 @@ from ckptctl.io import local
 from ckptctl.io.backend import Backend
 from ckptctl.io.counting import READ_STATS, ByteCounter, ReadStats, count_read, count_read_elsewhere, counting
 from ckptctl.io.failures import RetryPolicy, check_size, translate_errors
-from ckptctl.io.local import LOCAL, exchange, maps_safely, refuse_to_replace_precious, start_writeback
+from ckptctl.io.local import LOCAL, exchange, map_block, maps_safely, refuse_to_replace_precious, start_writeback
 from ckptctl.io.parallel import ContextThreadPool, in_background, parallel_map, workers
 from ckptctl.io.paths import (
     DirEntry,
@@ -82,6 +82,7 @@ __all__ = [
     "listing_snapshot",
     "local_path",
     "make_folder",
+    "map_block",
     "maps_safely",
     "name_of",
     "open_read",

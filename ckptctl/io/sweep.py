@@ -29,7 +29,6 @@ Where the pool's threads are as many as the cores, such sinks are told to hash o
 from __future__ import annotations
 
 import contextlib
-import mmap
 import os
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -39,7 +38,7 @@ from typing import IO, Any, Generic, Protocol, TypeVar, runtime_checkable
 from ckptctl.errors import CkptctlError
 from ckptctl.io.counting import count_read
 from ckptctl.io.failures import translate_errors
-from ckptctl.io.local import LOCAL, maps_safely
+from ckptctl.io.local import LOCAL, map_block, maps_safely
 from ckptctl.io.parallel import ContextThreadPool
 from ckptctl.io.paths import is_local
 from ckptctl.io.remote import FSSPEC
@@ -387,10 +386,6 @@ def _open_blocks(piece: _Piece, buf: memoryview) -> Iterator[tuple[_ReadBlock, i
         yield _mapped_reader(fd, os.fstat(fd).st_size, local_reader(fd), buf), MAP_BLOCK
 
 
-#: madvise(2)'s MADV_POPULATE_READ (Linux 5.14; Python 3.11's mmap has no name for it).
-_MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
-
-
 def _mapped_reader(fd: int, size: int, read_into: ReadInto, buf: memoryview) -> _ReadBlock:
     """Block reads of the local file `fd` of `size` bytes through maps (nothing mapped past `size`: a page
     there would fault); through `buf` where the file system will not map it after all."""
@@ -399,21 +394,10 @@ def _mapped_reader(fd: int, size: int, read_into: ReadInto, buf: memoryview) -> 
         available = max(0, min(length, size - offset))
         if available == 0:
             return memoryview(b"")
-        start = offset - offset % mmap.ALLOCATIONGRANULARITY
-        try:
-            mapped = mmap.mmap(fd, offset + available - start, access=mmap.ACCESS_READ, offset=start)
-        except (OSError, ValueError):  # will not map after all, or shorter now than when opened: read
+        mapped = map_block(fd, offset, available, populate=True)
+        if mapped is None:  # will not map, shorter now, or a page would not come in: read, which says why
             return buf[: read_into(buf[: min(len(buf), available)], offset)]
-        try:
-            # Its pages brought in now, where a failure is an error (Linux 5.14's MADV_POPULATE_READ): under
-            # the map, a sector the disk cannot read or a page cut off by a truncation meanwhile would be a
-            # SIGBUS that kills verify with no message, the report on every other file lost with it. Where
-            # the kernel cannot populate, or a page failed, the block is read and says what is wrong.
-            mapped.madvise(_MADV_POPULATE_READ)
-        except OSError:
-            mapped.close()
-            return buf[: read_into(buf[: min(len(buf), available)], offset)]
-        return memoryview(mapped)[offset - start :]
+        return mapped
 
     return read_block
 

@@ -34,7 +34,6 @@ from __future__ import annotations
 import bisect
 import enum
 import math
-import mmap
 import os
 from collections import deque
 from collections.abc import Callable, Mapping
@@ -695,12 +694,13 @@ def _read_range(url: str, offset: int, length: int) -> Buffer:
         available = max(0, min(length, os.fstat(fd).st_size - offset))
         if available == 0:
             return b""
-        start = offset - offset % mmap.ALLOCATIONGRANULARITY
-        mapped = mmap.mmap(fd, offset + available - start, access=mmap.ACCESS_READ, offset=start)
+        mapped = io.map_block(fd, offset, available, populate=False)
     finally:
         os.close(fd)
+    if mapped is None:  # will not map after all, or shorter now: read, which says why
+        return io.read_bytes(url, offset, length)
     io.count_read(available)  # as a read would have counted them
-    return memoryview(mapped)[offset - start :]
+    return mapped
 
 
 def _same_bytes(a: Buffer, b: Buffer) -> bool:

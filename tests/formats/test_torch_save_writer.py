@@ -6,6 +6,7 @@ their classes; tensors streamed from byte ranges of other files and cast on the 
 from __future__ import annotations
 
 import enum
+import mmap
 import struct
 import subprocess
 import sys
@@ -83,8 +84,8 @@ def test_every_dtype_loads_with_weights_only(tmp_path: Path, monkeypatch: pytest
     record = write_torch_file(obj, str(path))
     # Hashed while written: the digest of the bytes on disk, which were not read back to make it.
     assert record == FileRecord(path.stat().st_size, file_digest(str(path)))
-    for mmap in (False, True):
-        got = torch.load(path, weights_only=True, mmap=mmap)
+    for mapped in (False, True):
+        got = torch.load(path, weights_only=True, mmap=mapped)
         assert list(got) == ["cat_dim", "tensors", "again", "plain"] and got["cat_dim"] == 0
         for name, want in values.items():
             _assert_equal(got["tensors"][name], want)
@@ -178,12 +179,12 @@ def test_source_mapped_only_on_a_local_file_system(tmp_path: Path, monkeypatch: 
     }
     maps: list[int] = []
 
-    class CountedMmap(torch_save_writer.mmap.mmap):
+    class CountedMmap(mmap.mmap):
         def __new__(cls, *args: Any, **kwargs: Any) -> CountedMmap:
             maps.append(args[1])
             return super().__new__(cls, *args, **kwargs)
 
-    monkeypatch.setattr(torch_save_writer.mmap, "mmap", CountedMmap)
+    monkeypatch.setattr(mmap, "mmap", CountedMmap)
     written = {}
     for name, magic in (("ext4", EXT4), ("nfs", NFS), ("fuse", FUSE), ("lustre", LUSTRE), ("unknown", None)):
         monkeypatch.setattr(local, "fs_type", lambda fd, magic=magic: magic)

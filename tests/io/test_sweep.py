@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from ckptctl import io
 from ckptctl.formats.digest import DigestSink
-from ckptctl.io import sweep
+from ckptctl.io import local, sweep
 from ckptctl.io.sweep import Feed, Job, Span, Sweep, job_groups
 
 
@@ -107,7 +107,7 @@ def test_a_file_the_file_system_will_not_map_is_read(data_file: Path, monkeypatc
         raise OSError(19, "No such device")
 
     monkeypatch.setattr(sweep, "maps_safely", lambda fd: True)
-    monkeypatch.setattr(sweep.mmap, "mmap", refuse)
+    monkeypatch.setattr(local.mmap, "mmap", refuse)
     spans = [Span(str(data_file), 0, 200_000, Collect()), Span(str(data_file), 150_000, 400_000, Collect())]
     with io.counting() as read:
         Sweep(spans, block=4096).run(2)
@@ -249,7 +249,7 @@ def test_where_the_kernel_cannot_bring_a_maps_pages_in_first_the_block_is_read(
     """Without MADV_POPULATE_READ (Linux before 5.14; here an advice the kernel refuses) a page the disk cannot
     read would be a SIGBUS under the map: the block is read instead, the same bytes."""
     monkeypatch.setattr(sweep, "maps_safely", lambda fd: True)
-    monkeypatch.setattr(sweep, "_MADV_POPULATE_READ", 0x7FFF)  # EINVAL
+    monkeypatch.setattr(local, "MADV_POPULATE_READ", 0x7FFF)  # EINVAL
     spans = [Span(str(data_file), 0, 200_000, Collect()), Span(str(data_file), 150_000, 300_000, Collect())]
     Sweep(spans, block=4096).run(2)
     assert [s.sink.joined() for s in spans] == [DATA[:200_000], DATA[150_000:]]  # type: ignore[attr-defined]

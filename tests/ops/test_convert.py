@@ -453,9 +453,7 @@ def test_off_a_known_local_file_system_sources_are_read_not_mapped_and_give_the_
     the same results as the mapped path a local disk takes."""
     import mmap
 
-    from ckptctl.formats import raw_chunks
     from ckptctl.io import local
-    from ckptctl.ops import diff as diff_module
     from ckptctl.ops.diff import DiffOptions, diff
 
     maps: list[int] = []
@@ -465,8 +463,7 @@ def test_off_a_known_local_file_system_sources_are_read_not_mapped_and_give_the_
             maps.append(args[1])
             return super().__new__(cls, *args, **kwargs)
 
-    for module in (diff_module, raw_chunks):
-        monkeypatch.setattr(module.mmap, "mmap", CountedMmap)  # the one mmap module, as to_dcp imports it
+    monkeypatch.setattr(mmap, "mmap", CountedMmap)  # the one mmap module, as diff, raw_chunks and to_dcp use it
     big = tmp_path / "big"  # one tensor above the archive reader's whole-read size, so that it would map
     big.mkdir()
     save_file({"w": torch.arange(300_000, dtype=torch.float32)}, str(big / "model.safetensors"))

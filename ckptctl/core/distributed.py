@@ -334,8 +334,8 @@ def _read_into_target(f: Any, file: str, item: Any, reader: Any, planner: Any) -
     ):
         return False
 
-    def read_at(start: int, n: int) -> bytes:
-        return os.pread(f.fileno(), min(n, max(0, info.length - start)), info.offset + start)
+    def read_at(start: int, n: int) -> bytes:  # never asked past the item's end (`inspect_archive_at`)
+        return os.pread(f.fileno(), n, info.offset + start)
 
     try:
         found = inspect_archive_at(read_at, info.length, f"{file}: item {item.storage_index.fqn!r}")

@@ -246,9 +246,7 @@ class ChunkLocator:
             # error: the archive's head and directory are read (a few KiB, not the item: an item of 2 GiB or
             # more would even come back short from one read).
             return inspect_archive_at(
-                lambda start, n: self._pread(
-                    url, fd, min(n, max(0, chunk.byte_length - start)), chunk.byte_offset + start
-                ),
+                lambda start, n: self._pread(url, fd, n, chunk.byte_offset + start),
                 chunk.byte_length,
                 where,
             )

@@ -58,7 +58,7 @@ from ckptctl.formats.raw_chunks import ByteRange
 from ckptctl.formats.safe_pickle import FrameworkObject
 from ckptctl.formats.torch_pickle import TorchPickle
 from ckptctl.formats.torch_zip import crc32
-from ckptctl.io.sweep import local_reader, open_ranges
+from ckptctl.io.sweep import local_reader, mapped_reader, open_ranges
 
 __all__ = [
     "ByteRange",
@@ -640,22 +640,11 @@ def _block_reader(url: str) -> Iterator[Callable[[int, int], memoryview]]:
         return
     with io.translate_errors(url), io.LOCAL.open_read(url) as f:
         fd = f.fileno()
-        read_into = local_reader(fd)
         if not io.maps_safely(fd):
+            read_into = local_reader(fd)
             yield lambda offset, length: buf[: read_into(buf[:length], offset)]
             return
-        size = os.fstat(fd).st_size  # as a read finds it: a map past the end would fault
-
-        def read_block(offset: int, length: int) -> memoryview:
-            available = max(0, min(length, size - offset))
-            if available == 0:
-                return memoryview(b"")
-            mapped = io.map_block(fd, offset, available, populate=False)
-            if mapped is None:  # will not map after all, or shorter now: read, which says why
-                return buf[: read_into(buf[:available], offset)]
-            return mapped
-
-        yield read_block
+        yield mapped_reader(fd, buf, populate=False)  # populating cost a cached read ~12% (io.map_block)
 
 
 def _cast_blocks(blocks: Iterator[memoryview], tensor: RawTensor) -> Iterator[memoryview]:

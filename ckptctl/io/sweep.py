@@ -56,6 +56,7 @@ __all__ = [
     "ThreadedSink",
     "job_groups",
     "local_reader",
+    "mapped_reader",
     "open_ranges",
 ]
 
@@ -383,18 +384,21 @@ def _open_blocks(piece: _Piece, buf: memoryview) -> Iterator[tuple[_ReadBlock, i
             read_into = local_reader(fd)
             yield (lambda offset, length: buf[: read_into(buf[:length], offset)]), len(buf)
             return
-        yield _mapped_reader(fd, os.fstat(fd).st_size, local_reader(fd), buf), MAP_BLOCK
+        yield mapped_reader(fd, buf, populate=True), MAP_BLOCK
 
 
-def _mapped_reader(fd: int, size: int, read_into: ReadInto, buf: memoryview) -> _ReadBlock:
-    """Block reads of the local file `fd` of `size` bytes through maps (nothing mapped past `size`: a page
-    there would fault); through `buf` where the file system will not map it after all."""
+def mapped_reader(fd: int, buf: memoryview, *, populate: bool) -> _ReadBlock:
+    """Block reads of the open local file `fd` through maps (`io.local.map_block`, `populate` as there;
+    nothing mapped past the size it has now: a page there would fault), through `buf` where a block will not
+    map. Only where `maps_safely(fd)`."""
+    size = os.fstat(fd).st_size
+    read_into = local_reader(fd)
 
     def read_block(offset: int, length: int) -> memoryview:
         available = max(0, min(length, size - offset))
         if available == 0:
             return memoryview(b"")
-        mapped = map_block(fd, offset, available, populate=True)
+        mapped = map_block(fd, offset, available, populate=populate)
         if mapped is None:  # will not map, shorter now, or a page would not come in: read, which says why
             return buf[: read_into(buf[: min(len(buf), available)], offset)]
         return mapped

@@ -13,10 +13,8 @@ whose chunks point at those bytes. Importing this module does not import torch.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import math
-import mmap
 import os
 import threading
 from collections.abc import Sequence
@@ -241,24 +239,11 @@ class ChunkLocator:
         if chunk.byte_length <= _READ_WHOLE:
             # A DCP save holds hundreds of small items (norms, biases): one read each, no map and unmap.
             return inspect_archive(self._pread(url, fd, chunk.byte_length, chunk.byte_offset), where)
-        if not io.maps_safely(fd):
-            # Off a known-local file system a page the storage fails to bring in would be a SIGBUS, not an
-            # error: the archive's head and directory are read (a few KiB, not the item: an item of 2 GiB or
-            # more would even come back short from one read).
-            return inspect_archive_at(
-                lambda start, n: self._pread(url, fd, n, chunk.byte_offset + start),
-                chunk.byte_length,
-                where,
-            )
-        start = chunk.byte_offset - chunk.byte_offset % mmap.ALLOCATIONGRANULARITY
-        mapped = mmap.mmap(fd, chunk.byte_offset + chunk.byte_length - start, access=mmap.ACCESS_READ, offset=start)
-        try:
-            with memoryview(mapped) as view:
-                return inspect_archive(view[chunk.byte_offset - start :], where)
-        finally:
-            # A traceback may still hold a view of the map; then the collector unmaps it later.
-            with contextlib.suppress(BufferError):
-                mapped.close()
+        # A larger one: its head and zip directory are read (a few KiB, not the item), wherever it is stored;
+        # mapping it risks a SIGBUS off a known-local file system, and one read of 2 GiB or more comes back short.
+        return inspect_archive_at(
+            lambda start, n: self._pread(url, fd, n, chunk.byte_offset + start), chunk.byte_length, where
+        )
 
     @staticmethod
     def _pread(url: str, fd: int, length: int, offset: int) -> bytes:

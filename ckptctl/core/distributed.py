@@ -34,6 +34,7 @@ from ckptctl.formats.digest import HashingStream
 from ckptctl.formats.manifest import FileRecord
 from ckptctl.formats.safe_pickle import safe_loads
 from ckptctl.formats.torch_save import inspect_archive_at, load_object_archive
+from ckptctl.io.sweep import ReadInto, local_reader
 
 __all__ = [
     "World",
@@ -304,7 +305,12 @@ def _safe_reader(path: str) -> Any:
             for relative, items in per_file.items():
                 file = os.path.join(path, relative)
                 with open(file, "rb", buffering=0) as f:
-                    direct.update(id(item) for item in items if _read_into_target(f, file, item, self, planner))
+                    read_into = local_reader(f.fileno())
+                    direct.update(
+                        id(item)
+                        for item in items
+                        if _read_into_target(f.fileno(), read_into, file, item, self, planner)
+                    )
             rest = [item for item in plan.items if id(item) not in direct]
             if rest:
                 return super().read_data(dataclasses.replace(plan, items=rest), planner)
@@ -316,9 +322,9 @@ def _safe_reader(path: str) -> Any:
     return SafeFileSystemReader(path)
 
 
-def _read_into_target(f: Any, file: str, item: Any, reader: Any, planner: Any) -> bool:
-    """Read the tensor item `item` of the open data file `f` straight into the tensor the planner loads it
-    into, when its stored bytes are that tensor's bytes (see `_safe_reader`); False, having committed
+def _read_into_target(fd: int, read_into: ReadInto, file: str, item: Any, reader: Any, planner: Any) -> bool:
+    """Read the tensor item `item` of the open data file `fd` (`read_into`: its range reads) straight into the
+    tensor the planner loads it into, when its stored bytes are that tensor's bytes (see `_safe_reader`); False, having committed
     nothing, when torch's path must read it.
 
     A target read only in part (a short read: a file cut short) is read again whole by torch's path, which
@@ -335,7 +341,7 @@ def _read_into_target(f: Any, file: str, item: Any, reader: Any, planner: Any) -
         return False
 
     def read_at(start: int, n: int) -> bytes:  # never asked past the item's end (`inspect_archive_at`)
-        return os.pread(f.fileno(), n, info.offset + start)
+        return os.pread(fd, n, info.offset + start)
 
     try:
         found = inspect_archive_at(read_at, info.length, f"{file}: item {item.storage_index.fqn!r}")
@@ -353,16 +359,11 @@ def _read_into_target(f: Any, file: str, item: Any, reader: Any, planner: Any) -
     memory = target.reshape(-1).view(torch.uint8).numpy()
     if memory.nbytes != found.end - found.start:
         return False
-    done = 0
-    while done < memory.nbytes:
-        try:
-            f.seek(info.offset + found.start + done)
-            n = f.readinto(memory[done:])
-        except OSError:
-            return False
-        if not n:
-            return False
-        done += n
+    try:
+        if read_into(memory.data, info.offset + found.start) != memory.nbytes:
+            return False  # the file ends sooner
+    except OSError:
+        return False
     # As copy_ would: autograd sees the tensor changed in place (a graph holding it cannot silently use it).
     torch.autograd.graph.increment_version(target)
     planner.commit_tensor(item, target)

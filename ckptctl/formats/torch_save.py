@@ -178,9 +178,10 @@ def inspect_archive(blob: bytes | memoryview, source: str) -> ArchiveTensor:
 
 def inspect_archive_at(read_at: Callable[[int, int], bytes], length: int, source: str) -> ArchiveTensor:
     """`inspect_archive` of the one-tensor archive `length` bytes long that `read_at(start, n)` reads (a DCP
-    item inside its data file; never asked for bytes past `length`), reading its first and last few KiB only: `data.pkl`, `byteorder` and the
-    data record's local header lie at its start, the zip directory at its end. Nothing is mapped: a read
-    error is an exception, where a page-in error under a map (NFS, FUSE) kills the process.
+    item inside its data file; never asked for bytes past `length`), reading its first and last few KiB
+    only: `data.pkl`, `byteorder` and the data record's local header lie at its start, the zip directory at
+    its end. Nothing is mapped: a read error is an exception, where a page-in error under a map (NFS, FUSE)
+    kills the process.
 
     Raises:
         UnsafePickle: `data.pkl` names a global outside `TORCH_SAVE_GLOBALS`.

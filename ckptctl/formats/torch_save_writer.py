@@ -58,7 +58,7 @@ from ckptctl.formats.raw_chunks import ByteRange
 from ckptctl.formats.safe_pickle import FrameworkObject
 from ckptctl.formats.torch_pickle import TorchPickle
 from ckptctl.formats.torch_zip import crc32
-from ckptctl.io.sweep import local_reader, mapped_reader, open_ranges
+from ckptctl.io.sweep import block_reader
 
 __all__ = [
     "ByteRange",
@@ -622,29 +622,17 @@ def _read_ranges(ranges: Sequence[ByteRange]) -> Iterator[memoryview]:
 @contextlib.contextmanager
 def _block_reader(url: str) -> Iterator[Callable[[int, int], memoryview]]:
     """Reads of the file at `url`: (offset, length) -> a view of those bytes (fewer where the file ends), valid
-    until the next read.
+    until the next read (`io.sweep.block_reader`, into one buffer kept per thread where it reads).
 
     A file on a local file system (`io.maps_safely`) is mapped, one map a block, and its bytes handed over
     with no copy: a tensor larger than a block is gone over twice (its CRC, then its bytes), and read into a
     buffer each time cost a copy of every byte twice (`reshard --to dcp` of `bench/reshard.py`'s ZeRO-2 save,
     `--layers 4 --vocab 16000`, 2 loaded cores: the whole command's CPU 10% less than reading, median of 16
-    interleaved pairs). A map goes when its last view does, so memory stays a block or two. Any other file
-    (NFS, Lustre, FUSE, ..., a remote URL) is read into one buffer kept per thread: a page a map cannot bring
-    in from such storage is a SIGBUS, which kills the command with no message, where a failed read raises an
-    error ckptctl reports (the reason 66c71157 took maps out everywhere).
+    interleaved pairs). A map goes when its last view does, so memory stays a block or two. Its pages are not
+    populated first (`io.map_block`: that cost a cached read ~12%).
     """
-    buf = _buffer("read", BLOCK)
-    if not io.is_local(url):
-        with open_ranges(url) as read_into:
-            yield lambda offset, length: buf[: read_into(buf[:length], offset)]
-        return
-    with io.translate_errors(url), io.LOCAL.open_read(url) as f:
-        fd = f.fileno()
-        if not io.maps_safely(fd):
-            read_into = local_reader(fd)
-            yield lambda offset, length: buf[: read_into(buf[:length], offset)]
-            return
-        yield mapped_reader(fd, buf, populate=False)  # populating cost a cached read ~12% (io.map_block)
+    with block_reader(url, _buffer("read", BLOCK), populate=False) as (read_block, _):
+        yield read_block
 
 
 def _cast_blocks(blocks: Iterator[memoryview], tensor: RawTensor) -> Iterator[memoryview]:

@@ -54,9 +54,9 @@ __all__ = [
     "SpanSink",
     "Sweep",
     "ThreadedSink",
+    "block_reader",
     "job_groups",
     "local_reader",
-    "mapped_reader",
     "open_ranges",
 ]
 
@@ -374,20 +374,32 @@ _ReadBlock = Callable[[int, int], memoryview]
 def _open_blocks(piece: _Piece, buf: memoryview) -> Iterator[tuple[_ReadBlock, int]]:
     """The piece's file opened for block reads, and the size of a block: mapped where that is safe and pays
     (`Sweep` docstring), else read into `buf`."""
-    if piece.ordered or not is_local(piece.url):
-        with open_ranges(piece.url) as read_into:
-            yield (lambda offset, length: buf[: read_into(buf[:length], offset)]), len(buf)
+    with block_reader(piece.url, buf, populate=True, may_map=not piece.ordered) as (read_block, mapped):
+        yield read_block, MAP_BLOCK if mapped else len(buf)
+
+
+@contextlib.contextmanager
+def block_reader(
+    url: str, buf: memoryview, *, populate: bool, may_map: bool = True
+) -> Iterator[tuple[_ReadBlock, bool]]:
+    """Block reads of the file at `url` (`_ReadBlock`), and whether they are mapped: where `may_map` and the
+    file is on a file system known local (`maps_safely`), through maps (`_mapped_reader`, `populate` as
+    there); else read into `buf` (an object store, NFS, Lustre, FUSE: a page a map could not bring in from
+    them would be a SIGBUS, which kills the command with no message, where a failed read is an error)."""
+    if not may_map or not is_local(url):
+        with open_ranges(url) as read_into:
+            yield (lambda offset, length: buf[: read_into(buf[:length], offset)]), False
         return
-    with translate_errors(piece.url), LOCAL.open_read(piece.url) as f:
+    with translate_errors(url), LOCAL.open_read(url) as f:
         fd = f.fileno()
         if not maps_safely(fd):
             read_into = local_reader(fd)
-            yield (lambda offset, length: buf[: read_into(buf[:length], offset)]), len(buf)
+            yield (lambda offset, length: buf[: read_into(buf[:length], offset)]), False
             return
-        yield mapped_reader(fd, buf, populate=True), MAP_BLOCK
+        yield _mapped_reader(fd, buf, populate=populate), True
 
 
-def mapped_reader(fd: int, buf: memoryview, *, populate: bool) -> _ReadBlock:
+def _mapped_reader(fd: int, buf: memoryview, *, populate: bool) -> _ReadBlock:
     """Block reads of the open local file `fd` through maps (`io.local.map_block`, `populate` as there;
     nothing mapped past the size it has now: a page there would fault), through `buf` where a block will not
     map. Only where `maps_safely(fd)`."""

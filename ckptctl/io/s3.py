@@ -22,7 +22,7 @@ import posixpath
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from ckptctl.errors import StorageError
@@ -238,6 +238,28 @@ class S3Backend(FsspecBackend):
             except FileNotFoundError:
                 return False
         return made
+
+    def delete_if_unchanged(self, url: str, judge: Callable[[], bool]) -> bool:
+        """A DELETE on condition that the object is still the one `judge` read (`If-Match` its ETag, taken
+        before the judgment: S3 since 2024); a store without the condition deletes it all the same."""
+        bucket, key = _split(url)
+        head = self._head(url, bucket, key)
+        if head is None or not judge():
+            return False
+
+        def delete() -> bool:
+            try:
+                self.call_s3("delete_object", Bucket=bucket, Key=key, IfMatch=head["ETag"])
+            except Exception as exc:
+                code = failures.error_code(exc)
+                if code in _EXISTS or code in _MISSING:  # replaced or deleted since the HEAD
+                    return False
+                if code not in _NO_CONDITION and type(exc).__name__ != "ParamValidationError":
+                    raise
+                self.call_s3("delete_object", Bucket=bucket, Key=key)
+            return True
+
+        return call(delete, f"deleting {url}", url)
 
     def upload(self, path: str, url: str) -> None:
         """A PUT of the file (read by botocore as it is sent), or a multipart upload with parts in parallel

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from ckptctl import io
 from ckptctl.checkpoint import CheckpointRef, CheckpointState
 from ckptctl.core.deleter import OneBackgroundThread
+from ckptctl.core.lock import RunLock, RunLocked
 from ckptctl.errors import CkptctlError, StorageError
 from ckptctl.formats.digest import copy_hashed, file_digest
 from ckptctl.formats.manifest import DIGESTS_NAME, MANIFEST_NAME, FileRecord, Manifest, load_manifest, now_iso
@@ -43,6 +44,7 @@ from ckptctl.io import trash
 from ckptctl.layouts import all_layouts, get_layout
 
 __all__ = [
+    "LOCK_WAIT",
     "PART",
     "SLACK",
     "SYNC_LOCK",
@@ -60,10 +62,16 @@ __all__ = [
 
 log = logging.getLogger("ckptctl.core")
 
-#: The lock file in DST that keeps two `ckptctl sync`s into it apart (held for their passes). The manager's
-#: mirror takes none: a trainer killed mid-copy would leave it to block every other host's sync and mirror
-#: until it is stale (an hour), and a `sync --watch` holding it would starve the mirror.
+#: The lock file in DST that keeps its writers apart: `ckptctl sync` holds it for its passes, the manager's
+#: mirror for each step it copies (and the `latest` it writes after it). Without it, one's clearing of a
+#: checkpoint it re-copies could follow the other's finding it whole: a `latest` at DST naming a checkpoint
+#: not whole there, or `sync --keep-local` deleting the local copy of a checkpoint the mirror had just cleared.
 SYNC_LOCK = ".ckptctl-sync.lock"
+#: Seconds the mirror waits for another writer of DST (a `sync`; a `sync --watch` holds DST throughout) before
+#: it looks whether that writer has copied the step whole, and otherwise gives the step up until the next save.
+LOCK_WAIT = 60.0
+#: Seconds between two refreshes of the mirror's DST lock while it copies a step (stale after an hour).
+_REFRESH_EVERY = 60.0
 #: The ending of the hidden temporary file a local DST file is written into before its rename.
 PART = ".ckptctl-sync-part"
 #: Object stores keep times in whole seconds: a copy is as new as its source within this.
@@ -388,7 +396,34 @@ class Mirror(OneBackgroundThread):
         with self._lock:  # a re-saved step is whole at the mirror again only once this copy of it is
             self._whole.discard(folder)
         io.make_folder(self.url)
-        self._send(folder)
+        lock = RunLock(self.url, name=SYNC_LOCK, wait=LOCK_WAIT, command="CheckpointManager mirror", warn=log.warning)
+        try:
+            lock.acquire()
+        except RunLocked as exc:
+            # Another writer holds DST (a `sync --watch` holds it throughout): a step it has copied whole is done.
+            if self._whole_there(folder):
+                log.info("%s was copied whole to %s by another writer", folder, self.url)
+                return
+            raise CkptctlError(exc.message, "the step is copied after the next save, once DST is free") from exc
+        done = threading.Event()
+        keeper = threading.Thread(target=_keep_alive, args=(lock, done), name="ckptctl-mirror-lock", daemon=True)
+        keeper.start()
+        try:
+            self._send(folder)
+        finally:
+            done.set()
+            keeper.join()
+            lock.release()
+
+    def _whole_there(self, folder: str) -> bool:
+        """Whether the step `folder` is whole at the mirror (as another writer of DST left it)."""
+        try:
+            files = io.list_tree(io.join(self.root, folder))
+            there = {f"{folder}/{rel}": entry for rel, entry in io.list_tree(io.join(self.url, folder)).items()}
+        except CkptctlError:
+            return False
+        ref = CheckpointRef(io.join(self.root, folder), "native", None, None, None, CheckpointState.COMPLETE, 0)
+        return MANIFEST_NAME in files and whole_at(CheckpointFiles(ref, folder, dict(files)), there)
 
     def _send(self, folder: str) -> None:
         source = io.join(self.root, folder)
@@ -423,3 +458,14 @@ class Mirror(OneBackgroundThread):
             return
         if named.decode(errors="replace").strip() in self._whole:
             io.write_bytes_atomic(io.join(self.url, self.pointer), named)
+
+
+def _keep_alive(lock: RunLock, done: threading.Event) -> None:
+    """Refresh `lock` every `_REFRESH_EVERY` seconds until `done` (a lock lost meanwhile is found out by the
+    holder's release, which then removes nothing)."""
+    while not done.wait(_REFRESH_EVERY):
+        try:
+            lock.refresh()
+        except CkptctlError as exc:
+            log.warning("the lock of %s was lost while mirroring: %s", lock.url, exc)
+            return

@@ -64,6 +64,7 @@ __all__ = [
     "create_new",
     "delete_file",
     "delete_files",
+    "delete_if_unchanged",
     "delete_tree",
     "download_file",
     "exchange",
@@ -301,6 +302,13 @@ def create_new(url: str, data: bytes) -> bool | None:
     storage has no such write."""
     with translate_errors(url):
         return _backend(url).create_new(url, data)
+
+
+def delete_if_unchanged(url: str, judge: Callable[[], bool]) -> bool:
+    """Delete the small file `url` if `judge()` (which reads it) says it is the one meant, and only that one
+    where the storage can make sure (an object store's conditional DELETE): True when it was deleted."""
+    with translate_errors(url):
+        return _backend(url).delete_if_unchanged(url, judge)
 
 
 def fsync_dir(url: str) -> None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import IO
 
 from ckptctl.io.paths import DirEntry, name_of, parent_of
@@ -79,6 +79,15 @@ class Backend(abc.ABC):
         this call created it, False when a file was there; None where the storage has no such write (the
         caller makes do with a check, a write and a read back)."""
         return None
+
+    def delete_if_unchanged(self, url: str, judge: Callable[[], bool]) -> bool:
+        """Delete the small file `url` if `judge()` (which reads it) says it is the one the caller means, and
+        only that one: True when it was deleted. Here a file replaced between the judgment and the delete is
+        deleted all the same (best effort); an object store with a conditional DELETE refuses it."""
+        if not judge():
+            return False
+        self.delete_file(url)
+        return True
 
     @abc.abstractmethod
     def upload(self, path: str, url: str) -> None:

@@ -32,6 +32,7 @@ __all__ = [
     "is_transient",
     "policy_from_env",
     "remote_error",
+    "transient_code",
     "translate_errors",
 ]
 
@@ -157,6 +158,12 @@ def error_code(exc: BaseException) -> str | None:
 
 def _class_names(exc: BaseException) -> set[str]:
     return {cls.__name__ for e in _chain(exc) for cls in type(e).__mro__}
+
+
+def transient_code(code: object) -> bool:
+    """Whether an object store's error code (a request's, or one key's in a batched delete) is one that
+    goes away when the request is repeated a moment later."""
+    return str(code) in _TRANSIENT_CODES
 
 
 def is_transient(exc: BaseException) -> bool:

@@ -8,7 +8,7 @@ and taken away by a rename aside, so that of two processes breaking the same sta
 moved it wins. An object store has no rename: the lock is written on condition that no object has its name
 where the store has such a PUT (S3's `If-None-Match: *`), and read back (elsewhere best effort: two
 processes starting within the same instant can both believe they hold it), kept alive by writing it again,
-and taken away by deleting it.
+and taken away by deleting it if it is still the one judged stale.
 """
 
 from __future__ import annotations
@@ -204,13 +204,16 @@ def take_away(url: str, same: Callable[[str], bool]) -> bool:
     """Remove the stale lock file at `url`, and only the one judged stale; True when it is gone.
 
     Locally it is renamed aside first and `same(aside)` asked whether what moved is the lock that was
-    judged; if not (another process took the lock meanwhile) it is linked back. On an object store it is
-    deleted.
+    judged; if not (another process took the lock meanwhile) it is linked back. On an object store
+    `same(url)` is asked first, and the lock deleted only if it is the one judged and unchanged since
+    (`io.delete_if_unchanged`: a conditional DELETE where the store has one): of two processes that judged
+    the same stale lock, the second must not delete the lock the first has taken since.
     """
     if not io.is_local(url):
-        with contextlib.suppress(CkptctlError):
-            io.delete_file(url)
-        return True
+        try:
+            return io.delete_if_unchanged(url, lambda: same(url))
+        except CkptctlError:
+            return False
     path = io.local_path(url)
     aside = f"{path}.stale-{secrets.token_hex(4)}"
     try:

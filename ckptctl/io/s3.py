@@ -22,7 +22,7 @@ import posixpath
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from ckptctl.errors import StorageError
@@ -239,6 +239,28 @@ class S3Backend(FsspecBackend):
                 return False
         return made
 
+    def delete_if_unchanged(self, url: str, judge: Callable[[], bool]) -> bool:
+        """A DELETE on condition that the object is still the one `judge` read (`If-Match` its ETag, taken
+        before the judgment: S3 since 2024); a store without the condition deletes it all the same."""
+        bucket, key = _split(url)
+        head = self._head(url, bucket, key)
+        if head is None or not judge():
+            return False
+
+        def delete() -> bool:
+            try:
+                self.call_s3("delete_object", Bucket=bucket, Key=key, IfMatch=head["ETag"])
+            except Exception as exc:
+                code = failures.error_code(exc)
+                if code in _EXISTS or code in _MISSING:  # replaced or deleted since the HEAD
+                    return False
+                if code not in _NO_CONDITION and type(exc).__name__ != "ParamValidationError":
+                    raise
+                self.call_s3("delete_object", Bucket=bucket, Key=key)
+            return True
+
+        return call(delete, f"deleting {url}", url)
+
     def upload(self, path: str, url: str) -> None:
         """A PUT of the file (read by botocore as it is sent), or a multipart upload with parts in parallel
         from `MULTIPART_THRESHOLD` bytes."""
@@ -259,28 +281,48 @@ class S3Backend(FsspecBackend):
         call(lambda: self.call_s3("delete_object", Bucket=bucket, Key=key), f"deleting {url}", url)
 
     def delete_files(self, urls: Sequence[str]) -> None:
-        """Batched deletes (S3 takes 1,000 keys a request)."""
+        """Batched deletes (S3 takes 1,000 keys a request). DeleteObjects answers 200 and lists the keys it did
+        not delete: those are tried again while every error is one that passes (`SlowDown`, `InternalError`),
+        as `call` tries a failed request again; an error that stays, or one that does not pass (`AccessDenied`),
+        is a `StorageError`, never objects silently left behind."""
         bucket = _split(urls[0])[0]
         if any(_split(url)[0] != bucket for url in urls):  # one request names one bucket
             raise StorageError(f"cannot delete objects of several buckets at once (s3://{bucket}, ...)")
         keys = [_split(url)[1] for url in urls]
         for start in range(0, len(keys), _DELETE_BATCH):
             batch = [{"Key": key} for key in keys[start : start + _DELETE_BATCH]]
-            answer = call(
-                functools.partial(
-                    self.call_s3, "delete_objects", Bucket=bucket, Delete={"Objects": batch, "Quiet": True}
-                ),
-                f"deleting {len(batch)} objects of s3://{bucket}",
-                urls[0],
-            )
-            errors = answer.get("Errors") or []
-            if errors:
+
+            def delete(left: list[dict[str, str]] = batch) -> None:
+                answer = self.call_s3("delete_objects", Bucket=bucket, Delete={"Objects": left, "Quiet": True})
+                errors = answer.get("Errors") or []
+                if not errors:
+                    return
+                left[:] = [{"Key": str(e.get("Key"))} for e in errors]  # the next try sends only these
                 first = errors[0]
-                raise StorageError(
+                what = (
                     f"the object store did not delete s3://{bucket}/{first.get('Key')} "
-                    f"({first.get('Code')}: {first.get('Message')}) and {len(errors) - 1} more",
-                    "check the credentials' s3:DeleteObject permission",
+                    f"({first.get('Code')}: {first.get('Message')}) and {len(errors) - 1} more"
                 )
+                if all(failures.transient_code(e.get("Code")) for e in errors):
+                    raise _NotDeleted(what, first.get("Code"))
+                raise StorageError(what, "check the credentials' s3:DeleteObject permission")
+
+            call(delete, f"deleting {len(batch)} objects of s3://{bucket}", urls[0])
+
+    def delete_tree(self, url: str) -> None:
+        """The objects below the folder, listed and deleted in batches (`delete_files`: s3fs's recursive `rm`
+        ignores the keys a DeleteObjects answer says it did not delete)."""
+        bucket, key = _split(url)
+        if not key:
+            super().delete_tree(url)
+            return
+        found = [
+            item["Key"]
+            for page in self._pages(url, Bucket=bucket, Prefix=f"{key}/")
+            for item in page.get("Contents", [])
+        ]
+        if found:
+            self.delete_files([f"s3://{bucket}/{k}" for k in found])
 
     # ---- helpers
 
@@ -327,6 +369,15 @@ class S3Backend(FsspecBackend):
             return True
 
         return call(head, f"looking up bucket {bucket}", url)
+
+
+class _NotDeleted(Exception):
+    """Keys a DeleteObjects answer (a 200) lists as not deleted, each for a reason that passes: raised for
+    `failures.call` to try them again (`response` carries the code it judges by)."""
+
+    def __init__(self, message: str, code: object) -> None:
+        super().__init__(message)
+        self.response = {"Error": {"Code": str(code)}}
 
 
 #: The one `S3Backend`.

@@ -13,7 +13,7 @@ import contextlib
 import contextvars
 import posixpath
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import IO, Any
 
 from ckptctl.errors import CheckpointNotFound
@@ -121,6 +121,9 @@ class Snapshot(Backend):
 
     def create_new(self, url: str, data: bytes) -> bool | None:
         return self.store.create_new(url, data)
+
+    def delete_if_unchanged(self, url: str, judge: Callable[[], bool]) -> bool:
+        return self.store.delete_if_unchanged(url, judge)
 
     def upload(self, path: str, url: str) -> None:
         self.store.upload(path, url)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import threading
 from collections import deque
 from collections.abc import Sequence
+from concurrent.futures import CancelledError
 from dataclasses import dataclass, field, replace
 
 from ckptctl import io
@@ -25,7 +27,9 @@ DEFAULT_SCAN_DEPTH = 6
 _SKIP_DIRS = frozenset({"__pycache__", ".git", ".hg", ".svn", "node_modules", ".ckptctl-trash", "wandb"})
 
 
-def scan_run(url: str, max_depth: int = DEFAULT_SCAN_DEPTH) -> list[CheckpointRef]:
+def scan_run(
+    url: str, max_depth: int = DEFAULT_SCAN_DEPTH, *, cancel: threading.Event | None = None
+) -> list[CheckpointRef]:
     """Every checkpoint at or below `url` (the folder itself included), in whatever nesting the run uses.
 
     A folder can be a checkpoint and hold checkpoints (an HF Trainer `output_dir` with the final model
@@ -44,8 +48,12 @@ def scan_run(url: str, max_depth: int = DEFAULT_SCAN_DEPTH) -> list[CheckpointRe
     On object stores the run is listed once, recursively (`io.listing_snapshot`), every folder's entries
     and sizes come from that listing, and the checkpoints' marker reads overlap on a bounded pool.
 
+    `cancel`: set by whoever no longer wants the answer (`ops.sync`'s scan ahead of a lock that had to wait):
+    the walk stops at the next folder rather than reading the rest of the run.
+
     Raises:
         CheckpointNotFound: `url` is not a folder.
+        CancelledError: `cancel` was set.
     """
     with io.listing_snapshot(url), scan_context():
         if not io.is_dir(url):
@@ -55,7 +63,7 @@ def scan_run(url: str, max_depth: int = DEFAULT_SCAN_DEPTH) -> list[CheckpointRe
                 )
             raise CheckpointNotFound(f"no such run folder: {url}")
         # A store's listings wait on the network (in parallel they overlap); a local disk's answer at once.
-        return _walk(url, io.list_dir(url), 0, max_depth, parallel=not io.is_local(url))
+        return _walk(url, io.list_dir(url), 0, max_depth, parallel=not io.is_local(url), cancel=cancel)
 
 
 def _companions(url: str, entries: Sequence[io.DirEntry]) -> frozenset[str]:
@@ -92,7 +100,12 @@ class _Level:
 
 
 def _walk(
-    url: str, entries: Sequence[io.DirEntry], depth: int, max_depth: int, parallel: bool = False
+    url: str,
+    entries: Sequence[io.DirEntry],
+    depth: int,
+    max_depth: int,
+    parallel: bool = False,
+    cancel: threading.Event | None = None,
 ) -> list[CheckpointRef]:
     """The checkpoints at or below `url`, a checkpoint before the ones it holds. With `parallel`, the first
     level holding more than one folder is identified on `io.parallel_map`'s threads (for object stores,
@@ -106,6 +119,8 @@ def _walk(
     stack: list[_Level] = []
 
     def enter(url: str, entries: Sequence[io.DirEntry], depth: int, parallel: bool, out: list[CheckpointRef]) -> None:
+        if cancel is not None and cancel.is_set():
+            raise CancelledError(f"the scan of {url} was cancelled")
         hit = identify_folder(url, entries)
         files: list[CheckpointRef] = []
         if hit is None:  # its whole-checkpoint files, then what only the generic reader finds (after every plugin)
@@ -122,7 +137,7 @@ def _walk(
                 folders = [e for e in folders if e.name not in parts]
         level = _Level(url, entries, depth, out, hit[1] if hit is not None else None, parallel, files)
         if parallel and len(folders) > 1:
-            visited = io.parallel_map(lambda e: _walk_child(url, e, depth, max_depth), folders)
+            visited = io.parallel_map(lambda e: _walk_child(url, e, depth, max_depth, cancel), folders)
             level.children = [(e.name, refs) for e, refs in zip(folders, visited, strict=True)]
             _finish(level)
             return
@@ -137,6 +152,8 @@ def _walk(
             _finish(level)
             continue
         entry = level.todo.popleft()
+        if cancel is not None and cancel.is_set():
+            raise CancelledError(f"the scan of {url} was cancelled")
         child = _child(level.url, entry)
         if child is None:
             continue
@@ -161,7 +178,9 @@ def _child(url: str, entry: io.DirEntry) -> tuple[str, list[io.DirEntry]] | None
         return None
 
 
-def _walk_child(url: str, entry: io.DirEntry, depth: int, max_depth: int) -> list[CheckpointRef]:
+def _walk_child(
+    url: str, entry: io.DirEntry, depth: int, max_depth: int, cancel: threading.Event | None
+) -> list[CheckpointRef]:
     """The checkpoints at or below the child folder `entry` of `url` (a hidden folder is only identified)."""
     child = _child(url, entry)
     if child is None:
@@ -170,7 +189,7 @@ def _walk_child(url: str, entry: io.DirEntry, depth: int, max_depth: int) -> lis
     if entry.name.startswith("."):
         hidden = identify_folder(child_url, child_entries)
         return [] if hidden is None else [hidden[1]]
-    return _walk(child_url, child_entries, depth + 1, max_depth)
+    return _walk(child_url, child_entries, depth + 1, max_depth, cancel=cancel)
 
 
 def _model_only(ref: CheckpointRef) -> bool:

@@ -36,7 +36,7 @@ import posixpath
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from concurrent.futures import Future, wait
+from concurrent.futures import CancelledError, Future, wait
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypedDict, Unpack
@@ -367,8 +367,16 @@ class _Source:
     pick: str | None
 
     @classmethod
-    def read(cls, src: str, latest: bool) -> _Source:
-        return cls(scan_run(src), io.list_tree(src), _resume_pick(src) if latest else None)
+    def read(cls, src: str, latest: bool, cancel: threading.Event | None = None) -> _Source:
+        """`cancel`: set when the answer is no longer wanted: the scan stops at its next folder (and what
+        follows it is not started), rather than reading on behind the pass that replaced it."""
+        refs = scan_run(src, cancel=cancel)
+        if cancel is not None and cancel.is_set():
+            raise CancelledError(f"the reading of {src} was cancelled")
+        tree = io.list_tree(src)
+        if cancel is not None and cancel.is_set():
+            raise CancelledError(f"the reading of {src} was cancelled")
+        return cls(refs, tree, _resume_pick(src) if latest else None)
 
 
 def _pass(
@@ -616,11 +624,17 @@ def _passes(
     sink = progress or NoProgress()
     # SRC is read while DST's lock is taken (the scan is local work, the lock round trips to the store); what
     # was read is used only if the lock came at once, not after waiting for another sync to finish.
-    reading = io.in_background(_Source.read, src, latest)
+    # Cancelled when it is not used (the lock came late, or not at all), so that it does not go on reading
+    # SRC behind the pass that reads it again.
+    unwanted = threading.Event()
+    reading = io.in_background(_Source.read, src, latest, unwanted)
     asked = time.monotonic()
     lock_or_none = contextlib.nullcontext(None) if dry_run else _dst_lock(dst, wait, warn)
-    with lock_or_none as lock:
+    with contextlib.ExitStack() as cleanup:
+        cleanup.callback(unwanted.set)
+        lock = cleanup.enter_context(lock_or_none)
         source = reading.result() if time.monotonic() - asked < _SOURCE_FRESH else None
+        unwanted.set()
         keeper = None if lock is None else _LockKeeper(lock)
         count = 0
         while True:

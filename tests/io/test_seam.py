@@ -85,6 +85,24 @@ def test_a_lock_file_is_created_once_kept_alive_and_taken_away(folder: str) -> N
     assert lockfile.read(url, 100) is None
 
 
+def test_a_stale_lock_replaced_since_it_was_judged_is_not_taken_away(folder: str) -> None:
+    """Two processes judged the same lock stale; the first took it away and holds its own now: the second's
+    takeover, which re-checks what is there, leaves the first's lock in place (on an object store too)."""
+    url = io.join(folder, "lock")
+    io.make_folder(folder)
+    assert lockfile.create(url, b"the stale one")
+
+    def judged(at: str) -> bool:
+        found = lockfile.read(at, 100)
+        return found is not None and found[0] == b"the stale one"
+
+    assert lockfile.take_away(url, judged)  # the first process
+    assert lockfile.create(url, b"the first's")
+    assert not lockfile.take_away(url, judged)  # the second, late
+    found = lockfile.read(url, 100)
+    assert found is not None and found[0] == b"the first's"
+
+
 def test_a_lock_taken_meanwhile_is_given_back(tmp_path: Path) -> None:
     url = str(tmp_path / "lock")
     assert lockfile.create(url, b"new holder")

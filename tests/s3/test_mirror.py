@@ -4,6 +4,7 @@ complete, verified with its digests, `latest` naming it), and a save returns whi
 from __future__ import annotations
 
 import threading
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -100,3 +101,47 @@ def test_a_failed_copy_says_what_stays_local_and_the_next_save_copies_it(
     manager.save(20, state)
     manager.close()
     assert states(run_cli, mirror) == {"step-10": "complete", "step-20": "complete"}
+
+
+def test_the_mirror_writes_nothing_while_a_sync_holds_dst(
+    run_cli: Cli, bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The mirror takes DST's sync lock for each step it copies: while a `ckptctl sync` into the same DST holds
+    it, the mirror writes nothing there (its clearing of a step could follow the sync's finding it whole),
+    keeps the step, says why, and copies it once DST is free; a step the sync copied whole meanwhile is done."""
+    from ckptctl.core import mirror as mirror_module
+    from ckptctl.core.entries import CheckpointWarning
+    from ckptctl.core.lock import RunLock
+    from ckptctl.ops.sync import SYNC_LOCK
+    from tests.s3.server import copy_to_store
+
+    monkeypatch.setattr(mirror_module, "LOCK_WAIT", 0.5, raising=False)
+    mirror = f"{bucket}/locked"
+    state = {"model": torch.nn.Linear(8, 8)}
+    manager = CheckpointManager(tmp_path / "run", policy=RetentionPolicy(keep_last=1), mirror=mirror)
+    with RunLock(mirror, name=SYNC_LOCK, command="ckptctl sync"):
+        manager.save(10, state)
+        with pytest.warns(CheckpointWarning, match=r"locked by .*ckptctl sync.*not yet copied .*: step-10$"):
+            manager.wait()
+        assert set(io.list_tree(mirror)) == {SYNC_LOCK}
+        assert (tmp_path / "run" / "step-10").is_dir()
+    manager.save(20, state)
+    manager.wait()
+    assert states(run_cli, mirror) == {"step-10": "complete", "step-20": "complete"}
+    assert io.read_bytes(f"{mirror}/latest") == b"step-20\n"
+
+    copied = threading.Event()  # the mirror looks at DST once the sync holding it has copied step-30
+    real_whole_there = mirror_module.Mirror._whole_there
+    monkeypatch.setattr(
+        mirror_module.Mirror, "_whole_there", lambda self, folder: copied.wait(60) and real_whole_there(self, folder)
+    )
+    with RunLock(mirror, name=SYNC_LOCK, command="ckptctl sync"):
+        manager.save(30, state)
+        copy_to_store(tmp_path / "run" / "step-30", f"{mirror}/step-30")  # what the sync holding DST copies
+        copied.set()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", CheckpointWarning)
+            manager.wait()  # no warning: the step is whole there
+    manager.close()
+    assert states(run_cli, mirror) == {f"step-{n}": "complete" for n in (10, 20, 30)}
+    assert not (tmp_path / "run" / "step-20").exists()  # not kept back for the mirror

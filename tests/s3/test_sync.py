@@ -378,3 +378,35 @@ def test_a_checkpoint_copy_that_failed_of_a_timeout_is_an_error_not_an_endless_w
     waiter.join(timeout=10)
     assert not waiter.is_alive(), "still waiting on a copy that has failed"
     assert [type(e) for e in raised] == [TimeoutError]
+
+
+def test_a_sync_that_waited_for_dst_stops_reading_src_ahead(
+    demo_dir: Path, bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SRC is read ahead while DST's lock is taken; when the lock had to wait, what was read is thrown away
+    and SRC read again: the reading ahead stops at its next folder rather than going on behind the sync."""
+    from ckptctl.layouts import walk
+    from ckptctl.ops.sync import sync
+
+    real_identify = walk.identify_folder
+    ahead: list[str] = []  # the folders the reading ahead started to identify
+    returned = threading.Event()
+
+    def identify(url: str, entries: Any) -> Any:
+        if threading.current_thread().name == "ckptctl-read":
+            ahead.append(url)
+            assert returned.wait(60), "the sync never returned"
+        return real_identify(url, entries)
+
+    monkeypatch.setattr(walk, "identify_folder", identify)
+    dst = f"{bucket}/waited"
+    holder = RunLock(dst, name=SYNC_LOCK)
+    holder.acquire()
+    threading.Timer(1.5, holder.release).start()
+    report = sync(str(demo_dir / "native"), dst, wait=60)
+    assert {item.action.value for item in report.checkpoints} == {"copied"}
+    started = len(ahead)
+    returned.set()
+    for thread in [t for t in threading.enumerate() if t.name == "ckptctl-read"]:
+        thread.join(30)
+    assert started == 1 and len(ahead) == started  # nothing more read after the sync returned

@@ -11,12 +11,13 @@ fresh process (interpreter start included) into its own prefix:
   full round: ckptctl sends only the new checkpoint (the others are skipped from the listing without being
   read); `aws s3 sync` lists and compares everything (size and time) too, and sends what changed.
 
-Reported: wall seconds (median of the full rounds), the ratio to the fastest peer, bytes sent to and received
+Reported: wall seconds (median of the full rounds), the ratio to the fastest peer, CPU seconds of the tool and
+of the server (of the last full round and of the incremental one, as what follows), bytes sent to and received
 from the store and the requests it answered, by kind (PART: parts of multipart uploads; MPU: their starts and
 completions), of the last full round and of the incremental one.
 Target (DESIGN §5): <= 1.0x the peer's wall time. `rclone` is used too when it is on PATH.
 
-Usage: python bench/sync.py [--checkpoints 5] [--mib 64] [--repeat 3]
+Usage: python bench/sync.py [--checkpoints 5] [--mib 64] [--repeat 3] [--baseline CHECKOUT]
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import socket
 import statistics
@@ -141,7 +143,17 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-Timing = tuple[float, int, int, dict[str, int]]
+#: Wall seconds, bytes sent and received, requests by kind, CPU seconds of the tool and of the server.
+Timing = tuple[float, int, int, dict[str, int], float, float]
+
+
+def server_cpu(pid: int) -> float:
+    """CPU seconds (user and system) the server process has used so far (Linux's /proc; 0 elsewhere)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def requests_made(port: int) -> dict[str, int]:
@@ -150,16 +162,21 @@ def requests_made(port: int) -> dict[str, int]:
         return dict(json.loads(answer.read()))
 
 
-def timed(command: list[str], env: dict[str, str], relay: Relay, port: int) -> Timing:
-    """Wall seconds, bytes sent and received, and requests by kind of one run of `command`."""
+def timed(command: list[str], env: dict[str, str], relay: Relay, port: int, server: int) -> Timing:
+    """Wall seconds, bytes sent and received, requests by kind, and CPU seconds of the tool and of the server
+    (`server`: its process id) of one run of `command`. The machine's cores are shared by the tool, the
+    server and this relay: a tool's CPU per byte is wall time too where the cores are few."""
     relay.take()
     requests_made(port)
+    cpu = sum(resource.getrusage(resource.RUSAGE_CHILDREN)[:2])
+    served = server_cpu(server)
     started = time.perf_counter()
     done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
     seconds = time.perf_counter() - started
     if done.returncode != 0:
         raise SystemExit(f"{command[:3]} failed ({done.returncode}): {done.stderr[-2000:]}")
-    return (seconds, *relay.take(), requests_made(port))
+    cpu = sum(resource.getrusage(resource.RUSAGE_CHILDREN)[:2]) - cpu
+    return (seconds, *relay.take(), requests_made(port), cpu, server_cpu(server) - served)
 
 
 def main() -> None:
@@ -167,6 +184,9 @@ def main() -> None:
     parser.add_argument("--checkpoints", type=int, default=5)
     parser.add_argument("--mib", type=int, default=64)
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument(
+        "--baseline", metavar="CHECKOUT", help="also run ckptctl from this checkout (`base`: before and after a change)"
+    )
     args = parser.parse_args()
     aws = shutil.which("aws")
     if aws is None:
@@ -213,6 +233,15 @@ def main() -> None:
                     ],
                     "aws": [aws, "s3", "sync", "--only-show-errors", str(run), f"s3://bench/{prefix}/aws"],
                 }
+                if args.baseline:
+                    ours = found["ckptctl"]
+                    found["base"] = [
+                        "env",
+                        f"PYTHONPATH={args.baseline}",
+                        *ours[:-2],
+                        f"s3://bench/{prefix}/base",
+                        "-q",
+                    ]
                 if rclone:
                     remote = (
                         f":s3,provider=Other,endpoint='{relay.endpoint}',access_key_id=bench,secret_access_key=bench:"
@@ -224,21 +253,22 @@ def main() -> None:
             for round_ in range(args.repeat):
                 names = list(tools(""))
                 for name in names if round_ % 2 == 0 else names[::-1]:
-                    full.setdefault(name, []).append(timed(tools(f"r{round_}")[name], env, relay, port))
+                    full.setdefault(name, []).append(timed(tools(f"r{round_}")[name], env, relay, port, server.pid))
             save(run, (args.checkpoints + 1) * 100, args.mib)
             last = f"r{args.repeat - 1}"
-            incremental = {name: timed(command, env, relay, port) for name, command in tools(last).items()}
+            incremental = {name: timed(command, env, relay, port, server.pid) for name, command in tools(last).items()}
 
         def row(label: str, name: str, timing: Timing, seconds: float, base: float) -> None:
-            _, sent, received, requests = timing
+            _, sent, received, requests, cpu, served = timing
             kinds = " ".join(f"{k} {requests[k]}" for k in KINDS if requests.get(k))
             print(
-                f"{label:<12} {name:<8} {seconds:8.2f} s  {seconds / base:5.2f}x  sent {sent / (1 << 20):8.1f} MiB  "
-                f"received {received / (1 << 20):6.2f} MiB  requests {sum(requests.values()):4d} ({kinds})"
+                f"{label:<12} {name:<8} {seconds:8.2f} s  {seconds / base:5.2f}x  cpu {cpu:6.2f} s  server cpu "
+                f"{served:6.2f} s  sent {sent / (1 << 20):8.1f} MiB  received {received / (1 << 20):6.2f} MiB  "
+                f"requests {sum(requests.values()):4d} ({kinds})"
             )
 
         print(f"{'':<12} {'tool':<8} {'wall':>10}  ratio to the fastest peer")
-        peers = [n for n in full if n != "ckptctl"]
+        peers = [n for n in full if n not in ("ckptctl", "base")]
         median = {name: statistics.median(t[0] for t in runs) for name, runs in full.items()}
         best_full = min(median[n] for n in peers)
         for name, runs in full.items():

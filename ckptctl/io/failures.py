@@ -29,6 +29,7 @@ __all__ = [
     "call",
     "check_size",
     "error_code",
+    "is_read_timeout",
     "is_transient",
     "policy_from_env",
     "remote_error",
@@ -178,6 +179,11 @@ def is_transient(exc: BaseException) -> bool:
     if isinstance(exc, TimeoutError | ConnectionError):
         return True
     return isinstance(exc, OSError) and exc.errno in _TRANSIENT_ERRNOS
+
+
+def is_read_timeout(exc: BaseException) -> bool:
+    """Whether a request was sent and its answer did not come in time (the store may still be at work on it)."""
+    return bool(_class_names(exc) & {"ReadTimeoutError", "ServerTimeoutError"})
 
 
 def call(fn: Callable[[], T], what: str, url: str) -> T:

@@ -190,6 +190,37 @@ def test_a_completion_whose_answer_was_lost_is_not_a_failure(
     assert fs.cat_file(url) == small_parts.read_bytes()
 
 
+def test_a_completion_that_timed_out_is_waited_for_not_sent_again(
+    small_parts: Path, bucket: str, s3_server: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The store is still building the object when the answer times out (moto sends nothing until it is
+    done): the object is waited for as these parts' completion, and the completion is not sent again (a
+    second one would build the object twice, or be refused as no such upload)."""
+
+    class ReadTimeoutError(Exception):  # botocore's, by name, as `io.failures` matches it
+        pass
+
+    real = S3Backend.call_s3
+    completions: list[str] = []
+    done = threading.Event()
+
+    def slow(self: object, method: str, *args: object, **kwargs: object) -> object:
+        if method != "complete_multipart_upload":
+            return real(self, method, *args, **kwargs)
+        completions.append(method)
+        # completed a moment after the answer was given up on
+        threading.Timer(0.3, lambda: (real(self, method, *args, **kwargs), done.set())).start()
+        raise ReadTimeoutError("Read timeout on endpoint URL")
+
+    monkeypatch.setattr(S3Backend, "call_s3", slow)
+    url = f"{bucket}/up/big.bin"
+    io.upload_file(str(small_parts), url)
+    assert done.wait(10) and completions == ["complete_multipart_upload"]
+    fs = fsspec.filesystem("s3", skip_instance_cache=True)
+    assert fs.cat_file(url) == small_parts.read_bytes()
+    assert io_remote._BUFFERS.free == {}  # the part buffers are let go once no upload is under way
+
+
 def test_a_lost_completion_of_other_bytes_is_still_a_failure(
     small_parts: Path, bucket: str, s3_server: object, monkeypatch: pytest.MonkeyPatch
 ) -> None:

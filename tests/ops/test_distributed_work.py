@@ -1,5 +1,6 @@
 """`convert`, `verify` and `diff` split over 2 ranks (`ops.distributed_work`): launched by torchrun
-(`python -m torch.distributed.run`, what the `torchrun` script runs) or by `--workers 2`, on real multi-rank
+(`torch.distributed.run`, what the `torchrun` script runs, in a process forked from a server that has imported
+torch: tests/ops/_torchrun.py; its ranks are fresh interpreters) or by `--workers 2`, on real multi-rank
 checkpoints (the demo's 2-rank FSDP2 DCP run, DeepSpeed ZeRO-3), against the single-process result.
 
 Each launch starts two processes that import torch and join a gloo group: few launches. The commands that
@@ -26,11 +27,13 @@ from ckptctl.formats.manifest import DIGESTS_NAME
 from ckptctl.layouts import get_layout
 from ckptctl.ops.distributed_work import balance
 from tests.conftest import CliResult, copy_tree, torch_zip_records
+from tests.ops._torchrun import launch as _torchrun_launch
 from tests.writers.deepspeed_writer import WrittenDeepSpeed
 
 Cli = Callable[..., CliResult]
 REPO = Path(__file__).resolve().parents[2]
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+#: `torchrun`'s arguments before the module (tests/ops/_torchrun.py starts it).
+TORCHRUN = ["--standalone", "--nproc-per-node", "2"]
 #: Small shards: a tiny model still makes a dozen files to share between the ranks. The sources (the demo's toy
 #: model, a DeepSpeed save) keep no config: their stored names are written, as asked.
 SHARDS = ["--max-shard-size", "20KB", "--mapping", "none"]
@@ -48,21 +51,26 @@ def _aborted(done: subprocess.CompletedProcess[str]) -> bool:
     return any(s in done.stderr for s in ("exitcode: -6", "Signal 6", "killed by SIGABRT"))
 
 
-def _run(command: list[str]) -> subprocess.CompletedProcess[str]:
-    """`command` under `_environment()`; once more when gloo aborted a rank."""
+def _retried(start: Callable[[], subprocess.CompletedProcess[str]]) -> subprocess.CompletedProcess[str]:
+    """`start()`; once more when gloo aborted a rank."""
     for _ in range(2):
-        done = subprocess.run(command, capture_output=True, text=True, env=_environment(), cwd=REPO, timeout=300)
+        done = start()
         if not _aborted(done):
             break
     return done
 
 
 def _ckptctl(*args: str | Path) -> subprocess.CompletedProcess[str]:
-    return _run([sys.executable, "-m", "ckptctl", *map(str, args), "--workers", "2"])
+    command = [sys.executable, "-m", "ckptctl", *map(str, args), "--workers", "2"]
+    return _retried(
+        lambda: subprocess.run(command, capture_output=True, text=True, env=_environment(), cwd=REPO, timeout=300)
+    )
 
 
 def _torchrun(*args: str | Path, module: str = "ckptctl") -> subprocess.CompletedProcess[str]:
-    return _run([*TORCHRUN, "-m", module, *map(str, args)])
+    """`torchrun --nproc-per-node 2 -m MODULE ARGS` (tests/ops/_torchrun.py) under `_environment()`."""
+    command = [*TORCHRUN, "-m", module, *map(str, args)]
+    return _retried(lambda: _torchrun_launch(command, _environment(), REPO, timeout=300))
 
 
 def _document(stdout: str) -> dict[str, Any]:
@@ -151,12 +159,10 @@ def run_two_rank_job(base: Path, spec: Callable[[Path], dict[str, list[Any]]]) -
         folder.mkdir()
         commands = {name: [str(a) for a in args] for name, args in spec(folder).items()}
         (folder / "spec.json").write_text(json.dumps(commands))
-        done = subprocess.run(
+        done = _torchrun_launch(
             [*TORCHRUN, "-m", "tests.ops._commands_in_ranks", str(folder / "spec.json"), str(folder)],
-            capture_output=True,
-            text=True,
-            env=_environment(),
-            cwd=REPO,
+            _environment(),
+            REPO,
             timeout=600,
         )
         if not _aborted(done) or all((folder / f"codes.{rank}.json").exists() for rank in (0, 1)):

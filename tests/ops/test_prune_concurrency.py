@@ -19,7 +19,9 @@ from ckptctl.core.lock import LOCK_NAME, RunLock, RunLocked
 from ckptctl.ops.prune import prune
 from ckptctl.ops.verification import verify_checkpoint
 from tests.conftest import CliResult
+from tests.ops._saving_writer import save_until_stopped
 from tests.ops.test_prune import NO_GRACE, write_run
+from tests.writers.ranks import run_ranks
 
 Cli = Callable[..., CliResult]
 REPO = Path(__file__).resolve().parents[2]
@@ -133,42 +135,22 @@ def test_two_prunes_started_at_once(tmp_path: Path) -> None:
 
 # ------------------------------------------------------------------------------------------ a live writer
 
-WRITER = """
-import os, sys, time
-import torch
-from ckptctl.core import CheckpointManager
-manager = CheckpointManager(sys.argv[1])
-model = torch.nn.Linear(16, 16)
-state = {"model": model, "optimizer": torch.optim.SGD(model.parameters(), lr=0.1)}
-stop, end = sys.argv[2], time.monotonic() + float(sys.argv[3])
-step = 0
-while not os.path.exists(stop) and time.monotonic() < end:
-    step += 1
-    model.weight.data.add_(1.0)
-    manager.save(step, state, metrics={"loss": 1.0 / step})
-    print(step, flush=True)
-    time.sleep(0.1)
-"""
-
 
 @pytest.mark.slow
 def test_pruning_while_a_writer_saves(run_cli: Cli, tmp_path: Path) -> None:
     run, stop = tmp_path / "run", tmp_path / "stop"
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    writer = subprocess.Popen(
-        [sys.executable, "-c", WRITER, str(run), str(stop), "60"],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    assert writer.stdout is not None
-    assert writer.stdout.readline().strip() == "1", writer.stderr.read() if writer.stderr else ""
+    out, err = tmp_path / "writer.out", tmp_path / "writer.err"
+    # The training process: a process of its own (tests/ops/_saving_writer.py), saving until `stop` exists.
+    writer = run_ranks(save_until_stopped, (str(run), str(stop), 60.0, str(out), str(err)), 1, join=False)
+    process = writer.processes[0]
+    while not (out.exists() and out.read_text()) and process.is_alive():
+        time.sleep(0.05)
+    assert out.read_text().split()[:1] == ["1"], err.read_text()
     deleted: list[tuple[str, str]] = []
     prunes = 0
     # Prune while the writer saves, until enough has happened rather than for a fixed time: 7 deletions with 2
     # steps kept mean the writer committed at least 9 saves meanwhile. (It stops by itself after 60 s.)
-    while not (prunes > 10 and len(deleted) > 6) and writer.poll() is None:
+    while not (prunes > 10 and len(deleted) > 6) and process.is_alive():
         result = run_cli("prune", run, "--keep-last", "2", "-y", "--grace", "0", "--json")
         assert result.exit_code == 0, result
         doc = result.json
@@ -177,9 +159,9 @@ def test_pruning_while_a_writer_saves(run_cli: Cli, tmp_path: Path) -> None:
         prunes += 1
         time.sleep(0.05)
     stop.touch()
-    out, err = writer.communicate(timeout=60)
-    assert writer.returncode == 0, err  # every save committed: nothing in progress was touched
-    last = int(out.split()[-1])
+    process.join(60)
+    assert process.exitcode == 0, err.read_text()  # every save committed: nothing in progress was touched
+    last = int(out.read_text().split()[-1])
     assert last > 8 and prunes > 10 and len(deleted) > 5
     assert all(state == "complete" and os.path.basename(url).startswith("step-") for url, state in deleted)
 

@@ -1,5 +1,6 @@
 """A DCP folder loaded by torch's own multi-rank load: `dcp.load` into the suite's tiny Llama sharded with FSDP2
-over 2 gloo CPU ranks (torch.multiprocessing spawn, one process group), as a training job resuming from it would.
+over 2 gloo CPU ranks (forked from the pre-imported server of `tests.writers.ranks`, one process group), as a
+training job resuming from it would.
 
 `dcp_load_on_ranks` returns the full tensors the ranks hold after the load (DTensors gathered with
 `full_tensor`), written by rank 0 to a safetensors file: what the test compares with its reference.
@@ -46,12 +47,13 @@ def _load_worker(rank: int, world_size: int, rendezvous: str, folder: str, out: 
 
 def dcp_load_on_ranks(folder: Path, work: Path, world_size: int = 2) -> dict[str, torch.Tensor]:
     """The full tensors of the tiny Llama after `dcp.load` of `folder` on `world_size` FSDP2 ranks."""
-    import torch.multiprocessing as mp
     from safetensors.torch import load_file
+
+    from tests.writers.ranks import run_ranks
 
     work.mkdir(parents=True, exist_ok=True)
     rendezvous, out = work / ".rendezvous-dcp-load", work / "loaded.safetensors"
     rendezvous.unlink(missing_ok=True)
-    mp.spawn(_load_worker, args=(world_size, str(rendezvous), str(folder), str(out)), nprocs=world_size)
+    run_ranks(_load_worker, (world_size, str(rendezvous), str(folder), str(out)), world_size)
     rendezvous.unlink(missing_ok=True)
     return load_file(str(out))

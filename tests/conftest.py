@@ -95,6 +95,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.slow)
         for name in sorted(PER_RUN_FIXTURES & fixtures):
             item.add_marker(pytest.mark.xdist_group(name))
+    # The longest tests first: `--dist loadgroup` hands tests out one at a time in this order, so a worker that
+    # drew one early is not the last to finish while the other waits (the 20 kill trials of sync alone ran
+    # 35 s after the other worker had finished when collection order put them near the end).
+    items.sort(key=lambda item: item.get_closest_marker("long") is None)
     yield
     _group_for_xdist(config, items)
 

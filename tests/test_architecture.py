@@ -6,6 +6,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
 from ckptctl.layouts import layout_names
 from scripts.check_imports import PACKAGE, check
 
@@ -18,6 +20,7 @@ def _plant(package: Path, files: dict[str, str]) -> None:
         (package / rel).write_text(text)
 
 
+@pytest.mark.long
 def test_the_package_keeps_its_import_contract() -> None:
     assert [str(v) for v in check()] == []
 

@@ -92,6 +92,7 @@ def test_the_key_follows_imports_and_modules_run_by_name(tmp_path: Path) -> None
     assert {"tests/core/util.py", "tests/core/_workers.py", "ckptctl/core/__init__.py"} <= files
 
 
+@pytest.mark.long
 def test_a_killed_build_leaves_no_entry(cache: Path) -> None:
     script = textwrap.dedent(
         f"""

@@ -37,7 +37,14 @@ def test_hf_model_folder(hf_model_faults: Faults, tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    "framework", ["deepspeed-zero2", "deepspeed-zero3", "deepspeed-universal", "openrlhf", "open-instruct"]
+    "framework",
+    [
+        "deepspeed-zero2",
+        "deepspeed-zero3",
+        pytest.param("deepspeed-universal", marks=pytest.mark.long),  # ~200 cells
+        "openrlhf",
+        "open-instruct",
+    ],
 )
 def test_deepspeed_based(deepspeed_faults: dict[str, Faults], framework: str, tmp_path: Path) -> None:
     deepspeed_faults[framework].assert_rule(tmp_path)

@@ -218,6 +218,7 @@ def test_zero_tag_and_its_export_average_to_dcp_that_dcp_load_reads(
     _assert_bits({n: loaded[n] for n in want}, want)
 
 
+@pytest.mark.long
 def test_a_dcp_output_loads_into_the_model_on_2_fsdp2_ranks(
     deepspeed_runs: dict[int, WrittenDeepSpeed], hf_model_dirs: dict[str, Path], tmp_path: Path
 ) -> None:

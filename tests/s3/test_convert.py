@@ -295,6 +295,7 @@ def test_a_conversion_over_two_ranks_uploads_what_one_process_uploads(
     assert [ref.state for ref in scan_run(dst)] == [CheckpointState.COMPLETE]
 
 
+@pytest.mark.long
 def test_a_rank_killed_mid_upload_leaves_nothing_complete(
     demo_dir: Path, bucket: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -144,6 +144,7 @@ def test_an_upload_that_stops_before_the_manifest_is_not_complete(
     assert [c["state"] for c in run_cli("list", root, "--json").json["checkpoints"]] == ["complete", "complete"]
 
 
+@pytest.mark.long
 def test_a_save_killed_mid_upload_leaves_the_previous_checkpoint(bucket: str, run_cli: Cli) -> None:
     root = f"{bucket}/killed"
     worker = subprocess.Popen(

@@ -211,6 +211,7 @@ def test_dry_run_writes_nothing(run_cli: Cli, demo_dir: Path, bucket: str) -> No
     assert io.list_tree(dst) == {}
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_syncs_killed_at_random_points_leave_nothing_torn_complete(
     run_cli: Cli, demo_dir: Path, bucket: str, tmp_path: Path

@@ -40,6 +40,10 @@ PRELOAD = (
     # settings from the environment as it imports; the server's is the test process's at its start, which
     # tests/conftest.py has set by then and no rank changes (TRANSFORMERS_VERBOSITY, HF_HUB_OFFLINE).
     "transformers.modeling_utils",
+    # What `torch.compile` imports when it wraps a function (~1.1 CPU-s): DeepSpeed's ZeRO optimizer check imports
+    # its Muon optimizer, which compiles a function as it is defined, in every rank that builds a ZeRO engine (the
+    # DeepSpeed writers, proofs and fault loaders); AReaL's tree attention likewise. Importing it starts no thread.
+    "torch._inductor.compile_fx",
 )
 
 

@@ -115,7 +115,8 @@ class Entry:
             if self.folder.exists():
                 shutil.rmtree(self.folder)  # a killed build's, or a dropped entry's
             self.out.mkdir(parents=True)
-            value = build(self.out)
+            with _timed(self.name):
+                value = build(self.out)
             pending = self.folder / f".record.{os.getpid()}"
             pending.write_bytes(pickle.dumps((str(self.out), _listing(self.out), value)))
             os.replace(pending, self.record)
@@ -157,6 +158,49 @@ class Entry:
         """Forget the entry (the next run builds it again)."""
         with self.lock():
             self.record.unlink(missing_ok=True)
+
+
+#: Where `Entry.get` appends one JSON line per build (the fixture, its wall and CPU seconds): a cold run's cost
+#: per writer, e.g. `CKPTCTL_TEST_CACHE=/tmp/cold CKPTCTL_WRITER_TIMES=/tmp/cold.jsonl pytest ...`.
+TIMES_ENV = "CKPTCTL_WRITER_TIMES"
+
+
+@contextlib.contextmanager
+def _timed(name: str) -> Iterator[None]:
+    """Log the build's wall and CPU time to `$CKPTCTL_WRITER_TIMES` when set. The CPU is this process tree's
+    (this process, its live descendants and the children they reaped): ranks forked by the forkserver are its
+    children, not this process's, and only the server's own counts reach them."""
+    log = os.environ.get(TIMES_ENV)
+    if not log:
+        yield
+        return
+    wall, cpu = time.monotonic(), _tree_cpu()
+    try:
+        yield
+    finally:
+        line = {"name": name, "wall": round(time.monotonic() - wall, 2), "cpu": round(_tree_cpu() - cpu, 2)}
+        with open(log, "a") as f:
+            f.write(json.dumps(line) + "\n")
+
+
+def _tree_cpu() -> float:
+    """User + system seconds of this process, its descendants alive now and the children they have reaped
+    (Linux /proc; 0 for processes that went meanwhile)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    stats: dict[int, tuple[int, list[str]]] = {}
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                with open(f"/proc/{entry.name}/stat") as f:
+                    fields = f.read().rpartition(")")[2].split()
+                stats[int(entry.name)] = (int(fields[1]), fields)
+    tree, grew = {os.getpid()}, True
+    while grew:
+        found = {pid for pid, (parent, _) in stats.items() if parent in tree} - tree
+        tree |= found
+        grew = bool(found)
+    # fields after the name: state ppid ... utime(11) stime(12) cutime(13) cstime(14)
+    return sum(sum(int(stats[pid][1][i]) for i in (11, 12, 13, 14)) for pid in tree if pid in stats) / tick
 
 
 #: The entries this process's fixtures asked for (its tests may have read them), in order.

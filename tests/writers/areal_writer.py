@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tests.writers.ranks import run_ranks
+from tests.writers.ranks import freeze_imports, run_ranks
 from tests.writers.stand_ins import InertModule, StandIns
 
 __all__ = ["EXPERIMENT", "TRIAL", "WrittenAreal", "write_areal_run"]
@@ -199,7 +199,8 @@ _STOOD_IN = _INERT | {name.partition(".")[0] for name in _WORKING}
 
 def _import_areal() -> None:
     """Import the AReaL modules the run uses (and those they import lazily at save time) with the stand-ins
-    in place, then take the stand-ins out of `sys.modules` again: AReaL's modules keep their references."""
+    in place, then take the stand-ins out of `sys.modules` again: AReaL's modules keep their references. They
+    are then left out of garbage collections (`freeze_imports`): `FSDPEngine.destroy` runs two."""
     with StandIns("areal", _STOOD_IN, lambda name: _WORKING.get(name, InertModule)(name)).serving():
         import areal.engine.fsdp_engine
         import areal.experimental.engine.archon_engine  # Saver._should_use_async imports it at each save
@@ -208,6 +209,7 @@ def _import_areal() -> None:
         import areal.utils.recover
         import areal.utils.saver
         import areal.utils.stats_logger  # noqa: F401
+    freeze_imports()
 
 
 # --------------------------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ import logging
 import os
 import warnings
 
-from tests.writers.ranks import torchrun_variables
+from tests.writers.ranks import freeze_imports, torchrun_variables
 
 
 def join_deepspeed_ranks(rank: int, world: int, port: int) -> None:
@@ -30,3 +30,4 @@ def join_deepspeed_ranks(rank: int, world: int, port: int) -> None:
     # package itself, hence the lookup by module name.)
     setattr(importlib.import_module("deepspeed.comm.torch"), "build_shm_op", lambda: None)  # noqa: B010
     deepspeed.init_distributed(dist_backend="gloo")
+    freeze_imports()  # DeepSpeed's modules too: it collects at each engine's set-up and save

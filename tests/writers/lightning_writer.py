@@ -111,7 +111,9 @@ def _train(root: Path) -> None:
 
     data = _data()
     from tests.writers.lightning_module import ShardedSave, TinyLlamaModule
+    from tests.writers.ranks import freeze_imports
 
+    freeze_imports()  # as in the forked ranks of the other writers: collections walk only what the run makes
     module = TinyLlamaModule(model_config())
     callbacks = [
         ModelCheckpoint(
@@ -156,7 +158,9 @@ def _train_deepspeed(root: Path) -> None:
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     from tests.writers.lightning_module import CpuDeepSpeed, TinyLlamaModule
+    from tests.writers.ranks import freeze_imports
 
+    freeze_imports()  # DeepSpeed's modules: its engine collects at set-up and at each save
     logger.setLevel(logging.ERROR)
     # as tests.writers.deepspeed_writer: no JIT-compiled shared-memory allreduce, plain gloo
     setattr(importlib.import_module("deepspeed.comm.torch"), "build_shm_op", lambda: None)  # noqa: B010

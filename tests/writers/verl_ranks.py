@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 
-from tests.writers.ranks import join_gloo, torchrun_variables
+from tests.writers.ranks import freeze_imports, join_gloo, torchrun_variables
 from tests.writers.stand_ins import StandIns
 
 #: Top-level modules verl's checkpoint manager and merger import on the way (module level) without using them
@@ -42,3 +42,4 @@ def join_verl_ranks(rank: int, world: int, port: int) -> None:
     with StandIns("verl", _STOOD_IN).serving():
         import verl.model_merger.fsdp_model_merger
         import verl.utils.checkpoint.fsdp_checkpoint_manager  # noqa: F401
+    freeze_imports()

@@ -430,16 +430,27 @@ def _client() -> Any:
         return client
 
 
+#: The loaders of `_s3_loader`, by data path (called under `_CLIENTS_LOCK`).
+_LOADERS: dict[Any, Any] = {}
+
+
 def _s3_loader(session: Any) -> Any:
     """botocore's loader of its data files (the same search path as the session's own: botocore's data, then
     `~/.aws/models` and `AWS_DATA_PATH`), told that S3 is the one service there is: the loader lists every
     service folder of every search path (some 400, a stat of each) before loading any model, a quarter of
-    making the client."""
+    making the client.
+
+    One loader a data path, kept for the clients made after (new AWS settings): it keeps what it parsed, and
+    parsing S3's model and the endpoint rules again is most of making a client (about 90 ms of CPU of 100)."""
     import botocore.loaders
 
-    class S3Loader(botocore.loaders.Loader):
-        def list_available_services(self, type_name: str) -> list[str]:
-            return ["s3"]
+    path = session.get_config_variable("data_path")
+    if path not in _LOADERS:
 
-    loader = botocore.loaders.create_loader(session.get_config_variable("data_path"))
-    return S3Loader(extra_search_paths=loader.search_paths, include_default_search_paths=False)
+        class S3Loader(botocore.loaders.Loader):
+            def list_available_services(self, type_name: str) -> list[str]:
+                return ["s3"]
+
+        loader = botocore.loaders.create_loader(path)
+        _LOADERS[path] = S3Loader(extra_search_paths=loader.search_paths, include_default_search_paths=False)
+    return _LOADERS[path]

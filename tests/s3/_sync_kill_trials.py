@@ -13,6 +13,7 @@ Run: `python -m tests.s3._sync_kill_trials TEMPLATE WORK DST SEED TRIALS` (with 
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import os
@@ -23,7 +24,6 @@ import sys
 import threading
 from collections.abc import Callable
 from datetime import timedelta
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -162,21 +162,33 @@ def _check(template: str, src: str, dst: str, keep_local: bool) -> str:
 def main(template: str, work: str, dst: str, seed: int, trials: int) -> None:
     # Imported here once rather than in each child: the store's client and the layouts the scan finds (a local
     # scan starts no thread that outlives it).
+    import botocore.loaders
+    import botocore.session
     import s3fs  # noqa: F401
 
+    from ckptctl.io import s3
+
     _states(template)
+    # botocore's data, parsed once here rather than in each child (most of making a client, a tenth of a second
+    # of CPU): ckptctl's client made (not used: no connection, no thread), and one loader for every other
+    # botocore session, which s3fs makes in each child (for listings), filled by making a client with it.
+    s3._client()
+    botocore.session.create_loader = functools.lru_cache(maxsize=None)(botocore.loaders.create_loader)
+    botocore.session.Session().create_client("s3")
     calls = {}
     for keep_local in (False, True):
         src = str(shutil.copytree(template, Path(work) / f"count-{keep_local}"))
-        calls[keep_local] = int(_forked(partial(_killed_sync, src, f"{dst}/count-{keep_local}", keep_local))[1])
+        calls[keep_local] = int(
+            _forked(functools.partial(_killed_sync, src, f"{dst}/count-{keep_local}", keep_local))[1]
+        )
     print(json.dumps({"calls": {str(k): v for k, v in calls.items()}}), flush=True)
     draw = random.Random(seed)
     for trial in range(trials):
         keep_local = trial % 2 == 1
         kill_at, before = draw.randint(1, calls[keep_local]), draw.random() < 0.5
         src, there = str(shutil.copytree(template, Path(work) / f"t{trial:02d}")), f"{dst}/t{trial:02d}"
-        killed, _ = _forked(partial(_killed_sync, src, there, keep_local, kill_at, before))
-        _, checked = _forked(partial(_check, template, src, there, keep_local))
+        killed, _ = _forked(functools.partial(_killed_sync, src, there, keep_local, kill_at, before))
+        _, checked = _forked(functools.partial(_check, template, src, there, keep_local))
         row = {"trial": trial, "keep_local": keep_local, "kill_at": kill_at, "before": before, "signal": killed}
         print(json.dumps({**row, **json.loads(checked)}), flush=True)
         shutil.rmtree(src)

@@ -10,11 +10,13 @@ credential is missing rather than looked up on the network.
 
 from __future__ import annotations
 
+import functools
+import logging
 import secrets
 import socket
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +42,13 @@ _CLEARED = (
 @dataclass(frozen=True)
 class S3Server:
     endpoint: str
+    #: One botocore client of the session, to the server itself whatever a test sets (buckets for the tests).
+    client: Any = field(repr=False, compare=False)
+
+    def make_bucket(self, name: str) -> str:
+        """A new, empty bucket: `s3://NAME`."""
+        self.client.create_bucket(Bucket=name)
+        return f"s3://{name}"
 
     def filesystem(self) -> Any:
         """A fresh s3fs filesystem with the session's settings (for test set-up, not for ckptctl)."""
@@ -66,12 +75,29 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
     pytest.importorskip("s3fs")
     moto_server = pytest.importorskip("moto.server")
 
+    import botocore.loaders
+    import botocore.session
+    import moto.backends
+
+    patch = pytest.MonkeyPatch()
+    # Costs of the test process alone, none of them a behaviour a test checks:
+    # - one loader of botocore's data files for every botocore session made here (s3fs makes one a filesystem,
+    #   and these tests make many): each new session otherwise reads and parses the same JSON models again,
+    #   some 90 ms of CPU a client, which was a sixth of these tests' CPU;
+    patch.setattr(botocore.session, "create_loader", functools.lru_cache(maxsize=None)(botocore.loaders.create_loader))
+    # - moto's server lists and stats its own package's ~180 folders twice a request to find the service
+    #   (`list_of_moto_modules`), which never changes in a session;
+    modules = tuple(moto.backends.list_of_moto_modules())
+    patch.setattr(moto.backends, "list_of_moto_modules", lambda: modules)
+    # - werkzeug logs every request at INFO (formatted, sent to each handler pytest captures with).
+    werkzeug_log = logging.getLogger("werkzeug")
+    werkzeug_level = werkzeug_log.level
+    werkzeug_log.setLevel(logging.WARNING)
     server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()
     endpoint = f"http://{host}:{port}"
     nothing = str(tmp_path_factory.mktemp("aws") / "absent")
-    patch = pytest.MonkeyPatch()
     for name in _CLEARED:
         patch.delenv(name, raising=False)
     patch.setenv("AWS_ENDPOINT_URL", endpoint)
@@ -83,20 +109,22 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
     patch.setenv("AWS_SHARED_CREDENTIALS_FILE", nothing)
     patch.setenv("NO_PROXY", "127.0.0.1")
     reset_s3fs()
+    client = botocore.session.Session().create_client(
+        "s3", endpoint_url=endpoint, aws_access_key_id=FAKE_KEY, aws_secret_access_key=FAKE_KEY
+    )
     try:
-        yield S3Server(endpoint)
+        yield S3Server(endpoint, client)
     finally:
         reset_s3fs()
-        patch.undo()
         server.stop()
+        patch.undo()
+        werkzeug_log.setLevel(werkzeug_level)
 
 
 @pytest.fixture
 def bucket(s3_server: S3Server) -> str:
     """A new, empty bucket: `s3://NAME`."""
-    name = f"ckpt-{secrets.token_hex(4)}"
-    s3_server.filesystem().mkdir(name)
-    return f"s3://{name}"
+    return s3_server.make_bucket(f"ckpt-{secrets.token_hex(4)}")
 
 
 @pytest.fixture(scope="session")
@@ -123,9 +151,7 @@ def copy_to_store(local: Path, url: str) -> str:
 @pytest.fixture(scope="session")
 def stores(s3_server: S3Server, memory_store: str) -> dict[str, str]:
     """A bucket on the S3 server and a memory:// prefix, by scheme."""
-    name = f"ckpt-{secrets.token_hex(4)}"
-    s3_server.filesystem().mkdir(name)
-    return {"s3": f"s3://{name}", "memory": memory_store}
+    return {"s3": s3_server.make_bucket(f"ckpt-{secrets.token_hex(4)}"), "memory": memory_store}
 
 
 class CountingProxy:

@@ -255,8 +255,7 @@ def test_staging_goes_to_tmpdir_and_its_free_space_is_checked(
 def two_rank_uploads(s3_server: S3Server, demo_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> TwoRankJob:
     """`convert` of the demo's 2-rank DCP save to HF (`to_hf`) and of its HF export to DCP (`to_dcp`), each
     to a prefix of its own in a new bucket, by the two ranks of one torchrun job."""
-    bucket = f"s3://ckpt-{secrets.token_hex(4)}"
-    s3_server.filesystem().mkdir(bucket[len("s3://") :])
+    bucket = s3_server.make_bucket(f"ckpt-{secrets.token_hex(4)}")
 
     def spec(folder: Path) -> dict[str, list[Any]]:
         return {

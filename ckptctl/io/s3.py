@@ -267,7 +267,7 @@ class S3Backend(FsspecBackend):
         bucket, key = _split(url)
         size = os.path.getsize(path)
         if size >= remote.MULTIPART_THRESHOLD:
-            multipart_upload(self.call_s3, bucket, key, path, size, url)
+            multipart_upload(self.call_s3, bucket, key, path, size, url, checksum=_checksum())
             return
 
         def put() -> None:
@@ -428,6 +428,14 @@ def _client() -> Any:
             _CLIENTS.clear()
             _CLIENTS[key] = client
         return client
+
+
+def _checksum() -> str | None:
+    """The checksum algorithm a multipart upload is made with (`remote.multipart_upload`): CRC32, as `aws s3`
+    uses, unless botocore is told to send checksums only where an operation requires them
+    (`AWS_REQUEST_CHECKSUM_CALCULATION=when_required`: S3-compatible stores that refuse them)."""
+    supported = getattr(_client().meta.config, "request_checksum_calculation", None) == "when_supported"
+    return "CRC32" if supported else None
 
 
 #: The loaders of `_s3_loader`, by data path (called under `_CLIENTS_LOCK`).

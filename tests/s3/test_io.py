@@ -152,6 +152,62 @@ def test_a_large_file_goes_up_in_parts_and_arrives_whole(
     assert fs.info(url)["ETag"].strip('"').endswith("-3")  # S3's ETag of an object completed from 3 parts
 
 
+def test_a_multipart_upload_is_made_with_crc32_checksums_as_aws_makes_it(
+    small_parts: Path, bucket: str, s3_server: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Begun with CRC32 as its algorithm, each part sent with its checksum and the completion listing them,
+    as `aws s3` does (the store checks each part's, and keeps their composite rather than computing a
+    checksum of the whole object); none where botocore is told to send checksums only where required."""
+    asked: list[tuple[str, dict[str, object]]] = []
+    real = S3Backend.call_s3
+
+    def recorded(self: S3Backend, method: str, *args: object, **kwargs: object) -> object:
+        asked.append((method, kwargs))
+        return real(self, method, *args, **kwargs)
+
+    monkeypatch.setattr(S3Backend, "call_s3", recorded)
+    url = f"{bucket}/up/big.bin"
+    io.upload_file(str(small_parts), url)
+    made = dict(asked)
+    assert made["create_multipart_upload"]["ChecksumAlgorithm"] == "CRC32"
+    assert made["upload_part"]["ChecksumAlgorithm"] == "CRC32"
+    parts = made["complete_multipart_upload"]["MultipartUpload"]["Parts"]  # type: ignore[index]
+    assert len(parts) == 3 and all(part["ChecksumCRC32"] for part in parts)
+    fs = fsspec.filesystem("s3", skip_instance_cache=True)
+    assert fs.cat_file(url) == small_parts.read_bytes()
+
+    asked.clear()
+    monkeypatch.setenv("AWS_REQUEST_CHECKSUM_CALCULATION", "when_required")
+    io.upload_file(str(small_parts), url)
+    assert not any("ChecksumAlgorithm" in kwargs for _, kwargs in asked)
+    assert fs.cat_file(url) == small_parts.read_bytes()
+
+
+def test_parts_in_flight_go_in_the_order_their_uploads_began() -> None:
+    """The process's part slots are handed out by (upload, part), not to whichever thread asks first: one
+    upload's parts go before the next one's, so that each upload's completion overlaps the next's parts."""
+    slots = io_remote._PartSlots(1)
+    order: list[tuple[int, int]] = []
+    first, second = slots.ticket(), slots.ticket()
+    threads = []
+    with slots.hold(first, 1):
+        for upload, part in [(second, 1), (first, 3), (second, 2), (first, 2)]:
+            thread = threading.Thread(target=lambda u=upload, p=part: _take(slots, u, p, order))
+            thread.start()
+            threads.append(thread)
+        while len(slots.waiting) < 4:
+            threading.Event().wait(0.01)
+    for thread in threads:
+        thread.join(10)
+    assert order == [(first, 2), (first, 3), (second, 1), (second, 2)]
+    assert slots.free == 1 and not slots.waiting
+
+
+def _take(slots: io_remote._PartSlots, upload: int, part: int, order: list[tuple[int, int]]) -> None:
+    with slots.hold(upload, part):
+        order.append((upload, part))
+
+
 def test_a_failed_part_aborts_the_upload_and_leaves_nothing(
     small_parts: Path, bucket: str, s3_server: object, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -7,16 +7,18 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckptctl import io
 from ckptctl.checkpoint import Problem, ProblemKind, TensorEntry
-from ckptctl.contract.capabilities import Adapter, DerivedTensor, ModelTensors
 from ckptctl.errors import CkptctlError
 from ckptctl.families.lora.factors import adapter_factors, factor_problems, merged_weight, read_from
 from ckptctl.families.lora.settings import ADAPTER_CONFIG, LoraSettings, parse_settings
 from ckptctl.formats.documents import read_json
 from ckptctl.quoting import shell
+
+if TYPE_CHECKING:  # built where an adapter is merged: a scan that meets one (`hf_trainer`, `peft`) needs none
+    from ckptctl.contract.capabilities import Adapter, DerivedTensor, ModelTensors
 
 __all__ = ["ADAPTER_WEIGHTS", "adapter_metadata", "adapter_problems", "lora_adapter"]
 
@@ -28,6 +30,8 @@ _MERGE_HINT = "merge it with PEFT: PeftModel.from_pretrained(base, ADAPTER).merg
 def lora_adapter(url: str, tensors: Callable[[], Sequence[TensorEntry]]) -> Adapter:
     """The LoRA adapter whose `adapter_config.json` lies in the folder `url` and whose tensors are
     `tensors()` (chunks relative to `url`), merged as PEFT's `merge_and_unload` merges it (see `_merge`)."""
+    from ckptctl.contract.capabilities import Adapter
+
     try:
         base = _settings(url).shown.get("base_model_name_or_path")
     except CkptctlError:
@@ -126,6 +130,8 @@ def _merge(
         CkptctlError: not a LoRA adapter PEFT merges as `W + s·B@A` (DoRA, other PEFT types, ...), factors
             that do not fit each other or the base, or a tensor the base model lacks.
     """
+    from ckptctl.contract.capabilities import DerivedTensor
+
     settings = _settings(url)
     settings.check_mergeable()
     factors, others, extra = adapter_factors(tensors())

@@ -27,12 +27,13 @@ from functools import partial
 from typing import TYPE_CHECKING
 
 from ckptctl.checkpoint import Problem, ProblemKind, TensorEntry
-from ckptctl.contract.capabilities import DerivedTensor
 from ckptctl.errors import CkptctlError
 from ckptctl.families.lora.settings import LoraSettings
 
 if TYPE_CHECKING:
     import torch
+
+    from ckptctl.contract.capabilities import DerivedTensor
 
 __all__ = [
     "PEFT_PREFIX",
@@ -171,6 +172,8 @@ def merged_weight(
     Raises:
         CkptctlError: the factors do not fit the base weight.
     """
+    from ckptctl.contract.capabilities import DerivedTensor  # a merge's alone: a scan reads no factors
+
     assert pair.a is not None and pair.b is not None  # factor_problems reports a module missing one
     if len(pair.a.shape) != 2 or len(pair.b.shape) != 2 or len(base.shape) != 2:
         raise CkptctlError(

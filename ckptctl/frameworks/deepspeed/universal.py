@@ -28,7 +28,7 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from functools import cache, partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckptctl import io
 from ckptctl.checkpoint import Checkpoint, CheckpointRef, CheckpointState, Component, Problem, ProblemKind, TensorEntry
@@ -41,7 +41,6 @@ from ckptctl.contract.base import (
     newest_mtime,
     timestamp,
 )
-from ckptctl.contract.resume import ResumeProfile
 from ckptctl.errors import CkptctlError, CorruptCheckpoint
 from ckptctl.families.in_progress import unfinished_state
 from ckptctl.families.torch_file import torch_file_problems
@@ -57,7 +56,6 @@ from ckptctl.families.zero_tag.names import (
 )
 from ckptctl.families.zero_tag.tag import DeepSpeedTag, base_state, read_tag
 from ckptctl.formats.safe_pickle import StandIn, state_fields
-from ckptctl.frameworks.deepspeed.universal_host import UNIVERSAL_PROFILE, Source, source_of
 from ckptctl.frameworks.deepspeed.universal_states import (
     MOMENTS,
     OPTIMIZER_STATE,
@@ -68,6 +66,12 @@ from ckptctl.frameworks.deepspeed.universal_states import (
 )
 from ckptctl.io import DirEntry
 from ckptctl.layouts import get_layout, peek_dir
+
+# The host's resume facts (`contract.resume`) and the run the conversion came from are asked of a universal
+# checkpoint found, not imported by every scan that tries this reader.
+if TYPE_CHECKING:
+    from ckptctl.contract.resume import ResumeProfile
+    from ckptctl.frameworks.deepspeed.universal_host import Source
 
 __all__ = ["DeepSpeedUniversalLayout"]
 
@@ -134,6 +138,8 @@ class DeepSpeedUniversalLayout(Layout):
         state = CheckpointState.COMPLETE
         if note:
             state = unfinished_state(newest)
+        from ckptctl.frameworks.deepspeed.universal_host import source_of
+
         source = source_of(url)
         return CheckpointRef(
             url=url,
@@ -172,6 +178,8 @@ class DeepSpeedUniversalLayout(Layout):
         except CorruptCheckpoint as exc:
             return Checkpoint.unreadable(ref, exc, files, {"format": UNIVERSAL_LAYOUT})
         states = UniversalStates(url, files)
+        from ckptctl.frameworks.deepspeed.universal_host import source_of
+
         source = source_of(url)
         tag_ckpt = _open_source(source)
         metadata = _metadata(url, tag, states, source)
@@ -242,6 +250,8 @@ class DeepSpeedUniversalLayout(Layout):
 
     def resume_profile(self) -> ResumeProfile:
         """See `frameworks.deepspeed.universal_host`."""
+        from ckptctl.frameworks.deepspeed.universal_host import UNIVERSAL_PROFILE
+
         return UNIVERSAL_PROFILE
 
 

@@ -198,6 +198,7 @@ class RunLock:
         """
         deadline = time.monotonic() + self.wait
         delay = 0.05
+        kept: tuple[LockInfo | None, float] | None = None  # a stale lock that was not taken away
         while True:
             if self._create():
                 self._held = True
@@ -216,6 +217,21 @@ class RunLock:
                 if self._break(holder, mtime):
                     who = holder.describe() if holder else "an unreadable lock"
                     self._warn(f"took over a stale lock of {self.url} held by {who}: {why}")
+                    continue
+                if kept != (holder, mtime):  # most likely another process took it first: look again at once
+                    kept = (holder, mtime)
+                    continue
+                # The same stale lock stayed twice: the storage will not remove it (credentials that may not
+                # delete, a store refusing the conditional DELETE). Waited for as a live one, not asked again
+                # and again at once for ever.
+                if time.monotonic() >= deadline:
+                    who = holder.describe() if holder else "an unreadable lock"
+                    raise RunLocked(
+                        f"{self.url} is stale ({why}, held by {who}) but could not be removed",
+                        f"check that the credentials may delete {self.url}, or remove it by hand",
+                    )
+                time.sleep(delay)
+                delay = min(delay * 1.5, 0.5)
                 continue
             if time.monotonic() >= deadline:
                 who = holder.describe() if holder else "another process"

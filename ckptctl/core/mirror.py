@@ -359,10 +359,14 @@ class Mirror(OneBackgroundThread):
         self._failed: list[str] = []
         self._whole: set[str] = set()
         self._current: str | None = None
+        #: A step of this save waited `LOCK_WAIT` for DST in vain: the others do not wait again (at exit, the
+        #: interpreter waits for the mirror thread: a minute a failed step while a `sync --watch` holds DST).
+        self._waited = False
 
     def submit(self, folder: str) -> None:
         """Queue the committed step `folder` (its name in the run), after the steps that failed to copy."""
         with self._lock:
+            self._waited = False
             for name in [*self._failed, folder]:
                 if name not in self._queue:
                     self._queue.append(name)
@@ -396,10 +400,14 @@ class Mirror(OneBackgroundThread):
         with self._lock:  # a re-saved step is whole at the mirror again only once this copy of it is
             self._whole.discard(folder)
         io.make_folder(self.url)
-        lock = RunLock(self.url, name=SYNC_LOCK, wait=LOCK_WAIT, command="CheckpointManager mirror", warn=log.warning)
+        with self._lock:
+            wait = 0.0 if self._waited else LOCK_WAIT
+        lock = RunLock(self.url, name=SYNC_LOCK, wait=wait, command="CheckpointManager mirror", warn=log.warning)
         try:
             lock.acquire()
         except RunLocked as exc:
+            with self._lock:
+                self._waited = True
             # Another writer holds DST (a `sync --watch` holds it throughout): a step it has copied whole is done.
             if self._whole_there(folder):
                 log.info("%s was copied whole to %s by another writer", folder, self.url)

@@ -311,23 +311,36 @@ def multipart_upload(
             sent[f"Checksum{checksum}"] = done[f"Checksum{checksum}"]
         return sent
 
+    def send_completion(parts: list[dict[str, Any]]) -> None:
+        call_s3(
+            "complete_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id, MultipartUpload={"Parts": parts}
+        )
+
     def complete(parts: list[dict[str, Any]]) -> None:
         try:
-            call_s3(
-                "complete_multipart_upload",
-                Bucket=bucket,
-                Key=key,
-                UploadId=upload_id,
-                MultipartUpload={"Parts": parts},
-            )
+            send_completion(parts)
         except Exception as exc:
             # A completion that timed out is most likely still at work in the store, which builds the object
             # of its parts meanwhile (a while for a large one, and a store such as moto sends nothing until it
             # is done): sent again at once, the store builds it twice, or refuses the second (no such upload,
             # or a server error). So the object is waited for first, as these parts' completion.
-            if failures.is_read_timeout(exc) and _await_completion(call_s3, bucket, key, parts):
+            if not failures.is_read_timeout(exc):
+                raise
+            if _await_completion(call_s3, bucket, key, parts):
                 return
-            raise
+            # It did not come within the timeout: the completion was lost on its way (or the store is slower
+            # than that). Sent once more: a store that built it meanwhile answers no such upload, and the
+            # object is then looked at as ours or not. The wait took the retry policy's time, so `call` would
+            # not try again, and would call a store that answered every HEAD unreachable: every other call on
+            # it would fail at once for as long. Its failure now is this upload's own (a StorageError).
+            try:
+                send_completion(parts)
+            except Exception as again:
+                raise StorageError(
+                    f"the object store did not complete the upload of {url} (its completion timed out, and the "
+                    f"object did not appear within {failures.RETRY.timeout:.0f}s): {again}",
+                    "upload it again; CKPTCTL_IO_TIMEOUT sets how long to wait",
+                ) from again
 
     try:
         with _BUFFERS.upload():

@@ -277,6 +277,60 @@ def test_a_completion_that_timed_out_is_waited_for_not_sent_again(
     assert io_remote._BUFFERS.free == {}  # the part buffers are let go once no upload is under way
 
 
+def test_a_completion_that_timed_out_and_never_came_is_sent_again(
+    small_parts: Path, bucket: str, s3_server: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The completion's answer timed out and the store never built the object (the request was lost on its
+    way): once the wait for it is over the completion is sent again, rather than the upload failing with the
+    store called unreachable (which makes every other call on it fail at once) while it answered each HEAD."""
+
+    class ReadTimeoutError(Exception):  # botocore's, by name, as `io.failures` matches it
+        pass
+
+    monkeypatch.setattr(io.failures, "RETRY", io.RetryPolicy(attempts=3, base_delay=0.01, max_delay=0.01, timeout=2.0))
+    real = S3Backend.call_s3
+    completions: list[str] = []
+
+    def lost(self: object, method: str, *args: object, **kwargs: object) -> object:
+        if method == "complete_multipart_upload":
+            completions.append(method)
+            if len(completions) == 1:
+                raise ReadTimeoutError("Read timeout on endpoint URL")  # never reached the store
+        return real(self, method, *args, **kwargs)
+
+    monkeypatch.setattr(S3Backend, "call_s3", lost)
+    url = f"{bucket}/up/big.bin"
+    io.upload_file(str(small_parts), url)
+    assert completions == ["complete_multipart_upload"] * 2
+    fs = fsspec.filesystem("s3", skip_instance_cache=True)
+    assert fs.cat_file(url) == small_parts.read_bytes()
+
+
+def test_a_completion_that_never_came_fails_without_calling_the_store_unreachable(
+    small_parts: Path, bucket: str, s3_server: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every completion times out and no object comes, while the store answers everything else: the upload
+    fails, and the calls that follow on the store are made (not refused as to a store that stopped answering)."""
+
+    class ReadTimeoutError(Exception):
+        pass
+
+    monkeypatch.setattr(io.failures, "RETRY", io.RetryPolicy(attempts=3, base_delay=0.01, max_delay=0.01, timeout=2.0))
+    real = S3Backend.call_s3
+
+    def lost(self: object, method: str, *args: object, **kwargs: object) -> object:
+        if method == "complete_multipart_upload":
+            raise ReadTimeoutError("Read timeout on endpoint URL")
+        return real(self, method, *args, **kwargs)
+
+    monkeypatch.setattr(S3Backend, "call_s3", lost)
+    url = f"{bucket}/up/big.bin"
+    with pytest.raises(StorageError):
+        io.upload_file(str(small_parts), url)
+    io.write_bytes_atomic(f"{bucket}/up/small.bin", b"the store answers")
+    assert io.read_bytes(f"{bucket}/up/small.bin") == b"the store answers"
+
+
 def test_a_lost_completion_of_other_bytes_is_still_a_failure(
     small_parts: Path, bucket: str, s3_server: object, monkeypatch: pytest.MonkeyPatch
 ) -> None:

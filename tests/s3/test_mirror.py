@@ -145,3 +145,36 @@ def test_the_mirror_writes_nothing_while_a_sync_holds_dst(
     manager.close()
     assert states(run_cli, mirror) == {f"step-{n}": "complete" for n in (10, 20, 30)}
     assert not (tmp_path / "run" / "step-20").exists()  # not kept back for the mirror
+
+
+def test_while_dst_is_held_one_step_a_save_waits_for_it(
+    run_cli: Cli, bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A `sync --watch` holds DST throughout: the steps a save queues behind the ones that failed do not each
+    wait `LOCK_WAIT` for it (the interpreter waits for the mirror at exit: a minute a step kept back)."""
+    from ckptctl.core import mirror as mirror_module
+    from ckptctl.core.entries import CheckpointWarning
+    from ckptctl.core.lock import RunLock
+    from ckptctl.ops.sync import SYNC_LOCK
+
+    monkeypatch.setattr(mirror_module, "LOCK_WAIT", 0.3)
+    waits: list[float] = []
+
+    class Recorded(RunLock):
+        def acquire(self) -> None:
+            waits.append(self.wait)
+            super().acquire()
+
+    monkeypatch.setattr(mirror_module, "RunLock", Recorded)
+    mirror = f"{bucket}/held"
+    state = {"model": torch.nn.Linear(8, 8)}
+    manager = CheckpointManager(tmp_path / "run", policy=RetentionPolicy(keep_last=1), mirror=mirror)
+    with RunLock(mirror, name=SYNC_LOCK, command="ckptctl sync --watch"):
+        for step in (10, 20, 30):
+            manager.save(step, state)
+            with pytest.warns(CheckpointWarning, match="locked by"):
+                manager.wait()
+    assert waits == [0.3, 0.3, 0.0, 0.3, 0.0, 0.0]  # each save's first step waits, the ones after it do not
+    manager.save(40, state)
+    manager.close()
+    assert states(run_cli, mirror) == {f"step-{n}": "complete" for n in (10, 20, 30, 40)}

@@ -5,7 +5,8 @@ lives in the core because the manager takes it and the core imports nothing abov
 The lock is a small JSON file (`host`, `pid`, process start time, a random token) created with `O_EXCL`,
 so that two processes cannot both create it. Its holder refreshes its mtime as it works. A lock is stale,
 and taken over with a warning, when its process is gone (same host: the pid is dead, or now belongs to a
-process started at another time) or when nobody has refreshed it for `STALE_AFTER`. Taking over renames the
+process started at another time) or when nobody has refreshed it for `STALE_AFTER` (sooner for a holder that
+refreshes on a timer and says so: `LockInfo.refresh_every`). Taking over renames the
 stale file away and checks that what was renamed is the stale lock (its token), so that two processes
 breaking the same stale lock cannot both win. A holder checks that the lock is still its own before each
 destructive step (`check`), so that a holder which was presumed dead and overtaken stops.
@@ -38,6 +39,8 @@ from ckptctl.io.process import alive, process_start
 
 __all__ = [
     "LOCK_NAME",
+    "MIN_STALE_AFTER",
+    "MISSED_REFRESHES",
     "STALE_AFTER",
     "LockInfo",
     "LockUnusable",
@@ -50,6 +53,13 @@ __all__ = [
 LOCK_NAME = ".ckptctl-prune.lock"
 #: A lock whose holder has not refreshed it for this long is stale, whatever its pid.
 STALE_AFTER = timedelta(hours=1)
+#: A lock whose holder refreshes it on a timer (`LockInfo.refresh_every`) is stale once this many refreshes
+#: are missed: a trainer killed while its mirror held a DST lock then blocks other hosts' syncs for minutes,
+#: not for `STALE_AFTER`.
+MISSED_REFRESHES = 10
+#: ...but never sooner than this: the lock's mtime is the store's clock and `now` the reader's, and hosts'
+#: clocks may differ by a few minutes.
+MIN_STALE_AFTER = timedelta(minutes=5)
 #: A lock file is a few hundred bytes; what is read of one.
 _MAX_LOCK_BYTES = 64 * 1024
 #: pids are at most 2**22 on Linux; a larger one in a lock file is not a process id.
@@ -78,6 +88,8 @@ class LockInfo:
         started: when it was taken (ISO 8601).
         pid_start: the holder's process start time (Linux), which tells a reused pid from the holder.
         command: what the holder is doing, for people reading the lock.
+        refresh_every: seconds between the holder's refreshes where a timer refreshes it whatever the work
+            does (the manager's mirror), else None; see `MISSED_REFRESHES`.
     """
 
     host: str
@@ -86,6 +98,7 @@ class LockInfo:
     started: str
     pid_start: str | None = None
     command: str = ""
+    refresh_every: float | None = None
 
     def describe(self) -> str:
         what = f" ({self.command})" if self.command else ""
@@ -106,9 +119,17 @@ class LockInfo:
                 started=str(doc["started"]),
                 pid_start=None if doc.get("pid_start") is None else str(doc["pid_start"]),
                 command=str(doc.get("command", "")),
+                refresh_every=_positive_seconds(doc.get("refresh_every")),
             )
         except (CorruptCheckpoint, KeyError, TypeError):
             return None
+
+
+def _positive_seconds(value: object) -> float | None:
+    """A refresh interval read from a lock: a positive, finite number of seconds, else None (no promise)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value) if 0 < value < STALE_AFTER.total_seconds() else None
 
 
 def read_lock(url: str) -> tuple[LockInfo | None, float] | None:
@@ -140,7 +161,10 @@ def stale_reason(
     if info is not None and info.host == socket.gethostname() and not alive(info.pid, info.pid_start):
         return f"its process {info.pid} on {info.host} is gone"
     idle = now - mtime
-    if idle > stale_after.total_seconds():
+    limit = stale_after.total_seconds()
+    if info is not None and info.refresh_every is not None:
+        limit = min(limit, max(MISSED_REFRESHES * info.refresh_every, MIN_STALE_AFTER.total_seconds()))
+    if idle > limit:
         return f"nobody has refreshed it for {timedelta(seconds=round(idle))}"
     return None
 
@@ -155,6 +179,8 @@ class RunLock:
         stale_after: see `STALE_AFTER`.
         command: what the holder does, written into the lock for people who find it.
         warn: where the takeover of a stale lock is reported (default: `warnings.warn`).
+        refresh_every: the seconds between refreshes the holder promises (a timer of its own), written into
+            the lock so that others take it over after `MISSED_REFRESHES` of them; None promises nothing.
     """
 
     def __init__(
@@ -166,6 +192,7 @@ class RunLock:
         stale_after: timedelta = STALE_AFTER,
         command: str = "",
         warn: Callable[[str], None] | None = None,
+        refresh_every: float | None = None,
     ) -> None:
         self.url = io.join(folder, name)
         self.wait = wait
@@ -177,6 +204,7 @@ class RunLock:
             started=datetime.now(UTC).isoformat(timespec="seconds"),
             pid_start=process_start(os.getpid()),
             command=command,
+            refresh_every=refresh_every,
         )
         self._warn = warn or (lambda message: warnings.warn(message, RuntimeWarning, stacklevel=3))
         self._held = False

@@ -70,7 +70,8 @@ SYNC_LOCK = ".ckptctl-sync.lock"
 #: Seconds the mirror waits for another writer of DST (a `sync`; a `sync --watch` holds DST throughout) before
 #: it looks whether that writer has copied the step whole, and otherwise gives the step up until the next save.
 LOCK_WAIT = 60.0
-#: Seconds between two refreshes of the mirror's DST lock while it copies a step (stale after an hour).
+#: Seconds between two refreshes of the mirror's DST lock while it copies a step (written into the lock, which
+#: is stale after `core.lock.MISSED_REFRESHES` of them: a trainer killed mid-copy does not hold DST for an hour).
 _REFRESH_EVERY = 60.0
 #: The ending of the hidden temporary file a local DST file is written into before its rename.
 PART = ".ckptctl-sync-part"
@@ -402,7 +403,14 @@ class Mirror(OneBackgroundThread):
         io.make_folder(self.url)
         with self._lock:
             wait = 0.0 if self._waited else LOCK_WAIT
-        lock = RunLock(self.url, name=SYNC_LOCK, wait=wait, command="CheckpointManager mirror", warn=log.warning)
+        lock = RunLock(
+            self.url,
+            name=SYNC_LOCK,
+            wait=wait,
+            command="CheckpointManager mirror",
+            warn=log.warning,
+            refresh_every=_REFRESH_EVERY,  # a trainer killed mid-copy holds DST for minutes, not an hour
+        )
         try:
             lock.acquire()
         except RunLocked as exc:

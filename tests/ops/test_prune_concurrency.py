@@ -80,6 +80,30 @@ def test_stale_locks_are_taken_over_with_a_warning(tmp_path: Path) -> None:
     assert len(warnings) == 3
 
 
+def test_a_lock_refreshed_on_a_timer_is_stale_after_missed_refreshes_not_an_hour(tmp_path: Path) -> None:
+    # A trainer killed while its mirror held a DST lock: another host takes it over after ten missed refreshes
+    # of a minute, not after an hour; a lock that promises no refresh interval still waits the hour.
+    warnings: list[str] = []
+    timed = write_lock(tmp_path, host="another-host", refresh_every=60)
+    os.utime(timed, (time.time() - 300, time.time() - 300))  # five missed refreshes: maybe a slow store
+    with pytest.raises(RunLocked):
+        RunLock(str(tmp_path), wait=0).acquire()
+    os.utime(timed, (time.time() - 660, time.time() - 660))
+    with RunLock(str(tmp_path), warn=warnings.append):
+        pass
+    assert len(warnings) == 1 and "nobody has refreshed it for 0:11:00" in warnings[0]
+
+    silent = write_lock(tmp_path, host="another-host")
+    os.utime(silent, (time.time() - 660, time.time() - 660))
+    with pytest.raises(RunLocked):
+        RunLock(str(tmp_path), wait=0).acquire()
+
+    short = write_lock(tmp_path, host="another-host", refresh_every=1)  # no sooner than clocks may differ
+    os.utime(short, (time.time() - 120, time.time() - 120))
+    with pytest.raises(RunLocked):
+        RunLock(str(tmp_path), wait=0).acquire()
+
+
 def test_a_holder_that_was_taken_over_notices(tmp_path: Path) -> None:
     lock = RunLock(str(tmp_path))
     lock.acquire()

@@ -252,21 +252,19 @@ class RunLock:
                 # The same stale lock stayed twice: the storage will not remove it (credentials that may not
                 # delete, a store refusing the conditional DELETE). Waited for as a live one, not asked again
                 # and again at once for ever.
-                if time.monotonic() >= deadline:
-                    who = holder.describe() if holder else "an unreadable lock"
-                    raise RunLocked(
-                        f"{self.url} is stale ({why}, held by {who}) but could not be removed",
-                        f"check that the credentials may delete {self.url}, or remove it by hand",
-                    )
-                time.sleep(delay)
-                delay = min(delay * 1.5, 0.5)
-                continue
-            if time.monotonic() >= deadline:
+                who = holder.describe() if holder else "an unreadable lock"
+                held = RunLocked(
+                    f"{self.url} is stale ({why}, held by {who}) but could not be removed",
+                    f"check that the credentials may delete {self.url}, or remove it by hand",
+                )
+            else:
                 who = holder.describe() if holder else "another process"
-                raise RunLocked(
+                held = RunLocked(
                     f"{io.parent_of(self.url)} is locked by {who}",
                     f"wait for it to finish (or pass a longer wait); a dead holder's lock is taken over automatically, and {self.url} can be removed by hand if it is left from another host",
                 )
+            if time.monotonic() >= deadline:
+                raise held
             time.sleep(delay)
             delay = min(delay * 1.5, 0.5)
 

@@ -421,11 +421,11 @@ class Mirror(OneBackgroundThread):
                 log.info("%s was copied whole to %s by another writer", folder, self.url)
                 return
             raise CkptctlError(exc.message, "the step is copied after the next save, once DST is free") from exc
-        done = threading.Event()
-        keeper = threading.Thread(target=_keep_alive, args=(lock, done), name="ckptctl-mirror-lock", daemon=True)
+        done, lost = threading.Event(), threading.Event()
+        keeper = threading.Thread(target=_keep_alive, args=(lock, done, lost), name="ckptctl-mirror-lock", daemon=True)
         keeper.start()
         try:
-            self._send(folder)
+            self._send(folder, lost)
         finally:
             done.set()
             keeper.join()
@@ -441,7 +441,10 @@ class Mirror(OneBackgroundThread):
         ref = CheckpointRef(io.join(self.root, folder), "native", None, None, None, CheckpointState.COMPLETE, 0)
         return MANIFEST_NAME in files and whole_at(CheckpointFiles(ref, folder, dict(files)), there)
 
-    def _send(self, folder: str) -> None:
+    def _send(self, folder: str, lost: threading.Event) -> None:
+        """Copy the step `folder` unless it is whole at DST already, then `latest` if it names a whole step.
+        Once DST's lock is `lost` (another writer took it over) no file starts, and neither the step's
+        markers nor `latest` are written: that writer may be clearing or judging the same step."""
         source = io.join(self.root, folder)
         try:
             files = io.list_tree(source)
@@ -457,16 +460,18 @@ class Mirror(OneBackgroundThread):
         ref = CheckpointRef(source, "native", None, None, None, CheckpointState.COMPLETE, 0)
         unit = CheckpointFiles(ref, folder, dict(files))
         if not whole_at(unit, there):
-            transfer = Transfer(self.root, self.url, workers=self.workers)
+            transfer = Transfer(self.root, self.url, workers=self.workers, halted=lost)
             with io.ContextThreadPool(max_workers=self.workers or io.workers()) as pool:
                 job = start_copy(unit, transfer, there, pool)
                 try:
                     finish_copy(job, transfer)
                 except CkptctlError:
+                    _unless_lost(lost, self.url)
                     if io.exists(io.join(source, MANIFEST_NAME)):
                         raise
                     log.info("%s was deleted from %s while it was mirrored", folder, self.root)
                     return
+        _unless_lost(lost, self.url)
         self._whole.add(folder)
         try:
             named = io.read_bytes(io.join(self.root, self.pointer), 0, 4096)
@@ -476,12 +481,22 @@ class Mirror(OneBackgroundThread):
             io.write_bytes_atomic(io.join(self.url, self.pointer), named)
 
 
-def _keep_alive(lock: RunLock, done: threading.Event) -> None:
-    """Refresh `lock` every `_REFRESH_EVERY` seconds until `done` (a lock lost meanwhile is found out by the
-    holder's release, which then removes nothing)."""
+def _keep_alive(lock: RunLock, done: threading.Event, lost: threading.Event) -> None:
+    """Refresh `lock` every `_REFRESH_EVERY` seconds until `done`; set `lost` when it cannot be (taken over,
+    or the store did not answer): the copy then stops before its markers (`Mirror._send`)."""
     while not done.wait(_REFRESH_EVERY):
         try:
             lock.refresh()
         except CkptctlError as exc:
             log.warning("the lock of %s was lost while mirroring: %s", lock.url, exc)
+            lost.set()
             return
+
+
+def _unless_lost(lost: threading.Event, url: str) -> None:
+    """Raise when the mirror's lock of DST `url` was lost during a step's copy."""
+    if lost.is_set():
+        raise CkptctlError(
+            f"lost the lock of {url} while copying a step there (another writer took it over)",
+            "the step stays local and is copied after the next save",
+        )

@@ -82,11 +82,11 @@ def test_a_failed_copy_says_what_stays_local_and_the_next_save_copies_it(
     send = mirror_module.Mirror._send
     refused: list[str] = []
 
-    def refuse_once(self: mirror_module.Mirror, folder: str) -> None:
+    def refuse_once(self: mirror_module.Mirror, folder: str, lost: threading.Event) -> None:
         if not refused:
             refused.append(folder)
             raise StorageError("the store refused the upload", "try again")
-        send(self, folder)
+        send(self, folder, lost)
 
     monkeypatch.setattr(mirror_module.Mirror, "_send", refuse_once)
     mirror = f"{bucket}/shared"
@@ -178,3 +178,54 @@ def test_while_dst_is_held_one_step_a_save_waits_for_it(
     manager.save(40, state)
     manager.close()
     assert states(run_cli, mirror) == {f"step-{n}": "complete" for n in (10, 20, 30, 40)}
+
+
+def test_a_mirror_that_loses_dst_lock_mid_copy_writes_no_marker_or_latest(
+    run_cli: Cli, bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another writer taking DST's lock over while the mirror copies a step (the mirror looked dead to it): the
+    mirror starts no file after it finds out, so the step's markers and `latest` are not written, and it says so.
+    Before, the keeper only logged the loss and the copy went on to complete the step without the lock."""
+    import json
+
+    from ckptctl.core import mirror as mirror_module
+    from ckptctl.core.entries import CheckpointWarning
+    from ckptctl.core.lock import RunLock
+    from ckptctl.formats.manifest import MANIFEST_NAME
+    from ckptctl.ops.sync import SYNC_LOCK
+
+    monkeypatch.setattr(mirror_module, "_REFRESH_EVERY", 0.05)
+    uploading, gate, found_out = threading.Event(), threading.Event(), threading.Event()
+    real_upload, real_refresh = io.upload_file, RunLock.refresh
+
+    def held_upload(path: str, url: str) -> None:
+        uploading.set()
+        assert gate.wait(120), "the test never opened the gate"
+        real_upload(path, url)
+
+    def refresh(self: RunLock) -> None:
+        try:
+            real_refresh(self)
+        except Exception:
+            found_out.set()
+            raise
+
+    monkeypatch.setattr(io, "upload_file", held_upload)
+    monkeypatch.setattr(RunLock, "refresh", refresh)
+    mirror = f"{bucket}/taken"
+    manager = CheckpointManager(tmp_path / "run", mirror=mirror)
+    try:
+        manager.save(10, {"model": torch.nn.Linear(4, 4)})
+        assert uploading.wait(60)
+        theirs = {"host": "another-host", "pid": 1, "token": "theirs", "started": "2026-01-01T00:00:00"}
+        io.write_bytes_atomic(f"{mirror}/{SYNC_LOCK}", json.dumps(theirs).encode())
+        assert found_out.wait(60)
+    finally:
+        gate.set()
+    with pytest.warns(CheckpointWarning, match="lost the lock of"):
+        manager.wait()
+    manager.close()
+    assert not io.exists(f"{mirror}/step-10/{MANIFEST_NAME}")
+    assert not io.exists(f"{mirror}/latest")
+    assert json.loads(io.read_bytes(f"{mirror}/{SYNC_LOCK}"))["token"] == "theirs"  # not ours to remove
+    assert (tmp_path / "run" / "step-10").is_dir()

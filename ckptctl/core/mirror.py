@@ -433,32 +433,36 @@ class Mirror(OneBackgroundThread):
 
     def _whole_there(self, folder: str) -> bool:
         """Whether the step `folder` is whole at the mirror (as another writer of DST left it)."""
-        try:
-            files = io.list_tree(io.join(self.root, folder))
-            there = {f"{folder}/{rel}": entry for rel, entry in io.list_tree(io.join(self.url, folder)).items()}
-        except CkptctlError:
-            return False
-        ref = CheckpointRef(io.join(self.root, folder), "native", None, None, None, CheckpointState.COMPLETE, 0)
-        return MANIFEST_NAME in files and whole_at(CheckpointFiles(ref, folder, dict(files)), there)
+        step = self._step(folder)
+        return step is not None and whole_at(*step)
 
-    def _send(self, folder: str, lost: threading.Event) -> None:
-        """Copy the step `folder` unless it is whole at DST already, then `latest` if it names a whole step.
-        Once DST's lock is `lost` (another writer took it over) no file starts, and neither the step's
-        markers nor `latest` are written: that writer may be clearing or judging the same step."""
+    def _step(self, folder: str) -> tuple[CheckpointFiles, dict[str, io.DirEntry]] | None:
+        """The committed step `folder`'s files here and what DST has of them (nothing where it cannot be
+        listed); None when the step is gone from here or holds no manifest (deleted meanwhile)."""
         source = io.join(self.root, folder)
         try:
             files = io.list_tree(source)
         except CkptctlError:
-            files = {}
-        if not files or MANIFEST_NAME not in files:
-            log.info("%s is gone from %s before it was mirrored", folder, self.root)
-            return
+            return None
+        if MANIFEST_NAME not in files:
+            return None
         try:
             there = {f"{folder}/{rel}": entry for rel, entry in io.list_tree(io.join(self.url, folder)).items()}
         except CkptctlError:
             there = {}
         ref = CheckpointRef(source, "native", None, None, None, CheckpointState.COMPLETE, 0)
-        unit = CheckpointFiles(ref, folder, dict(files))
+        return CheckpointFiles(ref, folder, dict(files)), there
+
+    def _send(self, folder: str, lost: threading.Event) -> None:
+        """Copy the step `folder` unless it is whole at DST already, then `latest` if it names a whole step.
+        Once DST's lock is `lost` (another writer took it over) no file starts, and neither the step's
+        markers nor `latest` are written: that writer may be clearing or judging the same step."""
+        step = self._step(folder)
+        if step is None:
+            log.info("%s is gone from %s before it was mirrored", folder, self.root)
+            return
+        unit, there = step
+        source = unit.ref.url
         if not whole_at(unit, there):
             transfer = Transfer(self.root, self.url, workers=self.workers, halted=lost)
             with io.ContextThreadPool(max_workers=self.workers or io.workers()) as pool:

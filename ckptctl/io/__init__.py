@@ -32,7 +32,7 @@ from ckptctl.io.backend import Backend
 from ckptctl.io.counting import READ_STATS, ByteCounter, ReadStats, count_read, count_read_elsewhere, counting
 from ckptctl.io.failures import RetryPolicy, check_size, translate_errors
 from ckptctl.io.local import LOCAL, exchange, map_block, maps_safely, refuse_to_replace_precious, start_writeback
-from ckptctl.io.parallel import ContextThreadPool, in_background, parallel_map, workers
+from ckptctl.io.parallel import ContextThreadPool, in_background, parallel_map, stop_if_cancelled, workers
 from ckptctl.io.paths import (
     DirEntry,
     absolute,
@@ -97,6 +97,7 @@ __all__ = [
     "relative_to",
     "same_file",
     "start_writeback",
+    "stop_if_cancelled",
     "tree_usage",
     "upload_file",
     "workers",

@@ -10,13 +10,20 @@ import contextvars
 import os
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_EXCEPTION, CancelledError, Future, ThreadPoolExecutor, wait
 from typing import Any, TypeVar
 
-__all__ = ["ContextThreadPool", "in_background", "parallel_map", "workers"]
+__all__ = ["ContextThreadPool", "in_background", "parallel_map", "stop_if_cancelled", "workers"]
 
 T = TypeVar("T")
 R = TypeVar("R")
+
+
+def stop_if_cancelled(cancel: threading.Event | None, what: str) -> None:
+    """Raise `CancelledError` when `cancel` is set: background work whose answer is no longer wanted stops
+    at its next step (`what` it was doing) rather than reading on."""
+    if cancel is not None and cancel.is_set():
+        raise CancelledError(f"{what} was cancelled")
 
 
 def workers() -> int:

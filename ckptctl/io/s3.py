@@ -225,8 +225,8 @@ class S3Backend(FsspecBackend):
                         continue
                     if code in _EXISTS:
                         return False
-                    if code in _NO_CONDITION or type(exc).__name__ == "ParamValidationError":
-                        return None  # the store, or this botocore (before 1.35), has no conditional PUT
+                    if _no_condition(exc):
+                        return None
                     raise
                 return True
             return False
@@ -254,7 +254,7 @@ class S3Backend(FsspecBackend):
                 code = failures.error_code(exc)
                 if code in _EXISTS or code in _MISSING:  # replaced or deleted since the HEAD
                     return False
-                if code not in _NO_CONDITION and type(exc).__name__ != "ParamValidationError":
+                if not _no_condition(exc):
                     raise
                 self.call_s3("delete_object", Bucket=bucket, Key=key)
             return True
@@ -369,6 +369,12 @@ class S3Backend(FsspecBackend):
             return True
 
         return call(head, f"looking up bucket {bucket}", url)
+
+
+def _no_condition(exc: BaseException) -> bool:
+    """Whether a conditional request failed because the store (501, or a 400 refusing the header) or this
+    botocore (a conditional PUT before 1.35) has no such condition, rather than because it did not hold."""
+    return failures.error_code(exc) in _NO_CONDITION or type(exc).__name__ == "ParamValidationError"
 
 
 class _NotDeleted(Exception):

@@ -5,7 +5,6 @@ from __future__ import annotations
 import threading
 from collections import deque
 from collections.abc import Sequence
-from concurrent.futures import CancelledError
 from dataclasses import dataclass, field, replace
 
 from ckptctl import io
@@ -119,8 +118,7 @@ def _walk(
     stack: list[_Level] = []
 
     def enter(url: str, entries: Sequence[io.DirEntry], depth: int, parallel: bool, out: list[CheckpointRef]) -> None:
-        if cancel is not None and cancel.is_set():
-            raise CancelledError(f"the scan of {url} was cancelled")
+        io.stop_if_cancelled(cancel, f"the scan of {url}")
         hit = identify_folder(url, entries)
         files: list[CheckpointRef] = []
         if hit is None:  # its whole-checkpoint files, then what only the generic reader finds (after every plugin)
@@ -152,8 +150,7 @@ def _walk(
             _finish(level)
             continue
         entry = level.todo.popleft()
-        if cancel is not None and cancel.is_set():
-            raise CancelledError(f"the scan of {url} was cancelled")
+        io.stop_if_cancelled(cancel, f"the scan of {url}")
         child = _child(level.url, entry)
         if child is None:
             continue

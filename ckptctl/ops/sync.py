@@ -36,7 +36,7 @@ import posixpath
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from concurrent.futures import CancelledError, Future, wait
+from concurrent.futures import Future, wait
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypedDict, Unpack
@@ -371,11 +371,9 @@ class _Source:
         """`cancel`: set when the answer is no longer wanted: the scan stops at its next folder (and what
         follows it is not started), rather than reading on behind the pass that replaced it."""
         refs = scan_run(src, cancel=cancel)
-        if cancel is not None and cancel.is_set():
-            raise CancelledError(f"the reading of {src} was cancelled")
+        io.stop_if_cancelled(cancel, f"the reading of {src}")
         tree = io.list_tree(src)
-        if cancel is not None and cancel.is_set():
-            raise CancelledError(f"the reading of {src} was cancelled")
+        io.stop_if_cancelled(cancel, f"the reading of {src}")
         return cls(refs, tree, _resume_pick(src) if latest else None)
 
 
